@@ -1,0 +1,77 @@
+"""Finding the user's line: the innermost frame that is neither torch nor nanwatch itself."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sys
+import types
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_NANWATCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The scenario gallery lives inside the package but is user code: its lines are the answer.
+_USER_INSIDE = (os.path.join(_NANWATCH_DIR, "scenarios") + os.sep,)
+_SKIP_PREFIXES = (_TORCH_DIR, _NANWATCH_DIR)
+_STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+
+
+def is_internal(filename: str) -> bool:
+    if filename.startswith(_USER_INSIDE):
+        return False
+    if filename.startswith(_SKIP_PREFIXES):
+        return True
+    if filename.startswith("<"):  # <frozen ...>, <string>
+        return True
+    return filename.startswith(_STDLIB_DIR) and "site-packages" not in filename
+
+
+def user_frame(start: types.FrameType | None = None) -> types.FrameType | None:
+    """The innermost frame of user code above ``start`` (default: the caller)."""
+    f: types.FrameType | None = start if start is not None else sys._getframe(1)
+    while f is not None:
+        if not is_internal(f.f_code.co_filename):
+            return f
+        f = f.f_back
+    return None
+
+
+def describe_frame(f: types.FrameType | None) -> tuple[str | None, str | None]:
+    """(``file.py:42``, the source text of that line) for a frame."""
+    if f is None:
+        return None, None
+    filename = f.f_code.co_filename
+    line = linecache.getline(filename, f.f_lineno).strip() or None
+    return f"{_short(filename)}:{f.f_lineno}", line
+
+
+def user_line() -> tuple[str | None, str | None]:
+    return describe_frame(user_frame(sys._getframe(1)))
+
+
+_TB_LINE = re.compile(
+    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)'
+)
+
+
+def user_line_from_traceback(lines: list[str] | str) -> tuple[str | None, str | None]:
+    """The innermost user frame of a formatted stack (what anomaly mode stores on a node)."""
+    text = lines if isinstance(lines, str) else "".join(lines)
+    best: tuple[str | None, str | None] = (None, None)
+    for m in _TB_LINE.finditer(text):
+        filename = m.group("file")
+        if is_internal(filename):
+            continue
+        best = (f"{_short(filename)}:{m.group('line')}", m.group("code").strip() or None)
+    return best
+
+
+def _short(filename: str) -> str:
+    """A path relative to the working directory when inside it, else as is."""
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        return filename
+    return filename if rel.startswith("..") else rel

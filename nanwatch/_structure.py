@@ -1,0 +1,62 @@
+"""Walking the tensors inside a module's inputs and outputs, whatever their structure."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+
+def iter_tensors(
+    obj: Any,
+    prefix: str,
+    *,
+    on_opaque: Callable[[type], None] | None = None,
+    max_depth: int = 6,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(role, tensor)`` for every tensor in ``obj``: tensors, tuples, lists, dicts
+    (``ModelOutput``-style dict subclasses included), dataclasses and namedtuples
+    (``PackedSequence`` among them). Generators and iterators are never consumed; any other
+    object is reported once through ``on_opaque`` and skipped."""
+    seen: set[int] = set()
+
+    def walk(o: Any, role: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
+        if isinstance(o, torch.Tensor):
+            yield role, o
+            return
+        if o is None or isinstance(o, (str, bytes, int, float, bool, complex)):
+            return
+        if depth >= max_depth or id(o) in seen:
+            return
+        if isinstance(o, Mapping):
+            seen.add(id(o))
+            attr_style = type(o) is not dict
+            for k, v in list(o.items()):
+                sub = f"{role}.{k}" if attr_style and isinstance(k, str) else f"{role}[{k!r}]"
+                yield from walk(v, sub, depth + 1)
+            return
+        if isinstance(o, tuple) and hasattr(o, "_fields"):  # namedtuple, PackedSequence
+            seen.add(id(o))
+            for name, v in zip(o._fields, o, strict=False):
+                yield from walk(v, f"{role}.{name}", depth + 1)
+            return
+        if isinstance(o, (tuple, list)):
+            seen.add(id(o))
+            for i, v in enumerate(o):
+                yield from walk(v, f"{role}[{i}]", depth + 1)
+            return
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            seen.add(id(o))
+            for f in dataclasses.fields(o):
+                yield from walk(getattr(o, f.name, None), f"{role}.{f.name}", depth + 1)
+            return
+        if isinstance(o, (set, frozenset, torch.dtype, torch.device, torch.Size)):
+            return
+        if callable(o) or isinstance(o, torch.nn.Module):
+            return
+        if on_opaque is not None:
+            on_opaque(type(o))
+
+    yield from walk(obj, prefix, 0)

@@ -1,0 +1,357 @@
+"""Localization: the first place, in execution order, where a value went bad.
+
+A pure function of a step's records, testable without a model. The *trigger* is the first
+record holding NaN or +inf (or any non-finite gradient or weight): -inf alone is how masks
+are written (``masked_fill(mask, -inf)`` before a softmax) and is not an anomaly until it
+turns into NaN or inf, or reaches a loss. From the trigger, the data flow recorded by the
+watcher (which tensor fed which module) names the *producer*: the module whose own code
+created the value while everything it was computed from was finite.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Iterable, Sequence
+
+from nanwatch.records import Anomaly, AnomalyKind, Call, OpEvent, Phase, Record, StepTrace
+
+_GRAD_PHASES = (Phase.BACKWARD, Phase.GRADIENT)
+
+
+def allowed(path: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(path, p) for p in patterns)
+
+
+def is_trigger(
+    rec: Record, trace: StepTrace, *, allow: Sequence[str] = (), scaled_grads: bool = False
+) -> bool:
+    """Whether ``rec`` is an anomaly on its own (see the module docstring)."""
+    s = rec.stat
+    if s is None or s.finite:
+        return False
+    if allow and allowed(rec.path, allow):
+        return False
+    if rec.phase in _GRAD_PHASES:
+        # a GradScaler expects inf/NaN in scaled gradients now and then: it skips the step.
+        return not scaled_grads
+    if rec.phase is Phase.PARAMETER:
+        return True
+    if s.has_nan or s.has_posinf:
+        return True
+    if rec.phase is Phase.FORWARD and s.numel == 1:
+        call = trace.call(rec.call)
+        return call is not None and (call.is_loss or call.root)  # a loss of -inf
+    return False
+
+
+def first_trigger(
+    trace: StepTrace, *, allow: Sequence[str] = (), scaled_grads: bool = False
+) -> Record | None:
+    for r in trace.records:
+        if is_trigger(r, trace, allow=allow, scaled_grads=scaled_grads):
+            return r
+    return None
+
+
+def _inputs_of(trace: StepTrace, call_id: int) -> list[Record]:
+    return [r for r in trace.records if r.call == call_id and r.phase is Phase.INPUT]
+
+
+def _earliest_neginf(trace: StepTrace, recs: Iterable[Record], limit: int = 64) -> Record | None:
+    """Walk back from ``recs`` through the data flow to the first record where a -inf
+    appeared (its source was free of it)."""
+    best: Record | None = None
+    todo = list(recs)
+    seen: set[int] = set()
+    while todo and len(seen) < limit:
+        r = todo.pop()
+        if r.index in seen:
+            continue
+        seen.add(r.index)
+        m = trace.resolve(r)
+        if m.stat is None or not m.stat.has_neginf:
+            continue
+        if best is None or m.index < best.index:
+            best = m
+        if m.phase is Phase.FORWARD:
+            todo.extend(_inputs_of(trace, m.call))
+    return best
+
+
+def _consumers(trace: StepTrace, rec: Record) -> list[Call]:
+    """Module calls that took ``rec``'s tensor as an input, seeing through passthrough
+    modules (ReLU and friends cannot create a non-finite gradient, so look past them)."""
+    out: list[Call] = []
+    frontier = [rec.index]
+    seen: set[int] = set()
+    while frontier:
+        idx = frontier.pop()
+        if idx in seen:
+            continue
+        seen.add(idx)
+        for r in trace.records:
+            if r.phase is Phase.INPUT and r.source == idx:
+                call = trace.call(r.call)
+                if call is None:
+                    continue
+                if call.passthrough:
+                    frontier.extend(
+                        o.index
+                        for o in trace.records
+                        if o.call == call.id and o.phase is Phase.FORWARD
+                    )
+                elif all(c.id != call.id for c in out):
+                    out.append(call)
+            elif r.phase is Phase.FORWARD and r.source == idx:  # an alias (a container's output)
+                frontier.append(r.index)
+    return out
+
+
+def _parent(trace: StepTrace, call: Call | None) -> Call | None:
+    if call is None or call.parent is None:
+        return None
+    return trace.call(call.parent)
+
+
+def propagators(trace: StepTrace, after: Record, producer: str) -> tuple[list[str], int]:
+    """Modules that merely passed the bad value on: later non-finite records in the same
+    direction (forward for a forward anomaly, backward for a backward one)."""
+    phase = Phase.BACKWARD if after.phase in (Phase.BACKWARD, Phase.GRADIENT) else Phase.FORWARD
+    paths: list[str] = []
+    for r in trace.records:
+        if r.index <= after.index or r.phase is not phase:
+            continue
+        if r.stat is None or r.stat.finite or r.path == producer:
+            continue
+        if r.path not in paths:
+            paths.append(r.path)
+    return paths[:8], len(paths)
+
+
+def _matching_op(ops: Sequence[OpEvent], phase: Phase, path: str | None) -> OpEvent | None:
+    """The op event of the trigger, from forensic tracing: the first NaN/+inf birth of the
+    phase (in the producer when it is known)."""
+    best: OpEvent | None = None
+    for ev in ops:
+        if ev.phase is not phase or ev.injected:
+            continue
+        if not ("NaN" in ev.born or "+inf" in ev.born):
+            continue
+        if path is None or ev.path is None or ev.path == path or ev.path.startswith(path + "."):
+            return ev
+        if best is None:
+            best = ev
+    return best
+
+
+def _kinds_text(rec: Record) -> str:
+    return rec.stat.kinds() if rec.stat is not None else "non-finite"
+
+
+def localize(
+    trace: StepTrace, *, allow: Sequence[str] = (), scaled_grads: bool = False
+) -> Anomaly | None:
+    """The step's first anomaly: producer, origin, propagators; None when the step is clean."""
+    trig = first_trigger(trace, allow=allow, scaled_grads=scaled_grads)
+    if trig is None:
+        return None
+    what = _kinds_text(trig)
+    call = trace.call(trig.call)
+    neginf: Record | None = None
+    consumer: str | None = None
+    parameter: str | None = None
+
+    if trig.phase is Phase.INPUT and (call is None or call.root):
+        kind, origin = AnomalyKind.INPUT, "data"
+        path = call.path if call is not None else trig.path
+        s = trig.stat
+        rows = ""
+        if s is not None and s.bad_rows:
+            more = "" if not s.bad_row_count or s.bad_row_count <= len(s.bad_rows) else ", ..."
+            rows = (
+                f" in sample{'s' if len(s.bad_rows) > 1 else ''} "
+                + ", ".join(map(str, s.bad_rows))
+                + more
+                + (
+                    f" ({s.bad_row_count} of {trig.shape[0]})"
+                    if s.bad_row_count and trig.shape
+                    else ""
+                )
+            )
+        summary = f"{what} in the input data: {trig.role} of {path}{rows} (bad data, not a layer)"
+    elif trig.phase is Phase.INPUT:
+        parent = _parent(trace, call)
+        kind, origin = AnomalyKind.FORWARD, "between-children"
+        path = parent.path if parent is not None else trig.path
+        neginf = _earliest_neginf(trace, [trig])
+        summary = (
+            f"{what} born in the forward code of {path} itself, in the value it passed to "
+            f"{trig.path} ({trig.role})"
+        )
+    elif trig.phase is Phase.FORWARD:
+        kind, origin = AnomalyKind.FORWARD, "module"
+        path = trig.path
+        ins = _inputs_of(trace, trig.call)
+        neginf = _earliest_neginf(trace, ins)
+        if neginf is None and call is not None:  # a -inf made by a child, consumed inside
+            for r in trace.records:
+                if call.start <= r.index < trig.index and r.stat is not None and r.stat.has_neginf:
+                    neginf = r
+                    break
+        typ = f" ({call.module_type})" if call is not None and call.module_type else ""
+        fed = ""
+        if neginf is not None:
+            fed = f", from -inf first seen in {neginf.path} ({neginf.phase.value}, {neginf.role})"
+        summary = f"{what} born in the forward of {path}{typ}{fed}"
+    elif trig.phase is Phase.BACKWARD:
+        kind = AnomalyKind.BACKWARD
+        fwd = trace.record(trig.source) if trig.source is not None else None
+        cands: list[Call] = []
+        if fwd is not None and fwd.phase is Phase.INPUT:
+            c = trace.call(fwd.call)
+            cands = [c] if c is not None else []
+        elif fwd is not None:
+            cands = _consumers(trace, fwd)
+        if len(cands) == 1:
+            origin, path = "module", cands[0].path
+            consumer = path
+            summary = (
+                f"{what} gradient born in the backward of {path}: the gradient of its output "
+                f"was finite, the gradient it passed back to {trig.path} ({trig.role}) is not"
+            )
+        else:
+            owner = trace.call(fwd.call) if fwd is not None else None
+            parent = (
+                _parent(trace, owner) if fwd is not None and fwd.phase is Phase.FORWARD else None
+            )
+            origin = "between-children" if parent is not None else "module"
+            path = parent.path if parent is not None else trig.path
+            names = ", ".join(c.path for c in cands[:4])
+            also = f" (the tensor also fed {names})" if cands else ""
+            summary = (
+                f"{what} gradient born in the backward of code in {path} that used the output "
+                f"of {trig.path}{also}"
+            )
+    elif trig.phase is Phase.GRADIENT:
+        kind, origin = AnomalyKind.GRADIENT, "gradient"
+        path = trig.path
+        parameter = _param_name(trig)
+        summary = f"{what} in the gradient of parameter {parameter} (after backward)"
+    else:
+        kind, origin = AnomalyKind.PARAMETER, "parameter"
+        path = trig.path
+        parameter = _param_name(trig)
+        summary = (
+            f"{what} in the weights of {parameter}: made non-finite by the last update "
+            "(optimizer step), not by this step's computation"
+        )
+
+    op = (
+        _matching_op(
+            trace.ops, Phase.BACKWARD if kind is AnomalyKind.BACKWARD else Phase.FORWARD, path
+        )
+        if kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD)
+        else None
+    )
+    props, n = propagators(trace, trig, path)
+    anomaly = Anomaly(
+        step=trace.step,
+        kind=kind,
+        path=path,
+        record=trig,
+        origin=origin,
+        summary=summary,
+        propagators=props,
+        propagator_count=n,
+        op=op,
+        neginf_source=neginf,
+        consumer=consumer,
+        parameter=parameter,
+    )
+    anomaly.summary = summarize(anomaly)
+    return anomaly
+
+
+def _param_name(rec: Record) -> str:
+    """Parameter records carry the qualified parameter name (``encoder.fc.weight``) as role."""
+    return rec.role
+
+
+def summarize(anomaly: Anomaly) -> str:
+    """The one-line summary, with the op and propagation when known."""
+    base = anomaly.summary.split(" [")[0]
+    extra: list[str] = []
+    if anomaly.op is not None:
+        op = anomaly.op
+        at = f" at {op.source}" if op.source else ""
+        extra.append(f"op {op.op}{at}")
+    if anomaly.propagator_count:
+        extra.append(
+            f"passed on by {anomaly.propagator_count} module"
+            f"{'s' if anomaly.propagator_count != 1 else ''}"
+        )
+    if anomaly.transient:
+        extra.append("a replay on the same inputs ran clean")
+    return base + (" [" + "; ".join(extra) + "]" if extra else "")
+
+
+def finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+_INPLACE = re.compile(
+    r"modified by an inplace operation: \[(?:torch\.)?(?P<type>[\w.]+) \[(?P<shape>[\d, ]*)\]\], "
+    r"which is output (?P<out>\d+) of (?P<fn>\w+), is at version (?P<now>\d+); "
+    r"expected version (?P<then>\d+)"
+)
+
+
+def parse_inplace_error(message: str) -> dict[str, object] | None:
+    """The facts in autograd's "modified by an inplace operation" error: the tensor's type
+    and shape, which output of which autograd node it was, and the versions."""
+    m = _INPLACE.search(message)
+    if m is None:
+        return None
+    shape = tuple(int(s) for s in m.group("shape").replace(" ", "").split(",") if s)
+    return {
+        "tensor_type": m.group("type"),
+        "shape": shape,
+        "output": int(m.group("out")),
+        "grad_fn": m.group("fn"),
+        "version": int(m.group("now")),
+        "expected_version": int(m.group("then")),
+    }
+
+
+def _node_base(name: str) -> str:
+    return re.sub(r"Backward\d*$", "", name)
+
+
+def inplace_suspects(traces: Iterable[StepTrace], message: str) -> list[Record]:
+    """Module outputs that match autograd's in-place error: same autograd node and shape,
+    recorded at the version autograd expected. Most recent step first."""
+    facts = parse_inplace_error(message)
+    if facts is None:
+        return []
+    fn = _node_base(str(facts["grad_fn"]))
+    shape = facts["shape"]
+    then = facts["expected_version"]
+    out: list[Record] = []
+    for trace in traces:
+        for r in trace.records:
+            if r.phase is not Phase.FORWARD or r.grad_fn is None:
+                continue
+            if _node_base(r.grad_fn) != fn or r.shape != shape:
+                continue
+            if r.version is not None and r.version != then:
+                continue
+            if r.source is not None:
+                src = trace.record(r.source)
+                if src is not None and src.grad_fn == r.grad_fn and src.phase is Phase.FORWARD:
+                    continue  # an alias: the module that made it is already listed
+            out.append(r)
+        if out:
+            break
+    return out

@@ -1,0 +1,288 @@
+"""Per-tensor statistics, computed on the tensor's own device, and dtype limits.
+
+This module knows tensors, not modules. The hot path is :func:`minmax`: one fused
+``torch.aminmax`` pass whose result stays on the device (NaN propagates through it, so
+non-finite values are visible without a second read). :func:`describe` does the counting
+(NaN, +inf, -inf, zeros, near the limit) and is meant for tensors already known bad.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanwatch.records import TensorStat
+
+_FLOAT8 = frozenset(
+    getattr(torch, name)
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+)
+_COMPLEX_PART = {
+    torch.complex32: torch.float16,
+    torch.complex64: torch.float32,
+    torch.complex128: torch.float64,
+}
+_STATS_LAYOUTS = (
+    torch.strided,
+    torch.sparse_coo,
+    torch.sparse_csr,
+    torch.sparse_csc,
+    torch.sparse_bsr,
+    torch.sparse_bsc,
+)
+
+
+@dataclass(frozen=True)
+class DtypeLimits:
+    """What a floating dtype can hold, from ``torch.finfo``.
+
+    Example:
+        >>> lim = dtype_limits(torch.float16)
+        >>> round(lim.exp_bound, 2)
+        11.09
+    """
+
+    name: str
+    bits: int
+    max: float  #: largest finite value
+    tiny: float  #: smallest positive normal
+    eps: float
+    #: the largest x with exp(x) finite: log(finfo.max) (11.09 for float16, 88.72 for float32)
+    exp_bound: float
+
+    @property
+    def low_precision(self) -> bool:
+        return self.bits <= 16
+
+
+@functools.cache
+def _limits_of(dtype: torch.dtype) -> DtypeLimits | None:
+    if dtype in _COMPLEX_PART:
+        dtype = _COMPLEX_PART[dtype]
+    if not dtype.is_floating_point:
+        return None
+    fi = torch.finfo(dtype)
+    return DtypeLimits(
+        name=dtype_name(dtype),
+        bits=fi.bits,
+        max=float(fi.max),
+        tiny=float(fi.tiny),
+        eps=float(fi.eps),
+        exp_bound=math.log(float(fi.max)),
+    )
+
+
+def dtype_limits(dtype: torch.dtype | str) -> DtypeLimits | None:
+    """Limits of a floating (or complex: of its parts) dtype; None for integers and bool.
+
+    Accepts the dtype or its name as records store it (``"float16"``).
+    """
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            return None
+        dtype = resolved
+    return _limits_of(dtype)
+
+
+@functools.cache
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def device_name(device: torch.device) -> str:
+    return _device_name(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_name(device: torch.device) -> str:
+    return str(device)
+
+
+def has_values(t: torch.Tensor) -> bool:
+    """Whether statistics can be computed: a floating or complex tensor with data."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    if t.is_meta or t.layout not in _STATS_LAYOUTS:
+        return False
+    if t.is_nested:
+        return True
+    return t.numel() > 0
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A dense, real view of the values of ``t`` suitable for reductions."""
+    if t.is_nested:
+        t = torch.cat([c.reshape(-1) for c in t.unbind()]) if t.size(0) else t.values()
+    elif t.layout is torch.sparse_coo:
+        t = t.coalesce().values()
+    elif t.layout is not torch.strided:
+        t = t.values()
+    if t.is_complex():
+        t = t.abs()
+    if t.dtype in _FLOAT8:
+        t = t.float()
+    return t
+
+
+def minmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """min and max of ``t`` as 0-d tensors on ``t``'s device, in one pass; no sync.
+
+    NaN anywhere makes both NaN; an inf shows in min or max. For complex tensors the
+    magnitudes are measured. Returns None when ``t`` has no values to measure.
+    """
+    if not has_values(t):
+        return None
+    with torch.no_grad():
+        v = _values(t)
+        if v.numel() == 0:
+            return None
+        mn, mx = torch.aminmax(v)
+        return mn, mx
+
+
+def read_minmax(t: torch.Tensor) -> tuple[float, float] | None:
+    """:func:`minmax`, read to the host now (a sync on accelerators; free on CPU)."""
+    if not has_values(t):
+        return None
+    with torch.no_grad():
+        v = _values(t)
+        if v.numel() == 0:
+            return None
+        mn, mx = torch.aminmax(v)
+        return float(mn), float(mx)
+
+
+def numel(t: torch.Tensor) -> int:
+    if t.is_nested:
+        return int(sum(c.numel() for c in t.unbind()))
+    if t.layout is torch.sparse_coo:
+        return int(t._nnz())
+    if t.layout is not torch.strided:
+        return int(t.values().numel())
+    return t.numel()
+
+
+def describe(t: torch.Tensor, *, rows: bool = False, max_rows: int = 8) -> TensorStat | None:
+    """Full statistics of ``t``: min/max, counts of NaN, +inf, -inf, exact zeros, values
+    within a factor of 2 of the dtype's largest finite value, and max |x| over finite
+    values. With ``rows=True``, also the indices along dim 0 holding a non-finite value
+    (the samples of a batch). One host transfer."""
+    if not has_values(t):
+        return None
+    lim = dtype_limits(t.dtype)
+    with torch.no_grad():
+        v = _values(t)
+        n = v.numel()
+        if n == 0:
+            return None
+        if v.dtype not in (torch.float32, torch.float64):
+            v = v.float()
+        finite = torch.isfinite(v)
+        absv = v.abs()
+        half = (lim.max / 2) if lim is not None else math.inf
+        parts = [
+            torch.isnan(v).sum(),
+            (v == math.inf).sum(),
+            (v == -math.inf).sum(),
+            (v == 0).sum(),
+            ((absv >= half) & finite).sum(),
+        ]
+        fa = torch.where(finite, absv, torch.zeros((), dtype=v.dtype, device=v.device))
+        head = torch.stack([p.to(v.dtype) for p in parts] + [fa.max()])
+        bad_idx: torch.Tensor | None = None
+        if rows and t.dim() >= 1 and not t.is_nested and t.layout is torch.strided:
+            dense = t.abs() if t.is_complex() else t
+            if dense.dtype in _FLOAT8:
+                dense = dense.float()
+            per_row = (~torch.isfinite(dense)).reshape(dense.shape[0], -1).any(dim=1)
+            bad_idx = per_row.nonzero().flatten()
+        nan_c, pinf_c, ninf_c, zero_c, near_c, famax = head.tolist()
+        has_finite = bool(finite.any()) if nan_c or pinf_c or ninf_c else True
+        if nan_c:
+            mn = mx = math.nan  # NaN propagates, as in the fused pass
+        else:
+            mn, mx = (float(x) for x in torch.aminmax(v))
+        bad_rows: tuple[int, ...] | None = None
+        bad_count: int | None = None
+        if bad_idx is not None:
+            bad_count = int(bad_idx.numel())
+            bad_rows = tuple(int(i) for i in bad_idx[:max_rows].tolist())
+    return TensorStat(
+        min=mn,
+        max=mx,
+        numel=n,
+        nan=int(nan_c),
+        posinf=int(pinf_c),
+        neginf=int(ninf_c),
+        zeros=int(zero_c),
+        near_max=int(near_c),
+        finite_amax=float(famax) if has_finite else None,
+        bad_rows=bad_rows,
+        bad_row_count=bad_count,
+    )
+
+
+def stat_from_minmax(mn: float, mx: float, n: int) -> TensorStat:
+    return TensorStat(min=mn, max=mx, numel=n)
+
+
+def foreach_absmax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """max |x| of each tensor with multi-tensor kernels (one launch per dtype/device group on
+    accelerators); NaN propagates. Results stay on the device."""
+    if not tensors:
+        return []
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    with torch.no_grad():
+        for (dtype, _), idx in groups.items():
+            ts = [tensors[i] for i in idx]
+            if dtype in _FLOAT8 or dtype.is_complex:
+                norms = [
+                    _values(t).abs().max() if t.numel() else t.new_zeros((), dtype=torch.float32)
+                    for t in ts
+                ]
+            else:
+                norms = list(torch._foreach_norm(ts, math.inf))
+            for i, nrm in zip(idx, norms, strict=True):
+                out[i] = nrm
+    return [o for o in out if o is not None]
+
+
+def foreach_l2(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """L2 norm of each tensor (multi-tensor kernels), accumulated and returned in at least
+    float32 so float16 gradients do not overflow the norm; results stay on the device."""
+    if not tensors:
+        return []
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    with torch.no_grad():
+        for (dtype, _), idx in groups.items():
+            ts = [tensors[i] for i in idx]
+            if dtype in _FLOAT8 or dtype.is_complex:
+                norms = [_values(t).float().norm() for t in ts]
+            elif dtype in (torch.float16, torch.bfloat16):
+                try:
+                    norms = list(torch._foreach_norm(ts, 2.0, dtype=torch.float32))
+                except TypeError:  # torch < 2.4: no dtype argument
+                    norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in ts]
+            else:
+                norms = list(torch._foreach_norm(ts, 2.0))
+            for i, nrm in zip(idx, norms, strict=True):
+                out[i] = nrm
+    return [o for o in out if o is not None]

@@ -1,0 +1,1390 @@
+"""Watcher: hook registration and removal, step boundaries, flushing, localization.
+
+The watcher knows modules and hooks, not rules: it turns module calls into records
+(``records.py``) with statistics (``stats.py``), hands a finished step to the rule engine
+and acts on what comes back.
+
+Data flow, hook by hook:
+
+* forward pre-hook (modules with children, roots, forensic mode): open a *call*; link each
+  input tensor to the record that produced it, or measure it when no watched module did
+  (functional code in the parent) -- so every module's inputs are known;
+* forward hook (``always_call``): measure each output (one ``aminmax``; on CPU read at
+  once, on accelerators kept on the device until the step's flush) and hook its gradient
+  with a tensor hook (never ``register_full_backward_hook``: it breaks in-place modules);
+* end of backward (an autograd callback queued by the first gradient hook): the L2 norm of
+  every parameter gradient, with multi-tensor kernels;
+* step boundary: flush, localize, run the rules, keep the step in the flight recorder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import threading
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from nanwatch import _frames, ops
+from nanwatch._structure import iter_tensors
+from nanwatch.config import WatchConfig
+from nanwatch.errors import AnomalyError, ConfigError, NanwatchError
+from nanwatch.localize import is_trigger, localize, propagators, summarize
+from nanwatch.records import Anomaly, AnomalyKind, Call, Note, Phase, Record, StepTrace, TensorStat
+from nanwatch.stats import (
+    describe,
+    device_name,
+    dtype_name,
+    foreach_absmax,
+    foreach_l2,
+    has_values,
+    minmax,
+    numel,
+)
+
+if TYPE_CHECKING:
+    from nanwatch.report import Report
+    from nanwatch.rules.base import Diagnosis
+
+__all__ = ["Watcher", "watch"]
+
+#: Modules that cannot create a NaN or inf from finite inputs and do not raise magnitudes
+#: (or bound them): their outputs are bounded by the record of their input, so they are not
+#: measured and their gradients are not hooked. Exact types only: a subclass may override
+#: ``forward``. TensorFlow's check_numerics keeps the same kind of "safe ops" list.
+_PASSTHROUGH: frozenset[type] = frozenset(
+    {
+        nn.ReLU,
+        nn.ReLU6,
+        nn.Hardtanh,
+        nn.Identity,
+        nn.Flatten,
+        nn.Unflatten,
+        nn.Sigmoid,
+        nn.Tanh,
+        nn.Softsign,
+        nn.Hardsigmoid,
+        nn.MaxPool1d,
+        nn.MaxPool2d,
+        nn.MaxPool3d,
+        nn.AdaptiveMaxPool1d,
+        nn.AdaptiveMaxPool2d,
+        nn.AdaptiveMaxPool3d,
+    }
+)
+_DROPOUT: tuple[type, ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
+
+
+def _is_passthrough(m: nn.Module) -> bool:
+    t = type(m)
+    if t in _PASSTHROUGH:
+        return True
+    if isinstance(m, nn.LeakyReLU) and t is nn.LeakyReLU:
+        return abs(m.negative_slope) <= 1.0
+    if isinstance(m, nn.modules.dropout._DropoutNd) and t in _DROPOUT:
+        return m.p == 0.0
+    return False
+
+
+def _version(t: torch.Tensor) -> int | None:
+    if t.is_inference():
+        return None
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return None
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    if t.is_nested:
+        return (t.size(0),)
+    return tuple(t.shape)
+
+
+class _ModInfo:
+    """What the hooks of one module need to know, bound into their closures."""
+
+    __slots__ = (
+        "first_root",
+        "is_loss",
+        "is_root",
+        "leaf",
+        "params",
+        "passthrough",
+        "path",
+        "type_name",
+    )
+
+    def __init__(self, path: str, module: nn.Module, *, is_root: bool, first_root: bool) -> None:
+        self.path = path
+        self.type_name = type(module).__name__
+        self.is_root = is_root
+        self.first_root = first_root
+        self.passthrough = _is_passthrough(module) and not is_root
+        self.is_loss = isinstance(module, nn.modules.loss._Loss)
+        self.leaf = next(iter(module.children()), None) is None
+        self.params = tuple(n for n, _ in module.named_parameters(recurse=False))
+
+
+class _Frame:
+    """A module call on the stack; holds the call's inputs until the call returns (they are
+    alive anyway in the caller's frame) so the producer can be replayed."""
+
+    __slots__ = ("args", "call", "kwargs", "module")
+
+    def __init__(self, call: Call, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self.call = call
+        self.module = module
+        self.args = args
+        self.kwargs = kwargs
+
+
+_SCRIPT_WARNED: set[int] = set()
+
+
+def _name_modules(roots: Sequence[nn.Module]) -> list[tuple[nn.Module, _ModInfo]]:
+    """Name every submodule by its qualified name (``encoder.layers.3.attn``); a root is
+    named by its class. A module reachable twice keeps its first name. When several roots
+    are watched and two paths would collide, the later root's paths get its name as prefix."""
+    out: list[tuple[nn.Module, _ModInfo]] = []
+    seen: set[int] = set()
+    taken: set[str] = set()
+    root_names: list[str] = []
+    for i, root in enumerate(roots):
+        base = type(root).__name__
+        same = sum(n == base or n.startswith(base + "#") for n in root_names)
+        name = f"{base}#{same + 1}" if same else base
+        root_names.append(name)
+        subs = [(q, m) for q, m in root.named_modules(remove_duplicate=True) if q]
+        prefix = ""
+        if any(q in taken for q, _ in subs) or name in taken:
+            prefix = name + "."
+        skipped: list[str] = []
+        for q, m in [("", root), *subs]:
+            if id(m) in seen:
+                continue
+            if any(q == s or q.startswith(s + ".") for s in skipped):
+                continue
+            if isinstance(m, torch.jit.ScriptModule):
+                skipped.append(q)
+                if id(m) not in _SCRIPT_WARNED:
+                    _SCRIPT_WARNED.add(id(m))
+                    warnings.warn(
+                        f"nanwatch: {q or name} is a torch.jit.ScriptModule; scripted modules "
+                        "cannot be hooked from Python, so it and its submodules are not watched. "
+                        "Watch the eager module instead.",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+                continue
+            seen.add(id(m))
+            path = name if not q else prefix + q
+            taken.add(path)
+            out.append((m, _ModInfo(path, m, is_root=not q, first_root=(i == 0 and not q))))
+    return out
+
+
+def _unwrap_compiled(m: nn.Module) -> nn.Module:
+    orig = getattr(m, "_orig_mod", None)
+    if isinstance(orig, nn.Module) and type(m).__name__ == "OptimizedModule":
+        raise ConfigError(
+            "modules",
+            m,
+            f"{type(orig).__name__} is wrapped by torch.compile; nanwatch's Python hooks would "
+            "force graph breaks in every module. Watch the eager model (compile it after "
+            "debugging), or pass model._orig_mod to watch the uncompiled code.",
+        )
+    return m
+
+
+class Watcher:
+    """Watches modules for non-finite values, forward and backward; see :func:`watch`.
+
+    Use as a context manager, or call :meth:`attach` and :meth:`detach` yourself.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        >>> with Watcher([model], WatchConfig()) as nw:
+        ...     _ = model(torch.randn(2, 4)).sum().backward()
+        ...     _ = nw.step()
+        >>> nw.first_anomaly is None
+        True
+    """
+
+    # state of the step being recorded (reset by _reset_step)
+    _trace: StepTrace
+    _idx: int
+    #: id(tensor) -> (weakref, record index, version when recorded, gradient hooked)
+    _known: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, int | None, bool]]
+    _stack: list[_Frame]
+    _pending: list[tuple[Record, torch.Tensor, torch.Tensor]]
+    _pending_grads: list[tuple[Record, torch.Tensor, torch.Tensor]]
+    _new_trigger: Record | None
+    _user_loss: torch.Tensor | float | None
+    _full: bool
+
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        config: WatchConfig | None = None,
+        *,
+        scaler: Any = None,
+    ) -> None:
+        if not modules:
+            raise ConfigError(
+                "modules", modules, "watch() needs at least one nn.Module: watch(model, criterion)."
+            )
+        for m in modules:
+            if not isinstance(m, nn.Module):
+                raise ConfigError(
+                    "modules",
+                    m,
+                    f"watch() takes nn.Module objects; got {type(m).__name__} ({m!r:.60}). "
+                    "Pass the model (and the loss module), e.g. watch(model, criterion).",
+                )
+        self.config = config if config is not None else WatchConfig()
+        self.roots: list[nn.Module] = [_unwrap_compiled(m) for m in modules]
+        self.scaler = scaler
+        self.history: deque[StepTrace] = deque(maxlen=self.config.ring_size)
+        self.anomalies: list[Anomaly] = []
+        self.first_anomaly: Anomaly | None = None
+        #: internal errors caught in nanwatch's own hooks: (hook, message)
+        self.faults: list[tuple[str, str]] = []
+        self._attached = False
+        self._handles: list[Any] = []
+        self._tensor_handles: list[Any] = []
+        self._modules: list[tuple[nn.Module, _ModInfo]] = []
+        self._params: list[tuple[str, str, nn.Parameter]] = []
+        self._disabled_hooks: set[str] = set()
+        self._disabled_rules: set[str] = set()
+        self._opaque_warned: set[type] = set()
+        self._checker: ops.OpChecker | None = None
+        self._functional_guards: Any = None
+        self._restore_signals: Callable[[], None] | None = None
+        self._anomaly_mode_prev: tuple[bool, bool] | None = None
+        self._gen = 0
+        self._step = 0
+        self._warned = False
+        self._explicit = False
+        self._acted_step = -1
+        self._device_dead = False
+        self._quiet = False
+        self._defer_cpu = False  # tests drive the accelerator path on CPU with this
+        self._thread: int | None = None
+        self._reset_step()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    @property
+    def step_index(self) -> int:
+        """The number of the step being recorded now (0-based)."""
+        return self._step
+
+    @property
+    def trace(self) -> StepTrace:
+        """The step being recorded now."""
+        return self._trace
+
+    @property
+    def module_paths(self) -> list[str]:
+        """The path of every watched module, in registration order."""
+        return [info.path for _, info in self._modules]
+
+    def attach(self) -> Watcher:
+        """Register the hooks. Safe to call once; a second call is an error."""
+        if self._attached:
+            raise NanwatchError("this Watcher is already attached; call detach() first.")
+        self._modules = _name_modules(self.roots)
+        self._params = self._collect_params()
+        full_hooks = self.config.mode != "sentinel"
+        forensic = self.config.mode == "forensic"
+        try:
+            for module, info in self._modules:
+                if not (info.is_root or full_hooks):
+                    continue
+                if not info.passthrough or forensic:
+                    self._handles.append(
+                        module.register_forward_pre_hook(self._make_pre(info), with_kwargs=True)
+                    )
+                self._handles.append(
+                    module.register_forward_hook(
+                        self._make_post(info), with_kwargs=True, always_call=True
+                    )
+                )
+            if self.config.guards:
+                from nanwatch import guards
+
+                loss_modules = [(m, info.path) for m, info in self._modules if info.is_loss]
+                self._handles.extend(guards.attach(self, loss_modules))
+                if self.config.functional_guards:
+                    self._functional_guards = guards.FunctionalGuards(self)
+                    self._functional_guards.__enter__()
+            if self.config.postmortem:
+                from nanwatch import postmortem
+
+                self._restore_signals = postmortem.install_signal_handlers(self)
+            if forensic:
+                self._anomaly_mode_prev = (
+                    torch.is_anomaly_enabled(),
+                    torch.is_anomaly_check_nan_enabled(),
+                )
+                torch.autograd.set_detect_anomaly(True, check_nan=False)
+                self._checker = ops.OpChecker(
+                    current_path=self._current_path, on_error=self._checker_fault, max_events=256
+                )
+                self._checker.__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._remove_hooks()
+            raise
+        self._attached = True
+        self._thread = threading.get_ident()
+        self._gen += 1
+        self._reset_step()
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook this watcher registered. Safe to call twice."""
+        if not self._attached:
+            return
+        self._attached = False
+        self._gen += 1
+        self._remove_hooks()
+        self._known.clear()
+        self._stack.clear()
+
+    def __enter__(self) -> Watcher:
+        return self.attach()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            if exc is None:
+                self._boundary(final=True)
+            else:
+                self._on_exception(exc)
+        finally:
+            self.detach()
+        # returning None: never swallow the user's exception
+
+    def step(self, loss: torch.Tensor | float | None = None) -> StepTrace:
+        """End the current step: flush its statistics, localize, run the rules, and act per
+        ``on_anomaly``. Returns the finished step.
+
+        Call it once per training step, after ``optimizer.step()``. Without it, each call of
+        the first watched module after a backward starts a new step (and, with gradients
+        disabled, each call does): several forwards before one backward are one step.
+        ``loss``, when given, is recorded for the timeline (functional losses are not seen by
+        module hooks)."""
+        self._explicit = True
+        if loss is not None:
+            self._user_loss = loss
+        return self._boundary()
+
+    def note(self, kind: str, path: str, *, source: str | None = None, **data: Any) -> Note:
+        """Add evidence to the current step for the rules (see :class:`nanwatch.Note`)."""
+        n = Note(kind=kind, path=path, data=data, source=source)
+        self._trace.notes.append(n)
+        return n
+
+    def record_of(self, t: torch.Tensor) -> Record | None:
+        """The record of the current step that holds ``t`` (by identity and version), if a
+        watched module produced or measured it."""
+        entry = self._known.get(id(t))
+        if entry is None or entry[0]() is not t or entry[2] != _version(t):
+            return None
+        return self._trace.record(entry[1])
+
+    @property
+    def report(self) -> Report:
+        """The report of everything recorded so far (a rich renderable; ``.save(path)``)."""
+        from nanwatch.report import Report
+
+        return Report.from_watcher(self)
+
+    def replay(
+        self, fn: Callable[[], Any], *, rng_state: torch.Tensor | None = None
+    ) -> ops.ReplayResult:
+        """Run ``fn`` (the failing step's forward and backward, no optimizer step) again with
+        every aten op checked, forward and backward, and the source line of the op that
+        created the first NaN/inf. Gradients, buffers and RNG state are put back afterwards,
+        so the replay changes nothing; ``rng_state`` (``torch.get_rng_state()`` taken at the
+        start of the step) makes dropout masks repeat. The result also completes the last
+        anomaly: its op, or ``transient`` when the replay ran clean.
+
+        Example:
+            >>> def step_fn():
+            ...     criterion(model(x), y).backward()
+            >>> result = nw.replay(step_fn)          # doctest: +SKIP
+        """
+        params = [p for _, _, p in self._params]
+        saved_grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        devices = {p.device for p in params}
+        result = ops.ReplayResult()
+        prev = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+        with contextlib.ExitStack() as stack:
+            for root in self.roots:
+                stack.enter_context(ops.preserved_state(root, devices))
+            if rng_state is not None:
+                torch.set_rng_state(rng_state)
+            stack.enter_context(ops._replay_scope())
+            torch.autograd.set_detect_anomaly(True, check_nan=False)
+            stack.callback(torch.autograd.set_detect_anomaly, prev[0], check_nan=prev[1])
+            chk = ops.OpChecker(
+                current_path=ops.replay_path, on_error=self._checker_fault, max_events=256
+            )
+            try:
+                with chk:
+                    fn()
+            except Exception as exc:
+                result.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                for p, g in zip(params, saved_grads, strict=True):
+                    p.grad = g
+            result.events = chk.events
+        last = self.anomalies[-1] if self.anomalies else None
+        if last is not None:
+            phase = Phase.BACKWARD if last.kind is AnomalyKind.BACKWARD else Phase.FORWARD
+            first = next(
+                (
+                    e
+                    for e in result.events
+                    if e.phase is phase and not e.injected and ("NaN" in e.born or "+inf" in e.born)
+                ),
+                result.first(),
+            )
+            if first is not None:
+                last.op = first
+            elif result.clean:
+                last.transient = True
+            last.summary = summarize(last)
+        return result
+
+    # ------------------------------------------------------------------ hook factories
+    def _make_pre(self, info: _ModInfo) -> Callable[..., None]:
+        def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not self._attached:
+                return
+            if ops.replaying():
+                ops.push_path(info.path)
+                return
+            if "pre" in self._disabled_hooks:
+                return
+            try:
+                if info.first_root:
+                    self._maybe_begin_step()
+                if not (self._full or info.is_root):
+                    return
+                if torch._C._current_autograd_node() is not None:
+                    return  # activation checkpointing recomputing in backward
+                call = self._open_call(info)
+                self._stack.append(_Frame(call, module, args, kwargs))
+                self._record_inputs(info, call, args, kwargs)
+                if self._new_trigger is not None:
+                    self._handle_trigger(None)
+            except NanwatchError:
+                raise
+            except Exception as exc:
+                self._fault("pre", "forward pre-hook", exc)
+
+        return pre_hook
+
+    def _make_post(self, info: _ModInfo) -> Callable[..., None]:
+        forensic = self.config.mode == "forensic"
+
+        def post_hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
+            if not self._attached:
+                return
+            if ops.replaying():
+                if not info.passthrough or forensic:
+                    ops.pop_path()
+                if output is not None:
+                    outs = [t for _, t in iter_tensors(output, "output")]
+                    ops.stamp_graph(outs, info.path)
+                return
+            if "post" in self._disabled_hooks:
+                return
+            try:
+                if not (self._full or info.is_root):
+                    return
+                if torch._C._current_autograd_node() is not None:
+                    self._trace.recomputed += 1
+                    return
+                pre_opened = not info.passthrough or forensic
+                frame = self._pop_frame(module) if pre_opened else None
+                if pre_opened and frame is None:
+                    return  # the call began before attach(), or in a skipped step
+                if output is None and sys.exc_info()[1] is not None:
+                    return  # forward raised; always_call ran us to keep the stack straight
+                if frame is not None:
+                    call = frame.call
+                else:
+                    call = self._open_call(info)
+                    self._record_inputs(info, call, args, kwargs)
+                self._record_outputs(info, call, output)
+                call.end = self._idx
+                if forensic:
+                    outs = [t for _, t in iter_tensors(output, "output")]
+                    ops.stamp_graph(outs, info.path)
+                if self._new_trigger is not None:
+                    self._handle_trigger((call, module, args, kwargs))
+                if self._idx > self.config.max_records_per_step and not self._quiet:
+                    self._overflow_step()
+            except NanwatchError:
+                raise
+            except Exception as exc:
+                self._fault("post", "forward hook", exc)
+
+        return post_hook
+
+    # ------------------------------------------------------------------ recording
+    def _reset_step(self) -> None:
+        self._trace = StepTrace(step=self._step)
+        self._idx = 0
+        self._known: dict[
+            int, tuple[weakref.ReferenceType[torch.Tensor], int, int | None, bool]
+        ] = {}
+        self._stack: list[_Frame] = []
+        self._pending: list[tuple[Record, torch.Tensor, torch.Tensor]] = []
+        self._pending_grads: list[tuple[Record, torch.Tensor, torch.Tensor]] = []
+        self._new_trigger: Record | None = None
+        self._backward_seen = False
+        self._eob_queued = False
+        self._grads_checked = False
+        self._user_loss = None
+        self._begun = False
+        for h in self._tensor_handles:
+            h.remove()
+        self._tensor_handles = []
+        mode = self.config.mode
+        self._full = mode != "sentinel" and self._step % self.config.sample_every == 0
+        self._trace.full = self._full
+
+    def _open_call(self, info: _ModInfo) -> Call:
+        calls = self._trace.calls
+        parent = self._stack[-1].call.id if self._stack else None
+        call = Call(
+            id=len(calls),
+            path=info.path,
+            module_type=info.type_name,
+            parent=parent,
+            start=self._idx,
+            passthrough=info.passthrough,
+            is_loss=info.is_loss,
+            root=info.is_root,
+        )
+        calls.append(call)
+        return call
+
+    def _pop_frame(self, module: nn.Module) -> _Frame | None:
+        stack = self._stack
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i].module is module:
+                frame = stack[i]
+                del stack[i:]  # frames above it belong to calls that raised (KeyboardInterrupt)
+                return frame
+        return None
+
+    def _current_path(self) -> str | None:
+        return self._stack[-1].call.path if self._stack else None
+
+    def _new_record(
+        self,
+        phase: Phase,
+        path: str,
+        role: str,
+        t: torch.Tensor,
+        call: int,
+        *,
+        source: int | None = None,
+        module_type: str = "",
+    ) -> Record:
+        rec = Record(
+            index=self._idx,
+            step=self._step,
+            phase=phase,
+            path=path,
+            role=role,
+            dtype=dtype_name(t.dtype),
+            device=device_name(t.device),
+            shape=_shape(t),
+            call=call,
+            source=source,
+            module_type=module_type,
+        )
+        self._idx += 1
+        self._trace.records.append(rec)
+        return rec
+
+    def _measure(self, rec: Record, t: torch.Tensor, *, rows: bool = False) -> None:
+        """Statistics of ``t`` into ``rec``: read at once on CPU (no device to wait for),
+        kept on the device until the flush elsewhere. Counts only for bad tensors."""
+        if t.device.type == "cpu" and not self._defer_cpu:
+            if self.config.mode == "forensic":
+                rec.stat = describe(t, rows=rows)
+                if rec.stat is not None and not rec.stat.finite:
+                    self._note_bad(rec)
+                return
+            if not has_values(t):
+                return
+            with torch.no_grad():
+                v = t
+                if (
+                    v.is_complex()
+                    or v.layout is not torch.strided
+                    or v.is_nested
+                    or (
+                        v.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+                    )
+                ):
+                    mm = minmax(t)
+                    if mm is None:
+                        return
+                    lo, hi = float(mm[0]), float(mm[1])
+                else:
+                    a, b = torch.aminmax(v)
+                    lo, hi = float(a), float(b)
+            if math.isfinite(lo) and math.isfinite(hi):
+                rec.stat = TensorStat(lo, hi, numel(t))
+            else:
+                rec.stat = describe(t, rows=rows)
+                self._note_bad(rec)
+        else:
+            mm = minmax(t)
+            if mm is None:
+                return
+            rec.stat = TensorStat(math.nan, math.nan, numel(t))  # filled at the flush
+            self._pending.append((rec, mm[0], mm[1]))
+
+    def _note_bad(self, rec: Record) -> None:
+        if (
+            self._new_trigger is None
+            and self._trace.anomaly is None
+            and is_trigger(rec, self._trace, allow=self.config.allow, scaled_grads=self._scaled)
+        ):
+            self._new_trigger = rec
+
+    @property
+    def _scaled(self) -> bool:
+        s = self.scaler
+        return s is not None and bool(getattr(s, "is_enabled", lambda: True)())
+
+    def _record_inputs(
+        self, info: _ModInfo, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        known = self._known
+        keep_ints = info.is_root or info.is_loss
+        if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
+            items: Iterable[tuple[str, torch.Tensor]] = (("input[0]", args[0]),)
+        else:
+            items = self._walk(args, "input", kwargs)
+        for role, t in items:
+            floating = t.is_floating_point() or t.is_complex()
+            if not floating and not keep_ints:
+                continue
+            entry = known.get(id(t))
+            if entry is not None and entry[0]() is t and entry[2] == _version(t):
+                self._new_record(
+                    Phase.INPUT,
+                    info.path,
+                    role,
+                    t,
+                    call.id,
+                    source=entry[1],
+                    module_type=info.type_name,
+                )
+                continue
+            rec = self._new_record(
+                Phase.INPUT, info.path, role, t, call.id, module_type=info.type_name
+            )
+            if entry is not None and entry[0]() is t:
+                rec.source = entry[1]  # the same tensor, changed in place since it was seen
+            if floating:
+                self._measure(rec, t, rows=info.is_root)
+                hooked = self._maybe_hook_grad(t, rec)
+                known[id(t)] = (weakref.ref(t), rec.index, _version(t), hooked)
+
+    def _walk(
+        self, args: Any, prefix: str, kwargs: dict[str, Any] | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        out = list(iter_tensors(args, prefix, on_opaque=self._opaque))
+        if kwargs:
+            for k, v in kwargs.items():
+                out.extend(iter_tensors(v, f"{prefix}.{k}", on_opaque=self._opaque))
+        return out
+
+    def _opaque(self, typ: type) -> None:
+        if typ not in self._opaque_warned and len(self._opaque_warned) < 16:
+            self._opaque_warned.add(typ)
+            warnings.warn(
+                f"nanwatch: a module input or output of type {typ.__qualname__} holds no "
+                "tensor nanwatch can see (not a tensor, tuple, list, dict, dataclass or "
+                "namedtuple); tensors inside it are not watched.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _record_outputs(self, info: _ModInfo, call: Call, output: Any) -> None:
+        if isinstance(output, torch.Tensor):
+            items: Iterable[tuple[str, torch.Tensor]] = (("output", output),)
+        else:
+            items = self._walk(output, "output")
+        known = self._known
+        first_input: int | None = None
+        if info.passthrough:
+            for r in reversed(self._trace.records):
+                if r.call != call.id:
+                    break
+                if r.phase is Phase.INPUT:
+                    first_input = r.index
+        for role, t in items:
+            entry = known.get(id(t))
+            same = entry is not None and entry[0]() is t
+            ver = _version(t)
+            if same and entry is not None and entry[2] == ver:
+                # an alias of a tensor already measured (a container returning its child's output)
+                rec = self._new_record(
+                    Phase.FORWARD,
+                    info.path,
+                    role,
+                    t,
+                    call.id,
+                    source=entry[1],
+                    module_type=info.type_name,
+                )
+                rec.grad_fn = _grad_fn_name(t)
+                rec.version = ver
+                continue
+            rec = self._new_record(
+                Phase.FORWARD, info.path, role, t, call.id, module_type=info.type_name
+            )
+            rec.grad_fn = _grad_fn_name(t)
+            rec.version = ver
+            if same and entry is not None:
+                rec.source = entry[1]
+            floating = t.is_floating_point() or t.is_complex()
+            hooked = bool(same and entry is not None and entry[3])
+            if floating:
+                if info.passthrough:
+                    if rec.source is None:
+                        rec.source = first_input
+                else:
+                    self._measure(rec, t)
+                    if not hooked:
+                        hooked = self._maybe_hook_grad(t, rec)
+            known[id(t)] = (weakref.ref(t), rec.index, ver, hooked)
+
+    def _maybe_hook_grad(self, t: torch.Tensor, rec: Record) -> bool:
+        if not (t.requires_grad and torch.is_grad_enabled()) or t.is_inference():
+            return False
+        gen = self._gen
+        step = self._step
+
+        def on_grad(g: torch.Tensor) -> None:
+            self._on_grad(gen, step, rec, g)
+
+        self._tensor_handles.append(t.register_hook(on_grad))  # type: ignore[no-untyped-call]
+        return True
+
+    def _on_grad(self, gen: int, step: int, fwd: Record, g: torch.Tensor) -> None:
+        if not self._attached or gen != self._gen or ops.replaying():
+            return
+        if "grad" in self._disabled_hooks:
+            return
+        try:
+            self._backward_seen = True
+            if not self._eob_queued:
+                self._eob_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if step != self._step:
+                return  # the step was ended between forward and backward
+            rec = self._new_record(
+                Phase.BACKWARD,
+                fwd.path,
+                fwd.role,
+                g,
+                fwd.call,
+                source=fwd.index,
+                module_type=fwd.module_type,
+            )
+            self._measure(rec, g)
+            if self._new_trigger is not None:
+                self._handle_trigger(None)
+        except NanwatchError:
+            raise
+        except Exception as exc:
+            self._fault("grad", "gradient hook", exc)
+
+    def _end_of_backward(self) -> None:
+        self._eob_queued = False
+        if not self._attached or ops.replaying():
+            return
+        try:
+            self._check_grads()
+            if self._new_trigger is not None:
+                self._handle_trigger(None)
+        except NanwatchError:
+            raise
+        except Exception as exc:
+            self._fault("grad", "end-of-backward check", exc)
+
+    # ------------------------------------------------------------------ parameters
+    def _collect_params(self) -> list[tuple[str, str, nn.Parameter]]:
+        """(qualified name, owner module path, parameter), each parameter once."""
+        seen: set[int] = set()
+        out: list[tuple[str, str, nn.Parameter]] = []
+        root_paths = {id(m): info.path for m, info in self._modules if info.is_root}
+        for module, info in self._modules:
+            base = "" if info.is_root else info.path
+            for local in info.params:
+                p = getattr(module, local, None)
+                if not isinstance(p, torch.Tensor) or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                qual = f"{base}.{local}" if base else local
+                if info.is_root and len(root_paths) > 1 and info.path != type(module).__name__:
+                    qual = f"{info.path}.{local}"
+                out.append((qual, info.path, p))  # type: ignore[arg-type]
+        return out
+
+    def _check_grads(self) -> None:
+        items = [(q, path, p.grad) for q, path, p in self._params if p.grad is not None]
+        self._grads_checked = True
+        if not items:
+            return
+        grads = [g for _, _, g in items]
+        dense = [g.layout is torch.strided for g in grads]
+        norms: list[torch.Tensor] = []
+        dense_grads = [g for g, d in zip(grads, dense, strict=True) if d]
+        dense_norms = iter(foreach_l2(dense_grads))
+        for g, d in zip(grads, dense, strict=True):
+            if d:
+                norms.append(next(dense_norms))
+            else:
+                norms.append(
+                    g.coalesce().values().float().norm()
+                    if g.is_sparse
+                    else g.values().float().norm()
+                )
+        owner_types = {info.path: info.type_name for _, info in self._modules}
+        recs = [
+            self._new_record(Phase.GRADIENT, path, q, g, -1, module_type=owner_types.get(path, ""))
+            for q, path, g in items
+        ]
+        if all(g.device.type == "cpu" for g in grads) and not self._defer_cpu:
+            values = torch.stack([n.double() for n in norms]).tolist()
+            self._fill_grad_stats(recs, grads, values)
+        else:
+            for rec, n in zip(recs, norms, strict=True):
+                rec.stat = TensorStat(math.nan, math.nan, rec_numel(rec))
+                self._pending_grads.append((rec, n, n))
+
+    def _fill_grad_stats(
+        self, recs: list[Record], grads: Sequence[torch.Tensor | None], values: list[float]
+    ) -> None:
+        total = 0.0
+        for rec, g, n in zip(recs, grads, values, strict=True):
+            stat = TensorStat(-n, n, rec_numel(rec), norm=n)
+            if not math.isfinite(n) and g is not None:
+                detail = describe(g)
+                if detail is not None:
+                    detail.norm = n
+                    stat = detail
+            rec.stat = stat
+            total += n * n
+            if not stat.finite:
+                self._note_bad(rec)
+        self._trace.grad_norm = math.sqrt(total) if math.isfinite(total) else total
+
+    def _check_params(self, *, all_records: bool) -> None:
+        """Weights: max |w| of every parameter with multi-tensor kernels. Lazily (on a
+        trigger) only bad parameters are recorded, ahead of the step's records, since they
+        were bad before the step's forward; at a forensic boundary all are recorded."""
+        if not self._params:
+            return
+        params = [p.detach() for _, _, p in self._params]
+        values = torch.stack([v.double().cpu() for v in foreach_absmax(params)]).tolist()
+        owner_types = {info.path: info.type_name for _, info in self._modules}
+        front: list[Record] = []
+        for (q, path, _), p, a in zip(self._params, params, values, strict=True):
+            if all_records or not math.isfinite(a):
+                stat = TensorStat(-a, a, p.numel())
+                if not math.isfinite(a):
+                    stat = describe(p) or stat
+                if all_records:
+                    rec = self._new_record(
+                        Phase.PARAMETER, path, q, p, -1, module_type=owner_types.get(path, "")
+                    )
+                else:
+                    rec = Record(
+                        index=-1 - len(front),
+                        step=self._step,
+                        phase=Phase.PARAMETER,
+                        path=path,
+                        role=q,
+                        dtype=dtype_name(p.dtype),
+                        device=device_name(p.device),
+                        shape=tuple(p.shape),
+                        module_type=owner_types.get(path, ""),
+                    )
+                    front.append(rec)
+                rec.stat = stat
+        if front:
+            front.reverse()
+            for i, r in enumerate(front):
+                r.index = -len(front) + i
+            self._trace.records[:0] = front
+
+    # ------------------------------------------------------------------ steps
+    def _maybe_begin_step(self) -> None:
+        """Called when the first root is called: begins a new step after a backward (or
+        on every call when gradients are disabled), unless steps are explicit."""
+        if (
+            self._begun
+            and not self._explicit
+            and (self._backward_seen or not torch.is_grad_enabled())
+        ):
+            self._boundary()
+        self._begun = True
+
+    def _boundary(self, *, final: bool = False) -> StepTrace:
+        trace = self._trace
+        empty = not trace.records and not trace.calls
+        if final and empty and self._user_loss is None:
+            return trace
+        anomaly_before = trace.anomaly
+        self._flush()
+        done = trace
+        self.history.append(done)
+        self._step += 1
+        self._reset_step()
+        self._act(done, anomaly_before)
+        return done
+
+    def _overflow_step(self) -> None:
+        warnings.warn(
+            f"nanwatch: a single step recorded more than {self.config.max_records_per_step} "
+            "tensors; it was ended early. Call nw.step() once per training step.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._boundary()
+
+    def _flush(self) -> None:
+        """Bring the step's statistics to the host (one transfer), check gradients and
+        weights, localize, and run the rules."""
+        trace = self._trace
+        if not self._device_dead:
+            self._materialize()
+            if not self._grads_checked and self._backward_seen:
+                self._check_grads()
+                self._materialize()
+            if self.config.mode == "forensic":
+                self._check_params(all_records=True)
+        self._drain_ops()
+        self._summarize(trace)
+        if trace.anomaly is None:
+            self._localize(trace)
+        else:  # found during the step: count what it took with it since
+            a = trace.anomaly
+            a.propagators, a.propagator_count = propagators(trace, a.record, a.path)
+            a.summary = summarize(a)
+        trace.diagnoses = self._evaluate(trace)
+
+    def _drain_ops(self) -> None:
+        """Move the forensic op checker's events into the step."""
+        if self._checker is not None and self._checker.events:
+            self._trace.ops.extend(self._checker.events)
+            self._checker.events.clear()
+
+    def _materialize(self) -> None:
+        """One host transfer per device for everything measured on accelerators."""
+        pending, grads = self._pending, self._pending_grads
+        self._pending, self._pending_grads = [], []
+        if not pending and not grads:
+            return
+        rows = pending + grads
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, a, _) in enumerate(rows):
+            by_device.setdefault(a.device, []).append(i)
+        values: list[tuple[float, float]] = [(math.nan, math.nan)] * len(rows)
+        with torch.no_grad():
+            for dev, idx in by_device.items():
+                flat = torch.stack(
+                    [
+                        x.to(torch.float64 if dev.type == "cpu" else torch.float32)
+                        for i in idx
+                        for x in rows[i][1:]
+                    ]
+                )
+                if dev.type == "cuda":
+                    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                    host.copy_(flat, non_blocking=True)
+                    torch.cuda.current_stream(dev).synchronize()
+                else:
+                    host = flat.cpu()
+                vals = host.tolist()
+                for j, i in enumerate(idx):
+                    values[i] = (vals[2 * j], vals[2 * j + 1])
+        for (rec, _, _), (lo, hi) in zip(pending, values, strict=False):
+            rec.stat = TensorStat(lo, hi, rec.stat.numel if rec.stat is not None else 0)
+            if not rec.stat.finite:
+                self._note_bad(rec)
+        if grads:
+            recs = [r for r, _, _ in grads]
+            self._fill_grad_stats(
+                recs, [None] * len(recs), [hi for _, hi in values[len(pending) :]]
+            )
+        self._new_trigger = None  # the flush localizes the whole step itself
+
+    def _summarize(self, trace: StepTrace) -> None:
+        loss = self._user_loss
+        if loss is not None and not self._device_dead:
+            trace.loss = (
+                float(loss.detach().float().item())
+                if isinstance(loss, torch.Tensor)
+                else float(loss)
+            )
+        elif trace.loss is None:
+            trace.loss = self._loss_from_records(trace)
+        mags = []
+        for r in trace.records:
+            if r.phase is Phase.FORWARD and self._is_first_root_call(trace, r):
+                m = trace.resolve(r)
+                if m.stat is not None:
+                    mags.append(m.stat.magnitude)
+        mags = [m for m in mags if not math.isnan(m)]
+        trace.max_logit = max(mags) if mags else None
+        s = self.scaler
+        if s is not None and self._scaled and not self._device_dead:
+            with contextlib.suppress(Exception):
+                trace.scale = float(s.get_scale())
+
+    def _is_first_root_call(self, trace: StepTrace, r: Record) -> bool:
+        call = trace.call(r.call)
+        if call is None or not call.root:
+            return False
+        first = next((info.path for _, info in self._modules if info.first_root), None)
+        return call.path == first
+
+    @staticmethod
+    def _loss_from_records(trace: StepTrace) -> float | None:
+        """The step's loss: the last one-element output of a root (the criterion, or a model
+        that returns its loss), else of a loss module."""
+        root_loss: float | None = None
+        module_loss: float | None = None
+        for r in trace.records:
+            if r.phase is not Phase.FORWARD:
+                continue
+            m = trace.resolve(r)
+            if m.stat is None or m.stat.numel != 1:
+                continue
+            call = trace.call(r.call)
+            if call is None:
+                continue
+            value = math.nan if m.stat.has_nan else m.stat.max
+            if call.root:
+                root_loss = value
+            elif call.is_loss:
+                module_loss = value
+        return root_loss if root_loss is not None else module_loss
+
+    # ------------------------------------------------------------------ anomalies
+    def _localize(self, trace: StepTrace) -> Anomaly | None:
+        cfg = self.config
+        if trace is self._trace:
+            self._drain_ops()
+        anomaly = localize(trace, allow=cfg.allow, scaled_grads=self._scaled)
+        if anomaly is None:
+            return None
+        if anomaly.kind is not AnomalyKind.PARAMETER and not self._device_dead:
+            with contextlib.suppress(Exception):
+                self._check_params(all_records=False)
+            if any(r.phase is Phase.PARAMETER and r.bad for r in trace.records):
+                anomaly = localize(trace, allow=cfg.allow, scaled_grads=self._scaled) or anomaly
+        trace.anomaly = anomaly
+        self.anomalies.append(anomaly)
+        if self.first_anomaly is None:
+            self.first_anomaly = anomaly
+        return anomaly
+
+    def _handle_trigger(self, current: tuple[Call, nn.Module, Any, Any] | None) -> None:
+        """A record just turned out bad (CPU: known at once). Localize now, pinpoint the op
+        while the producer's inputs are at hand, and act."""
+        self._new_trigger = None
+        trace = self._trace
+        if trace.anomaly is not None:
+            return
+        first_of_run = self.first_anomaly is None
+        anomaly = self._localize(trace)
+        if anomaly is None:
+            return
+        if (
+            self.config.pinpoint
+            and first_of_run
+            and anomaly.kind is AnomalyKind.FORWARD
+            and anomaly.op is None
+        ):
+            self._pinpoint(anomaly, current)
+        trace.diagnoses = self._evaluate(trace)
+        self._act(trace, None)
+
+    def _pinpoint(self, anomaly: Anomaly, current: tuple[Call, nn.Module, Any, Any] | None) -> None:
+        trace = self._trace
+        call = trace.call(anomaly.record.call)
+        target = call
+        if anomaly.origin == "between-children" and call is not None and call.parent is not None:
+            target = trace.call(call.parent)
+        if target is None:
+            return
+        found: tuple[nn.Module, Any, Any] | None = None
+        if current is not None and current[0] is target:
+            found = (current[1], current[2], current[3])
+        else:
+            for fr in self._stack:
+                if fr.call is target:
+                    found = (fr.module, fr.args, fr.kwargs)
+                    break
+        if found is None:
+            return
+        module, args, kwargs = found
+        if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
+            return  # on accelerators a replay syncs per op: use forensic mode or nw.replay()
+        result = ops.replay(module, args, kwargs, path=target.path, on_error=self._checker_fault)
+        trace.ops.extend(result.events)
+        first = result.first()
+        if first is not None:
+            anomaly.op = first
+        elif result.clean:
+            anomaly.transient = True
+        anomaly.summary = summarize(anomaly)
+
+    def _evaluate(self, trace: StepTrace) -> list[Diagnosis]:
+        from nanwatch.rules import evaluate
+
+        history = list(self.history)
+        if history and history[-1] is trace:
+            history = history[:-1]
+        return evaluate(
+            trace,
+            history,
+            self.config.thresholds,
+            ignore=self.config.ignore,
+            disabled=self._disabled_rules,
+            facts={"scaler": self._scaled, "mode": self.config.mode},
+        )
+
+    def _act(self, trace: StepTrace, already: Anomaly | None) -> None:
+        """Apply ``on_anomaly`` once per step, to a localized anomaly or an error-severity
+        diagnosis."""
+        if self._quiet or self._acted_step == trace.step:
+            return
+        anomaly = trace.anomaly
+        errors = [d for d in trace.diagnoses if d.severity == "error"]
+        if anomaly is None and not errors:
+            return
+        if already is not None and anomaly is already:
+            return  # acted on when it was first seen (during the step)
+        self._acted_step = trace.step
+        message = self._message(trace)
+        policy = self.config.on_anomaly
+        if policy == "raise":
+            raise AnomalyError(message, anomaly=anomaly, diagnoses=trace.diagnoses)
+        if policy == "warn" and not self._warned:
+            self._warned = True
+            frame = _frames.user_frame(sys._getframe(1))
+            if frame is not None:
+                warnings.warn_explicit(
+                    message,
+                    RuntimeWarning,
+                    frame.f_code.co_filename,
+                    frame.f_lineno,
+                    module="nanwatch",
+                )
+            else:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+    def _message(self, trace: StepTrace) -> str:
+        lines: list[str] = []
+        a = trace.anomaly
+        if a is not None:
+            lines.append(f"nanwatch: step {trace.step}: {a.summary}")
+        top = trace.diagnoses[0] if trace.diagnoses else None
+        if top is not None:
+            if a is None:
+                lines.append(f"nanwatch: step {trace.step}: {top.title}")
+            lines.append(f"  {top.headline}")
+            if top.fix:
+                lines.append(f"  fix: {top.fix}")
+        lines.append("  full report: print(nw.report); nw.report.save('run.html')")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ faults and exits
+    def _fault(self, key: str, where: str, exc: BaseException) -> None:
+        self._disabled_hooks.add(key)
+        msg = f"{type(exc).__name__}: {exc}"
+        self.faults.append((where, msg))
+        warnings.warn(
+            f"nanwatch: internal error in its {where} ({msg}); this hook is disabled for the "
+            "rest of the run and training goes on. Please report it with the traceback "
+            "(python -W error::RuntimeWarning).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _checker_fault(self, exc: BaseException) -> None:
+        self.faults.append(("op checker", f"{type(exc).__name__}: {exc}"))
+        warnings.warn(
+            f"nanwatch: internal error in the op checker ({type(exc).__name__}: {exc}); op "
+            "checks are off for the rest of the run.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _remove_hooks(self) -> None:
+        if self._restore_signals is not None:
+            restore, self._restore_signals = self._restore_signals, None
+            restore()
+        if self._functional_guards is not None:
+            fg, self._functional_guards = self._functional_guards, None
+            with contextlib.suppress(Exception):
+                fg.__exit__(None, None, None)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for h in self._tensor_handles:
+            h.remove()
+        self._tensor_handles = []
+        if self._checker is not None:
+            checker, self._checker = self._checker, None
+            with contextlib.suppress(Exception):
+                checker.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        if self._anomaly_mode_prev is not None:
+            enabled, check_nan = self._anomaly_mode_prev
+            self._anomaly_mode_prev = None
+            torch.autograd.set_detect_anomaly(enabled, check_nan=check_nan)
+
+    def _on_exception(self, exc: BaseException) -> None:
+        """The code inside ``watch`` raised: finish the step from what is safe to read, write
+        the post-mortem, and let the exception go on unchanged."""
+        from nanwatch import postmortem
+
+        info = postmortem.classify(exc)
+        if info.get("device_lost"):
+            self._device_dead = True
+        self._note_mutations()
+        self._trace.error = info
+        self._quiet = True
+        try:
+            self._boundary()
+        except Exception as inner:  # the user's exception matters more than ours
+            self.faults.append(("post-mortem flush", f"{type(inner).__name__}: {inner}"))
+        finally:
+            self._quiet = False
+        if self.config.postmortem:
+            postmortem.capture(self, exc)
+
+    def _note_mutations(self) -> None:
+        """Outputs changed in place after they were recorded (host-side version counters,
+        no device access): the evidence for autograd's "modified by an inplace operation"."""
+        trace = self._trace
+        for ref, idx, ver, _ in self._known.values():
+            t = ref()
+            if t is None or ver is None:
+                continue
+            now = _version(t)
+            if now is not None and now != ver:
+                rec = trace.record(idx)
+                if rec is not None:
+                    trace.mutations.append(
+                        {
+                            "index": idx,
+                            "path": rec.path,
+                            "role": rec.role,
+                            "grad_fn": rec.grad_fn,
+                            "recorded_version": ver,
+                            "version": now,
+                        }
+                    )
+
+
+def _grad_fn_name(t: torch.Tensor) -> str | None:
+    fn = t.grad_fn
+    return None if fn is None else type(fn).__name__
+
+
+def rec_numel(rec: Record) -> int:
+    n = 1
+    for s in rec.shape:
+        n *= s
+    return n
+
+
+def watch(
+    *modules: nn.Module,
+    mode: str = "watch",
+    on_anomaly: str = "raise",
+    sample_every: int = 1,
+    ring_size: int = 32,
+    report_dir: str = "nanwatch-reports",
+    allow: Sequence[str] = (),
+    ignore: Sequence[str] = (),
+    guards: bool = True,
+    functional_guards: bool = False,
+    pinpoint: bool = True,
+    postmortem: bool = True,
+    scaler: Any = None,
+    config: WatchConfig | None = None,
+) -> Watcher:
+    """Watch ``modules`` (the model, and the loss module when there is one) for non-finite
+    values, forward and backward; returns a :class:`Watcher` to use as a context manager.
+
+    ``mode``: ``"sentinel"`` (loss, gradients, weights: near zero cost), ``"watch"`` (every
+    module), ``"forensic"`` (every aten op: slow, for replays). ``on_anomaly``: ``"raise"``
+    :class:`nanwatch.AnomalyError`, ``"warn"`` once, or ``"record"``. ``allow``: module-path
+    patterns whose non-finite values are intended. ``scaler``: the ``GradScaler`` in use, so
+    its expected overflows are not reported as anomalies. ``config`` replaces the keyword
+    options at once.
+
+    Example:
+        >>> model, criterion = nn.Linear(4, 1), nn.MSELoss()
+        >>> with watch(model, criterion) as nw:
+        ...     loss = criterion(model(torch.randn(8, 4)), torch.randn(8, 1))
+        ...     loss.backward()
+        ...     _ = nw.step()
+        >>> print(nw.first_anomaly)
+        None
+    """
+    if config is None:
+        config = WatchConfig(
+            mode=mode,  # type: ignore[arg-type]
+            on_anomaly=on_anomaly,  # type: ignore[arg-type]
+            sample_every=sample_every,
+            ring_size=ring_size,
+            report_dir=report_dir,
+            allow=tuple(allow) if not isinstance(allow, str) else (allow,),
+            ignore=tuple(ignore) if not isinstance(ignore, str) else (ignore,),
+            guards=guards,
+            functional_guards=functional_guards,
+            pinpoint=pinpoint,
+            postmortem=postmortem,
+        )
+    return Watcher(list(modules), config, scaler=scaler)
