@@ -955,8 +955,11 @@ class Watcher:
 
     # ------------------------------------------------------------------ steps
     def _maybe_begin_step(self) -> None:
-        """Called when the first root is called: begins a new step after a backward (or
-        on every call when gradients are disabled), unless steps are explicit."""
+        """Called when the first root is called from outside any watched call: begins a
+        new step after a backward (or on every call when gradients are disabled), unless
+        steps are explicit."""
+        if self._stack:
+            return  # the root calling itself, or called from inside another watched module
         if (
             self._begun
             and not self._explicit

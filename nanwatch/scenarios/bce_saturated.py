@@ -39,7 +39,7 @@ def train(watch: Callable[..., Any]) -> None:
     torch.manual_seed(0)
     model = Classifier()
     with torch.no_grad():
-        model.head.weight.mul_(400.0)  # an over-confident model: logits in the hundreds
+        model.head.weight.mul_(5000.0)  # an over-confident model: logits in the thousands
     criterion = nn.BCELoss()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with watch(model, criterion) as nw:

@@ -1,0 +1,629 @@
+"""The watcher: hooks, records, steps, modes, safety. Each test asserts something a user
+would notice if it broke."""
+
+from __future__ import annotations
+
+import gc
+import math
+import warnings
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import nanwatch
+from nanwatch import AnomalyKind, Phase, WatchConfig
+from nanwatch.errors import AnomalyError, ConfigError, NanwatchError
+from tests import zoo
+
+
+def _paths(nw: nanwatch.Watcher, phase: Phase, step: int = -1) -> list[str]:
+    trace = nw.history[step]
+    return [r.path for r in trace.records if r.phase is phase]
+
+
+def _hook_state(model: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    names = (
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_pre_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+    )
+    return [
+        (f"{q}.{n}", tuple(getattr(m, n).keys())) for q, m in model.named_modules() for n in names
+    ]
+
+
+# ---------------------------------------------------------------- arguments and lifecycle
+def test_watch_needs_modules() -> None:
+    with pytest.raises(ConfigError, match=r"at least one nn\.Module"):
+        nanwatch.watch()
+
+
+def test_watch_rejects_non_modules_naming_the_value() -> None:
+    with pytest.raises(ConfigError, match=r"got Tensor") as info:
+        nanwatch.watch(torch.zeros(2))  # type: ignore[arg-type]
+    assert info.value.name == "modules"
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("mode", "fast", "`mode` can be 'sentinel', 'watch', 'forensic'; got 'fast'"),
+        ("on_anomaly", "stop", "`on_anomaly` can be 'raise', 'warn', 'record'; got 'stop'"),
+        ("sample_every", 0, "`sample_every` must be an integer >= 1; got 0"),
+        ("ring_size", -3, "`ring_size` must be an integer >= 1; got -3"),
+    ],
+)
+def test_bad_options_name_the_value_and_the_choices(option: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        nanwatch.watch(nn.Linear(2, 2), **{option: value})
+    assert message in str(info.value)
+    assert info.value.name == option and info.value.value == value
+
+
+def test_config_replace_validates_and_rejects_unknown_options() -> None:
+    cfg = WatchConfig()
+    assert cfg.replace(mode="sentinel").mode == "sentinel"
+    with pytest.raises(ConfigError, match="unknown option `speed`"):
+        cfg.replace(speed=2)
+
+
+def test_context_manager_restores_every_hook_dict_exactly() -> None:
+    model = zoo.Deep()
+    model.encoder.layers[0].register_forward_hook(lambda m, i, o: None)  # a user's own hook
+    before = _hook_state(model)
+    with nanwatch.watch(model) as nw:
+        assert nw.attached
+        assert _hook_state(model) != before
+        model(torch.randn(2, 4))
+    assert not nw.attached
+    assert _hook_state(model) == before
+
+
+def test_attach_twice_is_an_error_and_detach_twice_is_safe() -> None:
+    model = nn.Linear(2, 2)
+    nw = nanwatch.watch(model).attach()
+    with pytest.raises(NanwatchError, match="already attached"):
+        nw.attach()
+    nw.detach()
+    nw.detach()
+    assert not model._forward_hooks
+
+
+def test_attach_detach_many_times_leaves_nothing() -> None:
+    model = zoo.InplaceNet()
+    before = _hook_state(model)
+    nw = nanwatch.watch(model)
+    for _ in range(20):
+        nw.attach()
+        model(torch.randn(3, 4)).sum().backward()
+        nw.step()
+        nw.detach()
+    assert _hook_state(model) == before
+    assert len(nw.history) == 20
+
+
+# ---------------------------------------------------------------- names and records
+def test_every_submodule_is_named_by_its_qualified_name() -> None:
+    model = zoo.Deep()
+    with nanwatch.watch(model) as nw:
+        model(torch.randn(2, 4))
+        nw.step()
+    paths = _paths(nw, Phase.FORWARD)
+    assert "encoder.layers.2.0" in paths
+    assert paths[-1] == "Deep"  # the root is named by its class
+    assert nw.module_paths[0] == "Deep"
+
+
+def test_a_module_called_twice_gets_one_record_per_call_in_order() -> None:
+    model = zoo.SharedTwice()
+    with nanwatch.watch(model) as nw:
+        model(torch.randn(2, 4))
+        nw.step()
+    trace = nw.history[-1]
+    fc = [r for r in trace.records if r.path == "fc" and r.phase is Phase.FORWARD]
+    assert len(fc) == 2
+    assert fc[0].index < fc[1].index
+    assert fc[0].call != fc[1].call
+    # the second call's input is functional code (relu) between the calls, measured
+    second_input = [r for r in trace.records if r.call == fc[1].call and r.phase is Phase.INPUT]
+    assert second_input[0].stat is not None
+
+
+def test_a_module_that_calls_itself_is_one_step() -> None:
+    model = zoo.Recursive()
+    with torch.no_grad(), nanwatch.watch(model) as nw:
+        model(torch.randn(2, 4))
+        model(torch.randn(2, 4))
+    # under no_grad each outer call is a step; the recursive calls are not
+    assert len(nw.history) == 2
+    roots = [c for c in nw.history[0].calls if c.path == "Recursive"]
+    assert len(roots) == 3
+
+
+def test_outputs_of_every_structure_are_traversed() -> None:
+    model = zoo.Structured()
+    with nanwatch.watch(model) as nw:
+        model(torch.randn(2, 4))
+        nw.step()
+    roles = {r.role: r for r in nw.history[-1].records if r.path == "Structured"}
+    assert "output['tuple'][0]" in roles
+    assert "output['data'].logits" in roles
+    assert "output['data'].hidden" in roles
+    assert "output['pair'].logits" in roles
+    assert "output['model_output'].loss" in roles
+    aux = roles["output['pair'].aux"]  # integers: metadata only
+    assert aux.dtype == "int64" and aux.shape == (3,) and aux.stat is None
+    assert roles["output['pair'].logits"].stat is not None
+
+
+def test_packed_sequences_and_lstm_tuples() -> None:
+    model = zoo.LSTMTagger()
+    with nanwatch.watch(model) as nw:
+        out = model(torch.randn(3, 5, 4), torch.tensor([5, 2, 4]))
+        out.sum().backward()
+        nw.step()
+    roles = [r.role for r in nw.history[-1].records if r.path == "lstm"]
+    assert "output[0].data" in roles and "output[0].batch_sizes" in roles
+    assert nw.first_anomaly is None
+
+
+def test_records_hold_dtype_device_shape_and_minmax() -> None:
+    model = nn.Sequential(nn.Linear(3, 5))
+    x = torch.randn(4, 3)
+    with nanwatch.watch(model) as nw:
+        y = model(x)
+        nw.step()
+    rec = next(r for r in nw.history[-1].records if r.path == "0" and r.phase is Phase.FORWARD)
+    assert (rec.dtype, rec.device, rec.shape) == ("float32", "cpu", (4, 5))
+    assert rec.stat is not None
+    assert rec.stat.min == pytest.approx(float(y.detach().min()))
+    assert rec.stat.max == pytest.approx(float(y.detach().max()))
+    assert rec.grad_fn == "AddmmBackward0"
+
+
+def test_gradients_of_outputs_and_parameters_are_recorded() -> None:
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))
+    with nanwatch.watch(model) as nw:
+        model(torch.randn(4, 3)).sum().backward()
+        nw.step()
+    trace = nw.history[-1]
+    assert "0" in _paths(nw, Phase.BACKWARD)
+    grads = {r.role: r for r in trace.records if r.phase is Phase.GRADIENT}
+    assert set(grads) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    expected = math.sqrt(sum(float(p.grad.norm()) ** 2 for p in model.parameters()))
+    assert trace.grad_norm == pytest.approx(expected, rel=1e-5)
+    assert grads["2.weight"].stat is not None
+    assert grads["2.weight"].stat.norm == pytest.approx(float(model[2].weight.grad.norm()))
+
+
+def test_passthrough_modules_are_not_measured_but_linked() -> None:
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 1))
+    with nanwatch.watch(model) as nw:
+        model(torch.randn(4, 3)).sum().backward()
+        nw.step()
+    trace = nw.history[-1]
+    relu = next(r for r in trace.records if r.path == "1" and r.phase is Phase.FORWARD)
+    assert relu.stat is None
+    assert trace.resolve(relu).path == "0"  # bounded by the record of its input
+    assert "1" not in _paths(nw, Phase.BACKWARD)  # no gradient hook on a passthrough
+
+
+def test_loss_and_max_logit_feed_the_timeline() -> None:
+    model, criterion = nn.Linear(3, 2), nn.MSELoss()
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    with nanwatch.watch(model, criterion) as nw:
+        out = model(x)
+        loss = criterion(out, y)
+        loss.backward()
+        nw.step()
+    trace = nw.history[-1]
+    assert trace.loss == pytest.approx(float(loss))
+    assert trace.max_logit == pytest.approx(float(out.abs().max()))
+
+
+def test_functional_loss_can_be_given_to_step() -> None:
+    model = nn.Linear(3, 1)
+    with nanwatch.watch(model) as nw:
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        loss.backward()
+        nw.step(loss=loss)
+    assert nw.history[-1].loss == pytest.approx(float(loss))
+
+
+# ---------------------------------------------------------------- steps
+def test_without_step_a_call_after_backward_begins_a_step() -> None:
+    model = nn.Linear(3, 1)
+    with nanwatch.watch(model) as nw:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+    assert [t.step for t in nw.history] == [0, 1, 2]
+
+
+def test_two_forwards_before_one_backward_are_one_step() -> None:
+    model = nn.Linear(3, 1)
+    with nanwatch.watch(model) as nw:
+        for _ in range(2):
+            a = model(torch.randn(2, 3))
+            b = model(torch.randn(2, 3))
+            (a - b).pow(2).sum().backward()
+    assert len(nw.history) == 2
+    assert sum(1 for c in nw.history[0].calls if c.root) == 2
+
+
+def test_under_no_grad_each_call_is_a_step() -> None:
+    model = nn.Linear(3, 1)
+    with torch.no_grad(), nanwatch.watch(model) as nw:
+        for _ in range(4):
+            model(torch.randn(2, 3))
+    assert len(nw.history) == 4
+
+
+def test_explicit_steps_turn_off_the_automatic_rule() -> None:
+    model = nn.Linear(3, 1)
+    with nanwatch.watch(model) as nw:
+        nw.step()  # from the first call of step() on, steps are the user's
+        for _ in range(2):
+            for _ in range(3):  # gradient accumulation: three backwards per step
+                model(torch.randn(2, 3)).sum().backward()
+            nw.step()
+    assert [t.step for t in nw.history] == [0, 1, 2]
+    assert [sum(1 for c in t.calls if c.root) for t in nw.history] == [0, 3, 3]
+
+
+def test_ring_buffer_is_bounded() -> None:
+    model = nn.Linear(3, 1)
+    with nanwatch.watch(model, ring_size=5) as nw:
+        for _ in range(12):
+            model(torch.randn(2, 3)).sum().backward()
+            nw.step()
+    assert [t.step for t in nw.history] == [7, 8, 9, 10, 11]
+
+
+# ---------------------------------------------------------------- modes
+def test_sentinel_watches_roots_gradients_and_weights_only() -> None:
+    model = zoo.Deep()
+    with nanwatch.watch(model, mode="sentinel") as nw:
+        model(torch.randn(2, 4)).sum().backward()
+        nw.step()
+    trace = nw.history[-1]
+    assert {r.path for r in trace.records if r.phase in (Phase.FORWARD, Phase.INPUT)} == {"Deep"}
+    assert any(r.phase is Phase.GRADIENT for r in trace.records)
+    assert not model.encoder.layers[0][0]._forward_hooks  # no hooks on submodules at all
+
+
+def test_sentinel_still_finds_a_nan_loss_and_blames_the_weights() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[1].weight[0, 2] = float("inf")
+    with nanwatch.watch(model, mode="sentinel", on_anomaly="record") as nw:
+        model(torch.randn(2, 3)).sum().backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.PARAMETER
+    assert a.parameter == "1.weight"
+
+
+def test_sample_every_watches_every_nth_step_and_sentinel_between() -> None:
+    model = zoo.Deep()
+    with nanwatch.watch(model, sample_every=3) as nw:
+        for _ in range(7):
+            model(torch.randn(2, 4)).sum().backward()
+            nw.step()
+    full = [t.full for t in nw.history]
+    assert full == [True, False, False, True, False, False, True]
+    assert "encoder.layers.0.0" in _paths(nw, Phase.FORWARD, 3)
+    assert "encoder.layers.0.0" not in _paths(nw, Phase.FORWARD, 4)
+    assert all(any(r.phase is Phase.GRADIENT for r in t.records) for t in nw.history)
+
+
+def test_forensic_mode_names_the_backward_op_and_its_module() -> None:
+    from nanwatch import scenarios
+
+    outcome = scenarios.run(scenarios.get("sqrt-backward"), mode="forensic")
+    a = outcome.anomaly
+    assert a is not None and a.kind is AnomalyKind.BACKWARD and a.path == "distance"
+    assert a.op is not None
+    assert a.op.node == "SqrtBackward0"
+    assert a.op.path == "distance"
+    src = scenarios.get("sqrt-backward").module.replace(".", "/") + ".py"
+    path = nanwatch.__file__.replace("nanwatch/__init__.py", src)
+    with open(path) as f:
+        lines = f.read().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if "torch.sqrt(" in text)
+    assert a.op.source is not None and a.op.source.endswith(f"sqrt_backward.py:{line}")
+    assert not torch.is_anomaly_enabled()  # forensic's anomaly mode was put back
+
+
+# ---------------------------------------------------------------- on_anomaly
+class _Div(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / (x - x)
+
+
+def _nan_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 3), _Div(), nn.Linear(3, 1))
+
+
+def test_raise_happens_where_the_anomaly_is_known() -> None:
+    model = _nan_model()
+    with pytest.raises(AnomalyError) as info, nanwatch.watch(model, postmortem=False):
+        model(torch.randn(2, 3))  # raises here, in forward, on CPU
+        pytest.fail("the forward should have raised")
+    err = info.value
+    assert err.module == "1"
+    assert err.anomaly is not None and err.anomaly.op is not None
+    assert err.anomaly.op.op.startswith("aten.div")
+    assert "+inf, -inf born in the forward of 1 (_Div)" in str(err)
+    assert not model[1]._forward_hooks
+
+
+def test_warn_warns_once_at_the_users_line() -> None:
+    model = _nan_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanwatch.watch(model, on_anomaly="warn") as nw:
+            for _ in range(3):
+                model(torch.randn(2, 3)).sum().backward()
+                nw.step()
+    ours = [w for w in caught if "nanwatch: step" in str(w.message)]
+    assert len(ours) == 1
+    assert ours[0].filename == __file__
+
+
+def test_record_is_silent_and_keeps_the_first_anomaly() -> None:
+    model = _nan_model()
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+            nw.step()
+    assert nw.first_anomaly is not None and nw.first_anomaly.step == 0
+    assert len(nw.anomalies) == 3
+
+
+def test_allow_patterns_make_intended_non_finite_values_quiet() -> None:
+    class Sentinel(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, torch.full_like(x[:, :1], float("inf"))], dim=1)
+
+    model = nn.Sequential(nn.Linear(2, 2), Sentinel())
+    with torch.no_grad(), nanwatch.watch(model, allow=["1"], on_anomaly="record") as nw:
+        model(torch.randn(2, 2))
+    assert nw.first_anomaly is None
+    with torch.no_grad(), nanwatch.watch(model, on_anomaly="record") as nw2:
+        model(torch.randn(2, 2))
+    assert nw2.first_anomaly is not None and nw2.first_anomaly.path == "1"
+
+
+def test_nan_in_the_batch_is_bad_data_with_the_sample_index() -> None:
+    model = nn.Sequential(nn.Linear(3, 3))
+    x = torch.randn(6, 3)
+    x[4, 1] = float("nan")
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        model(x)
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.INPUT and a.origin == "data"
+    assert a.record.stat is not None and a.record.stat.bad_rows == (4,)
+    assert "sample 4" in a.summary
+
+
+# ---------------------------------------------------------------- safety
+def test_inplace_relu_works_forward_and_backward_with_identical_results() -> None:
+    torch.manual_seed(1)
+    model = zoo.InplaceNet()
+    x = torch.randn(5, 4)
+    model(x).sum().backward()
+    ref_out = model(x).detach().clone()
+    ref_grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    model.zero_grad()
+    with nanwatch.watch(model) as nw:
+        out = model(x)
+        out.sum().backward()
+        nw.step()
+    assert torch.equal(out.detach(), ref_out)
+    for p, g in zip(model.parameters(), ref_grads, strict=True):
+        assert torch.equal(p.grad, g * 2) or torch.equal(p.grad, g)  # type: ignore[arg-type]
+    assert nw.first_anomaly is None
+
+
+def test_outputs_are_bit_identical_to_an_unwatched_run() -> None:
+    torch.manual_seed(3)
+    model = zoo.Deep()
+    x = torch.randn(4, 4)
+    expected = model(x)
+    for mode in ("sentinel", "watch", "forensic"):
+        with nanwatch.watch(model, mode=mode) as nw:
+            got = model(x)
+            nw.step()
+        assert torch.equal(got, expected), mode
+
+
+def test_no_activation_outlives_its_hook() -> None:
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8))
+    refs: list[weakref.ReferenceType[torch.Tensor]] = []
+    model[1].register_forward_hook(lambda m, i, o: refs.append(weakref.ref(o)))
+    with nanwatch.watch(model) as nw:
+        for _ in range(3):
+            model(torch.randn(32, 64)).sum().backward()
+            nw.step()
+        gc.collect()
+        assert refs and all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "eval"])
+def test_works_without_autograd(context: str) -> None:
+    model = zoo.InplaceNet()
+    if context == "eval":
+        model.eval()
+    ctx = {
+        "no_grad": torch.no_grad,
+        "inference_mode": torch.inference_mode,
+        "eval": torch.enable_grad,
+    }[context]()
+    with ctx, nanwatch.watch(model) as nw:
+        model(torch.randn(3, 4))
+        model(torch.randn(3, 4))
+        nw.step()
+    assert nw.first_anomaly is None
+    assert any(r.path == "fc1" and r.stat is not None for r in nw.history[-1].records)
+
+
+def test_script_modules_are_skipped_with_one_warning() -> None:
+    scripted = torch.jit.script(nn.Linear(3, 3))
+    model = nn.Sequential(nn.Linear(3, 3), scripted)
+    with pytest.warns(RuntimeWarning, match="ScriptModule") as record:
+        nw = nanwatch.watch(model).attach()
+    try:
+        model(torch.randn(2, 3))
+        assert "1" not in nw.module_paths and "0" in nw.module_paths
+    finally:
+        nw.detach()
+    assert len([w for w in record if "ScriptModule" in str(w.message)]) == 1
+
+
+def test_compiled_models_are_refused_with_the_way_out() -> None:
+    model = nn.Linear(3, 3)
+    compiled = torch.compile(model)
+    with pytest.raises(ConfigError, match=r"torch.compile.*_orig_mod"):
+        nanwatch.watch(compiled)
+
+
+def test_an_internal_error_in_a_hook_warns_once_and_training_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("boom")
+
+    monkeypatch.setattr(nanwatch.Watcher, "_record_outputs", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanwatch.watch(model) as nw:
+            for _ in range(3):
+                model(torch.randn(2, 3)).sum().backward()
+                nw.step()
+    ours = [w for w in caught if "internal error" in str(w.message)]
+    assert len(ours) == 1
+    assert "forward hook" in str(ours[0].message)
+    assert nw.faults == [("forward hook", "KeyError: 'boom'")]
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_users_exception_comes_out_unchanged_and_hooks_are_removed() -> None:
+    model = zoo.Deep()
+    err = ValueError("user code broke")
+    with pytest.raises(ValueError) as info, nanwatch.watch(model, postmortem=False):
+        model(torch.randn(2, 4))
+        raise err
+    assert info.value is err
+    assert not model.encoder.layers[0][0]._forward_hooks
+
+
+def test_keyboard_interrupt_inside_forward_leaves_nothing_behind() -> None:
+    class Interrupt(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyboardInterrupt
+
+    model = nn.Sequential(nn.Linear(2, 2), Interrupt())
+    with pytest.raises(KeyboardInterrupt), nanwatch.watch(model, postmortem=False):
+        model(torch.randn(1, 2))
+    assert not model[0]._forward_hooks
+
+
+def test_nested_watchers_on_the_same_model_both_record() -> None:
+    model = zoo.Deep()
+    with nanwatch.watch(model) as outer:
+        with nanwatch.watch(model) as inner:
+            model(torch.randn(2, 4)).sum().backward()
+            inner.step()
+            outer.step()
+        model(torch.randn(2, 4)).sum().backward()
+        outer.step()
+    assert len(inner.history) == 1 and len(outer.history) == 2
+    assert _paths(inner, Phase.FORWARD, 0) == _paths(outer, Phase.FORWARD, 0)
+
+
+def test_checkpointed_forward_is_not_double_counted() -> None:
+    model = zoo.Checkpointed()
+    with nanwatch.watch(model) as nw:
+        model(torch.randn(3, 4)).sum().backward()
+        nw.step()
+    trace = nw.history[-1]
+    block0 = [r for r in trace.records if r.path == "block.0" and r.phase is Phase.FORWARD]
+    assert len(block0) == 1
+    assert trace.recomputed >= 1
+
+
+def test_two_threads_with_their_own_watchers() -> None:
+    import threading
+
+    results: dict[int, Any] = {}
+
+    def run(i: int) -> None:
+        model = _nan_model() if i == 0 else zoo.Deep()
+        in_dim = 3 if i == 0 else 4
+        with nanwatch.watch(model, on_anomaly="record") as nw:
+            for _ in range(5):
+                model(torch.randn(2, in_dim)).sum().backward()
+                nw.step()
+        results[i] = nw
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results[0].first_anomaly is not None and results[0].first_anomaly.path == "1"
+    assert results[1].first_anomaly is None
+    assert len(results[0].history) == len(results[1].history) == 5
+
+
+def test_accelerator_path_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Statistics kept on the device until the flush (the CUDA path), driven on CPU."""
+    model = _nan_model()
+    nw = nanwatch.watch(model, on_anomaly="record")
+    nw._defer_cpu = True
+    with nw:
+        model(torch.randn(2, 3)).sum().backward()
+        assert nw._pending  # nothing read yet
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.path == "1" and a.kind is AnomalyKind.FORWARD
+    assert a.op is None  # no inputs at hand at the flush: forensic or replay names the op
+    fwd = [r for r in nw.history[-1].records if r.path == "0" and r.phase is Phase.FORWARD]
+    assert fwd[0].stat is not None and math.isfinite(fwd[0].stat.max)
+
+
+def test_replay_names_the_op_of_a_flush_time_anomaly() -> None:
+    model = _nan_model()
+    x = torch.randn(2, 3)
+    nw = nanwatch.watch(model, on_anomaly="record")
+    nw._defer_cpu = True
+    with nw:
+        model(x).sum().backward()
+        nw.step()
+        before = [p.detach().clone() for p in model.parameters()]
+        grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        result = nw.replay(lambda: model(x).sum().backward())
+    a = nw.first_anomaly
+    assert a is not None and a.op is not None and a.op.op.startswith("aten.div")
+    assert result.first() is not None
+    for p, b, g in zip(model.parameters(), before, grads, strict=True):
+        assert torch.equal(p.detach(), b)
+        torch.testing.assert_close(p.grad, g, equal_nan=True, rtol=0, atol=0)
+
+
+def test_record_of_finds_the_record_of_a_tensor() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sigmoid())
+    with nanwatch.watch(model) as nw:
+        out = model(torch.randn(2, 3))
+        rec = nw.record_of(out)
+        assert rec is not None and rec.grad_fn == "SigmoidBackward0"
+        assert nw.record_of(torch.zeros(1)) is None

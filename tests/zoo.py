@@ -1,0 +1,127 @@
+"""A zoo of awkward models (torchinfo's habit): each exercises something the watcher must
+survive without special-casing it."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+Pair = collections.namedtuple("Pair", ["logits", "aux"])
+
+
+@dataclasses.dataclass
+class DataOut:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    extra: Any = None
+
+
+class ModelOutput(collections.OrderedDict):  # transformers-style: a dict subclass
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError as exc:
+            raise AttributeError(name) from exc
+
+
+class SharedTwice(nn.Module):
+    """The same Linear called twice in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.fc(x)))
+
+
+class Recursive(nn.Module):
+    """A module that calls itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        x = self.fc(x)
+        return self(x, depth - 1) if depth > 0 else x
+
+
+class Structured(nn.Module):
+    """Outputs of every structure: tuple, dict, dataclass, namedtuple, ModelOutput, None,
+    ints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.heads = nn.ModuleDict({"a": nn.Linear(4, 2), "b": nn.Linear(4, 3)})
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        h = self.fc(x)
+        return {
+            "tuple": (self.heads["a"](h), None),
+            "data": DataOut(logits=self.heads["b"](h), hidden=h, extra="text"),
+            "pair": Pair(h * 2, torch.arange(3)),
+            "model_output": ModelOutput(loss=h.sum(), logits=h),
+            "count": 3,
+        }
+
+
+class InplaceNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        return self.head(h)
+
+
+class Deep(nn.Module):
+    """encoder.layers.N.attn-style paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Module()
+        self.encoder.layers = nn.ModuleList(  # type: ignore[assignment]
+            nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.encoder.layers:  # type: ignore[union-attr]
+            x = layer(x)
+        return x
+
+
+class LSTMTagger(nn.Module):
+    """PackedSequence and tuple-of-tuples outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(
+            x, lengths, batch_first=True, enforce_sorted=False
+        )
+        out, _ = self.lstm(packed)
+        padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
+        return self.head(padded)
