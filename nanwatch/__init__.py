@@ -19,6 +19,7 @@ from nanwatch.records import (
     Anomaly,
     AnomalyKind,
     Call,
+    Note,
     OpEvent,
     Phase,
     Record,
@@ -26,7 +27,7 @@ from nanwatch.records import (
     TensorStat,
 )
 from nanwatch.rules import Diagnosis, Rule, RuleContext, rule
-from nanwatch.watcher import Watcher, watch
+from nanwatch.watcher import Watcher, watch, watch_all
 
 try:
     __version__ = version("nanwatch")
@@ -41,6 +42,7 @@ __all__ = [
     "ConfigError",
     "Diagnosis",
     "NanwatchError",
+    "Note",
     "OpEvent",
     "Phase",
     "Record",
@@ -55,4 +57,5 @@ __all__ = [
     "__version__",
     "rule",
     "watch",
+    "watch_all",
 ]

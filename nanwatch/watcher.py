@@ -20,6 +20,7 @@ Data flow, hook by hook:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 import threading
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from nanwatch.report import Report
     from nanwatch.rules.base import Diagnosis
 
-__all__ = ["Watcher", "watch"]
+__all__ = ["Watcher", "watch", "watch_all"]
 
 #: Modules that cannot create a NaN or inf from finite inputs and do not raise magnitudes
 #: (or bound them): their outputs are bounded by the record of their input, so they are not
@@ -150,14 +151,16 @@ class _Frame:
 _SCRIPT_WARNED: set[int] = set()
 
 
-def _name_modules(roots: Sequence[nn.Module]) -> list[tuple[nn.Module, _ModInfo]]:
+def _name_modules(
+    roots: Sequence[nn.Module], *, taken: set[str] | None = None, first: bool = True
+) -> list[tuple[nn.Module, _ModInfo]]:
     """Name every submodule by its qualified name (``encoder.layers.3.attn``); a root is
     named by its class. A module reachable twice keeps its first name. When several roots
     are watched and two paths would collide, the later root's paths get its name as prefix."""
     out: list[tuple[nn.Module, _ModInfo]] = []
     seen: set[int] = set()
-    taken: set[str] = set()
-    root_names: list[str] = []
+    taken = set() if taken is None else set(taken)
+    root_names: list[str] = [t for t in taken if "." not in t]
     for i, root in enumerate(roots):
         base = type(root).__name__
         same = sum(n == base or n.startswith(base + "#") for n in root_names)
@@ -188,7 +191,9 @@ def _name_modules(roots: Sequence[nn.Module]) -> list[tuple[nn.Module, _ModInfo]
             seen.add(id(m))
             path = name if not q else prefix + q
             taken.add(path)
-            out.append((m, _ModInfo(path, m, is_root=not q, first_root=(i == 0 and not q))))
+            out.append(
+                (m, _ModInfo(path, m, is_root=not q, first_root=(first and i == 0 and not q)))
+            )
     return out
 
 
@@ -237,8 +242,9 @@ class Watcher:
         config: WatchConfig | None = None,
         *,
         scaler: Any = None,
+        global_hooks: bool = False,
     ) -> None:
-        if not modules:
+        if not modules and not global_hooks:
             raise ConfigError(
                 "modules", modules, "watch() needs at least one nn.Module: watch(model, criterion)."
             )
@@ -253,6 +259,10 @@ class Watcher:
         self.config = config if config is not None else WatchConfig()
         self.roots: list[nn.Module] = [_unwrap_compiled(m) for m in modules]
         self.scaler = scaler
+        #: global module hooks: every module called while attached is watched (nanwatch run)
+        self.global_hooks = global_hooks
+        self._forensic = self.config.mode == "forensic"
+        self._infos: weakref.WeakKeyDictionary[nn.Module, _ModInfo] = weakref.WeakKeyDictionary()
         self.history: deque[StepTrace] = deque(maxlen=self.config.ring_size)
         self.anomalies: list[Anomaly] = []
         self.first_anomaly: Anomaly | None = None
@@ -306,11 +316,20 @@ class Watcher:
         if self._attached:
             raise NanwatchError("this Watcher is already attached; call detach() first.")
         self._modules = _name_modules(self.roots)
+        self._infos = weakref.WeakKeyDictionary(self._modules)
         self._params = self._collect_params()
         full_hooks = self.config.mode != "sentinel"
-        forensic = self.config.mode == "forensic"
+        forensic = self._forensic
         try:
-            for module, info in self._modules:
+            if self.global_hooks:
+                mm = torch.nn.modules.module
+                self._handles.append(mm.register_module_forward_pre_hook(self._global_pre))
+                self._handles.append(
+                    mm.register_module_forward_hook(
+                        self._global_post, with_kwargs=True, always_call=True
+                    )
+                )
+            for module, info in self._modules if not self.global_hooks else ():
                 if not (info.is_root or full_hooks):
                     continue
                 if not info.passthrough or forensic:
@@ -326,6 +345,7 @@ class Watcher:
                 from nanwatch import guards
 
                 loss_modules = [(m, info.path) for m, info in self._modules if info.is_loss]
+                # (global hooks: losses found later are guarded when they are discovered)
                 self._handles.extend(guards.attach(self, loss_modules))
                 if self.config.functional_guards:
                     self._functional_guards = guards.FunctionalGuards(self)
@@ -394,6 +414,27 @@ class Watcher:
         if loss is not None:
             self._user_loss = loss
         return self._boundary()
+
+    def check(self) -> Anomaly | None:
+        """Localize what the current step recorded so far, without ending the step or acting
+        on ``on_anomaly``: brings pending statistics to the host (one transfer) and checks
+        the parameter gradients. For code that must decide before the optimizer step (the
+        Lightning callback skips or stops there).
+
+        Example:
+            >>> loss.backward()                                   # doctest: +SKIP
+            >>> if nw.check() is not None:                        # doctest: +SKIP
+            ...     opt.zero_grad(set_to_none=True)               # skip this update
+        """
+        if not self._device_dead:
+            self._materialize()
+            if self._backward_seen and not self._grads_checked:
+                self._check_grads()
+                self._materialize()
+        trace = self._trace
+        if trace.anomaly is None:
+            self._localize(trace)
+        return trace.anomaly
 
     def note(self, kind: str, path: str, *, source: str | None = None, **data: Any) -> Note:
         """Add evidence to the current step for the rules (see :class:`nanwatch.Note`)."""
@@ -478,82 +519,173 @@ class Watcher:
 
     # ------------------------------------------------------------------ hook factories
     def _make_pre(self, info: _ModInfo) -> Callable[..., None]:
+        pre = self._pre
+
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if not self._attached:
-                return
-            if ops.replaying():
-                ops.push_path(info.path)
-                return
-            if "pre" in self._disabled_hooks:
-                return
-            try:
-                if info.first_root:
-                    self._maybe_begin_step()
-                if not (self._full or info.is_root):
-                    return
-                if torch._C._current_autograd_node() is not None:
-                    return  # activation checkpointing recomputing in backward
-                call = self._open_call(info)
-                self._stack.append(_Frame(call, module, args, kwargs))
-                self._record_inputs(info, call, args, kwargs)
-                if self._new_trigger is not None:
-                    self._handle_trigger(None)
-            except NanwatchError:
-                raise
-            except Exception as exc:
-                self._fault("pre", "forward pre-hook", exc)
+            pre(info, module, args, kwargs)
 
         return pre_hook
 
     def _make_post(self, info: _ModInfo) -> Callable[..., None]:
-        forensic = self.config.mode == "forensic"
+        post = self._post
 
         def post_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
-            if not self._attached:
-                return
-            if ops.replaying():
-                if not info.passthrough or forensic:
-                    ops.pop_path()
-                if output is not None:
-                    outs = [t for _, t in iter_tensors(output, "output")]
-                    ops.stamp_graph(outs, info.path)
-                return
-            if "post" in self._disabled_hooks:
-                return
-            try:
-                if not (self._full or info.is_root):
-                    return
-                if torch._C._current_autograd_node() is not None:
-                    self._trace.recomputed += 1
-                    return
-                pre_opened = not info.passthrough or forensic
-                frame = self._pop_frame(module) if pre_opened else None
-                if pre_opened and frame is None:
-                    return  # the call began before attach(), or in a skipped step
-                if output is None and sys.exc_info()[1] is not None:
-                    return  # forward raised; always_call ran us to keep the stack straight
-                if frame is not None:
-                    call = frame.call
-                else:
-                    call = self._open_call(info)
-                    self._record_inputs(info, call, args, kwargs)
-                self._record_outputs(info, call, output)
-                call.end = self._idx
-                if forensic:
-                    outs = [t for _, t in iter_tensors(output, "output")]
-                    ops.stamp_graph(outs, info.path)
-                if self._new_trigger is not None:
-                    self._handle_trigger((call, module, args, kwargs))
-                if self._idx > self.config.max_records_per_step and not self._quiet:
-                    self._overflow_step()
-            except NanwatchError:
-                raise
-            except Exception as exc:
-                self._fault("post", "forward hook", exc)
+            post(info, module, args, kwargs, output)
 
         return post_hook
+
+    def _pre(
+        self, info: _ModInfo, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if not self._attached:
+            return
+        if info.passthrough and not self._forensic:
+            return  # measured from its forward hook alone
+        if ops.replaying():
+            ops.push_path(info.path)
+            return
+        if "pre" in self._disabled_hooks:
+            return
+        try:
+            if info.first_root:
+                self._maybe_begin_step()
+            if not (self._full or info.is_root):
+                return
+            if torch._C._current_autograd_node() is not None:
+                return  # activation checkpointing recomputing in backward
+            call = self._open_call(info)
+            self._stack.append(_Frame(call, module, args, kwargs))
+            self._record_inputs(info, call, args, kwargs)
+            if self._new_trigger is not None:
+                self._handle_trigger(None)
+        except NanwatchError:
+            raise
+        except Exception as exc:
+            self._fault("pre", "forward pre-hook", exc)
+
+    def _post(
+        self,
+        info: _ModInfo,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> None:
+        if not self._attached:
+            return
+        forensic = self._forensic
+        if ops.replaying():
+            if not info.passthrough or forensic:
+                ops.pop_path()
+            if output is not None:
+                outs = [t for _, t in iter_tensors(output, "output")]
+                ops.stamp_graph(outs, info.path)
+            return
+        if "post" in self._disabled_hooks:
+            return
+        try:
+            if not (self._full or info.is_root):
+                return
+            if torch._C._current_autograd_node() is not None:
+                self._trace.recomputed += 1
+                return
+            pre_opened = not info.passthrough or forensic
+            frame = self._pop_frame(module) if pre_opened else None
+            if pre_opened and frame is None:
+                return  # the call began before attach(), or in a skipped step
+            if output is None and sys.exc_info()[1] is not None:
+                return  # forward raised; always_call ran us to keep the stack straight
+            if frame is not None:
+                call = frame.call
+            else:
+                call = self._open_call(info)
+                self._record_inputs(info, call, args, kwargs)
+            self._record_outputs(info, call, output)
+            call.end = self._idx
+            if forensic:
+                outs = [t for _, t in iter_tensors(output, "output")]
+                ops.stamp_graph(outs, info.path)
+            if self._new_trigger is not None:
+                self._handle_trigger((call, module, args, kwargs))
+            if self._idx > self.config.max_records_per_step and not self._quiet:
+                self._overflow_step()
+        except NanwatchError:
+            raise
+        except Exception as exc:
+            self._fault("post", "forward hook", exc)
+
+    # ------------------------------------------------------------------ global hooks
+    def _global_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        info = self._info_for(module, args, {})
+        if info is not None:
+            self._pre(info, module, args, {})
+
+    def _global_post(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        # (kwargs, output) normally; PyTorch calls always-call global hooks with (output)
+        # alone when forward raised
+        kwargs, output = (rest[0], rest[1]) if len(rest) == 2 else ({}, rest[0])
+        info = self._infos.get(module)
+        if info is not None:
+            self._post(info, module, args, kwargs, output)
+
+    def _info_for(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> _ModInfo | None:
+        """The module's info; a module seen for the first time is named on the spot: from
+        outside any watched call it is a new root (with all its submodules), from inside
+        one it is named below the running module."""
+        info = self._infos.get(module)
+        if info is not None or not self._attached or ops.replaying():
+            return info
+        if isinstance(module, torch.jit.ScriptModule):
+            return None
+        try:
+            if self._stack:
+                parent = self._stack[-1]
+                rel = next((q for q, m in parent.module.named_modules() if m is module and q), None)
+                path = f"{parent.call.path}.{rel or '<' + type(module).__name__ + '>'}"
+                found = [(module, _ModInfo(path, module, is_root=False, first_root=False))]
+            else:
+                taken = {i.path for _, i in self._modules}
+                found = _name_modules([module], taken=taken, first=not self._modules)
+                self.roots.append(module)
+            self._register_found(found, args, kwargs)
+        except Exception as exc:
+            self._fault("pre", "module discovery", exc)
+            return None
+        return self._infos.get(module)
+
+    def _register_found(
+        self,
+        found: list[tuple[nn.Module, _ModInfo]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        for m, info in found:
+            if m in self._infos:
+                continue
+            self._infos[m] = info
+            self._modules.append((m, info))
+        self._params = self._collect_params()
+        if self.config.guards:
+            from nanwatch import guards
+
+            losses = [(m, i.path) for m, i in found if i.is_loss]
+            if losses:
+                handles = guards.attach(self, losses)
+                self._handles.extend(handles)
+                # this call's pre-hooks were chosen before these existed: run them now
+                first = found[0][0]
+                for h in handles:
+                    hooks = h.hooks_dict_ref()
+                    if hooks is first._forward_pre_hooks and h.id in hooks:
+                        fn = hooks[h.id]
+                        if h.id in first._forward_pre_hooks_with_kwargs:
+                            fn(first, args, kwargs)
+                        else:
+                            fn(first, args)
 
     # ------------------------------------------------------------------ recording
     def _reset_step(self) -> None:
@@ -973,13 +1105,12 @@ class Watcher:
         empty = not trace.records and not trace.calls
         if final and empty and self._user_loss is None:
             return trace
-        anomaly_before = trace.anomaly
         self._flush()
         done = trace
         self.history.append(done)
         self._step += 1
         self._reset_step()
-        self._act(done, anomaly_before)
+        self._act(done)
         return done
 
     def _overflow_step(self) -> None:
@@ -1148,7 +1279,7 @@ class Watcher:
         ):
             self._pinpoint(anomaly, current)
         trace.diagnoses = self._evaluate(trace)
-        self._act(trace, None)
+        self._act(trace)
 
     def _pinpoint(self, anomaly: Anomaly, current: tuple[Call, nn.Module, Any, Any] | None) -> None:
         trace = self._trace
@@ -1195,7 +1326,7 @@ class Watcher:
             facts={"scaler": self._scaled, "mode": self.config.mode},
         )
 
-    def _act(self, trace: StepTrace, already: Anomaly | None) -> None:
+    def _act(self, trace: StepTrace) -> None:
         """Apply ``on_anomaly`` once per step, to a localized anomaly or an error-severity
         diagnosis."""
         if self._quiet or self._acted_step == trace.step:
@@ -1204,8 +1335,6 @@ class Watcher:
         errors = [d for d in trace.diagnoses if d.severity == "error"]
         if anomaly is None and not errors:
             return
-        if already is not None and anomaly is already:
-            return  # acted on when it was first seen (during the step)
         self._acted_step = trace.step
         message = self._message(trace)
         policy = self.config.on_anomaly
@@ -1341,6 +1470,34 @@ def rec_numel(rec: Record) -> int:
     return n
 
 
+def watch_all(**options: Any) -> Watcher:
+    """Watch every module called in this process while attached, through PyTorch's global
+    module hooks: what ``nanwatch run script.py`` uses, so a script is watched without a code
+    change. A module first called outside any watched call becomes a root, named by its
+    class (``Net``, ``CrossEntropyLoss``) with its submodules by qualified name. Global hooks
+    slow every module of the process, so keep the scope tight. ``options`` are those of
+    :func:`watch`; keyword inputs of modules are not seen by global pre-hooks.
+
+    Example:
+        >>> with watch_all(on_anomaly="record") as nw:
+        ...     _ = nn.Linear(2, 2)(torch.ones(1, 2))
+        >>> nw.module_paths
+        ['Linear']
+    """
+    config = options.pop("config", None)
+    scaler = options.pop("scaler", None)
+    if config is None:
+        config = _config(**options)
+    elif options:
+        raise ConfigError(
+            "config",
+            config,
+            "pass either config= or keyword options, not both: "
+            f"got config and {', '.join(sorted(options))}.",
+        )
+    return Watcher([], config, scaler=scaler, global_hooks=True)
+
+
 def watch(
     *modules: nn.Module,
     mode: str = "watch",
@@ -1377,17 +1534,29 @@ def watch(
         None
     """
     if config is None:
-        config = WatchConfig(
-            mode=mode,  # type: ignore[arg-type]
-            on_anomaly=on_anomaly,  # type: ignore[arg-type]
+        config = _config(
+            mode=mode,
+            on_anomaly=on_anomaly,
             sample_every=sample_every,
             ring_size=ring_size,
             report_dir=report_dir,
-            allow=tuple(allow) if not isinstance(allow, str) else (allow,),
-            ignore=tuple(ignore) if not isinstance(ignore, str) else (ignore,),
+            allow=allow,
+            ignore=ignore,
             guards=guards,
             functional_guards=functional_guards,
             pinpoint=pinpoint,
             postmortem=postmortem,
         )
     return Watcher(list(modules), config, scaler=scaler)
+
+
+def _config(**options: Any) -> WatchConfig:
+    for key in ("allow", "ignore"):
+        value = options.get(key)
+        if value is not None and not isinstance(value, str):
+            options[key] = tuple(value)
+    try:
+        return WatchConfig(**options)
+    except TypeError as exc:  # an unknown keyword
+        known = ", ".join(f.name for f in dataclasses.fields(WatchConfig))
+        raise ConfigError("options", options, f"{exc}; known options: {known}.") from None

@@ -627,3 +627,54 @@ def test_record_of_finds_the_record_of_a_tensor() -> None:
         rec = nw.record_of(out)
         assert rec is not None and rec.grad_fn == "SigmoidBackward0"
         assert nw.record_of(torch.zeros(1)) is None
+
+
+# ---------------------------------------------------------------- global hooks and check()
+def test_watch_all_discovers_modules_as_they_are_called() -> None:
+    with nanwatch.watch_all(on_anomaly="record") as nw:
+        model, criterion = zoo.Deep(), nn.MSELoss()  # created after attach
+        for _ in range(2):
+            criterion(model(torch.randn(2, 4)), torch.randn(2, 4)).backward()
+        late = nn.Sequential(nn.Identity(), _Div())
+        late(torch.tensor([[1.0, 2.0]]))  # 1 / 0: +inf
+    assert nw.module_paths[:3] == ["Deep", "encoder", "encoder.layers"]
+    assert "MSELoss" in nw.module_paths
+    assert len(nw.history) == 2 and nw.history[0].loss is not None
+    a = nw.first_anomaly
+    assert a is not None and a.path == "1" and a.op is not None
+    assert a is not None and a.path == "1" and a.op is not None
+    assert any(
+        p.data_ptr() == model.encoder.layers[0][0].weight.data_ptr() for _, _, p in nw._params
+    )
+
+
+def test_watch_all_removes_its_global_hooks() -> None:
+    import torch.nn.modules.module as mm
+
+    before = (dict(mm._global_forward_hooks), dict(mm._global_forward_pre_hooks))
+    with nanwatch.watch_all():
+        assert mm._global_forward_hooks and mm._global_forward_pre_hooks
+        nn.Linear(2, 2)(torch.ones(1, 2))
+    assert (dict(mm._global_forward_hooks), dict(mm._global_forward_pre_hooks)) == before
+
+
+def test_watch_all_rejects_mixing_config_and_options() -> None:
+    with pytest.raises(ConfigError, match="either config= or keyword options"):
+        nanwatch.watch_all(config=WatchConfig(), mode="watch")
+    with pytest.raises(ConfigError, match="known options"):
+        nanwatch.watch_all(speed=3)
+
+
+def test_check_localizes_mid_step_without_ending_it_or_acting() -> None:
+    model = _nan_model()
+    nw = nanwatch.watch(model, on_anomaly="raise", postmortem=False)
+    nw._defer_cpu = True  # the accelerator path: nothing known until a transfer
+    with nw:
+        model(torch.randn(2, 3)).sum().backward()
+        a = nw.check()
+        assert a is not None and a.path == "1"
+        assert nw.step_index == 0 and not nw.history  # the step goes on
+        for p in model.parameters():
+            p.grad = None  # what the Lightning callback's "skip" does
+        with pytest.raises(AnomalyError):
+            nw.step()  # the step's end still applies on_anomaly
