@@ -75,3 +75,22 @@ def _short(filename: str) -> str:
     except ValueError:
         return filename
     return filename if rel.startswith("..") else rel
+
+
+def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
+    """A warning that points at the user's line, wherever inside hooks it is raised."""
+    import warnings
+
+    f = user_frame(sys._getframe(1))
+    if f is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    registry = f.f_globals.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(
+        message,
+        category,
+        f.f_code.co_filename,
+        f.f_lineno,
+        module=f.f_globals.get("__name__", "nanwatch"),
+        registry=registry,
+    )

@@ -866,12 +866,10 @@ class Watcher:
     def _opaque(self, typ: type) -> None:
         if typ not in self._opaque_warned and len(self._opaque_warned) < 16:
             self._opaque_warned.add(typ)
-            warnings.warn(
+            _frames.warn_at_user(
                 f"nanwatch: a module input or output of type {typ.__qualname__} holds no "
                 "tensor nanwatch can see (not a tensor, tuple, list, dict, dataclass or "
-                "namedtuple); tensors inside it are not watched.",
-                RuntimeWarning,
-                stacklevel=2,
+                "namedtuple); tensors inside it are not watched."
             )
 
     def _record_outputs(self, info: _ModInfo, call: Call, output: Any) -> None:
@@ -1114,11 +1112,9 @@ class Watcher:
         return done
 
     def _overflow_step(self) -> None:
-        warnings.warn(
+        _frames.warn_at_user(
             f"nanwatch: a single step recorded more than {self.config.max_records_per_step} "
-            "tensors; it was ended early. Call nw.step() once per training step.",
-            RuntimeWarning,
-            stacklevel=3,
+            "tensors; it was ended early. Call nw.step() once per training step."
         )
         self._boundary()
 
@@ -1342,17 +1338,7 @@ class Watcher:
             raise AnomalyError(message, anomaly=anomaly, diagnoses=trace.diagnoses)
         if policy == "warn" and not self._warned:
             self._warned = True
-            frame = _frames.user_frame(sys._getframe(1))
-            if frame is not None:
-                warnings.warn_explicit(
-                    message,
-                    RuntimeWarning,
-                    frame.f_code.co_filename,
-                    frame.f_lineno,
-                    module="nanwatch",
-                )
-            else:
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
+            _frames.warn_at_user(message)
 
     def _message(self, trace: StepTrace) -> str:
         lines: list[str] = []
@@ -1374,21 +1360,17 @@ class Watcher:
         self._disabled_hooks.add(key)
         msg = f"{type(exc).__name__}: {exc}"
         self.faults.append((where, msg))
-        warnings.warn(
+        _frames.warn_at_user(
             f"nanwatch: internal error in its {where} ({msg}); this hook is disabled for the "
             "rest of the run and training goes on. Please report it with the traceback "
-            "(python -W error::RuntimeWarning).",
-            RuntimeWarning,
-            stacklevel=3,
+            "(python -W error::RuntimeWarning)."
         )
 
     def _checker_fault(self, exc: BaseException) -> None:
         self.faults.append(("op checker", f"{type(exc).__name__}: {exc}"))
-        warnings.warn(
+        _frames.warn_at_user(
             f"nanwatch: internal error in the op checker ({type(exc).__name__}: {exc}); op "
-            "checks are off for the rest of the run.",
-            RuntimeWarning,
-            stacklevel=3,
+            "checks are off for the rest of the run."
         )
 
     def _remove_hooks(self) -> None:
