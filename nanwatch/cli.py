@@ -33,15 +33,60 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--list", action="store_true", help="list the scenarios and exit")
     demo.add_argument("--report-dir", metavar="DIR", help="write each scenario's full report here")
 
+    run = sub.add_parser(
+        "run",
+        help="run a training script unchanged, with every module watched",
+        description="Run SCRIPT as __main__ with its own ARGS; every nn.Module it calls is "
+        "watched through global module hooks, and loss inputs are guarded. On an anomaly "
+        "or a crash a report is written; the script's exit code and exceptions are kept.",
+    )
+    run.add_argument("--mode", choices=("sentinel", "watch", "forensic"), default="watch")
+    run.add_argument(
+        "--on-anomaly",
+        choices=("raise", "warn", "record"),
+        default="raise",
+        help="raise: stop the script at the first anomaly (default); warn: warn once and go "
+        "on; record: go on silently. A report is written in every case.",
+    )
+    run.add_argument("--report-dir", default="nanwatch-reports", metavar="DIR")
+    run.add_argument("--sample-every", type=int, default=1, metavar="N")
+    run.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="module-path pattern whose non-finite values are intended (repeat)",
+    )
+    run.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="CODE",
+        help="diagnosis code to silence (repeat)",
+    )
+    run.add_argument("--no-guards", action="store_true", help="do not check loss inputs")
+    run.add_argument("script", metavar="SCRIPT", help="the Python script to run")
+    run.add_argument(
+        "args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script"
+    )
+
+    report = sub.add_parser(
+        "report",
+        help="re-render a saved report (JSON); --html writes a page to share",
+        description="Re-render a report saved as JSON, on any machine: no model needed.",
+    )
+    report.add_argument("file", metavar="FILE.json")
+    report.add_argument("--html", metavar="OUT", help="also write the report as an HTML page")
+
     rules = sub.add_parser("rules", help="print the catalog of diagnoses, with their codes")
     rules.add_argument("--markdown", action="store_true", help="print the catalog as Markdown")
     return p
 
 
-def _console() -> Any:
+def _console(*, stderr: bool = False) -> Any:
     from rich.console import Console
 
-    return Console(highlight=False)
+    return Console(highlight=False, stderr=stderr)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -67,6 +112,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from nanwatch.render import render_report_file
+
+    return render_report_file(args.file, _console(), html_out=args.html)
+
+
 def _cmd_rules(args: argparse.Namespace) -> int:
     from nanwatch.rules.catalog import catalog_markdown, catalog_table
 
@@ -77,18 +128,85 @@ def _cmd_rules(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    import os
+    import runpy
+
+    script = args.script
+    if not os.path.isfile(script):
+        print(f"nanwatch: error: no such script: {script!r}", file=sys.stderr)
+        return 2
+    import nanwatch
+
+    try:
+        nw = nanwatch.watch_all(
+            mode=args.mode,
+            on_anomaly=args.on_anomaly,
+            report_dir=args.report_dir,
+            sample_every=args.sample_every,
+            allow=tuple(args.allow),
+            ignore=tuple(args.ignore),
+            guards=not args.no_guards,
+        )
+    except nanwatch.ConfigError as exc:
+        print(f"nanwatch: error: {exc}", file=sys.stderr)
+        return 2
+    saved_argv, saved_path0 = sys.argv, sys.path[0]
+    sys.argv = [script, *args.args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    code: int = 0
+    crashed = False
+    try:
+        with nw:
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:  # the script's own exit: keep its code
+        code = _exit_code(exc)
+    except BaseException:
+        crashed = True  # the post-mortem was written on the way out; the exception goes on
+        raise
+    finally:
+        sys.argv = saved_argv
+        sys.path[0] = saved_path0
+        if not crashed and nw.first_anomaly is not None:
+            _end_of_run_report(nw, script)
+    return code
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _end_of_run_report(nw: Any, script: str) -> None:
+    """The script ended with anomalies it was told to record or warn about: write the
+    report and say where it is."""
+    import os
+
+    from nanwatch.render import print_summary
+
+    stem = os.path.splitext(os.path.basename(script))[0]
+    paths = nw.report.save_all(nw.config.report_dir, stem=stem)
+    print_summary(nw.report, paths, console=_console(stderr=True))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    handlers = {"demo": _cmd_demo, "rules": _cmd_rules}
-    from nanwatch.errors import NanwatchError
+    if args.command == "run":  # the script's own exceptions must come out unchanged
+        return _cmd_run(args)
+    handlers = {"demo": _cmd_demo, "report": _cmd_report, "rules": _cmd_rules}
+    from nanwatch.errors import ConfigError, ReportFormatError
 
     try:
         return handlers[args.command](args)
-    except NanwatchError as exc:
+    except (ConfigError, ReportFormatError, FileNotFoundError) as exc:
         print(f"nanwatch: error: {exc}", file=sys.stderr)
         return 2
 

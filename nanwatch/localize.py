@@ -15,7 +15,16 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 
-from nanwatch.records import Anomaly, AnomalyKind, Call, OpEvent, Phase, Record, StepTrace
+from nanwatch.records import (
+    LOSS_PATH,
+    Anomaly,
+    AnomalyKind,
+    Call,
+    OpEvent,
+    Phase,
+    Record,
+    StepTrace,
+)
 
 _GRAD_PHASES = (Phase.BACKWARD, Phase.GRADIENT)
 
@@ -80,10 +89,13 @@ def _earliest_neginf(trace: StepTrace, recs: Iterable[Record], limit: int = 64) 
     return best
 
 
-def _consumers(trace: StepTrace, rec: Record) -> list[Call]:
+def _consumers(trace: StepTrace, rec: Record) -> tuple[list[Call], bool]:
     """Module calls that took ``rec``'s tensor as an input, seeing through passthrough
-    modules (ReLU and friends cannot create a non-finite gradient, so look past them)."""
+    modules (ReLU and friends cannot create a non-finite gradient, so look past them); and
+    whether the tensor (or what it passed through) was a root's output, which code outside
+    every watched module (the loss) consumed."""
     out: list[Call] = []
+    reached_root = False
     frontier = [rec.index]
     seen: set[int] = set()
     while frontier:
@@ -91,6 +103,11 @@ def _consumers(trace: StepTrace, rec: Record) -> list[Call]:
         if idx in seen:
             continue
         seen.add(idx)
+        here = trace.record(idx)
+        if here is not None and here.phase is Phase.FORWARD:
+            owner = trace.call(here.call)
+            if owner is not None and owner.root and owner.path != LOSS_PATH:
+                reached_root = True
         for r in trace.records:
             if r.phase is Phase.INPUT and r.source == idx:
                 call = trace.call(r.call)
@@ -106,7 +123,7 @@ def _consumers(trace: StepTrace, rec: Record) -> list[Call]:
                     out.append(call)
             elif r.phase is Phase.FORWARD and r.source == idx:  # an alias (a container's output)
                 frontier.append(r.index)
-    return out
+    return out, reached_root
 
 
 def _parent(trace: StepTrace, call: Call | None) -> Call | None:
@@ -204,22 +221,39 @@ def localize(
         fed = ""
         if neginf is not None:
             fed = f", from -inf first seen in {neginf.path} ({neginf.phase.value}, {neginf.role})"
-        summary = f"{what} born in the forward of {path}{typ}{fed}"
+        if path == LOSS_PATH:
+            origin = "loss-code"
+            summary = f"{what} born in the loss, computed outside any watched module{fed}"
+        else:
+            summary = f"{what} born in the forward of {path}{typ}{fed}"
     elif trig.phase is Phase.BACKWARD:
         kind = AnomalyKind.BACKWARD
         fwd = trace.record(trig.source) if trig.source is not None else None
         cands: list[Call] = []
+        reached_root = False
         if fwd is not None and fwd.phase is Phase.INPUT:
             c = trace.call(fwd.call)
             cands = [c] if c is not None else []
         elif fwd is not None:
-            cands = _consumers(trace, fwd)
+            cands, reached_root = _consumers(trace, fwd)
         if len(cands) == 1:
             origin, path = "module", cands[0].path
             consumer = path
             summary = (
                 f"{what} gradient born in the backward of {path}: the gradient of its output "
-                f"was finite, the gradient it passed back to {trig.path} ({trig.role}) is not"
+                f"was finite, the gradient it sent back to {trig.path}'s {trig.role} is not"
+            )
+        elif not cands and reached_root and fwd is not None:
+            owner = trace.call(fwd.call)
+            root = owner
+            while root is not None and not root.root:
+                root = _parent(trace, root)
+            origin = "after-output"
+            path = root.path if root is not None else trig.path
+            summary = (
+                f"{what} gradient arrived at the output of {path} from code outside the "
+                "watched modules (the loss computed after the model): watch the loss module "
+                "too, or use mode='forensic' to name the op"
             )
         else:
             owner = trace.call(fwd.call) if fwd is not None else None

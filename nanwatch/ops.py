@@ -385,3 +385,129 @@ def replay(
             pop_path()
         result.events = chk.events
     return result
+
+
+# --------------------------------------------------------------------------- graph evidence
+def _saved(node: Any, name: str) -> Any:
+    try:
+        return getattr(node, name)
+    except Exception:  # freed, or modified in place since (autograd raises)
+        return None
+
+
+def _has(t: Any, pred: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    if not isinstance(t, torch.Tensor) or not has_values(t) or t.is_complex():
+        return 0
+    with torch.no_grad():
+        return int(pred(t.detach().float()).sum())
+
+
+def _domain_events(node: Any) -> tuple[str, str, str] | None:
+    """(aten op, kinds born, why) when the node's saved tensors show a value outside its
+    op's domain: log of 0 or of a negative, division by 0, sqrt of a negative, ... (the
+    op semantics of PyTorch, not a list of scenarios)."""
+    name = node.name()
+    base = name.split("Backward")[0]
+    if base in ("Log", "Log2", "Log10"):
+        x = _saved(node, "_saved_self")
+        zeros, neg = _has(x, lambda v: v == 0), _has(x, lambda v: v < 0)
+        if zeros or neg:
+            born = ", ".join(k for k, n in (("NaN", neg), ("-inf", zeros)) if n)
+            return f"aten.{base.lower()}", born, f"input holds {zeros} zeros and {neg} negatives"
+    elif base == "Log1p":
+        x = _saved(node, "_saved_self")
+        at, below = _has(x, lambda v: v == -1), _has(x, lambda v: v < -1)
+        if at or below:
+            born = ", ".join(k for k, n in (("NaN", below), ("-inf", at)) if n)
+            return "aten.log1p", born, f"input holds {at} values of -1 and {below} below -1"
+    elif base == "Div":
+        den = _saved(node, "_saved_other")
+        zeros = _has(den, lambda v: v == 0)
+        if zeros:
+            return "aten.div", "NaN, +inf, -inf", f"denominator holds {zeros} zeros"
+    elif base in ("Sqrt", "Rsqrt"):
+        r = _saved(node, "_saved_result")
+        bad = _has(r, lambda v: ~torch.isfinite(v))
+        zeros = _has(r, lambda v: v == 0) if base == "Sqrt" else 0
+        if bad:
+            return f"aten.{base.lower()}", "NaN", f"{bad} results are not finite"
+        if zeros:
+            return "aten.sqrt", "+inf", f"{zeros} results are 0: the gradient 1/(2 sqrt(x)) is inf"
+    elif base == "Pow":
+        x = _saved(node, "_saved_self")
+        exp = _saved(node, "_saved_exponent")
+        if isinstance(exp, (int, float)) and not float(exp).is_integer():
+            neg = _has(x, lambda v: v < 0)
+            if neg:
+                return "aten.pow", "NaN", f"{neg} negative bases with exponent {exp}"
+        if isinstance(exp, (int, float)) and exp < 0:
+            zeros = _has(x, lambda v: v == 0)
+            if zeros:
+                return "aten.pow", "+inf", f"{zeros} zero bases with exponent {exp}"
+    elif base in ("Exp", "Reciprocal"):
+        r = _saved(node, "_saved_result")
+        inf = _has(r, torch.isinf)
+        if inf:
+            what = "exp overflowed" if base == "Exp" else "1/0"
+            return f"aten.{base.lower()}", "+inf", f"{inf} results are inf ({what})"
+    elif base in ("Acos", "Asin"):
+        x = _saved(node, "_saved_self")
+        out = _has(x, lambda v: v.abs() > 1)
+        if out:
+            return f"aten.{base.lower()}", "NaN", f"{out} inputs outside [-1, 1]"
+    return None
+
+
+def graph_evidence(
+    fn: Any, *, stop: set[int] | None = None, limit: int = 512
+) -> tuple[list[str], list[OpEvent]]:
+    """Read the autograd graph below ``fn`` (a loss's ``grad_fn``) down to the nodes in
+    ``stop`` (ids of the grad_fns of watched outputs): the names of the ops it ran, and an
+    OpEvent for every node whose saved tensors show a value outside its op's domain (log of
+    0, division by 0, ...) -- op-level evidence for code that no module wraps, without
+    re-running it. Events come nearest-to-the-inputs first."""
+    names: list[str] = []
+    events: list[OpEvent] = []
+    seen: set[int] = set()
+    order: list[Any] = []
+    stack = [fn]
+    stop = stop or set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if id(node) in stop or type(node).__name__ == "AccumulateGrad":
+            continue
+        order.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    for node in reversed(order):  # producers before consumers
+        base = node.name().split("Backward")[0]
+        names.append(base.lower())
+        found = _domain_events(node)
+        if found is None:
+            continue
+        op, born, why = found
+        x = next(
+            (
+                _saved(node, a)
+                for a in ("_saved_self", "_saved_other", "_saved_result")
+                if isinstance(_saved(node, a), torch.Tensor)
+            ),
+            None,
+        )
+        inputs = [("self", describe(x) if isinstance(x, torch.Tensor) else None)]
+        events.append(
+            OpEvent(
+                op=op,
+                phase=Phase.FORWARD,
+                path=None,
+                born=born,
+                output=TensorStat(math.nan, math.nan, 0),
+                inputs=inputs,
+                scalars={"evidence": why},
+                node=node.name(),
+                dtype=dtype_name(x.dtype) if isinstance(x, torch.Tensor) else "",
+            )
+        )
+    return names[::-1], events

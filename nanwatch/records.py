@@ -13,6 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+#: the path of a loss computed by code outside any module (seen when backward() is called).
+LOSS_PATH = "(loss)"
+
 
 class Phase(str, enum.Enum):
     """When a tensor was seen."""

@@ -39,7 +39,17 @@ from nanwatch._structure import iter_tensors
 from nanwatch.config import WatchConfig
 from nanwatch.errors import AnomalyError, ConfigError, NanwatchError
 from nanwatch.localize import is_trigger, localize, propagators, summarize
-from nanwatch.records import Anomaly, AnomalyKind, Call, Note, Phase, Record, StepTrace, TensorStat
+from nanwatch.records import (
+    LOSS_PATH,
+    Anomaly,
+    AnomalyKind,
+    Call,
+    Note,
+    Phase,
+    Record,
+    StepTrace,
+    TensorStat,
+)
 from nanwatch.stats import (
     describe,
     device_name,
@@ -354,6 +364,7 @@ class Watcher:
                 from nanwatch import postmortem
 
                 self._restore_signals = postmortem.install_signal_handlers(self)
+            _backward_tap.install(self)
             if forensic:
                 self._anomaly_mode_prev = (
                     torch.is_anomaly_enabled(),
@@ -393,8 +404,12 @@ class Watcher:
         tb: TracebackType | None,
     ) -> None:
         try:
-            if exc is None:
-                self._boundary(final=True)
+            if exc is None or _deliberate_exit(exc):
+                self._quiet = exc is not None  # a SystemExit must come out as it went in
+                try:
+                    self._boundary(final=True)
+                finally:
+                    self._quiet = False
             else:
                 self._on_exception(exc)
         finally:
@@ -902,6 +917,8 @@ class Watcher:
                 )
                 rec.grad_fn = _grad_fn_name(t)
                 rec.version = ver
+                if info.is_root and self._trace.resolve(rec).stat is None:
+                    self._measure(rec, t)  # a root's output is always measured: the logits
                 continue
             rec = self._new_record(
                 Phase.FORWARD, info.path, role, t, call.id, module_type=info.type_name
@@ -975,6 +992,42 @@ class Watcher:
             raise
         except Exception as exc:
             self._fault("grad", "end-of-backward check", exc)
+
+    def _on_backward(self, tensors: Any) -> None:
+        """``backward()`` is about to run: a loss computed by code outside every watched
+        module (``F.cross_entropy``, a hand-written log-loss) is recorded like a module's
+        output, so a NaN born there is found in forward, where it was born."""
+        if not self._attached or threading.get_ident() != self._thread or ops.replaying():
+            return
+        if "loss" in self._disabled_hooks:
+            return
+        try:
+            t = tensors if isinstance(tensors, torch.Tensor) else None
+            if t is None and isinstance(tensors, (tuple, list)) and len(tensors) == 1:
+                t = tensors[0] if isinstance(tensors[0], torch.Tensor) else None
+            if t is None or t.numel() != 1 or not t.is_floating_point():
+                return
+            entry = self._known.get(id(t))
+            if entry is not None and entry[0]() is t:
+                return  # a watched module (the criterion) produced it: already recorded
+            if not self._begun:
+                self._begun = True
+            call = self._open_call(_LOSS_INFO)
+            call.parent = None
+            rec = self._new_record(
+                Phase.FORWARD, LOSS_PATH, "output", t, call.id, module_type="functional"
+            )
+            rec.grad_fn = _grad_fn_name(t)
+            rec.version = _version(t)
+            self._measure(rec, t)
+            call.end = self._idx
+            self._known[id(t)] = (weakref.ref(t), rec.index, rec.version, False)
+            if self._new_trigger is not None:
+                self._handle_trigger(None, loss=t)
+        except NanwatchError:
+            raise
+        except Exception as exc:
+            self._fault("loss", "backward tap", exc)
 
     # ------------------------------------------------------------------ parameters
     def _collect_params(self) -> list[tuple[str, str, nn.Parameter]]:
@@ -1256,9 +1309,15 @@ class Watcher:
             self.first_anomaly = anomaly
         return anomaly
 
-    def _handle_trigger(self, current: tuple[Call, nn.Module, Any, Any] | None) -> None:
+    def _handle_trigger(
+        self,
+        current: tuple[Call, nn.Module, Any, Any] | None,
+        *,
+        loss: torch.Tensor | None = None,
+    ) -> None:
         """A record just turned out bad (CPU: known at once). Localize now, pinpoint the op
-        while the producer's inputs are at hand, and act."""
+        while the producer's inputs are at hand (for a functional loss: from the autograd
+        graph it built), and act."""
         self._new_trigger = None
         trace = self._trace
         if trace.anomaly is not None:
@@ -1273,7 +1332,10 @@ class Watcher:
             and anomaly.kind is AnomalyKind.FORWARD
             and anomaly.op is None
         ):
-            self._pinpoint(anomaly, current)
+            if loss is not None and anomaly.path == LOSS_PATH:
+                self._pinpoint_loss(anomaly, loss)
+            else:
+                self._pinpoint(anomaly, current)
         trace.diagnoses = self._evaluate(trace)
         self._act(trace)
 
@@ -1305,6 +1367,29 @@ class Watcher:
             anomaly.op = first
         elif result.clean:
             anomaly.transient = True
+        anomaly.summary = summarize(anomaly)
+
+    def _pinpoint_loss(self, anomaly: Anomaly, loss: torch.Tensor) -> None:
+        """The loss code is not a module and cannot be re-run; its autograd graph can be
+        read: the ops it ran and the saved inputs that were outside an op's domain."""
+        stop: set[int] = set()
+        for ref, _, _, _ in self._known.values():
+            t = ref()
+            if t is not None and t is not loss and t.grad_fn is not None:
+                stop.add(id(t.grad_fn))
+        names, events = ops.graph_evidence(loss.grad_fn, stop=stop)
+        source, _ = _frames.user_line()
+        for ev in events:
+            ev.path = LOSS_PATH
+            if source:
+                ev.scalars["backward_at"] = source
+        self._trace.ops.extend(events)
+        self.note("loss_graph", LOSS_PATH, source=source, ops=names[:32])
+        if events:
+            anomaly.op = events[0]
+        if source:
+            base = anomaly.summary.split(" [")[0]
+            anomaly.summary = f"{base} (loss.backward() at {source})"
         anomaly.summary = summarize(anomaly)
 
     def _evaluate(self, trace: StepTrace) -> list[Diagnosis]:
@@ -1374,6 +1459,7 @@ class Watcher:
         )
 
     def _remove_hooks(self) -> None:
+        _backward_tap.remove(self)
         if self._restore_signals is not None:
             restore, self._restore_signals = self._restore_signals, None
             restore()
@@ -1438,6 +1524,56 @@ class Watcher:
                             "version": now,
                         }
                     )
+
+
+class _BackwardTap:
+    """A scoped wrapper of ``torch.autograd.backward`` (which ``Tensor.backward`` calls):
+    installed while at least one watcher is attached, removed with the last one, and left
+    alone if someone else wrapped it after us."""
+
+    def __init__(self) -> None:
+        self._watchers: list[Watcher] = []
+        self._original: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+        self._wrapper = self._tapped  # one bound method, so `is` can recognize it
+
+    def install(self, watcher: Watcher) -> None:
+        with self._lock:
+            if not self._watchers:
+                self._original = torch.autograd.backward
+                torch.autograd.backward = self._wrapper  # type: ignore[assignment]
+            self._watchers.append(watcher)
+
+    def remove(self, watcher: Watcher) -> None:
+        with self._lock:
+            if watcher not in self._watchers:
+                return
+            self._watchers.remove(watcher)
+            if not self._watchers and self._original is not None:
+                if torch.autograd.backward is self._wrapper:  # type: ignore[comparison-overlap]
+                    torch.autograd.backward = self._original
+                self._original = None
+
+    def _tapped(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        for w in list(self._watchers):
+            w._on_backward(tensors)
+        original = self._original
+        if original is None:  # removed while we were called: behave as the real one
+            return torch.autograd.backward(tensors, *args, **kwargs)
+        return original(tensors, *args, **kwargs)
+
+
+_backward_tap = _BackwardTap()
+
+#: the call of a loss computed outside any module
+_LOSS_INFO = _ModInfo(LOSS_PATH, nn.Identity(), is_root=True, first_root=False)
+_LOSS_INFO.type_name = "functional"
+_LOSS_INFO.is_loss = True
+
+
+def _deliberate_exit(exc: BaseException) -> bool:
+    """``sys.exit(0)`` and friends end a script on purpose: no post-mortem for them."""
+    return isinstance(exc, SystemExit) and exc.code in (None, 0)
 
 
 def _grad_fn_name(t: torch.Tensor) -> str | None:

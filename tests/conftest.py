@@ -57,6 +57,7 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setattr(torch_hooks.RemovableHandle, "__init__", tracking_init)
     before = {name: dict(getattr(module_mod, name)) for name in _GLOBAL_DICTS}
     anomaly_before = torch.is_anomaly_enabled()
+    backward_before = torch.autograd.backward
     yield
     leaked = []
     for h in ours:
@@ -67,6 +68,7 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     assert not leaked, f"nanwatch left {len(leaked)} hook(s) attached: {leaked[:3]}"
     assert after == before, "global module hooks changed during the test"
     assert torch.is_anomaly_enabled() == anomaly_before, "anomaly mode left switched"
+    assert torch.autograd.backward is backward_before, "torch.autograd.backward left wrapped"
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     assert not _get_current_dispatch_mode_stack(), "a dispatch mode was left active"

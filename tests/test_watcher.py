@@ -254,7 +254,8 @@ def test_two_forwards_before_one_backward_are_one_step() -> None:
             b = model(torch.randn(2, 3))
             (a - b).pow(2).sum().backward()
     assert len(nw.history) == 2
-    assert sum(1 for c in nw.history[0].calls if c.root) == 2
+    assert sum(1 for c in nw.history[0].calls if c.path == "Linear") == 2
+    assert [c.path for c in nw.history[0].calls if c.root][-1] == "(loss)"  # the functional loss
 
 
 def test_under_no_grad_each_call_is_a_step() -> None:
@@ -274,7 +275,7 @@ def test_explicit_steps_turn_off_the_automatic_rule() -> None:
                 model(torch.randn(2, 3)).sum().backward()
             nw.step()
     assert [t.step for t in nw.history] == [0, 1, 2]
-    assert [sum(1 for c in t.calls if c.root) for t in nw.history] == [0, 3, 3]
+    assert [sum(1 for c in t.calls if c.path == "Linear") for t in nw.history] == [0, 3, 3]
 
 
 def test_ring_buffer_is_bounded() -> None:
@@ -293,7 +294,8 @@ def test_sentinel_watches_roots_gradients_and_weights_only() -> None:
         model(torch.randn(2, 4)).sum().backward()
         nw.step()
     trace = nw.history[-1]
-    assert {r.path for r in trace.records if r.phase in (Phase.FORWARD, Phase.INPUT)} == {"Deep"}
+    watched = {r.path for r in trace.records if r.phase in (Phase.FORWARD, Phase.INPUT)}
+    assert watched == {"Deep", "(loss)"}  # the model's batch and output, and the loss
     assert any(r.phase is Phase.GRADIENT for r in trace.records)
     assert not model.encoder.layers[0][0]._forward_hooks  # no hooks on submodules at all
 
@@ -678,3 +680,62 @@ def test_check_localizes_mid_step_without_ending_it_or_acting() -> None:
             p.grad = None  # what the Lightning callback's "skip" does
         with pytest.raises(AnomalyError):
             nw.step()  # the step's end still applies on_anomaly
+
+
+# ---------------------------------------------------------------- losses outside modules
+def test_a_functional_loss_is_recorded_when_backward_is_called() -> None:
+    model = nn.Linear(3, 1)
+    with nanwatch.watch(model) as nw:
+        loss = torch.nn.functional.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 1))
+        loss.backward()
+        nw.step()
+    trace = nw.history[-1]
+    rec = next(r for r in trace.records if r.path == "(loss)")
+    assert rec.grad_fn == "MseLossBackward0"
+    assert trace.loss == pytest.approx(float(loss.detach()))
+
+
+def test_a_nan_born_in_a_hand_written_loss_is_found_in_forward_with_its_op() -> None:
+    model = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    with torch.no_grad():
+        model[0].weight.fill_(100.0)  # saturated: probabilities of exactly 0 and 1
+    x = torch.cat([torch.ones(2, 4), -torch.ones(2, 4)])
+    y = torch.tensor([[0.0], [1.0], [0.0], [1.0]])
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        p = model(x)
+        loss = -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+        loss.backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None
+    assert (a.kind, a.path, a.origin) == (AnomalyKind.FORWARD, "(loss)", "loss-code")
+    assert a.op is not None and a.op.op == "aten.log" and a.op.node == "LogBackward0"
+    assert "input holds 2 zeros" in str(a.op.scalars["evidence"])
+    assert "loss.backward() at tests/test_watcher.py" in a.summary
+    notes = [n for n in nw.history[-1].notes if n.kind == "loss_graph"]
+    assert notes and "log" in notes[0].data["ops"]
+
+
+def test_the_backward_tap_is_removed_with_the_last_watcher() -> None:
+    original = torch.autograd.backward
+    a = nanwatch.watch(nn.Linear(1, 1)).attach()
+    b = nanwatch.watch(nn.Linear(1, 1)).attach()
+    assert torch.autograd.backward is not original
+    a.detach()
+    assert torch.autograd.backward is not original
+    b.detach()
+    assert torch.autograd.backward is original
+
+
+def test_a_gradient_arriving_from_outside_the_modules_blames_the_loss_code() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    nw = nanwatch.watch(model, on_anomaly="record")
+    with nw:
+        out = model(torch.randn(2, 3))
+        # a gradient injected from code nanwatch cannot see (not a scalar loss: no tap)
+        out.backward(torch.full_like(out, float("nan")))
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.BACKWARD
+    assert (a.origin, a.path) == ("after-output", "Sequential")
+    assert "from code outside the watched modules" in a.summary
