@@ -56,7 +56,6 @@ from nanwatch.stats import (
     dtype_name,
     foreach_absmax,
     foreach_l2,
-    has_values,
     minmax,
     numel,
 )
@@ -91,6 +90,7 @@ _PASSTHROUGH: frozenset[type] = frozenset(
         nn.AdaptiveMaxPool3d,
     }
 )
+_FAST_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 _DROPOUT: tuple[type, ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
 
@@ -764,18 +764,20 @@ class Watcher:
         source: int | None = None,
         module_type: str = "",
     ) -> Record:
+        # positional: this runs for every tensor of every module call
         rec = Record(
-            index=self._idx,
-            step=self._step,
-            phase=phase,
-            path=path,
-            role=role,
-            dtype=dtype_name(t.dtype),
-            device=device_name(t.device),
-            shape=_shape(t),
-            call=call,
-            source=source,
-            module_type=module_type,
+            self._idx,
+            self._step,
+            phase,
+            path,
+            role,
+            dtype_name(t.dtype),
+            device_name(t.device),
+            tuple(t.shape) if not t.is_nested else (t.size(0),),
+            None,
+            call,
+            source,
+            module_type,
         )
         self._idx += 1
         self._trace.records.append(rec)
@@ -784,42 +786,34 @@ class Watcher:
     def _measure(self, rec: Record, t: torch.Tensor, *, rows: bool = False) -> None:
         """Statistics of ``t`` into ``rec``: read at once on CPU (no device to wait for),
         kept on the device until the flush elsewhere. Counts only for bad tensors."""
-        if t.device.type == "cpu" and not self._defer_cpu:
-            if self.config.mode == "forensic":
-                rec.stat = describe(t, rows=rows)
-                if rec.stat is not None and not rec.stat.finite:
-                    self._note_bad(rec)
-                return
-            if not has_values(t):
-                return
-            with torch.no_grad():
-                v = t
-                if (
-                    v.is_complex()
-                    or v.layout is not torch.strided
-                    or v.is_nested
-                    or (
-                        v.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-                    )
-                ):
-                    mm = minmax(t)
-                    if mm is None:
-                        return
-                    lo, hi = float(mm[0]), float(mm[1])
-                else:
-                    a, b = torch.aminmax(v)
-                    lo, hi = float(a), float(b)
-            if math.isfinite(lo) and math.isfinite(hi):
-                rec.stat = TensorStat(lo, hi, numel(t))
-            else:
-                rec.stat = describe(t, rows=rows)
-                self._note_bad(rec)
-        else:
+        if t.device.type != "cpu" or self._defer_cpu:
             mm = minmax(t)
             if mm is None:
                 return
             rec.stat = TensorStat(math.nan, math.nan, numel(t))  # filled at the flush
             self._pending.append((rec, mm[0], mm[1]))
+            return
+        if self._forensic:
+            rec.stat = describe(t, rows=rows)
+            if rec.stat is not None and not rec.stat.finite:
+                self._note_bad(rec)
+            return
+        if t.dtype in _FAST_DTYPES and t.layout is torch.strided and not t.is_nested:
+            n = t.numel()
+            if n == 0 or t.is_meta:
+                return
+            a, b = torch.aminmax(t.detach())  # detach: cheaper than a no_grad block
+            lo, hi = a.item(), b.item()
+        else:
+            mm = minmax(t)  # complex, float8, sparse, nested
+            if mm is None:
+                return
+            lo, hi, n = mm[0].item(), mm[1].item(), numel(t)
+        if lo - lo == 0 and hi - hi == 0:  # both finite (inf - inf and NaN give NaN)
+            rec.stat = TensorStat(lo, hi, n)
+        else:
+            rec.stat = describe(t, rows=rows)
+            self._note_bad(rec)
 
     def _note_bad(self, rec: Record) -> None:
         if (
@@ -940,10 +934,24 @@ class Watcher:
             known[id(t)] = (weakref.ref(t), rec.index, ver, hooked)
 
     def _maybe_hook_grad(self, t: torch.Tensor, rec: Record) -> bool:
+        """Hook the gradient of ``t``. A pre-hook on the autograd node that made it sees the
+        same gradient (``grad_outputs[t.output_nr]``) and costs a seventh of a tensor hook;
+        tensors without a node (leaves) get a tensor hook."""
         if not (t.requires_grad and torch.is_grad_enabled()) or t.is_inference():
             return False
         gen = self._gen
         step = self._step
+        node = t.grad_fn
+        if node is not None:
+            nr = t.output_nr
+
+            def on_grads(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+                g = grad_outputs[nr] if nr < len(grad_outputs) else None
+                if g is not None:
+                    self._on_grad(gen, step, rec, g)
+
+            self._tensor_handles.append(node.register_prehook(on_grads))
+            return True
 
         def on_grad(g: torch.Tensor) -> None:
             self._on_grad(gen, step, rec, g)
