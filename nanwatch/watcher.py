@@ -1549,7 +1549,7 @@ class _BackwardTap:
         with self._lock:
             if not self._watchers:
                 self._original = torch.autograd.backward
-                torch.autograd.backward = self._wrapper  # type: ignore[assignment]
+                torch.autograd.backward = self._wrapper
             self._watchers.append(watcher)
 
     def remove(self, watcher: Watcher) -> None:
@@ -1558,7 +1558,7 @@ class _BackwardTap:
                 return
             self._watchers.remove(watcher)
             if not self._watchers and self._original is not None:
-                if torch.autograd.backward is self._wrapper:  # type: ignore[comparison-overlap]
+                if torch.autograd.backward is self._wrapper:
                     torch.autograd.backward = self._original
                 self._original = None
 
