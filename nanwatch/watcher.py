@@ -244,6 +244,7 @@ class Watcher:
     _pending_grads: list[tuple[Record, torch.Tensor, torch.Tensor]]
     _new_trigger: Record | None
     _user_loss: torch.Tensor | float | None
+    _grad_scale: torch.Tensor | None
     _full: bool
 
     def __init__(
@@ -450,6 +451,68 @@ class Watcher:
         if trace.anomaly is None:
             self._localize(trace)
         return trace.anomaly
+
+    def state_dict(self) -> dict[str, Any]:
+        """What survives a checkpoint: the step counter, the flight recorder's per-step
+        summaries (loss, gradient norm, max logit, scale, anomaly, diagnoses; no per-tensor
+        records) and the anomalies (the first and the last 31).
+
+        Example:
+            >>> state = nw.state_dict()                         # doctest: +SKIP
+            >>> fresh.load_state_dict(state)                    # doctest: +SKIP
+        """
+        steps = []
+        for t in self.history:
+            d = t.to_dict()
+            d.update(records=[], calls=[], ops=[], mutations=[])
+            steps.append(d)
+        kept = (
+            self.anomalies
+            if len(self.anomalies) <= 32
+            else (self.anomalies[:1] + self.anomalies[-31:])
+        )
+        return {
+            "version": 1,
+            "step": self._step,
+            "anomaly_count": len(self.anomalies),
+            "steps": steps,
+            "anomalies": [a.to_dict() for a in kept],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before attaching): step numbering continues and the
+        report shows the history from before the resume."""
+        if self._attached:
+            raise NanwatchError(
+                "load_state_dict() on an attached Watcher; call it before attach()."
+            )
+        version = state.get("version")
+        if version != 1:
+            raise NanwatchError(
+                f"Watcher state version {version!r} is not supported (this nanwatch reads "
+                "version 1); the checkpoint was written by another nanwatch version."
+            )
+        self.history.clear()
+        for d in state.get("steps", []):
+            self.history.append(StepTrace.from_dict(d))
+        self.anomalies = [Anomaly.from_dict(a) for a in state.get("anomalies", [])]
+        self.first_anomaly = self.anomalies[0] if self.anomalies else None
+        self._step = int(state["step"])
+        self._reset_step()
+
+    def close(self, exc: BaseException | None = None) -> Any:
+        """End watching as the context manager's exit would: with ``exc``, classify it,
+        finish the step from what is safe to read and write the post-mortem (returned as
+        the path of its JSON file, or None); without, end the step. Always detaches."""
+        path = None
+        try:
+            if exc is None:
+                self._boundary(final=True)
+            else:
+                path = self._on_exception(exc)
+        finally:
+            self.detach()
+        return path
 
     def note(self, kind: str, path: str, *, source: str | None = None, **data: Any) -> Note:
         """Add evidence to the current step for the rules (see :class:`nanwatch.Note`)."""
@@ -717,6 +780,7 @@ class Watcher:
         self._eob_queued = False
         self._grads_checked = False
         self._user_loss = None
+        self._grad_scale = None
         self._begun = False
         for h in self._tensor_handles:
             h.remove()
@@ -1061,6 +1125,10 @@ class Watcher:
         self._grads_checked = True
         if not items:
             return
+        if self._scaled:  # the scale these gradients were multiplied by (no sync: a copy)
+            scale = getattr(self.scaler, "_scale", None)
+            if isinstance(scale, torch.Tensor):
+                self._grad_scale = scale.detach().clone()
         grads = [g for _, _, g in items]
         dense = [g.layout is torch.strided for g in grads]
         norms: list[torch.Tensor] = []
@@ -1267,7 +1335,11 @@ class Watcher:
         s = self.scaler
         if s is not None and self._scaled and not self._device_dead:
             with contextlib.suppress(Exception):
-                trace.scale = float(s.get_scale())
+                # the scale the gradients carried, not the one update() set afterwards
+                g = self._grad_scale
+                trace.scale = float(g) if g is not None else float(s.get_scale())
+            if trace.grad_norm is not None and trace.scale:
+                trace.grad_norm = trace.grad_norm / trace.scale  # the unscaled norm
 
     def _is_first_root_call(self, trace: StepTrace, r: Record) -> bool:
         call = trace.call(r.call)
@@ -1490,7 +1562,7 @@ class Watcher:
             self._anomaly_mode_prev = None
             torch.autograd.set_detect_anomaly(enabled, check_nan=check_nan)
 
-    def _on_exception(self, exc: BaseException) -> None:
+    def _on_exception(self, exc: BaseException) -> Any:
         """The code inside ``watch`` raised: finish the step from what is safe to read, write
         the post-mortem, and let the exception go on unchanged."""
         from nanwatch import postmortem
@@ -1508,7 +1580,8 @@ class Watcher:
         finally:
             self._quiet = False
         if self.config.postmortem:
-            postmortem.capture(self, exc)
+            return postmortem.capture(self, exc)
+        return None
 
     def _note_mutations(self) -> None:
         """Outputs changed in place after they were recorded (host-side version counters,

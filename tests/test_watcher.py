@@ -739,3 +739,54 @@ def test_a_gradient_arriving_from_outside_the_modules_blames_the_loss_code() -> 
     assert a is not None and a.kind is AnomalyKind.BACKWARD
     assert (a.origin, a.path) == ("after-output", "Sequential")
     assert "from code outside the watched modules" in a.summary
+
+
+# ---------------------------------------------------------------- state and exits
+def test_state_dict_round_trip_continues_the_step_numbering() -> None:
+    model = _nan_model()
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+            nw.step()
+    state = nw.state_dict()
+    assert state["step"] == 3 and state["anomaly_count"] == 3
+    assert all(s["records"] == [] for s in state["steps"])  # summaries, not tensors' records
+    fresh = nanwatch.watch(model, on_anomaly="record")
+    fresh.load_state_dict(state)
+    assert fresh.first_anomaly is not None and fresh.first_anomaly.path == "1"
+    with fresh:
+        model(torch.randn(2, 3)).sum().backward()
+        fresh.step()
+    assert [t.step for t in fresh.history] == [0, 1, 2, 3]
+    with pytest.raises(NanwatchError, match="before attach"), fresh:
+        fresh.load_state_dict(state)
+    with pytest.raises(NanwatchError, match="version 7"):
+        fresh.load_state_dict({**state, "version": 7})
+
+
+def test_close_with_an_exception_writes_the_post_mortem_and_detaches(tmp_path: Any) -> None:
+    model = _nan_model()
+    nw = nanwatch.watch(model, on_anomaly="record", report_dir=str(tmp_path)).attach()
+    model(torch.randn(2, 3))
+    path = nw.close(RuntimeError("the trainer crashed"))
+    assert not nw.attached and not model[1]._forward_hooks
+    assert path is not None and str(path).endswith(".json")
+    assert nw.history[-1].error is not None and nw.history[-1].error["class"] == "other"
+
+
+def test_gradient_norm_is_unscaled_under_a_grad_scaler() -> None:
+    model = nn.Linear(3, 1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    with nanwatch.watch(model, scaler=scaler) as nw:
+        loss = model(x).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaled = math.sqrt(sum(float(p.grad.norm()) ** 2 for p in model.parameters()))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        nw.step()
+    trace = nw.history[-1]
+    assert trace.scale == 1024.0
+    assert trace.grad_norm == pytest.approx(scaled / 1024.0, rel=1e-5)
