@@ -1,0 +1,938 @@
+"""NanWatchCallback: nanwatch in a PyTorch Lightning ``Trainer``.
+
+A thin adapter: it translates Lightning's events into :class:`nanwatch.Watcher` calls and
+holds no diagnosis logic of its own. One callback class is built per Lightning namespace
+(``lightning.pytorch`` and ``pytorch_lightning`` have different ``Callback`` classes); both
+share the implementation below.
+
+=============================  ==========================================================
+Lightning event                what the callback does
+=============================  ==========================================================
+``setup("fit")``               build the Watcher; reports go to ``trainer.log_dir``
+``on_train_start``             restore a checkpoint's summary; attach (GradScaler read)
+``on_train_batch_start``       keep the batch, its index and the RNG state (for a replay)
+``on_before_optimizer_step``   ``nw.check()`` (a new anomaly: replay the batch to pinpoint
+                               the op); reduce the decision across ranks; then every rank
+                               stops, skips, raises or warns
+``on_train_batch_end``         (accumulating: ``nw.check()``) ``nw.step(loss)``; log the
+                               step's figures; write the report of a stop
+``on_validation_start/end``    detach / attach again (validation is not a training step)
+``on_train_end``, ``teardown`` write the report of a skip/warn run; detach
+``on_exception``               post-mortem report (any crash), detach
+``state_dict``                 the flight recorder's per-step summary and the counters
+=============================  ==========================================================
+
+Example:
+    >>> from nanwatch.callbacks import NanWatchCallback            # doctest: +SKIP
+    >>> trainer = Trainer(callbacks=[NanWatchCallback(on_anomaly="skip")])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, get_args
+
+import torch
+
+import nanwatch
+from nanwatch.config import WatchConfig
+from nanwatch.errors import AnomalyError, ConfigError
+from nanwatch.records import Anomaly, Phase, StepTrace
+from nanwatch.stats import dtype_limits
+from nanwatch.watcher import Watcher
+
+__all__ = [
+    "ACTIONS",
+    "NAMESPACES",
+    "PIP_INSTALL",
+    "callback_class",
+    "default_namespace",
+    "step_metrics",
+]
+
+_T = TypeVar("_T")
+Action = Literal["stop", "skip", "raise", "warn"]
+ACTIONS: tuple[str, ...] = get_args(Action)
+#: the Lightning namespaces, in order of preference
+NAMESPACES: tuple[str, ...] = ("lightning.pytorch", "pytorch_lightning")
+PIP_INSTALL = 'pip install "nanwatch[lightning]"'
+_ALIASES = {
+    "lightning": "lightning.pytorch",
+    "lightning.pytorch": "lightning.pytorch",
+    "pytorch_lightning": "pytorch_lightning",
+}
+#: the module each namespace's class lives in (pickle finds it there: ddp_spawn)
+_HOME = {
+    "lightning.pytorch": "nanwatch.callbacks.lightning",
+    "pytorch_lightning": "nanwatch.callbacks.pytorch_lightning",
+}
+#: how many anomalies a checkpoint keeps (the first, then the latest)
+_KEPT_ANOMALIES = 32
+_STATE_VERSION = 1
+
+
+# ---------------------------------------------------------------------- namespaces
+def _namespace(name: str) -> str:
+    ns = _ALIASES.get(name)
+    if ns is None:
+        raise ConfigError(
+            "namespace",
+            name,
+            f"`namespace` can be 'lightning.pytorch' or 'pytorch_lightning'; got {name!r}.",
+        )
+    return ns
+
+
+def _missing(ns: str) -> ModuleNotFoundError:
+    other = "pip install lightning" if ns == "lightning.pytorch" else PIP_INSTALL
+    return ModuleNotFoundError(
+        f"NanWatchCallback for {ns} needs {ns}, which is not installed. Install it with: {other}",
+        name=ns,
+    )
+
+
+def _import(ns: str) -> ModuleType:
+    try:
+        return importlib.import_module(ns)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not ns.startswith(exc.name):
+            raise  # Lightning is there but one of its own dependencies is not
+        raise _missing(ns) from None
+
+
+def _installed(ns: str) -> bool:
+    top = ns.split(".", maxsplit=1)[0]
+    if top in sys.modules:
+        return sys.modules[top] is not None
+    try:
+        return importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def default_namespace() -> str:
+    """The namespace ``from nanwatch.callbacks import NanWatchCallback`` builds for: the one
+    this program already imported (``lightning.pytorch`` when both are), else the one
+    installed, preferring ``lightning.pytorch``.
+
+    Example:
+        >>> default_namespace() in NAMESPACES                          # doctest: +SKIP
+        True
+    """
+    for ns in NAMESPACES:
+        if sys.modules.get(ns) is not None:
+            return ns
+    for ns in NAMESPACES:
+        if _installed(ns):
+            return ns
+    raise ModuleNotFoundError(
+        "NanWatchCallback needs PyTorch Lightning (lightning.pytorch or pytorch_lightning), and "
+        f"neither is installed. Install it with: {PIP_INSTALL}",
+        name="pytorch_lightning",
+    )
+
+
+_CLASSES: dict[type, type[_NanWatch]] = {}
+
+
+def callback_class(namespace: str | None = None) -> type[_NanWatch]:
+    """The ``NanWatchCallback`` class for a Lightning namespace (``"lightning.pytorch"``,
+    ``"pytorch_lightning"``; ``None``: :func:`default_namespace`). Built once per namespace;
+    a missing namespace raises ``ModuleNotFoundError`` with the ``pip install`` line.
+
+    Example:
+        >>> PLCallback = callback_class("pytorch_lightning")          # doctest: +SKIP
+        >>> pytorch_lightning.Trainer(callbacks=[PLCallback(on_anomaly="skip")])  # doctest: +SKIP
+    """
+    ns = default_namespace() if namespace is None else _namespace(namespace)
+    base = _import(ns).Callback
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = cast(
+            "type[_NanWatch]",
+            type(
+                "NanWatchCallback",
+                (_NanWatch, base),
+                {
+                    "__module__": _HOME[ns],
+                    "__qualname__": "NanWatchCallback",
+                    "__doc__": _NanWatch.__doc__,
+                    "namespace": ns,
+                },
+            ),
+        )
+        _CLASSES[base] = cls
+    return cls
+
+
+# ---------------------------------------------------------------------- figures
+def step_metrics(trace: StepTrace, *, scaled: bool = False) -> dict[str, float]:
+    """The figures of a finished step that the callback logs (``nanwatch/...``):
+    ``max_logit`` (max |x| of the model's output), ``grad_norm`` (total L2 norm of the
+    parameter gradients, unscaled by the watcher when a GradScaler is in use), ``loss_scale``
+    (GradScaler), the number of tensors holding NaN/inf
+    by phase (``nonfinite_forward``, ``nonfinite_backward``, ``nonfinite_params``: parameter
+    gradients and weights), and ``headroom``: the largest max |x| / ``finfo.max`` over the
+    step's float16/bfloat16/float8 tensors (1.0 = overflow; scaled gradients left out when a
+    GradScaler is in use). ``max_logit`` and ``grad_norm`` are NaN when unknown (a logger
+    would otherwise repeat the last value); ``loss_scale`` and ``headroom`` appear only with
+    a GradScaler and low-precision tensors.
+
+    Example:
+        >>> step_metrics(StepTrace(step=0, grad_norm=2.0))["nanwatch/grad_norm"]
+        2.0
+    """
+    nan = math.nan
+    grad_norm = trace.grad_norm if trace.grad_norm is not None else nan  # already unscaled
+    out: dict[str, float] = {
+        "nanwatch/max_logit": trace.max_logit if trace.max_logit is not None else nan,
+        "nanwatch/grad_norm": grad_norm,
+    }
+    if trace.scale is not None:
+        out["nanwatch/loss_scale"] = trace.scale
+    counts = {"forward": 0, "backward": 0, "params": 0}
+    headroom: float | None = None
+    for r in trace.records:
+        s = r.stat
+        if s is None:
+            continue
+        if r.phase in (Phase.GRADIENT, Phase.PARAMETER):
+            group = "params"
+        elif r.phase is Phase.BACKWARD:
+            group = "backward"
+        else:
+            group = "forward"
+        if not s.finite:
+            counts[group] += 1
+        if r.phase is Phase.GRADIENT or (scaled and r.phase is Phase.BACKWARD):
+            continue  # gradient records hold norms; scaled gradients overflow on purpose
+        lim = dtype_limits(r.dtype)
+        if lim is None or not lim.low_precision:
+            continue
+        amax = s.amax
+        if math.isnan(amax):
+            amax = s.finite_amax if s.finite_amax is not None else math.nan
+        if not math.isnan(amax):
+            ratio = amax / lim.max
+            headroom = ratio if headroom is None else max(headroom, ratio)
+    for group, n in counts.items():
+        out[f"nanwatch/nonfinite_{group}"] = float(n)
+    if headroom is not None:
+        out["nanwatch/headroom"] = headroom
+    return out
+
+
+# ---------------------------------------------------------------------- helpers
+def _loss_of(outputs: Any) -> torch.Tensor | None:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, dict):
+        loss = outputs.get("loss")
+        return loss if isinstance(loss, torch.Tensor) else None
+    return None
+
+
+def _has_error(trace: StepTrace) -> bool:
+    return any(getattr(d, "severity", None) == "error" for d in trace.diagnoses)
+
+
+def _found(trace: StepTrace) -> bool:
+    return trace.anomaly is not None or _has_error(trace)
+
+
+def _step_args(fn: Callable[..., Any], batch: Any, batch_idx: int) -> tuple[Any, ...] | None:
+    """The arguments Lightning passes to ``training_step``; None when it cannot be replayed
+    from a kept batch (a ``dataloader_iter`` step)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return (batch, batch_idx)
+    if "dataloader_iter" in params:
+        return None
+    kinds = [p.kind for p in params.values()]
+    if inspect.Parameter.VAR_POSITIONAL in kinds or len(params) >= 2:
+        return (batch, batch_idx)
+    return (batch,)
+
+
+@contextlib.contextmanager
+def _no_logging(pl_module: Any) -> Iterator[None]:
+    """``self.log`` / ``self.log_dict`` do nothing while the step is replayed (the replayed
+    loss is not a new measurement)."""
+
+    def _skip(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    d = pl_module.__dict__
+    saved = {k: d[k] for k in ("log", "log_dict") if k in d}
+    d["log"] = _skip
+    d["log_dict"] = _skip
+    try:
+        yield
+    finally:
+        for k in ("log", "log_dict"):
+            d.pop(k, None)
+        d.update(saved)
+
+
+def _log_dir(trainer: Any) -> str:
+    """``trainer.log_dir`` (rank 0's, broadcast: call on every rank), else the root dir."""
+    try:
+        d = trainer.log_dir
+    except Exception:
+        d = None
+    return str(os.fspath(d) if d else os.fspath(trainer.default_root_dir))
+
+
+def _free_stem(directory: Path, stem: str) -> str:
+    candidate, n = stem, 1
+    while (directory / f"{candidate}.json").exists():
+        n += 1
+        candidate = f"{stem}-{n}"
+    return candidate
+
+
+_SKIP_DIRS = tuple(
+    os.path.dirname(os.path.abspath(p)) + os.sep
+    for p in (__file__, torch.__file__, nanwatch.__file__ or __file__)
+)
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+_SKIP_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
+
+
+def _internal(filename: str) -> bool:
+    if filename.startswith((*_SKIP_DIRS, "<")):
+        return True
+    if filename.startswith(_STDLIB) and "site-packages" not in filename:
+        return True
+    parts = filename.split(os.sep)
+    return any(pkg in parts for pkg in _SKIP_PACKAGES) and "site-packages" in parts
+
+
+def _warn(message: str) -> None:
+    """A RuntimeWarning pointing at the user's line (``trainer.fit(...)``), not at
+    Lightning's loop or this module."""
+    f: FrameType | None = sys._getframe(1)
+    while f is not None and _internal(f.f_code.co_filename):
+        f = f.f_back
+    if f is None:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return
+    warnings.warn_explicit(
+        message, RuntimeWarning, f.f_code.co_filename, f.f_lineno, module="nanwatch"
+    )
+
+
+def _ranks_text(ranks: Sequence[int], world: int) -> str:
+    if world <= 1:
+        return ""
+    names = ", ".join(str(r) for r in ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {names} of {world}"
+
+
+# ---------------------------------------------------------------------- the callback
+class _NanWatch:
+    """Watches a LightningModule's training for NaN/inf, fp16 overflow and bad loss inputs;
+    pinpoints the op by replaying the failing batch; stops, skips, raises or warns.
+
+    Use ``from nanwatch.callbacks import NanWatchCallback`` (the Lightning namespace your
+    program imported), ``NanWatchCallback.for_namespace("pytorch_lightning")`` or
+    ``nanwatch.callbacks.pytorch_lightning.NanWatchCallback`` for the other one.
+
+    ``on_anomaly`` (decided before the optimizer step, with the parameters unchanged):
+
+    * ``"stop"`` (default): drop this update, set ``trainer.should_stop``, write the report;
+    * ``"skip"``: drop this update (every gradient set to ``None``, so the optimizer and a
+      GradScaler leave the weights alone), append the batch to
+      ``nanwatch-skipped-rank<r>.jsonl`` in the report directory, and go on;
+    * ``"raise"``: raise :class:`nanwatch.AnomalyError` (the post-mortem report is written);
+    * ``"warn"``: warn once and go on (the update is applied).
+
+    Under DDP the decision is reduced across ranks (any rank -> every rank acts at the same
+    step) and each rank writes its own report, named by rank, saying which ranks saw it.
+    The other options are :func:`nanwatch.watch`'s (``config`` replaces them at once);
+    ``report_dir`` defaults to ``trainer.log_dir``; ``max_replays`` bounds the forensic
+    replays of failing batches (0: none); ``log_metrics`` logs per-step figures
+    (:func:`step_metrics`) with ``pl_module.log``, so ``log_every_n_steps`` applies.
+
+    The replay calls ``training_step`` once more on the kept batch, with ``self.log`` muted
+    and no optimizer step: a ``training_step`` with other side effects should set
+    ``max_replays=0``. Manual optimization, ``dataloader_iter`` steps and SyncBatchNorm
+    under DDP are not replayed. Validation, test and predict loops are not watched.
+
+    Example:
+        >>> from nanwatch.callbacks import NanWatchCallback                   # doctest: +SKIP
+        >>> cb = NanWatchCallback(on_anomaly="skip")                          # doctest: +SKIP
+        >>> Trainer(callbacks=[cb]).fit(model)                                # doctest: +SKIP
+        >>> cb.skipped[0]["batch_idx"], cb.watcher.first_anomaly.summary      # doctest: +SKIP
+    """
+
+    #: the Lightning namespace of this class (set on the concrete classes)
+    namespace: str = ""
+
+    def __init__(
+        self,
+        *,
+        on_anomaly: Action = "stop",
+        mode: Literal["sentinel", "watch", "forensic"] = "watch",
+        sample_every: int = 1,
+        ring_size: int = 32,
+        report_dir: str | os.PathLike[str] | None = None,
+        allow: Sequence[str] = (),
+        ignore: Sequence[str] = (),
+        guards: bool = True,
+        functional_guards: bool = False,
+        pinpoint: bool = True,
+        postmortem: bool = True,
+        max_replays: int = 3,
+        log_metrics: bool = True,
+        config: WatchConfig | None = None,
+    ) -> None:
+        super().__init__()
+        if on_anomaly not in ACTIONS:
+            raise ConfigError(
+                "on_anomaly",
+                on_anomaly,
+                f"`on_anomaly` can be {', '.join(map(repr, ACTIONS))}; got {on_anomaly!r}.",
+            )
+        if isinstance(max_replays, bool) or not isinstance(max_replays, int) or max_replays < 0:
+            raise ConfigError(
+                "max_replays",
+                max_replays,
+                f"`max_replays` must be an integer >= 0; got {max_replays!r}.",
+            )
+        if config is None:
+            config = WatchConfig(
+                mode=mode,
+                sample_every=sample_every,
+                ring_size=ring_size,
+                allow=tuple(allow) if not isinstance(allow, str) else (allow,),
+                ignore=tuple(ignore) if not isinstance(ignore, str) else (ignore,),
+                guards=guards,
+                functional_guards=functional_guards,
+                pinpoint=pinpoint,
+                postmortem=postmortem,
+            )
+        elif not isinstance(config, WatchConfig):
+            raise ConfigError(
+                "config",
+                config,
+                f"`config` must be a nanwatch.WatchConfig; got {type(config).__name__}.",
+            )
+        self.on_anomaly: Action = on_anomaly
+        #: the watcher's configuration; the callback acts itself, so on_anomaly="record"
+        self.config = config.replace(on_anomaly="record")
+        self.report_dir = None if report_dir is None else os.fspath(report_dir)
+        self.max_replays = max_replays
+        self.log_metrics = log_metrics
+        #: the Watcher of the current (or last) fit; None before ``setup("fit")``
+        self.watcher: Watcher | None = None
+        #: one entry per dropped update: epoch, batch_idx, global_step, step, ranks, what
+        self.skipped: list[dict[str, Any]] = []
+        #: reports written by this callback (JSON paths; the HTML page sits beside each)
+        self.report_paths: list[Path] = []
+        #: the nanwatch step at which "stop" stopped training
+        self.stopped_at: int | None = None
+        self.replays = 0
+        self._anomalies_before = 0  # anomalies of earlier runs no longer kept (checkpoints)
+        self._restored = (0, 0)  # anomalies and skips that came from a checkpoint
+        self._state: dict[str, Any] | None = None
+        self._reset_run()
+
+    def _reset_run(self) -> None:
+        self._paused = False
+        self._replayable = True
+        self._batch: Any = None
+        self._batch_idx = -1
+        self._rng: torch.Tensor | None = None
+        self._cuda_rng: tuple[torch.device, torch.Tensor] | None = None
+        self._opt_stepped = False
+        #: (step, batch_idx) with findings whose update is not applied yet / was applied
+        self._pending: list[tuple[int, int]] = []
+        self._late: list[tuple[int, int]] = []
+        self._decided = -1
+        self._report_due = False
+        self._warned = False
+        self._broken = False  # an internal error stopped the watching
+
+    @classmethod
+    def for_namespace(cls, namespace: str) -> type[_NanWatch]:
+        """The class for another Lightning namespace.
+
+        Example:
+            >>> NanWatchCallback.for_namespace("pytorch_lightning")          # doctest: +SKIP
+            <class 'nanwatch.callbacks.pytorch_lightning.NanWatchCallback'>
+        """
+        return callback_class(namespace)
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return  # validate/test/predict are not watched
+        directory = self.report_dir or _log_dir(trainer)
+        if self.watcher is not None:
+            self.watcher.detach()
+        self.watcher = Watcher([pl_module], self.config.replace(report_dir=directory))
+        self.skipped = []
+        self.report_paths = []
+        self.stopped_at = None
+        self.replays = 0
+        self._anomalies_before = 0
+        self._restored = (0, 0)
+        self._reset_run()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # attached here rather than in setup: modules built in configure_model exist now,
+        # a checkpoint's summary is loaded, and the sanity check's validation has run
+        nw = self.watcher
+        if nw is None or nw.attached:
+            return
+        if self._state is not None:
+            self._restore(nw, self._state)
+            self._state = None
+        nw.scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._replayable = bool(pl_module.automatic_optimization) and not (
+            trainer.world_size > 1
+            and any(isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules())
+        )  # SyncBatchNorm's forward is a collective: a replay on one rank would hang it
+        nw.attach()
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        nw = self.watcher
+        if nw is not None and nw.attached:
+            nw.detach()
+            self._paused = True
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        nw = self.watcher
+        if nw is not None and self._paused:
+            self._paused = False
+            nw.attach()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        nw = self.watcher
+        if nw is None:
+            return
+        try:
+            new = len(nw.anomalies) > self._restored[0] or len(self.skipped) > self._restored[1]
+            if new and not self.report_paths:  # a skip/warn run (a stop wrote its report)
+                self._write_report()
+        finally:
+            nw.detach()
+            self._paused = False
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage == "fit" and self.watcher is not None:
+            self.watcher.detach()
+            self._paused = False
+        self._batch = None
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        nw = self.watcher
+        if nw is None:
+            return
+        try:
+            if nw.attached or self._paused:
+                # classifies, flushes what is safe to read, writes the post-mortem, detaches
+                path = nw.close(exception)
+                if path is not None:
+                    self.report_paths.append(path)
+        finally:
+            nw.detach()
+            self._paused = False
+            self._batch = None
+
+    # ------------------------------------------------------------------ steps
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        nw = self.watcher
+        if nw is None or not nw.attached:
+            return
+        self._batch, self._batch_idx = batch, batch_idx
+        self._opt_stepped = False
+        if self._replayable and self.replays < self.max_replays:
+            self._rng = torch.get_rng_state()
+            dev = pl_module.device
+            self._cuda_rng = (dev, torch.cuda.get_rng_state(dev)) if dev.type == "cuda" else None
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        nw = self.watcher
+        if nw is None or not (nw.attached or self._broken):
+            return  # (broken: no more watching, but every decision is still taken together)
+        self._opt_stepped = True
+        if not self._broken:
+            self._guarded(self._check, trainer, pl_module)
+        self._decide(trainer, pl_module, optimizer)
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        nw = self.watcher
+        if nw is None or not (nw.attached or self._broken):
+            return
+        done = None if self._broken else self._guarded(self._end_step, trainer, pl_module, outputs)
+        if not pl_module.automatic_optimization and not self._opt_stepped:
+            self._decide(trainer, pl_module, None)
+        if done is not None and not self._broken:
+            if self.log_metrics and trainer.loggers:
+                self._guarded(self._log, pl_module, done)
+            if self._report_due:
+                self._report_due = False
+                self._write_report()
+        self._batch = None
+
+    def _end_step(self, trainer: Any, pl_module: Any, outputs: Any) -> StepTrace:
+        nw = self.watcher
+        assert nw is not None
+        if not self._opt_stepped:  # accumulating gradients, or manual optimization
+            self._check(trainer, pl_module)
+        done = nw.step(loss=_loss_of(outputs))
+        known = done.step == self._decided or any(s == done.step for s, _ in self._pending)
+        if _found(done) and not known:
+            # found at the step's end (a rule): the update was applied already, unless no
+            # optimizer step ran in this batch (gradient accumulation)
+            found = (done.step, self._batch_idx)
+            (self._late if self._opt_stepped else self._pending).append(found)
+        return done
+
+    def _guarded(self, fn: Callable[..., _T], *args: Any) -> _T | None:
+        """Run nanwatch's part of a hook; an internal error (a nanwatch bug) must not end
+        the run: warn once, stop watching, keep taking part in the ranks' decisions."""
+        try:
+            return fn(*args)
+        except AnomalyError:
+            raise
+        except Exception as exc:
+            self._broken = True
+            self._pending, self._late = [], []
+            msg = f"{type(exc).__name__}: {exc}"
+            nw = self.watcher
+            if nw is not None:
+                nw.faults.append(("lightning callback", msg))
+                nw.detach()
+            _warn(
+                f"nanwatch: internal error in NanWatchCallback ({msg}); it stops watching for "
+                "the rest of this run and training goes on. Please report it with the "
+                "traceback (python -W error::RuntimeWarning)."
+            )
+            return None
+
+    # ------------------------------------------------------------------ decisions
+    def _check(self, trainer: Any, pl_module: Any) -> None:
+        """``nw.check()`` the step so far; a new anomaly joins the pending findings and, when
+        it is the first since the last update, its batch is replayed (later ones in the same
+        accumulation window inherit its gradients: their replay would mislead)."""
+        nw = self.watcher
+        assert nw is not None
+        step = nw.step_index
+        if nw.check() is None or any(s == step for s, _ in self._pending):
+            return
+        first = not self._pending
+        self._pending.append((step, self._batch_idx))
+        if first:
+            self._replay(trainer, pl_module)
+
+    def _decide(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """One decision per optimizer step, the same on every rank: reduce whether any rank
+        found something, then every rank acts."""
+        nw = self.watcher
+        assert nw is not None
+        local = bool(self._pending or self._late)
+        world = int(getattr(trainer, "world_size", 1) or 1)
+        fired = local
+        if world > 1:
+            fired = bool(trainer.strategy.reduce_boolean_decision(local, all=False))
+        if not fired:
+            return
+        unapplied, late = self._pending, self._late
+        self._pending, self._late = [], []
+        found = sorted(unapplied + late)
+        first = found[0][0] if found else -1
+        ranks, first_ranks, drop = self._who(trainer, world, bool(unapplied), bool(late), first)
+        if world > 1 and not self._broken:
+            nw.note(
+                "distributed",
+                "trainer",
+                rank=int(trainer.global_rank),
+                world_size=world,
+                ranks=ranks,
+                first_ranks=first_ranks,
+                action=self.on_anomaly,
+            )
+        self._decided = nw.step_index
+        self._act(trainer, pl_module, optimizer, drop=drop, ranks=ranks, world=world, found=found)
+
+    def _who(
+        self, trainer: Any, world: int, unapplied: bool, late: bool, first: int
+    ) -> tuple[list[int], list[int], bool]:
+        """(ranks that found something, those that found it earliest, whether any rank's
+        pending update is bad): one all-reduce of a small table, only on a step that fired."""
+        if world <= 1:
+            return [0], [0], unapplied
+        rank = int(trainer.global_rank)
+        table = torch.zeros(world, 3, dtype=torch.long, device=trainer.strategy.root_device)
+        table[rank, 0], table[rank, 1], table[rank, 2] = int(unapplied), int(late), first
+        rows: list[list[int]] = trainer.strategy.reduce(table, reduce_op="sum").tolist()
+        ranks = [r for r, (u, lt, _) in enumerate(rows) if u or lt]
+        earliest = min((rows[r][2] for r in ranks), default=-1)
+        first_ranks = [r for r in ranks if rows[r][2] == earliest]
+        return ranks, first_ranks, any(u for u, _, _ in rows)
+
+    def _act(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        optimizer: Any,
+        *,
+        drop: bool,
+        ranks: list[int],
+        world: int,
+        found: list[tuple[int, int]],
+    ) -> None:
+        nw = self.watcher
+        assert nw is not None
+        action = self.on_anomaly
+        steps = [s for s, _ in found]
+        dropped = drop and optimizer is not None and action in ("skip", "stop")
+        if dropped:
+            params = {id(p): p for p in pl_module.parameters()}
+            for group in getattr(optimizer, "param_groups", ()):
+                for p in group["params"]:
+                    params[id(p)] = p
+            for p in params.values():
+                p.grad = None  # torch optimizers (and GradScaler.step) skip grad-less params
+        if action == "skip" and dropped:
+            self._record_skip(trainer, ranks, world, found)
+        if action == "stop":
+            trainer.should_stop = True
+            self.stopped_at = nw.step_index
+            self._report_due = True
+        if action == "raise":
+            done = None if self._broken else self._guarded(nw.step)
+            raise AnomalyError(
+                self._message(nw.step_index - (done is not None), ranks, world, steps, False),
+                anomaly=self._earliest(steps),
+                diagnoses=done.diagnoses if done is not None else [],
+            )
+        if not self._warned:
+            self._warned = True
+            _warn(self._message(nw.step_index, ranks, world, steps, dropped=dropped))
+
+    def _earliest(self, steps: list[int]) -> Anomaly | None:
+        nw = self.watcher
+        assert nw is not None
+        return next((a for a in nw.anomalies if a.step in steps), None)
+
+    def _what(self, steps: list[int]) -> str:
+        nw = self.watcher
+        assert nw is not None
+        a = self._earliest(steps)
+        if a is not None:
+            return a.summary
+        for t in [*nw.history, nw.trace]:
+            if t.step in steps:
+                errors = [d for d in t.diagnoses if getattr(d, "severity", None) == "error"]
+                if errors:
+                    return str(errors[0].headline)
+        return "an anomaly"
+
+    def _message(
+        self, step: int, ranks: list[int], world: int, steps: list[int], dropped: bool
+    ) -> str:
+        nw = self.watcher
+        assert nw is not None
+        seen = _ranks_text(ranks, world)
+        if steps:
+            head = f"nanwatch: step {step}: {self._what(steps)}"
+            if seen:
+                head += f" (seen on {seen})"
+        else:
+            head = (
+                f"nanwatch: step {step}: {seen or 'another rank'} saw an anomaly (see its report)"
+            )
+        doing = {
+            "stop": "training stops" + (" (this update is dropped)" if dropped else ""),
+            "skip": "updates with anomalies are skipped; the run goes on",
+            "raise": "raising AnomalyError",
+            "warn": "training goes on (warn: the update is applied)",
+        }[self.on_anomaly]
+        every = "every rank: " if world > 1 else ""
+        return (
+            f"{head}\n  {every}{doing}.\n  report: {nw.config.report_dir} "
+            "(nanwatch report <file>.json to read it again)"
+        )
+
+    def _replay(self, trainer: Any, pl_module: Any) -> None:
+        """Re-run the failing batch's training_step and backward under the op checker, with
+        the RNG state of the batch's start and the precision plugin's autocast; the watcher
+        puts gradients, buffers and RNG back, and completes the anomaly (op or transient)."""
+        nw = self.watcher
+        assert nw is not None
+        if not self._replayable or self.replays >= self.max_replays or self._rng is None:
+            return
+        args = _step_args(pl_module.training_step, self._batch, self._batch_idx)
+        if args is None:
+            return
+        self.replays += 1
+        plugin = trainer.precision_plugin
+        scaler = nw.scaler
+        cuda_rng = self._cuda_rng
+
+        def step_fn() -> None:
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng[1], cuda_rng[0])
+            with _no_logging(pl_module), plugin.train_step_context():
+                out = pl_module.training_step(*args)
+            loss = _loss_of(out)
+            if loss is None or not loss.requires_grad:
+                return
+            if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
+                loss = scaler.scale(loss)
+            loss.backward()
+
+        try:
+            nw.replay(step_fn, rng_state=self._rng)
+        except Exception as exc:  # nanwatch's own failure must not end the run
+            _warn(
+                f"nanwatch: the replay of the failing batch failed ({type(exc).__name__}: "
+                f"{exc}); the anomaly is reported without its op."
+            )
+
+    # ------------------------------------------------------------------ outputs
+    def _log(self, pl_module: Any, done: StepTrace) -> None:
+        nw = self.watcher
+        assert nw is not None
+        figures = step_metrics(done, scaled=nw.scaler is not None)
+        figures["nanwatch/anomalies"] = float(self._anomalies_before + len(nw.anomalies))
+        figures["nanwatch/skipped"] = float(len(self.skipped))
+        for name, value in figures.items():
+            pl_module.log(
+                name, value, on_step=True, on_epoch=False, prog_bar=False, logger=True, batch_size=1
+            )
+
+    def _record_skip(
+        self, trainer: Any, ranks: list[int], world: int, found: list[tuple[int, int]]
+    ) -> None:
+        nw = self.watcher
+        assert nw is not None
+        rank = int(getattr(trainer, "global_rank", 0) or 0)
+        steps = [s for s, _ in found]
+        entry = {
+            "epoch": int(trainer.current_epoch),
+            "batch_idx": int(self._batch_idx),
+            "bad_batches": [b for _, b in found],
+            "global_step": int(trainer.global_step),
+            "step": nw.step_index,
+            "rank": rank,
+            "ranks": ranks,
+            "what": self._what(steps) if steps else f"an anomaly on {_ranks_text(ranks, world)}",
+        }
+        self.skipped.append(entry)
+        path = Path(nw.config.report_dir) / f"nanwatch-skipped-rank{rank}.jsonl"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+        except OSError as exc:
+            _warn(
+                f"nanwatch: could not append to the skip list {str(path)!r} ({exc}); the "
+                "skipped batches are in callback.skipped."
+            )
+
+    def _write_report(self) -> Path | None:
+        nw = self.watcher
+        assert nw is not None
+        directory = Path(nw.config.report_dir)
+        try:
+            from nanwatch.postmortem import report_stem
+
+            report = nw.report
+            stem = _free_stem(directory, report_stem(report))
+            json_path, _ = report.save_all(directory, stem)
+        except Exception as exc:
+            _warn(
+                f"nanwatch: could not write the report to {str(directory)!r} "
+                f"({type(exc).__name__}: {exc}); set NanWatchCallback(report_dir=...) to a "
+                "writable directory."
+            )
+            return None
+        self.report_paths.append(json_path)
+        return json_path
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The flight recorder's per-step summary (loss, gradient norm, max logit, scale,
+        anomaly, diagnoses; no per-tensor records) and the counters."""
+        state: dict[str, Any] = {
+            "version": _STATE_VERSION,
+            "skipped": [dict(e) for e in self.skipped],
+            "replays": self.replays,
+            "stopped_at": self.stopped_at,
+        }
+        nw = self.watcher
+        if nw is None:
+            if self._state is not None:
+                keys = ("step", "anomaly_count", "steps", "anomalies")
+                state.update({k: self._state[k] for k in keys if k in self._state})
+            return state
+        ws = nw.state_dict()
+        for step in ws["steps"]:  # of the notes, only which ranks saw an anomaly is kept
+            step["notes"] = [n for n in step.get("notes", []) if n.get("kind") == "distributed"]
+        state.update(
+            step=ws["step"],
+            anomaly_count=self._anomalies_before + ws["anomaly_count"],
+            steps=ws["steps"],
+            anomalies=ws["anomalies"],
+        )
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        version = state_dict.get("version")
+        if version != _STATE_VERSION:
+            _warn(
+                f"nanwatch: the checkpoint's NanWatchCallback state has version {version!r}, "
+                f"this nanwatch reads {_STATE_VERSION}; the run's history starts empty."
+            )
+            return
+        self.skipped = [dict(e) for e in state_dict.get("skipped", [])]
+        self.replays = int(state_dict.get("replays", 0))
+        self.stopped_at = state_dict.get("stopped_at")
+        self._state = dict(state_dict)  # applied to the watcher when it attaches
+
+    def _restore(self, nw: Watcher, state: dict[str, Any]) -> None:
+        nw.load_state_dict(
+            {
+                "version": 1,
+                "step": int(state.get("step", 0)),
+                "steps": state.get("steps", []),
+                "anomalies": state.get("anomalies", []),
+            }
+        )
+        self._anomalies_before = max(0, int(state.get("anomaly_count", 0)) - len(nw.anomalies))
+        self._restored = (len(nw.anomalies), len(self.skipped))
+
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import Callback as _Callback
+
+    class NanWatchCallback(_NanWatch, _Callback):
+        """The callback for ``lightning.pytorch`` (built on first use)."""
+
+else:
+
+    def __getattr__(name: str) -> Any:
+        if name == "NanWatchCallback":
+            return callback_class("lightning.pytorch")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,494 @@
+"""NanWatchCallback in real Lightning runs: tiny models (the BoringModel pattern) for each
+action, both namespaces, mixed precision, checkpoints, and a 2-rank DDP run on CPU."""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import nanwatch
+from nanwatch.report import Report
+from tests._lightning_models import model_class
+
+L = pytest.importorskip("lightning.pytorch")
+PL = pytest.importorskip("pytorch_lightning")
+
+from nanwatch.callbacks import NanWatchCallback  # noqa: E402
+
+from nanwatch import callbacks  # noqa: E402  (after the importorskips)
+
+LP = "lightning.pytorch"
+
+
+# ---------------------------------------------------------------------- helpers
+def fit(
+    tmp_path: Path,
+    model: Any,
+    *cbs: Any,
+    ns: str = LP,
+    batches: int = 6,
+    ckpt_path: str | None = None,
+    **options: Any,
+) -> Any:
+    """A Trainer.fit on CPU with a CSVLogger in tmp_path; returns the trainer."""
+    mod = importlib.import_module(ns)
+    loggers = importlib.import_module(f"{ns}.loggers")
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 1,
+        "limit_train_batches": batches,
+        "limit_val_batches": 0,
+        "num_sanity_val_steps": 0,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "log_every_n_steps": 1,
+        "logger": loggers.CSVLogger(tmp_path),
+    }
+    settings.update(options)
+    trainer = mod.Trainer(callbacks=list(cbs), **settings)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|LeafSpec).*")
+        trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+def rows(trainer: Any) -> list[dict[str, str]]:
+    with (Path(trainer.logger.log_dir) / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def column(trainer: Any, name: str) -> list[float]:
+    return [float(r[name]) for r in rows(trainer) if r.get(name)]
+
+
+def reports(directory: str | Path, rank: int = 0) -> list[Path]:
+    return sorted(Path(directory).glob(f"nanwatch-*-rank{rank}-*.json"))
+
+
+def weights_recorder(ns: str = LP) -> Any:
+    """A callback that keeps the Linear's weight at the end of every training batch."""
+    base = importlib.import_module(ns).Callback
+
+    class Weights(base):  # type: ignore[misc,valid-type]
+        def __init__(self) -> None:
+            self.after: list[torch.Tensor] = []
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            self.after.append(pl_module.layer.weight.detach().float().clone())
+
+    return Weights()
+
+
+Model = model_class(LP)
+
+
+# ---------------------------------------------------------------------- import and namespaces
+def test_default_class_is_a_lightning_pytorch_callback_and_pickles() -> None:
+    assert issubclass(NanWatchCallback, L.Callback)
+    assert not issubclass(NanWatchCallback, PL.Callback)
+    cb = NanWatchCallback(on_anomaly="skip")
+    again = pickle.loads(pickle.dumps(cb))  # ddp_spawn pickles the trainer's callbacks
+    assert type(again) is NanWatchCallback and again.on_anomaly == "skip"
+    from nanwatch.callbacks.lightning import NanWatchCallback as explicit
+
+    assert explicit is NanWatchCallback
+
+
+def test_pytorch_lightning_class_is_reachable_three_ways_and_pickles() -> None:
+    from nanwatch.callbacks.pytorch_lightning import NanWatchCallback as PLCallback
+
+    assert NanWatchCallback.for_namespace("pytorch_lightning") is PLCallback
+    assert callbacks.callback_class("pytorch_lightning") is PLCallback
+    assert issubclass(PLCallback, PL.Callback) and not issubclass(PLCallback, L.Callback)
+    cb = pickle.loads(pickle.dumps(PLCallback()))
+    assert type(cb) is PLCallback
+    assert PLCallback().state_key == NanWatchCallback().state_key  # checkpoints move across
+
+
+def test_the_imported_namespace_is_preferred(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert callbacks.default_namespace() == LP  # both imported: lightning.pytorch
+    monkeypatch.delitem(sys.modules, LP)
+    assert callbacks.default_namespace() == "pytorch_lightning"
+    assert issubclass(callbacks.NanWatchCallback, PL.Callback)
+
+
+def test_missing_lightning_names_the_pip_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("lightning", LP, "pytorch_lightning"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(ModuleNotFoundError, match=r'pip install "nanwatch\[lightning\]"') as err:
+        _ = callbacks.NanWatchCallback
+    assert err.value.name == "pytorch_lightning"
+    with pytest.raises(ModuleNotFoundError, match=r'pip install "nanwatch\[lightning\]"'):
+        callbacks.callback_class("pytorch_lightning")
+    with pytest.raises(ModuleNotFoundError, match="pip install lightning"):
+        callbacks.callback_class("lightning.pytorch")
+
+
+def test_bad_arguments_name_the_value_and_the_choices() -> None:
+    with pytest.raises(nanwatch.ConfigError, match="`on_anomaly` can be 'stop', 'skip'") as err:
+        NanWatchCallback(on_anomaly="ignore")  # type: ignore[arg-type]
+    assert err.value.name == "on_anomaly" and err.value.value == "ignore"
+    with pytest.raises(nanwatch.ConfigError, match="`namespace` can be"):
+        NanWatchCallback.for_namespace("keras")
+    with pytest.raises(nanwatch.ConfigError, match="max_replays"):
+        NanWatchCallback(max_replays=-1)
+    cb = NanWatchCallback(config=nanwatch.WatchConfig(mode="sentinel", on_anomaly="raise"))
+    assert cb.config.mode == "sentinel" and cb.config.on_anomaly == "record"
+
+
+# ---------------------------------------------------------------------- clean runs
+def test_clean_run_logs_figures_to_csv_and_writes_no_report(tmp_path: Path) -> None:
+    cb = NanWatchCallback()
+    trainer = fit(tmp_path, Model(), cb, batches=6)
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    assert [t.step for t in nw.history] == list(range(6))
+    assert nw.first_anomaly is None and cb.report_paths == [] and not reports(tmp_path)
+    grad_norms = column(trainer, "nanwatch/grad_norm")
+    assert len(grad_norms) == 6 and all(math.isfinite(g) and g > 0 for g in grad_norms)
+    assert grad_norms == pytest.approx([t.grad_norm for t in nw.history], rel=1e-6)
+    assert column(trainer, "nanwatch/max_logit") == pytest.approx(
+        [t.max_logit for t in nw.history], rel=1e-6
+    )
+    for name in ("nonfinite_forward", "nonfinite_backward", "nonfinite_params", "anomalies"):
+        assert column(trainer, f"nanwatch/{name}") == [0.0] * 6
+    assert "nanwatch/headroom" not in rows(trainer)[0]  # float32 only: no low precision
+
+
+def test_log_every_n_steps_is_honored(tmp_path: Path) -> None:
+    trainer = fit(tmp_path, Model(), NanWatchCallback(), batches=6, log_every_n_steps=3)
+    logged = [int(r["step"]) for r in rows(trainer) if r.get("nanwatch/grad_norm")]
+    assert logged == [2, 5]
+
+
+def test_validation_is_not_recorded_as_training_steps(tmp_path: Path) -> None:
+    cb = NanWatchCallback()
+    fit(
+        tmp_path,
+        Model(),
+        cb,
+        batches=6,
+        limit_val_batches=2,
+        val_check_interval=2,
+        num_sanity_val_steps=1,
+    )
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    assert [t.step for t in nw.history] == list(range(6))
+    assert {len(t.calls) for t in nw.history} == {len(nw.history[0].calls)}  # no val calls
+    assert all(t.grad_norm is not None for t in nw.history)  # attached again after each val
+
+
+def test_no_hook_during_or_after_trainer_test(tmp_path: Path) -> None:
+    seen: list[bool] = []
+
+    class Probe(L.Callback):  # type: ignore[misc]
+        def on_test_batch_start(self, *args: Any) -> None:
+            seen.append(bool(cb.watcher and cb.watcher.attached))
+
+    cb = NanWatchCallback()
+    model = Model()
+    trainer = fit(tmp_path, model, cb, Probe(), batches=3)
+    steps = len(cb.watcher.history) if cb.watcher else -1
+    trainer.test(model, verbose=False)
+    assert seen and not any(seen)
+    assert cb.watcher is not None and len(cb.watcher.history) == steps
+    # (the autouse fixture fails the test if a nanwatch hook is still registered)
+
+
+# ---------------------------------------------------------------------- actions
+def test_stop_drops_the_bad_update_stops_and_writes_the_report(tmp_path: Path) -> None:
+    cb = NanWatchCallback()  # on_anomaly="stop"
+    weights = weights_recorder()
+    with pytest.warns(RuntimeWarning, match=r"step 2: NaN born in the forward of blowup"):
+        trainer = fit(tmp_path, Model(bad=[2]), cb, weights, batches=6)
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    assert cb.stopped_at == 2 and trainer.should_stop
+    assert [t.step for t in nw.history] == [0, 1, 2]  # batches 3-5 never ran
+    assert torch.equal(weights.after[2], weights.after[1])  # the NaN update was dropped
+    assert all(torch.isfinite(w).all() for w in weights.after)
+    a = nw.first_anomaly
+    assert a is not None and a.step == 2 and a.path == "blowup"
+    assert a.op is not None and a.op.op == "aten.mul.Tensor"  # pinpointed by the replay
+    assert a.transient is not True and cb.replays == 1
+    (path,) = reports(trainer.log_dir)
+    assert cb.report_paths == [path] and path.with_suffix(".html").exists()
+    report = Report.load(path)
+    assert report.first_anomaly is not None and report.first_anomaly.path == "blowup"
+    assert column(trainer, "nanwatch/anomalies")[-1] == 1.0
+    assert column(trainer, "nanwatch/nonfinite_forward")[-1] >= 1.0
+
+
+def test_a_clean_replay_marks_the_anomaly_transient(tmp_path: Path) -> None:
+    cb = NanWatchCallback()
+    model = Model(bad=[1], transient=True)  # only the first run of batch 1 makes NaN
+    with pytest.warns(RuntimeWarning, match="nanwatch: step 1"):
+        fit(tmp_path, model, cb, batches=4)
+    a = cb.watcher.first_anomaly if cb.watcher else None
+    assert a is not None and a.transient is True
+    assert model.calls[1] == 2  # the replay ran training_step again
+
+
+def test_skip_drops_only_the_bad_updates_and_training_goes_on(tmp_path: Path) -> None:
+    cb = NanWatchCallback(on_anomaly="skip")
+    weights = weights_recorder()
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        trainer = fit(tmp_path, Model(bad=[2, 4]), cb, weights, batches=8)
+    nw = cb.watcher
+    assert nw is not None
+    assert [t.step for t in nw.history] == list(range(8))  # all batches ran
+    assert [e["batch_idx"] for e in cb.skipped] == [2, 4]
+    assert torch.equal(weights.after[2], weights.after[1])  # skipped
+    assert torch.equal(weights.after[4], weights.after[3])  # skipped
+    for i in (3, 5, 6, 7):  # the next clean steps proceed normally
+        assert not torch.equal(weights.after[i], weights.after[i - 1])
+    assert all(torch.isfinite(w).all() for w in weights.after)
+    assert all(math.isfinite(nw.history[i].loss or math.nan) for i in (3, 5, 6, 7))
+    lines = (Path(trainer.log_dir) / "nanwatch-skipped-rank0.jsonl").read_text().splitlines()
+    entries = [json.loads(line) for line in lines]
+    assert [e["batch_idx"] for e in entries] == [2, 4] and entries[0]["epoch"] == 0
+    assert "blowup" in entries[0]["what"]
+    assert column(trainer, "nanwatch/skipped")[-1] == 2.0
+    (path,) = reports(trainer.log_dir)  # one report at the end of the run
+    assert Report.load(path).anomaly_count == 2
+
+
+def test_skip_covers_the_whole_accumulation_window(tmp_path: Path) -> None:
+    cb = NanWatchCallback(on_anomaly="skip")
+    weights = weights_recorder()
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        fit(tmp_path, Model(bad=[2]), cb, weights, batches=6, accumulate_grad_batches=2)
+    (entry,) = cb.skipped
+    assert entry["batch_idx"] == 3 and entry["bad_batches"][0] == 2
+    assert "blowup" in entry["what"]
+    assert torch.equal(weights.after[3], weights.after[1])  # the window's update was dropped
+    assert not torch.equal(weights.after[5], weights.after[3])
+    a = cb.watcher.first_anomaly if cb.watcher else None
+    assert a is not None and a.step == 2 and a.op is not None and cb.replays == 1
+
+
+def test_raise_raises_anomaly_error_and_writes_the_postmortem(tmp_path: Path) -> None:
+    cb = NanWatchCallback(on_anomaly="raise")
+    with pytest.raises(nanwatch.AnomalyError, match="step 2: NaN born") as err:
+        fit(tmp_path, Model(bad=[2]), cb, batches=6)
+    assert err.value.module == "blowup" and err.value.anomaly is not None
+    assert err.value.diagnoses, "the step was finished before raising: rules ran"
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    (path,) = reports(tmp_path / "lightning_logs" / "version_0")
+    report = Report.load(path)
+    assert report.error is not None and report.error["class"] == "anomaly"
+    assert report.first_anomaly is not None and report.first_anomaly.step == 2
+
+
+def test_warn_warns_once_and_training_goes_on(tmp_path: Path) -> None:
+    cb = NanWatchCallback(on_anomaly="warn")
+    with pytest.warns(RuntimeWarning, match="nanwatch: step 2") as caught:
+        trainer = fit(tmp_path, Model(bad=[2]), cb, batches=5)
+    ours = [w for w in caught if "nanwatch: step" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__  # points at the fit call
+    nw = cb.watcher
+    assert nw is not None and [t.step for t in nw.history] == list(range(5))
+    assert cb.skipped == [] and cb.stopped_at is None
+    assert len(reports(trainer.log_dir)) == 1
+
+
+def test_a_crash_writes_the_postmortem_and_leaves_no_hook(tmp_path: Path) -> None:
+    cb = NanWatchCallback()
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(tmp_path, Model(fail_at=2), cb, batches=6)
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    (path,) = reports(tmp_path / "lightning_logs" / "version_0")
+    assert cb.report_paths == [path]
+    report = Report.load(path)
+    assert report.error is not None and report.error["type"].endswith("RuntimeError")
+    assert "boom" in report.error["message"]
+
+
+def test_report_dir_defaults_to_the_root_dir_without_a_logger(tmp_path: Path) -> None:
+    cb = NanWatchCallback()
+    with pytest.warns(RuntimeWarning, match="nanwatch: step 1"):
+        fit(tmp_path, Model(bad=[1]), cb, batches=3, logger=False, default_root_dir=tmp_path)
+    assert len(reports(tmp_path)) == 1
+
+
+def test_an_internal_error_stops_the_watching_not_the_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: nanwatch.Watcher) -> None:
+        raise RuntimeError("a nanwatch bug")
+
+    monkeypatch.setattr(nanwatch.Watcher, "check", broken)
+    cb = NanWatchCallback()
+    weights = weights_recorder()
+    with pytest.warns(RuntimeWarning, match="internal error in NanWatchCallback.*a nanwatch bug"):
+        trainer = fit(tmp_path, Model(bad=[2]), cb, weights, batches=4)
+    assert trainer.global_step == 4 and len(weights.after) == 4  # training went on
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    assert nw.faults == [("lightning callback", "RuntimeError: a nanwatch bug")]
+
+
+# ---------------------------------------------------------------------- the other namespace
+def test_pytorch_lightning_trainer_stops_at_the_anomaly(tmp_path: Path) -> None:
+    PLCallback = NanWatchCallback.for_namespace("pytorch_lightning")
+    cb = PLCallback()
+    with pytest.warns(RuntimeWarning, match="step 1: NaN born in the forward of blowup"):
+        trainer = fit(
+            tmp_path, model_class("pytorch_lightning")(bad=[1]), cb, ns="pytorch_lightning"
+        )
+    assert isinstance(trainer, PL.Trainer) and cb.stopped_at == 1
+    assert cb.watcher is not None and not cb.watcher.attached
+    assert len(reports(trainer.log_dir)) == 1
+    assert column(trainer, "nanwatch/grad_norm")[0] > 0
+
+
+# ---------------------------------------------------------------------- mixed precision
+def test_bf16_mixed_logs_headroom_and_replays_under_autocast(tmp_path: Path) -> None:
+    cb = NanWatchCallback()
+    with pytest.warns(RuntimeWarning, match="nanwatch: step 3"):
+        trainer = fit(tmp_path, Model(bad=[3]), cb, batches=6, precision="bf16-mixed")
+    headroom = column(trainer, "nanwatch/headroom")
+    assert len(headroom) == 4 and all(0 < h < 1e-30 for h in headroom[:3])  # bf16: 3.4e38
+    a = cb.watcher.first_anomaly if cb.watcher else None
+    assert a is not None and a.record.dtype == "bfloat16"
+    assert a.op is not None and a.op.dtype == "bfloat16"  # the replay ran under autocast
+    assert cb.watcher is not None and cb.watcher.scaler is None  # bf16 uses no scaler
+
+
+def test_float16_with_grad_scaler_skips_and_reads_the_scale(tmp_path: Path) -> None:
+    # Trainer(accelerator="cpu", precision="16-mixed") is turned into bf16-mixed by Lightning
+    # ("AMP with fp16 is not supported on CPU"); the plugin itself runs float16 autocast and
+    # a GradScaler on CPU.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    with pytest.warns(UserWarning, match="AMP with fp16 is not supported on CPU"):
+        fallback = L.Trainer(accelerator="cpu", precision="16-mixed", logger=False)
+    assert fallback.precision_plugin.precision == "bf16-mixed"
+
+    # init_scale=1: no overflow of the scaled gradients, so GradScaler.step would step
+    # (found_inf = 0) and only the dropped gradients keep the weights where they were
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1.0))
+    cb = NanWatchCallback(on_anomaly="skip")
+    weights = weights_recorder()
+    model = Model(bad=[2], detached=True)  # the gradients stay finite: the scaler would step
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        trainer = fit(tmp_path, model, cb, weights, batches=5, plugins=[plugin])
+    nw = cb.watcher
+    assert nw is not None and nw.scaler is plugin.scaler
+    assert [e["batch_idx"] for e in cb.skipped] == [2]
+    assert torch.equal(weights.after[2], weights.after[1])  # GradScaler.step stepped nothing
+    assert not torch.equal(weights.after[3], weights.after[2])
+    assert all(torch.isfinite(w).all() for w in weights.after)
+    assert column(trainer, "nanwatch/loss_scale") == [1.0] * 5  # no inf was ever found
+    assert [t.scale for t in nw.history] == [1.0] * 5
+    norms = column(trainer, "nanwatch/grad_norm")
+    assert all(0 < g < 100 for i, g in enumerate(norms) if i != 2)
+    assert nw.first_anomaly is not None and nw.first_anomaly.record.dtype == "float16"
+    assert all(h < 1 for h in column(trainer, "nanwatch/headroom")[:2])
+
+
+# ---------------------------------------------------------------------- checkpoints
+def test_checkpoint_resume_keeps_the_summary_and_the_counters(tmp_path: Path) -> None:
+    first = NanWatchCallback(on_anomaly="skip")
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        trainer = fit(tmp_path / "a", Model(bad=[1]), first, batches=4)
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    before = first.watcher
+    assert before is not None
+
+    second = NanWatchCallback(on_anomaly="skip")
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        resumed = fit(
+            tmp_path / "b", Model(bad=[2]), second, batches=4, max_epochs=2, ckpt_path=str(ckpt)
+        )
+    nw = second.watcher
+    assert nw is not None
+    assert [t.step for t in nw.history] == list(range(8))  # numbering goes on
+    old = [t.loss for t in before.history]
+    kept = [t.loss for t in list(nw.history)[:4]]
+    assert kept[0] == old[0] and kept[2:] == old[2:] and math.isnan(kept[1] or 0.0)
+    assert nw.history[1].anomaly is not None and nw.history[1].records == []  # summary only
+    assert nw.first_anomaly is not None and nw.first_anomaly.step == 1
+    assert nw.first_anomaly.summary == before.first_anomaly.summary  # type: ignore[union-attr]
+    assert [a.step for a in nw.anomalies] == [1, 6]  # batch 2 of the resumed epoch: step 6
+    assert second.skipped[0] == first.skipped[0] and len(second.skipped) == 2
+    assert second.replays == 2
+    assert column(resumed, "nanwatch/anomalies") == [1.0, 1.0, 2.0, 2.0]
+    assert column(resumed, "nanwatch/skipped") == [1.0, 1.0, 2.0, 2.0]
+    (path,) = reports(resumed.log_dir)  # the report covers the restored steps too
+    report = Report.load(path)
+    assert report.anomaly_count == 2 and [t.step for t in report.steps] == list(range(8))
+    assert path.with_suffix(".html").stat().st_size > 0
+    state = second.state_dict()
+    assert state["step"] == 8 and state["anomaly_count"] == 2 and len(state["steps"]) == 8
+
+
+# ---------------------------------------------------------------------- distributed
+@pytest.mark.slow
+def test_ddp_a_nan_on_one_rank_skips_on_both_at_the_same_step(tmp_path: Path) -> None:
+    script = Path(__file__).with_name("_lightning_ddp.py")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+        and not k.startswith("SLURM_")
+    }
+    env["PYTHONWARNINGS"] = "ignore"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), "skip", "ddp"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # rank 1 is its child: a hang is ended as a group
+    )
+    try:
+        out, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the DDP run hung (killed after 240 s):\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"result-rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["world"] == r1["world"] == 2
+    assert r0["anomalies"] == [] and r1["anomalies"] == [2]  # only rank 1 saw it
+    for r in (r0, r1):
+        assert [e["step"] for e in r["skipped"]] == [2]  # both ranks skipped step 2
+        assert r["notes"] == [
+            {"rank": r["rank"], "world_size": 2, "ranks": [1], "first_ranks": [1], "action": "skip"}
+        ]
+        assert r["steps"] == [0, 1, 2, 3, 4] and r["finite"]
+    assert r0["global_step"] == r1["global_step"] == 5
+    assert r0["params"] == r1["params"]  # the replicas stayed identical
+    logs = tmp_path / "lightning_logs" / "version_0"
+    for rank in (0, 1):
+        teardown = json.loads((tmp_path / f"teardown-rank{rank}.json").read_text())
+        assert teardown["attached"] is False
+        (path,) = reports(logs, rank)  # each rank wrote its own report
+        assert teardown["reports"] == [str(path)]
+        report = Report.load(path)
+        assert report.rank == rank
+        notes = [n.data for t in report.steps for n in t.notes if n.kind == "distributed"]
+        assert notes and notes[0]["ranks"] == [1]
+        skips = (logs / f"nanwatch-skipped-rank{rank}.jsonl").read_text().splitlines()
+        assert [json.loads(s)["batch_idx"] for s in skips] == [2]
