@@ -428,6 +428,11 @@ class Note:
       ``ignored`` (count of targets equal to it), ``ignored_amax``/``valid_amax`` (max |x|
       of the input at ignored and at trained positions), ``reduction``, ``value_clamped``
       (BCE: elements whose log hit the -100 clamp).
+    * ``"loss_graph"``: the loss was computed outside any module; ``data["ops"]`` lists the
+      ops of its autograd graph (``["neg", "mean", "mul", "log"]``).
+    * ``"distributed"``: written by the Lightning callback on the step where an anomaly was
+      acted on across ranks. ``data``: ``rank``, ``world_size``, ``ranks`` (those that saw
+      it), ``first_ranks`` (those that saw it first), ``action``.
     """
 
     kind: str
