@@ -62,13 +62,24 @@ class Thresholds:
     scaler_skips: int = 5
     #: predict overflow when the trend reaches the limit within this many steps.
     trend_horizon: int = 50
+    #: NW206: max |logit| at ignore_index positions this many times the trained positions'.
+    ignored_logit_factor: float = 1.5
+    #: NW103/NW104 speak once a value reached this fraction of its limit.
+    trend_floor: float = 0.25
 
     def __post_init__(self) -> None:
-        for name in ("headroom", "exp_headroom", "explode_factor", "bce_saturated_fraction"):
+        for name in (
+            "headroom",
+            "exp_headroom",
+            "explode_factor",
+            "bce_saturated_fraction",
+            "ignored_logit_factor",
+            "trend_floor",
+        ):
             _positive_float(name, getattr(self, name))
         for name in ("min_history", "vanish_steps", "scaler_skips", "trend_horizon"):
             _positive_int(name, getattr(self, name))
-        for name in ("headroom", "exp_headroom"):
+        for name in ("headroom", "exp_headroom", "trend_floor"):
             if getattr(self, name) > 1:
                 raise ConfigError(
                     name,

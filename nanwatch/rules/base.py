@@ -1,6 +1,11 @@
 """The rule engine: a Rule is a function of the step's records (and the history ring)
 that returns zero or more Diagnosis. Built-in rules and user rules use the same decorator.
 
+Rules are pure functions of :class:`~nanwatch.records.StepTrace` objects: they never touch a
+tensor, so they run off the hot path (once per step, at the flush) and can be tested on
+traces built by hand (:mod:`nanwatch.rules.testing`). A rule that raises is reported once
+and disabled; the step goes on.
+
 Example:
     >>> from nanwatch.rules import rule, Diagnosis
     >>> @rule("NW901", title="Loss above 1e4", severity="warning",
@@ -9,6 +14,7 @@ Example:
     ...     if ctx.trace.loss is not None and ctx.trace.loss > 1e4:
     ...         yield ctx.diagnosis(evidence=[f"loss = {ctx.trace.loss:.4g}"],
     ...                             explanation="The loss exploded.", fix="lower the lr")
+    >>> del REGISTRY["NW901"]
 """
 
 from __future__ import annotations
@@ -17,10 +23,10 @@ import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from nanwatch.errors import ConfigError
-from nanwatch.records import Anomaly, Phase, Record, StepTrace
+from nanwatch.records import Anomaly, Note, Phase, Record, StepTrace
 
 if TYPE_CHECKING:
     from nanwatch.config import Thresholds
@@ -29,11 +35,23 @@ Severity = Literal["error", "warning", "info"]
 SEVERITIES: tuple[str, ...] = ("error", "warning", "info")
 _SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
 _CODE = re.compile(r"^NW\d{3,4}$")
+_BUILTIN_PREFIX = "nanwatch.rules."
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True, eq=False)
 class Diagnosis:
-    """What went wrong, where, the numbers that show it, and the fix."""
+    """What went wrong, where, the numbers that show it, and the fix.
+
+    Example:
+        >>> d = Diagnosis("NW111", "Division by zero", "error", step=3, path="norm",
+        ...               op="aten.div.Tensor")
+        >>> d.headline
+        'NW111 error: Division by zero (norm, aten.div.Tensor, step 3)'
+        >>> d.silence
+        'nanwatch.watch(..., ignore=["NW111"])'
+    """
 
     code: str  #: stable, never reused: ``NW101``
     title: str
@@ -110,16 +128,30 @@ class Diagnosis:
         )
 
 
+#: Per-step summaries computed by rules from finished (history) steps, so that a rule
+#: reading 32 steps of history does not walk 32 steps of records at every flush. Keyed by
+#: (id(trace), key); the trace itself is kept to check identity, and entries of steps that
+#: left the history are dropped at the next evaluation (memory stays bounded by the ring).
+_MEMO: dict[tuple[int, str], tuple[StepTrace, Any]] = {}
+
+
 @dataclass(slots=True)
 class RuleContext:
     """What a rule sees: the current step, the steps before it (oldest first), the
-    thresholds, and a factory for diagnoses carrying the rule's code, title and severity."""
+    thresholds, and a factory for diagnoses carrying the rule's code, title and severity.
+
+    Example:
+        >>> from nanwatch.config import Thresholds
+        >>> ctx = RuleContext(trace=StepTrace(step=3), history=[], thresholds=Thresholds())
+        >>> ctx.step, ctx.anomaly is None, ctx.thresholds.headroom
+        (3, True, 0.5)
+    """
 
     trace: StepTrace
     history: Sequence[StepTrace]
     thresholds: Thresholds
     rule: Rule | None = None
-    #: extra facts the watcher knows (``scaler``: whether a GradScaler was given).
+    #: extra facts the watcher knows (``scaler``: whether a GradScaler was given; ``mode``).
     facts: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -135,6 +167,24 @@ class RuleContext:
             return iter(self.trace.records)
         want = set(phases)
         return (r for r in self.trace.records if r.phase in want)
+
+    def notes(self, kind: str) -> list[Note]:
+        """The current step's notes of this kind (``"loss_input"``, written by the guards)."""
+        return [n for n in self.trace.notes if n.kind == kind]
+
+    def memo(self, trace: StepTrace, key: str, compute: Callable[[StepTrace], T]) -> T:
+        """``compute(trace)``, remembered for steps of the history (which no longer change);
+        the current step is always computed afresh."""
+        if trace is self.trace:
+            return compute(trace)
+        k = (id(trace), key)
+        hit = _MEMO.get(k)
+        if hit is not None and hit[0] is trace:
+            value: T = hit[1]
+            return value
+        value = compute(trace)
+        _MEMO[k] = (trace, value)
+        return value
 
     def diagnosis(self, **fields: Any) -> Diagnosis:
         """A Diagnosis pre-filled with this rule's code, title, severity and step."""
@@ -155,7 +205,13 @@ RuleFunc = Callable[[RuleContext], Iterable[Diagnosis] | Diagnosis | None]
 @dataclass(frozen=True)
 class Rule:
     """A registered rule: its stable code, title, severity, one-line summary, and whether it
-    can fire before any NaN exists (an early warning)."""
+    can fire before any NaN exists (an early warning).
+
+    ``fallback`` rules run after the others and only when none of them produced an
+    error-severity diagnosis for the step (the catch-all that makes sure every anomaly gets
+    a diagnosis). ``severity`` is the rule's usual severity; a diagnosis may carry another
+    one when the evidence warrants it.
+    """
 
     code: str
     title: str
@@ -165,6 +221,12 @@ class Rule:
     early: bool = False
     family: str = "user"
     priority: int = 50
+    fallback: bool = False
+
+    @property
+    def builtin(self) -> bool:
+        """Whether the rule ships with nanwatch (its function lives in ``nanwatch.rules``)."""
+        return str(getattr(self.func, "__module__", "")).startswith(_BUILTIN_PREFIX)
 
     def __call__(self, ctx: RuleContext) -> list[Diagnosis]:
         """Run the rule; a single Diagnosis, None or any iterable of them is accepted, and
@@ -187,12 +249,30 @@ def rule(
     severity: Severity,
     summary: str,
     early: bool = False,
-    family: str = "user",
+    family: str | None = None,
     priority: int = 50,
     replace: bool = False,
+    fallback: bool = False,
 ) -> Callable[[RuleFunc], RuleFunc]:
     """Register a rule. Codes are ``NW`` + 3 or 4 digits and never reused: registering a
-    code twice is an error unless ``replace=True`` (for reloading your own rule)."""
+    code twice is an error unless ``replace=True`` (for reloading your own rule).
+
+    ``family`` defaults to the module name for rules that ship with nanwatch
+    (``nanwatch.rules.overflow`` -> ``"overflow"``) and to ``"user"`` otherwise. ``early``
+    says the rule can fire before any NaN exists; ``priority`` orders diagnoses of equal
+    severity (lower first: the most specific cause).
+
+    Example:
+        >>> @rule("NW902", title="Loss is negative", severity="warning",
+        ...       summary="A negative loss: the loss function and its inputs disagree.")
+        ... def negative_loss(ctx):
+        ...     if ctx.trace.loss is not None and ctx.trace.loss < 0:
+        ...         return ctx.diagnosis(evidence=[f"loss = {ctx.trace.loss:.4g}"])
+        ...     return None
+        >>> REGISTRY["NW902"].severity, REGISTRY["NW902"].early
+        ('warning', False)
+        >>> del REGISTRY["NW902"]
+    """
     if not isinstance(code, str) or not _CODE.match(code):
         raise ConfigError(
             "code", code, f"a rule code is 'NW' and 3-4 digits, like 'NW901'; got {code!r}."
@@ -213,6 +293,10 @@ def rule(
                 f"rule code {code} is taken by {existing.title!r} ({existing.family}); "
                 "pick an unused code (nanwatch rules lists them) or pass replace=True.",
             )
+        fam = family
+        if fam is None:
+            module = str(getattr(func, "__module__", ""))
+            fam = module[len(_BUILTIN_PREFIX) :] if module.startswith(_BUILTIN_PREFIX) else "user"
         REGISTRY[code] = Rule(
             code=code,
             title=title,
@@ -220,8 +304,9 @@ def rule(
             summary=summary,
             func=func,
             early=early,
-            family=family,
+            family=fam,
             priority=priority,
+            fallback=fallback,
         )
         return func
 
@@ -229,7 +314,11 @@ def rule(
 
 
 def catalog() -> list[Rule]:
-    """Every registered rule, by code."""
+    """Every registered rule, by code.
+
+    >>> [r.code for r in catalog()][:2]
+    ['NW100', 'NW101']
+    """
     _load_builtin()
     return sorted(REGISTRY.values(), key=lambda r: (len(r.code), r.code))
 
@@ -239,7 +328,21 @@ def _load_builtin() -> None:
 
 
 def sort_key(d: Diagnosis) -> tuple[int, int, str]:
+    """Errors first, then warnings, then info; within a severity the lower ``priority``
+    (the more specific cause) first.
+
+    >>> ds = [Diagnosis("NW2", "w", "warning", priority=1), Diagnosis("NW1", "e", "error")]
+    >>> [d.code for d in sorted(ds, key=sort_key)]
+    ['NW1', 'NW2']
+    """
     return (_SEVERITY_RANK.get(d.severity, 3), d.priority, d.code)
+
+
+def _prune_memo(trace: StepTrace, history: Sequence[StepTrace]) -> None:
+    live = {id(t) for t in history}
+    live.add(id(trace))
+    for k in [k for k, (t, _) in _MEMO.items() if k[0] not in live or id(t) != k[0]]:
+        del _MEMO[k]
 
 
 def evaluate(
@@ -252,27 +355,41 @@ def evaluate(
     facts: dict[str, Any] | None = None,
 ) -> list[Diagnosis]:
     """Run every registered rule on ``trace``; most important first. A rule that raises is
-    reported once (a warning) and added to ``disabled``; it never breaks the step."""
+    reported once (a warning) and added to ``disabled``; it never breaks the step.
+
+    Fallback rules run last, and only when no other rule produced an error-severity
+    diagnosis.
+
+    Example:
+        >>> from nanwatch.config import Thresholds
+        >>> evaluate(StepTrace(step=0), [], Thresholds())
+        []
+    """
     _load_builtin()
+    _prune_memo(trace, history)
     skip = set(ignore)
     dead = disabled if disabled is not None else set()
     out: list[Diagnosis] = []
     ctx = RuleContext(trace=trace, history=history, thresholds=thresholds, facts=dict(facts or {}))
-    for r in list(REGISTRY.values()):
-        if r.code in skip or r.code in dead:
-            continue
-        ctx.rule = r
-        try:
-            found = r(ctx)
-        except Exception as exc:
-            dead.add(r.code)
-            warnings.warn(
-                f"nanwatch: rule {r.code} ({r.title}) raised {type(exc).__name__}: {exc}; "
-                "it is disabled for the rest of this run. The step goes on.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            continue
-        out.extend(found)
+    rules = [r for r in REGISTRY.values() if r.code not in skip]
+    for fallback in (False, True):
+        if fallback and any(d.severity == "error" for d in out):
+            break
+        for r in rules:
+            if r.fallback is not fallback or r.code in dead:
+                continue
+            ctx.rule = r
+            try:
+                found = r(ctx)
+            except Exception as exc:
+                dead.add(r.code)
+                warnings.warn(
+                    f"nanwatch: rule {r.code} ({r.title}) raised {type(exc).__name__}: {exc}; "
+                    "it is disabled for the rest of this run. The step goes on.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
+            out.extend(found)
     out.sort(key=sort_key)
     return out

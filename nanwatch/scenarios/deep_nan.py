@@ -21,7 +21,11 @@ from nanwatch.scenarios import Expected
 
 TITLE = "NaN born deep inside a model (encoder.blocks.3.mlp.act)"
 EXPECTED = Expected(
-    kind=AnomalyKind.FORWARD, path="encoder.blocks.3.mlp.act", phase=Phase.FORWARD, op="aten.pow"
+    kind=AnomalyKind.FORWARD,
+    path="encoder.blocks.3.mlp.act",
+    phase=Phase.FORWARD,
+    op="aten.pow",
+    diagnosis="NW112",
 )
 
 

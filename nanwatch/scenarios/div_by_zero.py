@@ -19,7 +19,12 @@ from nanwatch.scenarios import Expected
 
 TITLE = "Division by zero in a custom normalization layer"
 EXPECTED = Expected(
-    kind=AnomalyKind.FORWARD, path="norm", phase=Phase.FORWARD, op="aten.div", dtype="float32"
+    kind=AnomalyKind.FORWARD,
+    path="norm",
+    phase=Phase.FORWARD,
+    op="aten.div",
+    dtype="float32",
+    diagnosis="NW111",
 )
 
 

@@ -23,7 +23,12 @@ from nanwatch.scenarios import Expected
 
 TITLE = "float16 segmentation head: exp overflows at ignored pixels"
 EXPECTED = Expected(
-    kind=AnomalyKind.FORWARD, path="SegLoss", phase=Phase.FORWARD, op="aten.exp", dtype="float16"
+    kind=AnomalyKind.FORWARD,
+    path="SegLoss",
+    phase=Phase.FORWARD,
+    op="aten.exp",
+    dtype="float16",
+    diagnosis="NW206",
 )
 
 IGNORE = 255

@@ -22,7 +22,11 @@ from nanwatch.scenarios import Expected
 
 TITLE = "A learning rate that blows the weights up"
 EXPECTED = Expected(
-    kind=AnomalyKind.PARAMETER, phase=Phase.PARAMETER, parameter="proj.weight", dtype="float16"
+    kind=AnomalyKind.PARAMETER,
+    phase=Phase.PARAMETER,
+    parameter="proj.weight",
+    dtype="float16",
+    diagnosis="NW301",
 )
 
 

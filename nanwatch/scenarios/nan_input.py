@@ -18,7 +18,7 @@ from nanwatch.records import AnomalyKind, Phase
 from nanwatch.scenarios import Expected
 
 TITLE = "NaN in the input data"
-EXPECTED = Expected(kind=AnomalyKind.INPUT, path="Sequential", phase=Phase.INPUT)
+EXPECTED = Expected(kind=AnomalyKind.INPUT, path="Sequential", phase=Phase.INPUT, diagnosis="NW401")
 
 BAD_SAMPLE = 13
 

@@ -21,7 +21,9 @@ from nanwatch.records import AnomalyKind, Phase
 from nanwatch.scenarios import Expected
 
 TITLE = "sqrt at zero: an infinite gradient born in backward"
-EXPECTED = Expected(kind=AnomalyKind.BACKWARD, path="distance", phase=Phase.BACKWARD)
+EXPECTED = Expected(
+    kind=AnomalyKind.BACKWARD, path="distance", phase=Phase.BACKWARD, diagnosis="NW112"
+)
 
 
 class PairDistance(nn.Module):

@@ -1,0 +1,580 @@
+"""Shared reading of records for the built-in rules: number formatting, what an aten op
+event means (overflow, log of zero, division by zero, ...), and the data flow into losses.
+
+Private: rule families import it; users write rules against :mod:`nanwatch.records`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from nanwatch.records import Anomaly, Call, Note, OpEvent, Phase, Record, StepTrace, TensorStat
+from nanwatch.stats import DtypeLimits, dtype_limits
+
+# ---------------------------------------------------------------------- numbers
+
+
+def fmt(x: float | int | None) -> str:
+    """A number for a sentence: 4 significant digits, exponent when large or tiny.
+
+    >>> fmt(11.0903), fmt(65504.0), fmt(1.5625e10), fmt(0.0), fmt(float("nan"))
+    ('11.09', '65504', '1.56e+10', '0', 'NaN')
+    """
+    if x is None:
+        return "?"
+    if isinstance(x, bool):
+        return str(x)
+    if isinstance(x, int):
+        return f"{x:,}"
+    if math.isnan(x):
+        return "NaN"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    a = abs(x)
+    if a >= 1e6 or a < 1e-3:
+        return f"{x:.3g}"
+    if a >= 1e4 and float(x).is_integer():
+        return f"{int(x)}"
+    return f"{x:.4g}"
+
+
+def count(n: int, noun: str) -> str:
+    """``count(3, "value")`` -> ``'3 values'``; thousands separated."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def short_op(op: str) -> str:
+    """``aten.exp.default`` -> ``aten.exp``; other overloads are kept (``aten.div.Tensor``)."""
+    return op[: -len(".default")] if op.endswith(".default") else op
+
+
+def packet(op: str) -> str:
+    """``aten.div.Tensor`` -> ``div``."""
+    parts = op.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+@functools.lru_cache(maxsize=64)
+def limits(dtype: str | None) -> DtypeLimits | None:
+    """``nanwatch.stats.dtype_limits`` by the dtype's name as records store it."""
+    return dtype_limits(dtype) if dtype else None
+
+
+@functools.lru_cache(maxsize=64)
+def low_precision(dtype: str | None) -> DtypeLimits | None:
+    """Limits of a floating dtype of 16 bits or fewer (float16, bfloat16, float8), else None."""
+    lim = limits(dtype)
+    return lim if lim is not None and lim.low_precision else None
+
+
+def describe_stat(s: TensorStat | None) -> str:
+    """``min -17.16, max 11.52 (4,096 values)`` with the non-finite and zero counts known."""
+    if s is None:
+        return "not measured"
+    parts = [f"min {fmt(s.min)}, max {fmt(s.max)}"]
+    extra = []
+    if s.nan:
+        extra.append(f"{s.nan:,} NaN")
+    if s.posinf:
+        extra.append(f"{s.posinf:,} +inf")
+    if s.neginf:
+        extra.append(f"{s.neginf:,} -inf")
+    if s.zeros:
+        extra.append(f"{s.zeros:,} exact zero{'s' if s.zeros != 1 else ''}")
+    if s.finite_amax is not None and not s.finite:
+        extra.append(f"max |finite| {fmt(s.finite_amax)}")
+    tail = f" ({', '.join(extra)}; {s.numel:,} values)" if extra else f" ({s.numel:,} values)"
+    return parts[0] + tail
+
+
+def has_zero(s: TensorStat | None) -> bool:
+    if s is None:
+        return False
+    if s.zeros is not None:
+        return s.zeros > 0
+    return s.min == 0.0 or s.max == 0.0
+
+
+def signed_max(s: TensorStat | None) -> float:
+    """The largest finite value (exp overflows on the positive side)."""
+    if s is None or math.isnan(s.max):
+        return math.nan
+    if math.isinf(s.max):
+        return s.finite_amax if s.finite_amax is not None else math.nan
+    return s.max
+
+
+# ---------------------------------------------------------------------- op events
+
+_LOG = frozenset(
+    {
+        "log",
+        "log2",
+        "log10",
+        "log1p",
+        "log_",
+        "xlogy",
+        "special_xlogy",
+        "special_xlog1py",
+        "special_entr",
+        "logit",
+        "special_logit",
+    }
+)
+_DIV = frozenset({"div", "div_", "true_divide", "floor_divide", "reciprocal", "remainder", "fmod"})
+_ROOT = frozenset({"sqrt", "sqrt_", "rsqrt", "pow", "pow_", "float_power"})
+_SOFTMAX = frozenset(
+    {"_softmax", "softmax", "_safe_softmax", "_log_softmax", "log_softmax", "special_softmax"}
+)
+EXP_LIKE = frozenset(
+    {"exp", "exp_", "exp2", "expm1", "sinh", "cosh", "logsumexp", "softplus"} | _SOFTMAX
+)
+MATMUL = frozenset(
+    {
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "addbmm",
+        "matmul",
+        "linear",
+        "mv",
+        "addmv",
+        "dot",
+        "einsum",
+        "convolution",
+        "_convolution",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "_scaled_mm",
+        "_scaled_dot_product_attention_math",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+    }
+)
+CAST = frozenset({"_to_copy", "to", "copy_", "_to_dtype"})
+
+_NODE_CLASS = {
+    "Sqrt": "root",
+    "Rsqrt": "root",
+    "Pow": "root",
+    "Cdist": "root",
+    "Norm": "root",
+    "Div": "div",
+    "Reciprocal": "div",
+    "Log": "log",
+    "Log2": "log",
+    "Log10": "log",
+    "Log1P": "log",
+    "Xlogy": "log",
+}
+
+
+def node_base(node: str | None) -> str:
+    """``SqrtBackward0`` -> ``Sqrt``."""
+    return re.sub(r"Backward\d*$", "", node or "")
+
+
+def inputs_of(ev: OpEvent) -> list[TensorStat]:
+    return [s for _, s in ev.inputs if s is not None]
+
+
+def input_named(ev: OpEvent, *names: str) -> TensorStat | None:
+    for name, s in ev.inputs:
+        if name in names:
+            return s
+    return None
+
+
+def first_input(ev: OpEvent) -> TensorStat | None:
+    return ev.inputs[0][1] if ev.inputs else None
+
+
+def _exponent(ev: OpEvent) -> float | None:
+    e = ev.scalars.get("exponent")
+    if isinstance(e, (int, float)) and not isinstance(e, bool):
+        return float(e)
+    return None
+
+
+def classify(ev: OpEvent) -> str:
+    """What an op event is: ``overflow``, ``log``, ``div``, ``root`` (sqrt / fractional
+    power outside its domain), ``masked-softmax``, ``injected`` (a constant -inf put in on
+    purpose) or ``other``.
+
+    >>> from nanwatch.records import OpEvent, Phase, TensorStat
+    >>> ev = OpEvent("aten.exp.default", Phase.FORWARD, "head", "+inf",
+    ...              TensorStat(0, math.inf, 4), [("self", TensorStat(0, 12.0, 4))],
+    ...              dtype="float16")
+    >>> classify(ev)
+    'overflow'
+    """
+    if ev.injected:
+        return "injected"
+    born_inf = "+inf" in ev.born or "-inf" in ev.born
+    if ev.phase is Phase.BACKWARD and ev.node:
+        cls = _NODE_CLASS.get(node_base(ev.node))
+        if cls is not None:
+            return cls
+    name = packet(ev.op)
+    ins = inputs_of(ev)
+    if name in _SOFTMAX:
+        x = first_input(ev)
+        if x is not None and x.has_neginf and not x.has_posinf and not x.has_nan:
+            return "masked-softmax"
+        return "overflow" if born_inf or (x is not None and x.has_posinf) else "other"
+    if name in _LOG:
+        return "log"
+    if name in _DIV:
+        den = first_input(ev) if name == "reciprocal" else input_named(ev, "other")
+        if den is None and len(ins) > 1:
+            den = ins[1]
+        if has_zero(den):
+            return "div"
+        return "overflow" if born_inf else "div"
+    if name in _ROOT:
+        e = _exponent(ev)
+        base = first_input(ev)
+        if name in ("sqrt", "sqrt_", "rsqrt"):
+            return "root"
+        if e is not None and (e >= 1 and float(e).is_integer()) and born_inf:
+            return "overflow"
+        if e is not None and e > 0 and float(e).is_integer():
+            return "overflow" if born_inf else "other"
+        if base is not None and (base.min < 0 or has_zero(base)):
+            return "root"
+        return "overflow" if born_inf else "root"
+    if born_inf:
+        return "overflow"
+    return "other"
+
+
+@dataclass(frozen=True)
+class Cause:
+    """The op that started the trouble, read from the anomaly's op chain."""
+
+    kind: str  #: see :func:`classify`
+    event: OpEvent  #: the op that created the first bad value of this kind
+    chain: tuple[OpEvent, ...]  #: the whole chain, oldest first
+    trigger: OpEvent  #: the op the anomaly was pinned to (the last of the chain)
+
+
+def cause_of(anomaly: Anomaly | None) -> Cause | None:
+    """The first meaningful op of the anomaly's chain (None without a pinpointed op)."""
+    if anomaly is None or anomaly.op is None:
+        return None
+    chain = anomaly.op.chain()
+    kinds = [classify(ev) for ev in chain]
+    for ev, k in zip(chain, kinds, strict=True):
+        if k == "masked-softmax":
+            return Cause(k, ev, tuple(chain), anomaly.op)
+    for ev, k in zip(chain, kinds, strict=True):
+        if k not in ("injected", "other"):
+            return Cause(k, ev, tuple(chain), anomaly.op)
+    for ev, k in zip(chain, kinds, strict=True):
+        if k != "injected":
+            return Cause(k, ev, tuple(chain), anomaly.op)
+    return Cause(kinds[-1], chain[-1], tuple(chain), anomaly.op)
+
+
+def op_fields(ev: OpEvent, anomaly: Anomaly | None = None) -> dict[str, Any]:
+    """Diagnosis fields for an op event: module path, op, phase, source line."""
+    path = ev.path or (anomaly.path if anomaly is not None else None)
+    return {
+        "path": path,
+        "op": short_op(ev.op),
+        "phase": ev.phase.value,
+        "source": ev.source,
+    }
+
+
+def code_line(ev: OpEvent) -> str | None:
+    """``at train.py:42: e = logits.exp()`` when the op's source line is known."""
+    if not ev.source:
+        return None
+    code = f": {ev.code.strip()}" if ev.code else ""
+    return f"at {ev.source}{code}"
+
+
+def anomaly_fields(anomaly: Anomaly) -> dict[str, Any]:
+    return {
+        "step": anomaly.step,
+        "path": anomaly.path,
+        "phase": anomaly.record.phase.value,
+        "parameter": anomaly.parameter,
+    }
+
+
+def untraced_hint(mode: object) -> str:
+    """What to run to name the op and line when they are unknown."""
+    if mode == "forensic":
+        return "the op was not traced (it ran outside the op checker)"
+    return (
+        "the op and line were not traced in this mode: run the step again with "
+        'nanwatch.watch(..., mode="forensic") or nw.replay(step_fn) to name them'
+    )
+
+
+# ---------------------------------------------------------------------- data flow
+
+_ACT_BY_GRAD_FN = {
+    "SigmoidBackward0": "sigmoid",
+    "SigmoidBackward1": "sigmoid",
+    "SoftmaxBackward0": "softmax",
+    "LogSoftmaxBackward0": "log_softmax",
+}
+_ACT_BY_MODULE = {
+    "Sigmoid": "sigmoid",
+    "Softmax": "softmax",
+    "Softmax2d": "softmax",
+    "LogSoftmax": "log_softmax",
+}
+
+
+@dataclass(frozen=True)
+class Activation:
+    kind: str  #: ``sigmoid``, ``softmax``, ``log_softmax``
+    path: str | None  #: the module that applied it, when a module did
+    module_type: str | None
+    grad_fn: str | None
+    via: str  #: ``module`` or ``grad_fn`` (functional call) or ``note``
+
+
+#: pass-through modules that return the same values (so an activation before them still
+#: reaches the loss)
+_SAME_VALUES = frozenset(
+    {"Identity", "Flatten", "Unflatten", "Dropout", "Dropout1d", "Dropout2d", "Dropout3d"}
+)
+
+
+def activation_of(trace: StepTrace, rec: Record) -> Activation | None:
+    """Which activation produced the tensor of ``rec``, following the data flow (``source``
+    links) through aliases and pass-through modules back to the producing record: a
+    Sigmoid/Softmax module, or (functional ``torch.sigmoid``) the autograd node."""
+    cur: Record | None = rec
+    by_grad_fn: Activation | None = None
+    hops = 0
+    while cur is not None and hops < 64:
+        hops += 1
+        if cur.phase is Phase.FORWARD:
+            kind = _ACT_BY_MODULE.get(cur.module_type)
+            if kind is not None:
+                return Activation(kind, cur.path, cur.module_type, cur.grad_fn, "module")
+            call = trace.call(cur.call)
+            alias = cur.source is not None and cur.stat is None
+            passthrough = call is not None and call.passthrough
+            kind = _ACT_BY_GRAD_FN.get(cur.grad_fn or "")
+            if kind is not None and by_grad_fn is None:
+                own = not alias and not passthrough and call is not None and not call.root
+                by_grad_fn = Activation(
+                    kind,
+                    cur.path if own else None,
+                    cur.module_type if own else None,
+                    cur.grad_fn,
+                    "grad_fn",
+                )
+            if not alias and not passthrough:
+                return by_grad_fn  # a module's own output: the producer
+            if passthrough and by_grad_fn is None and cur.module_type not in _SAME_VALUES:
+                return None  # ReLU & co. changed the values: not the activation's output
+        if cur.source is None:
+            return by_grad_fn
+        cur = trace.record(cur.source)
+    return by_grad_fn
+
+
+_LOSS_NAMES = {
+    "bce": "bce",
+    "binarycrossentropy": "bce",
+    "crossentropy": "ce",
+    "nll": "nll",
+    "nllloss2d": "nll",
+    "bcewithlogits": "bce_logits",
+    "binarycrossentropywithlogits": "bce_logits",
+}
+
+
+def loss_kind(name: str | None) -> str | None:
+    """``BCELoss``/``F.binary_cross_entropy`` -> ``bce``; ``CrossEntropyLoss`` -> ``ce``;
+    ``NLLLoss``/``nll_loss`` -> ``nll``; ``BCEWithLogitsLoss`` -> ``bce_logits``.
+
+    >>> loss_kind("F.cross_entropy"), loss_kind("NLLLoss"), loss_kind("MSELoss")
+    ('ce', 'nll', None)
+    """
+    if not name:
+        return None
+    n = name.rsplit(".", 1)[-1].lower().replace("_", "")
+    return _LOSS_NAMES.get(n, _LOSS_NAMES.get(n.removesuffix("loss")))
+
+
+@dataclass
+class LossUse:
+    """One loss call of the step: the module call (when a watched loss module ran it), its
+    input record, the record that measured the input, the loss value, and the guard's note."""
+
+    path: str
+    kind: str | None  #: see :func:`loss_kind`
+    call: Call | None
+    input: Record | None  #: the call's ``input[0]`` record
+    measured: Record | None  #: ``input`` followed to the record holding its statistics
+    output: Record | None
+    note: Note | None
+
+    @property
+    def value(self) -> float | None:
+        """The loss value this call returned, when its output was measured."""
+        out = self.output
+        if out is not None and out.stat is not None and out.stat.numel == 1:
+            return out.stat.max
+        return None
+
+    def data(self, key: str, default: Any = None) -> Any:
+        if self.note is None:
+            return default
+        v = self.note.data.get(key, default)
+        return default if v is None else v
+
+    @property
+    def input_stat(self) -> TensorStat | None:
+        return self.measured.stat if self.measured is not None else None
+
+    @property
+    def input_dtype(self) -> str | None:
+        d = self.data("input_dtype")
+        if isinstance(d, str):
+            return d
+        return self.input.dtype if self.input is not None else None
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+def note_num(note: Note | None, key: str) -> float | None:
+    return _num(note.data.get(key)) if note is not None else None
+
+
+def exact(trace: StepTrace, rec: Record) -> Record | None:
+    """The record that measured this very tensor: ``rec`` itself, or the record its
+    ``source`` links lead to through aliases. None when the links cross the output of a
+    pass-through module (ReLU, Sigmoid, ...): its statistics are those of a different tensor
+    (the module's input), which :meth:`StepTrace.resolve` would return."""
+    cur: Record | None = rec
+    hops = 0
+    while cur is not None and cur.stat is None and cur.source is not None and hops < 64:
+        hops += 1
+        if cur.phase is Phase.FORWARD:
+            call = trace.call(cur.call)
+            if call is not None and call.passthrough:
+                return None
+        cur = trace.record(cur.source)
+    return cur if cur is not None and cur.stat is not None else None
+
+
+def loss_uses(trace: StepTrace) -> list[LossUse]:
+    """Every loss call of the step: from loss-module calls, and from the guards' notes
+    (functional losses have only a note)."""
+    notes = [n for n in trace.notes if n.kind == "loss_input"]
+    out: list[LossUse] = []
+    used: set[int] = set()
+    for call in trace.calls:
+        if not call.is_loss:
+            continue
+        inp: Record | None = None
+        outp: Record | None = None
+        for r in _records_of_call(trace, call):
+            if r.phase is Phase.INPUT and r.role == "input[0]" and inp is None:
+                inp = r
+            elif r.phase is Phase.FORWARD and outp is None:
+                outp = r
+        note = None
+        for i, n in enumerate(notes):
+            if i not in used and n.path == call.path:
+                note = n
+                used.add(i)
+                break
+        measured = exact(trace, inp) if inp is not None else None
+        out.append(LossUse(call.path, loss_kind(call.module_type), call, inp, measured, outp, note))
+    for i, n in enumerate(notes):
+        if i in used:
+            continue
+        src = _num(n.data.get("input_source"))
+        rec = trace.record(int(src)) if src is not None else None
+        measured = exact(trace, rec) if rec is not None else None
+        name = n.data.get("loss")
+        out.append(
+            LossUse(
+                n.path,
+                loss_kind(name if isinstance(name, str) else n.path),
+                None,
+                rec,
+                measured,
+                None,
+                n,
+            )
+        )
+    return out
+
+
+def _records_of_call(trace: StepTrace, call: Call) -> Iterator[Record]:
+    end = call.end if call.end >= 0 else None
+    for r in trace.records:
+        if r.index < call.start:
+            continue
+        if end is not None and r.index >= end and r.phase is not Phase.BACKWARD:
+            break
+        if r.call == call.id:
+            yield r
+
+
+def loss_activation(trace: StepTrace, use: LossUse) -> Activation | None:
+    """The activation applied right before the loss: from the data flow, else from the
+    guard's note (``input_grad_fn``)."""
+    if use.input is not None:
+        act = activation_of(trace, use.input)
+        if act is not None:
+            return act
+    for key in ("input_activation", "input_grad_fn"):  # the former sees through views
+        fn = use.data(key)
+        if isinstance(fn, str) and fn in _ACT_BY_GRAD_FN:
+            return Activation(_ACT_BY_GRAD_FN[fn], None, None, fn, "note")
+    return None
+
+
+def describe_activation(act: Activation) -> str:
+    if act.path:
+        return f"the output of {act.path} ({act.module_type or act.kind})"
+    if act.grad_fn:
+        return (
+            f"a {act.kind} output (autograd node {act.grad_fn}: torch.{act.kind} or F.{act.kind})"
+        )
+    return f"a {act.kind} output"
+
+
+def first_root_outputs(trace: StepTrace) -> list[Record]:
+    """Measured output records of the first root call that is not a loss (the model's
+    outputs: its logits)."""
+    root: Call | None = None
+    for c in trace.calls:
+        if c.root and not c.is_loss:
+            root = c
+            break
+    if root is None:
+        return []
+    out = []
+    for r in trace.records:
+        if r.call == root.id and r.phase is Phase.FORWARD:
+            m = exact(trace, r)
+            if m is not None:
+                out.append(m)
+    return out

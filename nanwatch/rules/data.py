@@ -1,0 +1,98 @@
+"""Data: NaN or inf in the batch itself (NW401), named by sample index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from nanwatch.records import AnomalyKind, Phase
+from nanwatch.rules._evidence import anomaly_fields, describe_stat
+from nanwatch.rules.base import Diagnosis, RuleContext, rule
+
+
+@rule(
+    "NW401",
+    title="NaN or inf in the input data",
+    severity="error",
+    summary=(
+        "The batch itself holds NaN/inf (bad data, not a bad layer): names the samples and "
+        "which input or target."
+    ),
+    priority=10,
+)
+def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
+    a = ctx.anomaly
+    if a is None or a.kind is not AnomalyKind.INPUT:
+        return
+    trace = ctx.trace
+    rec = a.record
+    call = trace.call(rec.call)
+    target = call is not None and call.is_loss
+    what = "targets" if target and rec.role != "input[0]" else "inputs"
+    evidence: list[str] = []
+    bad = [
+        r
+        for r in trace.records
+        if r.phase is Phase.INPUT and r.call == rec.call and r.bad and r.source is None
+    ] or [rec]
+    for r in bad[:4]:
+        s = r.stat
+        rows = ""
+        if s is not None and s.bad_rows:
+            n = s.bad_row_count if s.bad_row_count is not None else len(s.bad_rows)
+            more = ", ..." if n > len(s.bad_rows) else ""
+            total = r.shape[0] if r.shape else "?"
+            rows = (
+                f": sample{'s' if n != 1 else ''} "
+                + ", ".join(map(str, s.bad_rows))
+                + more
+                + f" ({n:,} of {total})"
+            )
+        evidence.append(
+            f"{r.role} of {a.path} ({r.dtype}, shape {list(r.shape)}) holds "
+            f"{s.kinds() if s else 'NaN'}{rows}"
+        )
+        evidence.append(f"{r.role}: {describe_stat(s)}")
+    if a.propagator_count:
+        evidence.append(
+            f"{a.propagator_count} module{'s' if a.propagator_count != 1 else ''} merely "
+            "passed it on: no layer is at fault"
+        )
+    s = rec.stat
+    rows_known = s is not None and bool(s.bad_rows)
+    if target and rec.role == "input[0]":
+        yield ctx.diagnosis(
+            **anomaly_fields(a),
+            title="NaN or inf reached the loss from unwatched code",
+            evidence=evidence,
+            explanation=(
+                f"{a.path}'s input was computed by code nanwatch does not watch (between the "
+                "model and the loss: a reshape, a cast, a functional op, a custom scaling), "
+                "and it already held the non-finite value there; no watched module produced "
+                "it. Watch the module that computes it, or run the step in forensic mode to "
+                "name the op."
+            ),
+            fix=(
+                "with nanwatch.watch(model, criterion, mode='forensic') as nw:\n"
+                "    loss = criterion(postprocess(model(x)), y)   # names the op and line"
+            ),
+        )
+        return
+    extra = {"title": "NaN or inf in the loss targets"} if what == "targets" else {}
+    yield ctx.diagnosis(
+        **anomaly_fields(a),
+        **extra,
+        evidence=evidence,
+        explanation=(
+            f"The {what} of this batch already held the non-finite value when "
+            f"{a.path} was called: a missing value parsed as NaN, a division by a zero "
+            "standard deviation in preprocessing, a corrupted file. The first layer turns "
+            "it into NaN activations and the loss into NaN; every layer downstream is "
+            "innocent."
+        ),
+        fix=(
+            "bad = ~torch.isfinite(x).flatten(1).all(dim=1)   # samples with NaN/inf\n"
+            "print(bad.nonzero().flatten().tolist())         # trace them to the dataset\n"
+            "x = torch.nan_to_num(x, nan=0.0)  # or fix/drop them in Dataset.__getitem__"
+            + ("" if rows_known else "\n# (sample indices need the batch on dim 0)")
+        ),
+    )

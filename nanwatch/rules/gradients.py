@@ -1,0 +1,455 @@
+"""Gradients, weights and the optimizer: non-finite weights after an update (NW301),
+non-finite parameter gradients (NW302), exploding gradients (NW303), vanishing or dead
+gradients (NW304) and a collapsing loss scaler (NW305).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from nanwatch.records import AnomalyKind, Phase, StepTrace
+from nanwatch.rules._evidence import anomaly_fields, count, describe_stat, fmt, low_precision
+from nanwatch.rules.base import Diagnosis, RuleContext, rule
+
+# ---------------------------------------------------------------------- NW301
+
+
+@rule(
+    "NW301",
+    title="Non-finite weights after an optimizer step",
+    severity="error",
+    summary=(
+        "A parameter holds NaN/inf before this step's forward: the last optimizer update "
+        "wrote it (learning rate too high, no gradient clipping, no loss scaler)."
+    ),
+    priority=10,
+)
+def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
+    a = ctx.anomaly
+    if a is None or a.kind is not AnomalyKind.PARAMETER:
+        return
+    bad = [r for r in ctx.trace.records if r.phase is Phase.PARAMETER and r.bad]
+    name = a.parameter or a.record.role
+    rec = a.record
+    lim = low_precision(rec.dtype)
+    evidence = []
+    for r in bad[:5]:
+        evidence.append(f"{r.role} ({r.dtype}, shape {list(r.shape)}): {describe_stat(r.stat)}")
+    if len(bad) > 5:
+        evidence.append(f"and {len(bad) - 5} more parameters")
+    s = rec.stat
+    if lim is not None and s is not None and s.finite_amax is not None:
+        evidence.append(
+            f"the largest finite value of {name} is {fmt(s.finite_amax)}: "
+            f"{s.finite_amax / lim.max:.0%} of {rec.dtype}'s largest value {fmt(lim.max)}"
+        )
+    prev = ctx.history[-1] if ctx.history else None
+    consequence: str | None = None
+    if prev is not None:
+        g = next((r for r in prev.records if r.phase is Phase.GRADIENT and r.role == name), None)
+        if g is not None and g.stat is not None and not g.stat.finite:
+            consequence = (
+                f"the gradient of {name} applied at step {prev.step} was already {g.stat.kinds()}"
+            )
+        elif prev.anomaly is not None:
+            consequence = f"step {prev.step} already had an anomaly: {prev.anomaly.summary}"
+        elif g is not None and g.stat is not None and g.stat.norm is not None:
+            evidence.append(
+                f"its gradient norm at step {prev.step}, the update that broke it: "
+                f"{fmt(g.stat.norm)}"
+            )
+    if consequence is not None:
+        yield ctx.diagnosis(
+            **anomaly_fields(a),
+            title="Non-finite weights (a consequence of an earlier anomaly)",
+            evidence=[*evidence, consequence],
+            explanation=(
+                f"{name} became non-finite because the optimizer applied a non-finite "
+                "gradient: this is the aftermath of the earlier step's anomaly, not a new "
+                "cause. Fix that one; skipping updates with non-finite gradients keeps the "
+                "weights intact meanwhile."
+            ),
+            fix=(
+                "if all(torch.isfinite(p.grad).all() for p in model.parameters()\n"
+                "       if p.grad is not None):\n"
+                "    optimizer.step()   # skip updates with NaN/inf gradients"
+            ),
+            priority=95,
+        )
+        return
+    losses = [(t.step, t.loss) for t in ctx.history if t.loss is not None][-4:]
+    if len(losses) >= 2:
+        evidence.append(
+            "loss over the last steps: " + ", ".join(f"{fmt(v)} (step {st})" for st, v in losses)
+        )
+    low = lim is not None
+    yield ctx.diagnosis(
+        **anomaly_fields(a),
+        evidence=evidence,
+        explanation=(
+            f"{name} was finite when the last step's forward ran and is not now: the "
+            "optimizer step wrote the bad value, not this step's computation. Each update "
+            "over-corrects (a learning rate far too high), the weights oscillate with "
+            "growing amplitude, and one update no longer fits in the dtype"
+            + (f" ({rec.dtype} stops at {fmt(lim.max)})" if lim is not None else "")
+            + ". Every layer-level tool blames whichever layer multiplies by the weight first."
+        ),
+        fix=(
+            "optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)   # check the lr\n"
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before "
+            "optimizer.step()"
+            + (
+                "\n# train with float32 weights: model.float() + torch.autocast(..., "
+                "dtype=torch.float16) + torch.amp.GradScaler()"
+                if low
+                else ""
+            )
+        ),
+    )
+
+
+# ---------------------------------------------------------------------- NW302
+
+
+@rule(
+    "NW302",
+    title="Non-finite parameter gradients",
+    severity="error",
+    summary=(
+        "A parameter's gradient is NaN/inf after backward while the module outputs' "
+        "gradients were finite (or were not watched): named parameter by parameter."
+    ),
+    priority=20,
+)
+def bad_param_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
+    a = ctx.anomaly
+    if a is None or a.kind is not AnomalyKind.GRADIENT:
+        return
+    bad = [r for r in ctx.trace.records if r.phase is Phase.GRADIENT and r.bad]
+    total = sum(1 for r in ctx.trace.records if r.phase is Phase.GRADIENT)
+    evidence = [
+        f"{count(len(bad), 'parameter')} of {total} have non-finite gradients: "
+        + ", ".join(r.role for r in bad[:8])
+        + (", ..." if len(bad) > 8 else "")
+    ]
+    for r in bad[:3]:
+        evidence.append(f"{r.role} ({r.dtype}): {describe_stat(r.stat)}")
+    low = any(low_precision(r.dtype) for r in bad)
+    if not ctx.trace.full:
+        evidence.append(
+            "only parameter gradients were watched this step (sentinel mode or "
+            'sample_every): mode="watch" names the module whose backward made it'
+        )
+    if low and any(r.stat is not None and r.stat.has_posinf for r in bad):
+        evidence.append("float16 gradients with inf: an overflow in backward")
+    yield ctx.diagnosis(
+        **anomaly_fields(a),
+        evidence=evidence,
+        explanation=(
+            "Backward produced a NaN or inf in a parameter's gradient. The next optimizer "
+            "step would write it into the weights (and Adam's moments keep it forever). "
+            "With low-precision gradients an overflow is the usual cause; otherwise an op "
+            "whose derivative is infinite at the current input (sqrt or pow at 0, log at 0, "
+            "acos at ±1)."
+        ),
+        fix=(
+            "with torch.autograd.detect_anomaly():   # or nanwatch.watch(..., "
+            'mode="forensic")\n'
+            "    loss.backward()                      # names the backward op\n"
+            + (
+                "scaler = torch.amp.GradScaler()        # low precision: skips overflowing steps\n"
+                if low
+                else ""
+            )
+            + "# skip the update when it happens:\n"
+            "if all(torch.isfinite(p.grad).all() for p in model.parameters() "
+            "if p.grad is not None):\n"
+            "    optimizer.step()"
+        ),
+    )
+
+
+# ---------------------------------------------------------------------- NW303
+
+
+@dataclass(frozen=True)
+class _GradSummary:
+    total: float | None
+    params: dict[str, float]  #: parameter -> gradient L2 norm
+    modules: dict[str, float]  #: module path -> max |gradient of its output|
+
+
+def _grad_summary(trace: StepTrace) -> _GradSummary:
+    params: dict[str, float] = {}
+    modules: dict[str, float] = {}
+    losses = {c.id for c in trace.calls if c.is_loss}
+    for r in trace.records:
+        s = r.stat
+        if s is None or r.call in losses:  # a loss's own gradient is 1 by definition
+            continue
+        if r.phase is Phase.GRADIENT and s.norm is not None and math.isfinite(s.norm):
+            params[r.role] = s.norm
+        elif r.phase is Phase.BACKWARD:
+            m = s.magnitude
+            if math.isfinite(m):
+                modules[r.path] = max(m, modules.get(r.path, 0.0))
+    return _GradSummary(trace.grad_norm, params, modules)
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
+
+
+def _spikes(
+    current: dict[str, float], past: list[dict[str, float]], factor: float, need: int
+) -> list[tuple[float, str, float, float]]:
+    out = []
+    for key, v in current.items():
+        hist = [p[key] for p in past if key in p]
+        if len(hist) < need:
+            continue
+        med = statistics.median(hist)
+        if med > 0 and v >= factor * med:
+            out.append((v / med, key, v, med))
+    out.sort(reverse=True)
+    return out
+
+
+@rule(
+    "NW303",
+    title="Exploding gradients",
+    severity="warning",
+    summary=(
+        "The gradient norm (total, per parameter or per module) jumped to many times its "
+        "median over the recorded steps (thresholds.explode_factor): clip or lower the lr."
+    ),
+    early=True,
+    priority=30,
+)
+def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
+    factor = ctx.thresholds.explode_factor
+    need = ctx.thresholds.min_history
+    if len(ctx.history) < need:
+        return
+    cur = _grad_summary(ctx.trace)
+    past = [ctx.memo(t, "grad_summary", _grad_summary) for t in ctx.history]
+    evidence: list[str] = []
+    totals = [p.total for p in past if p.total is not None and math.isfinite(p.total)]
+    total_spike = False
+    if cur.total is not None and math.isfinite(cur.total) and len(totals) >= need:
+        med = statistics.median(totals)
+        if med > 0 and cur.total >= factor * med:
+            total_spike = True
+            evidence.append(
+                f"total gradient norm {fmt(cur.total)} at step {ctx.step}; median of the "
+                f"previous {len(totals)} steps {fmt(med)} ({_times(cur.total / med)})"
+            )
+    mods = _spikes(cur.modules, [p.modules for p in past], factor, need)
+    params = _spikes(cur.params, [p.params for p in past], factor, need)
+    if not total_spike and not mods and not params:
+        return
+    for ratio, key, v, med in params[:3]:
+        evidence.append(
+            f"parameter {key}: gradient norm {fmt(v)} vs median {fmt(med)} ({_times(ratio)})"
+        )
+    for ratio, key, v, med in mods[:3]:
+        evidence.append(
+            f"module {key}: max |gradient of its output| {fmt(v)} vs median {fmt(med)} "
+            f"({_times(ratio)})"
+        )
+    path = mods[0][1] if mods else None
+    param = params[0][1] if params else None
+    yield ctx.diagnosis(
+        path=path,
+        parameter=param,
+        phase=Phase.BACKWARD.value,
+        evidence=evidence,
+        explanation=(
+            "One step's gradients are an order of magnitude above their recent level: a "
+            "bad batch, a loss spike, or an instability that grows (attention logits, a "
+            "learning rate that is too high for this stage of training). Unclipped, one "
+            "such update can undo many steps of training or push weights out of range."
+        ),
+        fix=(
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before "
+            "optimizer.step()\n"
+            "# and/or lower the learning rate or lengthen the warm-up"
+        ),
+    )
+
+
+# ---------------------------------------------------------------------- NW304
+
+
+def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str]]:
+    """Modules whose every output gradient was exactly zero this step, modules whose every
+    parameter gradient was exactly zero, and each module's gradient dtype."""
+    seen: dict[str, bool] = {}
+    pseen: dict[str, bool] = {}
+    dtypes: dict[str, str] = {}
+    called = {r.path for r in trace.records if r.phase is Phase.FORWARD}
+    for r in trace.records:
+        s = r.stat
+        if s is None or not s.finite:
+            continue
+        if r.phase is Phase.BACKWARD:
+            zero = s.min == 0.0 and s.max == 0.0
+            seen[r.path] = seen.get(r.path, True) and zero
+            dtypes.setdefault(r.path, r.dtype)
+        elif r.phase is Phase.GRADIENT and r.path in called:
+            zero = s.norm == 0.0 if s.norm is not None else (s.min == 0.0 and s.max == 0.0)
+            pseen[r.path] = pseen.get(r.path, True) and zero
+            dtypes.setdefault(r.path, r.dtype)
+    return (
+        {p for p, z in seen.items() if z},
+        {p for p, z in pseen.items() if z},
+        dtypes,
+    )
+
+
+@rule(
+    "NW304",
+    title="Vanishing gradients: exactly zero for many steps",
+    severity="warning",
+    summary=(
+        "A module's gradients are all exactly 0 for thresholds.vanish_steps steps in a row; "
+        "in float16 that is underflow (use a GradScaler), otherwise dead units."
+    ),
+    early=True,
+    priority=40,
+)
+def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
+    need = ctx.thresholds.vanish_steps
+    if len(ctx.history) < need - 1:
+        return
+    out_now, par_now, dtypes = _zero_grads(ctx.trace)
+    now = out_now | par_now
+    if not now:
+        return
+    past = [ctx.memo(t, "zero_grads", _zero_grads) for t in ctx.history][-(need - 1) :]
+    dead = [p for p in now if all(p in o or p in q for o, q, _ in past)]
+    if not dead:
+        return
+    order = {r.path: r.index for r in ctx.trace.records if r.phase is Phase.BACKWARD}
+    dead.sort(key=lambda p: order.get(p, math.inf))  # nearest the loss first
+    top = dead[0]
+    dtype = dtypes.get(top, "")
+    lim = low_precision(dtype)
+    scaled = bool(ctx.facts.get("scaler"))
+    evidence = [
+        f"{', '.join(dead[:6])}{', ...' if len(dead) > 6 else ''}: every gradient exactly 0 "
+        f"for the last {need} steps"
+    ]
+    if lim is not None:
+        evidence.append(
+            f"gradients are {dtype}: values below {fmt(lim.tiny)} (its smallest normal "
+            "number) flush toward 0" + ("" if scaled else "; no GradScaler was given")
+        )
+    if lim is not None:
+        explanation = (
+            f"Gradients of {top} are exactly zero step after step. In {dtype} small "
+            "gradients underflow to 0 (float16 has 5 exponent bits), so the layers far from "
+            "the loss stop learning without any error. Loss scaling multiplies the loss "
+            "before backward so the gradients stay representable, and divides them again "
+            "before the update."
+        )
+        fix = (
+            "scaler = torch.amp.GradScaler()\n"
+            "scaler.scale(loss).backward()\n"
+            "scaler.step(optimizer)\n"
+            "scaler.update()\n"
+            "nanwatch.watch(model, criterion, scaler=scaler)"
+        )
+    else:
+        explanation = (
+            f"Gradients of {top} are exactly zero step after step: its units are dead "
+            "(ReLUs that never fire, a saturated sigmoid or tanh, a loss clamp) or it is cut "
+            "off from the loss (a .detach(), an argmax, a mask that zeroes it). It stopped "
+            "learning without any error."
+        )
+        fix = (
+            "# find what stops the gradient: a saturated activation, .detach(), a clamp\n"
+            "nn.LeakyReLU(0.01)        # instead of ReLU when units die\n"
+            "nn.BCEWithLogitsLoss()    # instead of sigmoid + BCELoss (clamped at -100)"
+        )
+    yield ctx.diagnosis(
+        path=top,
+        phase=Phase.BACKWARD.value,
+        evidence=evidence,
+        explanation=explanation,
+        fix=fix,
+    )
+
+
+# ---------------------------------------------------------------------- NW305
+
+
+@rule(
+    "NW305",
+    title="Loss scaler collapse",
+    severity="error",
+    summary=(
+        "The GradScaler's scale keeps falling: step after step is skipped because the "
+        "gradients are inf/NaN at any scale (needs watch(..., scaler=scaler))."
+    ),
+    priority=10,
+)
+def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
+    if not ctx.facts.get("scaler"):
+        return
+    cur = ctx.trace.scale
+    if cur is None:
+        return
+    series = [(t.step, t.scale) for t in ctx.history if t.scale is not None]
+    series.append((ctx.step, cur))
+    skips = 0
+    for (_, before), (_, after) in zip(reversed(series[:-1]), reversed(series[1:]), strict=True):
+        if after is not None and before is not None and after < before:
+            skips += 1
+        else:
+            break
+    need = ctx.thresholds.scaler_skips
+    window = [s for _, s in series if s is not None]
+    falls = sum(1 for x, y in itertools.pairwise(window) if y < x)
+    collapsed = skips >= need and cur <= 1.0
+    chronic = len(window) > 2 * need and falls >= len(window) // 2 and skips >= need
+    if not (collapsed or chronic):
+        return
+    first = series[-1 - skips][1]
+    evidence = [
+        f"scale fell from {fmt(first)} to {fmt(cur)} over the last {skips} steps: each "
+        "fall is a skipped optimizer step",
+        f"{falls} of the last {len(window) - 1} steps were skipped",
+    ]
+    a = ctx.anomaly
+    bad_grads = [
+        r.role
+        for r in ctx.trace.records
+        if r.phase is Phase.GRADIENT and r.stat and not r.stat.finite
+    ]
+    if bad_grads:
+        evidence.append("non-finite (scaled) gradients this step: " + ", ".join(bad_grads[:5]))
+    yield ctx.diagnosis(
+        step=ctx.step,
+        path=a.path if a is not None else None,
+        severity="error" if collapsed else "warning",
+        evidence=evidence,
+        explanation=(
+            "A GradScaler halves its scale whenever the gradients contain inf/NaN and skips "
+            "that step. A few skips at the start are normal; a scale that keeps falling "
+            "means the gradients are non-finite whatever the scale: a NaN in the forward "
+            "pass or the loss, not an overflow. Training has silently stopped: no step is "
+            "applied."
+        ),
+        fix=(
+            "scaler.unscale_(optimizer)\n"
+            "bad = [n for n, p in model.named_parameters()\n"
+            "       if p.grad is not None and not torch.isfinite(p.grad).all()]\n"
+            "print(bad)   # then nanwatch.watch(model, criterion, scaler=scaler, "
+            'mode="forensic") on one step'
+        ),
+    )

@@ -1,0 +1,511 @@
+"""Losses: BCELoss saturation (NW201), activation/loss pairing from the data flow
+(NW202 Sigmoid -> BCELoss, NW203 Softmax -> CrossEntropyLoss, NW204 Softmax -> NLLLoss,
+NW205 probabilities where logits are expected) and large logits at ignore_index positions
+under low precision (NW206).
+
+The data flow comes from the records (a loss call's ``input[0]`` links, through ``source``,
+to the module output it received; ``grad_fn`` names functional activations) and, when the
+guards ran, from their ``loss_input`` notes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from nanwatch.records import Phase, StepTrace
+from nanwatch.rules._evidence import (
+    LossUse,
+    cause_of,
+    describe_activation,
+    fmt,
+    limits,
+    loss_activation,
+    loss_uses,
+    low_precision,
+    note_num,
+)
+from nanwatch.rules.base import Diagnosis, RuleContext, rule
+
+#: PyTorch's BCE clamps log(p) and log(1 - p) at -100: a confidently wrong element costs 100.
+BCE_LOG_CLAMP = 100.0
+#: PyTorch's BCE backward divides by max(p·(1 - p), 1e-12): at p exactly 0 or 1 the input
+#: gradient of a wrong element is about 1e12 / numel (mean reduction). A product of |grad|
+#: and numel this large cannot come from any p that is not exactly 0 or 1 in float32 or wider.
+_BCE_GRAD_SIGNATURE = 1e10
+
+
+# ---------------------------------------------------------------------- NW201
+
+
+@rule(
+    "NW201",
+    title="BCELoss on saturated probabilities (the massive loss)",
+    severity="error",
+    summary=(
+        "BCELoss got probabilities exactly 0 or 1: PyTorch clamps log at -100, so each "
+        "confidently wrong element costs 100 and its gradient is 0; use BCEWithLogitsLoss."
+    ),
+    priority=10,
+)
+def bce_saturated(ctx: RuleContext) -> Iterator[Diagnosis]:
+    frac = ctx.thresholds.bce_saturated_fraction
+    for use in loss_uses(ctx.trace):
+        if use.kind != "bce":
+            continue
+        d = _bce_saturation(ctx, use, frac)
+        if d is not None:
+            yield d
+
+
+def _bce_saturation(ctx: RuleContext, use: LossUse, frac: float) -> Diagnosis | None:
+    s = use.input_stat
+    loss = use.value
+    clamped = note_num(use.note, "value_clamped")
+    zeros = note_num(use.note, "exact_zeros")
+    ones = note_num(use.note, "exact_ones")
+    counted_by_guard = zeros is not None or ones is not None
+    if counted_by_guard:  # the guard counted them: trust it over min/max
+        exact = bool((zeros or 0) + (ones or 0))
+    else:
+        exact = s is not None and (s.min == 0.0 or s.max == 1.0)
+    derived = (
+        None if exact or s is not None or counted_by_guard else _sigmoid_saturation(ctx.trace, use)
+    )
+    if not (exact or derived):
+        return None
+    grad = _input_grad_magnitude(ctx.trace, use)
+    numel = s.numel if s is not None else _numel(use)
+    signature = grad is not None and numel is not None and grad * numel >= _BCE_GRAD_SIGNATURE
+    big_loss = loss is not None and math.isfinite(loss) and loss >= BCE_LOG_CLAMP * frac
+    if not (clamped or signature or big_loss):
+        return None
+    evidence: list[str] = []
+    if zeros is not None or ones is not None:
+        n = int((zeros or 0) + (ones or 0))
+        evidence.append(
+            f"{n:,} of the {numel or '?'} probabilities are exactly 0 or 1 "
+            f"({int(zeros or 0):,} zeros, {int(ones or 0):,} ones)"
+        )
+    elif derived:
+        evidence.append(derived)
+    elif s is not None:
+        evidence.append(
+            f"{use.path}'s input spans [{fmt(s.min)}, {fmt(s.max)}]: probabilities exactly "
+            f"{'0 and 1' if s.min == 0.0 and s.max == 1.0 else ('0' if s.min == 0.0 else '1')}"
+        )
+    if clamped:
+        share = ""
+        if numel:
+            share = f", {fmt(clamped * BCE_LOG_CLAMP / numel)} of the mean loss"
+        evidence.append(
+            f"{int(clamped):,} elements hit the log clamp at -{fmt(BCE_LOG_CLAMP)} "
+            f"(each costs {fmt(BCE_LOG_CLAMP)}{share})"
+        )
+    if loss is not None:
+        evidence.append(
+            f"loss = {fmt(loss)}: {loss / BCE_LOG_CLAMP:.0%} of the elements at the clamp "
+            f"would explain it ({fmt(BCE_LOG_CLAMP)} per confidently wrong element)"
+        )
+    if signature and grad is not None:
+        evidence.append(
+            f"the gradient at the loss input reaches {fmt(grad)}: BCE's backward divides by "
+            "max(p·(1 - p), 1e-12), which only happens at p exactly 0 or 1"
+        )
+    strong = bool(clamped) or signature
+    call = use.call
+    dtype = use.input_dtype or "float32"
+    lim = limits(dtype)
+    one_at = fmt(math.log(2 / lim.eps)) if lim is not None else "?"
+    return ctx.diagnosis(
+        path=use.path,
+        phase=Phase.FORWARD.value,
+        source=use.note.source if use.note is not None else None,
+        severity="error" if strong else "warning",
+        evidence=evidence,
+        explanation=(
+            "BCELoss takes probabilities. A sigmoid rounds to exactly 1.0 for logits above "
+            f"log(2 / eps) = {one_at} in {dtype} and to 0.0 far below; log(0) would be "
+            f"-inf, so PyTorch clamps it at -{fmt(BCE_LOG_CLAMP)}. Each confidently wrong "
+            f"prediction then costs exactly {fmt(BCE_LOG_CLAMP)}: the loss jumps to tens "
+            "with no NaN anywhere, and the gradient through the saturated sigmoid is 0, so "
+            "the model cannot recover. BCEWithLogitsLoss works on the logits and never "
+            "rounds."
+            + ("" if call is not None else " (functional F.binary_cross_entropy: same fix)")
+        ),
+        fix=(
+            "# return logits from the model (drop the final sigmoid), then:\n"
+            "criterion = nn.BCEWithLogitsLoss()\n"
+            "loss = criterion(logits, y)\n"
+            "probs = torch.sigmoid(logits)   # only where probabilities are needed"
+        ),
+    )
+
+
+def _numel(use: LossUse) -> int | None:
+    if use.input is None:
+        return None
+    return math.prod(use.input.shape)
+
+
+def _sigmoid_saturation(trace: StepTrace, use: LossUse) -> str | None:
+    """When a pass-through nn.Sigmoid feeds the loss, its output is not measured: read its
+    input (the logits) and the points where the sigmoid rounds to exactly 0 or 1 in that
+    dtype (1 above log(2 / eps); 0 below the log of the smallest subnormal)."""
+    if use.input is None:
+        return None
+    act = loss_activation(trace, use)
+    if act is None or act.kind != "sigmoid":
+        return None
+    pre = trace.resolve(use.input)
+    lim = limits(pre.dtype)
+    if pre.stat is None or lim is None or not pre.stat.finite:
+        return None
+    one_at = math.log(2 / lim.eps)
+    zero_at = math.log(lim.tiny * lim.eps)
+    parts = []
+    if pre.stat.max >= one_at:
+        parts.append(f"up to {fmt(pre.stat.max)} (sigmoid rounds to exactly 1 above {fmt(one_at)})")
+    if pre.stat.min <= zero_at:
+        parts.append(f"down to {fmt(pre.stat.min)} (exactly 0 below {fmt(zero_at)})")
+    if not parts:
+        return None
+    return f"the sigmoid's input ({pre.where}, {pre.dtype}) reaches " + " and ".join(parts)
+
+
+def _input_grad_magnitude(trace: StepTrace, use: LossUse) -> float | None:
+    m = use.measured
+    if m is None:
+        return None
+    ids = {m.index}
+    if use.input is not None:
+        ids.add(use.input.index)
+    best: float | None = None
+    for r in trace.records:
+        if r.phase is Phase.BACKWARD and r.source in ids and r.stat is not None:
+            a = r.stat.magnitude
+            if math.isfinite(a) and (best is None or a > best):
+                best = a
+    return best
+
+
+# ---------------------------------------------------------------------- pairing
+
+_BCE_LOGITS_FIX = (
+    "# drop the final nn.Sigmoid from the model so it returns logits, then:\n"
+    "criterion = nn.BCEWithLogitsLoss()     # applies the sigmoid inside, stably\n"
+    "loss = criterion(logits, y)\n"
+    "probs = torch.sigmoid(logits)          # at inference, where probabilities are needed"
+)
+
+
+def _pairing(ctx: RuleContext, loss: str, act: str) -> Iterator[tuple[LossUse, str]]:
+    for use in loss_uses(ctx.trace):
+        if use.kind != loss:
+            continue
+        a = loss_activation(ctx.trace, use)
+        if a is not None and a.kind == act:
+            yield use, describe_activation(a)
+
+
+def _classes(use: LossUse) -> int | None:
+    shape = use.input.shape if use.input is not None else ()
+    if len(shape) >= 2:
+        return int(shape[1])
+    if len(shape) == 1:
+        return int(shape[0])
+    return None
+
+
+def _range(use: LossUse) -> str:
+    s = use.input_stat
+    if s is None:
+        lo, hi = note_num(use.note, "input_min"), note_num(use.note, "input_max")
+        if lo is None or hi is None:
+            return ""
+        return f"; its values span [{fmt(lo)}, {fmt(hi)}]"
+    return f"; its values span [{fmt(s.min)}, {fmt(s.max)}]"
+
+
+@rule(
+    "NW202",
+    title="Sigmoid followed by BCELoss",
+    severity="warning",
+    summary=(
+        "A sigmoid output feeds BCELoss: numerically fragile (saturates at 0/1, clamps at "
+        "-100); BCEWithLogitsLoss on the logits is the stable equivalent."
+    ),
+    early=True,
+    priority=20,
+)
+def sigmoid_bce(ctx: RuleContext) -> Iterator[Diagnosis]:
+    for use, what in _pairing(ctx, "bce", "sigmoid"):
+        yield ctx.diagnosis(
+            path=use.path,
+            phase=Phase.FORWARD.value,
+            source=use.note.source if use.note is not None else None,
+            evidence=[f"{use.path}'s input is {what}{_range(use)}"],
+            explanation=(
+                "BCELoss on sigmoid outputs computes log(sigmoid(x)) in two steps: for "
+                "confident predictions the sigmoid rounds to exactly 0 or 1, the log is "
+                "clamped at -100, and the gradient vanishes (see NW201). "
+                "BCEWithLogitsLoss fuses both with the log-sum-exp trick and stays exact "
+                "for any logit."
+            ),
+            fix=_BCE_LOGITS_FIX,
+        )
+
+
+@rule(
+    "NW203",
+    title="Softmax followed by CrossEntropyLoss (double softmax)",
+    severity="warning",
+    summary=(
+        "A softmax output feeds CrossEntropyLoss, which applies log_softmax itself: the "
+        "model trains on squashed scores and its gradients shrink; pass the logits."
+    ),
+    early=True,
+    priority=20,
+)
+def softmax_ce(ctx: RuleContext) -> Iterator[Diagnosis]:
+    for use, what in _pairing(ctx, "ce", "softmax"):
+        evidence = [f"{use.path}'s input is {what}{_range(use)}"]
+        classes = _classes(use)
+        loss = use.value
+        if classes is not None and classes > 1:
+            floor = math.log(math.e + classes - 1) - 1
+            evidence.append(
+                f"on probabilities CrossEntropyLoss cannot go below log(e + C - 1) - 1 = "
+                f"{fmt(floor)} for C = {classes} classes"
+                + (f"; the loss is {fmt(loss)}" if loss is not None else "")
+                + " (on logits a perfect model reaches 0)"
+            )
+        yield ctx.diagnosis(
+            path=use.path,
+            phase=Phase.FORWARD.value,
+            source=use.note.source if use.note is not None else None,
+            evidence=evidence,
+            explanation=(
+                "CrossEntropyLoss = log_softmax + NLLLoss: it expects raw logits. Given "
+                "softmax probabilities it applies a second softmax to values in [0, 1], so "
+                "the predicted distribution can never be confident, the loss plateaus well "
+                "above 0, and the gradients are small: training is slow and stalls early. "
+                "No error is raised, which is why this survives for months."
+            ),
+            fix=(
+                "# remove the final nn.Softmax: the model returns logits\n"
+                "criterion = nn.CrossEntropyLoss()      # applies log_softmax itself\n"
+                "loss = criterion(logits, target)\n"
+                "probs = logits.softmax(dim=1)          # only where probabilities are needed"
+            ),
+        )
+
+
+@rule(
+    "NW204",
+    title="Softmax followed by NLLLoss (use LogSoftmax)",
+    severity="warning",
+    summary=(
+        "A softmax output feeds NLLLoss, which expects log-probabilities: the loss is -p "
+        "(negative, bounded in [-1, 0]); use nn.LogSoftmax."
+    ),
+    early=True,
+    priority=20,
+)
+def softmax_nll(ctx: RuleContext) -> Iterator[Diagnosis]:
+    for use, what in _pairing(ctx, "nll", "softmax"):
+        evidence = [f"{use.path}'s input is {what}{_range(use)}"]
+        loss = use.value
+        if loss is not None and loss <= 0:
+            evidence.append(
+                f"loss = {fmt(loss)}: negative, as NLLLoss of probabilities is -p(target), "
+                "bounded in [-1, 0]"
+            )
+        yield ctx.diagnosis(
+            path=use.path,
+            phase=Phase.FORWARD.value,
+            source=use.note.source if use.note is not None else None,
+            evidence=evidence,
+            explanation=(
+                "NLLLoss only picks -input[target]: it expects log-probabilities "
+                "(LogSoftmax). Fed probabilities it computes -p instead of -log p, a "
+                "negative loss whose gradient does not grow for wrong predictions, so "
+                "training crawls and the loss curve is meaningless."
+            ),
+            fix=(
+                "self.out = nn.LogSoftmax(dim=1)    # was: nn.Softmax(dim=1)\n"
+                "criterion = nn.NLLLoss()\n"
+                "# or drop the activation and use nn.CrossEntropyLoss() on the logits"
+            ),
+        )
+
+
+@rule(
+    "NW205",
+    title="Probabilities where logits are expected",
+    severity="warning",
+    summary=(
+        "CrossEntropyLoss / NLLLoss input looks like probabilities (rows in [0, 1] "
+        "summing to 1, or non-negative NLLLoss input) though no softmax was traced."
+    ),
+    early=True,
+    priority=30,
+)
+def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
+    min_hist = ctx.thresholds.min_history
+    for use in loss_uses(ctx.trace):
+        if use.kind not in ("ce", "nll"):
+            continue
+        act = loss_activation(ctx.trace, use)
+        if act is not None:
+            continue  # NW203/NW204 name the activation itself
+        s = use.input_stat
+        lo = s.min if s is not None else note_num(use.note, "input_min")
+        hi = s.max if s is not None else note_num(use.note, "input_max")
+        rows = use.data("probability_rows")
+        evidence: list[str] = []
+        if rows is True:
+            evidence.append(f"every row of {use.path}'s input is in [0, 1] and sums to 1")
+        elif use.kind == "nll" and lo is not None and hi is not None and lo >= 0 and hi > 0:
+            evidence.append(
+                f"{use.path}'s input spans [{fmt(lo)}, {fmt(hi)}]; log-probabilities are "
+                "never above 0"
+            )
+        elif (
+            use.kind == "ce"
+            and rows is None
+            and lo is not None
+            and hi is not None
+            and lo >= 0
+            and hi <= 1
+            and _steady_unit_range(ctx, use.path, min_hist)
+        ):
+            evidence.append(
+                f"{use.path}'s input has stayed in [0, 1] for {min_hist} steps "
+                f"(now [{fmt(lo)}, {fmt(hi)}]): logits are rarely confined to [0, 1]"
+            )
+        if not evidence:
+            continue
+        name = "CrossEntropyLoss" if use.kind == "ce" else "NLLLoss"
+        yield ctx.diagnosis(
+            path=use.path,
+            phase=Phase.FORWARD.value,
+            source=use.note.source if use.note is not None else None,
+            evidence=evidence,
+            explanation=(
+                f"{name} expects "
+                + ("raw logits" if use.kind == "ce" else "log-probabilities (≤ 0)")
+                + ". Probabilities (a softmax applied somewhere nanwatch could not see, "
+                "or probabilities loaded from a file) make the loss a poor objective: "
+                "gradients shrink and training stalls without an error."
+            ),
+            fix=(
+                "loss = F.cross_entropy(logits, target)        # pass the logits\n"
+                "loss = F.nll_loss(torch.log(probs.clamp_min(1e-12)), target)  # if only "
+                "probabilities exist"
+            ),
+        )
+
+
+def _steady_unit_range(ctx: RuleContext, path: str, steps: int) -> bool:
+    past = list(ctx.history)[-(steps - 1) :] if steps > 1 else []
+    if len(past) < steps - 1:
+        return False
+    for t in past:
+        rng = ctx.memo(t, f"loss_range:{path}", lambda tr: _loss_range(tr, path))
+        if rng is None or not (rng[0] >= 0 and rng[1] <= 1):
+            return False
+    return True
+
+
+def _loss_range(trace: StepTrace, path: str) -> tuple[float, float] | None:
+    for use in loss_uses(trace):
+        if use.path == path and use.input_stat is not None:
+            return use.input_stat.min, use.input_stat.max
+    return None
+
+
+# ---------------------------------------------------------------------- NW206
+
+
+@rule(
+    "NW206",
+    title="Large logits at ignore_index positions under low precision",
+    severity="warning",
+    summary=(
+        "Logits at positions the loss ignores (ignore_index) grow far beyond the trained "
+        "ones, toward float16's exp bound: the segmentation overflow; compute the loss on "
+        "logits.float()."
+    ),
+    early=True,
+    priority=30,
+)
+def ignored_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
+    factor = ctx.thresholds.ignored_logit_factor
+    head = ctx.thresholds.exp_headroom
+    a = ctx.anomaly
+    overflowed = False
+    if a is not None:
+        cause = cause_of(a)
+        overflowed = cause is not None and cause.kind == "overflow"
+    for use in loss_uses(ctx.trace):
+        ign = note_num(use.note, "ignored_amax")
+        val = note_num(use.note, "valid_amax")
+        n_ign = note_num(use.note, "ignored")
+        if ign is None or val is None or not n_ign or not math.isfinite(ign):
+            continue
+        dtype = _low_dtype(ctx.trace, use)
+        lim = low_precision(dtype)
+        if lim is None:
+            continue
+        ratio = ign / val if val > 0 else math.inf
+        if ratio < factor:
+            continue
+        near = ign >= head * lim.exp_bound
+        if not (near or overflowed):
+            continue
+        ignore_index = use.data("ignore_index")
+        escalate = overflowed and ign >= head * lim.exp_bound
+        evidence = [
+            f"max |logit| at the {int(n_ign):,} ignored positions (target == {ignore_index}) "
+            f"= {fmt(ign)}; at trained positions = {fmt(val)} ({ratio:.1f}×)",
+            f"the model runs in {dtype}: exp overflows above {fmt(lim.exp_bound)} = "
+            f"log({fmt(lim.max)})",
+        ]
+        if escalate and a is not None:
+            evidence.append(f"and it did: {a.summary}")
+        yield ctx.diagnosis(
+            path=use.path,
+            phase=Phase.FORWARD.value,
+            source=use.note.source if use.note is not None else None,
+            severity="error" if escalate else "warning",
+            priority=5 if escalate else 30,
+            evidence=evidence,
+            explanation=(
+                f"The loss ignores targets equal to {ignore_index}, so nothing pulls the "
+                "logits at those positions down: as the weights grow to fit the labeled "
+                "positions, logits where the input is unusual (padding, void, borders) grow "
+                f"with them, unchecked. In {dtype}, any exp or softmax on them overflows "
+                f"once they pass {fmt(lim.exp_bound)}, and the loss turns NaN after "
+                "hundreds of healthy steps."
+            ),
+            fix=(
+                "# compute the loss (and any softmax/exp on the logits) in float32:\n"
+                f"loss = F.cross_entropy(logits.float(), target, ignore_index={ignore_index})\n"
+                "probs = torch.softmax(logits.float(), dim=1)\n"
+                f"# a conditional upcast: logits = logits.float() if logits.dtype != "
+                "torch.float32 else logits"
+            ),
+        )
+
+
+def _low_dtype(trace: StepTrace, use: LossUse) -> str | None:
+    """The low-precision dtype the logits live in: the loss input's own, the dtype of the
+    record it came from, or the dtype of the model's outputs (autocast)."""
+    for d in (use.input_dtype, use.measured.dtype if use.measured is not None else None):
+        if low_precision(d) is not None:
+            return d
+    for r in trace.records:
+        if r.phase is Phase.FORWARD and low_precision(r.dtype) is not None:
+            return r.dtype
+    return None

@@ -1,0 +1,578 @@
+"""Overflow: an op exceeded the dtype's range (NW101), and the early warnings before it
+does: headroom nearly gone (NW102), logits approaching the exp bound (NW103), and a
+magnitude trend that reaches the dtype's limit within a few steps (NW104).
+
+Every limit is read from ``torch.finfo`` of the tensor at hand (``nanwatch.stats.
+dtype_limits``): float16's largest value is 65504 and exp overflows above log(65504) =
+11.09; bfloat16 and float32 overflow exp above 88.7.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import statistics
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, Record, StepTrace
+from nanwatch.rules._evidence import (
+    CAST,
+    EXP_LIKE,
+    MATMUL,
+    anomaly_fields,
+    cause_of,
+    code_line,
+    count,
+    describe_stat,
+    first_input,
+    first_root_outputs,
+    fmt,
+    inputs_of,
+    limits,
+    loss_kind,
+    low_precision,
+    op_fields,
+    packet,
+    short_op,
+    signed_max,
+    untraced_hint,
+)
+from nanwatch.rules.base import Diagnosis, RuleContext, rule
+from nanwatch.stats import DtypeLimits
+
+# ---------------------------------------------------------------------- NW101
+
+
+@rule(
+    "NW101",
+    title="Floating-point overflow",
+    severity="error",
+    summary=(
+        "An op made inf from finite inputs: exp, softmax, a matmul or a cast went past the "
+        "dtype's largest value (float16: exp overflows above log(65504) = 11.09)."
+    ),
+    priority=15,
+)
+def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
+    a = ctx.anomaly
+    if a is None or a.transient:
+        return
+    cause = cause_of(a)
+    if cause is not None:
+        if cause.kind == "overflow":
+            yield _from_op(ctx, a, cause.event, cause.trigger)
+        return
+    yield from _from_record(ctx, a)
+
+
+def _from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
+    lim = limits(ev.dtype)
+    dtype = ev.dtype or a.record.dtype
+    name = packet(ev.op)
+    op = short_op(ev.op)
+    x = first_input(ev)
+    evidence: list[str] = []
+    big = max((s.magnitude for s in inputs_of(ev) if not math.isnan(s.magnitude)), default=math.nan)
+    if lim is None:
+        evidence.append(f"{op} made {ev.born} in {dtype}")
+    elif name in EXP_LIKE:
+        evidence.append(
+            f"{op} made {ev.born} in {dtype} from an input whose largest value is "
+            f"{fmt(signed_max(x))}; exp overflows above {fmt(lim.exp_bound)} = "
+            f"log({fmt(lim.max)}), the largest finite {dtype} value"
+        )
+    elif name in MATMUL:
+        mags = ", ".join(fmt(s.magnitude) for s in inputs_of(ev)[:3])
+        evidence.append(
+            f"{op} made {ev.born} in {dtype}: inputs up to |x| = {mags}; their products, "
+            f"summed over the inner dimension, passed {fmt(lim.max)} (the largest finite "
+            f"{dtype} value)"
+        )
+    elif name in CAST:
+        evidence.append(
+            f"{op} cast a value of |x| = {fmt(big)} to {dtype}, whose largest finite value "
+            f"is {fmt(lim.max)}: it became {ev.born}"
+        )
+    else:
+        evidence.append(
+            f"{op} made {ev.born} in {dtype} from inputs up to |x| = {fmt(big)}; the largest "
+            f"finite {dtype} value is {fmt(lim.max)}"
+        )
+    for nm, s in ev.inputs[:3]:
+        evidence.append(f"input {nm}: {describe_stat(s)}")
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    if trigger is not ev:
+        evidence.append(
+            f"then {short_op(trigger.op)} turned the inf into {trigger.born} "
+            "(inf - inf, inf / inf and 0 × inf are NaN)"
+        )
+    if a.record.stat is not None and a.record.dtype != dtype:
+        evidence.append(
+            f"the anomaly was first seen in {a.record.where}: {a.record.stat.kinds()} in "
+            f"{a.record.dtype}"
+        )
+    fields = op_fields(ev, a)
+    return ctx.diagnosis(
+        **fields,
+        evidence=evidence,
+        explanation=_explain(name, dtype, lim),
+        fix=_fix(name, dtype, lim, ev.code),
+    )
+
+
+def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
+    rec = a.record
+    lim = low_precision(rec.dtype)
+    s = rec.stat
+    if lim is None or s is None or not (s.has_posinf or s.has_neginf):
+        return
+    if a.kind not in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD, AnomalyKind.GRADIENT):
+        return
+    evidence = [
+        f"{rec.where} holds {s.kinds()} in {rec.dtype}; its inputs were finite",
+        f"statistics: {describe_stat(s)}; the largest finite {rec.dtype} value is "
+        f"{fmt(lim.max)} (exp overflows above {fmt(lim.exp_bound)})",
+        untraced_hint(ctx.facts.get("mode")),
+    ]
+    backward = a.kind is not AnomalyKind.FORWARD
+    name = "backward" if backward else ""
+    yield ctx.diagnosis(
+        **anomaly_fields(a),
+        evidence=evidence,
+        explanation=_explain(name, rec.dtype, lim),
+        fix=_fix(name, rec.dtype, lim, None),
+        priority=20,
+    )
+
+
+def _explain(name: str, dtype: str, lim: DtypeLimits | None) -> str:
+    top = fmt(lim.max) if lim is not None else "its largest value"
+    if name == "backward":
+        return (
+            f"A gradient exceeded {dtype}'s largest finite value {top} and became inf. "
+            f"{dtype} has 5 exponent bits: values above {top} do not exist, so a large loss "
+            "or a large upstream gradient overflows in backward. A GradScaler detects such "
+            "steps and skips them while lowering the scale; float32 master weights with "
+            "autocast keep the update itself in range."
+        )
+    if name in EXP_LIKE and lim is not None:
+        return (
+            f"exp(x) is larger than {top}, {dtype}'s largest finite value, for every x above "
+            f"log({top}) = {fmt(lim.exp_bound)}: a hand-written softmax, an exp or a "
+            f"logsumexp computed in {dtype} turns moderately large inputs into inf, and the "
+            "next division or subtraction turns inf into NaN. Stable softmax subtracts the "
+            "row maximum first; autocast runs softmax in float32 for this reason."
+        )
+    if name in MATMUL:
+        return (
+            f"A matmul sums many products: inputs of a few hundred in {dtype} give sums "
+            f"beyond {top} (attention scores q·k before the 1/sqrt(d) scaling, T5-style "
+            "un-normalized activations). bfloat16 has float32's range; float32 for this one "
+            "op costs little."
+        )
+    if name in CAST:
+        return (
+            f"Casting to {dtype} turns every value beyond ±{top} into ±inf: a tensor computed "
+            f"in float32 (a loss, an autocast output, a buffer) does not fit in {dtype}."
+        )
+    return (
+        f"A value exceeded {top}, the largest finite {dtype} value, and became inf; the "
+        "NaN that followed (inf - inf, 0 × inf) is a consequence."
+    )
+
+
+_OPERAND = r"[A-Za-z_][\w.]*(?:\[[^\]]*\])?"
+_SIMPLE = r"[A-Za-z_][\w.]*(?![\w.(\[])"
+_UPCASTS = (
+    (
+        re.compile(
+            rf"\b((?:torch|F)\.(?:exp|exp2|expm1|softmax|log_softmax|logsumexp))\(({_OPERAND})"
+        ),
+        r"\1(\2.float()",
+    ),
+    (
+        re.compile(
+            rf"\b(?!torch\.|F\.)({_OPERAND})\.(exp|exp2|expm1|softmax|log_softmax|logsumexp)\("
+        ),
+        r"\1.float().\2(",
+    ),
+    (re.compile(rf"(?<![\w.])({_SIMPLE}) @ ({_SIMPLE})"), r"\1.float() @ \2.float()"),
+)
+
+
+def upcast_line(code: str | None) -> str | None:
+    """The user's line with the overflowing operand cast to float32, when it is one of the
+    usual shapes (``x.exp()``, ``torch.softmax(x, ...)``, ``a @ b``); else None.
+
+    >>> upcast_line("e = logits.exp()  # by hand")
+    'e = logits.float().exp()'
+    """
+    if not code:
+        return None
+    line = code.split("#", 1)[0].strip()
+    for pattern, repl in _UPCASTS:
+        new, n = pattern.subn(repl, line, count=1)
+        if n:
+            return new
+    return None
+
+
+def _fix(name: str, dtype: str, lim: DtypeLimits | None, code: str | None) -> str:
+    plain = code.split("#", 1)[0].strip() if code else ""
+    was = f"  # was: {plain}" if plain else ""
+    low = lim is not None and lim.low_precision
+    fixed = upcast_line(code) if low else None
+    if fixed is not None and name not in CAST:
+        return (
+            f"{fixed}{was}\n"
+            "# (compute this op in float32; cast back with .to(torch."
+            f"{dtype}) if needed)\n"
+            "# or train in bfloat16, where exp overflows only above "
+            f"{fmt(_exp_bound('bfloat16'))}"
+        )
+    if name == "backward":
+        return (
+            "scaler = torch.amp.GradScaler()\n"
+            "with torch.autocast(device_type='cuda', dtype=torch.float16):\n"
+            "    loss = criterion(model(x), y)      # model weights stay float32\n"
+            "scaler.scale(loss).backward()\n"
+            "scaler.step(optimizer); scaler.update()\n"
+            "nanwatch.watch(model, criterion, scaler=scaler)"
+        )
+    if name in EXP_LIKE:
+        if low:
+            return (
+                f"e = x.float().exp(){was}\n"
+                "probs = torch.softmax(x.float(), dim=-1)   # softmax/log_softmax: upcast "
+                "the input\n"
+                "# or train in bfloat16, where exp overflows only above "
+                f"{fmt(_exp_bound('bfloat16'))}"
+            )
+        return (
+            "x = x - x.amax(dim=-1, keepdim=True)   # subtract the row max before exp"
+            f"{was}\n"
+            "probs = torch.softmax(x, dim=-1)       # or torch.logsumexp / log_softmax"
+        )
+    if name in MATMUL:
+        return (
+            "with torch.autocast(device_type='cuda', enabled=False):\n"
+            f"    out = a.float() @ b.float(){was}\n"
+            "# attention: scale q before the product: q = q * q.shape[-1] ** -0.5\n"
+            "# or train in bfloat16: torch.autocast('cuda', dtype=torch.bfloat16)"
+        )
+    if name in CAST:
+        return (
+            f"fin = torch.finfo(torch.{dtype})\n"
+            f"y = x.clamp(fin.min, fin.max).to(torch.{dtype}){was}\n"
+            "# or keep this tensor in float32"
+        )
+    return (
+        f"y = <this op>(x.float()){was}  # compute it in float32\n"
+        "# or train in bfloat16: torch.autocast('cuda', dtype=torch.bfloat16)"
+    )
+
+
+def _exp_bound(dtype: str) -> float:
+    lim = limits(dtype)
+    return lim.exp_bound if lim is not None else math.nan
+
+
+# ---------------------------------------------------------------------- NW102
+
+
+def _measured(rec: Record, scaled: bool) -> bool:
+    if rec.stat is None or rec.phase in (Phase.GRADIENT, Phase.INPUT):
+        return rec.phase is Phase.INPUT and rec.stat is not None and rec.source is None
+    return not (rec.phase is Phase.BACKWARD and scaled)
+
+
+@rule(
+    "NW102",
+    title="Overflow headroom nearly gone",
+    severity="warning",
+    summary=(
+        "A float16/bfloat16/float8 tensor's max |x| is within a factor of the dtype's "
+        "largest value (thresholds.headroom): the next spike overflows to inf."
+    ),
+    early=True,
+    priority=40,
+)
+def headroom(ctx: RuleContext) -> Iterator[Diagnosis]:
+    frac = ctx.thresholds.headroom
+    scaled = bool(ctx.facts.get("scaler"))
+    worst: dict[str, tuple[float, Record, DtypeLimits]] = {}
+    for r in ctx.trace.records:
+        lim = low_precision(r.dtype)
+        if lim is None or not _measured(r, scaled) or r.stat is None:
+            continue
+        m = r.stat.magnitude
+        if not math.isfinite(m) or m < frac * lim.max:
+            continue
+        ratio = m / lim.max
+        key = r.role if r.phase is Phase.PARAMETER else r.path
+        if key not in worst or ratio > worst[key][0]:
+            worst[key] = (ratio, r, lim)
+    if not worst:
+        return
+    ranked = sorted(worst.values(), key=lambda t: -t[0])
+    ratio, top, lim = ranked[0]
+    evidence = []
+    for ratio_i, r, lim_i in ranked[:5]:
+        near = (
+            f"; {count(r.stat.near_max, 'value')} within a factor of 2 of it"
+            if r.stat is not None and r.stat.near_max
+            else ""
+        )
+        evidence.append(
+            f"max |x| = {fmt(r.stat.magnitude if r.stat else math.nan)} in {r.dtype} at "
+            f"{r.where}: {ratio_i:.0%} of the largest finite {r.dtype} value "
+            f"{fmt(lim_i.max)}{near}"
+        )
+    if len(ranked) > 5:
+        evidence.append(f"and {len(ranked) - 5} more")
+    param = top.role if top.phase is Phase.PARAMETER else None
+    yield ctx.diagnosis(
+        path=top.path,
+        phase=top.phase.value,
+        parameter=param,
+        evidence=evidence,
+        explanation=(
+            f"{top.dtype} cannot hold values beyond {fmt(lim.max)}. A tensor already at "
+            f"{ratio:.0%} of that overflows to inf on the next spike (a larger batch, a "
+            "sharper input, one more optimizer step), and the inf becomes NaN downstream. "
+            "No value is bad yet: this is the warning before it happens."
+        ),
+        fix=(
+            "# give these values range: bfloat16 has float32's range\n"
+            "with torch.autocast(device_type='cuda', dtype=torch.bfloat16):\n"
+            "    out = model(x)\n"
+            f"# or keep {top.path} in float32: model.{top.path}.float() and cast its input"
+            if top.phase is not Phase.PARAMETER
+            else "# weights growing toward the limit: lower the learning rate, add weight "
+            "decay,\n# or keep float32 master weights: model.float() + torch.autocast(...)"
+        ),
+    )
+
+
+# ---------------------------------------------------------------------- trends
+
+
+@dataclass(frozen=True)
+class Trend:
+    slope: float  #: growth per step
+    steps: float  #: steps until ``limit`` at this rate
+    first: float
+    last: float
+    span: int  #: steps the fit covers
+
+
+def predict(points: Sequence[tuple[int, float]], limit: float, *, min_points: int) -> Trend | None:
+    """Linear growth of the last points (step, value) toward ``limit``: None unless the
+    values grow steadily (at least 2/3 of the step-to-step changes are increases).
+
+    >>> predict([(0, 1.0), (1, 2.0), (2, 3.0), (3, 4.0)], 10.0, min_points=4).steps
+    6.0
+    """
+    pts = [(s, v) for s, v in points if math.isfinite(v)][-16:]
+    if len(pts) < max(min_points, 3):
+        return None
+    ups = sum(b[1] > a[1] for a, b in itertools.pairwise(pts))
+    if ups < (2 * (len(pts) - 1)) / 3:
+        return None
+    xs = [float(s) for s, _ in pts]
+    ys = [v for _, v in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    if den == 0:
+        return None
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
+    if slope <= 0:
+        return None
+    last = ys[-1]
+    steps = max(0.0, (limit - last) / slope)
+    return Trend(slope, steps, ys[0], last, int(xs[-1] - xs[0]))
+
+
+def _class_scores(rec: Record) -> bool:
+    """Shaped like class scores: (N, C, ...) with C >= 2 (a regression head's (N, 1) is not)."""
+    return len(rec.shape) >= 2 and rec.shape[1] >= 2
+
+
+def _logit_max(trace: StepTrace) -> tuple[float, str] | None:
+    """Largest value of the model's low-precision class-score outputs, and their dtype."""
+    best: tuple[float, str] | None = None
+    for r in first_root_outputs(trace):
+        if low_precision(r.dtype) is None or not _class_scores(r):
+            continue
+        v = signed_max(r.stat)
+        if math.isfinite(v) and (best is None or v > best[0]):
+            best = (v, r.dtype)
+    return best
+
+
+_STABLE_LOSSES = frozenset({"ce", "nll", "bce_logits"})
+
+
+def _only_stable_losses(trace: StepTrace, rec: Record) -> bool:
+    """Whether every recorded consumer of ``rec``'s tensor is a loss that never computes a
+    plain exp of it (cross-entropy and friends subtract the max, or upcast)."""
+    ids = {rec.index}
+    ids.update(r.index for r in trace.records if r.phase is Phase.FORWARD and r.source in ids)
+    consumers = [r for r in trace.records if r.phase is Phase.INPUT and r.source in ids]
+    if not consumers:
+        return False
+    for r in consumers:
+        call = trace.call(r.call)
+        if call is None or not call.is_loss or loss_kind(call.module_type) not in _STABLE_LOSSES:
+            return False
+    return True
+
+
+@rule(
+    "NW103",
+    title="Logits approaching the exp overflow bound",
+    severity="warning",
+    summary=(
+        "The model's float16/bfloat16 outputs grow toward log(finfo.max) (11.09 in "
+        "float16): any exp or softmax computed on them in that dtype is about to overflow."
+    ),
+    early=True,
+    priority=35,
+)
+def logits_exp_bound(ctx: RuleContext) -> Iterator[Diagnosis]:
+    cur = _logit_max(ctx.trace)
+    if cur is None:
+        return
+    value, dtype = cur
+    lim = low_precision(dtype)
+    if lim is None:
+        return
+    bound = lim.exp_bound
+    points = [(t.step, v[0]) for t in ctx.history if (v := ctx.memo(t, "logit_max", _logit_max))]
+    points.append((ctx.step, value))
+    min_hist = ctx.thresholds.min_history
+    trend = predict(points, bound, min_points=min_hist + 1)
+    near = value >= ctx.thresholds.exp_headroom * bound
+    horizon = ctx.thresholds.trend_horizon
+    floor = ctx.thresholds.trend_floor
+    soon = trend is not None and value < bound and trend.steps <= horizon and value >= floor * bound
+    if not ((near and trend is not None) or soon):
+        return
+    root = next(
+        (r for r in first_root_outputs(ctx.trace) if r.dtype == dtype and _class_scores(r)),
+        None,
+    )
+    if root is not None and _only_stable_losses(ctx.trace, root):
+        return
+    evidence = [
+        f"largest {dtype} output value {fmt(value)}; exp overflows above {fmt(bound)} = "
+        f"log({fmt(lim.max)}) in {dtype}"
+    ]
+    if trend is not None:
+        evidence.append(
+            f"it grew from {fmt(trend.first)} to {fmt(trend.last)} over {trend.span} steps "
+            f"(+{fmt(trend.slope)} per step)"
+            + (
+                f": at this rate it passes {fmt(bound)} in about {math.ceil(trend.steps)} steps"
+                if value < bound
+                else ""
+            )
+        )
+    yield ctx.diagnosis(
+        path=root.path if root is not None else None,
+        phase=Phase.FORWARD.value,
+        evidence=evidence,
+        explanation=(
+            f"In {dtype}, exp(x) overflows for x above {fmt(bound)}. Logits that keep "
+            "growing (nothing pulls them down: ignored pixels, padding, a rare class) reach "
+            "that bound; a stable softmax or F.cross_entropy survives it, but any exp, "
+            f"hand-written softmax or logsumexp computed in {dtype} returns inf, then NaN. "
+            "Harmless if every exp on these logits runs in float32."
+        ),
+        fix=(
+            "logits = model(x)\n"
+            "probs = torch.softmax(logits.float(), dim=1)    # exp/softmax in float32\n"
+            "loss = F.cross_entropy(logits.float(), target)  # the loss too"
+        ),
+    )
+
+
+_Mags = dict[tuple[str, str, str], tuple[float, str]]
+
+
+def _low_magnitudes(trace: StepTrace, scaled: bool) -> _Mags:
+    out: _Mags = {}
+    for r in trace.records:
+        if low_precision(r.dtype) is None or not _measured(r, scaled) or r.stat is None:
+            continue
+        m = r.stat.magnitude
+        if not math.isfinite(m):
+            continue
+        key = (r.phase.value, r.path, r.role)
+        if key not in out or m > out[key][0]:
+            out[key] = (m, r.dtype)
+    return out
+
+
+@rule(
+    "NW104",
+    title="Magnitude growing toward overflow",
+    severity="warning",
+    summary=(
+        "A low-precision tensor's max |x| grows steadily over the recorded steps and, at "
+        "this rate, passes the dtype's largest value within thresholds.trend_horizon steps."
+    ),
+    early=True,
+    priority=36,
+)
+def growth_to_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
+    scaled = bool(ctx.facts.get("scaler"))
+    key = "low_mags_scaled" if scaled else "low_mags"
+    current = _low_magnitudes(ctx.trace, scaled)
+    if not current or len(ctx.history) < ctx.thresholds.min_history:
+        return
+    past = [(t.step, ctx.memo(t, key, lambda tr: _low_magnitudes(tr, scaled))) for t in ctx.history]
+    horizon = ctx.thresholds.trend_horizon
+    floor = ctx.thresholds.trend_floor
+    min_hist = ctx.thresholds.min_history
+    found: list[tuple[Trend, tuple[str, str, str], str, DtypeLimits]] = []
+    for k, (value, dtype) in current.items():
+        lim = low_precision(dtype)
+        if lim is None or value < floor * lim.max:
+            continue
+        pts = [(s, m[k][0]) for s, m in past if k in m]
+        pts.append((ctx.step, value))
+        trend = predict(pts, lim.max, min_points=min_hist + 1)
+        if trend is not None and trend.steps <= horizon:
+            found.append((trend, k, dtype, lim))
+    if not found:
+        return
+    found.sort(key=lambda f: f[0].steps)
+    trend, (phase, path, role), dtype, lim = found[0]
+    evidence = [
+        f"max |x| of {p} ({ph}, {ro}) in {d} grew from {fmt(t.first)} to {fmt(t.last)} over "
+        f"{t.span} steps (+{fmt(t.slope)} per step): it passes {fmt(li.max)} in about "
+        f"{math.ceil(t.steps)} steps"
+        for t, (ph, p, ro), d, li in found[:5]
+    ]
+    yield ctx.diagnosis(
+        path=path,
+        phase=phase,
+        parameter=role if phase == Phase.PARAMETER.value else None,
+        evidence=evidence,
+        explanation=(
+            f"Nothing is inf yet, but {path}'s values grow every step and {dtype} stops at "
+            f"{fmt(lim.max)}. Weights that grow without bound (a learning rate too high, no "
+            "weight decay) or activations that nothing normalizes overflow on a predictable "
+            "step; the trend says which."
+        ),
+        fix=(
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
+            "optimizer = torch.optim.AdamW(model.parameters(), lr=lr / 10, weight_decay=0.01)\n"
+            "# or give the values range: torch.autocast('cuda', dtype=torch.bfloat16)"
+        ),
+    )
