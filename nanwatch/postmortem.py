@@ -1,26 +1,63 @@
 """Crash capture: classify the exception, write the report, survive a dead GPU.
 
-(Interim: ``classify`` is final; ``capture`` and the signal handlers are completed by the
-reports issue.)
+When the code inside ``watch(...)`` raises, the watcher finishes the step from host-side
+data and calls :func:`capture`, which writes the report as JSON and HTML into
+``config.report_dir`` before the exception leaves the context, and prints the paths and a
+short summary to stderr. The exception itself goes on unchanged. :func:`install_signal_handlers`
+does the same for SIGTERM (a scheduler ending the job), then lets the process end as it
+would have. Nothing here touches a tensor: after a CUDA error the context is dead and any
+device access would raise again (or hang).
+
+Example:
+    >>> classify(RuntimeError("CUDA error: device-side assert triggered"))["class"]
+    'cuda-device-assert'
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import os
+import signal
+import sys
+import tempfile
+import threading
+import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nanwatch.report import Report
     from nanwatch.watcher import Watcher
 
-#: (class, how to recognize it in the exception's type name and message)
+__all__ = ["atomic_write", "capture", "classify", "classify_signal", "install_signal_handlers"]
+
+#: (class, how to recognize it in the exception's type name and message); first match wins
 _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cuda-device-assert", ("device-side assert",)),
     ("out-of-memory", ("OutOfMemoryError", "out of memory", "CUDA out of memory")),
-    ("cuda-error", ("CUDA error", "AcceleratorError", "cuDNN error", "CUBLAS_STATUS")),
+    (
+        "cuda-error",
+        (
+            "CUDA error",
+            "AcceleratorError",
+            "cuDNN error",
+            "CUBLAS_STATUS",
+            "CUDNN_STATUS",
+            "illegal memory access",
+            "unspecified launch failure",
+        ),
+    ),
     ("autograd-inplace", ("modified by an inplace operation",)),
     ("anomaly", ("AnomalyError",)),
     ("guard", ("GuardError",)),
+    (
+        "index-out-of-range",
+        ("is out of bounds", "index out of range", "out of bounds for dimension"),
+    ),
     (
         "shape-mismatch",
         (
@@ -38,6 +75,7 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "Expected all tensors to be on the same device",
             "is on a different device",
+            "is not on the expected device",
             "device type",
         ),
     ),
@@ -51,38 +89,319 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "not implemented for",
         ),
     ),
-    ("keyboard-interrupt", ("KeyboardInterrupt",)),
 )
+
+#: what to do about each class: plain words, read in the report and on stderr
+ADVICE: dict[str, str] = {
+    "cuda-device-assert": (
+        "A CUDA kernel's assertion failed, most often an index out of range: a class target "
+        "outside [0, num_classes) (a 255 'void' label without ignore_index=255, a -1 padding "
+        "label) or a token id >= num_embeddings. The CUDA context is now unusable. Kernels run "
+        "asynchronously, so the failing one was launched by one of the last modules listed, "
+        "not necessarily the line in the traceback. Confirm with CUDA_LAUNCH_BLOCKING=1 "
+        "python train.py (the traceback then points at the failing op), or run the batch on "
+        "the CPU for a readable error."
+    ),
+    "cuda-error": (
+        "The CUDA runtime reported an error and the context is likely unusable. Kernels run "
+        "asynchronously, so the failing one was launched by one of the last modules listed. "
+        "Confirm with CUDA_LAUNCH_BLOCKING=1 python train.py: the traceback then points at "
+        "the failing op."
+    ),
+    "out-of-memory": (
+        "The device ran out of memory. The largest tensors of the last step are listed. Lower "
+        "the batch size, use autocast (bfloat16/float16) or activation checkpointing; "
+        "torch.cuda.memory_summary() shows what holds memory, and "
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation."
+    ),
+    "autograd-inplace": (
+        "Autograd saved a tensor for the backward pass and an in-place op changed it before "
+        "backward ran. The module whose recorded output changed is listed: replace the "
+        "in-place op (x.mul_(2) -> x = x * 2; nn.ReLU(inplace=False); out[mask] = 0 -> "
+        "out = out.masked_fill(mask, 0))."
+    ),
+    "anomaly": "nanwatch stopped the run at the first anomaly (on_anomaly='raise').",
+    "guard": "A loss guard stopped the loss before its kernel ran; the message names the values.",
+    "index-out-of-range": (
+        "An index was outside its valid range (on the GPU this is 'device-side assert "
+        "triggered'). Check class targets against the number of classes and ignore_index, "
+        "and token ids against the embedding size."
+    ),
+    "shape-mismatch": (
+        "Two tensors' shapes do not fit. The last modules and their input shapes are listed; "
+        "the one still running raised."
+    ),
+    "device-mismatch": (
+        "An op got tensors on different devices. The devices of the last modules' inputs are "
+        "listed: move the model and every batch tensor with .to(device)."
+    ),
+    "dtype-error": (
+        "An op got a dtype it does not take (a float64 batch into float32 weights, integer "
+        "targets where floats are expected). The dtypes of the last modules' inputs are "
+        "listed: cast the input (x.float()) or use autocast."
+    ),
+    "keyboard-interrupt": (
+        "Interrupted from the keyboard; the report holds the steps recorded so far."
+    ),
+    "signal": (
+        "The process was told to stop (a scheduler or `kill` ending the job); the report holds "
+        "the steps recorded so far, the step in progress included."
+    ),
+    "exit": "sys.exit() was called inside the watched code.",
+    "other": "The last modules that ran before the exception are listed.",
+}
+
+_DEVICE_LOST = ("cuda-device-assert", "cuda-error")
 
 
 def classify(exc: BaseException) -> dict[str, Any]:
-    """What kind of failure ``exc`` is, from its type and message only (no device access).
+    """What kind of failure ``exc`` is, from its type and message only (no device access):
+    ``class``, ``type``, ``message``, ``device_lost`` (the CUDA context is unusable) and
+    ``advice``.
 
     Example:
         >>> classify(RuntimeError("CUDA error: device-side assert triggered"))["class"]
         'cuda-device-assert'
+        >>> classify(IndexError("Target 255 is out of bounds."))["class"]
+        'index-out-of-range'
     """
     name = type(exc).__name__
     message = str(exc)
-    text = f"{name}: {message}"
-    cls = "other"
-    for candidate, needles in _CLASSES:
-        if any(n in text for n in needles):
-            cls = candidate
-            break
+    if isinstance(exc, KeyboardInterrupt):
+        cls = "keyboard-interrupt"
+    elif isinstance(exc, SystemExit):
+        cls = "exit"
+    else:
+        text = f"{name}: {message}"
+        cls = next(
+            (c for c, needles in _CLASSES if any(n in text for n in needles)),
+            "other",
+        )
     return {
         "class": cls,
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": message[:4000],
-        "device_lost": cls in ("cuda-device-assert", "cuda-error"),
+        "device_lost": cls in _DEVICE_LOST,
+        "advice": ADVICE[cls],
     }
 
 
+def classify_signal(name: str) -> dict[str, Any]:
+    """The error entry of a report written because the process received signal ``name``.
+
+    Example:
+        >>> classify_signal("SIGTERM")["message"]
+        'the process received SIGTERM'
+    """
+    return {
+        "class": "signal",
+        "type": name,
+        "message": f"the process received {name}",
+        "device_lost": False,
+        "advice": ADVICE["signal"],
+    }
+
+
+# ---------------------------------------------------------------------- files
+def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never
+    half of one: a temporary file in the same directory, flushed to disk, then renamed over
+    ``path``. A process killed mid-write leaves at most a hidden ``.<name>.*.tmp`` file.
+
+    Example:
+        >>> p = atomic_write(Path(tempfile.mkdtemp()) / "r.json", "{}")
+        >>> p.read_text()
+        '{}'
+    """
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable
+        with contextlib.suppress(OSError):
+            dfd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+    return p
+
+
+def report_stem(report: Report, when: datetime.datetime | None = None) -> str:
+    """``nanwatch-<YYYYmmdd-HHMMSS>-rank<r>-step<n>``: sortable by time, one per rank."""
+    when = when or datetime.datetime.now()
+    rank = report.rank if report.rank is not None else 0
+    step: Any = None
+    if report.error is not None:
+        step = report.error.get("step")
+    if step is None:
+        step = report.steps[-1].step if report.steps else 0
+    return f"nanwatch-{when:%Y%m%d-%H%M%S}-rank{rank}-step{step}"
+
+
+def _free_stem(directory: Path, stem: str) -> str:
+    candidate, n = stem, 1
+    while (directory / f"{candidate}.json").exists() or (directory / f"{candidate}.html").exists():
+        n += 1
+        candidate = f"{stem}-{n}"
+    return candidate
+
+
+# ---------------------------------------------------------------------- capture
 def capture(watcher: Watcher, exc: BaseException) -> Path | None:
-    """Write the post-mortem report for ``exc``; never raises."""
-    return None
+    """Write the post-mortem report for ``exc`` (JSON, then HTML) into the watcher's
+    ``config.report_dir``, print the paths and a short summary to stderr, and return the
+    JSON path. Never raises: a failure to write is a warning, so the user's exception stays
+    the one that propagates. Host-side data only; no tensor is touched.
+
+    Example:
+        >>> with nanwatch.watch(model) as nw:          # doctest: +SKIP
+        ...     raise RuntimeError("boom")   # -> nanwatch-reports/nanwatch-...-step0.json
+    """
+    return _write_postmortem(watcher, exc=exc)
+
+
+def _write_postmortem(
+    watcher: Watcher, *, exc: BaseException | None = None, reason: str | None = None
+) -> Path | None:
+    directory = Path(watcher.config.report_dir)
+    try:
+        from nanwatch.report import Report
+
+        report = Report.from_watcher(watcher, exc, reason=reason)
+        stem = _free_stem(directory, report_stem(report))
+        json_path = report.save(directory / f"{stem}.json")
+    except Exception as err:
+        _warn(
+            f"nanwatch: could not write the post-mortem report to {str(directory)!r} "
+            f"({type(err).__name__}: {err}); the original error follows unchanged. Set "
+            "watch(..., report_dir=...) to a writable directory."
+        )
+        return None
+    paths = [json_path]
+    html_error: str | None = None
+    try:
+        paths.append(report.save(directory / f"{stem}.html"))
+    except Exception as err:
+        html_error = f"{type(err).__name__}: {err}"
+        _warn(
+            f"nanwatch: the post-mortem JSON report is at {json_path}, but its HTML page could "
+            f"not be written ({html_error}); render it later with: nanwatch report {json_path} "
+            "--html report.html"
+        )
+    try:
+        from nanwatch.render import print_summary
+
+        print_summary(report, paths)
+    except Exception:
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"nanwatch: post-mortem report written to {json_path}\n")
+    return json_path
+
+
+def _warn(message: str) -> None:
+    """A warning pointing at the user's line; if warnings are errors (-W error), stderr."""
+    try:
+        from nanwatch import _frames
+
+        frame = _frames.user_frame(sys._getframe(1))
+        if frame is not None:
+            warnings.warn_explicit(
+                message,
+                RuntimeWarning,
+                frame.f_code.co_filename,
+                frame.f_lineno,
+                module="nanwatch",
+            )
+        else:
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
+    except Exception:
+        with contextlib.suppress(Exception):
+            sys.stderr.write(message + "\n")
+
+
+# ---------------------------------------------------------------------- signals
+_Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+class _SigtermHandler:
+    """Writes the watcher's report on SIGTERM, then hands the signal to the handler that
+    was installed before (another watcher's, the framework's, or the default: terminate).
+
+    Nested watchers chain: each handler calls the one it replaced. A handler whose watcher
+    detached while another handler sat on top of it stays in the chain as a pass-through.
+    """
+
+    def __init__(self, watcher: Watcher, previous: _Handler) -> None:
+        self.watcher: weakref.ReferenceType[Watcher] = weakref.ref(watcher)
+        self.previous = previous
+        self.active = True
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        w = self.watcher()
+        if self.active and w is not None and w.attached:
+            with contextlib.suppress(Exception):
+                _write_postmortem(w, reason=signal.Signals(signum).name)
+        prev = self.previous
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_IGN:
+            return
+        else:  # SIG_DFL (or a handler not installed from Python): end as the default does
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def undo(self) -> None:
+        self.active = False
+        try:
+            current = signal.getsignal(signal.SIGTERM)
+        except (ValueError, OSError):
+            return
+        if id(current) != id(self):  # (not `is`: mypy would narrow `self` to the union)
+            return  # another handler sits on top; it keeps calling us, a pass-through now
+        target = self.previous
+        while isinstance(target, _SigtermHandler) and not target.active:
+            target = target.previous
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            signal.signal(signal.SIGTERM, target if target is not None else signal.SIG_DFL)
 
 
 def install_signal_handlers(watcher: Watcher) -> Callable[[], None]:
-    """Install SIGTERM handling for the watcher's lifetime; returns the undo function."""
-    return lambda: None
+    """Write the watcher's report on SIGTERM for as long as it is attached, then let the
+    process end as it would have (the previous handler runs; the default one terminates).
+    Returns the undo function. Only the main thread can install signal handlers; elsewhere,
+    and when SIGTERM is ignored or was set from C, nothing is installed.
+
+    Example:
+        >>> undo = install_signal_handlers(nw)          # doctest: +SKIP
+        >>> undo()                                      # doctest: +SKIP
+    """
+    if not hasattr(signal, "SIGTERM") or threading.current_thread() is not threading.main_thread():
+        return _nothing
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except (ValueError, OSError):
+        return _nothing
+    if previous is None or previous == signal.SIG_IGN:
+        return _nothing
+    handler = _SigtermHandler(watcher, previous)
+    try:
+        signal.signal(signal.SIGTERM, handler)
+    except (ValueError, OSError):
+        return _nothing
+    return handler.undo
+
+
+def _nothing() -> None:
+    return None

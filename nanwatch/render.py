@@ -1,0 +1,1735 @@
+"""Presentation of reports: rich renderables for the terminal, a self-contained HTML page
+with plots, the Jupyter display, the demo gallery's panels and the post-mortem's summary.
+
+Nothing here prints on its own: renderers return rich renderables or strings, and the
+functions that write take a :class:`rich.console.Console`. Widths follow the console;
+colors too (``NO_COLOR`` is honored by rich, as nothing here forces colors). Styles are
+theme keys namespaced ``nanwatch.*`` (``nanwatch.nan``, ``nanwatch.error``): a console
+whose theme defines them keeps its own.
+
+Example:
+    >>> from rich.console import Console
+    >>> from nanwatch.report import Report
+    >>> console = Console(width=100, color_system=None, file=io.StringIO())
+    >>> console.print(Report(steps=[]))
+    >>> "No step was recorded" in console.file.getvalue()
+    True
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+import shutil
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.console import Console, ConsoleOptions, Group, RenderableType
+from rich.errors import MissingStyle
+from rich.panel import Panel
+from rich.rule import Rule
+from rich.style import Style
+from rich.table import Table
+from rich.text import Text
+from rich.theme import Theme
+
+from nanwatch.records import Anomaly, AnomalyKind, Call, Phase, Record, StepTrace, TensorStat
+from nanwatch.report import ERROR_LABELS, Event, Report, anomaly_headline
+
+if TYPE_CHECKING:
+    from nanwatch.rules.base import Diagnosis
+    from nanwatch.scenarios import Outcome
+
+__all__ = [
+    "STYLES",
+    "THEME",
+    "demo_summary",
+    "print_summary",
+    "render_report",
+    "render_report_file",
+    "render_text",
+    "report_html",
+    "report_summary",
+]
+
+#: The default look of every style nanwatch uses; a console's own theme wins.
+STYLES: dict[str, str] = {
+    "nanwatch.title": "bold",
+    "nanwatch.error": "bold red",
+    "nanwatch.warning": "bold yellow",
+    "nanwatch.info": "bold blue",
+    "nanwatch.ok": "bold green",
+    "nanwatch.anomaly": "bold magenta",
+    "nanwatch.nan": "bold magenta",
+    "nanwatch.inf": "bold red",
+    "nanwatch.culprit": "bold red",
+    "nanwatch.path": "cyan",
+    "nanwatch.op": "magenta",
+    "nanwatch.code": "bold",
+    "nanwatch.fix": "green",
+    "nanwatch.label": "dim",
+    "nanwatch.dim": "dim",
+    "nanwatch.source": "blue",
+}
+THEME = Theme(STYLES)
+
+_ICON = {"error": "✗", "anomaly": "✗", "warning": "!", "ok": "✓", "info": "i"}
+_STATUS_STYLE = {
+    "error": "nanwatch.error",
+    "anomaly": "nanwatch.anomaly",
+    "warning": "nanwatch.warning",
+    "ok": "nanwatch.ok",
+    "info": "nanwatch.info",
+}
+
+# how much the terminal shows before cutting (the HTML shows more, the JSON everything)
+_MAX_DIAGNOSES = 6
+_MAX_TIMELINE = 12
+_MAX_EVENTS = 10
+_MAX_SIBLINGS = 2  #: on each side of the culprit
+_MAX_CHILDREN = 6
+_MAX_HTML_TIMELINE = 200
+_MAX_HEATMAP_ROWS = 40
+_DEMO_FIX_LINES = 3
+
+
+# ---------------------------------------------------------------------- numbers
+def fmt(v: float | int | None) -> str:
+    """A number as a person reads it: 4 significant digits, ``NaN``, ``inf``, ``–`` (none).
+
+    Example:
+        >>> fmt(65504.0), fmt(float("nan")), fmt(None), fmt(0.000123456)
+        ('6.55e+04', 'NaN', '–', '0.0001235')
+    """
+    if v is None:
+        return "–"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return str(v)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:.4g}"
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"
+
+
+_ITEMSIZE = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+
+def _nbytes(r: Record) -> int:
+    n = 1
+    for s in r.shape:
+        n *= s
+    return n * _ITEMSIZE.get(r.dtype, 1 if r.dtype.startswith("float8") else 4)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+# ---------------------------------------------------------------------- derived views
+@dataclass(slots=True)
+class ModuleStat:
+    """What the tree and the heatmap show for one module call: dtype, device, shape, max
+    |x| over the finite values, NaN and inf counts (``None``: present, not counted)."""
+
+    dtype: str = ""
+    device: str = ""
+    shape: str = ""
+    amax: float | None = None
+    nan: int | None = 0
+    inf: int | None = 0
+    bad: bool = False
+    kinds: str = "finite"
+    measured: bool = False
+    #: a pass-through module (ReLU, Sigmoid, Dropout(0), ...) is not measured: the numbers
+    #: are its input's, an upper bound of max |x| (NaN passes through; inf may not)
+    bound: bool = False
+
+    @property
+    def amax_text(self) -> str:
+        if not self.measured:
+            return "–"
+        return f"≤{fmt(self.amax)}" if self.bound and self.amax is not None else fmt(self.amax)
+
+    @property
+    def inf_text(self) -> str:
+        return "–" if self.bound else _count(self.inf, self.measured)
+
+    @property
+    def nan_text(self) -> str:
+        return _count(self.nan, self.measured)
+
+
+def module_stat(records: Iterable[Record], trace: StepTrace) -> ModuleStat:
+    """The statistics of a call's records (several outputs are summed up)."""
+    out = ModuleStat()
+    kinds: list[str] = []
+    first = True
+    for r in records:
+        m = trace.resolve(r)
+        if first:
+            out.dtype, out.device, out.shape = r.dtype, r.device, _shape(r.shape)
+            first = False
+        s = m.stat
+        if s is None:
+            continue
+        out.measured = True
+        mag = s.magnitude
+        if not math.isnan(mag):
+            out.amax = mag if out.amax is None else max(out.amax, mag)
+        if not s.finite:
+            out.bad = True
+            kinds.extend(k for k in s.kinds().split(", ") if k not in kinds)
+        out.nan = _add_count(out.nan, s.nan, s.has_nan)
+        inf = None if s.posinf is None or s.neginf is None else s.posinf + s.neginf
+        out.inf = _add_count(out.inf, inf, s.has_posinf or s.has_neginf)
+    out.kinds = ", ".join(kinds) if kinds else "finite"
+    return out
+
+
+def _add_count(total: int | None, count: int | None, present: bool) -> int | None:
+    if count is None:
+        count = None if present else 0
+    if total is None or count is None:
+        return None
+    return total + count
+
+
+def _count(c: int | None, measured: bool) -> str:
+    if not measured:
+        return "–"
+    return "yes" if c is None else str(c)
+
+
+@dataclass(slots=True)
+class TreeRow:
+    """One row of the culprit's tree: the guide drawn before the name, the call (None for
+    a row saying how many were left out), its statistics."""
+
+    guide: str
+    name: str
+    module_type: str
+    stat: ModuleStat | None
+    culprit: bool = False
+    ancestor: bool = False
+    note: str = ""
+
+
+@dataclass(slots=True)
+class _Node:
+    call: Call | None
+    children: list[_Node] = field(default_factory=list)
+    note: str = ""
+
+
+def tree_rows(report: Report) -> tuple[list[TreeRow], str]:
+    """The culprit module in the tree of its ancestors, with its siblings (a window around
+    it) and its children; each row with the call's statistics. The second value names the
+    phase of the statistics (``forward`` outputs, or ``backward`` gradients)."""
+    found = report.culprit()
+    if found is None:
+        return [], ""
+    trace, culprit = found
+    a = report.first_anomaly
+    phase = Phase.FORWARD
+    if a is not None and a.kind is AnomalyKind.BACKWARD:
+        phase = Phase.BACKWARD
+    by_call: dict[int, list[Record]] = {}
+    forward: dict[int, list[Record]] = {}
+    grad_of: dict[int, Record] = {}  #: forward record index -> the gradient recorded for it
+    for r in trace.records:
+        if r.phase is phase:
+            by_call.setdefault(r.call, []).append(r)
+        if r.phase is Phase.FORWARD:
+            forward.setdefault(r.call, []).append(r)
+        elif r.phase is Phase.BACKWARD and r.source is not None:
+            grad_of.setdefault(r.source, r)
+
+    def stat_of(call: Call) -> ModuleStat:
+        recs = by_call.get(call.id)
+        if recs:
+            st = module_stat(recs, trace)
+            st.bound = call.passthrough and phase is Phase.FORWARD
+            return st
+        outs = forward.get(call.id, [])
+        if phase is Phase.BACKWARD:  # a container: its output is its last child's tensor
+            grads = [grad_of[m.index] for m in map(trace.resolve, outs) if m.index in grad_of]
+            if grads:
+                return module_stat(grads, trace)
+        st = module_stat(outs, trace)  # dtype, device, shape only
+        return ModuleStat(st.dtype, st.device, st.shape)
+
+    children: dict[int | None, list[Call]] = {}
+    for k in trace.calls:
+        children.setdefault(k.parent, []).append(k)
+    chain: list[Call] = []
+    c: Call | None = culprit
+    while c is not None and len(chain) < 256:
+        chain.append(c)
+        c = trace.call(c.parent) if c.parent is not None else None
+    chain.reverse()
+
+    def kids(call: Call) -> list[Call]:
+        return [k for k in children.get(call.id, []) if k.path != call.path]
+
+    culprit_node = _Node(culprit)
+    own = kids(culprit)
+    culprit_node.children = [_Node(k) for k in own[:_MAX_CHILDREN]]
+    if len(own) > _MAX_CHILDREN:
+        culprit_node.children.append(_Node(None, note=f"… {len(own) - _MAX_CHILDREN} more"))
+    node = culprit_node
+    if len(chain) >= 2:
+        parent = chain[-2]
+        sibs = kids(parent)
+        i = next((j for j, s in enumerate(sibs) if s is culprit), 0)
+        lo, hi = max(0, i - _MAX_SIBLINGS), min(len(sibs), i + _MAX_SIBLINGS + 1)
+        level: list[_Node] = []
+        if lo > 0:
+            level.append(_Node(None, note=f"… {lo} before"))
+        level.extend(culprit_node if s is culprit else _Node(s) for s in sibs[lo:hi])
+        if hi < len(sibs):
+            level.append(_Node(None, note=f"… {len(sibs) - hi} after"))
+        node = _Node(parent, level)
+        for anc in reversed(chain[:-2]):
+            node = _Node(anc, [node])
+    rows: list[TreeRow] = []
+    ancestors = {x.id for x in chain[:-1]}
+
+    def walk(n: _Node, parent: Call | None, guide: str, child_guide: str, depth: int) -> None:
+        call = n.call
+        if call is None:
+            rows.append(TreeRow(guide, n.note, "", None, note=n.note))
+        else:
+            name = call.path
+            if parent is not None and name.startswith(parent.path + "."):
+                name = name[len(parent.path) + 1 :]  # relative to the enclosing call
+            rows.append(
+                TreeRow(
+                    guide,
+                    name,
+                    call.module_type,
+                    stat_of(call),
+                    culprit=call is culprit,
+                    ancestor=call.id in ancestors,
+                )
+            )
+        seen: dict[str, int] = {}
+        for j, k in enumerate(n.children):
+            last = j == len(n.children) - 1
+            walk(
+                k,
+                call,
+                child_guide + ("└─ " if last else "├─ "),
+                child_guide + ("   " if last else "│  "),
+                depth + 1,
+            )
+            if k.call is not None:
+                seen[k.call.path] = seen.get(k.call.path, 0) + 1
+                if seen[k.call.path] > 1:
+                    rows[-1 - _subtree_size(k)].name += f" (call {seen[k.call.path]})"
+
+    walk(node, None, "", "", 0)
+    return rows, phase.value
+
+
+def _subtree_size(n: _Node) -> int:
+    """Rows a node's descendants take (the node's own row is before them)."""
+    return sum(1 + _subtree_size(k) for k in n.children)
+
+
+def _first_root_records(trace: StepTrace) -> list[Record]:
+    root = next((c for c in trace.calls if c.root and not c.is_loss), None)
+    if root is None:
+        return []
+    return [r for r in trace.records if r.call == root.id and r.phase is Phase.FORWARD]
+
+
+def logit_cell(trace: StepTrace) -> str:
+    """max |logit| of a step; the kind of value when the logits were not finite."""
+    if trace.max_logit is not None:
+        return fmt(trace.max_logit)
+    st = module_stat(_first_root_records(trace), trace)
+    return st.kinds if st.bad else "–"
+
+
+def _step_note(trace: StepTrace, report: Report) -> str:
+    parts: list[str] = []
+    if trace.anomaly is not None:
+        a = trace.anomaly
+        kinds = a.record.stat.kinds() if a.record.stat is not None else "non-finite"
+        first = report.first_anomaly is not None and report.first_anomaly.step == a.step
+        parts.append(f"{'first ' if first else ''}{kinds} at {a.path}")
+    codes = list(dict.fromkeys(d.code for d in trace.diagnoses))
+    if codes:
+        parts.append(" ".join(codes[:4]) + (" …" if len(codes) > 4 else ""))
+    if trace.error is not None:
+        parts.append(f"raised {str(trace.error.get('type', '')).rsplit('.', 1)[-1]}")
+    if report.partial_step == trace.step:
+        parts.append("in progress")
+    if not trace.full:
+        parts.append("sentinel")
+    return "; ".join(parts)
+
+
+def _io_text(recs: Sequence[Record], *, device: bool = True) -> str:
+    if not recs:
+        return ""
+    r = recs[0]
+    text = f"{_shape(r.shape)} {r.dtype}" + (f" {r.device}" if device else "")
+    if len(recs) > 1:
+        text += f" +{len(recs) - 1}"
+    return text
+
+
+# ---------------------------------------------------------------------- theme handling
+def _theme_for(console: Console) -> Theme:
+    styles: dict[str, Style | str] = {}
+    for key, default in STYLES.items():
+        try:
+            styles[key] = console.get_style(key)
+        except MissingStyle:
+            styles[key] = default
+    return Theme(styles, inherit=False)
+
+
+class Themed:
+    """Renders ``renderable`` with nanwatch's styles available (``nanwatch.*`` keys), keeping
+    any the console's own theme defines.
+
+    Example:
+        >>> Console(file=io.StringIO()).print(Themed(Text("x", style="nanwatch.nan")))
+    """
+
+    def __init__(self, renderable: RenderableType) -> None:
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Any]:
+        console.push_theme(_theme_for(console))
+        try:
+            yield from console.render(self.renderable, options)
+        finally:
+            console.pop_theme()
+
+
+# ---------------------------------------------------------------------- terminal
+def render_report(report: Report, console: Console, options: ConsoleOptions) -> Iterator[Any]:
+    """The report as rich renderables (what ``Report.__rich_console__`` yields): headline,
+    what ended the run, diagnoses, where it went wrong (the module tree), the last steps,
+    the environment.
+
+    Example:
+        >>> Console(width=100).print(nw.report)                     # doctest: +SKIP
+    """
+    console.push_theme(_theme_for(console))
+    try:
+        yield from _sections(report, options)
+    finally:
+        console.pop_theme()
+
+
+def _sections(report: Report, options: ConsoleOptions) -> Iterator[RenderableType]:
+    yield _headline_panel(report)
+    if report.diagnoses:
+        yield from _diagnoses_section(report)
+    if report.error is not None and report.error.get("class") != "anomaly":
+        yield from _error_section(report)
+    yield from _where_section(report)
+    if report.steps:
+        yield from _timeline_section(report)
+    yield from _environment_section(report)
+
+
+def _rule(title: str) -> Rule:
+    return Rule(Text(title, style="nanwatch.title"), align="left", style="nanwatch.dim")
+
+
+def _headline_panel(report: Report) -> Panel:
+    status = report.status
+    style = _STATUS_STYLE[status]
+    head = Text(f"{_ICON[status]} ", style=style)
+    head.append(report.headline, style=style)
+    head.no_wrap = True
+    head.overflow = "ellipsis"
+    bits: list[str] = []
+    r = report.step_range
+    if r is not None:
+        ring = report.config.get("ring_size")
+        bits.append(
+            f"steps {r[0]}-{r[1]}" + (f" (last {ring} kept)" if ring else "")
+            if r[0] != r[1]
+            else f"step {r[0]}"
+        )
+    if report.rank is not None:
+        bits.append(f"rank {report.rank}")
+    if report.anomaly_count > 1:
+        bits.append(f"{report.anomaly_count} steps with anomalies")
+    if report.created:
+        bits.append(report.created.replace("T", " ").replace("+00:00", " UTC"))
+    return Panel(
+        head,
+        title=Text("nanwatch report", style="nanwatch.title"),
+        title_align="left",
+        subtitle=Text(" · ".join(bits), style="nanwatch.dim") if bits else None,
+        subtitle_align="right",
+        border_style=style,
+        box=box.ROUNDED,
+    )
+
+
+def _error_section(report: Report) -> Iterator[RenderableType]:
+    err = report.error
+    assert err is not None
+    cls = str(err.get("class", "other"))
+    yield _rule(f"What ended the run: {ERROR_LABELS.get(cls, 'exception')}")
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="nanwatch.label", no_wrap=True)
+    grid.add_column(overflow="fold")
+    message = str(err.get("message", ""))
+    lines = [ln for ln in message.splitlines() if ln.strip()]
+    shown = "\n".join(lines[:6]) + (f"\n… {len(lines) - 6} more lines" if len(lines) > 6 else "")
+    grid.add_row("exception", Text(f"{err.get('type', '')}: {shown}".rstrip(": ")))
+    if err.get("source"):
+        src = Text(str(err["source"]), style="nanwatch.source")
+        if err.get("code"):
+            src.append(f"  {err['code']}")
+        grid.add_row("raised at", src)
+    if err.get("cause"):
+        grid.add_row("caused by", Text(str(err["cause"])))
+    if err.get("device_lost"):
+        grid.add_row("device", Text("lost: nothing was read from the GPU", style="nanwatch.error"))
+    if err.get("advice"):
+        grid.add_row("what to do", Text(str(err["advice"])))
+    yield grid
+    trace = report.error_step()
+    if trace is not None and trace.mutations:
+        yield _mutations_table(trace)
+    if cls == "out-of-memory" and trace is not None:
+        big = _largest(trace)
+        if big is not None:
+            yield big
+    events = report.recent_events(limit=_MAX_EVENTS)
+    if events:
+        title = "Last modules that ran" + (
+            " (kernels run asynchronously: the failing one is among these)"
+            if err.get("device_lost")
+            else ""
+        )
+        yield _events_table(events, title)
+
+
+def _mutations_table(trace: StepTrace) -> Table:
+    t = Table(
+        title="Outputs modified in place after autograd saved them",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        expand=False,
+    )
+    t.add_column("module", style="nanwatch.path", overflow="fold")
+    t.add_column("tensor")
+    t.add_column("saved by")
+    t.add_column("version", justify="right")
+    for m in trace.mutations[:8]:
+        t.add_row(
+            str(m.get("path", "")),
+            str(m.get("role", "")),
+            str(m.get("grad_fn") or "–"),
+            f"{m.get('recorded_version')} → {m.get('version')}",
+        )
+    if len(trace.mutations) > 8:
+        t.caption = f"… {len(trace.mutations) - 8} more"
+    return t
+
+
+def _largest(trace: StepTrace) -> Table | None:
+    seen: set[tuple[str, str, str]] = set()
+    recs: list[Record] = []
+    for r in sorted(trace.records, key=_nbytes, reverse=True):
+        key = (r.path, r.role, r.phase.value)
+        if key in seen or r.source is not None:
+            continue
+        seen.add(key)
+        recs.append(r)
+        if len(recs) == 5:
+            break
+    if not recs:
+        return None
+    t = Table(title="Largest tensors of the last step", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("module", "tensor", "shape", "dtype", "size"):
+        t.add_column(col, justify="right" if col == "size" else "left", overflow="fold")
+    for r in recs:
+        t.add_row(r.path, f"{r.phase.value} {r.role}", _shape(r.shape), r.dtype, _mib(_nbytes(r)))
+    return t
+
+
+def _one_device(events: Sequence[Event]) -> str | None:
+    """The device every tensor of ``events`` is on, if there is one (then it is said once)."""
+    devices = {r.device for e in events for r in (*e.inputs, *e.outputs)}
+    return devices.pop() if len(devices) == 1 else None
+
+
+def _events_table(events: Sequence[Event], title: str) -> Table:
+    device = _one_device(events)
+    if device is not None:
+        title += f", all on {device}"
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    t.add_column("", justify="right", style="nanwatch.dim")
+    t.add_column("phase", no_wrap=True)
+    t.add_column("module", style="nanwatch.path", overflow="fold")
+    t.add_column("type", overflow="fold")
+    t.add_column("inputs", overflow="fold")
+    t.add_column("outputs", overflow="fold")
+    n = len(events)
+    for i, e in enumerate(events):
+        phase = Text("running", style="nanwatch.error") if e.running else Text(e.phase)
+        t.add_row(
+            str(i - n),
+            phase,
+            e.path,
+            e.module_type,
+            _io_text(e.inputs, device=device is None),
+            _io_text(e.outputs, device=device is None),
+            style="nanwatch.culprit" if e.running and i == n - 1 else None,
+        )
+    return t
+
+
+def _diagnoses_section(report: Report) -> Iterator[RenderableType]:
+    ds = report.diagnoses
+    yield _rule(f"Diagnoses ({len(ds)})")
+    for d in ds[:_MAX_DIAGNOSES]:
+        yield _diagnosis_block(d, report.diagnosis_steps.get(d.code, 1))
+    if len(ds) > _MAX_DIAGNOSES:
+        yield Text(
+            f"… {len(ds) - _MAX_DIAGNOSES} more diagnoses in the HTML and JSON report",
+            style="nanwatch.dim",
+        )
+
+
+def _diagnosis_block(d: Diagnosis, steps: int) -> Table:
+    sev = _STATUS_STYLE.get(d.severity, "nanwatch.info")
+    head = Text()
+    head.append(f"{d.severity} ", style=sev)
+    head.append(d.code, style="nanwatch.code")
+    head.append(f"  {d.title}", style="nanwatch.title")
+    where = d.where
+    if where:
+        head.append(f"  ({where})", style="nanwatch.dim")
+    if steps > 1:
+        head.append(f"  in {steps} steps", style="nanwatch.dim")
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(width=2)
+    grid.add_column(style="nanwatch.label", no_wrap=True)
+    grid.add_column(overflow="fold")
+    for i, ev in enumerate(d.evidence):
+        grid.add_row("", "evidence" if i == 0 else "", Text(f"• {ev}"))
+    if d.source:
+        grid.add_row("", "line", Text(d.source, style="nanwatch.source"))
+    if d.explanation:
+        grid.add_row("", "why", Text(d.explanation))
+    if d.fix:
+        grid.add_row("", "fix", Text(d.fix, style="nanwatch.fix"))
+    grid.add_row("", "silence", Text(d.silence, style="nanwatch.dim"))
+    outer = Table.grid()
+    outer.add_column()
+    outer.add_row(head)
+    outer.add_row(grid)
+    return outer
+
+
+def _anomaly_text(a: Anomaly) -> Text:
+    t = Text()
+    t.append(f"step {a.step}: ", style="nanwatch.dim")
+    t.append(a.summary)
+    return t
+
+
+def _op_grid(a: Anomaly) -> Table | None:
+    op = a.op
+    if op is None:
+        return None
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="nanwatch.label", no_wrap=True)
+    grid.add_column(overflow="fold")
+    chain = op.chain()
+    for i, ev in enumerate(chain):
+        label = "op" if len(chain) == 1 else f"op {i + 1}/{len(chain)}"
+        line = Text(ev.op, style="nanwatch.op")
+        line.append(f" created {ev.born}")
+        if ev.dtype:
+            line.append(f" in {ev.dtype}")
+        if ev.path:
+            line.append(f" in {ev.path}", style="nanwatch.path")
+        if ev.node:
+            line.append(f" (backward node {ev.node})", style="nanwatch.dim")
+        grid.add_row(label, line)
+        if ev.source:
+            src = Text(ev.source, style="nanwatch.source")
+            if ev.code:
+                src.append(f"  {ev.code}")
+            grid.add_row("line", src)
+        for role, s in ev.inputs[:4]:
+            grid.add_row(f"input {role}", Text(_stat_text(s)))
+        if ev.scalars:
+            grid.add_row(
+                "arguments", Text(", ".join(f"{k}={_scalar(v)}" for k, v in ev.scalars.items()))
+            )
+        grid.add_row("output", Text(_stat_text(ev.output)))
+    return grid
+
+
+def _scalar(v: float | int | str) -> str:
+    return fmt(v) if isinstance(v, float) else str(v)
+
+
+def _stat_text(s: TensorStat | None) -> str:
+    if s is None:
+        return "not measured"
+    parts = [f"min {fmt(s.min)}", f"max {fmt(s.max)}"]
+    if s.finite_amax is not None and not s.finite:
+        parts.append(f"finite max |x| {fmt(s.finite_amax)}")
+    if s.counted:
+        parts.append(f"NaN {s.nan}, +inf {s.posinf}, -inf {s.neginf} of {s.numel}")
+    else:
+        parts.append(f"{s.numel} values")
+    return ", ".join(parts)
+
+
+def _where_section(report: Report) -> Iterator[RenderableType]:
+    a = report.first_anomaly
+    rows, phase = tree_rows(report)
+    if a is None and not rows:
+        return
+    yield _rule("Where it went wrong" if a is not None else "Where it was")
+    if a is not None:
+        yield _anomaly_text(a)
+        op = _op_grid(a)
+        if op is not None:
+            yield op
+        if a.neginf_source is not None:
+            n = a.neginf_source
+            yield Text(
+                f"The -inf it grew out of was first seen in {n.path} ({n.phase.value}, {n.role}).",
+                style="nanwatch.dim",
+            )
+        if report.step(a.step) is None:
+            yield Text(
+                f"Step {a.step} is no longer in the flight recorder "
+                f"(ring_size={report.config.get('ring_size', '?')}): its modules are not shown.",
+                style="nanwatch.dim",
+            )
+        later = report.anomalies[1:]
+        if later:
+            firsts = ", ".join(f"step {x.step} at {x.path}" for x in later[:3])
+            more = report.anomaly_count - 1 - min(3, len(later))
+            yield Text(
+                f"Later anomalies: {firsts}" + (f" and {more} more" if more > 0 else ""),
+                style="nanwatch.dim",
+            )
+    if rows:
+        yield _tree_table(rows, phase)
+
+
+def _tree_table(rows: Sequence[TreeRow], phase: str) -> Table:
+    backward = phase == "backward"
+    what = "gradients of the outputs" if backward else "outputs"
+    t = Table(
+        title=f"The module and its ancestors ({what})",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    t.add_column("module", overflow="fold", ratio=None)
+    t.add_column("type", overflow="fold")
+    t.add_column("dtype", no_wrap=True)
+    t.add_column("device", no_wrap=True)
+    t.add_column("shape", overflow="fold")
+    t.add_column("max |grad|" if backward else "max |x|", justify="right", no_wrap=True)
+    t.add_column("NaN", justify="right", no_wrap=True)
+    t.add_column("inf", justify="right", no_wrap=True)
+    for r in rows:
+        name = Text(r.guide, style="nanwatch.dim")
+        if r.stat is None:
+            name.append(r.name, style="nanwatch.dim")
+            t.add_row(name)
+            continue
+        s = r.stat
+        name.append(r.name, style="nanwatch.culprit" if r.culprit else "nanwatch.path")
+        if r.culprit:
+            name.append(" ◀", style="nanwatch.culprit")
+        nan = Text(s.nan_text, style="nanwatch.nan" if s.nan != 0 else "")
+        inf = Text(s.inf_text, style="nanwatch.inf" if s.inf != 0 and not s.bound else "")
+        amax = s.amax_text
+        t.add_row(name, r.module_type, s.dtype, s.device, s.shape, amax, nan, inf)
+    return t
+
+
+def _timeline_section(report: Report) -> Iterator[RenderableType]:
+    steps = report.steps
+    shown = steps[-_MAX_TIMELINE:]
+    yield _rule("Last steps")
+    yield _timeline_table(report, shown, len(steps) - len(shown))
+
+
+def _timeline_table(report: Report, steps: Sequence[StepTrace], cut: int) -> Table:
+    scaled = any(t.scale is not None for t in steps)
+    t = Table(box=box.SIMPLE_HEAD)
+    t.add_column("step", justify="right")
+    t.add_column("loss", justify="right", no_wrap=True)
+    t.add_column("grad norm", justify="right", no_wrap=True)
+    t.add_column("max |logit|", justify="right", no_wrap=True)
+    if scaled:
+        t.add_column("scale", justify="right", no_wrap=True)
+    t.add_column("", overflow="fold")
+    for s in steps:
+        cells: list[RenderableType] = [
+            str(s.step),
+            _num_text(s.loss),
+            _num_text(s.grad_norm),
+            _kinds_text(logit_cell(s)),
+        ]
+        if scaled:
+            cells.append(fmt(s.scale))
+        cells.append(_step_note(s, report))
+        bad = s.anomaly is not None or s.error is not None
+        t.add_row(*cells, style="nanwatch.culprit" if bad else None)
+    if cut:
+        t.caption = f"{cut} earlier step{'s' if cut != 1 else ''} left out (all are in the HTML)"
+    return t
+
+
+def _num_text(v: float | None) -> Text:
+    s = fmt(v)
+    return _kinds_text(s)
+
+
+def _kinds_text(s: str) -> Text:
+    if s == "NaN" or "NaN" in s.split(", "):
+        return Text(s, style="nanwatch.nan")
+    if "inf" in s:
+        return Text(s, style="nanwatch.inf")
+    return Text(s)
+
+
+def environment_rows(report: Report) -> list[tuple[str, str]]:
+    """(label, value) pairs describing where the report was made."""
+    e = report.environment
+    rows = [
+        ("nanwatch", e.nanwatch or "?"),
+        ("torch", e.torch + (f" (CUDA {e.cuda})" if e.cuda else "")),
+        ("python", e.python),
+        ("platform", e.platform),
+        ("mode", e.mode or str(report.config.get("mode", ""))),
+        ("devices", ", ".join(e.devices) or "–"),
+        ("dtypes", ", ".join(e.dtypes) or "–"),
+        ("AMP dtypes", ", ".join(e.amp_dtypes) or "none (full precision)"),
+    ]
+    if e.scaler:
+        rows.append(("GradScaler", "yes"))
+    rows.append(("modules watched", str(e.modules)))
+    if e.rank is not None:
+        rows.append(("rank", f"{e.rank}" + (f" of {e.world_size}" if e.world_size else "")))
+    if report.faults:
+        rows.append(("nanwatch faults", f"{len(report.faults)} (hooks disabled themselves)"))
+    return [(k, v) for k, v in rows if v]
+
+
+def _environment_section(report: Report) -> Iterator[RenderableType]:
+    yield _rule("Environment")
+    rows = environment_rows(report)
+    grid = Table.grid(padding=(0, 2))
+    half = (len(rows) + 1) // 2
+    for _ in range(2):
+        grid.add_column(style="nanwatch.label", no_wrap=True)
+        grid.add_column(overflow="fold")
+    for i in range(half):
+        left = rows[i]
+        right = rows[half + i] if half + i < len(rows) else ("", "")
+        grid.add_row(left[0], left[1], right[0], right[1])
+    yield grid
+    for where, msg in report.faults[:3]:
+        yield Text(f"nanwatch fault in its {where}: {msg}", style="nanwatch.warning")
+
+
+def render_text(report: Report, *, width: int | None = None, color: bool | None = None) -> str:
+    """The report as terminal text (what ``print(report)`` shows): as wide as the terminal,
+    colored when standard output is a terminal and ``NO_COLOR`` is not set.
+
+    Example:
+        >>> render_text(Report(steps=[]), width=40).splitlines()[1]
+        '│ ✓ No step was recorded               │'
+    """
+    tty = bool(getattr(sys.stdout, "isatty", lambda: False)()) if color is None else color
+    buf = io.StringIO()
+    console = Console(
+        file=buf,
+        width=width or shutil.get_terminal_size((100, 24)).columns,
+        force_terminal=tty,
+        color_system="auto" if tty else None,
+        highlight=False,
+    )
+    console.print(report)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------- demo and stderr
+def demo_summary(outcome: Outcome) -> RenderableType:
+    """A compact panel for one gallery scenario (``nanwatch demo``): the headline (anomaly or
+    exception), the top diagnosis with its fix, whether nanwatch found what the scenario
+    expects, and how long it took.
+
+    Example:
+        >>> from nanwatch import scenarios
+        >>> panel = demo_summary(scenarios.run(scenarios.get("div-by-zero")))  # doctest: +SKIP
+    """
+    s = outcome.scenario
+    report = (
+        Report.from_watcher(outcome.watcher, outcome.error) if outcome.watcher is not None else None
+    )
+    mismatches = outcome.mismatches(with_diagnosis=True)
+    located = not outcome.mismatches(with_diagnosis=False)
+    ok = not mismatches
+    body = Table.grid(padding=(0, 1))
+    body.add_column(no_wrap=True)
+    body.add_column(overflow="fold")
+    if report is not None:
+        status = report.status
+        body.add_row(
+            Text(_ICON[status], style=_STATUS_STYLE[status]), Text(_clip(report.headline, 150))
+        )
+        top = report.top
+        if top is not None:
+            body.add_row(
+                Text(top.code, style="nanwatch.code"),
+                Text(top.title + (f" ({top.where})" if top.where else "")),
+            )
+            if top.fix:
+                fix = top.fix.strip().splitlines()
+                shown = "\n".join(fix[:_DEMO_FIX_LINES])
+                if len(fix) > _DEMO_FIX_LINES:
+                    more = len(fix) - _DEMO_FIX_LINES
+                    shown += f"\n… {more} more line{'s' if more > 1 else ''} in the report"
+                body.add_row(Text("fix", style="nanwatch.label"), Text(shown, style="nanwatch.fix"))
+        elif report.error is not None and report.error.get("advice"):
+            body.add_row(
+                Text("hint", style="nanwatch.label"), Text(_first_sentence(report.error["advice"]))
+            )
+    elif outcome.error is not None:
+        body.add_row(
+            Text("✗", style="nanwatch.error"),
+            Text(f"{type(outcome.error).__name__}: {outcome.error}"),
+        )
+    for m in mismatches:
+        body.add_row(Text("✗", style="nanwatch.error"), Text(m, style="nanwatch.error"))
+    if ok:
+        verdict = Text("✓ as expected", style="nanwatch.ok")
+    elif located:
+        verdict = Text("✓ localized, ✗ diagnosis differs", style="nanwatch.warning")
+    else:
+        verdict = Text("✗ differs from the expected result", style="nanwatch.error")
+    verdict.append(f" · {outcome.seconds:.2f} s", style="nanwatch.dim")
+    title = Text(s.name, style="nanwatch.title")
+    title.append(f" · {s.title}", style="nanwatch.dim")
+    return Themed(
+        Panel(
+            body,
+            title=title,
+            title_align="left",
+            subtitle=verdict,
+            subtitle_align="right",
+            border_style="nanwatch.ok"
+            if ok
+            else ("nanwatch.warning" if located else "nanwatch.error"),
+            box=box.ROUNDED,
+        )
+    )
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+
+
+def _first_sentence(text: str) -> str:
+    end = text.find(". ")
+    return text if end < 0 else text[: end + 1]
+
+
+def report_summary(report: Report, paths: Sequence[os.PathLike[str] | str]) -> RenderableType:
+    """A few lines for stderr when a report was written: what happened (the exception, or
+    the anomalies of a run that finished), the headline, the first hint, the files. The
+    post-mortem prints it; so does ``nanwatch run`` at the end of a run with anomalies.
+
+    Example:
+        >>> Console().print(report_summary(nw.report, ["run.json"]))  # doctest: +SKIP
+    """
+    err = report.error
+    head = Text("nanwatch: ", style="nanwatch.title")
+    if err is not None:
+        label = ERROR_LABELS.get(str(err.get("class", "other")), "exception")
+        kind = str(err.get("type", "")).rsplit(".", 1)[-1]
+        head.append(f"{kind} ({label}) at step {err.get('step', '?')}; post-mortem report written")
+    else:
+        r = report.step_range
+        n = report.anomaly_count
+        what = f"{n} step{'s' if n != 1 else ''} with anomalies" if n else "no anomaly"
+        span = f" in steps {r[0]}-{r[1]}" if r is not None else ""
+        head.append(f"{what}{span}; report written")
+    lines: list[Text] = [head]
+    status = report.status
+    line = Text(f"  {_ICON[status]} ", style=_STATUS_STYLE[status])
+    line.append(report.headline)
+    lines.append(line)
+    top = report.top
+    if top is not None:
+        hint = Text("  → ", style="nanwatch.dim")
+        hint.append(f"{top.code} {top.title}")
+        if top.fix:
+            fix_lines = top.fix.strip().splitlines()
+            more = " …" if len(fix_lines) > 1 else ""
+            hint.append(f"; fix: {fix_lines[0].strip()}{more}", style="nanwatch.fix")
+        lines.append(hint)
+    elif err is not None and err.get("advice"):
+        lines.append(Text(f"  → {_first_sentence(str(err['advice']))}", style="nanwatch.dim"))
+    for p in paths:
+        lines.append(Text(f"  {os.fspath(p)}", style="nanwatch.source"))
+    return Themed(Group(*lines))
+
+
+def print_summary(
+    report: Report,
+    paths: Sequence[os.PathLike[str] | str],
+    *,
+    console: Console | None = None,
+) -> None:
+    """Print :func:`report_summary` on ``console`` (default: stderr; paths never wrap, so
+    they can be copied).
+
+    Example:
+        >>> paths = nw.report.save_all("reports", stem="run")           # doctest: +SKIP
+        >>> print_summary(nw.report, paths)                              # doctest: +SKIP
+    """
+    if console is None:
+        console = Console(stderr=True, highlight=False, soft_wrap=True)
+    console.print(report_summary(report, paths), soft_wrap=True)
+
+
+def render_report_file(
+    path: str | os.PathLike[str], console: Console, html_out: str | os.PathLike[str] | None = None
+) -> int:
+    """``nanwatch report FILE.json [--html OUT]``: render a saved report on ``console`` and,
+    with ``html_out``, write it as an HTML page too. Returns the exit status (0). A file that
+    cannot be read, or is not a report this version reads, raises
+    :class:`nanwatch.ReportFormatError` with the fix in its message.
+
+    Example:
+        >>> render_report_file("run.json", Console(), html_out="run.html")  # doctest: +SKIP
+        0
+    """
+    from nanwatch.postmortem import atomic_write
+
+    report = Report.load(path)
+    console.print(report)
+    if html_out is not None:
+        written = atomic_write(html_out, report.to_html())
+        console.print(Text(f"HTML report written to {written}", style="nanwatch.dim"))
+    return 0
+
+
+# ---------------------------------------------------------------------- HTML
+_CSS = """
+.nw{--fg:#1d2330;--muted:#5f6b7a;--bg:#ffffff;--card:#f6f8fa;--line:#d9dee5;--err:#c62828;
+  --warn:#b26a00;--ok:#2e7d32;--nan:#a0189b;--info:#1f5fbf;--code:#0b3d91;
+  font:15px/1.5 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--fg);
+  background:var(--bg);max-width:1100px;margin:0 auto;padding:20px 24px}
+@media (prefers-color-scheme:dark){.nw{--fg:#e6e9ef;--muted:#9aa4b2;--bg:#14171c;
+  --card:#1d2128;--line:#2f3540;--err:#ef6b6b;--warn:#f0b24a;--ok:#6fcf73;--nan:#e17be0;
+  --info:#7fb0ff;--code:#a9c7ff}}
+.nw h1{font-size:1.35em;margin:.2em 0 .1em;line-height:1.3}
+.nw h2{font-size:1.1em;margin:1.6em 0 .5em;padding-bottom:.2em;
+  border-bottom:1px solid var(--line)}
+.nw h3{font-size:1em;margin:1em 0 .3em}
+.nw .headline{border-left:6px solid var(--muted);background:var(--card);padding:12px 16px;
+  border-radius:6px}
+.nw .headline.error{border-color:var(--err)}
+.nw .headline.anomaly{border-color:var(--nan)}
+.nw .headline.warning{border-color:var(--warn)}
+.nw .headline.ok{border-color:var(--ok)}
+.nw .kicker{font-size:.8em;text-transform:uppercase;letter-spacing:.08em;color:var(--muted)}
+.nw .meta{color:var(--muted);font-size:.88em;margin:0}
+.nw code,.nw pre,.nw .mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;
+  font-size:.9em}
+.nw pre{background:var(--card);padding:8px 12px;border-radius:6px;overflow-x:auto;
+  margin:.2em 0;white-space:pre-wrap;overflow-wrap:anywhere}
+.nw .card{background:var(--card);border:1px solid var(--line);border-radius:8px;
+  padding:10px 14px;margin:10px 0}
+.nw .sev{display:inline-block;font-size:.75em;font-weight:700;text-transform:uppercase;
+  padding:1px 7px;border-radius:10px;color:#fff;background:var(--muted);margin-right:6px;
+  vertical-align:middle}
+.nw .sev.error{background:var(--err)}
+.nw .sev.warning{background:var(--warn)}
+.nw .sev.info{background:var(--info)}
+.nw .dcode{font-weight:700;font-family:ui-monospace,Menlo,monospace;margin-right:6px}
+.nw .where{color:var(--muted);font-size:.9em}
+.nw dl.kv{display:grid;grid-template-columns:max-content minmax(0,1fr);gap:2px 14px;
+  margin:.4em 0}
+.nw dl.kv dt{color:var(--muted)}
+.nw dl.kv dd{margin:0}
+.nw table{border-collapse:collapse;width:100%;font-size:.9em;margin:.4em 0}
+.nw th{text-align:left;color:var(--muted);font-weight:600;
+  border-bottom:1px solid var(--line);padding:4px 8px}
+.nw td{border-bottom:1px solid var(--line);padding:3px 8px;vertical-align:top}
+.nw td.num,.nw th.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+.nw tr.bad td{background:rgba(198,40,40,.08)}
+.nw tr.culprit td{background:rgba(198,40,40,.14);font-weight:600}
+.nw .guide{color:var(--muted);white-space:pre;font-family:ui-monospace,Menlo,monospace}
+.nw .nan{color:var(--nan);font-weight:700}
+.nw .inf{color:var(--err);font-weight:700}
+.nw .fix{color:var(--ok)}
+.nw .muted{color:var(--muted)}
+.nw .path{font-family:ui-monospace,Menlo,monospace}
+.nw figure{margin:.6em 0}
+.nw figure img{max-width:100%;height:auto;background:#fff;border-radius:6px;
+  border:1px solid var(--line)}
+.nw figcaption{color:var(--muted);font-size:.85em}
+.nw details summary{cursor:pointer;color:var(--muted)}
+.nw .missing{background:var(--card);border:1px dashed var(--line);padding:8px 12px;
+  border-radius:6px}
+.nw footer{margin-top:2em;color:var(--muted);font-size:.85em}
+"""
+
+
+def _e(x: object) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def report_html(report: Report, *, standalone: bool = True) -> str:
+    """The report as HTML: a self-contained page (``standalone``), or a ``<div>`` with its
+    own scoped style for a notebook cell. Plots need matplotlib (the ``plot`` extra);
+    without it the page says what to install.
+
+    Example:
+        >>> report_html(Report(steps=[]), standalone=False).startswith('<div class="nw"')
+        True
+    """
+    parts: list[str] = [f'<div class="nw" id="nanwatch-report"><style>{_CSS}</style>']
+    parts.append(_html_headline(report))
+    if report.diagnoses:
+        parts.append(_html_diagnoses(report))
+    if report.error is not None and report.error.get("class") != "anomaly":
+        parts.append(_html_error(report))
+    parts.append(_html_where(report))
+    if report.steps:
+        parts.append(_html_timeline(report))
+    parts.append(_html_environment(report))
+    parts.append(
+        "<footer>nanwatch report, schema "
+        f"{_e(report.schema_version)}. Re-render in a terminal: "
+        "<code>nanwatch report FILE.json</code>; all records are in the JSON file.</footer>"
+    )
+    parts.append("</div>")
+    body = "\n".join(p for p in parts if p)
+    if not standalone:
+        return body
+    title = _e(f"nanwatch: {report.headline}")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f'<meta name="generator" content="nanwatch {_e(report.environment.nanwatch)}">'
+        f"<title>{title}</title>"
+        "<style>body{margin:0;background:#ffffff}"
+        "@media (prefers-color-scheme:dark){body{background:#14171c}}</style>"
+        f"</head><body>\n{body}\n</body></html>\n"
+    )
+
+
+def _html_headline(report: Report) -> str:
+    status = report.status
+    meta: list[str] = []
+    r = report.step_range
+    if r is not None:
+        meta.append(f"steps {r[0]}–{r[1]}" if r[0] != r[1] else f"step {r[0]}")
+    if report.rank is not None:
+        meta.append(f"rank {report.rank}")
+    if report.anomaly_count > 1:
+        meta.append(f"{report.anomaly_count} steps with anomalies")
+    if report.created:
+        meta.append(report.created.replace("T", " ").replace("+00:00", " UTC"))
+    return (
+        f'<header class="headline {status}" id="headline">'
+        f'<div class="kicker">nanwatch report · {_e(status)}</div>'
+        f"<h1>{_e(_ICON[status])} {_e(report.headline)}</h1>"
+        f'<p class="meta">{_e(" · ".join(meta))}</p></header>'
+    )
+
+
+def _kv(rows: Iterable[tuple[str, str]], *, raw: bool = False) -> str:
+    items = "".join(f"<dt>{_e(k)}</dt><dd>{v if raw else _e(v)}</dd>" for k, v in rows)
+    return f'<dl class="kv">{items}</dl>'
+
+
+def _html_error(report: Report) -> str:
+    err = report.error or {}
+    cls = str(err.get("class", "other"))
+    rows: list[tuple[str, str]] = [
+        ("exception", f"<code>{_e(err.get('type', ''))}</code>"),
+        ("message", f"<pre>{_e(err.get('message', ''))}</pre>"),
+    ]
+    if err.get("source"):
+        code = f" <code>{_e(err['code'])}</code>" if err.get("code") else ""
+        rows.append(("raised at", f"<code>{_e(err['source'])}</code>{code}"))
+    if err.get("cause"):
+        rows.append(("caused by", _e(err["cause"])))
+    if err.get("device_lost"):
+        rows.append(("device", '<b class="inf">lost</b>: nothing was read from the GPU'))
+    if err.get("advice"):
+        rows.append(("what to do", _e(err["advice"])))
+    out = [
+        f'<section id="error"><h2>What ended the run: {_e(ERROR_LABELS.get(cls, cls))}</h2>',
+        _kv(rows, raw=True),
+    ]
+    trace = report.error_step()
+    if trace is not None and trace.mutations:
+        body = "".join(
+            f'<tr><td class="path">{_e(m.get("path"))}</td><td>{_e(m.get("role"))}</td>'
+            f"<td>{_e(m.get('grad_fn') or '–')}</td>"
+            f'<td class="num">{_e(m.get("recorded_version"))} → {_e(m.get("version"))}</td></tr>'
+            for m in trace.mutations
+        )
+        out.append(
+            "<h3>Outputs modified in place after autograd saved them</h3><table><thead><tr>"
+            '<th>module</th><th>tensor</th><th>saved by</th><th class="num">version</th>'
+            f"</tr></thead><tbody>{body}</tbody></table>"
+        )
+    events = report.recent_events(limit=20)
+    if events:
+        title = "Last modules that ran"
+        if err.get("device_lost"):
+            title += " (kernels run asynchronously: the failing one is among these)"
+        device = _one_device(events)
+        if device is not None:
+            title += f", all on {device}"
+        rows_html = []
+        n = len(events)
+        for i, e in enumerate(events):
+            cls_attr = ' class="culprit"' if e.running and i == n - 1 else ""
+            phase = '<b class="inf">running</b>' if e.running else _e(e.phase)
+            rows_html.append(
+                f'<tr{cls_attr}><td class="num">{i - n}</td><td>{phase}</td>'
+                f'<td class="path">{_e(e.path)}</td><td>{_e(e.module_type)}</td>'
+                f'<td class="mono">{_e(_io_text(e.inputs, device=device is None))}</td>'
+                f'<td class="mono">{_e(_io_text(e.outputs, device=device is None))}</td></tr>'
+            )
+        out.append(
+            f'<h3>{_e(title)}</h3><table><thead><tr><th class="num">#</th><th>phase</th>'
+            "<th>module</th><th>type</th><th>inputs</th><th>outputs</th></tr></thead>"
+            f"<tbody>{''.join(rows_html)}</tbody></table>"
+        )
+    tb = err.get("traceback")
+    if tb:
+        out.append(
+            "<details><summary>Traceback</summary>"
+            f"<pre>{_e(chr(10).join(str(x) for x in tb))}</pre></details>"
+        )
+    out.append("</section>")
+    return "".join(out)
+
+
+def _html_diagnoses(report: Report) -> str:
+    cards: list[str] = []
+    for d in report.diagnoses:
+        steps = report.diagnosis_steps.get(d.code, 1)
+        head = (
+            f'<span class="sev {_e(d.severity)}">{_e(d.severity)}</span>'
+            f'<span class="dcode">{_e(d.code)}</span><b>{_e(d.title)}</b>'
+        )
+        where = d.where + (f" · in {steps} steps" if steps > 1 else "")
+        if where:
+            head += f' <span class="where">({_e(where)})</span>'
+        rows: list[tuple[str, str]] = []
+        if d.evidence:
+            items = "".join(f"<li>{_e(x)}</li>" for x in d.evidence)
+            rows.append(("evidence", f'<ul style="margin:0;padding-left:1.2em">{items}</ul>'))
+        if d.source:
+            rows.append(("line", f"<code>{_e(d.source)}</code>"))
+        if d.explanation:
+            rows.append(("why", _e(d.explanation)))
+        if d.fix:
+            rows.append(("fix", f'<pre class="fix">{_e(d.fix)}</pre>'))
+        rows.append(("silence", f"<code>{_e(d.silence)}</code>"))
+        cards.append(
+            f'<div class="card diagnosis" data-code="{_e(d.code)}">'
+            f"{head}{_kv(rows, raw=True)}</div>"
+        )
+    return f'<section id="diagnoses"><h2>Diagnoses ({len(cards)})</h2>{"".join(cards)}</section>'
+
+
+def _html_where(report: Report) -> str:
+    a = report.first_anomaly
+    rows, phase = tree_rows(report)
+    if a is None and not rows:
+        return ""
+    out = [
+        '<section id="where"><h2>'
+        + ("Where it went wrong" if a is not None else "Where it was")
+        + "</h2>"
+    ]
+    if a is not None:
+        out.append(f'<p><span class="muted">step {a.step}:</span> {_e(a.summary)}</p>')
+        if a.op is not None:
+            for ev in a.op.chain():
+                kv: list[tuple[str, str]] = [
+                    (
+                        "op",
+                        f'<code>{_e(ev.op)}</code> created <b class="nan">{_e(ev.born)}</b>'
+                        + (f" in {_e(ev.dtype)}" if ev.dtype else "")
+                        + (f' in <span class="path">{_e(ev.path)}</span>' if ev.path else "")
+                        + (
+                            f' <span class="muted">(backward node {_e(ev.node)})</span>'
+                            if ev.node
+                            else ""
+                        ),
+                    )
+                ]
+                if ev.source:
+                    code = f"<pre>{_e(ev.code)}</pre>" if ev.code else ""
+                    kv.append(("line", f"<code>{_e(ev.source)}</code>{code}"))
+                kv.extend((f"input {role}", _e(_stat_text(s))) for role, s in ev.inputs)
+                if ev.scalars:
+                    kv.append(
+                        (
+                            "arguments",
+                            _e(", ".join(f"{k}={_scalar(v)}" for k, v in ev.scalars.items())),
+                        )
+                    )
+                kv.append(("output", _e(_stat_text(ev.output))))
+                out.append(f'<div class="card op">{_kv(kv, raw=True)}</div>')
+        if a.neginf_source is not None:
+            n = a.neginf_source
+            out.append(
+                f'<p class="muted">The -inf it grew out of was first seen in '
+                f'<span class="path">{_e(n.path)}</span> ({_e(n.phase.value)}, {_e(n.role)}).</p>'
+            )
+        if report.step(a.step) is None:
+            out.append(
+                f'<p class="muted">Step {a.step} is no longer in the flight recorder '
+                f"(ring_size={_e(report.config.get('ring_size', '?'))}).</p>"
+            )
+        if len(report.anomalies) > 1:
+            items = "".join(f"<li>{_e(anomaly_headline(x))}</li>" for x in report.anomalies[1:10])
+            more = report.anomaly_count - min(10, len(report.anomalies))
+            extra = f"<li>… {more} more</li>" if more > 0 else ""
+            out.append(
+                f"<details><summary>Later anomalies</summary><ul>{items}{extra}</ul></details>"
+            )
+    if rows:
+        what = "gradients of the outputs" if phase == "backward" else "outputs"
+        body: list[str] = []
+        for r in rows:
+            guide = f'<span class="guide">{_e(r.guide)}</span>'
+            if r.stat is None:
+                body.append(
+                    f'<tr><td colspan="8">{guide}<span class="muted">{_e(r.name)}</span></td></tr>'
+                )
+                continue
+            s = r.stat
+            cls = ' class="culprit"' if r.culprit else (' class="bad"' if s.bad else "")
+            mark = " ◀" if r.culprit else ""
+            nan_cls = " nan" if s.nan != 0 else ""
+            inf_cls = " inf" if s.inf != 0 and not s.bound else ""
+            body.append(
+                f'<tr{cls}><td>{guide}<span class="path">{_e(r.name)}</span>{mark}</td>'
+                f"<td>{_e(r.module_type)}</td><td>{_e(s.dtype)}</td><td>{_e(s.device)}</td>"
+                f'<td class="mono">{_e(s.shape)}</td>'
+                f'<td class="num">{_e(s.amax_text)}</td>'
+                f'<td class="num{nan_cls}">{_e(s.nan_text)}</td>'
+                f'<td class="num{inf_cls}">{_e(s.inf_text)}</td></tr>'
+            )
+        out.append(
+            f'<h3>The module and its ancestors ({what})</h3><table class="tree"><thead><tr>'
+            "<th>module</th><th>type</th><th>dtype</th><th>device</th><th>shape</th>"
+            f'<th class="num">{"max |grad|" if phase == "backward" else "max |x|"}</th>'
+            '<th class="num">NaN</th><th class="num">inf</th>'
+            f"</tr></thead><tbody>{''.join(body)}</tbody></table>"
+        )
+    out.append("</section>")
+    return "".join(out)
+
+
+def _html_timeline(report: Report) -> str:
+    out = ['<section id="timeline"><h2>How the values moved</h2>']
+    out.append(_html_plots(report))
+    steps = report.steps[-_MAX_HTML_TIMELINE:]
+    cut = len(report.steps) - len(steps)
+    scaled = any(t.scale is not None for t in steps)
+    rows: list[str] = []
+    for s in steps:
+        bad = s.anomaly is not None or s.error is not None
+        cells = [
+            f'<td class="num">{s.step}</td>',
+            _html_num(fmt(s.loss)),
+            _html_num(fmt(s.grad_norm)),
+            _html_num(logit_cell(s)),
+        ]
+        if scaled:
+            cells.append(_html_num(fmt(s.scale)))
+        cells.append(f"<td>{_e(_step_note(s, report))}</td>")
+        row_cls = ' class="bad"' if bad else ""
+        rows.append(f"<tr{row_cls}>{''.join(cells)}</tr>")
+    head = (
+        '<th class="num">step</th><th class="num">loss</th><th class="num">grad norm</th>'
+        '<th class="num">max |logit|</th>'
+        + ('<th class="num">scale</th>' if scaled else "")
+        + "<th></th>"
+    )
+    out.append(
+        "<h3>Steps in the flight recorder</h3>"
+        f'<table class="timeline"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table>"
+    )
+    if cut:
+        out.append(f'<p class="muted">{cut} earlier steps left out; all are in the JSON.</p>')
+    out.append("</section>")
+    return "".join(out)
+
+
+def _html_num(s: str) -> str:
+    cls = " nan" if "NaN" in s else (" inf" if "inf" in s else "")
+    return f'<td class="num{cls}">{_e(s)}</td>'
+
+
+def _html_environment(report: Report) -> str:
+    out = ['<section id="environment"><h2>Environment</h2>', _kv(environment_rows(report))]
+    if report.faults:
+        items = "".join(f"<li>{_e(w)}: {_e(m)}</li>" for w, m in report.faults)
+        out.append(f"<h3>nanwatch faults</h3><ul>{items}</ul>")
+    if report.config:
+        cfg = ", ".join(f"{k}={v!r}" for k, v in report.config.items())
+        out.append(f'<p class="muted">config: <code>{_e(cfg)}</code></p>')
+    out.append("</section>")
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------- plots
+PLOT_INSTALL = 'pip install "nanwatch[plot]"'
+
+
+@dataclass(slots=True)
+class HeatmapData:
+    """max |x| per module (rows) and step (columns); ``flags`` marks non-finite cells."""
+
+    steps: list[int]
+    rows: list[str]
+    values: list[list[float | None]]
+    flags: list[list[str]]
+    #: True where the value is within a factor of 2 of its own dtype's largest value
+    near: list[list[bool]]
+    total_rows: int
+    limit_dtype: str | None
+    limit: float | None
+
+
+def heatmap_data(report: Report, max_rows: int = _MAX_HEATMAP_ROWS) -> HeatmapData:
+    """The numbers behind the heatmap: for each measured module output (and measured input)
+    its max |x| in each recorded step; the dtype limit is that of the lowest-precision
+    floating dtype seen, when it is a low-precision one."""
+    steps = [t.step for t in report.steps]
+    order: dict[str, int] = {}
+    cells: dict[tuple[str, int], tuple[float | None, str]] = {}
+    near: set[tuple[str, int]] = set()
+    limits = report.environment.dtype_limits
+    for j, t in enumerate(report.steps):
+        for r in t.records:
+            if r.phase not in (Phase.FORWARD, Phase.INPUT) or r.stat is None:
+                continue
+            key = r.path if r.phase is Phase.FORWARD else f"{r.path} (input)"
+            if key not in order:
+                order[key] = len(order)
+            s = r.stat
+            mag = s.magnitude
+            v: float | None = None if math.isnan(mag) else mag
+            flag = "" if s.finite else ("NaN" if s.has_nan else "inf")
+            lim = limits.get(r.dtype)
+            if v is not None and lim is not None and v >= lim / 2:
+                near.add((key, j))
+            old = cells.get((key, j))
+            if old is not None:
+                ov, of = old
+                v = ov if v is None else (v if ov is None else max(v, ov))
+                flag = of or flag
+            cells[(key, j)] = (v, flag)
+    names = sorted(order, key=order.__getitem__)
+    limit_dtype: str | None = None
+    limit: float | None = None
+    env = report.environment
+    if env.amp_dtypes:
+        limit_dtype = min(env.amp_dtypes, key=lambda d: env.dtype_limits.get(d, math.inf))
+        limit = env.dtype_limits.get(limit_dtype)
+    if len(names) > max_rows:
+
+        def score(name: str) -> tuple[int, float]:
+            vals = [cells.get((name, j), (None, "")) for j in range(len(steps))]
+            bad = any(f for _, f in vals)
+            top = max((v for v, _ in vals if v is not None), default=0.0)
+            return (0 if bad else 1, -top)
+
+        keep = set(sorted(names, key=score)[:max_rows])
+        names = [n for n in names if n in keep]
+    values = [[cells.get((n, j), (None, ""))[0] for j in range(len(steps))] for n in names]
+    flags = [[cells.get((n, j), (None, ""))[1] for j in range(len(steps))] for n in names]
+    close = [[(n, j) in near for j in range(len(steps))] for n in names]
+    return HeatmapData(steps, names, values, flags, close, len(order), limit_dtype, limit)
+
+
+def _matplotlib() -> Any:
+    """matplotlib's Figure class, or None when the ``plot`` extra is not installed."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    return Figure
+
+
+def _html_plots(report: Report) -> str:
+    figure_cls = _matplotlib()
+    if figure_cls is None:
+        return (
+            '<p class="missing" id="plots-missing">Plots of the trends and the heatmap of '
+            f"max |x| need matplotlib: <code>{_e(PLOT_INSTALL)}</code></p>"
+        )
+    out: list[str] = []
+    for name, draw in (("trends", _trend_figure), ("heatmap", _heatmap_figure)):
+        try:
+            fig_html = draw(report, figure_cls)
+        except Exception as exc:
+            fig_html = (
+                f'<p class="missing">The {name} plot could not be drawn '
+                f"({_e(type(exc).__name__)}: {_e(exc)}).</p>"
+            )
+        out.append(fig_html)
+    return "".join(out)
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _svg(fig: Any) -> str:
+    import matplotlib
+
+    buf = io.BytesIO()
+    with matplotlib.rc_context({"svg.hashsalt": "nanwatch"}):  # the same report, the same page
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    return "data:image/svg+xml;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _figure_html(fig_id: str, src: str, alt: str, caption: str) -> str:
+    return (
+        f'<figure id="{fig_id}"><img src="{src}" alt="{_e(alt)}">'
+        f"<figcaption>{_e(caption)}</figcaption></figure>"
+    )
+
+
+def _series(values: Sequence[float | None]) -> tuple[list[float], list[bool]]:
+    ys: list[float] = []
+    bad: list[bool] = []
+    for v in values:
+        if v is None:
+            ys.append(math.nan)
+            bad.append(False)
+        elif not math.isfinite(v):
+            ys.append(math.nan)
+            bad.append(True)
+        else:
+            ys.append(v)
+            bad.append(False)
+    return ys, bad
+
+
+def _trend_figure(report: Report, figure_cls: Any) -> str:
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+
+    steps = report.steps
+    if len(steps) < 2:
+        return '<p class="muted">One recorded step: no trend to draw yet.</p>'
+    xs = [t.step for t in steps]
+    logits: list[float | None] = []
+    for t in steps:
+        if t.max_logit is not None:
+            logits.append(t.max_logit)
+        else:
+            st = module_stat(_first_root_records(t), t)
+            logits.append(math.nan if st.bad else None)
+    series = [
+        ("loss", [t.loss for t in steps], False),
+        ("total gradient norm", [t.grad_norm for t in steps], True),
+        ("max |logit|", logits, True),
+    ]
+    fig = figure_cls(figsize=(9.5, 6.2), layout="constrained")
+    axes = fig.subplots(3, 1, sharex=True)
+    anomaly_steps = [t.step for t in steps if t.anomaly is not None]
+    logit_dtype = next((r.dtype for t in reversed(steps) for r in _first_root_records(t)), None)
+    for ax, (label, values, log) in zip(axes, series, strict=True):
+        ys, bad = _series(values)
+        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.4, color="#1f5fbf")
+        finite = [y for y in ys if not math.isnan(y)]
+        if log and finite and min(finite) > 0 and max(finite) > 20 * min(finite):
+            ax.set_yscale("log")
+            # plain tick labels: the default ones go through mathtext, 10x slower to lay out
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        top = max(finite) if finite else 1.0
+        bx = [x for x, b in zip(xs, bad, strict=True) if b]
+        if bx:
+            ax.plot(
+                bx,
+                [top] * len(bx),
+                linestyle="none",
+                marker="x",
+                color="#c62828",
+                markersize=7,
+                label="NaN / inf",
+            )
+        for s in anomaly_steps:
+            ax.axvline(s, color="#c62828", linestyle=":", linewidth=1)
+        if label == "max |logit|" and logit_dtype in report.environment.amp_dtypes:
+            lim = report.environment.dtype_limits.get(logit_dtype)
+            if lim:
+                ax.axhline(
+                    math.log(lim),
+                    color="#b26a00",
+                    linestyle="--",
+                    linewidth=1,
+                    label=f"exp overflows above {math.log(lim):.2f} ({logit_dtype})",
+                )
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0].set_title(
+        "Trends over the recorded steps (dotted red: steps with an anomaly)",
+        fontsize=10,
+        loc="left",
+    )
+    return _figure_html(
+        "trends",
+        _svg(fig),
+        "loss, gradient norm and logit magnitude per step",
+        "Loss, total gradient norm and max |logit| per recorded step; × marks a NaN or inf.",
+    )
+
+
+def _heatmap_figure(report: Report, figure_cls: Any) -> str:
+    import numpy as np
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Rectangle
+
+    data = heatmap_data(report)
+    if not data.rows or not data.steps:
+        return '<p class="muted">No measured module outputs to draw a heatmap of.</p>'
+    nrows, ncols = len(data.rows), len(data.steps)
+    vals = np.full((nrows, ncols), np.nan)
+    for i, row in enumerate(data.values):
+        for j, v in enumerate(row):
+            if v is not None:
+                vals[i, j] = math.log10(max(v, 1e-30))
+    finite = vals[~np.isnan(vals)]
+    vmin = float(finite.min()) if finite.size else 0.0
+    vmax = float(finite.max()) if finite.size else 1.0
+    limit_log = math.log10(data.limit) if data.limit else None
+    if limit_log is not None:
+        vmax = max(vmax, limit_log + 0.25)  # the limit's line inside the color bar
+    if vmax - vmin < 1e-6:
+        vmax = vmin + 1.0
+    height = min(0.32 * nrows + 1.6, 14.0)
+    width = min(max(6.5, 0.22 * ncols + 4.5), 13.0)
+    fig = figure_cls(figsize=(width, height), layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    im = ax.imshow(
+        np.ma.masked_invalid(vals),
+        aspect="auto",
+        cmap="viridis",
+        vmin=vmin,
+        vmax=vmax,
+        interpolation="nearest",
+    )
+    bad = np.array([[1.0 if f else np.nan for f in flags] for flags in data.flags])
+    ax.imshow(
+        np.ma.masked_invalid(bad),
+        aspect="auto",
+        cmap=ListedColormap(["#d81b60"]),
+        interpolation="nearest",
+    )
+    for i, near_row in enumerate(data.near):
+        for j, close in enumerate(near_row):
+            if close:
+                ax.add_patch(
+                    Rectangle(
+                        (j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="#ff6f00", linewidth=1.8
+                    )
+                )
+    if ncols * nrows <= 900:
+        for i, flag_row in enumerate(data.flags):
+            for j, f in enumerate(flag_row):
+                if f:
+                    ax.text(j, i, "×", ha="center", va="center", color="white", fontsize=8)
+    ax.set_yticks(range(nrows))
+    ax.set_yticklabels([_short_path(n) for n in data.rows], fontsize=8)
+    step_ticks = list(range(ncols))
+    if ncols > 25:
+        stride = math.ceil(ncols / 25)
+        step_ticks = step_ticks[::stride]
+    ax.set_xticks(step_ticks)
+    ax.set_xticklabels([str(data.steps[j]) for j in step_ticks], fontsize=8)
+    ax.set_xlabel("step")
+    cbar = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
+    cbar.set_label("log10 max |x|")
+    if limit_log is not None:
+        cbar.ax.axhline(limit_log, color="#d81b60", linewidth=2)
+        cbar.ax.axhline(limit_log - math.log10(2), color="#ff6f00", linewidth=1, linestyle="--")
+    title = "max |x| per module and step"
+    if data.limit:
+        title += f"; {data.limit_dtype} limit {fmt(data.limit)} (pink line), half of it (orange)"
+    ax.set_title(title, fontsize=10, loc="left")
+    shown = f"{nrows} of {data.total_rows}" if data.total_rows > nrows else f"all {nrows}"
+    caption = (
+        f"max |x| of {shown} measured module outputs per recorded step (log scale); "
+        "pink × cells hold NaN or inf; orange frames: within a factor of 2 of the largest "
+        "value of the tensor's dtype."
+    )
+    if data.limit:
+        caption += (
+            f" The {data.limit_dtype} limit {fmt(data.limit)} is the pink line on the color "
+            "bar, half of it the orange one."
+        )
+    if data.total_rows > nrows:
+        caption += " Rows left out are the smallest, all finite."
+    return _figure_html("heatmap", _png(fig), "heatmap of max |x| per module and step", caption)
+
+
+def _short_path(p: str, limit: int = 42) -> str:
+    return p if len(p) <= limit else "…" + p[-(limit - 1) :]

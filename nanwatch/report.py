@@ -1,0 +1,815 @@
+"""Report: what a person reads after the run, as plain data.
+
+A :class:`Report` holds the flight recorder's steps (records, calls, op events, notes),
+the anomalies, the diagnoses, the exception that ended the run (classified), the faults
+nanwatch caught in itself, and the environment. It is built from host-side data only --
+records are plain Python numbers -- so it can be built after the GPU context died. It
+saves as versioned JSON (``schema_version``) that loads and renders on a machine without
+the model, and as a self-contained HTML page; presentation lives in :mod:`nanwatch.render`.
+
+Example:
+    >>> import torch, nanwatch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> with nanwatch.watch(model) as nw:
+    ...     _ = model(torch.randn(3, 4))
+    >>> report = nw.report
+    >>> report.headline
+    'No anomaly in 1 recorded step (step 0): every value was finite'
+    >>> Report.from_dict(report.to_dict()).headline == report.headline
+    True
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import traceback
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nanwatch.errors import ReportFormatError
+from nanwatch.records import Anomaly, AnomalyKind, Call, Phase, Record, StepTrace
+from nanwatch.rules.base import Diagnosis, sort_key
+
+if TYPE_CHECKING:
+    from rich.console import Console, ConsoleOptions, RenderResult
+
+    from nanwatch.watcher import Watcher
+
+__all__ = ["SCHEMA_VERSION", "Environment", "Event", "Report"]
+
+#: The JSON format's version. The loader reads any ``1.x`` (unknown fields are ignored) and
+#: rejects another major version.
+SCHEMA_VERSION = "1.0"
+_MAJOR = SCHEMA_VERSION.split(".", maxsplit=1)[0]
+
+#: anomalies kept in a report (the first ones matter; the count says how many there were)
+_MAX_ANOMALIES = 50
+#: traceback lines kept (head and tail of a very deep one)
+_MAX_TRACEBACK_LINES = 400
+
+#: plain words for the classes of :func:`nanwatch.postmortem.classify`
+ERROR_LABELS: dict[str, str] = {
+    "cuda-device-assert": "CUDA device-side assert",
+    "cuda-error": "CUDA error",
+    "out-of-memory": "out of memory",
+    "autograd-inplace": "autograd in-place error",
+    "anomaly": "nanwatch anomaly",
+    "guard": "loss guard",
+    "index-out-of-range": "index out of range",
+    "shape-mismatch": "shape mismatch",
+    "device-mismatch": "device mismatch",
+    "dtype-error": "dtype error",
+    "keyboard-interrupt": "interrupted (Ctrl-C)",
+    "signal": "terminated by a signal",
+    "exit": "sys.exit",
+    "other": "exception",
+}
+
+
+@dataclass(slots=True)
+class Environment:
+    """Where the report was made: versions, devices and dtypes seen, mode and rank.
+
+    ``amp_dtypes`` are the low-precision floating dtypes (float16, bfloat16, float8) seen in
+    the records -- what autocast or ``.half()`` produced. ``dtype_limits`` maps each
+    floating dtype seen to its largest finite value (``torch.finfo(dtype).max``), so a saved
+    report can mark the limits without torch.
+
+    Example:
+        >>> env = Environment(torch="2.3.0", dtypes=["float16"], amp_dtypes=["float16"])
+        >>> Environment.from_dict(env.to_dict()).amp_dtypes
+        ['float16']
+    """
+
+    nanwatch: str = ""
+    torch: str = ""
+    cuda: str | None = None  #: CUDA version torch was built with (None: CPU build)
+    python: str = ""
+    platform: str = ""
+    mode: str = ""
+    devices: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    amp_dtypes: list[str] = field(default_factory=list)
+    dtype_limits: dict[str, float] = field(default_factory=dict)
+    modules: int = 0  #: modules watched
+    scaler: bool = False  #: a GradScaler was given to the watcher
+    rank: int | None = None  #: torch.distributed rank (or $RANK), None when not distributed
+    world_size: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nanwatch": self.nanwatch,
+            "torch": self.torch,
+            "cuda": self.cuda,
+            "python": self.python,
+            "platform": self.platform,
+            "mode": self.mode,
+            "devices": list(self.devices),
+            "dtypes": list(self.dtypes),
+            "amp_dtypes": list(self.amp_dtypes),
+            "dtype_limits": dict(self.dtype_limits),
+            "modules": self.modules,
+            "scaler": self.scaler,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Environment:
+        return cls(
+            nanwatch=str(d.get("nanwatch", "")),
+            torch=str(d.get("torch", "")),
+            cuda=d.get("cuda"),
+            python=str(d.get("python", "")),
+            platform=str(d.get("platform", "")),
+            mode=str(d.get("mode", "")),
+            devices=list(d.get("devices", [])),
+            dtypes=list(d.get("dtypes", [])),
+            amp_dtypes=list(d.get("amp_dtypes", [])),
+            dtype_limits={k: float(v) for k, v in d.get("dtype_limits", {}).items()},
+            modules=int(d.get("modules", 0)),
+            scaler=bool(d.get("scaler", False)),
+            rank=d.get("rank"),
+            world_size=d.get("world_size"),
+        )
+
+
+@dataclass(slots=True, eq=False)
+class Event:
+    """One thing that ran in a step, in execution order: the forward of a module call
+    (``phase="forward"``), the backward through it (``"backward"``), or the check of the
+    parameter gradients (``"gradient"``). ``running`` marks a call that had not returned
+    when the exception was raised."""
+
+    phase: str
+    path: str
+    module_type: str
+    inputs: list[Record] = field(default_factory=list)
+    outputs: list[Record] = field(default_factory=list)
+    running: bool = False
+    depth: int = 0
+
+
+@dataclass(eq=False)
+class Report:
+    """The report of a watched run: plain data, saved as JSON or HTML, rendered by rich.
+
+    Build it with :meth:`from_watcher` (``nw.report`` does), load a saved one with
+    :meth:`load`. ``print(report)`` and ``rich.print(report)`` render it for the terminal;
+    in a notebook cell it displays itself as HTML.
+
+    Example:
+        >>> report = Report(steps=[])
+        >>> report.status
+        'ok'
+        >>> sorted(report.to_dict())[:3]
+        ['anomalies', 'anomaly_count', 'config']
+    """
+
+    #: the flight recorder's steps, oldest first (the last may be ``partial``)
+    steps: list[StepTrace]
+    #: non-finite anomalies of the run, first first (at most 50; see ``anomaly_count``)
+    anomalies: list[Anomaly] = field(default_factory=list)
+    anomaly_count: int = 0
+    #: distinct diagnoses (the first occurrence of each code), most important first
+    diagnoses: list[Diagnosis] = field(default_factory=list)
+    #: code -> how many recorded steps it fired in
+    diagnosis_steps: dict[str, int] = field(default_factory=dict)
+    environment: Environment = field(default_factory=Environment)
+    #: the exception or signal that ended the run: ``class``, ``type``, ``message``,
+    #: ``device_lost``, ``advice``, ``step``, ``traceback`` (lines), ``cause``
+    error: dict[str, Any] | None = None
+    #: internal errors nanwatch caught in its own hooks: (where, message)
+    faults: list[tuple[str, str]] = field(default_factory=list)
+    #: the watcher's configuration (mode, on_anomaly, ring_size, ...)
+    config: dict[str, Any] = field(default_factory=dict)
+    created: str = ""  #: ISO 8601, UTC
+    #: the step still being recorded when the report was made (not flushed), if included
+    partial_step: int | None = None
+    schema_version: str = SCHEMA_VERSION
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_watcher(
+        cls, watcher: Watcher, exc: BaseException | None = None, *, reason: str | None = None
+    ) -> Report:
+        """The report of everything ``watcher`` recorded; ``exc`` is the exception that ended
+        the run (its traceback is kept), ``reason`` a signal name (``"SIGTERM"``).
+
+        Reads host-side data only: records, calls, the exception object. No tensor is
+        touched, so it works after a CUDA error killed the context.
+
+        Example:
+            >>> with nanwatch.watch(torch.nn.Linear(2, 2)) as nw:   # doctest: +SKIP
+            ...     ...
+            >>> Report.from_watcher(nw).save("run.html")            # doctest: +SKIP
+        """
+        steps = list(watcher.history)
+        partial: int | None = None
+        current = watcher.trace
+        if (current.records or current.calls) and all(t is not current for t in steps):
+            steps.append(_snapshot(current, _pending_records(watcher)))
+            partial = current.step
+        anomalies = list(watcher.anomalies)
+        first_step = anomalies[0].step if anomalies else None
+        diagnoses, counts = _gather_diagnoses(steps, first_step)
+        error: dict[str, Any] | None = None
+        if exc is not None:
+            error = _error_info(exc, steps, watcher.step_index)
+        elif reason is not None:
+            from nanwatch.postmortem import classify_signal
+
+            error = classify_signal(reason)
+            error["step"] = steps[-1].step if steps else watcher.step_index
+        else:
+            for t in reversed(steps):
+                if t.error is not None:
+                    error = {**t.error, "step": t.step}
+                    break
+        cfg = watcher.config
+        return cls(
+            steps=steps,
+            anomalies=anomalies[:_MAX_ANOMALIES],
+            anomaly_count=len(anomalies),
+            diagnoses=diagnoses,
+            diagnosis_steps=counts,
+            environment=_environment(watcher, steps),
+            error=error,
+            faults=list(watcher.faults),
+            config={
+                "mode": cfg.mode,
+                "on_anomaly": cfg.on_anomaly,
+                "sample_every": cfg.sample_every,
+                "ring_size": cfg.ring_size,
+                "report_dir": cfg.report_dir,
+                "allow": list(cfg.allow),
+                "ignore": list(cfg.ignore),
+                "guards": cfg.guards,
+                "pinpoint": cfg.pinpoint,
+            },
+            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            partial_step=partial,
+        )
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def first_anomaly(self) -> Anomaly | None:
+        return self.anomalies[0] if self.anomalies else None
+
+    @property
+    def rank(self) -> int | None:
+        return self.environment.rank
+
+    @property
+    def status(self) -> str:
+        """``"error"`` (the run raised or an error-severity diagnosis fired), ``"anomaly"``
+        (a non-finite value), ``"warning"``, or ``"ok"``."""
+        if self.error is not None or any(d.severity == "error" for d in self.diagnoses):
+            return "error"
+        if self.anomalies:
+            return "anomaly"
+        if any(d.severity == "warning" for d in self.diagnoses):
+            return "warning"
+        return "ok"
+
+    @property
+    def top(self) -> Diagnosis | None:
+        """The most important diagnosis."""
+        return self.diagnoses[0] if self.diagnoses else None
+
+    @property
+    def step_range(self) -> tuple[int, int] | None:
+        if not self.steps:
+            return None
+        return self.steps[0].step, self.steps[-1].step
+
+    def step(self, number: int) -> StepTrace | None:
+        """The recorded step with this number, if still in the flight recorder."""
+        for t in self.steps:
+            if t.step == number:
+                return t
+        return None
+
+    @property
+    def headline(self) -> str:
+        """What went wrong, where, at which step, in one line.
+
+        Example:
+            >>> Report(steps=[]).headline
+            'No step was recorded'
+        """
+        a = self.first_anomaly
+        err = self.error
+        if err is not None and err.get("class") != "anomaly":
+            label = ERROR_LABELS.get(str(err.get("class")), "exception")
+            short = str(err.get("type", "")).rsplit(".", 1)[-1]
+            msg = _first_line(str(err.get("message", "")))
+            where = self._error_where()
+            head = f"{short} ({label})" if short and short != label else label
+            text = f"{head}{where}, step {err.get('step', '?')}"
+            return f"{text}: {msg}" if msg else text
+        if a is not None:
+            return anomaly_headline(a)
+        top = self.top
+        if top is not None:
+            return top.headline
+        r = self.step_range
+        if r is None:
+            return "No step was recorded"
+        n = len(self.steps)
+        span = f"step {r[0]}" if r[0] == r[1] else f"steps {r[0]}-{r[1]}"
+        plural = "s" if n != 1 else ""
+        return f"No anomaly in {n} recorded step{plural} ({span}): every value was finite"
+
+    def _error_where(self) -> str:
+        events = self.recent_events(limit=64)
+        running = [e for e in events if e.running]
+        if self.error is not None and self.error.get("class") == "autograd-inplace":
+            found = self.culprit()
+            if found is not None:
+                return f" in backward: the saved output of {found[1].path} was modified in place"
+        if running:
+            e = running[-1]
+            return f" in {e.path}" + (f" ({e.module_type})" if e.module_type != e.path else "")
+        if events and events[-1].phase != "forward":
+            return " during backward"
+        if events:
+            return f" after the forward of {events[-1].path}"
+        return ""
+
+    def error_step(self) -> StepTrace | None:
+        """The step the exception ended (the last recorded one)."""
+        if self.error is None or not self.steps:
+            return None
+        number = self.error.get("step")
+        found = self.step(number) if isinstance(number, int) else None
+        return found if found is not None else self.steps[-1]
+
+    def culprit(self) -> tuple[StepTrace, Call] | None:
+        """The step and the module call where the first anomaly was born; after a crash
+        without one: the module whose saved output was modified in place, else the innermost
+        call running when the exception was raised, else the module the top diagnosis of
+        that step names."""
+        a = self.first_anomaly
+        if a is not None:
+            trace = self.step(a.step)
+            if trace is None:
+                return None
+            call = _call_of(trace, a)
+            return (trace, call) if call is not None else None
+        trace = self.error_step()
+        if trace is None:
+            return None
+        for m in trace.mutations:
+            rec = trace.record(int(m.get("index", -1)))
+            if rec is not None:
+                c = trace.call(rec.call)
+                if c is not None:
+                    return trace, c
+        running = [c for c in trace.calls if c.end < 0]
+        if running:
+            return trace, running[-1]
+        top = next((d for d in self.diagnoses if d.step == trace.step and d.path), None)
+        if top is not None:  # the rules named the module (an in-place op found in backward)
+            c = next((c for c in trace.calls if c.path == top.path), None)
+            if c is not None:
+                return trace, c
+        return None
+
+    def recent_events(self, trace: StepTrace | None = None, *, limit: int = 10) -> list[Event]:
+        """The last things that ran in ``trace`` (default: the step the exception ended, else
+        the last step), in execution order; calls still running come last, innermost last.
+
+        After a CUDA error these are the candidates: kernels run asynchronously, so the
+        failing one was launched by one of the last modules, not necessarily the line the
+        traceback shows.
+
+        Example:
+            >>> [e.path for e in Report.load("crash.json").recent_events()]  # doctest: +SKIP
+            ['encoder.2', 'encoder', 'head', 'Classifier', 'CrossEntropyLoss']
+        """
+        if trace is None:
+            trace = self.error_step() or (self.steps[-1] if self.steps else None)
+        if trace is None:
+            return []
+        return _events(trace)[-limit:] if limit > 0 else []
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "created": self.created,
+            "environment": self.environment.to_dict(),
+            "config": dict(self.config),
+            "error": self.error,
+            "anomalies": [a.to_dict() for a in self.anomalies],
+            "anomaly_count": self.anomaly_count,
+            "diagnoses": [d.to_dict() for d in self.diagnoses],
+            "diagnosis_steps": dict(self.diagnosis_steps),
+            "faults": [list(f) for f in self.faults],
+            "partial_step": self.partial_step,
+            "steps": [t.to_dict() for t in self.steps],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        """The report a :meth:`to_dict` produced (a ``1.x`` schema)."""
+        _check_version(d, "the report")
+        return cls(
+            steps=[StepTrace.from_dict(t) for t in d.get("steps", [])],
+            anomalies=[Anomaly.from_dict(a) for a in d.get("anomalies", [])],
+            anomaly_count=int(d.get("anomaly_count", len(d.get("anomalies", [])))),
+            diagnoses=[Diagnosis.from_dict(x) for x in d.get("diagnoses", [])],
+            diagnosis_steps={k: int(v) for k, v in d.get("diagnosis_steps", {}).items()},
+            environment=Environment.from_dict(d.get("environment", {})),
+            error=d.get("error"),
+            faults=[(str(w), str(m)) for w, m in d.get("faults", [])],
+            config=dict(d.get("config", {})),
+            created=str(d.get("created", "")),
+            partial_step=d.get("partial_step"),
+            schema_version=str(d["schema_version"]),
+        )
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """The report as JSON text; NaN and inf travel as the strings ``"NaN"``,
+        ``"Infinity"``, ``"-Infinity"``, so the file is strict JSON."""
+        seps = (",", ":") if indent is None else (",", ": ")
+        return json.dumps(
+            _jsonable(self.to_dict()), indent=indent, separators=seps, allow_nan=False
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Report:
+        """Read a report saved as JSON.
+
+        Raises :class:`nanwatch.ReportFormatError` when the file cannot be read, is not a
+        nanwatch report, is damaged, or has a schema major version this nanwatch does not read.
+
+        Example:
+            >>> Report.load("nanwatch-reports/run.json")            # doctest: +SKIP
+        """
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ReportFormatError(
+                f"cannot read report {p}: {exc.strerror or exc}. Check the path "
+                "(post-mortem reports are in ./nanwatch-reports/ by default)."
+            ) from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ReportFormatError(
+                f"{p} is not a nanwatch report: not valid JSON ({exc.msg} at line {exc.lineno}). "
+                "Pass the .json file nanwatch wrote (not the .html)."
+            ) from exc
+        if not isinstance(data, dict):
+            raise ReportFormatError(
+                f"{p} is not a nanwatch report: the JSON holds a {type(data).__name__}, "
+                "not an object with a schema_version."
+            )
+        _check_version(data, str(p))
+        try:
+            return cls.from_dict(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ReportFormatError(
+                f"{p} is a damaged nanwatch report ({type(exc).__name__}: {exc}); "
+                "it cannot be rendered. Write it again from the run, or report the bug."
+            ) from exc
+
+    # ------------------------------------------------------------------ files
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the report to ``path``: JSON for ``.json``, a self-contained page for
+        ``.html``/``.htm``. The write is atomic (a temporary file in the same directory,
+        then a rename): a reader never sees half a file. Returns the path.
+
+        Example:
+            >>> nw.report.save("run.html")                            # doctest: +SKIP
+            PosixPath('run.html')
+        """
+        from nanwatch.postmortem import atomic_write
+
+        p = Path(path)
+        suffix = p.suffix.lower()
+        if suffix == ".json":
+            return atomic_write(p, self.to_json())
+        if suffix in (".html", ".htm"):
+            return atomic_write(p, self.to_html())
+        raise ReportFormatError(
+            f"cannot save a report as {p.name!r}: the suffix {p.suffix or '(none)'!r} is not "
+            "a format nanwatch writes. Use a .json (to re-render later) or .html (to read in "
+            "a browser) path."
+        )
+
+    def save_all(self, directory: str | os.PathLike[str], stem: str) -> tuple[Path, Path]:
+        """Write ``<directory>/<stem>.json`` and ``<directory>/<stem>.html`` (JSON first: it
+        is what matters when time runs out); returns both paths.
+
+        Example:
+            >>> nw.report.save_all("reports", stem="run-3")          # doctest: +SKIP
+            (PosixPath('reports/run-3.json'), PosixPath('reports/run-3.html'))
+        """
+        d = Path(directory)
+        return self.save(d / f"{stem}.json"), self.save(d / f"{stem}.html")
+
+    # ------------------------------------------------------------------ display
+    def to_html(self, *, standalone: bool = True) -> str:
+        """The report as HTML: a full page, or (``standalone=False``) a fragment with its
+        own scoped style, as a notebook cell shows it."""
+        from nanwatch.render import report_html
+
+        return report_html(self, standalone=standalone)
+
+    def _repr_html_(self) -> str:
+        return self.to_html(standalone=False)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        from nanwatch.render import render_report
+
+        yield from render_report(self, console, options)
+
+    def __str__(self) -> str:
+        from nanwatch.render import render_text
+
+        return render_text(self)
+
+    def __repr__(self) -> str:
+        r = self.step_range
+        steps = "no steps" if r is None else f"steps {r[0]}-{r[1]}"
+        return f"<nanwatch.Report {self.status}: {steps}, {len(self.diagnoses)} diagnoses>"
+
+
+# ---------------------------------------------------------------------- helpers
+def anomaly_headline(a: Anomaly) -> str:
+    """One line for an anomaly: what, where (module, op, source line), at which step.
+
+    Example:
+        >>> anomaly_headline(nw.first_anomaly)                     # doctest: +SKIP
+        'NaN born in the forward of norm by aten.div.Tensor at train.py:32, step 2'
+    """
+    stat = a.record.stat
+    kinds = stat.kinds() if stat is not None and not stat.finite else "non-finite value"
+    k = a.kind
+    if k is AnomalyKind.INPUT:
+        text = f"{kinds} in the input data ({a.record.role} of {a.path})"
+    elif k is AnomalyKind.FORWARD:
+        text = f"{kinds} born in the forward of {a.path}"
+    elif k is AnomalyKind.BACKWARD:
+        text = f"{kinds} gradient born in the backward of {a.path}"
+    elif k is AnomalyKind.GRADIENT:
+        text = f"{kinds} in the gradient of {a.parameter or a.record.role}"
+    else:
+        text = f"{kinds} in the weights {a.parameter or a.record.role} after an update"
+    if a.op is not None:
+        text += f" by {a.op.op}"
+        if a.op.source:
+            text += f" at {a.op.source}"
+    return f"{text}, step {a.step}"
+
+
+def _first_line(msg: str, limit: int = 160) -> str:
+    line = next((ln.strip() for ln in msg.splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def _call_of(trace: StepTrace, a: Anomaly) -> Call | None:
+    call = trace.call(a.record.call) if a.record.call >= 0 else None
+    seen = 0
+    c = call
+    while c is not None and c.path != a.path and seen < 256:
+        c = trace.call(c.parent) if c.parent is not None else None
+        seen += 1
+    if c is not None:
+        return c
+    return next((x for x in trace.calls if x.path == a.path), call)
+
+
+def _snapshot(trace: StepTrace, pending: set[int]) -> StepTrace:
+    """A copy of the step being recorded (its lists keep growing). Records whose statistics
+    are still on the device (placeholders until the flush) lose them: they are unknown."""
+    records = [replace(r, stat=None) if id(r) in pending else r for r in trace.records]
+    return replace(
+        trace,
+        records=records,
+        calls=list(trace.calls),
+        ops=list(trace.ops),
+        notes=list(trace.notes),
+        diagnoses=list(trace.diagnoses),
+        mutations=list(trace.mutations),
+    )
+
+
+def _pending_records(watcher: Watcher) -> set[int]:
+    out: set[int] = set()
+    for name in ("_pending", "_pending_grads"):
+        for item in getattr(watcher, name, ()):
+            out.add(id(item[0]))  # the record only; the tensors stay untouched
+    return out
+
+
+def _gather_diagnoses(
+    steps: Sequence[StepTrace], first_step: int | None
+) -> tuple[list[Diagnosis], dict[str, int]]:
+    ordered = sorted(steps, key=lambda t: t.step != first_step)  # stable
+    seen: dict[str, Diagnosis] = {}
+    counts: Counter[str] = Counter()
+    for t in ordered:
+        codes: set[str] = set()
+        for d in t.diagnoses:
+            seen.setdefault(d.code, d)
+            codes.add(d.code)
+        counts.update(codes)
+    return sorted(seen.values(), key=sort_key), dict(counts)
+
+
+def _error_info(exc: BaseException, steps: Sequence[StepTrace], current: int) -> dict[str, Any]:
+    from nanwatch.postmortem import classify
+
+    info = classify(exc)
+    step = current
+    for t in reversed(steps):
+        if t.error is not None:
+            step = t.step
+            break
+    else:
+        if steps:
+            step = steps[-1].step
+    info["step"] = step
+    lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
+    if len(lines) > _MAX_TRACEBACK_LINES:
+        half = _MAX_TRACEBACK_LINES // 2
+        cut = len(lines) - 2 * half
+        lines = [*lines[:half], f"... {cut} lines left out ...", *lines[-half:]]
+    info["traceback"] = lines
+    from nanwatch._frames import user_line_from_traceback
+
+    info["source"], info["code"] = user_line_from_traceback("\n".join(lines) + "\n")
+    cause = exc.__cause__
+    info["cause"] = None if cause is None else f"{type(cause).__name__}: {_first_line(str(cause))}"
+    return info
+
+
+def _environment(watcher: Watcher, steps: Sequence[StepTrace]) -> Environment:
+    import torch
+
+    from nanwatch.stats import dtype_limits
+
+    devices: set[str] = set()
+    dtypes: set[str] = set()
+    for t in steps:
+        for r in t.records:
+            devices.add(r.device)
+            if r.stat is not None or r.phase in (Phase.GRADIENT, Phase.PARAMETER):
+                dtypes.add(r.dtype)
+    limits: dict[str, float] = {}
+    amp: list[str] = []
+    for name in sorted(dtypes):
+        lim = dtype_limits(name)
+        if lim is None:
+            continue
+        limits[name] = lim.max
+        if lim.low_precision:
+            amp.append(name)
+    rank, world = _rank()
+    try:
+        from importlib.metadata import version
+
+        nw_version = version("nanwatch")
+    except Exception:
+        nw_version = "0+unknown"
+    return Environment(
+        nanwatch=nw_version,
+        torch=str(torch.__version__),
+        cuda=torch.version.cuda,
+        python=platform.python_version(),
+        platform=platform.platform(terse=True),
+        mode=watcher.config.mode,
+        devices=sorted(devices, key=lambda d: (d != "cpu", d)),
+        dtypes=sorted(limits) + sorted(dtypes - set(limits)),
+        amp_dtypes=amp,
+        dtype_limits=limits,
+        modules=len(watcher.module_paths),
+        scaler=watcher.scaler is not None,
+        rank=rank,
+        world_size=world,
+    )
+
+
+def _rank() -> tuple[int | None, int | None]:
+    """The process's rank: torch.distributed when initialized (host-side calls only), else
+    the launcher's $RANK / $WORLD_SIZE (torchrun, SLURM via Lightning)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank()), int(dist.get_world_size())
+    except Exception:
+        pass
+    rank = os.environ.get("RANK")
+    world = os.environ.get("WORLD_SIZE")
+    if rank is not None and rank.isdigit():
+        return int(rank), int(world) if world is not None and world.isdigit() else None
+    return None, None
+
+
+def _events(trace: StepTrace) -> list[Event]:
+    """Everything that ran in ``trace``, in the order it finished; open calls last."""
+    by_key: dict[tuple[int, str], Event] = {}
+    last: dict[tuple[int, str], int] = {}
+    for r in trace.records:
+        if r.phase is Phase.PARAMETER:
+            continue
+        if r.phase is Phase.GRADIENT:
+            key = (-1, "gradient")
+            ev = by_key.get(key)
+            if ev is None:
+                ev = by_key[key] = Event("gradient", "parameters", "")
+            ev.outputs.append(r)
+        else:
+            phase = "backward" if r.phase is Phase.BACKWARD else "forward"
+            key = (r.call, phase)
+            ev = by_key.get(key)
+            if ev is None:
+                call = trace.call(r.call)
+                ev = by_key[key] = Event(
+                    phase,
+                    r.path,
+                    call.module_type if call is not None else r.module_type,
+                    depth=_depth(trace, call),
+                )
+            (ev.inputs if r.phase is Phase.INPUT else ev.outputs).append(r)
+        last[key] = r.index
+    open_calls = {c.id for c in trace.calls if c.end < 0}
+    for c in trace.calls:
+        key = (c.id, "forward")
+        if c.id in open_calls:
+            ev = by_key.get(key)
+            if ev is None:
+                ev = by_key[key] = Event("forward", c.path, c.module_type)
+            ev.running = True
+            ev.depth = _depth(trace, c)
+    big = 1 << 62
+
+    def order(key: tuple[int, str]) -> tuple[int, int]:
+        ev = by_key[key]
+        if ev.running:
+            return big, ev.depth
+        return last.get(key, -1), 0
+
+    return [by_key[k] for k in sorted(by_key, key=order)]
+
+
+def _depth(trace: StepTrace, call: Call | None) -> int:
+    d = 0
+    while call is not None and call.parent is not None and d < 256:
+        call = trace.call(call.parent)
+        d += 1
+    return d
+
+
+def _check_version(d: dict[str, Any], what: str) -> None:
+    v = d.get("schema_version")
+    if not isinstance(v, str) or not v:
+        raise ReportFormatError(
+            f"{what} is not a nanwatch report: it has no schema_version field. "
+            "Pass the .json file a nanwatch report was saved to."
+        )
+    major = v.split(".")[0]
+    if major != _MAJOR:
+        env = d.get("environment")
+        writer = env.get("nanwatch") if isinstance(env, dict) else None
+        by = f" (written by nanwatch {writer})" if writer else ""
+        newer = major.isdigit() and int(major) > int(_MAJOR)
+        fix = (
+            "upgrade nanwatch (pip install -U nanwatch) to read it"
+            if newer
+            else f"render it with the nanwatch version that wrote it{by}"
+        )
+        raise ReportFormatError(
+            f"{what} has report schema version {v}{by}; this nanwatch reads version "
+            f"{_MAJOR}.x ({SCHEMA_VERSION}). Hint: {fix}."
+        )
+
+
+def _jsonable(obj: Any) -> Any:
+    """Non-finite floats anywhere (a rule's note data, a config value) become strings."""
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "NaN"
+        if math.isinf(obj):
+            return "Infinity" if obj > 0 else "-Infinity"
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, bool)):
+        return obj
+    return str(obj)
