@@ -593,6 +593,10 @@ class Watcher:
             elif result.clean:
                 last.transient = True
             last.summary = summarize(last)
+            for t in (self._trace, *reversed(self.history)):
+                if t.anomaly is last:  # what the replay found changes the diagnosis
+                    t.diagnoses = self._evaluate(t)
+                    break
         return result
 
     # ------------------------------------------------------------------ hook factories
@@ -1258,6 +1262,10 @@ class Watcher:
                 self._materialize()
             if self.config.mode == "forensic":
                 self._check_params(all_records=True)
+        else:  # the device is gone: statistics still on it are unknown, not NaN
+            for rec, _, _ in self._pending + self._pending_grads:
+                rec.stat = None
+            self._pending, self._pending_grads = [], []
         self._drain_ops()
         self._summarize(trace)
         if trace.anomaly is None:
@@ -1475,9 +1483,7 @@ class Watcher:
     def _evaluate(self, trace: StepTrace) -> list[Diagnosis]:
         from nanwatch.rules import evaluate
 
-        history = list(self.history)
-        if history and history[-1] is trace:
-            history = history[:-1]
+        history = [t for t in self.history if t.step < trace.step]
         return evaluate(
             trace,
             history,

@@ -79,6 +79,13 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _isolated_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in its own empty directory: a report written to the default
+    ./nanwatch-reports/ never lands in the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def report_dir(tmp_path: Path) -> Path:
     d = tmp_path / "reports"

@@ -25,7 +25,7 @@ def test_log_of_zero_then_zero_times_minus_inf_is_traced_as_a_chain() -> None:
     assert [e.op for e in first.chain()] == ["aten.log.default", "aten.mul.Tensor"]
     log_input = first.cause.inputs[0][1]
     assert log_input is not None and log_input.zeros == 1
-    assert first.source is not None and first.source.startswith("tests/test_ops.py:")
+    assert first.source is not None and "test_ops.py:" in first.source
     assert first.code is not None and "torch.log" in first.code
 
 

@@ -711,7 +711,7 @@ def test_a_nan_born_in_a_hand_written_loss_is_found_in_forward_with_its_op() -> 
     assert (a.kind, a.path, a.origin) == (AnomalyKind.FORWARD, "(loss)", "loss-code")
     assert a.op is not None and a.op.op == "aten.log" and a.op.node == "LogBackward0"
     assert "input holds 2 zeros" in str(a.op.scalars["evidence"])
-    assert "loss.backward() at tests/test_watcher.py" in a.summary
+    assert "loss.backward() at " in a.summary and "test_watcher.py:" in a.summary
     notes = [n for n in nw.history[-1].notes if n.kind == "loss_graph"]
     assert notes and "log" in notes[0].data["ops"]
 
@@ -751,7 +751,7 @@ def test_state_dict_round_trip_continues_the_step_numbering() -> None:
     state = nw.state_dict()
     assert state["step"] == 3 and state["anomaly_count"] == 3
     assert all(s["records"] == [] for s in state["steps"])  # summaries, not tensors' records
-    fresh = nanwatch.watch(model, on_anomaly="record")
+    fresh = nanwatch.watch(model, on_anomaly="record", postmortem=False)
     fresh.load_state_dict(state)
     assert fresh.first_anomaly is not None and fresh.first_anomaly.path == "1"
     with fresh:

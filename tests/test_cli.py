@@ -1,0 +1,103 @@
+"""The nanwatch command: help, version, run (any script unchanged), demo, rules, report."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.nn.modules.module as module_mod
+
+from nanwatch import cli
+from nanwatch.errors import AnomalyError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def _nanwatch(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nanwatch", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        timeout=240,
+        check=False,
+    )
+
+
+def test_help_lists_every_command_without_importing_torch() -> None:
+    code = (
+        "import sys\n"
+        "from nanwatch.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported for --help'\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    for command in ("demo", "run", "report", "rules"):
+        assert command in out.stdout
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import nanwatch
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"nanwatch {nanwatch.__version__}"
+
+
+def test_run_keeps_the_scripts_arguments_name_and_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = dict(module_mod._global_forward_hooks)
+    code = cli.main(["run", "--report-dir", str(tmp_path), str(EXAMPLES / "train_args.py"),
+                     "--steps", "2", "--lr", "0.05", "--exit-code", "3"])
+    assert code == 3
+    out = capsys.readouterr().out
+    assert "argv=['--steps', '2', '--lr', '0.05', '--exit-code', '3']" in out
+    assert "steps=2 lr=0.05 name=__main__" in out
+    assert dict(module_mod._global_forward_hooks) == before
+
+
+def test_run_of_a_healthy_script_exits_0_and_writes_no_report(tmp_path: Path) -> None:
+    reports = tmp_path / "reports"
+    code = cli.main(["run", "--report-dir", str(reports), str(EXAMPLES / "train_healthy.py")])
+    assert code == 0
+    assert not reports.exists() or not any(reports.iterdir())
+
+
+def test_run_stops_a_script_that_goes_nan_and_leaves_a_report(tmp_path: Path) -> None:
+    with pytest.raises(AnomalyError) as info:
+        cli.main(["run", "--report-dir", str(tmp_path), str(EXAMPLES / "train_nan.py")])
+    assert info.value.anomaly is not None
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".html", ".json"]
+
+
+def test_run_with_record_lets_the_script_finish_and_reports_at_the_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli.main(["run", "--on-anomaly", "record", "--report-dir", str(tmp_path),
+                     str(EXAMPLES / "train_nan.py")])
+    assert code == 0
+    captured = capsys.readouterr()
+    assert "done" in captured.out  # the script ran to its end
+    assert any(p.suffix == ".json" for p in tmp_path.iterdir())
+    assert "train_nan" in captured.err
+
+
+def test_run_of_a_missing_script_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["run", "no/such/script.py"]) == 2
+    assert "no such script: 'no/such/script.py'" in capsys.readouterr().err
+
+
+def test_python_dash_m_nanwatch_run_in_a_subprocess(tmp_path: Path) -> None:
+    out = _nanwatch("run", "--report-dir", str(tmp_path), str(EXAMPLES / "train_crash.py"))
+    assert out.returncode == 1
+    assert "GuardError" in out.stderr
+    assert "did you mean ignore_index=255" in out.stderr
+    assert any(p.suffix == ".json" for p in tmp_path.iterdir())
