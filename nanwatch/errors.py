@@ -65,3 +65,95 @@ class ReportFormatError(NanwatchError, ValueError):
 
 
 ReportFormatError.__module__ = "nanwatch"
+
+
+class GuardError(NanwatchError, ValueError):
+    """A loss input that would fail or silently go wrong, caught before the loss kernel ran.
+
+    Raised by nanwatch's loss guards (``watch(..., guards=True)``, the default) instead of
+    PyTorch's own error, which on a GPU is an unreadable ``device-side assert`` that kills
+    the CUDA context. Everything in the message is also an attribute:
+
+    * ``.loss``: the loss class (``"CrossEntropyLoss"``) or functional call
+      (``"F.cross_entropy"``); ``.path``: its module path, or the functional call;
+      ``.module``: the module path (``None`` for a functional call);
+    * ``.source``: the user's line (``"train.py:42"``), ``.source_line``: its text;
+    * ``.check``: which check failed (``"target-range"``), ``.code``: its diagnosis code
+      (``"NW501"``);
+    * ``.values``, ``.counts``: the offending values, most frequent first, and how often each
+      occurs; ``.count``: offending elements in all, ``.total``: elements checked;
+      ``.positions``: the first few offending positions (index tuples into the tensor);
+    * ``.expected``: what the loss accepts; ``.fix``: code to paste;
+    * ``.diagnosis``: the same finding as a :class:`nanwatch.Diagnosis`.
+
+    Example:
+        >>> import torch
+        >>> from nanwatch import watch
+        >>> criterion = torch.nn.CrossEntropyLoss()
+        >>> logits, target = torch.randn(4, 3), torch.tensor([0, 2, 255, 1])
+        >>> try:
+        ...     with watch(criterion, on_anomaly="record", postmortem=False):
+        ...         criterion(logits, target)
+        ... except GuardError as err:
+        ...     print(err.check, err.values, err.counts, err.fix)
+        target-range (255,) (1,) nn.CrossEntropyLoss(ignore_index=255)
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        loss: str = "",
+        path: str = "",
+        check: str = "",
+        code: str = "",
+        module: str | None = None,
+        source: str | None = None,
+        source_line: str | None = None,
+        values: tuple[Any, ...] = (),
+        counts: tuple[int, ...] = (),
+        count: int = 0,
+        total: int = 0,
+        positions: tuple[tuple[int, ...], ...] = (),
+        expected: str = "",
+        fix: str = "",
+        diagnosis: Any = None,
+    ) -> None:
+        super().__init__(message)
+        self.loss = loss
+        self.path = path
+        self.check = check
+        self.code = code
+        self.module = module
+        self.source = source
+        self.source_line = source_line
+        self.values = values
+        self.counts = counts
+        self.count = count
+        self.total = total
+        self.positions = positions
+        self.expected = expected
+        self.fix = fix
+        self.diagnosis = diagnosis
+
+    @property
+    def where(self) -> str:
+        """The loss and the user's line: ``"criterion (CrossEntropyLoss) at train.py:42"``."""
+        if self.module is not None and self.module != self.loss:
+            text = f"{self.module} ({self.loss})"
+        else:
+            text = self.loss or self.path
+        return f"{text} at {self.source}" if self.source else text
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # keyword-only attributes survive pickling (multiprocessing, saved post-mortems)
+        return (_rebuild_guard_error, (self.args[0] if self.args else "", dict(self.__dict__)))
+
+
+GuardError.__module__ = "nanwatch"
+
+
+def _rebuild_guard_error(message: str, state: dict[str, Any]) -> GuardError:
+    err = GuardError(message)
+    err.__dict__.update(state)
+    return err

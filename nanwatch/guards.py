@@ -1,30 +1,1762 @@
-"""Checks of loss inputs before the loss kernel runs. (Interim: completed by the guards
-issue.)"""
+"""Loss guards: check a loss's inputs before its kernel runs.
+
+A class index of 255 under ``CrossEntropyLoss(ignore_index=-100)``, a ``BCELoss`` input
+above 1, a ``(N, 1)`` prediction against an ``(N,)`` target: on a GPU the first two end in
+"device-side assert triggered", which kills the CUDA context; the third trains on an
+``N x N`` loss with only a warning. A guard sees the inputs first and raises a
+:class:`nanwatch.GuardError` that names the values, their positions and the fix.
+
+What is guarded is enumerated from torch, not hand-picked: every public ``_Loss`` subclass
+of ``torch.nn.modules.loss`` (through a forward pre-hook on each watched instance, see
+:func:`attach`) and the functional each one calls (``F.cross_entropy``, through a
+``TorchFunctionMode``, see :class:`FunctionalGuards`). What each loss means by its
+arguments (class indices, probabilities, +1/-1 labels) is the one table written by hand,
+``_SEMANTICS``; a loss it does not know still gets the device check and its evidence.
+
+Cost: one host sync per guarded call. Shapes, dtypes and devices are checked in Python;
+every value check's reduction stays on the device until one stacked ``.tolist()``. The
+same read fills the ``"loss_input"`` :class:`~nanwatch.records.Note` the rules read
+(``input_min``, ``probability_rows``, ``ignored``, ...). A guard only reads: the loss it
+lets through computes exactly what it would have computed without it. The functional
+guard's ``TorchFunctionMode`` also costs a Python call for every torch call made while it is
+active (about 2 us each), which is why it is a separate switch.
+
+A check is silenced like a diagnosis: ``watch(..., ignore=["NW506"])`` lets calls that fail
+only that check through (the loss then runs as PyTorch computes it).
+
+Example:
+    >>> import torch
+    >>> from nanwatch import watch
+    >>> from nanwatch.errors import GuardError
+    >>> criterion = torch.nn.MSELoss()
+    >>> pred, y = torch.randn(8, 1), torch.randn(8)
+    >>> try:
+    ...     with watch(criterion, on_anomaly="record", postmortem=False):
+    ...         criterion(pred, y)
+    ... except GuardError as err:
+    ...     print(err.code, err.check)
+    NW506 broadcast
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ast
+import functools
+import inspect
+import linecache
+import math
+import os
+import re
+import sys
+import threading
+import types
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper
+
+from nanwatch import _frames, ops
+from nanwatch.errors import GuardError
+from nanwatch.stats import dtype_name
 
 if TYPE_CHECKING:
+    from nanwatch.records import Note
     from nanwatch.watcher import Watcher
 
+__all__ = [
+    "FunctionalGuards",
+    "LossSpec",
+    "attach",
+    "functional_specs",
+    "loss_classes",
+    "spec_for",
+]
 
-def attach(watcher: Watcher, loss_modules: Sequence[tuple[nn.Module, str]]) -> list[Any]:
-    """Register a forward pre-hook on each loss module; returns the handles."""
-    return []
+_MISSING: Any = object()
+#: most ``"loss_input"`` notes kept per step (a loop of functional losses without steps).
+_MAX_NOTES = 1024
+#: labels people use for "no label" (VOC's 255, -1, Hugging Face's -100).
+_IGNORE_LABELS = (255, -1, -100)
+#: BCE clamps log(x) at -100: x below this contributes exactly 100 to the loss.
+_BCE_LOG_FLOOR = math.exp(-100.0)
+_POSITIONS = 3  #: offending positions named in the error
+_VALUES = 3  #: distinct offending values named in the error
 
 
-class FunctionalGuards:
-    """Guards functional losses (``F.cross_entropy``) while active."""
+# ---------------------------------------------------------------------------- semantics
+@dataclass(frozen=True)
+class _Semantics:
+    """What a functional loss means by its arguments.
+
+    ``kind``: ``"class"`` (class-index targets), ``"ctc"``, ``"binary"`` (BCE family),
+    ``"regression"`` (elementwise), ``"sign"`` (targets of 1 and -1), ``"embedding"`` (no
+    target), ``"generic"`` (unknown: devices and evidence only). ``broadcast``: parameters
+    whose shapes must not broadcast into a larger one. ``target_dtypes``: which target
+    dtypes the kernel accepts (``"long-byte"``, ``"long"``, ``"same"`` as the input,
+    ``"floating"``, ``"not-bool"``, ``"any"``): only dtypes PyTorch itself rejects are
+    reported (a float64 target for MSELoss is promoted, and passes)."""
+
+    kind: str
+    broadcast: tuple[str, ...] = ()
+    target_dtypes: str = "any"
+    ignore_index: bool = False
+
+
+_PAIR = ("input", "target")
+_SEMANTICS: dict[str, _Semantics] = {
+    "cross_entropy": _Semantics("class", target_dtypes="long-byte", ignore_index=True),
+    "nll_loss": _Semantics("class", target_dtypes="long-byte", ignore_index=True),
+    "linear_cross_entropy": _Semantics("class", target_dtypes="long-byte", ignore_index=True),
+    "multi_margin_loss": _Semantics("class", target_dtypes="long"),
+    "multilabel_margin_loss": _Semantics("class", target_dtypes="long"),
+    "ctc_loss": _Semantics("ctc"),
+    "binary_cross_entropy": _Semantics("binary", target_dtypes="same"),
+    "binary_cross_entropy_with_logits": _Semantics("binary", target_dtypes="floating"),
+    "mse_loss": _Semantics("regression", _PAIR),
+    "l1_loss": _Semantics("regression", _PAIR, target_dtypes="not-bool"),
+    "smooth_l1_loss": _Semantics("regression", _PAIR),
+    "huber_loss": _Semantics("regression", _PAIR),
+    "poisson_nll_loss": _Semantics("regression", _PAIR),
+    "gaussian_nll_loss": _Semantics("regression", _PAIR),
+    "kl_div": _Semantics("regression", _PAIR, target_dtypes="floating"),
+    "multilabel_soft_margin_loss": _Semantics("regression", _PAIR, target_dtypes="not-bool"),
+    "soft_margin_loss": _Semantics("sign", _PAIR),
+    "hinge_embedding_loss": _Semantics("sign", _PAIR),
+    "margin_ranking_loss": _Semantics("sign", ("input1", "input2", "target")),
+    "cosine_embedding_loss": _Semantics("sign"),
+    "triplet_margin_loss": _Semantics("embedding"),
+    "triplet_margin_with_distance_loss": _Semantics("embedding"),
+}
+_GENERIC = _Semantics("generic")
+
+
+# ---------------------------------------------------------------------------- enumeration
+@dataclass(frozen=True, eq=False)
+class LossSpec:
+    """One functional loss of ``torch.nn.functional`` and the ``nn`` modules that call it.
+
+    Example:
+        >>> spec = spec_for(torch.nn.CrossEntropyLoss)
+        >>> spec.call, spec.kind, spec.input, spec.target
+        ('F.cross_entropy', 'class', 'input', 'target')
+    """
+
+    name: str  #: ``cross_entropy``
+    func: Callable[..., Any]  #: ``F.cross_entropy``
+    params: tuple[str, ...]  #: every parameter, in order
+    positional: tuple[str, ...]  #: those that can be passed by position
+    defaults: Mapping[str, Any]
+    input: str  #: the first parameter (``input``, ``log_probs``, ``input1``, ``anchor``)
+    target: str | None  #: ``target`` / ``targets``; None for losses without one
+    classes: tuple[str, ...]  #: the nn modules that call it (``CrossEntropyLoss``)
+    semantics: _Semantics = field(repr=False)
+
+    @property
+    def call(self) -> str:
+        return f"F.{self.name}"
+
+    @property
+    def kind(self) -> str:
+        return self.semantics.kind
+
+
+def loss_classes() -> list[type[nn.modules.loss._Loss]]:
+    """Every public loss module ``torch.nn`` defines: the ``_Loss`` subclasses of
+    ``torch.nn.modules.loss``, by name.
+
+    Example:
+        >>> "CrossEntropyLoss" in [c.__name__ for c in loss_classes()]
+        True
+    """
+    mod = nn.modules.loss
+    out: list[type[nn.modules.loss._Loss]] = []
+    for name, obj in sorted(vars(mod).items()):
+        if name.startswith("_") or not isinstance(obj, type):
+            continue
+        if issubclass(obj, mod._Loss) and obj.__module__ == mod.__name__:
+            out.append(obj)
+    return out
+
+
+_F_CALL = re.compile(r"\bF\.(\w+)\(")
+
+
+def _forward_owner(cls: type) -> type | None:
+    """The class in ``cls``'s MRO that defines the ``forward`` it runs."""
+    for c in cls.__mro__:
+        if "forward" in vars(c):
+            return c
+    return None
+
+
+def _functional_name(cls: type) -> str | None:
+    """The ``torch.nn.functional`` loss a torch loss module's forward calls, read from its
+    source (``CrossEntropyLoss.forward`` -> ``cross_entropy``)."""
+    owner = _forward_owner(cls)
+    if owner is None:
+        return None
+    try:
+        src = inspect.getsource(owner.forward)  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return None
+    for name in _F_CALL.findall(src):
+        if callable(getattr(F, name, None)):
+            return str(name)
+    return None
+
+
+@functools.cache
+def _specs() -> tuple[dict[type, LossSpec], dict[Any, LossSpec]]:
+    by_class: dict[type, LossSpec] = {}
+    by_func: dict[Any, LossSpec] = {}
+    users: dict[str, list[type]] = {}
+    for cls in loss_classes():
+        name = _functional_name(cls)
+        if name is not None:
+            users.setdefault(name, []).append(cls)
+    for name, classes in users.items():
+        func = getattr(F, name)
+        try:
+            sig = inspect.signature(func)
+        except (TypeError, ValueError):
+            continue
+        params = tuple(sig.parameters)
+        positional = tuple(
+            p.name
+            for p in sig.parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )
+        defaults = {p.name: p.default for p in sig.parameters.values() if p.default is not p.empty}
+        target = next((p for p in params if p in ("target", "targets")), None)
+        spec = LossSpec(
+            name=name,
+            func=func,
+            params=params,
+            positional=positional,
+            defaults=types.MappingProxyType(defaults),
+            input=params[0],
+            target=target,
+            classes=tuple(c.__name__ for c in classes),
+            semantics=_SEMANTICS.get(name, _GENERIC),
+        )
+        by_func[func] = spec
+        for cls in classes:
+            by_class[cls] = spec
+    return by_class, by_func
+
+
+def spec_for(cls: type) -> LossSpec | None:
+    """The spec of a loss module class, or None when its forward is not one of torch's
+    (a user's subclass that overrides ``forward`` is guarded only through the functional
+    losses it calls).
+
+    Example:
+        >>> spec_for(torch.nn.BCEWithLogitsLoss).call
+        'F.binary_cross_entropy_with_logits'
+    """
+    owner = _forward_owner(cls)
+    return _specs()[0].get(owner) if owner is not None else None
+
+
+def functional_specs() -> dict[Any, LossSpec]:
+    """``{F.cross_entropy: spec, ...}``: every functional loss an ``nn`` loss calls.
+
+    Example:
+        >>> F.nll_loss in functional_specs()
+        True
+    """
+    return dict(_specs()[1])
+
+
+# ---------------------------------------------------------------------------- binding
+class _ModuleBinding:
+    """Maps a loss module's forward arguments and attributes onto its functional's
+    parameters, so both forms are checked by the same code."""
+
+    __slots__ = ("arg_names", "attrs", "kw_names", "spec")
+
+    def __init__(self, module: nn.Module, spec: LossSpec) -> None:
+        self.spec = spec
+        owner = _forward_owner(type(module))
+        fwd = list(inspect.signature(owner.forward).parameters)[1:]  # type: ignore[union-attr]
+        names: list[str] = []
+        for i, n in enumerate(fwd):
+            # PoissonNLLLoss.forward(log_input, target) passes log_input as F's `input`
+            # (its own `log_input` is the flag attribute): map by name unless the module
+            # has an attribute of that name, else by position.
+            if n in spec.params and not hasattr(module, n):
+                names.append(n)
+            elif i < len(spec.positional):
+                names.append(spec.positional[i])
+            else:
+                names.append(n)
+        self.arg_names = tuple(names)
+        self.kw_names = dict(zip(fwd, names, strict=True))
+        consts = tuple(getattr(type(module), "__constants__", ()) or ())
+        attrs: list[str] = []
+        for n in (*spec.params, *consts):
+            if n in self.arg_names or n in attrs or n in ("size_average", "reduce"):
+                continue
+            v = getattr(module, n, _MISSING)
+            if v is _MISSING or inspect.ismethod(v):
+                continue
+            attrs.append(n)
+        self.attrs = tuple(attrs)
+
+    def bind(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        bound = dict(self.spec.defaults)
+        for n in self.attrs:
+            bound[n] = getattr(module, n)
+        for n, a in zip(self.arg_names, args, strict=False):
+            bound[n] = a
+        for k, v in kwargs.items():
+            bound[self.kw_names.get(k, k)] = v
+        return bound
+
+
+def _bind_functional(
+    spec: LossSpec, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> dict[str, Any]:
+    bound = dict(spec.defaults)
+    for n, a in zip(spec.positional, args, strict=False):
+        bound[n] = a
+    bound.update(kwargs)
+    return bound
+
+
+# ---------------------------------------------------------------------------- state
+_tls = threading.local()
+
+
+def _module_stack() -> list[nn.Module]:
+    stack: list[nn.Module] | None = getattr(_tls, "modules", None)
+    if stack is None:
+        stack = _tls.modules = []
+    return stack
+
+
+class _Health:
+    """An internal error turns the guard off (with one warning) instead of breaking the
+    training it watches; PyTorch's own checks still run."""
+
+    __slots__ = ("broken", "watcher")
 
     def __init__(self, watcher: Watcher) -> None:
         self.watcher = watcher
+        self.broken = False
+
+    def fault(self, where: str, exc: BaseException) -> None:
+        self.broken = True
+        msg = f"{type(exc).__name__}: {exc}"
+        self.watcher.faults.append((where, msg))
+        warnings.warn(
+            f"nanwatch: internal error in its {where} ({msg}); loss guards are off for the "
+            "rest of the run and training goes on. Please report it with the traceback.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _quiet(watcher: Watcher) -> bool:
+    return (
+        torch.compiler.is_compiling()  # first: constant under dynamo, so nothing else traced
+        or not watcher.attached
+        or ops.replaying()
+        or torch._C._current_autograd_node() is not None  # checkpoint recomputation
+        or torch._C._get_tracing_state() is not None  # torch.jit.trace
+    )
+
+
+# ---------------------------------------------------------------------------- failures
+@dataclass
+class _Failure:
+    """What a check found wrong; becomes a ``"guard"`` note, a Diagnosis and the error."""
+
+    code: str
+    check: str
+    problem: str  #: the sentence: what is wrong, with numbers, and what is accepted
+    expected: str
+    fix: str
+    explanation: str
+    values: tuple[Any, ...] = ()
+    counts: tuple[int, ...] = ()
+    count: int = 0
+    total: int = 0
+    positions: tuple[tuple[int, ...], ...] = ()
+
+
+class _Fail(Exception):
+    """Internal control flow: a check found a failure (never escapes this module)."""
+
+    def __init__(self, failure: _Failure) -> None:
+        super().__init__(failure.problem)
+        self.failure = failure
+
+
+def _n(x: float) -> str:
+    """An integer with thousands separators (``3,912``)."""
+    return f"{int(x):,}"
+
+
+def _acc(device: torch.device) -> torch.dtype:
+    """The dtype reductions are read in: float64 (exact counts), float32 where the device
+    has no float64 (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _many(n: float, word: str) -> str:
+    """``1 position``, ``3,912 positions``."""
+    return f"{_n(n)} {word}{'' if int(n) == 1 else 's'}"
+
+
+def _num(x: float) -> str:
+    if isinstance(x, int) or (math.isfinite(x) and x == int(x) and abs(x) < 1e15):
+        return str(int(x))
+    return f"{x:.4g}"
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor whose values can be read here: strided and materialized; not a fake tensor
+    (tracing), a wrapper subclass (DTensor: values live elsewhere) or a functorch wrapper.
+    Simple subclasses (torchvision's ``tv_tensors.Mask``) are read like tensors."""
+    if t.is_meta or t.layout is not torch.strided or t.is_nested:
+        return False
+    if type(t) is not torch.Tensor and type(t) is not nn.Parameter:
+        fake = sys.modules.get("torch._subclasses.fake_tensor")
+        if fake is not None and isinstance(t, fake.FakeTensor):
+            return False
+        if _wrapper_subclass(t):
+            return False
+    return not torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+#: torch's TypeGuard, seen as a plain predicate (mypy cannot mix it with torch.Tensor)
+_wrapper_subclass: Callable[[Any], bool] = _is_wrapper
+
+
+def _readable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and _plain(t) and t.numel() > 0 and not t.is_complex()
+
+
+def _positions(mask: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """The first few True positions of ``mask`` (failure path: a second read is fine)."""
+    idx = mask.nonzero()[:_POSITIONS].tolist()
+    return tuple(tuple(int(i) for i in row) for row in idx)
+
+
+def _value_counts(values: torch.Tensor) -> tuple[tuple[Any, ...], tuple[int, ...]]:
+    """Distinct values and their counts, most frequent first."""
+    uniq, counts = torch.unique(values, return_counts=True)
+    pairs = sorted(zip(uniq.tolist(), counts.tolist(), strict=True), key=lambda p: (-p[1], p[0]))
+    return tuple(v for v, _ in pairs), tuple(int(c) for _, c in pairs)
+
+
+def _describe_values(values: Sequence[Any], counts: Sequence[int]) -> str:
+    parts = [
+        f"{_num(v)} at {_n(c)} position{'s' if c != 1 else ''}"
+        for v, c in zip(values[:_VALUES], counts[:_VALUES], strict=False)
+    ]
+    rest = len(values) - _VALUES
+    if rest > 0:
+        parts.append(f"{rest} other value{'s' if rest != 1 else ''}")
+    if len(parts) == 1:
+        return parts[0]
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+# ---------------------------------------------------------------------------- one call
+class _Probe:
+    """One guarded loss call: Python-side checks (shapes, dtypes, devices) first, then every
+    reduction the value checks need, read together with one host sync."""
+
+    def __init__(
+        self,
+        spec: LossSpec,
+        bound: dict[str, Any],
+        *,
+        is_module: bool,
+        cls_name: str,
+        frame: types.FrameType | None,
+        order: Sequence[str] = (),
+        kw_names: Mapping[str, str] | None = None,
+    ) -> None:
+        self.spec = spec
+        #: the parameter names of the call's positional arguments, and of its keywords
+        self.order = tuple(order)
+        self.kw_names = dict(kw_names or {})
+        self._span: tuple[int, int] | None = None  #: byte offsets of the call in ``line``
+        self.bound = bound
+        self.is_module = is_module
+        self.cls_name = cls_name
+        self.frame = frame
+        inp = bound.get(spec.input)
+        assert isinstance(inp, torch.Tensor)
+        self.input: torch.Tensor = inp
+        tgt = bound.get(spec.target) if spec.target is not None else None
+        self.target: torch.Tensor | None = tgt if isinstance(tgt, torch.Tensor) else None
+        self._keys: list[str] = []
+        self._pending: list[torch.Tensor] = []
+        self._after: list[Callable[[dict[str, float]], None]] = []
+        self.values: dict[str, float] = {}
+        self.data: dict[str, Any] = {}
+
+    @functools.cached_property
+    def line(self) -> str | None:
+        """The text of the user's line; read only when a failure is worded."""
+        f = self.frame
+        if f is None:
+            return None
+        return linecache.getline(f.f_code.co_filename, f.f_lineno).strip() or None
+
+    # -- words -------------------------------------------------------------------------
+    def desc(self, **opts: Any) -> str:
+        """``CrossEntropyLoss(ignore_index=-100)``, ``F.cross_entropy(..., ignore_index=-100)``."""
+        args = ", ".join(f"{k}={v!r}" for k, v in opts.items())
+        if self.is_module:
+            return f"{self.cls_name}({args})" if args else self.cls_name
+        return f"{self.spec.call}(..., {args})" if args else self.spec.call
+
+    @functools.cached_property
+    def _call(self) -> tuple[str | None, list[tuple[str | None, str, str]]]:
+        """The loss call on the user's line, when the line holds it: the callee's text and,
+        per argument, (keyword as written or None, parameter name, expression text).
+        ``loss = criterion(pred, y)`` -> ``("criterion", [(None, "input", "pred"), ...])``.
+        A call matches when it has as many positional arguments and the same keywords as
+        the call being checked (and, for a functional loss, the same name)."""
+        line = self.line
+        if not line:
+            return None, []
+        try:
+            tree = ast.parse(line)
+        except SyntaxError:
+            return None, []
+        order, kw_names = self.order, self.kw_names
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            if any(isinstance(a, ast.Starred) for a in node.args) or any(
+                k.arg is None for k in node.keywords
+            ):
+                continue
+            callee = ast.get_source_segment(line, node.func) or ast.unparse(node.func)
+            if self.is_module:
+                if len(node.args) != len(order):
+                    continue
+                if sorted(k.arg or "" for k in node.keywords) != sorted(kw_names):
+                    continue
+            else:
+                # torch hands a functional's every argument to the mode by keyword: the
+                # line itself says which were positional
+                if callee.rsplit(".", 1)[-1] != self.spec.name:
+                    continue
+                if len(node.args) > len(self.spec.positional):
+                    continue
+                order = self.spec.positional[: len(node.args)]
+                kw_names = {k.arg or "": k.arg or "" for k in node.keywords}
+
+            def text(n: ast.AST) -> str:
+                return ast.get_source_segment(line, n) or ast.unparse(n)
+
+            parts: list[tuple[str | None, str, str]] = [
+                (None, n, text(a)) for n, a in zip(order, node.args, strict=True)
+            ]
+            parts += [(k.arg, kw_names[k.arg or ""], text(k.value)) for k in node.keywords]
+            if node.end_col_offset is not None and node.lineno == node.end_lineno == 1:
+                self._span = (node.col_offset, node.end_col_offset)
+            return callee, parts
+        return None, []
+
+    def arg(self, name: str, default: str | None = None) -> str:
+        """The user's expression for parameter ``name`` (``pred``), else ``default`` (else
+        the parameter's name)."""
+        for _, n, text in self._call[1]:
+            if n == name:
+                return text
+        return default if default is not None else name
+
+    def has_arg(self, name: str) -> bool:
+        """Whether :meth:`call_with` can replace parameter ``name``."""
+        if self._call[0] is None:
+            return name in (self.spec.input, self.spec.target)
+        return any(n == name for _, n, _ in self._call[1])
+
+    def call_with(self, add: Mapping[str, Any] | None = None, /, **replace: str) -> str:
+        """The user's line with the loss call's arguments replaced (and keywords ``add``ed):
+        ``loss = criterion(pred.squeeze(-1), y)``; just the call when the line is unknown."""
+        callee, parts = self._call
+        if callee is None:
+            callee = self.callee
+            names = [self.spec.input] + ([self.spec.target] if self.spec.target else [])
+            parts = [(None, n, n) for n in names]
+        texts = [(f"{kw}=" if kw else "") + replace.get(n, text) for kw, n, text in parts]
+        texts += [f"{k}={v!r}" for k, v in (add or {}).items()]
+        call = f"{callee}({', '.join(texts)})"
+        line, span = self.line, self._span
+        if line is None or span is None:
+            return call
+        raw = line.encode()
+        return (raw[: span[0]] + call.encode() + raw[span[1] :]).decode()
+
+    @property
+    def callee(self) -> str:
+        """The user's name for the loss (``criterion``), else a stand-in."""
+        callee = self._call[0]
+        if callee is not None:
+            return callee
+        return "criterion" if self.is_module else self.spec.call
+
+    def construct(self, **opts: Any) -> str:
+        """The fix for a module option, keeping the module's other settings:
+        ``criterion = nn.CrossEntropyLoss(ignore_index=255)``."""
+        callee, _ = self._call
+        if callee is not None and not all(part.isidentifier() for part in callee.split(".")):
+            callee = None  # a call expression, not a name: nothing to assign to
+        name = callee or "criterion"
+        keep: dict[str, str] = {}
+        for k, v in self.bound.items():
+            if k in opts or k not in self.spec.defaults or k in ("size_average", "reduce"):
+                continue
+            default = self.spec.defaults[k]
+            if isinstance(v, torch.Tensor):
+                keep[k] = f"{name}.{k}"
+            elif v is not default and v != default and isinstance(v, (int, float, str, bool)):
+                keep[k] = repr(v)
+        args = ", ".join(
+            [f"{k}={v}" for k, v in keep.items()] + [f"{k}={v!r}" for k, v in opts.items()]
+        )
+        made = f"nn.{self.cls_name}({args})"
+        return f"{callee} = {made}" if callee else made
+
+    def fail(self, f: _Failure) -> None:
+        raise _Fail(f)
+
+    # -- reads -------------------------------------------------------------------------
+    def add(self, key: str, t: torch.Tensor) -> None:
+        self._keys.append(key)
+        self._pending.append(t)
+
+    def count(self, key: str, mask: torch.Tensor) -> None:
+        """Queue the number of True elements of ``mask`` (exact: summed in float64)."""
+        self.add(key, mask.sum(dtype=_acc(mask.device)))
+
+    def then(self, fn: Callable[[dict[str, float]], None]) -> None:
+        self._after.append(fn)
+
+    def read(self) -> None:
+        """The one host sync: every pending reduction, stacked per device, one ``.tolist()``."""
+        pending = self._pending
+        if not pending:
+            return
+        groups: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(pending):
+            groups.setdefault(t.device, []).append(i)
+        out: list[float] = [math.nan] * len(pending)
+        for dev, idx in groups.items():  # one group, except CTC's CPU targets
+            acc = _acc(dev)
+            items = [pending[i] for i in idx]
+            if all(t.dtype != acc for t in items):
+                items[0] = items[0].to(acc)  # torch.stack promotes the rest to it
+            vals = torch.stack(items).tolist()
+            for i, v in zip(idx, vals, strict=True):
+                out[i] = v
+        self.values = dict(zip(self._keys, out, strict=True))
+        self._pending = []
+        for fn in self._after:
+            fn(self.values)
+
+
+# ---------------------------------------------------------------------------- checks
+def _check_devices(p: _Probe) -> None:
+    if p.spec.kind == "ctc":  # CTC takes CPU targets and lengths with CUDA log-probs
+        return
+    dev = p.input.device
+    for name, v in p.bound.items():
+        if name == p.spec.input or not isinstance(v, torch.Tensor) or v.device == dev:
+            continue
+        if v.dim() == 0 and v.device.type == "cpu":
+            continue  # a CPU scalar goes along with any device
+        attr = p.is_module and name not in (p.spec.target, "input1", "input2", "var")
+        where = f"{p.cls_name}.{name}" if attr else name
+        if attr:
+            fix = f"{p.callee}.to({p.arg(p.spec.input)}.device)  # moves the loss's buffers"
+        elif p.has_arg(name):
+            fix = p.call_with(**{name: f"{p.arg(name)}.to({p.arg(p.spec.input)}.device)"})
+        else:
+            fix = f"pass {name}={name}.to({p.arg(p.spec.input)}.device)"
+        p.fail(
+            _Failure(
+                code="NW508",
+                check="device",
+                problem=(
+                    f"{where} is on {v.device} but {p.spec.input} is on {dev}; {p.desc()} needs "
+                    "every tensor on one device"
+                ),
+                expected=f"every tensor on {dev}",
+                fix=fix,
+                explanation=(
+                    "The loss kernel reads all its tensors on one device; PyTorch would stop "
+                    "with a shorter error that does not say which tensor is where."
+                ),
+                values=(str(v.device),),
+            )
+        )
+
+
+def _broadcast(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:
+    """The broadcast shape, or None when the shapes do not broadcast."""
+    ndim = max(len(s) for s in shapes)
+    out: list[int] = []
+    for i in range(-ndim, 0):
+        sizes = {s[i] for s in shapes if len(s) >= -i} - {1}
+        if len(sizes) > 1:
+            return None
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+def _check_broadcast(p: _Probe) -> None:
+    names = p.spec.semantics.broadcast
+    tensors = [(n, p.bound.get(n)) for n in names]
+    ts = [(n, t) for n, t in tensors if isinstance(t, torch.Tensor)]
+    if len(ts) < 2 or all(t.shape == ts[0][1].shape for _, t in ts):
+        return
+    shape = _broadcast([tuple(t.shape) for _, t in ts])
+    if shape is None:
+        return  # not broadcastable: PyTorch's own error says so
+    numel = math.prod(shape)
+    biggest = max(t.numel() for _, t in ts)
+    if numel <= biggest:
+        return  # one side expands to the other (a scalar target): PyTorch warns, result as meant
+    (n0, a), (n1, b) = ts[0], ts[-1]
+    fix_args: dict[str, str] = {}
+    ea, eb = p.arg(n0), p.arg(n1)
+    if a.dim() == b.dim() + 1 and a.shape[-1] == 1 and a.shape[:-1] == b.shape:
+        fix_args[n0] = f"{ea}.squeeze(-1)"
+    elif b.dim() == a.dim() + 1 and b.shape[-1] == 1 and b.shape[:-1] == a.shape:
+        fix_args[n1] = f"{eb}.squeeze(-1)"
+    elif a.numel() == b.numel():
+        fix_args[n1] = f"{eb}.view_as({ea})"
+    fix = p.call_with(**fix_args) if fix_args else f"make {ea} and {eb} the same shape"
+    shapes = " and ".join(f"{n} {_shape(t)}" for n, t in ts)
+    p.fail(
+        _Failure(
+            code="NW506",
+            check="broadcast",
+            problem=(
+                f"{shapes} broadcast to {tuple(shape)}: {p.desc()} compares each prediction with "
+                f"every target ({_n(numel)} terms instead of {_n(biggest)}), not just its own"
+            ),
+            expected="input and target of the same shape",
+            fix=fix,
+            explanation=(
+                "Elementwise losses broadcast their arguments: a (N, 1) prediction against a "
+                "(N,) target becomes an N x N loss. PyTorch only warns; the loss looks "
+                "plausible and decreases while the model learns the mean of the targets."
+            ),
+            count=numel,
+            total=biggest,
+        )
+    )
+
+
+def _check_target_dtype(p: _Probe) -> None:
+    rule = p.spec.semantics.target_dtypes
+    t, x = p.target, p.input
+    if t is None or rule == "any":
+        return
+    td, xd = dtype_name(t.dtype), dtype_name(x.dtype)
+    if rule == "same" and t.dtype != x.dtype:
+        need, cast = f"the input's dtype ({xd})", f".to({p.arg(p.spec.input)}.dtype)"
+    elif rule == "floating" and not t.is_floating_point():
+        need, cast = "a floating-point target", ".float()"
+    elif rule == "not-bool" and t.dtype is torch.bool:
+        need, cast = "a numeric target, not bool", ".float()"
+    else:
+        return
+    target = p.spec.target or "target"
+    fix = p.call_with(**{target: p.arg(target) + cast})
+    p.fail(
+        _Failure(
+            code="NW509",
+            check="target-dtype",
+            problem=f"target is {td} and input is {xd}; {p.desc()} needs {need}",
+            expected=need,
+            fix=fix,
+            explanation=(
+                "PyTorch rejects this target dtype inside the kernel with a message that "
+                "names neither the loss nor the tensor."
+            ),
+            values=(td,),
+        )
+    )
+
+
+def _input_stats(p: _Probe) -> None:
+    x = p.input
+    if _readable(x) and x.dtype is not torch.bool:
+        mn, mx = torch.aminmax(x)
+        p.add("input_min", mn)
+        p.add("input_max", mx)
+
+
+def _target_stats(p: _Probe) -> None:
+    t = p.target
+    if t is not None and _readable(t) and t.dtype is not torch.bool:
+        mn, mx = torch.aminmax(t)
+        p.add("target_min", mn)
+        p.add("target_max", mx)
+
+
+# -- class targets ---------------------------------------------------------------------
+def _class_layout(p: _Probe) -> tuple[int | None, int | None, tuple[int, ...] | None]:
+    """(C, class dim of the input, expected class-index target shape) for a class loss."""
+    x, name = p.input, p.spec.name
+    if name == "linear_cross_entropy":
+        w = p.bound.get("linear_weight")
+        c = w.shape[0] if isinstance(w, torch.Tensor) and w.dim() else p.bound.get("num_classes")
+        return (int(c) if isinstance(c, int) else None), None, None
+    if x.dim() == 0:
+        return None, None, None
+    if name in ("multi_margin_loss", "multilabel_margin_loss"):
+        return x.shape[-1], x.dim() - 1, None
+    if x.dim() == 1:
+        return x.shape[0], 0, ()
+    return x.shape[1], 1, (x.shape[0], *x.shape[2:])
+
+
+def _check_class(p: _Probe) -> None:
+    t, x, spec = p.target, p.input, p.spec
+    name = spec.name
+    c, cdim, expected = _class_layout(p)
+    ignore: int | None = None
+    if spec.semantics.ignore_index:
+        ii = p.bound.get("ignore_index", -100)
+        ignore = -100 if ii is None else int(ii)
+    if t is None or c is None:
+        _input_stats(p)
+        return
+    soft_ok = name in ("cross_entropy", "linear_cross_entropy")
+    probabilities = (
+        soft_ok
+        and t.is_floating_point()
+        and (name == "linear_cross_entropy" or tuple(t.shape) == tuple(x.shape))
+    )
+    opts: dict[str, Any] = {"ignore_index": ignore} if ignore is not None else {}
+    desc = p.desc(**opts)
+    if not probabilities and expected is not None and tuple(t.shape) != expected:
+        _class_shape_failure(p, c, expected, desc)
+    if not probabilities:
+        # uint8 passes the non-spatial kernels only (nll_loss2d and up need int64)
+        byte_ok = spec.semantics.target_dtypes == "long-byte" and t.dim() <= 1
+        allowed = (torch.int64, torch.uint8) if byte_ok else (torch.int64,)
+        if t.dtype not in allowed:
+            soft = f", or float probabilities shaped like the input {_shape(x)}" if soft_ok else ""
+            need = "int64 class indices" + (" (or uint8)" if torch.uint8 in allowed else "")
+            p.fail(
+                _Failure(
+                    code="NW502",
+                    check="target-dtype",
+                    problem=f"target is {dtype_name(t.dtype)}; {desc} needs {need}{soft}",
+                    expected=need + soft,
+                    fix=p.call_with(target=f"{p.arg('target')}.long()"),
+                    explanation=(
+                        "Class-index losses index the input with the target, so it must hold "
+                        "integers (int64); a float target of the same shape as the input would "
+                        "be read as probabilities."
+                    ),
+                    values=(dtype_name(t.dtype),),
+                )
+            )
+    # values ------------------------------------------------------------------------
+    pmin: torch.Tensor | None = None
+    pmax: torch.Tensor | None = None
+    if (
+        name in ("cross_entropy", "nll_loss")
+        and cdim is not None
+        and _readable(x)
+        and x.is_floating_point()
+    ):
+        # per position (for the ignored / trained split); amin and amax separately:
+        # aminmax(dim=) is ten times slower on the CPU
+        pmin, pmax = x.amin(dim=cdim), x.amax(dim=cdim)
+        p.add("input_min", pmin.min())
+        p.add("input_max", pmax.max())
+        # rows that are probabilities (a softmax before the loss) sum to 1
+        acc = torch.float32 if x.element_size() < 4 else None
+        smin, smax = torch.aminmax(x.sum(dim=cdim, dtype=acc))
+        p.add("row_sum_min", smin)
+        p.add("row_sum_max", smax)
+    else:
+        _input_stats(p)
+    if probabilities:
+        if _readable(t):
+            _target_stats(p)
+            outside = t.clamp(0, 1) != t
+            p.count("target_outside", outside)
+            p.then(lambda v: _soft_target_result(p, v, outside, desc))
+        return
+    if not _readable(t) or c < 1:
+        return
+    lo = -1 if name == "multilabel_margin_loss" else 0
+    ign: torch.Tensor | None = None
+    kept = t
+    if ignore is not None:
+        ign = t == ignore
+        p.count("ignored", ign)
+        kept = torch.where(ign, lo, t)  # the labels of trained positions (ignored read as lo)
+        if pmin is not None and pmax is not None and tuple(pmin.shape) == tuple(t.shape):
+            amax = torch.maximum(pmax, -pmin)  # max |x| over each position's classes
+            p.add("ignored_amax", torch.where(ign, amax, 0).max())
+            p.add("valid_amax", torch.where(ign, 0, amax).max())
+    # the range of the trained labels answers "any out of range?" without counting them
+    kmin, kmax = torch.aminmax(kept)
+    p.add("target_min", kmin)
+    p.add("target_max", kmax)
+    p.then(lambda v: _class_result(p, v, c=c, lo=lo, ignore=ignore, ign=ign, desc=desc))
+
+
+def _class_shape_failure(p: _Probe, c: int, expected: tuple[int, ...], desc: str) -> None:
+    t, x = p.target, p.input
+    assert t is not None
+    ts, xs = tuple(t.shape), tuple(x.shape)
+    inp, tgt = p.arg("input"), p.arg("target")
+    hint, fix = "", f"give {tgt} the shape {expected}"
+    if t.dim() == x.dim() and t.dim() >= 2 and ts[1] == 1 and ts[:1] + ts[2:] == expected:
+        hint = " — the target has a channel dimension of size 1"
+        fix = p.call_with(target=f"{tgt}.squeeze(1)")
+    elif x.dim() >= 3 and ts == xs[:-1]:
+        hint = f" — the {xs[-1]} classes look like the last dimension"
+        fix = p.call_with(input=f"{inp}.movedim(-1, 1)")
+        if x.dim() == 3:
+            fix += f"  # or {p.call_with(input=f'{inp}.flatten(0, 1)', target=f'{tgt}.flatten()')}"
+    elif t.dim() >= 1 and x.dim() >= 1 and ts[0] != xs[0]:
+        hint = f" — the batch sizes differ ({xs[0]} vs {ts[0]})"
+        fix = f"check that {inp} and {tgt} come from the same batch"
+    elif t.dim() == len(expected) and len(expected) >= 2:
+        hint = f" — the spatial sizes differ ({expected[1:]} vs {ts[1:]})"
+        size = f"{tgt}.shape[-{len(expected) - 1}:]"
+        fix = p.call_with(input=f"F.interpolate({inp}, size={size}, mode='bilinear')")
+        fix += "  # or resize the mask to the logits with mode='nearest'"
+    p.fail(
+        _Failure(
+            code="NW503",
+            check="target-shape",
+            problem=(
+                f"target has shape {ts} and input {xs}: {desc} reads the classes from dim 1 of "
+                f"the input ({c} classes) and needs a target of shape {expected}{hint}"
+            ),
+            expected=f"target of shape {expected}",
+            fix=fix,
+            explanation=(
+                "Class-index losses take the class scores in dimension 1 of the input and one "
+                "index per remaining position in the target."
+            ),
+            values=(ts,),
+        )
+    )
+
+
+def _class_result(
+    p: _Probe,
+    v: dict[str, float],
+    *,
+    c: int,
+    lo: int,
+    ignore: int | None,
+    ign: torch.Tensor | None,
+    desc: str,
+) -> None:
+    if ignore is not None:
+        p.data["ignore_index"] = ignore
+        ignored = int(v.get("ignored", 0))
+        p.data["ignored"] = ignored
+        if ignored and "ignored_amax" in v:
+            p.data["ignored_amax"] = v["ignored_amax"]
+            p.data["valid_amax"] = v["valid_amax"]
+    if lo <= v["target_min"] and v["target_max"] < c:
+        return
+    t = p.target
+    assert t is not None
+    # failure path: count and locate (a second read is fine now)
+    bad = (t < lo) | (t >= c)
+    if ign is not None:
+        bad &= ~ign
+    nbad = int(bad.sum())
+    values, counts = _value_counts(t[bad])
+    total = t.numel()
+    name = p.spec.name
+    top = values[0]
+    fix = ""
+    if name == "multilabel_margin_loss":
+        accepts = f"accepts -1..{c - 1} (-1 ends each row's labels)"
+    else:
+        accepts = f"accepts 0..{c - 1}"
+    hint = ""
+    if ignore is not None and top in _IGNORE_LABELS and top != ignore:
+        hint = f" — did you mean ignore_index={top}?"
+        fix = _option_fix(p, "ignore_index", top)
+    elif all(val == c for val in values):
+        hint = (
+            f" — class indices start at 0: labels 1..{c} need `target - 1`, or the model "
+            f"needs {c + 1} outputs"
+        )
+        fix = p.call_with(target=f"{p.arg('target')} - 1")
+    elif all(val < 0 for val in values):
+        hint = " — negative values are not class indices"
+        fix = (
+            _option_fix(p, "ignore_index", top)
+            if ignore is not None
+            else "map negative labels to valid classes"
+        )
+    else:
+        top_label = int(max(values))
+        hint = f" — the largest label is {top_label}, so the labels need {top_label + 1} classes"
+        fix = f"give the model {int(max(values)) + 1} outputs, or remap the labels to 0..{c - 1}"
+    problem = (
+        f"target contains {_describe_values(values, counts)} (of {_n(total)}); {desc} with "
+        f"{c} classes {accepts}{hint}"
+    )
+    p.fail(
+        _Failure(
+            code="NW501",
+            check="target-range",
+            problem=problem,
+            expected=accepts.removeprefix("accepts ")
+            + (f", or ignore_index={ignore}" if ignore is not None else ""),
+            fix=fix,
+            explanation=(
+                "A class index outside [0, C) reads past the class scores: on a GPU the "
+                "kernel's assert kills the CUDA context, on the CPU PyTorch raises "
+                "'Target ... is out of bounds' without saying where the value came from."
+            ),
+            values=values,
+            counts=counts,
+            count=nbad,
+            total=total,
+            positions=_positions(bad),
+        )
+    )
+
+
+def _option_fix(p: _Probe, name: str, value: Any) -> str:
+    if p.is_module:
+        return p.construct(**{name: value})
+    return _functional_option(p, name, value)
+
+
+def _functional_option(p: _Probe, name: str, value: Any) -> str:
+    if p.has_arg(name):
+        return p.call_with(**{name: repr(value)})
+    return p.call_with({name: value})
+
+
+def _soft_target_result(p: _Probe, v: dict[str, float], outside: torch.Tensor, desc: str) -> None:
+    n = int(v["target_outside"])
+    if not n:
+        return
+    t = p.target
+    assert t is not None
+    p.fail(
+        _Failure(
+            code="NW511",
+            check="target-probabilities",
+            problem=(
+                f"target probabilities outside [0, 1] at {_many(n, 'position')} "
+                f"(of {_n(t.numel())}; min {_num(v['target_min'])}, "
+                f"max {_num(v['target_max'])}); {desc} with probability targets needs values "
+                "in [0, 1]"
+            ),
+            expected="probabilities in [0, 1]",
+            fix=p.call_with(target=f"{p.arg('target')}.softmax(dim=1)")
+            + "  # if the targets are scores; or pass class indices (int64)",
+            explanation=(
+                "A float target shaped like the input is read as class probabilities; values "
+                "outside [0, 1] (logits, counts, labels) give a meaningless loss."
+            ),
+            values=(v["target_min"], v["target_max"]),
+            count=n,
+            total=t.numel(),
+            positions=_positions(outside),
+        )
+    )
+
+
+# -- CTC -------------------------------------------------------------------------------
+def _check_ctc(p: _Probe) -> None:
+    x, t = p.input, p.target
+    _input_stats(p)
+    if t is None or x.dim() == 0 or not _readable(t):
+        return
+    c = x.shape[-1]
+    blank = int(p.bound.get("blank", 0))
+    used: torch.Tensor | None = None
+    lengths = p.bound.get("target_lengths")
+    if t.dim() == 2 and lengths is not None:
+        lens = torch.as_tensor(lengths)
+        if lens.dim() == 1 and lens.shape[0] == t.shape[0]:
+            lens = lens.to(t.device, non_blocking=True)
+            used = torch.arange(t.shape[1], device=t.device) < lens[:, None]
+    out = (t < 0) | (t >= c)
+    blanks = t == blank
+    if used is not None:
+        out = out & used
+        blanks = blanks & used
+    p.count("bad", out)
+    p.count("blanks", blanks)
+    if used is not None:
+        p.count("labels", used)
+
+    def result(v: dict[str, float]) -> None:
+        total = int(v.get("labels", t.numel()))
+        labels = f"{blank + 1}..{c - 1}" if blank == 0 else f"0..{c - 1} except {blank}"
+        desc = p.desc(blank=blank)
+        if v["bad"]:
+            values, counts = _value_counts(t[out])
+            p.fail(
+                _Failure(
+                    code="NW501",
+                    check="target-range",
+                    problem=(
+                        f"targets contain {_describe_values(values, counts)} (of {_n(total)} "
+                        f"labels); {desc} with {c} classes accepts {labels}"
+                    ),
+                    expected=labels,
+                    fix=f"give the model {int(max(values)) + 1} outputs, or remap the labels",
+                    explanation=(
+                        "CTC indexes the log-probabilities with each label: one outside [0, C) "
+                        "reads past them (a GPU assert; silent garbage on the CPU)."
+                    ),
+                    values=values,
+                    counts=counts,
+                    count=int(v["bad"]),
+                    total=total,
+                    positions=_positions(out),
+                )
+            )
+        if v["blanks"]:
+            p.fail(
+                _Failure(
+                    code="NW512",
+                    check="ctc-blank",
+                    problem=(
+                        f"targets contain the blank index {blank} at "
+                        f"{_many(v['blanks'], 'position')} (of {_n(total)} labels); {desc} "
+                        f"reserves {blank} for 'no label', so targets take {labels}"
+                    ),
+                    expected=labels,
+                    fix=(
+                        f"shift the labels to {labels} (e.g. target + 1 for 0-based labels), or "
+                        "set blank= to an index no label uses"
+                    ),
+                    explanation=(
+                        "CTC treats the blank as the separator between labels: a blank inside "
+                        "a target makes the alignment impossible or meaningless."
+                    ),
+                    values=(blank,),
+                    counts=(int(v["blanks"]),),
+                    count=int(v["blanks"]),
+                    total=total,
+                    positions=_positions(blanks),
+                )
+            )
+
+    p.then(result)
+
+
+# -- BCE -------------------------------------------------------------------------------
+def _check_binary(p: _Probe) -> None:
+    x, t, name = p.input, p.target, p.spec.name
+    if t is None:
+        _input_stats(p)
+        return
+    if t.shape != x.shape:
+        inp, tgt = p.arg("input"), p.arg("target")
+        if x.dim() == t.dim() + 1 and x.shape[-1] == 1 and x.shape[:-1] == t.shape:
+            fix = p.call_with(input=f"{inp}.squeeze(-1)")
+        elif t.dim() == x.dim() + 1 and t.shape[-1] == 1 and t.shape[:-1] == x.shape:
+            fix = p.call_with(target=f"{tgt}.squeeze(-1)")
+        elif t.numel() == x.numel():
+            fix = p.call_with(target=f"{tgt}.view_as({inp})")
+        else:
+            fix = f"make {inp} and {tgt} the same shape"
+        p.fail(
+            _Failure(
+                code="NW507",
+                check="shape",
+                problem=(
+                    f"input {_shape(x)} and target {_shape(t)} differ; {p.desc()} needs equal "
+                    "shapes"
+                ),
+                expected=f"target of shape {_shape(x)}",
+                fix=fix,
+                explanation="Binary cross-entropy pairs each prediction with its own label.",
+                values=(tuple(t.shape),),
+            )
+        )
+    _check_target_dtype(p)
+    bce = name == "binary_cross_entropy"
+    if _readable(x) and x.is_floating_point():
+        mn, mx = torch.aminmax(x)
+        p.add("input_min", mn)
+        p.add("input_max", mx)
+        if bce:
+            outside = x.clamp(0, 1) != x  # NaN included
+            p.count("input_outside", outside)
+            p.count("exact_zeros", x == 0)
+            p.count("exact_ones", x == 1)
+            if _readable(t) and t.is_floating_point() and t.shape == x.shape:
+                # log(x) or log(1 - x) at PyTorch's -100 clamp, with a nonzero weight
+                clamped = ((x <= _BCE_LOG_FLOOR) & (t > 0)) | ((x >= 1) & (t < 1))
+                p.count("value_clamped", clamped)
+
+            def input_result(v: dict[str, float]) -> None:
+                for k in ("exact_zeros", "exact_ones", "value_clamped"):
+                    if k in v:
+                        p.data[k] = int(v[k])
+                n_out = int(v["input_outside"])
+                if n_out:
+                    _bce_input_failure(p, v, n_out, outside)
+
+            p.then(input_result)
+    if _readable(t) and t.dtype is not torch.bool:
+        _target_stats(p)
+        t_out = t.clamp(0, 1) != t
+
+        p.count("target_outside", t_out)
+
+        def target_result(v: dict[str, float]) -> None:
+            n_out = int(v["target_outside"])
+            if n_out:
+                _binary_target_failure(p, v, n_out, t_out)
+
+        p.then(target_result)
+
+
+def _bce_input_failure(p: _Probe, v: dict[str, float], outside: int, mask: torch.Tensor) -> None:
+    x = p.input
+    nan = int(x.isnan().sum())  # failure path: a second read is fine
+    if nan == outside:
+        problem = (
+            f"input contains NaN at {_many(nan, 'position')} (of {_n(x.numel())}); {p.desc()} "
+            "needs values in [0, 1]"
+        )
+        fix = "find where the NaN is born: print(nw.report) names the first module and op"
+        explanation = (
+            "The NaN came from earlier in the model. On a GPU, BCELoss asserts on it and the "
+            "CUDA context dies before anything can be inspected; stopping here keeps it alive."
+        )
+    else:
+        extra = f", {_n(nan)} of them NaN" if nan else ""
+        problem = (
+            f"input has {_many(outside, 'value')} outside [0, 1] (of {_n(x.numel())}; min "
+            f"{_num(v['input_min'])}, max {_num(v['input_max'])}{extra}); {p.desc()} takes "
+            "probabilities — these look like logits: use BCEWithLogitsLoss on them"
+        )
+        if p.is_module:
+            made = p.construct().replace(f"nn.{p.cls_name}(", "nn.BCEWithLogitsLoss(", 1)
+            fix = f"{made}  # and give it the logits, before any sigmoid"
+        else:
+            fix = p.call_with().replace(f"{p.callee}(", "F.binary_cross_entropy_with_logits(", 1)
+            fix += "  # on the logits, before any sigmoid"
+        explanation = (
+            "BCELoss takes log(x) and log(1 - x): outside [0, 1] they are NaN, and the GPU "
+            "kernel asserts. BCEWithLogitsLoss takes logits and is numerically stable."
+        )
+    p.fail(
+        _Failure(
+            code="NW504",
+            check="input-range",
+            problem=problem,
+            expected="probabilities in [0, 1]",
+            fix=fix,
+            explanation=explanation,
+            values=(v["input_min"], v["input_max"]),
+            count=outside,
+            total=x.numel(),
+            positions=_positions(mask),
+        )
+    )
+
+
+def _binary_target_failure(
+    p: _Probe, v: dict[str, float], outside: int, mask: torch.Tensor
+) -> None:
+    t = p.target
+    assert t is not None
+    tmin, tmax = v.get("target_min", math.nan), v.get("target_max", math.nan)
+    tgt = p.arg("target")
+    hint, fix = "", f"scale {tgt} into [0, 1]"
+    if tmin >= 0 and tmax == 255:
+        hint, fix = " — a 0/255 mask", p.call_with(target=f"{tgt} / 255")
+    elif tmin == -1 and tmax == 1:
+        hint, fix = " — labels of -1 and 1", p.call_with(target=f"({tgt} + 1) / 2")
+    elif tmin >= 0 and tmax == int(tmax) and tmax > 1:
+        hint = " — class indices, not binary labels"
+        fix = f"use nn.CrossEntropyLoss for {int(tmax) + 1} classes, or one-hot the labels"
+    values, counts = _value_counts(t[mask])
+    p.fail(
+        _Failure(
+            code="NW505",
+            check="target-range",
+            problem=(
+                f"target has {_many(outside, 'value')} outside [0, 1] (of {_n(t.numel())}; "
+                f"{_describe_values(values, counts)}){hint}; {p.desc()} needs targets in [0, 1]"
+            ),
+            expected="targets in [0, 1]",
+            fix=fix,
+            explanation=(
+                "Binary cross-entropy weighs log(p) by the target and log(1 - p) by 1 - target: "
+                "a target outside [0, 1] makes the loss unbounded below."
+            ),
+            values=values,
+            counts=counts,
+            count=outside,
+            total=t.numel(),
+            positions=_positions(mask),
+        )
+    )
+
+
+# -- regression, sign, embedding ----------------------------------------------------------
+def _check_regression(p: _Probe) -> None:
+    _check_broadcast(p)
+    _check_target_dtype(p)
+    _input_stats(p)
+    _target_stats(p)
+    t = p.target
+    if (
+        p.spec.name == "kl_div"
+        and not p.bound.get("log_target", False)
+        and _readable(t)
+        and t is not None
+        and t.is_floating_point()
+    ):
+        neg = t < 0
+        p.count("target_negative", neg)
+
+        def result(v: dict[str, float]) -> None:
+            n = int(v["target_negative"])
+            if n:
+                _kl_failure(p, v, n, neg)
+
+        p.then(result)
+
+
+def _kl_failure(p: _Probe, v: dict[str, float], n: int, mask: torch.Tensor) -> None:
+    t = p.target
+    assert t is not None
+    p.fail(
+        _Failure(
+            code="NW511",
+            check="target-probabilities",
+            problem=(
+                f"target has {_many(n, 'negative value')} (of {_n(t.numel())}; min "
+                f"{_num(v['target_min'])}); {p.desc(log_target=False)} takes probabilities, and "
+                "the log of a negative target is NaN"
+            ),
+            expected="probabilities (>= 0), or log-probabilities with log_target=True",
+            fix=p.call_with(target=f"{p.arg('target')}.softmax(-1)")
+            + "  # or pass log-probabilities with log_target=True",
+            explanation="KLDivLoss computes target * log(target): negative targets give NaN.",
+            values=(v["target_min"],),
+            count=n,
+            total=t.numel(),
+            positions=_positions(mask),
+        )
+    )
+
+
+def _check_sign(p: _Probe) -> None:
+    _check_broadcast(p)
+    _input_stats(p)
+    t = p.target
+    if t is None or not _readable(t) or t.dtype is torch.bool:
+        return
+    _target_stats(p)
+    bad = t.abs() != 1
+    p.count("bad", bad)
+
+    def result(v: dict[str, float]) -> None:
+        n = int(v["bad"])
+        if not n:
+            return
+        values, counts = _value_counts(t[bad])
+        tgt = p.arg("target")
+        if bool(((t == 0) | (t == 1)).all()):  # failure path
+            hint, fix = " — these are 0/1 labels", p.call_with(target=f"{tgt} * 2 - 1")
+        else:
+            hint, fix = "", f"map {tgt} to 1 (similar) and -1 (dissimilar)"
+        p.fail(
+            _Failure(
+                code="NW510",
+                check="target-sign",
+                problem=(
+                    f"target contains {_describe_values(values, counts)} (of {_n(t.numel())}); "
+                    f"{p.desc()} takes targets of 1 and -1{hint}"
+                ),
+                expected="1 or -1",
+                fix=fix,
+                explanation=(
+                    "Margin and embedding losses multiply by the target's sign: a 0 target "
+                    "silently contributes a constant (no gradient), other values scale the loss."
+                ),
+                values=values,
+                counts=counts,
+                count=n,
+                total=t.numel(),
+                positions=_positions(bad),
+            )
+        )
+
+    p.then(result)
+
+
+def _check_plain(p: _Probe) -> None:
+    _input_stats(p)
+
+
+_CHECKS: dict[str, Callable[[_Probe], None]] = {
+    "class": _check_class,
+    "ctc": _check_ctc,
+    "binary": _check_binary,
+    "regression": _check_regression,
+    "sign": _check_sign,
+    "embedding": _check_plain,
+    "generic": _check_plain,
+}
+
+
+# ---------------------------------------------------------------------------- driver
+def _source(frame: types.FrameType) -> str:
+    """``train.py:42``: the frame's file relative to the working directory when inside it."""
+    return f"{_short(frame.f_code.co_filename, os.getcwd())}:{frame.f_lineno}"
+
+
+@functools.lru_cache(maxsize=256)
+def _short(filename: str, cwd: str) -> str:
+    try:
+        rel = os.path.relpath(filename, cwd)
+    except ValueError:
+        return filename
+    return filename if rel.startswith("..") else rel
+
+
+def _reduction(bound: Mapping[str, Any]) -> Any:
+    size_average, reduce = bound.get("size_average"), bound.get("reduce")
+    if size_average is not None or reduce is not None:
+        from torch.nn import _reduction
+
+        return _reduction.legacy_get_string(size_average, reduce, emit_warning=False)
+    return bound.get("reduction")
+
+
+def _guard(
+    watcher: Watcher,
+    spec: LossSpec,
+    bound: dict[str, Any],
+    *,
+    path: str,
+    cls_name: str,
+    is_module: bool,
+    frame: types.FrameType | None,
+    order: Sequence[str],
+    kw_names: Mapping[str, str],
+) -> None:
+    """Check one loss call; write its ``"loss_input"`` note; raise GuardError on a failure."""
+    x = bound.get(spec.input)
+    if not isinstance(x, torch.Tensor):
+        return
+    source = _source(frame) if frame is not None else None
+    p = _Probe(
+        spec,
+        bound,
+        is_module=is_module,
+        cls_name=cls_name,
+        frame=frame,
+        order=order,
+        kw_names=kw_names,
+    )
+    failure: _Failure | None = None
+    # DisableTorchFunction: our own reads need no torch-function mode (a FunctionalGuards
+    # would otherwise see each of them) and no subclass handling
+    with torch.no_grad(), torch._C.DisableTorchFunction():
+        try:
+            _check_devices(p)
+            _CHECKS[spec.kind](p)
+            p.read()
+        except _Fail as fail:
+            failure = fail.failure
+        if len(watcher.trace.notes) < _MAX_NOTES:
+            watcher.note("loss_input", path, source=source, **_evidence(watcher, p))
+    if failure is None or failure.code in watcher.config.ignore:
+        return
+    note = watcher.note(
+        "guard",
+        path,
+        source=source,
+        code=failure.code,
+        check=failure.check,
+        loss=cls_name if is_module else spec.call,
+        problem=failure.problem,
+        expected=failure.expected,
+        fix=failure.fix,
+        explanation=failure.explanation,
+        values=list(failure.values),
+        counts=list(failure.counts),
+        count=failure.count,
+        total=failure.total,
+        positions=[list(q) for q in failure.positions],
+        source_line=p.line,
+    )
+    raise _error(note, failure, watcher.step_index, is_module=is_module)
+
+
+def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
+    x, v = p.input, p.values
+    data: dict[str, Any] = {
+        "loss": p.cls_name if p.is_module else p.spec.call,
+        "input_dtype": dtype_name(x.dtype),
+        "input_shape": list(x.shape),
+        "input_grad_fn": type(x.grad_fn).__name__ if x.grad_fn is not None else None,
+        "reduction": _reduction(p.bound),
+    }
+    rec = watcher.record_of(x)
+    data["input_source"] = rec.index if rec is not None else None
+    t = p.target
+    if t is not None:
+        data["target_dtype"] = dtype_name(t.dtype)
+        data["target_shape"] = list(t.shape)
+    for k in ("input_min", "input_max", "target_min", "target_max"):
+        if k in v:
+            data[k] = v[k]
+    if "row_sum_min" in v:
+        lo, hi = v.get("input_min", math.nan), v.get("input_max", math.nan)
+        c = x.shape[1] if x.dim() >= 2 else x.shape[0]
+        tol = min(0.1, 1e-3 + c * torch.finfo(x.dtype).eps / 2)
+        dev = max(abs(v["row_sum_min"] - 1), abs(v["row_sum_max"] - 1))
+        data["probability_rows"] = bool(lo >= 0 and hi <= 1 and dev <= tol)
+    data.update(p.data)
+    return data
+
+
+def _format_positions(positions: Sequence[Sequence[int]], count: int) -> str:
+    """``5, 6`` for a 1-d tensor, ``(0, 12, 40), (0, 12, 41)`` otherwise; ``(of N)``."""
+    if all(len(q) == 1 for q in positions):
+        shown = ", ".join(str(q[0]) for q in positions)
+    else:
+        shown = ", ".join("(" + ", ".join(str(i) for i in q) + ")" for q in positions)
+    return shown + (f" (of {_n(count)})" if count > len(positions) else "")
+
+
+def _error(note: Note, failure: _Failure, step: int, *, is_module: bool) -> GuardError:
+    from nanwatch.rules.guards import diagnosis_from_note
+
+    diagnosis = diagnosis_from_note(note, step=step)
+    loss = str(note.data["loss"])
+    where = loss if not is_module or note.path == loss else f"{note.path} ({loss})"
+    lines = [f"{where}{' at ' + note.source if note.source else ''}: {failure.problem}"]
+    line = note.data.get("source_line")
+    if line:
+        lines.append(f"    {line}")
+    if failure.positions:
+        lines.append(f"  first positions: {_format_positions(failure.positions, failure.count)}")
+    if failure.fix:
+        lines.append(f"  fix: {failure.fix}")
+    lines.append(
+        f"  ({failure.code}: checked before the loss kernel ran, so nothing was computed and "
+        "the device is still usable)"
+    )
+    return GuardError(
+        "\n".join(lines),
+        loss=loss,
+        path=note.path,
+        check=failure.check,
+        code=failure.code,
+        module=note.path if is_module else None,
+        source=note.source,
+        source_line=line,
+        values=failure.values,
+        counts=failure.counts,
+        count=failure.count,
+        total=failure.total,
+        positions=failure.positions,
+        expected=failure.expected,
+        fix=failure.fix,
+        diagnosis=diagnosis,
+    )
+
+
+# ---------------------------------------------------------------------------- modules
+def attach(watcher: Watcher, loss_modules: Sequence[tuple[nn.Module, str]]) -> list[Any]:
+    """Register a forward pre-hook (``with_kwargs=True``) on each loss module whose forward
+    is one of torch's, that checks its inputs before the loss kernel runs; returns the
+    handles (the watcher removes them at detach). A forward hook (``always_call``) closes
+    the module's call, so that a functional guard does not check the ``F.*`` call inside
+    it a second time.
+
+    Example:
+        >>> from nanwatch import watch
+        >>> criterion = nn.CrossEntropyLoss()
+        >>> with watch(criterion, postmortem=False) as nw:
+        ...     loss = criterion(torch.randn(4, 3), torch.tensor([0, 1, 2, 1]))
+        >>> nw.history[-1].notes[0].data["loss"]
+        'CrossEntropyLoss'
+    """
+    health = _Health(watcher)
+    handles: list[Any] = []
+    try:
+        for module, path in loss_modules:
+            spec = spec_for(type(module))
+            if spec is None:
+                continue
+            binding = _ModuleBinding(module, spec)
+            handles.append(
+                module.register_forward_pre_hook(
+                    _make_pre_hook(watcher, health, binding, path), with_kwargs=True
+                )
+            )
+            handles.append(
+                module.register_forward_hook(_pop_hook, with_kwargs=True, always_call=True)
+            )
+    except BaseException:
+        for h in handles:
+            h.remove()
+        raise
+    return handles
+
+
+def _make_pre_hook(
+    watcher: Watcher, health: _Health, binding: _ModuleBinding, path: str
+) -> Callable[..., None]:
+    spec = binding.spec
+
+    def guard_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not health.broken and not _quiet(watcher):
+            try:
+                bound = binding.bind(module, args, kwargs)
+                frame = _frames.user_frame(sys._getframe(1))
+                _guard(
+                    watcher,
+                    spec,
+                    bound,
+                    path=path,
+                    cls_name=type(module).__name__,
+                    is_module=True,
+                    frame=frame,
+                    order=binding.arg_names[: len(args)],
+                    kw_names={k: binding.kw_names.get(k, k) for k in kwargs},
+                )
+            except GuardError:
+                raise
+            except Exception as exc:  # nanwatch must never break the training it watches
+                health.fault("loss guard", exc)
+        _module_stack().append(module)
+
+    return guard_pre_hook
+
+
+def _pop_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    stack = _module_stack()
+    if stack and stack[-1] is module:
+        stack.pop()
+
+
+# ---------------------------------------------------------------------------- functional
+class _GuardMode(TorchFunctionMode):
+    """The TorchFunctionMode behind :class:`FunctionalGuards`: a dictionary lookup per
+    torch call, a check per functional loss call."""
+
+    def __init__(self, watcher: Watcher, health: _Health) -> None:
+        super().__init__()
+        self.watcher = watcher
+        self.health = health
+        self.table = _specs()[1]
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        try:
+            spec = self.table.get(func)
+        except TypeError:  # an unhashable callable
+            spec = None
+        if kwargs is None:
+            kwargs = {}
+        if spec is not None and not self.health.broken:
+            self._check(spec, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _check(self, spec: LossSpec, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        watcher = self.watcher
+        if _quiet(watcher):
+            return
+        stack = getattr(_tls, "modules", None)
+        if stack:
+            return  # inside a loss module its pre-hook already checked
+        try:
+            bound = _bind_functional(spec, args, kwargs)
+            frame = _frames.user_frame(sys._getframe(2))
+            _guard(
+                watcher,
+                spec,
+                bound,
+                path=spec.call,
+                cls_name=spec.call,
+                is_module=False,
+                frame=frame,
+                order=spec.positional[: len(args)],
+                kw_names={k: k for k in kwargs},
+            )
+        except GuardError:
+            raise
+        except Exception as exc:
+            self.health.fault("functional loss guard", exc)
+
+
+class FunctionalGuards:
+    """Guards functional losses (``F.cross_entropy(...)``) while active, through a
+    ``TorchFunctionMode``. Calls made by a guarded loss module are not checked twice.
+
+    The mode sees every torch call made from Python while it is active (a dictionary
+    lookup each): this is why ``watch(..., functional_guards=...)`` decides whether it is
+    on by default from measurements.
+
+    Example:
+        >>> from nanwatch import watch
+        >>> nw = watch(nn.Linear(2, 2), postmortem=False).attach()
+        >>> with FunctionalGuards(nw):
+        ...     _ = F.mse_loss(torch.zeros(3), torch.ones(3))
+        >>> nw.trace.notes[-1].path
+        'F.mse_loss'
+        >>> nw.detach()
+    """
+
+    def __init__(self, watcher: Watcher) -> None:
+        self.watcher = watcher
+        self._mode: _GuardMode | None = None
 
     def __enter__(self) -> FunctionalGuards:
+        if self._mode is not None:
+            raise RuntimeError("FunctionalGuards is already active")
+        mode = _GuardMode(self.watcher, _Health(self.watcher))
+        mode.__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
+        self._mode = mode
         return self
 
     def __exit__(
@@ -33,4 +1765,28 @@ class FunctionalGuards:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        return None
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            _remove_mode(mode)
+
+
+def _remove_mode(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's torch-function mode stack even when other modes were
+    pushed after it (popping them and pushing them back in order)."""
+    above: list[Any] = []
+    found = False
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            found = True
+            break
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+    if not found:
+        warnings.warn(
+            "nanwatch: the functional loss guard was not on this thread's torch-function mode "
+            "stack at detach (attached in another thread?); nothing was removed.",
+            RuntimeWarning,
+            stacklevel=3,
+        )

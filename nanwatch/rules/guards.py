@@ -1,0 +1,197 @@
+"""NW5xx: loss inputs stopped by a guard before the loss kernel ran.
+
+A guard (``nanwatch/guards.py``) that finds a bad loss input writes a ``"guard"``
+:class:`~nanwatch.records.Note` and raises :class:`nanwatch.GuardError`. These rules turn
+that note into the step's :class:`~nanwatch.rules.Diagnosis`, so a post-mortem report of
+the run says the same as the exception did (an error; a warning when the program caught the
+GuardError and went on). One code per check; codes never change meaning.
+
+Example:
+    >>> from nanwatch.records import Note
+    >>> note = Note("guard", "CrossEntropyLoss", {"code": "NW501", "problem": "target contains 255",
+    ...             "fix": "nn.CrossEntropyLoss(ignore_index=255)", "explanation": ""})
+    >>> diagnosis_from_note(note, step=3).headline
+    'NW501 error: Class target out of range (CrossEntropyLoss, forward, step 3)'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from nanwatch.records import Note
+from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, RuleFunc, rule
+
+__all__ = ["CHECKS", "diagnosis_from_note"]
+
+_FAMILY = "guards"
+#: A guard error is the cause of the step's failure: it sorts before the diagnoses of any
+#: consequence (a NaN loss, a dead CUDA context) of the same severity.
+_PRIORITY = 5
+
+#: code -> (title, summary)
+CHECKS: dict[str, tuple[str, str]] = {
+    "NW501": (
+        "Class target out of range",
+        "A loss target holds a class index outside [0, C) that is not the ignore_index "
+        "(a 255 void label, labels numbered from 1, too few model outputs).",
+    ),
+    "NW502": (
+        "Class target has the wrong dtype",
+        "A class-index loss got a float, bool or int32 target; it needs int64 class indices.",
+    ),
+    "NW503": (
+        "Class target shape does not match the input",
+        "The target of CrossEntropyLoss/NLLLoss does not have the input's shape without the "
+        "class dimension (classes last, a channel dim of 1, a resized mask).",
+    ),
+    "NW504": (
+        "BCELoss input outside [0, 1]",
+        "BCELoss got values outside [0, 1] (logits, or NaN): on a GPU the kernel asserts.",
+    ),
+    "NW505": (
+        "Binary target outside [0, 1]",
+        "A BCE-family loss got targets outside [0, 1] (a 0/255 mask, -1/1 labels).",
+    ),
+    "NW506": (
+        "Input and target broadcast to a larger shape",
+        "An elementwise loss got shapes like (N, 1) and (N,): it computes an N x N loss.",
+    ),
+    "NW507": (
+        "Input and target shapes differ",
+        "A BCE-family loss got an input and a target of different shapes.",
+    ),
+    "NW508": (
+        "Loss tensors on different devices",
+        "The input, target or a loss weight are on different devices.",
+    ),
+    "NW509": (
+        "Loss target dtype not accepted",
+        "The target's dtype is one the loss kernel rejects (an integer target for "
+        "BCEWithLogitsLoss, a float16 target with a float32 input for BCELoss).",
+    ),
+    "NW510": (
+        "Target is not 1 or -1",
+        "A margin or embedding loss got targets other than 1 and -1 (often 0/1 labels).",
+    ),
+    "NW511": (
+        "Probability target outside its range",
+        "A target read as probabilities holds values outside [0, 1] (CrossEntropyLoss soft "
+        "targets) or negative values (KLDivLoss).",
+    ),
+    "NW512": (
+        "CTC target contains the blank label",
+        "A CTCLoss target uses the blank index, which CTC reserves for 'no label'.",
+    ),
+}
+
+
+def diagnosis_from_note(note: Note, *, step: int | None = None) -> Diagnosis:
+    """The Diagnosis for a ``"guard"`` note (the same words as the GuardError)."""
+    data: dict[str, Any] = note.data
+    code = str(data.get("code", "NW501"))
+    registered = REGISTRY.get(code)
+    title = registered.title if registered is not None else CHECKS.get(code, (code, ""))[0]
+    evidence = [str(data.get("problem", ""))]
+    positions = data.get("positions") or []
+    if positions:
+        shown = ", ".join("(" + ", ".join(str(i) for i in q) + ")" for q in positions)
+        count = int(data.get("count", 0) or 0)
+        evidence.append(
+            f"first positions: {shown}" + (f" (of {count:,})" if count > len(positions) else "")
+        )
+    if note.source:
+        line = data.get("source_line")
+        evidence.append(f"at {note.source}" + (f": {line}" if line else ""))
+    return Diagnosis(
+        code=code,
+        title=title,
+        severity="error",
+        step=step,
+        phase="forward",
+        path=note.path,
+        evidence=evidence,
+        explanation=str(data.get("explanation", "")),
+        fix=str(data.get("fix", "")),
+        source=note.source,
+        priority=registered.priority if registered is not None else _PRIORITY,
+    )
+
+
+def _found(ctx: RuleContext, code: str) -> Iterator[Diagnosis]:
+    for note in ctx.trace.notes:
+        if note.kind == "guard" and note.data.get("code") == code:
+            d = diagnosis_from_note(note, step=ctx.step)
+            if ctx.trace.error is None:
+                # the program caught the GuardError and went on (skipping a bad batch): a
+                # warning in the report, not a second error at the end of the step
+                d.severity = "warning"
+                d.evidence.append("the GuardError was caught and the step went on")
+            yield d
+
+
+def _register(code: str) -> Callable[[RuleFunc], RuleFunc]:
+    title, summary = CHECKS[code]
+    return rule(
+        code, title=title, severity="error", summary=summary, family=_FAMILY, priority=_PRIORITY
+    )
+
+
+@_register("NW501")
+def class_target_out_of_range(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW501")
+
+
+@_register("NW502")
+def class_target_dtype(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW502")
+
+
+@_register("NW503")
+def class_target_shape(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW503")
+
+
+@_register("NW504")
+def bce_input_range(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW504")
+
+
+@_register("NW505")
+def binary_target_range(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW505")
+
+
+@_register("NW506")
+def silent_broadcast(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW506")
+
+
+@_register("NW507")
+def binary_shape_mismatch(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW507")
+
+
+@_register("NW508")
+def device_mismatch(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW508")
+
+
+@_register("NW509")
+def target_dtype(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW509")
+
+
+@_register("NW510")
+def target_not_sign(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW510")
+
+
+@_register("NW511")
+def probability_target_range(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW511")
+
+
+@_register("NW512")
+def ctc_blank_target(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW512")
