@@ -77,20 +77,30 @@ def _short(filename: str) -> str:
     return filename if rel.startswith("..") else rel
 
 
-def warn_at_user(message: str, category: type[Warning] = RuntimeWarning) -> None:
-    """A warning that points at the user's line, wherever inside hooks it is raised."""
+def warn_at_user(
+    message: str, category: type[Warning] = RuntimeWarning, *, safe: bool = False
+) -> None:
+    """A warning that points at the user's line, wherever inside hooks it is raised.
+
+    ``safe``: for nanwatch's own faults, which must never stop training: when warnings are
+    turned into errors (``-W error``), the message goes to stderr instead of raising."""
     import warnings
 
     f = user_frame(sys._getframe(1))
-    if f is None:
-        warnings.warn(message, category, stacklevel=2)
-        return
-    registry = f.f_globals.setdefault("__warningregistry__", {})
-    warnings.warn_explicit(
-        message,
-        category,
-        f.f_code.co_filename,
-        f.f_lineno,
-        module=f.f_globals.get("__name__", "nanwatch"),
-        registry=registry,
-    )
+    try:
+        if f is None:
+            warnings.warn(message, category, stacklevel=2)
+            return
+        registry = f.f_globals.setdefault("__warningregistry__", {})
+        warnings.warn_explicit(
+            message,
+            category,
+            f.f_code.co_filename,
+            f.f_lineno,
+            module=f.f_globals.get("__name__", "nanwatch"),
+            registry=registry,
+        )
+    except Warning:
+        if not safe:
+            raise
+        sys.stderr.write(f"{message}\n")

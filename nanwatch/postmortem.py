@@ -165,12 +165,20 @@ def classify(exc: BaseException) -> dict[str, Any]:
         >>> classify(IndexError("Target 255 is out of bounds."))["class"]
         'index-out-of-range'
     """
+    from nanwatch.errors import AnomalyError, GuardError
+
     name = type(exc).__name__
     message = str(exc)
+    # nanwatch's own errors by type: their messages quote the user's line, which may say
+    # anything ("cuda", "dtype", ...)
     if isinstance(exc, KeyboardInterrupt):
         cls = "keyboard-interrupt"
     elif isinstance(exc, SystemExit):
         cls = "exit"
+    elif isinstance(exc, GuardError):
+        cls = "guard"
+    elif isinstance(exc, AnomalyError):
+        cls = "anomaly"
     else:
         text = f"{name}: {message}"
         cls = next(

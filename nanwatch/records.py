@@ -427,7 +427,13 @@ class Note:
       ``exact_zeros``/``exact_ones`` (inputs of BCE-style losses), ``ignore_index``,
       ``ignored`` (count of targets equal to it), ``ignored_amax``/``valid_amax`` (max |x|
       of the input at ignored and at trained positions), ``reduction``, ``value_clamped``
-      (BCE: elements whose log hit the -100 clamp).
+      (BCE: elements whose log hit the -100 clamp), ``input_shape``, ``target_dtype``,
+      ``target_shape``, ``target_min``/``target_max`` (class losses: over the positions that
+      are not ignore_index).
+    * ``"guard"``: a guard stopped a loss; written just before the GuardError. ``data``:
+      ``code``, ``check``, ``loss``, ``problem``, ``expected``, ``fix``, ``explanation``,
+      ``values``/``counts`` (most frequent first), ``count``, ``total``, ``positions`` (the
+      first few), ``source_line``.
     * ``"loss_graph"``: the loss was computed outside any module; ``data["ops"]`` lists the
       ops of its autograd graph (``["neg", "mean", "mul", "log"]``).
     * ``"distributed"``: written by the Lightning callback on the step where an anomaly was

@@ -186,6 +186,7 @@ def _name_modules(
                 continue
             if any(q == s or q.startswith(s + ".") for s in skipped):
                 continue
+            _unwrap_compiled(m)  # a torch.compile'd submodule is refused like a root
             if isinstance(m, torch.jit.ScriptModule):
                 skipped.append(q)
                 if id(m) not in _SCRIPT_WARNED:
@@ -429,7 +430,8 @@ class Watcher:
         self._explicit = True
         if loss is not None:
             self._user_loss = loss
-        return self._boundary()
+        with _NO_TORCH_FUNCTION():
+            return self._boundary()
 
     def check(self) -> Anomaly | None:
         """Localize what the current step recorded so far, without ending the step or acting
@@ -600,11 +602,15 @@ class Watcher:
         return result
 
     # ------------------------------------------------------------------ hook factories
+    # Every hook body runs with torch-function handling off: nanwatch's own statistics must
+    # not pass through a user's TorchFunctionMode (or the functional guards'), which would
+    # both slow them down and show them to the user's mode.
     def _make_pre(self, info: _ModInfo) -> Callable[..., None]:
         pre = self._pre
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            pre(info, module, args, kwargs)
+            with _NO_TORCH_FUNCTION():
+                pre(info, module, args, kwargs)
 
         return pre_hook
 
@@ -614,14 +620,15 @@ class Watcher:
         def post_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
-            post(info, module, args, kwargs, output)
+            with _NO_TORCH_FUNCTION():
+                post(info, module, args, kwargs, output)
 
         return post_hook
 
     def _pre(
         self, info: _ModInfo, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if not self._attached:
+        if not self._attached or _tracing():
             return
         if info.passthrough and not self._forensic:
             return  # measured from its forward hook alone
@@ -655,7 +662,7 @@ class Watcher:
         kwargs: dict[str, Any],
         output: Any,
     ) -> None:
-        if not self._attached:
+        if not self._attached or _tracing():
             return
         forensic = self._forensic
         if ops.replaying():
@@ -700,9 +707,10 @@ class Watcher:
 
     # ------------------------------------------------------------------ global hooks
     def _global_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        info = self._info_for(module, args, {})
-        if info is not None:
-            self._pre(info, module, args, {})
+        with _NO_TORCH_FUNCTION():
+            info = self._info_for(module, args, {})
+            if info is not None:
+                self._pre(info, module, args, {})
 
     def _global_post(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # (kwargs, output) normally; PyTorch calls always-call global hooks with (output)
@@ -710,7 +718,8 @@ class Watcher:
         kwargs, output = (rest[0], rest[1]) if len(rest) == 2 else ({}, rest[0])
         info = self._infos.get(module)
         if info is not None:
-            self._post(info, module, args, kwargs, output)
+            with _NO_TORCH_FUNCTION():
+                self._post(info, module, args, kwargs, output)
 
     def _info_for(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -870,8 +879,13 @@ class Watcher:
             n = t.numel()
             if n == 0 or t.is_meta:
                 return
-            a, b = torch.aminmax(t.detach())  # detach: cheaper than a no_grad block
-            lo, hi = a.item(), b.item()
+            try:
+                a, b = torch.aminmax(t.detach())  # detach: cheaper than a no_grad block
+                lo, hi = a.item(), b.item()
+            except RuntimeError:
+                if _has_no_data(t):
+                    return  # a fake or functional tensor (tracing): nothing to measure
+                raise
         else:
             mm = minmax(t)  # complex, float8, sparse, nested
             if mm is None:
@@ -946,7 +960,8 @@ class Watcher:
             _frames.warn_at_user(
                 f"nanwatch: a module input or output of type {typ.__qualname__} holds no "
                 "tensor nanwatch can see (not a tensor, tuple, list, dict, dataclass or "
-                "namedtuple); tensors inside it are not watched."
+                "namedtuple); tensors inside it are not watched.",
+                safe=True,
             )
 
     def _record_outputs(self, info: _ModInfo, call: Call, output: Any) -> None:
@@ -1016,19 +1031,21 @@ class Watcher:
             def on_grads(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
                 g = grad_outputs[nr] if nr < len(grad_outputs) else None
                 if g is not None:
-                    self._on_grad(gen, step, rec, g)
+                    with _NO_TORCH_FUNCTION():
+                        self._on_grad(gen, step, rec, g)
 
             self._tensor_handles.append(node.register_prehook(on_grads))
             return True
 
         def on_grad(g: torch.Tensor) -> None:
-            self._on_grad(gen, step, rec, g)
+            with _NO_TORCH_FUNCTION():
+                self._on_grad(gen, step, rec, g)
 
         self._tensor_handles.append(t.register_hook(on_grad))  # type: ignore[no-untyped-call]
         return True
 
     def _on_grad(self, gen: int, step: int, fwd: Record, g: torch.Tensor) -> None:
-        if not self._attached or gen != self._gen or ops.replaying():
+        if not self._attached or gen != self._gen or ops.replaying() or _tracing():
             return
         if "grad" in self._disabled_hooks:
             return
@@ -1058,10 +1075,11 @@ class Watcher:
 
     def _end_of_backward(self) -> None:
         self._eob_queued = False
-        if not self._attached or ops.replaying():
+        if not self._attached or ops.replaying() or _tracing():
             return
         try:
-            self._check_grads()
+            with _NO_TORCH_FUNCTION():
+                self._check_grads()
             if self._new_trigger is not None:
                 self._handle_trigger(None)
         except NanwatchError:
@@ -1075,6 +1093,8 @@ class Watcher:
         output, so a NaN born there is found in forward, where it was born."""
         if not self._attached or threading.get_ident() != self._thread or ops.replaying():
             return
+        if _tracing():
+            return
         if "loss" in self._disabled_hooks:
             return
         try:
@@ -1086,24 +1106,27 @@ class Watcher:
             entry = self._known.get(id(t))
             if entry is not None and entry[0]() is t:
                 return  # a watched module (the criterion) produced it: already recorded
-            if not self._begun:
-                self._begun = True
-            call = self._open_call(_LOSS_INFO)
-            call.parent = None
-            rec = self._new_record(
-                Phase.FORWARD, LOSS_PATH, "output", t, call.id, module_type="functional"
-            )
-            rec.grad_fn = _grad_fn_name(t)
-            rec.version = _version(t)
-            self._measure(rec, t)
-            call.end = self._idx
-            self._known[id(t)] = (weakref.ref(t), rec.index, rec.version, False)
-            if self._new_trigger is not None:
-                self._handle_trigger(None, loss=t)
+            with _NO_TORCH_FUNCTION():
+                self._record_loss(t)
         except NanwatchError:
             raise
         except Exception as exc:
             self._fault("loss", "backward tap", exc)
+
+    def _record_loss(self, t: torch.Tensor) -> None:
+        self._begun = True
+        call = self._open_call(_LOSS_INFO)
+        call.parent = None
+        rec = self._new_record(
+            Phase.FORWARD, LOSS_PATH, "output", t, call.id, module_type="functional"
+        )
+        rec.grad_fn = _grad_fn_name(t)
+        rec.version = _version(t)
+        self._measure(rec, t)
+        call.end = self._idx
+        self._known[id(t)] = (weakref.ref(t), rec.index, rec.version, False)
+        if self._new_trigger is not None:
+            self._handle_trigger(None, loss=t)
 
     # ------------------------------------------------------------------ parameters
     def _collect_params(self) -> list[tuple[str, str, nn.Parameter]]:
@@ -1247,7 +1270,8 @@ class Watcher:
     def _overflow_step(self) -> None:
         _frames.warn_at_user(
             f"nanwatch: a single step recorded more than {self.config.max_records_per_step} "
-            "tensors; it was ended early. Call nw.step() once per training step."
+            "tensors; it was ended early. Call nw.step() once per training step.",
+            safe=True,
         )
         self._boundary()
 
@@ -1534,14 +1558,16 @@ class Watcher:
         _frames.warn_at_user(
             f"nanwatch: internal error in its {where} ({msg}); this hook is disabled for the "
             "rest of the run and training goes on. Please report it with the traceback "
-            "(python -W error::RuntimeWarning)."
+            "(python -W error::RuntimeWarning).",
+            safe=True,
         )
 
     def _checker_fault(self, exc: BaseException) -> None:
         self.faults.append(("op checker", f"{type(exc).__name__}: {exc}"))
         _frames.warn_at_user(
             f"nanwatch: internal error in the op checker ({type(exc).__name__}: {exc}); op "
-            "checks are off for the rest of the run."
+            "checks are off for the rest of the run.",
+            safe=True,
         )
 
     def _remove_hooks(self) -> None:
@@ -1656,6 +1682,23 @@ _backward_tap = _BackwardTap()
 _LOSS_INFO = _ModInfo(LOSS_PATH, nn.Identity(), is_root=True, first_root=False)
 _LOSS_INFO.type_name = "functional"
 _LOSS_INFO.is_loss = True
+
+
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _tracing() -> bool:
+    """Under a FakeTensorMode (torch.compile, export, meta-device initialisation) tensors
+    hold no values: the hooks stay out of the way."""
+    return torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None
+
+
+def _has_no_data(t: torch.Tensor) -> bool:
+    """Tensors that stand for values without holding them (FakeTensor under tracing,
+    functional wrappers): their statistics cannot be read."""
+    name = type(t).__name__
+    return name in ("FakeTensor", "FunctionalTensor") or torch._is_functional_tensor(t)
 
 
 def _deliberate_exit(exc: BaseException) -> bool:

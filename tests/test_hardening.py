@@ -1,0 +1,173 @@
+"""Faults and memory (issue 9): nanwatch must never be what breaks a training job."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import nanwatch
+from nanwatch.rules import REGISTRY, rule
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, nw: nanwatch.Watcher) -> None:
+    loss = model(torch.randn(8, 16)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    nw.step()
+
+
+def test_keyboard_interrupt_in_the_middle_of_a_flush(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    @rule("NW990", title="interrupts the flush", severity="info", summary="test only")
+    def interrupt(ctx: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # the user pressed Ctrl-C while rules ran
+
+    try:
+        model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with (
+            pytest.raises(KeyboardInterrupt),
+            nanwatch.watch(model, report_dir=str(tmp_path)) as nw,
+        ):
+            for _ in range(5):
+                _step(model, opt, nw)
+    finally:
+        REGISTRY.pop("NW990", None)
+    assert not nw.attached
+    assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks
+    assert torch.autograd.backward.__module__ == "torch.autograd"
+    reports = list(tmp_path.glob("*.json"))
+    assert reports, "the interrupted run left no report"
+    report = nanwatch.Report.load(reports[0])
+    assert report.error is not None and report.error["class"] == "keyboard-interrupt"
+    # the watcher is usable again afterwards
+    with nanwatch.watch(model, postmortem=False) as again:
+        _step(model, opt, again)
+    assert len(again.history) == 1
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor)
+
+
+def test_memory_stays_flat_over_many_steps() -> None:
+    """Once the ring is full and the caches are warm, more steps add no live tensors and no
+    memory in nanwatch's own code (allocations fluctuate around zero).
+    benchmarks/memory_soak.py runs 10,000 steps and reports RSS and the slope."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with nanwatch.watch(model, ring_size=16) as nw:
+        for _ in range(100):  # warm every cache
+            _step(model, opt, nw)
+        tensors_before = _live_tensors()
+        tracemalloc.start()
+        for _ in range(40):  # the ring now holds only traced steps
+            _step(model, opt, nw)
+        gc.collect()
+        snap_before = tracemalloc.take_snapshot()
+        for _ in range(200):
+            _step(model, opt, nw)
+        gc.collect()
+        snap_after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        tensors_after = _live_tensors()
+    assert len(nw.history) == 16
+    assert tensors_after <= tensors_before
+    ours = [
+        s
+        for s in snap_after.compare_to(snap_before, "filename")
+        if "nanwatch" in s.traceback[0].filename
+    ]
+    growth = sum(s.size_diff for s in ours)
+    # autograd frees nodes (and the hooks nanwatch put on them) when it likes: a few KB
+    # come and go; one leaked record a step would be ~90 KB here
+    assert growth < 48 * 1024, f"nanwatch grew by {growth} bytes over 200 steps: {ours[:5]}"
+
+
+def test_a_report_directory_that_cannot_be_written_never_hides_the_users_error(
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the report directory should be")
+    model = nn.Linear(2, 2)
+    err = ValueError("the user's own error")
+    with (
+        pytest.warns(RuntimeWarning, match="could not write"),
+        pytest.raises(ValueError) as info,
+        nanwatch.watch(model, report_dir=str(blocker / "reports")),
+    ):
+        model(torch.randn(1, 2))
+        raise err
+    assert info.value is err
+
+
+def test_under_fake_tensors_the_hooks_stay_out_of_the_way() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+        with nanwatch.watch(model, postmortem=False) as nw:
+            model(torch.randn(2, 3)).sum().backward()
+            nw.step()
+    assert nw.faults == []
+    assert nw.history[-1].records == []
+
+
+def test_an_internal_fault_under_warnings_as_errors_does_not_stop_training(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import warnings
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("boom")
+
+    monkeypatch.setattr(nanwatch.Watcher, "_record_outputs", broken)
+    model = nn.Sequential(nn.Linear(3, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nanwatch.watch(model, postmortem=False) as nw:
+            model(torch.randn(2, 3)).sum().backward()
+            nw.step()
+    assert nw.faults and "internal error" in capsys.readouterr().err
+
+
+def test_a_compiled_submodule_is_refused_with_the_way_out() -> None:
+    model = nn.Sequential(nn.Linear(3, 3))
+    model.add_module("block", torch.compile(nn.Linear(3, 3)))
+    with pytest.raises(nanwatch.ConfigError, match=r"torch\.compile"):
+        nanwatch.watch(model).attach()
+    assert not model[0]._forward_hooks
+
+
+def test_a_users_torch_function_mode_does_not_see_nanwatchs_own_ops() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.GELU())
+    with nanwatch.watch(model, postmortem=False) as nw, Count() as mode:
+        model(torch.randn(2, 3))
+        nw.step()
+    assert "aminmax" not in mode.names
+    assert any(r.stat is not None for r in nw.history[-1].records)
