@@ -1524,6 +1524,40 @@ def _guard(
     raise _error(note, failure, watcher.step_index, is_module=is_module)
 
 
+#: autograd nodes that only move or copy values: the activation is behind them
+_SHAPE_ONLY = (
+    "View",
+    "Reshape",
+    "UnsafeView",
+    "Squeeze",
+    "Unsqueeze",
+    "Permute",
+    "Transpose",
+    "T",
+    "Expand",
+    "Select",
+    "Slice",
+    "Clone",
+    "ToCopy",
+    "Contiguous",
+    "AsStrided",
+    "Flatten",
+)
+
+
+def _activation_node(fn: Any, depth: int = 8) -> str | None:
+    """The first autograd node under a loss input that is not a view or a copy:
+    ``torch.sigmoid(x).squeeze(1)`` is still a sigmoid output."""
+    while fn is not None and depth > 0:
+        name = type(fn).__name__
+        if name.split("Backward")[0] not in _SHAPE_ONLY:
+            return name
+        nxt = [n for n, _ in fn.next_functions if n is not None]
+        fn = nxt[0] if len(nxt) == 1 else None
+        depth -= 1
+    return None
+
+
 def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
     x, v = p.input, p.values
     data: dict[str, Any] = {
@@ -1531,6 +1565,7 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
         "input_dtype": dtype_name(x.dtype),
         "input_shape": list(x.shape),
         "input_grad_fn": type(x.grad_fn).__name__ if x.grad_fn is not None else None,
+        "input_activation": _activation_node(x.grad_fn),
         "reduction": _reduction(p.bound),
     }
     rec = watcher.record_of(x)

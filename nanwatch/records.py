@@ -421,7 +421,8 @@ class Note:
 
     * ``"loss_input"``: one per guarded loss call. ``data``: ``loss`` (class or function
       name), ``input_dtype``, ``input_grad_fn`` (autograd node of the input:
-      ``SigmoidBackward0`` means it came out of a sigmoid), ``input_source`` (index of the
+      ``SigmoidBackward0`` means it came out of a sigmoid), ``input_activation`` (the first
+      node under the input that is not a view or copy), ``input_source`` (index of the
       record that produced the input, when a watched module did), ``input_min``,
       ``input_max``, ``probability_rows`` (True when every row is in [0, 1] and sums to 1),
       ``exact_zeros``/``exact_ones`` (inputs of BCE-style losses), ``ignore_index``,

@@ -701,3 +701,16 @@ def test_fake_tensors_are_not_read() -> None:
         F.cross_entropy(logits, target)  # nothing to read: shapes only, no error
         (note,) = nw.trace.notes
     assert note.kind == "loss_input" and "target_max" not in note.data
+
+
+def test_the_activation_behind_views_is_named_in_the_evidence() -> None:
+    import nanwatch
+
+    model = torch.nn.Linear(4, 1)
+    criterion = torch.nn.BCELoss()
+    with nanwatch.watch(model, criterion, postmortem=False) as nw:
+        p = torch.sigmoid(model(torch.randn(6, 4))).squeeze(1)  # a view over the sigmoid
+        criterion(p, torch.ones(6))
+        notes = [n for n in nw.trace.notes if n.kind == "loss_input"]
+    assert notes[0].data["input_grad_fn"] == "SqueezeBackward1"
+    assert notes[0].data["input_activation"] == "SigmoidBackward0"
