@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import linecache
 import os
 import re
@@ -18,10 +20,25 @@ _SKIP_PREFIXES = (_TORCH_DIR, _NANWATCH_DIR)
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
 
 
+@functools.cache
+def _framework_dirs() -> tuple[str, ...]:
+    """Training frameworks call the user's code: their frames are not the user's line
+    (found without importing them)."""
+    dirs: list[str] = []
+    for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is not None and spec.submodule_search_locations:
+            dirs.extend(os.path.join(d, "") for d in spec.submodule_search_locations)
+    return tuple(dirs)
+
+
 def is_internal(filename: str) -> bool:
     if filename.startswith(_USER_INSIDE):
         return False
-    if filename.startswith(_SKIP_PREFIXES):
+    if filename.startswith(_SKIP_PREFIXES) or filename.startswith(_framework_dirs()):
         return True
     if filename.startswith("<"):  # <frozen ...>, <string>
         return True
@@ -69,7 +86,11 @@ def user_line_from_traceback(lines: list[str] | str) -> tuple[str | None, str | 
 
 
 def _short(filename: str) -> str:
-    """A path relative to the working directory when inside it, else as is."""
+    """A path relative to the working directory when inside it, else as is; a notebook
+    cell by the name IPython gives it (``In[4]``)."""
+    cell = _notebook_cell(filename)
+    if cell is not None:
+        return cell
     try:
         rel = os.path.relpath(filename)
     except ValueError:
@@ -104,3 +125,20 @@ def warn_at_user(
         if not safe:
             raise
         sys.stderr.write(f"{message}\n")
+
+
+def _notebook_cell(filename: str) -> str | None:
+    """``In[4]`` for the file IPython compiled a notebook cell into, else None."""
+    if "ipykernel_" not in filename and "<ipython-input" not in filename:
+        return None
+    ipython = sys.modules.get("IPython")
+    get = getattr(ipython, "get_ipython", None) if ipython is not None else None
+    shell = get() if get is not None else None
+    fmt = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if fmt is None:
+        return None
+    try:
+        named = fmt(filename)
+    except Exception:
+        return None
+    return str(named[1]) if named else None

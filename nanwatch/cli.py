@@ -90,26 +90,48 @@ def _console(*, stderr: bool = False) -> Any:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
     from nanwatch import scenarios
     from nanwatch.render import demo_summary
 
     console = _console()
     if args.list:
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold", no_wrap=True)
+        grid.add_column()
         for s in scenarios.all_scenarios():
-            console.print(f"[bold]{s.name:28s}[/bold] {s.title}")
+            grid.add_row(s.name, s.title)
+        console.print(grid)
         return 0
     chosen = [scenarios.get(n) for n in args.names] if args.names else scenarios.all_scenarios()
-    failures = 0
+    differ: list[str] = []
+    seconds = 0.0
     for s in chosen:
         options: dict[str, Any] = {}
         if args.report_dir:
             options.update(report_dir=args.report_dir)
         outcome = scenarios.run(s, **options)
+        seconds += outcome.seconds
         if args.report_dir and outcome.watcher is not None:
             outcome.watcher.report.save_all(args.report_dir, stem=s.name)
         console.print(demo_summary(outcome))
-        failures += bool(outcome.mismatches())
-    return 1 if failures else 0
+        if outcome.mismatches():
+            differ.append(s.name)
+    n = len(chosen)
+    done = f"{n - len(differ)}/{n} scenario{'s' if n != 1 else ''} diagnosed as expected"
+    console.print(
+        f"{'✗' if differ else '✓'} {done} ({seconds:.1f} s)",
+        style="bold red" if differ else "bold green",
+        markup=False,
+    )
+    if differ:
+        console.print(f"  not as expected: {', '.join(differ)}", markup=False)
+    if args.report_dir:
+        console.print(f"  full reports (JSON and HTML) in {args.report_dir}", markup=False)
+    else:
+        console.print("  full reports: nanwatch demo --report-dir DIR", style="dim", markup=False)
+    return 1 if differ else 0
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -895,79 +895,362 @@ def render_text(report: Report, *, width: int | None = None, color: bool | None 
 
 # ---------------------------------------------------------------------- demo and stderr
 def demo_summary(outcome: Outcome) -> RenderableType:
-    """A compact panel for one gallery scenario (``nanwatch demo``): the headline (anomaly or
-    exception), the top diagnosis with its fix, whether nanwatch found what the scenario
-    expects, and how long it took.
+    """A compact panel for one gallery scenario (``nanwatch demo``), in the order a person
+    reads it: what went wrong and where (the first non-finite value with its op and source
+    line, or the exception's message), the top diagnosis, the evidence that matters most,
+    an earlier warning if one came before, and the fix as code; the border says whether
+    nanwatch found what the scenario expects (``EXPECTED``) and how long the run took.
+
+    Everything comes from the run: the anomaly, the exception, the diagnoses. Source paths
+    are shown relative to the gallery's package (else to the working directory, else as
+    ``file.py:line``); lines of code that do not fit the console have their comments moved
+    above them instead of being wrapped mid-expression.
 
     Example:
         >>> from nanwatch import scenarios
         >>> panel = demo_summary(scenarios.run(scenarios.get("div-by-zero")))  # doctest: +SKIP
+        >>> Console(width=80).print(panel)                                     # doctest: +SKIP
     """
+    return Themed(_DemoPanel(_demo_view(outcome)))
+
+
+@dataclass(slots=True)
+class _DemoRow:
+    """One row of a demo panel: a short label and a text, or lines of code (``code``) that
+    are fitted to the console's width when the panel is rendered."""
+
+    label: Text
+    text: Text | None = None
+    code: list[str] = field(default_factory=list)
+    #: a line of the user's source, shown after ``text`` (on its own line when it does not
+    #: fit beside it; its trailing comment dropped when it does not fit at all)
+    line: str = ""
+
+
+@dataclass(slots=True)
+class _DemoView:
+    name: str
+    title: str
+    rows: list[_DemoRow]
+    verdict: Text
+    border: str
+
+
+class _DemoPaths:
+    """Shortens ``path/to/file.py:42`` in a text: relative to the scenario's package when
+    the file is in it, else to the working directory when inside it, else the file name."""
+
+    def __init__(self, module: str) -> None:
+        mod = sys.modules.get(module)
+        file = getattr(mod, "__file__", None)
+        self.package = os.path.dirname(os.path.abspath(file)) if file else None
+
+    def path(self, path: str) -> str:
+        full = os.path.abspath(path)
+        if self.package is not None and full.startswith(self.package + os.sep):
+            return os.path.relpath(full, self.package)
+        try:
+            rel = os.path.relpath(full)
+        except ValueError:  # another drive (Windows)
+            rel = os.pardir
+        return os.path.basename(full) if rel.startswith(os.pardir) else rel
+
+    def text(self, text: str) -> str:
+        import re
+
+        return re.sub(
+            r"(?P<path>[^\s:'\"()\[\],]+\.py):(?P<line>\d+)",
+            lambda m: f"{self.path(m['path'])}:{m['line']}",
+            text,
+        )
+
+
+def _demo_view(outcome: Outcome) -> _DemoView:
     s = outcome.scenario
+    paths = _DemoPaths(s.module)
     report = (
         Report.from_watcher(outcome.watcher, outcome.error) if outcome.watcher is not None else None
     )
+    err = _demo_error(outcome, report)
+    a = outcome.anomaly
+    top = outcome.top  # the answer `mismatches()` judges
+    rows: list[_DemoRow] = []
+    event_step: int | None = None
+
+    if a is not None:
+        event_step = a.step
+        what = Text(f"step {a.step}: ", style="nanwatch.dim")
+        what.append(paths.text(a.summary.split(" [")[0]))
+        rows.append(_DemoRow(Text("what", style="nanwatch.error"), what))
+        if a.op is not None:
+            at = Text(a.op.op, style="nanwatch.op")
+            if a.op.source:
+                at.append(" at ")
+                at.append(paths.text(a.op.source), style="nanwatch.source")
+            rows.append(_DemoRow(Text("at", style="nanwatch.label"), at, line=a.op.code or ""))
+    if err is not None:
+        label = "what" if a is None else "raised"
+        step = err.get("step")
+        if a is None and isinstance(step, int):
+            event_step = step
+        what = Text(f"step {step}: " if isinstance(step, int) else "", style="nanwatch.dim")
+        what.append(_demo_exception_head(err))
+        message = paths.text(_demo_message(str(err.get("message", ""))))
+        if message:
+            what.append(f": {message}")
+        rows.append(_DemoRow(Text(label, style="nanwatch.error"), what))
+        source = paths.text(str(err["source"])) if err.get("source") else None
+        if source is not None and source in what.plain:
+            source = None  # the message names it already
+        code = str(err.get("code") or "")
+        if source is not None or code:
+            at = Text(source or "", style="nanwatch.source")
+            rows.append(_DemoRow(Text("at", style="nanwatch.label"), at, line=code))
+    if a is None and err is None:
+        if top is not None:  # no NaN or inf and no exception: the diagnosis is the news
+            where = _demo_where(top, paths)
+            code = _demo_code_line(top.source) if top.source else ""
+            rows.append(_DemoRow(Text("where", style="nanwatch.label"), where, line=code))
+        else:
+            head = report.headline if report is not None else "the scenario never called watch()"
+            ok = report is not None and report.status == "ok"
+            style = "nanwatch.ok" if ok else "nanwatch.warning"
+            rows.append(_DemoRow(Text("what", style=style), Text(head, style=style)))
+
+    shown = "\n".join(f"{r.text.plain if r.text else ''} {r.line}" for r in rows)
+    if top is not None:
+        sev = _STATUS_STYLE.get(top.severity, "nanwatch.info")
+        line = Text(top.title, style="nanwatch.title")
+        extra = [x for x in (top.path, top.op) if x and not _demo_mentions(shown, x)]
+        if event_step is not None and top.step is not None and top.step != event_step:
+            extra.append(f"step {top.step}")
+        if extra:
+            line.append(f" (in {', '.join(extra)})", style="nanwatch.dim")
+        rows.append(_DemoRow(Text(top.code, style=sev), line))
+        evidence = _demo_evidence(top.evidence, shown, paths)
+        if evidence is not None:
+            rows.append(_DemoRow(Text(""), Text(evidence)))
+    warned = _demo_warned(outcome, event_step)
+    if warned is not None:
+        rows.append(_DemoRow(Text("warned", style="nanwatch.warning"), warned))
+    if top is not None and top.fix.strip():
+        fix = [ln.rstrip() for ln in top.fix.strip().splitlines()]
+        rows.append(_DemoRow(Text("fix", style="nanwatch.fix"), code=fix[:_DEMO_FIX_LINES]))
+        if len(fix) > _DEMO_FIX_LINES:
+            more = len(fix) - _DEMO_FIX_LINES
+            rows.append(
+                _DemoRow(
+                    Text(""),
+                    Text(
+                        f"… {more} more line{'s' if more > 1 else ''} in the full report",
+                        style="nanwatch.dim",
+                    ),
+                )
+            )
+    elif err is not None and err.get("advice"):
+        hint = Text(_first_sentence(paths.text(str(err["advice"]))))
+        rows.append(_DemoRow(Text("hint", style="nanwatch.label"), hint))
+
     mismatches = outcome.mismatches(with_diagnosis=True)
     located = not outcome.mismatches(with_diagnosis=False)
-    ok = not mismatches
-    body = Table.grid(padding=(0, 1))
-    body.add_column(no_wrap=True)
-    body.add_column(overflow="fold")
-    if report is not None:
-        status = report.status
-        body.add_row(
-            Text(_ICON[status], style=_STATUS_STYLE[status]), Text(_clip(report.headline, 150))
-        )
-        top = report.top
-        if top is not None:
-            body.add_row(
-                Text(top.code, style="nanwatch.code"),
-                Text(top.title + (f" ({top.where})" if top.where else "")),
-            )
-            if top.fix:
-                fix = top.fix.strip().splitlines()
-                shown = "\n".join(fix[:_DEMO_FIX_LINES])
-                if len(fix) > _DEMO_FIX_LINES:
-                    more = len(fix) - _DEMO_FIX_LINES
-                    shown += f"\n… {more} more line{'s' if more > 1 else ''} in the report"
-                body.add_row(Text("fix", style="nanwatch.label"), Text(shown, style="nanwatch.fix"))
-        elif report.error is not None and report.error.get("advice"):
-            body.add_row(
-                Text("hint", style="nanwatch.label"), Text(_first_sentence(report.error["advice"]))
-            )
-    elif outcome.error is not None:
-        body.add_row(
-            Text("✗", style="nanwatch.error"),
-            Text(f"{type(outcome.error).__name__}: {outcome.error}"),
-        )
     for m in mismatches:
-        body.add_row(Text("✗", style="nanwatch.error"), Text(m, style="nanwatch.error"))
-    if ok:
-        verdict = Text("✓ as expected", style="nanwatch.ok")
+        rows.append(_DemoRow(Text("✗", style="nanwatch.error"), Text(m, style="nanwatch.error")))
+    if not mismatches:
+        verdict, border = Text("✓ as expected", style="nanwatch.ok"), "nanwatch.ok"
     elif located:
         verdict = Text("✓ localized, ✗ diagnosis differs", style="nanwatch.warning")
+        border = "nanwatch.warning"
     else:
-        verdict = Text("✗ differs from the expected result", style="nanwatch.error")
+        verdict, border = (
+            Text("✗ differs from the expected result", style="nanwatch.error"),
+            "nanwatch.error",
+        )
     verdict.append(f" · {outcome.seconds:.2f} s", style="nanwatch.dim")
-    title = Text(s.name, style="nanwatch.title")
-    title.append(f" · {s.title}", style="nanwatch.dim")
-    return Themed(
-        Panel(
-            body,
+    return _DemoView(s.name, s.title, rows, verdict, border)
+
+
+def _demo_error(outcome: Outcome, report: Report | None) -> dict[str, Any] | None:
+    """The exception that ended the scenario, as the report classified it (a nanwatch
+    anomaly raised on purpose is the anomaly, not news of its own)."""
+    if report is not None:
+        err = report.error
+        return None if err is None or err.get("class") == "anomaly" else err
+    exc = outcome.error
+    if exc is None:
+        return None
+    return {"type": type(exc).__qualname__, "message": str(exc), "class": "other"}
+
+
+def _demo_exception_head(err: dict[str, Any]) -> str:
+    short = str(err.get("type", "")).rsplit(".", 1)[-1] or "exception"
+    label = ERROR_LABELS.get(str(err.get("class", "other")), "exception")
+    return short if label in ("exception", short) else f"{short} ({label})"
+
+
+def _demo_message(message: str, limit: int = 240) -> str:
+    """The message's first line; a long one cut after a whole sentence, never inside one."""
+    import re
+
+    line = next((ln.strip() for ln in message.splitlines() if ln.strip()), "")
+    if len(line) <= limit:
+        return line
+    sentences = re.split(r"(?<=[.?!])\s+(?=[A-Z])", line)
+    out = sentences[0]
+    for more in sentences[1:]:
+        if len(out) + 1 + len(more) > limit:
+            break
+        out += " " + more
+    return out
+
+
+def _demo_where(d: Diagnosis, paths: _DemoPaths) -> Text:
+    bits = [x for x in (d.path, d.op) if x]
+    head = bits[0] if bits else ""
+    if d.phase:
+        head += f" ({d.phase})" if head else d.phase
+    where = Text(head, style="nanwatch.path")
+    if d.step is not None:
+        where.append(f", step {d.step}" if head else f"step {d.step}", style="nanwatch.dim")
+    if d.source:
+        where.append(" at ")
+        where.append(paths.text(d.source), style="nanwatch.source")
+    return where
+
+
+def _demo_code_line(source: str) -> str:
+    """The text of ``file.py:42`` when the file can be read, else ''."""
+    import linecache
+
+    path, _, line = source.rpartition(":")
+    return linecache.getline(path, int(line)).strip() if path and line.isdigit() else ""
+
+
+def _demo_mentions(shown: str, name: str) -> bool:
+    """True when ``name`` (a module path, an op) appears in ``shown`` as a whole name."""
+    import re
+
+    return re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", shown) is not None
+
+
+def _demo_evidence(evidence: Sequence[str], shown: str, paths: _DemoPaths) -> str | None:
+    """The evidence line that matters most: the first with numbers in it that the panel
+    does not show already (the source line and the exception's message are shown above)."""
+    import re
+
+    fresh: list[str] = []
+    for ev in evidence:
+        text = paths.text(ev).strip()
+        if not text or text in shown or re.match(r"at \S+\.py:\d+", text):
+            continue
+        fresh.append(text)
+    numbers = [t for t in fresh if any(ch.isdigit() for ch in t)]
+    chosen = numbers or fresh
+    return chosen[0] if chosen else None
+
+
+def _demo_warned(outcome: Outcome, event_step: int | None) -> Text | None:
+    """The earliest diagnosis in the flight recorder from a step before the one that went
+    wrong: the early warning a user would have seen."""
+    if event_step is None:
+        return None
+    for t in outcome.history:
+        if t.step >= event_step or not t.diagnoses:
+            continue
+        d = sorted(t.diagnoses, key=_demo_severity)[0]
+        n = event_step - t.step
+        text = Text(d.code, style="nanwatch.code")
+        text.append(f" {d.title}")
+        text.append(
+            f" (step {t.step}, {n} step{'s' if n != 1 else ''} before)", style="nanwatch.dim"
+        )
+        return text
+    return None
+
+
+def _demo_severity(d: Diagnosis) -> int:
+    return {"error": 0, "warning": 1}.get(d.severity, 2)
+
+
+def _demo_fit_code(lines: Sequence[str], width: int) -> list[str]:
+    """Lines of code fitted to ``width``: a trailing comment that does not fit goes on its
+    own line above its code, a long comment wraps as comment lines; code itself is never
+    broken here (the console folds what is still too long)."""
+    import textwrap
+
+    out: list[str] = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = line[: len(line) - len(line.lstrip())]
+        body = line.strip()
+        code, comment = body, ""
+        if body.startswith("#"):
+            code, comment = "", body.lstrip("#").strip()
+        elif "  #" in body:
+            code, _, comment = body.partition("  #")
+            code, comment = code.rstrip(), comment.lstrip("#").strip()
+        if comment:
+            room = max(width - len(indent) - 2, 20)
+            out.extend(f"{indent}# {part}" for part in textwrap.wrap(comment, room))
+        if code:
+            out.append(indent + code)
+    return out
+
+
+_DEMO_LABEL_WIDTH = 6  #: "warned", "raised"
+
+
+def _demo_append_line(text: Text, line: str, room: int) -> None:
+    """``line`` (the user's source) after ``text``: beside it when both fit in ``room``,
+    else on its own line; without its trailing comment when the whole does not fit."""
+    last = text.plain.rsplit("\n", 1)[-1]
+    if last and len(last) + 2 + len(line) <= room:
+        text.append("  " + line)
+        return
+    if len(line) > room and "  #" in line:
+        line = line.partition("  #")[0].rstrip()
+    text.append(("\n" if text.plain else "") + line)
+
+
+class _DemoPanel:
+    """The demo panel, laid out for the console's width when it is rendered."""
+
+    def __init__(self, view: _DemoView) -> None:
+        self.view = view
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> Iterator[Any]:
+        v = self.view
+        width = options.max_width
+        rows = list(v.rows)
+        title = Text(v.name, style="nanwatch.title")
+        if len(v.name) + len(v.title) + 9 <= width:
+            title.append(f" · {v.title}", style="nanwatch.dim")
+        else:  # the title does not fit in the border: it opens the panel instead
+            rows.insert(0, _DemoRow(Text(""), Text(v.title, style="nanwatch.dim")))
+        # one label width for every panel, so that a gallery of them reads as one column
+        label_width = max(_DEMO_LABEL_WIDTH, *(len(r.label.plain) for r in rows))
+        room = max(width - 4 - label_width - 1, 20)
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(no_wrap=True, width=label_width)
+        grid.add_column(overflow="fold")
+        for r in rows:
+            if r.code:
+                body = Text("\n".join(_demo_fit_code(r.code, room)), style="nanwatch.fix")
+            else:
+                body = r.text.copy() if r.text is not None else Text("")
+                if r.line:
+                    _demo_append_line(body, r.line, room)
+            grid.add_row(r.label, body)
+        yield Panel(
+            grid,
             title=title,
             title_align="left",
-            subtitle=verdict,
+            subtitle=v.verdict,
             subtitle_align="right",
-            border_style="nanwatch.ok"
-            if ok
-            else ("nanwatch.warning" if located else "nanwatch.error"),
+            border_style=v.border,
             box=box.ROUNDED,
         )
-    )
-
-
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
 
 
 def _first_sentence(text: str) -> str:

@@ -580,7 +580,9 @@ class Watcher:
                     p.grad = g
             result.events = chk.events
         last = self.anomalies[-1] if self.anomalies else None
-        if last is not None:
+        # only a value born in forward or backward code can be reproduced or not by a replay:
+        # bad data and broken weights are bad in the replay too, with no op to blame
+        if last is not None and last.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
             phase = Phase.BACKWARD if last.kind is AnomalyKind.BACKWARD else Phase.FORWARD
             first = next(
                 (
@@ -1546,7 +1548,9 @@ class Watcher:
                 lines.append(f"nanwatch: step {trace.step}: {top.title}")
             lines.append(f"  {top.headline}")
             if top.fix:
-                lines.append(f"  fix: {top.fix}")
+                first, *more = top.fix.splitlines()
+                lines.append(f"  fix: {first}")
+                lines.extend(f"       {line}" for line in more)
         lines.append("  full report: print(nw.report); nw.report.save('run.html')")
         return "\n".join(lines)
 

@@ -36,10 +36,8 @@ def _chain_evidence(ev: OpEvent, trigger: OpEvent, what: str) -> list[str]:
         out.append(line)
     if trigger is not ev:
         tline = f" {code_line(trigger)}" if code_line(trigger) else ""
-        out.append(
-            f"then {short_op(trigger.op)} turned the {what} into {trigger.born}{tline} "
-            "(0 × inf, inf - inf and inf / inf are NaN)"
-        )
+        why = " (0 × inf, inf - inf and inf / inf are NaN)" if "NaN" in trigger.born else ""
+        out.append(f"then {short_op(trigger.op)} turned the {what} into {trigger.born}{tline}{why}")
     return out
 
 

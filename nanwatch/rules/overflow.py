@@ -106,10 +106,8 @@ def _from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Dia
     if line:
         evidence.append(line)
     if trigger is not ev:
-        evidence.append(
-            f"then {short_op(trigger.op)} turned the inf into {trigger.born} "
-            "(inf - inf, inf / inf and 0 × inf are NaN)"
-        )
+        why = " (inf - inf, inf / inf and 0 × inf are NaN)" if "NaN" in trigger.born else ""
+        evidence.append(f"then {short_op(trigger.op)} turned the inf into {trigger.born}{why}")
     if a.record.stat is not None and a.record.dtype != dtype:
         evidence.append(
             f"the anomaly was first seen in {a.record.where}: {a.record.stat.kinds()} in "
