@@ -48,7 +48,7 @@ import torch
 import nanwatch
 from nanwatch.config import WatchConfig
 from nanwatch.errors import AnomalyError, ConfigError
-from nanwatch.records import Anomaly, Phase, StepTrace
+from nanwatch.records import Anomaly, AnomalyKind, Phase, StepTrace
 from nanwatch.stats import dtype_limits
 from nanwatch.watcher import Watcher
 
@@ -637,11 +637,14 @@ class _NanWatch:
         nw = self.watcher
         assert nw is not None
         step = nw.step_index
-        if nw.check() is None or any(s == step for s, _ in self._pending):
+        anomaly = nw.check()
+        if anomaly is None or any(s == step for s, _ in self._pending):
             return
         first = not self._pending
         self._pending.append((step, self._batch_idx))
-        if first:
+        # a replay can name the op of a value born in forward or backward code; bad data and
+        # broken weights have no op to name
+        if first and anomaly.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
             self._replay(trainer, pl_module)
 
     def _decide(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
