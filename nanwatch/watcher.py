@@ -91,6 +91,93 @@ _PASSTHROUGH: frozenset[type] = frozenset(
     }
 )
 _FAST_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _types(*names: str) -> frozenset[type]:
+    """torch.nn classes by name, those this PyTorch has (RMSNorm came in 2.4)."""
+    return frozenset(getattr(nn, n) for n in names if isinstance(getattr(nn, n, None), type))
+
+
+#: Modules that cannot create a NaN or inf from finite inputs unless a value overflows the
+#: dtype: normalizations (eps > 0), dropout, averages, smooth activations, softmax (it
+#: subtracts the max), resampling, padding, lookups. In a dtype whose range ends near 3e38
+#: (float32, float64, bfloat16) that overflow would need values the records before them
+#: already show as absurd, so their outputs are not measured there: the next measured record
+#: (a Linear, a Conv, the loss) bounds them, and localization sees through them as it does
+#: through ReLU. In float16 and float8, where overflow is their real risk, they are measured.
+_PRESERVING: frozenset[type] = _types(
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "SyncBatchNorm",
+    "LayerNorm",
+    "GroupNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "LocalResponseNorm",
+    "RMSNorm",
+    "Dropout",
+    "Dropout1d",
+    "Dropout2d",
+    "Dropout3d",
+    "AlphaDropout",
+    "FeatureAlphaDropout",
+    "AvgPool1d",
+    "AvgPool2d",
+    "AvgPool3d",
+    "AdaptiveAvgPool1d",
+    "AdaptiveAvgPool2d",
+    "AdaptiveAvgPool3d",
+    "GELU",
+    "SiLU",
+    "Mish",
+    "ELU",
+    "CELU",
+    "SELU",
+    "Softplus",
+    "Hardswish",
+    "LogSigmoid",
+    "PReLU",
+    "RReLU",
+    "GLU",
+    "Softshrink",
+    "Hardshrink",
+    "Tanhshrink",
+    "Softmax",
+    "Softmin",
+    "LogSoftmax",
+    "Softmax2d",
+    "Upsample",
+    "UpsamplingNearest2d",
+    "UpsamplingBilinear2d",
+    "PixelShuffle",
+    "PixelUnshuffle",
+    "ChannelShuffle",
+    "ReflectionPad1d",
+    "ReflectionPad2d",
+    "ReflectionPad3d",
+    "ReplicationPad1d",
+    "ReplicationPad2d",
+    "ReplicationPad3d",
+    "ZeroPad1d",
+    "ZeroPad2d",
+    "ZeroPad3d",
+    "CircularPad1d",
+    "CircularPad2d",
+    "CircularPad3d",
+    "Embedding",
+)
+#: dtypes whose range makes overflow of a finite-preserving module implausible
+_WIDE = frozenset({torch.float32, torch.float64, torch.bfloat16})
+
+
+def _wide(output: Any) -> bool:
+    if isinstance(output, torch.Tensor):
+        return output.dtype in _WIDE or not output.is_floating_point()
+    return all(t.dtype in _WIDE or not t.is_floating_point() for _, t in iter_tensors(output, ""))
+
+
 _DROPOUT: tuple[type, ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
 
 
@@ -131,6 +218,8 @@ class _ModInfo:
         "params",
         "passthrough",
         "path",
+        "post_only",
+        "preserving",
         "type_name",
     )
 
@@ -140,6 +229,9 @@ class _ModInfo:
         self.is_root = is_root
         self.first_root = first_root
         self.passthrough = _is_passthrough(module) and not is_root
+        self.preserving = type(module) in _PRESERVING and not is_root
+        #: leaves watched from their forward hook alone (no pre-hook: cheaper)
+        self.post_only = self.passthrough or self.preserving
         self.is_loss = isinstance(module, nn.modules.loss._Loss)
         self.leaf = next(iter(module.children()), None) is None
         self.params = tuple(n for n, _ in module.named_parameters(recurse=False))
@@ -285,6 +377,7 @@ class Watcher:
         self._tensor_handles: list[Any] = []
         self._modules: list[tuple[nn.Module, _ModInfo]] = []
         self._params: list[tuple[str, str, nn.Parameter]] = []
+        self._param_types: list[str] = []  # the owner module's class, aligned with _params
         self._disabled_hooks: set[str] = set()
         self._disabled_rules: set[str] = set()
         self._opaque_warned: set[type] = set()
@@ -329,7 +422,7 @@ class Watcher:
             raise NanwatchError("this Watcher is already attached; call detach() first.")
         self._modules = _name_modules(self.roots)
         self._infos = weakref.WeakKeyDictionary(self._modules)
-        self._params = self._collect_params()
+        self._set_params()
         full_hooks = self.config.mode != "sentinel"
         forensic = self._forensic
         try:
@@ -344,7 +437,7 @@ class Watcher:
             for module, info in self._modules if not self.global_hooks else ():
                 if not (info.is_root or full_hooks):
                     continue
-                if not info.passthrough or forensic:
+                if not info.post_only or forensic:
                     self._handles.append(
                         module.register_forward_pre_hook(self._make_pre(info), with_kwargs=True)
                     )
@@ -632,8 +725,8 @@ class Watcher:
     ) -> None:
         if not self._attached or _tracing():
             return
-        if info.passthrough and not self._forensic:
-            return  # measured from its forward hook alone
+        if info.post_only and not self._forensic:
+            return  # watched from its forward hook alone
         if ops.replaying():
             ops.push_path(info.path)
             return
@@ -668,7 +761,7 @@ class Watcher:
             return
         forensic = self._forensic
         if ops.replaying():
-            if not info.passthrough or forensic:
+            if not info.post_only or forensic:
                 ops.pop_path()
             if output is not None:
                 outs = [t for _, t in iter_tensors(output, "output")]
@@ -682,7 +775,7 @@ class Watcher:
             if torch._C._current_autograd_node() is not None:
                 self._trace.recomputed += 1
                 return
-            pre_opened = not info.passthrough or forensic
+            pre_opened = not info.post_only or forensic
             frame = self._pop_frame(module) if pre_opened else None
             if pre_opened and frame is None:
                 return  # the call began before attach(), or in a skipped step
@@ -692,8 +785,10 @@ class Watcher:
                 call = frame.call
             else:
                 call = self._open_call(info)
-                self._record_inputs(info, call, args, kwargs)
-            self._record_outputs(info, call, output)
+                self._record_inputs(info, call, args, kwargs, after=True)
+            skip = info.passthrough or (info.preserving and not forensic and _wide(output))
+            call.passthrough = skip
+            self._record_outputs(info, call, output, skip=skip)
             call.end = self._idx
             if forensic:
                 outs = [t for _, t in iter_tensors(output, "output")]
@@ -761,7 +856,7 @@ class Watcher:
                 continue
             self._infos[m] = info
             self._modules.append((m, info))
-        self._params = self._collect_params()
+        self._set_params()
         if self.config.guards:
             from nanwatch import guards
 
@@ -913,8 +1008,18 @@ class Watcher:
         return s is not None and bool(getattr(s, "is_enabled", lambda: True)())
 
     def _record_inputs(
-        self, info: _ModInfo, call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        info: _ModInfo,
+        call: Call,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        after: bool = False,
     ) -> None:
+        """Link each input to the record that produced it, or measure it (functional code
+        made it). ``after``: recorded from the forward hook, once the call ran: a known
+        tensor whose version moved was changed by the call itself (an in-place ReLU), so it is
+        linked, not measured again."""
         known = self._known
         keep_ints = info.is_root or info.is_loss
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
@@ -926,7 +1031,7 @@ class Watcher:
             if not floating and not keep_ints:
                 continue
             entry = known.get(id(t))
-            if entry is not None and entry[0]() is t and entry[2] == _version(t):
+            if entry is not None and entry[0]() is t and (after or entry[2] == _version(t)):
                 self._new_record(
                     Phase.INPUT,
                     info.path,
@@ -966,14 +1071,18 @@ class Watcher:
                 safe=True,
             )
 
-    def _record_outputs(self, info: _ModInfo, call: Call, output: Any) -> None:
+    def _record_outputs(
+        self, info: _ModInfo, call: Call, output: Any, *, skip: bool = False
+    ) -> None:
+        """Record each output; ``skip``: the module cannot have made a non-finite value from
+        finite inputs here, so its outputs are bounded by its input's record, not measured."""
         if isinstance(output, torch.Tensor):
             items: Iterable[tuple[str, torch.Tensor]] = (("output", output),)
         else:
             items = self._walk(output, "output")
         known = self._known
         first_input: int | None = None
-        if info.passthrough:
+        if skip:
             for r in reversed(self._trace.records):
                 if r.call != call.id:
                     break
@@ -1009,7 +1118,7 @@ class Watcher:
             floating = t.is_floating_point() or t.is_complex()
             hooked = bool(same and entry is not None and entry[3])
             if floating:
-                if info.passthrough:
+                if skip:
                     if rec.source is None:
                         rec.source = first_input
                 else:
@@ -1131,6 +1240,11 @@ class Watcher:
             self._handle_trigger(None, loss=t)
 
     # ------------------------------------------------------------------ parameters
+    def _set_params(self) -> None:
+        self._params = self._collect_params()
+        owner_types = {info.path: info.type_name for _, info in self._modules}
+        self._param_types = [owner_types.get(path, "") for _, path, _ in self._params]
+
     def _collect_params(self) -> list[tuple[str, str, nn.Parameter]]:
         """(qualified name, owner module path, parameter), each parameter once."""
         seen: set[int] = set()
@@ -1150,35 +1264,45 @@ class Watcher:
         return out
 
     def _check_grads(self) -> None:
-        items = [(q, path, p.grad) for q, path, p in self._params if p.grad is not None]
+        """The L2 norm of every parameter gradient: multi-tensor kernels, one host read."""
         self._grads_checked = True
-        if not items:
+        grads: list[torch.Tensor] = []
+        metas: list[tuple[str, str, str]] = []
+        for (q, path, p), owner_type in zip(self._params, self._param_types, strict=True):
+            g = p.grad
+            if g is not None:
+                grads.append(g)
+                metas.append((q, path, owner_type))
+        if not grads:
             return
         if self._scaled:  # the scale these gradients were multiplied by (no sync: a copy)
             scale = getattr(self.scaler, "_scale", None)
             if isinstance(scale, torch.Tensor):
                 self._grad_scale = scale.detach().clone()
-        grads = [g for _, _, g in items]
-        dense = [g.layout is torch.strided for g in grads]
-        norms: list[torch.Tensor] = []
-        dense_grads = [g for g, d in zip(grads, dense, strict=True) if d]
-        dense_norms = iter(foreach_l2(dense_grads))
-        for g, d in zip(grads, dense, strict=True):
-            if d:
-                norms.append(next(dense_norms))
-            else:
-                norms.append(
-                    g.coalesce().values().float().norm()
-                    if g.is_sparse
-                    else g.values().float().norm()
-                )
-        owner_types = {info.path: info.type_name for _, info in self._modules}
-        recs = [
-            self._new_record(Phase.GRADIENT, path, q, g, -1, module_type=owner_types.get(path, ""))
-            for q, path, g in items
-        ]
-        if all(g.device.type == "cpu" for g in grads) and not self._defer_cpu:
-            values = torch.stack([n.double() for n in norms]).tolist()
+        if all(g.layout is torch.strided for g in grads):
+            norms = foreach_l2(grads)
+        else:
+            dense_norms = iter(foreach_l2([g for g in grads if g.layout is torch.strided]))
+            norms = [
+                next(dense_norms)
+                if g.layout is torch.strided
+                else (g.coalesce() if g.is_sparse else g).values().float().norm()
+                for g in grads
+            ]
+        records = self._trace.records
+        idx, step = self._idx, self._step
+        recs = []
+        for g, (q, path, owner_type) in zip(grads, metas, strict=True):
+            rec = Record(
+                idx, step, Phase.GRADIENT, path, q, dtype_name(g.dtype),
+                device_name(g.device), tuple(g.shape), None, -1, None, owner_type,
+            )  # fmt: skip
+            idx += 1
+            recs.append(rec)
+        self._idx = idx
+        records.extend(recs)
+        if not self._defer_cpu and all(g.device.type == "cpu" for g in grads):
+            values = torch.stack(norms).tolist()  # float32 norms (float64 for float64)
             self._fill_grad_stats(recs, grads, values)
         else:
             for rec, n in zip(recs, norms, strict=True):
@@ -1190,16 +1314,19 @@ class Watcher:
     ) -> None:
         total = 0.0
         for rec, g, n in zip(recs, grads, values, strict=True):
-            stat = TensorStat(-n, n, rec_numel(rec), norm=n)
-            if not math.isfinite(n) and g is not None:
-                detail = describe(g)
-                if detail is not None:
-                    detail.norm = n
-                    stat = detail
-            rec.stat = stat
+            numel = g.numel() if g is not None else rec_numel(rec)
+            # positional: min, max, numel, nan, posinf, neginf, zeros, near_max,
+            # finite_amax, bad_rows, bad_row_count, norm
+            rec.stat = TensorStat(-n, n, numel, None, None, None, None, None, None, None, None, n)
             total += n * n
-            if not stat.finite:
-                self._note_bad(rec)
+            if n - n != 0:  # inf or NaN (or a norm that overflowed: the counts tell)
+                if g is not None:
+                    detail = describe(g)
+                    if detail is not None:
+                        detail.norm = n
+                        rec.stat = detail
+                if not rec.stat.finite:
+                    self._note_bad(rec)
         self._trace.grad_norm = math.sqrt(total) if math.isfinite(total) else total
 
     def _check_params(self, *, all_records: bool) -> None:

@@ -790,3 +790,45 @@ def test_gradient_norm_is_unscaled_under_a_grad_scaler() -> None:
     trace = nw.history[-1]
     assert trace.scale == 1024.0
     assert trace.grad_norm == pytest.approx(scaled / 1024.0, rel=1e-5)
+
+
+# ---------------------------------------------------------------- what is measured
+def test_an_inplace_relu_is_linked_not_measured_again() -> None:
+    model = zoo.InplaceNet()
+    with nanwatch.watch(model) as nw:
+        model(torch.randn(3, 4)).sum().backward()
+        nw.step()
+    trace = nw.history[-1]
+    act = [r for r in trace.records if r.path == "act" and r.phase in (Phase.INPUT, Phase.FORWARD)]
+    assert all(r.stat is None for r in act)  # bounded by fc1's record, no second pass
+    assert act[0].source is not None and trace.record(act[0].source).path == "fc1"
+    assert "act" not in _paths(nw, Phase.BACKWARD)
+
+
+@pytest.mark.parametrize(("dtype", "measured"), [(torch.float32, False), (torch.float16, True)])
+def test_finite_preserving_modules_are_measured_only_where_they_can_overflow(
+    dtype: torch.dtype, measured: bool
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2)).to(dtype)
+    with nanwatch.watch(model) as nw:
+        model(torch.randn(3, 4, dtype=dtype)).float().sum().backward()
+        nw.step()
+    trace = nw.history[-1]
+    for path in ("1", "2"):  # LayerNorm and GELU
+        rec = next(r for r in trace.records if r.path == path and r.phase is Phase.FORWARD)
+        assert (rec.stat is not None) == measured, (path, dtype)
+        assert (path in _paths(nw, Phase.BACKWARD)) == measured
+    assert next(r for r in trace.records if r.path == "3" and r.phase is Phase.FORWARD).stat
+
+
+def test_a_nan_passed_through_an_unmeasured_module_is_blamed_on_its_maker() -> None:
+    class Div(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x / (x - x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Div(), nn.LayerNorm(4), nn.GELU(), nn.Linear(4, 2))
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        model(torch.randn(3, 4))
+    a = nw.first_anomaly
+    assert a is not None and a.path == "1"
+    assert "4" in a.propagators  # the next measured module merely passed it on
