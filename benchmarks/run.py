@@ -1,0 +1,982 @@
+"""nanwatch's overhead, measured against the tools people use today (issue 8).
+
+One command measures, in one process, the cost of a training step (forward + loss +
+backward + optimizer step) of three CPU workloads (see ``workloads.py``) under:
+
+* ``unwatched``: the baseline every ratio is relative to;
+* nanwatch ``sentinel``, ``watch``, ``watch`` with ``sample_every=10``, ``forensic``;
+* ``torch.autograd.detect_anomaly(check_nan=True)``;
+* transformers' ``DebugUnderflowOverflow`` (when transformers is installed);
+* guards on/off (``sentinel`` with ``guards=False``: one loss-module call a step), and the
+  functional-loss step (``F.mse_loss`` / ``F.cross_entropy``) unwatched, under ``watch``, and
+  under ``watch`` with ``functional_guards=True``;
+
+then peak RSS and the flight recorder's bytes per step, and, with ``--compile``, what
+``torch.compile`` does with nanwatch attached. ``--gpu`` adds a GPT-2-small-sized decoder in
+bf16 autocast and in float16 with a GradScaler, when CUDA is available.
+
+How the timing stays honest: every variant is attached (and detached) outside the timed
+region and stays attached for its whole block of steps, every watched step calls
+``nw.step()``, the variants run in rounds interleaved with each other (A B C, B C A, ...),
+warm-up steps are not timed, and each variant's step time is the median of its steps
+(``sample_every=10``: the medians of its full and its sentinel steps, weighted 1:9). Ratios
+are to the unwatched step of the same run; the bracket is the range of the per-round
+ratios. CPU time taken by other processes during the run is measured from /proc/stat and
+printed: ratios taken on a busy machine are not worth much.
+
+Usage::
+
+    python benchmarks/run.py                  # the full run (< 5 minutes on 2 cores)
+    python benchmarks/run.py --quick          # smoke setting: tiny shapes, seconds
+    python benchmarks/run.py --workloads W2 --variants unwatched,watch --rounds 9
+    python benchmarks/run.py --compile        # adds torch.compile (slow: compiles)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as _dt
+import gc
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+import tracemalloc
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `nanwatch` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+import nanwatch
+from benchmarks._timing import Cell, LoadMeter, interleave, to_cells, wait_quiet
+from benchmarks.variants import (
+    LEAKS,
+    NANWATCH_MODES,
+    VARIANTS,
+    Nanwatch,
+    Runner,
+    Unwatched,
+    make_runners,
+)
+from benchmarks.workloads import WORKLOADS, Workload, build
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS.md"
+MEMORY_VARIANTS = ("unwatched", "sentinel", "watch", "forensic", "detect_anomaly", "duo")
+
+# ---------------------------------------------------------------------------- results
+
+
+@dataclass
+class WorkloadResult:
+    name: str
+    description: str
+    n_modules: int
+    cells: dict[str, Cell] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    foreign_load: float | None = None
+    memory: dict[str, float] = field(default_factory=dict)  # variant -> peak RSS MiB
+    memory_method: str = ""
+    rounds: int = 0  #: rounds done (fewer than asked when the budget ran out)
+    recorder: dict[str, tuple[float, int]] = field(default_factory=dict)  # bytes/step, records
+    seconds: float = 0.0
+    timing_s: float = 0.0
+
+
+@dataclass
+class Options:
+    workloads: Sequence[str] = ("W1", "W2", "W3")
+    variants: Sequence[str] = VARIANTS
+    rounds: int = 7
+    #: timed steps per variant and round, at most (fewer when the budget is short)
+    steps: int = 8
+    #: seconds of timed rounds per workload that choose the steps (None: always ``steps``)
+    budget: float | None = 60.0
+    warmup: int = 3
+    round_warmup: int = 1
+    quick: bool = False
+    memory: bool = True
+    threads: int = 2
+    seed: int = 0
+
+
+def measure_workload(name: str, opts: Options) -> WorkloadResult:
+    """Time every selected variant on workload ``name``, interleaved in rounds; then its
+    memory."""
+    w = build(name, quick=opts.quick, seed=opts.seed)
+    wf = dataclasses.replace(w, functional=True)  # the same model, optimizer and batch
+    available = make_runners()
+    res = WorkloadResult(name, w.description, w.n_modules)
+    runners: list[Runner] = []
+    for key in opts.variants:
+        r = available[key]
+        why = r.unavailable()
+        if why is not None:
+            res.skipped[key] = why
+        else:
+            runners.append(r)
+    keys = {r.key for r in runners}
+    for r in list(runners):  # a ratio needs its baseline in the same run
+        if r.baseline not in keys:
+            res.skipped[r.key] = f"its baseline {r.baseline!r} was not selected"
+            runners.remove(r)
+    if not runners:
+        return res
+
+    def wl(r: Runner) -> Workload:
+        return wf if r.functional else w
+
+    t_start = time.perf_counter()
+    meter = LoadMeter().start()
+    # warm-up pass (untimed), which also estimates each variant's step time
+    est: dict[str, float] = {}
+    for r in runners:
+        r.attach(wl(r))
+        try:
+            ts = []
+            for _ in range(max(1, opts.warmup)):
+                t0 = time.perf_counter()
+                r.step(wl(r))
+                ts.append(time.perf_counter() - t0)
+        finally:
+            r.detach()
+        est[r.key] = min(ts[1:] or ts)  # min: a busy spell only ever adds time
+    n_steps = plan_steps(est, opts)
+    base_t = est.get("unwatched", min(est.values()))
+    deadline = None if opts.budget is None else time.perf_counter() + 1.25 * opts.budget
+    samples = interleave(
+        runners,
+        wl,
+        rounds=opts.rounds,
+        steps_for=lambda r: n_steps[r.key],
+        round_warmup=lambda r: opts.round_warmup if est[r.key] < 3 * base_t else 0,
+        deadline=deadline,
+    )
+    res.rounds = len({rnd for _, _, rnd in samples[runners[0].key].steps})
+    res.foreign_load = meter.stop()
+    res.cells = to_cells(runners, samples, opts.rounds)
+    res.timing_s = time.perf_counter() - t_start
+    if opts.memory:
+        measure_memory(w, runners, res, opts.quick)
+    res.seconds = time.perf_counter() - t_start
+    return res
+
+
+def plan_steps(est: dict[str, float], opts: Options) -> dict[str, int]:
+    """Timed steps per round for each variant: as many as ``opts.budget`` seconds allow
+    (at most ``opts.steps``), fewer for slow variants (forensic; detect_anomaly on a big
+    model), at least one."""
+    base_t = est.get("unwatched", min(est.values()))
+
+    def plan(s: int) -> dict[str, int]:
+        return {k: max(1, min(s, round(s * 1.5 * base_t / t))) for k, t in est.items()}
+
+    def warm(t: float) -> int:  # slow variants skip the per-round warm-up step
+        return opts.round_warmup if t < 3 * base_t else 0
+
+    best = plan(1)
+    for s in range(1, opts.steps + 1):
+        p = plan(s)
+        per_round = sum((warm(t) + p[k]) * t for k, t in est.items())
+        if opts.budget is not None and s > 1 and per_round * opts.rounds > opts.budget:
+            break
+        best = p
+    return best
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def _status_kib(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Linux: reset VmHWM (peak RSS) to the current RSS (``clear_refs`` 5, Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_memory(
+    w: Workload, runners: Sequence[Runner], res: WorkloadResult, quick: bool
+) -> None:
+    """Peak RSS of two steps of each variant (VmHWM reset before each), and the Python bytes
+    the flight recorder keeps per step (tracemalloc over fresh watchers)."""
+    by_key = {r.key: r for r in runners}
+    keys = ("unwatched", "watch") if quick else MEMORY_VARIANTS
+    if _reset_peak_rss() and _status_kib("VmHWM") is not None:
+        res.memory_method = "VmHWM reset by /proc/self/clear_refs before each variant"
+        gc.collect()
+        for key in keys:
+            r = by_key.get(key)
+            if r is None:
+                continue
+            _reset_peak_rss()
+            r.attach(w)
+            try:
+                for _ in range(2):
+                    r.step(w)
+            finally:
+                r.detach()
+            peak = _status_kib("VmHWM")
+            if peak is not None:
+                res.memory[key] = peak / 1024
+    else:
+        import resource
+
+        res.memory_method = "ru_maxrss of the whole process (no per-variant reset here)"
+        res.memory["process"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    for key in ("watch",) if quick else ("sentinel", "watch"):
+        r = by_key.get(key)
+        if not isinstance(r, Nanwatch):
+            continue
+        fresh = r.fresh()  # an empty flight recorder (ring_size 32 > the steps run here)
+        k = 1 if quick else 3
+        tracemalloc.start()
+        try:
+            fresh.attach(w)
+            try:
+                for _ in range(2):
+                    fresh.step(w)
+                gc.collect()
+                m0 = tracemalloc.get_traced_memory()[0]
+                for _ in range(k):
+                    fresh.step(w)
+                gc.collect()
+                m1 = tracemalloc.get_traced_memory()[0]
+            finally:
+                fresh.detach()
+        finally:
+            tracemalloc.stop()
+        assert fresh.nw is not None
+        records = len(fresh.nw.history[-1].records) if fresh.nw.history else 0
+        res.recorder[key] = ((m1 - m0) / k, records)
+
+
+# ---------------------------------------------------------------------------- torch.compile
+
+
+@dataclass
+class CompileResult:
+    workload: str
+    backend: str
+    refused: str = ""
+    graphs_plain: int | None = None
+    breaks_plain: int | None = None
+    graphs_watched: int | None = None
+    breaks_watched: int | None = None
+    break_reasons: list[str] = field(default_factory=list)
+    #: records of one watched step: eager, and per compiled variant (what nanwatch still sees)
+    records_eager: int = 0
+    records: dict[str, int] = field(default_factory=dict)
+    cells: dict[str, Cell] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    compile_s: float = 0.0
+    seconds: float = 0.0
+
+
+def _dedupe(reasons: Sequence[str], limit: int = 6) -> list[str]:
+    out: list[str] = []
+    for r in reasons:
+        line = " ".join(r.split())[:140]
+        if line not in out:
+            out.append(line)
+    return out[:limit]
+
+
+def measure_compile(name: str, opts: Options, backend: str, rounds: int) -> CompileResult:
+    """What torch.compile does with nanwatch: (1) watch(compiled) is refused; (2) graph
+    breaks of the model's forward with nanwatch's hooks on the eager modules, counted by
+    ``torch._dynamo.explain``; (3) step ratios to the compiled unwatched step: nanwatch on
+    the (uncompiled) loss module only, and nanwatch on ``compiled._orig_mod`` (hooks traced
+    by dynamo)."""
+    import logging
+
+    log = logging.getLogger("torch._dynamo")
+    level = log.level
+    log.setLevel(logging.ERROR)  # dynamo logs each graph break nanwatch's hooks cause
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # and warns about tracing them
+            return _measure_compile(name, opts, backend, rounds)
+    finally:
+        log.setLevel(level)
+
+
+def _measure_compile(name: str, opts: Options, backend: str, rounds: int) -> CompileResult:
+    import torch._dynamo as dynamo
+
+    t_start = time.perf_counter()
+    res = CompileResult(name, backend)
+    w = build(name, quick=opts.quick, seed=opts.seed)
+    compiled = torch.compile(w.model, backend=backend)
+    try:
+        nanwatch.watch(compiled, w.criterion)
+        res.refused = "accepted (not refused)"
+    except nanwatch.ConfigError as exc:
+        res.refused = f"ConfigError: {exc}"
+    dynamo.reset()
+    ex = dynamo.explain(w.model)(w.x)
+    res.graphs_plain, res.breaks_plain = ex.graph_count, ex.graph_break_count
+    dynamo.reset()
+    nw = nanwatch.watch(w.model, w.criterion, mode="watch", on_anomaly="warn")
+    counters = dynamo.utils.counters
+    counters["graph_break"].clear()
+    with nw:
+        ex = dynamo.explain(w.model)(w.x)
+        nw.step()
+    res.graphs_watched, res.breaks_watched = ex.graph_count, ex.graph_break_count
+    reasons = [str(b.reason) for b in ex.break_reasons] or list(counters["graph_break"])
+    res.break_reasons = _dedupe(reasons)
+    dynamo.reset()
+    with nw:  # what nanwatch records of an eager step, to compare with the compiled one
+        w.step()
+        res.records_eager = len(nw.step().records)
+
+    cw = dataclasses.replace(w, model=compiled)  # the step calls the compiled model
+    runners: list[Runner] = [
+        Unwatched("compiled", "compiled, unwatched"),
+        Nanwatch("compiled+loss-watch", "compiled model; nanwatch watch on the loss module",
+                 mode="watch", modules=(w.criterion,)),
+        Nanwatch("compiled+orig-watch", "compiled model; nanwatch watch on _orig_mod + loss",
+                 mode="watch", on_anomaly="warn", modules=(w.model, w.criterion)),
+    ]  # fmt: skip
+    for r in runners:
+        r.baseline = "compiled"
+    t0 = time.perf_counter()
+    for r in list(runners):  # the first calls compile (and recompile when hooks change)
+        try:
+            r.attach(cw)
+            try:
+                for _ in range(2):
+                    r.step(cw)
+            finally:
+                r.detach()
+        except Exception as exc:
+            res.errors[r.key] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            runners.remove(r)
+    res.compile_s = time.perf_counter() - t0
+    for r in runners:
+        if isinstance(r, Nanwatch) and r.nw is not None and r.nw.history:
+            res.records[r.key] = len(r.nw.history[-1].records)
+    samples = interleave(
+        runners, lambda r: cw, rounds=rounds, steps_for=lambda r: min(opts.steps, 4), round_warmup=1
+    )
+    res.cells = to_cells(runners, samples, rounds)
+    dynamo.reset()
+    res.seconds = time.perf_counter() - t_start
+    return res
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def source_digest() -> str:
+    """A short hash of nanwatch's source as it was measured."""
+    import hashlib
+
+    h = hashlib.sha256()
+    root = Path(nanwatch.__file__).resolve().parent
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def machine_info(opts: Options, digest: str) -> dict[str, str]:
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 0
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except Exception:
+        tf = "not installed"
+    commit = "unknown"
+    with contextlib.suppress(Exception):
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+    return {
+        "cpu": cpu,
+        "cores": f"{usable} usable ({os.cpu_count()} online), torch threads {opts.threads}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": tf,
+        "nanwatch": f"{nanwatch.__version__}, commit {commit}, source digest {digest} "
+        "(sha256 of nanwatch/**/*.py as measured: the working tree may differ from the commit)",
+        "scheduling": f"nice {os.nice(0)}"
+        + (
+            " (raised priority: other processes on this machine got the CPU only when the "
+            "benchmark left it idle)"
+            if os.nice(0) < 0
+            else ""
+        ),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def _fmt_ratio(c: Cell | None) -> str:
+    return "—" if c is None else f"x{c.ratio:.3f}"
+
+
+def targets(results: Sequence[WorkloadResult]) -> list[tuple[str, dict[str, str]]]:
+    """The issue's targets, pass/fail per workload."""
+    rows: list[tuple[str, dict[str, str]]] = []
+
+    def row(title: str, check: Callable[[WorkloadResult], tuple[bool, str] | None]) -> None:
+        cells: dict[str, str] = {}
+        for r in results:
+            out = check(r)
+            cells[r.name] = "n/a" if out is None else f"{'PASS' if out[0] else 'FAIL'} {out[1]}"
+        rows.append((title, cells))
+
+    def limit(key: str, bound: float) -> Callable[[WorkloadResult], tuple[bool, str] | None]:
+        def check(r: WorkloadResult) -> tuple[bool, str] | None:
+            c = r.cells.get(key)
+            if c is None:
+                return None
+            note = ""
+            if math.isfinite(c.ci_lo) and c.ci_lo <= bound < c.ci_hi:
+                note = f" (within noise: 90% CI {c.ci_lo:.3f}–{c.ci_hi:.3f})"
+            return (c.ratio <= bound, f"x{c.ratio:.3f}{note}")
+
+        return check
+
+    row("sentinel <= x1.02", limit("sentinel", 1.02))
+    row("watch <= x1.10", limit("watch", 1.10))
+    row("watch sample_every=10 <= x1.03", limit("watch-every10", 1.03))
+
+    for key in NANWATCH_MODES:
+
+        def vs_anomaly(r: WorkloadResult, key: str = key) -> tuple[bool, str] | None:
+            c, a = r.cells.get(key), r.cells.get("detect_anomaly")
+            if c is None or a is None:
+                return None
+            mine, theirs = c.ratio - 1, a.ratio - 1
+            if theirs <= 0:  # nothing to be 5x below: only noise can be compared
+                return None
+            factor = theirs / mine if mine > 0 else math.inf
+            return (factor >= 5, f"{factor:.1f}x less" if mine > 0 else "no overhead")
+
+        row(f"{key}: overhead 5x below detect_anomaly", vs_anomaly)
+    return rows
+
+
+def render_markdown(
+    *,
+    results: Sequence[WorkloadResult],
+    compile_res: Sequence[CompileResult],
+    gpu: Any,
+    info: dict[str, str],
+    opts: Options,
+    command: str,
+    wall: float,
+    walls: dict[str, float],
+    leaks: dict[str, str],
+) -> str:
+    names = [r.name for r in results]
+    labels = {k: r.label for k, r in make_runners().items()}
+    out: list[str] = []
+    add = out.append
+    add("# nanwatch benchmark results (issue 8)\n")
+    add("Generated by `benchmarks/run.py`; do not edit by hand, re-run it.\n")
+    add("## Machine\n")
+    for k, v in info.items():
+        add(f"- {k}: {v}")
+    loads = [f"{r.name} {r.foreign_load:.2f}" for r in results if r.foreign_load is not None]
+    if loads:
+        add(
+            "- CPU used by other processes while timing (cores; 0 = a quiet machine): "
+            + ", ".join(loads)
+        )
+    add(
+        f"- wall time of the run: {wall:.0f} s ("
+        + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items())
+        + ")\n"
+    )
+    if leaks:
+        add("Global state a tool left changed after detaching (put back by the harness, so "
+            "the variants after it were measured without it; a bug to fix):\n")  # fmt: skip
+        for what, key in leaks.items():
+            add(f"- {what} (first seen after `{key}`)")
+        add("")
+    add("Reproduce:\n")
+    add(f"```\n{command}\n```\n")
+    add("## Step time, as a ratio to the unwatched step\n")
+    add(
+        f"{opts.rounds} interleaved rounds asked"
+        + (f" (done: {', '.join(f'{r.name} {r.rounds}' for r in results)})" if results else "")
+        + "; in each, every variant is attached, runs "
+        f"{opts.round_warmup} untimed step(s) (slow variants, over 3x the unwatched step: "
+        f"none) and its timed steps (planned from a {opts.warmup}-step warm-up pass, at "
+        f"most {opts.steps}, fewer for slow variants), and is detached. Ratio: the median of "
+        "the per-round ratios (a variant's median step over the unwatched one's in the same "
+        "round); brackets: their range; the targets table flags a verdict whose 90% "
+        "bootstrap interval straddles the bound as within noise. The functional-loss rows "
+        "are relative to the functional step unwatched.\n"
+    )
+    add("| variant | " + " | ".join(names) + " |")
+    add("|---|" + "---|" * len(names))
+    keys = [k for k in VARIANTS if any(k in r.cells or k in r.skipped for r in results)]
+    for key in keys:
+        cells = []
+        for r in results:
+            c = r.cells.get(key)
+            if c is None:
+                cells.append("skipped" if key in r.skipped else "—")
+            else:
+                cells.append(f"x{c.ratio:.3f} [{c.lo:.2f}–{c.hi:.2f}]")
+        add(f"| {labels.get(key, key)} | " + " | ".join(cells) + " |")
+    add(
+        "\nMedian step time in ms (number of timed steps), and the ratio of the fastest "
+        "steps (min/min: other processes only ever add time, so on a busy machine this is "
+        "the better guess of the quiet-machine ratio):\n"
+    )
+    add("| variant | " + " | ".join(names) + " |")
+    add("|---|" + "---|" * len(names))
+    for key in keys:
+        cells = []
+        for r in results:
+            c = r.cells.get(key)
+            cells.append("—" if c is None else f"{c.ms:.1f} ms ({c.n}); min x{c.min_ratio:.3f}")
+        add(f"| {labels.get(key, key)} | " + " | ".join(cells) + " |")
+    skipped = {k: v for r in results for k, v in r.skipped.items()}
+    for k, why in skipped.items():
+        add(f"\n- {labels.get(k, k)} skipped: {why}")
+    add("\nWorkloads:\n")
+    for r in results:
+        add(f"- {r.name}: {r.description} ({r.n_modules} modules)")
+    add("\n## Targets of issue 8\n")
+    add("| target | " + " | ".join(names) + " |")
+    add("|---|" + "---|" * len(names))
+    for title, cells in targets(results):
+        add(f"| {title} | " + " | ".join(cells.get(n, "n/a") for n in names) + " |")
+    add(
+        "\nGPU targets (`watch` <= x1.05, `sentinel` <= x1.01 on a GPT-2-small-sized step): "
+        + (gpu_summary(gpu) if gpu else "not measured in this run (no `--gpu`, or no CUDA).")
+    )
+    if any(r.memory or r.recorder for r in results):
+        add("\n## Memory\n")
+        method = next((r.memory_method for r in results if r.memory_method), "")
+        add(f"Peak RSS over two steps of each variant ({method}), MiB:\n")
+        mkeys = [k for k in MEMORY_VARIANTS if any(k in r.memory for r in results)]
+        if mkeys:
+            add("| variant | " + " | ".join(names) + " |")
+            add("|---|" + "---|" * len(names))
+            for k in mkeys:
+                cells = []
+                for r in results:
+                    v, b = r.memory.get(k), r.memory.get("unwatched")
+                    if v is None:
+                        cells.append("—")
+                    elif b is not None and k != "unwatched":
+                        cells.append(f"{v:.0f} ({v - b:+.0f})")
+                    else:
+                        cells.append(f"{v:.0f}")
+                add(f"| {labels.get(k, k)} | " + " | ".join(cells) + " |")
+        add(
+            "\nFlight recorder, Python bytes kept per step (tracemalloc over steps 3 to 5 of "
+            "a fresh watcher; the ring keeps the last 32 steps):\n"
+        )
+        add("| mode | " + " | ".join(names) + " |")
+        add("|---|" + "---|" * len(names))
+        for k in ("sentinel", "watch"):
+            cells = []
+            for r in results:
+                v = r.recorder.get(k)
+                if v is None:
+                    cells.append("—")
+                else:
+                    per, n = v
+                    cells.append(
+                        f"{per / 1024:.1f} KiB/step, {n} records; ring {per * 32 / 2**20:.2f} MiB"
+                    )
+            add(f"| {k} | " + " | ".join(cells) + " |")
+    add("\n## torch.compile\n")
+    if not compile_res:
+        add("Not measured in this run (`--compile` adds it).")
+    for c in compile_res:
+        add(f"Workload {c.workload}, backend `{c.backend}` ({c.seconds:.0f} s, of which "
+            f"{c.compile_s:.0f} s first calls/compiling):\n")  # fmt: skip
+        add(f"- `nanwatch.watch(torch.compile(model))`: {c.refused}")
+        add(
+            f"- `torch._dynamo.explain(model)` without nanwatch: {c.graphs_plain} graph(s), "
+            f"{c.breaks_plain} break(s); with nanwatch `watch` hooks on the eager modules: "
+            f"{c.graphs_watched} graph(s), {c.breaks_watched} break(s)."
+        )
+        if c.break_reasons:
+            add("- break reasons (first distinct ones):")
+            for reason in c.break_reasons:
+                add(f"  - {reason}")
+        for k, cell in c.cells.items():
+            add(f"- {k}: {cell.ms:.1f} ms/step, x{cell.ratio:.3f} of the compiled unwatched step "
+                f"[{cell.lo:.2f}–{cell.hi:.2f}]")  # fmt: skip
+        if c.records:
+            add(
+                f"- records nanwatch kept of one step: eager model {c.records_eager}; "
+                + "; ".join(f"{k} {v}" for k, v in c.records.items())
+                + " (fewer: modules inside the compiled graph that nanwatch no longer sees)"
+            )
+        for k, e in c.errors.items():
+            add(f"- {k}: failed: {e}")
+        add("")
+    add("\n## GPU\n")
+    add(gpu_markdown(gpu))
+    return "\n".join(out) + "\n"
+
+
+def gpu_summary(gpu: Any) -> str:
+    if not gpu or not gpu.get("cells"):
+        return "not measured."
+    parts = []
+    for prec, cells in gpu["cells"].items():
+        parts.append(
+            f"{prec}: sentinel x{cells['sentinel'].ratio:.3f}, watch x{cells['watch'].ratio:.3f}"
+        )
+    return "; ".join(parts)
+
+
+def gpu_markdown(gpu: Any) -> str:
+    if not gpu:
+        return (
+            "Not measured: this run had no CUDA device (this session was not lent a GPU). "
+            "`python benchmarks/run.py --gpu` runs the GPT-2-small-sized decoder (12 layers, "
+            "d_model 768) in bf16 autocast and in float16 with a GradScaler when CUDA is "
+            "available; no numbers are reported here until it has run on one."
+        )
+    if gpu.get("skipped"):
+        return f"Not measured: {gpu['skipped']}"
+    lines = [f"Device: {gpu['device']}; {gpu['description']}\n"]
+    lines.append("| variant | " + " | ".join(gpu["cells"]) + " |")
+    lines.append("|---|" + "---|" * len(gpu["cells"]))
+    keys = list(next(iter(gpu["cells"].values())))
+    for k in keys:
+        row = []
+        for cells in gpu["cells"].values():
+            c = cells.get(k)
+            row.append("—" if c is None else f"x{c.ratio:.3f} {c.ms:.1f} ms")
+        lines.append(f"| {k} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def print_table(console: Any, results: Sequence[WorkloadResult]) -> None:
+    from rich.table import Table
+
+    labels = {k: r.label for k, r in make_runners().items()}
+    t = Table(title="step time / unwatched step: median (range of the per-round ratios)")
+    t.add_column("variant")
+    for r in results:
+        t.add_column(r.name, justify="right")
+    for key in VARIANTS:
+        if not any(key in r.cells or key in r.skipped for r in results):
+            continue
+        row = [labels[key]]
+        for r in results:
+            c = r.cells.get(key)
+            if c is None:
+                row.append("skipped" if key in r.skipped else "—")
+            elif key in ("unwatched", "f-unwatched"):
+                row.append(f"{c.ms:.1f} ms/step")
+            else:
+                row.append(f"x{c.ratio:.3f} ({c.lo:.2f}–{c.hi:.2f})")
+        t.add_row(*row)
+    console.print(t)
+    tt = Table(title="targets of issue 8")
+    tt.add_column("target")
+    for r in results:
+        tt.add_column(r.name, justify="right")
+    for title, cells in targets(results):
+        styled = []
+        for r in results:
+            v = cells.get(r.name, "n/a")
+            color = "green" if v.startswith("PASS") else "red" if v.startswith("FAIL") else "dim"
+            styled.append(f"[{color}]{v}[/]")
+        tt.add_row(title, *styled)
+    console.print(tt)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/run.py",
+        description=(
+            "Measure nanwatch's overhead per training step against the unwatched step, "
+            "torch.autograd.detect_anomaly and transformers' DebugUnderflowOverflow, "
+            "interleaved in one process, and write benchmarks/RESULTS.md."
+        ),
+        epilog=(
+            "Variants: " + ", ".join(VARIANTS) + ". A variant whose baseline (unwatched, or "
+            "f-unwatched for the functional-loss rows) is not selected is skipped. "
+            "Example: python benchmarks/run.py --workloads W2 --variants unwatched,watch "
+            "--rounds 9 --no-write"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke setting: tiny shapes, 1 round of 1 step; writes no RESULTS.md "
+        "unless --results is given",
+    )
+    p.add_argument(
+        "--workloads",
+        default="W1,W2,W3",
+        help="comma-separated subset of " + ",".join(WORKLOADS) + " (default: all)",
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated subset of the variants (default: all)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds (default 7; fewer when --budget runs out; --quick 1)",
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="at most this many timed steps per variant and round; slow variants get fewer, "
+        "and all get fewer when --budget is short (default 8; --quick 1)",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="seconds of timed rounds per workload, which set the steps per round "
+        "(default 60: the full run takes about 4 minutes on 2 cores; 0: no budget, --steps)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed steps per variant before the rounds (default 3; --quick 1)",
+    )
+    p.add_argument(
+        "--round-warmup",
+        type=int,
+        default=1,
+        help="untimed steps after each attach, before the timed ones (default 1)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads (default 2; --quick 1, which a busy CI machine bears better)",
+    )
+    p.add_argument(
+        "--no-memory",
+        action="store_true",
+        help="skip the peak-RSS and flight-recorder measurements",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also measure torch.compile with nanwatch (compiles: minutes)",
+    )
+    p.add_argument("--compile-workloads", default="W1", help="workloads for --compile (default W1)")
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        help="torch.compile backend for --compile (default inductor; 'eager' "
+        "traces with dynamo only, fast)",
+    )
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also run the GPT-2-small-sized decoder on CUDA (bf16 autocast, and "
+        "float16 with GradScaler); skipped with a note when CUDA is absent",
+    )
+    p.add_argument("--gpu-batch", type=int, default=16, help="batch of the GPU run (default 16)")
+    p.add_argument(
+        "--gpu-seq", type=int, default=1024, help="sequence length of the GPU run (default 1024)"
+    )
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="first wait up to SECONDS for other processes to leave the CPU idle",
+    )
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help=f"where to write the markdown (default {RESULTS.relative_to(HERE.parent)})",
+    )
+    p.add_argument("--no-write", action="store_true", help="print only; write no results file")
+    p.add_argument("--seed", type=int, default=0, help="seed of models and batches (default 0)")
+    return p.parse_args(argv)  # fmt: skip
+
+
+def _split(value: str, allowed: Sequence[str], what: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in items if v not in allowed]
+    if bad or not items:
+        raise SystemExit(
+            f"run.py: unknown {what} {', '.join(bad) or '(none given)'}; "
+            f"choose from {', '.join(allowed)}"
+        )
+    return items
+
+
+@dataclass
+class RunOutput:
+    results: list[WorkloadResult]
+    compile: list[CompileResult]
+    gpu: Any
+    markdown: str
+    wall: float
+    path: Path | None
+
+
+def main(argv: Sequence[str] | None = None) -> RunOutput:
+    from rich.console import Console
+
+    args = parse_args(argv)
+    console = Console()
+    q = args.quick
+    opts = Options(
+        workloads=_split(args.workloads, tuple(WORKLOADS), "workload"),
+        variants=_split(args.variants, VARIANTS, "variant"),
+        rounds=args.rounds if args.rounds is not None else (1 if q else 7),
+        steps=args.steps if args.steps is not None else (1 if q else 8),
+        budget=args.budget if args.budget > 0 else None,
+        warmup=args.warmup if args.warmup is not None else (1 if q else 3),
+        round_warmup=args.round_warmup,
+        quick=q,
+        memory=not args.no_memory,
+        threads=args.threads if args.threads is not None else (1 if q else 2),
+        seed=args.seed,
+    )
+    torch.set_num_threads(opts.threads)
+    warnings.filterwarnings("ignore", message=".*[Aa]nomaly [Dd]etection.*")
+    digest = source_digest()  # now: others may edit the tree while this runs
+    if args.wait_quiet > 0:
+        load = wait_quiet(args.wait_quiet, report=lambda m: console.print(f"[dim]{m}"))
+        if load is not None:
+            console.print(f"[dim]other processes use {load:.2f} cores; starting")
+    t0 = time.perf_counter()
+    results: list[WorkloadResult] = []
+    for name in opts.workloads:
+        with console.status(f"measuring {name} ..."):
+            r = measure_workload(name, opts)
+        results.append(r)
+        load = "" if r.foreign_load is None else f", other processes {r.foreign_load:.2f} cores"
+        console.print(
+            f"[bold]{name}[/] done in {r.seconds:.0f} s (timing {r.timing_s:.0f} s, "
+            f"{r.rounds} rounds){load}"
+        )
+        if r.foreign_load is not None and r.foreign_load > 0.2:
+            console.print(
+                f"[yellow]warning: other processes used {r.foreign_load:.2f} cores while {name} "
+                "was timed; its ratios are unreliable (--wait-quiet helps)"
+            )
+    walls = {"workloads": time.perf_counter() - t0}
+    compile_res: list[CompileResult] = []
+    if args.compile:
+        for name in _split(args.compile_workloads, tuple(WORKLOADS), "workload"):
+            with console.status(f"torch.compile on {name} ..."):
+                compile_res.append(
+                    measure_compile(name, opts, args.compile_backend, max(1, opts.rounds - 2))
+                )
+            console.print(f"torch.compile on {name} done in {compile_res[-1].seconds:.0f} s")
+    gpu: Any = None
+    if args.gpu:
+        from benchmarks import gpu as gpu_bench
+
+        if torch.cuda.is_available():
+            with console.status("GPU decoder ..."):
+                gpu = gpu_bench.run(
+                    batch=args.gpu_batch,
+                    seq=args.gpu_seq,
+                    rounds=opts.rounds,
+                    steps=min(opts.steps, 4),
+                )
+        else:
+            gpu = {"skipped": "--gpu was given but CUDA is not available on this machine."}
+            console.print("[yellow]--gpu: CUDA is not available here; GPU variant skipped")
+    wall = time.perf_counter() - t0
+    if compile_res:
+        walls["torch.compile"] = sum(c.seconds for c in compile_res)
+    if isinstance(gpu, dict) and "seconds" in gpu:
+        walls["GPU"] = gpu["seconds"]
+    print_table(console, results)
+    for c in compile_res:
+        console.print(
+            f"torch.compile {c.workload}: watch(compiled) -> {c.refused[:60]}...; graph breaks "
+            f"{c.breaks_plain} unwatched, {c.breaks_watched} with nanwatch hooks; "
+            + ", ".join(f"{k} x{v.ratio:.3f}" for k, v in c.cells.items())
+        )
+    for what, key in LEAKS.items():
+        console.print(f"[red]leak: {what} (after {key}); put back by the harness")
+    console.print(
+        f"wall time: {wall:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in walls.items())})"
+    )
+    prefix = f"nice -n {os.nice(0)} " if os.nice(0) else ""
+    command = (
+        prefix
+        + "python benchmarks/run.py "
+        + " ".join(sys.argv[1:] if argv is None else list(argv))
+    )
+    md = render_markdown(
+        results=results,
+        compile_res=compile_res,
+        gpu=gpu,
+        info=machine_info(opts, digest),
+        opts=opts,
+        command=command.strip(),
+        wall=wall,
+        walls=walls,
+        leaks=dict(LEAKS),
+    )
+    path: Path | None = None
+    if not args.no_write and (args.results is not None or not q):
+        path = args.results or RESULTS
+        path.write_text(md)
+        console.print(f"wrote {path}")
+    return RunOutput(results, compile_res, gpu, md, wall, path)
+
+
+if __name__ == "__main__":
+    main()

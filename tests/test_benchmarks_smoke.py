@@ -1,0 +1,134 @@
+"""The benchmark harness (benchmarks/, issue 8) still runs, in its quickest setting.
+
+No timing is asserted: CI machines are noisy and a benchmark is not a unit test. What is
+asserted is what a user of the harness would notice: every variant produces a ratio (or
+says why it was skipped), the results file holds the table and the targets, nothing stays
+attached to the model, and the torch.compile and GPU paths run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import gpu, hook_cost, run
+from benchmarks.variants import VARIANTS, DebugUnderflowOverflow, make_runners
+from benchmarks.workloads import build
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One thread: a busy CI machine slows two-thread kernels many times over."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_quick_run_gives_every_variant_a_ratio_and_writes_the_results(tmp_path: Path) -> None:
+    out_file = tmp_path / "RESULTS.md"
+    out = run.main(["--quick", "--results", str(out_file)])
+
+    assert [r.name for r in out.results] == ["W1", "W2", "W3"]
+    for r in out.results:
+        assert set(r.cells) | set(r.skipped) == set(VARIANTS), r.name
+        assert r.cells["unwatched"].ratio == 1.0
+        assert r.cells["f-unwatched"].ratio == 1.0
+        for key, cell in r.cells.items():
+            assert cell.n >= 1, key
+            assert cell.ms > 0 and math.isfinite(cell.ratio), key
+        # the nanwatch modes and detect_anomaly never need an optional dependency
+        for key in ("sentinel", "watch", "watch-every10", "forensic", "detect_anomaly"):
+            assert key in r.cells, (r.name, key)
+        assert r.memory.get("watch", 0) > 0
+        per_step, records = r.recorder["watch"]
+        assert per_step > 0 and records > 0  # the flight recorder keeps each step
+
+    text = out_file.read_text()
+    assert out.path == out_file
+    assert "| nanwatch watch |" in text
+    assert "sentinel <= x1.02" in text and "watch <= x1.10" in text
+    assert "python benchmarks/run.py --quick" in text
+    assert "Not measured" in text  # no --gpu: says so instead of inventing numbers
+
+
+def test_quick_run_without_results_option_writes_nothing(tmp_path: Path) -> None:
+    before = run.RESULTS.read_text() if run.RESULTS.exists() else None
+    out = run.main(["--quick", "--workloads", "W1", "--variants", "unwatched,sentinel"])
+    assert out.path is None
+    after = run.RESULTS.read_text() if run.RESULTS.exists() else None
+    assert after == before
+    assert set(out.results[0].cells) == {"unwatched", "sentinel"}
+
+
+def test_a_variant_without_its_baseline_is_skipped_with_the_reason() -> None:
+    out = run.main(["--quick", "--workloads", "W1", "--variants", "watch", "--no-memory"])
+    assert out.results[0].cells == {}
+    assert "baseline" in out.results[0].skipped["watch"]
+
+
+def test_unknown_variant_is_refused_with_the_choices() -> None:
+    with pytest.raises(SystemExit, match="unknown variant nope; choose from unwatched"):
+        run.main(["--quick", "--variants", "nope"])
+
+
+def test_runners_leave_nothing_attached() -> None:
+    w = build("W2", quick=True)
+    for r in make_runners().values():
+        if r.unavailable() is not None:
+            continue
+        r.attach(w)
+        r.step(w)
+        r.detach()
+        for m in w.model.modules():
+            assert not m._forward_hooks and not m._forward_pre_hooks, (r.key, m)
+    assert not torch.is_anomaly_enabled()
+
+
+def test_debug_underflow_overflow_hooks_are_removed() -> None:
+    pytest.importorskip("transformers")
+    w = build("W1", quick=True)
+    r = DebugUnderflowOverflow()
+    r.attach(w)
+    assert any(m._forward_hooks for m in w.model.modules())
+    r.step(w)
+    r.detach()
+    assert not any(m._forward_hooks for m in w.model.modules())
+
+
+def test_compile_path_runs_with_the_eager_backend() -> None:
+    opts = run.Options(quick=True, steps=1)
+    res = run.measure_compile("W1", opts, backend="eager", rounds=1)
+    assert res.refused.startswith("ConfigError")  # nanwatch refuses a compiled module
+    assert res.breaks_plain == 0
+    assert res.breaks_watched is not None and res.breaks_watched > 0
+    assert "compiled" in res.cells
+    assert set(res.cells) | set(res.errors) == {
+        "compiled",
+        "compiled+loss-watch",
+        "compiled+orig-watch",
+    }
+
+
+def test_gpu_decoder_code_path_runs_on_cpu_at_toy_size() -> None:
+    out = gpu.run(
+        batch=2, seq=8, rounds=1, steps=1, device="cpu", vocab=32, d_model=16, layers=1, heads=2
+    )
+    assert "not a GPU measurement" in out["device"]
+    assert set(out["cells"]) == {"bf16", "fp16+GradScaler"}
+    for cells in out["cells"].values():
+        assert {"unwatched", "sentinel", "watch", "watch-every10", "detect_anomaly"} <= set(cells)
+
+
+def test_hook_cost_quick_reports_per_module_microseconds(tmp_path: Path) -> None:
+    md = hook_cost.main(["--quick", "--out", str(tmp_path / "HOOK_COST.md")])
+    assert (tmp_path / "HOOK_COST.md").read_text() == md
+    assert "µs/module" in md and "| nanwatch watch |" in md
+    assert "forward hook" in md and "gradient hook" in md
+    assert "watcher.py" in md  # the profile names nanwatch's own functions
