@@ -239,8 +239,9 @@ def stat_from_minmax(mn: float, mx: float, n: int) -> TensorStat:
 
 
 def foreach_absmax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """max |x| of each tensor with multi-tensor kernels (one launch per dtype/device group on
-    accelerators); NaN propagates. Results stay on the device."""
+    """max |x| of each tensor, results on the device; NaN propagates. On accelerators with
+    multi-tensor kernels (one launch per dtype/device group); on CPU, where the infinity
+    norm is an order of magnitude slower than a fused min/max pass, with ``aminmax``."""
     if not tensors:
         return []
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
@@ -248,13 +249,10 @@ def foreach_absmax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         groups.setdefault((t.dtype, t.device), []).append(i)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     with torch.no_grad():
-        for (dtype, _), idx in groups.items():
+        for (dtype, device), idx in groups.items():
             ts = [tensors[i] for i in idx]
-            if dtype in _FLOAT8 or dtype.is_complex:
-                norms = [
-                    _values(t).abs().max() if t.numel() else t.new_zeros((), dtype=torch.float32)
-                    for t in ts
-                ]
+            if dtype in _FLOAT8 or dtype.is_complex or device.type == "cpu":
+                norms = [_absmax(t) for t in ts]
             else:
                 norms = list(torch._foreach_norm(ts, math.inf))
             for i, nrm in zip(idx, norms, strict=True):
@@ -262,9 +260,19 @@ def foreach_absmax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [o for o in out if o is not None]
 
 
+def _absmax(t: torch.Tensor) -> torch.Tensor:
+    v = _values(t) if (t.is_complex() or t.dtype in _FLOAT8 or t.layout is not torch.strided) else t
+    if v.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    mn, mx = torch.aminmax(v)
+    return torch.maximum(-mn, mx)
+
+
 def foreach_l2(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """L2 norm of each tensor (multi-tensor kernels), accumulated and returned in at least
-    float32 so float16 gradients do not overflow the norm; results stay on the device."""
+    """L2 norm of each tensor, accumulated and returned in at least float32 so float16
+    gradients do not overflow the norm; results stay on the device. Multi-tensor kernels on
+    accelerators; on CPU a dot product per float32/float64 tensor, which is about twice as
+    fast there as the multi-tensor norm."""
     if not tensors:
         return []
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
@@ -272,10 +280,15 @@ def foreach_l2(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         groups.setdefault((t.dtype, t.device), []).append(i)
     out: list[torch.Tensor | None] = [None] * len(tensors)
     with torch.no_grad():
-        for (dtype, _), idx in groups.items():
+        for (dtype, device), idx in groups.items():
             ts = [tensors[i] for i in idx]
             if dtype in _FLOAT8 or dtype.is_complex:
                 norms = [_values(t).float().norm() for t in ts]
+            elif device.type == "cpu" and dtype in (torch.float32, torch.float64):
+                norms = [
+                    torch.dot(t.reshape(-1), t.reshape(-1)).sqrt() if t.numel() else t.new_zeros(())
+                    for t in ts
+                ]
             elif dtype in (torch.float16, torch.bfloat16):
                 try:
                     norms = list(torch._foreach_norm(ts, 2.0, dtype=torch.float32))

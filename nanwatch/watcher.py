@@ -1329,39 +1329,39 @@ class Watcher:
                     self._note_bad(rec)
         self._trace.grad_norm = math.sqrt(total) if math.isfinite(total) else total
 
-    def _check_params(self, *, all_records: bool) -> None:
-        """Weights: max |w| of every parameter with multi-tensor kernels. Lazily (on a
-        trigger) only bad parameters are recorded, ahead of the step's records, since they
-        were bad before the step's forward; at a forensic boundary all are recorded."""
+    def _check_params(self, *, at_end: bool, all_records: bool = False) -> None:
+        """Weights: max |w| of every parameter with multi-tensor kernels, one host read.
+
+        On a trigger (``at_end=False``) the bad parameters are recorded ahead of the step's
+        records: they were bad before its forward ran. At a step boundary (``at_end=True``)
+        they are recorded after everything else: the step's own update broke them. Only bad
+        parameters are recorded, except with ``all_records`` (forensic)."""
         if not self._params:
             return
         params = [p.detach() for _, _, p in self._params]
-        values = torch.stack([v.double().cpu() for v in foreach_absmax(params)]).tolist()
-        owner_types = {info.path: info.type_name for _, info in self._modules}
+        maxima = foreach_absmax(params)
+        one_device = len({m.device for m in maxima}) == 1
+        values = torch.stack(maxima).tolist() if one_device else [float(m) for m in maxima]
         front: list[Record] = []
-        for (q, path, _), p, a in zip(self._params, params, values, strict=True):
-            if all_records or not math.isfinite(a):
-                stat = TensorStat(-a, a, p.numel())
-                if not math.isfinite(a):
-                    stat = describe(p) or stat
-                if all_records:
-                    rec = self._new_record(
-                        Phase.PARAMETER, path, q, p, -1, module_type=owner_types.get(path, "")
-                    )
-                else:
-                    rec = Record(
-                        index=-1 - len(front),
-                        step=self._step,
-                        phase=Phase.PARAMETER,
-                        path=path,
-                        role=q,
-                        dtype=dtype_name(p.dtype),
-                        device=device_name(p.device),
-                        shape=tuple(p.shape),
-                        module_type=owner_types.get(path, ""),
-                    )
-                    front.append(rec)
-                rec.stat = stat
+        for (q, path, _), p, owner_type, a in zip(
+            self._params, params, self._param_types, values, strict=True
+        ):
+            if not (all_records or a - a != 0):  # keep only inf/NaN, unless asked for all
+                continue
+            stat = TensorStat(-a, a, p.numel())
+            if a - a != 0:
+                stat = describe(p) or stat
+            if at_end:
+                rec = self._new_record(Phase.PARAMETER, path, q, p, -1, module_type=owner_type)
+            else:
+                rec = Record(
+                    -1 - len(front), self._step, Phase.PARAMETER, path, q, dtype_name(p.dtype),
+                    device_name(p.device), tuple(p.shape), None, -1, None, owner_type,
+                )  # fmt: skip
+                front.append(rec)
+            rec.stat = stat
+            if at_end and not stat.finite:
+                self._note_bad(rec)
         if front:
             front.reverse()
             for i, r in enumerate(front):
@@ -1408,13 +1408,13 @@ class Watcher:
         """Bring the step's statistics to the host (one transfer), check gradients and
         weights, localize, and run the rules."""
         trace = self._trace
-        if not self._device_dead:
+        if not self._device_dead and not _tracing():
             self._materialize()
             if not self._grads_checked and self._backward_seen:
                 self._check_grads()
                 self._materialize()
-            if self.config.mode == "forensic":
-                self._check_params(all_records=True)
+            if self._full:  # weights made non-finite by this step's update
+                self._check_params(at_end=True, all_records=self._forensic)
         else:  # the device is gone: statistics still on it are unknown, not NaN
             for rec, _, _ in self._pending + self._pending_grads:
                 rec.stat = None
@@ -1541,7 +1541,7 @@ class Watcher:
             return None
         if anomaly.kind is not AnomalyKind.PARAMETER and not self._device_dead:
             with contextlib.suppress(Exception):
-                self._check_params(all_records=False)
+                self._check_params(at_end=False)
             if any(r.phase is Phase.PARAMETER and r.bad for r in trace.records):
                 anomaly = localize(trace, allow=cfg.allow, scaled_grads=self._scaled) or anomaly
         trace.anomaly = anomaly

@@ -519,6 +519,6 @@ def test_summary_of_a_report_written_at_the_end_of_a_run(tmp_path: Path) -> None
     print_summary(report, paths, console=console)
     text = console.file.getvalue()  # type: ignore[attr-defined]
     assert text.startswith(f"nanwatch: {report.anomaly_count} steps with anomalies in steps 0-13")
-    assert "-inf in the weights proj.weight after an update, step 6" in text
+    assert "-inf in the weights proj.weight after an update, step 5" in text
     for p in paths:
         assert f"  {p}\n" in text, "each path on one line of its own, never wrapped"

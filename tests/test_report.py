@@ -34,16 +34,16 @@ def _text(report: Report) -> str:
 
 @pytest.fixture(scope="module")
 def explode() -> scenarios.Outcome:
-    """lr-explode with a 10-step ring: 14 steps run, the first 4 dropped."""
-    return scenarios.run(scenarios.get("lr-explode"), ring_size=10)
+    """lr-explode with a 12-step ring: 14 steps run, the first 2 dropped."""
+    return scenarios.run(scenarios.get("lr-explode"), ring_size=12)
 
 
 def test_report_from_a_scenario_holds_the_flight_recorder(explode: scenarios.Outcome) -> None:
     assert explode.watcher is not None
     report = explode.watcher.report
     last = explode.watcher.step_index - 1
-    assert [t.step for t in report.steps] == list(range(last - 9, last + 1)), "the last 10"
-    assert report.config["ring_size"] == 10
+    assert [t.step for t in report.steps] == list(range(last - 11, last + 1)), "the last 12"
+    assert report.config["ring_size"] == 12
     a = report.first_anomaly
     assert a is not None and a.parameter == "proj.weight"
     assert report.steps[0].step < a.step, "the steps before the failure are kept"

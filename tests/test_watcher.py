@@ -832,3 +832,24 @@ def test_a_nan_passed_through_an_unmeasured_module_is_blamed_on_its_maker() -> N
     a = nw.first_anomaly
     assert a is not None and a.path == "1"
     assert "4" in a.propagators  # the next measured module merely passed it on
+
+
+def test_weights_broken_by_an_update_are_found_at_the_step_boundary() -> None:
+    """A -inf weight behind a ReLU never makes a NaN downstream: only the boundary check,
+    right after the update that broke it, can see it."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 3)
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        model(x).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model[0].weight[1].fill_(-float("inf"))  # the update broke one unit
+            model[0].bias[1] = 0.0
+        nw.step()
+        model(x).sum().backward()  # relu(-inf) = 0: the rest of the model stays finite
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.step == 0
+    assert (a.kind, a.parameter) == (AnomalyKind.PARAMETER, "0.weight")
+    assert a.record.stat is not None and a.record.stat.neginf == 3
