@@ -1388,7 +1388,12 @@ class Watcher:
         empty = not trace.records and not trace.calls
         if final and empty and self._user_loss is None:
             return trace
-        self._flush()
+        try:
+            self._flush()
+        except NanwatchError:
+            raise
+        except Exception as exc:  # the step still ends; what was flushed is kept
+            self._fault("flush", "step flush", exc)
         done = trace
         self.history.append(done)
         self._step += 1
@@ -1683,8 +1688,10 @@ class Watcher:
 
     # ------------------------------------------------------------------ faults and exits
     def _fault(self, key: str, where: str, exc: BaseException) -> None:
-        self._disabled_hooks.add(key)
         msg = f"{type(exc).__name__}: {exc}"
+        if key in self._disabled_hooks:  # said once already
+            return
+        self._disabled_hooks.add(key)
         self.faults.append((where, msg))
         _frames.warn_at_user(
             f"nanwatch: internal error in its {where} ({msg}); this hook is disabled for the "

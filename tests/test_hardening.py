@@ -171,3 +171,65 @@ def test_a_users_torch_function_mode_does_not_see_nanwatchs_own_ops() -> None:
         nw.step()
     assert "aminmax" not in mode.names
     assert any(r.stat is not None for r in nw.history[-1].records)
+
+
+def test_a_full_disk_is_a_warning_and_leaves_no_half_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:  # the write "succeeds" into the page cache; the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    model = nn.Linear(2, 2)
+    err = RuntimeError("the user's crash")
+    monkeypatch.setattr(os, "fsync", full)
+    with (
+        pytest.warns(RuntimeWarning, match="No space left on device"),
+        pytest.raises(RuntimeError) as info,
+        nanwatch.watch(model, report_dir=str(tmp_path)),
+    ):
+        model(torch.randn(1, 2))
+        raise err
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    assert info.value is err
+    assert list(tmp_path.iterdir()) == []  # no half-written report, no temporary file
+
+
+def test_the_report_notes_a_fault_of_nanwatchs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise KeyError("boom")
+
+    model = nn.Sequential(nn.Linear(3, 3))
+    monkeypatch.setattr(nanwatch.Watcher, "_check_grads", broken)
+    with (
+        pytest.warns(RuntimeWarning, match="internal error"),
+        nanwatch.watch(model, postmortem=False) as nw,
+    ):
+        model(torch.randn(2, 3)).sum().backward()
+        nw.step()
+    report = nw.report
+    assert ("end-of-backward check", "KeyError: 'boom'") in report.faults
+    assert "nanwatch faults" in str(report) and "end-of-backward check" in str(report)
+
+
+def test_overlapping_watchers_on_one_model() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    before = {n: dict(getattr(model[0], n)) for n in ("_forward_hooks", "_forward_pre_hooks")}
+    original_backward = torch.autograd.backward
+    a = nanwatch.watch(model, postmortem=False).attach()
+    b = nanwatch.watch(model, postmortem=False).attach()
+    model(torch.randn(2, 3)).sum().backward()
+    a.step()
+    a.detach()  # A goes first although it came first: B keeps watching
+    model(torch.randn(2, 3)).sum().backward()
+    b.step()
+    b.step()
+    b.detach()
+    assert len(a.history) == 1
+    assert [len(t.records) > 0 for t in b.history][:2] == [True, True]
+    assert {n: dict(getattr(model[0], n)) for n in before} == before
+    assert torch.autograd.backward is original_backward
