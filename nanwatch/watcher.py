@@ -391,6 +391,7 @@ class Watcher:
         self._explicit = False
         self._acted_step = -1
         self._device_dead = False
+        self._compiled_warned = False
         self._quiet = False
         self._defer_cpu = False  # tests drive the accelerator path on CPU with this
         self._thread: int | None = None
@@ -704,6 +705,8 @@ class Watcher:
         pre = self._pre
 
         def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if _compiling():
+                return
             with _NO_TORCH_FUNCTION():
                 pre(info, module, args, kwargs)
 
@@ -715,6 +718,8 @@ class Watcher:
         def post_hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
+            if _compiling():
+                return
             with _NO_TORCH_FUNCTION():
                 post(info, module, args, kwargs, output)
 
@@ -804,6 +809,8 @@ class Watcher:
 
     # ------------------------------------------------------------------ global hooks
     def _global_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if _compiling():
+            return
         with _NO_TORCH_FUNCTION():
             info = self._info_for(module, args, {})
             if info is not None:
@@ -812,6 +819,8 @@ class Watcher:
     def _global_post(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # (kwargs, output) normally; PyTorch calls always-call global hooks with (output)
         # alone when forward raised
+        if _compiling():
+            return
         kwargs, output = (rest[0], rest[1]) if len(rest) == 2 else ({}, rest[0])
         info = self._infos.get(module)
         if info is not None:
@@ -1218,11 +1227,38 @@ class Watcher:
             if entry is not None and entry[0]() is t:
                 return  # a watched module (the criterion) produced it: already recorded
             with _NO_TORCH_FUNCTION():
+                if not self._compiled_warned and not any(c.root for c in self._trace.calls):
+                    self._warn_if_unwatched(t)
                 self._record_loss(t)
         except NanwatchError:
             raise
         except Exception as exc:
             self._fault("loss", "backward tap", exc)
+
+    def _warn_if_unwatched(self, loss: torch.Tensor) -> None:
+        """backward() runs through watched parameters although no watched module ran in
+        eager mode this step: the model runs compiled (torch.compile traces hooks away) or
+        from another thread. Say so once instead of watching nothing in silence."""
+        ours = {id(p) for _, _, p in self._params}
+        stack: list[Any] = [loss.grad_fn]
+        seen: set[int] = set()
+        while stack and len(seen) < 10_000:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            var = getattr(node, "variable", None)
+            if var is not None and id(var) in ours:
+                self._compiled_warned = True
+                _frames.warn_at_user(
+                    "nanwatch: backward() went through the watched model's parameters, but "
+                    "none of its modules ran in eager mode this step: a model run under "
+                    "torch.compile (or from another thread) is not watched. Watch the eager "
+                    "model and compile it after debugging.",
+                    safe=True,
+                )
+                return
+            stack.extend(n for n, _ in node.next_functions)
 
     def _record_loss(self, t: torch.Tensor) -> None:
         self._begun = True
@@ -1823,6 +1859,11 @@ _LOSS_INFO.is_loss = True
 
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+#: Dynamo constant-folds this call: a compiled module's hooks reduce to an early return, so
+#: the traced graph holds nothing of nanwatch (and no graph break).
+_compiling: Callable[[], bool] = getattr(
+    getattr(torch, "compiler", None), "is_compiling", None
+) or (lambda: bool(getattr(torch, "_dynamo", None) and torch._dynamo.is_compiling()))
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 
 

@@ -233,3 +233,17 @@ def test_overlapping_watchers_on_one_model() -> None:
     assert [len(t.records) > 0 for t in b.history][:2] == [True, True]
     assert {n: dict(getattr(model[0], n)) for n in before} == before
     assert torch.autograd.backward is original_backward
+
+
+@pytest.mark.slow
+def test_a_model_compiled_after_watch_is_said_to_be_unwatched() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    with (
+        pytest.warns(RuntimeWarning, match="torch.compile"),
+        nanwatch.watch(model, postmortem=False) as nw,
+    ):
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(2):
+            compiled(torch.randn(4, 3)).pow(2).mean().backward()
+            nw.step()
+    assert not any(r.path == "0" for t in nw.history for r in t.records)
