@@ -315,7 +315,7 @@ def measure_compile(name: str, opts: Options, backend: str, rounds: int) -> Comp
 
     log = logging.getLogger("torch._dynamo")
     level = log.level
-    log.setLevel(logging.ERROR)  # dynamo logs each graph break nanwatch's hooks cause
+    log.setLevel(logging.ERROR)  # dynamo logs the graph breaks it finds
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # and warns about tracing them
@@ -650,7 +650,8 @@ def render_markdown(
             add(
                 f"- records nanwatch kept of one step: eager model {c.records_eager}; "
                 + "; ".join(f"{k} {v}" for k, v in c.records.items())
-                + " (fewer: modules inside the compiled graph that nanwatch no longer sees)"
+                + " (modules inside a compiled graph are not watched: the hooks step aside while"
+                " dynamo compiles, and nanwatch warns once that the compiled model is unwatched)"
             )
         for k, e in c.errors.items():
             add(f"- {k}: failed: {e}")

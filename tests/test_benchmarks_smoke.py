@@ -107,7 +107,7 @@ def test_compile_path_runs_with_the_eager_backend() -> None:
     res = run.measure_compile("W1", opts, backend="eager", rounds=1)
     assert res.refused.startswith("ConfigError")  # nanwatch refuses a compiled module
     assert res.breaks_plain == 0
-    assert res.breaks_watched is not None and res.breaks_watched > 0
+    assert res.breaks_watched == 0  # the hooks step aside while dynamo compiles: no break
     assert "compiled" in res.cells
     assert set(res.cells) | set(res.errors) == {
         "compiled",
