@@ -656,26 +656,29 @@ class _Probe:
         self._after.append(fn)
 
     def read(self) -> None:
-        """The one host sync: every pending reduction, stacked per device, one ``.tolist()``."""
-        pending = self._pending
-        if not pending:
-            return
-        groups: dict[torch.device, list[int]] = {}
-        for i, t in enumerate(pending):
-            groups.setdefault(t.device, []).append(i)
-        out: list[float] = [math.nan] * len(pending)
-        for dev, idx in groups.items():  # one group, except CTC's CPU targets
-            acc = _acc(dev)
-            items = [pending[i] for i in idx]
-            if all(t.dtype != acc for t in items):
-                items[0] = items[0].to(acc)  # torch.stack promotes the rest to it
-            vals = torch.stack(items).tolist()
-            for i, v in zip(idx, vals, strict=True):
-                out[i] = v
-        self.values = dict(zip(self._keys, out, strict=True))
-        self._pending = []
-        for fn in self._after:
-            fn(self.values)
+        """The host sync: every pending reduction, stacked per device, one ``.tolist()``; then
+        the callbacks. A callback may queue more reductions (evidence that only matters when
+        the first read shows it could): they are read the same way, once more."""
+        while self._pending or self._after:
+            pending, keys = self._pending, self._keys
+            self._pending, self._keys = [], []
+            if pending:
+                groups: dict[torch.device, list[int]] = {}
+                for i, t in enumerate(pending):
+                    groups.setdefault(t.device, []).append(i)
+                out: list[float] = [math.nan] * len(pending)
+                for dev, idx in groups.items():  # one group, except CTC's CPU targets
+                    acc = _acc(dev)
+                    items = [pending[i] for i in idx]
+                    if all(t.dtype != acc for t in items):
+                        items[0] = items[0].to(acc)  # torch.stack promotes the rest to it
+                    vals = torch.stack(items).tolist()
+                    for i, v in zip(idx, vals, strict=True):
+                        out[i] = v
+                self.values.update(zip(keys, out, strict=True))
+            after, self._after = self._after, []
+            for fn in after:
+                fn(self.values)
 
 
 # ---------------------------------------------------------------------------- checks
@@ -881,26 +884,16 @@ def _check_class(p: _Probe) -> None:
                 )
             )
     # values ------------------------------------------------------------------------
-    pmin: torch.Tensor | None = None
-    pmax: torch.Tensor | None = None
-    if (
+    per_position = (
         name in ("cross_entropy", "nll_loss")
         and cdim is not None
         and _readable(x)
         and x.is_floating_point()
-    ):
-        # per position (for the ignored / trained split); amin and amax separately:
-        # aminmax(dim=) is ten times slower on the CPU
-        pmin, pmax = x.amin(dim=cdim), x.amax(dim=cdim)
-        p.add("input_min", pmin.min())
-        p.add("input_max", pmax.max())
-        # rows that are probabilities (a softmax before the loss) sum to 1
-        acc = torch.float32 if x.element_size() < 4 else None
-        smin, smax = torch.aminmax(x.sum(dim=cdim, dtype=acc))
-        p.add("row_sum_min", smin)
-        p.add("row_sum_max", smax)
-    else:
-        _input_stats(p)
+    )
+    _input_stats(p)
+    ignored: dict[str, torch.Tensor | None] = {"mask": None}  # set below, read after the read
+    if per_position and cdim is not None:
+        p.then(lambda v: _class_evidence(p, v, cdim=cdim, ign=ignored["mask"]))
     if probabilities:
         if _readable(t):
             _target_stats(p)
@@ -915,17 +908,33 @@ def _check_class(p: _Probe) -> None:
     kept = t
     if ignore is not None:
         ign = t == ignore
+        ignored["mask"] = ign
         p.count("ignored", ign)
         kept = torch.where(ign, lo, t)  # the labels of trained positions (ignored read as lo)
-        if pmin is not None and pmax is not None and tuple(pmin.shape) == tuple(t.shape):
-            amax = torch.maximum(pmax, -pmin)  # max |x| over each position's classes
-            p.add("ignored_amax", torch.where(ign, amax, 0).max())
-            p.add("valid_amax", torch.where(ign, 0, amax).max())
     # the range of the trained labels answers "any out of range?" without counting them
     kmin, kmax = torch.aminmax(kept)
     p.add("target_min", kmin)
     p.add("target_max", kmax)
     p.then(lambda v: _class_result(p, v, c=c, lo=lo, ignore=ignore, ign=ign, desc=desc))
+
+
+def _class_evidence(p: _Probe, v: dict[str, float], *, cdim: int, ign: torch.Tensor | None) -> None:
+    """Evidence for the rules that only matters when the first read shows it could, read in
+    a second round then: whether the rows are probabilities (all inputs in [0, 1]: a softmax
+    before the loss), and the logit magnitude at ignored vs trained positions (targets equal
+    to ignore_index exist)."""
+    x = p.input
+    lo, hi = v.get("input_min", math.nan), v.get("input_max", math.nan)
+    if lo >= 0.0 and hi <= 1.0:  # rows that are probabilities sum to 1
+        acc = torch.float32 if x.element_size() < 4 else None
+        smin, smax = torch.aminmax(x.sum(dim=cdim, dtype=acc))
+        p.add("row_sum_min", smin)
+        p.add("row_sum_max", smax)
+    if ign is not None and v.get("ignored", 0.0) > 0:
+        amax = x.detach().abs().amax(dim=cdim)  # max |x| over each position's classes
+        if tuple(amax.shape) == tuple(ign.shape):
+            p.add("ignored_amax", torch.where(ign, amax, 0).max())
+            p.add("valid_amax", torch.where(ign, 0, amax).max())
 
 
 def _class_shape_failure(p: _Probe, c: int, expected: tuple[int, ...], desc: str) -> None:
@@ -983,9 +992,6 @@ def _class_result(
         p.data["ignore_index"] = ignore
         ignored = int(v.get("ignored", 0))
         p.data["ignored"] = ignored
-        if ignored and "ignored_amax" in v:
-            p.data["ignored_amax"] = v["ignored_amax"]
-            p.data["valid_amax"] = v["valid_amax"]
     if lo <= v["target_min"] and v["target_max"] < c:
         return
     t = p.target
@@ -1574,7 +1580,7 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
     if t is not None:
         data["target_dtype"] = dtype_name(t.dtype)
         data["target_shape"] = list(t.shape)
-    for k in ("input_min", "input_max", "target_min", "target_max"):
+    for k in ("input_min", "input_max", "target_min", "target_max", "ignored_amax", "valid_amax"):
         if k in v:
             data[k] = v[k]
     if "row_sum_min" in v:

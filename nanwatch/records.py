@@ -234,8 +234,9 @@ class Call:
     parent: int | None  #: the enclosing call (None for a root's call)
     start: int  #: index of the first record at or after the call began
     end: int = -1  #: index after the last record of the call; -1 while running
-    #: the module cannot create a non-finite value from finite inputs and does not raise
-    #: magnitudes (ReLU, Dropout in eval, Identity, reshapes): its outputs are not measured.
+    #: the module cannot have created a non-finite value from finite inputs in this call
+    #: (ReLU, reshapes, max pools; norms, dropout, smooth activations in float32): its
+    #: outputs are not measured, and localization looks through it to its input's record.
     passthrough: bool = False
     is_loss: bool = False
     root: bool = False

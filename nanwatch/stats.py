@@ -268,6 +268,11 @@ def _absmax(t: torch.Tensor) -> torch.Tensor:
     return torch.maximum(-mn, mx)
 
 
+#: on CPU, tensors at least this large get their own reduction (bandwidth-bound); smaller
+#: ones share a multi-tensor call (dispatch-bound)
+_BIG = 1 << 16
+
+
 def foreach_l2(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """L2 norm of each tensor, accumulated and returned in at least float32 so float16
     gradients do not overflow the norm; results stay on the device. Multi-tensor kernels on
@@ -285,10 +290,19 @@ def foreach_l2(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             if dtype in _FLOAT8 or dtype.is_complex:
                 norms = [_values(t).float().norm() for t in ts]
             elif device.type == "cpu" and dtype in (torch.float32, torch.float64):
-                norms = [
-                    torch.dot(t.reshape(-1), t.reshape(-1)).sqrt() if t.numel() else t.new_zeros(())
-                    for t in ts
-                ]
+                # large tensors: a dot product reads them fastest; the many small ones: one
+                # multi-tensor call, not a dispatch each
+                big = [j for j, t in enumerate(ts) if t.numel() >= _BIG]
+                small = [j for j, t in enumerate(ts) if t.numel() < _BIG]
+                norms = [ts[0]] * len(ts)
+                for j in big:
+                    v = ts[j].reshape(-1)
+                    norms[j] = torch.dot(v, v).sqrt()
+                if small:
+                    for j, nrm in zip(
+                        small, torch._foreach_norm([ts[j] for j in small], 2.0), strict=True
+                    ):
+                        norms[j] = nrm
             elif dtype in (torch.float16, torch.bfloat16):
                 try:
                     norms = list(torch._foreach_norm(ts, 2.0, dtype=torch.float32))

@@ -178,17 +178,12 @@ def _wide(output: Any) -> bool:
     return all(t.dtype in _WIDE or not t.is_floating_point() for _, t in iter_tensors(output, ""))
 
 
-_DROPOUT: tuple[type, ...] = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout)
-
-
 def _is_passthrough(m: nn.Module) -> bool:
     t = type(m)
     if t in _PASSTHROUGH:
         return True
     if isinstance(m, nn.LeakyReLU) and t is nn.LeakyReLU:
         return abs(m.negative_slope) <= 1.0
-    if isinstance(m, nn.modules.dropout._DropoutNd) and t in _DROPOUT:
-        return m.p == 0.0
     return False
 
 
@@ -201,12 +196,6 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def _shape(t: torch.Tensor) -> tuple[int, ...]:
-    if t.is_nested:
-        return (t.size(0),)
-    return tuple(t.shape)
-
-
 class _ModInfo:
     """What the hooks of one module need to know, bound into their closures."""
 
@@ -214,7 +203,6 @@ class _ModInfo:
         "first_root",
         "is_loss",
         "is_root",
-        "leaf",
         "params",
         "passthrough",
         "path",
@@ -233,7 +221,6 @@ class _ModInfo:
         #: leaves watched from their forward hook alone (no pre-hook: cheaper)
         self.post_only = self.passthrough or self.preserving
         self.is_loss = isinstance(module, nn.modules.loss._Loss)
-        self.leaf = next(iter(module.children()), None) is None
         self.params = tuple(n for n, _ in module.named_parameters(recurse=False))
 
 

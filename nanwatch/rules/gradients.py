@@ -205,14 +205,29 @@ def _times(ratio: float) -> str:
 
 
 def _spikes(
-    current: dict[str, float], past: list[dict[str, float]], factor: float, need: int
+    ctx: RuleContext, kind: str, current: dict[str, float], factor: float, need: int
 ) -> list[tuple[float, str, float, float]]:
+    """Keys whose value is at least ``factor`` times their median over the history.
+
+    Runs every step, so it is built to be cheap: each history step's values, aligned to the
+    current keys, are computed once per step (memo) and transposed in C; a key is a
+    candidate only if its value reaches ``factor`` times its history's *minimum* (the median
+    is at least that), and only candidates get a median."""
+    keys = tuple(current)
+    if not keys:
+        return []
+    tag = f"spike-row:{kind}:{hash(keys)}"
+
+    def row(t: StepTrace) -> tuple[float, ...]:
+        values = getattr(ctx.memo(t, "grad_summary", _grad_summary), kind)
+        return tuple(values.get(k, math.inf) for k in keys)  # inf: absent that step
+
+    rows = [ctx.memo(t, tag, row) for t in ctx.history]
     out = []
-    for key, v in current.items():
-        hist = [p[key] for p in past if key in p]
-        if len(hist) < need:
+    for key, v, col in zip(keys, current.values(), zip(*rows, strict=True), strict=True):
+        if v < factor * min(col) or len(col) - col.count(math.inf) < need:
             continue
-        med = statistics.median(hist)
+        med = statistics.median([x for x in col if x != math.inf])
         if med > 0 and v >= factor * med:
             out.append((v / med, key, v, med))
     out.sort(reverse=True)
@@ -248,8 +263,8 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"total gradient norm {fmt(cur.total)} at step {ctx.step}; median of the "
                 f"previous {len(totals)} steps {fmt(med)} ({_times(cur.total / med)})"
             )
-    mods = _spikes(cur.modules, [p.modules for p in past], factor, need)
-    params = _spikes(cur.params, [p.params for p in past], factor, need)
+    mods = _spikes(ctx, "modules", cur.modules, factor, need)
+    params = _spikes(ctx, "params", cur.params, factor, need)
     if not total_spike and not mods and not params:
         return
     for ratio, key, v, med in params[:3]:
