@@ -655,6 +655,23 @@ class _Probe:
     def then(self, fn: Callable[[dict[str, float]], None]) -> None:
         self._after.append(fn)
 
+    def on_any(
+        self,
+        key: str,
+        mask: torch.Tensor,
+        fail: Callable[[dict[str, float], int, torch.Tensor], None],
+    ) -> None:
+        """Count the True elements of ``mask``; when there are any, ``fail(values, count,
+        mask)`` words the failure (after the read)."""
+        self.count(key, mask)
+
+        def check(v: dict[str, float]) -> None:
+            n = int(v[key])
+            if n:
+                fail(v, n, mask)
+
+        self.then(check)
+
     def read(self) -> None:
         """The host sync: every pending reduction, stacked per device, one ``.tolist()``; then
         the callbacks. A callback may queue more reductions (evidence that only matters when
@@ -1239,16 +1256,11 @@ def _check_binary(p: _Probe) -> None:
             p.then(input_result)
     if _readable(t) and t.dtype is not torch.bool:
         _target_stats(p)
-        t_out = t.clamp(0, 1) != t
-
-        p.count("target_outside", t_out)
-
-        def target_result(v: dict[str, float]) -> None:
-            n_out = int(v["target_outside"])
-            if n_out:
-                _binary_target_failure(p, v, n_out, t_out)
-
-        p.then(target_result)
+        p.on_any(
+            "target_outside",
+            t.clamp(0, 1) != t,
+            lambda v, n, mask: _binary_target_failure(p, v, n, mask),
+        )
 
 
 def _bce_input_failure(p: _Probe, v: dict[str, float], outside: int, mask: torch.Tensor) -> None:
@@ -1350,15 +1362,7 @@ def _check_regression(p: _Probe) -> None:
         and t is not None
         and t.is_floating_point()
     ):
-        neg = t < 0
-        p.count("target_negative", neg)
-
-        def result(v: dict[str, float]) -> None:
-            n = int(v["target_negative"])
-            if n:
-                _kl_failure(p, v, n, neg)
-
-        p.then(result)
+        p.on_any("target_negative", t < 0, lambda v, n, mask: _kl_failure(p, v, n, mask))
 
 
 def _kl_failure(p: _Probe, v: dict[str, float], n: int, mask: torch.Tensor) -> None:
