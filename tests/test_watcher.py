@@ -853,3 +853,30 @@ def test_weights_broken_by_an_update_are_found_at_the_step_boundary() -> None:
     assert a is not None and a.step == 0
     assert (a.kind, a.parameter) == (AnomalyKind.PARAMETER, "0.weight")
     assert a.record.stat is not None and a.record.stat.neginf == 3
+
+
+def test_the_keyword_defaults_of_watch_are_those_of_watchconfig() -> None:
+    """watch() spells its options out for users (and their editors); WatchConfig is where
+    the defaults live: they must not drift apart."""
+    import dataclasses
+    import inspect
+
+    from nanwatch.callbacks.lightning import _NanWatch
+
+    fields = {f.name: f for f in dataclasses.fields(WatchConfig)}
+    # the callback's actions are its own (stop, skip, ...) and its reports go to log_dir
+    own = {nanwatch.watch: {"report_dir"}, _NanWatch.__init__: {"report_dir", "on_anomaly"}}
+    for fn, skip in own.items():
+        for name, param in inspect.signature(fn).parameters.items():
+            if name in fields and name not in skip and param.default is not param.empty:
+                default = fields[name].default
+                expected = tuple(default) if isinstance(default, (list, tuple)) else default
+                got = (
+                    tuple(param.default)
+                    if isinstance(param.default, (list, tuple))
+                    else (param.default)
+                )
+                assert got == expected, (fn.__qualname__, name)
+    assert inspect.signature(nanwatch.watch).parameters["report_dir"].default == (
+        fields["report_dir"].default
+    )
