@@ -172,6 +172,23 @@ _PRESERVING: frozenset[type] = _types(
 _WIDE = frozenset({torch.float32, torch.float64, torch.bfloat16})
 
 
+#: autograd nodes of ops that cannot turn finite values into NaN or inf in a wide dtype short
+#: of an overflow (sums, differences, negation, concatenation, views and copies): a tensor
+#: functional code made this way from recorded tensors (a residual ``x + identity``) is
+#: bounded by their records, like a finite-preserving module's output (Watcher._made_safely).
+_SAFE_NODES = frozenset(
+    f"{op}Backward{n}"
+    for op in (
+        "Add", "Sub", "Neg", "Cat", "Stack", "View", "Reshape", "UnsafeView", "Permute",
+        "Transpose", "T", "Expand", "Slice", "Select", "Clone", "Squeeze", "Unsqueeze",
+        "Split", "SplitWithSizes", "Unbind", "Chunk", "Narrow", "AsStrided", "Flatten",
+        # the ops of the passthrough modules (an in-place ReLU relabels the tensor it took)
+        "Relu", "Hardtanh", "LeakyRelu", "Threshold", "Sigmoid", "Tanh", "MaxPool2DWithIndices",
+    )
+    for n in (0, 1, 2)
+)  # fmt: skip
+
+
 def _wide(output: Any) -> bool:
     if isinstance(output, torch.Tensor):
         return output.dtype in _WIDE or not output.is_floating_point()
@@ -319,6 +336,7 @@ class Watcher:
     _idx: int
     #: id(tensor) -> (weakref, record index, version when recorded, gradient hooked)
     _known: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, int | None, bool]]
+    _recorded_nodes: set[int]
     _stack: list[_Frame]
     _pending: list[tuple[Record, torch.Tensor, torch.Tensor]]
     _pending_grads: list[tuple[Record, torch.Tensor, torch.Tensor]]
@@ -875,13 +893,12 @@ class Watcher:
     def _reset_step(self) -> None:
         self._trace = StepTrace(step=self._step)
         self._idx = 0
-        self._known: dict[
-            int, tuple[weakref.ReferenceType[torch.Tensor], int, int | None, bool]
-        ] = {}
-        self._stack: list[_Frame] = []
-        self._pending: list[tuple[Record, torch.Tensor, torch.Tensor]] = []
-        self._pending_grads: list[tuple[Record, torch.Tensor, torch.Tensor]] = []
-        self._new_trigger: Record | None = None
+        self._known = {}
+        self._recorded_nodes = set()  # ids of the autograd nodes of the step's recorded tensors
+        self._stack = []
+        self._pending = []
+        self._pending_grads = []
+        self._new_trigger = None
         self._backward_seen = False
         self._eob_queued = False
         self._grads_checked = False
@@ -1044,9 +1061,12 @@ class Watcher:
             if entry is not None and entry[0]() is t:
                 rec.source = entry[1]  # the same tensor, changed in place since it was seen
             if floating:
-                self._measure(rec, t, rows=info.is_root)
-                hooked = self._maybe_hook_grad(t, rec)
+                hooked = False
+                if info.is_root or self._forensic or not self._made_safely(t):
+                    self._measure(rec, t, rows=info.is_root)
+                    hooked = self._maybe_hook_grad(t, rec)
                 known[id(t)] = (weakref.ref(t), rec.index, _version(t), hooked)
+                self._remember_node(t)
 
     def _walk(
         self, args: Any, prefix: str, kwargs: dict[str, Any] | None = None
@@ -1122,6 +1142,34 @@ class Watcher:
                     if not hooked:
                         hooked = self._maybe_hook_grad(t, rec)
             known[id(t)] = (weakref.ref(t), rec.index, ver, hooked)
+            self._remember_node(t)
+
+    def _remember_node(self, t: torch.Tensor) -> None:
+        fn = t.grad_fn
+        if fn is not None:
+            self._recorded_nodes.add(id(fn))
+
+    def _made_safely(self, t: torch.Tensor) -> bool:
+        """Made by functional code from recorded tensors (or parameters) with an op that
+        cannot turn finite values into NaN or inf in a wide dtype (a residual ``x + y``, a
+        concatenation, a view): bounded by the records of its operands, like a
+        finite-preserving module's output. Needs the autograd node: under no_grad nothing
+        says how a tensor was made, and it is measured."""
+        return t.dtype in _WIDE and self._safe_node(t.grad_fn, 3)
+
+    def _safe_node(self, fn: Any, depth: int) -> bool:
+        """``fn`` is a safe op whose operands are recorded tensors, parameters, or (a few
+        levels down) safe ops of their own: ``relu_(a + b)`` from recorded ``a`` and ``b``."""
+        if fn is None or type(fn).__name__ not in _SAFE_NODES:
+            return False
+        recorded = self._recorded_nodes
+        for nxt, _ in fn.next_functions:
+            if nxt is None or id(nxt) in recorded or type(nxt).__name__ == "AccumulateGrad":
+                continue
+            if depth > 0 and self._safe_node(nxt, depth - 1):
+                continue
+            return False
+        return True
 
     def _maybe_hook_grad(self, t: torch.Tensor, rec: Record) -> bool:
         """Hook the gradient of ``t``. A pre-hook on the autograd node that made it sees the

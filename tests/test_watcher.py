@@ -880,3 +880,26 @@ def test_the_keyword_defaults_of_watch_are_those_of_watchconfig() -> None:
     assert inspect.signature(nanwatch.watch).parameters["report_dir"].default == (
         fields["report_dir"].default
     )
+
+
+def test_functional_code_is_measured_unless_it_is_bounded_by_recorded_tensors() -> None:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.out = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            residual = x + self.fc(x)  # a sum of recorded tensors: bounded by their records
+            logged = torch.log(residual.abs() + 1).view(-1, 4)  # a view over unwatched code
+            return self.out(residual) + self.out(logged)
+
+    model = nn.Sequential(nn.Linear(4, 4), Block())
+    for dtype, measured in ((torch.float32, False), (torch.float16, True)):
+        m = model.to(dtype)
+        with nanwatch.watch(m) as nw:
+            m(torch.randn(3, 4, dtype=dtype)).float().sum().backward()
+            nw.step()
+        inputs = [r for r in nw.history[-1].records if r.path == "1.out" and r.phase is Phase.INPUT]
+        assert (inputs[0].stat is not None) == measured, dtype  # the residual sum
+        assert inputs[1].stat is not None, dtype  # the view over log: always measured
