@@ -131,7 +131,7 @@ def test_a_module_called_twice_gets_one_record_per_call_in_order() -> None:
     assert len(fc) == 2
     assert fc[0].index < fc[1].index
     assert fc[0].call != fc[1].call
-    # the second call's input is functional code (relu) between the calls, measured
+    # the second call's input is functional code (sin) between the calls, measured
     second_input = [r for r in trace.records if r.call == fc[1].call and r.phase is Phase.INPUT]
     assert second_input[0].stat is not None
 
