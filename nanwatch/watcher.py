@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import threading
@@ -466,6 +467,7 @@ class Watcher:
 
                 self._restore_signals = postmortem.install_signal_handlers(self)
             _backward_tap.install(self)
+            _scaler_tap.install(self)
             if forensic:
                 self._anomaly_mode_prev = (
                     torch.is_anomaly_enabled(),
@@ -1014,6 +1016,11 @@ class Watcher:
             and is_trigger(rec, self._trace, allow=self.config.allow, scaled_grads=self._scaled)
         ):
             self._new_trigger = rec
+
+    def _found_scaler(self, scaler: Any) -> None:
+        """``scaler.scale(loss)`` ran while attached (see ``_ScalerTap``)."""
+        if self.scaler is None and threading.get_ident() == self._thread:
+            self.scaler = scaler
 
     @property
     def _scaled(self) -> bool:
@@ -1781,6 +1788,7 @@ class Watcher:
 
     def _remove_hooks(self) -> None:
         _backward_tap.remove(self)
+        _scaler_tap.remove(self)
         if self._restore_signals is not None:
             restore, self._restore_signals = self._restore_signals, None
             restore()
@@ -1887,6 +1895,74 @@ class _BackwardTap:
 
 _backward_tap = _BackwardTap()
 
+
+def _grad_scaler_classes() -> list[type]:
+    """GradScaler and every loaded subclass with a ``scale`` of its own (FSDP's
+    ShardedGradScaler): the classes whose ``scale`` a training loop calls."""
+    amp = getattr(torch, "amp", None)
+    base = getattr(getattr(amp, "grad_scaler", None), "GradScaler", None)
+    if base is None:  # torch < 2.3: only the CUDA one
+        base = getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)
+    if not isinstance(base, type):
+        return []
+    out: list[type] = []
+    todo = [base]
+    while todo:
+        cls = todo.pop()
+        if cls is base or "scale" in vars(cls):
+            out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
+class _ScalerTap:
+    """A scoped wrapper of ``GradScaler.scale``, installed while at least one watcher is
+    attached: the first ``scaler.scale(loss)`` tells every watcher that was given no scaler
+    which one is in use, so the inf/NaN gradients a scaler expects now and then (and skips
+    the step for) are not reported as anomalies, and its scale is followed (NW305). A loop
+    that forgets ``watch(..., scaler=scaler)`` -- and every script under ``nanwatch run`` --
+    is then read as it runs."""
+
+    def __init__(self) -> None:
+        self._watchers: list[Watcher] = []
+        self._originals: dict[type, Callable[..., Any]] = {}
+        self._lock = threading.Lock()
+
+    def install(self, watcher: Watcher) -> None:
+        with self._lock:
+            if not self._watchers:
+                for cls in _grad_scaler_classes():
+                    original = vars(cls)["scale"]
+                    wrapper = self._wrap(original)
+                    self._originals[cls] = original
+                    cls.scale = wrapper  # type: ignore[attr-defined]
+            self._watchers.append(watcher)
+
+    def remove(self, watcher: Watcher) -> None:
+        with self._lock:
+            if watcher not in self._watchers:
+                return
+            self._watchers.remove(watcher)
+            if self._watchers:
+                return
+            for cls, original in self._originals.items():
+                if getattr(vars(cls).get("scale"), "_nanwatch_tap", False):
+                    cls.scale = original  # type: ignore[attr-defined]
+            self._originals = {}
+
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def scale(scaler: Any, outputs: Any) -> Any:
+            for w in list(self._watchers):
+                w._found_scaler(scaler)
+            return original(scaler, outputs)
+
+        scale._nanwatch_tap = True  # type: ignore[attr-defined]
+        return scale
+
+
+_scaler_tap = _ScalerTap()
+
 #: the call of a loss computed outside any module
 _LOSS_INFO = _ModInfo(LOSS_PATH, nn.Identity(), is_root=True, first_root=False)
 _LOSS_INFO.type_name = "functional"
@@ -1983,8 +2059,8 @@ def watch(
     module), ``"forensic"`` (every aten op: slow, for replays). ``on_anomaly``: ``"raise"``
     :class:`nanwatch.AnomalyError`, ``"warn"`` once, or ``"record"``. ``allow``: module-path
     patterns whose non-finite values are intended. ``scaler``: the ``GradScaler`` in use, so
-    its expected overflows are not reported as anomalies. ``config`` replaces the keyword
-    options at once.
+    its expected overflows are not reported as anomalies (found by itself at the first
+    ``scaler.scale(loss)`` when not given). ``config`` replaces the keyword options at once.
 
     Example:
         >>> model, criterion = nn.Linear(4, 1), nn.MSELoss()

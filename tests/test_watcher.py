@@ -792,6 +792,52 @@ def test_gradient_norm_is_unscaled_under_a_grad_scaler() -> None:
     assert trace.grad_norm == pytest.approx(scaled / 1024.0, rel=1e-5)
 
 
+def _amp_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: Any, x: torch.Tensor) -> None:
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def test_a_grad_scaler_nobody_passed_is_found_and_its_skipped_steps_are_not_anomalies() -> None:
+    # float16 autocast with a GradScaler whose first scales overflow the float16 gradients:
+    # the scaler skips those steps by design. A watcher that was not given the scaler finds
+    # it at scaler.scale(loss) and reads the steps as the scaler does.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    with nanwatch.watch(model, postmortem=False) as nw:  # on_anomaly="raise"
+        for _ in range(6):
+            _amp_step(model, opt, scaler, torch.randn(8, 16) * 4)
+            nw.step()
+    assert nw.scaler is scaler and nw.first_anomaly is None
+    skipped = [t for t in nw.history if any(r.stat and not r.stat.finite for r in t.records)]
+    assert skipped, "the test needs a step whose scaled gradients overflowed"
+    assert nw.history[0].scale == 2.0**24
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_an_explicit_scaler_wins_and_the_scale_tap_is_removed_with_the_last_watcher() -> None:
+    from nanwatch.watcher import _grad_scaler_classes
+
+    cls = _grad_scaler_classes()[0]
+    original = vars(cls)["scale"]
+    mine, other = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    model = nn.Linear(2, 1)
+    a = nanwatch.watch(model, scaler=mine).attach()
+    b = nanwatch.watch(nn.Linear(1, 1)).attach()
+    assert vars(cls)["scale"] is not original
+    other.scale(model(torch.ones(1, 2)).sum())
+    assert a.scaler is mine and b.scaler is other
+    a.detach()
+    assert vars(cls)["scale"] is not original
+    b.detach()
+    assert vars(cls)["scale"] is original
+
+
 # ---------------------------------------------------------------- what is measured
 def test_an_inplace_relu_is_linked_not_measured_again() -> None:
     model = zoo.InplaceNet()

@@ -376,8 +376,7 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
             "scaler = torch.amp.GradScaler()\n"
             "scaler.scale(loss).backward()\n"
             "scaler.step(optimizer)\n"
-            "scaler.update()\n"
-            "nanwatch.watch(model, criterion, scaler=scaler)"
+            "scaler.update()   # nanwatch finds the scaler at scaler.scale(loss)"
         )
     else:
         explanation = (
@@ -409,7 +408,7 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     severity="error",
     summary=(
         "The GradScaler's scale keeps falling: step after step is skipped because the "
-        "gradients are inf/NaN at any scale (needs watch(..., scaler=scaler))."
+        "gradients are inf/NaN at any scale (the scaler is found at scaler.scale(loss))."
     ),
     priority=10,
 )
@@ -464,7 +463,7 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
             "scaler.unscale_(optimizer)\n"
             "bad = [n for n, p in model.named_parameters()\n"
             "       if p.grad is not None and not torch.isfinite(p.grad).all()]\n"
-            "print(bad)   # then nanwatch.watch(model, criterion, scaler=scaler, "
-            'mode="forensic") on one step'
+            "print(bad)   # then nanwatch.watch(model, criterion, mode=\"forensic\") on one "
+            "step"
         ),
     )
