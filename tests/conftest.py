@@ -15,6 +15,7 @@ import torch.nn.modules.module as module_mod
 import torch.utils.hooks as torch_hooks
 
 import nanwatch
+from nanwatch.watcher import _grad_scaler_classes
 
 _PKG_DIRS = (
     os.path.dirname(nanwatch.__file__) + os.sep,
@@ -58,6 +59,7 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     before = {name: dict(getattr(module_mod, name)) for name in _GLOBAL_DICTS}
     anomaly_before = torch.is_anomaly_enabled()
     backward_before = torch.autograd.backward
+    scale_before = {cls: vars(cls)["scale"] for cls in _grad_scaler_classes()}
     yield
     leaked = []
     for h in ours:
@@ -69,6 +71,8 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     assert after == before, "global module hooks changed during the test"
     assert torch.is_anomaly_enabled() == anomaly_before, "anomaly mode left switched"
     assert torch.autograd.backward is backward_before, "torch.autograd.backward left wrapped"
+    scale_after = {cls: vars(cls)["scale"] for cls in scale_before}
+    assert scale_after == scale_before, "GradScaler.scale left wrapped"
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     assert not _get_current_dispatch_mode_stack(), "a dispatch mode was left active"
