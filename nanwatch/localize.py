@@ -3,7 +3,8 @@
 A pure function of a step's records, testable without a model. The *trigger* is the first
 record holding NaN or +inf (or any non-finite gradient or weight): -inf alone is how masks
 are written (``masked_fill(mask, -inf)`` before a softmax) and is not an anomaly until it
-turns into NaN or inf, or reaches a loss. From the trigger, the data flow recorded by the
+turns into NaN or inf, reaches a loss, or comes out of a module that cannot write a mask
+(a Linear, a Conv, an RNN: there it is an overflow). From the trigger, the data flow recorded by the
 watcher (which tensor fed which module) names the *producer*: the module whose own code
 created the value while everything it was computed from was finite.
 """
@@ -49,10 +50,14 @@ def is_trigger(
         return True
     if s.has_nan or s.has_posinf:
         return True
-    if rec.phase is Phase.FORWARD and s.numel == 1:
-        call = trace.call(rec.call)
-        return call is not None and (call.is_loss or call.root)  # a loss of -inf
-    return False
+    if rec.phase is not Phase.FORWARD:
+        return False
+    call = trace.call(rec.call)
+    if call is None:
+        return False
+    if call.arithmetic and rec.role.startswith("output"):
+        return True  # a Linear or a Conv writes no mask: its -inf is an overflow
+    return s.numel == 1 and (call.is_loss or call.root)  # a loss of -inf
 
 
 def first_trigger(

@@ -240,6 +240,9 @@ class Call:
     passthrough: bool = False
     is_loss: bool = False
     root: bool = False
+    #: the module computes its outputs as sums of products of its inputs and weights
+    #: (Linear, Conv, RNN): a -inf in its output is an overflow, never a mask
+    arithmetic: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -250,7 +253,7 @@ class Call:
             "start": self.start,
             "end": self.end,
         }
-        for name in ("passthrough", "is_loss", "root"):
+        for name in ("passthrough", "is_loss", "root", "arithmetic"):
             if getattr(self, name):
                 d[name] = True
         return d
@@ -267,6 +270,7 @@ class Call:
             passthrough=bool(d.get("passthrough", False)),
             is_loss=bool(d.get("is_loss", False)),
             root=bool(d.get("root", False)),
+            arithmetic=bool(d.get("arithmetic", False)),
         )
 
 

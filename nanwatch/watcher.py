@@ -205,6 +205,17 @@ def _is_passthrough(m: nn.Module) -> bool:
     return False
 
 
+#: Modules whose outputs are sums of products of their inputs and weights: they cannot
+#: write a mask, so a -inf in their output is an overflow (or a -inf weight).
+_ARITHMETIC: tuple[type, ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.modules.conv._ConvNd,
+    nn.RNNBase,
+    nn.RNNCellBase,
+)
+
+
 def _version(t: torch.Tensor) -> int | None:
     if t.is_inference():
         return None
@@ -218,6 +229,7 @@ class _ModInfo:
     """What the hooks of one module need to know, bound into their closures."""
 
     __slots__ = (
+        "arithmetic",
         "first_root",
         "is_loss",
         "is_root",
@@ -239,6 +251,7 @@ class _ModInfo:
         #: leaves watched from their forward hook alone (no pre-hook: cheaper)
         self.post_only = self.passthrough or self.preserving
         self.is_loss = isinstance(module, nn.modules.loss._Loss)
+        self.arithmetic = isinstance(module, _ARITHMETIC)
         self.params = tuple(n for n, _ in module.named_parameters(recurse=False))
 
 
@@ -926,6 +939,7 @@ class Watcher:
             passthrough=info.passthrough,
             is_loss=info.is_loss,
             root=info.is_root,
+            arithmetic=info.arithmetic,
         )
         calls.append(call)
         return call

@@ -81,6 +81,21 @@ def test_minus_inf_alone_is_a_mask_not_an_anomaly() -> None:
     assert localize(b.trace) is None
 
 
+def test_minus_inf_out_of_a_linear_is_an_overflow_not_a_mask() -> None:
+    b = _Builder()
+    root = b.call("Net", root=True)
+    b.rec(Phase.INPUT, root, _stat(-1, 1), role="input[0]")
+    scores = b.call("scores", root.id)  # code that may write a mask: -inf is allowed
+    b.rec(Phase.FORWARD, scores, _stat(-INF, 2))
+    assert first_trigger(b.trace) is None
+    lin = b.call("proj", root.id, arithmetic=True)
+    bad = b.rec(Phase.FORWARD, lin, _stat(-INF, -INF))
+    assert first_trigger(b.trace) is bad
+    a = localize(b.trace)
+    assert a is not None and (a.kind, a.path) == (AnomalyKind.FORWARD, "proj")
+    assert a.summary.startswith("-inf born in the forward of proj")
+
+
 def test_minus_inf_in_a_gradient_or_a_loss_is_an_anomaly() -> None:
     b = _Builder()
     root = b.call("Net", root=True)

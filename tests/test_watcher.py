@@ -838,6 +838,26 @@ def test_an_explicit_scaler_wins_and_the_scale_tap_is_removed_with_the_last_watc
     assert vars(cls)["scale"] is original
 
 
+def test_a_float16_linear_that_overflows_to_minus_inf_is_found_although_relu_hides_it() -> None:
+    # every output of the first Linear is -inf in float16; the ReLU after it turns -inf into
+    # 0, so no NaN ever appears downstream: without the Linear's own record nothing is seen
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)).half()
+    with torch.no_grad():
+        model[0].weight.fill_(-30000.0)
+        model[0].bias.zero_()
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        out = model(torch.ones(2, 4).half())
+        out.float().sum().backward()
+        nw.step()
+    assert out.isfinite().all()
+    a = nw.first_anomaly
+    assert a is not None and (a.kind, a.path) == (AnomalyKind.FORWARD, "0")
+    assert a.record.dtype == "float16"
+    assert a.op is not None and a.op.op.startswith("aten.addmm")
+    top = nw.history[0].diagnoses[0]
+    assert top.code == "NW101" and "65504" in " ".join(top.evidence)
+
+
 # ---------------------------------------------------------------- what is measured
 def test_an_inplace_relu_is_linked_not_measured_again() -> None:
     model = zoo.InplaceNet()
