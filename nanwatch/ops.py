@@ -319,10 +319,20 @@ class ReplayResult:
 
     events: list[OpEvent] = field(default_factory=list)
     error: str | None = None
+    #: the replayed code drew random numbers (dropout, randint, ...): a clean replay then
+    #: says nothing about the original run, whose draws were others
+    random: bool = False
+    attempts: int = 0  #: how many times the code was run
 
     @property
     def clean(self) -> bool:
         return not self.events and self.error is None
+
+    @property
+    def conclusive(self) -> bool:
+        """A clean replay is evidence of a transient fault only if it ran the same
+        computation: one that drew no random numbers."""
+        return not (self.clean and self.random)
 
     def first(self) -> OpEvent | None:
         for ev in self.events:
@@ -360,6 +370,18 @@ def preserved_state(module: torch.nn.Module | None, devices: set[torch.device]) 
             torch.cuda.set_rng_state(state, d)
 
 
+def rng_states(devices: set[torch.device]) -> list[torch.Tensor]:
+    """The CPU generator's state and that of each CUDA device in ``devices``."""
+    states = [torch.get_rng_state()]
+    states += [torch.cuda.get_rng_state(d) for d in sorted(devices, key=str) if d.type == "cuda"]
+    return states
+
+
+def drew_random(before: list[torch.Tensor], devices: set[torch.device]) -> bool:
+    """Whether a generator moved since ``before`` (see :func:`rng_states`)."""
+    return any(not torch.equal(a, b) for a, b in zip(before, rng_states(devices), strict=True))
+
+
 def replay(
     module: torch.nn.Module,
     args: Sequence[Any],
@@ -368,22 +390,35 @@ def replay(
     path: str,
     current_path: Callable[[], str | None] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
+    attempts: int = 8,
 ) -> ReplayResult:
     """Re-run ``module.forward(*args, **kwargs)`` under :class:`OpChecker` with
     ``torch.no_grad()``; RNG state and buffers are restored afterwards. Every watcher's hooks
-    stay quiet during the replay (they only track which module is running)."""
+    stay quiet during the replay (they only track which module is running).
+
+    A forward that draws random numbers (dropout, ``torch.randint``) cannot repeat the
+    original draws, which are gone: it is run again with new draws, up to ``attempts``
+    times, until one reproduces a non-finite value; ``result.random`` says so."""
     result = ReplayResult()
-    with preserved_state(module, _devices([args, kwargs])), _replay_scope():
-        chk = OpChecker(current_path=current_path or replay_path, on_error=on_error)
-        push_path(path)
-        try:
-            with torch.no_grad(), chk:
-                module.forward(*args, **kwargs)
-        except Exception as exc:
-            result.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            pop_path()
-        result.events = chk.events
+    devices = _devices([args, kwargs])
+    with preserved_state(module, devices), _replay_scope():
+        for _ in range(max(1, attempts)):
+            chk = OpChecker(current_path=current_path or replay_path, on_error=on_error)
+            before = rng_states(devices)
+            push_path(path)
+            try:
+                with torch.no_grad(), chk:
+                    module.forward(*args, **kwargs)
+            except Exception as exc:
+                result.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                pop_path()
+            result.events = chk.events
+            result.attempts += 1
+            drew = drew_random(before, devices)
+            result.random = result.random or drew
+            if not (drew and result.clean):
+                break
     return result
 
 

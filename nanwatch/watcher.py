@@ -684,6 +684,7 @@ class Watcher:
             chk = ops.OpChecker(
                 current_path=ops.replay_path, on_error=self._checker_fault, max_events=256
             )
+            before = ops.rng_states(devices)
             try:
                 with chk:
                     fn()
@@ -693,6 +694,9 @@ class Watcher:
                 for p, g in zip(params, saved_grads, strict=True):
                     p.grad = g
             result.events = chk.events
+            result.attempts = 1
+            # with the step's own starting state the draws repeat: the replay is faithful
+            result.random = rng_state is None and ops.drew_random(before, devices)
         last = self.anomalies[-1] if self.anomalies else None
         # only a value born in forward or backward code can be reproduced or not by a replay:
         # bad data and broken weights are bad in the replay too, with no op to blame
@@ -708,7 +712,7 @@ class Watcher:
             )
             if first is not None:
                 last.op = first
-            elif result.clean:
+            elif result.clean and result.conclusive:
                 last.transient = True
             last.summary = summarize(last)
             for t in (self._trace, *reversed(self.history)):
@@ -1703,8 +1707,16 @@ class Watcher:
         first = result.first()
         if first is not None:
             anomaly.op = first
-        elif result.clean:
+        elif result.clean and result.conclusive:
             anomaly.transient = True
+        if result.random:
+            self.note(
+                "replay",
+                target.path,
+                random=True,
+                attempts=result.attempts,
+                reproduced=first is not None,
+            )
         anomaly.summary = summarize(anomaly)
 
     def _pinpoint_loss(self, anomaly: Anomaly, loss: torch.Tensor) -> None:

@@ -113,3 +113,25 @@ def test_preserved_state_restores_even_when_the_body_raises() -> None:
     except RuntimeError:
         pass
     assert torch.equal(bn.running_var, before)
+
+
+class _RandomDenominator(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / torch.randint(0, 2, (1,)).float()  # 0 about every other call
+
+
+def test_a_random_forward_is_replayed_with_new_draws_until_it_fails_again() -> None:
+    x = torch.ones(3)
+    rng = torch.get_rng_state()
+    found = replay(_RandomDenominator(), (x,), {}, path="noisy", attempts=32)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert found.random and found.conclusive
+    first = found.first()
+    assert first is not None and first.op == "aten.div.Tensor" and first.born == "+inf"
+
+
+def test_a_clean_replay_of_a_random_forward_is_not_evidence_of_a_transient_fault() -> None:
+    clean = replay(nn.Dropout(0.5), (torch.ones(8),), {}, path="drop", attempts=3)
+    assert clean.clean and clean.random and not clean.conclusive and clean.attempts == 3
+    fixed = replay(nn.Linear(2, 2), (torch.ones(2),), {}, path="lin", attempts=3)
+    assert fixed.clean and not fixed.random and fixed.conclusive and fixed.attempts == 1

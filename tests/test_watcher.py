@@ -969,3 +969,28 @@ def test_functional_code_is_measured_unless_it_is_bounded_by_recorded_tensors() 
         inputs = [r for r in nw.history[-1].records if r.path == "1.out" and r.phase is Phase.INPUT]
         assert (inputs[0].stat is not None) == measured, dtype  # the residual sum
         assert inputs[1].stat is not None, dtype  # the view over log: always measured
+
+
+def test_a_nan_that_depends_on_a_random_draw_is_not_called_transient() -> None:
+    # the replay cannot repeat the forward's draws: it draws again until the failure comes
+    # back, and never blames hardware because one replay drew differently
+    class Noisy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x / torch.randint(0, 2, (1,)).float()
+
+    verdicts = []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 4), Noisy(), nn.Linear(4, 1))
+        with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+            for _ in range(4):
+                model(torch.randn(2, 4)).sum().backward()
+                nw.step()
+        a = nw.first_anomaly
+        if a is not None:
+            trace = next(t for t in nw.history if t.anomaly is a)
+            top = trace.diagnoses[0]
+            verdicts.append((a.path, a.transient, top.code, a.op.op if a.op else None))
+            assert any(n.kind == "replay" and n.data["random"] for n in trace.notes)
+    assert verdicts, "the test needs a seed whose draws made a zero denominator"
+    assert all(v == ("1", None, "NW111", "aten.div.Tensor") for v in verdicts), verdicts
