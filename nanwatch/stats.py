@@ -152,6 +152,32 @@ def minmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         return mn, mx
 
 
+def bad_row_flags(t: torch.Tensor) -> torch.Tensor | None:
+    """Whether each index along dim 0 (each sample of a batch) holds a NaN or an inf, as a
+    bool tensor on ``t``'s device; no sync. None when ``t`` has no rows to tell apart.
+
+    >>> bad_row_flags(torch.tensor([[1.0, 2.0], [float("nan"), 0.0]])).tolist()
+    [False, True]
+    """
+    if not has_values(t) or t.dim() < 1 or t.is_nested or t.layout is not torch.strided:
+        return None
+    with torch.no_grad():
+        dense = t.detach()
+        if dense.is_complex():
+            dense = dense.abs()
+        if dense.dtype in _FLOAT8:
+            dense = dense.float()
+        if dense.numel() == 0:
+            return None
+        return (~torch.isfinite(dense)).reshape(dense.shape[0], -1).any(dim=1)
+
+
+def rows_from_flags(flags: torch.Tensor, *, max_rows: int = 8) -> tuple[tuple[int, ...], int]:
+    """The first ``max_rows`` indices set in ``flags`` and how many are set (a host read)."""
+    idx = flags.nonzero().flatten()
+    return tuple(int(i) for i in idx[:max_rows].tolist()), int(idx.numel())
+
+
 def read_minmax(t: torch.Tensor) -> tuple[float, float] | None:
     """:func:`minmax`, read to the host now (a sync on accelerators; free on CPU)."""
     if not has_values(t):
@@ -201,13 +227,7 @@ def describe(t: torch.Tensor, *, rows: bool = False, max_rows: int = 8) -> Tenso
         ]
         fa = torch.where(finite, absv, torch.zeros((), dtype=v.dtype, device=v.device))
         head = torch.stack([p.to(v.dtype) for p in parts] + [fa.max()])
-        bad_idx: torch.Tensor | None = None
-        if rows and t.dim() >= 1 and not t.is_nested and t.layout is torch.strided:
-            dense = t.abs() if t.is_complex() else t
-            if dense.dtype in _FLOAT8:
-                dense = dense.float()
-            per_row = (~torch.isfinite(dense)).reshape(dense.shape[0], -1).any(dim=1)
-            bad_idx = per_row.nonzero().flatten()
+        flags = bad_row_flags(t) if rows else None
         nan_c, pinf_c, ninf_c, zero_c, near_c, famax = head.tolist()
         has_finite = bool(finite.any()) if nan_c or pinf_c or ninf_c else True
         if nan_c:
@@ -216,9 +236,8 @@ def describe(t: torch.Tensor, *, rows: bool = False, max_rows: int = 8) -> Tenso
             mn, mx = (float(x) for x in torch.aminmax(v))
         bad_rows: tuple[int, ...] | None = None
         bad_count: int | None = None
-        if bad_idx is not None:
-            bad_count = int(bad_idx.numel())
-            bad_rows = tuple(int(i) for i in bad_idx[:max_rows].tolist())
+        if flags is not None:
+            bad_rows, bad_count = rows_from_flags(flags, max_rows=max_rows)
     return TensorStat(
         min=mn,
         max=mx,

@@ -52,6 +52,7 @@ from nanwatch.records import (
     TensorStat,
 )
 from nanwatch.stats import (
+    bad_row_flags,
     describe,
     device_name,
     dtype_name,
@@ -59,6 +60,7 @@ from nanwatch.stats import (
     foreach_l2,
     minmax,
     numel,
+    rows_from_flags,
 )
 
 if TYPE_CHECKING:
@@ -353,6 +355,7 @@ class Watcher:
     _recorded_nodes: set[int]
     _stack: list[_Frame]
     _pending: list[tuple[Record, torch.Tensor, torch.Tensor]]
+    _pending_rows: list[tuple[Record, torch.Tensor]]
     _pending_grads: list[tuple[Record, torch.Tensor, torch.Tensor]]
     _new_trigger: Record | None
     _user_loss: torch.Tensor | float | None
@@ -917,6 +920,7 @@ class Watcher:
         self._stack = []
         self._pending = []
         self._pending_grads = []
+        self._pending_rows = []
         self._new_trigger = None
         self._backward_seen = False
         self._eob_queued = False
@@ -999,6 +1003,10 @@ class Watcher:
                 return
             rec.stat = TensorStat(math.nan, math.nan, numel(t))  # filled at the flush
             self._pending.append((rec, mm[0], mm[1]))
+            if rows:  # the batch: which samples are bad, read only if any is
+                flags = bad_row_flags(t)
+                if flags is not None:
+                    self._pending_rows.append((rec, flags))
             return
         if self._forensic:
             rec.stat = describe(t, rows=rows)
@@ -1519,7 +1527,7 @@ class Watcher:
         else:  # the device is gone: statistics still on it are unknown, not NaN
             for rec, _, _ in self._pending + self._pending_grads:
                 rec.stat = None
-            self._pending, self._pending_grads = [], []
+            self._pending, self._pending_grads, self._pending_rows = [], [], []
         self._drain_ops()
         self._summarize(trace)
         if trace.anomaly is None:
@@ -1538,8 +1546,8 @@ class Watcher:
 
     def _materialize(self) -> None:
         """One host transfer per device for everything measured on accelerators."""
-        pending, grads = self._pending, self._pending_grads
-        self._pending, self._pending_grads = [], []
+        pending, grads, flagged = self._pending, self._pending_grads, self._pending_rows
+        self._pending, self._pending_grads, self._pending_rows = [], [], []
         if not pending and not grads:
             return
         rows = pending + grads
@@ -1567,7 +1575,11 @@ class Watcher:
                     values[i] = (vals[2 * j], vals[2 * j + 1])
         for (rec, _, _), (lo, hi) in zip(pending, values, strict=False):
             rec.stat = TensorStat(lo, hi, rec.stat.numel if rec.stat is not None else 0)
-            if not rec.stat.finite:
+        for rec, flags in flagged:  # a second read, only for a bad batch
+            if rec.stat is not None and not rec.stat.finite:
+                rec.stat.bad_rows, rec.stat.bad_row_count = rows_from_flags(flags)
+        for rec, _, _ in pending:
+            if rec.stat is not None and not rec.stat.finite:
                 self._note_bad(rec)
         if grads:
             recs = [r for r, _, _ in grads]

@@ -603,6 +603,25 @@ def test_accelerator_path_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch)
     assert fwd[0].stat is not None and math.isfinite(fwd[0].stat.max)
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["cpu", "accelerator-path"])
+def test_bad_samples_of_the_batch_are_named_on_every_path(deferred: bool) -> None:
+    model, criterion = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), nn.MSELoss()
+    nw = nanwatch.watch(model, criterion, on_anomaly="record", postmortem=False)
+    nw._defer_cpu = deferred
+    x = torch.randn(8, 4)
+    x[5, 2] = math.nan
+    x[6, 0] = math.inf
+    with nw:
+        criterion(model(x), torch.randn(8, 1)).backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.INPUT
+    assert a.record.stat is not None and a.record.stat.bad_rows == (5, 6)
+    assert a.record.stat.bad_row_count == 2
+    top = nw.history[-1].diagnoses[0]
+    assert top.code == "NW401" and "samples 5, 6 (2 of 8)" in top.evidence[0]
+
+
 def test_replay_names_the_op_of_a_flush_time_anomaly() -> None:
     model = _nan_model()
     x = torch.randn(2, 3)
