@@ -806,6 +806,7 @@ class Watcher:
                 return
             if torch._C._current_autograd_node() is not None:
                 self._trace.recomputed += 1
+                self._hook_recomputed(info, output)
                 return
             pre_opened = not info.post_only or forensic
             frame = self._pop_frame(module) if pre_opened else None
@@ -921,6 +922,9 @@ class Watcher:
         self._pending = []
         self._pending_grads = []
         self._pending_rows = []
+        #: outputs recorded under no_grad, per module path: a reentrant checkpoint's first
+        #: pass, whose recomputation in backward gets their gradient hooks
+        self._unhooked: dict[str, list[Record]] = {}
         self._new_trigger = None
         self._backward_seen = False
         self._eob_queued = False
@@ -1174,8 +1178,27 @@ class Watcher:
                     self._measure(rec, t)
                     if not hooked:
                         hooked = self._maybe_hook_grad(t, rec)
+                    if not hooked and not torch.is_grad_enabled():
+                        self._unhooked.setdefault(info.path, []).append(rec)
             known[id(t)] = (weakref.ref(t), rec.index, ver, hooked)
             self._remember_node(t)
+
+    def _hook_recomputed(self, info: _ModInfo, output: Any) -> None:
+        """A module's forward re-run inside backward (reentrant activation checkpointing,
+        whose first pass ran under no_grad): its outputs now carry gradients, which belong
+        to the records its first call made. Calls repeat in order, so the oldest waiting
+        records of this module are this call's."""
+        waiting = self._unhooked.get(info.path)
+        if not waiting:
+            return
+        for role, t in self._walk(output, "output"):
+            if not waiting:
+                return
+            if waiting[0].role != role or not (t.is_floating_point() or t.is_complex()):
+                continue
+            rec = waiting.pop(0)
+            rec.grad_fn = _grad_fn_name(t)  # the op that made it, known only now
+            self._maybe_hook_grad(t, rec)
 
     def _remember_node(self, t: torch.Tensor) -> None:
         fn = t.grad_fn

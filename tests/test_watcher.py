@@ -552,8 +552,9 @@ def test_nested_watchers_on_the_same_model_both_record() -> None:
     assert _paths(inner, Phase.FORWARD, 0) == _paths(outer, Phase.FORWARD, 0)
 
 
-def test_checkpointed_forward_is_not_double_counted() -> None:
-    model = zoo.Checkpointed()
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_forward_is_not_double_counted(reentrant: bool) -> None:
+    model = zoo.Checkpointed(reentrant=reentrant)
     with nanwatch.watch(model) as nw:
         model(torch.randn(3, 4)).sum().backward()
         nw.step()
@@ -561,6 +562,26 @@ def test_checkpointed_forward_is_not_double_counted() -> None:
     block0 = [r for r in trace.records if r.path == "block.0" and r.phase is Phase.FORWARD]
     assert len(block0) == 1
     assert trace.recomputed >= 1
+    # the gradients inside the block are seen once each, in either flavour
+    grads = [r.path for r in trace.records if r.phase is Phase.BACKWARD]
+    assert grads.count("block.0") == 1 and grads.count("block.2") == 1
+
+
+class _SqrtOfZero(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x * 0)  # finite forward, inf gradient
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_backward_nan_inside_a_checkpointed_block_is_found_there(reentrant: bool) -> None:
+    block = nn.Sequential(nn.Linear(4, 4), _SqrtOfZero())
+    model = zoo.Checkpointed(reentrant=reentrant, block=block)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        model(torch.randn(3, 4)).sum().backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and (a.kind, a.path) == (AnomalyKind.BACKWARD, "block.1")
+    assert nw.history[-1].diagnoses[0].code == "NW112"
 
 
 def test_two_threads_with_their_own_watchers() -> None:

@@ -84,13 +84,20 @@ class InplaceNet(nn.Module):
 
 
 class Checkpointed(nn.Module):
-    def __init__(self) -> None:
+    """Activation checkpointing: the block's forward runs again inside backward (reentrant:
+    its first pass runs under no_grad)."""
+
+    def __init__(self, *, reentrant: bool = False, block: nn.Module | None = None) -> None:
         super().__init__()
-        self.block = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+        self.reentrant = reentrant
+        self.stem = nn.Linear(4, 4)  # so the block's input requires grad (reentrant needs it)
+        self.block = block or nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
         self.head = nn.Linear(4, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+        h = torch.utils.checkpoint.checkpoint(
+            self.block, self.stem(x), use_reentrant=self.reentrant
+        )
         return self.head(h)
 
 
