@@ -282,13 +282,21 @@ def localize(
             "(optimizer step), not by this step's computation"
         )
 
+    # a gradient from outside the modules was born in the loss code's backward: its op
     op = (
         _matching_op(
-            trace.ops, Phase.BACKWARD if kind is AnomalyKind.BACKWARD else Phase.FORWARD, path
+            trace.ops,
+            Phase.BACKWARD if kind is AnomalyKind.BACKWARD else Phase.FORWARD,
+            LOSS_PATH if origin == "after-output" else path,
         )
         if kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD)
         else None
     )
+    if origin == "after-output" and op is not None:
+        summary = (
+            f"{what} gradient born in the backward of code outside the watched modules (the "
+            f"loss computed after the model), on its way to the output of {path}"
+        )
     props, n = propagators(trace, trig, path)
     anomaly = Anomaly(
         step=trace.step,
@@ -319,8 +327,7 @@ def summarize(anomaly: Anomaly) -> str:
     extra: list[str] = []
     if anomaly.op is not None:
         op = anomaly.op
-        at = f" at {op.source}" if op.source else ""
-        extra.append(f"op {op.op}{at}")
+        extra.append(f"op {op.op} {op.at}".rstrip())
     if anomaly.propagator_count:
         extra.append(
             f"passed on by {anomaly.propagator_count} module"

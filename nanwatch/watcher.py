@@ -344,6 +344,8 @@ class Watcher:
     _user_loss: torch.Tensor | float | None
     _grad_scale: torch.Tensor | None
     _full: bool
+    #: forensic: the user's ``backward()`` line, (``file.py:57``, its text)
+    _backward_site: tuple[str | None, str | None]
 
     def __init__(
         self,
@@ -390,6 +392,8 @@ class Watcher:
         self._functional_guards: Any = None
         self._restore_signals: Callable[[], None] | None = None
         self._anomaly_mode_prev: tuple[bool, bool] | None = None
+        #: forensic: anomaly mode turned off to raise from inside backward (see _act)
+        self._anomaly_paused = False
         self._gen = 0
         self._step = 0
         self._warned = False
@@ -473,7 +477,10 @@ class Watcher:
                 )
                 torch.autograd.set_detect_anomaly(True, check_nan=False)
                 self._checker = ops.OpChecker(
-                    current_path=self._current_path, on_error=self._checker_fault, max_events=256
+                    current_path=self._current_path,
+                    on_error=self._checker_fault,
+                    max_events=256,
+                    backward_site=self._backward_site_of_step,
                 )
                 self._checker.__enter__()  # type: ignore[no-untyped-call]
         except BaseException:
@@ -747,7 +754,7 @@ class Watcher:
                 self._maybe_begin_step()
             if not (self._full or info.is_root):
                 return
-            if torch._C._current_autograd_node() is not None:
+            if ops.current_autograd_node() is not None:
                 return  # activation checkpointing recomputing in backward
             call = self._open_call(info)
             self._stack.append(_Frame(call, module, args, kwargs))
@@ -782,7 +789,7 @@ class Watcher:
         try:
             if not (self._full or info.is_root):
                 return
-            if torch._C._current_autograd_node() is not None:
+            if ops.current_autograd_node() is not None:
                 self._trace.recomputed += 1
                 return
             pre_opened = not info.post_only or forensic
@@ -905,6 +912,10 @@ class Watcher:
         self._user_loss = None
         self._grad_scale = None
         self._begun = False
+        self._backward_site = (None, None)
+        if self._anomaly_paused and self._attached:
+            self._anomaly_paused = False
+            torch.autograd.set_detect_anomaly(True, check_nan=False)
         for h in self._tensor_handles:
             h.remove()
         self._tensor_handles = []
@@ -1253,6 +1264,11 @@ class Watcher:
         if "loss" in self._disabled_hooks:
             return
         try:
+            if self._forensic:
+                self._backward_site = _frames.user_line()
+                if self._anomaly_paused:  # raised from an earlier backward, and caught
+                    self._anomaly_paused = False
+                    torch.autograd.set_detect_anomaly(True, check_nan=False)
             t = tensors if isinstance(tensors, torch.Tensor) else None
             if t is None and isinstance(tensors, (tuple, list)) and len(tensors) == 1:
                 t = tensors[0] if isinstance(tensors[0], torch.Tensor) else None
@@ -1269,6 +1285,10 @@ class Watcher:
             raise
         except Exception as exc:
             self._fault("loss", "backward tap", exc)
+
+    def _backward_site_of_step(self) -> tuple[str | None, str | None]:
+        """The user's ``loss.backward()`` line, taken by the backward tap (forensic)."""
+        return self._backward_site
 
     def _warn_if_unwatched(self, loss: torch.Tensor) -> None:
         """backward() runs through watched parameters although no watched module ran in
@@ -1307,6 +1327,8 @@ class Watcher:
         self._measure(rec, t)
         call.end = self._idx
         self._known[id(t)] = (weakref.ref(t), rec.index, rec.version, False)
+        if self._forensic:  # its backward ops are the loss code's, not the model's
+            ops.stamp_graph([t], LOSS_PATH)
         if self._new_trigger is not None:
             self._handle_trigger(None, loss=t)
 
@@ -1698,8 +1720,7 @@ class Watcher:
         source, _ = _frames.user_line()
         for ev in events:
             ev.path = LOSS_PATH
-            if source:
-                ev.scalars["backward_at"] = source
+            ev.backward_at = source
         self._trace.ops.extend(events)
         self.note("loss_graph", LOSS_PATH, source=source, ops=names[:32])
         if events:
@@ -1735,6 +1756,12 @@ class Watcher:
         message = self._message(trace)
         policy = self.config.on_anomaly
         if policy == "raise":
+            if self._forensic and torch.is_anomaly_enabled():
+                # raised inside backward, anomaly mode would add "Error detected in
+                # <the node whose hook raised>" with that node's forward stack: the wrong
+                # place. The next step (or detach) puts it back.
+                self._anomaly_paused = True
+                torch.autograd.set_detect_anomaly(False)
             raise AnomalyError(message, anomaly=anomaly, diagnoses=trace.diagnoses)
         if policy == "warn" and not self._warned:
             self._warned = True
@@ -1798,6 +1825,7 @@ class Watcher:
             checker, self._checker = self._checker, None
             with contextlib.suppress(Exception):
                 checker.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        self._anomaly_paused = False
         if self._anomaly_mode_prev is not None:
             enabled, check_nan = self._anomaly_mode_prev
             self._anomaly_mode_prev = None
