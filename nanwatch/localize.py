@@ -253,7 +253,8 @@ def localize(
             summary = (
                 f"{what} gradient arrived at the output of {path} from code outside the "
                 "watched modules (the loss computed after the model): watch the loss module "
-                "too, or use mode='forensic' to name the op"
+                "too, or run the step with mode='forensic' (nanwatch run --mode forensic) to "
+                "name the op and its line"
             )
         else:
             owner = trace.call(fwd.call) if fwd is not None else None
@@ -297,6 +298,8 @@ def localize(
             f"{what} gradient born in the backward of code outside the watched modules (the "
             f"loss computed after the model), on its way to the output of {path}"
         )
+        if op.backward_at and op.source == op.backward_at:  # the node's forward line unknown
+            summary += "; mode='forensic' names the line that created it"
     props, n = propagators(trace, trig, path)
     anomaly = Anomaly(
         step=trace.step,

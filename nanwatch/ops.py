@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -341,6 +342,53 @@ def stamp_graph(outputs: Sequence[torch.Tensor], path: str) -> None:
             continue
         meta["nanwatch.path"] = path
         stack.extend(n for n, _ in node.next_functions)
+
+
+def node_op(name: str) -> str:
+    """The forward op of an autograd node: ``PowBackward0`` -> ``aten.pow``,
+    ``MseLossBackward0`` -> ``aten.mse_loss``."""
+    base = re.sub(r"Backward\d*$", "", name)
+    return "aten." + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
+
+
+def _saved_order(attr: str) -> tuple[int, str]:
+    return ({"_saved_self": 0, "_saved_other": 1}.get(attr, 2), attr)
+
+
+def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> OpEvent:
+    """An event for the autograd node whose backward just made the non-finite gradient
+    ``grad``, built in the node's post-hook -- before autograd frees what the node saved
+    in forward (its inputs, its result, its scalar arguments), which is the evidence:
+    ``self`` with 10 exact zeros and ``exponent`` 0.5 for ``(1 - p) ** 0.5`` at p == 1.
+    ``node`` may be None (torch without ``_current_autograd_node``): the name alone."""
+    inputs: list[tuple[str, TensorStat | None]] = []
+    scalars: dict[str, float | int | str] = {}
+    path = None
+    if node is not None:
+        path = node.metadata.get("nanwatch.path")
+        for attr in sorted((a for a in dir(node) if a.startswith("_saved_")), key=_saved_order):
+            try:
+                v = getattr(node, attr)
+            except Exception:  # freed, or modified in place since (autograd raises)
+                continue
+            key = attr.removeprefix("_saved_")
+            if isinstance(v, torch.Tensor):
+                if len(inputs) < limit and has_values(v):
+                    inputs.append((key, describe(v)))
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and len(scalars) < limit:
+                scalars[key] = v
+    out = describe(grad) or TensorStat(math.nan, math.nan, 0)
+    return OpEvent(
+        op=node_op(name),
+        phase=Phase.BACKWARD,
+        path=path,
+        born=out.kinds(),
+        output=out,
+        inputs=inputs,
+        scalars=scalars,
+        node=name,
+        dtype=dtype_name(grad.dtype),
+    )
 
 
 @dataclass

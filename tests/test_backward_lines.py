@@ -219,3 +219,96 @@ def test_nanwatch_run_never_names_its_own_frames(tmp_path: Path) -> None:
     for launcher in ([sys.executable, str(console)], [sys.executable, "-m", "nanwatch"]):
         _run(launcher, tmp_path, "forensic")
     _run([sys.executable, str(console)], tmp_path, "watch")
+
+
+# ---------------------------------------------------------------- watch mode (the default)
+def test_watch_mode_names_the_loss_codes_node_and_what_it_saved() -> None:
+    model, x, y = _saturated_linear()
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        _focal_step(model, x, y)
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.BACKWARD and a.origin == "after-output"
+    op = a.op
+    assert op is not None and op.phase is Phase.BACKWARD
+    assert (op.node, op.op, op.path) == ("PowBackward0", "aten.pow", LOSS_PATH)
+    assert op.scalars == {"exponent": 0.5}  # what PowBackward0 saved in forward...
+    base = dict(op.inputs)["self"]  # ...and the base it was given: 1 - p, exactly 0
+    assert base is not None and base.min == 0 and base.zeros
+    assert op.output.has_nan and base.zeros == op.output.nan  # 0 * inf at each of them
+    backward_line = _line(_focal_step, "# the backward call")
+    assert op.backward_at is not None and op.backward_at.endswith(backward_line)
+    assert op.source == op.backward_at  # the forward line needs anomaly mode:
+    assert "mode='forensic' names the line that created it" in a.summary
+    top = nw.history[-1].diagnoses[0]
+    assert top.code != "NW100"  # a diagnosis of the op, not "a non-finite value"
+
+
+def test_on_accelerators_the_loss_code_is_checked_after_its_first_bad_gradient() -> None:
+    """A check is a sync per node there: the first anomaly says what names the op, and the
+    steps after it (on_anomaly="warn", "record", Lightning's "skip") check the loss code."""
+    model, x, y = _saturated_linear()
+    nw = nanwatch.watch(model, on_anomaly="record")
+    nw._defer_cpu = True  # the accelerator path, driven on CPU
+    with nw:
+        for _ in range(2):
+            _focal_step(model, x, y)
+            nw.step()
+            model.zero_grad()  # no update: the same failure again
+    first, second = (t.anomaly for t in nw.history)
+    assert first is not None and first.op is None
+    assert "mode='forensic' (nanwatch run --mode forensic)" in first.summary
+    assert second is not None and second.origin == "after-output"
+    assert second.op is not None and second.op.node == "PowBackward0"
+    assert second.op.scalars == {"exponent": 0.5}
+    backward_line = _line(_focal_step, "# the backward call")
+    assert second.op.backward_at is not None and second.op.backward_at.endswith(backward_line)
+
+
+def test_a_healthy_loss_code_leaves_no_event_and_no_hook() -> None:
+    model = nn.Linear(4, 3)
+    with nanwatch.watch(model) as nw:
+        for _ in range(2):
+            x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+            _focal_step(model, x, y)
+            assert len(nw._tensor_handles) > 1  # the output's hook and the loss nodes'
+            nw.step()
+    assert nw.first_anomaly is None and all(not t.ops for t in nw.history)
+    assert nw._tensor_handles == []
+
+
+def _zero_linear() -> nn.Linear:
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.zero_()  # every output exactly 0
+    return model
+
+
+def test_the_loss_node_next_to_the_output_is_named_without_a_check_of_its_own() -> None:
+    """Its gradient is what the output's hook measures: no second pass over it, and when
+    it is the only such node it is named (what it saved was freed when it ran)."""
+    model = _zero_linear()
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        out = model(torch.randn(2, 4))
+        loss = torch.sqrt(out).mean()
+        loss.backward()  # sqrt at 0
+        hooks = len(nw._tensor_handles)
+        nw.step()
+    assert hooks == 1  # the output's own: sqrt feeds it, mean only spreads the gradient
+    a = nw.first_anomaly
+    assert a is not None and a.origin == "after-output"
+    assert a.op is not None and a.op.node == "SqrtBackward0" and a.op.inputs == []
+    here = _line(test_the_loss_node_next_to_the_output_is_named_without_a_check_of_its_own, "at 0")
+    assert a.op.backward_at is not None and a.op.backward_at.endswith(here)
+
+
+def test_two_loss_terms_at_the_output_are_not_guessed_between() -> None:
+    model = _zero_linear()
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        out = model(torch.randn(2, 4))
+        (torch.sqrt(out).mean() + (out + 1).log().mean()).backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.origin == "after-output" and a.op is None
+    assert "mode='forensic' (nanwatch run --mode forensic)" in a.summary
