@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import linecache
@@ -9,6 +10,8 @@ import os
 import re
 import sys
 import types
+from collections import Counter
+from collections.abc import Iterator
 
 import torch
 
@@ -18,6 +21,9 @@ _NANWATCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _USER_INSIDE = (os.path.join(_NANWATCH_DIR, "scenarios") + os.sep,)
 _SKIP_PREFIXES = (_TORCH_DIR, _NANWATCH_DIR)
 _STDLIB_DIR = os.path.dirname(os.__file__) + os.sep
+#: files of the frames that launched the code being watched (``nanwatch run``'s console
+#: script, a ``python -c`` or test that called it): never the user's line while it runs.
+_launchers: Counter[str] = Counter()
 
 
 @functools.cache
@@ -38,11 +44,35 @@ def _framework_dirs() -> tuple[str, ...]:
 def is_internal(filename: str) -> bool:
     if filename.startswith(_USER_INSIDE):
         return False
+    if _launchers and filename in _launchers:
+        return True
     if filename.startswith(_SKIP_PREFIXES) or filename.startswith(_framework_dirs()):
         return True
     if filename.startswith("<"):  # <frozen ...>, <string>
         return True
     return filename.startswith(_STDLIB_DIR) and "site-packages" not in filename
+
+
+@contextlib.contextmanager
+def launched_here() -> Iterator[None]:
+    """While the body runs, the frames that called it are nanwatch's launcher, not the
+    user's code: ``nanwatch run`` runs a script from its console script (a file in the
+    environment's ``bin/``), ``python -m nanwatch`` or any caller of ``cli.main``; a stack
+    that reaches past the script (an autograd node made at module level, a warning raised
+    outside any user frame) must not name them."""
+    files: list[str] = []
+    f: types.FrameType | None = sys._getframe(2)  # above contextlib's __enter__
+    while f is not None:
+        files.append(f.f_code.co_filename)
+        f = f.f_back
+    _launchers.update(files)
+    try:
+        yield
+    finally:
+        _launchers.subtract(files)
+        for name in files:
+            if _launchers[name] <= 0:
+                del _launchers[name]
 
 
 def user_frame(start: types.FrameType | None = None) -> types.FrameType | None:
@@ -68,20 +98,28 @@ def user_line() -> tuple[str | None, str | None]:
     return describe_frame(user_frame(sys._getframe(1)))
 
 
-_TB_LINE = re.compile(
-    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\n(?P<code>[^\n]*)'
-)
+_TB_HEADER = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 
 
 def user_line_from_traceback(lines: list[str] | str) -> tuple[str | None, str | None]:
-    """The innermost user frame of a formatted stack (what anomaly mode stores on a node)."""
+    """The innermost user frame of a formatted stack (what anomaly mode stores on a node:
+    ``traceback.format_stack()``, outermost first). A frame without source text (``<frozen
+    runpy>``) is a header with no code line after it."""
     text = lines if isinstance(lines, str) else "".join(lines)
+    rows = text.splitlines()
     best: tuple[str | None, str | None] = (None, None)
-    for m in _TB_LINE.finditer(text):
+    for i, row in enumerate(rows):
+        m = _TB_HEADER.match(row)
+        if m is None:
+            continue
         filename = m.group("file")
         if is_internal(filename):
             continue
-        best = (f"{_short(filename)}:{m.group('line')}", m.group("code").strip() or None)
+        nxt = rows[i + 1] if i + 1 < len(rows) else ""
+        code = nxt.strip() if _TB_HEADER.match(nxt) is None else ""
+        lineno = int(m.group("line"))
+        code = code or linecache.getline(filename, lineno).strip()
+        best = (f"{_short(filename)}:{lineno}", code or None)
     return best
 
 

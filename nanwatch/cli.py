@@ -178,8 +178,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     code: int = 0
     crashed = False
+    from nanwatch import _frames
+
     try:
-        with nw:
+        # the frames that run the script (the console script, runpy) are never its lines
+        with _frames.launched_here(), nw:
             runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:  # the script's own exit: keep its code
         code = _exit_code(exc)

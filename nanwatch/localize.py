@@ -258,7 +258,8 @@ def localize(
             summary = (
                 f"{what} gradient arrived at the output of {path} from code outside the "
                 "watched modules (the loss computed after the model): watch the loss module "
-                "too, or use mode='forensic' to name the op"
+                "too, or run the step with mode='forensic' (nanwatch run --mode forensic) to "
+                "name the op and its line"
             )
         else:
             owner = trace.call(fwd.call) if fwd is not None else None
@@ -287,13 +288,23 @@ def localize(
             "(optimizer step), not by this step's computation"
         )
 
+    # a gradient from outside the modules was born in the loss code's backward: its op
     op = (
         _matching_op(
-            trace.ops, Phase.BACKWARD if kind is AnomalyKind.BACKWARD else Phase.FORWARD, path
+            trace.ops,
+            Phase.BACKWARD if kind is AnomalyKind.BACKWARD else Phase.FORWARD,
+            LOSS_PATH if origin == "after-output" else path,
         )
         if kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD)
         else None
     )
+    if origin == "after-output" and op is not None:
+        summary = (
+            f"{what} gradient born in the backward of code outside the watched modules (the "
+            f"loss computed after the model), on its way to the output of {path}"
+        )
+        if op.backward_at and op.source == op.backward_at:  # the node's forward line unknown
+            summary += "; mode='forensic' names the line that created it"
     props, n = propagators(trace, trig, path)
     anomaly = Anomaly(
         step=trace.step,
@@ -324,8 +335,7 @@ def summarize(anomaly: Anomaly) -> str:
     extra: list[str] = []
     if anomaly.op is not None:
         op = anomaly.op
-        at = f" at {op.source}" if op.source else ""
-        extra.append(f"op {op.op}{at}")
+        extra.append(f"op {op.op} {op.at}".rstrip())
     if anomaly.propagator_count:
         extra.append(
             f"passed on by {anomaly.propagator_count} module"

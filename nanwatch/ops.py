@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -51,6 +52,10 @@ _IGNORED_PACKETS = {
 
 #: thread-local state shared by every watcher: hooks stay quiet while a replay runs.
 _tls = threading.local()
+
+#: the autograd node running on this thread (None outside backward); torch without it
+#: (older than 2.0) sees no node, and backward ops are reported as forward ones.
+current_autograd_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
 def replaying() -> bool:
@@ -135,8 +140,11 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
     """Checks every aten op's floating outputs and records where non-finite values are born.
 
     ``current_path`` names the module running a forward op; in backward the module comes
-    from the autograd node's metadata (stamped by :func:`stamp_graph`) and the source line
-    from anomaly mode's traceback when it is on.
+    from the autograd node's metadata (stamped by :func:`stamp_graph`). A backward op's
+    source line is the *forward* line that created its node (from the traceback anomaly mode
+    keeps on every node, when it is on); ``backward_at`` says which ``backward()`` call ran
+    it (found on this thread's stack, else asked of ``backward_site``: on accelerators the
+    engine runs backward on threads with no Python stack of the user's).
 
     Example:
         >>> with OpChecker() as chk:
@@ -151,11 +159,13 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         current_path: Callable[[], str | None] | None = None,
         max_events: int = 32,
         on_error: Callable[[BaseException], None] | None = None,
+        backward_site: Callable[[], tuple[str | None, str | None]] | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.events: list[OpEvent] = []
         self.checked = 0
         self._current_path = current_path
+        self._backward_site = backward_site
         self._max_events = max_events
         self._seen: dict[int, _Seen] = {}
         self._on_error = on_error
@@ -181,6 +191,12 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         return out
 
     # -- internals -------------------------------------------------------------------
+    def _backward_call(self) -> tuple[str | None, str | None]:
+        here = _frames.describe_frame(_frames.user_frame())
+        if here[0] is None and self._backward_site is not None:
+            return self._backward_site()
+        return here
+
     def _lookup(self, t: torch.Tensor) -> _Seen | None:
         seen = self._seen.get(id(t))
         if seen is not None and seen.ref() is t:
@@ -217,13 +233,16 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         injected = (all_out & scalar_kinds) - in_kinds
         event: OpEvent | None = None
         if (born or injected) and len(self.events) < self._max_events:
-            node: Any = torch._C._current_autograd_node()  # None outside backward
+            node: Any = current_autograd_node()  # None outside backward
+            backward_at: str | None = None
             if node is not None:
                 phase = Phase.BACKWARD
                 meta: dict[str, Any] = node.metadata
                 path = meta.get("nanwatch.path")
-                tb = meta.get("traceback_")
-                source, code = _frames.user_line_from_traceback(tb) if tb else (None, None)
+                source, code = forward_line(node)
+                backward_at, backward_code = self._backward_call()
+                if source is None:  # made before anomaly mode was on: the call is all we know
+                    source, code = backward_at, backward_code
                 node_name = node.name()
             else:
                 phase = Phase.FORWARD
@@ -246,6 +265,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 dtype=dtype_name(first_bad.dtype),
                 cause=cause,
                 injected=not born,
+                backward_at=backward_at,
             )
             self.events.append(event)
         # remember every non-finite output, so later ops can name their cause
@@ -293,6 +313,17 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         return self.events[0] if self.events else None
 
 
+def forward_line(node: Any) -> tuple[str | None, str | None]:
+    """The user's line that created autograd ``node`` in forward (``file.py:42``, its text):
+    the innermost user frame of the stack anomaly mode stored on it; (None, None) when the
+    node was made with anomaly mode off."""
+    try:
+        tb = node.metadata.get("traceback_")
+    except Exception:  # a node without metadata (a C++ function's wrapper)
+        return None, None
+    return _frames.user_line_from_traceback(tb) if tb else (None, None)
+
+
 def stamp_graph(outputs: Sequence[torch.Tensor], path: str) -> None:
     """Label the autograd nodes a module's forward created with the module's path, so a
     backward op can be traced to its module (forensic mode). Stops at nodes already stamped
@@ -311,6 +342,53 @@ def stamp_graph(outputs: Sequence[torch.Tensor], path: str) -> None:
             continue
         meta["nanwatch.path"] = path
         stack.extend(n for n, _ in node.next_functions)
+
+
+def node_op(name: str) -> str:
+    """The forward op of an autograd node: ``PowBackward0`` -> ``aten.pow``,
+    ``MseLossBackward0`` -> ``aten.mse_loss``."""
+    base = re.sub(r"Backward\d*$", "", name)
+    return "aten." + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
+
+
+def _saved_order(attr: str) -> tuple[int, str]:
+    return ({"_saved_self": 0, "_saved_other": 1}.get(attr, 2), attr)
+
+
+def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> OpEvent:
+    """An event for the autograd node whose backward just made the non-finite gradient
+    ``grad``, built in the node's post-hook -- before autograd frees what the node saved
+    in forward (its inputs, its result, its scalar arguments), which is the evidence:
+    ``self`` with 10 exact zeros and ``exponent`` 0.5 for ``(1 - p) ** 0.5`` at p == 1.
+    ``node`` may be None (torch without ``_current_autograd_node``): the name alone."""
+    inputs: list[tuple[str, TensorStat | None]] = []
+    scalars: dict[str, float | int | str] = {}
+    path = None
+    if node is not None:
+        path = node.metadata.get("nanwatch.path")
+        for attr in sorted((a for a in dir(node) if a.startswith("_saved_")), key=_saved_order):
+            try:
+                v = getattr(node, attr)
+            except Exception:  # freed, or modified in place since (autograd raises)
+                continue
+            key = attr.removeprefix("_saved_")
+            if isinstance(v, torch.Tensor):
+                if len(inputs) < limit and has_values(v):
+                    inputs.append((key, describe(v)))
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and len(scalars) < limit:
+                scalars[key] = v
+    out = describe(grad) or TensorStat(math.nan, math.nan, 0)
+    return OpEvent(
+        op=node_op(name),
+        phase=Phase.BACKWARD,
+        path=path,
+        born=out.kinds(),
+        output=out,
+        inputs=inputs,
+        scalars=scalars,
+        node=name,
+        dtype=dtype_name(grad.dtype),
+    )
 
 
 @dataclass

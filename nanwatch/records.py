@@ -294,6 +294,20 @@ class OpEvent:
     cause: OpEvent | None = None
     #: True when the non-finite value came from a constant argument (masked_fill(-inf)).
     injected: bool = False
+    #: backward ops: the ``backward()`` call that ran them (``train.py:57``); ``source`` is
+    #: the forward line that created their autograd node.
+    backward_at: str | None = None
+
+    @property
+    def at(self) -> str:
+        """Where the op ran, in words: ``at train.py:42`` (forward); ``in the backward of
+        train.py:42`` (a backward op of the node that line created); ``in SqrtBackward0,
+        backward() at train.py:57`` (the node's forward line unknown); "" when nothing is."""
+        if self.phase is Phase.BACKWARD and self.source:
+            if self.backward_at and self.backward_at == self.source:
+                return f"in {self.node or 'backward'}, backward() at {self.source}"
+            return f"in the backward of {self.source}"
+        return f"at {self.source}" if self.source else ""
 
     def chain(self) -> list[OpEvent]:
         """This event and its causes, oldest first."""
@@ -319,6 +333,7 @@ class OpEvent:
             "dtype": self.dtype,
             "cause": None if self.cause is None else self.cause.to_dict(),
             "injected": self.injected,
+            "backward_at": self.backward_at,
         }
 
     @classmethod
@@ -340,6 +355,7 @@ class OpEvent:
             dtype=d.get("dtype", ""),
             cause=None if d.get("cause") is None else OpEvent.from_dict(d["cause"]),
             injected=bool(d.get("injected", False)),
+            backward_at=d.get("backward_at"),
         )
 
 

@@ -690,6 +690,8 @@ def _op_grid(a: Anomaly) -> Table | None:
             if ev.code:
                 src.append(f"  {ev.code}")
             grid.add_row("line", src)
+        if ev.backward_at and ev.backward_at != ev.source:
+            grid.add_row("backward()", Text(ev.backward_at, style="nanwatch.source"))
         for role, s in ev.inputs[:4]:
             grid.add_row(f"input {role}", Text(_stat_text(s)))
         if ev.scalars:
@@ -1597,6 +1599,8 @@ def _html_where(report: Report) -> str:
                 if ev.source:
                     code = f"<pre>{_e(ev.code)}</pre>" if ev.code else ""
                     kv.append(("line", f"<code>{_e(ev.source)}</code>{code}"))
+                if ev.backward_at and ev.backward_at != ev.source:
+                    kv.append(("backward()", f"<code>{_e(ev.backward_at)}</code>"))
                 kv.extend((f"input {role}", _e(_stat_text(s))) for role, s in ev.inputs)
                 if ev.scalars:
                     kv.append(

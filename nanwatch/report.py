@@ -561,6 +561,8 @@ def anomaly_headline(a: Anomaly) -> str:
         text = f"{kinds} in the input data ({a.record.role} of {a.path})"
     elif k is AnomalyKind.FORWARD:
         text = f"{kinds} born in the forward of {a.path}"
+    elif k is AnomalyKind.BACKWARD and a.origin == "after-output":
+        text = f"{kinds} gradient born in the backward of code outside the watched modules"
     elif k is AnomalyKind.BACKWARD:
         text = f"{kinds} gradient born in the backward of {a.path}"
     elif k is AnomalyKind.GRADIENT:
@@ -569,8 +571,8 @@ def anomaly_headline(a: Anomaly) -> str:
         text = f"{kinds} in the weights {a.parameter or a.record.role} after an update"
     if a.op is not None:
         text += f" by {a.op.op}"
-        if a.op.source:
-            text += f" at {a.op.source}"
+        if a.op.at:
+            text += f" {a.op.at}"
     return f"{text}, step {a.step}"
 
 

@@ -46,6 +46,7 @@ from nanwatch.records import (
     AnomalyKind,
     Call,
     Note,
+    OpEvent,
     Phase,
     Record,
     StepTrace,
@@ -60,6 +61,7 @@ from nanwatch.stats import (
     foreach_l2,
     minmax,
     numel,
+    read_minmax,
     rows_from_flags,
 )
 
@@ -361,6 +363,13 @@ class Watcher:
     _user_loss: torch.Tensor | float | None
     _grad_scale: torch.Tensor | None
     _full: bool
+    #: forensic: the user's ``backward()`` line, (``file.py:57``, its text)
+    _backward_site: tuple[str | None, str | None]
+    #: a gradient made by the loss code's backward was seen non-finite this step
+    _loss_node_bad: bool
+    #: the loss code's nodes whose gradients go straight to the watched outputs (checked by
+    #: the outputs' own hooks, not twice), when this step's loss graph was walked whole
+    _loss_last: list[str] | None
 
     def __init__(
         self,
@@ -407,6 +416,11 @@ class Watcher:
         self._functional_guards: Any = None
         self._restore_signals: Callable[[], None] | None = None
         self._anomaly_mode_prev: tuple[bool, bool] | None = None
+        #: forensic: anomaly mode turned off to raise from inside backward (see _act)
+        self._anomaly_paused = False
+        #: on accelerators the loss code's gradients are checked (a sync per autograd node)
+        #: only once a gradient from outside the modules was seen non-finite in this run
+        self._loss_graph_armed = False
         self._gen = 0
         self._step = 0
         self._warned = False
@@ -491,7 +505,10 @@ class Watcher:
                 )
                 torch.autograd.set_detect_anomaly(True, check_nan=False)
                 self._checker = ops.OpChecker(
-                    current_path=self._current_path, on_error=self._checker_fault, max_events=256
+                    current_path=self._current_path,
+                    on_error=self._checker_fault,
+                    max_events=256,
+                    backward_site=self._backward_site_of_step,
                 )
                 self._checker.__enter__()  # type: ignore[no-untyped-call]
         except BaseException:
@@ -769,7 +786,7 @@ class Watcher:
                 self._maybe_begin_step()
             if not (self._full or info.is_root):
                 return
-            if torch._C._current_autograd_node() is not None:
+            if ops.current_autograd_node() is not None:
                 return  # activation checkpointing recomputing in backward
             call = self._open_call(info)
             self._stack.append(_Frame(call, module, args, kwargs))
@@ -804,7 +821,7 @@ class Watcher:
         try:
             if not (self._full or info.is_root):
                 return
-            if torch._C._current_autograd_node() is not None:
+            if ops.current_autograd_node() is not None:
                 self._trace.recomputed += 1
                 self._hook_recomputed(info, output)
                 return
@@ -932,6 +949,12 @@ class Watcher:
         self._user_loss = None
         self._grad_scale = None
         self._begun = False
+        self._backward_site = (None, None)
+        self._loss_node_bad = False
+        self._loss_last = None
+        if self._anomaly_paused and self._attached:
+            self._anomaly_paused = False
+            torch.autograd.set_detect_anomaly(True, check_nan=False)
         for h in self._tensor_handles:
             h.remove()
         self._tensor_handles = []
@@ -1309,6 +1332,11 @@ class Watcher:
         if "loss" in self._disabled_hooks:
             return
         try:
+            if self._forensic or self._loss_graph_armed:
+                self._backward_site = _frames.user_line()
+                if self._anomaly_paused:  # raised from an earlier backward, and caught
+                    self._anomaly_paused = False
+                    torch.autograd.set_detect_anomaly(True, check_nan=False)
             t = tensors if isinstance(tensors, torch.Tensor) else None
             if t is None and isinstance(tensors, (tuple, list)) and len(tensors) == 1:
                 t = tensors[0] if isinstance(tensors[0], torch.Tensor) else None
@@ -1321,10 +1349,130 @@ class Watcher:
                 if not self._compiled_warned and not any(c.root for c in self._trace.calls):
                     self._warn_if_unwatched(t)
                 self._record_loss(t)
+                if self._full and not self._forensic and not self._scaled:
+                    self._hook_loss_graph(t)
         except NanwatchError:
             raise
         except Exception as exc:
             self._fault("loss", "backward tap", exc)
+
+    def _hook_loss_graph(self, loss: torch.Tensor) -> None:
+        """Check the gradients that the backward of a loss computed outside the watched
+        modules makes: the few autograd nodes between the loss and the watched outputs get
+        a post-hook, so a NaN or inf born there (``(1 - p) ** 0.5`` at p == 1) is named by
+        its node and by what the node saved in forward, read before autograd frees it.
+
+        A check reads the gradient at once: free on CPU, a sync per node on accelerators,
+        where it runs only after a gradient from outside the modules went bad earlier in
+        the run (until then the anomaly's message says what names the op)."""
+        if "loss-graph" in self._disabled_hooks or loss.grad_fn is None:
+            return
+        if (loss.device.type != "cpu" or self._defer_cpu) and not self._loss_graph_armed:
+            return
+        stop = self._recorded_nodes
+        nodes: list[Any] = []
+        last: list[str] = []
+        seen: set[int] = set()
+        stack: list[Any] = [loss.grad_fn]
+        while stack and len(seen) < _LOSS_NODES:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            name = type(node).__name__
+            if id(node) in stop or name == "AccumulateGrad":
+                continue
+            if name in _GRAD_MOVERS:
+                pass  # moving a finite gradient keeps it finite
+            elif _feeds_only(node, stop, 4):
+                last.append(node.name())  # what it makes is checked by the outputs' hooks
+            else:
+                nodes.append(node)
+            stack.extend(n for n, _ in node.next_functions)
+        self._loss_last = None if stack else last
+        check = self._on_loss_node
+        gen, step = self._gen, self._step
+        handles = self._tensor_handles
+        for node in nodes:
+            name = node.name()
+
+            def on_node(
+                grad_inputs: tuple[torch.Tensor | None, ...],
+                grad_outputs: tuple[torch.Tensor | None, ...],
+                name: str = name,
+            ) -> None:
+                check(gen, step, name, grad_inputs, grad_outputs)
+
+            handles.append(node.register_hook(on_node))
+
+    def _on_loss_node(
+        self,
+        gen: int,
+        step: int,
+        name: str,
+        grad_inputs: tuple[torch.Tensor | None, ...],
+        grad_outputs: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        if not self._attached or gen != self._gen or step != self._step or self._loss_node_bad:
+            return
+        if "loss-graph" in self._disabled_hooks or ops.replaying():
+            return
+        try:
+            with _NO_TORCH_FUNCTION():
+                self._check_loss_node(name, grad_inputs, grad_outputs)
+        except NanwatchError:
+            raise
+        except Exception as exc:
+            self._fault("loss-graph", "loss-code gradient check", exc)
+
+    def _check_loss_node(
+        self,
+        name: str,
+        grad_inputs: tuple[torch.Tensor | None, ...],
+        grad_outputs: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        """The first node of the step whose gradient is not finite, while the gradient it
+        received was: record an op event with what the node saved in forward."""
+        bad = next((g for g in grad_inputs if g is not None and not _finite(g)), None)
+        if bad is None:
+            return
+        self._loss_node_bad = True  # later nodes only pass it on
+        if any(o is not None and not _finite(o) for o in grad_outputs):
+            return  # it arrived non-finite: not born here
+        ev = ops.node_event(ops.current_autograd_node(), bad, name=name)
+        ev.path = LOSS_PATH
+        site = self._backward_site if self._backward_site[0] else _frames.user_line()
+        ev.source, ev.code = site  # the node's forward line is unknown without anomaly mode
+        ev.backward_at = ev.source
+        self._trace.ops.append(ev)
+
+    def _last_loss_node(self, anomaly: Anomaly) -> OpEvent | None:
+        """A gradient from outside the modules went bad at a watched output, and every
+        gradient the loss code's checked nodes made was finite: the node that feeds the
+        output directly made it, when there is one such node (by name only: what it saved
+        was freed once it ran)."""
+        last = self._loss_last
+        if not last or len(set(last)) != 1 or self._loss_node_bad:
+            return None
+        name = last[0]
+        stat = anomaly.record.stat or TensorStat(math.nan, math.nan, 0)
+        source, code = self._backward_site if self._backward_site[0] else _frames.user_line()
+        return OpEvent(
+            op=ops.node_op(name),
+            phase=Phase.BACKWARD,
+            path=LOSS_PATH,
+            born=stat.kinds(),
+            output=stat,
+            source=source,
+            code=code,
+            node=name,
+            dtype=anomaly.record.dtype,
+            backward_at=source,
+        )
+
+    def _backward_site_of_step(self) -> tuple[str | None, str | None]:
+        """The user's ``loss.backward()`` line, taken by the backward tap (forensic)."""
+        return self._backward_site
 
     def _warn_if_unwatched(self, loss: torch.Tensor) -> None:
         """backward() runs through watched parameters although no watched module ran in
@@ -1363,6 +1511,8 @@ class Watcher:
         self._measure(rec, t)
         call.end = self._idx
         self._known[id(t)] = (weakref.ref(t), rec.index, rec.version, False)
+        if self._forensic:  # its backward ops are the loss code's, not the model's
+            ops.stamp_graph([t], LOSS_PATH)
         if self._new_trigger is not None:
             self._handle_trigger(None, loss=t)
 
@@ -1680,7 +1830,14 @@ class Watcher:
                 self._check_params(at_end=False)
             if any(r.phase is Phase.PARAMETER and r.bad for r in trace.records):
                 anomaly = localize(trace, allow=cfg.allow, scaled_grads=self._scaled) or anomaly
+        if anomaly.origin == "after-output" and anomaly.op is None and trace is self._trace:
+            ev = self._last_loss_node(anomaly)
+            if ev is not None:
+                trace.ops.append(ev)
+                anomaly = localize(trace, allow=cfg.allow, scaled_grads=self._scaled) or anomaly
         trace.anomaly = anomaly
+        if anomaly.origin == "after-output":
+            self._loss_graph_armed = True  # the next steps check the loss code's gradients
         self.anomalies.append(anomaly)
         if self.first_anomaly is None:
             self.first_anomaly = anomaly
@@ -1766,8 +1923,7 @@ class Watcher:
         source, _ = _frames.user_line()
         for ev in events:
             ev.path = LOSS_PATH
-            if source:
-                ev.scalars["backward_at"] = source
+            ev.backward_at = source
         self._trace.ops.extend(events)
         self.note("loss_graph", LOSS_PATH, source=source, ops=names[:32])
         if events:
@@ -1803,6 +1959,12 @@ class Watcher:
         message = self._message(trace)
         policy = self.config.on_anomaly
         if policy == "raise":
+            if self._forensic and torch.is_anomaly_enabled():
+                # raised inside backward, anomaly mode would add "Error detected in
+                # <the node whose hook raised>" with that node's forward stack: the wrong
+                # place. The next step (or detach) puts it back.
+                self._anomaly_paused = True
+                torch.autograd.set_detect_anomaly(False)
             raise AnomalyError(message, anomaly=anomaly, diagnoses=trace.diagnoses)
         if policy == "warn" and not self._warned:
             self._warned = True
@@ -1867,6 +2029,7 @@ class Watcher:
             checker, self._checker = self._checker, None
             with contextlib.suppress(Exception):
                 checker.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        self._anomaly_paused = False
         if self._anomaly_mode_prev is not None:
             enabled, check_nan = self._anomaly_mode_prev
             self._anomaly_mode_prev = None
@@ -2024,6 +2187,22 @@ class _ScalerTap:
 
 _scaler_tap = _ScalerTap()
 
+
+#: a loss computed outside the modules: at most this many of its autograd nodes (those
+#: nearest the loss) are looked at for a gradient check in watch mode
+_LOSS_NODES = 64
+#: autograd nodes whose backward only moves, masks or spreads the gradient: finite in,
+#: finite out, so their gradients need no check of their own
+_GRAD_MOVERS = frozenset(
+    f"{op}Backward{n}"
+    for op in (
+        "Neg", "Cat", "Stack", "View", "Reshape", "UnsafeView", "Permute", "Transpose", "T",
+        "Slice", "Select", "Clone", "Squeeze", "Unsqueeze", "Split", "SplitWithSizes", "Unbind",
+        "Chunk", "Narrow", "Flatten", "Sum", "Mean", "Relu", "Threshold",
+    )
+    for n in (0, 1, 2)
+)  # fmt: skip
+
 #: the call of a loss computed outside any module
 _LOSS_INFO = _ModInfo(LOSS_PATH, nn.Identity(), is_root=True, first_root=False)
 _LOSS_INFO.type_name = "functional"
@@ -2043,6 +2222,29 @@ def _tracing() -> bool:
     """Under a FakeTensorMode (torch.compile, export, meta-device initialisation) tensors
     hold no values: the hooks stay out of the way."""
     return torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None
+
+
+def _feeds_only(node: Any, stop: set[int], depth: int) -> bool:
+    """Every gradient ``node`` makes goes to a node in ``stop`` (or a leaf), directly or
+    through nodes that only move gradients."""
+    for nxt, _ in node.next_functions:
+        if nxt is None or id(nxt) in stop:
+            continue
+        name = type(nxt).__name__
+        if name == "AccumulateGrad":
+            continue
+        if depth > 0 and name in _GRAD_MOVERS and _feeds_only(nxt, stop, depth - 1):
+            continue
+        return False
+    return True
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """All values of ``t`` finite (read now: a sync on accelerators)."""
+    if not t.is_floating_point():
+        return True
+    mm = read_minmax(t)
+    return mm is None or (math.isfinite(mm[0]) and math.isfinite(mm[1]))
 
 
 def _has_no_data(t: torch.Tensor) -> bool:
