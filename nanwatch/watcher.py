@@ -37,7 +37,7 @@ from torch import nn
 from nanwatch import _frames, ops
 from nanwatch._structure import iter_tensors
 from nanwatch.config import WatchConfig
-from nanwatch.errors import AnomalyError, ConfigError, NanwatchError
+from nanwatch.errors import AnomalyError, ConfigError, GuardError, NanwatchError
 from nanwatch.localize import is_trigger, localize, propagators, summarize
 from nanwatch.records import (
     LOSS_PATH,
@@ -854,6 +854,8 @@ class Watcher:
                 found = _name_modules([module], taken=taken, first=not self._modules)
                 self.roots.append(module)
             self._register_found(found, args, kwargs)
+        except GuardError:
+            raise  # a guard of the module just found stopped its first call: not our fault
         except Exception as exc:
             self._fault("pre", "module discovery", exc)
             return None
