@@ -653,7 +653,7 @@ def test_guard_rules_are_in_the_catalog() -> None:
 
 
 # ------------------------------------------------------------------ scenarios and CUDA
-@pytest.mark.parametrize("name", ["target-255", "broadcast-mse"])
+@pytest.mark.parametrize("name", ["target-255", "broadcast-mse", "added-token"])
 @pytest.mark.filterwarnings("ignore:Using a target size")
 def test_scenarios(name: str) -> None:
     outcome = scenarios.run(scenarios.get(name))

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanwatch
-from nanwatch import guards
+from nanwatch import guards, scenarios
 from nanwatch.errors import GuardError
 
 
@@ -444,3 +444,17 @@ def test_guard_rules_for_indices_are_in_the_catalog() -> None:
     assert codes["NW513"].title == "Index out of range" and codes["NW513"].family == "guards"
     assert codes["NW514"].title == "Index has the wrong dtype"
     assert codes["NW515"].title == "EmbeddingBag offsets invalid"
+
+
+# ------------------------------------------------------------------ scenario
+def test_the_added_token_scenario() -> None:
+    from nanwatch.scenarios import added_token
+
+    outcome = scenarios.run(scenarios.get("added-token"))
+    assert outcome.mismatches() == []
+    err = outcome.error
+    assert isinstance(err, GuardError)
+    rows = len(added_token.WordTokenizer(list(added_token.WORDS)))  # before the EOS was added
+    assert err.values == (rows,) and err.module == "embed"
+    assert err.count == added_token.BATCH  # one end-of-text token per row
+    assert err.fix == f"self.embed = nn.Embedding({rows + 1}, 32)  # or len(tokenizer) rows"
