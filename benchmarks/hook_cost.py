@@ -16,6 +16,8 @@ Three measurements, printed and written to ``benchmarks/HOOK_COST.md``:
 4. **Profile**: cProfile of watched W2 steps, nanwatch's functions by self time, with the
    torch built-ins nanwatch calls attributed to it (cProfile inflates Python-heavy code:
    compare its total with the measured overhead).
+5. **Guards**: microseconds per call of each guard on W3 (its ``nn.Embedding`` and its
+   ``CrossEntropyLoss``), the guard pre-hooks wrapped with the same clock as in 2.
 
 Usage::
 
@@ -247,6 +249,64 @@ def per_hook(model: nn.Module, x: torch.Tensor, mode: str, steps: int) -> dict[s
     us["nw.step()"] = statistics.median(step_clock.ns) / 1e3
     calls["nw.step()"] = 1
     return {"us": us, "calls": calls, "records": len(trace.records), "wrapper_ns": overhead}
+
+
+# ---------------------------------------------------------------------------- 5. guards
+
+
+@dataclass
+class GuardCost:
+    module: str  # "embed (Embedding)"
+    inputs: str  # its first input: "(16, 128) int64"
+    calls: float  # per step
+    us: float  # median per call, the clock's own cost subtracted
+
+
+def _timed_guard(
+    timed: Callable[..., Any], label: str, shapes: dict[str, str]
+) -> Callable[..., Any]:
+    """A guard pre-hook wrapped with a clock; notes its first input's shape (untimed)."""
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = args[0] if args else None
+        if label not in shapes and isinstance(x, torch.Tensor):
+            shapes[label] = f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+        return timed(module, args, kwargs)
+
+    return hook
+
+
+def guard_cost(workload: str, quick: bool, steps: int) -> list[GuardCost]:
+    """Median microseconds per call of each guard pre-hook on ``workload``'s modules (under
+    ``sentinel``, so the guard is the only hook of a non-root module), clock-wrapped."""
+    w = build(workload, quick=quick)
+    nw = nanwatch.watch(*w.modules(), mode="sentinel")
+    clocks: dict[str, Clock] = {}
+    shapes: dict[str, str] = {}
+    named = [(n or type(m).__name__, m) for n, m in w.model.named_modules()]
+    named.append((type(w.criterion).__name__, w.criterion))
+    nw.attach()
+    try:
+        for name, m in named:
+            for k, fn in list(m._forward_pre_hooks.items()):
+                if getattr(fn, "__name__", "") != "guard_pre_hook":
+                    continue
+                label = f"{name} ({type(m).__name__})"
+                clock = clocks.setdefault(label, Clock())
+                m._forward_pre_hooks[k] = _timed_guard(clock.wrap(fn), label, shapes)
+        for i in range(steps + 2):
+            w.step()
+            nw.step()
+            if i < 2:  # warm-up
+                for c in clocks.values():
+                    c.ns.clear()
+    finally:
+        nw.detach()
+    overhead = _wrapper_overhead()
+    return [
+        GuardCost(label, shapes.get(label, ""), len(c.ns) / steps, c.us(overhead))
+        for label, c in clocks.items()
+    ]
 
 
 # ---------------------------------------------------------------------------- 3. primitives
@@ -487,6 +547,8 @@ def render(
     prims: dict[str, float],
     splits: Sequence[Split],
     profs: Sequence[Profile],
+    guard_costs: Sequence[GuardCost] = (),
+    guard_workload: str = "W3",
     load: float | None,
     wall: float,
     command: str,
@@ -561,6 +623,14 @@ def render(
         add("|---|---|---|")
         for name, c, us in p.builtins:
             add(f"| `{name}` | {c} | {us:.0f} |")
+    if guard_costs:
+        add(f"\n## 5. Guards: {guard_workload}, mode `sentinel`\n")
+        add("Each guard pre-hook clock-wrapped (the clock's own cost subtracted): the checks "
+            "in Python, the reductions and the one read of their results.\n")  # fmt: skip
+        add("| guarded module | first input | calls/step | µs/call (median) |")
+        add("|---|---|---|---|")
+        for g in guard_costs:
+            add(f"| {g.module} | {g.inputs} | {g.calls:.0f} | {g.us:.1f} |")
     return "\n".join(out) + "\n"
 
 
@@ -631,6 +701,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     for mode in [m.strip() for m in args.profile_modes.split(",") if m.strip()]:
         with console.status(f"profiling {args.workload} ({mode}) ..."):
             profs.append(profile(args.workload, mode, 2 if q else args.profile_steps, q))
+    with console.status("guards ..."):
+        guard_costs = guard_cost("W3", q, 2 if q else 20)
     load = meter.stop()
     wall = time.perf_counter() - t0
     command = "python benchmarks/hook_cost.py " + " ".join(
@@ -643,6 +715,7 @@ def main(argv: Sequence[str] | None = None) -> str:
         prims=prims,
         splits=splits,
         profs=profs,
+        guard_costs=guard_costs,
         load=load,
         wall=wall,
         command=command.strip(),

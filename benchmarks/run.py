@@ -7,9 +7,10 @@ backward + optimizer step) of three CPU workloads (see ``workloads.py``) under:
 * nanwatch ``sentinel``, ``watch``, ``watch`` with ``sample_every=10``, ``forensic``;
 * ``torch.autograd.detect_anomaly(check_nan=True)``;
 * transformers' ``DebugUnderflowOverflow`` (when transformers is installed);
-* guards on/off (``sentinel`` with ``guards=False``: one loss-module call a step), and the
-  functional-loss step (``F.mse_loss`` / ``F.cross_entropy``) unwatched, under ``watch``, and
-  under ``watch`` with ``functional_guards=True``;
+* guards on/off (``sentinel`` with ``guards=False``: one loss-module call a step, and on W3
+  its ``nn.Embedding``'s call too), and the functional-loss step (``F.mse_loss`` /
+  ``F.cross_entropy``) unwatched, under ``watch``, and under ``watch`` with
+  ``functional_guards=True``;
 
 then peak RSS and the flight recorder's bytes per step, and, with ``--compile``, what
 ``torch.compile`` does with nanwatch attached. ``--gpu`` adds a GPT-2-small-sized decoder in

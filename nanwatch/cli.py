@@ -37,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="run a training script unchanged, with every module watched",
         description="Run SCRIPT as __main__ with its own ARGS; every nn.Module it calls is "
-        "watched through global module hooks, and loss inputs are guarded. On an anomaly "
-        "or a crash a report is written; the script's exit code and exceptions are kept.",
+        "watched through global module hooks, and loss and embedding inputs are guarded. On "
+        "an anomaly or a crash a report is written; the script's exit code and exceptions "
+        "are kept.",
     )
     run.add_argument("--mode", choices=("sentinel", "watch", "forensic"), default="watch")
     run.add_argument(
@@ -64,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="CODE",
         help="diagnosis code to silence (repeat)",
     )
-    run.add_argument("--no-guards", action="store_true", help="do not check loss inputs")
+    run.add_argument(
+        "--no-guards", action="store_true", help="do not check loss and embedding inputs"
+    )
     run.add_argument("script", metavar="SCRIPT", help="the Python script to run")
     run.add_argument(
         "args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script"

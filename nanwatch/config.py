@@ -118,9 +118,10 @@ class WatchConfig:
     allow: tuple[str, ...] = ()
     #: diagnosis codes to silence (``["NW201"]``).
     ignore: tuple[str, ...] = ()
-    #: check loss inputs before the loss kernel runs.
+    #: check the inputs of losses and embeddings before their kernels run.
     guards: bool = True
-    #: also guard functional losses (``F.cross_entropy``) through a TorchFunctionMode.
+    #: also guard functional losses (``F.cross_entropy``), ``F.embedding`` and ``F.one_hot``
+    #: through a TorchFunctionMode.
     functional_guards: bool = False
     #: re-run the producing module under an op checker to name the aten op.
     pinpoint: bool = True

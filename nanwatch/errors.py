@@ -68,22 +68,23 @@ ReportFormatError.__module__ = "nanwatch"
 
 
 class GuardError(NanwatchError, ValueError):
-    """A loss input that would fail or silently go wrong, caught before the loss kernel ran.
+    """A loss or embedding input that would fail or silently go wrong, caught before the
+    kernel ran.
 
-    Raised by nanwatch's loss guards (``watch(..., guards=True)``, the default) instead of
+    Raised by nanwatch's guards (``watch(..., guards=True)``, the default) instead of
     PyTorch's own error, which on a GPU is an unreadable ``device-side assert`` that kills
     the CUDA context. Everything in the message is also an attribute:
 
-    * ``.loss``: the loss class (``"CrossEntropyLoss"``) or functional call
-      (``"F.cross_entropy"``); ``.path``: its module path, or the functional call;
-      ``.module``: the module path (``None`` for a functional call);
+    * ``.loss``: the guarded class (``"CrossEntropyLoss"``, ``"Embedding"``) or functional
+      call (``"F.cross_entropy"``, ``"F.embedding"``); ``.path``: its module path, or the
+      functional call; ``.module``: the module path (``None`` for a functional call);
     * ``.source``: the user's line (``"train.py:42"``), ``.source_line``: its text;
-    * ``.check``: which check failed (``"target-range"``), ``.code``: its diagnosis code
-      (``"NW501"``);
+    * ``.check``: which check failed (``"target-range"``, ``"index-range"``), ``.code``:
+      its diagnosis code (``"NW501"``, ``"NW513"``);
     * ``.values``, ``.counts``: the offending values, most frequent first, and how often each
       occurs; ``.count``: offending elements in all, ``.total``: elements checked;
       ``.positions``: the first few offending positions (index tuples into the tensor);
-    * ``.expected``: what the loss accepts; ``.fix``: code to paste;
+    * ``.expected``: what the call accepts (``"0..99"``); ``.fix``: code to paste;
     * ``.diagnosis``: the same finding as a :class:`nanwatch.Diagnosis`.
 
     Example:

@@ -1,22 +1,26 @@
-"""Loss guards: check a loss's inputs before its kernel runs.
+"""Guards: check a loss's (or an embedding's) inputs before its kernel runs.
 
 A class index of 255 under ``CrossEntropyLoss(ignore_index=-100)``, a ``BCELoss`` input
-above 1, a ``(N, 1)`` prediction against an ``(N,)`` target: on a GPU the first two end in
-"device-side assert triggered", which kills the CUDA context; the third trains on an
-``N x N`` loss with only a warning. A guard sees the inputs first and raises a
-:class:`nanwatch.GuardError` that names the values, their positions and the fix.
+above 1, a token id equal to an ``nn.Embedding``'s number of rows, a ``(N, 1)`` prediction
+against an ``(N,)`` target: on a GPU the first three end in "device-side assert triggered",
+which kills the CUDA context; the last trains on an ``N x N`` loss with only a warning. A
+guard sees the inputs first and raises a :class:`nanwatch.GuardError` that names the
+values, their positions and the fix.
 
 What is guarded is enumerated from torch, not hand-picked: every public ``_Loss`` subclass
-of ``torch.nn.modules.loss`` (through a forward pre-hook on each watched instance, see
-:func:`attach`) and the functional each one calls (``F.cross_entropy``, through a
-``TorchFunctionMode``, see :class:`FunctionalGuards`). What each loss means by its
-arguments (class indices, probabilities, +1/-1 labels) is the one table written by hand,
-``_SEMANTICS``; a loss it does not know still gets the device check and its evidence.
+of ``torch.nn.modules.loss`` and every module of ``torch.nn.modules.sparse``
+(``Embedding``, ``EmbeddingBag``), through a forward pre-hook on each watched instance (see
+:func:`attach`), and the functional each one calls (``F.cross_entropy``, ``F.embedding``),
+through a ``TorchFunctionMode`` (see :class:`FunctionalGuards`), which also checks
+``F.one_hot``. What each functional means by its arguments (class indices, probabilities,
++1/-1 labels, row indices) is the one table written by hand, ``_SEMANTICS``; a loss it does
+not know still gets the device check and its evidence.
 
 Cost: one host sync per guarded call. Shapes, dtypes and devices are checked in Python;
-every value check's reduction stays on the device until one stacked ``.tolist()``. The
-same read fills the ``"loss_input"`` :class:`~nanwatch.records.Note` the rules read
-(``input_min``, ``probability_rows``, ``ignored``, ...). A guard only reads: the loss it
+every value check's reduction stays on the device until one stacked ``.tolist()`` (for an
+embedding: the ids' ``aminmax``; on the CPU that read is no device sync at all). The same
+read fills, for a loss, the ``"loss_input"`` :class:`~nanwatch.records.Note` the rules read
+(``input_min``, ``probability_rows``, ``ignored``, ...). A guard only reads: the call it
 lets through computes exactly what it would have computed without it. The functional
 guard's ``TorchFunctionMode`` also costs a Python call for every torch call made while it is
 active (about 2 us each), which is why it is a separate switch.
@@ -43,12 +47,15 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import io
+import itertools
 import linecache
 import math
 import os
 import re
 import sys
 import threading
+import tokenize
 import types
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -72,9 +79,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FunctionalGuards",
-    "LossSpec",
+    "GuardSpec",
     "attach",
     "functional_specs",
+    "index_classes",
     "loss_classes",
     "spec_for",
 ]
@@ -96,9 +104,11 @@ class _Semantics:
     """What a functional loss means by its arguments.
 
     ``kind``: ``"class"`` (class-index targets), ``"ctc"``, ``"binary"`` (BCE family),
-    ``"regression"`` (elementwise), ``"sign"`` (targets of 1 and -1), ``"embedding"`` (no
-    target), ``"generic"`` (unknown: devices and evidence only). ``broadcast``: parameters
-    whose shapes must not broadcast into a larger one. ``target_dtypes``: which target
+    ``"regression"`` (elementwise), ``"sign"`` (targets of 1 and -1), ``"embedding"`` (an
+    embedding loss: no target), ``"index"`` (not a loss: the input indexes the rows of a
+    table, ``F.embedding``, or the classes of ``F.one_hot``), ``"generic"`` (unknown:
+    devices and evidence only). ``broadcast``: parameters whose shapes must not broadcast
+    into a larger one. ``target_dtypes``: which target
     dtypes the kernel accepts (``"long-byte"``, ``"long"``, ``"same"`` as the input,
     ``"floating"``, ``"not-bool"``, ``"any"``): only dtypes PyTorch itself rejects are
     reported (a float64 target for MSELoss is promoted, and passes)."""
@@ -133,19 +143,25 @@ _SEMANTICS: dict[str, _Semantics] = {
     "cosine_embedding_loss": _Semantics("sign"),
     "triplet_margin_loss": _Semantics("embedding"),
     "triplet_margin_with_distance_loss": _Semantics("embedding"),
+    "embedding": _Semantics("index"),
+    "embedding_bag": _Semantics("index"),
+    "one_hot": _Semantics("index"),
 }
 _GENERIC = _Semantics("generic")
 
 
 # ---------------------------------------------------------------------------- enumeration
 @dataclass(frozen=True, eq=False)
-class LossSpec:
-    """One functional loss of ``torch.nn.functional`` and the ``nn`` modules that call it.
+class GuardSpec:
+    """One guarded functional of ``torch.nn.functional`` (a loss, or an index op such as
+    ``F.embedding``) and the ``nn`` modules that call it.
 
     Example:
         >>> spec = spec_for(torch.nn.CrossEntropyLoss)
         >>> spec.call, spec.kind, spec.input, spec.target
         ('F.cross_entropy', 'class', 'input', 'target')
+        >>> spec_for(torch.nn.EmbeddingBag).call
+        'F.embedding_bag'
     """
 
     name: str  #: ``cross_entropy``
@@ -153,7 +169,7 @@ class LossSpec:
     params: tuple[str, ...]  #: every parameter, in order
     positional: tuple[str, ...]  #: those that can be passed by position
     defaults: Mapping[str, Any]
-    input: str  #: the first parameter (``input``, ``log_probs``, ``input1``, ``anchor``)
+    input: str  #: the first parameter (``input``, ``log_probs``, ``input1``, ``tensor``)
     target: str | None  #: ``target`` / ``targets``; None for losses without one
     classes: tuple[str, ...]  #: the nn modules that call it (``CrossEntropyLoss``)
     semantics: _Semantics = field(repr=False)
@@ -167,6 +183,17 @@ class LossSpec:
         return self.semantics.kind
 
 
+def _public_classes(mod: types.ModuleType, base: type) -> list[type]:
+    """The public subclasses of ``base`` that module ``mod`` defines, by name."""
+    out: list[type] = []
+    for name, obj in sorted(vars(mod).items()):
+        if name.startswith("_") or not isinstance(obj, type):
+            continue
+        if issubclass(obj, base) and obj.__module__ == mod.__name__:
+            out.append(obj)
+    return out
+
+
 def loss_classes() -> list[type[nn.modules.loss._Loss]]:
     """Every public loss module ``torch.nn`` defines: the ``_Loss`` subclasses of
     ``torch.nn.modules.loss``, by name.
@@ -175,14 +202,18 @@ def loss_classes() -> list[type[nn.modules.loss._Loss]]:
         >>> "CrossEntropyLoss" in [c.__name__ for c in loss_classes()]
         True
     """
-    mod = nn.modules.loss
-    out: list[type[nn.modules.loss._Loss]] = []
-    for name, obj in sorted(vars(mod).items()):
-        if name.startswith("_") or not isinstance(obj, type):
-            continue
-        if issubclass(obj, mod._Loss) and obj.__module__ == mod.__name__:
-            out.append(obj)
-    return out
+    return _public_classes(nn.modules.loss, nn.modules.loss._Loss)
+
+
+def index_classes() -> list[type[nn.Module]]:
+    """Every public module of ``torch.nn.modules.sparse``: the lookup tables whose input
+    indexes the rows of their weight.
+
+    Example:
+        >>> [c.__name__ for c in index_classes()]
+        ['Embedding', 'EmbeddingBag']
+    """
+    return _public_classes(nn.modules.sparse, nn.Module)
 
 
 _F_CALL = re.compile(r"\bF\.(\w+)\(")
@@ -197,8 +228,9 @@ def _forward_owner(cls: type) -> type | None:
 
 
 def _functional_name(cls: type) -> str | None:
-    """The ``torch.nn.functional`` loss a torch loss module's forward calls, read from its
-    source (``CrossEntropyLoss.forward`` -> ``cross_entropy``)."""
+    """The ``torch.nn.functional`` a torch module's forward calls, read from its source
+    (``CrossEntropyLoss.forward`` -> ``cross_entropy``, ``Embedding.forward`` ->
+    ``embedding``)."""
     owner = _forward_owner(cls)
     if owner is None:
         return None
@@ -212,20 +244,60 @@ def _functional_name(cls: type) -> str | None:
     return None
 
 
+def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
+    """``func``'s signature; for a builtin without one (``F.one_hot``), the one torch writes
+    on the first line of its docstring (``one_hot(tensor, num_classes=-1) -> LongTensor``)."""
+    try:
+        return inspect.signature(func)
+    except (TypeError, ValueError):
+        pass
+    lines = (func.__doc__ or "").strip().splitlines()
+    if not lines:
+        return None
+    try:
+        node = ast.parse(f"def {lines[0].split(' -> ')[0]}: pass").body[0]
+    except SyntaxError:
+        return None
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    try:
+        a = node.args
+        pos = [*a.posonlyargs, *a.args]
+        defaults = [None] * (len(pos) - len(a.defaults)) + list(a.defaults)
+        P = inspect.Parameter
+        params = [
+            P(
+                arg.arg,
+                P.POSITIONAL_OR_KEYWORD,
+                default=P.empty if d is None else ast.literal_eval(d),
+            )
+            for arg, d in zip(pos, defaults, strict=True)
+        ]
+        params += [
+            P(arg.arg, P.KEYWORD_ONLY, default=P.empty if d is None else ast.literal_eval(d))
+            for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)
+        ]
+        return inspect.Signature(params)
+    except (ValueError, TypeError):  # a default that is not a literal
+        return None
+
+
 @functools.cache
-def _specs() -> tuple[dict[type, LossSpec], dict[Any, LossSpec]]:
-    by_class: dict[type, LossSpec] = {}
-    by_func: dict[Any, LossSpec] = {}
+def _specs() -> tuple[dict[type, GuardSpec], dict[Any, GuardSpec]]:
+    by_class: dict[type, GuardSpec] = {}
+    by_func: dict[Any, GuardSpec] = {}
     users: dict[str, list[type]] = {}
-    for cls in loss_classes():
+    for cls in [*loss_classes(), *index_classes()]:
         name = _functional_name(cls)
         if name is not None:
             users.setdefault(name, []).append(cls)
+    for name in _SEMANTICS:  # functionals no module calls (F.one_hot)
+        if callable(getattr(F, name, None)):
+            users.setdefault(name, [])
     for name, classes in users.items():
         func = getattr(F, name)
-        try:
-            sig = inspect.signature(func)
-        except (TypeError, ValueError):
+        sig = _signature(func)
+        if sig is None:
             continue
         params = tuple(sig.parameters)
         positional = tuple(
@@ -235,7 +307,7 @@ def _specs() -> tuple[dict[type, LossSpec], dict[Any, LossSpec]]:
         )
         defaults = {p.name: p.default for p in sig.parameters.values() if p.default is not p.empty}
         target = next((p for p in params if p in ("target", "targets")), None)
-        spec = LossSpec(
+        spec = GuardSpec(
             name=name,
             func=func,
             params=params,
@@ -252,25 +324,28 @@ def _specs() -> tuple[dict[type, LossSpec], dict[Any, LossSpec]]:
     return by_class, by_func
 
 
-def spec_for(cls: type) -> LossSpec | None:
-    """The spec of a loss module class, or None when its forward is not one of torch's
-    (a user's subclass that overrides ``forward`` is guarded only through the functional
-    losses it calls).
+def spec_for(cls: type) -> GuardSpec | None:
+    """The spec of a module class, or None when it is not guarded: not a loss or an
+    embedding, or its forward is not one of torch's (a user's subclass that overrides
+    ``forward`` is guarded only through the functionals it calls).
 
     Example:
         >>> spec_for(torch.nn.BCEWithLogitsLoss).call
         'F.binary_cross_entropy_with_logits'
+        >>> spec_for(torch.nn.Linear) is None
+        True
     """
     owner = _forward_owner(cls)
     return _specs()[0].get(owner) if owner is not None else None
 
 
-def functional_specs() -> dict[Any, LossSpec]:
-    """``{F.cross_entropy: spec, ...}``: every functional loss an ``nn`` loss calls.
+def functional_specs() -> dict[Any, GuardSpec]:
+    """``{F.cross_entropy: spec, ...}``: every functional an ``nn`` loss or embedding calls,
+    and ``F.one_hot``.
 
     Example:
-        >>> F.nll_loss in functional_specs()
-        True
+        >>> F.nll_loss in functional_specs(), F.one_hot in functional_specs()
+        (True, True)
     """
     return dict(_specs()[1])
 
@@ -282,7 +357,7 @@ class _ModuleBinding:
 
     __slots__ = ("arg_names", "attrs", "kw_names", "spec")
 
-    def __init__(self, module: nn.Module, spec: LossSpec) -> None:
+    def __init__(self, module: nn.Module, spec: GuardSpec) -> None:
         self.spec = spec
         owner = _forward_owner(type(module))
         fwd = list(inspect.signature(owner.forward).parameters)[1:]  # type: ignore[union-attr]
@@ -324,7 +399,7 @@ class _ModuleBinding:
 
 
 def _bind_functional(
-    spec: LossSpec, args: Sequence[Any], kwargs: Mapping[str, Any]
+    spec: GuardSpec, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> dict[str, Any]:
     bound = dict(spec.defaults)
     for n, a in zip(spec.positional, args, strict=False):
@@ -359,8 +434,8 @@ class _Health:
         msg = f"{type(exc).__name__}: {exc}"
         self.watcher.faults.append((where, msg))
         warnings.warn(
-            f"nanwatch: internal error in its {where} ({msg}); loss guards are off for the "
-            "rest of the run and training goes on. Please report it with the traceback.",
+            f"nanwatch: internal error in its {where} ({msg}); guards are off for the rest "
+            "of the run and training goes on. Please report it with the traceback.",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -400,6 +475,19 @@ class _Fail(Exception):
     def __init__(self, failure: _Failure) -> None:
         super().__init__(failure.problem)
         self.failure = failure
+
+
+def _without_comment(line: str) -> str:
+    """``line`` without its trailing ``# comment``, for a fix that adds its own."""
+    if "#" not in line:
+        return line
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(line).readline):
+            if tok.type == tokenize.COMMENT:
+                return line[: tok.start[1]].rstrip()
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return line
 
 
 def _n(x: float) -> str:
@@ -479,12 +567,12 @@ def _shape(t: torch.Tensor) -> str:
 
 # ---------------------------------------------------------------------------- one call
 class _Probe:
-    """One guarded loss call: Python-side checks (shapes, dtypes, devices) first, then every
+    """One guarded call: Python-side checks (shapes, dtypes, devices) first, then every
     reduction the value checks need, read together with one host sync."""
 
     def __init__(
         self,
-        spec: LossSpec,
+        spec: GuardSpec,
         bound: dict[str, Any],
         *,
         is_module: bool,
@@ -492,6 +580,8 @@ class _Probe:
         frame: types.FrameType | None,
         order: Sequence[str] = (),
         kw_names: Mapping[str, str] | None = None,
+        module: nn.Module | None = None,
+        roots: Sequence[nn.Module] = (),
     ) -> None:
         self.spec = spec
         #: the parameter names of the call's positional arguments, and of its keywords
@@ -502,6 +592,8 @@ class _Probe:
         self.is_module = is_module
         self.cls_name = cls_name
         self.frame = frame
+        self.module = module  #: the guarded module (None for a functional call)
+        self.roots = roots  #: the watched root modules (read only when a fix is worded)
         inp = bound.get(spec.input)
         assert isinstance(inp, torch.Tensor)
         self.input: torch.Tensor = inp
@@ -521,6 +613,25 @@ class _Probe:
             return None
         return linecache.getline(f.f_code.co_filename, f.f_lineno).strip() or None
 
+    @functools.cached_property
+    def _running(self) -> tuple[int, int] | None:
+        """Byte offsets in :attr:`line` of the call the user's frame is making now, from the
+        code's positions (Python 3.11+): ``self.emb(ids)`` in ``self.out(self.emb(ids))``."""
+        f = self.frame
+        positions = getattr(f.f_code, "co_positions", None) if f is not None else None
+        if f is None or positions is None or f.f_lasti < 0:
+            return None
+        try:
+            pos = next(itertools.islice(positions(), f.f_lasti // 2, None))
+        except StopIteration:
+            return None
+        start, end_line, col, end_col = pos
+        if start != f.f_lineno or end_line != start or col is None or end_col is None:
+            return None
+        raw = linecache.getline(f.f_code.co_filename, f.f_lineno)
+        lead = len(raw) - len(raw.lstrip())
+        return col - lead, end_col - lead
+
     # -- words -------------------------------------------------------------------------
     def desc(self, **opts: Any) -> str:
         """``CrossEntropyLoss(ignore_index=-100)``, ``F.cross_entropy(..., ignore_index=-100)``."""
@@ -531,11 +642,13 @@ class _Probe:
 
     @functools.cached_property
     def _call(self) -> tuple[str | None, list[tuple[str | None, str, str]]]:
-        """The loss call on the user's line, when the line holds it: the callee's text and,
-        per argument, (keyword as written or None, parameter name, expression text).
+        """The guarded call on the user's line, when the line holds it: the callee's text
+        and, per argument, (keyword as written or None, parameter name, expression text).
         ``loss = criterion(pred, y)`` -> ``("criterion", [(None, "input", "pred"), ...])``.
         A call matches when it has as many positional arguments and the same keywords as
-        the call being checked (and, for a functional loss, the same name)."""
+        the call being checked (and, for a functional, the same name); of several, the one
+        the frame is running (``self.emb(ids)`` in ``self.out(self.emb(ids))``), else the
+        first."""
         line = self.line
         if not line:
             return None, []
@@ -543,7 +656,7 @@ class _Probe:
             tree = ast.parse(line)
         except SyntaxError:
             return None, []
-        order, kw_names = self.order, self.kw_names
+        found: list[tuple[ast.Call, str, list[tuple[str | None, str, str]]]] = []
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
                 continue
@@ -552,6 +665,7 @@ class _Probe:
             ):
                 continue
             callee = ast.get_source_segment(line, node.func) or ast.unparse(node.func)
+            order, kw_names = self.order, self.kw_names
             if self.is_module:
                 if len(node.args) != len(order):
                     continue
@@ -574,10 +688,16 @@ class _Probe:
                 (None, n, text(a)) for n, a in zip(order, node.args, strict=True)
             ]
             parts += [(k.arg, kw_names[k.arg or ""], text(k.value)) for k in node.keywords]
-            if node.end_col_offset is not None and node.lineno == node.end_lineno == 1:
-                self._span = (node.col_offset, node.end_col_offset)
-            return callee, parts
-        return None, []
+            found.append((node, callee, parts))
+        if not found:
+            return None, []
+        running = self._running if len(found) > 1 else None
+        node, callee, parts = next(
+            (c for c in found if (c[0].col_offset, c[0].end_col_offset) == running), found[0]
+        )
+        if node.end_col_offset is not None and node.lineno == node.end_lineno == 1:
+            self._span = (node.col_offset, node.end_col_offset)
+        return callee, parts
 
     def arg(self, name: str, default: str | None = None) -> str:
         """The user's expression for parameter ``name`` (``pred``), else ``default`` (else
@@ -594,7 +714,7 @@ class _Probe:
         return any(n == name for _, n, _ in self._call[1])
 
     def call_with(self, add: Mapping[str, Any] | None = None, /, **replace: str) -> str:
-        """The user's line with the loss call's arguments replaced (and keywords ``add``ed):
+        """The user's line with the call's arguments replaced (and keywords ``add``ed):
         ``loss = criterion(pred.squeeze(-1), y)``; just the call when the line is unknown."""
         callee, parts = self._call
         if callee is None:
@@ -612,11 +732,13 @@ class _Probe:
 
     @property
     def callee(self) -> str:
-        """The user's name for the loss (``criterion``), else a stand-in."""
+        """The user's name for the loss (``criterion``) or embedding, else a stand-in."""
         callee = self._call[0]
         if callee is not None:
             return callee
-        return "criterion" if self.is_module else self.spec.call
+        if not self.is_module:
+            return self.spec.call
+        return "embedding" if self.spec.kind == "index" else "criterion"
 
     def construct(self, **opts: Any) -> str:
         """The fix for a module option, keeping the module's other settings:
@@ -687,8 +809,11 @@ class _Probe:
                 for dev, idx in groups.items():  # one group, except CTC's CPU targets
                     acc = _acc(dev)
                     items = [pending[i] for i in idx]
-                    if all(t.dtype != acc for t in items):
-                        items[0] = items[0].to(acc)  # torch.stack promotes the rest to it
+                    first = items[0].dtype
+                    if first != acc and any(t.dtype != first for t in items):
+                        # mixed dtypes: read them in acc (torch.stack promotes the rest to
+                        # it); one dtype (an embedding's int64 min and max) is read as it is
+                        items[0] = items[0].to(acc)
                     vals = torch.stack(items).tolist()
                     for i, v in zip(idx, vals, strict=True):
                         out[i] = v
@@ -701,6 +826,8 @@ class _Probe:
 # ---------------------------------------------------------------------------- checks
 def _check_devices(p: _Probe) -> None:
     if p.spec.kind == "ctc":  # CTC takes CPU targets and lengths with CUDA log-probs
+        return
+    if p.spec.kind == "index":  # torch's own error names the devices, and nothing asserts
         return
     dev = p.input.device
     for name, v in p.bound.items():
@@ -1438,6 +1565,322 @@ def _check_plain(p: _Probe) -> None:
     _input_stats(p)
 
 
+# -- index ops: embeddings, one_hot ------------------------------------------------------
+#: index dtypes the embedding kernels take (F.one_hot takes int64 only)
+_INDEX_DTYPES = (torch.int64, torch.int32)
+_OFFSETS_FIX = "offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])"
+
+
+def _check_index(p: _Probe) -> None:
+    """Indices into a table: an embedding's ids (``F.embedding``, ``F.embedding_bag``) must
+    be int64/int32 in ``[0, rows)``, rows being the weight's first dimension (so subclasses
+    and tied weights are read as they are); ``F.one_hot``'s values int64 in
+    ``[0, num_classes)``; an EmbeddingBag's offsets integers that start at 0, never decrease
+    and stay within the input. One ``aminmax`` of the ids (and the offsets' ends) is read."""
+    name, ids = p.spec.name, p.input
+    rows: int | None = None
+    if name == "one_hot":
+        nc = p.bound.get("num_classes", -1)
+        if isinstance(nc, int) and not isinstance(nc, bool) and nc >= 0:
+            rows = nc
+        dtypes: tuple[torch.dtype, ...] = (torch.int64,)
+    else:
+        w = p.bound.get("weight")
+        if (
+            name == "embedding_bag"
+            and isinstance(w, torch.Tensor)
+            and ids.is_floating_point()
+            and not w.is_floating_point()
+        ):
+            w, ids = ids, w  # embedding_bag(weight, input): the old order, which torch swaps
+            p.input = ids
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[0] < 1:
+            return  # torch's own error says what is wrong with the weight
+        rows = int(w.shape[0])
+        dtypes = _INDEX_DTYPES
+    if ids.dtype not in dtypes:
+        _index_dtype_failure(p, p.spec.input, ids, dtypes)
+    used: torch.Tensor | None = None
+    offsets = p.bound.get("offsets") if name == "embedding_bag" else None
+    if isinstance(offsets, torch.Tensor) and ids.dim() == 1 and offsets.dim() == 1:
+        if offsets.dtype not in _INDEX_DTYPES:
+            _index_dtype_failure(p, "offsets", offsets, _INDEX_DTYPES)
+        used = _check_offsets(p, ids, offsets)
+    if not _readable(ids):
+        return
+    kept = ids if used is None else torch.where(used, ids, 0)
+    lo, hi = torch.aminmax(kept)
+    p.add("index_min", lo)
+    p.add("index_max", hi)
+    p.then(lambda v: _index_result(p, v, rows=rows, used=used))
+
+
+def _index_dtype_failure(
+    p: _Probe, param: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]
+) -> None:
+    need = " or ".join(dtype_name(d) for d in dtypes)
+    what = "class values" if p.spec.name == "one_hot" else "indices"
+    p.fail(
+        _Failure(
+            code="NW514",
+            check="index-dtype",
+            problem=f"{param} is {dtype_name(t.dtype)}; {p.desc()} needs {need} {what}",
+            expected=need,
+            fix=p.call_with(**{param: f"{p.arg(param)}.long()"}),
+            explanation=(
+                "Lookups index a table with integers: PyTorch rejects other dtypes with a "
+                "message about 'indices' that names neither the module nor the tensor."
+            ),
+            values=(dtype_name(t.dtype),),
+        )
+    )
+
+
+def _check_offsets(p: _Probe, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+    """Queue the offsets' checks; returns the mask of the ids the bags use (those before
+    the last offset under ``include_last_offset=True``; None: all of them)."""
+    if offsets.device != ids.device or not _readable(offsets):
+        return None  # torch's own error says the devices differ
+    n = ids.shape[0]
+    p.add("offsets_first", offsets[0])
+    p.add("offsets_last", offsets[-1])
+    down = offsets[1:] < offsets[:-1]
+    p.count("offsets_decreasing", down)
+    ilo = bool(p.bound.get("include_last_offset", False))
+
+    def result(v: dict[str, float]) -> None:
+        first, last = int(v["offsets_first"]), int(v["offsets_last"])
+        n_down = int(v["offsets_decreasing"])
+        off = p.arg("offsets")
+        desc = p.desc(include_last_offset=True) if ilo else p.desc()
+        rule = "bag i is input[offsets[i]:offsets[i + 1]]"
+        values: tuple[int, ...]
+        positions: tuple[tuple[int, ...], ...]
+        if first != 0:
+            problem = f"offsets[0] is {first}; {desc} needs offsets that start at 0 ({rule})"
+            fix = _OFFSETS_FIX
+            if last == n:
+                problem += " — these look like the bags' ends (lengths.cumsum(0)), not their starts"
+                fix = p.call_with(
+                    offsets=f"torch.cat([{off}.new_zeros(1), {off}{'' if ilo else '[:-1]'}])"
+                )
+            values, positions, count = (first,), ((0,),), 1
+        elif last > n:
+            problem = (
+                f"offsets[-1] is {last} but input has {_many(n, 'id')}; {desc} needs offsets "
+                f"within the input ({rule})"
+            )
+            values, positions, count, fix = (last,), ((offsets.shape[0] - 1,),), 1, _OFFSETS_FIX
+        elif n_down:
+            values = tuple(int(x) for x in offsets[1:][down][:_VALUES].tolist())
+            positions = tuple((q[0] + 1,) for q in _positions(down))
+            problem = (
+                f"offsets decrease at {_many(n_down, 'position')} (of {_n(offsets.numel())}); "
+                f"{desc} needs non-decreasing offsets ({rule})"
+            )
+            count, fix = n_down, _OFFSETS_FIX
+        else:
+            return
+        p.fail(
+            _Failure(
+                code="NW515",
+                check="offsets",
+                problem=problem,
+                expected=f"offsets that start at 0, never decrease and end at most at {n}",
+                fix=fix,
+                explanation=(
+                    "An EmbeddingBag reads bag i from input[offsets[i]:offsets[i + 1]]: other "
+                    "offsets read outside the input (garbage or an assert on a GPU; on the "
+                    "CPU an error that does not say which offset)."
+                ),
+                values=values,
+                count=count,
+                total=offsets.numel(),
+                positions=positions,
+            )
+        )
+
+    p.then(result)
+    if ilo:
+        return torch.arange(n, device=ids.device) < offsets[-1]
+    return None
+
+
+def _looks_like_positions(ids: torch.Tensor) -> bool:
+    """Consecutive along the last dimension (``arange(L)``, perhaps shifted): position ids."""
+    return ids.dim() >= 1 and ids.shape[-1] >= 2 and bool((ids.diff(dim=-1) == 1).all())
+
+
+def _padding_row(p: _Probe, rows: int) -> int | None:
+    pad = p.bound.get("padding_idx")
+    if not isinstance(pad, int) or isinstance(pad, bool):
+        return None
+    return pad + rows if pad < 0 else pad
+
+
+def _input_embeddings_of(p: _Probe) -> bool:
+    """Whether the guarded module is a watched Hugging Face model's input embeddings
+    (``model.get_input_embeddings()``): ``resize_token_embeddings`` then resizes it."""
+    for root in p.roots:
+        get = getattr(root, "get_input_embeddings", None)
+        if not callable(get) or not callable(getattr(root, "resize_token_embeddings", None)):
+            continue
+        try:
+            if get() is p.module:
+                return True
+        except Exception:  # a model that does not implement it
+            continue
+    return False
+
+
+def _bigger_table(p: _Probe, need: int) -> str:
+    """The fix for ids past the last row: a table with ``need`` rows, built like this one."""
+    w = p.bound["weight"]
+    rows, dim = int(w.shape[0]), int(w.shape[1])
+    if not p.is_module or p.module is None:
+        return f"give {p.arg('weight')} at least {need} rows (it has {rows}), or remap the ids"
+    if _input_embeddings_of(p):
+        return "model.resize_token_embeddings(len(tokenizer))  # a row for every token"
+    owner = _forward_owner(type(p.module)) or type(p.module)
+    args = [str(need), str(dim)]
+    try:
+        params = list(inspect.signature(owner).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    for param in params:
+        if param.name in ("num_embeddings", "embedding_dim", "device", "dtype", "_weight"):
+            continue
+        if param.name.startswith("_") or param.default is param.empty:
+            continue
+        v = getattr(p.module, param.name, _MISSING)
+        if v is _MISSING or v == param.default or not isinstance(v, (int, float, str, bool)):
+            continue
+        args.append(f"{param.name}={v!r}")
+    made = f"nn.{owner.__name__}({', '.join(args)})"
+    callee = p._call[0]
+    if callee is not None and all(part.isidentifier() for part in callee.split(".")):
+        made = f"{callee} = {made}"
+    return made + "  # or len(tokenizer) rows"
+
+
+def _index_result(
+    p: _Probe, v: dict[str, float], *, rows: int | None, used: torch.Tensor | None
+) -> None:
+    if v["index_min"] >= 0 and (rows is None or v["index_max"] < rows):
+        return
+    ids = p.input
+    # failure path: count and locate (a second read is fine now)
+    bad = (ids < 0) if rows is None else (ids < 0) | (ids >= rows)
+    if used is not None:
+        bad &= used
+    values, counts = _value_counts(ids[bad])
+    total = ids.numel() if used is None else int(used.sum())
+    param = p.spec.input
+    text = p.arg(param)
+    neg = [int(x) for x in values if x < 0]
+    big = [int(x) for x in values if x >= 0]
+    top = max(big) if big else None
+    if p.spec.name == "one_hot":
+        nc = rows
+        if nc is None:
+            accepts = f"{p.desc()} accepts values >= 0"
+            expected = ">= 0"
+        else:
+            accepts = f"{p.desc(num_classes=nc)} accepts 0..{nc - 1}"
+            expected = f"0..{nc - 1}"
+        label = next((x for x in (*neg, *big) if x in _IGNORE_LABELS), None)
+        if label is not None:
+            hint = f" — {label} looks like an ignore label, and one_hot has none"
+            cond = f"{text} < 0" if label < 0 else f"{text} == {label}"
+            fix = _without_comment(p.call_with(tensor=f"{text}.masked_fill({cond}, 0)"))
+            fix += "  # and leave those positions out of the loss"
+        elif top is not None and not neg:
+            if nc is not None and all(x == nc for x in big):
+                hint = f" — class values start at 0: labels 1..{nc} need `{text} - 1`"
+                hint += f", or num_classes={nc + 1}"
+                fix = p.call_with(tensor=f"{text} - 1")
+            else:
+                hint = f" — the largest value is {top}, so num_classes must be at least {top + 1}"
+                fix = _functional_option(p, "num_classes", top + 1)
+        else:
+            hint, fix = "", f"map {text} to class indices 0..{(nc or 1) - 1}"
+        explanation = (
+            "F.one_hot sets one column per value: a value outside [0, num_classes) has no "
+            "column. On a GPU that is a device-side assert (the CUDA kernel skips the range "
+            "check to avoid a sync), which kills the CUDA context."
+        )
+    else:
+        assert rows is not None
+        table = p.cls_name if p.is_module else p.arg("weight")
+        accepts = f"{table} has {rows} rows, so ids must be in 0..{rows - 1}"
+        expected = f"0..{rows - 1}"
+        if top is not None and not neg:
+            if p.spec.name == "embedding" and _looks_like_positions(ids):
+                hint = (
+                    f" — these are positions: the sequence ({ids.shape[-1]} tokens) is longer "
+                    f"than the {rows} positions the embedding has"
+                )
+                fix = (
+                    f"truncate the inputs to {rows} tokens (tokenizer(..., truncation=True, "
+                    f"max_length={rows})), or give the position embedding {top + 1} rows"
+                )
+            else:
+                if all(x == rows for x in big):
+                    hint = (
+                        f" — {rows} is one past the last row: was a token added to the "
+                        "tokenizer after the embedding was built?"
+                    )
+                else:
+                    hint = (
+                        f" — the largest id is {top}, so the ids need {top + 1} rows: tokens "
+                        "added to the tokenizer, or ids from another tokenizer?"
+                    )
+                fix = _bigger_table(p, top + 1)
+        elif neg and top is None:
+            if -100 in neg:
+                hint = " — -100 is the loss's ignore_index: were the labels passed as ids?"
+            else:
+                hint = " — padding written as a negative id? Map it to the padding row"
+            pad = _padding_row(p, rows)
+            repl = str(pad) if pad is not None else "pad_id"
+            fix = _without_comment(p.call_with(input=f"{text}.masked_fill({text} < 0, {repl})"))
+            fix += (
+                f"  # {pad} is the padding_idx"
+                if pad is not None
+                else "  # pad_id: a row kept for padding (padding_idx=pad_id)"
+            )
+        else:
+            hint = f" — ids below 0 and above {rows - 1}"
+            fix = (
+                f"map the ids into 0..{rows - 1}: padding to the padding row, and a table with "
+                f"a row for every id ({top + 1 if top is not None else rows} or more)"
+            )
+        explanation = (
+            "An embedding returns row `id` of its weight: an id outside [0, rows) reads past "
+            "the table. On a GPU the kernel's assert kills the CUDA context ('device-side "
+            "assert triggered', reported at a later line); on the CPU PyTorch says 'index out "
+            "of range in self' without naming the module or the id."
+        )
+    p.fail(
+        _Failure(
+            code="NW513",
+            check="index-range",
+            problem=(
+                f"{param} contains {_describe_values(values, counts)} (of {_n(total)}); "
+                f"{accepts}{hint}"
+            ),
+            expected=expected,
+            fix=fix,
+            explanation=explanation,
+            values=values,
+            counts=counts,
+            count=int(sum(counts)),
+            total=total,
+            positions=_positions(bad),
+        )
+    )
+
+
 _CHECKS: dict[str, Callable[[_Probe], None]] = {
     "class": _check_class,
     "ctc": _check_ctc,
@@ -1445,6 +1888,7 @@ _CHECKS: dict[str, Callable[[_Probe], None]] = {
     "regression": _check_regression,
     "sign": _check_sign,
     "embedding": _check_plain,
+    "index": _check_index,
     "generic": _check_plain,
 }
 
@@ -1475,7 +1919,7 @@ def _reduction(bound: Mapping[str, Any]) -> Any:
 
 def _guard(
     watcher: Watcher,
-    spec: LossSpec,
+    spec: GuardSpec,
     bound: dict[str, Any],
     *,
     path: str,
@@ -1484,12 +1928,13 @@ def _guard(
     frame: types.FrameType | None,
     order: Sequence[str],
     kw_names: Mapping[str, str],
+    module: nn.Module | None = None,
 ) -> None:
-    """Check one loss call; write its ``"loss_input"`` note; raise GuardError on a failure."""
+    """Check one guarded call; for a loss, write its ``"loss_input"`` note; raise GuardError
+    on a failure."""
     x = bound.get(spec.input)
     if not isinstance(x, torch.Tensor):
         return
-    source = _source(frame) if frame is not None else None
     p = _Probe(
         spec,
         bound,
@@ -1498,6 +1943,8 @@ def _guard(
         frame=frame,
         order=order,
         kw_names=kw_names,
+        module=module,
+        roots=watcher.roots,
     )
     failure: _Failure | None = None
     # DisableTorchFunction: our own reads need no torch-function mode (a FunctionalGuards
@@ -1509,10 +1956,12 @@ def _guard(
             p.read()
         except _Fail as fail:
             failure = fail.failure
-        if len(watcher.trace.notes) < _MAX_NOTES:
+        if spec.kind != "index" and len(watcher.trace.notes) < _MAX_NOTES:
+            source = _source(frame) if frame is not None else None
             watcher.note("loss_input", path, source=source, **_evidence(watcher, p))
     if failure is None or failure.code in watcher.config.ignore:
         return
+    source = _source(frame) if frame is not None else None
     note = watcher.note(
         "guard",
         path,
@@ -1621,8 +2070,8 @@ def _error(note: Note, failure: _Failure, step: int, *, is_module: bool) -> Guar
     if failure.fix:
         lines.append(f"  fix: {failure.fix}")
     lines.append(
-        f"  ({failure.code}: checked before the loss kernel ran, so nothing was computed and "
-        "the device is still usable)"
+        f"  ({failure.code}: checked before the kernel ran, so nothing was computed and the "
+        "device is still usable)"
     )
     return GuardError(
         "\n".join(lines),
@@ -1645,12 +2094,12 @@ def _error(note: Note, failure: _Failure, step: int, *, is_module: bool) -> Guar
 
 
 # ---------------------------------------------------------------------------- modules
-def attach(watcher: Watcher, loss_modules: Sequence[tuple[nn.Module, str]]) -> list[Any]:
-    """Register a forward pre-hook (``with_kwargs=True``) on each loss module whose forward
-    is one of torch's, that checks its inputs before the loss kernel runs; returns the
-    handles (the watcher removes them at detach). A forward hook (``always_call``) closes
-    the module's call, so that a functional guard does not check the ``F.*`` call inside
-    it a second time.
+def attach(watcher: Watcher, modules: Sequence[tuple[nn.Module, str]]) -> list[Any]:
+    """Register a forward pre-hook (``with_kwargs=True``) on each of ``modules`` that is a
+    loss or an embedding whose forward is one of torch's (the others are skipped), that
+    checks its inputs before the kernel runs; returns the handles (the watcher removes
+    them at detach). A forward hook (``always_call``) closes the module's call, so that a
+    functional guard does not check the ``F.*`` call inside it a second time.
 
     Example:
         >>> from nanwatch import watch
@@ -1663,7 +2112,7 @@ def attach(watcher: Watcher, loss_modules: Sequence[tuple[nn.Module, str]]) -> l
     health = _Health(watcher)
     handles: list[Any] = []
     try:
-        for module, path in loss_modules:
+        for module, path in modules:
             spec = spec_for(type(module))
             if spec is None:
                 continue
@@ -1703,14 +2152,22 @@ def _make_pre_hook(
                     frame=frame,
                     order=binding.arg_names[: len(args)],
                     kw_names={k: binding.kw_names.get(k, k) for k in kwargs},
+                    module=module,
                 )
             except GuardError:
                 raise
             except Exception as exc:  # nanwatch must never break the training it watches
-                health.fault("loss guard", exc)
+                health.fault(_what(spec), exc)
         _module_stack().append(module)
 
     return guard_pre_hook
+
+
+def _what(spec: GuardSpec) -> str:
+    """``loss guard``, ``embedding guard``: which guard, in a fault's words."""
+    if spec.kind != "index":
+        return "loss guard"
+    return "one_hot guard" if spec.name == "one_hot" else "embedding guard"
 
 
 def _pop_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -1722,7 +2179,7 @@ def _pop_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
 # ---------------------------------------------------------------------------- functional
 class _GuardMode(TorchFunctionMode):
     """The TorchFunctionMode behind :class:`FunctionalGuards`: a dictionary lookup per
-    torch call, a check per functional loss call."""
+    torch call, a check per guarded functional call."""
 
     def __init__(self, watcher: Watcher, health: _Health) -> None:
         super().__init__()
@@ -1747,7 +2204,7 @@ class _GuardMode(TorchFunctionMode):
             self._check(spec, args, kwargs)
         return func(*args, **kwargs)
 
-    def _check(self, spec: LossSpec, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    def _check(self, spec: GuardSpec, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         watcher = self.watcher
         if _quiet(watcher):
             return
@@ -1771,12 +2228,13 @@ class _GuardMode(TorchFunctionMode):
         except GuardError:
             raise
         except Exception as exc:
-            self.health.fault("functional loss guard", exc)
+            self.health.fault(f"functional {_what(spec)}", exc)
 
 
 class FunctionalGuards:
-    """Guards functional losses (``F.cross_entropy(...)``) while active, through a
-    ``TorchFunctionMode``. Calls made by a guarded loss module are not checked twice.
+    """Guards functional losses (``F.cross_entropy(...)``), ``F.embedding``,
+    ``F.embedding_bag`` and ``F.one_hot`` while active, through a ``TorchFunctionMode``.
+    Calls made by a guarded module are not checked twice.
 
     The mode sees every torch call made from Python while it is active (a dictionary
     lookup each): this is why ``watch(..., functional_guards=...)`` decides whether it is

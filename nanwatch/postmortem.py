@@ -121,7 +121,10 @@ ADVICE: dict[str, str] = {
         "out = out.masked_fill(mask, 0))."
     ),
     "anomaly": "nanwatch stopped the run at the first anomaly (on_anomaly='raise').",
-    "guard": "A loss guard stopped the loss before its kernel ran; the message names the values.",
+    "guard": (
+        "A nanwatch guard checked the inputs before the kernel ran and stopped the call; the "
+        "message names the values, their positions and the fix."
+    ),
     "index-out-of-range": (
         "An index was outside its valid range (on the GPU this is 'device-side assert "
         "triggered'). Check class targets against the number of classes and ignore_index, "

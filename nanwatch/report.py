@@ -61,7 +61,7 @@ ERROR_LABELS: dict[str, str] = {
     "out-of-memory": "out of memory",
     "autograd-inplace": "autograd in-place error",
     "anomaly": "nanwatch anomaly",
-    "guard": "loss guard",
+    "guard": "nanwatch guard",
     "index-out-of-range": "index out of range",
     "shape-mismatch": "shape mismatch",
     "device-mismatch": "device mismatch",

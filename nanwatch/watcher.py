@@ -38,7 +38,7 @@ from torch import nn
 from nanwatch import _frames, ops
 from nanwatch._structure import iter_tensors
 from nanwatch.config import WatchConfig
-from nanwatch.errors import AnomalyError, ConfigError, NanwatchError
+from nanwatch.errors import AnomalyError, ConfigError, GuardError, NanwatchError
 from nanwatch.localize import is_trigger, localize, propagators, summarize
 from nanwatch.records import (
     LOSS_PATH,
@@ -486,9 +486,10 @@ class Watcher:
             if self.config.guards:
                 from nanwatch import guards
 
-                loss_modules = [(m, info.path) for m, info in self._modules if info.is_loss]
-                # (global hooks: losses found later are guarded when they are discovered)
-                self._handles.extend(guards.attach(self, loss_modules))
+                # losses and embeddings (the guards choose); under global hooks those found
+                # later are guarded when they are discovered
+                named = [(m, info.path) for m, info in self._modules]
+                self._handles.extend(guards.attach(self, named))
                 if self.config.functional_guards:
                     self._functional_guards = guards.FunctionalGuards(self)
                     self._functional_guards.__enter__()
@@ -894,6 +895,8 @@ class Watcher:
                 found = _name_modules([module], taken=taken, first=not self._modules)
                 self.roots.append(module)
             self._register_found(found, args, kwargs)
+        except GuardError:
+            raise  # a guard of the module just found stopped its first call: not our fault
         except Exception as exc:
             self._fault("pre", "module discovery", exc)
             return None
@@ -905,18 +908,19 @@ class Watcher:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
+        added: list[tuple[nn.Module, str]] = []
         for m, info in found:
             if m in self._infos:
                 continue
             self._infos[m] = info
             self._modules.append((m, info))
+            added.append((m, info.path))
         self._set_params()
         if self.config.guards:
             from nanwatch import guards
 
-            losses = [(m, i.path) for m, i in found if i.is_loss]
-            if losses:
-                handles = guards.attach(self, losses)
+            handles = guards.attach(self, added)
+            if handles:
                 self._handles.extend(handles)
                 # this call's pre-hooks were chosen before these existed: run them now
                 first = found[0][0]

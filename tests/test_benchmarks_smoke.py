@@ -9,6 +9,7 @@ attached to the model, and the torch.compile and GPU paths run.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -132,3 +133,6 @@ def test_hook_cost_quick_reports_per_module_microseconds(tmp_path: Path) -> None
     assert "µs/module" in md and "| nanwatch watch |" in md
     assert "forward hook" in md and "gradient hook" in md
     assert "watcher.py" in md  # the profile names nanwatch's own functions
+    # each of W3's guards is measured: its embedding's and its loss's, once a step each
+    assert re.search(r"\| embed \(Embedding\) \| \(2, 8\) int64 \| 1 \| \d+\.\d \|", md), md
+    assert re.search(r"\| CrossEntropyLoss \(CrossEntropyLoss\) \| .* \| 1 \| \d+\.\d \|", md)

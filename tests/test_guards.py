@@ -614,7 +614,8 @@ def test_an_internal_error_disables_the_guard_not_the_training(
 
     monkeypatch.setitem(guards._CHECKS, "class", broken)
     criterion = nn.CrossEntropyLoss()
-    with pytest.warns(RuntimeWarning, match="loss guards are off"), watch(criterion) as nw:
+    warned = pytest.warns(RuntimeWarning, match="loss guard .*; guards are off")
+    with warned, watch(criterion) as nw:
         out = criterion(torch.randn(2, 3), torch.tensor([0, 1]))
         criterion(torch.randn(2, 3), torch.tensor([0, 1]))
     assert out.shape == () and nw.faults == [("loss guard", "RuntimeError: boom")]
@@ -648,11 +649,11 @@ def test_guard_rules_are_in_the_catalog() -> None:
     codes = {r.code: r for r in catalog()}
     for code, (title, _) in family.CHECKS.items():
         assert codes[code].title == title and codes[code].family == "guards"
-    assert set(family.CHECKS) == {f"NW5{i:02d}" for i in range(1, 13)}
+    assert set(family.CHECKS) == {f"NW5{i:02d}" for i in range(1, 16)}
 
 
 # ------------------------------------------------------------------ scenarios and CUDA
-@pytest.mark.parametrize("name", ["target-255", "broadcast-mse"])
+@pytest.mark.parametrize("name", ["target-255", "broadcast-mse", "added-token"])
 @pytest.mark.filterwarnings("ignore:Using a target size")
 def test_scenarios(name: str) -> None:
     outcome = scenarios.run(scenarios.get(name))
@@ -679,6 +680,36 @@ def test_cuda_error_is_raised_and_the_context_survives() -> None:
         loss = criterion(logits, mask)
         F.cross_entropy(logits, mask)
     assert math.isfinite(loss.item())
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_embedding_ids_are_checked_and_the_context_survives() -> None:
+    model = nn.Sequential(nn.Embedding(100, 16), nn.Linear(16, 100)).cuda()
+    ids = torch.randint(0, 100, (4, 32), device="cuda")
+    ids[2, 7] = 100  # on CUDA, unguarded: "device-side assert triggered"
+    with pytest.raises(GuardError, match="one past the last row") as info, watch(model):
+        model(ids)
+    assert info.value.positions == ((2, 7),)
+    bag = nn.EmbeddingBag(10, 4).cuda()
+    flat = torch.tensor([1, 2, 3, 10], device="cuda")
+    offsets = torch.tensor([0, 2], device="cuda")
+    with pytest.raises(GuardError, match="EmbeddingBag has 10 rows"), watch(bag):
+        bag(flat, offsets)
+    with (
+        pytest.raises(GuardError, match=r"accepts 0\.\.2"),
+        watch(nn.Identity(), functional_guards=True),
+    ):
+        F.one_hot(torch.tensor([0, 3], device="cuda"), 3)  # CUDA's one_hot does not check
+    # the context is alive: kernels run and results come back
+    assert torch.ones(3, device="cuda").sum().item() == 3.0
+    ids[2, 7] = 5
+    reference = model(ids)
+    with watch(model, functional_guards=True):
+        out = model(ids)
+        F.one_hot(ids, 100)
+    assert torch.equal(out, reference)
     torch.cuda.synchronize()
 
 

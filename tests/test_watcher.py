@@ -690,6 +690,18 @@ def test_watch_all_discovers_modules_as_they_are_called() -> None:
     )
 
 
+def test_watch_all_raises_the_guard_error_of_a_loss_found_at_its_first_call() -> None:
+    """A loss first called under global hooks is guarded during its discovery: its
+    GuardError is the user's answer, not an internal error that turns discovery off."""
+    raised = pytest.raises(nanwatch.GuardError, match="did you mean ignore_index=255")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "internal error" warning
+        with raised, nanwatch.watch_all(on_anomaly="record", postmortem=False) as nw:
+            nn.CrossEntropyLoss()(torch.randn(2, 3), torch.tensor([0, 255]))
+    assert nw.faults == []
+    assert nw.history[-1].diagnoses[0].code == "NW501"
+
+
 def test_watch_all_removes_its_global_hooks() -> None:
     import torch.nn.modules.module as mm
 

@@ -1,6 +1,6 @@
-"""NW5xx: loss inputs stopped by a guard before the loss kernel ran.
+"""NW5xx: inputs stopped by a guard before the kernel ran (losses, embeddings, one_hot).
 
-A guard (``nanwatch/guards.py``) that finds a bad loss input writes a ``"guard"``
+A guard (``nanwatch/guards.py``) that finds a bad input writes a ``"guard"``
 :class:`~nanwatch.records.Note` and raises :class:`nanwatch.GuardError`. These rules turn
 that note into the step's :class:`~nanwatch.rules.Diagnosis`, so a post-mortem report of
 the run says the same as the exception did (an error; a warning when the program caught the
@@ -82,6 +82,21 @@ CHECKS: dict[str, tuple[str, str]] = {
     "NW512": (
         "CTC target contains the blank label",
         "A CTCLoss target uses the blank index, which CTC reserves for 'no label'.",
+    ),
+    "NW513": (
+        "Index out of range",
+        "Ids for an Embedding/EmbeddingBag (or F.one_hot values) outside [0, rows): a token "
+        "id equal to the vocabulary size, padding written as -1 or -100.",
+    ),
+    "NW514": (
+        "Index has the wrong dtype",
+        "Embedding ids, EmbeddingBag offsets or F.one_hot values that are not integers "
+        "(int64 or int32; one_hot takes int64).",
+    ),
+    "NW515": (
+        "EmbeddingBag offsets invalid",
+        "EmbeddingBag offsets that do not start at 0, decrease, or point past the input "
+        "(often the bags' ends, lengths.cumsum(0), instead of their starts).",
     ),
 }
 
@@ -195,3 +210,18 @@ def probability_target_range(ctx: RuleContext) -> Iterator[Diagnosis]:
 @_register("NW512")
 def ctc_blank_target(ctx: RuleContext) -> Iterator[Diagnosis]:
     return _found(ctx, "NW512")
+
+
+@_register("NW513")
+def index_out_of_range(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW513")
+
+
+@_register("NW514")
+def index_dtype(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW514")
+
+
+@_register("NW515")
+def embedding_bag_offsets(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW515")

@@ -41,6 +41,7 @@ _ORDER = (
     "sqrt_backward",
     "nan_input",
     "target_255",
+    "added_token",
     "inplace_saved",
     "broadcast_mse",
     "lr_explode",
