@@ -9,8 +9,8 @@ backward + optimizer step) of three CPU workloads (see ``workloads.py``) under:
 * transformers' ``DebugUnderflowOverflow`` (when transformers is installed);
 * guards on/off (``sentinel`` with ``guards=False``: one loss-module call a step, and on W3
   its ``nn.Embedding``'s call too), and the functional-loss step (``F.mse_loss`` /
-  ``F.cross_entropy``) unwatched, under ``watch``, and under ``watch`` with
-  ``functional_guards=True``;
+  ``F.cross_entropy``) unwatched, under ``watch`` with its functional guards (the default),
+  and under ``watch`` with ``functional_guards=False``;
 
 then peak RSS and the flight recorder's bytes per step, and, with ``--compile``, what
 ``torch.compile`` does with nanwatch attached. ``--gpu`` adds a GPT-2-small-sized decoder in

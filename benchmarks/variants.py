@@ -105,7 +105,7 @@ class Nanwatch(Runner):
         mode: str,
         sample_every: int = 1,
         guards: bool = True,
-        functional_guards: bool = False,
+        functional_guards: bool = True,
         functional: bool = False,
         on_anomaly: str = "raise",
         modules: Any = None,
@@ -231,8 +231,9 @@ def make_runners() -> dict[str, Runner]:
         Nanwatch("sentinel-noguards", "nanwatch sentinel, guards=False", mode="sentinel",
                  guards=False),
         Unwatched("f-unwatched", "functional loss: unwatched", functional=True),
-        Nanwatch("f-watch", "functional loss: watch", mode="watch", functional=True),
-        Nanwatch("f-watch-fguards", "functional loss: watch, functional_guards=True",
+        Nanwatch("f-watch", "functional loss: watch, functional_guards=False", mode="watch",
+                 functional_guards=False, functional=True),
+        Nanwatch("f-watch-fguards", "functional loss: watch (functional guards on: the default)",
                  mode="watch", functional_guards=True, functional=True),
     ]  # fmt: skip
     return {r.key: r for r in rs}

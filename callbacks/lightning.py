@@ -392,7 +392,7 @@ class _NanWatch:
         allow: Sequence[str] = (),
         ignore: Sequence[str] = (),
         guards: bool = True,
-        functional_guards: bool = False,
+        functional_guards: bool = True,
         pinpoint: bool = True,
         postmortem: bool = True,
         max_replays: int = 3,

@@ -121,8 +121,8 @@ class WatchConfig:
     #: check the inputs of losses and embeddings before their kernels run.
     guards: bool = True
     #: also guard functional losses (``F.cross_entropy``), ``F.embedding`` and ``F.one_hot``
-    #: through a TorchFunctionMode.
-    functional_guards: bool = False
+    #: (wrapped in ``torch.nn.functional`` while attached: other calls cost nothing).
+    functional_guards: bool = True
     #: re-run the producing module under an op checker to name the aten op.
     pinpoint: bool = True
     #: a step is flushed early when it holds this many records (a loop without steps).

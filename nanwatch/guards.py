@@ -11,19 +11,19 @@ What is guarded is enumerated from torch, not hand-picked: every public ``_Loss`
 of ``torch.nn.modules.loss`` and every module of ``torch.nn.modules.sparse``
 (``Embedding``, ``EmbeddingBag``), through a forward pre-hook on each watched instance (see
 :func:`attach`), and the functional each one calls (``F.cross_entropy``, ``F.embedding``),
-through a ``TorchFunctionMode`` (see :class:`FunctionalGuards`), which also checks
-``F.one_hot``. What each functional means by its arguments (class indices, probabilities,
-+1/-1 labels, row indices) is the one table written by hand, ``_SEMANTICS``; a loss it does
-not know still gets the device check and its evidence.
+by wrapping those functionals in ``torch.nn.functional`` while a watcher is attached (see
+:class:`FunctionalGuards`), which also checks ``F.one_hot``. What each functional means by
+its arguments (class indices, probabilities, +1/-1 labels, row indices) is the one table
+written by hand, ``_SEMANTICS``; a loss it does not know still gets the device check and
+its evidence.
 
 Cost: one host sync per guarded call. Shapes, dtypes and devices are checked in Python;
 every value check's reduction stays on the device until one stacked ``.tolist()`` (for an
 embedding: the ids' ``aminmax``; on the CPU that read is no device sync at all). The same
 read fills, for a loss, the ``"loss_input"`` :class:`~nanwatch.records.Note` the rules read
 (``input_min``, ``probability_rows``, ``ignored``, ...). A guard only reads: the call it
-lets through computes exactly what it would have computed without it. The functional
-guard's ``TorchFunctionMode`` also costs a Python call for every torch call made while it is
-active (about 2 us each), which is why it is a separate switch.
+lets through computes exactly what it would have computed without it; a call of any
+other function costs nothing.
 
 A check is silenced like a diagnosis: ``watch(..., ignore=["NW506"])`` lets calls that fail
 only that check through (the loss then runs as PyTorch computes it).
@@ -66,10 +66,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper
 
 from nanwatch import _frames, ops
+from nanwatch._compat import compiling as _compiling
 from nanwatch.errors import GuardError
 from nanwatch.stats import dtype_name
 
@@ -443,7 +443,7 @@ class _Health:
 
 def _quiet(watcher: Watcher) -> bool:
     return (
-        torch.compiler.is_compiling()  # first: constant under dynamo, so nothing else traced
+        _compiling()  # first: constant under dynamo, so nothing else traced
         or not watcher.attached
         or ops.replaying()
         or torch._C._current_autograd_node() is not None  # checkpoint recomputation
@@ -2177,72 +2177,77 @@ def _pop_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
 
 
 # ---------------------------------------------------------------------------- functional
-class _GuardMode(TorchFunctionMode):
-    """The TorchFunctionMode behind :class:`FunctionalGuards`: a dictionary lookup per
-    torch call, a check per guarded functional call."""
+class _FunctionalTap:
+    """Wraps the guarded functionals of ``torch.nn.functional`` (``F.cross_entropy``,
+    ``F.embedding``, ``F.one_hot``, ...) while at least one watcher guards them, and puts
+    the originals back with the last one. Unlike a TorchFunctionMode, which runs Python for
+    every torch call (3-4 µs each: a few percent of a small model's step, far more of a
+    GPU step bound by launch overhead), it costs nothing outside the guarded calls.
 
-    def __init__(self, watcher: Watcher, health: _Health) -> None:
-        super().__init__()
-        self.watcher = watcher
-        self.health = health
-        self.table = _specs()[1]
+    A name bound before the watcher was attached (``from torch.nn.functional import
+    cross_entropy`` at import time) keeps the original function and is not guarded; the
+    usual ``F.cross_entropy(...)`` and every nn module are."""
 
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        try:
-            spec = self.table.get(func)
-        except TypeError:  # an unhashable callable
-            spec = None
-        if kwargs is None:
-            kwargs = {}
-        if spec is not None and not self.health.broken:
-            self._check(spec, args, kwargs)
-        return func(*args, **kwargs)
+    def __init__(self) -> None:
+        self._guards: list[FunctionalGuards] = []
+        self._originals: dict[str, Callable[..., Any]] = {}
+        self._lock = threading.Lock()
 
-    def _check(self, spec: GuardSpec, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        watcher = self.watcher
-        if _quiet(watcher):
-            return
-        stack = getattr(_tls, "modules", None)
-        if stack:
-            return  # inside a loss module its pre-hook already checked
-        try:
-            bound = _bind_functional(spec, args, kwargs)
-            frame = _frames.user_frame(sys._getframe(2))
-            _guard(
-                watcher,
-                spec,
-                bound,
-                path=spec.call,
-                cls_name=spec.call,
-                is_module=False,
-                frame=frame,
-                order=spec.positional[: len(args)],
-                kw_names={k: k for k in kwargs},
-            )
-        except GuardError:
-            raise
-        except Exception as exc:
-            self.health.fault(f"functional {_what(spec)}", exc)
+    def install(self, guards: FunctionalGuards) -> None:
+        with self._lock:
+            if not self._guards:
+                for spec in _specs()[1].values():
+                    original = getattr(F, spec.name, None)
+                    if original is not spec.func:  # someone else wrapped it: leave it
+                        continue
+                    self._originals[spec.name] = original
+                    setattr(F, spec.name, self._wrap(spec, original))
+            self._guards.append(guards)
+
+    def remove(self, guards: FunctionalGuards) -> None:
+        with self._lock:
+            if guards not in self._guards:
+                return
+            self._guards.remove(guards)
+            if self._guards:
+                return
+            for name, original in self._originals.items():
+                if getattr(getattr(F, name, None), "_nanwatch_guard", False):
+                    setattr(F, name, original)
+            self._originals = {}
+
+    def _wrap(self, spec: GuardSpec, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            # constant under dynamo (the traced call is the original); a guarded functional
+            # called by another (F.linear_cross_entropy -> F.cross_entropy) was checked
+            if _compiling() or getattr(_tls, "functional", False):
+                return original(*args, **kwargs)
+            me = threading.get_ident()
+            for g in tuple(self._guards):
+                if g.thread == me:
+                    g.check(spec, args, kwargs, sys._getframe(1))
+            _tls.functional = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _tls.functional = False
+
+        guarded._nanwatch_guard = True  # type: ignore[attr-defined]
+        return guarded
+
+
+_functional_tap = _FunctionalTap()
 
 
 class FunctionalGuards:
     """Guards functional losses (``F.cross_entropy(...)``), ``F.embedding``,
-    ``F.embedding_bag`` and ``F.one_hot`` while active, through a ``TorchFunctionMode``.
+    ``F.embedding_bag`` and ``F.one_hot`` called in the attaching thread while active.
     Calls made by a guarded module are not checked twice.
-
-    The mode sees every torch call made from Python while it is active (a dictionary
-    lookup each): this is why ``watch(..., functional_guards=...)`` decides whether it is
-    on by default from measurements.
 
     Example:
         >>> from nanwatch import watch
-        >>> nw = watch(nn.Linear(2, 2), postmortem=False).attach()
+        >>> nw = watch(nn.Linear(2, 2), postmortem=False, functional_guards=False).attach()
         >>> with FunctionalGuards(nw):
         ...     _ = F.mse_loss(torch.zeros(3), torch.ones(3))
         >>> nw.trace.notes[-1].path
@@ -2252,14 +2257,16 @@ class FunctionalGuards:
 
     def __init__(self, watcher: Watcher) -> None:
         self.watcher = watcher
-        self._mode: _GuardMode | None = None
+        self.thread = threading.get_ident()
+        self.health = _Health(watcher)
+        self._active = False
 
     def __enter__(self) -> FunctionalGuards:
-        if self._mode is not None:
+        if self._active:
             raise RuntimeError("FunctionalGuards is already active")
-        mode = _GuardMode(self.watcher, _Health(self.watcher))
-        mode.__enter__()  # type: ignore[no-untyped-call]  # torch's base is untyped
-        self._mode = mode
+        self.thread = threading.get_ident()
+        _functional_tap.install(self)
+        self._active = True
         return self
 
     def __exit__(
@@ -2268,28 +2275,35 @@ class FunctionalGuards:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        mode, self._mode = self._mode, None
-        if mode is not None:
-            _remove_mode(mode)
+        self._active = False
+        _functional_tap.remove(self)
+
+    def check(
+        self, spec: GuardSpec, args: Sequence[Any], kwargs: dict[str, Any], caller: Any
+    ) -> None:
+        """Check one call of a guarded functional; ``caller``: the frame that made it."""
+        watcher = self.watcher
+        if self.health.broken or _quiet(watcher):
+            return
+        stack = getattr(_tls, "modules", None)
+        if stack:
+            return  # inside a guarded module its pre-hook already checked
+        try:
+            bound = _bind_functional(spec, args, kwargs)
+            _guard(
+                watcher,
+                spec,
+                bound,
+                path=spec.call,
+                cls_name=spec.call,
+                is_module=False,
+                frame=_frames.user_frame(caller),
+                order=spec.positional[: len(args)],
+                kw_names={k: k for k in kwargs},
+            )
+        except GuardError:
+            raise
+        except Exception as exc:
+            self.health.fault(f"functional {_what(spec)}", exc)
 
 
-def _remove_mode(mode: TorchFunctionMode) -> None:
-    """Take ``mode`` off this thread's torch-function mode stack even when other modes were
-    pushed after it (popping them and pushing them back in order)."""
-    above: list[Any] = []
-    found = False
-    while torch._C._len_torch_function_stack() > 0:
-        top = torch._C._pop_torch_function_stack()
-        if top is mode:
-            found = True
-            break
-        above.append(top)
-    for m in reversed(above):
-        torch._C._push_on_torch_function_stack(m)
-    if not found:
-        warnings.warn(
-            "nanwatch: the functional loss guard was not on this thread's torch-function mode "
-            "stack at detach (attached in another thread?); nothing was removed.",
-            RuntimeWarning,
-            stacklevel=3,
-        )

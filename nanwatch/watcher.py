@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from nanwatch import _frames, ops
+from nanwatch._compat import compiling
 from nanwatch._structure import iter_tensors
 from nanwatch.config import WatchConfig
 from nanwatch.errors import AnomalyError, ConfigError, GuardError, NanwatchError
@@ -744,8 +745,8 @@ class Watcher:
 
     # ------------------------------------------------------------------ hook factories
     # Every hook body runs with torch-function handling off: nanwatch's own statistics must
-    # not pass through a user's TorchFunctionMode (or the functional guards'), which would
-    # both slow them down and show them to the user's mode.
+    # not pass through a user's TorchFunctionMode, which would both slow them down and show
+    # them to the user's mode.
     def _make_pre(self, info: _ModInfo) -> Callable[..., None]:
         pre = self._pre
 
@@ -2214,11 +2215,7 @@ _LOSS_INFO.is_loss = True
 
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
-#: Dynamo constant-folds this call: a compiled module's hooks reduce to an early return, so
-#: the traced graph holds nothing of nanwatch (and no graph break).
-_compiling: Callable[[], bool] = getattr(
-    getattr(torch, "compiler", None), "is_compiling", None
-) or (lambda: bool(getattr(torch, "_dynamo", None) and torch._dynamo.is_compiling()))
+_compiling = compiling
 _FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 
 
@@ -2313,7 +2310,7 @@ def watch(
     allow: Sequence[str] = (),
     ignore: Sequence[str] = (),
     guards: bool = True,
-    functional_guards: bool = False,
+    functional_guards: bool = True,
     pinpoint: bool = True,
     postmortem: bool = True,
     scaler: Any = None,

@@ -60,6 +60,7 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     anomaly_before = torch.is_anomaly_enabled()
     backward_before = torch.autograd.backward
     scale_before = {cls: vars(cls)["scale"] for cls in _grad_scaler_classes()}
+    functional_before = dict(vars(torch.nn.functional))
     yield
     leaked = []
     for h in ours:
@@ -73,6 +74,8 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     assert torch.autograd.backward is backward_before, "torch.autograd.backward left wrapped"
     scale_after = {cls: vars(cls)["scale"] for cls in scale_before}
     assert scale_after == scale_before, "GradScaler.scale left wrapped"
+    changed = [k for k, v in vars(torch.nn.functional).items() if functional_before.get(k) is not v]
+    assert not changed, f"torch.nn.functional left changed: {changed[:5]}"
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
     assert not _get_current_dispatch_mode_stack(), "a dispatch mode was left active"

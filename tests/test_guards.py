@@ -36,7 +36,7 @@ def watch(*modules: nn.Module, **kw: Any) -> nanwatch.Watcher:
     return nanwatch.watch(*modules, **kw)
 
 
-def guarded(criterion: nn.Module, *args: Any, functional_guards: bool = False) -> GuardError:
+def guarded(criterion: nn.Module, *args: Any, functional_guards: bool = True) -> GuardError:
     """Call ``criterion(*args)`` under nanwatch and return the GuardError it raises."""
     with pytest.raises(GuardError) as info, watch(criterion, functional_guards=functional_guards):
         criterion(*args)
@@ -232,8 +232,8 @@ def test_valid_inputs_pass_untouched_functional(name: str) -> None:
         module(*args)
     func, fargs, fkwargs = cap.calls[0]
     reference = func(*fargs, **fkwargs)
-    with watch(nn.Identity(), functional_guards=True) as nw:
-        out = func(*fargs, **fkwargs)
+    with watch(nn.Identity()) as nw:  # functional guards are on by default
+        out = getattr(F, spec.name)(*fargs, **fkwargs)  # as the user calls it: F.<name>
         notes = [n for n in nw.trace.notes if n.kind == "loss_input"]
     assert torch.equal(out, reference)
     assert [n.path for n in notes] == [spec.call]
@@ -600,9 +600,9 @@ def test_user_loss_subclass_is_guarded_through_its_functional() -> None:
 
     focal = FocalLoss()
     assert guards.spec_for(FocalLoss) is None
-    with pytest.raises(IndexError), watch(focal):
+    with pytest.raises(IndexError), watch(focal, functional_guards=False):
         focal(torch.randn(2, 3), torch.tensor([0, 255]))
-    err = guarded(focal, torch.randn(2, 3), torch.tensor([0, 255]), functional_guards=True)
+    err = guarded(focal, torch.randn(2, 3), torch.tensor([0, 255]))  # on by default
     assert err.loss == "F.cross_entropy"
 
 
@@ -745,3 +745,56 @@ def test_the_activation_behind_views_is_named_in_the_evidence() -> None:
         notes = [n for n in nw.trace.notes if n.kind == "loss_input"]
     assert notes[0].data["input_grad_fn"] == "SqueezeBackward1"
     assert notes[0].data["input_activation"] == "SigmoidBackward0"
+
+
+# ------------------------------------------------------------------ the functional tap
+def test_functional_guards_wrap_only_the_guarded_functionals_while_attached() -> None:
+    originals = {name: getattr(F, name) for name in ("cross_entropy", "embedding", "one_hot")}
+    relu = F.relu
+    a = watch(nn.Identity()).attach()
+    b = watch(nn.Identity()).attach()
+    try:
+        assert all(getattr(F, n) is not f for n, f in originals.items())
+        assert all(getattr(F, n).__wrapped__ is f for n, f in originals.items())
+        assert F.relu is relu  # nothing else is touched
+        # no TorchFunctionMode: calls of other functions do not go through Python
+        assert not torch.overrides._get_current_function_mode_stack()
+        a.detach()
+        assert F.cross_entropy is not originals["cross_entropy"]  # b still guards
+    finally:
+        a.detach()
+        b.detach()
+    assert all(getattr(F, n) is f for n, f in originals.items())
+
+
+def test_a_functional_called_in_another_thread_is_that_threads_business() -> None:
+    import threading
+
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:  # not watched in this thread: PyTorch's own error
+            F.cross_entropy(torch.randn(2, 3), torch.tensor([0, 255]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    with watch(nn.Identity()):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        with pytest.raises(GuardError):
+            F.cross_entropy(torch.randn(2, 3), torch.tensor([0, 255]))
+    assert len(errors) == 1 and type(errors[0]) is IndexError
+
+
+def test_a_watched_functional_loss_compiles_without_graph_breaks() -> None:
+    def step(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, y)
+
+    logits, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 0])
+    with watch(nn.Identity()):
+        explained = torch._dynamo.explain(step)(logits, y)
+        out = torch.compile(step, backend="eager")(logits, y)
+    torch._dynamo.reset()
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    assert torch.allclose(out, F.cross_entropy(logits, y))
