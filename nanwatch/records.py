@@ -290,6 +290,15 @@ class OpEvent:
     cause: OpEvent | None = None
     #: True when the non-finite value came from a constant argument (masked_fill(-inf)).
     injected: bool = False
+    #: the device the op ran on (``cpu``, ``cuda:0``); empty when unknown.
+    device: str = ""
+    #: tensor arguments that ``inputs`` leaves out, by schema name: integer and bool ones (a
+    #: target, an index: min, max and numel only) and empty ones (numel 0: a mean over
+    #: nothing).
+    other_inputs: list[tuple[str, TensorStat]] = field(default_factory=list)
+    #: every output of an op that returns several, by schema name (nll_loss's ``output`` and
+    #: ``total_weight``); empty for single-output ops (``output`` holds it).
+    outputs: list[tuple[str, TensorStat]] = field(default_factory=list)
 
     def chain(self) -> list[OpEvent]:
         """This event and its causes, oldest first."""
@@ -301,7 +310,7 @@ class OpEvent:
         return out[::-1]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "op": self.op,
             "phase": self.phase.value,
             "path": self.path,
@@ -316,6 +325,13 @@ class OpEvent:
             "cause": None if self.cause is None else self.cause.to_dict(),
             "injected": self.injected,
         }
+        if self.device:
+            d["device"] = self.device
+        if self.other_inputs:
+            d["other_inputs"] = [[r, s.to_dict()] for r, s in self.other_inputs]
+        if self.outputs:
+            d["outputs"] = [[r, s.to_dict()] for r, s in self.outputs]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OpEvent:
@@ -336,6 +352,9 @@ class OpEvent:
             dtype=d.get("dtype", ""),
             cause=None if d.get("cause") is None else OpEvent.from_dict(d["cause"]),
             injected=bool(d.get("injected", False)),
+            device=d.get("device", ""),
+            other_inputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("other_inputs", [])],
+            outputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("outputs", [])],
         )
 
 
