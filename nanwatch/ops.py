@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -503,6 +504,17 @@ _ELEMENTWISE: dict[str, tuple[str, tuple[tuple[str, str], ...], _Fn]] = {
 _RESULT_ONLY = {"Sqrt", "Rsqrt", "Exp", "Reciprocal"}
 
 
+def _leaf(node: Any, i: int) -> torch.Tensor | None:
+    """The value of the node's ``i``-th input when autograd did not save it but it is a
+    leaf (a parameter, an input that requires grad): AccumulateGrad holds it."""
+    try:
+        nxt = node.next_functions[i][0]
+    except (IndexError, AttributeError):
+        return None
+    v = getattr(nxt, "variable", None) if nxt is not None else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
 def _kinds_of(values: Sequence[Any]) -> frozenset[str]:
     out: frozenset[str] = frozenset()
     for v in values:
@@ -580,13 +592,15 @@ def _elementwise_event(
 ) -> OpEvent | None:
     op, args, fn = _ELEMENTWISE[base]
     vals = [(name, _saved(node, attr)) for name, attr in args]
+    vals = [(name, v if v is not None else _leaf(node, i)) for i, (name, v) in enumerate(vals)]
     if base == "Logit" and vals[1][1] is None:
         vals = vals[:1]  # logit(x) without eps
     rounding = _saved(node, "_saved_rounding_mode") if base == "Div" else None
     result = output
     if all(v is not None for _, v in vals):
         try:
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 plain = [v.detach() if isinstance(v, torch.Tensor) else v for _, v in vals]
                 kw = {"rounding_mode": rounding} if isinstance(rounding, str) else {}
                 result = fn(*plain, **kw)
@@ -715,7 +729,8 @@ def _reduction_event(node: Any, base: str) -> OpEvent | None:
         kw: dict[str, Any] = {"correction": corr, "keepdim": bool(_saved(node, "_saved_keepdim"))}
         name = {"Std": "std", "Var": "var", "StdMean": "std_mean", "VarMean": "var_mean"}[base]
         fn = torch.std if name.startswith("std") else torch.var
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "degrees of freedom is <= 0": the user saw it
             result = fn(x.detach(), dim=dims, **kw) if dims else fn(x.detach(), **kw)
         born = _kinds(result) - _kinds(x)
         if not born:

@@ -654,7 +654,7 @@ def _rounding(s: TensorStat | None, dom: Domain, dtype: str) -> str | None:
             continue
         excess = value - edge if side == "above" else edge - value
         step = lim.eps * max(1.0, abs(edge))
-        if 0 <= excess <= 16 * step and dom.outside_of(value):
+        if 0 < excess <= 16 * step and dom.outside_of(value):
             steps = max(1, round(excess / step))
             return (
                 f"{_precise(value)} is {fmt(excess)} {side} {_fmt_edge(edge)}: "

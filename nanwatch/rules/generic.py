@@ -151,7 +151,8 @@ def _inspect_fix(ev: OpEvent) -> str:
         got.append(e)
         return e
 
-    rewrite_call(code, [packet(ev.op).rstrip("_")], keep)
+    name = packet(ev.op).rstrip("_")
+    rewrite_call(code, [name, name.removeprefix("special_")], keep)
     first = ev.inputs[0][1] if ev.inputs else None
     same_shape = first is not None and first.numel == ev.output.numel
     arg = got[0] if got and same_shape else None
