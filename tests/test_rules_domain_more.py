@@ -757,3 +757,38 @@ def test_every_new_code_is_registered_with_the_next_free_numbers() -> None:
     assert REGISTRY["NW113"].title == "Mean or variance over too few elements"
     assert REGISTRY["NW114"].title == "Function outside its domain"
     assert REGISTRY["NW110"].title == "Log of zero or of a negative number"  # unchanged
+
+
+def test_nw101_without_an_op_or_a_line_names_the_module_and_its_device() -> None:
+    b = TraceBuilder(1)
+    net = b.call("Net", root=True)
+    x = b.input(net, stat(-1.0, 1.0), dtype="float16")
+    blk = b.call("enc.ffn", "FFN", parent=net)
+    b.input(blk, source=x, dtype="float16")
+    b.forward(blk, counted(-1.0, INF, posinf=3), dtype="float16")
+    d = top(b.build())
+    assert d.code == "NW101" and d.op is None
+    assert (
+        "model.enc.ffn.float()" in d.fix and "torch.autocast('cpu', dtype=torch.bfloat16)" in d.fix
+    )
+    no_placeholder(d)
+    assert "..." not in d.fix
+
+    ev = event("aten.cumsum.default", "+inf", [("self", counted(0.0, 9000.0))], dtype="float16")
+    d = top(module_trace(ev, path="enc.ffn", dtype="float16"))
+    assert d.code == "NW101" and "call cumsum on .float() inputs" in d.fix
+    assert "model.enc.ffn's forward" in d.fix
+    no_placeholder(d)
+
+
+def test_catch_all_for_a_backward_op_with_its_forward_line_does_not_ask_for_it() -> None:
+    ev = event(
+        "aten.mul.Tensor",
+        "NaN",
+        [("self", counted(0.0, INF, posinf=1)), ("other", counted(0.0, 0.0, zeros=4))],
+        code="y = torch.special.i1e(x)",
+    )
+    ev.phase, ev.node = Phase.BACKWARD, "SpecialI1EBackward0"
+    d = top(module_trace(ev))
+    assert d.code == "NW100" and "detect_anomaly" not in d.fix and "forensic" not in d.fix
+    assert "SpecialI1EBackward0 is the backward of the forward op at model.py:7" in d.fix

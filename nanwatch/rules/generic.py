@@ -134,6 +134,12 @@ _ASSIGN = re.compile(r"^\s*([A-Za-z_]\w*)\s*=[^=]")
 def _inspect_fix(ev: OpEvent) -> str:
     """Code that finds the elements the op broke and prints the inputs there."""
     op = short_op(ev.op)
+    if ev.phase is Phase.BACKWARD and ev.source:
+        return (
+            f"# {ev.node or op} is the backward of the forward op at {ev.source}: its\n"
+            f"# derivative is infinite or undefined at some of that op's inputs there\n"
+            f"# (e.g. sqrt or acos at an endpoint): keep them off it, x.clamp(lo + eps, hi - eps)"
+        )
     if ev.phase is Phase.BACKWARD:
         node = ev.node or op
         return (

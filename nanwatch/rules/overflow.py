@@ -162,7 +162,7 @@ def _from_op(
         )
     else:
         explanation = _explain(kind, dtype, lim)
-        fix = _fix(kind, name, dtype, lim, ev.code, device=device)
+        fix = _fix(kind, name, dtype, lim, ev.code, device=device, ref=_module_ref(ctx, a))
     return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
 
 
@@ -233,7 +233,7 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
         **anomaly_fields(a),
         evidence=evidence,
         explanation=_explain(kind, rec.dtype, lim),
-        fix=_fix(kind, "", rec.dtype, lim, None, device=device),
+        fix=_fix(kind, "", rec.dtype, lim, None, device=device, ref=_module_ref(ctx, a)),
         priority=20,
     )
 
@@ -424,6 +424,7 @@ def _fix(
     code: str | None,
     *,
     device: str,
+    ref: str = "model",
 ) -> str:
     """Low precision: compute the op in float32, or train in bfloat16 (float32's range)."""
     plain = code.split("#", 1)[0].strip() if code else ""
@@ -472,12 +473,16 @@ def _fix(
     mine = rewrite_call(code, [op], lambda e: f"{paren(e)}.float()") if op else None
     if mine is not None:
         return f"{mine}{was}\n# (compute it in float32; cast back with .to(torch.{dtype}))\n{bf16}"
-    where = f"the inputs of {op}" if op else "this module's input"
+    if op:
+        return (
+            f"# in {ref}'s forward, call {op} on .float() inputs and cast the result back\n"
+            f"# with .to(torch.{dtype}) (under autocast: inside torch.autocast("
+            f"device_type={device}, enabled=False))\n"
+            f"{bf16}"
+        )
     return (
-        f"# compute {where} in float32: pass x.float(), cast the result back with "
-        f".to(torch.{dtype})\n"
-        f"with torch.autocast(device_type={device}, enabled=False):\n"
-        "    out = module(x.float())   # the module named above, in float32\n"
+        f"{ref}.float()   # once, after building the model: this module computes in float32\n"
+        f"# and give it x.float(); cast its output back with .to(torch.{dtype}) where needed\n"
         f"{bf16}"
     )
 
