@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import threading
 import warnings
 import weakref
@@ -744,6 +745,20 @@ def _reduction_event(node: Any, base: str) -> OpEvent | None:
             inputs=[("self", x)],
             result=result,
             scalars={"correction": corr},
+        )
+    if _plain(_saved(node, "_saved_reduction")) == 1 and base not in ("NllLoss", "NllLoss2D"):
+        x = _saved(node, "_saved_self")  # any other loss: a mean over an empty batch
+        if not isinstance(x, torch.Tensor) or x.numel() != 0:
+            return None
+        op = "aten." + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
+        return _event(
+            node,
+            op,
+            "NaN",
+            "the mean of 0 elements",
+            out_numel=1,
+            scalars={"reduction": 1},
+            other_inputs=[("self", x)],
         )
     if base in ("NllLoss", "NllLoss2D"):
         tw = _saved(node, "_saved_total_weight")

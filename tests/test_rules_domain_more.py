@@ -792,3 +792,31 @@ def test_catch_all_for_a_backward_op_with_its_forward_line_does_not_ask_for_it()
     d = top(module_trace(ev))
     assert d.code == "NW100" and "detect_anomaly" not in d.fix and "forensic" not in d.fix
     assert "SpecialI1EBackward0 is the backward of the forward op at model.py:7" in d.fix
+
+
+@pytest.mark.parametrize("in_module", [True, False])
+def test_e2e_a_loss_over_an_empty_selection_is_nw113(in_module: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(6, 2)
+    crit = nn.SmoothL1Loss()
+    loss_fn = crit if in_module else F.smooth_l1_loss
+
+    def step(i: int) -> None:
+        p = model(torch.randn(4, 6))
+        keep = torch.rand(4) > (0.2 if i < 2 else 2.0)  # step 2: nothing selected
+        loss_fn(p[keep], torch.zeros_like(p[keep])).backward()
+
+    d, t = run(model, step, *([crit] if in_module else []))
+    assert d is not None and t is not None and t.step == 2
+    assert d.code == "NW113" and d.op is not None and d.op.startswith("aten.smooth_l1_loss")
+    assert d.path == ("SmoothL1Loss" if in_module else "(loss)")
+    assert "with reduction='mean' of an empty tensor (0 values)" in text(d)
+    assert "F.smooth_l1_loss(pred, y, reduction='sum') / max(pred.numel(), 1)" in d.fix
+
+
+def test_a_loss_with_reduction_sum_over_nothing_is_not_nw113() -> None:
+    empty = TensorStat(0.0, 0.0, 0, nan=0, posinf=0, neginf=0, zeros=0)
+    ev = event("aten.mse_loss.default", "NaN", [], other_inputs=[("self", empty)])
+    assert shortfall(ev) is not None  # the schema default: reduction=mean
+    ev.scalars["reduction"] = 2
+    assert shortfall(ev) is None

@@ -405,7 +405,10 @@ class Shortfall:
 
 
 def _mean_reduction(ev: OpEvent) -> bool:
-    return scalar_num(ev, "reduction") == 1.0  # at aten level: 0 none, 1 mean, 2 sum
+    """reduction='mean': at aten level 0 none, 1 mean, 2 sum; an aten loss called without
+    the argument gets its schema default, which is mean for every one of them."""
+    r = scalar_num(ev, "reduction")
+    return r == 1.0 or r is None
 
 
 def shortfall(ev: OpEvent) -> Shortfall | None:

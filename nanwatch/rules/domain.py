@@ -542,10 +542,11 @@ def _with_correction0(code: str | None) -> str | None:
 
 def _mean_fix(ev: OpEvent, sf: Shortfall) -> str:
     if sf.kind == "loss":
+        fn = f"F.{packet(ev.op).rstrip('_')}"  # aten's losses and F's share their names
         return (
             "if pred.numel() == 0: continue   # skip the empty batch\n"
             "# or sum and divide by a count that is at least 1:\n"
-            "loss = F.mse_loss(pred, y, reduction='sum') / max(pred.numel(), 1)"
+            f"loss = {fn}(pred, y, reduction='sum') / max(pred.numel(), 1)"
         )
     was = f"   # was: {ev.code.split('  #', 1)[0].strip()}" if ev.code else ""
     return (
