@@ -43,6 +43,11 @@ class Domain:
     at_edges: str = ""
     #: the derivative is infinite at the closed endpoints (acos, asin, acosh)
     steep_edges: bool = False
+    #: the derivative, in words (``-1/sqrt(1 - x²)``)
+    slope: str = ""
+    #: what the op returns at its steep endpoints (acos: 0 at 1, π at -1): an output that
+    #: holds them was given an endpoint, where the gradient is infinite
+    edge_outputs: tuple[float, ...] = ()
 
     @property
     def interval(self) -> str:
@@ -83,11 +88,45 @@ _LO = frozenset({"lo"})
 _TABLE: dict[str, Domain] = {
     d.name: d
     for d in (
-        Domain("acos", "self", lo=-1.0, hi=1.0, steep_edges=True),
-        Domain("asin", "self", lo=-1.0, hi=1.0, steep_edges=True),
-        Domain("acosh", "self", lo=1.0, steep_edges=True),
-        Domain("atanh", "self", lo=-1.0, hi=1.0, edges=_BOTH, at_edges="±inf at ±1"),
-        Domain("erfinv", "self", lo=-1.0, hi=1.0, edges=_BOTH, at_edges="±inf at ±1"),
+        Domain(
+            "acos",
+            "self",
+            lo=-1.0,
+            hi=1.0,
+            steep_edges=True,
+            slope="-1/sqrt(1 - x²)",
+            edge_outputs=(0.0, math.pi),
+        ),
+        Domain(
+            "asin",
+            "self",
+            lo=-1.0,
+            hi=1.0,
+            steep_edges=True,
+            slope="1/sqrt(1 - x²)",
+            edge_outputs=(-math.pi / 2, math.pi / 2),
+        ),
+        Domain(
+            "acosh", "self", lo=1.0, steep_edges=True, slope="1/sqrt(x² - 1)", edge_outputs=(0.0,)
+        ),
+        Domain(
+            "atanh",
+            "self",
+            lo=-1.0,
+            hi=1.0,
+            edges=_BOTH,
+            at_edges="±inf at ±1",
+            slope="1/(1 - x²)",
+        ),
+        Domain(
+            "erfinv",
+            "self",
+            lo=-1.0,
+            hi=1.0,
+            edges=_BOTH,
+            at_edges="±inf at ±1",
+            slope="sqrt(π)/2 · exp(erfinv(x)²)",
+        ),
         Domain("logit", "self", lo=0.0, hi=1.0, edges=_BOTH, at_edges="-inf at 0, +inf at 1"),
         Domain("ndtri", "self", lo=0.0, hi=1.0, edges=_BOTH, at_edges="-inf at 0, +inf at 1"),
         Domain("lgamma", "self", poles=True, at_edges="+inf at the poles"),

@@ -820,3 +820,48 @@ def test_a_loss_with_reduction_sum_over_nothing_is_not_nw113() -> None:
     assert shortfall(ev) is not None  # the schema default: reduction=mean
     ev.scalars["reduction"] = 2
     assert shortfall(ev) is None
+
+
+def test_nw114_backward_of_acos_at_an_endpoint_replaces_the_exact_clamp() -> None:
+    ev = event(
+        "aten.rsqrt.default",
+        "+inf",
+        [("self", counted(0.0, 2.4e-07, numel=6, zeros=4))],
+        code="return torch.acos(cos.clamp(-1, 1))",
+    )
+    ev.phase, ev.node = Phase.BACKWARD, "AcosBackward0"
+    assert classify(ev) == "domain"  # not NW112's sqrt: the rsqrt is acos's derivative
+    d = top(module_trace(ev))
+    assert d.code == "NW114" and d.op == "aten.rsqrt"
+    assert "the forward acos was given values on the edge of [-1, 1]" in text(d)
+    assert "-1/sqrt(1 - x²)" in text(d)
+    assert "return torch.acos(cos.clamp(-1 + eps, 1 - eps))" in d.fix
+
+
+class ClampedAngle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        cos = F.cosine_similarity(self.proj(a), self.proj(b), dim=-1)
+        return torch.acos(cos.clamp(-1, 1))  # finite forward, infinite gradient at 1
+
+
+@pytest.mark.parametrize("mode", ["watch", "forensic"])
+def test_e2e_acos_clamped_exactly_to_one_is_nw114_in_backward(mode: str) -> None:
+    torch.manual_seed(0)
+    model = ClampedAngle()
+    a = torch.randn(6, 4)
+    with nanwatch.watch(model, on_anomaly="record", mode=mode) as nw:
+        model(a, a.clone()).mean().backward()
+        nw.step()
+    t = next(t for t in nw.history if t.anomaly is not None)
+    d = t.diagnoses[0]
+    assert d.code == "NW114" and d.phase == "backward" and d.path == "ClampedAngle"
+    assert "-1/sqrt(1 - x²)" in text(d)
+    assert "clamp(-1 + eps, 1 - eps)" in d.fix
+    if mode == "watch":  # untraced: read from the output, acos(1) = 0
+        assert d.op is None and "made by AcosBackward0 (acos) and holds 0" in text(d)
+    else:
+        assert d.op == "aten.rsqrt" and "AcosBackward0" in text(d)

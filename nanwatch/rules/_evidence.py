@@ -284,6 +284,8 @@ def classify(ev: OpEvent) -> str:
         cls = _NODE_CLASS.get(node_base(ev.node))
         if cls is not None:
             return cls
+        if node_domain(ev.node) is not None:
+            return "domain"  # acos's backward at ±1: whatever aten op it runs (rsqrt, div)
     name = packet(ev.op)
     if name in _SOFTMAX:
         x = first_input(ev)
@@ -322,6 +324,20 @@ def classify(ev: OpEvent) -> str:
 
 
 # ---------------------------------------------------------------------- domains
+
+
+def node_domain(node: str | None) -> Domain | None:
+    """The restricted domain of the forward op of an autograd node (``AcosBackward0`` ->
+    acos, ``SpecialNdtriBackward0`` -> ndtri); the logs excepted (NW110's).
+
+    >>> node_domain("AcosBackward0").name, node_domain("LogBackward0")
+    ('acos', None)
+    """
+    base = node_base(node)
+    if not base:
+        return None
+    dom = domain_of(re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower())
+    return dom if dom is not None and dom.family != "log" else None
 
 
 @dataclass(frozen=True)

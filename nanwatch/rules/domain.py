@@ -30,6 +30,7 @@ from nanwatch.rules._evidence import (
     inputs_of,
     limits,
     node_base,
+    node_domain,
     op_fields,
     outside_domain,
     packet,
@@ -566,7 +567,8 @@ def _mean_fix(ev: OpEvent, sf: Shortfall) -> str:
     summary=(
         "acos/asin of |x| > 1, atanh/erfinv at ±1, acosh below 1, logit/ndtri outside "
         "[0, 1], lgamma/digamma/polygamma at 0, -1, -2, ...: NaN or ±inf from finite "
-        "inputs (a cosine that rounded to 1.0000001)."
+        "inputs (a cosine that rounded to 1.0000001); and acos/asin/acosh exactly at an "
+        "endpoint, where only the gradient is infinite."
     ),
     priority=12,
 )
@@ -575,9 +577,17 @@ def outside_its_domain(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a is None or a.transient:
         return
     cause = cause_of(a)
-    if cause is None or cause.kind != "domain":
+    if cause is None:
+        if a.kind is AnomalyKind.BACKWARD:
+            yield from _domain_backward_untraced(ctx, a)
+        return
+    if cause.kind != "domain":
         return
     ev = cause.event
+    steep = node_domain(ev.node) if ev.phase is Phase.BACKWARD else None
+    if steep is not None:
+        yield _domain_backward(ctx, a, ev, steep, cause.trigger)
+        return
     hit = outside_domain(ev)
     if hit is None:
         return
@@ -723,7 +733,10 @@ def _domain_fix(ev: OpEvent, dom: Domain) -> str:
             return f"{paren(e)}.clamp_min({lo_t})"
         return f"{paren(e)}.clamp_max({hi_t})"
 
-    fixed = rewrite_call(ev.code, names, clamp)
+    def reclamp(e: str) -> str:
+        return clamp(_drop_edge_clamp(e, dom))
+
+    fixed = rewrite_call(ev.code, names, reclamp)
     body = fixed if fixed is not None else f"y = {call}({clamp('x')})"
     out = f"{head}\n{body}"
     if dom.name == "logit":
@@ -731,3 +744,101 @@ def _domain_fix(ev: OpEvent, dom: Domain) -> str:
     elif dom.name in ("acos", "asin"):
         out += "\n# or avoid the inverse: compare cosines, or use atan2(|x × y|, x·y) for angles"
     return out
+
+
+def _drop_edge_clamp(expr: str, dom: Domain) -> str:
+    """``cos.clamp(-1, 1)`` -> ``cos``: a clamp exactly to the domain's endpoints keeps the
+    forward finite but not the gradient; the fix replaces it with one a margin inside."""
+
+    def num(x: float) -> str:
+        return rf"{'-' if x < 0 else ''}{int(abs(x))}(?:\.0*)?"
+
+    parts = []
+    if math.isfinite(dom.lo):
+        parts.append(rf"(?:min\s*=\s*)?{num(dom.lo)}")
+    if math.isfinite(dom.hi):
+        parts.append(rf"(?:max\s*=\s*)?{num(dom.hi)}")
+    if not parts:
+        return expr
+    method = "clamp" if len(parts) == 2 else ("clamp_min" if math.isfinite(dom.lo) else "clamp_max")
+    args = r"\s*,\s*".join(parts)
+    m = re.search(rf"\.(?:{method}|clamp|clip)\(\s*{args}\s*\)$", expr.strip())
+    return expr.strip()[: m.start()] if m else expr
+
+
+def _domain_backward(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, dom: Domain, trigger: OpEvent
+) -> Diagnosis:
+    op = short_op(ev.op)
+    evidence = [
+        f"in backward, {ev.node} ({op}) made {ev.born}: the forward {dom.name} was given "
+        f"values on the edge of {dom.interval}, where its derivative {dom.slope} is infinite"
+    ]
+    for nm, s in ev.inputs[:2]:
+        evidence.append(f"backward input {nm}: {describe_stat(s)}")
+    evidence += _chain_evidence(ev, trigger, ev.born)
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=_steep_text(dom),
+        fix=_domain_fix(ev, dom),
+    )
+
+
+def _steep_text(dom: Domain) -> str:
+    return (
+        f"{dom.name} is finite at the endpoints of {dom.interval}, so the forward pass shows "
+        f"nothing, but its derivative {dom.slope} is infinite there; autograd multiplies it "
+        "by the incoming gradient and inf × 0 is NaN. Clamping exactly to the endpoints "
+        "(x.clamp(-1, 1) before acos, the usual guard) keeps the forward finite and leaves "
+        "the gradient infinite: the clamp needs a margin of a few eps inside."
+    )
+
+
+def _domain_backward_untraced(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
+    """A NaN gradient born in a module whose output an acos/asin/acosh made, and that
+    output holds the op's value at an endpoint (acos: 0 at 1, π at -1)."""
+    trace = ctx.trace
+    calls = {c.id for c in trace.calls if c.path == a.path}
+    for r in trace.records:
+        if r.phase is not Phase.FORWARD or r.call not in calls:
+            continue
+        dom = node_domain(r.grad_fn)
+        if dom is None or not dom.edge_outputs:
+            continue
+        m = exact(trace, r)
+        s = m.stat if m is not None else None
+        if s is None:
+            continue
+        hits = [
+            v
+            for v in dom.edge_outputs
+            if any(math.isclose(x, v, rel_tol=1e-6, abs_tol=0.0) for x in (s.min, s.max))
+        ]
+        if not hits:
+            continue
+        g = a.record
+        evidence = [
+            f"{a.path}'s {r.role} was made by {r.grad_fn} ({dom.name}) and holds "
+            f"{' and '.join(fmt(v) for v in hits)}, {dom.name}'s value at an endpoint of "
+            f"{dom.interval}: {describe_stat(s)}",
+            f"the gradient it sent back to {g.path} ({g.role}) holds "
+            f"{g.stat.kinds() if g.stat else 'NaN'}: d/dx {dom.name} = {dom.slope} is "
+            "infinite there",
+            untraced_hint(ctx.facts.get("mode")),
+        ]
+        yield ctx.diagnosis(
+            **anomaly_fields(a),
+            evidence=evidence,
+            explanation=_steep_text(dom),
+            fix=_domain_fix_text(dom, "float32" if not r.dtype else r.dtype),
+            priority=14,
+        )
+        return
+
+
+def _domain_fix_text(dom: Domain, dtype: str) -> str:
+    probe = OpEvent(
+        f"aten.{dom.name}", Phase.FORWARD, None, "", TensorStat(0.0, 0.0, 0), dtype=dtype
+    )
+    return _domain_fix(probe, dom)
