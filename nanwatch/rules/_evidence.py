@@ -251,10 +251,8 @@ def denominator(ev: OpEvent) -> TensorStat | None:
     den = input_named(ev, "other")
     if den is not None:
         return den
-    named = [n for n, _ in ev.inputs]
-    if len(ev.inputs) > 1 and named[0] not in ("self", "input"):
-        return ev.inputs[1][1]
-    return None
+    ins = inputs_of(ev)
+    return ins[1] if len(ins) > 1 else None
 
 
 def _exponent(ev: OpEvent) -> float | None:

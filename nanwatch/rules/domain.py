@@ -21,13 +21,13 @@ from nanwatch.rules._evidence import (
     cause_of,
     code_line,
     count,
+    denominator,
     describe_stat,
     exact,
     first_input,
     fmt,
     has_zero,
     input_named,
-    inputs_of,
     limits,
     node_base,
     node_domain,
@@ -178,10 +178,7 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     ev = cause.event
     name = packet(ev.op)
     num = input_named(ev, "self", "input")
-    den = first_input(ev) if name == "reciprocal" else input_named(ev, "other")
-    ins = inputs_of(ev)
-    if den is None and len(ins) > 1:
-        den = ins[1]
+    den = denominator(ev)
     evidence: list[str] = []
     zero_over_zero = "NaN" in ev.born and has_zero(num) and has_zero(den)
     if den is not None:
