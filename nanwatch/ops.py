@@ -17,6 +17,7 @@ import contextlib
 import math
 import re
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +28,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from nanwatch import _frames
+from nanwatch._domains import Domain, domain_of
 from nanwatch.records import OpEvent, Phase, TensorStat
-from nanwatch.stats import describe, dtype_name, has_values
+from nanwatch.stats import brief, describe, device_name, dtype_name, has_values
 
 _aten = torch.ops.aten
 
@@ -130,6 +132,58 @@ def _join(kinds: frozenset[str]) -> str:
     return ", ".join(sorted(kinds, key=_ORDER.__getitem__))
 
 
+def _briefs(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, TensorStat]]:
+    out = []
+    for name, t in tensors:
+        s = brief(t)
+        if s is not None:
+            out.append((name, s))
+    return out
+
+
+def _named_outputs(func: Any, out: Any) -> list[tuple[str, TensorStat]]:
+    """Statistics of every output of an op that returns several, by the schema's names
+    (``output``, ``total_weight``); empty for a single output."""
+    if not isinstance(out, (tuple, list)):
+        return []
+    names = [r.name for r in func._schema.returns]
+    found: list[tuple[str, TensorStat]] = []
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            continue
+        s = brief(t)
+        if s is not None:
+            found.append((names[i] if i < len(names) and names[i] else f"output[{i}]", s))
+    return found
+
+
+def domain_counts(dom: Domain, t: torch.Tensor | None) -> dict[str, int]:
+    """How many values of ``t`` lie outside ``dom`` (NaN there), on a pole endpoint and on
+    a pole at a non-positive integer (inf there): ``n_outside``, ``n_edge``, ``n_pole``,
+    the non-zero ones.
+
+    >>> from nanwatch._domains import domain_of
+    >>> domain_counts(domain_of("atanh"), torch.tensor([1.0, 1.5, 0.2, 2.0]))
+    {'n_outside': 2, 'n_edge': 1}
+    """
+    if not isinstance(t, torch.Tensor) or not has_values(t) or t.is_complex():
+        return {}
+    with torch.no_grad():
+        v = t.detach()
+        if v.dtype not in (torch.float32, torch.float64):
+            v = v.float()
+        zero = torch.zeros((), dtype=torch.bool, device=v.device)
+        outside = (v < dom.lo) | (v > dom.hi)
+        edge = zero
+        if "lo" in dom.edges:
+            edge = edge | (v == dom.lo)
+        if "hi" in dom.edges:
+            edge = edge | (v == dom.hi)
+        pole = (v <= 0) & (v == v.floor()) if dom.poles else zero
+        counts = torch.stack([outside.sum(), edge.sum(), pole.sum()]).tolist()
+    return {k: int(n) for k, n in zip(("n_outside", "n_edge", "n_pole"), counts, strict=True) if n}
+
+
 @dataclass
 class _Seen:
     ref: weakref.ReferenceType[torch.Tensor]
@@ -213,13 +267,14 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             return
         schema_args = func._schema.arguments
         inputs: list[tuple[str, torch.Tensor]] = []
+        others: list[tuple[str, torch.Tensor]] = []
         scalars: dict[str, float | int | str] = {}
         scalar_kinds: frozenset[str] = frozenset()
         for i, a in enumerate(args):
             name = schema_args[i].name if i < len(schema_args) else f"arg{i}"
-            scalar_kinds |= self._collect(name, a, inputs, scalars)
+            scalar_kinds |= self._collect(name, a, inputs, scalars, others)
         for name, a in kwargs.items():
-            scalar_kinds |= self._collect(name, a, inputs, scalars)
+            scalar_kinds |= self._collect(name, a, inputs, scalars, others)
         in_kinds: frozenset[str] = frozenset()
         cause: OpEvent | None = None
         for _, t in inputs:
@@ -251,6 +306,10 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 node_name = None
             first_bad = next(t for t, k in zip(outs, out_kinds, strict=True) if k)
             out_stat = describe(first_bad) or TensorStat(math.nan, math.nan, 0)
+            kept = dict(list(scalars.items())[:6])
+            dom = domain_of(str(func))
+            if dom is not None:
+                kept.update(domain_counts(dom, dict(inputs).get(dom.arg)))
             event = OpEvent(
                 op=str(func),
                 phase=phase,
@@ -258,7 +317,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 born=_join(born or injected),
                 output=out_stat,
                 inputs=[(name, describe(t)) for name, t in inputs[:6]],
-                scalars=dict(list(scalars.items())[:6]),
+                scalars=kept,
                 source=source,
                 code=code,
                 node=node_name,
@@ -266,6 +325,9 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 cause=cause,
                 injected=not born,
                 backward_at=backward_at,
+                device=device_name(first_bad.device),
+                other_inputs=_briefs(others[:4]),
+                outputs=_named_outputs(func, out),
             )
             self.events.append(event)
         # remember every non-finite output, so later ops can name their cause
@@ -279,17 +341,19 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         a: Any,
         inputs: list[tuple[str, torch.Tensor]],
         scalars: dict[str, float | int | str],
+        others: list[tuple[str, torch.Tensor]],
     ) -> frozenset[str]:
+        """Sort one argument: floating tensors with values into ``inputs``, other tensors
+        (integer, bool, empty) into ``others``, numbers and strings into ``scalars``; return
+        the non-finite kinds of scalar arguments (a ``-inf`` fill value)."""
         if isinstance(a, torch.Tensor):
-            if has_values(a):
-                inputs.append((name, a))
+            (inputs if has_values(a) else others).append((name, a))
             return frozenset()
         if isinstance(a, (list, tuple)):
             kinds: frozenset[str] = frozenset()
             for j, x in enumerate(a):
                 if isinstance(x, torch.Tensor):
-                    if has_values(x):
-                        inputs.append((f"{name}[{j}]", x))
+                    (inputs if has_values(x) else others).append((f"{name}[{j}]", x))
                 else:
                     kinds |= _scalar_kinds(x)
             return kinds
@@ -515,70 +579,355 @@ def _has(t: Any, pred: Callable[[torch.Tensor], torch.Tensor]) -> int:
         return int(pred(t.detach().float()).sum())
 
 
-def _domain_events(node: Any) -> tuple[str, str, str] | None:
-    """(aten op, kinds born, why) when the node's saved tensors show a value outside its
-    op's domain: log of 0 or of a negative, division by 0, sqrt of a negative, ... (the
-    op semantics of PyTorch, not a list of scenarios)."""
-    name = node.name()
-    base = name.split("Backward")[0]
-    if base in ("Log", "Log2", "Log10"):
-        x = _saved(node, "_saved_self")
-        zeros, neg = _has(x, lambda v: v == 0), _has(x, lambda v: v < 0)
-        if zeros or neg:
-            born = ", ".join(k for k, n in (("NaN", neg), ("-inf", zeros)) if n)
-            return f"aten.{base.lower()}", born, f"input holds {zeros} zeros and {neg} negatives"
-    elif base == "Log1p":
-        x = _saved(node, "_saved_self")
-        at, below = _has(x, lambda v: v == -1), _has(x, lambda v: v < -1)
-        if at or below:
-            born = ", ".join(k for k, n in (("NaN", below), ("-inf", at)) if n)
-            return "aten.log1p", born, f"input holds {at} values of -1 and {below} below -1"
-    elif base == "Div":
-        den = _saved(node, "_saved_other")
+_Fn = Callable[..., torch.Tensor]
+
+#: autograd nodes of elementwise ops whose saved values are the op's inputs, so the output
+#: can be recomputed and what was born read exactly: node -> (aten op, (schema name, saved
+#: attribute) per argument, the op).
+_ELEMENTWISE: dict[str, tuple[str, tuple[tuple[str, str], ...], _Fn]] = {
+    "Log": ("aten.log", (("self", "_saved_self"),), torch.log),
+    "Log2": ("aten.log2", (("self", "_saved_self"),), torch.log2),
+    "Log10": ("aten.log10", (("self", "_saved_self"),), torch.log10),
+    "Log1P": ("aten.log1p", (("self", "_saved_self"),), torch.log1p),
+    "Acos": ("aten.acos", (("self", "_saved_self"),), torch.acos),
+    "Asin": ("aten.asin", (("self", "_saved_self"),), torch.asin),
+    "Acosh": ("aten.acosh", (("self", "_saved_self"),), torch.acosh),
+    "Atanh": ("aten.atanh", (("self", "_saved_self"),), torch.atanh),
+    "Erfinv": ("aten.erfinv", (("self", "_saved_self"),), torch.erfinv),
+    "Lgamma": ("aten.lgamma", (("self", "_saved_self"),), torch.lgamma),
+    "Digamma": ("aten.digamma", (("self", "_saved_self"),), torch.digamma),
+    "Polygamma": (
+        "aten.polygamma",
+        (("n", "_saved_n"), ("self", "_saved_self")),
+        torch.polygamma,
+    ),
+    "Logit": ("aten.logit", (("self", "_saved_self"), ("eps", "_saved_eps")), torch.logit),
+    "Xlogy": ("aten.xlogy", (("self", "_saved_self"), ("other", "_saved_other")), torch.xlogy),
+    "SpecialXlog1Py": (
+        "aten.special_xlog1py",
+        (("self", "_saved_self"), ("other", "_saved_other")),
+        torch.special.xlog1py,
+    ),
+    "SpecialEntr": ("aten.special_entr", (("self", "_saved_self"),), torch.special.entr),
+    "Div": ("aten.div", (("self", "_saved_self"), ("other", "_saved_other")), torch.div),
+    "Pow": ("aten.pow", (("self", "_saved_self"), ("exponent", "_saved_exponent")), torch.pow),
+}
+
+#: nodes that save only their result: (aten op, what an inf result means)
+_RESULT_ONLY = {"Sqrt", "Rsqrt", "Exp", "Reciprocal"}
+
+
+def _leaf(node: Any, i: int) -> torch.Tensor | None:
+    """The value of the node's ``i``-th input when autograd did not save it but it is a
+    leaf (a parameter, an input that requires grad): AccumulateGrad holds it."""
+    try:
+        nxt = node.next_functions[i][0]
+    except (IndexError, AttributeError):
+        return None
+    v = getattr(nxt, "variable", None) if nxt is not None else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _kinds_of(values: Sequence[Any]) -> frozenset[str]:
+    out: frozenset[str] = frozenset()
+    for v in values:
+        out |= _kinds(v) if isinstance(v, torch.Tensor) else _scalar_kinds(v)
+    return out
+
+
+def _plain(v: Any) -> float | int | str | None:
+    """A saved non-tensor value as a scalar of an OpEvent (SymInt -> int)."""
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, (int, float, str)):
+        return v
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _node_meta(node: Any) -> tuple[str, str]:
+    """dtype and device of the node's forward output (its gradient's metadata), or empty."""
+    try:
+        md = node._input_metadata[0]
+        return dtype_name(md.dtype), device_name(md.device)
+    except Exception:  # a private attribute: older or newer torch may lack it
+        return "", ""
+
+
+def _event(
+    node: Any,
+    op: str,
+    born: frozenset[str] | str,
+    why: str,
+    *,
+    inputs: Sequence[tuple[str, Any]] = (),
+    result: torch.Tensor | None = None,
+    out_numel: int | None = None,
+    scalars: dict[str, float | int | str] | None = None,
+    other_inputs: Sequence[tuple[str, torch.Tensor]] = (),
+    outputs: Sequence[tuple[str, torch.Tensor]] = (),
+) -> OpEvent:
+    tensors = [t for _, t in inputs if isinstance(t, torch.Tensor)]
+    ref = result if result is not None else (tensors[0] if tensors else None)
+    if result is not None:
+        output = describe(result) or TensorStat(math.nan, math.nan, 0)
+    else:
+        n = out_numel or 0
+        output = TensorStat(math.nan, math.nan, n, nan=n, posinf=0, neginf=0, zeros=0)
+    kept: dict[str, float | int | str] = dict(scalars or {})
+    dom = domain_of(op)
+    if dom is not None:
+        kept.update(domain_counts(dom, dict(inputs).get(dom.arg)))
+    kept["evidence"] = why
+    dtype, device = _node_meta(node)
+    if ref is not None:
+        dtype, device = dtype_name(ref.dtype), device_name(ref.device)
+    return OpEvent(
+        op=op,
+        phase=Phase.FORWARD,
+        path=None,
+        born=born if isinstance(born, str) else _join(born),
+        output=output,
+        inputs=[(n, describe(t)) for n, t in inputs if isinstance(t, torch.Tensor)],
+        scalars=kept,
+        node=node.name(),
+        dtype=dtype,
+        device=device,
+        other_inputs=_briefs(other_inputs),
+        outputs=_briefs(outputs),
+    )
+
+
+def _elementwise_event(
+    node: Any, base: str, output: torch.Tensor | None, loss_kinds: frozenset[str]
+) -> OpEvent | None:
+    op, args, fn = _ELEMENTWISE[base]
+    vals = [(name, _saved(node, attr)) for name, attr in args]
+    vals = [(name, v if v is not None else _leaf(node, i)) for i, (name, v) in enumerate(vals)]
+    if base == "Logit" and vals[1][1] is None:
+        vals = vals[:1]  # logit(x) without eps
+    rounding = _saved(node, "_saved_rounding_mode") if base == "Div" else None
+    result = output
+    if all(v is not None for _, v in vals):
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                plain = [v.detach() if isinstance(v, torch.Tensor) else v for _, v in vals]
+                kw = {"rounding_mode": rounding} if isinstance(rounding, str) else {}
+                result = fn(*plain, **kw)
+        except Exception:  # an overload this table does not know: read what is saved
+            result = output
+    in_kinds = _kinds_of([v for _, v in vals if v is not None])
+    tensors = [(n, v) for n, v in vals if isinstance(v, torch.Tensor)]
+    scalars = {
+        n: p for n, v in vals if not isinstance(v, torch.Tensor) and (p := _plain(v)) is not None
+    }
+    if base == "Div":
+        den = dict(vals).get("other")
         zeros = _has(den, lambda v: v == 0)
-        if zeros:
-            return "aten.div", "NaN, +inf, -inf", f"denominator holds {zeros} zeros"
-    elif base in ("Sqrt", "Rsqrt"):
-        r = _saved(node, "_saved_result")
-        bad = _has(r, lambda v: ~torch.isfinite(v))
+        if isinstance(den, (int, float)) and not isinstance(den, bool) and den == 0:
+            zeros = 1
+        if not zeros:
+            return None
+        if result is None:  # numerator not saved and not the loss itself: x/0 or 0/0
+            born: frozenset[str] = loss_kinds
+            why = f"denominator holds {zeros} zeros (the numerator was not saved)"
+        else:
+            born = _kinds(result) - in_kinds
+            why = f"denominator holds {zeros} zeros"
+        if not born:
+            return None
+        return _event(node, op, born, why, inputs=tensors, result=result, scalars=scalars)
+    if result is None or not isinstance(result, torch.Tensor):
+        return None
+    born = _kinds(result) - in_kinds
+    if not born:
+        return None
+    x = dict(vals).get("self")
+    if base in ("Log", "Log2", "Log10"):
+        why = (
+            f"input holds {_has(x, lambda v: v == 0)} zeros and "
+            f"{_has(x, lambda v: v < 0)} negatives"
+        )
+    elif base == "Log1P":
+        why = (
+            f"input holds {_has(x, lambda v: v == -1)} values of -1 and "
+            f"{_has(x, lambda v: v < -1)} below -1"
+        )
+    elif base == "Pow":
+        e = dict(vals).get("exponent")
+        why = (
+            f"{_has(x, lambda v: v < 0)} negative and {_has(x, lambda v: v == 0)} zero bases "
+            f"with exponent {_plain(e) if not isinstance(e, torch.Tensor) else 'a tensor'}"
+        )
+    else:
+        dom = domain_of(op)
+        arg = dict(vals).get(dom.arg) if dom is not None else None
+        counts = domain_counts(dom, arg) if dom is not None else {}
+        outside = counts.get("n_outside", 0) + counts.get("n_edge", 0) + counts.get("n_pole", 0)
+        what = dom.interval if dom is not None else "its domain"
+        if dom is not None and dom.poles:
+            why = f"{outside} of its inputs at a pole (0, -1, -2, ...)"
+        else:
+            why = f"{outside} of its inputs outside {what}"
+    return _event(node, op, born, why, inputs=tensors, result=result, scalars=scalars)
+
+
+def _result_only_event(node: Any, base: str) -> OpEvent | None:
+    r = _saved(node, "_saved_result")
+    if not isinstance(r, torch.Tensor):
+        return None
+    op = f"aten.{base.lower()}"
+    bad = _has(r, lambda v: ~torch.isfinite(v))
+    if base in ("Sqrt", "Rsqrt"):
         zeros = _has(r, lambda v: v == 0) if base == "Sqrt" else 0
         if bad:
-            return f"aten.{base.lower()}", "NaN", f"{bad} results are not finite"
+            return _event(node, op, "NaN", f"{bad} results are not finite", result=r)
         if zeros:
-            return "aten.sqrt", "+inf", f"{zeros} results are 0: the gradient 1/(2 sqrt(x)) is inf"
-    elif base == "Pow":
-        x = _saved(node, "_saved_self")
-        exp = _saved(node, "_saved_exponent")
-        if isinstance(exp, (int, float)) and not float(exp).is_integer():
-            neg = _has(x, lambda v: v < 0)
-            if neg:
-                return "aten.pow", "NaN", f"{neg} negative bases with exponent {exp}"
-        if isinstance(exp, (int, float)) and exp < 0:
-            zeros = _has(x, lambda v: v == 0)
-            if zeros:
-                return "aten.pow", "+inf", f"{zeros} zero bases with exponent {exp}"
-    elif base in ("Exp", "Reciprocal"):
-        r = _saved(node, "_saved_result")
-        inf = _has(r, torch.isinf)
-        if inf:
-            what = "exp overflowed" if base == "Exp" else "1/0"
-            return f"aten.{base.lower()}", "+inf", f"{inf} results are inf ({what})"
-    elif base in ("Acos", "Asin"):
-        x = _saved(node, "_saved_self")
-        out = _has(x, lambda v: v.abs() > 1)
-        if out:
-            return f"aten.{base.lower()}", "NaN", f"{out} inputs outside [-1, 1]"
+            why = f"{zeros} results are 0: the gradient 1/(2 sqrt(x)) is inf"
+            return _event(node, op, "+inf", why, result=r)
+        return None
+    inf = _has(r, torch.isinf)
+    if inf:
+        what = "exp overflowed" if base == "Exp" else "1/0"
+        return _event(node, op, "+inf", f"{inf} results are inf ({what})", result=r)
     return None
 
 
+def _reduced(sizes: Sequence[int], dims: Any) -> tuple[int, int]:
+    """(elements per output, number of outputs) of a reduction of a tensor of ``sizes``
+    over ``dims`` (None or empty: all of them)."""
+    shape = [int(s) for s in sizes]
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        picked = set(range(len(shape)))
+    else:
+        seq = dims if isinstance(dims, (list, tuple)) else [dims]
+        picked = {int(d) % max(len(shape), 1) for d in seq}
+    per = math.prod(shape[d] for d in picked) if shape else 1
+    outs = math.prod(s for d, s in enumerate(shape) if d not in picked)
+    return per, outs
+
+
+def _reduction_event(node: Any, base: str) -> OpEvent | None:
+    """A mean over 0 elements, a std/var whose N - correction <= 0, an nll_loss mean whose
+    total weight is 0: NaN from an empty reduction, read from what the node saved."""
+    if base == "Mean":
+        sizes = _saved(node, "_saved_self_sym_sizes")
+        if sizes is None or _plain(_saved(node, "_saved_self_sym_numel")) != 0:
+            return None
+        _, outs = _reduced(sizes, _saved(node, "_saved_dim"))
+        if outs == 0:
+            return None
+        empty = torch.zeros(0)
+        return _event(
+            node,
+            "aten.mean",
+            "NaN",
+            f"the mean of 0 elements, into {outs} outputs",
+            out_numel=outs,
+            other_inputs=[("self", empty)],
+        )
+    if base in ("Std", "Var", "StdMean", "VarMean"):
+        x = _saved(node, "_saved_self")
+        if not isinstance(x, torch.Tensor):
+            return None
+        dims = _saved(node, "_saved_dim")
+        c = _plain(_saved(node, "_saved_correction"))
+        corr = 1 if c is None else c
+        per, outs = _reduced(x.shape, dims)
+        if not isinstance(corr, (int, float)) or per - corr > 0 or outs == 0:
+            return None
+        kw: dict[str, Any] = {"correction": corr, "keepdim": bool(_saved(node, "_saved_keepdim"))}
+        name = {"Std": "std", "Var": "var", "StdMean": "std_mean", "VarMean": "var_mean"}[base]
+        fn = torch.std if name.startswith("std") else torch.var
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "degrees of freedom is <= 0": the user saw it
+            result = fn(x.detach(), dim=dims, **kw) if dims else fn(x.detach(), **kw)
+        born = _kinds(result) - _kinds(x)
+        if not born:
+            return None
+        why = f"{per} element(s) per output and correction {corr}: N - correction = {per - corr}"
+        return _event(
+            node,
+            f"aten.{name}",
+            born,
+            why,
+            inputs=[("self", x)],
+            result=result,
+            scalars={"correction": corr},
+        )
+    if _plain(_saved(node, "_saved_reduction")) == 1 and base not in ("NllLoss", "NllLoss2D"):
+        x = _saved(node, "_saved_self")  # any other loss: a mean over an empty batch
+        if not isinstance(x, torch.Tensor) or x.numel() != 0:
+            return None
+        op = "aten." + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
+        return _event(
+            node,
+            op,
+            "NaN",
+            "the mean of 0 elements",
+            out_numel=1,
+            scalars={"reduction": 1},
+            other_inputs=[("self", x)],
+        )
+    if base in ("NllLoss", "NllLoss2D"):
+        tw = _saved(node, "_saved_total_weight")
+        if _plain(_saved(node, "_saved_reduction")) != 1 or not isinstance(tw, torch.Tensor):
+            return None
+        if tw.numel() != 1 or float(tw) != 0.0:
+            return None
+        ii = _plain(_saved(node, "_saved_ignore_index"))
+        if isinstance(ii, int) and ii >= 2**63:  # saved as an unsigned 64-bit integer
+            ii -= 2**64
+        target = _saved(node, "_saved_target")
+        weight = _saved(node, "_saved_weight")
+        op = "aten.nll_loss_forward" if base == "NllLoss" else "aten.nll_loss2d_forward"
+        return _event(
+            node,
+            op,
+            "NaN",
+            "the total weight of the targets is 0",
+            inputs=[("self", _saved(node, "_saved_self")), ("weight", weight)],
+            out_numel=1,
+            scalars={"reduction": 1, **({"ignore_index": ii} if isinstance(ii, int) else {})},
+            other_inputs=[("target", target)] if isinstance(target, torch.Tensor) else [],
+            outputs=[("total_weight", tw)],
+        )
+    return None
+
+
+def _node_event(
+    node: Any, output: torch.Tensor | None, loss_kinds: frozenset[str]
+) -> OpEvent | None:
+    """An OpEvent when the node's saved values show its op made a NaN or inf from finite
+    inputs: a value outside the op's domain (log of 0, acos of 1.0000001, x/0), or a
+    reduction over too few elements (the op semantics of PyTorch, not a list of
+    scenarios). ``output`` is the node's forward result when known (the loss itself)."""
+    base = node.name().split("Backward")[0]
+    if base in _ELEMENTWISE:
+        return _elementwise_event(node, base, output, loss_kinds)
+    if base in _RESULT_ONLY:
+        return _result_only_event(node, base)
+    return _reduction_event(node, base)
+
+
 def graph_evidence(
-    fn: Any, *, stop: set[int] | None = None, limit: int = 512
+    fn: Any,
+    *,
+    stop: set[int] | None = None,
+    limit: int = 512,
+    output: torch.Tensor | None = None,
 ) -> tuple[list[str], list[OpEvent]]:
     """Read the autograd graph below ``fn`` (a loss's ``grad_fn``) down to the nodes in
     ``stop`` (ids of the grad_fns of watched outputs): the names of the ops it ran, and an
-    OpEvent for every node whose saved tensors show a value outside its op's domain (log of
-    0, division by 0, ...) -- op-level evidence for code that no module wraps, without
-    re-running it. Events come nearest-to-the-inputs first."""
+    OpEvent for every node whose saved values show its op made a NaN or inf (log of 0,
+    division by 0, acos outside [-1, 1], a mean over nothing, ...) -- op-level evidence for
+    code that no module wraps, without re-running it. Inputs are named by the op's schema
+    (``self``, ``other``); ``output`` is ``fn``'s forward result (the loss), which tells
+    what the last op made when its inputs were not saved. Events come nearest-to-the-inputs
+    first."""
     names: list[str] = []
     events: list[OpEvent] = []
     seen: set[int] = set()
@@ -594,33 +943,15 @@ def graph_evidence(
             continue
         order.append(node)
         stack.extend(n for n, _ in node.next_functions)
+    loss_kinds = _kinds(output) if isinstance(output, torch.Tensor) else frozenset()
     for node in reversed(order):  # producers before consumers
         base = node.name().split("Backward")[0]
         names.append(base.lower())
-        found = _domain_events(node)
-        if found is None:
-            continue
-        op, born, why = found
-        x = next(
-            (
-                _saved(node, a)
-                for a in ("_saved_self", "_saved_other", "_saved_result")
-                if isinstance(_saved(node, a), torch.Tensor)
-            ),
-            None,
-        )
-        inputs = [("self", describe(x) if isinstance(x, torch.Tensor) else None)]
-        events.append(
-            OpEvent(
-                op=op,
-                phase=Phase.FORWARD,
-                path=None,
-                born=born,
-                output=TensorStat(math.nan, math.nan, 0),
-                inputs=inputs,
-                scalars={"evidence": why},
-                node=node.name(),
-                dtype=dtype_name(x.dtype) if isinstance(x, torch.Tensor) else "",
-            )
-        )
+        own = output if node is fn else None
+        try:
+            event = _node_event(node, own, loss_kinds)
+        except Exception:  # an unusual node must not cost the rest of the evidence
+            event = None
+        if event is not None:
+            events.append(event)
     return names[::-1], events

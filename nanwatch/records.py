@@ -297,6 +297,15 @@ class OpEvent:
     #: backward ops: the ``backward()`` call that ran them (``train.py:57``); ``source`` is
     #: the forward line that created their autograd node.
     backward_at: str | None = None
+    #: the device the op ran on (``cpu``, ``cuda:0``); empty when unknown.
+    device: str = ""
+    #: tensor arguments that ``inputs`` leaves out, by schema name: integer and bool ones (a
+    #: target, an index: min, max and numel only) and empty ones (numel 0: a mean over
+    #: nothing).
+    other_inputs: list[tuple[str, TensorStat]] = field(default_factory=list)
+    #: every output of an op that returns several, by schema name (nll_loss's ``output`` and
+    #: ``total_weight``); empty for single-output ops (``output`` holds it).
+    outputs: list[tuple[str, TensorStat]] = field(default_factory=list)
 
     @property
     def at(self) -> str:
@@ -319,7 +328,7 @@ class OpEvent:
         return out[::-1]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "op": self.op,
             "phase": self.phase.value,
             "path": self.path,
@@ -335,6 +344,13 @@ class OpEvent:
             "injected": self.injected,
             "backward_at": self.backward_at,
         }
+        if self.device:
+            d["device"] = self.device
+        if self.other_inputs:
+            d["other_inputs"] = [[r, s.to_dict()] for r, s in self.other_inputs]
+        if self.outputs:
+            d["outputs"] = [[r, s.to_dict()] for r, s in self.outputs]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> OpEvent:
@@ -356,6 +372,9 @@ class OpEvent:
             cause=None if d.get("cause") is None else OpEvent.from_dict(d["cause"]),
             injected=bool(d.get("injected", False)),
             backward_at=d.get("backward_at"),
+            device=d.get("device", ""),
+            other_inputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("other_inputs", [])],
+            outputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("outputs", [])],
         )
 
 

@@ -253,6 +253,28 @@ def describe(t: torch.Tensor, *, rows: bool = False, max_rows: int = 8) -> Tenso
     )
 
 
+def brief(t: torch.Tensor) -> TensorStat | None:
+    """Statistics of a tensor :func:`describe` leaves out: an integer or bool tensor (a
+    target, an index: min, max and numel) or an empty one (numel 0; min and max read 0, no
+    value counted). Floating tensors with values get :func:`describe`; None for layouts
+    without plain values (meta, sparse, nested).
+
+    >>> brief(torch.tensor([-100, 3])).max, brief(torch.zeros(0, 4)).numel
+    (3.0, 0)
+    """
+    if t.is_meta or t.is_nested or t.layout is not torch.strided:
+        return None
+    n = t.numel()
+    if n == 0:
+        return TensorStat(0.0, 0.0, 0, nan=0, posinf=0, neginf=0, zeros=0)
+    if has_values(t):
+        return describe(t)
+    with torch.no_grad():
+        v = t.to(torch.uint8) if t.dtype is torch.bool else t
+        mn, mx = torch.aminmax(v)
+        return TensorStat(float(mn), float(mx), n)
+
+
 def stat_from_minmax(mn: float, mx: float, n: int) -> TensorStat:
     return TensorStat(min=mn, max=mx, numel=n)
 

@@ -1924,7 +1924,7 @@ class Watcher:
             t = ref()
             if t is not None and t is not loss and t.grad_fn is not None:
                 stop.add(id(t.grad_fn))
-        names, events = ops.graph_evidence(loss.grad_fn, stop=stop)
+        names, events = ops.graph_evidence(loss.grad_fn, stop=stop, output=loss)
         source, _ = _frames.user_line()
         for ev in events:
             ev.path = LOSS_PATH

@@ -444,8 +444,37 @@ def case_transient() -> Case:
 
 
 def case_catch_all() -> Case:
-    odd = ev("aten.erfinv.default", "NaN", [("self", counted(-1.5, 1.5))])
+    odd = ev(
+        "aten.special_zeta.default",
+        "NaN",
+        [("self", counted(0.5, 1.5)), ("other", counted(1.0, 2.0))],
+    )
     return Case(anomaly_in_module(odd))
+
+
+def case_too_few_elements() -> Case:
+    std = ev(
+        "aten.std.correction",
+        "NaN",
+        [("self", counted(-0.7, 0.5, numel=5))],
+        scalars={"correction": 1},
+        code="return (x - x.mean(0)) / x.std(0)",
+        path="norm",
+    )
+    std.output = counted(NAN, NAN, nan=5, numel=5)
+    return Case(anomaly_in_module(std, path="norm", module_type="Standardize"))
+
+
+def case_outside_domain() -> Case:
+    acos = ev(
+        "aten.acos.default",
+        "NaN",
+        [("self", counted(0.2, 1.0000002, numel=8))],
+        scalars={"n_outside": 3},
+        code="return torch.acos(cos)",
+        path="angle",
+    )
+    return Case(anomaly_in_module(acos, path="angle", module_type="Angular"))
 
 
 CASES: dict[str, Callable[[], Case]] = {
@@ -457,6 +486,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW110": case_log,
     "NW111": case_div,
     "NW112": case_root,
+    "NW113": case_too_few_elements,
+    "NW114": case_outside_domain,
     "NW201": case_bce_saturated,
     "NW202": case_sigmoid_bce,
     "NW203": case_softmax_ce,
@@ -906,5 +937,5 @@ def test_transient_anomaly_blames_no_layer() -> None:
 
 def test_catch_all_only_when_nothing_specific_fired() -> None:
     d = case_catch_all().get("NW100")
-    assert d.op == "aten.erfinv" and "aten.erfinv made NaN in float32" in d.evidence[1]
+    assert d.op == "aten.special_zeta" and "aten.special_zeta made NaN in float32" in d.evidence[1]
     assert "NW100" not in case_div().codes()

@@ -5,7 +5,8 @@ Every module of this package is a rule *family* and registers itself by existing
 imported here automatically (``pkgutil``), except the engine (``base``), the catalog, the
 trace builder for tests (``testing``) and private modules (``_name``). Code ranges:
 
-* ``NW1xx`` numerics: overflow and headroom, log / division / sqrt outside their domain
+* ``NW1xx`` numerics: overflow and headroom, math outside its domain (log, division, sqrt,
+  acos, ...), means and variances over too few elements
 * ``NW2xx`` losses: saturation, activation/loss pairing, ignore_index logits
 * ``NW3xx`` gradients, weights, optimizer and loss scaler
 * ``NW4xx`` data, masking, autograd, runtime

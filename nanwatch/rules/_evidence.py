@@ -9,10 +9,11 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nanwatch._domains import Domain, domain_of
 from nanwatch.records import Anomaly, Call, Note, OpEvent, Phase, Record, StepTrace, TensorStat
 from nanwatch.stats import DtypeLimits, dtype_limits
 
@@ -78,6 +79,8 @@ def describe_stat(s: TensorStat | None) -> str:
     """``min -17.16, max 11.52 (4,096 values)`` with the non-finite and zero counts known."""
     if s is None:
         return "not measured"
+    if s.numel == 0:
+        return "empty (0 values)"
     parts = [f"min {fmt(s.min)}, max {fmt(s.max)}"]
     extra = []
     if s.nan:
@@ -124,8 +127,6 @@ _LOG = frozenset(
         "special_xlogy",
         "special_xlog1py",
         "special_entr",
-        "logit",
-        "special_logit",
     }
 )
 _DIV = frozenset({"div", "div_", "true_divide", "floor_divide", "reciprocal", "remainder", "fmod"})
@@ -198,6 +199,62 @@ def first_input(ev: OpEvent) -> TensorStat | None:
     return ev.inputs[0][1] if ev.inputs else None
 
 
+def other_input(ev: OpEvent, name: str) -> TensorStat | None:
+    """A tensor argument the checker recorded outside ``inputs`` (integer, bool or empty),
+    by schema name."""
+    for n, s in ev.other_inputs:
+        if n == name:
+            return s
+    return None
+
+
+def output_named(ev: OpEvent, name: str) -> TensorStat | None:
+    """An output of a multi-output op by schema name (``total_weight``)."""
+    for n, s in ev.outputs:
+        if n == name:
+            return s
+    return None
+
+
+def argument(ev: OpEvent, *names: str) -> TensorStat | None:
+    """A tensor argument by schema name, whether floating with values or not."""
+    found = input_named(ev, *names)
+    if found is not None:
+        return found
+    for n in names:
+        s = other_input(ev, n)
+        if s is not None:
+            return s
+    return None
+
+
+def scalar_num(ev: OpEvent, key: str) -> float | None:
+    v = ev.scalars.get(key)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    return None
+
+
+def device_type(ev: OpEvent | None, *fallbacks: str | None) -> str:
+    """``"cpu"``/``"cuda"`` for code a fix emits, from the op's device or the record's; the
+    expression ``x.device.type`` when neither is known (never a guessed ``'cuda'``)."""
+    for d in (ev.device if ev is not None else None, *fallbacks):
+        if d:
+            return repr(d.split(":", 1)[0])
+    return "x.device.type"
+
+
+def denominator(ev: OpEvent) -> TensorStat | None:
+    """The denominator of a division op (``other``; ``reciprocal``'s ``self``)."""
+    if packet(ev.op).rstrip("_") == "reciprocal":
+        return first_input(ev)
+    den = input_named(ev, "other")
+    if den is not None:
+        return den
+    ins = inputs_of(ev)
+    return ins[1] if len(ins) > 1 else None
+
+
 def _exponent(ev: OpEvent) -> float | None:
     e = ev.scalars.get("exponent")
     if isinstance(e, (int, float)) and not isinstance(e, bool):
@@ -207,8 +264,9 @@ def _exponent(ev: OpEvent) -> float | None:
 
 def classify(ev: OpEvent) -> str:
     """What an op event is: ``overflow``, ``log``, ``div``, ``root`` (sqrt / fractional
-    power outside its domain), ``masked-softmax``, ``injected`` (a constant -inf put in on
-    purpose) or ``other``.
+    power outside its domain), ``domain`` (another op outside its real domain: acos of
+    1.0000001, atanh of 1), ``reduce`` (a mean or variance over too few elements),
+    ``masked-softmax``, ``injected`` (a constant -inf put in on purpose) or ``other``.
 
     >>> from nanwatch.records import OpEvent, Phase, TensorStat
     >>> ev = OpEvent("aten.exp.default", Phase.FORWARD, "head", "+inf",
@@ -224,8 +282,9 @@ def classify(ev: OpEvent) -> str:
         cls = _NODE_CLASS.get(node_base(ev.node))
         if cls is not None:
             return cls
+        if node_domain(ev.node) is not None:
+            return "domain"  # acos's backward at ±1: whatever aten op it runs (rsqrt, div)
     name = packet(ev.op)
-    ins = inputs_of(ev)
     if name in _SOFTMAX:
         x = first_input(ev)
         if x is not None and x.has_neginf and not x.has_posinf and not x.has_nan:
@@ -234,12 +293,13 @@ def classify(ev: OpEvent) -> str:
     if name in _LOG:
         return "log"
     if name in _DIV:
-        den = first_input(ev) if name == "reciprocal" else input_named(ev, "other")
-        if den is None and len(ins) > 1:
-            den = ins[1]
-        if has_zero(den):
+        den = denominator(ev)
+        zero_scalar = scalar_num(ev, "other") == 0.0
+        if has_zero(den) or zero_scalar:
             return "div"
-        return "overflow" if born_inf else "div"
+        if den is not None and born_inf:
+            return "overflow"  # a finite, non-zero denominator: x / tiny went past the max
+        return "div"
     if name in _ROOT:
         e = _exponent(ev)
         base = first_input(ev)
@@ -252,9 +312,173 @@ def classify(ev: OpEvent) -> str:
         if base is not None and (base.min < 0 or has_zero(base)):
             return "root"
         return "overflow" if born_inf else "root"
+    if outside_domain(ev) is not None:
+        return "domain"
+    if shortfall(ev) is not None:
+        return "reduce"
     if born_inf:
         return "overflow"
     return "other"
+
+
+# ---------------------------------------------------------------------- domains
+
+
+def node_domain(node: str | None) -> Domain | None:
+    """The restricted domain of the forward op of an autograd node (``AcosBackward0`` ->
+    acos, ``SpecialNdtriBackward0`` -> ndtri); the logs excepted (NW110's).
+
+    >>> node_domain("AcosBackward0").name, node_domain("LogBackward0")
+    ('acos', None)
+    """
+    base = node_base(node)
+    if not base:
+        return None
+    dom = domain_of(re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower())
+    return dom if dom is not None and dom.family != "log" else None
+
+
+@dataclass(frozen=True)
+class DomainHit:
+    """An op given values outside its real domain, with the checker's counts."""
+
+    domain: Domain
+    stat: TensorStat | None  #: the restricted argument
+    outside: int | None  #: values outside the closed interval (NaN there)
+    edge: int | None  #: values on a pole endpoint (±inf there)
+    pole: int | None  #: values at a pole at 0, -1, -2, ...
+
+    @property
+    def total(self) -> int | None:
+        if self.outside is None and self.edge is None and self.pole is None:
+            return None
+        return (self.outside or 0) + (self.edge or 0) + (self.pole or 0)
+
+
+def outside_domain(ev: OpEvent) -> DomainHit | None:
+    """When ``ev``'s op has a restricted real domain (:mod:`nanwatch._domains`, the logs
+    excepted: NW110 speaks for them) and the evidence puts its input outside it: the
+    checker's counts, else the input's min and max; an op with no recorded input is taken
+    at its word (it made a NaN or inf from finite inputs)."""
+    dom = domain_of(ev.op)
+    if dom is None or dom.family == "log" or ev.injected:
+        return None
+    x = input_named(ev, dom.arg)
+    counts = {k: int(v) for k in ("n_outside", "n_edge", "n_pole") if (v := scalar_num(ev, k))}
+    hit = DomainHit(
+        dom,
+        x,
+        counts.get("n_outside"),
+        counts.get("n_edge"),
+        counts.get("n_pole"),
+    )
+    if counts:
+        return hit
+    if x is None:
+        return hit if ev.born else None
+    if dom.outside_of(x.min) or dom.outside_of(x.max):
+        return hit
+    if dom.poles and not (x.min > 0):
+        return hit  # a pole may sit between min and max
+    return None
+
+
+# ---------------------------------------------------------------------- reductions
+
+_MEAN = frozenset({"mean"})
+_VAR = frozenset({"std", "var", "std_mean", "var_mean"})
+_NLL = frozenset(
+    {"nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss2d", "nll_loss_nd"}
+)
+_MEAN_LOSSES = frozenset({"binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div"})
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A reduction that divided by a count of 0: a mean over nothing, a variance whose
+    N - correction is not positive, a class loss whose targets weigh 0 in total."""
+
+    kind: str  #: ``mean``, ``var``, ``nll``, ``loss`` (another loss with reduction='mean')
+    per_output: float | None  #: N: elements reduced into each output
+    outputs: int | None  #: number of outputs
+    correction: float | None = None  #: var/std
+    targets: TensorStat | None = None  #: nll: the target (min, max, numel)
+    ignore_index: int | None = None
+    weight: TensorStat | None = None  #: nll: the class weights, when given
+    total_weight: float | None = None  #: nll: the sum of the targets' weights
+
+    @property
+    def all_ignored(self) -> bool:
+        t = self.targets
+        return (
+            t is not None
+            and self.ignore_index is not None
+            and t.numel > 0
+            and t.min == t.max == self.ignore_index
+        )
+
+
+def _mean_reduction(ev: OpEvent) -> bool:
+    """reduction='mean': at aten level 0 none, 1 mean, 2 sum; an aten loss called without
+    the argument gets its schema default, which is mean for every one of them."""
+    r = scalar_num(ev, "reduction")
+    return r == 1.0 or r is None
+
+
+def shortfall(ev: OpEvent) -> Shortfall | None:
+    """A reduction over too few elements, read from what the op checker recorded: the
+    reduced input's numel against the output's, the correction, the target and the total
+    weight of an nll_loss. None when the evidence does not show one.
+
+    >>> from nanwatch.records import OpEvent, Phase, TensorStat
+    >>> ev = OpEvent("aten.std.correction", Phase.FORWARD, "m", "NaN",
+    ...              TensorStat(math.nan, math.nan, 5), [("self", TensorStat(-1, 1, 5))],
+    ...              scalars={"correction": 1})
+    >>> s = shortfall(ev)
+    >>> s.kind, s.per_output, s.correction
+    ('var', 1.0, 1.0)
+    """
+    if "NaN" not in ev.born and "inf" not in ev.born:
+        return None
+    name = packet(ev.op).rstrip("_")
+    x = argument(ev, "self", "input")
+    outs = ev.output.numel
+    if name in _MEAN:
+        if x is not None and x.numel == 0:
+            return Shortfall("mean", 0.0, outs)
+        if x is None and not ev.inputs and "NaN" in ev.born:
+            return Shortfall("mean", 0.0, outs)  # the checker skips only empty tensors
+        return None
+    if name in _VAR:
+        if x is None or outs <= 0:
+            return None
+        per = x.numel / outs
+        c = scalar_num(ev, "correction")
+        corr = 1.0 if c is None else c
+        if per - corr <= 0:
+            return Shortfall("var", per, outs, correction=corr)
+        return None
+    if name in _NLL:
+        if not _mean_reduction(ev):
+            return None
+        ii = scalar_num(ev, "ignore_index")
+        tw = output_named(ev, "total_weight")
+        short = Shortfall(
+            "nll",
+            0.0 if x is not None and x.numel == 0 else None,
+            1,
+            targets=other_input(ev, "target"),
+            ignore_index=int(ii) if ii is not None else None,
+            weight=input_named(ev, "weight"),
+            total_weight=tw.max if tw is not None else None,
+        )
+        if (tw is not None and tw.max == 0.0) or short.all_ignored or short.per_output == 0:
+            return short
+        return None
+    lossy = name.endswith("_loss") or name in _MEAN_LOSSES
+    if lossy and _mean_reduction(ev) and x is not None and x.numel == 0:
+        return Shortfall("loss", 0.0, outs)
+    return None
 
 
 @dataclass(frozen=True)
@@ -302,6 +526,118 @@ def code_line(ev: OpEvent) -> str | None:
         return None
     code = f": {ev.code.strip()}" if ev.code else ""
     return f"at {ev.source}{code}"
+
+
+_SIMPLE_EXPR = re.compile(r"^[A-Za-z_][\w.]*(?:\[[^\]]*\])?$")
+
+
+def paren(expr: str) -> str:
+    """``x`` -> ``x``; ``a * b`` -> ``(a * b)``: an expression safe to call a method on.
+
+    >>> paren("x[0]"), paren("f(a).sum(-1)"), paren("0.5 * lv"), paren("-x")
+    ('x[0]', 'f(a).sum(-1)', '(0.5 * lv)', '(-x)')
+    """
+    e = expr.strip()
+    if _SIMPLE_EXPR.match(e) or (e and postfix_start(e, len(e) - 1) == 0):
+        return e
+    return f"({e})"
+
+
+def _close(text: str, start: int) -> int | None:
+    """Index of the parenthesis closing the one opened just before ``start``."""
+    depth = 1
+    for i in range(start, len(text)):
+        c = text[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
+def _open(text: str, end: int) -> int | None:
+    """Index of the parenthesis opening the one that closes at ``end``."""
+    depth = 0
+    for i in range(end, -1, -1):
+        c = text[i]
+        if c in ")]}":
+            depth += 1
+        elif c in "([{":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
+def postfix_start(line: str, end: int) -> int | None:
+    """Start of the postfix expression ending at ``end`` (``a.b[0].c(x)``, ``(u * v)``).
+
+    >>> line = "y = 2 * f(a).b[0]"
+    >>> line[postfix_start(line, len(line) - 1):]
+    'f(a).b[0]'
+    """
+    i = end
+    while i >= 0:
+        c = line[i]
+        if c in ")]":
+            j = _open(line, i)
+            if j is None:
+                return None
+            i = j - 1
+        elif c.isalnum() or c in "_.":
+            i -= 1
+        else:
+            break
+    begin = i + 1
+    return begin if begin <= end else None
+
+
+def rewrite_call(code: str | None, names: Sequence[str], wrap: Callable[[str], str]) -> str | None:
+    """The user's line with the argument of its first call to one of ``names`` passed
+    through ``wrap``: ``torch.acos(c)`` and ``c.acos()`` both get ``wrap("c")`` in place of
+    ``c``. None when the line holds no such call (or is unknown).
+
+    >>> rewrite_call("y = torch.acos(a * b)  # angle", ["acos"], lambda e: f"clip({e})")
+    'y = torch.acos(clip(a * b))'
+    >>> rewrite_call("z = (0.5 * lv).exp() + 1", ["exp"], lambda e: f"{paren(e)}.clamp(max=9)")
+    'z = (0.5 * lv).clamp(max=9).exp() + 1'
+    """
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].rstrip()
+    alt = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    for m in re.finditer(rf"(?<![\w])((?:torch\.special|torch|special|F)\.)?({alt})\(", line):
+        open_at = m.end()
+        close_at = _close(line, open_at)
+        if close_at is None:
+            continue
+        dot = m.start(2) - 1
+        if m.group(1) is None and dot >= 0 and line[dot] == ".":  # a method: recv.acos()
+            begin = postfix_start(line, dot - 1)
+            if begin is None:
+                continue
+            recv = line[begin:dot]
+            if recv.startswith("(") and _close(line, begin + 1) == dot - 1:
+                recv = recv[1:-1]  # a parenthesized group: wrap what is inside
+            return line[:begin] + wrap(recv) + line[dot:]
+        if m.group(1) is None:
+            continue  # a bare name: a user function of the same name, not the op
+        args = line[open_at:close_at]
+        depth, cut = 0, len(args)
+        for i, c in enumerate(args):
+            if c in "([{":
+                depth += 1
+            elif c in ")]}":
+                depth -= 1
+            elif c == "," and depth == 0:
+                cut = i
+                break
+        first = args[:cut]
+        lead = first[: len(first) - len(first.lstrip())]
+        return line[:open_at] + lead + wrap(first.strip()) + args[cut:] + line[close_at:]
+    return None
 
 
 def anomaly_fields(anomaly: Anomaly) -> dict[str, Any]:

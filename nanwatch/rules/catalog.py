@@ -20,7 +20,7 @@ from nanwatch.rules.base import Rule, catalog
 
 #: code ranges, in catalog order: (first code, last code, heading)
 RANGES: tuple[tuple[int, int, str], ...] = (
-    (100, 199, "Numerics: overflow, headroom, log / division / sqrt outside their domain"),
+    (100, 199, "Numerics: overflow, headroom, math outside its domain, empty reductions"),
     (200, 299, "Losses: saturation, activation/loss pairing, ignore_index logits"),
     (300, 399, "Gradients, weights, optimizer and loss scaler"),
     (400, 499, "Data, masking, autograd, runtime"),

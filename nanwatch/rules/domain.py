@@ -1,29 +1,44 @@
 """Math outside its domain: log of zero or of a negative number (NW110), division by zero
 and 0/0 (NW111), sqrt and fractional powers at zero or below, forward and backward-only
-(NW112). Each names the aten op and the user's line when the op checker saw it, and
-otherwise the module and what to run to name the op.
+(NW112), a mean or variance over too few elements (NW113), and every other function with
+a restricted real domain -- acos, atanh, erfinv, logit, lgamma, ... (NW114, from the table
+in :mod:`nanwatch._domains`). Each names the aten op and the user's line when the op
+checker saw it, and otherwise the module and what to run to name the op.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterator
 
-from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, Record
+from nanwatch._domains import Domain, domain_of
+from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, Record, TensorStat
 from nanwatch.rules._evidence import (
+    DomainHit,
+    Shortfall,
     anomaly_fields,
     cause_of,
     code_line,
+    count,
+    denominator,
     describe_stat,
     exact,
     first_input,
     fmt,
     has_zero,
     input_named,
-    inputs_of,
+    limits,
     node_base,
+    node_domain,
     op_fields,
+    outside_domain,
     packet,
+    paren,
+    postfix_start,
+    rewrite_call,
     short_op,
+    shortfall,
     untraced_hint,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
@@ -97,9 +112,10 @@ _LOG_FIX = (
 
 
 def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
-    x = first_input(ev)
+    dom = domain_of(ev.op)
+    x = (input_named(ev, dom.arg) if dom is not None else None) or first_input(ev)
     op = short_op(ev.op)
-    name = packet(ev.op)
+    name = "log1p" if dom is not None and dom.lo == -1.0 else packet(ev.op)
     evidence: list[str] = []
     at = "-1" if name == "log1p" else "0"
     if "-inf" in ev.born:
@@ -162,10 +178,7 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     ev = cause.event
     name = packet(ev.op)
     num = input_named(ev, "self", "input")
-    den = first_input(ev) if name == "reciprocal" else input_named(ev, "other")
-    ins = inputs_of(ev)
-    if den is None and len(ins) > 1:
-        den = ins[1]
+    den = denominator(ev)
     evidence: list[str] = []
     zero_over_zero = "NaN" in ev.born and has_zero(num) and has_zero(den)
     if den is not None:
@@ -350,3 +363,479 @@ def _root_backward_untraced(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]
         fix=_ROOT_FIX_BACKWARD,
         priority=14 if zeros else 18,
     )
+
+
+# ---------------------------------------------------------------------- NW113
+
+
+@rule(
+    "NW113",
+    title="Mean or variance over too few elements",
+    severity="error",
+    summary=(
+        "A mean over 0 elements (an empty mask, a batch whose every target is ignore_index "
+        "or whose class weights sum to 0) is 0/0 = NaN; an unbiased std/var of 1 element "
+        "divides by N - 1 = 0."
+    ),
+    priority=12,
+)
+def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
+    a = ctx.anomaly
+    if a is None or a.transient:
+        return
+    cause = cause_of(a)
+    if cause is None or cause.kind != "reduce":
+        return
+    ev = cause.event
+    sf = shortfall(ev)
+    if sf is None:
+        return
+    op = short_op(ev.op)
+    evidence: list[str] = []
+    if sf.kind == "var":
+        x = input_named(ev, "self", "input")
+        n = _n(sf.per_output)
+        c = _n(sf.correction)
+        evidence.append(
+            f"{op} with correction={c} reduced {n} element{'s' if n != '1' else ''} into each "
+            f"output ({count(x.numel, 'value') if x else '?'} into "
+            f"{count(sf.outputs or 0, 'output')}): it divides by N - correction = "
+            f"{_n((sf.per_output or 0) - (sf.correction or 0))}"
+        )
+        explanation = (
+            "std and var divide the summed squared deviations by N - correction. The "
+            "default correction=1 (Bessel's, unbiased) makes one element a division by 0: "
+            "NaN. A batch of one sample reduced over the batch dimension does this (the last, "
+            "smaller batch of an epoch, batch_size=1 at evaluation)."
+        )
+        fix = _var_fix(ev)
+    elif sf.kind == "nll":
+        evidence += _nll_evidence(ev, sf)
+        explanation = (
+            "With reduction='mean', cross-entropy and NLL divide the summed loss by the "
+            "total weight of the targets that count. Targets equal to ignore_index (padding, "
+            "unlabeled pixels) count 0, so a batch where every target is ignored -- or whose "
+            "targets' classes all have weight 0 -- divides 0 by 0 and the loss is NaN; "
+            "backward then makes every gradient NaN."
+        )
+        fix = _nll_fix(a, ev, sf)
+    else:
+        what = "mean" if sf.kind == "mean" else f"{op} with reduction='mean'"
+        evidence.append(
+            f"{what} of an empty tensor (0 values) into "
+            f"{count(sf.outputs or 0, 'output')}: sum / count = 0/0 = NaN"
+        )
+        explanation = (
+            "A mean divides a sum by a count. When the selection is empty -- a boolean mask "
+            "that picked nothing in this batch (no valid token, no positive sample), an empty "
+            "batch -- the count is 0 and the mean is NaN. It happens on the rare batch, so "
+            "training runs fine until then."
+        )
+        fix = _mean_fix(ev, sf)
+    evidence += _chain_evidence(ev, cause.trigger, ev.born)
+    yield ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
+
+
+def _n(x: float | None) -> str:
+    if x is None:
+        return "?"
+    return str(int(x)) if float(x).is_integer() else fmt(x)
+
+
+def _nll_evidence(ev: OpEvent, sf: Shortfall) -> list[str]:
+    op = short_op(ev.op)
+    t = sf.targets
+    out: list[str] = []
+    if sf.all_ignored and t is not None:
+        out.append(f"all {t.numel:,} targets equal ignore_index={sf.ignore_index}")
+    elif sf.per_output == 0:
+        out.append(f"{op} got an empty batch (0 values)")
+    elif sf.weight is not None:
+        out.append(
+            "the class weights of this batch's targets sum to 0 "
+            f"(weight: {describe_stat(sf.weight)})"
+        )
+    elif t is not None:
+        out.append(f"targets: min {fmt(t.min)}, max {fmt(t.max)} ({t.numel:,} values)")
+    tw = fmt(sf.total_weight) if sf.total_weight is not None else "0"
+    out.append(
+        f"{op} with reduction='mean' divides the summed loss by the total target weight "
+        f"{tw}: 0/0 = NaN"
+    )
+    return out
+
+
+def _nll_fix(a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
+    kind = f"{a.record.module_type} {a.path} {ev.code or ''}".lower()
+    fn = "F.nll_loss" if "nll" in kind and "crossentropy" not in kind else "F.cross_entropy"
+    ii = sf.ignore_index if sf.ignore_index is not None else -100
+    if sf.weight is not None and not sf.all_ignored:
+        return (
+            f"loss = {fn}(logits, y, weight=w, reduction='sum')\n"
+            f"loss = loss / w[y].sum().clamp_min(1e-12)   # 0, not NaN, when the batch "
+            "weighs nothing\n"
+            "# or give every class a weight > 0"
+        )
+    return (
+        f"loss = {fn}(logits, y, ignore_index={ii}, reduction='sum')\n"
+        f"loss = loss / (y != {ii}).sum().clamp_min(1)   # 0 when no target counts\n"
+        f"# or skip the batch: if (y != {ii}).any(): loss.backward()"
+    )
+
+
+_VAR_CALL = re.compile(r"(\.|\btorch\.)(std|var|std_mean|var_mean)\(")
+
+
+def _var_fix(ev: OpEvent) -> str:
+    fixed = _with_correction0(ev.code)
+    if fixed is None:
+        return (
+            "s = x.std(dim=0, correction=0)   # N = 1 gives std 0, not NaN (unbiased=False)\n"
+            "y = (x - x.mean(0)) / (s + 1e-5)  # dividing by it: keep it off 0, as BatchNorm\n"
+            "# or never reduce over one sample: DataLoader(..., drop_last=True)"
+        )
+    return (
+        f"{fixed}\n"
+        "# correction=0 (unbiased=False): N = 1 gives 0, not NaN; + 1e-5 keeps a division "
+        "by it finite\n"
+        "# or never reduce over one sample: DataLoader(..., drop_last=True)"
+    )
+
+
+def _with_correction0(code: str | None) -> str | None:
+    """The user's std/var call with ``correction=0`` (replacing ``unbiased=`` or a given
+    ``correction=``)."""
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].rstrip()
+    m = _VAR_CALL.search(line)
+    if m is None:
+        return None
+    depth, end = 1, None
+    for i in range(m.end(), len(line)):
+        if line[i] in "([{":
+            depth += 1
+        elif line[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                end = i
+                break
+    if end is None:
+        return None
+    args = line[m.end() : end]
+    if re.search(r"\b(unbiased|correction)\s*=", args):
+        args = re.sub(r"\b(unbiased|correction)\s*=\s*[^,)]+", "correction=0", args)
+    elif not args.strip():
+        args = "correction=0"
+    else:
+        args = f"{args}, correction=0"
+    start = m.start() if m.group(1) != "." else postfix_start(line, m.start() - 1)
+    if start is None:
+        start = m.start()
+    call = line[start : m.end()] + args + ")"
+    if line[:start].rstrip().endswith("/"):  # a standardization: keep the division finite
+        call = f"({call} + 1e-5)"
+    return line[:start] + call + line[end + 1 :]
+
+
+def _mean_fix(ev: OpEvent, sf: Shortfall) -> str:
+    if sf.kind == "loss":
+        fn = f"F.{packet(ev.op).rstrip('_')}"  # aten's losses and F's share their names
+        return (
+            "if pred.numel() == 0: continue   # skip the empty batch\n"
+            "# or sum and divide by a count that is at least 1:\n"
+            f"loss = {fn}(pred, y, reduction='sum') / max(pred.numel(), 1)"
+        )
+    was = f"   # was: {ev.code.split('  #', 1)[0].strip()}" if ev.code else ""
+    return (
+        f"loss = (x * mask).sum() / mask.sum().clamp_min(1){was}\n"
+        "# x[mask].mean() is the same as x[mask].sum() / max(x[mask].numel(), 1) when not empty\n"
+        "# or skip the batch: if mask.any(): loss.backward()"
+    )
+
+
+# ---------------------------------------------------------------------- NW114
+
+
+@rule(
+    "NW114",
+    title="Function outside its domain",
+    severity="error",
+    summary=(
+        "acos/asin of |x| > 1, atanh/erfinv at ±1, acosh below 1, logit/ndtri outside "
+        "[0, 1], lgamma/digamma/polygamma at 0, -1, -2, ...: NaN or ±inf from finite "
+        "inputs (a cosine that rounded to 1.0000001); and acos/asin/acosh exactly at an "
+        "endpoint, where only the gradient is infinite."
+    ),
+    priority=12,
+)
+def outside_its_domain(ctx: RuleContext) -> Iterator[Diagnosis]:
+    a = ctx.anomaly
+    if a is None or a.transient:
+        return
+    cause = cause_of(a)
+    if cause is None:
+        if a.kind is AnomalyKind.BACKWARD:
+            yield from _domain_backward_untraced(ctx, a)
+        return
+    if cause.kind != "domain":
+        return
+    ev = cause.event
+    steep = node_domain(ev.node) if ev.phase is Phase.BACKWARD else None
+    if steep is not None:
+        yield _domain_backward(ctx, a, ev, steep, cause.trigger)
+        return
+    hit = outside_domain(ev)
+    if hit is None:
+        return
+    dom = hit.domain
+    op = short_op(ev.op)
+    x = hit.stat
+    evidence = [_domain_line(op, hit)]
+    near = _rounding(x, dom, ev.dtype)
+    if near:
+        evidence.append(near)
+    evidence.append(f"input {dom.arg} ({ev.dtype}): {_precise_stat(x, dom)}")
+    evidence.append(f"{op} made {ev.born}")
+    evidence += _chain_evidence(ev, cause.trigger, ev.born)
+    yield ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=_domain_text(dom, rounding=bool(near)),
+        fix=_domain_fix(ev, dom),
+    )
+
+
+def _domain_line(op: str, hit: DomainHit) -> str:
+    dom = hit.domain
+    where = f"{dom.name} is defined on {dom.interval}"
+    if dom.at_edges:
+        where += f" ({dom.at_edges})"
+    n = hit.total
+    x = hit.stat
+    if n is not None and x is not None:
+        parts = []
+        if hit.outside:
+            parts.append(f"{hit.outside:,} of its {x.numel:,} inputs lie outside")
+        if hit.edge:
+            parts.append(f"{hit.edge:,} of its {x.numel:,} inputs sit exactly on an endpoint")
+        if hit.pole:
+            parts.append(f"{hit.pole:,} of its {x.numel:,} inputs sit on a pole")
+        return f"{where}: {'; '.join(parts)}"
+    if x is not None:
+        return f"{where}: its input ranges over [{_precise(x.min)}, {_precise(x.max)}]"
+    return f"{where}: {op} made NaN or inf from finite inputs"
+
+
+def _fmt_edge(x: float) -> str:
+    return fmt(x) if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+
+def _precise(x: float) -> str:
+    """Enough digits to tell 1.0000001 from 1."""
+    if not math.isfinite(x):
+        return fmt(x)
+    text = fmt(x)
+    if float(text) != x and abs(x) < 1e6:
+        return f"{x:.9g}"
+    return text
+
+
+def _precise_stat(s: TensorStat | None, dom: Domain) -> str:
+    if s is None:
+        return "not measured"
+    base = describe_stat(s)
+    lo, hi = _precise(s.min), _precise(s.max)
+    if (lo, hi) != (fmt(s.min), fmt(s.max)):
+        base = base.replace(f"min {fmt(s.min)}, max {fmt(s.max)}", f"min {lo}, max {hi}", 1)
+    return base
+
+
+def _rounding(s: TensorStat | None, dom: Domain, dtype: str) -> str | None:
+    """When the values beyond a finite endpoint are within a few float steps of it: a
+    rounding error, not bad data."""
+    lim = limits(dtype)
+    if s is None or lim is None:
+        return None
+    for value, edge, side in ((s.max, dom.hi, "above"), (s.min, dom.lo, "below")):
+        if not (math.isfinite(value) and math.isfinite(edge)):
+            continue
+        excess = value - edge if side == "above" else edge - value
+        step = lim.eps * max(1.0, abs(edge))
+        if 0 < excess <= 16 * step and dom.outside_of(value):
+            steps = max(1, round(excess / step))
+            return (
+                f"{_precise(value)} is {fmt(excess)} {side} {_fmt_edge(edge)}: "
+                f"{count(steps, f'{dtype} rounding step')} (eps {fmt(lim.eps)}), "
+                "a rounding error, not bad data"
+            )
+    return None
+
+
+def _domain_text(dom: Domain, *, rounding: bool) -> str:
+    if dom.poles:
+        return (
+            f"{dom.name} has poles at 0, -1, -2, ... (the gamma function is infinite there): "
+            f"{dom.at_edges}. A parameter that should be positive (a concentration, a shape, "
+            "a rate) reached exactly 0 -- a ReLU output, a clamp at 0, an underflow -- and "
+            "sits on the first pole."
+        )
+    head = f"{dom.name} is a real number only on {dom.interval}"
+    if dom.edges:
+        head += f"; {dom.at_edges}, and NaN beyond"
+    else:
+        head += "; outside it PyTorch returns NaN"
+    why = (
+        " Values that are mathematically inside come out a rounding step outside: a cosine "
+        "computed as a normalized dot product (F.cosine_similarity, x·y / (|x||y|)) gives "
+        "1.0000001 for parallel vectors, a tanh or sigmoid saturates to exactly ±1 or 0/1."
+        if rounding or dom.name in ("acos", "asin", "atanh", "erfinv", "logit")
+        else " Its input left that range: check what produces it."
+    )
+    grad = (
+        f" The derivative of {dom.name} is also infinite at the endpoints, so clamp with a "
+        "margin (eps), not exactly to them."
+        if dom.steep_edges or dom.edges
+        else ""
+    )
+    return head + "." + why + grad
+
+
+_TORCH_NAME = {"ndtri": "torch.special.ndtri", "polygamma": "torch.polygamma"}
+
+
+def _domain_fix(ev: OpEvent, dom: Domain) -> str:
+    dtype = ev.dtype or "float32"
+    lim = limits(dtype)
+    head = f"eps = torch.finfo(torch.{dtype}).eps" + (f"   # {fmt(lim.eps)}" if lim else "")
+    names = [dom.name, f"arc{dom.name[1:]}"] if dom.name.startswith("a") else [dom.name]
+    call = _TORCH_NAME.get(dom.name, f"torch.{dom.name}")
+    if dom.poles:
+        fixed = rewrite_call(ev.code, names, lambda e: f"{paren(e)}.clamp_min(eps)")
+        return (
+            "x = F.softplus(raw) + 1e-4   # a parameter that must stay positive\n"
+            + f"{head}\n"
+            + (fixed or f"y = {call}(x.clamp_min(eps))")
+            + "   # or keep the argument off 0"
+        )
+    lo = None if math.isinf(dom.lo) else dom.lo
+    hi = None if math.isinf(dom.hi) else dom.hi
+
+    def clamp(e: str) -> str:
+        lo_t = None if lo is None else ("eps" if lo == 0 else f"{_fmt_edge(lo)} + eps")
+        hi_t = None if hi is None else f"{_fmt_edge(hi)} - eps"
+        if lo_t is not None and hi_t is not None:
+            return f"{paren(e)}.clamp({lo_t}, {hi_t})"
+        if lo_t is not None:
+            return f"{paren(e)}.clamp_min({lo_t})"
+        return f"{paren(e)}.clamp_max({hi_t})"
+
+    def reclamp(e: str) -> str:
+        return clamp(_drop_edge_clamp(e, dom))
+
+    fixed = rewrite_call(ev.code, names, reclamp)
+    body = fixed if fixed is not None else f"y = {call}({clamp('x')})"
+    out = f"{head}\n{body}"
+    if dom.name == "logit":
+        out += "\n# or torch.logit(p, eps=eps), which clamps the same way"
+    elif dom.name in ("acos", "asin"):
+        out += "\n# or avoid the inverse: compare cosines, or use atan2(|x × y|, x·y) for angles"
+    return out
+
+
+def _drop_edge_clamp(expr: str, dom: Domain) -> str:
+    """``cos.clamp(-1, 1)`` -> ``cos``: a clamp exactly to the domain's endpoints keeps the
+    forward finite but not the gradient; the fix replaces it with one a margin inside."""
+
+    def num(x: float) -> str:
+        return rf"{'-' if x < 0 else ''}{int(abs(x))}(?:\.0*)?"
+
+    parts = []
+    if math.isfinite(dom.lo):
+        parts.append(rf"(?:min\s*=\s*)?{num(dom.lo)}")
+    if math.isfinite(dom.hi):
+        parts.append(rf"(?:max\s*=\s*)?{num(dom.hi)}")
+    if not parts:
+        return expr
+    method = "clamp" if len(parts) == 2 else ("clamp_min" if math.isfinite(dom.lo) else "clamp_max")
+    args = r"\s*,\s*".join(parts)
+    m = re.search(rf"\.(?:{method}|clamp|clip)\(\s*{args}\s*\)$", expr.strip())
+    return expr.strip()[: m.start()] if m else expr
+
+
+def _domain_backward(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, dom: Domain, trigger: OpEvent
+) -> Diagnosis:
+    op = short_op(ev.op)
+    evidence = [
+        f"in backward, {ev.node} ({op}) made {ev.born}: the forward {dom.name} was given "
+        f"values on the edge of {dom.interval}, where its derivative {dom.slope} is infinite"
+    ]
+    for nm, s in ev.inputs[:2]:
+        evidence.append(f"backward input {nm}: {describe_stat(s)}")
+    evidence += _chain_evidence(ev, trigger, ev.born)
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=_steep_text(dom),
+        fix=_domain_fix(ev, dom),
+    )
+
+
+def _steep_text(dom: Domain) -> str:
+    return (
+        f"{dom.name} is finite at the endpoints of {dom.interval}, so the forward pass shows "
+        f"nothing, but its derivative {dom.slope} is infinite there; autograd multiplies it "
+        "by the incoming gradient and inf × 0 is NaN. Clamping exactly to the endpoints "
+        "(x.clamp(-1, 1) before acos, the usual guard) keeps the forward finite and leaves "
+        "the gradient infinite: the clamp needs a margin of a few eps inside."
+    )
+
+
+def _domain_backward_untraced(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
+    """A NaN gradient born in a module whose output an acos/asin/acosh made, and that
+    output holds the op's value at an endpoint (acos: 0 at 1, π at -1)."""
+    trace = ctx.trace
+    calls = {c.id for c in trace.calls if c.path == a.path}
+    for r in trace.records:
+        if r.phase is not Phase.FORWARD or r.call not in calls:
+            continue
+        dom = node_domain(r.grad_fn)
+        if dom is None or not dom.edge_outputs:
+            continue
+        m = exact(trace, r)
+        s = m.stat if m is not None else None
+        if s is None:
+            continue
+        hits = [
+            v
+            for v in dom.edge_outputs
+            if any(math.isclose(x, v, rel_tol=1e-6, abs_tol=0.0) for x in (s.min, s.max))
+        ]
+        if not hits:
+            continue
+        g = a.record
+        evidence = [
+            f"{a.path}'s {r.role} was made by {r.grad_fn} ({dom.name}) and holds "
+            f"{' and '.join(fmt(v) for v in hits)}, {dom.name}'s value at an endpoint of "
+            f"{dom.interval}: {describe_stat(s)}",
+            f"the gradient it sent back to {g.path} ({g.role}) holds "
+            f"{g.stat.kinds() if g.stat else 'NaN'}: d/dx {dom.name} = {dom.slope} is "
+            "infinite there",
+            untraced_hint(ctx.facts.get("mode")),
+        ]
+        yield ctx.diagnosis(
+            **anomaly_fields(a),
+            evidence=evidence,
+            explanation=_steep_text(dom),
+            fix=_domain_fix_text(dom, "float32" if not r.dtype else r.dtype),
+            priority=14,
+        )
+        return
+
+
+def _domain_fix_text(dom: Domain, dtype: str) -> str:
+    probe = OpEvent(
+        f"aten.{dom.name}", Phase.FORWARD, None, "", TensorStat(0.0, 0.0, 0), dtype=dtype
+    )
+    return _domain_fix(probe, dom)

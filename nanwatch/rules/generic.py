@@ -1,17 +1,24 @@
 """The catch-all (NW100): every anomaly gets a diagnosis. It runs only when no specific rule
 produced an error-severity diagnosis for the step, says what is known (where it was born,
-the op when traced, how far it spread) and how to learn the rest."""
+the op and its inputs when traced, how far it spread) and the most useful next step: with
+the op known, how to find the elements it broke and the inputs that did it; without it,
+how to name the op."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
-from nanwatch.records import AnomalyKind
+from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase
 from nanwatch.rules._evidence import (
     anomaly_fields,
+    cause_of,
     code_line,
     describe_stat,
+    fmt,
     op_fields,
+    packet,
+    rewrite_call,
     short_op,
     untraced_hint,
 )
@@ -35,8 +42,8 @@ _NEXT = {
     title="Non-finite value",
     severity="error",
     summary=(
-        "A NaN or inf no specific rule explains: where it was born, the op when traced, "
-        "and how far it spread (the catch-all; every anomaly gets a diagnosis)."
+        "A NaN or inf no specific rule explains: where it was born, the op and its inputs "
+        "when traced, and how far it spread (the catch-all; every anomaly gets a diagnosis)."
     ),
     priority=90,
     fallback=True,
@@ -45,26 +52,17 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None:
         return
-    evidence = [a.summary]
-    fields = anomaly_fields(a)
     if a.op is not None:
-        ev = a.op
-        fields.update(op_fields(ev, a))
-        evidence.append(f"{short_op(ev.op)} made {ev.born} in {ev.dtype or a.record.dtype}")
-        for nm, s in ev.inputs[:3]:
-            evidence.append(f"input {nm}: {describe_stat(s)}")
-        line = code_line(ev)
-        if line:
-            evidence.append(line)
-    else:
-        evidence.append(f"{a.record.where}: {describe_stat(a.record.stat)}")
-        if a.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
-            evidence.append(untraced_hint(ctx.facts.get("mode")))
+        yield _with_op(ctx, a)
+        return
+    evidence = [a.summary, f"{a.record.where}: {describe_stat(a.record.stat)}"]
+    if a.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
+        evidence.append(untraced_hint(ctx.facts.get("mode")))
     if a.neginf_source is not None:
         evidence.append(f"a -inf was first seen in {a.neginf_source.where}")
     fix = _NEXT.get(a.kind, "# inspect the named tensor; nw.report has the statistics")
     yield ctx.diagnosis(
-        **fields,
+        **anomaly_fields(a),
         evidence=evidence,
         explanation=(
             f"A non-finite value was born in {a.path} ({a.kind.value}, origin {a.origin}). "
@@ -74,3 +72,103 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=fix,
     )
+
+
+def _with_op(ctx: RuleContext, a: Anomaly) -> Diagnosis:
+    cause = cause_of(a)
+    ev = cause.event if cause is not None else a.op
+    assert ev is not None
+    op = short_op(ev.op)
+    dtype = ev.dtype or a.record.dtype
+    evidence = [a.summary, f"{op} made {ev.born} in {dtype} from finite inputs"]
+    for nm, s in ev.inputs[:3]:
+        evidence.append(f"input {nm}: {describe_stat(s)}")
+    for nm, s in ev.other_inputs[:2]:
+        evidence.append(f"input {nm}: {_brief(s)}")
+    for nm, s in ev.outputs[:3]:
+        evidence.append(f"output {nm}: {describe_stat(s)}")
+    args = {k: v for k, v in ev.scalars.items() if k not in ("evidence", "backward_at")}
+    if args:
+        evidence.append("arguments: " + ", ".join(f"{k}={_arg(v)}" for k, v in args.items()))
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    trigger = cause.trigger if cause is not None else ev
+    if trigger is not ev:
+        evidence.append(f"then {short_op(trigger.op)} turned it into {trigger.born}")
+    if a.neginf_source is not None:
+        evidence.append(f"a -inf was first seen in {a.neginf_source.where}")
+    backward = ev.phase is Phase.BACKWARD
+    where = f" at {ev.source}" if ev.source else ""
+    node = f"backward, autograd node {ev.node}, " if backward and ev.node else ""
+    explanation = (
+        f"{op} created {ev.born} from finite inputs{where} ({node}{a.path}). nanwatch has no "
+        "specific rule for this op's failure; its inputs above show the ranges it was "
+        "given, and the elements it broke show which of them it does not accept."
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=explanation,
+        fix=_inspect_fix(ev),
+    )
+
+
+def _brief(s: object) -> str:
+    from nanwatch.records import TensorStat
+
+    if not isinstance(s, TensorStat):
+        return "not measured"
+    if s.numel == 0:
+        return "empty (0 values)"
+    return f"min {fmt(s.min)}, max {fmt(s.max)} ({s.numel:,} values)"
+
+
+def _arg(v: object) -> str:
+    return fmt(v) if isinstance(v, float) else str(v)
+
+
+_ASSIGN = re.compile(r"^\s*([A-Za-z_]\w*)\s*=[^=]")
+
+
+def _inspect_fix(ev: OpEvent) -> str:
+    """Code that finds the elements the op broke and prints the inputs there."""
+    op = short_op(ev.op)
+    if ev.phase is Phase.BACKWARD and ev.source:
+        return (
+            f"# {ev.node or op} is the backward of the forward op at {ev.source}: its\n"
+            f"# derivative is infinite or undefined at some of that op's inputs there\n"
+            f"# (e.g. sqrt or acos at an endpoint): keep them off it, x.clamp(lo + eps, hi - eps)"
+        )
+    if ev.phase is Phase.BACKWARD:
+        node = ev.node or op
+        return (
+            f"# {node} is the backward of a forward op whose derivative is infinite or\n"
+            "# undefined at some of its inputs; anomaly mode names that forward line:\n"
+            "with torch.autograd.detect_anomaly():\n"
+            "    loss.backward()"
+        )
+    code = ev.code.split("  #", 1)[0].strip() if ev.code else ""
+    m = _ASSIGN.match(code)
+    out = m.group(1) if m else "out"
+    got: list[str] = []
+
+    def keep(e: str) -> str:
+        got.append(e)
+        return e
+
+    name = packet(ev.op).rstrip("_")
+    rewrite_call(code, [name, name.removeprefix("special_")], keep)
+    first = ev.inputs[0][1] if ev.inputs else None
+    same_shape = first is not None and first.numel == ev.output.numel
+    arg = got[0] if got and same_shape else None
+    where = f"right after {ev.source}" if ev.source else f"where {op} runs"
+    lines = [f"# {where}: the elements {op} made {ev.born}, and its input there"]
+    if not m and code:
+        lines.append(f"out = {code.removeprefix('return ').strip()}")
+    lines.append(f"bad = ~torch.isfinite({out})")
+    if arg is not None:
+        lines.append(f"print({arg}[bad])   # the values {op} does not accept")
+    else:
+        lines.append(f"print(bad.nonzero()[:8])   # then index {op}'s inputs with them")
+    return "\n".join(lines)

@@ -16,7 +16,7 @@ import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, Record, StepTrace
+from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, Record, StepTrace, TensorStat
 from nanwatch.rules._evidence import (
     CAST,
     EXP_LIKE,
@@ -26,6 +26,7 @@ from nanwatch.rules._evidence import (
     code_line,
     count,
     describe_stat,
+    device_type,
     first_input,
     first_root_outputs,
     fmt,
@@ -35,6 +36,8 @@ from nanwatch.rules._evidence import (
     low_precision,
     op_fields,
     packet,
+    paren,
+    rewrite_call,
     short_op,
     signed_max,
     untraced_hint,
@@ -51,7 +54,8 @@ from nanwatch.stats import DtypeLimits
     severity="error",
     summary=(
         "An op made inf from finite inputs: exp, softmax, a matmul or a cast went past the "
-        "dtype's largest value (float16: exp overflows above log(65504) = 11.09)."
+        "dtype's largest value (float16: exp overflows above log(65504) = 11.09; in "
+        "float32, values that exploded)."
     ),
     priority=15,
 )
@@ -62,12 +66,35 @@ def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
     cause = cause_of(a)
     if cause is not None:
         if cause.kind == "overflow":
-            yield _from_op(ctx, a, cause.event, cause.trigger)
+            yield _from_op(ctx, a, cause.event, cause.trigger, cause.chain)
         return
     yield from _from_record(ctx, a)
 
 
-def _from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
+#: exp-like ops that are not a softmax themselves: their own argument overflows
+_BARE_EXP = frozenset({"exp", "exp_", "exp2", "expm1", "sinh", "cosh"})
+#: ops that, after an exp, make it a softmax / logsumexp by hand (normalize, or log a sum)
+_NORMALIZERS = frozenset({"div", "div_", "sum", "log", "log_", "true_divide", "reciprocal"})
+_RECURRENT = frozenset({"RNN", "RNNCell", "LSTM", "LSTMCell", "GRU", "GRUCell"})
+
+
+def _softmax_like(ev: OpEvent, chain: Sequence[OpEvent]) -> bool:
+    """Whether the overflowing exp is part of a softmax / logsumexp: a softmax op, or an
+    exp whose inf a later op of the chain normalized (divided by a sum, took a log), or
+    whose line sums or normalizes it."""
+    name = packet(ev.op)
+    if name not in _BARE_EXP:
+        return name in EXP_LIKE and name not in ("softplus",)
+    later = chain[chain.index(ev) + 1 :] if ev in chain else []
+    if any(packet(e.op) in _NORMALIZERS for e in later):
+        return True
+    code = (ev.code or "").split("  #", 1)[0]
+    return bool(re.search(r"\b(softmax|logsumexp)\b|\.sum\(|torch\.sum\(", code))
+
+
+def _from_op(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent, chain: Sequence[OpEvent] = ()
+) -> Diagnosis:
     lim = limits(ev.dtype)
     dtype = ev.dtype or a.record.dtype
     name = packet(ev.op)
@@ -102,6 +129,9 @@ def _from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Dia
         )
     for nm, s in ev.inputs[:3]:
         evidence.append(f"input {nm}: {describe_stat(s)}")
+    wide = lim is not None and not lim.low_precision
+    if wide and lim is not None and name not in CAST:
+        evidence.append(_growth_line(ctx, a, name, big, lim))
     line = code_line(ev)
     if line:
         evidence.append(line)
@@ -114,12 +144,72 @@ def _from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Dia
             f"{a.record.dtype}"
         )
     fields = op_fields(ev, a)
-    return ctx.diagnosis(
-        **fields,
-        evidence=evidence,
-        explanation=_explain(name, dtype, lim),
-        fix=_fix(name, dtype, lim, ev.code),
+    kind = _kind(name, ev, chain)
+    device = device_type(ev, a.record.device)
+    recurrent = a.record.module_type in _RECURRENT
+    first = _first_step(ctx)
+    if wide and lim is not None:
+        explanation = _explain_wide(kind, dtype, lim, x, big, recurrent=recurrent)
+        fix = _fix_wide(
+            kind,
+            name,
+            dtype,
+            lim,
+            ev.code,
+            recurrent=recurrent,
+            first=first,
+            ref=_module_ref(ctx, a),
+        )
+    else:
+        explanation = _explain(kind, dtype, lim)
+        fix = _fix(kind, name, dtype, lim, ev.code, device=device, ref=_module_ref(ctx, a))
+    return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
+
+
+def _kind(name: str, ev: OpEvent, chain: Sequence[OpEvent]) -> str:
+    """``softmax``, ``exp`` (a bare exp), ``matmul``, ``cast``, ``backward`` or ``other``."""
+    if name in EXP_LIKE:
+        return "softmax" if _softmax_like(ev, chain) else "exp"
+    if name in MATMUL:
+        return "matmul"
+    if name in CAST:
+        return "cast"
+    return "other"
+
+
+def _module_ref(ctx: RuleContext, a: Anomaly) -> str:
+    """``model.rnn`` for the anomaly's module (``model`` when it is the root)."""
+    call = ctx.trace.call(a.record.call)
+    if call is None or call.root or not re.fullmatch(r"[\w.]+", a.path):
+        return "model"
+    return "model." + ".".join(
+        p if p.isidentifier() else f"[{p}]" for p in a.path.split(".")
+    ).replace(".[", "[")
+
+
+def _first_step(ctx: RuleContext) -> bool:
+    """No optimizer update came before this step (the first step nanwatch saw)."""
+    return not ctx.history and ctx.step == 0
+
+
+def _growth_line(ctx: RuleContext, a: Anomaly, name: str, big: float, lim: DtypeLimits) -> str:
+    """For float32/float64: the values themselves exploded; say when."""
+    if name in EXP_LIKE:
+        what = f"exp's argument reached {fmt(big)} (e^{fmt(big)} ≈ 1e{int(big / math.log(10))})"
+    else:
+        frac = big / lim.max if math.isfinite(big) else math.nan
+        what = (
+            f"inputs already at {fmt(big)} ({frac:.0%} of the {lim.name} limit)"
+            if math.isfinite(frac)
+            else f"inputs up to {fmt(big)}"
+        )
+    when = (
+        "at step 0, before any optimizer update: the initial weights or the inputs put it "
+        "there, not the learning rate"
+        if _first_step(ctx)
+        else f"at step {ctx.step}: the values grew during training"
     )
+    return f"{what}: the values themselves exploded, {when}"
 
 
 def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
@@ -137,19 +227,21 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
         untraced_hint(ctx.facts.get("mode")),
     ]
     backward = a.kind is not AnomalyKind.FORWARD
-    name = "backward" if backward else ""
+    kind = "backward" if backward else "other"
+    device = device_type(None, rec.device)
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
-        explanation=_explain(name, rec.dtype, lim),
-        fix=_fix(name, rec.dtype, lim, None),
+        explanation=_explain(kind, rec.dtype, lim),
+        fix=_fix(kind, "", rec.dtype, lim, None, device=device, ref=_module_ref(ctx, a)),
         priority=20,
     )
 
 
-def _explain(name: str, dtype: str, lim: DtypeLimits | None) -> str:
+def _explain(kind: str, dtype: str, lim: DtypeLimits | None) -> str:
+    """Low precision (float16, bfloat16, float8): the dtype's range is the problem."""
     top = fmt(lim.max) if lim is not None else "its largest value"
-    if name == "backward":
+    if kind == "backward":
         return (
             f"A gradient exceeded {dtype}'s largest finite value {top} and became inf. "
             f"{dtype} has 5 exponent bits: values above {top} do not exist, so a large loss "
@@ -157,7 +249,7 @@ def _explain(name: str, dtype: str, lim: DtypeLimits | None) -> str:
             "steps and skips them while lowering the scale; float32 master weights with "
             "autocast keep the update itself in range."
         )
-    if name in EXP_LIKE and lim is not None:
+    if kind in ("softmax", "exp") and lim is not None:
         return (
             f"exp(x) is larger than {top}, {dtype}'s largest finite value, for every x above "
             f"log({top}) = {fmt(lim.exp_bound)}: a hand-written softmax, an exp or a "
@@ -165,14 +257,14 @@ def _explain(name: str, dtype: str, lim: DtypeLimits | None) -> str:
             "next division or subtraction turns inf into NaN. Stable softmax subtracts the "
             "row maximum first; autocast runs softmax in float32 for this reason."
         )
-    if name in MATMUL:
+    if kind == "matmul":
         return (
             f"A matmul sums many products: inputs of a few hundred in {dtype} give sums "
             f"beyond {top} (attention scores q·k before the 1/sqrt(d) scaling, T5-style "
             "un-normalized activations). bfloat16 has float32's range; float32 for this one "
             "op costs little."
         )
-    if name in CAST:
+    if kind == "cast":
         return (
             f"Casting to {dtype} turns every value beyond ±{top} into ±inf: a tensor computed "
             f"in float32 (a loss, an autocast output, a buffer) does not fit in {dtype}."
@@ -181,6 +273,111 @@ def _explain(name: str, dtype: str, lim: DtypeLimits | None) -> str:
         f"A value exceeded {top}, the largest finite {dtype} value, and became inf; the "
         "NaN that followed (inf - inf, 0 × inf) is a consequence."
     )
+
+
+def _explain_wide(
+    kind: str,
+    dtype: str,
+    lim: DtypeLimits,
+    x: TensorStat | None,
+    big: float,
+    *,
+    recurrent: bool,
+) -> str:
+    """float32 / float64: the range is vast, so the values themselves exploded."""
+    top = fmt(lim.max)
+    head = (
+        f"{dtype} holds values up to {top}: reaching that is not a precision problem, and "
+        "computing in a wider dtype only delays it. "
+    )
+    if kind == "softmax":
+        return head + (
+            f"This exp is part of a softmax or logsumexp written by hand: exp of inputs "
+            f"above {fmt(lim.exp_bound)} is inf, and the normalization then makes inf / inf "
+            "= NaN. Subtracting the row maximum first keeps every exp at most 1 and gives the "
+            "same result; torch.softmax and torch.logsumexp do it for you."
+        )
+    if kind == "exp":
+        return head + (
+            f"exp overflows {dtype} above {fmt(lim.exp_bound)}; its argument reached "
+            f"{fmt(signed_max(x))}. An exponentiated quantity with no upper bound -- a "
+            "predicted log-variance or log-scale, a temperature, a learned log-rate -- "
+            "drifted up. Bound the argument (clamp), or parameterize the positive quantity "
+            "with softplus, which grows linearly instead of exponentially."
+        )
+    if kind == "matmul":
+        more = (
+            " In a recurrence the hidden state is multiplied by the same weight_hh at every "
+            "time step: a largest singular value above 1 grows it geometrically with the "
+            "sequence length, and a ReLU recurrence has nothing that saturates it."
+            if recurrent
+            else " Activations multiplied by weights of gain above 1 in layer after layer "
+            "grow geometrically when nothing normalizes them."
+        )
+        return head + f"The inputs of this product were already up to {fmt(big)}." + more
+    return head + (
+        f"The inputs reached {fmt(big)}: find what lets them grow (a learning rate too "
+        "high, no gradient clipping, an un-normalized residual stream)."
+    )
+
+
+def _fix_wide(
+    kind: str,
+    name: str,
+    dtype: str,
+    lim: DtypeLimits,
+    code: str | None,
+    *,
+    recurrent: bool,
+    first: bool,
+    ref: str,
+) -> str:
+    plain = code.split("  #", 1)[0].strip() if code else ""
+    was = f"  # was: {plain}" if plain else ""
+    if kind == "softmax":
+        return (
+            f"x = x - x.amax(dim=-1, keepdim=True)   # subtract the row max before exp{was}\n"
+            "probs = torch.softmax(x, dim=-1)       # or torch.logsumexp / log_softmax"
+        )
+    if kind == "exp":
+        bound = lim.exp_bound / (math.log(2) if name.rstrip("_") == "exp2" else 1.0)
+        cap = math.floor(bound / 2 * 10) / 10
+        fixed = rewrite_call(code, [name.rstrip("_")], lambda e: f"{paren(e)}.clamp(max={cap})")
+        first_line = (
+            fixed if fixed is not None else f"y = torch.{name.rstrip('_')}(x.clamp(max={cap}))"
+        )
+        return (
+            f"{first_line}\n"
+            f"# {cap} = half of {fmt(lim.exp_bound)}: exp stays below sqrt({fmt(lim.max)}) = "
+            f"{fmt(math.sqrt(lim.max))}, so a product of two still fits\n"
+            "std = F.softplus(raw) + 1e-4   # or: a scale parameterized by softplus, not exp"
+        )
+    if kind == "cast":
+        return (
+            f"fin = torch.finfo(torch.{dtype})\n"
+            f"y = x.clamp(fin.min, fin.max).to(torch.{dtype}){was}"
+        )
+    clip = "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before step()"
+    if kind == "matmul" and recurrent:
+        lines = [
+            f"for name, w in {ref}.named_parameters():   # recurrent weights, gain <= 1",
+            "    if 'weight_hh' in name: nn.init.orthogonal_(w)",
+            "# or nonlinearity='tanh' (saturates), or nn.LSTM / nn.GRU (gated)",
+            clip,
+        ]
+    elif kind == "matmul":
+        lines = [
+            "self.norm = nn.LayerNorm(d)   # in __init__; h = self.norm(h) before this product",
+            "nn.init.xavier_uniform_(w)    # initial weights of gain ~1, not larger",
+            clip,
+        ]
+    else:
+        lines = [clip, "optimizer = torch.optim.AdamW(model.parameters(), lr=lr / 10)"]
+    if first and kind != "other":
+        return "\n".join(lines)
+    if kind != "other":
+        return "\n".join([*lines[-1:], *lines[:-1]])  # grew in training: clipping first
+    return "\n".join([*lines, "# and normalize what grows (nn.LayerNorm) before this op"])
 
 
 _OPERAND = r"[A-Za-z_][\w.]*(?:\[[^\]]*\])?"
@@ -219,12 +416,22 @@ def upcast_line(code: str | None) -> str | None:
     return None
 
 
-def _fix(name: str, dtype: str, lim: DtypeLimits | None, code: str | None) -> str:
+def _fix(
+    kind: str,
+    name: str,
+    dtype: str,
+    lim: DtypeLimits | None,
+    code: str | None,
+    *,
+    device: str,
+    ref: str = "model",
+) -> str:
+    """Low precision: compute the op in float32, or train in bfloat16 (float32's range)."""
     plain = code.split("#", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
-    low = lim is not None and lim.low_precision
-    fixed = upcast_line(code) if low else None
-    if fixed is not None and name not in CAST:
+    bf16 = f"# or train in bfloat16: torch.autocast({device}, dtype=torch.bfloat16)"
+    fixed = upcast_line(code)
+    if fixed is not None and kind != "cast":
         return (
             f"{fixed}{was}\n"
             "# (compute this op in float32; cast back with .to(torch."
@@ -232,45 +439,51 @@ def _fix(name: str, dtype: str, lim: DtypeLimits | None, code: str | None) -> st
             "# or train in bfloat16, where exp overflows only above "
             f"{fmt(_exp_bound('bfloat16'))}"
         )
-    if name == "backward":
+    if kind == "backward":
         return (
             "scaler = torch.amp.GradScaler()\n"
-            "with torch.autocast(device_type='cuda', dtype=torch.float16):\n"
+            f"with torch.autocast(device_type={device}, dtype=torch.float16):\n"
             "    loss = criterion(model(x), y)      # model weights stay float32\n"
             "scaler.scale(loss).backward()\n"
             "scaler.step(optimizer); scaler.update()\n"
             "nanwatch.watch(model, criterion, scaler=scaler)"
         )
-    if name in EXP_LIKE:
-        if low:
-            return (
-                f"e = x.float().exp(){was}\n"
-                "probs = torch.softmax(x.float(), dim=-1)   # softmax/log_softmax: upcast "
-                "the input\n"
-                "# or train in bfloat16, where exp overflows only above "
-                f"{fmt(_exp_bound('bfloat16'))}"
-            )
+    if kind in ("softmax", "exp"):
         return (
-            "x = x - x.amax(dim=-1, keepdim=True)   # subtract the row max before exp"
-            f"{was}\n"
-            "probs = torch.softmax(x, dim=-1)       # or torch.logsumexp / log_softmax"
+            f"e = x.float().exp(){was}\n"
+            "probs = torch.softmax(x.float(), dim=-1)   # softmax/log_softmax: upcast "
+            "the input\n"
+            "# or train in bfloat16, where exp overflows only above "
+            f"{fmt(_exp_bound('bfloat16'))}"
         )
-    if name in MATMUL:
+    if kind == "matmul":
         return (
-            "with torch.autocast(device_type='cuda', enabled=False):\n"
+            f"with torch.autocast(device_type={device}, enabled=False):\n"
             f"    out = a.float() @ b.float(){was}\n"
             "# attention: scale q before the product: q = q * q.shape[-1] ** -0.5\n"
-            "# or train in bfloat16: torch.autocast('cuda', dtype=torch.bfloat16)"
+            f"{bf16}"
         )
-    if name in CAST:
+    if kind == "cast":
         return (
             f"fin = torch.finfo(torch.{dtype})\n"
             f"y = x.clamp(fin.min, fin.max).to(torch.{dtype}){was}\n"
             "# or keep this tensor in float32"
         )
+    op = name.rstrip("_")
+    mine = rewrite_call(code, [op], lambda e: f"{paren(e)}.float()") if op else None
+    if mine is not None:
+        return f"{mine}{was}\n# (compute it in float32; cast back with .to(torch.{dtype}))\n{bf16}"
+    if op:
+        return (
+            f"# in {ref}'s forward, call {op} on .float() inputs and cast the result back\n"
+            f"# with .to(torch.{dtype}) (under autocast: inside torch.autocast("
+            f"device_type={device}, enabled=False))\n"
+            f"{bf16}"
+        )
     return (
-        f"y = <this op>(x.float()){was}  # compute it in float32\n"
-        "# or train in bfloat16: torch.autocast('cuda', dtype=torch.bfloat16)"
+        f"{ref}.float()   # once, after building the model: this module computes in float32\n"
+        f"# and give it x.float(); cast its output back with .to(torch.{dtype}) where needed\n"
+        f"{bf16}"
     )
 
 
@@ -346,7 +559,8 @@ def headroom(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=(
             "# give these values range: bfloat16 has float32's range\n"
-            "with torch.autocast(device_type='cuda', dtype=torch.bfloat16):\n"
+            f"with torch.autocast(device_type={device_type(None, top.device)}, "
+            "dtype=torch.bfloat16):\n"
             "    out = model(x)\n"
             f"# or keep {top.path} in float32: model.{top.path}.float() and cast its input"
             if top.phase is not Phase.PARAMETER
@@ -571,6 +785,8 @@ def growth_to_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
         fix=(
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)\n"
             "optimizer = torch.optim.AdamW(model.parameters(), lr=lr / 10, weight_decay=0.01)\n"
-            "# or give the values range: torch.autocast('cuda', dtype=torch.bfloat16)"
+            "# or give the values range: torch.autocast("
+            f"{device_type(None, *(r.device for r in ctx.trace.records if r.path == path))}, "
+            "dtype=torch.bfloat16)"
         ),
     )

@@ -1,0 +1,867 @@
+"""Math outside its domain beyond log / div / sqrt: reductions over too few elements
+(NW113), functions with restricted real domains (NW114), the op evidence they read (from
+the op checker and from the autograd graph of loss code), the catch-all with a known op
+(NW100) and overflow fixes that fit the dtype and the device (NW101).
+
+Each diagnosis is tested on hand-built op events (rules are pure functions of records),
+on a tiny real model under ``nanwatch.watch`` on CPU, and on a healthy look-alike that
+must stay silent."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanwatch
+from nanwatch import _domains
+from nanwatch.ops import OpChecker, domain_counts, graph_evidence
+from nanwatch.records import OpEvent, Phase, StepTrace, TensorStat
+from nanwatch.rules import REGISTRY
+from nanwatch.rules._evidence import classify, outside_domain, rewrite_call, shortfall
+from nanwatch.rules.base import Diagnosis
+from nanwatch.rules.testing import TraceBuilder, diagnose, stat
+from nanwatch.stats import dtype_limits
+
+NAN, INF = math.nan, math.inf
+PLACEHOLDER = re.compile(r"<[a-z][a-z ]*>")
+
+
+def counted(lo: float, hi: float, **kw: Any) -> TensorStat:
+    return stat(lo, hi, counted=True, **kw)
+
+
+def event(
+    op: str,
+    born: str,
+    inputs: list[tuple[str, TensorStat]],
+    *,
+    dtype: str = "float32",
+    path: str = "block",
+    code: str | None = None,
+    scalars: dict[str, Any] | None = None,
+    out_numel: int = 1,
+    cause: OpEvent | None = None,
+    device: str = "cpu",
+    **fields: Any,
+) -> OpEvent:
+    nan = out_numel if "NaN" in born else 0
+    out = counted(NAN if nan else 0.0, INF if "inf" in born else 1.0, numel=out_numel, nan=nan)
+    return OpEvent(
+        op=op,
+        phase=Phase.FORWARD,
+        path=path,
+        born=born,
+        output=out,
+        inputs=inputs,
+        scalars=dict(scalars or {}),
+        source="model.py:7" if code else None,
+        code=code,
+        dtype=dtype,
+        cause=cause,
+        device=device,
+        **fields,
+    )
+
+
+def module_trace(
+    ev: OpEvent, *, path: str = "block", module_type: str = "Block", dtype: str = "float32"
+) -> StepTrace:
+    """A model whose module ``path`` made a NaN from finite inputs; the op attached."""
+    b = TraceBuilder(2)
+    net = b.call("Net", root=True)
+    x = b.input(net, stat(-1.0, 1.0), dtype=dtype)
+    blk = b.call(path, module_type, parent=net)
+    b.input(blk, source=x, dtype=dtype)
+    b.forward(blk, counted(NAN, NAN, nan=4), dtype=dtype)
+    b.op(ev)
+    trace = b.build()
+    assert trace.anomaly is not None and trace.anomaly.path == path
+    trace.anomaly.op = ev
+    return trace
+
+
+def top(trace: StepTrace, **kw: Any) -> Diagnosis:
+    ds = diagnose(trace, **kw)
+    assert ds, "nothing fired"
+    return ds[0]
+
+
+def text(d: Diagnosis) -> str:
+    return " | ".join(d.evidence)
+
+
+def no_placeholder(d: Diagnosis) -> None:
+    assert not PLACEHOLDER.search(d.fix), d.fix
+    assert "cuda" not in d.fix  # every event here ran on the CPU
+
+
+# ====================================================================== op evidence
+
+
+def test_the_checker_records_integer_and_empty_arguments_and_every_output() -> None:
+    logits = torch.randn(6, 4)
+    target = torch.full((6,), -100)
+    with OpChecker() as chk:
+        F.cross_entropy(logits, target)
+    ev = next(e for e in chk.events if "nll_loss" in e.op)
+    t = dict(ev.other_inputs)["target"]
+    assert (t.min, t.max, t.numel) == (-100.0, -100.0, 6)
+    assert dict(ev.outputs)["total_weight"].max == 0.0
+    assert ev.device == "cpu" and ev.scalars["ignore_index"] == -100
+
+    with OpChecker() as chk:
+        torch.zeros(0, 3).mean(0)
+    ev = chk.events[0]
+    assert ev.op == "aten.mean.dim" and ev.inputs == []
+    assert dict(ev.other_inputs)["self"].numel == 0 and ev.output.numel == 3
+
+
+def test_the_checker_counts_inputs_outside_the_ops_domain() -> None:
+    with OpChecker() as chk:
+        torch.acos(torch.tensor([1.0000001, 0.5, -1.5, 1.0]))
+    assert chk.events[0].scalars["n_outside"] == 2
+    with OpChecker() as chk:
+        torch.atanh(torch.tensor([1.0, -1.0, 0.3]))
+    assert chk.events[0].scalars["n_edge"] == 2 and "n_outside" not in chk.events[0].scalars
+    with OpChecker() as chk:
+        torch.lgamma(torch.tensor([0.0, -3.0, 2.5, -2.5]))
+    assert chk.events[0].scalars["n_pole"] == 2
+
+
+def test_domain_counts_follow_the_table() -> None:
+    dom = _domains.domain_of("aten.special_logit.default")
+    assert dom is not None and dom.name == "logit" and dom.interval == "(0, 1)"
+    assert domain_counts(dom, torch.tensor([0.0, 1.0, 1.2, 0.5])) == {
+        "n_outside": 1,
+        "n_edge": 2,
+    }
+    assert _domains.domain_of("aten.exp.default") is None
+
+
+def test_an_op_event_with_the_new_fields_round_trips_through_json() -> None:
+    ev = event(
+        "aten.nll_loss_forward.default",
+        "NaN",
+        [("self", counted(-3.0, -0.1, numel=20))],
+        other_inputs=[("target", stat(-100.0, -100.0, numel=5))],
+        outputs=[("total_weight", counted(0.0, 0.0, numel=1, zeros=1))],
+        device="cuda:0",
+    )
+    back = OpEvent.from_dict(ev.to_dict())
+    assert back.device == "cuda:0"
+    assert back.other_inputs[0][0] == "target" and back.other_inputs[0][1].min == -100.0
+    assert back.outputs[0][1].zeros == 1
+    # events written before these fields existed still load
+    old = ev.to_dict()
+    for k in ("device", "other_inputs", "outputs"):
+        old.pop(k)
+    assert OpEvent.from_dict(old).other_inputs == []
+
+
+def test_graph_evidence_names_the_denominator_and_computes_what_the_division_made() -> None:
+    per_tok = torch.rand(3, 4, requires_grad=True)
+    mask = torch.zeros(3, 4)
+    loss = (per_tok * mask).sum() / mask.sum()
+    _, events = graph_evidence(loss.grad_fn, output=loss)
+    (div,) = events
+    assert div.op == "aten.div" and div.born == "NaN"  # 0/0, not "NaN, +inf, -inf"
+    assert [n for n, _ in div.inputs] == ["other"]  # the numerator was not saved
+    assert div.inputs[0][1] is not None and div.inputs[0][1].max == 0.0
+    assert classify(div) == "div"
+
+    x = torch.tensor([1.0, -2.0, 0.0], requires_grad=True)
+    y = x / torch.tensor([0.0, 0.0, 1.0])
+    _, events = graph_evidence(y.sum().grad_fn, output=y.sum())
+    assert events[0].born == "+inf, -inf"  # 1/0 and -2/0: x is a leaf, read from the graph
+    assert [n for n, _ in events[0].inputs] == ["self", "other"]
+
+    h = x * 2  # not a leaf, not saved, and not the loss: what was born is the loss's kinds
+    loss = (h / torch.zeros(3)).sum()
+    _, events = graph_evidence(loss.grad_fn, output=loss)
+    assert events[0].born == "NaN" and "numerator was not saved" in str(events[0].scalars)
+    assert classify(events[0]) == "div"
+
+
+def test_graph_evidence_reads_empty_means_variances_and_nll_without_targets() -> None:
+    x = torch.rand(5, requires_grad=True)
+    loss = x[x > 2].mean()
+    _, (ev,) = graph_evidence(loss.grad_fn, output=loss)
+    assert ev.op == "aten.mean" and dict(ev.other_inputs)["self"].numel == 0
+    assert ev.dtype == "float32" and shortfall(ev) is not None
+
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        v = torch.randn(1, 6, requires_grad=True).var(0).sum()
+    _, (ev,) = graph_evidence(v.grad_fn, output=v)
+    sf = shortfall(ev)
+    assert ev.op == "aten.var" and sf is not None and (sf.per_output, sf.correction) == (1, 1)
+
+    ce = F.cross_entropy(torch.randn(4, 3, requires_grad=True), torch.full((4,), -100))
+    _, (ev,) = graph_evidence(ce.grad_fn, output=ce)
+    sf = shortfall(ev)
+    assert ev.op == "aten.nll_loss_forward" and sf is not None and sf.all_ignored
+    assert sf.ignore_index == -100
+
+
+def test_graph_evidence_stays_silent_on_healthy_loss_code() -> None:
+    x = torch.rand(4, 3, requires_grad=True)
+    mask = torch.ones(4, 3)
+    loss = (x * mask).sum() / mask.sum() + x.std(0).sum() + torch.acos(x.clamp(-1, 1)).mean()
+    loss = loss + F.cross_entropy(x, torch.tensor([0, -100, 2, 1]))
+    names, events = graph_evidence(loss.grad_fn, output=loss)
+    assert events == [] and "div" in names and "acos" in names
+
+
+# ====================================================================== classify
+
+
+def test_a_division_by_zero_is_never_called_an_overflow() -> None:
+    den = counted(0.0, 0.0, numel=1, zeros=1)
+    guessed = event("aten.div", "NaN, +inf, -inf", [("other", den)])
+    assert classify(guessed) == "div"
+    by_scalar = event(
+        "aten.div.Tensor", "+inf", [("self", counted(1.0, 2.0))], scalars={"other": 0}
+    )
+    assert classify(by_scalar) == "div"
+    tiny = event(
+        "aten.div.Tensor", "+inf", [("self", counted(1e30, 3e38)), ("other", counted(1e-3, 1.0))]
+    )
+    assert classify(tiny) == "overflow"
+
+
+# ====================================================================== NW113
+
+
+def nll_event(*, target: TensorStat, total: float, weight: TensorStat | None = None) -> OpEvent:
+    inputs = [("self", counted(-3.2, -0.4, numel=40))]
+    if weight is not None:
+        inputs.append(("weight", weight))
+    return event(
+        "aten.nll_loss_forward.default",
+        "NaN",
+        inputs,
+        path="CrossEntropyLoss",
+        scalars={"reduction": 1, "ignore_index": -100},
+        other_inputs=[("target", target)],
+        outputs=[
+            ("output", counted(NAN, NAN, numel=1, nan=1)),
+            ("total_weight", counted(total, total, numel=1, zeros=int(total == 0))),
+        ],
+        code="loss = crit(logits.view(-1, 5), y.view(-1))",
+    )
+
+
+def test_nw113_every_target_ignored() -> None:
+    ev = nll_event(target=stat(-100.0, -100.0, numel=40), total=0.0)
+    d = top(module_trace(ev, path="CrossEntropyLoss", module_type="CrossEntropyLoss"))
+    assert d.code == "NW113" and d.op == "aten.nll_loss_forward"
+    assert "all 40 targets equal ignore_index=-100" in text(d)
+    assert "reduction='sum'" in d.fix and "(y != -100).sum().clamp_min(1)" in d.fix
+    assert "F.cross_entropy" in d.fix
+    no_placeholder(d)
+
+
+def test_nw113_class_weights_that_sum_to_zero() -> None:
+    ev = nll_event(
+        target=stat(0.0, 1.0, numel=40), total=0.0, weight=counted(0.0, 1.0, numel=5, zeros=2)
+    )
+    d = top(module_trace(ev, path="CrossEntropyLoss", module_type="CrossEntropyLoss"))
+    assert d.code == "NW113"
+    assert "class weights of this batch's targets sum to 0" in text(d)
+    assert "w[y].sum()" in d.fix
+
+
+def test_nw113_unbiased_std_of_one_sample_rewrites_the_users_call() -> None:
+    ev = event(
+        "aten.std.correction",
+        "NaN",
+        [("self", counted(-0.7, 0.5, numel=5))],
+        scalars={"correction": 1},
+        out_numel=5,
+        code="return (x - x.mean(0)) / x.std(0)",
+    )
+    d = top(module_trace(ev))
+    assert d.code == "NW113" and d.op == "aten.std.correction"
+    assert "reduced 1 element into each output" in text(d) and "N - correction = 0" in text(d)
+    assert "return (x - x.mean(0)) / (x.std(0, correction=0) + 1e-5)" in d.fix
+
+
+def test_nw113_variance_with_a_correction_larger_than_the_count() -> None:
+    ev = event(
+        "aten.var.correction",
+        "NaN, +inf",
+        [("self", counted(-1.0, 2.0, numel=6))],
+        scalars={"correction": 3},
+        out_numel=3,
+    )
+    d = top(module_trace(ev))
+    assert d.code == "NW113" and "correction=3" in text(d) and "N - correction = -1" in text(d)
+
+
+def test_nw113_mean_of_an_empty_selection() -> None:
+    ev = event(
+        "aten.mean.default",
+        "NaN",
+        [],
+        other_inputs=[("self", TensorStat(0.0, 0.0, 0, nan=0, posinf=0, neginf=0, zeros=0))],
+        code="loss = per_tok[mask].mean()",
+    )
+    d = top(module_trace(ev))
+    assert d.code == "NW113" and "(0 values)" in text(d)
+    assert "clamp_min(1)" in d.fix and "was: loss = per_tok[mask].mean()" in d.fix
+
+
+def test_nw113_stays_silent_when_the_count_was_not_zero() -> None:
+    enough = event(
+        "aten.std.correction",
+        "NaN",
+        [("self", counted(-0.7, 0.5, numel=10))],
+        scalars={"correction": 1},
+        out_numel=5,
+    )
+    assert shortfall(enough) is None
+    summed = nll_event(target=stat(-100.0, -100.0, numel=40), total=0.0)
+    summed.scalars["reduction"] = 2
+    assert shortfall(summed) is None
+    weighed = nll_event(target=stat(-100.0, 3.0, numel=40), total=12.0)
+    assert shortfall(weighed) is None
+    for ev in (enough, summed, weighed):
+        assert "NW113" not in [d.code for d in diagnose(module_trace(ev))]
+
+
+# ====================================================================== NW114
+
+
+def test_nw114_acos_of_a_cosine_rounded_above_one() -> None:
+    ev = event(
+        "aten.acos.default",
+        "NaN",
+        [("self", counted(0.2, 1.0000002, numel=8))],
+        scalars={"n_outside": 3},
+        out_numel=8,
+        code="return torch.acos(cos)  # angle",
+        path="angle",
+    )
+    d = top(module_trace(ev, path="angle", module_type="Angular"))
+    assert d.code == "NW114" and d.op == "aten.acos" and d.path == "angle"
+    assert "acos is defined on [-1, 1]: 3 of its 8 inputs lie outside" in text(d)
+    assert "max 1.0000002 (8 values)" in text(d)  # not "max 1": the digits that matter
+    assert "is 2e-07 above 1: 2 float32 rounding steps" in text(d)
+    assert "eps = torch.finfo(torch.float32).eps" in d.fix
+    assert "return torch.acos(cos.clamp(-1 + eps, 1 - eps))" in d.fix
+    no_placeholder(d)
+
+
+def test_nw114_eps_comes_from_the_dtype() -> None:
+    ev = event(
+        "aten.atanh.default",
+        "+inf",
+        [("self", counted(-0.5, 1.0, numel=8))],
+        scalars={"n_edge": 1},
+        dtype="bfloat16",
+        out_numel=8,
+    )
+    d = top(module_trace(ev, dtype="bfloat16"))
+    bf16 = dtype_limits("bfloat16")
+    assert bf16 is not None
+    assert d.code == "NW114" and "finfo(torch.bfloat16)" in d.fix
+    assert f"{bf16.eps:.3g}" in d.fix and "(-1, 1)" in text(d) and "±inf at ±1" in text(d)
+    assert "1 of its 8 inputs sit exactly on an endpoint" in text(d)
+    assert "rounding step" not in text(d)  # exactly 1 is a saturated value, not 0 steps past
+
+
+def test_nw114_poles_of_the_gamma_family() -> None:
+    ev = event(
+        "aten.lgamma.default",
+        "+inf",
+        [("self", counted(0.0, 3.5, numel=16, zeros=2))],
+        scalars={"n_pole": 2},
+        code="lp = torch.lgamma(alpha)",
+    )
+    d = top(module_trace(ev))
+    assert d.code == "NW114" and "2 of its 16 inputs sit on a pole" in text(d)
+    assert "softplus" in d.fix and "torch.lgamma(alpha.clamp_min(eps))" in d.fix
+
+
+@pytest.mark.parametrize("dom", [d for d in _domains.domains() if d.family != "log"])
+def test_nw114_fires_for_every_function_of_the_table(dom: _domains.Domain) -> None:
+    bad = dom.hi + 0.5 if math.isfinite(dom.hi) else (dom.lo - 0.5 if math.isfinite(dom.lo) else 0)
+    assert dom.outside_of(bad)
+    ev = event(
+        f"aten.{dom.name}.default", "NaN", [(dom.arg, counted(min(bad, 0.5), max(bad, 0.5)))]
+    )
+    assert outside_domain(ev) is not None
+    d = top(module_trace(ev))
+    assert d.code == "NW114" and dom.name in d.evidence[0]
+    assert d.fix.strip() and d.explanation.strip()
+    no_placeholder(d)
+
+
+def test_nw114_stays_silent_inside_the_domain() -> None:
+    ev = event("aten.acos.default", "NaN", [("self", counted(-1.0, 1.0))])
+    assert outside_domain(ev) is None
+    assert top(module_trace(ev)).code == "NW100"
+
+
+def test_nw110_reads_the_log_argument_of_xlogy() -> None:
+    ev = event(
+        "aten.xlogy.Tensor",
+        "-inf",
+        [("self", counted(0.5, 3.0)), ("other", counted(0.0, 1.0, zeros=4))],
+    )
+    d = top(module_trace(ev))
+    assert d.code == "NW110"
+    assert "its input holds 4 exact zeros" in text(d) and "min 0, max 1" in text(d)
+
+
+def test_logit_is_a_domain_error_not_a_log_of_zero() -> None:
+    ev = event("aten.logit.default", "+inf", [("self", counted(0.1, 1.0))], scalars={"n_edge": 1})
+    d = top(module_trace(ev))
+    assert d.code == "NW114" and "torch.logit(p, eps=eps)" in d.fix
+
+
+# ====================================================================== NW100 with an op
+
+
+def test_catch_all_with_a_known_op_shows_the_op_and_does_not_ask_to_name_it() -> None:
+    ev = event(
+        "aten.special_zeta.default",
+        "NaN",
+        [("self", counted(0.3, 2.0, numel=8)), ("other", counted(1.0, 4.0, numel=8))],
+        out_numel=8,
+        code="z = torch.special.zeta(s, q)",
+    )
+    d = top(module_trace(ev))
+    assert d.code == "NW100" and d.op == "aten.special_zeta" and d.source == "model.py:7"
+    assert "aten.special_zeta made NaN in float32 from finite inputs" in text(d)
+    assert "input self: min 0.3, max 2" in text(d)
+    assert "forensic" not in d.fix and "detect_anomaly" not in d.fix
+    assert "bad = ~torch.isfinite(z)" in d.fix and "print(s[bad])" in d.fix
+    no_placeholder(d)
+
+
+def test_catch_all_without_an_op_still_says_how_to_name_it() -> None:
+    b = TraceBuilder(1)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0))
+    b.forward(net, counted(NAN, NAN, nan=2))
+    d = top(b.build())
+    assert d.code == "NW100" and d.op is None and "forensic" in d.fix
+
+
+# ====================================================================== NW101
+
+
+def exp_event(dtype: str, top_value: float, **kw: Any) -> OpEvent:
+    return event("aten.exp.default", "+inf", [("self", counted(1.0, top_value))], dtype=dtype, **kw)
+
+
+def test_nw101_float32_exp_clamps_the_argument_from_the_dtypes_bound() -> None:
+    ev = exp_event("float32", 100.8, code="z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)")
+    d = top(module_trace(ev, path="VAE", module_type="VAE"))
+    fp32 = dtype_limits("float32")
+    assert fp32 is not None
+    cap = math.floor(fp32.exp_bound / 2 * 10) / 10
+    assert d.code == "NW101" and "100.8" in text(d) and "values themselves exploded" in text(d)
+    assert f"torch.exp((0.5 * logvar).clamp(max={cap}))" in d.fix
+    assert "softplus" in d.fix
+    assert "autocast" not in d.fix and ".float()" not in d.fix and "amax" not in d.fix
+    no_placeholder(d)
+
+
+def test_nw101_float64_bound_is_float64s() -> None:
+    ev = exp_event("float64", 800.0, code="y = t.exp()")
+    d = top(module_trace(ev, dtype="float64"))
+    assert d.code == "NW101" and "y = t.clamp(max=354.8).exp()" in d.fix
+
+
+def test_nw101_low_precision_still_upcasts() -> None:
+    ev = exp_event("float16", 11.5, code="e = logits.exp()")
+    d = top(module_trace(ev, dtype="float16"))
+    assert d.code == "NW101" and "e = logits.float().exp()" in d.fix
+
+
+def test_nw101_stable_softmax_only_when_the_exp_is_normalized() -> None:
+    ex = exp_event("float32", 95.0, code="e = scores.exp()")
+    div = event(
+        "aten.div.Tensor",
+        "NaN",
+        [("self", counted(0.0, INF, posinf=2)), ("other", counted(1.0, INF, posinf=1))],
+        cause=ex,
+        code="p = e / e.sum(-1, keepdim=True)",
+    )
+    d = top(module_trace(div))
+    assert d.code == "NW101" and "amax" in d.fix and "clamp(max=" not in d.fix
+
+
+def test_nw101_float32_matmul_bounds_the_values_and_uses_no_autocast() -> None:
+    mm = event(
+        "aten.addmm.default",
+        "+inf",
+        [("self", counted(-0.1, 0.1)), ("mat1", counted(0.0, 2e38)), ("mat2", counted(0.0, 3.0))],
+        code="out, _ = self.rnn(x)",
+    )
+    plain = top(module_trace(mm, path="enc.block", module_type="Linear"))
+    assert plain.code == "NW101" and "autocast" not in plain.fix and "cuda" not in plain.fix
+    assert "clip_grad_norm_" in plain.fix and "LayerNorm" in plain.fix
+    assert "2e+38" in text(plain) and "59% of the float32 limit" in text(plain)
+    rnn = top(module_trace(mm, path="enc.rnn", module_type="RNN"))
+    assert "model.enc.rnn.named_parameters()" in rnn.fix and "orthogonal_" in rnn.fix
+    assert "weight_hh" in rnn.explanation
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+def test_nw101_low_precision_code_names_the_ops_device(device: str) -> None:
+    mm = event(
+        "aten.mm.default",
+        "+inf",
+        [("self", counted(-300.0, 300.0)), ("mat2", counted(-300.0, 300.0))],
+        dtype="float16",
+        device=device,
+    )
+    d = top(module_trace(mm, dtype="float16"))
+    kind = device.split(":", maxsplit=1)[0]
+    assert f"device_type='{kind}'" in d.fix
+    assert ("cuda" in d.fix) == (kind == "cuda")
+
+
+def test_nw101_generic_op_has_no_placeholder() -> None:
+    ev = event(
+        "aten.cumprod.default",
+        "+inf",
+        [("self", counted(1.0, 300.0))],
+        dtype="float16",
+        code="g = torch.cumprod(r, dim=1)",
+    )
+    d = top(module_trace(ev, dtype="float16"))
+    assert d.code == "NW101" and "torch.cumprod(r.float(), dim=1)" in d.fix
+    no_placeholder(d)
+
+
+def test_rewrite_call_finds_the_argument_of_method_and_function_forms() -> None:
+    def clip(e: str) -> str:
+        return f"clip({e})"
+
+    assert rewrite_call("y = torch.special.erfinv(2 * p - 1)", ["erfinv"], clip) == (
+        "y = torch.special.erfinv(clip(2 * p - 1))"
+    )
+    assert rewrite_call("y = f(x).acos() + 1", ["acos"], clip) == "y = clip(f(x)).acos() + 1"
+    assert rewrite_call("y = myacos(x)", ["acos"], clip) is None
+
+
+# ====================================================================== end to end
+
+
+def run(model: nn.Module, step: Any, *args: Any) -> tuple[Diagnosis | None, StepTrace | None]:
+    """Run ``step`` under watch (on_anomaly='record'); the anomaly step's top diagnosis."""
+    with nanwatch.watch(*((model, *args)), on_anomaly="record") as nw:
+        for i in range(3):
+            step(i)
+            nw.step()
+    bad = [t for t in nw.history if t.anomaly is not None or t.diagnoses]
+    if not bad:
+        return None, None
+    t = bad[0]
+    return (t.diagnoses[0] if t.diagnoses else None), t
+
+
+class Tagger(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def test_e2e_cross_entropy_over_a_batch_of_only_padding_is_nw113() -> None:
+    torch.manual_seed(0)
+    model, crit = Tagger(), nn.CrossEntropyLoss()
+
+    def step(i: int) -> None:
+        ids = torch.randint(0, 20, (3, 4))
+        y = torch.randint(0, 5, (3, 4))
+        if i == 2:
+            y[:] = -100
+        crit(model(ids).view(-1, 5), y.view(-1)).backward()
+
+    d, t = run(model, step, crit)
+    assert d is not None and t is not None and t.step == 2
+    assert d.code == "NW113" and d.path == "CrossEntropyLoss" and d.op == "aten.nll_loss_forward"
+    assert "all 12 targets equal ignore_index=-100" in text(d)
+    assert "ignore_index=-100, reduction='sum'" in d.fix
+
+
+def test_e2e_partly_ignored_targets_are_healthy() -> None:
+    torch.manual_seed(0)
+    model, crit = Tagger(), nn.CrossEntropyLoss()
+
+    def step(i: int) -> None:
+        y = torch.randint(0, 5, (3, 4))
+        y[0] = -100
+        crit(model(torch.randint(0, 20, (3, 4))).view(-1, 5), y.view(-1)).backward()
+
+    assert run(model, step, crit) == (None, None)
+
+
+class Standardize(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(0)) / x.std(0)
+
+
+def test_e2e_std_over_a_batch_of_one_is_nw113() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Standardize(), nn.Linear(4, 1))
+
+    def step(i: int) -> None:
+        model(torch.randn(1 if i == 1 else 6, 4)).pow(2).mean().backward()
+
+    with pytest.warns(UserWarning, match="degrees of freedom"):
+        d, t = run(model, step)
+    assert d is not None and t is not None and t.step == 1
+    assert d.code == "NW113" and d.path == "1" and d.op == "aten.std.correction"
+    assert "N - correction = 0" in text(d) and "correction=0" in d.fix
+
+
+def test_e2e_masked_mean_in_loss_code_is_nw113_and_sum_over_count_is_nw111() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(6, 1)
+
+    def empty_mean(i: int) -> None:
+        per = model(torch.randn(5, 6)).squeeze(-1).pow(2)
+        keep = torch.rand(5) > (0.3 if i < 2 else 2.0)
+        per[keep].mean().backward()
+
+    d, _ = run(model, empty_mean)
+    assert d is not None and d.code == "NW113" and d.path == "(loss)" and d.op == "aten.mean"
+    assert "(0 values)" in text(d)
+
+    def sum_over_count(i: int) -> None:
+        per = model(torch.randn(5, 6)).squeeze(-1).pow(2)
+        mask = (torch.rand(5) > (0.3 if i < 2 else 2.0)).float()
+        ((per * mask).sum() / mask.sum()).backward()
+
+    d, _ = run(model, sum_over_count)
+    assert d is not None and d.code == "NW111" and d.path == "(loss)" and d.op == "aten.div"
+    assert "0/0 = NaN" in text(d) and "denominator holds 1 exact zero" in text(d)
+    no_placeholder(d)
+
+
+def test_e2e_masked_mean_with_a_clamped_count_is_healthy() -> None:
+    model = nn.Linear(6, 1)
+
+    def step(i: int) -> None:
+        per = model(torch.randn(5, 6)).squeeze(-1).pow(2)
+        mask = torch.zeros(5)
+        ((per * mask).sum() / mask.sum().clamp_min(1)).backward()
+
+    assert run(model, step) == (None, None)
+
+
+class Angular(nn.Module):
+    def __init__(self, clamp: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.clamp = clamp
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        cos = F.cosine_similarity(self.proj(a), self.proj(b), dim=-1) * 1.0000001 + 1e-7
+        if self.clamp:
+            eps = torch.finfo(cos.dtype).eps
+            cos = cos.clamp(-1 + eps, 1 - eps)
+        return torch.acos(cos)
+
+
+def test_e2e_acos_of_a_rounded_cosine_is_nw114_and_the_clamped_one_is_healthy() -> None:
+    torch.manual_seed(0)
+    a = torch.randn(6, 4)
+    model = Angular(clamp=False)
+    d, _ = run(model, lambda i: model(a, a.clone()).mean().backward())
+    assert d is not None and d.code == "NW114" and d.path == "Angular" and d.op == "aten.acos"
+    assert re.search(r"\d+ of its 6 inputs lie outside", text(d))
+    assert re.search(r"max 1\.000000\d+", text(d))
+    assert ".clamp(-1 + eps, 1 - eps))" in d.fix
+
+    safe = Angular(clamp=True)
+    assert run(safe, lambda i: safe(a, a.clone()).mean().backward()) == (None, None)
+
+
+def test_e2e_a_domain_error_in_loss_code_is_read_from_the_graph() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh())
+
+    def step(i: int) -> None:
+        p = model(torch.randn(4, 3))
+        torch.atanh(p.sign() * (1.0 if i == 1 else 0.5)).sum().backward()
+
+    d, t = run(model, step)
+    assert d is not None and t is not None and t.step == 1
+    assert d.code == "NW114" and d.path == "(loss)" and d.op == "aten.atanh"
+    assert "8 of its 8 inputs sit exactly on an endpoint" in text(d)
+
+
+class VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(6, 4)
+        self.dec = nn.Linear(2, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, logvar = self.enc(x).chunk(2, -1)
+        return self.dec(mu + torch.randn_like(mu) * torch.exp(0.5 * logvar))
+
+
+def test_e2e_float32_exp_overflow_clamps_the_argument() -> None:
+    torch.manual_seed(0)
+    model = VAE()
+    with torch.no_grad():
+        model.enc.bias[2:] = 200.0
+    x = torch.randn(8, 6)
+    d, _ = run(model, lambda i: F.mse_loss(model(x), x).backward())
+    assert d is not None and d.code == "NW101" and d.path == "VAE" and d.op == "aten.exp"
+    m = re.search(r"largest value is ([\d.]+); exp overflows above 88.72", text(d))
+    assert m is not None and 95 < float(m.group(1)) < 110  # 0.5 * (200 + a small x @ W)
+    assert "torch.exp((0.5 * logvar).clamp(max=44.3))" in d.fix
+    assert "autocast" not in d.fix and "amax" not in d.fix
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.RNN(4, 16, batch_first=True, nonlinearity="relu")
+        self.fc = nn.Linear(16, 1)
+        with torch.no_grad():
+            self.rnn.weight_hh_l0.copy_(torch.eye(16) * 4.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+def test_e2e_float32_rnn_explosion_points_at_the_recurrent_weights() -> None:
+    torch.manual_seed(0)
+    model = Recurrent()
+    d, _ = run(model, lambda i: model(torch.rand(2, 80, 4)).pow(2).mean().backward())
+    assert d is not None and d.code == "NW101" and d.path == "rnn"
+    assert "at step 0, before any optimizer update" in text(d)
+    assert "model.rnn.named_parameters()" in d.fix and "orthogonal_" in d.fix
+    assert "autocast" not in d.fix and "cuda" not in d.fix
+
+
+def test_every_new_code_is_registered_with_the_next_free_numbers() -> None:
+    assert REGISTRY["NW113"].title == "Mean or variance over too few elements"
+    assert REGISTRY["NW114"].title == "Function outside its domain"
+    assert REGISTRY["NW110"].title == "Log of zero or of a negative number"  # unchanged
+
+
+def test_nw101_without_an_op_or_a_line_names_the_module_and_its_device() -> None:
+    b = TraceBuilder(1)
+    net = b.call("Net", root=True)
+    x = b.input(net, stat(-1.0, 1.0), dtype="float16")
+    blk = b.call("enc.ffn", "FFN", parent=net)
+    b.input(blk, source=x, dtype="float16")
+    b.forward(blk, counted(-1.0, INF, posinf=3), dtype="float16")
+    d = top(b.build())
+    assert d.code == "NW101" and d.op is None
+    assert (
+        "model.enc.ffn.float()" in d.fix and "torch.autocast('cpu', dtype=torch.bfloat16)" in d.fix
+    )
+    no_placeholder(d)
+    assert "..." not in d.fix
+
+    ev = event("aten.cumsum.default", "+inf", [("self", counted(0.0, 9000.0))], dtype="float16")
+    d = top(module_trace(ev, path="enc.ffn", dtype="float16"))
+    assert d.code == "NW101" and "call cumsum on .float() inputs" in d.fix
+    assert "model.enc.ffn's forward" in d.fix
+    no_placeholder(d)
+
+
+def test_catch_all_for_a_backward_op_with_its_forward_line_does_not_ask_for_it() -> None:
+    ev = event(
+        "aten.mul.Tensor",
+        "NaN",
+        [("self", counted(0.0, INF, posinf=1)), ("other", counted(0.0, 0.0, zeros=4))],
+        code="y = torch.special.i1e(x)",
+    )
+    ev.phase, ev.node = Phase.BACKWARD, "SpecialI1EBackward0"
+    d = top(module_trace(ev))
+    assert d.code == "NW100" and "detect_anomaly" not in d.fix and "forensic" not in d.fix
+    assert "SpecialI1EBackward0 is the backward of the forward op at model.py:7" in d.fix
+
+
+@pytest.mark.parametrize("in_module", [True, False])
+def test_e2e_a_loss_over_an_empty_selection_is_nw113(in_module: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(6, 2)
+    crit = nn.SmoothL1Loss()
+    loss_fn = crit if in_module else F.smooth_l1_loss
+
+    def step(i: int) -> None:
+        p = model(torch.randn(4, 6))
+        keep = torch.rand(4) > (0.2 if i < 2 else 2.0)  # step 2: nothing selected
+        loss_fn(p[keep], torch.zeros_like(p[keep])).backward()
+
+    d, t = run(model, step, *([crit] if in_module else []))
+    assert d is not None and t is not None and t.step == 2
+    assert d.code == "NW113" and d.op is not None and d.op.startswith("aten.smooth_l1_loss")
+    assert d.path == ("SmoothL1Loss" if in_module else "(loss)")
+    assert "with reduction='mean' of an empty tensor (0 values)" in text(d)
+    assert "F.smooth_l1_loss(pred, y, reduction='sum') / max(pred.numel(), 1)" in d.fix
+
+
+def test_a_loss_with_reduction_sum_over_nothing_is_not_nw113() -> None:
+    empty = TensorStat(0.0, 0.0, 0, nan=0, posinf=0, neginf=0, zeros=0)
+    ev = event("aten.mse_loss.default", "NaN", [], other_inputs=[("self", empty)])
+    assert shortfall(ev) is not None  # the schema default: reduction=mean
+    ev.scalars["reduction"] = 2
+    assert shortfall(ev) is None
+
+
+def test_nw114_backward_of_acos_at_an_endpoint_replaces_the_exact_clamp() -> None:
+    ev = event(
+        "aten.rsqrt.default",
+        "+inf",
+        [("self", counted(0.0, 2.4e-07, numel=6, zeros=4))],
+        code="return torch.acos(cos.clamp(-1, 1))",
+    )
+    ev.phase, ev.node = Phase.BACKWARD, "AcosBackward0"
+    assert classify(ev) == "domain"  # not NW112's sqrt: the rsqrt is acos's derivative
+    d = top(module_trace(ev))
+    assert d.code == "NW114" and d.op == "aten.rsqrt"
+    assert "the forward acos was given values on the edge of [-1, 1]" in text(d)
+    assert "-1/sqrt(1 - x²)" in text(d)
+    assert "return torch.acos(cos.clamp(-1 + eps, 1 - eps))" in d.fix
+
+
+class ClampedAngle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        cos = F.cosine_similarity(self.proj(a), self.proj(b), dim=-1)
+        return torch.acos(cos.clamp(-1, 1))  # finite forward, infinite gradient at 1
+
+
+@pytest.mark.parametrize("mode", ["watch", "forensic"])
+def test_e2e_acos_clamped_exactly_to_one_is_nw114_in_backward(mode: str) -> None:
+    torch.manual_seed(0)
+    model = ClampedAngle()
+    a = torch.randn(6, 4)
+    with nanwatch.watch(model, on_anomaly="record", mode=mode) as nw:
+        model(a, a.clone()).mean().backward()
+        nw.step()
+    t = next(t for t in nw.history if t.anomaly is not None)
+    d = t.diagnoses[0]
+    assert d.code == "NW114" and d.phase == "backward" and d.path == "ClampedAngle"
+    assert "-1/sqrt(1 - x²)" in text(d)
+    assert "clamp(-1 + eps, 1 - eps)" in d.fix
+    if mode == "watch":  # untraced: read from the output, acos(1) = 0
+        assert d.op is None and "made by AcosBackward0 (acos) and holds 0" in text(d)
+    else:
+        assert d.op == "aten.rsqrt" and "AcosBackward0" in text(d)
