@@ -714,6 +714,31 @@ def test_sqrt_backward_from_the_op_checker() -> None:
     assert "vector_norm" in d.fix
 
 
+def test_a_fractional_power_at_zero_in_backward_keeps_its_base_off_zero() -> None:
+    # a focal-style (1 - p) ** 0.5 at p == 1: the fix is for the power, not a distance
+    e = ev(
+        "aten.pow.Tensor_Scalar",
+        "+inf",
+        [("self", counted(0.0, 1.0, zeros=10))],
+        phase=Phase.BACKWARD,
+        node="PowBackward0",
+        path="loss",
+    )
+    e.scalars["exponent"] = 0.5
+    b = TraceBuilder(2)
+    net = b.call("Net", root=True)
+    x = b.input(net, stat(-1.0, 1.0))
+    out = b.forward(net, stat(0.0, 1.0), grad_fn="PowBackward0")
+    b.backward(out, stat(0.06, 0.06))
+    b.backward(x, counted(NAN, NAN, nan=8))
+    t = b.build()
+    assert t.anomaly is not None
+    t.anomaly.op = e
+    d = Case(t).get("NW112")
+    assert "x.clamp_min(eps) ** 0.5" in d.fix and "finfo(torch.float32)" in d.fix
+    assert "vector_norm" not in d.fix
+
+
 # ------------------------------------------------------------------ NW2xx losses
 
 

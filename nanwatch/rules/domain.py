@@ -277,7 +277,11 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         **op_fields(ev, a),
         evidence=evidence,
         explanation=_ROOT_BACKWARD if backward else _root_forward_text(e),
-        fix=_ROOT_FIX_BACKWARD if backward else _root_forward_fix(e),
+        fix=(
+            _root_backward_fix(node_base(ev.node), e, ev.dtype)
+            if backward
+            else _root_forward_fix(e)
+        ),
     )
 
 
@@ -294,6 +298,20 @@ _ROOT_FIX_BACKWARD = (
     "d = F.pairwise_distance(a, b)                  # adds eps=1e-6 inside\n"
     "d = ((a - b) ** 2).sum(-1).clamp_min(1e-12).sqrt()   # keep the sqrt off exact 0"
 )
+
+
+def _root_backward_fix(node: str, e: object, dtype: str | None) -> str:
+    """The fix for an infinite derivative at 0: a power keeps its base off 0; a sqrt of a
+    squared distance becomes a norm whose gradient at 0 is defined."""
+    if node == "Pow" and isinstance(e, (int, float)) and not isinstance(e, bool):
+        dt = f"torch.{dtype}" if dtype else "x.dtype"
+        return (
+            f"eps = torch.finfo({dt}).eps\n"
+            f"y = x.clamp_min(eps) ** {e}   # was x ** {e}: its gradient {e}·x^({e} - 1) is "
+            "inf at 0\n"
+            "# a focal-style (1 - p) ** gamma: (1 - p).clamp_min(eps) ** gamma"
+        )
+    return _ROOT_FIX_BACKWARD
 
 
 def _root_forward_text(e: object) -> str:
