@@ -101,3 +101,41 @@ def test_python_dash_m_nanwatch_run_in_a_subprocess(tmp_path: Path) -> None:
     assert "GuardError" in out.stderr
     assert "did you mean ignore_index=255" in out.stderr
     assert any(p.suffix == ".json" for p in tmp_path.iterdir())
+
+
+def test_run_lets_the_scripts_own_exception_out_unchanged_and_leaves_a_report(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "train_oops.py"
+    script.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "model = nn.Linear(3, 1)\n"
+        "for step in range(3):\n"
+        "    model(torch.randn(4, 3)).sum().backward()\n"
+        "    if step == 1:\n"
+        "        raise KeyError('lr_scheduler')  # the script's own bug\n"
+    )
+    reports = tmp_path / "reports"
+    with pytest.raises(KeyError, match="lr_scheduler") as info:
+        cli.main(["run", "--report-dir", str(reports), str(script)])
+    assert info.traceback[-1].path == script  # raised where the script raised it
+    assert sorted(p.suffix for p in reports.iterdir()) == [".html", ".json"]
+    out = _nanwatch("run", "--report-dir", str(reports), str(script))
+    assert out.returncode == 1
+    assert out.stderr.rstrip().endswith("KeyError: 'lr_scheduler'")
+    assert 'train_oops.py", line 7' in out.stderr
+
+
+@pytest.mark.parametrize(("mode", "every"), [("sentinel", "1"), ("watch", "3")])
+def test_run_passes_mode_and_sample_every_to_the_watcher(
+    tmp_path: Path, mode: str, every: str
+) -> None:
+    import json
+
+    with pytest.raises(AnomalyError):
+        cli.main(["run", "--mode", mode, "--sample-every", every, "--report-dir",
+                  str(tmp_path), str(EXAMPLES / "train_nan.py")])
+    (saved,) = tmp_path.glob("*.json")
+    data = json.loads(saved.read_text())
+    assert data["config"]["mode"] == mode and data["config"]["sample_every"] == int(every)
