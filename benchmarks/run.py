@@ -92,6 +92,13 @@ class WorkloadResult:
     recorder: dict[str, tuple[float, int]] = field(default_factory=dict)  # bytes/step, records
     seconds: float = 0.0
     timing_s: float = 0.0
+    #: where watch's overhead goes (benchmarks.hook_cost.split), when a target failed
+    split: Any = None
+    #: aten ops per step (forward, backward and optimizer): forensic checks each of them
+    aten_ops: int | None = None
+    #: µs of one aminmax of a 1 MiB activation just written by a Linear, and of the same
+    #: tensor read again (cache-hot)
+    read_us: tuple[float, float] | None = None
 
 
 @dataclass
@@ -393,6 +400,104 @@ def _measure_compile(name: str, opts: Options, backend: str, rounds: int) -> Com
 # ---------------------------------------------------------------------------- report
 
 
+def count_aten_ops(name: str, opts: Options) -> int:
+    """The aten ops one training step of ``name`` runs (forward, backward, optimizer step):
+    forensic mode checks the outputs of each one."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    w = build(name, quick=opts.quick, seed=opts.seed)
+    w.step()
+    with Count():
+        w.step()
+    return Count.n
+
+
+def read_cost(repeats: int = 50) -> tuple[float, float]:
+    """µs of ``torch.aminmax`` on a 1 MiB float32 activation right after a Linear wrote it
+    (as in a training step), and on the same tensor read again (cache-hot): medians."""
+    lin, x = torch.nn.Linear(1024, 1024), torch.randn(256, 1024)
+    cold: list[float] = []
+    hot: list[float] = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            y = lin(x)
+            t0 = time.perf_counter()
+            torch.aminmax(y)
+            t1 = time.perf_counter()
+            torch.aminmax(y)
+            t2 = time.perf_counter()
+            cold.append(t1 - t0)
+            hot.append(t2 - t1)
+    return sorted(cold)[repeats // 2] * 1e6, sorted(hot)[repeats // 2] * 1e6
+
+
+def explain(results: Sequence[WorkloadResult], opts: Options) -> None:
+    """For every workload with a failed target, measure where the overhead goes: the
+    statistics kernels alone over exactly the tensors ``watch`` measures, the rest, and the
+    aten ops forensic mode checks."""
+    from benchmarks.hook_cost import split
+
+    for r in results:
+        failed = [cells.get(r.name, "") for _, cells in targets([r])]
+        if not any(c.startswith("FAIL") for c in failed):
+            continue
+        if "watch" in r.cells:
+            r.split = split(r.name, opts.quick, 1 if opts.quick else 3)
+            r.read_us = read_cost(5 if opts.quick else 50)
+        if "forensic" in r.cells:
+            r.aten_ops = count_aten_ops(r.name, opts)
+
+
+def why_markdown(results: Sequence[WorkloadResult]) -> list[str]:
+    """The 'why' of the failed targets, from the measurements of :func:`explain`."""
+    out: list[str] = []
+    for r in results:
+        sp = r.split
+        if sp is not None:
+            over = sp.watched_ms - sp.unwatched_ms
+            out.append(
+                f"- {r.name}, `watch`: {over:.1f} ms a step over {sp.unwatched_ms:.1f} ms "
+                f"(x{sp.watched_ms / sp.unwatched_ms:.3f} in this measurement). "
+                f"`torch.aminmax` over exactly the {sp.tensors} tensors watch reads a step "
+                f"({sp.elements / 1e6:.1f} M elements: every module output and output "
+                f"gradient it does not bound by an earlier record), timed alone outside "
+                f"training: {sp.aminmax_ms:.2f} ms ({100 * sp.aminmax_ms / sp.unwatched_ms:.1f}"
+                f"% of the unwatched step); the rest ({over - sp.aminmax_ms:.1f} ms) is the "
+                "gradient norms and the weight check (one read of every gradient and every "
+                "weight a step), the Python of the hooks, the records and the rules. The "
+                "first part is one read of each tensor, the floor for a tool that checks "
+                "every module's output and gradient"
+                + (
+                    f"; in a training step the tensor was just written and is read cold: "
+                    f"{r.read_us[0]:.0f} µs for a fresh 1 MiB activation against "
+                    f"{r.read_us[1]:.0f} µs for the same read cache-hot, measured here."
+                    if r.read_us is not None
+                    else "."
+                )
+            )
+        if r.aten_ops is not None:
+            c = r.cells.get("forensic")
+            out.append(
+                f"- {r.name}, `forensic`: {r.aten_ops} aten ops a step, each through a "
+                "Python TorchDispatchMode that reads its outputs and names the op and the "
+                f"line (x{c.ratio:.2f} here): the mode for a replay of the failing step "
+                "(`nw.replay`, the Lightning callback, `nanwatch run --mode forensic`), "
+                "not for leaving on; 5x below detect_anomaly is out of its reach by design."
+                if c is not None
+                else f"- {r.name}, `forensic`: {r.aten_ops} aten ops a step."
+            )
+    return out
+
+
 def source_digest() -> str:
     """A short hash of nanwatch's source as it was measured."""
     import hashlib
@@ -591,6 +696,10 @@ def render_markdown(
         "\nGPU targets (`watch` <= x1.05, `sentinel` <= x1.01 on a GPT-2-small-sized step): "
         + (gpu_summary(gpu) if gpu else "not measured in this run (no `--gpu`, or no CUDA).")
     )
+    why = why_markdown(results)
+    if why:
+        add("\n### Where the overhead goes, for the targets missed (measured in this run)\n")
+        out.extend(why)
     if any(r.memory or r.recorder for r in results):
         add("\n## Memory\n")
         method = next((r.memory_method for r in results if r.memory_method), "")
@@ -789,6 +898,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(default 60: the full run takes about 4 minutes on 2 cores; 0: no budget, --steps)",
     )
     p.add_argument(
+        "--no-why",
+        action="store_true",
+        help="skip measuring where the overhead goes when a target is missed",
+    )
+    p.add_argument(
         "--warmup",
         type=int,
         default=None,
@@ -914,7 +1028,13 @@ def main(argv: Sequence[str] | None = None) -> RunOutput:
                 f"[yellow]warning: other processes used {r.foreign_load:.2f} cores while {name} "
                 "was timed; its ratios are unreliable (--wait-quiet helps)"
             )
+    if not args.no_why:
+        with console.status("where the overhead goes ..."):
+            t1 = time.perf_counter()
+            explain(results, opts)
     walls = {"workloads": time.perf_counter() - t0}
+    if not args.no_why:
+        walls["why"] = time.perf_counter() - t1
     compile_res: list[CompileResult] = []
     if args.compile:
         for name in _split(args.compile_workloads, tuple(WORKLOADS), "workload"):
