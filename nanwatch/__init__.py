@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         ConfigError,
         GuardError,
         NanwatchError,
+        NanwatchWarning,
         ReportFormatError,
     )
     from nanwatch.records import (
@@ -54,6 +55,7 @@ _LAZY: dict[str, str] = {
     "ConfigError": "nanwatch.errors",
     "GuardError": "nanwatch.errors",
     "NanwatchError": "nanwatch.errors",
+    "NanwatchWarning": "nanwatch.errors",
     "ReportFormatError": "nanwatch.errors",
     "Anomaly": "nanwatch.records",
     "AnomalyKind": "nanwatch.records",
@@ -83,6 +85,7 @@ __all__ = [
     "Diagnosis",
     "GuardError",
     "NanwatchError",
+    "NanwatchWarning",
     "Note",
     "OpEvent",
     "Phase",

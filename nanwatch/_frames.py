@@ -136,19 +136,36 @@ def _short(filename: str) -> str:
     return filename if rel.startswith("..") else rel
 
 
+_NO_FRAME_REGISTRY: dict[str | tuple[str, type[Warning], int], int] = {}
+
+
 def warn_at_user(
-    message: str, category: type[Warning] = RuntimeWarning, *, safe: bool = False
+    message: str,
+    category: type[Warning] = RuntimeWarning,
+    *,
+    safe: bool = False,
+    where: str | None = None,
 ) -> None:
     """A warning that points at the user's line, wherever inside hooks it is raised.
 
     ``safe``: for nanwatch's own faults, which must never stop training: when warnings are
-    turned into errors (``-W error``), the message goes to stderr instead of raising."""
+    turned into errors (``-W error``), the message goes to stderr instead of raising.
+    ``where``: ``file.py:42``, the line to name when no user code is on the stack (a step
+    ended by ``nanwatch run`` after the script returned); never nanwatch's own line."""
     import warnings
 
     f = user_frame(sys._getframe(1))
     try:
         if f is None:
-            warnings.warn(message, category, stacklevel=2)
+            file, _, line = (where or "").rpartition(":")
+            warnings.warn_explicit(
+                message,
+                category,
+                file or "nanwatch",
+                int(line) if file and line.isdigit() else 0,
+                module="nanwatch",
+                registry=_NO_FRAME_REGISTRY,
+            )
             return
         registry = f.f_globals.setdefault("__warningregistry__", {})
         warnings.warn_explicit(

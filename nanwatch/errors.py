@@ -158,3 +158,16 @@ def _rebuild_guard_error(message: str, state: dict[str, Any]) -> GuardError:
     err = GuardError(message)
     err.__dict__.update(state)
     return err
+
+
+class NanwatchWarning(RuntimeWarning):
+    """An early warning: a diagnosis of ``warning`` severity (overflow headroom nearly gone,
+    logits growing toward the exp bound, a softmax fed to CrossEntropyLoss, ...), issued
+    once per code and watcher, pointing at your line. Silence one code with
+    ``watch(..., ignore=["NW103"])``, all of them with
+    ``warnings.filterwarnings("ignore", category=nanwatch.NanwatchWarning)``;
+    ``on_anomaly="record"`` issues none.
+    """
+
+
+NanwatchWarning.__module__ = "nanwatch"

@@ -39,7 +39,13 @@ from nanwatch import _frames, ops
 from nanwatch._compat import compiling
 from nanwatch._structure import iter_tensors
 from nanwatch.config import WatchConfig
-from nanwatch.errors import AnomalyError, ConfigError, GuardError, NanwatchError
+from nanwatch.errors import (
+    AnomalyError,
+    ConfigError,
+    GuardError,
+    NanwatchError,
+    NanwatchWarning,
+)
 from nanwatch.localize import is_trigger, localize, propagators, summarize
 from nanwatch.records import (
     LOSS_PATH,
@@ -412,6 +418,7 @@ class Watcher:
         self._param_types: list[str] = []  # the owner module's class, aligned with _params
         self._disabled_hooks: set[str] = set()
         self._disabled_rules: set[str] = set()
+        self._announced: set[str] = set()  # warning codes said once already
         self._opaque_warned: set[type] = set()
         self._checker: ops.OpChecker | None = None
         self._functional_guards: Any = None
@@ -1953,9 +1960,10 @@ class Watcher:
 
     def _act(self, trace: StepTrace) -> None:
         """Apply ``on_anomaly`` once per step, to a localized anomaly or an error-severity
-        diagnosis."""
+        diagnosis; say each early warning once."""
         if self._quiet or self._acted_step == trace.step:
             return
+        self._announce(trace)
         anomaly = trace.anomaly
         errors = [d for d in trace.diagnoses if d.severity == "error"]
         if anomaly is None and not errors:
@@ -1974,6 +1982,26 @@ class Watcher:
         if policy == "warn" and not self._warned:
             self._warned = True
             _frames.warn_at_user(message)
+
+    def _announce(self, trace: StepTrace) -> None:
+        """A :class:`nanwatch.NanwatchWarning` for each warning-severity code, the first time
+        it fires: an early warning nobody reads until the post-mortem is no warning."""
+        if self.config.on_anomaly == "record":
+            return
+        for d in trace.diagnoses:
+            if d.severity != "warning" or d.code in self._announced:
+                continue
+            self._announced.add(d.code)
+            lines = [f"nanwatch: step {trace.step}: {d.headline}"]
+            lines += [f"  {e}" for e in d.evidence[:2]]
+            if d.fix:
+                first, *more = d.fix.splitlines()
+                lines.append(f"  fix: {first}")
+                lines.extend(f"       {line}" for line in more[:3])
+            lines.append(f"  silence: {d.silence}")
+            _frames.warn_at_user(
+                "\n".join(lines), NanwatchWarning, safe=True, where=d.source
+            )
 
     def _message(self, trace: StepTrace) -> str:
         lines: list[str] = []

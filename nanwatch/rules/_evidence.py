@@ -735,15 +735,19 @@ _LOSS_NAMES = {
     "nllloss2d": "nll",
     "bcewithlogits": "bce_logits",
     "binarycrossentropywithlogits": "bce_logits",
+    "kldiv": "kldiv",
 }
 
 
 def loss_kind(name: str | None) -> str | None:
     """``BCELoss``/``F.binary_cross_entropy`` -> ``bce``; ``CrossEntropyLoss`` -> ``ce``;
-    ``NLLLoss``/``nll_loss`` -> ``nll``; ``BCEWithLogitsLoss`` -> ``bce_logits``.
+    ``NLLLoss``/``nll_loss`` -> ``nll``; ``BCEWithLogitsLoss`` -> ``bce_logits``;
+    ``KLDivLoss``/``F.kl_div`` -> ``kldiv``.
 
     >>> loss_kind("F.cross_entropy"), loss_kind("NLLLoss"), loss_kind("MSELoss")
     ('ce', 'nll', None)
+    >>> loss_kind("F.kl_div"), loss_kind("KLDivLoss")
+    ('kldiv', 'kldiv')
     """
     if not name:
         return None

@@ -346,7 +346,8 @@ def softmax_nll(ctx: RuleContext) -> Iterator[Diagnosis]:
     severity="warning",
     summary=(
         "CrossEntropyLoss / NLLLoss input looks like probabilities (rows in [0, 1] "
-        "summing to 1, or non-negative NLLLoss input) though no softmax was traced."
+        "summing to 1, or non-negative NLLLoss input) though no softmax was traced; "
+        "KLDivLoss input above 0 (it takes log-probabilities)."
     ),
     early=True,
     priority=30,
@@ -354,6 +355,11 @@ def softmax_nll(ctx: RuleContext) -> Iterator[Diagnosis]:
 def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
     min_hist = ctx.thresholds.min_history
     for use in loss_uses(ctx.trace):
+        if use.kind == "kldiv":
+            d = _kl_div_on_probabilities(ctx, use)
+            if d is not None:
+                yield d
+            continue
         if use.kind not in ("ce", "nll"):
             continue
         act = loss_activation(ctx.trace, use)
@@ -405,6 +411,48 @@ def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "probabilities exist"
             ),
         )
+
+
+def _kl_div_on_probabilities(ctx: RuleContext, use: LossUse) -> Diagnosis | None:
+    """KLDivLoss(input, target) computes target · (log target - input): ``input`` must be
+    log-probabilities, which are never above 0. A non-negative input with values above 0
+    is probabilities (a softmax where a log_softmax belongs): the loss is wrong, often
+    negative, and nothing raises."""
+    s = use.input_stat
+    lo = s.min if s is not None else note_num(use.note, "input_min")
+    hi = s.max if s is not None else note_num(use.note, "input_max")
+    if lo is None or hi is None or not (lo >= 0 and hi > 0):
+        return None
+    act = loss_activation(ctx.trace, use)
+    evidence = [
+        f"{use.path}'s input spans [{fmt(lo)}, {fmt(hi)}]; log-probabilities are never "
+        "above 0"
+    ]
+    if act is not None:
+        evidence.append(f"it is {describe_activation(act)}")
+    if use.data("probability_rows") is True:
+        evidence.append("and every row is in [0, 1] and sums to 1: probabilities")
+    loss = use.value
+    if loss is not None and loss < 0:
+        evidence.append(f"the loss is {fmt(loss)}: a KL divergence is never negative")
+    return ctx.diagnosis(
+        path=use.path,
+        phase=Phase.FORWARD.value,
+        source=use.note.source if use.note is not None else None,
+        evidence=evidence,
+        explanation=(
+            "KLDivLoss (F.kl_div) takes the model's log-probabilities as its input and "
+            "the target as probabilities (or log-probabilities with log_target=True). "
+            "Given probabilities, it computes target · (log target - p): not a divergence, "
+            "often negative, with gradients that do not push the distributions together; "
+            "training goes on without an error."
+        ),
+        fix=(
+            "loss = F.kl_div(F.log_softmax(logits, dim=-1), p_target, reduction='batchmean')\n"
+            "# or, with log-probabilities on both sides:\n"
+            "loss = F.kl_div(logp, logp_target, reduction='batchmean', log_target=True)"
+        ),
+    )
 
 
 def _steady_unit_range(ctx: RuleContext, path: str, steps: int) -> bool:
