@@ -359,6 +359,13 @@ class _NanWatch:
     * ``"raise"``: raise :class:`nanwatch.AnomalyError` (the post-mortem report is written);
     * ``"warn"``: warn once and go on (the update is applied).
 
+    A guard's :class:`nanwatch.GuardError` (a class index of 255, a BCE input above 1, an
+    (N, 1) prediction against an (N,) target, in a loss module or an ``F.*`` loss) is raised
+    inside ``training_step``, before the loss exists: whatever ``on_anomaly`` says, it comes
+    out of ``trainer.fit`` unchanged, the weights keep the last update, and the post-mortem
+    report is written (``on_exception``). ``guards=False`` / ``functional_guards=False``
+    leave the loss to PyTorch.
+
     Under DDP the decision is reduced across ranks (any rank -> every rank acts at the same
     step) and each rank writes its own report, named by rank, saying which ranks saw it.
     The other options are :func:`nanwatch.watch`'s (``config`` replaces them at once);

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import torch
 
 import nanwatch
 from nanwatch.report import Report
-from tests._lightning_models import model_class
+from tests._lightning_models import classifier_class, model_class
 
 L = pytest.importorskip("lightning.pytorch")
 PL = pytest.importorskip("pytorch_lightning")
@@ -31,6 +32,7 @@ from nanwatch.callbacks import NanWatchCallback  # noqa: E402
 from nanwatch import callbacks  # noqa: E402  (after the importorskips)
 
 LP = "lightning.pytorch"
+BOTH = pytest.mark.parametrize("ns", [LP, "pytorch_lightning"])
 
 
 # ---------------------------------------------------------------------- helpers
@@ -320,6 +322,83 @@ def test_a_crash_writes_the_postmortem_and_leaves_no_hook(tmp_path: Path) -> Non
     report = Report.load(path)
     assert report.error is not None and report.error["type"].endswith("RuntimeError")
     assert "boom" in report.error["message"]
+
+
+# ---------------------------------------------------------------------- guards
+GUARDED = {
+    # loss: (GuardError.loss, .module, .code, .values, the message's first line)
+    "module": (
+        "CrossEntropyLoss",
+        "criterion",
+        "NW501",
+        (255,),
+        r"^criterion \(CrossEntropyLoss\) at \S*_lightning_models\.py:\d+: target contains 255 "
+        r"at 1 position .* accepts 0\.\.2",
+    ),
+    "functional": (
+        "F.cross_entropy",
+        None,
+        "NW501",
+        (255,),
+        r"^F\.cross_entropy at \S*_lightning_models\.py:\d+: target contains 255 at 1 position",
+    ),
+    "broadcast": (
+        "F.mse_loss",
+        None,
+        "NW506",
+        (),
+        r"^F\.mse_loss at \S*_lightning_models\.py:\d+: input \(4, 1\) and target \(4\) "
+        r"broadcast to \(4, 4\)",
+    ),
+}
+
+
+@BOTH
+@pytest.mark.parametrize("loss", list(GUARDED))
+def test_a_bad_loss_target_raises_guard_error_out_of_fit_with_the_postmortem(
+    tmp_path: Path, ns: str, loss: str
+) -> None:
+    name, module, code, values, first_line = GUARDED[loss]
+    cb = NanWatchCallback.for_namespace(ns)()
+    weights = weights_recorder(ns)
+    model = classifier_class(ns)(loss=loss, bad_at=2)
+    with pytest.raises(nanwatch.GuardError, match=first_line) as err:
+        fit(tmp_path, model, cb, weights, ns=ns, batches=5)
+    # the guard's own exception object, neither wrapped nor replaced on its way out
+    assert type(err.value) is nanwatch.GuardError and model.raised == [err.value]
+    assert err.value.__cause__ is None and err.value.__context__ is None
+    e = err.value
+    assert (e.loss, e.module, e.code, e.values) == (name, module, code, values)
+    assert e.source is not None and "_lightning_models.py:" in e.source  # the user's line
+    assert f"({code}: checked before the kernel ran" in str(e)
+    # the failing step changed nothing: batches 0 and 1 trained, batch 2 never updated
+    assert len(weights.after) == 2 and not torch.equal(weights.after[1], weights.after[0])
+    assert torch.equal(model.layer.weight.detach(), weights.after[1])
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    log_dir = tmp_path / "lightning_logs" / "version_0"
+    (path,) = reports(log_dir)  # rank 0's post-mortem, in trainer.log_dir
+    assert re.fullmatch(r"nanwatch-\d{8}-\d{6}-rank0-step2\.json", path.name)
+    assert cb.report_paths == [path] and path.with_suffix(".html").stat().st_size > 0
+    data = json.loads(path.read_text())
+    assert data["error"]["class"] == "guard" and data["error"]["type"] == "nanwatch.GuardError"
+    assert data["error"]["message"] == str(e) and data["error"]["step"] == 2
+    assert [d["code"] for d in data["diagnoses"]] == [code]
+    assert Report.load(path).steps[-1].step == 2
+    # (the autouse fixture: no module hook, no F.* wrapper, no GradScaler.scale tap left)
+
+
+def test_a_guard_error_ends_the_run_whatever_on_anomaly_says(tmp_path: Path) -> None:
+    # a GuardError is raised inside training_step, before the loss exists: there is no
+    # update to skip, so "skip" cannot go on (documented in the callback's docstring)
+    cb = NanWatchCallback(on_anomaly="skip")
+    model = classifier_class(LP)(loss="module", bad_at=1)
+    with pytest.raises(nanwatch.GuardError, match="target contains 255"):
+        fit(tmp_path, model, cb, batches=4)
+    assert cb.skipped == [] and len(model.raised) == 1
+    assert cb.watcher is not None and not cb.watcher.attached
+    assert len(reports(tmp_path / "lightning_logs" / "version_0")) == 1
 
 
 def test_report_dir_defaults_to_the_root_dir_without_a_logger(tmp_path: Path) -> None:
