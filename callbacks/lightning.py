@@ -9,6 +9,7 @@ share the implementation below.
 Lightning event                what the callback does
 =============================  ==========================================================
 ``setup("fit")``               build the Watcher; reports go to ``trainer.log_dir``
+``setup`` (other stages)       nothing: validate, test and predict run unwatched
 ``on_train_start``             restore a checkpoint's summary; attach (GradScaler read)
 ``on_train_batch_start``       keep the batch, its index and the RNG state (for a replay)
 ``on_before_optimizer_step``   ``nw.check()`` (a new anomaly: replay the batch to pinpoint
@@ -376,7 +377,14 @@ class _NanWatch:
     The replay calls ``training_step`` once more on the kept batch, with ``self.log`` muted
     and no optimizer step: a ``training_step`` with other side effects should set
     ``max_replays=0``. Manual optimization, ``dataloader_iter`` steps and SyncBatchNorm
-    under DDP are not replayed. Validation, test and predict loops are not watched.
+    under DDP are not replayed.
+
+    Only training is watched. The validation inside ``fit``, ``trainer.validate``,
+    ``trainer.test`` and ``trainer.predict`` run with no hook and no guard, and add nothing
+    to the history or the report: a NaN born only in ``test_step`` shows in the loop's
+    metrics alone (``test_loss`` nan), with no warning from this callback. To find where,
+    wrap the call: ``with nanwatch.watch(model): trainer.test(model)`` raises
+    :class:`nanwatch.AnomalyError` naming the module and the op, and writes its report.
 
     Example:
         >>> from nanwatch.callbacks import NanWatchCallback                   # doctest: +SKIP

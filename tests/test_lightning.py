@@ -196,21 +196,67 @@ def test_validation_is_not_recorded_as_training_steps(tmp_path: Path) -> None:
     assert all(t.grad_norm is not None for t in nw.history)  # attached again after each val
 
 
-def test_no_hook_during_or_after_trainer_test(tmp_path: Path) -> None:
-    seen: list[bool] = []
+def test_validate_and_test_after_fit_run_unwatched_and_write_nothing(tmp_path: Path) -> None:
+    functional = dict(vars(torch.nn.functional))
+    seen: dict[str, list[tuple[bool, bool, list[str]]]] = {"validate": [], "test": []}
+
+    def look(loop: str, model: Any) -> None:
+        hooked = any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+        wrapped = [k for k, v in vars(torch.nn.functional).items() if functional.get(k) is not v]
+        seen[loop].append((bool(cb.watcher and cb.watcher.attached), hooked, wrapped))
 
     class Probe(L.Callback):  # type: ignore[misc]
-        def on_test_batch_start(self, *args: Any) -> None:
-            seen.append(bool(cb.watcher and cb.watcher.attached))
+        def on_validation_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            if trainer.state.fn == "validate":  # trainer.validate, not fit's validation
+                look("validate", pl_module)
+
+        def on_test_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            look("test", pl_module)
 
     cb = NanWatchCallback()
     model = Model()
-    trainer = fit(tmp_path, model, cb, Probe(), batches=3)
-    steps = len(cb.watcher.history) if cb.watcher else -1
-    trainer.test(model, verbose=False)
-    assert seen and not any(seen)
-    assert cb.watcher is not None and len(cb.watcher.history) == steps
+    trainer = fit(tmp_path, model, cb, Probe(), batches=3, limit_val_batches=2)
+    nw = cb.watcher
+    assert nw is not None and len(nw.history) == 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validated = trainer.validate(model, verbose=False)
+        tested = trainer.test(model, verbose=False)
+    assert math.isfinite(validated[0]["val_loss"]) and math.isfinite(tested[0]["test_loss"])
+    # no watcher, no module hook, no F.* guard while the evaluation loops ran
+    assert seen["validate"] and seen["test"]
+    assert all(s == (False, False, []) for s in seen["validate"] + seen["test"])
+    assert cb.watcher is nw and len(nw.history) == 3  # not replaced, no step added
+    assert cb.report_paths == [] and not list(tmp_path.rglob("nanwatch-*.json"))
+    assert not [w for w in caught if str(w.message).startswith("nanwatch")]
     # (the autouse fixture fails the test if a nanwatch hook is still registered)
+
+
+def test_a_nan_only_in_test_step_is_left_to_a_watch_around_trainer_test(tmp_path: Path) -> None:
+    # the callback watches training: a NaN born in test_step shows in the test metrics only
+    # (documented in the callback's docstring, with the recipe checked below)
+    cb = NanWatchCallback()
+    model = Model(bad_test=[1])
+    trainer = fit(tmp_path, model, cb, batches=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tested = trainer.test(model, verbose=False)
+    assert math.isnan(tested[0]["test_loss"])
+    assert not [w for w in caught if str(w.message).startswith("nanwatch")]
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    assert nw.anomalies == [] and len(nw.history) == 3 and cb.stopped_at is None
+    assert cb.report_paths == [] and not list(tmp_path.rglob("nanwatch-*.json"))
+    # the docstring's recipe: the NaN is found where it is born, and reported
+    with (
+        pytest.raises(nanwatch.AnomalyError, match="NaN born in the forward of blowup") as err,
+        nanwatch.watch(model, report_dir=tmp_path / "eval"),
+    ):
+        trainer.test(model, verbose=False)
+    assert err.value.module == "blowup" and err.value.anomaly is not None
+    assert err.value.anomaly.step == 1  # test batch 1
+    assert len(list((tmp_path / "eval").glob("nanwatch-*-rank0-*.json"))) == 1
+    assert cb.report_paths == [] and not nw.attached  # the callback stayed out of it
 
 
 # ---------------------------------------------------------------------- actions
