@@ -530,6 +530,78 @@ def test_float16_with_grad_scaler_skips_and_reads_the_scale(tmp_path: Path) -> N
     assert all(h < 1 for h in column(trainer, "nanwatch/headroom")[:2])
 
 
+@pytest.mark.parametrize("found", ["plugin", "scale"])
+def test_float16_scaler_skipping_its_first_steps_is_a_healthy_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, found: str
+) -> None:
+    # a scale of 2**20 overflows the float16 gradients: the GradScaler skips the first steps
+    # and halves its scale until they fit, as it does at the start of every fp16 run
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision(
+        "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    )
+
+    class Probe(L.Callback):  # type: ignore[misc]
+        """What the optimizer is given: unscaled gradients (MixedPrecision unscales before
+        this hook), the scale they carried, and the weights after each batch."""
+
+        def __init__(self) -> None:
+            self.norms: list[float] = []
+            self.scales: list[float] = []
+            self.after: list[torch.Tensor] = []
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
+            if not grads:
+                grads = [torch.tensor(math.nan)]
+            self.norms.append(
+                float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+            )
+            self.scales.append(float(plugin.scaler.get_scale()))
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.after.append(pl_module.layer.weight.detach().clone())
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            self.after.append(pl_module.layer.weight.detach().clone())
+
+    cb, probe = NanWatchCallback(), Probe()
+    if found == "scale":  # not told by the callback: the watcher finds it at scaler.scale(loss)
+        told = cb.on_train_start
+
+        def on_train_start(trainer: Any, pl_module: Any) -> None:
+            told(trainer, pl_module)
+            assert cb.watcher is not None
+            cb.watcher.scaler = None
+
+        monkeypatch.setattr(cb, "on_train_start", on_train_start)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path, Model(), probe, cb, batches=8, plugins=[plugin])
+    ours = [str(w.message) for w in caught if str(w.message).startswith("nanwatch")]
+    assert not ours, ours
+    nw = cb.watcher
+    assert nw is not None and nw.scaler is plugin.scaler
+    # not an anomaly: no stop, no skip list, no report, every batch trained
+    assert nw.anomalies == [] and cb.stopped_at is None and cb.skipped == []
+    assert len(nw.history) == 8 and trainer.global_step == 8
+    assert cb.report_paths == [] and not list(tmp_path.rglob("nanwatch-*"))
+    assert column(trainer, "nanwatch/anomalies") == [0.0] * 8
+    # the scaler did skip: its first steps left the weights alone, with a halving scale
+    moved = [not torch.equal(w, probe.after[i]) for i, w in enumerate(probe.after[1:])]
+    skipped = moved.index(True)
+    assert skipped >= 3, moved
+    assert probe.scales[:skipped] == [2.0 ** (20 - i) for i in range(skipped)]
+    # the logged figures: the scale the gradients carried, the gradient norm unscaled once
+    assert column(trainer, "nanwatch/loss_scale") == probe.scales
+    norms = column(trainer, "nanwatch/grad_norm")
+    assert not all(math.isfinite(n) for n in norms[:skipped])  # what the scaler skipped for
+    assert norms == pytest.approx(probe.norms, rel=1e-5, nan_ok=True)
+    assert column(trainer, "train_loss") == pytest.approx([t.loss for t in nw.history])
+    assert all(0 < h < 1 for h in column(trainer, "nanwatch/headroom"))
+
+
 # ---------------------------------------------------------------------- checkpoints
 def test_checkpoint_resume_keeps_the_summary_and_the_counters(tmp_path: Path) -> None:
     first = NanWatchCallback(on_anomaly="skip")
