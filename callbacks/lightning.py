@@ -554,6 +554,8 @@ class _NanWatch:
         self._batch = None
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Lightning calls this inside its `except`: anything raised here would come out of
+        # trainer.fit in place of the user's exception, so nanwatch's own failure is a warning
         nw = self.watcher
         if nw is None:
             return
@@ -563,8 +565,17 @@ class _NanWatch:
                 path = nw.close(exception)
                 if path is not None:
                     self.report_paths.append(path)
+        except Exception as exc:
+            msg = f"{type(exc).__name__}: {exc}"
+            nw.faults.append(("post-mortem", msg))
+            _warn(
+                f"nanwatch: the post-mortem report could not be written ({msg}); the original "
+                f"{type(exception).__name__} follows unchanged. Please report it with the "
+                "traceback (python -W error::RuntimeWarning)."
+            )
         finally:
-            nw.detach()
+            with contextlib.suppress(Exception):
+                nw.detach()  # (close detached already, unless it failed before)
             self._paused = False
             self._batch = None
 

@@ -447,6 +447,29 @@ def test_a_guard_error_ends_the_run_whatever_on_anomaly_says(tmp_path: Path) -> 
     assert len(reports(tmp_path / "lightning_logs" / "version_0")) == 1
 
 
+def test_a_failing_postmortem_does_not_replace_the_users_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning calls on_exception inside its `except`: whatever the callback raises there
+    # would come out of trainer.fit in place of the user's error
+    def broken(self: nanwatch.Watcher) -> None:
+        raise RuntimeError("a nanwatch bug")
+
+    monkeypatch.setattr(nanwatch.Watcher, "_note_mutations", broken)
+    cb = NanWatchCallback()
+    model = classifier_class(LP)(loss="functional", bad_at=1)
+    with (
+        pytest.warns(RuntimeWarning, match=r"post-mortem.*RuntimeError: a nanwatch bug"),
+        pytest.raises(nanwatch.GuardError, match=r"^F\.cross_entropy at") as err,
+    ):
+        fit(tmp_path, model, cb, batches=4)
+    assert model.raised == [err.value] and err.value.__context__ is None
+    nw = cb.watcher
+    assert nw is not None and not nw.attached  # and the autouse fixture: nothing left
+    assert nw.faults == [("post-mortem", "RuntimeError: a nanwatch bug")]
+    assert cb.report_paths == []
+
+
 def test_report_dir_defaults_to_the_root_dir_without_a_logger(tmp_path: Path) -> None:
     cb = NanWatchCallback()
     with pytest.warns(RuntimeWarning, match="nanwatch: step 1"):
