@@ -9,6 +9,7 @@ share the implementation below.
 Lightning event                what the callback does
 =============================  ==========================================================
 ``setup("fit")``               build the Watcher; reports go to ``trainer.log_dir``
+``setup`` (other stages)       nothing: validate, test and predict run unwatched
 ``on_train_start``             restore a checkpoint's summary; attach (GradScaler read)
 ``on_train_batch_start``       keep the batch, its index and the RNG state (for a replay)
 ``on_before_optimizer_step``   ``nw.check()`` (a new anomaly: replay the batch to pinpoint
@@ -359,6 +360,13 @@ class _NanWatch:
     * ``"raise"``: raise :class:`nanwatch.AnomalyError` (the post-mortem report is written);
     * ``"warn"``: warn once and go on (the update is applied).
 
+    A guard's :class:`nanwatch.GuardError` (a class index of 255, a BCE input above 1, an
+    (N, 1) prediction against an (N,) target, in a loss module or an ``F.*`` loss) is raised
+    inside ``training_step``, before the loss exists: whatever ``on_anomaly`` says, it comes
+    out of ``trainer.fit`` unchanged, the weights keep the last update, and the post-mortem
+    report is written (``on_exception``). ``guards=False`` / ``functional_guards=False``
+    leave the loss to PyTorch.
+
     Under DDP the decision is reduced across ranks (any rank -> every rank acts at the same
     step) and each rank writes its own report, named by rank, saying which ranks saw it.
     The other options are :func:`nanwatch.watch`'s (``config`` replaces them at once);
@@ -369,7 +377,14 @@ class _NanWatch:
     The replay calls ``training_step`` once more on the kept batch, with ``self.log`` muted
     and no optimizer step: a ``training_step`` with other side effects should set
     ``max_replays=0``. Manual optimization, ``dataloader_iter`` steps and SyncBatchNorm
-    under DDP are not replayed. Validation, test and predict loops are not watched.
+    under DDP are not replayed.
+
+    Only training is watched. The validation inside ``fit``, ``trainer.validate``,
+    ``trainer.test`` and ``trainer.predict`` run with no hook and no guard, and add nothing
+    to the history or the report: a NaN born only in ``test_step`` shows in the loop's
+    metrics alone (``test_loss`` nan), with no warning from this callback. To find where,
+    wrap the call: ``with nanwatch.watch(model): trainer.test(model)`` raises
+    :class:`nanwatch.AnomalyError` naming the module and the op, and writes its report.
 
     Example:
         >>> from nanwatch.callbacks import NanWatchCallback                   # doctest: +SKIP
@@ -539,6 +554,8 @@ class _NanWatch:
         self._batch = None
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Lightning calls this inside its `except`: anything raised here would come out of
+        # trainer.fit in place of the user's exception, so nanwatch's own failure is a warning
         nw = self.watcher
         if nw is None:
             return
@@ -548,8 +565,17 @@ class _NanWatch:
                 path = nw.close(exception)
                 if path is not None:
                     self.report_paths.append(path)
+        except Exception as exc:
+            msg = f"{type(exc).__name__}: {exc}"
+            nw.faults.append(("post-mortem", msg))
+            _warn(
+                f"nanwatch: the post-mortem report could not be written ({msg}); the original "
+                f"{type(exception).__name__} follows unchanged. Please report it with the "
+                "traceback (python -W error::RuntimeWarning)."
+            )
         finally:
-            nw.detach()
+            with contextlib.suppress(Exception):
+                nw.detach()  # (close detached already, unless it failed before)
             self._paused = False
             self._batch = None
 

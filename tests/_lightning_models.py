@@ -41,7 +41,8 @@ def model_class(namespace: str) -> type[Any]:
         """A Linear (and a Blowup) on random data; ``bad``: batch indices whose forward
         makes NaN (on ``bad_rank`` only, when given); ``transient``: only the first time a
         batch runs (its replay is then clean); ``detached``: the NaN is in a side branch
-        that reaches neither the loss nor the gradients (what one rank alone sees)."""
+        that reaches neither the loss nor the gradients (what one rank alone sees);
+        ``bad_test``: batch indices of ``trainer.test`` whose forward makes NaN."""
 
         def __init__(
             self,
@@ -51,6 +52,7 @@ def model_class(namespace: str) -> type[Any]:
             bad_rank: int | None = None,
             detached: bool = False,
             fail_at: int | None = None,
+            bad_test: Iterable[int] = (),
             batch_size: int = 4,
         ) -> None:
             super().__init__()
@@ -61,6 +63,7 @@ def model_class(namespace: str) -> type[Any]:
             self.bad_rank = bad_rank
             self.detached = detached
             self.fail_at = fail_at
+            self.bad_test = set(bad_test)
             self.batch_size = batch_size
             self.calls: Counter[int] = Counter()
 
@@ -94,7 +97,7 @@ def model_class(namespace: str) -> type[Any]:
 
         def test_step(self, batch: Any, batch_idx: int) -> None:
             (x,) = batch
-            self.blowup.on = False
+            self.blowup.on = batch_idx in self.bad_test
             self.log("test_loss", self(x).float().pow(2).mean())
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -110,3 +113,61 @@ def model_class(namespace: str) -> type[Any]:
             return DataLoader(dataset(16), batch_size=self.batch_size)
 
     return TinyModel
+
+
+def labelled(n: int = 64, features: int = 32, classes: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(
+        torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
+    )
+
+
+@functools.cache
+def classifier_class(namespace: str) -> type[Any]:
+    L = importlib.import_module(namespace)
+
+    class TinyClassifier(L.LightningModule):  # type: ignore[misc,name-defined]
+        """A Linear over 3 classes whose loss gets a bad target in batch ``bad_at``:
+        ``loss="module"``: ``nn.CrossEntropyLoss`` (a submodule) and a class index of 255;
+        ``"functional"``: ``F.cross_entropy`` and 255; ``"broadcast"``: ``F.mse_loss`` of an
+        (N, 1) prediction against an (N,) target (an (N, 1) one in the other batches)."""
+
+        def __init__(self, loss: str = "module", bad_at: int | None = None) -> None:
+            super().__init__()
+            self.layer = nn.Linear(32, 3)
+            self.criterion = nn.CrossEntropyLoss()
+            self.loss = loss
+            self.bad_at = bad_at
+            self.raised: list[BaseException] = []
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            try:
+                return self._loss(batch, batch_idx)
+            except Exception as exc:
+                self.raised.append(exc)  # the very object, to compare with what fit raises
+                raise
+
+        def _loss(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            bad = batch_idx == self.bad_at
+            logits = self(x)
+            if self.loss == "broadcast":
+                target = y.float() if bad else y.float().unsqueeze(1)
+                return F.mse_loss(logits[:, :1], target)
+            if bad:
+                y = y.clone()
+                y[1] = 255  # a "void" label of a segmentation dataset
+            if self.loss == "functional":
+                return F.cross_entropy(logits, y)
+            return self.criterion(logits, y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+        def train_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(labelled(), batch_size=4)
+
+    return TinyClassifier

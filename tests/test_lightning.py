@@ -9,6 +9,7 @@ import json
 import math
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import torch
 
 import nanwatch
 from nanwatch.report import Report
-from tests._lightning_models import model_class
+from tests._lightning_models import classifier_class, model_class
 
 L = pytest.importorskip("lightning.pytorch")
 PL = pytest.importorskip("pytorch_lightning")
@@ -31,6 +32,7 @@ from nanwatch.callbacks import NanWatchCallback  # noqa: E402
 from nanwatch import callbacks  # noqa: E402  (after the importorskips)
 
 LP = "lightning.pytorch"
+BOTH = pytest.mark.parametrize("ns", [LP, "pytorch_lightning"])
 
 
 # ---------------------------------------------------------------------- helpers
@@ -194,21 +196,67 @@ def test_validation_is_not_recorded_as_training_steps(tmp_path: Path) -> None:
     assert all(t.grad_norm is not None for t in nw.history)  # attached again after each val
 
 
-def test_no_hook_during_or_after_trainer_test(tmp_path: Path) -> None:
-    seen: list[bool] = []
+def test_validate_and_test_after_fit_run_unwatched_and_write_nothing(tmp_path: Path) -> None:
+    functional = dict(vars(torch.nn.functional))
+    seen: dict[str, list[tuple[bool, bool, list[str]]]] = {"validate": [], "test": []}
+
+    def look(loop: str, model: Any) -> None:
+        hooked = any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+        wrapped = [k for k, v in vars(torch.nn.functional).items() if functional.get(k) is not v]
+        seen[loop].append((bool(cb.watcher and cb.watcher.attached), hooked, wrapped))
 
     class Probe(L.Callback):  # type: ignore[misc]
-        def on_test_batch_start(self, *args: Any) -> None:
-            seen.append(bool(cb.watcher and cb.watcher.attached))
+        def on_validation_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            if trainer.state.fn == "validate":  # trainer.validate, not fit's validation
+                look("validate", pl_module)
+
+        def on_test_batch_start(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            look("test", pl_module)
 
     cb = NanWatchCallback()
     model = Model()
-    trainer = fit(tmp_path, model, cb, Probe(), batches=3)
-    steps = len(cb.watcher.history) if cb.watcher else -1
-    trainer.test(model, verbose=False)
-    assert seen and not any(seen)
-    assert cb.watcher is not None and len(cb.watcher.history) == steps
+    trainer = fit(tmp_path, model, cb, Probe(), batches=3, limit_val_batches=2)
+    nw = cb.watcher
+    assert nw is not None and len(nw.history) == 3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        validated = trainer.validate(model, verbose=False)
+        tested = trainer.test(model, verbose=False)
+    assert math.isfinite(validated[0]["val_loss"]) and math.isfinite(tested[0]["test_loss"])
+    # no watcher, no module hook, no F.* guard while the evaluation loops ran
+    assert seen["validate"] and seen["test"]
+    assert all(s == (False, False, []) for s in seen["validate"] + seen["test"])
+    assert cb.watcher is nw and len(nw.history) == 3  # not replaced, no step added
+    assert cb.report_paths == [] and not list(tmp_path.rglob("nanwatch-*.json"))
+    assert not [w for w in caught if str(w.message).startswith("nanwatch")]
     # (the autouse fixture fails the test if a nanwatch hook is still registered)
+
+
+def test_a_nan_only_in_test_step_is_left_to_a_watch_around_trainer_test(tmp_path: Path) -> None:
+    # the callback watches training: a NaN born in test_step shows in the test metrics only
+    # (documented in the callback's docstring, with the recipe checked below)
+    cb = NanWatchCallback()
+    model = Model(bad_test=[1])
+    trainer = fit(tmp_path, model, cb, batches=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tested = trainer.test(model, verbose=False)
+    assert math.isnan(tested[0]["test_loss"])
+    assert not [w for w in caught if str(w.message).startswith("nanwatch")]
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    assert nw.anomalies == [] and len(nw.history) == 3 and cb.stopped_at is None
+    assert cb.report_paths == [] and not list(tmp_path.rglob("nanwatch-*.json"))
+    # the docstring's recipe: the NaN is found where it is born, and reported
+    with (
+        pytest.raises(nanwatch.AnomalyError, match="NaN born in the forward of blowup") as err,
+        nanwatch.watch(model, report_dir=tmp_path / "eval"),
+    ):
+        trainer.test(model, verbose=False)
+    assert err.value.module == "blowup" and err.value.anomaly is not None
+    assert err.value.anomaly.step == 1  # test batch 1
+    assert len(list((tmp_path / "eval").glob("nanwatch-*-rank0-*.json"))) == 1
+    assert cb.report_paths == [] and not nw.attached  # the callback stayed out of it
 
 
 # ---------------------------------------------------------------------- actions
@@ -322,6 +370,106 @@ def test_a_crash_writes_the_postmortem_and_leaves_no_hook(tmp_path: Path) -> Non
     assert "boom" in report.error["message"]
 
 
+# ---------------------------------------------------------------------- guards
+GUARDED = {
+    # loss: (GuardError.loss, .module, .code, .values, the message's first line)
+    "module": (
+        "CrossEntropyLoss",
+        "criterion",
+        "NW501",
+        (255,),
+        r"^criterion \(CrossEntropyLoss\) at \S*_lightning_models\.py:\d+: target contains 255 "
+        r"at 1 position .* accepts 0\.\.2",
+    ),
+    "functional": (
+        "F.cross_entropy",
+        None,
+        "NW501",
+        (255,),
+        r"^F\.cross_entropy at \S*_lightning_models\.py:\d+: target contains 255 at 1 position",
+    ),
+    "broadcast": (
+        "F.mse_loss",
+        None,
+        "NW506",
+        (),
+        r"^F\.mse_loss at \S*_lightning_models\.py:\d+: input \(4, 1\) and target \(4\) "
+        r"broadcast to \(4, 4\)",
+    ),
+}
+
+
+@BOTH
+@pytest.mark.parametrize("loss", list(GUARDED))
+def test_a_bad_loss_target_raises_guard_error_out_of_fit_with_the_postmortem(
+    tmp_path: Path, ns: str, loss: str
+) -> None:
+    name, module, code, values, first_line = GUARDED[loss]
+    cb = NanWatchCallback.for_namespace(ns)()
+    weights = weights_recorder(ns)
+    model = classifier_class(ns)(loss=loss, bad_at=2)
+    with pytest.raises(nanwatch.GuardError, match=first_line) as err:
+        fit(tmp_path, model, cb, weights, ns=ns, batches=5)
+    # the guard's own exception object, neither wrapped nor replaced on its way out
+    assert type(err.value) is nanwatch.GuardError and model.raised == [err.value]
+    assert err.value.__cause__ is None and err.value.__context__ is None
+    e = err.value
+    assert (e.loss, e.module, e.code, e.values) == (name, module, code, values)
+    assert e.source is not None and "_lightning_models.py:" in e.source  # the user's line
+    assert f"({code}: checked before the kernel ran" in str(e)
+    # the failing step changed nothing: batches 0 and 1 trained, batch 2 never updated
+    assert len(weights.after) == 2 and not torch.equal(weights.after[1], weights.after[0])
+    assert torch.equal(model.layer.weight.detach(), weights.after[1])
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    log_dir = tmp_path / "lightning_logs" / "version_0"
+    (path,) = reports(log_dir)  # rank 0's post-mortem, in trainer.log_dir
+    assert re.fullmatch(r"nanwatch-\d{8}-\d{6}-rank0-step2\.json", path.name)
+    assert cb.report_paths == [path] and path.with_suffix(".html").stat().st_size > 0
+    data = json.loads(path.read_text())
+    assert data["error"]["class"] == "guard" and data["error"]["type"] == "nanwatch.GuardError"
+    assert data["error"]["message"] == str(e) and data["error"]["step"] == 2
+    assert [d["code"] for d in data["diagnoses"]] == [code]
+    assert Report.load(path).steps[-1].step == 2
+    # (the autouse fixture: no module hook, no F.* wrapper, no GradScaler.scale tap left)
+
+
+def test_a_guard_error_ends_the_run_whatever_on_anomaly_says(tmp_path: Path) -> None:
+    # a GuardError is raised inside training_step, before the loss exists: there is no
+    # update to skip, so "skip" cannot go on (documented in the callback's docstring)
+    cb = NanWatchCallback(on_anomaly="skip")
+    model = classifier_class(LP)(loss="module", bad_at=1)
+    with pytest.raises(nanwatch.GuardError, match="target contains 255"):
+        fit(tmp_path, model, cb, batches=4)
+    assert cb.skipped == [] and len(model.raised) == 1
+    assert cb.watcher is not None and not cb.watcher.attached
+    assert len(reports(tmp_path / "lightning_logs" / "version_0")) == 1
+
+
+def test_a_failing_postmortem_does_not_replace_the_users_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning calls on_exception inside its `except`: whatever the callback raises there
+    # would come out of trainer.fit in place of the user's error
+    def broken(self: nanwatch.Watcher) -> None:
+        raise RuntimeError("a nanwatch bug")
+
+    monkeypatch.setattr(nanwatch.Watcher, "_note_mutations", broken)
+    cb = NanWatchCallback()
+    model = classifier_class(LP)(loss="functional", bad_at=1)
+    with (
+        pytest.warns(RuntimeWarning, match=r"post-mortem.*RuntimeError: a nanwatch bug"),
+        pytest.raises(nanwatch.GuardError, match=r"^F\.cross_entropy at") as err,
+    ):
+        fit(tmp_path, model, cb, batches=4)
+    assert model.raised == [err.value] and err.value.__context__ is None
+    nw = cb.watcher
+    assert nw is not None and not nw.attached  # and the autouse fixture: nothing left
+    assert nw.faults == [("post-mortem", "RuntimeError: a nanwatch bug")]
+    assert cb.report_paths == []
+
+
 def test_report_dir_defaults_to_the_root_dir_without_a_logger(tmp_path: Path) -> None:
     cb = NanWatchCallback()
     with pytest.warns(RuntimeWarning, match="nanwatch: step 1"):
@@ -403,6 +551,78 @@ def test_float16_with_grad_scaler_skips_and_reads_the_scale(tmp_path: Path) -> N
     assert all(0 < g < 100 for i, g in enumerate(norms) if i != 2)
     assert nw.first_anomaly is not None and nw.first_anomaly.record.dtype == "float16"
     assert all(h < 1 for h in column(trainer, "nanwatch/headroom")[:2])
+
+
+@pytest.mark.parametrize("found", ["plugin", "scale"])
+def test_float16_scaler_skipping_its_first_steps_is_a_healthy_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, found: str
+) -> None:
+    # a scale of 2**20 overflows the float16 gradients: the GradScaler skips the first steps
+    # and halves its scale until they fit, as it does at the start of every fp16 run
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision(
+        "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**20)
+    )
+
+    class Probe(L.Callback):  # type: ignore[misc]
+        """What the optimizer is given: unscaled gradients (MixedPrecision unscales before
+        this hook), the scale they carried, and the weights after each batch."""
+
+        def __init__(self) -> None:
+            self.norms: list[float] = []
+            self.scales: list[float] = []
+            self.after: list[torch.Tensor] = []
+
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
+            if not grads:
+                grads = [torch.tensor(math.nan)]
+            self.norms.append(
+                float(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+            )
+            self.scales.append(float(plugin.scaler.get_scale()))
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.after.append(pl_module.layer.weight.detach().clone())
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any) -> None:
+            self.after.append(pl_module.layer.weight.detach().clone())
+
+    cb, probe = NanWatchCallback(), Probe()
+    if found == "scale":  # not told by the callback: the watcher finds it at scaler.scale(loss)
+        told = cb.on_train_start
+
+        def on_train_start(trainer: Any, pl_module: Any) -> None:
+            told(trainer, pl_module)
+            assert cb.watcher is not None
+            cb.watcher.scaler = None
+
+        monkeypatch.setattr(cb, "on_train_start", on_train_start)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path, Model(), probe, cb, batches=8, plugins=[plugin])
+    ours = [str(w.message) for w in caught if str(w.message).startswith("nanwatch")]
+    assert not ours, ours
+    nw = cb.watcher
+    assert nw is not None and nw.scaler is plugin.scaler
+    # not an anomaly: no stop, no skip list, no report, every batch trained
+    assert nw.anomalies == [] and cb.stopped_at is None and cb.skipped == []
+    assert len(nw.history) == 8 and trainer.global_step == 8
+    assert cb.report_paths == [] and not list(tmp_path.rglob("nanwatch-*"))
+    assert column(trainer, "nanwatch/anomalies") == [0.0] * 8
+    # the scaler did skip: its first steps left the weights alone, with a halving scale
+    moved = [not torch.equal(w, probe.after[i]) for i, w in enumerate(probe.after[1:])]
+    skipped = moved.index(True)
+    assert skipped >= 3, moved
+    assert probe.scales[:skipped] == [2.0 ** (20 - i) for i in range(skipped)]
+    # the logged figures: the scale the gradients carried, the gradient norm unscaled once
+    assert column(trainer, "nanwatch/loss_scale") == probe.scales
+    norms = column(trainer, "nanwatch/grad_norm")
+    assert not all(math.isfinite(n) for n in norms[:skipped])  # what the scaler skipped for
+    assert norms == pytest.approx(probe.norms, rel=1e-5, nan_ok=True)
+    assert column(trainer, "train_loss") == pytest.approx([t.loss for t in nw.history])
+    assert all(0 < h < 1 for h in column(trainer, "nanwatch/headroom"))
 
 
 # ---------------------------------------------------------------------- checkpoints
