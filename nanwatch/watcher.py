@@ -2073,20 +2073,26 @@ class Watcher:
         the post-mortem, and let the exception go on unchanged."""
         from nanwatch import postmortem
 
-        info = postmortem.classify(exc)
-        if info.get("device_lost"):
-            self._device_dead = True
-        self._note_mutations()
-        self._trace.error = info
+        try:
+            info = postmortem.classify(exc)
+            if info.get("device_lost"):
+                self._device_dead = True
+            self._note_mutations()
+            self._trace.error = info
+        except Exception as inner:  # the user's exception matters more than ours
+            self._fault("post-mortem", "post-mortem", inner)
         self._quiet = True
         try:
             self._boundary()
-        except Exception as inner:  # the user's exception matters more than ours
+        except Exception as inner:
             self.faults.append(("post-mortem flush", f"{type(inner).__name__}: {inner}"))
         finally:
             self._quiet = False
         if self.config.postmortem:
-            return postmortem.capture(self, exc)
+            try:
+                return postmortem.capture(self, exc)
+            except Exception as inner:
+                self._fault("post-mortem", "post-mortem", inner)
         return None
 
     def _note_mutations(self) -> None:

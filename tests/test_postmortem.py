@@ -561,3 +561,28 @@ def _sigterm_untouched() -> Iterator[None]:
     before = signal.getsignal(signal.SIGTERM)
     yield
     assert signal.getsignal(signal.SIGTERM) is before, "a test left a SIGTERM handler behind"
+
+
+def test_a_failing_postmortem_never_replaces_the_users_exception(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # nanwatch's own bug while reading the exception or writing the report: one warning,
+    # the fault noted, the user's exception out unchanged (no __context__ from ours)
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a nanwatch bug")
+
+    model = nn.Linear(2, 1)
+    for target in ("_note_mutations", "capture"):
+        owner = nanwatch.Watcher if target == "_note_mutations" else postmortem
+        with monkeypatch.context() as m:
+            m.setattr(owner, target, broken)
+            with (
+                pytest.warns(RuntimeWarning, match="post-mortem.*a nanwatch bug"),
+                pytest.raises(KeyError, match="users_own") as info,
+                nanwatch.watch(model, report_dir=str(tmp_path)) as nw,
+            ):
+                model(torch.ones(1, 2))
+                raise KeyError("users_own")
+        assert info.value.__context__ is None and info.value.__cause__ is None
+        assert nw.faults == [("post-mortem", "RuntimeError: a nanwatch bug")]
+        assert not nw.attached and not model._forward_hooks
