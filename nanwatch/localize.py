@@ -300,11 +300,12 @@ def localize(
     )
     if origin == "after-output" and op is not None:
         summary = (
-            f"{what} gradient born in the backward of code outside the watched modules (the "
-            f"loss computed after the model), on its way to the output of {path}"
+            f"{what} gradient born in the backward of {LOSS_PATH}, the loss code computed "
+            f"outside the watched modules, on its way to the output of {path}"
         )
         if op.backward_at and op.source == op.backward_at:  # the node's forward line unknown
             summary += "; mode='forensic' names the line that created it"
+        consumer, path = path, LOSS_PATH  # the producer is the loss code, the model got it
     props, n = propagators(trace, trig, path)
     anomaly = Anomaly(
         step=trace.step,

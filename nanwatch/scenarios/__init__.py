@@ -38,7 +38,10 @@ _ORDER = (
     "softmax_nll",
     "fp16_seg_overflow",
     "div_by_zero",
+    "all_ignored",
+    "angular_acos",
     "sqrt_backward",
+    "focal_loss_backward",
     "nan_input",
     "target_255",
     "added_token",
@@ -49,6 +52,7 @@ _ORDER = (
     "fully_masked_row",
     "healthy_fp32_large_logits",
     "healthy_fp16",
+    "healthy_fp16_scaler",
     "healthy_masked_attention",
 )
 
