@@ -27,6 +27,10 @@ _FLOAT8 = frozenset(
     )
     if hasattr(torch, name)
 )
+#: floating dtypes that pack several values into one element (float4_e2m1fn_x2: two 4-bit
+#: floats a byte). torch has no arithmetic on them (no finfo, no aminmax), so they get
+#: metadata only, like integers.
+_PACKED = frozenset(getattr(torch, name) for name in ("float4_e2m1fn_x2",) if hasattr(torch, name))
 _COMPLEX_PART = {
     torch.complex32: torch.float16,
     torch.complex64: torch.float32,
@@ -69,7 +73,7 @@ class DtypeLimits:
 def _limits_of(dtype: torch.dtype) -> DtypeLimits | None:
     if dtype in _COMPLEX_PART:
         dtype = _COMPLEX_PART[dtype]
-    if not dtype.is_floating_point:
+    if not dtype.is_floating_point or dtype in _PACKED:
         return None
     fi = torch.finfo(dtype)
     return DtypeLimits(
@@ -112,7 +116,7 @@ def _device_name(device: torch.device) -> str:
 
 def has_values(t: torch.Tensor) -> bool:
     """Whether statistics can be computed: a floating or complex tensor with data."""
-    if not (t.is_floating_point() or t.is_complex()):
+    if not (t.is_floating_point() or t.is_complex()) or t.dtype in _PACKED:
         return False
     if t.is_meta or t.layout not in _STATS_LAYOUTS:
         return False
@@ -257,12 +261,12 @@ def brief(t: torch.Tensor) -> TensorStat | None:
     """Statistics of a tensor :func:`describe` leaves out: an integer or bool tensor (a
     target, an index: min, max and numel) or an empty one (numel 0; min and max read 0, no
     value counted). Floating tensors with values get :func:`describe`; None for layouts
-    without plain values (meta, sparse, nested).
+    without plain values (meta, sparse, nested, packed float4).
 
     >>> brief(torch.tensor([-100, 3])).max, brief(torch.zeros(0, 4)).numel
     (3.0, 0)
     """
-    if t.is_meta or t.is_nested or t.layout is not torch.strided:
+    if t.is_meta or t.is_nested or t.layout is not torch.strided or t.dtype in _PACKED:
         return None
     n = t.numel()
     if n == 0:

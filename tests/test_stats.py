@@ -96,12 +96,18 @@ def test_awkward_tensors_get_statistics(make) -> None:  # type: ignore[no-untype
         torch.zeros(3, dtype=torch.int64),
         torch.zeros(2, dtype=torch.bool),
         torch.empty(3, device="meta"),
+        torch.full((2, 3), 0x35, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
     ],
-    ids=["empty", "int", "bool", "meta"],
+    ids=["empty", "int", "bool", "meta", "float4-packed"],
 )
 def test_tensors_without_values_have_no_statistics(t: torch.Tensor) -> None:
     assert stats.minmax(t) is None
     assert stats.describe(t) is None
+    assert stats.bad_row_flags(t) is None
+    if not (t.is_floating_point() or t.is_complex()) or t.is_meta:
+        return
+    assert stats.dtype_limits(t.dtype) is None or t.numel() == 0
+    assert stats.brief(t) is None or t.numel() == 0
 
 
 def test_foreach_norms_propagate_nan_and_keep_float16_from_overflowing() -> None:
