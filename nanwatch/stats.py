@@ -134,10 +134,19 @@ def _values(t: torch.Tensor) -> torch.Tensor:
     elif t.layout is not torch.strided:
         t = t.values()
     if t.is_complex():
-        t = t.abs()
+        t = _magnitude(t)
     if t.dtype in _FLOAT8:
         t = t.float()
     return t
+
+
+def _magnitude(z: torch.Tensor) -> torch.Tensor:
+    """|z| in the dtype of z's parts. A finite z whose magnitude lies past that dtype's
+    range (both parts near its max: complex64(3e38, 3e38)) reads as the largest finite
+    value, not inf: the tensor holds no inf (``torch.isfinite`` agrees), and its headroom
+    is gone, which ``near_max`` counts."""
+    m = z.abs()
+    return m.masked_fill(torch.isinf(m) & torch.isfinite(z), torch.finfo(m.dtype).max)
 
 
 def minmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -166,9 +175,7 @@ def bad_row_flags(t: torch.Tensor) -> torch.Tensor | None:
     if not has_values(t) or t.dim() < 1 or t.is_nested or t.layout is not torch.strided:
         return None
     with torch.no_grad():
-        dense = t.detach()
-        if dense.is_complex():
-            dense = dense.abs()
+        dense = t.detach()  # complex: a part that is not finite (|z| may overflow alone)
         if dense.dtype in _FLOAT8:
             dense = dense.float()
         if dense.numel() == 0:
