@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import gc
 import tracemalloc
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import nanwatch
+from nanwatch import Phase
 from nanwatch.rules import REGISTRY, rule
+from tests import _tensors as _t
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, nw: nanwatch.Watcher) -> None:
@@ -247,3 +252,67 @@ def test_a_model_compiled_after_watch_is_said_to_be_unwatched() -> None:
             compiled(torch.randn(4, 3)).pow(2).mean().backward()
             nw.step()
     assert not any(r.path == "0" for t in nw.history for r in t.records)
+
+
+class Emit(nn.Module):
+    """Returns the tensor it was built with, whatever it is given."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        super().__init__()
+        self.out = out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out
+
+
+@pytest.mark.parametrize("dtype", _t.ALL_DTYPES, ids=_t.dtype_id)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_the_watcher_records_what_a_float64_reference_says(
+    dtype: torch.dtype, data: st.DataObject
+) -> None:
+    """A one-module model fed an awkward tensor and returning another like it, under each
+    mode, read at once (CPU) or at the flush (the accelerator path): the input (the batch:
+    with its bad samples) and the output are recorded with the reference's min/max and
+    finiteness, and their counts wherever counted; a NaN or +inf is the first anomaly, found
+    in the batch; nanwatch says nothing and has no fault of its own."""
+    case = data.draw(_t.cases((dtype,)), label="case")
+    mode = data.draw(st.sampled_from(["sentinel", "watch", "forensic"]), label="mode")
+    deferred = data.draw(st.booleans(), label="deferred")
+    ref = _t.reference(case)
+    model = Emit(case.make())
+    nw = nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False)
+    nw._defer_cpu = deferred  # statistics kept "on the device" until the step's flush
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw:
+            out = model(case.make())
+            nw.step()
+    assert not [str(w.message) for w in caught if "nanwatch" in str(w.message)]
+    assert not nw.faults
+    recs = {(r.phase, r.role): r for r in nw.history[-1].records if r.path == "Emit"}
+    batch, output = recs[(Phase.INPUT, "input[0]")], recs[(Phase.FORWARD, "output")]
+    assert output.dtype == _t.dtype_id(dtype) and output.shape == tuple(out.shape)
+    for rec in (batch, output):
+        s = rec.stat
+        if ref.numel == 0:
+            assert s is None, rec
+            continue
+        assert s is not None and s.numel == ref.numel, rec
+        assert s.finite is ref.finite, (rec, ref)
+        assert _t.close(case, s.min, ref.min) and _t.close(case, s.max, ref.max), (rec, ref)
+        if s.counted:
+            assert (s.nan, s.posinf, s.neginf, s.zeros) == (
+                ref.nan, ref.posinf, ref.neginf, ref.zeros,
+            ), (rec, ref)  # fmt: skip
+            assert _t.close(case, s.finite_amax, ref.finite_amax), (rec, ref)
+        else:  # counts only for bad tensors, and on the accelerator path not at all
+            assert ref.finite or deferred, rec
+    if not ref.finite and ref.bad_rows is not None:  # the samples of the batch to look at
+        assert batch.stat is not None and batch.stat.bad_row_count == len(ref.bad_rows)
+        assert list(batch.stat.bad_rows or ()) == ref.bad_rows[:8]
+    a = nw.first_anomaly
+    if ref.finite or ref.numel == 0:
+        assert a is None, a
+    elif ref.nan or ref.posinf:  # -inf alone is a mask's, not an anomaly in itself
+        assert a is not None and a.record.index == batch.index, a
