@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import tracemalloc
 import warnings
@@ -18,6 +19,7 @@ import nanwatch
 from nanwatch import Phase
 from nanwatch.rules import REGISTRY, rule
 from tests import _tensors as _t
+from tests import zoo
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, nw: nanwatch.Watcher) -> None:
@@ -316,3 +318,97 @@ def test_the_watcher_records_what_a_float64_reference_says(
         assert a is None, a
     elif ref.nan or ref.posinf:  # -inf alone is a mask's, not an anomaly in itself
         assert a is not None and a.record.index == batch.index, a
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, so NaNs compare too (and -0.0 differs from 0.0)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _train(
+    watch: dict[str, Any] | None, spike_at: int | None
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], torch.Tensor, nanwatch.Watcher | None]:
+    """Six SGD steps of a model with BatchNorm and Dropout, data drawn from the same global
+    RNG; with ``spike_at``, that step divides by zero inside the gated dropout."""
+    torch.manual_seed(11)
+    model = zoo.Regularized()
+    criterion = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    outs: list[torch.Tensor] = []
+    nw = None
+    if watch is not None:
+        nw = nanwatch.watch(model, criterion, on_anomaly="record", postmortem=False, **watch)
+    with nw if nw is not None else contextlib.nullcontext():
+        for step in range(6):
+            model.gated.gate.fill_(0.0 if step == spike_at else 1.0)
+            x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 4, (6,))
+            out = model(x)
+            criterion(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(out.detach().clone())
+            if nw is not None:
+                nw.step()
+    return outs, model.state_dict(), torch.get_rng_state(), nw
+
+
+@pytest.mark.parametrize("spike", [False, True], ids=["clean", "replayed-anomaly"])
+@pytest.mark.parametrize(
+    "watch",
+    [
+        {"mode": "sentinel"},
+        {"mode": "watch"},
+        {"mode": "forensic"},
+        {"mode": "watch", "sample_every": 3},
+    ],
+    ids=["sentinel", "watch", "forensic", "sample_every=3"],
+)
+def test_training_is_bit_identical_to_an_unwatched_run(watch: dict[str, Any], spike: bool) -> None:
+    """Outputs of every step, weights, BatchNorm's running statistics and the RNG state
+    after six SGD steps are the same bytes with or without the watcher, whatever its mode;
+    also when an anomaly makes it replay a module whose forward draws dropout masks."""
+    spike_at = 4 if spike else None
+    ref_outs, ref_state, ref_rng, _ = _train(None, spike_at)
+    outs, state, rng, nw = _train(watch, spike_at)
+    assert nw is not None and len(nw.history) == 6  # it watched every step
+    for step, (got, want) in enumerate(zip(outs, ref_outs, strict=True)):
+        assert torch.equal(_bits(got), _bits(want)), f"the output of step {step} differs"
+    assert state.keys() == ref_state.keys()
+    for name, want in ref_state.items():
+        assert torch.equal(_bits(state[name]), _bits(want)), name
+    assert torch.equal(rng, ref_rng), "nanwatch drew from the global RNG"
+    if spike:
+        a = nw.first_anomaly
+        assert a is not None and a.step == 4, a
+        if watch != {"mode": "sentinel"} and 4 % watch.get("sample_every", 1) == 0:
+            assert a.path == "gated" and a.op is not None, a  # replayed to name the op
+    else:
+        assert nw.first_anomaly is None
+
+
+class _Running(nn.Module):
+    """Updates a buffer in place, then multiplies by it (autograd saves it for backward),
+    and divides by zero: its replay writes the buffer again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("ema", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ema.mul_(0.5).add_(1.0)
+        return self.fc(x) * self.ema / 0.0
+
+
+@pytest.mark.parametrize("mode", ["watch", "forensic"])
+def test_a_replay_leaves_the_buffers_backward_needs_as_they_were(mode: str) -> None:
+    """The anomaly is replayed to name its op; the buffer the replay wrote again is put
+    back with its value and its autograd version, so the user's backward still runs."""
+    model = nn.Sequential(_Running(), nn.Linear(3, 1))
+    with nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        model(torch.randn(4, 3)).sum().backward()  # raised "modified by an inplace operation"
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.path == "0" and a.op is not None and "div" in a.op.op
+    assert torch.equal(model[0].ema, torch.ones(3))  # one real forward, not two
+    assert model[0].fc.weight.grad is not None
