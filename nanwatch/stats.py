@@ -312,6 +312,11 @@ def foreach_absmax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [o for o in out if o is not None]
 
 
+def _wide(v: torch.Tensor) -> torch.Tensor:
+    """``v`` in at least float32 (float64 stays float64: a complex128's magnitudes)."""
+    return v if v.dtype in (torch.float32, torch.float64) else v.float()
+
+
 def _absmax(t: torch.Tensor) -> torch.Tensor:
     v = _values(t) if (t.is_complex() or t.dtype in _FLOAT8 or t.layout is not torch.strided) else t
     if v.numel() == 0:
@@ -340,7 +345,7 @@ def foreach_l2(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         for (dtype, device), idx in groups.items():
             ts = [tensors[i] for i in idx]
             if dtype in _FLOAT8 or dtype.is_complex:
-                norms = [_values(t).float().norm() for t in ts]
+                norms = [_wide(_values(t)).norm() for t in ts]
             elif device.type == "cpu" and dtype in (torch.float32, torch.float64):
                 # large tensors: a dot product reads them fastest; the many small ones: one
                 # multi-tensor call, not a dispatch each

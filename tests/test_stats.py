@@ -124,6 +124,20 @@ def test_foreach_norms_propagate_nan_and_keep_float16_from_overflowing() -> None
     assert l2[2] == pytest.approx(60000.0 * math.sqrt(2), rel=1e-3)  # not inf
 
 
+def test_complex_magnitudes_past_the_parts_range_are_not_infinite() -> None:
+    """complex64(3e38, 3e38) is finite (torch.isfinite agrees) though |z| is past float32's
+    largest value: it reads as that value, with no headroom left, not as an inf; and the
+    norm of complex128 values is taken in float64."""
+    fmax = float(torch.finfo(torch.float32).max)
+    z = torch.tensor([[complex(3e38, 3e38)], [complex(1.0, 0.0)]], dtype=torch.complex64)
+    s = stats.describe(z, rows=True)
+    assert s is not None and s.finite and s.posinf == 0
+    assert (s.max, s.near_max, s.bad_row_count) == (fmax, 1, 0)
+    assert stats.read_minmax(z) == (1.0, fmax)
+    wide = torch.tensor([1e100j, 1e100], dtype=torch.complex128)
+    assert float(stats.foreach_l2([wide])[0]) == pytest.approx(math.sqrt(2) * 1e100)
+
+
 def _check_stat(case: _t.Case, ref: _t.Ref, s: TensorStat | None, *, rows: bool) -> None:
     """``s`` says what the float64 reference says: min/max (NaN wherever a NaN is), the
     counts, the finite max |x| and, with ``rows``, the bad samples."""
@@ -181,7 +195,8 @@ def _l2_expected(case: _t.Case, ref: _t.Ref) -> tuple[float, str]:
     wide = _t.part_dtype(case.dtype) is torch.float64
     acc = torch.finfo(torch.float64 if wide else torch.float32)
     ss = math.fsum(m * m for m in ref.magnitudes)  # inf when even float64 overflows
-    norm = math.sqrt(ss) if math.isfinite(ss) else math.inf
+    scale = max((abs(m) for m in ref.magnitudes), default=0.0) or 1.0
+    norm = scale * math.sqrt(math.fsum((m / scale) ** 2 for m in ref.magnitudes))
     if ss > float(acc.max):
         return norm, "over"
     if ss < float(acc.smallest_normal) * 2.0**30:
