@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -12,3 +13,19 @@ import torch
 compiling: Callable[[], bool] = getattr(
     getattr(torch, "compiler", None), "is_compiling", None
 ) or (lambda: bool(getattr(torch, "_dynamo", None) and torch._dynamo.is_compiling()))
+
+
+def set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
+    """Set autograd's version counters of ``tensors`` back to ``versions``, where this torch
+    can (the private setter takes sequences in recent torch, one tensor in older ones)."""
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None or not tensors:
+        return
+    try:
+        setter(tuple(tensors), tuple(versions))
+    except TypeError:
+        with contextlib.suppress(TypeError, RuntimeError):
+            for t, v in zip(tensors, versions, strict=True):
+                setter(t, v)
+    except RuntimeError:
+        pass

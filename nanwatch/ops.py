@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from nanwatch import _frames
+from nanwatch._compat import set_versions
 from nanwatch._domains import Domain, domain_of
 from nanwatch.records import OpEvent, Phase, TensorStat
 from nanwatch.stats import brief, describe, device_name, dtype_name, has_values
@@ -494,22 +495,45 @@ def _devices(objs: Sequence[Any]) -> set[torch.device]:
 @contextlib.contextmanager
 def preserved_state(module: torch.nn.Module | None, devices: set[torch.device]) -> Iterator[None]:
     """Save RNG state (CPU and the given CUDA devices) and the module's buffers; put them
-    back afterwards whatever happens."""
+    back afterwards whatever happens.
+
+    Buffers go back with their autograd version counters: the forward being replayed may
+    have saved one for backward (``x / self.scale``, BatchNorm's running statistics in eval
+    mode), and a restored buffer that looked modified in place would make the user's
+    ``backward()`` raise. A buffer the replay left as it was is not written at all (where
+    torch cannot set a version counter, that keeps the common case working)."""
     cpu_rng = torch.get_rng_state()
     cuda_rng = {d: torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
-    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    saved: list[tuple[torch.Tensor, torch.Tensor, int | None]] = []
     if module is not None:
         with torch.no_grad():
-            saved = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
+            saved = [
+                (b, b.detach().clone(), _version(b)) for b in module.buffers() if not b.is_meta
+            ]
     try:
         yield
     finally:
+        changed: list[tuple[torch.Tensor, int]] = []
         with torch.no_grad():
-            for b, copy in saved:
+            for b, copy, version in saved:
+                if version is not None and _version(b) == version and torch.equal(b, copy):
+                    continue  # as it was: leave it, version and all
+                # a kernel may write a buffer without counting it (batch_norm's running
+                # statistics): restore whatever differs
                 b.copy_(copy)
+                if version is not None:
+                    changed.append((b, version))
+        set_versions([b for b, _ in changed], [v for _, v in changed])
         torch.set_rng_state(cpu_rng)
         for d, state in cuda_rng.items():
             torch.cuda.set_rng_state(state, d)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return int(t._version)
+    except RuntimeError:  # an inference tensor: no version counter
+        return None
 
 
 def rng_states(devices: set[torch.device]) -> list[torch.Tensor]:

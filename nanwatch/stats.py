@@ -27,6 +27,10 @@ _FLOAT8 = frozenset(
     )
     if hasattr(torch, name)
 )
+#: floating dtypes that pack several values into one element (float4_e2m1fn_x2: two 4-bit
+#: floats a byte). torch has no arithmetic on them (no finfo, no aminmax), so they get
+#: metadata only, like integers.
+_PACKED = frozenset(getattr(torch, name) for name in ("float4_e2m1fn_x2",) if hasattr(torch, name))
 _COMPLEX_PART = {
     torch.complex32: torch.float16,
     torch.complex64: torch.float32,
@@ -69,7 +73,7 @@ class DtypeLimits:
 def _limits_of(dtype: torch.dtype) -> DtypeLimits | None:
     if dtype in _COMPLEX_PART:
         dtype = _COMPLEX_PART[dtype]
-    if not dtype.is_floating_point:
+    if not dtype.is_floating_point or dtype in _PACKED:
         return None
     fi = torch.finfo(dtype)
     return DtypeLimits(
@@ -112,7 +116,7 @@ def _device_name(device: torch.device) -> str:
 
 def has_values(t: torch.Tensor) -> bool:
     """Whether statistics can be computed: a floating or complex tensor with data."""
-    if not (t.is_floating_point() or t.is_complex()):
+    if not (t.is_floating_point() or t.is_complex()) or t.dtype in _PACKED:
         return False
     if t.is_meta or t.layout not in _STATS_LAYOUTS:
         return False
@@ -130,10 +134,19 @@ def _values(t: torch.Tensor) -> torch.Tensor:
     elif t.layout is not torch.strided:
         t = t.values()
     if t.is_complex():
-        t = t.abs()
+        t = _magnitude(t)
     if t.dtype in _FLOAT8:
         t = t.float()
     return t
+
+
+def _magnitude(z: torch.Tensor) -> torch.Tensor:
+    """|z| in the dtype of z's parts. A finite z whose magnitude lies past that dtype's
+    range (both parts near its max: complex64(3e38, 3e38)) reads as the largest finite
+    value, not inf: the tensor holds no inf (``torch.isfinite`` agrees), and its headroom
+    is gone, which ``near_max`` counts."""
+    m = z.abs()
+    return m.masked_fill(torch.isinf(m) & torch.isfinite(z), torch.finfo(m.dtype).max)
 
 
 def minmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -162,9 +175,7 @@ def bad_row_flags(t: torch.Tensor) -> torch.Tensor | None:
     if not has_values(t) or t.dim() < 1 or t.is_nested or t.layout is not torch.strided:
         return None
     with torch.no_grad():
-        dense = t.detach()
-        if dense.is_complex():
-            dense = dense.abs()
+        dense = t.detach()  # complex: a part that is not finite (|z| may overflow alone)
         if dense.dtype in _FLOAT8:
             dense = dense.float()
         if dense.numel() == 0:
@@ -257,12 +268,12 @@ def brief(t: torch.Tensor) -> TensorStat | None:
     """Statistics of a tensor :func:`describe` leaves out: an integer or bool tensor (a
     target, an index: min, max and numel) or an empty one (numel 0; min and max read 0, no
     value counted). Floating tensors with values get :func:`describe`; None for layouts
-    without plain values (meta, sparse, nested).
+    without plain values (meta, sparse, nested, packed float4).
 
     >>> brief(torch.tensor([-100, 3])).max, brief(torch.zeros(0, 4)).numel
     (3.0, 0)
     """
-    if t.is_meta or t.is_nested or t.layout is not torch.strided:
+    if t.is_meta or t.is_nested or t.layout is not torch.strided or t.dtype in _PACKED:
         return None
     n = t.numel()
     if n == 0:
@@ -301,6 +312,11 @@ def foreach_absmax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [o for o in out if o is not None]
 
 
+def _wide(v: torch.Tensor) -> torch.Tensor:
+    """``v`` in at least float32 (float64 stays float64: a complex128's magnitudes)."""
+    return v if v.dtype in (torch.float32, torch.float64) else v.float()
+
+
 def _absmax(t: torch.Tensor) -> torch.Tensor:
     v = _values(t) if (t.is_complex() or t.dtype in _FLOAT8 or t.layout is not torch.strided) else t
     if v.numel() == 0:
@@ -329,7 +345,7 @@ def foreach_l2(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         for (dtype, device), idx in groups.items():
             ts = [tensors[i] for i in idx]
             if dtype in _FLOAT8 or dtype.is_complex:
-                norms = [_values(t).float().norm() for t in ts]
+                norms = [_wide(_values(t)).norm() for t in ts]
             elif device.type == "cpu" and dtype in (torch.float32, torch.float64):
                 # large tensors: a dot product reads them fastest; the many small ones: one
                 # multi-tensor call, not a dispatch each

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import tracemalloc
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import nanwatch
+from nanwatch import Phase
 from nanwatch.rules import REGISTRY, rule
+from tests import _tensors as _t
+from tests import zoo
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, nw: nanwatch.Watcher) -> None:
@@ -247,3 +254,161 @@ def test_a_model_compiled_after_watch_is_said_to_be_unwatched() -> None:
             compiled(torch.randn(4, 3)).pow(2).mean().backward()
             nw.step()
     assert not any(r.path == "0" for t in nw.history for r in t.records)
+
+
+class Emit(nn.Module):
+    """Returns the tensor it was built with, whatever it is given."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        super().__init__()
+        self.out = out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out
+
+
+@pytest.mark.parametrize("dtype", _t.ALL_DTYPES, ids=_t.dtype_id)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_the_watcher_records_what_a_float64_reference_says(
+    dtype: torch.dtype, data: st.DataObject
+) -> None:
+    """A one-module model fed an awkward tensor and returning another like it, under each
+    mode, read at once (CPU) or at the flush (the accelerator path): the input (the batch:
+    with its bad samples) and the output are recorded with the reference's min/max and
+    finiteness, and their counts wherever counted; a NaN or +inf is the first anomaly, found
+    in the batch; nanwatch says nothing and has no fault of its own."""
+    case = data.draw(_t.cases((dtype,)), label="case")
+    mode = data.draw(st.sampled_from(["sentinel", "watch", "forensic"]), label="mode")
+    deferred = data.draw(st.booleans(), label="deferred")
+    ref = _t.reference(case)
+    model = Emit(case.make())
+    nw = nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False)
+    nw._defer_cpu = deferred  # statistics kept "on the device" until the step's flush
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nw:
+            out = model(case.make())
+            nw.step()
+    assert not [str(w.message) for w in caught if "nanwatch" in str(w.message)]
+    assert not nw.faults
+    recs = {(r.phase, r.role): r for r in nw.history[-1].records if r.path == "Emit"}
+    batch, output = recs[(Phase.INPUT, "input[0]")], recs[(Phase.FORWARD, "output")]
+    assert output.dtype == _t.dtype_id(dtype) and output.shape == tuple(out.shape)
+    for rec in (batch, output):
+        s = rec.stat
+        if ref.numel == 0:
+            assert s is None, rec
+            continue
+        assert s is not None and s.numel == ref.numel, rec
+        assert s.finite is ref.finite, (rec, ref)
+        assert _t.close(case, s.min, ref.min) and _t.close(case, s.max, ref.max), (rec, ref)
+        if s.counted:
+            assert (s.nan, s.posinf, s.neginf, s.zeros) == (
+                ref.nan, ref.posinf, ref.neginf, ref.zeros,
+            ), (rec, ref)  # fmt: skip
+            assert _t.close(case, s.finite_amax, ref.finite_amax), (rec, ref)
+        else:  # counts only for bad tensors, and on the accelerator path not at all
+            assert ref.finite or deferred, rec
+    if not ref.finite and ref.bad_rows is not None:  # the samples of the batch to look at
+        assert batch.stat is not None and batch.stat.bad_row_count == len(ref.bad_rows)
+        assert list(batch.stat.bad_rows or ()) == ref.bad_rows[:8]
+    a = nw.first_anomaly
+    if ref.finite or ref.numel == 0:
+        assert a is None, a
+    elif ref.nan or ref.posinf:  # -inf alone is a mask's, not an anomaly in itself
+        assert a is not None and a.record.index == batch.index, a
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, so NaNs compare too (and -0.0 differs from 0.0)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _train(
+    watch: dict[str, Any] | None, spike_at: int | None
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], torch.Tensor, nanwatch.Watcher | None]:
+    """Six SGD steps of a model with BatchNorm and Dropout, data drawn from the same global
+    RNG; with ``spike_at``, that step divides by zero inside the gated dropout."""
+    torch.manual_seed(11)
+    model = zoo.Regularized()
+    criterion = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    outs: list[torch.Tensor] = []
+    nw = None
+    if watch is not None:
+        nw = nanwatch.watch(model, criterion, on_anomaly="record", postmortem=False, **watch)
+    with nw if nw is not None else contextlib.nullcontext():
+        for step in range(6):
+            model.gated.gate.fill_(0.0 if step == spike_at else 1.0)
+            x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 4, (6,))
+            out = model(x)
+            criterion(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(out.detach().clone())
+            if nw is not None:
+                nw.step()
+    return outs, model.state_dict(), torch.get_rng_state(), nw
+
+
+@pytest.mark.parametrize("spike", [False, True], ids=["clean", "replayed-anomaly"])
+@pytest.mark.parametrize(
+    "watch",
+    [
+        {"mode": "sentinel"},
+        {"mode": "watch"},
+        {"mode": "forensic"},
+        {"mode": "watch", "sample_every": 3},
+    ],
+    ids=["sentinel", "watch", "forensic", "sample_every=3"],
+)
+def test_training_is_bit_identical_to_an_unwatched_run(watch: dict[str, Any], spike: bool) -> None:
+    """Outputs of every step, weights, BatchNorm's running statistics and the RNG state
+    after six SGD steps are the same bytes with or without the watcher, whatever its mode;
+    also when an anomaly makes it replay a module whose forward draws dropout masks."""
+    spike_at = 4 if spike else None
+    ref_outs, ref_state, ref_rng, _ = _train(None, spike_at)
+    outs, state, rng, nw = _train(watch, spike_at)
+    assert nw is not None and len(nw.history) == 6  # it watched every step
+    for step, (got, want) in enumerate(zip(outs, ref_outs, strict=True)):
+        assert torch.equal(_bits(got), _bits(want)), f"the output of step {step} differs"
+    assert state.keys() == ref_state.keys()
+    for name, want in ref_state.items():
+        assert torch.equal(_bits(state[name]), _bits(want)), name
+    assert torch.equal(rng, ref_rng), "nanwatch drew from the global RNG"
+    if spike:
+        a = nw.first_anomaly
+        assert a is not None and a.step == 4, a
+        if watch != {"mode": "sentinel"} and 4 % watch.get("sample_every", 1) == 0:
+            assert a.path == "gated" and a.op is not None, a  # replayed to name the op
+    else:
+        assert nw.first_anomaly is None
+
+
+class _Running(nn.Module):
+    """Updates a buffer in place, then multiplies by it (autograd saves it for backward),
+    and divides by zero: its replay writes the buffer again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.register_buffer("ema", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ema.mul_(0.5).add_(1.0)
+        return self.fc(x) * self.ema / 0.0
+
+
+@pytest.mark.parametrize("mode", ["watch", "forensic"])
+def test_a_replay_leaves_the_buffers_backward_needs_as_they_were(mode: str) -> None:
+    """The anomaly is replayed to name its op; the buffer the replay wrote again is put
+    back with its value and its autograd version, so the user's backward still runs."""
+    model = nn.Sequential(_Running(), nn.Linear(3, 1))
+    with nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        model(torch.randn(4, 3)).sum().backward()  # raised "modified by an inplace operation"
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.path == "0" and a.op is not None and "div" in a.op.op
+    assert torch.equal(model[0].ema, torch.ones(3))  # one real forward, not two
+    assert model[0].fc.weight.grad is not None

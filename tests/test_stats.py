@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanwatch import stats
+from nanwatch.records import TensorStat
+from tests import _tensors as _t
 
 SPECIAL = [math.nan, math.inf, -math.inf, -0.0, 0.0]
 
@@ -96,12 +97,18 @@ def test_awkward_tensors_get_statistics(make) -> None:  # type: ignore[no-untype
         torch.zeros(3, dtype=torch.int64),
         torch.zeros(2, dtype=torch.bool),
         torch.empty(3, device="meta"),
+        torch.full((2, 3), 0x35, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
     ],
-    ids=["empty", "int", "bool", "meta"],
+    ids=["empty", "int", "bool", "meta", "float4-packed"],
 )
 def test_tensors_without_values_have_no_statistics(t: torch.Tensor) -> None:
     assert stats.minmax(t) is None
     assert stats.describe(t) is None
+    assert stats.bad_row_flags(t) is None
+    if not (t.is_floating_point() or t.is_complex()) or t.is_meta:
+        return
+    assert stats.dtype_limits(t.dtype) is None or t.numel() == 0
+    assert stats.brief(t) is None or t.numel() == 0
 
 
 def test_foreach_norms_propagate_nan_and_keep_float16_from_overflowing() -> None:
@@ -117,43 +124,113 @@ def test_foreach_norms_propagate_nan_and_keep_float16_from_overflowing() -> None
     assert l2[2] == pytest.approx(60000.0 * math.sqrt(2), rel=1e-3)  # not inf
 
 
-_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+def test_complex_magnitudes_past_the_parts_range_are_not_infinite() -> None:
+    """complex64(3e38, 3e38) is finite (torch.isfinite agrees) though |z| is past float32's
+    largest value: it reads as that value, with no headroom left, not as an inf; and the
+    norm of complex128 values is taken in float64."""
+    fmax = float(torch.finfo(torch.float32).max)
+    z = torch.tensor([[complex(3e38, 3e38)], [complex(1.0, 0.0)]], dtype=torch.complex64)
+    s = stats.describe(z, rows=True)
+    assert s is not None and s.finite and s.posinf == 0
+    assert (s.max, s.near_max, s.bad_row_count) == (fmax, 1, 0)
+    assert stats.read_minmax(z) == (1.0, fmax)
+    wide = torch.tensor([1e100j, 1e100], dtype=torch.complex128)
+    assert float(stats.foreach_l2([wide])[0]) == pytest.approx(math.sqrt(2) * 1e100)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    dtype=st.sampled_from(_DTYPES),
-    values=st.lists(
-        st.one_of(
-            st.floats(allow_nan=False, allow_infinity=False, width=64), st.sampled_from(SPECIAL)
-        ),
-        min_size=1,
-        max_size=40,
-    ),
-    rows=st.integers(min_value=1, max_value=4),
-)
-def test_statistics_equal_a_float64_reference(
-    dtype: torch.dtype, values: list[float], rows: int
-) -> None:
-    n = len(values) - len(values) % rows or rows
-    vals = (values * rows)[:n]
-    t = torch.tensor(vals, dtype=torch.float64).to(dtype).reshape(rows, -1)
-    ref = t.to(torch.float64).numpy()  # the values as the dtype holds them
-    fmax = float(torch.finfo(dtype).max)
-    s = stats.describe(t, rows=True)
-    assert s is not None
-    assert s.nan == int(np.isnan(ref).sum())
-    assert s.posinf == int(np.isposinf(ref).sum())
-    assert s.neginf == int(np.isneginf(ref).sum())
-    assert s.zeros == int((ref == 0).sum())
-    finite = ref[np.isfinite(ref)]
-    assert s.near_max == int((np.abs(finite) >= fmax / 2).sum())
-    if finite.size:
-        assert s.finite_amax == np.abs(finite).max()
-    if not np.isnan(ref).any():
-        assert s.min == ref.min() and s.max == ref.max()
-        mm = stats.read_minmax(t)
-        assert mm == (ref.min(), ref.max())
-    bad = np.where(~np.isfinite(ref).all(axis=1))[0]
-    assert s.bad_row_count == len(bad)
-    assert list(s.bad_rows or ()) == list(bad[:8])
+def _check_stat(case: _t.Case, ref: _t.Ref, s: TensorStat | None, *, rows: bool) -> None:
+    """``s`` says what the float64 reference says: min/max (NaN wherever a NaN is), the
+    counts, the finite max |x| and, with ``rows``, the bad samples."""
+    assert s is not None and s.numel == ref.numel
+    assert _t.close(case, s.min, ref.min) and _t.close(case, s.max, ref.max), (s, ref)
+    assert (s.nan, s.posinf, s.neginf, s.zeros) == (ref.nan, ref.posinf, ref.neginf, ref.zeros)
+    assert abs(s.near_max - ref.near_max) <= ref.near_max_slack, (s.near_max, ref.near_max)  # type: ignore[operator]
+    assert _t.close(case, s.finite_amax, ref.finite_amax), (s.finite_amax, ref.finite_amax)
+    assert s.finite is ref.finite
+    if rows and ref.bad_rows is not None:
+        assert s.bad_row_count == len(ref.bad_rows)
+        assert list(s.bad_rows or ()) == ref.bad_rows[:8]
+    else:
+        assert s.bad_rows is None and s.bad_row_count is None
+
+
+@pytest.mark.parametrize("dtype", _t.ALL_DTYPES, ids=_t.dtype_id)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_statistics_equal_a_float64_reference(dtype: torch.dtype, data: st.DataObject) -> None:
+    """describe, minmax, read_minmax and bad_row_flags on every floating and complex dtype,
+    0 to 4 dims, zero-size, non-contiguous and channels_last, values mixing NaN, +-inf,
+    -0.0, subnormals and the dtype's limits."""
+    case = data.draw(_t.cases((dtype,)), label="case")
+    t = case.make()
+    ref = _t.reference(case)
+    if ref.numel == 0:  # zero-size: nothing to measure, and no error
+        assert stats.describe(t, rows=True) is None
+        assert stats.minmax(t) is None and stats.read_minmax(t) is None
+        assert stats.bad_row_flags(t) is None
+        return
+    _check_stat(case, ref, stats.describe(t, rows=True), rows=True)
+    mm = stats.minmax(t)  # the hot path: one fused pass, NaN propagating
+    assert mm is not None
+    assert _t.close(case, float(mm[0]), ref.min) and _t.close(case, float(mm[1]), ref.max)
+    read = stats.read_minmax(t)
+    assert read is not None and _t.close(case, read[0], ref.min)
+    assert _t.close(case, read[1], ref.max)
+    flags = stats.bad_row_flags(t)
+    if ref.bad_rows is None:  # 0-d: no samples to tell apart
+        assert flags is None
+    else:
+        assert flags is not None
+        assert flags.nonzero().flatten().tolist() == ref.bad_rows
+
+
+def _l2_expected(case: _t.Case, ref: _t.Ref) -> tuple[float, str]:
+    """The L2 norm foreach_l2 must give, and how close. It sums squares in float32 (float64
+    for 64-bit parts), unscaled, as torch does: a sum past that range may read inf ("over"),
+    one below its normal range may lose its tiny terms ("under": only bounded above)."""
+    if ref.nan:
+        return math.nan, "exact"
+    if ref.posinf or ref.neginf:
+        return math.inf, "exact"
+    wide = _t.part_dtype(case.dtype) is torch.float64
+    acc = torch.finfo(torch.float64 if wide else torch.float32)
+    ss = math.fsum(m * m for m in ref.magnitudes)  # inf when even float64 overflows
+    scale = max((abs(m) for m in ref.magnitudes), default=0.0) or 1.0
+    norm = scale * math.sqrt(math.fsum((m / scale) ** 2 for m in ref.magnitudes))
+    if ss > float(acc.max):
+        return norm, "over"
+    if ss < float(acc.smallest_normal) * 2.0**30:
+        return norm, "under"
+    return norm, "close"
+
+
+@settings(max_examples=100, deadline=None)
+@given(batch=st.lists(_t.cases(), min_size=1, max_size=5))
+def test_foreach_norms_equal_a_float64_reference(batch: list[_t.Case]) -> None:
+    """The weight and gradient checks: max |x| and the L2 norm of many tensors of mixed
+    dtypes at once; NaN propagates, inf shows, an empty tensor is 0."""
+    tensors = [c.make() for c in batch]
+    refs = [_t.reference(c) for c in batch]
+    absmax = [float(x) for x in stats.foreach_absmax(tensors)]
+    l2 = [float(x) for x in stats.foreach_l2(tensors)]
+    assert len(absmax) == len(l2) == len(batch)
+    for case, ref, a, n in zip(batch, refs, absmax, l2, strict=True):
+        want = math.nan if ref.nan else max((abs(m) for m in ref.magnitudes), default=0.0)
+        assert _t.close(case, a, want), (case, a, want)
+        expected, how = _l2_expected(case, ref)
+        # a complex tensor's magnitudes are rounded in its parts' dtype before the norm
+        rel = (
+            max(1e-4, 2 * float(torch.finfo(_t.part_dtype(case.dtype)).eps))
+            if case.is_complex
+            else 1e-4
+        )
+        if math.isnan(expected):
+            assert math.isnan(n)
+        elif how == "exact":
+            assert n == expected
+        elif how == "over":
+            assert n == math.inf or n == pytest.approx(expected, rel=rel), (case, n, expected)
+        elif how == "under":
+            assert 0.0 <= n <= expected * (1 + rel) + 1e-300, (case, n, expected)
+        else:
+            assert n == pytest.approx(expected, rel=rel), (case, n, expected)

@@ -584,28 +584,107 @@ def test_a_backward_nan_inside_a_checkpointed_block_is_found_there(reentrant: bo
     assert nw.history[-1].diagnoses[0].code == "NW112"
 
 
+class _Meet(nn.Module):
+    """Waits for the other thread's model to be in its forward too."""
+
+    def __init__(self, barrier: Any) -> None:
+        super().__init__()
+        self.barrier = barrier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.barrier is not None:
+            self.barrier.wait()
+        return x * 1.0
+
+
+class _ModelA(nn.Sequential):
+    pass
+
+
+class _ModelB(nn.Sequential):
+    pass
+
+
+def _thread_models(barrier: Any) -> list[nn.Sequential]:
+    from collections import OrderedDict
+
+    torch.manual_seed(5)
+    a = _ModelA(
+        OrderedDict(
+            a_fc=nn.Linear(3, 3), a_div=_Div(), a_meet=_Meet(barrier), a_head=nn.Linear(3, 1)
+        )
+    )
+    b = _ModelB(
+        OrderedDict(
+            b_fc=nn.Linear(4, 4), b_act=nn.GELU(), b_meet=_Meet(barrier), b_head=nn.Linear(4, 2)
+        )
+    )
+    return [a, b]
+
+
 def test_two_threads_with_their_own_watchers() -> None:
+    """Two threads train their own model under their own watcher, in lock step: both are
+    inside a forward at once (a barrier in the middle of each), then both in backward, then
+    both at the step boundary. Each watcher records exactly what it records when its model
+    runs alone -- no record of the other model, its own anomaly only."""
     import threading
 
-    results: dict[int, Any] = {}
+    steps = 20
+    xs = [[torch.randn(2, 3) for _ in range(steps)], [torch.randn(5, 4) for _ in range(steps)]]
 
-    def run(i: int) -> None:
-        model = _nan_model() if i == 0 else zoo.Deep()
-        in_dim = 3 if i == 0 else 4
-        with nanwatch.watch(model, on_anomaly="record") as nw:
-            for _ in range(5):
-                model(torch.randn(2, in_dim)).sum().backward()
+    def signature(nw: nanwatch.Watcher) -> list[list[tuple[Any, ...]]]:
+        return [
+            [(r.phase, r.path, r.role, r.shape, r.stat is None or r.stat.finite) for r in t.records]
+            for t in nw.history
+        ]
+
+    def train(i: int, model: nn.Module, barrier: threading.Barrier | None) -> nanwatch.Watcher:
+        def meet() -> None:
+            if barrier is not None:
+                barrier.wait()
+
+        with nanwatch.watch(model, on_anomaly="record", ring_size=steps) as nw:
+            for x in xs[i]:
+                meet()
+                out = model(x)  # meets the other thread once more inside
+                meet()
+                out.sum().backward()
+                meet()
                 nw.step()
-        results[i] = nw
+        return nw
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    solo = [train(i, m, None) for i, m in enumerate(_thread_models(None))]
+    barrier = threading.Barrier(2, timeout=30)
+    results: dict[int, nanwatch.Watcher] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int, model: nn.Module) -> None:
+        try:
+            results[i] = train(i, model, barrier)
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [
+        threading.Thread(target=run, args=(i, m)) for i, m in enumerate(_thread_models(barrier))
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results[0].first_anomaly is not None and results[0].first_anomaly.path == "1"
-    assert results[1].first_anomaly is None
-    assert len(results[0].history) == len(results[1].history) == 5
+    assert not errors, errors
+    own = {0: ("_ModelA", "a_"), 1: ("_ModelB", "b_")}
+    for i, nw in results.items():
+        paths = {r.path for t in nw.history for r in t.records}
+        assert all(p.startswith(own[i]) or p == "(loss)" for p in paths), (i, paths)
+        assert len(nw.history) == steps and not nw.faults
+        assert signature(nw) == signature(solo[i]), i  # the same records as alone
+    a, b = results[0].first_anomaly, results[1].first_anomaly
+    assert a is not None and a.path == "a_div" and a.step == 0
+    assert b is None
+    said = [d.path for t in results[0].history for d in t.diagnoses]
+    assert "a_div" in said and all(p is None or not p.startswith("b_") for p in said), said
+    assert not [d.code for t in results[1].history for d in t.diagnoses]
 
 
 def test_accelerator_path_gives_the_same_answer(monkeypatch: pytest.MonkeyPatch) -> None:

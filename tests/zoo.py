@@ -132,3 +132,39 @@ class LSTMTagger(nn.Module):
         out, _ = self.lstm(packed)
         padded, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True)
         return self.head(padded)
+
+
+class GatedDropout(nn.Module):
+    """Dropout, then a division by the ``gate`` buffer: a loop that zeroes the gate makes
+    this module's own forward blow up, so its replay (which draws dropout masks again)
+    runs."""
+
+    def __init__(self, p: float = 0.3) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(p)
+        self.register_buffer("gate", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(x) / self.gate
+
+
+class Regularized(nn.Module):
+    """Training-time state and randomness: BatchNorm's running statistics (buffers every
+    forward updates) and Dropout's draws from the global RNG."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Dropout2d(0.2),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+        )
+        self.hidden = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.GELU())
+        self.gated = GatedDropout()
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gated(self.hidden(self.features(x))))
