@@ -291,6 +291,9 @@ def test_a_clean_replay_marks_the_anomaly_transient(tmp_path: Path) -> None:
     a = cb.watcher.first_anomaly if cb.watcher else None
     assert a is not None and a.transient is True
     assert model.calls[1] == 2  # the replay ran training_step again
+    trace = next(t for t in cb.watcher.history if t.anomaly is a)  # type: ignore[union-attr]
+    top = trace.diagnoses[0]
+    assert top.code == "NW404" and top.severity == "error"  # no layer is blamed
 
 
 def test_skip_drops_only_the_bad_updates_and_training_goes_on(tmp_path: Path) -> None:

@@ -863,6 +863,10 @@ def test_exploding_gradients_compare_against_the_median() -> None:
     d = case_exploding().get("NW303")
     assert "median" in d.evidence[0] and d.severity == "warning"
     assert "clip_grad_norm_" in d.fix
+    # per parameter and per module, the largest jump first, with its factor
+    assert "parameter fc2.weight: gradient norm 60 vs median 1.25 (48×)" in d.evidence
+    assert "module fc2: max |gradient of its output| 9 vs median 0.1 (90×)" in d.evidence
+    assert (d.path, d.parameter) == ("fc2", "fc2.weight")
 
 
 def test_steady_gradients_and_short_histories_do_not_explode() -> None:
