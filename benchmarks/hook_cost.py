@@ -28,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime as _dt
 import math
@@ -383,6 +384,62 @@ class Split:
     elements: int  # their elements
     aminmax_ms: float  # torch.aminmax over exactly those tensors, alone
     item_ms: float  # reading the results (.item() x 2 per tensor)
+    #: ms per watched step spent in each part of nanwatch, measured inside training
+    #: (exclusive times: a part's time excludes the parts it calls)
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+#: the Watcher methods whose exclusive time ``split`` measures, and what each is
+_PARTS = {
+    "_measure": "statistics reads (aminmax of each output and output gradient)",
+    "_pre": "forward pre-hooks",
+    "_post": "forward hooks (records, data flow)",
+    "_on_grad": "gradient hooks",
+    "_check_grads": "gradient norms (every parameter gradient, once)",
+    "_check_params": "weight check (every weight, once)",
+    "_evaluate": "rules",
+    "_boundary": "step boundary (flush, localize)",
+}
+
+
+def _parts(nw: Any, step: Callable[[], None], steps: int) -> dict[str, float]:
+    """Exclusive ms per step in each of ``_PARTS``, by wrapping the (detached) watcher's
+    methods on the instance before it attaches, since its hooks bind them then (a probe of
+    private methods: only for this measurement)."""
+    totals = dict.fromkeys(_PARTS, 0.0)
+    stack: list[list[float]] = []  # [start, time spent in children]
+
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            stack.append([time.perf_counter(), 0.0])
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                start, children = stack.pop()
+                spent = time.perf_counter() - start
+                totals[name] += spent - children
+                if stack:
+                    stack[-1][1] += spent
+
+        return timed
+
+    originals = {name: getattr(nw, name) for name in _PARTS}
+    try:
+        for name, fn in originals.items():
+            setattr(nw, name, wrap(name, fn))
+        nw.attach()
+        try:
+            step()  # warm-up, not counted
+            totals.update(dict.fromkeys(_PARTS, 0.0))
+            for _ in range(steps):
+                step()
+        finally:
+            nw.detach()
+    finally:
+        for name in _PARTS:
+            with contextlib.suppress(AttributeError):
+                delattr(nw, name)
+    return {name: 1e3 * t / steps for name, t in totals.items()}
 
 
 def split(workload: str, quick: bool, rounds: int) -> Split:
@@ -409,6 +466,11 @@ def split(workload: str, quick: bool, rounds: int) -> Split:
             finally:
                 if key == "watch":
                     nw.detach()
+    def one() -> None:
+        w.step()
+        nw.step()
+
+    parts = _parts(nw, one, max(2, rounds * 2))
     caught: list[torch.Tensor] = []
     nw.attach()
     try:
@@ -447,6 +509,7 @@ def split(workload: str, quick: bool, rounds: int) -> Split:
         sum(t.numel() for t in floats),
         k * 1e3,
         r * 1e3,
+        parts,
     )
 
 

@@ -459,6 +459,8 @@ def explain(results: Sequence[WorkloadResult], opts: Options) -> None:
 
 def why_markdown(results: Sequence[WorkloadResult]) -> list[str]:
     """The 'why' of the failed targets, from the measurements of :func:`explain`."""
+    from benchmarks.hook_cost import _PARTS
+
     out: list[str] = []
     for r in results:
         sp = r.split
@@ -471,11 +473,14 @@ def why_markdown(results: Sequence[WorkloadResult]) -> list[str]:
                 f"({sp.elements / 1e6:.1f} M elements: every module output and output "
                 f"gradient it does not bound by an earlier record), timed alone outside "
                 f"training: {sp.aminmax_ms:.2f} ms ({100 * sp.aminmax_ms / sp.unwatched_ms:.1f}"
-                f"% of the unwatched step); the rest ({over - sp.aminmax_ms:.1f} ms) is the "
-                "gradient norms and the weight check (one read of every gradient and every "
-                "weight a step), the Python of the hooks, the records and the rules. The "
-                "first part is one read of each tensor, the floor for a tool that checks "
-                "every module's output and gradient"
+                f"% of the unwatched step). Inside training, per step: "
+                + "; ".join(
+                    f"{what} {sp.parts[name]:.2f} ms"
+                    for name, what in _PARTS.items()
+                    if name in sp.parts
+                )
+                + ". The statistics reads are one read of each tensor, the floor for a tool "
+                "that checks every module's output and gradient"
                 + (
                     f"; in a training step the tensor was just written and is read cold: "
                     f"{r.read_us[0]:.0f} µs for a fresh 1 MiB activation against "
