@@ -296,6 +296,8 @@ def _specs() -> tuple[dict[type, GuardSpec], dict[Any, GuardSpec]]:
             users.setdefault(name, [])
     for name, classes in users.items():
         func = getattr(F, name)
+        if getattr(func, "_nanwatch_guard", False):  # attached now: the original it wraps
+            func = func.__wrapped__
         sig = _signature(func)
         if sig is None:
             continue

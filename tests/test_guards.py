@@ -757,6 +757,8 @@ def test_functional_guards_wrap_only_the_guarded_functionals_while_attached() ->
         assert all(getattr(F, n) is not f for n, f in originals.items())
         assert all(getattr(F, n).__wrapped__ is f for n, f in originals.items())
         assert F.relu is relu  # nothing else is touched
+        # what is guarded is still read from the originals while they are wrapped
+        assert guards.spec_for(nn.CrossEntropyLoss).func is originals["cross_entropy"]
         # no TorchFunctionMode: calls of other functions do not go through Python
         assert not torch.overrides._get_current_function_mode_stack()
         a.detach()
