@@ -35,22 +35,20 @@ import importlib
 import importlib.util
 import inspect
 import json
-import math
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import FrameType, ModuleType
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, get_args
 
 import torch
 
-import nanwatch
+from nanwatch._frames import warn_at_user
 from nanwatch.config import WatchConfig
 from nanwatch.errors import AnomalyError, ConfigError
-from nanwatch.records import Anomaly, AnomalyKind, Phase, StepTrace
-from nanwatch.stats import dtype_limits
+from nanwatch.postmortem import write_report
+from nanwatch.records import Anomaly, AnomalyKind, StepTrace
 from nanwatch.watcher import Watcher
 
 __all__ = [
@@ -179,59 +177,14 @@ def callback_class(namespace: str | None = None) -> type[_NanWatch]:
 
 # ---------------------------------------------------------------------- figures
 def step_metrics(trace: StepTrace, *, scaled: bool = False) -> dict[str, float]:
-    """The figures of a finished step that the callback logs (``nanwatch/...``):
-    ``max_logit`` (max |x| of the model's output), ``grad_norm`` (total L2 norm of the
-    parameter gradients, unscaled by the watcher when a GradScaler is in use), ``loss_scale``
-    (GradScaler), the number of tensors holding NaN/inf
-    by phase (``nonfinite_forward``, ``nonfinite_backward``, ``nonfinite_params``: parameter
-    gradients and weights), and ``headroom``: the largest max |x| / ``finfo.max`` over the
-    step's float16/bfloat16/float8 tensors (1.0 = overflow; scaled gradients left out when a
-    GradScaler is in use). ``max_logit`` and ``grad_norm`` are NaN when unknown (a logger
-    would otherwise repeat the last value); ``loss_scale`` and ``headroom`` appear only with
-    a GradScaler and low-precision tensors.
+    """The figures of a finished step that the callback logs: :meth:`StepTrace.figures`
+    under ``nanwatch/`` names (``nanwatch/max_logit``, ``nanwatch/grad_norm``, ...).
 
     Example:
         >>> step_metrics(StepTrace(step=0, grad_norm=2.0))["nanwatch/grad_norm"]
         2.0
     """
-    nan = math.nan
-    grad_norm = trace.grad_norm if trace.grad_norm is not None else nan  # already unscaled
-    out: dict[str, float] = {
-        "nanwatch/max_logit": trace.max_logit if trace.max_logit is not None else nan,
-        "nanwatch/grad_norm": grad_norm,
-    }
-    if trace.scale is not None:
-        out["nanwatch/loss_scale"] = trace.scale
-    counts = {"forward": 0, "backward": 0, "params": 0}
-    headroom: float | None = None
-    for r in trace.records:
-        s = r.stat
-        if s is None:
-            continue
-        if r.phase in (Phase.GRADIENT, Phase.PARAMETER):
-            group = "params"
-        elif r.phase is Phase.BACKWARD:
-            group = "backward"
-        else:
-            group = "forward"
-        if not s.finite:
-            counts[group] += 1
-        if r.phase is Phase.GRADIENT or (scaled and r.phase is Phase.BACKWARD):
-            continue  # gradient records hold norms; scaled gradients overflow on purpose
-        lim = dtype_limits(r.dtype)
-        if lim is None or not lim.low_precision:
-            continue
-        amax = s.amax
-        if math.isnan(amax):
-            amax = s.finite_amax if s.finite_amax is not None else math.nan
-        if not math.isnan(amax):
-            ratio = amax / lim.max
-            headroom = ratio if headroom is None else max(headroom, ratio)
-    for group, n in counts.items():
-        out[f"nanwatch/nonfinite_{group}"] = float(n)
-    if headroom is not None:
-        out["nanwatch/headroom"] = headroom
-    return out
+    return {f"nanwatch/{k}": v for k, v in trace.figures(scaled=scaled).items()}
 
 
 # ---------------------------------------------------------------------- helpers
@@ -296,43 +249,11 @@ def _log_dir(trainer: Any) -> str:
     return str(os.fspath(d) if d else os.fspath(trainer.default_root_dir))
 
 
-def _free_stem(directory: Path, stem: str) -> str:
-    candidate, n = stem, 1
-    while (directory / f"{candidate}.json").exists():
-        n += 1
-        candidate = f"{stem}-{n}"
-    return candidate
-
-
-_SKIP_DIRS = tuple(
-    os.path.dirname(os.path.abspath(p)) + os.sep
-    for p in (__file__, torch.__file__, nanwatch.__file__ or __file__)
-)
-_STDLIB = os.path.dirname(os.__file__) + os.sep
-_SKIP_PACKAGES = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
-
-
-def _internal(filename: str) -> bool:
-    if filename.startswith((*_SKIP_DIRS, "<")):
-        return True
-    if filename.startswith(_STDLIB) and "site-packages" not in filename:
-        return True
-    parts = filename.split(os.sep)
-    return any(pkg in parts for pkg in _SKIP_PACKAGES) and "site-packages" in parts
-
-
-def _warn(message: str) -> None:
-    """A RuntimeWarning pointing at the user's line (``trainer.fit(...)``), not at
-    Lightning's loop or this module."""
-    f: FrameType | None = sys._getframe(1)
-    while f is not None and _internal(f.f_code.co_filename):
-        f = f.f_back
-    if f is None:
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
-        return
-    warnings.warn_explicit(
-        message, RuntimeWarning, f.f_code.co_filename, f.f_lineno, module="nanwatch"
-    )
+def _warn(message: str, *, fault: bool = True) -> None:
+    """A RuntimeWarning at the user's line (``trainer.fit(...)``), not at Lightning's loop
+    or this module. A ``fault`` of nanwatch's own goes to stderr when warnings are errors:
+    inside ``on_exception`` a raise would replace the user's exception."""
+    warn_at_user(message, safe=fault)
 
 
 def _ranks_text(ranks: Sequence[int], world: int) -> str:
@@ -757,7 +678,7 @@ class _NanWatch:
             )
         if not self._warned:
             self._warned = True
-            _warn(self._message(nw.step_index, ranks, world, steps, dropped=dropped))
+            _warn(self._message(nw.step_index, ranks, world, steps, dropped=dropped), fault=False)
 
     def _earliest(self, steps: list[int]) -> Anomaly | None:
         nw = self.watcher
@@ -883,22 +804,10 @@ class _NanWatch:
     def _write_report(self) -> Path | None:
         nw = self.watcher
         assert nw is not None
-        directory = Path(nw.config.report_dir)
-        try:
-            from nanwatch.postmortem import report_stem
-
-            report = nw.report
-            stem = _free_stem(directory, report_stem(report))
-            json_path, _ = report.save_all(directory, stem)
-        except Exception as exc:
-            _warn(
-                f"nanwatch: could not write the report to {str(directory)!r} "
-                f"({type(exc).__name__}: {exc}); set NanWatchCallback(report_dir=...) to a "
-                "writable directory."
-            )
-            return None
-        self.report_paths.append(json_path)
-        return json_path
+        path = write_report(nw, announce=False)
+        if path is not None:
+            self.report_paths.append(path)
+        return path
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -29,9 +29,17 @@ _launchers: Counter[str] = Counter()
 @functools.cache
 def _framework_dirs() -> tuple[str, ...]:
     """Training frameworks call the user's code: their frames are not the user's line
-    (found without importing them)."""
+    (found without importing them), nor are the frames of nanwatch's own callbacks."""
     dirs: list[str] = []
-    for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+    # nanwatch.callbacks: inside the package in a wheel, but the repository's callbacks/
+    # folder in an editable install
+    for name in (
+        "nanwatch.callbacks",
+        "lightning",
+        "pytorch_lightning",
+        "lightning_fabric",
+        "lightning_utilities",
+    ):
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):

@@ -2307,5 +2307,3 @@ class FunctionalGuards:
             raise
         except Exception as exc:
             self.health.fault(f"functional {_what(spec)}", exc)
-
-

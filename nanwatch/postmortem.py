@@ -22,7 +22,6 @@ import signal
 import sys
 import tempfile
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -280,12 +279,24 @@ def capture(watcher: Watcher, exc: BaseException) -> Path | None:
         >>> with nanwatch.watch(model) as nw:          # doctest: +SKIP
         ...     raise RuntimeError("boom")   # -> nanwatch-reports/nanwatch-...-step0.json
     """
-    return _write_postmortem(watcher, exc=exc)
+    return write_report(watcher, exc=exc)
 
 
-def _write_postmortem(
-    watcher: Watcher, *, exc: BaseException | None = None, reason: str | None = None
+def write_report(
+    watcher: Watcher,
+    *,
+    exc: BaseException | None = None,
+    reason: str | None = None,
+    announce: bool = True,
 ) -> Path | None:
+    """Write the watcher's report (JSON, then HTML) under a fresh name in
+    ``config.report_dir`` and return the JSON path; ``announce`` prints the paths and a short
+    summary to stderr. Never raises: a failure is a warning and None.
+
+    Example:
+        >>> write_report(nw, announce=False)          # doctest: +SKIP
+        PosixPath('nanwatch-reports/nanwatch-20261122-101500-rank0-step41.json')
+    """
     directory = Path(watcher.config.report_dir)
     try:
         from nanwatch.report import Report
@@ -294,10 +305,13 @@ def _write_postmortem(
         stem = _free_stem(directory, report_stem(report))
         json_path = report.save(directory / f"{stem}.json")
     except Exception as err:
+        what = "the post-mortem report" if exc is not None or reason else "the report"
         _warn(
-            f"nanwatch: could not write the post-mortem report to {str(directory)!r} "
-            f"({type(err).__name__}: {err}); the original error follows unchanged. Set "
-            "watch(..., report_dir=...) to a writable directory."
+            f"nanwatch: could not write {what} to {str(directory)!r} "
+            f"({type(err).__name__}: {err}); "
+            + ("the original error follows unchanged. " if exc is not None else "")
+            + "Give report_dir= (nanwatch.watch, NanWatchCallback, nanwatch run --report-dir) a "
+            "writable directory."
         )
         return None
     paths = [json_path]
@@ -307,10 +321,12 @@ def _write_postmortem(
     except Exception as err:
         html_error = f"{type(err).__name__}: {err}"
         _warn(
-            f"nanwatch: the post-mortem JSON report is at {json_path}, but its HTML page could "
+            f"nanwatch: the JSON report is at {json_path}, but its HTML page could "
             f"not be written ({html_error}); render it later with: nanwatch report {json_path} "
             "--html report.html"
         )
+    if not announce:
+        return json_path
     try:
         from nanwatch.render import print_summary
 
@@ -326,17 +342,7 @@ def _warn(message: str) -> None:
     try:
         from nanwatch import _frames
 
-        frame = _frames.user_frame(sys._getframe(1))
-        if frame is not None:
-            warnings.warn_explicit(
-                message,
-                RuntimeWarning,
-                frame.f_code.co_filename,
-                frame.f_lineno,
-                module="nanwatch",
-            )
-        else:
-            warnings.warn(message, RuntimeWarning, stacklevel=3)
+        _frames.warn_at_user(message, safe=True)
     except Exception:
         with contextlib.suppress(Exception):
             sys.stderr.write(message + "\n")
@@ -363,7 +369,7 @@ class _SigtermHandler:
         w = self.watcher()
         if self.active and w is not None and w.attached:
             with contextlib.suppress(Exception):
-                _write_postmortem(w, reason=signal.Signals(signum).name)
+                write_report(w, reason=signal.Signals(signum).name)
         prev = self.previous
         if callable(prev):
             prev(signum, frame)

@@ -529,6 +529,62 @@ class StepTrace:
     #: version counter then and now (evidence for autograd's in-place error).
     mutations: list[dict[str, Any]] = field(default_factory=list)
 
+    def figures(self, *, scaled: bool = False) -> dict[str, float]:
+        """The step's figures, for a logger: ``max_logit`` (max |x| of the model's output),
+        ``grad_norm`` (total L2 norm of the parameter gradients, already unscaled when a
+        GradScaler is in use), ``loss_scale`` (GradScaler), the number of tensors holding
+        NaN/inf by phase (``nonfinite_forward``, ``nonfinite_backward``,
+        ``nonfinite_params``: parameter gradients and weights), and ``headroom``: the largest
+        max |x| / ``finfo.max`` over the step's float16/bfloat16/float8 tensors (1.0 =
+        overflow; ``scaled``: the gradients carry a GradScaler's scale and are left out).
+        ``max_logit`` and ``grad_norm`` are NaN when unknown (a logger would otherwise repeat
+        the last value); ``loss_scale`` and ``headroom`` appear only with a GradScaler and
+        low-precision tensors.
+
+        Example:
+            >>> StepTrace(step=0, grad_norm=2.0).figures()["grad_norm"]
+            2.0
+        """
+        from nanwatch.stats import dtype_limits
+
+        nan = math.nan
+        out: dict[str, float] = {
+            "max_logit": self.max_logit if self.max_logit is not None else nan,
+            "grad_norm": self.grad_norm if self.grad_norm is not None else nan,
+        }
+        if self.scale is not None:
+            out["loss_scale"] = self.scale
+        counts = {"forward": 0, "backward": 0, "params": 0}
+        headroom: float | None = None
+        for r in self.records:
+            s = r.stat
+            if s is None:
+                continue
+            if r.phase in (Phase.GRADIENT, Phase.PARAMETER):
+                group = "params"
+            elif r.phase is Phase.BACKWARD:
+                group = "backward"
+            else:
+                group = "forward"
+            if not s.finite:
+                counts[group] += 1
+            if r.phase is Phase.GRADIENT or (scaled and r.phase is Phase.BACKWARD):
+                continue  # gradient records hold norms; scaled gradients overflow on purpose
+            lim = dtype_limits(r.dtype)
+            if lim is None or not lim.low_precision:
+                continue
+            amax = s.amax
+            if math.isnan(amax):
+                amax = s.finite_amax if s.finite_amax is not None else nan
+            if not math.isnan(amax):
+                ratio = amax / lim.max
+                headroom = ratio if headroom is None else max(headroom, ratio)
+        for group, n in counts.items():
+            out[f"nonfinite_{group}"] = float(n)
+        if headroom is not None:
+            out["headroom"] = headroom
+        return out
+
     def record(self, index: int) -> Record | None:
         """The record with this index (records are kept in index order)."""
         recs = self.records

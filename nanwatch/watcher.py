@@ -1999,9 +1999,7 @@ class Watcher:
                 lines.append(f"  fix: {first}")
                 lines.extend(f"       {line}" for line in more[:3])
             lines.append(f"  silence: {d.silence}")
-            _frames.warn_at_user(
-                "\n".join(lines), NanwatchWarning, safe=True, where=d.source
-            )
+            _frames.warn_at_user("\n".join(lines), NanwatchWarning, safe=True, where=d.source)
 
     def _message(self, trace: StepTrace) -> str:
         lines: list[str] = []

@@ -474,6 +474,30 @@ def test_a_failing_postmortem_does_not_replace_the_users_exception(
     assert len(cb.report_paths) == 1 and cb.report_paths[0].suffix == ".json"
 
 
+def test_a_failing_postmortem_under_warnings_as_errors_still_lets_the_users_exception_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # python -W error: the callback's own warning about its fault would be raised inside
+    # Lightning's `except` and come out of trainer.fit; it goes to stderr instead
+    def broken(self: nanwatch.Watcher, exc: BaseException | None = None) -> None:
+        raise RuntimeError("a nanwatch bug")
+
+    monkeypatch.setattr(nanwatch.Watcher, "close", broken)
+    cb = NanWatchCallback()
+    model = classifier_class(LP)(loss="functional", bad_at=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(nanwatch.GuardError, match=r"^F\.cross_entropy at") as err:
+            fit(tmp_path, model, cb, batches=4)
+    assert model.raised == [err.value]
+    assert "the post-mortem report could not be written (RuntimeError: a nanwatch bug)" in (
+        capsys.readouterr().err
+    )
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    assert nw.faults == [("post-mortem", "RuntimeError: a nanwatch bug")]
+
+
 def test_report_dir_defaults_to_the_root_dir_without_a_logger(tmp_path: Path) -> None:
     cb = NanWatchCallback()
     with pytest.warns(RuntimeWarning, match="nanwatch: step 1"):

@@ -463,7 +463,7 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
             "scaler.unscale_(optimizer)\n"
             "bad = [n for n, p in model.named_parameters()\n"
             "       if p.grad is not None and not torch.isfinite(p.grad).all()]\n"
-            "print(bad)   # then nanwatch.watch(model, criterion, mode=\"forensic\") on one "
+            'print(bad)   # then nanwatch.watch(model, criterion, mode="forensic") on one '
             "step"
         ),
     )

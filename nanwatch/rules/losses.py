@@ -425,8 +425,7 @@ def _kl_div_on_probabilities(ctx: RuleContext, use: LossUse) -> Diagnosis | None
         return None
     act = loss_activation(ctx.trace, use)
     evidence = [
-        f"{use.path}'s input spans [{fmt(lo)}, {fmt(hi)}]; log-probabilities are never "
-        "above 0"
+        f"{use.path}'s input spans [{fmt(lo)}, {fmt(hi)}]; log-probabilities are never above 0"
     ]
     if act is not None:
         evidence.append(f"it is {describe_activation(act)}")
