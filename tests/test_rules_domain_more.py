@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from typing import Any
 
 import pytest
@@ -751,6 +752,50 @@ def test_e2e_float32_rnn_explosion_points_at_the_recurrent_weights() -> None:
     assert "at step 0, before any optimizer update" in text(d)
     assert "model.rnn.named_parameters()" in d.fix and "orthogonal_" in d.fix
     assert "autocast" not in d.fix and "cuda" not in d.fix
+
+
+def test_e2e_float32_loss_overflow_from_exploded_outputs_is_nw101_with_clipping() -> None:
+    # an MSE loss computed outside any module: no op recorded in watch mode, but the model's
+    # outputs are past sqrt(finfo(float32).max), so their square is inf: values exploded
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x, y = torch.randn(16, 4), torch.zeros(16, 1)
+
+    def step(i: int) -> None:
+        if i == 2:
+            with torch.no_grad():
+                model[2].weight.fill_(1e19)  # what a runaway learning rate leaves behind
+        F.mse_loss(model(x), y).backward()
+
+    d, t = run(model, step)
+    assert d is not None and t is not None and t.step == 2
+    assert d.code == "NW101" and d.path == "(loss)" and d.op is None
+    root = math.sqrt(torch.finfo(torch.float32).max)
+    m = re.search(r"inputs up to \|x\| = ([\d.e+]+) \(the output of 2\)", text(d))
+    assert m is not None and float(m.group(1)) >= root
+    assert "the values grew during training" in text(d)
+    assert d.fix.startswith("torch.nn.utils.clip_grad_norm_") and "autocast" not in d.fix
+
+
+def test_e2e_float32_exp_overflow_in_loss_code_is_named_by_its_op_not_by_magnitudes() -> None:
+    # exp(100) overflows float32 although 100 is far below sqrt(max): the autograd graph
+    # names the exp (its input is not kept: ExpBackward saves only the result), and the
+    # record-only path, which needs inputs past sqrt(max), stays out of it
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x = torch.randn(8, 4)
+
+    def step(i: int) -> None:
+        out = model(x) + (100.0 if i == 2 else 0.0)
+        (out.exp().sum() * 0 + out.exp().sum()).backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a rule that raises would warn and be disabled
+        d, t = run(model, step)
+    assert d is not None and t is not None and t.step == 2
+    assert d.code == "NW101" and d.op == "aten.exp" and d.path == "(loss)"
+    assert "its input was not kept by autograd" in text(d) and "NaN" not in text(d)
+    assert "past sqrt" not in text(d)
 
 
 def test_every_new_code_is_registered_with_the_next_free_numbers() -> None:

@@ -16,7 +16,16 @@ import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, Record, StepTrace, TensorStat
+from nanwatch.records import (
+    LOSS_PATH,
+    Anomaly,
+    AnomalyKind,
+    OpEvent,
+    Phase,
+    Record,
+    StepTrace,
+    TensorStat,
+)
 from nanwatch.rules._evidence import (
     CAST,
     EXP_LIKE,
@@ -105,10 +114,15 @@ def _from_op(
     if lim is None:
         evidence.append(f"{op} made {ev.born} in {dtype}")
     elif name in EXP_LIKE:
+        top = signed_max(x)
+        given = (
+            f"from an input whose largest value is {fmt(top)}"
+            if not math.isnan(top)
+            else "(its input was not kept by autograd)"
+        )
         evidence.append(
-            f"{op} made {ev.born} in {dtype} from an input whose largest value is "
-            f"{fmt(signed_max(x))}; exp overflows above {fmt(lim.exp_bound)} = "
-            f"log({fmt(lim.max)}), the largest finite {dtype} value"
+            f"{op} made {ev.born} in {dtype} {given}; exp overflows above "
+            f"{fmt(lim.exp_bound)} = log({fmt(lim.max)}), the largest finite {dtype} value"
         )
     elif name in MATMUL:
         mags = ", ".join(fmt(s.magnitude) for s in inputs_of(ev)[:3])
@@ -194,13 +208,15 @@ def _first_step(ctx: RuleContext) -> bool:
 
 def _growth_line(ctx: RuleContext, a: Anomaly, name: str, big: float, lim: DtypeLimits) -> str:
     """For float32/float64: the values themselves exploded; say when."""
-    if name in EXP_LIKE:
+    if name in EXP_LIKE and math.isfinite(big):
         what = f"exp's argument reached {fmt(big)} (e^{fmt(big)} ≈ 1e{int(big / math.log(10))})"
+    elif name in EXP_LIKE:
+        what = f"exp's argument passed {fmt(lim.exp_bound)}"  # (its input was not kept)
     else:
         frac = big / lim.max if math.isfinite(big) else math.nan
         what = (
             f"inputs already at {fmt(big)} ({frac:.0%} of the {lim.name} limit)"
-            if math.isfinite(frac)
+            if math.isfinite(frac) and frac >= 0.01
             else f"inputs up to {fmt(big)}"
         )
     when = (
@@ -212,10 +228,76 @@ def _growth_line(ctx: RuleContext, a: Anomaly, name: str, big: float, lim: Dtype
     return f"{what}: the values themselves exploded, {when}"
 
 
+def _inputs_of_record(trace: StepTrace, rec: Record) -> list[Record]:
+    """The measured records of what the call that made ``rec`` was given: a module's
+    inputs, or for a loss computed outside any module, the model's outputs. An input that
+    came through a pass-through module resolves to that module's input, an upper bound."""
+    if rec.path == LOSS_PATH:
+        return first_root_outputs(trace)
+    out: list[Record] = []
+    for r in trace.records:
+        if r.call == rec.call and r.phase is Phase.INPUT:
+            m = trace.resolve(r)
+            if m.stat is not None:
+                out.append(m)
+    return out
+
+
+def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
+    """float32/float64, no op recorded: an inf made from finite inputs so large that a
+    product of two of them passes the dtype's range (|x| >= sqrt(finfo.max)) -- values that
+    exploded; smaller inputs leave the cause to the op (forensic mode)."""
+    rec = a.record
+    lim = limits(rec.dtype)
+    s = rec.stat
+    if lim is None or lim.low_precision or s is None or s.has_nan:
+        return
+    if not (s.has_posinf or s.has_neginf) or a.kind is not AnomalyKind.FORWARD:
+        return
+    inputs = _inputs_of_record(ctx.trace, rec)
+    if not inputs or any(r.stat is None or not r.stat.finite for r in inputs):
+        return
+    top = max(inputs, key=lambda r: r.stat.magnitude if r.stat is not None else -1.0)
+    big = top.stat.magnitude if top.stat is not None else math.nan
+    if not big >= math.sqrt(lim.max):
+        return
+    evidence = [
+        f"{rec.where} holds {s.kinds()} in {rec.dtype}, made from finite inputs up to "
+        f"|x| = {fmt(big)} (the {top.role} of {top.path}): past sqrt({fmt(lim.max)}) = "
+        f"{fmt(math.sqrt(lim.max))}, the product or square of two such values is inf",
+        _growth_line(ctx, a, "", big, lim),
+    ]
+    exploded = next(
+        (t.step for t in ctx.history for d in t.diagnoses if getattr(d, "code", "") == "NW303"),
+        None,
+    )
+    if exploded is not None:
+        evidence.append(f"the gradient norms exploded first, at step {exploded} (NW303)")
+    yield ctx.diagnosis(
+        **anomaly_fields(a),
+        evidence=evidence,
+        explanation=_explain_wide("other", rec.dtype, lim, top.stat, big, recurrent=False),
+        fix=_fix_wide(
+            "other",
+            "",
+            rec.dtype,
+            lim,
+            None,
+            recurrent=False,
+            first=_first_step(ctx),
+            ref=_module_ref(ctx, a),
+        ),
+        priority=20,
+    )
+
+
 def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     rec = a.record
     lim = low_precision(rec.dtype)
     s = rec.stat
+    if lim is None and limits(rec.dtype) is not None:
+        yield from _wide_from_record(ctx, a)
+        return
     if lim is None or s is None or not (s.has_posinf or s.has_neginf):
         return
     if a.kind not in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD, AnomalyKind.GRADIENT):
@@ -298,9 +380,11 @@ def _explain_wide(
             "same result; torch.softmax and torch.logsumexp do it for you."
         )
     if kind == "exp":
+        arg = signed_max(x)
+        reached = f"reached {fmt(arg)}" if not math.isnan(arg) else "passed it"
         return head + (
-            f"exp overflows {dtype} above {fmt(lim.exp_bound)}; its argument reached "
-            f"{fmt(signed_max(x))}. An exponentiated quantity with no upper bound -- a "
+            f"exp overflows {dtype} above {fmt(lim.exp_bound)}; its argument {reached}. "
+            "An exponentiated quantity with no upper bound -- a "
             "predicted log-variance or log-scale, a temperature, a learned log-rate -- "
             "drifted up. Bound the argument (clamp), or parameterize the positive quantity "
             "with softplus, which grows linearly instead of exponentially."
@@ -446,7 +530,10 @@ def _fix(
             "    loss = criterion(model(x), y)      # model weights stay float32\n"
             "scaler.scale(loss).backward()\n"
             "scaler.step(optimizer); scaler.update()\n"
-            "nanwatch.watch(model, criterion, scaler=scaler)"
+            "nanwatch.watch(model, criterion, scaler=scaler)\n"
+            "# the scaler skips a step whose gradients overflow and halves its scale until "
+            "they fit\n"
+            f"{bf16}"
         )
     if kind in ("softmax", "exp"):
         return (
