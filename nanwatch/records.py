@@ -470,7 +470,7 @@ class Note:
       of the input at ignored and at trained positions), ``reduction``, ``value_clamped``
       (BCE: elements whose log hit the -100 clamp), ``input_shape``, ``target_dtype``,
       ``target_shape``, ``target_min``/``target_max`` (class losses: over the positions that
-      are not ignore_index).
+      are not ignore_index; regression losses: the whole target, NaN when it holds NaN).
     * ``"guard"``: a guard stopped a loss; written just before the GuardError. ``data``:
       ``code``, ``check``, ``loss``, ``problem``, ``expected``, ``fix``, ``explanation``,
       ``values``/``counts`` (most frequent first), ``count``, ``total``, ``positions`` (the

@@ -798,6 +798,42 @@ def test_e2e_float32_exp_overflow_in_loss_code_is_named_by_its_op_not_by_magnitu
     assert "past sqrt" not in text(d)
 
 
+def test_e2e_a_nan_target_made_in_the_loop_for_a_functional_loss_is_bad_data() -> None:
+    # targets standardized per batch: a batch of equal targets divides by a std of 0. No
+    # module sees a functional loss's target; its guard read it, and NW401 names it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def step(i: int) -> None:
+        x = torch.randn(16, 3)
+        y = x.sum(1, keepdim=True) if i < 2 else torch.full((16, 1), 2.0)
+        y = (y - y.mean()) / y.std()
+        F.mse_loss(model(x), y).backward()
+
+    d, t = run(model, step)
+    assert d is not None and t is not None and t.step == 2
+    assert d.code == "NW401" and d.title == "NaN or inf in the loss targets"
+    assert d.path == "F.mse_loss" and "test_rules_domain_more.py:" in d.evidence[0]
+    assert "holds NaN" in d.evidence[0] and "was finite" in d.evidence[1]
+    assert "std().clamp_min" in d.fix
+
+
+def test_e2e_a_nan_prediction_with_a_finite_target_is_not_blamed_on_the_target() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def step(i: int) -> None:
+        x = torch.randn(16, 3)
+        out = model(x)
+        if i == 2:
+            out = out / (out - out)  # 0/0 in loss code, not in the target
+        F.mse_loss(out, torch.zeros(16, 1)).backward()
+
+    d, t = run(model, step)
+    assert d is not None and t is not None and t.step == 2
+    assert d.code != "NW401"
+
+
 def test_every_new_code_is_registered_with_the_next_free_numbers() -> None:
     assert REGISTRY["NW113"].title == "Mean or variance over too few elements"
     assert REGISTRY["NW114"].title == "Function outside its domain"

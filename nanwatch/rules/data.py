@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
-from nanwatch.records import AnomalyKind, Phase
-from nanwatch.rules._evidence import anomaly_fields, describe_stat
+from nanwatch.records import LOSS_PATH, AnomalyKind, Note, Phase
+from nanwatch.rules._evidence import anomaly_fields, describe_stat, fmt
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
 
@@ -21,6 +22,9 @@ from nanwatch.rules.base import Diagnosis, RuleContext, rule
 )
 def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
+    if a is not None and a.kind is AnomalyKind.FORWARD and a.path == LOSS_PATH:
+        yield from _bad_functional_target(ctx)
+        return
     if a is None or a.kind is not AnomalyKind.INPUT:
         return
     trace = ctx.trace
@@ -94,5 +98,60 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             "print(bad.nonzero().flatten().tolist())         # trace them to the dataset\n"
             "x = torch.nan_to_num(x, nan=0.0)  # or fix/drop them in Dataset.__getitem__"
             + ("" if rows_known else "\n# (sample indices need the batch on dim 0)")
+        ),
+    )
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
+    """A loss computed outside any module (``F.mse_loss(model(x), y)``) went non-finite,
+    and its guard read a finite input but a non-finite target: the target was bad before
+    the loss saw it (no module records a functional loss's target)."""
+    a = ctx.anomaly
+    assert a is not None
+    bad: list[Note] = [
+        n
+        for n in ctx.notes("loss_input")
+        if "target_min" in n.data
+        and not (_finite(n.data.get("target_min")) and _finite(n.data.get("target_max")))
+        and _finite(n.data.get("input_min"))
+        and _finite(n.data.get("input_max"))
+    ]
+    if not bad:
+        return
+    n = bad[0]
+    loss = str(n.data.get("loss", n.path))
+    at = f" at {n.source}" if n.source else ""
+    lo, hi = n.data.get("target_min"), n.data.get("target_max")
+    evidence = [
+        f"the target of {loss}{at} (shape {n.data.get('target_shape', '?')}) holds "
+        + ("NaN" if not (_finite(lo) or _finite(hi)) else "inf")
+        + f": min {fmt(lo) if isinstance(lo, (int, float)) else '?'}, max "
+        f"{fmt(hi) if isinstance(hi, (int, float)) else '?'}",
+        f"its input (the prediction) was finite: [{fmt(n.data['input_min'])}, "
+        f"{fmt(n.data['input_max'])}]",
+    ]
+    if len(bad) > 1:
+        evidence.append(f"{len(bad) - 1} more loss call(s) this step got a non-finite target")
+    fields = anomaly_fields(a)
+    fields["path"] = loss
+    yield ctx.diagnosis(
+        **fields,
+        title="NaN or inf in the loss targets",
+        evidence=evidence,
+        explanation=(
+            f"The prediction reaching {loss} was finite and its target was not: the loss is "
+            "NaN because of the target, and no layer is at fault. Targets made in the "
+            "training loop are the usual source: a standardization by a batch's standard "
+            "deviation that is 0 (every target equal), a log of a zero target, a missing "
+            "label read as NaN."
+        ),
+        fix=(
+            "assert torch.isfinite(y).all(), y   # where the target is made, before the loss\n"
+            "y = (y - y.mean()) / y.std().clamp_min(1e-6)   # a batch of equal targets has std 0\n"
+            "# or fix/drop the samples in Dataset.__getitem__"
         ),
     )
