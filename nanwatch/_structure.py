@@ -54,9 +54,20 @@ def iter_tensors(
             return
         if isinstance(o, (set, frozenset, torch.dtype, torch.device, torch.Size)):
             return
-        if callable(o) or isinstance(o, torch.nn.Module):
+        if callable(o) or isinstance(o, torch.nn.Module) or _kv_cache(type(o)):
             return
         if on_opaque is not None:
             on_opaque(type(o))
 
     yield from walk(obj, prefix, 0)
+
+
+def _kv_cache(typ: type) -> bool:
+    """A key/value cache passed between attention layers (transformers' ``Cache``:
+    ``DynamicCache``, ``EncoderDecoderCache``, ...): its tensors are what the attention's
+    key and value projections returned, recorded there, so it is skipped without a warning
+    (found by its class, without importing transformers)."""
+    return any(
+        c.__module__.startswith("transformers.") and c.__name__.endswith("Cache")
+        for c in typ.__mro__
+    )

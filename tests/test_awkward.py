@@ -153,6 +153,31 @@ def test_generators_are_not_consumed_and_opaque_objects_warn_once() -> None:
     assert len([w for w in record if "Opaque" in str(w.message)]) == 1
 
 
+class _Cache:
+    """Stands for transformers' ``cache_utils.Cache`` (no transformers needed)."""
+
+    def __init__(self, h: torch.Tensor) -> None:
+        self.keys = [h]
+
+
+_Cache.__module__ = "transformers.cache_utils"
+_Cache.__name__ = _Cache.__qualname__ = "Cache"
+DynamicCache = type("DynamicCache", (_Cache,), {"__module__": "transformers.cache_utils"})
+
+
+def test_a_key_value_cache_is_skipped_without_a_warning() -> None:
+    # every decoder layer of a transformers model returns its Cache: its tensors are the
+    # key/value projections' outputs, recorded there; a warning on every model is noise
+    model = Emit(lambda h: (h, DynamicCache(h)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nanwatch.watch(model) as nw:
+            model(torch.randn(4, 4))
+            nw.step()
+    got = {r.role for r in nw.history[-1].records if r.path == "Emit" and r.phase is Phase.FORWARD}
+    assert got == {"output[0]"}
+
+
 def test_user_hooks_still_run_in_their_order() -> None:
     order: list[str] = []
     model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
