@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,3 +30,13 @@ def set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
                 setter(t, v)
     except RuntimeError:
         pass
+
+
+def register_optimizer_step_pre_hook(hook: Callable[..., None]) -> Any:
+    """``torch.optim.optimizer.register_optimizer_step_pre_hook`` (every optimizer's
+    ``step``), or None where this torch has no such global hook."""
+    try:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook as register
+    except ImportError:
+        return None
+    return register(hook)

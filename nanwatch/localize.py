@@ -173,9 +173,15 @@ def _kinds_text(rec: Record) -> str:
 
 
 def localize(
-    trace: StepTrace, *, allow: Sequence[str] = (), scaled_grads: bool = False
+    trace: StepTrace,
+    *,
+    allow: Sequence[str] = (),
+    scaled_grads: bool = False,
+    first_step: bool = False,
 ) -> Anomaly | None:
-    """The step's first anomaly: producer, origin, propagators; None when the step is clean."""
+    """The step's first anomaly: producer, origin, propagators; None when the step is clean.
+    ``first_step``: no earlier step ran under the watcher, so weights found bad before this
+    step's forward were bad before any update it saw (loaded or initialized so)."""
     trig = first_trigger(trace, allow=allow, scaled_grads=scaled_grads)
     if trig is None:
         return None
@@ -283,10 +289,16 @@ def localize(
         kind, origin = AnomalyKind.PARAMETER, "parameter"
         path = trig.path
         parameter = _param_name(trig)
-        summary = (
-            f"{what} in the weights of {parameter}: made non-finite by the last update "
-            "(optimizer step), not by this step's computation"
-        )
+        if first_step and trig.index < 0:  # recorded ahead of the first step's forward
+            summary = (
+                f"{what} in the weights of {parameter} before any update nanwatch saw: the "
+                "model was loaded or initialized with it (a checkpoint, a custom init)"
+            )
+        else:
+            summary = (
+                f"{what} in the weights of {parameter}: made non-finite by the last update "
+                "(optimizer step), not by this step's computation"
+            )
 
     # a gradient from outside the modules was born in the loss code's backward: its op
     op = (

@@ -477,6 +477,9 @@ class Note:
       first few), ``source_line``.
     * ``"loss_graph"``: the loss was computed outside any module; ``data["ops"]`` lists the
       ops of its autograd graph (``["neg", "mean", "mul", "log"]``).
+    * ``"optimizer"``: one per optimizer step of watched weights, written before the
+      update; ``path`` is the optimizer's class. ``data["groups"]``: per parameter group,
+      ``params`` (how many watched), ``dtypes``, ``lr`` and ``eps`` when they are numbers.
     * ``"distributed"``: written by the Lightning callback on the step where an anomaly was
       acted on across ranks. ``data``: ``rank``, ``world_size``, ``ranks`` (those that saw
       it), ``first_ranks`` (those that saw it first), ``action``.

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from nanwatch import _frames, ops
-from nanwatch._compat import compiling
+from nanwatch._compat import compiling, register_optimizer_step_pre_hook
 from nanwatch._structure import iter_tensors
 from nanwatch.config import WatchConfig
 from nanwatch.errors import (
@@ -507,6 +507,9 @@ class Watcher:
                 self._restore_signals = postmortem.install_signal_handlers(self)
             _backward_tap.install(self)
             _scaler_tap.install(self)
+            handle = register_optimizer_step_pre_hook(self._on_optimizer_step)
+            if handle is not None:
+                self._handles.append(handle)
             if forensic:
                 self._anomaly_mode_prev = (
                     torch.is_anomaly_enabled(),
@@ -1081,6 +1084,37 @@ class Watcher:
             and is_trigger(rec, self._trace, allow=self.config.allow, scaled_grads=self._scaled)
         ):
             self._new_trigger = rec
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global optimizer pre-hook: what each update of watched weights is made of (the
+        learning rate, eps, the weights' dtypes), as an ``"optimizer"`` note for the rules.
+        One dict per parameter group; no tensor is read."""
+        if (
+            "optimizer" in self._disabled_hooks
+            or not self._attached
+            or threading.get_ident() != self._thread
+        ):
+            return
+        try:
+            ids = {id(p) for _, _, p in self._params}
+            groups: list[dict[str, Any]] = []
+            for g in getattr(optimizer, "param_groups", ()):
+                ps = [p for p in g.get("params", ()) if id(p) in ids]
+                if not ps:
+                    continue
+                entry: dict[str, Any] = {
+                    "params": len(ps),
+                    "dtypes": sorted({dtype_name(p.dtype) for p in ps}),
+                }
+                for key in ("lr", "eps"):
+                    nums = _plain_numbers(g.get(key))
+                    if nums:
+                        entry[key] = nums[0] if len(nums) == 1 else nums
+                groups.append(entry)
+            if groups and len(self._trace.notes) < 256:
+                self.note("optimizer", type(optimizer).__name__, groups=groups)
+        except Exception as exc:
+            self._fault("optimizer", "optimizer hook", exc)
 
     def _found_scaler(self, scaler: Any) -> None:
         """``scaler.scale(loss)`` ran while attached (see ``_ScalerTap``)."""
@@ -1834,19 +1868,26 @@ class Watcher:
         cfg = self.config
         if trace is self._trace:
             self._drain_ops()
-        anomaly = localize(trace, allow=cfg.allow, scaled_grads=self._scaled)
+        first = not self.history
+        anomaly = localize(trace, allow=cfg.allow, scaled_grads=self._scaled, first_step=first)
         if anomaly is None:
             return None
         if anomaly.kind is not AnomalyKind.PARAMETER and not self._device_dead:
             with contextlib.suppress(Exception):
                 self._check_params(at_end=False)
             if any(r.phase is Phase.PARAMETER and r.bad for r in trace.records):
-                anomaly = localize(trace, allow=cfg.allow, scaled_grads=self._scaled) or anomaly
+                anomaly = (
+                    localize(trace, allow=cfg.allow, scaled_grads=self._scaled, first_step=first)
+                    or anomaly
+                )
         if anomaly.origin == "after-output" and anomaly.op is None and trace is self._trace:
             ev = self._last_loss_node(anomaly)
             if ev is not None:
                 trace.ops.append(ev)
-                anomaly = localize(trace, allow=cfg.allow, scaled_grads=self._scaled) or anomaly
+                anomaly = (
+                    localize(trace, allow=cfg.allow, scaled_grads=self._scaled, first_step=first)
+                    or anomaly
+                )
         trace.anomaly = anomaly
         if anomaly.origin == "after-output":
             self._loss_graph_armed = True  # the next steps check the loss code's gradients
@@ -2173,6 +2214,21 @@ def _grad_scaler_classes() -> list[type]:
         if cls is base or "scale" in vars(cls):
             out.append(cls)
         todo.extend(cls.__subclasses__())
+    return out
+
+
+def _plain_numbers(v: Any) -> list[float]:
+    """A hyperparameter as floats: a number, a CPU scalar tensor, or a tuple of numbers
+    (Adafactor's eps); [] for anything else (a CUDA tensor is not read: no sync)."""
+    items = v if isinstance(v, (tuple, list)) else (v,)
+    out: list[float] = []
+    for x in items:
+        if isinstance(x, bool):
+            return []
+        cpu_scalar = isinstance(x, torch.Tensor) and x.numel() == 1 and x.device.type == "cpu"
+        if not (isinstance(x, (int, float)) or cpu_scalar):
+            return []
+        out.append(float(x))
     return out
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.modules.module as module_mod
+import torch.optim.optimizer as optim_mod
 import torch.utils.hooks as torch_hooks
 
 import nanwatch
@@ -28,6 +29,9 @@ _GLOBAL_DICTS = (
     "_global_backward_hooks",
     "_global_backward_pre_hooks",
 )
+
+
+_OPTIM_DICTS = ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
 
 
 def _created_by_nanwatch() -> bool:
@@ -61,6 +65,7 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     backward_before = torch.autograd.backward
     scale_before = {cls: vars(cls)["scale"] for cls in _grad_scaler_classes()}
     functional_before = dict(vars(torch.nn.functional))
+    optim_before = {name: dict(getattr(optim_mod, name)) for name in _OPTIM_DICTS}
     yield
     leaked = []
     for h in ours:
@@ -70,6 +75,8 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     after = {name: dict(getattr(module_mod, name)) for name in _GLOBAL_DICTS}
     assert not leaked, f"nanwatch left {len(leaked)} hook(s) attached: {leaked[:3]}"
     assert after == before, "global module hooks changed during the test"
+    optim_after = {name: dict(getattr(optim_mod, name)) for name in _OPTIM_DICTS}
+    assert optim_after == optim_before, "global optimizer hooks changed during the test"
     assert torch.is_anomaly_enabled() == anomaly_before, "anomaly mode left switched"
     assert torch.autograd.backward is backward_before, "torch.autograd.backward left wrapped"
     scale_after = {cls: vars(cls)["scale"] for cls in scale_before}

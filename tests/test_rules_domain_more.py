@@ -947,3 +947,86 @@ def test_e2e_acos_clamped_exactly_to_one_is_nw114_in_backward(mode: str) -> None
         assert d.op is None and "made by AcosBackward0 (acos) and holds 0" in text(d)
     else:
         assert d.op == "aten.rsqrt" and "AcosBackward0" in text(d)
+
+
+# ------------------------------------------------------------------ NW301: what the update was
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, **kw: Any) -> Any:
+    """Train under watch (on_anomaly='record'); the first step with a diagnosis."""
+    with nanwatch.watch(model, on_anomaly="record", **kw) as nw:
+        for _ in range(steps):
+            x = torch.randn(4, 4, dtype=next(model.parameters()).dtype)
+            loss = F.cross_entropy(model(x).float(), torch.randint(0, 2, (4,)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+    return next((t for t in nw.history if t.diagnoses), None), nw
+
+
+def test_weights_loaded_non_finite_are_not_blamed_on_an_update() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    sd = model.state_dict()
+    sd["2.weight"][1, 3] = float("nan")  # a checkpoint saved after a run diverged
+    model.load_state_dict(sd)
+    t, _ = _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    assert t is not None and t.step == 0
+    d = t.diagnoses[0]
+    assert d.code == "NW301" and d.title == "Non-finite weights before the first update"
+    assert "2.weight" in d.evidence[0] and "no optimizer update had run" in d.evidence[-1]
+    assert "torch.isfinite(t)" in d.fix
+    assert "before any update nanwatch saw" in t.anomaly.summary
+
+
+def test_a_nan_learning_rate_is_named_as_the_cause() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    zero = torch.tensor(0.0)  # warmup_steps = 0, in torch math: 0 / 0 = NaN
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: float(torch.tensor(float(s)) / zero))
+    t, _ = _train(model, opt, 2)
+    assert t is not None and t.step == 0
+    d = t.diagnoses[0]
+    assert d.code == "NW301" and d.title == "Non-finite learning rate"
+    assert "AdamW's learning rate was NaN at the update of step 0" in d.evidence
+    assert "math.isfinite(lr)" in d.fix
+
+
+def test_an_adam_eps_that_is_zero_in_float16_weights_is_named() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).half()
+    t, _ = _train(model, torch.optim.Adam(model.parameters(), lr=1e-3), 3)
+    assert t is not None
+    d = t.diagnoses[0]
+    assert d.code == "NW301" and d.title == "Optimizer eps is 0 in the weights' dtype"
+    tiny = torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps
+    assert f"Adam's eps=1e-08 is 0 in float16, whose smallest positive value is {tiny:.3g}" in (
+        " ".join(d.evidence)
+    )
+    assert "model = model.float()" in d.fix and "eps=1e-4" in d.fix
+
+
+def test_float16_adam_with_an_eps_that_float16_holds_stays_silent() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).half()
+    t, nw = _train(model, torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4), 4)
+    assert t is None and nw.anomalies == []
+    notes = [n for n in nw.history[-1].notes if n.kind == "optimizer"]
+    assert [n.path for n in notes] == ["Adam"]
+    assert notes[0].data["groups"] == [
+        {"params": 4, "dtypes": ["float16"], "lr": 1e-3, "eps": 1e-4}
+    ]
+
+
+def test_an_optimizer_of_other_weights_writes_no_note() -> None:
+    torch.manual_seed(0)
+    watched, other = nn.Linear(4, 2), nn.Linear(4, 2)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with nanwatch.watch(watched) as nw:
+        watched(torch.randn(2, 4)).sum().backward()
+        other(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        nw.step()
+    assert not [n for n in nw.history[-1].notes if n.kind == "optimizer"]

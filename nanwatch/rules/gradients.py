@@ -11,8 +11,17 @@ import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from nanwatch.records import AnomalyKind, Phase, StepTrace
-from nanwatch.rules._evidence import anomaly_fields, count, describe_stat, fmt, low_precision
+import torch
+
+from nanwatch.records import Anomaly, AnomalyKind, Phase, StepTrace
+from nanwatch.rules._evidence import (
+    anomaly_fields,
+    count,
+    describe_stat,
+    device_type,
+    fmt,
+    low_precision,
+)
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
 # ---------------------------------------------------------------------- NW301
@@ -24,7 +33,9 @@ from nanwatch.rules.base import Diagnosis, RuleContext, rule
     severity="error",
     summary=(
         "A parameter holds NaN/inf before this step's forward: the last optimizer update "
-        "wrote it (learning rate too high, no gradient clipping, no loss scaler)."
+        "wrote it (learning rate too high, no gradient clipping, no loss scaler; a NaN "
+        "learning rate; an eps that is 0 in float16 weights), or the weights were loaded "
+        "so before the first update."
     ),
     priority=10,
 )
@@ -47,6 +58,31 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"the largest finite value of {name} is {fmt(s.finite_amax)}: "
             f"{s.finite_amax / lim.max:.0%} of {rec.dtype}'s largest value {fmt(lim.max)}"
         )
+    if not ctx.history and rec.index < 0:
+        # found ahead of the first step's forward: no update ran under the watcher
+        yield ctx.diagnosis(
+            **anomaly_fields(a),
+            title="Non-finite weights before the first update",
+            evidence=[
+                *evidence,
+                "they were already non-finite when the first step nanwatch watched began: "
+                "no optimizer update had run under it",
+            ],
+            explanation=(
+                f"{name} held NaN/inf before training under nanwatch began, so no "
+                "computation of this run made it: the weights were loaded that way (a "
+                "checkpoint saved after a run had already diverged, a corrupted file) or "
+                "initialized that way (a custom init dividing by a zero fan-in or std). Every "
+                "layer that multiplies by it produces NaN from the first batch."
+            ),
+            fix=(
+                "sd = torch.load(path, map_location='cpu')   # check right after loading\n"
+                "bad = [k for k, t in sd.items() if t.is_floating_point() and "
+                "not torch.isfinite(t).all()]\n"
+                "print(bad)   # load an earlier checkpoint, or re-initialize these"
+            ),
+        )
+        return
     prev = ctx.history[-1] if ctx.history else None
     consequence: str | None = None
     if prev is not None:
@@ -81,6 +117,12 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             priority=95,
         )
         return
+    update = _last_update(ctx, rec.dtype)
+    if update is not None:
+        special = _update_itself(ctx, a, update, name=name, evidence=evidence)
+        if special is not None:
+            yield special
+            return
     losses = [(t.step, t.loss) for t in ctx.history if t.loss is not None][-4:]
     if len(losses) >= 2:
         evidence.append(
@@ -108,6 +150,101 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
                 if low
                 else ""
             )
+        ),
+    )
+
+
+@dataclass
+class _Update:
+    optimizer: str
+    step: int
+    group: dict[str, object]
+
+
+def _last_update(ctx: RuleContext, dtype: str) -> _Update | None:
+    """The last optimizer step (its ``"optimizer"`` note) that updated weights of this
+    dtype: in this step, or in the one before (weights found bad before this forward)."""
+    for t in (ctx.trace, *reversed(ctx.history[-1:])):
+        for n in reversed(t.notes):
+            if n.kind != "optimizer":
+                continue
+            for g in n.data.get("groups", ()):
+                if isinstance(g, dict) and dtype in g.get("dtypes", ()):
+                    return _Update(n.path, t.step, g)
+    return None
+
+
+def _numbers(v: object) -> list[float]:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return [float(v)]
+    if isinstance(v, (list, tuple)):
+        return [float(x) for x in v if isinstance(x, (int, float)) and not isinstance(x, bool)]
+    return []
+
+
+def _update_itself(
+    ctx: RuleContext, a: Anomaly, u: _Update, *, name: str, evidence: list[str]
+) -> Diagnosis | None:
+    """The update's own hyperparameters broke the weights: a non-finite learning rate, or
+    an eps that is 0 in the weights' dtype (Adam-style division by sqrt(v) + eps)."""
+    dtype = a.record.dtype
+    lrs = _numbers(u.group.get("lr"))
+    bad_lr = next((x for x in lrs if not math.isfinite(x)), None)
+    if bad_lr is not None:
+        return ctx.diagnosis(
+            **anomaly_fields(a),
+            title="Non-finite learning rate",
+            evidence=[
+                *evidence,
+                f"{u.optimizer}'s learning rate was {fmt(bad_lr)} at the update of step {u.step}",
+            ],
+            explanation=(
+                f"The optimizer multiplied the gradient of {name} by a learning rate of "
+                f"{fmt(bad_lr)}: every weight it touched became non-finite at once, whatever "
+                "the gradients were. Learning-rate schedules written by hand produce it: a "
+                "warmup of 0 steps divides 0 by 0, a decay past its last step takes a "
+                "negative power or a log of 0."
+            ),
+            fix=(
+                "scheduler.step()\n"
+                "lr = optimizer.param_groups[0]['lr']\n"
+                "assert math.isfinite(lr), lr   # right after each scheduler.step()\n"
+                "# warmup: step / max(1, warmup_steps), never step / warmup_steps"
+            ),
+        )
+    eps = [x for x in _numbers(u.group.get("eps")) if x > 0]
+    lim = low_precision(dtype)
+    if lim is None or not eps:
+        return None
+    tdtype = getattr(torch, dtype, None)
+    if not isinstance(tdtype, torch.dtype):
+        return None
+    zero = [x for x in eps if float(torch.tensor(x, dtype=tdtype)) == 0.0]
+    if not zero:
+        return None
+    fi = torch.finfo(tdtype)
+    tiny = float(fi.tiny) * float(fi.eps)  # the smallest positive (subnormal) value
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Optimizer eps is 0 in the weights' dtype",
+        evidence=[
+            *evidence,
+            f"{u.optimizer}'s eps={fmt(zero[0])} is 0 in {dtype}, whose smallest positive "
+            f"value is {fmt(tiny)} (update of step {u.step})",
+        ],
+        explanation=(
+            f"{u.optimizer} divides by sqrt(v) + eps, and with {dtype} weights it computes "
+            f"in {dtype}: eps={fmt(zero[0])} rounds to 0 there, so a weight whose gradient "
+            "history is 0 (or underflowed to 0) gets 0 / 0 = NaN, and a tiny one gets an "
+            "enormous step. Low-precision training keeps float32 master weights for exactly "
+            "this; the optimizer then runs in float32."
+        ),
+        fix=(
+            "model = model.float()   # float32 weights; low precision in the forward only:\n"
+            f"with torch.autocast(device_type={device_type(None, a.record.device)}, "
+            f"dtype=torch.{dtype}):\n"
+            "    loss = criterion(model(x), y)\n"
+            f"# or, keeping {dtype} weights: {u.optimizer}(params, eps=1e-4)"
         ),
     )
 
