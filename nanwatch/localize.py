@@ -94,6 +94,13 @@ def _earliest_neginf(trace: StepTrace, recs: Iterable[Record], limit: int = 64) 
     return best
 
 
+def _root_outputs(trace: StepTrace) -> list[Record]:
+    """The outputs of the root calls that are not losses: what loss code outside the
+    modules computes from."""
+    roots = {c.id for c in trace.calls if c.root and not c.is_loss}
+    return [r for r in trace.records if r.phase is Phase.FORWARD and r.call in roots]
+
+
 def _consumers(trace: StepTrace, rec: Record) -> tuple[list[Call], bool]:
     """Module calls that took ``rec``'s tensor as an input, seeing through passthrough
     modules (ReLU and friends cannot create a non-finite gradient, so look past them); and
@@ -228,6 +235,8 @@ def localize(
                 if call.start <= r.index < trig.index and r.stat is not None and r.stat.has_neginf:
                     neginf = r
                     break
+        if neginf is None and path == LOSS_PATH:  # loss code: what it was given is the model's
+            neginf = _earliest_neginf(trace, _root_outputs(trace))
         typ = f" ({call.module_type})" if call is not None and call.module_type else ""
         fed = ""
         if neginf is not None:

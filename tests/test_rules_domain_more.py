@@ -1030,3 +1030,29 @@ def test_an_optimizer_of_other_weights_writes_no_note() -> None:
         opt.step()
         nw.step()
     assert not [n for n in nw.history[-1].notes if n.kind == "optimizer"]
+
+
+class LogProbs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.softmax(self.fc(x), dim=-1) + 1e-8)  # 1e-8 is 0 in float16
+
+
+def test_a_loss_made_inf_from_the_models_neg_inf_output_is_traced_to_it() -> None:
+    # the model returns log-probabilities with -inf (a mask, not yet an anomaly); nll_loss in
+    # loss code makes +inf of it: the -inf's first record is the model's, and it is NW110
+    torch.manual_seed(0)
+    model = LogProbs().half()
+
+    def step(i: int) -> None:
+        x = (torch.randn(6, 4) * (1 if i < 2 else 300)).half()
+        F.nll_loss(model(x).float(), torch.randint(0, 3, (6,))).backward()
+
+    d, t = run(model, step)
+    assert d is not None and t is not None and t.anomaly is not None and t.step == 2
+    assert t.anomaly.neginf_source is not None and t.anomaly.neginf_source.path == "LogProbs"
+    assert "from -inf first seen in LogProbs" in t.anomaly.summary
+    assert d.code == "NW110" and "F.log_softmax" in d.fix
