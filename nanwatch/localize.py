@@ -69,10 +69,6 @@ def first_trigger(
     return None
 
 
-def _inputs_of(trace: StepTrace, call_id: int) -> list[Record]:
-    return [r for r in trace.records if r.call == call_id and r.phase is Phase.INPUT]
-
-
 def _earliest_neginf(trace: StepTrace, recs: Iterable[Record], limit: int = 64) -> Record | None:
     """Walk back from ``recs`` through the data flow to the first record where a -inf
     appeared (its source was free of it)."""
@@ -90,15 +86,8 @@ def _earliest_neginf(trace: StepTrace, recs: Iterable[Record], limit: int = 64) 
         if best is None or m.index < best.index:
             best = m
         if m.phase is Phase.FORWARD:
-            todo.extend(_inputs_of(trace, m.call))
+            todo.extend(trace.inputs_of(m.call))
     return best
-
-
-def _root_outputs(trace: StepTrace) -> list[Record]:
-    """The outputs of the root calls that are not losses: what loss code outside the
-    modules computes from."""
-    roots = {c.id for c in trace.calls if c.root and not c.is_loss}
-    return [r for r in trace.records if r.phase is Phase.FORWARD and r.call in roots]
 
 
 def _consumers(trace: StepTrace, rec: Record) -> tuple[list[Call], bool]:
@@ -228,7 +217,7 @@ def localize(
     elif trig.phase is Phase.FORWARD:
         kind, origin = AnomalyKind.FORWARD, "module"
         path = trig.path
-        ins = _inputs_of(trace, trig.call)
+        ins = trace.inputs_of(trig.call)
         neginf = _earliest_neginf(trace, ins)
         if neginf is None and call is not None:  # a -inf made by a child, consumed inside
             for r in trace.records:
@@ -236,7 +225,7 @@ def localize(
                     neginf = r
                     break
         if neginf is None and path == LOSS_PATH:  # loss code: what it was given is the model's
-            neginf = _earliest_neginf(trace, _root_outputs(trace))
+            neginf = _earliest_neginf(trace, trace.root_outputs())
         typ = f" ({call.module_type})" if call is not None and call.module_type else ""
         fed = ""
         if neginf is not None:

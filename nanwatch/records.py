@@ -614,6 +614,16 @@ class StepTrace:
                 return c
         return None
 
+    def inputs_of(self, call_id: int) -> list[Record]:
+        """The input records of one module call (aliases unresolved)."""
+        return [r for r in self.records if r.call == call_id and r.phase is Phase.INPUT]
+
+    def root_outputs(self) -> list[Record]:
+        """The output records of the root calls that are not losses: what loss code
+        outside the modules computes from."""
+        roots = {c.id for c in self.calls if c.root and not c.is_loss}
+        return [r for r in self.records if r.phase is Phase.FORWARD and r.call in roots]
+
     def resolve(self, rec: Record) -> Record:
         """Follow ``source`` links from an input or alias to the record that measured it."""
         seen = 0

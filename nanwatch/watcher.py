@@ -415,6 +415,7 @@ class Watcher:
         self._tensor_handles: list[Any] = []
         self._modules: list[tuple[nn.Module, _ModInfo]] = []
         self._params: list[tuple[str, str, nn.Parameter]] = []
+        self._param_ids: frozenset[int] = frozenset()  #: ids of ``_params`` (optimizer hook)
         self._param_types: list[str] = []  # the owner module's class, aligned with _params
         self._disabled_hooks: set[str] = set()
         self._disabled_rules: set[str] = set()
@@ -1096,10 +1097,9 @@ class Watcher:
         ):
             return
         try:
-            ids = {id(p) for _, _, p in self._params}
             groups: list[dict[str, Any]] = []
             for g in getattr(optimizer, "param_groups", ()):
-                ps = [p for p in g.get("params", ()) if id(p) in ids]
+                ps = [p for p in g.get("params", ()) if id(p) in self._param_ids]
                 if not ps:
                     continue
                 entry: dict[str, Any] = {
@@ -1565,6 +1565,7 @@ class Watcher:
     # ------------------------------------------------------------------ parameters
     def _set_params(self) -> None:
         self._params = self._collect_params()
+        self._param_ids = frozenset(id(p) for _, _, p in self._params)
         owner_types = {info.path: info.type_name for _, info in self._modules}
         self._param_types = [owner_types.get(path, "") for _, path, _ in self._params]
 

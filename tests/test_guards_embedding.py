@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanwatch
 from nanwatch import guards, scenarios
 from nanwatch.errors import GuardError
+from tests._guard_reads import count_reads_and_syncs
 
 
 @pytest.fixture(autouse=True)
@@ -358,35 +358,7 @@ def test_valid_ids_pass_with_identical_results(name: str) -> None:
 def test_one_read_per_embedding_call_and_none_inside_the_guarded_module(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    reads: list[list[str]] = []
-    syncs: list[str] = []
-    real_read = guards._Probe.read
-
-    def counting_read(self: guards._Probe) -> None:
-        reads.append(list(self._keys))
-        real_read(self)
-
-    class SyncCounter(TorchDispatchMode):
-        def __torch_dispatch__(
-            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            if func.overloadpacket in (
-                torch.ops.aten._local_scalar_dense,
-                torch.ops.aten.nonzero,
-                torch.ops.aten._unique2,
-                torch.ops.aten.is_nonzero,
-            ):
-                syncs.append(str(func))
-            return func(*args, **(kwargs or {}))
-
-    real_guard = guards._guard
-
-    def counted_guard(*args: Any, **kwargs: Any) -> None:
-        with SyncCounter():
-            real_guard(*args, **kwargs)
-
-    monkeypatch.setattr(guards._Probe, "read", counting_read)
-    monkeypatch.setattr(guards, "_guard", counted_guard)
+    reads, syncs = count_reads_and_syncs(monkeypatch)
     model, bag = LM(), nn.EmbeddingBag(10, 4, include_last_offset=True)
     with watch(model, bag, functional_guards=True):
         model(torch.randint(0, 100, (4, 16)))

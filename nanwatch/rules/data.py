@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from nanwatch.records import LOSS_PATH, AnomalyKind, Note, Phase
+from nanwatch.records import LOSS_PATH, AnomalyKind, Note
 from nanwatch.rules._evidence import anomaly_fields, describe_stat, fmt
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
@@ -33,11 +33,7 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
     target = call is not None and call.is_loss
     what = "targets" if target and rec.role != "input[0]" else "inputs"
     evidence: list[str] = []
-    bad = [
-        r
-        for r in trace.records
-        if r.phase is Phase.INPUT and r.call == rec.call and r.bad and r.source is None
-    ] or [rec]
+    bad = [r for r in trace.inputs_of(rec.call) if r.bad and r.source is None] or [rec]
     for r in bad[:4]:
         s = r.stat
         rows = ""

@@ -234,13 +234,8 @@ def _inputs_of_record(trace: StepTrace, rec: Record) -> list[Record]:
     came through a pass-through module resolves to that module's input, an upper bound."""
     if rec.path == LOSS_PATH:
         return first_root_outputs(trace)
-    out: list[Record] = []
-    for r in trace.records:
-        if r.call == rec.call and r.phase is Phase.INPUT:
-            m = trace.resolve(r)
-            if m.stat is not None:
-                out.append(m)
-    return out
+    resolved = (trace.resolve(r) for r in trace.inputs_of(rec.call))
+    return [m for m in resolved if m.stat is not None]
 
 
 def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
