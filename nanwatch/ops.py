@@ -389,17 +389,51 @@ def forward_line(node: Any) -> tuple[str | None, str | None]:
     return _frames.user_line_from_traceback(tb) if tb else (None, None)
 
 
+class NodeMarks:
+    """Which autograd nodes were marked in this step, by a mark kept on the node itself.
+
+    A node's Python object is not the node: torch before 2.13 makes a new one each time
+    ``t.grad_fn`` or ``next_functions`` is read once the last one was freed, so ids of
+    node objects that are no longer held are reused by other nodes. The mark lives in
+    the node's ``metadata`` dict, which is the C++ node's own; a node without one (rare
+    custom nodes) is held until :meth:`clear`, which the step boundary calls.
+    """
+
+    def __init__(self) -> None:
+        self._key = f"nanwatch.mark.{id(self)}"
+        self._token = object()
+        self._held: dict[int, Any] = {}
+
+    def clear(self) -> None:
+        self._token = object()
+        self._held = {}
+
+    def add(self, node: Any) -> None:
+        try:
+            node.metadata[self._key] = self._token
+        except Exception:  # no metadata dict on this node type: hold it instead
+            self._held[id(node)] = node
+
+    def __contains__(self, node: Any) -> bool:
+        try:
+            if node.metadata.get(self._key) is self._token:
+                return True
+        except Exception:
+            pass
+        return self._held.get(id(node)) is node
+
+
 def stamp_graph(outputs: Sequence[torch.Tensor], path: str) -> None:
     """Label the autograd nodes a module's forward created with the module's path, so a
     backward op can be traced to its module (forensic mode). Stops at nodes already stamped
     (children complete before parents, so each node gets its innermost module)."""
     stack: list[Any] = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # held: see NodeMarks
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         meta: dict[str, Any] = node.metadata
         if "nanwatch.path" in meta:
             continue
@@ -940,12 +974,12 @@ def _node_event(
 def graph_evidence(
     fn: Any,
     *,
-    stop: set[int] | None = None,
+    stop: Callable[[Any], bool] | None = None,
     limit: int = 512,
     output: torch.Tensor | None = None,
 ) -> tuple[list[str], list[OpEvent]]:
     """Read the autograd graph below ``fn`` (a loss's ``grad_fn``) down to the nodes in
-    ``stop`` (ids of the grad_fns of watched outputs): the names of the ops it ran, and an
+    ``stop`` (true for the grad_fns of watched outputs): the names of the ops it ran, and an
     OpEvent for every node whose saved values show its op made a NaN or inf (log of 0,
     division by 0, acos outside [-1, 1], a mean over nothing, ...) -- op-level evidence for
     code that no module wraps, without re-running it. Inputs are named by the op's schema
@@ -954,16 +988,15 @@ def graph_evidence(
     first."""
     names: list[str] = []
     events: list[OpEvent] = []
-    seen: set[int] = set()
     order: list[Any] = []
+    seen: dict[int, Any] = {}  # held: see NodeMarks
     stack = [fn]
-    stop = stop or set()
     while stack and len(seen) < limit:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
-        if id(node) in stop or type(node).__name__ == "AccumulateGrad":
+        seen[id(node)] = node
+        if (stop is not None and stop(node)) or type(node).__name__ == "AccumulateGrad":
             continue
         order.append(node)
         stack.extend(n for n, _ in node.next_functions)

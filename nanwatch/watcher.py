@@ -361,7 +361,7 @@ class Watcher:
     _idx: int
     #: id(tensor) -> (weakref, record index, version when recorded, gradient hooked)
     _known: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, int | None, bool]]
-    _recorded_nodes: set[int]
+    _recorded_nodes: ops.NodeMarks
     _stack: list[_Frame]
     _pending: list[tuple[Record, torch.Tensor, torch.Tensor]]
     _pending_rows: list[tuple[Record, torch.Tensor]]
@@ -440,6 +440,7 @@ class Watcher:
         self._quiet = False
         self._defer_cpu = False  # tests drive the accelerator path on CPU with this
         self._thread: int | None = None
+        self._recorded_nodes = ops.NodeMarks()
         self._reset_step()
 
     # ------------------------------------------------------------------ public API
@@ -950,7 +951,7 @@ class Watcher:
         self._trace = StepTrace(step=self._step)
         self._idx = 0
         self._known = {}
-        self._recorded_nodes = set()  # ids of the autograd nodes of the step's recorded tensors
+        self._recorded_nodes.clear()  # the autograd nodes of the step's recorded tensors
         self._stack = []
         self._pending = []
         self._pending_grads = []
@@ -1272,7 +1273,7 @@ class Watcher:
     def _remember_node(self, t: torch.Tensor) -> None:
         fn = t.grad_fn
         if fn is not None:
-            self._recorded_nodes.add(id(fn))
+            self._recorded_nodes.add(fn)
 
     def _made_safely(self, t: torch.Tensor) -> bool:
         """Made by functional code from recorded tensors (or parameters) with an op that
@@ -1289,7 +1290,7 @@ class Watcher:
             return False
         recorded = self._recorded_nodes
         for nxt, _ in fn.next_functions:
-            if nxt is None or id(nxt) in recorded or type(nxt).__name__ == "AccumulateGrad":
+            if nxt is None or nxt in recorded or type(nxt).__name__ == "AccumulateGrad":
                 continue
             if depth > 0 and self._safe_node(nxt, depth - 1):
                 continue
@@ -1418,15 +1419,15 @@ class Watcher:
         stop = self._recorded_nodes
         nodes: list[Any] = []
         last: list[str] = []
-        seen: set[int] = set()
+        seen: dict[int, Any] = {}  # held: see ops.NodeMarks
         stack: list[Any] = [loss.grad_fn]
         while stack and len(seen) < _LOSS_NODES:
             node = stack.pop()
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             name = type(node).__name__
-            if id(node) in stop or name == "AccumulateGrad":
+            if node in stop or name == "AccumulateGrad":
                 continue
             if name in _GRAD_MOVERS:
                 pass  # moving a finite gradient keeps it finite
@@ -1526,12 +1527,12 @@ class Watcher:
         from another thread. Say so once instead of watching nothing in silence."""
         ours = {id(p) for _, _, p in self._params}
         stack: list[Any] = [loss.grad_fn]
-        seen: set[int] = set()
+        seen: dict[int, Any] = {}  # held: see ops.NodeMarks
         while stack and len(seen) < 10_000:
             node = stack.pop()
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             var = getattr(node, "variable", None)
             if var is not None and id(var) in ours:
                 self._compiled_warned = True
@@ -1968,12 +1969,15 @@ class Watcher:
     def _pinpoint_loss(self, anomaly: Anomaly, loss: torch.Tensor) -> None:
         """The loss code is not a module and cannot be re-run; its autograd graph can be
         read: the ops it ran and the saved inputs that were outside an op's domain."""
-        stop: set[int] = set()
+        stop: dict[int, Any] = {}  # the nodes held, so their ids stay theirs
         for ref, _, _, _ in self._known.values():
             t = ref()
             if t is not None and t is not loss and t.grad_fn is not None:
-                stop.add(id(t.grad_fn))
-        names, events = ops.graph_evidence(loss.grad_fn, stop=stop, output=loss)
+                fn = t.grad_fn
+                stop[id(fn)] = fn
+        names, events = ops.graph_evidence(
+            loss.grad_fn, stop=lambda n: stop.get(id(n)) is n, output=loss
+        )
         source, _ = _frames.user_line()
         for ev in events:
             ev.path = LOSS_PATH
@@ -2314,11 +2318,11 @@ def _tracing() -> bool:
     return torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None
 
 
-def _feeds_only(node: Any, stop: set[int], depth: int) -> bool:
+def _feeds_only(node: Any, stop: ops.NodeMarks, depth: int) -> bool:
     """Every gradient ``node`` makes goes to a node in ``stop`` (or a leaf), directly or
     through nodes that only move gradients."""
     for nxt, _ in node.next_functions:
-        if nxt is None or id(nxt) in stop:
+        if nxt is None or nxt in stop:
             continue
         name = type(nxt).__name__
         if name == "AccumulateGrad":
