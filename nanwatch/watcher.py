@@ -441,6 +441,7 @@ class Watcher:
         self._defer_cpu = False  # tests drive the accelerator path on CPU with this
         self._thread: int | None = None
         self._recorded_nodes = ops.NodeMarks()
+        self._first_root_ran = False
         self._reset_step()
 
     # ------------------------------------------------------------------ public API
@@ -797,6 +798,11 @@ class Watcher:
             return
         try:
             if info.first_root:
+                self._first_root_ran = True
+                self._maybe_begin_step()
+            elif not self._stack and not self._first_root_ran:
+                # the first root is never called (a LightningModule whose training_step
+                # calls self.net): its parts called from outside mark the steps instead
                 self._maybe_begin_step()
             if not (self._full or info.is_root):
                 return
@@ -990,7 +996,9 @@ class Watcher:
             start=self._idx,
             passthrough=info.passthrough,
             is_loss=info.is_loss,
-            root=info.is_root,
+            # a root, or a module called from code outside every watched call (a
+            # LightningModule's training_step calling self.net): its inputs are data
+            root=info.is_root or not self._stack,
             arithmetic=info.arithmetic,
         )
         calls.append(call)
@@ -1141,7 +1149,7 @@ class Watcher:
         tensor whose version moved was changed by the call itself (an in-place ReLU), so it is
         linked, not measured again."""
         known = self._known
-        keep_ints = info.is_root or info.is_loss
+        keep_ints = call.root or info.is_loss
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             items: Iterable[tuple[str, torch.Tensor]] = (("input[0]", args[0]),)
         else:
@@ -1169,8 +1177,8 @@ class Watcher:
                 rec.source = entry[1]  # the same tensor, changed in place since it was seen
             if floating:
                 hooked = False
-                if info.is_root or self._forensic or not self._made_safely(t):
-                    self._measure(rec, t, rows=info.is_root)
+                if call.root or self._forensic or not self._made_safely(t):
+                    self._measure(rec, t, rows=call.root)
                     hooked = self._maybe_hook_grad(t, rec)
                 known[id(t)] = (weakref.ref(t), rec.index, _version(t), hooked)
                 self._remember_node(t)
@@ -1228,7 +1236,7 @@ class Watcher:
                 )
                 rec.grad_fn = _grad_fn_name(t)
                 rec.version = ver
-                if info.is_root and self._trace.resolve(rec).stat is None:
+                if call.root and self._trace.resolve(rec).stat is None:
                     self._measure(rec, t)  # a root's output is always measured: the logits
                 continue
             rec = self._new_record(

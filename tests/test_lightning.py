@@ -740,3 +740,43 @@ def test_ddp_a_nan_on_one_rank_skips_on_both_at_the_same_step(tmp_path: Path) ->
         assert notes and notes[0]["ranks"] == [1]
         skips = (logs / f"nanwatch-skipped-rank{rank}.jsonl").read_text().splitlines()
         assert [json.loads(s)["batch_idx"] for s in skips] == [2]
+
+
+def test_a_training_step_that_calls_a_submodule_finds_a_bad_sample(tmp_path: Path) -> None:
+    """The common pattern where training_step calls ``self.net(x)``, never ``self(x)``:
+    the LightningModule's own forward never runs, and the batch reaches ``net`` from user
+    code. A NaN in it is the data (NW401, sample 1), and no 'compiled model' notice."""
+    from torch import nn
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            if batch_idx == 2:
+                x = x.clone()
+                x[1, 3] = math.nan
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> Any:
+            data = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
+            return torch.utils.data.DataLoader(data, batch_size=8)
+
+    torch.manual_seed(0)
+    cb = NanWatchCallback(on_anomaly="warn")
+    with pytest.warns(RuntimeWarning) as caught:
+        fit(tmp_path, Model(), cb, batches=4)
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "none of its modules ran" in m]
+    assert any(m.startswith("nanwatch: step 2: NaN in the input data") for m in messages)
+    nw = cb.watcher
+    assert nw is not None
+    a = nw.first_anomaly
+    assert a is not None and a.step == 2 and a.path == "net"
+    assert a.record.stat is not None and a.record.stat.bad_rows == (1,)
+    assert next(t for t in nw.history if t.step == 2).diagnoses[0].code == "NW401"

@@ -1125,3 +1125,31 @@ def test_a_nan_that_depends_on_a_random_draw_is_not_called_transient() -> None:
             assert any(n.kind == "replay" and n.data["random"] for n in trace.notes)
     assert verdicts, "the test needs a seed whose draws made a zero denominator"
     assert all(v == ("1", None, "NW111", "aten.div.Tensor") for v in verdicts), verdicts
+
+
+def test_a_part_called_from_user_code_takes_its_inputs_as_data() -> None:
+    """The LightningModule pattern: the watched root's forward never runs, user code calls
+    ``model.net(x)``. That call's inputs come from outside every watched call, so a NaN in
+    them is bad data (NW401, with the sample), steps still begin after each backward, and
+    nothing is said about a compiled model."""
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    torch.manual_seed(0)
+    m = Wrapper()
+    x = torch.randn(6, 4)
+    x[2, 1] = math.nan
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanwatch.watch(m, on_anomaly="record") as nw:
+            for i in range(3):
+                m.net(x if i == 2 else torch.randn(6, 4)).mean().backward()
+    assert [str(w.message) for w in caught] == []
+    assert [t.step for t in nw.history] == [0, 1, 2]
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.INPUT and a.step == 2
+    assert a.path == "net" and a.record.stat is not None and a.record.stat.bad_rows == (2,)
+    assert nw.history[-1].diagnoses[0].code == "NW401"
