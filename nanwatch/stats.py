@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -370,3 +371,39 @@ def foreach_l2(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             for i, nrm in zip(idx, norms, strict=True):
                 out[i] = nrm
     return [o for o in out if o is not None]
+
+
+_STACKABLE = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def read_scalars(values: Sequence[torch.Tensor]) -> list[float]:
+    """0-d tensors (statistics left on their devices) read to the host as floats: one
+    stack per device and dtype, one conversion per group, one transfer per device --
+    not a kernel per value. Accelerator values come through pinned memory. float64 values
+    stay float64 (a float32 read would turn 1e300 into inf); the rest read as float32,
+    which holds every narrower float exactly."""
+    out: list[float] = [math.nan] * len(values)
+    by_device: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+    for i, v in enumerate(values):
+        by_device.setdefault(v.device, {}).setdefault(v.dtype, []).append(i)
+    with torch.no_grad():
+        for dev, groups in by_device.items():
+            wide = dev.type == "cpu" or torch.float64 in groups
+            acc = torch.float64 if wide else torch.float32
+            order = [i for idx in groups.values() for i in idx]
+            parts = [
+                torch.stack([values[i] for i in idx]).to(acc)
+                if dtype in _STACKABLE
+                else torch.stack([values[i].to(acc) for i in idx])  # float8 has no stack
+                for dtype, idx in groups.items()
+            ]
+            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+            if dev.type == "cuda":
+                host = torch.empty(flat.shape, dtype=acc, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                torch.cuda.current_stream(dev).synchronize()
+            else:
+                host = flat.cpu()
+            for i, v in zip(order, host.tolist(), strict=True):
+                out[i] = v
+    return out

@@ -69,6 +69,7 @@ from nanwatch.stats import (
     minmax,
     numel,
     read_minmax,
+    read_scalars,
     rows_from_flags,
 )
 
@@ -1662,19 +1663,25 @@ class Watcher:
                     self._note_bad(rec)
         self._trace.grad_norm = math.sqrt(total) if math.isfinite(total) else total
 
-    def _check_params(self, *, at_end: bool, all_records: bool = False) -> None:
+    def _param_maxima(self) -> list[torch.Tensor]:
+        """max |w| of every watched parameter, left on the devices (no sync)."""
+        return foreach_absmax([p.detach() for _, _, p in self._params])
+
+    def _check_params(
+        self, *, at_end: bool, all_records: bool = False, values: list[float] | None = None
+    ) -> None:
         """Weights: max |w| of every parameter with multi-tensor kernels, one host read.
 
         On a trigger (``at_end=False``) the bad parameters are recorded ahead of the step's
         records: they were bad before its forward ran. At a step boundary (``at_end=True``)
         they are recorded after everything else: the step's own update broke them. Only bad
-        parameters are recorded, except with ``all_records`` (forensic)."""
+        parameters are recorded, except with ``all_records`` (forensic). ``values``: the
+        maxima of :meth:`_param_maxima`, already read."""
         if not self._params:
             return
         params = [p.detach() for _, _, p in self._params]
-        maxima = foreach_absmax(params)
-        one_device = len({m.device for m in maxima}) == 1
-        values = torch.stack(maxima).tolist() if one_device else [float(m) for m in maxima]
+        if values is None or len(values) != len(params):
+            values = read_scalars(foreach_absmax(params))
         front: list[Record] = []
         for (q, path, _), p, owner_type, a in zip(
             self._params, params, self._param_types, values, strict=True
@@ -1747,12 +1754,13 @@ class Watcher:
         weights, localize, and run the rules."""
         trace = self._trace
         if not self._device_dead and not _tracing():
-            self._materialize()
+            maxima = self._param_maxima() if self._full else []  # read with the rest
+            weights = self._materialize(maxima)
             if not self._grads_checked and self._backward_seen:
                 self._check_grads()
                 self._materialize()
             if self._full:  # weights made non-finite by this step's update
-                self._check_params(at_end=True, all_records=self._forensic)
+                self._check_params(at_end=True, all_records=self._forensic, values=weights)
         else:  # the device is gone: statistics still on it are unknown, not NaN
             for rec, _, _ in self._pending + self._pending_grads:
                 rec.stat = None
@@ -1773,35 +1781,16 @@ class Watcher:
             self._trace.ops.extend(self._checker.events)
             self._checker.events.clear()
 
-    def _materialize(self) -> None:
-        """One host transfer per device for everything measured on accelerators."""
+    def _materialize(self, extra: Sequence[torch.Tensor] = ()) -> list[float]:
+        """One host transfer per device for everything measured on accelerators. ``extra``
+        (0-d device tensors: the weights' maxima) rides along; its values are returned."""
         pending, grads, flagged = self._pending, self._pending_grads, self._pending_rows
         self._pending, self._pending_grads, self._pending_rows = [], [], []
-        if not pending and not grads:
-            return
+        if not pending and not grads and not extra:
+            return []
         rows = pending + grads
-        by_device: dict[torch.device, list[int]] = {}
-        for i, (_, a, _) in enumerate(rows):
-            by_device.setdefault(a.device, []).append(i)
-        values: list[tuple[float, float]] = [(math.nan, math.nan)] * len(rows)
-        with torch.no_grad():
-            for dev, idx in by_device.items():
-                flat = torch.stack(
-                    [
-                        x.to(torch.float64 if dev.type == "cpu" else torch.float32)
-                        for i in idx
-                        for x in rows[i][1:]
-                    ]
-                )
-                if dev.type == "cuda":
-                    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-                    host.copy_(flat, non_blocking=True)
-                    torch.cuda.current_stream(dev).synchronize()
-                else:
-                    host = flat.cpu()
-                vals = host.tolist()
-                for j, i in enumerate(idx):
-                    values[i] = (vals[2 * j], vals[2 * j + 1])
+        flat = read_scalars([x for _, a, b in rows for x in (a, b)] + list(extra))
+        values = [(flat[2 * i], flat[2 * i + 1]) for i in range(len(rows))]
         for (rec, _, _), (lo, hi) in zip(pending, values, strict=False):
             rec.stat = TensorStat(lo, hi, rec.stat.numel if rec.stat is not None else 0)
         for rec, flags in flagged:  # a second read, only for a bad batch
@@ -1816,6 +1805,7 @@ class Watcher:
                 recs, [None] * len(recs), [hi for _, hi in values[len(pending) :]]
             )
         self._new_trigger = None  # the flush localizes the whole step itself
+        return flat[2 * len(rows) :]
 
     def _summarize(self, trace: StepTrace) -> None:
         loss = self._user_loss
