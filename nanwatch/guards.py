@@ -584,8 +584,12 @@ class _Probe:
         kw_names: Mapping[str, str] | None = None,
         module: nn.Module | None = None,
         roots: Sequence[nn.Module] = (),
+        known: Callable[[torch.Tensor], tuple[Any, Any] | None] | None = None,
     ) -> None:
         self.spec = spec
+        #: the min and max a watcher already measured for a tensor (a watched module's
+        #: output, unchanged since), so the input is not read a second time
+        self.known = known or (lambda t: None)
         #: the parameter names of the call's positional arguments, and of its keywords
         self.order = tuple(order)
         self.kw_names = dict(kw_names or {})
@@ -772,6 +776,18 @@ class _Probe:
         self._keys.append(key)
         self._pending.append(t)
 
+    def add_minmax(self, prefix: str, t: torch.Tensor) -> None:
+        """``{prefix}_min`` and ``{prefix}_max`` of ``t``: the watcher's own measurement when
+        it has one (0-d device tensors still on their way, or floats already read), else
+        one ``aminmax``."""
+        known = self.known(t)
+        lo, hi = known if known is not None else torch.aminmax(t)
+        for key, v in ((f"{prefix}_min", lo), (f"{prefix}_max", hi)):
+            if isinstance(v, torch.Tensor):
+                self.add(key, v)
+            else:
+                self.values[key] = float(v)
+
     def count(self, key: str, mask: torch.Tensor) -> None:
         """Queue the number of True elements of ``mask`` (exact: summed in float64)."""
         self.add(key, mask.sum(dtype=_acc(mask.device)))
@@ -956,9 +972,7 @@ def _check_target_dtype(p: _Probe) -> None:
 def _input_stats(p: _Probe) -> None:
     x = p.input
     if _readable(x) and x.dtype is not torch.bool:
-        mn, mx = torch.aminmax(x)
-        p.add("input_min", mn)
-        p.add("input_max", mx)
+        p.add_minmax("input", x)
 
 
 def _target_stats(p: _Probe) -> None:
@@ -1361,9 +1375,7 @@ def _check_binary(p: _Probe) -> None:
     _check_target_dtype(p)
     bce = name == "binary_cross_entropy"
     if _readable(x) and x.is_floating_point():
-        mn, mx = torch.aminmax(x)
-        p.add("input_min", mn)
-        p.add("input_max", mx)
+        p.add_minmax("input", x)
         if bce:
             outside = x.clamp(0, 1) != x  # NaN included
             p.count("input_outside", outside)
@@ -1947,6 +1959,7 @@ def _guard(
         kw_names=kw_names,
         module=module,
         roots=watcher.roots,
+        known=watcher.measured_minmax,
     )
     failure: _Failure | None = None
     # DisableTorchFunction: our own reads need no torch-function mode (a FunctionalGuards

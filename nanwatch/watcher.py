@@ -680,6 +680,16 @@ class Watcher:
             return None
         return self._trace.record(entry[1])
 
+    def measured_minmax(self, t: torch.Tensor) -> tuple[Any, Any] | None:
+        """The min and max this step already measured for ``t`` (a watched module's output,
+        unchanged since), so a guard need not read it again: 0-d tensors on ``t``'s device
+        before the step's one transfer, floats on CPU. None when ``t`` was not measured as
+        it is now."""
+        entry = self._known.get(id(t))
+        if entry is None or entry[0]() is not t or entry[2] != _version(t):
+            return None
+        return self._minmax.get(entry[1])
+
     @property
     def report(self) -> Report:
         """The report of everything recorded so far (a rich renderable; ``.save(path)``)."""
@@ -958,6 +968,7 @@ class Watcher:
         self._trace = StepTrace(step=self._step)
         self._idx = 0
         self._known = {}
+        self._minmax: dict[int, tuple[Any, Any]] = {}  # record index -> its aminmax
         self._recorded_nodes.clear()  # the autograd nodes of the step's recorded tensors
         self._stack = []
         self._pending = []
@@ -1056,6 +1067,7 @@ class Watcher:
                 return
             rec.stat = TensorStat(math.nan, math.nan, numel(t))  # filled at the flush
             self._pending.append((rec, mm[0], mm[1]))
+            self._minmax[rec.index] = mm
             if rows:  # the batch: which samples are bad, read only if any is
                 flags = bad_row_flags(t)
                 if flags is not None:
@@ -1073,6 +1085,7 @@ class Watcher:
             try:
                 a, b = torch.aminmax(t.detach())  # detach: cheaper than a no_grad block
                 lo, hi = a.item(), b.item()
+                self._minmax[rec.index] = (lo, hi)
             except RuntimeError:
                 if _has_no_data(t):
                     return  # a fake or functional tensor (tracing): nothing to measure

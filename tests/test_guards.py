@@ -539,8 +539,60 @@ def test_one_host_sync_per_guarded_call(monkeypatch: pytest.MonkeyPatch) -> None
     with watch(criterion, functional_guards=True):
         criterion(torch.randn(2, 5, 6, 6), target)
         F.binary_cross_entropy(torch.rand(8), torch.rand(8))
-    assert len(reads) == 2 and min(map(len, reads)) >= 5  # every reduction of a call in one read
+    assert len(reads) == 2  # every reduction of a call in one read
+    # the module loss's input is the watched criterion's input, measured at its record
+    assert {"ignored", "target_min", "target_max"} <= set(reads[0])
+    assert {"input_min", "input_max", "input_outside", "exact_zeros"} <= set(reads[1])
     assert syncs == []
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["cpu", "accelerator-path"])
+def test_a_loss_input_the_watcher_measured_is_not_read_again(
+    monkeypatch: pytest.MonkeyPatch, deferred: bool
+) -> None:
+    """The logits were measured at the model's output: the loss guard takes that min and
+    max (on a GPT-2-sized vocabulary a second pass over them is 0.7% of the step) unless
+    they changed in place since."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    passes: list[tuple[int, ...]] = []
+
+    class CountPasses(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func.overloadpacket is torch.ops.aten.aminmax:
+                passes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    real_guard = guards._guard
+
+    def counted_guard(*args: Any, **kwargs: Any) -> None:
+        with CountPasses():
+            real_guard(*args, **kwargs)
+
+    monkeypatch.setattr(guards, "_guard", counted_guard)
+    torch.manual_seed(0)
+    model, criterion = nn.Linear(4, 3), nn.CrossEntropyLoss()
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    nw = watch(model, criterion, functional_guards=True)
+    nw._defer_cpu = deferred
+    with nw:
+        logits = model(x)
+        criterion(logits, y)
+        F.cross_entropy(logits, y)  # a functional loss on a watched output: the same
+        reused = len(passes)
+        changed = model(x)
+        changed.mul_(100)  # changed in place after it was measured: read again
+        F.cross_entropy(changed, y)
+        nw.step()
+    assert (8, 3) not in passes[:reused]
+    assert passes[reused:].count((8, 3)) == 1
+    first, functional, second = (n.data for n in nw.history[-1].notes if n.kind == "loss_input")
+    lo, hi = torch.aminmax(logits.detach())
+    assert (first["input_min"], first["input_max"]) == (lo.item(), hi.item())
+    assert (functional["input_min"], functional["input_max"]) == (lo.item(), hi.item())
+    assert second["input_max"] == pytest.approx(100 * hi.item(), rel=1e-6)
 
 
 # ------------------------------------------------------------------ when guards stay quiet
