@@ -30,6 +30,7 @@ import nanwatch
 from nanwatch import postmortem, scenarios
 from nanwatch.errors import AnomalyError
 from nanwatch.postmortem import atomic_write, classify, install_signal_handlers
+from nanwatch.render import render_text
 from nanwatch.report import Report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -315,7 +316,7 @@ def test_cuda_error_postmortem_touches_no_tensor(
     assert "CUDA_LAUNCH_BLOCKING=1" in report.error["advice"]
     events = report.recent_events()
     assert [e.path for e in events][-3:] == ["head", "Classifier", "CrossEntropyLoss"]
-    text = str(report)
+    text = render_text(report, width=120)  # not the terminal's: an 80-column one wraps it
     assert "the failing one is among these" in text
     assert "CUDA device-side assert" in capsys.readouterr().err
 

@@ -1,0 +1,263 @@
+"""nanwatch on a real CUDA device: statistics stay on the GPU until the step's end, the
+first non-finite value is still found where it was born, a device-side assert leaves a
+post-mortem without touching the dead context, and healthy mixed-precision training
+stays quiet. Skipped where no GPU is present (CI); run on a GPU machine with
+``pytest -m cuda``."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import nanwatch
+from nanwatch.records import AnomalyKind, Phase
+from nanwatch.report import Report
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _syncs(fn: Callable[[], Any]) -> list[str]:
+    """The host synchronizations ``fn`` makes (CUDA's sync debug mode), one message each."""
+    seen: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # (the mode's own "prototype feature" notice is not a sync)
+    seen = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+    return seen
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64),
+                         nn.Linear(64, 10)).cuda()  # fmt: skip
+
+
+def test_a_watched_step_leaves_statistics_on_the_gpu_until_the_step_ends() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 32, device="cuda")
+    y = torch.randint(0, 10, (16,), device="cuda")
+    criterion = nn.CrossEntropyLoss()
+
+    def train() -> None:
+        loss = criterion(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    with nanwatch.watch(model, criterion, guards=False) as nw:
+        for _ in range(2):  # warm-up: lazy CUDA initialization syncs once
+            train()
+            nw.step()
+        during = _syncs(train)
+        at_end = _syncs(nw.step)
+    assert during == []  # every statistic stayed on the device
+    assert len(at_end) == 1  # one transfer for the whole step: records, gradients, weights
+    trace = nw.history[-1]
+    assert trace.anomaly is None and not [d for d in trace.diagnoses if d.severity == "error"]
+    assert trace.grad_norm is not None and math.isfinite(trace.grad_norm)
+    out = [r for r in trace.records if r.path == "4" and r.phase is Phase.FORWARD]
+    assert out and out[0].stat is not None and math.isfinite(out[0].stat.max)
+    assert out[0].device.startswith("cuda")
+
+
+def test_float64_statistics_on_the_gpu_are_read_in_float64() -> None:
+    """1e300 is finite in float64; a read through float32 would make it inf."""
+    model = nn.Linear(4, 4).cuda().double()
+    with torch.no_grad():
+        model.weight.fill_(1e299)
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        model(torch.ones(2, 4, device="cuda", dtype=torch.float64)).sum().backward()
+        trace = nw.step()
+    assert nw.first_anomaly is None
+    out = next(r for r in trace.records if r.phase is Phase.FORWARD and r.role == "output")
+    assert out.stat is not None and out.stat.max == pytest.approx(4e299)
+
+
+def test_float16_overflow_on_the_gpu_is_found_where_it_was_born() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4)).cuda().half()
+    with torch.no_grad():
+        model[2].weight.fill_(3000.0)  # 64 inputs of up to ~5 times 3000 > 65504
+    x = torch.rand(8, 16, device="cuda").half() * 4
+    with nanwatch.watch(model, on_anomaly="record") as nw:
+        model(x).float().mean().backward()
+        trace = nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.FORWARD
+    assert a.path == "2" and a.record.phase is Phase.FORWARD and a.record.dtype == "float16"
+    assert trace.diagnoses and trace.diagnoses[0].code == "NW101"
+    assert any("65504" in e or "float16" in e for e in trace.diagnoses[0].evidence)
+
+
+def test_a_nan_born_in_backward_on_the_gpu_is_found_in_backward() -> None:
+    class Distance(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return ((a - b) ** 2).sum(-1).sqrt()  # d/dx sqrt at 0 is inf
+
+    model = nn.Linear(8, 8).cuda()
+    dist = Distance()
+    x = torch.randn(4, 8, device="cuda")
+    with nanwatch.watch(model, dist, on_anomaly="record") as nw:
+        e = model(x)
+        dist(e, e.detach()).mean().backward()  # distance 0: NaN gradient
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.BACKWARD
+    assert a.path == "Distance"
+
+
+def test_healthy_bf16_autocast_transformer_training_stays_quiet() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, norm_first=True)
+    model = nn.Sequential(nn.Embedding(100, 64), nn.TransformerEncoder(layer, 2),
+                          nn.Linear(64, 100)).cuda()  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    criterion = nn.CrossEntropyLoss()
+    with nanwatch.watch(model, criterion) as nw:
+        for _ in range(5):
+            ids = torch.randint(0, 100, (8, 16), device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = criterion(model(ids).flatten(0, 1), ids.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+    assert nw.first_anomaly is None
+    assert all(d.severity != "error" for t in nw.history for d in t.diagnoses)
+    assert {r.dtype for r in nw.history[-1].records} >= {"bfloat16", "float32"}
+
+
+def test_fp16_with_grad_scaler_skipped_steps_are_not_anomalies() -> None:
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**40)  # first steps overflow: skipped
+    criterion = nn.CrossEntropyLoss()
+    with nanwatch.watch(model, criterion, scaler=scaler) as nw:
+        for _ in range(6):
+            x = torch.randn(16, 32, device="cuda")
+            y = torch.randint(0, 10, (16,), device="cuda")
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = criterion(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            nw.step()
+    assert scaler.get_scale() < 2.0**40  # it did skip and back off
+    assert all(d.severity != "error" for t in nw.history for d in t.diagnoses)
+
+
+def test_a_device_side_assert_leaves_a_post_mortem_and_the_users_error(tmp_path: Path) -> None:
+    """guards=False lets the bad target reach the kernel: CUDA's assert kills the context.
+    The user's RuntimeError comes out unchanged and the report is written without
+    touching the GPU."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+            import nanwatch
+
+            model = nn.Linear(8, 5).cuda()
+            criterion = nn.CrossEntropyLoss()
+            x = torch.randn(16, 8, device="cuda")
+            y = torch.randint(0, 5, (16,), device="cuda")
+            y[3] = 255
+            with nanwatch.watch(model, criterion, guards=False, report_dir=".") as nw:
+                for _ in range(3):
+                    loss = criterion(model(x), y)
+                    loss.backward()
+                    print("loss", loss.item())
+                    nw.step()
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode != 0
+    assert "device-side assert triggered" in proc.stderr
+    # the user's own exception (torch.AcceleratorError, a RuntimeError, in torch >= 2.8)
+    pattern = r"^(torch\.AcceleratorError|RuntimeError): CUDA error: device-side assert"
+    assert "Traceback" in proc.stderr and re.search(pattern, proc.stderr, re.MULTILINE)
+    assert "post-mortem report written" in proc.stderr
+    reports = sorted(tmp_path.glob("nanwatch-*.json"))
+    assert len(reports) == 1
+    report = Report.load(reports[0])
+    assert report.error is not None
+    assert report.error["class"] == "cuda-device-assert" and report.error["device_lost"]
+
+
+def test_guards_stop_the_bad_target_before_the_kernel_and_the_gpu_lives_on() -> None:
+    model = nn.Linear(8, 5).cuda()
+    criterion = nn.CrossEntropyLoss()
+    x = torch.randn(16, 8, device="cuda")
+    y = torch.randint(0, 5, (16,), device="cuda")
+    y[3] = 255
+    with pytest.raises(nanwatch.GuardError, match="255"), nanwatch.watch(model, criterion):
+        criterion(model(x), y)
+    y[3] = 0
+    assert math.isfinite(criterion(model(x), y).item())  # the context is alive
+
+
+def test_lightning_on_the_gpu_finds_the_bad_batch(tmp_path: Path) -> None:
+    L = pytest.importorskip("lightning.pytorch")
+    from nanwatch.callbacks import NanWatchCallback
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            if batch_idx == 2:
+                x = x.clone()
+                x[1, 3] = math.nan  # a bad sample
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    cb = NanWatchCallback(on_anomaly="warn")
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, max_epochs=1, limit_train_batches=5, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=tmp_path, callbacks=[cb],
+    )  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="nanwatch: step 2"):
+        trainer.fit(Model(), loader)
+    nw = cb.watcher
+    assert nw is not None and not nw.attached
+    a = nw.first_anomaly
+    assert a is not None and a.step == 2 and a.record.device.startswith("cuda")
+    top = next(t for t in nw.history if t.step == 2).diagnoses[0]
+    assert top.code == "NW401"
