@@ -699,7 +699,11 @@ def render_markdown(
         add(f"| {title} | " + " | ".join(cells.get(n, "n/a") for n in names) + " |")
     add(
         "\nGPU targets (`watch` <= x1.05, `sentinel` <= x1.01 on a GPT-2-small-sized step): "
-        + (gpu_summary(gpu) if gpu else "not measured in this run (no `--gpu`, or no CUDA).")
+        + (
+            gpu_summary(gpu)
+            if gpu
+            else "not measured in this run (no `--gpu`, or no CUDA); see `RESULTS-GPU.md`."
+        )
     )
     why = why_markdown(results)
     if why:
@@ -790,10 +794,10 @@ def gpu_summary(gpu: Any) -> str:
 def gpu_markdown(gpu: Any) -> str:
     if not gpu:
         return (
-            "Not measured: this run had no CUDA device (this session was not lent a GPU). "
-            "`python benchmarks/run.py --gpu` runs the GPT-2-small-sized decoder (12 layers, "
-            "d_model 768) in bf16 autocast and in float16 with a GradScaler when CUDA is "
-            "available; no numbers are reported here until it has run on one."
+            "Not measured in this run (no `--gpu`, or no CUDA). The GPU numbers are in "
+            "`RESULTS-GPU.md` (`python -m benchmarks.gpu --batches 16,64` on a CUDA "
+            "machine: the GPT-2-small-sized decoder in bf16 autocast and in float16 with a "
+            "GradScaler), and where the time goes on the GPU in `GPU_PROFILE.md`."
         )
     if gpu.get("skipped"):
         return f"Not measured: {gpu['skipped']}"
