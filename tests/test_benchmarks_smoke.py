@@ -125,6 +125,17 @@ def test_gpu_decoder_code_path_runs_on_cpu_at_toy_size() -> None:
     assert set(out["cells"]) == {"bf16", "fp16+GradScaler"}
     for cells in out["cells"].values():
         assert {"unwatched", "sentinel", "watch", "watch-every10", "detect_anomaly"} <= set(cells)
+    out["peak_gib"] = 0.0
+    md = gpu.markdown({2: out}, "python -m benchmarks.gpu --batches 2")
+    assert "## Batch 2" in md and "| watch | x" in md
+    assert re.search(r"- bf16: sentinel x\d\.\d{3} vs x1\.01 (met|MISSED)", md), md
+    assert "vs detect_anomaly" in md
+
+
+def test_the_gpu_benchmark_refuses_to_run_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        gpu.main(["--batches", "2"])
 
 
 def test_hook_cost_quick_reports_per_module_microseconds(tmp_path: Path) -> None:
