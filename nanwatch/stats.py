@@ -158,12 +158,11 @@ def minmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """
     if not has_values(t):
         return None
-    with torch.no_grad():
-        v = _values(t)
-        if v.numel() == 0:
-            return None
-        mn, mx = torch.aminmax(v)
-        return mn, mx
+    v = _values(t.detach())  # detach, not a no_grad block: this runs for every record
+    if v.numel() == 0:
+        return None
+    mn, mx = torch.aminmax(v)
+    return mn, mx
 
 
 def bad_row_flags(t: torch.Tensor) -> torch.Tensor | None:
