@@ -171,3 +171,33 @@ def classifier_class(namespace: str) -> type[Any]:
             return DataLoader(labelled(), batch_size=4)
 
     return TinyClassifier
+
+
+@functools.cache
+def submodule_model_class(namespace: str) -> type[Any]:
+    """A LightningModule whose training_step calls ``self.net(x)``, never ``self(x)``; batch
+    2 holds a NaN in sample 1 when built with ``bad=True``."""
+    L = importlib.import_module(namespace)
+
+    class SubmoduleModel(L.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self, bad: bool = True) -> None:
+            super().__init__()
+            self.bad = bad
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            if self.bad and batch_idx == 2:
+                x = x.clone()
+                x[1, 3] = float("nan")
+            return F.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+        def train_dataloader(self) -> Any:
+            g = torch.Generator().manual_seed(0)
+            data = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
+            return DataLoader(data, batch_size=8)
+
+    return SubmoduleModel

@@ -230,23 +230,8 @@ def test_lightning_on_the_gpu_finds_the_bad_batch(tmp_path: Path) -> None:
     L = pytest.importorskip("lightning.pytorch")
     from nanwatch.callbacks import NanWatchCallback
 
-    class Model(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    from tests._lightning_models import submodule_model_class
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            if batch_idx == 2:
-                x = x.clone()
-                x[1, 3] = math.nan  # a bad sample
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
-    loader = torch.utils.data.DataLoader(data, batch_size=8)
     cb = NanWatchCallback(on_anomaly="warn")
     trainer = L.Trainer(
         accelerator="gpu", devices=1, max_epochs=1, limit_train_batches=5, logger=False,
@@ -254,7 +239,7 @@ def test_lightning_on_the_gpu_finds_the_bad_batch(tmp_path: Path) -> None:
         default_root_dir=tmp_path, callbacks=[cb],
     )  # fmt: skip
     with pytest.warns(RuntimeWarning, match="nanwatch: step 2"):
-        trainer.fit(Model(), loader)
+        trainer.fit(submodule_model_class("lightning.pytorch")())
     nw = cb.watcher
     assert nw is not None and not nw.attached
     a = nw.first_anomaly

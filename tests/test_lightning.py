@@ -22,7 +22,7 @@ import torch
 
 import nanwatch
 from nanwatch.report import Report
-from tests._lightning_models import classifier_class, model_class
+from tests._lightning_models import classifier_class, model_class, submodule_model_class
 
 L = pytest.importorskip("lightning.pytorch")
 PL = pytest.importorskip("pytorch_lightning")
@@ -748,31 +748,10 @@ def test_a_training_step_that_calls_a_submodule_finds_a_bad_sample(tmp_path: Pat
     """The common pattern where training_step calls ``self.net(x)``, never ``self(x)``:
     the LightningModule's own forward never runs, and the batch reaches ``net`` from user
     code. A NaN in it is the data (NW401, sample 1), and no 'compiled model' notice."""
-    from torch import nn
-
-    class Model(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            if batch_idx == 2:
-                x = x.clone()
-                x[1, 3] = math.nan
-            return nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-        def train_dataloader(self) -> Any:
-            data = torch.utils.data.TensorDataset(torch.randn(40, 8), torch.randn(40, 1))
-            return torch.utils.data.DataLoader(data, batch_size=8)
-
     torch.manual_seed(0)
     cb = NanWatchCallback(on_anomaly="warn")
     with pytest.warns(RuntimeWarning) as caught:
-        fit(tmp_path, Model(), cb, batches=4)
+        fit(tmp_path, submodule_model_class(LP)(), cb, batches=4)
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "none of its modules ran" in m]
     assert any(m.startswith("nanwatch: step 2: NaN in the input data") for m in messages)
