@@ -815,8 +815,8 @@ class Watcher:
                 # the first root is never called (a LightningModule whose training_step
                 # calls self.net): its parts called from outside mark the steps instead
                 self._maybe_begin_step()
-            if not (self._full or info.is_root):
-                return
+            if not (self._full or info.is_root or not self._stack):
+                return  # a sampled-out step watches the calls made from outside, as roots
             if ops.current_autograd_node() is not None:
                 return  # activation checkpointing recomputing in backward
             call = self._open_call(info)
@@ -850,7 +850,7 @@ class Watcher:
         if "post" in self._disabled_hooks:
             return
         try:
-            if not (self._full or info.is_root):
+            if not (self._full or info.is_root or self._is_open(module)):
                 return
             if ops.current_autograd_node() is not None:
                 self._trace.recomputed += 1
@@ -1024,6 +1024,11 @@ class Watcher:
                 del stack[i:]  # frames above it belong to calls that raised (KeyboardInterrupt)
                 return frame
         return None
+
+    def _is_open(self, module: nn.Module) -> bool:
+        """A call of ``module`` made from outside every watched call is open (the only
+        frame on the stack)."""
+        return len(self._stack) == 1 and self._stack[0].module is module
 
     def _current_path(self) -> str | None:
         return self._stack[-1].call.path if self._stack else None

@@ -1153,3 +1153,33 @@ def test_a_part_called_from_user_code_takes_its_inputs_as_data() -> None:
     assert a is not None and a.kind is AnomalyKind.INPUT and a.step == 2
     assert a.path == "net" and a.record.stat is not None and a.record.stat.bad_rows == (2,)
     assert nw.history[-1].diagnoses[0].code == "NW401"
+
+
+def test_a_sampled_out_step_watches_the_parts_called_from_user_code_as_roots() -> None:
+    """With sample_every, a step between full steps watches only the roots' calls; when
+    the root itself is never called, the parts called from user code stand for it."""
+
+    class Wrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    torch.manual_seed(0)
+    m = Wrapper()
+    x = torch.randn(6, 4)
+    x[2, 1] = math.nan
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanwatch.watch(m, on_anomaly="record", sample_every=10) as nw:
+            for i in range(4):
+                m.net(x if i == 3 else torch.randn(6, 4)).mean().backward()
+                nw.step()
+    assert [str(w.message) for w in caught] == []
+    trace = nw.history[3]
+    assert not trace.full
+    paths = {r.path for r in trace.records if r.phase is Phase.FORWARD}
+    assert "net" in paths and not {"net.0", "net.1", "net.2"} & paths  # not its parts
+    a = trace.anomaly
+    assert a is not None and a.kind is AnomalyKind.INPUT and a.path == "net"
+    assert a.record.stat is not None and a.record.stat.bad_rows == (2,)
+    assert trace.diagnoses[0].code == "NW401"
