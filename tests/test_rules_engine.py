@@ -8,6 +8,7 @@ import importlib
 import math
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -303,3 +304,30 @@ def test_diagnosis_round_trips_through_json_data() -> None:
     back = Diagnosis.from_dict(d.to_dict())
     assert back.to_dict() == d.to_dict()
     assert back.headline == "NW111 error: Division by zero (norm, aten.div.Tensor, forward, step 2)"
+
+
+def test_a_step_is_summarized_once_not_again_when_it_is_history(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rules that compare a step with its history (exploding and vanishing gradients)
+    used to summarize every step twice: as the current step, then as history."""
+    from collections import Counter
+
+    from nanwatch.rules import gradients
+
+    calls: Counter[int] = Counter()
+    real = gradients._grad_summary
+
+    def counted(trace: Any) -> Any:
+        calls[trace.step] += 1
+        return real(trace)
+
+    monkeypatch.setattr(gradients, "_grad_summary", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with nanwatch.watch(model) as nw:
+        for _ in range(8):
+            model(torch.randn(16, 4)).pow(2).mean().backward()
+            nw.step()
+    assert len(nw.history) == 8 and nw.first_anomaly is None
+    assert sorted(calls) == list(range(8)) and set(calls.values()) == {1}

@@ -173,15 +173,16 @@ class RuleContext:
         return [n for n in self.trace.notes if n.kind == kind]
 
     def memo(self, trace: StepTrace, key: str, compute: Callable[[StepTrace], T]) -> T:
-        """``compute(trace)``, remembered for steps of the history (which no longer change);
-        the current step is always computed afresh."""
-        if trace is self.trace:
-            return compute(trace)
+        """``compute(trace)``, remembered for steps of the history (which no longer change).
+        The current step is always computed afresh, and its latest value is kept: a step's
+        last evaluation is the one at its end, so once it is history it is not computed
+        again (the rules that compare a step with its history read every step twice
+        otherwise)."""
         k = (id(trace), key)
         hit = _MEMO.get(k)
-        if hit is not None and hit[0] is trace:
-            value: T = hit[1]
-            return value
+        if trace is not self.trace and hit is not None and hit[0] is trace:
+            kept: T = hit[1]
+            return kept
         value = compute(trace)
         _MEMO[k] = (trace, value)
         return value

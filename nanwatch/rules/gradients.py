@@ -387,7 +387,7 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
     need = ctx.thresholds.min_history
     if len(ctx.history) < need:
         return
-    cur = _grad_summary(ctx.trace)
+    cur = ctx.memo(ctx.trace, "grad_summary", _grad_summary)
     past = [ctx.memo(t, "grad_summary", _grad_summary) for t in ctx.history]
     evidence: list[str] = []
     totals = [p.total for p in past if p.total is not None and math.isfinite(p.total)]
@@ -478,7 +478,7 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     need = ctx.thresholds.vanish_steps
     if len(ctx.history) < need - 1:
         return
-    out_now, par_now, dtypes = _zero_grads(ctx.trace)
+    out_now, par_now, dtypes = ctx.memo(ctx.trace, "zero_grads", _zero_grads)
     now = out_now | par_now
     if not now:
         return

@@ -738,7 +738,7 @@ def _only_stable_losses(trace: StepTrace, rec: Record) -> bool:
     priority=35,
 )
 def logits_exp_bound(ctx: RuleContext) -> Iterator[Diagnosis]:
-    cur = _logit_max(ctx.trace)
+    cur = ctx.memo(ctx.trace, "logit_max", _logit_max)
     if cur is None:
         return
     value, dtype = cur
@@ -826,7 +826,7 @@ def _low_magnitudes(trace: StepTrace, scaled: bool) -> _Mags:
 def growth_to_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
     scaled = bool(ctx.facts.get("scaler"))
     key = "low_mags_scaled" if scaled else "low_mags"
-    current = _low_magnitudes(ctx.trace, scaled)
+    current = ctx.memo(ctx.trace, key, lambda tr: _low_magnitudes(tr, scaled))
     if not current or len(ctx.history) < ctx.thresholds.min_history:
         return
     past = [(t.step, ctx.memo(t, key, lambda tr: _low_magnitudes(tr, scaled))) for t in ctx.history]
