@@ -423,24 +423,55 @@ class NodeMarks:
         return self._held.get(id(node)) is node
 
 
+class GraphWalk:
+    """Every autograd node reachable from ``roots``, each once, depth first; at most
+    ``limit`` nodes are looked at (``truncated`` says the walk stopped there). A node for
+    which ``prune`` is true counts as looked at but is neither yielded nor descended into.
+    The nodes seen are held until the walk ends, so the ids it tells them apart by cannot be
+    reused by other nodes' objects meanwhile (see :class:`NodeMarks`)."""
+
+    def __init__(
+        self,
+        roots: Sequence[Any],
+        *,
+        prune: Callable[[Any], bool] | None = None,
+        limit: int | None = None,
+    ) -> None:
+        self._stack: list[Any] = list(roots)
+        self._prune = prune
+        self._limit = limit
+        self.truncated = False
+
+    def __iter__(self) -> Iterator[Any]:
+        stack, prune, limit = self._stack, self._prune, self._limit
+        seen: dict[int, Any] = {}
+        while stack:
+            if limit is not None and len(seen) >= limit:
+                self.truncated = True
+                return
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen[id(node)] = node
+            if prune is not None and prune(node):
+                continue
+            yield node
+            stack.extend(n for n, _ in node.next_functions)
+
+
+def _accumulate_grad(node: Any) -> bool:
+    return type(node).__name__ == "AccumulateGrad"
+
+
 def stamp_graph(outputs: Sequence[torch.Tensor], path: str) -> None:
     """Label the autograd nodes a module's forward created with the module's path, so a
     backward op can be traced to its module (forensic mode). Stops at nodes already stamped
     (children complete before parents, so each node gets its innermost module)."""
-    stack: list[Any] = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen: dict[int, Any] = {}  # held: see NodeMarks
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        meta: dict[str, Any] = node.metadata
-        if "nanwatch.path" in meta:
-            continue
-        if type(node).__name__ == "AccumulateGrad":
-            continue
-        meta["nanwatch.path"] = path
-        stack.extend(n for n, _ in node.next_functions)
+    roots = [t.grad_fn for t in outputs]
+    for node in GraphWalk(
+        roots, prune=lambda n: "nanwatch.path" in n.metadata or _accumulate_grad(n)
+    ):
+        node.metadata["nanwatch.path"] = path
 
 
 def node_op(name: str) -> str:
@@ -989,17 +1020,13 @@ def graph_evidence(
     names: list[str] = []
     events: list[OpEvent] = []
     order: list[Any] = []
-    seen: dict[int, Any] = {}  # held: see NodeMarks
-    stack = [fn]
-    while stack and len(seen) < limit:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        if (stop is not None and stop(node)) or type(node).__name__ == "AccumulateGrad":
-            continue
-        order.append(node)
-        stack.extend(n for n, _ in node.next_functions)
+    order.extend(
+        GraphWalk(
+            [fn],
+            prune=lambda n: (stop is not None and stop(n)) or _accumulate_grad(n),
+            limit=limit,
+        )
+    )
     loss_kinds = _kinds(output) if isinstance(output, torch.Tensor) else frozenset()
     for node in reversed(order):  # producers before consumers
         base = node.name().split("Backward")[0]

@@ -363,6 +363,7 @@ class Watcher:
     #: id(tensor) -> (weakref, record index, version when recorded, gradient hooked)
     _known: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, int | None, bool]]
     _recorded_nodes: ops.NodeMarks
+    _minmax: dict[int, tuple[Any, Any]]  #: record index -> the aminmax measured for it
     _stack: list[_Frame]
     _pending: list[tuple[Record, torch.Tensor, torch.Tensor]]
     _pending_rows: list[tuple[Record, torch.Tensor]]
@@ -968,7 +969,7 @@ class Watcher:
         self._trace = StepTrace(step=self._step)
         self._idx = 0
         self._known = {}
-        self._minmax: dict[int, tuple[Any, Any]] = {}  # record index -> its aminmax
+        self._minmax = {}
         self._recorded_nodes.clear()  # the autograd nodes of the step's recorded tensors
         self._stack = []
         self._pending = []
@@ -1446,24 +1447,19 @@ class Watcher:
         stop = self._recorded_nodes
         nodes: list[Any] = []
         last: list[str] = []
-        seen: dict[int, Any] = {}  # held: see ops.NodeMarks
-        stack: list[Any] = [loss.grad_fn]
-        while stack and len(seen) < _LOSS_NODES:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen[id(node)] = node
-            name = type(node).__name__
-            if node in stop or name == "AccumulateGrad":
-                continue
-            if name in _GRAD_MOVERS:
+        walk = ops.GraphWalk(
+            [loss.grad_fn],
+            prune=lambda n: n in stop or type(n).__name__ == "AccumulateGrad",
+            limit=_LOSS_NODES,
+        )
+        for node in walk:
+            if type(node).__name__ in _GRAD_MOVERS:
                 pass  # moving a finite gradient keeps it finite
             elif _feeds_only(node, stop, 4):
                 last.append(node.name())  # what it makes is checked by the outputs' hooks
             else:
                 nodes.append(node)
-            stack.extend(n for n, _ in node.next_functions)
-        self._loss_last = None if stack else last
+        self._loss_last = None if walk.truncated else last
         check = self._on_loss_node
         gen, step = self._gen, self._step
         handles = self._tensor_handles
@@ -1553,13 +1549,7 @@ class Watcher:
         eager mode this step: the model runs compiled (torch.compile traces hooks away) or
         from another thread. Say so once instead of watching nothing in silence."""
         ours = {id(p) for _, _, p in self._params}
-        stack: list[Any] = [loss.grad_fn]
-        seen: dict[int, Any] = {}  # held: see ops.NodeMarks
-        while stack and len(seen) < 10_000:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen[id(node)] = node
+        for node in ops.GraphWalk([loss.grad_fn], limit=10_000):
             var = getattr(node, "variable", None)
             if var is not None and id(var) in ours:
                 self._compiled_warned = True
@@ -1571,7 +1561,6 @@ class Watcher:
                     safe=True,
                 )
                 return
-            stack.extend(n for n, _ in node.next_functions)
 
     def _record_loss(self, t: torch.Tensor) -> None:
         self._begun = True

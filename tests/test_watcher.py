@@ -1127,11 +1127,9 @@ def test_a_nan_that_depends_on_a_random_draw_is_not_called_transient() -> None:
     assert all(v == ("1", None, "NW111", "aten.div.Tensor") for v in verdicts), verdicts
 
 
-def test_a_part_called_from_user_code_takes_its_inputs_as_data() -> None:
-    """The LightningModule pattern: the watched root's forward never runs, user code calls
-    ``model.net(x)``. That call's inputs come from outside every watched call, so a NaN in
-    them is bad data (NW401, with the sample), steps still begin after each backward, and
-    nothing is said about a compiled model."""
+def _wrapper_and_bad_batch() -> tuple[nn.Module, torch.Tensor]:
+    """A root whose forward is never called (like a LightningModule's) around ``net``, and a
+    batch of 6 whose sample 2 holds a NaN."""
 
     class Wrapper(nn.Module):
         def __init__(self) -> None:
@@ -1139,9 +1137,18 @@ def test_a_part_called_from_user_code_takes_its_inputs_as_data() -> None:
             self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
 
     torch.manual_seed(0)
-    m = Wrapper()
     x = torch.randn(6, 4)
     x[2, 1] = math.nan
+    return Wrapper(), x
+
+
+def test_a_part_called_from_user_code_takes_its_inputs_as_data() -> None:
+    """The LightningModule pattern: the watched root's forward never runs, user code calls
+    ``model.net(x)``. That call's inputs come from outside every watched call, so a NaN in
+    them is bad data (NW401, with the sample), steps still begin after each backward, and
+    nothing is said about a compiled model."""
+
+    m, x = _wrapper_and_bad_batch()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with nanwatch.watch(m, on_anomaly="record") as nw:
@@ -1159,15 +1166,7 @@ def test_a_sampled_out_step_watches_the_parts_called_from_user_code_as_roots() -
     """With sample_every, a step between full steps watches only the roots' calls; when
     the root itself is never called, the parts called from user code stand for it."""
 
-    class Wrapper(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
-
-    torch.manual_seed(0)
-    m = Wrapper()
-    x = torch.randn(6, 4)
-    x[2, 1] = math.nan
+    m, x = _wrapper_and_bad_batch()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with nanwatch.watch(m, on_anomaly="record", sample_every=10) as nw:
