@@ -40,3 +40,47 @@ def register_optimizer_step_pre_hook(hook: Callable[..., None]) -> Any:
     except ImportError:
         return None
     return register(hook)
+
+
+def _make_fake_mode_active() -> Callable[[], bool]:
+    """Whether a FakeTensorMode is active on this thread (torch.compile, export, meta-device
+    initialisation): tensors hold no values then. One C call where torch keeps infra modes
+    by key (2.2 and later); before that, a look at the Python dispatch-mode stack."""
+    key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+    get_mode = getattr(torch._C, "_get_dispatch_mode", None)
+    if key is not None and get_mode is not None:
+        return lambda: get_mode(key) is not None
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def active() -> bool:
+        return any(type(m).__name__ == "FakeTensorMode" for m in _get_current_dispatch_mode_stack())
+
+    return active
+
+
+fake_mode_active: Callable[[], bool] = _make_fake_mode_active()
+
+
+def _make_aminmax() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``torch.aminmax`` itself where it takes every CPU float dtype; older torch (2.1) has
+    no CPU kernel for float16 (nor, in some builds, bfloat16): those tensors are read in
+    float32 there, which holds their values exactly."""
+    missing = set()
+    for dtype in (torch.float16, torch.bfloat16):
+        try:
+            torch.aminmax(torch.zeros(2, dtype=dtype))
+        except RuntimeError:
+            missing.add(dtype)
+    if not missing:
+        return torch.aminmax
+
+    def aminmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if t.dtype in missing and t.device.type == "cpu":
+            return torch.aminmax(t.float())
+        return torch.aminmax(t)
+
+    return aminmax
+
+
+#: one pass giving min and max (NaN propagates); see :func:`_make_aminmax`
+aminmax = _make_aminmax()

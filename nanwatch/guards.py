@@ -69,6 +69,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper
 
 from nanwatch import _frames, ops
+from nanwatch._compat import aminmax
 from nanwatch._compat import compiling as _compiling
 from nanwatch.errors import GuardError
 from nanwatch.stats import dtype_name
@@ -781,7 +782,7 @@ class _Probe:
         it has one (0-d device tensors still on their way, or floats already read), else
         one ``aminmax``."""
         known = self.known(t)
-        lo, hi = known if known is not None else torch.aminmax(t)
+        lo, hi = known if known is not None else aminmax(t)
         for key, v in ((f"{prefix}_min", lo), (f"{prefix}_max", hi)):
             if isinstance(v, torch.Tensor):
                 self.add(key, v)
@@ -978,7 +979,7 @@ def _input_stats(p: _Probe) -> None:
 def _target_stats(p: _Probe) -> None:
     t = p.target
     if t is not None and _readable(t) and t.dtype is not torch.bool:
-        mn, mx = torch.aminmax(t)
+        mn, mx = aminmax(t)
         p.add("target_min", mn)
         p.add("target_max", mx)
 
@@ -1072,7 +1073,7 @@ def _check_class(p: _Probe) -> None:
         p.count("ignored", ign)
         kept = torch.where(ign, lo, t)  # the labels of trained positions (ignored read as lo)
     # the range of the trained labels answers "any out of range?" without counting them
-    kmin, kmax = torch.aminmax(kept)
+    kmin, kmax = aminmax(kept)
     p.add("target_min", kmin)
     p.add("target_max", kmax)
     p.then(lambda v: _class_result(p, v, c=c, lo=lo, ignore=ignore, ign=ign, desc=desc))
@@ -1087,7 +1088,7 @@ def _class_evidence(p: _Probe, v: dict[str, float], *, cdim: int, ign: torch.Ten
     lo, hi = v.get("input_min", math.nan), v.get("input_max", math.nan)
     if lo >= 0.0 and hi <= 1.0:  # rows that are probabilities sum to 1
         acc = torch.float32 if x.element_size() < 4 else None
-        smin, smax = torch.aminmax(x.sum(dim=cdim, dtype=acc))
+        smin, smax = aminmax(x.sum(dim=cdim, dtype=acc))
         p.add("row_sum_min", smin)
         p.add("row_sum_max", smax)
     if ign is not None and v.get("ignored", 0.0) > 0:
@@ -1623,7 +1624,7 @@ def _check_index(p: _Probe) -> None:
     if not _readable(ids):
         return
     kept = ids if used is None else torch.where(used, ids, 0)
-    lo, hi = torch.aminmax(kept)
+    lo, hi = aminmax(kept)
     p.add("index_min", lo)
     p.add("index_max", hi)
     p.then(lambda v: _index_result(p, v, rows=rows, used=used))

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from nanwatch import _frames
-from nanwatch._compat import set_versions
+from nanwatch._compat import aminmax, set_versions
 from nanwatch._domains import Domain, domain_of
 from nanwatch.records import OpEvent, Phase, TensorStat
 from nanwatch.stats import brief, describe, device_name, dtype_name, has_values
@@ -105,7 +105,7 @@ def _kinds(t: torch.Tensor) -> frozenset[str]:
     with torch.no_grad():
         if v.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             v = v.float()
-        mn, mx = torch.aminmax(v)
+        mn, mx = aminmax(v)
         lo, hi = float(mn), float(mx)
         if math.isfinite(lo) and math.isfinite(hi):
             return frozenset()

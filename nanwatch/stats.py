@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanwatch._compat import aminmax
 from nanwatch.records import TensorStat
 
 _FLOAT8 = frozenset(
@@ -161,7 +162,7 @@ def minmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     v = _values(t.detach())  # detach, not a no_grad block: this runs for every record
     if v.numel() == 0:
         return None
-    mn, mx = torch.aminmax(v)
+    mn, mx = aminmax(v)
     return mn, mx
 
 
@@ -197,7 +198,7 @@ def read_minmax(t: torch.Tensor) -> tuple[float, float] | None:
         v = _values(t)
         if v.numel() == 0:
             return None
-        mn, mx = torch.aminmax(v)
+        mn, mx = aminmax(v)
         return float(mn), float(mx)
 
 
@@ -244,7 +245,7 @@ def describe(t: torch.Tensor, *, rows: bool = False, max_rows: int = 8) -> Tenso
         if nan_c:
             mn = mx = math.nan  # NaN propagates, as in the fused pass
         else:
-            mn, mx = (float(x) for x in torch.aminmax(v))
+            mn, mx = (float(x) for x in aminmax(v))
         bad_rows: tuple[int, ...] | None = None
         bad_count: int | None = None
         if flags is not None:
@@ -282,7 +283,7 @@ def brief(t: torch.Tensor) -> TensorStat | None:
         return describe(t)
     with torch.no_grad():
         v = t.to(torch.uint8) if t.dtype is torch.bool else t
-        mn, mx = torch.aminmax(v)
+        mn, mx = aminmax(v)
         return TensorStat(float(mn), float(mx), n)
 
 
@@ -295,8 +296,8 @@ def foreach_absmax(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     multi-tensor kernels (one launch per dtype/device group). On CPU, where the infinity
     norm reads a tensor about 7x slower than a fused min/max pass, tensors of more than
     ``_SMALL_INF`` values get an ``aminmax`` each and the many small ones (biases, norms'
-    weights) share one multi-tensor call: 400 tensors of 8 to 64 values take 1.3 ms so, against 4.7 ms with
-    an ``aminmax`` each."""
+    weights) share one multi-tensor call: 400 tensors of 8 to 64 values take 1.3 ms so,
+    against 4.7 ms with an ``aminmax`` each."""
     if not tensors:
         return []
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
@@ -336,7 +337,7 @@ def _absmax(t: torch.Tensor) -> torch.Tensor:
     v = _values(t) if (t.is_complex() or t.dtype in _FLOAT8 or t.layout is not torch.strided) else t
     if v.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=t.device)
-    mn, mx = torch.aminmax(v)
+    mn, mx = aminmax(v)
     return torch.maximum(-mn, mx)
 
 

@@ -36,7 +36,12 @@ import torch
 from torch import nn
 
 from nanwatch import _frames, ops
-from nanwatch._compat import compiling, register_optimizer_step_pre_hook
+from nanwatch._compat import (
+    aminmax,
+    compiling,
+    fake_mode_active,
+    register_optimizer_step_pre_hook,
+)
 from nanwatch._structure import iter_tensors
 from nanwatch.config import WatchConfig
 from nanwatch.errors import (
@@ -479,11 +484,14 @@ class Watcher:
             if self.global_hooks:
                 mm = torch.nn.modules.module
                 self._handles.append(mm.register_module_forward_pre_hook(self._global_pre))
-                self._handles.append(
-                    mm.register_module_forward_hook(
+                try:
+                    post = mm.register_module_forward_hook(
                         self._global_post, with_kwargs=True, always_call=True
                     )
-                )
+                except TypeError:  # torch < 2.2: no kwargs for global hooks (_global_post
+                    # then gets (module, args, output) and takes kwargs as empty)
+                    post = mm.register_module_forward_hook(self._global_post, always_call=True)
+                self._handles.append(post)
             for module, info in self._modules if not self.global_hooks else ():
                 if not (info.is_root or full_hooks):
                     continue
@@ -1089,7 +1097,7 @@ class Watcher:
             if n == 0 or t.is_meta:
                 return
             try:
-                a, b = torch.aminmax(t.detach())  # detach: cheaper than a no_grad block
+                a, b = aminmax(t.detach())  # detach: cheaper than a no_grad block
                 lo, hi = a.item(), b.item()
                 self._minmax[rec.index] = (lo, hi)
             except RuntimeError:
@@ -2314,13 +2322,10 @@ _LOSS_INFO.is_loss = True
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _compiling = compiling
-_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 
-
-def _tracing() -> bool:
-    """Under a FakeTensorMode (torch.compile, export, meta-device initialisation) tensors
-    hold no values: the hooks stay out of the way."""
-    return torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None
+#: Under a FakeTensorMode (torch.compile, export, meta-device initialisation) tensors hold
+#: no values: the hooks stay out of the way.
+_tracing = fake_mode_active
 
 
 def _feeds_only(node: Any, stop: ops.NodeMarks, depth: int) -> bool:

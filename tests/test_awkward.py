@@ -63,6 +63,8 @@ TENSOR_KINDS: dict[str, Callable[[torch.Tensor], Any]] = {
 
 @pytest.mark.parametrize("kind", list(TENSOR_KINDS))
 def test_every_tensor_kind_is_recorded_without_noise(kind: str) -> None:
+    if kind.startswith("float") and not hasattr(torch, kind):
+        pytest.skip(f"this torch has no {kind}")
     model = Emit(TENSOR_KINDS[kind])
     x = torch.randn(4, 4)
     with warnings.catch_warnings(record=True) as caught:

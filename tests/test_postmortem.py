@@ -33,6 +33,9 @@ from nanwatch.postmortem import atomic_write, classify, install_signal_handlers
 from nanwatch.render import render_text
 from nanwatch.report import Report
 
+#: torch.OutOfMemoryError came in 2.2; before it, only the CUDA one
+_OOM = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
 ROOT = Path(__file__).resolve().parent.parent
 _NAME = re.compile(r"^nanwatch-\d{8}-\d{6}-rank(\d+)-step(\d+)(-\d+)?\.(json|html)$")
 
@@ -101,7 +104,7 @@ def test_no_tensor_ops_does_catch_a_tensor_op() -> None:
     [
         (RuntimeError("CUDA error: device-side assert triggered"), "cuda-device-assert"),
         (RuntimeError("CUDA error: an illegal memory access was encountered"), "cuda-error"),
-        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "out-of-memory"),
+        (_OOM("CUDA out of memory. Tried to allocate 2.00 GiB"), "out-of-memory"),
         (
             RuntimeError(
                 "one of the variables needed for gradient computation has been modified "
@@ -162,7 +165,7 @@ def _index(model: nn.Module) -> None:
 
 def _oom(model: nn.Module) -> None:
     model(torch.randn(5, 4))
-    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    raise _OOM("CUDA out of memory. Tried to allocate 20.00 GiB")
 
 
 def _interrupt(model: nn.Module) -> None:
@@ -189,7 +192,7 @@ def math_nan() -> float:
         (_dtype, RuntimeError, "dtype-error", "same dtype"),
         (_device, RuntimeError, "device-mismatch", "not on the expected device"),
         (_index, IndexError, "index-out-of-range", "Target 255 is out of bounds"),
-        (_oom, torch.OutOfMemoryError, "out-of-memory", "out of memory"),
+        (_oom, _OOM, "out-of-memory", "out of memory"),
         (_interrupt, KeyboardInterrupt, "keyboard-interrupt", ""),
         (_other, ValueError, "other", "ran dry"),
         (_nan, AnomalyError, "anomaly", "NaN"),
