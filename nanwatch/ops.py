@@ -771,6 +771,9 @@ def _event(
         kept.update(domain_counts(dom, dict(inputs).get(dom.arg)))
     kept["evidence"] = why
     dtype, device = _node_meta(node)
+    if ref is None and not dtype:  # older torch (2.4) keeps no metadata on the node: the op's
+        # other operands (an empty mean's input) share its dtype
+        ref = next((t for _, t in (*other_inputs, *outputs) if isinstance(t, torch.Tensor)), None)
     if ref is not None:
         dtype, device = dtype_name(ref.dtype), device_name(ref.device)
     return OpEvent(
