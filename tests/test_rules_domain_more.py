@@ -777,6 +777,48 @@ def test_e2e_float32_loss_overflow_from_exploded_outputs_is_nw101_with_clipping(
     assert d.fix.startswith("torch.nn.utils.clip_grad_norm_") and "autocast" not in d.fix
 
 
+class RMSNorm(nn.Module):
+    """T5's norm: w * x * rsqrt(mean(x²) + eps). For |x| past sqrt(finfo.max) the mean of
+    squares is inf and rsqrt(inf) = 0: the forward stays finite. In backward, a large
+    gradient times a large w is inf, and inf times that 0 is NaN."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+@pytest.mark.parametrize("scale", [1e20, 1e3])
+def test_e2e_a_norm_whose_forward_hid_x_squared_overflow_is_nw101_in_backward(
+    scale: float,
+) -> None:
+    # what a runaway learning rate did to a T5 (lr 1e4): activations at 2.8e26, the final
+    # RMS norm's forward finite, its backward NaN; NW100 said only "non-finite value"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), RMSNorm(8), nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+
+    def step(i: int) -> None:
+        if i == 2:
+            with torch.no_grad():  # what a runaway learning rate leaves in the weights
+                for name, p in model.named_parameters():
+                    if name.endswith("weight"):
+                        p.mul_(scale)
+        model(x).pow(2).mean().backward()
+
+    d, t = run(model, step)
+    if scale < math.sqrt(torch.finfo(torch.float32).max):
+        assert d is None  # large but far from the range: nothing to say
+        return
+    assert d is not None and t is not None and t.step == 2
+    assert d.code == "NW101" and d.path == "1" and d.phase == "backward"
+    assert "born in the backward of 1" in text(d) and "inf × 0 = NaN" in text(d)
+    assert "past sqrt(3.4e+38)" in text(d) and "the values grew during training" in text(d)
+    assert d.fix.startswith("torch.nn.utils.clip_grad_norm_")
+
+
 def test_e2e_float32_exp_overflow_in_loss_code_is_named_by_its_op_not_by_magnitudes() -> None:
     # exp(100) overflows float32 although 100 is far below sqrt(max): the autograd graph
     # names the exp (its input is not kept: ExpBackward saves only the result), and the

@@ -206,7 +206,9 @@ def _first_step(ctx: RuleContext) -> bool:
     return not ctx.history and ctx.step == 0
 
 
-def _growth_line(ctx: RuleContext, a: Anomaly, name: str, big: float, lim: DtypeLimits) -> str:
+def _growth_line(
+    ctx: RuleContext, a: Anomaly, name: str, big: float, lim: DtypeLimits, *, noun: str = "inputs"
+) -> str:
     """For float32/float64: the values themselves exploded; say when."""
     if name in EXP_LIKE and math.isfinite(big):
         what = f"exp's argument reached {fmt(big)} (e^{fmt(big)} ≈ 1e{int(big / math.log(10))})"
@@ -215,9 +217,9 @@ def _growth_line(ctx: RuleContext, a: Anomaly, name: str, big: float, lim: Dtype
     else:
         frac = big / lim.max if math.isfinite(big) else math.nan
         what = (
-            f"inputs already at {fmt(big)} ({frac:.0%} of the {lim.name} limit)"
+            f"{noun} already at {fmt(big)} ({frac:.0%} of the {lim.name} limit)"
             if math.isfinite(frac) and frac >= 0.01
-            else f"inputs up to {fmt(big)}"
+            else f"{noun} up to {fmt(big)}"
         )
     when = (
         "at step 0, before any optimizer update: the initial weights or the inputs put it "
@@ -238,30 +240,59 @@ def _inputs_of_record(trace: StepTrace, rec: Record) -> list[Record]:
     return [m for m in resolved if m.stat is not None]
 
 
+def _forward_values_of(trace: StepTrace, path: str) -> list[Record]:
+    """The measured inputs and outputs of every forward call of the module at ``path``:
+    what its backward multiplies the incoming gradient by."""
+    calls = {c.id for c in trace.calls if c.path == path}
+    out = []
+    for r in trace.records:
+        if r.call in calls and r.phase in (Phase.INPUT, Phase.FORWARD):
+            m = trace.resolve(r)
+            if m.stat is not None:
+                out.append(m)
+    return out
+
+
 def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
-    """float32/float64, no op recorded: an inf made from finite inputs so large that a
-    product of two of them passes the dtype's range (|x| >= sqrt(finfo.max)) -- values that
-    exploded; smaller inputs leave the cause to the op (forensic mode)."""
+    """float32/float64, no op recorded: a NaN or inf made from finite values so large that
+    a product of two of them passes the dtype's range (|x| >= sqrt(finfo.max)) -- values
+    that exploded; smaller values leave the cause to the op (forensic mode). In forward the
+    values are the call's inputs; in backward, what the module's forward took and gave,
+    which its backward multiplies by (a norm's forward can hide x² = inf as rsqrt(inf) = 0;
+    its backward makes inf × 0 = NaN)."""
     rec = a.record
-    lim = limits(rec.dtype)
     s = rec.stat
-    if lim is None or lim.low_precision or s is None or s.has_nan:
+    if s is None or s.finite:
         return
-    if not (s.has_posinf or s.has_neginf) or a.kind is not AnomalyKind.FORWARD:
+    if a.kind is AnomalyKind.FORWARD:
+        values = _inputs_of_record(ctx.trace, rec)
+    elif a.kind is AnomalyKind.BACKWARD:
+        values = _forward_values_of(ctx.trace, a.path)
+    else:
         return
-    inputs = _inputs_of_record(ctx.trace, rec)
-    if not inputs or any(r.stat is None or not r.stat.finite for r in inputs):
+    if not values or any(r.stat is None or not r.stat.finite for r in values):
         return
-    top = max(inputs, key=lambda r: r.stat.magnitude if r.stat is not None else -1.0)
+    top = max(values, key=lambda r: r.stat.magnitude if r.stat is not None else -1.0)
     big = top.stat.magnitude if top.stat is not None else math.nan
-    if not big >= math.sqrt(lim.max):
+    lim = limits(top.dtype) or limits(rec.dtype)
+    if lim is None or lim.low_precision or not big >= math.sqrt(lim.max):
         return
-    evidence = [
-        f"{rec.where} holds {s.kinds()} in {rec.dtype}, made from finite inputs up to "
-        f"|x| = {fmt(big)} (the {top.role} of {top.path}): past sqrt({fmt(lim.max)}) = "
-        f"{fmt(math.sqrt(lim.max))}, the product or square of two such values is inf",
-        _growth_line(ctx, a, "", big, lim),
-    ]
+    square = f"past sqrt({fmt(lim.max)}) = {fmt(math.sqrt(lim.max))}, the product or square "
+    if a.kind is AnomalyKind.FORWARD:
+        first = (
+            f"{rec.where} holds {s.kinds()} in {rec.dtype}, made from finite inputs up to "
+            f"|x| = {fmt(big)} (the {top.role} of {top.path}): {square}of two such values "
+            "is inf"
+        )
+    else:
+        first = (
+            f"{rec.where} holds {s.kinds()}, born in the backward of {a.path}, whose "
+            f"forward took and gave finite values up to |x| = {fmt(big)} (its {top.role}, "
+            f"{top.dtype}): {square}of two such values is inf, which a forward can hide "
+            "(rsqrt(inf) = 0) and its backward cannot (inf × 0 = NaN)"
+        )
+    noun = "inputs" if a.kind is AnomalyKind.FORWARD else "values"
+    evidence = [first, _growth_line(ctx, a, "", big, lim, noun=noun)]
     exploded = next(
         (t.step for t in ctx.history for d in t.diagnoses if getattr(d, "code", "") == "NW303"),
         None,
@@ -271,11 +302,11 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
-        explanation=_explain_wide("other", rec.dtype, lim, top.stat, big, recurrent=False),
+        explanation=_explain_wide("other", top.dtype, lim, top.stat, big, recurrent=False),
         fix=_fix_wide(
             "other",
             "",
-            rec.dtype,
+            top.dtype,
             lim,
             None,
             recurrent=False,
