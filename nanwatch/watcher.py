@@ -582,8 +582,10 @@ class Watcher:
         ``on_anomaly``. Returns the finished step.
 
         Call it once per training step, after ``optimizer.step()``. Without it, each call of
-        the first watched module after a backward starts a new step (and, with gradients
-        disabled, each call does): several forwards before one backward are one step.
+        the first watched module after a backward and an update (an optimizer step, changed
+        weights, or gradients reset by ``zero_grad``) starts a new step, and with gradients
+        disabled each call does: several forwards before one backward, and the
+        micro-batches of gradient accumulation, are one step.
         ``loss``, when given, is recorded for the timeline (functional losses are not seen by
         module hooks)."""
         self._explicit = True
@@ -990,6 +992,7 @@ class Watcher:
         self._backward_seen = False
         self._eob_queued = False
         self._grads_checked = False
+        self._after_backward: tuple[int, ...] | None = None
         self._user_loss = None
         self._grad_scale = None
         self._begun = False
@@ -1134,6 +1137,7 @@ class Watcher:
         ):
             return
         try:
+            self._after_backward = None  # an update: the next forward begins a step
             groups: list[dict[str, Any]] = []
             for g in getattr(optimizer, "param_groups", ()):
                 ps = [p for p in g.get("params", ()) if id(p) in self._param_ids]
@@ -1397,6 +1401,7 @@ class Watcher:
         try:
             with _NO_TORCH_FUNCTION():
                 self._check_grads()
+                self._after_backward = self._update_marks()
             if self._new_trigger is not None:
                 self._handle_trigger(None)
         except NanwatchError:
@@ -1726,17 +1731,35 @@ class Watcher:
     # ------------------------------------------------------------------ steps
     def _maybe_begin_step(self) -> None:
         """Called when the first root is called from outside any watched call: begins a
-        new step after a backward (or on every call when gradients are disabled), unless
-        steps are explicit."""
+        new step after a backward and an update (or on every call when gradients are
+        disabled), unless steps are explicit."""
         if self._stack:
             return  # the root calling itself, or called from inside another watched module
         if (
             self._begun
             and not self._explicit
             and (self._backward_seen or not torch.is_grad_enabled())
+            and not (torch.is_grad_enabled() and self._accumulating())
         ):
             self._boundary()
         self._begun = True
+
+    def _update_marks(self) -> tuple[int, ...]:
+        """What an optimizer update or a ``zero_grad`` changes: each watched weight's
+        version, and its gradient's identity and version. Nothing reads a tensor."""
+        out: list[int] = []
+        for _, _, p in self._params:
+            g = p.grad
+            out += (p._version, -1, -1) if g is None else (p._version, id(g), g._version)
+        return tuple(out)
+
+    def _accumulating(self) -> bool:
+        """Since the last backward ended, no weight was updated and no gradient reset: the
+        loop accumulates gradients over micro-batches, and this forward is the same step
+        (without it, an accumulating loop that never calls ``nw.step()``, or its first
+        step before the first call, counted each micro-batch as a step)."""
+        marks = self._after_backward
+        return marks is not None and bool(marks) and marks == self._update_marks()
 
     def _boundary(self, *, final: bool = False) -> StepTrace:
         trace = self._trace

@@ -230,6 +230,7 @@ def test_overlapping_watchers_on_one_model() -> None:
     a = nanwatch.watch(model, postmortem=False).attach()
     b = nanwatch.watch(model, postmortem=False).attach()
     model(torch.randn(2, 3)).sum().backward()
+    model.zero_grad()  # the update: B, which has not called step() yet, begins a new step
     a.step()
     a.detach()  # A goes first although it came first: B keeps watching
     model(torch.randn(2, 3)).sum().backward()

@@ -240,19 +240,72 @@ def test_functional_loss_can_be_given_to_step() -> None:
 # ---------------------------------------------------------------- steps
 def test_without_step_a_call_after_backward_begins_a_step() -> None:
     model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanwatch.watch(model) as nw:
         for _ in range(3):
             model(torch.randn(2, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert [t.step for t in nw.history] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_the_micro_batches_of_gradient_accumulation_are_one_step(explicit: bool) -> None:
+    """Four micro-batches a step, each forward after a backward: with no update or
+    gradient reset between them they are one step, from the first step on (before, each
+    micro-batch of the first step, or of every step without nw.step(), was a step, and a
+    NaN in step 2 was reported in step 5)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        for step in range(4):
+            for micro in range(4):
+                x = torch.randn(8, 8)
+                if (step, micro) == (2, 2):
+                    x[5, 3] = math.nan
+                model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if explicit:
+                nw.step()
+    assert [t.step for t in nw.history] == [0, 1, 2, 3]
+    assert sum(1 for c in nw.history[0].calls if c.path == "Sequential") == 4
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.INPUT and a.step == 2
+
+
+def test_an_update_only_the_optimizer_hook_sees_begins_a_step() -> None:
+    """A fused optimizer bumps no weight version; without zero_grad, its step still ends
+    the step (the global optimizer hook), so the gradients it left are not accumulation."""
+    model = nn.Linear(3, 1)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    except (RuntimeError, TypeError):
+        pytest.skip("this torch has no fused AdamW on the CPU")
+    w = model.weight._version
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert model.weight._version == w  # the update is invisible to version counters
+    with nanwatch.watch(model) as nw:
+        for _ in range(3):
+            model(torch.randn(2, 3)).sum().backward()
+            opt.step()  # the gradients stay: only the optimizer hook tells
     assert [t.step for t in nw.history] == [0, 1, 2]
 
 
 def test_two_forwards_before_one_backward_are_one_step() -> None:
     model = nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with nanwatch.watch(model) as nw:
         for _ in range(2):
             a = model(torch.randn(2, 3))
             b = model(torch.randn(2, 3))
             (a - b).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
     assert len(nw.history) == 2
     assert sum(1 for c in nw.history[0].calls if c.path == "Linear") == 2
     assert [c.path for c in nw.history[0].calls if c.root][-1] == "(loss)"  # the functional loss
@@ -756,6 +809,7 @@ def test_watch_all_discovers_modules_as_they_are_called() -> None:
         model, criterion = zoo.Deep(), nn.MSELoss()  # created after attach
         for _ in range(2):
             criterion(model(torch.randn(2, 4)), torch.randn(2, 4)).backward()
+            model.zero_grad()
         late = nn.Sequential(nn.Identity(), _Div())
         late(torch.tensor([[1.0, 2.0]]))  # 1 / 0: +inf
     assert nw.module_paths[:3] == ["Deep", "encoder", "encoder.layers"]
@@ -1154,6 +1208,7 @@ def test_a_part_called_from_user_code_takes_its_inputs_as_data() -> None:
         with nanwatch.watch(m, on_anomaly="record") as nw:
             for i in range(3):
                 m.net(x if i == 2 else torch.randn(6, 4)).mean().backward()
+                m.zero_grad()
     assert [str(w.message) for w in caught] == []
     assert [t.step for t in nw.history] == [0, 1, 2]
     a = nw.first_anomaly
