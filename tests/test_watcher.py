@@ -275,6 +275,20 @@ def test_the_micro_batches_of_gradient_accumulation_are_one_step(explicit: bool)
     assert a is not None and a.kind is AnomalyKind.INPUT and a.step == 2
 
 
+def test_a_frozen_model_steps_at_each_backward_when_its_input_is_optimized() -> None:
+    """An adversarial input or a style-transfer image updated by hand through a frozen
+    model: no weight gets a gradient, nothing accumulates, each forward after a backward is
+    a step."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).requires_grad_(False)
+    x = torch.randn(2, 3, requires_grad=True)
+    with nanwatch.watch(model) as nw:
+        for _ in range(3):
+            model(x).sum().backward()
+            with torch.no_grad():
+                x += 0.1 * x.grad.sign()  # type: ignore[union-attr]
+    assert [t.step for t in nw.history] == [0, 1, 2]
+
+
 def test_an_update_only_the_optimizer_hook_sees_begins_a_step() -> None:
     """A fused optimizer bumps no weight version; without zero_grad, its step still ends
     the step (the global optimizer hook), so the gradients it left are not accumulation."""
