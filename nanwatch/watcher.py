@@ -1401,10 +1401,11 @@ class Watcher:
         try:
             with _NO_TORCH_FUNCTION():
                 self._check_grads()
-                # no weight got a gradient (a frozen model, an input being optimized):
-                # nothing accumulates, and each forward after a backward is a step
-                grads = any(p.grad is not None for _, _, p in self._params)
-                self._after_backward = self._update_marks() if grads else None
+                if not self._explicit:  # only the automatic step rule reads the marks
+                    # no weight got a gradient (a frozen model, an input being optimized):
+                    # nothing accumulates, and each forward after a backward is a step
+                    grads = any(p.grad is not None for _, _, p in self._params)
+                    self._after_backward = self._update_marks() if grads else None
             if self._new_trigger is not None:
                 self._handle_trigger(None)
         except NanwatchError:
