@@ -459,7 +459,8 @@ class GraphWalk:
             stack.extend(n for n, _ in node.next_functions)
 
 
-def _accumulate_grad(node: Any) -> bool:
+def accumulates_grad(node: Any) -> bool:
+    """The node that writes a leaf's ``.grad`` (the graph's end at a weight or input)."""
     return type(node).__name__ == "AccumulateGrad"
 
 
@@ -469,7 +470,7 @@ def stamp_graph(outputs: Sequence[torch.Tensor], path: str) -> None:
     (children complete before parents, so each node gets its innermost module)."""
     roots = [t.grad_fn for t in outputs]
     for node in GraphWalk(
-        roots, prune=lambda n: "nanwatch.path" in n.metadata or _accumulate_grad(n)
+        roots, prune=lambda n: "nanwatch.path" in n.metadata or accumulates_grad(n)
     ):
         node.metadata["nanwatch.path"] = path
 
@@ -1026,7 +1027,7 @@ def graph_evidence(
     order.extend(
         GraphWalk(
             [fn],
-            prune=lambda n: (stop is not None and stop(n)) or _accumulate_grad(n),
+            prune=lambda n: (stop is not None and stop(n)) or accumulates_grad(n),
             limit=limit,
         )
     )

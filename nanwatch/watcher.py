@@ -1330,7 +1330,7 @@ class Watcher:
             return False
         recorded = self._recorded_nodes
         for nxt, _ in fn.next_functions:
-            if nxt is None or nxt in recorded or type(nxt).__name__ == "AccumulateGrad":
+            if nxt is None or nxt in recorded or ops.accumulates_grad(nxt):
                 continue
             if depth > 0 and self._safe_node(nxt, depth - 1):
                 continue
@@ -1402,10 +1402,11 @@ class Watcher:
             with _NO_TORCH_FUNCTION():
                 self._check_grads()
                 if not self._explicit:  # only the automatic step rule reads the marks
+                    marks = self._update_marks()
                     # no weight got a gradient (a frozen model, an input being optimized):
                     # nothing accumulates, and each forward after a backward is a step
-                    grads = any(p.grad is not None for _, _, p in self._params)
-                    self._after_backward = self._update_marks() if grads else None
+                    grads = any(g != -1 for g in marks[1::3])
+                    self._after_backward = marks if grads else None
             if self._new_trigger is not None:
                 self._handle_trigger(None)
         except NanwatchError:
@@ -1466,7 +1467,7 @@ class Watcher:
         last: list[str] = []
         walk = ops.GraphWalk(
             [loss.grad_fn],
-            prune=lambda n: n in stop or type(n).__name__ == "AccumulateGrad",
+            prune=lambda n: n in stop or ops.accumulates_grad(n),
             limit=_LOSS_NODES,
         )
         for node in walk:
@@ -1763,7 +1764,7 @@ class Watcher:
         (without it, an accumulating loop that never calls ``nw.step()``, or its first
         step before the first call, counted each micro-batch as a step)."""
         marks = self._after_backward
-        return marks is not None and bool(marks) and marks == self._update_marks()
+        return marks is not None and marks == self._update_marks()
 
     def _boundary(self, *, final: bool = False) -> StepTrace:
         trace = self._trace
