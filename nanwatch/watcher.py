@@ -583,7 +583,8 @@ class Watcher:
 
         Call it once per training step, after ``optimizer.step()``. Without it, each call of
         the first watched module after a backward and an update (an optimizer step, changed
-        weights, or gradients reset by ``zero_grad``) starts a new step, and with gradients
+        weights, gradients reset by ``zero_grad``, or a GradScaler update that skipped the
+        optimizer step) starts a new step, and with gradients
         disabled each call does: several forwards before one backward, and the
         micro-batches of gradient accumulation, are one step.
         ``loss``, when given, is recorded for the timeline (functional losses are not seen by
@@ -1405,7 +1406,7 @@ class Watcher:
                     marks = self._update_marks()
                     # no weight got a gradient (a frozen model, an input being optimized):
                     # nothing accumulates, and each forward after a backward is a step
-                    grads = any(g != -1 for g in marks[1::3])
+                    grads = any(g != -1 for g in marks[1 : 3 * len(self._params) : 3])
                     self._after_backward = marks if grads else None
             if self._new_trigger is not None:
                 self._handle_trigger(None)
@@ -1751,11 +1752,19 @@ class Watcher:
 
     def _update_marks(self) -> tuple[int, ...]:
         """What an optimizer update or a ``zero_grad`` changes: each watched weight's
-        version, and its gradient's identity and version. Nothing reads a tensor."""
+        version, and its gradient's identity and version; then the versions of the
+        GradScaler's scale and growth tracker, which ``scaler.update()`` changes in place
+        even when it skipped the optimizer step (no weight, no optimizer hook and, with
+        ``zero_grad`` called before ``backward``, no gradient shows that update). Nothing
+        reads a tensor."""
         out: list[int] = []
         for _, _, p in self._params:
             g = p.grad
             out += (p._version, -1, -1) if g is None else (p._version, id(g), g._version)
+        scaler = self.scaler
+        for name in ("_scale", "_growth_tracker"):
+            t = getattr(scaler, name, None)
+            out.append(t._version if isinstance(t, torch.Tensor) else -1)
         return tuple(out)
 
     def _accumulating(self) -> bool:

@@ -1019,6 +1019,29 @@ def test_a_grad_scaler_nobody_passed_is_found_and_its_skipped_steps_are_not_anom
     assert all(p.isfinite().all() for p in model.parameters())
 
 
+def test_a_step_the_grad_scaler_skipped_is_a_step_without_nw_step() -> None:
+    """zero_grad before backward, and a scale whose float16 gradients overflow: the scaler
+    skips every optimizer step, so no weight, optimizer hook or gradient shows an update;
+    scaler.update() lowering the scale does (before, the five steps were one)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    before = [p.detach().clone() for p in model.parameters()]
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        for _ in range(5):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 8)).float().pow(2).mean()
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    skipped = zip(before, model.parameters(), strict=True)
+    assert all(torch.equal(a, p) for a, p in skipped)  # the scaler skipped every step
+    assert [t.step for t in nw.history] == [0, 1, 2, 3, 4]
+    assert nw.first_anomaly is None
+
+
 def test_an_explicit_scaler_wins_and_the_scale_tap_is_removed_with_the_last_watcher() -> None:
     from nanwatch.watcher import _grad_scaler_classes
 
