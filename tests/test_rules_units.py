@@ -875,6 +875,28 @@ def test_steady_gradients_and_short_histories_do_not_explode() -> None:
     assert "NW303" not in Case(model_step(2, grad=60.0), hist[:2]).codes()
 
 
+def test_a_gradient_lost_in_the_rounding_of_the_total_norm_does_not_explode() -> None:
+    """A conv bias before a BatchNorm has a true gradient of 0: what backward computes is
+    rounding noise, and noise that is 12x its median is not an explosion. A gradient whose
+    square is below float32's eps times the squared total is left out; one just above it
+    still counts."""
+
+    def step(i: int, bias: float) -> StepTrace:
+        b = TraceBuilder(i)
+        net = b.call("Net", root=True)
+        b.input(net, stat(-1.0, 1.0))
+        b.forward(net, stat(-1.0, 1.0))
+        b.gradient("c1", "c1.weight", 1.0)
+        b.gradient("c1", "c1.bias", bias)
+        return b.build(grad_norm=math.hypot(1.0, bias))
+
+    hist = history(6, lambda i: step(i, 7.6e-10))
+    assert "NW303" not in Case(step(6, 9.3e-09), hist).codes()  # floor: sqrt(eps) = 3.5e-4
+    hist = history(6, lambda i: step(i, 1e-4))
+    d = Case(step(6, 1e-3), hist).get("NW303")
+    assert d.parameter == "c1.bias"
+
+
 def test_vanishing_float16_gradients_suggest_a_grad_scaler() -> None:
     d = case_vanishing().get("NW304")
     assert "GradScaler" in d.fix and "underflow" in d.explanation

@@ -337,6 +337,22 @@ def _grad_summary(trace: StepTrace) -> _GradSummary:
     return _GradSummary(trace.grad_norm, params, modules)
 
 
+#: float32's machine epsilon: the norms are summed in float32 or wider
+_EPS32 = torch.finfo(torch.float32).eps
+
+
+def _above_rounding(cur: _GradSummary) -> dict[str, float]:
+    """The parameters whose gradient counts in the step's total norm: a norm ``g`` with
+    ``g**2 < eps * total**2`` is lost in the rounding of the squared total that clipping
+    measures. Such a gradient is numerical noise (a conv bias before a BatchNorm, whose
+    true gradient is 0), and ten times noise is still noise, not an explosion."""
+    total = cur.total
+    if total is None or not math.isfinite(total) or total <= 0:
+        return cur.params
+    floor = _EPS32 * total * total
+    return {k: v for k, v in cur.params.items() if v * v >= floor}
+
+
 def _times(ratio: float) -> str:
     return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
 
@@ -401,7 +417,7 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"previous {len(totals)} steps {fmt(med)} ({_times(cur.total / med)})"
             )
     mods = _spikes(ctx, "modules", cur.modules, factor, need)
-    params = _spikes(ctx, "params", cur.params, factor, need)
+    params = _spikes(ctx, "params", _above_rounding(cur), factor, need)
     if not total_spike and not mods and not params:
         return
     for ratio, key, v, med in params[:3]:
