@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from nanwatch import _frames, ops
+from nanwatch import _copies, _frames, ops
 from nanwatch._compat import (
     aminmax,
     compiling,
@@ -514,6 +514,7 @@ class Watcher:
                 if self.config.functional_guards:
                     self._functional_guards = guards.FunctionalGuards(self)
                     self._functional_guards.__enter__()
+            _copies.hide(h.id for h in self._handles)  # a copy or pickle of a model: no hooks
             if self.config.postmortem:
                 from nanwatch import postmortem
 
@@ -964,6 +965,7 @@ class Watcher:
             handles = guards.attach(self, added)
             if handles:
                 self._handles.extend(handles)
+                _copies.hide(h.id for h in handles)
                 # this call's pre-hooks were chosen before these existed: run them now
                 first = found[0][0]
                 for h in handles:
@@ -2148,6 +2150,7 @@ class Watcher:
                 fg.__exit__(None, None, None)
         for h in self._handles:
             h.remove()
+        _copies.unhide(h.id for h in self._handles)
         self._handles = []
         for h in self._tensor_handles:
             h.remove()

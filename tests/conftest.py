@@ -66,6 +66,7 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     scale_before = {cls: vars(cls)["scale"] for cls in _grad_scaler_classes()}
     functional_before = dict(vars(torch.nn.functional))
     optim_before = {name: dict(getattr(optim_mod, name)) for name in _OPTIM_DICTS}
+    getstate_before = vars(torch.nn.Module).get("__getstate__")
     yield
     leaked = []
     for h in ours:
@@ -81,6 +82,8 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     assert torch.autograd.backward is backward_before, "torch.autograd.backward left wrapped"
     scale_after = {cls: vars(cls)["scale"] for cls in scale_before}
     assert scale_after == scale_before, "GradScaler.scale left wrapped"
+    getstate_after = vars(torch.nn.Module).get("__getstate__")
+    assert getstate_after is getstate_before, "nn.Module.__getstate__ left wrapped"
     changed = [k for k, v in vars(torch.nn.functional).items() if functional_before.get(k) is not v]
     assert not changed, f"torch.nn.functional left changed: {changed[:5]}"
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack

@@ -413,3 +413,50 @@ def test_a_replay_leaves_the_buffers_backward_needs_as_they_were(mode: str) -> N
     assert a is not None and a.path == "0" and a.op is not None and "div" in a.op.op
     assert torch.equal(model[0].ema, torch.ones(3))  # one real forward, not two
     assert model[0].fc.weight.grad is not None
+
+
+def _users_hook(module: nn.Module, args: Any, output: Any) -> None:
+    """A user's own forward hook: a module-level function, so a pickle can keep it."""
+
+
+def _hook_ids(model: nn.Module) -> set[int]:
+    names = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+    return {k for m in model.modules() for n in names for k in getattr(m, n)}
+
+
+def test_a_copy_or_pickle_of_a_watched_model_carries_none_of_nanwatchs_hooks() -> None:
+    """An EMA/teacher made with deepcopy, and torch.save(model), inside the block: pickling
+    failed on the hooks (closures), and a deep copy kept them, so its calls were recorded as
+    the watched model's (and a NaN only the copy had was blamed on the model) long after the
+    block. The user's own hook goes with the copy; the live model keeps nanwatch's."""
+    import copy
+    import io
+    import pickle
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    criterion = nn.CrossEntropyLoss()  # guarded: a guard's hooks too
+    user = model[0].register_forward_hook(_users_hook)
+    try:
+        with nanwatch.watch(model, criterion, postmortem=False) as nw:
+            ours = _hook_ids(model) - {user.id}
+            assert ours
+            ema = copy.deepcopy(model)
+            assert _hook_ids(ema) == {user.id}
+            assert not _hook_ids(copy.deepcopy(criterion))
+            data = pickle.dumps(model)
+            assert b"nanwatch" not in data  # loading needs no nanwatch
+            assert _hook_ids(pickle.loads(data)) == {user.id}
+            torch.save(model, io.BytesIO())
+            assert _hook_ids(model) - {user.id} == ours  # the live model is still watched
+            before = len(nw.trace.calls)
+            with torch.no_grad():
+                ema[0].weight[0, 0] = float("nan")
+                teacher = ema(torch.randn(3, 4)).nan_to_num()
+            assert len(nw.trace.calls) == before  # the copy's calls are not the model's
+            loss = criterion(model(torch.randn(3, 4)) + teacher, torch.tensor([0, 1, 0]))
+            loss.backward()
+            assert len(nw.trace.calls) > before
+            nw.step()
+        assert nw.first_anomaly is None
+    finally:
+        user.remove()

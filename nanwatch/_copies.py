@@ -1,0 +1,88 @@
+"""Copies of a watched model carry none of nanwatch's hooks.
+
+``copy.deepcopy(model)`` (an EMA or teacher model), ``torch.save(model)`` and
+``pickle.dumps(model)`` all take a module's state from ``nn.Module.__getstate__``, which
+returns its ``__dict__``: its hook dictionaries included. Without this, pickling a watched
+model failed (the hooks are closures), and a deep copy kept hooks that recorded the copy's
+calls as the watched model's, after the watcher was detached too.
+
+While nanwatch owns at least one module hook, ``nn.Module.__getstate__`` is wrapped so the
+state it returns leaves those hooks out (new dictionaries: the live module keeps its hooks).
+The copy and the saved file hold plain ``OrderedDict``s of the user's own hooks: loading
+needs no nanwatch. The wrapper goes with the last hook. A class with a ``__getstate__`` of
+its own that does not call ``super()`` is not covered.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["hide", "unhide"]
+
+#: the module hook dictionaries (id -> hook) and the id-keyed flags that go with them
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_FLAG_DICTS = (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+_ids: set[int] = set()
+_lock = threading.Lock()
+#: what ``nn.Module`` had as its own ``__getstate__`` before the wrapper (None: nothing)
+_original: list[Callable[..., Any] | None] = []
+
+
+def _strip(state: dict[str, Any]) -> dict[str, Any]:
+    ids = _ids
+    found = False
+    for name in _HOOK_DICTS:
+        d = state.get(name)
+        if d and not ids.isdisjoint(d):
+            state[name] = OrderedDict((k, v) for k, v in d.items() if k not in ids)
+            found = True
+    if found:
+        for name in _FLAG_DICTS:
+            d = state.get(name)
+            if d and not ids.isdisjoint(d):
+                state[name] = OrderedDict((k, v) for k, v in d.items() if k not in ids)
+    return state
+
+
+def _getstate(self: nn.Module) -> Any:
+    original = _original[0] if _original else None
+    state = original(self) if original is not None else self.__dict__.copy()
+    if not isinstance(state, dict):
+        return state
+    return _strip(state.copy() if state is self.__dict__ else state)
+
+
+_getstate._nanwatch_tap = True  # type: ignore[attr-defined]
+
+
+def hide(ids: Iterable[int]) -> None:
+    """Leave the hooks with these handle ids out of every module's pickled or copied state."""
+    with _lock:
+        _ids.update(ids)
+        if _ids and not _original:
+            _original.append(vars(nn.Module).get("__getstate__"))
+            nn.Module.__getstate__ = _getstate  # type: ignore[method-assign]
+
+
+def unhide(ids: Iterable[int]) -> None:
+    """The hooks with these ids were removed; the wrapper goes with the last one."""
+    with _lock:
+        _ids.difference_update(ids)
+        if _ids or not _original:
+            return
+        original = _original.pop()
+        if getattr(vars(nn.Module).get("__getstate__"), "_nanwatch_tap", False):
+            if original is None:
+                del nn.Module.__getstate__
+            else:
+                nn.Module.__getstate__ = original  # type: ignore[method-assign]
