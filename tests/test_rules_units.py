@@ -897,6 +897,22 @@ def test_a_gradient_lost_in_the_rounding_of_the_total_norm_does_not_explode() ->
     assert d.parameter == "c1.bias"
 
 
+@pytest.mark.parametrize(("dtype", "exact"), [("float32", False), ("float16", True)])
+def test_a_gradient_norm_of_0_is_said_exactly(dtype: str, exact: bool) -> None:
+    """Gradients of 1e-25 square to 0 in a float32 norm: "every gradient exactly 0" was
+    wrong there. Only the norm is known, so the evidence gives the bound; a float16 value
+    squared in float32 cannot underflow, so there a norm of 0 is exact."""
+
+    def step(i: int) -> StepTrace:
+        return model_step(i, dtype=dtype, grad=0.0, grad_out=(-1e-25, 1e-25))
+
+    d = Case(step(5), history(5, step)).get("NW304")
+    assert ("exactly 0" in d.evidence[0]) is exact
+    if not exact:
+        assert "gradient norm 0 for the last 5 steps" in d.evidence[0]
+        assert "below 2.65e-23" in d.evidence[0] and "exactly" not in d.explanation
+
+
 def test_vanishing_float16_gradients_suggest_a_grad_scaler() -> None:
     d = case_vanishing().get("NW304")
     assert "GradScaler" in d.fix and "underflow" in d.explanation

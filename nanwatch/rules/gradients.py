@@ -453,12 +453,15 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
 # ---------------------------------------------------------------------- NW304
 
 
-def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str]]:
+def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], set[str]]:
     """Modules whose every output gradient was exactly zero this step, modules whose every
-    parameter gradient was exactly zero, and each module's gradient dtype."""
+    parameter gradient was zero, each module's gradient dtype, and the modules of the
+    second kind known to be zero only by a norm of 0 (the squares of values below
+    :func:`_norm_floor` underflow: zero or tiny)."""
     seen: dict[str, bool] = {}
     pseen: dict[str, bool] = {}
     dtypes: dict[str, str] = {}
+    by_norm: set[str] = set()
     called = {r.path for r in trace.records if r.phase is Phase.FORWARD}
     for r in trace.records:
         s = r.stat
@@ -472,19 +475,40 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str]]:
             zero = s.norm == 0.0 if s.norm is not None else (s.min == 0.0 and s.max == 0.0)
             pseen[r.path] = pseen.get(r.path, True) and zero
             dtypes.setdefault(r.path, r.dtype)
+            if s.norm is not None:
+                by_norm.add(r.path)
     return (
         {p for p, z in seen.items() if z},
         {p for p, z in pseen.items() if z},
         dtypes,
+        by_norm,
     )
+
+
+def _tiniest(dtype: str) -> float:
+    """The smallest positive value of ``dtype`` (a subnormal); 0 when unknown."""
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        return 0.0
+    info = torch.finfo(dt)
+    return info.smallest_normal * info.eps
+
+
+def _norm_floor(dtype: str) -> float:
+    """Below this, a value's square rounds to 0 where a gradient norm is summed (float32,
+    or float64 for float64 gradients): a norm of 0 says every value is at most this."""
+    wide = torch.float64 if dtype == "float64" else torch.float32
+    info = torch.finfo(wide)  # half the smallest subnormal, smallest_normal * eps / 2
+    return math.sqrt(info.smallest_normal) * math.sqrt(info.eps / 2)
 
 
 @rule(
     "NW304",
-    title="Vanishing gradients: exactly zero for many steps",
+    title="Vanishing gradients: zero for many steps",
     severity="warning",
     summary=(
-        "A module's gradients are all exactly 0 for thresholds.vanish_steps steps in a row; "
+        "A module's gradients are all 0 (or too small for a float32 norm) for "
+        "thresholds.vanish_steps steps in a row; "
         "in float16 that is underflow (use a GradScaler), otherwise dead units."
     ),
     early=True,
@@ -494,12 +518,12 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     need = ctx.thresholds.vanish_steps
     if len(ctx.history) < need - 1:
         return
-    out_now, par_now, dtypes = ctx.memo(ctx.trace, "zero_grads", _zero_grads)
+    out_now, par_now, dtypes, by_norm = ctx.memo(ctx.trace, "zero_grads", _zero_grads)
     now = out_now | par_now
     if not now:
         return
     past = [ctx.memo(t, "zero_grads", _zero_grads) for t in ctx.history][-(need - 1) :]
-    dead = [p for p in now if all(p in o or p in q for o, q, _ in past)]
+    dead = [p for p in now if all(p in o or p in q for o, q, _, _ in past)]
     if not dead:
         return
     order = {r.path: r.index for r in ctx.trace.records if r.phase is Phase.BACKWARD}
@@ -508,10 +532,19 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     dtype = dtypes.get(top, "")
     lim = low_precision(dtype)
     scaled = bool(ctx.facts.get("scaler"))
-    evidence = [
-        f"{', '.join(dead[:6])}{', ...' if len(dead) > 6 else ''}: every gradient exactly 0 "
-        f"for the last {need} steps"
-    ]
+    # exact when a module's output gradients were 0 each step (their min and max say so);
+    # a parameter gradient is known by its norm only, which is 0 for tiny values too
+    exact = all(p in o for p in dead for o, _, _, _ in past) and all(p in out_now for p in dead)
+    exact = exact or not any(p in by_norm for p in dead) or _tiniest(dtype) > _norm_floor(dtype)
+    names = f"{', '.join(dead[:6])}{', ...' if len(dead) > 6 else ''}"
+    if exact:
+        evidence = [f"{names}: every gradient exactly 0 for the last {need} steps"]
+    else:
+        floor = _norm_floor(dtype)
+        evidence = [
+            f"{names}: gradient norm 0 for the last {need} steps (every gradient 0 or below "
+            f"{fmt(floor)}, whose square underflows in the norm)"
+        ]
     if lim is not None:
         evidence.append(
             f"gradients are {dtype}: values below {fmt(lim.tiny)} (its smallest normal "
@@ -533,7 +566,8 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
     else:
         explanation = (
-            f"Gradients of {top} are exactly zero step after step: its units are dead "
+            f"Gradients of {top} are {'exactly ' if exact else ''}zero step after step: "
+            "its units are dead "
             "(ReLUs that never fire, a saturated sigmoid or tanh, a loss clamp) or it is cut "
             "off from the loss (a .detach(), an argmax, a mask that zeroes it). It stopped "
             "learning without any error."
