@@ -86,9 +86,13 @@ def replay_path() -> str | None:
 
 @contextlib.contextmanager
 def _replay_scope() -> Iterator[None]:
+    """A replay runs: hooks know it (:func:`replaying`), and the warnings of code the user
+    already ran (``std(): degrees of freedom is <= 0``) are not said a second time."""
     _tls.replaying = getattr(_tls, "replaying", 0) + 1
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
     finally:
         _tls.replaying -= 1
 

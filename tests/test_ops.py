@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+import nanwatch
 from nanwatch.ops import OpChecker, preserved_state, replay
 from nanwatch.records import Phase
 
@@ -135,3 +136,23 @@ def test_a_clean_replay_of_a_random_forward_is_not_evidence_of_a_transient_fault
     assert clean.clean and clean.random and not clean.conclusive and clean.attempts == 3
     fixed = replay(nn.Linear(2, 2), (torch.ones(2),), {}, path="lin", attempts=3)
     assert fixed.clean and not fixed.random and fixed.conclusive and fixed.attempts == 1
+
+
+def test_the_replay_does_not_repeat_the_users_warnings() -> None:
+    """The module re-run that names the op ran the user's std() a second time, and torch
+    said "degrees of freedom is <= 0" twice."""
+    import warnings
+
+    class MinibatchStd(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x.std(0, keepdim=True).mean().expand(x.shape[0], 1)], 1)
+
+    model = nn.Sequential(nn.Linear(4, 4), MinibatchStd(), nn.Linear(5, 1))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+            model(torch.randn(1, 4))  # a batch of 1: std over one sample
+            nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.op is not None and a.op.op.startswith("aten.std")
+    assert sum("degrees of freedom" in str(w.message) for w in seen) == 1
