@@ -2175,12 +2175,15 @@ class Watcher:
             if info.get("device_lost"):
                 self._device_dead = True
             self._note_mutations()
-            self._trace.error = info
+            ended = self._ended_step_of(exc)
+            (ended or self._trace).error = info
         except Exception as inner:  # the user's exception matters more than ours
+            ended = None
             self._fault("post-mortem", "post-mortem", inner)
         self._quiet = True
         try:
-            self._boundary()
+            if ended is None:
+                self._boundary()
         except Exception as inner:
             self.faults.append(("post-mortem flush", f"{type(inner).__name__}: {inner}"))
         finally:
@@ -2190,6 +2193,19 @@ class Watcher:
                 return postmortem.capture(self, exc)
             except Exception as inner:
                 self._fault("post-mortem", "post-mortem", inner)
+        return None
+
+    def _ended_step_of(self, exc: BaseException) -> StepTrace | None:
+        """The finished step an AnomalyError of ``nw.step()`` was raised for, when nothing
+        was recorded since: the error is that step's, not the next one's (the post-mortem
+        said "at step 3" for a diagnosis of step 2)."""
+        if not isinstance(exc, AnomalyError) or self._trace.records or self._trace.calls:
+            return None
+        found = exc.anomaly if exc.anomaly is not None else exc.diagnosis
+        step = getattr(found, "step", None)
+        for t in reversed(self.history):
+            if t.step == step:
+                return t
         return None
 
     def _note_mutations(self) -> None:

@@ -590,3 +590,33 @@ def test_a_failing_postmortem_never_replaces_the_users_exception(
         assert info.value.__context__ is None and info.value.__cause__ is None
         assert nw.faults == [("post-mortem", "RuntimeError: a nanwatch bug")]
         assert not nw.attached and not model._forward_hooks
+
+
+@pytest.mark.filterwarnings("ignore::nanwatch.NanwatchWarning")  # NW202: sigmoid into BCE
+def test_an_anomaly_error_of_nw_step_is_the_ended_steps_not_the_next(report_dir: Path) -> None:
+    """A diagnosis with no NaN in it (BCELoss fed saturated probabilities) is raised by
+    nw.step() when it ends step 1: the post-mortem said "at step 2" (and kept an empty
+    step 2 holding the error) for a diagnosis of step 1."""
+    model = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    criterion = nn.BCELoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with (
+        pytest.raises(nanwatch.AnomalyError) as caught,
+        nanwatch.watch(model, criterion, report_dir=str(report_dir)) as nw,
+    ):
+        for step in range(3):
+            if step == 1:
+                with torch.no_grad():
+                    model[0].weight.mul_(1e4)
+            x, y = torch.randn(8, 4), torch.randint(0, 2, (8, 1)).float()
+            criterion(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+    d = caught.value.diagnosis
+    assert caught.value.anomaly is None and d is not None and d.step == 1
+    (path,) = report_dir.glob("*.json")
+    assert path.name.endswith("-step1.json")
+    report = Report.load(path)
+    assert report.error is not None and report.error["step"] == 1
+    assert [t.step for t in report.steps] == [0, 1]
