@@ -70,6 +70,15 @@ class DtypeLimits:
     def low_precision(self) -> bool:
         return self.bits <= 16
 
+    @property
+    def short_range(self) -> bool:
+        """Its largest value is far below float32's (float16, float8): computing in float32
+        gives room. bfloat16 has float32's exponent, so there it gives none."""
+        return self.max < _F32_MAX / 2
+
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
 
 @functools.cache
 def _limits_of(dtype: torch.dtype) -> DtypeLimits | None:

@@ -1098,3 +1098,28 @@ def test_a_loss_made_inf_from_the_models_neg_inf_output_is_traced_to_it() -> Non
     assert t.anomaly.neginf_source is not None and t.anomaly.neginf_source.path == "LogProbs"
     assert "from -inf first seen in LogProbs" in t.anomaly.summary
     assert d.code == "NW110" and "F.log_softmax" in d.fix
+
+
+def test_e2e_a_bfloat16_exp_overflow_is_bounded_not_upcast() -> None:
+    """bfloat16 has float32's exponent: exp(100) is inf in both, so "compute it in float32,
+    or train in bfloat16" was no fix for a bfloat16 model. The fix bounds the argument."""
+
+    class Reparam(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mu, logvar = self.enc(x).chunk(2, -1)
+            return mu + torch.exp(0.5 * logvar)
+
+    model = Reparam().bfloat16()
+    with torch.no_grad():
+        model.enc.bias[4:].fill_(400.0)  # log-variance 400: exp(200) overflows
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        model(torch.rand(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW101" and d.op is not None and d.op.startswith("aten.exp")
+    assert ".clamp(max=" in d.fix and ".float()" not in d.fix
+    assert "bfloat16" not in d.fix

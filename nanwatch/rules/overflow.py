@@ -143,7 +143,8 @@ def _from_op(
         )
     for nm, s in ev.inputs[:3]:
         evidence.append(f"input {nm}: {describe_stat(s)}")
-    wide = lim is not None and not lim.low_precision
+    # float32 and up, and bfloat16 (float32's range: an upcast would not help it)
+    wide = lim is not None and not lim.short_range
     if wide and lim is not None and name not in CAST:
         evidence.append(_growth_line(ctx, a, name, big, lim))
     line = code_line(ev)
@@ -275,7 +276,7 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     top = max(values, key=lambda r: r.stat.magnitude if r.stat is not None else -1.0)
     big = top.stat.magnitude if top.stat is not None else math.nan
     lim = limits(top.dtype) or limits(rec.dtype)
-    if lim is None or lim.low_precision or not big >= math.sqrt(lim.max):
+    if lim is None or lim.short_range or not big >= math.sqrt(lim.max):
         return
     square = f"past sqrt({fmt(lim.max)}) = {fmt(math.sqrt(lim.max))}, the product or square "
     if a.kind is AnomalyKind.FORWARD:
@@ -324,6 +325,11 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     if lim is None and limits(rec.dtype) is not None:
         yield from _wide_from_record(ctx, a)
         return
+    if lim is not None and not lim.short_range:  # bfloat16: float32's range
+        found = list(_wide_from_record(ctx, a))
+        if found:
+            yield from found
+            return
     if lim is None or s is None or not (s.has_posinf or s.has_neginf):
         return
     if a.kind not in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD, AnomalyKind.GRADIENT):
