@@ -150,12 +150,13 @@ def propagators(trace: StepTrace, after: Record, producer: str) -> tuple[list[st
 
 def _matching_op(ops: Sequence[OpEvent], phase: Phase, path: str | None) -> OpEvent | None:
     """The op event of the trigger, from forensic tracing: the first NaN/+inf birth of the
-    phase (in the producer when it is known)."""
+    phase (in the producer when it is known). In backward a -inf counts too: no gradient is
+    a mask, and the NaN or +inf seen downstream (softmax's backward) came from it."""
     best: OpEvent | None = None
     for ev in ops:
         if ev.phase is not phase or ev.injected:
             continue
-        if not ("NaN" in ev.born or "+inf" in ev.born):
+        if not ("NaN" in ev.born or "+inf" in ev.born or (phase is Phase.BACKWARD and ev.born)):
             continue
         if path is None or ev.path is None or ev.path == path or ev.path.startswith(path + "."):
             return ev

@@ -1123,3 +1123,29 @@ def test_e2e_a_bfloat16_exp_overflow_is_bounded_not_upcast() -> None:
     assert d.code == "NW101" and d.op is not None and d.op.startswith("aten.exp")
     assert ".clamp(max=" in d.fix and ".float()" not in d.fix
     assert "bfloat16" not in d.fix
+
+
+@pytest.mark.parametrize("scale", [20.0, 25.0])
+def test_e2e_a_kl_divided_by_tiny_probabilities_is_a_near_zero_division(scale: float) -> None:
+    """KL(p || q) written as p * (p / q).log() with q = softmax of large logits: at x20 the
+    forward is finite (q down to 1e-33) and the backward's -p/q² underflows q² to 0 (-inf);
+    at x25 q reaches 7e-42 and p / q itself overflows. Neither denominator holds a zero:
+    it was NW100 (backward: a -inf was not matched to its op) or "Division by zero, exact
+    zeros: min 1.09e-33" (forensic), and NW101 "the values exploded" for the forward."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 10)
+    x, p = torch.randn(32, 16), torch.randn(32, 10).softmax(-1)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        q = (model(x) * scale).softmax(-1)
+        loss = (p * (p / q).log()).sum(-1).mean()
+        loss.backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert (d.code, d.title, d.op) == ("NW111", "Division by a near-zero denominator", "aten.div")
+    text = " ".join(d.evidence)
+    assert "denominator holds no zero" in text and "exact zero" not in text
+    if scale == 20.0:
+        assert d.phase == "backward" and "-x/d²" in text and "rounds to 0" in text
+    else:
+        assert d.phase == "forward" and "x/d passes its largest value 3.4e+38" in text
+    assert "log_softmax" in d.fix

@@ -60,7 +60,7 @@ CODES = {
     "NW301": "Non-finite weights after an optimizer step",
     "NW302": "Non-finite parameter gradients",
     "NW303": "Exploding gradients",
-    "NW304": "Vanishing gradients: exactly zero for many steps",
+    "NW304": "Vanishing gradients: zero for many steps",
     "NW305": "Loss scaler collapse",
     "NW401": "NaN or inf in the input data",
     "NW402": "Fully masked attention row",

@@ -262,6 +262,26 @@ def _exponent(ev: OpEvent) -> float | None:
     return None
 
 
+def smallest_magnitude(den: TensorStat | None) -> float | None:
+    """The smallest |d| of a denominator known to hold no zero (all of one sign), else
+    None (zeros, or a sign change that may hide one)."""
+    if den is None or has_zero(den) or den.nan or not (den.min > 0 or den.max < 0):
+        return None
+    return den.min if den.min > 0 else -den.max
+
+
+def near_zero_denominator(ev: OpEvent) -> bool:
+    """A division that overflowed because its denominator was tiny (below 1, one sign, no
+    zero) while its numerator had not exploded (below sqrt(finfo.max)), in a dtype of
+    float32's range: in float16 x / 1e-4 overflows for x above 6.6, and float32 is the fix."""
+    closest = smallest_magnitude(denominator(ev))
+    lim = limits(ev.dtype)
+    if closest is None or lim is None or lim.short_range or not closest < 1.0:
+        return False
+    num = input_named(ev, "self", "input")
+    return num is None or num.magnitude < math.sqrt(lim.max)
+
+
 def classify(ev: OpEvent) -> str:
     """What an op event is: ``overflow``, ``log``, ``div``, ``root`` (sqrt / fractional
     power outside its domain), ``domain`` (another op outside its real domain: acos of
@@ -297,8 +317,8 @@ def classify(ev: OpEvent) -> str:
         zero_scalar = scalar_num(ev, "other") == 0.0
         if has_zero(den) or zero_scalar:
             return "div"
-        if den is not None and born_inf:
-            return "overflow"  # a finite, non-zero denominator: x / tiny went past the max
+        if den is not None and born_inf and not near_zero_denominator(ev):
+            return "overflow"  # exploded numerators: x / d went past the max
         return "div"
     if name in _ROOT:
         e = _exponent(ev)

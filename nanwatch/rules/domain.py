@@ -39,6 +39,7 @@ from nanwatch.rules._evidence import (
     rewrite_call,
     short_op,
     shortfall,
+    smallest_magnitude,
     untraced_hint,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
@@ -158,6 +159,64 @@ def _zeros_text(x: object, name: str) -> str:
 # ---------------------------------------------------------------------- NW111
 
 
+def _near_zero_division(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    *,
+    num: TensorStat | None,
+    den: TensorStat,
+    closest: float,
+) -> Iterator[Diagnosis]:
+    """No zero in the denominator: a tiny one made x/d, or in backward x/d², too large for
+    the dtype (a KL divergence written as p / q with q = softmax of large logits)."""
+    lim = limits(ev.dtype)
+    if lim is None:
+        return
+    evidence = [f"denominator holds no zero: {describe_stat(den)}"]
+    if num is not None:
+        evidence.append(f"numerator: {describe_stat(num)}")
+    if ev.phase is Phase.BACKWARD:
+        square = closest * closest
+        tiniest = lim.tiny * lim.eps  # the smallest subnormal
+        fate = (
+            f"below {ev.dtype}'s smallest value {fmt(tiniest)}: it rounds to 0"
+            if square < tiniest / 2
+            else f"and x/d² passes {ev.dtype}'s largest value {fmt(lim.max)}"
+        )
+        evidence.append(
+            f"in backward (autograd node {ev.node}) the gradient with respect to d is -x/d²: "
+            f"d² = {fmt(square)}, {fate}, so it is {ev.born}"
+        )
+        where = "its derivative -x/d² does not fit"
+    else:
+        evidence.append(
+            f"{short_op(ev.op)} made {ev.born} in {ev.dtype}: x/d passes its largest value "
+            f"{fmt(lim.max)} for |x| above {fmt(closest * lim.max)}"
+        )
+        where = "the quotient does not fit"
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    yield ctx.diagnosis(
+        **op_fields(ev, a),
+        title="Division by a near-zero denominator",
+        evidence=evidence,
+        explanation=(
+            f"The denominator is not zero but so close to it that {where} in {ev.dtype}: "
+            "a probability from a softmax or sigmoid of large logits (1e-33 is ordinary "
+            "there), a variance or a norm near 0. Dividing by probabilities is the usual "
+            "source; in log space the same quantity is a subtraction and stays finite."
+        ),
+        fix=(
+            "y = x / d.clamp_min(torch.finfo(d.dtype).eps)   # keeps x/d and x/d² in range\n"
+            "# a ratio of probabilities: subtract logs instead of dividing\n"
+            "log_ratio = torch.log(p) - F.log_softmax(logits, dim=-1)\n"
+            'kl = F.kl_div(F.log_softmax(logits, dim=-1), p, reduction="batchmean")'
+        ),
+    )
+
+
 @rule(
     "NW111",
     title="Division by zero",
@@ -179,6 +238,10 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     name = packet(ev.op)
     num = input_named(ev, "self", "input")
     den = denominator(ev)
+    closest = smallest_magnitude(den)
+    if closest is not None and name != "reciprocal":
+        yield from _near_zero_division(ctx, a, ev, num=num, den=den, closest=closest)
+        return
     evidence: list[str] = []
     zero_over_zero = "NaN" in ev.born and has_zero(num) and has_zero(den)
     if den is not None:
