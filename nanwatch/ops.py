@@ -829,11 +829,11 @@ def _elementwise_event(
         if not zeros:  # a tiny denominator (a softmax probability of 1e-42): x/d overflows
             if result is None or not isinstance(result, torch.Tensor):
                 return None
-            born = _kinds(result) - in_kinds
-            if not born:
+            made = _kinds(result) - in_kinds
+            if not made:
                 return None
             why = "denominator holds no zero; the quotient overflows"
-            return _event(node, op, born, why, inputs=tensors, result=result, scalars=scalars)
+            return _event(node, op, made, why, inputs=tensors, result=result, scalars=scalars)
         if result is None:  # numerator not saved and not the loss itself: x/0 or 0/0
             born: frozenset[str] = loss_kinds
             why = f"denominator holds {zeros} zeros (the numerator was not saved)"

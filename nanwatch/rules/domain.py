@@ -239,7 +239,7 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     num = input_named(ev, "self", "input")
     den = denominator(ev)
     closest = smallest_magnitude(den)
-    if closest is not None and name != "reciprocal":
+    if closest is not None and den is not None and name != "reciprocal":
         yield from _near_zero_division(ctx, a, ev, num=num, den=den, closest=closest)
         return
     evidence: list[str] = []
