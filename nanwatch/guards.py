@@ -1262,6 +1262,65 @@ def _soft_target_result(p: _Probe, v: dict[str, float], outside: torch.Tensor, d
 
 
 # -- CTC -------------------------------------------------------------------------------
+def _ctc_lengths(v: Any, n: int, device: torch.device) -> torch.Tensor | None:
+    """CTC's ``input_lengths`` or ``target_lengths`` (a tensor of ``n`` or, unbatched, a 0-d
+    one; a tuple or list of ints) as ``n`` integers on ``device``; None when they are not."""
+    if isinstance(v, torch.Tensor):
+        if not _plain(v) or v.is_floating_point() or v.is_complex() or v.dtype is torch.bool:
+            return None
+        lens = v.reshape(-1)
+    elif isinstance(v, (tuple, list)):
+        try:
+            lens = torch.as_tensor(v)
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        if lens.dim() != 1 or lens.is_floating_point() or lens.dtype is torch.bool:
+            return None
+    else:
+        return None
+    if lens.shape[0] != n:
+        return None
+    # a CPU -> device copy may be asynchronous; a device -> CPU one must not be (unread)
+    return lens.to(device, non_blocking=lens.device.type == "cpu")
+
+
+def _ctc_short(
+    t: torch.Tensor, tlens: torch.Tensor, ilens: torch.Tensor, used: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(short, need, repeats) per sample: whether its input has fewer frames than its target
+    needs, the frames the target needs (its length plus its repeats: equal adjacent
+    labels, each pair of which needs a blank between), and the repeats. ``t``: the padded
+    ``(N, S)`` targets (``used`` marks their labels) or the 1-D concatenation. A few small
+    ops on the targets' device; lengths torch itself rejects are left to its error, on the
+    failure path (:func:`_ctc_lengths_valid`)."""
+    if used is not None:
+        repeats = ((t[:, 1:] == t[:, :-1]) & used[:, 1:]).sum(1)  # pairs (j - 1, j), j < L
+    else:
+        last = t.numel() - 1
+        # upto[k]: repeats among the pairs (j - 1, j) with j <= k, over the concatenation
+        upto = torch.cat([t.new_zeros(1), (t[1:] == t[:-1]).cumsum(0)])
+        ends = tlens.cumsum(0)
+        starts = (ends - tlens).clamp(0, last)
+        # the pairs inside sample i: j in (start, end); clamped lengths are torch's error
+        # (and a sample of length 0 needs nothing whatever this says)
+        repeats = upto[(ends - 1).clamp(0, last)] - upto[starts]
+    need = tlens + repeats
+    return need > ilens, need, repeats
+
+
+def _ctc_lengths_valid(
+    x: torch.Tensor, t: torch.Tensor, tlens: list[int], ilens: list[int]
+) -> bool:
+    """Whether torch would compute the loss with these lengths at all (else its own error
+    says what is wrong, and comes first)."""
+    frames = x.shape[0]
+    if any(n < 0 for n in tlens) or any(not 0 <= n <= frames for n in ilens):
+        return False
+    if t.dim() == 2:
+        return max(tlens) <= t.shape[1]
+    return sum(tlens) == t.numel()
+
+
 def _check_ctc(p: _Probe) -> None:
     x, t = p.input, p.target
     _input_stats(p)
@@ -1269,13 +1328,22 @@ def _check_ctc(p: _Probe) -> None:
         return
     c = x.shape[-1]
     blank = int(p.bound.get("blank", 0))
+    unbatched = x.dim() == 2  # (T, C) log-probs with one target (S,) of exactly S labels
+    n = 1 if unbatched else x.shape[1] if x.dim() == 3 else 0
+    # (N, S) padded targets, or 1-D: the concatenation (an unbatched target: one sample)
+    layout_ok = n > 0 and ((t.dim() == 2 and t.shape[0] == n) or t.dim() == 1)
     used: torch.Tensor | None = None
-    lengths = p.bound.get("target_lengths")
-    if t.dim() == 2 and lengths is not None:
-        lens = torch.as_tensor(lengths)
-        if lens.dim() == 1 and lens.shape[0] == t.shape[0]:
-            lens = lens.to(t.device, non_blocking=True)
-            used = torch.arange(t.shape[1], device=t.device) < lens[:, None]
+    tlens = _ctc_lengths(p.bound.get("target_lengths"), n, t.device) if layout_ok else None
+    if tlens is not None and t.dim() == 2:
+        used = torch.arange(t.shape[1], device=t.device) < tlens[:, None]
+    # a target longer than its input has no alignment: +inf, unless zero_infinity drops it
+    short: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    ilens: torch.Tensor | None = None
+    if tlens is not None and not p.bound.get("zero_infinity", False):
+        ilens = _ctc_lengths(p.bound.get("input_lengths"), n, t.device)
+        if ilens is not None:
+            short = _ctc_short(t, tlens, ilens, used)
+            p.count("ctc_short", short[0])
     out = (t < 0) | (t >= c)
     blanks = t == blank
     if used is not None:
@@ -1339,8 +1407,79 @@ def _check_ctc(p: _Probe) -> None:
                     positions=_positions(blanks),
                 )
             )
+        if short is not None and tlens is not None and ilens is not None and v["ctc_short"]:
+            n_short = int(v["ctc_short"])
+            _ctc_short_failure(p, n_short, short, tlens=tlens, ilens=ilens, unbatched=unbatched)
 
     p.then(result)
+
+
+def _ctc_short_failure(
+    p: _Probe,
+    count: int,
+    short: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    tlens: torch.Tensor,
+    ilens: torch.Tensor,
+    unbatched: bool,
+) -> None:
+    """Name the first samples whose target needs more frames than their input has (the
+    failure path: a second read is fine)."""
+    mask, need, repeats = short
+    t = p.target
+    assert t is not None
+    if not _ctc_lengths_valid(p.input, t, tlens.tolist(), ilens.tolist()):
+        return
+    idx = [int(i) for i in mask.nonzero()[:_POSITIONS, 0].tolist()]
+    sel = torch.tensor(idx, device=mask.device)
+    needs, labels, reps, frames = (a[sel].tolist() for a in (need, tlens, repeats, ilens))
+    parts = []
+    for i, nd, lab, rep, fr in zip(idx, needs, labels, reps, frames, strict=True):
+        who = "the target" if unbatched else f"sample {i}"
+        lengths = "input_lengths" if unbatched else f"input_lengths[{i}]"
+        what = _many(lab, "label") + (f" with {_many(rep, 'repeat')}" if rep else "")
+        verb = "needs" if lab == 1 and not rep else "need"
+        parts.append(f"{who}: {what} {verb} at least {_many(nd, 'frame')}, {lengths} = {_num(fr)}")
+    n = mask.numel()
+    if count > len(idx):
+        parts.append(f"{_n(count - len(idx))} more")
+    reduction = p.bound.get("reduction", "mean")
+    whole = (
+        f", so the {reduction} over the batch is +inf too"
+        if reduction in ("mean", "sum") and not unbatched
+        else ""
+    )
+    one = count == 1
+    problem = (
+        f"{_many(count, 'target')} of {_n(n)} {'is' if one else 'are'} longer than "
+        f"{'its' if one else 'their'} input can align ({'; '.join(parts)}); "
+        f"{p.desc(zero_infinity=False)} gives {'it' if one else 'them'} a loss of +inf{whole}"
+    )
+    fix = (
+        _option_fix(p, "zero_infinity", True)
+        + "  # drops them; or filter out utterances whose labels are too long for their "
+        "audio (or lower the time downsampling)"
+    )
+    p.fail(
+        _Failure(
+            code="NW516",
+            check="ctc-length",
+            problem=problem,
+            expected="input_lengths[i] >= target_lengths[i] + the repeated labels in target i",
+            fix=fix,
+            explanation=(
+                "CTC aligns every label to at least one input frame, and two equal labels in "
+                "a row need a blank frame between them: a target that needs more frames than "
+                "its input has no alignment, so its loss is +inf and its gradient NaN. "
+                "zero_infinity=True zeroes those losses and their gradients."
+            ),
+            values=tuple(needs),
+            counts=(),
+            count=count,
+            total=n,
+            positions=tuple((i,) for i in idx),
+        )
+    )
 
 
 # -- BCE -------------------------------------------------------------------------------

@@ -673,7 +673,7 @@ def test_guard_rules_are_in_the_catalog() -> None:
     codes = {r.code: r for r in catalog()}
     for code, (title, _) in family.CHECKS.items():
         assert codes[code].title == title and codes[code].family == "guards"
-    assert set(family.CHECKS) == {f"NW5{i:02d}" for i in range(1, 16)}
+    assert set(family.CHECKS) == {f"NW5{i:02d}" for i in range(1, 17)}
 
 
 # ------------------------------------------------------------------ scenarios and CUDA
@@ -824,3 +824,150 @@ def test_a_watched_functional_loss_compiles_without_graph_breaks() -> None:
     torch._dynamo.reset()
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     assert torch.allclose(out, F.cross_entropy(logits, y))
+
+
+# ------------------------------------------------------------------ CTC: target too long
+def _labels(*rows: list[int]) -> torch.Tensor:
+    """Padded (N, S) CTC targets: each row padded with 1s (beyond its length: not labels)."""
+    s = max(len(r) for r in rows)
+    return torch.tensor([r + [1] * (s - len(r)) for r in rows])
+
+
+def _no_repeats(n: int) -> list[int]:
+    return [1 + i % 5 for i in range(n)]  # 1, 2, 3, 4, 5, 1, ...: no label twice in a row
+
+
+def test_ctc_target_longer_than_its_input_names_the_sample_and_the_fix() -> None:
+    ctc = nn.CTCLoss()
+    lp = torch.randn(15, 2, 6).log_softmax(2)
+    targets = _labels(_no_repeats(5), _no_repeats(20))
+    in_len, tgt_len = torch.tensor([15, 15]), torch.tensor([5, 20])
+    assert ctc(lp, targets, in_len, tgt_len).item() == math.inf  # what it would compute
+    with pytest.raises(GuardError) as info, watch(ctc):
+        ctc(lp, targets, in_len, tgt_len)
+    err = info.value
+    assert (err.code, err.check) == ("NW516", "ctc-length")
+    assert (
+        "1 target of 2 is longer than its input can align (sample 1: 20 labels need at least "
+        "20 frames, input_lengths[1] = 15); CTCLoss(zero_infinity=False) gives it a loss of "
+        "+inf, so the mean over the batch is +inf too"
+    ) in str(err)
+    assert (err.positions, err.count, err.total, err.values) == (((1,),), 1, 2, (20,))
+    assert err.fix.startswith("ctc = nn.CTCLoss(zero_infinity=True)  # drops them")
+    assert "filter out utterances whose labels are too long for their audio" in err.fix
+    assert "lower the time downsampling" in err.fix
+    assert err.diagnosis.code == "NW516" and err.diagnosis.severity == "error"
+    # the module's other settings are kept in the fix
+    lp7 = torch.randn(15, 2, 7).log_softmax(2)
+    err = guarded(nn.CTCLoss(blank=6, reduction="sum"), lp7, targets, in_len, tgt_len)
+    assert "so the sum over the batch is +inf too" in str(err)
+    assert err.fix.startswith("nn.CTCLoss(blank=6, reduction='sum', zero_infinity=True)")
+
+
+def test_ctc_repeated_labels_need_a_blank_between() -> None:
+    ctc = nn.CTCLoss(reduction="none")
+    lp = torch.randn(12, 3, 6).log_softmax(2)
+    # 3 3 3 3 3 3 3 3: 7 repeats, 15 frames; 2 2 4 4 4 1: 3 repeats, 9 frames
+    targets = _labels([3] * 8, [1, 2, 3, 4, 5, 1, 2, 3], [2, 2, 4, 4, 4, 1])
+    tgt_len = torch.tensor([8, 8, 6])
+    in_len = torch.tensor([12, 12, 8])
+    assert ctc(lp, targets, in_len, tgt_len).isinf().tolist() == [True, False, True]
+    err = guarded(ctc, lp, targets, in_len, tgt_len)
+    assert err.code == "NW516" and err.positions == ((0,), (2,)) and err.values == (15, 9)
+    assert (
+        "2 targets of 3 are longer than their input can align (sample 0: 8 labels with 7 "
+        "repeats need at least 15 frames, input_lengths[0] = 12; sample 2: 6 labels with 3 "
+        "repeats need at least 9 frames, input_lengths[2] = 8); CTCLoss(zero_infinity=False) "
+        "gives them a loss of +inf\n"
+    ) in str(err)  # reduction="none": no word about the batch
+
+
+def test_ctc_concatenated_targets_and_lengths_as_tuples() -> None:
+    lp = torch.randn(12, 3, 6).log_softmax(2)
+    # 1 2 3 | 3 3 1 1 2 | 4 4: sample 0 ends with 3 and sample 1 starts with 3, a pair
+    # across two samples is no repeat
+    flat = torch.tensor([1, 2, 3, 3, 3, 1, 1, 2, 4, 4])
+    tgt_len = (3, 5, 2)
+    assert F.ctc_loss(lp, flat, (12, 7, 2), tgt_len, reduction="none").isinf().tolist() == [
+        False,
+        False,
+        True,
+    ]
+    err = guarded_f(lambda: F.ctc_loss(lp, flat, [12, 6, 3], tgt_len, reduction="sum"))
+    assert (err.code, err.loss, err.positions) == ("NW516", "F.ctc_loss", ((1,),))
+    assert (
+        "1 target of 3 is longer than its input can align (sample 1: 5 labels with 2 repeats "
+        "need at least 7 frames, input_lengths[1] = 6); F.ctc_loss(..., zero_infinity=False) "
+        "gives it a loss of +inf, so the sum over the batch is +inf too"
+    ) in str(err)  # sample 2 (4 4 in 3 frames) fits exactly
+    assert err.fix.endswith(
+        'F.ctc_loss(lp, flat, [12, 6, 3], tgt_len, reduction="sum", zero_infinity=True))'
+        "  # drops them; or filter out utterances whose labels are too long for their audio "
+        "(or lower the time downsampling)"
+    )
+
+
+def test_ctc_unbatched_target_too_long() -> None:
+    lp = torch.randn(4, 6).log_softmax(1)  # (T, C): one sample
+    target = torch.tensor([2, 2, 3, 1])  # one repeat: 5 frames needed
+    assert F.ctc_loss(lp, target, torch.tensor(4), torch.tensor(4)).item() == math.inf
+    err = guarded(nn.CTCLoss(), lp, target, torch.tensor(4), torch.tensor(4))
+    assert err.code == "NW516" and err.positions == ((0,),)
+    assert (
+        "1 target of 1 is longer than its input can align (the target: 4 labels with 1 repeat "
+        "need at least 5 frames, input_lengths = 4); CTCLoss(zero_infinity=False) gives it a "
+        "loss of +inf\n"
+    ) in str(err)
+    with watch(nn.Identity()):  # 5 frames are enough; lengths as tuples
+        assert math.isfinite(F.ctc_loss(torch.randn(5, 6).log_softmax(1), target, (5,), (4,)))
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_ctc_lengths_that_fit_exactly_pass_untouched(reduction: str) -> None:
+    """target_length + repeats == input_length is the shortest alignment: finite, no error,
+    for padded, concatenated and unbatched targets, lengths as tensors, tuples or lists."""
+    ctc = nn.CTCLoss(reduction=reduction)
+    lp = torch.randn(9, 3, 6).log_softmax(2).requires_grad_()
+    rows = [[2, 2, 4, 4, 4, 1], [1, 2, 3, 4, 5, 1, 2, 3, 4], [5, 5, 5, 5, 5]]  # 9 frames each
+    padded, tgt_len = _labels(*rows), torch.tensor([6, 9, 5])
+    flat = torch.tensor([v for r in rows for v in r])
+    in_len = torch.tensor([9, 9, 9])
+    calls: list[tuple[Any, ...]] = [
+        (lp, padded, in_len, tgt_len),
+        (lp, padded, (9, 9, 9), [6, 9, 5]),
+        (lp, flat, in_len, tgt_len),
+        (lp, flat, [9, 9, 9], (6, 9, 5)),
+        (lp[:, 0], flat[:6], torch.tensor(9), torch.tensor(6)),  # unbatched
+        (lp[:, 0], flat[:6], (9,), (6,)),
+    ]
+    for args in calls:
+        reference = ctc(*args)
+        with watch(ctc) as nw:
+            out = ctc(*args)
+            kinds = [n.kind for n in nw.trace.notes]
+        assert torch.equal(out, reference) and out.isfinite().all()
+        assert kinds == ["loss_input"]
+
+
+def test_ctc_zero_infinity_drops_the_sample_so_nothing_is_raised() -> None:
+    lp = torch.randn(12, 2, 6).log_softmax(2)
+    targets = _labels([3] * 8, _no_repeats(20))
+    in_len, tgt_len = torch.tensor([12, 12]), torch.tensor([8, 20])
+    ctc = nn.CTCLoss(zero_infinity=True)
+    reference = ctc(lp, targets, in_len, tgt_len)
+    with watch(ctc) as nw:
+        assert torch.equal(ctc(lp, targets, in_len, tgt_len), reference)
+        out = F.ctc_loss(lp, targets, in_len, tgt_len, zero_infinity=True)
+        assert torch.equal(out, reference) and reference.item() == 0.0
+        assert [n.kind for n in nw.trace.notes] == ["loss_input", "loss_input"]
+
+
+def test_ctc_length_check_is_in_the_one_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads, syncs = count_reads_and_syncs(monkeypatch)
+    ctc = nn.CTCLoss()
+    lp = torch.randn(12, 2, 6).log_softmax(2)
+    with watch(ctc, functional_guards=True):
+        ctc(lp, _labels([1, 2, 3], [4, 4]), torch.tensor([12, 3]), torch.tensor([3, 2]))
+        F.ctc_loss(lp, torch.tensor([1, 2, 3, 4, 4]), (12, 3), (3, 2))
+    assert len(reads) == 2 and all("ctc_short" in keys for keys in reads)
+    assert syncs == []

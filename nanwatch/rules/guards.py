@@ -98,6 +98,12 @@ CHECKS: dict[str, tuple[str, str]] = {
         "EmbeddingBag offsets that do not start at 0, decrease, or point past the input "
         "(often the bags' ends, lengths.cumsum(0), instead of their starts).",
     ),
+    "NW516": (
+        "CTC target longer than its input can align",
+        "A CTCLoss target needs more frames than its input has (its length plus one blank "
+        "between each pair of equal adjacent labels): its loss is +inf without "
+        "zero_infinity=True.",
+    ),
 }
 
 
@@ -225,3 +231,8 @@ def index_dtype(ctx: RuleContext) -> Iterator[Diagnosis]:
 @_register("NW515")
 def embedding_bag_offsets(ctx: RuleContext) -> Iterator[Diagnosis]:
     return _found(ctx, "NW515")
+
+
+@_register("NW516")
+def ctc_target_too_long(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW516")
