@@ -1131,7 +1131,8 @@ class Watcher:
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Global optimizer pre-hook: what each update of watched weights is made of (the
-        learning rate, eps, the weights' dtypes), as an ``"optimizer"`` note for the rules.
+        learning rate, eps, weight decay and momentum, the weights' dtypes), as an
+        ``"optimizer"`` note for the rules.
         One dict per parameter group; no tensor is read."""
         if (
             "optimizer" in self._disabled_hooks
@@ -1154,6 +1155,17 @@ class Watcher:
                     nums = _plain_numbers(g.get(key))
                     if nums:
                         entry[key] = nums[0] if len(nums) == 1 else nums
+                # what the weight decay does to the update (NW306): only when it is on
+                decay = _plain_numbers(g.get("weight_decay"))
+                if decay and decay[0]:
+                    entry["weight_decay"] = decay[0]
+                    for key in ("momentum", "dampening"):
+                        nums = _plain_numbers(g.get(key))
+                        if nums and nums[0]:
+                            entry[key] = nums[0]
+                    for key in ("nesterov", "decoupled_weight_decay"):
+                        if g.get(key) is True:
+                            entry[key] = True
                 groups.append(entry)
             if groups and len(self._trace.notes) < 256:
                 self.note("optimizer", type(optimizer).__name__, groups=groups)

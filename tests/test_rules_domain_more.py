@@ -1149,3 +1149,70 @@ def test_e2e_a_kl_divided_by_tiny_probabilities_is_a_near_zero_division(scale: f
     else:
         assert d.phase == "forward" and "x/d passes its largest value 3.4e+38" in text
     assert "log_softmax" in d.fix
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "kw", "limit"),
+    [
+        (torch.optim.SGD, {}, 2.0),
+        (torch.optim.SGD, {"momentum": 0.9}, 3.8),
+        (torch.optim.SGD, {"momentum": 0.9, "nesterov": True}, 2 * 1.9 / 2.8),
+        (torch.optim.SGD, {"momentum": 0.9, "dampening": 0.5}, 7.6),
+        (torch.optim.AdamW, {}, 2.0),
+    ],
+)
+def test_the_weight_decay_limit_is_where_torch_optim_starts_to_diverge(
+    optimizer: Any, kw: dict[str, Any], limit: float
+) -> None:
+    """NW306's limits on lr × weight_decay, checked against the optimizer itself: just
+    below the limit a weight with a zero gradient decays, just above it grows."""
+    from nanwatch.rules.gradients import _decay_growth
+
+    def grows(a: float) -> bool:
+        w = torch.nn.Parameter(torch.ones(1))
+        opt = optimizer([w], lr=a, weight_decay=1.0, **kw)
+        for _ in range(600):
+            w.grad = torch.zeros(1)
+            opt.step()
+        return not abs(w.item()) <= 1
+
+    group = {"lr": 1.0, "weight_decay": 1.0, **kw}
+    name = optimizer.__name__
+    assert not grows(limit * 0.99) and grows(limit * 1.01)
+    assert _decay_growth(name, {**group, "lr": limit * 0.99}) is None
+    found = _decay_growth(name, {**group, "lr": limit * 1.01})
+    assert found is not None and found[0] == pytest.approx(limit, rel=1e-3) and found[1] > 1
+
+
+def test_adams_coupled_weight_decay_is_normalized_and_never_diverges_by_itself() -> None:
+    from nanwatch.rules.gradients import _decay_growth
+
+    assert _decay_growth("Adam", {"lr": 1.0, "weight_decay": 1e3}) is None
+    assert _decay_growth("Adam", {"lr": 1.0, "weight_decay": 1e3, "decoupled_weight_decay": True})
+
+
+def test_e2e_a_weight_decay_meant_as_1e_3_given_as_1e3_is_named_at_the_first_step() -> None:
+    """SGD(lr=0.5, weight_decay=1e3): each step multiplies the weights by -499; clipping
+    cannot help (the decay is added inside step()). It was NW303 at step 4, then NW101
+    'clip gradients' at step 7 with the clipping already in the loop."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    criterion = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, weight_decay=1e3)
+    healthy = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=5e-4)
+    with nanwatch.watch(model, criterion, postmortem=False) as nw:
+        for o in (healthy, healthy):  # typical settings: nothing to say
+            criterion(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3])).backward()
+            o.step()
+            o.zero_grad()
+            nw.step()
+        criterion(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3])).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        with pytest.raises(nanwatch.AnomalyError) as caught:
+            nw.step()
+    d = caught.value.diagnosis
+    assert (d.code, d.step) == ("NW306", 2)
+    assert "lr 0.5 × weight_decay 1000 = 500, past 2" in d.evidence[0]
+    assert "by up to 499 in size" in d.evidence[1]
+    assert "weight_decay=0.01" in d.fix

@@ -1,6 +1,7 @@
 """Gradients, weights and the optimizer: non-finite weights after an update (NW301),
 non-finite parameter gradients (NW302), exploding gradients (NW303), vanishing or dead
-gradients (NW304) and a collapsing loss scaler (NW305).
+gradients (NW304), a collapsing loss scaler (NW305) and a weight decay that makes the update
+diverge (NW306).
 """
 
 from __future__ import annotations
@@ -652,5 +653,111 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
             "       if p.grad is not None and not torch.isfinite(p.grad).all()]\n"
             'print(bad)   # then nanwatch.watch(model, criterion, mode="forensic") on one '
             "step"
+        ),
+    )
+
+
+# ---------------------------------------------------------------------- NW306
+
+
+def _decay_growth(optimizer: str, g: dict[str, object]) -> tuple[float, float, str] | None:
+    """For an update whose weight decay alone makes the weights grow: (the limit on
+    lr × weight_decay, the factor |w| grows by each step, how the optimizer applies the
+    decay); None when it is stable or when the decay is normalized away (Adam's L2 term is
+    divided by sqrt(v) like the gradient, so it cannot diverge by itself).
+
+    SGD adds weight_decay * w to the gradient: w <- (1 - a) w with a = lr * wd without
+    momentum, stable for a < 2; heavy-ball momentum mu (dampening d) for a (1 - d) <
+    2 (1 + mu); Nesterov for a < 2 (1 + mu) / (1 + 2 mu). AdamW (and decoupled_weight_decay)
+    multiplies w by 1 - a before its step: stable for a < 2. Checked against torch.optim
+    on a weight with a zero gradient."""
+    lrs, wds = _numbers(g.get("lr")), _numbers(g.get("weight_decay"))
+    if not lrs or not wds or not math.isfinite(lrs[0] * wds[0]):
+        return None
+    a = lrs[0] * wds[0]
+    if optimizer == "SGD":
+        mu = (_numbers(g.get("momentum")) or [0.0])[0]
+        damp = (_numbers(g.get("dampening")) or [0.0])[0]
+        if mu <= 0:
+            limit, trace, det, how = 2.0, 1.0 - a, 0.0, "adds weight_decay * w to the gradient"
+        elif g.get("nesterov") is True:
+            limit = 2 * (1 + mu) / (1 + 2 * mu)
+            trace, det = 1 - a * (1 + mu) + mu, mu * (1 - a)
+            how = f"adds weight_decay * w to the gradient, with Nesterov momentum {fmt(mu)}"
+        else:
+            if damp >= 1:
+                return None
+            a *= 1 - damp
+            limit, trace, det = 2 * (1 + mu) / (1 - damp), 1 - a + mu, mu
+            how = f"adds weight_decay * w to the gradient, with momentum {fmt(mu)}"
+            a /= 1 - damp
+    elif optimizer == "AdamW" or g.get("decoupled_weight_decay") is True:
+        limit, trace, det, how = 2.0, 1.0 - a, 0.0, "multiplies w by 1 - lr * weight_decay"
+    else:
+        return None
+    if a <= limit:
+        return None
+    # the larger root of z^2 - trace z + det: what |w| is multiplied by each step
+    disc = trace * trace - 4 * det
+    growth = (
+        max(abs(trace + math.sqrt(disc)), abs(trace - math.sqrt(disc))) / 2
+        if disc >= 0
+        else math.sqrt(abs(det))
+    )
+    return limit, growth, how
+
+
+@rule(
+    "NW306",
+    title="Weight decay makes the weights diverge",
+    severity="error",
+    summary=(
+        "lr × weight_decay is past the limit where the decay overshoots 0 (2 for SGD and "
+        "AdamW, 2(1 + momentum) with momentum): the weights grow geometrically whatever "
+        "the gradients are."
+    ),
+    early=True,
+    priority=12,
+)
+def diverging_decay(ctx: RuleContext) -> Iterator[Diagnosis]:
+    worst: tuple[float, str, dict[str, object], float, str, float] | None = None
+    for n in ctx.trace.notes:
+        if n.kind != "optimizer":
+            continue
+        for g in n.data.get("groups", ()):
+            if not isinstance(g, dict):
+                continue
+            found = _decay_growth(n.path, g)
+            if found is not None and (worst is None or found[1] > worst[0]):
+                limit, growth, how = found
+                worst = (growth, n.path, g, limit, how, _numbers(g.get("lr"))[0])
+    if worst is None:
+        return
+    growth, optimizer, g, limit, how, lr = worst
+    wd = _numbers(g.get("weight_decay"))[0]
+    evidence = [
+        f"{optimizer}: lr {fmt(lr)} × weight_decay {fmt(wd)} = {fmt(lr * wd)}, past "
+        f"{fmt(limit)}, the largest value for which its update stays bounded",
+        f"{optimizer} {how}: each step multiplies the weights by up to {fmt(growth)} in size "
+        f"(x{fmt(growth**10)} after 10 steps) before any gradient is added",
+    ]
+    if ctx.anomaly is not None:
+        evidence.append(f"then, at step {ctx.step}: {ctx.anomaly.summary}")
+    good = limit / 10 / lr
+    yield ctx.diagnosis(
+        severity="error",
+        evidence=evidence,
+        explanation=(
+            "Weight decay pulls each weight toward 0 by lr × weight_decay of itself per "
+            f"step. Past {fmt(limit)} it overshoots 0 by more than the weight was, so the "
+            "weights flip sign and grow geometrically, step after step, until they overflow. "
+            "Clipping the gradients cannot stop it: the decay is applied inside "
+            "optimizer.step(), after clipping. weight_decay is usually 1e-4 to 0.1; it was "
+            "probably given where a learning rate or a decay factor was meant."
+        ),
+        fix=(
+            f"optimizer = torch.optim.{optimizer}(params, lr={fmt(lr)}, "
+            f"weight_decay={fmt(min(good, 0.01))})\n"
+            f"# keep lr * weight_decay well below {fmt(limit)} (typical: 1e-5 to 1e-3)"
         ),
     )
