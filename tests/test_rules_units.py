@@ -389,6 +389,16 @@ def case_scaler() -> Case:
     return Case(scaler_step(20, scales[-1] / 2), hist, {"scaler": True})
 
 
+def case_weight_decay() -> Case:
+    b = TraceBuilder(0)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0))
+    b.forward(net, stat(-1.0, 1.0))
+    group = {"params": 2, "dtypes": ["float32"], "lr": 0.5, "weight_decay": 1000.0}
+    b.note("optimizer", "SGD", groups=[group])
+    return Case(b.build())
+
+
 def case_input() -> Case:
     b = TraceBuilder(1)
     net = b.call("Sequential", root=True)
@@ -499,6 +509,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW303": case_exploding,
     "NW304": case_vanishing,
     "NW305": case_scaler,
+    "NW306": case_weight_decay,
     "NW401": case_input,
     "NW402": case_masked,
     "NW403": case_inplace,

@@ -108,7 +108,8 @@ _LOG_FIX = (
     "logp = F.log_softmax(logits, dim=-1)   # not torch.log(torch.softmax(logits, -1))\n"
     "logp = F.logsigmoid(logits)            # not torch.log(torch.sigmoid(logits))\n"
     "loss = F.binary_cross_entropy_with_logits(logits, y)  # not a hand-written BCE\n"
-    "logp = torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))  # when only p exists"
+    "logp = torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))  # when only p exists\n"
+    "var = F.softplus(raw) + 1e-6            # a predicted variance or scale: never 0"
 )
 
 
