@@ -158,20 +158,22 @@ def warn_at_user(
 
     ``safe``: for nanwatch's own faults, which must never stop training: when warnings are
     turned into errors (``-W error``), the message goes to stderr instead of raising.
-    ``where``: ``file.py:42``, the line to name when no user code is on the stack (a step
-    ended by ``nanwatch run`` after the script returned); never nanwatch's own line."""
+    ``where``: ``file.py:42``, the line the warning is about (the loss call a diagnosis
+    names), said instead of the line running now (``nw.step()``); also what is named when
+    no user code is on the stack (a step ended by ``nanwatch run`` after the script
+    returned). Never nanwatch's own line."""
     import warnings
 
     f = user_frame(sys._getframe(1))
+    file, _, line = (where or "").rpartition(":")
     try:
-        if f is None:
-            file, _, line = (where or "").rpartition(":")
+        if f is None or (file and line.isdigit()):
             warnings.warn_explicit(
                 message,
                 category,
                 file or "nanwatch",
                 int(line) if file and line.isdigit() else 0,
-                module="nanwatch",
+                module=f.f_globals.get("__name__", "nanwatch") if f is not None else "nanwatch",
                 registry=_NO_FRAME_REGISTRY,
             )
             return
