@@ -1216,3 +1216,19 @@ def test_e2e_a_weight_decay_meant_as_1e_3_given_as_1e3_is_named_at_the_first_ste
     assert "lr 0.5 × weight_decay 1000 = 500, past 2" in d.evidence[0]
     assert "by up to 499 in size" in d.evidence[1]
     assert "weight_decay=0.01" in d.fix
+
+
+def test_e2e_a_fully_padded_sample_in_multihead_attention_gets_a_key_padding_mask_fix() -> None:
+    """nn.MultiheadAttention builds the -inf mask itself: "masked_fill with finfo.min" is
+    code its user cannot change; the fix is in the key_padding_mask it is given."""
+    attn = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(3, 5, 8)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[1] = True  # sample 1 has no real token
+    with nanwatch.watch(attn, on_anomaly="record", postmortem=False) as nw:
+        out, _ = attn(x, x, x, key_padding_mask=pad)
+        out.sum().backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW402"
+    assert "key_padding_mask[empty, 0] = False" in d.fix and "masked_fill" not in d.fix

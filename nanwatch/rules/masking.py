@@ -27,6 +27,36 @@ _FIX = (
     "# and find why a row has nothing to attend to (an empty sequence, length 0)"
 )
 
+#: torch.nn modules that mask with -inf inside, from a key_padding_mask the user passes
+_TORCH_ATTENTION = frozenset(
+    {
+        "MultiheadAttention",
+        "TransformerEncoderLayer",
+        "TransformerDecoderLayer",
+        "TransformerEncoder",
+        "TransformerDecoder",
+        "Transformer",
+    }
+)
+
+_FIX_TORCH = (
+    "empty = key_padding_mask.all(dim=-1)   # samples with no key to attend to (length 0)\n"
+    "key_padding_mask[empty, 0] = False     # un-mask one key each: a finite, meaningless row\n"
+    "# and leave those samples out of the loss, or drop them from the batch"
+)
+
+
+def _fix_for(ctx: RuleContext, call_id: int) -> str:
+    """A torch.nn attention module builds the -inf mask itself from key_padding_mask, so
+    the fix is in what it is given; hand-written attention gets the masking fix."""
+    call = ctx.trace.call(call_id)
+    while call is not None:
+        if call.module_type in _TORCH_ATTENTION:
+            return _FIX_TORCH
+        call = ctx.trace.call(call.parent) if call.parent is not None else None
+    return _FIX
+
+
 _EXPLAIN = (
     "softmax(x) = exp(x - max(x)) / sum(...): on a row where every score is -inf the max "
     "is -inf, x - max is -inf - (-inf) = NaN, and the whole row is NaN. Masking with -inf "
@@ -80,7 +110,8 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         line = code_line(ev)
         if line:
             evidence.append(line)
-        yield ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=_EXPLAIN, fix=_FIX)
+        fix = _fix_for(ctx, a.record.call)
+        yield ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=_EXPLAIN, fix=fix)
         return
     if a.kind is not AnomalyKind.FORWARD:
         return
@@ -98,6 +129,6 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
             untraced_hint(ctx.facts.get("mode")),
         ],
         explanation=_EXPLAIN,
-        fix=_FIX,
+        fix=_fix_for(ctx, a.record.call),
         priority=20,
     )
