@@ -40,6 +40,7 @@ def test_kl_div_on_probabilities_is_diagnosed_and_said_once_at_the_users_line() 
     assert "F.log_softmax" in text and 'ignore=["NW205"]' in text
     d = next(d for d in nw.history[0].diagnoses if d.code == "NW205")
     assert d.severity == "warning" and "softmax" in " ".join(d.evidence)
+    assert d.title == "Probabilities where log-probabilities are expected"  # not "logits"
 
 
 def test_kl_div_on_log_probabilities_is_silent() -> None:

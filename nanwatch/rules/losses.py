@@ -435,6 +435,7 @@ def _kl_div_on_probabilities(ctx: RuleContext, use: LossUse) -> Diagnosis | None
     if loss is not None and loss < 0:
         evidence.append(f"the loss is {fmt(loss)}: a KL divergence is never negative")
     return ctx.diagnosis(
+        title="Probabilities where log-probabilities are expected",
         path=use.path,
         phase=Phase.FORWARD.value,
         source=use.note.source if use.note is not None else None,
