@@ -1644,6 +1644,48 @@ def _check_regression(p: _Probe) -> None:
         and t.is_floating_point()
     ):
         p.on_any("target_negative", t < 0, lambda v, n, mask: _kl_failure(p, v, n, mask))
+    elif (
+        p.spec.name == "kl_div"
+        and p.bound.get("log_target", False) is True
+        and _readable(t)
+        and t is not None
+        and t.is_floating_point()
+    ):
+        p.on_any("target_neginf", t == -math.inf, lambda v, n, mask: _kl_log0(p, n, mask))
+
+
+def _kl_log0(p: _Probe, n: int, mask: torch.Tensor) -> None:
+    """A log-target of -inf (log of a zero probability) with log_target=True: KLDivLoss
+    computes exp(t) * (t - input) = 0 * -inf = NaN there."""
+    t = p.target
+    assert t is not None
+    p.fail(
+        _Failure(
+            code="NW511",
+            check="log-target-neginf",
+            problem=(
+                f"target holds {_many(n, 'value')} of -inf (of {_n(t.numel())}: the log of a "
+                f"zero probability); {p.desc(log_target=True)} computes exp(t) * (t - input) "
+                "there, which is 0 * -inf = NaN"
+            ),
+            expected="finite log-probabilities, or probabilities with log_target=False",
+            fix=(
+                p.call_with(target=f"{p.arg('target')}.exp()")
+                + f"  # with {p.desc(log_target=False)}: a zero probability contributes 0"
+                if p.is_module
+                else p.call_with(target=f"{p.arg('target')}.exp()", log_target="False")
+                + "  # probabilities: a zero contributes 0"
+            ),
+            explanation=(
+                "With log_target=False a zero target probability contributes 0 * log 0 = 0; "
+                "with log_target=True its log, -inf, gives NaN."
+            ),
+            values=(-math.inf,),
+            count=n,
+            total=t.numel(),
+            positions=_positions(mask),
+        )
+    )
 
 
 def _kl_failure(p: _Probe, v: dict[str, float], n: int, mask: torch.Tensor) -> None:

@@ -497,6 +497,24 @@ def test_kl_negative_target() -> None:
         kl(torch.randn(2, 3), -torch.rand(2, 3))
 
 
+def test_kl_log_target_of_log_zero() -> None:
+    """log_target=True with the log of a one-hot target: exp(-inf) * (-inf - x) is NaN in
+    every zero slot. It was a NaN loss diagnosed as 'NaN or inf in the loss targets', with
+    a fix that standardizes the targets."""
+    logp = torch.randn(2, 3).log_softmax(-1)
+    target = F.one_hot(torch.tensor([0, 2]), 3).float()
+    assert torch.isnan(F.kl_div(logp, target.log(), log_target=True)).item()  # torch's NaN
+    kl = nn.KLDivLoss(reduction="batchmean", log_target=True)
+    err = guarded(kl, logp, target.log())
+    assert (err.code, err.check, err.count) == ("NW511", "log-target-neginf", 4)
+    assert err.positions == ((0, 1), (0, 2), (1, 0))
+    assert "0 * -inf = NaN" in str(err) and "KLDivLoss(log_target=False)" in err.fix
+    err = guarded_f(lambda: F.kl_div(logp, target.log(), log_target=True))
+    assert err.code == "NW511" and "log_target=False" in err.fix
+    with watch(kl):  # finite log-probabilities pass
+        kl(logp, target.clamp_min(1e-6).log())
+
+
 # ------------------------------------------------------------------ evidence for the rules
 def test_loss_input_note_has_the_documented_keys() -> None:
     model = nn.Sequential(nn.Linear(4, 3), nn.Softmax(dim=1))

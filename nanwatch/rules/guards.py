@@ -77,7 +77,8 @@ CHECKS: dict[str, tuple[str, str]] = {
     "NW511": (
         "Probability target outside its range",
         "A target read as probabilities holds values outside [0, 1] (CrossEntropyLoss soft "
-        "targets) or negative values (KLDivLoss).",
+        "targets) or negative values (KLDivLoss); a KLDivLoss log-target holds -inf "
+        "(log_target=True: exp(-inf) * -inf is NaN).",
     ),
     "NW512": (
         "CTC target contains the blank label",
