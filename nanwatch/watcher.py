@@ -1676,7 +1676,7 @@ class Watcher:
         self._idx = idx
         records.extend(recs)
         if not self._defer_cpu and all(g.device.type == "cpu" for g in grads):
-            values = torch.stack(norms).tolist()  # float32 norms (float64 for float64)
+            values = [n.item() for n in norms]  # float32 norms (float64 for float64)
             self._fill_grad_stats(recs, grads, values)
         else:
             for rec, n in zip(recs, norms, strict=True):
@@ -1704,8 +1704,18 @@ class Watcher:
         self._trace.grad_norm = math.sqrt(total) if math.isfinite(total) else total
 
     def _param_maxima(self) -> list[torch.Tensor]:
-        """max |w| of every watched parameter, left on the devices (no sync)."""
-        return foreach_absmax([p.detach() for _, _, p in self._params])
+        """max |w| of every watched parameter, left on the devices (no sync). A small model
+        on the CPU gets one max over all its weights instead (one kernel, not one a weight:
+        only a non-finite weight is recorded, and then :meth:`_check_params` looks at each)."""
+        params = [p.detach() for _, _, p in self._params]
+        if (
+            len(params) > 1
+            and not self._forensic
+            and all(p.device.type == "cpu" for p in params)
+            and sum(p.numel() for p in params) <= _FLAT_WEIGHTS
+        ):
+            return [torch.cat([p.reshape(-1) for p in params]).abs().max()]  # NaN propagates
+        return foreach_absmax(params)
 
     def _check_params(
         self, *, at_end: bool, all_records: bool = False, values: list[float] | None = None
@@ -1720,6 +1730,10 @@ class Watcher:
         if not self._params:
             return
         params = [p.detach() for _, _, p in self._params]
+        if values is not None and len(values) == 1 < len(params):  # one max over them all
+            if math.isfinite(values[0]) and not all_records:
+                return
+            values = None
         if values is None or len(values) != len(params):
             values = read_scalars(foreach_absmax(params))
         front: list[Record] = []
@@ -2366,6 +2380,10 @@ class _ScalerTap:
 
 _scaler_tap = _ScalerTap()
 
+
+#: weights of at most this many values in all, on the CPU, are checked with one max over
+#: their concatenation (copying them costs less than a kernel launch per weight)
+_FLAT_WEIGHTS = 1 << 16
 
 #: a loss computed outside the modules: at most this many of its autograd nodes (those
 #: nearest the loss) are looked at for a gradient check in watch mode

@@ -1,5 +1,6 @@
 """Counting what the guards read: one entry per ``_Probe.read`` (the keys it read
-together) and every host sync a guard's own code causes."""
+together) and every host sync a guard's own code causes outside that read (on the CPU the
+read takes its few values one ``.item()`` at a time, cheaper than a stack there)."""
 
 from __future__ import annotations
 
@@ -28,15 +29,21 @@ def count_reads_and_syncs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[st
     real_read = guards._Probe.read
     real_guard = guards._guard
 
+    reading = [False]
+
     def counting_read(self: guards._Probe) -> None:
         reads.append(list(self._keys))
-        real_read(self)
+        reading[0] = True
+        try:
+            real_read(self)
+        finally:
+            reading[0] = False
 
     class SyncCounter(TorchDispatchMode):
         def __torch_dispatch__(
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
-            if func.overloadpacket in _SYNCS:
+            if func.overloadpacket in _SYNCS and not reading[0]:
                 syncs.append(str(func))
             return func(*args, **(kwargs or {}))
 

@@ -130,9 +130,10 @@ class Diagnosis:
 
 #: Per-step summaries computed by rules from finished (history) steps, so that a rule
 #: reading 32 steps of history does not walk 32 steps of records at every flush. Keyed by
-#: (id(trace), key); the trace itself is kept to check identity, and entries of steps that
-#: left the history are dropped at the next evaluation (memory stays bounded by the ring).
-_MEMO: dict[tuple[int, str], tuple[StepTrace, Any]] = {}
+#: id(trace), then by key; the trace itself is kept to check identity, and the entries of
+#: steps that left the history are dropped at the next evaluation (memory stays bounded by
+#: the ring).
+_MEMO: dict[int, tuple[StepTrace, dict[str, Any]]] = {}
 
 
 @dataclass(slots=True)
@@ -153,6 +154,8 @@ class RuleContext:
     rule: Rule | None = None
     #: extra facts the watcher knows (``scaler``: whether a GradScaler was given; ``mode``).
     facts: dict[str, Any] = field(default_factory=dict)
+    #: what :meth:`memo` computed for the current step in this evaluation
+    _now: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def anomaly(self) -> Anomaly | None:
@@ -177,14 +180,23 @@ class RuleContext:
         The current step is always computed afresh, and its latest value is kept: a step's
         last evaluation is the one at its end, so once it is history it is not computed
         again (the rules that compare a step with its history read every step twice
-        otherwise)."""
-        k = (id(trace), key)
-        hit = _MEMO.get(k)
-        if trace is not self.trace and hit is not None and hit[0] is trace:
-            kept: T = hit[1]
-            return kept
+        otherwise). Within one evaluation the current step is computed once (six loss
+        rules read its loss calls)."""
+        now = trace is self.trace
+        if now and key in self._now:
+            found: T = self._now[key]
+            return found
+        slot = _MEMO.get(id(trace))
+        if slot is None or slot[0] is not trace:
+            slot = _MEMO[id(trace)] = (trace, {})
+        kept = slot[1]
+        if not now and key in kept:
+            hit: T = kept[key]
+            return hit
         value = compute(trace)
-        _MEMO[k] = (trace, value)
+        kept[key] = value
+        if now:
+            self._now[key] = value
         return value
 
     def diagnosis(self, **fields: Any) -> Diagnosis:
@@ -342,7 +354,7 @@ def sort_key(d: Diagnosis) -> tuple[int, int, str]:
 def _prune_memo(trace: StepTrace, history: Sequence[StepTrace]) -> None:
     live = {id(t) for t in history}
     live.add(id(trace))
-    for k in [k for k, (t, _) in _MEMO.items() if k[0] not in live or id(t) != k[0]]:
+    for k in [k for k in _MEMO if k not in live]:
         del _MEMO[k]
 
 
