@@ -705,6 +705,12 @@ _ELEMENTWISE: dict[str, tuple[str, tuple[tuple[str, str], ...], _Fn]] = {
     "SpecialEntr": ("aten.special_entr", (("self", "_saved_self"),), torch.special.entr),
     "Div": ("aten.div", (("self", "_saved_self"), ("other", "_saved_other")), torch.div),
     "Pow": ("aten.pow", (("self", "_saved_self"), ("exponent", "_saved_exponent")), torch.pow),
+    # F.mse_loss called as a function: (input - target)**2 past the dtype's largest value
+    "MseLoss": (
+        "aten.mse_loss",
+        (("self", "_saved_self"), ("target", "_saved_target"), ("reduction", "_saved_reduction")),
+        torch.ops.aten.mse_loss,
+    ),
 }
 
 #: nodes that save only their result: (aten op, what an inf result means)
@@ -865,6 +871,8 @@ def _elementwise_event(
             f"{_has(x, lambda v: v < 0)} negative and {_has(x, lambda v: v == 0)} zero bases "
             f"with exponent {_plain(e) if not isinstance(e, torch.Tensor) else 'a tensor'}"
         )
+    elif base == "MseLoss":
+        why = "the squared differences overflow"
     else:
         dom = domain_of(op)
         arg = dict(vals).get(dom.arg) if dom is not None else None

@@ -755,8 +755,9 @@ def test_e2e_float32_rnn_explosion_points_at_the_recurrent_weights() -> None:
 
 
 def test_e2e_float32_loss_overflow_from_exploded_outputs_is_nw101_with_clipping() -> None:
-    # an MSE loss computed outside any module: no op recorded in watch mode, but the model's
-    # outputs are past sqrt(finfo(float32).max), so their square is inf: values exploded
+    # an MSE loss computed outside any module: its autograd node names aten.mse_loss, and the
+    # model's outputs are past sqrt(finfo(float32).max), so their square is inf: values
+    # exploded
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     x, y = torch.randn(16, 4), torch.zeros(16, 1)
@@ -769,9 +770,9 @@ def test_e2e_float32_loss_overflow_from_exploded_outputs_is_nw101_with_clipping(
 
     d, t = run(model, step)
     assert d is not None and t is not None and t.step == 2
-    assert d.code == "NW101" and d.path == "(loss)" and d.op is None
+    assert d.code == "NW101" and d.path == "(loss)" and d.op == "aten.mse_loss"
     root = math.sqrt(torch.finfo(torch.float32).max)
-    m = re.search(r"inputs up to \|x\| = ([\d.e+]+) \(the output of 2\)", text(d))
+    m = re.search(r"mse_loss made \+inf in float32 from inputs up to \|x\| = ([\d.e+]+)", text(d))
     assert m is not None and float(m.group(1)) >= root
     assert "the values grew during training" in text(d)
     assert d.fix.startswith("torch.nn.utils.clip_grad_norm_") and "autocast" not in d.fix
@@ -1232,3 +1233,16 @@ def test_e2e_a_fully_padded_sample_in_multihead_attention_gets_a_key_padding_mas
     d = nw.history[0].diagnoses[0]
     assert d.code == "NW402"
     assert "key_padding_mask[empty, 0] = False" in d.fix and "masked_fill" not in d.fix
+
+
+def test_e2e_a_functional_mse_loss_that_overflows_names_its_op() -> None:
+    """F.mse_loss on outputs of 1e20: (1e20)**2 is inf in float32. The module form named
+    aten.mse_loss; the functional form (no module to re-run) said NW101 with no op."""
+    model = nn.Linear(4, 8)
+    with torch.no_grad():
+        model.bias.fill_(1e20)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        F.mse_loss(model(torch.randn(2, 4)), torch.zeros(2, 8)).backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert (d.code, d.op, d.phase) == ("NW101", "aten.mse_loss", "forward")
