@@ -93,6 +93,35 @@ def user_frame(start: types.FrameType | None = None) -> types.FrameType | None:
     return None
 
 
+_OPS_FILE = os.path.join(_NANWATCH_DIR, "ops.py")
+#: nanwatch's wrappers of the user's own calls: what runs under them is the user's work
+#: (``loss.backward()`` through the backward tap, ``F.cross_entropy`` through its guard,
+#: ``scaler.scale(loss)`` through the scaler tap)
+_WRAPPERS = frozenset({"_tapped", "guarded", "scale"})
+
+
+def called_by_nanwatch(start: types.FrameType | None = None) -> bool:
+    """Whether the innermost code above ``start`` that is not torch's is nanwatch's own
+    (its statistics, run from a hook), not the user's: what an op checker must not report.
+    The checker's own frames (``ops.py``) are passed over; a module re-run by
+    :func:`nanwatch.ops.replay` (torch's ``nn.RNN`` as much as the user's code) and what
+    nanwatch's wrappers of the user's calls run are the user's."""
+    f: types.FrameType | None = start if start is not None else sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith(_USER_INSIDE):
+            return False
+        if name.startswith(_NANWATCH_DIR):
+            if name != _OPS_FILE:
+                return f.f_code.co_name not in _WRAPPERS
+            if f.f_code.co_name == "replay":  # a module's forward, run again: its ops
+                return False
+        elif not name.startswith(_TORCH_DIR):
+            return False
+        f = f.f_back
+    return False
+
+
 def describe_frame(f: types.FrameType | None) -> tuple[str | None, str | None]:
     """(``file.py:42``, the source text of that line) for a frame."""
     if f is None:

@@ -293,6 +293,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         injected = (all_out & scalar_kinds) - in_kinds
         event: OpEvent | None = None
         if (born or injected) and len(self.events) < self._max_events:
+            if _frames.called_by_nanwatch():  # a hook's own statistics (|x| of a -inf)
+                return
             node: Any = current_autograd_node()  # None outside backward
             backward_at: str | None = None
             if node is not None:

@@ -1246,3 +1246,34 @@ def test_e2e_a_functional_mse_loss_that_overflows_names_its_op() -> None:
         nw.step()
     d = nw.history[0].diagnoses[0]
     assert (d.code, d.op, d.phase) == ("NW101", "aten.mse_loss", "forward")
+
+
+@pytest.mark.parametrize("mode", ["watch", "forensic"])
+def test_e2e_a_minus_inf_computed_before_the_model_is_a_log_of_zero_not_an_overflow(
+    mode: str,
+) -> None:
+    """A log-SNR of alpha_bar = 0 is -inf in the user's code; the first Linear turns it
+    into ±inf. It was NW101 'values exploded, clip gradients' (the addmm was given a -inf,
+    it did not overflow), and in forensic mode the op named was aten.abs: nanwatch's own
+    |x| of the input, which the op checker saw."""
+    torch.manual_seed(0)
+
+    class TimeEmbedding(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(1, 8)
+
+        def forward(self, c: torch.Tensor) -> torch.Tensor:
+            return torch.sin(self.lin(c[:, None]))
+
+    model = nn.Sequential(TimeEmbedding(), nn.Linear(8, 1))
+    alpha_bar = torch.rand(6) * 0.9 + 0.05
+    alpha_bar[3] = 0.0
+    with nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        model(torch.log(alpha_bar / (1 - alpha_bar))).pow(2).mean().backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.op is not None and a.op.op.startswith("aten.addmm")
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW110" and "a -inf first appeared in" in d.evidence[0]
+    assert "aten.addmm was given the -inf" in d.evidence[1]

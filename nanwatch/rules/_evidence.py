@@ -286,7 +286,8 @@ def classify(ev: OpEvent) -> str:
     """What an op event is: ``overflow``, ``log``, ``div``, ``root`` (sqrt / fractional
     power outside its domain), ``domain`` (another op outside its real domain: acos of
     1.0000001, atanh of 1), ``reduce`` (a mean or variance over too few elements),
-    ``masked-softmax``, ``injected`` (a constant -inf put in on purpose) or ``other``.
+    ``masked-softmax``, ``neginf-input`` (a forward op given a -inf, which it turned into
+    inf or NaN), ``injected`` (a constant -inf put in on purpose) or ``other``.
 
     >>> from nanwatch.records import OpEvent, Phase, TensorStat
     >>> ev = OpEvent("aten.exp.default", Phase.FORWARD, "head", "+inf",
@@ -310,6 +311,8 @@ def classify(ev: OpEvent) -> str:
         if x is not None and x.has_neginf and not x.has_posinf and not x.has_nan:
             return "masked-softmax"
         return "overflow" if born_inf or (x is not None and x.has_posinf) else "other"
+    if ev.phase is Phase.FORWARD and any(s.has_neginf for s in inputs_of(ev)):
+        return "neginf-input"  # it was given a -inf (a log of 0 upstream): not its doing
     if name in _LOG:
         return "log"
     if name in _DIV:

@@ -78,16 +78,25 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if cause is not None:
         if cause.kind == "log":
             yield _log_from_op(ctx, a, cause.event, cause.trigger)
-        return
+            return
+        if cause.kind != "neginf-input":
+            return
     src = a.neginf_source
     if src is None or a.kind is not AnomalyKind.FORWARD or _looks_like_mask(src):
         return
+    grew = f"it grew into {a.record.stat.kinds() if a.record.stat else 'NaN'} in {a.record.where}"
+    if cause is not None:  # the op that was given it is known (a Linear's addmm)
+        ev = cause.event
+        grew += f": {short_op(ev.op)} was given the -inf and made {ev.born}"
+        line = code_line(ev)
+        if line:
+            grew += f" ({line})"
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=[
             f"a -inf first appeared in {src.where} ({src.dtype}): {describe_stat(src.stat)}",
-            f"it grew into {a.record.stat.kinds() if a.record.stat else 'NaN'} in {a.record.where}",
-            untraced_hint(ctx.facts.get("mode")),
+            grew,
+            *([] if cause is not None else [untraced_hint(ctx.facts.get("mode"))]),
         ],
         explanation=(
             "-inf is what log(0) returns; an arithmetic op on it (0 × -inf, -inf + inf) "
