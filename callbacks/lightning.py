@@ -443,6 +443,7 @@ class _NanWatch:
             and any(isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules())
         )  # SyncBatchNorm's forward is a collective: a replay on one rank would hang it
         nw.attach()
+        nw._explicit = True  # steps are this callback's (on_train_batch_end), from the first
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         nw = self.watcher
@@ -671,14 +672,18 @@ class _NanWatch:
             self._report_due = True
         if action == "raise":
             done = None if self._broken else self._guarded(nw.step)
+            at = nw.step_index - (done is not None)
             raise AnomalyError(
-                self._message(nw.step_index - (done is not None), ranks, world, steps, False),
+                self._message(at, ranks, world, found, dropped=False, trainer=trainer),
                 anomaly=self._earliest(steps),
                 diagnoses=done.diagnoses if done is not None else [],
             )
         if not self._warned:
             self._warned = True
-            _warn(self._message(nw.step_index, ranks, world, steps, dropped=dropped), fault=False)
+            message = self._message(
+                nw.step_index, ranks, world, found, dropped=dropped, trainer=trainer
+            )
+            _warn(message, fault=False)
 
     def _earliest(self, steps: list[int]) -> Anomaly | None:
         nw = self.watcher
@@ -699,13 +704,31 @@ class _NanWatch:
         return "an anomaly"
 
     def _message(
-        self, step: int, ranks: list[int], world: int, steps: list[int], dropped: bool
+        self,
+        step: int,
+        ranks: list[int],
+        world: int,
+        found: list[tuple[int, int]],
+        *,
+        dropped: bool,
+        trainer: Any,
     ) -> str:
+        """The warning or error: the step and batch where it was found (with gradient
+        accumulation the decision comes at a later batch's optimizer step), and the
+        optimizer step, as Lightning counts it, that it concerns."""
         nw = self.watcher
         assert nw is not None
         seen = _ranks_text(ranks, world)
-        if steps:
-            head = f"nanwatch: step {step}: {self._what(steps)}"
+        steps = [s for s, _ in found]
+        if found:
+            first, batch = min(found)
+            opt_step = int(getattr(trainer, "global_step", 0) or 0)
+            where = (
+                f" (batch {batch}, optimizer step {opt_step})"
+                if first != batch or (first != opt_step)
+                else ""
+            )
+            head = f"nanwatch: step {first}{where}: {self._what(steps)}"
             if seen:
                 head += f" (seen on {seen})"
         else:

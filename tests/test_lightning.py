@@ -761,3 +761,49 @@ def test_a_training_step_that_calls_a_submodule_finds_a_bad_sample(tmp_path: Pat
     assert a is not None and a.step == 2 and a.path == "net"
     assert a.record.stat is not None and a.record.stat.bad_rows == (1,)
     assert next(t for t in nw.history if t.step == 2).diagnoses[0].code == "NW401"
+
+
+def test_with_accumulation_the_message_names_the_batch_and_the_optimizer_step(
+    tmp_path: Path,
+) -> None:
+    """A NaN in batch 6, micro-batch 3 of optimizer step 1, decided at batch 7's optimizer
+    step: the warning said "step 7" (the batch of the decision) while the report said 6."""
+    cb = NanWatchCallback(on_anomaly="warn")
+    with pytest.warns(RuntimeWarning, match=r"nanwatch: step 6 \(batch 6, optimizer step 1\)"):
+        fit(tmp_path, Model(bad=[6]), cb, batches=8, accumulate_grad_batches=4)
+    a = cb.watcher.first_anomaly if cb.watcher else None
+    assert a is not None and a.step == 6
+
+
+def test_manual_optimization_steps_are_the_batches(tmp_path: Path) -> None:
+    """Two optimizers stepped by hand, a forward after the first one's step: before the
+    callback's first nw.step() the automatic rule split batch 0 in two, and every step
+    number after it was its batch + 1."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class TwoOptimizers(L.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt_a, opt_b = self.optimizers()
+            (x,) = batch
+            opt_a.zero_grad()
+            self.manual_backward(self.a(x).pow(2).mean())
+            opt_a.step()
+            opt_b.zero_grad()
+            self.manual_backward(self.b(self.a(x).detach()).pow(2).mean())
+            opt_b.step()
+
+        def configure_optimizers(self) -> Any:
+            sgd = torch.optim.SGD
+            return [sgd(self.a.parameters(), lr=0.01), sgd(self.b.parameters(), lr=0.01)]
+
+        def train_dataloader(self) -> Any:
+            return DataLoader(TensorDataset(torch.randn(12, 4)), batch_size=4)
+
+    cb = NanWatchCallback()
+    fit(tmp_path, TwoOptimizers(), cb, batches=3)
+    assert cb.watcher is not None and [t.step for t in cb.watcher.history] == [0, 1, 2]
