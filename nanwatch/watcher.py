@@ -2139,7 +2139,12 @@ class Watcher:
                 first, *more = top.fix.splitlines()
                 lines.append(f"  fix: {first}")
                 lines.extend(f"       {line}" for line in more)
-        lines.append("  full report: print(nw.report); nw.report.save('run.html')")
+        if self.global_hooks:  # nanwatch run: the script has no nw; the report is a file
+            lines.append(
+                f"  full report: in {self.config.report_dir} (nanwatch report <file>.json)"
+            )
+        else:
+            lines.append("  full report: print(nw.report); nw.report.save('run.html')")
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ faults and exits

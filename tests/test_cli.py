@@ -76,6 +76,9 @@ def test_run_stops_a_script_that_goes_nan_and_leaves_a_report(tmp_path: Path) ->
         cli.main(["run", "--report-dir", str(tmp_path), str(EXAMPLES / "train_nan.py")])
     assert info.value.anomaly is not None
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".html", ".json"]
+    # the script has no nw to print: the message points at the report file
+    assert f"full report: in {tmp_path} (nanwatch report <file>.json)" in str(info.value)
+    assert "print(nw.report)" not in str(info.value)
 
 
 def test_run_with_record_lets_the_script_finish_and_reports_at_the_end(
