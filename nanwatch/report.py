@@ -338,6 +338,11 @@ class Report:
         if running:
             e = running[-1]
             return f" in {e.path}" + (f" ({e.module_type})" if e.module_type != e.path else "")
+        if events and events[-1].phase == "gradient":  # backward had ended
+            t = self.error_step()
+            if t is not None and any(n.kind == "optimizer" for n in t.notes):
+                return " after the optimizer step"
+            return " after the backward pass"
         if events and events[-1].phase != "forward":
             return " during backward"
         if events:

@@ -620,3 +620,25 @@ def test_an_anomaly_error_of_nw_step_is_the_ended_steps_not_the_next(report_dir:
     report = Report.load(path)
     assert report.error is not None and report.error["step"] == 1
     assert [t.step for t in report.steps] == [0, 1]
+
+
+@pytest.mark.parametrize(("update", "where"), [(True, "after the optimizer step"),
+                                               (False, "after the backward pass")])  # fmt: skip
+def test_an_exception_after_backward_is_not_said_to_be_during_backward(
+    report_dir: Path, update: bool, where: str
+) -> None:
+    """The user's own check raising after the update was headed 'ValueError during
+    backward': the last records were the gradients, and backward had ended."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with (
+        pytest.raises(ValueError, match="my own check"),
+        nanwatch.watch(model, report_dir=str(report_dir)),
+    ):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        if update:
+            opt.step()
+        raise ValueError("my own check failed")
+    (path,) = report_dir.glob("*.json")
+    headline = Report.load(path).headline
+    assert f"ValueError (exception) {where}, step 0" in headline
