@@ -1897,11 +1897,20 @@ class Watcher:
             )
         elif trace.loss is None:
             trace.loss = self._loss_from_records(trace)
+        first = next((info.path for _, info in self._modules if info.first_root), None)
+        calls = {c.id for c in trace.calls if c.root and c.path == first}
+        least = 0  # fewest values an output needs to count
+        if not calls:  # the first root is never called itself (a LightningModule calling
+            # self.net(x)): the first module called from the user's code is the model, and
+            # a one-value output of it is a loss, not logits
+            calls = {c.id for c in trace.calls if c.root and not c.is_loss}
+            calls = {min(calls)} if calls else set()
+            least = 2
         mags = []
         for r in trace.records:
-            if r.phase is Phase.FORWARD and self._is_first_root_call(trace, r):
+            if r.phase is Phase.FORWARD and r.call in calls:
                 m = trace.resolve(r)
-                if m.stat is not None:
+                if m.stat is not None and m.stat.numel >= least:
                     mags.append(m.stat.magnitude)
         mags = [m for m in mags if not math.isnan(m)]
         trace.max_logit = max(mags) if mags else None
@@ -1913,13 +1922,6 @@ class Watcher:
                 trace.scale = float(g) if g is not None else float(s.get_scale())
             if trace.grad_norm is not None and trace.scale:
                 trace.grad_norm = trace.grad_norm / trace.scale  # the unscaled norm
-
-    def _is_first_root_call(self, trace: StepTrace, r: Record) -> bool:
-        call = trace.call(r.call)
-        if call is None or not call.root:
-            return False
-        first = next((info.path for _, info in self._modules if info.first_root), None)
-        return call.path == first
 
     @staticmethod
     def _loss_from_records(trace: StepTrace) -> float | None:

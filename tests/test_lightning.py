@@ -761,6 +761,9 @@ def test_a_training_step_that_calls_a_submodule_finds_a_bad_sample(tmp_path: Pat
     assert a is not None and a.step == 2 and a.path == "net"
     assert a.record.stat is not None and a.record.stat.bad_rows == (1,)
     assert next(t for t in nw.history if t.step == 2).diagnoses[0].code == "NW401"
+    # the figure logged as max_logit is net's output (it was NaN at every step: "unknown")
+    healthy = [t.max_logit for t in nw.history if t.step < 2]  # (warn applied the NaN)
+    assert healthy and all(m is not None and math.isfinite(m) and m > 0 for m in healthy)
 
 
 def test_with_accumulation_the_message_names_the_batch_and_the_optimizer_step(
