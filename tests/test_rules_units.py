@@ -924,6 +924,18 @@ def test_a_gradient_norm_of_0_is_said_exactly(dtype: str, exact: bool) -> None:
         assert "below 2.65e-23" in d.evidence[0] and "exactly" not in d.explanation
 
 
+def test_vanishing_bfloat16_gradients_are_dead_units_not_underflow() -> None:
+    """bfloat16 has float32's exponent: zero gradients there are not an underflow a
+    GradScaler could fix (it was suggested, for a ReLU killed by bf16 rounding)."""
+
+    def step(i: int) -> StepTrace:
+        return model_step(i, dtype="bfloat16", grad=0.0, grad_out=(0.0, 0.0))
+
+    d = Case(step(5), history(5, step)).get("NW304")
+    assert "GradScaler" not in d.fix and "underflow" not in d.explanation
+    assert "LeakyReLU" in d.fix
+
+
 def test_vanishing_float16_gradients_suggest_a_grad_scaler() -> None:
     d = case_vanishing().get("NW304")
     assert "GradScaler" in d.fix and "underflow" in d.explanation

@@ -532,6 +532,8 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     top = dead[0]
     dtype = dtypes.get(top, "")
     lim = low_precision(dtype)
+    if lim is not None and not lim.short_range:
+        lim = None  # bfloat16 has float32's exponent: its gradients do not underflow sooner
     scaled = bool(ctx.facts.get("scaler"))
     # exact when a module's output gradients were 0 each step (their min and max say so);
     # a parameter gradient is known by its norm only, which is 0 for tiny values too
