@@ -690,6 +690,8 @@ _ELEMENTWISE: dict[str, tuple[str, tuple[tuple[str, str], ...], _Fn]] = {
     "Acosh": ("aten.acosh", (("self", "_saved_self"),), torch.acosh),
     "Atanh": ("aten.atanh", (("self", "_saved_self"),), torch.atanh),
     "Erfinv": ("aten.erfinv", (("self", "_saved_self"),), torch.erfinv),
+    "Cosh": ("aten.cosh", (("self", "_saved_self"),), torch.cosh),
+    "Sinh": ("aten.sinh", (("self", "_saved_self"),), torch.sinh),
     "Lgamma": ("aten.lgamma", (("self", "_saved_self"),), torch.lgamma),
     "Digamma": ("aten.digamma", (("self", "_saved_self"),), torch.digamma),
     "Polygamma": (

@@ -1277,3 +1277,21 @@ def test_e2e_a_minus_inf_computed_before_the_model_is_a_log_of_zero_not_an_overf
     d = nw.history[0].diagnoses[0]
     assert d.code == "NW110" and "a -inf first appeared in" in d.evidence[0]
     assert "aten.addmm was given the -inf" in d.evidence[1]
+
+
+def test_e2e_a_log_cosh_loss_on_an_outlier_names_cosh_and_clamps_both_sides() -> None:
+    """log(cosh(pred - y)) with a target of 150 and predictions near 0: cosh(-150) is inf.
+    It was NW100 with no op (cosh's node was not read), and forensic mode's fix clamped only
+    from above (cosh(-150) stays inf) after quoting the input's largest value, 3."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    x = torch.randn(32, 8)
+    y = 2 * x[:, 0]
+    y[4] = 150.0
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        torch.log(torch.cosh(model(x).squeeze(-1) - y)).mean().backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert (d.code, d.op) == ("NW101", "aten.cosh")
+    assert "from an input up to |x| = 15" in d.evidence[0]  # the -150, not the max
+    assert "clamp(-44.3, 44.3)" in d.fix and "softplus(-2 * d.abs())" in d.fix

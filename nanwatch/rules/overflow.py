@@ -80,6 +80,8 @@ def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
     yield from _from_record(ctx, a)
 
 
+#: exp-like ops that overflow on both sides (cosh(-100) = inf, sinh(-100) = -inf)
+_BOTH_SIDES = frozenset({"sinh", "cosh"})
 #: exp-like ops that are not a softmax themselves: their own argument overflows
 _BARE_EXP = frozenset({"exp", "exp_", "exp2", "expm1", "sinh", "cosh"})
 #: ops that, after an exp, make it a softmax / logsumexp by hand (normalize, or log a sum)
@@ -113,6 +115,12 @@ def _from_op(
     big = max((s.magnitude for s in inputs_of(ev) if not math.isnan(s.magnitude)), default=math.nan)
     if lim is None:
         evidence.append(f"{op} made {ev.born} in {dtype}")
+    elif name.rstrip("_") in _BOTH_SIDES and x is not None and not math.isnan(x.magnitude):
+        evidence.append(
+            f"{op} made {ev.born} in {dtype} from an input up to |x| = {fmt(x.magnitude)} "
+            f"(min {fmt(x.min)}, max {fmt(x.max)}); it overflows for |x| above "
+            f"{fmt(lim.exp_bound + math.log(2))} = log(2 × {fmt(lim.max)})"
+        )
     elif name in EXP_LIKE:
         top = signed_max(x)
         given = (
@@ -458,15 +466,22 @@ def _fix_wide(
     if kind == "exp":
         bound = lim.exp_bound / (math.log(2) if name.rstrip("_") == "exp2" else 1.0)
         cap = math.floor(bound / 2 * 10) / 10
-        fixed = rewrite_call(code, [name.rstrip("_")], lambda e: f"{paren(e)}.clamp(max={cap})")
+        bounds = f"-{cap}, {cap}" if name.rstrip("_") in _BOTH_SIDES else f"max={cap}"
+        fixed = rewrite_call(code, [name.rstrip("_")], lambda e: f"{paren(e)}.clamp({bounds})")
         first_line = (
-            fixed if fixed is not None else f"y = torch.{name.rstrip('_')}(x.clamp(max={cap}))"
+            fixed if fixed is not None else f"y = torch.{name.rstrip('_')}(x.clamp({bounds}))"
+        )
+        last = (
+            "# log(cosh(d)), a log-cosh loss, without cosh: "
+            "d.abs() + F.softplus(-2 * d.abs()) - math.log(2)"
+            if name.rstrip("_") == "cosh"
+            else "std = F.softplus(raw) + 1e-4   # or: a scale parameterized by softplus, not exp"
         )
         return (
             f"{first_line}\n"
             f"# {cap} = half of {fmt(lim.exp_bound)}: exp stays below sqrt({fmt(lim.max)}) = "
             f"{fmt(math.sqrt(lim.max))}, so a product of two still fits\n"
-            "std = F.softplus(raw) + 1e-4   # or: a scale parameterized by softplus, not exp"
+            f"{last}"
         )
     if kind == "cast":
         return (
