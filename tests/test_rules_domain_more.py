@@ -1295,3 +1295,26 @@ def test_e2e_a_log_cosh_loss_on_an_outlier_names_cosh_and_clamps_both_sides() ->
     assert (d.code, d.op) == ("NW101", "aten.cosh")
     assert "from an input up to |x| = 15" in d.evidence[0]  # the -150, not the max
     assert "clamp(-44.3, 44.3)" in d.fix and "softplus(-2 * d.abs())" in d.fix
+
+
+def test_e2e_an_exp_overflow_a_min_hid_in_forward_is_an_overflow_in_backward() -> None:
+    """PPO's ratio exp(logp - old_logp) with a stale old_logp of -120: exp(~119) is inf,
+    the clipped branch of the min hides it (the loss is finite), and ExpBackward0 makes
+    0 × inf = NaN. It was NW100 'aten.exp made NaN from finite inputs' with a fix about
+    sqrt and acos endpoints."""
+    torch.manual_seed(0)
+    policy = nn.Linear(8, 1)
+    old_logp = torch.full((16,), -1.0)
+    old_logp[7] = -120.0
+    adv = torch.rand(16) + 0.5  # positive: min() takes the clipped branch where ratio is inf
+    with nanwatch.watch(policy, on_anomaly="record", postmortem=False) as nw:
+        logp = F.logsigmoid(policy(torch.randn(16, 8)).squeeze(-1))
+        ratio = torch.exp(logp - old_logp)
+        loss = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv).mean()
+        assert torch.isfinite(loss)
+        loss.backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert (d.code, d.op, d.phase) == ("NW101", "aten.exp", "backward")
+    assert "in forward, aten.exp overflowed" in d.evidence[0] and "0 × inf" in d.evidence[1]
+    assert ".clamp(max=44.3)" in d.fix

@@ -303,6 +303,8 @@ def classify(ev: OpEvent) -> str:
         cls = _NODE_CLASS.get(node_base(ev.node))
         if cls is not None:
             return cls
+        if packet(ev.op) in EXP_LIKE and any(s.has_posinf for s in inputs_of(ev)):
+            return "overflow"  # the forward's exp was inf (hidden by a min or a where)
         if node_domain(ev.node) is not None:
             return "domain"  # acos's backward at ±1: whatever aten op it runs (rsqrt, div)
     name = packet(ev.op)

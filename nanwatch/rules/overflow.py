@@ -115,6 +115,16 @@ def _from_op(
     big = max((s.magnitude for s in inputs_of(ev) if not math.isnan(s.magnitude)), default=math.nan)
     if lim is None:
         evidence.append(f"{op} made {ev.born} in {dtype}")
+    elif ev.phase is Phase.BACKWARD and name in EXP_LIKE:
+        evidence.append(
+            f"in forward, {op} overflowed: the result autograd saved holds +inf "
+            f"({describe_stat(x)}), which the loss then left out (a min, a clamp or a where "
+            "chose the other branch)"
+        )
+        evidence.append(
+            f"in backward ({ev.node}) the gradient is multiplied by that result: 0 × inf = "
+            f"{ev.born}"
+        )
     elif name.rstrip("_") in _BOTH_SIDES and x is not None and not math.isnan(x.magnitude):
         evidence.append(
             f"{op} made {ev.born} in {dtype} from an input up to |x| = {fmt(x.magnitude)} "
@@ -153,7 +163,9 @@ def _from_op(
         evidence.append(f"input {nm}: {describe_stat(s)}")
     # float32 and up, and bfloat16 (float32's range: an upcast would not help it)
     wide = lim is not None and not lim.short_range
-    if wide and lim is not None and name not in CAST:
+    # a backward of exp: what the node holds is exp's result, not its argument
+    result_only = ev.phase is Phase.BACKWARD and name in EXP_LIKE
+    if wide and lim is not None and name not in CAST and not result_only:
         evidence.append(_growth_line(ctx, a, name, big, lim))
     line = code_line(ev)
     if line:
@@ -172,7 +184,8 @@ def _from_op(
     recurrent = a.record.module_type in _RECURRENT
     first = _first_step(ctx)
     if wide and lim is not None:
-        explanation = _explain_wide(kind, dtype, lim, x, big, recurrent=recurrent)
+        arg = None if result_only else x
+        explanation = _explain_wide(kind, dtype, lim, arg, big, recurrent=recurrent)
         fix = _fix_wide(
             kind,
             name,
