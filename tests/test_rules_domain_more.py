@@ -1318,3 +1318,25 @@ def test_e2e_an_exp_overflow_a_min_hid_in_forward_is_an_overflow_in_backward() -
     assert (d.code, d.op, d.phase) == ("NW101", "aten.exp", "backward")
     assert "in forward, aten.exp overflowed" in d.evidence[0] and "0 × inf" in d.evidence[1]
     assert ".clamp(max=44.3)" in d.fix
+
+
+def test_e2e_a_division_by_a_python_zero_gets_a_floor_not_a_tensor_clamp() -> None:
+    """Gumbel-softmax with tau annealed to exactly 0.0, a Python float: 'd.clamp_min(eps)'
+    was the fix, and there is no tensor d to clamp."""
+
+    class Gumbel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+            self.tau = 0.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(self.lin(x) / self.tau, dim=-1)
+
+    model = Gumbel()
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        model(torch.randn(2, 4)).sum().backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW111" and "denominator: the scalar 0.0" in d.evidence[0]
+    assert d.fix.startswith("d = max(d, 1e-3)") and "clamp_min" not in d.fix

@@ -285,7 +285,11 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             "±inf and 0/0 is NaN, and the whole column or row goes bad from here."
         ),
         fix=(
-            "eps = torch.finfo(d.dtype).eps\n"
+            # a Python number (a temperature annealed to 0, a count): no tensor to clamp
+            "d = max(d, 1e-3)   # a temperature or a scale annealed to 0: give it a floor\n"
+            "y = x / d"
+            if den is None and "other" in ev.scalars
+            else "eps = torch.finfo(d.dtype).eps\n"
             "y = x / d.clamp_min(eps)            # non-negative denominators (std, range, "
             "norm, count)\n"
             "y = x / torch.where(d == 0, torch.ones_like(d), d)   # any sign: leave x as is"
