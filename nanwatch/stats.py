@@ -71,6 +71,11 @@ class DtypeLimits:
         return self.bits <= 16
 
     @property
+    def subnormal(self) -> float:
+        """The smallest positive value (a subnormal: ``tiny * eps``)."""
+        return self.tiny * self.eps
+
+    @property
     def short_range(self) -> bool:
         """Its largest value is far below float32's (float16, float8): computing in float32
         gives room. bfloat16 has float32's exponent, so there it gives none."""

@@ -1676,7 +1676,7 @@ class Watcher:
         self._idx = idx
         records.extend(recs)
         if not self._defer_cpu and all(g.device.type == "cpu" for g in grads):
-            values = [n.item() for n in norms]  # float32 norms (float64 for float64)
+            values = read_scalars(norms)  # float32 norms (float64 for float64)
             self._fill_grad_stats(recs, grads, values)
         else:
             for rec, n in zip(recs, norms, strict=True):

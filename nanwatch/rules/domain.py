@@ -188,10 +188,9 @@ def _near_zero_division(
         evidence.append(f"numerator: {describe_stat(num)}")
     if ev.phase is Phase.BACKWARD:
         square = closest * closest
-        tiniest = lim.tiny * lim.eps  # the smallest subnormal
         fate = (
-            f"below {ev.dtype}'s smallest value {fmt(tiniest)}: it rounds to 0"
-            if square < tiniest / 2
+            f"below {ev.dtype}'s smallest value {fmt(lim.subnormal)}: it rounds to 0"
+            if square < lim.subnormal / 2
             else f"and x/d² passes {ev.dtype}'s largest value {fmt(lim.max)}"
         )
         evidence.append(

@@ -21,6 +21,7 @@ from nanwatch.rules._evidence import (
     describe_stat,
     device_type,
     fmt,
+    limits,
     low_precision,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
@@ -223,8 +224,7 @@ def _update_itself(
     zero = [x for x in eps if float(torch.tensor(x, dtype=tdtype)) == 0.0]
     if not zero:
         return None
-    fi = torch.finfo(tdtype)
-    tiny = float(fi.tiny) * float(fi.eps)  # the smallest positive (subnormal) value
+    tiny = lim.subnormal  # the smallest positive value
     return ctx.diagnosis(
         **anomaly_fields(a),
         title="Optimizer eps is 0 in the weights' dtype",
@@ -488,19 +488,18 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
 
 def _tiniest(dtype: str) -> float:
     """The smallest positive value of ``dtype`` (a subnormal); 0 when unknown."""
-    dt = getattr(torch, dtype, None)
-    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-        return 0.0
-    info = torch.finfo(dt)
-    return info.smallest_normal * info.eps
+    lim = limits(dtype)
+    return lim.subnormal if lim is not None else 0.0
 
 
 def _norm_floor(dtype: str) -> float:
     """Below this, a value's square rounds to 0 where a gradient norm is summed (float32,
     or float64 for float64 gradients): a norm of 0 says every value is at most this."""
-    wide = torch.float64 if dtype == "float64" else torch.float32
-    info = torch.finfo(wide)  # half the smallest subnormal, smallest_normal * eps / 2
-    return math.sqrt(info.smallest_normal) * math.sqrt(info.eps / 2)
+    lim = limits("float64" if dtype == "float64" else "float32")
+    assert lim is not None
+    # below half the smallest subnormal a square rounds to 0 (sqrt of each factor: the
+    # product itself underflows for float64)
+    return math.sqrt(lim.tiny) * math.sqrt(lim.eps / 2)
 
 
 @rule(
@@ -689,10 +688,9 @@ def _decay_growth(optimizer: str, g: dict[str, object]) -> tuple[float, float, s
         else:
             if damp >= 1:
                 return None
-            a *= 1 - damp
-            limit, trace, det = 2 * (1 + mu) / (1 - damp), 1 - a + mu, mu
+            # dampening scales the decay's share of the momentum buffer by 1 - dampening
+            limit, trace, det = 2 * (1 + mu) / (1 - damp), 1 - a * (1 - damp) + mu, mu
             how = f"adds weight_decay * w to the gradient, with momentum {fmt(mu)}"
-            a /= 1 - damp
     elif optimizer == "AdamW" or g.get("decoupled_weight_decay") is True:
         limit, trace, det, how = 2.0, 1.0 - a, 0.0, "multiplies w by 1 - lr * weight_decay"
     else:

@@ -113,9 +113,11 @@ def _from_op(
     x = first_input(ev)
     evidence: list[str] = []
     big = max((s.magnitude for s in inputs_of(ev) if not math.isnan(s.magnitude)), default=math.nan)
+    # a backward of exp: what the node holds is exp's result, not its argument
+    result_only = ev.phase is Phase.BACKWARD and name in EXP_LIKE
     if lim is None:
         evidence.append(f"{op} made {ev.born} in {dtype}")
-    elif ev.phase is Phase.BACKWARD and name in EXP_LIKE:
+    elif result_only:
         evidence.append(
             f"in forward, {op} overflowed: the result autograd saved holds +inf "
             f"({describe_stat(x)}), which the loss then left out (a min, a clamp or a where "
@@ -163,8 +165,6 @@ def _from_op(
         evidence.append(f"input {nm}: {describe_stat(s)}")
     # float32 and up, and bfloat16 (float32's range: an upcast would not help it)
     wide = lim is not None and not lim.short_range
-    # a backward of exp: what the node holds is exp's result, not its argument
-    result_only = ev.phase is Phase.BACKWARD and name in EXP_LIKE
     if wide and lim is not None and name not in CAST and not result_only:
         evidence.append(_growth_line(ctx, a, name, big, lim))
     line = code_line(ev)
