@@ -87,6 +87,13 @@ class GuardError(NanwatchError, ValueError):
     * ``.expected``: what the call accepts (``"0..99"``); ``.fix``: code to paste;
     * ``.diagnosis``: the same finding as a :class:`nanwatch.Diagnosis`.
 
+    On the CPU, where torch's own check raises cleanly, the guard runs the call to learn
+    that error, and the GuardError raised is also an instance of its type (an
+    ``IndexError`` for a class target or an embedding index out of range): code that
+    catches torch's error to skip a bad batch keeps working under nanwatch.
+    ``.torch_error_type`` is that type (``None`` when torch would not have raised: a
+    silently wrong call, or a GPU, where the call is not run).
+
     Example:
         >>> import torch
         >>> from nanwatch import watch
@@ -99,6 +106,9 @@ class GuardError(NanwatchError, ValueError):
         ...     print(err.check, err.values, err.counts, err.fix)
         target-range (255,) (1,) nn.CrossEntropyLoss(ignore_index=255)
     """
+
+    #: the exception type torch raises for the stopped call, when this error is one too
+    torch_error_type: type[BaseException] | None = None
 
     def __init__(
         self,
@@ -147,15 +157,52 @@ class GuardError(NanwatchError, ValueError):
         return f"{text} at {self.source}" if self.source else text
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # keyword-only attributes survive pickling (multiprocessing, saved post-mortems)
-        return (_rebuild_guard_error, (self.args[0] if self.args else "", dict(self.__dict__)))
+        # keyword-only attributes survive pickling (multiprocessing, saved post-mortems);
+        # a GuardError raised as torch's error type too keeps that type
+        base = type(self).torch_error_type
+        return (
+            _rebuild_guard_error,
+            (self.args[0] if self.args else "", dict(self.__dict__), base),
+        )
 
 
 GuardError.__module__ = "nanwatch"
 
+_GUARD_CLASSES: dict[type, type[GuardError]] = {}
 
-def _rebuild_guard_error(message: str, state: dict[str, Any]) -> GuardError:
-    err = GuardError(message)
+
+def guard_error_class(torch_error: type[BaseException]) -> type[GuardError]:
+    """GuardError that is also ``torch_error``, the exception torch raises for the call a
+    guard stopped (``IndexError`` for a target or an index out of range on the CPU): code
+    written to catch torch's error (``except IndexError:`` to skip a bad batch) catches
+    it as it would without nanwatch. Plain GuardError when the two cannot be combined.
+
+    Example:
+        >>> cls = guard_error_class(IndexError)
+        >>> issubclass(cls, GuardError) and issubclass(cls, IndexError)
+        True
+    """
+    if issubclass(GuardError, torch_error) or not issubclass(torch_error, Exception):
+        return GuardError
+    cls = _GUARD_CLASSES.get(torch_error)
+    if cls is None:
+        try:
+            cls = type("GuardError", (GuardError, torch_error), {})
+        except TypeError:  # an exception type with its own layout (OSError): no mix
+            cls = GuardError
+        else:
+            cls.__module__ = "nanwatch"
+            cls.__doc__ = GuardError.__doc__
+            cls.torch_error_type = torch_error
+        _GUARD_CLASSES[torch_error] = cls
+    return cls
+
+
+def _rebuild_guard_error(
+    message: str, state: dict[str, Any], base: type[BaseException] | None = None
+) -> GuardError:
+    cls = guard_error_class(base) if base is not None else GuardError
+    err = cls(message)
     err.__dict__.update(state)
     return err
 

@@ -31,7 +31,7 @@ only that check through (the loss then runs as PyTorch computes it).
 Example:
     >>> import torch
     >>> from nanwatch import watch
-    >>> from nanwatch.errors import GuardError
+    >>> from nanwatch.errors import GuardError, guard_error_class
     >>> criterion = torch.nn.MSELoss()
     >>> pred, y = torch.randn(8, 1), torch.randn(8)
     >>> try:
@@ -71,7 +71,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wr
 from nanwatch import _frames, ops
 from nanwatch._compat import aminmax
 from nanwatch._compat import compiling as _compiling
-from nanwatch.errors import GuardError
+from nanwatch.errors import GuardError, guard_error_class
 from nanwatch.stats import dtype_name
 
 if TYPE_CHECKING:
@@ -1180,12 +1180,15 @@ def _class_result(
     if ignore is not None and top in _IGNORE_LABELS and top != ignore:
         hint = f" — did you mean ignore_index={top}?"
         fix = _option_fix(p, "ignore_index", top)
-    elif all(val == c for val in values):
+    elif all(val == c for val in values) and _smallest_label(t, ign) >= lo + 1:
         hint = (
             f" — class indices start at 0: labels 1..{c} need `target - 1`, or the model "
             f"needs {c + 1} outputs"
         )
         fix = p.call_with(target=f"{p.arg('target')} - 1")
+    elif all(val == c for val in values):  # labels 0..c: one class more than outputs
+        hint = f" — the labels run 0..{c}, so they need {c + 1} classes"
+        fix = f"give the model {c + 1} outputs, or remap the labels to 0..{c - 1}"
     elif all(val < 0 for val in values):
         hint = " — negative values are not class indices"
         fix = (
@@ -1221,6 +1224,12 @@ def _class_result(
             positions=_positions(bad),
         )
     )
+
+
+def _smallest_label(t: torch.Tensor, ign: torch.Tensor | None) -> float:
+    """The smallest class target that is not ignored (a failure path: a read is fine)."""
+    kept = t if ign is None else t[~ign]
+    return float(kept.min()) if kept.numel() else math.inf
 
 
 def _option_fix(p: _Probe, name: str, value: Any) -> str:
@@ -2130,9 +2139,11 @@ def _guard(
     order: Sequence[str],
     kw_names: Mapping[str, str],
     module: nn.Module | None = None,
+    call: Callable[[], Any] | None = None,
 ) -> None:
     """Check one guarded call; for a loss, write its ``"loss_input"`` note; raise GuardError
-    on a failure."""
+    on a failure. ``call``: the guarded call itself, run on a failure on the CPU to learn
+    which error torch raises there (see :func:`_torch_error`)."""
     x = bound.get(spec.input)
     if not isinstance(x, torch.Tensor):
         return
@@ -2182,7 +2193,38 @@ def _guard(
         positions=[list(q) for q in failure.positions],
         source_line=p.line,
     )
-    raise _error(note, failure, watcher.step_index, is_module=is_module)
+    torch_error = _torch_error(watcher, bound, call)
+    raise _error(note, failure, watcher.step_index, is_module=is_module, torch_error=torch_error)
+
+
+def _torch_error(
+    watcher: Watcher, bound: Mapping[str, Any], call: Callable[[], Any] | None
+) -> BaseException | None:
+    """The exception torch itself raises for a call a guard stopped, found by running the
+    call: the GuardError is then raised as that exception's type too, so code that catches
+    it (``except IndexError:`` to skip a bad batch) behaves as without nanwatch.
+
+    Only on the CPU: there the kernel's own check raises cleanly, where on a GPU it would
+    trip the device-side assert the guard exists to prevent. Not for a call that writes to
+    a weight before it checks its indices (an embedding with ``max_norm``). The watcher is
+    paused meanwhile (a loss module's children record nothing) and the functional guards
+    step aside; nothing is recorded, no gradient is made."""
+    if call is None or bound.get("max_norm") is not None:
+        return None
+    tensors = [v for v in bound.values() if isinstance(v, torch.Tensor)]
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return None
+    outer = getattr(_tls, "functional", False)
+    _tls.functional = True
+    try:
+        with watcher.paused(), torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call()
+    except Exception as exc:  # what torch raises: the point of the call
+        return exc
+    finally:
+        _tls.functional = outer
+    return None
 
 
 #: autograd nodes that only move or copy values: the activation is behind them
@@ -2257,7 +2299,14 @@ def _format_positions(positions: Sequence[Sequence[int]], count: int) -> str:
     return shown + (f" (of {_n(count)})" if count > len(positions) else "")
 
 
-def _error(note: Note, failure: _Failure, step: int, *, is_module: bool) -> GuardError:
+def _error(
+    note: Note,
+    failure: _Failure,
+    step: int,
+    *,
+    is_module: bool,
+    torch_error: BaseException | None = None,
+) -> GuardError:
     from nanwatch.rules.guards import diagnosis_from_note
 
     diagnosis = diagnosis_from_note(note, step=step)
@@ -2275,7 +2324,16 @@ def _error(note: Note, failure: _Failure, step: int, *, is_module: bool) -> Guar
         f"  ({failure.code}: checked before the kernel ran, so nothing was computed and the "
         "device is still usable)"
     )
-    return GuardError(
+    cls = guard_error_class(type(torch_error)) if torch_error is not None else GuardError
+    if cls.torch_error_type is not None:
+        said = str(torch_error).strip().splitlines()
+        first = said[0] if said else ""
+        name = cls.torch_error_type.__name__
+        lines.append(
+            f"  (raised as {'an' if name[0] in 'AEIOU' else 'a'} {name} too: torch's own "
+            f"error for this call{', ' + repr(first[:200]) if first else ''})"
+        )
+    return cls(
         "\n".join(lines),
         loss=loss,
         path=note.path,
@@ -2355,6 +2413,7 @@ def _make_pre_hook(
                     order=binding.arg_names[: len(args)],
                     kw_names={k: binding.kw_names.get(k, k) for k in kwargs},
                     module=module,
+                    call=lambda: module.forward(*args, **kwargs),
                 )
             except GuardError:
                 raise
@@ -2428,7 +2487,7 @@ class _FunctionalTap:
             me = threading.get_ident()
             for g in tuple(self._guards):
                 if g.thread == me:
-                    g.check(spec, args, kwargs, sys._getframe(1))
+                    g.check(spec, args, kwargs, sys._getframe(1), original)
             _tls.functional = True
             try:
                 return original(*args, **kwargs)
@@ -2481,9 +2540,15 @@ class FunctionalGuards:
         _functional_tap.remove(self)
 
     def check(
-        self, spec: GuardSpec, args: Sequence[Any], kwargs: dict[str, Any], caller: Any
+        self,
+        spec: GuardSpec,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        caller: Any,
+        original: Callable[..., Any] | None = None,
     ) -> None:
-        """Check one call of a guarded functional; ``caller``: the frame that made it."""
+        """Check one call of a guarded functional; ``caller``: the frame that made it;
+        ``original``: the functional itself."""
         watcher = self.watcher
         if self.health.broken or _quiet(watcher):
             return
@@ -2502,6 +2567,7 @@ class FunctionalGuards:
                 frame=_frames.user_frame(caller),
                 order=spec.positional[: len(args)],
                 kw_names={k: k for k in kwargs},
+                call=None if original is None else lambda: original(*args, **kwargs),
             )
         except GuardError:
             raise

@@ -28,7 +28,7 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -558,6 +558,26 @@ class Watcher:
 
     def __enter__(self) -> Watcher:
         return self.attach()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing is recorded inside: every hook stays registered and steps aside (what a
+        guard runs to learn torch's own error for a call it stopped).
+
+        Example:
+            >>> m = nn.Linear(2, 2)
+            >>> with watch(m, postmortem=False) as nw:
+            ...     with nw.paused():
+            ...         _ = m(torch.zeros(1, 2))
+            >>> nw.trace.calls
+            []
+        """
+        was = self._attached
+        self._attached = False
+        try:
+            yield
+        finally:
+            self._attached = was
 
     def __exit__(
         self,

@@ -989,3 +989,46 @@ def test_ctc_length_check_is_in_the_one_read(monkeypatch: pytest.MonkeyPatch) ->
         F.ctc_loss(lp, torch.tensor([1, 2, 3, 4, 4]), (12, 3), (3, 2))
     assert len(reads) == 2 and all("ctc_short" in keys for keys in reads)
     assert syncs == []
+
+
+def test_labels_zero_to_c_are_not_told_to_subtract_one() -> None:
+    # 0 is a label too: `target - 1` would make it -1, another target out of range
+    err = guarded(nn.CrossEntropyLoss(), torch.randn(5, 3), torch.tensor([0, 2, 3, 1, 0]))
+    assert "target - 1" not in str(err) and "- 1" not in err.fix
+    assert "the labels run 0..3, so they need 4 classes" in str(err)
+    assert err.fix == "give the model 4 outputs, or remap the labels to 0..2"
+    # ignored entries do not count as labels: 1..3 with -100 padding still means 1-based
+    err = guarded(nn.CrossEntropyLoss(), torch.randn(4, 3), torch.tensor([1, -100, 3, 2]))
+    assert err.fix.endswith("- 1)")
+
+
+def test_guard_error_is_also_the_error_torch_raises_on_the_cpu() -> None:
+    # a loop that skips bad batches with `except IndexError` behaves as without nanwatch
+    crit, emb = nn.CrossEntropyLoss(), nn.Embedding(10, 4)
+    cases: list[Callable[[], Any]] = [
+        lambda: crit(torch.randn(4, 3), torch.tensor([0, 1, 3, 2])),
+        lambda: F.cross_entropy(torch.randn(4, 3), torch.tensor([0, 1, 7, 2])),
+        lambda: emb(torch.tensor([[1, 12]])),
+    ]
+    for call in cases:
+        with pytest.raises(IndexError) as info, watch(crit, emb, postmortem=False):
+            call()
+        err = info.value
+        assert isinstance(err, GuardError) and err.torch_error_type is IndexError
+        assert "raised as an IndexError too: torch's own error for this call" in str(err)
+        copy_ = pickle.loads(pickle.dumps(err))  # the type survives a pickle
+        assert isinstance(copy_, IndexError) and isinstance(copy_, GuardError)
+        assert copy_.code == err.code
+    # torch computes a silently wrong loss here: a plain GuardError (ValueError)
+    err = guarded(nn.BCEWithLogitsLoss(), torch.randn(4), torch.tensor([0.0, 255.0, 1.0, 0.0]))
+    assert err.torch_error_type is None and not isinstance(err, IndexError)
+    assert "raised as" not in str(err)
+
+
+def test_guard_does_not_run_an_embedding_that_renormalizes_its_weight() -> None:
+    emb = nn.Embedding(10, 4, max_norm=0.5)
+    before = emb.weight.detach().clone()
+    with pytest.raises(GuardError) as info, watch(emb, postmortem=False):
+        emb(torch.tensor([[1, 12]]))
+    assert info.value.torch_error_type is None
+    assert torch.equal(emb.weight.detach(), before)
