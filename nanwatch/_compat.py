@@ -61,6 +61,25 @@ def _make_fake_mode_active() -> Callable[[], bool]:
 fake_mode_active: Callable[[], bool] = _make_fake_mode_active()
 
 
+def _make_transforming() -> Callable[[], bool]:
+    """Whether a torch.func transform (``vmap``, ``grad``, ``jacrev``, ``hessian``) is
+    running: its tensors are wrappers that refuse ``.item()`` and data-dependent reads, and
+    what runs under it is a function of the model, not its training step."""
+    functorch = getattr(torch._C, "_functorch", None)
+    level = getattr(functorch, "maybe_current_level", None)
+    if level is None:
+        return lambda: False
+    return lambda: level() is not None
+
+
+transforming: Callable[[], bool] = _make_transforming()
+
+
+def no_values() -> bool:
+    """The hooks step aside: a FakeTensorMode (no values) or a torch.func transform."""
+    return fake_mode_active() or transforming()
+
+
 def _make_aminmax() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """``torch.aminmax`` itself where it takes every CPU float dtype; older torch (2.1) has
     no CPU kernel for float16 (nor, in some builds, bfloat16): those tensors are read in

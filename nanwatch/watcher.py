@@ -39,7 +39,7 @@ from nanwatch import _copies, _frames, ops
 from nanwatch._compat import (
     aminmax,
     compiling,
-    fake_mode_active,
+    no_values,
     register_optimizer_step_pre_hook,
 )
 from nanwatch._structure import iter_tensors
@@ -2437,8 +2437,9 @@ _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _compiling = compiling
 
 #: Under a FakeTensorMode (torch.compile, export, meta-device initialisation) tensors hold
-#: no values: the hooks stay out of the way.
-_tracing = fake_mode_active
+#: no values, and under a torch.func transform (per-sample gradients with vmap, a
+#: Hessian) they are wrappers whose values cannot be read: the hooks stay out of the way.
+_tracing = no_values
 
 
 def _feeds_only(node: Any, stop: ops.NodeMarks, depth: int) -> bool:

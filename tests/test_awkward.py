@@ -248,3 +248,43 @@ def test_keyword_inputs_are_linked_and_measured() -> None:
     }
     assert inputs["input[0]"].source is not None  # linked to fc's output
     assert "input.mask" not in inputs  # a bool tensor of an inner module: not recorded
+
+
+class _MinMaxNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+        return (x - lo) / (hi - lo)  # 0/0 on a constant row
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch", "forensic"])
+def test_torch_func_transforms_are_stepped_over_and_the_hooks_keep_working(mode: str) -> None:
+    # per-sample gradients (vmap over grad over functional_call) run the watched modules on
+    # wrapper tensors that refuse .item(): the hooks stay out of them, silently, and still
+    # watch the training step after
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_MinMaxNorm(), nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    crit = nn.CrossEntropyLoss()
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+
+    def loss_fn(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> Any:
+        return crit(functional_call(model, p, (xi[None],)), yi[None])
+
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with nanwatch.watch(model, crit, mode=mode, on_anomaly="record", postmortem=False) as nw:
+            per_sample = vmap(grad(loss_fn), in_dims=(None, 0, 0))(params, x, y)
+            assert per_sample["1.weight"].shape == (16, 8, 4)
+            for step in range(2):
+                xb = x.clone()
+                if step == 1:
+                    xb[3] = 1.0  # hi - lo = 0
+                crit(model(xb), y).backward()
+                model.zero_grad()
+                nw.step()
+    assert nw.faults == []
+    a = nw.first_anomaly
+    assert a is not None and a.step == 1 and a.record.phase is Phase.FORWARD
+    assert a.op is not None and a.op.op == "aten.div.Tensor"
