@@ -1319,6 +1319,10 @@ class Watcher:
                 if skip:
                     if rec.source is None:
                         rec.source = first_input
+                    if not hooked and _grad_ends_here(t):
+                        # its gradient goes straight into weights (an embedding's output):
+                        # no later record would see a NaN the code using it sends back
+                        hooked = self._maybe_hook_grad(t, rec)
                 else:
                     self._measure(rec, t)
                     if not hooked:
@@ -2455,6 +2459,15 @@ def _feeds_only(node: Any, stop: ops.NodeMarks, depth: int) -> bool:
             continue
         return False
     return True
+
+
+def _grad_ends_here(t: torch.Tensor) -> bool:
+    """``t``'s gradient flows only into leaves (parameters): the output of an embedding,
+    or of a passthrough module applied to data that needs no gradient."""
+    fn = t.grad_fn if t.requires_grad else None
+    if fn is None:
+        return False
+    return all(nxt is None or ops.accumulates_grad(nxt) for nxt, _ in fn.next_functions)
 
 
 def _finite(t: torch.Tensor) -> bool:

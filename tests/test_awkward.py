@@ -288,3 +288,29 @@ def test_torch_func_transforms_are_stepped_over_and_the_hooks_keep_working(mode:
     a = nw.first_anomaly
     assert a is not None and a.step == 1 and a.record.phase is Phase.FORWARD
     assert a.op is not None and a.op.op == "aten.div.Tensor"
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_nan_sent_back_into_an_embedding_is_born_in_the_code_that_used_it(sparse: bool) -> None:
+    # an embedding's output is bounded by its table and not measured, but its gradient
+    # goes straight into the weight: without a hook there, a NaN made by the code using
+    # the lookup (sqrt of a zero distance) was first seen as a NaN weight gradient (NW302)
+    class Towers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tower = nn.Embedding(30, 8, sparse=sparse)
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return (self.tower(a) - self.tower(b)).pow(2).sum(-1).sqrt()
+
+    torch.manual_seed(0)
+    model = Towers()
+    a, b = torch.randint(0, 30, (16,)), torch.randint(0, 30, (16,))
+    b[3] = a[3]  # distance 0: sqrt's gradient is inf there, times 0 is NaN
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        torch.relu(1 - model(a, b)).pow(2).mean().backward()
+        nw.step()
+    a_ = nw.first_anomaly
+    assert a_ is not None and a_.record.phase is Phase.BACKWARD
+    assert a_.record.path == "tower"
+    assert nw.history[-1].diagnoses[0].code == "NW112"
