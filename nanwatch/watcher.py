@@ -1013,6 +1013,9 @@ class Watcher:
         self._unhooked: dict[str, list[Record]] = {}
         self._new_trigger = None
         self._backward_seen = False
+        self._backward_called = False  # backward() (not autograd.grad) ran this step
+        self._updated = False  # an optimizer stepped this step
+        self._weights_at_grad: tuple[int, ...] | None = None  # versions after autograd.grad
         self._eob_queued = False
         self._grads_checked = False
         self._after_backward: tuple[int, ...] | None = None
@@ -1162,6 +1165,7 @@ class Watcher:
             return
         try:
             self._after_backward = None  # an update: the next forward begins a step
+            self._updated = True
             groups: list[dict[str, Any]] = []
             for g in getattr(optimizer, "param_groups", ()):
                 ps = [p for p in g.get("params", ()) if id(p) in self._param_ids]
@@ -1440,6 +1444,8 @@ class Watcher:
         try:
             with _NO_TORCH_FUNCTION():
                 self._check_grads()
+                if not self._backward_called:  # autograd.grad: did it train? (see above)
+                    self._weights_at_grad = tuple(p._version for _, _, p in self._params)
                 if not self._explicit:  # only the automatic step rule reads the marks
                     marks = self._update_marks()
                     # no weight got a gradient (a frozen model, an input being optimized):
@@ -1461,6 +1467,10 @@ class Watcher:
             return
         if _tracing():
             return
+        # a training backward: gradients go into .grad. torch.autograd.grad (a gradient
+        # penalty, an input saliency, an adversarial example) is not one, and does not
+        # end the step
+        self._backward_called = True
         if "loss" in self._disabled_hooks:
             return
         try:
@@ -1796,11 +1806,23 @@ class Watcher:
         if (
             self._begun
             and not self._explicit
-            and (self._backward_seen or not torch.is_grad_enabled())
+            and (self._backward_called or self._trained_by_grad() or not torch.is_grad_enabled())
             and not (torch.is_grad_enabled() and self._accumulating())
         ):
             self._boundary()
         self._begun = True
+
+    def _trained_by_grad(self) -> bool:
+        """Gradients came from ``torch.autograd.grad`` alone and the weights were updated
+        since (an optimizer step, or a hand-written ``p -= lr * g``): a training step done
+        without ``backward()``. A gradient penalty or an input saliency updates nothing
+        before the loss that trains, and stays in its step."""
+        if not self._backward_seen:
+            return False
+        if self._updated:
+            return True
+        before = self._weights_at_grad
+        return before is not None and before != tuple(p._version for _, _, p in self._params)
 
     def _update_marks(self) -> tuple[int, ...]:
         """What an optimizer update or a ``zero_grad`` changes: each watched weight's

@@ -414,7 +414,7 @@ def test_a_bad_loss_target_raises_guard_error_out_of_fit_with_the_postmortem(
     with pytest.raises(nanwatch.GuardError, match=first_line) as err:
         fit(tmp_path, model, cb, weights, ns=ns, batches=5)
     # the guard's own exception object, neither wrapped nor replaced on its way out
-    assert type(err.value) is nanwatch.GuardError and model.raised == [err.value]
+    assert isinstance(err.value, nanwatch.GuardError) and model.raised == [err.value]
     assert err.value.__cause__ is None and err.value.__context__ is None
     e = err.value
     assert (e.loss, e.module, e.code, e.values) == (name, module, code, values)

@@ -310,6 +310,47 @@ def test_an_update_only_the_optimizer_hook_sees_begins_a_step() -> None:
     assert [t.step for t in nw.history] == [0, 1, 2]
 
 
+def test_a_gradient_penalty_by_autograd_grad_does_not_end_the_step() -> None:
+    """WGAN-GP: torch.autograd.grad(D(x_hat), x_hat, create_graph=True) puts nothing into
+    .grad; the forwards after it belong to the same step (the first one was split)."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(2, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt = torch.optim.Adam(critic.parameters(), 1e-3)
+    with nanwatch.watch(critic) as nw:
+        for _ in range(3):
+            x_hat = torch.randn(16, 2).requires_grad_(True)
+            (g,) = torch.autograd.grad(critic(x_hat).sum(), x_hat, create_graph=True)
+            penalty = ((g.norm(2, dim=1) - 1) ** 2).mean()
+            loss = critic(torch.randn(16, 2)).mean() + 10 * penalty
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [t.step for t in nw.history] == [0, 1, 2]
+    assert all(sum(c.root for c in t.calls) >= 2 for t in nw.history)
+
+
+@pytest.mark.parametrize("update", ["optimizer", "by hand"])
+def test_training_by_autograd_grad_alone_still_steps(update: str) -> None:
+    """No backward(): gradients from torch.autograd.grad, then an update; each forward
+    after the update begins a step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    with nanwatch.watch(model) as nw:
+        for _ in range(3):
+            grads = torch.autograd.grad(((model(x) - y) ** 2).mean(), list(model.parameters()))
+            if update == "optimizer":
+                for p, g in zip(model.parameters(), grads, strict=True):
+                    p.grad = g
+                opt.step()
+            else:
+                with torch.no_grad():
+                    for p, g in zip(model.parameters(), grads, strict=True):
+                        p.sub_(0.1 * g)
+    assert [t.step for t in nw.history] == [0, 1, 2]
+
+
 def test_two_forwards_before_one_backward_are_one_step() -> None:
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
