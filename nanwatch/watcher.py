@@ -544,7 +544,21 @@ class Watcher:
         self._thread = threading.get_ident()
         self._gen += 1
         self._reset_step()
+        self._check_loaded_weights()
         return self
+
+    def _check_loaded_weights(self) -> None:
+        """Weights that are already NaN/inf when watching begins (a corrupted checkpoint, a
+        NaN row of a pretrained embedding table that only a later batch looks up) are
+        recorded ahead of the first step's records: no update under nanwatch made them,
+        and NW301 says so, not that the learning rate did. One read of every weight."""
+        if self._device_dead or not self._params or _tracing():
+            return
+        try:
+            with _NO_TORCH_FUNCTION(), torch.no_grad():
+                self._check_params(at_end=False)
+        except Exception as exc:  # a weight nanwatch cannot read: the steps still check
+            self._fault("weights", "weight check at attach", exc)
 
     def detach(self) -> None:
         """Remove every hook this watcher registered. Safe to call twice."""
@@ -1771,10 +1785,15 @@ class Watcher:
         if values is None or len(values) != len(params):
             values = read_scalars(foreach_absmax(params))
         front: list[Record] = []
+        seen: set[str] | None = None
         for (q, path, _), p, owner_type, a in zip(
             self._params, params, self._param_types, values, strict=True
         ):
             if not (all_records or a - a != 0):  # keep only inf/NaN, unless asked for all
+                continue
+            if seen is None:
+                seen = {r.role for r in self._trace.records if r.phase is Phase.PARAMETER}
+            if q in seen:  # already recorded this step (bad before its forward)
                 continue
             stat = TensorStat(-a, a, p.numel())
             if a - a != 0:

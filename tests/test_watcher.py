@@ -1315,3 +1315,26 @@ def test_a_sampled_out_step_watches_the_parts_called_from_user_code_as_roots() -
     assert a is not None and a.kind is AnomalyKind.INPUT and a.path == "net"
     assert a.record.stat is not None and a.record.stat.bad_rows == (2,)
     assert trace.diagnoses[0].code == "NW401"
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_a_weight_loaded_non_finite_is_not_blamed_on_an_update(mode: str) -> None:
+    """A NaN row of a loaded embedding table that the first batch does not look up: found
+    when watching begins, reported once as loaded (NW301 before the first update), not as
+    the first update's doing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(20, 4), nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight[7] = float("nan")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.raises(nanwatch.AnomalyError) as info, nanwatch.watch(model, mode=mode) as nw:
+        for _ in range(2):
+            ids = torch.randint(0, 7, (4, 3))  # row 7 is never looked up
+            model(ids).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    (d,) = [d for d in info.value.diagnoses if d.code == "NW301"]
+    assert d.title == "Non-finite weights before the first update"
+    assert nw.first_anomaly is not None and nw.first_anomaly.step == 0
+    bad = [r for r in nw.history[0].records if r.phase is Phase.PARAMETER]
+    assert [r.role for r in bad] == ["0.weight"]  # once, though the step's end saw it too
