@@ -2100,7 +2100,11 @@ class Watcher:
         if first is not None:
             anomaly.op = first
         elif result.clean and result.conclusive:
-            anomaly.transient = True
+            state = _bad_state(module)
+            if state:  # the forward read it: no op made it, and a replay cannot clear it
+                self.note("module_state", target.path, tensors=state)
+            else:
+                anomaly.transient = True
         if result.random:
             self.note(
                 "replay",
@@ -2500,6 +2504,31 @@ def _feeds_only(node: Any, stop: ops.NodeMarks, depth: int) -> bool:
             continue
         return False
     return True
+
+
+def _bad_state(module: nn.Module) -> list[dict[str, Any]]:
+    """The non-finite tensors a module's forward reads that are not its inputs: its own
+    parameters and buffers, and plain tensor attributes (the ``weight`` a forward pre-hook
+    such as ``nn.utils.weight_norm`` or ``spectral_norm`` computes before each call)."""
+    found: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, param in module._parameters.items():
+        if param is not None:
+            found[name] = ("parameter", param)
+    for name, buf in module._buffers.items():
+        if buf is not None:
+            found[name] = ("buffer", buf)
+    hooked = bool(module._forward_pre_hooks)
+    for name, value in vars(module).items():
+        if isinstance(value, torch.Tensor) and name not in found and not name.startswith("__"):
+            found[name] = ("set by a forward pre-hook" if hooked else "attribute", value)
+    out: list[dict[str, Any]] = []
+    for name, (kind, t) in found.items():
+        stat = describe(t.detach()) if t.is_floating_point() or t.is_complex() else None
+        if stat is not None and not stat.finite:
+            out.append(
+                {"name": name, "kind": kind, "stat": stat.kinds(), "dtype": dtype_name(t.dtype)}
+            )
+    return out
 
 
 def _grad_ends_here(t: torch.Tensor) -> bool:

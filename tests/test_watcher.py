@@ -1338,3 +1338,44 @@ def test_a_weight_loaded_non_finite_is_not_blamed_on_an_update(mode: str) -> Non
     assert nw.first_anomaly is not None and nw.first_anomaly.step == 0
     bad = [r for r in nw.history[0].records if r.phase is Phase.PARAMETER]
     assert [r.role for r in bad] == ["0.weight"]  # once, though the step's end saw it too
+
+
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+def test_a_weight_a_pre_hook_computes_is_module_state_not_a_transient_fault(norm: str) -> None:
+    """The hook-based weight_norm/spectral_norm compute `weight` before each forward: of
+    an all-zero weight, 0/0. A replay of the forward reads the same NaN weight and no op
+    in it makes the NaN: that is NW405 (module state), not a clean replay (NW404)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 8)
+    with torch.no_grad():
+        lin.weight.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        normed = getattr(nn.utils, norm)(lin)
+    model = nn.Sequential(normed, nn.ReLU(), nn.Linear(8, 3))
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        model(torch.randn(16, 4)).sum().backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.path == "0" and not a.transient
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW405"
+    assert "0.weight (set by a forward pre-hook, float32) holds NaN" in d.evidence
+
+
+def test_a_nan_buffer_read_by_the_forward_is_module_state() -> None:
+    class Shift(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("offset", torch.zeros(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x - self.offset
+
+    model = nn.Sequential(Shift(), nn.Linear(4, 2))
+    model[0].offset[1] = float("nan")  # written by code outside the forward
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        model(torch.randn(3, 4)).sum().backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW405" and "0.offset (buffer, float32) holds NaN" in d.evidence

@@ -49,3 +49,61 @@ def transient(ctx: RuleContext) -> Iterator[Diagnosis]:
             "# rerun on another device with the same seed and batch"
         ),
     )
+
+
+@rule(
+    "NW405",
+    title="Non-finite module state read by the forward",
+    severity="error",
+    summary=(
+        "A replay of the module on the same inputs made the NaN/inf again, but no op in it "
+        "created it: the forward read a non-finite tensor that is not an input (a weight "
+        "a forward pre-hook such as weight_norm or spectral_norm computes, a buffer)."
+    ),
+    priority=5,
+)
+def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
+    a = ctx.anomaly
+    if a is None or a.transient:
+        return
+    note = next((n for n in ctx.trace.notes if n.kind == "module_state" and n.path == a.path), None)
+    if note is None:
+        return
+    tensors = note.data.get("tensors") or []
+    if not tensors:
+        return
+    names = [f"{a.path}.{t['name']}" for t in tensors]
+    evidence = [
+        f"{a.path}.{t['name']} ({t['kind']}, {t['dtype']}) holds {t['stat']}" for t in tensors[:4]
+    ]
+    evidence.append(
+        f"a replay of {a.path}'s forward on the same inputs, every aten op checked, made it "
+        "again, but no op in it created it: it came in with the tensors above"
+    )
+    hooked = any(t["kind"] == "set by a forward pre-hook" for t in tensors)
+    if hooked:
+        explanation = (
+            f"{names[0]} is not a parameter: a forward pre-hook computes it from the real "
+            "parameters before each call (weight_norm: g · v / ‖v‖, spectral_norm: W / σ). "
+            "A zero row of v, or an all-zero W (σ = 0), makes it 0/0 = NaN on every call; "
+            "nothing in the forward itself is wrong."
+        )
+        fix = (
+            f"m = model.get_submodule({a.path!r})   # the rows it divides by: re-init zeros\n"
+            "for n, p in m.named_parameters():\n"
+            "    if p.dim() > 1:\n"
+            "        print(n, 'zero rows:', (p.flatten(1).norm(dim=1) == 0).sum().item())"
+        )
+    else:
+        explanation = (
+            f"{names[0]} was already non-finite when the forward ran: it was set or updated "
+            "outside the forward (a buffer written in place, a tensor attribute assigned by "
+            "your code, a running statistic), so the layer only passed it on."
+        )
+        fix = (
+            f"m = model.get_submodule({a.path!r})\n"
+            "print({n: t for n, t in vars(m).items() if torch.is_tensor(t) "
+            "and not torch.isfinite(t).all()})\n"
+            "# then find the code that writes it"
+        )
+    yield ctx.diagnosis(**anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix)
