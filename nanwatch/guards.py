@@ -138,7 +138,7 @@ _SEMANTICS: dict[str, _Semantics] = {
     "poisson_nll_loss": _Semantics("regression", _PAIR),
     "gaussian_nll_loss": _Semantics("regression", _PAIR),
     "kl_div": _Semantics("regression", _PAIR, target_dtypes="floating"),
-    "multilabel_soft_margin_loss": _Semantics("regression", _PAIR, target_dtypes="not-bool"),
+    "multilabel_soft_margin_loss": _Semantics("binary", target_dtypes="not-bool"),
     "soft_margin_loss": _Semantics("sign", _PAIR),
     "hinge_embedding_loss": _Semantics("sign", _PAIR),
     "margin_ranking_loss": _Semantics("sign", ("input1", "input2", "target")),

@@ -1032,3 +1032,11 @@ def test_guard_does_not_run_an_embedding_that_renormalizes_its_weight() -> None:
         emb(torch.tensor([[1, 12]]))
     assert info.value.torch_error_type is None
     assert torch.equal(emb.weight.detach(), before)
+
+
+def test_multilabel_soft_margin_targets_are_binary() -> None:
+    # its targets are 0/1 per class, like BCE's: -1/1 labels train a wrong loss silently
+    targets = torch.tensor([[1.0, -1.0, -1.0], [-1.0, 1.0, 1.0]])
+    err = guarded(nn.MultiLabelSoftMarginLoss(), torch.randn(2, 3), targets)
+    assert err.code == "NW505" and "labels of -1 and 1" in str(err)
+    assert err.fix.endswith("(target + 1) / 2)")  # the guarded() helper calls it so
