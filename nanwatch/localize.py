@@ -148,13 +148,62 @@ def propagators(trace: StepTrace, after: Record, producer: str) -> tuple[list[st
     return paths[:8], len(paths)
 
 
+_CUSTOM_NODE = re.compile(r"^(?P<fn>[A-Za-z_]\w*?)Backward$")
+
+
+def custom_function(node: str | None) -> str | None:
+    """The class name of the ``torch.autograd.Function`` an autograd node belongs to, by
+    torch's naming of such nodes (``MySqrtBackward`` -> ``MySqrt``); None for torch's
+    built-in nodes, whose names end in a number (``SqrtBackward0``).
+
+    >>> custom_function("MySqrtBackward"), custom_function("SqrtBackward0")
+    ('MySqrt', None)
+    """
+    m = _CUSTOM_NODE.match(node or "")
+    return m.group("fn") if m else None
+
+
+def custom_backward(ev: OpEvent) -> str | None:
+    """The custom ``autograd.Function`` whose backward made ``ev``'s value when the event
+    names no aten op, only that Function (read from its node after it ran, without the op
+    checker); else None."""
+    if ev.phase is not Phase.BACKWARD or ev.op.startswith("aten."):
+        return None
+    return custom_function(ev.node)
+
+
+def op_where(ev: OpEvent) -> str:
+    """Where an op ran, in words (``OpEvent.at``), and for an op of a custom Function's own
+    backward: its line there, whose Function, and the ``backward()`` call."""
+    fn = custom_function(ev.node) if ev.phase is Phase.BACKWARD else None
+    if fn is None or not ev.source:
+        return ev.at
+    text = f"in the backward of custom autograd.Function {fn}"
+    if ev.backward_at and ev.backward_at == ev.source:
+        return f"{text}, backward() at {ev.source}"
+    call = f", backward() at {ev.backward_at}" if ev.backward_at else ""
+    return f"at {ev.source} {text}{call}"
+
+
+def op_phrase(ev: OpEvent) -> str:
+    """``aten.div.Tensor at train.py:17 in the backward of ...``; for a custom Function's
+    backward whose op was not traced: ``the backward of custom autograd.Function MySqrt``."""
+    fn = custom_backward(ev)
+    if fn is not None:
+        call = f", backward() at {ev.backward_at}" if ev.backward_at else ""
+        return f"the backward of custom autograd.Function {fn}{call}"
+    return f"{ev.op} {op_where(ev)}".rstrip()
+
+
 def _matching_op(ops: Sequence[OpEvent], phase: Phase, path: str | None) -> OpEvent | None:
     """The op event of the trigger, from forensic tracing: the first NaN/+inf birth of the
     phase (in the producer when it is known). In backward a -inf counts too: no gradient is
-    a mask, and the NaN or +inf seen downstream (softmax's backward) came from it."""
+    a mask, and the NaN or +inf seen downstream (softmax's backward) came from it. An event
+    that names no aten op (a custom Function's backward seen from outside) is not one: see
+    :func:`_matching_custom`."""
     best: OpEvent | None = None
     for ev in ops:
-        if ev.phase is not phase or ev.injected:
+        if ev.phase is not phase or ev.injected or custom_backward(ev) is not None:
             continue
         if not ("NaN" in ev.born or "+inf" in ev.born or (phase is Phase.BACKWARD and ev.born)):
             continue
@@ -163,6 +212,51 @@ def _matching_op(ops: Sequence[OpEvent], phase: Phase, path: str | None) -> OpEv
         if best is None:
             best = ev
     return best
+
+
+def _matching_custom(ops: Sequence[OpEvent], path: str | None) -> OpEvent | None:
+    """The backward of a custom ``autograd.Function`` that made a non-finite gradient, seen
+    from outside (its node's gradient; no aten op named), in ``path`` when known."""
+    for ev in ops:
+        if custom_backward(ev) is None or not ev.born or ev.injected:
+            continue
+        if path is None or ev.path is None or ev.path == path or ev.path.startswith(path + "."):
+            return ev
+    return None
+
+
+def _backward_birth(ops: Sequence[OpEvent]) -> OpEvent | None:
+    """The first traced backward op that made a NaN or inf from finite values."""
+    return _matching_op(ops, Phase.BACKWARD, None)
+
+
+def adopt_backward_op(anomaly: Anomaly, ops: Sequence[OpEvent]) -> bool:
+    """A parameter's gradient was the first bad value seen (no watched module's output
+    gradient carried it: a gradient of a gradient through ``autograd.grad(...,
+    create_graph=True)``, a parameter used outside its module), and a traced backward op
+    made it (forensic mode, ``nw.replay``): the anomaly becomes a backward one, born in
+    that op's code. Returns whether it did."""
+    if anomaly.kind is not AnomalyKind.GRADIENT:
+        return False
+    ev = _backward_birth(ops)
+    if ev is None:
+        return False
+    what = _kinds_text(anomaly.record)
+    parameter = anomaly.parameter or _param_name(anomaly.record)
+    if ev.path and ev.path != LOSS_PATH:
+        anomaly.path, anomaly.origin, where = ev.path, "module", ev.path
+    else:
+        anomaly.path, anomaly.origin = LOSS_PATH, "loss-code"
+        where = f"{LOSS_PATH}, the loss code computed outside the watched modules"
+    anomaly.kind = AnomalyKind.BACKWARD
+    anomaly.op = ev
+    anomaly.parameter = parameter
+    anomaly.summary = (
+        f"{what} gradient born in the backward of {where}; it reached the gradient of "
+        f"parameter {parameter} without passing through a watched module's output gradient"
+    )
+    anomaly.summary = summarize(anomaly)
+    return True
 
 
 def _kinds_text(rec: Record) -> str:
@@ -309,6 +403,11 @@ def localize(
         if kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD)
         else None
     )
+    custom = (
+        _matching_custom(trace.ops, LOSS_PATH if origin == "after-output" else path)
+        if kind is AnomalyKind.BACKWARD and op is None
+        else None
+    )
     if origin == "after-output" and op is not None:
         summary = (
             f"{what} gradient born in the backward of {LOSS_PATH}, the loss code computed "
@@ -317,6 +416,24 @@ def localize(
         if op.backward_at and op.source == op.backward_at:  # the node's forward line unknown
             summary += "; mode='forensic' names the line that created it"
         consumer, path = path, LOSS_PATH  # the producer is the loss code, the model got it
+    elif custom is not None:
+        # the user's own backward made it: no aten op is known, only whose backward it was
+        fn = custom_backward(custom)
+        made = f"the backward of custom autograd.Function {fn} made {custom.born}"
+        if origin == "after-output":
+            summary = (
+                f"{what} gradient born in the backward of {LOSS_PATH}, the loss code computed "
+                f"outside the watched modules, on its way to the output of {path}: {made}"
+            )
+            consumer, path = path, LOSS_PATH
+        else:
+            summary = f"{summary}: {made}"
+        if custom.backward_at:
+            summary += f" (backward() at {custom.backward_at})"
+        summary += (
+            "; the op inside it was not traced: mode='forensic' or nw.replay(step_fn) "
+            "names it and its line"
+        )
     props, n = propagators(trace, trig, path)
     anomaly = Anomaly(
         step=trace.step,
@@ -332,6 +449,8 @@ def localize(
         consumer=consumer,
         parameter=parameter,
     )
+    if kind is AnomalyKind.GRADIENT:
+        adopt_backward_op(anomaly, trace.ops)
     anomaly.summary = summarize(anomaly)
     return anomaly
 
@@ -346,8 +465,7 @@ def summarize(anomaly: Anomaly) -> str:
     base = anomaly.summary.split(" [")[0]
     extra: list[str] = []
     if anomaly.op is not None:
-        op = anomaly.op
-        extra.append(f"op {op.op} {op.at}".rstrip())
+        extra.append(f"op {op_phrase(anomaly.op)}")
     if anomaly.propagator_count:
         extra.append(
             f"passed on by {anomaly.propagator_count} module"

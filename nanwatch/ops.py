@@ -13,10 +13,14 @@ so the replay changes nothing.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
+import os
 import re
+import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -24,13 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from nanwatch import _frames
 from nanwatch._compat import aminmax, set_versions
 from nanwatch._domains import Domain, domain_of
-from nanwatch.records import OpEvent, Phase, TensorStat
+from nanwatch.records import LOSS_PATH, OpEvent, Phase, TensorStat
 from nanwatch.stats import brief, describe, device_name, dtype_name, has_values
 
 _aten = torch.ops.aten
@@ -229,6 +234,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         self._seen: dict[int, _Seen] = {}
         self._on_error = on_error
         self._broken = False
+        #: which module's code made each autograd node while this checker ran
+        self.created = _Creations()
 
     def __torch_dispatch__(
         self,
@@ -238,8 +245,24 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if not self._broken:
+            try:
+                self._note_creation(args, kwargs)
+            except Exception as exc:  # nanwatch must never break the computation it watches
+                self._broken = True
+                if self._on_error is not None:
+                    self._on_error(exc)
         out = func(*args, **kwargs)
-        if self._broken or func.overloadpacket in _IGNORED_PACKETS or func.is_view:
+        if self._broken:
+            return out
+        if func.overloadpacket in _IGNORED_PACKETS or func.is_view:
+            if self._seen and current_autograd_node() is not None:
+                try:
+                    self._pass_on(args, out)
+                except Exception as exc:  # nanwatch must never break what it watches
+                    self._broken = True
+                    if self._on_error is not None:
+                        self._on_error(exc)
             return out
         try:
             self._check(func, args, kwargs, out)
@@ -250,11 +273,59 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         return out
 
     # -- internals -------------------------------------------------------------------
-    def _backward_call(self) -> tuple[str | None, str | None]:
-        here = _frames.describe_frame(_frames.user_frame())
-        if here[0] is None and self._backward_site is not None:
-            return self._backward_site()
-        return here
+    def _backward_lines(
+        self,
+    ) -> tuple[tuple[str | None, str | None], tuple[str | None, str | None]]:
+        """(the user's line that ran the op inside backward, the ``backward()`` call), each
+        (None, None) when unknown. The first is set when the op ran in user code that the
+        engine called back (a custom Function's ``backward``, a tensor hook, a checkpointed
+        forward run again): the line of the op itself. The call is the user frame that
+        entered the autograd engine; on threads with no such frame (accelerators), asked of
+        ``backward_site``."""
+        inner, call = _backward_frames(sys._getframe(1))
+        ran = _frames.describe_frame(inner)
+        at = _frames.describe_frame(call)
+        if at[0] is None and self._backward_site is not None:
+            at = self._backward_site()
+        return ran, at
+
+    def _note_creation(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Log which module's code creates the autograd nodes made from here on (forward,
+        forensic): :func:`stamp_graph` reads it to give each node the module whose own code
+        made it. Nodes made in backward (``create_graph=True``) belong to no module's
+        forward: logged as unknown."""
+        if self._current_path is None:
+            return
+        if current_autograd_node() is not None:
+            self.created.note(_MADE_IN_BACKWARD, own_node=False)
+            return
+        path = self._current_path()
+        if self.created.same(path):
+            return
+        # autograd made this op's node before dispatching it, when it records the op at all
+        own = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in tree_flatten((list(args), kwargs))[0]
+        )
+        self.created.note(path, own_node=own)
+
+    def _pass_on(self, args: Sequence[Any], out: Any) -> None:
+        """In backward, a view, a copy or a detach of a non-finite gradient holds the same
+        value: remember it with the event that made it, so the op that consumes it names its
+        cause (``SumBackward0``'s ``expand`` of a -inf gradient, then ``0 * -inf``)."""
+        src = next(
+            (
+                seen
+                for a in tree_flatten(list(args))[0]
+                if isinstance(a, torch.Tensor) and (seen := self._lookup(a)) is not None
+            ),
+            None,
+        )
+        if src is None or src.event is None:
+            return
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and self._lookup(t) is None:
+                self._seen[id(t)] = _Seen(weakref.ref(t), src.event)
 
     def _lookup(self, t: torch.Tensor) -> _Seen | None:
         seen = self._seen.get(id(t))
@@ -301,8 +372,10 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 phase = Phase.BACKWARD
                 meta: dict[str, Any] = node.metadata
                 path = meta.get("nanwatch.path")
-                source, code = forward_line(node)
-                backward_at, backward_code = self._backward_call()
+                ran, (backward_at, backward_code) = self._backward_lines()
+                # the op's own line when user code ran it in backward (the division in a
+                # custom backward()); else the forward line that created the node
+                source, code = ran if ran[0] is not None else forward_line(node)
                 if source is None:  # made before anomaly mode was on: the call is all we know
                     source, code = backward_at, backward_code
                 node_name = node.name()
@@ -395,6 +468,115 @@ def forward_line(node: Any) -> tuple[str | None, str | None]:
     return _frames.user_line_from_traceback(tb) if tb else (None, None)
 
 
+_AUTOGRAD_DIR = os.path.join(os.path.dirname(torch.autograd.__file__), "")
+#: the frames through which user code enters the autograd engine (``loss.backward()``,
+#: ``torch.autograd.grad``): (file in torch/autograd/, function)
+_ENGINE_ENTRIES = frozenset(
+    {
+        ("__init__.py", "backward"),
+        ("__init__.py", "grad"),
+        ("graph.py", "_engine_run_backward"),
+    }
+)
+
+
+def _enters_engine(f: types.FrameType) -> bool:
+    name = f.f_code.co_filename
+    if not name.startswith(_AUTOGRAD_DIR):
+        return False
+    return (name[len(_AUTOGRAD_DIR) :], f.f_code.co_name) in _ENGINE_ENTRIES
+
+
+def _backward_frames(
+    start: types.FrameType | None,
+) -> tuple[types.FrameType | None, types.FrameType | None]:
+    """For an op running in backward: (the innermost user frame called back by the engine,
+    the user frame that entered it), each None when absent. The engine runs user code for a
+    custom Function's ``backward``, a tensor hook, a checkpointed forward; that frame is
+    newer than the engine's entry. Without an entry on this thread's stack (the engine's
+    own threads on accelerators) a user frame is one the engine called back."""
+    inner: types.FrameType | None = None
+    f = start
+    while f is not None:
+        if _enters_engine(f):
+            return inner, _frames.user_frame(f)
+        if inner is None and not _frames.is_internal(f.f_code.co_filename):
+            inner = f
+        f = f.f_back
+    return inner, None
+
+
+@dataclass
+class _Creations:
+    """Which module's code was running when each autograd node was made, by the node's
+    sequence number (numbered per thread in order of creation): segments (first number,
+    module path), in order. A node of an op is made just before the op is dispatched, so an
+    op's own node is the one before the counter's value at dispatch."""
+
+    starts: list[int] = field(default_factory=list)
+    paths: list[str | None] = field(default_factory=list)
+    seen: int = 0  #: the counter at the last op
+
+    def same(self, path: str | None) -> bool:
+        """Whether ``path`` runs on (the common case: no new segment); counts the op."""
+        if not self.paths or self.paths[-1] != path:
+            return False
+        now = _next_sequence_nr()
+        if now is not None:
+            self.seen = now
+        return True
+
+    def note(self, path: str | None, *, own_node: bool) -> None:
+        """An op is about to run in ``path``'s code; ``own_node``: autograd made a node for
+        it (the last one made)."""
+        now = _next_sequence_nr()
+        if now is None:
+            return
+        if self.paths and self.paths[-1] == path:
+            self.seen = now
+            return
+        # nodes made since the last op and before this op's own belong to the code before
+        start = now - 1 if own_node and now > self.seen else now
+        self.starts.append(start)
+        self.paths.append(path)
+        self.seen = now
+        if len(self.starts) > _MAX_SEGMENTS:
+            del self.starts[: _MAX_SEGMENTS // 2]
+            del self.paths[: _MAX_SEGMENTS // 2]
+
+    def owner(self, nr: int) -> tuple[bool, str | None]:
+        """(known, path): the module running when node number ``nr`` was made."""
+        if not self.starts or nr < self.starts[0] or nr >= max(self.seen, self.starts[-1] + 1):
+            return False, None
+        i = bisect.bisect_right(self.starts, nr) - 1
+        path = self.paths[i]
+        if path is _MADE_IN_BACKWARD:
+            return False, None
+        return True, path
+
+
+_MAX_SEGMENTS = 16384
+#: the "path" of nodes made while backward runs (a double backward): no module's forward
+_MADE_IN_BACKWARD = "\x00backward"
+_next_sequence_nr: Callable[[], int | None] = getattr(
+    getattr(torch._C, "_autograd", None), "_get_sequence_nr", lambda: None
+)
+
+
+def _created_in(node: Any) -> tuple[bool, str | None]:
+    """(known, module path) of the code that made ``node``, from the innermost op checker
+    active on this thread (forensic mode and replays); (False, None) when none saw it made."""
+    modes: list[Any] = getattr(_python_dispatch, "_get_current_dispatch_mode_stack", list)()
+    checker = next((m for m in reversed(modes) if isinstance(m, OpChecker)), None)
+    if checker is None:
+        return False, None
+    try:
+        nr = int(node._sequence_nr())
+    except Exception:  # older torch, or a node type without one
+        return False, None
+    return checker.created.owner(nr)
+
+
 class NodeMarks:
     """Which autograd nodes were marked in this step, by a mark kept on the node itself.
 
@@ -473,17 +655,66 @@ def accumulates_grad(node: Any) -> bool:
 def stamp_graph(outputs: Sequence[torch.Tensor], path: str) -> None:
     """Label the autograd nodes a module's forward created with the module's path, so a
     backward op can be traced to its module (forensic mode). Stops at nodes already stamped
-    (children complete before parents, so each node gets its innermost module)."""
+    (children complete before parents, so each node gets its innermost module).
+
+    A child's walk also reaches nodes its parent's own code made before calling it (the
+    ``sqrt`` whose result the parent passed to the child): where an op checker saw a node
+    made, the node gets the module that was running then (the parent, whose call is still
+    open), not the child."""
     roots = [t.grad_fn for t in outputs]
     for node in GraphWalk(
         roots, prune=lambda n: "nanwatch.path" in n.metadata or accumulates_grad(n)
     ):
-        node.metadata["nanwatch.path"] = path
+        known, owner = _created_in(node)
+        if known and owner is None and path != LOSS_PATH:
+            continue  # made by code outside every module: left for the loss code's walk
+        node.metadata["nanwatch.path"] = owner if known and owner is not None else path
+
+
+#: the node class torch makes for a Python ``torch.autograd.Function`` (``MySqrtBackward``)
+_BACKWARD_CFUNCTION: type | None = getattr(
+    getattr(torch.autograd, "function", None), "BackwardCFunction", None
+)
+#: the name of such a node: the Function's class name and ``Backward``, no number (torch's
+#: own nodes are ``SqrtBackward0``; C++ helpers are ``torch::autograd::CopySlices``)
+_CUSTOM_NODE = re.compile(r"^(?P<fn>[A-Za-z_]\w*?)Backward$")
+
+
+def custom_function(node: Any) -> str | None:
+    """The class name of the ``torch.autograd.Function`` whose backward ``node`` runs, for
+    a node of a Python custom Function (``MySqrtBackward`` -> ``MySqrt``); None for torch's
+    built-in nodes. ``node`` is the node or its name (a name alone is read by torch's naming
+    rule: ``<Function>Backward``, where built-in nodes end in a number)."""
+    if isinstance(node, str):
+        m = _CUSTOM_NODE.match(node)
+        return m.group("fn") if m else None
+    if node is None:
+        return None
+    if _BACKWARD_CFUNCTION is not None and isinstance(node, _BACKWARD_CFUNCTION):
+        cls = getattr(node, "_forward_cls", None)
+        name = getattr(cls, "__name__", None)
+        if isinstance(name, str):
+            return name
+    try:
+        return custom_function(str(node.name()))
+    except Exception:  # not a node
+        return None
+
+
+def custom_backward_op(function: str) -> str:
+    """The ``op`` of an event that names no aten op, only the custom Function whose backward
+    made the value: ``MySqrt.backward`` (see :func:`custom_function`)."""
+    return f"{function}.backward"
 
 
 def node_op(name: str) -> str:
     """The forward op of an autograd node: ``PowBackward0`` -> ``aten.pow``,
-    ``MseLossBackward0`` -> ``aten.mse_loss``."""
+    ``MseLossBackward0`` -> ``aten.mse_loss``. A node of a custom ``autograd.Function``
+    ran the user's own backward, not an aten op: ``MySqrtBackward`` -> ``MySqrt.backward``
+    (never a made-up ``aten.my_sqrt``)."""
+    fn = custom_function(name)
+    if fn is not None:
+        return custom_backward_op(fn)
     base = re.sub(r"Backward\d*$", "", name)
     return "aten." + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
 
@@ -501,8 +732,10 @@ def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> O
     inputs: list[tuple[str, TensorStat | None]] = []
     scalars: dict[str, float | int | str] = {}
     path = None
+    fn = custom_function(node) if node is not None else custom_function(name)
     if node is not None:
         path = node.metadata.get("nanwatch.path")
+    if node is not None and fn is None:  # a custom Function saves no ``_saved_*``: none read
         for attr in sorted((a for a in dir(node) if a.startswith("_saved_")), key=_saved_order):
             try:
                 v = getattr(node, attr)
@@ -516,7 +749,7 @@ def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> O
                 scalars[key] = v
     out = describe(grad) or TensorStat(math.nan, math.nan, 0)
     return OpEvent(
-        op=node_op(name),
+        op=custom_backward_op(fn) if fn is not None else node_op(name),
         phase=Phase.BACKWARD,
         path=path,
         born=out.kinds(),

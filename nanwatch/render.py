@@ -39,6 +39,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.theme import Theme
 
+from nanwatch.localize import custom_function
 from nanwatch.records import Anomaly, AnomalyKind, Call, Phase, Record, StepTrace, TensorStat
 from nanwatch.report import ERROR_LABELS, Event, Report, anomaly_headline
 
@@ -683,7 +684,7 @@ def _op_grid(a: Anomaly) -> Table | None:
         if ev.path:
             line.append(f" in {ev.path}", style="nanwatch.path")
         if ev.node:
-            line.append(f" (backward node {ev.node})", style="nanwatch.dim")
+            line.append(f" (backward node {_node_words(ev.node)})", style="nanwatch.dim")
         grid.add_row(label, line)
         if ev.source:
             src = Text(ev.source, style="nanwatch.source")
@@ -700,6 +701,12 @@ def _op_grid(a: Anomaly) -> Table | None:
             )
         grid.add_row("output", Text(_stat_text(ev.output)))
     return grid
+
+
+def _node_words(node: str) -> str:
+    """``SqrtBackward0``; ``MySqrtBackward, the backward of custom autograd.Function MySqrt``."""
+    fn = custom_function(node)
+    return f"{node}, the backward of custom autograd.Function {fn}" if fn else node
 
 
 def _scalar(v: float | int | str) -> str:
@@ -1590,7 +1597,8 @@ def _html_where(report: Report) -> str:
                         + (f" in {_e(ev.dtype)}" if ev.dtype else "")
                         + (f' in <span class="path">{_e(ev.path)}</span>' if ev.path else "")
                         + (
-                            f' <span class="muted">(backward node {_e(ev.node)})</span>'
+                            f' <span class="muted">(backward node {_e(_node_words(ev.node))})'
+                            "</span>"
                             if ev.node
                             else ""
                         ),

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanwatch.errors import ReportFormatError
+from nanwatch.localize import op_phrase
 from nanwatch.records import Anomaly, AnomalyKind, Call, Phase, Record, StepTrace
 from nanwatch.rules.base import Diagnosis, sort_key
 
@@ -575,9 +576,7 @@ def anomaly_headline(a: Anomaly) -> str:
     else:
         text = f"{kinds} in the weights {a.parameter or a.record.role} after an update"
     if a.op is not None:
-        text += f" by {a.op.op}"
-        if a.op.at:
-            text += f" {a.op.at}"
+        text += f" by {op_phrase(a.op)}"
     return f"{text}, step {a.step}"
 
 
