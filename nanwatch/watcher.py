@@ -51,7 +51,7 @@ from nanwatch.errors import (
     NanwatchError,
     NanwatchWarning,
 )
-from nanwatch.localize import is_trigger, localize, propagators, summarize
+from nanwatch.localize import adopt_backward_op, is_trigger, localize, propagators, summarize
 from nanwatch.records import (
     LOSS_PATH,
     Anomaly,
@@ -791,6 +791,10 @@ class Watcher:
             # with the step's own starting state the draws repeat: the replay is faithful
             result.random = rng_state is None and ops.drew_random(before, devices)
         last = self.anomalies[-1] if self.anomalies else None
+        if last is not None and last.kind is AnomalyKind.GRADIENT:
+            # a weight's gradient bad first (a gradient penalty's double backward): the
+            # replay's traced backward op made it
+            adopt_backward_op(last, result.events)
         # only a value born in forward or backward code can be reproduced or not by a replay:
         # bad data and broken weights are bad in the replay too, with no op to blame
         if last is not None and last.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
@@ -799,7 +803,12 @@ class Watcher:
                 (
                     e
                     for e in result.events
-                    if e.phase is phase and not e.injected and ("NaN" in e.born or "+inf" in e.born)
+                    if e.phase is phase
+                    and not e.injected
+                    # in backward a -inf is a result, not a mask (an inf/-x/d**2 at d = 0)
+                    and (
+                        "NaN" in e.born or "+inf" in e.born or (phase is Phase.BACKWARD and e.born)
+                    )
                 ),
                 result.first(),
             )

@@ -1379,3 +1379,28 @@ def test_a_nan_buffer_read_by_the_forward_is_module_state() -> None:
         nw.step()
     d = nw.history[0].diagnoses[0]
     assert d.code == "NW405" and "0.offset (buffer, float32) holds NaN" in d.evidence
+
+
+def test_replay_names_the_backward_op_of_a_gradient_penalty() -> None:
+    """WGAN-GP with a sample whose critic input-gradient is exactly 0: sqrt's backward at
+    0 makes -inf, then NaN, in the double backward, where no module hook sees it; the
+    replay traces it and the anomaly gets that op (its docstring: it completes the op)."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():
+        critic[0].bias.fill_(-10.0)  # every ReLU off for the first sample: gradient 0
+        critic[0].weight[:, 0] = 0.0
+
+    def step_fn() -> None:
+        x_hat = torch.tensor([[5.0, -5.0], [0.3, 9.0]]).requires_grad_(True)
+        (g,) = torch.autograd.grad(critic(x_hat).sum(), x_hat, create_graph=True)
+        penalty = ((torch.sqrt((g**2).sum(1)) - 1) ** 2).mean()
+        (critic(x_hat).mean() + penalty).backward()
+
+    with nanwatch.watch(critic, on_anomaly="record", postmortem=False) as nw:
+        step_fn()
+        nw.step()
+        assert nw.first_anomaly is not None
+        nw.replay(step_fn)
+    a = nw.anomalies[-1]
+    assert a.op is not None and (a.op.op, a.op.node) == ("aten.div.Tensor", "SqrtBackward0")
