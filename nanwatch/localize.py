@@ -327,7 +327,9 @@ def localize(
             fed = f", from -inf first seen in {neginf.path} ({neginf.phase.value}, {neginf.role})"
         if path == LOSS_PATH:
             origin = "loss-code"
-            summary = f"{what} born in the loss, computed outside any watched module{fed}"
+            summary = (
+                f"{what} born on the way to the loss, outside every watched module's output{fed}"
+            )
         else:
             summary = f"{what} born in the forward of {path}{typ}{fed}"
     elif trig.phase is Phase.BACKWARD:
@@ -463,6 +465,19 @@ def _param_name(rec: Record) -> str:
 def summarize(anomaly: Anomaly) -> str:
     """The one-line summary, with the op and propagation when known."""
     base = anomaly.summary.split(" [")[0]
+    op = anomaly.op
+    if (
+        anomaly.origin == "loss-code"
+        and op is not None
+        and op.phase is Phase.FORWARD
+        and op.path not in (None, LOSS_PATH)
+        and " born on the way to the loss, " in base
+    ):  # a value a module made and kept aside (self.aux = ...), which the loss then used
+        what = base.split(" born on the way to the loss, ")[0]
+        base = (
+            f"{what} born in the forward of {op.path}, in a value it did not return that the "
+            "loss used"
+        )
     extra: list[str] = []
     if anomaly.op is not None:
         extra.append(f"op {op_phrase(anomaly.op)}")

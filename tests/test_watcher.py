@@ -1404,3 +1404,38 @@ def test_replay_names_the_backward_op_of_a_gradient_penalty() -> None:
         nw.replay(step_fn)
     a = nw.anomalies[-1]
     assert a.op is not None and (a.op.op, a.op.node) == ("aten.div.Tensor", "SqrtBackward0")
+
+
+@pytest.mark.parametrize("mode", ["watch", "forensic"])
+def test_a_nan_a_module_keeps_aside_for_the_loss_is_not_blamed_on_the_loss_code(mode: str) -> None:
+    """A mixture of experts keeps its load-balancing loss aside (self.aux), the mean over
+    an expert with no tokens: NaN. It reaches the loss without being any module's output;
+    forensic mode knows the op ran in the module's forward and says so."""
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(4, 3)
+            self.aux = torch.zeros(())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            probs = self.gate(x).softmax(-1)
+            top = probs.argmax(-1)
+            self.aux = torch.stack([probs[top == e, e].mean() for e in range(3)]).sum()
+            return x * probs.max(-1, keepdim=True).values
+
+    torch.manual_seed(0)
+    model = Experts()
+    with torch.no_grad():
+        model.gate.bias[2] = -1e3  # expert 2 gets no token: mean of nothing
+    with nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        (model(torch.randn(8, 4)).sum() + model.aux).backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and "computed outside any watched module" not in a.summary
+    if mode == "forensic":
+        assert a.summary.startswith(
+            "NaN born in the forward of Experts, in a value it did not return that the loss used"
+        )
+    else:
+        assert a.summary.startswith("NaN born on the way to the loss, outside every watched")
