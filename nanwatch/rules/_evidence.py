@@ -286,8 +286,10 @@ def classify(ev: OpEvent) -> str:
     """What an op event is: ``overflow``, ``log``, ``div``, ``root`` (sqrt / fractional
     power outside its domain), ``domain`` (another op outside its real domain: acos of
     1.0000001, atanh of 1), ``reduce`` (a mean or variance over too few elements),
-    ``masked-softmax``, ``neginf-input`` (a forward op given a -inf, which it turned into
-    inf or NaN), ``injected`` (a constant -inf put in on purpose) or ``other``.
+    ``masked-softmax``, ``inf-arith`` (a forward op that made NaN of the infinities it was
+    given: -inf - (-inf), 0 × inf, inf / inf; see :func:`inf_arithmetic`), ``neginf-input``
+    (a forward op given a -inf, which it turned into inf or NaN), ``injected`` (a constant
+    -inf put in on purpose) or ``other``.
 
     >>> from nanwatch.records import OpEvent, Phase, TensorStat
     >>> ev = OpEvent("aten.exp.default", Phase.FORWARD, "head", "+inf",
@@ -313,6 +315,8 @@ def classify(ev: OpEvent) -> str:
         if x is not None and x.has_neginf and not x.has_posinf and not x.has_nan:
             return "masked-softmax"
         return "overflow" if born_inf or (x is not None and x.has_posinf) else "other"
+    if inf_arithmetic(ev) is not None:
+        return "inf-arith"  # -inf - (-inf), 0 × inf: the infinities came from upstream
     if ev.phase is Phase.FORWARD and any(s.has_neginf for s in inputs_of(ev)):
         return "neginf-input"  # it was given a -inf (a log of 0 upstream): not its doing
     if name in _LOG:
@@ -344,6 +348,316 @@ def classify(ev: OpEvent) -> str:
     if born_inf:
         return "overflow"
     return "other"
+
+
+# ---------------------------------------------------------------------- infinities
+
+_SUBTRACT = frozenset({"sub", "rsub"})
+_ADD = frozenset({"add"})
+_MULTIPLY = frozenset({"mul", "multiply"})
+_QUOTIENT = frozenset({"div", "true_divide", "divide"})
+#: ops that sum products or values: a -inf and a +inf term, or 0 × inf, make NaN inside
+_SUMS = MATMUL | frozenset({"sum", "mean", "cumsum", "index_add", "scatter_add", "addcmul"})
+
+
+def inf_arithmetic(ev: OpEvent) -> str | None:
+    """The undefined IEEE operation a forward op computed when it made NaN from inputs that
+    hold infinities and no NaN: ``-inf - (-inf)``, ``-inf + inf``, ``0 × -inf``,
+    ``inf / inf``, or a sum of products holding them. None for other events and for other
+    ops (sin(inf) is outside sin's domain, not arithmetic on two infinities).
+
+    >>> from nanwatch.records import OpEvent, Phase, TensorStat
+    >>> e = TensorStat(-math.inf, 0.7, 6, nan=0, posinf=0, neginf=2)
+    >>> ev = OpEvent("aten.sub.Tensor", Phase.FORWARD, "soft", "NaN",
+    ...              TensorStat(math.nan, math.nan, 6, nan=2), [("self", e), ("other", e)])
+    >>> inf_arithmetic(ev)
+    '-inf - (-inf)'
+    """
+    if ev.phase is not Phase.FORWARD or "NaN" not in ev.born or ev.injected:
+        return None
+    ins = inputs_of(ev)
+    if any(s.has_nan for s in ins):
+        return None
+    neg = any(s.has_neginf for s in ins)
+    pos = any(s.has_posinf for s in ins)
+    if not (neg or pos):
+        return None
+    inf = "-inf" if neg and not pos else "inf"
+    name = packet(ev.op).rstrip("_")
+    if name in _SUBTRACT:
+        return "-inf - (-inf)" if inf == "-inf" else "inf - inf"
+    if name in _ADD:
+        return "-inf + inf"
+    if name in _MULTIPLY:
+        return f"0 × {inf}"
+    if name in _QUOTIENT:
+        num = input_named(ev, "self", "input")
+        den = denominator(ev)
+        both = all(s is not None and (s.has_neginf or s.has_posinf) for s in (num, den))
+        return "inf / inf" if both else None  # else 0/0 beside the inf: NW111's
+    if name in _SUMS:
+        return "a sum holding -inf and +inf terms, or 0 × inf"
+    return None
+
+
+#: autograd nodes (``Log`` of ``LogBackward0``) whose output holds -inf where their input
+#: was 0: a -inf they made is a log of 0
+_LOG_NODES = frozenset(
+    {"Log", "Log2", "Log10", "Log1P", "LogSoftmax", "Xlogy", "SpecialXlog1Py", "LogSigmoid"}
+)
+#: autograd nodes that write a constant into chosen positions: a -inf they made is a mask
+_MASK_NODES = frozenset(
+    {"MaskedFill", "Where", "IndexFill", "IndexPut", "MaskedScatter", "Fill", "Scatter"}
+)
+#: ops that create a tensor full of a constant: a -inf there is an initial value (the start
+#: of a running max), not the mask itself
+_INIT_OPS = frozenset({"full", "full_like", "new_full", "scalar_tensor", "empty", "fill"})
+
+
+@dataclass(frozen=True)
+class InfSource:
+    """Where the infinities an op was given came from."""
+
+    kind: str  #: ``mask`` (a constant ±inf put in: masked_fill, full), ``log``, ``unknown``
+    events: tuple[OpEvent, ...]  #: the traced ops that put it in, in execution order
+    record: Record | None  #: where a -inf was first seen (an input made by untraced code)
+    node: str | None = None  #: the autograd node that made it, when read from a record
+
+    @property
+    def masks(self) -> tuple[OpEvent, ...]:
+        """The events that masked (masked_fill, where), not those that made a constant
+        tensor (torch.full(-inf), the start of a running max)."""
+        return tuple(e for e in self.events if packet(e.op).rstrip("_") not in _INIT_OPS)
+
+
+def inf_source(trace: StepTrace, anomaly: Anomaly, event: OpEvent | None) -> InfSource:
+    """The origin of the infinities ``event`` (the op that was given them; None when no op
+    was traced) was given: constant ±inf written by traced ops (the chain's, and those of
+    the same module before it: a masked_fill and the -inf start of a segment max), a log
+    read from the autograd node of the record where a -inf was first seen, else unknown."""
+    chain = anomaly.op.chain() if anomaly.op is not None else []
+    found: list[OpEvent] = [e for e in chain if e.injected and "inf" in e.born]
+    if event is not None and any(e is event for e in trace.ops):
+        for e in trace.ops:
+            if e is event:
+                break
+            same = event.path is not None and e.path == event.path
+            if same and e.injected and "inf" in e.born and all(e is not f for f in found):
+                found.append(e)
+    order = {id(e): i for i, e in enumerate(trace.ops)}
+    found.sort(key=lambda e: order.get(id(e), -1))
+    rec = anomaly.neginf_source
+    if found:
+        return InfSource("mask", tuple(found), rec)
+    if any(classify(e) == "log" for e in chain):
+        return InfSource("log", (), rec)
+    node = _producer_node(trace, rec) if rec is not None else None
+    base = node_base(node)
+    if base in _LOG_NODES:
+        return InfSource("log", (), rec, node)
+    if base in _MASK_NODES:
+        return InfSource("mask", (), rec, node)
+    return InfSource("unknown", (), rec, node)
+
+
+def _producer_node(trace: StepTrace, rec: Record) -> str | None:
+    """The autograd node of the tensor ``rec`` measured, following ``source`` links back to
+    the record of the module output that produced it."""
+    cur: Record | None = rec
+    hops = 0
+    while cur is not None and hops < 64:
+        hops += 1
+        if cur.grad_fn:
+            return cur.grad_fn
+        if cur.source is None:
+            return None
+        cur = trace.record(cur.source)
+    return None
+
+
+_NEG_INF_LITERAL = re.compile(
+    r"""-\s*float\(\s*(['"])inf(?:inity)?\1\s*\)"""
+    r"""|float\(\s*(['"])-inf(?:inity)?\2\s*\)"""
+    r"|-\s*(?:math|torch|np|numpy)\.inf\b",
+    re.IGNORECASE,
+)
+
+
+def replace_neg_inf(code: str | None, replacement: str) -> str | None:
+    """The user's line with its -inf literal (``float("-inf")``, ``-math.inf``, ...)
+    replaced; None when the line holds none (or is unknown).
+
+    >>> replace_neg_inf('e = e.masked_fill(~m, float("-inf"))  # mask', "MIN")
+    'e = e.masked_fill(~m, MIN)'
+    """
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].rstrip()
+    new, n = _NEG_INF_LITERAL.subn(replacement, line)
+    return new if n else None
+
+
+def _operand_end(line: str, start: int) -> int | None:
+    """End (exclusive) of the postfix expression starting at ``start`` (``m[dst]``,
+    ``x.max(1).values``, ``(a + b)``)."""
+    i = start
+    while i < len(line) and line[i] == " ":
+        i += 1
+    begin = i
+    while i < len(line):
+        c = line[i]
+        if c in "([":
+            j = _close(line, i + 1)
+            if j is None:
+                return None
+            i = j + 1
+        elif c.isalnum() or c in "_.":
+            i += 1
+        else:
+            break
+    return i if i > begin else None
+
+
+def rewrite_subtrahend(code: str | None, wrap: Callable[[str], str]) -> str | None:
+    """The user's line with the right operand of its one binary ``-`` passed through
+    ``wrap``; None when the line has no such subtraction or more than one.
+
+    >>> rewrite_subtrahend("p = torch.exp(e - m[dst])", lambda r: f"{r}.clamp_min(L)")
+    'p = torch.exp(e - m[dst].clamp_min(L))'
+    """
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].rstrip()
+    hits = [m.start() for m in re.finditer(r"(?<=[\w\)\]]) - (?=[\w(])", line)]
+    if len(hits) != 1:
+        return None
+    start = hits[0] + 3
+    end = _operand_end(line, start)
+    if end is None:
+        return None
+    operand = line[start:end]
+    return line[:start] + wrap(operand) + line[end:]
+
+
+def infinities(s: TensorStat) -> str:
+    """``2 -inf``, ``-inf and 3 +inf``: the infinities a tensor holds, counted when known."""
+    parts = []
+    if s.has_neginf:
+        parts.append(f"{s.neginf:,} -inf" if s.neginf else "-inf")
+    if s.has_posinf:
+        parts.append(f"{s.posinf:,} +inf" if s.posinf else "+inf")
+    return " and ".join(parts)
+
+
+def put_in(e: OpEvent) -> str:
+    """``the -inf came from aten.masked_fill.Scalar(value=-inf) at train.py:14: <code>``."""
+    args = ", ".join(
+        f"{k}={fmt(v) if isinstance(v, float) else v}"
+        for k, v in e.scalars.items()
+        if k not in ("evidence", "backward_at")
+    )
+    line = code_line(e)
+    return f"the {e.born} came from {short_op(e.op)}({args})" + (f" {line}" if line else "")
+
+
+def inf_evidence(ev: OpEvent, src: InfSource, trigger: OpEvent, mode: object) -> list[str]:
+    """Evidence for an op that made NaN of the infinities it was given (``inf-arith``): the
+    undefined operation, the inputs that held them, where they came from, the line."""
+    expr = inf_arithmetic(ev) or "arithmetic on infinities"
+    held = [
+        f"{nm} holds {infinities(s)}"
+        for nm, s in ev.inputs
+        if s is not None and (s.has_neginf or s.has_posinf)
+    ]
+    out = [f"{short_op(ev.op)} computed {expr} = NaN in {ev.dtype}: input " + "; input ".join(held)]
+    out += [f"input {nm}: {describe_stat(s)}" for nm, s in ev.inputs[:2]]
+    if ev.output.nan:
+        out.append(f"output: {ev.output.nan:,} NaN of {ev.output.numel:,} values")
+    out += [put_in(e) for e in src.events[:3]]
+    rec = src.record
+    forensic = mode == "forensic"
+    if rec is not None and not src.masks:
+        made = (
+            f"autograd node {src.node}"
+            if src.node
+            else "code nanwatch did not trace" + ("" if forensic else ' (mode="forensic" names it)')
+        )
+        out.append(f"a -inf first appeared in {rec.where}, made by {made}")
+    elif rec is None and not src.events and not forensic:
+        out.append('mode="forensic" traces every op and names the one that made the inf')
+    line = code_line(ev)
+    if line:
+        out.append(line)
+    if trigger is not ev:
+        out.append(f"then {short_op(trigger.op)} carried it to {trigger.born}")
+    return out
+
+
+def inf_explanation(ev: OpEvent, src: InfSource) -> str:
+    """Why an op made NaN of infinities, by where they came from."""
+    expr = inf_arithmetic(ev) or "arithmetic on infinities"
+    undefined = f"{expr} has no value, so IEEE arithmetic returns NaN."
+    name = packet(ev.op).rstrip("_")
+    if src.kind == "mask" and name in _MULTIPLY:
+        return (
+            f"{undefined} A value masked to -inf was multiplied by 0 (a 0/1 mask or a zero "
+            "weight applied after the -inf one). Mask with torch.finfo(dtype).min "
+            "(0 × finfo.min = 0), or zero the masked values with masked_fill instead of "
+            "multiplying."
+        )
+    if src.kind == "mask":
+        return (
+            f"{undefined} Values masked to -inf met another infinity. Mask with "
+            "torch.finfo(dtype).min, the most negative finite value, or leave the masked "
+            "values out of this op (masked_fill(mask, 0.0) before a sum)."
+        )
+    if src.kind == "log":
+        return f"{undefined} The -inf is a log of 0 (see NW110)."
+    return undefined + (
+        " The infinities came from code nanwatch did not trace: a -inf mask "
+        "(masked_fill with float('-inf'), the max of an empty row or segment), an overflow, "
+        "or a log of 0 (NW110)."
+    )
+
+
+def inf_fix(ev: OpEvent, src: InfSource, *, forensic: bool) -> str:
+    """Code for an op that made NaN of infinities: the user's mask line with
+    ``torch.finfo(dtype).min`` for its -inf (a template when the line is not known), for a
+    subtraction of a max the same line skipping empty rows, and for an unknown origin the
+    run that names it."""
+    dtype = ev.dtype or "float32"
+    finite_min = f"torch.finfo(torch.{dtype}).min"
+    masked = src.kind == "mask"
+    lines: list[str] = []
+    for m in src.masks:
+        fixed = replace_neg_inf(m.code, f"torch.finfo(torch.{m.dtype or dtype}).min")
+        line = f"{fixed}   # not -inf: an empty row or segment stays finite"
+        if fixed is not None and line not in lines:
+            lines.append(line)
+    if not lines:
+        if not masked and not forensic:
+            lines += [
+                'with nanwatch.watch(model, criterion, mode="forensic") as nw:   # names the '
+                "op that made the inf",
+                "    loss = criterion(model(x), y); loss.backward()",
+            ]
+        lines.append(
+            "scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)   # not "
+            'float("-inf")'
+        )
+    name = packet(ev.op).rstrip("_")
+    if name in _SUBTRACT:
+        skipped = rewrite_subtrahend(ev.code, lambda r: f"{r}.clamp_min({finite_min})")
+        lines += [
+            "# or keep -inf and skip empty rows/segments: subtract a finite max (exp gives 0)",
+            skipped or f"y = x - m.clamp_min({finite_min})",
+            "# and divide by their sum with .clamp_min(1e-12): an empty one sums to 0",
+        ]
+    elif name in _MULTIPLY:
+        lines.append("x = x.masked_fill(~keep, 0.0)   # zero masked values before multiplying")
+    if not masked:
+        lines.append("logp = F.log_softmax(logits, dim=-1)   # a log of 0: from logits (NW110)")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- domains

@@ -13,9 +13,10 @@ import re
 from collections.abc import Iterator
 
 from nanwatch._domains import Domain, domain_of
-from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, Record, TensorStat
+from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, OpEvent, Phase, Record, TensorStat
 from nanwatch.rules._evidence import (
     DomainHit,
+    LossUse,
     Shortfall,
     anomaly_fields,
     cause_of,
@@ -27,16 +28,21 @@ from nanwatch.rules._evidence import (
     first_input,
     fmt,
     has_zero,
+    inf_arithmetic,
+    inf_source,
     input_named,
     limits,
+    loss_uses,
     node_base,
     node_domain,
+    note_num,
     op_fields,
     outside_domain,
     packet,
     paren,
     postfix_start,
     rewrite_call,
+    scalar_num,
     short_op,
     shortfall,
     smallest_magnitude,
@@ -79,29 +85,46 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         if cause.kind == "log":
             yield _log_from_op(ctx, a, cause.event, cause.trigger)
             return
-        if cause.kind != "neginf-input":
+        if cause.kind not in ("neginf-input", "inf-arith"):
             return
     src = a.neginf_source
     if src is None or a.kind is not AnomalyKind.FORWARD or _looks_like_mask(src):
         return
+    origin = inf_source(ctx.trace, a, cause.event if cause is not None else None)
+    if origin.kind == "mask":
+        return  # a constant -inf was put in (a mask): NW402 or NW100 say so, not a log
+    if cause is not None and cause.kind == "inf-arith" and origin.kind != "log":
+        return  # NaN from two infinities of unknown origin: NW100 names both suspects
     grew = f"it grew into {a.record.stat.kinds() if a.record.stat else 'NaN'} in {a.record.where}"
     if cause is not None:  # the op that was given it is known (a Linear's addmm)
         ev = cause.event
         grew += f": {short_op(ev.op)} was given the -inf and made {ev.born}"
+        expr = inf_arithmetic(ev)
+        if expr is not None:
+            grew += f" ({expr})"
         line = code_line(ev)
         if line:
             grew += f" ({line})"
+    first = f"a -inf first appeared in {src.where} ({src.dtype}): {describe_stat(src.stat)}"
+    if origin.kind == "log" and origin.node:
+        first += f"; autograd node {origin.node} made it: a log of 0"
+        why = f"{origin.node} made the -inf: log(0) = -inf"
+    else:
+        why = (
+            "The op that made the -inf was not traced; when it is a log, the fix below "
+            "applies (when it is a mask, mask with torch.finfo(dtype).min instead of -inf, "
+            "as in NW402)"
+        )
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=[
-            f"a -inf first appeared in {src.where} ({src.dtype}): {describe_stat(src.stat)}",
+            first,
             grew,
             *([] if cause is not None else [untraced_hint(ctx.facts.get("mode"))]),
         ],
         explanation=(
             "-inf is what log(0) returns; an arithmetic op on it (0 × -inf, -inf + inf) "
-            "returns NaN. The op that made the -inf was not traced; when it is a log, the "
-            "fix below applies (when it is an attention mask, see NW402)."
+            f"returns NaN. {why}."
         ),
         fix=_LOG_FIX,
         priority=25,
@@ -140,6 +163,9 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     evidence += _chain_evidence(ev, trigger, "-inf")
     if ev.phase is Phase.BACKWARD:
         evidence.append(f"in backward (autograd node {ev.node}): d/dx log(x) = 1/x is inf at 0")
+    poisson = _poisson_use(ctx, a, ev, x) if ev.phase is Phase.FORWARD else None
+    if poisson is not None:
+        return _log_in_poisson(ctx, a, ev, x, use=poisson, evidence=evidence)
     return ctx.diagnosis(
         **op_fields(ev, a),
         evidence=evidence,
@@ -152,6 +178,106 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         ),
         fix=_LOG_FIX,
     )
+
+
+def _poisson_use(ctx: RuleContext, a: Anomaly, ev: OpEvent, x: TensorStat | None) -> LossUse | None:
+    """The PoissonNLLLoss call (module or F.poisson_nll_loss) whose log this is: the loss
+    module the op ran in, the functional call on the op's line, or the step's only one when
+    the line is unknown; and the log's argument is that loss's input (the rates of
+    log_input=False), not its target (the Stirling term of full=True)."""
+    uses = [u for u in loss_uses(ctx.trace) if "poisson" in _loss_name(u).lower()]
+    for u in uses:
+        in_call = u.call is not None and u.path in (ev.path, a.path)
+        on_line = u.note is not None and bool(ev.source) and u.note.source == ev.source
+        lone = u.call is None and a.path == LOSS_PATH and not ev.source and len(uses) == 1
+        if not (in_call or on_line or lone):
+            continue
+        s = u.input_stat
+        lo = s.min if s is not None else note_num(u.note, "input_min")
+        t = note_num(u.note, "target_min")
+        if x is not None and lo is not None and t is not None and abs(x.min - t) < abs(x.min - lo):
+            continue  # the log of the target
+        return u
+    return None
+
+
+def _loss_name(u: LossUse) -> str:
+    if u.call is not None:
+        return u.call.module_type
+    name = u.data("loss")
+    return name if isinstance(name, str) else u.path
+
+
+def _log_in_poisson(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    x: TensorStat | None,
+    *,
+    use: LossUse,
+    evidence: list[str],
+) -> Diagnosis:
+    loss = _loss_name(use)
+    functional = use.call is None
+    n = scalar_num(ev, "n_outside")
+    below = (
+        f"{int(n):,} of its {x.numel:,} rates are below 0"
+        if n is not None and x is not None
+        else f"its smallest rate is {fmt(x.min if x is not None else None)}"
+    )
+    evidence.insert(
+        0,
+        f"{loss} with log_input=False computes input - target · log(input + eps): its input "
+        f"must be a positive rate, and {below}",
+    )
+    raw = use.data("input_activation") or use.data("input_grad_fn")
+    if isinstance(raw, str):
+        evidence.append(f"the rates come from autograd node {raw}: nothing keeps them above 0")
+    call = _poisson_call(ev.code) if functional else None
+    if call is not None:
+        log_rate = call.replace("log_input=False", "log_input=True")
+        soft = rewrite_call(call, ["poisson_nll_loss"], lambda e: f"F.softplus({e})") or ""
+        fix = (
+            f"{log_rate}   # the raw output is a log-rate: exp(input) - target · input\n"
+            f"{soft}   # or rates made positive"
+        )
+    elif functional:
+        fix = (
+            "loss = F.poisson_nll_loss(out, y, log_input=True)   # the raw output is a "
+            "log-rate; rate = out.exp()\n"
+            "loss = F.poisson_nll_loss(F.softplus(out), y, log_input=False)   # or a "
+            "positive rate"
+        )
+    else:
+        fix = (
+            "criterion = nn.PoissonNLLLoss(log_input=True)   # the raw output is a log-rate\n"
+            "loss = criterion(out, y)                        # predicted rate: out.exp()\n"
+            "# or keep log_input=False and make the rate positive:\n"
+            "loss = nn.PoissonNLLLoss(log_input=False)(F.softplus(out), y)"
+        )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=(
+            f"{loss} with log_input=False takes rates λ > 0 and computes their log: a rate "
+            "below 0 gives NaN (and exactly 0 gives log(eps)). A model's raw output (a "
+            "Linear) is negative about half the time. With log_input=True (the default) "
+            "the loss takes the raw output as log λ and computes exp(input) - target · "
+            "input, defined for every input; or keep rates and make them positive with "
+            "softplus."
+        ),
+        fix=fix,
+    )
+
+
+def _poisson_call(code: str | None) -> str | None:
+    """The user's line when it calls F.poisson_nll_loss with log_input=False."""
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].strip()
+    if "poisson_nll_loss(" in line and re.search(r"log_input\s*=\s*False", line):
+        return re.sub(r"log_input\s*=\s*False", "log_input=False", line)
+    return None
 
 
 def _zeros_text(x: object, name: str) -> str:

@@ -16,6 +16,11 @@ from nanwatch.rules._evidence import (
     code_line,
     describe_stat,
     fmt,
+    inf_arithmetic,
+    inf_evidence,
+    inf_explanation,
+    inf_fix,
+    inf_source,
     op_fields,
     packet,
     rewrite_call,
@@ -76,11 +81,14 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
 
 def _with_op(ctx: RuleContext, a: Anomaly) -> Diagnosis:
     cause = cause_of(a)
+    if cause is not None and cause.kind == "inf-arith":
+        return _inf_arithmetic(ctx, a, cause.event, cause.trigger)
     ev = cause.event if cause is not None else a.op
     assert ev is not None
     op = short_op(ev.op)
     dtype = ev.dtype or a.record.dtype
-    evidence = [a.summary, f"{op} made {ev.born} in {dtype} from finite inputs"]
+    given = _given(ev)
+    evidence = [a.summary, f"{op} made {ev.born} in {dtype} {given}"]
     for nm, s in ev.inputs[:3]:
         evidence.append(f"input {nm}: {describe_stat(s)}")
     for nm, s in ev.other_inputs[:2]:
@@ -102,7 +110,7 @@ def _with_op(ctx: RuleContext, a: Anomaly) -> Diagnosis:
     where = f" at {ev.source}" if ev.source else ""
     node = f"backward, autograd node {ev.node}, " if backward and ev.node else ""
     explanation = (
-        f"{op} created {ev.born} from finite inputs{where} ({node}{a.path}). nanwatch has no "
+        f"{op} created {ev.born} {given}{where} ({node}{a.path}). nanwatch has no "
         "specific rule for this op's failure; its inputs above show the ranges it was "
         "given, and the elements it broke show which of them it does not accept."
     )
@@ -112,6 +120,31 @@ def _with_op(ctx: RuleContext, a: Anomaly) -> Diagnosis:
         explanation=explanation,
         fix=_inspect_fix(ev),
     )
+
+
+def _inf_arithmetic(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
+    """An op made NaN of the infinities it was given (-inf - (-inf), 0 × inf) and no
+    specific rule knew where they came from (a log of 0 is NW110's, a fully masked row
+    NW402's): name the operation, the inputs and the suspects."""
+    src = inf_source(ctx.trace, a, ev)
+    mode = ctx.facts.get("mode")
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"NaN from arithmetic on infinities: {inf_arithmetic(ev)}",
+        evidence=[a.summary, *inf_evidence(ev, src, trigger, mode)],
+        explanation=inf_explanation(ev, src),
+        fix=inf_fix(ev, src, forensic=mode == "forensic"),
+    )
+
+
+def _given(ev: OpEvent) -> str:
+    """``from finite inputs``, or what the non-finite inputs held: the op checker records
+    an op that made a kind of value its inputs did not hold (NaN from -inf, say)."""
+    held = [s.kinds() for _, s in ev.inputs if s is not None and not s.finite]
+    if not held:
+        return "from finite inputs"
+    kinds = [k for k in ("NaN", "+inf", "-inf") if any(k in h.split(", ") for h in held)]
+    return f"from inputs holding {' and '.join(kinds)}"
 
 
 def _brief(s: object) -> str:

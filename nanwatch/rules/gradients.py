@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanwatch.records import Anomaly, AnomalyKind, Phase, StepTrace
+from nanwatch.records import Anomaly, AnomalyKind, Phase, Record, StepTrace
 from nanwatch.rules._evidence import (
     anomaly_fields,
     count,
@@ -101,6 +101,7 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"{fmt(g.stat.norm)}"
             )
     if consequence is not None:
+        head, check = _grad_check(ctx, prev)
         yield ctx.diagnosis(
             **anomaly_fields(a),
             title="Non-finite weights (a consequence of an earlier anomaly)",
@@ -112,7 +113,7 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "weights intact meanwhile."
             ),
             fix=(
-                "if all(torch.isfinite(p.grad).all() for p in model.parameters()\n"
+                f"{head}if all({check} for p in model.parameters()\n"
                 "       if p.grad is not None):\n"
                 "    optimizer.step()   # skip updates with NaN/inf gradients"
             ),
@@ -284,6 +285,7 @@ def bad_param_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
     if low and any(r.stat is not None and r.stat.has_posinf for r in bad):
         evidence.append("float16 gradients with inf: an overflow in backward")
+    head, check = _grad_check(ctx)
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
@@ -304,11 +306,41 @@ def bad_param_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
                 else ""
             )
             + "# skip the update when it happens:\n"
-            "if all(torch.isfinite(p.grad).all() for p in model.parameters() "
-            "if p.grad is not None):\n"
+            + head
+            + f"if all({check} for p in model.parameters() if p.grad is not None):\n"
             "    optimizer.step()"
         ),
     )
+
+
+def _sparse_grads(trace: StepTrace) -> bool:
+    """Whether the step had sparse parameter gradients (nn.Embedding(sparse=True)): a
+    gradient whose statistics cover fewer values than its shape holds (a sparse tensor's
+    stored values), or an optimizer that only takes sparse gradients (SparseAdam)."""
+    for r in trace.records:
+        if r.phase is Phase.GRADIENT and r.stat is not None and 0 < r.stat.numel < _size(r):
+            return True
+    return any("sparse" in n.path.lower() for n in trace.notes if n.kind == "optimizer")
+
+
+def _size(r: Record) -> int:
+    return math.prod(r.shape) if r.shape else 1
+
+
+_FINITE_SPARSE = (
+    "def finite(g):   # torch.isfinite has no sparse kernel: check a sparse grad's values\n"
+    "    return torch.isfinite(g.coalesce().values() if g.is_sparse else g).all()\n"
+)
+
+
+def _grad_check(ctx: RuleContext, *more: StepTrace | None) -> tuple[str, str]:
+    """Code that tests one gradient ``p.grad``: a line to put first (empty for dense
+    gradients) and the expression. With sparse gradients (nn.Embedding(sparse=True))
+    ``torch.isfinite(p.grad)`` raises, so the test reads their stored values."""
+    traces = [ctx.trace, *(t for t in more if t is not None)]
+    if any(_sparse_grads(t) for t in traces):
+        return _FINITE_SPARSE, "finite(p.grad)"
+    return "", "torch.isfinite(p.grad).all()"
 
 
 # ---------------------------------------------------------------------- NW303
@@ -636,6 +668,7 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
     ]
     if bad_grads:
         evidence.append("non-finite (scaled) gradients this step: " + ", ".join(bad_grads[:5]))
+    head, check = _grad_check(ctx)
     yield ctx.diagnosis(
         step=ctx.step,
         path=a.path if a is not None else None,
@@ -650,8 +683,9 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=(
             "scaler.unscale_(optimizer)\n"
-            "bad = [n for n, p in model.named_parameters()\n"
-            "       if p.grad is not None and not torch.isfinite(p.grad).all()]\n"
+            + head
+            + "bad = [n for n, p in model.named_parameters()\n"
+            f"       if p.grad is not None and not {check}]\n"
             'print(bad)   # then nanwatch.watch(model, criterion, mode="forensic") on one '
             "step"
         ),

@@ -346,8 +346,8 @@ def softmax_nll(ctx: RuleContext) -> Iterator[Diagnosis]:
     severity="warning",
     summary=(
         "CrossEntropyLoss / NLLLoss input looks like probabilities (rows in [0, 1] "
-        "summing to 1, or non-negative NLLLoss input) though no softmax was traced; "
-        "KLDivLoss input above 0 (it takes log-probabilities)."
+        "summing to 1, non-negative NLLLoss input, a sigmoid output) though no softmax was "
+        "traced; KLDivLoss input above 0 (it takes log-probabilities)."
     ),
     early=True,
     priority=30,
@@ -363,19 +363,27 @@ def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
         if use.kind not in ("ce", "nll"):
             continue
         act = loss_activation(ctx.trace, use)
-        if act is not None:
-            continue  # NW203/NW204 name the activation itself
+        if act is not None and act.kind in _LOGIT_ACTIVATIONS:
+            continue  # NW203/NW204 name a softmax; a log_softmax is what the loss takes
         s = use.input_stat
         lo = s.min if s is not None else note_num(use.note, "input_min")
         hi = s.max if s is not None else note_num(use.note, "input_max")
         rows = use.data("probability_rows")
         evidence: list[str] = []
+        if act is not None:  # a sigmoid: each score squashed into (0, 1) on its own
+            span = _range(use) if use.kind == "ce" else ""  # NLLLoss's range line follows
+            evidence.append(f"{use.path}'s input is {describe_activation(act)}{span}")
         if rows is True:
             evidence.append(f"every row of {use.path}'s input is in [0, 1] and sums to 1")
         elif use.kind == "nll" and lo is not None and hi is not None and lo >= 0 and hi > 0:
             evidence.append(
                 f"{use.path}'s input spans [{fmt(lo)}, {fmt(hi)}]; log-probabilities are "
                 "never above 0"
+            )
+        elif act is not None and use.kind == "ce":
+            evidence.append(
+                f"CrossEntropyLoss takes raw logits and applies log_softmax itself: on "
+                f"{act.kind} outputs, confined to (0, 1), it can never be confident"
             )
         elif (
             use.kind == "ce"
@@ -390,27 +398,53 @@ def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"{use.path}'s input has stayed in [0, 1] for {min_hist} steps "
                 f"(now [{fmt(lo)}, {fmt(hi)}]): logits are rarely confined to [0, 1]"
             )
-        if not evidence:
+        if len(evidence) < (2 if act is not None else 1):
             continue
         name = "CrossEntropyLoss" if use.kind == "ce" else "NLLLoss"
+        expects = "raw logits" if use.kind == "ce" else "log-probabilities (≤ 0)"
+        if act is not None:
+            explanation = (
+                f"{name} expects {expects}, and its input went through a {act.kind}, which "
+                "squashes each score into (0, 1) on its own: "
+                + (
+                    "NLLLoss then computes -p(target) instead of -log p, a loss bounded in "
+                    "[-1, 0] whose gradient does not grow for wrong predictions"
+                    if use.kind == "nll"
+                    else "log_softmax of values in (0, 1) keeps every prediction close to "
+                    "uniform, and the gradients shrink"
+                )
+                + "; training stalls without an error."
+            )
+            fix = (
+                f"# drop the {act.kind} before the loss; on the logits:\n"
+                "loss = F.cross_entropy(logits, target)   # = F.nll_loss(F.log_softmax(logits, "
+                "dim=1), target)\n"
+                "# 0/1 targets per class (multi-label): "
+                "F.binary_cross_entropy_with_logits(logits, y.float())"
+            )
+        else:
+            explanation = (
+                f"{name} expects {expects}. Probabilities (a softmax applied somewhere "
+                "nanwatch could not see, or probabilities loaded from a file) make the loss "
+                "a poor objective: gradients shrink and training stalls without an error."
+            )
+            fix = (
+                "loss = F.cross_entropy(logits, target)        # pass the logits\n"
+                "loss = F.nll_loss(torch.log(probs.clamp_min(1e-12)), target)  # if only "
+                "probabilities exist"
+            )
         yield ctx.diagnosis(
             path=use.path,
             phase=Phase.FORWARD.value,
             source=use.note.source if use.note is not None else None,
             evidence=evidence,
-            explanation=(
-                f"{name} expects "
-                + ("raw logits" if use.kind == "ce" else "log-probabilities (≤ 0)")
-                + ". Probabilities (a softmax applied somewhere nanwatch could not see, "
-                "or probabilities loaded from a file) make the loss a poor objective: "
-                "gradients shrink and training stalls without an error."
-            ),
-            fix=(
-                "loss = F.cross_entropy(logits, target)        # pass the logits\n"
-                "loss = F.nll_loss(torch.log(probs.clamp_min(1e-12)), target)  # if only "
-                "probabilities exist"
-            ),
+            explanation=explanation,
+            fix=fix,
         )
+
+
+#: activations whose output CrossEntropyLoss / NLLLoss may take, or that NW203 / NW204 name
+_LOGIT_ACTIVATIONS = frozenset({"softmax", "log_softmax"})
 
 
 def _kl_div_on_probabilities(ctx: RuleContext, use: LossUse) -> Diagnosis | None:

@@ -1,12 +1,14 @@
 """Masking: a fully masked attention row (NW402). ``masked_fill(mask, -inf)`` before a
 softmax is normal and never reported; a row that is -inf everywhere has no maximum, and
-softmax returns NaN for the whole row."""
+softmax returns NaN for the whole row. A softmax written by hand over rows or segments
+(graph attention: a node whose every edge is masked) fails the same way one op earlier, at
+x - max = -inf - (-inf)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from nanwatch.records import AnomalyKind
+from nanwatch.records import Anomaly, AnomalyKind, OpEvent
 from nanwatch.rules._evidence import (
     anomaly_fields,
     cause_of,
@@ -14,6 +16,10 @@ from nanwatch.rules._evidence import (
     describe_stat,
     first_input,
     fmt,
+    inf_arithmetic,
+    inf_evidence,
+    inf_fix,
+    inf_source,
     op_fields,
     short_op,
     untraced_hint,
@@ -73,7 +79,8 @@ _EXPLAIN = (
     severity="error",
     summary=(
         "A softmax got a row that is -inf everywhere (every key masked): softmax of all "
-        "-inf is NaN; mask with finfo.min or drop empty rows."
+        "-inf is NaN, as is x - max(x) in one written by hand over rows or graph segments "
+        "(-inf - (-inf)); mask with finfo.min or drop empty rows."
     ),
     priority=10,
 )
@@ -83,6 +90,9 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
     cause = cause_of(a)
     if cause is not None:
+        if cause.kind == "inf-arith":
+            yield from _masked_by_hand(ctx, a, cause.event, cause.trigger)
+            return
         if cause.kind != "masked-softmax":
             return
         ev = cause.event
@@ -131,4 +141,34 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         explanation=_EXPLAIN,
         fix=_fix_for(ctx, a.record.call),
         priority=20,
+    )
+
+
+_EXPLAIN_BY_HAND = (
+    "A row or segment whose every value is masked to -inf (a node with no unmasked edge, an "
+    "empty sequence, a causal mask combined with a padding mask) has max = -inf, and "
+    "subtracting that max, as a softmax written by hand does, computes -inf - (-inf) = NaN. "
+    "Masking with -inf is fine as long as every row or segment keeps one unmasked value; "
+    "the dtype's most negative finite value, torch.finfo(dtype).min, keeps empty ones "
+    "finite, or skip them."
+)
+
+
+def _masked_by_hand(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent
+) -> Iterator[Diagnosis]:
+    """x - max(x) over a row or segment that a constant -inf masked everywhere: the
+    subtraction of a softmax written by hand (scatter_reduce amax, a segment max)."""
+    if inf_arithmetic(ev) != "-inf - (-inf)":
+        return
+    src = inf_source(ctx.trace, a, ev)
+    if src.kind != "mask":
+        return
+    mode = ctx.facts.get("mode")
+    yield ctx.diagnosis(
+        **op_fields(ev, a),
+        title="Fully masked row or segment: -inf - (-inf) = NaN",
+        evidence=inf_evidence(ev, src, trigger, mode),
+        explanation=_EXPLAIN_BY_HAND,
+        fix=inf_fix(ev, src, forensic=mode == "forensic"),
     )

@@ -166,7 +166,7 @@ def _from_op(
     # float32 and up, and bfloat16 (float32's range: an upcast would not help it)
     wide = lim is not None and not lim.short_range
     if wide and lim is not None and name not in CAST and not result_only:
-        evidence.append(_growth_line(ctx, a, name, big, lim))
+        evidence.append(_growth_line(ctx, a, name, _overflowing(name, x, big), lim))
     line = code_line(ev)
     if line:
         evidence.append(line)
@@ -228,12 +228,25 @@ def _first_step(ctx: RuleContext) -> bool:
     return not ctx.history and ctx.step == 0
 
 
+def _overflowing(name: str, x: TensorStat | None, big: float) -> float:
+    """The input value that overflowed: for exp and its kin the largest (signed) argument,
+    since exp of a large negative number underflows to 0 and never overflows (sinh and cosh
+    overflow on both sides: their largest |x|); for other ops the largest |x|."""
+    if name in EXP_LIKE and name.rstrip("_") not in _BOTH_SIDES:
+        top = signed_max(x)
+        return top if not math.isnan(top) else big
+    return big
+
+
 def _growth_line(
     ctx: RuleContext, a: Anomaly, name: str, big: float, lim: DtypeLimits, *, noun: str = "inputs"
 ) -> str:
-    """For float32/float64: the values themselves exploded; say when."""
+    """For float32/float64: the values themselves exploded; say when. For an exp-like op,
+    ``big`` is its largest argument (see :func:`_overflowing`)."""
     if name in EXP_LIKE and math.isfinite(big):
-        what = f"exp's argument reached {fmt(big)} (e^{fmt(big)} ≈ 1e{int(big / math.log(10))})"
+        base = 2.0 if name.rstrip("_") == "exp2" else math.e
+        power = f"2^{fmt(big)}" if base == 2.0 else f"e^{fmt(big)}"
+        what = f"exp's argument reached {fmt(big)} ({power} ≈ 1e{int(big * math.log10(base))})"
     elif name in EXP_LIKE:
         what = f"exp's argument passed {fmt(lim.exp_bound)}"  # (its input was not kept)
     else:
