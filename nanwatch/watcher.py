@@ -1035,6 +1035,7 @@ class Watcher:
         #: pass, whose recomputation in backward gets their gradient hooks
         self._unhooked: dict[str, list[Record]] = {}
         self._new_trigger = None
+        self._pending_data: Anomaly | None = None  # bad data that has reached nothing yet
         self._backward_seen = False
         self._backward_called = False  # backward() (not autograd.grad) ran this step
         self._updated = False  # an optimizer stepped this step
@@ -1170,7 +1171,7 @@ class Watcher:
     def _note_bad(self, rec: Record) -> None:
         if (
             self._new_trigger is None
-            and self._trace.anomaly is None
+            and (self._trace.anomaly is None or self._trace.anomaly is self._pending_data)
             and is_trigger(rec, self._trace, allow=self.config.allow, scaled_grads=self._scaled)
         ):
             self._new_trigger = rec
@@ -1921,12 +1922,40 @@ class Watcher:
             self._pending, self._pending_grads, self._pending_rows = [], [], []
         self._drain_ops()
         self._summarize(trace)
-        if trace.anomaly is None:
+        found = trace.anomaly
+        if found is None:
             self._localize(trace)
-        else:  # found during the step: count what it took with it since
-            a = trace.anomaly
+        self._pending_data = None
+        a = trace.anomaly
+        if a is not None and a.kind is AnomalyKind.INPUT and not _reached(trace, a):
+            self._absorbed(trace, a)  # the whole step ran: the bad data reached nothing
+            return
+        if found is not None and a is not None:  # found during the step: count what it
+            # took with it since
             a.propagators, a.propagator_count = propagators(trace, a.record, a.path)
             a.summary = summarize(a)
+        trace.diagnoses = self._evaluate(trace)
+
+    def _absorbed(self, trace: StepTrace, anomaly: Anomaly) -> None:
+        """Bad data that reached nothing the step computed (no output, loss, gradient or
+        weight holds NaN/inf): not an anomaly; an ``"absorbed_data"`` note for the early
+        warning (NW406)."""
+        trace.anomaly = None
+        if anomaly in self.anomalies:
+            self.anomalies.remove(anomaly)
+        if self.first_anomaly is anomaly:
+            self.first_anomaly = self.anomalies[0] if self.anomalies else None
+        rec = anomaly.record
+        self.note(
+            "absorbed_data",
+            anomaly.path,
+            role=rec.role,
+            summary=anomaly.summary,
+            kinds=rec.stat.kinds() if rec.stat is not None else "",
+            rows=list(rec.stat.bad_rows or ()) if rec.stat is not None else [],
+            row_count=rec.stat.bad_row_count if rec.stat is not None else None,
+            shape=list(rec.shape),
+        )
         trace.diagnoses = self._evaluate(trace)
 
     def _drain_ops(self) -> None:
@@ -2061,13 +2090,25 @@ class Watcher:
         """A record just turned out bad (CPU: known at once). Localize now, pinpoint the op
         while the producer's inputs are at hand (for a functional loss: from the autograd
         graph it built), and act."""
-        self._new_trigger = None
+        rec, self._new_trigger = self._new_trigger, None
         trace = self._trace
+        pending = self._pending_data
         if trace.anomaly is not None:
+            if pending is not None and trace.anomaly is pending and rec is not None:
+                # the bad data reached a value the step computed: act on it now, before
+                # an update spreads it into the weights
+                self._pending_data = None
+                trace.diagnoses = self._evaluate(trace)
+                self._act(trace)
             return
         first_of_run = self.first_anomaly is None
         anomaly = self._localize(trace)
         if anomaly is None:
+            return
+        if anomaly.kind is AnomalyKind.INPUT and not _reached(trace, anomaly):
+            # NaN padding a packed sequence never reads, missing values the model imputes:
+            # data is only an error once it reaches something; the step end decides
+            self._pending_data = anomaly
             return
         if (
             self.config.pinpoint
@@ -2513,6 +2554,19 @@ def _feeds_only(node: Any, stop: ops.NodeMarks, depth: int) -> bool:
             continue
         return False
     return True
+
+
+def _reached(trace: StepTrace, anomaly: Anomaly) -> bool:
+    """Some value of the step other than the bad data itself (a module's output, the loss,
+    a gradient, a weight) holds NaN/inf."""
+    src = anomaly.record
+    for r in trace.records:
+        if r is src or not r.bad:
+            continue
+        if trace.resolve(r) is src:
+            continue
+        return True
+    return False
 
 
 def _bad_state(module: nn.Module) -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from nanwatch.records import OpEvent, Phase, StepTrace, TensorStat
+from nanwatch.records import Note, OpEvent, Phase, StepTrace, TensorStat
 from nanwatch.rules import REGISTRY
 from nanwatch.rules.testing import TraceBuilder, diagnose, stat
 from nanwatch.stats import dtype_limits
@@ -453,6 +453,45 @@ def case_transient() -> Case:
     return Case(t)
 
 
+def case_module_state() -> Case:
+    t = anomaly_in_module(None, path="proj", module_type="Linear")
+    assert t.anomaly is not None
+    t.notes.append(
+        Note(
+            kind="module_state",
+            path="proj",
+            data={
+                "tensors": [
+                    {
+                        "name": "weight",
+                        "kind": "set by a forward pre-hook",
+                        "stat": "NaN",
+                        "dtype": "float32",
+                    }
+                ]
+            },
+        )
+    )
+    return Case(t)
+
+
+def case_absorbed_data() -> Case:
+    b = TraceBuilder(1)
+    net = b.call("Rnn", root=True)
+    b.input(net, counted(-1.0, 1.0), shape=(4, 6, 3))
+    b.forward(net, counted(-0.5, 0.5))
+    b.note(
+        "absorbed_data",
+        "Rnn",
+        role="input[0]",
+        kinds="NaN",
+        rows=[1, 2, 3],
+        row_count=3,
+        shape=[4, 6, 3],
+    )
+    return Case(b.build())
+
+
 def case_catch_all() -> Case:
     odd = ev(
         "aten.special_zeta.default",
@@ -514,6 +553,8 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW402": case_masked,
     "NW403": case_inplace,
     "NW404": case_transient,
+    "NW405": case_module_state,
+    "NW406": case_absorbed_data,
 }
 
 

@@ -1439,3 +1439,63 @@ def test_a_nan_a_module_keeps_aside_for_the_loss_is_not_blamed_on_the_loss_code(
         )
     else:
         assert a.summary.startswith("NaN born on the way to the loss, outside every watched")
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_bad_data_that_reaches_an_output_still_stops_the_step_in_forward(mode: str) -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    x = torch.randn(5, 3)
+    x[2, 1] = float("nan")
+    with pytest.raises(nanwatch.AnomalyError) as info, nanwatch.watch(model, mode=mode):
+        out = model(x)
+        out.sum().backward()  # never runs: the forward raised
+    assert all(p.grad is None for p in model.parameters())  # no update could spread it
+    assert info.value.anomaly is not None and info.value.anomaly.kind.value == "input"
+    assert info.value.diagnoses[0].code == "NW401"
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_nan_padding_that_nothing_reads_is_not_an_anomaly(mode: str) -> None:
+    """Sequences padded with NaN past their lengths: pack_padded_sequence never reads the
+    padding, the output, loss and gradients are finite. Data is an error once it reaches
+    something the step computes."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class Rnn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(3, 8, batch_first=True)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            return self.head(self.rnn(packed)[1][-1])
+
+    torch.manual_seed(0)
+    model, crit = Rnn(), nn.MSELoss()
+    with pytest.warns(nanwatch.NanwatchWarning, match="NW406") as said:
+        nw = _padded_run(model, crit, mode)
+    assert len(said) == 1  # once per code
+    assert nw.anomalies == [] and nw.first_anomaly is None
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    notes = [n for n in nw.history[0].notes if n.kind == "absorbed_data"]
+    assert [n.path for n in notes] == ["Rnn"] and notes[0].data["rows"] == [1, 2, 3]
+    (d,) = nw.history[0].diagnoses
+    assert d.code == "NW406" and d.evidence[0] == (
+        "input[0] of Rnn holds NaN in samples 1, 2, 3 (3 of 4)"
+    )
+
+
+def _padded_run(model: nn.Module, crit: nn.Module, mode: str) -> nanwatch.Watcher:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with nanwatch.watch(model, crit, mode=mode) as nw:
+        for _ in range(2):
+            lengths = torch.tensor([6, 2, 4, 5])
+            x = torch.randn(4, 6, 3)
+            for i, n in enumerate(lengths):
+                x[i, n:] = float("nan")
+            crit(model(x, lengths), torch.randn(4, 1)).backward()
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+    return nw

@@ -89,12 +89,28 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             "it into NaN activations and the loss into NaN; every layer downstream is "
             "innocent."
         ),
-        fix=(
+        fix=_find_samples_fix(bad[0].shape, rows_known=rows_known),
+    )
+
+
+def _find_samples_fix(shape: tuple[int, ...], *, rows_known: bool) -> str:
+    """Code that lists the bad samples of ``x``, for the bad input's number of dimensions:
+    ``flatten(1)`` needs two, a 1-D input's samples are its elements, a 0-d one is a value."""
+    last = "x = torch.nan_to_num(x, nan=0.0)  # or fix/drop them in Dataset.__getitem__"
+    if len(shape) == 0:
+        return f"print(torch.isfinite(x).item())   # a single value: False here\n{last}"
+    if len(shape) == 1:
+        find = (
+            "bad = ~torch.isfinite(x)                 # 1-D: each element is a sample\n"
+            "print(bad.nonzero().flatten().tolist())  # trace them to the dataset"
+        )
+    else:
+        find = (
             "bad = ~torch.isfinite(x).flatten(1).all(dim=1)   # samples with NaN/inf\n"
-            "print(bad.nonzero().flatten().tolist())         # trace them to the dataset\n"
-            "x = torch.nan_to_num(x, nan=0.0)  # or fix/drop them in Dataset.__getitem__"
-            + ("" if rows_known else "\n# (sample indices need the batch on dim 0)")
-        ),
+            "print(bad.nonzero().flatten().tolist())         # trace them to the dataset"
+        )
+    return f"{find}\n{last}" + (
+        "" if rows_known else "\n# (sample indices need the batch on dim 0)"
     )
 
 
@@ -150,4 +166,49 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
             "y = (y - y.mean()) / y.std().clamp_min(1e-6)   # a batch of equal targets has std 0\n"
             "# or fix/drop the samples in Dataset.__getitem__"
         ),
+    )
+
+
+@rule(
+    "NW406",
+    title="NaN or inf in the input data that nothing used",
+    severity="warning",
+    summary=(
+        "The batch holds NaN/inf, but no output, loss, gradient or weight of the step did: "
+        "padding a packed sequence skips, missing values the model masks. Said once; the "
+        "step is not an anomaly."
+    ),
+    early=True,
+    priority=60,
+)
+def absorbed_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
+    if ctx.anomaly is not None:
+        return
+    note = next((n for n in ctx.trace.notes if n.kind == "absorbed_data"), None)
+    if note is None:
+        return
+    d = note.data
+    rows = list(d.get("rows") or ())
+    count = d.get("row_count") or len(rows)
+    shape = d.get("shape") or []
+    where = f"{d.get('role', 'input')} of {note.path}"
+    samples = ""
+    if rows:
+        more = ", ..." if count and count > len(rows) else ""
+        of = f" ({count} of {shape[0]})" if count and shape else ""
+        samples = f" in samples {', '.join(map(str, rows))}{more}{of}"
+    yield ctx.diagnosis(
+        path=note.path,
+        phase="input",
+        evidence=[
+            f"{where} holds {d.get('kinds') or 'NaN/inf'}{samples}",
+            "every output, the loss, every gradient and every weight of the step stayed finite",
+        ],
+        explanation=(
+            "The NaN/inf in this batch never reached a value the step computed: the model "
+            "skips it (padding that pack_padded_sequence or a mask leaves out, missing values "
+            "it replaces). That is fine while it lasts; a change that reads those positions "
+            "(another pooling, a mask that is off by one) turns it into NaN losses."
+        ),
+        fix="x = torch.nan_to_num(x, nan=0.0)   # pad with a finite value instead of NaN",
     )
