@@ -925,7 +925,10 @@ class Watcher:
                 self._record_inputs(info, call, args, kwargs, after=True)
             skip = info.passthrough or (info.preserving and not forensic and _wide(output))
             call.passthrough = skip
-            self._record_outputs(info, call, output, skip=skip)
+            # a skipped module fed only data that needs no gradient (an embedding's ids): the
+            # gradient of its output goes straight into its weights, and is hooked
+            leaf = skip and not _needs_grad(args)
+            self._record_outputs(info, call, output, skip=skip, leaf=leaf)
             call.end = self._idx
             if forensic:
                 outs = [t for _, t in iter_tensors(output, "output")]
@@ -1298,10 +1301,11 @@ class Watcher:
             )
 
     def _record_outputs(
-        self, info: _ModInfo, call: Call, output: Any, *, skip: bool = False
+        self, info: _ModInfo, call: Call, output: Any, *, skip: bool = False, leaf: bool = False
     ) -> None:
         """Record each output; ``skip``: the module cannot have made a non-finite value from
-        finite inputs here, so its outputs are bounded by its input's record, not measured."""
+        finite inputs here, so its outputs are bounded by its input's record, not measured;
+        ``leaf``: and no input of it needs a gradient."""
         if isinstance(output, torch.Tensor):
             items: Iterable[tuple[str, torch.Tensor]] = (("output", output),)
         else:
@@ -1347,7 +1351,7 @@ class Watcher:
                 if skip:
                     if rec.source is None:
                         rec.source = first_input
-                    if not hooked and _grad_ends_here(t):
+                    if leaf and not hooked and _grad_ends_here(t):
                         # its gradient goes straight into weights (an embedding's output):
                         # no later record would see a NaN the code using it sends back
                         hooked = self._maybe_hook_grad(t, rec)
@@ -2592,6 +2596,15 @@ def _bad_state(module: nn.Module) -> list[dict[str, Any]]:
                 {"name": name, "kind": kind, "stat": stat.kinds(), "dtype": dtype_name(t.dtype)}
             )
     return out
+
+
+def _needs_grad(args: tuple[Any, ...]) -> bool:
+    """Some positional tensor argument requires a gradient (one look for one tensor)."""
+    if len(args) == 1 and isinstance(args[0], torch.Tensor):
+        return args[0].requires_grad
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) or not all(
+        isinstance(a, (torch.Tensor, int, float, bool, str, type(None))) for a in args
+    )
 
 
 def _grad_ends_here(t: torch.Tensor) -> bool:
