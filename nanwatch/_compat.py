@@ -42,6 +42,16 @@ def register_optimizer_step_pre_hook(hook: Callable[..., None]) -> Any:
     return register(hook)
 
 
+def register_optimizer_step_post_hook(hook: Callable[..., None]) -> Any:
+    """``torch.optim.optimizer.register_optimizer_step_post_hook`` (after every optimizer's
+    ``step``), or None where this torch has no such global hook."""
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook as register
+    except ImportError:
+        return None
+    return register(hook)
+
+
 def _make_fake_mode_active() -> Callable[[], bool]:
     """Whether a FakeTensorMode is active on this thread (torch.compile, export, meta-device
     initialisation): tensors hold no values then. One C call where torch keeps infra modes

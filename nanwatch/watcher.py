@@ -40,6 +40,7 @@ from nanwatch._compat import (
     aminmax,
     compiling,
     no_values,
+    register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 from nanwatch._structure import iter_tensors
@@ -522,6 +523,9 @@ class Watcher:
             _backward_tap.install(self)
             _scaler_tap.install(self)
             handle = register_optimizer_step_pre_hook(self._on_optimizer_step)
+            if handle is not None:
+                self._handles.append(handle)
+            handle = register_optimizer_step_post_hook(self._after_optimizer_step)
             if handle is not None:
                 self._handles.append(handle)
             if forensic:
@@ -1039,6 +1043,10 @@ class Watcher:
         self._unhooked: dict[str, list[Record]] = {}
         self._new_trigger = None
         self._pending_data: Anomaly | None = None  # bad data that has reached nothing yet
+        #: the watched weights each optimizer step of this step (and the last) updated:
+        #: id -> (optimizer class, param group index, the weight's version after the update)
+        self._stepped_prev: dict[int, tuple[str, int, int]] = getattr(self, "_stepped", {})
+        self._stepped: dict[int, tuple[str, int, int]] = {}
         self._backward_seen = False
         self._backward_called = False  # backward() (not autograd.grad) ran this step
         self._updated = False  # an optimizer stepped this step
@@ -1194,11 +1202,15 @@ class Watcher:
             self._after_backward = None  # an update: the next forward begins a step
             self._updated = True
             groups: list[dict[str, Any]] = []
-            for g in getattr(optimizer, "param_groups", ()):
+            name = type(optimizer).__name__
+            for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
                 ps = [p for p in g.get("params", ()) if id(p) in self._param_ids]
                 if not ps:
                     continue
+                for p in ps:
+                    self._stepped[id(p)] = (name, gi, -1)
                 entry: dict[str, Any] = {
+                    "group": gi,
                     "params": len(ps),
                     "dtypes": sorted({dtype_name(p.dtype) for p in ps}),
                 }
@@ -1222,6 +1234,21 @@ class Watcher:
                 self.note("optimizer", type(optimizer).__name__, groups=groups)
         except Exception as exc:
             self._fault("optimizer", "optimizer hook", exc)
+
+    def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Global optimizer post-hook: each watched weight's version right after the update,
+        so a write after it (a load_state_dict, an in-place edit) is told from the update
+        (NW301). No tensor is read."""
+        if not self._attached or threading.get_ident() != self._thread:
+            return
+        try:
+            for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
+                for p in g.get("params", ()):
+                    entry = self._stepped.get(id(p))
+                    if entry is not None and entry[1] == gi:
+                        self._stepped[id(p)] = (entry[0], gi, p._version)
+        except Exception as exc:
+            self._fault("optimizer", "optimizer post-hook", exc)
 
     def _found_scaler(self, scaler: Any) -> None:
         """``scaler.scale(loss)`` ran while attached (see ``_ScalerTap``)."""
@@ -1800,7 +1827,7 @@ class Watcher:
             values = read_scalars(foreach_absmax(params))
         front: list[Record] = []
         seen: set[str] | None = None
-        for (q, path, _), p, owner_type, a in zip(
+        for (q, path, param), p, owner_type, a in zip(
             self._params, params, self._param_types, values, strict=True
         ):
             if not (all_records or a - a != 0):  # keep only inf/NaN, unless asked for all
@@ -1821,6 +1848,19 @@ class Watcher:
                 )  # fmt: skip
                 front.append(rec)
             rec.stat = stat
+            if not stat.finite and len(self._trace.notes) < 256:
+                # which optimizer step, if any, last wrote it (NW301: an EMA copy, a loaded
+                # checkpoint, a pruning mask are written by no optimizer)
+                stepped = (self._stepped if at_end else self._stepped_prev).get(id(param))
+                after = stepped is not None and stepped[2] not in (-1, param._version)
+                self.note(
+                    "weight_writer",
+                    path,
+                    parameter=q,
+                    optimizer=stepped[0] if stepped and not after else None,
+                    group=stepped[1] if stepped and not after else None,
+                    after_optimizer=stepped[0] if after and stepped else None,
+                )
             if at_end and not stat.finite:
                 self._note_bad(rec)
         if front:

@@ -7,6 +7,7 @@ import gc
 import math
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -1499,3 +1500,70 @@ def _padded_run(model: nn.Module, crit: nn.Module, mode: str) -> nanwatch.Watche
             opt.zero_grad()
             nw.step()
     return nw
+
+
+def _nw301(run: Callable[[nn.Module, torch.optim.Optimizer, int], None]) -> Any:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 1e-3}],
+        lr=1e-3,
+    )
+    x = torch.randn(8, 4)
+    with pytest.raises(nanwatch.AnomalyError) as info, nanwatch.watch(model) as nw:
+        for i in range(4):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            run(model, opt, i)
+            nw.step()
+    (d,) = [d for d in info.value.diagnoses if d.code == "NW301"]
+    return d
+
+
+def test_nw301_tells_a_weight_written_after_the_update_from_the_update() -> None:
+    # a checkpoint holding a NaN loaded mid-run: Adam updated the weight and left it finite
+    def load(model: nn.Module, opt: Any, i: int) -> None:
+        if i == 1:
+            sd = {k: v.clone() for k, v in model.state_dict().items()}
+            sd["0.weight"][0, 0] = float("nan")
+            model.load_state_dict(sd)
+
+    d = _nw301(load)
+    assert d.title == "Non-finite weights written outside an optimizer step"
+    assert any("Adam updated 0.weight and left it finite" in e for e in d.evidence)
+    assert "lr" not in d.fix
+
+
+def test_nw301_names_the_param_group_whose_learning_rate_is_nan() -> None:
+    def nan_lr(model: nn.Module, opt: Any, i: int) -> None:
+        if i == 1:
+            opt.param_groups[1]["lr"] = float("nan")  # group 1: the head
+
+    d = _nw301(nan_lr)
+    assert d.title == "Non-finite learning rate"
+    assert any("(param group 1)" in e for e in d.evidence)
+    assert "optimizer.param_groups[1]['lr']" in d.fix
+    # the update that broke it is this step's (the NaN is found at its end), not the last's
+    assert not any("gradient norm at step 1" in e for e in d.evidence)
+
+
+def test_nw301_a_weight_no_optimizer_updates_is_not_the_learning_rates_fault() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, avg_fn=lambda avg, new, n: avg + (new - avg) / (n - 1)  # n = 1: 0/0
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 4)
+    with pytest.raises(nanwatch.AnomalyError) as info, nanwatch.watch(model, ema) as nw:
+        for _ in range(3):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model)
+            ema.update_parameters(model)
+            nw.step()
+    (d,) = [d for d in info.value.diagnoses if d.code == "NW301"]
+    assert d.title == "Non-finite weights written outside an optimizer step"
+    assert "The learning rate is not the cause" in d.explanation

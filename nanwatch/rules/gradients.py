@@ -11,6 +11,7 @@ import math
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -85,7 +86,20 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             ),
         )
         return
-    prev = ctx.history[-1] if ctx.history else None
+    writer = _writer(ctx, name)
+    if writer is not None and writer.get("optimizer") is None:
+        after = writer.get("after_optimizer")
+        if after:
+            evidence.append(
+                f"{after} updated {name} and left it finite; it was written again after that "
+                "update (its version changed)"
+            )
+        yield _written_elsewhere(ctx, a, name=name, evidence=evidence)
+        return
+    # the update that broke it: this step's when it was found at the step's end, the last
+    # step's when found before this step's forward
+    at_end = _after_forward(ctx.trace, rec)
+    prev = ctx.trace if at_end else (ctx.history[-1] if ctx.history else None)
     consequence: str | None = None
     if prev is not None:
         g = next((r for r in prev.records if r.phase is Phase.GRADIENT and r.role == name), None)
@@ -93,7 +107,7 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             consequence = (
                 f"the gradient of {name} applied at step {prev.step} was already {g.stat.kinds()}"
             )
-        elif prev.anomaly is not None:
+        elif prev.anomaly is not None and prev is not ctx.trace:
             consequence = f"step {prev.step} already had an anomaly: {prev.anomaly.summary}"
         elif g is not None and g.stat is not None and g.stat.norm is not None:
             evidence.append(
@@ -120,7 +134,7 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             priority=95,
         )
         return
-    update = _last_update(ctx, rec.dtype)
+    update = _last_update(ctx, rec.dtype, writer)
     if update is not None:
         special = _update_itself(ctx, a, update, name=name, evidence=evidence)
         if special is not None:
@@ -164,17 +178,77 @@ class _Update:
     group: dict[str, object]
 
 
-def _last_update(ctx: RuleContext, dtype: str) -> _Update | None:
-    """The last optimizer step (its ``"optimizer"`` note) that updated weights of this
-    dtype: in this step, or in the one before (weights found bad before this forward)."""
+def _last_update(
+    ctx: RuleContext, dtype: str, writer: dict[str, Any] | None = None
+) -> _Update | None:
+    """The last optimizer step (its ``"optimizer"`` note) that updated the weight: the
+    optimizer and param group the watcher saw update it (``writer``), else one that updated
+    weights of this dtype; in this step, or in the one before (weights found bad before
+    this forward)."""
     for t in (ctx.trace, *reversed(ctx.history[-1:])):
         for n in reversed(t.notes):
             if n.kind != "optimizer":
                 continue
+            if writer is not None and n.path != writer.get("optimizer"):
+                continue
             for g in n.data.get("groups", ()):
-                if isinstance(g, dict) and dtype in g.get("dtypes", ()):
+                if not isinstance(g, dict):
+                    continue
+                if writer is not None and g.get("group", writer.get("group")) != writer.get(
+                    "group"
+                ):
+                    continue
+                if writer is not None or dtype in g.get("dtypes", ()):
                     return _Update(n.path, t.step, g)
     return None
+
+
+def _after_forward(trace: StepTrace, rec: Record) -> bool:
+    """``rec`` (a weight) was recorded after the step's computation, at its end (so this
+    step's update broke it), not ahead of its forward."""
+    for r in trace.records:
+        if r is rec:
+            return False
+        if r.phase is not Phase.PARAMETER:
+            return True
+    return False
+
+
+def _writer(ctx: RuleContext, name: str) -> dict[str, Any] | None:
+    """What last wrote the non-finite weight ``name`` (its ``"weight_writer"`` note): the
+    optimizer and param group, or ``optimizer: None`` for none."""
+    for n in reversed(ctx.trace.notes):
+        if n.kind == "weight_writer" and n.data.get("parameter") == name:
+            return n.data
+    return None
+
+
+def _written_elsewhere(
+    ctx: RuleContext, a: Anomaly, *, name: str, evidence: list[str]
+) -> Diagnosis:
+    """No optimizer step updated the weight: other code wrote the NaN/inf."""
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights written outside an optimizer step",
+        evidence=evidence
+        if any("written again after" in e for e in evidence)
+        else [
+            *evidence,
+            f"no optimizer step of the watched run updated {name} since the last check",
+        ],
+        explanation=(
+            f"{name} became non-finite, and no optimizer updated it: other code wrote it. "
+            "An average of weights (an EMA or torch.optim.swa_utils.AveragedModel, whose "
+            "avg_fn can divide by 0 at its first update), a load_state_dict of a checkpoint "
+            "that holds NaN, an in-place write (p.data.copy_, a pruning mask's weight_orig), "
+            "or a weight tied to another module's. The learning rate is not the cause."
+        ),
+        fix=(
+            "# right after each place that writes weights (an EMA update, a load):\n"
+            "bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]\n"
+            "assert not bad, bad"
+        ),
+    )
 
 
 def _numbers(v: object) -> list[float]:
@@ -199,7 +273,8 @@ def _update_itself(
             title="Non-finite learning rate",
             evidence=[
                 *evidence,
-                f"{u.optimizer}'s learning rate was {fmt(bad_lr)} at the update of step {u.step}",
+                f"{u.optimizer}'s learning rate was {fmt(bad_lr)} at the update of step {u.step}"
+                + (f" (param group {u.group['group']})" if u.group.get("group") else ""),
             ],
             explanation=(
                 f"The optimizer multiplied the gradient of {name} by a learning rate of "
@@ -210,7 +285,7 @@ def _update_itself(
             ),
             fix=(
                 "scheduler.step()\n"
-                "lr = optimizer.param_groups[0]['lr']\n"
+                f"lr = optimizer.param_groups[{u.group.get('group', 0)}]['lr']\n"
                 "assert math.isfinite(lr), lr   # right after each scheduler.step()\n"
                 "# warmup: step / max(1, warmup_steps), never step / warmup_steps"
             ),
