@@ -2193,6 +2193,12 @@ class Watcher:
         first = result.first()
         if first is not None:
             anomaly.op = first
+        elif (
+            result.clean
+            and result.conclusive
+            and self._blame_unmeasured(anomaly, target, args, kwargs)
+        ):
+            return  # re-localized in the module that made its input, and pinpointed there
         elif result.clean and result.conclusive:
             state = _bad_state(module)
             if state:  # the forward read it: no op made it, and a replay cannot clear it
@@ -2208,6 +2214,63 @@ class Watcher:
                 reproduced=first is not None,
             )
         anomaly.summary = summarize(anomaly)
+
+    def _blame_unmeasured(self, anomaly: Anomaly, call: Call, args: Any, kwargs: Any) -> bool:
+        """The replay made nothing because the module was given a NaN: an input that no
+        record measured (the output of a module whose magnitude nanwatch bounds by its input
+        instead of reading it, a LayerNorm whose variance overflowed in float32). That
+        producer's output is measured now, the step is localized again (the anomaly moves
+        to it) and the producer is replayed in turn. Returns whether it moved."""
+        trace = self._trace
+        inputs = {r.role: r for r in trace.inputs_of(call.id)}
+        for role, t in self._walk(args, "input", kwargs):
+            rec = inputs.get(role)
+            if rec is None or not (t.is_floating_point() or t.is_complex()) or _finite(t):
+                continue
+            producer: Record | None = None
+            cur: Record | None = rec
+            while cur is not None and cur.stat is None and cur.source is not None:
+                cur = trace.record(cur.source)
+                if cur is not None and cur.phase is Phase.FORWARD and cur.stat is None:
+                    producer = cur
+                    break
+            if producer is None:
+                continue
+            producer.stat = describe(t.detach()) or TensorStat(math.nan, math.nan, t.numel())
+            trace.anomaly = None
+            if anomaly in self.anomalies:
+                self.anomalies.remove(anomaly)
+            if self.first_anomaly is anomaly:
+                self.first_anomaly = None
+            moved = self._localize(trace)
+            if moved is None:
+                return False
+            found = self._replay_args(moved)
+            if found is not None:
+                self._pinpoint(moved, (found[0], found[1], found[2], found[3]))
+            return True
+        return False
+
+    def _replay_args(self, anomaly: Anomaly) -> tuple[Call, nn.Module, Any, Any] | None:
+        """The call, module and a finished call's inputs (those still alive) of a forward
+        anomaly's module, to replay it after its call ended."""
+        trace = self._trace
+        call = trace.call(anomaly.record.call)
+        if call is None or anomaly.kind is not AnomalyKind.FORWARD:
+            return None
+        module = next((m for m, info in self._modules if info.path == call.path), None)
+        if module is None:
+            return None
+        alive = {entry[1]: entry[0]() for entry in self._known.values()}
+        args: list[torch.Tensor] = []
+        for r in trace.inputs_of(call.id):
+            if not r.role.startswith("input["):
+                return None  # keyword inputs: not rebuilt
+            t = alive.get(r.source if r.source is not None else r.index)
+            if not isinstance(t, torch.Tensor):
+                return None
+            args.append(t)
+        return (call, module, tuple(args), {}) if args else None
 
     def _pinpoint_loss(self, anomaly: Anomaly, loss: torch.Tensor) -> None:
         """The loss code is not a module and cannot be re-run; its autograd graph can be

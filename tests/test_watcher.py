@@ -1567,3 +1567,31 @@ def test_nw301_a_weight_no_optimizer_updates_is_not_the_learning_rates_fault() -
     (d,) = [d for d in info.value.diagnoses if d.code == "NW301"]
     assert d.title == "Non-finite weights written outside an optimizer step"
     assert "The learning rate is not the cause" in d.explanation
+
+
+def test_a_layernorm_whose_variance_overflows_is_blamed_not_the_next_layer() -> None:
+    """Activations near 1e20 (a diverging run): LayerNorm's x² passes float32's range and
+    it outputs NaN. Its output is bounded by its input, not read, so the NaN was first seen
+    at the next Linear, whose replay (given the NaN) made nothing: that was called a
+    transient hardware fault (NW404). The replay's NaN input now moves the anomaly to the
+    LayerNorm, which is replayed in turn."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.ln, self.fc = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.ln(x + self.proj(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].proj.weight.mul_(1e20)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        model(torch.randn(4, 8)).sum().backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.path == "0.ln" and not a.transient
+    assert a.op is not None and a.op.op == "aten.native_layer_norm.default"
+    assert [d.code for d in nw.history[0].diagnoses][:1] == ["NW101"]

@@ -76,6 +76,10 @@ def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
     if cause is not None:
         if cause.kind == "overflow":
             yield _from_op(ctx, a, cause.event, cause.trigger, cause.chain)
+        elif cause.kind == "other":
+            # an op with no rule of its own (a norm's variance) made NaN from finite values
+            # so large that their square passes the dtype: the values exploded
+            yield from _wide_from_record(ctx, a)
         return
     yield from _from_record(ctx, a)
 
@@ -305,6 +309,26 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
         values = _forward_values_of(ctx.trace, a.path)
     else:
         return
+    if not values and a.op is not None and a.op.phase is Phase.FORWARD:
+        # inputs bounded by earlier records, not read (a residual sum): the op read them
+        values = [
+            Record(
+                -1,
+                rec.step,
+                Phase.INPUT,
+                a.path,
+                name,
+                a.op.dtype or rec.dtype,
+                rec.device,
+                (),
+                st,
+                rec.call,
+                None,
+                rec.module_type,
+            )
+            for name, st in a.op.inputs
+            if st is not None
+        ]
     if not values or any(r.stat is None or not r.stat.finite for r in values):
         return
     top = max(values, key=lambda r: r.stat.magnitude if r.stat is not None else -1.0)
