@@ -1614,8 +1614,16 @@ def _binary_target_failure(
     tmin, tmax = v.get("target_min", math.nan), v.get("target_max", math.nan)
     tgt = p.arg("target")
     hint, fix = "", f"scale {tgt} into [0, 1]"
-    if tmin >= 0 and tmax == 255:
+    if tmin >= 0 and tmax == 255 and bool(((t == 0) | (t == 255)).all()):
         hint, fix = " — a 0/255 mask", p.call_with(target=f"{tgt} / 255")
+    elif tmin >= 0 and tmax == 255:  # 0/1 labels with 255 marking the missing ones
+        inp = p.arg("input")
+        keep = f"({tgt} != 255)"
+        hint = " — 255 among 0/1 labels: a 'missing' marker, which BCE has no ignore for"
+        fix = (
+            f"per = F.binary_cross_entropy_with_logits({inp}, {tgt}.clamp(0, 1), "
+            f"reduction='none')\nloss = (per * {keep}).sum() / {keep}.sum().clamp_min(1)"
+        )
     elif tmin == -1 and tmax == 1:
         hint, fix = " — labels of -1 and 1", p.call_with(target=f"({tgt} + 1) / 2")
     elif tmin >= 0 and tmax == int(tmax) and tmax > 1:

@@ -1040,3 +1040,14 @@ def test_multilabel_soft_margin_targets_are_binary() -> None:
     err = guarded(nn.MultiLabelSoftMarginLoss(), torch.randn(2, 3), targets)
     assert err.code == "NW505" and "labels of -1 and 1" in str(err)
     assert err.fix.endswith("(target + 1) / 2)")  # the guarded() helper calls it so
+
+
+def test_255_among_0_1_labels_is_a_missing_marker_not_a_0_255_mask() -> None:
+    # `target / 255` would turn every positive label into 0.0039: mask the 255s instead
+    target = torch.tensor([[0.0, 1.0, 255.0], [1.0, 0.0, 1.0]])
+    err = guarded(nn.BCEWithLogitsLoss(), torch.randn(2, 3), target)
+    assert "/ 255" not in err.fix and "0/255 mask" not in str(err)
+    assert "255 among 0/1 labels" in str(err)
+    assert "target.clamp(0, 1), reduction='none'" in err.fix and "(target != 255)" in err.fix
+    err = guarded(nn.BCEWithLogitsLoss(), torch.randn(3), torch.tensor([0.0, 255.0, 255.0]))
+    assert err.fix.endswith("target / 255)")

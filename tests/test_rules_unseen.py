@@ -504,3 +504,29 @@ def test_exp_overflow_evidence_quotes_the_largest_argument_not_the_largest_magni
     line = next(e for e in d.evidence if "argument reached" in e)
     assert line.startswith("exp's argument reached 1056 (e^1056 ≈ 1e458)"), line
     assert "1107" not in line
+
+
+def test_float32_fallback_fix_names_a_numbered_submodule_with_get_submodule() -> None:
+    # `model.layers.1.mlp.float()` is a SyntaxError; get_submodule takes any path
+    from nanwatch.rules.testing import TraceBuilder, diagnose, stat
+
+    b = TraceBuilder(0)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0), dtype="float16")
+    mlp = b.call("layers.1.mlp", "Linear", parent=net)
+    b.forward(mlp, stat(-40000.0, 100.0), dtype="float16")
+    b.forward(net, stat(-1.0, 1.0), dtype="float16")
+    (d,) = [d for d in diagnose(b.build()) if d.code == "NW102"]
+    assert "model.get_submodule('layers.1.mlp').float()" in d.fix
+    for line in d.fix.splitlines():  # every line of the fix parses
+        code = line.split("#")[0].strip()
+        if code and not code.endswith(":"):
+            compile(code, "<fix>", "exec")
+
+
+def test_the_bad_data_fix_also_clears_infinities() -> None:
+    from nanwatch.rules.data import _find_samples_fix
+
+    for shape in [(), (5,), (4, 3)]:
+        fix = _find_samples_fix(shape, rows_known=True)
+        assert "posinf=0.0, neginf=0.0" in fix  # nan=0.0 alone leaves +inf as 3.4e38

@@ -96,7 +96,10 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
 def _find_samples_fix(shape: tuple[int, ...], *, rows_known: bool) -> str:
     """Code that lists the bad samples of ``x``, for the bad input's number of dimensions:
     ``flatten(1)`` needs two, a 1-D input's samples are its elements, a 0-d one is a value."""
-    last = "x = torch.nan_to_num(x, nan=0.0)  # or fix/drop them in Dataset.__getitem__"
+    last = (
+        "x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # or fix/drop them in "
+        "Dataset.__getitem__"
+    )
     if len(shape) == 0:
         return f"print(torch.isfinite(x).item())   # a single value: False here\n{last}"
     if len(shape) == 1:
@@ -210,5 +213,7 @@ def absorbed_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             "it replaces). That is fine while it lasts; a change that reads those positions "
             "(another pooling, a mask that is off by one) turns it into NaN losses."
         ),
-        fix="x = torch.nan_to_num(x, nan=0.0)   # pad with a finite value instead of NaN",
+        fix=(
+            "x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)   # pad with a finite value"
+        ),
     )

@@ -746,7 +746,8 @@ def headroom(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"with torch.autocast(device_type={device_type(None, top.device)}, "
             "dtype=torch.bfloat16):\n"
             "    out = model(x)\n"
-            f"# or keep {top.path} in float32: model.{top.path}.float() and cast its input"
+            f"# or keep {top.path} in float32: model.get_submodule({top.path!r}).float() "
+            "and cast its input"
             if top.phase is not Phase.PARAMETER
             else "# weights growing toward the limit: lower the learning rate, add weight "
             "decay,\n# or keep float32 master weights: model.float() + torch.autocast(...)"
