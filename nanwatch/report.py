@@ -574,7 +574,8 @@ def anomaly_headline(a: Anomaly) -> str:
     elif k is AnomalyKind.GRADIENT:
         text = f"{kinds} in the gradient of {a.parameter or a.record.role}"
     else:
-        text = f"{kinds} in the weights {a.parameter or a.record.role} after an update"
+        when = "before any update" if "before any update" in a.summary else "after an update"
+        text = f"{kinds} in the weights {a.parameter or a.record.role} {when}"
     if a.op is not None:
         text += f" by {op_phrase(a.op)}"
     return f"{text}, step {a.step}"

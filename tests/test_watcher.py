@@ -1552,7 +1552,8 @@ def test_nw301_a_weight_no_optimizer_updates_is_not_the_learning_rates_fault() -
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     ema = torch.optim.swa_utils.AveragedModel(
-        model, avg_fn=lambda avg, new, n: avg + (new - avg) / (n - 1)  # n = 1: 0/0
+        model,
+        avg_fn=lambda avg, new, n: avg + (new - avg) / (n - 1),  # n = 1: 0/0
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(8, 4)
@@ -1595,3 +1596,18 @@ def test_a_layernorm_whose_variance_overflows_is_blamed_not_the_next_layer() -> 
     assert a is not None and a.path == "0.ln" and not a.transient
     assert a.op is not None and a.op.op == "aten.native_layer_norm.default"
     assert [d.code for d in nw.history[0].diagnoses][:1] == ["NW101"]
+
+
+def test_the_headline_of_a_loaded_nan_weight_says_before_any_update() -> None:
+    from nanwatch.report import anomaly_headline
+
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        model(torch.randn(2, 3)).sum().backward()
+        nw.step()
+    assert nw.first_anomaly is not None
+    assert (
+        anomaly_headline(nw.first_anomaly) == "NaN in the weights weight before any update, step 0"
+    )
