@@ -2053,13 +2053,17 @@ class Watcher:
             calls = {c.id for c in trace.calls if c.root and not c.is_loss}
             calls = {min(calls)} if calls else set()
             least = 2
-        mags = []
+        mags: list[float] = []
+        named: list[float] = []  # outputs called logits (a ModelOutput's .logits)
         for r in trace.records:
             if r.phase is Phase.FORWARD and r.call in calls:
                 m = trace.resolve(r)
-                if m.stat is not None and m.stat.numel >= least:
+                # a one-value output is a loss (a model that returns it), not logits
+                if m.stat is not None and m.stat.numel >= max(least, 2):
                     mags.append(m.stat.magnitude)
-        mags = [m for m in mags if not math.isnan(m)]
+                    if "logit" in r.role.rsplit(".", 1)[-1]:
+                        named.append(m.stat.magnitude)
+        mags = [m for m in (named or mags) if not math.isnan(m)]
         trace.max_logit = max(mags) if mags else None
         s = self.scaler
         if s is not None and self._scaled and not self._device_dead:

@@ -1611,3 +1611,27 @@ def test_the_headline_of_a_loaded_nan_weight_says_before_any_update() -> None:
     assert (
         anomaly_headline(nw.first_anomaly) == "NaN in the weights weight before any update, step 0"
     )
+
+
+def test_max_logit_reads_the_logits_of_an_output_that_also_holds_the_loss() -> None:
+    """A Hugging Face-style output: loss, logits and hidden states. max |logit| is the
+    logits' (it was the loss, or a hidden state's)."""
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+            h = self.body(x) * 100.0  # hidden states far larger than the logits
+            logits = self.head(h) / 1000.0
+            loss = nn.functional.cross_entropy(logits, y) + 50.0
+            return {"loss": loss, "logits": logits, "hidden_states": (h,)}
+
+    torch.manual_seed(0)
+    model = WithLoss()
+    with nanwatch.watch(model, postmortem=False) as nw:
+        out = model(torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))
+        out["loss"].backward()
+        nw.step()
+    assert nw.history[0].max_logit == pytest.approx(out["logits"].abs().max().item())
