@@ -2204,7 +2204,9 @@ def _guard(
         source_line=p.line,
     )
     torch_error = _torch_error(watcher, bound, call)
-    raise _error(note, failure, watcher.step_index, is_module=is_module, torch_error=torch_error)
+    err = _error(note, failure, watcher.step_index, is_module=is_module, torch_error=torch_error)
+    err._nanwatch_owner = id(watcher)  # type: ignore[attr-defined]  # nested watchers
+    raise err
 
 
 def _torch_error(

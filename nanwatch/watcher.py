@@ -1199,8 +1199,6 @@ class Watcher:
         ):
             return
         try:
-            self._after_backward = None  # an update: the next forward begins a step
-            self._updated = True
             groups: list[dict[str, Any]] = []
             name = type(optimizer).__name__
             for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
@@ -1230,6 +1228,9 @@ class Watcher:
                         if g.get(key) is True:
                             entry[key] = True
                 groups.append(entry)
+            if groups:  # it updates watched weights (another model's optimizer does not)
+                self._after_backward = None  # an update: the next forward begins a step
+                self._updated = True
             if groups and len(self._trace.notes) < 256:
                 self.note("optimizer", type(optimizer).__name__, groups=groups)
         except Exception as exc:
@@ -2334,7 +2335,9 @@ class Watcher:
                 # place. The next step (or detach) puts it back.
                 self._anomaly_paused = True
                 torch.autograd.set_detect_anomaly(False)
-            raise AnomalyError(message, anomaly=anomaly, diagnoses=trace.diagnoses)
+            err = AnomalyError(message, anomaly=anomaly, diagnoses=trace.diagnoses)
+            err._nanwatch_owner = id(self)  # type: ignore[attr-defined]  # see _on_exception
+            raise err
         if policy == "warn" and not self._warned:
             self._warned = True
             _frames.warn_at_user(message)
@@ -2433,6 +2436,19 @@ class Watcher:
         the post-mortem, and let the exception go on unchanged."""
         from nanwatch import postmortem
 
+        owner = getattr(exc, "_nanwatch_owner", None)
+        if owner is not None and owner != id(self):
+            # another watcher's AnomalyError or GuardError (nested watchers): that one
+            # writes the post-mortem; this one's run was stopped without an anomaly of its
+            # own, and a report of it would say 'stopped at the first anomaly' with none
+            self._quiet = True
+            try:
+                self._boundary()
+            except Exception as inner:
+                self.faults.append(("post-mortem flush", f"{type(inner).__name__}: {inner}"))
+            finally:
+                self._quiet = False
+            return None
         try:
             info = postmortem.classify(exc)
             if info.get("device_lost"):

@@ -1635,3 +1635,51 @@ def test_max_logit_reads_the_logits_of_an_output_that_also_holds_the_loss() -> N
         out["loss"].backward()
         nw.step()
     assert nw.history[0].max_logit == pytest.approx(out["logits"].abs().max().item())
+
+
+def test_nested_watchers_only_the_one_that_found_the_anomaly_writes_a_post_mortem(
+    tmp_path: Any,
+) -> None:
+    """A GAN watched as two watchers: the generator's NaN raises in the generator's
+    watcher; the discriminator's watcher, stopped by it, writes no report of its own (it
+    said 'stopped at the first anomaly' with none), and the generator's optimizer steps
+    are not updates of the discriminator's steps."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(2, 2), nn.Linear(2, 1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    with (
+        pytest.raises(AnomalyError),
+        nanwatch.watch(gen, report_dir=str(tmp_path)) as nw_g,
+        nanwatch.watch(disc, report_dir=str(tmp_path)) as nw_d,
+    ):
+        for it in range(4):
+            fake = gen(torch.randn(3, 2))
+            disc(fake.detach()).mean().backward()
+            opt_d.step()
+            opt_d.zero_grad()
+            scale = 0.0 if it == 2 else 1.0
+            (disc(fake).mean() + ((fake * scale) ** 2).sum().sqrt()).backward()  # sqrt(0)
+            opt_g.step()
+            opt_g.zero_grad()
+            opt_d.zero_grad()
+    assert nw_g.first_anomaly is not None and nw_d.first_anomaly is None
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_another_models_optimizer_step_is_not_an_update_of_the_watched_one() -> None:
+    # the watched model accumulates over two micro-batches while an unwatched model's
+    # optimizer steps in between: still one step
+    torch.manual_seed(0)
+    model, other = nn.Linear(2, 1), nn.Linear(2, 1)
+    opt, opt_other = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, other))
+    with nanwatch.watch(model) as nw:
+        for _ in range(2):
+            for _ in range(2):  # micro-batches
+                model(torch.randn(3, 2)).sum().backward()
+                other(torch.randn(3, 2)).sum().backward()
+                opt_other.step()
+                opt_other.zero_grad()
+            opt.step()
+            opt.zero_grad()
+    assert [t.step for t in nw.history] == [0, 1]
