@@ -16,8 +16,8 @@ def test_fixture_catches_a_watcher_left_attached() -> None:
         next(gen)
         model = nn.Linear(2, 2)
         nw = nanwatch.watch(model).attach()
-        # the module's pre- and post-hook, and the global optimizer-step hook
-        with pytest.raises(AssertionError, match=r"left 3 hook.*_on_optimizer_step"):
+        # the module's pre- and post-hook, and the global optimizer-step pre- and post-hook
+        with pytest.raises(AssertionError, match=r"left 4 hook.*_on_optimizer_step"):
             next(gen)
         nw.detach()
         assert not model._forward_hooks and not model._forward_pre_hooks
