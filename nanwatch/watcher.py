@@ -558,6 +558,8 @@ class Watcher:
         and NW301 says so, not that the learning rate did. One read of every weight."""
         if self._device_dead or not self._params or _tracing():
             return
+        if any(p.is_meta for _, _, p in self._params):
+            return  # deferred initialization: no values yet
         try:
             with _NO_TORCH_FUNCTION(), torch.no_grad():
                 self._check_params(at_end=False)

@@ -314,3 +314,14 @@ def test_a_nan_sent_back_into_an_embedding_is_born_in_the_code_that_used_it(spar
     assert a_ is not None and a_.record.phase is Phase.BACKWARD
     assert a_.record.path == "tower"
     assert nw.history[-1].diagnoses[0].code == "NW112"
+
+
+def test_a_model_on_the_meta_device_is_attached_without_a_fault() -> None:
+    # deferred initialization (FSDP, a big model built on 'meta' first): no values to check
+    with torch.device("meta"):
+        model = nn.Linear(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nw = nanwatch.watch(model, postmortem=False).attach()
+        nw.detach()
+    assert nw.faults == []
