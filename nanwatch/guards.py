@@ -1946,10 +1946,14 @@ def _input_embeddings_of(p: _Probe) -> bool:
         if not callable(get) or not callable(getattr(root, "resize_token_embeddings", None)):
             continue
         try:
-            if get() is p.module:
-                return True
+            emb = get()
         except Exception:  # a model that does not implement it
             continue
+        # the same module, or one tied to its weight (a decoder's copy of the shared table)
+        if emb is p.module or (
+            emb is not None and getattr(emb, "weight", None) is getattr(p.module, "weight", 0)
+        ):
+            return True
     return False
 
 

@@ -430,3 +430,28 @@ def test_the_added_token_scenario() -> None:
     assert err.values == (rows,) and err.module == "embed"
     assert err.count == added_token.BATCH  # one end-of-text token per row
     assert err.fix == f"self.embed = nn.Embedding({rows + 1}, 32)  # or len(tokenizer) rows"
+
+
+def test_a_decoder_table_tied_to_the_input_embeddings_is_resized_with_them() -> None:
+    # T5-style: the decoder's embed_tokens is its own module sharing the input table's
+    # weight; rewriting its construction would be an edit of the library's source
+    class Seq2Seq(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Embedding(50, 8)
+            self.decoder_embed = nn.Embedding(50, 8)
+            self.decoder_embed.weight = self.shared.weight
+
+        def get_input_embeddings(self) -> nn.Module:
+            return self.shared
+
+        def resize_token_embeddings(self, n: int) -> None:
+            raise AssertionError("never called by nanwatch")
+
+        def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+            return self.shared(src).mean(1) + self.decoder_embed(tgt).mean(1)
+
+    model = Seq2Seq()
+    err = stopped(model, lambda: model(torch.tensor([[1, 2]]), torch.tensor([[3, 50]])))
+    assert err.module == "decoder_embed"
+    assert err.fix == "model.resize_token_embeddings(len(tokenizer))  # a row for every token"
