@@ -32,24 +32,23 @@ def set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
         pass
 
 
+def _register_optimizer_hook(name: str, hook: Callable[..., None]) -> Any:
+    """``torch.optim.optimizer.<name>(hook)`` (a hook on every optimizer's ``step``), or
+    None where this torch has no such global hook."""
+    from torch.optim import optimizer
+
+    register = getattr(optimizer, name, None)
+    return register(hook) if register is not None else None
+
+
 def register_optimizer_step_pre_hook(hook: Callable[..., None]) -> Any:
-    """``torch.optim.optimizer.register_optimizer_step_pre_hook`` (every optimizer's
-    ``step``), or None where this torch has no such global hook."""
-    try:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook as register
-    except ImportError:
-        return None
-    return register(hook)
+    """Before every optimizer's ``step``; None where this torch cannot."""
+    return _register_optimizer_hook("register_optimizer_step_pre_hook", hook)
 
 
 def register_optimizer_step_post_hook(hook: Callable[..., None]) -> Any:
-    """``torch.optim.optimizer.register_optimizer_step_post_hook`` (after every optimizer's
-    ``step``), or None where this torch has no such global hook."""
-    try:
-        from torch.optim.optimizer import register_optimizer_step_post_hook as register
-    except ImportError:
-        return None
-    return register(hook)
+    """After every optimizer's ``step``; None where this torch cannot."""
+    return _register_optimizer_hook("register_optimizer_step_post_hook", hook)
 
 
 def _make_fake_mode_active() -> Callable[[], bool]:

@@ -2254,7 +2254,7 @@ class Watcher:
                 return False
             found = self._replay_args(moved)
             if found is not None:
-                self._pinpoint(moved, (found[0], found[1], found[2], found[3]))
+                self._pinpoint(moved, found)
             return True
         return False
 

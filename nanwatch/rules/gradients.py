@@ -88,13 +88,9 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
     writer = _writer(ctx, name)
     if writer is not None and writer.get("optimizer") is None:
-        after = writer.get("after_optimizer")
-        if after:
-            evidence.append(
-                f"{after} updated {name} and left it finite; it was written again after that "
-                "update (its version changed)"
-            )
-        yield _written_elsewhere(ctx, a, name=name, evidence=evidence)
+        yield _written_elsewhere(
+            ctx, a, name=name, evidence=evidence, after=writer.get("after_optimizer")
+        )
         return
     # the update that broke it: this step's when it was found at the step's end, the last
     # step's when found before this step's forward
@@ -194,9 +190,7 @@ def _last_update(
             for g in n.data.get("groups", ()):
                 if not isinstance(g, dict):
                     continue
-                if writer is not None and g.get("group", writer.get("group")) != writer.get(
-                    "group"
-                ):
+                if writer is not None and g.get("group") != writer.get("group"):
                     continue
                 if writer is not None or dtype in g.get("dtypes", ()):
                     return _Update(n.path, t.step, g)
@@ -224,18 +218,20 @@ def _writer(ctx: RuleContext, name: str) -> dict[str, Any] | None:
 
 
 def _written_elsewhere(
-    ctx: RuleContext, a: Anomaly, *, name: str, evidence: list[str]
+    ctx: RuleContext, a: Anomaly, *, name: str, evidence: list[str], after: str | None
 ) -> Diagnosis:
-    """No optimizer step updated the weight: other code wrote the NaN/inf."""
+    """No optimizer step updated the weight (or ``after``, the optimizer that did, left it
+    finite and something wrote it again): other code wrote the NaN/inf."""
+    how = (
+        f"{after} updated {name} and left it finite; it was written again after that "
+        "update (its version changed)"
+        if after
+        else f"no optimizer step of the watched run updated {name} since the last check"
+    )
     return ctx.diagnosis(
         **anomaly_fields(a),
         title="Non-finite weights written outside an optimizer step",
-        evidence=evidence
-        if any("written again after" in e for e in evidence)
-        else [
-            *evidence,
-            f"no optimizer step of the watched run updated {name} since the last check",
-        ],
+        evidence=[*evidence, how],
         explanation=(
             f"{name} became non-finite, and no optimizer updated it: other code wrote it. "
             "An average of weights (an EMA or torch.optim.swa_utils.AveragedModel, whose "
