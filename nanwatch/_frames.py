@@ -122,6 +122,23 @@ def called_by_nanwatch(start: types.FrameType | None = None) -> bool:
     return False
 
 
+def call_kwargs(module: object, start: types.FrameType) -> dict[str, object]:
+    """The keyword arguments of the ``Module.__call__`` running ``module``, read from its
+    frame (``start`` is a global forward pre-hook's caller): torch gives such hooks the
+    positional arguments alone, and a root called ``model(input_ids=..., inputs_embeds=...)``
+    takes its data by keyword. Empty when the frame is not that call."""
+    f: types.FrameType | None = start
+    for _ in range(2):  # _call_impl, or the _wrapped_call_impl above it
+        if f is None or not f.f_code.co_filename.startswith(_TORCH_DIR):
+            return {}
+        local = f.f_locals
+        if local.get("self") is module:
+            kwargs = local.get("kwargs")
+            return kwargs if isinstance(kwargs, dict) else {}
+        f = f.f_back
+    return {}
+
+
 def describe_frame(f: types.FrameType | None) -> tuple[str | None, str | None]:
     """(``file.py:42``, the source text of that line) for a frame."""
     if f is None:

@@ -953,9 +953,12 @@ class Watcher:
         if _compiling():
             return
         with _NO_TORCH_FUNCTION():
-            info = self._info_for(module, args, {})
+            # torch passes global pre-hooks no keyword arguments: a root's (the batch of a
+            # model called with input_ids=...) are read from the call's frame
+            kwargs = {} if self._stack else _frames.call_kwargs(module, sys._getframe(1))
+            info = self._info_for(module, args, kwargs)
             if info is not None:
-                self._pre(info, module, args, {})
+                self._pre(info, module, args, kwargs)
 
     def _global_post(self, module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
         # (kwargs, output) normally; PyTorch calls always-call global hooks with (output)

@@ -879,6 +879,30 @@ def test_watch_all_discovers_modules_as_they_are_called() -> None:
     )
 
 
+class _KeywordRoot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, *, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(inputs_embeds)))
+
+
+def test_watch_all_reads_a_roots_keyword_inputs_as_data() -> None:
+    """Global pre-hooks get no keyword arguments; a model called ``model(inputs_embeds=x)``
+    under ``nanwatch run`` still has its batch recorded, so a NaN in it is bad data
+    (NW401), not a NaN born in the model's own code."""
+    with nanwatch.watch_all(on_anomaly="record", postmortem=False) as nw:
+        model = _KeywordRoot()
+        x = torch.randn(3, 4)
+        x[1, 2] = float("nan")
+        model(inputs_embeds=x).sum().backward()
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.INPUT and a.path == "_KeywordRoot"
+    assert "input.inputs_embeds" in a.summary
+    assert [d.code for d in nw.history[-1].diagnoses][:1] == ["NW401"]
+
+
 def test_watch_all_raises_the_guard_error_of_a_loss_found_at_its_first_call() -> None:
     """A loss first called under global hooks is guarded during its discovery: its
     GuardError is the user's answer, not an internal error that turns discovery off."""
