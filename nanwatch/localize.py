@@ -479,8 +479,10 @@ def summarize(anomaly: Anomaly) -> str:
             "loss used"
         )
     extra: list[str] = []
-    if anomaly.op is not None:
-        extra.append(f"op {op_phrase(anomaly.op)}")
+    if op is not None:
+        made = base.split(" ", 1)[0]
+        unlike = op.born and made in ("NaN", "+inf", "-inf") and made not in op.born
+        extra.append(f"op {op_phrase(op)}" + (f", which made {op.born}" if unlike else ""))
     if anomaly.propagator_count:
         extra.append(
             f"passed on by {anomaly.propagator_count} module"

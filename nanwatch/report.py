@@ -562,6 +562,9 @@ def anomaly_headline(a: Anomaly) -> str:
     """
     stat = a.record.stat
     kinds = stat.kinds() if stat is not None and not stat.finite else "non-finite value"
+    then = ""
+    if a.op is not None and _unlike(a.op.born, kinds):  # log made -inf, the loss is +inf
+        kinds, then = a.op.born, f" (then {kinds})"
     k = a.kind
     if k is AnomalyKind.INPUT:
         text = f"{kinds} in the input data ({a.record.role} of {a.path})"
@@ -578,7 +581,15 @@ def anomaly_headline(a: Anomaly) -> str:
         text = f"{kinds} in the weights {a.parameter or a.record.role} {when}"
     if a.op is not None:
         text += f" by {op_phrase(a.op)}"
-    return f"{text}, step {a.step}"
+    return f"{text}{then}, step {a.step}"
+
+
+def _unlike(born: str, kinds: str) -> bool:
+    """The op made values of other kinds than the record holds (``-inf`` against the loss's
+    ``+inf`` after a minus sign): the headline names what the op made."""
+    return bool(born) and kinds != "non-finite value" and not set(born.split(", ")) & set(
+        kinds.split(", ")
+    )
 
 
 def _first_line(msg: str, limit: int = 160) -> str:

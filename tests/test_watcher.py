@@ -1637,6 +1637,24 @@ def test_the_headline_of_a_loaded_nan_weight_says_before_any_update() -> None:
     )
 
 
+def test_the_headline_names_what_the_op_made_when_the_value_changed_sign_after_it() -> None:
+    """``-log(p)`` of a saturated sigmoid: aten.log made -inf, the loss is +inf. The
+    headline and the summary say both, not '+inf born ... by aten.log'."""
+    from nanwatch.report import anomaly_headline
+
+    model = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    with torch.no_grad():
+        model[0].bias.fill_(-200.0)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        (-torch.log(model(torch.randn(8, 4)))).mean().backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.op is not None and a.op.born == "-inf"
+    assert anomaly_headline(a).startswith("-inf born in the forward of (loss) by aten.log")
+    assert "(then +inf), step 0" in anomaly_headline(a)
+    assert a.summary.startswith("+inf born ") and ", which made -inf]" in a.summary
+
+
 def test_max_logit_reads_the_logits_of_an_output_that_also_holds_the_loss() -> None:
     """A Hugging Face-style output: loss, logits and hidden states. max |logit| is the
     logits' (it was the loss, or a hidden state's)."""
