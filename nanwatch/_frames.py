@@ -122,6 +122,21 @@ def called_by_nanwatch(start: types.FrameType | None = None) -> bool:
     return False
 
 
+_CHECKPOINT_FILE = os.path.join(_TORCH_DIR, "utils", "checkpoint.py")
+
+
+def in_checkpoint(start: types.FrameType, depth: int = 64) -> bool:
+    """Whether ``torch.utils.checkpoint`` is on the stack above ``start``: a reentrant
+    checkpoint runs its first pass under ``no_grad``, and those calls are the training
+    step's, not an evaluation's."""
+    f: types.FrameType | None = start
+    while f is not None and depth > 0:
+        if f.f_code.co_filename == _CHECKPOINT_FILE:
+            return True
+        f, depth = f.f_back, depth - 1
+    return False
+
+
 def call_kwargs(module: object, start: types.FrameType) -> dict[str, object]:
     """The keyword arguments of the ``Module.__call__`` running ``module``, read from its
     frame (``start`` is a global forward pre-hook's caller): torch gives such hooks the

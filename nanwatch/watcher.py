@@ -870,6 +870,10 @@ class Watcher:
         if "pre" in self._disabled_hooks:
             return
         try:
+            if ops.current_autograd_node() is not None:
+                # activation checkpointing recomputing in backward: not a call of the step,
+                # and not the next step's first call (a model checkpointed whole)
+                return
             if info.first_root:
                 self._first_root_ran = True
                 self._maybe_begin_step()
@@ -879,8 +883,6 @@ class Watcher:
                 self._maybe_begin_step()
             if not (self._full or info.is_root or not self._stack):
                 return  # a sampled-out step watches the calls made from outside, as roots
-            if ops.current_autograd_node() is not None:
-                return  # activation checkpointing recomputing in backward
             call = self._open_call(info)
             self._stack.append(_Frame(call, module, args, kwargs))
             self._record_inputs(info, call, args, kwargs)
@@ -1885,11 +1887,17 @@ class Watcher:
         if (
             self._begun
             and not self._explicit
-            and (self._backward_called or self._trained_by_grad() or not torch.is_grad_enabled())
+            and (self._backward_called or self._trained_by_grad() or self._evaluating())
             and not (torch.is_grad_enabled() and self._accumulating())
         ):
             self._boundary()
         self._begun = True
+
+    @staticmethod
+    def _evaluating() -> bool:
+        """Gradients are off, and not for a reentrant checkpoint's first pass (whose
+        segments are called one by one under ``no_grad``): each such call is a step."""
+        return not torch.is_grad_enabled() and not _frames.in_checkpoint(sys._getframe(2))
 
     def _trained_by_grad(self) -> bool:
         """Gradients came from ``torch.autograd.grad`` alone and the weights were updated

@@ -693,6 +693,63 @@ def test_a_backward_nan_inside_a_checkpointed_block_is_found_there(reentrant: bo
     assert nw.history[-1].diagnoses[0].code == "NW112"
 
 
+class _PairDistance(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(((h - h.flip(0)) ** 2).sum(-1, keepdim=True))  # 0 at the middle row
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto-steps", "nw.step"])
+def test_a_model_checkpointed_whole_keeps_its_step_numbers(reentrant: bool, explicit: bool) -> None:
+    """``checkpoint(model, x)``: the recompute in backward calls the first root again; it is
+    not the next step's first call, so the sqrt(0) of step 2 is NW112 at step 2 (it was
+    step 3, or no anomaly until NW301 blamed the update for the NaN weights)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), _PairDistance())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        for i in range(4):
+            x = torch.randn(15 if i == 2 else 16, 8, requires_grad=True)  # odd: a row meets itself
+            out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=reentrant)
+            out.mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if explicit:
+                nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.step == 2 and (a.kind, a.path) == (AnomalyKind.BACKWARD, "3")
+    assert nw.history[2].diagnoses[0].code == "NW112"
+    assert [t.step for t in nw.history] == [0, 1, 2, 3]
+
+
+class _StdNorm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True)
+
+
+def test_checkpoint_sequential_reentrant_segments_are_one_step() -> None:
+    """A reentrant ``checkpoint_sequential`` calls each module of a segment from outside
+    under ``no_grad``: these calls are the training step's, not evaluation calls that are
+    a step each."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), _StdNorm(), nn.Linear(16, 1)
+    )
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        for i in range(3):
+            if i == 2:
+                with torch.no_grad():
+                    model[2].weight.zero_()  # constant rows: std 0
+                    model[2].bias.fill_(0.5)
+            x = torch.randn(16, 8, requires_grad=True)
+            out = torch.utils.checkpoint.checkpoint_sequential(model, 2, x, use_reentrant=True)
+            out.pow(2).mean().backward()
+            model.zero_grad()
+    a = nw.first_anomaly
+    assert a is not None and a.step == 2 and a.path == "3"
+    assert nw.history[2].diagnoses[0].code == "NW111"
+
+
 class _Meet(nn.Module):
     """Waits for the other thread's model to be in its forward too."""
 
