@@ -240,7 +240,7 @@ def test_a_replays_backward_op_completes_a_gradient_anomaly() -> None:
     assert loc.adopt_backward_op(a, [div])
     assert "reached the gradient of parameter 0.weight" in a.summary
     assert a.kind is AnomalyKind.BACKWARD and a.op is div and a.path == LOSS_PATH
-    assert "[op aten.div.Tensor in the backward of train.py:20]" in a.summary
+    assert "[op aten.div.Tensor in the backward of train.py:20, which made -inf]" in a.summary
     assert not loc.adopt_backward_op(a, [div])  # only a gradient anomaly is completed
 
 
