@@ -282,7 +282,19 @@ def localize(
     consumer: str | None = None
     parameter: str | None = None
 
-    if trig.phase is Phase.INPUT and (call is None or call.root):
+    derived = trig.phase is Phase.INPUT and trig.grad_fn is not None and trig.source is not None
+    if derived and call is not None and call.root:
+        # a root's input the user's code computed from a watched output
+        kind, origin = AnomalyKind.FORWARD, "between-roots"
+        src = trace.record(trig.source) if trig.source is not None else None
+        path = trig.path
+        neginf = _earliest_neginf(trace, [trig])
+        after = f" from the output of {src.path}" if src is not None else ""
+        summary = (
+            f"{what} born in code outside the watched modules, in the value passed to "
+            f"{trig.path} ({trig.role}), computed{after} by {trig.grad_fn}"
+        )
+    elif trig.phase is Phase.INPUT and (call is None or call.root):
         kind, origin = AnomalyKind.INPUT, "data"
         path = call.path if call is not None else trig.path
         s = trig.stat

@@ -1310,6 +1310,11 @@ class Watcher:
                 rec.source = entry[1]  # the same tensor, changed in place since it was seen
             if floating:
                 hooked = False
+                if call.root and t.grad_fn is not None and self._derived(t.grad_fn):
+                    # computed by the user's code from a watched output (h / h.norm() between
+                    # an encoder and a head): not data, whatever it holds
+                    rec.grad_fn = _grad_fn_name(t)
+                    rec.source = self._last_root_output()
                 if call.root or self._forensic or not self._made_safely(t):
                     self._measure(rec, t, rows=call.root)
                     hooked = self._maybe_hook_grad(t, rec)
@@ -1415,6 +1420,36 @@ class Watcher:
             rec = waiting.pop(0)
             rec.grad_fn = _grad_fn_name(t)  # the op that made it, known only now
             self._maybe_hook_grad(t, rec)
+
+    def _derived(self, fn: Any, limit: int = 256) -> bool:
+        """``fn``'s graph reaches the node of a tensor recorded in this step (a watched
+        module's output): a root's input computed from it. Walks at most ``limit`` nodes;
+        a batch has no node at all and costs nothing."""
+        if self._idx == 0:
+            return False
+        recorded = self._recorded_nodes
+        seen: set[int] = set()
+        todo = [fn]
+        while todo and len(seen) < limit:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node in recorded:
+                return True
+            todo.extend(nxt for nxt, _ in node.next_functions)
+        return False
+
+    def _last_root_output(self) -> int | None:
+        """The latest forward record of a root call's output: what a root's derived input
+        was most likely computed from."""
+        trace = self._trace
+        for rec in reversed(trace.records):
+            if rec.phase is Phase.FORWARD:
+                c = trace.call(rec.call)
+                if c is not None and c.root and c.path == rec.path:
+                    return rec.index
+        return None
 
     def _remember_node(self, t: torch.Tensor) -> None:
         fn = t.grad_fn
@@ -2187,6 +2222,8 @@ class Watcher:
 
     def _pinpoint(self, anomaly: Anomaly, current: tuple[Call, nn.Module, Any, Any] | None) -> None:
         trace = self._trace
+        if anomaly.origin == "between-roots":
+            return  # no module ran the code: forensic mode or nw.replay() traces it
         call = trace.call(anomaly.record.call)
         target = call
         if anomaly.origin == "between-children" and call is not None and call.parent is not None:

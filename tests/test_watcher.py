@@ -1782,3 +1782,23 @@ def test_another_models_optimizer_step_is_not_an_update_of_the_watched_one() -> 
             opt.step()
             opt.zero_grad()
     assert [t.step for t in nw.history] == [0, 1]
+
+
+def test_a_nan_made_between_two_watched_roots_is_not_bad_data() -> None:
+    """``h / h.norm(dim=0)`` between an encoder and a head, with a dead unit (0/0): the
+    head's input was computed from the encoder's output, so it is not the batch (NW401);
+    forensic mode names the division and its line."""
+    for mode, code in (("watch", "NW100"), ("forensic", "NW111")):
+        torch.manual_seed(0)
+        enc, head = nn.Sequential(nn.Linear(6, 4), nn.ReLU()), nn.Linear(4, 1)
+        with torch.no_grad():
+            enc[0].bias[1] = -100.0  # unit 1 never fires: its column norm is 0
+        with nanwatch.watch(enc, head, mode=mode, on_anomaly="record", postmortem=False) as nw:
+            h = enc(torch.randn(64, 6))
+            head(h / h.norm(dim=0, keepdim=True)).pow(2).mean().backward()
+        a = nw.first_anomaly
+        assert a is not None and a.kind is AnomalyKind.FORWARD and a.origin == "between-roots"
+        assert "computed from the output of Sequential by DivBackward0" in a.summary
+        assert nw.history[-1].diagnoses[0].code == code
+        if mode == "forensic":
+            assert a.op is not None and a.op.op == "aten.div.Tensor"
