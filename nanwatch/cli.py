@@ -217,7 +217,15 @@ def _end_of_run_report(nw: Any, script: str) -> None:
     from nanwatch.render import print_summary
 
     stem = os.path.splitext(os.path.basename(script))[0]
-    paths = nw.report.save_all(nw.config.report_dir, stem=stem)
+    try:
+        paths = nw.report.save_all(nw.config.report_dir, stem=stem)
+    except Exception as err:  # the script ended as it chose: its exit code stays its own
+        print(
+            f"nanwatch: could not write the report to {str(nw.config.report_dir)!r} "
+            f"({type(err).__name__}: {err}); give --report-dir a writable directory.",
+            file=sys.stderr,
+        )
+        return
     print_summary(nw.report, paths, console=_console(stderr=True))
 
 

@@ -402,9 +402,22 @@ def localize(
                 "model was loaded or initialized with it (a checkpoint, a custom init)"
             )
         else:
+            writer = next(
+                (
+                    n.data
+                    for n in reversed(trace.notes)
+                    if n.kind == "weight_writer" and n.data.get("parameter") == parameter
+                ),
+                None,
+            )
+            by = "the last update (optimizer step)"
+            if writer is not None and writer.get("after_optimizer"):
+                by = "a write after the last optimizer step (not the update)"
+            elif writer is not None and writer.get("optimizer") is None:
+                by = "code outside an optimizer step (no optimizer updated it)"
             summary = (
-                f"{what} in the weights of {parameter}: made non-finite by the last update "
-                "(optimizer step), not by this step's computation"
+                f"{what} in the weights of {parameter}: made non-finite by {by}, not by this "
+                "step's computation"
             )
 
     # a gradient from outside the modules was born in the loss code's backward: its op

@@ -220,6 +220,13 @@ class Report:
             partial = current.step
         anomalies = list(watcher.anomalies)
         first_step = anomalies[0].step if anomalies else None
+        first_bad = watcher.first_bad_step
+        if (
+            first_bad is not None
+            and first_bad.step == first_step
+            and all(t.step != first_step for t in steps)
+        ):  # the ring moved past the first anomaly: its step leads the report
+            steps.insert(0, first_bad)
         diagnoses, counts = _gather_diagnoses(steps, first_step)
         error: dict[str, Any] | None = None
         if exc is not None:

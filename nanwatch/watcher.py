@@ -414,6 +414,7 @@ class Watcher:
         self._forensic = self.config.mode == "forensic"
         self._infos: weakref.WeakKeyDictionary[nn.Module, _ModInfo] = weakref.WeakKeyDictionary()
         self.history: deque[StepTrace] = deque(maxlen=self.config.ring_size)
+        self._first_bad: StepTrace | None = None
         self.anomalies: list[Anomaly] = []
         self.first_anomaly: Anomaly | None = None
         #: internal errors caught in nanwatch's own hooks: (hook, message)
@@ -466,6 +467,13 @@ class Watcher:
     def trace(self) -> StepTrace:
         """The step being recorded now."""
         return self._trace
+
+    @property
+    def first_bad_step(self) -> StepTrace | None:
+        """The finished step of the first anomaly, kept when ``history`` (the last
+        ``ring_size`` steps) has moved past it: a run that records and goes on for hundreds
+        of steps still reports where it first went wrong."""
+        return self._first_bad
 
     @property
     def module_paths(self) -> list[str]:
@@ -698,6 +706,7 @@ class Watcher:
                 "version 1); the checkpoint was written by another nanwatch version."
             )
         self.history.clear()
+        self._first_bad = None
         for d in state.get("steps", []):
             self.history.append(StepTrace.from_dict(d))
         self.anomalies = [Anomaly.from_dict(a) for a in state.get("anomalies", [])]
@@ -1906,8 +1915,7 @@ class Watcher:
                 )
             if at_end and not stat.finite:
                 self._note_bad(rec)
-        if front:
-            front.reverse()
+        if front:  # before the step's first record, in the order the model holds them
             for i, r in enumerate(front):
                 r.index = -len(front) + i
             self._trace.records[:0] = front
@@ -1984,6 +1992,9 @@ class Watcher:
             self._fault("flush", "step flush", exc)
         done = trace
         self.history.append(done)
+        kept = self._first_bad
+        if done.anomaly is not None and (kept is None or kept.anomaly is None):
+            self._first_bad = done
         self._step += 1
         self._reset_step()
         self._act(done)
@@ -2805,8 +2816,10 @@ def _has_no_data(t: torch.Tensor) -> bool:
 
 
 def _deliberate_exit(exc: BaseException) -> bool:
-    """``sys.exit(0)`` and friends end a script on purpose: no post-mortem for them."""
-    return isinstance(exc, SystemExit) and exc.code in (None, 0)
+    """``sys.exit(...)``, whatever its code (an argparse usage error is 2), ends a script on
+    purpose: the run ends as if the block had, with no post-mortem of the exit itself; an
+    anomaly recorded before it is in the report as usual."""
+    return isinstance(exc, SystemExit)
 
 
 def _grad_fn_name(t: torch.Tensor) -> str | None:

@@ -11,6 +11,7 @@ import torch.nn.modules.module as module_mod
 
 from nanwatch import cli
 from nanwatch.errors import AnomalyError
+from nanwatch.report import Report
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -62,6 +63,38 @@ def test_run_keeps_the_scripts_arguments_name_and_exit_code(
     assert "argv=['--steps', '2', '--lr', '0.05', '--exit-code', '3']" in out
     assert "steps=2 lr=0.05 name=__main__" in out
     assert dict(module_mod._global_forward_hooks) == before
+    assert not any(tmp_path.iterdir())  # sys.exit(3) of a healthy run is not a crash
+
+
+def test_run_that_records_an_anomaly_then_exits_writes_one_report_about_the_anomaly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "train_exit.py"
+    script.write_text(
+        (EXAMPLES / "train_nan.py").read_text(encoding="utf-8")
+        + "\nimport sys\nsys.exit(3)\n",
+        encoding="utf-8",
+    )
+    reports = tmp_path / "reports"
+    code = cli.main(["run", "--on-anomaly", "record", "--report-dir", str(reports), str(script)])
+    assert code == 3
+    assert sorted(p.name for p in reports.iterdir()) == ["train_exit.html", "train_exit.json"]
+    report = Report.load(reports / "train_exit.json")
+    assert report.error is None and report.diagnoses[0].code == "NW110"
+    assert capsys.readouterr().err.count("report written") == 1
+
+
+def test_run_that_cannot_write_its_report_keeps_the_scripts_exit_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory", encoding="utf-8")
+    code = cli.main(["run", "--on-anomaly", "record", "--report-dir", str(blocker / "reports"),
+                     str(EXAMPLES / "train_nan.py")])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert f"could not write the report to {str(blocker / 'reports')!r}" in err
+    assert "give --report-dir a writable directory" in err
 
 
 def test_run_of_a_healthy_script_exits_0_and_writes_no_report(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import nanwatch
 from nanwatch import AnomalyKind, Phase, WatchConfig
@@ -1583,6 +1584,9 @@ def _padded_run(model: nn.Module, crit: nn.Module, mode: str) -> nanwatch.Watche
     return nw
 
 
+_nw301_summaries: list[str] = []
+
+
 def _nw301(run: Callable[[nn.Module, torch.optim.Optimizer, int], None]) -> Any:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -1599,6 +1603,7 @@ def _nw301(run: Callable[[nn.Module, torch.optim.Optimizer, int], None]) -> Any:
             run(model, opt, i)
             nw.step()
     (d,) = [d for d in info.value.diagnoses if d.code == "NW301"]
+    _nw301_summaries.append(info.value.anomaly.summary if info.value.anomaly else "")
     return d
 
 
@@ -1614,6 +1619,8 @@ def test_nw301_tells_a_weight_written_after_the_update_from_the_update() -> None
     assert d.title == "Non-finite weights written outside an optimizer step"
     assert any("Adam updated 0.weight and left it finite" in e for e in d.evidence)
     assert "lr" not in d.fix
+    # the summary says the same, not 'made non-finite by the last update (optimizer step)'
+    assert "by a write after the last optimizer step (not the update)" in _nw301_summaries[-1]
 
 
 def test_nw301_names_the_param_group_whose_learning_rate_is_nan() -> None:
@@ -1649,6 +1656,40 @@ def test_nw301_a_weight_no_optimizer_updates_is_not_the_learning_rates_fault() -
     (d,) = [d for d in info.value.diagnoses if d.code == "NW301"]
     assert d.title == "Non-finite weights written outside an optimizer step"
     assert "The learning rate is not the cause" in d.explanation
+    a = info.value.anomaly
+    assert a is not None and "outside an optimizer step (no optimizer updated it)" in a.summary
+
+
+def test_when_every_weight_went_nan_the_first_one_the_model_runs_is_named() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        for step in range(4):
+            x = torch.randn(8, 8)
+            if step == 2:
+                x[0, 0] = float("nan")  # NaN gradients: the update writes NaN everywhere
+            F.cross_entropy(model(x), torch.randint(0, 3, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+    later = [a for a in nw.anomalies if a.step == 3]
+    assert later and later[0].parameter == "0.weight"
+
+
+def test_the_report_keeps_the_first_anomalys_step_after_the_ring_moved_past_it() -> None:
+    model = nn.Linear(4, 1)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False, ring_size=4) as nw:
+        for step in range(10):
+            x = torch.randn(8, 4)
+            if step == 1:
+                x[0, 0] = float("nan")
+            model(x).pow(2).mean().backward()
+            model.zero_grad()
+            nw.step()
+    report = nw.report
+    assert [t.step for t in report.steps] == [1, 6, 7, 8, 9]
+    assert report.diagnoses[0].code == "NW401" and report.diagnoses[0].step == 1
 
 
 def test_a_layernorm_whose_variance_overflows_is_blamed_not_the_next_layer() -> None:
