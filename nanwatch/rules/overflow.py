@@ -46,6 +46,7 @@ from nanwatch.rules._evidence import (
     op_fields,
     packet,
     paren,
+    postfix_start,
     rewrite_call,
     short_op,
     signed_max,
@@ -93,18 +94,35 @@ _NORMALIZERS = frozenset({"div", "div_", "sum", "log", "log_", "true_divide", "r
 _RECURRENT = frozenset({"RNN", "RNNCell", "LSTM", "LSTMCell", "GRU", "GRUCell"})
 
 
-def _softmax_like(ev: OpEvent, chain: Sequence[OpEvent]) -> bool:
+def _same_event(a: OpEvent, b: OpEvent) -> bool:
+    """The same op event (identical, or equal in what identifies it: a loaded report)."""
+    return a is b or (
+        a.op == b.op and a.phase is b.phase and a.source == b.source and a.born == b.born
+    )
+
+
+def _followers(ev: OpEvent, ops: Sequence[OpEvent]) -> list[OpEvent]:
+    """The step's later op events that consumed what ``ev`` made (``ev`` is in their
+    cause chain): where an exp's inf went (the division by its own sum, two lines on)."""
+    return [o for o in ops if not _same_event(o, ev) and any(_same_event(c, ev) for c in o.chain())]
+
+
+_SOFTMAX_CODE = re.compile(r"\b(softmax|logsumexp)\b|\.sum\(|torch\.sum\(")
+
+
+def _softmax_like(ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEvent] = ()) -> bool:
     """Whether the overflowing exp is part of a softmax / logsumexp: a softmax op, or an
-    exp whose inf a later op of the chain normalized (divided by a sum, took a log), or
-    whose line sums or normalizes it."""
+    exp whose inf a later op (of the chain, or of the step, on any line) normalized
+    (divided by a sum, took a log), or whose line sums or normalizes it."""
     name = packet(ev.op)
     if name not in _BARE_EXP:
         return name in EXP_LIKE and name not in ("softplus",)
-    later = chain[chain.index(ev) + 1 :] if ev in chain else []
+    later = list(chain[chain.index(ev) + 1 :]) if ev in chain else []
+    later += _followers(ev, ops)
     if any(packet(e.op) in _NORMALIZERS for e in later):
         return True
     code = (ev.code or "").split("  #", 1)[0]
-    return bool(re.search(r"\b(softmax|logsumexp)\b|\.sum\(|torch\.sum\(", code))
+    return bool(_SOFTMAX_CODE.search(code))
 
 
 def _from_op(
@@ -169,8 +187,18 @@ def _from_op(
         evidence.append(f"input {nm}: {describe_stat(s)}")
     # float32 and up, and bfloat16 (float32's range: an upcast would not help it)
     wide = lim is not None and not lim.short_range
-    if wide and lim is not None and name not in CAST and not result_only:
+    batch = _batch_jump(ctx, a) if wide and not result_only else None
+    if batch is not None:
+        evidence.append(batch.line(ctx.step))
+    elif wide and lim is not None and name not in CAST and not result_only:
         evidence.append(_growth_line(ctx, a, name, _overflowing(name, x, big), lim))
+    arg = _overflowing(name, x, big)
+    f32 = _exp_bound("float32")
+    if lim is not None and lim.short_range and name in _BARE_EXP and arg > f32 and not result_only:
+        evidence.append(
+            f"the argument {fmt(arg)} is past float32's exp bound {fmt(f32)} too: computing "
+            "this exp in float32 or bfloat16 would overflow as well"
+        )
     line = code_line(ev)
     if line:
         evidence.append(line)
@@ -183,13 +211,17 @@ def _from_op(
             f"{a.record.dtype}"
         )
     fields = op_fields(ev, a)
-    kind = _kind(name, ev, chain)
+    kind = _kind(name, ev, chain, ctx.trace.ops)
     device = device_type(ev, a.record.device)
     recurrent = a.record.module_type in _RECURRENT
     first = _first_step(ctx)
-    if wide and lim is not None:
-        arg = None if result_only else x
-        explanation = _explain_wide(kind, dtype, lim, arg, big, recurrent=recurrent)
+    if batch is not None:
+        explanation = _explain_batch(batch, dtype)
+        fix = _fix_batch(batch)
+    elif wide and lim is not None:
+        explanation = _explain_wide(
+            kind, dtype, lim, None if result_only else x, big, recurrent=recurrent
+        )
         fix = _fix_wide(
             kind,
             name,
@@ -199,17 +231,29 @@ def _from_op(
             recurrent=recurrent,
             first=first,
             ref=_module_ref(ctx, a),
+            lr=_lr_fix(ctx),
         )
     else:
         explanation = _explain(kind, dtype, lim)
-        fix = _fix(kind, name, dtype, lim, ev.code, device=device, ref=_module_ref(ctx, a))
+        fix = _fix(
+            kind,
+            name,
+            dtype,
+            lim,
+            ev.code,
+            device=device,
+            ref=_module_ref(ctx, a),
+            arg=math.nan if result_only else arg,
+            scalar=x is not None and x.numel == 1,
+            loss=(ev.path or a.path) == LOSS_PATH,
+        )
     return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
 
 
-def _kind(name: str, ev: OpEvent, chain: Sequence[OpEvent]) -> str:
+def _kind(name: str, ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEvent] = ()) -> str:
     """``softmax``, ``exp`` (a bare exp), ``matmul``, ``cast``, ``backward`` or ``other``."""
     if name in EXP_LIKE:
-        return "softmax" if _softmax_like(ev, chain) else "exp"
+        return "softmax" if _softmax_like(ev, chain, ops) else "exp"
     if name in MATMUL:
         return "matmul"
     if name in CAST:
@@ -242,6 +286,261 @@ def _overflowing(name: str, x: TensorStat | None, big: float) -> float:
     return big
 
 
+#: a batch whose max |x| is this many times the largest of the earlier batches' is out of
+#: the range the model was trained on (a forgotten /255 is 255 times)
+_JUMP = 10.0
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A root input (the batch) that put the values out of range."""
+
+    rec: Record  #: its input record
+    now: float  #: its max |x|
+    before: float | None  #: the largest max |x| of the same input earlier (None: unknown)
+    since: int | None  #: the first step of that comparison (None: this step's calls only)
+    until: int | None  #: its last step
+    lim: DtypeLimits
+
+    @property
+    def huge(self) -> bool:
+        """Its own square overflows: a missing-value marker or a corrupt value, not data."""
+        return self.now >= math.sqrt(self.lim.max)
+
+    @property
+    def name(self) -> str:
+        return f"{self.rec.role} of {self.rec.path}"
+
+    def line(self, step: int) -> str:
+        lim = self.lim
+        if self.huge:
+            frac = self.now / lim.max
+            share = f", {frac:.0%} of the {lim.name} limit" if frac >= 0.01 else ""
+            earlier = (
+                f" (at most {fmt(self.before)} in the batches before)"
+                if self.before is not None
+                else ""
+            )
+            return (
+                f"the batch did it: {self.name} holds max |x| = {fmt(self.now)}{share}"
+                f"{earlier}; past sqrt({fmt(lim.max)}) = {fmt(math.sqrt(lim.max))}, its "
+                "square and its products overflow: a missing-value marker or a corrupt sample, "
+                "not a measurement"
+            )
+        if self.since is None or self.until is None or self.since == step:
+            when = "this step's earlier calls"
+        elif self.since == self.until:
+            when = f"step {self.since}"
+        else:
+            when = f"steps {self.since}-{self.until}"
+        ratio = self.now / self.before if self.before else math.inf
+        return (
+            f"the batch did it: {self.name} holds max |x| = {fmt(self.now)} at step {step}, "
+            f"against at most {fmt(self.before)} over {when} ({fmt(ratio)} times larger); the "
+            "values grew with the input, not with training"
+        )
+
+
+def _root_inputs(trace: StepTrace, upto: float) -> list[Record]:
+    """The finite, measured inputs of the step's root calls (the batches), before ``upto``."""
+    roots = {c.id for c in trace.calls if c.root and not c.is_loss}
+    return [
+        r
+        for r in trace.records
+        if r.phase is Phase.INPUT
+        and r.call in roots
+        and r.source is None
+        and r.index < upto
+        and r.stat is not None
+        and r.stat.finite
+        and not math.isnan(r.stat.magnitude)
+    ]
+
+
+def _activation_max(trace: StepTrace, upto: float) -> float:
+    """The largest finite max |x| of the step's module outputs (losses left out)."""
+    losses = {c.id for c in trace.calls if c.is_loss}
+    mags = [
+        r.stat.magnitude
+        for r in trace.records
+        if r.phase is Phase.FORWARD
+        and r.index < upto
+        and r.call not in losses
+        and r.stat is not None
+        and r.stat.finite
+        and not math.isnan(r.stat.magnitude)
+    ]
+    return max(mags, default=math.nan)
+
+
+def _batch_jump(ctx: RuleContext, a: Anomaly) -> _Batch | None:
+    """The batch, when it (not training) put the values out of range: one of its values is
+    so large that its square overflows, or its max |x| is ``_JUMP`` times the largest of
+    the same input's earlier batches while the activations grew no faster than such an
+    input makes them (a polynomial of it: up to its cube; weights that exploded grow them
+    far faster)."""
+    upto = a.record.index
+    current = _root_inputs(ctx.trace, upto)
+    if not current:
+        return None
+    past = [(t.step, r) for t in ctx.history for r in _root_inputs(t, math.inf)]
+    act_before = max(
+        (m for t in ctx.history if not math.isnan(m := _activation_max(t, math.inf))),
+        default=math.nan,
+    )
+    act_now = _activation_max(ctx.trace, upto)
+    found: list[tuple[float, _Batch]] = []
+    for i, r in enumerate(current):
+        lim = limits(r.dtype)
+        if lim is None or r.stat is None:
+            continue
+        now = r.stat.magnitude
+        key = (r.path, r.role)
+        earlier = [(s, m.stat.magnitude) for s, m in past if (m.path, m.role) == key and m.stat]
+        earlier += [
+            (ctx.step, m.stat.magnitude) for m in current[:i] if (m.path, m.role) == key and m.stat
+        ]
+        before = max((v for _, v in earlier), default=None)
+        since = min((s for s, _ in earlier), default=None)
+        until = max((s for s, _ in earlier), default=None)
+        batch = _Batch(r, now, before, since, until, lim)
+        if batch.huge:
+            found.append((math.inf, batch))
+            continue
+        if before is None or not before > 0 or now < _JUMP * before:
+            continue
+        gain = now / before
+        if (
+            math.isfinite(act_before)
+            and act_before > 0
+            and math.isfinite(act_now)
+            and act_now / act_before > _JUMP * gain**3
+        ):
+            continue  # the activations outgrew the input: the weights grew too
+        found.append((gain, batch))
+    if not found:
+        return None
+    return max(found, key=lambda f: f[0])[1]
+
+
+def _explain_batch(b: _Batch, dtype: str) -> str:
+    usual = (
+        f" ({fmt(b.now / b.before)} times the earlier batches')" if b.before and not b.huge else ""
+    )
+    return (
+        f"{dtype} holds values up to {fmt(b.lim.max)}. This step's batch reached max |x| = "
+        f"{fmt(b.now)}{usual}, and the layers carried it past that limit: the weights and "
+        "the learning rate are not the cause, and clipping gradients cannot help a forward "
+        "that overflows. A batch that skipped its normalization (a forgotten / 255 or "
+        "standardization), a missing-value marker stored as a huge number (FLT_MAX, 1e38), "
+        "or a corrupt sample."
+    )
+
+
+def _fix_batch(b: _Batch) -> str:
+    cap = _JUMP * b.before if b.before else math.sqrt(b.lim.max)
+    rows = "x.abs().flatten(1).amax(dim=1)" if len(b.rec.shape) >= 2 else "x.abs()"
+    return (
+        f"bad = {rows} > {fmt(cap)}   # x: the batch given to the model ({b.name})\n"
+        "print(bad.nonzero().flatten().tolist())   # the samples out of range: trace them to "
+        "the dataset\n"
+        "# fix them where the data is made: normalize (x / 255, (x - mean) / std), replace "
+        "missing-value markers"
+    )
+
+
+# ---------------------------------------------------------------- learning rate
+
+
+@dataclass(frozen=True)
+class _LrStep:
+    step: int
+    optimizer: str  #: the class (``SGD``)
+    lrs: tuple[float, ...]  #: per param group
+
+
+def _lr_steps(ctx: RuleContext) -> list[_LrStep]:
+    """The learning rates of the optimizer steps before this one (their ``"optimizer"``
+    notes): this step's own update, if any, came after the values went bad."""
+    out = []
+    for t in ctx.history:
+        for n in t.notes:
+            if n.kind != "optimizer":
+                continue
+            lrs = tuple(
+                float(g["lr"])
+                for g in n.data.get("groups", ())
+                if isinstance(g, dict)
+                and isinstance(g.get("lr"), (int, float))
+                and not isinstance(g.get("lr"), bool)
+                and math.isfinite(g["lr"])
+            )
+            if lrs:
+                out.append(_LrStep(t.step, n.path, lrs))
+    return out
+
+
+#: no optimizer trains with a learning rate this large: a typo (1e36 for 1e-3, 1000 for 1e-3)
+_ABSURD_LR = 1e3
+#: the learning rate rose across the recorded steps by more than this factor: a schedule
+_ROSE = 1.5
+
+
+def _lr_rise(steps: Sequence[_LrStep]) -> tuple[_LrStep, _LrStep] | None:
+    """The first and the last step of the latest optimizer, when its lr rose (a warmup, a
+    OneCycleLR) across the recorded steps."""
+    if not steps:
+        return None
+    last = steps[-1]
+    mine = [s for s in steps if s.optimizer == last.optimizer]
+    first = min(mine, key=lambda s: max(s.lrs))
+    if max(last.lrs) > _ROSE * max(first.lrs) and first.step < last.step:
+        return first, last
+    return None
+
+
+def _lr_fix(ctx: RuleContext) -> list[str]:
+    """Lower the learning rate of the user's own optimizer, by the numbers nanwatch saw."""
+    steps = _lr_steps(ctx)
+    if not steps:
+        return ['for g in optimizer.param_groups: g["lr"] /= 10   # a learning rate 10 times lower']
+    last = steps[-1]
+    lr = max(last.lrs)
+    rise = _lr_rise(steps)
+    if rise is not None:
+        first, _ = rise
+        return [
+            f"# {last.optimizer}'s lr rose from {fmt(max(first.lrs))} at step {first.step} to "
+            f"{fmt(lr)} at step {last.step}: a scheduler raised it (a warmup, OneCycleLR),",
+            f"# and the values exploded on the way up: lower the schedule's peak (OneCycleLR's "
+            f"max_lr, the warmup's target) to {fmt(lr / 10)} or less",
+        ]
+    if len(set(last.lrs)) > 1:
+        was = ", ".join(fmt(x) for x in last.lrs)
+        return [f'for g in optimizer.param_groups: g["lr"] /= 10   # were {was} ({last.optimizer})']
+    if lr >= _ABSURD_LR:
+        return [
+            f'for g in optimizer.param_groups: g["lr"] = 1e-3   # was {fmt(lr)} '
+            f"({last.optimizer}): far above any usable learning rate"
+        ]
+    return [
+        f'for g in optimizer.param_groups: g["lr"] = {fmt(lr / 10)}   # was {fmt(lr)} '
+        f"({last.optimizer})"
+    ]
+
+
+def _lr_note(ctx: RuleContext) -> str:
+    """``(SGD lr 0.336, up from 0.12 at step 0)`` for the growth line; "" when unknown."""
+    steps = _lr_steps(ctx)
+    if not steps:
+        return ""
+    last = steps[-1]
+    lr = ", ".join(fmt(x) for x in dict.fromkeys(last.lrs))
+    rise = _lr_rise(steps)
+    up = f", up from {fmt(max(rise[0].lrs))} at step {rise[0].step}" if rise else ""
+    return f" ({last.optimizer} lr {lr}{up})"
+
+
 def _growth_line(
     ctx: RuleContext, a: Anomaly, name: str, big: float, lim: DtypeLimits, *, noun: str = "inputs"
 ) -> str:
@@ -264,7 +563,7 @@ def _growth_line(
         "at step 0, before any optimizer update: the initial weights or the inputs put it "
         "there, not the learning rate"
         if _first_step(ctx)
-        else f"at step {ctx.step}: the values grew during training"
+        else f"at step {ctx.step}: the values grew during training{_lr_note(ctx)}"
     )
     return f"{what}: the values themselves exploded, {when}"
 
@@ -351,18 +650,21 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             "(rsqrt(inf) = 0) and its backward cannot (inf × 0 = NaN)"
         )
     noun = "inputs" if a.kind is AnomalyKind.FORWARD else "values"
-    evidence = [first, _growth_line(ctx, a, "", big, lim, noun=noun)]
+    batch = _batch_jump(ctx, a)
+    grew = batch.line(ctx.step) if batch else _growth_line(ctx, a, "", big, lim, noun=noun)
+    evidence = [first, grew]
     exploded = next(
         (t.step for t in ctx.history for d in t.diagnoses if getattr(d, "code", "") == "NW303"),
         None,
     )
     if exploded is not None:
         evidence.append(f"the gradient norms exploded first, at step {exploded} (NW303)")
-    yield ctx.diagnosis(
-        **anomaly_fields(a),
-        evidence=evidence,
-        explanation=_explain_wide("other", top.dtype, lim, top.stat, big, recurrent=False),
-        fix=_fix_wide(
+    if batch is not None:
+        explanation = _explain_batch(batch, top.dtype)
+        fix = _fix_batch(batch)
+    else:
+        explanation = _explain_wide("other", top.dtype, lim, top.stat, big, recurrent=False)
+        fix = _fix_wide(
             "other",
             "",
             top.dtype,
@@ -371,8 +673,10 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             recurrent=False,
             first=_first_step(ctx),
             ref=_module_ref(ctx, a),
-        ),
-        priority=20,
+            lr=_lr_fix(ctx),
+        )
+    yield ctx.diagnosis(
+        **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix, priority=20
     )
 
 
@@ -505,10 +809,20 @@ def _fix_wide(
     recurrent: bool,
     first: bool,
     ref: str,
+    lr: Sequence[str] = (),
 ) -> str:
     plain = code.split("  #", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
     if kind == "softmax":
+        op = name.rstrip("_")
+        if op in _BARE_EXP:
+            return (
+                f"{_max_subtracted(code, op)}{was}\n"
+                "# subtract the row max first (the dim you normalize over): every exp is then "
+                "at most 1, and the result is the same\n"
+                "# or the whole softmax in one call, stable: torch.softmax(x, dim=-1) "
+                "(torch.logsumexp, F.log_softmax)"
+            )
         return (
             f"x = x - x.amax(dim=-1, keepdim=True)   # subtract the row max before exp{was}\n"
             "probs = torch.softmax(x, dim=-1)       # or torch.logsumexp / log_softmax"
@@ -553,7 +867,7 @@ def _fix_wide(
             clip,
         ]
     else:
-        lines = [clip, "optimizer = torch.optim.AdamW(model.parameters(), lr=lr / 10)"]
+        lines = [clip, *(lr or ['for g in optimizer.param_groups: g["lr"] /= 10'])]
     if first and kind != "other":
         return "\n".join(lines)
     if kind != "other":
@@ -562,7 +876,6 @@ def _fix_wide(
 
 
 _OPERAND = r"[A-Za-z_][\w.]*(?:\[[^\]]*\])?"
-_SIMPLE = r"[A-Za-z_][\w.]*(?![\w.(\[])"
 _UPCASTS = (
     (
         re.compile(
@@ -576,7 +889,6 @@ _UPCASTS = (
         ),
         r"\1.float().\2(",
     ),
-    (re.compile(rf"(?<![\w.])({_SIMPLE}) @ ({_SIMPLE})"), r"\1.float() @ \2.float()"),
 )
 
 
@@ -594,7 +906,7 @@ def upcast_line(code: str | None) -> str | None:
         new, n = pattern.subn(repl, line, count=1)
         if n:
             return new
-    return None
+    return _upcast_matmul(line)
 
 
 def _fix(
@@ -606,11 +918,36 @@ def _fix(
     *,
     device: str,
     ref: str = "model",
+    arg: float = math.nan,
+    scalar: bool = False,
+    loss: bool = False,
 ) -> str:
-    """Low precision: compute the op in float32, or train in bfloat16 (float32's range)."""
+    """Low precision: compute the op in float32, or train in bfloat16 (float32's range).
+    ``arg``: an exp's largest argument; ``scalar``: the exp's input is one value (a learned
+    0-dim scale); ``loss``: the op ran in loss code, outside the modules."""
     plain = code.split("#", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
     bf16 = f"# or train in bfloat16: torch.autocast({device}, dtype=torch.bfloat16)"
+    if kind in ("softmax", "exp") and lim is not None:
+        bounded = _bounded_exp(kind, name, lim, code, arg=arg, scalar=scalar)
+        if bounded is not None:
+            return bounded
+    if kind == "matmul":
+        mine = _upcast_matmul(code)
+        body = (
+            f"    {mine}{was}"
+            if mine is not None
+            else f"    ...   # the product at this line, with .float() on both operands{was}"
+        )
+        hint = (
+            "" if loss else "# attention: scale q before the product: q = q * q.shape[-1] ** -0.5\n"
+        )
+        return (
+            f"with torch.autocast(device_type={device}, enabled=False):\n"
+            f"{body}\n"
+            f"# (float32 for this product; cast back with .to(torch.{dtype}) if needed)\n"
+            f"{hint}{bf16}"
+        )
     fixed = upcast_line(code)
     if fixed is not None and kind != "cast":
         return (
@@ -640,13 +977,6 @@ def _fix(
             "# or train in bfloat16, where exp overflows only above "
             f"{fmt(_exp_bound('bfloat16'))}"
         )
-    if kind == "matmul":
-        return (
-            f"with torch.autocast(device_type={device}, enabled=False):\n"
-            f"    out = a.float() @ b.float(){was}\n"
-            "# attention: scale q before the product: q = q * q.shape[-1] ** -0.5\n"
-            f"{bf16}"
-        )
     if kind == "cast":
         return (
             f"fin = torch.finfo(torch.{dtype})\n"
@@ -658,8 +988,9 @@ def _fix(
     if mine is not None:
         return f"{mine}{was}\n# (compute it in float32; cast back with .to(torch.{dtype}))\n{bf16}"
     if op:
+        where = "in the loss code" if loss else f"in {ref}'s forward"
         return (
-            f"# in {ref}'s forward, call {op} on .float() inputs and cast the result back\n"
+            f"# {where}, call {op} on .float() inputs and cast the result back\n"
             f"# with .to(torch.{dtype}) (under autocast: inside torch.autocast("
             f"device_type={device}, enabled=False))\n"
             f"{bf16}"
@@ -669,6 +1000,138 @@ def _fix(
         f"# and give it x.float(); cast its output back with .to(torch.{dtype}) where needed\n"
         f"{bf16}"
     )
+
+
+def _bounded_exp(
+    kind: str,
+    name: str,
+    lim: DtypeLimits,
+    code: str | None,
+    *,
+    arg: float,
+    scalar: bool,
+) -> str | None:
+    """The fix of a low-precision exp that a float32 upcast cannot mend: an argument past
+    float32's exp bound too (bound the argument; a softmax subtracts its max), or a
+    one-value argument (a learned scale), whose float32 result times a tensor of ``lim``'s
+    dtype is computed in that dtype again (type promotion)."""
+    f32 = _exp_bound("float32")
+    plain = code.split("#", 1)[0].strip() if code else ""
+    was = f"  # was: {plain}" if plain else ""
+    op = name.rstrip("_")
+    past = math.isfinite(arg) and arg > f32
+    if kind == "softmax" and past:
+        return (
+            f"{_max_subtracted(code, op)}{was}\n"
+            f"# subtract the row max first (the dim you normalize over): every exp is then at "
+            f"most 1; the argument reached {fmt(arg)}, past float32's exp bound {fmt(f32)} too, "
+            "so float32 or bfloat16 would still overflow\n"
+            "# or the whole softmax in one call, stable: torch.softmax(x, dim=-1)"
+        )
+    if kind != "exp" or not (past or scalar) or op not in _BARE_EXP:
+        return None
+    bound = lim.exp_bound / (math.log(2) if op == "exp2" else 1.0)
+    cap = math.floor(bound / 2 * 10) / 10
+    bounds = f"-{cap}, {cap}" if op in _BOTH_SIDES else f"max={cap}"
+    fixed = rewrite_call(code, [op], lambda e: f"{paren(e)}.clamp({bounds})")
+    first = fixed if fixed is not None else f"y = torch.{op}(x.clamp({bounds}))"
+    why = (
+        f"# {cap} = half of {fmt(lim.exp_bound)}: exp stays below sqrt({fmt(lim.max)}) = "
+        f"{fmt(math.sqrt(lim.max))}, so a product of two still fits in {lim.name}"
+    )
+    if past:
+        return (
+            f"{first}{was}\n{why}\n"
+            f"# the argument reached {fmt(arg)}, past float32's exp bound {fmt(f32)} too: "
+            "float32 or bfloat16 would overflow as well; bound it"
+        )
+    return (
+        f"{first}{was}\n{why}\n"
+        f"# .float() alone does not help: a one-value (0-dim) float32 tensor times a "
+        f"{lim.name} tensor is computed in {lim.name}; or compute the whole product in "
+        "float32 (.float() on every tensor operand)"
+    )
+
+
+def _max_subtracted(code: str | None, op: str) -> str:
+    """The user's exp line with the row max subtracted from the argument (a stable
+    softmax by hand), or the same on a named placeholder when the line is unknown.
+
+    >>> _max_subtracted("e = torch.exp(scores)", "exp")
+    'e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))'
+    >>> _max_subtracted("e = (q @ k).exp()  # scores", "exp")
+    'e = ((q @ k) - (q @ k).amax(dim=-1, keepdim=True)).exp()'
+    """
+    line = code.split("  #", 1)[0] if code else ""
+    function = re.search(rf"\b(?:torch\.special|torch|special)\.{re.escape(op)}\(", line)
+
+    def wrap(e: str) -> str:
+        shifted = f"{paren(e)} - {paren(e)}.amax(dim=-1, keepdim=True)"
+        return shifted if function else f"({shifted})"
+
+    fixed = rewrite_call(code, [op], wrap)
+    if fixed is not None:
+        return fixed
+    return f"e = torch.{op}(x - x.amax(dim=-1, keepdim=True))   # x: this exp's argument"
+
+
+def _upcast_matmul(code: str | None) -> str | None:
+    """The user's line with both operands of its first ``@`` cast to float32 (operands
+    may be method calls: ``f @ f.transpose(1, 2)``); None when there is none.
+
+    >>> _upcast_matmul("g = f @ f.transpose(1, 2)  # gram")
+    'g = f.float() @ f.transpose(1, 2).float()'
+    """
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].rstrip()
+    for m in re.finditer(r"(?<![@=])@(?![@=])", line):
+        end = m.start() - 1
+        while end >= 0 and line[end] == " ":
+            end -= 1
+        begin = postfix_start(line, end) if end >= 0 else None
+        start = m.end()
+        while start < len(line) and line[start] == " ":
+            start += 1
+        stop = _postfix_end(line, start)
+        if begin is None or stop is None:
+            continue
+        left, right = line[begin : end + 1], line[start:stop]
+        return (
+            f"{line[:begin]}{paren(left)}.float() {line[end + 1 : start].strip()} "
+            f"{paren(right)}.float(){line[stop:]}"
+        )
+    return None
+
+
+def _postfix_end(line: str, start: int) -> int | None:
+    """End (exclusive) of the postfix expression starting at ``start`` (``a.b(x)[0]``,
+    ``(u * v).t()``); None when none starts there."""
+    i = start
+    while i < len(line):
+        c = line[i]
+        if c in "([":
+            close = _closing(line, i)
+            if close is None:
+                return None
+            i = close + 1
+        elif c.isalnum() or c in "_.":
+            i += 1
+        else:
+            break
+    return i if i > start else None
+
+
+def _closing(line: str, at: int) -> int | None:
+    depth = 0
+    for i in range(at, len(line)):
+        if line[i] in "([{":
+            depth += 1
+        elif line[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
 
 
 def _exp_bound(dtype: str) -> float:
@@ -819,14 +1282,19 @@ def _only_stable_losses(trace: StepTrace, rec: Record) -> bool:
     plain exp of it (cross-entropy and friends subtract the max, or upcast)."""
     ids = {rec.index}
     ids.update(r.index for r in trace.records if r.phase is Phase.FORWARD and r.source in ids)
-    consumers = [r for r in trace.records if r.phase is Phase.INPUT and r.source in ids]
-    if not consumers:
-        return False
-    for r in consumers:
-        call = trace.call(r.call)
-        if call is None or not call.is_loss or loss_kind(call.module_type) not in _STABLE_LOSSES:
-            return False
-    return True
+    # the modules that took it (a loss module, or any other), and the functional losses
+    # (F.cross_entropy: their guard's note names the record of their input)
+    kinds: list[str | None] = []
+    for r in trace.records:
+        if r.phase is Phase.INPUT and r.source in ids:
+            call = trace.call(r.call)
+            kinds.append(loss_kind(call.module_type) if call is not None and call.is_loss else None)
+    kinds.extend(
+        loss_kind(str(n.data.get("loss") or n.path))
+        for n in trace.notes
+        if n.kind == "loss_input" and n.data.get("input_source") in ids
+    )
+    return bool(kinds) and all(k in _STABLE_LOSSES for k in kinds)
 
 
 @rule(
