@@ -1146,6 +1146,20 @@ def _class_shape_failure(p: _Probe, c: int, expected: tuple[int, ...], desc: str
     )
 
 
+def _loss_options(p: _Probe) -> str:
+    """The loss's non-default options besides ignore_index and reduction, as keyword
+    arguments of F.cross_entropy / F.nll_loss in the user's names: ``weight=criterion.weight,
+    label_smoothing=0.1``."""
+    parts = []
+    w = p.bound.get("weight")
+    if isinstance(w, torch.Tensor):
+        parts.append(f"weight={p.callee}.weight" if p.is_module else f"weight={p.arg('weight')}")
+    ls = p.bound.get("label_smoothing")
+    if isinstance(ls, (int, float)) and not isinstance(ls, bool) and ls:
+        parts.append(f"label_smoothing={ls!r}")
+    return ", ".join(parts)
+
+
 def _class_result(
     p: _Probe,
     v: dict[str, float],
@@ -1160,6 +1174,10 @@ def _class_result(
         p.data["ignore_index"] = ignore
         ignored = int(v.get("ignored", 0))
         p.data["ignored"] = ignored
+        if ignored and p.target is not None and ignored == p.target.numel():
+            # every target ignored: the mean is 0/0, and a fix that rewrites the loss call
+            # must keep the loss's other options (a label_smoothing, class weights)
+            p.data["loss_options"] = _loss_options(p)
     if lo <= v["target_min"] and v["target_max"] < c:
         return
     t = p.target
@@ -1676,6 +1694,37 @@ def _check_regression(p: _Probe) -> None:
         and t.is_floating_point()
     ):
         p.on_any("target_neginf", t == -math.inf, lambda v, n, mask: _kl_log0(p, n, mask))
+        p.data["log_target"] = True
+        p.then(lambda v: _kl_probability_log_target(p, v))
+
+
+def _kl_probability_log_target(p: _Probe, v: dict[str, float]) -> None:
+    """log_target=True and a target with values above 0 and none below: probabilities
+    (a softmax), which log-probabilities never are. Not an error (the loss is a number):
+    the note carries the fix, and NW205 warns."""
+    lo, hi = v.get("target_min", math.nan), v.get("target_max", math.nan)
+    if not (lo >= 0 and hi > 0):
+        return
+    tgt = p.arg("target")
+    if p.is_module:
+        fix = (
+            p.construct(log_target=False)
+            + "  # the target is probabilities\n"
+            + f"# or keep log_target=True and pass log-probabilities as {tgt} "
+            "(F.log_softmax, not F.softmax)"
+        )
+    else:
+        fix = (
+            (
+                p.call_with(log_target="False")
+                if p.has_arg("log_target")
+                else p.call_with({"log_target": False})
+            )
+            + "  # the target is probabilities\n"
+            + f"# or keep log_target=True and pass log-probabilities as {tgt} "
+            "(F.log_softmax, not F.softmax)"
+        )
+    p.data["log_target_fix"] = fix
 
 
 def _kl_log0(p: _Probe, n: int, mask: torch.Tensor) -> None:

@@ -74,6 +74,11 @@ def _bce_saturation(ctx: RuleContext, use: LossUse, frac: float) -> Diagnosis | 
     )
     if not (exact or derived):
         return None
+    if clamped is not None and not clamped:
+        # the guard counted the elements at the -100 clamp and found none: every saturated
+        # probability is confidently right (p = 1 with target 1 costs 0), the loss is not
+        # the massive loss
+        return None
     grad = _input_grad_magnitude(ctx.trace, use)
     numel = s.numel if s is not None else _numel(use)
     signature = grad is not None and numel is not None and grad * numel >= _BCE_GRAD_SIGNATURE
@@ -356,9 +361,9 @@ def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
     min_hist = ctx.thresholds.min_history
     for use in loss_uses(ctx.trace):
         if use.kind == "kldiv":
-            d = _kl_div_on_probabilities(ctx, use)
-            if d is not None:
-                yield d
+            for d in (_kl_div_on_probabilities(ctx, use), _kl_div_probability_log_target(ctx, use)):
+                if d is not None:
+                    yield d
             continue
         if use.kind not in ("ce", "nll"):
             continue
@@ -486,6 +491,44 @@ def _kl_div_on_probabilities(ctx: RuleContext, use: LossUse) -> Diagnosis | None
             "# or, with log-probabilities on both sides:\n"
             "loss = F.kl_div(logp, logp_target, reduction='batchmean', log_target=True)"
         ),
+    )
+
+
+def _kl_div_probability_log_target(ctx: RuleContext, use: LossUse) -> Diagnosis | None:
+    """KLDivLoss(log_target=True) reads the target as log-probabilities, which are never
+    above 0. A target with values above 0 and none below is probabilities (a softmax): the
+    loss computes exp(t) · (t - input), a wrong number, and nothing raises. The guard wrote
+    the fix on the user's line into the note."""
+    if use.data("log_target") is not True:
+        return None
+    lo, hi = note_num(use.note, "target_min"), note_num(use.note, "target_max")
+    if lo is None or hi is None or not (lo >= 0 and hi > 0):
+        return None
+    evidence = [
+        f"{use.path}'s target spans [{fmt(lo)}, {fmt(hi)}] with log_target=True; "
+        "log-probabilities are never above 0: these are probabilities"
+    ]
+    loss = use.value
+    if loss is not None:
+        evidence.append(f"the loss, {fmt(loss)}, is not the KL divergence of these distributions")
+    fix = use.data("log_target_fix") or (
+        "loss = F.kl_div(logp, p_target, reduction='batchmean')   # log_target=False\n"
+        "# or keep log_target=True and pass log-probabilities (F.log_softmax, not F.softmax)"
+    )
+    return ctx.diagnosis(
+        title="Probabilities where log-probabilities are expected",
+        path=use.path,
+        phase=Phase.FORWARD.value,
+        source=use.note.source if use.note is not None else None,
+        evidence=evidence,
+        explanation=(
+            "With log_target=True, KLDivLoss (F.kl_div) takes the target as "
+            "log-probabilities and computes exp(t) · (t - input). Given probabilities, exp(t) "
+            "is not the target distribution and the loss is a meaningless number, with "
+            "gradients that pull the model toward the wrong distribution; training goes on "
+            "without an error."
+        ),
+        fix=str(fix),
     )
 
 

@@ -6,9 +6,10 @@ x - max = -inf - (-inf)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
-from nanwatch.records import Anomaly, AnomalyKind, OpEvent
+from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase
 from nanwatch.rules._evidence import (
     anomaly_fields,
     cause_of,
@@ -20,7 +21,12 @@ from nanwatch.rules._evidence import (
     inf_evidence,
     inf_fix,
     inf_source,
+    inputs_of,
+    limits,
     op_fields,
+    packet,
+    paren,
+    rewrite_call,
     short_op,
     untraced_hint,
 )
@@ -46,21 +52,104 @@ _TORCH_ATTENTION = frozenset(
 )
 
 _FIX_TORCH = (
+    "# key_padding_mask: the mask your code passes to the attention module\n"
     "empty = key_padding_mask.all(dim=-1)   # samples with no key to attend to (length 0)\n"
     "key_padding_mask[empty, 0] = False     # un-mask one key each: a finite, meaningless row\n"
     "# and leave those samples out of the loss, or drop them from the batch"
 )
 
+#: the keyword arguments of torch.nn attention modules that carry a padding mask
+_PADDING_KWARG = re.compile(r"(?<![\w.])((?:src_|tgt_|memory_)?key_padding_mask)\s*=(?!=)\s*")
 
-def _fix_for(ctx: RuleContext, call_id: int) -> str:
+
+def _kwarg_value(line: str, start: int) -> str | None:
+    """The expression of a keyword argument that starts at ``start`` (up to the comma or
+    closing parenthesis at its own depth)."""
+    depth = 0
+    for i in range(start, len(line)):
+        c = line[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}" or (c == "," and depth == 0):
+            if depth == 0:
+                expr = line[start:i].strip()
+                return expr or None
+            depth -= 1
+    return None
+
+
+def _torch_fix(code: str | None) -> str:
+    """The key_padding_mask fix, on the user's own line when it passes the mask by keyword:
+    a copy of the mask with one key un-masked in each sample that has none."""
+    line = code.split("  #", 1)[0].rstrip() if code else ""
+    m = _PADDING_KWARG.search(line)
+    expr = _kwarg_value(line, m.end()) if m is not None else None
+    if m is None or expr is None:
+        return _FIX_TORCH
+    name = m.group(1)
+    indent = line[: len(line) - len(line.lstrip())]
+    call = line[: m.end()] + name + line[m.end() + len(expr) :]
+    return (
+        f"{indent}{name} = {expr}.clone()\n"
+        f"{indent}empty = {name}.all(dim=-1)   # samples with no key to attend to (length 0)\n"
+        f"{indent}{name}[empty, 0] = False     # un-mask one key each: a finite, meaningless row\n"
+        f"{call}\n"
+        f"{indent}# and leave those samples out of the loss, or drop them from the batch"
+    ).strip("\n")
+
+
+def _fix_for(ctx: RuleContext, call_id: int, ev: OpEvent | None = None) -> str:
     """A torch.nn attention module builds the -inf mask itself from key_padding_mask, so
-    the fix is in what it is given; hand-written attention gets the masking fix."""
+    the fix is in what it is given; hand-written attention gets the masking fix. The module
+    is known from the recorded calls, or (sentinel mode records only the root's call) from
+    the user's line, which passes a key_padding_mask to it."""
+    code = ev.code if ev is not None else None
     call = ctx.trace.call(call_id)
     while call is not None:
         if call.module_type in _TORCH_ATTENTION:
-            return _FIX_TORCH
+            return _torch_fix(code)
         call = ctx.trace.call(call.parent) if call.parent is not None else None
+    if code and _PADDING_KWARG.search(code.split("  #", 1)[0]):
+        return _torch_fix(code)
     return _FIX
+
+
+#: ops that convert a tensor to another dtype: a value beyond the new dtype's range
+#: becomes an infinity
+_CASTS = frozenset({"_to_copy", "to", "copy_", "copy", "_to_copy_"})
+
+
+def _cast_to_inf(ev: OpEvent) -> str | None:
+    """Evidence that a cast turned a finite, very negative mask value into -inf: a float32
+    -1e9 or finfo(float32).min does not fit in float16."""
+    if packet(ev.op) not in _CASTS or "-inf" not in ev.born:
+        return None
+    x = first_input(ev)
+    lim = limits(ev.dtype)
+    if x is None or lim is None or x.has_neginf or x.has_nan or x.min > -lim.max:
+        return None
+    line = code_line(ev)
+    return (
+        f"the -inf came from the cast to {ev.dtype} ({short_op(ev.op)}"
+        + (f" {line}" if line else "")
+        + f"): the mask value {fmt(x.min)} is finite, but beyond {ev.dtype}'s range "
+        f"(most negative {fmt(-lim.max)}), so the cast made it -inf"
+    )
+
+
+def _cast_fix(ev: OpEvent) -> str:
+    """The user's cast line with the mask clamped into the target dtype first."""
+    low = f"torch.finfo(torch.{ev.dtype}).min"
+    line = rewrite_call(
+        ev.code, ["to", "half", "bfloat16", "type"], lambda e: f"{paren(e)}.clamp_min({low})"
+    )
+    head = f"# the mask value does not fit in {ev.dtype}: clamp it to {low} before the cast\n" + (
+        f"{line}\n" if line else ""
+    )
+    return (
+        head + f"# or build the mask in the scores' dtype: fill with {low}, not -1e9 or "
+        "torch.finfo(torch.float32).min"
+    )
 
 
 _EXPLAIN = (
@@ -93,6 +182,9 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         if cause.kind == "inf-arith":
             yield from _masked_by_hand(ctx, a, cause.event, cause.trigger)
             return
+        if cause.kind == "other":
+            yield from _fused_attention(ctx, a, cause.event)
+            return
         if cause.kind != "masked-softmax":
             return
         ev = cause.event
@@ -109,7 +201,10 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         if ev.output.nan:
             evidence.append(f"output: {ev.output.nan:,} NaN of {ev.output.numel:,} values")
         mask = next((e for e in cause.chain if e.injected), None)
-        if mask is not None:
+        cast = next((e for e in cause.chain if _cast_to_inf(e) is not None), None)
+        if cast is not None:
+            evidence.append(_cast_to_inf(cast) or "")
+        elif mask is not None:
             val = mask.scalars.get("value")
             line = code_line(mask)
             evidence.append(
@@ -120,8 +215,13 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         line = code_line(ev)
         if line:
             evidence.append(line)
-        fix = _fix_for(ctx, a.record.call)
-        yield ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=_EXPLAIN, fix=fix)
+        if cast is not None:
+            fix = _cast_fix(cast)
+            explanation = _EXPLAIN + _EXPLAIN_CAST.format(dtype=cast.dtype)
+        else:
+            fix = _fix_for(ctx, a.record.call, ev)
+            explanation = _EXPLAIN
+        yield ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
         return
     if a.kind is not AnomalyKind.FORWARD:
         return
@@ -141,6 +241,49 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         explanation=_EXPLAIN,
         fix=_fix_for(ctx, a.record.call),
         priority=20,
+    )
+
+
+_EXPLAIN_CAST = (
+    " Here the mask held a large finite negative value, which does not fit in {dtype}: "
+    "the cast to {dtype} rounded it to -inf, and a fully masked row became -inf everywhere."
+)
+
+
+def _fused_attention(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Iterator[Diagnosis]:
+    """A fused attention kernel (nn.MultiheadAttention's eval fast path,
+    aten._native_multi_head_attention; scaled_dot_product_attention) that made NaN, and no
+    inf, from finite inputs: its softmax ran inside the kernel over a row with every key
+    masked (the boolean mask is not among the recorded inputs)."""
+    if a.kind is not AnomalyKind.FORWARD or ev.phase is not Phase.FORWARD:
+        return
+    out = ev.output
+    if out.has_posinf or out.has_neginf or not out.has_nan:
+        return
+    ins = inputs_of(ev)
+    if not ins or not all(x.finite for x in ins):
+        return
+    call = ctx.trace.call(a.record.call)
+    typ = call.module_type if call is not None else a.record.module_type
+    text = f"{packet(ev.op)} {a.path} {typ}".lower()
+    if "atten" not in text:
+        return
+    evidence = [
+        f"{short_op(ev.op)} made {out.nan or 'some':,} NaN (and no inf) of {out.numel:,} "
+        f"values from finite inputs, in the attention module {a.path} ({typ}): the "
+        "signature of a softmax over a fully masked row inside the fused kernel"
+        if isinstance(out.nan, int)
+        else f"{short_op(ev.op)} made NaN (and no inf) from finite inputs in the attention "
+        f"module {a.path} ({typ}): the signature of a softmax over a fully masked row",
+    ]
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    yield ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=_EXPLAIN,
+        fix=_fix_for(ctx, a.record.call, ev),
     )
 
 
