@@ -7,6 +7,7 @@ Private: rule families import it; users write rules against :mod:`nanwatch.recor
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -252,7 +253,27 @@ def denominator(ev: OpEvent) -> TensorStat | None:
     if den is not None:
         return den
     ins = inputs_of(ev)
-    return ins[1] if len(ins) > 1 else None
+    if len(ins) > 1:
+        return ins[1]
+    return integer_denominator(ev)
+
+
+def integer_denominator(ev: OpEvent) -> TensorStat | None:
+    """The denominator of a division when it is an integer or bool tensor (a count:
+    ``lengths``, ``mask.sum()``): the checker records its min, max and numel apart from
+    the floating inputs."""
+    if packet(ev.op).rstrip("_") == "reciprocal":
+        return None
+    s = other_input(ev, "other")
+    return s if s is not None and s.numel > 0 else None
+
+
+def scalar_base(ev: OpEvent) -> float | None:
+    """The Python number raised to a tensor power (``aten.pow.Scalar``: ``1e6 ** t``):
+    its tensor input is the exponent, not the base. None for other events."""
+    if input_named(ev, "self") is not None or not any(n == "exponent" for n, _ in ev.inputs):
+        return None
+    return scalar_num(ev, "self")
 
 
 def _exponent(ev: OpEvent) -> float | None:
@@ -317,6 +338,9 @@ def classify(ev: OpEvent) -> str:
         return "overflow" if born_inf or (x is not None and x.has_posinf) else "other"
     if inf_arithmetic(ev) is not None:
         return "inf-arith"  # -inf - (-inf), 0 × inf: the infinities came from upstream
+    short = shortfall(ev)
+    if short is not None and short.kind != "var":
+        return "reduce"  # 0/0 of a mean over nothing, whatever -inf the input also held
     if ev.phase is Phase.FORWARD and any(s.has_neginf for s in inputs_of(ev)):
         return "neginf-input"  # it was given a -inf (a log of 0 upstream): not its doing
     if name in _LOG:
@@ -324,14 +348,20 @@ def classify(ev: OpEvent) -> str:
     if name in _DIV:
         den = denominator(ev)
         zero_scalar = scalar_num(ev, "other") == 0.0
-        if has_zero(den) or zero_scalar:
-            return "div"
+        spans_zero = den is not None and den.zeros is None and den.min <= 0 <= den.max
+        if has_zero(den) or zero_scalar or (spans_zero and den is integer_denominator(ev)):
+            return "div"  # an integer count spanning 0 holds it: integers have no tiny values
         if den is not None and born_inf and not near_zero_denominator(ev):
             return "overflow"  # exploded numerators: x / d went past the max
         return "div"
     if name in _ROOT:
         e = _exponent(ev)
         base = first_input(ev)
+        number = scalar_base(ev)
+        if number is not None:  # number ** tensor (rotary theta = base ** (i / d))
+            if number > 0:
+                return "overflow" if born_inf else "other"
+            return "root"
         if name in ("sqrt", "sqrt_", "rsqrt"):
             return "root"
         if e is not None and (e >= 1 and float(e).is_integer()) and born_inf:
@@ -343,7 +373,7 @@ def classify(ev: OpEvent) -> str:
         return "overflow" if born_inf else "root"
     if outside_domain(ev) is not None:
         return "domain"
-    if shortfall(ev) is not None:
+    if short is not None:
         return "reduce"
     if born_inf:
         return "overflow"
@@ -537,6 +567,79 @@ def rewrite_subtrahend(code: str | None, wrap: Callable[[str], str]) -> str | No
         return None
     operand = line[start:end]
     return line[:start] + wrap(operand) + line[end:]
+
+
+_HEADER = re.compile(r"^(?:with|if|elif|else|for|while|try|except|finally)\b")
+
+
+def top_level(text: str, sep: str) -> list[int]:
+    """Indices of ``sep`` outside brackets and string literals."""
+    out: list[int] = []
+    depth, quote = 0, ""
+    for i, c in enumerate(text):
+        if quote:
+            if c == quote and text[i - 1] != "\\":
+                quote = ""
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == sep and depth == 0:
+            out.append(i)
+    return out
+
+
+def statements(code: str | None) -> list[str]:
+    """The simple statements of a line of source: split at top-level ``;``, each without
+    the header of a one-line compound statement (``with torch.no_grad(): out = f(x)`` ->
+    ``out = f(x)``; ``else: y = a / b`` -> ``y = a / b``), comments dropped.
+
+    >>> statements("with torch.no_grad(): out = enc(x); n += 1  # eval")
+    ['out = enc(x)', 'n += 1']
+    """
+    if not code:
+        return []
+    line = code.split("  #", 1)[0].strip()
+    cuts = [-1, *top_level(line, ";"), len(line)]
+    out = []
+    for a, b in itertools.pairwise(cuts):
+        stmt = line[a + 1 : b].strip()
+        while _HEADER.match(stmt):
+            colons = [i for i in top_level(stmt, ":") if not _in_lambda(stmt, i)]
+            if not colons:
+                break
+            stmt = stmt[colons[0] + 1 :].strip()
+        if stmt:
+            out.append(stmt)
+    return out
+
+
+def _in_lambda(text: str, colon: int) -> bool:
+    """The colon ends a lambda's parameters (``key=lambda t: t[0]``)."""
+    return re.search(r"\blambda\b[^:]*$", text[:colon]) is not None
+
+
+def rewrite_divisor(code: str | None, wrap: Callable[[str], str]) -> str | None:
+    """The user's line with the right operand of its one binary ``/`` passed through
+    ``wrap``; None when the line has no such division or more than one.
+
+    >>> rewrite_divisor("loss = (tok.sum(1) / lengths).mean()", lambda d: f"{d}.clamp_min(1)")
+    'loss = (tok.sum(1) / lengths.clamp_min(1)).mean()'
+    """
+    found = [st for st in statements(code) if re.search(r"(?<=[\w\)\]]) / (?=[\w(])", st)]
+    if len(found) != 1:
+        return None
+    line = found[0]
+    hits = [m.start() for m in re.finditer(r"(?<=[\w\)\]]) / (?=[\w(])", line)]
+    if len(hits) != 1:
+        return None
+    start = hits[0] + 3
+    end = _operand_end(line, start)
+    if end is None:
+        return None
+    return line[:start] + wrap(line[start:end]) + line[end:]
 
 
 def infinities(s: TensorStat) -> str:
@@ -947,7 +1050,8 @@ def rewrite_call(code: str | None, names: Sequence[str], wrap: Callable[[str], s
         return None
     line = code.split("  #", 1)[0].rstrip()
     alt = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
-    for m in re.finditer(rf"(?<![\w])((?:torch\.special|torch|special|F)\.)?({alt})\(", line):
+    mod = r"(?:torch\.special|torch\.linalg|torch|special|linalg|F)\."
+    for m in re.finditer(rf"(?<![\w])({mod})?({alt})\(", line):
         open_at = m.end()
         close_at = _close(line, open_at)
         if close_at is None:

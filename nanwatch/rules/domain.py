@@ -31,6 +31,7 @@ from nanwatch.rules._evidence import (
     inf_arithmetic,
     inf_source,
     input_named,
+    integer_denominator,
     limits,
     loss_uses,
     node_base,
@@ -42,6 +43,8 @@ from nanwatch.rules._evidence import (
     paren,
     postfix_start,
     rewrite_call,
+    rewrite_divisor,
+    scalar_base,
     scalar_num,
     short_op,
     shortfall,
@@ -146,6 +149,8 @@ _LOG_FIX = (
 
 
 def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
+    if ev.phase is Phase.BACKWARD and node_base(ev.node) == "Xlogy":
+        return _xlogy_backward(ctx, a, ev, trigger)
     dom = domain_of(ev.op)
     x = (input_named(ev, dom.arg) if dom is not None else None) or first_input(ev)
     op = short_op(ev.op)
@@ -177,6 +182,41 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
             "the *_with_logits losses) never forms the 0."
         ),
         fix=_LOG_FIX,
+    )
+
+
+def _xlogy_backward(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
+    """xlogy(x, y) is 0 at x = 0 whatever y, but its gradient with respect to y is x / y:
+    0/0 = NaN where y is 0 too (the entropy term xlogy(p, p) of a probability of 0)."""
+    x = input_named(ev, "self")
+    y = input_named(ev, "other")
+    where = "where x and y are both 0" if "NaN" in ev.born else "where y is 0"
+    value = "0/0 = NaN" if "NaN" in ev.born else "x/0 = ±inf"
+    evidence = [
+        f"in backward (autograd node {ev.node}), the gradient of xlogy(x, y) with respect "
+        f"to y is x / y: {value} {where}",
+        f"x (self): {describe_stat(x)}",
+        f"y (other): {describe_stat(y)}",
+        *_chain_evidence(ev, trigger, ev.born),
+    ]
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="Gradient of xlogy at 0",
+        evidence=evidence,
+        explanation=(
+            "xlogy(x, y) = x·log(y) is defined as 0 where x = 0, so the forward value is "
+            "finite, but its derivative with respect to y, x / y, is 0/0 = NaN where y is 0 "
+            "as well: an entropy -xlogy(p, p).sum() over probabilities that underflowed to "
+            "exactly 0 (a softmax of spread-out logits). Computing it from log-probabilities "
+            "keeps every term finite."
+        ),
+        fix=(
+            "logp = F.log_softmax(logits, dim=-1)\n"
+            "ent = -(logp.exp() * logp).sum(-1)   # finite where p underflows to 0\n"
+            "ent = torch.distributions.Categorical(logits=logits).entropy()   # the same\n"
+            "ent = -torch.special.xlogy(p, p.clamp_min(torch.finfo(p.dtype).tiny)).sum(-1)"
+            "   # when only p exists"
+        ),
     )
 
 
@@ -377,9 +417,20 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if closest is not None and den is not None and name != "reciprocal":
         yield from _near_zero_division(ctx, a, ev, num=num, den=den, closest=closest)
         return
+    spectral = _SPECTRAL.get(node_base(ev.node)) if ev.phase is Phase.BACKWARD else None
+    if spectral is not None:
+        yield _spectral_backward(ctx, a, ev, spectral, cause.trigger)
+        return
     evidence: list[str] = []
     zero_over_zero = "NaN" in ev.born and has_zero(num) and has_zero(den)
-    if den is not None:
+    integer = den is not None and den is integer_denominator(ev)
+    unmeasured = den is None and any(n == "other" and s is None for n, s in ev.inputs)
+    if integer and den is not None:
+        evidence.append(
+            f"denominator is an integer tensor (a count) holding 0: min {fmt(den.min)}, "
+            f"max {fmt(den.max)} ({count(den.numel, 'value')})"
+        )
+    elif den is not None:
         zeros = (
             f"{den.zeros:,} exact zero{'s' if den.zeros != 1 else ''}"
             if den.zeros
@@ -388,6 +439,11 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence.append(f"denominator holds {zeros}: {describe_stat(den)}")
     elif "other" in ev.scalars:
         evidence.append(f"denominator: the scalar {ev.scalars['other']}")
+    elif unmeasured:
+        evidence.append(
+            "denominator: an integer or bool tensor (a count), whose values this mode does "
+            'not record; mode="forensic" records its min and max'
+        )
     if num is not None and name != "reciprocal":
         evidence.append(f"numerator: {describe_stat(num)}")
     kinds = []
@@ -399,9 +455,23 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     evidence += _chain_evidence(ev, cause.trigger, ev.born)
     if ev.phase is Phase.BACKWARD:
         evidence.append(f"in backward (autograd node {ev.node})")
+    title = "Division by zero (0/0)" if zero_over_zero else "Division by zero"
+    if _in_distribution(ev):
+        evidence.append(
+            "the division is inside torch.distributions: it divides by the distribution's "
+            "scale or its square (Normal.log_prob: (x - loc)² / (2·scale²))"
+        )
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=title,
+            evidence=evidence,
+            explanation=_scale_text(ev.dtype),
+            fix=_SCALE_FIX,
+        )
+        return
     yield ctx.diagnosis(
         **op_fields(ev, a),
-        title="Division by zero (0/0)" if zero_over_zero else "Division by zero",
+        title=title,
         evidence=evidence,
         explanation=(
             "A denominator that is almost never zero was exactly zero in this batch: a "
@@ -409,16 +479,148 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             "norm of an all-zero vector, a count of selected elements that was 0. x/0 is "
             "±inf and 0/0 is NaN, and the whole column or row goes bad from here."
         ),
-        fix=(
-            # a Python number (a temperature annealed to 0, a count): no tensor to clamp
+        fix=_div_fix(
+            ev,
+            scalar=den is None and "other" in ev.scalars,
+            count=integer or unmeasured,
+            floating=den is not None and not integer,
+        ),
+    )
+
+
+def _div_fix(ev: OpEvent, *, scalar: bool, count: bool, floating: bool = False) -> str:
+    """A Python-number denominator gets a floor; an integer count is at least 1 (finfo
+    has no integer dtypes); a float one is kept off 0 by its dtype's eps; an unknown one
+    gets both."""
+    if scalar:  # a temperature annealed to 0, a count: no tensor to clamp
+        return (
             "d = max(d, 1e-3)   # a temperature or a scale annealed to 0: give it a floor\n"
             "y = x / d"
-            if den is None and "other" in ev.scalars
-            else "eps = torch.finfo(d.dtype).eps\n"
+        )
+    own = rewrite_divisor(ev.code, lambda d: f"{d}.clamp_min(1)") if count else None
+    if own is not None:
+        return f"{own}   # a count of 0 divides by 1: nothing to average gives 0, not NaN"
+    if count:
+        return (
+            "y = x / d.clamp_min(1)   # an integer count (lengths, mask.sum()): at least 1\n"
+            "y = x / torch.where(d == 0, torch.ones_like(d), d)   # or leave x as is"
+        )
+    if floating:
+        return (
+            "eps = torch.finfo(d.dtype).eps\n"
             "y = x / d.clamp_min(eps)            # non-negative denominators (std, range, "
-            "norm, count)\n"
+            "norm)\n"
             "y = x / torch.where(d == 0, torch.ones_like(d), d)   # any sign: leave x as is"
+        )
+    return (
+        "y = x / d.clamp_min(torch.finfo(d.dtype).eps)   # a float denominator (std, range, "
+        "norm)\n"
+        "y = x / d.clamp_min(1)                          # an integer count (lengths, "
+        "mask.sum())\n"
+        "y = x / torch.where(d == 0, torch.ones_like(d), d)   # any sign: leave x as is"
+    )
+
+
+_DIST_CALL = re.compile(
+    r"\.(?:log_prob|entropy|cdf|icdf|rsample|perplexity)\(|\bdistributions\.|\bkl_divergence\("
+)
+
+
+def _in_distribution(ev: OpEvent) -> bool:
+    """The op ran inside torch.distributions: its source is there, or the user's line calls
+    a distribution's method (``dist.log_prob(a)``)."""
+    src = (ev.source or "").replace("\\", "/")
+    if "torch/distributions/" in src:
+        return True
+    code = (ev.code or "").split("  #", 1)[0]
+    return _DIST_CALL.search(code) is not None
+
+
+def _scale_text(dtype: str) -> str:
+    lim = limits(dtype)
+    small = f" (below {fmt(math.sqrt(lim.subnormal / 2))} in {dtype})" if lim is not None else ""
+    return (
+        "The distribution's scale is exactly 0, or so small that its square rounds to 0"
+        f"{small}: log_prob divides by scale² and takes log(scale). A scale computed as "
+        "exp(log_sigma) or softplus(raw) underflows to 0 once the network's raw output "
+        "drifts very negative (exp(-104) is 0 in float32). Validation (validate_args) "
+        "rejects a scale of 0 with a ValueError; without it, log_prob is ±inf or NaN."
+    )
+
+
+_SCALE_FIX = (
+    "std = F.softplus(raw) + 1e-5        # a scale that can never reach 0\n"
+    "std = log_std.clamp(-20, 2).exp()   # or bound the log-scale before exp\n"
+    "dist = torch.distributions.Normal(mu, std)"
+)
+
+_SPECTRAL = {
+    "LinalgSvd": ("svd", "singular values", "torch.linalg.svdvals"),
+    "Svd": ("svd", "singular values", "torch.linalg.svdvals"),
+    "LinalgEigh": ("eigh", "eigenvalues", "torch.linalg.eigvalsh"),
+    "LinalgEig": ("eig", "eigenvalues", "torch.linalg.eigvals"),
+}
+
+
+def _spectral_backward(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    spectral: tuple[str, str, str],
+    trigger: OpEvent,
+) -> Diagnosis:
+    """The backward of svd/eigh divides by the differences of the singular values or
+    eigenvalues: 0 where two are equal, and the vectors' gradient has no value there."""
+    fn, values, vals_only = spectral
+    den = denominator(ev)
+    evidence = [
+        f"in backward, {ev.node} divides by the differences of the {values} of the "
+        f"forward {fn}: {describe_stat(den)}",
+    ]
+    num = input_named(ev, "self", "input")
+    if num is not None:
+        evidence.append(f"numerator: {describe_stat(num)}")
+    evidence.append(f"{short_op(ev.op)} made {ev.born} in {ev.dtype}")
+    evidence += _chain_evidence(ev, trigger, ev.born)
+    got: list[str] = []
+
+    def keep(e: str) -> str:
+        got.append(e)
+        return e
+
+    rewrite_call(ev.code, [fn], keep)
+    m = paren(got[0]) if got else "A"
+    outs = "evals, evecs" if fn == "eigh" else ("evals, evecs" if fn == "eig" else "U, S, Vh")
+    if fn == "eigh":  # a symmetric jitter: distinct diagonal steps
+        head = (
+            f"jitter = torch.diag(torch.linspace(0, 1, {m}.shape[-1], dtype={m}.dtype, "
+            f"device={m}.device))\n"
+        )
+        noise = "1e-4 * jitter"
+    else:
+        head = ""
+        noise = f"1e-4 * torch.randn_like({m})"
+    call = rewrite_call(ev.code, [fn], lambda e: f"{paren(e)} + {noise}")
+    fix = (
+        head
+        + (call or f"{outs} = torch.linalg.{fn}({m} + {noise})")
+        + f"   # distinct {values} (scale 1e-4 to the matrix)\n"
+        + f"# only the {values} needed: {vals_only}({m}), whose backward is defined\n"
+        + "# and initialize the weights that make the matrix randomly, not to 0 or a constant"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"Backward of {fn} at repeated {values}",
+        evidence=evidence,
+        explanation=(
+            f"The forward {fn} is fine, but its backward divides by the differences between "
+            f"{values} (1 / (s_j² - s_i²) for svd, 1 / (λ_j - λ_i) for eigh): where two of "
+            f"them are equal, the {'singular vectors' if fn == 'svd' else 'eigenvectors'} are "
+            "not unique and their gradient is 0/0 = NaN or inf. A multiple of the identity, "
+            "a rank-deficient matrix, or weights zeroed or filled with a constant make "
+            f"{values} repeat."
         ),
+        fix=fix,
     )
 
 
@@ -465,25 +667,75 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         )
         for nm, s in ev.inputs[:2]:
             evidence.append(f"backward input {nm}: {describe_stat(s)}")
+    elif (number := scalar_base(ev)) is not None:  # number ** tensor: x is the exponent
+        evidence.append(
+            f"{op} raised {fmt(number)} to the powers of its input: "
+            + (
+                "a negative number to a fractional power is NaN"
+                if number < 0
+                else "0 to a negative power is inf"
+            )
+        )
+        evidence.append(f"input exponent ({ev.dtype}): {describe_stat(x)}")
     else:
         what = f"{op} with exponent {e}" if e is not None else op
         if x is not None and x.min < 0:
             evidence.append(
                 f"{what} of negative numbers is NaN: its input's minimum is {fmt(x.min)}"
+                + ("" if _rounding_negative(x, ev.dtype) else ", far below 0: not rounding")
             )
         elif x is not None and has_zero(x):
             evidence.append(f"{what} at 0 is inf (a negative exponent or rsqrt)")
         evidence.append(f"input ({ev.dtype}): {describe_stat(x)}")
     evidence += _chain_evidence(ev, trigger, ev.born)
+    own = scalar_base(ev) is None  # x is the base, not a tensor exponent
+    # a sqrt of values negative in their own right (predictions), not by rounding
+    negative = own and e is None and x is not None and x.min < 0
+    negative = negative and x is not None and not _rounding_negative(x, ev.dtype)
     return ctx.diagnosis(
         **op_fields(ev, a),
         evidence=evidence,
-        explanation=_ROOT_BACKWARD if backward else _root_forward_text(e),
+        explanation=(
+            _ROOT_BACKWARD if backward else _ROOT_NEGATIVE if negative else _root_forward_text(e)
+        ),
         fix=(
             _root_backward_fix(node_base(ev.node), e, ev.dtype)
             if backward
-            else _root_forward_fix(e)
+            else _negative_root_fix(ev)
+            if negative
+            else _root_forward_fix(e, measured=x is not None and own)
         ),
+    )
+
+
+def _rounding_negative(x: TensorStat, dtype: str | None) -> bool:
+    """The negative values are rounding errors: within a few eps of the values' scale
+    (E[x²] - E[x]² of -1e-8), not values that are negative in their own right."""
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    scale = max(abs(x.max) if math.isfinite(x.max) else 1.0, 1.0)
+    return x.min >= -64 * lim.eps * scale
+
+
+_ROOT_NEGATIVE = (
+    "sqrt(x) is not a real number for negative x: PyTorch returns NaN. These values are "
+    "negative in their own right, not by rounding: a raw network output (a Linear) is "
+    "negative about half the time, so a quantity that must be positive (a width, a "
+    "variance, a scale) needs a positive parameterization. Clamping at 0 keeps the NaN "
+    "away but zeroes the gradient of every negative prediction, and sqrt's gradient at 0 "
+    "is infinite."
+)
+
+
+def _negative_root_fix(ev: OpEvent) -> str:
+    """A positive parameterization of the values the sqrt was given, on the user's line
+    when it is known."""
+    own = rewrite_call(ev.code, ["sqrt"], lambda v: f"F.softplus({v})")
+    head = f"{own}   # softplus keeps them positive" if own else "w = F.softplus(raw)   # > 0"
+    return (
+        f"{head}; use the same at inference\n"
+        "# or predict the log: w = raw.exp(), and compare log-widths instead of roots\n"
+        "# not .clamp_min(0): it zeroes the gradient of every negative prediction"
     )
 
 
@@ -526,15 +778,23 @@ def _root_forward_text(e: object) -> str:
     )
 
 
-def _root_forward_fix(e: object) -> str:
+def _root_forward_fix(e: object, *, measured: bool = True) -> str:
+    """``measured``: the input's minimum is known, and it is a rounding error (else the
+    fix of :func:`_negative_root_fix` applies)."""
     if e is not None:
         return (
             f"y = x.sign() * x.abs() ** {e}     # a signed power, defined everywhere\n"
             f"y = torch.relu(x) ** {e}          # or only the positive part"
         )
+    if not measured:  # how far below 0 is unknown: both causes
+        return (
+            "y = torch.sqrt(v.clamp_min(0) + 1e-12)   # v slightly negative from rounding\n"
+            "w = F.softplus(raw)   # v a prediction, negative in its own right: keep it > 0\n"
+            "# not .clamp_min(0) there: it zeroes the gradient of every negative prediction"
+        )
     return (
         "y = torch.sqrt(v.clamp_min(0) + 1e-12)   # rounding made v slightly negative\n"
-        "y = torch.rsqrt(v + eps)                 # eps as in LayerNorm"
+        "y = torch.rsqrt(v + 1e-5)                # eps as in LayerNorm"
     )
 
 

@@ -6,10 +6,11 @@ how to name the op."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator
 
-from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase
+from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, OpEvent, Phase
 from nanwatch.rules._evidence import (
     anomaly_fields,
     cause_of,
@@ -25,16 +26,24 @@ from nanwatch.rules._evidence import (
     packet,
     rewrite_call,
     short_op,
+    statements,
+    top_level,
     untraced_hint,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
-_NEXT = {
-    AnomalyKind.FORWARD: (
+_FORENSIC = {
+    True: (
         "with nanwatch.watch(model, criterion, mode='forensic') as nw:   # every aten op "
         "checked\n"
         "    loss = criterion(model(x), y); loss.backward()"
     ),
+    False: (
+        "with nanwatch.watch(model, mode='forensic') as nw:   # every aten op checked\n"
+        "    ...   # the same step: forward, loss, backward()"
+    ),
+}
+_NEXT = {
     AnomalyKind.BACKWARD: (
         "with torch.autograd.detect_anomaly():          # or mode='forensic'\n"
         "    loss.backward()                            # names the backward op"
@@ -65,7 +74,10 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence.append(untraced_hint(ctx.facts.get("mode")))
     if a.neginf_source is not None:
         evidence.append(f"a -inf was first seen in {a.neginf_source.where}")
-    fix = _NEXT.get(a.kind, "# inspect the named tensor; nw.report has the statistics")
+    if a.kind is AnomalyKind.FORWARD:  # name the criterion only when one was watched
+        fix = _FORENSIC[_watched_criterion(ctx)]
+    else:
+        fix = _NEXT.get(a.kind, "# inspect the named tensor; nw.report has the statistics")
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
@@ -77,6 +89,11 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=fix,
     )
+
+
+def _watched_criterion(ctx: RuleContext) -> bool:
+    """A loss module was passed to watch (a root call of one), not only loss code."""
+    return any(c.root and c.is_loss and c.path != LOSS_PATH for c in ctx.trace.calls)
 
 
 def _with_op(ctx: RuleContext, a: Anomaly) -> Diagnosis:
@@ -161,11 +178,47 @@ def _arg(v: object) -> str:
     return fmt(v) if isinstance(v, float) else str(v)
 
 
-_ASSIGN = re.compile(r"^\s*([A-Za-z_]\w*)\s*=[^=]")
+def _target(stmt: str) -> str | None:
+    """The first assigned name of a statement (``a, _ = attn(...)`` -> ``a``; ``y += f(x)``
+    -> ``y``; ``self.h: Tensor = ...`` -> ``self.h``), None when it assigns nothing usable."""
+    eqs = [
+        i
+        for i in top_level(stmt, "=")
+        if stmt[i + 1 : i + 2] != "=" and stmt[i - 1 : i] not in ("=", "!", "<", ">", ":")
+    ]
+    if not eqs:
+        return None
+    lhs = stmt[: eqs[0]].rstrip()
+    lhs = re.sub(r"(?:\*\*|//|>>|<<|[-+*/%@&|^])$", "", lhs).rstrip()  # augmented: y += ...
+    colon = top_level(lhs, ":")
+    if colon:
+        lhs = lhs[: colon[0]].rstrip()  # an annotation
+    if lhs[:1] in "([" and _close_at(lhs) == len(lhs) - 1:
+        lhs = lhs[1:-1]
+    cuts = [-1, *top_level(lhs, ","), len(lhs)]
+    for a, b in itertools.pairwise(cuts):
+        name = lhs[a + 1 : b].strip().lstrip("*")
+        if name != "_" and _TARGET.match(name):
+            return name
+    return None
+
+
+_TARGET = re.compile(r"^[A-Za-z_][\w.]*(?:\[[^\]]*\])?$")
+
+
+def _close_at(text: str) -> int:
+    depth = 0
+    for i, c in enumerate(text):
+        depth += c in "([{"
+        depth -= c in ")]}"
+        if depth == 0:
+            return i
+    return -1
 
 
 def _inspect_fix(ev: OpEvent) -> str:
-    """Code that finds the elements the op broke and prints the inputs there."""
+    """Code that finds the elements the op broke and prints the inputs there: pasted right
+    after the op's line, it runs whatever the line assigns (one name, a tuple, nothing)."""
     op = short_op(ev.op)
     if ev.phase is Phase.BACKWARD and ev.source:
         return (
@@ -181,26 +234,41 @@ def _inspect_fix(ev: OpEvent) -> str:
             "with torch.autograd.detect_anomaly():\n"
             "    loss.backward()"
         )
-    code = ev.code.split("  #", 1)[0].strip() if ev.code else ""
-    m = _ASSIGN.match(code)
-    out = m.group(1) if m else "out"
+    name = packet(ev.op).rstrip("_")
+    names = [name, name.removeprefix("special_")]
+    stmts = statements(ev.code)
+    calls = [st for st in stmts if rewrite_call(st, names, lambda e: e) is not None]
+    stmt = calls[0] if calls else next((st for st in stmts if _target(st)), None)
+    if stmt is None and stmts:
+        stmt = stmts[-1]
+    if stmt is None:  # the line is unknown: a function to call where the op runs
+        return (
+            f"def inspect(y, x):   # call with {op}'s output and input, where it runs\n"
+            "    bad = ~torch.isfinite(y)\n"
+            f"    print(x[bad])   # the values {op} does not accept"
+        )
     got: list[str] = []
 
     def keep(e: str) -> str:
         got.append(e)
         return e
 
-    name = packet(ev.op).rstrip("_")
-    rewrite_call(code, [name, name.removeprefix("special_")], keep)
+    rewrite_call(stmt, names, keep)
     first = ev.inputs[0][1] if ev.inputs else None
     same_shape = first is not None and first.numel == ev.output.numel
-    arg = got[0] if got and same_shape else None
     where = f"right after {ev.source}" if ev.source else f"where {op} runs"
     lines = [f"# {where}: the elements {op} made {ev.born}, and its input there"]
-    if not m and code:
-        lines.append(f"out = {code.removeprefix('return ').strip()}")
-    lines.append(f"bad = ~torch.isfinite({out})")
-    if arg is not None:
+    out = _target(stmt)
+    if out is None:
+        expr = re.sub(r"^return\b", "", stmt).strip()
+        lines.append(f"out = {expr}")
+        out = "out"
+    if calls:  # the op itself made the value: a tensor
+        lines.append(f"bad = ~torch.isfinite({out})")
+    else:  # a module's call: a tensor, or a tuple whose first item is the output
+        lines.append(f"bad = ~torch.isfinite({out}[0] if isinstance({out}, tuple) else {out})")
+    arg = got[0] if got and same_shape else None
+    if arg is not None and re.search(rf"(?<![\w.]){re.escape(out)}(?!\w)", arg) is None:
         lines.append(f"print({arg}[bad])   # the values {op} does not accept")
     else:
         lines.append(f"print(bad.nonzero()[:8])   # then index {op}'s inputs with them")

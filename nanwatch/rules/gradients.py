@@ -280,6 +280,7 @@ def _update_itself(
                 "negative power or a log of 0."
             ),
             fix=(
+                "import math\n"
                 "scheduler.step()\n"
                 f"lr = optimizer.param_groups[{u.group.get('group', 0)}]['lr']\n"
                 "assert math.isfinite(lr), lr   # right after each scheduler.step()\n"
