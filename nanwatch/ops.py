@@ -58,6 +58,98 @@ _IGNORED_PACKETS = {
     _aten.contiguous,
 }
 
+#: in-place ops whose result does not read the values they overwrite: the old values of
+#: ``self`` are no input of theirs (a copy into a tensor that held NaN makes no NaN).
+_OVERWRITING = {_aten.copy_, _aten.fill_, _aten.zero_}
+
+#: per op: (position, name, whether the op reads the old values) of each argument it
+#: writes (``self`` of ``div_``, ``out=``), from the schema's alias annotations
+_WRITES: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
+
+
+def _written_args(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    spec = _WRITES.get(func)
+    if spec is None:
+        schema = func._schema
+        if not schema.is_mutable:
+            spec = ()
+        else:
+            overwrites = func.overloadpacket in _OVERWRITING
+            spec = tuple(
+                (i, a.name, not (overwrites or getattr(a, "is_out", a.kwarg_only)))
+                for i, a in enumerate(schema.arguments)
+                if a.alias_info is not None and a.alias_info.is_write
+            )
+        _WRITES[func] = spec
+    return spec
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:  # no storage (sparse, nested, a subclass): no alias found
+        return None
+
+
+@dataclass
+class _Before:
+    """What an op that writes its arguments had before it ran: a copy of each written
+    argument whose old values it reads (``self`` of ``x.div_(n)``, and any input sharing
+    its storage: ``x.div_(x)``), by ``id``; the written tensors (outputs as much as the
+    op's return); the ids of those whose old values are no input (``out=``, ``copy_``)."""
+
+    copies: dict[int, torch.Tensor] = field(default_factory=dict)
+    written: list[torch.Tensor] = field(default_factory=list)
+    no_input: set[int] = field(default_factory=set)
+
+    def value(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` as the op read it."""
+        return self.copies.get(id(t), t)
+
+
+def _before(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> _Before | None:
+    """A :class:`_Before` for an op that writes an argument; None for the rest (no cost)."""
+    spec = _written_args(func)
+    if not spec:
+        return None
+    before = _Before()
+    reads: list[torch.Tensor] = []
+    for pos, name, read in spec:
+        a = args[pos] if pos < len(args) else kwargs.get(name)
+        for t in a if isinstance(a, (list, tuple)) else (a,):
+            if not isinstance(t, torch.Tensor):
+                continue
+            before.written.append(t)
+            if read:
+                reads.append(t)
+            else:
+                before.no_input.add(id(t))
+    written = {id(t) for t in before.written}
+    ptrs = {p for t in before.written if (p := _storage(t)) is not None}
+    for t in tree_flatten((list(args), kwargs))[0]:
+        if isinstance(t, torch.Tensor) and id(t) not in written and _storage(t) in ptrs:
+            reads.append(t)  # reads memory the op writes (x.div_(x.detach()))
+    budget = _COPY_BUDGET  # an optimizer's foreach step writes every weight: not copied
+    with torch.no_grad():
+        for t in reads:
+            if id(t) in before.copies or not has_values(t):
+                continue
+            budget -= t.numel()
+            if budget < 0:
+                break  # the rest are read after the op, as before this was added
+            try:
+                before.copies[id(t)] = t.detach().clone()
+            except RuntimeError:  # out of memory: its values are read after the op
+                continue
+    return before
+
+
+#: elements an in-place op's old values may be copied up to (256 MB of float32): an
+#: activation's ``x /= n`` fits; a fused optimizer step over all the weights does not,
+#: and is checked from the values it wrote
+_COPY_BUDGET = 1 << 26
+
+
 #: thread-local state shared by every watcher: hooks stay quiet while a replay runs.
 _tls = threading.local()
 
@@ -245,9 +337,13 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        ignored = func.overloadpacket in _IGNORED_PACKETS or func.is_view
+        before: _Before | None = None
         if not self._broken:
             try:
                 self._note_creation(args, kwargs)
+                if not ignored:  # an in-place op: what it reads, before it writes over it
+                    before = _before(func, args, kwargs)
             except Exception as exc:  # nanwatch must never break the computation it watches
                 self._broken = True
                 if self._on_error is not None:
@@ -255,7 +351,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         out = func(*args, **kwargs)
         if self._broken:
             return out
-        if func.overloadpacket in _IGNORED_PACKETS or func.is_view:
+        if ignored:
             if self._seen and current_autograd_node() is not None:
                 try:
                     self._pass_on(args, out)
@@ -265,7 +361,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                         self._on_error(exc)
             return out
         try:
-            self._check(func, args, kwargs, out)
+            self._check(func, args, kwargs, out, before)
         except Exception as exc:  # nanwatch must never break the computation it watches
             self._broken = True
             if self._on_error is not None:
@@ -333,8 +429,22 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             return seen
         return None
 
-    def _check(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and has_values(t)]
+    def _check(
+        self,
+        func: Any,
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        out: Any,
+        before: _Before | None = None,
+    ) -> None:
+        """Record an event when ``func`` made a non-finite value its inputs did not hold.
+        For an op that writes an argument (``x /= n``), ``before`` holds what it read: its
+        written arguments are outputs, and their old values (not the new ones) inputs."""
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if before is not None:  # a written argument the op does not return (foreach ops)
+            returned = {id(t) for t in outs}
+            outs += [w for w in before.written if id(w) not in returned]
+        outs = [t for t in outs if has_values(t)]
         if not outs:
             return
         self.checked += 1
@@ -351,11 +461,16 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             scalar_kinds |= self._collect(name, a, inputs, scalars, others)
         for name, a in kwargs.items():
             scalar_kinds |= self._collect(name, a, inputs, scalars, others)
+        read = inputs
+        if before is not None:  # the values the op read; out= arguments are no input
+            read = [(n, before.value(t)) for n, t in inputs if id(t) not in before.no_input]
+            inputs = [(n, t) for n, t in inputs if id(t) not in before.no_input]
+            others = [(n, t) for n, t in others if id(t) not in before.no_input]
         in_kinds: frozenset[str] = frozenset()
         cause: OpEvent | None = None
-        for _, t in inputs:
+        for (_, t), (_, v) in zip(inputs, read, strict=True):
             seen = self._lookup(t)
-            k = _kinds(t)
+            k = _kinds(v)
             in_kinds |= k
             if k and cause is None and seen is not None:
                 cause = seen.event
@@ -389,14 +504,14 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             kept = dict(list(scalars.items())[:6])
             dom = domain_of(str(func))
             if dom is not None:
-                kept.update(domain_counts(dom, dict(inputs).get(dom.arg)))
+                kept.update(domain_counts(dom, dict(read).get(dom.arg)))
             event = OpEvent(
                 op=str(func),
                 phase=phase,
                 path=path,
                 born=_join(born or injected),
                 output=out_stat,
-                inputs=[(name, describe(t)) for name, t in inputs[:6]],
+                inputs=[(name, describe(t)) for name, t in read[:6]],
                 scalars=kept,
                 source=source,
                 code=code,
@@ -413,7 +528,12 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         # remember every non-finite output, so later ops can name their cause
         for t, k in zip(outs, out_kinds, strict=True):
             if k:
-                self._seen[id(t)] = _Seen(weakref.ref(t), event if event is not None else cause)
+                seen = _Seen(weakref.ref(t), event if event is not None else cause)
+                self._seen[id(t)] = seen
+                base = t._base if before is not None and t._is_view() else None
+                if isinstance(base, torch.Tensor) and self._lookup(base) is None:
+                    # a view written in place (x[0].div_(n)): its base holds the value too
+                    self._seen[id(base)] = _Seen(weakref.ref(base), seen.event)
 
     @staticmethod
     def _collect(
