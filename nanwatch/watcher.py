@@ -314,7 +314,7 @@ def _name_modules(
                 continue
             if any(q == s or q.startswith(s + ".") for s in skipped):
                 continue
-            _unwrap_compiled(m)  # a torch.compile'd submodule is refused like a root
+            _unwrap_compiled(m, path=q)  # a torch.compile'd submodule is refused like a root
             if isinstance(m, torch.jit.ScriptModule):
                 skipped.append(q)
                 if id(m) not in _SCRIPT_WARNED:
@@ -336,15 +336,25 @@ def _name_modules(
     return out
 
 
-def _unwrap_compiled(m: nn.Module) -> nn.Module:
+def _unwrap_compiled(m: nn.Module, *, path: str = "") -> nn.Module:
+    """``m`` itself; a ``torch.compile`` wrapper is refused with the line that unwraps it
+    (``path``: its name inside the watched model, "" for a root)."""
     orig = getattr(m, "_orig_mod", None)
     if isinstance(orig, nn.Module) and type(m).__name__ == "OptimizedModule":
+        if path:
+            where = f"the submodule {path} ({type(orig).__name__}) is"
+            attr = "model" + "".join(
+                f"[{p}]" if p.isdigit() else f".{p}" for p in path.split(".")
+            )
+            how = f"{attr} = {attr}._orig_mod   # while debugging; compile it again after"
+        else:
+            where = f"{type(orig).__name__} is"
+            how = "model = model._orig_mod   # and watch that; compile it after debugging"
         raise ConfigError(
             "modules",
             m,
-            f"{type(orig).__name__} is wrapped by torch.compile; nanwatch's Python hooks would "
-            "force graph breaks in every module. Watch the eager model (compile it after "
-            "debugging), or pass model._orig_mod to watch the uncompiled code.",
+            f"{where} wrapped by torch.compile; nanwatch's Python hooks would force graph "
+            f"breaks in every module. Watch the eager code:\n    {how}",
         )
     return m
 
@@ -1591,12 +1601,15 @@ class Watcher:
                 t = tensors[0] if isinstance(tensors[0], torch.Tensor) else None
             if t is None or t.numel() != 1 or not t.is_floating_point():
                 return
+            if not self._compiled_warned and not any(
+                c.root and not c.is_loss for c in self._trace.calls
+            ):  # only the criterion, or nothing, ran in eager mode: a compiled model?
+                with _NO_TORCH_FUNCTION():
+                    self._warn_if_unwatched(t)
             entry = self._known.get(id(t))
             if entry is not None and entry[0]() is t:
                 return  # a watched module (the criterion) produced it: already recorded
             with _NO_TORCH_FUNCTION():
-                if not self._compiled_warned and not any(c.root for c in self._trace.calls):
-                    self._warn_if_unwatched(t)
                 self._record_loss(t)
                 if self._full and not self._forensic and not self._scaled:
                     self._hook_loss_graph(t)

@@ -153,9 +153,14 @@ def test_an_internal_fault_under_warnings_as_errors_does_not_stop_training(
 def test_a_compiled_submodule_is_refused_with_the_way_out() -> None:
     model = nn.Sequential(nn.Linear(3, 3))
     model.add_module("block", torch.compile(nn.Linear(3, 3)))
-    with pytest.raises(nanwatch.ConfigError, match=r"torch\.compile"):
+    with pytest.raises(nanwatch.ConfigError, match=r"torch\.compile") as info:
         nanwatch.watch(model).attach()
     assert not model[0]._forward_hooks
+    # the way out names the submodule, and runs when pasted
+    assert "model.block = model.block._orig_mod" in str(info.value)
+    model.block = model.block._orig_mod
+    with nanwatch.watch(model, postmortem=False):
+        model(torch.randn(2, 3))
 
 
 def test_a_users_torch_function_mode_does_not_see_nanwatchs_own_ops() -> None:
@@ -255,6 +260,25 @@ def test_a_model_compiled_after_watch_is_said_to_be_unwatched() -> None:
             compiled(torch.randn(4, 3)).pow(2).mean().backward()
             nw.step()
     assert not any(r.path == "0" for t in nw.history for r in t.records)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_trained_with_a_watched_criterion_is_said_to_be_unwatched() -> None:
+    """The criterion runs in eager mode and makes the loss: that must not hide that the
+    model itself ran compiled and nothing of it was watched."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    criterion = nn.CrossEntropyLoss()
+    with (
+        pytest.warns(RuntimeWarning, match="torch.compile"),
+        nanwatch.watch(model, criterion, postmortem=False) as nw,
+    ):
+        compiled = torch.compile(model, backend="eager")
+        for _ in range(2):
+            criterion(compiled(torch.randn(4, 3)), torch.tensor([0, 1, 0, 1])).backward()
+            nw.step()
+    assert not any(
+        r.path == "0" and r.phase.value == "forward" for t in nw.history for r in t.records
+    )
 
 
 class Emit(nn.Module):
