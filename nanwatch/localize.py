@@ -127,6 +127,15 @@ def _consumers(trace: StepTrace, rec: Record) -> tuple[list[Call], bool]:
     return out, reached_root
 
 
+def _returned_by(trace: StepTrace, call: Call, rec: Record) -> Record | None:
+    """``call``'s output record of the very tensor ``rec`` holds (linked to it: returned
+    unchanged), or None."""
+    for r in trace.records:
+        if r.call == call.id and r.phase is Phase.FORWARD and r.source == rec.index:
+            return r
+    return None
+
+
 def _parent(trace: StepTrace, call: Call | None) -> Call | None:
     if call is None or call.parent is None:
         return None
@@ -379,13 +388,23 @@ def localize(
             parent = (
                 _parent(trace, owner) if fwd is not None and fwd.phase is Phase.FORWARD else None
             )
+            rec = fwd
+            while parent is not None and rec is not None:
+                # a container that returned the tensor as it was (a Sequential's last
+                # child's output): the code that used it is its parent's
+                up = _returned_by(trace, parent, rec)
+                grand = _parent(trace, parent)
+                if up is None or grand is None:
+                    break
+                rec, parent = up, grand
             origin = "between-children" if parent is not None else "module"
             path = parent.path if parent is not None else trig.path
             names = ", ".join(c.path for c in cands[:4])
             also = f" (the tensor also fed {names})" if cands else ""
+            used = rec.path if rec is not None else trig.path
             summary = (
                 f"{what} gradient born in the backward of code in {path} that used the output "
-                f"of {trig.path}{also}"
+                f"of {used}{also}"
             )
     elif trig.phase is Phase.GRADIENT:
         kind, origin = AnomalyKind.GRADIENT, "gradient"

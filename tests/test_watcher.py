@@ -1843,3 +1843,29 @@ def test_a_nan_made_between_two_watched_roots_is_not_bad_data() -> None:
         assert nw.history[-1].diagnoses[0].code == code
         if mode == "forensic":
             assert a.op is not None and a.op.op == "aten.div.Tensor"
+
+
+class _Siamese(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(((self.enc(a) - self.enc(b)) ** 2).sum(-1))  # 0 for a same pair
+
+
+def test_a_backward_nan_in_the_parents_code_is_not_blamed_on_the_container_it_called() -> None:
+    """The Sequential returned its last child's output as it was: the sqrt that used it is
+    the root's code, not the Sequential's (NW100 'code in enc'), and it is NW112."""
+    torch.manual_seed(0)
+    model = _Siamese()
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        a = torch.randn(16, 16)
+        b = a + 0.1 * torch.randn(16, 16)
+        b[3] = a[3]
+        model(a, b).mean().backward()
+        nw.step()
+    a_ = nw.first_anomaly
+    assert a_ is not None and a_.path == "_Siamese" and a_.origin == "between-children"
+    assert "code in _Siamese that used the output of enc" in a_.summary
+    assert nw.history[0].diagnoses[0].code == "NW112"
