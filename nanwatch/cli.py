@@ -173,8 +173,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
             ignore=tuple(args.ignore),
             guards=not args.no_guards,
         )
-    except nanwatch.ConfigError as exc:
-        print(f"nanwatch: error: {exc}", file=sys.stderr)
+    except nanwatch.ConfigError as exc:  # named by its flag, not its Python keyword
+        flag = "--" + exc.name.replace("_", "-")
+        print(f"nanwatch: error: {str(exc).replace(f'`{exc.name}`', flag)}", file=sys.stderr)
         return 2
     saved_argv, saved_path0 = sys.argv, sys.path[0]
     sys.argv = [script, *args.args]

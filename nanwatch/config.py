@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -159,7 +160,25 @@ class WatchConfig:
                 self.ignore,
                 f"`ignore` must be diagnosis codes like 'NW201'; got {ignore!r}.",
             )
-        object.__setattr__(self, "ignore", tuple(ignore))
+        codes = tuple(c.strip().upper() for c in ignore)
+        bad = next((c for c in codes if not re.fullmatch(r"NW\d{3}", c)), None)
+        if bad is not None:
+            raise ConfigError(
+                "ignore",
+                self.ignore,
+                f"`ignore` must be diagnosis codes like 'NW201' (`nanwatch rules` lists "
+                f"them); got {bad!r}.",
+            )
+        object.__setattr__(self, "ignore", codes)
+        for name in ("postmortem", "guards", "functional_guards", "pinpoint"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(
+                    name,
+                    value,
+                    f"`{name}` must be True or False; got {value!r} "
+                    f"({type(value).__name__}).",
+                )
         if not isinstance(self.thresholds, Thresholds):
             raise ConfigError(
                 "thresholds",

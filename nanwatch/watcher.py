@@ -404,9 +404,26 @@ class Watcher:
         scaler: Any = None,
         global_hooks: bool = False,
     ) -> None:
+        if isinstance(modules, nn.Module):  # Watcher(model): its children are not roots
+            modules = [modules]
         if not modules and not global_hooks:
             raise ConfigError(
                 "modules", modules, "watch() needs at least one nn.Module: watch(model, criterion)."
+            )
+        if config is not None and not isinstance(config, WatchConfig):
+            raise ConfigError(
+                "config",
+                config,
+                f"`config` must be a nanwatch.WatchConfig; got {type(config).__name__} "
+                f"({config!r:.60}). Or pass the options by keyword: watch(model, "
+                "mode='sentinel').",
+            )
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise ConfigError(
+                "scaler",
+                scaler,
+                f"`scaler` must be a torch.amp.GradScaler; got {type(scaler).__name__}. "
+                "nanwatch finds a GradScaler by itself at its first scaler.scale(loss).",
             )
         for m in modules:
             if not isinstance(m, nn.Module):
@@ -2910,6 +2927,30 @@ def watch(
         >>> print(nw.first_anomaly)
         None
     """
+    if config is not None:
+        given = {
+            "mode": mode,
+            "on_anomaly": on_anomaly,
+            "sample_every": sample_every,
+            "ring_size": ring_size,
+            "report_dir": report_dir,
+            "allow": tuple(allow) if isinstance(allow, (list, tuple)) else allow,
+            "ignore": tuple(ignore) if isinstance(ignore, (list, tuple)) else ignore,
+            "guards": guards,
+            "functional_guards": functional_guards,
+            "pinpoint": pinpoint,
+            "postmortem": postmortem,
+        }
+        default = WatchConfig()
+        mixed = [k for k, v in given.items() if v != getattr(default, k)]
+        if mixed:
+            raise ConfigError(
+                mixed[0],
+                given[mixed[0]],
+                f"watch() takes either config= or keyword options, not both; got config= "
+                f"and {', '.join(mixed)}=. Put them in the config: "
+                f"config.replace({mixed[0]}={given[mixed[0]]!r}).",
+            )
     if config is None:
         config = _config(
             mode=mode,
@@ -2930,7 +2971,7 @@ def watch(
 def _config(**options: Any) -> WatchConfig:
     for key in ("allow", "ignore"):
         value = options.get(key)
-        if value is not None and not isinstance(value, str):
+        if isinstance(value, (list, set, frozenset)):
             options[key] = tuple(value)
     try:
         return WatchConfig(**options)

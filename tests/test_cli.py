@@ -175,3 +175,9 @@ def test_run_passes_mode_and_sample_every_to_the_watcher(
     (saved,) = tmp_path.glob("*.json")
     data = json.loads(saved.read_text())
     assert data["config"]["mode"] == mode and data["config"]["sample_every"] == int(every)
+
+
+def test_run_names_a_bad_option_by_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["run", "--sample-every", "0", str(EXAMPLES / "train_healthy.py")])
+    assert code == 2
+    assert "--sample-every must be an integer >= 1; got 0" in capsys.readouterr().err

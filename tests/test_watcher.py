@@ -1869,3 +1869,32 @@ def test_a_backward_nan_in_the_parents_code_is_not_blamed_on_the_container_it_ca
     assert a_ is not None and a_.path == "_Siamese" and a_.origin == "between-children"
     assert "code in _Siamese that used the output of enc" in a_.summary
     assert nw.history[0].diagnoses[0].code == "NW112"
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"config": {}}, r"`config` must be a nanwatch.WatchConfig; got dict"),
+        ({"config": WatchConfig(), "mode": "sentinel"}, r"either config= or keyword options"),
+        ({"allow": 3}, r"`allow` must be module-path patterns"),
+        ({"ignore": 3}, r"`ignore` must be diagnosis codes"),
+        ({"ignore": ["NW9999"]}, r"got 'NW9999'"),
+        ({"guards": "no"}, r"`guards` must be True or False; got 'no'"),
+        ({"postmortem": "False"}, r"`postmortem` must be True or False"),
+        ({"scaler": "x"}, r"`scaler` must be a torch.amp.GradScaler; got str"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name_before_any_hook(
+    options: dict[str, Any], match: str
+) -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ConfigError, match=match):
+        nanwatch.watch(model, **options)
+    assert not model[0]._forward_hooks and not model._forward_pre_hooks
+
+
+def test_diagnosis_codes_to_ignore_are_read_in_any_case() -> None:
+    assert nanwatch.watch(nn.Linear(2, 2), ignore=["nw111", " NW110"]).config.ignore == (
+        "NW111",
+        "NW110",
+    )
