@@ -189,12 +189,39 @@ def step_metrics(trace: StepTrace, *, scaled: bool = False) -> dict[str, float]:
 
 # ---------------------------------------------------------------------- helpers
 def _loss_of(outputs: Any) -> torch.Tensor | None:
+    """The loss in what ``training_step`` returned (a tensor, or a dict's ``"loss"``)."""
     if isinstance(outputs, torch.Tensor):
         return outputs
     if isinstance(outputs, dict):
         loss = outputs.get("loss")
         return loss if isinstance(loss, torch.Tensor) else None
     return None
+
+
+def _step_loss(trainer: Any, pl_module: Any, outputs: Any) -> torch.Tensor | None:
+    """The batch's loss as ``training_step`` returned it. Under automatic optimization
+    Lightning hands ``on_train_batch_end`` the loss divided by ``accumulate_grad_batches``
+    (``ClosureResult.from_training_step_output``: the backward of a micro-batch): multiplied
+    back, it is the value the user computed and logged."""
+    loss = _loss_of(outputs)
+    if loss is None or not pl_module.automatic_optimization:
+        return loss
+    n = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    return loss.detach() * n if n > 1 else loss
+
+
+def _grads_finite(optimizer: Any) -> bool:
+    """Whether every gradient of the optimizer's parameters is finite (one host read)."""
+    flags = []
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse:
+                g = g.coalesce().values()
+            flags.append(torch.isfinite(g).all())
+    return not flags or bool(torch.stack(flags).all())
 
 
 def _has_error(trace: StepTrace) -> bool:
@@ -274,10 +301,14 @@ class _NanWatch:
 
     ``on_anomaly`` (decided before the optimizer step, with the parameters unchanged):
 
-    * ``"stop"`` (default): drop this update, set ``trainer.should_stop``, write the report;
+    * ``"stop"`` (default): drop this update (and the later ones of the same batch under
+      manual optimization), set ``trainer.should_stop``, write the report;
     * ``"skip"``: drop this update (every gradient set to ``None``, so the optimizer and a
       GradScaler leave the weights alone), append the batch to
-      ``nanwatch-skipped-rank<r>.jsonl`` in the report directory, and go on;
+      ``nanwatch-skipped-rank<r>.jsonl`` in the report directory, and go on. Under manual
+      optimization only the stepped optimizer's gradients are dropped, and a later
+      optimizer of the same batch (a GAN's generator) is skipped only when its own
+      gradients are non-finite; the batch is listed once;
     * ``"raise"``: raise :class:`nanwatch.AnomalyError` (the post-mortem report is written);
     * ``"warn"``: warn once and go on (the update is applied).
 
@@ -546,7 +577,7 @@ class _NanWatch:
         assert nw is not None
         if not self._opt_stepped:  # accumulating gradients, or manual optimization
             self._check(trainer, pl_module)
-        done = nw.step(loss=_loss_of(outputs))
+        done = nw.step(loss=_step_loss(trainer, pl_module, outputs))
         known = done.step == self._decided or any(s == done.step for s, _ in self._pending)
         if _found(done) and not known:
             # found at the step's end (a rule): the update was applied already, unless no
@@ -586,8 +617,8 @@ class _NanWatch:
         assert nw is not None
         step = nw.step_index
         anomaly = nw.check()
-        if anomaly is None or any(s == step for s, _ in self._pending):
-            return
+        if anomaly is None or step == self._decided or any(s == step for s, _ in self._pending):
+            return  # (decided: a later optimizer of the same batch, manual optimization)
         first = not self._pending
         self._pending.append((step, self._batch_idx))
         # a replay can name the op of a value born in forward or backward code; bad data and
@@ -601,11 +632,18 @@ class _NanWatch:
         nw = self.watcher
         assert nw is not None
         local = bool(self._pending or self._late)
+        # another optimizer stepped in a batch decided already (manual optimization)
+        again = not local and optimizer is not None and self._decided == nw.step_index
+        if again:
+            local = self._drops_again(optimizer)
         world = int(getattr(trainer, "world_size", 1) or 1)
         fired = local
         if world > 1:
             fired = bool(trainer.strategy.reduce_boolean_decision(local, all=False))
         if not fired:
+            return
+        if again:  # recorded, reported and warned at the batch's first decision
+            self._drop(pl_module, optimizer)
             return
         unapplied, late = self._pending, self._late
         self._pending, self._late = [], []
@@ -622,8 +660,38 @@ class _NanWatch:
                 first_ranks=first_ranks,
                 action=self.on_anomaly,
             )
-        self._decided = nw.step_index
+        # the step decided: at a batch's end (manual optimization, no optimizer step) the
+        # step has ended already, and the next one must be decided on its own
+        self._decided = nw.step_index - (optimizer is None and not self._broken)
         self._act(trainer, pl_module, optimizer, drop=drop, ranks=ranks, world=world, found=found)
+
+    def _drops_again(self, optimizer: Any) -> bool:
+        """Whether a later optimizer step of a batch whose anomaly was decided drops its
+        update too: "stop" keeps every weight as the failing batch found it; "skip" drops
+        only an update whose own gradients are non-finite (a GradScaler skips those itself),
+        so a clean update of another optimizer (a GAN's generator) goes through."""
+        if self.on_anomaly == "stop":
+            return True
+        if self.on_anomaly != "skip":
+            return False
+        scaler = self.watcher.scaler if self.watcher is not None else None
+        if scaler is not None and getattr(scaler, "is_enabled", lambda: True)():
+            return False
+        return not _grads_finite(optimizer)
+
+    @staticmethod
+    def _drop(pl_module: Any, optimizer: Any) -> None:
+        """Drop the update of the optimizer about to step: its parameters' gradients set to
+        None (torch optimizers and GradScaler.step skip grad-less parameters); under
+        automatic optimization every gradient of the module."""
+        params: dict[int, Any] = {}
+        if pl_module.automatic_optimization:
+            params.update((id(p), p) for p in pl_module.parameters())
+        for group in getattr(optimizer, "param_groups", ()):
+            for p in group["params"]:
+                params[id(p)] = p
+        for p in params.values():
+            p.grad = None
 
     def _who(
         self, trainer: Any, world: int, unapplied: bool, late: bool, first: int
@@ -658,12 +726,7 @@ class _NanWatch:
         steps = [s for s, _ in found]
         dropped = drop and optimizer is not None and action in ("skip", "stop")
         if dropped:
-            params = {id(p): p for p in pl_module.parameters()}
-            for group in getattr(optimizer, "param_groups", ()):
-                for p in group["params"]:
-                    params[id(p)] = p
-            for p in params.values():
-                p.grad = None  # torch optimizers (and GradScaler.step) skip grad-less params
+            self._drop(pl_module, optimizer)
         if action == "skip" and dropped:
             self._record_skip(trainer, ranks, world, found)
         if action == "stop":
