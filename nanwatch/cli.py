@@ -246,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, ReportFormatError, FileNotFoundError) as exc:
         print(f"nanwatch: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # an --html path that cannot be written
+        print(f"nanwatch: error: cannot write {exc.filename!r}: {exc.strerror}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

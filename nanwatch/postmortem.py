@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import os
 import signal
 import sys
@@ -224,9 +225,14 @@ def atomic_write(path: str | os.PathLike[str], data: str | bytes) -> Path:
         '{}'
     """
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "a directory; give a file name", str(p))
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as err:  # name the user's path, not a temporary file's
+        raise type(err)(err.errno, err.strerror, str(p)) from None
     payload = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)

@@ -181,3 +181,17 @@ def test_run_names_a_bad_option_by_its_flag(capsys: pytest.CaptureFixture[str]) 
     code = cli.main(["run", "--sample-every", "0", str(EXAMPLES / "train_healthy.py")])
     assert code == 2
     assert "--sample-every must be an integer >= 1; got 0" in capsys.readouterr().err
+
+
+def test_report_to_an_html_path_that_is_a_directory_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reports = tmp_path / "reports"
+    cli.main(["run", "--on-anomaly", "record", "--report-dir", str(reports),
+              str(EXAMPLES / "train_nan.py")])
+    capsys.readouterr()
+    code = cli.main(["report", str(reports / "train_nan.json"), "--html", str(reports)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {str(reports)!r}: a directory; give a file name" in err
+    assert ".tmp" not in err
