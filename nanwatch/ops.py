@@ -1074,14 +1074,21 @@ _ELEMENTWISE: dict[str, tuple[str, tuple[tuple[str, str], ...], _Fn]] = {
 _RESULT_ONLY = {"Sqrt", "Rsqrt", "Exp", "Reciprocal"}
 
 
-def _leaf(node: Any, i: int) -> torch.Tensor | None:
+def _leaf(
+    node: Any, i: int, values: Callable[[Any], torch.Tensor | None] | None = None
+) -> torch.Tensor | None:
     """The value of the node's ``i``-th input when autograd did not save it but it is a
-    leaf (a parameter, an input that requires grad): AccumulateGrad holds it."""
+    leaf (a parameter, an input that requires grad: AccumulateGrad holds it), or a tensor
+    the caller holds for the node that made it (``values``: a watched module's output)."""
     try:
         nxt = node.next_functions[i][0]
     except (IndexError, AttributeError):
         return None
-    v = getattr(nxt, "variable", None) if nxt is not None else None
+    if nxt is None:
+        return None
+    v = getattr(nxt, "variable", None)
+    if v is None and values is not None:
+        v = values(nxt)
     return v if isinstance(v, torch.Tensor) else None
 
 
@@ -1161,11 +1168,17 @@ def _event(
 
 
 def _elementwise_event(
-    node: Any, base: str, output: torch.Tensor | None, loss_kinds: frozenset[str]
+    node: Any,
+    base: str,
+    output: torch.Tensor | None,
+    loss_kinds: frozenset[str],
+    values: Callable[[Any], torch.Tensor | None] | None = None,
 ) -> OpEvent | None:
     op, args, fn = _ELEMENTWISE[base]
     vals = [(name, _saved(node, attr)) for name, attr in args]
-    vals = [(name, v if v is not None else _leaf(node, i)) for i, (name, v) in enumerate(vals)]
+    vals = [
+        (name, v if v is not None else _leaf(node, i, values)) for i, (name, v) in enumerate(vals)
+    ]
     if base == "Logit" and vals[1][1] is None:
         vals = vals[:1]  # logit(x) without eps
     rounding = _saved(node, "_saved_rounding_mode") if base == "Div" else None
@@ -1367,7 +1380,10 @@ def _reduction_event(node: Any, base: str) -> OpEvent | None:
 
 
 def _node_event(
-    node: Any, output: torch.Tensor | None, loss_kinds: frozenset[str]
+    node: Any,
+    output: torch.Tensor | None,
+    loss_kinds: frozenset[str],
+    values: Callable[[Any], torch.Tensor | None] | None = None,
 ) -> OpEvent | None:
     """An OpEvent when the node's saved values show its op made a NaN or inf from finite
     inputs: a value outside the op's domain (log of 0, acos of 1.0000001, x/0), or a
@@ -1375,7 +1391,7 @@ def _node_event(
     scenarios). ``output`` is the node's forward result when known (the loss itself)."""
     base = node.name().split("Backward")[0]
     if base in _ELEMENTWISE:
-        return _elementwise_event(node, base, output, loss_kinds)
+        return _elementwise_event(node, base, output, loss_kinds, values)
     if base in _RESULT_ONLY:
         return _result_only_event(node, base)
     return _reduction_event(node, base)
@@ -1387,6 +1403,7 @@ def graph_evidence(
     stop: Callable[[Any], bool] | None = None,
     limit: int = 512,
     output: torch.Tensor | None = None,
+    values: Callable[[Any], torch.Tensor | None] | None = None,
 ) -> tuple[list[str], list[OpEvent]]:
     """Read the autograd graph below ``fn`` (a loss's ``grad_fn``) down to the nodes in
     ``stop`` (true for the grad_fns of watched outputs): the names of the ops it ran, and an
@@ -1394,8 +1411,9 @@ def graph_evidence(
     division by 0, acos outside [-1, 1], a mean over nothing, ...) -- op-level evidence for
     code that no module wraps, without re-running it. Inputs are named by the op's schema
     (``self``, ``other``); ``output`` is ``fn``'s forward result (the loss), which tells
-    what the last op made when its inputs were not saved. Events come nearest-to-the-inputs
-    first."""
+    what the last op made when its inputs were not saved; ``values`` gives the tensor a
+    ``stop`` node made, for an input autograd did not save (the numerator of ``logits / t``
+    is the model's output). Events come nearest-to-the-inputs first."""
     names: list[str] = []
     events: list[OpEvent] = []
     order: list[Any] = []
@@ -1412,7 +1430,7 @@ def graph_evidence(
         names.append(base.lower())
         own = output if node is fn else None
         try:
-            event = _node_event(node, own, loss_kinds)
+            event = _node_event(node, own, loss_kinds, values)
         except Exception:  # an unusual node must not cost the rest of the evidence
             event = None
         if event is not None:

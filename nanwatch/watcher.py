@@ -2372,13 +2372,19 @@ class Watcher:
         """The loss code is not a module and cannot be re-run; its autograd graph can be
         read: the ops it ran and the saved inputs that were outside an op's domain."""
         stop: dict[int, Any] = {}  # the nodes held, so their ids stay theirs
+        made: dict[int, torch.Tensor] = {}  # and the watched outputs they made
         for ref, _, _, _ in self._known.values():
             t = ref()
             if t is not None and t is not loss and t.grad_fn is not None:
                 fn = t.grad_fn
                 stop[id(fn)] = fn
+                made[id(fn)] = t
+
+        def value(n: Any) -> torch.Tensor | None:
+            return made.get(id(n)) if stop.get(id(n)) is n else None
+
         names, events = ops.graph_evidence(
-            loss.grad_fn, stop=lambda n: stop.get(id(n)) is n, output=loss
+            loss.grad_fn, stop=lambda n: stop.get(id(n)) is n, output=loss, values=value
         )
         source, _ = _frames.user_line()
         for ev in events:

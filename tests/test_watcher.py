@@ -1898,3 +1898,18 @@ def test_diagnosis_codes_to_ignore_are_read_in_any_case() -> None:
         "NW111",
         "NW110",
     )
+
+
+def test_loss_code_dividing_a_watched_output_by_zero_made_inf_not_nan() -> None:
+    """``out / temperature`` with a temperature of 0: autograd did not save the numerator
+    (the model's output), which the watcher holds; the division made ±inf, and the NaN came
+    after it (log_softmax of inf), not '0/0 = NaN' by aten.div."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        out = model(torch.randn(8, 4))
+        F.cross_entropy(out / torch.tensor(0.0), torch.randint(0, 3, (8,))).backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.op is not None and a.op.op == "aten.div"
+    assert a.op.born == "+inf, -inf" and dict(a.op.inputs)["self"] is not None
