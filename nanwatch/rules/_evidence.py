@@ -6,6 +6,7 @@ Private: rule families import it; users write rules against :mod:`nanwatch.recor
 
 from __future__ import annotations
 
+import ast
 import functools
 import itertools
 import math
@@ -15,7 +16,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanwatch._domains import Domain, domain_of
-from nanwatch.records import Anomaly, Call, Note, OpEvent, Phase, Record, StepTrace, TensorStat
+from nanwatch.records import (
+    LOSS_PATH,
+    Anomaly,
+    Call,
+    Note,
+    OpEvent,
+    Phase,
+    Record,
+    StepTrace,
+    TensorStat,
+)
 from nanwatch.stats import DtypeLimits, dtype_limits
 
 # ---------------------------------------------------------------------- numbers
@@ -452,6 +463,8 @@ class InfSource:
     events: tuple[OpEvent, ...]  #: the traced ops that put it in, in execution order
     record: Record | None  #: where a -inf was first seen (an input made by untraced code)
     node: str | None = None  #: the autograd node that made it, when read from a record
+    #: a loss module was watched (a root call of one): a forensic re-run may name it
+    criterion: bool = True
 
     @property
     def masks(self) -> tuple[OpEvent, ...]:
@@ -477,17 +490,23 @@ def inf_source(trace: StepTrace, anomaly: Anomaly, event: OpEvent | None) -> Inf
     order = {id(e): i for i, e in enumerate(trace.ops)}
     found.sort(key=lambda e: order.get(id(e), -1))
     rec = anomaly.neginf_source
+    crit = watched_criterion(trace)
     if found:
-        return InfSource("mask", tuple(found), rec)
+        return InfSource("mask", tuple(found), rec, criterion=crit)
     if any(classify(e) == "log" for e in chain):
-        return InfSource("log", (), rec)
+        return InfSource("log", (), rec, criterion=crit)
     node = _producer_node(trace, rec) if rec is not None else None
     base = node_base(node)
     if base in _LOG_NODES:
-        return InfSource("log", (), rec, node)
+        return InfSource("log", (), rec, node, criterion=crit)
     if base in _MASK_NODES:
-        return InfSource("mask", (), rec, node)
-    return InfSource("unknown", (), rec, node)
+        return InfSource("mask", (), rec, node, criterion=crit)
+    return InfSource("unknown", (), rec, node, criterion=crit)
+
+
+def watched_criterion(trace: StepTrace) -> bool:
+    """A loss module was passed to watch (a root call of one), not only loss code."""
+    return any(c.root and c.is_loss and c.path != LOSS_PATH for c in trace.calls)
 
 
 def _producer_node(trace: StepTrace, rec: Record) -> str | None:
@@ -737,18 +756,33 @@ def inf_fix(ev: OpEvent, src: InfSource, *, forensic: bool) -> str:
         line = f"{fixed}   # not -inf: an empty row or segment stays finite"
         if fixed is not None and line not in lines:
             lines.append(line)
+    name = packet(ev.op).rstrip("_")
+    lse = logsumexp_rewrite(ev.code) if name in _SUBTRACT else None
+    if lse is not None:  # a hand-written logsumexp: its empty rows are log(0) = -inf anyway
+        line, x, dim, out = lse
+        keep = _kept_rows(src.masks, x, dim)
+        return "\n".join(
+            [
+                f"{line}   # was m + log(sum(exp({x} - m))): -inf - (-inf) on an empty row",
+                f"keep = {keep}   # rows with a value left: an empty row's logsumexp is "
+                "log(0) = -inf",
+                f"{out} = {out}[keep]   # leave the empty rows out of the loss",
+            ]
+        )
     if not lines:
         if not masked and not forensic:
+            crit = src.criterion
             lines += [
-                'with nanwatch.watch(model, criterion, mode="forensic") as nw:   # names the '
-                "op that made the inf",
-                "    loss = criterion(model(x), y); loss.backward()",
+                f'with nanwatch.watch(model{", criterion" if crit else ""}, mode="forensic") '
+                "as nw:   # names the op that made the inf",
+                "    loss = criterion(model(x), y); loss.backward()"
+                if crit
+                else "    ...   # the same step: forward, loss, backward()",
             ]
         lines.append(
             "scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)   # not "
             'float("-inf")'
         )
-    name = packet(ev.op).rstrip("_")
     if name in _SUBTRACT:
         skipped = rewrite_subtrahend(ev.code, lambda r: f"{r}.clamp_min({finite_min})")
         lines += [
@@ -761,6 +795,100 @@ def inf_fix(ev: OpEvent, src: InfSource, *, forensic: bool) -> str:
     if not masked:
         lines.append("logp = F.log_softmax(logits, dim=-1)   # a log of 0: from logits (NW110)")
     return "\n".join(lines)
+
+
+def logsumexp_rewrite(code: str | None) -> tuple[str, str, str, str] | None:
+    """A logsumexp written by hand on the user's line, ``m + log(exp(x - m).sum(d))``
+    (``torch.log``/``.log()``, ``torch.exp``/``.exp()``, ``.sum``/``torch.sum``): the line
+    with it replaced by ``torch.logsumexp(x, dim=d)``, ``x``, ``d`` and the name the line
+    assigns; None when the line holds none or assigns no plain name.
+
+    >>> logsumexp_rewrite("ll = m + torch.log(torch.exp(lp - m).sum(-1))")[0]
+    'll = torch.logsumexp(lp, dim=-1)'
+    """
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].strip()
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    stmt = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(stmt, ast.Assign) or not isinstance(stmt.targets[0], ast.Name):
+        return None
+    for node in ast.walk(stmt.value):
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)):
+            continue
+        for m, log in ((node.left, node.right), (node.right, node.left)):
+            found = _log_sum_exp(log, ast.unparse(m))
+            if found is None:
+                continue
+            x, dim, keepdim = found
+            args = f"{ast.unparse(x)}, dim={ast.unparse(dim)}"
+            if keepdim is not None:
+                args += f", keepdim={ast.unparse(keepdim)}"
+            seg = ast.get_source_segment(line, node)
+            if seg is None:
+                return None
+            if f"({seg})" in line:  # its parentheses are the call's now
+                seg = f"({seg})"
+            new = line.replace(seg, f"torch.logsumexp({args})", 1)
+            return new, ast.unparse(x), ast.unparse(dim), stmt.targets[0].id
+    return None
+
+
+def _call_of(node: ast.expr, name: str) -> ast.expr | None:
+    """The operand of ``torch.<name>(a)`` or ``a.<name>()``."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return None
+    if node.func.attr != name:
+        return None
+    if not node.args and not node.keywords:
+        return node.func.value
+    if ast.unparse(node.func.value) == "torch" and len(node.args) >= 1:
+        return node.args[0]
+    return None
+
+
+def _log_sum_exp(node: ast.expr, m: str) -> tuple[ast.expr, ast.expr, ast.expr | None] | None:
+    """``log(exp(x - m).sum(dim[, keepdim]))`` with this ``m``: x, dim and keepdim."""
+    inner = _call_of(node, "log")
+    if not isinstance(inner, ast.Call) or not isinstance(inner.func, ast.Attribute):
+        return None
+    if inner.func.attr != "sum":
+        return None
+    torch_sum = ast.unparse(inner.func.value) == "torch"
+    operand = inner.args[0] if torch_sum and inner.args else inner.func.value
+    rest = inner.args[1:] if torch_sum else inner.args
+    kw = {k.arg: k.value for k in inner.keywords}
+    dim = rest[0] if rest else kw.get("dim")
+    keepdim = rest[1] if len(rest) > 1 else kw.get("keepdim")
+    diff = _call_of(operand, "exp")
+    if dim is None or not (isinstance(diff, ast.BinOp) and isinstance(diff.op, ast.Sub)):
+        return None
+    if ast.unparse(diff.right) != m:
+        return None
+    return diff.left, dim, keepdim
+
+
+def _kept_rows(masks: Sequence[OpEvent], x: str, dim: str) -> str:
+    """The rows with an unmasked value: from the user's masked_fill (``x.masked_fill(~keep,
+    -inf)`` -> ``keep.any(dim=d)``), else the finite values of ``x``."""
+    for e in masks:
+        line = (e.code or "").split("  #", 1)[0].strip()
+        try:
+            tree = ast.parse(line)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr in ("masked_fill", "masked_fill_") and node.args:
+                mask = node.args[0]
+                if isinstance(mask, ast.UnaryOp) and isinstance(mask.op, ast.Invert):
+                    return f"{paren(ast.unparse(mask.operand))}.any(dim={dim})"
+                return f"(~{paren(ast.unparse(mask))}).any(dim={dim})"
+    return f"torch.isfinite({x}).any(dim={dim})"
 
 
 # ---------------------------------------------------------------------- domains

@@ -8,6 +8,7 @@ checker saw it, and otherwise the module and what to run to name the op.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 from collections.abc import Iterator
@@ -882,13 +883,31 @@ def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"{count(sf.outputs or 0, 'output')}): it divides by N - correction = "
             f"{_n((sf.per_output or 0) - (sf.correction or 0))}"
         )
-        explanation = (
-            "std and var divide the summed squared deviations by N - correction. The "
-            "default correction=1 (Bessel's, unbiased) makes one element a division by 0: "
-            "NaN. A batch of one sample reduced over the batch dimension does this (the last, "
-            "smaller batch of an epoch, batch_size=1 at evaluation)."
-        )
-        fix = _var_fix(ev)
+        batch = _batch_size(ctx)
+        single = sf.per_output == 1 and batch is not None and batch > 1
+        if single:  # one element reduced while the batch holds several: not the batch
+            evidence.append(
+                f"this batch has {batch} samples: the element reduced is not a batch of "
+                "one (a weight's fan-in or a feature dimension of size 1)"
+            )
+            explanation = (
+                "std and var divide the summed squared deviations by N - correction, and "
+                "here N = 1: the correction=1 default divides by 0. The reduction is over "
+                "dimensions that hold a single element whatever the batch (weight "
+                "standardization of a layer whose fan-in is 1, a norm over a feature of size "
+                "1), so no DataLoader setting changes it, and correction=0 is no cure: x - "
+                "x.mean() over one element is 0, and every standardized value (every weight) "
+                "would be 0."
+            )
+            fix = _single_element_fix(a.record.module_type)
+        else:
+            explanation = (
+                "std and var divide the summed squared deviations by N - correction. The "
+                "default correction=1 (Bessel's, unbiased) makes one element a division by "
+                "0: NaN. A batch of one sample reduced over the batch dimension does this (the "
+                "last, smaller batch of an epoch, batch_size=1 at evaluation)."
+            )
+            fix = _var_fix(ev)
     elif sf.kind == "nll":
         evidence += _nll_evidence(ev, sf)
         explanation = (
@@ -898,7 +917,7 @@ def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
             "targets' classes all have weight 0 -- divides 0 by 0 and the loss is NaN; "
             "backward then makes every gradient NaN."
         )
-        fix = _nll_fix(a, ev, sf)
+        fix = _nll_fix(ctx, a, ev, sf)
     else:
         what = "mean" if sf.kind == "mean" else f"{op} with reduction='mean'"
         evidence.append(
@@ -945,22 +964,135 @@ def _nll_evidence(ev: OpEvent, sf: Shortfall) -> list[str]:
     return out
 
 
-def _nll_fix(a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
+def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
+    """The loss rewritten with reduction='sum' and divided by what counts (at least 1, or
+    the weight of the counted targets), keeping the loss's other options (a label_smoothing,
+    class weights: the guard's note has them in the user's names) and the user's own input
+    and target when the line shows them."""
     kind = f"{a.record.module_type} {a.path} {ev.code or ''}".lower()
     fn = "F.nll_loss" if "nll" in kind and "crossentropy" not in kind else "F.cross_entropy"
     ii = sf.ignore_index if sf.ignore_index is not None else -100
-    if sf.weight is not None and not sf.all_ignored:
+    opts = _loss_options(ctx, ev, a)
+    weight = re.match(r"weight=([^,]+)", opts) if opts else None
+    x, y = _loss_args(ev.code, opts) or ("logits", "y")
+    head = ""
+    if not re.fullmatch(r"[\w.]+", y):
+        head, y = f"t = {y}\n", "t"
+    keep = f"{opts}, " if opts else ""
+    w: str | None = weight.group(1) if weight is not None else None
+    if w is None and sf.weight is not None:  # weights the guard did not name
+        keep, w = "weight=w, ", "w"
+        head = "# w: the class weights given to the loss\n" + head
+    call = f"loss = {fn}({x}, {y}, {keep}ignore_index={ii}, reduction='sum')\n"
+    if w is not None:
         return (
-            f"loss = {fn}(logits, y, weight=w, reduction='sum')\n"
-            f"loss = loss / w[y].sum().clamp_min(1e-12)   # 0, not NaN, when the batch "
-            "weighs nothing\n"
-            "# or give every class a weight > 0"
+            head
+            + call
+            + f"loss = loss / {w}[{y}[{y} != {ii}]].sum().clamp_min(1e-12)   # 0, not NaN, "
+            "when no target counts or the batch weighs nothing\n"
+            + (
+                f"# or skip the batch: if ({y} != {ii}).any(): loss.backward()"
+                if sf.all_ignored
+                else "# or give every class a weight > 0"
+            )
         )
     return (
-        f"loss = {fn}(logits, y, ignore_index={ii}, reduction='sum')\n"
-        f"loss = loss / (y != {ii}).sum().clamp_min(1)   # 0 when no target counts\n"
-        f"# or skip the batch: if (y != {ii}).any(): loss.backward()"
+        head
+        + call
+        + f"loss = loss / ({y} != {ii}).sum().clamp_min(1)   # 0 when no target counts\n"
+        f"# or skip the batch: if ({y} != {ii}).any(): loss.backward()"
     )
+
+
+def _loss_options(ctx: RuleContext, ev: OpEvent, a: Anomaly) -> str:
+    """The loss's options besides ignore_index and reduction, from this loss's note."""
+    paths = {p for p in (ev.path, a.path) if p}
+    notes = [n for n in ctx.notes("loss_input") if "loss_options" in n.data]
+    for n in sorted(notes, key=lambda n: n.path not in paths):
+        opts = n.data.get("loss_options")
+        return opts if isinstance(opts, str) else ""
+    return ""
+
+
+def _loss_args(code: str | None, opts: str) -> tuple[str, str] | None:
+    """The user's input and target expressions of the loss call on ``code``: a call of the
+    criterion the options name (``crit.weight`` -> ``crit(...)``) or of cross_entropy /
+    nll_loss, else the only outermost call given two arguments; None when the line shows
+    none, or several."""
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].strip()
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    owner = re.match(r"weight=([\w.]+)\.weight\b", opts or "")
+    inner = {
+        id(n)
+        for c in ast.walk(tree)
+        if isinstance(c, ast.Call)
+        for v in [*c.args, *(k.value for k in c.keywords)]
+        for n in ast.walk(v)
+    }
+    named: list[tuple[str, str]] = []
+    outer: list[tuple[str, str]] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        args = [ast.get_source_segment(line, v) for v in node.args[:2]]
+        kw = {k.arg: ast.get_source_segment(line, k.value) for k in node.keywords}
+        x = args[0] if args else kw.get("input")
+        y = args[1] if len(args) > 1 else kw.get("target")
+        if not (x and y):
+            continue
+        f = ast.unparse(node.func)
+        if (owner is not None and f == owner.group(1)) or f.split(".")[-1] in _CLASS_LOSSES:
+            named.append((x, y))
+        elif id(node) not in inner:
+            outer.append((x, y))
+    found = named or outer
+    return found[0] if len(found) == 1 else None
+
+
+_CLASS_LOSSES = ("cross_entropy", "nll_loss")
+
+
+def _batch_size(ctx: RuleContext) -> int | None:
+    """The batch's number of samples: the first dimension of the model's first input, when
+    it has a dimension besides it (a 1-D input may be one sample's features)."""
+    for r in ctx.trace.records:
+        if r.phase is not Phase.INPUT or len(r.shape) < 2:
+            continue
+        call = ctx.trace.call(r.call)
+        if call is not None and call.root and not call.is_loss:
+            return r.shape[0]
+    return None
+
+
+def _single_element_fix(module_type: str) -> str:
+    """Do not standardize over one element: a plain layer of the kind the module extends
+    (``WSConv2d`` -> ``nn.Conv2d``) where the reduced size is 1."""
+    plain = _torch_layer(module_type)
+    layer = f"a plain {plain}" if plain else "a plain layer"
+    return (
+        "# a mean/std over a single element has nothing to standardize: x - x.mean() is 0\n"
+        "# there, so correction=0 would swap the NaN for all-zero values (every weight 0)\n"
+        f"# use {layer} where the reduced dimensions hold 1 element (a fan-in of 1),\n"
+        "# and standardize only layers whose reduced dimensions hold more than one"
+    )
+
+
+def _torch_layer(module_type: str) -> str | None:
+    """``nn.Conv2d`` for a module type named ``WSConv2d`` (the longest torch.nn layer name
+    it ends with), else None."""
+    import torch.nn
+
+    for i in range(1, len(module_type)):
+        tail = module_type[i:]
+        cls = getattr(torch.nn, tail, None)
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and tail[0].isupper():
+            return f"nn.{tail}"
+    return None
 
 
 _VAR_CALL = re.compile(r"(\.|\btorch\.)(std|var|std_mean|var_mean)\(")

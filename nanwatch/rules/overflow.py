@@ -9,6 +9,7 @@ dtype_limits``): float16's largest value is 65504 and exp overflows above log(65
 
 from __future__ import annotations
 
+import ast
 import itertools
 import math
 import re
@@ -48,6 +49,7 @@ from nanwatch.rules._evidence import (
     paren,
     postfix_start,
     rewrite_call,
+    scalar_base,
     short_op,
     signed_max,
     untraced_hint,
@@ -137,6 +139,7 @@ def _from_op(
     big = max((s.magnitude for s in inputs_of(ev) if not math.isnan(s.magnitude)), default=math.nan)
     # a backward of exp: what the node holds is exp's result, not its argument
     result_only = ev.phase is Phase.BACKWARD and name in EXP_LIKE
+    power: tuple[float, float, float] | None = None
     if lim is None:
         evidence.append(f"{op} made {ev.born} in {dtype}")
     elif result_only:
@@ -178,6 +181,12 @@ def _from_op(
             f"{op} cast a value of |x| = {fmt(big)} to {dtype}, whose largest finite value "
             f"is {fmt(lim.max)}: it became {ev.born}"
         )
+    elif (power := _scalar_power(ev)) is not None:
+        base, e, value = power
+        evidence.append(
+            f"{op} raised {fmt(base)} to the powers of its input: {fmt(base)} ** {fmt(e)} = "
+            f"{fmt(value)} > {fmt(lim.max)} ({dtype}'s max)"
+        )
     else:
         evidence.append(
             f"{op} made {ev.born} in {dtype} from inputs up to |x| = {fmt(big)}; the largest "
@@ -187,8 +196,11 @@ def _from_op(
         evidence.append(f"input {nm}: {describe_stat(s)}")
     # float32 and up, and bfloat16 (float32's range: an upcast would not help it)
     wide = lim is not None and not lim.short_range
-    batch = _batch_jump(ctx, a) if wide and not result_only else None
-    if batch is not None:
+    loop = None if result_only else _recurrence(ctx.trace, ev.path or a.path, a.record.call)
+    batch = _batch_jump(ctx, a) if wide and not result_only and loop is None else None
+    if loop is not None:
+        evidence.append(loop.line())
+    elif batch is not None:
         evidence.append(batch.line(ctx.step))
     elif wide and lim is not None and name not in CAST and not result_only:
         evidence.append(_growth_line(ctx, a, name, _overflowing(name, x, big), lim))
@@ -215,7 +227,10 @@ def _from_op(
     device = device_type(ev, a.record.device)
     recurrent = a.record.module_type in _RECURRENT
     first = _first_step(ctx)
-    if batch is not None:
+    if loop is not None:
+        explanation = _explain_loop(loop, dtype)
+        fix = _fix_loop(loop)
+    elif batch is not None:
         explanation = _explain_batch(batch, dtype)
         fix = _fix_batch(batch)
     elif wide and lim is not None:
@@ -233,6 +248,15 @@ def _from_op(
             ref=_module_ref(ctx, a),
             lr=_lr_fix(ctx),
         )
+    elif power is not None and lim is not None:
+        explanation = (
+            f"{fmt(power[0])} ** t grows with the exponent t, and {dtype} holds values up to "
+            f"{fmt(lim.max)}: its largest exponent's power is {fmt(power[2])}, which became "
+            "inf. Frequencies and scales built as base ** (i / d) (rotary embeddings, "
+            "sinusoidal positions) are computed in float32 and only their bounded results "
+            "(cos, sin) cast to the model's dtype."
+        )
+        fix = _power_fix(ev.code, power, dtype, ref=_module_ref(ctx, a))
     else:
         explanation = _explain(kind, dtype, lim)
         fix = _fix(
@@ -248,6 +272,82 @@ def _from_op(
             loss=(ev.path or a.path) == LOSS_PATH,
         )
     return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
+
+
+def _scalar_power(ev: OpEvent) -> tuple[float, float, float] | None:
+    """``number ** tensor`` (aten.pow.Scalar) that overflowed: the base, the exponent of
+    the largest power among the input's extremes and that power (|base| ** e)."""
+    base = scalar_base(ev)
+    x = first_input(ev)
+    if base is None or base == 0 or x is None:
+        return None
+    ends = [e for e in (x.min, x.max) if math.isfinite(e)]
+    if not ends:
+        return None
+
+    def power(e: float) -> float:
+        try:
+            return math.pow(abs(base), e)
+        except OverflowError:
+            return math.inf
+
+    e = max(ends, key=power)
+    return base, e, power(e)
+
+
+def _power_fix(code: str | None, power: tuple[float, float, float], dtype: str, *, ref: str) -> str:
+    """The user's ``number ** t`` with the exponent in float32, and what uses the result
+    kept there until it is back in the dtype's range."""
+    base, e, value = power
+    why = f"float32: {fmt(base)} ** {fmt(e)} = {fmt(value)} does not fit {dtype}"
+    line, name = _float_exponent(code)
+    if line is not None:
+        what = name or "the result"
+        keep = (
+            f"# and keep what uses {what} in float32: cast only bounded results (its cos, "
+            f"sin) to torch.{dtype}"
+        )
+        return f"{line}   # {why}\n{keep}"
+    return (
+        f"# in {ref}'s forward: compute base ** t from t.float() ({why})\n"
+        f"# and cast only its bounded results (cos, sin) to torch.{dtype}"
+    )
+
+
+def _float_exponent(code: str | None) -> tuple[str | None, str | None]:
+    """The user's line with the tensor exponent of its one ``number ** t`` cast to float32,
+    and the name the line assigns (None when it assigns no plain name)."""
+    if not code:
+        return None, None
+    line = code.split("  #", 1)[0].strip()
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None, None
+    hits = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.BinOp)
+        and isinstance(n.op, ast.Pow)
+        and isinstance(n.left, ast.Constant)
+        and isinstance(n.left.value, (int, float))
+    ]
+    if len(hits) != 1:
+        return None, None
+    seg = ast.get_source_segment(line, hits[0].right)
+    if seg is None:
+        return None, None
+    if f"({seg})" in line:  # already parenthesized
+        seg = f"({seg})"
+    at = line.rfind(seg)
+    new = line[:at] + f"{paren(seg)}.float()" + line[at + len(seg) :]
+    stmt = tree.body[0] if len(tree.body) == 1 else None
+    name = (
+        stmt.targets[0].id
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name)
+        else None
+    )
+    return new, name
 
 
 def _kind(name: str, ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEvent] = ()) -> str:
@@ -446,6 +546,88 @@ def _fix_batch(b: _Batch) -> str:
         "the dataset\n"
         "# fix them where the data is made: normalize (x / 255, (x - mean) / std), replace "
         "missing-value markers"
+    )
+
+
+# ---------------------------------------------------------------- a loop in one forward
+
+#: calls of one module in one forward from which a trend of its outputs is read
+_MANY_CALLS = 8
+#: the share of successive calls whose output must be larger than the call before
+_GROWING = 0.75
+#: and the growth over the calls, first to last: orders of magnitude, not noise
+_GREW = 1e3
+
+
+@dataclass(frozen=True)
+class _Loop:
+    """One module called many times in one forward, its output growing call after call:
+    a recurrence or an integrator (x = x + dt · f(x)) that is unstable."""
+
+    path: str
+    calls: int  #: calls of the module in this forward, the overflowing one included
+    first: float  #: max |x| of the first measured output
+    last: float  #: max |x| of the last finite output before the overflow
+    factor: float  #: the growth per call (geometric mean)
+
+    def line(self) -> str:
+        return (
+            f"{self.path} was called {self.calls} times in this forward and its output grew "
+            f"call after call, from max |x| {fmt(self.first)} to {fmt(self.last)} (×"
+            f"{fmt(self.factor)} per call): a recurrence or an integrator that diverges, "
+            "not a deep stack of layers"
+        )
+
+
+def _recurrence(trace: StepTrace, path: str | None, upto: int) -> _Loop | None:
+    """The module at ``path`` called at least ``_MANY_CALLS`` times in this forward up to
+    the call ``upto`` (the overflowing one), its outputs (in call order) growing in most
+    successive calls and by orders of magnitude overall; None otherwise."""
+    if not path:
+        return None
+    calls = [c for c in trace.calls if c.path == path and c.id <= upto]
+    if len(calls) < _MANY_CALLS:
+        return None
+    ids = {c.id for c in calls}
+    first_out: dict[int, float] = {}
+    for r in trace.records:
+        if r.phase is Phase.FORWARD and r.call in ids and r.call not in first_out and r.stat:
+            first_out[r.call] = r.stat.amax if r.stat.finite else math.nan
+    mags = [first_out[c.id] for c in calls if c.id in first_out]
+    mags = [m for m in mags if math.isfinite(m) and m > 0]  # the overflowing call left out
+    if len(mags) < _MANY_CALLS:
+        return None
+    pairs = list(itertools.pairwise(mags))
+    up = sum(1 for x, y in pairs if y > x)
+    if up < _GROWING * len(pairs) or mags[-1] < _GREW * mags[0]:
+        return None
+    factor = (mags[-1] / mags[0]) ** (1 / (len(mags) - 1))
+    return _Loop(path, len(calls), mags[0], mags[-1], factor)
+
+
+def _explain_loop(loop: _Loop, dtype: str) -> str:
+    return (
+        f"The same module ran {loop.calls} times in one forward pass, each call fed what "
+        f"the previous one made, and the values grew by about ×{fmt(loop.factor)} per "
+        f"call until they passed {dtype}'s largest value. That is a loop that amplifies: an "
+        "explicit Euler step x + dt·f(x) with dt too large for the field (stable only "
+        "while |1 + dt·λ| < 1 for its eigenvalues λ), or a recurrent cell whose weight has "
+        "a gain above 1. The step 0 weights are not to blame, and normalization layers, "
+        "initialization or gradient clipping do not change the loop's growth."
+    )
+
+
+def _fix_loop(loop: _Loop) -> str:
+    return (
+        f"# the loop that calls {loop.path} ({loop.calls} times) grows ×{fmt(loop.factor)} "
+        "per call: make each step contract\n"
+        "# an integrator x = x + dt * f(x): a smaller dt (explicit Euler needs dt·|λ| < 2),\n"
+        "#   or an implicit or adaptive solver: torchdiffeq.odeint(f, x0, t, "
+        "method='dopri5') picks its own step\n"
+        "# a recurrence h = cell(h): bound the state each call, h = torch.tanh(h) or "
+        "h.clamp(-c, c),\n"
+        "#   or keep the recurrent weight's gain below 1 "
+        "(torch.nn.utils.parametrizations.spectral_norm)"
     )
 
 
