@@ -1022,13 +1022,20 @@ def _saved(node: Any, name: str) -> Any:
 
 
 def _has(t: Any, pred: Callable[[torch.Tensor], torch.Tensor]) -> int:
-    if not isinstance(t, torch.Tensor) or not has_values(t) or t.is_complex():
+    """How many of ``t``'s values ``pred`` holds for; integer tensors count too (a count
+    of 0 as a denominator)."""
+    if not isinstance(t, torch.Tensor) or t.is_complex() or t.is_sparse or t.numel() == 0:
+        return 0
+    if not (has_values(t) or t.dtype in _COUNTABLE):
         return 0
     with torch.no_grad():
         return int(pred(t.detach().float()).sum())
 
 
 _Fn = Callable[..., torch.Tensor]
+
+#: integer and bool dtypes whose values :func:`_has` counts
+_COUNTABLE = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool})
 
 #: autograd nodes of elementwise ops whose saved values are the op's inputs, so the output
 #: can be recomputed and what was born read exactly: node -> (aten op, (schema name, saved
@@ -1133,6 +1140,13 @@ def _event(
     other_inputs: Sequence[tuple[str, torch.Tensor]] = (),
     outputs: Sequence[tuple[str, torch.Tensor]] = (),
 ) -> OpEvent:
+    # integer and bool tensors (a count of 0 as denominator) hold no float values: their
+    # min, max and numel are told among the other inputs
+    other_inputs = [
+        *other_inputs,
+        *((n, t) for n, t in inputs if isinstance(t, torch.Tensor) and not has_values(t)),
+    ]
+    inputs = [(n, t) for n, t in inputs if not isinstance(t, torch.Tensor) or has_values(t)]
     tensors = [t for _, t in inputs if isinstance(t, torch.Tensor)]
     ref = result if result is not None else (tensors[0] if tensors else None)
     if result is not None:

@@ -237,10 +237,11 @@ def test_a_division_by_an_integer_count_of_zero_gets_a_fix_that_runs() -> None:
     assert torch.isfinite(ns["loss"])
 
 
-def test_an_unmeasured_integer_denominator_is_clamped_to_one() -> None:
+def test_an_integer_denominator_read_from_the_graph_is_clamped_to_one() -> None:
+    """Watch mode reads the count autograd saved for the division (min 0)."""
     d = tagger_step("watch", torch.tensor([0, 0, 0]), per_token)
     assert d.code == "NW111"
-    assert "an integer or bool tensor (a count)" in d.evidence[0]
+    assert "denominator is an integer tensor (a count) holding 0" in d.evidence[0]
     assert "finfo" not in d.fix
     ns: dict[str, Any] = {"torch": torch, "x": torch.ones(3), "d": torch.tensor([5, 0, 3])}
     exec(d.fix.splitlines()[0].split("#")[0], ns)
