@@ -93,6 +93,22 @@ def user_frame(start: types.FrameType | None = None) -> types.FrameType | None:
     return None
 
 
+def framework_between(start: types.FrameType | None = None) -> bool:
+    """Whether a training framework's frame (Lightning's) lies between ``start`` (default:
+    the caller) and the user's line: the framework made the call (its ``backward()``), and
+    the user's line is what called the framework (``trainer.fit(...)``)."""
+    f: types.FrameType | None = start if start is not None else sys._getframe(1)
+    frameworks = _framework_dirs()
+    while f is not None:
+        name = f.f_code.co_filename
+        if not is_internal(name):
+            return False
+        if name.startswith(frameworks) and not name.startswith(_NANWATCH_DIR):
+            return True
+        f = f.f_back
+    return False
+
+
 _OPS_FILE = os.path.join(_NANWATCH_DIR, "ops.py")
 #: nanwatch's wrappers of the user's own calls: what runs under them is the user's work
 #: (``loss.backward()`` through the backward tap, ``F.cross_entropy`` through its guard,

@@ -87,6 +87,17 @@ def _earliest_neginf(trace: StepTrace, recs: Iterable[Record], limit: int = 64) 
             best = m
         if m.phase is Phase.FORWARD:
             todo.extend(trace.inputs_of(m.call))
+            call = trace.call(m.call)
+            if call is not None:  # what its children made inside it (a flow's log-det terms)
+                todo.extend(
+                    r
+                    for r in trace.records
+                    if call.start <= r.index < m.index
+                    and r.phase is Phase.FORWARD
+                    and r.call != m.call
+                    and r.stat is not None
+                    and r.stat.has_neginf
+                )
     return best
 
 
@@ -415,20 +426,25 @@ def localize(
         kind, origin = AnomalyKind.PARAMETER, "parameter"
         path = trig.path
         parameter = _param_name(trig)
-        if first_step and trig.index < 0:  # recorded ahead of the first step's forward
+        writer = next(
+            (
+                n.data
+                for n in reversed(trace.notes)
+                if n.kind == "weight_writer" and n.data.get("parameter") == parameter
+            ),
+            None,
+        )
+        if writer is not None and writer.get("since_attach") and first_step:
+            summary = (
+                f"{what} in the weights of {parameter}: written during this step, before any "
+                "update (an in-place write under no_grad: a data-dependent init, a copy_)"
+            )
+        elif first_step and trig.index < 0:  # recorded ahead of the first step's forward
             summary = (
                 f"{what} in the weights of {parameter} before any update nanwatch saw: the "
                 "model was loaded or initialized with it (a checkpoint, a custom init)"
             )
         else:
-            writer = next(
-                (
-                    n.data
-                    for n in reversed(trace.notes)
-                    if n.kind == "weight_writer" and n.data.get("parameter") == parameter
-                ),
-                None,
-            )
             by = "the last update (optimizer step)"
             if writer is not None and writer.get("after_optimizer"):
                 by = "a write after the last optimizer step (not the update)"

@@ -441,6 +441,8 @@ class Watcher:
         self._forensic = self.config.mode == "forensic"
         self._infos: weakref.WeakKeyDictionary[nn.Module, _ModInfo] = weakref.WeakKeyDictionary()
         self.history: deque[StepTrace] = deque(maxlen=self.config.ring_size)
+        self._attach_versions: dict[int, int] = {}
+        self._pinpointed: set[str] = set()  #: module paths replayed for an anomaly
         self._first_bad: StepTrace | None = None
         self.anomalies: list[Anomaly] = []
         self.first_anomaly: Anomaly | None = None
@@ -600,6 +602,9 @@ class Watcher:
                 self._check_params(at_end=False)
         except Exception as exc:  # a weight nanwatch cannot read: the steps still check
             self._fault("weights", "weight check at attach", exc)
+        # what the check saw: a weight written after it (an ActNorm's data-dependent init
+        # in the first forward) was not loaded so
+        self._attach_versions = {id(p): p._version for _, _, p in self._params}
 
     def detach(self) -> None:
         """Remove every hook this watcher registered. Safe to call twice."""
@@ -1935,6 +1940,7 @@ class Watcher:
                 # checkpoint, a pruning mask are written by no optimizer)
                 stepped = (self._stepped if at_end else self._stepped_prev).get(id(param))
                 after = stepped is not None and stepped[2] not in (-1, param._version)
+                at_attach = self._attach_versions.get(id(param))
                 self.note(
                     "weight_writer",
                     path,
@@ -1942,6 +1948,10 @@ class Watcher:
                     optimizer=stepped[0] if stepped and not after else None,
                     group=stepped[1] if stepped and not after else None,
                     after_optimizer=stepped[0] if after and stepped else None,
+                    # written since the attach check found it finite, by no optimizer
+                    since_attach=(
+                        stepped is None and at_attach is not None and at_attach != param._version
+                    ),
                 )
             if at_end and not stat.finite:
                 self._note_bad(rec)
@@ -2248,15 +2258,13 @@ class Watcher:
             # data is only an error once it reaches something; the step end decides
             self._pending_data = anomaly
             return
-        if (
-            self.config.pinpoint
-            and first_of_run
-            and anomaly.kind is AnomalyKind.FORWARD
-            and anomaly.op is None
-        ):
+        if self.config.pinpoint and anomaly.kind is AnomalyKind.FORWARD and anomaly.op is None:
+            # the loss code's graph is read at every anomaly (cheap); a module is replayed
+            # at its first anomaly of the run only (warn/record runs go on with one a step)
             if loss is not None and anomaly.path == LOSS_PATH:
                 self._pinpoint_loss(anomaly, loss)
-            else:
+            elif first_of_run or anomaly.path not in self._pinpointed:
+                self._pinpointed.add(anomaly.path)
                 self._pinpoint(anomaly, current)
         trace.diagnoses = self._evaluate(trace)
         self._act(trace)
@@ -2396,7 +2404,10 @@ class Watcher:
             anomaly.op = events[0]
         if source:
             base = anomaly.summary.split(" [")[0]
-            anomaly.summary = f"{base} (loss.backward() at {source})"
+            if _frames.framework_between():  # Lightning's backward; the user's trainer.fit
+                anomaly.summary = f"{base} (backward by Lightning, called from {source})"
+            else:
+                anomaly.summary = f"{base} (loss.backward() at {source})"
         anomaly.summary = summarize(anomaly)
 
     def _evaluate(self, trace: StepTrace) -> list[Diagnosis]:

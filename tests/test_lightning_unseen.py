@@ -177,3 +177,34 @@ def test_a_batch_decided_at_its_end_leaves_the_next_batchs_update_to_its_own_che
     assert torch.equal(model.after[3], model.after[1])  # the window's update was dropped
     assert not torch.equal(model.after[5], model.after[3])
     assert [(e["batch_idx"], e["global_step"]) for e in cb.skipped] == [(3, 1)]
+
+
+class LogZero(L.LightningModule):  # type: ignore[misc,name-defined]
+    """A hand-written log-loss in training_step; batch 1's logits saturate the softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(8, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        logits = self.net(x) * (1e4 if batch_idx == 1 else 1.0)
+        p = torch.softmax(logits, dim=-1)
+        return -torch.log(p)[:, 0].mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=4)
+
+
+def test_a_loss_lightning_backpropagates_is_not_said_to_be_the_users_backward_call(
+    tmp_path: Path,
+) -> None:
+    cb = NanWatchCallback(on_anomaly="warn", report_dir=str(tmp_path))
+    with pytest.warns(RuntimeWarning):
+        fit(tmp_path, LogZero(), cb, batches=3)
+    a = cb.watcher.first_anomaly
+    assert a is not None and "(backward by Lightning, called from " in a.summary
+    assert "loss.backward() at" not in a.summary

@@ -1913,3 +1913,95 @@ def test_loss_code_dividing_a_watched_output_by_zero_made_inf_not_nan() -> None:
     a = nw.first_anomaly
     assert a is not None and a.op is not None and a.op.op == "aten.div"
     assert a.op.born == "+inf, -inf" and dict(a.op.inputs)["self"] is not None
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm: its scale is set from the first batch it sees."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.zeros(d))
+        self.register_buffer("inited", torch.tensor(False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.inited:
+            with torch.no_grad():
+                self.log_scale.copy_(-torch.log(x.std(0)))  # a constant feature: +inf
+                self.inited.fill_(True)
+        return x * self.log_scale.exp()
+
+
+def test_a_weight_written_in_the_first_forward_was_not_loaded_so() -> None:
+    model = nn.Sequential(_ActNorm(4), nn.Linear(4, 1))
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        x = torch.randn(32, 4)
+        x[:, 3] = 1.0
+        model(x).pow(2).mean().backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.PARAMETER and a.parameter == "0.log_scale"
+    assert "written during this step, before any update" in a.summary
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW301" and d.title == "Non-finite weights written outside an optimizer step"
+
+
+class _Coupling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = torch.relu(self.net(x))  # a scale that hits 0
+        return x * s, torch.log(s).sum(-1)  # log-det: -inf
+
+
+class _Flow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = _Coupling()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z, ld = self.c1(x)
+        return z, ld + 0.0  # the parent's output is a new tensor made from the child's
+
+
+def test_a_minus_inf_is_traced_to_the_child_that_made_it_not_its_parent() -> None:
+    torch.manual_seed(0)
+    flow = _Flow()
+    with nanwatch.watch(flow, on_anomaly="record", postmortem=False) as nw:
+        z, ld = flow(torch.randn(16, 2))
+        (0.5 * z.pow(2).sum(-1) - ld).mean().backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.neginf_source is not None
+    assert (a.neginf_source.path, a.neginf_source.role) == ("c1", "output[1]")
+    assert "from -inf first seen in c1 (forward, output[1])" in a.summary
+
+
+def test_a_repeated_anomaly_in_record_mode_keeps_its_op_on_every_step() -> None:
+    """A run that records and goes on: the overflow of step 2 is there again at steps 3
+    and 4, and each is still named by its op (it was NW100 with no op after the first)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        for step in range(5):
+            shift = 100.0 if step >= 2 else 0.0
+            torch.exp(model(torch.randn(8, 4)) + shift).mean().backward()
+            model.zero_grad()
+            nw.step()
+    bad = [t for t in nw.history if t.anomaly is not None]
+    assert [t.step for t in bad] == [2, 3, 4]
+    assert all(t.anomaly is not None and t.anomaly.op is not None for t in bad)
+    assert all(t.diagnoses[0].code == "NW101" for t in bad)
+
+
+def test_an_integer_count_of_zero_in_loss_code_is_measured_as_the_denominator() -> None:
+    model = nn.Linear(4, 1)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        tok = model(torch.randn(3, 5, 4)).squeeze(-1)
+        lengths = torch.tensor([5, 0, 3])
+        (tok.sum(1) / lengths).mean().backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW111"
+    assert any("denominator is an integer tensor (a count) holding 0" in e for e in d.evidence)

@@ -6,6 +6,7 @@ diverge (NW306).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import statistics
@@ -15,7 +16,8 @@ from typing import Any
 
 import torch
 
-from nanwatch.records import Anomaly, AnomalyKind, Phase, Record, StepTrace
+from nanwatch.localize import localize
+from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, Phase, Record, StepTrace
 from nanwatch.rules._evidence import (
     anomaly_fields,
     count,
@@ -25,7 +27,7 @@ from nanwatch.rules._evidence import (
     limits,
     low_precision,
 )
-from nanwatch.rules.base import Diagnosis, RuleContext, rule
+from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule, sort_key
 
 # ---------------------------------------------------------------------- NW301
 
@@ -61,6 +63,12 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"the largest finite value of {name} is {fmt(s.finite_amax)}: "
             f"{s.finite_amax / lim.max:.0%} of {rec.dtype}'s largest value {fmt(lim.max)}"
         )
+    writer = _writer(ctx, name)
+    if writer is not None and writer.get("since_attach"):
+        # written after the attach check found it finite, by no optimizer (an ActNorm's
+        # data-dependent init in the first forward, a copy_ under no_grad)
+        yield _written_elsewhere(ctx, a, name=name, evidence=evidence, after=None)
+        return
     if not ctx.history and rec.index < 0:
         # found ahead of the first step's forward: no update ran under the watcher
         yield ctx.diagnosis(
@@ -86,7 +94,6 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             ),
         )
         return
-    writer = _writer(ctx, name)
     if writer is not None and writer.get("optimizer") is None:
         yield _written_elsewhere(
             ctx, a, name=name, evidence=evidence, after=writer.get("after_optimizer")
@@ -726,6 +733,10 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
     chronic = len(window) > 2 * need and falls >= len(window) // 2 and skips >= need
     if not (collapsed or chronic):
         return
+    why, birth = _skip_cause(ctx.trace)
+    nan_born = why == "nan" and birth is not None
+    if not collapsed and (why in ("inf", "finite") or (why is None and _oversized(cur, birth))):
+        return  # a scale coming down to a working value (each overflow halves it), or settled
     first = series[-1 - skips][1]
     evidence = [
         f"scale fell from {fmt(first)} to {fmt(cur)} over the last {skips} steps: each "
@@ -741,27 +752,119 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
     if bad_grads:
         evidence.append("non-finite (scaled) gradients this step: " + ", ".join(bad_grads[:5]))
     head, check = _grad_check(ctx)
+    fix = (
+        "scaler.unscale_(optimizer)\n" + head + "bad = [n for n, p in model.named_parameters()\n"
+        f"       if p.grad is not None and not {check}]\n"
+        f"print(bad)   # then {_forensic_call(ctx.trace)} on one step"
+    )
+    explanation = (
+        "A GradScaler halves its scale whenever the gradients contain inf/NaN and skips "
+        "that step. A few skips at the start are normal; a scale that keeps falling "
+        "means the gradients are non-finite whatever the scale: a NaN in the forward "
+        "pass or the loss, not an overflow. Training has silently stopped: no step is "
+        "applied."
+    )
+    path = a.path if a is not None else None
+    if nan_born and birth is not None:
+        path = birth.op.path if birth.op is not None and birth.op.path else birth.path
+        evidence.append(
+            f"{birth.summary}: the first non-finite gradient holds NaN and no inf, from "
+            "finite gradients; no scale makes a NaN, so every step is skipped whatever the "
+            "scale"
+        )
+        named = _named_cause(ctx, birth)
+        if named is not None:
+            evidence.append(f"{named.code} {named.title}: " + "; ".join(named.evidence[:2]))
+            fix = named.fix
+        else:
+            fix = (
+                "with torch.autograd.detect_anomaly():   # names the backward op that makes "
+                "the NaN\n"
+                "    scaler.scale(loss).backward()      # and the forward line it belongs to\n"
+                f"# or {_forensic_call(ctx.trace)} on one step"
+            )
+        explanation = (
+            "A GradScaler halves its scale whenever the gradients contain inf/NaN and skips "
+            "that step. An inf can be the scale's doing (a scaled gradient past float16's "
+            "max) and a smaller scale cures it; a NaN born in backward from finite "
+            "gradients is not: the backward itself makes it (0 × inf, 0 / 0) at any "
+            "scale, and the scaler hides it by skipping the step. Training has silently "
+            "stopped: no step is applied."
+        )
     yield ctx.diagnosis(
         step=ctx.step,
-        path=a.path if a is not None else None,
+        path=path,
         severity="error" if collapsed else "warning",
         evidence=evidence,
-        explanation=(
-            "A GradScaler halves its scale whenever the gradients contain inf/NaN and skips "
-            "that step. A few skips at the start are normal; a scale that keeps falling "
-            "means the gradients are non-finite whatever the scale: a NaN in the forward "
-            "pass or the loss, not an overflow. Training has silently stopped: no step is "
-            "applied."
-        ),
-        fix=(
-            "scaler.unscale_(optimizer)\n"
-            + head
-            + "bad = [n for n, p in model.named_parameters()\n"
-            f"       if p.grad is not None and not {check}]\n"
-            'print(bad)   # then nanwatch.watch(model, criterion, mode="forensic") on one '
-            "step"
-        ),
+        explanation=explanation,
+        fix=fix,
     )
+
+
+def _forensic_call(trace: StepTrace) -> str:
+    """``nanwatch.watch(model, criterion, mode="forensic")``, naming a criterion only when
+    one was watched (a root loss module)."""
+    crit = any(c.root and c.is_loss and c.path != LOSS_PATH for c in trace.calls)
+    return f'nanwatch.watch(model{", criterion" if crit else ""}, mode="forensic")'
+
+
+def _skip_cause(trace: StepTrace) -> tuple[str | None, Anomaly | None]:
+    """Why this step's scaled gradients were (or were not) skipped, from its records
+    localized as if no scaler ran (a scaler's step is not localized: it expects inf/NaN
+    now and then): ``"nan"`` (the first non-finite gradient holds NaN and no inf, every
+    gradient before it finite: the backward made it, 0 × inf or 0 / 0; a scale that is
+    too large overflows to inf first, so a NaN is never the scale's fault), ``"inf"`` (a
+    scaled gradient past its dtype's max: the scaler's job to find), ``"finite"`` (the
+    gradients were measured and are finite: the step was applied), or None (unknown)."""
+    b = localize(trace, scaled_grads=False)
+    grads = [r for r in trace.records if r.phase in _GRAD_RECORDS and r.stat is not None]
+    if b is None:
+        return ("finite" if grads else None), None
+    s = b.record.stat
+    if b.record.phase not in _GRAD_RECORDS or s is None:
+        return None, None
+    if s.has_posinf or s.has_neginf:
+        return "inf", b
+    infs = any(r.stat is not None and (r.stat.has_posinf or r.stat.has_neginf) for r in grads)
+    if b.kind is AnomalyKind.BACKWARD or not infs:
+        return "nan", b
+    return "inf", b
+
+
+_GRAD_RECORDS = (Phase.BACKWARD, Phase.GRADIENT)
+
+
+def _oversized(scale: float, birth: Anomaly | None) -> bool:
+    """A scale so large that any gradient the low-precision dtype holds as a normal number
+    overflows at it (scale > finfo.max / finfo.tiny): a fall is certain."""
+    lim = low_precision(birth.record.dtype if birth is not None else None) or limits("float16")
+    assert lim is not None
+    return scale > lim.max / lim.tiny
+
+
+#: rule families that do not explain where a value was born: the training loop's (NW3xx:
+#: weights, gradients, the optimizer) and the guards' (NW5xx, said at the user's line).
+_NOT_A_BIRTH = ("NW3", "NW5")
+
+
+def _named_cause(ctx: RuleContext, birth: Anomaly) -> Diagnosis | None:
+    """The diagnosis the other rules give the NaN's birth (NW112 for a sqrt at 0), as they
+    would without a scaler; None when only the catch-all would name it."""
+    trace = dataclasses.replace(ctx.trace, anomaly=birth, diagnoses=[])
+    sub = RuleContext(
+        trace=trace, history=ctx.history, thresholds=ctx.thresholds, facts=dict(ctx.facts)
+    )
+    found: list[Diagnosis] = []
+    for r in REGISTRY.values():
+        if r.fallback or r.code.startswith(_NOT_A_BIRTH):
+            continue
+        sub.rule = r
+        try:
+            found.extend(d for d in r(sub) if d.severity == "error")
+        except Exception:  # the main evaluation reports a broken rule
+            continue
+    found.sort(key=sort_key)
+    return found[0] if found else None
 
 
 # ---------------------------------------------------------------------- NW306
