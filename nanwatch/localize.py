@@ -436,8 +436,9 @@ def localize(
         )
         if writer is not None and writer.get("since_attach") and first_step:
             summary = (
-                f"{what} in the weights of {parameter}: written during this step, before any "
-                "update (an in-place write under no_grad: a data-dependent init, a copy_)"
+                f"{what} in the weights of {parameter}: written in this step outside an "
+                "optimizer step (no optimizer updated it: a data-dependent init, an EMA "
+                "update, a copy_ under no_grad)"
             )
         elif first_step and trig.index < 0:  # recorded ahead of the first step's forward
             summary = (
