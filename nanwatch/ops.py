@@ -1219,6 +1219,8 @@ def _elementwise_event(
         if not zeros:  # a tiny denominator (a softmax probability of 1e-42): x/d overflows
             if result is None or not isinstance(result, torch.Tensor):
                 return None
+            if dict(vals).get("self") is None:
+                return None  # the numerator is unknown: it may have held the NaN already
             made = _kinds(result) - in_kinds
             if not made:
                 return None

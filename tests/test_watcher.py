@@ -2005,3 +2005,34 @@ def test_an_integer_count_of_zero_in_loss_code_is_measured_as_the_denominator() 
     d = nw.history[0].diagnoses[0]
     assert d.code == "NW111"
     assert any("denominator is an integer tensor (a count) holding 0" in e for e in d.evidence)
+
+
+def test_a_nan_target_hidden_by_torch_where_is_named_not_a_root_at_zero() -> None:
+    """NaN targets in a masked forecast window: torch.where keeps the loss finite, and the
+    gradient of (p - y) ** 2 is 0 × NaN. It was NW112 'fractional power at zero' with a
+    clamp fix that wrecks the MSE."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        p = model(torch.randn(8, 4))
+        y = torch.randn(8, 6)
+        y[:, 4:] = float("nan")  # the future window: no data yet
+        mask = ~torch.isnan(y)
+        torch.where(mask, (p - y) ** 2, 0.0).sum().backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW402" and d.title.startswith("NaN hidden by a mask in forward")
+    assert "nan_to_num" in d.fix
+
+
+def test_a_nan_numerator_of_a_finite_division_is_not_blamed_on_the_division() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        p = model(torch.randn(8, 4))
+        y = torch.randn(8, 6)
+        y[:, 4:] = float("nan")
+        m = (~torch.isnan(y)).float()
+        ((((p - y) ** 2) * m).sum() / m.sum()).backward()
+        nw.step()
+    assert all(d.code != "NW111" for d in nw.history[0].diagnoses)

@@ -318,8 +318,10 @@ def classify(ev: OpEvent) -> str:
     """What an op event is: ``overflow``, ``log``, ``div``, ``root`` (sqrt / fractional
     power outside its domain), ``domain`` (another op outside its real domain: acos of
     1.0000001, atanh of 1), ``reduce`` (a mean or variance over too few elements),
-    ``masked-softmax``, ``inf-arith`` (a forward op that made NaN of the infinities it was
-    given: -inf - (-inf), 0 × inf, inf / inf; see :func:`inf_arithmetic`), ``neginf-input``
+    ``masked-softmax``, ``hidden-nan`` (a backward node whose saved forward values already
+    held NaN: torch.where or a mask hid it from the loss), ``inf-arith`` (a forward op that
+    made NaN of the infinities it was given: -inf - (-inf), 0 × inf, inf / inf; see
+    :func:`inf_arithmetic`), ``neginf-input``
     (a forward op given a -inf, which it turned into inf or NaN), ``injected`` (a constant
     -inf put in on purpose) or ``other``.
 
@@ -333,6 +335,10 @@ def classify(ev: OpEvent) -> str:
     if ev.injected:
         return "injected"
     born_inf = "+inf" in ev.born or "-inf" in ev.born
+    if ev.phase is Phase.BACKWARD and ev.node and any(s.has_nan for s in inputs_of(ev)):
+        # what the node saved in forward already held NaN: the forward value was NaN and
+        # hidden (torch.where, a mask by 0) before the loss; backward multiplies 0 by it
+        return "hidden-nan"
     if ev.phase is Phase.BACKWARD and ev.node:
         cls = _NODE_CLASS.get(node_base(ev.node))
         if cls is not None:

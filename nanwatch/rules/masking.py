@@ -179,6 +179,9 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
     cause = cause_of(a)
     if cause is not None:
+        if cause.kind == "hidden-nan":
+            yield _hidden_nan(ctx, a, cause.event)
+            return
         if cause.kind == "inf-arith":
             yield from _masked_by_hand(ctx, a, cause.event, cause.trigger)
             return
@@ -241,6 +244,42 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         explanation=_EXPLAIN,
         fix=_fix_for(ctx, a.record.call),
         priority=20,
+    )
+
+
+def _hidden_nan(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
+    """A backward node whose saved forward values held NaN: the forward's NaN never reached
+    the loss (``torch.where(mask, (p - y) ** 2, 0)`` with NaN targets, ``x * 0``), and the
+    gradient through the hidden branch is 0 × NaN = NaN."""
+    bad = [(n, st) for n, st in ev.inputs if st is not None and st.has_nan]
+    evidence = [
+        f"{ev.node} saved its forward {n}: {describe_stat(st)}: it already held NaN in "
+        "forward, so this gradient was not born here"
+        for n, st in bad[:2]
+    ]
+    evidence.append(
+        "the loss was finite: a torch.where or a multiplication by a 0 mask hid those NaN "
+        "from it, but backward still multiplies their gradient (0) by them: 0 × NaN = NaN"
+    )
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="NaN hidden by a mask in forward, NaN gradient in backward",
+        evidence=evidence,
+        explanation=(
+            "A value that held NaN (a NaN target in a masked window, a log of a negative "
+            "number in the unselected branch) was selected away by torch.where or zeroed by "
+            "a mask, so the loss stayed finite. Autograd still computes the gradient of the "
+            "discarded branch, and 0 times NaN is NaN: every weight gets NaN. Clean the "
+            "value before it enters the expression, not after."
+        ),
+        fix=(
+            "y = torch.nan_to_num(y)                        # clean the NaN before the op\n"
+            "loss = torch.where(mask, (p - y) ** 2, 0.0)    # now its gradient is finite\n"
+            "# or select first: loss = ((p[mask] - y[mask]) ** 2).mean()"
+        ),
     )
 
 
