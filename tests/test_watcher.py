@@ -2036,3 +2036,22 @@ def test_a_nan_numerator_of_a_finite_division_is_not_blamed_on_the_division() ->
         ((((p - y) ** 2) * m).sum() / m.sum()).backward()
         nw.step()
     assert all(d.code != "NW111" for d in nw.history[0].diagnoses)
+
+
+def test_gradients_zeroed_by_a_nan_are_not_called_vanishing() -> None:
+    """L1Loss of a NaN prediction sends back sign(NaN) = 0: after the weights went NaN
+    every output gradient is 0, which is the NaN's doing, not dead units (NW304)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    crit = nn.L1Loss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch.watch(model, crit, on_anomaly="record", postmortem=False) as nw:
+        for step in range(10):
+            x = torch.rand(8, 6)
+            if step == 2:
+                x[3] = float("inf")
+            crit(model(x), torch.rand(8, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+    assert not any(d.code == "NW304" for t in nw.history for d in t.diagnoses)

@@ -574,6 +574,10 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
     pseen: dict[str, bool] = {}
     dtypes: dict[str, str] = {}
     by_norm: set[str] = set()
+    if any(r.stat is not None and (r.stat.has_nan or r.stat.has_posinf) for r in trace.records):
+        # a step with NaN says nothing of vanishing gradients: L1's sign(NaN) is 0, and a
+        # gradient of 0 there is the NaN's doing, not dead units
+        return set(), set(), dtypes, by_norm
     called = {r.path for r in trace.records if r.phase is Phase.FORWARD}
     for r in trace.records:
         s = r.stat
