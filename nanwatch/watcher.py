@@ -1863,20 +1863,23 @@ class Watcher:
         self, recs: list[Record], grads: Sequence[torch.Tensor | None], values: list[float]
     ) -> None:
         total = 0.0
-        for rec, g, n in zip(recs, grads, values, strict=True):
+        for rec, g, value in zip(recs, grads, values, strict=True):
+            n = value
             numel = g.numel() if g is not None else rec_numel(rec)
             # positional: min, max, numel, nan, posinf, neginf, zeros, near_max,
             # finite_amax, bad_rows, bad_row_count, norm
             rec.stat = TensorStat(-n, n, numel, None, None, None, None, None, None, None, None, n)
-            total += n * n
             if n - n != 0:  # inf or NaN (or a norm that overflowed: the counts tell)
                 if g is not None:
                     detail = describe(g)
                     if detail is not None:
+                        if detail.finite:  # squares past the dtype's max: sum them in float64
+                            n = _norm64(g)
                         detail.norm = n
                         rec.stat = detail
                 if not rec.stat.finite:
                     self._note_bad(rec)
+            total += n * n
         self._trace.grad_norm = math.sqrt(total) if math.isfinite(total) else total
 
     def _param_maxima(self) -> list[torch.Tensor]:
@@ -2845,6 +2848,17 @@ def _grad_ends_here(t: torch.Tensor) -> bool:
     if fn is None:
         return False
     return all(nxt is None or ops.accumulates_grad(nxt) for nxt, _ in fn.next_functions)
+
+
+def _norm64(g: torch.Tensor) -> float:
+    """The L2 norm of a finite gradient whose squares overflow its dtype (values past
+    sqrt(finfo.max)), in float64; inf when even that overflows or it cannot be read."""
+    try:
+        with torch.no_grad():
+            v = g.coalesce().values() if g.is_sparse else g
+            return float(torch.linalg.vector_norm(v.detach().double()))
+    except Exception:
+        return math.inf
 
 
 def _finite(t: torch.Tensor) -> bool:

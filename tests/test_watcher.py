@@ -2055,3 +2055,13 @@ def test_gradients_zeroed_by_a_nan_are_not_called_vanishing() -> None:
             opt.zero_grad()
             nw.step()
     assert not any(d.code == "NW304" for t in nw.history for d in t.diagnoses)
+
+
+def test_a_finite_gradient_whose_squares_overflow_has_a_finite_norm() -> None:
+    model = nn.Linear(4, 2)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        (model(torch.randn(8, 4)).sum() * 1e21).backward()
+        nw.step()
+    t = nw.history[0]
+    assert t.anomaly is None and t.grad_norm is not None and math.isfinite(t.grad_norm)
+    assert t.grad_norm > 1e21
