@@ -2065,3 +2065,19 @@ def test_a_finite_gradient_whose_squares_overflow_has_a_finite_norm() -> None:
     t = nw.history[0]
     assert t.anomaly is None and t.grad_norm is not None and math.isfinite(t.grad_norm)
     assert t.grad_norm > 1e21
+
+
+def test_a_fractional_power_of_negative_predictions_gets_a_positive_parameterization() -> None:
+    """mu ** -0.5 of a raw Linear output (a Tweedie loss): NaN below 0. A relu or a
+    sign-keeping power would make inf or flip the rate; the fix is a positive link."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    with nanwatch.watch(model, mode="forensic", on_anomaly="record", postmortem=False) as nw:
+        mu = model(torch.randn(64, 4)).squeeze(-1)
+        y = torch.rand(64)
+        (-y * mu.pow(-0.5) / 0.5 + mu.pow(0.5) / 0.5).mean().backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW112"
+    assert "softplus" in d.fix and "relu(" not in d.fix.split("#")[0]
+    assert "** -0.5" not in d.fix

@@ -691,7 +691,11 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
     evidence += _chain_evidence(ev, trigger, ev.born)
     own = scalar_base(ev) is None  # x is the base, not a tensor exponent
     # a sqrt of values negative in their own right (predictions), not by rounding
-    negative = own and e is None and x is not None and x.min < 0
+    # (a sqrt, or a fractional power: mu ** -0.5 of a raw rate in a Tweedie loss)
+    fractional = e is None or (
+        isinstance(e, (int, float)) and not isinstance(e, bool) and not float(e).is_integer()
+    )
+    negative = own and fractional and x is not None and x.min < 0
     negative = negative and x is not None and not _rounding_negative(x, ev.dtype)
     return ctx.diagnosis(
         **op_fields(ev, a),
@@ -735,8 +739,10 @@ def _negative_root_fix(ev: OpEvent) -> str:
     head = f"{own}   # softplus keeps them positive" if own else "w = F.softplus(raw)   # > 0"
     return (
         f"{head}; use the same at inference\n"
-        "# or predict the log: w = raw.exp(), and compare log-widths instead of roots\n"
-        "# not .clamp_min(0): it zeroes the gradient of every negative prediction"
+        "# or predict the log: w = raw.exp() (a log link), and work with logs instead of "
+        "roots or powers\n"
+        "# not .clamp_min(0) or relu: it zeroes the gradient of every negative prediction, "
+        "and a negative power of 0 is inf"
     )
 
 
