@@ -691,9 +691,13 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
     evidence += _chain_evidence(ev, trigger, ev.born)
     own = scalar_base(ev) is None  # x is the base, not a tensor exponent
     # a sqrt of values negative in their own right (predictions), not by rounding
-    # (a sqrt, or a fractional power: mu ** -0.5 of a raw rate in a Tweedie loss)
+    # (a sqrt, or a negative fractional power: mu ** -0.5 of a raw rate in a Tweedie loss,
+    # whose signed power would be inf at 0; a positive one keeps the signed-power fix)
     fractional = e is None or (
-        isinstance(e, (int, float)) and not isinstance(e, bool) and not float(e).is_integer()
+        isinstance(e, (int, float))
+        and not isinstance(e, bool)
+        and e < 0
+        and not float(e).is_integer()
     )
     negative = own and fractional and x is not None and x.min < 0
     negative = negative and x is not None and not _rounding_negative(x, ev.dtype)
