@@ -53,6 +53,10 @@ class TensorStat:
     #: L2 norm, for parameters and gradients (their min/max are then -norm/+norm, an upper
     #: bound of |x|, until counted).
     norm: float | None = None
+    #: for a 2-D batch (rows of features): the columns holding a non-finite value (first
+    #: few) and how many do (a missing-value column, a zero-std standardization).
+    bad_cols: tuple[int, ...] | None = None
+    bad_col_count: int | None = None
 
     @property
     def counted(self) -> bool:
@@ -119,7 +123,9 @@ class TensorStat:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"min": _num(self.min), "max": _num(self.max), "numel": self.numel}
-        for name in ("nan", "posinf", "neginf", "zeros", "near_max", "bad_row_count"):
+        for name in (
+            "nan", "posinf", "neginf", "zeros", "near_max", "bad_row_count", "bad_col_count"
+        ):  # fmt: skip
             v = getattr(self, name)
             if v is not None:
                 d[name] = v
@@ -129,6 +135,8 @@ class TensorStat:
             d["norm"] = _num(self.norm)
         if self.bad_rows is not None:
             d["bad_rows"] = list(self.bad_rows)
+        if self.bad_cols is not None:
+            d["bad_cols"] = list(self.bad_cols)
         return d
 
     @classmethod
@@ -149,6 +157,8 @@ class TensorStat:
             bad_rows=None if rows is None else tuple(rows),
             bad_row_count=d.get("bad_row_count"),
             norm=None if norm is None else _unnum(norm),
+            bad_cols=None if d.get("bad_cols") is None else tuple(d["bad_cols"]),
+            bad_col_count=d.get("bad_col_count"),
         )
 
 

@@ -262,8 +262,13 @@ def describe(t: torch.Tensor, *, rows: bool = False, max_rows: int = 8) -> Tenso
             mn, mx = (float(x) for x in aminmax(v))
         bad_rows: tuple[int, ...] | None = None
         bad_count: int | None = None
+        bad_cols: tuple[int, ...] | None = None
+        col_count: int | None = None
         if flags is not None:
             bad_rows, bad_count = rows_from_flags(flags, max_rows=max_rows)
+            if bad_count and v.dim() == 2 and not v.is_complex():  # rows of features
+                cols = ~torch.isfinite(v).all(dim=0)
+                bad_cols, col_count = rows_from_flags(cols, max_rows=max_rows)
     return TensorStat(
         min=mn,
         max=mx,
@@ -276,6 +281,8 @@ def describe(t: torch.Tensor, *, rows: bool = False, max_rows: int = 8) -> Tenso
         finite_amax=float(famax) if has_finite else None,
         bad_rows=bad_rows,
         bad_row_count=bad_count,
+        bad_cols=bad_cols,
+        bad_col_count=col_count,
     )
 
 

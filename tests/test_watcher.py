@@ -2081,3 +2081,17 @@ def test_a_fractional_power_of_negative_predictions_gets_a_positive_parameteriza
     assert d.code == "NW112"
     assert "softplus" in d.fix and "relu(" not in d.fix.split("#")[0]
     assert "** -0.5" not in d.fix
+
+
+def test_bad_tabular_data_names_its_feature_columns() -> None:
+    model = nn.Linear(8, 1)
+    x = torch.randn(32, 8)
+    x[:, 3] = float("nan")  # a missing-value column
+    x[9, 6] = float("inf")
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        model(x).sum().backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW401"
+    assert any("; feature columns 3, 6 (2 of 8)" in e for e in d.evidence)
+    assert nw.report.to_dict()["steps"][0]["records"][0]["stat"]["bad_cols"] == [3, 6]

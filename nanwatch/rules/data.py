@@ -47,6 +47,15 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
                 + more
                 + f" ({n:,} of {total})"
             )
+        if s is not None and s.bad_cols and len(r.shape) == 2:
+            n = s.bad_col_count if s.bad_col_count is not None else len(s.bad_cols)
+            more = ", ..." if n > len(s.bad_cols) else ""
+            rows += (
+                f"; feature column{'s' if n != 1 else ''} "
+                + ", ".join(map(str, s.bad_cols))
+                + more
+                + f" ({n:,} of {r.shape[1]})"
+            )
         evidence.append(
             f"{r.role} of {a.path} ({r.dtype}, shape {list(r.shape)}) holds "
             f"{s.kinds() if s else 'NaN'}{rows}"
