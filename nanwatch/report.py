@@ -575,6 +575,8 @@ def anomaly_headline(a: Anomaly) -> str:
     k = a.kind
     if k is AnomalyKind.INPUT:
         text = f"{kinds} in the input data ({a.record.role} of {a.path})"
+    elif k is AnomalyKind.FORWARD and a.origin == "between-roots":
+        text = f"{kinds} born in code outside the watched modules, in the input of {a.path}"
     elif k is AnomalyKind.FORWARD:
         text = f"{kinds} born in the forward of {a.path}"
     elif k is AnomalyKind.BACKWARD and a.origin == "after-output":

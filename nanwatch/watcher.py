@@ -1623,11 +1623,13 @@ class Watcher:
                 t = tensors[0] if isinstance(tensors[0], torch.Tensor) else None
             if t is None or t.numel() != 1 or not t.is_floating_point():
                 return
-            if not self._compiled_warned and not any(
-                c.root and not c.is_loss for c in self._trace.calls
-            ):  # only the criterion, or nothing, ran in eager mode: a compiled model?
+            if not self._compiled_warned and all(c.is_loss for c in self._trace.calls):
+                # only the criterion, or nothing, ran in eager mode: a compiled model? (any
+                # module call counts: checkpoint_sequential calls a root's children alone)
                 with _NO_TORCH_FUNCTION():
-                    self._warn_if_unwatched(t)
+                    # sentinel hooks only the roots: children called one by one (by hand,
+                    # checkpoint_sequential) leave no call, so only a compiled graph tells
+                    self._warn_if_unwatched(t, compiled_only=not self._full)
             entry = self._known.get(id(t))
             if entry is not None and entry[0]() is t:
                 return  # a watched module (the criterion) produced it: already recorded
@@ -1753,12 +1755,16 @@ class Watcher:
         """The user's ``loss.backward()`` line, taken by the backward tap (forensic)."""
         return self._backward_site
 
-    def _warn_if_unwatched(self, loss: torch.Tensor) -> None:
+    def _warn_if_unwatched(self, loss: torch.Tensor, *, compiled_only: bool = False) -> None:
         """backward() runs through watched parameters although no watched module ran in
         eager mode this step: the model runs compiled (torch.compile traces hooks away) or
-        from another thread. Say so once instead of watching nothing in silence."""
+        from another thread. Say so once instead of watching nothing in silence.
+        ``compiled_only``: only when the graph holds a compiled function's node."""
         ours = {id(p) for _, _, p in self._params}
-        for node in ops.GraphWalk([loss.grad_fn], limit=10_000):
+        nodes = list(ops.GraphWalk([loss.grad_fn], limit=10_000))
+        if compiled_only and not any("CompiledFunction" in type(n).__name__ for n in nodes):
+            return
+        for node in nodes:
             var = getattr(node, "variable", None)
             if var is not None and id(var) in ours:
                 self._compiled_warned = True

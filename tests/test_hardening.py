@@ -484,3 +484,22 @@ def test_a_copy_or_pickle_of_a_watched_model_carries_none_of_nanwatchs_hooks() -
         assert nw.first_anomaly is None
     finally:
         user.remove()
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_children_called_one_by_one_are_not_taken_for_a_compiled_model(mode: str) -> None:
+    """checkpoint_sequential (or a loop over a Sequential) calls the root's children, never
+    the root: in sentinel mode, where only roots are hooked, that is no compiled model."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    criterion = nn.MSELoss()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with nanwatch.watch(model, criterion, mode=mode, postmortem=False) as nw:
+            for _ in range(2):
+                out = torch.utils.checkpoint.checkpoint_sequential(
+                    model, 2, torch.randn(8, 4), use_reentrant=False
+                )
+                criterion(out, torch.randn(8, 1)).backward()
+                nw.step()
+    assert nw.first_anomaly is None
+    assert not [w for w in caught if "torch.compile" in str(w.message)]

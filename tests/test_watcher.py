@@ -2095,3 +2095,20 @@ def test_bad_tabular_data_names_its_feature_columns() -> None:
     assert d.code == "NW401"
     assert any("; feature columns 3, 6 (2 of 8)" in e for e in d.evidence)
     assert nw.report.to_dict()["steps"][0]["records"][0]["stat"]["bad_cols"] == [3, 6]
+
+
+def test_the_headline_of_a_nan_born_between_roots_does_not_blame_the_next_root() -> None:
+    from nanwatch.report import anomaly_headline
+
+    torch.manual_seed(0)
+    enc, head = nn.Sequential(nn.Linear(6, 4), nn.ReLU()), nn.Linear(4, 1)
+    with torch.no_grad():
+        enc[0].bias[1] = -100.0
+    with nanwatch.watch(enc, head, on_anomaly="record", postmortem=False) as nw:
+        h = enc(torch.randn(64, 6))
+        head(h / h.norm(dim=0, keepdim=True)).pow(2).mean().backward()
+    a = nw.first_anomaly
+    assert a is not None
+    assert anomaly_headline(a) == (
+        "NaN born in code outside the watched modules, in the input of Linear, step 0"
+    )
