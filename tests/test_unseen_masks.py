@@ -262,3 +262,25 @@ def test_an_all_ignored_batch_keeps_the_losses_options_for_the_fix() -> None:
     assert [n.data.get("loss_options") for n in notes] == [
         "weight=crit.weight, label_smoothing=0.1"
     ]
+
+
+def test_a_hand_written_masked_fill_is_fixed_on_the_users_own_line_and_runs() -> None:
+    """The template fix 'scores.masked_fill(mask, finfo.min)' dropped the user's ~ and
+    [:, None, :]: pasted, it crashed on shapes and masked the kept keys."""
+    torch.manual_seed(0)
+    proj = nn.Linear(8, 8)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1] = False  # an empty sequence: no key to keep
+    with nanwatch.watch(proj, on_anomaly="record", postmortem=False, mode="forensic") as nw:
+        h = proj(torch.randn(2, 5, 8))
+        scores = h @ h.transpose(1, 2)
+        scores.masked_fill_(~mask[:, None, :], float("-inf"))
+        torch.softmax(scores, dim=-1).sum().backward()
+        nw.step()
+    d = next(d for t in nw.history for d in t.diagnoses if d.code == "NW402")
+    line = d.fix.splitlines()[0].split("  #")[0].strip()
+    assert line == "scores.masked_fill_(~mask[:, None, :], torch.finfo(scores.dtype).min)"
+    scores = torch.randn(2, 5, 5)
+    exec(line, {"torch": torch, "scores": scores, "mask": mask})
+    assert torch.isfinite(torch.softmax(scores, dim=-1)).all()
+    assert (scores[0] > -1e30).all()  # the kept keys of sample 0 stay unmasked

@@ -98,6 +98,32 @@ def _torch_fix(code: str | None) -> str:
     ).strip("\n")
 
 
+_NEG_INF = re.compile(
+    r"""float\(\s*["']-inf(?:inity)?["']\s*\)|-\s*float\(\s*["']inf(?:inity)?["']\s*\)"""
+    r"|-\s*(?:math|torch|np|numpy)\.inf\b",
+    re.IGNORECASE,
+)
+_FILL_CALL = re.compile(r"([A-Za-z_][\w.]*(?:\[[^\]]*\])?)\.masked_fill_?\(")
+
+
+def _own_mask_fix(mask: OpEvent | None) -> str | None:
+    """The user's own masked_fill line with its -inf replaced by the dtype's most negative
+    finite value: the mask expression stays theirs (``~mask[:, None, :]``), so it runs."""
+    if mask is None or not mask.code:
+        return None
+    line = mask.code.split("  #", 1)[0].rstrip()
+    call = _FILL_CALL.search(line)
+    if call is None or len(_NEG_INF.findall(line)) != 1:
+        return None
+    target = call.group(1)
+    fixed = _NEG_INF.sub(lambda _: f"torch.finfo({target}.dtype).min", line)
+    return (
+        f"{fixed.strip()}   # not -inf: a row with every key masked stays finite\n"
+        "# and find why a row has nothing to attend to (an empty sequence, length 0); give "
+        "its output a defined value, or leave it out of the loss"
+    )
+
+
 def _fix_for(ctx: RuleContext, call_id: int, ev: OpEvent | None = None) -> str:
     """A torch.nn attention module builds the -inf mask itself from key_padding_mask, so
     the fix is in what it is given; hand-written attention gets the masking fix. The module
@@ -223,6 +249,8 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
             explanation = _EXPLAIN + _EXPLAIN_CAST.format(dtype=cast.dtype)
         else:
             fix = _fix_for(ctx, a.record.call, ev)
+            if fix == _FIX:  # hand-written attention: rewrite the user's own mask line
+                fix = _own_mask_fix(mask) or fix
             explanation = _EXPLAIN
         yield ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
         return
