@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanwatch
-from nanwatch.records import OpEvent, Phase, StepTrace, TensorStat
+from nanwatch.records import OpEvent, Phase, StepTrace
 from nanwatch.rules._evidence import (
     classify,
     inf_arithmetic,
@@ -29,28 +29,9 @@ from nanwatch.rules._evidence import (
 )
 from nanwatch.rules.base import Diagnosis
 from nanwatch.rules.testing import TraceBuilder, diagnose, stat
+from tests._diagnoses import counted, text, top
 
 NAN, INF = math.nan, math.inf
-
-
-def counted(lo: float, hi: float, **kw: Any) -> TensorStat:
-    return stat(lo, hi, counted=True, **kw)
-
-
-def first_bad(nw: Any) -> StepTrace:
-    bad = [t for t in nw.history if t.anomaly is not None]
-    assert bad, "no anomaly was found"
-    return bad[0]
-
-
-def top(nw: Any) -> Diagnosis:
-    t = first_bad(nw)
-    assert t.diagnoses, f"no diagnosis at step {t.step}"
-    return t.diagnoses[0]
-
-
-def text(d: Diagnosis) -> str:
-    return "\n".join([d.title, *d.evidence, d.explanation, d.fix])
 
 
 # ---------------------------------------------------------------- NaN from two infinities

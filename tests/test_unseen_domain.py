@@ -18,27 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanwatch
-from nanwatch.records import OpEvent, Phase, StepTrace, TensorStat
+from nanwatch.records import OpEvent, Phase, StepTrace
 from nanwatch.rules._evidence import classify, rewrite_divisor, statements
 from nanwatch.rules.base import Diagnosis
 from nanwatch.rules.testing import TraceBuilder, diagnose, stat
+from tests._diagnoses import counted, text, top
 
 NAN, INF = math.nan, math.inf
-
-
-def counted(lo: float, hi: float, **kw: Any) -> TensorStat:
-    return stat(lo, hi, counted=True, **kw)
-
-
-def top(nw: Any) -> Diagnosis:
-    bad = [t for t in nw.history if t.anomaly is not None]
-    assert bad, "no anomaly was found"
-    assert bad[0].diagnoses, f"no diagnosis at step {bad[0].step}"
-    return bad[0].diagnoses[0]
-
-
-def text(d: Diagnosis) -> str:
-    return "\n".join([d.title, *d.evidence, d.explanation, d.fix])
 
 
 def code_lines(fix: str) -> str:

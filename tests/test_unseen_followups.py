@@ -17,26 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanwatch
-from nanwatch.records import TensorStat
 from nanwatch.rules.base import Diagnosis
 from nanwatch.rules.testing import stat
+from tests._diagnoses import counted, top
 
 NAN, INF = math.nan, math.inf
-
-
-def counted(lo: float, hi: float, **kw: Any) -> TensorStat:
-    return stat(lo, hi, counted=True, **kw)
-
-
-def top(nw: Any) -> Diagnosis:
-    bad = [t for t in nw.history if t.anomaly is not None]
-    assert bad, "no anomaly was found"
-    assert bad[0].diagnoses, f"no diagnosis at step {bad[0].step}"
-    return bad[0].diagnoses[0]
-
-
-def text(d: Diagnosis) -> str:
-    return "\n".join([d.title, *d.evidence, d.explanation, d.fix])
 
 
 def all_diagnoses(nw: Any, code: str) -> list[Diagnosis]:

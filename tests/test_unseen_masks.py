@@ -18,26 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanwatch
-from nanwatch.records import StepTrace
-from nanwatch.rules.base import Diagnosis
-
-
-def first_bad(nw: Any) -> StepTrace:
-    bad = [t for t in nw.history if t.anomaly is not None]
-    assert bad, "no anomaly was found"
-    return bad[0]
-
-
-def top(nw: Any) -> Diagnosis:
-    t = first_bad(nw)
-    assert t.diagnoses, f"no diagnosis at step {t.step}"
-    return t.diagnoses[0]
-
-
-def code_lines(fix: str) -> str:
-    """The fix without its comment-only lines, dedented: what a user pastes."""
-    return "\n".join(ln.strip() for ln in fix.splitlines() if not ln.strip().startswith("#"))
-
+from tests._diagnoses import code_lines, first_bad, top
 
 # ---------------------------------------------------------------- NW201: right, not wrong
 

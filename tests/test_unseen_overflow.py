@@ -20,28 +20,12 @@ from torch import nn
 
 import nanwatch
 from nanwatch.records import StepTrace
-from nanwatch.rules.base import Diagnosis
 from nanwatch.rules.overflow import _fix
 from nanwatch.rules.testing import TraceBuilder, diagnose, stat
 from nanwatch.stats import dtype_limits
+from tests._diagnoses import first_bad, text, top
 
 FLT_MAX = torch.finfo(torch.float32).max
-
-
-def first_bad(nw: Any) -> StepTrace:
-    bad = [t for t in nw.history if t.anomaly is not None]
-    assert bad, "no anomaly was found"
-    return bad[0]
-
-
-def top(nw: Any) -> Diagnosis:
-    t = first_bad(nw)
-    assert t.diagnoses, f"no diagnosis at step {t.step}"
-    return t.diagnoses[0]
-
-
-def text(d: Diagnosis) -> str:
-    return "\n".join([d.title, *d.evidence, d.explanation, d.fix])
 
 
 # ---------------------------------------------------------------- the batch did it
