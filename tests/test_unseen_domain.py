@@ -412,3 +412,31 @@ def test_the_nan_learning_rate_fix_runs_when_pasted() -> None:
     sched = torch.optim.lr_scheduler.StepLR(good, 10)
     good.step()
     exec(d.fix, {"optimizer": good, "scheduler": sched})
+
+
+class _CountFeatures(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.log1p(x)
+        return self.fc(x)
+
+
+def test_log1p_of_a_count_sentinel_is_fixed_as_counts_not_as_probabilities() -> None:
+    """-2 stored for 'missing' in a count column: log1p is NaN there. The fix was the
+    log_softmax/logsigmoid list for probabilities."""
+    model = _CountFeatures()
+    x = torch.rand(16, 4) * 10
+    x[3, 1] = -2.0
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        model(x).sum().backward()
+        nw.step()
+    d = top(nw)
+    assert d.code == "NW110" and "log_softmax" not in d.fix
+    line = d.fix.splitlines()[0].split("  #")[0].strip()
+    assert line == "x = torch.log1p(x.clamp_min(0))"
+    ns: dict[str, Any] = {"torch": torch, "x": x.clone()}
+    exec(line, ns)
+    assert torch.isfinite(ns["x"]).all()

@@ -50,6 +50,7 @@ from nanwatch.rules._evidence import (
     short_op,
     shortfall,
     smallest_magnitude,
+    statements,
     untraced_hint,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
@@ -172,6 +173,8 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     poisson = _poisson_use(ctx, a, ev, x) if ev.phase is Phase.FORWARD else None
     if poisson is not None:
         return _log_in_poisson(ctx, a, ev, x, use=poisson, evidence=evidence)
+    if name == "log1p" and ev.phase is Phase.FORWARD:
+        return _log1p_below(ctx, a, ev, x, evidence=evidence)
     return ctx.diagnosis(
         **op_fields(ev, a),
         evidence=evidence,
@@ -183,6 +186,36 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
             "the *_with_logits losses) never forms the 0."
         ),
         fix=_LOG_FIX,
+    )
+
+
+def _log1p_below(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, x: TensorStat | None, *, evidence: list[str]
+) -> Diagnosis:
+    """log1p of -1 or below: not a probability's log but counts or amounts that went
+    negative (a -1/-2 missing-value sentinel, a difference), or log(1 - p) at p = 1."""
+    code = next((st for st in statements(ev.code or "") if "log1p" in st), ev.code)
+    own = rewrite_call(code, ["log1p"], lambda v: f"{paren(v)}.clamp_min(0)")
+    first = (
+        f"{own}   # counts and amounts are >= 0"
+        if own
+        else "y = torch.log1p(x.clamp_min(0))   # counts and amounts are >= 0"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=(
+            "log1p(x) = log(1 + x) is -inf at x = -1 and NaN below it. It is used on counts "
+            "and amounts (log1p(clicks), log1p(price)), which cannot be below 0: a value of -1 "
+            "or less is a missing-value sentinel (-1, -2, -999) or an error upstream, not a "
+            "measurement; or it is log(1 - p) of a probability that reached 1."
+        ),
+        fix=(
+            f"{first}\n"
+            "# better: where the data is made, turn the sentinel into a missing-value "
+            "indicator column and a neutral value\n"
+            "y = torch.log1p(-p.clamp_max(1 - torch.finfo(p.dtype).eps))   # log(1 - p)"
+        ),
     )
 
 
