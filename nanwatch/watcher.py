@@ -1763,7 +1763,8 @@ class Watcher:
         ours = {id(p) for _, _, p in self._params}
         nodes = list(ops.GraphWalk([loss.grad_fn], limit=10_000))
         if compiled_only and not any("CompiledFunction" in type(n).__name__ for n in nodes):
-            return
+            self._compiled_warned = True  # eager children called one by one: decided, and
+            return  # not walked again at every step
         for node in nodes:
             var = getattr(node, "variable", None)
             if var is not None and id(var) in ours:
