@@ -22,6 +22,7 @@ from nanwatch.records import OpEvent, Phase, StepTrace
 from nanwatch.rules._evidence import classify, rewrite_divisor, statements
 from nanwatch.rules.base import Diagnosis
 from nanwatch.rules.testing import TraceBuilder, diagnose, stat
+from tests import zoo
 from tests._diagnoses import counted, text, top
 
 NAN, INF = math.nan, math.inf
@@ -35,25 +36,11 @@ def code_lines(fix: str) -> str:
 # ---------------------------------------------------------------- number ** tensor
 
 
-class Rope(nn.Module):
-    """Rotary angles computed in the model's dtype: theta = base ** (i / d)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        i = torch.arange(0, 16, 2, dtype=x.dtype)
-        theta = 1e6 ** (i / 16)
-        ang = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * theta
-        return self.lin(x) * ang.cos().repeat_interleave(2, -1)
-
-
 def test_a_number_raised_to_a_float16_tensor_power_is_an_overflow_not_a_root() -> None:
     """It was NW112 'sqrt or fractional power at zero or below' with 'aten.pow.Scalar at 0
     is inf': the exponent tensor was read as the base."""
     torch.manual_seed(0)
-    m = Rope().half()
+    m = zoo.Rope().half()
     with nanwatch.watch(m, on_anomaly="record", postmortem=False) as nw:
         m(torch.randn(2, 4, 16, dtype=torch.float16)).float().sum().backward()
         nw.step()

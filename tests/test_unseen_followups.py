@@ -19,6 +19,7 @@ from torch import nn
 import nanwatch
 from nanwatch.rules.base import Diagnosis
 from nanwatch.rules.testing import stat
+from tests import zoo
 from tests._diagnoses import counted, top
 
 NAN, INF = math.nan, math.inf
@@ -327,22 +328,10 @@ def test_the_forensic_rerun_names_a_criterion_only_when_one_was_watched() -> Non
 # ---------------------------------------------------------------- number ** tensor overflow
 
 
-class Rope(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        i = torch.arange(0, 16, 2, dtype=x.dtype)
-        theta = 1e6 ** (i / 16)
-        ang = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * theta
-        return self.lin(x) * ang.cos().repeat_interleave(2, -1)
-
-
 def test_a_number_to_a_tensor_power_names_the_base_and_the_power_that_overflowed() -> None:
     """It said 'inputs up to |x| = 0.875': the exponent, not the value that overflowed."""
     torch.manual_seed(0)
-    m = Rope().half()
+    m = zoo.Rope().half()
     with nanwatch.watch(m, on_anomaly="record", postmortem=False) as nw:
         m(torch.randn(2, 4, 16, dtype=torch.float16)).float().sum().backward()
         nw.step()

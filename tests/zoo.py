@@ -168,3 +168,17 @@ class Regularized(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.gated(self.hidden(self.features(x))))
+
+
+class Rope(nn.Module):
+    """Rotary angles computed in the model's dtype: theta = base ** (i / d)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        i = torch.arange(0, 16, 2, dtype=x.dtype)
+        theta = 1e6 ** (i / 16)
+        ang = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * theta
+        return self.lin(x) * ang.cos().repeat_interleave(2, -1)
