@@ -223,6 +223,9 @@ def absorbed_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             "(another pooling, a mask that is off by one) turns it into NaN losses."
         ),
         fix=(
-            "x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)   # pad with a finite value"
+            "# padding: pad with a finite value, the mask still says which positions are real\n"
+            "x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)\n"
+            "# missing values the model imputes itself (torch.where(torch.isnan(x), fill, x)):\n"
+            "# nothing to fix; keep the warning out with nanwatch.watch(..., ignore=['NW406'])"
         ),
     )
