@@ -582,16 +582,20 @@ def rewrite_subtrahend(code: str | None, wrap: Callable[[str], str]) -> str | No
     """
     if not code:
         return None
-    line = code.split("  #", 1)[0].rstrip()
-    hits = [m.start() for m in re.finditer(r"(?<=[\w\)\]]) - (?=[\w(])", line)]
+    return _rewrite_right_operand(code.split("  #", 1)[0].rstrip(), "-", wrap)
+
+
+def _rewrite_right_operand(line: str, op: str, wrap: Callable[[str], str]) -> str | None:
+    """``line`` with the right operand of its one binary ``op`` (spaced: ``a - b``,
+    ``a / b``) passed through ``wrap``; None when it has none, or more than one."""
+    hits = [m.start() for m in re.finditer(rf"(?<=[\w\)\]]) {re.escape(op)} (?=[\w(])", line)]
     if len(hits) != 1:
         return None
-    start = hits[0] + 3
+    start = hits[0] + len(op) + 2
     end = _operand_end(line, start)
     if end is None:
         return None
-    operand = line[start:end]
-    return line[:start] + wrap(operand) + line[end:]
+    return line[:start] + wrap(line[start:end]) + line[end:]
 
 
 _HEADER = re.compile(r"^(?:with|if|elif|else|for|while|try|except|finally)\b")
@@ -656,15 +660,7 @@ def rewrite_divisor(code: str | None, wrap: Callable[[str], str]) -> str | None:
     found = [st for st in statements(code) if re.search(r"(?<=[\w\)\]]) / (?=[\w(])", st)]
     if len(found) != 1:
         return None
-    line = found[0]
-    hits = [m.start() for m in re.finditer(r"(?<=[\w\)\]]) / (?=[\w(])", line)]
-    if len(hits) != 1:
-        return None
-    start = hits[0] + 3
-    end = _operand_end(line, start)
-    if end is None:
-        return None
-    return line[:start] + wrap(line[start:end]) + line[end:]
+    return _rewrite_right_operand(found[0], "/", wrap)
 
 
 def infinities(s: TensorStat) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 from nanwatch.records import Phase, StepTrace
 from nanwatch.rules._evidence import (
@@ -123,9 +124,7 @@ def _bce_saturation(ctx: RuleContext, use: LossUse, frac: float) -> Diagnosis | 
     lim = limits(dtype)
     one_at = fmt(math.log(2 / lim.eps)) if lim is not None else "?"
     return ctx.diagnosis(
-        path=use.path,
-        phase=Phase.FORWARD.value,
-        source=use.note.source if use.note is not None else None,
+        **_at_loss(use),
         severity="error" if strong else "warning",
         evidence=evidence,
         explanation=(
@@ -246,9 +245,7 @@ def _range(use: LossUse) -> str:
 def sigmoid_bce(ctx: RuleContext) -> Iterator[Diagnosis]:
     for use, what in _pairing(ctx, "bce", "sigmoid"):
         yield ctx.diagnosis(
-            path=use.path,
-            phase=Phase.FORWARD.value,
-            source=use.note.source if use.note is not None else None,
+            **_at_loss(use),
             evidence=[f"{use.path}'s input is {what}{_range(use)}"],
             explanation=(
                 "BCELoss on sigmoid outputs computes log(sigmoid(x)) in two steps: for "
@@ -286,9 +283,7 @@ def softmax_ce(ctx: RuleContext) -> Iterator[Diagnosis]:
                 + " (on logits a perfect model reaches 0)"
             )
         yield ctx.diagnosis(
-            path=use.path,
-            phase=Phase.FORWARD.value,
-            source=use.note.source if use.note is not None else None,
+            **_at_loss(use),
             evidence=evidence,
             explanation=(
                 "CrossEntropyLoss = log_softmax + NLLLoss: it expects raw logits. Given "
@@ -327,9 +322,7 @@ def softmax_nll(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "bounded in [-1, 0]"
             )
         yield ctx.diagnosis(
-            path=use.path,
-            phase=Phase.FORWARD.value,
-            source=use.note.source if use.note is not None else None,
+            **_at_loss(use),
             evidence=evidence,
             explanation=(
                 "NLLLoss only picks -input[target]: it expects log-probabilities "
@@ -439,13 +432,20 @@ def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "probabilities exist"
             )
         yield ctx.diagnosis(
-            path=use.path,
-            phase=Phase.FORWARD.value,
-            source=use.note.source if use.note is not None else None,
+            **_at_loss(use),
             evidence=evidence,
             explanation=explanation,
             fix=fix,
         )
+
+
+def _at_loss(use: LossUse) -> dict[str, Any]:
+    """Where a diagnosis about a loss call points: the loss, in forward, at the user's line."""
+    return {
+        "path": use.path,
+        "phase": Phase.FORWARD.value,
+        "source": use.note.source if use.note is not None else None,
+    }
 
 
 #: activations whose output CrossEntropyLoss / NLLLoss may take, or that NW203 / NW204 name
@@ -475,9 +475,7 @@ def _kl_div_on_probabilities(ctx: RuleContext, use: LossUse) -> Diagnosis | None
         evidence.append(f"the loss is {fmt(loss)}: a KL divergence is never negative")
     return ctx.diagnosis(
         title="Probabilities where log-probabilities are expected",
-        path=use.path,
-        phase=Phase.FORWARD.value,
-        source=use.note.source if use.note is not None else None,
+        **_at_loss(use),
         evidence=evidence,
         explanation=(
             "KLDivLoss (F.kl_div) takes the model's log-probabilities as its input and "
@@ -517,9 +515,7 @@ def _kl_div_probability_log_target(ctx: RuleContext, use: LossUse) -> Diagnosis 
     )
     return ctx.diagnosis(
         title="Probabilities where log-probabilities are expected",
-        path=use.path,
-        phase=Phase.FORWARD.value,
-        source=use.note.source if use.note is not None else None,
+        **_at_loss(use),
         evidence=evidence,
         explanation=(
             "With log_target=True, KLDivLoss (F.kl_div) takes the target as "
@@ -600,9 +596,7 @@ def ignored_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
         if escalate and a is not None:
             evidence.append(f"and it did: {a.summary}")
         yield ctx.diagnosis(
-            path=use.path,
-            phase=Phase.FORWARD.value,
-            source=use.note.source if use.note is not None else None,
+            **_at_loss(use),
             severity="error" if escalate else "warning",
             priority=5 if escalate else 30,
             evidence=evidence,
