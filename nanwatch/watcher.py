@@ -1635,7 +1635,7 @@ class Watcher:
                 return  # a watched module (the criterion) produced it: already recorded
             with _NO_TORCH_FUNCTION():
                 self._record_loss(t)
-                if self._full and not self._forensic and not self._scaled:
+                if self._full and not self._forensic:
                     self._hook_loss_graph(t)
         except NanwatchError:
             raise

@@ -120,6 +120,33 @@ def test_an_untraced_scaler_collapse_names_the_sqrt_from_the_records() -> None:
     assert "torch.linalg.vector_norm(a - b, dim=-1)" in d.fix
 
 
+def test_a_scaler_collapse_from_loss_code_names_the_loss_op_and_its_fix() -> None:
+    """An RMSE written in the loop, sqrt(mean(d ** 2)), whose residual is exactly zero:
+    without a scaler it is NW112 on the loss code's sqrt; with one, NW305 said only
+    'detect_anomaly' because the loss code's backward nodes were not checked in scaled
+    steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        for step in range(12):
+            x, y = torch.randn(16, 4), torch.randn(16, 1)
+            out = model(x)
+            d = out - y if step < 3 else (out - y) * 0
+            loss = torch.sqrt((d**2).mean())
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            nw.step()
+    d305 = all_diagnoses(nw, "NW305")[0]
+    assert (d305.step, d305.path) == (10, "(loss)")
+    assert any("[op aten.sqrt in SqrtBackward0" in e for e in d305.evidence)
+    assert any(e.startswith("NW112 sqrt or fractional power at zero") for e in d305.evidence)
+    assert "torch.linalg.vector_norm(a - b, dim=-1)" in d305.fix
+
+
 class UnitNorm(torch.autograd.Function):
     """x / |x| with a hand-written backward: (g - y (g·y)) / |x| is 0/0 at a zero row."""
 
