@@ -212,14 +212,19 @@ def _exit_code(exc: SystemExit) -> int:
 
 def _end_of_run_report(nw: Any, script: str) -> None:
     """The script ended with anomalies it was told to record or warn about: write the
-    report and say where it is."""
+    report and say where it is. In a distributed run (world size > 1) each rank writes its
+    own: ``<script>-rank<r>.json``."""
     import os
 
     from nanwatch.render import print_summary
 
     stem = os.path.splitext(os.path.basename(script))[0]
     try:
-        paths = nw.report.save_all(nw.config.report_dir, stem=stem)
+        report = nw.report
+        env = report.environment
+        if env.rank is not None and (env.world_size or 0) > 1:
+            stem = f"{stem}-rank{env.rank}"
+        paths = report.save_all(nw.config.report_dir, stem=stem)
     except Exception as err:  # the script ended as it chose: its exit code stays its own
         print(
             f"nanwatch: could not write the report to {str(nw.config.report_dir)!r} "
@@ -227,7 +232,7 @@ def _end_of_run_report(nw: Any, script: str) -> None:
             file=sys.stderr,
         )
         return
-    print_summary(nw.report, paths, console=_console(stderr=True))
+    print_summary(report, paths, console=_console(stderr=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

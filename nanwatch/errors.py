@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,6 +27,10 @@ class ConfigError(NanwatchError, ValueError):
         self.name = name
         self.value = value
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the default (cls(*args)) would call __init__ with the message alone
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
+
 
 ConfigError.__module__ = "nanwatch"
 
@@ -44,6 +49,10 @@ class AnomalyError(NanwatchError):
         super().__init__(message)
         self.anomaly = anomaly
         self.diagnoses = list(diagnoses or [])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # the default (cls(*args)) would miss the keyword-only ``anomaly``
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
     @property
     def diagnosis(self) -> Any:
@@ -67,7 +76,28 @@ class ReportFormatError(NanwatchError, ValueError):
 ReportFormatError.__module__ = "nanwatch"
 
 
-class GuardError(NanwatchError, ValueError):
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """Unpickle an exception whose ``__init__`` takes more than its message."""
+    err = cls.__new__(cls, *args)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
+
+class _GuardErrorType(type):
+    """The metaclass of GuardError: a GuardError made on demand to also be torch's error type
+    (:func:`guard_error_class`) pickles as that call, so another process (a DataLoader
+    worker's main process, a multiprocessing pool) rebuilds the same class by its base."""
+
+
+def _reduce_guard_error_type(cls: _GuardErrorType) -> Any:
+    base = cls.__dict__.get("torch_error_type")
+    if base is not None and _GUARD_CLASSES.get(base) is cls:
+        return (guard_error_class, (base,))
+    return cls.__qualname__  # a class defined in a module: by reference, as usual
+
+
+class GuardError(NanwatchError, ValueError, metaclass=_GuardErrorType):
     """A loss or embedding input that would fail or silently go wrong, caught before the
     kernel ran.
 
@@ -196,6 +226,9 @@ def guard_error_class(torch_error: type[BaseException]) -> type[GuardError]:
             cls.torch_error_type = torch_error
         _GUARD_CLASSES[torch_error] = cls
     return cls
+
+
+copyreg.pickle(_GuardErrorType, _reduce_guard_error_type)
 
 
 def _rebuild_guard_error(

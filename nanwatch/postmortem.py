@@ -51,6 +51,15 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "unspecified launch failure",
         ),
     ),
+    (
+        "peer-failure",  # torch.distributed's backends when another rank went away
+        (
+            "Connection closed by peer",
+            "Connection reset by peer",
+            "remote worker crashing",
+            "remote process exited",
+        ),
+    ),
     ("autograd-inplace", ("modified by an inplace operation",)),
     ("anomaly", ("AnomalyError",)),
     ("guard", ("GuardError",)),
@@ -113,6 +122,11 @@ ADVICE: dict[str, str] = {
         "the batch size, use autocast (bfloat16/float16) or activation checkpointing; "
         "torch.cuda.memory_summary() shows what holds memory, and "
         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True reduces fragmentation."
+    ),
+    "peer-failure": (
+        "A peer rank failed first and broke its connection to this one, so this error is a "
+        "consequence: that rank's own report (one file per rank in the report directory, "
+        "-rank<r>- in its name) names the cause."
     ),
     "autograd-inplace": (
         "Autograd saved a tensor for the backward pass and an in-place op changed it before "
@@ -266,12 +280,29 @@ def report_stem(report: Report, when: datetime.datetime | None = None) -> str:
     return f"nanwatch-{when:%Y%m%d-%H%M%S}-rank{rank}-step{step}"
 
 
-def _free_stem(directory: Path, stem: str) -> str:
+def _save_new(report: Report, directory: Path, stem: str) -> tuple[Path, str]:
+    """Save ``report`` as ``<stem>.json`` under a name no other process holds: the name is
+    claimed by creating the file exclusively (``O_EXCL``), the next suffix (``-2``, ``-3``,
+    ...) when taken, so two ranks or jobs writing at the same second never overwrite each
+    other. Returns the JSON path and the stem (the HTML page takes the same)."""
+    directory.mkdir(parents=True, exist_ok=True)
     candidate, n = stem, 1
-    while (directory / f"{candidate}.json").exists() or (directory / f"{candidate}.html").exists():
+    while True:
+        json_path = directory / f"{candidate}.json"
+        if not (directory / f"{candidate}.html").exists():
+            try:
+                os.close(os.open(json_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            except FileExistsError:
+                pass
+            else:
+                try:
+                    return report.save(json_path), candidate
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(json_path)
+                    raise
         n += 1
         candidate = f"{stem}-{n}"
-    return candidate
 
 
 # ---------------------------------------------------------------------- capture
@@ -303,13 +334,21 @@ def write_report(
         >>> write_report(nw, announce=False)          # doctest: +SKIP
         PosixPath('nanwatch-reports/nanwatch-20261122-101500-rank0-step41.json')
     """
+    # a SIGTERM now waits until the report is written and announced; after a post-mortem
+    # (the run is over) it ends the process with no second report
+    with _DeferSignal(final=exc is not None or reason is not None):
+        return _write_report(watcher, exc=exc, reason=reason, announce=announce)
+
+
+def _write_report(
+    watcher: Watcher, *, exc: BaseException | None, reason: str | None, announce: bool
+) -> Path | None:
     directory = Path(watcher.config.report_dir)
     try:
         from nanwatch.report import Report
 
         report = Report.from_watcher(watcher, exc, reason=reason)
-        stem = _free_stem(directory, report_stem(report))
-        json_path = report.save(directory / f"{stem}.json")
+        json_path, stem = _save_new(report, directory, report_stem(report))
     except Exception as err:
         what = "the post-mortem report" if exc is not None or reason else "the report"
         _warn(
@@ -358,6 +397,64 @@ def _warn(message: str) -> None:
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 
 
+class _DeferSignal:
+    """While a report is being written in the main thread, a SIGTERM is held back: the report
+    is completed and announced, then the signal goes to the handler that was installed or,
+    with none, ends the process as the default does. After a post-mortem (``final``: that
+    report was the last), a watcher's handler passes it straight on, with no second report.
+    Without this, the signal would cut the post-mortem short, or start a second report in
+    the middle of the first."""
+
+    _writing = False  #: a report is being written in the main thread (no nesting)
+
+    def __init__(self, *, final: bool) -> None:
+        self.final = final
+        self.previous: _Handler = None
+        self.received: list[int] = []
+
+    def _hold(self, signum: int, frame: FrameType | None) -> None:
+        self.received.append(signum)
+
+    def __enter__(self) -> _DeferSignal:
+        if (
+            _DeferSignal._writing
+            or not hasattr(signal, "SIGTERM")
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            return self
+        try:
+            current = signal.getsignal(signal.SIGTERM)
+            if current is None or current == signal.SIG_IGN:
+                return self  # set from C, or ignored: left alone
+            signal.signal(signal.SIGTERM, self._hold)
+        except (ValueError, OSError, TypeError):
+            return self
+        self.previous = current
+        _DeferSignal._writing = True
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        previous = self.previous
+        if previous is None:
+            return
+        _DeferSignal._writing = False
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            signal.signal(signal.SIGTERM, previous)
+        for signum in self.received[:1]:  # one delivery: the default ends the process
+            if isinstance(previous, _SigtermHandler) and self.final:
+                previous.pass_on(signum, None)
+            elif callable(previous):
+                previous(signum, None)
+            else:
+                _default_action(signum)
+
+
+def _default_action(signum: int) -> None:
+    """End the process as the default action of ``signum`` does."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 class _SigtermHandler:
     """Writes the watcher's report on SIGTERM, then hands the signal to the handler that
     was installed before (another watcher's, the framework's, or the default: terminate).
@@ -376,14 +473,17 @@ class _SigtermHandler:
         if self.active and w is not None and w.attached:
             with contextlib.suppress(Exception):
                 write_report(w, reason=signal.Signals(signum).name)
+        self.pass_on(signum, frame)
+
+    def pass_on(self, signum: int, frame: FrameType | None) -> None:
+        """Hand the signal to the handler this one replaced, without writing a report."""
         prev = self.previous
         if callable(prev):
             prev(signum, frame)
         elif prev == signal.SIG_IGN:
             return
         else:  # SIG_DFL (or a handler not installed from Python): end as the default does
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            _default_action(signum)
 
     def undo(self) -> None:
         self.active = False
@@ -406,10 +506,20 @@ def install_signal_handlers(watcher: Watcher) -> Callable[[], None]:
     Returns the undo function. Only the main thread can install signal handlers; elsewhere,
     and when SIGTERM is ignored or was set from C, nothing is installed.
 
+    Nor in a distributed run (world size > 1): a Python handler only runs once the main
+    thread is back in the interpreter, so a rank blocked in a collective would outlive the
+    launcher's SIGTERM until the process group's timeout. There the signal ends the process
+    at once, as it would without nanwatch; the rank seen now is kept for the reports.
+
     Example:
         >>> undo = install_signal_handlers(nw)          # doctest: +SKIP
         >>> undo()                                      # doctest: +SKIP
     """
+    from nanwatch.report import rank_of
+
+    _, world = rank_of(watcher)
+    if (world or 0) > 1 or _launcher_world_size() > 1:
+        return _nothing
     if not hasattr(signal, "SIGTERM") or threading.current_thread() is not threading.main_thread():
         return _nothing
     try:
@@ -424,6 +534,12 @@ def install_signal_handlers(watcher: Watcher) -> Callable[[], None]:
     except (ValueError, OSError):
         return _nothing
     return handler.undo
+
+
+def _launcher_world_size() -> int:
+    """$WORLD_SIZE as a launcher (torchrun, Lightning, SLURM scripts) sets it; 0 when unset."""
+    world = os.environ.get("WORLD_SIZE", "")
+    return int(world) if world.isdigit() else 0
 
 
 def _nothing() -> None:

@@ -27,6 +27,7 @@ import math
 import os
 import platform
 import traceback
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -60,6 +61,7 @@ ERROR_LABELS: dict[str, str] = {
     "cuda-device-assert": "CUDA device-side assert",
     "cuda-error": "CUDA error",
     "out-of-memory": "out of memory",
+    "peer-failure": "a peer rank failed first",
     "autograd-inplace": "autograd in-place error",
     "anomaly": "nanwatch anomaly",
     "guard": "nanwatch guard",
@@ -704,7 +706,7 @@ def _environment(watcher: Watcher, steps: Sequence[StepTrace]) -> Environment:
         limits[name] = lim.max
         if lim.low_precision:
             amp.append(name)
-    rank, world = _rank()
+    rank, world = rank_of(watcher)
     try:
         from importlib.metadata import version
 
@@ -727,6 +729,35 @@ def _environment(watcher: Watcher, steps: Sequence[StepTrace]) -> Environment:
         rank=rank,
         world_size=world,
     )
+
+
+#: the last rank each watcher saw (a process group destroyed before the report is built,
+#: in a ``finally`` inside the watched block, still names the rank it had)
+_KNOWN_RANKS: weakref.WeakKeyDictionary[Watcher, tuple[int, int | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def rank_of(watcher: Watcher | None = None) -> tuple[int | None, int | None]:
+    """The process's ``(rank, world_size)`` as :func:`_rank` finds it now; when it finds
+    none, the last one ``watcher`` saw (at attach, or in an earlier report). Remembered for
+    ``watcher`` whenever found.
+
+    Example:
+        >>> rank_of()          # doctest: +SKIP
+        (None, None)
+    """
+    rank, world = _rank()
+    if watcher is None:
+        return rank, world
+    try:
+        if rank is not None:
+            _KNOWN_RANKS[watcher] = (rank, world)
+        elif watcher in _KNOWN_RANKS:
+            return _KNOWN_RANKS[watcher]
+    except TypeError:  # not weak-referenceable: nothing to remember
+        pass
+    return rank, world
 
 
 def _rank() -> tuple[int | None, int | None]:
