@@ -6,7 +6,8 @@ outputs, forward and backward, and records an :class:`~nanwatch.records.OpEvent`
 NaN; a float32 -> float16 cast of 70000 -> inf). Non-finite outputs are remembered (weakly)
 so a later event names the earlier one as its cause: op-level data flow, not guesswork.
 
-:func:`replay` re-runs a module's forward on its inputs under the checker, with
+:func:`replay` re-runs a module's call on its inputs under the checker (its forward and
+the user's forward hooks and pre-hooks on it, none of nanwatch's), with
 ``torch.no_grad()``, and puts RNG state and buffers (BatchNorm running statistics) back,
 so the replay changes nothing.
 """
@@ -32,9 +33,10 @@ from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from nanwatch import _frames
+from nanwatch import _copies, _frames
 from nanwatch._compat import aminmax, set_versions
 from nanwatch._domains import Domain, domain_of
+from nanwatch._structure import iter_tensors
 from nanwatch.records import LOSS_PATH, OpEvent, Phase, TensorStat
 from nanwatch.stats import brief, describe, device_name, dtype_name, has_values
 
@@ -891,6 +893,10 @@ class ReplayResult:
     #: says nothing about the original run, whose draws were others
     random: bool = False
     attempts: int = 0  #: how many times the code was run
+    #: the non-finite kinds the replayed forward's output held (``NaN``, ``+inf``, ``-inf``):
+    #: a replay with no event whose output is non-finite made the value again from a
+    #: non-finite tensor it read (a weight, a buffer), not a transient fault
+    output: frozenset[str] = frozenset()
 
     @property
     def clean(self) -> bool:
@@ -973,6 +979,60 @@ def drew_random(before: list[torch.Tensor], devices: set[torch.device]) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(before, rng_states(devices), strict=True))
 
 
+def _user_hooks(hooks: dict[int, Any], after: int | None = None) -> list[tuple[int, Any]]:
+    """The hooks of a module hook dictionary that are not nanwatch's own, in order; with
+    ``after``, only those that come after the hook with that id."""
+    items = list(hooks.items())
+    if after is not None:
+        ids = [k for k, _ in items]
+        items = items[ids.index(after) + 1 :] if after in ids else []
+    return [(k, h) for k, h in items if k not in _copies._ids]
+
+
+def call_forward(
+    module: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    pre_hooks: bool | int = True,
+) -> Any:
+    """``module(*args, **kwargs)`` as ``nn.Module.__call__`` runs it, with the user's forward
+    pre-hooks and forward hooks (global and the module's) and none of nanwatch's: a hook
+    that divides by a norm is part of the computation. ``pre_hooks``: True when ``args`` are
+    what the caller passed; False when they are what ``forward`` got (pre-hooks already
+    applied); a hook id: ``args`` are what that hook saw, so the pre-hooks after it run."""
+    mm = torch.nn.modules.module
+    args = tuple(args)
+    if pre_hooks is not False:
+        after = None if isinstance(pre_hooks, bool) else pre_hooks
+        pres = _user_hooks(module._forward_pre_hooks, after)
+        if after is None:
+            pres = _user_hooks(getattr(mm, "_global_forward_pre_hooks", {})) + pres
+        with_kwargs = module._forward_pre_hooks_with_kwargs
+        for hook_id, hook in pres:
+            if hook_id in with_kwargs:
+                got = hook(module, args, kwargs)
+                if got is not None:
+                    args, kwargs = got
+                    args = tuple(args)
+            else:
+                got = hook(module, args)
+                if got is not None:
+                    args = got if isinstance(got, tuple) else (got,)
+    result = module.forward(*args, **kwargs)
+    global_kw = getattr(mm, "_global_forward_hooks_with_kwargs", {})
+    posts = _user_hooks(getattr(mm, "_global_forward_hooks", {}))
+    posts += _user_hooks(module._forward_hooks)
+    for hook_id, hook in posts:
+        if hook_id in module._forward_hooks_with_kwargs or hook_id in global_kw:
+            got = hook(module, args, kwargs, result)
+        else:
+            got = hook(module, args, result)
+        if got is not None:
+            result = got
+    return result
+
+
 def replay(
     module: torch.nn.Module,
     args: Sequence[Any],
@@ -982,10 +1042,12 @@ def replay(
     current_path: Callable[[], str | None] | None = None,
     on_error: Callable[[BaseException], None] | None = None,
     attempts: int = 8,
+    pre_hooks: bool | int = True,
 ) -> ReplayResult:
-    """Re-run ``module.forward(*args, **kwargs)`` under :class:`OpChecker` with
-    ``torch.no_grad()``; RNG state and buffers are restored afterwards. Every watcher's hooks
-    stay quiet during the replay (they only track which module is running).
+    """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
+    :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
+    buffers are restored afterwards. Every watcher's hooks stay quiet during the replay
+    (they only track which module is running).
 
     A forward that draws random numbers (dropout, ``torch.randint``) cannot repeat the
     original draws, which are gone: it is run again with new draws, up to ``attempts``
@@ -997,14 +1059,16 @@ def replay(
             chk = OpChecker(current_path=current_path or replay_path, on_error=on_error)
             before = rng_states(devices)
             push_path(path)
+            out: Any = None
             try:
                 with torch.no_grad(), chk:
-                    module.forward(*args, **kwargs)
+                    out = call_forward(module, args, kwargs, pre_hooks=pre_hooks)
             except Exception as exc:
                 result.error = f"{type(exc).__name__}: {exc}"
             finally:
                 pop_path()
             result.events = chk.events
+            result.output = frozenset().union(*(_kinds(t) for _, t in iter_tensors(out, "")))
             result.attempts += 1
             drew = drew_random(before, devices)
             result.random = result.random or drew

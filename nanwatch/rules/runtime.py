@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from nanwatch.rules._evidence import anomaly_fields
+from nanwatch.rules._evidence import anomaly_fields, module_ref
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
 
@@ -81,6 +81,8 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
         "again, but no op in it created it: it came in with the tensors above"
     )
     hooked = any(t["kind"] == "set by a forward pre-hook" for t in tensors)
+    call = ctx.trace.call(a.record.call)
+    ref = module_ref(a.path, root=call is None or call.root)
     if hooked:
         explanation = (
             f"{names[0]} is not a parameter: a forward pre-hook computes it from the real "
@@ -89,7 +91,7 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             "nothing in the forward itself is wrong."
         )
         fix = (
-            f"m = model.get_submodule({a.path!r})   # the rows it divides by: re-init zeros\n"
+            f"m = {ref}   # the rows it divides by: re-init zeros\n"
             "for n, p in m.named_parameters():\n"
             "    if p.dim() > 1:\n"
             "        print(n, 'zero rows:', (p.flatten(1).norm(dim=1) == 0).sum().item())"
@@ -100,10 +102,16 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             "outside the forward (a buffer written in place, a tensor attribute assigned by "
             "your code, a running statistic), so the layer only passed it on."
         )
+        running = any(t["name"].startswith("running_") for t in tensors)
         fix = (
-            f"m = model.get_submodule({a.path!r})\n"
-            "print({n: t for n, t in vars(m).items() if torch.is_tensor(t) "
-            "and not torch.isfinite(t).all()})\n"
-            "# then find the code that writes it"
+            f"m = {ref}\n"
+            "print([n for n, t in [*m.named_buffers(), *m.named_parameters(), *vars(m).items()]\n"
+            "       if torch.is_tensor(t) and not torch.isfinite(t).all()])\n"
+            + (
+                "m.reset_running_stats()   # the running statistics start afresh\n"
+                if running
+                else ""
+            )
+            + "# then find the code that writes it"
         )
     yield ctx.diagnosis(**anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix)
