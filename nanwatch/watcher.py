@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import sys
 import threading
 import warnings
@@ -214,6 +215,14 @@ def _wide(output: Any) -> bool:
     return all(t.dtype in _WIDE or not t.is_floating_point() for _, t in iter_tensors(output, ""))
 
 
+def _reads_running_stats(m: nn.Module) -> bool:
+    """A norm with running statistics normalizes with them in this call (eval mode): a NaN
+    or a 0 there makes NaN/inf of finite inputs, so its output is measured."""
+    return not m.training and (
+        getattr(m, "running_var", None) is not None or getattr(m, "running_mean", None) is not None
+    )
+
+
 def _is_passthrough(m: nn.Module) -> bool:
     t = type(m)
     if t in _PASSTHROUGH:
@@ -255,7 +264,9 @@ class _ModInfo:
         "passthrough",
         "path",
         "post_only",
+        "pre_id",
         "preserving",
+        "reads_stats",
         "type_name",
     )
 
@@ -266,6 +277,12 @@ class _ModInfo:
         self.first_root = first_root
         self.passthrough = _is_passthrough(module) and not is_root
         self.preserving = type(module) in _PRESERVING and not is_root
+        #: a norm with running statistics (BatchNorm, InstanceNorm(track_running_stats)):
+        #: in eval it reads them, and a NaN or 0 there makes NaN/inf of finite inputs
+        self.reads_stats = self.preserving and isinstance(module, nn.modules.batchnorm._NormBase)
+        #: the id of this watcher's forward pre-hook on the module (None: none registered):
+        #: the inputs it records are those before the user's pre-hooks that follow it
+        self.pre_id: int | None = None
         #: leaves watched from their forward hook alone (no pre-hook: cheaper)
         self.post_only = self.passthrough or self.preserving
         self.is_loss = isinstance(module, nn.modules.loss._Loss)
@@ -480,6 +497,20 @@ class Watcher:
         self._thread: int | None = None
         self._recorded_nodes = ops.NodeMarks()
         self._first_root_ran = False
+        #: this is a forked child of the process that attached (a DataLoader worker): the
+        #: watcher was detached there at the fork and does nothing in it
+        self._forked = False
+        #: an optimizer that updates watched weights is inside its ``step()`` (between
+        #: nanwatch's pre- and post-hook), and whether a root forward ran in it since: the
+        #: closure of LBFGS evaluates the model several times in one step
+        self._opt_running = False
+        self._opt_forwarded = False
+        #: the optimizer that last stepped each weight (by the weight's id): its state is
+        #: read for that weight only once the weight is found non-finite
+        self._stepped_by: dict[int, weakref.ReferenceType[Any]] = {}
+        #: each weight's finiteness as the attach check read it (absent: not read)
+        self._attach_finite: dict[int, bool] = {}
+        self._checking_attach = False
         self._reset_step()
 
     # ------------------------------------------------------------------ public API
@@ -534,9 +565,13 @@ class Watcher:
                 if not (info.is_root or full_hooks):
                     continue
                 if not info.post_only or forensic:
-                    self._handles.append(
-                        module.register_forward_pre_hook(self._make_pre(info), with_kwargs=True)
+                    # first, so the call's inputs are what its caller passed: a user's pre-hook
+                    # (a standardization) is code of the call, replayed with it
+                    pre = module.register_forward_pre_hook(
+                        self._make_pre(info), with_kwargs=True, prepend=True
                     )
+                    info.pre_id = pre.id
+                    self._handles.append(pre)
                 self._handles.append(
                     module.register_forward_hook(
                         self._make_post(info), with_kwargs=True, always_call=True
@@ -582,6 +617,7 @@ class Watcher:
             self._remove_hooks()
             raise
         self._attached = True
+        _live.add(self)
         self._thread = threading.get_ident()
         self._gen += 1
         self._reset_step()
@@ -597,17 +633,28 @@ class Watcher:
             return
         if any(p.is_meta for _, _, p in self._params):
             return  # deferred initialization: no values yet
+        self._checking_attach = True
         try:
             with _NO_TORCH_FUNCTION(), torch.no_grad():
                 self._check_params(at_end=False)
         except Exception as exc:  # a weight nanwatch cannot read: the steps still check
             self._fault("weights", "weight check at attach", exc)
+        else:
+            bad = {
+                r.role
+                for r in self._trace.records
+                if r.phase is Phase.PARAMETER and r.stat is not None and not r.stat.finite
+            }
+            self._attach_finite = {id(p): q not in bad for q, _, p in self._params}
+        finally:
+            self._checking_attach = False
         # what the check saw: a weight written after it (an ActNorm's data-dependent init
         # in the first forward) was not loaded so
         self._attach_versions = {id(p): p._version for _, _, p in self._params}
 
     def detach(self) -> None:
         """Remove every hook this watcher registered. Safe to call twice."""
+        _live.discard(self)
         if not self._attached:
             return
         self._attached = False
@@ -645,6 +692,8 @@ class Watcher:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._forked:
+            return  # a forked child: the parent's watcher reports, not this copy
         try:
             if exc is None or _deliberate_exit(exc):
                 self._quiet = exc is not None  # a SystemExit must come out as it went in
@@ -670,6 +719,8 @@ class Watcher:
         micro-batches of gradient accumulation, are one step.
         ``loss``, when given, is recorded for the timeline (functional losses are not seen by
         module hooks)."""
+        if self._forked:
+            return self._trace
         self._explicit = True
         if loss is not None:
             self._user_loss = loss
@@ -750,6 +801,8 @@ class Watcher:
         """End watching as the context manager's exit would: with ``exc``, classify it,
         finish the step from what is safe to read and write the post-mortem (returned as
         the path of its JSON file, or None); without, end the step. Always detaches."""
+        if self._forked:
+            return None
         path = None
         try:
             if exc is None:
@@ -972,7 +1025,12 @@ class Watcher:
             else:
                 call = self._open_call(info)
                 self._record_inputs(info, call, args, kwargs, after=True)
-            skip = info.passthrough or (info.preserving and not forensic and _wide(output))
+            skip = info.passthrough or (
+                info.preserving
+                and not forensic
+                and _wide(output)
+                and not (info.reads_stats and _reads_running_stats(module))
+            )
             call.passthrough = skip
             # a skipped module fed only data that needs no gradient (an embedding's ids): the
             # gradient of its output goes straight into its weights, and is hooked
@@ -1249,21 +1307,31 @@ class Watcher:
         try:
             groups: list[dict[str, Any]] = []
             name = type(optimizer).__name__
+            ref = weakref.ref(optimizer)
+            qualnames: dict[int, str] | None = None
             for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
-                ps = [p for p in g.get("params", ()) if id(p) in self._param_ids]
+                every = g.get("params", ())
+                for p in every:  # unwatched ones too: a weight watched later (a jit'd
+                    # submodule's, found non-finite by a replay) is told what updated it
+                    self._stepped[id(p)] = (name, gi, -1)
+                    self._stepped_by[id(p)] = ref
+                ps = [p for p in every if id(p) in self._param_ids]
                 if not ps:
                     continue
-                for p in ps:
-                    self._stepped[id(p)] = (name, gi, -1)
+                if qualnames is None:
+                    qualnames = {id(p): q for q, _, p in self._params}
                 entry: dict[str, Any] = {
                     "group": gi,
                     "params": len(ps),
+                    "names": [qualnames[id(p)] for p in ps[:8]],
                     "dtypes": sorted({dtype_name(p.dtype) for p in ps}),
                 }
-                for key in ("lr", "eps"):
+                for key in ("lr", "eps", "initial_lr"):
                     nums = _plain_numbers(g.get(key))
                     if nums:
                         entry[key] = nums[0] if len(nums) == 1 else nums
+                if isinstance(g.get("centered"), bool):  # RMSprop
+                    entry["centered"] = g["centered"]
                 # what the weight decay does to the update (NW306): only when it is on
                 decay = _plain_numbers(g.get("weight_decay"))
                 if decay and decay[0]:
@@ -1279,6 +1347,8 @@ class Watcher:
             if groups:  # it updates watched weights (another model's optimizer does not)
                 self._after_backward = None  # an update: the next forward begins a step
                 self._updated = True
+                self._opt_running = True
+                self._opt_forwarded = False
             if groups and len(self._trace.notes) < 256:
                 self.note("optimizer", type(optimizer).__name__, groups=groups)
         except Exception as exc:
@@ -1290,6 +1360,7 @@ class Watcher:
         (NW301). No tensor is read."""
         if not self._attached or threading.get_ident() != self._thread:
             return
+        self._opt_running = False
         try:
             for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
                 for p in g.get("params", ()):
@@ -1632,7 +1703,15 @@ class Watcher:
                     self._warn_if_unwatched(t, compiled_only=not self._full)
             entry = self._known.get(id(t))
             if entry is not None and entry[0]() is t:
-                return  # a watched module (the criterion) produced it: already recorded
+                # a watched module (the criterion) produced it: already recorded; the
+                # gradients its own code makes (xlogy at 0) are checked as a loss's are,
+                # named by that module
+                rec = self._trace.record(entry[1])
+                call = self._trace.call(rec.call) if rec is not None else None
+                if call is not None and self._full and not self._forensic:
+                    with _NO_TORCH_FUNCTION():
+                        self._hook_loss_graph(t, path=call.path)
+                return
             with _NO_TORCH_FUNCTION():
                 self._record_loss(t)
                 if self._full and not self._forensic:
@@ -1642,7 +1721,7 @@ class Watcher:
         except Exception as exc:
             self._fault("loss", "backward tap", exc)
 
-    def _hook_loss_graph(self, loss: torch.Tensor) -> None:
+    def _hook_loss_graph(self, loss: torch.Tensor, *, path: str = LOSS_PATH) -> None:
         """Check the gradients that the backward of a loss computed outside the watched
         modules makes: the few autograd nodes between the loss and the watched outputs get
         a post-hook, so a NaN or inf born there (``(1 - p) ** 0.5`` at p == 1) is named by
@@ -1660,13 +1739,14 @@ class Watcher:
         last: list[str] = []
         walk = ops.GraphWalk(
             [loss.grad_fn],
-            prune=lambda n: n in stop or ops.accumulates_grad(n),
+            # the loss's own node is recorded when a watched loss module made it
+            prune=lambda n: (n in stop and n is not loss.grad_fn) or ops.accumulates_grad(n),
             limit=_LOSS_NODES,
         )
         for node in walk:
             if type(node).__name__ in _GRAD_MOVERS:
                 pass  # moving a finite gradient keeps it finite
-            elif _feeds_only(node, stop, 4):
+            elif path == LOSS_PATH and _feeds_only(node, stop, 4):
                 last.append(node.name())  # what it makes is checked by the outputs' hooks
             else:
                 nodes.append(node)
@@ -1682,7 +1762,7 @@ class Watcher:
                 grad_outputs: tuple[torch.Tensor | None, ...],
                 name: str = name,
             ) -> None:
-                check(gen, step, name, grad_inputs, grad_outputs)
+                check(gen, step, name, grad_inputs, grad_outputs, path=path)
 
             handles.append(node.register_hook(on_node))
 
@@ -1693,6 +1773,8 @@ class Watcher:
         name: str,
         grad_inputs: tuple[torch.Tensor | None, ...],
         grad_outputs: tuple[torch.Tensor | None, ...],
+        *,
+        path: str = LOSS_PATH,
     ) -> None:
         if not self._attached or gen != self._gen or step != self._step or self._loss_node_bad:
             return
@@ -1700,7 +1782,7 @@ class Watcher:
             return
         try:
             with _NO_TORCH_FUNCTION():
-                self._check_loss_node(name, grad_inputs, grad_outputs)
+                self._check_loss_node(name, grad_inputs, grad_outputs, path=path)
         except NanwatchError:
             raise
         except Exception as exc:
@@ -1711,9 +1793,12 @@ class Watcher:
         name: str,
         grad_inputs: tuple[torch.Tensor | None, ...],
         grad_outputs: tuple[torch.Tensor | None, ...],
+        *,
+        path: str = LOSS_PATH,
     ) -> None:
         """The first node of the step whose gradient is not finite, while the gradient it
-        received was: record an op event with what the node saved in forward."""
+        received was: record an op event with what the node saved in forward (``path``: the
+        loss module whose code made the node, or the loss code outside the modules)."""
         bad = next((g for g in grad_inputs if g is not None and not _finite(g)), None)
         if bad is None:
             return
@@ -1721,7 +1806,7 @@ class Watcher:
         if any(o is not None and not _finite(o) for o in grad_outputs):
             return  # it arrived non-finite: not born here
         ev = ops.node_event(ops.current_autograd_node(), bad, name=name)
-        ev.path = LOSS_PATH
+        ev.path = path
         site = self._backward_site if self._backward_site[0] else _frames.user_line()
         ev.source, ev.code = site  # the node's forward line is unknown without anomaly mode
         ev.backward_at = ev.source
@@ -1924,6 +2009,7 @@ class Watcher:
             values = read_scalars(foreach_absmax(params))
         front: list[Record] = []
         seen: set[str] | None = None
+        bad_state: dict[str, list[list[str]]] = {}
         for (q, path, param), p, owner_type, a in zip(
             self._params, params, self._param_types, values, strict=True
         ):
@@ -1949,8 +2035,12 @@ class Watcher:
                 # which optimizer step, if any, last wrote it (NW301: an EMA copy, a loaded
                 # checkpoint, a pruning mask are written by no optimizer)
                 stepped = (self._stepped if at_end else self._stepped_prev).get(id(param))
+                if stepped is None and self._opt_running:  # a closure's evaluation inside
+                    stepped = self._stepped.get(id(param))  # the optimizer step (LBFGS)
                 after = stepped is not None and stepped[2] not in (-1, param._version)
                 at_attach = self._attach_versions.get(id(param))
+                if stepped is not None:
+                    self._read_optimizer_state(q, param, bad_state)
                 self.note(
                     "weight_writer",
                     path,
@@ -1962,13 +2052,43 @@ class Watcher:
                     since_attach=(
                         stepped is None and at_attach is not None and at_attach != param._version
                     ),
+                    # what the attach check read (a .data write bumps no version)
+                    finite_at_attach=(
+                        False if self._checking_attach else self._attach_finite.get(id(param))
+                    ),
                 )
             if at_end and not stat.finite:
                 self._note_bad(rec)
+        for opt_name, pairs in bad_state.items():
+            if len(self._trace.notes) < 256:
+                self.note("optimizer_state", opt_name, optimizer_state_bad=pairs)
         if front:  # before the step's first record, in the order the model holds them
             for i, r in enumerate(front):
                 r.index = -len(front) + i
             self._trace.records[:0] = front
+
+    def _read_optimizer_state(
+        self, qualname: str, param: nn.Parameter, out: dict[str, list[list[str]]]
+    ) -> None:
+        """The non-finite tensors of the optimizer state of ``param`` (a weight found
+        non-finite), as ``[qualname, key]`` pairs under the optimizer's class name in
+        ``out``: a NaN in ``exp_avg_sq`` (a resumed checkpoint) makes every update NaN."""
+        ref = self._stepped_by.get(id(param))
+        optimizer = ref() if ref is not None else None
+        state = getattr(optimizer, "state", None)
+        if optimizer is None or state is None or not hasattr(state, "get"):
+            return
+        entry = state.get(param)
+        if not isinstance(entry, dict):
+            return
+        for key, value in entry.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and (value.is_floating_point() or value.is_complex())
+                and not value.is_meta
+                and not _finite(value.detach())
+            ):
+                out.setdefault(type(optimizer).__name__, []).append([qualname, str(key)])
 
     # ------------------------------------------------------------------ steps
     def _maybe_begin_step(self) -> None:
@@ -1977,6 +2097,10 @@ class Watcher:
         disabled), unless steps are explicit."""
         if self._stack:
             return  # the root calling itself, or called from inside another watched module
+        if self._opt_running:
+            if self._opt_forwarded:
+                return  # a closure's second evaluation (LBFGS): the same optimizer step
+            self._opt_forwarded = True
         if (
             self._begun
             and not self._explicit
@@ -2279,7 +2403,16 @@ class Watcher:
         trace.diagnoses = self._evaluate(trace)
         self._act(trace)
 
-    def _pinpoint(self, anomaly: Anomaly, current: tuple[Call, nn.Module, Any, Any] | None) -> None:
+    def _pinpoint(
+        self,
+        anomaly: Anomaly,
+        current: tuple[Call, nn.Module, Any, Any] | None,
+        *,
+        pre_hooks: bool | int = False,
+    ) -> None:
+        """Replay the module whose code made the anomaly on its inputs, every op checked.
+        ``current``: a call whose inputs are at hand, with ``pre_hooks`` (see
+        :func:`ops.call_forward`) saying which of its pre-hooks they went through."""
         trace = self._trace
         if anomaly.origin == "between-roots":
             return  # no module ran the code: forensic mode or nw.replay() traces it
@@ -2289,20 +2422,20 @@ class Watcher:
             target = trace.call(call.parent)
         if target is None:
             return
-        found: tuple[nn.Module, Any, Any] | None = None
-        if current is not None and current[0] is target:
-            found = (current[1], current[2], current[3])
-        else:
-            for fr in self._stack:
-                if fr.call is target:
-                    found = (fr.module, fr.args, fr.kwargs)
-                    break
+        found = self._call_inputs(target, current, pre_hooks, finished=False)
         if found is None:
             return
-        module, args, kwargs = found
+        module, args, kwargs, hooks = found
         if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
             return  # on accelerators a replay syncs per op: use forensic mode or nw.replay()
-        result = ops.replay(module, args, kwargs, path=target.path, on_error=self._checker_fault)
+        result = ops.replay(
+            module,
+            args,
+            kwargs,
+            path=target.path,
+            on_error=self._checker_fault,
+            pre_hooks=hooks,
+        )
         trace.ops.extend(result.events)
         first = result.first()
         if first is not None:
@@ -2314,10 +2447,12 @@ class Watcher:
         ):
             return  # re-localized in the module that made its input, and pinpointed there
         elif result.clean and result.conclusive:
+            if result.output and self._blame_weights(anomaly, module):
+                return  # re-localized on the non-finite weights the replay read
             state = _bad_state(module)
             if state:  # the forward read it: no op made it, and a replay cannot clear it
                 self.note("module_state", target.path, tensors=state)
-            else:
+            elif not result.output:
                 anomaly.transient = True
         if result.random:
             self.note(
@@ -2327,7 +2462,130 @@ class Watcher:
                 attempts=result.attempts,
                 reproduced=first is not None,
             )
+        self._pinpoint_neginf(anomaly, target, current, pre_hooks)
         anomaly.summary = summarize(anomaly)
+
+    def _pre_hooks_seen(self, module: nn.Module) -> bool | int:
+        """Which of ``module``'s forward pre-hooks a replay of the inputs this watcher's
+        pre-hook recorded must run (see :func:`ops.call_forward`): those after it; none
+        when the inputs were recorded by the forward hook (after every pre-hook)."""
+        info = self._infos.get(module)
+        if info is None or (info.post_only and not self._forensic):
+            return False
+        if self.global_hooks:
+            return True  # a global pre-hook runs before every module's own
+        return info.pre_id if info.pre_id is not None else False
+
+    def _call_inputs(
+        self,
+        call: Call,
+        current: tuple[Call, nn.Module, Any, Any] | None,
+        pre_hooks: bool | int,
+        *,
+        finished: bool,
+    ) -> tuple[nn.Module, Any, Any, bool | int] | None:
+        """The module of ``call``, its inputs and which pre-hooks they went through: from
+        ``current``, an open call's frame, or (``finished``) a finished call's inputs that
+        are alive and unchanged since."""
+        if current is not None and current[0] is call:
+            return current[1], current[2], current[3], pre_hooks
+        for fr in self._stack:
+            if fr.call is call:
+                return fr.module, fr.args, fr.kwargs, self._pre_hooks_seen(fr.module)
+        if not finished or call.end < 0:
+            return None
+        rebuilt = self._inputs_of_call(call, unchanged=True)
+        if rebuilt is None:
+            return None
+        return rebuilt[1], rebuilt[2], rebuilt[3], self._pre_hooks_seen(rebuilt[1])
+
+    def _blame_weights(self, anomaly: Anomaly, module: nn.Module) -> bool:
+        """The replay made the non-finite output again with no op creating it, and the
+        module holds non-finite parameters nanwatch does not watch (a submodule assigned
+        after attach, a ``torch.jit`` one): they are watched from now on, and the step is
+        localized again, on them (NW301). Returns whether it moved."""
+        info = self._infos.get(module)
+        if info is None:
+            return False
+        base = "" if info.is_root else info.path
+        added: list[tuple[str, str, nn.Parameter]] = []
+        types: list[str] = []
+        for name, p in module.named_parameters():
+            if id(p) in self._param_ids or _finite(p.detach()):
+                continue
+            sub, _, _ = name.rpartition(".")
+            qual = f"{base}.{name}" if base else name
+            owner = f"{base}.{sub}" if base and sub else (sub or info.path)
+            added.append((qual, owner, p))
+            types.append(type(module.get_submodule(sub)).__name__ if sub else info.type_name)
+        if not added:
+            return False
+        self._params = [*self._params, *added]
+        self._param_ids = frozenset(id(p) for _, _, p in self._params)
+        self._param_types = [*self._param_types, *types]
+        trace = self._trace
+        trace.anomaly = None
+        if anomaly in self.anomalies:
+            self.anomalies.remove(anomaly)
+        if self.first_anomaly is anomaly:
+            self.first_anomaly = None
+        moved = self._localize(trace)
+        if moved is None or moved.kind is not AnomalyKind.PARAMETER:
+            # not re-localized on them: the first anomaly stands, with what the replay read
+            if moved is not None:
+                self.anomalies.remove(moved)
+                if self.first_anomaly is moved:
+                    self.first_anomaly = None
+            trace.anomaly = anomaly
+            self.anomalies.append(anomaly)
+            if self.first_anomaly is None:
+                self.first_anomaly = anomaly
+            return False
+        return True
+
+    def _pinpoint_neginf(
+        self,
+        anomaly: Anomaly,
+        replayed: Call,
+        current: tuple[Call, nn.Module, Any, Any] | None,
+        pre_hooks: bool | int,
+    ) -> None:
+        """A -inf the anomaly grew out of was first seen in another module's output (or
+        in a value a parent's code passed on): replay the code that made it too, so the op
+        that made the -inf (a log of 0, erfinv of -1, a mask) is known, and link it as the
+        cause of the first op of the anomaly's chain."""
+        src = anomaly.neginf_source
+        if src is None or anomaly.kind is not AnomalyKind.FORWARD:
+            return
+        trace = self._trace
+        maker = trace.call(src.call)
+        if src.phase is Phase.INPUT:  # measured there: the code of the caller made it
+            if maker is None or maker.root or maker.parent is None:
+                return  # data
+            maker = trace.call(maker.parent)
+        elif src.phase is not Phase.FORWARD:
+            return
+        if maker is None or maker is replayed or maker.path == LOSS_PATH:
+            return
+        found = self._call_inputs(maker, current, pre_hooks, finished=True)
+        if found is None:
+            return
+        module, args, kwargs, hooks = found
+        if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
+            return
+        result = ops.replay(
+            module, args, kwargs, path=maker.path, on_error=self._checker_fault, pre_hooks=hooks
+        )
+        made = next((e for e in result.events if "-inf" in e.born), None)
+        if made is None:
+            return
+        trace.ops.extend(result.events)
+        if anomaly.op is None:
+            return
+        oldest = anomaly.op.chain()[0]
+        given = any(s is not None and s.has_neginf for _, s in oldest.inputs)
+        if oldest is not made and oldest.cause is None and given:
+            oldest.cause = made
 
     def _blame_unmeasured(self, anomaly: Anomaly, call: Call, args: Any, kwargs: Any) -> bool:
         """The replay made nothing because the module was given a NaN: an input that no
@@ -2361,21 +2619,32 @@ class Watcher:
                 return False
             found = self._replay_args(moved)
             if found is not None:
-                self._pinpoint(moved, found)
+                self._pinpoint(moved, found, pre_hooks=self._pre_hooks_seen(found[1]))
             return True
         return False
 
     def _replay_args(self, anomaly: Anomaly) -> tuple[Call, nn.Module, Any, Any] | None:
         """The call, module and a finished call's inputs (those still alive) of a forward
         anomaly's module, to replay it after its call ended."""
-        trace = self._trace
-        call = trace.call(anomaly.record.call)
+        call = self._trace.call(anomaly.record.call)
         if call is None or anomaly.kind is not AnomalyKind.FORWARD:
             return None
+        return self._inputs_of_call(call)
+
+    def _inputs_of_call(
+        self, call: Call, *, unchanged: bool = False
+    ) -> tuple[Call, nn.Module, Any, Any] | None:
+        """The call, module and inputs (those still alive; ``unchanged``: and not written in
+        place since they were recorded) of a finished call, as its records hold them."""
+        trace = self._trace
         module = next((m for m, info in self._modules if info.path == call.path), None)
         if module is None:
             return None
-        alive = {entry[1]: entry[0]() for entry in self._known.values()}
+        alive = {
+            entry[1]: t
+            for entry in self._known.values()
+            if (t := entry[0]()) is not None and not (unchanged and _version(t) != entry[2])
+        }
         args: list[torch.Tensor] = []
         for r in trace.inputs_of(call.id):
             if not r.role.startswith("input["):
@@ -2751,6 +3020,27 @@ class _ScalerTap:
 
 _scaler_tap = _ScalerTap()
 
+#: the attached watchers of this process
+_live: weakref.WeakSet[Watcher] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a multiprocessing fork) runs none of its
+    parent's watching: every attached watcher removes its hooks there quietly, with no
+    record, no guard, no step boundary and no report. The parent's watchers see the
+    child's results (a batch, torch's own error) as they arrive."""
+    for tap in (_backward_tap, _scaler_tap):
+        tap._lock = threading.Lock()  # a lock another parent thread held stays held here
+    for w in list(_live):
+        w._forked = True
+        w._quiet = True
+        with contextlib.suppress(Exception):  # nothing in a child may stop its work
+            w.detach()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 #: weights of at most this many values in all, on the CPU, are checked with one max over
 #: their concatenation (copying them costs less than a kernel launch per weight)
@@ -2815,23 +3105,33 @@ def _reached(trace: StepTrace, anomaly: Anomaly) -> bool:
 
 
 def _bad_state(module: nn.Module) -> list[dict[str, Any]]:
-    """The non-finite tensors a module's forward reads that are not its inputs: its own
-    parameters and buffers, and plain tensor attributes (the ``weight`` a forward pre-hook
-    such as ``nn.utils.weight_norm`` or ``spectral_norm`` computes before each call)."""
+    """The non-finite tensors a module's forward reads that are not its inputs: its
+    parameters and buffers and those of its submodules (by their names below it:
+    ``fc.weight``), and plain tensor attributes (the ``weight`` a forward pre-hook such as
+    ``nn.utils.weight_norm`` or ``spectral_norm`` computes before each call)."""
     found: dict[str, tuple[str, torch.Tensor]] = {}
-    for name, param in module._parameters.items():
-        if param is not None:
-            found[name] = ("parameter", param)
-    for name, buf in module._buffers.items():
-        if buf is not None:
-            found[name] = ("buffer", buf)
-    hooked = bool(module._forward_pre_hooks)
-    for name, value in vars(module).items():
-        if isinstance(value, torch.Tensor) and name not in found and not name.startswith("__"):
-            found[name] = ("set by a forward pre-hook" if hooked else "attribute", value)
+    for name, param in module.named_parameters():
+        found[name] = ("parameter", param)
+    for name, buf in module.named_buffers():
+        found.setdefault(name, ("buffer", buf))
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, torch.jit.ScriptModule):
+            continue
+        # a pre-hook of the user's (nanwatch's own set nothing)
+        hooked = any(k not in _copies._ids for k in sub._forward_pre_hooks)
+        for name, value in vars(sub).items():
+            if not isinstance(value, torch.Tensor) or name.startswith("__"):
+                continue
+            qual = f"{prefix}.{name}" if prefix else name
+            if qual not in found:
+                found[qual] = ("set by a forward pre-hook" if hooked else "attribute", value)
     out: list[dict[str, Any]] = []
     for name, (kind, t) in found.items():
-        stat = describe(t.detach()) if t.is_floating_point() or t.is_complex() else None
+        if not (t.is_floating_point() or t.is_complex()) or t.is_meta:
+            continue
+        if t.is_floating_point() and _finite(t.detach()):
+            continue  # one read of the common case
+        stat = describe(t.detach())
         if stat is not None and not stat.finite:
             out.append(
                 {"name": name, "kind": kind, "stat": stat.kinds(), "dtype": dtype_name(t.dtype)}

@@ -1059,7 +1059,14 @@ def test_float16_adam_with_an_eps_that_float16_holds_stays_silent() -> None:
     notes = [n for n in nw.history[-1].notes if n.kind == "optimizer"]
     assert [n.path for n in notes] == ["Adam"]
     assert notes[0].data["groups"] == [
-        {"group": 0, "params": 4, "dtypes": ["float16"], "lr": 1e-3, "eps": 1e-4}
+        {
+            "group": 0,
+            "params": 4,
+            "dtypes": ["float16"],
+            "names": ["0.weight", "0.bias", "2.weight", "2.bias"],
+            "lr": 1e-3,
+            "eps": 1e-4,
+        }
     ]
 
 
