@@ -101,15 +101,57 @@ def _earliest_neginf(trace: StepTrace, recs: Iterable[Record], limit: int = 64) 
     return best
 
 
-def _consumers(trace: StepTrace, rec: Record) -> tuple[list[Call], bool]:
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def _made_of(trace: StepTrace, rec: Record) -> int | None:
+    """The record of the tensor an unlinked module input was most likely made from by a view
+    or another op that cannot create a non-finite value (``conv(x).transpose(1, 2)`` passed
+    to the next module): such an input is a new tensor, so the watcher links it to nothing,
+    and it is bounded by its operands' records, so it is not measured either. Its source is
+    inferred from the data flow: the latest module output recorded before it that holds as
+    many values of its dtype (a view keeps both). None for a measured or linked input."""
+    if rec.phase is not Phase.INPUT or rec.source is not None or rec.stat is not None:
+        return None
+    if not rec.dtype.startswith(("float", "bfloat", "complex")):
+        return None  # an integer input outside a root or loss is not even kept
+    n = _numel(rec.shape)
+    for r in reversed(trace.records):
+        if r.index >= rec.index or r.phase is not Phase.FORWARD:
+            continue
+        if r.dtype == rec.dtype and _numel(r.shape) == n:
+            return r.index
+    return None
+
+
+def _consumers(trace: StepTrace, rec: Record, before: int | None = None) -> tuple[list[Call], bool]:
     """Module calls that took ``rec``'s tensor as an input, seeing through passthrough
     modules (ReLU and friends cannot create a non-finite gradient, so look past them); and
     whether the tensor (or what it passed through) was a root's output, which code outside
-    every watched module (the loss) consumed."""
+    every watched module (the loss) consumed. With no module taking the tensor itself, the
+    ones that took a view of it (see :func:`_made_of`) and whose output gradient was
+    recorded before the record ``before`` (the backward ran through them first)."""
+    out, reached_root = _consumers_by(trace, rec, views=False)
+    if not out and before is not None:
+        views, _ = _consumers_by(trace, rec, views=True)
+        out = [
+            c
+            for c in views
+            if any(
+                r.call == c.id and r.phase is Phase.BACKWARD and r.index < before
+                for r in trace.records
+            )
+        ]
+    return out, reached_root
+
+
+def _consumers_by(trace: StepTrace, rec: Record, *, views: bool) -> tuple[list[Call], bool]:
     out: list[Call] = []
     reached_root = False
     frontier = [rec.index]
     seen: set[int] = set()
+    made_of = {r.index: _made_of(trace, r) for r in trace.records} if views else {}
     while frontier:
         idx = frontier.pop()
         if idx in seen:
@@ -121,7 +163,7 @@ def _consumers(trace: StepTrace, rec: Record) -> tuple[list[Call], bool]:
             if owner is not None and owner.root and owner.path != LOSS_PATH:
                 reached_root = True
         for r in trace.records:
-            if r.phase is Phase.INPUT and r.source == idx:
+            if r.phase is Phase.INPUT and (r.source == idx or made_of.get(r.index) == idx):
                 call = trace.call(r.call)
                 if call is None:
                     continue
@@ -373,7 +415,7 @@ def localize(
             c = trace.call(fwd.call)
             cands = [c] if c is not None else []
         elif fwd is not None:
-            cands, reached_root = _consumers(trace, fwd)
+            cands, reached_root = _consumers(trace, fwd, trig.index)
         if len(cands) == 1:
             origin, path = "module", cands[0].path
             consumer = path
@@ -440,6 +482,14 @@ def localize(
                 "optimizer step (no optimizer updated it: a data-dependent init, an EMA "
                 "update, a copy_ under no_grad)"
             )
+        elif first_step and trig.index < 0 and writer is not None and writer.get(
+            "finite_at_attach"
+        ):
+            summary = (
+                f"{what} in the weights of {parameter}: finite when nanwatch attached, written "
+                "since by code autograd does not see (a .data write: a hand-written "
+                "p.data.add_ update, a copy into .data)"
+            )
         elif first_step and trig.index < 0:  # recorded ahead of the first step's forward
             summary = (
                 f"{what} in the weights of {parameter} before any update nanwatch saw: the "
@@ -450,7 +500,10 @@ def localize(
             if writer is not None and writer.get("after_optimizer"):
                 by = "a write after the last optimizer step (not the update)"
             elif writer is not None and writer.get("optimizer") is None:
-                by = "code outside an optimizer step (no optimizer updated it)"
+                by = (
+                    "code outside an optimizer step (no torch.optim optimizer updated it: a "
+                    "hand-written update, an EMA, a copy_)"
+                )
             summary = (
                 f"{what} in the weights of {parameter}: made non-finite by {by}, not by this "
                 "step's computation"

@@ -319,7 +319,9 @@ def tree_rows(report: Report) -> tuple[list[TreeRow], str]:
     rows: list[TreeRow] = []
     ancestors = {x.id for x in chain[:-1]}
 
-    def walk(n: _Node, parent: Call | None, guide: str, child_guide: str, depth: int) -> None:
+    def walk(n: _Node, parent: Call | None, guide: str, child_guide: str, nth: int) -> None:
+        """``nth``: which call of its module, among the calls of its parent's, this one is
+        (counting the calls a window around the culprit leaves out)."""
         call = n.call
         if call is None:
             rows.append(TreeRow(guide, n.note, "", None, note=n.note))
@@ -327,6 +329,8 @@ def tree_rows(report: Report) -> tuple[list[TreeRow], str]:
             name = call.path
             if parent is not None and name.startswith(parent.path + "."):
                 name = name[len(parent.path) + 1 :]  # relative to the enclosing call
+            if nth > 1:
+                name += f" (call {nth})"
             rows.append(
                 TreeRow(
                     guide,
@@ -337,7 +341,11 @@ def tree_rows(report: Report) -> tuple[list[TreeRow], str]:
                     ancestor=call.id in ancestors,
                 )
             )
+        ordinal: dict[int, int] = {}
         seen: dict[str, int] = {}
+        for sib in kids(call) if call is not None else []:
+            seen[sib.path] = seen.get(sib.path, 0) + 1
+            ordinal[sib.id] = seen[sib.path]
         for j, k in enumerate(n.children):
             last = j == len(n.children) - 1
             walk(
@@ -345,20 +353,11 @@ def tree_rows(report: Report) -> tuple[list[TreeRow], str]:
                 call,
                 child_guide + ("└─ " if last else "├─ "),
                 child_guide + ("   " if last else "│  "),
-                depth + 1,
+                ordinal.get(k.call.id, 1) if k.call is not None else 1,
             )
-            if k.call is not None:
-                seen[k.call.path] = seen.get(k.call.path, 0) + 1
-                if seen[k.call.path] > 1:
-                    rows[-1 - _subtree_size(k)].name += f" (call {seen[k.call.path]})"
 
-    walk(node, None, "", "", 0)
+    walk(node, None, "", "", 1)
     return rows, phase.value
-
-
-def _subtree_size(n: _Node) -> int:
-    """Rows a node's descendants take (the node's own row is before them)."""
-    return sum(1 + _subtree_size(k) for k in n.children)
 
 
 def _first_root_records(trace: StepTrace) -> list[Record]:
@@ -852,7 +851,7 @@ def environment_rows(report: Report) -> list[tuple[str, str]]:
         ("mode", e.mode or str(report.config.get("mode", ""))),
         ("devices", ", ".join(e.devices) or "–"),
         ("dtypes", ", ".join(e.dtypes) or "–"),
-        ("AMP dtypes", ", ".join(e.amp_dtypes) or "none (full precision)"),
+        ("low-precision dtypes", ", ".join(e.amp_dtypes) or "none (full precision)"),
     ]
     if e.scaler:
         rows.append(("GradScaler", "yes"))

@@ -76,7 +76,7 @@ def test_golden_reports_say_what_a_user_needs() -> None:
     assert "step 31" in fp16
     assert "earlier steps left out" in fp16  # 32 recorded steps, 12 shown
     assert re.search(r"31 +NaN +NaN +17\.16", fp16), "the timeline shows the logit climb"
-    assert "float16" in fp16 and "AMP dtypes" in fp16
+    assert "float16" in fp16 and "low-precision dtypes" in fp16
 
     backward = _render(fx.load("sqrt-backward"))
     assert "gradients of the outputs" in backward and "max |grad|" in backward

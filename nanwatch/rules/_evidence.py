@@ -1213,6 +1213,18 @@ def rewrite_call(code: str | None, names: Sequence[str], wrap: Callable[[str], s
     return None
 
 
+def module_ref(path: str, *, root: bool = False) -> str:
+    """The expression that reaches module ``path`` from the user's model: ``model.enc[0].fc``
+    for ``enc.0.fc``; ``model`` for a root (named by its class) or an empty path.
+
+    >>> module_ref("enc.0.fc"), module_ref("Net", root=True)
+    ('model.enc[0].fc', 'model')
+    """
+    if root or not path or not re.fullmatch(r"[\w.]+", path):
+        return "model"
+    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split("."))
+
+
 def anomaly_fields(anomaly: Anomaly) -> dict[str, Any]:
     return {
         "step": anomaly.step,

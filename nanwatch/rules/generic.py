@@ -6,26 +6,44 @@ how to name the op."""
 
 from __future__ import annotations
 
+import ast
 import itertools
+import math
 import re
 from collections.abc import Iterator
 
-from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, OpEvent, Phase
+from nanwatch.records import (
+    LOSS_PATH,
+    Anomaly,
+    AnomalyKind,
+    OpEvent,
+    Phase,
+    Record,
+    TensorStat,
+)
 from nanwatch.rules._evidence import (
     anomaly_fields,
     cause_of,
     code_line,
     describe_stat,
+    exact,
+    first_input,
     fmt,
+    has_zero,
     inf_arithmetic,
     inf_evidence,
     inf_explanation,
     inf_fix,
     inf_source,
+    limits,
+    module_ref,
+    node_base,
     op_fields,
     packet,
+    paren,
     rewrite_call,
     short_op,
+    signed_max,
     statements,
     top_level,
     untraced_hint,
@@ -70,6 +88,8 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
         yield _with_op(ctx, a)
         return
     evidence = [a.summary, f"{a.record.where}: {describe_stat(a.record.stat)}"]
+    if a.kind is AnomalyKind.BACKWARD and a.origin == "module":
+        evidence += _edge_inputs(ctx, a)
     if a.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
         evidence.append(untraced_hint(ctx.facts.get("mode")))
     if a.neginf_source is not None:
@@ -91,12 +111,58 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
     )
 
 
+def _edge_inputs(ctx: RuleContext, a: Anomaly) -> list[str]:
+    """A backward NaN or inf born in a module's code, op not traced: its inputs at the
+    edges where common ops have an infinite derivative or an infinite saved result (exact
+    zeros: log, xlogy, sqrt; values past exp's overflow bound: a hand-written exp hidden by
+    the next op in forward). What they would mean, not a verdict: the op is unknown."""
+    trace = ctx.trace
+    calls = {c.id for c in trace.calls if c.path == a.path}
+    out: list[str] = []
+    zero_said = exp_said = False
+    for r in trace.records:
+        if r.call not in calls or r.phase is not Phase.INPUT:
+            continue
+        m = exact(trace, r)
+        s = m.stat if m is not None else None
+        if s is None or not s.finite:
+            continue
+        lim = limits(r.dtype)
+        if not zero_said and has_zero(s) and s.min >= 0:
+            zero_said = True
+            out.append(
+                f"{a.path}'s {r.role} holds exact zeros (min {fmt(s.min)}, max {fmt(s.max)}): "
+                "log, xlogy, "
+                "sqrt and x ** p with p < 1 have an infinite derivative at 0 (an entropy "
+                "-xlogy(p, p) of a probability of 0, a norm of a zero vector)"
+            )
+        if not exp_said and lim is not None and s.amax > lim.exp_bound:
+            exp_said = True
+            out.append(
+                f"{a.path}'s {r.role} reached {fmt(s.min if -s.min > s.max else s.max)} "
+                f"({r.dtype}): exp of a value past {fmt(lim.exp_bound)} is inf; a hand-written "
+                "exp (Swish x / (1 + exp(-x)), Mish, softplus) hides it in forward (x / inf = "
+                "0) and backward turns it into NaN; torch.nn.functional.silu, mish and "
+                "softplus never overflow"
+            )
+    return out
+
+
 def _watched_criterion(ctx: RuleContext) -> bool:
     """A loss module was passed to watch (a root call of one), not only loss code."""
     return any(c.root and c.is_loss and c.path != LOSS_PATH for c in ctx.trace.calls)
 
 
 def _with_op(ctx: RuleContext, a: Anomaly) -> Diagnosis:
+    assert a.op is not None
+    saved = _saved_overflow(a.op)
+    if saved is not None:
+        return _exp_overflow(ctx, a, a.op, saved)
+    par = parametrization(a.op.path or a.path)
+    if par is not None and a.op.phase is Phase.FORWARD and "NaN" in a.op.born:
+        found = _parametrized(ctx, a, a.op, par)
+        if found is not None:
+            return found
     cause = cause_of(a)
     if cause is not None and cause.kind == "inf-arith":
         return _inf_arithmetic(ctx, a, cause.event, cause.trigger)
@@ -273,3 +339,317 @@ def _inspect_fix(ev: OpEvent) -> str:
     else:
         lines.append(f"print(bad.nonzero()[:8])   # then index {op}'s inputs with them")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------- an exp that overflowed, hidden
+
+#: autograd nodes whose backward multiplies the incoming gradient by the forward result
+_EXP_NODES = {"Exp": "exp", "Exp2": "exp2", "Expm1": "expm1"}
+
+
+def _saved_overflow(ev: OpEvent) -> TensorStat | None:
+    """What an exp's node saved in forward, when its backward made the value and the saved
+    result held +inf: the forward exp overflowed, and the next op hid it."""
+    if ev.phase is not Phase.BACKWARD or node_base(ev.node) not in _EXP_NODES:
+        return None
+    return next((s for _, s in ev.inputs if s is not None and s.has_posinf), None)
+
+
+def _forward_exp(ctx: RuleContext, ev: OpEvent, name: str) -> OpEvent | None:
+    """The forward op event of the exp whose node ``ev`` ran (forensic mode records the
+    forward +inf too, though it never reached a module's output)."""
+    for o in ctx.trace.ops:
+        if o.phase is not Phase.FORWARD or packet(o.op).rstrip("_") != name:
+            continue
+        if "+inf" in o.born and (o.source == ev.source or not (o.source and ev.source)):
+            return o
+    return None
+
+
+def _exp_overflow(ctx: RuleContext, a: Anomaly, ev: OpEvent, saved: TensorStat) -> Diagnosis:
+    name = _EXP_NODES[node_base(ev.node)]
+    dtype = ev.dtype or a.record.dtype
+    lim = limits(dtype)
+    at = f" at {ev.source}" if ev.source else ""
+    fwd = _forward_exp(ctx, ev, name)
+    evidence = [
+        a.summary,
+        f"in forward, {name}{at} overflowed to +inf: the result autograd saved for "
+        f"{ev.node} holds {describe_stat(saved)}",
+    ]
+    bound = f"{fmt(lim.exp_bound)} = log({fmt(lim.max)})" if lim is not None else None
+    x = first_input(fwd) if fwd is not None else None
+    top = signed_max(x)
+    if bound is not None and not math.isnan(top):
+        evidence.append(f"its argument reached {fmt(top)}; {name} overflows {dtype} above {bound}")
+    elif bound is not None:
+        evidence.append(f"{name} overflows {dtype} above {bound}")
+    evidence.append(
+        "the forward value stayed finite: the next op turned the inf into a number "
+        "(x / inf = 0, tanh(inf) = 1), so no module output showed it"
+    )
+    zero_times = "NaN" in ev.born
+    evidence.append(
+        f"in backward, {ev.node} multiplies the incoming gradient by that result: "
+        f"{short_op(ev.op)} made {ev.born}" + (" (0 × inf)" if zero_times else "")
+    )
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    explanation = (
+        f"{name}(x) is +inf in {dtype} for x above "
+        f"{fmt(lim.exp_bound) if lim is not None else 'log(finfo.max)'}. The line"
+        f"{at} hid the overflow in forward (x / (1 + exp(-x)) is -0 for a very negative x, "
+        "tanh(log(1 + exp(x))) is 1 for a large one), but autograd saved the inf, and the "
+        f"backward of {name} multiplies the gradient by it: "
+        + ("0 × inf = NaN. " if zero_times else f"{ev.born}. ")
+        + "Activations written by hand with exp (Swish, Mish, softplus, sigmoid) do this; "
+        "torch's own versions are computed so that they never overflow."
+    )
+    return ctx.diagnosis(
+        **op_fields(fwd if fwd is not None else ev, a),
+        title=f"{name} overflowed in forward (hidden), its backward made {ev.born}",
+        evidence=evidence,
+        explanation=explanation,
+        fix=_exp_fix(ev.code, name, lim.exp_bound if lim is not None else None),
+    )
+
+
+_STABLE_TABLE = (
+    "# the stable forms, by what the line computes:\n"
+    "#   x / (1 + exp(-x)), x * sigmoid(x)  ->  torch.nn.functional.silu(x)\n"
+    "#   x * tanh(log(1 + exp(x)))          ->  torch.nn.functional.mish(x)\n"
+    "#   log(1 + exp(x))                    ->  torch.nn.functional.softplus(x)\n"
+    "#   1 / (1 + exp(-x))                  ->  torch.sigmoid(x)"
+)
+
+
+def _exp_fix(code: str | None, name: str, exp_bound: float | None) -> str:
+    """The user's line with its hand-written activation replaced by torch's stable one;
+    else the line with exp's argument bounded (its result then stays finite even squared),
+    and the table of stable forms."""
+    plain = code.split("  #", 1)[0].strip() if code else ""
+    was = f"   # was: {plain}" if plain else ""
+    stable = _stable_form(plain)
+    if stable is not None:
+        fixed, fn = stable
+        return f"{fixed}{was}\n# {fn} computes the same function without overflowing"
+    cap = math.floor(exp_bound / 2) if exp_bound is not None else None
+    bounded = (
+        rewrite_call(plain, [name], lambda e: f"{paren(e)}.clamp(max={cap})")
+        if cap is not None
+        else None
+    )
+    if bounded is not None:
+        return (
+            f"{bounded}{was}\n"
+            f"# {name}({cap}) stays finite even squared; or use a stable form:\n{_STABLE_TABLE}"
+        )
+    return _STABLE_TABLE
+
+
+_TORCH_MODULES = frozenset({"torch", "torch.special", "F", "torch.nn.functional", "nn.functional"})
+
+
+def _dotted(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return None if base is None else f"{base}.{node.attr}"
+    return None
+
+
+def _applied(node: ast.expr, names: tuple[str, ...]) -> ast.expr | None:
+    """The argument of ``torch.f(a)`` or ``a.f()`` for ``f`` in ``names``."""
+    if not isinstance(node, ast.Call) or node.keywords or not isinstance(node.func, ast.Attribute):
+        return None
+    f = node.func
+    if f.attr not in names:
+        return None
+    if len(node.args) == 1 and _dotted(f.value) in _TORCH_MODULES:
+        return node.args[0]
+    if not node.args and _dotted(f.value) not in _TORCH_MODULES:
+        return f.value
+    return None
+
+
+def _one(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value in (1, 1.0) and node.value is not True
+
+
+def _one_plus(node: ast.expr) -> ast.expr | None:
+    """``e`` of ``1 + e`` or ``e + 1``."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        if _one(node.left):
+            return node.right
+        if _one(node.right):
+            return node.left
+    return None
+
+
+def _negated(node: ast.expr) -> ast.expr | None:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return node.operand
+    return None
+
+
+def _same(a: ast.expr | None, b: ast.expr | None) -> bool:
+    return a is not None and b is not None and ast.dump(a) == ast.dump(b)
+
+
+def _exp_of(node: ast.expr | None) -> ast.expr | None:
+    return None if node is None else _applied(node, ("exp",))
+
+
+def _softplus_of(node: ast.expr) -> ast.expr | None:
+    """``x`` of ``log(1 + exp(x))`` or ``log1p(exp(x))``."""
+    inner = _applied(node, ("log",))
+    if inner is not None:
+        return _exp_of(_one_plus(inner))
+    return _exp_of(_applied(node, ("log1p",)))
+
+
+def _sigmoid_of(node: ast.expr) -> ast.expr | None:
+    """``x`` of ``1 / (1 + exp(-x))``."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _one(node.left):
+        return _negated(_exp_of(_one_plus(node.right)))  # type: ignore[arg-type]
+    return None
+
+
+def _stable_of(node: ast.expr) -> tuple[str, ast.expr] | None:
+    """Which torch function ``node`` computes by hand with exp, and its argument."""
+    if not isinstance(node, ast.BinOp):
+        return _stable_call(node)
+    if isinstance(node.op, ast.Div):  # x / (1 + exp(-x))
+        den = _one_plus(node.right)
+        x = _negated(_exp_of(den)) if den is not None else None  # type: ignore[arg-type]
+        if _same(x, node.left):
+            return "torch.nn.functional.silu", node.left
+        x = _sigmoid_of(node)
+        return ("torch.sigmoid", x) if x is not None else None
+    if isinstance(node.op, ast.Mult):
+        for v, other in ((node.left, node.right), (node.right, node.left)):
+            t = _applied(other, ("tanh",))
+            if t is not None and _same(_softplus_of(t), v):
+                return "torch.nn.functional.mish", v
+            if _same(_sigmoid_of(other), v):
+                return "torch.nn.functional.silu", v
+    return None
+
+
+def _stable_call(node: ast.expr) -> tuple[str, ast.expr] | None:
+    x = _softplus_of(node)
+    return ("torch.nn.functional.softplus", x) if x is not None else None
+
+
+def _stable_form(line: str) -> tuple[str, str] | None:
+    """``line`` with its first hand-written exp activation (outermost first) replaced by
+    torch's stable function, and that function's name; None when the line holds none or
+    does not parse on its own (a part of a longer statement)."""
+    if not line or not line.isascii():
+        return None
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.expr):
+            continue
+        hit = _stable_of(node)
+        if hit is None:
+            continue
+        fn, arg = hit
+        text = ast.get_source_segment(line, arg)
+        if text is None or node.end_col_offset is None or node.lineno != node.end_lineno:
+            return None
+        return line[: node.col_offset] + f"{fn}({text})" + line[node.end_col_offset :], fn
+    return None
+
+
+# ------------------------------------------------------ inside a torch parametrization
+
+_PARAMETRIZATION = re.compile(r"^(?:(?P<owner>.+)\.)?parametrizations\.(?P<name>\w+)\.\d+$")
+
+
+def parametrization(path: str | None) -> tuple[str, str] | None:
+    """``(owner, tensor)`` when ``path`` is a parametrization module of
+    ``torch.nn.utils.parametrize`` (``0.parametrizations.weight.0`` -> ``("0", "weight")``;
+    the owner is ``""`` for the root), else None. Rules whose fix edits the op's line can
+    defer to NW100 there: the op ran in torch's code, the cause is in the stored tensor.
+
+    >>> parametrization("enc.fc.parametrizations.weight.0"), parametrization("enc.fc")
+    (('enc.fc', 'weight'), None)
+    """
+    m = _PARAMETRIZATION.match(path or "")
+    return (m.group("owner") or "", m.group("name")) if m else None
+
+
+def _parametrized(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, par: tuple[str, str]
+) -> Diagnosis | None:
+    """NaN made from finite values inside a parametrization (weight_norm, spectral_norm):
+    the stored tensor it computes the weight from holds zeros it divides by a norm of."""
+    owner, name = par
+    path = ev.path or a.path
+    trace = ctx.trace
+    call = next((c for c in trace.calls if c.path == path), None)
+    ins = [r for r in trace.inputs_of(call.id)] if call is not None else []
+    if not ins or _given(ev) != "from finite inputs":
+        return None
+    stored = [(r, f"original{i}" if len(ins) > 1 else "original") for i, r in enumerate(ins)]
+    zeros = [(nm, s) for nm, s in ev.inputs if s is not None and has_zero(s)]
+    if not zeros:
+        return None
+    culprit = _stored_with(stored, zeros[0][1]) or stored[-1]
+    plist = f"{module_ref(owner)}.parametrizations.{name}"
+    kind = call.module_type if call is not None else "parametrization"
+    op = short_op(ev.op)
+    what = f"{owner}'s {name}" if owner else name
+    names = ", ".join(f"{o} {r.shape}" for r, o in stored)
+    evidence = [
+        a.summary,
+        f"{path} ({kind}) is a torch parametrization: every forward it computes {what} from "
+        f"the tensors stored in {plist} ({names})",
+        f"{op} made NaN from finite inputs; its input {zeros[0][0]} ({culprit[1]}) holds "
+        f"exact zeros: {describe_stat(zeros[0][1])}",
+    ]
+    if ev.source:
+        evidence.append(
+            f"{ev.source} is where your code called the model: the op ran inside torch's "
+            "parametrization code, which is not the place to fix it"
+        )
+    explanation = (
+        f"{what} is not a parameter: {kind} computes it at every forward from "
+        f"{plist}.{culprit[1]} (and the other tensors stored there), which the optimizer "
+        "updates. weight_norm divides each row of v (original1) by its norm and spectral_norm "
+        "divides the weight by its largest singular value, so a row -- or a whole weight -- "
+        "of zeros (pruning, a mask, a zero init, a write under no_grad) gives 0/0 = NaN. "
+        "The fix is in that stored tensor: find its rows of norm 0, and stop what zeroes "
+        "them or give them a direction again."
+    )
+    t = f"{plist}.{culprit[1]}"
+    fix = (
+        f"t = {t}   # what {what} is computed from\n"
+        "zero = t.detach().reshape(t.shape[0], -1).norm(dim=1) == 0   # rows of norm 0: 0/0\n"
+        "print(zero.nonzero().flatten().tolist())\n"
+        "with torch.no_grad():   # a small random direction; or keep pruning/masks off this "
+        "layer\n"
+        "    t[zero] = 1e-3 * torch.randn_like(t[zero])"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"NaN in the parametrization of {what}: a norm of 0 in what it is computed from",
+        evidence=evidence,
+        explanation=explanation,
+        fix=fix,
+    )
+
+
+def _stored_with(stored: list[tuple[Record, str]], held: TensorStat) -> tuple[Record, str] | None:
+    """The stored tensor the op's input with zeros is (as many values, the first such)."""
+    return next((x for x in stored if _numel(x[0].shape) == held.numel), None)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
