@@ -11,7 +11,8 @@ from __future__ import annotations
 import ast
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from nanwatch._domains import Domain, domain_of
 from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, OpEvent, Phase, Record, TensorStat
@@ -19,6 +20,7 @@ from nanwatch.rules._evidence import (
     DomainHit,
     LossUse,
     Shortfall,
+    activation_of,
     anomaly_fields,
     cause_of,
     code_line,
@@ -54,6 +56,7 @@ from nanwatch.rules._evidence import (
     untraced_hint,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
+from nanwatch.rules.generic import parametrization
 
 
 def _chain_evidence(ev: OpEvent, trigger: OpEvent, what: str) -> list[str]:
@@ -153,6 +156,8 @@ _LOG_FIX = (
 def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
     if ev.phase is Phase.BACKWARD and node_base(ev.node) == "Xlogy":
         return _xlogy_backward(ctx, a, ev, trigger)
+    if ev.phase is Phase.BACKWARD and node_base(ev.node) == "SpecialEntr":
+        return _entr_backward(ctx, a, ev, trigger)
     dom = domain_of(ev.op)
     x = (input_named(ev, dom.arg) if dom is not None else None) or first_input(ev)
     op = short_op(ev.op)
@@ -175,17 +180,273 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         return _log_in_poisson(ctx, a, ev, x, use=poisson, evidence=evidence)
     if name == "log1p" and ev.phase is Phase.FORWARD:
         return _log1p_below(ctx, a, ev, x, evidence=evidence)
+    use = _log_use(ctx, a, ev) if ev.phase is Phase.FORWARD else None
+    if use is not None and use.evidence:
+        evidence.insert(len(evidence) - len(_chain_evidence(ev, trigger, "-inf")), use.evidence)
     return ctx.diagnosis(
         **op_fields(ev, a),
         evidence=evidence,
         explanation=(
-            f"{op} is -inf at {at} and NaN below it. Probabilities that underflow to exactly "
-            "0 (softmax or sigmoid of a large negative logit, especially in float16) make "
-            "log(p) = -inf, and the next multiplication by a zero weight or label gives "
-            "0 × -inf = NaN. Computing the log from the logits (log_softmax, logsigmoid, "
-            "the *_with_logits losses) never forms the 0."
+            f"{op} is -inf at {at} and NaN below it. "
+            + (
+                use.why
+                if use is not None and use.why
+                else "Probabilities that underflow to exactly 0 (softmax or sigmoid of a large "
+                "negative logit, especially in float16) make log(p) = -inf, and the next "
+                "multiplication by a zero weight or label gives 0 × -inf = NaN. Computing the "
+                "log from the logits (log_softmax, logsigmoid, the *_with_logits losses) "
+                "never forms the 0."
+            )
         ),
-        fix=_LOG_FIX,
+        fix=use.fix if use is not None else _LOG_FIX,
+    )
+
+
+@dataclass(frozen=True)
+class _LogUse:
+    """What the log was taken of, from the user's line (``p * torch.log(p)``, ``torch.log(1
+    - p)``, ``torch.log(torch.softmax(z, -1))``) or from the autograd node that made the
+    module's input (a softmax, a sigmoid), and the fix that suits it."""
+
+    kind: str  #: ``entropy``, ``one-minus``, ``bce``, ``sigmoid``, ``softmax``
+    fix: str
+    why: str = ""
+    evidence: str = ""
+
+
+_LOG_CALL = re.compile(r"(?<![\w.])torch\.(log(?:2|10)?)\(|\.(log(?:2|10)?)\(\s*\)")
+
+
+def _log_calls(stmt: str) -> list[tuple[int, int, str]]:
+    """Each ``torch.log(a)`` / ``a.log()`` of a statement: (start, end, the argument a)."""
+    out: list[tuple[int, int, str]] = []
+    for m in _LOG_CALL.finditer(stmt):
+        if m.group(1) is not None:
+            close = _closing(stmt, m.end())
+            if close is not None:
+                out.append((m.start(), close + 1, stmt[m.end() : close].strip()))
+            continue
+        begin = postfix_start(stmt, m.start() - 1)
+        if begin is None:
+            continue
+        recv = stmt[begin : m.start()]
+        if recv.startswith("(") and _closing(stmt, begin + 1) == m.start() - 1:
+            recv = recv[1:-1]
+        out.append((begin, m.end(), recv.strip()))
+    return out
+
+
+def _closing(text: str, start: int) -> int | None:
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
+
+
+_ONE_MINUS = re.compile(r"^1(?:\.0*)?\s*-\s*(.+)$")
+_SIGMOID = re.compile(
+    r"^(?:(?:torch|F|torch\.nn\.functional)\.sigmoid\((.+)\)|(.+)\.sigmoid\(\s*\))$"
+)
+_SOFTMAX = re.compile(
+    r"^(?:(?:torch|F|torch\.nn\.functional)\.softmax\((.+)\)|(.+)\.softmax\((.*)\))$"
+)
+
+
+def _tiny(p: str) -> str:
+    return f"torch.finfo({paren(p)}.dtype).tiny"
+
+
+def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
+    """The log's use, read from its line; else from the activation that made the input
+    of the module the log ran in; None when neither says."""
+    for stmt in statements(ev.code):
+        calls = _log_calls(stmt)
+        if not calls:
+            continue
+        for start, end, arg in calls:
+            ent = _entropy_use(stmt, start, end, arg)
+            if ent is not None:
+                return ent
+        args = [arg for _, _, arg in calls]
+        for _, _, arg in calls:
+            m = _ONE_MINUS.match(arg)
+            if m is not None:
+                return _one_minus_use(
+                    stmt, calls, m.group(1).strip(), bce=m.group(1).strip() in args
+                )
+        for start, end, arg in calls:
+            sig = _SIGMOID.match(arg)
+            if sig is not None:
+                z = (sig.group(1) or sig.group(2)).strip()
+                own = f"{stmt[:start]}F.logsigmoid({z}){stmt[end:]}"
+                return _LogUse(
+                    "sigmoid", f"{own}   # log(sigmoid(z)) without forming the 0\n" + _SIGMOID_FIX
+                )
+            soft = _SOFTMAX.match(arg)
+            if soft is not None:
+                inner = (
+                    f"F.log_softmax({soft.group(1)})"
+                    if soft.group(1) is not None
+                    else f"{soft.group(2)}.log_softmax({soft.group(3)})"
+                )
+                own = f"{stmt[:start]}{inner}{stmt[end:]}"
+                return _LogUse(
+                    "softmax", f"{own}   # log(softmax(z)) without forming the 0\n" + _LOG_FIX
+                )
+        break
+    kind = _input_activation(ctx, a, ev)
+    if kind == "sigmoid":
+        return _LogUse("sigmoid", _SIGMOID_FIX)
+    if kind == "softmax":
+        return _LogUse("softmax", _LOG_FIX)
+    return None
+
+
+def _entropy_use(stmt: str, start: int, end: int, arg: str) -> _LogUse | None:
+    """``p * torch.log(p)`` (or ``torch.log(p) * p``): an entropy term, 0 × -inf at p = 0."""
+    call = stmt[start:end]
+    a = re.escape(arg)
+    m = re.search(rf"(?<![\w.])(?:{a}|\({a}\))\s*\*\s*{re.escape(call)}", stmt) or re.search(
+        rf"{re.escape(call)}\s*\*\s*(?:{a}|\({a}\))(?![\w.(\[])", stmt
+    )
+    if m is None:
+        return None
+    xlogy = f"torch.special.xlogy({arg}, {paren(arg)}.clamp_min({_tiny(arg)}))"
+    own = stmt[: m.start()] + xlogy + stmt[m.end() :]
+    return _LogUse(
+        "entropy",
+        fix=(
+            f"{own}   # 0 where {arg} is 0, with a finite gradient\n"
+            f"# or -torch.special.entr({paren(arg)}.clamp_min({_tiny(arg)})), the same: plain "
+            f"xlogy({arg}, {arg}) or entr({arg}) is finite at 0 but its gradient is not\n"
+            "logp = F.log_softmax(logits, dim=-1); ent = -(logp.exp() * logp).sum(-1)"
+            "   # when p is a softmax of logits"
+        ),
+        why=(
+            "An entropy term p · log(p) tends to 0 as p -> 0, but computed as written it is "
+            "0 × log(0) = 0 × -inf = NaN wherever a probability is exactly 0 (a softmax of "
+            "spread-out logits underflows, a ReLU-normalized score is 0). torch.special.xlogy "
+            "defines 0 · log(0) as 0; keeping its second argument off 0 keeps the gradient "
+            "finite too."
+        ),
+        evidence=f"the line multiplies {arg} by its own log: {arg} · log({arg}) at {arg} = 0 "
+        "is 0 × -inf = NaN",
+    )
+
+
+def _with_arg(call: str, arg: str) -> str:
+    """``torch.log2(p)`` or ``p.log2()`` with ``arg`` in place of ``p``."""
+    if call.startswith("torch."):
+        return f"{call[: call.index('(')]}({arg})"
+    return arg + call[call.rindex(".") :]
+
+
+def _one_minus_use(stmt: str, calls: list[tuple[int, int, str]], q: str, *, bce: bool) -> _LogUse:
+    """log(1 - p) (and log(p) beside it: a hand-written binary cross-entropy) of a
+    probability that reached exactly 1."""
+    out, last = [], 0
+    for start, end, arg in calls:
+        out.append(stmt[last:start])
+        m = _ONE_MINUS.match(arg)
+        if arg == q or (m is not None and m.group(1).strip() == q):
+            out.append(_with_arg(stmt[start:end], f"{paren(arg)}.clamp_min({_tiny(q)})"))
+        else:
+            out.append(stmt[start:end])
+        last = end
+    clamped = "".join(out) + stmt[last:]
+    sig = _SIGMOID.match(q)
+    if sig is not None:  # log(1 - torch.sigmoid(z)) on the line: the logit is known
+        z = (sig.group(1) or sig.group(2)).strip()
+        own: list[str] = []
+        last = 0
+        for start, end, arg in calls:
+            m = _ONE_MINUS.match(arg)
+            hit = m is not None and m.group(1).strip() == q
+            own += [stmt[last:start], f"F.logsigmoid(-{paren(z)})" if hit else stmt[start:end]]
+            last = end
+        lead = "".join(own) + stmt[last:] + f"   # log(1 - sigmoid({z})), never -inf\n"
+        lead += f"loss = F.binary_cross_entropy_with_logits({z}, y)   # a BCE of the logits\n"
+    else:
+        lead = (
+            f"loss = F.binary_cross_entropy_with_logits(logits, y)   # {q} = torch.sigmoid("
+            "logits): the loss from the logits\n"
+            "log_1mp = F.logsigmoid(-logits)   # log(1 - sigmoid(logits)), never -inf\n"
+        )
+    return _LogUse(
+        "bce" if bce else "one-minus",
+        fix=f"{lead}{clamped}   # when only {q} exists",
+        why=(
+            f"The log of 1 - {q} is -inf where {q} is exactly 1: a sigmoid of a logit above "
+            "about 17 rounds to 1.0 in float32 (about 8 in float16), so 1 - p = 0"
+            + (", and the label's zero weight on that term makes 0 × -inf = NaN. " if bce else ". ")
+            + "logsigmoid(-z) = log(1 - sigmoid(z)) and binary_cross_entropy_with_logits "
+            "work from the logit and never form the 0."
+        ),
+        evidence=f"the log is of 1 - {q}: -inf where {q} is exactly 1"
+        + (f" (with log({q}) beside it: a hand-written binary cross-entropy)" if bce else ""),
+    )
+
+
+_SIGMOID_FIX = (
+    "logp = F.logsigmoid(logits)            # not torch.log(torch.sigmoid(logits))\n"
+    "log_1mp = F.logsigmoid(-logits)        # not torch.log(1 - torch.sigmoid(logits))\n"
+    "loss = F.binary_cross_entropy_with_logits(logits, y)  # not a hand-written BCE\n"
+    "logp = torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))  # when only p exists"
+)
+
+
+def _input_activation(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> str | None:
+    """``softmax`` or ``sigmoid`` when one made an input of the module the log ran in (a
+    loss module given probabilities), from the autograd node or module that made it."""
+    trace = ctx.trace
+    paths = {p for p in (ev.path, a.path) if p}
+    calls = {c.id for c in trace.calls if c.path in paths}
+    kinds = {
+        act.kind
+        for r in trace.records
+        if r.phase is Phase.INPUT and r.call in calls
+        for act in [activation_of(trace, r)]
+        if act is not None
+    }
+    return next(iter(kinds)) if len(kinds) == 1 and kinds <= {"sigmoid", "softmax"} else None
+
+
+def _entr_backward(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
+    """entr(x) = -x·log(x) is 0 at x = 0, but its derivative -(log(x) + 1) is +inf there:
+    the entropy of a distribution with exact zeros (a ReLU-normalized or sparse one, or
+    probabilities that underflowed)."""
+    x = input_named(ev, "self")
+    evidence = [
+        f"in backward (autograd node {ev.node}), the gradient of entr(x) = -x·log(x) is "
+        f"-(log(x) + 1): {ev.born} where x is 0",
+        *([f"x (self): {describe_stat(x)}"] if x is not None else []),
+        *_chain_evidence(ev, trigger, ev.born),
+    ]
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="Gradient of entr at 0",
+        evidence=evidence,
+        explanation=(
+            "torch.special.entr(x) = -x·log(x) is defined as 0 at x = 0, so the forward "
+            "value is finite, but its derivative -(log(x) + 1) is +inf there, and the "
+            "backward of what made x (a softmax, a normalization: x × (g - ...)) turns "
+            "0 × inf into NaN: an entropy over probabilities that are exactly 0 (scores "
+            "cut to 0 by a ReLU, a sparse assignment, a softmax that underflowed). Keeping "
+            "entr's argument off 0, or computing the entropy from log-probabilities, keeps "
+            "every gradient finite."
+        ),
+        fix=(
+            "ent = torch.special.entr(p.clamp_min(torch.finfo(p.dtype).tiny)).sum(-1)"
+            "   # the gradient at 0 stays finite\n"
+            "logp = F.log_softmax(logits, dim=-1)\n"
+            "ent = -(logp.exp() * logp).sum(-1)   # when p = softmax(logits)\n"
+            "ent = torch.distributions.Categorical(logits=logits).entropy()   # the same"
+        ),
     )
 
 
@@ -444,6 +705,8 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if cause is None or cause.kind != "div":
         return
     ev = cause.event
+    if ev.phase is Phase.FORWARD and parametrization(ev.path or a.path) is not None:
+        return  # spectral_norm's W / sigma: the cause is the stored tensor (NW100 says it)
     name = packet(ev.op)
     num = input_named(ev, "self", "input")
     den = denominator(ev)
@@ -692,6 +955,9 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
     e = ev.scalars.get("exponent")
     evidence: list[str] = []
     backward = ev.phase is Phase.BACKWARD
+    own = scalar_base(ev) is None  # x is the base, not a tensor exponent
+    pole = not backward and own and _pole_at_zero(ev, x, e)
+    cancel = None
     if backward:
         node = node_base(ev.node)
         evidence.append(
@@ -714,15 +980,26 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
     else:
         what = f"{op} with exponent {e}" if e is not None else op
         if x is not None and x.min < 0:
+            cancel = None if _rounding_negative(x, ev.dtype) else _cancellation(ctx, ev, x)
             evidence.append(
                 f"{what} of negative numbers is NaN: its input's minimum is {fmt(x.min)}"
-                + ("" if _rounding_negative(x, ev.dtype) else ", far below 0: not rounding")
+                + (
+                    ""
+                    if _rounding_negative(x, ev.dtype)
+                    else f", {cancel.words}"
+                    if cancel is not None
+                    else ", far below 0: not rounding"
+                )
+            )
+        elif pole and x is not None:
+            evidence.append(
+                f"{what} of 0 is inf ({_pole_formula(ev, e)}): its input holds "
+                f"{_zeros_text(x, 'pow')} and nothing below 0"
             )
         elif x is not None and has_zero(x):
             evidence.append(f"{what} at 0 is inf (a negative exponent or rsqrt)")
         evidence.append(f"input ({ev.dtype}): {describe_stat(x)}")
     evidence += _chain_evidence(ev, trigger, ev.born)
-    own = scalar_base(ev) is None  # x is the base, not a tensor exponent
     # a sqrt of values negative in their own right (predictions), not by rounding
     # (a sqrt, or a negative fractional power: mu ** -0.5 of a raw rate in a Tweedie loss,
     # whose signed power would be inf at 0; a positive one keeps the signed-power fix)
@@ -734,20 +1011,148 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
     )
     negative = own and fractional and x is not None and x.min < 0
     negative = negative and x is not None and not _rounding_negative(x, ev.dtype)
-    return ctx.diagnosis(
-        **op_fields(ev, a),
-        evidence=evidence,
-        explanation=(
-            _ROOT_BACKWARD if backward else _ROOT_NEGATIVE if negative else _root_forward_text(e)
-        ),
-        fix=(
-            _root_backward_fix(node_base(ev.node), e, ev.dtype)
-            if backward
-            else _negative_root_fix(ev)
-            if negative
-            else _root_forward_fix(e, measured=x is not None and own)
-        ),
+    if cancel is not None:
+        explanation, fix = _cancel_text(cancel, ev.dtype), _cancel_fix(ev)
+    elif pole:
+        explanation, fix = _pole_text(ev, e), _pole_fix(ev, e)
+    elif backward:
+        explanation, fix = _ROOT_BACKWARD, _root_backward_fix(node_base(ev.node), e, ev.dtype)
+    elif negative:
+        explanation, fix = _ROOT_NEGATIVE, _negative_root_fix(ev)
+    else:
+        explanation = _root_forward_text(e)
+        fix = _root_forward_fix(e, measured=x is not None and own)
+    return ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
+
+
+_RSQRT = frozenset({"rsqrt", "rsqrt_"})
+
+
+def _pole_at_zero(ev: OpEvent, x: TensorStat | None, e: object) -> bool:
+    """rsqrt or a negative power of exact zeros and of nothing below 0: 0 ** -0.5 = inf, a
+    pole, not a number outside the real domain."""
+    negative_power = (isinstance(e, (int, float)) and not isinstance(e, bool) and e < 0) or packet(
+        ev.op
+    ) in _RSQRT
+    if not negative_power or "inf" not in ev.born:
+        return False
+    if x is None:
+        return "NaN" not in ev.born  # only inf: a negative number would have made NaN
+    return x.min == 0.0 and has_zero(x)
+
+
+def _pole_formula(ev: OpEvent, e: object) -> str:
+    if packet(ev.op) in _RSQRT:
+        return "rsqrt(0) = 1 / sqrt(0)"
+    return f"0 ** {e} = 1 / 0 ** {fmt(-float(e))}" if isinstance(e, (int, float)) else "1 / 0"
+
+
+def _pole_text(ev: OpEvent, e: object) -> str:
+    if packet(ev.op) in _RSQRT:
+        return (
+            "rsqrt(x) = 1 / sqrt(x) is inf at x = 0, and nothing here is negative: the "
+            "input is exactly 0. A mean square or a variance of an all-zero row is 0 -- a "
+            "padding token (padding_idx keeps its embedding 0), a masked or zeroed feature. "
+            "RMSNorm and LayerNorm add an eps inside, rsqrt(ms + eps), so such a row stays "
+            "finite; without it the row is inf, and the product that follows (0 × inf) is NaN."
+        )
+    return (
+        f"x ** {e} = 1 / x ** {fmt(-float(e)) if isinstance(e, (int, float)) else '-e'} is "
+        "inf at x = 0: a negative power of 0 has no finite value, and nothing here is "
+        "negative. A count or a sum that is 0 for one row -- the degree of a node without "
+        "edges in a graph, an empty bag, a length of 0 -- or the norm of an all-zero "
+        "vector makes it, and what follows turns the inf into NaN (0 × inf, inf - inf)."
     )
+
+
+def _pole_fix(ev: OpEvent, e: object) -> str:
+    """Keep the base off 0 on the user's line: rsqrt(v + eps); a count (a degree) at least
+    1, and its result set to 0 where the count was 0; or an eps for continuous values."""
+    stmt = next((st for st in statements(ev.code) if re.search(r"rsqrt|pow\(|\*\*", st)), None)
+    if packet(ev.op) in _RSQRT:
+        method = stmt is not None and re.search(r"(?<!torch)\.rsqrt_?\(", stmt) is not None
+        own = rewrite_call(stmt, ["rsqrt"], lambda v: f"({v} + 1e-6)" if method else f"{v} + 1e-6")
+        addend = _addend(stmt)
+        lines = [
+            f"{own}   # eps inside the root, as RMSNorm (1e-6): rsqrt(0 + eps) is finite"
+            if own
+            else "y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)   # RMSNorm, "
+            "with its eps"
+        ]
+        if addend is not None:
+            lines.append(
+                f"# or give {addend} a value above 0: the input reached exactly 0, so it "
+                "added nothing"
+            )
+        lines.append("# or keep padding rows out: normalize only where the mask is True")
+        return "\n".join(lines)
+    base: list[str] = []
+    at_least_one = _rewrite_base(stmt, lambda b: f"{paren(b)}.clamp_min(1)", base)
+    with_eps = _rewrite_base(stmt, lambda b: f"({b} + 1e-6)", [])
+    lhs = _target(stmt)
+    if at_least_one is None or with_eps is None or not base:
+        p = f"{e}" if e is not None else "-0.5"
+        return (
+            f"y = x.clamp_min(1) ** {p}   # a count (a degree, a length): 0 counts as 1\n"
+            "y = y.masked_fill(x == 0, 0)   # then, where a zero should give 0 (no edges)\n"
+            f"y = (x + 1e-6) ** {p}   # or a continuous value (a norm, a variance): an eps"
+        )
+    lines = [f"{at_least_one}   # a count (a degree, a length): 0 counts as 1, not inf"]
+    if lhs is not None:
+        lines.append(
+            f"{lhs} = {lhs}.masked_fill({base[0]} == 0, 0)   # then, where a zero should give "
+            "0 (a node without edges)"
+        )
+    lines.append(f"{with_eps}   # or a continuous value (a norm, a variance): an eps")
+    return "\n".join(lines)
+
+
+def _addend(stmt: str | None) -> str | None:
+    """The name added last inside the root's argument (``ms + self.eps`` -> ``self.eps``)."""
+    got: list[str] = []
+
+    def keep(v: str) -> str:
+        got.append(v)
+        return v
+
+    rewrite_call(stmt, ["rsqrt", "sqrt"], keep)
+    if not got:
+        return None
+    m = re.search(r"\+\s*([A-Za-z_][\w.]*)\s*$", got[0])
+    return m.group(1) if m else None
+
+
+def _target(stmt: str | None) -> str | None:
+    """The plain name a statement assigns (``dinv = ...`` -> ``dinv``)."""
+    m = re.match(r"\s*([A-Za-z_]\w*)\s*=(?!=)", stmt or "")
+    return m.group(1) if m else None
+
+
+def _rewrite_base(stmt: str | None, wrap: Callable[[str], str], got: list[str]) -> str | None:
+    """The statement with the base of its power (``x.pow(e)``, ``torch.pow(x, e)``, ``x **
+    e``) passed through ``wrap``; the base is appended to ``got``."""
+
+    def keep(b: str) -> str:
+        got.append(b)
+        return wrap(b)
+
+    out = rewrite_call(stmt, ["pow"], keep)
+    if out is not None or not stmt:
+        return out
+    line = stmt.split("  #", 1)[0].rstrip()
+    m = re.search(r"\*\*", line)
+    if m is None:
+        return None
+    end = m.start() - 1
+    while end >= 0 and line[end] == " ":
+        end -= 1
+    begin = postfix_start(line, end) if end >= 0 else None
+    if begin is None:
+        return None
+    base = line[begin : end + 1]
+    if base.startswith("(") and base.endswith(")"):
+        base = base[1:-1]
+    return line[:begin] + keep(base) + line[end + 1 :]
 
 
 def _rounding_negative(x: TensorStat, dtype: str | None) -> bool:
@@ -757,6 +1162,95 @@ def _rounding_negative(x: TensorStat, dtype: str | None) -> bool:
     assert lim is not None
     scale = max(abs(x.max) if math.isfinite(x.max) else 1.0, 1.0)
     return x.min >= -64 * lim.eps * scale
+
+
+@dataclass(frozen=True)
+class _Cancellation:
+    """Negative values of a root's argument within a few rounding steps of the squares of
+    the values its module worked with: what is left of a difference of two nearly equal
+    large numbers (E[x²] - E[x]²), rounding noise of either sign."""
+
+    path: str
+    amax: float  #: the largest |x| among the module's inputs and its children's outputs
+    ulp: float  #: eps · amax²: one rounding step of those squares
+    steps: int  #: how many such steps the minimum is below 0
+    dtype: str
+
+    @property
+    def words(self) -> str:
+        return (
+            f"{count(self.steps, f'{self.dtype} rounding step')} of the squares of the values "
+            f"{self.path} works with (max |x| {fmt(self.amax)}, x² up to "
+            f"{fmt(self.amax * self.amax)}, eps·x² = {fmt(self.ulp)}): cancellation, not "
+            "values negative in their own right"
+        )
+
+
+def _cancellation(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _Cancellation | None:
+    """The negative minimum of a root's argument is within 16 rounding steps of the
+    squares of the values the op's module was given or computed (its inputs and its
+    children's outputs this step): a variance E[x²] - E[x]² of values far from 0 cancels to
+    noise of that size, of either sign."""
+    lim = limits(ev.dtype)
+    if lim is None or ev.path is None or not x.min < 0:
+        return None
+    trace = ctx.trace
+    calls = {c.id for c in trace.calls if c.path == ev.path}
+    inner = ev.path + "."
+    amax = 0.0
+    for r in trace.records:
+        mine = r.phase is Phase.INPUT and r.call in calls
+        child = r.phase is Phase.FORWARD and r.path.startswith(inner) and r.call >= 0
+        if not (mine or child):
+            continue
+        m = exact(trace, r)
+        mag = m.stat.magnitude if m is not None and m.stat is not None else math.nan
+        if math.isfinite(mag):
+            amax = max(amax, mag)
+    ulp = lim.eps * amax * amax
+    if not (math.isfinite(ulp) and ulp > 0) or -x.min > 16 * ulp:
+        return None
+    return _Cancellation(ev.path, amax, ulp, max(1, round(-x.min / ulp)), ev.dtype or "float32")
+
+
+def _cancel_text(c: _Cancellation, dtype: str | None) -> str:
+    return (
+        "sqrt(x) is not a real number for negative x: PyTorch returns NaN. These negative "
+        "values are rounding, not data: a variance computed as E[x²] - E[x]² subtracts two "
+        f"numbers near {fmt(c.amax * c.amax)} (squares of values up to {fmt(c.amax)}) that "
+        f"agree to within {dtype or 'float32'}'s precision, and what is left is noise of "
+        f"about {fmt(c.ulp)}, of either sign. Values far from 0 with a small spread (an "
+        "un-centered feature, a constant row) do this. Subtracting the mean first, "
+        "((x - mean)²).mean(), never goes below 0; then add eps."
+    )
+
+
+def _cancel_fix(ev: OpEvent) -> str:
+    """A two-pass variance (under the user's name for it when their line shows one), the
+    built-in layer norm, and the user's root with an eps inside."""
+    stmt = next((st for st in statements(ev.code) if "sqrt" in st), None)
+    got: list[str] = []
+
+    def keep(v: str) -> str:
+        got.append(v)
+        return v
+
+    rewrite_call(stmt, ["sqrt", "rsqrt"], keep)
+    m = re.match(r"\s*([A-Za-z_]\w*)(?![\w.(\[])", got[0]) if got else None
+    var = m.group(1) if m and m.group(1) not in ("torch", "self", "x") else "var"
+    own = rewrite_call(stmt, ["sqrt", "rsqrt"], lambda v: f"{v} + 1e-5")
+    return (
+        f"{var} = x.var(-1, keepdim=True, correction=0)   # two-pass: never below 0, unlike "
+        "E[x²] - E[x]² (x: the values normalized)\n"
+        f"{var} = ((x - x.mean(-1, keepdim=True)) ** 2).mean(-1, keepdim=True)   # the same, "
+        "by hand\n"
+        "y = F.layer_norm(x, x.shape[-1:], eps=1e-5)   # or the built-in\n"
+        + (
+            f"{own}   # then an eps inside the root, as LayerNorm"
+            if own
+            else "y = torch.sqrt(v.clamp_min(0) + 1e-12)   # rounding made v slightly negative"
+        )
+    )
 
 
 _ROOT_NEGATIVE = (
