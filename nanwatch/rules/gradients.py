@@ -64,12 +64,16 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"{s.finite_amax / lim.max:.0%} of {rec.dtype}'s largest value {fmt(lim.max)}"
         )
     writer = _writer(ctx, name)
+    hand = _hand_written(ctx, rec, name, writer)
+    if hand is not None:
+        yield _hand_update(ctx, a, hand, name=name, evidence=evidence)
+        return
     if writer is not None and writer.get("since_attach"):
         # written after the attach check found it finite, by no optimizer (an ActNorm's
         # data-dependent init in the first forward, a copy_ under no_grad)
         yield _written_elsewhere(ctx, a, name=name, evidence=evidence, after=None)
         return
-    if not ctx.history and rec.index < 0:
+    if not ctx.history and rec.index < 0 and _finite_at_attach(writer) is not True:
         # found ahead of the first step's forward: no update ran under the watcher
         yield ctx.diagnosis(
             **anomaly_fields(a),
@@ -104,6 +108,7 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
     at_end = _after_forward(ctx.trace, rec)
     prev = ctx.trace if at_end else (ctx.history[-1] if ctx.history else None)
     consequence: str | None = None
+    gnorm: float | None = None
     if prev is not None:
         g = next((r for r in prev.records if r.phase is Phase.GRADIENT and r.role == name), None)
         if g is not None and g.stat is not None and not g.stat.finite:
@@ -113,6 +118,7 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
         elif prev.anomaly is not None and prev is not ctx.trace:
             consequence = f"step {prev.step} already had an anomaly: {prev.anomaly.summary}"
         elif g is not None and g.stat is not None and g.stat.norm is not None:
+            gnorm = g.stat.norm
             evidence.append(
                 f"its gradient norm at step {prev.step}, the update that broke it: "
                 f"{fmt(g.stat.norm)}"
@@ -143,34 +149,286 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
         if special is not None:
             yield special
             return
+    state = _bad_state(ctx, name)
+    if state:
+        yield _bad_state_diagnosis(ctx, a, update, state, name=name, evidence=evidence)
+        return
     losses = [(t.step, t.loss) for t in ctx.history if t.loss is not None][-4:]
     if len(losses) >= 2:
         evidence.append(
             "loss over the last steps: " + ", ".join(f"{fmt(v)} (step {st})" for st, v in losses)
         )
-    low = lim is not None
-    yield ctx.diagnosis(
+    yield _plain_update(ctx, a, update, gnorm, name=name, evidence=evidence)
+
+
+#: a fix that finds the non-finite entries of the optimizer's per-weight state (Adam's
+#: exp_avg/exp_avg_sq, SGD's momentum_buffer) and resets them
+_STATE_CHECK = (
+    "names = {p: n for n, p in model.named_parameters()}\n"
+    "for p, s in optimizer.state.items():   # e.g. right after optimizer.load_state_dict(...)\n"
+    "    bad = [k for k, v in s.items() if torch.is_tensor(v) and not torch.isfinite(v).all()]\n"
+    "    if bad:\n"
+    "        print(names.get(p), bad)\n"
+    "        s.clear()   # the optimizer starts this weight's state afresh at its next step"
+)
+
+
+def _normalized(optimizer: str) -> bool:
+    """An optimizer that divides each gradient by a running estimate of its own size (Adam
+    and its kin, RMSprop, Adagrad, Adadelta): each weight moves by about lr per step
+    whatever the gradient's scale, so clipping the gradients does not bound the step."""
+    low = optimizer.lower()
+    return "adam" in low or low in {"rmsprop", "adagrad", "adadelta", "adafactor"}
+
+
+def _lr_of(u: _Update | None) -> float | None:
+    lrs = _numbers(u.group.get("lr")) if u is not None else []
+    return lrs[0] if lrs and math.isfinite(lrs[0]) else None
+
+
+def _group_of(u: _Update) -> int:
+    g = u.group.get("group", 0)
+    return g if isinstance(g, int) and not isinstance(g, bool) else 0
+
+
+def _lr_line(u: _Update, lr: float) -> str:
+    """Set the learning rate of the param group that updated the weight, on the user's own
+    optimizer (never a new one: its class, groups and state stay)."""
+    gi = _group_of(u)
+    if u.optimizer == "LBFGS":
+        new = 1.0 if lr > 1 else lr / 10  # LBFGS's own default is 1
+    elif _normalized(u.optimizer) and lr > 1e-2:
+        new = 1e-3  # Adam-family steps are about lr per weight: 1e-5 to 1e-2 is usual
+    else:
+        new = lr / 10
+    return f'optimizer.param_groups[{gi}]["lr"] = {fmt(new)}   # was {fmt(lr)} ({u.optimizer})'
+
+
+def _master_weights_line(dtype: str, device: str) -> str:
+    return (
+        f"# or train with float32 weights: model.float(), and {dtype} in the forward only "
+        f"(torch.autocast(device_type={device_type(None, device)}, dtype=torch.{dtype}))"
+    )
+
+
+def _plain_update(
+    ctx: RuleContext,
+    a: Anomaly,
+    u: _Update | None,
+    gnorm: float | None,
+    *,
+    name: str,
+    evidence: list[str],
+) -> Diagnosis:
+    """The optimizer's update wrote the NaN/inf and none of its settings is itself broken:
+    what its size says (lr × gradient for SGD, about lr per weight for the Adam family, a
+    quasi-Newton step for LBFGS), against the weights' dtype."""
+    rec = a.record
+    s = rec.stat
+    lim = limits(rec.dtype)
+    low = low_precision(rec.dtype) is not None
+    lr = _lr_of(u)
+    overflow = s is None or s.has_posinf or s.has_neginf
+    who = "the optimizer step"
+    if u is not None:
+        who = f"{u.optimizer} (lr {fmt(lr) if lr is not None else '?'}, param group {_group_of(u)})"
+        evidence.append(f"updated at step {u.step} by {who}")
+    grad = f" (norm {fmt(gnorm)})" if gnorm is not None else ""
+    master = ("\n" + _master_weights_line(rec.dtype, rec.device)) if low else ""
+    if not overflow:
+        # NaN and no inf: no value grew past the dtype, so the update's size is not the
+        # cause; the update made it from finite numbers, or read it from its state
+        rms = u is not None and u.optimizer == "RMSprop"
+        explanation = (
+            f"{name} was finite when the last step's forward ran and is not now: {who} "
+            f"wrote NaN into it from a finite gradient{grad}. A NaN with no inf is not an "
+            "overflow, so the learning rate is not too high and clipping will not help: the "
+            "update computed 0/0, inf - inf or the square root of a negative number, or read "
+            "a NaN from the optimizer's running state (an optimizer.load_state_dict of a "
+            "checkpoint saved after a run had gone bad)."
+            + (
+                " RMSprop(centered=True) takes sqrt(square_avg - grad_avg²), which rounding "
+                "makes negative when a gradient barely changes from step to step."
+                if rms
+                else ""
+            )
+        )
+        fix = (
+            f'optimizer.param_groups[{_group_of(u)}]["centered"] = False   '
+            "# if it was built with centered=True\n"
+            if rms and u is not None
+            else ""
+        ) + _STATE_CHECK
+        return ctx.diagnosis(
+            **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix
+        )
+    dmax = f" ({rec.dtype} stops at {fmt(lim.max)})" if lim is not None else ""
+    famax = s.finite_amax if s is not None and s.finite_amax is not None else 0.0
+    if u is not None and u.optimizer == "LBFGS":
+        explanation = (
+            f"{name} was finite when the last step's forward ran and is not now: {who} "
+            "wrote the inf. LBFGS moves the weights by lr × its quasi-Newton direction (the "
+            "gradient divided by the curvature it estimated from past steps), whose size the "
+            "gradient does not bound; without a line search nothing checks that the step "
+            f"lowers the loss, and one step no longer fit in the dtype{dmax}."
+        )
+        fix = (
+            f'optimizer.param_groups[{_group_of(u)}]["line_search_fn"] = "strong_wolfe"   '
+            "# a line search picks each step's length"
+            + (f"\n{_lr_line(u, lr)}" if lr is not None and lr > 1 else "")
+            + master
+        )
+        return ctx.diagnosis(
+            **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix
+        )
+    if u is not None and lr is not None and lim is not None:
+        # how far one update can move a weight: about lr for the Adam family (its step is
+        # the gradient over its own running size), lr × |g| for SGD (× 10: momentum 0.9)
+        step = (
+            lr * 10
+            if _normalized(u.optimizer)
+            else (lr * gnorm * 10 if gnorm is not None else None)
+        )
+        if step is not None and (famax + step) * 1e3 < lim.max:
+            return _unexplained_inf(
+                ctx, a, u, name=name, evidence=evidence, step=step, master=master
+            )
+    if u is not None and _normalized(u.optimizer):
+        reach = (
+            f" At lr {fmt(lr)} a weight reaches {rec.dtype}'s largest value {fmt(lim.max)} "
+            f"in about {fmt(lim.max / lr)} steps."
+            if lim is not None and lr
+            else ""
+        )
+        explanation = (
+            f"{name} was finite when the last step's forward ran and is not now: {who} "
+            f"wrote the inf. {u.optimizer} divides each gradient by a running estimate of "
+            "its size, so every step moves each weight by about lr whatever the gradient: "
+            f"clipping the gradients does not bound the step, only the lr does.{reach}"
+        )
+        fix = (
+            _lr_line(u, lr) if lr is not None else 'for g in optimizer.param_groups: g["lr"] /= 10'
+        ) + master
+        return ctx.diagnosis(
+            **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix
+        )
+    lr_fix = (
+        _lr_line(u, lr)
+        if u is not None and lr is not None
+        else 'for g in optimizer.param_groups: g["lr"] /= 10   # a learning rate 10 times lower'
+    )
+    size = (
+        f" Each update is lr × gradient: {fmt(lr)} × {fmt(gnorm)} = {fmt(lr * gnorm)} here."
+        if lr is not None and gnorm is not None
+        else ""
+    )
+    return ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
         explanation=(
-            f"{name} was finite when the last step's forward ran and is not now: the "
-            "optimizer step wrote the bad value, not this step's computation. Each update "
-            "over-corrects (a learning rate far too high), the weights oscillate with "
-            "growing amplitude, and one update no longer fits in the dtype"
-            + (f" ({rec.dtype} stops at {fmt(lim.max)})" if lim is not None else "")
-            + ". Every layer-level tool blames whichever layer multiplies by the weight first."
+            f"{name} was finite when the last step's forward ran and is not now: {who} "
+            f"wrote the inf, not this step's computation.{size} When the learning rate is "
+            "too high for these gradients each update over-corrects, the weights oscillate "
+            "with growing amplitude (and their gradients with them), and one update no "
+            f"longer fits in the dtype{dmax}. Every layer-level tool blames whichever layer "
+            "multiplies by the weight first."
         ),
         fix=(
-            "optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)   # check the lr\n"
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before "
-            "optimizer.step()"
+            "optimizer.step()\n" + lr_fix + master
+        ),
+    )
+
+
+def _unexplained_inf(
+    ctx: RuleContext,
+    a: Anomaly,
+    u: _Update,
+    *,
+    name: str,
+    evidence: list[str],
+    step: float,
+    master: str,
+) -> Diagnosis:
+    """An inf that an update of this size cannot write: the lr and the gradient are
+    ordinary, so the update divided by a tiny denominator or read its state."""
+    rec = a.record
+    lim = limits(rec.dtype)
+    assert lim is not None
+    evidence.append(
+        f"one update of {u.optimizer} at this lr moves a weight by at most about {fmt(step)}: "
+        f"far below {rec.dtype}'s largest value {fmt(lim.max)}"
+    )
+    low = low_precision(rec.dtype) is not None
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        evidence=evidence,
+        explanation=(
+            f"{name} was finite when the last step's forward ran and is not now, but an "
+            f"update of {u.optimizer} with this learning rate and this gradient is far too "
+            "small to overflow: the learning rate is not the cause and clipping will not "
+            "help. The update read an inf from the optimizer's running state (an "
+            "optimizer.load_state_dict of a checkpoint saved after a run had gone bad)"
             + (
-                "\n# train with float32 weights: model.float() + torch.autocast(..., "
-                "dtype=torch.float16) + torch.amp.GradScaler()"
+                f", or divided by a second moment that underflowed to 0 in {rec.dtype} "
+                "(sqrt(v) + eps with a tiny eps)"
                 if low
                 else ""
             )
+            + "."
         ),
+        fix=_STATE_CHECK + master,
+    )
+
+
+def _bad_state(ctx: RuleContext, name: str) -> list[str]:
+    """The keys of the optimizer state of weight ``name`` that hold NaN/inf, from the
+    watcher's ``"optimizer_state"`` note (``data["optimizer_state_bad"]``: ``[parameter,
+    key]`` pairs, read when the non-finite weight was found), this step's or the last's."""
+    keys: list[str] = []
+    for t in (ctx.trace, *ctx.history[-1:]):
+        for n in t.notes:
+            if n.kind != "optimizer_state":
+                continue
+            for pair in n.data.get("optimizer_state_bad", ()):
+                if (
+                    isinstance(pair, (list, tuple))
+                    and len(pair) == 2
+                    and pair[0] == name
+                    and str(pair[1]) not in keys
+                ):
+                    keys.append(str(pair[1]))
+    return keys
+
+
+def _bad_state_diagnosis(
+    ctx: RuleContext,
+    a: Anomaly,
+    u: _Update | None,
+    keys: list[str],
+    *,
+    name: str,
+    evidence: list[str],
+) -> Diagnosis:
+    opt = u.optimizer if u is not None else "the optimizer"
+    lr = _lr_of(u)
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite optimizer state",
+        evidence=[
+            *evidence,
+            f"{opt}'s state for {name} holds NaN/inf: {', '.join(keys)}"
+            + (f" (lr {fmt(lr)} is finite)" if lr is not None else ""),
+        ],
+        explanation=(
+            f"{opt} computes each update of {name} from its running state "
+            f"({', '.join(keys)}), not from the gradient alone: a NaN or inf there reaches "
+            "the weight at every step, whatever the learning rate and the gradient. Such a "
+            "state comes from an optimizer.load_state_dict of a checkpoint saved after a "
+            "run had gone bad, or from a state that overflowed in float16. Lowering the "
+            "learning rate or clipping the gradients does not remove it."
+        ),
+        fix=_STATE_CHECK,
     )
 
 
@@ -235,6 +493,12 @@ def _written_elsewhere(
         if after
         else f"no optimizer step of the watched run updated {name} since the last check"
     )
+    writer = _writer(ctx, name)
+    if not after and _finite_at_attach(writer) and not (writer or {}).get("since_attach"):
+        how += (
+            "; nanwatch's check at attach found it finite, and the write left its version "
+            "unchanged (a write through .data or .detach())"
+        )
     return ctx.diagnosis(
         **anomaly_fields(a),
         title="Non-finite weights written outside an optimizer step",
@@ -251,6 +515,140 @@ def _written_elsewhere(
             "bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]\n"
             "assert not bad, bad"
         ),
+    )
+
+
+def _finite_at_attach(writer: dict[str, Any] | None) -> bool | None:
+    """Whether nanwatch's check at attach read the weight and found it finite (the
+    ``"weight_writer"`` note's ``finite_at_attach``); None when the note does not say."""
+    v = writer.get("finite_at_attach") if writer is not None else None
+    return v if isinstance(v, bool) else None
+
+
+def _used_grad(trace: StepTrace, name: str, before: Record | None) -> float | None:
+    """The norm of the last finite, non-zero gradient of weight ``name`` in ``trace``, when
+    every record up to it (and up to ``before``, when given) is finite: the step's forward
+    and backward used the weight while it was finite. None otherwise."""
+    found: float | None = None
+    for r in trace.records:
+        if r is before:
+            break
+        if r.phase is Phase.PARAMETER:
+            continue
+        if r.bad:
+            return None
+        s = r.stat
+        if r.phase is Phase.GRADIENT and r.role == name and s is not None and s.finite:
+            size = s.norm if s.norm is not None else max(abs(s.min), abs(s.max))
+            found = size if size > 0 else found
+    return found
+
+
+def _hand_written(
+    ctx: RuleContext, rec: Record, name: str, writer: dict[str, Any] | None
+) -> tuple[StepTrace, float] | None:
+    """A hand-written update (``p -= lr * p.grad``, ``p.data.add_(p.grad, alpha=-lr)``)
+    wrote the weight: no optimizer updated it, and the write landed after a backward that
+    gave it a finite, non-zero gradient, the forward and backward before it clean. The
+    step that used it and the gradient's norm; None when that is not what the records say.
+    """
+    if writer is None or writer.get("optimizer") is not None or writer.get("after_optimizer"):
+        return None
+    if _finite_at_attach(writer) is False:
+        return None  # already bad when nanwatch's check at attach read it
+    if _after_forward(ctx.trace, rec):  # found at this step's end: written after its backward
+        g = _used_grad(ctx.trace, name, rec)
+        return (ctx.trace, g) if g is not None else None
+    if rec.index >= 0:
+        return None
+    # found ahead of this step's records, at a trigger: a write through .data changes no
+    # version, so the steps do not advance; the records before the trigger (the first bad
+    # one) show the weight used while finite, and its gradient
+    trigger = next((r for r in ctx.trace.records if r.phase is not Phase.PARAMETER and r.bad), None)
+    if trigger is not None:
+        g = _used_grad(ctx.trace, name, trigger)
+        if g is not None:
+            return ctx.trace, g
+        return None
+    if ctx.history and ctx.history[-1].anomaly is None:  # written after the last backward
+        g = _used_grad(ctx.history[-1], name, None)
+        if g is not None:
+            return ctx.history[-1], g
+    return None
+
+
+def _hand_update(
+    ctx: RuleContext,
+    a: Anomaly,
+    used: tuple[StepTrace, float],
+    *,
+    name: str,
+    evidence: list[str],
+) -> Diagnosis:
+    """The weights' own training update, written by hand, wrote the NaN/inf."""
+    trace, gnorm = used
+    rec = a.record
+    s = rec.stat
+    lim = limits(rec.dtype)
+    evidence.append(
+        f"no torch.optim step updated {name}; it was written after the backward of step "
+        f"{trace.step}, which gave it a finite gradient (norm {fmt(gnorm)}): a hand-written "
+        "update (p -= lr * p.grad)"
+    )
+    norms = [
+        (t.step, r.stat.norm)
+        for t in (*ctx.history, ctx.trace)
+        for r in t.records
+        if r.phase is Phase.GRADIENT
+        and r.role == name
+        and r.stat is not None
+        and r.stat.norm is not None
+        and r.stat.finite
+        and r.stat.norm > 0
+    ]
+    grew = len(norms) >= 3 and norms[-1][1] > 10 * norms[0][1]
+    if grew:
+        steps = f" (steps {norms[0][0]} to {norms[-1][0]})" if norms[0][0] != norms[-1][0] else ""
+        evidence.append(
+            f"its gradient norm grew from {fmt(norms[0][1])} to {fmt(norms[-1][1])} over "
+            f"{len(norms)} backward passes{steps}"
+        )
+    low = low_precision(rec.dtype) is not None
+    master = ("\n" + _master_weights_line(rec.dtype, rec.device)) if low else ""
+    overflow = s is None or s.has_posinf or s.has_neginf
+    head = (
+        f"{name} was finite when step {trace.step}'s forward and backward used it, and no "
+        "optimizer updated it: the code that updates the weights by hand wrote the "
+        f"{'inf' if overflow else 'NaN'}."
+    )
+    if overflow:
+        dmax = f" ({rec.dtype} stops at {fmt(lim.max)})" if lim is not None else ""
+        explanation = (
+            f"{head} Its learning rate is too high for these gradients: each update "
+            "over-corrects, the weights oscillate with growing amplitude"
+            + (" (their gradients with them)" if grew else "")
+            + f", and one update lr × p.grad no longer fits in the dtype{dmax}."
+        )
+        fix = (
+            "# your update p -= lr * p.grad: make lr 10 times lower, and clip before it:\n"
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)" + master
+        )
+    else:
+        explanation = (
+            f"{head} A NaN with no inf is not an overflow: the update's own arithmetic made "
+            "it from a finite gradient (a learning rate that is NaN, a division by 0 in it)."
+        )
+        fix = (
+            "# right after your update (p -= lr * p.grad), the first weight it broke:\n"
+            "bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]\n"
+            "assert not bad, bad"
+        )
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights after a hand-written update",
+        evidence=evidence,
+        explanation=explanation,
+        fix=fix,
     )
 
 
@@ -288,10 +686,11 @@ def _update_itself(
             ),
             fix=(
                 "import math\n"
-                "scheduler.step()\n"
                 f"lr = optimizer.param_groups[{u.group.get('group', 0)}]['lr']\n"
-                "assert math.isfinite(lr), lr   # right after each scheduler.step()\n"
-                "# warmup: step / max(1, warmup_steps), never step / warmup_steps"
+                "assert math.isfinite(lr), lr   # right after each change of the lr"
+                + (" (scheduler.step())" if "initial_lr" in u.group else "")
+                + "\n# warmup: step / max(1, warmup_steps), never step / warmup_steps"
+                + "\n# a decay: (1 - step / total) ** p needs step <= total: clamp the step"
             ),
         )
     eps = [x for x in _numbers(u.group.get("eps")) if x > 0]
@@ -664,23 +1063,46 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
         ]
     if lim is not None:
         evidence.append(
-            f"gradients are {dtype}: values below {fmt(lim.tiny)} (its smallest normal "
-            "number) flush toward 0" + ("" if scaled else "; no GradScaler was given")
+            f"gradients are {dtype}: it holds values down to {fmt(lim.subnormal)} (its "
+            f"smallest subnormal; below {fmt(lim.tiny)}, its smallest normal, precision is "
+            f"lost): values under {fmt(lim.subnormal / 2)} round to exactly 0"
+            + ("" if scaled else "; no GradScaler was given")
         )
     if lim is not None:
+        # the weights' own dtype: their gradients' (float32 under autocast, float16 after
+        # model.half())
+        wdtype = next(
+            (r.dtype for r in ctx.trace.records if r.phase is Phase.GRADIENT and r.path == top),
+            dtype,
+        )
+        dev = device_type(None, *(r.device for r in ctx.trace.records if r.path == top))
         explanation = (
             f"Gradients of {top} are exactly zero step after step. In {dtype} small "
-            "gradients underflow to 0 (float16 has 5 exponent bits), so the layers far from "
+            f"gradients underflow to 0 (below {fmt(lim.subnormal)}), so the layers far from "
             "the loss stop learning without any error. Loss scaling multiplies the loss "
             "before backward so the gradients stay representable, and divides them again "
             "before the update."
         )
-        fix = (
-            "scaler = torch.amp.GradScaler()\n"
+        scaler_lines = (
+            f"scaler = torch.amp.GradScaler({dev})\n"
             "scaler.scale(loss).backward()\n"
             "scaler.step(optimizer)\n"
             "scaler.update()   # nanwatch finds the scaler at scaler.scale(loss)"
         )
+        if low_precision(wdtype) is not None:
+            explanation += (
+                f" The weights themselves are {wdtype}: a GradScaler refuses to unscale "
+                f"{wdtype} gradients ('Attempting to unscale FP16 gradients'), and an update "
+                f"that small is lost when it is added to a {wdtype} weight. Keep the weights "
+                f"in float32 and run the forward in {wdtype} under autocast."
+            )
+            fix = (
+                f"model = model.float()   # float32 weights; {wdtype} in the forward only\n"
+                f"with torch.autocast(device_type={dev}, dtype=torch.{dtype}):\n"
+                "    loss = criterion(model(x), y)\n" + scaler_lines
+            )
+        else:
+            fix = scaler_lines
     else:
         explanation = (
             f"Gradients of {top} are {'exactly ' if exact else ''}zero step after step: "
@@ -948,9 +1370,19 @@ def diverging_decay(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
     growth, optimizer, g, limit, how, lr = worst
     wd = _numbers(g.get("weight_decay"))[0]
+    gi = g.get("group", 0)
+    gi = gi if isinstance(gi, int) and not isinstance(gi, bool) else 0
+    listed = g.get("names")
+    names = [x for x in listed if isinstance(x, str)] if isinstance(listed, list) else []
+    held = ""
+    if names:  # the watched weights the group holds, when the note names them
+        held = f" ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+    elif isinstance(n_params := g.get("params"), int):
+        held = f" ({count(n_params, 'weight')})"
     evidence = [
-        f"{optimizer}: lr {fmt(lr)} × weight_decay {fmt(wd)} = {fmt(lr * wd)}, past "
-        f"{fmt(limit)}, the largest value for which its update stays bounded",
+        f"{optimizer} param group {gi}{held}: lr {fmt(lr)} × weight_decay {fmt(wd)} = "
+        f"{fmt(lr * wd)}, past {fmt(limit)}, the largest value for which its update stays "
+        "bounded",
         f"{optimizer} {how}: each step multiplies the weights by up to {fmt(growth)} in size "
         f"(x{fmt(growth**10)} after 10 steps) before any gradient is added",
     ]
@@ -969,8 +1401,8 @@ def diverging_decay(ctx: RuleContext) -> Iterator[Diagnosis]:
             "probably given where a learning rate or a decay factor was meant."
         ),
         fix=(
-            f"optimizer = torch.optim.{optimizer}(params, lr={fmt(lr)}, "
-            f"weight_decay={fmt(min(good, 0.01))})\n"
+            f"optimizer.param_groups[{gi}].update(weight_decay={fmt(min(good, 0.01))})   "
+            f"# was {fmt(wd)} ({optimizer}, lr {fmt(lr)})\n"
             f"# keep lr * weight_decay well below {fmt(limit)} (typical: 1e-5 to 1e-3)"
         ),
     )
