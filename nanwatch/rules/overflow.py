@@ -10,12 +10,15 @@ dtype_limits``): float16's largest value is 65504 and exp overflows above log(65
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import math
 import re
 import statistics
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from nanwatch.records import (
     LOSS_PATH,
@@ -44,6 +47,7 @@ from nanwatch.rules._evidence import (
     limits,
     loss_kind,
     low_precision,
+    module_ref,
     op_fields,
     packet,
     paren,
@@ -127,12 +131,85 @@ def _softmax_like(ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEvent] 
     return bool(_SOFTMAX_CODE.search(code))
 
 
+#: special functions that grow like e^|x| (modified Bessel functions of the first kind),
+#: and their scaled twins (i0e(x) = i0(x) · e^-|x|), which never overflow
+_SCALED_TWIN = {"i0": "i0e", "i0_": "i0e", "special_i0": "i0e", "special_i1": "i1e", "i1": "i1e"}
+
+
+def _log_twin(code: str | None, op: str, twin: str) -> str | None:
+    """The user's ``log(i0(k))`` as ``log(i0e(k)) + |k|``; None when the line holds none."""
+    line = code.split("  #", 1)[0].rstrip() if code else ""
+    bare = op.removeprefix("special_").rstrip("_")
+    m = re.search(rf"((?:torch\.)?log)\(\s*(?:torch\.special\.|torch\.|special\.)?{bare}\(", line)
+    if m is None:
+        return None
+    inner_open = m.end() - 1
+    inner_close = _closing(line, inner_open)
+    outer_close = _closing(line, m.end(1))
+    if inner_close is None or outer_close is None or line[inner_close + 1 : outer_close].strip():
+        return None
+    arg = line[inner_open + 1 : inner_close]
+    new = f"({m[1]}(torch.special.{twin}({arg})) + {paren(arg)}.abs())"
+    return line[: m.start()] + new + line[outer_close + 1 :]
+
+
+def _from_twin(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent, lim: DtypeLimits
+) -> Diagnosis:
+    """i0 / i1 overflowed: they grow like exp; their log is log(i0e(x)) + |x|."""
+    name = packet(ev.op)
+    twin = _SCALED_TWIN[name]
+    bare = name.removeprefix("special_").rstrip("_")
+    dtype = ev.dtype or a.record.dtype
+    bound = lim.exp_bound  # torch computes e^|x| times a bounded factor
+    x = first_input(ev)
+    big = x.magnitude if x is not None else math.nan
+    evidence = [
+        f"{short_op(ev.op)} made {ev.born} in {dtype} from an input up to |x| = {fmt(big)}; "
+        f"{bare}(x) grows like e^|x| (torch computes it as e^|x| times a bounded factor), "
+        f"and e^|x| passes {fmt(lim.max)}, {dtype}'s largest value, above {fmt(bound)}: it "
+        "overflows like exp"
+    ]
+    for nm, st in ev.inputs[:3]:
+        evidence.append(f"input {nm}: {describe_stat(st)}")
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    if trigger is not ev:
+        evidence.append(f"then {short_op(trigger.op)} turned the inf into {trigger.born}")
+    plain = ev.code.split("  #", 1)[0].strip() if ev.code else ""
+    was = f"  # was: {plain}" if plain else ""
+    fixed = _log_twin(ev.code, name, twin)
+    if fixed is not None:
+        fix = (
+            f"{fixed}{was}\n"
+            f"# log {bare}(x) = log({twin}(x)) + |x|: {twin}(x) = {bare}(x)·e^-|x| never "
+            "overflows, and the log stays finite for any x"
+        )
+    else:
+        fix = (
+            f"log_{bare} = torch.log(torch.special.{twin}(x)) + x.abs()   # x: the argument of "
+            f"{bare}{was}\n"
+            f"# {bare}(x) itself does not fit {dtype} above {fmt(bound)}: keep it as its log, "
+            f"or as torch.special.{twin}(x) with the factor e^|x| kept apart"
+        )
+    explanation = (
+        f"torch.special.{bare} is a modified Bessel function: it grows like exp, so in "
+        f"{dtype} it overflows above {fmt(bound)}, at arguments as moderate as exp's. A "
+        "log-likelihood that takes its log (the von Mises normalizer log I0(κ)) needs only "
+        f"the log: log({twin}(x)) + |x| is the same value and never overflows."
+    )
+    return ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
+
+
 def _from_op(
     ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent, chain: Sequence[OpEvent] = ()
 ) -> Diagnosis:
     lim = limits(ev.dtype)
     dtype = ev.dtype or a.record.dtype
     name = packet(ev.op)
+    if name in _SCALED_TWIN and lim is not None and ev.phase is Phase.FORWARD:
+        return _from_twin(ctx, a, ev, trigger, lim)
     op = short_op(ev.op)
     x = first_input(ev)
     evidence: list[str] = []
@@ -197,11 +274,16 @@ def _from_op(
     # float32 and up, and bfloat16 (float32's range: an upcast would not help it)
     wide = lim is not None and not lim.short_range
     loop = None if result_only else _recurrence(ctx.trace, ev.path or a.path, a.record.call)
-    batch = _batch_jump(ctx, a) if wide and not result_only and loop is None else None
+    batch = _batch_jump(ctx, a) if not result_only and loop is None else None
+    jump = (
+        _jump(ctx, a) if not wide and batch is None and loop is None and not result_only else None
+    )
     if loop is not None:
         evidence.append(loop.line())
     elif batch is not None:
         evidence.append(batch.line(ctx.step))
+    elif jump is not None:
+        evidence.append(jump.line(_lr_note(ctx, jump.path)))
     elif wide and lim is not None and name not in CAST and not result_only:
         evidence.append(_growth_line(ctx, a, name, _overflowing(name, x, big), lim))
     arg = _overflowing(name, x, big)
@@ -233,6 +315,15 @@ def _from_op(
     elif batch is not None:
         explanation = _explain_batch(batch, dtype)
         fix = _fix_batch(batch)
+        scaled = _scaled_scores(ev.code) if kind == "matmul" else None
+        if scaled is not None:
+            fix += (
+                f"\n{scaled}   # and scale before the product: the scores are the same as "
+                "(q @ k^T) / sqrt(d), and their sums stay in range"
+            )
+    elif jump is not None and lim is not None:
+        explanation = _explain_jump(jump, dtype, lim)
+        fix = _fix_jump(ctx, jump)
     elif wide and lim is not None:
         explanation = _explain_wide(
             kind, dtype, lim, None if result_only else x, big, recurrent=recurrent
@@ -246,7 +337,8 @@ def _from_op(
             recurrent=recurrent,
             first=first,
             ref=_module_ref(ctx, a),
-            lr=_lr_fix(ctx),
+            lr=_lr_fix(ctx, _grown_path(ctx, a)),
+            clip=_clip_line(ctx),
         )
     elif power is not None and lim is not None:
         explanation = (
@@ -270,8 +362,24 @@ def _from_op(
             arg=math.nan if result_only else arg,
             scalar=x is not None and x.numel == 1,
             loss=(ev.path or a.path) == LOSS_PATH,
+            autocast=_under_autocast(ctx, dtype),
         )
     return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
+
+
+def _under_autocast(ctx: RuleContext, dtype: str) -> bool:
+    """Ops ran in ``dtype`` while the weights are wider (float32 weights, low-precision
+    activations): autocast; False when a weight is of ``dtype`` itself (``model.half()``)
+    or the weights' dtypes are unknown."""
+    seen: set[str] = set()
+    for t in (*ctx.history, ctx.trace):
+        for n in t.notes:
+            if n.kind == "optimizer":
+                for g in n.data.get("groups", ()):
+                    if isinstance(g, dict):
+                        seen.update(str(d) for d in g.get("dtypes", ()))
+        seen.update(r.dtype for r in t.records if r.phase in (Phase.GRADIENT, Phase.PARAMETER))
+    return bool(seen) and dtype not in seen
 
 
 def _scalar_power(ev: OpEvent) -> tuple[float, float, float] | None:
@@ -364,11 +472,7 @@ def _kind(name: str, ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEven
 def _module_ref(ctx: RuleContext, a: Anomaly) -> str:
     """``model.rnn`` for the anomaly's module (``model`` when it is the root)."""
     call = ctx.trace.call(a.record.call)
-    if call is None or call.root or not re.fullmatch(r"[\w.]+", a.path):
-        return "model"
-    return "model." + ".".join(
-        p if p.isidentifier() else f"[{p}]" for p in a.path.split(".")
-    ).replace(".[", "[")
+    return module_ref(a.path, root=call is None or call.root)
 
 
 def _first_step(ctx: RuleContext) -> bool:
@@ -401,11 +505,13 @@ class _Batch:
     since: int | None  #: the first step of that comparison (None: this step's calls only)
     until: int | None  #: its last step
     lim: DtypeLimits
+    onset: int | None = None  #: the step from which the batches were this large, if earlier
 
     @property
     def huge(self) -> bool:
-        """Its own square overflows: a missing-value marker or a corrupt value, not data."""
-        return self.now >= math.sqrt(self.lim.max)
+        """Its own square overflows: a missing-value marker or a corrupt value, not data
+        (in float16, whose square root of the max is 256, a value that large is data)."""
+        return not self.lim.short_range and self.now >= math.sqrt(self.lim.max)
 
     @property
     def name(self) -> str:
@@ -434,10 +540,15 @@ class _Batch:
         else:
             when = f"steps {self.since}-{self.until}"
         ratio = self.now / self.before if self.before else math.inf
+        onset = (
+            f" (the batches have been this large since step {self.onset})"
+            if self.onset is not None and self.onset < step
+            else ""
+        )
         return (
             f"the batch did it: {self.name} holds max |x| = {fmt(self.now)} at step {step}, "
-            f"against at most {fmt(self.before)} over {when} ({fmt(ratio)} times larger); the "
-            "values grew with the input, not with training"
+            f"against at most {fmt(self.before)} over {when} ({fmt(ratio)} times larger)"
+            f"{onset}; the values grew with the input, not with training"
         )
 
 
@@ -484,10 +595,7 @@ def _batch_jump(ctx: RuleContext, a: Anomaly) -> _Batch | None:
     if not current:
         return None
     past = [(t.step, r) for t in ctx.history for r in _root_inputs(t, math.inf)]
-    act_before = max(
-        (m for t in ctx.history if not math.isnan(m := _activation_max(t, math.inf))),
-        default=math.nan,
-    )
+    acts = [(t.step, _activation_max(t, math.inf)) for t in ctx.history]
     act_now = _activation_max(ctx.trace, upto)
     found: list[tuple[float, _Batch]] = []
     for i, r in enumerate(current):
@@ -500,16 +608,29 @@ def _batch_jump(ctx: RuleContext, a: Anomaly) -> _Batch | None:
         earlier += [
             (ctx.step, m.stat.magnitude) for m in current[:i] if (m.path, m.role) == key and m.stat
         ]
+        # batches that were already this large: the jump came at their first step (onset)
+        onset = None
+        earlier.sort(key=lambda e: e[0])
+        k = len(earlier)
+        while k > 0 and earlier[k - 1][1] * _JUMP > now and earlier[k - 1][0] < ctx.step:
+            k -= 1
+        if 0 < k < len(earlier):
+            onset = earlier[k][0]
+            earlier = earlier[:k]
         before = max((v for _, v in earlier), default=None)
         since = min((s for s, _ in earlier), default=None)
         until = max((s for s, _ in earlier), default=None)
-        batch = _Batch(r, now, before, since, until, lim)
+        batch = _Batch(r, now, before, since, until, lim, onset)
         if batch.huge:
             found.append((math.inf, batch))
             continue
         if before is None or not before > 0 or now < _JUMP * before:
             continue
         gain = now / before
+        act_before = max(
+            (m for st, m in acts if not math.isnan(m) and (onset is None or st < onset)),
+            default=math.nan,
+        )
         if (
             math.isfinite(act_before)
             and act_before > 0
@@ -631,6 +752,247 @@ def _fix_loop(loop: _Loop) -> str:
     )
 
 
+# ---------------------------------------------------------------- values that jumped
+
+
+def _module_mags(trace: StepTrace, upto: float) -> dict[str, tuple[float, float]]:
+    """Per module path: the largest finite max |x| of its inputs and of its outputs, over
+    the step's records up to index ``upto`` (losses left out)."""
+    losses = {c.id for c in trace.calls if c.is_loss}
+    ins: dict[str, float] = {}
+    outs: dict[str, float] = {}
+    for r in trace.records:
+        if r.index > upto or r.call in losses or r.phase not in (Phase.INPUT, Phase.FORWARD):
+            continue
+        m = trace.resolve(r) if r.phase is Phase.INPUT else r
+        mag = m.stat.magnitude if m.stat is not None else math.nan
+        if not math.isfinite(mag):
+            continue
+        side = ins if r.phase is Phase.INPUT else outs
+        side[r.path] = max(side.get(r.path, 0.0), mag)
+    return {p: (ins.get(p, math.nan), o) for p, o in outs.items()}
+
+
+@dataclass(frozen=True)
+class _Jump:
+    """A module whose outputs grew ``_JUMP`` times or more between two steps while its
+    inputs did not: its weights changed (an optimizer update, or a write outside it)."""
+
+    path: str
+    before: float  #: max |x| of its outputs at ``since``
+    now: float  #: at this step
+    since: int  #: the earlier step
+    step: int
+    updates: int  #: optimizer steps recorded in between
+    outside: str | None  #: a weight of it written outside the optimizer (its name)
+    grew_in: float = 1.0  #: how much its inputs grew meanwhile
+    steady: bool = False  #: this jump dwarfs the step-to-step changes recorded before it
+    seen_optimizer: bool = True  #: an optimizer step of the watched weights was recorded
+
+    @property
+    def elsewhere(self) -> bool:
+        """Its weights were written by code other than the optimizer the watcher saw."""
+        return self.outside is not None or (not self.updates and self.seen_optimizer)
+
+    @property
+    def gain(self) -> float:
+        return self.now / self.before if self.before > 0 else math.inf
+
+    def line(self, lr: str) -> str:
+        span = "in one step" if self.step - self.since == 1 else f"from step {self.since}"
+        head = (
+            f"the values jumped {span}: {self.path}'s outputs reached max |x| = "
+            f"{fmt(self.now)} at step {self.step}, against {fmt(self.before)} at step "
+            f"{self.since} (×{fmt(self.now / self.before)}), while its inputs "
+            + (f"grew ×{fmt(self.grew_in)}" if self.grew_in >= 2 else "did not grow")
+        )
+        if self.outside is not None:
+            return f"{head}: {self.outside} was written outside the optimizer"
+        if self.updates:
+            ups = "updates" if self.updates > 1 else "update"
+            return (
+                f"{head}: its weights changed, by the optimizer {ups} in between{lr}, or by "
+                "code that wrote them outside it (a fill_ under no_grad, a loaded checkpoint)"
+            )
+        if self.seen_optimizer:
+            return f"{head}, and no optimizer step ran in between: other code wrote its weights"
+        return (
+            f"{head}: its weights changed, and no torch.optim step was recorded (a manual "
+            "update, or code that wrote them)"
+        )
+
+
+def _most_grown(
+    before: dict[str, tuple[float, float]], now: dict[str, tuple[float, float]]
+) -> tuple[float, str, float] | None:
+    """The module whose outputs outgrew its inputs the most from ``before`` to ``now``
+    (``_JUMP`` times or more): (that gain, its path, how much its inputs grew)."""
+    best: tuple[float, str, float] | None = None
+    for path, (i1, o1) in now.items():
+        if path not in before:
+            continue
+        i0, o0 = before[path]
+        if not (o0 > 0 and o1 > 0):
+            continue
+        grew_in = i1 / i0 if i0 > 0 and math.isfinite(i1) else 1.0
+        gain = (o1 / o0) / max(grew_in, 1.0)
+        if gain >= _JUMP and (best is None or gain > best[0]):
+            best = (gain, path, grew_in)
+    return best
+
+
+def _jump(ctx: RuleContext, a: Anomaly, *, since: StepTrace | None = None) -> _Jump | None:
+    """The module whose weights changed the most between ``since`` (default: the step
+    before this one) and this step, read from its outputs' growth beyond its inputs' (the
+    batch left out), when that growth is ``_JUMP`` times or more."""
+    if not ctx.history:
+        return None
+    ref = since if since is not None else ctx.history[-1]
+    before = _module_mags(ref, math.inf)
+    now = _module_mags(ctx.trace, a.record.index)
+    rec = a.record
+    if rec.phase is Phase.FORWARD and rec.stat is not None and rec.path in before:
+        mag = rec.stat.magnitude
+        if math.isfinite(mag):  # the overflowing output itself: its finite part
+            i, o = now.get(rec.path, (math.nan, 0.0))
+            now[rec.path] = (i, max(o, mag))
+    best = _most_grown(before, now)
+    if best is None:
+        return None
+    _, path, grew_in = best
+    earlier = [
+        o
+        for t in ctx.history
+        if t.step < ref.step and (o := _module_mags(t, math.inf).get(path, (0.0, math.nan))[1]) > 0
+    ]
+    # one jump after steps that held steady (less than ×2 a step), not a drift that sped up
+    seq = [*earlier, before[path][1]]
+    drift = max((b / a for a, b in itertools.pairwise(seq) if a > 0), default=1.0)
+    steady = bool(earlier) and drift < 2 and now[path][1] / before[path][1] >= _JUMP
+    after = [t for t in ctx.history if t.step >= ref.step]
+    updates = sum(1 for t in after for n in t.notes if n.kind == "optimizer")
+    if _closure_optimizer(ctx):
+        updates = max(updates, 1)  # it updates the weights between its closure's calls
+    outside = next(
+        (
+            str(n.data.get("parameter"))
+            for t in (*after, ctx.trace)
+            for n in t.notes
+            if n.kind == "weight_writer"
+            and n.path == path
+            and (n.data.get("optimizer") is None or n.data.get("after_optimizer"))
+        ),
+        None,
+    )
+    seen = any(n.kind == "optimizer" for t in (*ctx.history, ctx.trace) for n in t.notes)
+    return _Jump(
+        path,
+        before[path][1],
+        now[path][1],
+        ref.step,
+        ctx.step,
+        updates,
+        outside,
+        grew_in,
+        steady,
+        seen,
+    )
+
+
+def _grown_path(ctx: RuleContext, a: Anomaly) -> str | None:
+    """With several param groups of different lrs: the module whose weights grew first
+    (``_JUMP`` times beyond its inputs since the first recorded step): whose group's lr to
+    lower."""
+    steps = _lr_steps(ctx)
+    if not steps or len(set(steps[-1].lrs)) < 2 or not ctx.history:
+        return None
+    # the first whose weights grew: the others may follow it (its outputs feed their
+    # gradients), and grow further by the time the values overflow
+    first = _module_mags(ctx.history[0], math.inf)
+    for t in ctx.history[1:]:
+        best = _most_grown(first, _module_mags(t, math.inf))
+        if best is not None:
+            return best[1]
+    j = _jump(ctx, a, since=ctx.history[0])
+    return j.path if j is not None else None
+
+
+def _group_of(ctx: RuleContext, path: str) -> int | None:
+    """The param group holding the weights of the module at ``path``: from the optimizer
+    notes' ``names`` (qualified parameter names per group), or a ``weight_writer`` note."""
+    prefix = f"{path}."
+    for t in (*reversed(ctx.history), ctx.trace):
+        for n in t.notes:
+            group = n.data.get("group")
+            if n.kind == "weight_writer" and n.path == path and isinstance(group, int):
+                return group
+            if n.kind != "optimizer":
+                continue
+            for g in n.data.get("groups", ()):
+                names = g.get("names") if isinstance(g, dict) else None
+                if (
+                    isinstance(names, list)
+                    and isinstance(g.get("group"), int)
+                    and any(isinstance(q, str) and q.startswith(prefix) for q in names)
+                ):
+                    return int(g["group"])
+    return None
+
+
+def _explain_jump(j: _Jump, dtype: str, lim: DtypeLimits) -> str:
+    if j.elsewhere:
+        return (
+            f"{j.path}'s outputs grew ×{fmt(j.gain)} between two steps while its inputs did "
+            "not: its weights changed, and not by the optimizer. A weight set by hand (a "
+            "fill_ or copy_ under no_grad, a loaded checkpoint from a diverged run) put the "
+            f"values past {fmt(lim.max)}, {dtype}'s largest value; the dtype and the "
+            "learning rate are not the cause."
+        )
+    return (
+        f"{j.path}'s outputs grew ×{fmt(j.gain)} in {j.step - j.since} step"
+        f"{'s' if j.step - j.since > 1 else ''} while its inputs did not: the optimizer "
+        f"moved its weights that far. A learning rate too large for this model (a typo: "
+        f"1e3 for 1e-3) makes one update jump the weights by orders of magnitude; {dtype} "
+        f"then overflows ({fmt(lim.max)} is its largest value), but a wider dtype or a "
+        "GradScaler only delays it: lower the learning rate."
+    )
+
+
+def _fix_jump(ctx: RuleContext, j: _Jump) -> str:
+    if j.elsewhere:
+        what = j.outside or f"{j.path}'s weights"
+        root = any(c.root and c.path == j.path for c in ctx.trace.calls)
+        owner = "model" if root else f"model.get_submodule({j.path!r})"
+        return (
+            f"# {what} changed between step {j.since} and step {j.step} outside the optimizer:\n"
+            "# find the code that writes it (a fill_ / copy_ under torch.no_grad(), a "
+            "load_state_dict of a diverged checkpoint) and check the values it writes:\n"
+            f"print(max(p.abs().max().item() for p in {owner}.parameters()))"
+        )
+    return "\n".join([*_lr_fix(ctx, j.path), _clip_line(ctx)])
+
+
+#: optimizers whose step() takes a closure that computes the loss and its gradients: a
+#: clip before step() runs once, before the closure recomputes them
+_CLOSURE_OPTIMIZERS = frozenset({"LBFGS"})
+
+
+def _closure_optimizer(ctx: RuleContext) -> bool:
+    names = {n.path for t in (*ctx.history, ctx.trace) for n in t.notes if n.kind == "optimizer"}
+    return bool(names & _CLOSURE_OPTIMIZERS)
+
+
+def _clip_line(ctx: RuleContext) -> str:
+    """Gradient clipping where it acts: before step(), or inside a closure optimizer's
+    closure, after its backward()."""
+    if _closure_optimizer(ctx):
+        return (
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # inside the "
+            "closure, right after loss.backward(): step() re-evaluates the closure"
+        )
+    return "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before step()"
+
+
 # ---------------------------------------------------------------- learning rate
 
 
@@ -639,6 +1001,7 @@ class _LrStep:
     step: int
     optimizer: str  #: the class (``SGD``)
     lrs: tuple[float, ...]  #: per param group
+    groups: tuple[int, ...] = ()  #: their indices in ``optimizer.param_groups``
 
 
 def _lr_steps(ctx: RuleContext) -> list[_LrStep]:
@@ -649,16 +1012,18 @@ def _lr_steps(ctx: RuleContext) -> list[_LrStep]:
         for n in t.notes:
             if n.kind != "optimizer":
                 continue
-            lrs = tuple(
-                float(g["lr"])
-                for g in n.data.get("groups", ())
+            pairs = [
+                (float(g["lr"]), int(g.get("group", i)))
+                for i, g in enumerate(n.data.get("groups", ()))
                 if isinstance(g, dict)
                 and isinstance(g.get("lr"), (int, float))
                 and not isinstance(g.get("lr"), bool)
                 and math.isfinite(g["lr"])
-            )
-            if lrs:
-                out.append(_LrStep(t.step, n.path, lrs))
+            ]
+            if pairs:
+                out.append(
+                    _LrStep(t.step, n.path, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+                )
     return out
 
 
@@ -681,8 +1046,15 @@ def _lr_rise(steps: Sequence[_LrStep]) -> tuple[_LrStep, _LrStep] | None:
     return None
 
 
-def _lr_fix(ctx: RuleContext) -> list[str]:
-    """Lower the learning rate of the user's own optimizer, by the numbers nanwatch saw."""
+def _lower(lr: float) -> str:
+    """A learning rate to try instead of ``lr``."""
+    return "1e-3" if lr >= _ABSURD_LR else fmt(lr / 10)
+
+
+def _lr_fix(ctx: RuleContext, path: str | None = None) -> list[str]:
+    """Lower the learning rate of the user's own optimizer, by the numbers nanwatch saw;
+    with several param groups, only the one holding the weights of ``path`` (the module
+    whose weights grew), when the records say which it is."""
     steps = _lr_steps(ctx)
     if not steps:
         return ['for g in optimizer.param_groups: g["lr"] /= 10   # a learning rate 10 times lower']
@@ -699,7 +1071,24 @@ def _lr_fix(ctx: RuleContext) -> list[str]:
         ]
     if len(set(last.lrs)) > 1:
         was = ", ".join(fmt(x) for x in last.lrs)
-        return [f'for g in optimizer.param_groups: g["lr"] /= 10   # were {was} ({last.optimizer})']
+        group = _group_of(ctx, path) if path else None
+        if group is not None and group in last.groups:
+            mine = last.lrs[last.groups.index(group)]
+            others = ", ".join(
+                f"{g}: {fmt(x)}" for g, x in zip(last.groups, last.lrs, strict=True) if g != group
+            )
+            return [
+                f'optimizer.param_groups[{group}]["lr"] = {_lower(mine)}   # was {fmt(mine)} '
+                f"({last.optimizer}): the group holding {path}'s weights; leave the others "
+                f"({others})"
+            ]
+        whose = f"{path}'s weights" if path else "the weights that grew"
+        return [
+            f"# {last.optimizer}'s param groups have lr {was}: lower the lr of the group "
+            f"holding {whose}, not all of them; which group holds which weights:",
+            'for i, g in enumerate(optimizer.param_groups): print(i, g["lr"], '
+            '[n for n, p in model.named_parameters() if any(p is q for q in g["params"])])',
+        ]
     if lr >= _ABSURD_LR:
         return [
             f'for g in optimizer.param_groups: g["lr"] = 1e-3   # was {fmt(lr)} '
@@ -711,12 +1100,17 @@ def _lr_fix(ctx: RuleContext) -> list[str]:
     ]
 
 
-def _lr_note(ctx: RuleContext) -> str:
-    """``(SGD lr 0.336, up from 0.12 at step 0)`` for the growth line; "" when unknown."""
+def _lr_note(ctx: RuleContext, path: str | None = None) -> str:
+    """``(SGD lr 0.336, up from 0.12 at step 0)`` for the growth line; "" when unknown.
+    With several param groups, the lr of the one holding ``path``'s weights when known."""
     steps = _lr_steps(ctx)
     if not steps:
         return ""
     last = steps[-1]
+    group = _group_of(ctx, path) if path and len(set(last.lrs)) > 1 else None
+    if group is not None and group in last.groups:
+        mine = fmt(last.lrs[last.groups.index(group)])
+        return f" ({last.optimizer} lr {mine} in param group {group}, which holds {path}'s weights)"
     lr = ", ".join(fmt(x) for x in dict.fromkeys(last.lrs))
     rise = _lr_rise(steps)
     up = f", up from {fmt(max(rise[0].lrs))} at step {rise[0].step}" if rise else ""
@@ -741,12 +1135,17 @@ def _growth_line(
             if math.isfinite(frac) and frac >= 0.01
             else f"{noun} up to {fmt(big)}"
         )
-    when = (
-        "at step 0, before any optimizer update: the initial weights or the inputs put it "
-        "there, not the learning rate"
-        if _first_step(ctx)
-        else f"at step {ctx.step}: the values grew during training{_lr_note(ctx)}"
-    )
+    if _first_step(ctx):
+        when = (
+            "at step 0, before any optimizer update: the initial weights or the inputs put it "
+            "there, not the learning rate"
+        )
+    elif (jump := _jump(ctx, a)) is not None and (
+        jump.elsewhere or (jump.steady and jump.updates > 0)
+    ):  # steady, then one jump: an update or a write outside the optimizer, not a drift
+        return f"{what}: {jump.line(_lr_note(ctx, jump.path))}"
+    else:
+        when = f"at step {ctx.step}: the values grew during training{_lr_note(ctx)}"
     return f"{what}: the values themselves exploded, {when}"
 
 
@@ -855,7 +1254,8 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             recurrent=False,
             first=_first_step(ctx),
             ref=_module_ref(ctx, a),
-            lr=_lr_fix(ctx),
+            lr=_lr_fix(ctx, _grown_path(ctx, a)),
+            clip=_clip_line(ctx),
         )
     yield ctx.diagnosis(
         **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix, priority=20
@@ -887,6 +1287,19 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     backward = a.kind is not AnomalyKind.FORWARD
     kind = "backward" if backward else "other"
     device = device_type(None, rec.device)
+    batch = _batch_jump(ctx, a)
+    jump = _jump(ctx, a) if batch is None else None
+    if batch is not None:
+        evidence[-1] = batch.line(ctx.step)
+        explanation, fix = _explain_batch(batch, rec.dtype), _fix_batch(batch)
+    elif jump is not None:
+        evidence[-1] = jump.line(_lr_note(ctx, jump.path))
+        explanation, fix = _explain_jump(jump, rec.dtype, lim), _fix_jump(ctx, jump)
+    if batch is not None or jump is not None:
+        yield ctx.diagnosis(
+            **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix, priority=20
+        )
+        return
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
@@ -924,8 +1337,15 @@ def _explain(kind: str, dtype: str, lim: DtypeLimits | None) -> str:
         )
     if kind == "cast":
         return (
-            f"Casting to {dtype} turns every value beyond ±{top} into ±inf: a tensor computed "
-            f"in float32 (a loss, an autocast output, a buffer) does not fit in {dtype}."
+            f"Casting to {dtype} turns every value beyond ±{top} into {_past_max(dtype)}: a "
+            f"tensor computed in float32 (a loss, an autocast output, a buffer) does not fit in "
+            f"{dtype}"
+            + (
+                ". float8 holds a tensor only with a scale: divide by amax / finfo.max before "
+                "the cast and multiply it back after."
+                if dtype.startswith("float8")
+                else "."
+            )
         )
     return (
         f"A value exceeded {top}, the largest finite {dtype} value, and became inf; the "
@@ -992,6 +1412,7 @@ def _fix_wide(
     first: bool,
     ref: str,
     lr: Sequence[str] = (),
+    clip: str = "",
 ) -> str:
     plain = code.split("  #", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
@@ -1030,11 +1451,10 @@ def _fix_wide(
             f"{last}"
         )
     if kind == "cast":
-        return (
-            f"fin = torch.finfo(torch.{dtype})\n"
-            f"y = x.clamp(fin.min, fin.max).to(torch.{dtype}){was}"
-        )
-    clip = "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before step()"
+        return _fix_cast(code, dtype)
+    clip = clip or (
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before step()"
+    )
     if kind == "matmul" and recurrent:
         lines = [
             f"for name, w in {ref}.named_parameters():   # recurrent weights, gain <= 1",
@@ -1048,10 +1468,16 @@ def _fix_wide(
             "nn.init.xavier_uniform_(w)    # initial weights of gain ~1, not larger",
             clip,
         ]
+    elif first:  # no update yet: neither the learning rate nor clipping made these values
+        return (
+            "# at step 0, before any update: the inputs or the initial weights are this large\n"
+            "# normalize what feeds this op (nn.LayerNorm, inputs scaled to unit range) or "
+            "bound it (x.clamp)"
+        )
     else:
         lines = [clip, *(lr or ['for g in optimizer.param_groups: g["lr"] /= 10'])]
-    if first and kind != "other":
-        return "\n".join(lines)
+    if first:
+        return "\n".join(lines[:-1])  # no update yet: clipping is no fix
     if kind != "other":
         return "\n".join([*lines[-1:], *lines[:-1]])  # grew in training: clipping first
     return "\n".join([*lines, "# and normalize what grows (nn.LayerNorm) before this op"])
@@ -1103,6 +1529,7 @@ def _fix(
     arg: float = math.nan,
     scalar: bool = False,
     loss: bool = False,
+    autocast: bool = False,
 ) -> str:
     """Low precision: compute the op in float32, or train in bfloat16 (float32's range).
     ``arg``: an exp's largest argument; ``scalar``: the exp's input is one value (a learned
@@ -1115,27 +1542,37 @@ def _fix(
         if bounded is not None:
             return bounded
     if kind == "matmul":
-        mine = _upcast_matmul(code)
-        body = (
-            f"    {mine}{was}"
-            if mine is not None
-            else f"    ...   # the product at this line, with .float() on both operands{was}"
-        )
-        hint = (
-            "" if loss else "# attention: scale q before the product: q = q * q.shape[-1] ** -0.5\n"
+        return _fix_matmul(code, dtype, device=device, ref=ref, loss=loss, autocast=autocast)
+    op = name.rstrip("_")
+    if kind == "softmax" and op in _BARE_EXP:
+        up = upcast_line(code)
+        alt = (
+            f"# or in float32: {up}, and divide by its sum in float32 too; only the "
+            f"probabilities (at most 1) fit {dtype}: cast them back with .to(torch.{dtype})"
+            if up is not None
+            else "# or the whole softmax in one call, in float32: torch.softmax(x.float(), "
+            f"dim=-1).to(torch.{dtype}) (probabilities fit {dtype})"
         )
         return (
-            f"with torch.autocast(device_type={device}, enabled=False):\n"
-            f"{body}\n"
-            f"# (float32 for this product; cast back with .to(torch.{dtype}) if needed)\n"
-            f"{hint}{bf16}"
+            f"{_max_subtracted(code, op)}{was}\n"
+            "# subtract the row max first (the dim you normalize over): every exp is then at "
+            f"most 1 and fits {dtype}, and the softmax is the same\n{alt}"
         )
     fixed = upcast_line(code)
+    top = fmt(lim.max) if lim is not None else "its largest value"
+    if fixed is not None and kind == "softmax":
+        return (
+            f"{fixed}{was}\n"
+            f"# (a softmax in float32; its result, at most 1, fits {dtype}: cast it back with "
+            f".to(torch.{dtype}))\n"
+            "# or train in bfloat16, where exp overflows only above "
+            f"{fmt(_exp_bound('bfloat16'))}"
+        )
     if fixed is not None and kind != "cast":
         return (
             f"{fixed}{was}\n"
-            "# (compute this op in float32; cast back with .to(torch."
-            f"{dtype}) if needed)\n"
+            f"# keep the result in float32 where it is used: values above {top} do not fit "
+            f"{dtype}, and casting them back makes the inf again\n"
             "# or train in bfloat16, where exp overflows only above "
             f"{fmt(_exp_bound('bfloat16'))}"
         )
@@ -1153,18 +1590,14 @@ def _fix(
         )
     if kind in ("softmax", "exp"):
         return (
-            f"e = x.float().exp(){was}\n"
-            "probs = torch.softmax(x.float(), dim=-1)   # softmax/log_softmax: upcast "
-            "the input\n"
+            f"e = x.float().exp(){was}   # and keep e in float32 where it is used\n"
+            f"probs = torch.softmax(x.float(), dim=-1).to(torch.{dtype})   # a softmax: "
+            f"probabilities fit {dtype}\n"
             "# or train in bfloat16, where exp overflows only above "
             f"{fmt(_exp_bound('bfloat16'))}"
         )
     if kind == "cast":
-        return (
-            f"fin = torch.finfo(torch.{dtype})\n"
-            f"y = x.clamp(fin.min, fin.max).to(torch.{dtype}){was}\n"
-            "# or keep this tensor in float32"
-        )
+        return _fix_cast(code, dtype)
     op = name.rstrip("_")
     mine = rewrite_call(code, [op], lambda e: f"{paren(e)}.float()") if op else None
     if mine is not None:
@@ -1181,6 +1614,120 @@ def _fix(
         f"{ref}.float()   # once, after building the model: this module computes in float32\n"
         f"# and give it x.float(); cast its output back with .to(torch.{dtype}) where needed\n"
         f"{bf16}"
+    )
+
+
+def _fix_matmul(
+    code: str | None, dtype: str, *, device: str, ref: str, loss: bool, autocast: bool
+) -> str:
+    """A low-precision product that overflowed: scale an operand first when the product is
+    a similarity (``q @ k.transpose(-1, -2)``: attention scores), which fixes it in any
+    dtype; else compute it in float32 and keep the result there until it is bounded again."""
+    plain = code.split("#", 1)[0].strip() if code else ""
+    was = f"  # was: {plain}" if plain else ""
+    bf16 = f"# or train in bfloat16: torch.autocast(device_type={device}, dtype=torch.bfloat16)"
+    scaled = None if loss else _scaled_scores(code)
+    if scaled is not None:
+        return (
+            f"{scaled}{was}\n"
+            "# scale before the product, not after it: the scores are the same as "
+            f"(q @ k^T) / sqrt(d), and their sums stay in {dtype}'s range\n"
+            "# (a later division of these scores by sqrt(d) then goes)\n"
+            f"{bf16}"
+        )
+    mine = _upcast_matmul(code)
+    keep = (
+        f"# the result is float32: keep what follows in float32 until the values are bounded "
+        f"again (a softmax, a norm, a sin/cos), then cast with .to(torch.{dtype})"
+    )
+    if mine is not None:
+        body = mine + was
+        if autocast:
+            body = f"with torch.autocast(device_type={device}, enabled=False):\n    {body}"
+        return f"{body}\n{keep}\n{bf16}"
+    where = "in the loss code" if loss else f"in {ref}'s forward"
+    return f"# {where}: compute this product on .float() operands{was}\n{keep}\n{bf16}"
+
+
+def _scaled_scores(code: str | None) -> str | None:
+    """The user's ``a @ b.transpose(-1, -2)`` (or ``b.mT``, ``b.T``, ``b.t()``) with ``a``
+    scaled by ``a.shape[-1] ** -0.5`` before the product; None for other lines.
+
+    >>> _scaled_scores("s = q @ k.transpose(-1, -2)")
+    's = (q * q.shape[-1] ** -0.5) @ k.transpose(-1, -2)'
+    """
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].rstrip()
+    for m in re.finditer(r"(?<![@=])@(?![@=])", line):
+        end = m.start() - 1
+        while end >= 0 and line[end] == " ":
+            end -= 1
+        begin = postfix_start(line, end) if end >= 0 else None
+        start = m.end()
+        while start < len(line) and line[start] == " ":
+            start += 1
+        stop = _postfix_end(line, start)
+        if begin is None or stop is None:
+            continue
+        right = line[start:stop]
+        if not re.search(
+            r"\.(?:transpose\(\s*-1\s*,\s*-2\s*\)|transpose\(\s*-2\s*,\s*-1\s*\)|mT|T|t\(\))$",
+            right,
+        ):
+            continue
+        left = line[begin : end + 1]
+        new = f"({left} * {paren(left)}.shape[-1] ** -0.5)"
+        return f"{line[:begin]}{new} {line[end + 1 : start].strip()} {line[start:]}"
+    return None
+
+
+_CAST_CALL = re.compile(r"\.(?:to|type|half|bfloat16)\(")
+
+
+def _cast_receiver(line: str) -> tuple[int, int] | None:
+    """Where the tensor cast by the line's first ``.to(...)`` / ``.half()`` starts and ends."""
+    for m in _CAST_CALL.finditer(line):
+        begin = postfix_start(line, m.start() - 1) if m.start() > 0 else None
+        if begin is not None:
+            return begin, m.start()
+    return None
+
+
+def _fix_cast(code: str | None, dtype: str) -> str:
+    """The user's cast line, its tensor scaled (float8: a per-tensor scale, its largest
+    value mapped to the dtype's max) or clamped into the dtype's range; its form kept."""
+    line = code.split("  #", 1)[0].rstrip() if code else ""
+    plain = line.strip()
+    was = f"  # was: {plain}" if plain else ""
+    at = _cast_receiver(plain) if plain else None
+    indent = line[: len(line) - len(line.lstrip())]
+    if dtype.startswith("float8"):
+        if at is None:
+            return (
+                f"scale = x.detach().abs().amax().clamp_min(1e-12) / "
+                f"torch.finfo(torch.{dtype}).max   # x: the tensor cast to {dtype}\n"
+                f"q = (x / scale).to(torch.{dtype})   # and dequantize with q.float() * scale"
+            )
+        recv = plain[at[0] : at[1]]
+        return (
+            f"{indent}scale = {paren(recv)}.detach().abs().amax().clamp_min(1e-12) / "
+            f"torch.finfo(torch.{dtype}).max   # per-tensor scale: the largest value maps to "
+            f"{dtype}'s max\n"
+            f"{indent}{plain[: at[0]]}({paren(recv)} / scale){plain[at[1] :]}{was}\n"
+            "# dequantize with .float() * scale (pass scale on with the float8 tensor)"
+        )
+    if at is None:
+        return (
+            f"fin = torch.finfo(torch.{dtype})\n"
+            f"y = x.clamp(fin.min, fin.max).to(torch.{dtype}){was}\n"
+            "# or keep this tensor in float32"
+        )
+    recv = plain[at[0] : at[1]]
+    return (
+        f"{indent}fin = torch.finfo(torch.{dtype})\n"
+        f"{indent}{plain[: at[0]]}{paren(recv)}.clamp(fin.min, fin.max){plain[at[1] :]}{was}\n"
+        "# or keep this tensor in float32"
     )
 
 
@@ -1324,6 +1871,23 @@ def _exp_bound(dtype: str) -> float:
 # ---------------------------------------------------------------------- NW102
 
 
+@functools.lru_cache(maxsize=16)
+def _past_max(dtype: str) -> str:
+    """What a CPU cast to ``dtype`` makes of a value beyond its largest one, asked of torch:
+    ``±inf``, ``NaN``, or ``±448 (it saturates)`` (float8_e4m3fn)."""
+    try:
+        dt = getattr(torch, dtype)
+        big = torch.tensor([torch.finfo(dt).max * 4.0], dtype=torch.float64)
+        out = float(big.to(dt).double())
+    except (AttributeError, TypeError, RuntimeError):
+        return "±inf"
+    if math.isnan(out):
+        return "NaN"
+    if math.isinf(out):
+        return "±inf"
+    return f"±{fmt(out)} (it saturates: larger values are clipped to it)"
+
+
 def _measured(rec: Record, scaled: bool) -> bool:
     if rec.stat is None or rec.phase in (Phase.GRADIENT, Phase.INPUT):
         return rec.phase is Phase.INPUT and rec.stat is not None and rec.source is None
@@ -1336,7 +1900,8 @@ def _measured(rec: Record, scaled: bool) -> bool:
     severity="warning",
     summary=(
         "A float16/bfloat16/float8 tensor's max |x| is within a factor of the dtype's "
-        "largest value (thresholds.headroom): the next spike overflows to inf."
+        "largest value (thresholds.headroom): the next spike overflows. A float8 tensor at "
+        "exactly finfo.max (an amax-scaled cast) is left alone."
     ),
     early=True,
     priority=40,
@@ -1352,6 +1917,8 @@ def headroom(ctx: RuleContext) -> Iterator[Diagnosis]:
         m = r.stat.magnitude
         if not math.isfinite(m) or m < frac * lim.max:
             continue
+        if r.dtype.startswith("float8") and m == lim.max:
+            continue  # a scaled cast (x / (amax / finfo.max)) puts its max there by design
         ratio = m / lim.max
         key = r.role if r.phase is Phase.PARAMETER else r.path
         if key not in worst or ratio > worst[key][0]:
@@ -1382,9 +1949,10 @@ def headroom(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence=evidence,
         explanation=(
             f"{top.dtype} cannot hold values beyond {fmt(lim.max)}. A tensor already at "
-            f"{ratio:.0%} of that overflows to inf on the next spike (a larger batch, a "
-            "sharper input, one more optimizer step), and the inf becomes NaN downstream. "
-            "No value is bad yet: this is the warning before it happens."
+            f"{ratio:.0%} of that becomes {_past_max(top.dtype)} on the next spike (a larger "
+            "batch, a sharper input, one more optimizer step)"
+            + (", and the inf becomes NaN downstream" if _past_max(top.dtype) == "±inf" else "")
+            + ". No value is bad yet: this is the warning before it happens."
         ),
         fix=(
             "# give these values range: bfloat16 has float32's range\n"
@@ -1565,6 +2133,21 @@ def _low_magnitudes(trace: StepTrace, scaled: bool) -> _Mags:
     return out
 
 
+def _leap(points: Sequence[tuple[int, float]]) -> str:
+    """``jumped from 1.3 at step 7 to 2.2e+04 at step 8, then reached 6.3e+04`` when one
+    step-to-step rise of the last points is ``_JUMP`` times or more (a jump, not a steady
+    growth); "" otherwise."""
+    pts = [(st, v) for st, v in points if math.isfinite(v)][-16:]
+    rises = [(b[1] / a[1], a, b) for a, b in itertools.pairwise(pts) if a[1] > 0]
+    if not rises:
+        return ""
+    ratio, (s0, v0), (s1, v1) = max(rises, key=lambda r: r[0])
+    if ratio < _JUMP:
+        return ""
+    then = f", then reached {fmt(pts[-1][1])} at step {pts[-1][0]}" if s1 != pts[-1][0] else ""
+    return f"jumped from {fmt(v0)} at step {s0} to {fmt(v1)} at step {s1} (×{fmt(ratio)}){then}"
+
+
 @rule(
     "NW104",
     title="Magnitude growing toward overflow",
@@ -1586,7 +2169,7 @@ def growth_to_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
     horizon = ctx.thresholds.trend_horizon
     floor = ctx.thresholds.trend_floor
     min_hist = ctx.thresholds.min_history
-    found: list[tuple[Trend, tuple[str, str, str], str, DtypeLimits]] = []
+    found: list[tuple[Trend, tuple[str, str, str], str, DtypeLimits, str]] = []
     for k, (value, dtype) in current.items():
         lim = low_precision(dtype)
         if lim is None or value < floor * lim.max:
@@ -1595,16 +2178,17 @@ def growth_to_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
         pts.append((ctx.step, value))
         trend = predict(pts, lim.max, min_points=min_hist + 1)
         if trend is not None and trend.steps <= horizon:
-            found.append((trend, k, dtype, lim))
+            found.append((trend, k, dtype, lim, _leap(pts)))
     if not found:
         return
     found.sort(key=lambda f: f[0].steps)
-    trend, (phase, path, role), dtype, lim = found[0]
+    trend, (phase, path, role), dtype, lim, _ = found[0]
     evidence = [
-        f"max |x| of {p} ({ph}, {ro}) in {d} grew from {fmt(t.first)} to {fmt(t.last)} over "
-        f"{t.span} steps (+{fmt(t.slope)} per step): it passes {fmt(li.max)} in about "
+        f"max |x| of {p} ({ph}, {ro}) in {d} "
+        + (leap or f"grew from {fmt(t.first)} to {fmt(t.last)} over {t.span} steps")
+        + f" (+{fmt(t.slope)} per step): it passes {fmt(li.max)} in about "
         f"{math.ceil(t.steps)} steps"
-        for t, (ph, p, ro), d, li in found[:5]
+        for t, (ph, p, ro), d, li, leap in found[:5]
     ]
     yield ctx.diagnosis(
         path=path,
