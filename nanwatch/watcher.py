@@ -2214,15 +2214,20 @@ class Watcher:
             a.summary = summarize(a)
         trace.diagnoses = self._evaluate(trace)
 
-    def _absorbed(self, trace: StepTrace, anomaly: Anomaly) -> None:
-        """Bad data that reached nothing the step computed (no output, loss, gradient or
-        weight holds NaN/inf): not an anomaly; an ``"absorbed_data"`` note for the early
-        warning (NW406)."""
+    def _forget(self, trace: StepTrace, anomaly: Anomaly) -> None:
+        """Take back an anomaly localized in ``trace`` (absorbed, or about to be localized
+        again with what a replay found)."""
         trace.anomaly = None
         if anomaly in self.anomalies:
             self.anomalies.remove(anomaly)
         if self.first_anomaly is anomaly:
             self.first_anomaly = self.anomalies[0] if self.anomalies else None
+
+    def _absorbed(self, trace: StepTrace, anomaly: Anomaly) -> None:
+        """Bad data that reached nothing the step computed (no output, loss, gradient or
+        weight holds NaN/inf): not an anomaly; an ``"absorbed_data"`` note for the early
+        warning (NW406)."""
+        self._forget(trace, anomaly)
         rec = anomaly.record
         self.note(
             "absorbed_data",
@@ -2524,11 +2529,7 @@ class Watcher:
         self._param_ids = frozenset(id(p) for _, _, p in self._params)
         self._param_types = [*self._param_types, *types]
         trace = self._trace
-        trace.anomaly = None
-        if anomaly in self.anomalies:
-            self.anomalies.remove(anomaly)
-        if self.first_anomaly is anomaly:
-            self.first_anomaly = None
+        self._forget(trace, anomaly)
         moved = self._localize(trace)
         if moved is None or moved.kind is not AnomalyKind.PARAMETER:
             # not re-localized on them: the first anomaly stands, with what the replay read
@@ -2609,11 +2610,7 @@ class Watcher:
             if producer is None:
                 continue
             producer.stat = describe(t.detach()) or TensorStat(math.nan, math.nan, t.numel())
-            trace.anomaly = None
-            if anomaly in self.anomalies:
-                self.anomalies.remove(anomaly)
-            if self.first_anomaly is anomaly:
-                self.first_anomaly = None
+            self._forget(trace, anomaly)
             moved = self._localize(trace)
             if moved is None:
                 return False

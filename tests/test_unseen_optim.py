@@ -17,19 +17,9 @@ from nanwatch.records import Note, StepTrace
 from nanwatch.rules.base import Diagnosis
 from nanwatch.rules.testing import TraceBuilder, diagnose, stat
 from tests._diagnoses import code_lines, counted, first_bad
+from tests.zoo import TanhMLP
 
 NAN, INF = math.nan, math.inf
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.act = nn.Tanh()
-        self.fc2 = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 def _nw301(nw: Any) -> tuple[StepTrace, Diagnosis]:
@@ -42,7 +32,7 @@ def _resumed_adam() -> tuple[nn.Module, torch.optim.Optimizer]:
     """A model and an Adam resumed from a checkpoint whose exp_avg_sq of fc1.weight holds a
     NaN (saved from a run that had gone bad); the weights themselves are fine."""
     torch.manual_seed(0)
-    model, crit = MLP(), nn.MSELoss()
+    model, crit = TanhMLP(), nn.MSELoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     x = torch.randn(32, 8)
     crit(model(x), x.sum(1, keepdim=True)).backward()
@@ -50,7 +40,7 @@ def _resumed_adam() -> tuple[nn.Module, torch.optim.Optimizer]:
     opt.zero_grad()
     ck = {"model": model.state_dict(), "opt": opt.state_dict()}
     ck["opt"]["state"][0]["exp_avg_sq"][3, 5] = NAN
-    resumed = MLP()
+    resumed = TanhMLP()
     resumed.load_state_dict(ck["model"])
     opt2 = torch.optim.Adam(resumed.parameters(), lr=1e-3)
     opt2.load_state_dict(ck["opt"])
@@ -141,7 +131,7 @@ def test_float16_adam_with_a_huge_lr_is_told_clipping_does_not_bound_its_step() 
     """Adam at lr=3e4 (for 3e-4) on float16 weights: the fix sets that optimizer's lr, does
     not clip (Adam's step is about lr whatever the gradient) and keeps Adam."""
     torch.manual_seed(0)
-    model, crit = MLP().half(), nn.MSELoss()
+    model, crit = TanhMLP().half(), nn.MSELoss()
     opt = torch.optim.Adam(model.parameters(), lr=3e4, eps=1e-4)
     with nanwatch.watch(model, crit, on_anomaly="record", postmortem=False) as nw:
         for _ in range(5):
@@ -252,7 +242,7 @@ def test_an_inf_that_an_ordinary_update_cannot_write_points_at_the_optimizer_sta
     """SGD(momentum=0.9) resumed with an inf in its momentum buffer: lr 0.1 and a gradient of
     norm about 3 cannot overflow float32, so the lr is not blamed."""
     torch.manual_seed(0)
-    model, crit = MLP(), nn.MSELoss()
+    model, crit = TanhMLP(), nn.MSELoss()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x = torch.randn(32, 8)
     crit(model(x), x.sum(1, keepdim=True)).backward()
@@ -380,7 +370,7 @@ def test_a_nan_lr_set_by_hand_gets_no_scheduler_in_its_fix() -> None:
     """A poly decay computed past its last step (numpy: NaN) and written into param_groups
     by hand: the fix pasted scheduler.step(), and there is no scheduler."""
     torch.manual_seed(0)
-    model, crit = MLP(), nn.MSELoss()
+    model, crit = TanhMLP(), nn.MSELoss()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     total = 4
     with nanwatch.watch(model, crit, on_anomaly="record", postmortem=False) as nw:

@@ -20,17 +20,7 @@ from torch import nn
 import nanwatch
 from nanwatch.rules.testing import TraceBuilder, diagnose, stat
 from tests._diagnoses import first_bad, text, top
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(8, 16)
-        self.act = nn.Tanh()
-        self.fc2 = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+from tests.zoo import TanhMLP
 
 
 def train(
@@ -56,7 +46,7 @@ def test_a_float16_overflow_after_an_lr_jump_names_the_lr_not_float16() -> None:
     """Adam lr 3e4 (for 3e-4): weights 0.35 -> 30000 in one update; it said 'float32 for
     this product / bfloat16'."""
     torch.manual_seed(0)
-    model = MLP().half()
+    model = TanhMLP().half()
     opt = torch.optim.Adam(model.parameters(), lr=3e4, fused=True)
     nw = train(model, opt, steps=4, dtype=torch.float16)
     d = top(nw)
@@ -79,7 +69,7 @@ def test_a_float16_param_group_whose_lr_jumped_its_weights_is_named() -> None:
     + autocast', which does not fix it. The module whose outputs outgrew its inputs (fc2)
     is named, and its group (the watcher noted it when fc2's weights went inf)."""
     torch.manual_seed(0)
-    model = MLP().half()
+    model = TanhMLP().half()
     opt = torch.optim.SGD(
         [
             {"params": model.fc1.parameters(), "lr": 1e-2},
@@ -446,7 +436,7 @@ def test_without_the_groups_parameter_names_the_fix_prints_them_instead_of_divid
         "weights, not all of them; which group holds which weights:"
     )
     assert "/= 10" not in d.fix
-    model = MLP()
+    model = TanhMLP()
     opt = torch.optim.SGD(
         [
             {"params": model.fc1.parameters(), "lr": 1e-3},

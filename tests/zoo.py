@@ -182,3 +182,16 @@ class Rope(nn.Module):
         theta = 1e6 ** (i / 16)
         ang = torch.arange(x.shape[1], dtype=x.dtype)[:, None] * theta
         return self.lin(x) * ang.cos().repeat_interleave(2, -1)
+
+
+class TanhMLP(nn.Module):
+    """8 -> 16 (tanh) -> 1, its layers named fc1/fc2: the optimizer tests' regression net."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act = nn.Tanh()
+        self.fc2 = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))

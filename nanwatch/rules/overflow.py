@@ -1659,17 +1659,7 @@ def _scaled_scores(code: str | None) -> str | None:
     if not code:
         return None
     line = code.split("  #", 1)[0].rstrip()
-    for m in re.finditer(r"(?<![@=])@(?![@=])", line):
-        end = m.start() - 1
-        while end >= 0 and line[end] == " ":
-            end -= 1
-        begin = postfix_start(line, end) if end >= 0 else None
-        start = m.end()
-        while start < len(line) and line[start] == " ":
-            start += 1
-        stop = _postfix_end(line, start)
-        if begin is None or stop is None:
-            continue
+    for begin, end, start, stop in _matmuls(line):
         right = line[start:stop]
         if not re.search(
             r"\.(?:transpose\(\s*-1\s*,\s*-2\s*\)|transpose\(\s*-2\s*,\s*-1\s*\)|mT|T|t\(\))$",
@@ -1814,6 +1804,18 @@ def _upcast_matmul(code: str | None) -> str | None:
     if not code:
         return None
     line = code.split("  #", 1)[0].rstrip()
+    for begin, end, start, stop in _matmuls(line):
+        left, right = line[begin : end + 1], line[start:stop]
+        return (
+            f"{line[:begin]}{paren(left)}.float() {line[end + 1 : start].strip()} "
+            f"{paren(right)}.float(){line[stop:]}"
+        )
+    return None
+
+
+def _matmuls(line: str) -> Iterator[tuple[int, int, int, int]]:
+    """Each ``a @ b`` of a line whose operands are postfix expressions: where ``a`` begins
+    and ends (inclusive), and where ``b`` starts and stops (exclusive)."""
     for m in re.finditer(r"(?<![@=])@(?![@=])", line):
         end = m.start() - 1
         while end >= 0 and line[end] == " ":
@@ -1823,14 +1825,8 @@ def _upcast_matmul(code: str | None) -> str | None:
         while start < len(line) and line[start] == " ":
             start += 1
         stop = _postfix_end(line, start)
-        if begin is None or stop is None:
-            continue
-        left, right = line[begin : end + 1], line[start:stop]
-        return (
-            f"{line[:begin]}{paren(left)}.float() {line[end + 1 : start].strip()} "
-            f"{paren(right)}.float(){line[stop:]}"
-        )
-    return None
+        if begin is not None and stop is not None:
+            yield begin, end, start, stop
 
 
 def _postfix_end(line: str, start: int) -> int | None:
