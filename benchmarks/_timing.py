@@ -1,4 +1,5 @@
-"""Interleaved timing, robust per-step estimates, and how busy the machine was meanwhile."""
+"""Interleaved timing, robust per-step estimates, the page faults each step took, and how
+busy the machine was meanwhile."""
 
 from __future__ import annotations
 
@@ -18,16 +19,42 @@ __all__ = [
     "Samples",
     "bootstrap_median",
     "interleave",
+    "minor_faults",
     "to_cells",
     "wait_quiet",
 ]
 
 
+def minor_faults() -> int | None:
+    """Minor page faults this process (all its threads) has taken so far: each is a fresh
+    page the allocator got from the OS and the kernel mapped on first touch. None where the
+    ``resource`` module is missing (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
 @dataclass
 class Samples:
-    """The timed steps of one variant on one workload: (seconds, full step, round)."""
+    """The timed steps of one variant on one workload: (seconds, full step, round), and
+    the minor page faults each step took, in the same order (empty where they cannot be
+    counted)."""
 
     steps: list[tuple[float, bool, int]] = field(default_factory=list)
+    faults: list[int] = field(default_factory=list)
+
+    def faults_per_step(self, period: int = 1) -> float:
+        """Minor page faults per step, weighted as :meth:`estimate` weights the times (the
+        median; for ``sample_every=N`` full and sampled-out steps 1:(N-1)); NaN when they
+        were not counted."""
+        if not self.faults or len(self.faults) != len(self.steps):
+            return math.nan
+        as_steps = [
+            (float(f), full, rnd) for f, (_, full, rnd) in zip(self.faults, self.steps, strict=True)
+        ]
+        return Samples(as_steps).estimate(period)
 
     def estimate(
         self, period: int = 1, rnd: int | None = None, *, stat: Callable[..., float] | None = None
@@ -64,6 +91,8 @@ class Cell:
     #: 90% bootstrap interval of the ratio (the median of the per-round ratios)
     ci_lo: float = math.nan
     ci_hi: float = math.nan
+    #: minor page faults per timed step (median; NaN where they cannot be counted)
+    faults: float = math.nan
 
 
 def interleave(
@@ -81,9 +110,11 @@ def interleave(
     round: A B C, B C A, C A B) is attached, runs ``round_warmup`` untimed steps and
     ``steps_for(runner)`` timed ones, and is detached. ``sync`` (CUDA) runs before each
     clock read. Past ``deadline`` (a ``time.perf_counter()`` value) no new round starts
-    once ``min_rounds`` are done: a busy machine shortens the run instead of stretching it."""
+    once ``min_rounds`` are done: a busy machine shortens the run instead of stretching it.
+    The minor page faults of each timed step are counted around it, outside the clock reads."""
     samples = {r.key: Samples() for r in runners}
     clock = time.perf_counter
+    count_faults = minor_faults() is not None
     for rnd in range(rounds):
         if deadline is not None and rnd >= min_rounds and clock() > deadline:
             break
@@ -98,11 +129,15 @@ def interleave(
                 for _ in range(n):
                     if sync is not None:
                         sync()
+                    f0 = minor_faults() if count_faults else None
                     t0 = clock()
                     full = r.step(w)
                     if sync is not None:
                         sync()
-                    samples[r.key].steps.append((clock() - t0, full, rnd))
+                    t1 = clock()
+                    if f0 is not None:
+                        samples[r.key].faults.append((minor_faults() or f0) - f0)
+                    samples[r.key].steps.append((t1 - t0, full, rnd))
             finally:
                 r.detach()
     return samples
@@ -130,7 +165,15 @@ def to_cells(
         ratio = statistics.median(per_round) if len(per_round) >= 3 else est_v / est_b
         lo_ci, hi_ci = bootstrap_median(per_round) if len(per_round) >= 3 else (ratio, ratio)
         out[r.key] = Cell(
-            est_v * 1e3, ratio, min(per_round), max(per_round), len(s.steps), low, lo_ci, hi_ci
+            est_v * 1e3,
+            ratio,
+            min(per_round),
+            max(per_round),
+            len(s.steps),
+            low,
+            lo_ci,
+            hi_ci,
+            s.faults_per_step(r.sample_every),
         )
     return out
 

@@ -23,7 +23,10 @@ warm-up steps are not timed, and each variant's step time is the median of its s
 (``sample_every=10``: the medians of its full and its sentinel steps, weighted 1:9). Ratios
 are to the unwatched step of the same run; the bracket is the range of the per-round
 ratios. CPU time taken by other processes during the run is measured from /proc/stat and
-printed: ratios taken on a busy machine are not worth much.
+printed: ratios taken on a busy machine are not worth much. The minor page faults of each
+timed step are counted too (``getrusage``): with glibc's default malloc, freed memory goes
+back to the OS and is faulted in again, a cost that varies with the heap's layout;
+``--malloc steady`` keeps it in the process, so the ratios are nanwatch's own cost.
 
 Usage::
 
@@ -31,18 +34,21 @@ Usage::
     python benchmarks/run.py --quick          # smoke setting: tiny shapes, seconds
     python benchmarks/run.py --workloads W2 --variants unwatched,watch --rounds 9
     python benchmarks/run.py --compile        # adds torch.compile (slow: compiles)
+    python benchmarks/run.py --malloc steady --results benchmarks/RESULTS-steady.md
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import datetime as _dt
 import gc
 import math
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -74,6 +80,84 @@ from benchmarks.workloads import WORKLOADS, Workload, build
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 MEMORY_VARIANTS = ("unwatched", "sentinel", "watch", "forensic", "detect_anomaly", "duo")
+
+# ---------------------------------------------------------------------------- malloc
+
+#: glibc's mallopt parameters (malloc.h: M_TRIM_THRESHOLD -1, M_TOP_PAD -2,
+#: M_MMAP_THRESHOLD -3) and the values of ``--malloc steady``: no block below 128 MiB is
+#: mmapped (so freeing one never unmaps it), the heap is trimmed only past 1 GiB free at its
+#: top, and it grows 64 MiB at a time. Freed memory stays in the process and is reused, so
+#: a step takes next to no page faults.
+STEADY_MALLOC = (
+    ("M_MMAP_THRESHOLD", -3, 128 << 20),
+    ("M_TRIM_THRESHOLD", -1, 1 << 30),
+    ("M_TOP_PAD", -2, 64 << 20),
+)
+
+
+def _glibc() -> tuple[Any, str] | None:
+    """(the C library, its version) when it is glibc; None otherwise."""
+    try:
+        libc = ctypes.CDLL(None)
+        version = libc.gnu_get_libc_version
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS; Windows: TypeError)
+        return None
+    version.restype = ctypes.c_char_p
+    return libc, version().decode()
+
+
+def malloc_env() -> dict[str, str]:
+    """The environment variables that tune glibc's malloc, as set for this process."""
+    return {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"
+    }
+
+
+def set_malloc(mode: str) -> tuple[str, bool]:
+    """Apply ``--malloc``: ``default`` leaves the C library as it is; ``steady`` calls
+    glibc's ``mallopt`` with :data:`STEADY_MALLOC` (process-wide and permanent). Returns
+    the setting in effect, in words for RESULTS.md, and whether ``mode`` could be applied."""
+    glibc = _glibc()
+    lib = f"glibc {glibc[1]}" if glibc else f"not glibc ({platform.libc_ver()[0] or sys.platform})"
+    env = malloc_env()
+    env_note = "; environment: " + " ".join(f"{k}={v}" for k, v in env.items()) if env else ""
+    if mode == "default":
+        how = (
+            "freed memory goes back to the OS and is faulted in again, so steps pay minor "
+            "page faults that vary with the heap's layout: what a user on glibc's default "
+            "malloc sees"
+            if glibc and not env
+            else "the C library's allocator as configured"
+        )
+        return f"default ({lib}, no mallopt: {how}){env_note}", True
+    if glibc is None:
+        return (
+            f"steady was asked but NOT applied: {lib} has no glibc mallopt; the C library's "
+            f"allocator as configured{env_note}",
+            False,
+        )
+    mallopt = glibc[0].mallopt
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    failed = [name for name, param, value in STEADY_MALLOC if mallopt(param, value) == 0]
+    settings = ", ".join(
+        f"{name} {value >> 30} GiB" if value >= 1 << 30 else f"{name} {value >> 20} MiB"
+        for name, _, value in STEADY_MALLOC
+    )
+    if failed:
+        return (
+            f"steady was asked but NOT fully applied: {lib} mallopt refused "
+            f"{', '.join(failed)} (asked: {settings}){env_note}",
+            False,
+        )
+    return (
+        f"steady ({lib}, mallopt at start: {settings}: freed memory stays in the process, so "
+        f"steps take next to no page faults and the ratios are nanwatch's own cost){env_note}",
+        True,
+    )
+
 
 # ---------------------------------------------------------------------------- results
 
@@ -515,7 +599,7 @@ def source_digest() -> str:
     return h.hexdigest()[:12]
 
 
-def machine_info(opts: Options, digest: str) -> dict[str, str]:
+def machine_info(opts: Options, digest: str, malloc: str | None = None) -> dict[str, str]:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -542,7 +626,7 @@ def machine_info(opts: Options, digest: str) -> dict[str, str]:
             timeout=5,
             check=True,
         ).stdout.strip()
-    return {
+    info = {
         "cpu": cpu,
         "cores": f"{usable} usable ({os.cpu_count()} online), torch threads {opts.threads}",
         "python": platform.python_version(),
@@ -559,10 +643,29 @@ def machine_info(opts: Options, digest: str) -> dict[str, str]:
         ),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+    if malloc is not None:
+        info["malloc"] = malloc
+    return info
 
 
 def _fmt_ratio(c: Cell | None) -> str:
     return "—" if c is None else f"x{c.ratio:.3f}"
+
+
+def _fmt_faults(c: Cell | None) -> str:
+    return "—" if c is None or not math.isfinite(c.faults) else f"{c.faults:,.0f}"
+
+
+#: what the page-fault figures are, for RESULTS.md and the README
+FAULTS_NOTE = (
+    "Minor page faults per timed step (median; `getrusage` `ru_minflt` around each step, "
+    "all the process's threads). Each is a fresh 4 KiB page the allocator got from the OS "
+    "and the kernel mapped on first touch, about 1 µs each on the 2-core AMD EPYC where "
+    "this was measured; with glibc's default malloc the count depends on the heap's "
+    "layout and varies between runs of the same code, and a variant's step pays it on top "
+    "of its own cost (`--malloc steady` keeps freed memory in the process: next to no "
+    "faults)."
+)
 
 
 def targets(results: Sequence[WorkloadResult]) -> list[tuple[str, dict[str, str]]]:
@@ -686,6 +789,15 @@ def render_markdown(
             c = r.cells.get(key)
             cells.append("—" if c is None else f"{c.ms:.1f} ms ({c.n}); min x{c.min_ratio:.3f}")
         add(f"| {labels.get(key, key)} | " + " | ".join(cells) + " |")
+    if any(math.isfinite(c.faults) for r in results for c in r.cells.values()):
+        add(f"\n{FAULTS_NOTE}\n")
+        add("| variant | " + " | ".join(names) + " |")
+        add("|---|" + "---|" * len(names))
+        for key in keys:
+            cells = [_fmt_faults(r.cells.get(key)) for r in results]
+            add(f"| {labels.get(key, key)} | " + " | ".join(cells) + " |")
+    elif any(r.cells for r in results):
+        add("\nMinor page faults per step: not counted here (no `resource` module).")
     skipped = {k: v for r in results for k, v in r.skipped.items()}
     for k, why in skipped.items():
         add(f"\n- {labels.get(k, k)} skipped: {why}")
@@ -836,6 +948,15 @@ def print_table(console: Any, results: Sequence[WorkloadResult]) -> None:
                 row.append(f"x{c.ratio:.3f} ({c.lo:.2f}–{c.hi:.2f})")
         t.add_row(*row)
     console.print(t)
+    if any(math.isfinite(c.faults) for r in results for c in r.cells.values()):
+        ft = Table(title="minor page faults per timed step (median)")
+        ft.add_column("variant")
+        for r in results:
+            ft.add_column(r.name, justify="right")
+        for key in VARIANTS:
+            if any(key in r.cells for r in results):
+                ft.add_row(labels[key], *(_fmt_faults(r.cells.get(key)) for r in results))
+        console.print(ft)
     tt = Table(title="targets of issue 8")
     tt.add_column("target")
     for r in results:
@@ -970,6 +1091,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=f"where to write the markdown (default {RESULTS.relative_to(HERE.parent)})",
     )
     p.add_argument("--no-write", action="store_true", help="print only; write no results file")
+    p.add_argument(
+        "--malloc",
+        choices=("default", "steady"),
+        default="default",
+        help="default: the C library's allocator as it is (what a user on glibc's default "
+        "malloc sees, page faults included); steady: glibc mallopt at start (mmap threshold "
+        "128 MiB, trim threshold 1 GiB, top pad 64 MiB) so freed memory stays in the process "
+        "and no step pays page faults: the ratios are nanwatch's own cost. Give --results "
+        "to keep both files",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of models and batches (default 0)")
     return p.parse_args(argv)  # fmt: skip
 
@@ -993,6 +1124,7 @@ class RunOutput:
     markdown: str
     wall: float
     path: Path | None
+    malloc: str = ""  #: the malloc setting in effect, in words
 
 
 def main(argv: Sequence[str] | None = None) -> RunOutput:
@@ -1000,6 +1132,11 @@ def main(argv: Sequence[str] | None = None) -> RunOutput:
 
     args = parse_args(argv)
     console = Console()
+    malloc, applied = set_malloc(args.malloc)  # first: before any workload is allocated
+    if not applied:
+        console.print(f"[yellow]warning: --malloc {args.malloc}: {malloc}")
+    elif args.malloc != "default":
+        console.print(f"[dim]malloc: {malloc}")
     q = args.quick
     opts = Options(
         workloads=_split(args.workloads, tuple(WORKLOADS), "workload"),
@@ -1084,7 +1221,8 @@ def main(argv: Sequence[str] | None = None) -> RunOutput:
     console.print(
         f"wall time: {wall:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in walls.items())})"
     )
-    prefix = f"nice -n {os.nice(0)} " if os.nice(0) else ""
+    prefix = "".join(f"{k}={shlex.quote(v)} " for k, v in malloc_env().items())
+    prefix += f"nice -n {os.nice(0)} " if os.nice(0) else ""
     command = (
         prefix
         + "python benchmarks/run.py "
@@ -1094,7 +1232,7 @@ def main(argv: Sequence[str] | None = None) -> RunOutput:
         results=results,
         compile_res=compile_res,
         gpu=gpu,
-        info=machine_info(opts, digest),
+        info=machine_info(opts, digest, malloc),
         opts=opts,
         command=command.strip(),
         wall=wall,
@@ -1106,7 +1244,7 @@ def main(argv: Sequence[str] | None = None) -> RunOutput:
         path = args.results or RESULTS
         path.write_text(md)
         console.print(f"wrote {path}")
-    return RunOutput(results, compile_res, gpu, md, wall, path)
+    return RunOutput(results, compile_res, gpu, md, wall, path, malloc)
 
 
 if __name__ == "__main__":

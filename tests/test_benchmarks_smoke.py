@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from benchmarks import gpu, hook_cost, run
+from benchmarks._timing import minor_faults
 from benchmarks.variants import VARIANTS, DebugUnderflowOverflow, make_runners
 from benchmarks.workloads import build
 
@@ -44,6 +47,8 @@ def test_quick_run_gives_every_variant_a_ratio_and_writes_the_results(tmp_path: 
         for key, cell in r.cells.items():
             assert cell.n >= 1, key
             assert cell.ms > 0 and math.isfinite(cell.ratio), key
+            if minor_faults() is not None:  # counted wherever getrusage is there
+                assert cell.faults >= 0, key
         # the nanwatch modes and detect_anomaly never need an optional dependency
         for key in ("sentinel", "watch", "watch-every10", "forensic", "detect_anomaly"):
             assert key in r.cells, (r.name, key)
@@ -57,6 +62,40 @@ def test_quick_run_gives_every_variant_a_ratio_and_writes_the_results(tmp_path: 
     assert "sentinel <= x1.02" in text and "watch <= x1.10" in text
     assert "python benchmarks/run.py --quick" in text
     assert "Not measured" in text  # no --gpu: says so instead of inventing numbers
+    assert "- malloc: default" in text
+
+
+def test_steady_malloc_is_recorded_with_the_page_faults_of_each_variant(tmp_path: Path) -> None:
+    # mallopt is process-wide and permanent: a child process keeps this one's malloc as it is
+    out_file = tmp_path / "R.md"
+    root = Path(run.__file__).resolve().parent.parent
+    argv = ["--quick", "--malloc", "steady", "--results", str(out_file)]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", *argv],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = out_file.read_text()
+    malloc = next(line for line in text.splitlines() if line.startswith("- malloc: "))
+    assert malloc.startswith("- malloc: steady"), malloc
+    if run._glibc() is not None:  # glibc takes the settings; elsewhere the line says NOT
+        assert "NOT" not in malloc and "M_MMAP_THRESHOLD 128 MiB" in malloc, malloc
+    assert "python benchmarks/run.py --quick --malloc steady" in text  # the command to reproduce
+    if minor_faults() is None:  # no getrusage here: said, not invented
+        assert "not counted here" in text
+        return
+    table = text.split("Minor page faults per timed step", 1)[1].split("\n\n", 2)[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "variant" not in line]
+    names = {row.split(" | ")[0].lstrip("| ") for row in rows}
+    assert {"unwatched", "nanwatch sentinel", "nanwatch watch"} <= names, table
+    for row in rows:
+        for cell in row.strip("|").split(" | ")[1:]:
+            if cell.strip() != "—":
+                assert float(cell.replace(",", "")) >= 0, row
 
 
 def test_quick_run_without_results_option_writes_nothing(tmp_path: Path) -> None:
