@@ -18,13 +18,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import functools
 import os
 import signal
 import sys
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -171,10 +172,11 @@ ADVICE: dict[str, str] = {
 _DEVICE_LOST = ("cuda-device-assert", "cuda-error")
 
 
-def classify(exc: BaseException) -> dict[str, Any]:
+def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict[str, Any]:
     """What kind of failure ``exc`` is, from its type and message only (no device access):
     ``class``, ``type``, ``message``, ``device_lost`` (the CUDA context is unusable) and
-    ``advice``.
+    ``advice``. Raised inside an optimizer's method (its traceback goes through it), it has
+    ``optimizer`` too (see :func:`optimizer_error`; ``names``: weights' names by id).
 
     Example:
         >>> classify(RuntimeError("CUDA error: device-side assert triggered"))["class"]
@@ -202,13 +204,193 @@ def classify(exc: BaseException) -> dict[str, Any]:
             (c for c, needles in _CLASSES if any(n in text for n in needles)),
             "other",
         )
-    return {
+    info: dict[str, Any] = {
         "class": cls,
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": message[:4000],
         "device_lost": cls in _DEVICE_LOST,
         "advice": ADVICE[cls],
     }
+    if cls not in _DEVICE_LOST and cls not in _NOT_RAISED_BY_OP:  # (async: the step only
+        try:  # surfaced a kernel's error) (an interrupt lands anywhere)
+            found = optimizer_error(exc, cls, names)
+        except Exception:  # the user's exception matters more than ours
+            found = None
+        if found is not None:
+            info["optimizer"] = found
+            info["advice"] = _optimizer_advice(cls, found)
+    return info
+
+
+#: classes not raised by the op that ran: where they landed says nothing of the cause
+_NOT_RAISED_BY_OP = ("keyboard-interrupt", "signal", "exit", "anomaly", "guard", "peer-failure")
+
+#: frames of an optimizer's machinery that are not its method (hooks' wrapper, decorators)
+_OPT_WRAPPERS = ("wrapper", "_use_grad", "maybe_fallback", "_fn", "decorate_context")
+
+
+def optimizer_error(
+    exc: BaseException, cls: str = "other", names: Mapping[int, str] | None = None
+) -> dict[str, Any] | None:
+    """Where ``exc`` was raised, when inside a ``torch.optim.Optimizer``'s method (its
+    ``step()``, called or wrapped by the hooks' machinery): ``class`` (the optimizer's),
+    ``method``, ``in_closure`` (the closure it was given raised: its forward or backward),
+    ``variable`` (the user's name for the optimizer, when the calling frame holds it) and,
+    for a shape mismatch, ``mismatch``: the weights whose state tensors (``exp_avg``, ...)
+    have another shape than the weight, at most 8, and ``mismatched``/``params`` counts.
+    From the traceback's frames and tensors' metadata only: no device access.
+
+    Example:
+        >>> optimizer_error(RuntimeError("boom")) is None
+        True
+    """
+    import torch
+
+    tb = exc.__traceback__
+    frames: list[FrameType] = []
+    while tb is not None and len(frames) < 512:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    optimizer: Any = None
+    first = -1
+    for i, f in enumerate(frames):
+        me = f.f_locals.get("self")
+        if isinstance(me, torch.optim.Optimizer):
+            optimizer, first = me, i
+            break
+    if optimizer is None:
+        return None
+    inner = frames[first:]
+    methods = [
+        f.f_code.co_name
+        for f in inner
+        if f.f_locals.get("self") is optimizer and f.f_code.co_name not in _OPT_WRAPPERS
+    ]
+    method = "step" if "step" in methods or not methods else methods[-1]
+    # the closure it was given (LBFGS, Lightning) runs the forward and backward inside it
+    codes: set[Any] = set()
+    for f in inner:
+        closure = f.f_locals.get("closure") if f.f_locals.get("self") is optimizer else None
+        while isinstance(closure, functools.partial):
+            closure = closure.func
+        if callable(closure):  # a function, or an object's __call__ (Lightning's Closure)
+            codes.add(getattr(closure, "__code__", None))
+            codes.add(getattr(closure.__call__, "__code__", None))
+    codes.discard(None)
+    module_file = os.path.normcase(os.path.abspath(torch.nn.modules.module.__file__))
+    in_closure = any(
+        f.f_code in codes
+        or (
+            f.f_code.co_name in ("_call_impl", "_wrapped_call_impl")
+            and os.path.normcase(os.path.abspath(f.f_code.co_filename)) == module_file
+        )
+        for f in inner
+    )
+    out: dict[str, Any] = {
+        "class": type(optimizer).__name__,
+        "method": method,
+        "in_closure": in_closure,
+    }
+    variable = _name_in_caller(frames[first - 1], optimizer) if first > 0 else None
+    if variable:
+        out["variable"] = variable
+    if cls == "shape-mismatch" and not in_closure:
+        out.update(_state_mismatches(optimizer, names or {}))
+    return out
+
+
+def _name_in_caller(frame: FrameType, obj: Any) -> str | None:
+    """The name ``frame`` holds ``obj`` under: a local, or an attribute of its ``self``."""
+    local = frame.f_locals
+    for key, value in local.items():
+        if value is obj and key.isidentifier() and key != "self":
+            return key
+    owner = local.get("self")
+    attrs = getattr(owner, "__dict__", None)
+    if isinstance(attrs, dict):
+        for key, value in attrs.items():
+            if value is obj and isinstance(key, str) and key.isidentifier():
+                return f"self.{key}"
+    return None
+
+
+def _state_mismatches(optimizer: Any, names: Mapping[int, str]) -> dict[str, Any]:
+    """The weights of ``optimizer`` whose state tensors do not have the weight's shape.
+    A state tensor with a size 1 where the weight has another is a reduced factor
+    (Adafactor's ``row_var``), not a mismatch. Shapes only: nothing is read."""
+    import torch
+
+    state = getattr(optimizer, "state", None)
+    if state is None or not hasattr(state, "get"):
+        return {}
+    found: list[dict[str, Any]] = []
+    total = mismatched = 0
+    for gi, group in enumerate(getattr(optimizer, "param_groups", ())):
+        for pi, p in enumerate(group.get("params", ())):
+            if not isinstance(p, torch.Tensor):
+                continue
+            total += 1
+            entry = state.get(p)
+            if not isinstance(entry, dict):
+                continue
+            for key, value in entry.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue
+                shape, want = tuple(value.shape), tuple(p.shape)
+                if shape == want or (
+                    len(shape) == len(want)
+                    and all(a in (b, 1) for a, b in zip(shape, want, strict=True))
+                ):
+                    continue
+                mismatched += 1
+                if len(found) < 8:
+                    found.append(
+                        {
+                            "param": names.get(id(p)) or f"param_groups[{gi}]['params'][{pi}]",
+                            "key": str(key),
+                            "shape": list(want),
+                            "state_shape": list(shape),
+                        }
+                    )
+                break
+    return {"mismatch": found, "mismatched": mismatched, "params": total} if found else {}
+
+
+def _optimizer_advice(cls: str, found: dict[str, Any]) -> str:
+    """What to do about an exception raised inside an optimizer's method."""
+    call = f"{found['class']}.{found['method']}()"
+    if found.get("in_closure"):  # its forward or backward raised: the modules are the lead
+        return ADVICE[cls]
+    if cls != "shape-mismatch":
+        return (
+            f"Raised inside {call}, not by a module: the modules listed had all finished. "
+            + (ADVICE[cls])
+        )
+    var = found.get("variable")
+    clear = f"{var}.state.clear()" if var else "clear its .state after loading"
+    rows = found.get("mismatch") or []
+    if rows:
+        m = rows[0]
+        what = (
+            f"{call} raised, not a module: the optimizer's state has another model's shapes "
+            f"({m['param']} is {_shape(m['shape'])}, its {m['key']} is "
+            f"{_shape(m['state_shape'])}; {found.get('mismatched', 1)} of "
+            f"{found.get('params', '?')} parameters differ). "
+        )
+    else:
+        what = (
+            f"{call} raised, not a module: a tensor of the optimizer's state (exp_avg, "
+            "momentum_buffer, ...) does not have its parameter's shape. "
+        )
+    return what + (
+        "The state was loaded (load_state_dict) from a checkpoint saved for a different "
+        "architecture. Do not load the optimizer state when the model changed (rebuild the "
+        f"optimizer instead), or start it afresh after loading: {clear}"
+    )
+
+
+def _shape(dims: Any) -> str:
+    return "[" + ", ".join(str(d) for d in dims) + "]"
 
 
 def classify_signal(name: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ Example:
     ...     _ = model(torch.randn(3, 4))
     >>> report = nw.report
     >>> report.headline
-    'No anomaly in 1 recorded step (step 0): every value was finite'
+    'No anomaly in 1 recorded step (step 0): every value nanwatch measured was finite'
     >>> Report.from_dict(report.to_dict()).headline == report.headline
     True
 """
@@ -29,7 +29,7 @@ import platform
 import traceback
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -232,7 +232,8 @@ class Report:
         diagnoses, counts = _gather_diagnoses(steps, first_step)
         error: dict[str, Any] | None = None
         if exc is not None:
-            error = _error_info(exc, steps, watcher.step_index)
+            names = {id(prm): q for q, _, prm in getattr(watcher, "_params", ())}
+            error = _error_info(exc, steps, watcher.step_index, names)
         elif reason is not None:
             from nanwatch.postmortem import classify_signal
 
@@ -336,7 +337,10 @@ class Report:
         n = len(self.steps)
         span = f"step {r[0]}" if r[0] == r[1] else f"steps {r[0]}-{r[1]}"
         plural = "s" if n != 1 else ""
-        return f"No anomaly in {n} recorded step{plural} ({span}): every value was finite"
+        return (
+            f"No anomaly in {n} recorded step{plural} ({span}): "
+            "every value nanwatch measured was finite"
+        )
 
     def _error_where(self) -> str:
         events = self.recent_events(limit=64)
@@ -348,7 +352,15 @@ class Report:
         if running:
             e = running[-1]
             return f" in {e.path}" + (f" ({e.module_type})" if e.module_type != e.path else "")
+        opt = self.error.get("optimizer") if self.error is not None else None
+        call = ""
+        if isinstance(opt, dict) and opt.get("class"):  # the traceback goes through it
+            call = f"{opt['class']}.{opt.get('method', 'step')}()"
+            if not opt.get("in_closure"):  # raised by the optimizer's own code
+                return f" inside {call}"
         if events and events[-1].phase == "gradient":  # backward had ended
+            if call:  # the optimizer's closure raised after its backward
+                return f" in the closure of {call}"
             t = self.error_step()
             if t is not None and any(n.kind == "optimizer" for n in t.notes):
                 return " after the optimizer step"
@@ -598,8 +610,10 @@ def anomaly_headline(a: Anomaly) -> str:
 def _unlike(born: str, kinds: str) -> bool:
     """The op made values of other kinds than the record holds (``-inf`` against the loss's
     ``+inf`` after a minus sign): the headline names what the op made."""
-    return bool(born) and kinds != "non-finite value" and not set(born.split(", ")) & set(
-        kinds.split(", ")
+    return (
+        bool(born)
+        and kinds != "non-finite value"
+        and not set(born.split(", ")) & set(kinds.split(", "))
     )
 
 
@@ -658,10 +672,15 @@ def _gather_diagnoses(
     return sorted(seen.values(), key=sort_key), dict(counts)
 
 
-def _error_info(exc: BaseException, steps: Sequence[StepTrace], current: int) -> dict[str, Any]:
+def _error_info(
+    exc: BaseException,
+    steps: Sequence[StepTrace],
+    current: int,
+    names: Mapping[int, str] | None = None,
+) -> dict[str, Any]:
     from nanwatch.postmortem import classify
 
-    info = classify(exc)
+    info = classify(exc, names)
     step = current
     for t in reversed(steps):
         if t.error is not None:
