@@ -532,12 +532,18 @@ def _error_section(report: Report) -> Iterator[RenderableType]:
             yield big
     events = report.recent_events(limit=_MAX_EVENTS)
     if events:
-        title = "Last modules that ran" + (
-            " (kernels run asynchronously: the failing one is among these)"
-            if err.get("device_lost")
-            else ""
-        )
-        yield _events_table(events, title)
+        yield _events_table(events, _events_title(err))
+
+
+def _events_title(err: dict[str, Any]) -> str:
+    """The title of the table of the last module calls: an error raised inside an
+    optimizer's step (not by its closure) came after all of them had finished."""
+    opt = err.get("optimizer")
+    if isinstance(opt, dict) and not opt.get("in_closure"):
+        return f"Modules that ran before {opt.get('class')}.{opt.get('method')}() (all finished)"
+    if err.get("device_lost"):
+        return "Last modules that ran (kernels run asynchronously: the failing one is among these)"
+    return "Last modules that ran"
 
 
 def _mutations_table(trace: StepTrace) -> Table:
@@ -1514,9 +1520,7 @@ def _html_error(report: Report) -> str:
         )
     events = report.recent_events(limit=20)
     if events:
-        title = "Last modules that ran"
-        if err.get("device_lost"):
-            title += " (kernels run asynchronously: the failing one is among these)"
+        title = _events_title(err)
         device = _one_device(events)
         if device is not None:
             title += f", all on {device}"

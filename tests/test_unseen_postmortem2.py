@@ -63,7 +63,11 @@ def test_shape_mismatch_inside_adam_step_names_the_loaded_optimizer_state(
     assert "load_state_dict" in advice and "different architecture" in advice
     assert "still running" not in advice
     assert advice.endswith("optimizer.state.clear()")  # the user's name for it
-    assert "optimizer.state.clear()" in render_text(report, width=200)
+    page = render_text(report, width=200)
+    assert "optimizer.state.clear()" in page
+    # the modules listed had all finished before the step raised: not "the last that ran"
+    assert "Modules that ran before Adam.step() (all finished)" in page
+    assert "Last modules that ran" not in page
     # the fix, pasted: the next step runs and the state has the weights' shapes
     exec(advice.rsplit(": ", 1)[1], {"optimizer": optimizer})
     crit(model(x), y).backward()
