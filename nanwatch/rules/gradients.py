@@ -238,7 +238,7 @@ def _plain_update(
     if not overflow:
         # NaN and no inf: no value grew past the dtype, so the update's size is not the
         # cause; the update made it from finite numbers, or read it from its state
-        rms = u is not None and u.optimizer == "RMSprop"
+        rms = u is not None and u.optimizer == "RMSprop" and u.group.get("centered") is True
         explanation = (
             f"{name} was finite when the last step's forward ran and is not now: {who} "
             f"wrote NaN into it from a finite gradient{grad}. A NaN with no inf is not an "
@@ -255,7 +255,7 @@ def _plain_update(
         )
         fix = (
             f'optimizer.param_groups[{_group_of(u)}]["centered"] = False   '
-            "# if it was built with centered=True\n"
+            "# it was built with centered=True\n"
             if rms and u is not None
             else ""
         ) + _STATE_CHECK
@@ -693,6 +693,8 @@ def _update_itself(
                 + "\n# a decay: (1 - step / total) ** p needs step <= total: clamp the step"
             ),
         )
+    if _normalized(u.optimizer) and 0.0 in _numbers(u.group.get("eps")):
+        return _zero_eps(ctx, a, u, name=name, evidence=evidence)
     eps = [x for x in _numbers(u.group.get("eps")) if x > 0]
     lim = low_precision(dtype)
     if lim is None or not eps:
@@ -725,6 +727,51 @@ def _update_itself(
             f"dtype=torch.{dtype}):\n"
             "    loss = criterion(model(x), y)\n"
             f"# or, keeping {dtype} weights: {u.optimizer}(params, eps=1e-4)"
+        ),
+    )
+
+
+def _zero_eps(
+    ctx: RuleContext, a: Anomaly, u: _Update, *, name: str, evidence: list[str]
+) -> Diagnosis:
+    """The group's eps is 0 and the optimizer divides by sqrt(state) + eps: a weight whose
+    gradient (and so its state) is exactly 0 gets 0 / 0 = NaN (a tiny one, inf)."""
+    s = a.record.stat
+    gi = _group_of(u)
+    new = 1e-6 if u.optimizer == "Adadelta" else 1e-8  # torch's defaults
+    evidence = [
+        *evidence,
+        f"{u.optimizer} param group {gi} has eps=0 (update of step {u.step})",
+    ]
+    if s is not None and s.counted and s.numel:
+        bad = (s.nan or 0) + (s.posinf or 0) + (s.neginf or 0)
+        evidence.append(
+            f"{bad} of {s.numel} values of {name} are non-finite, the others are not: "
+            "the entries whose gradient was exactly 0"
+        )
+    state = _bad_state(ctx, name)
+    if state:
+        evidence.append(
+            f"its optimizer state ({', '.join(state)}) went non-finite in the same update: "
+            "a consequence of the 0 / 0, not a loaded checkpoint"
+        )
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Optimizer eps is 0: 0 / 0 where a gradient is exactly 0",
+        evidence=evidence,
+        explanation=(
+            f"{u.optimizer} divides each update by the square root of its running average of "
+            "squared gradients plus eps. With eps=0, an entry of "
+            f"{name} whose gradient is exactly 0 (an input feature that is always 0, a "
+            "class or token never seen, a unit that never fires) has that average exactly "
+            "0, and its update is 0 / (sqrt(0) + 0) = NaN; a tiny gradient whose square "
+            "underflows gives inf. The learning rate and the running state are not the "
+            "cause: eps must be positive."
+        ),
+        fix=(
+            "for g in optimizer.param_groups:\n"
+            f'    g["eps"] = {fmt(new)}   # was 0 ({u.optimizer}); {name} already holds NaN:\n'
+            "# restart from a checkpoint saved before it (or re-initialize it)"
         ),
     )
 
@@ -978,6 +1025,12 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
         # gradient of 0 there is the NaN's doing, not dead units
         return set(), set(), dtypes, by_norm
     called = {r.path for r in trace.records if r.phase is Phase.FORWARD}
+    # a module none of whose outputs has an autograd node ran outside the graph: its
+    # parameters do not require grad (frozen with requires_grad_(False)) or it ran under
+    # torch.no_grad(), so this backward gave them nothing; a zero .grad there is stale
+    # (zero_grad(set_to_none=False)), not dead units
+    graphed = {r.path for r in trace.records if r.phase is Phase.FORWARD and r.grad_fn}
+    called &= graphed | {r.path for r in trace.records if r.phase is Phase.BACKWARD}
     for r in trace.records:
         s = r.stat
         if s is None or not s.finite:
@@ -1014,6 +1067,251 @@ def _norm_floor(dtype: str) -> float:
     # below half the smallest subnormal a square rounds to 0 (sqrt of each factor: the
     # product itself underflows for float64)
     return math.sqrt(lim.tiny) * math.sqrt(lim.eps / 2)
+
+
+def _loss_end(trace: StepTrace) -> Record | None:
+    """The first gradient backward computes from the loss: the first measured gradient of a
+    module's output or input that is not the loss's own (the gradient of a one-value
+    output, 1 by definition)."""
+    for r in trace.records:
+        if r.phase is not Phase.BACKWARD or r.stat is None:
+            continue
+        src = trace.record(r.source) if r.source is not None else None
+        if src is not None:
+            src = trace.resolve(src)
+            if (src.stat is not None and src.stat.numel == 1) or src.shape == ():
+                continue
+        elif r.stat.numel == 1:
+            continue
+        return r
+    return None
+
+
+def _loss_dtype(trace: StepTrace) -> str:
+    """The dtype the loss was computed in: its one-value output's (float32 if unknown)."""
+    for r in trace.records:
+        if r.phase is Phase.BACKWARD and r.source is not None:
+            src = trace.record(r.source)
+            if src is not None and src.shape == ():
+                return src.dtype
+    return "float32"
+
+
+def _learned_scalar(trace: StepTrace) -> str | None:
+    """A trained one-value parameter (a learnable logit scale or temperature): its name."""
+    for r in trace.records:
+        if r.phase is Phase.GRADIENT and math.prod(r.shape) == 1 and r.dtype.startswith("float"):
+            return r.role
+    return None
+
+
+def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnosis | None:
+    """The zero starts at the loss: the gradient leaving it is exactly 0 and the loss is
+    exactly 0, step after step. The loss does not depend on the outputs (saturated, or
+    divided by an inf): neither underflow along the layers nor dead units."""
+    ends: list[Record] = []
+    for t in traces:
+        r = _loss_end(t)
+        s = r.stat if r is not None else None
+        if r is None or s is None or not (s.min == 0.0 and s.max == 0.0):
+            return None
+        ends.append(r)
+    if ctx.trace.loss != 0.0:  # exactly 0 now; on the way there a saturating loss is tiny
+        return None
+    trace = ctx.trace
+    end = ends[-1]
+    src = trace.record(end.source) if end.source is not None else None
+    out = trace.resolve(src) if src is not None else None
+    ldtype = _loss_dtype(trace)
+    llim = limits(ldtype) or limits("float32")
+    assert llim is not None
+    resolve = math.log(1 / llim.eps)
+    f16 = limits("float16")
+    assert f16 is not None
+    evidence = [
+        f"{names}: every gradient exactly 0 for the last {len(traces)} steps",
+        f"the zero starts at the loss: the gradient of {end.path}'s {end.role}, the first "
+        f"one backward computes from the loss, is exactly 0 ({end.dtype}, shape "
+        f"{list(end.shape)})",
+        (
+            f"the loss is exactly 0 at steps {traces[0].step} to {traces[-1].step}"
+            if all(t.loss == 0.0 for t in traces)
+            else f"the loss at steps {traces[0].step} to {traces[-1].step}: "
+            + ", ".join(fmt(t.loss) if t.loss is not None else "?" for t in traces)
+            + ": exactly 0 now"
+        ),
+    ]
+    spread: float | None = None
+    if out is not None and out.stat is not None and out.stat.finite and out.stat.numel > 1:
+        spread = out.stat.max - out.stat.min
+        if spread > resolve:
+            evidence.append(
+                f"{out.path}'s output spans {fmt(out.stat.min)} to {fmt(out.stat.max)}: a "
+                f"spread of {fmt(spread)}, past {fmt(resolve)} = log(1/eps) of {ldtype} (eps "
+                f"{fmt(llim.eps)}), the loss's dtype: a softmax over it gives the target "
+                "probability 1 exactly, and cross-entropy 0"
+            )
+    saturated = spread is not None and spread > resolve
+    dtypes = [end.dtype, out.dtype if out is not None else None]
+    dtypes += [
+        str(n.data.get("input_upcast_from") or n.data.get("input_dtype"))
+        for n in trace.notes
+        if n.kind == "loss_input"
+    ]
+    low = [d for d in dtypes if (lim := low_precision(d)) is not None and lim.short_range]
+    divided = bool(low) and not saturated
+    if divided:
+        dmax = low_precision(low[0]) or f16
+        evidence.append(
+            f"the loss's inputs are {low[0]}: a count or a sum taken in {low[0]} is inf past "
+            f"{fmt(dmax.max)} (finfo({low[0]}).max), and x / inf = 0"
+        )
+    scalar = _learned_scalar(trace)
+    sat = (
+        "the loss is saturated to exactly 0: a softmax or cross-entropy whose logits spread "
+        f"past what {ldtype} resolves (about {fmt(resolve)}) gives the target probability 1 "
+        "exactly; a learnable scale or temperature that grew does this (clamp it), and so "
+        "does a margin or hinge satisfied everywhere"
+    )
+    inf = (
+        "the loss was divided by inf: a count or sum taken in float16 passes "
+        f"{fmt(f16.max)} (finfo(float16).max) and becomes inf, and x / inf = 0 (take it in "
+        "float32)"
+    )
+    first, second = (inf, sat) if divided else (sat, inf)
+    explanation = (
+        "The gradient leaving the loss is already exactly 0, and the loss is exactly 0: the "
+        "loss does not depend on the outputs, so no layer gets a gradient. This is neither "
+        "underflow along the layers (a GradScaler multiplies 0 by its scale and still gets "
+        f"0) nor dead units. The usual causes: {first}; or {second}."
+    )
+    if scalar is not None:
+        clamp = (
+            "clamp_(min=0.01)   # a learned temperature: keep it above 0.01"
+            if "temp" in scalar.lower() or "tau" in scalar.lower()
+            else "clamp_(0, math.log(100))   # CLIP's cap: a learned log-scale <= log(100)"
+        )
+        sat_fix = (
+            "import math\n"
+            "with torch.no_grad():   # after each optimizer.step()\n"
+            f'    model.get_parameter("{scalar}").{clamp}'
+        )
+    else:
+        sat_fix = (
+            "# a learned logit scale or temperature that grew: clamp it after each step, as\n"
+            "# CLIP does: with torch.no_grad(): logit_scale.clamp_(0, math.log(100))"
+        )
+    inf_fix = (
+        "# a count or a sum in float16 is inf past 65504 and loss / inf = 0: take it in float32\n"
+        "n = mask.sum().float()   # not mask.sum().to(x.dtype)\n"
+        "s = x.float().sum()      # not x.sum() of a float16 tensor"
+    )
+    if divided:
+        fix = (
+            inf_fix
+            + "\n# or, a saturated loss:\n"
+            + "\n".join("# " + ln if not ln.startswith("#") else ln for ln in sat_fix.splitlines())
+        )
+    else:
+        fix = (
+            sat_fix
+            + "\n# a margin or hinge loss at 0 everywhere: nothing is left to learn from it"
+            + "\n# or, a loss divided by a float16 count: n = mask.sum().float()"
+        )
+    return ctx.diagnosis(
+        title="Zero gradients: the loss does not depend on the outputs",
+        path=end.path,
+        phase=Phase.BACKWARD.value,
+        evidence=evidence,
+        explanation=explanation,
+        fix=fix,
+    )
+
+
+def _zero_output(ctx: RuleContext, top: str, names: str, need: int) -> Diagnosis | None:
+    """The zero starts at a module whose output is exactly 0 everywhere while its input is
+    not (and holds positive values: no dead ReLU): it receives a non-zero gradient and
+    passes back 0. In float16 the usual maker is x / inf, a sum or a count past 65504."""
+    trace = ctx.trace
+    fwd = next(
+        (
+            r
+            for r in trace.records
+            if r.phase is Phase.FORWARD and r.path == top and r.stat is not None
+        ),
+        None,
+    )
+    if fwd is None or fwd.stat is None or not fwd.stat.finite or not fwd.stat.max > 0:
+        return None
+    for inp in trace.records:
+        if inp.phase is not Phase.INPUT or inp.source != fwd.index or inp.path == top:
+            continue
+        outs = [
+            trace.resolve(r)
+            for r in trace.records
+            if r.phase is Phase.FORWARD and r.call == inp.call
+        ]
+        stats = [r.stat for r in outs if r.stat is not None]
+        if not stats or not all(
+            s.finite and s.min == 0.0 and s.max == 0.0 and s.numel > 1 for s in stats
+        ):
+            continue
+        grads = [
+            r.stat
+            for r in trace.records
+            if r.phase is Phase.BACKWARD and r.call == inp.call and r.stat is not None
+        ]
+        if not grads or not any(s.finite and (s.min < 0 or s.max > 0) for s in grads):
+            continue
+        m = outs[0]
+        g = max(s.magnitude for s in grads)
+        call = trace.call(inp.call)
+        kind = f" ({call.module_type})" if call is not None and call.module_type else ""
+        lim = low_precision(m.dtype)
+        evidence = [
+            f"{names}: every gradient exactly 0 for the last {need} steps",
+            f"the zero starts at {m.path}: the gradient of its output is not 0 (up to "
+            f"{fmt(g)}), the gradient it passes back to {top} is exactly 0",
+            f"{m.path}'s output is exactly 0 everywhere ({m.dtype}, shape {list(m.shape)}) "
+            f"while its input spans {fmt(fwd.stat.min)} to {fmt(fwd.stat.max)}: its output "
+            "does not depend on its input",
+        ]
+        if lim is not None and lim.short_range:
+            evidence.append(
+                f"{m.path} computes in {m.dtype}: a sum or a count past {fmt(lim.max)} "
+                f"(finfo({m.dtype}).max) is inf, and x / inf = 0"
+            )
+            fix = (
+                f"# in {m.path}{kind}'s forward: take sums and counts in float32 (or use "
+                ".mean())\n"
+                "s = x.float().sum()      # not x.sum() of a float16 tensor: inf past 65504\n"
+                "n = mask.sum().float()   # a count in float32"
+            )
+            cause = (
+                f"In {m.dtype} that is a division by an inf: a sum or count taken in "
+                f"{m.dtype} (x.sum(), (x * x).sum() / n) passes {fmt(lim.max)} and becomes "
+                "inf, and x / inf = 0. It is not underflow: a GradScaler scales a gradient, "
+                "and x / inf stays 0."
+            )
+        else:
+            fix = (
+                f"# in {m.path}{kind}'s forward: find what makes its output 0 everywhere\n"
+                "# (a mask or factor that is 0, a division by a huge or infinite value)"
+            )
+            cause = "A mask or factor that is 0 everywhere, or a division by an inf, does it."
+        return ctx.diagnosis(
+            title="Zero gradients: a module's output is exactly 0 whatever its input",
+            path=m.path,
+            phase=Phase.BACKWARD.value,
+            evidence=evidence,
+            explanation=(
+                f"{m.path} returns exactly 0 for every value while its input is not 0, so "
+                f"it passes no gradient back and everything before it ({top}) stops "
+                f"learning. {cause}"
+            ),
+            fix=fix,
+        )
+    return None
 
 
 @rule(
@@ -1053,6 +1351,11 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     exact = all(p in o for p in dead for o, _, _, _ in past) and all(p in out_now for p in dead)
     exact = exact or not any(p in by_norm for p in dead) or _tiniest(dtype) > _norm_floor(dtype)
     names = f"{', '.join(dead[:6])}{', ...' if len(dead) > 6 else ''}"
+    traces = [*ctx.history[-(need - 1) :], ctx.trace] if need > 1 else [ctx.trace]
+    found = _flat_loss(ctx, traces, names) or _zero_output(ctx, top, names, need)
+    if found is not None:
+        yield found
+        return
     if exact:
         evidence = [f"{names}: every gradient exactly 0 for the last {need} steps"]
     else:
@@ -1355,6 +1658,7 @@ def _decay_growth(optimizer: str, g: dict[str, object]) -> tuple[float, float, s
     priority=12,
 )
 def diverging_decay(ctx: RuleContext) -> Iterator[Diagnosis]:
+    yield from _growing_averages(ctx)
     worst: tuple[float, str, dict[str, object], float, str, float] | None = None
     for n in ctx.trace.notes:
         if n.kind != "optimizer":
@@ -1406,3 +1710,76 @@ def diverging_decay(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"# keep lr * weight_decay well below {fmt(limit)} (typical: 1e-5 to 1e-3)"
         ),
     )
+
+
+#: a running-average coefficient of an optimizer's group, what it averages, the largest
+#: value that keeps the average bounded (inclusive when ``strict`` is False), the usual
+#: value, and what goes wrong past it
+_AVERAGES: tuple[tuple[str, int | None, str, float, bool, str, str], ...] = (
+    ("momentum", None, "momentum", 1.0, True, "0.9",
+     "the momentum buffer (buf = momentum * buf + grad) is multiplied by {v} each step and "
+     "never decays: the update grows geometrically whatever the learning rate"),
+    ("betas", 0, "beta1", 1.0, True, "(0.9, 0.999)",
+     "the first moment never decays (beta1 > 1 grows it geometrically) and its bias "
+     "correction 1 - beta1**step is 0 or negative"),
+    ("betas", 1, "beta2", 1.0, True, "(0.9, 0.999)",
+     "the second moment's bias correction 1 - beta2**step is 0 or negative: the update "
+     "divides by 0 or takes the square root of a negative number"),
+    ("alpha", None, "alpha", 1.0, True, "0.99",
+     "the squared-gradient average (alpha * avg + (1 - alpha) * grad**2) never learns the "
+     "gradient's size (alpha = 1) or turns negative (alpha > 1): the update divides by 0 or "
+     "takes the square root of a negative number"),
+    ("rho", None, "rho", 1.0, False, "0.9",
+     "the running averages (rho * avg + (1 - rho) * x**2) turn negative: the square roots of "
+     "the update are NaN"),
+)  # fmt: skip
+
+
+def _growing_averages(ctx: RuleContext) -> Iterator[Diagnosis]:
+    """A running-average coefficient at or past 1 (SGD's momentum, Adam's betas, RMSprop's
+    alpha, Adadelta's rho): the average grows instead of decaying, the update with it,
+    whatever the learning rate. An error from the first step, before any overflow."""
+    for n in ctx.trace.notes:
+        if n.kind != "optimizer":
+            continue
+        for g in n.data.get("groups", ()):
+            if not isinstance(g, dict):
+                continue
+            for key, pos, label, limit, strict, usual, why in _AVERAGES:
+                if key == "alpha" and n.path != "RMSprop":
+                    continue  # Adamax/ASGD use other meanings
+                nums = _numbers(g.get(key))
+                if pos is not None:
+                    nums = nums[pos : pos + 1]
+                if not nums or not (nums[0] >= limit if strict else nums[0] > limit):
+                    continue
+                v = nums[0]
+                gi = g.get("group", 0)
+                gi = gi if isinstance(gi, int) and not isinstance(gi, bool) else 0
+                evidence = [
+                    f"{n.path} param group {gi}: {label}={fmt(v)}, "
+                    f"{'at or past' if strict else 'past'} {fmt(limit)}",
+                    why.format(v=fmt(v))
+                    + (f" (x{fmt(v**10)} after 10 steps)" if v > 1 and key == "momentum" else ""),
+                ]
+                if ctx.anomaly is not None:
+                    evidence.append(f"then, at step {ctx.step}: {ctx.anomaly.summary}")
+                was = g.get(key)
+                shown = tuple(was) if isinstance(was, list) else was
+                yield ctx.diagnosis(
+                    title=f"Optimizer {label} >= 1: the update grows instead of averaging",
+                    severity="error",
+                    evidence=evidence,
+                    explanation=(
+                        f"{n.path}'s {label} weights a running average: below 1 the past "
+                        f"fades and the average stays the size of the gradients. At {fmt(v)} "
+                        "it never fades, so the update grows step after step until the "
+                        "weights overflow. A lower learning rate or gradient clipping only "
+                        f"delays it: {label} must be below 1 ({usual} is usual)."
+                    ),
+                    fix=(
+                        f'optimizer.param_groups[{gi}]["{key}"] = {usual}   '
+                        f"# was {shown} ({n.path})"
+                    ),
+                )
+                return
