@@ -236,6 +236,24 @@ def _join(kinds: frozenset[str]) -> str:
     return ", ".join(sorted(kinds, key=_ORDER.__getitem__))
 
 
+#: ops that convert a tensor to another dtype (``x.to(torch.float16)``, ``y.copy_(x)``)
+_CASTS = frozenset({"_to_copy", "to", "copy_", "copy", "_to_dtype", "_to_dtype_layout"})
+
+
+def _cast_source(
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any], out: torch.Tensor
+) -> torch.Tensor | None:
+    """The tensor a cast op converted to ``out``'s dtype: its first tensor argument of
+    another dtype (``self`` of ``_to_copy``, ``src`` of ``copy_``); None for other ops."""
+    parts = str(func).split(".")
+    if len(parts) < 2 or parts[1] not in _CASTS:
+        return None
+    for a in tree_flatten((list(args), kwargs))[0]:
+        if isinstance(a, torch.Tensor) and a.dtype != out.dtype:
+            return a
+    return None
+
+
 def _briefs(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, TensorStat]]:
     out = []
     for name, t in tensors:
@@ -507,6 +525,9 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             dom = domain_of(str(func))
             if dom is not None:
                 kept.update(domain_counts(dom, dict(read).get(dom.arg)))
+            src = _cast_source(func, args, kwargs, first_bad)
+            if src is not None:  # what a cast read: an int64 count, a float32 loss
+                kept["source_dtype"] = dtype_name(src.dtype)
             event = OpEvent(
                 op=str(func),
                 phase=phase,

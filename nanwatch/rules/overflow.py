@@ -216,6 +216,10 @@ def _from_op(
     big = max((s.magnitude for s in inputs_of(ev) if not math.isnan(s.magnitude)), default=math.nan)
     # a backward of exp: what the node holds is exp's result, not its argument
     result_only = ev.phase is Phase.BACKWARD and name in EXP_LIKE
+    # a cast of an integer tensor (a count): its values are in other_inputs, not inputs
+    ints = _integer_source(ev) if name in CAST else None
+    src = ev.scalars.get("source_dtype")
+    source = src if isinstance(src, str) else None
     power: tuple[float, float, float] | None = None
     if lim is None:
         evidence.append(f"{op} made {ev.born} in {dtype}")
@@ -253,9 +257,15 @@ def _from_op(
             f"summed over the inner dimension, passed {fmt(lim.max)} (the largest finite "
             f"{dtype} value)"
         )
-    elif name in CAST:
+    elif name in CAST and ints is not None:
         evidence.append(
-            f"{op} cast a value of |x| = {fmt(big)} to {dtype}, whose largest finite value "
+            f"{op} cast {_integer_values(ints, source)} to {dtype}, whose largest finite "
+            f"value is {fmt(lim.max)}: it became {ev.born}"
+        )
+    elif name in CAST:
+        of = f"a {source} value" if source else "a value"
+        evidence.append(
+            f"{op} cast {of} of |x| = {fmt(big)} to {dtype}, whose largest finite value "
             f"is {fmt(lim.max)}: it became {ev.born}"
         )
     elif (power := _scalar_power(ev)) is not None:
@@ -265,12 +275,16 @@ def _from_op(
             f"{fmt(value)} > {fmt(lim.max)} ({dtype}'s max)"
         )
     else:
+        reach = _true_result(name, ev)
         evidence.append(
-            f"{op} made {ev.born} in {dtype} from inputs up to |x| = {fmt(big)}; the largest "
-            f"finite {dtype} value is {fmt(lim.max)}"
+            f"{op} made {ev.born} in {dtype} from inputs up to |x| = {fmt(big)}"
+            + (f" (its exact result reaches up to {fmt(reach)})" if math.isfinite(reach) else "")
+            + f"; the largest finite {dtype} value is {fmt(lim.max)}"
         )
     for nm, s in ev.inputs[:3]:
         evidence.append(f"input {nm}: {describe_stat(s)}")
+    if ints is not None:
+        evidence.append(f"input {ints[0]}{_paren_note(source)}: {describe_stat(ints[1])}")
     # float32 and up, and bfloat16 (float32's range: an upcast would not help it)
     wide = lim is not None and not lim.short_range
     loop = None if result_only else _recurrence(ctx.trace, ev.path or a.path, a.record.call)
@@ -349,6 +363,8 @@ def _from_op(
             "(cos, sin) cast to the model's dtype."
         )
         fix = _power_fix(ev.code, power, dtype, ref=_module_ref(ctx, a))
+    elif ints is not None and lim is not None:
+        explanation, fix = _int_cast(ev.code, ints[1], source, dtype, lim)
     else:
         explanation = _explain(kind, dtype, lim)
         fix = _fix(
@@ -363,8 +379,98 @@ def _from_op(
             scalar=x is not None and x.numel == 1,
             loss=(ev.path or a.path) == LOSS_PATH,
             autocast=_under_autocast(ctx, dtype),
+            result=_true_result(name, ev),
         )
     return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
+
+
+def _integer_source(ev: OpEvent) -> tuple[str, TensorStat] | None:
+    """The integer (or bool) tensor a cast read, by schema name: a cast of an int64 count
+    has no floating input, its values are in ``other_inputs``; None for a floating one."""
+    if inputs_of(ev):
+        return None
+    return next(((nm, s) for nm, s in ev.other_inputs if s.numel > 0), None)
+
+
+def _paren_note(text: str | None) -> str:
+    """`` (int64)`` for ``int64``; "" for None."""
+    return f" ({text})" if text else ""
+
+
+def _integer_magnitude(s: TensorStat) -> float:
+    return max(abs(s.min), abs(s.max))
+
+
+def _integer_values(ints: tuple[str, TensorStat], source: str | None) -> str:
+    """``the int64 value 80000`` (one value) or ``int64 values up to |x| = 80000``."""
+    _, s = ints
+    kind = source or "integer"
+    if s.numel == 1:
+        return f"the {kind} value {fmt(s.max)}"
+    mag = fmt(_integer_magnitude(s))
+    return f"{kind} values up to |x| = {mag} (min {fmt(s.min)}, max {fmt(s.max)})"
+
+
+def _call_end(line: str, dot: int) -> int | None:
+    """The index just past the call that starts at ``dot`` (``.to(x.dtype)``)."""
+    start = line.find("(", dot)
+    if start < 0:
+        return None
+    depth = 0
+    for i in range(start, len(line)):
+        if line[i] in "([{":
+            depth += 1
+        elif line[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _int_cast(
+    code: str | None, s: TensorStat, source: str | None, dtype: str, lim: DtypeLimits
+) -> tuple[str, str]:
+    """An integer tensor (a token count, a length) cast to a low-precision dtype that
+    cannot hold it: keep it in float32 (float64 past 2**24, where float32 stops holding
+    integers exactly) and compute with it there; a clamp would silently change the count."""
+    kind = source or "integer"
+    mag = _integer_magnitude(s)
+    exact = 2**24
+    wide, method = ("float32", ".float()") if mag <= exact else ("float64", ".double()")
+    holds = f"{wide} holds integers exactly up to {fmt(exact if wide == 'float32' else 2**53)}"
+    explanation = (
+        f"Casting to {dtype} turns every value beyond ±{fmt(lim.max)} into "
+        f"{_past_max(dtype)}: an {kind} tensor (a count, a length, a step number) of "
+        f"{fmt(mag)} does not fit {dtype}, whose largest value is {fmt(lim.max)}. {holds}; "
+        "clamping it would make the count silently wrong."
+    )
+    line = code.split("  #", 1)[0].rstrip() if code else ""
+    plain = line.strip()
+    was = f"  # was: {plain}" if plain else ""
+    at = _cast_receiver(plain) if plain else None
+    end = _call_end(plain, at[1]) if at is not None else None
+    why = (
+        f"# {_integer_values(('', s), source)} is past {fmt(lim.max)}, {dtype}'s largest "
+        f"value; {holds}"
+    )
+    how = (
+        f"# and compute with it in {wide}: a one-value {wide} tensor combined with a {dtype} "
+        f"tensor is computed in {dtype} again (type promotion), so give the other tensor "
+        f"{method} too; cast to {dtype} only a result that fits (a ratio, a mean)"
+        if s.numel == 1
+        else f"# and keep what uses it in {wide}; cast to {dtype} only a result that fits (a "
+        "ratio, a mean)"
+    )
+    if at is None or end is None:
+        return explanation, (
+            f"# keep the {kind} tensor in {wide} ({method}) instead of casting it to {dtype}"
+            f"{was}\n{why}\n{how}"
+        )
+    indent = line[: len(line) - len(line.lstrip())]
+    fixed = f"{indent}{plain[: at[1]]}{method}{plain[end:]}"
+    kept = _assigned(fixed) or "it"
+    how = how.replace("compute with it", f"compute with {kept}", 1)
+    return explanation, f"{fixed}{was}\n{why}\n{how}"
 
 
 def _under_autocast(ctx: RuleContext, dtype: str) -> bool:
@@ -1530,10 +1636,12 @@ def _fix(
     scalar: bool = False,
     loss: bool = False,
     autocast: bool = False,
+    result: float = math.nan,
 ) -> str:
     """Low precision: compute the op in float32, or train in bfloat16 (float32's range).
     ``arg``: an exp's largest argument; ``scalar``: the exp's input is one value (a learned
-    0-dim scale); ``loss``: the op ran in loss code, outside the modules."""
+    0-dim scale); ``loss``: the op ran in loss code, outside the modules; ``result``: the
+    largest |result| the op's inputs allow (:func:`_true_result`), NaN when unknown."""
     plain = code.split("#", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
     bf16 = f"# or train in bfloat16: torch.autocast({device}, dtype=torch.bfloat16)"
@@ -1599,15 +1707,64 @@ def _fix(
     if kind == "cast":
         return _fix_cast(code, dtype)
     op = name.rstrip("_")
+    where = "in the loss code" if loss else f"in {ref}'s forward"
+    no_autocast = f"(under autocast: inside torch.autocast(device_type={device}, enabled=False))"
+    if op and op not in _BOUNDED_RESULT:
+        # the op's own result is past the dtype's max (it became inf from finite inputs):
+        # computed in float32 it fits, but casting it back makes the inf again
+        mine = _upcast_operands(code, op) or rewrite_call(
+            code, [op], lambda e: f"{paren(e)}.float()"
+        )
+        past = (
+            f"{op}'s result reaches up to {fmt(result)}, past {top}"
+            if math.isfinite(result) and lim is not None and result > lim.max
+            else f"{op}'s result is past {top}"
+        )
+        later = (
+            f"# cast with .to(torch.{dtype}) only a later value that fits {dtype} (a "
+            "normalized output, a probability)"
+        )
+        if not loss and ref != "model":
+            # in a submodule: float32 from its input to its output, the output cast back.
+            # The line alone is not enough when the values it uses were made in the dtype
+            # (a mean rounded to float16 in E[x^2] - E[x]^2 cancels to a negative variance)
+            alt = (
+                f"# or in {ref}'s forward: {mine}, and the tensors this line uses made from "
+                ".float() inputs too"
+                if mine is not None
+                else f"# or in {ref}'s forward: call {op} on .float() inputs, and keep every step "
+                f"from the forward's input to here in float32"
+            )
+            return (
+                f"{ref}.float()   # once, after building the model: it computes in float32\n"
+                f"{ref}.register_forward_pre_hook(lambda m, args: tuple(a.float() if "
+                "torch.is_tensor(a) and a.is_floating_point() else a for a in args))\n"
+                f"{ref}.register_forward_hook(lambda m, args, out: out.to(torch.{dtype}))   "
+                f"# its output back to {dtype}\n"
+                f"# {past}, {dtype}'s largest value: computed in float32 and cast back, it is "
+                "inf again; in float32 from the module's input to its output, only the output "
+                "(a normalized value) is cast back"
+                + (f" {no_autocast}" if autocast else "")
+                + f"\n{alt}\n{bf16}"
+            )
+        if mine is not None:
+            kept = _assigned(mine) or "the result"
+            return (
+                f"{mine}{was}\n# keep {kept} in float32: {past}, {dtype}'s largest value, and "
+                f"casting it back makes the inf again\n{later}\n{bf16}"
+            )
+        return (
+            f"# {where}, call {op} on .float() inputs and keep the result in float32:\n"
+            f"# {past}, {dtype}'s largest value, and casting it back makes the inf again\n"
+            f"{later} {no_autocast}\n{bf16}"
+        )
     mine = rewrite_call(code, [op], lambda e: f"{paren(e)}.float()") if op else None
     if mine is not None:
         return f"{mine}{was}\n# (compute it in float32; cast back with .to(torch.{dtype}))\n{bf16}"
     if op:
-        where = "in the loss code" if loss else f"in {ref}'s forward"
         return (
             f"# {where}, call {op} on .float() inputs and cast the result back\n"
-            f"# with .to(torch.{dtype}) (under autocast: inside torch.autocast("
-            f"device_type={device}, enabled=False))\n"
+            f"# with .to(torch.{dtype}) {no_autocast}\n"
             f"{bf16}"
         )
     return (
@@ -1615,6 +1772,135 @@ def _fix(
         f"# and give it x.float(); cast its output back with .to(torch.{dtype}) where needed\n"
         f"{bf16}"
     )
+
+
+#: ops whose result is bounded whatever their inputs (normalizations, attention): an inf
+#: they make comes from an intermediate, and their float32 result fits the dtype again
+_BOUNDED_RESULT = frozenset(
+    {
+        "native_layer_norm",
+        "layer_norm",
+        "native_group_norm",
+        "group_norm",
+        "rms_norm",
+        "_fused_rms_norm",
+        "cosine_similarity",
+        "normalize",
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    }
+)
+
+
+def _true_result(name: str, ev: OpEvent) -> float:
+    """The largest |result| a forward op's inputs allow in exact arithmetic, from each
+    input's largest |x|: |a|·|b| for mul, |a| + |alpha|·|b| for add and sub, |x|² for
+    square, |x|^e for pow by a number; NaN when unknown (another op, an input not kept)."""
+    if ev.phase is not Phase.FORWARD:
+        return math.nan
+    op = name.rstrip("_")
+    mags = [s.magnitude for _, s in ev.inputs if s is not None]
+    for key in ("other", "self"):
+        v = ev.scalars.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and len(mags) == 1:
+            mags.append(abs(float(v)))
+    if not mags or any(not math.isfinite(m) for m in mags):
+        return math.nan
+    alpha = ev.scalars.get("alpha", 1)
+    try:
+        if op in ("mul", "multiply") and len(mags) == 2:
+            return mags[0] * mags[1]
+        if op in ("add", "sub", "subtract", "rsub") and len(mags) == 2:
+            if not isinstance(alpha, (int, float)):
+                return math.nan
+            return mags[0] + abs(float(alpha)) * mags[1]
+        if op == "square" and len(mags) == 1:
+            return mags[0] ** 2
+        e = ev.scalars.get("exponent")
+        if op == "pow" and len(mags) == 1 and isinstance(e, (int, float)) and e > 0:
+            return math.pow(mags[0], float(e))
+    except OverflowError:
+        return math.inf
+    return math.nan
+
+
+#: the Python operator of an elementwise op: ``a * b`` runs aten.mul
+_OPERATORS: dict[str, type[ast.operator]] = {
+    "mul": ast.Mult,
+    "multiply": ast.Mult,
+    "add": ast.Add,
+    "sub": ast.Sub,
+    "subtract": ast.Sub,
+    "rsub": ast.Sub,
+    "div": ast.Div,
+    "true_divide": ast.Div,
+    "divide": ast.Div,
+    "pow": ast.Pow,
+}
+
+
+def _upcast_operands(code: str | None, op: str) -> str | None:
+    """The user's line with the operands of its ``op`` operators (``*`` for mul) cast to
+    float32: an operand that holds another such operator keeps its form (its inner operands
+    are cast), a number is left as it is. None for a line without that operator, an
+    in-place one (``x *= y``) or a line that does not parse.
+
+    >>> _upcast_operands("var = (x * x).mean(-1) - mu * mu  # E[x^2] - E[x]^2", "mul")
+    'var = (x.float() * x.float()).mean(-1) - mu.float() * mu.float()'
+    """
+    kind = _OPERATORS.get(op)
+    if not code or kind is None:
+        return None
+    line = code.split("  #", 1)[0].strip()
+    if not line.isascii():  # ast offsets are in bytes
+        return None
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or isinstance(tree.body[0], ast.AugAssign):
+        return None
+    ops = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, kind)]
+
+    def holds_op(node: ast.expr) -> bool:
+        return any(n in ops for n in ast.walk(node))
+
+    def number(node: ast.expr) -> bool:
+        if isinstance(node, ast.UnaryOp):
+            node = node.operand
+        return isinstance(node, ast.Constant) and isinstance(node.value, (int, float))
+
+    spans = sorted(
+        {
+            (n.col_offset, n.end_col_offset)
+            for b in ops
+            for n in (b.left, b.right)
+            if not holds_op(n) and not number(n) and n.end_col_offset is not None
+        },
+        reverse=True,
+    )
+    if not spans:
+        return None
+    for begin, end in spans:
+        line = f"{line[:begin]}{paren(line[begin:end])}.float(){line[end:]}"
+    return line
+
+
+def _assigned(line: str) -> str | None:
+    """The plain name a one-statement line assigns (``var`` of ``var = ...``), else None."""
+    try:
+        tree = ast.parse(line.strip())
+    except SyntaxError:
+        return None
+    stmt = tree.body[0] if len(tree.body) == 1 else None
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+        target = stmt.targets[0]
+        if isinstance(target, ast.Name):
+            return target.id
+    return None
 
 
 def _fix_matmul(
@@ -2025,7 +2311,8 @@ _STABLE_LOSSES = frozenset({"ce", "nll", "bce_logits"})
 
 def _only_stable_losses(trace: StepTrace, rec: Record) -> bool:
     """Whether every recorded consumer of ``rec``'s tensor is a loss that never computes a
-    plain exp of it (cross-entropy and friends subtract the max, or upcast)."""
+    plain exp of it in its low precision (cross-entropy and friends subtract the max), or
+    takes a float32 copy of it (``F.cross_entropy(logits.float(), y)``)."""
     ids = {rec.index}
     ids.update(r.index for r in trace.records if r.phase is Phase.FORWARD and r.source in ids)
     # the modules that took it (a loss module, or any other), and the functional losses
@@ -2035,12 +2322,17 @@ def _only_stable_losses(trace: StepTrace, rec: Record) -> bool:
         if r.phase is Phase.INPUT and r.source in ids:
             call = trace.call(r.call)
             kinds.append(loss_kind(call.module_type) if call is not None and call.is_loss else None)
-    kinds.extend(
-        loss_kind(str(n.data.get("loss") or n.path))
-        for n in trace.notes
-        if n.kind == "loss_input" and n.data.get("input_source") in ids
-    )
-    return bool(kinds) and all(k in _STABLE_LOSSES for k in kinds)
+    for n in trace.notes:
+        if n.kind != "loss_input" or n.data.get("input_source") not in ids:
+            continue
+        seen = n.data.get("input_dtype")
+        if n.data.get("input_upcast_from") and isinstance(seen, str) and not low_precision(seen):
+            # the loss took a float32 copy (logits.float()): whatever exp it computes runs
+            # in float32, far from the bound
+            kinds.append("upcast")
+        else:
+            kinds.append(loss_kind(str(n.data.get("loss") or n.path)))
+    return bool(kinds) and all(k in _STABLE_LOSSES or k == "upcast" for k in kinds)
 
 
 @rule(
