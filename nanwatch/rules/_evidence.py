@@ -322,8 +322,9 @@ def classify(ev: OpEvent) -> str:
     held NaN: torch.where or a mask hid it from the loss), ``inf-arith`` (a forward op that
     made NaN of the infinities it was given: -inf - (-inf), 0 × inf, inf / inf; see
     :func:`inf_arithmetic`), ``neginf-input``
-    (a forward op given a -inf, which it turned into inf or NaN), ``injected`` (a constant
-    -inf put in on purpose) or ``other``.
+    (a forward op given a -inf, which it turned into inf or NaN), ``inf-input`` (a forward
+    op given a +inf, which it passed on as ±inf: finite × inf, not an overflow; see
+    :func:`inf_came_in`), ``injected`` (a constant -inf put in on purpose) or ``other``.
 
     >>> from nanwatch.records import OpEvent, Phase, TensorStat
     >>> ev = OpEvent("aten.exp.default", Phase.FORWARD, "head", "+inf",
@@ -360,6 +361,8 @@ def classify(ev: OpEvent) -> str:
         return "reduce"  # 0/0 of a mean over nothing, whatever -inf the input also held
     if ev.phase is Phase.FORWARD and any(s.has_neginf for s in inputs_of(ev)):
         return "neginf-input"  # it was given a -inf (a log of 0 upstream): not its doing
+    if born_inf and inf_came_in(ev):
+        return "inf-input"  # finite × inf, -1 × inf: the inf was in an input already
     if name in _LOG:
         return "log"
     if name in _DIV:
@@ -398,6 +401,34 @@ def classify(ev: OpEvent) -> str:
 
 
 # ---------------------------------------------------------------------- infinities
+
+
+def inf_came_in(ev: OpEvent) -> bool:
+    """A forward op that made ±inf (no NaN) from inputs of which one already held an
+    infinity: it multiplied, added or negated the inf it was given (finite × inf, -1 × inf)
+    and made none from finite values. Not a division by a denominator holding zeros (x/0
+    is the division's own inf), and not an op given NaN.
+
+    >>> from nanwatch.records import OpEvent, Phase, TensorStat
+    >>> w = TensorStat(0.77, math.inf, 5, nan=0, posinf=1, neginf=0)
+    >>> ev = OpEvent("aten.mul.Tensor", Phase.FORWARD, "ce", "-inf",
+    ...              TensorStat(-math.inf, -0.9, 80, neginf=16),
+    ...              [("self", TensorStat(-2.2, -1.1, 80)), ("other", w)])
+    >>> inf_came_in(ev), classify(ev)
+    (True, 'inf-input')
+    """
+    if ev.phase is not Phase.FORWARD or ev.injected or "NaN" in ev.born:
+        return False
+    ins = inputs_of(ev)
+    if not any(s.has_posinf or s.has_neginf for s in ins) or any(s.has_nan for s in ins):
+        return False
+    return not (packet(ev.op) in _DIV and has_zero(denominator(ev)))
+
+
+def inf_inputs(ev: OpEvent) -> list[tuple[str, TensorStat]]:
+    """The inputs of ``ev`` that hold an infinity, by schema name."""
+    return [(n, s) for n, s in ev.inputs if s is not None and (s.has_posinf or s.has_neginf)]
+
 
 _SUBTRACT = frozenset({"sub", "rsub"})
 _ADD = frozenset({"add"})

@@ -32,10 +32,13 @@ from nanwatch.rules._evidence import (
     fmt,
     has_zero,
     inf_arithmetic,
+    inf_inputs,
     inf_source,
+    infinities,
     input_named,
     integer_denominator,
     limits,
+    loss_kind,
     loss_uses,
     node_base,
     node_domain,
@@ -269,6 +272,10 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
         if not calls:
             continue
         for start, end, arg in calls:
+            lse = _logsumexp_use(stmt, start, end, arg, ev.dtype)
+            if lse is not None:
+                return lse
+        for start, end, arg in calls:
             ent = _entropy_use(stmt, start, end, arg)
             if ent is not None:
                 return ent
@@ -299,12 +306,116 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
                     "softmax", f"{own}   # log(softmax(z)) without forming the 0\n" + _LOG_FIX
                 )
         break
+    if not ev.code and _graph_logs_exp_sum(ctx, ev):
+        return _LogUse(
+            "logsumexp",
+            "y = torch.logsumexp(torch.stack([x1, x2, x3]), dim=0)   # not "
+            "torch.log(torch.exp(x1) + torch.exp(x2) + torch.exp(x3)): x1, x2, x3 the "
+            "exponents\n"
+            "y = torch.logsumexp(x, dim=-1)   # not torch.log(torch.exp(x).sum(-1))\n"
+            '# mode="forensic" names your line, and nanwatch rewrites it',
+            why=_lse_why(ev.dtype),
+            evidence="the loss graph takes the log of a sum of exp() terms (log <- add <- exp)",
+        )
     kind = _input_activation(ctx, a, ev)
     if kind == "sigmoid":
         return _LogUse("sigmoid", _SIGMOID_FIX)
     if kind == "softmax":
         return _LogUse("softmax", _LOG_FIX)
     return None
+
+
+def _lse_why(dtype: str | None) -> str:
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    return _LSE_WHY.format(bound=fmt(math.log(lim.subnormal / 2)), dtype=dtype or "float32")
+
+
+_LSE_WHY = (
+    "The log was taken of a sum of exp() terms, and every term underflowed to 0: exp(x) is "
+    "0 for x below {bound} in {dtype}, which x / temperature reaches "
+    "for a small temperature (a soft-min -g·log(Σ exp(-x / g)), a hand-written "
+    "logsumexp). torch.logsumexp subtracts the largest exponent before exponentiating, so "
+    "the result is exact and finite; clamping the sum at a tiny value keeps it finite but "
+    "wrong (the soft-min becomes a constant and its gradient 0)."
+)
+
+
+def _exp_terms(node: ast.expr) -> list[ast.expr] | None:
+    """The exponents of ``exp(x1) + exp(x2) + ...`` (``torch.exp(x)`` or ``x.exp()``)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left, right = _exp_terms(node.left), _exp_terms(node.right)
+        return left + right if left is not None and right is not None else None
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "exp"
+    ):
+        if ast.unparse(node.func.value) == "torch" and len(node.args) == 1:
+            return [node.args[0]]
+        if not node.args and not node.keywords:
+            return [node.func.value]
+    return None
+
+
+def _exp_sum_dim(node: ast.expr) -> tuple[ast.expr, str] | None:
+    """``exp(x).sum(d)`` / ``torch.exp(x).sum(dim=d)``: the exponent x and the dim text."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if node.func.attr != "sum":
+        return None
+    inner = _exp_terms(node.func.value)
+    dim = (
+        node.args[0]
+        if node.args
+        else next((k.value for k in node.keywords if k.arg == "dim"), None)
+    )
+    if inner is None or len(inner) != 1 or dim is None:
+        return None
+    return inner[0], ast.unparse(dim)
+
+
+def _logsumexp_use(
+    stmt: str, start: int, end: int, arg: str, dtype: str | None = None
+) -> _LogUse | None:
+    """``log(exp(a) + exp(b) + ...)`` or ``log(exp(x).sum(d))`` on the user's line: the
+    line with ``torch.logsumexp`` in its place."""
+    try:
+        node = ast.parse(arg, mode="eval").body
+    except SyntaxError:
+        return None
+    terms = _exp_terms(node)
+    if terms is not None and len(terms) >= 2:
+        xs = ", ".join(ast.unparse(t) for t in terms)
+        lse = f"torch.logsumexp(torch.stack([{xs}]), dim=0)"
+    else:
+        found = _exp_sum_dim(node)
+        if found is None:
+            return None
+        lse = f"torch.logsumexp({ast.unparse(found[0])}, dim={found[1]})"
+    own = f"{stmt[:start]}{lse}{stmt[end:]}"
+    return _LogUse(
+        "logsumexp",
+        f"{own}   # log of a sum of exps, exact where every exp underflows to 0\n"
+        "# not torch.log(s.clamp_min(tiny)): finite, but not the log of the sum",
+        why=_lse_why(dtype),
+        evidence=f"the log's argument {arg} is a sum of exp() terms",
+    )
+
+
+def _graph_logs_exp_sum(ctx: RuleContext, ev: OpEvent) -> bool:
+    """The loss graph walked from the loss (default mode, no line) shows a log whose
+    input is a sum of exps: ``log`` then ``add``/``sum`` then ``exp`` in its op list."""
+    if ev.path != LOSS_PATH:
+        return False
+    for n in ctx.notes("loss_graph"):
+        ops = n.data.get("ops")
+        if isinstance(ops, list) and any(
+            ops[i : i + 3] in (["log", "add", "exp"], ["log", "sum", "exp"])
+            for i in range(len(ops))
+        ):
+            return True
+    return False
 
 
 def _entropy_use(stmt: str, start: int, end: int, arg: str) -> _LogUse | None:
@@ -702,6 +813,9 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a is None or a.transient:
         return
     cause = cause_of(a)
+    if cause is not None and cause.kind == "inf-input":
+        yield _inf_given(ctx, a, cause.event, cause.trigger)
+        return
     if cause is None or cause.kind != "div":
         return
     ev = cause.event
@@ -753,6 +867,10 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if ev.phase is Phase.BACKWARD:
         evidence.append(f"in backward (autograd node {ev.node})")
     title = "Division by zero (0/0)" if zero_over_zero else "Division by zero"
+    under = _exp_underflow(ev) if den is not None and not integer else None
+    if under is not None:
+        yield _underflowed_denominator(ctx, a, ev, under, evidence=evidence, title=title)
+        return
     if _in_distribution(ev):
         evidence.append(
             "the division is inside torch.distributions: it divides by the distribution's "
@@ -766,6 +884,19 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             fix=_SCALE_FIX,
         )
         return
+    every = den is not None and not integer and den.numel > 1 and den.zeros == den.numel
+    fix = _div_fix(
+        ev,
+        scalar=den is None and "other" in ev.scalars,
+        count=integer or unmeasured,
+        floating=den is not None and not integer,
+    )
+    lim = limits(ev.dtype)
+    if every and lim is not None:
+        fix += (
+            "\n# every value is 0: a sum of exp() terms (exp(-C / eps) @ v, exp(x).sum()) "
+            "underflowed: use torch.logsumexp (the log domain), not a clamp"
+        )
     yield ctx.diagnosis(
         **op_fields(ev, a),
         title=title,
@@ -775,14 +906,291 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             "standard deviation or a range (max - min) of a feature that did not vary, a "
             "norm of an all-zero vector, a count of selected elements that was 0. x/0 is "
             "±inf and 0/0 is NaN, and the whole column or row goes bad from here."
+            + (
+                f" Every value of this denominator is 0: a sum of exp() terms that all "
+                f"underflowed does that (exp(x) is 0 in {ev.dtype} below "
+                f"{fmt(math.log(lim.subnormal / 2))}: a Sinkhorn kernel exp(-C / eps), a "
+                "softmax by hand with a small temperature); clamping it then makes every "
+                "quotient and its gradient 0, and the log domain (torch.logsumexp) is "
+                "the fix."
+                if every and lim is not None
+                else ""
+            )
         ),
-        fix=_div_fix(
-            ev,
-            scalar=den is None and "other" in ev.scalars,
-            count=integer or unmeasured,
-            floating=den is not None and not integer,
+        fix=fix,
+    )
+
+
+_EXP_CALL = re.compile(
+    r"(?<![\w.])(?:torch\.|F\.|torch\.special\.)?(?:exp|softmax)\(|\.(?:exp|softmax)\("
+)
+
+
+@dataclass(frozen=True)
+class _Underflow:
+    """A denominator made of exp() terms: the expression on the user's line, or a name it
+    uses and the earlier line of the same function that assigned it an exp."""
+
+    denominator: str  #: the user's denominator (``(K @ v)``)
+    name: str | None  #: the name the exp was assigned to (``K``), None when it is inline
+    made: str  #: the code that made the exp (``K = torch.exp(-C / eps)``)
+    exponent: str | None  #: the exp's argument (``-C / eps``)
+
+
+def _exp_underflow(ev: OpEvent) -> _Underflow | None:
+    """The zero denominator of a forward division is a sum of exp() terms (``exp(x).sum()``,
+    a softmax, ``K @ v`` with ``K = torch.exp(...)`` assigned earlier in the function), read
+    from the user's line and the lines above it; None when the code shows no exp."""
+    if ev.phase is not Phase.FORWARD:
+        return None
+    got: list[str] = []
+
+    def keep(d: str) -> str:
+        got.append(d)
+        return d
+
+    rewrite_divisor(ev.code, keep)
+    if not got:
+        return None
+    den = got[0]
+    if _EXP_CALL.search(den):
+        return _Underflow(den, None, den, _exp_argument(den))
+    for name in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", den)):
+        made = _assigned_before(ev.source, name)
+        if made is not None and _EXP_CALL.search(made):
+            return _Underflow(den, name, made, _exp_argument(made))
+    return None
+
+
+def _exp_argument(code: str) -> str | None:
+    """The argument of the first ``torch.exp(x)`` / ``x.exp()`` of ``code``."""
+    got: list[str] = []
+
+    def keep(x: str) -> str:
+        got.append(x)
+        return x
+
+    rewrite_call(code, ["exp"], keep)
+    return got[0] if got else None
+
+
+def _assigned_before(source: str | None, name: str, reach: int = 40) -> str | None:
+    """The last ``name = ...`` statement above line ``source`` (``file.py:42``) in the same
+    function, read from the file; None when the file cannot be read or shows none."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    line = int(num)
+    here = linecache.getline(path, line)
+    indent = len(here) - len(here.lstrip())
+    pattern = re.compile(rf"^\s*{re.escape(name)}\s*=(?!=)")
+    for n in range(line - 1, max(0, line - reach), -1):
+        text = linecache.getline(path, n)
+        if not text.strip():
+            continue
+        if re.match(r"\s*(?:async\s+)?def\s", text) and len(text) - len(text.lstrip()) < indent:
+            return None  # the function's start: the name is not assigned in it
+        for stmt in statements(text):
+            if pattern.match(stmt):
+                return stmt.strip()
+    return None
+
+
+def _underflowed_denominator(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, u: _Underflow, *, evidence: list[str], title: str
+) -> Diagnosis:
+    """A denominator that is 0 because the exp() terms it sums underflowed: exp(x) is
+    exactly 0 below log(smallest subnormal); clamping it divides by eps and zeroes the
+    result and its gradient, the log domain (logsumexp) keeps it exact."""
+    lim = limits(ev.dtype) or limits("float32")
+    assert lim is not None
+    dtype = ev.dtype or "float32"
+    low, normal = math.log(lim.subnormal / 2), math.log(lim.tiny)
+    evidence.append(
+        f"the denominator {u.denominator} is a sum of exp() terms"
+        + (f": {u.made}" if u.name else "")
+        + f"; exp(x) is exactly 0 in {dtype} for x below {fmt(low)} "
+        f"(below {fmt(normal)} it loses precision), so every term underflowed"
+    )
+    x = u.exponent or "x"
+    name = u.name or "t"
+    mm = re.fullmatch(rf"\(?\s*{re.escape(name)}(\.t\(\)|\.T)?\s*@\s*([\w.]+)\s*\)?", u.denominator)
+    lines = [
+        f"log_{name} = {x}   # was {u.made}: keep the exponent, never form the exp"
+        if u.name
+        else f"# {u.made}: keep the exponent {x}, never form the exp"
+    ]
+    lhs = _target(statements(ev.code)[0] if statements(ev.code) else None)
+    num = _numerator_text(ev.code)
+    if mm is not None and lhs and num:
+        t = ".t()" if mm.group(1) else ""
+        lines.append(
+            f"log_{lhs} = torch.log({num}) - torch.logsumexp(log_{name}{t} + "
+            f"torch.log({mm.group(2)}), dim=-1)   # was {lhs} = {num} / {u.denominator}: "
+            "the same in the log domain"
+        )
+    else:
+        lines.append(
+            f"log_d = torch.logsumexp({x}, dim=-1)   # log of the sum of exps, finite where "
+            "the sum underflows to 0; divide by subtracting: log_y = torch.log(num) - log_d"
+        )
+    lines.append(
+        f"# or a larger temperature (eps) so that the exponents stay above {fmt(normal)}; "
+        "not .clamp_min(eps): the quotient and its gradient become 0 and training stops"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: exp() underflowed to 0",
+        evidence=evidence,
+        explanation=(
+            f"The denominator is a sum of exp() terms, and exp(x) is exactly 0 in {dtype} "
+            f"for x below {fmt(low)}: with exponents as large in magnitude as x / eps for a "
+            "small temperature or entropic eps (a Sinkhorn kernel exp(-C / eps), a softmax "
+            "written by hand) every term underflowed and the sum is 0, so x/0 is inf. "
+            "Clamping the denominator keeps it finite but wrong: every quotient is 0, and so "
+            "is its gradient. In the log domain the sum is torch.logsumexp, which subtracts "
+            "the largest exponent first and never underflows."
+        ),
+        fix="\n".join(lines),
+    )
+
+
+def _numerator_text(code: str | None) -> str | None:
+    """The left operand of the one binary ``/`` of the user's line, when it is a name."""
+    for stmt in statements(code):
+        m = re.search(r"=\s*([A-Za-z_][\w.]*)\s*/\s", stmt)
+        if m:
+            return m.group(1)
+    return None
+
+
+def _inf_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
+    """An op that passed on an infinity one of its inputs already held (finite × inf):
+    nothing overflowed. Names the input that held it (a loss's class weights, a parameter,
+    the module's input) and the usual origin, a division by a zero count."""
+    op = short_op(ev.op)
+    held = inf_inputs(ev)
+    weights = None
+    evidence: list[str] = []
+    named: str | None = None
+    for nm, s in held:
+        what, is_weight = _inf_holder(ctx, ev, nm, s)
+        weights = weights or (what if is_weight else None)
+        expr = _operand(ev, nm)
+        named = named or expr
+        evidence.append(
+            f"{op} did not make the inf: its input {nm}"
+            + (f" ({expr}, {what})" if expr else f" ({what})")
+            + f" already held {infinities(s)}: {describe_stat(s)}"
+        )
+    for nm, st in ev.inputs:
+        if st is not None and all(nm != h for h, _ in held):
+            evidence.append(f"input {nm}: {describe_stat(st)}")
+    out = infinities(ev.output) or ev.born
+    evidence.append(
+        f"{op} passed it on ({out} in its {ev.dtype} output; finite × inf = ±inf): no "
+        "value overflowed"
+    )
+    evidence += _chain_evidence(ev, trigger, ev.born)
+    holder = weights or (_inf_holder(ctx, ev, *held[0])[0] if held else "an input")
+    if named and not weights:
+        holder = f"{named} ({holder})"
+    ref = _weight_ref(ev.code) if weights else None
+    check = ref or named or "t"
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="Infinite value given to an op (not an overflow)",
+        evidence=evidence,
+        explanation=(
+            f"{op} made no infinity of its own: {holder} already held one, and an "
+            "arithmetic op passes an inf on (finite × inf = ±inf; 0 × inf and inf - inf "
+            "are NaN). Such an inf is almost always a division by a count that was 0, "
+            "computed before the step: inverse-frequency class weights 1 / counts or "
+            "counts.sum() / counts where a class has no sample, a pos_weight = neg / pos "
+            "with no positive, a normalizer over an empty set. Fix it where it was "
+            "computed, and check the tensor is finite before training."
+        ),
+        fix=(
+            "counts = counts.clamp_min(1)   # where the weights were computed: a class with "
+            "no sample divides by 1, not 0 (1 / 0 = inf)\n"
+            f"assert torch.isfinite({check}).all(), {check}   # "
+            + (
+                "the weights the loss was given"
+                if ref
+                else "where it is made"
+                if named
+                else "t: the tensor that held the inf, checked where it is made"
+            )
         ),
     )
+
+
+def _inf_holder(ctx: RuleContext, ev: OpEvent, name: str, s: TensorStat) -> tuple[str, bool]:
+    """What the input ``name`` of ``ev`` that held an inf was, in words, and whether it is
+    a loss's class weights: a parameter of the op's module, that module's input (an
+    activation from upstream), else a tensor the loss holds besides its input (a loss) or a
+    tensor from outside the traced code."""
+    trace = ctx.trace
+    calls = [c for c in trace.calls if ev.path is not None and c.path == ev.path]
+    ids = {c.id for c in calls}
+    for r in trace.records:
+        m = exact(trace, r) if r.path == ev.path else None
+        st = m.stat if m is not None else None
+        if st is None or st.numel != s.numel or not (st.has_posinf or st.has_neginf):
+            continue
+        if r.phase is Phase.PARAMETER:
+            return f"parameter {r.role} of {r.path}", False
+        if r.phase is Phase.INPUT and r.call in ids:
+            return f"{r.path}'s {r.role}, an activation from upstream", False
+    if name in ("weight", "pos_weight") or any(c.is_loss for c in calls):
+        loss = ev.path or "the loss"
+        return f"the class weights {loss} was given, its weight or pos_weight", True
+    return "a buffer or a tensor the code captured, made outside the traced ops", False
+
+
+_BINARY = {"mul": ast.Mult, "add": ast.Add, "sub": ast.Sub, "div": ast.Div, "true_divide": ast.Div}
+
+
+def _operand(ev: OpEvent, name: str) -> str | None:
+    """The user's expression for input ``self`` / ``other`` of a binary op when its line
+    holds exactly one such operator (``x * s.scale``: ``other`` is ``s.scale``)."""
+    kind = _BINARY.get(packet(ev.op).rstrip("_"))
+    if kind is None or name not in ("self", "other"):
+        return None
+    found: list[ast.BinOp] = []
+    for stmt in statements(ev.code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            return None
+        found += [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, kind)]
+    if len(found) != 1:
+        return None
+    side = found[0].left if name == "self" else found[0].right
+    return None if isinstance(side, ast.Constant) else ast.unparse(side)
+
+
+def _weight_ref(code: str | None) -> str | None:
+    """The user's class weights on a loss line: the ``weight=`` / ``pos_weight=`` argument
+    of a functional loss, else ``crit.weight`` for a call of a loss module ``crit(x, y)``."""
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+        for c in calls:
+            for k in c.keywords:
+                if k.arg in ("weight", "pos_weight"):
+                    return ast.unparse(k.value)
+        for c in calls:
+            f = ast.unparse(c.func)
+            plain = re.fullmatch(r"[A-Za-z_][\w.]*", f) is not None
+            if len(c.args) >= 2 and plain and f.split(".")[0] not in ("torch", "F", "nn"):
+                return f"{f}.weight"
+    return None
 
 
 def _div_fix(ev: OpEvent, *, scalar: bool, count: bool, floating: bool = False) -> str:
@@ -1017,6 +1425,9 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         explanation, fix = _pole_text(ev, e), _pole_fix(ev, e)
     elif backward:
         explanation, fix = _ROOT_BACKWARD, _root_backward_fix(node_base(ev.node), e, ev.dtype)
+        mine = _root_backward_own(ev) if node_base(ev.node) in ("Sqrt", "Rsqrt") else None
+        if mine is not None:
+            explanation, fix = mine
     elif negative:
         explanation, fix = _ROOT_NEGATIVE, _negative_root_fix(ev)
     else:
@@ -1288,7 +1699,8 @@ _ROOT_BACKWARD = (
 _ROOT_FIX_BACKWARD = (
     "d = torch.linalg.vector_norm(a - b, dim=-1)    # its gradient at 0 is 0\n"
     "d = F.pairwise_distance(a, b)                  # adds eps=1e-6 inside\n"
-    "d = ((a - b) ** 2).sum(-1).clamp_min(1e-12).sqrt()   # keep the sqrt off exact 0"
+    "d = ((a - b) ** 2).sum(-1).clamp_min(1e-12).sqrt()   # keep the sqrt off exact 0\n"
+    "std = torch.sqrt(v + 1e-4)   # v a variance (z.var(dim=0)): eps inside the sqrt"
 )
 
 
@@ -1304,6 +1716,52 @@ def _root_backward_fix(node: str, e: object, dtype: str | None) -> str:
             "# a focal-style (1 - p) ** gamma: (1 - p).clamp_min(eps) ** gamma"
         )
     return _ROOT_FIX_BACKWARD
+
+
+_VARIANCE = re.compile(r"(?:\.|\btorch\.)(?:var|std|var_mean|std_mean)\(|\bvariance\b|\bvar\b")
+_DISTANCE = re.compile(r"\*\*\s*2|\.pow\(\s*2\s*\)|\.square\(|\bsquare\(")
+
+
+def _root_backward_own(ev: OpEvent) -> tuple[str, str] | None:
+    """The explanation and fix for an infinite sqrt gradient at 0 on the user's line (the
+    forward line of the node, not the backward() call): a variance or std under the root
+    gets an eps inside it (VICReg's sqrt(var + 1e-4)); a squared distance a clamp; anything
+    else a clamp too. None when the line is unknown or holds no sqrt."""
+    if not ev.source or ev.source == ev.backward_at:
+        return None
+    stmt = next((st for st in statements(ev.code) if "sqrt" in st), None)
+    got: list[str] = []
+
+    def keep(v: str) -> str:
+        got.append(v)
+        return v
+
+    rewrite_call(stmt, ["sqrt", "rsqrt"], keep)
+    if not got:
+        return None
+    arg = got[0]
+    addend = _addend(stmt)
+    if _VARIANCE.search(arg):
+        if addend is not None and not re.fullmatch(r"[\d.e+-]+", addend):
+            inner = re.sub(rf"\+\s*{re.escape(addend)}\s*$", "+ 1e-4", arg)
+            note = f" ({addend} was 0 here)"
+        else:
+            inner, note = f"{arg} + 1e-4", ""
+        method = re.search(r"(?<!torch)\.r?sqrt_?\(", stmt or "") is not None
+        fixed = rewrite_call(stmt, ["sqrt", "rsqrt"], lambda v: f"({inner})" if method else inner)
+        return (
+            "sqrt(0) = 0 is a fine forward value, but the derivative 1 / (2·sqrt(x)) is inf "
+            "at x = 0, and what is under this sqrt is a variance: a feature that is "
+            "constant over the batch (collapsed embeddings, dead units, a batch of one) has "
+            "variance exactly 0, so its standard deviation has an infinite gradient and "
+            "the next optimizer step makes every weight NaN. An eps inside the sqrt (VICReg "
+            "uses 1e-4) keeps the gradient finite.",
+            f"{fixed}   # eps inside the sqrt{note}: its gradient at a zero variance is finite",
+        )
+    if _DISTANCE.search(arg):
+        return None  # a squared distance: the norm and pairwise_distance fixes apply
+    fixed = rewrite_call(stmt, ["sqrt", "rsqrt"], lambda v: f"{paren(v)}.clamp_min(1e-12)")
+    return _ROOT_BACKWARD, f"{fixed}   # keep the sqrt off exact 0: its gradient there is inf"
 
 
 def _root_forward_text(e: object) -> str:
@@ -1509,6 +1967,31 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
     kind = f"{a.record.module_type} {a.path} {ev.code or ''}".lower()
     fn = "F.nll_loss" if "nll" in kind and "crossentropy" not in kind else "F.cross_entropy"
     ii = sf.ignore_index if sf.ignore_index is not None else -100
+    summed = _summed_call(ev.code or _loss_line(ctx))
+    if summed is not None:
+        call, y, wt = summed
+        head = ""
+        if not re.fullmatch(r"[\w.]+", y):
+            head, y = f"t = {y}   # the target\n", "t"
+        if wt is not None and sf.weight is not None:
+            return (
+                head
+                + call
+                + f"\nloss = loss / {wt}[{y}[{y} != {ii}]].sum().clamp_min(1e-12)   # 0, not "
+                "NaN, when no target counts or the batch weighs nothing\n"
+                + (
+                    f"# or skip the batch: if ({y} != {ii}).any(): loss.backward()"
+                    if sf.all_ignored
+                    else "# or give every class a weight > 0"
+                )
+            )
+        if sf.weight is None:
+            return (
+                head
+                + call
+                + f"\nloss = loss / ({y} != {ii}).sum().clamp_min(1)   # 0 when no target "
+                f"counts\n# or skip the batch: if ({y} != {ii}).any(): loss.backward()"
+            )
     opts = _loss_options(ctx, ev, a)
     weight = re.match(r"weight=([^,]+)", opts) if opts else None
     x, y = _loss_args(ev.code, opts) or ("logits", "y")
@@ -1539,6 +2022,50 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
         + f"loss = loss / ({y} != {ii}).sum().clamp_min(1)   # 0 when no target counts\n"
         f"# or skip the batch: if ({y} != {ii}).any(): loss.backward()"
     )
+
+
+def _loss_line(ctx: RuleContext) -> str | None:
+    """The user's line of the step's class-index loss call, read from the file its guard
+    note names (functional losses run where no op event records the line)."""
+    import linecache
+
+    for n in ctx.notes("loss_input"):
+        name = n.data.get("loss")
+        if loss_kind(name if isinstance(name, str) else n.path) not in ("ce", "nll"):
+            continue
+        path, _, num = (n.source or "").rpartition(":")
+        if path and num.isdigit():
+            text = linecache.getline(path, int(num)).strip()
+            if text:
+                return text
+    return None
+
+
+def _summed_call(code: str | None) -> tuple[str, str, str | None] | None:
+    """The user's ``F.cross_entropy(...)`` / ``F.nll_loss(...)`` statement with every
+    argument they gave kept and ``reduction='sum'``: the statement, the target expression
+    and the ``weight=`` expression (None when not given)."""
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or len(node.args) < 2:
+                continue
+            if ast.unparse(node.func).split(".")[-1] not in _CLASS_LOSSES:
+                continue
+            kw = [k for k in node.keywords if k.arg != "reduction"]
+            args = [ast.unparse(v) for v in node.args[:2]]
+            args += [f"{k.arg}={ast.unparse(k.value)}" for k in kw if k.arg is not None]
+            args.append("reduction='sum'")
+            seg = ast.get_source_segment(stmt, node)
+            if seg is None:
+                return None
+            new = stmt.replace(seg, f"{ast.unparse(node.func)}({', '.join(args)})", 1)
+            w = next((ast.unparse(k.value) for k in kw if k.arg == "weight"), None)
+            return new, args[1], w
+    return None
 
 
 def _loss_options(ctx: RuleContext, ev: OpEvent, a: Anomaly) -> str:
