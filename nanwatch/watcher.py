@@ -360,9 +360,7 @@ def _unwrap_compiled(m: nn.Module, *, path: str = "") -> nn.Module:
     if isinstance(orig, nn.Module) and type(m).__name__ == "OptimizedModule":
         if path:
             where = f"the submodule {path} ({type(orig).__name__}) is"
-            attr = "model" + "".join(
-                f"[{p}]" if p.isdigit() else f".{p}" for p in path.split(".")
-            )
+            attr = "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split("."))
             how = f"{attr} = {attr}._orig_mod   # while debugging; compile it again after"
         else:
             where = f"{type(orig).__name__} is"
@@ -405,6 +403,8 @@ class Watcher:
     _user_loss: torch.Tensor | float | None
     _grad_scale: torch.Tensor | None
     _full: bool
+    #: a call from outside every watched call ran with gradients on in this step
+    _grad_call: bool
     #: forensic: the user's ``backward()`` line, (``file.py:57``, its text)
     _backward_site: tuple[str | None, str | None]
     #: a gradient made by the loss code's backward was seen non-finite this step
@@ -511,6 +511,11 @@ class Watcher:
         #: each weight's finiteness as the attach check read it (absent: not read)
         self._attach_finite: dict[int, bool] = {}
         self._checking_attach = False
+        #: steps ended by the no_grad rule alone, since the last other boundary, that held
+        #: only no_grad calls and nothing bad: (the step, its end index, the ``_stepped_prev``
+        #: it was begun with). A grad-enabled call that follows shows they were the no_grad
+        #: part (an EMA teacher, a key encoder) of one training step: they are folded back
+        self._foldable: list[tuple[StepTrace, int, dict[int, tuple[str, int, int]]]] = []
         self._reset_step()
 
     # ------------------------------------------------------------------ public API
@@ -968,6 +973,11 @@ class Watcher:
                 # activation checkpointing recomputing in backward: not a call of the step,
                 # and not the next step's first call (a model checkpointed whole)
                 return
+            if not self._stack and not self._grad_call and torch.is_grad_enabled():
+                # the step's first call with gradients on, from outside every watched call
+                if self._foldable:
+                    self._fold(info.path)
+                self._grad_call = True
             if info.first_root:
                 self._first_root_ran = True
                 self._maybe_begin_step()
@@ -975,6 +985,15 @@ class Watcher:
                 # the first root is never called (a LightningModule whose training_step
                 # calls self.net): its parts called from outside mark the steps instead
                 self._maybe_begin_step()
+            elif (
+                not self._stack
+                and info.is_root
+                and self._backward_called
+                and not torch.is_grad_enabled()
+            ):
+                # another root called under no_grad after a training step (an EMA teacher, a
+                # key encoder run before the model): it begins the next step
+                self._maybe_begin_step(trained_only=True)
             if not (self._full or info.is_root or not self._stack):
                 return  # a sampled-out step watches the calls made from outside, as roots
             call = self._open_call(info)
@@ -1155,6 +1174,7 @@ class Watcher:
         self._stepped: dict[int, tuple[str, int, int]] = {}
         self._backward_seen = False
         self._backward_called = False  # backward() (not autograd.grad) ran this step
+        self._grad_call = False  # a call from outside with gradients on was made this step
         self._updated = False  # an optimizer stepped this step
         self._weights_at_grad: tuple[int, ...] | None = None  # versions after autograd.grad
         self._eob_queued = False
@@ -1487,8 +1507,14 @@ class Watcher:
                 )
                 rec.grad_fn = _grad_fn_name(t)
                 rec.version = ver
-                if call.root and self._trace.resolve(rec).stat is None:
-                    self._measure(rec, t)  # a root's output is always measured: the logits
+                if call.root:
+                    if self._trace.resolve(rec).stat is None:
+                        self._measure(rec, t)  # a root's output is always measured: the logits
+                    if not entry[3] and self._maybe_hook_grad(t, rec):
+                        # the gradient the loss sends back is checked where it arrives, also
+                        # when the child that made the output was not hooked (a final ReLU:
+                        # its backward zeroes a NaN the loss sent, which no weight then shows)
+                        known[id(t)] = (entry[0], entry[1], ver, True)
                 continue
             rec = self._new_record(
                 Phase.FORWARD, info.path, role, t, call.id, module_type=info.type_name
@@ -1680,6 +1706,10 @@ class Watcher:
         # a training backward: gradients go into .grad. torch.autograd.grad (a gradient
         # penalty, an input saliency, an adversarial example) is not one, and does not
         # end the step
+        if not self._grad_call:  # a loss from unwatched modules, after no_grad calls
+            if self._foldable:
+                self._fold(LOSS_PATH)
+            self._grad_call = True
         self._backward_called = True
         if "loss" in self._disabled_hooks:
             return
@@ -2091,7 +2121,7 @@ class Watcher:
                 out.setdefault(type(optimizer).__name__, []).append([qualname, str(key)])
 
     # ------------------------------------------------------------------ steps
-    def _maybe_begin_step(self) -> None:
+    def _maybe_begin_step(self, *, trained_only: bool = False) -> None:
         """Called when the first root is called from outside any watched call: begins a
         new step after a backward and an update (or on every call when gradients are
         disabled), unless steps are explicit."""
@@ -2101,14 +2131,33 @@ class Watcher:
             if self._opt_forwarded:
                 return  # a closure's second evaluation (LBFGS): the same optimizer step
             self._opt_forwarded = True
-        if (
-            self._begun
-            and not self._explicit
-            and (self._backward_called or self._trained_by_grad() or self._evaluating())
-            and not (torch.is_grad_enabled() and self._accumulating())
-        ):
-            self._boundary()
+        if self._begun and not self._explicit:
+            if self._backward_called or self._trained_by_grad():
+                # after an update only, with gradients on or off: a teacher called under
+                # no_grad between the micro-batches of gradient accumulation is the same step
+                if not self._accumulating():
+                    self._boundary()
+            elif not trained_only and self._evaluating():
+                self._evaluation_boundary()
         self._begun = True
+
+    def _evaluation_boundary(self) -> None:
+        """A call under no_grad after a step that did not train: the step ends (each call of
+        an evaluation loop is a step). When the step held only no_grad calls and nothing bad,
+        the boundary is remembered as foldable: a grad-enabled call next shows the no_grad
+        calls were a training step's teacher (see :meth:`_fold`)."""
+        trace = self._trace
+        foldable = self._foldable
+        keep = not self._grad_call and trace.anomaly is None and self._new_trigger is None
+        prev = self._stepped_prev
+        done = self._boundary()
+        if keep and done.anomaly is None and done.error is None:
+            end = max(
+                [r.index + 1 for r in done.records] + [max(c.start, c.end) for c in done.calls],
+                default=0,
+            )
+            foldable.append((done, end, prev))
+            self._foldable = foldable
 
     @staticmethod
     def _evaluating() -> bool:
@@ -2153,8 +2202,69 @@ class Watcher:
         marks = self._after_backward
         return marks is not None and marks == self._update_marks()
 
+    def _fold(self, path: str) -> None:
+        """The first grad-enabled call of a step begun by an evaluation boundary: the steps
+        before it that held only no_grad calls (a teacher, a key encoder, a target network
+        run first under ``torch.no_grad()``) are the same training step; they are folded
+        into the current one, which takes the first one's number. A step that called the
+        module called now (an evaluation loop of the model before training) stays a step."""
+        foldable = self._foldable
+        while foldable:
+            prev, end, stepped_prev = foldable[-1]
+            cur = self._trace
+            if (
+                not self.history
+                or self.history[-1] is not prev
+                or prev.step != cur.step - 1
+                or prev.anomaly is not None
+                or cur.anomaly is not None
+                or self._new_trigger is not None
+                or self._pending_data is not None
+                or self._backward_called
+                or self._backward_seen
+                or self._updated
+                or cur.error is not None
+                or any(c.root and c.path == path for c in prev.calls)
+            ):
+                break
+            foldable.pop()
+            self.history.pop()
+            ncalls = len(prev.calls)
+            for r in cur.records:
+                r.index += end
+                r.step = prev.step
+                if r.call >= 0:
+                    r.call += ncalls
+                if r.source is not None:
+                    r.source += end
+            for c in cur.calls:
+                c.id += ncalls
+                if c.parent is not None:
+                    c.parent += ncalls
+                c.start += end
+                if c.end >= 0:
+                    c.end += end
+            prev.records += cur.records
+            prev.calls += cur.calls
+            prev.ops += cur.ops
+            prev.notes += cur.notes
+            prev.mutations += cur.mutations
+            prev.recomputed += cur.recomputed
+            prev.diagnoses = []  # evaluated again, on the whole step, at its end
+            self._known = {k: (v[0], v[1] + end, *v[2:]) for k, v in self._known.items()}
+            self._minmax = {i + end: v for i, v in self._minmax.items()}
+            self._idx += end
+            self._step = prev.step
+            self._stepped = {**self._stepped_prev, **self._stepped}
+            self._stepped_prev = stepped_prev
+            self._full = prev.full
+            self._trace = prev
+            if self._first_bad is prev:
+                self._first_bad = None
+
     def _boundary(self, *, final: bool = False) -> StepTrace:
         trace = self._trace
+        self._foldable = []
         empty = not trace.records and not trace.calls
         if final and empty and self._user_loss is None:
             return trace

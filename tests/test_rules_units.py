@@ -161,6 +161,23 @@ def case_overflow_exp() -> Case:
     return Case(anomaly_in_module(e, dtype="float16"))
 
 
+def case_hidden_overflow() -> Case:
+    """A float16 sum past 65504 inside fc1, absorbed by the next op (x / inf = 0): no record
+    is non-finite, the op checker (forensic, a replay) saw it."""
+    t = model_step(dtype="float16", out=(-3.0, 4.0))
+    t.ops.append(
+        ev(
+            "aten.sum.default",
+            "+inf",
+            [("self", counted(-9.5, 9.5, numel=2048))],
+            dtype="float16",
+            path="fc1",
+            code="energy = (x * x).sum() / x.numel()",
+        )
+    )
+    return Case(t)
+
+
 def case_headroom() -> Case:
     return Case(model_step(dtype="float16", out=(-40000.0, 100.0)))
 
@@ -532,6 +549,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW102": case_headroom,
     "NW103": case_logits_exp_bound,
     "NW104": case_growth,
+    "NW105": case_hidden_overflow,
     "NW110": case_log,
     "NW111": case_div,
     "NW112": case_root,

@@ -24,8 +24,10 @@ from nanwatch.records import (
 from nanwatch.rules._evidence import (
     anomaly_fields,
     cause_of,
+    classify,
     code_line,
     describe_stat,
+    device_type,
     exact,
     first_input,
     fmt,
@@ -35,6 +37,7 @@ from nanwatch.rules._evidence import (
     inf_explanation,
     inf_fix,
     inf_source,
+    inputs_of,
     limits,
     module_ref,
     node_base,
@@ -653,3 +656,100 @@ def _stored_with(stored: list[tuple[Record, str]], held: TensorStat) -> tuple[Re
 
 def _numel(shape: tuple[int, ...]) -> int:
     return math.prod(shape)
+
+
+# ------------------------------------------- an overflow inside a module, hidden by the next op
+
+
+@rule(
+    "NW105",
+    title="Overflow hidden inside a module (silently wrong values)",
+    severity="warning",
+    summary=(
+        "Forensic mode or a replay: an op overflowed to inf from finite inputs (a float16 "
+        "sum, var, pow or matmul past finfo.max) and the next op turned the inf into a number "
+        "(x / inf = 0), so no module output holds NaN or inf but the values are wrong; "
+        "compute that op in float32."
+    ),
+    priority=20,
+)
+def hidden_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
+    if ctx.anomaly is not None:
+        return  # a non-finite value reached a record: the anomaly's rules say what it was
+    seen: set[tuple[str, str | None]] = set()
+    for ev in ctx.trace.ops:
+        if ev.phase is not Phase.FORWARD or ev.cause is not None or ev.injected:
+            continue
+        key = (ev.op, ev.source)
+        if key in seen or "NaN" in ev.born or classify(ev) != "overflow":
+            continue
+        seen.add(key)
+        yield _hidden_overflow(ctx, ev, sum(1 for o in ctx.trace.ops if (o.op, o.source) == key))
+        if len(seen) == 3:
+            return
+
+
+def _hidden_overflow(ctx: RuleContext, ev: OpEvent, times: int) -> Diagnosis:
+    from nanwatch.rules import overflow as ov  # the fixes NW101 gives for the same overflow
+
+    dtype = ev.dtype or "float32"
+    lim = limits(dtype)
+    name = packet(ev.op)
+    op = short_op(ev.op)
+    top = fmt(lim.max) if lim is not None else "finfo.max"
+    power = ov._scalar_power(ev)
+    big = max((s.magnitude for s in inputs_of(ev) if not math.isnan(s.magnitude)), default=math.nan)
+    if power is not None:
+        made = (
+            f"{op} raised {fmt(power[0])} to the powers of its input: {fmt(power[0])} ** "
+            f"{fmt(power[1])} = {fmt(power[2])}"
+        )
+    else:
+        reach = ov._true_result(name, ev)
+        made = f"{op} of inputs up to |x| = {fmt(big)}" + (
+            f" (its exact result reaches {fmt(reach)})" if math.isfinite(reach) else ""
+        )
+    where = f" in the forward of {ev.path}" if ev.path else ""
+    evidence = [
+        f"{made}: the result is past {top} (torch.finfo(torch.{dtype}).max) and became "
+        f"{ev.born}{where}" + (f" ({times} times this step)" if times > 1 else "")
+    ]
+    evidence += [f"input {nm}: {describe_stat(s)}" for nm, s in ev.inputs[:2]]
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    evidence.append(
+        "no module output, loss or gradient holds NaN or inf: a later op turned the inf "
+        "into a number (x / inf = 0, exp(-inf) = 0), so these values are silently wrong"
+    )
+    call = next((c for c in ctx.trace.calls if c.path == ev.path), None)
+    ref = module_ref(ev.path or "", root=call is None or call.root)
+    if power is not None:
+        fix = ov._power_fix(ev.code, power, dtype, ref=ref)
+    else:
+        fix = ov._fix(
+            ov._kind(name, ev, [ev], ctx.trace.ops),
+            name,
+            dtype,
+            lim,
+            ev.code,
+            device=device_type(ev),
+            ref=ref,
+            loss=ev.path == LOSS_PATH,
+            autocast=ov._under_autocast(ctx, dtype),
+            result=ov._true_result(name, ev),
+        )
+    explanation = (
+        f"{name}'s result does not fit {dtype}, whose largest finite value is {top}, and "
+        "became inf; the op after it absorbed the inf into an ordinary number instead of "
+        "passing it on (a division by an infinite energy or variance gives 0, a frequency "
+        "1 / inf is 0). Nothing downstream is NaN, so training goes on with those values "
+        f"wrong: a normalization that outputs 0, positions that all look alike. Compute "
+        f"{name} in float32 and cast only a bounded result back to {dtype}."
+    )
+    return ctx.diagnosis(
+        **op_fields(ev),
+        evidence=evidence,
+        explanation=explanation,
+        fix=fix,
+    )
