@@ -58,6 +58,7 @@ import threading
 import tokenize
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -588,8 +589,16 @@ class _Probe:
         module: nn.Module | None = None,
         roots: Sequence[nn.Module] = (),
         known: Callable[[torch.Tensor], tuple[Any, Any] | None] | None = None,
+        upstream: bool = False,
+        from_module: Callable[[torch.Tensor], bool] | None = None,
     ) -> None:
         self.spec = spec
+        #: whether a tensor is a watched module's output (or a cast or view of one): a bad
+        #: value an op made in it is traced to that op by the watcher
+        self.from_module = from_module or (lambda t: False)
+        #: the watcher already found a NaN/inf born earlier in this step: a non-finite loss
+        #: input is its consequence, which the watcher's diagnosis explains
+        self.upstream = upstream
         #: the min and max a watcher already measured for a tensor (a watched module's
         #: output, unchanged since), so the input is not read a second time
         self.known = known or (lambda t: None)
@@ -1084,6 +1093,165 @@ def _check_class(p: _Probe) -> None:
     p.add("target_min", kmin)
     p.add("target_max", kmax)
     p.then(lambda v: _class_result(p, v, c=c, lo=lo, ignore=ignore, ign=ign, desc=desc))
+    if per_position and cdim is not None:
+        _check_target_logit(p, kept, ign, c=c, cdim=cdim)
+
+
+def _check_target_logit(
+    p: _Probe, kept: torch.Tensor, ign: torch.Tensor | None, *, c: int, cdim: int
+) -> None:
+    """Queue the count of trained positions whose input is -inf at their target class (a
+    mask that also covers the target, log 0): log_softmax there is -inf, so their loss is
+    +inf (NaN for a row that is -inf everywhere). A gather of one value per position, read
+    with the rest; PyTorch computes the inf without a word."""
+    x = p.input
+    at = x.gather(cdim, kept.clamp(0, c - 1).long().unsqueeze(cdim)).squeeze(cdim)
+    neg = at == -math.inf
+    if ign is not None:
+        neg &= ~ign
+    p.count("target_neginf", neg)
+
+    def result(v: dict[str, float]) -> None:
+        n = int(v["target_neginf"])
+        if not n:
+            return
+        p.data["target_neginf"] = n
+        hi = v.get("input_max", math.nan)
+        if p.upstream or math.isnan(hi) or hi == math.inf:
+            return  # born upstream (NaN or +inf too): the watcher's diagnosis names where
+        if not _written_by_mask(p.input) and p.from_module(p.input):
+            # an op of a watched module made the -inf (a float16 log_softmax that underflowed):
+            # the loss turns +inf and the watcher traces it to that op, which says more
+            return
+        if _reduction(p.bound) in ("mean", "sum"):
+            # reduction='none': the program may drop those rows (their gradient is finite)
+            _target_logit_failure(p, v, n, neg, cdim=cdim)
+
+    p.then(result)
+
+
+#: autograd nodes of ops that write a constant where a mask says (masked_fill, where,
+#: x[mask] = -inf): a -inf they put at a target is the mask's doing, which only this guard sees
+_MASK_NODES = ("MaskedFill", "Where", "IndexPut", "MaskedScatter", "CopySlices")
+
+
+def _written_by_mask(x: torch.Tensor) -> bool:
+    """``x``'s -inf was written by a mask (its last op masks), or ``x`` has no graph to tell
+    (data, no_grad): either way nothing upstream will name an op that made it."""
+    node = x.grad_fn
+    return node is None or type(node).__name__.startswith(_MASK_NODES)
+
+
+def _functional_alias(frame: types.FrameType | None) -> str:
+    """The user's name for ``torch.nn.functional`` (``F``), else the full path."""
+    if frame is not None:
+        for name, value in frame.f_globals.items():
+            if value is F and name.isidentifier():
+                return name
+    return "torch.nn.functional"
+
+
+def _mask_name(p: _Probe) -> str | None:
+    """The user's name for the boolean mask of the ``masked_fill`` that made the loss input,
+    when a variable of the user's frame holds it."""
+    node, frame = p.input.grad_fn, p.frame
+    if node is None or frame is None or not type(node).__name__.startswith("MaskedFill"):
+        return None
+    try:
+        mask = getattr(node, "_saved_mask", None)
+    except RuntimeError:  # freed by a backward
+        return None
+    if not isinstance(mask, torch.Tensor):
+        return None
+    for name, value in frame.f_locals.items():
+        if (
+            isinstance(value, torch.Tensor)
+            and name.isidentifier()
+            and value.dtype is torch.bool
+            and value.shape == mask.shape
+            and value.data_ptr() == mask.data_ptr()
+        ):
+            return str(name)
+    return None
+
+
+def _target_logit_failure(
+    p: _Probe, v: dict[str, float], n: int, neg: torch.Tensor, *, cdim: int
+) -> None:
+    """Word the positions whose target input is -inf (the failure path: reads are fine)."""
+    x, t = p.input, p.target
+    assert t is not None
+    nll = p.spec.name == "nll_loss"
+    whole = int(((x == -math.inf).all(cdim) & neg).sum())
+    total = t.numel() - int(v.get("ignored", 0))
+    rows = "rows" if t.dim() <= 1 else "positions"
+    inp, tgt = p.arg("input"), p.arg("target")
+    node = type(x.grad_fn).__name__ if x.grad_fn is not None else ""
+    masked = node.startswith("MaskedFill")
+    if nll:
+        what = f"{inp} (log-probabilities) is -inf at the target class"
+        why = f"the loss is -{inp}[target], +inf there"
+    else:
+        what = f"{inp} is -inf at the target class"
+        why = "log_softmax at the target is -inf there, so their loss is +inf"
+    if whole:
+        why += f" ({_n(whole)} of them -inf in every class: NaN)"
+    hint = ""
+    if masked:
+        hint = f" — the masked_fill that made {inp} masks the target too"
+    elif node.startswith("Log"):
+        hint = " — the log of a probability of 0"
+    result = "NaN" if whole else "+inf"
+    problem = (
+        f"{what} in {_n(n)} of {_n(total)} {rows}{hint}: {why}; {p.desc()} returns {result} "
+        f"(reduction={_reduction(p.bound)!r})"
+    )
+    fn = _functional_alias(p.frame)
+    mask = _mask_name(p) if masked else None
+    one_hot = f"{fn}.one_hot({tgt}, {x.shape[cdim]}).bool()"
+    if mask is not None and x.dim() == 2 and cdim == 1 and not int(v.get("ignored", 0)):
+        fix = (
+            f"{mask} = {mask} & ~{fn}.one_hot({tgt}, {mask}.shape[1]).bool()  # before the "
+            f"masked_fill that makes {inp}: keeps each row's target unmasked"
+        )
+    elif masked:
+        fix = (
+            f"exclude each row's target class from the mask that sets {inp} to -inf "
+            f"(mask & ~{one_hot} for that mask), or give those rows ignore_index"
+        )
+    elif nll and node.startswith("Log"):
+        fix = (
+            f"compute {inp} with {fn}.log_softmax on the scores, not as the log of "
+            f"probabilities (or call {fn}.cross_entropy on the scores)"
+        )
+    else:
+        fix = (
+            f"keep the target class of every row finite in {inp} (a -inf mask must not cover "
+            "it), or give those rows ignore_index; a -inf no mask wrote was born upstream: "
+            "print(nw.report) names the op"
+        )
+    values, counts = _value_counts(t[neg])
+    p.fail(
+        _Failure(
+            code="NW518",
+            check="target-logit",
+            problem=problem,
+            expected="a finite input at every trained target",
+            fix=fix,
+            explanation=(
+                "Cross-entropy is -log_softmax(input)[target]: an input of -inf at the target "
+                "(a masked_fill with -inf whose mask also covers the target, the log of a zero "
+                "probability) makes that term +inf, and a row that is -inf everywhere makes it "
+                "NaN. -inf elsewhere in the row is fine. PyTorch computes the inf without a "
+                "word."
+            ),
+            values=values,
+            counts=counts,
+            count=n,
+            total=total,
+            positions=_positions(neg),
+        )
+    )
 
 
 def _class_evidence(p: _Probe, v: dict[str, float], *, cdim: int, ign: torch.Tensor | None) -> None:
@@ -1834,6 +2002,151 @@ def _check_plain(p: _Probe) -> None:
     _input_stats(p)
 
 
+# -- weights -----------------------------------------------------------------------------
+#: a loss's weight-like parameters: class weights (``weight`` of CrossEntropyLoss, NLLLoss,
+#: MultiMarginLoss, MultiLabelSoftMarginLoss), BCE's per-label ``pos_weight`` and the
+#: elementwise ``weight`` of BCELoss, MSELoss, ... (an embedding's ``weight`` is its table)
+_WEIGHT_PARAMS = ("weight", "pos_weight")
+#: weight tensors found clean: id -> (the tensor, weakly; its version counter), so a weight
+#: that does not change (a loss module's buffer) is read once, not on every call
+_CLEAN_WEIGHTS: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
+_MAX_CLEAN_WEIGHTS = 256
+_clean_lock = threading.Lock()
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return int(t._version)
+    except RuntimeError:  # an inference tensor has no version counter: read it every call
+        return None
+
+
+def _known_clean(t: torch.Tensor) -> bool:
+    entry = _CLEAN_WEIGHTS.get(id(t))
+    return entry is not None and entry[0]() is t and entry[1] == _version(t)
+
+
+def _remember_clean(t: torch.Tensor) -> None:
+    version = _version(t)
+    if version is None:
+        return
+    with _clean_lock:
+        if len(_CLEAN_WEIGHTS) >= _MAX_CLEAN_WEIGHTS:  # dead or stale entries: start over
+            _CLEAN_WEIGHTS.clear()
+        _CLEAN_WEIGHTS[id(t)] = (weakref.ref(t), version)
+
+
+def _per_class_weight(p: _Probe, name: str) -> bool:
+    """Whether parameter ``name`` weighs classes (or labels) rather than elements: a
+    negative value there turns that class's loss into a reward."""
+    return name == "pos_weight" or p.spec.kind == "class" or p.spec.name.startswith("multilabel")
+
+
+def _check_weights(p: _Probe) -> None:
+    """A loss's weight or pos_weight holding inf or NaN (``n_neg / n_pos`` or ``1 / counts``
+    with a class absent from the counts) makes the loss inf or NaN, at once or the first
+    time that class is a target; a negative class weight rewards the loss of its class.
+    Counted in the guard's one read; a weight read clean is not read again until it
+    changes."""
+    if p.spec.kind == "index":
+        return
+    for name in _WEIGHT_PARAMS:
+        w = p.bound.get(name)
+        if not isinstance(w, torch.Tensor) or not _readable(w) or not w.is_floating_point():
+            continue
+        if _known_clean(w):
+            continue
+        negative = _per_class_weight(p, name)
+        bad = ~torch.isfinite(w)
+        if negative:
+            bad |= w < 0
+        p.count(f"{name}_bad", bad)
+        p.then(functools.partial(_weight_result, p, name, w, negative))
+
+
+def _weight_result(
+    p: _Probe, name: str, w: torch.Tensor, negative: bool, v: dict[str, float]
+) -> None:
+    n = int(v[f"{name}_bad"])
+    if n:
+        _weight_failure(p, name, w, n, negative=negative)
+    else:
+        _remember_clean(w)
+
+
+def _weight_failure(p: _Probe, name: str, w: torch.Tensor, n: int, *, negative: bool) -> None:
+    """Word a weight holding inf, NaN (or, per class, a negative value); the failure path,
+    so a second read is fine."""
+    nonfinite = ~torch.isfinite(w)
+    mask = nonfinite | (w < 0) if negative else nonfinite
+    values, counts = _value_counts(w[mask])
+    n_nonfinite = int(nonfinite.sum())
+    per_class = _per_class_weight(p, name) and w.dim() == 1
+    where = p.desc()
+    what = f"{p.cls_name}.{name}" if p.is_module else name
+    positions = _positions(mask)
+    if per_class:
+        label = name == "pos_weight" or p.spec.kind == "binary"
+        units = ("label", "labels") if label else ("class", "classes")
+        shown = ", ".join(f"{name}[{q[0]}] = {_num(w[q[0]].item())}" for q in positions)
+        more = f" and {_n(n - len(positions))} more" if n > len(positions) else ""
+        found = f"{shown}{more} (of {_n(w.numel())} {units[w.numel() != 1]})"
+    else:
+        found = f"{_describe_values(values, counts)} (of {_n(w.numel())})"
+    if n_nonfinite:
+        problem = (
+            f"{what} holds {found}: a weight computed from counts (n_neg / n_pos, 1 / counts) "
+            "is inf where a class has no sample (x / 0) and NaN for 0 / 0; "
+            f"{where} gives an inf or NaN loss with it"
+        )
+    else:
+        problem = (
+            f"{what} holds {found}: a negative weight rewards the loss of its class instead of "
+            f"penalizing it; {where} needs weights >= 0"
+        )
+    repair = ".nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)" if n_nonfinite else ""
+    if negative and bool((w.nan_to_num(neginf=0.0) < 0).any()):
+        repair += ".clamp_min(0)"
+    why = (
+        "  # weight 0 for a class absent from the counts; or divide by the counts "
+        "clamped with .clamp_min(1) where the weight is computed"
+        if n_nonfinite
+        else "  # or compute the weights so that none is negative"
+    )
+    if p.is_module:
+        callee = p.callee
+        if not all(part.isidentifier() for part in callee.split(".")):
+            callee = "criterion"  # a call expression: nothing to assign to
+        fix = f"{callee}.{name} = {callee}.{name}{repair}{why}"
+    elif p.has_arg(name):
+        expr = p.arg(name)
+        simple = all(part.isidentifier() for part in expr.split("."))
+        wrapped = expr if simple else f"({expr})"
+        fix = p.call_with(**{name: f"{wrapped}{repair}"}) + why
+    else:
+        fix = f"pass {name}={name}{repair}{why}"
+    p.fail(
+        _Failure(
+            code="NW517",
+            check="weight",
+            problem=problem,
+            expected="finite weights" + (", none negative" if negative else ""),
+            fix=fix,
+            explanation=(
+                "A loss multiplies each term by its weight: an inf weight makes the term inf "
+                "(NaN where it meets a zero, 0 * inf), a NaN weight makes it NaN, and the mean "
+                "over the batch carries it into every gradient. PyTorch accepts such weights "
+                "without a word; the NaN shows up inside the loss kernel."
+            ),
+            values=values,
+            counts=counts,
+            count=n,
+            total=w.numel(),
+            positions=positions,
+        )
+    )
+
+
 # -- index ops: embeddings, one_hot ------------------------------------------------------
 #: index dtypes the embedding kernels take (F.one_hot takes int64 only)
 _INDEX_DTYPES = (torch.int64, torch.int32)
@@ -2221,6 +2534,8 @@ def _guard(
         module=module,
         roots=watcher.roots,
         known=watcher.measured_minmax,
+        upstream=watcher.trace.anomaly is not None,
+        from_module=watcher.made_by_watched,
     )
     failure: _Failure | None = None
     # DisableTorchFunction: our own reads need no torch-function mode (a FunctionalGuards
@@ -2229,6 +2544,7 @@ def _guard(
         try:
             _check_devices(p)
             _CHECKS[spec.kind](p)
+            _check_weights(p)
             p.read()
         except _Fail as fail:
             failure = fail.failure
@@ -2326,6 +2642,94 @@ def _activation_node(fn: Any, depth: int = 8) -> str | None:
     return None
 
 
+def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether a cast from ``src`` to ``dst`` keeps every value exactly (float16 and
+    bfloat16 to float32, float32 to float64)."""
+    if src == dst or not (src.is_floating_point and dst.is_floating_point):
+        return False
+    a, b = torch.finfo(src), torch.finfo(dst)
+    return b.max >= a.max and b.eps <= a.eps and b.tiny <= a.tiny
+
+
+def _upcast_source(watcher: Watcher, x: torch.Tensor) -> tuple[int, str] | None:
+    """For a loss input that is a widening copy of a recorded tensor (``logits.float()``:
+    autograd node ToCopyBackward0 over it), the index of that tensor's record and its dtype;
+    None otherwise. The copy is a new tensor, so :meth:`Watcher.record_of` (by identity)
+    does not know it; its node leads to the tensor's own node (a leaf's AccumulateGrad holds
+    the tensor), which a recorded tensor, still alive and unchanged, shares."""
+    fn = x.grad_fn
+    if fn is None or type(fn).__name__ != "ToCopyBackward0" or len(fn.next_functions) != 1:
+        return None
+    node, nr = fn.next_functions[0]
+    if node is None:
+        return None
+    leaf = getattr(node, "variable", None)
+    if isinstance(leaf, torch.Tensor):
+        candidates: list[torch.Tensor] = [leaf]
+    else:
+        candidates = [
+            t
+            for entry in list(watcher._known.values())
+            if (t := entry[0]()) is not None and t.grad_fn is node and t.output_nr == nr
+        ]
+    for t in candidates:
+        if _widens(t.dtype, x.dtype):
+            rec = watcher.record_of(t)
+            if rec is not None:
+                return rec.index, dtype_name(t.dtype)
+    if candidates or leaf is not None:
+        return None
+    return _dead_upcast_source(watcher, x, node, nr)
+
+
+def _dead_upcast_source(
+    watcher: Watcher, x: torch.Tensor, node: Any, nr: int
+) -> tuple[int, str] | None:
+    """The record of the tensor a widening copy was made of when that tensor is gone
+    (``criterion(model(x).float(), y)``: the model's output was a temporary): a forward
+    record of the same autograd node type, dtype and shape whose measured min and max are
+    the copy's own (a widening cast keeps every value); None when none matches. The node's
+    metadata gives the tensor's dtype and shape (torch >= 2.5)."""
+    try:
+        meta = node._input_metadata[nr]
+        dtype, shape = meta.dtype, tuple(meta.shape)
+    except Exception:  # older torch: no metadata on the node
+        return None
+    if not _widens(dtype, x.dtype) or shape != tuple(x.shape) or x.numel() == 0:
+        return None
+    name, want = type(node).__name__, dtype_name(dtype)
+    found = [
+        r
+        for r in watcher.trace.records
+        if r.phase.value == "forward"
+        and r.grad_fn == name
+        and r.dtype == want
+        and tuple(r.shape) == shape
+    ]
+    if not found:
+        return None
+    try:
+        lo, hi = (float(v) for v in aminmax(x.detach()))
+    except RuntimeError:  # a layout without plain values (sparse)
+        return None
+    for r in reversed(found):  # the latest: the model's output, after its children's
+        if _measured(watcher, r.index) == (lo, hi):
+            return r.index, want
+    return None
+
+
+def _measured(watcher: Watcher, index: int) -> tuple[float, float] | None:
+    """The min and max a record measured this step (read, or still on the device)."""
+    mm = watcher._minmax.get(index)
+    if mm is not None:
+        return float(mm[0]), float(mm[1])
+    rec = watcher.trace.record(index)
+    s = rec.stat if rec is not None else None
+    if s is None or math.isnan(s.min) or math.isnan(s.max):
+        return None
+    return s.min, s.max
+
+
 def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
     x, v = p.input, p.values
     data: dict[str, Any] = {
@@ -2338,6 +2742,12 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
     }
     rec = watcher.record_of(x)
     data["input_source"] = rec.index if rec is not None else None
+    if rec is None:
+        up = _upcast_source(watcher, x)
+        if up is not None:
+            # the loss took a widening copy (logits.float()): the same values, seen in
+            # input_dtype; the record holds them in the narrower input_upcast_from
+            data["input_source"], data["input_upcast_from"] = up
     t = p.target
     if t is not None:
         data["target_dtype"] = dtype_name(t.dtype)

@@ -842,6 +842,24 @@ class Watcher:
             return None
         return self._minmax.get(entry[1])
 
+    def made_by_watched(self, t: torch.Tensor) -> bool:
+        """``t`` is, or is a copy or view of, a tensor a watched module returned this step
+        (its autograd node, through at most three casts and views, was recorded): a value
+        bad in it is traced to that module by the step's localization."""
+        node = t.grad_fn
+        for _ in range(4):
+            if node is None:
+                return False
+            if node in self._recorded_nodes:
+                return True
+            if type(node).__name__ not in _SAFE_NODES and not type(node).__name__.startswith(
+                "ToCopy"
+            ):
+                return False
+            nxt = node.next_functions
+            node = nxt[0][0] if len(nxt) == 1 else None
+        return False
+
     @property
     def report(self) -> Report:
         """The report of everything recorded so far (a rich renderable; ``.save(path)``)."""

@@ -105,6 +105,17 @@ CHECKS: dict[str, tuple[str, str]] = {
         "between each pair of equal adjacent labels): its loss is +inf without "
         "zero_infinity=True.",
     ),
+    "NW517": (
+        "Loss weight is inf, NaN or negative",
+        "A loss's weight or pos_weight holds inf or NaN (n_neg / n_pos or 1 / counts where a "
+        "class has no sample), or a class weight is negative: the loss is inf or NaN.",
+    ),
+    "NW518": (
+        "Target logit is -inf",
+        "CrossEntropyLoss/NLLLoss got -inf at a row's target class (a mask that also covers "
+        "the target, the log of a zero probability): that row's loss is +inf (NaN when the "
+        "whole row is -inf).",
+    ),
 }
 
 
@@ -237,3 +248,13 @@ def embedding_bag_offsets(ctx: RuleContext) -> Iterator[Diagnosis]:
 @_register("NW516")
 def ctc_target_too_long(ctx: RuleContext) -> Iterator[Diagnosis]:
     return _found(ctx, "NW516")
+
+
+@_register("NW517")
+def loss_weight_not_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW517")
+
+
+@_register("NW518")
+def target_logit_neginf(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW518")
