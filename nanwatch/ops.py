@@ -1184,6 +1184,80 @@ def _leaf(
     return v if isinstance(v, torch.Tensor) else None
 
 
+def _python_number(v: Any) -> int | float | None:
+    """The Python number autograd saved as a 0-dim "wrapped number" tensor (``loss / n``
+    with ``n`` an int saves ``n`` as an int64 tensor), else None. A wrapped number defers
+    to a 0-dim tensor of a narrower dtype of its kind in type promotion; a tensor the user
+    made (``torch.tensor(0)``) does not."""
+    if not isinstance(v, torch.Tensor) or v.dim() != 0 or v.requires_grad:
+        return None
+    probe = {torch.int64: torch.int8, torch.float64: torch.float16}.get(v.dtype)
+    if probe is None:
+        return None
+    try:
+        if torch.result_type(torch.empty((), dtype=probe), v) != probe:
+            return None
+        n = v.item()
+    except Exception:  # a tensor subclass or a torch without this promotion: a tensor
+        return None
+    return n if isinstance(n, (int, float)) and not isinstance(n, bool) else None
+
+
+#: ops whose result is 0 wherever the values they sum, multiply or move are all 0: a
+#: denominator made by them from exp() terms is 0 when those exps underflowed
+_CARRIES_ZERO = frozenset(
+    {
+        *("Sum", "Mean", "Mv", "Mm", "Bmm", "Dot", "Mul", "Add", "Cumsum", "Clone"),
+        *("T", "Transpose", "Permute", "View", "UnsafeView", "Reshape", "Expand"),
+        *("Unsqueeze", "Squeeze", "Select", "Slice", "Index", "ToCopy"),
+    }
+)
+_EXP_NODES = frozenset({"Exp", "Exp2"})
+
+
+def _made_by(node: Any, i: int, depth: int = 4, budget: int = 32) -> dict[str, int | str]:
+    """What made the ``i``-th input of ``node`` (a division's denominator), read from the
+    autograd graph: ``other_made_by``, the chain of node names from its producer down to an
+    exp() it sums or moves (``MvBackward0<ExpBackward0`` for ``a / (K @ v)`` with ``K =
+    torch.exp(...)``), else the producer alone; with ``exp_zeros`` / ``exp_numel`` of that
+    exp's saved result. Walks at most ``depth`` levels and ``budget`` nodes: called only for
+    an event being reported."""
+    try:
+        first = node.next_functions[i][0]
+    except (IndexError, AttributeError, RuntimeError):
+        return {}
+    if first is None or accumulates_grad(first):
+        return {}
+    seen = 0
+
+    def walk(n: Any, level: int) -> list[Any] | None:
+        nonlocal seen
+        seen += 1
+        base = re.sub(r"Backward\d*$", "", n.name())
+        if base in _EXP_NODES:
+            return [n]
+        if level >= depth or base not in _CARRIES_ZERO:
+            return None
+        for nxt, _ in n.next_functions:
+            if nxt is None or accumulates_grad(nxt) or seen >= budget:
+                continue
+            got = walk(nxt, level + 1)
+            if got is not None:
+                return [n, *got]
+        return None
+
+    try:
+        chain = walk(first, 1)
+    except Exception:  # an unusual node: the producer alone
+        chain = None
+    out: dict[str, int | str] = {"other_made_by": "<".join(n.name() for n in chain or [first])}
+    r = _saved(chain[-1], "_saved_result") if chain else None
+    if isinstance(r, torch.Tensor) and r.numel():
+        out["exp_zeros"] = _has(r, lambda v: v == 0)
+        out["exp_numel"] = r.numel()
+    return out
+
+
 def _kinds_of(values: Sequence[Any]) -> frozenset[str]:
     out: frozenset[str] = frozenset()
     for v in values:
@@ -1278,6 +1352,11 @@ def _elementwise_event(
     vals = [
         (name, v if v is not None else _leaf(node, i, values)) for i, (name, v) in enumerate(vals)
     ]
+    # ``loss / n`` with ``n`` a Python number: a number, as the op checker records it
+    vals = [
+        (name, n if name == "other" and (n := _python_number(v)) is not None else v)
+        for name, v in vals
+    ]
     if base == "Logit" and vals[1][1] is None:
         vals = vals[:1]  # logit(x) without eps
     rounding = _saved(node, "_saved_rounding_mode") if base == "Div" else None
@@ -1301,6 +1380,8 @@ def _elementwise_event(
         zeros = _has(den, lambda v: v == 0)
         if isinstance(den, (int, float)) and not isinstance(den, bool) and den == 0:
             zeros = 1
+        elif zeros:  # what made the zeros: an exp() that underflowed, summed (K @ v)
+            scalars.update(_made_by(node, 1))
         if not zeros:  # a tiny denominator (a softmax probability of 1e-42): x/d overflows
             if result is None or not isinstance(result, torch.Tensor):
                 return None

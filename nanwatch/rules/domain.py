@@ -848,6 +848,12 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             else "exact zeros"
         )
         evidence.append(f"denominator holds {zeros}: {describe_stat(den)}")
+    elif _python_count(ev):
+        evidence.append(
+            f"denominator: the scalar {ev.scalars['other']}, a Python int (a count), not a tensor"
+        )
+        if not ev.source:
+            evidence.append(untraced_hint(ctx.facts.get("mode")))
     elif "other" in ev.scalars:
         evidence.append(f"denominator: the scalar {ev.scalars['other']}")
     elif unmeasured:
@@ -867,7 +873,9 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if ev.phase is Phase.BACKWARD:
         evidence.append(f"in backward (autograd node {ev.node})")
     title = "Division by zero (0/0)" if zero_over_zero else "Division by zero"
-    under = _exp_underflow(ev) if den is not None and not integer else None
+    under = (
+        (_exp_underflow(ev) or _graph_underflow(ev)) if den is not None and not integer else None
+    )
     if under is not None:
         yield _underflowed_denominator(ctx, a, ev, under, evidence=evidence, title=title)
         return
@@ -882,6 +890,21 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             evidence=evidence,
             explanation=_scale_text(ev.dtype),
             fix=_SCALE_FIX,
+        )
+        return
+    if _python_count(ev):
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=title,
+            evidence=evidence,
+            explanation=(
+                "The denominator is a Python int, a count, and it was 0 at this step: a "
+                "number of gradient-accumulation micro-batches computed as len(batch) // "
+                "micro_batch_size for a short last batch, an accumulation count of 0, the "
+                "size of an empty batch. x/0 is ±inf and 0/0 is NaN. Count with ceiling "
+                "division (-(-len(batch) // micro_batch_size)) or floor the count at 1."
+            ),
+            fix=_count_fix(ev),
         )
         return
     every = den is not None and not integer and den.numel > 1 and den.zeros == den.numel
@@ -935,6 +958,11 @@ class _Underflow:
     name: str | None  #: the name the exp was assigned to (``K``), None when it is inline
     made: str  #: the code that made the exp (``K = torch.exp(-C / eps)``)
     exponent: str | None  #: the exp's argument (``-C / eps``)
+    #: read from the autograd graph, no line known: the nodes from the denominator's
+    #: producer down to the exp (``MvBackward0<ExpBackward0``) and the exp result's exact
+    #: zeros and size
+    graph: tuple[str, ...] = ()
+    zeros: tuple[int, int] | None = None
 
 
 def _exp_underflow(ev: OpEvent) -> _Underflow | None:
@@ -960,6 +988,39 @@ def _exp_underflow(ev: OpEvent) -> _Underflow | None:
         if made is not None and _EXP_CALL.search(made):
             return _Underflow(den, name, made, _exp_argument(made))
     return None
+
+
+def _graph_underflow(ev: OpEvent) -> _Underflow | None:
+    """The zero denominator of a forward division was made from an exp() whose result holds
+    exact zeros, through ops that sum or move values (``a / (K @ v)``, ``exp(x).sum()``),
+    read from the autograd graph (``other_made_by``) when the line is unknown."""
+    chain = ev.scalars.get("other_made_by")
+    z, n = ev.scalars.get("exp_zeros"), ev.scalars.get("exp_numel")
+    if ev.phase is not Phase.FORWARD or not isinstance(chain, str):
+        return None
+    if not isinstance(z, int) or not isinstance(n, int) or z <= 0:
+        return None
+    nodes = tuple(chain.split("<"))
+    if node_base(nodes[-1]) not in ("Exp", "Exp2"):
+        return None
+    return _Underflow("", None, "", None, graph=nodes, zeros=(z, n))
+
+
+def _python_count(ev: OpEvent) -> bool:
+    """The denominator is a Python int (``loss / n_micro``): a count, no tensor."""
+    n = ev.scalars.get("other")
+    return isinstance(n, int) and not isinstance(n, bool) and "other" not in dict(ev.inputs)
+
+
+def _count_fix(ev: OpEvent) -> str:
+    """``max(n, 1)`` around the user's Python-int divisor: a count of 0 divides by 1."""
+    own = rewrite_divisor(ev.code, lambda d: f"max({d}, 1)")
+    if own is not None:
+        return f"{own}   # a count of 0 divides by 1 (an int: no tensor to clamp)"
+    return (
+        "y = x / max(d, 1)   # d: the Python int you divide by (a count): at least 1, "
+        "no tensor to clamp"
+    )
 
 
 def _exp_argument(code: str) -> str | None:
@@ -1008,6 +1069,8 @@ def _underflowed_denominator(
     assert lim is not None
     dtype = ev.dtype or "float32"
     low, normal = math.log(lim.subnormal / 2), math.log(lim.tiny)
+    if u.graph:
+        return _graph_underflowed(ctx, a, ev, u, evidence=evidence, title=title)
     evidence.append(
         f"the denominator {u.denominator} is a sum of exp() terms"
         + (f": {u.made}" if u.name else "")
@@ -1044,15 +1107,68 @@ def _underflowed_denominator(
         **op_fields(ev, a),
         title=f"{title}: exp() underflowed to 0",
         evidence=evidence,
-        explanation=(
-            f"The denominator is a sum of exp() terms, and exp(x) is exactly 0 in {dtype} "
-            f"for x below {fmt(low)}: with exponents as large in magnitude as x / eps for a "
-            "small temperature or entropic eps (a Sinkhorn kernel exp(-C / eps), a softmax "
-            "written by hand) every term underflowed and the sum is 0, so x/0 is inf. "
-            "Clamping the denominator keeps it finite but wrong: every quotient is 0, and so "
-            "is its gradient. In the log domain the sum is torch.logsumexp, which subtracts "
-            "the largest exponent first and never underflows."
-        ),
+        explanation=_UNDERFLOW_TEXT.format(dtype=dtype, low=fmt(low)),
+        fix="\n".join(lines),
+    )
+
+
+_UNDERFLOW_TEXT = (
+    "The denominator is a sum of exp() terms, and exp(x) is exactly 0 in {dtype} for x "
+    "below {low}: with exponents as large in magnitude as x / eps for a small temperature "
+    "or entropic eps (a Sinkhorn kernel exp(-C / eps), a softmax written by hand) every "
+    "term underflowed and the sum is 0, so x/0 is inf. Clamping the denominator keeps it "
+    "finite but wrong: every quotient is 0, and so is its gradient. In the log domain the "
+    "sum is torch.logsumexp, which subtracts the largest exponent first and never "
+    "underflows."
+)
+
+
+def _graph_underflowed(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, u: _Underflow, *, evidence: list[str], title: str
+) -> Diagnosis:
+    """:func:`_underflowed_denominator` told from the autograd graph (the line unknown):
+    the nodes that made the denominator from exp(), and how many of the exp's values are
+    exactly 0."""
+    lim = limits(ev.dtype) or limits("float32")
+    assert lim is not None
+    dtype = ev.dtype or "float32"
+    low, normal = math.log(lim.subnormal / 2), math.log(lim.tiny)
+    bases = [node_base(n).lower() for n in u.graph]
+    via = f" through {' of '.join(bases[:-1])}" if len(bases) > 1 else ""
+    z, n = u.zeros or (0, 0)
+    held = f"every one of its {n:,} values is 0" if z == n else f"{z:,} of its {n:,} values are 0"
+    evidence.append(
+        f"the denominator was made from exp(){via} (autograd nodes {' < '.join(u.graph)}), "
+        f"and {held}: exp(x) is exactly 0 in {dtype} for x below {fmt(low)} (below "
+        f"{fmt(normal)} it loses precision), so those terms underflowed"
+    )
+    evidence.append(untraced_hint(ctx.facts.get("mode")))
+    lines = ["log_K = x   # x: what you pass to torch.exp(x); keep it, never form the exp"]
+    if len(bases) > 1 and bases[0] in ("mv", "dot"):
+        lines.append(
+            "log_d = torch.logsumexp(log_K + torch.log(v), dim=-1)   # was d = torch.exp(x) "
+            "@ v: finite where the product underflows to 0"
+        )
+    elif len(bases) > 1 and bases[0] in ("mm", "bmm"):
+        lines.append(
+            "log_d = torch.logsumexp(log_K.unsqueeze(-1) + torch.log(V).unsqueeze(-3), "
+            "dim=-2)   # was d = torch.exp(x) @ V: finite where the product underflows to 0"
+        )
+    else:
+        lines.append(
+            "log_d = torch.logsumexp(log_K, dim=-1)   # was d = torch.exp(x).sum(-1): finite "
+            "where the sum underflows to 0"
+        )
+    lines += [
+        "log_y = torch.log(num) - log_d   # was y = num / d: divide by subtracting logs",
+        f"# or a larger temperature (eps) so that the exponents stay above {fmt(normal)}; "
+        "not .clamp_min(eps): the quotient and its gradient become 0 and training stops",
+    ]
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: exp() underflowed to 0",
+        evidence=evidence,
+        explanation=_UNDERFLOW_TEXT.format(dtype=dtype, low=fmt(low)),
         fix="\n".join(lines),
     )
 
