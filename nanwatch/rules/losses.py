@@ -620,7 +620,11 @@ def ignored_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
 
 def _low_dtype(trace: StepTrace, use: LossUse) -> str | None:
     """The low-precision dtype the logits live in: the loss input's own, the dtype of the
-    record it came from, or the dtype of the model's outputs (autocast)."""
+    record it came from, or the dtype of the model's outputs (autocast). None when the loss
+    took a float32 (or float64) copy of them (``logits.float()``, the note's
+    ``input_upcast_from``): its exp runs in that copy's range."""
+    if use.data("input_upcast_from") is not None and use.input_dtype in ("float32", "float64"):
+        return None
     for d in (use.input_dtype, use.measured.dtype if use.measured is not None else None):
         if low_precision(d) is not None:
             return d

@@ -24,6 +24,7 @@ from nanwatch.records import (
     LOSS_PATH,
     Anomaly,
     AnomalyKind,
+    Note,
     OpEvent,
     Phase,
     Record,
@@ -58,7 +59,8 @@ from nanwatch.rules._evidence import (
     signed_max,
     untraced_hint,
 )
-from nanwatch.rules.base import Diagnosis, RuleContext, rule
+from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule
+from nanwatch.rules.gradients import _growing_averages, _normalized
 from nanwatch.stats import DtypeLimits
 
 # ---------------------------------------------------------------------- NW101
@@ -298,8 +300,10 @@ def _from_op(
         evidence.append(batch.line(ctx.step))
     elif jump is not None:
         evidence.append(jump.line(_lr_note(ctx, jump.path)))
+        evidence += [] if jump.elsewhere else _setting_evidence(ctx)
     elif wide and lim is not None and name not in CAST and not result_only:
         evidence.append(_growth_line(ctx, a, name, _overflowing(name, x, big), lim))
+        evidence += [] if _first_step(ctx) else _setting_evidence(ctx)
     arg = _overflowing(name, x, big)
     f32 = _exp_bound("float32")
     if lim is not None and lim.short_range and name in _BARE_EXP and arg > f32 and not result_only:
@@ -336,11 +340,18 @@ def _from_op(
                 "(q @ k^T) / sqrt(d), and their sums stay in range"
             )
     elif jump is not None and lim is not None:
-        explanation = _explain_jump(jump, dtype, lim)
+        explanation = _explain_jump(jump, dtype, lim, _setting_cause(ctx))
         fix = _fix_jump(ctx, jump)
     elif wide and lim is not None:
+        setting = None if first else _growing_setting(ctx)
         explanation = _explain_wide(
-            kind, dtype, lim, None if result_only else x, big, recurrent=recurrent
+            kind,
+            dtype,
+            lim,
+            None if result_only else x,
+            big,
+            recurrent=recurrent,
+            cause=setting.explanation if setting is not None else "",
         )
         fix = _fix_wide(
             kind,
@@ -351,8 +362,9 @@ def _from_op(
             recurrent=recurrent,
             first=first,
             ref=_module_ref(ctx, a),
-            lr=_lr_fix(ctx, _grown_path(ctx, a)),
+            update=_update_fix(ctx, _grown_path(ctx, a), clip_first=True),
             clip=_clip_line(ctx),
+            setting=setting is not None,
         )
     elif power is not None and lim is not None:
         explanation = (
@@ -1045,7 +1057,8 @@ def _group_of(ctx: RuleContext, path: str) -> int | None:
     return None
 
 
-def _explain_jump(j: _Jump, dtype: str, lim: DtypeLimits) -> str:
+def _explain_jump(j: _Jump, dtype: str, lim: DtypeLimits, cause: str = "") -> str:
+    """``cause``: what the records say grew the update (an optimizer setting, NW306)."""
     if j.elsewhere:
         return (
             f"{j.path}'s outputs grew ×{fmt(j.gain)} between two steps while its inputs did "
@@ -1054,13 +1067,18 @@ def _explain_jump(j: _Jump, dtype: str, lim: DtypeLimits) -> str:
             f"values past {fmt(lim.max)}, {dtype}'s largest value; the dtype and the "
             "learning rate are not the cause."
         )
-    return (
+    head = (
         f"{j.path}'s outputs grew ×{fmt(j.gain)} in {j.step - j.since} step"
         f"{'s' if j.step - j.since > 1 else ''} while its inputs did not: the optimizer "
-        f"moved its weights that far. A learning rate too large for this model (a typo: "
-        f"1e3 for 1e-3) makes one update jump the weights by orders of magnitude; {dtype} "
-        f"then overflows ({fmt(lim.max)} is its largest value), but a wider dtype or a "
-        "GradScaler only delays it: lower the learning rate."
+        "moved its weights that far. "
+    )
+    if cause:
+        return head + cause
+    return head + (
+        "A learning rate too large for this model (a typo: 1e3 for 1e-3) makes one update "
+        f"jump the weights by orders of magnitude; {dtype} then overflows ({fmt(lim.max)} is "
+        "its largest value), but a wider dtype or a GradScaler only delays it: lower the "
+        "learning rate."
     )
 
 
@@ -1075,7 +1093,7 @@ def _fix_jump(ctx: RuleContext, j: _Jump) -> str:
             "load_state_dict of a diverged checkpoint) and check the values it writes:\n"
             f"print(max(p.abs().max().item() for p in {owner}.parameters()))"
         )
-    return "\n".join([*_lr_fix(ctx, j.path), _clip_line(ctx)])
+    return "\n".join(_update_fix(ctx, j.path, clip_first=False))
 
 
 #: optimizers whose step() takes a closure that computes the loss and its gradients: a
@@ -1088,9 +1106,102 @@ def _closure_optimizer(ctx: RuleContext) -> bool:
     return bool(names & _CLOSURE_OPTIMIZERS)
 
 
+def _hand_updated(ctx: RuleContext) -> bool:
+    """Steps came before this one and no torch.optim step of the watched weights was
+    recorded in any of them: the user's own code updates the weights (``p -= lr * p.grad``),
+    and there is no ``optimizer`` to name in a fix."""
+    if _first_step(ctx) or not ctx.history:
+        return False
+    return not any(n.kind == "optimizer" for t in (*ctx.history, ctx.trace) for n in t.notes)
+
+
+def _growing_setting(ctx: RuleContext) -> Diagnosis | None:
+    """NW306's diagnosis of a running-average setting (momentum, betas, alpha, rho at or
+    past 1) in the latest step of each optimizer recorded: its update grows step after
+    step whatever the learning rate, so a lower lr or clipping only delays the overflow."""
+    latest: dict[str, Note] = {}
+    for t in (*ctx.history, ctx.trace):
+        for n in t.notes:
+            if n.kind == "optimizer":
+                latest[n.path] = n
+    for n in latest.values():
+        probe = RuleContext(
+            StepTrace(step=ctx.step, notes=[n]), (), ctx.thresholds, rule=REGISTRY["NW306"]
+        )
+        found = next(_growing_averages(probe), None)
+        if found is not None:
+            return found
+    return None
+
+
+def _setting_evidence(ctx: RuleContext) -> list[str]:
+    """NW306's evidence for an optimizer setting that makes the update grow: the group's
+    value and what it does; [] when none does."""
+    setting = _growing_setting(ctx)
+    return list(setting.evidence[:2]) if setting is not None else []
+
+
+def _setting_cause(ctx: RuleContext) -> str:
+    """NW306's explanation of an optimizer setting that makes the update grow; ""."""
+    setting = _growing_setting(ctx)
+    return setting.explanation if setting is not None else ""
+
+
+def _normalizing(ctx: RuleContext) -> str | None:
+    """The class of the latest optimizer recorded when it normalizes the gradient (Adam and
+    its kin: each weight moves by about lr per step whatever the gradient, so clipping the
+    gradients does not bound its step); None otherwise."""
+    last = next(
+        (
+            n.path
+            for t in reversed((*ctx.history, ctx.trace))
+            for n in reversed(t.notes)
+            if n.kind == "optimizer"
+        ),
+        None,
+    )
+    return last if last is not None and _normalized(last) else None
+
+
+def _update_fix(ctx: RuleContext, path: str | None, *, clip_first: bool) -> list[str]:
+    """What to change in the training update that grew the values, most effective first: an
+    optimizer setting that makes the update grow whatever the lr (NW306); for Adam and its
+    kin the learning rate alone (clipping cannot bound their step); otherwise clipping and
+    a lower lr (of a hand-written update, said in words: there is no ``optimizer``)."""
+    setting = _growing_setting(ctx)
+    if setting is not None:
+        return [
+            *setting.fix.splitlines()[:1],
+            "# a lower lr or gradient clipping only delays the overflow: this setting makes "
+            "the update grow every step (NW306)",
+        ]
+    lr = _lr_fix(ctx, path)
+    opt = _normalizing(ctx)
+    if opt is not None:
+        return [
+            *lr,
+            f"# no gradient clipping: {opt} moves each weight by about lr per step whatever the "
+            "gradient's size, so clipping cannot bound its step",
+        ]
+    clip = _clip_line(ctx)
+    return [clip, *lr] if clip_first else [*lr, clip]
+
+
 def _clip_line(ctx: RuleContext) -> str:
     """Gradient clipping where it acts: before step(), or inside a closure optimizer's
-    closure, after its backward()."""
+    closure, after its backward(), or before a hand-written update. Where clipping cannot
+    bound the update, what does: the optimizer setting that makes it grow (NW306), or
+    nothing ("") for Adam and its kin."""
+    setting = _growing_setting(ctx)
+    if setting is not None:
+        return setting.fix.splitlines()[0]
+    if _hand_updated(ctx):
+        return (
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # right before "
+            "your own update of the weights"
+        )
+    if _normalizing(ctx) is not None:
+        return ""
     if _closure_optimizer(ctx):
         return (
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # inside the "
@@ -1162,6 +1273,11 @@ def _lr_fix(ctx: RuleContext, path: str | None = None) -> list[str]:
     with several param groups, only the one holding the weights of ``path`` (the module
     whose weights grew), when the records say which it is."""
     steps = _lr_steps(ctx)
+    if not steps and _hand_updated(ctx):
+        return [
+            "# no torch.optim optimizer stepped: make the lr of your own update (p -= lr * "
+            "p.grad) 10 times lower, or find the code that wrote the weights"
+        ]
     if not steps:
         return ['for g in optimizer.param_groups: g["lr"] /= 10   # a learning rate 10 times lower']
     last = steps[-1]
@@ -1200,6 +1316,11 @@ def _lr_fix(ctx: RuleContext, path: str | None = None) -> list[str]:
             f'for g in optimizer.param_groups: g["lr"] = 1e-3   # was {fmt(lr)} '
             f"({last.optimizer}): far above any usable learning rate"
         ]
+    if _normalized(last.optimizer) and lr > 1e-2:  # Adam's steps are about lr per weight
+        return [
+            f'for g in optimizer.param_groups: g["lr"] = 1e-3   # was {fmt(lr)} '
+            f"({last.optimizer}: 1e-5 to 1e-2 is usual)"
+        ]
     return [
         f'for g in optimizer.param_groups: g["lr"] = {fmt(lr / 10)}   # was {fmt(lr)} '
         f"({last.optimizer})"
@@ -1210,6 +1331,8 @@ def _lr_note(ctx: RuleContext, path: str | None = None) -> str:
     """``(SGD lr 0.336, up from 0.12 at step 0)`` for the growth line; "" when unknown.
     With several param groups, the lr of the one holding ``path``'s weights when known."""
     steps = _lr_steps(ctx)
+    if not steps and _hand_updated(ctx):
+        return " (no torch.optim optimizer step was recorded: the weights are updated by hand)"
     if not steps:
         return ""
     last = steps[-1]
@@ -1339,7 +1462,7 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     noun = "inputs" if a.kind is AnomalyKind.FORWARD else "values"
     batch = _batch_jump(ctx, a)
     grew = batch.line(ctx.step) if batch else _growth_line(ctx, a, "", big, lim, noun=noun)
-    evidence = [first, grew]
+    evidence = [first, grew, *([] if batch or _first_step(ctx) else _setting_evidence(ctx))]
     exploded = next(
         (t.step for t in ctx.history for d in t.diagnoses if getattr(d, "code", "") == "NW303"),
         None,
@@ -1350,7 +1473,16 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
         explanation = _explain_batch(batch, top.dtype)
         fix = _fix_batch(batch)
     else:
-        explanation = _explain_wide("other", top.dtype, lim, top.stat, big, recurrent=False)
+        setting = None if _first_step(ctx) else _growing_setting(ctx)
+        explanation = _explain_wide(
+            "other",
+            top.dtype,
+            lim,
+            top.stat,
+            big,
+            recurrent=False,
+            cause=setting.explanation if setting is not None else "",
+        )
         fix = _fix_wide(
             "other",
             "",
@@ -1360,8 +1492,9 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             recurrent=False,
             first=_first_step(ctx),
             ref=_module_ref(ctx, a),
-            lr=_lr_fix(ctx, _grown_path(ctx, a)),
+            update=_update_fix(ctx, _grown_path(ctx, a), clip_first=True),
             clip=_clip_line(ctx),
+            setting=setting is not None,
         )
     yield ctx.diagnosis(
         **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix, priority=20
@@ -1400,7 +1533,9 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
         explanation, fix = _explain_batch(batch, rec.dtype), _fix_batch(batch)
     elif jump is not None:
         evidence[-1] = jump.line(_lr_note(ctx, jump.path))
-        explanation, fix = _explain_jump(jump, rec.dtype, lim), _fix_jump(ctx, jump)
+        evidence += [] if jump.elsewhere else _setting_evidence(ctx)
+        explanation = _explain_jump(jump, rec.dtype, lim, _setting_cause(ctx))
+        fix = _fix_jump(ctx, jump)
     if batch is not None or jump is not None:
         yield ctx.diagnosis(
             **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix, priority=20
@@ -1467,8 +1602,11 @@ def _explain_wide(
     big: float,
     *,
     recurrent: bool,
+    cause: str = "",
 ) -> str:
-    """float32 / float64: the range is vast, so the values themselves exploded."""
+    """float32 / float64: the range is vast, so the values themselves exploded; ``cause``,
+    when the records name what grew them (an optimizer setting, NW306), says it instead of
+    the usual suspects."""
     top = fmt(lim.max)
     head = (
         f"{dtype} holds values up to {top}: reaching that is not a precision problem, and "
@@ -1501,6 +1639,8 @@ def _explain_wide(
             "grow geometrically when nothing normalizes them."
         )
         return head + f"The inputs of this product were already up to {fmt(big)}." + more
+    if cause:
+        return head + f"The inputs reached {fmt(big)}. {cause}"
     return head + (
         f"The inputs reached {fmt(big)}: find what lets them grow (a learning rate too "
         "high, no gradient clipping, an un-normalized residual stream)."
@@ -1517,9 +1657,13 @@ def _fix_wide(
     recurrent: bool,
     first: bool,
     ref: str,
-    lr: Sequence[str] = (),
-    clip: str = "",
+    update: Sequence[str] = (),
+    clip: str | None = None,
+    setting: bool = False,
 ) -> str:
+    """``update``: what to change in the training update, in order (:func:`_update_fix`);
+    ``clip``: the line that bounds it, placed among a product's fixes ("" for none);
+    ``setting``: an optimizer setting makes the update grow (NW306), the cause itself."""
     plain = code.split("  #", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
     if kind == "softmax":
@@ -1558,9 +1702,8 @@ def _fix_wide(
         )
     if kind == "cast":
         return _fix_cast(code, dtype)
-    clip = clip or (
-        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before step()"
-    )
+    if clip is None:
+        clip = "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before step()"
     if kind == "matmul" and recurrent:
         lines = [
             f"for name, w in {ref}.named_parameters():   # recurrent weights, gain <= 1",
@@ -1581,11 +1724,13 @@ def _fix_wide(
             "bound it (x.clamp)"
         )
     else:
-        lines = [clip, *(lr or ['for g in optimizer.param_groups: g["lr"] /= 10'])]
+        lines = list(update) or [clip, 'for g in optimizer.param_groups: g["lr"] /= 10']
     if first:
-        return "\n".join(lines[:-1])  # no update yet: clipping is no fix
-    if kind != "other":
-        return "\n".join([*lines[-1:], *lines[:-1]])  # grew in training: clipping first
+        return "\n".join(x for x in lines[:-1] if x)  # no update yet: clipping is no fix
+    if kind != "other":  # grew in training: clipping first
+        return "\n".join(x for x in [*lines[-1:], *lines[:-1]] if x)
+    if setting:  # the optimizer setting is the cause, not an un-normalized architecture
+        return "\n".join(lines)
     return "\n".join([*lines, "# and normalize what grows (nn.LayerNorm) before this op"])
 
 
