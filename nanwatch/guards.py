@@ -1953,6 +1953,11 @@ def _kl_failure(p: _Probe, v: dict[str, float], n: int, mask: torch.Tensor) -> N
     )
 
 
+#: losses whose 0 target contributes a constant with no gradient (max(0, -0 * d + margin),
+#: cosine embedding's neither-case): a 0 beside 1 and -1 is a tie skipped on purpose
+_TIES_SKIPPED = frozenset({"margin_ranking_loss", "cosine_embedding_loss"})
+
+
 def _check_sign(p: _Probe) -> None:
     _check_broadcast(p)
     _input_stats(p)
@@ -1969,6 +1974,10 @@ def _check_sign(p: _Probe) -> None:
             return
         values, counts = _value_counts(t[bad])
         tgt = p.arg("target")
+        if p.spec.name in _TIES_SKIPPED and set(values) == {0.0} and bool((t == -1).any()):
+            # sign(a - b) of ranks: ties give 0, which these losses score as a constant with
+            # no gradient, the usual way to skip tied pairs; the 1/-1 convention is in use
+            return
         if bool(((t == 0) | (t == 1)).all()):  # failure path
             hint, fix = " — these are 0/1 labels", p.call_with(target=f"{tgt} * 2 - 1")
         else:
