@@ -1534,3 +1534,299 @@ def first_root_outputs(trace: StepTrace) -> list[Record]:
             if m is not None:
                 out.append(m)
     return out
+
+
+# ---------------------------------------------------------------------- an eps that is 0
+
+
+@dataclass(frozen=True)
+class LostEps:
+    """An eps on the user's line (``x / (std + 1e-8)``, ``torch.log(mel + self.eps)``,
+    ``p.clamp_min(1e-8)``) in the operand of the op that failed, which is 0 in the op's
+    dtype: 1e-8 is below half of float16's smallest subnormal (5.96e-08) and rounds to 0."""
+
+    text: str  #: the eps as written: ``1e-8``, ``self.eps``
+    value: float | None  #: a literal's value; None for a name (its value is not known)
+    dtype: str  #: the dtype it was added in (``float16``)
+    lim: DtypeLimits  #: that dtype's limits (of each part, for a complex dtype)
+    floor: str  #: an eps that counts in ``dtype``: a power of ten at or above finfo.tiny
+    line: str  #: the user's statement with the eps raised to ``floor``
+
+    def words(self, what: str) -> str:
+        """Evidence: why the eps did not keep ``what`` (``the log's input``) off 0."""
+        sub = self.lim.subnormal
+        if self.value is not None:
+            return (
+                f"the {self.text} on this line is 0 in {self.dtype} (its smallest subnormal is "
+                f"{fmt(sub)}; anything below {fmt(sub / 2)} rounds to 0): it did not keep "
+                f"{what} off 0"
+            )
+        example = " (1e-8 does)" if _rounds_to_zero(1e-8, self.dtype) else ""
+        return (
+            f"the line adds {self.text}, yet {what} holds exact zeros: there {self.text} "
+            f"added nothing, so it is 0, or below {fmt(sub / 2)} (half of {self.dtype}'s "
+            f"smallest subnormal {fmt(sub)}), which rounds to 0 in {self.dtype}{example}"
+        )
+
+    def fix(self) -> str:
+        """The user's line with the eps raised, and what to do instead."""
+        tiny = fmt(self.lim.tiny)
+        wider = (
+            ", or compute this line in float32"
+            if self.lim.short_range
+            else f" ({self.text} must not be 0)"
+            if self.value is None
+            else ""
+        )
+        return (
+            f"{self.line}\n"
+            f"# an eps must be at least {tiny} (torch.finfo(torch.{self.dtype}).tiny) to "
+            f"count in {self.dtype}{wider}"
+        )
+
+
+#: the ops whose operand an eps keeps off 0, by the kind of op that failed
+_EPS_OPS = {
+    "log": frozenset({"log", "log2", "log10"}),
+    "root": frozenset({"sqrt", "rsqrt"}),
+}
+_EPS_NAME = re.compile(r"eps", re.IGNORECASE)
+_STMT_KEYWORD = re.compile(r"^(return|yield|await|assert)\s+")
+
+
+@functools.lru_cache(maxsize=256)
+def _rounds_to_zero(value: float, dtype: str) -> bool:
+    """A positive number that is 0 once stored in ``dtype`` (a complex one: in its parts)."""
+    import torch
+
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype) or not (dt.is_floating_point or dt.is_complex):
+        return False
+    try:
+        return value > 0 and bool(torch.tensor(value, dtype=dt) == 0)
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _parsed(stmt: str) -> tuple[ast.AST, int] | None:
+    """``stmt`` parsed, and the offset of the parsed text in it (``return x`` parses ``x``)."""
+    try:
+        return ast.parse(stmt), 0
+    except SyntaxError:
+        pass
+    m = _STMT_KEYWORD.match(stmt)
+    if m is None:
+        return None
+    try:
+        return ast.parse(stmt[m.end() :]), m.end()
+    except SyntaxError:
+        return None
+
+
+def _call_name(node: ast.Call) -> str:
+    f = node.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
+def _eps_operands(tree: ast.AST, kind: str) -> list[ast.expr]:
+    """The operands of ``kind``'s ops in ``tree``: the argument of each log (or sqrt), the
+    base of each fractional power, each denominator."""
+    out: list[ast.expr] = []
+    names = _EPS_OPS.get(kind, frozenset())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = _call_name(node)
+            method = isinstance(node.func, ast.Attribute) and not (
+                isinstance(node.func.value, ast.Name) and node.func.value.id in ("torch", "F")
+            )
+            if name in names:
+                out += [node.func.value] if method and not node.args else node.args[:1]  # type: ignore[attr-defined]
+            elif kind == "div" and name in ("div", "true_divide", "divide"):
+                out += node.args[:1] if method else node.args[1:2]
+            elif kind == "div" and name == "reciprocal":
+                out += [node.func.value] if method and not node.args else node.args[:1]  # type: ignore[attr-defined]
+            elif kind == "root" and name == "pow":
+                out += [node.func.value] if method else node.args[:1]  # type: ignore[attr-defined]
+        elif isinstance(node, ast.BinOp):
+            if kind == "div" and isinstance(node.op, ast.Div):
+                out.append(node.right)
+            elif kind == "root" and isinstance(node.op, ast.Pow):
+                out.append(node.left)
+    return out
+
+
+def _eps_in(operand: ast.expr) -> Iterator[tuple[ast.expr, float | None]]:
+    """The eps terms inside an operand: a positive number added to it or clamped at, and a
+    name holding ``eps`` added to it; each with a literal's value (None for a name)."""
+    for node in ast.walk(operand):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            for side in (node.right, node.left):
+                if isinstance(side, ast.Constant) and isinstance(side.value, (int, float)):
+                    if not isinstance(side.value, bool):
+                        yield side, float(side.value)
+                elif isinstance(side, (ast.Name, ast.Attribute)):
+                    ident = side.attr if isinstance(side, ast.Attribute) else side.id
+                    if _EPS_NAME.search(ident):
+                        yield side, None
+        elif isinstance(node, ast.Call) and _call_name(node) in ("clamp_min", "clamp", "add"):
+            cands = [k.value for k in node.keywords if k.arg in ("min", "other")]
+            if _call_name(node) != "clamp" or not cands:
+                cands += node.args[-1:] if isinstance(node.func, ast.Attribute) else []
+            for c in cands[:1]:
+                if (
+                    isinstance(c, ast.Constant)
+                    and isinstance(c.value, (int, float))
+                    and not isinstance(c.value, bool)
+                ):
+                    yield c, float(c.value)
+
+
+def lost_eps(code: str | None, dtype: str | None, kind: str, *, zeros: bool) -> LostEps | None:
+    """An eps in the operand of the ``kind`` op (``"log"``, ``"div"``, ``"root"``) on the
+    user's line that is 0 in ``dtype``: a literal that rounds to 0 there, or (``zeros``: the
+    operand holds exact zeros although the eps was added) a name holding ``eps``, whose
+    value nanwatch does not know. None when the line shows neither."""
+    lim = limits(dtype)
+    if lim is None or not dtype or not code:
+        return None
+    # the power of ten at or above finfo.tiny, and no smaller than the usual 1e-8
+    floor = f"1e-{min(8, max(0, -math.ceil(math.log10(lim.tiny))))}"
+    for stmt in statements(code):
+        parsed = _parsed(stmt)
+        if parsed is None:
+            continue
+        tree, shift = parsed
+        for operand in _eps_operands(tree, kind):
+            for node, value in _eps_in(operand):
+                if value is not None and not _rounds_to_zero(value, dtype):
+                    continue
+                if value is None and not zeros:
+                    continue
+                begin = shift + node.col_offset
+                end = shift + (node.end_col_offset or node.col_offset)
+                text = stmt[begin:end]
+                new = floor if value is not None else f"max({text}, {floor})"
+                return LostEps(
+                    text=text,
+                    value=value,
+                    dtype=dtype,
+                    lim=lim,
+                    floor=floor,
+                    line=stmt[:begin] + new + stmt[end:],
+                )
+    return None
+
+
+# ---------------------------------------------------------------------- log of a target
+
+
+@dataclass(frozen=True)
+class LoggedTarget:
+    """A functional loss whose target holds -inf (and no NaN) because the loss line itself
+    takes its log (``F.l1_loss(S.log(), T.log())`` with zeros in ``T``): log(0) = -inf,
+    made on the loss line, not a bad target in the data."""
+
+    note: Note  #: the loss call's ``"loss_input"`` note
+    loss: str  #: ``F.l1_loss``
+    target: str  #: the target expression as written: ``T.log()``
+    base: str  #: what the log was taken of: ``T``
+    how: str  #: how nanwatch knows: the line's text or the target's autograd node
+    line: str | None  #: the loss statement with a floor under its logs (None: line unknown)
+    floor: str  #: that floor (``1e-5``)
+    both: bool  #: the prediction is a log on the line too, and got the floor as well
+
+
+_LOG_NODES_BY_NAME = frozenset({"LogBackward0", "Log2Backward0", "Log10Backward0"})
+
+
+def _log_base(node: ast.expr) -> ast.expr | None:
+    """``x`` of ``x.log()`` / ``torch.log(x)`` (log2, log10 too); None for anything else."""
+    if not isinstance(node, ast.Call) or _call_name(node) not in ("log", "log2", "log10"):
+        return None
+    f = node.func
+    if isinstance(f, ast.Attribute) and not node.args and not node.keywords:
+        return f.value
+    if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and node.args:
+        return node.args[0] if f.value.id == "torch" else None
+    return None
+
+
+def _loss_line_of(note: Note) -> str | None:
+    import linecache
+
+    line = note.data.get("source_line")
+    if isinstance(line, str) and line.strip():
+        return line.strip()
+    path, _, num = (note.source or "").rpartition(":")
+    if path and num.isdigit():
+        return linecache.getline(path, int(num)).strip() or None
+    return None
+
+
+def target_log(note: Note) -> LoggedTarget | None:
+    """The target of this loss call is -inf (no NaN) and was made by a log: its autograd
+    node is a log, or the loss line passes ``<x>.log()`` / ``torch.log(<x>)`` as the
+    target. None otherwise."""
+    d = note.data
+    lo, hi = _num(d.get("target_min")), _num(d.get("target_max"))
+    if lo is None or hi is None or lo != -math.inf or math.isnan(hi):
+        return None
+    ins = [_num(d.get(k)) for k in ("input_min", "input_max")]
+    if not all(v is not None and math.isfinite(v) for v in ins):
+        return None  # the prediction was bad too: its own op says why
+    loss = str(d.get("loss", note.path))
+    node = d.get("target_grad_fn")
+    by_node = isinstance(node, str) and node in _LOG_NODES_BY_NAME
+    dtype = d.get("target_dtype")
+    floor = "1e-5"
+    if isinstance(dtype, str) and _rounds_to_zero(1e-5, dtype):
+        lim = limits(dtype)
+        floor = f"1e-{-math.ceil(math.log10(lim.tiny))}" if lim is not None else floor
+    code = _loss_line_of(note)
+    fname = loss.rsplit(".", 1)[-1]
+    for stmt in statements(code):
+        parsed = _parsed(stmt)
+        if parsed is None:
+            continue
+        tree, shift = parsed
+        for call in ast.walk(tree):
+            if not isinstance(call, ast.Call) or _call_name(call) != fname:
+                continue
+            kw = {k.arg: k.value for k in call.keywords if k.arg}
+            tgt = kw.get("target", call.args[1] if len(call.args) > 1 else None)
+            pred = kw.get("input", call.args[0] if call.args else None)
+            base = _log_base(tgt) if tgt is not None else None
+            if tgt is None or base is None:
+                continue
+            edits = [base]
+            pbase = _log_base(pred) if pred is not None else None
+            if pbase is not None:
+                edits.append(pbase)
+            new = stmt
+            for b in sorted(edits, key=lambda n: n.col_offset, reverse=True):
+                s0, s1 = shift + b.col_offset, shift + (b.end_col_offset or b.col_offset)
+                new = new[:s0] + f"{paren(stmt[s0:s1])}.clamp_min({floor})" + new[s1:]
+            seg = (shift + tgt.col_offset, shift + (tgt.end_col_offset or tgt.col_offset))
+            bseg = (shift + base.col_offset, shift + (base.end_col_offset or base.col_offset))
+            return LoggedTarget(
+                note=note,
+                loss=loss,
+                target=stmt[seg[0] : seg[1]],
+                base=stmt[bseg[0] : bseg[1]],
+                how="the loss line takes the target's log",
+                line=new,
+                floor=floor,
+                both=pbase is not None,
+            )
+    if by_node:
+        return LoggedTarget(
+            note=note,
+            loss=loss,
+            target="the target",
+            base="the target's input",
+            how=f"the target's autograd node is {node}",
+            line=None,
+            floor=floor,
+            both=False,
+        )
+    return None

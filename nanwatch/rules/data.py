@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterator
 
 from nanwatch.records import LOSS_PATH, AnomalyKind, Note
-from nanwatch.rules._evidence import anomaly_fields, describe_stat, fmt
+from nanwatch.rules._evidence import anomaly_fields, describe_stat, fmt, target_log
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
 
@@ -147,6 +147,8 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
     if not bad:
         return
     n = bad[0]
+    if target_log(n) is not None:
+        return  # the loss line took the log of a target holding 0: NW110 says so
     loss = str(n.data.get("loss", n.path))
     at = f" at {n.source}" if n.source else ""
     lo, hi = n.data.get("target_min"), n.data.get("target_max")

@@ -18,6 +18,7 @@ from nanwatch._domains import Domain, domain_of
 from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, OpEvent, Phase, Record, TensorStat
 from nanwatch.rules._evidence import (
     DomainHit,
+    LoggedTarget,
     LossUse,
     Shortfall,
     activation_of,
@@ -40,6 +41,7 @@ from nanwatch.rules._evidence import (
     limits,
     loss_kind,
     loss_uses,
+    lost_eps,
     node_base,
     node_domain,
     note_num,
@@ -56,6 +58,7 @@ from nanwatch.rules._evidence import (
     shortfall,
     smallest_magnitude,
     statements,
+    target_log,
     untraced_hint,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
@@ -92,6 +95,11 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a is None or a.transient:
         return
     cause = cause_of(a)
+    if cause is None and a.kind is AnomalyKind.FORWARD and a.path == LOSS_PATH:
+        logged = _logged_target(ctx)
+        if logged is not None:  # F.l1_loss(S.log(), T.log()): log(0) of the target, untraced
+            yield _log_of_target(ctx, a, logged)
+            return
     if cause is not None:
         if cause.kind == "log":
             yield _log_from_op(ctx, a, cause.event, cause.trigger)
@@ -142,6 +150,69 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     )
 
 
+def _logged_target(ctx: RuleContext) -> LoggedTarget | None:
+    """The first functional loss call of the step with a finite prediction and a
+    non-finite target, when a log on the loss line made that target -inf (NW401 speaks
+    for the other bad targets)."""
+    for n in ctx.notes("loss_input"):
+        lo, hi = note_num(n, "target_min"), note_num(n, "target_max")
+        if lo is None or hi is None or (math.isfinite(lo) and math.isfinite(hi)):
+            continue
+        ins = [note_num(n, "input_min"), note_num(n, "input_max")]
+        if all(v is not None and math.isfinite(v) for v in ins):
+            return target_log(n)
+    return None
+
+
+def _log_of_target(ctx: RuleContext, a: Anomaly, t: LoggedTarget) -> Diagnosis:
+    d = t.note.data
+    src = t.note.source
+    at = f" at {src}" if src else ""
+    hi = note_num(t.note, "target_max")
+    lo_in, hi_in = note_num(t.note, "input_min"), note_num(t.note, "input_max")
+    evidence = [
+        f"the target of {t.loss}{at} (shape {d.get('target_shape', '?')}) holds -inf and no "
+        f"NaN: min -inf, max {fmt(hi)}, what log(0) returns",
+        (
+            f"{t.how}: {t.target} is -inf wherever {t.base} is exactly 0"
+            if t.line is not None
+            else f"{t.how}: a log made it, and log(0) = -inf"
+        ),
+        f"its input (the prediction) was finite: [{fmt(lo_in)}, {fmt(hi_in)}]",
+    ]
+    bad = [
+        n
+        for n in ctx.notes("loss_input")
+        if n is not t.note and target_log(n) is not None and n.source == t.note.source
+    ]
+    if bad:
+        evidence.append(f"{len(bad)} more call(s) of that line this step got a -inf target")
+    fields = anomaly_fields(a)
+    fields.update(path=t.loss, op="aten.log", source=src)
+    of = t.base if t.line is not None else "the target"
+    fix = (
+        f"{t.line}   # log(0) = -inf: a floor of {t.floor} under "
+        + ("both logs" if t.both else "the log")
+        + f"\n# or torch.log1p({of}): log(1 + x) is 0 at 0, and needs no floor"
+        if t.line is not None
+        else f"target = torch.log(x.clamp_min({t.floor}))   # x: what the target's log is "
+        "taken of; log(0) = -inf\n# or torch.log1p(x): 0 at 0"
+    )
+    return ctx.diagnosis(
+        **fields,
+        evidence=evidence,
+        explanation=(
+            f"The target data is finite: the -inf is made on the loss line, by the log of "
+            f"{of}, and log(0) = -inf. An exact 0 there (digital silence in a "
+            "spectrogram's magnitude, an empty frequency bin, a zero count or intensity) "
+            "makes the log target -inf and the loss inf. The target does not require grad, "
+            "so no op of the graph records the log: the line does. Put a floor under what "
+            "the log is taken of (the prediction's log needs it as much), or use log1p."
+        ),
+        fix=fix,
+    )
+
+
 def _looks_like_mask(rec: Record) -> bool:
     text = f"{rec.path} {rec.module_type}".lower()
     return any(k in text for k in ("attn", "attention", "mask"))
@@ -165,6 +236,8 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     x = (input_named(ev, dom.arg) if dom is not None else None) or first_input(ev)
     op = short_op(ev.op)
     name = "log1p" if dom is not None and dom.lo == -1.0 else packet(ev.op)
+    if ev.phase is Phase.FORWARD and ev.dtype.startswith("complex") and has_zero(x):
+        return _complex_log(ctx, a, ev, trigger, x)
     evidence: list[str] = []
     at = "-1" if name == "log1p" else "0"
     if "-inf" in ev.born:
@@ -178,6 +251,24 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     evidence += _chain_evidence(ev, trigger, "-inf")
     if ev.phase is Phase.BACKWARD:
         evidence.append(f"in backward (autograd node {ev.node}): d/dx log(x) = 1/x is inf at 0")
+    lost = (
+        lost_eps(ev.code, ev.dtype, "log", zeros=has_zero(x))
+        if ev.phase is Phase.FORWARD and "-inf" in ev.born and name != "log1p"
+        else None
+    )
+    if lost is not None:  # the line has an eps, and in this dtype it is 0
+        evidence.insert(1, lost.words(f"the input of {op}"))
+        return ctx.diagnosis(
+            **op_fields(ev, a),
+            evidence=evidence,
+            explanation=(
+                f"{op} is -inf at 0. The eps added on this line is meant to keep its input "
+                f"off 0, but {ev.dtype} cannot hold it: a number below half of "
+                f"{ev.dtype}'s smallest subnormal is stored as 0, so 0 + eps is still 0. "
+                "Use an eps the dtype can hold, or compute this line in a wider dtype."
+            ),
+            fix=lost.fix(),
+        )
     poisson = _poisson_use(ctx, a, ev, x) if ev.phase is Phase.FORWARD else None
     if poisson is not None:
         return _log_in_poisson(ctx, a, ev, x, use=poisson, evidence=evidence)
@@ -202,6 +293,57 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
             )
         ),
         fix=use.fix if use is not None else _LOG_FIX,
+    )
+
+
+def _complex_log(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent, x: TensorStat | None
+) -> Diagnosis:
+    """log of a complex tensor holding exact zeros: log(0) = -inf+0j. nanwatch measures a
+    complex tensor by |z|, so the -inf reads as +inf (|log 0| = inf). A complex tensor has
+    no clamp_min: its zeros are replaced (torch.where), not clamped."""
+    op = short_op(ev.op)
+    evidence = [
+        f"{op} of a complex 0 is -inf+0j: its input holds {_zeros_text(x, 'log')} "
+        "(nanwatch measures complex tensors by |z|, so it reports |log(0)| = +inf)",
+        f"input |z| ({ev.dtype}): {describe_stat(x)}",
+        *_chain_evidence(ev, trigger, "-inf"),
+    ]
+    lost = lost_eps(ev.code, ev.dtype, "log", zeros=True)
+    if lost is not None:
+        evidence.insert(1, lost.words(f"the input of {op}"))
+
+    args: list[str] = []
+
+    def nonzero(e: str) -> str:
+        z = paren(e)
+        args.append(z)
+        return f"torch.where({z} == 0, torch.finfo({z}.dtype).eps, {z})"
+
+    own = rewrite_call(ev.code, ["log", "log2", "log10"], nonzero)
+    z = args[0] if own is not None and args else "z"
+    fix = (
+        f"{lost.line}   # {lost.text} is 0 here: a positive eps keeps every bin off 0"
+        if lost is not None
+        else f"{own}   # a complex 0 becomes eps + 0j: its log is finite"
+        if own is not None
+        else f"logz = torch.log({nonzero(z)})   # z: the complex tensor"
+    )
+    fix += (
+        f"\n# a complex tensor has no clamp_min; a real log-magnitude: "
+        f"torch.log({z}.abs().clamp_min(1e-5))"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=(
+            "The complex log is log|z| + i·arg(z): at z = 0, log|z| = -inf. An exactly zero "
+            "spectrum bin (a silent frame, digital silence, a zero-padded or masked signal) "
+            "makes it, and the next op (an inverse FFT, a sum, a product) turns it into "
+            "NaN. Replace the exact zeros before the log: a complex tensor cannot be "
+            "clamped."
+        ),
+        fix=fix,
     )
 
 
@@ -873,6 +1015,27 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if ev.phase is Phase.BACKWARD:
         evidence.append(f"in backward (autograd node {ev.node})")
     title = "Division by zero (0/0)" if zero_over_zero else "Division by zero"
+    lost = (
+        lost_eps(ev.code, ev.dtype, "div", zeros=has_zero(den))
+        if ev.phase is Phase.FORWARD and not integer
+        else None
+    )
+    if lost is not None:  # the line keeps the denominator off 0 with an eps that is 0 here
+        evidence.insert(1, lost.words("the denominator"))
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=title,
+            evidence=evidence,
+            explanation=(
+                "The eps added to the denominator on this line is meant to keep it off 0 "
+                f"(a standard deviation or a norm of constant input is 0), but {ev.dtype} "
+                f"cannot hold it: a number below half of {ev.dtype}'s smallest subnormal is "
+                "stored as 0, so 0 + eps is still 0 and x/0 is ±inf, 0/0 NaN. Use an eps the "
+                "dtype can hold, or compute the normalization in a wider dtype."
+            ),
+            fix=lost.fix(),
+        )
+        return
     under = (
         (_exp_underflow(ev) or _graph_underflow(ev)) if den is not None and not integer else None
     )
@@ -1549,6 +1712,22 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
     else:
         explanation = _root_forward_text(e)
         fix = _root_forward_fix(e, measured=x is not None and own)
+    lost = (
+        lost_eps(ev.code, ev.dtype, "root", zeros=not backward and has_zero(x))
+        if own and cancel is None and not negative
+        else None
+    )
+    if lost is not None and pole and lost.value is None:
+        lost = None  # the pole's own fix says what to do with an eps attribute of 0
+    if lost is not None:  # the line keeps the root's input off 0 with an eps that is 0 here
+        evidence.insert(1, lost.words("the input of the root"))
+        explanation = (
+            f"The eps added on this line is meant to keep the root's input off 0 (where "
+            f"sqrt's gradient 1/(2·sqrt(x)) is inf), but {ev.dtype} cannot hold it: a number "
+            f"below half of {ev.dtype}'s smallest subnormal is stored as 0, so 0 + eps is "
+            "still 0. Use an eps the dtype can hold, or compute this line in a wider dtype."
+        )
+        fix = lost.fix()
     return ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
 
 

@@ -223,6 +223,8 @@ def _from_op(
     src = ev.scalars.get("source_dtype")
     source = src if isinstance(src, str) else None
     power: tuple[float, float, float] | None = None
+    # a complex tensor's statistics are of |z|: exp's overflow is governed by Re(z) alone
+    cplx = dtype.startswith("complex") and name in EXP_LIKE
     if lim is None:
         evidence.append(f"{op} made {ev.born} in {dtype}")
     elif result_only:
@@ -241,6 +243,8 @@ def _from_op(
             f"(min {fmt(x.min)}, max {fmt(x.max)}); it overflows for |x| above "
             f"{fmt(lim.exp_bound + math.log(2))} = log(2 × {fmt(lim.max)})"
         )
+    elif name in EXP_LIKE and cplx:
+        evidence.append(_complex_exp_line(op, ev.born, dtype, x, lim))
     elif name in EXP_LIKE:
         top = signed_max(x)
         given = (
@@ -284,7 +288,7 @@ def _from_op(
             + f"; the largest finite {dtype} value is {fmt(lim.max)}"
         )
     for nm, s in ev.inputs[:3]:
-        evidence.append(f"input {nm}: {describe_stat(s)}")
+        evidence.append(f"input {nm}{' |z|' if cplx else ''}: {describe_stat(s)}")
     if ints is not None:
         evidence.append(f"input {ints[0]}{_paren_note(source)}: {describe_stat(ints[1])}")
     # float32 and up, and bfloat16 (float32's range: an upcast would not help it)
@@ -302,9 +306,13 @@ def _from_op(
         evidence.append(jump.line(_lr_note(ctx, jump.path)))
         evidence += [] if jump.elsewhere else _setting_evidence(ctx)
     elif wide and lim is not None and name not in CAST and not result_only:
-        evidence.append(_growth_line(ctx, a, name, _overflowing(name, x, big), lim))
+        evidence.append(
+            _growth_line(
+                ctx, a, name, math.nan if cplx else _overflowing(name, x, big), lim, complex_=cplx
+            )
+        )
         evidence += [] if _first_step(ctx) else _setting_evidence(ctx)
-    arg = _overflowing(name, x, big)
+    arg = math.nan if cplx else _overflowing(name, x, big)
     f32 = _exp_bound("float32")
     if lim is not None and lim.short_range and name in _BARE_EXP and arg > f32 and not result_only:
         evidence.append(
@@ -324,6 +332,8 @@ def _from_op(
         )
     fields = op_fields(ev, a)
     kind = _kind(name, ev, chain, ctx.trace.ops)
+    if cplx and kind == "softmax":
+        kind = "exp"  # a complex tensor has no max to subtract: bound its real part
     device = device_type(ev, a.record.device)
     recurrent = a.record.module_type in _RECURRENT
     first = _first_step(ctx)
@@ -352,6 +362,7 @@ def _from_op(
             big,
             recurrent=recurrent,
             cause=setting.explanation if setting is not None else "",
+            complex_=cplx,
         )
         fix = _fix_wide(
             kind,
@@ -365,6 +376,7 @@ def _from_op(
             update=_update_fix(ctx, _grown_path(ctx, a), clip_first=True),
             clip=_clip_line(ctx),
             setting=setting is not None,
+            complex_=cplx,
         )
     elif power is not None and lim is not None:
         explanation = (
@@ -394,6 +406,26 @@ def _from_op(
             result=_true_result(name, ev),
         )
     return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
+
+
+def _complex_exp_line(
+    op: str, born: str, dtype: str, x: TensorStat | None, lim: DtypeLimits
+) -> str:
+    """exp of a complex z: |exp(z)| = e^Re(z), so its real part passed the bound; what is
+    recorded of a complex tensor is |z| only, an upper bound of Re(z), not Re(z) itself."""
+    part = lim.name
+    top = signed_max(x)
+    known = (
+        f"; nanwatch records only |z| of a complex tensor (here up to {fmt(top)}): an upper "
+        "bound of Re(z), not its value"
+        if not math.isnan(top)
+        else ""
+    )
+    return (
+        f"{op} made {born} in {dtype}: |exp(z)| = e^Re(z), so the real part of its input "
+        f"passed {fmt(lim.exp_bound)} = log({fmt(lim.max)}), the largest finite {part} value "
+        f"(each part of a {dtype} is a {part}){known}"
+    )
 
 
 def _integer_source(ev: OpEvent) -> tuple[str, TensorStat] | None:
@@ -1347,11 +1379,21 @@ def _lr_note(ctx: RuleContext, path: str | None = None) -> str:
 
 
 def _growth_line(
-    ctx: RuleContext, a: Anomaly, name: str, big: float, lim: DtypeLimits, *, noun: str = "inputs"
+    ctx: RuleContext,
+    a: Anomaly,
+    name: str,
+    big: float,
+    lim: DtypeLimits,
+    *,
+    noun: str = "inputs",
+    complex_: bool = False,
 ) -> str:
     """For float32/float64: the values themselves exploded; say when. For an exp-like op,
-    ``big`` is its largest argument (see :func:`_overflowing`)."""
-    if name in EXP_LIKE and math.isfinite(big):
+    ``big`` is its largest argument (see :func:`_overflowing`); ``complex_``: of a complex
+    argument, whose real part (unrecorded) passed the bound."""
+    if name in EXP_LIKE and complex_:
+        what = f"the real part of exp's argument passed {fmt(lim.exp_bound)}"
+    elif name in EXP_LIKE and math.isfinite(big):
         base = 2.0 if name.rstrip("_") == "exp2" else math.e
         power = f"2^{fmt(big)}" if base == 2.0 else f"e^{fmt(big)}"
         what = f"exp's argument reached {fmt(big)} ({power} ≈ 1e{int(big * math.log10(base))})"
@@ -1603,10 +1645,11 @@ def _explain_wide(
     *,
     recurrent: bool,
     cause: str = "",
+    complex_: bool = False,
 ) -> str:
     """float32 / float64: the range is vast, so the values themselves exploded; ``cause``,
     when the records name what grew them (an optimizer setting, NW306), says it instead of
-    the usual suspects."""
+    the usual suspects; ``complex_``: an exp of a complex tensor."""
     top = fmt(lim.max)
     head = (
         f"{dtype} holds values up to {top}: reaching that is not a precision problem, and "
@@ -1618,6 +1661,15 @@ def _explain_wide(
             f"above {fmt(lim.exp_bound)} is inf, and the normalization then makes inf / inf "
             "= NaN. Subtracting the row maximum first keeps every exp at most 1 and gives the "
             "same result; torch.softmax and torch.logsumexp do it for you."
+        )
+    if kind == "exp" and complex_:
+        return head + (
+            f"For a complex z, |exp(z)| = e^Re(z): the imaginary part only turns the phase, "
+            f"and the real part alone overflows {dtype} above {fmt(lim.exp_bound)}. A real "
+            "part with no upper bound -- a learned decay or damping that went negative, a "
+            "log-amplitude -- grows with it (a mode exp((-d + iω)·t) with d < 0 grows "
+            "without limit in t). Keep the decay positive by construction (softplus), or "
+            "bound the real part; a clamp of the complex tensor itself does not exist."
         )
     if kind == "exp":
         arg = signed_max(x)
@@ -1660,6 +1712,7 @@ def _fix_wide(
     update: Sequence[str] = (),
     clip: str | None = None,
     setting: bool = False,
+    complex_: bool = False,
 ) -> str:
     """``update``: what to change in the training update, in order (:func:`_update_fix`);
     ``clip``: the line that bounds it, placed among a product's fixes ("" for none);
@@ -1684,20 +1737,32 @@ def _fix_wide(
         bound = lim.exp_bound / (math.log(2) if name.rstrip("_") == "exp2" else 1.0)
         cap = math.floor(bound / 2 * 10) / 10
         bounds = f"-{cap}, {cap}" if name.rstrip("_") in _BOTH_SIDES else f"max={cap}"
-        fixed = rewrite_call(code, [name.rstrip("_")], lambda e: f"{paren(e)}.clamp({bounds})")
-        first_line = (
-            fixed if fixed is not None else f"y = torch.{name.rstrip('_')}(x.clamp({bounds}))"
-        )
+        if complex_:  # no clamp for complex tensors: bound the real part, keep the phase
+
+            def wrap(e: str) -> str:
+                return f"torch.complex({paren(e)}.real.clamp({bounds}), {paren(e)}.imag)"
+
+        else:
+
+            def wrap(e: str) -> str:
+                return f"{paren(e)}.clamp({bounds})"
+
+        fixed = rewrite_call(code, [name.rstrip("_")], wrap)
+        first_line = fixed if fixed is not None else f"y = torch.{name.rstrip('_')}({wrap('x')})"
         last = (
             "# log(cosh(d)), a log-cosh loss, without cosh: "
             "d.abs() + F.softplus(-2 * d.abs()) - math.log(2)"
-            if name.rstrip("_") == "cosh"
+            if name.rstrip("_") == "cosh" and not complex_
+            else "# or bound the real part where it is made: a decay or damping passed "
+            "through F.softplus (never negative) instead of a raw parameter"
+            if complex_
             else "std = F.softplus(raw) + 1e-4   # or: a scale parameterized by softplus, not exp"
         )
+        what = "the real part" if complex_ else "the argument"
         return (
             f"{first_line}\n"
-            f"# {cap} = half of {fmt(lim.exp_bound)}: exp stays below sqrt({fmt(lim.max)}) = "
-            f"{fmt(math.sqrt(lim.max))}, so a product of two still fits\n"
+            f"# {cap} = half of {fmt(lim.exp_bound)}: bounding {what} keeps |exp| below "
+            f"sqrt({fmt(lim.max)}) = {fmt(math.sqrt(lim.max))}, so a product of two still fits\n"
             f"{last}"
         )
     if kind == "cast":

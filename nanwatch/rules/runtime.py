@@ -5,6 +5,7 @@ nondeterminism, and no layer should be blamed."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from nanwatch.rules._evidence import anomaly_fields, module_ref
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
@@ -96,6 +97,33 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             "    if p.dim() > 1:\n"
             "        print(n, 'zero rows:', (p.flatten(1).norm(dim=1) == 0).sum().item())"
         )
+    elif _from_the_start(ctx, tensors):
+        # non-finite at the first forward nanwatch saw, before any update: made so when the
+        # module was built (its __init__: a register_buffer of a 0/0) or loaded
+        t0 = tensors[0]
+        kind = "buffer" if t0["kind"] == "buffer" else "tensor attribute"
+        cls = _owner_type(ctx, a.path, t0["name"])
+        when = (
+            "when nanwatch attached"
+            if t0.get("finite_at_attach") is False
+            else f"at the first forward nanwatch saw (step {ctx.step}, before any update)"
+        )
+        evidence.append(f"{names[0]} already held {t0['stat']} {when}")
+        explanation = (
+            f"{names[0]} ({kind}) already held {t0['stat']} {when}: it was computed so when "
+            f"the module was built (in {cls}) or loaded from a checkpoint, not by "
+            "training; the forward only passed it on. A constant table built at init (a "
+            "filterbank, a window, a positional table) normalized by a sum, a norm or a "
+            "count that is 0 for one of its rows gets 0/0 = NaN there."
+        )
+        listed = ", ".join(repr(t["name"]) for t in tensors[:4])
+        fix = (
+            f"m = {ref}   # right after building it (or loading its checkpoint):\n"
+            "print([n for n, t in [*m.named_buffers(), *vars(m).items()]\n"
+            f"       if torch.is_tensor(t) and not torch.isfinite(t).all()])   # {listed}\n"
+            f"# then fix the code in {cls} that computes it (or the checkpoint): "
+            "keep its denominators off 0, e.g. x / x.sum(dim, keepdim=True).clamp_min(1e-12)"
+        )
     else:
         explanation = (
             f"{names[0]} was already non-finite when the forward ran: it was set or updated "
@@ -115,3 +143,30 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             + "# then find the code that writes it"
         )
     yield ctx.diagnosis(**anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix)
+
+
+def _from_the_start(ctx: RuleContext, tensors: list[dict[str, Any]]) -> bool:
+    """The first non-finite tensor is a buffer or a plain attribute (not a running
+    statistic) that was bad from the start: the attach check found it so (a note's
+    ``finite_at_attach``, when the watcher records it), or it was bad at the first forward
+    of the run, before any update (the first step, no history)."""
+    t = tensors[0]
+    if t.get("kind") not in ("buffer", "attribute") or str(t.get("name", "")).split(".")[
+        -1
+    ].startswith("running_"):
+        return False
+    at_attach = t.get("finite_at_attach")
+    if at_attach is not None:
+        return at_attach is False
+    return not ctx.history and ctx.step == 0
+
+
+def _owner_type(ctx: RuleContext, path: str, name: str) -> str:
+    """``MelFrontend.__init__`` for a tensor ``name`` held by the module at ``path`` (its
+    class from the step's calls); a generic phrase when a submodule holds it or the class
+    is not known."""
+    if "." not in name:
+        for c in ctx.trace.calls:
+            if c.path == path and c.module_type:
+                return f"{c.module_type}.__init__"
+    return "its module's __init__"
