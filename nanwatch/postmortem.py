@@ -131,9 +131,10 @@ ADVICE: dict[str, str] = {
     ),
     "autograd-inplace": (
         "Autograd saved a tensor for the backward pass and an in-place op changed it before "
-        "backward ran. The module whose recorded output changed is listed: replace the "
-        "in-place op (x.mul_(2) -> x = x * 2; nn.ReLU(inplace=False); out[mask] = 0 -> "
-        "out = out.masked_fill(mask, 0))."
+        "backward ran. The module output, buffer or parameter that changed is listed when "
+        "nanwatch matched it: replace the in-place op (x.mul_(2) -> x = x * 2; "
+        "nn.ReLU(inplace=False); out[mask] = 0 -> out = out.masked_fill(mask, 0)), or write "
+        "a buffer only after backward."
     ),
     "anomaly": "nanwatch stopped the run at the first anomaly (on_anomaly='raise').",
     "guard": (

@@ -347,6 +347,9 @@ class Report:
         running = [e for e in events if e.running]
         if self.error is not None and self.error.get("class") == "autograd-inplace":
             found = self.culprit()
+            state = next((m for m in found[0].mutations if m.get("name")), None) if found else None
+            if state is not None:  # a buffer or parameter of the module, not its output
+                return f" in backward: {state['name']}, saved by autograd, was modified in place"
             if found is not None:
                 return f" in backward: the saved output of {found[1].path} was modified in place"
         if running:

@@ -508,6 +508,11 @@ class Watcher:
         #: the optimizer that last stepped each weight (by the weight's id): its state is
         #: read for that weight only once the weight is found non-finite
         self._stepped_by: dict[int, weakref.ReferenceType[Any]] = {}
+        #: each watched weight's gradient as the last optimizer step that updated it left
+        #: it, followed through backward passes to see whether it was reset (NW307): id ->
+        #: [weight, weak reference to its .grad, the .grad's version last seen, changed
+        #: in place outside a backward since, a backward added to it without a reset]
+        self._grad_marks: dict[int, list[Any]] = {}
         #: each weight's finiteness as the attach check read it (absent: not read)
         self._attach_finite: dict[int, bool] = {}
         self._checking_attach = False
@@ -1334,7 +1339,9 @@ class Watcher:
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Global optimizer pre-hook: what each update of watched weights is made of (the
         learning rate, eps, weight decay and momentum, the weights' dtypes), as an
-        ``"optimizer"`` note for the rules.
+        ``"optimizer"`` note for the rules, and a ``"stale_grads"`` note when gradients it
+        is about to apply still hold those of its last step (NW307, see
+        :meth:`_grads_around_backward`).
         One dict per parameter group; no tensor is read."""
         if (
             "optimizer" in self._disabled_hooks
@@ -1347,6 +1354,9 @@ class Watcher:
             name = type(optimizer).__name__
             ref = weakref.ref(optimizer)
             qualnames: dict[int, str] | None = None
+            marks = self._grad_marks
+            stale: list[str] = []  # weights whose gradient was never reset since last step
+            stale_group = -1
             for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
                 every = g.get("params", ())
                 for p in every:  # unwatched ones too: a weight watched later (a jit'd
@@ -1358,6 +1368,11 @@ class Watcher:
                     continue
                 if qualnames is None:
                     qualnames = {id(p): q for q, _, p in self._params}
+                for p in ps if marks else ():
+                    m = marks.get(id(p))
+                    if m is not None and m[4] and p.grad is m[1]():
+                        stale.append(qualnames[id(p)])
+                        stale_group = gi if stale_group < 0 else stale_group
                 entry: dict[str, Any] = {
                     "group": gi,
                     "params": len(ps),
@@ -1370,17 +1385,20 @@ class Watcher:
                         entry[key] = nums[0] if len(nums) == 1 else nums
                 if isinstance(g.get("centered"), bool):  # RMSprop
                     entry["centered"] = g["centered"]
+                # the running averages' coefficients (NW306: one >= 1 grows the update):
+                # SGD's momentum, Adam's betas, RMSprop's alpha, Adadelta's rho
+                for key in ("momentum", "dampening", "betas", "alpha", "rho"):
+                    nums = _plain_numbers(g.get(key))
+                    if nums and (any(nums) or key not in ("momentum", "dampening")):
+                        entry[key] = nums[0] if len(nums) == 1 else nums[:2]
+                if g.get("nesterov") is True:
+                    entry["nesterov"] = True
                 # what the weight decay does to the update (NW306): only when it is on
                 decay = _plain_numbers(g.get("weight_decay"))
                 if decay and decay[0]:
                     entry["weight_decay"] = decay[0]
-                    for key in ("momentum", "dampening"):
-                        nums = _plain_numbers(g.get(key))
-                        if nums and nums[0]:
-                            entry[key] = nums[0]
-                    for key in ("nesterov", "decoupled_weight_decay"):
-                        if g.get(key) is True:
-                            entry[key] = True
+                    if g.get("decoupled_weight_decay") is True:
+                        entry["decoupled_weight_decay"] = True
                 groups.append(entry)
             if groups:  # it updates watched weights (another model's optimizer does not)
                 self._after_backward = None  # an update: the next forward begins a step
@@ -1389,8 +1407,29 @@ class Watcher:
                 self._opt_forwarded = False
             if groups and len(self._trace.notes) < 256:
                 self.note("optimizer", type(optimizer).__name__, groups=groups)
+                if stale:
+                    self._note_stale_grads(optimizer, stale, stale_group, groups)
         except Exception as exc:
             self._fault("optimizer", "optimizer hook", exc)
+
+    def _note_stale_grads(
+        self, optimizer: Any, stale: list[str], group: int, groups: list[dict[str, Any]]
+    ) -> None:
+        """A ``"stale_grads"`` note: ``optimizer`` is about to apply gradients that backward
+        added to the ones of its previous step (NW307). The user's name for the optimizer
+        is looked up in the frame that called ``step()``."""
+        frame = _frames.user_frame(sys._getframe(1))
+        where, _ = _frames.describe_frame(frame)
+        self.note(
+            "stale_grads",
+            type(optimizer).__name__,
+            source=where,
+            variable=_name_in_frame(frame, optimizer),
+            group=group,
+            names=stale[:4],
+            count=len(stale),
+            params=sum(int(g["params"]) for g in groups),
+        )
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Global optimizer post-hook: each watched weight's version right after the update,
@@ -1400,13 +1439,63 @@ class Watcher:
             return
         self._opt_running = False
         try:
-            for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
-                for p in g.get("params", ()):
-                    entry = self._stepped.get(id(p))
-                    if entry is not None and entry[1] == gi:
-                        self._stepped[id(p)] = (entry[0], gi, p._version)
+            stepped, marks, watched = self._stepped, self._grad_marks, self._param_ids
+            if "grad_marks" in self._disabled_hooks:
+                watched = frozenset()
+            ref = weakref.ref
+            with _NO_TORCH_FUNCTION():  # p.grad through a mode's __torch_function__: slow
+                for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
+                    for p in g.get("params", ()):
+                        key = id(p)
+                        entry = stepped.get(key)
+                        if entry is not None and entry[1] == gi:
+                            stepped[key] = (entry[0], gi, p._version)
+                        if key in watched:  # marks: see _grads_around_backward
+                            grad = p.grad
+                            if grad is None:
+                                marks.pop(key, None)
+                            else:
+                                marks[key] = [p, ref(grad), grad._version, False, False]
         except Exception as exc:
             self._fault("optimizer", "optimizer post-hook", exc)
+
+    def _grads_around_backward(self, before: bool) -> None:
+        """Just ``before`` (or after) a ``backward()``: which gradients marked by the last
+        optimizer step (each watched weight's ``.grad``, by weak reference, and its version)
+        were reset since, and which this backward added to without a reset. A reset replaces
+        the gradient (``zero_grad()``'s ``set_to_none``, ``p.grad = None``) or changes it in
+        place outside backward (``grad.zero_()`` bumps its version, as
+        ``zero_grad(set_to_none=False)`` does). A gradient added to without one holds the
+        sum of every past gradient when the optimizer steps again (a forgotten
+        ``optimizer.zero_grad()``, NW307). A mark ends with a reset, so a healthy loop pays
+        one pass over its weights per optimizer step. No tensor is read."""
+        marks = self._grad_marks
+        if not marks or not self._attached or threading.get_ident() != self._thread:
+            return
+        if ops.replaying() or "grad_marks" in self._disabled_hooks:
+            return
+        try:
+            with _NO_TORCH_FUNCTION():
+                self._follow_marks(marks, before)
+        except Exception as exc:
+            marks.clear()
+            self._fault("grad_marks", "gradient reset check", exc)
+
+    @staticmethod
+    def _follow_marks(marks: dict[int, list[Any]], before: bool) -> None:
+        """See :meth:`_grads_around_backward`."""
+        for key, m in list(marks.items()):
+            g = m[0].grad
+            if g is None or g is not m[1]():
+                del marks[key]  # set to None or replaced: reset
+            elif g._version != m[2]:
+                m[2] = g._version
+                if before:
+                    m[3] = True  # changed outside backward: a zero_() (or a clip)
+                elif m[3]:
+                    del marks[key]  # changed, then backward added to it: reset
+                else:
+                    m[4] = True  # backward added to the last step's gradient
 
     def _found_scaler(self, scaler: Any) -> None:
         """``scaler.scale(loss)`` ran while attached (see ``_ScalerTap``)."""
@@ -1960,7 +2049,9 @@ class Watcher:
         metas: list[tuple[str, str, str]] = []
         for (q, path, p), owner_type in zip(self._params, self._param_types, strict=True):
             g = p.grad
-            if g is not None:
+            # a weight frozen with requires_grad_(False) keeps the .grad it had (zeros
+            # after zero_grad(set_to_none=False)): no backward wrote it, it is no gradient
+            if g is not None and p.requires_grad:
                 grads.append(g)
                 metas.append((q, path, owner_type))
         if not grads:
@@ -2962,10 +3053,12 @@ class Watcher:
                 self._quiet = False
             return None
         try:
-            info = postmortem.classify(exc)
+            info = postmortem.classify(exc, {id(p): q for q, _, p in self._params})
             if info.get("device_lost"):
                 self._device_dead = True
             self._note_mutations()
+            if info.get("class") == "autograd-inplace":
+                self._note_saved_state(str(exc))
             ended = self._ended_step_of(exc)
             (ended or self._trace).error = info
         except Exception as inner:  # the user's exception matters more than ours
@@ -3022,6 +3115,53 @@ class Watcher:
                         }
                     )
 
+    def _note_saved_state(self, message: str) -> None:
+        """autograd's in-place error names a tensor by type, shape and versions only: a
+        buffer or parameter of a watched module (or a view of one, which shares its version
+        counter) at the version the error reports is the one written in place after
+        autograd saved it (MoCo's queue, a memory bank, a weight the optimizer updated before
+        a second backward). Host-side metadata only: shapes, dtypes, version counters."""
+        from nanwatch.localize import parse_inplace_error
+
+        facts = parse_inplace_error(message)
+        if facts is None:
+            return
+        shape = tuple(facts["shape"]) if isinstance(facts["shape"], tuple) else ()
+        numel = math.prod(shape)
+        now = facts["version"]
+        kind_of = f"torch.{facts['tensor_type']}"
+        same: list[dict[str, Any]] = []
+        views: list[dict[str, Any]] = []
+        seen: set[int] = set()
+        for module, info in self._modules:
+            state = [
+                *(("buffer", n, t) for n, t in module.named_buffers(recurse=False)),
+                *(("parameter", n, t) for n, t in module.named_parameters(recurse=False)),
+            ]
+            for kind, name, t in state:
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                if _version(t) != now or t.numel() != numel or t.type() != kind_of:
+                    continue
+                exact = tuple(t.shape) == shape
+                (same if exact else views).append(
+                    {
+                        "path": info.path,
+                        "role": f"{kind} {name}",
+                        "grad_fn": facts["grad_fn"],
+                        "recorded_version": facts["expected_version"],
+                        "version": now,
+                        "kind": kind,
+                        "name": f"{info.path}.{name}",
+                        "attr": name,
+                        "owner_type": info.type_name,
+                        "shape": list(t.shape),
+                        "view": not exact,
+                    }
+                )
+        self._trace.mutations.extend((same or views)[:4])
+
 
 class _BackwardTap:
     """A scoped wrapper of ``torch.autograd.backward`` (which ``Tensor.backward`` calls):
@@ -3052,12 +3192,17 @@ class _BackwardTap:
                 self._original = None
 
     def _tapped(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        for w in list(self._watchers):
+        watchers = list(self._watchers)
+        for w in watchers:
+            w._grads_around_backward(True)
             w._on_backward(tensors)
         original = self._original
         if original is None:  # removed while we were called: behave as the real one
             return torch.autograd.backward(tensors, *args, **kwargs)
-        return original(tensors, *args, **kwargs)
+        out = original(tensors, *args, **kwargs)
+        for w in watchers:
+            w._grads_around_backward(False)
+        return out
 
 
 _backward_tap = _BackwardTap()
@@ -3080,6 +3225,24 @@ def _grad_scaler_classes() -> list[type]:
             out.append(cls)
         todo.extend(cls.__subclasses__())
     return out
+
+
+def _name_in_frame(frame: Any, obj: Any) -> str | None:
+    """The name ``frame`` holds ``obj`` under: a local, an attribute of its ``self``
+    (``self.optimizer``), or a global of its module (a training function that uses the
+    script's ``optimizer``)."""
+    if frame is None:
+        return None
+    local = frame.f_locals  # a dict, or (python 3.13) a proxy with the same methods
+    attrs = getattr(local.get("self"), "__dict__", None)
+    scopes: list[tuple[Any, str]] = [(local, ""), (attrs, "self."), (frame.f_globals, "")]
+    for names, prefix in scopes:
+        if not hasattr(names, "items"):
+            continue
+        for key, value in names.items():
+            if value is obj and isinstance(key, str) and key.isidentifier() and key != "self":
+                return prefix + key
+    return None
 
 
 def _plain_numbers(v: Any) -> list[float]:

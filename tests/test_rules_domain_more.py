@@ -1066,6 +1066,7 @@ def test_float16_adam_with_an_eps_that_float16_holds_stays_silent() -> None:
             "names": ["0.weight", "0.bias", "2.weight", "2.bias"],
             "lr": 1e-3,
             "eps": 1e-4,
+            "betas": [0.9, 0.999],
         }
     ]
 

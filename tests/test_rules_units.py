@@ -416,6 +416,16 @@ def case_weight_decay() -> Case:
     return Case(b.build())
 
 
+def case_stale_grads() -> Case:
+    b = TraceBuilder(1)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0))
+    b.forward(net, stat(-1.0, 1.0))
+    b.note("stale_grads", "SGD", source="train.py:12", variable="opt", group=0,
+           names=["fc.weight", "fc.bias"], count=2, params=2)  # fmt: skip
+    return Case(b.build())
+
+
 def case_input() -> Case:
     b = TraceBuilder(1)
     net = b.call("Sequential", root=True)
@@ -567,6 +577,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW304": case_vanishing,
     "NW305": case_scaler,
     "NW306": case_weight_decay,
+    "NW307": case_stale_grads,
     "NW401": case_input,
     "NW402": case_masked,
     "NW403": case_inplace,
@@ -1075,7 +1086,7 @@ def test_inplace_error_is_mapped_to_the_module() -> None:
     d = case_inplace().get("NW403")
     assert d.path == "block.act"
     assert "SigmoidBackward0" in d.evidence[0] and "version 0" in d.evidence[0]
-    assert "gate = gate * 2" in d.fix
+    assert "y = y * 2" in d.fix and "gate" not in d.fix
 
 
 def test_transient_anomaly_blames_no_layer() -> None:

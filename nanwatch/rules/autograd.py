@@ -1,16 +1,34 @@
 """Autograd: the "modified by an inplace operation" error mapped to the module whose saved
-output was changed (NW403). PyTorch names an autograd node (``SigmoidBackward0``); nanwatch
-recorded each module output's ``grad_fn`` and version counter, host-side, and matches them.
+output was changed, or to the buffer or parameter of a watched module that was (NW403).
+PyTorch names an autograd node (``SigmoidBackward0``), or for a tensor no node made only
+its type, shape and versions; nanwatch recorded each module output's ``grad_fn`` and version
+counter, and at the error reads the watched modules' buffers' and parameters' version
+counters (host-side), and matches them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from nanwatch.localize import inplace_suspects, parse_inplace_error
 from nanwatch.records import Phase
 from nanwatch.rules._evidence import node_base
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
+
+#: generic patterns: ``y``, ``r`` and ``m`` stand for the user's tensors
+_PATTERNS = (
+    "y = y * 2                  # instead of y.mul_(2): out of place keeps the saved tensor\n"
+    "y = y + r                  # instead of y += r\n"
+    "y = y.masked_fill(m, 0)    # instead of y[m] = 0\n"
+    "nn.ReLU(inplace=False)     # instead of inplace=True on a saved tensor\n"
+    "y = y.clone(); y.mul_(2)   # or modify a copy"
+)
+
+
+def _state_of(m: dict[str, Any]) -> str:
+    """``MoCo.queue (a buffer of MoCo, [8, 64])``."""
+    return f"{m.get('name')} (a {m.get('kind')} of {m.get('path')}, {list(m.get('shape') or [])})"
 
 
 @rule(
@@ -18,8 +36,9 @@ from nanwatch.rules.base import Diagnosis, RuleContext, rule
     title="In-place op on a tensor autograd saved",
     severity="error",
     summary=(
-        "backward raised 'modified by an inplace operation': names the module whose output "
-        "autograd saved and something then changed in place (x.mul_(), +=, inplace=True)."
+        "backward raised 'modified by an inplace operation': names the module whose output, "
+        "or the buffer or parameter, autograd saved and something then changed in place "
+        "(x.mul_(), +=, inplace=True, a queue or memory bank written before backward)."
     ),
     priority=10,
 )
@@ -34,10 +53,16 @@ def inplace_saved(ctx: RuleContext) -> Iterator[Diagnosis]:
     evidence: list[str] = []
     if facts is not None:
         shape = list(facts["shape"]) if isinstance(facts["shape"], tuple) else facts["shape"]
+        what = (
+            f"output {facts['output']} of {facts['grad_fn']} (a {facts['tensor_type']} of "
+            f"shape {shape})"
+            if facts["grad_fn"] is not None
+            else f"a {facts['tensor_type']} of shape {shape} that no autograd node made (a "
+            "buffer, a parameter, or a view of one)"
+        )
         evidence.append(
-            f"autograd saved output {facts['output']} of {facts['grad_fn']} (a "
-            f"{facts['tensor_type']} of shape {shape}) at version {facts['expected_version']}; "
-            f"when backward needed it, it was at version {facts['version']}"
+            f"autograd saved {what} at version {facts['expected_version']}; when backward "
+            f"needed it, it was at version {facts['version']}"
         )
     for r in suspects[:3]:
         evidence.append(
@@ -46,10 +71,12 @@ def inplace_saved(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
     if len(suspects) > 3:
         evidence.append(f"and {len(suspects) - 3} more calls matching it")
-    fn = node_base(str(facts["grad_fn"])) if facts is not None else ""
+    fn = node_base(str(facts["grad_fn"] or "")) if facts is not None else ""
     for m in ctx.trace.mutations:
-        if node_base(str(m.get("grad_fn") or "")) == fn and (
-            not suspects or m.get("path") == suspects[0].path
+        if (
+            m.get("kind") is None
+            and node_base(str(m.get("grad_fn") or "")) == fn
+            and (not suspects or m.get("path") == suspects[0].path)
         ):
             evidence.append(
                 f"{m.get('path')}'s {m.get('role')} went from version "
@@ -57,18 +84,26 @@ def inplace_saved(ctx: RuleContext) -> Iterator[Diagnosis]:
             )
             break
     top = suspects[0] if suspects else None
+    state = [m for m in ctx.trace.mutations if m.get("kind") in ("buffer", "parameter")]
+    if top is None and state and facts is not None:
+        yield _state_diagnosis(ctx, state, facts, evidence)
+        return
     if top is None:
         evidence.append(
-            "no watched module returned a tensor matching it: functional code made it; "
+            "no watched module returned a tensor matching it, and no buffer or parameter of "
+            "a watched module is at that version: functional code made it; "
             "torch.autograd.set_detect_anomaly(True) names the forward line"
         )
     where = (
         f"{top.path}'s output"
         if top is not None
         else f"output {facts['output']} of {facts['grad_fn']}"
-        if facts is not None
+        if facts is not None and facts["grad_fn"] is not None
         else "a tensor"
     )
+    fix = _PATTERNS
+    if top is not None:
+        fix = f"# {top.path}'s output ({top.module_type}) is the tensor; after it:\n" + fix
     yield ctx.diagnosis(
         path=top.path if top is not None else None,
         phase=Phase.BACKWARD.value,
@@ -76,16 +111,74 @@ def inplace_saved(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence=evidence,
         explanation=(
             f"Autograd saved {where} during forward to compute a gradient later. Code after "
-            "it changed that tensor in place (gate.mul_(2), x += y, out[mask] = 0, an "
-            "inplace=True activation), so the saved value is gone and backward refuses to "
-            "run. Forward gave no sign of it; the error names an autograd node, not your "
-            "module."
+            "it changed that tensor in place (y.mul_(2), y += r, y[m] = 0, an inplace=True "
+            "activation), so the saved value is gone and backward refuses to run. Forward "
+            "gave no sign of it; the error names an autograd node, not your module."
         ),
-        fix=(
-            "gate = gate * 2            # was: gate.mul_(2) -- out of place keeps the saved "
-            "tensor\n"
-            "x = x + residual           # was: x += residual\n"
-            "nn.ReLU(inplace=False)     # in-place activations on saved tensors\n"
-            "y = x.clone(); y.mul_(2)   # or modify a copy"
-        ),
+        fix=fix,
+    )
+
+
+def _state_diagnosis(
+    ctx: RuleContext,
+    state: list[dict[str, Any]],
+    facts: dict[str, object],
+    evidence: list[str],
+) -> Diagnosis:
+    """The saved tensor is a buffer or parameter of a watched module (or a view of one):
+    written in place (a queue, a memory bank, an optimizer update) after forward used it
+    and before backward ran."""
+    top = state[0]
+    name, attr, owner = str(top.get("name")), str(top.get("attr")), str(top.get("path"))
+    kind = str(top.get("kind"))
+    cls = str(top.get("owner_type") or owner)
+    shape = list(facts["shape"]) if isinstance(facts["shape"], tuple) else facts["shape"]
+    view = (
+        f"; autograd saved a {shape} view of it (self.{attr}.t(), self.{attr}[...]: a view "
+        "shares its version counter)"
+        if top.get("view")
+        else ""
+    )
+    evidence.append(
+        f"{_state_of(top)} is at version {facts['version']}, the version the error reports: "
+        f"it was written in place after autograd saved it at version "
+        f"{facts['expected_version']}{view}"
+    )
+    if len(state) > 1:
+        evidence.append(
+            "also at that version, same size: " + ", ".join(_state_of(m) for m in state[1:])
+        )
+    if kind == "parameter":
+        explanation = (
+            f"Forward used {name}, a parameter of {owner}, in an op that saves it for "
+            "backward. Something wrote it in place before that backward ran: "
+            "optimizer.step() between two backward() calls that share the graph (a GAN's "
+            "generator and discriminator steps), or a weight update by hand, so the saved "
+            "value is gone and backward refuses to run."
+        )
+        fix = (
+            f"loss.backward()      # every backward that needs the old {name} first\n"
+            f"optimizer.step()     # then the in-place update of {name}\n"
+            "# or run the forward again after optimizer.step(), so autograd saves the new value"
+        )
+    else:
+        explanation = (
+            f"Forward used {name}, a buffer of {owner}, in an op that saves it for backward "
+            f"(x @ self.{attr}: a matmul saves both operands). Code after it wrote the buffer "
+            f"in place (self.{attr}[i:j] = ..., self.{attr}.index_copy_(...), a momentum update) "
+            "before backward ran, so the saved value is gone and backward refuses to run."
+        )
+        fix = (
+            f"loss.backward()     # first the backward, which needs the old {name}\n"
+            f"...                 # then the code that writes {name} in place\n"
+            f"# or, in {cls}.forward, let autograd save a copy of the buffer:\n"
+            f"self.{attr}.clone()   # instead of self.{attr}"
+        )
+    return ctx.diagnosis(
+        path=owner,
+        phase=Phase.BACKWARD.value,
+        step=ctx.step,
+        evidence=evidence,
+        explanation=explanation,
+        fix=fix,
     )

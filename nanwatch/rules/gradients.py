@@ -1,7 +1,7 @@
 """Gradients, weights and the optimizer: non-finite weights after an update (NW301),
 non-finite parameter gradients (NW302), exploding gradients (NW303), vanishing or dead
-gradients (NW304), a collapsing loss scaler (NW305) and a weight decay that makes the update
-diverge (NW306).
+gradients (NW304), a collapsing loss scaler (NW305), a weight decay that makes the update
+diverge (NW306) and gradients that are never reset between optimizer steps (NW307).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nanwatch.localize import localize
-from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, Phase, Record, StepTrace
+from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, Note, Phase, Record, StepTrace
 from nanwatch.rules._evidence import (
     anomaly_fields,
     count,
@@ -1769,6 +1769,8 @@ def _growing_averages(ctx: RuleContext) -> Iterator[Diagnosis]:
                 yield ctx.diagnosis(
                     title=f"Optimizer {label} >= 1: the update grows instead of averaging",
                     severity="error",
+                    # the cause of the non-finite weights or state NW301 finds after it
+                    priority=9,
                     evidence=evidence,
                     explanation=(
                         f"{n.path}'s {label} weights a running average: below 1 the past "
@@ -1783,3 +1785,98 @@ def _growing_averages(ctx: RuleContext) -> Iterator[Diagnosis]:
                     ),
                 )
                 return
+
+
+# ---------------------------------------------------------------------- NW307
+
+
+def _stale_note(ctx: RuleContext) -> Note | None:
+    """This step's ``"stale_grads"`` note (see ``Watcher._grads_around_backward``), or for
+    an overflow, one of the last few steps' (the anomaly can come before this step's
+    optimizer step)."""
+    steps = [ctx.trace]
+    a = ctx.anomaly
+    if a is not None and a.kind is not AnomalyKind.INPUT:
+        steps += ctx.history[::-1][:3]
+    for t in steps:
+        for n in t.notes:
+            if n.kind == "stale_grads":
+                return n
+    return None
+
+
+@rule(
+    "NW307",
+    title="Gradients never reset: optimizer.zero_grad() is missing",
+    severity="warning",
+    summary=(
+        "An optimizer stepped with gradients that backward() had added to those of its "
+        "previous step, with no zero_grad() between: each update applies the sum of every "
+        "past gradient, and grows until the weights overflow."
+    ),
+    early=True,
+    priority=13,
+)
+def stale_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
+    yield from _stale_grads(ctx)
+
+
+def _stale_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
+    n = _stale_note(ctx)
+    if n is None:
+        return
+    d = n.data
+    named = d.get("variable")
+    opt = named if isinstance(named, str) and named else "optimizer"
+    listed = d.get("names")
+    names = [x for x in listed if isinstance(x, str)] if isinstance(listed, list) else []
+    stale, total = d.get("count"), d.get("params")
+    held = ", ".join(names[:3]) + (", ..." if isinstance(stale, int) and stale > 3 else "")
+    if isinstance(stale, int) and isinstance(total, int) and total > 0:
+        share = f"{stale} of the {total}" if stale < total else f"all {total}"
+        held += f" ({share} weights it updates)"
+    evidence = [
+        f"{n.path}{f' ({opt})' if opt == named else ''} stepped with the .grad of {held} "
+        "still holding its previous step's gradients: backward() added to them, and "
+        "nothing reset them in between",
+    ]
+    if n.source:
+        evidence.append(f"{opt if opt == named else n.path}.step() at {n.source}")
+    a = ctx.anomaly
+    born = a.record.stat if a is not None else None
+    # the growing update is what overflowed: an inf, or a weight the update made non-finite
+    grown = a is not None and (
+        a.kind is AnomalyKind.PARAMETER
+        or (
+            a.kind is not AnomalyKind.INPUT
+            and born is not None
+            and (born.has_posinf or born.has_neginf)
+        )
+    )
+    if a is not None:
+        evidence.append(f"then, at step {ctx.step}: {a.summary}")
+    yield ctx.diagnosis(
+        severity="error" if grown else "warning",
+        evidence=evidence,
+        source=n.source,
+        explanation=(
+            "backward() adds each new gradient to .grad; only zero_grad() (or p.grad = None) "
+            "resets it. Without it every update applies the sum of all the gradients so far: "
+            "the steps grow as training goes on until the weights overflow, and clipping or "
+            "a lower learning rate only delays it. To accumulate over micro-batches, call "
+            "zero_grad() after each optimizer step. (A reset through .data, "
+            "p.grad.data.zero_(), is not seen: use p.grad.zero_().)"
+        ),
+        fix=(
+            f"{opt}.zero_grad()   # right after {opt}.step(): backward() adds to .grad, "
+            "it never resets it"
+        ),
+    )
+
+
+def unreset_grads(ctx: RuleContext) -> Diagnosis | None:
+    """NW307's diagnosis when gradients were never reset in this step or, for an anomaly,
+    the last few (for another rule's fix: an overflow they led to is not cured by clipping or
+    a lower learning rate); None otherwise."""
+    probe = dataclasses.replace(ctx, rule=REGISTRY["NW307"], _now={})
+    return next(_stale_grads(probe), None)
