@@ -189,6 +189,21 @@ def _returned_by(trace: StepTrace, call: Call, rec: Record) -> Record | None:
     return None
 
 
+def _root_of(trace: StepTrace, call: Call | None) -> Call | None:
+    while call is not None and not call.root:
+        call = _parent(trace, call)
+    return call
+
+
+def _inside(trace: StepTrace, call: Call | None, near: Call) -> str:
+    """`` (a Linear inside Sequential)``: the root a module ``call`` belongs to, when it is
+    not ``near``'s (several roots are watched, and a bare ``2`` names none of them)."""
+    root = _root_of(trace, call)
+    if call is None or root is None or root is call or root is _root_of(trace, near):
+        return ""
+    return f" (a {call.module_type} inside {root.path})"
+
+
 def _parent(trace: StepTrace, call: Call | None) -> Call | None:
     if call is None or call.parent is None:
         return None
@@ -287,6 +302,16 @@ def _matching_custom(ops: Sequence[OpEvent], path: str | None) -> OpEvent | None
     return None
 
 
+def _hidden_forward_nan(ops: Sequence[OpEvent]) -> OpEvent | None:
+    """The first traced forward op that made NaN (forensic mode), for a NaN gradient no
+    traced backward op made: backward multiplied a gradient by a forward value that held
+    NaN, which torch.where or a 0 mask had kept from the loss."""
+    return next(
+        (ev for ev in ops if ev.phase is Phase.FORWARD and not ev.injected and "NaN" in ev.born),
+        None,
+    )
+
+
 def _backward_birth(ops: Sequence[OpEvent]) -> OpEvent | None:
     """The first traced backward op that made a NaN or inf from finite values."""
     return _matching_op(ops, Phase.BACKWARD, None)
@@ -325,16 +350,32 @@ def _kinds_text(rec: Record) -> str:
     return rec.stat.kinds() if rec.stat is not None else "non-finite"
 
 
+def _finite_grad_before(trace: StepTrace, trig: Record, parameter: str | None) -> bool:
+    """``parameter``'s gradient was recorded finite and not all zero in this step, before
+    ``trig`` found the weight bad: a backward gave it what an update uses."""
+    return trig.index >= 0 and any(
+        r.phase is Phase.GRADIENT
+        and r.role == parameter
+        and r.index < trig.index
+        and r.stat is not None
+        and r.stat.finite
+        and r.stat.max > 0
+        for r in trace.records
+    )
+
+
 def localize(
     trace: StepTrace,
     *,
     allow: Sequence[str] = (),
     scaled_grads: bool = False,
     first_step: bool = False,
+    forensic: bool = False,
 ) -> Anomaly | None:
     """The step's first anomaly: producer, origin, propagators; None when the step is clean.
     ``first_step``: no earlier step ran under the watcher, so weights found bad before this
-    step's forward were bad before any update it saw (loaded or initialized so)."""
+    step's forward were bad before any update it saw (loaded or initialized so).
+    ``forensic``: the op checker traced the step (never tell it to run in forensic mode)."""
     trig = first_trigger(trace, allow=allow, scaled_grads=scaled_grads)
     if trig is None:
         return None
@@ -421,7 +462,8 @@ def localize(
             consumer = path
             summary = (
                 f"{what} gradient born in the backward of {path}: the gradient of its output "
-                f"was finite, the gradient it sent back to {trig.path}'s {trig.role} is not"
+                f"was finite, the gradient it sent back to {trig.path}'s {trig.role}"
+                f"{_inside(trace, trace.call(trig.call), cands[0])} is not"
             )
         elif not cands and reached_root and fwd is not None:
             owner = trace.call(fwd.call)
@@ -432,9 +474,13 @@ def localize(
             path = root.path if root is not None else trig.path
             summary = (
                 f"{what} gradient arrived at the output of {path} from code outside the "
-                "watched modules (the loss computed after the model): watch the loss module "
-                "too, or run the step with mode='forensic' (nanwatch run --mode forensic) to "
-                "name the op and its line"
+                "watched modules (the loss computed after the model): "
+                + (
+                    "the op checker traced the step, and no op it saw made it from finite values"
+                    if forensic
+                    else "watch the loss module too, or run the step with mode='forensic' "
+                    "(nanwatch run --mode forensic) to name the op and its line"
+                )
             )
         else:
             owner = trace.call(fwd.call) if fwd is not None else None
@@ -477,13 +523,21 @@ def localize(
             None,
         )
         if writer is not None and writer.get("since_attach") and first_step:
-            summary = (
-                f"{what} in the weights of {parameter}: written in this step outside an "
-                "optimizer step (no optimizer updated it: a data-dependent init, an EMA "
-                "update, a copy_ under no_grad)"
-            )
-        elif first_step and trig.index < 0 and writer is not None and writer.get(
-            "finite_at_attach"
+            if _finite_grad_before(trace, trig, parameter):
+                # written after a backward that gave it a finite gradient (NW301 says so)
+                summary = (
+                    f"{what} in the weights of {parameter}: written after this step's "
+                    "backward by code outside an optimizer step (no torch.optim optimizer "
+                    "updated it: a hand-written update, p -= lr * p.grad)"
+                )
+            else:
+                summary = (
+                    f"{what} in the weights of {parameter}: written in this step outside an "
+                    "optimizer step (no optimizer updated it: a data-dependent init, an EMA "
+                    "update, a copy_ under no_grad)"
+                )
+        elif (
+            first_step and trig.index < 0 and writer is not None and writer.get("finite_at_attach")
         ):
             summary = (
                 f"{what} in the weights of {parameter}: finite when nanwatch attached, written "
@@ -550,6 +604,14 @@ def localize(
             "; the op inside it was not traced: mode='forensic' or nw.replay(step_fn) "
             "names it and its line"
         )
+    if kind is AnomalyKind.BACKWARD and op is None and custom is None:
+        op = _hidden_forward_nan(trace.ops)
+        if op is not None:  # no backward op made it: the forward NaN the loss never saw did
+            summary = (
+                f"{what} gradient from a NaN born in forward that the loss did not see (a "
+                f"torch.where or a 0 mask hid it; backward still runs through it), reaching "
+                f"{consumer or path}"
+            )
     props, n = propagators(trace, trig, path)
     anomaly = Anomaly(
         step=trace.step,
@@ -612,15 +674,16 @@ def finite_or_none(x: float | None) -> float | None:
 
 
 _INPLACE = re.compile(
-    r"modified by an inplace operation: \[(?:torch\.)?(?P<type>[\w.]+) \[(?P<shape>[\d, ]*)\]\], "
-    r"which is output (?P<out>\d+) of (?P<fn>\w+), is at version (?P<now>\d+); "
+    r"modified by an inplace operation: \[(?:torch\.)?(?P<type>[\w.]+) \[(?P<shape>[\d, ]*)\]\],? "
+    r"(?:which is output (?P<out>\d+) of (?P<fn>\w+), )?is at version (?P<now>\d+); "
     r"expected version (?P<then>\d+)"
 )
 
 
 def parse_inplace_error(message: str) -> dict[str, object] | None:
     """The facts in autograd's "modified by an inplace operation" error: the tensor's type
-    and shape, which output of which autograd node it was, and the versions."""
+    and shape, which output of which autograd node it was (None for a tensor no node made:
+    a buffer, a parameter or a view of one), and the versions."""
     m = _INPLACE.search(message)
     if m is None:
         return None
@@ -628,7 +691,7 @@ def parse_inplace_error(message: str) -> dict[str, object] | None:
     return {
         "tensor_type": m.group("type"),
         "shape": shape,
-        "output": int(m.group("out")),
+        "output": int(m.group("out")) if m.group("out") is not None else None,
         "grad_fn": m.group("fn"),
         "version": int(m.group("now")),
         "expected_version": int(m.group("then")),
@@ -643,8 +706,8 @@ def inplace_suspects(traces: Iterable[StepTrace], message: str) -> list[Record]:
     """Module outputs that match autograd's in-place error: same autograd node and shape,
     recorded at the version autograd expected. Most recent step first."""
     facts = parse_inplace_error(message)
-    if facts is None:
-        return []
+    if facts is None or facts["grad_fn"] is None:
+        return []  # no node made it: no module output is it (a buffer or parameter is)
     fn = _node_base(str(facts["grad_fn"]))
     shape = facts["shape"]
     then = facts["expected_version"]

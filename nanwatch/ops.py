@@ -42,22 +42,36 @@ from nanwatch.stats import brief, describe, device_name, dtype_name, has_values
 
 _aten = torch.ops.aten
 
-#: ops whose outputs are uninitialized memory or mere metadata: never a "birth".
-_IGNORED_PACKETS = {
+#: ops whose outputs are uninitialized memory or mere metadata: they hold no value of
+#: their inputs
+_FRESH_PACKETS = {
     _aten.empty,
     _aten.empty_like,
     _aten.empty_strided,
     _aten.new_empty,
     _aten.new_empty_strided,
+    _aten.set_,
+    _aten.resize_,
+    _aten._local_scalar_dense,
+}
+#: ops never a "birth": those, and the ones that hand on their input's values unchanged
+#: (with views, which :meth:`OpChecker._pass_on` links to the event that made the input)
+_IGNORED_PACKETS = _FRESH_PACKETS | {
     _aten.detach,
     _aten.alias,
     _aten.lift_fresh,
     _aten.lift_fresh_copy,
-    _aten.set_,
-    _aten.resize_,
-    _aten._local_scalar_dense,
     _aten.clone,
     _aten.contiguous,
+}
+
+#: ignored ops that do not link their output to their input's event in forward: fresh
+#: memory, and the detach autograd makes of a tensor it saves for backward
+_NOT_PASSED_IN_FORWARD = _FRESH_PACKETS | {
+    _aten.detach,
+    _aten.alias,
+    _aten.lift_fresh,
+    _aten.lift_fresh_copy,
 }
 
 #: in-place ops whose result does not read the values they overwrite: the old values of
@@ -306,6 +320,10 @@ def domain_counts(dom: Domain, t: torch.Tensor | None) -> dict[str, int]:
     return {k: int(n) for k, n in zip(("n_outside", "n_edge", "n_pole"), counts, strict=True) if n}
 
 
+#: remembered non-finite tensors before the freed ones are first dropped
+_SEEN_PRUNE = 4096
+
+
 @dataclass
 class _Seen:
     ref: weakref.ReferenceType[torch.Tensor]
@@ -344,6 +362,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         self._backward_site = backward_site
         self._max_events = max_events
         self._seen: dict[int, _Seen] = {}
+        self._prune_at = _SEEN_PRUNE
         self._on_error = on_error
         self._broken = False
         #: which module's code made each autograd node while this checker ran
@@ -372,7 +391,12 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         if self._broken:
             return out
         if ignored:
-            if self._seen and current_autograd_node() is not None:
+            # a view or copy of a remembered non-finite value holds it too; in forward not
+            # autograd's own detach of what it saves (a backward op reading it is the node's)
+            passes = current_autograd_node() is not None or (
+                func.overloadpacket not in _NOT_PASSED_IN_FORWARD
+            )
+            if self._seen and passes:
                 try:
                     self._pass_on(args, out)
                 except Exception as exc:  # nanwatch must never break what it watches
@@ -426,9 +450,10 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         self.created.note(path, own_node=own)
 
     def _pass_on(self, args: Sequence[Any], out: Any) -> None:
-        """In backward, a view, a copy or a detach of a non-finite gradient holds the same
-        value: remember it with the event that made it, so the op that consumes it names its
-        cause (``SumBackward0``'s ``expand`` of a -inf gradient, then ``0 * -inf``)."""
+        """A view, a copy or a detach of a non-finite value holds the same value: remember
+        it with the event that made it, so the op that consumes it names its cause (in
+        forward ``log(q)[None, :]``, then ``x - lq``; in backward ``SumBackward0``'s
+        ``expand`` of a -inf gradient, then ``0 * -inf``)."""
         src = next(
             (
                 seen
@@ -441,7 +466,16 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             return
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and self._lookup(t) is None:
-                self._seen[id(t)] = _Seen(weakref.ref(t), src.event)
+                self._remember(t, src.event)
+
+    def _remember(self, t: torch.Tensor, event: OpEvent | None) -> _Seen:
+        """Remember non-finite ``t`` with the event that made it; entries of freed tensors
+        are dropped when the table has doubled (a -inf mask made every step, forensic)."""
+        seen = self._seen[id(t)] = _Seen(weakref.ref(t), event)
+        if len(self._seen) > self._prune_at:
+            self._seen = {k: v for k, v in self._seen.items() if v.ref() is not None}
+            self._prune_at = max(_SEEN_PRUNE, 2 * len(self._seen))
+        return seen
 
     def _lookup(self, t: torch.Tensor) -> _Seen | None:
         seen = self._seen.get(id(t))
@@ -551,12 +585,11 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         # remember every non-finite output, so later ops can name their cause
         for t, k in zip(outs, out_kinds, strict=True):
             if k:
-                seen = _Seen(weakref.ref(t), event if event is not None else cause)
-                self._seen[id(t)] = seen
+                seen = self._remember(t, event if event is not None else cause)
                 base = t._base if before is not None and t._is_view() else None
                 if isinstance(base, torch.Tensor) and self._lookup(base) is None:
                     # a view written in place (x[0].div_(n)): its base holds the value too
-                    self._seen[id(base)] = _Seen(weakref.ref(base), seen.event)
+                    self._remember(base, seen.event)
 
     @staticmethod
     def _collect(
@@ -888,10 +921,14 @@ def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> O
             if isinstance(v, torch.Tensor):
                 if len(inputs) < limit and has_values(v):
                     inputs.append((key, describe(v)))
+                    if v.grad_fn is not None and _kinds(v) - {"NaN"}:
+                        scalars[f"{key}_made_by"] = v.grad_fn.name()  # whose inf it holds
             elif isinstance(v, (int, float)) and not isinstance(v, bool) and len(scalars) < limit:
                 scalars[key] = v
     out = describe(grad) or TensorStat(math.nan, math.nan, 0)
+    cause = _saved_cause(node) if node is not None and fn is None and out.has_nan else None
     return OpEvent(
+        cause=cause,
         op=custom_backward_op(fn) if fn is not None else node_op(name),
         phase=Phase.BACKWARD,
         path=path,
@@ -902,6 +939,25 @@ def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> O
         node=name,
         dtype=dtype_name(grad.dtype),
     )
+
+
+def _saved_cause(node: Any) -> OpEvent | None:
+    """A backward node made NaN from a saved forward value holding an infinity (0 × -inf:
+    torch.where's zero gradient times the log(0) it hid): the forward op that made the
+    infinity, read from its own node's saved values (``LogBackward0``'s input of zeros);
+    None when the value has no node (made from tensors that need no gradient)."""
+    for attr in sorted((a for a in dir(node) if a.startswith("_saved_")), key=_saved_order):
+        v = _saved(node, attr)
+        if not isinstance(v, torch.Tensor) or not has_values(v):
+            continue
+        producer = v.grad_fn
+        if producer is None or not (_kinds(v) - {"NaN"}):
+            continue
+        try:
+            return _node_event(producer, None, frozenset())
+        except Exception:  # an unusual node: no cause
+            return None
+    return None
 
 
 @dataclass
@@ -1154,6 +1210,9 @@ _ELEMENTWISE: dict[str, tuple[str, tuple[tuple[str, str], ...], _Fn]] = {
     "SpecialEntr": ("aten.special_entr", (("self", "_saved_self"),), torch.special.entr),
     "Div": ("aten.div", (("self", "_saved_self"), ("other", "_saved_other")), torch.div),
     "Pow": ("aten.pow", (("self", "_saved_self"), ("exponent", "_saved_exponent")), torch.pow),
+    # 0 × -inf: autograd saves only the operand the other one's gradient needs; the other
+    # is read from the node that made it (:func:`_produced`)
+    "Mul": ("aten.mul", (("self", "_saved_self"), ("other", "_saved_other")), torch.mul),
     # F.mse_loss called as a function: (input - target)**2 past the dtype's largest value
     "MseLoss": (
         "aten.mse_loss",
@@ -1167,21 +1226,110 @@ _RESULT_ONLY = {"Sqrt", "Rsqrt", "Exp", "Reciprocal"}
 
 
 def _leaf(
-    node: Any, i: int, values: Callable[[Any], torch.Tensor | None] | None = None
+    node: Any,
+    i: int,
+    values: Callable[[Any], torch.Tensor | None] | None = None,
+    *,
+    deep: bool = False,
 ) -> torch.Tensor | None:
     """The value of the node's ``i``-th input when autograd did not save it but it is a
     leaf (a parameter, an input that requires grad: AccumulateGrad holds it), or a tensor
-    the caller holds for the node that made it (``values``: a watched module's output)."""
+    the caller holds for the node that made it (``values``: a watched module's output);
+    ``deep``: else read from the node that made it (:func:`_produced`)."""
     try:
-        nxt = node.next_functions[i][0]
-    except (IndexError, AttributeError):
+        nxt, nr = node.next_functions[i]
+    except (IndexError, AttributeError, ValueError):
         return None
     if nxt is None:
         return None
     v = getattr(nxt, "variable", None)
     if v is None and values is not None:
         v = values(nxt)
+    if v is None and deep:
+        v = _produced(nxt, nr, values)
     return v if isinstance(v, torch.Tensor) else None
+
+
+#: nodes whose output is their input's values reshaped: read through by :func:`_produced`
+_RESHAPES = frozenset({"View", "UnsafeView", "Reshape", "ReshapeAlias", "Squeeze", "Unsqueeze"})
+#: nodes whose output holds their input's values moved or kept: a -inf one of them holds
+#: came from their input (log_softmax is -inf exactly where its input is, on a finite row)
+_KEEPS_INF = _RESHAPES | {"Expand", "Gather", "Index", "Select", "Slice", "Clone", "LogSoftmax"}
+#: nodes of a constant written into a tensor (the fill value is not saved)
+_FILL_NODES = frozenset({"MaskedFill", "IndexFill", "Fill"})
+
+
+def _shape_of(node: Any, nr: int) -> list[int] | None:
+    try:
+        return [int(d) for d in node._input_metadata[nr].shape]
+    except Exception:  # a private attribute: older or newer torch may lack it
+        return None
+
+
+def _produced(
+    node: Any, nr: int, values: Callable[[Any], torch.Tensor | None] | None, depth: int = 6
+) -> torch.Tensor | None:
+    """Output ``nr`` of autograd ``node``'s forward, read from what it saved (its result:
+    log_softmax, exp; the operands of a gather) or, for a reshape or expand, from its
+    input; None when it cannot be read. Called only for an event being reported."""
+    if node is None or depth <= 0:
+        return None
+    v = getattr(node, "variable", None)
+    if v is None and values is not None:
+        v = values(node)
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    r = _saved(node, "_saved_result") if nr == 0 else None
+    if isinstance(r, torch.Tensor):
+        return r.detach()
+    base = node.name().split("Backward")[0]
+    with torch.no_grad():
+        if base == "Gather":
+            x, dim, index = (_saved(node, f"_saved_{k}") for k in ("self", "dim", "index"))
+            if isinstance(x, torch.Tensor) and isinstance(index, torch.Tensor):
+                return torch.gather(x.detach(), int(dim), index)
+            return None
+        if base in _RESHAPES or base == "Expand":
+            shape = _shape_of(node, nr)
+            try:
+                src, snr = node.next_functions[0]
+            except (IndexError, ValueError):
+                return None
+            x = _produced(src, snr, values, depth - 1)
+            if shape is None or x is None:
+                return None
+            return x.expand(shape) if base == "Expand" else x.reshape(shape)
+    return None
+
+
+def _fill_event(node: Any, i: int, kinds: frozenset[str], depth: int = 6) -> OpEvent | None:
+    """An event for the constant fill (masked_fill) the infinities of the node's ``i``-th
+    input came from, when every node between them only moves or keeps values; None when
+    another op lies between (a log of 0 makes -inf too)."""
+    try:
+        cur = node.next_functions[i][0]
+    except (IndexError, AttributeError, ValueError):
+        return None
+    while cur is not None and depth > 0:
+        base = cur.name().split("Backward")[0]
+        if base in _FILL_NODES:
+            return OpEvent(
+                op=f"aten.{re.sub(r'(?<=[a-z])(?=[A-Z])', '_', base).lower()}",
+                phase=Phase.FORWARD,
+                path=None,
+                born=_join(kinds),
+                output=TensorStat(math.nan, math.nan, 0),
+                inputs=[],
+                # what reached the multiplication through nodes that keep values: the fill
+                scalars={"value": -math.inf} if kinds == {"-inf"} else {},
+                node=cur.name(),
+                injected=True,
+            )
+        if base not in _KEEPS_INF or not cur.next_functions:
+            return None
+        cur = cur.next_functions[0][0]
+        depth -= 1
+    return None
 
 
 def _python_number(v: Any) -> int | float | None:
@@ -1349,8 +1497,10 @@ def _elementwise_event(
 ) -> OpEvent | None:
     op, args, fn = _ELEMENTWISE[base]
     vals = [(name, _saved(node, attr)) for name, attr in args]
+    deep = base == "Mul"
     vals = [
-        (name, v if v is not None else _leaf(node, i, values)) for i, (name, v) in enumerate(vals)
+        (name, v if v is not None else _leaf(node, i, values, deep=deep))
+        for i, (name, v) in enumerate(vals)
     ]
     # ``loss / n`` with ``n`` a Python number: a number, as the op checker records it
     vals = [
@@ -1425,6 +1575,17 @@ def _elementwise_event(
         )
     elif base == "MseLoss":
         why = "the squared differences overflow"
+    elif base == "Mul":
+        if "NaN" not in born:
+            return None  # finite × inf is the inf's, or an overflow: other rules read it
+        why = "0 × inf"
+        event = _event(node, op, born, why, inputs=tensors, result=result, scalars=scalars)
+        for i, (_, v) in enumerate(vals):
+            k = _kinds(v) if isinstance(v, torch.Tensor) else frozenset()
+            if k - {"NaN"}:
+                event.cause = _fill_event(node, i, k - {"NaN"})
+                break
+        return event
     else:
         dom = domain_of(op)
         arg = dict(vals).get(dom.arg) if dom is not None else None

@@ -2555,30 +2555,34 @@ class Watcher:
         return root_loss if root_loss is not None else module_loss
 
     # ------------------------------------------------------------------ anomalies
-    def _localize(self, trace: StepTrace) -> Anomaly | None:
+    def _locate(self, trace: StepTrace, first: bool) -> Anomaly | None:
+        """:func:`localize` with this watcher's settings (``first``: the run's first step)."""
         cfg = self.config
+        return localize(
+            trace,
+            allow=cfg.allow,
+            scaled_grads=self._scaled,
+            first_step=first,
+            forensic=self._forensic,
+        )
+
+    def _localize(self, trace: StepTrace) -> Anomaly | None:
         if trace is self._trace:
             self._drain_ops()
         first = not self.history
-        anomaly = localize(trace, allow=cfg.allow, scaled_grads=self._scaled, first_step=first)
+        anomaly = self._locate(trace, first)
         if anomaly is None:
             return None
         if anomaly.kind is not AnomalyKind.PARAMETER and not self._device_dead:
             with contextlib.suppress(Exception):
                 self._check_params(at_end=False)
             if any(r.phase is Phase.PARAMETER and r.bad for r in trace.records):
-                anomaly = (
-                    localize(trace, allow=cfg.allow, scaled_grads=self._scaled, first_step=first)
-                    or anomaly
-                )
+                anomaly = self._locate(trace, first) or anomaly
         if anomaly.origin == "after-output" and anomaly.op is None and trace is self._trace:
             ev = self._last_loss_node(anomaly)
             if ev is not None:
                 trace.ops.append(ev)
-                anomaly = (
-                    localize(trace, allow=cfg.allow, scaled_grads=self._scaled, first_step=first)
-                    or anomaly
-                )
+                anomaly = self._locate(trace, first) or anomaly
         trace.anomaly = anomaly
         if anomaly.origin == "after-output":
             self._loss_graph_armed = True  # the next steps check the loss code's gradients

@@ -64,12 +64,16 @@ _FORENSIC = {
         "    ...   # the same step: forward, loss, backward()"
     ),
 }
-_NEXT = {
-    AnomalyKind.BACKWARD: (
-        "with torch.autograd.detect_anomaly():          # or mode='forensic'\n"
-        "    loss.backward()                            # names the backward op"
-    ),
-}
+#: nanwatch's own replay names a backward op and its forward line; detect_anomaly stops at
+#: the first node that returns NaN, a later one when an inf born earlier turns into NaN
+_REPLAY = (
+    "def step_fn():                     # the failing step again, on the same batch\n"
+    "    loss = criterion(model(x), y)  # your forward and loss\n"
+    "    loss.backward()\n"
+    "nw.replay(step_fn)   # every aten op checked, forward and backward\n"
+    "print(nw.report)     # names the backward op and the forward line that made it"
+)
+_NEXT = {AnomalyKind.BACKWARD: _REPLAY}
 
 
 @rule(
@@ -171,10 +175,13 @@ def _with_op(ctx: RuleContext, a: Anomaly) -> Diagnosis:
         return _inf_arithmetic(ctx, a, cause.event, cause.trigger)
     ev = cause.event if cause is not None else a.op
     assert ev is not None
+    hidden = _hidden_inf(ev)
+    if hidden:
+        return _hidden_inf_diagnosis(ctx, a, ev, hidden)
     op = short_op(ev.op)
     dtype = ev.dtype or a.record.dtype
     given = _given(ev)
-    evidence = [a.summary, f"{op} made {ev.born} in {dtype} {given}"]
+    evidence = [a.summary, f"{op} made {ev.born} in {dtype}" + (f" {given}" if given else "")]
     for nm, s in ev.inputs[:3]:
         evidence.append(f"input {nm}: {describe_stat(s)}")
     for nm, s in ev.other_inputs[:2]:
@@ -196,7 +203,8 @@ def _with_op(ctx: RuleContext, a: Anomaly) -> Diagnosis:
     where = f" at {ev.source}" if ev.source else ""
     node = f"backward, autograd node {ev.node}, " if backward and ev.node else ""
     explanation = (
-        f"{op} created {ev.born} {given}{where} ({node}{a.path}). nanwatch has no "
+        f"{op} created {ev.born}{f' {given}' if given else ''}{where} ({node}{a.path}). "
+        "nanwatch has no "
         "specific rule for this op's failure; its inputs above show the ranges it was "
         "given, and the elements it broke show which of them it does not accept."
     )
@@ -223,9 +231,69 @@ def _inf_arithmetic(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent)
     )
 
 
+def _hidden_inf(ev: OpEvent) -> list[tuple[str, TensorStat]]:
+    """The forward values a backward node saved that held an infinity and no NaN, when the
+    node made NaN from them and no node of the graph made them (a constant to autograd:
+    ``torch.log(y)`` of data): the gradient that reached them was 0 (torch.where picked the
+    other branch, a mask zeroed them) and 0 × inf is NaN."""
+    if ev.phase is not Phase.BACKWARD or not ev.node or "NaN" not in ev.born or ev.cause:
+        return []
+    if node_base(ev.node) not in ("Mul", "Div", "Addcmul", "Addcdiv"):
+        return []
+    ins = [(n, s) for n, s in ev.inputs if s is not None]
+    if any(s.has_nan for _, s in ins):
+        return []  # a NaN hidden in forward: NW402's
+    return [(n, s) for n, s in ins if s.has_posinf or s.has_neginf]
+
+
+def _hidden_inf_diagnosis(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, held: list[tuple[str, TensorStat]]
+) -> Diagnosis:
+    op = short_op(ev.op)
+    kinds = " and ".join(k for k in ("-inf", "+inf") if any(k in s.kinds() for _, s in held))
+    evidence = [a.summary]
+    for n, s in held[:2]:
+        by = ev.scalars.get(f"{n}_made_by")
+        evidence.append(
+            f"{ev.node} saved its forward {n}: {describe_stat(s)}: it held {kinds} in forward"
+            + (
+                f", made by autograd node {by}"
+                if by
+                else ", made from tensors that need no gradient (data): no node of the graph "
+                "made it"
+            )
+        )
+    evidence.append(
+        f"the loss was finite: torch.where or a 0 mask kept the {kinds} out of it, but "
+        f"backward multiplies their gradient (0) by them: 0 × {kinds} = NaN"
+    )
+    evidence.append(untraced_hint(ctx.facts.get("mode")))
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"0 × {kinds} in backward: an infinity torch.where or a mask hid in forward",
+        evidence=evidence,
+        explanation=(
+            f"torch.where(cond, f(x), 0) computes f(x) everywhere and picks afterwards: where "
+            f"f(x) is {kinds} (log of 0, 1/0) the branch it did not pick still gets a gradient "
+            f"of 0, which {op} multiplies by the saved {kinds}: 0 × {kinds} = NaN, and every "
+            "weight gets it. Give f a value it accepts where cond is False (the double "
+            "where), or clamp its input."
+        ),
+        fix=(
+            "safe = torch.where(cond, x, torch.ones_like(x))   # a value the op accepts where "
+            "cond is False\n"
+            "out = torch.where(cond, torch.log(safe), 0.0)     # finite, and so is its gradient\n"
+            "# or: torch.log(x.clamp_min(torch.finfo(x.dtype).tiny))"
+        ),
+    )
+
+
 def _given(ev: OpEvent) -> str:
     """``from finite inputs``, or what the non-finite inputs held: the op checker records
-    an op that made a kind of value its inputs did not hold (NaN from -inf, say)."""
+    an op that made a kind of value its inputs did not hold (NaN from -inf, say). Empty
+    when no input was seen (a backward node known by name only: what it saved was freed)."""
+    if not ev.inputs:
+        return ""
     held = [s.kinds() for _, s in ev.inputs if s is not None and not s.finite]
     if not held:
         return "from finite inputs"
@@ -289,7 +357,8 @@ def _inspect_fix(ev: OpEvent) -> str:
     """Code that finds the elements the op broke and prints the inputs there: pasted right
     after the op's line, it runs whatever the line assigns (one name, a tuple, nothing)."""
     op = short_op(ev.op)
-    if ev.phase is Phase.BACKWARD and ev.source:
+    if ev.phase is Phase.BACKWARD and ev.source and ev.source != ev.backward_at:
+        # the node's forward line (anomaly mode): not the ``loss.backward()`` call itself
         return (
             f"# {ev.node or op} is the backward of the forward op at {ev.source}: its\n"
             f"# derivative is infinite or undefined at some of that op's inputs there\n"
@@ -299,9 +368,7 @@ def _inspect_fix(ev: OpEvent) -> str:
         node = ev.node or op
         return (
             f"# {node} is the backward of a forward op whose derivative is infinite or\n"
-            "# undefined at some of its inputs; anomaly mode names that forward line:\n"
-            "with torch.autograd.detect_anomaly():\n"
-            "    loss.backward()"
+            "# undefined at some of its inputs; a replay names that forward line:\n" + _REPLAY
         )
     name = packet(ev.op).rstrip("_")
     names = [name, name.removeprefix("special_")]
@@ -632,6 +699,15 @@ def _parametrized(
         "them or give them a direction again."
     )
     t = f"{plist}.{culprit[1]}"
+    if kind == "_SpectralNorm":
+        explanation, fix = _spectral_fix(what, module_ref(owner), name, t)
+        return ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"NaN in the spectral norm of {what}: sigma = 0 (a weight of zeros)",
+            evidence=evidence,
+            explanation=explanation,
+            fix=fix,
+        )
     fix = (
         f"t = {t}   # what {what} is computed from\n"
         "zero = t.detach().reshape(t.shape[0], -1).norm(dim=1) == 0   # rows of norm 0: 0/0\n"
@@ -647,6 +723,32 @@ def _parametrized(
         explanation=explanation,
         fix=fix,
     )
+
+
+def _spectral_fix(what: str, module: str, name: str, stored: str) -> tuple[str, str]:
+    """spectral_norm of a weight of zeros: sigma is 0 (0/0), and its power-iteration vectors
+    (the buffers _u and _v) became 0 (W @ u = 0) and stay 0 whatever the weight becomes, so
+    the parametrization is registered again on a non-zero weight."""
+    explanation = (
+        f"{what} is not a parameter: spectral_norm computes it at every forward as "
+        f"{stored} / sigma, sigma its largest singular value, estimated by power iteration "
+        "from the vectors it keeps (the buffers _u and _v). A weight of zeros (a zero init, "
+        "pruning, a write under no_grad) has sigma = 0, so 0/0 = NaN; and W @ u = 0 made _u "
+        "and _v 0, where they stay after the weight is given values again. Remove the "
+        "parametrization, initialize the weight to something non-zero, and register "
+        "spectral_norm again (the parameter object is kept: the optimizer still updates it)."
+    )
+    arg = "" if name == "weight" else f", {name!r}"
+    fix = (
+        "from torch.nn.utils import parametrize\n"
+        "from torch.nn.utils.parametrizations import spectral_norm\n"
+        f"parametrize.remove_parametrizations({module}, {name!r}, leave_parametrized=False)\n"
+        f"w = {module}.{name}\n"
+        "with torch.no_grad():   # any non-zero init; spectral_norm cannot scale a zero weight\n"
+        "    w.copy_(torch.randn_like(w) / w.shape[1] ** 0.5)\n"
+        f"spectral_norm({module}{arg})   # with the arguments you used; _u, _v start again"
+    )
+    return explanation, fix
 
 
 def _stored_with(stored: list[tuple[Record, str]], held: TensorStat) -> tuple[Record, str] | None:

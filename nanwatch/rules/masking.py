@@ -23,6 +23,7 @@ from nanwatch.rules._evidence import (
     inf_source,
     inputs_of,
     limits,
+    node_base,
     op_fields,
     packet,
     paren,
@@ -113,10 +114,11 @@ def _own_mask_fix(mask: OpEvent | None) -> str | None:
         return None
     line = mask.code.split("  #", 1)[0].rstrip()
     call = _FILL_CALL.search(line)
-    if call is None or len(_NEG_INF.findall(line)) != 1:
+    if len(_NEG_INF.findall(line)) != 1:
         return None
-    target = call.group(1)
-    fixed = _NEG_INF.sub(lambda _: f"torch.finfo({target}.dtype).min", line)
+    # the filled tensor's dtype by its name, else (a call's result: f(x).masked_fill) as seen
+    dtype = f"{call.group(1)}.dtype" if call is not None else f"torch.{mask.dtype or 'float32'}"
+    fixed = _NEG_INF.sub(lambda _: f"torch.finfo({dtype}).min", line)
     return (
         f"{fixed.strip()}   # not -inf: a row with every key masked stays finite\n"
         "# and find why a row has nothing to attend to (an empty sequence, length 0); give "
@@ -210,6 +212,9 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
             return
         if cause.kind == "inf-arith":
             yield from _masked_by_hand(ctx, a, cause.event, cause.trigger)
+            return
+        if cause.kind == "other" and _softmax_backward(cause.event):
+            yield _hidden_masked_row(ctx, a, cause.event)
             return
         if cause.kind == "other":
             yield from _fused_attention(ctx, a, cause.event)
@@ -381,4 +386,58 @@ def _masked_by_hand(
         evidence=inf_evidence(ev, src, trigger, mode),
         explanation=_EXPLAIN_BY_HAND,
         fix=inf_fix(ev, src, forensic=mode == "forensic"),
+    )
+
+
+#: autograd nodes of a softmax: their backward turns a finite gradient into NaN only when
+#: the forward result they saved was NaN (a row that was -inf everywhere)
+_SOFTMAX_NODES = frozenset({"Softmax", "LogSoftmax"})
+
+
+def _softmax_backward(ev: OpEvent) -> bool:
+    """A softmax's backward node made NaN, known by name only (what it saved was freed)."""
+    return (
+        ev.phase is Phase.BACKWARD
+        and node_base(ev.node) in _SOFTMAX_NODES
+        and "NaN" in ev.born
+        and not ev.inputs
+    )
+
+
+def _hidden_masked_row(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
+    """A softmax's backward made NaN from a finite gradient while the loss was finite: its
+    forward result held NaN, a row with every value masked to -inf, which torch.where or a
+    0 mask then hid from the loss."""
+    op = short_op(ev.op)
+    evidence = [
+        a.summary,
+        f"{ev.node} made NaN from a finite gradient: {op}'s backward does that only when "
+        "its forward result held NaN, and the loss was finite, so the NaN was hidden",
+    ]
+    fwd = ctx.trace.record(a.record.source) if a.record.source is not None else None
+    if fwd is not None and fwd.stat is not None and fwd.stat.has_neginf:
+        evidence.append(
+            f"{fwd.path}'s {fwd.role} (forward), the input of {op}: "
+            f"{describe_stat(fwd.stat)}: a row of it that is -inf everywhere gives NaN"
+        )
+    evidence.append(untraced_hint(ctx.facts.get("mode")))
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="Fully masked row: NaN hidden in forward, NaN gradient in backward",
+        evidence=evidence,
+        explanation=(
+            f"{op} of a row whose every value is -inf (a query or list with no item left, an "
+            "empty sequence) is NaN. torch.where(has_items, per_row, 0) or a multiplication "
+            "by a 0 mask keeps it out of the loss, but backward still runs through that row: "
+            f"{op}'s gradient there is NaN, and it reaches every weight. Mask with the "
+            "dtype's most negative finite value, or leave the empty rows out before the "
+            "softmax."
+        ),
+        fix=(
+            "scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)   # not -inf: "
+            "an empty row stays finite\n"
+            "# or drop the rows with no item left before the softmax:\n"
+            "keep = mask.any(dim=-1)\n"
+            "scores, mask = scores[keep], mask[keep]"
+        ),
     )
