@@ -1830,3 +1830,56 @@ def target_log(note: Note) -> LoggedTarget | None:
             both=False,
         )
     return None
+
+
+# ---------------------------------------------------------------------- whole statements
+
+
+def full_statement(source: str | None, reach: int = 12) -> str | None:
+    """The statement that starts on line ``source`` (``train.py:42``), read from the file
+    and joined into one line when it continues on the next ones (an open parenthesis, a
+    backslash): ``loss = kl(a,\\n      b)`` -> ``loss = kl(a, b)``. The line alone when no
+    run of up to ``reach`` lines parses; None when the file cannot be read."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    start = int(num)
+    first = linecache.getline(path, start).strip()
+    if not first:
+        return None
+    parts: list[str] = []
+    for n in range(start, start + reach):
+        text = linecache.getline(path, n)
+        if not text.strip():
+            break
+        parts.append(text.split("  #", 1)[0].strip().removesuffix("\\").rstrip())
+        joined = " ".join(parts)
+        if "'" not in joined and '"' not in joined:  # no string to change: tidy the joins
+            joined = re.sub(r"\s+([)\]}])", r"\1", re.sub(r"([(\[{]) +", r"\1", joined))
+        if _parsed(joined) is not None:
+            return joined
+    return first
+
+
+def identifiers(code: str | None) -> set[str]:
+    """Every name a line of code uses or assigns (``l = crit(model(x), y)`` -> ``l``,
+    ``crit``, ``model``, ``x``, ``y``): a fix that introduces a name must not take one of
+    these, or pasting it overwrites the user's variable."""
+    if not code:
+        return set()
+    text = re.sub(r"(['\"]).*?\1", "", code.split("  #", 1)[0])
+    return set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", text))
+
+
+def fresh_name(want: str, taken: set[str]) -> str:
+    """``want``, or ``want`` with a suffix, whichever is not in ``taken``.
+
+    >>> fresh_name("fin", {"fin", "x"}), fresh_name("fin", set())
+    ('fin_', 'fin')
+    """
+    name = want
+    while name in taken:
+        name += "_"
+    return name

@@ -15,7 +15,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from nanwatch._domains import Domain, domain_of
-from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, OpEvent, Phase, Record, TensorStat
+from nanwatch.records import (
+    LOSS_PATH,
+    Anomaly,
+    AnomalyKind,
+    Note,
+    OpEvent,
+    Phase,
+    Record,
+    TensorStat,
+)
 from nanwatch.rules._evidence import (
     DomainHit,
     LoggedTarget,
@@ -31,6 +40,7 @@ from nanwatch.rules._evidence import (
     exact,
     first_input,
     fmt,
+    full_statement,
     has_zero,
     inf_arithmetic,
     inf_inputs,
@@ -95,6 +105,11 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a is None or a.transient:
         return
     cause = cause_of(a)
+    if cause is None and a.kind is AnomalyKind.BACKWARD:
+        kl = _kl_target_untraced(ctx, a)
+        if kl is not None:  # KLDivLoss's target gradient, op not traced: xlogy(t, t) at 0
+            yield kl
+            return
     if cause is None and a.kind is AnomalyKind.FORWARD and a.path == LOSS_PATH:
         logged = _logged_target(ctx)
         if logged is not None:  # F.l1_loss(S.log(), T.log()): log(0) of the target, untraced
@@ -738,6 +753,16 @@ def _xlogy_backward(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent)
     0/0 = NaN where y is 0 too (the entropy term xlogy(p, p) of a probability of 0)."""
     x = input_named(ev, "self")
     y = input_named(ev, "other")
+    note = _kl_note(ctx, ev.path or a.path, ev.source, y) if has_zero(y) else None
+    if note is not None:  # KLDivLoss's own xlogy(target, target)
+        evidence = [
+            f"in backward (autograd node {ev.node}), the gradient of {note.path}'s "
+            f"xlogy(target, target) with respect to the target is target / target: 0/0 = NaN "
+            "where the target is 0",
+            f"the target: {describe_stat(y)}",
+            *_chain_evidence(ev, trigger, ev.born),
+        ]
+        return _kl_target_grad(ctx, note, evidence, op_fields(ev, a))
     where = "where x and y are both 0" if "NaN" in ev.born else "where y is 0"
     value = "0/0 = NaN" if "NaN" in ev.born else "x/0 = ±inf"
     evidence = [
@@ -766,6 +791,185 @@ def _xlogy_backward(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent)
             "   # when only p exists"
         ),
     )
+
+
+def _kl_note(
+    ctx: RuleContext, path: str | None, source: str | None, y: TensorStat | None = None
+) -> Note | None:
+    """The guard's note of the KL-divergence loss call (KLDivLoss or F.kl_div, probabilities
+    as target) whose target holds exact zeros: the module at ``path``, the functional call
+    on line ``source``, else the step's only such call. ``y``: the tensor the op took as
+    the target, whose range and size the note's target must have."""
+
+    def same(n: Note) -> bool:
+        if y is None:
+            return True
+        shape = n.data.get("target_shape")
+        size = math.prod(shape) if isinstance(shape, list) else None
+        return note_num(n, "target_max") == y.max and (size is None or size == y.numel)
+
+    kls = [
+        n
+        for n in ctx.notes("loss_input")
+        if loss_kind(str(n.data.get("loss", n.path))) == "kldiv"
+        and n.data.get("log_target") is not True
+        and note_num(n, "target_min") == 0.0
+        and same(n)
+    ]
+    for n in kls:
+        if n.path == path or (source and n.source == source):
+            return n
+    return kls[0] if len(kls) == 1 else None
+
+
+def _kl_target_untraced(ctx: RuleContext, a: Anomaly) -> Diagnosis | None:
+    """A NaN gradient born in the backward of a KLDivLoss module, on its target (input[1]),
+    op not traced: the target requires grad (it has an autograd node) and holds exact
+    zeros, where the target gradient of xlogy(target, target) is 0/0."""
+    rec = a.record
+    if a.op is not None or rec.phase is not Phase.BACKWARD or rec.role != "input[1]":
+        return None
+    if loss_kind(rec.module_type) != "kldiv" or rec.stat is None or not rec.stat.nan:
+        return None
+    fwd = next(
+        (
+            r
+            for r in ctx.trace.records
+            if r.call == rec.call and r.phase is Phase.INPUT and r.role == "input[1]"
+        ),
+        None,
+    )
+    m = exact(ctx.trace, fwd) if fwd is not None else None
+    node = fwd.grad_fn if fwd is not None else None
+    t = m.stat if m is not None else None
+    if node is None or t is None or not (t.finite and t.min == 0.0):
+        return None
+    note = _kl_note(ctx, a.path, None)
+    if note is None:
+        return None
+    evidence = [
+        a.summary,
+        f"{a.path}'s target (input[1]) requires grad (autograd node {node}) and holds exact "
+        f"zeros: {describe_stat(t)}",
+        f"{a.path} computes xlogy(target, target) - target · input: its gradient with respect "
+        "to the target holds target / target, 0/0 = NaN where the target is 0",
+    ]
+    fields = anomaly_fields(a)
+    fields.update(source=note.source)
+    return _kl_target_grad(ctx, note, evidence, fields)
+
+
+def _kl_target_grad(
+    ctx: RuleContext, note: Note, evidence: list[str], fields: dict[str, object]
+) -> Diagnosis:
+    loss = str(note.data.get("loss", note.path))
+    functional = loss.startswith("F.") or note.path.startswith("F.")
+    reduction = note.data.get("reduction")
+    fixes = _kl_fixes(full_statement(note.source), functional, reduction)
+    if fixes is None:
+        fix = (
+            f"# {loss}(input, target): pass target.detach() when the target is fixed (a "
+            "teacher's or a clean prediction)\n"
+            "# or pass log-probabilities (F.log_softmax, not F.softmax) as the target with "
+            "log_target=True: finite gradient at a probability of 0"
+        )
+    else:
+        detached, logged = fixes
+        fix = f"{detached}   # a fixed target: no gradient through it"
+        if logged:
+            fix += f"\n# or keep the target's gradient: log-probabilities on both sides\n{logged}"
+    return ctx.diagnosis(
+        **fields,
+        title=f"Gradient of {loss}'s target at 0",
+        evidence=evidence,
+        explanation=(
+            f"{loss}(input, target) computes target · (log(target) - input) as xlogy(target, "
+            "target) - target · input: 0 where the target is 0, so the loss is finite, but "
+            "its gradient with respect to the target holds target / target, 0/0 = NaN there. "
+            "The target requires grad (it was computed from the model and not detached) and "
+            "holds exact zeros (a softmax of confident logits underflows to 0). Detach it "
+            "when it is a fixed target, or pass log-probabilities with log_target=True, "
+            "whose gradient is finite everywhere."
+        ),
+        fix=fix,
+    )
+
+
+def _callee(node: ast.Call) -> str:
+    """``kl_div`` of ``F.kl_div(...)``, ``softmax`` of ``z.softmax(1)``."""
+    f = node.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
+def _kl_fixes(stmt: str | None, functional: bool, reduction: object) -> tuple[str, str] | None:
+    """The user's KL-divergence statement with its target detached, and (when the target is
+    a softmax) the statement with log-probabilities and log_target=True (for a module, its
+    construction with log_target=True above it); None when the line shows no such call."""
+    if not stmt:
+        return None
+    try:
+        tree = ast.parse(stmt)
+    except SyntaxError:
+        return None
+    raw = stmt.encode()
+    call: ast.Call | None = None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or any(isinstance(x, ast.Starred) for x in node.args):
+            continue
+        kw = {k.arg for k in node.keywords}
+        if functional:
+            if _callee(node) == "kl_div":
+                call = node
+                break
+            continue
+        root = node.func
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(root, ast.Name) and root.id in ("torch", "F", "nn", "np", "math"):
+            continue
+        if len(node.args) + len(kw & {"input", "target"}) == 2 and kw <= {"input", "target"}:
+            call = node
+            break
+    if call is None:
+        return None
+    kws = {k.arg: k.value for k in call.keywords if k.arg}
+    tgt = kws.get("target", call.args[1] if len(call.args) > 1 else None)
+    if tgt is None or tgt.end_col_offset is None:
+        return None
+
+    def seg(n: ast.AST) -> str:
+        return ast.get_source_segment(stmt, n) or ""
+
+    def edit(edits: list[tuple[int, int, str]]) -> str:
+        out = raw
+        for b, e, text in sorted(edits, reverse=True):
+            out = out[:b] + text.encode() + out[e:]
+        return out.decode()
+
+    t0, t1 = tgt.col_offset, tgt.end_col_offset
+    detached = edit([(t0, t1, f"{paren(seg(tgt))}.detach()")])
+    if not (isinstance(tgt, ast.Call) and _callee(tgt) == "softmax"):
+        return detached, ""
+    f = tgt.func
+    end = f.end_col_offset or 0
+    name_at = end - len("softmax")
+    edits = [(name_at, end, "log_softmax")]
+    red = f"reduction={reduction!r}, " if isinstance(reduction, str) else ""
+    if functional:
+        flag = next((k for k in call.keywords if k.arg == "log_target"), None)
+        if flag is not None and flag.value.end_col_offset is not None:
+            edits.append((flag.value.col_offset, flag.value.end_col_offset, "True"))
+        else:
+            close = (call.end_col_offset or 1) - 1
+            edits.append((close, close, ", log_target=True"))
+        return detached, edit(edits)
+    if isinstance(call.func, ast.Call):  # nn.KLDivLoss(...)(input, target) on the line
+        close = (call.func.end_col_offset or 1) - 1
+        sep = ", " if call.func.args or call.func.keywords else ""
+        edits.append((close, close, f"{sep}log_target=True"))
+        return detached, edit(edits)
+    crit = seg(call.func)
+    return detached, f"{crit} = nn.KLDivLoss({red}log_target=True)\n{edit(edits)}"
 
 
 def _poisson_use(ctx: RuleContext, a: Anomaly, ev: OpEvent, x: TensorStat | None) -> LossUse | None:
@@ -1077,12 +1281,9 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         count=integer or unmeasured,
         floating=den is not None and not integer,
     )
-    lim = limits(ev.dtype)
-    if every and lim is not None:
-        fix += (
-            "\n# every value is 0: a sum of exp() terms (exp(-C / eps) @ v, exp(x).sum()) "
-            "underflowed: use torch.logsumexp (the log domain), not a clamp"
-        )
+    if every and den is not None:  # no exp in sight (those returned above): 0 everywhere
+        yield _all_zero_denominator(ctx, a, ev, den, evidence=evidence, title=title)
+        return
     yield ctx.diagnosis(
         **op_fields(ev, a),
         title=title,
@@ -1092,19 +1293,146 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             "standard deviation or a range (max - min) of a feature that did not vary, a "
             "norm of an all-zero vector, a count of selected elements that was 0. x/0 is "
             "±inf and 0/0 is NaN, and the whole column or row goes bad from here."
-            + (
-                f" Every value of this denominator is 0: a sum of exp() terms that all "
-                f"underflowed does that (exp(x) is 0 in {ev.dtype} below "
-                f"{fmt(math.log(lim.subnormal / 2))}: a Sinkhorn kernel exp(-C / eps), a "
-                "softmax by hand with a small temperature); clamping it then makes every "
-                "quotient and its gradient 0, and the log domain (torch.logsumexp) is "
-                "the fix."
-                if every and lim is not None
-                else ""
-            )
         ),
         fix=fix,
     )
+
+
+def _all_zero_denominator(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    den: TensorStat,
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """Every value of a floating denominator is 0 and neither the line nor the graph shows
+    an exp: not a feature that did not vary in one batch but a tensor that is 0 everywhere;
+    module state read as it is (``self.running_var``) is named when the code shows it."""
+    got: list[str] = []
+
+    def keep(d: str) -> str:
+        got.append(d)
+        return d
+
+    rewrite_divisor(ev.code, keep)
+    divisor = got[0] if got else None
+    state = _module_state(ev, divisor) if divisor is not None else []
+    evidence.insert(
+        1,
+        f"every one of the denominator's {den.numel:,} values is 0: not one row or feature "
+        "that did not vary, a tensor that is 0 everywhere",
+    )
+    if state:
+        evidence.insert(
+            2,
+            "the denominator is read from module state, not computed from this batch: "
+            + ", ".join(f"{n} is {v}" if n != v else v for n, v in state),
+        )
+    sqrt = divisor is not None and re.search(r"(?<![\w.])(?:torch\.)?sqrt\(|\.sqrt\(", divisor)
+    own = None
+    if sqrt and divisor is not None:
+        inside = rewrite_call(divisor, ["sqrt"], lambda e: f"({e} + 1e-5)")
+        if inside is not None:
+            own = rewrite_divisor(ev.code, lambda d: inside)
+            if own is not None:
+                own += "   # eps inside the sqrt, as nn.BatchNorm does: finite at a variance of 0"
+    if own is None:
+        clamp = rewrite_divisor(
+            ev.code, lambda d: f"{paren(d)}.clamp_min(torch.finfo({paren(d)}.dtype).eps)"
+        )
+        own = (
+            f"{clamp}   # keeps the quotient finite; the zeros themselves are the bug"
+            if clamp is not None
+            else _div_fix(ev, scalar=False, count=False, floating=True)
+        )
+    if state:
+        names = ", ".join(dict.fromkeys(v for _, v in state))
+        own += (
+            f"\n# {names}: 0 everywhere means it was created with torch.zeros and read before "
+            "any update; a variance, scale or count starts at torch.ones"
+        )
+    else:
+        own += (
+            "\n# find what left the denominator 0 everywhere: a buffer or parameter created "
+            "with torch.zeros and never updated, an input that is constant everywhere"
+        )
+    why = (
+        f" It comes from {', '.join(dict.fromkeys(v for _, v in state))}, module state read as "
+        "it is: a buffer created with torch.zeros and used before any update fills it (a "
+        "running variance read in eval mode before training updated it) is 0 everywhere."
+        if state
+        else " That is a tensor never filled (a buffer or parameter created with torch.zeros "
+        "and read before any update, running statistics used in eval mode), or the spread "
+        "of an input that is constant everywhere."
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=title,
+        evidence=evidence,
+        explanation=(
+            "Every value of this denominator is exactly 0, not a few: x/0 is ±inf and 0/0 is "
+            "NaN everywhere it divides." + why + " An eps inside a sqrt, or a clamp, keeps "
+            "the quotient finite; the zeros are what to fix."
+        ),
+        fix=own,
+    )
+
+
+def _module_state(ev: OpEvent, divisor: str) -> list[tuple[str, str]]:
+    """The module attributes (``self.running_var``) a divisor reads: written in it, or
+    assigned to one of its names on an earlier line of the function (``m, v =
+    self.running_mean, self.running_var``). (name, attribute) pairs."""
+    out: list[tuple[str, str]] = []
+    for attr in re.findall(r"(?<![\w.])self\.[A-Za-z_]\w*(?![\w(])", divisor):
+        out.append((attr, attr))
+    for name in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", divisor)):
+        if name in ("self", "torch"):
+            continue
+        value = _assigned_value(ev.source, name)
+        if value is not None and re.fullmatch(r"self\.[A-Za-z_]\w*", value):
+            out.append((name, value))
+    return out
+
+
+def _assigned_value(source: str | None, name: str, reach: int = 40) -> str | None:
+    """The expression last assigned to ``name`` above line ``source`` in the same function,
+    plain or unpacked (``a, b = x, y`` gives ``b`` the ``y``); None when none is seen."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    line = int(num)
+    here = linecache.getline(path, line)
+    indent = len(here) - len(here.lstrip())
+    for n in range(line - 1, max(0, line - reach), -1):
+        text = linecache.getline(path, n)
+        if not text.strip():
+            continue
+        if re.match(r"\s*(?:async\s+)?def\s", text) and len(text) - len(text.lstrip()) < indent:
+            return None
+        for stmt in reversed(statements(text)):
+            try:
+                tree = ast.parse(stmt)
+            except SyntaxError:
+                continue
+            node = tree.body[0] if len(tree.body) == 1 else None
+            if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+                continue
+            target, value = node.targets[0], node.value
+            if isinstance(target, ast.Name) and target.id == name:
+                return ast.get_source_segment(stmt, value)
+            if (
+                isinstance(target, ast.Tuple)
+                and isinstance(value, ast.Tuple)
+                and len(target.elts) == len(value.elts)
+            ):
+                for t, v in zip(target.elts, value.elts, strict=True):
+                    if isinstance(t, ast.Name) and t.id == name:
+                        return ast.get_source_segment(stmt, v)
+    return None
 
 
 _EXP_CALL = re.compile(

@@ -44,6 +44,9 @@ from nanwatch.rules._evidence import (
     first_input,
     first_root_outputs,
     fmt,
+    fresh_name,
+    identifiers,
+    input_named,
     inputs_of,
     limits,
     loss_kind,
@@ -57,6 +60,7 @@ from nanwatch.rules._evidence import (
     scalar_base,
     short_op,
     signed_max,
+    statements,
     untraced_hint,
 )
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule
@@ -377,6 +381,7 @@ def _from_op(
             clip=_clip_line(ctx),
             setting=setting is not None,
             complex_=cplx,
+            cast_input=_cast_input(ctx, ev) if kind == "cast" else None,
         )
     elif power is not None and lim is not None:
         explanation = (
@@ -404,6 +409,7 @@ def _from_op(
             loss=(ev.path or a.path) == LOSS_PATH,
             autocast=_under_autocast(ctx, dtype),
             result=_true_result(name, ev),
+            cast_input=_cast_input(ctx, ev) if kind == "cast" else None,
         )
     return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
 
@@ -1713,6 +1719,7 @@ def _fix_wide(
     clip: str | None = None,
     setting: bool = False,
     complex_: bool = False,
+    cast_input: str | None = None,
 ) -> str:
     """``update``: what to change in the training update, in order (:func:`_update_fix`);
     ``clip``: the line that bounds it, placed among a product's fixes ("" for none);
@@ -1766,7 +1773,7 @@ def _fix_wide(
             f"{last}"
         )
     if kind == "cast":
-        return _fix_cast(code, dtype)
+        return _fix_cast(code, dtype, cast_input)
     if clip is None:
         clip = "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before step()"
     if kind == "matmul" and recurrent:
@@ -1847,6 +1854,7 @@ def _fix(
     loss: bool = False,
     autocast: bool = False,
     result: float = math.nan,
+    cast_input: str | None = None,
 ) -> str:
     """Low precision: compute the op in float32, or train in bfloat16 (float32's range).
     ``arg``: an exp's largest argument; ``scalar``: the exp's input is one value (a learned
@@ -1915,7 +1923,7 @@ def _fix(
             f"{fmt(_exp_bound('bfloat16'))}"
         )
     if kind == "cast":
-        return _fix_cast(code, dtype)
+        return _fix_cast(code, dtype, cast_input)
     op = name.rstrip("_")
     where = "in the loss code" if loss else f"in {ref}'s forward"
     no_autocast = f"(under autocast: inside torch.autocast(device_type={device}, enabled=False))"
@@ -2180,41 +2188,135 @@ def _cast_receiver(line: str) -> tuple[int, int] | None:
     return None
 
 
-def _fix_cast(code: str | None, dtype: str) -> str:
+def _fix_cast(code: str | None, dtype: str, cast_input: str | None = None) -> str:
     """The user's cast line, its tensor scaled (float8: a per-tensor scale, its largest
-    value mapped to the dtype's max) or clamped into the dtype's range; its form kept."""
+    value mapped to the dtype's max) or clamped into the dtype's range; its form kept. A
+    line with no cast of its own (autocast casts a module's input) gets the clamp on
+    ``cast_input``, the user's expression of the tensor cast, when it is known. A name
+    the fix introduces never takes one the line uses."""
     line = code.split("  #", 1)[0].rstrip() if code else ""
     plain = line.strip()
     was = f"  # was: {plain}" if plain else ""
     at = _cast_receiver(plain) if plain else None
     indent = line[: len(line) - len(line.lstrip())]
+    taken = identifiers(plain)
     if dtype.startswith("float8"):
+        scale = fresh_name("scale", taken)
         if at is None:
             return (
-                f"scale = x.detach().abs().amax().clamp_min(1e-12) / "
-                f"torch.finfo(torch.{dtype}).max   # x: the tensor cast to {dtype}\n"
-                f"q = (x / scale).to(torch.{dtype})   # and dequantize with q.float() * scale"
+                f"# the tensor cast to {dtype}, scaled first (a per-tensor scale: its largest "
+                f"value maps to {dtype}'s max):\n"
+                f"# {scale} = t.detach().abs().amax().clamp_min(1e-12) / "
+                f"torch.finfo(torch.{dtype}).max, then (t / {scale}).to(torch.{dtype}); "
+                f"dequantize with .float() * {scale}"
             )
         recv = plain[at[0] : at[1]]
         return (
-            f"{indent}scale = {paren(recv)}.detach().abs().amax().clamp_min(1e-12) / "
+            f"{indent}{scale} = {paren(recv)}.detach().abs().amax().clamp_min(1e-12) / "
             f"torch.finfo(torch.{dtype}).max   # per-tensor scale: the largest value maps to "
             f"{dtype}'s max\n"
-            f"{indent}{plain[: at[0]]}({paren(recv)} / scale){plain[at[1] :]}{was}\n"
-            "# dequantize with .float() * scale (pass scale on with the float8 tensor)"
+            f"{indent}{plain[: at[0]]}({paren(recv)} / {scale}){plain[at[1] :]}{was}\n"
+            f"# dequantize with .float() * {scale} (pass {scale} on with the float8 tensor)"
         )
+    fin = fresh_name("fin", taken)
     if at is None:
+        own = _clamped_input(plain, cast_input, f"{fin}.min, {fin}.max")
+        if own is None or cast_input is None:
+            return (
+                f"{fin} = torch.finfo(torch.{dtype})\n"
+                f"# clamp the tensor cast to {dtype} into its range before the cast: "
+                f".clamp({fin}.min, {fin}.max){f' (on: {plain})' if plain else ''}\n"
+                "# or keep this tensor in float32"
+            )
         return (
-            f"fin = torch.finfo(torch.{dtype})\n"
-            f"y = x.clamp(fin.min, fin.max).to(torch.{dtype}){was}\n"
-            "# or keep this tensor in float32"
+            f"{indent}{fin} = torch.finfo(torch.{dtype})\n"
+            f"{indent}{own}{was}\n"
+            f"# autocast casts {cast_input} to {dtype}: better, scale it into a small range "
+            "where it is made (pixels / 255, standardized features), or keep it in float32"
         )
     recv = plain[at[0] : at[1]]
     return (
-        f"{indent}fin = torch.finfo(torch.{dtype})\n"
-        f"{indent}{plain[: at[0]]}{paren(recv)}.clamp(fin.min, fin.max){plain[at[1] :]}{was}\n"
+        f"{indent}{fin} = torch.finfo(torch.{dtype})\n"
+        f"{indent}{plain[: at[0]]}{paren(recv)}.clamp({fin}.min, {fin}.max){plain[at[1] :]}{was}\n"
         "# or keep this tensor in float32"
     )
+
+
+def _clamped_input(plain: str, expr: str | None, bounds: str) -> str | None:
+    """``plain`` with its one occurrence of the argument ``expr`` clamped; None when ``expr``
+    is not exactly one call argument of the line."""
+    if not plain or not expr:
+        return None
+    try:
+        tree = ast.parse(plain)
+    except SyntaxError:
+        return None
+    raw = plain.encode()
+    hits = [
+        arg
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        for arg in node.args
+        if ast.get_source_segment(plain, arg) == expr and arg.end_col_offset is not None
+    ]
+    if len(hits) != 1 or hits[0].end_col_offset is None:
+        return None
+    b, e = hits[0].col_offset, hits[0].end_col_offset
+    return (raw[:b] + f"{paren(expr)}.clamp({bounds})".encode() + raw[e:]).decode()
+
+
+def _cast_input(ctx: RuleContext, ev: OpEvent) -> str | None:
+    """The user's expression of the tensor a cast took, when it is the input of a watched
+    model called on the op's line (autocast casts a float32 input to float16 in the first
+    layer): the root call's input record holds the very values the cast took, and the line
+    has one call with that many positional arguments (``model(x + delta)``)."""
+    x = input_named(ev, "self") or first_input(ev)
+    if x is None or not ev.code:
+        return None
+    trace = ctx.trace
+    for r in trace.records:
+        if r.phase is not Phase.INPUT or r.stat is None:
+            continue
+        call = trace.call(r.call)
+        if call is None or not call.root or call.is_loss:
+            continue
+        s = r.stat
+        if (s.min, s.max, s.numel) != (x.min, x.max, x.numel):
+            continue
+        m = re.fullmatch(r"input\[(\d+)\]", r.role or "")
+        if m is None:
+            continue
+        n_in = sum(
+            1
+            for q in trace.records
+            if q.call == r.call and q.phase is Phase.INPUT and (q.role or "").startswith("input[")
+        )
+        return _call_argument(ev.code, n_in, int(m.group(1)))
+    return None
+
+
+def _call_argument(code: str, n_args: int, index: int) -> str | None:
+    """Argument ``index`` of the line's one call with ``n_args`` positional arguments and
+    no keywords that is not a torch function (``model(x + delta)`` in ``l = crit(model(x +
+    delta), y)``); None when there is not exactly one."""
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        found = []
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or node.keywords or len(node.args) != n_args:
+                continue
+            root = node.func
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if not isinstance(root, ast.Name) or root.id in ("torch", "F", "nn", "np", "math"):
+                continue
+            found.append(node)
+        if len(found) == 1:
+            return ast.get_source_segment(stmt, found[0].args[index])
+    return None
 
 
 def _bounded_exp(
