@@ -953,6 +953,10 @@ def _saved_cause(node: Any) -> OpEvent | None:
         producer = v.grad_fn
         if producer is None or not (_kinds(v) - {"NaN"}):
             continue
+        if attr == "_saved_result" or producer is node:
+            # the node's own forward made it (ExpBackward0 keeps exp's inf result): the
+            # node's event already says that op overflowed in forward, then 0 x inf here
+            continue
         try:
             return _node_event(producer, None, frozenset())
         except Exception:  # an unusual node: no cause
@@ -1768,9 +1772,18 @@ def graph_evidence(
         )
     )
     loss_kinds = _kinds(output) if isinstance(output, torch.Tensor) else frozenset()
+    leaf_said = False
     for node in reversed(order):  # producers before consumers
         base = node.name().split("Backward")[0]
         names.append(base.lower())
+        if not leaf_said:
+            try:
+                leaf = leaf_event(node)
+            except Exception:  # an unusual node must not cost the rest of the evidence
+                leaf = None
+            if leaf is not None:
+                leaf_said = True
+                events.append(leaf)
         own = output if node is fn else None
         try:
             event = _node_event(node, own, loss_kinds, values)
@@ -1779,3 +1792,46 @@ def graph_evidence(
         if event is not None:
             events.append(event)
     return names[::-1], events
+
+
+#: ``OpEvent.scalars`` key of an event made by :func:`leaf_event`: which operand was the leaf
+LEAF = "leaf"
+
+
+def leaf_event(node: Any) -> OpEvent | None:
+    """An event for a leaf tensor (no autograd history: a parameter, a tensor made with
+    ``requires_grad=True``) that already held NaN or inf when ``node``'s op read it: nothing
+    this graph ran made the value, an update before the step wrote it (an optimizer built
+    for a loss weight). The event names the op that read it (``injected``: its non-finite
+    value came in from outside, no op made it); ``scalars[LEAF]`` is the operand's schema
+    name, ``leaf_shape`` its shape, ``leaf_parameter`` 1 for an ``nn.Parameter``."""
+    for i, (nxt, _) in enumerate(getattr(node, "next_functions", ()) or ()):
+        if nxt is None or not accumulates_grad(nxt):
+            continue
+        v = getattr(nxt, "variable", None)
+        if not isinstance(v, torch.Tensor) or not has_values(v):
+            continue
+        kinds = _kinds(v)
+        if not kinds:
+            continue
+        base = node.name().split("Backward")[0]
+        names = _ELEMENTWISE.get(base, ("", (), torch.mul))[1]
+        role = names[i][0] if i < len(names) else f"input[{i}]"
+        stat = describe(v) or TensorStat(math.nan, math.nan, v.numel())
+        return OpEvent(
+            op=node_op(node.name()),
+            phase=Phase.FORWARD,
+            path=None,
+            born=_join(kinds),
+            output=stat,
+            inputs=[(role, stat)],
+            scalars={
+                LEAF: role,
+                "leaf_shape": "[" + ", ".join(str(d) for d in v.shape) + "]",
+                "leaf_parameter": int(isinstance(v, torch.nn.Parameter)),
+            },
+            node=node.name(),
+            dtype=dtype_name(v.dtype),
+            injected=True,
+        )
+    return None
