@@ -210,6 +210,139 @@ def _parent(trace: StepTrace, call: Call | None) -> Call | None:
     return trace.call(call.parent)
 
 
+_HOOK_NODE = "BackwardHookFunctionBackward"  # a module's full backward hooks wrap its outputs
+
+
+def _own_outputs(trace: StepTrace, call: Call) -> list[Record]:
+    return [
+        r
+        for r in trace.records
+        if r.call == call.id and r.phase is Phase.FORWARD and r.stat is not None
+    ]
+
+
+def _hooked(trace: StepTrace, call: Call) -> bool:
+    """``call``'s module has a full backward hook (``register_full_backward_hook``, never
+    nanwatch's): torch passes its output through a ``BackwardHookFunction``, a new tensor
+    of the same shape its parent then records, before any other forward record."""
+    outs = _own_outputs(trace, call)
+    if not outs:
+        return False
+    last = max(o.index for o in outs)
+    for r in trace.records:
+        if r.index <= last or r.phase is not Phase.FORWARD:
+            continue
+        if r.grad_fn == _HOOK_NODE and r.source is None:
+            return any(o.shape == r.shape and o.dtype == r.dtype for o in outs)
+        if r.stat is not None or r.source is None:
+            return False  # another tensor came first: the hook is not this module's
+    return False
+
+
+def _weak(call: Call, dtype: str) -> bool:
+    """A module whose backward cannot plausibly make a non-finite gradient from a finite
+    one: sums of products (Linear, Conv) in float32 or float64, where the finite values
+    would have to reach ~1e38 (torch.finfo(float32).max) to overflow."""
+    return call.arithmetic and dtype in ("float32", "float64")
+
+
+def _between_suspect(
+    trace: StepTrace, trig: Record, fwd: Record, cands: list[Call]
+) -> tuple[str, str, str | None, str] | None:
+    """The code that made a backward anomaly when the records show it ran between the
+    modules that got a finite gradient and the producer's output, or inside one consumer
+    in code the user wrote (none when the records say nothing more than the consumers):
+    a consumer whose output a custom ``autograd.Function`` made (its backward is the
+    user's), a consumer with a full backward hook, or a tensor a module received that the
+    parent's code made after the producer's output, of as many values of its dtype (an
+    elementwise op or a view of it, as :func:`_made_of` infers), whose own gradient was
+    finite, recorded before the trigger (the gradient of that code's input is the bad one). Returns
+    (origin, path, consumer, what follows "born in the backward of ")."""
+    sent = f"the gradient sent back to {trig.path}'s {trig.role} is not"
+    linked = next(
+        (
+            trace.record(r.source)
+            for c in cands
+            for r in trace.inputs_of(c.id)
+            if r.source is not None and r.source != fwd.index
+        ),
+        None,
+    )
+    if linked is not None and linked.path != trig.path and linked.phase is Phase.FORWARD:
+        sent = (
+            f"the gradient sent back to {linked.path}'s {linked.role} is not (seen at "
+            f"{trig.path}'s {trig.role}, which {linked.path} passed it on to)"
+        )
+    strong: list[tuple[str, str, str | None, str]] = []
+    for c in cands:
+        fn = next(
+            (custom_function(o.grad_fn) for o in _own_outputs(trace, c) if o.grad_fn),
+            None,
+        )
+        if fn is not None:
+            strong.append(
+                (
+                    "module",
+                    c.path,
+                    c.path,
+                    f"the backward of custom autograd.Function {fn} in {c.path}: the "
+                    f"gradient of {c.path}'s output was finite, {sent}",
+                )
+            )
+        elif _hooked(trace, c):
+            strong.append(
+                (
+                    "module",
+                    c.path,
+                    c.path,
+                    f"the backward hook of {c.path} (register_full_backward_hook): the "
+                    f"gradient of {c.path}'s output was finite, {sent}; a hook that returns new "
+                    "grad_input values (a rescale, a normalization g / g.norm() of a zero "
+                    "gradient) makes what the module sends back",
+                )
+            )
+    root = _root_of(trace, trace.call(fwd.call))
+    grads = {
+        r.source: r
+        for r in trace.records
+        if r.phase is Phase.BACKWARD and r.source is not None and r.index < trig.index
+    }
+    for r in trace.records if cands else ():  # none: the parent's code is named already
+        if r.phase is not Phase.INPUT or r.source is not None or r.stat is None:
+            continue
+        if r.index <= fwd.index or r.index >= trig.index:
+            continue
+        if r.dtype != fwd.dtype or _numel(r.shape) != _numel(fwd.shape):
+            continue  # like _made_of: made from the producer's values, elementwise or a view
+        call = trace.call(r.call)
+        if call is None or call.root or _root_of(trace, call) is not root:
+            continue
+        g = grads.get(r.index)
+        if g is None or g.stat is None or not g.stat.finite:
+            continue
+        parent = _parent(trace, call)
+        fn = custom_function(r.grad_fn)
+        by = f" (custom autograd.Function {fn})" if fn else f" ({r.grad_fn})" if r.grad_fn else ""
+        where = parent.path if parent is not None else call.path
+        strong.append(
+            (
+                "between-children",
+                where,
+                call.path,
+                f"the backward of the code in {where} that made {call.path}'s {r.role}{by}: "
+                f"the gradient "
+                f"{call.path} sent back to its {r.role} was finite, {sent}",
+            )
+        )
+    if len(strong) == 1:
+        origin, path, consumer, text = strong[0]
+        others = [c.path for c in cands if c.path != consumer and not _weak(c, trig.dtype)]
+        if others:  # a module that could have made it too
+            text += f" (or in the backward of {', '.join(others[:3])})"
+        return origin, path, consumer, text
+    return None
+
+
 def propagators(trace: StepTrace, after: Record, producer: str) -> tuple[list[str], int]:
     """Modules that merely passed the bad value on: later non-finite records in the same
     direction (forward for a forward anomaly, backward for a backward one)."""
@@ -330,7 +463,9 @@ def adopt_backward_op(anomaly: Anomaly, ops: Sequence[OpEvent]) -> bool:
         return False
     what = _kinds_text(anomaly.record)
     parameter = anomaly.parameter or _param_name(anomaly.record)
-    if ev.path and ev.path != LOSS_PATH:
+    if hook_op(ev) is not None and anomaly.record.path:  # a hook on the parameter
+        anomaly.path, anomaly.origin, where = anomaly.record.path, "module", anomaly.record.path
+    elif ev.path and ev.path != LOSS_PATH:
         anomaly.path, anomaly.origin, where = ev.path, "module", ev.path
     else:
         anomaly.path, anomaly.origin = LOSS_PATH, "loss-code"
@@ -457,7 +592,15 @@ def localize(
             cands = [c] if c is not None else []
         elif fwd is not None:
             cands, reached_root = _consumers(trace, fwd, trig.index)
-        if len(cands) == 1:
+        between = (
+            _between_suspect(trace, trig, fwd, cands)
+            if fwd is not None and fwd.phase is Phase.FORWARD
+            else None
+        )
+        if between is not None:
+            origin, path, consumer, summary = between
+            summary = f"{what} gradient born in {summary}"
+        elif len(cands) == 1:
             origin, path = "module", cands[0].path
             consumer = path
             summary = (
@@ -638,9 +781,71 @@ def _param_name(rec: Record) -> str:
     return rec.role
 
 
+_HOOK_CALL = re.compile(
+    r"\.(register_hook|register_full_backward_hook|register_full_backward_pre_hook|"
+    r"register_post_accumulate_grad_hook|register_backward_hook)\("
+)
+_ACCUMULATE = ("torch::autograd::AccumulateGrad", "AccumulateGrad")
+
+
+def hook_op(ev: OpEvent | None) -> str | None:
+    """How a traced backward op ran in a hook the user registered, or None: its own line
+    registers a hook (a lambda: ``h.register_hook(lambda g: g / g.norm())``), or it ran
+    while autograd accumulated a leaf's gradient (AccumulateGrad runs no op that makes a
+    NaN; a hook on the parameter does). detect_anomaly does not see such an op."""
+    if ev is None or ev.phase is not Phase.BACKWARD or custom_function(ev.node) is not None:
+        return None
+    m = _HOOK_CALL.search(ev.code or "")
+    if m is not None:
+        return m.group(1)
+    if ev.node in _ACCUMULATE and ev.source and ev.source != ev.backward_at:
+        return "register_hook"
+    return None
+
+
+def _hook_text(anomaly: Anomaly, ev: OpEvent, how: str) -> str:
+    what = _kinds_text(anomaly.record)
+    rec = anomaly.record
+    on = (
+        f"parameter {anomaly.parameter or rec.role}"
+        if rec.phase is Phase.GRADIENT or ev.node in _ACCUMULATE
+        else f"{rec.path}'s {rec.role}"
+    )
+    kind = "module backward hook" if "backward" in how else "tensor hook"
+    return (
+        f"{what} gradient born in a {kind} you registered ({how}) at {ev.source}, on "
+        f"{on}: the gradient reaching the hook was finite, what it returned is not "
+        "(torch.autograd.detect_anomaly does not check hooks)"
+    )
+
+
+def _follow_op(anomaly: Anomaly, base: str) -> str:
+    """A traced backward op (forensic mode, nw.replay) overrules the records' guess of whose
+    backward made the value: a custom Function's backward or a hook the user registered is
+    named in the headline (the records saw only the modules around it)."""
+    ev = anomaly.op
+    if ev is None or ev.phase is not Phase.BACKWARD:
+        return base
+    how = hook_op(ev)
+    if how is not None:
+        anomaly.origin = "module"
+        return _hook_text(anomaly, ev, how)
+    fn = custom_function(ev.node)
+    if fn is None or f"custom autograd.Function {fn}" in base:
+        return base
+    what = _kinds_text(anomaly.record)
+    rec = anomaly.record
+    return (
+        f"{what} gradient born in the backward of custom autograd.Function {fn}: the "
+        f"gradient it sent back reached {rec.path}'s {rec.role}, while every watched "
+        "module's output gradient before it was finite"
+    )
+
+
 def summarize(anomaly: Anomaly) -> str:
     """The one-line summary, with the op and propagation when known."""
     base = anomaly.summary.split(" [")[0]
+    base = _follow_op(anomaly, base)
     op = anomaly.op
     if (
         anomaly.origin == "loss-code"
@@ -654,6 +859,12 @@ def summarize(anomaly: Anomaly) -> str:
             f"{what} born in the forward of {op.path}, in a value it did not return that the "
             "loss used"
         )
+    leaf = leaf_text(op) if anomaly.origin == "loss-code" else None
+    if leaf is not None and " born on the way to the loss, " in base:
+        what, rest = base.split(" born on the way to the loss, ", 1)
+        rest = rest.removeprefix("outside every watched module's output")
+        base = f"{what} {leaf}{rest}"
+        op = None  # no op made it: the leaf held it before the op read it
     extra: list[str] = []
     if op is not None:
         made = base.split(" ", 1)[0]
@@ -667,6 +878,35 @@ def summarize(anomaly: Anomaly) -> str:
     if anomaly.transient:
         extra.append("a replay on the same inputs ran clean")
     return base + (" [" + "; ".join(extra) + "]" if extra else "")
+
+
+#: ``OpEvent.scalars`` key of a leaf event (see ``nanwatch.ops.leaf_event``)
+LEAF = "leaf"
+
+
+def leaf_text(op: OpEvent | None) -> str | None:
+    """``in a tensor your code passes to the loss: a leaf ...``: the loss code read a leaf
+    tensor that already held the non-finite value (see ``nanwatch.ops.leaf_event``); None
+    for any other event."""
+    if op is None or LEAF not in op.scalars:
+        return None
+    shape = op.scalars.get("leaf_shape")
+    kind = "an nn.Parameter" if op.scalars.get("leaf_parameter") else "a tensor"
+    of = f" of shape {shape}" if shape else ""
+    name = op.scalars.get("leaf_name")
+    return (
+        f"in {f'{name}, ' if name else ''}a tensor your code passes to the loss: a leaf "
+        f"({kind} with requires_grad, not a watched module's parameter){of} that already "
+        f"held {op.born} before this step's "
+        f"{short_node(op)} read it (no op of this step made it): an update at an earlier "
+        "step wrote it, typically an optimizer you built for it (a GradNorm or "
+        "uncertainty-weighting loss weight)"
+    )
+
+
+def short_node(op: OpEvent) -> str:
+    """``aten.mul`` -> ``mul``, the op in the user's words."""
+    return op.op.removeprefix("aten.").split(".")[0]
 
 
 def finite_or_none(x: float | None) -> float | None:

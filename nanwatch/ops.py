@@ -1818,6 +1818,16 @@ def leaf_event(node: Any) -> OpEvent | None:
         names = _ELEMENTWISE.get(base, ("", (), torch.mul))[1]
         role = names[i][0] if i < len(names) else f"input[{i}]"
         stat = describe(v) or TensorStat(math.nan, math.nan, v.numel())
+        scalars: dict[str, float | int | str] = {
+            LEAF: role,
+            "leaf_shape": str(tuple(v.shape)),  # no "[": a summary's op part starts at " ["
+            "leaf_parameter": int(isinstance(v, torch.nn.Parameter)),
+        }
+        name, optimizer = _user_names(v)
+        if name:
+            scalars["leaf_name"] = name
+        if optimizer:
+            scalars["leaf_optimizer"] = optimizer
         return OpEvent(
             op=node_op(node.name()),
             phase=Phase.FORWARD,
@@ -1825,13 +1835,32 @@ def leaf_event(node: Any) -> OpEvent | None:
             born=_join(kinds),
             output=stat,
             inputs=[(role, stat)],
-            scalars={
-                LEAF: role,
-                "leaf_shape": "[" + ", ".join(str(d) for d in v.shape) + "]",
-                "leaf_parameter": int(isinstance(v, torch.nn.Parameter)),
-            },
+            scalars=scalars,
             node=node.name(),
             dtype=dtype_name(v.dtype),
             injected=True,
         )
     return None
+
+
+def _user_names(t: torch.Tensor) -> tuple[str | None, str | None]:
+    """The names the user's code binds ``t`` and the optimizer that updates it to, in the
+    innermost user frame (its locals, then its globals), for a fix in the user's own names;
+    None for what no name binds."""
+    f = _frames.user_frame()
+    if f is None:
+        return None, None
+    name = optimizer = None
+    for scope in (f.f_locals, f.f_globals):
+        for k, v in scope.items():
+            if not k.isidentifier() or k.startswith("_"):
+                continue
+            if name is None and v is t:
+                name = k
+            elif (
+                optimizer is None
+                and isinstance(v, torch.optim.Optimizer)
+                and any(p is t for g in v.param_groups for p in g["params"])
+            ):
+                optimizer = k
+    return name, optimizer

@@ -12,6 +12,7 @@ import math
 import re
 from collections.abc import Iterator
 
+from nanwatch.localize import LEAF, leaf_text
 from nanwatch.records import (
     LOSS_PATH,
     Anomaly,
@@ -74,6 +75,13 @@ _REPLAY = (
     "print(nw.report)     # names the backward op and the forward line that made it"
 )
 _NEXT = {AnomalyKind.BACKWARD: _REPLAY}
+#: a forward NaN that no checked op made: a tensor the step read already held it
+_READ_BAD = (
+    "# every op was checked and none made it: a tensor the step read already held it\n"
+    "for name, p in model.named_parameters():   # and each tensor your loss code reads\n"
+    "    if not torch.isfinite(p).all():\n"
+    "        print(name, p)"
+)
 
 
 @rule(
@@ -91,6 +99,9 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None:
         return
+    if a.op is not None and LEAF in a.op.scalars:
+        yield _leaf(ctx, a, a.op)
+        return
     if a.op is not None:
         yield _with_op(ctx, a)
         return
@@ -101,7 +112,9 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence.append(untraced_hint(ctx.facts.get("mode")))
     if a.neginf_source is not None:
         evidence.append(f"a -inf was first seen in {a.neginf_source.where}")
-    if a.kind is AnomalyKind.FORWARD:  # name the criterion only when one was watched
+    if a.kind is AnomalyKind.FORWARD and ctx.facts.get("mode") == "forensic":
+        fix = _READ_BAD  # every op was checked: never send a forensic run to forensic mode
+    elif a.kind is AnomalyKind.FORWARD:  # name the criterion only when one was watched
         fix = _FORENSIC[_watched_criterion(ctx)]
     else:
         fix = _NEXT.get(a.kind, "# inspect the named tensor; nw.report has the statistics")
@@ -113,6 +126,49 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
             "None of nanwatch's specific rules (overflow, log of 0, division by 0, sqrt at "
             "0, masking, bad data, weights) matches the evidence; the op checker names the "
             "exact op and line."
+        ),
+        fix=fix,
+    )
+
+
+def _leaf(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
+    """The loss code read a leaf tensor (not a watched module's parameter) that already held
+    NaN or inf: no op of the step made it; an update at an earlier step wrote it."""
+    name = str(ev.scalars.get("leaf_name") or "")
+    opt = str(ev.scalars.get("leaf_optimizer") or "")
+    shown = name or "the loss-weight tensor"
+    stat = ev.inputs[0][1] if ev.inputs else None
+    evidence = [a.summary, f"{shown} ({ev.dtype}): {describe_stat(stat)}"]
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    evidence.append(
+        f"{short_op(ev.op)} read it as its {ev.scalars[LEAF]}; {shown} is no watched "
+        "module's parameter, so nanwatch did not check it after the update that wrote it"
+    )
+    w = name or "loss_weights"  # the user's name when the frame bound one
+    o = opt or "optimizer"
+    holder = f"{w}_module"
+    fix = (
+        f"# watch {w} too: nanwatch then checks it after every update and names the step\n"
+        f"{holder} = torch.nn.Module()\n"
+        f'{holder}.register_parameter("{w}", {w})\n'
+        f"# nanwatch.watch(<your modules>, {holder})\n"
+        f"# and skip the update of {w} when its gradient is not finite:\n"
+        f"if {w}.grad is None or torch.isfinite({w}.grad).all():\n"
+        f"    {o}.step()"
+    )
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        op=short_op(ev.op),
+        source=ev.source,
+        title="Non-finite value in a tensor the loss reads",
+        evidence=evidence,
+        explanation=(
+            f"{leaf_text(ev) or 'a leaf held it'}. A weight the loss multiplies by (a task "
+            "weight, a learned uncertainty) that its own optimizer updates goes NaN when one "
+            "step's gradient for it is NaN (a ratio L/L0 with L0 = 0, a log of 0); the "
+            "step after, every loss it weights is NaN."
         ),
         fix=fix,
     )
