@@ -174,6 +174,11 @@ def _leaf(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
     )
 
 
+#: nodes of log-probabilities: a value of -138 there is log(p) of a tiny p, which no
+#: exp overflows on (a KLDivLoss input, an NLL input)
+_LOG_PROBS = ("LogSoftmaxBackward", "LogSigmoidBackward")
+
+
 def _edge_inputs(ctx: RuleContext, a: Anomaly) -> list[str]:
     """A backward NaN or inf born in a module's code, op not traced: its inputs at the
     edges where common ops have an infinite derivative or an infinite saved result (exact
@@ -199,7 +204,13 @@ def _edge_inputs(ctx: RuleContext, a: Anomaly) -> list[str]:
                 "sqrt and x ** p with p < 1 have an infinite derivative at 0 (an entropy "
                 "-xlogy(p, p) of a probability of 0, a norm of a zero vector)"
             )
-        if not exp_said and lim is not None and s.amax > lim.exp_bound:
+        made_by = {str(x.grad_fn or "") for x in (r, m) if x is not None}
+        if (
+            not exp_said
+            and lim is not None
+            and s.amax > lim.exp_bound
+            and not any(n.startswith(_LOG_PROBS) for n in made_by)
+        ):
             exp_said = True
             out.append(
                 f"{a.path}'s {r.role} reached {fmt(s.min if -s.min > s.max else s.max)} "
