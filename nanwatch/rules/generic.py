@@ -850,12 +850,22 @@ def hidden_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
         if ev.phase is not Phase.FORWARD or ev.cause is not None or ev.injected:
             continue
         key = (ev.op, ev.source)
-        if key in seen or "NaN" in ev.born or classify(ev) != "overflow":
+        if key in seen or "NaN" in ev.born or classify(ev) != "overflow" or _mask_sum(ev):
             continue
         seen.add(key)
         yield _hidden_overflow(ctx, ev, sum(1 for o in ctx.trace.ops if (o.op, o.source) == key))
         if len(seen) == 3:
             return
+
+
+def _mask_sum(ev: OpEvent) -> bool:
+    """Only -inf, from an input already at the dtype's most negative values: additive masks
+    of finfo.min added together (a causal mask plus a padding mask, the Hugging Face way),
+    whose -inf a softmax weighs exactly as it weighs finfo.min: nothing is wrong."""
+    lim = limits(ev.dtype or "float32")
+    if lim is None or ev.born.strip() != "-inf":
+        return False
+    return any(s.min <= -lim.max / 2 for s in inputs_of(ev) if not math.isnan(s.min))
 
 
 def _hidden_overflow(ctx: RuleContext, ev: OpEvent, times: int) -> Diagnosis:
