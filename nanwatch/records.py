@@ -182,6 +182,9 @@ class Record:
     module_type: str = ""
     grad_fn: str | None = None  #: autograd node of an output (``SigmoidBackward0``)
     version: int | None = None  #: the tensor's version counter when it was recorded
+    #: a gradient (``BACKWARD``) computed by ``torch.autograd.grad`` (an input saliency, a
+    #: gradient penalty, an attack), not by the training ``backward()``
+    by_grad: bool = False
 
     @property
     def bad(self) -> bool:
@@ -211,6 +214,8 @@ class Record:
                 d[name] = v
         if self.module_type:
             d["module_type"] = self.module_type
+        if self.by_grad:
+            d["by_grad"] = True
         return d
 
     @classmethod
@@ -231,6 +236,7 @@ class Record:
             module_type=d.get("module_type", ""),
             grad_fn=d.get("grad_fn"),
             version=d.get("version"),
+            by_grad=bool(d.get("by_grad", False)),
         )
 
 

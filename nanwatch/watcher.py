@@ -516,11 +516,24 @@ class Watcher:
         #: each weight's finiteness as the attach check read it (absent: not read)
         self._attach_finite: dict[int, bool] = {}
         self._checking_attach = False
+        #: a training ``backward()`` is running (its depth): gradients recorded outside one
+        #: come from ``torch.autograd.grad`` (``Record.by_grad``)
+        self._in_backward = 0
         #: steps ended by the no_grad rule alone, since the last other boundary, that held
         #: only no_grad calls and nothing bad: (the step, its end index, the ``_stepped_prev``
         #: it was begun with). A grad-enabled call that follows shows they were the no_grad
         #: part (an EMA teacher, a key encoder) of one training step: they are folded back
         self._foldable: list[tuple[StepTrace, int, dict[int, tuple[str, int, int]]]] = []
+        #: steps the automatic rule ended after a backward, while no weight was updated
+        #: twice (the first update cycle): (the step, its end index, its ``_stepped_prev``,
+        #: what it updated); None once that cycle is over (see :meth:`_cycle_fold`)
+        self._cycle: (
+            list[tuple[StepTrace, int, dict[int, tuple[str, int, int]], frozenset[int]]] | None
+        ) = []
+        #: each weight's version (and the GradScaler's) when the last of those steps ended
+        self._cycle_base: tuple[dict[int, int], tuple[int, ...]] | None = None
+        #: an optimizer updated watched weights in this run (see :meth:`_discarded`)
+        self._ever_updated = False
         self._reset_step()
 
     # ------------------------------------------------------------------ public API
@@ -632,6 +645,8 @@ class Watcher:
         self._gen += 1
         self._reset_step()
         self._check_loaded_weights()
+        if self._cycle is not None:
+            self._cycle_base = self._cycle_marks()
         return self
 
     def _check_loaded_weights(self) -> None:
@@ -726,15 +741,21 @@ class Watcher:
         weights, gradients reset by ``zero_grad``, or a GradScaler update that skipped the
         optimizer step) starts a new step, and with gradients
         disabled each call does: several forwards before one backward, and the
-        micro-batches of gradient accumulation, are one step.
+        micro-batches of gradient accumulation, are one step. The steps that rule made before
+        the first call, while no weight was updated twice (an attack's backward passes, a
+        discriminator's update before the generator's), are folded into the step it ends.
         ``loss``, when given, is recorded for the timeline (functional losses are not seen by
         module hooks)."""
         if self._forked:
             return self._trace
+        first = not self._explicit
         self._explicit = True
         if loss is not None:
             self._user_loss = loss
         with _NO_TORCH_FUNCTION():
+            if first:  # the automatic steps before it were the user's first step
+                self._cycle_fold(first_explicit=True)
+            self._cycle = None
             return self._boundary()
 
     def check(self) -> Anomaly | None:
@@ -996,7 +1017,8 @@ class Watcher:
                 # activation checkpointing recomputing in backward: not a call of the step,
                 # and not the next step's first call (a model checkpointed whole)
                 return
-            if not self._stack and not self._grad_call and torch.is_grad_enabled():
+            outer_grad = not self._stack and torch.is_grad_enabled()
+            if outer_grad and not self._grad_call:
                 # the step's first call with gradients on, from outside every watched call
                 if self._foldable:
                     self._fold(info.path)
@@ -1017,6 +1039,8 @@ class Watcher:
                 # another root called under no_grad after a training step (an EMA teacher, a
                 # key encoder run before the model): it begins the next step
                 self._maybe_begin_step(trained_only=True)
+            if outer_grad:
+                self._grad_call = True  # (again when this call began a new step)
             if not (self._full or info.is_root or not self._stack):
                 return  # a sampled-out step watches the calls made from outside, as roots
             call = self._open_call(info)
@@ -1203,6 +1227,7 @@ class Watcher:
         self._eob_queued = False
         self._grads_checked = False
         self._after_backward: tuple[int, ...] | None = None
+        self._marks_at_backward: tuple[int, ...] | None = None  # see _discarded
         self._user_loss = None
         self._grad_scale = None
         self._begun = False
@@ -1403,6 +1428,7 @@ class Watcher:
             if groups:  # it updates watched weights (another model's optimizer does not)
                 self._after_backward = None  # an update: the next forward begins a step
                 self._updated = True
+                self._ever_updated = True
                 self._opt_running = True
                 self._opt_forwarded = False
             if groups and len(self._trace.notes) < 256:
@@ -1772,6 +1798,8 @@ class Watcher:
                 source=fwd.index,
                 module_type=fwd.module_type,
             )
+            if not self._in_backward:
+                rec.by_grad = True  # torch.autograd.grad: a saliency, a penalty, an attack
             self._measure(rec, g)
             if self._new_trigger is not None:
                 self._handle_trigger(None)
@@ -1795,6 +1823,7 @@ class Watcher:
                     # nothing accumulates, and each forward after a backward is a step
                     grads = any(g != -1 for g in marks[1 : 3 * len(self._params) : 3])
                     self._after_backward = marks if grads else None
+                    self._marks_at_backward = marks
             if self._new_trigger is not None:
                 self._handle_trigger(None)
         except NanwatchError:
@@ -2233,7 +2262,9 @@ class Watcher:
     def _maybe_begin_step(self, *, trained_only: bool = False) -> None:
         """Called when the first root is called from outside any watched call: begins a
         new step after a backward and an update (or on every call when gradients are
-        disabled), unless steps are explicit."""
+        disabled, except after the step's first grad-enabled call and before any gradient),
+        unless steps are explicit. Once an optimizer has stepped in the run, a backward that
+        no update followed does not end the step (see :meth:`_discarded`)."""
         if self._stack:
             return  # the root calling itself, or called from inside another watched module
         if self._opt_running:
@@ -2244,9 +2275,15 @@ class Watcher:
             if self._backward_called or self._trained_by_grad():
                 # after an update only, with gradients on or off: a teacher called under
                 # no_grad between the micro-batches of gradient accumulation is the same step
-                if not self._accumulating():
-                    self._boundary()
-            elif not trained_only and self._evaluating():
+                if not self._accumulating() and not self._discarded():
+                    self._cycle_boundary()
+            elif (
+                not trained_only
+                and self._evaluating()
+                and not (self._grad_call and not self._backward_seen)
+            ):
+                # (a no_grad call after the step's first grad-enabled one, before any
+                # gradient: the targets of a consistency loss, VAT's, is the same step)
                 self._evaluation_boundary()
         self._begun = True
 
@@ -2311,6 +2348,110 @@ class Watcher:
         marks = self._after_backward
         return marks is not None and marks == self._update_marks()
 
+    def _discarded(self) -> bool:
+        """Once an optimizer has updated the watched weights in this run, a ``backward()``
+        that no update followed (no optimizer step, weight write or GradScaler update; its
+        gradients reset or read: an attack's ``loss.backward(); g = delta.grad;
+        model.zero_grad()``) does not end the step: the training step ends with its
+        update."""
+        if not (self._ever_updated and self._backward_called) or self._updated:
+            return False
+        marks = self._marks_at_backward
+        if marks is None:
+            return False
+        now = self._update_marks()
+        n = 3 * len(self._params)
+        return len(now) == len(marks) and marks[0:n:3] == now[0:n:3] and marks[n:] == now[n:]
+
+    def _cycle_marks(self) -> tuple[dict[int, int], tuple[int, ...]]:
+        """Each watched weight's version by its id, and the GradScaler's marks."""
+        marks = self._update_marks()
+        n = 3 * len(self._params)
+        return {id(p): p._version for _, _, p in self._params}, marks[n:]
+
+    def _cycle_changes(self) -> frozenset[int]:
+        """What the step now ending updated: the ids of the weights written or stepped by
+        an optimizer, and -1 for a GradScaler update (see :meth:`_cycle_fold`)."""
+        versions, scaler = now = self._cycle_marks()
+        base = self._cycle_base
+        stepped = self._stepped
+        changed = {
+            key
+            for key, v in versions.items()
+            if key in stepped or (base is not None and base[0].get(key, v) != v)
+        }
+        if base is not None and base[1] != scaler:
+            changed.add(-1)
+        self._cycle_base = now
+        return frozenset(changed)
+
+    def _cycle_fold(self, *, first_explicit: bool = False) -> frozenset[int] | None:
+        """The steps the automatic rule made before the first update cycle ended belong to
+        one training step: an attack's ``backward()`` calls before the first optimizer step
+        (each was a step then), or, at the first ``nw.step()``, a discriminator's update
+        that ended a step before the generator's. Called as a step ends: the steps
+        recorded in ``_cycle`` (the last ones of ``history``) that updated nothing are
+        folded into it when it updated something; at the first ``nw.step()``, all of them,
+        when no weight was updated twice (one cycle). Returns what the step updated, or
+        None once the first cycle is over (nothing is followed any more)."""
+        log = self._cycle
+        if log is None:
+            return None
+        changed = self._cycle_changes()
+        if changed & frozenset().union(*(e[3] for e in log)):
+            self._cycle = None  # updated twice: the first cycle is over
+            return None
+        if not (self._ever_updated if first_explicit else changed and self._updated):
+            return changed  # the steps fold into the cycle of an optimizer's update
+        cur = self._trace
+        if (
+            cur.anomaly is not None
+            or cur.error is not None
+            or self._new_trigger is not None
+            or self._pending_data is not None
+        ):
+            return changed
+        while log:
+            prev, end, stepped_prev, updated = log[-1]
+            if (
+                (updated and not first_explicit)
+                or not self.history
+                or self.history[-1] is not prev
+                or prev.step != self._trace.step - 1
+            ):
+                break
+            log.pop()
+            grad_norm, scale = cur.grad_norm, cur.scale
+            self._merge_into(prev, end, stepped_prev, full=prev.full or self._full)
+            prev.loss = prev.max_logit = None  # the step's figures: its last backward's
+            prev.grad_norm, prev.scale = grad_norm, scale
+            changed |= updated
+            cur = prev
+        return changed
+
+    def _cycle_boundary(self) -> None:
+        """End the step by the automatic rule after a backward (see :meth:`_cycle_fold`)."""
+        changed = self._cycle_fold()
+        stepped_prev = self._stepped_prev
+        done = self._boundary()
+        log = self._cycle
+        if log is None:
+            return
+        if changed is None or done.anomaly is not None or done.error is not None:
+            self._cycle = None
+        elif len(log) + 2 >= self.config.ring_size:
+            self._cycle = None  # no update for this long: not one training step
+        else:
+            log.append((done, self._end_of(done), stepped_prev, changed))
+
+    @staticmethod
+    def _end_of(done: StepTrace) -> int:
+        """One past the last index a finished step used."""
+        return max(
+            [r.index + 1 for r in done.records] + [max(c.start, c.end) for c in done.calls],
+            default=0,
+        )
+
     def _fold(self, path: str) -> None:
         """The first grad-enabled call of a step begun by an evaluation boundary: the steps
         before it that held only no_grad calls (a teacher, a key encoder, a target network
@@ -2337,39 +2478,58 @@ class Watcher:
             ):
                 break
             foldable.pop()
-            self.history.pop()
-            ncalls = len(prev.calls)
-            for r in cur.records:
-                r.index += end
-                r.step = prev.step
-                if r.call >= 0:
-                    r.call += ncalls
-                if r.source is not None:
-                    r.source += end
-            for c in cur.calls:
-                c.id += ncalls
-                if c.parent is not None:
-                    c.parent += ncalls
-                c.start += end
-                if c.end >= 0:
-                    c.end += end
-            prev.records += cur.records
-            prev.calls += cur.calls
-            prev.ops += cur.ops
-            prev.notes += cur.notes
-            prev.mutations += cur.mutations
-            prev.recomputed += cur.recomputed
-            prev.diagnoses = []  # evaluated again, on the whole step, at its end
-            self._known = {k: (v[0], v[1] + end, *v[2:]) for k, v in self._known.items()}
-            self._minmax = {i + end: v for i, v in self._minmax.items()}
-            self._idx += end
-            self._step = prev.step
-            self._stepped = {**self._stepped_prev, **self._stepped}
-            self._stepped_prev = stepped_prev
-            self._full = prev.full
-            self._trace = prev
-            if self._first_bad is prev:
-                self._first_bad = None
+            self._merge_into(prev, end, stepped_prev, full=prev.full)
+
+    def _merge_into(
+        self,
+        prev: StepTrace,
+        end: int,
+        stepped_prev: dict[int, tuple[str, int, int]],
+        *,
+        full: bool,
+    ) -> None:
+        """Fold the current step into ``prev``, the last step of ``history``, whose records
+        and calls used the indices below ``end``; ``stepped_prev`` is what ``prev`` was
+        begun with. The merged step takes ``prev``'s number and goes on recording."""
+        cur = self._trace
+        self.history.pop()
+        ncalls = len(prev.calls)
+        for r in cur.records:
+            r.index += end
+            r.step = prev.step
+            if r.call >= 0:
+                r.call += ncalls
+            if r.source is not None:
+                r.source += end
+        for c in cur.calls:
+            c.id += ncalls
+            if c.parent is not None:
+                c.parent += ncalls
+            c.start += end
+            if c.end >= 0:
+                c.end += end
+        for n in cur.notes:
+            src = n.data.get("input_source")
+            if isinstance(src, int) and not isinstance(src, bool):
+                n.data["input_source"] = src + end
+        prev.records += cur.records
+        prev.calls += cur.calls
+        prev.ops += cur.ops
+        prev.notes += cur.notes
+        prev.mutations += cur.mutations
+        prev.recomputed += cur.recomputed
+        prev.diagnoses = []  # evaluated again, on the whole step, at its end
+        prev.full = full
+        self._known = {k: (v[0], v[1] + end, *v[2:]) for k, v in self._known.items()}
+        self._minmax = {i + end: v for i, v in self._minmax.items()}
+        self._idx += end
+        self._step = prev.step
+        self._stepped = {**self._stepped_prev, **self._stepped}
+        self._stepped_prev = stepped_prev
+        self._full = full
+        self._trace = prev
+        if self._first_bad is prev:
+            self._first_bad = None
 
     def _boundary(self, *, final: bool = False) -> StepTrace:
         trace = self._trace
@@ -2377,6 +2537,8 @@ class Watcher:
         empty = not trace.records and not trace.calls
         if final and empty and self._user_loss is None:
             return trace
+        if final and not self._explicit:
+            self._cycle_fold()  # a run that ends with its first update cycle
         try:
             self._flush()
         except NanwatchError:
@@ -3203,7 +3365,13 @@ class _BackwardTap:
         original = self._original
         if original is None:  # removed while we were called: behave as the real one
             return torch.autograd.backward(tensors, *args, **kwargs)
-        out = original(tensors, *args, **kwargs)
+        for w in watchers:
+            w._in_backward += 1
+        try:
+            out = original(tensors, *args, **kwargs)
+        finally:
+            for w in watchers:
+                w._in_backward -= 1
         for w in watchers:
             w._grads_around_backward(False)
         return out

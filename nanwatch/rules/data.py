@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from nanwatch.records import LOSS_PATH, AnomalyKind, Note
+from nanwatch.records import LOSS_PATH, AnomalyKind, Call, Note, Phase, Record, StepTrace
 from nanwatch.rules._evidence import anomaly_fields, describe_stat, fmt, target_log
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
@@ -86,6 +86,10 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             ),
         )
         return
+    made = None if target else _made_between_calls(ctx, rec, call)
+    if made is not None:
+        yield _computed_input(ctx, evidence, made)
+        return
     extra = {"title": "NaN or inf in the loss targets"} if what == "targets" else {}
     yield ctx.diagnosis(
         **anomaly_fields(a),
@@ -99,6 +103,128 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             "innocent."
         ),
         fix=_find_samples_fix(bad[0].shape, rows_known=rows_known),
+    )
+
+
+def _whole_samples_bad(rec: Record) -> bool:
+    """Every value of each bad sample is NaN or inf: a whole sample divided by 0, as
+    ``x / x.norm()`` of a sample whose norm is 0 gives (0/0 = NaN where x is 0, inf where
+    it is not). A bad pixel or a missing feature leaves the rest of its sample finite."""
+    s = rec.stat
+    if s is None or len(rec.shape) < 2 or not s.bad_row_count or s.nan is None:
+        return False
+    per_sample = math.prod(rec.shape[1:])
+    bad = s.nan + (s.posinf or 0) + (s.neginf or 0)
+    return per_sample > 1 and bad == s.bad_row_count * per_sample
+
+
+def _made_between_calls(
+    ctx: RuleContext, rec: Record, call: Call | None
+) -> tuple[Record, bool, bool] | None:
+    """The bad input is not the step's batch: the same root was called earlier in this step
+    with a finite input in the same place, of the same shape and dtype (the clean batch an
+    attack or a perturbation starts from), and the bad samples are NaN throughout. Returns
+    that earlier input, whether it was in this step (else in the step before), and whether
+    a gradient was computed between the calls.
+
+    Before any optimizer update in the run, the automatic step rule cannot tell an attack's
+    ``backward()`` from a training step's and ends the step there: the bad input is then
+    the next step's first, and the step before, with a backward and no update, is looked
+    at too."""
+    trace = ctx.trace
+    if call is None or not call.root or rec.source is not None or not _whole_samples_bad(rec):
+        return None
+    found = _earlier_input(trace, rec, call.path, call.id, rec.index)
+    if found is not None:
+        return found[0], True, found[1]
+    if not ctx.history or any(n.kind == "optimizer" for t in ctx.history for n in t.notes):
+        return None
+    prev = ctx.history[-1]
+    if prev.step != trace.step - 1 or any(c.root and c.id < call.id for c in trace.calls):
+        return None
+    if not any(r.phase is Phase.BACKWARD for r in prev.records):
+        return None
+    found = _earlier_input(prev, rec, call.path, len(prev.calls), None)
+    return (found[0], False, True) if found is not None else None
+
+
+def _earlier_input(
+    trace: StepTrace, rec: Record, path: str, before: int, until: int | None
+) -> tuple[Record, bool] | None:
+    """The first finite input of a call of root ``path`` in ``trace`` (before call id
+    ``before``) in ``rec``'s place with its shape and dtype, and whether a gradient was
+    computed after that call (before index ``until``)."""
+    for c in trace.calls:
+        if c.id >= before:
+            break
+        if not c.root or c.path != path:
+            continue
+        for r in trace.inputs_of(c.id):
+            m = trace.resolve(r)
+            if (
+                r.role == rec.role
+                and r.shape == rec.shape
+                and r.dtype == rec.dtype
+                and m.stat is not None
+                and m.stat.finite
+            ):
+                grad = any(
+                    x.phase is Phase.BACKWARD
+                    and x.index >= c.start
+                    and (until is None or x.index < until)
+                    for x in trace.records
+                )
+                return r, grad
+    return None
+
+
+def _computed_input(
+    ctx: RuleContext, evidence: list[str], made: tuple[Record, bool, bool]
+) -> Diagnosis:
+    """NW401 for an input the user's code computed between two calls of the root."""
+    a = ctx.anomaly
+    assert a is not None
+    clean, same, grad = made
+    rec = a.record
+    s = rec.stat
+    n = s.bad_row_count if s is not None and s.bad_row_count else 1
+    nan_only = s is not None and not s.posinf and not s.neginf
+    evidence = [
+        *evidence[:2],
+        f"{a.path} was called "
+        + ("earlier in this step" if same else f"in step {clean.step}, before any update,")
+        + f" with a finite {clean.role} of the same shape {list(clean.shape)}: this "
+        f"{rec.role} was computed after that call, by your code"
+        + (" (a gradient was computed between the two calls)" if grad else ""),
+        f"every value of the bad sample{'s' if n != 1 else ''} is "
+        + (
+            "NaN: a 0/0 over the whole sample, as a division by its norm gives when that norm is 0"
+            if nan_only
+            else "NaN or inf: the whole sample divided by 0, as a division by its norm gives "
+            "when that norm is 0 (or underflows to 0)"
+        ),
+        *evidence[2:],
+    ]
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title=f"NaN in an input your code computed between two calls of {a.path}",
+        evidence=evidence,
+        explanation=(
+            f"The batch was finite when {a.path} was first called on it; the input of "
+            "this later call was computed from it by your code (an adversarial attack, "
+            "a perturbation, an augmentation), and that computation made the NaN. A whole "
+            "sample of NaN is what a per-sample normalization makes of a sample whose norm "
+            "is 0: g / g.norm() where the input gradient of that sample is exactly 0 (a "
+            "blank image, a saturated or dead input), as in PGD's L2 step or VAT's "
+            "_l2_normalize. The data are not at fault, and torch.nan_to_num would only hide "
+            "the division."
+        ),
+        fix=(
+            "def l2_normalize(g, eps=1e-12):   # per sample; a zero gradient stays 0, not NaN\n"
+            "    return g / g.flatten(1).norm(dim=1).clamp_min(eps).view(-1, *[1] * (g.ndim - 1))\n"
+            "# use it where your code divides by a per-sample norm: g = l2_normalize(grad)\n"
+            "# (or add the eps: d / (d.flatten(1).norm(dim=1).view(-1, 1, 1, 1) + 1e-8))"
+        ),
     )
 
 

@@ -878,17 +878,26 @@ class _GradSummary:
     modules: dict[str, float]  #: module path -> max |gradient of its output|
 
 
+def _by_grad_only(trace: StepTrace) -> bool:
+    """Whether the step's module-output gradients are to be read whatever made them: no
+    training ``backward()`` recorded one. Otherwise those ``torch.autograd.grad`` computed
+    (an input saliency, an R1 penalty: the seed of ``out.sum()`` is all ones) are not the
+    training gradients, and the spike and vanishing rules leave them out."""
+    return not any(r.phase is Phase.BACKWARD and not r.by_grad for r in trace.records)
+
+
 def _grad_summary(trace: StepTrace) -> _GradSummary:
     params: dict[str, float] = {}
     modules: dict[str, float] = {}
     losses = {c.id for c in trace.calls if c.is_loss}
+    every = _by_grad_only(trace)
     for r in trace.records:
         s = r.stat
         if s is None or r.call in losses:  # a loss's own gradient is 1 by definition
             continue
         if r.phase is Phase.GRADIENT and s.norm is not None and math.isfinite(s.norm):
             params[r.role] = s.norm
-        elif r.phase is Phase.BACKWARD:
+        elif r.phase is Phase.BACKWARD and (every or not r.by_grad):
             m = s.magnitude
             if math.isfinite(m):
                 modules[r.path] = max(m, modules.get(r.path, 0.0))
@@ -1031,11 +1040,18 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
     # (zero_grad(set_to_none=False)), not dead units
     graphed = {r.path for r in trace.records if r.phase is Phase.FORWARD and r.grad_fn}
     called &= graphed | {r.path for r in trace.records if r.phase is Phase.BACKWARD}
+    every = _by_grad_only(trace)
+    # the calls torch.autograd.grad differentiated (a gradient penalty's D(x_hat)): the
+    # training backward reaches them through that gradient, a second derivative that is
+    # exactly 0 through piecewise-linear layers; neither kind tells of dead units
+    penalized = set() if every else {r.call for r in trace.records if r.by_grad}
     for r in trace.records:
         s = r.stat
         if s is None or not s.finite:
             continue
         if r.phase is Phase.BACKWARD:
+            if not every and (r.by_grad or r.call in penalized):
+                continue
             zero = s.min == 0.0 and s.max == 0.0
             seen[r.path] = seen.get(r.path, True) and zero
             dtypes.setdefault(r.path, r.dtype)
@@ -1073,8 +1089,9 @@ def _loss_end(trace: StepTrace) -> Record | None:
     """The first gradient backward computes from the loss: the first measured gradient of a
     module's output or input that is not the loss's own (the gradient of a one-value
     output, 1 by definition)."""
+    every = _by_grad_only(trace)
     for r in trace.records:
-        if r.phase is not Phase.BACKWARD or r.stat is None:
+        if r.phase is not Phase.BACKWARD or r.stat is None or (r.by_grad and not every):
             continue
         src = trace.record(r.source) if r.source is not None else None
         if src is not None:
