@@ -324,7 +324,8 @@ def classify(ev: OpEvent) -> str:
     :func:`inf_arithmetic`), ``neginf-input``
     (a forward op given a -inf, which it turned into inf or NaN), ``inf-input`` (a forward
     op given a +inf, which it passed on as ±inf: finite × inf, not an overflow; see
-    :func:`inf_came_in`), ``injected`` (a constant -inf put in on purpose) or ``other``.
+    :func:`inf_came_in`; or any arithmetic op given a non-finite Python number, see
+    :func:`nonfinite_scalars`), ``injected`` (a constant -inf put in on purpose) or ``other``.
 
     >>> from nanwatch.records import OpEvent, Phase, TensorStat
     >>> ev = OpEvent("aten.exp.default", Phase.FORWARD, "head", "+inf",
@@ -333,6 +334,8 @@ def classify(ev: OpEvent) -> str:
     >>> classify(ev)
     'overflow'
     """
+    if nonfinite_scalars(ev) and not (ev.injected and ev.born == "-inf"):
+        return "inf-input"  # x * inf of a Python number (a schedule at 1 / 0): not made here
     if ev.injected:
         return "injected"
     born_inf = "+inf" in ev.born or "-inf" in ev.born
@@ -423,6 +426,35 @@ def inf_came_in(ev: OpEvent) -> bool:
     if not any(s.has_posinf or s.has_neginf for s in ins) or any(s.has_nan for s in ins):
         return False
     return not (packet(ev.op) in _DIV and has_zero(denominator(ev)))
+
+
+#: arithmetic ops whose number argument, when non-finite, is passed on (g * inf = ±inf)
+_SCALAR_ARITH = frozenset(
+    {"mul", "multiply", "div", "divide", "true_divide", "add", "sub", "subtract", "rsub", "pow"}
+)
+
+
+def nonfinite_scalars(ev: OpEvent) -> list[tuple[str, float]]:
+    """The non-finite Python numbers an arithmetic op was given (``g * ctx.lambd`` with
+    ``lambd = inf``), by schema name, when the op's non-finite output came from them: the
+    op made nothing from its tensors. Empty for other ops (a ``masked_fill`` value of
+    ``-inf`` is a mask) and for an op whose tensors already held NaN.
+
+    >>> from nanwatch.records import OpEvent, Phase, TensorStat
+    >>> ev = OpEvent("aten.mul.Tensor", Phase.BACKWARD, None, "-inf",
+    ...              TensorStat(-math.inf, math.inf, 8, nan=0, posinf=4, neginf=4),
+    ...              [("self", TensorStat(-0.004, 0.003, 8))], {"other": math.inf},
+    ...              node="GradReverseBackward")
+    >>> nonfinite_scalars(ev), classify(ev)
+    ([('other', inf)], 'inf-input')
+    """
+    if packet(ev.op).rstrip("_") not in _SCALAR_ARITH or any(s.has_nan for s in inputs_of(ev)):
+        return []
+    return [
+        (k, v)
+        for k, v in ev.scalars.items()
+        if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_made_by")
+    ]
 
 
 def inf_inputs(ev: OpEvent) -> list[tuple[str, TensorStat]]:
@@ -1534,6 +1566,59 @@ def first_root_outputs(trace: StepTrace) -> list[Record]:
             if m is not None:
                 out.append(m)
     return out
+
+
+def watched_params(traces: Sequence[StepTrace]) -> dict[str, int]:
+    """The watched parameters' qualified names and sizes, from the gradient (or value)
+    records of the first of ``traces`` that holds any."""
+    out: dict[str, int] = {}
+    for t in traces:
+        for r in t.records:
+            if r.phase in (Phase.GRADIENT, Phase.PARAMETER) and r.stat is not None:
+                out.setdefault(r.role, r.stat.numel)
+        if out:
+            break
+    return out
+
+
+def last_gradient(traces: Sequence[StepTrace], qualname: str) -> TensorStat | None:
+    """The latest recorded gradient of the watched parameter ``qualname``."""
+    for t in traces:
+        for r in t.records:
+            if r.phase is Phase.GRADIENT and r.role == qualname and r.stat is not None:
+                return r.stat
+    return None
+
+
+def group_holding(traces: Sequence[StepTrace], qualname: str) -> tuple[str, int, float] | None:
+    """The optimizer (class name), param group and lr of the latest ``"optimizer"`` note of
+    ``traces`` (oldest first) whose group lists the watched parameter ``qualname``."""
+    found: tuple[str, int, float] | None = None
+    for t in traces:
+        for n in t.notes:
+            if n.kind != "optimizer":
+                continue
+            for g in n.data.get("groups", ()):
+                if not isinstance(g, dict):
+                    continue
+                names, lr, gi = g.get("names"), g.get("lr"), g.get("group")
+                if (
+                    isinstance(names, list)
+                    and qualname in names
+                    and isinstance(gi, int)
+                    and isinstance(lr, (int, float))
+                    and not isinstance(lr, bool)
+                ):
+                    found = (n.path, gi, float(lr))
+    return found
+
+
+def param_named(params: dict[str, int], expr: str) -> str | None:
+    """The one watched parameter the user's expression ``expr`` names (``model.sigma``,
+    ``self.log_vars`` -> ``sigma``, ``log_vars``), matched by its last component."""
+    leaf = expr.rsplit(".", 1)[-1]
+    hits = [q for q in params if q == leaf or q.endswith(f".{leaf}")]
+    return hits[0] if len(hits) == 1 else None
 
 
 # ---------------------------------------------------------------------- an eps that is 0

@@ -39,8 +39,11 @@ from nanwatch.rules._evidence import (
     describe_stat,
     exact,
     first_input,
+    first_root_outputs,
     fmt,
+    fresh_name,
     full_statement,
+    group_holding,
     has_zero,
     inf_arithmetic,
     inf_inputs,
@@ -48,16 +51,20 @@ from nanwatch.rules._evidence import (
     infinities,
     input_named,
     integer_denominator,
+    last_gradient,
     limits,
     loss_kind,
     loss_uses,
     lost_eps,
+    module_ref,
     node_base,
     node_domain,
+    nonfinite_scalars,
     note_num,
     op_fields,
     outside_domain,
     packet,
+    param_named,
     paren,
     postfix_start,
     rewrite_call,
@@ -70,6 +77,7 @@ from nanwatch.rules._evidence import (
     statements,
     target_log,
     untraced_hint,
+    watched_params,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 from nanwatch.rules.generic import parametrization
@@ -289,7 +297,9 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         return _log_in_poisson(ctx, a, ev, x, use=poisson, evidence=evidence)
     if name == "log1p" and ev.phase is Phase.FORWARD:
         return _log1p_below(ctx, a, ev, x, evidence=evidence)
-    use = _log_use(ctx, a, ev) if ev.phase is Phase.FORWARD else None
+    use = _log_of_param(ctx, a, ev, x) if ev.phase is Phase.FORWARD else None
+    if use is None and ev.phase is Phase.FORWARD:
+        use = _log_use(ctx, a, ev)
     if use is not None and use.evidence:
         evidence.insert(len(evidence) - len(_chain_evidence(ev, trigger, "-inf")), use.evidence)
     return ctx.diagnosis(
@@ -419,6 +429,83 @@ _SOFTMAX = re.compile(
 
 def _tiny(p: str) -> str:
     return f"torch.finfo({paren(p)}.dtype).tiny"
+
+
+_NAME = re.compile(r"[A-Za-z_][\w.]*")
+
+
+def _log_of_param(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, x: TensorStat | None
+) -> _LogUse | None:
+    """A log taken of a watched parameter that must stay positive (``torch.log(model.sigma)``
+    of an uncertainty weight, a scale, a temperature) which an update pushed to 0 or below:
+    named from the line, or, the line unknown, as the only watched parameter of the log
+    input's size in loss code. The fix trains it unconstrained and maps it positive."""
+    if x is None or x.min > 0:
+        return None
+    params = watched_params((ctx.trace, *reversed(ctx.history)))
+    expr: str | None = None
+    stmt = ""
+    for st in statements(ev.code):
+        args = [arg for _, _, arg in _log_calls(st)]
+        if len(args) == 1:
+            stmt, expr = st, args[0]
+            break
+    qual: str | None = None
+    if expr is not None:
+        qual = param_named(params, expr) if _NAME.fullmatch(expr) else None
+    elif not ev.code and (ev.path or a.path) == LOSS_PATH:
+        hits = [q for q, n in params.items() if n == x.numel]
+        outputs = {r.stat.numel for r in first_root_outputs(ctx.trace) if r.stat is not None}
+        if len(hits) == 1 and x.numel not in outputs:
+            qual = hits[0]
+    if qual is None:
+        return None
+    ref = expr or module_ref(qual)
+    how = (
+        f"the log's input {ref} is the parameter {qual}"
+        if expr
+        else f"the log's {count(x.numel, 'value')} match the parameter {qual}, the only watched "
+        f"parameter of {count(x.numel, 'value')}"
+    )
+    where = "to 0" if x.min == 0 else f"below 0 (min {fmt(x.min)})"
+    evidence = f"{how}: an optimizer update pushed it {where}"
+    grad = last_gradient(tuple(reversed(ctx.history)), qual)
+    held = group_holding((*ctx.history, ctx.trace), qual)
+    if grad is not None and held is not None:
+        opt, group, lr = held
+        size = grad.norm if grad.norm is not None else grad.magnitude
+        evidence += (
+            f"; its last gradient had norm {fmt(size)}, and {opt} lr {fmt(lr)} (param group "
+            f"{group})"
+            + (f": lr × gradient norm = {fmt(lr * size)} in one step" if opt == "SGD" else "")
+        )
+    leaf = qual.split(".")[-1]
+    taken = set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", stmt))
+    pos = fresh_name(leaf if leaf != ref else f"{leaf}_pos", taken)
+    positive = f"torch.nn.functional.softplus({ref}) + 1e-6"
+    lines = [f"{pos} = {positive}   # positive whatever the update"]
+    if stmt:
+        lines.append(re.sub(rf"(?<![\w.]){re.escape(ref)}(?![\w(])", pos, stmt))
+    else:
+        lines.append(f"# use {pos} where the loss uses {ref}: torch.log({pos}) is finite")
+    lines.append(
+        f"# or train its log: log_{leaf} = nn.Parameter(torch.zeros({x.numel})) and "
+        f"{leaf} = log_{leaf}.exp()"
+    )
+    return _LogUse(
+        "param",
+        fix="\n".join(lines),
+        why=(
+            "Its input is a parameter trained as it is, one that must stay positive (a "
+            "standard deviation or uncertainty weight, a scale, a temperature). Nothing keeps "
+            "it above 0: one update larger than its value takes it to 0 or below, where the "
+            "log is -inf or NaN. This is not a probability that underflowed. Train an "
+            "unconstrained parameter and map it to a positive value (softplus, or exp of a "
+            "log-parameter)."
+        ),
+        evidence=evidence,
+    )
 
 
 def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
@@ -1160,7 +1247,10 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
     cause = cause_of(a)
     if cause is not None and cause.kind == "inf-input":
-        yield _inf_given(ctx, a, cause.event, cause.trigger)
+        if nonfinite_scalars(cause.event):
+            yield _scalar_given(ctx, a, cause.event, cause.trigger)
+        else:
+            yield _inf_given(ctx, a, cause.event, cause.trigger)
         return
     if cause is None or cause.kind != "div":
         return
@@ -1732,6 +1822,113 @@ def _inf_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> D
             )
         ),
     )
+
+
+#: a literal non-finite number on the user's line (``float("-inf")``, ``math.inf``)
+_INF_LITERAL = re.compile(
+    r"""^-?\s*(?:float\(\s*["'][+-]?(?:inf|infinity|nan)["']\s*\)|(?:math|torch|np|numpy)\."""
+    r"""(?:inf|nan))$""",
+    re.IGNORECASE,
+)
+
+
+def _scalar_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
+    """An arithmetic op given a non-finite Python number (``g.neg() * ctx.lambd`` with
+    ``lambd = inf``): it passed the inf on, nothing overflowed. Names the number and the
+    usual origin, a schedule such as ``1 / (1 - p)`` at ``p = 1``; the fix bounds it on the
+    user's line. A literal ``float("-inf")`` there (a 0/1 mask times -inf, NaN where the
+    mask is 0) is replaced by the dtype's finite extreme."""
+    op = short_op(ev.op)
+    name, value = nonfinite_scalars(ev)[0]
+    expr = _operand(ev, name)
+    literal = expr is not None and _INF_LITERAL.match(expr) is not None
+    name_it = f" ({expr})" if expr and not literal else ""
+    evidence = [
+        f"{op} made no inf of its own: it was given the number {name}={fmt(value)}{name_it}, "
+        "a Python number, not a tensor"
+    ]
+    evidence += [f"input {nm}: {describe_stat(st)}" for nm, st in ev.inputs if st is not None]
+    out = infinities(ev.output) or ev.born
+    rule_of = (
+        "x × inf = ±inf, 0 × inf = NaN" if packet(ev.op) in ("mul", "mul_") else "x + inf = inf"
+    )
+    evidence.append(
+        f"{op} passed it on ({out} in its {ev.dtype} output; {rule_of}): no value "
+        "overflowed, so clipping or a lower learning rate changes nothing"
+    )
+    evidence += _chain_evidence(ev, trigger, ev.born)
+    fix: list[str] = []
+    if literal and expr is not None and not math.isnan(value):
+        extreme = f"torch.finfo(torch.{ev.dtype or 'float32'}).{'max' if value > 0 else 'min'}"
+        fixed = _replace_operand(ev, name, lambda _: extreme)
+        if fixed is not None:
+            fix.append(f"{fixed}   # finite: 0 × it is 0, not NaN")
+        else:
+            fix.append(f"# write {extreme} for {expr} on {ev.source or 'the line'}")
+        return ctx.diagnosis(
+            **op_fields(ev, a),
+            title="Infinite number given to an op (not an overflow)",
+            evidence=evidence,
+            explanation=(
+                f"{expr} is written on the line: {op} multiplies or adds it as it is, and "
+                "0 × inf is NaN (a 0/1 mask times -inf is NaN wherever the mask is 0). The "
+                "dtype's most negative finite value masks as well and keeps 0 × it at 0."
+            ),
+            fix="\n".join(fix),
+        )
+    ref = expr or f"the number given as {name}"
+    bounded = None
+    if not math.isnan(value):
+        bounded = _replace_operand(
+            ev, name, lambda e: f"min({e}, 1e3)" if value > 0 else f"max({e}, -1e3)"
+        )
+    if bounded is not None:
+        fix.append(f"{bounded}   # {expr} was {fmt(value)}")
+    elif expr:
+        fix.append(f"assert math.isfinite({expr}), {expr}   # before {ev.source or 'the op'}")
+    fix.append(
+        f"# and where {ref} is computed: a schedule 1 / (1 - p) is inf at p = 1; keep p "
+        "below 1 (min(p, 0.999)) or bound the result" + (" (min(value, 1e3))" if not expr else "")
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="Infinite number given to an op (not an overflow)",
+        evidence=evidence,
+        explanation=(
+            f"{op} made no infinity of its own: {ref} was {fmt(value)} when it ran. It is a "
+            "number computed in Python, outside the tensors nanwatch watches: a schedule such "
+            "as a gradient-reversal or warm-up factor 1 / (1 - p), which is inf at p = 1, a "
+            "ratio of counts divided by 0 in numpy, or .item() of an inf. Bound it where it is "
+            "computed."
+        ),
+        fix="\n".join(fix),
+    )
+
+
+def _replace_operand(ev: OpEvent, name: str, wrap: Callable[[str], str]) -> str | None:
+    """The user's statement with input ``name`` of its one binary op replaced by
+    ``wrap(operand text)`` (``g * ctx.lambd`` -> ``g * min(ctx.lambd, 1e3)``); None when
+    the line holds no single such operator."""
+    kind = _BINARY.get(packet(ev.op).rstrip("_"))
+    if kind is None or name not in ("self", "other"):
+        return None
+    found: list[tuple[str, ast.BinOp]] = []
+    for stmt in statements(ev.code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            return None
+        found += [
+            (stmt, n) for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, kind)
+        ]
+    if len(found) != 1:
+        return None
+    stmt, node = found[0]
+    side = node.left if name == "self" else node.right
+    if side.end_col_offset is None or side.lineno != 1 or side.end_lineno != 1:
+        return None
+    text = stmt[side.col_offset : side.end_col_offset]
+    return stmt[: side.col_offset] + wrap(text) + stmt[side.end_col_offset :]
 
 
 def _inf_holder(ctx: RuleContext, ev: OpEvent, name: str, s: TensorStat) -> tuple[str, bool]:
@@ -2592,29 +2789,25 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
     ii = sf.ignore_index if sf.ignore_index is not None else -100
     summed = _summed_call(ev.code or _loss_line(ctx))
     if summed is not None:
-        call, y, wt = summed
-        head = ""
-        if not re.fullmatch(r"[\w.]+", y):
-            head, y = f"t = {y}   # the target\n", "t"
+        y, wt = paren(summed.target), summed.weight
         if wt is not None and sf.weight is not None:
-            return (
-                head
-                + call
-                + f"\nloss = loss / {wt}[{y}[{y} != {ii}]].sum().clamp_min(1e-12)   # 0, not "
-                "NaN, when no target counts or the batch weighs nothing\n"
-                + (
-                    f"# or skip the batch: if ({y} != {ii}).any(): loss.backward()"
-                    if sf.all_ignored
-                    else "# or give every class a weight > 0"
+            den = f"{paren(wt)}[{y}[{y} != {ii}]].sum().clamp_min(1e-12)"
+            why = "0, not NaN, when no target counts or the batch weighs nothing"
+        elif sf.weight is None:
+            den, why = f"({y} != {ii}).sum().clamp_min(1)", "0, not NaN, when no target counts"
+        else:
+            den = None
+        if den is not None:
+            # the loss term alone divided by its own count: the line's other terms (another
+            # task's loss) keep their own reduction
+            line = summed.with_term(f"{summed.call} / {den}") + f"   # {why}"
+            if summed.alone and summed.assigned:
+                line += (
+                    f"\n# or skip the batch: if ({y} != {ii}).any(): {summed.assigned}.backward()"
                 )
-            )
-        if sf.weight is None:
-            return (
-                head
-                + call
-                + f"\nloss = loss / ({y} != {ii}).sum().clamp_min(1)   # 0 when no target "
-                f"counts\n# or skip the batch: if ({y} != {ii}).any(): loss.backward()"
-            )
+            elif wt is not None and not sf.all_ignored:
+                line += "\n# or give every class a weight > 0"
+            return line
     opts = _loss_options(ctx, ev, a)
     weight = re.match(r"weight=([^,]+)", opts) if opts else None
     x, y = _loss_args(ev.code, opts) or ("logits", "y")
@@ -2664,15 +2857,38 @@ def _loss_line(ctx: RuleContext) -> str | None:
     return None
 
 
-def _summed_call(code: str | None) -> tuple[str, str, str | None] | None:
-    """The user's ``F.cross_entropy(...)`` / ``F.nll_loss(...)`` statement with every
-    argument they gave kept and ``reduction='sum'``: the statement, the target expression
-    and the ``weight=`` expression (None when not given)."""
+@dataclass(frozen=True)
+class _Summed:
+    """The user's class-index loss call rewritten with ``reduction='sum'``."""
+
+    stmt: str  #: the user's statement
+    segment: str  #: the call's text in it
+    call: str  #: the call with every argument kept and ``reduction='sum'``
+    target: str  #: the target expression
+    weight: str | None  #: the ``weight=`` expression (None when not given)
+    #: the call may take a ``/`` without parentheses (a term of a sum, the whole value)
+    bare: bool
+    alone: bool  #: the call is the statement's whole value (``loss = F.cross_entropy(...)``)
+    assigned: str | None  #: the name the statement assigns, when one
+
+    def with_term(self, term: str) -> str:
+        """The statement with the call replaced by ``term``."""
+        return self.stmt.replace(self.segment, term if self.bare else f"({term})", 1)
+
+
+#: parents under which ``call / n`` needs no parentheses (``a + call / n``, ``w * call / n``)
+_BARE_PARENTS = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Expr, ast.Call)
+
+
+def _summed_call(code: str | None) -> _Summed | None:
+    """The user's ``F.cross_entropy(...)`` / ``F.nll_loss(...)`` call with every argument
+    they gave kept and ``reduction='sum'``, where it sits in its statement."""
     for stmt in statements(code):
         try:
             tree = ast.parse(stmt)
         except SyntaxError:
             continue
+        parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call) or len(node.args) < 2:
                 continue
@@ -2685,9 +2901,30 @@ def _summed_call(code: str | None) -> tuple[str, str, str | None] | None:
             seg = ast.get_source_segment(stmt, node)
             if seg is None:
                 return None
-            new = stmt.replace(seg, f"{ast.unparse(node.func)}({', '.join(args)})", 1)
-            w = next((ast.unparse(k.value) for k in kw if k.arg == "weight"), None)
-            return new, args[1], w
+            parent = parents.get(id(node))
+            bare = isinstance(parent, (*_BARE_PARENTS, ast.UnaryOp, ast.keyword)) or (
+                isinstance(parent, ast.BinOp)
+                and (
+                    isinstance(parent.op, (ast.Add, ast.Sub, ast.Mult))
+                    or (isinstance(parent.op, ast.Div) and parent.left is node)
+                )
+            )
+            top = tree.body[0] if len(tree.body) == 1 else None
+            alone = isinstance(top, (ast.Assign, ast.AnnAssign)) and top.value is node
+            assigned = None
+            if isinstance(top, ast.Assign) and len(top.targets) == 1:
+                target = top.targets[0]
+                assigned = target.id if isinstance(target, ast.Name) else None
+            return _Summed(
+                stmt=stmt,
+                segment=seg,
+                call=f"{ast.unparse(node.func)}({', '.join(args)})",
+                target=args[1],
+                weight=next((ast.unparse(k.value) for k in kw if k.arg == "weight"), None),
+                bare=bare,
+                alone=alone,
+                assigned=assigned,
+            )
     return None
 
 

@@ -45,6 +45,7 @@ from nanwatch.rules._evidence import (
     first_root_outputs,
     fmt,
     fresh_name,
+    group_holding,
     identifiers,
     input_named,
     inputs_of,
@@ -54,6 +55,7 @@ from nanwatch.rules._evidence import (
     module_ref,
     op_fields,
     packet,
+    param_named,
     paren,
     postfix_start,
     rewrite_call,
@@ -62,9 +64,10 @@ from nanwatch.rules._evidence import (
     signed_max,
     statements,
     untraced_hint,
+    watched_params,
 )
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule
-from nanwatch.rules.gradients import _growing_averages, _normalized
+from nanwatch.rules.gradients import _growing_averages, _normalized, unreset_grads
 from nanwatch.stats import DtypeLimits
 
 # ---------------------------------------------------------------------- NW101
@@ -134,7 +137,50 @@ def _softmax_like(ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEvent] 
     if any(packet(e.op) in _NORMALIZERS for e in later):
         return True
     code = (ev.code or "").split("  #", 1)[0]
-    return bool(_SOFTMAX_CODE.search(code))
+    if not _SOFTMAX_CODE.search(code):
+        return False
+    normalized = _exp_normalized(code)
+    return True if normalized is None else normalized
+
+
+_SUMMING = frozenset({"sum", "nansum", "cumsum", "logsumexp", "softmax", "log_softmax"})
+
+
+def _exp_normalized(code: str) -> bool | None:
+    """Whether the line sums or divides an exp's own result (``e.exp().sum(-1)``,
+    ``torch.exp(x) / z``, ``torch.sum(torch.exp(x), 1)``), as a softmax does, rather than a
+    sum of terms the exp is only a factor of (``(torch.exp(-s) * loss + s).sum()``: the
+    sum is of products). None when the line does not parse or shows no exp call."""
+    seen = False
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            return None
+        if re.search(r"\b(softmax|logsumexp)\b", stmt):
+            return True
+        parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+        for n in ast.walk(tree):
+            if not (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr in _EXP_CALLS
+            ):
+                continue
+            seen = True
+            up = parents.get(id(n))
+            if isinstance(up, ast.BinOp) and isinstance(up.op, ast.Div):
+                return True
+            if isinstance(up, ast.Attribute) and up.attr in _SUMMING:
+                return True  # torch.exp(x).sum(-1)
+            if (
+                isinstance(up, ast.Call)
+                and isinstance(up.func, ast.Attribute)
+                and up.func.attr in _SUMMING
+                and n in up.args
+            ):
+                return True  # torch.sum(torch.exp(x), -1)
+    return False if seen else None
 
 
 #: special functions that grow like e^|x| (modified Bessel functions of the first kind),
@@ -312,7 +358,13 @@ def _from_op(
     elif wide and lim is not None and name not in CAST and not result_only:
         evidence.append(
             _growth_line(
-                ctx, a, name, math.nan if cplx else _overflowing(name, x, big), lim, complex_=cplx
+                ctx,
+                a,
+                name,
+                math.nan if cplx else _overflowing(name, x, big),
+                lim,
+                complex_=cplx,
+                holder=None if cplx else _exp_holder(ctx, a, ev),
             )
         )
         evidence += [] if _first_step(ctx) else _setting_evidence(ctx)
@@ -357,7 +409,7 @@ def _from_op(
         explanation = _explain_jump(jump, dtype, lim, _setting_cause(ctx))
         fix = _fix_jump(ctx, jump)
     elif wide and lim is not None:
-        setting = None if first else _growing_setting(ctx)
+        cause = "" if first else _setting_cause(ctx)
         explanation = _explain_wide(
             kind,
             dtype,
@@ -365,7 +417,7 @@ def _from_op(
             None if result_only else x,
             big,
             recurrent=recurrent,
-            cause=setting.explanation if setting is not None else "",
+            cause=cause,
             complex_=cplx,
         )
         fix = _fix_wide(
@@ -379,7 +431,7 @@ def _from_op(
             ref=_module_ref(ctx, a),
             update=_update_fix(ctx, _grown_path(ctx, a), clip_first=True),
             clip=_clip_line(ctx),
-            setting=setting is not None,
+            setting=bool(cause),
             complex_=cplx,
             cast_input=_cast_input(ctx, ev) if kind == "cast" else None,
         )
@@ -1174,15 +1226,29 @@ def _growing_setting(ctx: RuleContext) -> Diagnosis | None:
 
 def _setting_evidence(ctx: RuleContext) -> list[str]:
     """NW306's evidence for an optimizer setting that makes the update grow: the group's
-    value and what it does; [] when none does."""
+    value and what it does; NW307's first line for gradients never reset; [] when neither."""
     setting = _growing_setting(ctx)
-    return list(setting.evidence[:2]) if setting is not None else []
+    if setting is not None:
+        return list(setting.evidence[:2])
+    unreset = unreset_grads(ctx)
+    return list(unreset.evidence[:1]) if unreset is not None else []
+
+
+#: what let the values grow, when the gradients are never reset (NW307)
+_UNRESET_CAUSE = (
+    "What let them grow: gradients that are never reset (no zero_grad()). backward() adds "
+    "to .grad, so every update applies the sum of all the gradients so far and the steps "
+    "grow as training goes on; a lower learning rate or clipping only delays the overflow."
+)
 
 
 def _setting_cause(ctx: RuleContext) -> str:
-    """NW306's explanation of an optimizer setting that makes the update grow; ""."""
+    """NW306's explanation of an optimizer setting that makes the update grow, or what
+    gradients never reset do (NW307); ""."""
     setting = _growing_setting(ctx)
-    return setting.explanation if setting is not None else ""
+    if setting is not None:
+        return setting.explanation
+    return _UNRESET_CAUSE if unreset_grads(ctx) is not None else ""
 
 
 def _normalizing(ctx: RuleContext) -> str | None:
@@ -1213,6 +1279,13 @@ def _update_fix(ctx: RuleContext, path: str | None, *, clip_first: bool) -> list
             "# a lower lr or gradient clipping only delays the overflow: this setting makes "
             "the update grow every step (NW306)",
         ]
+    unreset = unreset_grads(ctx)
+    if unreset is not None:
+        return [
+            unreset.fix.splitlines()[0],
+            "# a lower lr or gradient clipping only delays the overflow: the gradients are "
+            "never reset (NW307)",
+        ]
     lr = _lr_fix(ctx, path)
     opt = _normalizing(ctx)
     if opt is not None:
@@ -1233,6 +1306,9 @@ def _clip_line(ctx: RuleContext) -> str:
     setting = _growing_setting(ctx)
     if setting is not None:
         return setting.fix.splitlines()[0]
+    unreset = unreset_grads(ctx)
+    if unreset is not None:
+        return unreset.fix.splitlines()[0]
     if _hand_updated(ctx):
         return (
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # right before "
@@ -1384,6 +1460,106 @@ def _lr_note(ctx: RuleContext, path: str | None = None) -> str:
     return f" ({last.optimizer} lr {lr}{up})"
 
 
+_EXP_CALLS = frozenset({"exp", "exp_", "exp2", "expm1"})
+
+
+def _exp_argument(code: str | None) -> tuple[str, str] | None:
+    """The argument of the one exp of the user's line and the name it is made of, a sign
+    or a constant factor stripped: ``torch.exp(-log_vars)`` -> (``-log_vars``,
+    ``log_vars``); None for an expression (``exp(x @ w)``) or several exps."""
+    found: list[ast.expr] = []
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            return None
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Call) or not isinstance(n.func, ast.Attribute):
+                continue
+            if n.func.attr not in _EXP_CALLS:
+                continue
+            owner = ast.unparse(n.func.value)
+            if owner in ("torch", "torch.special", "math", "np", "numpy") and n.args:
+                found.append(n.args[0])
+            elif owner not in ("torch", "torch.special", "math", "np", "numpy") and not n.args:
+                found.append(n.func.value)
+    if len(found) != 1:
+        return None
+    node = arg = found[0]
+    while True:
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            node = node.operand
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+            if isinstance(node.right, ast.Constant):
+                node = node.left
+            elif isinstance(node.left, ast.Constant) and isinstance(node.op, ast.Mult):
+                node = node.right
+            else:
+                return None
+        else:
+            break
+    text = ast.unparse(node)
+    return (ast.unparse(arg), text) if re.fullmatch(r"[A-Za-z_][\w.]*", text) else None
+
+
+def _exp_holder(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> str | None:
+    """For an exp that overflowed: the parameter its argument is (``exp(-log_vars)``, read
+    from the user's line, or, the line unknown, the only watched parameter of the exp's
+    size) and the lr of the param group holding it; or that it is a tensor outside the
+    model whose updating lr nanwatch does not know. None when the argument may be the
+    model's own output (then the model's lr is the one to quote)."""
+    if packet(ev.op) not in _EXP_CALLS or ev.phase is not Phase.FORWARD:
+        return None
+    n = ev.output.numel
+    params = watched_params((ctx.trace, *reversed(ctx.history)))
+    outputs = {r.stat.numel for r in first_root_outputs(ctx.trace) if r.stat is not None}
+    found = _exp_argument(ev.code)
+    qual: str | None = None
+    how = ""
+    if found is not None:
+        arg, expr = found
+        qual = param_named(params, expr)
+        if qual is not None:
+            ref = qual if expr == qual else f"{expr} ({qual})"
+            how = f"exp's argument {arg} is made of the parameter {ref}"
+        elif n in outputs:
+            return None  # a model output, perhaps: the model's lr applies
+        else:
+            return (
+                f"exp's argument {arg} is made of {expr}, no watched parameter or output: "
+                "it grew during training, and the lr of the param group updating it is not "
+                "known (nanwatch reads only the groups holding the watched model's weights)"
+            )
+    elif not ev.code and not ev.inputs and (ev.path or a.path) == LOSS_PATH:
+        hits = [q for q, k in params.items() if k == n]
+        if len(hits) == 1 and n not in outputs:
+            qual = hits[0]
+            how = (
+                f"exp's {count(n, 'value')} match the parameter {qual}, the only watched "
+                f"parameter of {count(n, 'value')}"
+            )
+        elif not hits and n not in outputs:
+            return (
+                f"exp ran in the loss code on {count(n, 'value')}, the size of no watched "
+                "parameter or model output: a tensor outside the model (a learned "
+                "log-variance, a temperature) grew, and the lr of the param group updating "
+                "it is not known"
+            )
+    if qual is None:
+        return None
+    held = group_holding((*ctx.history, ctx.trace), qual)
+    if held is None:
+        return (
+            f"{how}, which drifted during training; the lr of the param group updating it "
+            "is not known"
+        )
+    opt, group, lr = held
+    return (
+        f"{how}, which drifted during training ({opt} lr {fmt(lr)} in param group {group}, "
+        "which holds it)"
+    )
+
+
 def _growth_line(
     ctx: RuleContext,
     a: Anomaly,
@@ -1393,6 +1569,7 @@ def _growth_line(
     *,
     noun: str = "inputs",
     complex_: bool = False,
+    holder: str | None = None,
 ) -> str:
     """For float32/float64: the values themselves exploded; say when. For an exp-like op,
     ``big`` is its largest argument (see :func:`_overflowing`); ``complex_``: of a complex
@@ -1421,6 +1598,8 @@ def _growth_line(
         jump.elsewhere or (jump.steady and jump.updates > 0)
     ):  # steady, then one jump: an update or a write outside the optimizer, not a drift
         return f"{what}: {jump.line(_lr_note(ctx, jump.path))}"
+    elif holder is not None:
+        when = f"at step {ctx.step}: {holder}"
     else:
         when = f"at step {ctx.step}: the values grew during training{_lr_note(ctx)}"
     return f"{what}: the values themselves exploded, {when}"
@@ -1521,7 +1700,7 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
         explanation = _explain_batch(batch, top.dtype)
         fix = _fix_batch(batch)
     else:
-        setting = None if _first_step(ctx) else _growing_setting(ctx)
+        cause = "" if _first_step(ctx) else _setting_cause(ctx)
         explanation = _explain_wide(
             "other",
             top.dtype,
@@ -1529,7 +1708,7 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             top.stat,
             big,
             recurrent=False,
-            cause=setting.explanation if setting is not None else "",
+            cause=cause,
         )
         fix = _fix_wide(
             "other",
@@ -1542,7 +1721,7 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             ref=_module_ref(ctx, a),
             update=_update_fix(ctx, _grown_path(ctx, a), clip_first=True),
             clip=_clip_line(ctx),
-            setting=setting is not None,
+            setting=bool(cause),
         )
     yield ctx.diagnosis(
         **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix, priority=20
