@@ -524,6 +524,11 @@ class Watcher:
         #: it was begun with). A grad-enabled call that follows shows they were the no_grad
         #: part (an EMA teacher, a key encoder) of one training step: they are folded back
         self._foldable: list[tuple[StepTrace, int, dict[int, tuple[str, int, int]]]] = []
+        #: the number of the first of those steps, and the ``_stepped_prev`` it was begun with
+        self._fold_from: tuple[int, dict[int, tuple[str, int, int]]] = (0, {})
+        #: a step ended after a backward (the run trains): an evaluation between training
+        #: steps does not shift their numbers (see :meth:`_fold`)
+        self._trained = False
         #: steps the automatic rule ended after a backward, while no weight was updated
         #: twice (the first update cycle): (the step, its end index, its ``_stepped_prev``,
         #: what it updated); None once that cycle is over (see :meth:`_cycle_fold`)
@@ -532,6 +537,9 @@ class Watcher:
         ) = []
         #: each weight's version (and the GradScaler's) when the last of those steps ended
         self._cycle_base: tuple[dict[int, int], tuple[int, ...]] | None = None
+        #: no weight was updated twice in ``_cycle`` yet: its steps fold as they end; after
+        #: that they are kept (as long as the ring) for the first ``nw.step()`` only
+        self._cycle_open = True
         #: an optimizer updated watched weights in this run (see :meth:`_discarded`)
         self._ever_updated = False
         self._reset_step()
@@ -742,8 +750,8 @@ class Watcher:
         optimizer step) starts a new step, and with gradients
         disabled each call does: several forwards before one backward, and the
         micro-batches of gradient accumulation, are one step. The steps that rule made before
-        the first call, while no weight was updated twice (an attack's backward passes, a
-        discriminator's update before the generator's), are folded into the step it ends.
+        the first call (an attack's backward passes, a discriminator's updates before the
+        generator's) are folded into the step it ends, unless one of them held an anomaly.
         ``loss``, when given, is recorded for the timeline (functional losses are not seen by
         module hooks)."""
         if self._forked:
@@ -1039,6 +1047,11 @@ class Watcher:
                 # another root called under no_grad after a training step (an EMA teacher, a
                 # key encoder run before the model): it begins the next step
                 self._maybe_begin_step(trained_only=True)
+            elif not self._stack and info.is_root and self._updated and self._backward_called:
+                # another root called from outside after this step's update: the next
+                # iteration begins (a GAN's discriminator on real data, the generator watched
+                # first), not only at the first root's call after that backward
+                self._maybe_begin_step()
             if outer_grad:
                 self._grad_call = True  # (again when this call began a new step)
             if not (self._full or info.is_root or not self._stack):
@@ -1382,6 +1395,7 @@ class Watcher:
             marks = self._grad_marks
             stale: list[str] = []  # weights whose gradient was never reset since last step
             stale_group = -1
+            written: dict[str, tuple[str, torch.Tensor]] = {}  # see _grads_written
             for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
                 every = g.get("params", ())
                 for p in every:  # unwatched ones too: a weight watched later (a jit'd
@@ -1398,6 +1412,7 @@ class Watcher:
                     if m is not None and m[4] and p.grad is m[1]():
                         stale.append(qualnames[id(p)])
                         stale_group = gi if stale_group < 0 else stale_group
+                self._grads_written(ps, qualnames, written)
                 entry: dict[str, Any] = {
                     "group": gi,
                     "params": len(ps),
@@ -1435,8 +1450,53 @@ class Watcher:
                 self.note("optimizer", type(optimizer).__name__, groups=groups)
                 if stale:
                     self._note_stale_grads(optimizer, stale, stale_group, groups)
+                if written:
+                    self._note_written_grads(optimizer, written)
         except Exception as exc:
             self._fault("optimizer", "optimizer hook", exc)
+
+    def _grads_written(
+        self, ps: list[Any], qualnames: dict[int, str], out: dict[str, tuple[str, torch.Tensor]]
+    ) -> None:
+        """The weights among ``ps`` whose ``.grad`` the optimizer is about to apply is not
+        the one :meth:`_check_grads` read at the end of the last backward: ``"replaced"``
+        (``p.grad = ...`` after it: GradNorm, PCGrad) or ``"unchecked"`` (no backward()
+        gave it: ``torch.autograd.grad`` results set by hand). One written in place since
+        (a clip, an unscale: a finite factor) is the one checked. Identity only: no tensor
+        is read."""
+        seen = getattr(self, "_grads_seen", {})
+        for p in ps:
+            g = p.grad
+            if g is None or not p.requires_grad:
+                continue
+            e = seen.get(id(p))
+            if e is None or e[0]() is not g:
+                out[qualnames[id(p)]] = ("unchecked" if e is None else "replaced", g)
+
+    def _note_written_grads(
+        self, optimizer: Any, written: dict[str, tuple[str, torch.Tensor]]
+    ) -> None:
+        """A ``"grad_written"`` note: gradients the optimizer applies that nanwatch did not
+        check (see :meth:`_grads_written`), for NW301. On the CPU (no device sync) the ones
+        your code replaced or set are checked now, as the end of backward checks the rest;
+        on accelerators they are not read (``nonfinite`` is None)."""
+        frame = _frames.user_frame(sys._getframe(1))
+        where, _ = _frames.describe_frame(frame)
+        nonfinite: list[str] | None = None  # unknown: not read on an accelerator
+        grads = [g for _, g in written.values()]
+        if not self._defer_cpu and all(g.device.type == "cpu" for g in grads):
+            dense = [(q, g) for q, (_, g) in written.items() if g.layout is torch.strided]
+            values = read_scalars(foreach_l2([g for _, g in dense])) if dense else []
+            nonfinite = [q for (q, _), v in zip(dense, values, strict=True) if v - v != 0]
+        self.note(
+            "grad_written",
+            type(optimizer).__name__,
+            source=where,
+            variable=_name_in_frame(frame, optimizer),
+            how={q: how for q, (how, _) in list(written.items())[:64]},
+            count=len(written),
+            nonfinite=nonfinite,
+        )
 
     def _note_stale_grads(
         self, optimizer: Any, stale: list[str], group: int, groups: list[dict[str, Any]]
@@ -2076,6 +2136,11 @@ class Watcher:
         self._grads_checked = True
         grads: list[torch.Tensor] = []
         metas: list[tuple[str, str, str]] = []
+        # the gradients read here, by identity and version: the optimizer pre-hook tells a
+        # .grad written after backward (PCGrad, GradNorm) from these (no tensor read)
+        seen: dict[int, tuple[Any, int]] = {}
+        self._grads_seen = seen
+        ref = weakref.ref
         for (q, path, p), owner_type in zip(self._params, self._param_types, strict=True):
             g = p.grad
             # a weight frozen with requires_grad_(False) keeps the .grad it had (zeros
@@ -2083,6 +2148,7 @@ class Watcher:
             if g is not None and p.requires_grad:
                 grads.append(g)
                 metas.append((q, path, owner_type))
+                seen[id(p)] = (ref(g), g._version)
         if not grads:
             return
         if self._scaled:  # the scale these gradients were multiplied by (no sync: a copy)
@@ -2274,8 +2340,12 @@ class Watcher:
         if self._begun and not self._explicit:
             if self._backward_called or self._trained_by_grad():
                 # after an update only, with gradients on or off: a teacher called under
-                # no_grad between the micro-batches of gradient accumulation is the same step
-                if not self._accumulating() and not self._discarded():
+                # no_grad between the micro-batches of gradient accumulation is the same step.
+                # An optimizer that stepped in this step ends it whatever backward ran after
+                # (a GAN's generator watched first: the discriminator's backward on real
+                # data, before the generator's call, is no accumulation): one step per update
+                # cycle, never one that grows for the whole run
+                if self._updated or (not self._accumulating() and not self._discarded()):
                     self._cycle_boundary()
             elif (
                 not trained_only
@@ -2298,11 +2368,11 @@ class Watcher:
         prev = self._stepped_prev
         done = self._boundary()
         if keep and done.anomaly is None and done.error is None:
-            end = max(
-                [r.index + 1 for r in done.records] + [max(c.start, c.end) for c in done.calls],
-                default=0,
-            )
-            foldable.append((done, end, prev))
+            if not foldable:
+                self._fold_from = (done.step, prev)
+            foldable.append((done, self._end_of(done), prev))
+            if len(foldable) > self.config.ring_size:
+                del foldable[0]  # gone from history: an evaluation's length holds no memory
             self._foldable = foldable
 
     @staticmethod
@@ -2388,19 +2458,23 @@ class Watcher:
     def _cycle_fold(self, *, first_explicit: bool = False) -> frozenset[int] | None:
         """The steps the automatic rule made before the first update cycle ended belong to
         one training step: an attack's ``backward()`` calls before the first optimizer step
-        (each was a step then), or, at the first ``nw.step()``, a discriminator's update
-        that ended a step before the generator's. Called as a step ends: the steps
-        recorded in ``_cycle`` (the last ones of ``history``) that updated nothing are
-        folded into it when it updated something; at the first ``nw.step()``, all of them,
-        when no weight was updated twice (one cycle). Returns what the step updated, or
-        None once the first cycle is over (nothing is followed any more)."""
+        (each was a step then). Called as a step ends: the steps recorded in ``_cycle`` (the
+        last ones of ``history``) that updated nothing are folded into it when it updated
+        something, while no weight was updated twice (the first cycle). At the first
+        ``nw.step()``, all of them are folded, however many updates they hold (a
+        discriminator's updates before the generator's, SAM's perturbed weights, a WGAN's
+        critic updates): from then on steps are the user's, and everything since attach is
+        the user's first step. Returns what the step updated, or None once nothing is
+        followed any more (an anomaly, a log as long as the ring: see
+        :meth:`_cycle_boundary`)."""
         log = self._cycle
         if log is None:
             return None
         changed = self._cycle_changes()
-        if changed & frozenset().union(*(e[3] for e in log)):
-            self._cycle = None  # updated twice: the first cycle is over
-            return None
+        if self._cycle_open and changed & frozenset().union(*(e[3] for e in log)):
+            self._cycle_open = False  # updated twice: the first cycle is over
+        if not (first_explicit or self._cycle_open):
+            return changed  # kept for the first nw.step(), if it comes
         if not (self._ever_updated if first_explicit else changed and self._updated):
             return changed  # the steps fold into the cycle of an optimizer's update
         cur = self._trace
@@ -2434,6 +2508,7 @@ class Watcher:
         changed = self._cycle_fold()
         stepped_prev = self._stepped_prev
         done = self._boundary()
+        self._trained = True
         log = self._cycle
         if log is None:
             return
@@ -2457,8 +2532,35 @@ class Watcher:
         before it that held only no_grad calls (a teacher, a key encoder, a target network
         run first under ``torch.no_grad()``) are the same training step; they are folded
         into the current one, which takes the first one's number. A step that called the
-        module called now (an evaluation loop of the model before training) stays a step."""
+        module called now is an evaluation of it: before any training (an evaluation loop of
+        the model before training) it stays a step; between training steps (a validation)
+        its steps, checked and found clean, leave ``history`` and the current step takes the
+        first one's number, so the training steps are numbered as if it had not run (with a
+        memory of one evaluation call, however long it is)."""
         foldable = self._foldable
+        cur = self._trace
+        if (
+            self._trained
+            and foldable
+            and self.history
+            and self.history[-1] is foldable[-1][0]
+            and foldable[-1][0].step == cur.step - 1
+            and cur.anomaly is None
+            and cur.error is None
+            and self._new_trigger is None
+            and self._pending_data is None
+            and not (self._backward_called or self._backward_seen or self._updated)
+            and all(any(c.root and c.path == path for c in e[0].calls) for e in foldable)
+        ):
+            dropped = {id(e[0]) for e in foldable}
+            while self.history and id(self.history[-1]) in dropped:
+                self.history.pop()
+            self._foldable = []
+            number, self._stepped_prev = self._fold_from
+            self._step = cur.step = number
+            for r in cur.records:
+                r.step = number
+            return
         while foldable:
             prev, end, stepped_prev = foldable[-1]
             cur = self._trace

@@ -109,7 +109,13 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
     prev = ctx.trace if at_end else (ctx.history[-1] if ctx.history else None)
     consequence: str | None = None
     gnorm: float | None = None
-    if prev is not None:
+    written = _written_grad(ctx, name, prev)
+    if written is not None:
+        nan_only = rec.stat is not None and not (rec.stat.has_posinf or rec.stat.has_neginf)
+        if written[1] is True or (written[1] is None and nan_only):
+            yield _written_grad_diagnosis(ctx, a, written, name=name, evidence=evidence)
+            return
+    if prev is not None and written is None:
         g = next((r for r in prev.records if r.phase is Phase.GRADIENT and r.role == name), None)
         if g is not None and g.stat is not None and not g.stat.finite:
             consequence = (
@@ -159,6 +165,82 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             "loss over the last steps: " + ", ".join(f"{fmt(v)} (step {st})" for st, v in losses)
         )
     yield _plain_update(ctx, a, update, gnorm, name=name, evidence=evidence)
+
+
+def _written_grad(
+    ctx: RuleContext, name: str, prev: StepTrace | None
+) -> tuple[str, bool | None, str | None, str, int] | None:
+    """How the gradient of ``name`` that the last update applied came to be, when it was
+    not the one nanwatch checked at the end of backward (the watcher's ``"grad_written"``
+    note): ``"replaced"`` after backward (``p.grad = ...``) or ``"unchecked"`` (set by
+    hand, no backward() gave it); whether it held NaN/inf (None: not read, on an
+    accelerator); the line of ``optimizer.step()``; the optimizer; the step."""
+    for t in (prev,) if prev is not None else (ctx.trace, *ctx.history[-1:]):
+        for n in reversed(t.notes):
+            if n.kind != "grad_written":
+                continue
+            how = n.data.get("how")
+            if not isinstance(how, dict) or name not in how:
+                continue
+            bad = n.data.get("nonfinite")
+            held = None if not isinstance(bad, list) else name in bad
+            var = n.data.get("variable")
+            opt = f"{n.path} ({var})" if isinstance(var, str) and var else n.path
+            return str(how[name]), held, n.source, opt, t.step
+    return None
+
+
+def _written_grad_diagnosis(
+    ctx: RuleContext,
+    a: Anomaly,
+    written: tuple[str, bool | None, str | None, str, int],
+    *,
+    name: str,
+    evidence: list[str],
+) -> Diagnosis:
+    """The update applied a gradient the user's code wrote after backward (a PCGrad
+    projection, GradNorm's ``weights.grad = autograd.grad(...)``), which nanwatch's check
+    at the end of backward never saw."""
+    how, held, source, opt, step = written
+    made = (
+        f"replaced after backward by your code (a new tensor in {name}.grad)"
+        if how == "replaced"
+        else "set by your code: no backward() gave it (torch.autograd.grad results written "
+        "into .grad)"
+    )
+    what = (
+        "and it held NaN/inf"
+        if held
+        else "not read on this device: nanwatch checks gradients at the end of backward"
+    )
+    evidence = [
+        *evidence,
+        f"the gradient of {name} that {opt} applied at step {step} was {made}, {what}",
+    ]
+    if source:
+        evidence.append(f"the optimizer step at {source}")
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights from a gradient your code wrote after backward",
+        evidence=evidence,
+        explanation=(
+            f"{name} became non-finite at the update because the gradient {opt} applied "
+            + ("held NaN/inf" if held else "was written after backward and never checked")
+            + ": your code computed it after backward (gradient surgery such as PCGrad, a "
+            "GradNorm weight gradient, a manual projection), and a task loss or gradient "
+            "that is exactly 0 (a loss masked to 0, a task absent from the batch) makes a "
+            "ratio or projection in it 0/0. The optimizer, its state and the learning rate "
+            "are not the cause."
+        ),
+        fix=(
+            "# guard the division in your projection: a task gradient of 0 gives 0/0\n"
+            "#   dot / (gj @ gj).clamp_min(1e-12)   instead of   dot / (gj @ gj)\n"
+            "# and skip the update when a gradient your code wrote is not finite:\n"
+            "if all(torch.isfinite(p.grad).all() for p in model.parameters() "
+            "if p.grad is not None):\n"
+            "    optimizer.step()"
+        ),
+    )
 
 
 #: a fix that finds the non-finite entries of the optimizer's per-weight state (Adam's
@@ -920,6 +1002,19 @@ def _above_rounding(cur: _GradSummary) -> dict[str, float]:
     return {k: v for k, v in cur.params.items() if v * v >= floor}
 
 
+def _share_of_largest(modules: dict[str, float], factor: float) -> dict[str, float]:
+    """The modules whose largest output gradient is a share of the step's largest (the
+    gradient backward carries from the loss) that can move the update: at least
+    1 / factor**2 of it (1% at the default factor of 10). A module whose gradient is a
+    sliver of that (an adaLN-Zero block whose zero-initialized gate is opening, a
+    conditioning path behind one) grows by many times its own small past while healthy:
+    even after such a jump it is too small to explode the update."""
+    if not modules:
+        return modules
+    floor = max(modules.values()) / (factor * factor)
+    return {k: v for k, v in modules.items() if v >= floor}
+
+
 def _times(ratio: float) -> str:
     return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
 
@@ -927,7 +1022,8 @@ def _times(ratio: float) -> str:
 def _spikes(
     ctx: RuleContext, kind: str, current: dict[str, float], factor: float, need: int
 ) -> list[tuple[float, str, float, float]]:
-    """Keys whose value is at least ``factor`` times their median over the history.
+    """Keys whose value is at least ``factor`` times their median over the history's
+    steps where it was not exactly 0 (``need`` such steps at least).
 
     Runs every step, so it is built to be cheap: each history step's values, aligned to the
     current keys, are computed once per step (memo) and transposed in C; a key is a
@@ -940,7 +1036,9 @@ def _spikes(
 
     def row(t: StepTrace) -> tuple[float, ...]:
         values = getattr(ctx.memo(t, "grad_summary", _grad_summary), kind)
-        return tuple(values.get(k, math.inf) for k in keys)  # inf: absent that step
+        # inf: absent that step, or exactly 0 (not yet connected to the loss: a loss term
+        # weighted 0 during a warm-up, a gate initialized to 0); neither is its level
+        return tuple(values.get(k, math.inf) or math.inf for k in keys)
 
     rows = [ctx.memo(t, tag, row) for t in ctx.history]
     out = []
@@ -973,7 +1071,7 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
     cur = ctx.memo(ctx.trace, "grad_summary", _grad_summary)
     past = [ctx.memo(t, "grad_summary", _grad_summary) for t in ctx.history]
     evidence: list[str] = []
-    totals = [p.total for p in past if p.total is not None and math.isfinite(p.total)]
+    totals = [p.total for p in past if p.total is not None and math.isfinite(p.total) and p.total]
     total_spike = False
     if cur.total is not None and math.isfinite(cur.total) and len(totals) >= need:
         med = statistics.median(totals)
@@ -983,7 +1081,7 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"total gradient norm {fmt(cur.total)} at step {ctx.step}; median of the "
                 f"previous {len(totals)} steps {fmt(med)} ({_times(cur.total / med)})"
             )
-    mods = _spikes(ctx, "modules", cur.modules, factor, need)
+    mods = _spikes(ctx, "modules", _share_of_largest(cur.modules, factor), factor, need)
     params = _spikes(ctx, "params", _above_rounding(cur), factor, need)
     if not total_spike and not mods and not params:
         return
@@ -1331,6 +1429,75 @@ def _zero_output(ctx: RuleContext, top: str, names: str, need: int) -> Diagnosis
     return None
 
 
+def _loss_entries(trace: StepTrace) -> set[int]:
+    """The forward records of the tensors the loss reads directly: a root's outputs (what
+    loss code outside the modules computes from) and a loss module's inputs, with the
+    records they alias (a container's output is its last child's). A passthrough module's
+    output (a ReLU's) stands for another tensor than its input: the chain stops there."""
+    out: set[int] = set()
+    passthrough = {c.id for c in trace.calls if c.passthrough}
+    starts = [r.index for r in trace.root_outputs()]
+    losses = {c.id for c in trace.calls if c.is_loss}
+    starts += [
+        r.source
+        for r in trace.records
+        if r.phase is Phase.INPUT and r.call in losses and r.source is not None
+    ]
+    for i in starts:
+        rec = trace.record(i)
+        for _ in range(64):
+            if rec is None or rec.phase is not Phase.FORWARD or rec.call in passthrough:
+                break
+            out.add(rec.index)
+            rec = trace.record(rec.source) if rec.source is not None else None
+    return out
+
+
+def _nonzero_grads(trace: StepTrace) -> set[str]:
+    """Modules with a non-zero gradient this step: an output gradient that is not exactly 0,
+    or a parameter gradient whose norm is not 0."""
+    found: set[str] = set()
+    for r in trace.records:
+        s = r.stat
+        if s is None or not s.finite:
+            continue
+        if r.phase in (Phase.BACKWARD, Phase.GRADIENT) and (
+            s.min < 0 or s.max > 0 or (s.norm or 0.0) > 0
+        ):
+            found.add(r.path)
+    return found
+
+
+def _loss_term_off(ctx: RuleContext, top: str) -> tuple[Record, Record] | None:
+    """``top``'s output gradient is exactly 0 where the loss reads that output, while
+    another output the loss reads gets a non-zero gradient: the zero comes from the loss
+    itself (a term weighted 0, a mask with no labels in the batch, ``0.0 * p.sum()`` to
+    keep DDP happy), not from the model's units. The zero record and a non-zero one."""
+    trace = ctx.trace
+    entries = _loss_entries(trace)
+    every = _by_grad_only(trace)
+    zero: Record | None = None
+    other: Record | None = None
+    for r in trace.records:
+        s = r.stat
+        if (
+            r.phase is not Phase.BACKWARD
+            or s is None
+            or not s.finite
+            or r.source not in entries
+            or (r.by_grad and not every)
+            or s.numel == 1
+            or r.shape == ()
+        ):
+            continue  # a one-value output is a loss (its gradient is 1), not a term's input
+        if s.min == 0.0 and s.max == 0.0:
+            if r.path == top:
+                zero = zero or r
+        elif other is None:
+            other = r
+    return (zero, other) if zero is not None and other is not None else None
+
+
 @rule(
     "NW304",
     title="Vanishing gradients: zero for many steps",
@@ -1368,6 +1535,13 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     exact = all(p in o for p in dead for o, _, _, _ in past) and all(p in out_now for p in dead)
     exact = exact or not any(p in by_norm for p in dead) or _tiniest(dtype) > _norm_floor(dtype)
     names = f"{', '.join(dead[:6])}{', ...' if len(dead) > 6 else ''}"
+    off = _loss_term_off(ctx, top)
+    if off is not None:
+        # the zero comes from the loss: silent when the term was on within the window (a
+        # task present in some batches only), a note when it never was
+        if not any(top in ctx.memo(t, "nonzero_grads", _nonzero_grads) for t in ctx.history):
+            yield _loss_term_note(ctx, top, off, len(ctx.history) + 1)
+        return
     traces = [*ctx.history[-(need - 1) :], ctx.trace] if need > 1 else [ctx.trace]
     found = _flat_loss(ctx, traces, names) or _zero_output(ctx, top, names, need)
     if found is not None:
@@ -1442,6 +1616,36 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence=evidence,
         explanation=explanation,
         fix=fix,
+    )
+
+
+def _loss_term_note(
+    ctx: RuleContext, top: str, off: tuple[Record, Record], steps: int
+) -> Diagnosis:
+    zero, other = off
+    return ctx.diagnosis(
+        title="Zero gradients: a loss term contributed nothing",
+        severity="info",
+        path=top,
+        phase=Phase.BACKWARD.value,
+        evidence=[
+            f"{top}: every gradient exactly 0 on each of the {steps} steps recorded",
+            f"the zero starts where the loss reads {zero.path}'s {zero.role}: its gradient "
+            f"there is exactly 0, while {other.path}'s {other.role}, which the loss also "
+            "reads, gets a non-zero gradient",
+        ],
+        explanation=(
+            f"{top}'s loss term contributed nothing (weighted 0 or masked out) on these "
+            "steps: the loss gives its output a gradient of exactly 0, so nothing in the "
+            "model stops it and its units are not dead. A warm-up weight of 0, a batch "
+            "with no labels for that task, or 0.0 * out.sum() (to keep DDP's unused "
+            f"parameters in the graph) does this. {top} learns once the term is on."
+        ),
+        fix=(
+            "# nothing to fix if the term is off on purpose (a warm-up, a task absent "
+            "from these batches);\n"
+            "# otherwise check the weight and the mask of its loss term"
+        ),
     )
 
 
