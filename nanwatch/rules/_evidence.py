@@ -1229,6 +1229,23 @@ def postfix_start(line: str, end: int) -> int | None:
     return begin if begin <= end else None
 
 
+def call_argument(code: str | None, names: Sequence[str]) -> str | None:
+    """The argument of the line's first call to one of ``names`` (what :func:`rewrite_call`
+    would wrap): ``torch.sqrt(v + eps)`` and ``(v + eps).sqrt()`` both give ``v + eps``.
+
+    >>> call_argument("s = torch.sqrt(z.var(0) + 1e-4)", ["sqrt"])
+    'z.var(0) + 1e-4'
+    """
+    got: list[str] = []
+
+    def keep(v: str) -> str:
+        got.append(v)
+        return v
+
+    rewrite_call(code, names, keep)
+    return got[0] if got else None
+
+
 def rewrite_call(code: str | None, names: Sequence[str], wrap: Callable[[str], str]) -> str | None:
     """The user's line with the argument of its first call to one of ``names`` passed
     through ``wrap``: ``torch.acos(c)`` and ``c.acos()`` both get ``wrap("c")`` in place of

@@ -32,6 +32,7 @@ from nanwatch.rules._evidence import (
     Shortfall,
     activation_of,
     anomaly_fields,
+    call_argument,
     cause_of,
     code_line,
     count,
@@ -2340,16 +2341,10 @@ def _pole_fix(ev: OpEvent, e: object) -> str:
 
 def _addend(stmt: str | None) -> str | None:
     """The name added last inside the root's argument (``ms + self.eps`` -> ``self.eps``)."""
-    got: list[str] = []
-
-    def keep(v: str) -> str:
-        got.append(v)
-        return v
-
-    rewrite_call(stmt, ["rsqrt", "sqrt"], keep)
-    if not got:
+    arg = call_argument(stmt, ["rsqrt", "sqrt"])
+    if arg is None:
         return None
-    m = re.search(r"\+\s*([A-Za-z_][\w.]*)\s*$", got[0])
+    m = re.search(r"\+\s*([A-Za-z_][\w.]*)\s*$", arg)
     return m.group(1) if m else None
 
 
@@ -2460,14 +2455,8 @@ def _cancel_fix(ev: OpEvent) -> str:
     """A two-pass variance (under the user's name for it when their line shows one), the
     built-in layer norm, and the user's root with an eps inside."""
     stmt = next((st for st in statements(ev.code) if "sqrt" in st), None)
-    got: list[str] = []
-
-    def keep(v: str) -> str:
-        got.append(v)
-        return v
-
-    rewrite_call(stmt, ["sqrt", "rsqrt"], keep)
-    m = re.match(r"\s*([A-Za-z_]\w*)(?![\w.(\[])", got[0]) if got else None
+    arg = call_argument(stmt, ["sqrt", "rsqrt"])
+    m = re.match(r"\s*([A-Za-z_]\w*)(?![\w.(\[])", arg) if arg is not None else None
     var = m.group(1) if m and m.group(1) not in ("torch", "self", "x") else "var"
     own = rewrite_call(stmt, ["sqrt", "rsqrt"], lambda v: f"{v} + 1e-5")
     return (
@@ -2550,16 +2539,9 @@ def _root_backward_own(ev: OpEvent) -> tuple[str, str] | None:
     if not ev.source or ev.source == ev.backward_at:
         return None
     stmt = next((st for st in statements(ev.code) if "sqrt" in st), None)
-    got: list[str] = []
-
-    def keep(v: str) -> str:
-        got.append(v)
-        return v
-
-    rewrite_call(stmt, ["sqrt", "rsqrt"], keep)
-    if not got:
+    arg = call_argument(stmt, ["sqrt", "rsqrt"])
+    if arg is None:
         return None
-    arg = got[0]
     addend = _addend(stmt)
     if _VARIANCE.search(arg):
         if addend is not None and not re.fullmatch(r"[\d.e+-]+", addend):
