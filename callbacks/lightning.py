@@ -15,10 +15,12 @@ Lightning event                what the callback does
 ``on_before_optimizer_step``   ``nw.check()`` (a new anomaly: replay the batch to pinpoint
                                the op); reduce the decision across ranks; then every rank
                                stops, skips, raises or warns
-``on_train_batch_end``         (accumulating: ``nw.check()``) ``nw.step(loss)``; log the
-                               step's figures; write the report of a stop
+``on_train_batch_end``         (accumulating: ``nw.check()``) ``nw.step(loss)``; say its
+                               early warnings; log the step's figures; write the report
+                               of a stop
 ``on_validation_start/end``    detach / attach again (validation is not a training step)
-``on_train_end``, ``teardown`` write the report of a skip/warn run; detach
+``on_train_end``, ``teardown`` write the report of a skip/warn run, or of one with early
+                               warnings; detach
 ``on_exception``               post-mortem report (any crash), detach
 ``state_dict``                 the flight recorder's per-step summary and the counters
 =============================  ==========================================================
@@ -48,8 +50,11 @@ from nanwatch._frames import warn_at_user
 from nanwatch.config import WatchConfig
 from nanwatch.errors import AnomalyError, ConfigError
 from nanwatch.postmortem import write_report
-from nanwatch.records import Anomaly, AnomalyKind, StepTrace
+from nanwatch.records import Anomaly, AnomalyKind, Phase, Record, StepTrace
 from nanwatch.watcher import Watcher
+
+if TYPE_CHECKING:
+    from nanwatch.rules.base import Diagnosis
 
 __all__ = [
     "ACTIONS",
@@ -232,6 +237,15 @@ def _found(trace: StepTrace) -> bool:
     return trace.anomaly is not None or _has_error(trace)
 
 
+def _nonfinite(rec: Record) -> int | None:
+    """How many NaN/inf values a record holds; None when not counted (an accelerator's
+    gradient, read as its norm only)."""
+    st = rec.stat
+    if st is None or not st.counted:
+        return None
+    return (st.nan or 0) + (st.posinf or 0) + (st.neginf or 0)
+
+
 def _step_args(fn: Callable[..., Any], batch: Any, batch_idx: int) -> tuple[Any, ...] | None:
     """The arguments Lightning passes to ``training_step``; None when it cannot be replayed
     from a kept batch (a ``dataloader_iter`` step)."""
@@ -311,6 +325,14 @@ class _NanWatch:
       gradients are non-finite; the batch is listed once;
     * ``"raise"``: raise :class:`nanwatch.AnomalyError` (the post-mortem report is written);
     * ``"warn"``: warn once and go on (the update is applied).
+
+    Early warnings (warning-severity diagnoses: gradients never reset, float16 logits near
+    ``exp``'s bound, ...) are said as :func:`nanwatch.watch` says them, once per code as a
+    :class:`nanwatch.NanwatchWarning`, whatever ``on_anomaly`` says; they never stop or skip
+    training, are counted in the logged ``nanwatch/warnings`` and make the run write its
+    report at the end. Under gradient accumulation a micro-batch that only adds to a
+    gradient an earlier one of its window made NaN is not blamed: the window's update is
+    decided by (and listed under) the batch that made it.
 
     A guard's :class:`nanwatch.GuardError` (a class index of 255, a BCE input above 1, an
     (N, 1) prediction against an (N,) target, in a loss module or an ``F.*`` loss) is raised
@@ -412,6 +434,8 @@ class _NanWatch:
         #: the nanwatch step at which "stop" stopped training
         self.stopped_at: int | None = None
         self.replays = 0
+        #: early warnings (warning-severity diagnoses) of the run, a checkpoint's included
+        self.warning_count = 0
         self._anomalies_before = 0  # anomalies of earlier runs no longer kept (checkpoints)
         self._restored = (0, 0)  # anomalies and skips that came from a checkpoint
         self._state: dict[str, Any] | None = None
@@ -422,6 +446,7 @@ class _NanWatch:
         self._replayable = True
         self._batch: Any = None
         self._batch_idx = -1
+        self._window = -1  # the first batch of the accumulation window (its update's batches)
         self._rng: torch.Tensor | None = None
         self._cuda_rng: tuple[torch.device, torch.Tensor] | None = None
         self._opt_stepped = False
@@ -431,6 +456,10 @@ class _NanWatch:
         self._decided = -1
         self._report_due = False
         self._warned = False
+        self._warnings = False  # this run said an early warning (the report is written)
+        #: the step whose only non-finite values are gradients an earlier micro-batch of
+        #: the accumulation window made bad (see _inherited)
+        self._inherits = -1
         self._broken = False  # an internal error stopped the watching
 
     @classmethod
@@ -455,6 +484,7 @@ class _NanWatch:
         self.report_paths = []
         self.stopped_at = None
         self.replays = 0
+        self.warning_count = 0
         self._anomalies_before = 0
         self._restored = (0, 0)
         self._reset_run()
@@ -494,7 +524,8 @@ class _NanWatch:
             return
         try:
             new = len(nw.anomalies) > self._restored[0] or len(self.skipped) > self._restored[1]
-            if new and not self.report_paths:  # a skip/warn run (a stop wrote its report)
+            if (new or self._warnings) and not self.report_paths:
+                # a skip/warn run, or one with early warnings (a stop wrote its report)
                 self._write_report()
         finally:
             nw.detach()
@@ -540,6 +571,8 @@ class _NanWatch:
         if nw is None or not nw.attached:
             return
         self._batch, self._batch_idx = batch, batch_idx
+        if self._window < 0:
+            self._window = batch_idx
         self._opt_stepped = False
         if self._replayable and self.replays < self.max_replays:
             self._rng = torch.get_rng_state()
@@ -571,20 +604,59 @@ class _NanWatch:
                 self._report_due = False
                 self._write_report()
         self._batch = None
+        if self._opt_stepped or not pl_module.automatic_optimization:
+            self._window = -1
 
     def _end_step(self, trainer: Any, pl_module: Any, outputs: Any) -> StepTrace:
         nw = self.watcher
         assert nw is not None
         if not self._opt_stepped:  # accumulating gradients, or manual optimization
             self._check(trainer, pl_module)
-        done = nw.step(loss=_step_loss(trainer, pl_module, outputs))
+        done = self._step(loss=_step_loss(trainer, pl_module, outputs))
         known = done.step == self._decided or any(s == done.step for s, _ in self._pending)
         if _found(done) and not known:
             # found at the step's end (a rule): the update was applied already, unless no
             # optimizer step ran in this batch (gradient accumulation)
             found = (done.step, self._batch_idx)
             (self._late if self._opt_stepped else self._pending).append(found)
+        self._announce(done)
         return done
+
+    def _step(self, loss: torch.Tensor | None = None) -> StepTrace:
+        """``nw.step()``; a micro-batch that only added to gradients an earlier one of its
+        accumulation window made non-finite (:meth:`_inherited`) ends with no anomaly and no
+        diagnosis of its own: its records stay, and the window's finding is the earlier
+        batch's."""
+        nw = self.watcher
+        assert nw is not None
+        done = nw.step(loss=loss)
+        if done.step == self._inherits:
+            self._inherits = -1
+            if done.anomaly is not None:
+                nw._forget(done, done.anomaly)
+            done.diagnoses = nw._evaluate(done)
+        return done
+
+    def _announce(self, done: StepTrace) -> None:
+        """Say the step's early warnings (warning-severity diagnoses) as ``nanwatch.watch``
+        does: each code once, a :class:`nanwatch.NanwatchWarning` at the user's line, by the
+        watcher's own announcement. They never stop or skip anything; they are counted (the
+        logged ``nanwatch/warnings``) and make the run write its report at the end."""
+        nw = self.watcher
+        assert nw is not None
+        said = sum(1 for d in done.diagnoses if d.severity == "warning")
+        if not said:
+            return
+        self.warning_count += said
+        self._warnings = True
+        # the watcher's policy is "record" (this callback acts on anomalies itself), which
+        # keeps warnings silent: announce under the policy the user chose
+        config = nw.config
+        nw.config = config.replace(on_anomaly="warn")
+        try:
+            nw._announce(done)
+        finally:
+            nw.config = config
 
     def _guarded(self, fn: Callable[..., _T], *args: Any) -> _T | None:
         """Run nanwatch's part of a hook; an internal error (a nanwatch bug) must not end
@@ -619,12 +691,41 @@ class _NanWatch:
         anomaly = nw.check()
         if anomaly is None or step == self._decided or any(s == step for s, _ in self._pending):
             return  # (decided: a later optimizer of the same batch, manual optimization)
+        if self._inherited(step):
+            self._inherits = step
+            return
         first = not self._pending
         self._pending.append((step, self._batch_idx))
         # a replay can name the op of a value born in forward or backward code; bad data and
         # broken weights have no op to name
         if first and anomaly.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
             self._replay(trainer, pl_module)
+
+    def _inherited(self, step: int) -> bool:
+        """Whether the current step, a micro-batch after one whose finding is pending in
+        the same accumulation window, found nothing of its own: its only non-finite records
+        are parameter gradients that were non-finite at the previous micro-batch's end, with
+        no more non-finite values than then. Its backward was finite; it added to a
+        ``.grad`` that held the earlier batch's NaN (NaN + x is NaN)."""
+        nw = self.watcher
+        assert nw is not None
+        if not self._pending or self._pending[0][0] >= step:
+            return False
+        prev = next((t for t in reversed(nw.history) if t.step == step - 1), None)
+        if prev is None:
+            return False
+        before = {(r.path, r.role): r for r in prev.records if r.phase is Phase.GRADIENT and r.bad}
+        bad = [r for r in nw.trace.records if r.bad]
+        if not bad:
+            return False
+        for r in bad:
+            old = before.get((r.path, r.role)) if r.phase is Phase.GRADIENT else None
+            if old is None:
+                return False
+            now, then = _nonfinite(r), _nonfinite(old)
+            if now is not None and then is not None and now > then:
+                return False  # new NaN/inf of its own
+        return True
 
     def _decide(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         """One decision per optimizer step, the same on every rank: reduce whether any rank
@@ -734,12 +835,12 @@ class _NanWatch:
             self.stopped_at = nw.step_index
             self._report_due = True
         if action == "raise":
-            done = None if self._broken else self._guarded(nw.step)
+            done = None if self._broken else self._guarded(self._step)
             at = nw.step_index - (done is not None)
             raise AnomalyError(
                 self._message(at, ranks, world, found, dropped=False, trainer=trainer),
                 anomaly=self._earliest(steps),
-                diagnoses=done.diagnoses if done is not None else [],
+                diagnoses=self._diagnoses(steps, done),
             )
         if not self._warned:
             self._warned = True
@@ -747,6 +848,17 @@ class _NanWatch:
                 nw.step_index, ranks, world, found, dropped=dropped, trainer=trainer
             )
             _warn(message, fault=False)
+
+    def _diagnoses(self, steps: list[int], done: StepTrace | None) -> list[Diagnosis]:
+        """The diagnoses of the earliest step found (the one the error names); the ended
+        step's when that one is no longer kept."""
+        nw = self.watcher
+        assert nw is not None
+        first = min(steps, default=None)
+        trace = next((t for t in nw.history if t.step == first), None)
+        if trace is not None and trace.diagnoses:
+            return list(trace.diagnoses)
+        return list(done.diagnoses) if done is not None else []
 
     def _earliest(self, steps: list[int]) -> Anomaly | None:
         nw = self.watcher
@@ -798,9 +910,12 @@ class _NanWatch:
             head = (
                 f"nanwatch: step {step}: {seen or 'another rank'} saw an anomaly (see its report)"
             )
+        window = self._window
+        of = f" of batches {window}-{self._batch_idx}" if 0 <= window < self._batch_idx else ""
         doing = {
-            "stop": "training stops" + (" (this update is dropped)" if dropped else ""),
-            "skip": "updates with anomalies are skipped; the run goes on",
+            "stop": "training stops" + (f" (this update{of} is dropped)" if dropped else ""),
+            "skip": (f"this update{of} is dropped; " if dropped else "")
+            + "updates with anomalies are skipped; the run goes on",
             "raise": "raising AnomalyError",
             "warn": "training goes on (warn: the update is applied)",
         }[self.on_anomaly]
@@ -852,6 +967,7 @@ class _NanWatch:
         assert nw is not None
         figures = step_metrics(done, scaled=nw.scaler is not None)
         figures["nanwatch/anomalies"] = float(self._anomalies_before + len(nw.anomalies))
+        figures["nanwatch/warnings"] = float(self.warning_count)
         figures["nanwatch/skipped"] = float(len(self.skipped))
         for name, value in figures.items():
             pl_module.log(
@@ -904,6 +1020,7 @@ class _NanWatch:
             "skipped": [dict(e) for e in self.skipped],
             "replays": self.replays,
             "stopped_at": self.stopped_at,
+            "warnings": self.warning_count,
         }
         nw = self.watcher
         if nw is None:
@@ -932,6 +1049,7 @@ class _NanWatch:
             return
         self.skipped = [dict(e) for e in state_dict.get("skipped", [])]
         self.replays = int(state_dict.get("replays", 0))
+        self.warning_count = int(state_dict.get("warnings", 0))
         self.stopped_at = state_dict.get("stopped_at")
         self._state = dict(state_dict)  # applied to the watcher when it attaches
 
