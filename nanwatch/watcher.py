@@ -1395,6 +1395,9 @@ class Watcher:
             marks = self._grad_marks
             stale: list[str] = []  # weights whose gradient was never reset since last step
             stale_group = -1
+            # those backward added to with no visible reset: (name, group, the gradient's
+            # norm before that backward, when a reset could have been invisible)
+            added: list[tuple[str, int, torch.Tensor | None]] = []
             written: dict[str, tuple[str, torch.Tensor]] = {}  # see _grads_written
             for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
                 every = g.get("params", ())
@@ -1410,8 +1413,7 @@ class Watcher:
                 for p in ps if marks else ():
                     m = marks.get(id(p))
                     if m is not None and m[4] and p.grad is m[1]():
-                        stale.append(qualnames[id(p)])
-                        stale_group = gi if stale_group < 0 else stale_group
+                        added.append((qualnames[id(p)], gi, m[5]))
                 self._grads_written(ps, qualnames, written)
                 entry: dict[str, Any] = {
                     "group": gi,
@@ -1440,6 +1442,8 @@ class Watcher:
                     if g.get("decoupled_weight_decay") is True:
                         entry["decoupled_weight_decay"] = True
                 groups.append(entry)
+            if added:
+                stale, stale_group = _never_reset(added)
             if groups:  # it updates watched weights (another model's optimizer does not)
                 self._after_backward = None  # an update: the next forward begins a step
                 self._updated = True
@@ -1447,7 +1451,15 @@ class Watcher:
                 self._opt_running = True
                 self._opt_forwarded = False
             if groups and len(self._trace.notes) < 256:
-                self.note("optimizer", type(optimizer).__name__, groups=groups)
+                note = self.note(
+                    "optimizer",
+                    type(optimizer).__name__,
+                    groups=groups,
+                    averages=_averaged_keys(optimizer),
+                )
+                world = _distributed()  # NW301: another rank's gradient, all-reduced
+                if world is not None:
+                    note.data.update(rank=world[0], world=world[1])
                 if stale:
                     self._note_stale_grads(optimizer, stale, stale_group, groups)
                 if written:
@@ -1541,7 +1553,7 @@ class Watcher:
                             if grad is None:
                                 marks.pop(key, None)
                             else:
-                                marks[key] = [p, ref(grad), grad._version, False, False]
+                                marks[key] = [p, ref(grad), grad._version, False, False, None]
         except Exception as exc:
             self._fault("optimizer", "optimizer post-hook", exc)
 
@@ -1553,8 +1565,12 @@ class Watcher:
         place outside backward (``grad.zero_()`` bumps its version, as
         ``zero_grad(set_to_none=False)`` does). A gradient added to without one holds the
         sum of every past gradient when the optimizer steps again (a forgotten
-        ``optimizer.zero_grad()``, NW307). A mark ends with a reset, so a healthy loop pays
-        one pass over its weights per optimizer step. No tensor is read."""
+        ``optimizer.zero_grad()``, NW307). A reset through ``.data``
+        (``p.grad.data.zero_()``) moves no version: for a gradient unchanged since the step,
+        its norm before the backward is computed (on its device, not read), and the
+        optimizer's next step reads it only if backward added to it (see ``_never_reset``).
+        A mark ends with a reset, so a healthy loop pays one pass over its weights per
+        optimizer step and reads nothing."""
         marks = self._grad_marks
         if not marks or not self._attached or threading.get_ident() != self._thread:
             return
@@ -1569,7 +1585,10 @@ class Watcher:
 
     @staticmethod
     def _follow_marks(marks: dict[int, list[Any]], before: bool) -> None:
-        """See :meth:`_grads_around_backward`."""
+        """See :meth:`_grads_around_backward`. A mark is ``[weight, weakref to its .grad,
+        the .grad's version, changed outside backward, added to by backward, its norm before
+        the last backward that did not change it (a 0-d tensor) or None]``."""
+        unseen: list[list[Any]] = []  # unchanged since the step: maybe reset through .data
         for key, m in list(marks.items()):
             g = m[0].grad
             if g is None or g is not m[1]():
@@ -1582,6 +1601,13 @@ class Watcher:
                     del marks[key]  # changed, then backward added to it: reset
                 else:
                     m[4] = True  # backward added to the last step's gradient
+            elif before and not m[3] and not m[4]:
+                unseen.append(m)  # its norm now, before this backward adds to it
+        if unseen:
+            grads = [m[0].grad for m in unseen]
+            if all(g.layout is torch.strided for g in grads):
+                for m, n in zip(unseen, foreach_l2(grads), strict=True):
+                    m[5] = n
 
     def _found_scaler(self, scaler: Any) -> None:
         """``scaler.scale(loss)`` ran while attached (see ``_ScalerTap``)."""
@@ -2920,6 +2946,19 @@ class Watcher:
         module, args, kwargs, hooks = found
         if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
             return  # on accelerators a replay syncs per op: use forensic mode or nw.replay()
+        world = _distributed()
+        if world is not None:  # a module may call a collective (a gather layer,
+            # SyncBatchNorm, DDP's forward): run on one rank alone it waits for the others
+            # until the process group times out, while they wait in their own collectives
+            rank, size = world
+            self.note("replay", target.path, skipped="distributed", rank=rank, world=size)
+            base, sep, rest = anomaly.summary.partition(" [")
+            anomaly.summary = (
+                f"{base} (not replayed: in a distributed run a replay on one rank could block "
+                "in a collective; run this rank's step with mode='forensic' or reproduce it "
+                f"in one process){sep}{rest}"
+            )
+            return
         result = ops.replay(
             module,
             args,
@@ -3061,6 +3100,8 @@ class Watcher:
         module, args, kwargs, hooks = found
         if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
             return
+        if _distributed() is not None:
+            return  # a replay on one rank could block in a collective (see _pinpoint)
         result = ops.replay(
             module, args, kwargs, path=maker.path, on_error=self._checker_fault, pre_hooks=hooks
         )
@@ -3501,6 +3542,37 @@ def _grad_scaler_classes() -> list[type]:
     return out
 
 
+def _never_reset(added: list[tuple[str, int, torch.Tensor | None]]) -> tuple[list[str], int]:
+    """The weights among ``added`` (name, param group, norm before the backward that added
+    to it) whose gradient still held the last step's when backward added to it, and the
+    first one's group: a norm of 0 then was a reset no version showed
+    (``p.grad.data.zero_()``). The norms are read here, in one transfer: only when a
+    backward added to a gradient no visible reset cleared."""
+    norms = [n for _, _, n in added if n is not None]
+    values = iter(read_scalars(norms)) if norms else iter(())
+    stale: list[str] = []
+    group = -1
+    for name, gi, n in added:
+        if n is not None and next(values) == 0:
+            continue  # zeroed through .data before that backward: reset
+        stale.append(name)
+        group = gi if group < 0 else group
+    return stale, group
+
+
+def _distributed() -> tuple[int, int] | None:
+    """This process's rank and the world size when ``torch.distributed`` is initialized
+    with more than one process; else None. A few attribute reads: no collective."""
+    try:
+        dist = torch.distributed
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        size = int(dist.get_world_size())
+        return (int(dist.get_rank()), size) if size > 1 else None
+    except Exception:  # a backend without a default group, a torch without it
+        return None
+
+
 def _name_in_frame(frame: Any, obj: Any) -> str | None:
     """The name ``frame`` holds ``obj`` under: a local, an attribute of its ``self``
     (``self.optimizer``), or a global of its module (a training function that uses the
@@ -3517,6 +3589,33 @@ def _name_in_frame(frame: Any, obj: Any) -> str | None:
             if value is obj and isinstance(key, str) and key.isidentifier() and key != "self":
                 return prefix + key
     return None
+
+
+#: the group keys that weigh a running average (NW306: one >= 1 grows the update) in the
+#: torch.optim classes (and their subclasses) where they mean that; the same keys in
+#: another optimizer's groups (SAM's neighbourhood radius ``rho``, ASGD's ``alpha``) do not
+_AVERAGED_BY: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("SGD",), ("momentum",)),
+    (("RMSprop",), ("momentum", "alpha")),
+    (("Adadelta",), ("rho",)),
+    (("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "SparseAdam"), ("betas",)),
+)
+_averages_cache: dict[type, list[str]] = {}
+
+
+def _averaged_keys(optimizer: Any) -> list[str]:
+    """The keys of ``optimizer``'s groups that weigh a running average, by its class
+    (see ``_AVERAGED_BY``); cached per class."""
+    cls = type(optimizer)
+    keys = _averages_cache.get(cls)
+    if keys is None:
+        keys = []
+        for names, ks in _AVERAGED_BY:
+            bases = tuple(c for n in names if isinstance(c := getattr(torch.optim, n, None), type))
+            if bases and isinstance(optimizer, bases):
+                keys += [k for k in ks if k not in keys]
+        _averages_cache[cls] = keys
+    return list(keys)
 
 
 def _plain_numbers(v: Any) -> list[float]:

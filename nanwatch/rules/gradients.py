@@ -155,6 +155,10 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
         if special is not None:
             yield special
             return
+    ranks = _other_rank(ctx, prev, rec, update, gnorm)
+    if ranks is not None:
+        yield _other_rank_diagnosis(ctx, a, update, ranks, gnorm, name=name, evidence=evidence)
+        return
     state = _bad_state(ctx, name)
     if state:
         yield _bad_state_diagnosis(ctx, a, update, state, name=name, evidence=evidence)
@@ -165,6 +169,98 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             "loss over the last steps: " + ", ".join(f"{fmt(v)} (step {st})" for st, v in losses)
         )
     yield _plain_update(ctx, a, update, gnorm, name=name, evidence=evidence)
+
+
+def _other_rank(
+    ctx: RuleContext,
+    prev: StepTrace | None,
+    rec: Record,
+    update: _Update | None,
+    gnorm: float | None,
+) -> tuple[int, int] | None:
+    """This rank and the world size when the update that broke the weight ran in a
+    distributed run (the ``"optimizer"`` note's ``rank``/``world``) and every gradient of
+    this rank was finite at the end of its backward, which is before DDP's all-reduce
+    averages in the other ranks' gradients: a NaN (or an inf this rank's own update could
+    not reach) came from another rank's gradient. None otherwise."""
+    if prev is None or gnorm is None:
+        return None
+    world = rank = None
+    for n in prev.notes:
+        if n.kind == "optimizer" and isinstance(n.data.get("world"), int):
+            rank, world = n.data.get("rank"), n.data["world"]
+    if not isinstance(world, int) or world < 2 or not isinstance(rank, int):
+        return None
+    grads = [r for r in prev.records if r.phase is Phase.GRADIENT]
+    if not grads or any(r.stat is None or not r.stat.finite for r in grads):
+        return None
+    s = rec.stat
+    if s is not None and (s.has_posinf or s.has_neginf):
+        # an overflow: another rank's only when this rank's own step is far from one
+        lim = limits(rec.dtype)
+        lr = _lr_of(update)
+        if lim is None or lr is None or lr * max(gnorm, 1.0) > math.sqrt(lim.max):
+            return None
+    return rank, world
+
+
+def _other_rank_diagnosis(
+    ctx: RuleContext,
+    a: Anomaly,
+    u: _Update | None,
+    ranks: tuple[int, int],
+    gnorm: float | None,
+    *,
+    name: str,
+    evidence: list[str],
+) -> Diagnosis:
+    """The weights went bad at an update of a distributed run whose gradients were finite
+    on this rank until DDP's all-reduce averaged in the other ranks' (README, "Several
+    processes"): the rank whose own backward went bad names the cause in its report."""
+    rank, world = ranks
+    others = [r for r in range(world) if r != rank]
+    files = (
+        ", ".join(f"-rank{r}-" for r in others)
+        if len(others) <= 3
+        else f"-rank{others[0]}- to -rank{others[-1]}-"
+    )
+    opt = u.optimizer if u is not None else "the optimizer"
+    step = u.step if u is not None else a.step
+    kinds = a.record.stat.kinds() if a.record.stat is not None else "NaN/inf"
+    evidence = [e for e in evidence if not e.startswith("its gradient norm at step ")]
+    evidence += [
+        f"rank {rank} of {world} (torch.distributed): every gradient of this rank was finite "
+        f"at the end of its backward at step {step}"
+        + (f" ({name}'s norm {fmt(gnorm)})" if gnorm is not None else "")
+        + ", before DDP's all-reduce averaged in the other ranks' gradients",
+        f"{opt} then wrote {kinds} into {name} at step {step}: the averaged gradient it "
+        "applied was not finite",
+        f"the other ranks' reports, in the same report directory: {files} in the file name",
+    ]
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights from another rank's gradient (distributed all-reduce)",
+        evidence=evidence,
+        explanation=(
+            f"{name} and this rank's own gradients were finite, yet {opt}'s update made "
+            f"{name} non-finite. In a distributed run DDP averages every rank's gradients "
+            "after backward (an all-reduce): one rank's NaN/inf gradient, from a bad sample "
+            "in its batch or an overflow in its forward, becomes every rank's gradient, and "
+            "every rank's weights go bad at the same update. The cause is in the rank whose "
+            "own backward went bad, and its report names it. This rank's learning rate and "
+            "optimizer state are not the cause (if every rank reports this, look for what "
+            "they all share: the checkpoint they loaded)."
+        ),
+        fix=(
+            "# read the other ranks' reports (" + files + " in the file name): the one whose "
+            "own backward went bad names the cause\n"
+            "# meanwhile skip an update whose averaged gradient is not finite (after DDP's "
+            "all-reduce it is the same on every rank, so all ranks skip together):\n"
+            "if all(torch.isfinite(p.grad).all() for p in model.parameters() "
+            "if p.grad is not None):\n"
+            "    optimizer.step()"
+        ),
+    )
 
 
 def _written_grad(
@@ -1956,6 +2052,26 @@ _AVERAGES: tuple[tuple[str, int | None, str, float, bool, str, str], ...] = (
 )  # fmt: skip
 
 
+#: the keys that weigh a running average in each torch.optim class, for a note that does
+#: not say (the watcher records them by the optimizer's class: ``averages``)
+_AVERAGED_BY_NAME: dict[str, tuple[str, ...]] = {
+    "SGD": ("momentum",),
+    "RMSprop": ("momentum", "alpha"),
+    "Adadelta": ("rho",),
+    **dict.fromkeys(("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "SparseAdam"), ("betas",)),
+}
+
+
+def _averaged_keys(n: Note) -> tuple[str, ...]:
+    """The group keys of the optimizer of note ``n`` that weigh a running average: those
+    the watcher found by the optimizer's class, else those of the torch.optim class of its
+    name. A key of another optimizer (SAM's neighbourhood radius ``rho``) is no decay."""
+    listed = n.data.get("averages")
+    if isinstance(listed, list):
+        return tuple(k for k in listed if isinstance(k, str))
+    return _AVERAGED_BY_NAME.get(n.path, ())
+
+
 def _growing_averages(ctx: RuleContext) -> Iterator[Diagnosis]:
     """A running-average coefficient at or past 1 (SGD's momentum, Adam's betas, RMSprop's
     alpha, Adadelta's rho): the average grows instead of decaying, the update with it,
@@ -1963,12 +2079,13 @@ def _growing_averages(ctx: RuleContext) -> Iterator[Diagnosis]:
     for n in ctx.trace.notes:
         if n.kind != "optimizer":
             continue
+        averaged = _averaged_keys(n)
         for g in n.data.get("groups", ()):
             if not isinstance(g, dict):
                 continue
             for key, pos, label, limit, strict, usual, why in _AVERAGES:
-                if key == "alpha" and n.path != "RMSprop":
-                    continue  # Adamax/ASGD use other meanings
+                if key not in averaged:
+                    continue  # another meaning there: SAM's rho, ASGD's or Adamax's alpha
                 nums = _numbers(g.get(key))
                 if pos is not None:
                     nums = nums[pos : pos + 1]
@@ -2085,8 +2202,7 @@ def _stale_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
             "resets it. Without it every update applies the sum of all the gradients so far: "
             "the steps grow as training goes on until the weights overflow, and clipping or "
             "a lower learning rate only delays it. To accumulate over micro-batches, call "
-            "zero_grad() after each optimizer step. (A reset through .data, "
-            "p.grad.data.zero_(), is not seen: use p.grad.zero_().)"
+            "zero_grad() after each optimizer step."
         ),
         fix=(
             f"{opt}.zero_grad()   # right after {opt}.step(): backward() adds to .grad, "
