@@ -1314,10 +1314,19 @@ def anomaly_fields(anomaly: Anomaly) -> dict[str, Any]:
     }
 
 
-def untraced_hint(mode: object) -> str:
-    """What to run to name the op and line when they are unknown."""
-    if mode == "forensic":
+def untraced_hint(ctx: Any) -> str:
+    """What to run to name the op and line when they are unknown (``ctx``: the rule's
+    context, whose facts give the mode and whose notes say whether a replay was skipped)."""
+    if ctx.facts.get("mode") == "forensic":
         return "the op was not traced (it ran outside the op checker)"
+    if any(
+        n.kind == "replay" and n.data.get("skipped") == "distributed" for n in ctx.trace.notes
+    ):  # a replay on one rank would block in a collective: no nw.replay
+        return (
+            "the op and line were not traced in this mode, and a replay on one rank of a "
+            "distributed run could block in a collective: run this rank's step with "
+            'mode="forensic" or reproduce it in one process'
+        )
     return (
         "the op and line were not traced in this mode: run the step again with "
         'nanwatch.watch(..., mode="forensic") or nw.replay(step_fn) to name them'

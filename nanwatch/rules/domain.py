@@ -163,7 +163,7 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence=[
             first,
             grew,
-            *([] if cause is not None else [untraced_hint(ctx.facts.get("mode"))]),
+            *([] if cause is not None else [untraced_hint(ctx)]),
         ],
         explanation=(
             "-inf is what log(0) returns; an arithmetic op on it (0 × -inf, -inf + inf) "
@@ -1290,7 +1290,7 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"denominator: the scalar {ev.scalars['other']}, a Python int (a count), not a tensor"
         )
         if not ev.source:
-            evidence.append(untraced_hint(ctx.facts.get("mode")))
+            evidence.append(untraced_hint(ctx))
     elif "other" in ev.scalars:
         evidence.append(f"denominator: the scalar {ev.scalars['other']}")
     elif unmeasured:
@@ -1724,7 +1724,7 @@ def _graph_underflowed(
         f"and {held}: exp(x) is exactly 0 in {dtype} for x below {fmt(low)} (below "
         f"{fmt(normal)} it loses precision), so those terms underflowed"
     )
-    evidence.append(untraced_hint(ctx.facts.get("mode")))
+    evidence.append(untraced_hint(ctx))
     lines = ["log_K = x   # x: what you pass to torch.exp(x); keep it, never form the exp"]
     if len(bases) > 1 and bases[0] in ("mv", "dot"):
         lines.append(
@@ -2633,7 +2633,7 @@ def _root_backward_untraced(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]
         + (f" and holds exact zeros (min {fmt(s.min)})" if zeros and s is not None else "")
         + ": d/dx sqrt(x) = 1/(2·sqrt(x)) is inf at 0, and inf × 0 = NaN"
     )
-    evidence.append(untraced_hint(ctx.facts.get("mode")))
+    evidence.append(untraced_hint(ctx))
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
@@ -3340,7 +3340,7 @@ def _domain_backward_untraced(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosi
             f"the gradient it sent back to {g.path} ({g.role}) holds "
             f"{g.stat.kinds() if g.stat else 'NaN'}: d/dx {dom.name} = {dom.slope} is "
             "infinite there",
-            untraced_hint(ctx.facts.get("mode")),
+            untraced_hint(ctx),
         ]
         yield ctx.diagnosis(
             **anomaly_fields(a),

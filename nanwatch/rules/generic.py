@@ -109,7 +109,7 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a.kind is AnomalyKind.BACKWARD and a.origin == "module":
         evidence += _edge_inputs(ctx, a)
     if a.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
-        evidence.append(untraced_hint(ctx.facts.get("mode")))
+        evidence.append(untraced_hint(ctx))
     if a.neginf_source is not None:
         evidence.append(f"a -inf was first seen in {a.neginf_source.where}")
     if a.kind is AnomalyKind.FORWARD and ctx.facts.get("mode") == "forensic":
@@ -334,7 +334,7 @@ def _hidden_inf_diagnosis(
         f"the loss was finite: torch.where or a 0 mask kept the {kinds} out of it, but "
         f"backward multiplies their gradient (0) by them: 0 × {kinds} = NaN"
     )
-    evidence.append(untraced_hint(ctx.facts.get("mode")))
+    evidence.append(untraced_hint(ctx))
     return ctx.diagnosis(
         **op_fields(ev, a),
         title=f"0 × {kinds} in backward: an infinity torch.where or a mask hid in forward",

@@ -272,7 +272,7 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence=[
             f"NaN (and no inf) born in the attention module {a.path} ({typ}) from finite "
             "inputs: the signature of a softmax over a fully masked row",
-            untraced_hint(ctx.facts.get("mode")),
+            untraced_hint(ctx),
         ],
         explanation=_EXPLAIN,
         fix=_fix_for(ctx, a.record.call),
@@ -420,7 +420,7 @@ def _hidden_masked_row(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             f"{fwd.path}'s {fwd.role} (forward), the input of {op}: "
             f"{describe_stat(fwd.stat)}: a row of it that is -inf everywhere gives NaN"
         )
-    evidence.append(untraced_hint(ctx.facts.get("mode")))
+    evidence.append(untraced_hint(ctx))
     return ctx.diagnosis(
         **op_fields(ev, a),
         title="Fully masked row: NaN hidden in forward, NaN gradient in backward",

@@ -1748,7 +1748,7 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
         f"{rec.where} holds {s.kinds()} in {rec.dtype}; its inputs were finite",
         f"statistics: {describe_stat(s)}; the largest finite {rec.dtype} value is "
         f"{fmt(lim.max)} (exp overflows above {fmt(lim.exp_bound)})",
-        untraced_hint(ctx.facts.get("mode")),
+        untraced_hint(ctx),
     ]
     backward = a.kind is not AnomalyKind.FORWARD
     kind = "backward" if backward else "other"
