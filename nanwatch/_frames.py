@@ -8,7 +8,9 @@ import importlib.util
 import linecache
 import os
 import re
+import site
 import sys
+import sysconfig
 import types
 from collections import Counter
 from collections.abc import Iterator
@@ -49,7 +51,40 @@ def _framework_dirs() -> tuple[str, ...]:
     return tuple(dirs)
 
 
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """Where installed packages live: the environment's ``site-packages`` (``purelib``,
+    ``platlib``), the system's and the user's."""
+    dirs: set[str] = set()
+    paths = sysconfig.get_paths()
+    for key in ("purelib", "platlib"):
+        if paths.get(key):
+            dirs.add(paths[key])
+    with contextlib.suppress(AttributeError):  # site of an embedded or old virtualenv
+        dirs.update(site.getsitepackages())
+    with contextlib.suppress(AttributeError):
+        dirs.add(site.getusersitepackages())
+    return tuple(sorted(os.path.join(os.path.realpath(d), "") for d in dirs if d))
+
+
+_LIBRARY_PARTS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_library(filename: str) -> bool:
+    """Whether ``filename`` belongs to an installed third-party package: code the user runs
+    but does not edit (an editable install of their own project lives in its own folder)."""
+    if any(part in filename for part in _LIBRARY_PARTS):
+        return True
+    return filename.startswith(_library_dirs()) or (
+        os.path.isabs(filename) and os.path.realpath(filename).startswith(_library_dirs())
+    )
+
+
 def is_internal(filename: str) -> bool:
+    """Whether a frame of ``filename`` is not the user's line: torch, nanwatch, the
+    training frameworks, the standard library, an installed package (``transformers``'
+    ``modeling_bert.py``: the user's line is the call into it), or what launched the run."""
     if filename.startswith(_USER_INSIDE):
         return False
     if _launchers and filename in _launchers:
@@ -57,6 +92,16 @@ def is_internal(filename: str) -> bool:
     if filename.startswith(_SKIP_PREFIXES) or filename.startswith(_framework_dirs()):
         return True
     if filename.startswith("<"):  # <frozen ...>, <string>
+        return True
+    return filename.startswith(_STDLIB_DIR) or _in_library(filename)
+
+
+def is_core(filename: str) -> bool:
+    """Whether ``filename`` is the standard library's, torch's or nanwatch's own (not the
+    scenario gallery's)."""
+    if filename.startswith(_USER_INSIDE):
+        return False
+    if filename.startswith(_SKIP_PREFIXES):
         return True
     return filename.startswith(_STDLIB_DIR) and "site-packages" not in filename
 

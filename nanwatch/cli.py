@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 _DESCRIPTION = "Find where and why a PyTorch model's numbers went wrong."
@@ -163,16 +165,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     import nanwatch
 
+    options: dict[str, Any] = dict(
+        mode=args.mode,
+        on_anomaly=args.on_anomaly,
+        report_dir=args.report_dir,
+        sample_every=args.sample_every,
+        allow=tuple(args.allow),
+        ignore=tuple(args.ignore),
+        guards=not args.no_guards,
+    )
     try:
-        nw = nanwatch.watch_all(
-            mode=args.mode,
-            on_anomaly=args.on_anomaly,
-            report_dir=args.report_dir,
-            sample_every=args.sample_every,
-            allow=tuple(args.allow),
-            ignore=tuple(args.ignore),
-            guards=not args.no_guards,
-        )
+        nw = nanwatch.watch_all(**options)
     except nanwatch.ConfigError as exc:  # named by its flag, not its Python keyword
         flag = "--" + exc.name.replace("_", "-")
         print(f"nanwatch: error: {str(exc).replace(f'`{exc.name}`', flag)}", file=sys.stderr)
@@ -186,8 +189,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     try:
         # the frames that run the script (the console script, runpy) are never its lines
-        with _frames.launched_here(), nw:
-            runpy.run_path(script, run_name="__main__")
+        held: BaseException | None = None
+        with _frames.launched_here(), _children_watched(options, script) as children, nw:
+            try:
+                runpy.run_path(script, run_name="__main__")
+            except BaseException as exc:
+                if not children.failed(exc):
+                    raise
+                held = exc  # a watched child's failure: its own report names the cause
+        if held is not None:
+            raise held
     except SystemExit as exc:  # the script's own exit: keep its code
         code = _exit_code(exc)
     except BaseException:
@@ -201,6 +212,141 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return code
 
 
+class _Children:
+    """The child processes a :func:`_children_watched` block started watched."""
+
+    def __init__(self) -> None:
+        self.watched = 0
+
+    def failed(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is ``torch.multiprocessing.spawn`` reporting that a watched child
+        failed: that child wrote its own report; this process has nothing to add."""
+        spawn = sys.modules.get("torch.multiprocessing.spawn")
+        kind = getattr(spawn, "ProcessException", None)
+        return bool(self.watched) and isinstance(kind, type) and isinstance(exc, kind)
+
+
+@contextlib.contextmanager
+def _children_watched(options: dict[str, Any], script: str) -> Iterator[_Children]:
+    """While the body runs, a process it starts that runs the script's own code (an
+    ``mp.spawn`` rank, a ``multiprocessing.Process`` of any start method) runs that code
+    under a watcher of its own, with the same options: a spawned child re-imports the
+    script without ``nanwatch run``'s hooks, and a forked one drops its parent's. Workers of
+    the standard library and torch (a ``Pool``, a DataLoader worker) are left as they are."""
+    from multiprocessing.process import BaseProcess
+
+    children = _Children()
+    original = BaseProcess.start
+    if getattr(original, "_nanwatch_options", None) is not None:  # already in place
+        yield children
+        return
+
+    @functools.wraps(original)
+    def start(self: BaseProcess) -> None:
+        restore = _wrap_process(self, options, script)
+        children.watched += restore is not _nothing
+        try:
+            original(self)  # a spawned child gets the process pickled, a forked one a copy
+        finally:
+            restore()  # the parent's object as it was
+
+    start._nanwatch_options = options  # type: ignore[attr-defined]
+    BaseProcess.start = start  # type: ignore[method-assign]
+    try:
+        yield children
+    finally:
+        BaseProcess.start = original  # type: ignore[method-assign]
+
+
+def _wrap_process(proc: Any, options: dict[str, Any], script: str) -> Callable[[], None]:
+    """Make ``proc`` run its user code watched (see :func:`_children_watched`); returns what
+    puts the process object back as it was, once the child is started."""
+    from multiprocessing.process import BaseProcess
+
+    state = proc.__dict__
+    if type(proc).run is not BaseProcess.run:  # a subclass with its own run()
+        if "run" in state or not _is_user_code(type(proc).run):
+            return _nothing
+        state["run"] = _Watched(options, script, functools.partial(type(proc).run, proc))
+        return functools.partial(state.pop, "run", None)
+    target, args = state.get("_target"), state.get("_args", ())
+    if target is None:
+        return _nothing
+    spawn_mod = sys.modules.get("torch.multiprocessing.spawn")
+    if target is getattr(spawn_mod, "_wrap", None) and args and callable(args[0]):
+        # torch.multiprocessing.spawn runs _wrap(fn, rank, args, error_file): fn is the
+        # script's, and _wrap sends its exception to the parent
+        if not _is_user_code(args[0]):
+            return _nothing
+        state["_args"] = (_Watched(options, script, args[0]), *args[1:])
+        return functools.partial(state.__setitem__, "_args", args)
+    if not _is_user_code(target):
+        return _nothing
+    state["_target"] = _Watched(options, script, target)
+    return functools.partial(state.__setitem__, "_target", target)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _is_user_code(fn: Any) -> bool:
+    """Whether ``fn`` is defined outside the standard library, torch and nanwatch."""
+    import inspect
+
+    from nanwatch import _frames
+
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = inspect.unwrap(getattr(fn, "__func__", fn))
+    code = getattr(fn, "__code__", None)
+    if code is None:  # a callable object: its __call__
+        call = type(fn).__call__ if callable(fn) else None
+        code = getattr(getattr(call, "__func__", call), "__code__", None)
+    if code is None:
+        return False
+    return not _frames.is_core(code.co_filename)
+
+
+class _Watched:
+    """A child process's work, run under ``nanwatch run``'s options. Pickled to a spawned
+    child by reference to this module: the child imports nanwatch before it runs it."""
+
+    def __init__(self, options: dict[str, Any], script: str, fn: Callable[..., Any]) -> None:
+        self.options, self.script, self.fn = options, script, fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        import nanwatch
+        from nanwatch.report import rank_of
+
+        nw = nanwatch.watch_all(**self.options)
+        ended = False  # returned or exited: the work's own end, not a crash
+
+        def note_rank(*_: Any) -> None:
+            # the process group is made after the watcher attached, and may be destroyed
+            # before the report is written: the rank is read at the first call once it is
+            if rank_of(nw)[0] is not None:
+                found.remove()
+
+        found = torch.nn.modules.module.register_module_forward_pre_hook(note_rank)
+        try:
+            with _children_watched(self.options, self.script), nw:
+                result = self.fn(*args, **kwargs)
+            ended = True
+            return result
+        except SystemExit:
+            ended = True
+            raise
+        finally:
+            found.remove()
+            if ended and nw.first_anomaly is not None:
+                import multiprocessing
+
+                _end_of_run_report(nw, self.script, multiprocessing.current_process().name)
+
+
 def _exit_code(exc: SystemExit) -> int:
     if exc.code is None:
         return 0
@@ -210,10 +356,11 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def _end_of_run_report(nw: Any, script: str) -> None:
+def _end_of_run_report(nw: Any, script: str, process: str | None = None) -> None:
     """The script ended with anomalies it was told to record or warn about: write the
     report and say where it is. In a distributed run (world size > 1) each rank writes its
-    own: ``<script>-rank<r>.json``."""
+    own: ``<script>-rank<r>.json``; a child process of no rank, ``<script>-<process>.json``
+    (``process``: its name, ``SpawnProcess-2``)."""
     import os
 
     from nanwatch.render import print_summary
@@ -224,6 +371,8 @@ def _end_of_run_report(nw: Any, script: str) -> None:
         env = report.environment
         if env.rank is not None and (env.world_size or 0) > 1:
             stem = f"{stem}-rank{env.rank}"
+        elif process:
+            stem = f"{stem}-{process}"
         paths = report.save_all(nw.config.report_dir, stem=stem)
     except Exception as err:  # the script ended as it chose: its exit code stays its own
         print(
