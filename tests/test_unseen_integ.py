@@ -74,7 +74,7 @@ def test_a_module_is_not_replayed_on_one_rank_of_a_distributed_run(
         "run this rank's step with mode='forensic' or reproduce it in one process)"
     ) in first
     # nor does the diagnosis send the user to nw.replay, which would block the same way
-    said = "\n".join(err.diagnosis.evidence + [err.diagnosis.fix])
+    said = "\n".join([*err.diagnosis.evidence, err.diagnosis.fix])
     assert "nw.replay" not in said and "could block in a collective" in said
 
 
