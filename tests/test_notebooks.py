@@ -148,6 +148,8 @@ def test_lightning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert "'nanwatch/anomalies'" in out  # the callback's figures, logged by Lightning
     (report,) = reports_shown(nb)
     assert "NW110" in report
-    # the fix: trained to the end, no anomaly, no report
+    # the fix: trained to the end, no anomaly; the raw samples' gradient spike is a warning,
+    # said once and reported, which never stops the run
     assert clean_stop == "None" and clean_ran == total
-    assert "anomalies: 0 | reports: []" in out
+    assert re.search(r"anomalies: 0 \| reports: \[\S+\.json'\)\]", out), out
+    assert "NW303 warning: Exploding gradients" in out
