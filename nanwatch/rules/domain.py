@@ -2727,7 +2727,7 @@ def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
             "batch -- the count is 0 and the mean is NaN. It happens on the rare batch, so "
             "training runs fine until then."
         )
-        fix = _mean_fix(ev, sf)
+        fix = _mean_fix(ctx, a, ev, sf)
     evidence += _chain_evidence(ev, cause.trigger, ev.born)
     yield ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
 
@@ -2769,7 +2769,13 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
     kind = f"{a.record.module_type} {a.path} {ev.code or ''}".lower()
     fn = "F.nll_loss" if "nll" in kind and "crossentropy" not in kind else "F.cross_entropy"
     ii = sf.ignore_index if sf.ignore_index is not None else -100
-    summed = _summed_call(ev.code or _loss_line(ctx))
+    code = ev.code or _loss_line(ctx)
+    site = _loss_site(ctx, a, ev, code, lambda n: loss_kind(n) in ("ce", "nll"))
+    if site is not None and site.inside:
+        return _model_loss_fix(site, ii, sf)
+    if site is not None and not site.functional and site.term:
+        return _module_term_fix(site, ii, sf)
+    summed = _summed_call(code, site.segment if site is not None else None)
     if summed is not None:
         y, wt = paren(summed.target), summed.weight
         if wt is not None and sf.weight is not None:
@@ -2792,7 +2798,8 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
             return line
     opts = _loss_options(ctx, ev, a)
     weight = re.match(r"weight=([^,]+)", opts) if opts else None
-    x, y = _loss_args(ev.code, opts) or ("logits", "y")
+    found = (site.x, site.y) if site is not None else _loss_args(ev.code, opts)
+    x, y = found or ("logits", "y")
     head = ""
     if not re.fullmatch(r"[\w.]+", y):
         head, y = f"t = {y}\n", "t"
@@ -2862,9 +2869,10 @@ class _Summed:
 _BARE_PARENTS = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Expr, ast.Call)
 
 
-def _summed_call(code: str | None) -> _Summed | None:
+def _summed_call(code: str | None, segment: str | None = None) -> _Summed | None:
     """The user's ``F.cross_entropy(...)`` / ``F.nll_loss(...)`` call with every argument
-    they gave kept and ``reduction='sum'``, where it sits in its statement."""
+    they gave kept and ``reduction='sum'``, where it sits in its statement; ``segment``:
+    the text of the call that failed, when the line makes several."""
     for stmt in statements(code):
         try:
             tree = ast.parse(stmt)
@@ -2883,6 +2891,8 @@ def _summed_call(code: str | None) -> _Summed | None:
             seg = ast.get_source_segment(stmt, node)
             if seg is None:
                 return None
+            if segment is not None and seg != segment:
+                continue
             parent = parents.get(id(node))
             bare = isinstance(parent, (*_BARE_PARENTS, ast.UnaryOp, ast.keyword)) or (
                 isinstance(parent, ast.BinOp)
@@ -2961,6 +2971,248 @@ def _loss_args(code: str | None, opts: str) -> tuple[str, str] | None:
 
 
 _CLASS_LOSSES = ("cross_entropy", "nll_loss")
+
+
+@dataclass(frozen=True)
+class _LossSite:
+    """Where the loss that failed was called on the user's line."""
+
+    stmt: str  #: the statement
+    segment: str  #: the loss call's text in it (the model call's, when ``inside``)
+    x: str  #: its input expression (``""`` when ``inside``)
+    y: str  #: its target expression (the labels given to the model, when ``inside``)
+    callee: str  #: the called function or module as written (``F.cross_entropy``, ``ce``)
+    functional: bool  #: ``F.cross_entropy(...)``, not a call of a loss module
+    #: the line calls no loss: it ran inside a call of the line (a model that computes its
+    #: own loss from the labels it is given, as Hugging Face models do)
+    inside: bool
+    assigned: str | None  #: the name the statement assigns (``out`` of ``out = model(...)``)
+    #: the call is one term of a sum with other calls (``bce(a, b) + ce(x, y)``): it can be
+    #: replaced by 0 alone
+    term: bool = False
+
+
+def _post_order(node: ast.AST) -> Iterator[ast.Call]:
+    """The calls under ``node`` in the order Python makes them (arguments first)."""
+    for child in ast.iter_child_nodes(node):
+        yield from _post_order(child)
+    if isinstance(node, ast.Call):
+        yield node
+
+
+def _xy(stmt: str, node: ast.Call) -> tuple[str, str] | None:
+    args = [ast.get_source_segment(stmt, v) for v in node.args[:2]]
+    kw = {k.arg: ast.get_source_segment(stmt, k.value) for k in node.keywords}
+    x = args[0] if args else kw.get("input")
+    y = args[1] if len(args) > 1 else kw.get("target")
+    return (x, y) if x and y else None
+
+
+def _functional(node: ast.Call) -> bool:
+    """A call of a torch function (``torch.where``, ``F.pad``) or a tensor method
+    (``x.view(a, b)``): not a call of a loss module."""
+    import torch
+
+    f = ast.unparse(node.func)
+    head = f.split(".", 1)[0]
+    return head in ("torch", "F", "nn") or (
+        isinstance(node.func, ast.Attribute) and hasattr(torch.Tensor, node.func.attr)
+    )
+
+
+def _note_name(n: Note) -> str:
+    name = n.data.get("loss")
+    return name if isinstance(name, str) else n.path
+
+
+def _loss_site(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, code: str | None, family: Callable[[str], bool]
+) -> _LossSite | None:
+    """The call on ``code`` of the loss that failed, matched with the guards' notes: a call
+    of the loss function the note names, or of the watched loss module (by its name, else
+    by the order the line calls its losses in); ``inside`` when the line calls no such loss
+    and the note was written from this line (the loss ran in a library's code). None when
+    the line does not tell."""
+    notes = ctx.notes("loss_input")
+    paths = {p for p in (ev.path, a.path) if p}
+    mine = [n for n in notes if n.path in paths] or [n for n in notes if family(_note_name(n))]
+    note = next((n for n in reversed(mine) if _empty_input(n)), mine[-1] if mine else None)
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        top = tree.body[0] if len(tree.body) == 1 else None
+        assigned = None
+        if isinstance(top, ast.Assign) and len(top.targets) == 1:
+            t = top.targets[0]
+            assigned = t.id if isinstance(t, ast.Name) else None
+        calls = [(c, xy) for c in _post_order(tree) if (xy := _xy(stmt, c)) is not None]
+        site: tuple[ast.Call, tuple[str, str]] | None = None
+        functional = True
+        if note is not None:
+            name = _note_name(note)
+            same = [n for n in notes if n.source == note.source and _note_name(n) == name]
+            k = next((i for i, n in enumerate(same) if n is note), 0)
+            if "." in name or name[:1].islower():  # a loss function: F.cross_entropy
+                fn = name.rsplit(".", 1)[-1]
+                named = [c for c in calls if _callee(c[0]) == fn]
+                site = named[min(k, len(named) - 1)] if named else None
+            else:  # a loss module, called by the name the user gave it
+                functional = False
+                cands = [c for c in calls if not _functional(c[0])]
+                last = note.path.rsplit(".", 1)[-1]
+                by_name = [c for c in cands if _callee(c[0]) == last]
+                on_line = [n for n in notes if n.source == note.source and not _functional_name(n)]
+                if by_name:
+                    site = by_name[min(k, len(by_name) - 1)]
+                elif len(on_line) == len(cands) and note in on_line:
+                    site = cands[on_line.index(note)]
+        else:
+            named = [c for c in calls if family(_callee(c[0]))]
+            site = named[0] if len(named) == 1 else None
+        if site is not None:
+            seg = ast.get_source_segment(stmt, site[0]) or ""
+            callee = ast.unparse(site[0].func)
+            return _LossSite(
+                stmt, seg, *site[1], callee, functional, False, assigned, _a_term(tree, site[0])
+            )
+        if (
+            note is not None
+            and _functional_name(note)
+            and not any(family(_callee(c)) for c in _post_order(tree))
+            and note.source is not None
+            and ev.code is not None
+            and _linecache_line(note.source) == ev.code.strip()
+        ):
+            model = next(
+                (c for c in _post_order(tree) if not _functional(c) and (c.args or c.keywords)),
+                None,
+            )
+            if model is None:
+                return None
+            seg = ast.get_source_segment(stmt, model) or ""
+            y = _labels_arg(stmt, model)
+            callee = ast.unparse(model.func)
+            return _LossSite(stmt, seg, "", y, callee, True, True, assigned)
+    return None
+
+
+def _a_term(tree: ast.AST, node: ast.Call) -> bool:
+    """``node`` is added to (multiplied by) another call's value: a sum of losses."""
+    parents = {id(c): p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    parent = parents.get(id(node))
+    if not isinstance(parent, ast.BinOp):
+        return False
+    top: ast.AST = parent
+    while isinstance(parents.get(id(top)), ast.BinOp):
+        top = parents[id(top)]
+    inner = {id(n) for n in ast.walk(node)}
+    return any(isinstance(n, ast.Call) and id(n) not in inner for n in ast.walk(top))
+
+
+def _functional_name(n: Note) -> bool:
+    name = _note_name(n)
+    return "." in name or name[:1].islower()
+
+
+def _linecache_line(source: str) -> str:
+    import linecache
+
+    path, _, num = source.rpartition(":")
+    return linecache.getline(path, int(num)).strip() if path and num.isdigit() else ""
+
+
+def _empty_input(n: Note) -> bool:
+    """The note's loss got no input value or no target that counts."""
+    shapes = [n.data.get("input_shape"), n.data.get("target_shape")]
+    if any(isinstance(s, list) and 0 in s for s in shapes):
+        return True
+    t = n.data.get("target_shape")
+    ignored = n.data.get("ignored")
+    return isinstance(t, list) and isinstance(ignored, int) and ignored == math.prod(t)
+
+
+def _labels_arg(stmt: str, node: ast.Call) -> str:
+    """The labels a model call is given: its ``labels=`` (``target=``) keyword, a
+    ``**batch`` mapping's ``"labels"``, an argument named so; ``""`` when none shows."""
+    for k in node.keywords:
+        if k.arg is not None and re.search(r"label|target", k.arg):
+            return ast.get_source_segment(stmt, k.value) or ""
+    for v in node.args:
+        text = ast.get_source_segment(stmt, v) or ""
+        if re.fullmatch(r"[\w.]*(label|target)s?\w*|y|y_\w+|\w+\[['\"]labels['\"]\]", text):
+            return text
+    for k in node.keywords:
+        if k.arg is None and isinstance(k.value, ast.Name):
+            return f'{k.value.id}["labels"]'
+    return ""
+
+
+def _module_term_fix(site: _LossSite, ii: int, sf: Shortfall) -> str:
+    """The user's call of a class-index loss module, one term of a sum of losses, replaced by
+    0 when no target counts: the module keeps its own options (weights, label smoothing)."""
+    y = paren(site.y)
+    if sf.weight is None:
+        cond, why = f"({y} != {ii}).any()", "when no target counts"
+    else:
+        cond = f"{site.callee}.weight[{y}[{y} != {ii}]].sum() > 0"
+        why = "when no target counts or the batch weighs nothing"
+    term = f"({site.segment} if {cond} else 0)"
+    return site.stmt.replace(site.segment, term, 1) + f"   # 0, not NaN, {why}"
+
+
+def _empty_term_fix(site: _LossSite) -> str:
+    """The user's loss call on an empty selection, one term of a sum of losses, made 0, not
+    NaN: a loss module's call guarded by the input's size; a loss function summed and
+    divided by at least 1."""
+    x = paren(site.x)
+    if site.functional:
+        tree = ast.parse(site.segment, mode="eval").body
+        assert isinstance(tree, ast.Call)
+        tree.keywords = [k for k in tree.keywords if k.arg != "reduction"]
+        tree.keywords.append(ast.keyword("reduction", ast.Constant("sum")))
+        term = f"{ast.unparse(tree)} / max({x}.numel(), 1)"
+    else:
+        term = f"{site.segment} if {x}.numel() else 0"
+    return (
+        site.stmt.replace(site.segment, f"({term})", 1)
+        + "   # 0, not NaN, when the selection is empty"
+    )
+
+
+def _model_loss_fix(site: _LossSite, ii: int, sf: Shortfall) -> str:
+    """The model computes its loss from the labels it is given: skip a batch with no label
+    that counts before the model call, or compute the loss outside the model."""
+    y = site.y
+    head = ""
+    if not y:
+        y = "labels"
+        head = "# labels: the labels given to the model on this line\n"
+    why = "no label counts" if sf.weight is None else "no label weighs anything"
+    cond = f"({y} != {ii}).any()"
+    out = (
+        "# the model computes a mean loss over the labels it is given: 0/0 when "
+        f"{why}\n"
+        + head
+        + f"if not {cond}:\n"
+        + "    continue   # skip this batch before the forward\n"
+        + site.stmt
+    )
+    m = re.fullmatch(r'(\w+)\["labels"\]', y)
+    if m is not None and site.assigned and sf.weight is None and site.segment in site.stmt:
+        batch, o = m.group(1), site.assigned
+        call = site.segment.replace(f"**{batch}", "**inputs")
+        if call != site.segment:
+            out += (
+                "\n# or compute the loss outside the model (a classifier's logits; a causal "
+                "LM shifts them):\n"
+                f'# inputs = {{k: v for k, v in {batch}.items() if k != "labels"}}\n'
+                f"# {o} = {call}\n"
+                f"# loss = F.cross_entropy({o}.logits.flatten(0, -2), {y}.flatten(), "
+                f"ignore_index={ii}, reduction='sum') / ({y} != {ii}).sum().clamp_min(1)"
+            )
+    return out
 
 
 def _batch_size(ctx: RuleContext) -> int | None:
@@ -3056,9 +3308,20 @@ def _with_correction0(code: str | None) -> str | None:
     return line[:start] + call + line[end + 1 :]
 
 
-def _mean_fix(ev: OpEvent, sf: Shortfall) -> str:
+def _mean_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
     if sf.kind == "loss":
         fn = f"F.{packet(ev.op).rstrip('_')}"  # aten's losses and F's share their names
+
+        def norm(n: str) -> str:
+            return n.rsplit(".", 1)[-1].lower().replace("_", "").removesuffix("loss")
+
+        def family(n: str) -> bool:
+            k = loss_kind(n)
+            return (k is not None and k == loss_kind(fn)) or norm(n) == norm(fn)
+
+        site = _loss_site(ctx, a, ev, ev.code, family)
+        if site is not None and site.term:
+            return _empty_term_fix(site)
         return (
             "if pred.numel() == 0: continue   # skip the empty batch\n"
             "# or sum and divide by a count that is at least 1:\n"
