@@ -15,6 +15,7 @@ import fnmatch
 import math
 import re
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from nanwatch.records import (
     LOSS_PATH,
@@ -648,11 +649,44 @@ def localize(
                 f"{what} gradient born in the backward of code in {path} that used the output "
                 f"of {used}{also}"
             )
+        hook = user_hook(trace, trig)
+        if hook is not None and between is None:
+            suspects = [c for c in cands if not _weak(c, trig.dtype)]
+            if cands and not suspects and _finite_outputs(trace, cands, trig.index):
+                names = ", ".join(c.path for c in cands[:3])
+                consumer, path, origin = cands[0].path, trig.path, "module"
+                summary = (
+                    f"{what} gradient born in {_hook_phrase(hook, hook['tensor'])}, which "
+                    f"returned it: the gradient reaching it was finite (the gradient of "
+                    f"{names}'s output was finite, and {'its' if len(cands) == 1 else 'their'} "
+                    f"backward cannot make {what} from it), what it returned is not "
+                    f"({_NO_ANOMALY})"
+                )
+            else:
+                summary += (
+                    f"; or in {_hook_phrase(hook, hook['tensor'])}, which returned it "
+                    f"({_NO_ANOMALY})"
+                )
     elif trig.phase is Phase.GRADIENT:
         kind, origin = AnomalyKind.GRADIENT, "gradient"
         path = trig.path
         parameter = _param_name(trig)
         summary = f"{what} in the gradient of parameter {parameter} (after backward)"
+        hook = user_hook(trace, trig)
+        if hook is not None:
+            outs = [
+                r
+                for r in trace.records
+                if r.phase is Phase.BACKWARD and r.path == trig.path and r.index < trig.index
+            ]
+            if outs and all(r.stat is not None and r.stat.finite for r in outs):
+                summary = (
+                    f"{what} in the gradient of parameter {parameter}, returned by "
+                    f"{_hook_phrase(hook, 'it')}: the gradient of {trig.path}'s output was "
+                    f"finite, what the hook returned is not ({_NO_ANOMALY})"
+                )
+            else:
+                summary += f"; {_hook_phrase(hook, 'it')} may have returned it ({_NO_ANOMALY})"
     else:
         kind, origin = AnomalyKind.PARAMETER, "parameter"
         path = trig.path
@@ -776,6 +810,48 @@ def localize(
     return anomaly
 
 
+_NO_ANOMALY = "torch.autograd.detect_anomaly does not check hooks"
+
+
+def user_hook(trace: StepTrace, trig: Record) -> dict[str, Any] | None:
+    """The hook the user registered on the tensor whose gradient ``trig`` found bad (the
+    watcher's ``user_hook`` note: ``tensor``, ``how``, ``fn``, ``at``, ``code``,
+    ``parameter``), the last registered when several; None when there is none."""
+    tensor = trig.role if trig.phase is Phase.GRADIENT else f"{trig.path}'s {trig.role}"
+    return next(
+        (
+            n.data
+            for n in reversed(trace.notes)
+            if n.kind == "user_hook" and n.path == trig.path and n.data.get("tensor") == tensor
+        ),
+        None,
+    )
+
+
+def _hook_phrase(hook: dict[str, Any], on: str) -> str:
+    """``a hook you registered on h's output (register_hook, <lambda> at train.py:15)``."""
+    return (
+        f"a hook you registered on {on} ({hook.get('how')}, {hook.get('fn')} at {hook.get('at')})"
+    )
+
+
+def _finite_outputs(trace: StepTrace, cands: list[Call], before: int) -> bool:
+    """Every output gradient of ``cands`` recorded before ``before`` was finite, and at
+    least one was."""
+    ids = {c.id for c in cands}
+    grads = [
+        r
+        for r in trace.records
+        if r.phase is Phase.BACKWARD
+        and r.index < before
+        and r.source is not None
+        and (src := trace.record(r.source)) is not None
+        and src.call in ids
+        and src.phase is Phase.FORWARD
+    ]
+    return bool(grads) and all(r.stat is not None and r.stat.finite for r in grads)
+
+
 def _param_name(rec: Record) -> str:
     """Parameter records carry the qualified parameter name (``encoder.fc.weight``) as role."""
     return rec.role
@@ -831,7 +907,7 @@ def _follow_op(anomaly: Anomaly, base: str) -> str:
         anomaly.origin = "module"
         return _hook_text(anomaly, ev, how)
     fn = custom_function(ev.node)
-    if fn is None or f"custom autograd.Function {fn}" in base:
+    if fn is None or f"the backward of custom autograd.Function {fn}" in base:
         return base
     what = _kinds_text(anomaly.record)
     rec = anomaly.record

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanwatch.errors import ReportFormatError
-from nanwatch.localize import op_phrase
+from nanwatch.localize import leaf_text, op_phrase
 from nanwatch.records import Anomaly, AnomalyKind, Call, Phase, Record, StepTrace
 from nanwatch.rules.base import Diagnosis, sort_key
 
@@ -590,6 +590,9 @@ def anomaly_headline(a: Anomaly) -> str:
     if a.op is not None and _unlike(a.op.born, kinds):  # log made -inf, the loss is +inf
         kinds, then = a.op.born, f" (then {kinds})"
     k = a.kind
+    leaf = leaf_text(a.op)
+    if leaf is not None:  # no op made it: a leaf the loss read held it (see the summary)
+        return f"{kinds} {leaf}{then}, step {a.step}"
     if k is AnomalyKind.INPUT:
         text = f"{kinds} in the input data ({a.record.role} of {a.path})"
     elif k is AnomalyKind.FORWARD and a.origin == "between-roots":

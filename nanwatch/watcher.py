@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import linecache
 import math
 import os
 import sys
@@ -1667,6 +1668,8 @@ class Watcher:
                     rec.grad_fn = _grad_fn_name(t)
                     rec.source = self._last_root_output()
                 if call.root or self._forensic or not self._made_safely(t):
+                    if rec.grad_fn is None and not call.root:
+                        rec.grad_fn = _grad_fn_name(t)  # the code that made it (localize)
                     self._measure(rec, t, rows=call.root)
                     hooked = self._maybe_hook_grad(t, rec)
                 known[id(t)] = (weakref.ref(t), rec.index, _version(t), hooked)
@@ -2902,6 +2905,9 @@ class Watcher:
                 self._act(trace)
             return
         first_of_run = self.first_anomaly is None
+        if rec is not None and rec.phase in (Phase.BACKWARD, Phase.GRADIENT):
+            with contextlib.suppress(Exception):
+                self._note_user_hooks(rec)
         anomaly = self._localize(trace)
         if anomaly is None:
             return
@@ -2920,6 +2926,45 @@ class Watcher:
                 self._pinpoint(anomaly, current)
         trace.diagnoses = self._evaluate(trace)
         self._act(trace)
+
+    def _note_user_hooks(self, trig: Record) -> None:
+        """Note the hooks the user registered on the tensor whose gradient ``trig`` found
+        bad (a ``register_hook`` or ``register_post_accumulate_grad_hook``, never
+        nanwatch's own): what such a hook returns is the gradient nanwatch records, and
+        ``torch.autograd.detect_anomaly`` does not check it. Anomaly-time work only."""
+        t: torch.Tensor | None = None
+        name = trig.role
+        if trig.phase is Phase.BACKWARD and trig.source is not None:
+            t = next(
+                (ref() for ref, idx, _, _ in self._known.values() if idx == trig.source),
+                None,
+            )
+            name = f"{trig.path}'s {trig.role}"
+        elif trig.phase is Phase.GRADIENT:
+            t = next((p for q, _, p in self._params if q == trig.role), None)
+            name = trig.role
+        if t is None:
+            return
+        ours = {getattr(h, "id", None) for h in self._tensor_handles}
+        found: list[tuple[str, Any]] = []
+        for key, fn in (getattr(t, "_backward_hooks", None) or {}).items():
+            if key in ours:
+                break  # hooks run in order: a later one did not make what nanwatch saw
+            found.append(("register_hook", fn))
+        for key, fn in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).items():
+            if key not in ours:
+                found.append(("register_post_accumulate_grad_hook", fn))
+        for how, fn in found:
+            site = _hook_site(fn)
+            if site is not None:
+                self.note(
+                    "user_hook",
+                    trig.path,
+                    tensor=name,
+                    parameter=trig.phase is Phase.GRADIENT,
+                    how=how,
+                    **site,
+                )
 
     def _pinpoint(
         self,
@@ -3849,6 +3894,21 @@ def _deliberate_exit(exc: BaseException) -> bool:
     purpose: the run ends as if the block had, with no post-mortem of the exit itself; an
     anomaly recorded before it is in the report as usual."""
     return isinstance(exc, SystemExit)
+
+
+def _hook_site(fn: Any) -> dict[str, Any] | None:
+    """``fn``'s name, ``file:line`` and first source line, for a Python function or method
+    (lambdas included); None for anything else."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    line = linecache.getline(code.co_filename, code.co_firstlineno).strip()
+    return {
+        "fn": str(getattr(fn, "__qualname__", "?")).rsplit("<locals>.", 1)[-1],
+        "at": f"{code.co_filename}:{code.co_firstlineno}",
+        "code": line,
+    }
 
 
 def _grad_fn_name(t: torch.Tensor) -> str | None:

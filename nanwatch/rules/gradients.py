@@ -6,9 +6,11 @@ diverge (NW306) and gradients that are never reset between optimizer steps (NW30
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import itertools
 import math
+import re
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nanwatch.localize import localize
+from nanwatch.localize import hook_op, localize, user_hook
 from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, Note, Phase, Record, StepTrace
 from nanwatch.rules._evidence import (
     anomaly_fields,
@@ -28,6 +30,7 @@ from nanwatch.rules._evidence import (
     low_precision,
 )
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule, sort_key
+from nanwatch.rules.generic import _REPLAY
 
 # ---------------------------------------------------------------------- NW301
 
@@ -1000,9 +1003,7 @@ def bad_param_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
             "acos at ±1)."
         ),
         fix=(
-            "with torch.autograd.detect_anomaly():   # or nanwatch.watch(..., "
-            'mode="forensic")\n'
-            "    loss.backward()                      # names the backward op\n"
+            _nw302_first(ctx, a)
             + (
                 "scaler = torch.amp.GradScaler()        # low precision: skips overflowing steps\n"
                 if low
@@ -1014,6 +1015,52 @@ def bad_param_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
             "    optimizer.step()"
         ),
     )
+
+
+_NORM = re.compile(r"\.norm\(([^()]*)\)")
+
+
+def _nw302_first(ctx: RuleContext, a: Anomaly) -> str:
+    """NW302's first lines: a hook the user registered on the parameter (its NaN is not
+    seen by detect_anomaly) guarded, or nanwatch's replay, which traces ops inside hooks
+    and names the op where detect_anomaly names a later node (an inf turned NaN)."""
+    hook = user_hook(ctx.trace, a.record)
+    how = hook_op(a.op)
+    if hook is None and how is None:
+        return _REPLAY + "\n"
+    name = a.parameter or a.record.role
+    on = f'model.get_parameter("{name}")' if a.record.phase is Phase.GRADIENT else name
+    code = str(hook.get("code", "")) if hook is not None else (a.op.code if a.op else "") or ""
+    at = f" at {hook.get('at')}" if hook is not None else ""
+    lam = _lambda_of(code)
+    if lam is not None and _NORM.search(lam[1]):  # a division by a norm: 0 / 0 at zero
+        arg, text = lam
+        guarded = _NORM.sub(lambda m: f"{m.group(0)}.clamp_min(torch.finfo({arg}.dtype).eps)", text)
+        return (
+            f"# a hook you registered on {name}{at} returned NaN (a g / g.norm() of a zero "
+            "gradient); detect_anomaly does not check hooks: guard the hook\n"
+            f"{on}.register_hook({guarded})   # in place of yours\n"
+        )
+    return (
+        f"# a hook you registered on {name}{at} returned a non-finite gradient; "
+        "detect_anomaly does not check hooks: guard the hook (keep what it returns finite "
+        "for every gradient, an all-zero one included), e.g.\n"
+        f"{on}.register_hook(lambda g: torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0))"
+        "   # after yours\n"
+    )
+
+
+def _lambda_of(code: str) -> tuple[str, str] | None:
+    """The first one-argument lambda in a line of the user's code: (its argument, its
+    text), or None."""
+    try:
+        tree = ast.parse(code.strip().rstrip(":"))
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Lambda) and len(node.args.args) == 1:
+            return node.args.args[0].arg, ast.unparse(node)
+    return None
 
 
 def _sparse_grads(trace: StepTrace) -> bool:
