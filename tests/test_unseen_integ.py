@@ -176,7 +176,7 @@ def worker(rank, out, port):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=8))
+                            timeout=datetime.timedelta(seconds=45))
     torch.manual_seed(0)
     ddp = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)))
     crit = GatheredRatio()
@@ -197,6 +197,7 @@ def worker(rank, out, port):
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"step": first.step, "code": d.code, "title": d.title,
                    "evidence": d.evidence, "fix": d.fix}, f)
+    dist.barrier()  # both ranks done with their collectives before the group goes
     dist.destroy_process_group()
 
 if __name__ == "__main__":
@@ -232,7 +233,9 @@ def test_two_gloo_ranks_a_collective_loss_and_another_ranks_nan(tmp_path: Path) 
         for r in (0, 1)
     ]
     try:
-        outs = [p.communicate(timeout=90) for p in ranks]
+        # a replay that blocked both ranks would run into the group's 45 s timeout: a
+        # loaded CI machine gets that long for the ranks' real work, not a hang
+        outs = [p.communicate(timeout=150) for p in ranks]
     finally:
         for p in ranks:
             if p.poll() is None:
