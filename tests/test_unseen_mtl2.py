@@ -17,6 +17,7 @@ import nanwatch
 from nanwatch.records import OpEvent, Phase, TensorStat
 from nanwatch.rules._evidence import classify
 from tests._diagnoses import code_lines, text, top
+from tests.zoo import TwoTasks
 
 # ---------------------------------------------------------------- a non-finite number given
 
@@ -155,21 +156,9 @@ def test_a_mask_multiplied_by_a_literal_minus_inf_gets_the_finite_minimum() -> N
 # ---------------------------------------------------------------- NW113: one task's term
 
 
-class _Mtl(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
-        self.a = nn.Linear(16, 4)
-        self.b = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.trunk(x)
-        return self.a(h), self.b(h)
-
-
 def test_an_empty_task_selection_fix_divides_only_that_tasks_term() -> None:
     torch.manual_seed(0)
-    model = _Mtl()
+    model = TwoTasks()
     bce = nn.BCEWithLogitsLoss()
     with nanwatch.watch(model, bce, on_anomaly="record", postmortem=False) as nw:
         x, ya = torch.randn(16, 8), torch.randint(0, 4, (16,))
@@ -202,7 +191,7 @@ def _uncertainty_run(inside: bool, mode: str = "watch") -> nanwatch.Watcher:
     """Kendall weighting: the solved task's loss is 0, its log-variance runs down by
     Adam's lr (5, its own group) per step, and exp(-log_vars) overflows at step 1."""
     torch.manual_seed(0)
-    model = _Mtl()
+    model = TwoTasks()
     log_vars = nn.Parameter(torch.tensor([-85.0, 0.0]))
     if inside:
         model.log_vars = log_vars

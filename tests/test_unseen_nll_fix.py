@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanwatch
+from tests.zoo import TwoTasks
 
 
 def _bert() -> Any:
@@ -92,21 +93,9 @@ def test_hf_tuple_loss_fix_does_not_take_inputs_for_logits(tmp_path: Path) -> No
     assert "loss, _ = model(x, labels=labels, return_dict=False)" in fix
 
 
-class _MTL(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
-        self.a = nn.Linear(16, 4)
-        self.b = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.trunk(x)
-        return self.a(h), self.b(h)
-
-
 def _mtl_fix(variant: str, tmp_path: Path) -> tuple[str, dict[str, Any]]:
     torch.manual_seed(0)
-    model = _MTL()
+    model = TwoTasks()
     ce, bce = nn.CrossEntropyLoss(), nn.BCEWithLogitsLoss()
     names: dict[str, Any] = {}
     with (

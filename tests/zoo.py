@@ -195,3 +195,18 @@ class TanhMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
+
+
+class TwoTasks(nn.Module):
+    """A shared trunk and two task heads (4 classes and 1 regression output): the
+    multi-task tests' model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.a = nn.Linear(16, 4)
+        self.b = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.a(h), self.b(h)
