@@ -371,6 +371,33 @@ _SMALL_INF = 1 << 11
 _BIG = 1 << 16
 
 
+def hot_l2_pays(t: torch.Tensor) -> bool:
+    """Whether the L2 norm of ``t`` is cheaper read the moment ``t`` is written (a
+    parameter's gradient, in a post-accumulate-grad hook) than at the end of backward: a
+    large float32/float64 tensor on the CPU, still in the cache then (on W1, eight 4 MiB
+    gradients: 0.3 ms a step in the hooks against 1.1 to 1.7 ms read cold after backward).
+    Plain dense tensors only: a subclass (a FakeTensor being traced, a DTensor) is not
+    read behind its back."""
+    return (
+        type(t) is torch.Tensor
+        and t.device.type == "cpu"
+        and t.dtype in (torch.float32, torch.float64)
+        and t.layout is torch.strided
+        and t.numel() >= _BIG
+    )
+
+
+def l2(t: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of a float32/float64 tensor on the CPU (a dot product: the fastest read
+    there), left as a 0-d tensor.
+
+    >>> float(l2(torch.tensor([3.0, 4.0])))
+    5.0
+    """
+    v = t.reshape(-1)
+    return torch.dot(v, v).sqrt()
+
+
 def foreach_l2(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """L2 norm of each tensor, accumulated and returned in at least float32 so float16
     gradients do not overflow the norm; results stay on the device. Multi-tensor kernels on
@@ -394,8 +421,7 @@ def foreach_l2(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
                 small = [j for j, t in enumerate(ts) if t.numel() < _BIG]
                 norms = [ts[0]] * len(ts)
                 for j in big:
-                    v = ts[j].reshape(-1)
-                    norms[j] = torch.dot(v, v).sqrt()
+                    norms[j] = l2(ts[j])
                 if small:
                     for j, nrm in zip(
                         small, torch._foreach_norm([ts[j] for j in small], 2.0), strict=True

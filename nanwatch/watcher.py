@@ -74,6 +74,8 @@ from nanwatch.stats import (
     dtype_name,
     foreach_absmax,
     foreach_l2,
+    hot_l2_pays,
+    l2,
     minmax,
     numel,
     read_minmax,
@@ -469,6 +471,11 @@ class Watcher:
         self._attached = False
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
+        #: post-accumulate-grad hooks on large CPU weights (see :meth:`_hook_params`), by id
+        self._param_hooks: dict[int, Any] = {}
+        #: the gradient norms those hooks read: id(param) -> (weakref to the .grad read,
+        #: its version then, its L2 norm); taken by the next end-of-backward check
+        self._hot_norms: dict[int, tuple[Any, int, torch.Tensor]] = {}
         self._modules: list[tuple[nn.Module, _ModInfo]] = []
         self._params: list[tuple[str, str, nn.Parameter]] = []
         self._param_ids: frozenset[int] = frozenset()  #: ids of ``_params`` (optimizer hook)
@@ -582,6 +589,7 @@ class Watcher:
         full_hooks = self.config.mode != "sentinel"
         forensic = self._forensic
         try:
+            self._hook_params()
             if self.global_hooks:
                 mm = torch.nn.modules.module
                 self._handles.append(mm.register_module_forward_pre_hook(self._global_pre))
@@ -1195,6 +1203,7 @@ class Watcher:
             self._modules.append((m, info))
             added.append((m, info.path))
         self._set_params()
+        self._hook_params()
         if self.config.guards:
             from nanwatch import guards
 
@@ -2160,8 +2169,48 @@ class Watcher:
                 out.append((qual, info.path, p))  # type: ignore[arg-type]
         return out
 
+    def _hook_params(self) -> None:
+        """A post-accumulate-grad hook on each large CPU weight reads its gradient's L2 norm
+        the moment backward has written it, while it is still in the cache: read after
+        backward, a large model's gradients come back from memory (see
+        :func:`nanwatch.stats.hot_l2_pays`). The end-of-backward check takes these norms
+        when the gradient is still the tensor the hook read, at the same version; otherwise
+        it reads the gradient itself. Not in forensic mode (its op checker would see the
+        read), not in distributed runs (a collective rewrites the gradient after the
+        hook), not on torch without the hook (before 2.1)."""
+        if self._forensic:
+            return
+        hot = self._hot_norms
+        for _, _, p in self._params:
+            if (
+                id(p) in self._param_hooks
+                or not p.requires_grad
+                or not hot_l2_pays(p.detach())
+                or not hasattr(p, "register_post_accumulate_grad_hook")
+            ):
+                continue
+
+            def on_accumulated(param: torch.Tensor, key: int = id(p)) -> None:
+                g = param.grad
+                if g is None or _tracing() or ops.replaying() or not hot_l2_pays(g):
+                    return
+                if torch.distributed.is_available() and torch.distributed.is_initialized():
+                    return
+                try:
+                    with torch.no_grad():
+                        hot[key] = (weakref.ref(g), g._version, l2(g))
+                except Exception:  # the end-of-backward check reads it instead
+                    hot.pop(key, None)
+
+            try:
+                register = p.register_post_accumulate_grad_hook
+                self._param_hooks[id(p)] = register(on_accumulated)  # type: ignore[no-untyped-call]
+            except RuntimeError:  # a weight that cannot take the hook: read after backward
+                continue
+
     def _check_grads(self) -> None:
-        """The L2 norm of every parameter gradient: multi-tensor kernels, one host read."""
+        """The L2 norm of every parameter gradient: multi-tensor kernels, one host read
+        (large CPU gradients: read by :meth:`_hook_params`'s hooks while backward ran)."""
         self._grads_checked = True
         grads: list[torch.Tensor] = []
         metas: list[tuple[str, str, str]] = []
@@ -2170,6 +2219,9 @@ class Watcher:
         seen: dict[int, tuple[Any, int]] = {}
         self._grads_seen = seen
         ref = weakref.ref
+        hot = self._hot_norms  # the hooks' dict: emptied below, never replaced
+        # the norm each gradient's hook read, where it still holds (None: read it now)
+        known: list[torch.Tensor | None] = []
         for (q, path, p), owner_type in zip(self._params, self._param_types, strict=True):
             g = p.grad
             # a weight frozen with requires_grad_(False) keeps the .grad it had (zeros
@@ -2178,22 +2230,32 @@ class Watcher:
                 grads.append(g)
                 metas.append((q, path, owner_type))
                 seen[id(p)] = (ref(g), g._version)
+                entry = hot.get(id(p))
+                if entry is not None and entry[0]() is g and entry[1] == g._version:
+                    known.append(entry[2])
+                else:
+                    known.append(None)
+        hot.clear()
         if not grads:
             return
         if self._scaled:  # the scale these gradients were multiplied by (no sync: a copy)
             scale = getattr(self.scaler, "_scale", None)
             if isinstance(scale, torch.Tensor):
                 self._grad_scale = scale.detach().clone()
-        if all(g.layout is torch.strided for g in grads):
-            norms = foreach_l2(grads)
+        cold = [g for g, k in zip(grads, known, strict=True) if k is None]
+        if all(g.layout is torch.strided for g in cold):
+            cold_norms = iter(foreach_l2(cold))
         else:
-            dense_norms = iter(foreach_l2([g for g in grads if g.layout is torch.strided]))
-            norms = [
-                next(dense_norms)
-                if g.layout is torch.strided
-                else (g.coalesce() if g.is_sparse else g).values().float().norm()
-                for g in grads
-            ]
+            dense_norms = iter(foreach_l2([g for g in cold if g.layout is torch.strided]))
+            cold_norms = iter(
+                [
+                    next(dense_norms)
+                    if g.layout is torch.strided
+                    else (g.coalesce() if g.is_sparse else g).values().float().norm()
+                    for g in cold
+                ]
+            )
+        norms = [k if k is not None else next(cold_norms) for k in known]
         records = self._trace.records
         idx, step = self._idx, self._step
         recs = []
@@ -3375,6 +3437,10 @@ class Watcher:
             h.remove()
         _copies.unhide(h.id for h in self._handles)
         self._handles = []
+        for h in self._param_hooks.values():
+            h.remove()
+        self._param_hooks = {}
+        self._hot_norms.clear()
         for h in self._tensor_handles:
             h.remove()
         self._tensor_handles = []
