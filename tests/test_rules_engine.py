@@ -331,3 +331,43 @@ def test_a_step_is_summarized_once_not_again_when_it_is_history(
             nw.step()
     assert len(nw.history) == 8 and nw.first_anomaly is None
     assert sorted(calls) == list(range(8)) and set(calls.values()) == {1}
+
+
+def test_nanwatchs_rules_that_need_a_nan_skip_a_healthy_step(
+    registry: dict[str, Rule],
+) -> None:
+    """On a step where every value is finite and nothing stopped, only early rules and the
+    user's run: nanwatch's other rules explain a NaN, and most steps have none. A step with
+    a NaN runs them all."""
+    import dataclasses
+
+    ran: list[str] = []
+
+    def counting(r: Rule) -> Rule:
+        inner = r.func
+
+        def func(ctx: RuleContext) -> Any:
+            ran.append(r.code)
+            return inner(ctx)
+
+        func.__module__ = inner.__module__  # still a built-in rule
+        return dataclasses.replace(r, func=func)
+
+    for code in ("NW101", "NW103"):  # NW101 needs an overflow; NW103 is an early warning
+        REGISTRY[code] = counting(REGISTRY[code])
+    assert REGISTRY["NW101"].builtin and not REGISTRY["NW101"].early
+
+    @rule("NW909", title="Mine", severity="info", summary="s")
+    def mine(ctx: RuleContext) -> None:
+        ran.append("NW909")
+
+    diagnose(_clean_trace())
+    assert ran == ["NW103", "NW909"]
+
+    ran.clear()
+    b = TraceBuilder(0)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0))
+    b.forward(net, stat(-math.inf, 1.0, neginf=1))
+    diagnose(b.build())
+    assert sorted(ran) == ["NW101", "NW103", "NW909"]

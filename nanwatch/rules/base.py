@@ -272,8 +272,10 @@ def rule(
 
     ``family`` defaults to the module name for rules that ship with nanwatch
     (``nanwatch.rules.overflow`` -> ``"overflow"``) and to ``"user"`` otherwise. ``early``
-    says the rule can fire before any NaN exists; ``priority`` orders diagnoses of equal
-    severity (lower first: the most specific cause).
+    says the rule can fire before any NaN exists: a rule that ships with nanwatch without it
+    is skipped on a step where every recorded value is finite and nothing stopped or failed
+    (a rule of yours runs on every step either way); ``priority`` orders diagnoses of
+    equal severity (lower first: the most specific cause).
 
     Example:
         >>> @rule("NW902", title="Loss is negative", severity="warning",
@@ -358,6 +360,16 @@ def _prune_memo(trace: StepTrace, history: Sequence[StepTrace]) -> None:
         del _MEMO[k]
 
 
+def _healthy(trace: StepTrace) -> bool:
+    """Nothing on ``trace`` a rule that needs a NaN could explain: no anomaly, no error, no
+    in-place mutation, no op event, no guard stop, and every recorded value finite."""
+    if trace.anomaly is not None or trace.error is not None or trace.mutations or trace.ops:
+        return False
+    if any(n.kind == "guard" for n in trace.notes):
+        return False
+    return all(r.stat is None or r.stat.finite for r in trace.records)
+
+
 def evaluate(
     trace: StepTrace,
     history: Sequence[StepTrace],
@@ -371,7 +383,9 @@ def evaluate(
     reported once (a warning) and added to ``disabled``; it never breaks the step.
 
     Fallback rules run last, and only when no other rule produced an error-severity
-    diagnosis.
+    diagnosis. On a healthy step (every value finite, nothing stopped) only early rules and
+    the user's own run: nanwatch's other rules explain a NaN or a stop, and most steps of a
+    run have neither.
 
     Example:
         >>> from nanwatch.config import Thresholds
@@ -384,7 +398,12 @@ def evaluate(
     dead = disabled if disabled is not None else set()
     out: list[Diagnosis] = []
     ctx = RuleContext(trace=trace, history=history, thresholds=thresholds, facts=dict(facts or {}))
-    rules = [r for r in REGISTRY.values() if r.code not in skip]
+    healthy = _healthy(trace)
+    rules = [
+        r
+        for r in REGISTRY.values()
+        if r.code not in skip and not (healthy and not r.early and r.builtin)
+    ]
     for fallback in (False, True):
         if fallback and any(d.severity == "error" for d in out):
             break

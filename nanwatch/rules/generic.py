@@ -840,6 +840,7 @@ def _numel(shape: tuple[int, ...]) -> int:
         "(x / inf = 0), so no module output holds NaN or inf but the values are wrong; "
         "compute that op in float32."
     ),
+    early=True,
     priority=20,
 )
 def hidden_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:

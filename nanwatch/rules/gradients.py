@@ -1803,6 +1803,7 @@ def _loss_term_note(
         "The GradScaler's scale keeps falling: step after step is skipped because the "
         "gradients are inf/NaN at any scale (the scaler is found at scaler.scale(loss))."
     ),
+    early=True,
     priority=10,
 )
 def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:

@@ -47,6 +47,7 @@ _BCE_GRAD_SIGNATURE = 1e10
         "BCELoss got probabilities exactly 0 or 1: PyTorch clamps log at -100, so each "
         "confidently wrong element costs 100 and its gradient is 0; use BCEWithLogitsLoss."
     ),
+    early=True,
     priority=10,
 )
 def bce_saturated(ctx: RuleContext) -> Iterator[Diagnosis]:
