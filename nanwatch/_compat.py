@@ -99,15 +99,34 @@ def _make_aminmax() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor
             torch.aminmax(torch.zeros(2, dtype=dtype))
         except RuntimeError:
             missing.add(dtype)
-    if not missing:
-        return torch.aminmax
 
     def aminmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not t.is_contiguous():
+            t = storage_order(t)
         if t.dtype in missing and t.device.type == "cpu":
             return torch.aminmax(t.float())
         return torch.aminmax(t)
 
     return aminmax
+
+
+def storage_order(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor laid out in another order than its shape's (channels_last, a
+    transpose) as a flat view of its values in memory order, for a reduction over all of
+    them: on the CPU ``torch.aminmax`` reads a channels_last activation about 7x slower
+    than the same values in order. Any other tensor (a slice, an expanded one) is returned
+    as it is.
+
+    >>> x = torch.arange(6.0).reshape(2, 3).t()
+    >>> storage_order(x).tolist(), storage_order(x[::2]).shape
+    ([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], torch.Size([2, 2]))
+    """
+    if t.dim() < 2 or t.layout is not torch.strided:
+        return t
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: strides[d], reverse=True)
+    p = t.permute(order)
+    return p.view(-1) if p.is_contiguous() else t
 
 
 #: one pass giving min and max (NaN propagates); see :func:`_make_aminmax`
