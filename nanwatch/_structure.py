@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.distributions import Distribution
 
 
 def iter_tensors(
@@ -18,7 +19,8 @@ def iter_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(role, tensor)`` for every tensor in ``obj``: tensors, tuples, lists, dicts
     (``ModelOutput``-style dict subclasses included), dataclasses and namedtuples
-    (``PackedSequence`` among them). Generators and iterators are never consumed; any other
+    (``PackedSequence`` among them), ``torch.distributions`` objects (their parameters).
+    Generators and iterators are never consumed; any other
     object is reported once through ``on_opaque`` and skipped."""
     seen: set[int] = set()
 
@@ -54,6 +56,11 @@ def iter_tensors(
             return
         if isinstance(o, (set, frozenset, torch.dtype, torch.device, torch.Size)):
             return
+        if isinstance(o, Distribution):
+            seen.add(id(o))
+            for name, v in _distribution_parts(o):
+                yield from walk(v, f"{role}.{name}", depth + 1)
+            return
         if callable(o) or isinstance(o, torch.nn.Module) or _kv_cache(type(o)):
             return
         if on_opaque is not None:
@@ -71,3 +78,24 @@ def _kv_cache(typ: type) -> bool:
         c.__module__.startswith("transformers.") and c.__name__.endswith("Cache")
         for c in typ.__mro__
     )
+
+
+def _distribution_parts(d: Distribution) -> Iterator[tuple[str, Any]]:
+    """The parameters of a ``torch.distributions`` object (``loc``, ``scale``; ``probs`` or
+    ``logits``, whichever it was given), and the distributions it is built from
+    (``MixtureSameFamily``'s, ``Independent``'s ``base_dist``). Read from the instance's
+    own attributes only: a lazy parameter (``probs`` of one given ``logits``) is not
+    computed."""
+    own = vars(d)
+    try:
+        names = list(d.arg_constraints)
+    except NotImplementedError:  # a subclass that declares none
+        names = []
+    for name in names:
+        v = own.get(name)
+        if isinstance(v, torch.Tensor):
+            yield name, v
+    for name, v in own.items():
+        if isinstance(v, Distribution):
+            public = name.lstrip("_")  # MixtureSameFamily's property over _mixture_distribution
+            yield (public if isinstance(getattr(type(d), public, None), property) else name), v

@@ -909,6 +909,24 @@ def _broadcast(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+_WARNS = "PyTorch only warns ('Using a target size ... different to the input size'), and "
+_SILENT = "PyTorch neither warns nor errs, and "
+#: what PyTorch itself does when a loss's input and target broadcast (NW506's explanation)
+_BROADCAST_SAYS = {
+    "mse_loss": _WARNS,
+    "l1_loss": _WARNS,
+    "smooth_l1_loss": _WARNS,
+    "huber_loss": _WARNS,
+    "poisson_nll_loss": _SILENT,
+    "gaussian_nll_loss": _SILENT,
+    "kl_div": _SILENT,
+    "hinge_embedding_loss": _SILENT,
+}
+#: losses with a further argument whose size must match the input's (GaussianNLLLoss's
+#: var): a shape fix changes the target, never the input
+_SIZED_BY_INPUT = frozenset({"gaussian_nll_loss"})
+
+
 def _check_broadcast(p: _Probe) -> None:
     names = p.spec.semantics.broadcast
     tensors = [(n, p.bound.get(n)) for n in names]
@@ -926,7 +944,10 @@ def _check_broadcast(p: _Probe) -> None:
     fix_args: dict[str, str] = {}
     ea, eb = p.arg(n0), p.arg(n1)
     if a.dim() == b.dim() + 1 and a.shape[-1] == 1 and a.shape[:-1] == b.shape:
-        fix_args[n0] = f"{ea}.squeeze(-1)"
+        if p.spec.name in _SIZED_BY_INPUT:
+            fix_args[n1] = f"{eb}.unsqueeze(-1)"  # var's size is checked against the input's
+        else:
+            fix_args[n0] = f"{ea}.squeeze(-1)"
     elif b.dim() == a.dim() + 1 and b.shape[-1] == 1 and b.shape[:-1] == a.shape:
         fix_args[n1] = f"{eb}.squeeze(-1)"
     elif a.numel() == b.numel():
@@ -945,8 +966,10 @@ def _check_broadcast(p: _Probe) -> None:
             fix=fix,
             explanation=(
                 "Elementwise losses broadcast their arguments: a (N, 1) prediction against a "
-                "(N,) target becomes an N x N loss. PyTorch only warns; the loss looks "
-                "plausible and decreases while the model learns the mean of the targets."
+                "(N,) target becomes an N x N loss. "
+                + _BROADCAST_SAYS.get(p.spec.name, "Left alone, ")
+                + "the loss looks plausible and decreases while the model learns the mean "
+                "of the targets."
             ),
             count=numel,
             total=biggest,
@@ -2331,13 +2354,21 @@ def _input_embeddings_of(p: _Probe) -> bool:
 def _bigger_table(p: _Probe, need: int) -> str:
     """The fix for ids past the last row: a table with ``need`` rows, built like this one."""
     w = p.bound["weight"]
-    rows, dim = int(w.shape[0]), int(w.shape[1])
+    rows = int(w.shape[0])
     if not p.is_module or p.module is None:
         return f"give {p.arg('weight')} at least {need} rows (it has {rows}), or remap the ids"
     if _input_embeddings_of(p):
         return "model.resize_token_embeddings(len(tokenizer))  # a row for every token"
+    return _table_like(p, need) + "  # or len(tokenizer) rows"
+
+
+def _table_like(p: _Probe, rows: int, **opts: Any) -> str:
+    """``self.emb = nn.Embedding(rows, dim, ...)``: the guarded module built again with
+    ``rows`` rows, its other settings kept and ``opts`` set (``padding_idx=200``)."""
+    assert p.module is not None
+    dim = int(p.bound["weight"].shape[1])
     owner = _forward_owner(type(p.module)) or type(p.module)
-    args = [str(need), str(dim)]
+    args = [str(rows), str(dim)]
     try:
         params = list(inspect.signature(owner).parameters.values())
     except (TypeError, ValueError):
@@ -2345,17 +2376,34 @@ def _bigger_table(p: _Probe, need: int) -> str:
     for param in params:
         if param.name in ("num_embeddings", "embedding_dim", "device", "dtype", "_weight"):
             continue
-        if param.name.startswith("_") or param.default is param.empty:
+        if param.name.startswith("_") or param.default is param.empty or param.name in opts:
             continue
         v = getattr(p.module, param.name, _MISSING)
         if v is _MISSING or v == param.default or not isinstance(v, (int, float, str, bool)):
             continue
         args.append(f"{param.name}={v!r}")
+    args += [f"{k}={v!r}" for k, v in opts.items()]
     made = f"nn.{owner.__name__}({', '.join(args)})"
     callee = p._call[0]
     if callee is not None and all(part.isidentifier() for part in callee.split(".")):
         made = f"{callee} = {made}"
-    return made + "  # or len(tokenizer) rows"
+    return made
+
+
+def _own_padding_row(p: _Probe, text: str, rows: int) -> str:
+    """The fix for padding that shares its row with a real id: a table with one more row,
+    row ``rows``, kept for padding, and the negative ids mapped onto it."""
+    mapped = f"{text}.masked_fill({text} < 0, {rows})"
+    if p.is_module and p.module is not None:
+        made = _table_like(p, rows + 1, padding_idx=rows)
+        call = _without_comment(p.call_with(input=mapped))
+        return f"{made}  # row {rows} for padding alone\n{call}"
+    if p.has_arg("padding_idx"):
+        call = p.call_with(input=mapped, padding_idx=str(rows))
+    else:
+        call = p.call_with({"padding_idx": rows}, input=mapped)
+    weight = p.arg("weight")
+    return f"{_without_comment(call)}  # once {weight} has {rows + 1} rows: {rows} for padding"
 
 
 def _index_result(
@@ -2437,13 +2485,46 @@ def _index_result(
             else:
                 hint = " — padding written as a negative id? Map it to the padding row"
             pad = _padding_row(p, rows)
-            repl = str(pad) if pad is not None else "pad_id"
-            fix = _without_comment(p.call_with(input=f"{text}.masked_fill({text} < 0, {repl})"))
-            fix += (
-                f"  # {pad} is the padding_idx"
-                if pad is not None
-                else "  # pad_id: a row kept for padding (padding_idx=pad_id)"
-            )
+            given = p.bound.get("padding_idx")
+            back = 0  # how far a negative padding_idx counts back from the end
+            if isinstance(given, int) and not isinstance(given, bool) and given < 0:
+                back = -given
+            real = 0
+            if pad is not None and 0 <= pad < rows and -100 not in neg:
+                taken = ids == pad
+                real = int((taken & used).sum() if used is not None else taken.sum())
+            if pad is not None and -100 not in neg and (real or back):
+                # the padding row is a real item: mapping padding onto it merges the two,
+                # and that item never trains (padding_idx gets no gradient)
+                if real:
+                    hint = (
+                        f" — padding written as a negative id, and the padding row ({pad}) "
+                        f"is also a real id here ({_many(real, 'position')}): padding needs a "
+                        "row of its own"
+                    )
+                else:
+                    hint = (
+                        f" — padding_idx={given} means row {pad} to torch ({rows} - {back}), "
+                        f"not id {given}, and row {pad} is a real id: padding needs a row "
+                        "of its own"
+                    )
+                fix = _own_padding_row(p, text, rows)
+            else:
+                repl = str(pad) if pad is not None else "pad_id"
+                fix = _without_comment(p.call_with(input=f"{text}.masked_fill({text} < 0, {repl})"))
+                fix += (
+                    f"  # {pad} is the padding_idx"
+                    if pad is not None
+                    else "  # pad_id: a row kept for padding (padding_idx=pad_id)"
+                )
+                if pad == rows - 1 and p.is_module and p.module is not None:
+                    # padding_idx=-1 is stored as the last row: not seen as a real id in
+                    # this batch, but perhaps one
+                    made = _table_like(p, rows + 1, padding_idx=rows)
+                    fix += (
+                        f"\n# if {pad} is also a real id (padding_idx=-1 is the last row), "
+                        f"give padding a row of its own and map to {rows}:\n# {made}"
+                    )
         else:
             hint = f" — ids below 0 and above {rows - 1}"
             fix = (
@@ -2803,7 +2884,7 @@ def _error(
     if failure.positions:
         lines.append(f"  first positions: {_format_positions(failure.positions, failure.count)}")
     if failure.fix:
-        lines.append(f"  fix: {failure.fix}")
+        lines.append("  fix: " + failure.fix.replace("\n", "\n       "))
     lines.append(
         f"  ({failure.code}: checked before the kernel ran, so nothing was computed and the "
         "device is still usable)"

@@ -226,11 +226,12 @@ def test_functional_embedding() -> None:
     assert str(err).startswith("F.embedding at ")
     assert "weight has 10 rows, so ids must be in 0..9" in str(err)
     assert err.fix == "give weight at least 11 rows (it has 10), or remap the ids"
-    # a negative padding_idx counts from the end, as F.embedding reads it
+    # a negative padding_idx counts from the end, as F.embedding reads it: row 9, which is
+    # also the id of a real item, so padding gets a row of its own
     ids = torch.tensor([1, -1])
     err = stopped_f(lambda: F.embedding(ids, weight, padding_idx=-1))
-    expected = "F.embedding(ids.masked_fill(ids < 0, 9), weight, padding_idx=-1))"
-    assert err.fix.endswith(f"{expected}  # 9 is the padding_idx")
+    expected = "F.embedding(ids.masked_fill(ids < 0, 10), weight, padding_idx=10))"
+    assert err.fix.endswith(f"{expected}  # once weight has 11 rows: 10 for padding")
 
 
 def test_ids_must_be_integers() -> None:

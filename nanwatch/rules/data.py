@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 
 from nanwatch.records import LOSS_PATH, AnomalyKind, Call, Note, Phase, Record, StepTrace
@@ -102,7 +103,14 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             "it into NaN activations and the loss into NaN; every layer downstream is "
             "innocent."
         ),
-        fix=_find_samples_fix(bad[0].shape, rows_known=rows_known),
+        fix=_find_samples_fix(
+            bad[0].shape,
+            rows_known=rows_known,
+            role=bad[0].role,
+            owner=a.path,
+            target=target,
+            sparse=_sparse(bad[0]),
+        ),
     )
 
 
@@ -228,28 +236,84 @@ def _computed_input(
     )
 
 
-def _find_samples_fix(shape: tuple[int, ...], *, rows_known: bool) -> str:
-    """Code that lists the bad samples of ``x``, for the bad input's number of dimensions:
-    ``flatten(1)`` needs two, a 1-D input's samples are its elements, a 0-d one is a value."""
+def _find_samples_fix(
+    shape: tuple[int, ...],
+    *,
+    rows_known: bool,
+    role: str = "input[0]",
+    owner: str = "",
+    target: bool = False,
+    sparse: bool = False,
+) -> str:
+    """Code that lists the bad samples of the bad input and clears them, for its number of
+    dimensions: ``flatten(1)`` needs two, a 1-D input's samples are its elements, a 0-d one
+    is a value; a sparse one (fewer values measured than its shape holds) is read through
+    its stored values. ``role`` (``input[1]``, ``input.adj``) names the tensor in the
+    code: a keyword's name, ``x`` (``y`` for a loss's target) or ``argK`` for the K-th
+    positional argument of ``owner``'s call."""
+    x, note = _input_name(role, owner=owner, target=target)
     last = (
-        "x = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # or fix/drop them in "
+        f"{x} = torch.nan_to_num({x}, nan=0.0, posinf=0.0, neginf=0.0)  # or fix/drop them in "
         "Dataset.__getitem__"
     )
+    head = f"{note}\n" if note else ""
+    if sparse:
+        find = (
+            f"v = {x}.coalesce()  # sparse: check its stored values\n"
+            "bad = ~torch.isfinite(v.values())\n"
+            "print(v.indices()[:, bad].t().tolist()[:10])  # where: trace them to the data"
+        )
+        last = (
+            f"{x} = torch.nan_to_num({x}, nan=0.0, posinf=0.0, neginf=0.0)  # or fix where "
+            f"{x} is built"
+        )
+        return f"{head}{find}\n{last}"
     if len(shape) == 0:
-        return f"print(torch.isfinite(x).item())   # a single value: False here\n{last}"
+        return f"{head}print(torch.isfinite({x}).item())   # a single value: False here\n{last}"
     if len(shape) == 1:
         find = (
-            "bad = ~torch.isfinite(x)                 # 1-D: each element is a sample\n"
+            f"bad = ~torch.isfinite({x})                 # 1-D: each element is a sample\n"
             "print(bad.nonzero().flatten().tolist())  # trace them to the dataset"
         )
     else:
         find = (
-            "bad = ~torch.isfinite(x).flatten(1).all(dim=1)   # samples with NaN/inf\n"
+            f"bad = ~torch.isfinite({x}).flatten(1).all(dim=1)   # samples with NaN/inf\n"
             "print(bad.nonzero().flatten().tolist())         # trace them to the dataset"
         )
-    return f"{find}\n{last}" + (
+    return f"{head}{find}\n{last}" + (
         "" if rows_known else "\n# (sample indices need the batch on dim 0)"
     )
+
+
+_ROLE = re.compile(r"input(?:\[(\d+)\]|\.([A-Za-z_]\w*))?(.*)")
+
+
+def _input_name(role: str, *, owner: str, target: bool) -> tuple[str, str]:
+    """The name the fix calls the input ``role`` by, and a comment line saying which
+    argument that is when the name is a stand-in: ``input.adj`` -> ``adj`` (the keyword),
+    ``input[0]`` -> ``x``, a loss's ``input[1]`` -> ``y``, ``input[2]`` -> ``arg2``."""
+    m = _ROLE.fullmatch(role)
+    if m is None:
+        return "x", ""
+    index, keyword, rest = m.groups()
+    if keyword:
+        base, note = keyword, ""
+    elif index is None or index == "0":
+        base, note = "x", ""
+    elif index == "1" and target:
+        base, note = "y", ""
+    else:
+        k = int(index)
+        nth = {1: "2nd", 2: "3rd"}.get(k, f"{k + 1}th")
+        of = f" to {owner}" if owner else ""
+        base, note = f"arg{k}", f"# arg{k}: the {nth} argument you pass{of} (input[{k}])"
+    return base + (rest or ""), note
+
+
+def _sparse(rec: Record) -> bool:
+    """Fewer values were measured than the shape holds: a sparse tensor's stored values."""
+    s = rec.stat
+    return s is not None and len(rec.shape) >= 1 and 0 <= s.numel < math.prod(rec.shape)
 
 
 def _finite(v: object) -> bool:
