@@ -390,6 +390,14 @@ def _from_op(
     kind = _kind(name, ev, chain, ctx.trace.ops)
     if cplx and kind == "softmax":
         kind = "exp"  # a complex tensor has no max to subtract: bound its real part
+    # an exp summed per segment by index (index_add_, scatter_add): a softmax per segment
+    seg = _segment_sum(ev) if name in _BARE_EXP and not cplx and not result_only else None
+    if seg is not None:
+        kind = "softmax"
+        evidence.append(
+            f"the exp's result is summed per {seg.index} by {seg.call} at {seg.source}: a "
+            f"softmax over each {seg.index} segment, whose max is the segment's own"
+        )
     device = device_type(ev, a.record.device)
     recurrent = a.record.module_type in _RECURRENT
     first = _first_step(ctx)
@@ -463,7 +471,82 @@ def _from_op(
             result=_true_result(name, ev),
             cast_input=_cast_input(ctx, ev) if kind == "cast" else None,
         )
+    if not wide and loop is None and batch is None and jump is None and kind != "backward":
+        in_loss = _loss_module_fix(ctx, a, ev, dtype, lim)
+        fix = in_loss if in_loss is not None else fix
+    if seg is not None and loop is None and batch is None and jump is None:
+        fix = _segment_fix(ev.code, name.rstrip("_"), seg) or fix
+        explanation += (
+            f" Here the sum is per segment ({seg.call}): the max to subtract is each "
+            f"{seg.index} segment's own, not one over the whole tensor."
+        )
     return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
+
+
+def _loss_module_fix(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, dtype: str, lim: DtypeLimits | None
+) -> str | None:
+    """The op overflowed inside a watched loss module (torch's own nn.GaussianNLLLoss,
+    whose code the user cannot edit): call the loss on float32 inputs, on the user's line
+    (``loss = crit(mu.float(), y.float(), var.float())``) when it shows the call."""
+    call = ctx.trace.call(a.record.call)
+    if call is None or not call.is_loss or lim is None or a.path == LOSS_PATH:
+        return None
+    loss = a.record.module_type or ""
+    cls = getattr(torch.nn, loss, None)
+    if not (isinstance(cls, type) and cls.__module__.startswith("torch.nn.")):
+        return None  # the user's own loss module: its forward is theirs to edit
+    op = packet(ev.op).rstrip("_")
+    top = fmt(lim.max)
+    why = (
+        f"# {op} inside {loss} passed {top}, {dtype}'s largest value: on float32 inputs the "
+        f"loss computes in float32 (the model may stay in {dtype})"
+    )
+    n_in = sum(
+        1
+        for r in ctx.trace.records
+        if r.call == call.id and r.phase is Phase.INPUT and (r.role or "").startswith("input[")
+    )
+    plain = ev.code.split("  #", 1)[0].strip() if ev.code else ""
+    fixed = _float_call(ev.code, n_in) if n_in else None
+    if fixed is not None:
+        return f"{fixed}  # was: {plain}\n{why}"
+    return (
+        f"# where {loss} is called: give it .float() of each tensor argument, not the "
+        f"{dtype} tensors\n{why}"
+    )
+
+
+def _float_call(code: str | None, n_args: int) -> str | None:
+    """The user's statement with every positional argument of its one call of ``n_args``
+    positional arguments that is not a torch function cast with ``.float()``."""
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        found = []
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or len(node.args) != n_args:
+                continue
+            root = node.func
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if not isinstance(root, ast.Name) or root.id in ("torch", "F", "nn", "np", "math"):
+                continue
+            found.append(node)
+        if len(found) != 1:
+            continue
+        out = stmt
+        for arg in sorted(found[0].args, key=lambda x: x.col_offset, reverse=True):
+            if isinstance(arg, (ast.Constant, ast.Starred)) or arg.end_col_offset is None:
+                continue
+            b, e = arg.col_offset, arg.end_col_offset
+            raw = out.encode()
+            text = raw[b:e].decode()
+            out = (raw[:b] + f"{paren(text)}.float()".encode() + raw[e:]).decode()
+        return out
+    return None
 
 
 def _complex_exp_line(
@@ -1524,6 +1607,8 @@ def _exp_holder(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> str | None:
             how = f"exp's argument {arg} is made of the parameter {ref}"
         elif n in outputs:
             return None  # a model output, perhaps: the model's lr applies
+        elif ev.path and ev.path != LOSS_PATH:
+            return _in_module_holder(ctx, ev, arg)
         else:
             return (
                 f"exp's argument {arg} is made of {expr}, no watched parameter or output: "
@@ -1532,18 +1617,37 @@ def _exp_holder(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> str | None:
             )
     elif not ev.code and not ev.inputs and (ev.path or a.path) == LOSS_PATH:
         hits = [q for q, k in params.items() if k == n]
-        if len(hits) == 1 and n not in outputs:
+        lim = limits(ev.dtype)
+        # a size alone is no evidence: the parameter itself must hold values past exp's
+        # bound (its recorded |p|), or the argument may be any tensor of that many values
+        big = _param_magnitude((*ctx.history, ctx.trace), hits[0]) if len(hits) == 1 else None
+        if (
+            len(hits) == 1
+            and n not in outputs
+            and lim is not None
+            and big is not None
+            and big > lim.exp_bound
+        ):
             qual = hits[0]
             how = (
-                f"exp's {count(n, 'value')} match the parameter {qual}, the only watched "
-                f"parameter of {count(n, 'value')}"
+                f"the parameter {qual}, the only watched parameter of exp's "
+                f"{count(n, 'value')}, holds values up to |p| = {fmt(big)}, past exp's bound "
+                f"{fmt(lim.exp_bound)}"
             )
-        elif not hits and n not in outputs:
+        elif n in outputs and not hits:
+            return None  # a model output, perhaps: the model's lr applies
+        elif hits:
+            return (
+                f"exp ran in the loss code on {count(n, 'value')} and its argument was not "
+                "kept: whether a weight or an output grew in training, or a constant (a "
+                "table, a log of 0) made it, is not known"
+            )
+        else:
             return (
                 f"exp ran in the loss code on {count(n, 'value')}, the size of no watched "
                 "parameter or model output: a tensor outside the model (a learned "
-                "log-variance, a temperature) grew, and the lr of the param group updating "
-                "it is not known"
+                "log-variance, a temperature) grew, or a constant (a table, a log of 0) made "
+                "its argument; the lr of a param group updating it is not known"
             )
     if qual is None:
         return None
@@ -1558,6 +1662,46 @@ def _exp_holder(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> str | None:
         f"{how}, which drifted during training ({opt} lr {fmt(lr)} in param group {group}, "
         "which holds it)"
     )
+
+
+def _in_module_holder(ctx: RuleContext, ev: OpEvent, arg: str) -> str:
+    """For an exp in a watched module's forward: its argument is computed there, from the
+    module's input or its watched children's outputs; the child whose output's largest
+    value is exactly the argument's is named (a slice of it: ``s, t = self.net(x).chunk(2)``),
+    and the lr of the param group holding its weights is quoted."""
+    top = signed_max(first_input(ev))
+    path = ev.path or ""
+    child: str | None = None
+    if math.isfinite(top):
+        for r in ctx.trace.records:
+            if (
+                r.phase is Phase.FORWARD
+                and r.path.startswith(f"{path}.")
+                and r.stat is not None
+                and math.isclose(signed_max(r.stat), top, rel_tol=1e-6)
+            ):
+                child = r.path
+                break
+    if child is not None:
+        return (
+            f"exp's argument {arg} is computed in {path}'s forward from the output of its "
+            f"child {child}, whose largest value is the same {fmt(top)}: its weights or its "
+            f"input grew during training{_lr_note(ctx, child)}"
+        )
+    return (
+        f"exp's argument {arg} is computed in {path}'s forward from the module's input or "
+        f"its children's outputs: they grew during training{_lr_note(ctx, path)}"
+    )
+
+
+def _param_magnitude(traces: Sequence[StepTrace], qualname: str) -> float | None:
+    """The latest recorded largest |value| of the watched parameter ``qualname``."""
+    found: float | None = None
+    for t in traces:
+        for r in t.records:
+            if r.phase is Phase.PARAMETER and r.role == qualname and r.stat is not None:
+                found = r.stat.magnitude
+    return found
 
 
 def _growth_line(
@@ -1598,6 +1742,8 @@ def _growth_line(
         jump.elsewhere or (jump.steady and jump.updates > 0)
     ):  # steady, then one jump: an update or a write outside the optimizer, not a drift
         return f"{what}: {jump.line(_lr_note(ctx, jump.path))}"
+    elif holder is not None and name in EXP_LIKE and not math.isfinite(big):
+        return f"{what} at step {ctx.step}: {holder}"  # its argument unknown: no claim
     elif holder is not None:
         when = f"at step {ctx.step}: {holder}"
     else:
@@ -1772,7 +1918,16 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
         **anomaly_fields(a),
         evidence=evidence,
         explanation=_explain(kind, rec.dtype, lim),
-        fix=_fix(kind, "", rec.dtype, lim, None, device=device, ref=_module_ref(ctx, a)),
+        fix=_fix(
+            kind,
+            "",
+            rec.dtype,
+            lim,
+            None,
+            device=device,
+            ref=_module_ref(ctx, a),
+            loss=a.path == LOSS_PATH,
+        ),
         priority=20,
     )
 
@@ -2162,6 +2317,15 @@ def _fix(
         return (
             f"# {where}, call {op} on .float() inputs and cast the result back\n"
             f"# with .to(torch.{dtype}) {no_autocast}\n"
+            f"{bf16}"
+        )
+    if loss:  # the loss code, outside the modules: the model itself is not where it overflowed
+        return (
+            f"# in the loss code, compute the expression that overflowed in float32: .float() "
+            f"on the model's {dtype} outputs before the arithmetic and the reduction, e.g. "
+            f"(x.float() ** 2).sum() for (x ** 2).sum()\n"
+            f"# a sum or product of many {dtype} values passes {top}; the float32 loss still "
+            f"sends its gradients back to the {dtype} model\n"
             f"{bf16}"
         )
     return (
@@ -2569,6 +2733,207 @@ def _max_subtracted(code: str | None, op: str) -> str:
     if fixed is not None:
         return fixed
     return f"e = torch.{op}(x - x.amax(dim=-1, keepdim=True))   # x: this exp's argument"
+
+
+# ------------------------------------------------------------- a softmax over segments
+
+#: ops that sum their source into slots chosen by an index: a segment sum (a graph's
+#: per-node neighbour sum); positional (dim, index, source) after the receiver
+_SEGMENT_SUMS = frozenset(
+    {"index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_"}
+)
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """The call that sums an exp's result per segment (``torch.zeros(n).index_add_(0, dst,
+    w)``): its receiver (what it sums into), dim, index, the call's text and where it is."""
+
+    method: str
+    receiver: str
+    dim: str
+    index: str
+    call: str
+    source: str
+
+
+def _segment_call(stmt: str, names: set[str], source: str) -> _Segment | None:
+    """The segment sum in ``stmt`` whose source uses one of ``names`` or calls exp."""
+    try:
+        tree = ast.parse(stmt)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        method = node.func.attr
+        if method not in _SEGMENT_SUMS:
+            continue
+        args = list(node.args)
+        owner = ast.unparse(node.func.value)
+        if owner == "torch":  # torch.index_add(input, dim, index, source)
+            if not args:
+                continue
+            recv, args = args[0], args[1:]
+        else:
+            recv = node.func.value
+        kw = {k.arg: k.value for k in node.keywords if k.arg}
+        keys = ("dim", "index", "source" if method.startswith("index") else "src", "reduce")
+        got = [args[i] if i < len(args) else kw.get(k) for i, k in enumerate(keys)]
+        dim, index, src, reduce = got
+        if dim is None or index is None or src is None:
+            continue
+        if method.startswith("scatter_reduce") and not (
+            isinstance(reduce, ast.Constant) and reduce.value in ("sum", "mean")
+        ):
+            continue
+        used = {n.id for n in ast.walk(src) if isinstance(n, ast.Name)}
+        calls = any(
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in _EXP_CALLS
+            for n in ast.walk(src)
+        )
+        if not (used & names or calls):
+            continue
+        return _Segment(
+            method=method,
+            receiver=ast.unparse(recv),
+            dim=ast.unparse(dim),
+            index=ast.unparse(index),
+            call=ast.get_source_segment(stmt, node) or ast.unparse(node),
+            source=source,
+        )
+    return None
+
+
+def _segment_sum(ev: OpEvent, reach: int = 15) -> _Segment | None:
+    """Where the user sums an exp's result per segment by index (``index_add_``,
+    ``scatter_add``, ``scatter_reduce(..., 'sum')``): on the exp's own line, or on a later
+    line of the same block that uses the name the exp's line assigns. A softmax over each
+    segment (a node's incoming edges) needs each segment's own max, not one over a dim."""
+    import linecache
+
+    path, _, num = (ev.source or "").rpartition(":")
+    if not path or not num.isdigit() or not ev.code or ev.phase is not Phase.FORWARD:
+        return None
+    start = int(num)
+    here = linecache.getline(path, start)
+    if not here.strip():
+        return None
+    indent = len(here) - len(here.lstrip())
+    names: set[str] = set()
+    for stmt in statements(ev.code):
+        found = _segment_call(stmt, set(), ev.source or "")
+        if found is not None:
+            return found
+        if re.search(rf"\b(?:{'|'.join(_EXP_CALLS)})\(", stmt):
+            name = _assigned(stmt)
+            if name is not None:
+                names.add(name)
+    if not names:
+        return None
+    # the enclosing function's body: a later line of a lower block (after an if / else)
+    # still sees the name; a line at the def's own indent ends the function
+    top = -1
+    for n in range(start - 1, max(0, start - 200), -1):
+        text = linecache.getline(path, n)
+        depth = len(text) - len(text.lstrip())
+        if re.match(r"\s*(?:async\s+)?def\s", text) and depth < indent:
+            top = depth
+            break
+    for n in range(start + 1, start + reach):
+        text = linecache.getline(path, n)
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        if len(text) - len(text.lstrip()) <= top:
+            break  # the function ended
+        for stmt in statements(text.strip()):
+            found = _segment_call(stmt, names, f"{path}:{n}")
+            if found is not None:
+                return found
+            if _assigned(stmt) in names:
+                return None  # the exp's name is given another value first
+    return None
+
+
+def _segment_full(receiver: str) -> str:
+    """A tensor like ``receiver`` (what the segment sum sums into) filled with -inf:
+    ``torch.zeros(n)`` -> ``torch.full((n,), float('-inf'))``."""
+    inf = "float('-inf')"
+    try:
+        node = ast.parse(receiver, mode="eval").body
+    except SyntaxError:
+        node = None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        attr, owner = node.func.attr, ast.unparse(node.func.value)
+        kws = "".join(f", {ast.unparse(k)}" for k in node.keywords)
+        args = [ast.unparse(a) for a in node.args]
+        if attr == "zeros_like" and owner == "torch" and len(args) == 1:
+            return f"torch.full_like({args[0]}, {inf}{kws})"
+        if (
+            attr in ("zeros", "new_zeros")
+            and args
+            and not any(isinstance(a, ast.Starred) for a in node.args)
+        ):
+            one = node.args[0]
+            if len(args) > 1:
+                size = f"({', '.join(args)})"
+            elif isinstance(one, (ast.Tuple, ast.List)) or re.search(
+                r"\.shape$|\.size\(\)$", args[0]
+            ):
+                size = args[0]
+            else:
+                size = f"({args[0]},)"
+            if attr == "zeros" and owner == "torch":
+                return f"torch.full({size}, {inf}{kws})"
+            if attr == "new_zeros":
+                return f"{owner}.new_full({size}, {inf}{kws})"
+    return f"torch.full_like({receiver}, {inf})"
+
+
+def _segment_fix(code: str | None, op: str, seg: _Segment) -> str | None:
+    """The user's exp line with each segment's max subtracted (a stable softmax per
+    segment), preceded by the line computing that max with ``scatter_reduce``."""
+    arg: list[str] = []
+    mname = fresh_name("m", identifiers(code) | identifiers(seg.call))
+    scatter = seg.method.startswith("scatter")
+    if scatter:
+        pick = f"{mname}.gather({seg.dim}, {seg.index})"
+    elif seg.dim == "0":
+        pick = f"{mname}[{seg.index}]"
+    else:
+        pick = f"{mname}.index_select({seg.dim}, {seg.index})"
+    line = code.split("  #", 1)[0] if code else ""
+    function = re.search(rf"\b(?:torch\.special|torch|special)\.{re.escape(op)}\(", line)
+
+    def wrap(e: str) -> str:
+        arg.append(e)
+        shifted = f"{paren(e)} - {pick}"
+        return shifted if function else f"({shifted})"
+
+    fixed = next(
+        (f for s in statements(code) if (f := rewrite_call(s, [op], wrap)) is not None), None
+    )
+    if fixed is None or not arg:
+        return None
+    x = arg[0]
+    plain = line.strip()
+    lines = [
+        f"{mname} = {_segment_full(seg.receiver)}.scatter_reduce({seg.dim}, {seg.index}, "
+        f"{x}, 'amax', include_self=True)   # each segment's own max",
+        f"{fixed}  # was: {plain}",
+        f"# {seg.call} sums the exp per {seg.index}: a softmax over each segment, so "
+        "subtract each segment's own max; a max over the whole dim (amax(dim=-1), "
+        "torch.softmax(dim=-1)) makes a segment far below it all 0, then 0/0 = NaN",
+    ]
+    if not scatter and seg.dim == "0":
+        lines.insert(
+            2,
+            f"# {x} of several columns (heads): give scatter_reduce "
+            f"{seg.index}.view(-1, *[1] * ({x}.dim() - 1)).expand_as({x}) instead of {seg.index}",
+        )
+    return "\n".join(lines)
 
 
 def _upcast_matmul(code: str | None) -> str | None:
