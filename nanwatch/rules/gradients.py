@@ -667,7 +667,9 @@ def _written_elsewhere(
     ctx: RuleContext, a: Anomaly, *, name: str, evidence: list[str], after: str | None
 ) -> Diagnosis:
     """No optimizer step updated the weight (or ``after``, the optimizer that did, left it
-    finite and something wrote it again): other code wrote the NaN/inf."""
+    finite and something wrote it again): other code wrote the NaN/inf. When the step's
+    records place the write in this step's forward (a data-dependent init, ActNorm's
+    ``logs = log(1 / std)``), that is what it says, with the op and line when known."""
     how = (
         f"{after} updated {name} and left it finite; it was written again after that "
         "update (its version changed)"
@@ -680,23 +682,90 @@ def _written_elsewhere(
             "; nanwatch's check at attach found it finite, and the write left its version "
             "unchanged (a write through .data or .detach())"
         )
+    owner = a.record.path
+    op = None if after else _forward_writer_op(ctx, a.record, name)
+    if op is None:
+        return ctx.diagnosis(
+            **anomaly_fields(a),
+            title="Non-finite weights written outside an optimizer step",
+            evidence=[*evidence, how],
+            explanation=(
+                f"{name} became non-finite, and no optimizer updated it: other code wrote it. "
+                "An average of weights (an EMA or torch.optim.swa_utils.AveragedModel, whose "
+                "avg_fn can divide by 0 at its first update), a load_state_dict of a "
+                "checkpoint that holds NaN, an in-place write (p.data.copy_, a pruning mask's "
+                "weight_orig), a write in the model's own forward (a data-dependent init), "
+                "or a weight tied to another module's. The learning rate is not the cause."
+            ),
+            fix=(
+                "# right after each place that writes weights (an EMA update, a load):\n"
+                "bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]\n"
+                "assert not bad, bad"
+            ),
+        )
+    leaf = name.rsplit(".", 1)[-1]
+    evidence = [
+        *evidence,
+        how,
+        f"{op.op} made {op.born} in {owner}'s forward at {op.source}"
+        + (f": {op.code.strip()}" if op.code else "")
+        + f" (the line that writes {leaf}), in this step",
+    ]
+    where = f"{owner}'s forward wrote it at {op.source} ({op.op} made {op.born})"
+    expr = _written_expr(op.code, leaf)
+    hint = _OP_HINTS.get(op.op.split(".")[1] if "." in op.op else "", "")
+    check = expr or f"model.get_parameter({name!r})"
+    fix = (
+        f"# at {op.source}, in {owner}'s forward: {hint or 'keep what it writes finite'}\n"
+        f"assert torch.isfinite({check}).all(), {check + ' non-finite'!r}"
+        "   # right after the write"
+    )
     return ctx.diagnosis(
         **anomaly_fields(a),
-        title="Non-finite weights written outside an optimizer step",
-        evidence=[*evidence, how],
+        source=op.source,
+        title="Non-finite weights written in the model's forward",
+        evidence=evidence,
         explanation=(
-            f"{name} became non-finite, and no optimizer updated it: other code wrote it. "
-            "An average of weights (an EMA or torch.optim.swa_utils.AveragedModel, whose "
-            "avg_fn can divide by 0 at its first update), a load_state_dict of a checkpoint "
-            "that holds NaN, an in-place write (p.data.copy_, a pruning mask's weight_orig), "
-            "or a weight tied to another module's. The learning rate is not the cause."
+            f"{name} became non-finite, and no optimizer updated it: {where}. A "
+            "data-dependent init in forward (ActNorm's logs = log(1 / std), a scale set to "
+            "1 / std of the first batch) writes NaN/inf when a channel of that batch is "
+            "constant (std = 0) and nothing adds an eps. The learning rate is not the cause."
         ),
-        fix=(
-            "# right after each place that writes weights (an EMA update, a load):\n"
-            "bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]\n"
-            "assert not bad, bad"
-        ),
+        fix=fix,
     )
+
+
+#: what to do about a forward op that made a weight's NaN/inf, by its aten name
+_OP_HINTS = {
+    "reciprocal": "a division by 0: add an eps to the divisor (x + 1e-6)",
+    "div": "a division by 0: add an eps to the divisor (x + 1e-6)",
+    "log": "a log of 0: clamp its argument (x.clamp_min(1e-6))",
+    "rsqrt": "a 1 / sqrt(0): add an eps under the root (x + 1e-6)",
+}
+
+
+def _forward_writer_op(ctx: RuleContext, rec: Record, name: str) -> Any:
+    """The op of this step's forward that made the NaN/inf written into weight ``name``:
+    the first op (``trace.ops``, forensic) that created one inside the weight's owner
+    module, on a line that names the weight's attribute (``self.logs.data.copy_(...)``).
+    None when the step recorded no such op."""
+    leaf = name.rsplit(".", 1)[-1]
+    pat = re.compile(rf"\b{re.escape(leaf)}\b")
+    for op in ctx.trace.ops:
+        if op.phase is not Phase.FORWARD or not op.born or op.injected:
+            continue
+        if op.path != rec.path or not op.source:
+            continue
+        return op if op.code and pat.search(op.code) else None
+    return None
+
+
+def _written_expr(code: str | None, leaf: str) -> str | None:
+    """How the user's line names the weight it writes (``self.logs``), or None."""
+    if not code:
+        return None
+    m = re.search(rf"((?:\w+\.)*{re.escape(leaf)})\b", code)
+    return m.group(1) if m and "." in m.group(1) else None
 
 
 def _finite_at_attach(writer: dict[str, Any] | None) -> bool | None:
@@ -1158,6 +1227,13 @@ def _share_of_largest(modules: dict[str, float], factor: float) -> dict[str, flo
     return {k: v for k, v in modules.items() if v >= floor}
 
 
+def _update_seen(cur: _GradSummary) -> bool:
+    """Whether the step measured what the optimizer applies: the total gradient norm or a
+    parameter's. A module's output gradient moves the update only through these, so when
+    they are recorded a spike of that alone does not reach the weights."""
+    return bool(cur.params) or (cur.total is not None and math.isfinite(cur.total))
+
+
 def _times(ratio: float) -> str:
     return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
 
@@ -1226,7 +1302,11 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
             )
     mods = _spikes(ctx, "modules", _share_of_largest(cur.modules, factor), factor, need)
     params = _spikes(ctx, "params", _above_rounding(cur), factor, need)
-    if not total_spike and not mods and not params:
+    if not total_spike and not params and (not mods or _update_seen(cur)):
+        # a module's output gradient alone is no explosion when the update is measured
+        # and did not move: F.normalize of an all-zero row (1/eps, multiplied by the
+        # zero input), an output layer initialized to 0 whose gradient grows from
+        # nothing. Clipping would change nothing.
         return
     for ratio, key, v, med in params[:3]:
         evidence.append(
