@@ -44,6 +44,7 @@ from nanwatch._compat import (
     no_values,
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
+    transforming,
 )
 from nanwatch._structure import iter_tensors
 from nanwatch.config import WatchConfig
@@ -500,6 +501,8 @@ class Watcher:
         self._acted_step = -1
         self._device_dead = False
         self._compiled_warned = False
+        #: the optimizer stepping now applies a gradient your code wrote that is not finite
+        self._written_bad = False
         self._quiet = False
         self._defer_cpu = False  # tests drive the accelerator path on CPU with this
         self._thread: int | None = None
@@ -1020,7 +1023,11 @@ class Watcher:
     def _pre(
         self, info: _ModInfo, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        if not self._attached or _tracing():
+        if not self._attached:
+            return
+        if _tracing():
+            if transforming():  # vmap/grad ran the model: no compiled one (see _on_backward)
+                self._transformed = True
             return
         if info.post_only and not self._forensic:
             return  # watched from its forward hook alone
@@ -1244,6 +1251,7 @@ class Watcher:
         self._stepped: dict[int, tuple[str, int, int]] = {}
         self._backward_seen = False
         self._backward_called = False  # backward() (not autograd.grad) ran this step
+        self._transformed = False  # a watched module was called under a torch.func transform
         self._grad_call = False  # a call from outside with gradients on was made this step
         self._updated = False  # an optimizer stepped this step
         self._weights_at_grad: tuple[int, ...] | None = None  # versions after autograd.grad
@@ -1510,6 +1518,7 @@ class Watcher:
             dense = [(q, g) for q, (_, g) in written.items() if g.layout is torch.strided]
             values = read_scalars(foreach_l2([g for _, g in dense])) if dense else []
             nonfinite = [q for (q, _), v in zip(dense, values, strict=True) if v - v != 0]
+        self._written_bad = bool(nonfinite)  # the weights are checked after the update
         self.note(
             "grad_written",
             type(optimizer).__name__,
@@ -1564,8 +1573,26 @@ class Watcher:
                                 marks.pop(key, None)
                             else:
                                 marks[key] = [p, ref(grad), grad._version, False, False, None]
+            if self._written_bad:
+                self._written_bad = False
+                with _NO_TORCH_FUNCTION():
+                    self._check_written_update()
+        except NanwatchError:
+            raise
         except Exception as exc:
             self._fault("optimizer", "optimizer post-hook", exc)
+
+    def _check_written_update(self) -> None:
+        """The optimizer just applied a gradient your code wrote that is not finite (found
+        by :meth:`_note_written_grads`): the weights are checked now, as the step's end
+        checks them (NW301), and ``on_anomaly`` acts at this ``optimizer.step()``. A loop
+        whose modules run only under ``vmap``/``grad`` (per-sample gradients, DP-SGD) has
+        no step end before the next update, or none at all without ``nw.step()``."""
+        if self._trace.anomaly is not None or self._device_dead or _tracing():
+            return
+        self._check_params(at_end=True)
+        if self._new_trigger is not None:
+            self._handle_trigger(None)
 
     def _grads_around_backward(self, before: bool) -> None:
         """Just ``before`` (or after) a ``backward()``: which gradients marked by the last
@@ -1958,9 +1985,14 @@ class Watcher:
                 t = tensors[0] if isinstance(tensors[0], torch.Tensor) else None
             if t is None or t.numel() != 1 or not t.is_floating_point():
                 return
-            if not self._compiled_warned and all(c.is_loss for c in self._trace.calls):
+            if (
+                not self._compiled_warned
+                and not self._transformed
+                and all(c.is_loss for c in self._trace.calls)
+            ):
                 # only the criterion, or nothing, ran in eager mode: a compiled model? (any
-                # module call counts: checkpoint_sequential calls a root's children alone)
+                # module call counts: checkpoint_sequential calls a root's children alone;
+                # calls under vmap/grad are not watched, as documented, and say nothing)
                 with _NO_TORCH_FUNCTION():
                     # sentinel hooks only the roots: children called one by one (by hand,
                     # checkpoint_sequential) leave no call, so only a compiled graph tells
@@ -2359,9 +2391,12 @@ class Watcher:
             if not stat.finite and len(self._trace.notes) < 256:
                 # which optimizer step, if any, last wrote it (NW301: an EMA copy, a loaded
                 # checkpoint, a pruning mask are written by no optimizer)
-                stepped = (self._stepped if at_end else self._stepped_prev).get(id(param))
-                if stepped is None and self._opt_running:  # a closure's evaluation inside
-                    stepped = self._stepped.get(id(param))  # the optimizer step (LBFGS)
+                # on a trigger, an update earlier in this step (an evaluation forward after
+                # optimizer.step(); a closure's evaluation inside it, LBFGS) wrote it last;
+                # else the last step's
+                stepped = self._stepped.get(id(param))
+                if stepped is None and not at_end:
+                    stepped = self._stepped_prev.get(id(param))
                 after = stepped is not None and stepped[2] not in (-1, param._version)
                 at_attach = self._attach_versions.get(id(param))
                 if stepped is not None:
