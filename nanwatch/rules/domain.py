@@ -300,7 +300,13 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         return _log1p_below(ctx, a, ev, x, evidence=evidence)
     use = _log_of_param(ctx, a, ev, x) if ev.phase is Phase.FORWARD else None
     if use is None and ev.phase is Phase.FORWARD:
+        use = _dist_value_use(ctx, ev, x)
+    if use is None and ev.phase is Phase.FORWARD and x is not None and x.min <= 0:
+        use = _det_use(ctx, ev)
+    if use is None and ev.phase is Phase.FORWARD:
         use = _log_use(ctx, a, ev)
+    if use is None and ev.phase is Phase.FORWARD and x is not None:
+        use = _unknown_log_use(ev, x)
     if use is not None and use.evidence:
         evidence.insert(len(evidence) - len(_chain_evidence(ev, trigger, "-inf")), use.evidence)
     return ctx.diagnosis(
@@ -320,6 +326,233 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         ),
         fix=use.fix if use is not None else _LOG_FIX,
     )
+
+
+def _log_argument(ev: OpEvent) -> tuple[str, int, int, str] | None:
+    """The statement of the user's line that takes one log, with that call's (start,
+    end, argument); None when the line is unknown or takes several logs."""
+    for stmt in statements(ev.code):
+        calls = _log_calls(stmt)
+        if len(calls) == 1:
+            start, end, arg = calls[0]
+            return stmt, start, end, arg
+    return None
+
+
+def _log_tiny(dtype: str | None) -> str:
+    """log of the dtype's smallest normal number: what a floor at tiny turns log(0) into."""
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    return f"{fmt(math.log(lim.tiny))} in {dtype or 'float32'}"
+
+
+def _floored_line(ev: OpEvent) -> str | None:
+    """The user's line with the log's argument floored at the dtype's tiny."""
+    found = _log_argument(ev)
+    if found is None:
+        return None
+    stmt, start, end, arg = found
+    floor = f"{paren(arg)}.clamp_min({_tiny(arg)})"
+    return f"{stmt[:start]}{_with_arg(stmt[start:end], floor)}{stmt[end:]}"
+
+
+def _unknown_log_use(ev: OpEvent, x: TensorStat) -> _LogUse | None:
+    """What the evidence shows when nothing names what the log was taken of: a negative
+    argument is a domain error (no floor or probability recipe fixes it); exact zeros in
+    values that are not probabilities come from the data or the code that made them; only
+    zeros within [0, 1] may be probabilities that underflowed."""
+    found = _log_argument(ev)
+    arg = found[3] if found is not None else None
+    what = arg or "the log's argument"
+    tiny_log = _log_tiny(ev.dtype)
+    if x.min < 0:
+        return _LogUse(
+            "negative",
+            fix=(
+                f"# {what} must be > 0 for a log, and it reached {fmt(x.min)}: find what makes "
+                "it negative where it is computed\n"
+                "# a predicted positive quantity (a scale, a rate, a variance): F.softplus(raw) "
+                "+ 1e-6 or raw.exp(), not the raw output\n"
+                f"# not a clamp at a tiny value: log(tiny) = {tiny_log} is a wrong value, not "
+                "a small one"
+            ),
+            why=(
+                f"Its input is negative (min {fmt(x.min)}, max {fmt(x.max)}): that is a domain "
+                "error, not an underflow. No probability underflows below 0, and a floor at a "
+                f"tiny value would turn the NaN into log(tiny) = {tiny_log}, finite and wrong. "
+                "The quantity the log is taken of is not positive: the code that computes it "
+                "is what to fix."
+            ),
+            evidence=f"{what} holds negative values, down to {fmt(x.min)}: not an underflow",
+        )
+    if not has_zero(x):
+        return None
+    own = _floored_line(ev)
+    zeros = _zeros_text(x, "log")
+    if x.max > 1:
+        head = (
+            f"# {what} holds {zeros} (min 0, max {fmt(x.max)}): keep 0 out where {what} is "
+            "made or sampled"
+        )
+        guard = (
+            f"{own}   # or a floor, when a 0 is legitimate there: log(tiny) = {tiny_log}"
+            if own
+            else None
+        )
+        return _LogUse(
+            "zero",
+            fix="\n".join(line for line in (head, guard) if line),
+            why=(
+                f"Its input holds exact zeros and is not a probability (values up to "
+                f"{fmt(x.max)}): the 0 comes from the data or the code that makes it (a noise "
+                "level, a scale or a count that can be 0), not from an underflow. Keep 0 out "
+                f"of the log where the value is made; a floor keeps it finite at "
+                f"log(tiny) = {tiny_log}, which is only right where a 0 means 'almost nothing'."
+            ),
+            evidence=f"{what} is not a probability: it holds {zeros}, and values up to "
+            f"{fmt(x.max)}",
+        )
+    lines = []
+    if own:
+        lines.append(f"{own}   # finite: log(tiny) = {tiny_log}")
+    lines += [
+        f"# {what} is a softmax/sigmoid probability: take the log from the logits instead, "
+        "F.log_softmax(logits, dim=-1) or F.logsigmoid(logits), not torch.log(p)",
+        f"# {what} is data in [0, 1] (pixels, fractions): keep it inside (0, 1), "
+        f"{paren(arg or 'p')}.clamp(eps, 1 - eps) or dequantize",
+    ]
+    return _LogUse(
+        "unit",
+        fix="\n".join(lines),
+        why=(
+            f"Its input lies in [0, 1] (min 0, max {fmt(x.max)}) with {zeros}. Either it is "
+            "a probability that underflowed to exactly 0 (a softmax or sigmoid of a large "
+            "negative logit): computing the log from the logits (log_softmax, logsigmoid, "
+            "the *_with_logits losses) never forms the 0; or it is data with exact zeros "
+            "(black pixels, a fraction k/n with k = 0), which must be kept inside (0, 1)."
+        ),
+    )
+
+
+_DET = re.compile(r"^(?:torch\.(?:linalg\.)?det\((.+)\)|(.+)\.det\(\s*\))$")
+
+
+def _det_use(ctx: RuleContext, ev: OpEvent) -> _LogUse | None:
+    """A log of a determinant (``torch.log(torch.det(W))``, from the line, or log <-
+    linalg_det in the loss graph or the op evidence): det is negative for an invertible
+    matrix that flips orientation, so the log is NaN; log|det| is slogdet's."""
+    why = (
+        "Its input is a determinant. det(W) is negative for any invertible matrix that "
+        "flips orientation (an orthogonal init from QR has det +1 or -1), so log(det W) is "
+        "NaN for a perfectly valid W, and -inf for a singular one. A change of variables "
+        "(a flow's log-likelihood) needs log|det W|: torch.linalg.slogdet returns it, with "
+        "the sign apart, and without det's overflow for large matrices. A clamp at a tiny "
+        f"value gives log(tiny) = {_log_tiny(ev.dtype)}: finite and wrong."
+    )
+    for stmt in statements(ev.code):
+        for start, end, arg in _log_calls(stmt):
+            m = _DET.match(arg)
+            if m is None:
+                continue
+            w = (m.group(1) or m.group(2)).strip()
+            own = f"{stmt[:start]}torch.linalg.slogdet({w}).logabsdet{stmt[end:]}"
+            return _LogUse(
+                "det",
+                fix=(
+                    f"{own}   # log|det {w}|: det < 0 is a valid invertible matrix\n"
+                    f"# torch.linalg.slogdet({w}).sign is the sign, when it matters"
+                ),
+                why=why,
+                evidence=f"the log's argument {arg} is a determinant: det < 0 for a matrix "
+                "that flips orientation",
+            )
+    in_graph = any(
+        isinstance(ops := n.data.get("ops"), list)
+        and any(ops[i : i + 2] in (["log", "linalgdet"], ["log", "det"]) for i in range(len(ops)))
+        for n in ctx.notes("loss_graph")
+    )
+    in_ops = not ev.code and any("linalg_det" in o.op for o in ctx.trace.ops)
+    if not (in_graph or in_ops):
+        return None
+    return _LogUse(
+        "det",
+        fix=(
+            "logdet = torch.linalg.slogdet(W).logabsdet   # not torch.log(torch.det(W)): "
+            "W the matrix; det < 0 is a valid invertible matrix\n"
+            '# mode="forensic" names your line, and nanwatch rewrites it'
+        ),
+        why=why,
+        evidence="the autograd graph takes the log of a determinant (log <- linalg_det)",
+    )
+
+
+def _dist_value_use(ctx: RuleContext, ev: OpEvent, x: TensorStat | None) -> _LogUse | None:
+    """xlogy(concentration - 1, value) inside a torch.distributions log_prob (Beta,
+    Dirichlet, Gamma) with the VALUE on the edge of the support: exactly 0 (or 1, for
+    Beta's 1 - value), where the density's log is ±inf. The parameters are fine."""
+    if packet(ev.op) != "xlogy" or x is None or not has_zero(x):
+        return None
+    stmt = _log_prob_statement(ctx, ev)
+    graph = not ev.code and any(
+        isinstance(ops := n.data.get("ops"), list) and "xlogy" in ops and "lgamma" in ops
+        for n in ctx.notes("loss_graph")
+    )
+    if stmt is None and not (_in_distribution(ev) or graph):
+        return None
+    call = re.search(r"\.log_prob\(([^()]+)\)", stmt or "")
+    value = call.group(1).strip() if call else None
+    made = re.search(r"(?<!\w)(\w+)\((?:[^()]|\([^()]*\))*\)\.log_prob\(", stmt or "")
+    dist = made.group(1) if made else None
+    unit = dist in ("Beta", "Dirichlet", "ContinuousBernoulli") or (dist is None and x.max <= 1)
+    v = value or "y"
+    eps = f"torch.finfo({paren(v)}.dtype).eps"
+    clamp = f"{paren(v)}.clamp({eps}, 1 - {eps})" if unit else f"{paren(v)}.clamp_min({eps})"
+    support = "(0, 1)" if unit else "(0, inf)"
+    if stmt is not None and value is not None and call is not None:
+        fix = f"{stmt[: call.start(1)]}{clamp}{stmt[call.end(1) :]}   # a value inside {support}"
+    else:
+        fix = (
+            f"y = {clamp}   # y: the value passed to log_prob; keep it inside {support}\n"
+            '# mode="forensic" names your line, and nanwatch rewrites it'
+        )
+    if unit:
+        fix += "\n# or shrink fractions k/n into (0, 1): (k + 0.5) / (n + 1)"
+    name = f"{dist}.log_prob" if dist else "log_prob"
+    return _LogUse(
+        "dist-value",
+        fix=fix,
+        why=(
+            f"The log is inside {name}, which computes xlogy(concentration - 1, value): the "
+            f"value passed to log_prob sits exactly on the edge of the support {support}, "
+            "where the log-density is ±inf (the support check accepts the edge). The "
+            "parameters are fine and no probability underflowed; a target that is exactly "
+            "0 or 1 (a fraction k/n with k = 0 or k = n, a clipped label) is the bad operand: "
+            "keep it inside the open interval."
+        ),
+        evidence=(
+            f"the value given to {name}"
+            + (f" ({value})" if value else "")
+            + f" sits on the edge of the support {support}: xlogy's log operand holds "
+            f"{_zeros_text(x, 'log')} (min {fmt(x.min)}, max {fmt(x.max)})"
+        ),
+    )
+
+
+def _log_prob_statement(ctx: RuleContext, ev: OpEvent) -> str | None:
+    """The user's statement that calls ``.log_prob(``: the op's line, else (loss code,
+    graph only) the statement that assigned the tensor ``.backward()`` was called on."""
+    for stmt in statements(ev.code):
+        if ".log_prob(" in stmt:
+            return stmt
+    if ev.code or ev.path != LOSS_PATH:
+        return None
+    for n in ctx.notes("loss_graph"):
+        line = full_statement(n.source) or ""
+        m = re.search(r"(?<![\w.])([A-Za-z_]\w*)\.backward\(", line)
+        made = _assigned_before(n.source, m.group(1)) if m else None
+        if made and ".log_prob(" in made:
+            return made
+    return None
 
 
 def _complex_log(
@@ -551,6 +784,9 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
                     "softmax", f"{own}   # log(softmax(z)) without forming the 0\n" + _LOG_FIX
                 )
         break
+    hand = _naive_softplus_use(ctx, ev)
+    if hand is not None:
+        return hand
     if not ev.code and _graph_logs_exp_sum(ctx, ev):
         return _LogUse(
             "logsumexp",
@@ -648,19 +884,133 @@ def _logsumexp_use(
     )
 
 
+def _exp_sum_logs(ops: list[object]) -> tuple[int, int]:
+    """How many logs a loss graph's op list (depth first: a unary op's input follows it)
+    holds, and how many of them take the log of a sum of exps (``log`` then ``add``/``sum``
+    then ``exp``)."""
+    logs = [i for i, o in enumerate(ops) if o == "log"]
+    summed = [i for i in logs if ops[i + 1 : i + 3] in (["add", "exp"], ["sum", "exp"])]
+    return len(logs), len(summed)
+
+
 def _graph_logs_exp_sum(ctx: RuleContext, ev: OpEvent) -> bool:
-    """The loss graph walked from the loss (default mode, no line) shows a log whose
-    input is a sum of exps: ``log`` then ``add``/``sum`` then ``exp`` in its op list."""
+    """The loss graph walked from the loss (default mode, no line) shows that the failing
+    log's own input is a sum of exps whose terms underflowed: every log of its op list is
+    ``log`` then ``add``/``sum`` then ``exp`` (so the failing one is), and the log's input
+    is exactly 0 there (a sum of exps is 0 only where every term is)."""
     if ev.path != LOSS_PATH:
+        return False
+    x = first_input(ev)
+    if x is None or not has_zero(x) or x.min < 0:
         return False
     for n in ctx.notes("loss_graph"):
         ops = n.data.get("ops")
-        if isinstance(ops, list) and any(
-            ops[i : i + 3] in (["log", "add", "exp"], ["log", "sum", "exp"])
-            for i in range(len(ops))
-        ):
-            return True
+        if isinstance(ops, list):
+            logs, summed = _exp_sum_logs(ops)
+            if logs and summed == logs:
+                return True
     return False
+
+
+def _softplus_exponent(expr: str) -> str | None:
+    """x of a softplus written by hand: ``torch.log(1 + torch.exp(x))``, ``(1 + x.exp()).log()``
+    (either order of the sum); None otherwise."""
+    try:
+        node = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if node.func.attr != "log":
+        return None
+    if ast.unparse(node.func.value) == "torch" and len(node.args) == 1:
+        inner = node.args[0]
+    elif not node.args and not node.keywords:
+        inner = node.func.value
+    else:
+        return None
+    if not (isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add)):
+        return None
+    for one, other in ((inner.left, inner.right), (inner.right, inner.left)):
+        terms = _exp_terms(other)
+        if isinstance(one, ast.Constant) and one.value == 1 and terms and len(terms) == 1:
+            return ast.unparse(terms[0])
+    return None
+
+
+def _naive_softplus_use(ctx: RuleContext, ev: OpEvent) -> _LogUse | None:
+    """The log's input is a softplus written as log(1 + exp(x)): 1 + exp(x) rounds to 1 for
+    x below log(eps / 2), so it is exactly 0 there and its log -inf. From the line (the
+    log's argument, or the earlier line of the function that assigned it), else from the
+    loss graph (a log <- add <- exp beside the failing log, whose input is exactly 0)."""
+    x = first_input(ev)
+    if x is None or not has_zero(x) or x.min < 0:
+        return None
+    lim = limits(ev.dtype) or limits("float32")
+    assert lim is not None
+    dtype = ev.dtype or "float32"
+    bound = fmt(math.log(lim.eps / 2))
+    why = (
+        f"Its input is a softplus written by hand, log(1 + exp(x)): in {dtype}, 1 + exp(x) "
+        f"rounds to exactly 1 once exp(x) is below half of eps ({fmt(lim.eps / 2)}), that is "
+        f"for x below {bound}, so the softplus is exactly 0 and its log -inf (a Bayesian "
+        "layer's sigma = log(1 + exp(rho)) with rho initialized at -20 or trained down "
+        "there). F.softplus computes log1p(exp(x)) without the rounding: it is exp(x) for a "
+        "very negative x, small but not 0; a floor keeps it off 0 when exp(x) underflows."
+    )
+    found = _log_argument(ev)
+    if found is not None:
+        stmt, start, end, arg = found
+        xs = _softplus_exponent(arg)
+        if xs is not None:
+            soft = f"F.softplus({xs}) + 1e-6"
+            own = f"{stmt[:start]}{_with_arg(stmt[start:end], paren(soft))}{stmt[end:]}"
+            return _LogUse(
+                "softplus",
+                fix=f"{own}   # not log(1 + exp({xs})), which is exactly 0 below {bound}",
+                why=why,
+                evidence=f"the log's argument {arg} is a softplus written by hand: 0 wherever "
+                f"{xs} < {bound} in {dtype}",
+            )
+        if _NAME.fullmatch(arg):
+            made = _assigned_before(ev.source, arg)
+            rhs = made.split("=", 1)[1] if made else None
+            xs = _softplus_exponent(rhs) if rhs else None
+            if made is not None and xs is not None:
+                return _LogUse(
+                    "softplus",
+                    fix=(
+                        f"{arg} = F.softplus({xs}) + 1e-6   # was {made}: exactly 0 for {xs} "
+                        f"below {bound} in {dtype}"
+                    ),
+                    why=why,
+                    evidence=f"{arg} was made by {made}: a softplus written by hand, exactly 0 "
+                    f"wherever {xs} < {bound} in {dtype}",
+                )
+        return None
+    if ev.code or ev.path != LOSS_PATH:
+        return None
+    for n in ctx.notes("loss_graph"):
+        ops = n.data.get("ops")
+        if not isinstance(ops, list):
+            continue
+        logs, summed = _exp_sum_logs(ops)
+        if summed and logs > summed:
+            return _LogUse(
+                "softplus",
+                fix=(
+                    "sigma = F.softplus(rho) + 1e-6   # not torch.log(1 + torch.exp(rho)): "
+                    f"rho the raw parameter; exactly 0 below {bound} in {dtype}\n"
+                    "y = torch.logsumexp(x, dim=-1)   # or, when that log <- add <- exp is a "
+                    "log of a sum of exps: not torch.log(torch.exp(x).sum(-1))\n"
+                    '# mode="forensic" names your line, and nanwatch rewrites it'
+                ),
+                why=why,
+                evidence="the failing log's input is exactly 0, and the loss graph also "
+                "computes a log(a + exp(x)) (log <- add <- exp) whose result can be that 0: "
+                f"log(1 + exp(x)) is exactly 0 for x below {bound} in {dtype}",
+            )
+    return None
 
 
 def _entropy_use(stmt: str, start: int, end: int, arg: str) -> _LogUse | None:
@@ -1273,11 +1623,20 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     zero_over_zero = "NaN" in ev.born and has_zero(num) and has_zero(den)
     integer = den is not None and den is integer_denominator(ev)
     unmeasured = den is None and any(n == "other" and s is None for n, s in ev.inputs)
+    counted = (
+        _float_count(ev, den) if den is not None and not integer and name != "reciprocal" else None
+    )
     if integer and den is not None:
         evidence.append(
             f"denominator is an integer tensor (a count) holding 0: min {fmt(den.min)}, "
             f"max {fmt(den.max)} ({count(den.numel, 'value')})"
         )
+    elif counted is not None and den is not None:
+        evidence.append(
+            f"denominator is a count held in a {ev.dtype} tensor: whole numbers from 0 to "
+            f"{fmt(den.max)} ({den.zeros:,} of {count(den.numel, 'value')} are 0); {counted}"
+        )
+        integer = True
     elif den is not None:
         zeros = (
             f"{den.zeros:,} exact zero{'s' if den.zeros != 1 else ''}"
@@ -1337,6 +1696,10 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if under is not None:
         yield _underflowed_denominator(ctx, a, ev, under, evidence=evidence, title=title)
         return
+    diff = _narrow_difference(ev) if den is not None and not integer else None
+    if diff is not None:
+        yield _cancelled_denominator(ctx, a, ev, diff, evidence=evidence, title=title)
+        return
     if _in_distribution(ev):
         evidence.append(
             "the division is inside torch.distributions: it divides by the distribution's "
@@ -1386,6 +1749,122 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             "±inf and 0/0 is NaN, and the whole column or row goes bad from here."
         ),
         fix=fix,
+    )
+
+
+_NARROW = ("float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class _Difference:
+    """A zero denominator made by a subtraction on the user's line, in a 16-bit dtype."""
+
+    divisor: str  #: the user's denominator (``(1 - ab).sqrt()``)
+    left: str  #: the subtraction's operands (``1``, ``ab``)
+    right: str
+    cast: str | None  #: the user's line with the subtraction's tensor operands in float32
+
+
+def _narrow_difference(ev: OpEvent) -> _Difference | None:
+    """The zero denominator of a forward float16/bfloat16 division is (a function of) a
+    difference ``a - b`` on the user's line: 0 where a and b round to the same 16-bit
+    number."""
+    if ev.phase is not Phase.FORWARD or ev.dtype not in _NARROW:
+        return None
+    got: list[str] = []
+
+    def keep(d: str) -> str:
+        got.append(d)
+        return d
+
+    rewrite_divisor(ev.code, keep)
+    if not got:
+        return None
+    divisor = got[0]
+    try:
+        tree = ast.parse(divisor.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    sub = next(
+        (n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub)),
+        None,
+    )
+    if sub is None:
+        return None
+    left, right = ast.unparse(sub.left), ast.unparse(sub.right)
+    consts = [isinstance(o, ast.Constant) for o in (sub.left, sub.right)]
+    if all(consts):
+        return None
+
+    def wide(o: ast.expr, text: str) -> str:
+        return text if isinstance(o, ast.Constant) else f"{paren(text)}.float()"
+
+    seg = ast.get_source_segment(divisor.strip(), sub)
+    cast = None
+    if seg:
+        widened = f"{wide(sub.left, left)} - {wide(sub.right, right)}"
+        cast = rewrite_divisor(ev.code, lambda d: d.replace(seg, widened, 1))
+    return _Difference(divisor, left, right, cast)
+
+
+def _cancelled_denominator(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, d: _Difference, *, evidence: list[str], title: str
+) -> Diagnosis:
+    """A 16-bit difference of nearly equal numbers cancelled to exactly 0 (``1 - ab`` with
+    ab = 0.9999 stored as 1.0 in float16): the zero is the dtype's, not the data's."""
+    lim = limits(ev.dtype)
+    assert lim is not None
+    half = fmt(lim.eps / 4)  # below 1 the step is eps / 2: within half of it rounds to 1
+    names = [o for o in (d.left, d.right) if _NAME.fullmatch(o) and o not in ("self", "torch")]
+    state: list[str] = []
+    for o in names:
+        if o.startswith("self."):
+            state.append(o)
+            continue
+        value = _assigned_value(ev.source, o)
+        m = re.search(r"(?<![\w.])self\.[A-Za-z_]\w*", value or "")
+        if m:
+            state.append(f"{o} is read from {m.group(0)}")
+    evidence.insert(
+        1,
+        f"the denominator {d.divisor} is made by {d.left} - {d.right} in {ev.dtype}: it is 0 "
+        f"where the two are equal in {ev.dtype}, whose eps is {fmt(lim.eps)}: numbers less than "
+        f"eps·|x| apart can round to the same value (every x within {half} of 1 is 1.0)",
+    )
+    if state:
+        evidence.insert(2, "; ".join(state))
+    lines = []
+    if d.cast:
+        lines.append(
+            f"{d.cast}   # the difference in float32: exact when its operands are float32 "
+            "where they are made"
+        )
+    if state:
+        lines.append(
+            f"# {', '.join(state)}: the {ev.dtype} cast of the model (.half(), .to(torch."
+            f"{ev.dtype})) rounded that buffer too; keep it float32 -- set it again from "
+            "float32 values after the cast (a float16 copy cast back keeps the rounding)"
+        )
+    else:
+        lines.append(
+            f"# keep what {d.left} - {d.right} is computed from in float32 (a noise schedule, "
+            f"a momentum near 1): in {ev.dtype} every x within {half} of 1 is 1.0"
+        )
+    lines.append("# not .clamp_min(eps): it divides by eps instead of the true difference")
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: a {ev.dtype} difference cancelled to 0",
+        evidence=evidence,
+        explanation=(
+            f"The denominator is a difference, {d.left} - {d.right}, computed in {ev.dtype}, "
+            f"and it is exactly 0 because {ev.dtype} cannot tell the two apart: with eps "
+            f"{fmt(lim.eps)}, every number within {half} of 1 is stored as 1.0, so 1 - x "
+            f"is 0 in {ev.dtype} for such an x (1 - 0.9999 is 1e-4 in float32): 1 - ᾱ of a "
+            "diffusion schedule at the first timesteps, 1 - β of a momentum near 1. x/0 is "
+            "±inf. The zero is the dtype's, not the data's: compute that difference, and the "
+            "values it is made from, in float32."
+        ),
+        fix="\n".join(lines),
     )
 
 
@@ -1586,6 +2065,65 @@ def _graph_underflow(ev: OpEvent) -> _Underflow | None:
     if node_base(nodes[-1]) not in ("Exp", "Exp2"):
         return None
     return _Underflow("", None, "", None, graph=nodes, zeros=(z, n))
+
+
+_COUNT_CODE = re.compile(
+    r"\b(?:bincount|count_nonzero|histc|ones_like|new_ones|ones|index_add_?|scatter_add_?|"
+    r"degree|len)\(|\.sum\("
+)
+_COUNT_NAME = re.compile(
+    r"(?<![\w.])(?:n|cnt\w*|counts?|\w+_counts?|counts?_\w+|num_\w+|n_\w+|\w*lengths?|"
+    r"\w*_lens?|lens?|deg|degrees?|\w+_deg)(?![\w(])"
+)
+
+
+def _float_count(ev: OpEvent, den: TensorStat) -> str | None:
+    """A floating denominator that is a count (``cnt = torch.bincount(b).to(h.dtype)``,
+    ``mask.float().sum(1)``): its recorded values are whole numbers from 0 (min 0, max an
+    integer), and the code shows a count -- a bincount, a sum, an index_add of ones on the
+    line or where its name was assigned, or a count's name. What shows it, else None."""
+    if not (den.min == 0 and math.isfinite(den.max) and den.max >= 1 and den.max.is_integer()):
+        return None
+    got: list[str] = []
+
+    def keep(d: str) -> str:
+        got.append(d)
+        return d
+
+    rewrite_divisor(ev.code, keep)
+    if not got:
+        return None
+    divisor = got[0]
+    if _COUNT_CODE.search(divisor):
+        return f"the line counts it: {divisor}"
+    for name in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", divisor)):
+        made = _assigned_before(ev.source, name)
+        for _ in range(3):  # cnt = cnt.to(h.dtype): look further up for what made it
+            if made is None or _COUNT_CODE.search(made):
+                break
+            rhs = made.split("=", 1)[1]
+            if not re.match(rf"\s*{re.escape(name)}\b", rhs):
+                break
+            src = _line_of(ev.source, made)
+            made = _assigned_before(src, name) if src else None
+        if made is not None and _COUNT_CODE.search(made):
+            return f"it was counted: {made}"
+        if _COUNT_NAME.fullmatch(name):
+            return f"{name} is named as a count"
+    return None
+
+
+def _line_of(source: str | None, stmt: str, reach: int = 40) -> str | None:
+    """``file.py:N`` of the nearest line above ``source`` that holds ``stmt``."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    for n in range(int(num) - 1, max(0, int(num) - reach), -1):
+        if stmt in linecache.getline(path, n):
+            return f"{path}:{n}"
+    return None
 
 
 def _python_count(ev: OpEvent) -> bool:
