@@ -470,6 +470,7 @@ def _from_op(
             autocast=_under_autocast(ctx, dtype),
             result=_true_result(name, ev),
             cast_input=_cast_input(ctx, ev) if kind == "cast" else None,
+            operands=tuple(s.magnitude for _, s in ev.inputs if s is not None),
         )
     if not wide and loop is None and batch is None and jump is None and kind != "backward":
         in_loss = _loss_module_fix(ctx, a, ev, dtype, lim)
@@ -2062,6 +2063,9 @@ def _fix_wide(
     was = f"  # was: {plain}" if plain else ""
     if kind == "softmax":
         op = name.rstrip("_")
+        lse = _logsumexp_fix(code) if op == "exp" else None
+        if lse is not None:
+            return lse
         if op in _BARE_EXP:
             return (
                 f"{_max_subtracted(code, op)}{was}\n"
@@ -2189,11 +2193,13 @@ def _fix(
     autocast: bool = False,
     result: float = math.nan,
     cast_input: str | None = None,
+    operands: tuple[float, ...] = (),
 ) -> str:
     """Low precision: compute the op in float32, or train in bfloat16 (float32's range).
     ``arg``: an exp's largest argument; ``scalar``: the exp's input is one value (a learned
     0-dim scale); ``loss``: the op ran in loss code, outside the modules; ``result``: the
-    largest |result| the op's inputs allow (:func:`_true_result`), NaN when unknown."""
+    largest |result| the op's inputs allow (:func:`_true_result`), NaN when unknown;
+    ``operands``: the largest |x| of each tensor input."""
     plain = code.split("#", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
     bf16 = f"# or train in bfloat16: torch.autocast({device}, dtype=torch.bfloat16)"
@@ -2202,8 +2208,20 @@ def _fix(
         if bounded is not None:
             return bounded
     if kind == "matmul":
-        return _fix_matmul(code, dtype, device=device, ref=ref, loss=loss, autocast=autocast)
+        return _fix_matmul(
+            code,
+            dtype,
+            device=device,
+            ref=ref,
+            loss=loss,
+            autocast=autocast,
+            operands=operands,
+            top=lim.max if lim is not None else math.inf,
+        )
     op = name.rstrip("_")
+    lse = _logsumexp_fix(code) if kind == "softmax" and op == "exp" else None
+    if lse is not None:
+        return lse
     if kind == "softmax" and op in _BARE_EXP:
         up = upcast_line(code)
         alt = (
@@ -2465,23 +2483,51 @@ def _assigned(line: str) -> str | None:
 
 
 def _fix_matmul(
-    code: str | None, dtype: str, *, device: str, ref: str, loss: bool, autocast: bool
+    code: str | None,
+    dtype: str,
+    *,
+    device: str,
+    ref: str,
+    loss: bool,
+    autocast: bool,
+    operands: Sequence[float] = (),
+    top: float = math.inf,
 ) -> str:
     """A low-precision product that overflowed: scale an operand first when the product is
     a similarity (``q @ k.transpose(-1, -2)``: attention scores), which fixes it in any
-    dtype; else compute it in float32 and keep the result there until it is bounded again."""
+    dtype; else compute it in float32 and keep the result there until it is bounded again.
+    ``operands``: each operand's largest |x|; ``top``: the dtype's largest value. When
+    |a|max·|b|max alone passes ``top``, scaled scores pass it too (two rows alike in
+    direction score |a|·|b|·sqrt(d) after the 1/sqrt(d)): no pre-scaling then."""
     plain = code.split("#", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
     bf16 = f"# or train in bfloat16: torch.autocast(device_type={device}, dtype=torch.bfloat16)"
     scaled = None if loss else _scaled_scores(code)
-    if scaled is not None:
+    pair = operands[0] * operands[1] if len(operands) == 2 else math.nan
+    too_big = scaled is not None and math.isfinite(pair) and pair > top
+    if scaled is not None and not too_big:
+        moved = scaled == _divisor_moved(plain)
         return (
             f"{scaled}{was}\n"
             "# scale before the product, not after it: the scores are the same as "
             f"(q @ k^T) / sqrt(d), and their sums stay in {dtype}'s range\n"
-            "# (a later division of these scores by sqrt(d) then goes)\n"
-            f"{bf16}"
+            + ("" if moved else "# (a later division of these scores by sqrt(d) then goes)\n")
+            + bf16
         )
+    why = (
+        f"# scaling by 1/sqrt(d) is not enough: inputs up to {fmt(operands[0])} and "
+        f"{fmt(operands[1])}, and {fmt(operands[0])} x {fmt(operands[1])} = {fmt(pair)} "
+        f"already passes {dtype}'s {fmt(top)} (rows alike in direction score that times "
+        "sqrt(d), even scaled); float32 holds these scores\n"
+        if too_big
+        else ""
+    )
+    qk = (
+        "# or bound q and k where they are made (QK-norm): q, k = self.q_norm(q), "
+        "self.k_norm(k), with self.q_norm = nn.LayerNorm(head_dim) (and k_norm) in __init__\n"
+        if too_big
+        else ""
+    )
     mine = _upcast_matmul(code)
     keep = (
         f"# the result is float32: keep what follows in float32 until the values are bounded "
@@ -2491,9 +2537,54 @@ def _fix_matmul(
         body = mine + was
         if autocast:
             body = f"with torch.autocast(device_type={device}, enabled=False):\n    {body}"
-        return f"{body}\n{keep}\n{bf16}"
+        return f"{body}\n{why}{keep}\n{qk}{bf16}"
     where = "in the loss code" if loss else f"in {ref}'s forward"
-    return f"# {where}: compute this product on .float() operands{was}\n{keep}\n{bf16}"
+    return f"# {where}: compute this product on .float() operands{was}\n{why}{keep}\n{qk}{bf16}"
+
+
+_TRANSPOSED = re.compile(
+    r"\.(?:transpose\(\s*-1\s*,\s*-2\s*\)|transpose\(\s*-2\s*,\s*-1\s*\)|mT|T|t\(\))$"
+)
+#: a divisor that is a square root: ``math.sqrt(d)``, ``d ** 0.5``, ``self.scale`` is not
+_SQRT = re.compile(r"^(?:(?:math|torch|np|numpy)\.)?sqrt\(.*\)$|\*\*\s*\(?0?\.5\)?$")
+
+
+def _divisor_moved(line: str) -> str | None:
+    """``s = (q @ k.transpose(-1, -2)) / math.sqrt(d)`` with the division moved onto the
+    left operand, before the product: ``s = (q / math.sqrt(d)) @ k.transpose(-1, -2)``;
+    None for a line without a square-root division of such a product.
+
+    >>> _divisor_moved("s = (q @ k.transpose(-1, -2)) / math.sqrt(self.d)")
+    's = (q / math.sqrt(self.d)) @ k.transpose(-1, -2)'
+    """
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    raw = line.encode()
+
+    def at(n: int) -> int:
+        return len(raw[:n].decode())
+
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Div)
+            and isinstance(node.left, ast.BinOp)
+            and isinstance(node.left.op, ast.MatMult)
+            and node.end_col_offset is not None
+        ):
+            continue
+        a = ast.get_source_segment(line, node.left.left)
+        b = ast.get_source_segment(line, node.left.right)
+        d = ast.get_source_segment(line, node.right)
+        if a is None or b is None or d is None or not _TRANSPOSED.search(b):
+            continue
+        if not _SQRT.search(d.strip()):
+            continue
+        new = f"({paren(a)} / {d}) @ {b}"
+        return line[: at(node.col_offset)] + new + line[at(node.end_col_offset) :]
+    return None
 
 
 def _scaled_scores(code: str | None) -> str | None:
@@ -2506,12 +2597,12 @@ def _scaled_scores(code: str | None) -> str | None:
     if not code:
         return None
     line = code.split("  #", 1)[0].rstrip()
+    moved = _divisor_moved(line.strip())
+    if moved is not None:
+        return moved
     for begin, end, start, stop in _matmuls(line):
         right = line[start:stop]
-        if not re.search(
-            r"\.(?:transpose\(\s*-1\s*,\s*-2\s*\)|transpose\(\s*-2\s*,\s*-1\s*\)|mT|T|t\(\))$",
-            right,
-        ):
+        if not _TRANSPOSED.search(right):
             continue
         left = line[begin : end + 1]
         new = f"({left} * {paren(left)}.shape[-1] ** -0.5)"
@@ -2680,6 +2771,9 @@ def _bounded_exp(
     was = f"  # was: {plain}" if plain else ""
     op = name.rstrip("_")
     past = math.isfinite(arg) and arg > f32
+    lse = _logsumexp_fix(code) if kind == "softmax" and past and op == "exp" else None
+    if lse is not None:
+        return lse
     if kind == "softmax" and past:
         return (
             f"{_max_subtracted(code, op)}{was}\n"
@@ -2710,6 +2804,84 @@ def _bounded_exp(
         f"# .float() alone does not help: a one-value (0-dim) float32 tensor times a "
         f"{lim.name} tensor is computed in {lim.name}; or compute the whole product in "
         "float32 (.float() on every tensor operand)"
+    )
+
+
+def _call_of(
+    node: ast.expr, name: str
+) -> tuple[ast.expr, list[ast.expr], list[ast.keyword]] | None:
+    """``torch.name(x, *rest)`` or ``x.name(*rest)``: (x, rest, keywords), else None."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if node.func.attr != name:
+        return None
+    base = node.func.value
+    if isinstance(base, ast.Name) and base.id == "torch":
+        if not node.args:
+            return None
+        return node.args[0], list(node.args[1:]), list(node.keywords)
+    return base, list(node.args), list(node.keywords)
+
+
+def _logsumexp_line(code: str | None) -> str | None:
+    """The user's line with its hand-written ``log(sum(exp(x), dim))`` replaced by
+    ``torch.logsumexp(x, dim)``: the same value, with no exp that can overflow. None when
+    the line holds no such expression (or is unknown).
+
+    >>> _logsumexp_line("z = torch.log(torch.exp(logits).sum(-1)) ** 2")
+    'z = torch.logsumexp(logits, -1) ** 2'
+    >>> _logsumexp_line("lse = torch.exp(s).sum(dim=1, keepdim=True).log()  # norm")
+    'lse = torch.logsumexp(s, dim=1, keepdim=True)'
+    >>> _logsumexp_line("e = torch.exp(x - x.amax(-1, keepdim=True))") is None
+    True
+    """
+    line = code.split("  #", 1)[0].strip() if code else ""
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    raw = line.encode()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.expr) or node.end_col_offset is None:
+            continue
+        log = _call_of(node, "log")
+        if log is None or log[1] or log[2]:
+            continue
+        total = _call_of(log[0], "sum")
+        if total is None:
+            continue
+        exp = _call_of(total[0], "exp")
+        if exp is None or exp[1] or exp[2]:
+            continue
+        arg = ast.get_source_segment(line, exp[0])
+        rest = [ast.get_source_segment(line, a) for a in total[1]]
+        kws = [
+            f"{k.arg}={ast.get_source_segment(line, k.value)}" if k.arg else None for k in total[2]
+        ]
+        if arg is None or None in rest or None in kws:
+            continue
+        dims = [*rest, *kws]
+        if not any(k.arg == "dim" for k in total[2]) and not rest:
+            call = f"torch.logsumexp({paren(arg)}.flatten(), 0)"  # a sum over every value
+        else:
+            call = f"torch.logsumexp({', '.join([arg, *(d for d in dims if d)])})"
+        start = len(raw[: node.col_offset].decode())
+        end = len(raw[: node.end_col_offset].decode())
+        return line[:start] + call + line[end:]
+    return None
+
+
+def _logsumexp_fix(code: str | None) -> str | None:
+    """The fix of an exp whose row sum goes into a log: torch.logsumexp in its place (a
+    softmax's max subtraction would change the value of log(sum(exp)))."""
+    fixed = _logsumexp_line(code)
+    if fixed is None:
+        return None
+    plain = code.split("  #", 1)[0].strip() if code else ""
+    return (
+        f"{fixed}  # was: {plain}\n"
+        "# torch.logsumexp computes log(sum(exp(x))) without overflow (it subtracts the max "
+        "inside and adds it back): the value is the same, every exp is at most 1"
     )
 
 
@@ -3038,8 +3210,9 @@ def _measured(rec: Record, scaled: bool) -> bool:
     severity="warning",
     summary=(
         "A float16/bfloat16/float8 tensor's max |x| is within a factor of the dtype's "
-        "largest value (thresholds.headroom): the next spike overflows. A float8 tensor at "
-        "exactly finfo.max (an amax-scaled cast) is left alone."
+        "largest value (thresholds.headroom): the next spike overflows. A tensor at exactly "
+        "finfo.max or finfo.min (an additive attention mask, a sentinel, an amax-scaled "
+        "float8 cast) is left alone."
     ),
     early=True,
     priority=40,
@@ -3055,8 +3228,11 @@ def headroom(ctx: RuleContext) -> Iterator[Diagnosis]:
         m = r.stat.magnitude
         if not math.isfinite(m) or m < frac * lim.max:
             continue
-        if r.dtype.startswith("float8") and m == lim.max:
-            continue  # a scaled cast (x / (amax / finfo.max)) puts its max there by design
+        if m == lim.max:
+            # exactly finfo.max/min is put there, not grown there: an additive mask
+            # ((1 - mask) * finfo.min), a sentinel fill, or a float8 scaled cast
+            # (x / (amax / finfo.max)) -- a value growing toward overflow lands below it
+            continue
         ratio = m / lim.max
         key = r.role if r.phase is Phase.PARAMETER else r.path
         if key not in worst or ratio > worst[key][0]:
