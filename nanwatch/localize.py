@@ -929,15 +929,18 @@ def summarize(anomaly: Anomaly) -> str:
         and op.phase is Phase.FORWARD
         and op.path not in (None, LOSS_PATH)
         and " born on the way to the loss, " in base
+        and not _neginf_returned_by(anomaly, op.path)
     ):  # a value a module made and kept aside (self.aux = ...), which the loss then used
         what = base.split(" born on the way to the loss, ")[0]
         base = (
             f"{what} born in the forward of {op.path}, in a value it did not return that the "
             "loss used"
         )
-    leaf = leaf_text(op) if anomaly.origin == "loss-code" else None
+    leaf = leaf_text(op) or constant_text(op) if anomaly.origin == "loss-code" else None
     if leaf is not None and " born on the way to the loss, " in base:
         what, rest = base.split(" born on the way to the loss, ", 1)
+        if op is not None and CONSTANT in op.scalars and op.born:
+            what = op.born  # what the operand held (+inf), which the loss turned into NaN
         rest = rest.removeprefix("outside every watched module's output")
         base = f"{what} {leaf}{rest}"
         op = None  # no op made it: the leaf held it before the op read it
@@ -954,6 +957,14 @@ def summarize(anomaly: Anomaly) -> str:
     if anomaly.transient:
         extra.append("a replay on the same inputs ran clean")
     return base + (" [" + "; ".join(extra) + "]" if extra else "")
+
+
+def _neginf_returned_by(anomaly: Anomaly, path: str) -> bool:
+    """The -inf the anomaly grew out of was seen in an output ``path`` returned (a flow
+    layer's logdet of log(0)): the module's op made it, the loss code turned it into +inf
+    or NaN; not a value the module kept aside."""
+    src = anomaly.neginf_source
+    return src is not None and src.phase is Phase.FORWARD and src.path == path
 
 
 #: ``OpEvent.scalars`` key of a leaf event (see ``nanwatch.ops.leaf_event``)
@@ -977,6 +988,31 @@ def leaf_text(op: OpEvent | None) -> str | None:
         f"{short_node(op)} read it (no op of this step made it): an update at an earlier "
         "step wrote it, typically an optimizer you built for it (a GradNorm or "
         "uncertainty-weighting loss weight)"
+    )
+
+
+#: ``OpEvent.scalars`` key of an event for an operand with no autograd history (see
+#: ``nanwatch.ops.leaf_event``)
+CONSTANT = "constant"
+
+
+def constant_text(op: OpEvent | None) -> str | None:
+    """``in the self operand of mul: a tensor computed without gradients ...``: the loss
+    code multiplied or divided by a tensor with no autograd history (a loss weight made
+    under ``torch.no_grad``, from a buffer or a table) that held the non-finite value (see
+    ``nanwatch.ops.leaf_event``); None for any other event."""
+    if op is None or CONSTANT not in op.scalars:
+        return None
+    shape = op.scalars.get("constant_shape")
+    name = op.scalars.get("constant_name")
+    at = f" at {op.source}" if op.source else ""
+    return (
+        f"in the {op.scalars[CONSTANT]} operand of {short_node(op)}{at}"
+        f"{f' ({name})' if name else ''}, a tensor computed without gradients (no autograd "
+        f"history: under torch.no_grad, from a buffer or a table)"
+        f"{f', shape {shape}' if shape else ''}: it held {op.born} before {short_node(op)} "
+        "read it, so the code that computed it made the value, not an op of the loss's "
+        "graph (a loss weight min(snr, 5) / snr at snr = 0, 1 / sigma**2 at sigma = 0)"
     )
 
 

@@ -367,6 +367,11 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         self._broken = False
         #: which module's code made each autograd node while this checker ran
         self.created = _Creations()
+        #: this step's backward: an op that read a forward value holding NaN was recorded
+        #: (the first; see :meth:`_hidden_nan`), a forward op made NaN (that op is named)
+        self._hidden_said = False
+        self._nan_made = False
+        self._in_backward = False
 
     def __torch_dispatch__(
         self,
@@ -502,6 +507,11 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         if not outs:
             return
         self.checked += 1
+        backward = current_autograd_node() is not None
+        if backward != self._in_backward:
+            self._in_backward = backward
+            if not backward:  # a forward after a backward: the next step's evidence
+                self._hidden_said = self._nan_made = False
         out_kinds = [_kinds(t) for t in outs]
         if not any(out_kinds):
             return
@@ -532,6 +542,14 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         born = all_out - in_kinds - scalar_kinds
         injected = (all_out & scalar_kinds) - in_kinds
         event: OpEvent | None = None
+        if (
+            not (born or injected)
+            and "NaN" in all_out
+            and "NaN" in in_kinds
+            and not (self._hidden_said or self._nan_made)
+            and len(self.events) < self._max_events
+        ):
+            event = self._hidden_nan(read, outs)
         if (born or injected) and len(self.events) < self._max_events:
             if _frames.called_by_nanwatch():  # a hook's own statistics (|x| of a -inf)
                 return
@@ -582,6 +600,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 outputs=_named_outputs(func, out),
             )
             self.events.append(event)
+            if phase is Phase.FORWARD and "NaN" in born:
+                self._nan_made = True  # a backward NaN of it is that op's (hidden or not)
         # remember every non-finite output, so later ops can name their cause
         for t, k in zip(outs, out_kinds, strict=True):
             if k:
@@ -590,6 +610,40 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 if isinstance(base, torch.Tensor) and self._lookup(base) is None:
                     # a view written in place (x[0].div_(n)): its base holds the value too
                     self._remember(base, seen.event)
+
+    def _hidden_nan(
+        self, read: Sequence[tuple[str, torch.Tensor]], outs: Sequence[torch.Tensor]
+    ) -> OpEvent | None:
+        """The first backward op that made NaN only of the forward values its autograd node
+        saved (its NaN inputs are all the node's saved tensors; its gradient inputs were
+        finite): the forward value held NaN and never reached the loss (torch.where picked
+        the other branch, a 0 mask hid it), and backward multiplies its gradient by it.
+        The event is the node's, with what it saved (as the loss-graph check reads it);
+        None in forward or when a NaN input is a gradient. Not called once a forward op
+        of the step made NaN: that op is the cause, and its event says so."""
+        node: Any = current_autograd_node()
+        if node is None or _frames.called_by_nanwatch():
+            return None
+        saved: set[int] = set()
+        for attr in (a for a in dir(node) if a.startswith("_saved_")):
+            v = _saved(node, attr)
+            if isinstance(v, torch.Tensor) and has_values(v):
+                saved.add(v.untyped_storage().data_ptr())
+        nan_in = [t for _, t in read if "NaN" in _kinds(t)]
+        if not saved or not all(t.untyped_storage().data_ptr() in saved for t in nan_in):
+            return None
+        self._hidden_said = True
+        bad = next(t for t in outs if "NaN" in _kinds(t))
+        event = node_event(node, bad, name=node.name())
+        event.path = node.metadata.get("nanwatch.path")
+        ran, (backward_at, backward_code) = self._backward_lines()
+        source, code = ran if ran[0] is not None else forward_line(node)
+        if source is None:  # made before anomaly mode was on: the call is all we know
+            source, code = backward_at, backward_code
+        event.source, event.code, event.backward_at = source, code, backward_at
+        event.device = device_name(bad.device)
+        self.events.append(event)
+        return event
 
     @staticmethod
     def _collect(
@@ -1806,7 +1860,12 @@ def leaf_event(node: Any) -> OpEvent | None:
     value came in from outside, no op made it); ``scalars[LEAF]`` is the operand's schema
     name, ``leaf_shape`` its shape, ``leaf_parameter`` 1 for an ``nn.Parameter``."""
     for i, (nxt, _) in enumerate(getattr(node, "next_functions", ()) or ()):
-        if nxt is None or not accumulates_grad(nxt):
+        if nxt is None:
+            const = _constant_event(node, i)
+            if const is not None:
+                return const
+            continue
+        if not accumulates_grad(nxt):
             continue
         v = getattr(nxt, "variable", None)
         if not isinstance(v, torch.Tensor) or not has_values(v):
@@ -1841,6 +1900,61 @@ def leaf_event(node: Any) -> OpEvent | None:
             injected=True,
         )
     return None
+
+
+#: ``OpEvent.scalars`` key of an event made by :func:`leaf_event` for an operand with no
+#: autograd history (computed without gradients): which operand it was
+CONSTANT = "constant"
+
+#: nodes of arithmetic ops whose operand with no history is a weight or a scale the
+#: graph applies (``w * loss``, ``loss / sigma**2``); a loss function's target is not one
+_WEIGHT_NODES = frozenset({"Mul", "Div"})
+
+
+def _constant_event(node: Any, i: int) -> OpEvent | None:
+    """An event for the ``i``-th operand of an arithmetic node when it has no autograd
+    history (no grad_fn, no requires_grad: computed under ``torch.no_grad``, from a buffer,
+    a table lookup or data) and what the node saved of it holds NaN or inf: no op of the
+    graph made the value, the code that computed the operand did (a loss weight
+    ``min(snr, 5) / snr`` at ``snr = 0``, ``1 / sigma**2`` at ``sigma = 0``)."""
+    base = node.name().split("Backward")[0]
+    if base not in _WEIGHT_NODES:
+        return None
+    names = _ELEMENTWISE[base][1]
+    if i >= len(names):
+        return None
+    role, attr = names[i]
+    v = _saved(node, attr)
+    if not isinstance(v, torch.Tensor) or v.grad_fn is not None or v.requires_grad:
+        return None
+    if not has_values(v) or _python_number(v) is not None:
+        return None  # a Python number: the op checker's scalars tell those
+    kinds = _kinds(v)
+    if not kinds:
+        return None
+    stat = describe(v) or TensorStat(math.nan, math.nan, v.numel())
+    scalars: dict[str, float | int | str] = {
+        CONSTANT: role,
+        "constant_shape": str(tuple(v.shape)),  # no "[": a summary's op part starts at " ["
+    }
+    name, _ = _user_names(v)
+    if name:
+        scalars["constant_name"] = name
+    source, code = forward_line(node)
+    return OpEvent(
+        op=node_op(node.name()),
+        phase=Phase.FORWARD,
+        path=None,
+        born=_join(kinds),
+        output=stat,
+        inputs=[(role, stat)],
+        scalars=scalars,
+        node=node.name(),
+        dtype=dtype_name(v.dtype),
+        injected=True,
+        source=source,
+        code=code,
+    )
 
 
 def _user_names(t: torch.Tensor) -> tuple[str | None, str | None]:
