@@ -3018,6 +3018,12 @@ class Watcher:
             # at its first anomaly of the run only (warn/record runs go on with one a step)
             if loss is not None and anomaly.path == LOSS_PATH:
                 self._pinpoint_loss(anomaly, loss)
+                src = anomaly.neginf_source
+                if src is not None and (first_of_run or src.path not in self._pinpointed):
+                    # the -inf it grew out of came from a watched module: replay that one
+                    self._pinpointed.add(src.path)
+                    self._pinpoint_neginf(anomaly, None, current, False)
+                    anomaly.summary = summarize(anomaly)
             elif first_of_run or anomaly.path not in self._pinpointed:
                 self._pinpointed.add(anomaly.path)
                 self._pinpoint(anomaly, current)
@@ -3215,7 +3221,7 @@ class Watcher:
     def _pinpoint_neginf(
         self,
         anomaly: Anomaly,
-        replayed: Call,
+        replayed: Call | None,
         current: tuple[Call, nn.Module, Any, Any] | None,
         pre_hooks: bool | int,
     ) -> None:
@@ -3252,6 +3258,8 @@ class Watcher:
             return
         trace.ops.extend(result.events)
         if anomaly.op is None:
+            if replayed is None:  # the loss code's graph named no op: the -inf's maker
+                anomaly.op = made
             return
         oldest = anomaly.op.chain()[0]
         given = any(s is not None and s.has_neginf for _, s in oldest.inputs)

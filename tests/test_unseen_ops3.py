@@ -6,6 +6,8 @@ as watch mode does."""
 
 from __future__ import annotations
 
+import linecache
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,3 +165,42 @@ def test_forensic_names_the_hidden_nan_again_at_a_later_step() -> None:
             net.zero_grad()
     codes = [t.diagnoses[0].code for t in nw.history if t.anomaly is not None]
     assert codes == ["NW402", "NW402"], codes
+
+
+class _SigmoidScaleCoupling(nn.Module):
+    """A flow coupling whose log-determinant is log(sigmoid(raw)): sigmoid underflows to 0
+    once the scale net drifts, the module returns -inf, and the NLL turns it into +inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(2, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        xa, xb = x.chunk(2, 1)
+        shift, raw = self.net(xa).chunk(2, 1)
+        scale = torch.sigmoid(raw + 2.0)
+        return torch.cat([xa, (xb + shift) * scale], 1), torch.log(scale).sum(1)
+
+
+@pytest.mark.parametrize("drifted", [True, False])
+def test_the_module_whose_neginf_the_loss_code_turned_into_inf_is_replayed(drifted: bool) -> None:
+    torch.manual_seed(0)
+    flow = _SigmoidScaleCoupling()
+    if drifted:
+        with torch.no_grad():
+            flow.net.bias[2:] = -200.0
+    with nanwatch.watch(flow) as nw:
+        z, logdet = flow(torch.randn(8, 4))
+        loss = -((-0.5 * z**2).sum(1) + logdet).mean()
+        if not drifted:
+            loss.backward()
+            nw.step()
+            return
+        with pytest.raises(nanwatch.AnomalyError) as info:
+            loss.backward()
+    d = info.value.diagnosis
+    assert d is not None and d.code == "NW110"
+    assert d.op is not None and "log" in d.op
+    assert d.source is not None
+    path, _, line = d.source.rpartition(":")
+    assert "torch.log(scale)" in linecache.getline(path, int(line))

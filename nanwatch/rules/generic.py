@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterator
 
-from nanwatch.localize import LEAF, leaf_text
+from nanwatch.localize import CONSTANT, LEAF, constant_text, leaf_text
 from nanwatch.records import (
     LOSS_PATH,
     Anomaly,
@@ -102,6 +102,9 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a.op is not None and LEAF in a.op.scalars:
         yield _leaf(ctx, a, a.op)
         return
+    if a.op is not None and CONSTANT in a.op.scalars:
+        yield _constant(ctx, a, a.op)
+        return
     if a.op is not None:
         yield _with_op(ctx, a)
         return
@@ -169,6 +172,49 @@ def _leaf(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             "weight, a learned uncertainty) that its own optimizer updates goes NaN when one "
             "step's gradient for it is NaN (a ratio L/L0 with L0 = 0, a log of 0); the "
             "step after, every loss it weights is NaN."
+        ),
+        fix=fix,
+    )
+
+
+def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
+    """The loss code multiplied or divided by a tensor with no autograd history (a loss
+    weight made under torch.no_grad, from a buffer or a table) that held NaN or inf: the
+    code that computed it made the value, which no graph walk or replay of a module sees."""
+    op = short_op(ev.op)
+    role = str(ev.scalars[CONSTANT])
+    name = str(ev.scalars.get("constant_name") or "")
+    shown = name or f"the {role} operand of {op}"
+    stat = ev.inputs[0][1] if ev.inputs else None
+    evidence = [a.summary, f"{shown} ({ev.dtype}): {describe_stat(stat)}"]
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    evidence.append(
+        f"{op} read it as its {role}; it has no autograd history, so no op of the loss's "
+        "graph made it: the code that computed it did"
+    )
+    fix = (
+        "# where it is computed, keep the denominator that reaches 0 away from it:\n"
+        "# num / den.clamp_min(torch.finfo(den.dtype).eps)  (den: that ratio's denominator)"
+    )
+    if name:
+        fix = (
+            f"assert torch.isfinite({name}).all(), {name}   # right after {name} is computed\n"
+            + fix
+        )
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        op=op,
+        source=ev.source,
+        title="Non-finite loss weight computed without gradients",
+        evidence=evidence,
+        explanation=(
+            f"{constant_text(ev) or 'a constant operand held it'}. A per-sample weight or "
+            "scale computed without gradients (a min-SNR weight, an EDM 1 / sigma**2, an "
+            "inverse class frequency) is a ratio whose denominator reaches 0 at one end of "
+            "its schedule or table: 0/0 is NaN and x/0 is inf, and every loss term it "
+            "weights turns with it."
         ),
         fix=fix,
     )
