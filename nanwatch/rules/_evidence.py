@@ -528,18 +528,147 @@ _INIT_OPS = frozenset({"full", "full_like", "new_full", "scalar_tensor", "empty"
 class InfSource:
     """Where the infinities an op was given came from."""
 
-    kind: str  #: ``mask`` (a constant ±inf put in: masked_fill, full), ``log``, ``unknown``
+    #: ``mask`` (a constant ±inf put in: masked_fill, full), ``log``, ``state`` (read from
+    #: a buffer or parameter of the module: ``self.dist``), ``unknown``
+    kind: str
     events: tuple[OpEvent, ...]  #: the traced ops that put it in, in execution order
     record: Record | None  #: where a -inf was first seen (an input made by untraced code)
     node: str | None = None  #: the autograd node that made it, when read from a record
     #: a loss module was watched (a root call of one): a forensic re-run may name it
     criterion: bool = True
+    #: the op's operand that held the infinity is the module's own tensor (kind ``state``)
+    state: StateOperand | None = None
 
     @property
     def masks(self) -> tuple[OpEvent, ...]:
         """The events that masked (masked_fill, where), not those that made a constant
         tensor (torch.full(-inf), the start of a running max)."""
         return tuple(e for e in self.events if packet(e.op).rstrip("_") not in _INIT_OPS)
+
+
+@dataclass(frozen=True)
+class StateOperand:
+    """An operand of a binary op, written on the user's line as the module's own tensor
+    (``-self.slopes * self.dist``: ``other`` is ``self.dist``), with what it held."""
+
+    name: str  #: the op's input: ``self``, ``other``
+    expr: str  #: as written: ``self.dist``
+    attr: str  #: the attribute: ``dist``
+    kind: str  #: ``buffer``, ``parameter`` or ``tensor attribute``, from the class's source
+    stat: TensorStat
+    #: the other operand, as written (``-self.slopes``), its short name and what it held
+    partner: tuple[str, str, TensorStat] | None = None
+
+
+_BINOP_OF = {
+    "mul": ast.Mult,
+    "multiply": ast.Mult,
+    "add": ast.Add,
+    "sub": ast.Sub,
+    "rsub": ast.Sub,
+    "div": ast.Div,
+    "true_divide": ast.Div,
+}
+
+
+def _one_binop(ev: OpEvent) -> tuple[str, int, ast.BinOp] | None:
+    """The statement of the user's line holding the one operator of a binary op (``*`` of
+    ``aten.mul``), the offset of the parsed text in it, and the operator's node."""
+    kind = _BINOP_OF.get(packet(ev.op).rstrip("_"))
+    if kind is None:
+        return None
+    found: list[tuple[str, int, ast.BinOp]] = []
+    for stmt in statements(ev.code):
+        parsed = _parsed(stmt)
+        if parsed is None:
+            continue
+        tree, shift = parsed
+        found += [
+            (stmt, shift, n)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.BinOp) and isinstance(n.op, kind)
+        ]
+    return found[0] if len(found) == 1 else None
+
+
+def _segment(stmt: str, shift: int, node: ast.expr) -> tuple[int, int]:
+    return shift + node.col_offset, shift + (node.end_col_offset or node.col_offset)
+
+
+def binary_operands(ev: OpEvent) -> dict[str, str] | None:
+    """The user's expressions for inputs ``self`` and ``other`` of a binary op whose line
+    holds exactly one such operator (``bias = -self.slopes * self.dist``)."""
+    one = _one_binop(ev)
+    if one is None:
+        return None
+    stmt, shift, node = one
+    left, right = (stmt[slice(*_segment(stmt, shift, e))] for e in (node.left, node.right))
+    if packet(ev.op).rstrip("_") == "rsub":
+        left, right = right, left
+    return {"self": left, "other": right}
+
+
+def _attr_of(expr: str) -> str | None:
+    """``dist`` of ``self.dist``, ``-self.dist``, ``self.dist[:T, :T]``; None for anything
+    else (a computation on it, a local name)."""
+    try:
+        node: ast.expr = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    while isinstance(node, (ast.UnaryOp, ast.Subscript)):
+        node = node.operand if isinstance(node, ast.UnaryOp) else node.value
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    ):
+        return node.attr
+    return None
+
+
+def _state_kind(source: str | None, attr: str) -> str:
+    """How the class made ``self.<attr>``, read from its file: a buffer, a parameter."""
+    import linecache
+
+    path = (source or "").rpartition(":")[0]
+    text = "".join(linecache.getlines(path)) if path else ""
+    quoted = rf"""\(\s*(['"]){re.escape(attr)}\1"""
+    if re.search(r"register_buffer" + quoted, text):
+        return "buffer"
+    if re.search(r"register_parameter" + quoted, text) or re.search(
+        rf"self\.{re.escape(attr)}\s*=\s*(?:nn\.|torch\.nn\.)?Parameter\(", text
+    ):
+        return "parameter"
+    return "tensor attribute"
+
+
+def state_operand(trace: StepTrace, ev: OpEvent) -> StateOperand | None:
+    """The operand of ``ev`` that held the infinity, when the user's line reads it from the
+    module itself (``self.dist``: a buffer, a parameter) and no record of the traced calls
+    held such a tensor: the inf was made when the tensor was (``__init__``), not in a step."""
+    ops = binary_operands(ev)
+    if ops is None:
+        return None
+    for name, s in inf_inputs(ev):
+        attr = _attr_of(ops.get(name, ""))
+        if attr is None:
+            continue
+        came = any(
+            m.stat is not None
+            and m.stat.numel == s.numel
+            and (m.stat.has_posinf or m.stat.has_neginf)
+            for r in trace.records
+            if r.phase is Phase.INPUT and r.path == ev.path and (m := exact(trace, r)) is not None
+        )
+        if came:
+            continue  # the module's input held it: an activation from upstream
+        partner = None
+        other = "other" if name == "self" else "self"
+        st = input_named(ev, other)
+        if other in ops and st is not None:
+            partner = (ops[other], _attr_of(ops[other]) or ops[other], st)
+        return StateOperand(name, ops[name].strip(), attr, _state_kind(ev.source, attr), s, partner)
+    return None
 
 
 def inf_source(trace: StepTrace, anomaly: Anomaly, event: OpEvent | None) -> InfSource:
@@ -570,6 +699,9 @@ def inf_source(trace: StepTrace, anomaly: Anomaly, event: OpEvent | None) -> Inf
         return InfSource("log", (), rec, node, criterion=crit)
     if base in _MASK_NODES:
         return InfSource("mask", (), rec, node, criterion=crit)
+    state = state_operand(trace, event) if event is not None else None
+    if state is not None:
+        return InfSource("state", (), rec, node, criterion=crit, state=state)
     return InfSource("unknown", (), rec, node, criterion=crit)
 
 
@@ -747,6 +879,97 @@ def put_in(e: OpEvent) -> str:
     return f"the {e.born} came from {short_op(e.op)}({args})" + (f" {line}" if line else "")
 
 
+def state_words(ev: OpEvent, st: StateOperand) -> str:
+    """``buffer dist holds 6 +inf and slopes holds 1 exact zero``: the module's tensor that
+    held the inf, and what the other operand gave it."""
+    words = f"{st.kind} {st.attr} holds {infinities(st.stat)}"
+    if st.partner is None:
+        return words
+    _, pname, ps = st.partner
+    if packet(ev.op).rstrip("_") in _MULTIPLY and has_zero(ps):
+        zeros = count(ps.zeros, "exact zero") if ps.zeros else "exact zeros"
+        return f"{words} and {pname} holds {zeros}"
+    if ps.has_posinf or ps.has_neginf:
+        return f"{words} and {pname} holds {infinities(ps)}"
+    return words
+
+
+def _state_fix(ev: OpEvent, st: StateOperand) -> str | None:
+    """The user's line with a product that met a module tensor's inf computed on the
+    finite values and masked after: ``(-self.slopes * self.dist.nan_to_num(posinf=0.0))
+    .masked_fill(self.dist.isposinf(), torch.finfo(torch.float32).min)``. For a sum, the
+    tensor clamped to the dtype's finite range. None when the line or a sign is unclear."""
+    one = _one_binop(ev)
+    if one is None or st.partner is None:
+        return None
+    stmt, shift, node = one
+    dtype = ev.dtype or "float32"
+    side = node.right if st.name == "other" else node.left
+    if packet(ev.op).rstrip("_") == "rsub":
+        side = node.left if st.name == "other" else node.right
+    s0, s1 = _segment(stmt, shift, side)
+    t = paren(stmt[s0:s1])
+    pos, neg = st.stat.has_posinf, st.stat.has_neginf
+    if packet(ev.op).rstrip("_") not in _MULTIPLY:
+        clamped = f"{t}.clamp(torch.finfo(torch.{dtype}).min, torch.finfo(torch.{dtype}).max)"
+        return (
+            f"{stmt[:s0]}{clamped}{stmt[s1:]}   # a finite extreme for {st.attr}'s inf: "
+            "inf - inf = NaN, max - max = 0"
+        )
+    ps = st.partner[2]
+    if ps.nan or (pos and neg) or not (ps.max <= 0 or ps.min >= 0):
+        return None  # mixed signs: no one fill value is the product's
+    negative = (ps.max <= 0) == pos
+    fill = f"torch.finfo(torch.{dtype}).{'min' if negative else 'max'}"
+    which = "posinf" if pos else "neginf"
+    b0, b1 = _segment(stmt, shift, node)
+    product = stmt[b0:s0] + f"{t}.nan_to_num({which}=0.0)" + stmt[s1:b1]
+    return (
+        f"{stmt[:b0]}({product}).masked_fill({t}.is{which}(), {fill}){stmt[b1:]}"
+        f"   # mask after multiplying: 0 × inf = NaN"
+    )
+
+
+def _function_names(source: str | None, code: str | None, reach: int = 60) -> set[str] | None:
+    """Every name the user's function uses up to line ``source`` (its parameters, what it
+    assigns), for checking that a fix's names exist; None when the line is not known."""
+    import linecache
+
+    if not code:
+        return None
+    names = identifiers(code)
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return names
+    here = linecache.getline(path, int(num))
+    indent = len(here) - len(here.lstrip())
+    for n in range(int(num) - 1, max(0, int(num) - reach), -1):
+        text = linecache.getline(path, n)
+        if not text.strip():
+            continue
+        names |= identifiers(text)
+        if re.match(r"\s*(?:async\s+)?def\s", text) and len(text) - len(text.lstrip()) < indent:
+            break
+    return names
+
+
+_LIBRARY_NAMES = frozenset({"torch", "F", "nn", "math", "float", "int", "nanwatch", "model"})
+
+
+def _names_known(line: str, known: set[str] | None) -> bool:
+    """Every name ``line`` reads is one the user's code has (or a library's): a template
+    line naming ``scores`` or ``keep`` the user never wrote is left out."""
+    if known is None:
+        return True
+    parsed = _parsed(line.split("  #", 1)[0].strip())
+    if parsed is None:
+        return True
+    read = {
+        n.id for n in ast.walk(parsed[0]) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+    }
+    return read <= known | _LIBRARY_NAMES
+
+
 def inf_evidence(ev: OpEvent, src: InfSource, trigger: OpEvent, mode: object) -> list[str]:
     """Evidence for an op that made NaN of the infinities it was given (``inf-arith``): the
     undefined operation, the inputs that held them, where they came from, the line."""
@@ -763,7 +986,13 @@ def inf_evidence(ev: OpEvent, src: InfSource, trigger: OpEvent, mode: object) ->
     out += [put_in(e) for e in src.events[:3]]
     rec = src.record
     forensic = mode == "forensic"
-    if rec is not None and not src.masks:
+    if src.state is not None:
+        st = src.state
+        out.append(
+            f"input {st.name} is {st.expr}, the module's {st.kind} {st.attr}: it holds "
+            f"{infinities(st.stat)}, made with the module (not by an op of this step)"
+        )
+    elif rec is not None and not src.masks:
         made = (
             f"autograd node {src.node}"
             if src.node
@@ -800,6 +1029,18 @@ def inf_explanation(ev: OpEvent, src: InfSource) -> str:
         )
     if src.kind == "log":
         return f"{undefined} The -inf is a log of 0 (see NW110)."
+    if src.state is not None:
+        st = src.state
+        said = f"{undefined} {state_words(ev, st)}: {expr} = NaN."
+        if name in _MULTIPLY:
+            part = st.partner[1] if st.partner is not None else "the other operand"
+            return (
+                f"{said} Mask after multiplying: multiply the finite values, then fill "
+                f"where {st.attr} is inf. A large finite value in {st.attr} instead of inf "
+                f"gives 0 × max = 0, which leaves those positions unmasked where {part} "
+                "is 0."
+            )
+        return f"{said} Use a large finite value (torch.finfo(dtype).max) instead of inf."
     return undefined + (
         " The infinities came from code nanwatch did not trace: a -inf mask "
         "(masked_fill with float('-inf'), the max of an empty row or segment), an overflow, "
@@ -822,6 +1063,10 @@ def inf_fix(ev: OpEvent, src: InfSource, *, forensic: bool) -> str:
         if fixed is not None and line not in lines:
             lines.append(line)
     name = packet(ev.op).rstrip("_")
+    if src.state is not None:
+        fixed = _state_fix(ev, src.state)
+        if fixed is not None:
+            return fixed
     lse = logsumexp_rewrite(ev.code) if name in _SUBTRACT else None
     if lse is not None:  # a hand-written logsumexp: its empty rows are log(0) = -inf anyway
         line, x, dim, out = lse
@@ -834,8 +1079,14 @@ def inf_fix(ev: OpEvent, src: InfSource, *, forensic: bool) -> str:
                 f"{out} = {out}[keep]   # leave the empty rows out of the loss",
             ]
         )
+    known = _function_names(ev.source, ev.code)
+
+    def ours(line: str) -> list[str]:
+        """``line`` when the names it reads are the user's, else nothing."""
+        return [line] if _names_known(line, known) else []
+
     if not lines:
-        if not masked and not forensic:
+        if not masked and not forensic and src.state is None:
             crit = src.criterion
             lines += [
                 f'with nanwatch.watch(model{", criterion" if crit else ""}, mode="forensic") '
@@ -844,22 +1095,70 @@ def inf_fix(ev: OpEvent, src: InfSource, *, forensic: bool) -> str:
                 if crit
                 else "    ...   # the same step: forward, loss, backward()",
             ]
-        lines.append(
+        lines += ours(
             "scores = scores.masked_fill(~keep, torch.finfo(scores.dtype).min)   # not "
             'float("-inf")'
         )
     if name in _SUBTRACT:
-        skipped = rewrite_subtrahend(ev.code, lambda r: f"{r}.clamp_min({finite_min})")
-        lines += [
-            "# or keep -inf and skip empty rows/segments: subtract a finite max (exp gives 0)",
-            skipped or f"y = x - m.clamp_min({finite_min})",
-            "# and divide by their sum with .clamp_min(1e-12): an empty one sums to 0",
-        ]
+        skipped = clamp_where_made(ev, f".clamp_min({finite_min})") or rewrite_subtrahend(
+            ev.code, lambda r: f"{r}.clamp_min({finite_min})"
+        )
+        shown = ours(skipped or f"y = x - m.clamp_min({finite_min})")
+        if shown:
+            lines += [
+                "# or keep -inf and skip empty rows/segments: subtract a finite max (exp gives 0)",
+                *shown,
+                "# and divide by their sum with .clamp_min(1e-12): an empty one sums to 0",
+            ]
     elif name in _MULTIPLY:
-        lines.append("x = x.masked_fill(~keep, 0.0)   # zero masked values before multiplying")
-    if not masked:
-        lines.append("logp = F.log_softmax(logits, dim=-1)   # a log of 0: from logits (NW110)")
+        lines += ours("x = x.masked_fill(~keep, 0.0)   # zero masked values before multiplying")
+    if not masked and src.state is None:
+        lines += ours("logp = F.log_softmax(logits, dim=-1)   # a log of 0: from logits (NW110)")
     return "\n".join(lines)
+
+
+def clamp_where_made(ev: OpEvent, clamp: str) -> str | None:
+    """The statement above the op's line, in the same function, that assigns the name
+    subtracted there (``m_new = torch.maximum(m, s.amax(-1, keepdim=True))`` for ``s -
+    m_new``), with ``clamp`` appended: every later line that subtracts it (an online
+    softmax's ``exp(m - m_new)`` too) stays finite. None when the subtrahend is not a plain
+    name assigned above."""
+    import linecache
+
+    ops = binary_operands(ev)
+    name = ops.get("other", "").strip() if ops is not None else ""
+    path, _, num = (ev.source or "").rpartition(":")
+    if not name.isidentifier() or not path or not num.isdigit():
+        return None
+    here = linecache.getline(path, int(num))
+    indent = len(here) - len(here.lstrip())
+    for n in range(int(num) - 1, max(0, int(num) - 60), -1):
+        text = linecache.getline(path, n)
+        if not text.strip():
+            continue
+        if re.match(r"\s*(?:async\s+)?def\s", text) and len(text) - len(text.lstrip()) < indent:
+            return None
+        stmt = full_statement(f"{path}:{n}")
+        try:
+            tree = ast.parse(stmt or "")
+        except SyntaxError:
+            continue
+        node = tree.body[0] if len(tree.body) == 1 else None
+        if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if not any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            continue
+        if not isinstance(node, ast.Assign) or len(targets) != 1 or stmt is None:
+            return None  # unpacked, annotated or augmented: not rewritten
+        value = ast.get_source_segment(stmt, node.value)
+        if value is None:
+            return None
+        return (
+            f"{name} = {paren(value)}{clamp}   # where {name} is made: every line that "
+            "subtracts it stays finite"
+        )
+    return None
 
 
 def logsumexp_rewrite(code: str | None) -> tuple[str, str, str, str] | None:
@@ -1575,14 +1874,64 @@ def describe_activation(act: Activation) -> str:
     return f"a {act.kind} output"
 
 
-def first_root_outputs(trace: StepTrace) -> list[Record]:
-    """Measured output records of the first root call that is not a loss (the model's
-    outputs: its logits)."""
-    root: Call | None = None
-    for c in trace.calls:
-        if c.root and not c.is_loss:
-            root = c
+def _root_of(trace: StepTrace, call_id: int, memo: dict[int, int]) -> int:
+    """The id of the outermost call enclosing call ``call_id`` (itself for a root)."""
+    if call_id in memo:
+        return memo[call_id]
+    cur, hops = trace.call(call_id), 0
+    while cur is not None and cur.parent is not None and hops < 256:
+        hops += 1
+        parent = trace.call(cur.parent)
+        if parent is None:
             break
+        cur = parent
+    memo[call_id] = cur.id if cur is not None else call_id
+    return memo[call_id]
+
+
+def _whole_model(call: Call) -> bool:
+    """A call of a watched root itself (named by its class: ``Net``, ``Net#2``), not of one
+    of its submodules called directly (``emb``, ``Net#2.emb``)."""
+    path, kind = call.path, call.module_type
+    return "." not in path and bool(kind) and (path == kind or path.startswith(kind + "#"))
+
+
+def model_call(trace: StepTrace) -> Call | None:
+    """The step's forward of the model: of the root calls (not a loss), the first whose
+    values reached the backward or a loss, else one made with grad enabled, else one of a
+    watched root itself. A submodule called directly under ``no_grad`` whose values went
+    nowhere (a logging line after ``nw.step()``: ``model.emb(ids).norm()``) is never the
+    model: None when that is all the step holds."""
+    roots = [c for c in trace.calls if c.root and not c.is_loss]
+    if not roots:
+        return None
+    memo: dict[int, int] = {}
+    reached: set[int] = set()
+    for r in trace.records:
+        if r.phase is Phase.BACKWARD and r.call >= 0:
+            reached.add(_root_of(trace, r.call, memo))
+    for use in loss_uses(trace):
+        rec, hops = use.input, 0
+        while rec is not None and hops < 64:
+            hops += 1
+            if rec.call >= 0 and rec.phase is not Phase.INPUT:
+                reached.add(_root_of(trace, rec.call, memo))
+                break
+            rec = trace.record(rec.source) if rec.source is not None else None
+    grad = {r.call for r in trace.records if r.phase is Phase.FORWARD and r.grad_fn is not None}
+    nested = {c.path for c in trace.calls if c.parent is not None}
+
+    def rank(c: Call) -> tuple[bool, bool, bool, bool]:
+        return (c.id in reached, c.id in grad, _whole_model(c), c.path not in nested)
+
+    best = max(roots, key=rank)  # max keeps the earliest of equals
+    return best if any(rank(best)[:3]) else None
+
+
+def first_root_outputs(trace: StepTrace) -> list[Record]:
+    """Measured output records of the model's forward of the step (:func:`model_call`):
+    its logits."""
+    root = model_call(trace)
     if root is None:
         return []
     out = []
