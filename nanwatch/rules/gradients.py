@@ -1308,6 +1308,11 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
         # zero input), an output layer initialized to 0 whose gradient grows from
         # nothing. Clipping would change nothing.
         return
+    clip = _clip_before_step(ctx.trace)
+    if clip is not None and (clip[1] is None or cur.total is None or cur.total > clip[1]):
+        # your loop clips between backward() and step(): the spike nanwatch measured at the
+        # end of backward was rescaled before the optimizer applied it
+        return
     for ratio, key, v, med in params[:3]:
         evidence.append(
             f"parameter {key}: gradient norm {fmt(v)} vs median {fmt(med)} ({_times(ratio)})"
@@ -1336,6 +1341,75 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
             "# and/or lower the learning rate or lengthen the warm-up"
         ),
     )
+
+
+_CLIP_CALLS = frozenset(
+    ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_", "clip_grads_with_norm_")
+)
+
+
+def _clip_before_step(trace: StepTrace) -> tuple[str, float | None] | None:
+    """Where the user's code clips the gradients between ``backward()`` and the next
+    ``.step()`` (``clip_grad_norm_``, ``clip_grad_value_``), read from the function of the
+    user's lines this step's notes name (the loss line): the clip's ``file:line`` and its
+    ``max_norm`` when that is a number written there (None: a value clip, a variable).
+    None when no such clip is found (a clip after ``step()`` clips nothing applied)."""
+    import linecache
+
+    seen: set[str] = set()
+    for n in trace.notes:
+        path, _, num = (n.source or "").rpartition(":")
+        if not path or not num.isdigit() or n.source in seen:
+            continue
+        seen.add(n.source or "")
+        try:
+            tree = ast.parse("".join(linecache.getlines(path)))
+        except (SyntaxError, ValueError):
+            continue
+        line = int(num)
+        scope: ast.AST = tree
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.lineno <= line <= (node.end_lineno or node.lineno)
+                and node.lineno >= getattr(scope, "lineno", 0)
+            ):
+                scope = node
+        calls: list[tuple[int, int, str, ast.Call]] = []
+        for node in ast.walk(scope):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            kind = "clip" if name in _CLIP_CALLS else name if name in ("backward", "step") else ""
+            if kind:
+                calls.append((node.lineno, node.col_offset, kind, node))
+        calls.sort(key=lambda c: (c[0], c[1]))
+        after_backward = False
+        for lineno, _, kind, call in calls:
+            if kind == "backward":
+                after_backward = True
+            elif kind == "step":
+                after_backward = False
+            elif after_backward:
+                return f"{path}:{lineno}", _max_norm(call)
+    return None
+
+
+def _max_norm(call: ast.Call) -> float | None:
+    """The ``max_norm`` a ``clip_grad_norm_`` call writes as a number, else None."""
+    f = call.func
+    name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+    if not name.startswith("clip_grad_norm"):
+        return None
+    arg = next((k.value for k in call.keywords if k.arg == "max_norm"), None)
+    if arg is None and len(call.args) >= 2:
+        arg = call.args[1]
+    try:
+        v = ast.literal_eval(arg) if arg is not None else None
+    except ValueError:
+        return None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 # ---------------------------------------------------------------------- NW304
@@ -1770,6 +1844,10 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     if found is not None:
         yield found
         return
+    sat = _cut_inside(ctx.trace, dead, lim.tiny) if lim is not None and exact else None
+    if sat is not None:
+        yield _saturated(ctx, dead, names, need, sat)
+        return
     if exact:
         evidence = [f"{names}: every gradient exactly 0 for the last {need} steps"]
     else:
@@ -1839,6 +1917,92 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence=evidence,
         explanation=explanation,
         fix=fix,
+    )
+
+
+def _cut_inside(
+    trace: StepTrace, dead: list[str], floor: float
+) -> tuple[str, float, list[tuple[str, float]]] | None:
+    """A module that reads the same input as the dead ones (attention's v beside its q and
+    k) whose output gradient reached at least ``floor`` (the dtype's smallest normal) while
+    theirs were exactly 0: the zero is made inside the parent's forward, by an op that
+    saturates, not by the dtype's range. Its path, that gradient's largest magnitude, and
+    the dead modules' largest forward outputs."""
+    rec = {(r.phase, r.path, r.role): r for r in trace.records}
+    sources = {
+        rec[(Phase.INPUT, p, "input[0]")].source
+        for p in dead
+        if (Phase.INPUT, p, "input[0]") in rec
+    }
+    sources.discard(None)
+    if len(sources) != 1:
+        return None
+    src = sources.pop()
+    for r in trace.records:
+        if r.phase is not Phase.INPUT or r.source != src or r.path in dead:
+            continue
+        g = rec.get((Phase.BACKWARD, r.path, "output"))
+        if g is None or g.stat is None or not g.stat.finite:
+            continue
+        top = max(abs(g.stat.min), abs(g.stat.max))
+        if top >= floor:
+            outs = []
+            for p in dead:
+                f = rec.get((Phase.FORWARD, p, "output"))
+                if f is not None and f.stat is not None and f.stat.finite:
+                    outs.append((p, max(abs(f.stat.min), abs(f.stat.max))))
+            return r.path, top, outs
+    return None
+
+
+def _saturated(
+    ctx: RuleContext,
+    dead: list[str],
+    names: str,
+    need: int,
+    sat: tuple[str, float, list[tuple[str, float]]],
+) -> Diagnosis:
+    """Exactly-zero gradients made by a saturated op (a softmax with one-hot rows) inside
+    the parent's forward: no dtype holds them, so loss scaling cannot bring them back."""
+    beside, size, outs = sat
+    top = dead[0]
+    parent = top.rpartition(".")[0] or "the model"
+    dtype = next((r.dtype for r in ctx.trace.records if r.path == top), "")
+    evidence = [
+        f"{names}: every gradient exactly 0 for the last {need} steps",
+        f"{beside}, which reads the same input, got output gradients up to {fmt(size)} this "
+        f"step: far inside {dtype}'s range, so nothing on the way to {parent} underflowed",
+    ]
+    if outs:
+        evidence.append(
+            "their forward outputs reach "
+            + ", ".join(f"|{p}| {fmt(v)}" for p, v in outs)
+            + (
+                f": one product of the two reaches {fmt(outs[0][1] * outs[1][1])}, and a "
+                "softmax over logits that far apart has one-hot rows"
+                if len(outs) >= 2
+                else ""
+            )
+        )
+    return ctx.diagnosis(
+        title="Zero gradients made in the forward (a saturated softmax), not underflow",
+        path=top,
+        phase=Phase.BACKWARD.value,
+        evidence=evidence,
+        explanation=(
+            f"The gradients of {names} are exactly 0 while {beside}, fed the same input "
+            f"inside {parent}, gets gradients of ordinary size: the zero is made in "
+            f"{parent}'s forward between them, not by {dtype}'s range. A softmax over "
+            "logits hundreds apart (q @ k^T of large q and k) gives one-hot rows, whose "
+            "gradient is exactly 0 in any dtype: float32 gives the same zeros, and a "
+            "GradScaler cannot help (any scale times 0 is 0). Keep the logits small."
+        ),
+        fix=(
+            "# QK-norm, in the attention's forward before q @ k.transpose(-2, -1):\n"
+            "q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)   # |q . k| <= 1\n"
+            "# then multiply the logits by a learned scale (init ~10) instead of "
+            "1/sqrt(head_dim)"
+        ),
     )
 
 
