@@ -18,6 +18,7 @@ import bisect
 import contextlib
 import math
 import os
+import random
 import re
 import sys
 import threading
@@ -1070,6 +1071,7 @@ def preserved_state(module: torch.nn.Module | None, devices: set[torch.device]) 
     torch cannot set a version counter, that keeps the common case working)."""
     cpu_rng = torch.get_rng_state()
     cuda_rng = {d: torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
+    host_rng = _host_rng_states()
     saved: list[tuple[torch.Tensor, torch.Tensor, int | None]] = []
     if module is not None:
         with torch.no_grad():
@@ -1093,6 +1095,38 @@ def preserved_state(module: torch.nn.Module | None, devices: set[torch.device]) 
         torch.set_rng_state(cpu_rng)
         for d, state in cuda_rng.items():
             torch.cuda.set_rng_state(state, d)
+        _set_host_rng_states(host_rng)
+
+
+def _host_rng_states() -> list[tuple[str, Any]]:
+    """The global generators a forward may draw from outside torch: Python's ``random``
+    and, when the program imported it, NumPy's legacy global one (``np.random.rand``). A
+    replay that draws from them must give the draws back, or the watched run trains on
+    other numbers than the unwatched one."""
+    states: list[tuple[str, Any]] = [("random", random.getstate())]
+    np = sys.modules.get("numpy")
+    if np is not None:
+        with contextlib.suppress(Exception):
+            states.append(("numpy", np.random.get_state()))
+    return states
+
+
+def _set_host_rng_states(states: list[tuple[str, Any]]) -> None:
+    for kind, state in states:
+        if kind == "random":
+            random.setstate(state)
+        else:
+            with contextlib.suppress(Exception):
+                sys.modules["numpy"].random.set_state(state)
+
+
+def _same_host_state(a: tuple[str, Any], b: tuple[str, Any]) -> bool:
+    if a[0] != b[0]:
+        return False
+    if a[0] == "random":
+        return bool(a[1] == b[1])
+    (name_a, keys_a, *rest_a), (name_b, keys_b, *rest_b) = a[1], b[1]
+    return bool(name_a == name_b and (keys_a == keys_b).all() and rest_a == rest_b)
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -1102,16 +1136,25 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
-def rng_states(devices: set[torch.device]) -> list[torch.Tensor]:
-    """The CPU generator's state and that of each CUDA device in ``devices``."""
-    states = [torch.get_rng_state()]
+def rng_states(devices: set[torch.device]) -> list[Any]:
+    """The CPU generator's state, that of each CUDA device in ``devices``, and Python's
+    and NumPy's global generators' (see :func:`_host_rng_states`)."""
+    states: list[Any] = [torch.get_rng_state()]
     states += [torch.cuda.get_rng_state(d) for d in sorted(devices, key=str) if d.type == "cuda"]
+    states += _host_rng_states()
     return states
 
 
-def drew_random(before: list[torch.Tensor], devices: set[torch.device]) -> bool:
+def drew_random(before: list[Any], devices: set[torch.device]) -> bool:
     """Whether a generator moved since ``before`` (see :func:`rng_states`)."""
-    return any(not torch.equal(a, b) for a, b in zip(before, rng_states(devices), strict=True))
+    after = rng_states(devices)
+    if len(after) != len(before):  # NumPy was imported in between: it drew, as far as known
+        return True
+    for a, b in zip(before, after, strict=True):
+        same = torch.equal(a, b) if isinstance(a, torch.Tensor) else _same_host_state(a, b)
+        if not same:
+            return True
+    return False
 
 
 def _user_hooks(hooks: dict[int, Any], after: int | None = None) -> list[tuple[int, Any]]:
