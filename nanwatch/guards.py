@@ -591,8 +591,14 @@ class _Probe:
         known: Callable[[torch.Tensor], tuple[Any, Any] | None] | None = None,
         upstream: bool = False,
         from_module: Callable[[torch.Tensor], bool] | None = None,
+        recorded: Callable[[Any], bool] | None = None,
+        ops_checked: bool = False,
     ) -> None:
         self.spec = spec
+        #: the watcher checks every aten op (forensic): it names the op that made a value
+        self.ops_checked = ops_checked
+        #: whether an autograd node made a tensor a watched module returned this step
+        self.recorded = recorded or (lambda node: False)
         #: whether a tensor is a watched module's output (or a cast or view of one): a bad
         #: value an op made in it is traced to that op by the watcher
         self.from_module = from_module or (lambda t: False)
@@ -1118,6 +1124,7 @@ def _check_class(p: _Probe) -> None:
     p.then(lambda v: _class_result(p, v, c=c, lo=lo, ignore=ignore, ign=ign, desc=desc))
     if per_position and cdim is not None:
         _check_target_logit(p, kept, ign, c=c, cdim=cdim)
+        p.then(lambda v: _nograd_input_result(p, v))
 
 
 def _check_target_logit(
@@ -1273,6 +1280,208 @@ def _target_logit_failure(
             count=n,
             total=total,
             positions=_positions(neg),
+        )
+    )
+
+
+#: autograd ops that make finite values of finite operands (short of a dtype's overflow):
+#: on the gradient side of a loss input, an inf or NaN cannot have been born in them
+_FINITE_OPS = frozenset(
+    (
+        "Add", "Sub", "Neg", "Cat", "Stack", "View", "Reshape", "UnsafeView", "Permute",
+        "Transpose", "T", "Expand", "Slice", "Select", "Clone", "Squeeze", "Unsqueeze",
+        "Split", "SplitWithSizes", "Unbind", "Narrow", "AsStrided", "Flatten", "Relu",
+        "Sigmoid", "Tanh",
+        "Mm", "Bmm", "Addmm", "Baddbmm", "Mv", "Dot", "Matmul", "Linear", "Embedding",
+        "Mul", "Div", "Index", "IndexSelect", "Gather", "Softmax", "LogSoftmax", "Clamp",
+        "ClampMin", "ClampMax", "Mean", "Sum", "Gelu", "Silu", "Abs", "Repeat", "ToCopy",
+    )
+)  # fmt: skip
+#: nodes whose operands are added: a term without history among them carries its values
+_ADDS = ("AddBackward0", "SubBackward0")
+_NOGRAD_LIMIT = 256  #: autograd nodes looked at on the gradient side
+
+
+def _saved_finite(node: Any) -> bool:
+    """Every tensor ``node`` saved for its backward is finite (a division's divisor also
+    non-zero): an op with such operands made no inf or NaN."""
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            t = getattr(node, name)
+        except RuntimeError:  # freed by a backward
+            return False
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+            continue
+        try:
+            if not bool(torch.isfinite(t).all()):
+                return False
+            if name == "_saved_other" and type(node).__name__.startswith("Div") and (t == 0).any():
+                return False
+        except RuntimeError:  # a layout without plain values (sparse, meta)
+            return False
+    return True
+
+
+def _finite_side(node: Any, recorded: Callable[[Any], bool]) -> bool:
+    """The graph under ``node`` made only finite values: every op one of :data:`_FINITE_OPS`
+    whose saved operands are finite, ending at watched modules' outputs (measured by the
+    watcher) or at finite leaves; operands without history are not looked at (a term of
+    an add is the caller's)."""
+    walk = ops.GraphWalk([node], prune=recorded, limit=_NOGRAD_LIMIT)
+    for fn in walk:
+        if ops.accumulates_grad(fn):
+            leaf = getattr(fn, "variable", None)
+            if isinstance(leaf, torch.Tensor) and not bool(torch.isfinite(leaf).all()):
+                return False
+            continue
+        name = type(fn).__name__
+        if name.split("Backward")[0] not in _FINITE_OPS or not _saved_finite(fn):
+            return False
+        if (
+            name not in _ADDS
+            and any(n is None for n, _ in fn.next_functions)
+            and not any(a.startswith("_saved_") for a in dir(fn))
+        ):
+            return False  # an operand without history that the node did not save
+    return not walk.truncated
+
+
+def _nograd_entry(x: torch.Tensor, recorded: Callable[[Any], bool]) -> str | None:
+    """The add or subtract through which a loss input's inf or NaN entered from a term with
+    no autograd history (``logits - torch.log(q)`` with ``q`` a count-based frequency that is
+    0), when the rest of the graph provably made only finite values: ``"-"`` or ``"+"``.
+    None when the graph cannot tell (then the watcher's diagnosis stands)."""
+    fn = x.grad_fn
+    for _ in range(8):  # views and copies between the add and the loss
+        if fn is None or type(fn).__name__.split("Backward")[0] not in _SHAPE_ONLY:
+            break
+        nxt = [n for n, _ in fn.next_functions if n is not None]
+        fn = nxt[0] if len(nxt) == 1 else None
+    if fn is None or type(fn).__name__ not in _ADDS:
+        return None
+    sides = [n for n, _ in fn.next_functions]
+    if sides.count(None) != 1:
+        return None
+    grad_side = next(n for n in sides if n is not None)
+    if not (recorded(grad_side) or _finite_side(grad_side, recorded)):
+        return None
+    return "-" if type(fn).__name__.startswith("Sub") else "+"
+
+
+_LOG_FUNCS = ("torch", "np", "numpy", "math")
+
+
+def _log_term(p: _Probe) -> tuple[str, str] | None:
+    """The user's line that adds a log to the loss input (``logits = logits -
+    torch.log(q[items])[None, :]``), looked for from the loss line back through the lines
+    of the function before it, and that line with the log's argument clamped to the
+    dtype's smallest positive normal; None when no such line is found."""
+    f = p.frame
+    name = p.arg(p.spec.input)
+    if f is None:
+        return None
+    first = max(f.f_code.co_firstlineno, f.f_lineno - 40)
+    for lineno in range(f.f_lineno, first - 1, -1):
+        raw = linecache.getline(f.f_code.co_filename, lineno)
+        line = _without_comment(raw.strip())
+        if not line:
+            continue
+        try:
+            tree = ast.parse(line)
+        except SyntaxError:
+            continue
+        stmt = tree.body[0] if len(tree.body) == 1 else None
+        if lineno != f.f_lineno and not (
+            isinstance(stmt, (ast.Assign, ast.AugAssign))
+            and any(
+                ast.get_source_segment(line, t) == name
+                for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target])
+            )
+        ):
+            continue
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "log"
+            ):
+                continue
+            owner = ast.get_source_segment(line, node.func.value) or ""
+            if owner in _LOG_FUNCS and len(node.args) == 1 and not node.keywords:
+                arg = ast.get_source_segment(line, node.args[0])
+                head = line[: node.args[0].col_offset]
+                tail = line[node.args[0].end_col_offset or 0 :]
+            elif owner and owner not in _LOG_FUNCS and not node.args and not node.keywords:
+                arg = owner
+                head = line[: node.func.value.col_offset] + "torch.log("
+                tail = ")" + line[node.end_col_offset or 0 :]
+            else:
+                continue
+            if not arg or owner in ("np", "numpy", "math"):
+                continue
+            a = arg if _NAME_EXPR.fullmatch(arg) else f"({arg})"
+            return line, f"{head}{a}.clamp_min(torch.finfo({a}.dtype).tiny){tail}"
+    return None
+
+
+_NAME_EXPR = re.compile(r"[A-Za-z_][\w.]*(\[[^\[\]]*\])*")
+
+
+def _nograd_input_result(p: _Probe, v: dict[str, float]) -> None:
+    """A cross-entropy input holding +inf or NaN that no watched module made and no op with
+    a gradient made: it entered through a term added without gradients (a logQ /
+    sampling-bias correction ``logits - torch.log(q)`` where ``q`` is 0 for a new item).
+    The watcher cannot name it (it never enters the autograd graph), so the guard does. A
+    non-finite input a watched module made is the watcher's to trace."""
+    hi, x = v.get("input_max", math.nan), p.input
+    if p.upstream or p.ops_checked or not (math.isnan(hi) or hi == math.inf):
+        return  # born upstream, or an op the forensic watcher names
+    if p.known(x) is not None or p.from_module(x):
+        return  # a watched module's output: the watcher traces it to its op
+    sign = _nograd_entry(x, p.recorded)
+    if sign is None:
+        return
+    pos, neg, nan = (int(m.sum()) for m in (x == math.inf, x == -math.inf, x.isnan()))
+    bad = ~torch.isfinite(x)
+    parts = [f"{_n(c)} {w}" for c, w in ((pos, "+inf"), (neg, "-inf"), (nan, "NaN")) if c]
+    inp = p.arg(p.spec.input)
+    done, verb = ("subtracted", "subtracted from") if sign == "-" else ("added", "added to")
+    problem = (
+        f"{inp} holds {', '.join(parts)} of {_n(x.numel())} values, and no watched module "
+        f"and no op with a gradient made them: they come from a term computed without "
+        f"gradients (a correction or constant) {verb} the scores; {p.desc()} returns NaN"
+    )
+    found = _log_term(p)
+    if found is not None:
+        fix = f"{found[1]}   # finite: the log of a 0 is -inf"
+    else:
+        fix = (
+            f"make the term {verb} {inp} finite before it is {done} (a log of a "
+            "count-based frequency that is 0, a division by a zero count): clamp what it "
+            "takes the log of, or divides by, away from 0"
+        )
+    values, counts = _value_counts(x[bad])
+    p.fail(
+        _Failure(
+            code="NW519",
+            check="nograd-term",
+            problem=problem,
+            expected="finite scores in every row",
+            fix=fix,
+            explanation=(
+                "A +inf score makes its row's log-sum-exp +inf, so log_softmax at the target "
+                "is -inf (NaN where the target's own score is +inf) and the loss is NaN. A "
+                "term without gradients (logits - torch.log(q) as a sampling-bias "
+                "correction, q a frequency that is 0 for an item never seen) never enters "
+                "the autograd graph, so nothing upstream can name the op that made it."
+            ),
+            values=values,
+            counts=counts,
+            count=int(bad.sum()),
+            total=x.numel(),
+            positions=_positions(bad),
         )
     )
 
@@ -2626,6 +2835,8 @@ def _guard(
         known=watcher.measured_minmax,
         upstream=watcher.trace.anomaly is not None,
         from_module=watcher.made_by_watched,
+        recorded=lambda node: node in watcher._recorded_nodes,
+        ops_checked=watcher._forensic,
     )
     failure: _Failure | None = None
     # DisableTorchFunction: our own reads need no torch-function mode (a FunctionalGuards

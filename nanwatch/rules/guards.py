@@ -116,6 +116,13 @@ CHECKS: dict[str, tuple[str, str]] = {
         "the target, the log of a zero probability): that row's loss is +inf (NaN when the "
         "whole row is -inf).",
     ),
+    "NW519": (
+        "Loss input non-finite from a term without gradients",
+        "CrossEntropyLoss/NLLLoss got +inf or NaN scores that no watched module and no op "
+        "with a gradient made: a term computed without gradients (a log of a zero "
+        "frequency as a sampling-bias correction) added to the scores holds them, and the "
+        "loss is NaN.",
+    ),
 }
 
 
@@ -258,3 +265,8 @@ def loss_weight_not_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
 @_register("NW518")
 def target_logit_neginf(ctx: RuleContext) -> Iterator[Diagnosis]:
     return _found(ctx, "NW518")
+
+
+@_register("NW519")
+def loss_input_from_a_term_without_gradients(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW519")
