@@ -27,6 +27,7 @@ from nanwatch.records import (
 )
 from nanwatch.rules._evidence import (
     DomainHit,
+    InfSource,
     LoggedTarget,
     LossUse,
     Shortfall,
@@ -68,6 +69,7 @@ from nanwatch.rules._evidence import (
     param_named,
     paren,
     postfix_start,
+    replace_neg_inf,
     rewrite_call,
     rewrite_divisor,
     scalar_base,
@@ -131,9 +133,15 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         if cause.kind not in ("neginf-input", "inf-arith"):
             return
     src = a.neginf_source
-    if src is None or a.kind is not AnomalyKind.FORWARD or _looks_like_mask(src):
+    if src is None or a.kind is not AnomalyKind.FORWARD:
         return
     origin = inf_source(ctx.trace, a, cause.event if cause is not None else None)
+    masked = _masked_logprob(ctx, a, src, origin, cause.event if cause is not None else None)
+    if masked is not None:  # log_prob of an action its mask gave probability 0
+        yield masked
+        return
+    if _looks_like_mask(src):
+        return
     if origin.kind == "mask":
         return  # a constant -inf was put in (a mask): NW402 or NW100 say so, not a log
     if cause is not None and cause.kind == "inf-arith" and origin.kind != "log":
@@ -171,6 +179,84 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=_LOG_FIX,
         priority=25,
+    )
+
+
+def _masked_logprob(
+    ctx: RuleContext, a: Anomaly, src: Record, origin: InfSource, ev: OpEvent | None
+) -> Diagnosis | None:
+    """NaN born in loss code from scores a mask set to -inf (masked_fill(~legal, -inf) on a
+    policy's logits): the -inf is the log-probability of an entry the mask gave probability
+    0, taken by log_prob / a gather of an action the mask forbids. Evidence: the autograd
+    node or a traced op put the -inf in (a mask), or, untraced, the record holds -inf and
+    otherwise only finite values; not an attention module (NW402 speaks for those)."""
+    s = src.stat
+    if a.path != LOSS_PATH or s is None or not s.has_neginf or s.has_nan or s.has_posinf:
+        return None
+    if isinstance(s.neginf, int) and s.neginf >= s.numel:
+        return None
+    text = f"{src.path} {src.module_type}".lower()
+    if "attn" in text or "attention" in text:
+        return None
+    if not (origin.kind == "mask" or (origin.kind == "unknown" and origin.node is None)):
+        return None  # a node that is not a mask made it (an overflow, a log): not this
+    mask = next((e for e in origin.events if e.injected), None)
+    if origin.kind == "unknown":
+        how = "no autograd node says what made it (made under no_grad, or untraced)"
+    elif origin.node:
+        how = f"{origin.node} put it in: a mask"
+    else:
+        how = "a mask put it in"
+    n_inf = f"{s.neginf:,} of {s.numel:,} values" if isinstance(s.neginf, int) else "some values"
+    evidence = [
+        f"{src.where} ({src.dtype}) holds -inf at {n_inf} and only finite values elsewhere "
+        f"(no NaN, no +inf): masked scores; {how}",
+    ]
+    if mask is not None and code_line(mask):
+        evidence.append(f"the -inf came from {short_op(mask.op)} {code_line(mask)}")
+    grew = f"the NaN was born in loss code ({a.record.where})"
+    if ev is not None:
+        grew += f": {short_op(ev.op)} was given the -inf and made {ev.born}"
+        line = code_line(ev)
+        if line:
+            grew += f" ({line})"
+    evidence.append(
+        grew + ": a log-probability of -inf was used, so log_prob was taken of an entry the "
+        "mask gave probability 0"
+    )
+    if ev is None:
+        evidence.append(untraced_hint(ctx))
+    dtype = src.dtype or "float32"
+    low = f"torch.finfo(torch.{dtype}).min"
+    own = replace_neg_inf(mask.code, low) if mask is not None else None
+    legal = "legal"
+    if mask is not None and mask.code:
+        m = re.search(r"masked_fill_?\(\s*~\s*([A-Za-z_][\w.]*)\s*,", mask.code)
+        if m is not None:
+            legal = m.group(1)
+    fix = (
+        f"# check the data before log_prob: {legal}.gather(-1, actions.unsqueeze(-1)).all() "
+        f"must hold (actions: what log_prob was given; {legal}: True where allowed, the "
+        "rollout's mask); fix the sampler (epsilon-greedy, replay) or the mask where it fails\n"
+        + (f"{own}   # finite: no -inf log-prob\n" if own else "")
+        + f"# {'or ' if own else ''}mask with {low} instead of -inf: an illegal action then "
+        "gets a very negative, finite log-prob"
+    )
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Log-probability of a masked action",
+        evidence=evidence,
+        explanation=(
+            "Masking logits with -inf gives those entries probability 0 and log-probability "
+            "-inf; log_prob (Categorical(logits=...).log_prob(a), a gather of log_softmax) of "
+            "such an entry is -inf, and the loss's arithmetic turns it into ±inf and NaN "
+            "(-inf × advantage, then a mean of +inf and -inf). The data has actions the mask "
+            "forbids: the behaviour policy sampled illegal actions (epsilon-greedy, a random "
+            "or scripted policy), or the mask at update time differs from the one at rollout. "
+            "This is not a probability that underflowed."
+        ),
+        fix=fix,
+        priority=20,
     )
 
 
@@ -749,6 +835,9 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
         calls = _log_calls(stmt)
         if not calls:
             continue
+        logit = _logit_by_hand(stmt)
+        if logit is not None:
+            return logit
         for start, end, arg in calls:
             lse = _logsumexp_use(stmt, start, end, arg, ev.dtype)
             if lse is not None:
@@ -758,6 +847,11 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
             if ent is not None:
                 return ent
         args = [arg for _, _, arg in calls]
+        for start, end, arg in calls:
+            m = _ONE_MINUS.match(arg)
+            sq = _tanh_of_square(m.group(1), ev.source) if m is not None else None
+            if sq is not None:
+                return _tanh_squash_use(stmt, start, end, arg, sq, dtype=ev.dtype)
         for _, _, arg in calls:
             m = _ONE_MINUS.match(arg)
             if m is not None:
@@ -803,6 +897,74 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
         return _LogUse("sigmoid", _SIGMOID_FIX)
     if kind == "softmax":
         return _LogUse("softmax", _LOG_FIX)
+    return None
+
+
+def _log_of(node: ast.expr) -> tuple[str, ast.expr] | None:
+    """(``log`` or ``log1p``, x) of ``torch.log(x)`` / ``x.log()`` / ``torch.log1p(x)`` /
+    ``x.log1p()``."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if node.func.attr not in ("log", "log1p"):
+        return None
+    if ast.unparse(node.func.value) == "torch" and len(node.args) == 1:
+        return node.func.attr, node.args[0]
+    if not node.args and not node.keywords:
+        return node.func.attr, node.func.value
+    return None
+
+
+def _logit_by_hand(stmt: str) -> _LogUse | None:
+    """``log(x) - log1p(-x)`` or ``log(x) - log(1 - x)`` on the user's line: a logit written
+    by hand (a flow's logit preprocessing of pixels in [0, 1]), -inf at x = 0 from the first
+    log and +inf at x = 1 from the second; the line with ``torch.logit(x, eps=...)``."""
+    try:
+        tree = ast.parse(stmt.strip())
+    except SyntaxError:
+        return None
+    lines = stmt.strip()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)):
+            continue
+        left, right = _log_of(node.left), _log_of(node.right)
+        if left is None or right is None or left[0] != "log":
+            continue
+        x = ast.unparse(left[1])
+        inner = right[1]
+        if right[0] == "log1p":
+            ok = isinstance(inner, ast.UnaryOp) and isinstance(inner.op, ast.USub)
+            ok = ok and ast.unparse(inner.operand) == x  # type: ignore[attr-defined]
+        else:
+            m = _ONE_MINUS.match(ast.unparse(inner))
+            ok = m is not None and m.group(1).strip() in (x, f"({x})")
+        if not ok or node.end_col_offset is None:
+            continue
+        second = "torch.log1p(-x)" if right[0] == "log1p" else "torch.log(1 - x)"
+        second = second.replace("x", paren(x))
+        eps = f"torch.finfo({paren(x)}.dtype).eps"
+        own = (
+            lines[: node.col_offset] + f"torch.logit({x}, eps={eps})" + lines[node.end_col_offset :]
+        )
+        return _LogUse(
+            "logit",
+            fix=(
+                f"{own}   # logit with {x} clamped into [eps, 1 - eps]: finite at 0 and 1\n"
+                f"# or dequantize first, when {x} is 8-bit pixels / 255: {x} = ({x} * 255 + "
+                f"torch.rand_like({x})) / 256 never reaches exactly 0 or 1"
+            ),
+            why=(
+                f"The line is a logit written by hand, log({x}) - log(1 - {x}): log({x}) is "
+                f"-inf where {x} is exactly 0 and {second} is -inf where {x} is exactly 1, "
+                "which the subtraction turns into +inf. Pixels scaled to [0, 1] (black and "
+                "white pixels, no dequantization) or fractions hold both ends. torch.logit "
+                "with eps clamps the input into [eps, 1 - eps] first; the derivative is finite "
+                "there too."
+            ),
+            evidence=(
+                f"the line computes log({x}) - log(1 - {x}), a logit: -inf from log({x}) "
+                f"where {x} is 0, and +inf from -{second} where {x} is 1 (log of 1 - 1 = 0)"
+            ),
+        )
     return None
 
 
@@ -1095,6 +1257,111 @@ def _one_minus_use(stmt: str, calls: list[tuple[int, int, str]], q: str, *, bce:
         ),
         evidence=f"the log is of 1 - {q}: -inf where {q} is exactly 1"
         + (f" (with log({q}) beside it: a hand-written binary cross-entropy)" if bce else ""),
+    )
+
+
+def _tanh_argument(node: ast.expr) -> ast.expr | None:
+    """u of ``torch.tanh(u)`` / ``F.tanh(u)`` / ``u.tanh()``."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    if node.func.attr != "tanh":
+        return None
+    owner = ast.unparse(node.func.value)
+    if owner in ("torch", "F", "torch.nn.functional") and len(node.args) == 1:
+        return node.args[0]
+    if not node.args and not node.keywords:
+        return node.func.value
+    return None
+
+
+def _squared(node: ast.expr) -> ast.expr | None:
+    """x of ``x ** 2``, ``x.pow(2)``, ``torch.pow(x, 2)``, ``x.square()``,
+    ``torch.square(x)``, ``x * x``."""
+    two = (ast.Constant(2), ast.Constant(2.0))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        return node.left if ast.dump(node.right) in map(ast.dump, two) else None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return node.left if ast.dump(node.left) == ast.dump(node.right) else None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    owner, attr, args = ast.unparse(node.func.value), node.func.attr, node.args
+    if owner == "torch" and attr == "pow" and len(args) == 2:
+        return args[0] if ast.dump(args[1]) in map(ast.dump, two) else None
+    if owner == "torch" and attr == "square" and len(args) == 1:
+        return args[0]
+    if attr == "pow" and len(args) == 1 and ast.dump(args[0]) in map(ast.dump, two):
+        return node.func.value
+    if attr == "square" and not args:
+        return node.func.value
+    return None
+
+
+@dataclass(frozen=True)
+class _TanhSquare:
+    u: str  #: the pre-squash value, as the user wrote it
+    made: str | None  #: ``a = torch.tanh(u)`` when the square was of a name assigned so
+
+
+def _tanh_of_square(q: str, source: str | None) -> _TanhSquare | None:
+    """q is tanh(u)**2 (of tanh(u) on the line, or of a name an earlier line of the function
+    set to tanh(u)): log(1 - q) is the tanh-squash correction of a squashed Gaussian."""
+    try:
+        base = _squared(ast.parse(q.strip(), mode="eval").body)
+    except SyntaxError:
+        return None
+    if base is None:
+        return None
+    u = _tanh_argument(base)
+    if u is not None:
+        return _TanhSquare(ast.unparse(u), None)
+    if not isinstance(base, ast.Name):
+        return None
+    made = _assigned_before(source, base.id)
+    if made is None:
+        return None
+    try:
+        rhs = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    u = _tanh_argument(rhs)
+    return _TanhSquare(ast.unparse(u), made) if u is not None else None
+
+
+def _tanh_squash_use(
+    stmt: str, start: int, end: int, arg: str, sq: _TanhSquare, *, dtype: str | None
+) -> _LogUse:
+    """log(1 - tanh(u)**2) written as it reads: tanh(u) rounds to exactly ±1 for a large |u|,
+    so the log is -inf; 2·(log 2 - u - softplus(-2u)) is the same value, finite for every u."""
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    dt = dtype or "float32"
+    bound = 0.5 * math.log(8 / lim.eps)  # 1 - tanh(u) ~ 2·exp(-2u) < eps/4: rounds to 1
+    u = paren(sq.u)
+    stable = f"2 * (math.log(2) - {u} - F.softplus(-2 * {u}))"
+    call = stmt[start:end]
+    own = f"{stmt[:start]}{stable}{stmt[end:]}"
+    floor = math.log(lim.tiny)
+    at = 10.0
+    true = 2 * (math.log(2) - at - math.log1p(math.exp(-2 * at)))
+    made = f" ({sq.made})" if sq.made else ""
+    return _LogUse(
+        "tanh-squash",
+        fix=(
+            f"{own}   # = {call}, exact and finite for every {sq.u}\n"
+            "# needs: import math; import torch.nn.functional as F\n"
+            f"# not a clamp of 1 - tanh^2 at tiny: log(tiny) = {fmt(floor)} in {dt} where the "
+            f"true value is -2|{sq.u}| + 2 log 2 ({fmt(true)} at {fmt(at)}), with 0 gradient"
+        ),
+        why=(
+            f"{arg} is the tanh-squash correction of a squashed Gaussian policy (SAC: a = "
+            f"tanh(u), log p(a) = log p(u) - log(1 - tanh(u)^2)). tanh(u) rounds to exactly "
+            f"±1.0 in {dt} for |u| above about {fmt(bound)}, so 1 - tanh(u)^2 is 0 and its log "
+            "-inf (the log-prob +inf): a wide std or unnormalized observations push u there. "
+            "log(1 - tanh(u)^2) = 2·(log 2 - u - softplus(-2u)) is the same value computed "
+            "from u, never forms the 0, and keeps the gradient."
+        ),
+        evidence=f"the log is of {arg}, with {sq.u} squashed by tanh{made}: 1 - tanh^2 is "
+        f"exactly 0 where |{sq.u}| > {fmt(bound)} in {dt}, since tanh rounds to ±1",
     )
 
 
