@@ -512,7 +512,7 @@ def test_nw101_float32_matmul_bounds_the_values_and_uses_no_autocast() -> None:
     assert "clip_grad_norm_" in plain.fix and "LayerNorm" in plain.fix
     assert "2e+38" in text(plain) and "59% of the float32 limit" in text(plain)
     rnn = top(module_trace(mm, path="enc.rnn", module_type="RNN"))
-    assert "model.enc.rnn.named_parameters()" in rnn.fix and "orthogonal_" in rnn.fix
+    assert "self.rnn.named_parameters()" in rnn.fix and "orthogonal_" in rnn.fix
     assert "weight_hh" in rnn.explanation
 
 
@@ -750,7 +750,7 @@ def test_e2e_float32_rnn_explosion_points_at_the_recurrent_weights() -> None:
     d, _ = run(model, lambda i: model(torch.rand(2, 80, 4)).pow(2).mean().backward())
     assert d is not None and d.code == "NW101" and d.path == "rnn"
     assert "at step 0, before any optimizer update" in text(d)
-    assert "model.rnn.named_parameters()" in d.fix and "orthogonal_" in d.fix
+    assert "self.rnn.named_parameters()" in d.fix and "orthogonal_" in d.fix
     assert "autocast" not in d.fix and "cuda" not in d.fix
 
 

@@ -343,12 +343,19 @@ def _from_op(
         evidence.append(f"input {ints[0]}{_paren_note(source)}: {describe_stat(ints[1])}")
     # float32 and up, and bfloat16 (float32's range: an upcast would not help it)
     wide = lim is not None and not lim.short_range
-    loop = None if result_only else _recurrence(ctx.trace, ev.path or a.path, a.record.call)
+    subst = _substituted(ctx, a) if wide and not result_only and not cplx else None
+    loop = (
+        None
+        if result_only or subst is not None
+        else _recurrence(ctx.trace, ev.path or a.path, a.record.call)
+    )
     batch = _batch_jump(ctx, a) if not result_only and loop is None else None
     jump = (
         _jump(ctx, a) if not wide and batch is None and loop is None and not result_only else None
     )
-    if loop is not None:
+    if subst is not None:
+        evidence.append(subst.line(ctx.step))
+    elif loop is not None:
         evidence.append(loop.line())
     elif batch is not None:
         evidence.append(batch.line(ctx.step))
@@ -401,7 +408,10 @@ def _from_op(
     device = device_type(ev, a.record.device)
     recurrent = a.record.module_type in _RECURRENT
     first = _first_step(ctx)
-    if loop is not None:
+    if subst is not None and lim is not None:
+        explanation = _explain_substituted(subst, dtype, lim)
+        fix = _fix_substituted(ev.code)
+    elif loop is not None:
         explanation = _explain_loop(loop, dtype)
         fix = _fix_loop(loop)
     elif batch is not None:
@@ -436,7 +446,7 @@ def _from_op(
             ev.code,
             recurrent=recurrent,
             first=first,
-            ref=_module_ref(ctx, a),
+            ref=_called_ref(ev.code, a.path) if recurrent else _module_ref(ctx, a),
             update=_update_fix(ctx, _grown_path(ctx, a), clip_first=True),
             clip=_clip_line(ctx),
             setting=bool(cause),
@@ -767,6 +777,18 @@ def _module_ref(ctx: RuleContext, a: Anomaly) -> str:
     return module_ref(a.path, root=call is None or call.root)
 
 
+def _called_ref(code: str | None, path: str) -> str | None:
+    """How the user's own line names the module at ``path``: ``s.rnn`` in
+    ``h, _ = s.rnn(s.emb(x))`` (its attribute called on a name the line binds); None when
+    the line does not call it so, and a fix must not pretend a name (``model`` may not
+    exist in the user's code)."""
+    attr = path.rsplit(".", 1)[-1]
+    if not code or not attr.isidentifier():
+        return None
+    found = re.search(rf"\b((?:[A-Za-z_]\w*\.)+{re.escape(attr)})\s*\(", code.split("#", 1)[0])
+    return found.group(1) if found else None
+
+
 def _first_step(ctx: RuleContext) -> bool:
     """No optimizer update came before this step (the first step nanwatch saw)."""
     return not ctx.history and ctx.step == 0
@@ -1044,6 +1066,114 @@ def _fix_loop(loop: _Loop) -> str:
     )
 
 
+# ---------------------------------------------------------------- substituted weights
+
+#: a module's output grew this many times across calls of one step on inputs of the same
+#: scale, its own weights unchanged: it multiplied by weights that were not its own
+_SUBSTITUTED = 1e6
+#: root inputs within this factor of each other are of the same scale
+_SAME_SCALE = 10.0
+
+
+@dataclass(frozen=True)
+class _Subst:
+    """A module whose outputs grew across the forwards of one step with no optimizer step
+    between them and inputs of the same scale: the weights it used were passed in at call
+    time (torch.func.functional_call, fast weights), not its own parameters."""
+
+    path: str
+    calls: int  #: its calls in this step up to the overflow, one per forward
+    first: float  #: max |x| of its output in the first forward
+    last: float  #: in the last forward before the overflow
+    inputs: float  #: the largest root input of those forwards
+
+    def line(self, step: int) -> str:
+        return (
+            f"{self.path} ran in {self.calls} forwards of step {step} with no optimizer step "
+            f"between them, on inputs of the same scale (up to {fmt(self.inputs)}), and its "
+            f"output grew from max |x| {fmt(self.first)} to {fmt(self.last)}: its own weights "
+            "did not change, so the weights it multiplied by were substituted at call time "
+            "(torch.func.functional_call, fast weights built by your own update p - lr * g)"
+        )
+
+
+def _root_of(trace: StepTrace, call: int) -> int | None:
+    by_id = {c.id: c for c in trace.calls}
+    c = by_id.get(call)
+    while c is not None and c.parent is not None:
+        c = by_id.get(c.parent)
+    return c.id if c is not None else None
+
+
+def _substituted(ctx: RuleContext, a: Anomaly) -> _Subst | None:
+    """The watched Linear / conv (an affine map of its input by its own weights) whose
+    output grew by ``_SUBSTITUTED`` or more across the forwards of this step up to the
+    overflow, while no optimizer stepped in this step and the forwards' inputs stayed of one
+    scale: the weights were not the module's own. None otherwise."""
+    trace = ctx.trace
+    if any(n.kind == "optimizer" for n in trace.notes):
+        return None
+    upto = a.record.call
+    roots = [c for c in trace.calls if c.root and not c.is_loss and c.id <= upto]
+    mags = [
+        m.stat.magnitude
+        for c in roots
+        for m in (trace.resolve(r) for r in trace.inputs_of(c.id))
+        if m.stat is not None and m.stat.finite and m.stat.magnitude > 0
+    ]
+    if len(roots) < 3 or not mags or max(mags) > _SAME_SCALE * min(mags):
+        return None
+    per: dict[str, dict[int, float]] = {}  # path -> root call -> first output's max |x|
+    affine = {
+        c.id: c
+        for c in trace.calls
+        if c.arithmetic and not c.root and c.module_type not in _RECURRENT and c.id < upto
+    }
+    for r in trace.records:
+        c = affine.get(r.call)
+        if c is None or r.phase is not Phase.FORWARD or r.stat is None or not r.stat.finite:
+            continue
+        root = _root_of(trace, c.id)
+        if root is not None:
+            per.setdefault(c.path, {}).setdefault(root, r.stat.amax)
+    best: _Subst | None = None
+    for path, outs in per.items():
+        seq = [v for v in outs.values() if v > 0]
+        if len(seq) < 3 or seq[-1] < _SUBSTITUTED * seq[0]:
+            continue
+        if best is None or seq[-1] / seq[0] > best.last / best.first:
+            best = _Subst(path, len(seq), seq[0], seq[-1], max(mags))
+    return best
+
+
+def _explain_substituted(s: _Subst, dtype: str, lim: DtypeLimits) -> str:
+    return (
+        f"{dtype} holds values up to {fmt(lim.max)}. {s.path} gave outputs up to "
+        f"{fmt(s.first)} and then {fmt(s.last)} on inputs of the same scale, with no "
+        "optimizer step in between: the weights it multiplied by grew inside this step, so "
+        "they were not its own parameters but weights passed in at call time. An inner loop "
+        "that builds them by its own update (MAML's fast weights p - inner_lr * g, one per "
+        "inner step) diverges when its lr is too high or it takes too many steps. The "
+        "initial weights and the outer optimizer's learning rate did not make these values."
+    )
+
+
+_FUNCTIONAL_CALL = re.compile(r"\bfunctional_call\(\s*[\w.]+\s*,\s*([A-Za-z_]\w*)\s*[,)]")
+
+
+def _fix_substituted(code: str | None) -> str:
+    found = _FUNCTIONAL_CALL.search(code or "")
+    weights = f"the weights in {found.group(1)}" if found else "the substituted weights"
+    return (
+        f"# {weights} grew in your inner loop: make the lr of the update that builds them "
+        "(p - inner_lr * g) 10 times lower, or take fewer inner steps\n"
+        "# or bound each inner step: clip the inner gradient, g = [gi * (1.0 / "
+        "max(1.0, gi.norm().item())) for gi in g], before the update\n"
+        "# not the initialization, not the outer optimizer's lr: the module's own weights "
+        "did not make these values"
+    )
+
+
 # ---------------------------------------------------------------- values that jumped
 
 
@@ -1289,6 +1419,21 @@ def _hand_updated(ctx: RuleContext) -> bool:
     return not any(n.kind == "optimizer" for t in (*ctx.history, ctx.trace) for n in t.notes)
 
 
+def _unwatched_source(ctx: RuleContext) -> bool:
+    """No optimizer stepped the watched weights (:func:`_hand_updated`) and this step ran no
+    watched module but losses: what the loss was given came from code or weights nanwatch
+    does not watch (a copy.deepcopy of a watched model carries no hooks)."""
+    return _hand_updated(ctx) and not any(not c.is_loss for c in ctx.trace.calls)
+
+
+#: what to say when the values came from no watched module and no update of watched weights
+_UNWATCHED = (
+    "# no optimizer stepped the watched weights, and the loss's input came from no watched "
+    "module: it came from code or weights nanwatch does not watch; a copy.deepcopy of a "
+    "watched model has no hooks: watch the clone too, nanwatch.watch(clone)"
+)
+
+
 def _growing_setting(ctx: RuleContext) -> Diagnosis | None:
     """NW306's diagnosis of a running-average setting (momentum, betas, alpha, rho at or
     past 1) in the latest step of each optimizer recorded: its update grows step after
@@ -1370,6 +1515,8 @@ def _update_fix(ctx: RuleContext, path: str | None, *, clip_first: bool) -> list
             "# a lower lr or gradient clipping only delays the overflow: the gradients are "
             "never reset (NW307)",
         ]
+    if _unwatched_source(ctx):
+        return [_UNWATCHED]
     lr = _lr_fix(ctx, path)
     opt = _normalizing(ctx)
     if opt is not None:
@@ -1393,6 +1540,8 @@ def _clip_line(ctx: RuleContext) -> str:
     unreset = unreset_grads(ctx)
     if unreset is not None:
         return unreset.fix.splitlines()[0]
+    if _unwatched_source(ctx):
+        return ""  # the update that grew the values is not nanwatch's to see
     if _hand_updated(ctx):
         return (
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # right before "
@@ -1471,6 +1620,8 @@ def _lr_fix(ctx: RuleContext, path: str | None = None) -> list[str]:
     with several param groups, only the one holding the weights of ``path`` (the module
     whose weights grew), when the records say which it is."""
     steps = _lr_steps(ctx)
+    if not steps and _unwatched_source(ctx):
+        return [_UNWATCHED]
     if not steps and _hand_updated(ctx):
         return [
             "# no torch.optim optimizer stepped: make the lr of your own update (p -= lr * "
@@ -1529,6 +1680,11 @@ def _lr_note(ctx: RuleContext, path: str | None = None) -> str:
     """``(SGD lr 0.336, up from 0.12 at step 0)`` for the growth line; "" when unknown.
     With several param groups, the lr of the one holding ``path``'s weights when known."""
     steps = _lr_steps(ctx)
+    if not steps and _unwatched_source(ctx):
+        return (
+            " (no optimizer stepped the watched weights: the values came from code or "
+            "weights nanwatch does not watch)"
+        )
     if not steps and _hand_updated(ctx):
         return " (no torch.optim optimizer step was recorded: the weights are updated by hand)"
     if not steps:
@@ -2049,7 +2205,7 @@ def _fix_wide(
     *,
     recurrent: bool,
     first: bool,
-    ref: str,
+    ref: str | None,
     update: Sequence[str] = (),
     clip: str | None = None,
     setting: bool = False,
@@ -2116,8 +2272,18 @@ def _fix_wide(
         clip = "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before step()"
     if kind == "matmul" and recurrent:
         lines = [
-            f"for name, w in {ref}.named_parameters():   # recurrent weights, gain <= 1",
-            "    if 'weight_hh' in name: nn.init.orthogonal_(w)",
+            *(
+                [
+                    f"for name, w in {ref}.named_parameters():   # in __init__, after {ref} "
+                    "is built: recurrent weights, gain <= 1",
+                    "    if 'weight_hh' in name: nn.init.orthogonal_(w)",
+                ]
+                if ref
+                else [
+                    "# for each recurrent weight (weight_hh_l*) of the recurrent module: "
+                    "nn.init.orthogonal_(w), gain <= 1"
+                ]
+            ),
             "# or nonlinearity='tanh' (saturates), or nn.LSTM / nn.GRU (gated)",
             clip,
         ]
@@ -2139,7 +2305,7 @@ def _fix_wide(
         return "\n".join(x for x in lines[:-1] if x)  # no update yet: clipping is no fix
     if kind != "other":  # grew in training: clipping first
         return "\n".join(x for x in [*lines[-1:], *lines[:-1]] if x)
-    if setting:  # the optimizer setting is the cause, not an un-normalized architecture
+    if setting or lines == [_UNWATCHED]:  # the cause is known: not an architecture's
         return "\n".join(lines)
     return "\n".join([*lines, "# and normalize what grows (nn.LayerNorm) before this op"])
 
