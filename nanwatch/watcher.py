@@ -3368,7 +3368,7 @@ class Watcher:
         from nanwatch.rules import evaluate
 
         history = [t for t in self.history if t.step < trace.step]
-        return evaluate(
+        found = evaluate(
             trace,
             history,
             self.config.thresholds,
@@ -3376,6 +3376,56 @@ class Watcher:
             disabled=self._disabled_rules,
             facts={"scaler": self._scaled, "mode": self.config.mode},
         )
+        if any(d.fix for d in found):
+            try:
+                self._in_users_names(found)
+            except Exception as exc:  # the fixes keep their generic names
+                self._fault("rules", "user's names in fixes", exc)
+        return found
+
+    def _in_users_names(self, diagnoses: list[Diagnosis]) -> None:
+        """The rules write fixes for a model called ``model``, an optimizer called
+        ``optimizer`` and a loss called ``criterion`` where they cannot know better. The
+        user's code (the frame that ran into the anomaly, its ``self`` and its module's
+        globals) holds the watched model, its optimizer and its loss under its own names:
+        those go into the fixes' code, unless the user's code also defines the generic
+        name. Comments are left as they are."""
+        frame = _frames.user_frame(sys._getframe(1))
+        if frame is None:
+            return
+        local = frame.f_locals
+        attrs = getattr(local.get("self"), "__dict__", None)
+        scopes = [names for names in (local, attrs, frame.f_globals) if hasattr(names, "items")]
+        defined = {k for names in scopes for k in names if isinstance(k, str)}
+        wanted: dict[str, Any] = {}
+        roots = [(m, info) for m, info in self._modules if info.is_root]
+        model = next((m for m, info in roots if not info.is_loss), None)
+        loss = next((m for m, info in roots if info.is_loss), None)
+        if model is not None:
+            wanted["model"] = model
+        if loss is not None:
+            wanted["criterion"] = loss
+        watched = self._param_ids
+        for names in scopes:
+            for key, value in list(names.items()):
+                if (
+                    "optimizer" not in wanted
+                    and isinstance(value, torch.optim.Optimizer)
+                    and any(id(p) in watched for g in value.param_groups for p in g["params"])
+                ):
+                    wanted["optimizer"] = value
+        renames: dict[str, str] = {}
+        for generic, obj in wanted.items():
+            if generic in defined:
+                continue  # the user's code has that name: the fix may mean it
+            name = _name_in_frame(frame, obj)
+            if name is not None and name != generic:
+                renames[generic] = name
+        if not renames:
+            return
+        for d in diagnoses:
+            if d.fix:
+                d.fix = _renamed(d.fix, renames)
 
     def _act(self, trace: StepTrace) -> None:
         """Apply ``on_anomaly`` once per step, to a localized anomaly or an error-severity
@@ -3725,6 +3775,43 @@ def _distributed() -> tuple[int, int] | None:
         return (int(dist.get_rank()), size) if size > 1 else None
     except Exception:  # a backend without a default group, a torch without it
         return None
+
+
+def _renamed(code: str, renames: dict[str, str]) -> str:
+    """``code`` with each name of ``renames`` replaced where it stands as a name (not an
+    attribute, a keyword argument or part of a longer name), in the code of each line but
+    not in its comment.
+
+    >>> _renamed("model.float()  # the model in float32", {"model": "net"})
+    'net.float()  # the model in float32'
+    >>> _renamed("f(model=model, x=self.model)", {"model": "net"})
+    'f(model=net, x=self.model)'
+    """
+    import re
+
+    pattern = re.compile(
+        r"(?<![\w.'\"])(" + "|".join(map(re.escape, renames)) + r")(?![\w'\"])(?!\s*=[^=])"
+    )
+    out = []
+    for line in code.split("\n"):
+        cut = _comment_start(line)
+        head, tail = line[:cut], line[cut:]
+        out.append(pattern.sub(lambda m: renames[m.group(1)], head) + tail)
+    return "\n".join(out)
+
+
+def _comment_start(line: str) -> int:
+    """Where the comment of a line of Python code starts (its length: none)."""
+    quote: str | None = None
+    for i, ch in enumerate(line):
+        if quote is not None:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#":
+            return i
+    return len(line)
 
 
 def _name_in_frame(frame: Any, obj: Any) -> str | None:
