@@ -3407,7 +3407,7 @@ class Watcher:
             wanted["criterion"] = loss
         watched = self._param_ids
         for names in scopes:
-            for key, value in list(names.items()):
+            for value in list(names.values()):
                 if (
                     "optimizer" not in wanted
                     and isinstance(value, torch.optim.Optimizer)

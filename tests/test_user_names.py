@@ -19,14 +19,13 @@ def _diverging_fix(define_model: bool) -> str:
     if define_model:
         model = "a name the user's code uses for something else"  # noqa: F841
     x, y = torch.randn(16, 4), torch.randn(16, 1)
-    with nanwatch.watch(net, postmortem=False) as nw:
-        with pytest.raises(nanwatch.AnomalyError) as info:
-            for _ in range(5):
-                loss = ((net(x) - y) ** 2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                nw.step()
+    with nanwatch.watch(net, postmortem=False) as nw, pytest.raises(nanwatch.AnomalyError) as info:
+        for _ in range(5):
+            loss = ((net(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            nw.step()
     d = info.value.diagnosis
     assert d is not None and d.fix
     return d.fix
