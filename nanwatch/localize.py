@@ -626,6 +626,20 @@ def localize(
                     "(nanwatch run --mode forensic) to name the op and its line"
                 )
             )
+        elif (
+            fwd is not None
+            and (born := _backward_birth(trace.ops)) is not None
+            and born.path == LOSS_PATH
+            and (root := _root_of(trace, trace.call(fwd.call))) is not None
+        ):
+            # the first backward op that made it ran a node the loss code created after
+            # the module returned (an output nanwatch cannot see: a custom object holding
+            # the tensors): the loss code's, not the module's
+            origin, path = "after-output", root.path
+            summary = (
+                f"{what} gradient arrived at {root.path} from code outside the watched "
+                "modules (the loss computed after the model)"
+            )
         else:
             owner = trace.call(fwd.call) if fwd is not None else None
             parent = (
@@ -713,6 +727,17 @@ def localize(
                     "optimizer step (no optimizer updated it: a data-dependent init, an EMA "
                     "update, a copy_ under no_grad)"
                 )
+        elif (
+            first_step
+            and trig.index < 0
+            and writer is not None
+            and writer.get("finite_at_attach")
+            and writer.get("optimizer")
+        ):
+            summary = (
+                f"{what} in the weights of {parameter}: finite when nanwatch attached, made "
+                f"non-finite by the last update ({writer['optimizer']} optimizer step)"
+            )
         elif (
             first_step and trig.index < 0 and writer is not None and writer.get("finite_at_attach")
         ):
@@ -939,7 +964,7 @@ def summarize(anomaly: Anomaly) -> str:
     leaf = leaf_text(op) or constant_text(op) if anomaly.origin == "loss-code" else None
     if leaf is not None and " born on the way to the loss, " in base:
         what, rest = base.split(" born on the way to the loss, ", 1)
-        if op is not None and CONSTANT in op.scalars and op.born:
+        if op is not None and (CONSTANT in op.scalars or LEAF in op.scalars) and op.born:
             what = op.born  # what the operand held (+inf), which the loss turned into NaN
         rest = rest.removeprefix("outside every watched module's output")
         base = f"{what} {leaf}{rest}"
@@ -981,6 +1006,19 @@ def leaf_text(op: OpEvent | None) -> str | None:
     kind = "an nn.Parameter" if op.scalars.get("leaf_parameter") else "a tensor"
     of = f" of shape {shape}" if shape else ""
     name = op.scalars.get("leaf_name")
+    if leaf_never_written(op):
+        return (
+            f"in {f'{name}, ' if name else ''}a tensor your code passes to the loss: a leaf "
+            f"({kind} with requires_grad, not a watched module's parameter){of} that held "
+            f"{op.born} when this step's {short_node(op)} read it, and nothing has written "
+            "it since it was created (its version counter is 0: no in-place write, no "
+            "optimizer step): it was created non-finite"
+            + (
+                " (log(0) = -inf: a log of an initial value of 0 makes it)"
+                if op.born == "-inf"
+                else ""
+            )
+        )
     return (
         f"in {f'{name}, ' if name else ''}a tensor your code passes to the loss: a leaf "
         f"({kind} with requires_grad, not a watched module's parameter){of} that already "
@@ -989,6 +1027,13 @@ def leaf_text(op: OpEvent | None) -> str | None:
         "step wrote it, typically an optimizer you built for it (a GradNorm or "
         "uncertainty-weighting loss weight)"
     )
+
+
+def leaf_never_written(op: OpEvent) -> bool:
+    """The leaf of a leaf event was never written in place since it was created (its
+    version counter, ``leaf_version``, is 0: no optimizer step, no ``.data`` or in-place
+    write), so it was created holding what it holds."""
+    return LEAF in op.scalars and op.scalars.get("leaf_version") == 0
 
 
 #: ``OpEvent.scalars`` key of an event for an operand with no autograd history (see

@@ -1924,6 +1924,7 @@ def leaf_event(node: Any) -> OpEvent | None:
             LEAF: role,
             "leaf_shape": str(tuple(v.shape)),  # no "[": a summary's op part starts at " ["
             "leaf_parameter": int(isinstance(v, torch.nn.Parameter)),
+            "leaf_version": int(v._version),
         }
         name, optimizer = _user_names(v)
         if name:

@@ -3395,7 +3395,7 @@ class Watcher:
             return
         local = frame.f_locals
         attrs = getattr(local.get("self"), "__dict__", None)
-        scopes = [names for names in (local, attrs, frame.f_globals) if hasattr(names, "items")]
+        scopes: list[Any] = [n for n in (local, attrs, frame.f_globals) if hasattr(n, "items")]
         defined = {k for names in scopes for k in names if isinstance(k, str)}
         wanted: dict[str, Any] = {}
         roots = [(m, info) for m, info in self._modules if info.is_root]

@@ -10,9 +10,9 @@ import ast
 import itertools
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
-from nanwatch.localize import CONSTANT, LEAF, constant_text, leaf_text
+from nanwatch.localize import CONSTANT, LEAF, constant_text, leaf_never_written, leaf_text
 from nanwatch.records import (
     LOSS_PATH,
     Anomaly,
@@ -54,27 +54,52 @@ from nanwatch.rules._evidence import (
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
-_FORENSIC = {
-    True: (
-        "with nanwatch.watch(model, criterion, mode='forensic') as nw:   # every aten op "
-        "checked\n"
-        "    loss = criterion(model(x), y); loss.backward()"
-    ),
-    False: (
+#: the first line of a template fix: the names in it are a pattern's, not the user's code
+_ADAPT = "# adapt: your model, loss and batch"
+
+
+def _through(roots: Sequence[str]) -> str:
+    """`` (the model: Score)``: the watched roots the evidence names, for a template."""
+    return f" (the model: {', '.join(roots)})" if roots else ""
+
+
+def _forensic(criterion: bool, roots: Sequence[str] = ()) -> str:
+    """Forensic mode around the failing step, a pattern to adapt (the criterion only when
+    one was watched): the ``with`` line first, then the adapt note on the step's line."""
+    if criterion:
+        return (
+            "with nanwatch.watch(model, criterion, mode='forensic') as nw:   # every aten op "
+            "checked\n"
+            f"    loss = criterion(model(x), y); loss.backward()   {_ADAPT}{_through(roots)}"
+        )
+    return (
         "with nanwatch.watch(model, mode='forensic') as nw:   # every aten op checked\n"
-        "    ...   # the same step: forward, loss, backward()"
-    ),
-}
-#: nanwatch's own replay names a backward op and its forward line; detect_anomaly stops at
-#: the first node that returns NaN, a later one when an inf born earlier turns into NaN
-_REPLAY = (
-    "def step_fn():                     # the failing step again, on the same batch\n"
-    "    loss = criterion(model(x), y)  # your forward and loss\n"
-    "    loss.backward()\n"
-    "nw.replay(step_fn)   # every aten op checked, forward and backward\n"
-    "print(nw.report)     # names the backward op and the forward line that made it"
-)
-_NEXT = {AnomalyKind.BACKWARD: _REPLAY}
+        f"    ...   # the same step: forward, loss, backward(); {_ADAPT[2:]}{_through(roots)}"
+    )
+
+
+def _replay(roots: Sequence[str] = ()) -> str:
+    """nanwatch's own replay names a backward op and its forward line; detect_anomaly stops
+    at the first node that returns NaN, a later one when an inf born earlier turns into
+    NaN. A pattern to adapt: step_fn is the user's failing step, written by them."""
+    return (
+        f"{_ADAPT}{_through(roots)}\n"
+        "def step_fn():   # the failing step again, on the same batch\n"
+        "    loss = criterion(model(x), y)   # a pattern: write your forward and loss here\n"
+        "    loss.backward()\n"
+        "nw.replay(step_fn)   # every aten op checked, forward and backward\n"
+        "print(nw.report)     # names the backward op and the forward line that made it"
+    )
+
+
+_REPLAY = _replay()
+
+
+def _roots(ctx: RuleContext) -> list[str]:
+    """The watched models of the step (root calls that are not a loss), by path."""
+    return list(dict.fromkeys(c.path for c in ctx.trace.calls if c.root and not c.is_loss))
+
+
 #: a forward NaN that no checked op made: a tensor the step read already held it
 _READ_BAD = (
     "# every op was checked and none made it: a tensor the step read already held it\n"
@@ -118,9 +143,11 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a.kind is AnomalyKind.FORWARD and ctx.facts.get("mode") == "forensic":
         fix = _READ_BAD  # every op was checked: never send a forensic run to forensic mode
     elif a.kind is AnomalyKind.FORWARD:  # name the criterion only when one was watched
-        fix = _FORENSIC[_watched_criterion(ctx)]
+        fix = _forensic(_watched_criterion(ctx), _roots(ctx))
+    elif a.kind is AnomalyKind.BACKWARD:
+        fix = _replay(_roots(ctx))
     else:
-        fix = _NEXT.get(a.kind, "# inspect the named tensor; nw.report has the statistics")
+        fix = "# inspect the named tensor; nw.report has the statistics"
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
@@ -152,6 +179,32 @@ def _leaf(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
     w = name or "loss_weights"  # the user's name when the frame bound one
     o = opt or "optimizer"
     holder = f"{w}_module"
+    if leaf_never_written(ev):
+        why = (
+            "-inf is log(0): take the log of a positive initial value"
+            if ev.born == "-inf"
+            else "NaN is log of a negative, 0/0, or a NaN copied in"
+        )
+        evidence[-1] = (
+            f"{short_op(ev.op)} read it as its {ev.scalars[LEAF]}; its version counter is 0: "
+            f"no optimizer step and no in-place write touched {shown} since it was created"
+        )
+        return ctx.diagnosis(
+            **anomaly_fields(a),
+            op=short_op(ev.op),
+            source=ev.source,
+            title="Tensor created non-finite, read by the loss",
+            evidence=evidence,
+            explanation=(
+                f"{leaf_text(ev)}. No update wrote it, so guarding the optimizer step "
+                f"cannot help (its gradient may be finite; {ev.born} plus any finite step "
+                f"stays {ev.born}): the value it was created from is the bug."
+            ),
+            fix=(
+                f"# where {w} is created: initialise it from a finite value ({why})\n"
+                f"assert torch.isfinite({w}).all(), {w}   # right after {w} is created"
+            ),
+        )
     fix = (
         f"# watch {w} too: nanwatch then checks it after every update and names the step\n"
         f"{holder} = torch.nn.Module()\n"
