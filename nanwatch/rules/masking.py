@@ -9,8 +9,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase
+from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, TensorStat
 from nanwatch.rules._evidence import (
+    _function_names,
+    _names_known,
     anomaly_fields,
     cause_of,
     code_line,
@@ -79,16 +81,24 @@ def _kwarg_value(line: str, start: int) -> str | None:
     return None
 
 
-def _torch_fix(code: str | None) -> str:
+def _torch_fix(code: str | None, inverted: bool = False) -> str:
     """The key_padding_mask fix, on the user's own line when it passes the mask by keyword:
-    a copy of the mask with one key un-masked in each sample that has none."""
+    a copy of the mask with one key un-masked in each sample that has none; or, for a mask
+    that looks inverted (True at the real tokens), the mask inverted."""
     line = code.split("  #", 1)[0].rstrip() if code else ""
     m = _PADDING_KWARG.search(line)
     expr = _kwarg_value(line, m.end()) if m is not None else None
     if m is None or expr is None:
-        return _FIX_TORCH
+        return _FIX_TORCH_INVERTED if inverted else _FIX_TORCH
     name = m.group(1)
     indent = line[: len(line) - len(line.lstrip())]
+    if inverted:
+        call = line[: m.end()] + _inverse(expr) + line[m.end() + len(expr) :]
+        return (
+            f"{call.strip()}   # True = ignore: mask the padding, not the real tokens\n"
+            f"# {name} is True at the keys to IGNORE; a tokenizer's attention_mask is 1 at "
+            "the real tokens: pass (attention_mask == 0)"
+        )
     call = line[: m.end()] + name + line[m.end() + len(expr) :]
     return (
         f"{indent}{name} = {expr}.clone()\n"
@@ -99,6 +109,84 @@ def _torch_fix(code: str | None) -> str:
     ).strip("\n")
 
 
+_FIX_TORCH_INVERTED = (
+    "key_padding_mask = attention_mask == 0   # True = ignore: the padding, not the real tokens\n"
+    "# key_padding_mask is True at the keys to IGNORE; a tokenizer's attention_mask is 1 at "
+    "the real tokens, so passing attention_mask.bool() masks every real token"
+)
+
+#: a boolean made from a 1-at-real-tokens mask: ``attention_mask.bool()``, ``am > 0``
+_KEEP_AS_BOOL = re.compile(
+    r"^(?P<x>.+?)(?:\.bool\(\)|\.to\(\s*(?:dtype\s*=\s*)?(?:torch\.)?bool\s*\)"
+    r"|\s*(?:>|!=)\s*0|\s*==\s*1)$"
+)
+
+
+def _inverse(expr: str) -> str:
+    """The user's mask expression inverted: ``attention_mask.bool()`` ->
+    ``(attention_mask == 0)``; ``~pad`` -> ``pad``; ``kpm`` -> ``~kpm``."""
+    m = _KEEP_AS_BOOL.match(expr.strip())
+    if m is not None:
+        return f"({paren(m.group('x'))} == 0)"
+    return _negate(expr)
+
+
+def _negate(expr: str) -> str:
+    """``~pad`` -> ``pad``; ``pad[:, None]`` -> ``~pad[:, None]``; ``a & b`` -> ``~(a & b)``."""
+    e = expr.strip()
+    if e.startswith("~") and paren(e[1:]) == e[1:].strip():
+        return e[1:].strip()
+    return f"~{paren(e)}"
+
+
+#: a tokenizer's attention_mask (1 = real token) used as is, not negated
+_KEEP_MASK_NAME = re.compile(r"attention_mask")
+_NEGATED = re.compile(r"~|logical_not|==\s*0|\beq\(\s*0|1\s*-|<\s*1|\bnot\b")
+
+
+def _inverted_mask(mask: OpEvent | None, soft: TensorStat | None, code: str | None) -> str | None:
+    """Evidence that a torch attention module's key_padding_mask is inverted (True at the
+    real tokens, False at the padding). The module turns the bool mask into -inf with one
+    masked_fill over (batch, keys), so that op's -inf count is the number of masked keys;
+    the share of NaN softmax rows is the share of samples with every key masked. An
+    inverted mask leaves the full-length samples with no key, and masks most keys of the
+    others (their real tokens): most samples fully masked, or the samples that are not
+    masking at least half their keys, or the user's line passing a tokenizer's
+    attention_mask as is."""
+    line = code.split("  #", 1)[0] if code else ""
+    m = _PADDING_KWARG.search(line)
+    expr = (_kwarg_value(line, m.end()) if m is not None else None) or ""
+    named = bool(_KEEP_MASK_NAME.search(expr)) and not _NEGATED.search(expr)
+    keys = mask.output if mask is not None else None
+    hidden = keys.neginf if keys is not None and isinstance(keys.neginf, int) else None
+    full = soft.nan / soft.numel if soft is not None and soft.nan and soft.numel else None
+    rest = (
+        (hidden / keys.numel - full) / (1 - full)
+        if hidden is not None and keys is not None and keys.numel and full is not None and full < 1
+        else None
+    )
+    if not (named or (full is not None and full > 0.5) or (rest is not None and rest >= 0.5)):
+        return None
+    parts = []
+    if hidden is not None and keys is not None:
+        parts.append(f"key_padding_mask masks {hidden:,} of {keys.numel:,} keys")
+    if full is not None:
+        parts.append(f"{full:.0%} of the samples have every key masked")
+    why = (
+        f"{expr} is a tokenizer's attention_mask (1 = real token), passed as is"
+        if named
+        else "the samples that keep a key have most of theirs masked"
+        if full is None or full <= 0.5
+        else "most samples have no key left"
+    )
+    return (
+        " and ".join(parts)
+        + f": {why}, so the mask looks inverted. key_padding_mask is True at the keys to "
+        "IGNORE: True at the real tokens masks every one of them, and the fully masked "
+        "samples are the full-length ones (no padding), not empty ones"
+    ).lstrip(": ")
+
+
 _NEG_INF = re.compile(
     r"""float\(\s*["']-inf(?:inity)?["']\s*\)|-\s*float\(\s*["']inf(?:inity)?["']\s*\)"""
     r"|-\s*(?:math|torch|np|numpy)\.inf\b",
@@ -107,7 +195,7 @@ _NEG_INF = re.compile(
 _FILL_CALL = re.compile(r"([A-Za-z_][\w.]*(?:\[[^\]]*\])?)\.masked_fill_?\(")
 
 
-def _own_mask_fix(mask: OpEvent | None) -> str | None:
+def _own_mask_fix(mask: OpEvent | None, *, attention: bool = True) -> str | None:
     """The user's own masked_fill line with its -inf replaced by the dtype's most negative
     finite value: the mask expression stays theirs (``~mask[:, None, :]``), so it runs."""
     if mask is None or not mask.code:
@@ -119,6 +207,12 @@ def _own_mask_fix(mask: OpEvent | None) -> str | None:
     # the filled tensor's dtype by its name, else (a call's result: f(x).masked_fill) as seen
     dtype = f"{call.group(1)}.dtype" if call is not None else f"torch.{mask.dtype or 'float32'}"
     fixed = _NEG_INF.sub(lambda _: f"torch.finfo({dtype}).min", line)
+    if not attention:
+        return (
+            f"{fixed.strip()}   # not -inf: a row with every entry masked stays finite\n"
+            "# such a row has no valid choice: keep it out of the loss (as your code does), "
+            "or make sure each row keeps at least one allowed entry"
+        )
     return (
         f"{fixed.strip()}   # not -inf: a row with every key masked stays finite\n"
         "# and find why a row has nothing to attend to (an empty sequence, length 0); give "
@@ -126,20 +220,74 @@ def _own_mask_fix(mask: OpEvent | None) -> str | None:
     )
 
 
-def _fix_for(ctx: RuleContext, call_id: int, ev: OpEvent | None = None) -> str:
-    """A torch.nn attention module builds the -inf mask itself from key_padding_mask, so
-    the fix is in what it is given; hand-written attention gets the masking fix. The module
-    is known from the recorded calls, or (sentinel mode records only the root's call) from
-    the user's line, which passes a key_padding_mask to it."""
-    code = ev.code if ev is not None else None
+def _torch_module(ctx: RuleContext, call_id: int, ev: OpEvent | None = None) -> bool:
+    """A torch.nn attention module builds the -inf mask itself from key_padding_mask. The
+    module is known from the recorded calls, or (sentinel mode records only the root's
+    call) from the user's line, which passes a key_padding_mask to it."""
     call = ctx.trace.call(call_id)
     while call is not None:
         if call.module_type in _TORCH_ATTENTION:
-            return _torch_fix(code)
+            return True
         call = ctx.trace.call(call.parent) if call.parent is not None else None
-    if code and _PADDING_KWARG.search(code.split("  #", 1)[0]):
-        return _torch_fix(code)
+    code = ev.code if ev is not None else None
+    return bool(code and _PADDING_KWARG.search(code.split("  #", 1)[0]))
+
+
+def _fix_for(
+    ctx: RuleContext, call_id: int, ev: OpEvent | None = None, *, inverted: bool = False
+) -> str:
+    """A torch.nn attention module: the fix is in the key_padding_mask it is given;
+    hand-written attention gets the masking fix."""
+    if _torch_module(ctx, call_id, ev):
+        return _torch_fix(ev.code if ev is not None else None, inverted)
     return _FIX
+
+
+#: words that say a softmax is attention: its module, or the user's lines around it
+_ATTENTION_WORDS = re.compile(r"attn|attention|key_padding|scores?\b|\bkeys?\b|quer", re.IGNORECASE)
+
+
+def _is_attention(ctx: RuleContext, call_id: int, events: list[OpEvent | None]) -> bool:
+    """The masked softmax is attention (over keys) when its module is an attention module
+    or the user's lines name attention scores or keys; else it is a softmax over choices
+    (experts, classes, actions) and a fully masked row has no valid choice."""
+    if _torch_module(ctx, call_id, events[0] if events else None):
+        return True
+    call = ctx.trace.call(call_id)
+    while call is not None:
+        if _ATTENTION_WORDS.search(f"{call.path} {call.module_type}"):
+            return True
+        call = ctx.trace.call(call.parent) if call.parent is not None else None
+    return any(
+        e is not None
+        and (_ATTENTION_WORDS.search(e.path or "") or _ATTENTION_WORDS.search(e.code or ""))
+        for e in events
+    )
+
+
+#: a masked_fill call: the mask is its first argument
+_FILL_MASK = re.compile(r"\.masked_fill_?\(")
+
+
+def _choice_fix(mask: OpEvent | None, soft: OpEvent) -> str:
+    """A softmax over choices with a row where every choice is masked: no fill value makes
+    that row right (finfo.min spreads it over the forbidden choices), so the fix checks
+    that each row keeps an allowed entry, in the user's own mask expression."""
+    advice = (
+        "# a row with every entry masked has no valid choice: make sure each row keeps at "
+        "least one allowed entry (fix the mask, or drop those rows before the softmax)"
+    )
+    dim = soft.scalars.get("dim")
+    line = mask.code.split("  #", 1)[0].rstrip() if mask is not None and mask.code else ""
+    m = _FILL_MASK.search(line)
+    expr = _kwarg_value(line, m.end()) if m is not None else None
+    if expr is None or not isinstance(dim, int) or dim >= 0:
+        return advice
+    return (
+        f"assert {paren(_negate(expr))}.any(dim={dim}).all(), "
+        '"a row with every entry masked: no valid choice"\n'
+        f"{line.strip()}\n{advice}"
+    )
 
 
 #: ops that convert a tensor to another dtype: a value beyond the new dtype's range
@@ -221,43 +369,7 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
             return
         if cause.kind != "masked-softmax":
             return
-        ev = cause.event
-        x = first_input(ev)
-        evidence = []
-        if x is not None:
-            evidence.append(
-                f"{short_op(ev.op)} input: {x.neginf or 'some':,} of {x.numel:,} scores are "
-                "-inf and none is NaN or +inf: at least one row is -inf everywhere"
-                if isinstance(x.neginf, int)
-                else f"{short_op(ev.op)} input holds -inf and no NaN or +inf"
-            )
-            evidence.append(f"input: {describe_stat(x)}")
-        if ev.output.nan:
-            evidence.append(f"output: {ev.output.nan:,} NaN of {ev.output.numel:,} values")
-        mask = next((e for e in cause.chain if e.injected), None)
-        cast = next((e for e in cause.chain if _cast_to_inf(e) is not None), None)
-        if cast is not None:
-            evidence.append(_cast_to_inf(cast) or "")
-        elif mask is not None:
-            val = mask.scalars.get("value")
-            line = code_line(mask)
-            evidence.append(
-                f"the -inf came from {short_op(mask.op)}"
-                + (f"(value={fmt(val) if isinstance(val, float) else val})" if val else "")
-                + (f" {line}" if line else "")
-            )
-        line = code_line(ev)
-        if line:
-            evidence.append(line)
-        if cast is not None:
-            fix = _cast_fix(cast)
-            explanation = _EXPLAIN + _EXPLAIN_CAST.format(dtype=cast.dtype)
-        else:
-            fix = _fix_for(ctx, a.record.call, ev)
-            if fix == _FIX:  # hand-written attention: rewrite the user's own mask line
-                fix = _own_mask_fix(mask) or fix
-            explanation = _EXPLAIN
-        yield ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
+        yield _masked_softmax(ctx, a, cause.event, cause.chain)
         return
     if a.kind is not AnomalyKind.FORWARD:
         return
@@ -278,6 +390,91 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         fix=_fix_for(ctx, a.record.call),
         priority=20,
     )
+
+
+def _masked_softmax(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, chain: tuple[OpEvent, ...]
+) -> Diagnosis:
+    """A softmax over a row that a -inf mask (or a cast to -inf) filled everywhere: in
+    attention, a query with no key; over choices (experts, classes), no valid choice."""
+    x = first_input(ev)
+    mask = next((e for e in chain if e.injected), None)
+    cast = next((e for e in chain if _cast_to_inf(e) is not None), None)
+    attention = _is_attention(ctx, a.record.call, [ev, mask])
+    what = "scores" if attention else "values"
+    evidence = []
+    if x is not None:
+        evidence.append(
+            f"{short_op(ev.op)} input: {x.neginf or 'some':,} of {x.numel:,} {what} are "
+            "-inf and none is NaN or +inf: at least one row is -inf everywhere"
+            if isinstance(x.neginf, int)
+            else f"{short_op(ev.op)} input holds -inf and no NaN or +inf"
+        )
+        evidence.append(f"input: {describe_stat(x)}")
+    if ev.output.nan:
+        evidence.append(f"output: {ev.output.nan:,} NaN of {ev.output.numel:,} values")
+    if cast is not None:
+        evidence.append(_cast_to_inf(cast) or "")
+    elif mask is not None:
+        val = mask.scalars.get("value")
+        line = code_line(mask)
+        evidence.append(
+            f"the -inf came from {short_op(mask.op)}"
+            + (f"(value={fmt(val) if isinstance(val, float) else val})" if val else "")
+            + (f" {line}" if line else "")
+        )
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    title = None
+    if cast is not None:
+        fix = _cast_fix(cast)
+        explanation = _EXPLAIN + _EXPLAIN_CAST.format(dtype=cast.dtype)
+    elif not attention and _left_out(ctx, a):
+        title = "Fully masked softmax row: no valid choice left"
+        fix = _own_mask_fix(mask, attention=False) or _choice_fix(mask, ev)
+        explanation = _EXPLAIN_CHOICE_LEFT_OUT
+    elif not attention:
+        title = "Fully masked softmax row: no valid choice left"
+        fix = _choice_fix(mask, ev)
+        explanation = _EXPLAIN_CHOICE
+    else:
+        module = _torch_module(ctx, a.record.call, ev)
+        inverted = _inverted_mask(mask, ev.output, ev.code) if module else None
+        if inverted is not None:
+            evidence.insert(0, inverted)
+        fix = _fix_for(ctx, a.record.call, ev, inverted=inverted is not None)
+        if fix == _FIX:  # hand-written attention: rewrite the user's own mask line
+            fix = _own_mask_fix(mask) or fix
+        explanation = _EXPLAIN
+    fields = {"title": title} if title else {}
+    return ctx.diagnosis(
+        **op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix, **fields
+    )
+
+
+def _left_out(ctx: RuleContext, a: Anomaly) -> bool:
+    """The NaN rows never reached the loss (a torch.where or a 0 mask drops the rows with
+    no valid choice): the NaN showed up in backward, or the step's loss was finite."""
+    loss = ctx.trace.loss
+    return a.kind is AnomalyKind.BACKWARD or (loss is not None and loss - loss == 0)
+
+
+_EXPLAIN_CHOICE_LEFT_OUT = (
+    "softmax(x) = exp(x - max(x)) / sum(...): on a row where every value is -inf the max "
+    "is -inf, x - max is -inf - (-inf) = NaN, and the whole row is NaN. A row with every "
+    "choice masked has no valid choice; your code leaves such rows out of the loss, but "
+    "backward still runs through them and its gradient there is NaN. The dtype's most "
+    "negative finite value instead of -inf keeps them finite."
+)
+
+_EXPLAIN_CHOICE = (
+    "softmax(x) = exp(x - max(x)) / sum(...): on a row where every value is -inf the max "
+    "is -inf, x - max is -inf - (-inf) = NaN, and the whole row is NaN. A row with every "
+    "choice masked has no valid choice: no fill value makes it right (the dtype's most "
+    "negative finite value instead of -inf spreads it evenly over the choices the mask "
+    "forbids). Make sure each row keeps at least one allowed entry."
+)
 
 
 def _hidden_nan(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
@@ -308,12 +505,41 @@ def _hidden_nan(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             "discarded branch, and 0 times NaN is NaN: every weight gets NaN. Clean the "
             "value before it enters the expression, not after."
         ),
-        fix=(
-            "y = torch.nan_to_num(y)                        # clean the NaN before the op\n"
-            "loss = torch.where(mask, (p - y) ** 2, 0.0)    # now its gradient is finite\n"
-            "# or select first: loss = ((p[mask] - y[mask]) ** 2).mean()"
-        ),
+        fix=_hidden_nan_fix(ev),
     )
+
+
+#: the hidden-NaN fix: each line with the code whose names it needs (None: prose only)
+_HIDDEN_NAN_FIX = (
+    ("y = torch.nan_to_num(y)                        # clean the NaN before the op", None),
+    (
+        "loss = torch.where(mask, (p - y) ** 2, 0.0)    # now its gradient is finite",
+        "loss = torch.where(mask, (p - y) ** 2, 0.0)",
+    ),
+    (
+        "# or select first: loss = ((p[mask] - y[mask]) ** 2).mean()",
+        "loss = ((p[mask] - y[mask]) ** 2).mean()",
+    ),
+)
+
+
+def _hidden_nan_fix(ev: OpEvent) -> str:
+    """The template fix, keeping only the lines whose names the user's function has (a
+    ``p`` it never defined is left out); prose says the rest."""
+    known = _function_names(ev.source, ev.code)
+    kept = [line for line, code in _HIDDEN_NAN_FIX if _names_known(code or line, known)]
+    if not kept or not kept[0].startswith("y ="):
+        kept.insert(
+            0,
+            "# clean the NaN with torch.nan_to_num where the value is made (the target, the "
+            "log's input), before the torch.where or the 0 mask, not after",
+        )
+    if len(kept) == 1:
+        kept.append(
+            "# then the torch.where (or the 0 mask) after it has a finite gradient; or select "
+            "the kept rows with the mask before the op"
+        )
+    return "\n".join(kept)
 
 
 _EXPLAIN_CAST = (
@@ -351,11 +577,14 @@ def _fused_attention(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Iterator[Diag
     line = code_line(ev)
     if line:
         evidence.append(line)
+    inverted = _inverted_mask(None, out, ev.code) if _torch_module(ctx, a.record.call, ev) else None
+    if inverted is not None:
+        evidence.insert(0, inverted)
     yield ctx.diagnosis(
         **op_fields(ev, a),
         evidence=evidence,
         explanation=_EXPLAIN,
-        fix=_fix_for(ctx, a.record.call, ev),
+        fix=_fix_for(ctx, a.record.call, ev, inverted=inverted is not None),
     )
 
 
