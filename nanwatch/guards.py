@@ -593,10 +593,14 @@ class _Probe:
         from_module: Callable[[torch.Tensor], bool] | None = None,
         recorded: Callable[[Any], bool] | None = None,
         ops_checked: bool = False,
+        in_module: bool = False,
     ) -> None:
         self.spec = spec
         #: the watcher checks every aten op (forensic): it names the op that made a value
         self.ops_checked = ops_checked
+        #: the call runs inside a watched module's forward: the watcher replays that module
+        #: and names the op that made a bad value there, terms without gradients included
+        self.in_module = in_module
         #: whether an autograd node made a tensor a watched module returned this step
         self.recorded = recorded or (lambda node: False)
         #: whether a tensor is a watched module's output (or a cast or view of one): a bad
@@ -1438,6 +1442,8 @@ def _nograd_input_result(p: _Probe, v: dict[str, float]) -> None:
     hi, x = v.get("input_max", math.nan), p.input
     if p.upstream or p.ops_checked or not (math.isnan(hi) or hi == math.inf):
         return  # born upstream, or an op the forensic watcher names
+    if p.in_module:
+        return  # in a watched module's forward: its replay names the op
     if p.known(x) is not None or p.from_module(x):
         return  # a watched module's output: the watcher traces it to its op
     sign = _nograd_entry(x, p.recorded)
@@ -2837,6 +2843,7 @@ def _guard(
         from_module=watcher.made_by_watched,
         recorded=lambda node: node in watcher._recorded_nodes,
         ops_checked=watcher._forensic,
+        in_module=bool(watcher._stack),
     )
     failure: _Failure | None = None
     # DisableTorchFunction: our own reads need no torch-function mode (a FunctionalGuards
