@@ -28,6 +28,7 @@ from nanwatch.rules._evidence import (
     fmt,
     limits,
     low_precision,
+    paren,
 )
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule, sort_key
 from nanwatch.rules.generic import _REPLAY
@@ -108,7 +109,7 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
     # the update that broke it: this step's when it was found at the step's end, the last
     # step's when found before this step's forward
-    at_end = _after_forward(ctx.trace, rec)
+    at_end = _after_forward(ctx.trace, rec) or _update_without_forward(ctx.trace)
     prev = ctx.trace if at_end else (ctx.history[-1] if ctx.history else None)
     consequence: str | None = None
     gnorm: float | None = None
@@ -268,12 +269,13 @@ def _other_rank_diagnosis(
 
 def _written_grad(
     ctx: RuleContext, name: str, prev: StepTrace | None
-) -> tuple[str, bool | None, str | None, str, int] | None:
+) -> tuple[str, bool | None, str | None, str, int, str | None] | None:
     """How the gradient of ``name`` that the last update applied came to be, when it was
     not the one nanwatch checked at the end of backward (the watcher's ``"grad_written"``
     note): ``"replaced"`` after backward (``p.grad = ...``) or ``"unchecked"`` (set by
     hand, no backward() gave it); whether it held NaN/inf (None: not read, on an
-    accelerator); the line of ``optimizer.step()``; the optimizer; the step."""
+    accelerator); the line of ``optimizer.step()``; the optimizer; the step; the user's
+    name for the optimizer."""
     for t in (prev,) if prev is not None else (ctx.trace, *ctx.history[-1:]):
         for n in reversed(t.notes):
             if n.kind != "grad_written":
@@ -284,23 +286,245 @@ def _written_grad(
             bad = n.data.get("nonfinite")
             held = None if not isinstance(bad, list) else name in bad
             var = n.data.get("variable")
-            opt = f"{n.path} ({var})" if isinstance(var, str) and var else n.path
-            return str(how[name]), held, n.source, opt, t.step
+            var = var if isinstance(var, str) and var.isidentifier() else None
+            opt = f"{n.path} ({var})" if var else n.path
+            return str(how[name]), held, n.source, opt, t.step, var
     return None
+
+
+def _user_scope(source: str | None) -> tuple[str, ast.Module, ast.AST] | None:
+    """The file, its parsed module and the innermost function holding line ``source``
+    (``train.py:42``) of the user's code; the module itself for a line outside any
+    function. None when the file cannot be read or parsed."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return None
+    line = int(num)
+    scope: ast.AST = tree
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.lineno <= line <= (node.end_lineno or node.lineno)
+            and node.lineno >= getattr(scope, "lineno", 0)
+        ):
+            scope = node
+    return path, tree, scope
+
+
+def _scopes_with_callees(tree: ast.Module, scope: ast.AST) -> list[ast.AST]:
+    """``scope`` and the functions of the same file it calls by name, and those they call
+    (a ``pcgrad(...)`` helper that writes ``.grad``, its projection helper)."""
+    defs = {d.name: d for d in tree.body if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    out = [scope]
+    for sc in out:  # grows as it goes: the helpers' helpers too
+        for node in ast.walk(sc):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                d = defs.get(node.func.id)
+                if d is not None and d not in out and len(out) < 16:
+                    out.append(d)
+    return out
+
+
+@dataclass(frozen=True)
+class _GradWrite:
+    """Where the user's code writes ``.grad`` by hand (``where``: ``file:line``; ``target``:
+    ``p.grad``; ``code``: the statement), and a division by a dot product near it (a
+    projection: ``divisor`` is ``gj @ gj``, ``division`` the whole ``a / b``)."""
+
+    where: str
+    target: str
+    code: str
+    divisor: str | None = None
+    division: str | None = None
+    proj_where: str | None = None
+    own_divisor: str | None = None
+
+
+_DOT_CALLS = frozenset({"dot", "vdot", "inner"})
+
+
+def _grad_write(source: str | None) -> _GradWrite | None:
+    """The first ``X.grad = ...`` in the user's function that called ``optimizer.step()`` at
+    ``source`` (or in a function of the same file it calls), with a division by a dot
+    product of gradients there when there is one (PCGrad's projection)."""
+    found = _user_scope(source)
+    if found is None:
+        return None
+    import linecache
+
+    path, tree, scope = found
+    text = "".join(linecache.getlines(path))
+    write: tuple[int, str, str, str | None] | None = None
+    proj: tuple[int, str, str] | None = None
+    for sc in _scopes_with_callees(tree, scope):
+        for node in ast.walk(sc):
+            if isinstance(node, ast.Assign) and write is None:
+                for tgt in node.targets:
+                    if isinstance(tgt, ast.Attribute) and tgt.attr == "grad":
+                        seg = ast.get_source_segment(text, node) or ""
+                        target = ast.get_source_segment(text, tgt) or ""
+                        v = node.value
+                        den = (
+                            ast.get_source_segment(text, v.right)
+                            if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div)
+                            else None
+                        )
+                        if seg and "\n" not in seg and target:
+                            write = (node.lineno, target, seg, den)
+            elif (
+                isinstance(node, ast.BinOp)
+                and isinstance(node.op, ast.Div)
+                and proj is None
+                and (
+                    (isinstance(node.right, ast.BinOp) and isinstance(node.right.op, ast.MatMult))
+                    or (
+                        isinstance(node.right, ast.Call)
+                        and (
+                            getattr(node.right.func, "attr", None) in _DOT_CALLS
+                            or getattr(node.right.func, "id", None) in _DOT_CALLS
+                        )
+                    )
+                )
+            ):
+                div = ast.get_source_segment(text, node.right)
+                whole = ast.get_source_segment(text, node)
+                if div and whole and "\n" not in whole:
+                    proj = (node.lineno, div, whole)
+    if write is None:
+        return None
+    line, target, code, den = write
+    if proj is None:
+        return _GradWrite(f"{path}:{line}", target, code, own_divisor=den)
+    return _GradWrite(f"{path}:{line}", target, code, proj[1], proj[2], f"{path}:{proj[0]}", den)
+
+
+_OPTIMIZERS = frozenset(
+    n
+    for n in dir(torch.optim)
+    if isinstance(getattr(torch.optim, n), type)
+    and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+)
+
+
+def _is_optimizer_call(node: ast.expr) -> bool:
+    """``torch.optim.AdamW(...)``, ``optim.SGD(...)``, ``bnb.optim.Adam8bit(...)``."""
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    if isinstance(f, ast.Name):
+        return f.id in _OPTIMIZERS
+    return isinstance(f, ast.Attribute) and (
+        f.attr in _OPTIMIZERS or "optim" in ast.unparse(f.value).split(".")
+    )
+
+
+@dataclass(frozen=True)
+class _LoopNames:
+    """The user's names for what a fix pastes into the training loop: the optimizer
+    (``opt``) and the weights it updates (``m.parameters()``), read from the user's
+    source; the placeholders ``optimizer`` / ``model.parameters()`` when not found."""
+
+    optimizer: str = "optimizer"
+    params: str = "model.parameters()"
+
+
+def _loop_names(trace: StepTrace) -> _LoopNames:
+    """The optimizer the user's loop steps and the weights it was built on: a variable
+    the watcher saw call ``step()`` (its ``"grad_written"``/``"stale_grads"`` note), else
+    the one optimizer assigned (``opt = torch.optim.SGD(m.parameters(), ...)``) in the
+    file of this step's lines whose ``.step()`` the function of those lines calls."""
+    named = next(
+        (
+            n.data["variable"]
+            for n in trace.notes
+            if n.kind in ("grad_written", "stale_grads")
+            and isinstance(n.data.get("variable"), str)
+            and str(n.data["variable"]).isidentifier()
+        ),
+        None,
+    )
+    sources = list(dict.fromkeys(n.source for n in trace.notes if n.source))
+    for source in sources:
+        found = _user_scope(source)
+        if found is None:
+            continue
+        _, tree, scope = found
+        made: dict[str, ast.expr] = {}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Assign)
+                and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name)
+                and _is_optimizer_call(node.value)
+            ):
+                made[node.targets[0].id] = node.value
+        stepped = {
+            node.func.value.id
+            for node in ast.walk(scope)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "step"
+            and isinstance(node.func.value, ast.Name)
+        }
+        if named is not None:
+            pick = [named]
+        else:
+            pick = [v for v in made if v in stepped] or (list(made) if len(made) == 1 else [])
+        if len(pick) != 1 or (pick[0] not in made and named is None):
+            continue
+        opt = pick[0]
+        call = made.get(opt)
+        arg = call.args[0] if isinstance(call, ast.Call) and call.args else None
+        if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name) and arg.func.id == "list":
+            arg = arg.args[0] if arg.args else None
+        if (
+            isinstance(arg, ast.Call)
+            and isinstance(arg.func, ast.Attribute)
+            and arg.func.attr == "parameters"
+            and not arg.args
+        ):
+            return _LoopNames(opt, ast.unparse(arg))
+        return _LoopNames(opt, f'[p for g in {opt}.param_groups for p in g["params"]]')
+    if named is not None:
+        return _LoopNames(named, f'[p for g in {named}.param_groups for p in g["params"]]')
+    return _LoopNames()
+
+
+def _skip_step(var: str | None) -> str:
+    """Pasteable lines that skip the update when a gradient is not finite, in the user's
+    name for the optimizer; a comment when that name is not known."""
+    if var is None:
+        return (
+            "# and skip the update when a gradient is not finite: call your optimizer's\n"
+            "# step() only if torch.isfinite(p.grad).all() for every p in its param_groups"
+        )
+    return (
+        "# and skip the update when a gradient your code wrote is not finite:\n"
+        f"if all(torch.isfinite(p.grad).all() for g in {var}.param_groups "
+        'for p in g["params"] if p.grad is not None):\n'
+        f"    {var}.step()"
+    )
 
 
 def _written_grad_diagnosis(
     ctx: RuleContext,
     a: Anomaly,
-    written: tuple[str, bool | None, str | None, str, int],
+    written: tuple[str, bool | None, str | None, str, int, str | None],
     *,
     name: str,
     evidence: list[str],
 ) -> Diagnosis:
-    """The update applied a gradient the user's code wrote after backward (a PCGrad
-    projection, GradNorm's ``weights.grad = autograd.grad(...)``), which nanwatch's check
-    at the end of backward never saw."""
-    how, held, source, opt, step = written
+    """The update applied a gradient the user's code wrote after backward, or set with no
+    backward (a PCGrad projection, GradNorm's ``weights.grad = autograd.grad(...)``,
+    DP-SGD's clipped and noised sum), which nanwatch's check at the end of backward never
+    saw. The fix names the line that wrote ``.grad`` when the user's source shows it."""
+    how, held, source, opt, step, var = written
     made = (
         f"replaced after backward by your code (a new tensor in {name}.grad)"
         if how == "replaced"
@@ -318,6 +542,47 @@ def _written_grad_diagnosis(
     ]
     if source:
         evidence.append(f"the optimizer step at {source}")
+    gw = _grad_write(source)
+    if gw is not None:
+        evidence.append(f"your code writes the gradient at {gw.where}: {gw.code}")
+    if gw is not None and gw.divisor is not None and gw.division is not None:
+        cause = (
+            "your code computed it after backward with a projection (gradient surgery "
+            f"such as PCGrad): {gw.division} at {gw.proj_where} is 0/0 when a task "
+            "gradient is exactly 0 (a loss masked to 0, a task absent from the batch)"
+        )
+        head = (
+            "# guard the division in your projection: a task gradient of 0 gives 0/0\n"
+            f"#   / {paren(gw.divisor)}.clamp_min(1e-12)   instead of   / {paren(gw.divisor)}\n"
+        )
+    elif gw is not None:
+        cause = (
+            f"your code computed it ({gw.code} at {gw.where}) and made NaN/inf there or in a "
+            "value it reads: a division by a count or norm that is 0 (an empty batch, a "
+            "zero gradient), a log of 0"
+        )
+        line = gw.where.rpartition(":")[2]
+        st = a.record.stat
+        den = (
+            f"# it divides by {gw.own_divisor}: 0 there (an empty batch) gives inf\n"
+            if gw.own_divisor and st is not None and (st.has_posinf or st.has_neginf)
+            else ""
+        )
+        head = (
+            f"# line {line}, {gw.code}, wrote the NaN/inf;\n{den}"
+            "# check it right after that line, and each value it reads:\n"
+            f'assert torch.isfinite({gw.target}).all(), "{gw.target} is not finite"\n'
+        )
+    else:
+        cause = (
+            "your code computed it after or instead of backward (gradient surgery, "
+            "per-sample clipping and noise, a manual average) and made NaN/inf there: a "
+            "division by a count or norm that is 0, a log of 0"
+        )
+        head = (
+            "# the code that sets p.grad made NaN/inf: check it before optimizer.step():\n"
+            "#   assert torch.isfinite(p.grad).all()\n"
+        )
     return ctx.diagnosis(
         **anomaly_fields(a),
         title="Non-finite weights from a gradient your code wrote after backward",
@@ -325,20 +590,9 @@ def _written_grad_diagnosis(
         explanation=(
             f"{name} became non-finite at the update because the gradient {opt} applied "
             + ("held NaN/inf" if held else "was written after backward and never checked")
-            + ": your code computed it after backward (gradient surgery such as PCGrad, a "
-            "GradNorm weight gradient, a manual projection), and a task loss or gradient "
-            "that is exactly 0 (a loss masked to 0, a task absent from the batch) makes a "
-            "ratio or projection in it 0/0. The optimizer, its state and the learning rate "
-            "are not the cause."
+            + f": {cause}. The optimizer, its state and the learning rate are not the cause."
         ),
-        fix=(
-            "# guard the division in your projection: a task gradient of 0 gives 0/0\n"
-            "#   dot / (gj @ gj).clamp_min(1e-12)   instead of   dot / (gj @ gj)\n"
-            "# and skip the update when a gradient your code wrote is not finite:\n"
-            "if all(torch.isfinite(p.grad).all() for p in model.parameters() "
-            "if p.grad is not None):\n"
-            "    optimizer.step()"
-        ),
+        fix=head + _skip_step(var),
     )
 
 
@@ -652,6 +906,14 @@ def _after_forward(trace: StepTrace, rec: Record) -> bool:
         if r.phase is not Phase.PARAMETER:
             return True
     return False
+
+
+def _update_without_forward(trace: StepTrace) -> bool:
+    """The step ran an optimizer update but no forward (DP-SGD with an empty batch, a
+    gradient set by hand): its weights were recorded after that update, which broke them."""
+    return all(r.phase is Phase.PARAMETER for r in trace.records) and any(
+        n.kind == "optimizer" for n in trace.notes
+    )
 
 
 def _writer(ctx: RuleContext, name: str) -> dict[str, Any] | None:
@@ -1061,6 +1323,7 @@ def bad_param_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
     if low and any(r.stat is not None and r.stat.has_posinf for r in bad):
         evidence.append("float16 gradients with inf: an overflow in backward")
     head, check = _grad_check(ctx)
+    names = ctx.memo(ctx.trace, "loop_names", _loop_names)
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
@@ -1080,8 +1343,8 @@ def bad_param_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
             )
             + "# skip the update when it happens:\n"
             + head
-            + f"if all({check} for p in model.parameters() if p.grad is not None):\n"
-            "    optimizer.step()"
+            + f"if all({check} for p in {names.params} if p.grad is not None):\n"
+            f"    {names.optimizer}.step()"
         ),
     )
 
@@ -1324,6 +1587,7 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
     path = mods[0][1] if mods else None
     param = params[0][1] if params else None
+    names = ctx.memo(ctx.trace, "loop_names", _loop_names)
     yield ctx.diagnosis(
         path=path,
         parameter=param,
@@ -1336,8 +1600,8 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
             "such update can undo many steps of training or push weights out of range."
         ),
         fix=(
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before "
-            "optimizer.step()\n"
+            f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm=1.0)  # before "
+            f"{names.optimizer}.step()\n"
             "# and/or lower the learning rate or lengthen the warm-up"
         ),
     )
