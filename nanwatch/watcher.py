@@ -3027,6 +3027,16 @@ class Watcher:
             elif first_of_run or anomaly.path not in self._pinpointed:
                 self._pinpointed.add(anomaly.path)
                 self._pinpoint(anomaly, current)
+        elif (
+            self.config.pinpoint
+            and anomaly.kind is AnomalyKind.BACKWARD
+            and anomaly.origin == "between-children"
+            and anomaly.op is None
+            and not self._forensic
+            and (first_of_run or anomaly.path not in self._pinpointed)
+        ):
+            self._pinpointed.add(anomaly.path)
+            self._pinpoint_own_backward(anomaly)
         trace.diagnoses = self._evaluate(trace)
         self._act(trace)
 
@@ -3142,6 +3152,34 @@ class Watcher:
                 reproduced=first is not None,
             )
         self._pinpoint_neginf(anomaly, target, current, pre_hooks)
+        anomaly.summary = summarize(anomaly)
+
+    def _pinpoint_own_backward(self, anomaly: Anomaly) -> None:
+        """A gradient went bad in the backward of a module's own code, between its children:
+        the saved values that show why were freed as the backward ran, so the module is run
+        again on its inputs and the backward of its own nodes checked node by node (see
+        :func:`ops.own_backward_event`), as the loss code's nodes are on every step."""
+        trace = self._trace
+        call = trace.call(anomaly.record.call)
+        target = trace.call(call.parent) if call is not None and call.parent is not None else None
+        if target is None:
+            return
+        found = self._call_inputs(target, None, False, finished=True)
+        if found is None:
+            return
+        module, args, kwargs, hooks = found
+        if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
+            return  # on accelerators a replay syncs per op: use forensic mode or nw.replay()
+        if _distributed() is not None:
+            return  # a replay on one rank could block in a collective (see _pinpoint)
+        ev = ops.own_backward_event(module, args, kwargs, path=target.path, pre_hooks=hooks)
+        if ev is None:
+            return
+        ev.backward_at = _frames.user_line()[0]
+        if ev.cause is not None:
+            ev.cause.path = target.path
+        trace.ops.append(ev)
+        anomaly.op = ev
         anomaly.summary = summarize(anomaly)
 
     def _pre_hooks_seen(self, module: nn.Module) -> bool | int:
@@ -3399,12 +3437,14 @@ class Watcher:
         defined = {k for names in scopes for k in names if isinstance(k, str)}
         wanted: dict[str, Any] = {}
         roots = [(m, info) for m, info in self._modules if info.is_root]
-        model = next((m for m, info in roots if not info.is_loss), None)
-        loss = next((m for m, info in roots if info.is_loss), None)
-        if model is not None:
-            wanted["model"] = model
-        if loss is not None:
-            wanted["criterion"] = loss
+        # one watched model, one loss: with several (a backbone and a head), "model" is
+        # their composition, which has no name of its own
+        models = [m for m, info in roots if not info.is_loss]
+        losses = [m for m, info in roots if info.is_loss]
+        if len(models) == 1:
+            wanted["model"] = models[0]
+        if len(losses) == 1:
+            wanted["criterion"] = losses[0]
         watched = self._param_ids
         for names in scopes:
             for value in list(names.values()):

@@ -167,7 +167,8 @@ def test_the_forensic_rerun_names_only_a_watched_criterion() -> None:
         nw.step()
     d = top(nw)
     assert d.code == "NW100"
-    assert d.fix.splitlines()[0].startswith("with nanwatch.watch(model, mode='forensic') as nw:")
+    # in the user's name for the model (m), which the user's code holds it under
+    assert d.fix.splitlines()[0].startswith("with nanwatch.watch(m, mode='forensic') as nw:")
     assert "criterion" not in d.fix
     compile(d.fix, "<fix>", "exec")
 
@@ -398,7 +399,7 @@ def test_the_nan_learning_rate_fix_runs_when_pasted() -> None:
     good = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(good, 10)
     good.step()
-    exec(d.fix, {"optimizer": good, "scheduler": sched})
+    exec(d.fix, {"opt": good, "scheduler": sched})  # the fix says opt: the name used above
 
 
 class _CountFeatures(nn.Module):

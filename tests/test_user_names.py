@@ -52,3 +52,23 @@ def test_names_are_replaced_in_code_only_and_never_as_attributes_or_keywords() -
         'g = opt.param_groups[0]  # "#" in a string'
     )
     assert _renamed('print("model # optimizer")', renames) == 'print("model # optimizer")'
+
+
+def test_with_two_watched_models_model_keeps_its_generic_name() -> None:
+    """A backbone and a head watched apart: the rules' ``model`` is their composition,
+    which has no name in the user's code, so it is not renamed to either."""
+    torch.manual_seed(0)
+    backbone, head = nn.Linear(4, 8), nn.Linear(8, 1)
+    opt = torch.optim.SGD([*backbone.parameters(), *head.parameters()], lr=1e38)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    nw = nanwatch.watch(backbone, head, postmortem=False)
+    with nw, pytest.raises(nanwatch.AnomalyError) as info:
+        for _ in range(5):
+            ((head(backbone(x)) - y) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+    d = info.value.diagnosis
+    assert d is not None and d.fix
+    code = "\n".join(line.split("#")[0] for line in d.fix.splitlines())
+    assert "backbone." not in code and "head." not in code

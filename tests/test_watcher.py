@@ -1634,7 +1634,7 @@ def test_nw301_names_the_param_group_whose_learning_rate_is_nan() -> None:
     d = _nw301(nan_lr)
     assert d.title == "Non-finite learning rate"
     assert any("(param group 1)" in e for e in d.evidence)
-    assert "optimizer.param_groups[1]['lr']" in d.fix
+    assert "opt.param_groups[1]['lr']" in d.fix  # in the user's name for the optimizer
     # the update that broke it is this step's (the NaN is found at its end), not the last's
     assert not any("gradient norm at step 1" in e for e in d.evidence)
 
