@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import math
 import os
 import random
@@ -2022,3 +2023,99 @@ def _user_names(t: torch.Tensor) -> tuple[str | None, str | None]:
             ):
                 optimizer = k
     return name, optimizer
+
+
+def own_backward_event(
+    module: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    path: str,
+    pre_hooks: bool | int = True,
+) -> OpEvent | None:
+    """The autograd node of a module's own code (the ops it runs between its children)
+    whose backward makes a non-finite gradient from a finite one, with what it saved in
+    forward and the user's line that made it. The original step's saved values are freed,
+    so ``module`` is run again on its inputs (detached: its graph ends there) with
+    gradients and anomaly mode on, and the backward of its own nodes alone is run (down to
+    its submodules' outputs, its own parameters and its inputs) from a gradient of ones,
+    each node checked as :meth:`Watcher` checks the loss code's: a ``torch.where`` that
+    hides ``log(0)`` gives 0 × -inf = NaN there whatever gradient arrives. No ``.grad`` is
+    written; RNG state and buffers are restored. Anomaly-time work only: None when the
+    replay makes no non-finite gradient."""
+    stops: dict[int, torch.Tensor] = {}  # the submodules' outputs, by their node's id
+
+    def on_output(_m: torch.nn.Module, _a: Any, out: Any) -> None:
+        for _, t in iter_tensors(out, ""):
+            if t.grad_fn is not None:
+                stops[id(t.grad_fn)] = t
+
+    def leaf(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+            return t.detach().requires_grad_(t.requires_grad)
+        return t
+
+    args = tuple(leaf(a) for a in args)
+    kwargs = {k: leaf(v) for k, v in kwargs.items()}
+    found: list[OpEvent] = []
+    handles = [m.register_forward_hook(on_output) for m in module.modules() if m is not module]
+    try:
+        with preserved_state(module, _devices([args, kwargs])), _replay_scope():
+            push_path(path)
+            try:
+                with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, False):
+                    out = call_forward(module, args, kwargs, pre_hooks=pre_hooks)
+            except Exception:  # inputs not all at hand (a keyword or non-tensor argument)
+                return None
+            finally:
+                pop_path()
+            for h in handles:
+                h.remove()
+            roots = [t for _, t in iter_tensors(out, "") if t.grad_fn is not None]
+
+            def stop(n: Any) -> bool:
+                t = stops.get(id(n))
+                return (t is not None and t.grad_fn is n) or accumulates_grad(n)
+
+            nodes = list(GraphWalk([t.grad_fn for t in roots], prune=stop, limit=512))
+            ends = [t for t in stops.values() if t.requires_grad]
+            ends += [t for t in tree_flatten([args, kwargs])[0] if _needs(t)]
+            ends += [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if not roots or not nodes or not ends:
+                return None
+
+            def check(node: Any, grad_inputs: Any, grad_outputs: Any) -> None:
+                if found:
+                    return
+                bad = next((g for g in grad_inputs if g is not None and not _finite(g)), None)
+                if bad is None or any(g is not None and not _finite(g) for g in grad_outputs):
+                    return
+                ev = node_event(node, bad, name=node.name())
+                ev.source, ev.code = forward_line(node)
+                found.append(ev)
+
+            hooks = [n.register_hook(functools.partial(check, n)) for n in nodes]
+            try:
+                torch.autograd.grad(
+                    roots,
+                    ends,
+                    grad_outputs=[torch.ones_like(t) for t in roots],
+                    allow_unused=True,
+                )
+            finally:
+                for h in hooks:
+                    h.remove()
+    finally:
+        for h in handles:
+            h.remove()
+    for ev in found:
+        ev.path = path
+    return found[0] if found else None
+
+
+def _needs(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
+def _finite(t: torch.Tensor) -> bool:
+    return bool(torch.isfinite(t).all()) if t.is_floating_point() or t.is_complex() else True
