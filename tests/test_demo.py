@@ -143,10 +143,9 @@ def test_the_gallery_is_readable_at_80_columns(gallery: tuple[int, str]) -> None
     lines = out.splitlines()
     assert max(len(ln) for ln in lines) <= 80
     # a fix's line of code is never broken in two: its comment moved above it instead
-    assert any(
-        ln.strip(" │") == "y = x / torch.where(d == 0, torch.ones_like(d), d)" for ln in lines
-    )
-    assert any(ln.strip(" │") == "# any sign: leave x as is" for ln in lines)
+    fix = "return (x - lo) / (hi - lo).clamp_min(torch.finfo(hi.dtype).eps)"
+    assert any(ln.strip(" │") == fix for ln in lines)  # the user's line, kept off 0
+    assert any("# 0/eps = 0 where the denominator is 0" in ln for ln in lines)
 
 
 @pytest.mark.slow
@@ -195,7 +194,7 @@ def test_demo_name_runs_only_that_scenario_and_shows_op_line_diagnosis_and_fix(
     assert "return (x - lo) / (hi - lo)" in at
     assert p.lines[2].startswith("NW111  Division by zero")
     assert "denominator holds 1 exact zero" in p.text  # the evidence, with its numbers
-    assert "y = x / d.clamp_min(eps)" in p.row("fix")
+    assert "return (x - lo) / (hi - lo).clamp_min(torch.finfo(hi.dtype).eps)" in p.row("fix")
     assert p.text.count("Division by zero") == 1
 
 
@@ -277,8 +276,8 @@ def test_at_120_columns_op_source_and_code_share_one_line() -> None:
         out,
     ), out
     assert max(len(ln) for ln in out.splitlines()) == 120
-    # a comment that fits stays beside its code at this width
-    assert "y = x / d.clamp_min(eps)            # non-negative denominators" in out
+    # the fix is the user's own line, its denominator kept off 0
+    assert "return (x - lo) / (hi - lo).clamp_min(torch.finfo(hi.dtype).eps)" in out
 
 
 def test_the_panel_says_what_the_run_found_not_what_was_expected() -> None:

@@ -1995,12 +1995,36 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             fix=_count_fix(ev),
         )
         return
+    guard = _where_guard(ev.code) if ev.phase is Phase.BACKWARD else None
+    if guard is not None:
+        cond, fixed = guard
+        evidence.insert(
+            0,
+            f"the line guards the division with torch.where({cond}, ...): the forward is "
+            "finite, the NaN is in its gradient",
+        )
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"{title} in the gradient of a torch.where-guarded division",
+            evidence=evidence,
+            explanation=(
+                "torch.where does not stop the gradient of the branch it discards: the "
+                "division is computed everywhere, the zero denominators included, and in "
+                "backward the gradient of the discarded quotient is 0, multiplied by the "
+                "inf of x/0 (or of -x/d²): 0 * inf = NaN. The guard hides the zeros from "
+                "the forward only. Divide by a denominator that is never 0 inside the "
+                "where (the double-where trick)."
+            ),
+            fix=f"{fixed}   # 1 where the guard discards the quotient: its gradient is 0, not NaN",
+        )
+        return
     every = den is not None and not integer and den.numel > 1 and den.zeros == den.numel
     fix = _div_fix(
         ev,
         scalar=den is None and "other" in ev.scalars,
         count=integer or unmeasured,
         floating=den is not None and not integer,
+        den=den,
     )
     if every and den is not None:  # no exp in sight (those returned above): 0 everywhere
         yield _all_zero_denominator(ctx, a, ev, den, evidence=evidence, title=title)
@@ -2803,10 +2827,162 @@ def _weight_ref(code: str | None) -> str | None:
     return None
 
 
-def _div_fix(ev: OpEvent, *, scalar: bool, count: bool, floating: bool = False) -> str:
+def _one_division(code: str | None) -> tuple[str, ast.BinOp] | None:
+    """The statement of the user's line holding its one ``/``, and that operator's node;
+    None when the line is unknown, not ASCII (offsets), or has no or several ``/``."""
+    found: list[tuple[str, ast.BinOp]] = []
+    for stmt in statements(code):
+        if not stmt.isascii():
+            return None
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        found += [
+            (stmt, n)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)
+        ]
+    return found[0] if len(found) == 1 else None
+
+
+def _spliced(stmt: str, node: ast.expr, text: str, *, grouped: bool = False) -> str:
+    """``stmt`` with the source of ``node`` replaced by ``text``; with ``grouped``, the
+    parentheses around it too (the right operand of ``/``: ``(hi - lo)``)."""
+    a, b = node.col_offset, node.end_col_offset or node.col_offset
+    while grouped:
+        i, j = a - 1, b
+        while i >= 0 and stmt[i] == " ":
+            i -= 1
+        while j < len(stmt) and stmt[j] == " ":
+            j += 1
+        if i < 0 or j >= len(stmt) or stmt[i] != "(" or stmt[j] != ")":
+            break
+        a, b = i, j + 1
+    return stmt[:a] + text + stmt[b:]
+
+
+def _where_guard(code: str | None) -> tuple[str, str] | None:
+    """The user's line divides inside a branch of ``torch.where(cond, a / d, b)``: the
+    condition, and the line with ``d`` replaced by ``torch.where(cond, d, 1)`` (the
+    double-where trick: the discarded branch divides by 1, so its zero gradient stays 0)."""
+    one = _one_division(code)
+    if one is None:
+        return None
+    stmt, div = one
+    for call in ast.walk(ast.parse(stmt)):
+        if not (
+            isinstance(call, ast.Call)
+            and ast.unparse(call.func) in ("torch.where", "where")
+            and len(call.args) == 3
+        ):
+            continue
+        for i in (1, 2):
+            inside = any(
+                isinstance(n, ast.BinOp)
+                and isinstance(n.op, ast.Div)
+                and (n.col_offset, n.end_col_offset) == (div.col_offset, div.end_col_offset)
+                for n in ast.walk(call.args[i])
+            )
+            if not inside:
+                continue
+            cond = ast.get_source_segment(stmt, call.args[0]) or ast.unparse(call.args[0])
+            d = ast.get_source_segment(stmt, div.right) or ast.unparse(div.right)
+            safe = f"torch.where({cond}, {d}, 1)" if i == 1 else f"torch.where({cond}, 1, {d})"
+            return cond, _spliced(stmt, div.right, safe, grouped=True)
+    return None
+
+
+_NORM_FUNCS = ("torch.norm", "torch.linalg.norm", "torch.linalg.vector_norm")
+_CASTS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as", "long", "int"})
+
+
+def _normalize_fix(stmt: str, div: ast.BinOp) -> str | None:
+    """``x / x.norm(dim=d, keepdim=True)`` (or ``torch.linalg.norm(x, dim=d, ...)``) as
+    ``F.normalize(x, dim=d)``: an L2 norm of the numerator along one dim."""
+    right, x = div.right, ast.unparse(div.left)
+    if not isinstance(right, ast.Call):
+        return None
+    func = right.func
+    if isinstance(func, ast.Attribute) and func.attr == "norm" and not right.args:
+        if ast.unparse(func.value) != x:
+            return None
+    elif ast.unparse(func) in _NORM_FUNCS and len(right.args) == 1:
+        if ast.unparse(right.args[0]) != x:
+            return None
+    else:
+        return None
+    kw = {k.arg: k.value for k in right.keywords}
+    dim = kw.pop("dim", None)
+    keep = kw.pop("keepdim", None)
+    p = kw.pop("p", None) or kw.pop("ord", None)
+    if dim is None or kw or not (isinstance(keep, ast.Constant) and keep.value is True):
+        return None
+    if p is not None and not (isinstance(p, ast.Constant) and p.value in (2, 2.0)):
+        return None
+    seg = ast.get_source_segment(stmt, div.left) or x
+    return _spliced(stmt, div, f"F.normalize({seg}, dim={ast.unparse(dim)})")
+
+
+def _dtype_of(node: ast.expr, text: str) -> str:
+    """``g.dtype`` for ``g.sum(-1)``: the tensor a method chain starts from, when no cast
+    changes its dtype on the way; else ``(expr).dtype``."""
+    n = node
+    while True:
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if n.func.attr in _CASTS:
+                return f"{paren(text)}.dtype"
+            n = n.func.value
+        elif isinstance(n, ast.Subscript):
+            n = n.value
+        else:
+            break
+    if n is node and isinstance(n, ast.BinOp) and not isinstance(n.op, (ast.Div, ast.Pow)):
+        # hi - lo: the operands' dtype (a number on one side keeps the tensor's)
+        side = n.right if isinstance(n.left, ast.Constant) else n.left
+        if isinstance(side, (ast.Name, ast.Attribute)):
+            n = side
+    base = ast.unparse(n)
+    plain = re.fullmatch(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*", base) is not None
+    if n is not node and plain and base.split(".")[0] not in ("torch", "F", "nn", "math", "np"):
+        return f"{base}.dtype"
+    return f"{paren(text)}.dtype"
+
+
+def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
+    """The user's line with its floating denominator kept off 0: ``F.normalize`` for a
+    hand-written L2 normalization, ``.clamp_min(eps of its dtype)`` for a non-negative
+    one, a where that divides by 1 at the zeros for a signed one."""
+    one = _one_division(ev.code)
+    if one is None:
+        return None
+    stmt, div = one
+    norm = _normalize_fix(stmt, div)
+    if norm is not None:
+        return f"{norm}   # divides by max(norm, 1e-12): a zero vector stays 0, not NaN"
+    d = ast.get_source_segment(stmt, div.right)
+    if d is None:
+        return None
+    if den.min >= 0:
+        safe = f"{paren(d)}.clamp_min(torch.finfo({_dtype_of(div.right, d)}).eps)"
+        why = "0/eps = 0 where the denominator is 0; elsewhere unchanged"
+    else:
+        safe = f"torch.where({d} == 0, torch.ones_like({d}), {d})"
+        why = "divides by 1 where the denominator is 0 (any sign): leaves x as is"
+    return f"{_spliced(stmt, div.right, safe, grouped=True)}   # {why}"
+
+
+def _div_fix(
+    ev: OpEvent,
+    *,
+    scalar: bool,
+    count: bool,
+    floating: bool = False,
+    den: TensorStat | None = None,
+) -> str:
     """A Python-number denominator gets a floor; an integer count is at least 1 (finfo
-    has no integer dtypes); a float one is kept off 0 by its dtype's eps; an unknown one
-    gets both."""
+    has no integer dtypes); a float one is kept off 0 by its dtype's eps, on the user's
+    own line when it is known; an unknown one gets both."""
     if scalar:  # a temperature annealed to 0, a count: no tensor to clamp
         return (
             "d = max(d, 1e-3)   # a temperature or a scale annealed to 0: give it a floor\n"
@@ -2820,6 +2996,9 @@ def _div_fix(ev: OpEvent, *, scalar: bool, count: bool, floating: bool = False) 
             "y = x / d.clamp_min(1)   # an integer count (lengths, mask.sum()): at least 1\n"
             "y = x / torch.where(d == 0, torch.ones_like(d), d)   # or leave x as is"
         )
+    own_float = _own_float_fix(ev, den) if floating and den is not None else None
+    if own_float is not None:
+        return own_float
     if floating:
         return (
             "eps = torch.finfo(d.dtype).eps\n"
