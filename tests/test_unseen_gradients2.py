@@ -185,11 +185,12 @@ def test_an_optimizer_eps_of_zero_is_named_and_the_fix_works() -> None:
         assert d.title == "Optimizer eps is 0: 0 / 0 where a gradient is exactly 0"
         assert f"{name} param group 0 has eps=0" in " ".join(d.evidence)
         assert "centered" not in d.fix and "load_state_dict" not in d.title
-        assert d.fix.startswith('for g in optimizer.param_groups:\n    g["eps"] = ')
+        # in the training function's name for the optimizer (opt)
+        assert d.fix.startswith('for g in opt.param_groups:\n    g["eps"] = ')
 
         def fixed(p: Any, make: Any = make, fix: str = d.fix) -> torch.optim.Optimizer:
             optimizer = make(p)
-            exec(fix, {"optimizer": optimizer})
+            exec(fix, {"opt": optimizer})
             return optimizer
 
         err2, opt2, model = _zero_column_run(fixed)

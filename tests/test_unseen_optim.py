@@ -78,7 +78,7 @@ def test_a_nan_in_a_resumed_adam_state_is_not_blamed_on_the_learning_rate() -> N
     )
     assert "far too high" not in d.explanation
     assert "torch.optim.SGD" not in d.fix and "clip_grad_norm_" not in d.fix
-    assert "optimizer.state.items()" in d.fix
+    assert "opt.state.items()" in d.fix
 
 
 def test_the_optimizer_state_fix_finds_and_resets_the_nan_state() -> None:
@@ -87,7 +87,7 @@ def test_the_optimizer_state_fix_finds_and_resets_the_nan_state() -> None:
     _, d = _nw301(_train_resumed_adam())
     model, optimizer = _resumed_adam()
     out: list[tuple[Any, ...]] = []
-    scope = {"torch": torch, "model": model, "optimizer": optimizer}
+    scope = {"torch": torch, "model": model, "optimizer": optimizer, "opt": optimizer}
     exec(d.fix, {**scope, "print": lambda *args: out.append(args)})
     assert out == [("fc1.weight", ["exp_avg_sq"])]
     crit = nn.MSELoss()
@@ -146,7 +146,7 @@ def test_float16_adam_with_a_huge_lr_is_told_clipping_does_not_bound_its_step() 
     assert "At lr 30000 a weight reaches float16's largest value 65504 in about 2.183 steps" in (
         d.explanation
     )
-    assert d.fix.splitlines()[0] == ('optimizer.param_groups[0]["lr"] = 0.001   # was 30000 (Adam)')
+    assert d.fix.splitlines()[0] == ('opt.param_groups[0]["lr"] = 0.001   # was 30000 (Adam)')
     assert "clip_grad_norm_" not in d.fix and "torch.optim." not in d.fix
 
 
@@ -170,12 +170,12 @@ def test_centered_rmsprop_nan_names_the_square_root_not_the_lr() -> None:
     assert "RMSprop(centered=True) takes sqrt(square_avg - grad_avg²)" in d.explanation
     assert "far too high" not in d.explanation
     first = d.fix.splitlines()[0]
-    assert first.startswith('optimizer.param_groups[0]["centered"] = False')
+    assert first.startswith('opt.param_groups[0]["centered"] = False')  # the loop's name
     # pasted, it turns centering off: the same loop then stays finite
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 1))
     optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, alpha=0.5, centered=True)
-    exec(first, {"optimizer": optimizer})
+    exec(first, {"opt": optimizer})
     for _ in range(60):
         model(x).mean().backward()
         optimizer.step()
@@ -203,9 +203,9 @@ def test_lbfgs_that_overflows_float16_weights_gets_a_line_search() -> None:
     (d,) = [d for d in info.value.diagnoses if d.code == "NW301"]
     assert "LBFGS moves the weights by lr × its quasi-Newton direction" in d.explanation
     assert d.fix.splitlines()[:2] == [
-        'optimizer.param_groups[0]["line_search_fn"] = "strong_wolfe"   # a line search picks '
+        'opt.param_groups[0]["line_search_fn"] = "strong_wolfe"   # a line search picks '
         "each step's length",
-        'optimizer.param_groups[0]["lr"] = 1   # was 1e+30 (LBFGS)',
+        'opt.param_groups[0]["lr"] = 1   # was 1e+30 (LBFGS)',
     ]
     assert "SGD" not in d.fix and "clip_grad_norm_" not in d.fix
 
@@ -233,7 +233,7 @@ def test_sgd_whose_lr_is_too_high_keeps_its_own_optimizer_in_the_fix() -> None:
     assert d.fix.splitlines()[:2] == [
         "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before "
         "optimizer.step()",
-        'optimizer.param_groups[0]["lr"] = 100   # was 1000 (SGD)',
+        'opt.param_groups[0]["lr"] = 100   # was 1000 (SGD)',
     ]
     assert "torch.optim.SGD(" not in d.fix
 
@@ -264,7 +264,7 @@ def test_an_inf_that_an_ordinary_update_cannot_write_points_at_the_optimizer_sta
     assert "SGD's state for fc2.weight holds NaN/inf: momentum_buffer (lr 0.1 is finite)" in (
         d.evidence
     )
-    assert "optimizer.state.items()" in d.fix and "clip_grad_norm_" not in d.fix
+    assert "opt.state.items()" in d.fix and "clip_grad_norm_" not in d.fix
     # without the state the watcher read, the size of one update still clears the lr
     t.notes[:] = [n for n in t.notes if n.kind != "optimizer_state"]
     history = [h for h in nw.history if h.step < t.step]
@@ -388,7 +388,7 @@ def test_a_nan_lr_set_by_hand_gets_no_scheduler_in_its_fix() -> None:
     assert "scheduler" not in d.fix
     assert code_lines(d.fix).splitlines() == [
         "import math",
-        "lr = optimizer.param_groups[0]['lr']",
+        "lr = opt.param_groups[0]['lr']",
         "assert math.isfinite(lr), lr   # right after each change of the lr",
     ]
 
@@ -442,7 +442,7 @@ def test_pure_float16_weights_get_float32_weights_and_a_cpu_scaler() -> None:
         "    loss = criterion(model(x), y)",
         "scaler = torch.amp.GradScaler('cpu')",
         "scaler.scale(loss).backward()",
-        "scaler.step(optimizer)",
+        "scaler.step(opt)",
         "scaler.update()   # nanwatch finds the scaler at scaler.scale(loss)",
     ]
     # pasted into the loop, the first layer gets its gradient back
@@ -452,7 +452,7 @@ def test_pure_float16_weights_get_float32_weights_and_a_cpu_scaler() -> None:
     x = torch.randn(64, 16).half()
     y = x[:, :1] * 0.01
     scope: dict[str, Any] = {
-        "torch": torch, "model": model, "optimizer": optimizer, "x": x, "y": y,
+        "torch": torch, "model": model, "optimizer": optimizer, "opt": optimizer, "x": x, "y": y,
         "criterion": lambda out, target: 1e-6 * ((out - target) ** 2).mean(),
     }  # fmt: skip
     exec(d.fix, scope)
@@ -495,10 +495,10 @@ def test_a_diverging_weight_decay_names_its_param_group_and_keeps_the_groups() -
         "value for which its update stays bounded"
     )
     assert d.fix.splitlines()[0] == (
-        "optimizer.param_groups[1].update(weight_decay=0.01)   # was 5 (SGD, lr 0.5)"
+        "opt.param_groups[1].update(weight_decay=0.01)   # was 5 (SGD, lr 0.5)"
     )
     model, optimizer = _wd_groups()
-    exec(code_lines(d.fix), {"optimizer": optimizer})
+    exec(code_lines(d.fix), {"optimizer": optimizer, "opt": optimizer})
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.0, 0.01]
 
 

@@ -137,7 +137,7 @@ def test_weights_that_exploded_are_not_blamed_on_a_batch() -> None:
     assert d.code == "NW101"
     assert not any(e.startswith("the batch did it") for e in d.evidence)
     assert "the values grew during training (SGD lr 0.3)" in text(d)
-    assert 'for g in optimizer.param_groups: g["lr"] = 0.03   # was 0.3 (SGD)' in d.fix
+    assert 'for g in opt.param_groups: g["lr"] = 0.03   # was 0.3 (SGD)' in d.fix
     assert "AdamW" not in d.fix and "lr / 10" not in d.fix
 
 

@@ -58,7 +58,7 @@ def test_a_float16_overflow_after_an_lr_jump_names_the_lr_not_float16() -> None:
         "between (Adam lr 30000)" in line
     )
     assert d.fix.splitlines()[0] == (
-        'for g in optimizer.param_groups: g["lr"] = 1e-3   # was 30000 (Adam): far above any '
+        'for g in opt.param_groups: g["lr"] = 1e-3   # was 30000 (Adam): far above any '
         "usable learning rate"
     )
     assert "autocast" not in d.fix and "bfloat16" not in d.fix and "float32" not in d.fix
@@ -83,10 +83,10 @@ def test_a_float16_param_group_whose_lr_jumped_its_weights_is_named() -> None:
     assert "GradScaler" not in d.fix and "autocast" not in d.fix
     first = d.fix.splitlines()[0]
     assert first == (
-        'optimizer.param_groups[1]["lr"] = 1e-3   # was 1000 (SGD): the group holding fc2\'s '
+        'opt.param_groups[1]["lr"] = 1e-3   # was 1000 (SGD): the group holding fc2\'s '
         "weights; leave the others (0: 0.01)"
     )
-    exec(first, {"optimizer": opt})
+    exec(first, {"optimizer": opt, "opt": opt})
     assert [g["lr"] for g in opt.param_groups] == [1e-2, 1e-3]
 
 
