@@ -2062,13 +2062,7 @@ def _narrow_difference(ev: OpEvent) -> _Difference | None:
     number."""
     if ev.phase is not Phase.FORWARD or ev.dtype not in _NARROW:
         return None
-    got: list[str] = []
-
-    def keep(d: str) -> str:
-        got.append(d)
-        return d
-
-    rewrite_divisor(ev.code, keep)
+    got = _divisors(ev.code)
     if not got:
         return None
     divisor = got[0]
@@ -2171,13 +2165,7 @@ def _all_zero_denominator(
     """Every value of a floating denominator is 0 and neither the line nor the graph shows
     an exp: not a feature that did not vary in one batch but a tensor that is 0 everywhere;
     module state read as it is (``self.running_var``) is named when the code shows it."""
-    got: list[str] = []
-
-    def keep(d: str) -> str:
-        got.append(d)
-        return d
-
-    rewrite_divisor(ev.code, keep)
+    got = _divisors(ev.code)
     divisor = got[0] if got else None
     state = _module_state(ev, divisor) if divisor is not None else []
     evidence.insert(
@@ -2323,13 +2311,7 @@ def _exp_underflow(ev: OpEvent) -> _Underflow | None:
     from the user's line and the lines above it; None when the code shows no exp."""
     if ev.phase is not Phase.FORWARD:
         return None
-    got: list[str] = []
-
-    def keep(d: str) -> str:
-        got.append(d)
-        return d
-
-    rewrite_divisor(ev.code, keep)
+    got = _divisors(ev.code)
     if not got:
         return None
     den = got[0]
@@ -2375,13 +2357,7 @@ def _float_count(ev: OpEvent, den: TensorStat) -> str | None:
     line or where its name was assigned, or a count's name. What shows it, else None."""
     if not (den.min == 0 and math.isfinite(den.max) and den.max >= 1 and den.max.is_integer()):
         return None
-    got: list[str] = []
-
-    def keep(d: str) -> str:
-        got.append(d)
-        return d
-
-    rewrite_divisor(ev.code, keep)
+    got = _divisors(ev.code)
     if not got:
         return None
     divisor = got[0]
@@ -2432,6 +2408,18 @@ def _count_fix(ev: OpEvent) -> str:
         "y = x / max(d, 1)   # d: the Python int you divide by (a count): at least 1, "
         "no tensor to clamp"
     )
+
+
+def _divisors(code: str | None) -> list[str]:
+    """The divisors of the divisions on ``code`` (the user's line), as written."""
+    got: list[str] = []
+
+    def keep(d: str) -> str:
+        got.append(d)
+        return d
+
+    rewrite_divisor(code, keep)
+    return got
 
 
 def _exp_argument(code: str) -> str | None:
