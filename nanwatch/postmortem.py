@@ -212,6 +212,8 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
         "device_lost": cls in _DEVICE_LOST,
         "advice": ADVICE[cls],
     }
+    if cls not in _NOT_RAISED_BY_OP and _raised_in_backward(exc):
+        info["in_backward"] = True  # autograd's engine raised it: a backward did not finish
     if cls not in _DEVICE_LOST and cls not in _NOT_RAISED_BY_OP:  # (async: the step only
         try:  # surfaced a kernel's error) (an interrupt lands anywhere)
             found = optimizer_error(exc, cls, names)
@@ -221,6 +223,24 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             info["optimizer"] = found
             info["advice"] = _optimizer_advice(cls, found)
     return info
+
+
+def _raised_in_backward(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of autograd's engine (its traceback goes through
+    ``torch.autograd.backward`` or ``torch.autograd.grad``): a custom Function's backward
+    that raised, a gradient of the wrong shape."""
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_engine_run_backward" or (
+            code.co_name in ("backward", "grad")
+            and os.path.normcase(code.co_filename).endswith(
+                os.path.normcase(os.path.join("torch", "autograd", "__init__.py"))
+            )
+        ):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 #: classes not raised by the op that ran: where they landed says nothing of the cause

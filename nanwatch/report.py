@@ -361,6 +361,8 @@ class Report:
             call = f"{opt['class']}.{opt.get('method', 'step')}()"
             if not opt.get("in_closure"):  # raised by the optimizer's own code
                 return f" inside {call}"
+        if self.error is not None and self.error.get("in_backward"):
+            return " during backward"  # autograd's engine raised it
         if events and events[-1].phase == "gradient":  # backward had ended
             if call:  # the optimizer's closure raised after its backward
                 return f" in the closure of {call}"

@@ -642,3 +642,28 @@ def test_an_exception_after_backward_is_not_said_to_be_during_backward(
     (path,) = report_dir.glob("*.json")
     headline = Report.load(path).headline
     assert f"ValueError (exception) {where}, step 0" in headline
+
+
+class _AddBias(torch.autograd.Function):
+    """A custom Function whose backward returns the bias gradient in the wrong shape."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return x + b
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return g, g.sum(1)  # should be g.sum(0): got (batch,), expected (features,)
+
+
+def test_an_exception_autograd_raised_is_said_to_be_during_backward(report_dir: Path) -> None:
+    """A gradient of the wrong shape from a custom backward was headed 'after the backward
+    pass': a parameter's gradient recorded earlier in that backward looked like its end."""
+    first, b = nn.Linear(4, 16), nn.Parameter(torch.zeros(16))
+    with (
+        pytest.raises(RuntimeError, match="invalid gradient"),
+        nanwatch.watch(first, report_dir=str(report_dir)),
+    ):
+        _AddBias.apply(first(torch.randn(32, 4)), b).pow(2).mean().backward()
+    (path,) = report_dir.glob("*.json")
+    assert "RuntimeError (exception) during backward, step 0" in Report.load(path).headline
