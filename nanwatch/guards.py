@@ -2321,6 +2321,42 @@ def _weight_result(
         _remember_clean(w)
 
 
+def _latent_classes(p: _Probe, name: str, w: torch.Tensor) -> list[int] | None:
+    """The classes whose class weight is inf or NaN when none of them is a target of this
+    batch (ignore_index respected), so the loss is still finite: only class-index targets
+    without label smoothing pick a class's weight by its target alone. None otherwise."""
+    t = p.target
+    ls = p.bound.get("label_smoothing")
+    if (
+        name != "weight"
+        or p.spec.kind != "class"
+        or w.dim() != 1
+        or t is None
+        or t.is_floating_point()
+        or t.is_complex()
+        or not _readable(t)
+        or (isinstance(ls, (int, float)) and ls != 0)
+        or (isinstance(ls, torch.Tensor) and bool(ls.ne(0).any()))
+    ):
+        return None
+    if bool((w < 0).any()):  # a negative weight is worded as such
+        return None
+    t = t.reshape(-1)
+    if p.spec.semantics.ignore_index:
+        ii = p.bound.get("ignore_index", -100)
+        t = t[t != (-100 if ii is None else int(ii))]
+    bad = (~torch.isfinite(w)).cpu()
+    present = torch.zeros_like(bad)
+    t = t.cpu().long()
+    t = t[(t >= 0) & (t < w.numel())]
+    if not t.numel():  # every target ignored: the loss is NaN (0 / 0) whatever the weight
+        return None
+    present[t] = True
+    if bool((bad & present).any()):
+        return None
+    return [int(k) for k in bad.nonzero().flatten().tolist()]
+
+
 def _weight_failure(p: _Probe, name: str, w: torch.Tensor, n: int, *, negative: bool) -> None:
     """Word a weight holding inf, NaN (or, per class, a negative value); the failure path,
     so a second read is fine."""
@@ -2340,7 +2376,18 @@ def _weight_failure(p: _Probe, name: str, w: torch.Tensor, n: int, *, negative: 
         found = f"{shown}{more} (of {_n(w.numel())} {units[w.numel() != 1]})"
     else:
         found = f"{_describe_values(values, counts)} (of {_n(w.numel())})"
-    if n_nonfinite:
+    latent = _latent_classes(p, name, w) if n_nonfinite else None
+    if latent:
+        classes = ", ".join(str(k) for k in latent[:_POSITIONS])
+        classes += f" and {_n(len(latent) - _POSITIONS)} more" if len(latent) > _POSITIONS else ""
+        problem = (
+            f"{what} holds {found}: a weight computed from counts (n_neg / n_pos, 1 / counts) "
+            "is inf where a class has no sample (x / 0) and NaN for 0 / 0; "
+            f"the loss is finite here only because no target in this batch is "
+            f"{'class' if len(latent) == 1 else 'one of classes'} {classes}; the first batch "
+            "with one makes it inf or NaN"
+        )
+    elif n_nonfinite:
         problem = (
             f"{what} holds {found}: a weight computed from counts (n_neg / n_pos, 1 / counts) "
             "is inf where a class has no sample (x / 0) and NaN for 0 / 0; "
