@@ -2040,12 +2040,21 @@ def _binary_target_failure(
     hint, fix = "", f"scale {tgt} into [0, 1]"
     if tmin >= 0 and tmax == 255 and bool(((t == 0) | (t == 255)).all()):
         hint, fix = " — a 0/255 mask", p.call_with(target=f"{tgt} / 255")
-    elif tmin >= 0 and tmax == 255:  # 0/1 labels with 255 marking the missing ones
+    elif (tmin >= 0 and tmax == 255) or (tmin == -1 and tmax == 1 and bool((t == 0).any())):
+        # 0/1 labels with a marker for the ones to ignore: 255 (segmentation masks) or -1
+        # (anchor labels: 1 object, 0 background, -1 ignored); (t + 1) / 2 would make the
+        # ignored ones background and the background 0.5
+        marker = 255 if tmax == 255 else -1
         inp = p.arg("input")
-        keep = f"({tgt} != 255)"
-        hint = " — 255 among 0/1 labels: a 'missing' marker, which BCE has no ignore for"
+        keep = f"({tgt} != {marker})"
+        fn = (
+            "binary_cross_entropy"
+            if p.spec.name == "binary_cross_entropy"
+            else ("binary_cross_entropy_with_logits")
+        )
+        hint = f" — {marker} among 0/1 labels: an 'ignore' marker, which BCE has no ignore for"
         fix = (
-            f"per = F.binary_cross_entropy_with_logits({inp}, {tgt}.clamp(0, 1), "
+            f"per = F.{fn}({inp}, {tgt}.clamp(0, 1), "
             f"reduction='none')\nloss = (per * {keep}).sum() / {keep}.sum().clamp_min(1)"
         )
     elif tmin == -1 and tmax == 1:

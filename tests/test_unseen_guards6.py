@@ -86,3 +86,29 @@ def test_clamped_counts_stay_silent() -> None:
             loss.backward()
             nw.step()
     assert not nw.report.diagnoses
+
+
+def _bce_fix(labels: torch.Tensor) -> str:
+    logits = torch.randn(labels.shape[0], requires_grad=True)
+    lin = torch.nn.Linear(1, 1)
+    with nanwatch.watch(lin, postmortem=False), pytest.raises(nanwatch.GuardError) as info:
+        F.binary_cross_entropy_with_logits(logits, labels)
+    return info.value.fix
+
+
+def test_minus_one_among_zero_one_anchor_labels_is_an_ignore_marker() -> None:
+    """Anchor labels 1 (object), 0 (background), -1 (ignored): (labels + 1) / 2 would train
+    the ignored anchors as background and the background at 0.5. The fix leaves them out."""
+    labels = torch.tensor([1.0, 0.0, -1.0, 0.0, 1.0, -1.0])
+    fix = _bce_fix(labels)
+    assert "(labels + 1) / 2" not in fix
+    logits = torch.randn(6)
+    ns = {"F": F, "logits": logits, "labels": labels}
+    exec(fix, ns)
+    keep = labels != -1
+    want = F.binary_cross_entropy_with_logits(logits[keep], labels[keep])
+    assert torch.allclose(ns["loss"], want)
+
+
+def test_labels_of_minus_one_and_one_are_still_mapped_to_zero_and_one() -> None:
+    assert "(labels + 1) / 2" in _bce_fix(torch.tensor([1.0, -1.0, 1.0, -1.0]))
