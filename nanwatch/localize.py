@@ -64,10 +64,49 @@ def is_trigger(
 def first_trigger(
     trace: StepTrace, *, allow: Sequence[str] = (), scaled_grads: bool = False
 ) -> Record | None:
+    """The first trigger in execution order. An input whose NaN/inf its module absorbed
+    (see :func:`_absorbed_input`) is passed over for a later forward value that went bad
+    outside that call and was not that tensor: it was not made from it (a NaN target the
+    loss code reads is not the NaN input the model cleaned). The input stays the trigger
+    for what went bad inside the call (a child's NaN output a ``torch.where`` hid) and for
+    a gradient or a weight (the backward runs through what the forward hid)."""
+    absorbed: list[Record] = []
     for r in trace.records:
-        if is_trigger(r, trace, allow=allow, scaled_grads=scaled_grads):
+        if not is_trigger(r, trace, allow=allow, scaled_grads=scaled_grads):
+            continue
+        if _absorbed_input(trace, r):
+            absorbed.append(r)
+            continue
+        if not absorbed:
             return r
-    return None
+        if r.phase is not Phase.FORWARD and r.phase is not Phase.INPUT:
+            return absorbed[0]
+        src = trace.resolve(r)
+        for a in absorbed:
+            call = trace.call(a.call)
+            if src is trace.resolve(a) or (call is not None and call.start <= r.index < call.end):
+                return a
+        return r
+    return absorbed[0] if absorbed else None
+
+
+def _absorbed_input(trace: StepTrace, rec: Record) -> bool:
+    """``rec`` is a module input holding NaN/inf that the module's call absorbed: the call
+    returned, and every one of its outputs was measured finite (``torch.nan_to_num(x)`` or
+    ``torch.where(torch.isnan(x), 0, x)`` first thing in ``forward``)."""
+    if rec.phase is not Phase.INPUT:
+        return False
+    call = trace.call(rec.call)
+    if call is None or call.end < 0:
+        return False  # still running: what it returns is not known yet
+    outs = [r for r in trace.records if r.call == call.id and r.phase is Phase.FORWARD]
+    if not outs:
+        return False
+    for o in outs:
+        s = trace.resolve(o).stat
+        if s is None or not s.finite:
+            return False
+    return True
 
 
 def _earliest_neginf(trace: StepTrace, recs: Iterable[Record], limit: int = 64) -> Record | None:

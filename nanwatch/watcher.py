@@ -2995,12 +2995,13 @@ class Watcher:
         pending = self._pending_data
         if trace.anomaly is not None:
             if pending is not None and trace.anomaly is pending and rec is not None:
-                # the bad data reached a value the step computed: act on it now, before
-                # an update spreads it into the weights
+                # a value the step computed went bad after the bad data: localize again,
+                # now that the calls have returned (data a module cleaned itself, with
+                # nan_to_num, is not the origin), and act before an update spreads it
                 self._pending_data = None
-                trace.diagnoses = self._evaluate(trace)
-                self._act(trace)
-            return
+                self._forget(trace, pending)
+            else:
+                return
         first_of_run = self.first_anomaly is None
         if rec is not None and rec.phase in (Phase.BACKWARD, Phase.GRADIENT):
             with contextlib.suppress(Exception):
