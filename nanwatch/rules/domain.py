@@ -392,6 +392,8 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     if use is None and ev.phase is Phase.FORWARD:
         use = _log_use(ctx, a, ev)
     if use is None and ev.phase is Phase.FORWARD and x is not None:
+        use = _relu_zero_use(ctx, ev, x)
+    if use is None and ev.phase is Phase.FORWARD and x is not None:
         use = _unknown_log_use(ev, x)
     if use is not None and use.evidence:
         evidence.insert(len(evidence) - len(_chain_evidence(ev, trigger, "-inf")), use.evidence)
@@ -440,6 +442,76 @@ def _floored_line(ev: OpEvent) -> str | None:
     stmt, start, end, arg = found
     floor = f"{paren(arg)}.clamp_min({_tiny(arg)})"
     return f"{stmt[:start]}{_with_arg(stmt[start:end], floor)}{stmt[end:]}"
+
+
+_RELU_NODES = ("Relu", "Threshold", "Relu6", "Hardtanh")
+
+
+def _relu_zero_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
+    """The log's zeros are a watched module's output that is exactly 0 everywhere, made by
+    a ReLU: its autograd node is one (``ReluBackward0``), the module is an ``nn.ReLU``, or
+    the module inside it that feeds it (same size) output only values <= 0. A predicted
+    positive quantity (a rate, a mean, a scale) is 0 wherever the ReLU's input is negative:
+    softplus keeps it positive."""
+    if x.min < 0 or not has_zero(x):
+        return None
+    outs = [r for r in ctx.records(Phase.FORWARD) if r.role.startswith("output") and r.stat]
+    for r in outs:
+        st = r.stat
+        assert st is not None
+        if not (st.min == 0 and st.max == 0 and st.numel == x.numel):
+            continue
+        feeder = next(
+            (
+                c
+                for c in outs
+                if c.path.startswith(f"{r.path}.")
+                and c.stat is not None
+                and c.stat.numel == st.numel
+                and c.stat.max <= 0
+                and math.isfinite(c.stat.min)
+            ),
+            None,
+        )
+        relu_node = node_base(r.grad_fn or "") in _RELU_NODES
+        if not (relu_node or r.module_type == "ReLU" or feeder is not None):
+            continue
+        where = f"{r.path}'s {r.role}" if r.role != "output" else f"{r.path}'s output"
+        if feeder is not None and feeder.stat is not None:
+            attr = feeder.path[len(r.path) + 1 :]
+            made = (
+                f"{where} is a ReLU (or a clamp at 0) of {feeder.path}'s output "
+                f"({feeder.module_type}), which is negative or 0 in every value (max "
+                f"{fmt(feeder.stat.max)})"
+            )
+            fix = (
+                f"# in {r.module_type}.forward: F.softplus(self.{attr}(...)) + 1e-6 in place "
+                f"of F.relu(self.{attr}(...)): positive, never exactly 0\n"
+                f"# not a floor on the log: log(tiny) = {_log_tiny(ev.dtype)} is a wrong "
+                "value, and the ReLU's gradient is still 0"
+            )
+        else:
+            made = f"{where} is made by a ReLU ({r.grad_fn or r.module_type})"
+            fix = (
+                f"# {where} is a ReLU output: for a predicted positive quantity use "
+                "F.softplus(raw) + 1e-6 in place of F.relu(raw): positive, never exactly 0\n"
+                f"# not a floor on the log: log(tiny) = {_log_tiny(ev.dtype)} is a wrong "
+                "value, and the ReLU's gradient is still 0"
+            )
+        return _LogUse(
+            "relu",
+            fix=fix,
+            why=(
+                f"Its input holds {_zeros_text(x, 'log')}, and {made}: the watched output "
+                f"is exactly 0 in all {st.numel:,} values. A ReLU is exactly 0 for every "
+                "negative input, so a predicted positive quantity (a mean, a rate, a scale) "
+                "made with it is 0 whenever its pre-activation is negative, and its "
+                "gradient there is 0 too: it never recovers. Softplus is positive "
+                "everywhere and keeps a gradient."
+            ),
+            evidence=f"{made}: exactly 0 in all {st.numel:,} values",
+        )
+    return None
 
 
 def _unknown_log_use(ev: OpEvent, x: TensorStat) -> _LogUse | None:
@@ -2937,6 +3009,85 @@ def _dtype_of(node: ast.expr, text: str) -> str:
     return f"{paren(text)}.dtype"
 
 
+def _unconditional_assignment(ev: OpEvent, name: str) -> ast.expr | None:
+    """The value of the last ``name = value`` above the user's line in the same function
+    that runs whenever the line does: assignments under an ``if``/``for``/``with`` (a
+    one-line header, or a deeper indent than the line's) are passed over."""
+    import linecache
+
+    source = ev.source
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    here = linecache.getline(path, int(num))
+    indent = len(here) - len(here.lstrip())
+    for _ in range(4):
+        made = _assigned_before(source, name)
+        where = _line_of(source, made) if made is not None else None
+        if made is None or where is None:
+            return None
+        text = linecache.getline(path, int(where.rpartition(":")[2]))
+        body = text.lstrip()
+        if len(text) - len(body) > indent or _HEADER_LINE.match(body):
+            source = where  # conditional: it may not have run; look further up
+            continue
+        try:
+            tree = ast.parse(made)
+        except SyntaxError:
+            return None
+        node = tree.body[0] if len(tree.body) == 1 else None
+        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+            return None
+        target = node.targets[0]
+        if not isinstance(target, ast.Name) or target.id != name:
+            return None
+        return node.value
+    return None
+
+
+_HEADER_LINE = re.compile(r"(?:if|elif|else|for|while|with|try|except|finally)\b")
+_MODULES = ("torch", "F", "nn", "math", "np", "self")
+
+
+def _fixed_at_assignment(ev: OpEvent, right: ast.expr, den: TensorStat) -> str | None:
+    """A denominator that is a plain name assigned above in the same function (``scale =
+    (hi - lo) / 255``) is kept off 0 where it is made, so that every division by it is
+    safe, not only the one on this line."""
+    if not isinstance(right, ast.Name):
+        return None
+    name = right.id
+    value = _unconditional_assignment(ev, name)
+    if value is None:
+        return None
+    text = ast.unparse(value)
+    if re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", text):
+        return None  # scale = scale * k: the first assignment is the one to fix
+    names = sorted(
+        (
+            n
+            for n in ast.walk(value)
+            if isinstance(n, ast.Name) and n.id not in _MODULES and not _called(value, n)
+        ),
+        key=lambda n: n.col_offset,
+    )
+    dtype = f"{names[0].id}.dtype" if names else f"{paren(text)}.dtype"
+    if den.min >= 0:
+        return (
+            f"{name} = {paren(text)}.clamp_min(torch.finfo({dtype}).eps)   # clamped where it "
+            f"is made: every division by {name} is safe, 0/eps = 0 where it was 0"
+        )
+    return (
+        f"{name} = {text}\n"
+        f"{name} = torch.where({name} == 0, torch.ones_like({name}), {name})   # every "
+        f"division by {name} divides by 1 where it was 0 (any sign)"
+    )
+
+
+def _called(tree: ast.expr, name: ast.Name) -> bool:
+    """``name`` is the function of a call in ``tree`` (``f(x)``), not a tensor."""
+    return any(isinstance(n, ast.Call) and n.func is name for n in ast.walk(tree))
+
+
 def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
     """The user's line with its floating denominator kept off 0: ``F.normalize`` for a
     hand-written L2 normalization, ``.clamp_min(eps of its dtype)`` for a non-negative
@@ -2948,6 +3099,9 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
     norm = _normalize_fix(stmt, div)
     if norm is not None:
         return f"{norm}   # divides by max(norm, 1e-12): a zero vector stays 0, not NaN"
+    at_source = _fixed_at_assignment(ev, div.right, den)
+    if at_source is not None:
+        return at_source
     d = ast.get_source_segment(stmt, div.right)
     if d is None:
         return None
@@ -3205,6 +3359,15 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         mine = _root_backward_own(ev) if node_base(ev.node) in ("Sqrt", "Rsqrt") else None
         if mine is not None:
             explanation, fix = mine
+    elif negative and (data := _data_base(ctx, ev, x)) is not None:
+        evidence.insert(
+            1,
+            f"the base is {data.path}'s {data.role}, data with no autograd history (min "
+            f"{fmt(x.min if x is not None else None)}): not a network output",
+        )
+        explanation, fix = _ROOT_DATA, _data_root_fix(ev, e)
+    elif negative and not _raw_output(ev):
+        explanation, fix = _ROOT_COMPUTED, _computed_root_fix(ev)
     elif negative:
         explanation, fix = _ROOT_NEGATIVE, _negative_root_fix(ev)
     else:
@@ -3453,6 +3616,144 @@ _ROOT_NEGATIVE = (
     "away but zeroes the gradient of every negative prediction, and sqrt's gradient at 0 "
     "is infinite."
 )
+
+
+_ROOT_DATA = (
+    "A root or a fractional power of a negative number is not real: PyTorch returns NaN. "
+    "The negative values are in the data itself, the module's input with no autograd "
+    "history, not a prediction: a count with negative corrections (returns booked as "
+    "negative sales), a sentinel such as -1 for missing, a feature that was centered or "
+    "standardized upstream. Clamp or filter them where the data enters, or fix the data."
+)
+
+
+def _data_base(ctx: RuleContext, ev: OpEvent, x: TensorStat | None) -> Record | None:
+    """The input record of the op's module that is the root's base: its measured values
+    match the base's (min, max, size) and it has no autograd history -- data, not a
+    network output."""
+    if x is None or ev.path is None:
+        return None
+    trace = ctx.trace
+    calls = {c.id for c in trace.calls if c.path == ev.path}
+    for r in trace.records:
+        if r.phase is not Phase.INPUT or r.call not in calls:
+            continue
+        m = exact(trace, r)
+        st = m.stat if m is not None else None
+        if m is None or st is None or m.phase is not Phase.INPUT or m.grad_fn is not None:
+            continue
+        if r.grad_fn is not None:
+            continue
+        if st.numel == x.numel and st.min == x.min and st.max == x.max:
+            return r
+    return None
+
+
+def _data_root_fix(ev: OpEvent, e: object) -> str:
+    """The user's line with the base (data) clamped at 0; a shift by 1 where the exponent
+    may be negative (0 ** -p is inf)."""
+    got: list[str] = []
+    if packet(ev.op) in ("sqrt", "rsqrt"):
+        own = rewrite_call(ev.code, ["sqrt", "rsqrt"], lambda v: f"{paren(v)}.clamp_min(0)")
+        base = "x"
+    else:
+        own = _rewrite_base(ev.code, lambda b: f"{paren(b)}.clamp_min(0)", got)
+        base = got[0] if got else "x"
+    signed = e is None or (isinstance(e, (int, float)) and not isinstance(e, bool) and e < 0)
+    lines = [
+        (f"{own}" if own else f"y = {paren(base)}.clamp_min(0) ** p")
+        + "   # negative entries of the data count as 0"
+    ]
+    if signed and packet(ev.op) not in ("sqrt",):
+        lines.append(
+            f"# the exponent may go below 0, and 0 ** -p is inf: shift counts first, "
+            f"{paren(base)}.clamp_min(0) + 1"
+        )
+    lines.append(
+        f"# or drop them where the batch is made: rows = ({base} >= 0).all(-1); "
+        f"{base} = {base}[rows]"
+    )
+    return "\n".join(lines)
+
+
+_ROOT_COMPUTED = (
+    "sqrt(x) is not a real number for negative x: PyTorch returns NaN. The argument is "
+    "computed by the code, not a raw network output: a formula that is negative for some "
+    "entries (a discriminant, a difference of moments, a candidate threshold that a later "
+    "step discards). A NaN in an entry the forward discards still reaches the gradient. "
+    "Clamp the argument at 0 where the formula leaves its domain (the reference entmax "
+    "does torch.sqrt(delta.clamp_min(0))); softplus would change every value, not only the "
+    "negative ones."
+)
+
+
+def _raw_output(ev: OpEvent) -> bool:
+    """The root's argument may be a raw prediction, which a positive parameterization
+    fixes: true unless the user's line shows it computed by arithmetic -- on the line
+    (``torch.sqrt(1 - ss)``) or where its name was assigned in the same function
+    (``delta = (1 - ss) / rho``), seen through views (``delta[:, 1:]``)."""
+    got: list[str] = []
+    stmt = next((st for st in statements(ev.code) if "sqrt" in st), None)
+    arg = call_argument(stmt, ["sqrt", "rsqrt"]) if stmt else None
+    if arg is None and _rewrite_base(ev.code, lambda b: b, got) is not None and got:
+        arg = got[0]
+    if arg is None:
+        return True
+    try:
+        node: ast.expr = ast.parse(arg.strip(), mode="eval").body
+    except SyntaxError:
+        return True
+    while True:  # through views and casts: delta[:, 1:], v.float(), v.squeeze(-1)
+        if isinstance(node, ast.Subscript):
+            node = node.value
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _VIEWS
+        ):
+            node = node.func.value
+        else:
+            break
+    if isinstance(node, ast.BinOp):
+        return False
+    if not isinstance(node, ast.Name):
+        return True
+    return not isinstance(_unconditional_assignment(ev, node.id), ast.BinOp)
+
+
+_VIEWS = frozenset(
+    {
+        "float",
+        "double",
+        "half",
+        "to",
+        "squeeze",
+        "unsqueeze",
+        "view",
+        "reshape",
+        "flatten",
+        "contiguous",
+        "clone",
+        "detach",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "narrow",
+    }
+)
+
+
+def _computed_root_fix(ev: OpEvent) -> str:
+    """The user's line with the root's argument clamped at 0."""
+    own = rewrite_call(ev.code, ["sqrt", "rsqrt"], lambda v: f"{paren(v)}.clamp_min(0)")
+    if own is None:
+        own = _rewrite_base(ev.code, lambda b: f"{paren(b)}.clamp_min(0)", [])
+    head = own or "y = torch.sqrt(v.clamp_min(0))"
+    return (
+        f"{head}   # entries outside the domain give 0, not NaN; the rest are unchanged\n"
+        "# not F.softplus inside the root: softplus(v) != v for v > 0, it changes every value"
+    )
 
 
 def _negative_root_fix(ev: OpEvent) -> str:
