@@ -1082,22 +1082,26 @@ CONSTANT = "constant"
 
 def constant_text(op: OpEvent | None) -> str | None:
     """``in the self operand of mul: a tensor computed without gradients ...``: the loss
-    code multiplied or divided by a tensor with no autograd history (a loss weight made
-    under ``torch.no_grad``, from a buffer or a table) that held the non-finite value (see
+    code multiplied or divided by a tensor with no autograd history (computed under
+    ``torch.no_grad``) that held the non-finite value (see
     ``nanwatch.ops.leaf_event``); None for any other event."""
     if op is None or CONSTANT not in op.scalars:
         return None
     shape = op.scalars.get("constant_shape")
     name = op.scalars.get("constant_name")
     at = f" at {op.source}" if op.source else ""
+    weight = " (a weight or scale computed under no_grad)" if short_node(op) in _MULTIPLIERS else ""
     return (
         f"in the {op.scalars[CONSTANT]} operand of {short_node(op)}{at}"
         f"{f' ({name})' if name else ''}, a tensor computed without gradients (no autograd "
-        f"history: under torch.no_grad, from a buffer or a table)"
-        f"{f', shape {shape}' if shape else ''}: it held {op.born} before {short_node(op)} "
-        "read it, so the code that computed it made the value, not an op of the loss's "
-        "graph (a loss weight min(snr, 5) / snr at snr = 0, 1 / sigma**2 at sigma = 0)"
+        f"history){f', shape {shape}' if shape else ''}: it held {op.born} before "
+        f"{short_node(op)} read it, so the code that computed it made the value, not an op "
+        f"of the loss's graph{weight}"
     )
+
+
+#: ops whose constant operand multiplies the loss (``w * loss``, ``loss / s``)
+_MULTIPLIERS = frozenset({"mul", "div"})
 
 
 def short_node(op: OpEvent) -> str:

@@ -336,6 +336,11 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
     ]
     if not bad:
         return
+    if a.op is not None:
+        # an op made the value in this step (forensic mode's or the graph walk's op, or a
+        # constant operand the loss code computed without gradients): the op-level rules
+        # name it (NW101 for an exp overflow); bad data would send the user to the dataset
+        return
     n = bad[0]
     if target_log(n) is not None:
         return  # the loss line took the log of a target holding 0: NW110 says so
