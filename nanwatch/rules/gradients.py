@@ -481,6 +481,15 @@ def _loop_names(trace: StepTrace) -> _LoopNames:
         opt = pick[0]
         call = made.get(opt)
         arg = call.args[0] if isinstance(call, ast.Call) and call.args else None
+        if any(
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "add_param_group"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == opt
+            for node in ast.walk(tree)
+        ):
+            arg = None  # groups added later: the constructor's argument is not all it updates
         if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Name) and arg.func.id == "list":
             arg = arg.args[0] if arg.args else None
         if (
@@ -2108,6 +2117,10 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     if found is not None:
         yield found
         return
+    factors = _zero_factors(traces, top) if lim is None else None
+    if factors is not None:
+        yield _zero_factors_diagnosis(ctx, top, need, *factors)
+        return
     sat = _cut_inside(ctx.trace, dead, lim.tiny) if lim is not None and exact else None
     if sat is not None:
         yield _saturated(ctx, dead, names, need, sat)
@@ -2170,17 +2183,104 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
             "off from the loss (a .detach(), an argmax, a mask that zeroes it). It stopped "
             "learning without any error."
         )
-        fix = (
-            "# find what stops the gradient: a saturated activation, .detach(), a clamp\n"
-            "nn.LeakyReLU(0.01)        # instead of ReLU when units die\n"
-            "nn.BCEWithLogitsLoss()    # instead of sigmoid + BCELoss (clamped at -100)"
-        )
+        # the ReLU and BCE lines only where the step shows a ReLU (a module, or an
+        # output made by one) or a BCELoss; both when the step recorded no module calls
+        kinds = {c.module_type for c in ctx.trace.calls}
+        nodes = {r.grad_fn for r in ctx.trace.records if r.grad_fn}
+        fix = "# find what stops the gradient: a saturated activation, .detach(), a clamp"
+        if (
+            not kinds
+            or kinds & {"ReLU", "ReLU6"}
+            or nodes & {"ReluBackward0", "ThresholdBackward0"}
+        ):
+            fix += "\nnn.LeakyReLU(0.01)        # instead of ReLU when units die"
+        if not kinds or "BCELoss" in kinds:
+            fix += "\nnn.BCEWithLogitsLoss()    # instead of sigmoid + BCELoss (clamped at -100)"
     yield ctx.diagnosis(
         path=top,
         phase=Phase.BACKWARD.value,
         evidence=evidence,
         explanation=explanation,
         fix=fix,
+    )
+
+
+def _zero_factors(traces: list[StepTrace], top: str) -> tuple[list[str], str] | None:
+    """A module whose own parameters (two or more) got exactly zero gradients each step
+    while its output's gradient was not zero, and whose output was, value for value in
+    min and max, the output of a submodule it called: the term its parameters add is 0.
+    Factors that are all zero and multiply each other (``x @ A.T @ B.T`` with A and B both
+    zero) give that term, and each factor's gradient is the other factor: zero forever.
+    Returns the parameters' names and the submodule's path."""
+    params: list[str] = []
+    child = ""
+    for t in traces:
+        grads = [r for r in t.records if r.phase is Phase.GRADIENT and r.path == top]
+        names = list(dict.fromkeys(r.role for r in grads))
+        if len(names) < 2 or any(
+            r.stat is None or r.stat.norm not in (0.0, None) or r.stat.max != 0.0 for r in grads
+        ):
+            return None
+        outgrads = [r for r in t.records if r.phase is Phase.BACKWARD and r.path == top]
+        if not outgrads or not any(
+            r.stat is not None and (r.stat.min != 0.0 or r.stat.max != 0.0) for r in outgrads
+        ):
+            return None
+        calls = {c.id: c for c in t.calls}
+        match = ""
+        for out in (r for r in t.records if r.phase is Phase.FORWARD and r.path == top):
+            c = calls.get(out.call)
+            if out.stat is None or c is None or (out.stat.min == 0.0 and out.stat.max == 0.0):
+                continue
+            for r in t.records:
+                rc = calls.get(r.call)
+                if (
+                    r.phase is Phase.FORWARD
+                    and rc is not None
+                    and rc.parent == c.id
+                    and r.stat is not None
+                    and r.shape == out.shape
+                    and (r.stat.min, r.stat.max) == (out.stat.min, out.stat.max)
+                ):
+                    match = r.path
+                    break
+            if match:
+                break
+        if not match:
+            return None
+        params, child = names, match
+    return (params, child) if params else None
+
+
+def _zero_factors_diagnosis(
+    ctx: RuleContext, top: str, need: int, params: list[str], child: str
+) -> Diagnosis:
+    first = params[0]
+    root = any(c.root and c.path == top for c in ctx.trace.calls)
+    owner = "model" if root else f"model.get_submodule({top!r})"
+    listed = ", ".join(params)
+    return ctx.diagnosis(
+        path=top,
+        phase=Phase.BACKWARD.value,
+        evidence=[
+            f"{top}: gradients of its parameters {listed} exactly 0 for the last {need} "
+            "steps, while the gradient of its output is not",
+            f"{top}'s output equals the output of its submodule {child} (same min and max "
+            f"each step): the term that {listed} add is 0",
+        ],
+        explanation=(
+            f"The parameters {listed} of {top} add nothing to its output and receive exactly "
+            "zero gradients. When parameters that are all zero multiply each other (a "
+            "low-rank update x @ A.T @ B.T with both A and B initialized to zeros), each "
+            "one's gradient is a product with the other, which is zero: none of them can "
+            "ever move. Initialize one factor randomly and keep only the other at zero; "
+            "the update then starts at 0 and still learns."
+        ),
+        fix=(
+            "import math\n"
+            f"torch.nn.init.kaiming_uniform_({owner}.{first}, a=math.sqrt(5))  # before training; "
+            "keep the other factor at zero"
+        ),
     )
 
 
