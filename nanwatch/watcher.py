@@ -3712,6 +3712,8 @@ class Watcher:
                         "owner_type": info.type_name,
                         "shape": list(t.shape),
                         "view": not exact,
+                        # an nn.Embedding's max_norm: its forward renormalises the weight
+                        "max_norm": getattr(module, "max_norm", None),
                     }
                 )
         self._trace.mutations.extend((same or views)[:4])

@@ -148,7 +148,31 @@ def _state_diagnosis(
         evidence.append(
             "also at that version, same size: " + ", ".join(_state_of(m) for m in state[1:])
         )
-    if kind == "parameter":
+    renorm = _renormed_in_forward(ctx.trace, top) if kind == "parameter" else None
+    if renorm is not None:
+        line, tied = renorm
+        evidence.append(line)
+        user = f"{tied} (tied to {name})" if tied else f"the op that reuses {name}"
+        explanation = (
+            f"{owner} is an nn.Embedding, and {user} saved {name} for backward. "
+            "nn.Embedding(max_norm=...) renormalises the rows it looks up in place, inside "
+            f"its own forward: {owner} ran again after that save, with no backward in "
+            f"between, and rewrote {name}, so the saved value is gone and backward refuses "
+            "to run. No optimizer step is involved."
+        )
+        reuse = (
+            f"logits = F.linear(x, {name}.clone())   # instead of {tied}(x); "
+            "import torch.nn.functional as F"
+            if tied
+            else f"{name}.clone()   # instead of {name} where another op reads it"
+        )
+        fix = (
+            f"# drop max_norm from {owner}'s nn.Embedding(...), or, as the nn.Embedding docs "
+            "advise,\n"
+            f"# let the tied layer read a copy, so the renorm cannot touch what it saved:\n"
+            f"{reuse}"
+        )
+    elif kind == "parameter":
         explanation = (
             f"Forward used {name}, a parameter of {owner}, in an op that saves it for "
             "backward. Something wrote it in place before that backward ran: "
@@ -182,3 +206,53 @@ def _state_diagnosis(
         explanation=explanation,
         fix=fix,
     )
+
+
+def _renormed_in_forward(trace: Any, top: dict[str, Any]) -> tuple[str, str | None] | None:
+    """Evidence that an nn.Embedding's own forward wrote its weight: ``max_norm`` makes it
+    renormalise the looked-up rows in place (``embedding_renorm_``), and the embedding ran
+    again after another call of the step, before any backward of the step (an optimizer
+    update, or one by hand, comes after a backward). Also the call that likely saved the
+    weight: a Linear mapping the embedding width to its vocabulary (a tied output layer),
+    read from the recorded shapes."""
+    if top.get("owner_type") != "Embedding" or top.get("max_norm") is None:
+        return None  # only an Embedding with max_norm writes its weight in its forward
+    owner = top.get("path")
+    shape = list(top.get("shape") or [])
+    backward = [r.index for r in trace.records if r.phase == Phase.BACKWARD]
+    first_backward = min(backward, default=None)
+    before: list[Any] = []
+    by_id = {c.id: c for c in trace.calls}
+    for c in trace.calls:
+        if first_backward is not None and c.start >= first_backward:
+            break
+        if c.path != owner:
+            before.append(c)
+            continue
+        outer, p = set(), c.parent
+        while p is not None and p not in outer and p in by_id:  # the calls enclosing c
+            outer.add(p)
+            p = by_id[p].parent
+        before = [b for b in before if b.id not in outer]
+        if not before:
+            continue
+        tied = next((b for b in reversed(before) if _maps(trace, b, shape)), None)
+        prior = tied or before[-1]
+        line = (
+            f"{owner} (Embedding) ran again (call {c.id}) after {prior.path} "
+            f"({prior.module_type}, call {prior.id}) in the same forward, before any "
+            f"backward: with max_norm set, that call rewrote {top.get('name')}"
+        )
+        return line, tied.path if tied is not None else None
+    return None
+
+
+def _maps(trace: Any, call: Any, shape: list[int]) -> bool:
+    """``call`` is a Linear from the embedding width to the vocabulary: ``x @ weight.t()``
+    with the embedding's weight (the recorded input's and output's last dimensions)."""
+    if call.module_type != "Linear" or len(shape) != 2:
+        return False
+    rows = [r for r in trace.records if r.call == call.id]
+    ins = [r for r in rows if r.role == "input[0]" and r.shape]
+    outs = [r for r in rows if r.role == "output" and r.shape]
+    return bool(ins and outs and ins[0].shape[-1] == shape[1] and outs[0].shape[-1] == shape[0])
