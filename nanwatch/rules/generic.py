@@ -260,14 +260,14 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
         **anomaly_fields(a),
         op=op,
         source=ev.source,
-        title="Non-finite loss weight computed without gradients",
+        title="Non-finite tensor computed without gradients, read by the loss",
         evidence=evidence,
         explanation=(
-            f"{constant_text(ev) or 'a constant operand held it'}. A per-sample weight or "
-            "scale computed without gradients (a min-SNR weight, an EDM 1 / sigma**2, an "
-            "inverse class frequency) is a ratio whose denominator reaches 0 at one end of "
-            "its schedule or table: 0/0 is NaN and x/0 is inf, and every loss term it "
-            "weights turns with it."
+            f"{constant_text(ev) or 'a constant operand held it'}. A tensor the loss reads "
+            "that was computed without gradients (a per-sample weight or scale, a soft "
+            "target, a table) is not part of the autograd graph: no node of the graph made "
+            "its NaN or inf, the code that computed it did (a ratio whose denominator "
+            "reached 0, an exp that overflowed), and every loss term it touches turns with it."
         ),
         fix=fix,
     )
@@ -412,11 +412,35 @@ def _hidden_inf(ev: OpEvent) -> list[tuple[str, TensorStat]]:
     return [(n, s) for n, s in ins if s.has_posinf or s.has_neginf]
 
 
+#: autograd nodes of the ops that hide a value in forward (a branch not picked, a masked slot)
+_HIDING_NODES = frozenset({"Where", "MaskedFill", "MaskedScatter", "IndexPut"})
+#: autograd nodes of the ops whose result overflows to +inf (exp(90) in float32)
+_OVERFLOW_NODES = frozenset({"Exp", "Exp2", "Expm1", "Pow"})
+_HIDING_CODE = re.compile(r"\bwhere\(|masked_fill|\bmask")
+
+
+def _hidden_inf_story(ev: OpEvent, held: list[tuple[str, TensorStat]]) -> str:
+    """Which evidence tells where the hidden infinity came from: ``where`` (a where or mask
+    node made it, or the user's line has one), ``overflow`` (an exp or pow node made it),
+    ``constant`` (no node made it: a value computed without autograd history) or ``op``
+    (another node made it: the event does not say more)."""
+    made = [str(ev.scalars.get(f"{n}_made_by", "")) for n, _ in held]
+    bases = {node_base(m) for m in made if m}
+    if bases & _HIDING_NODES or _HIDING_CODE.search(ev.code or ""):
+        return "where"
+    if bases & _OVERFLOW_NODES:
+        return "overflow"
+    if not bases:
+        return "constant"
+    return "op"
+
+
 def _hidden_inf_diagnosis(
     ctx: RuleContext, a: Anomaly, ev: OpEvent, held: list[tuple[str, TensorStat]]
 ) -> Diagnosis:
     op = short_op(ev.op)
     kinds = " and ".join(k for k in ("-inf", "+inf") if any(k in s.kinds() for _, s in held))
+    story = _hidden_inf_story(ev, held)
     evidence = [a.summary]
     for n, s in held[:2]:
         by = ev.scalars.get(f"{n}_made_by")
@@ -425,33 +449,101 @@ def _hidden_inf_diagnosis(
             + (
                 f", made by autograd node {by}"
                 if by
-                else ", made from tensors that need no gradient (data): no node of the graph "
-                "made it"
+                else ", made from tensors that need no gradient (data, a constant): no node "
+                "of the graph made it"
             )
         )
-    evidence.append(
-        f"the loss was finite: torch.where or a 0 mask kept the {kinds} out of it, but "
-        f"backward multiplies their gradient (0) by them: 0 × {kinds} = NaN"
-    )
+    line = code_line(ev)
+    if line and ev.phase is Phase.BACKWARD and not (ev.code or "").strip().endswith(".backward()"):
+        evidence.append(line)
+    if story == "where":
+        evidence.append(
+            f"the loss was finite: torch.where or a 0 mask kept the {kinds} out of it, but "
+            f"backward multiplies their gradient (0) by them: 0 × {kinds} = NaN"
+        )
+    else:
+        evidence.append(
+            f"the loss was finite: an op after {op} kept the {kinds} out of it (a gather or "
+            f"index that picked other elements, x / inf = 0, a min), so their gradient is 0, "
+            f"and backward multiplies it by them: 0 × {kinds} = NaN"
+        )
     evidence.append(untraced_hint(ctx))
+    fields = op_fields(ev, a)
+    if story == "where":
+        return ctx.diagnosis(
+            **fields,
+            title=f"0 × {kinds} in backward: an infinity torch.where or a mask hid in forward",
+            evidence=evidence,
+            explanation=(
+                f"torch.where(cond, f(x), 0) computes f(x) everywhere and picks afterwards: "
+                f"where f(x) is {kinds} (log of 0, 1/0) the branch it did not pick still gets "
+                f"a gradient of 0, which {op} multiplies by the saved {kinds}: 0 × {kinds} = "
+                "NaN, and every weight gets it. Give f a value it accepts where cond is False "
+                "(the double where), or clamp its input."
+            ),
+            fix=_WHERE_FIX,
+        )
+    if story == "overflow":
+        by = next(str(ev.scalars[f"{n}_made_by"]) for n, _ in held if f"{n}_made_by" in ev.scalars)
+        return ctx.diagnosis(
+            **fields,
+            title=f"0 × {kinds} in backward: {node_base(by).lower()} overflowed to {kinds} in "
+            "forward",
+            evidence=evidence,
+            explanation=(
+                f"{by} made {kinds} in forward: its result passed the largest "
+                f"{ev.dtype or 'float'} value. The loss stayed finite because a later op "
+                f"dropped it (x / inf = 0), so its gradient is 0, and {op}'s backward "
+                f"multiplies that 0 by the saved {kinds}: NaN, and every weight gets it. "
+                "Bound the argument so the result fits."
+            ),
+            fix=_EXP_FIX,
+        )
+    if story == "constant":
+        what = (
+            "a value computed without autograd history (from data or a constant: a per-class "
+            "weight 1 / count with a count of 0 is +inf, a log of a 0 in the data is -inf)"
+        )
+        title = f"0 × {kinds} in backward: a constant operand held {kinds}"
+    else:
+        by = next(str(ev.scalars[f"{n}_made_by"]) for n, _ in held if f"{n}_made_by" in ev.scalars)
+        what = (
+            f"a value autograd node {by} made from an operand that already held {kinds} (a "
+            "constant weight 1 / count with a count of 0) or that overflowed there"
+        )
+        title = f"0 × {kinds} in backward: a {kinds} from forward was dropped from the loss"
     return ctx.diagnosis(
-        **op_fields(ev, a),
-        title=f"0 × {kinds} in backward: an infinity torch.where or a mask hid in forward",
+        **fields,
+        title=title,
         evidence=evidence,
         explanation=(
-            f"torch.where(cond, f(x), 0) computes f(x) everywhere and picks afterwards: where "
-            f"f(x) is {kinds} (log of 0, 1/0) the branch it did not pick still gets a gradient "
-            f"of 0, which {op} multiplies by the saved {kinds}: 0 × {kinds} = NaN, and every "
-            "weight gets it. Give f a value it accepts where cond is False (the double "
-            "where), or clamp its input."
+            f"{op} saved {what}. The loss stayed finite because a later op did not use those "
+            f"elements (gather, indexing, x / inf = 0), so their gradient is 0, and {op}'s "
+            f"backward multiplies it by the saved {kinds}: 0 × {kinds} = NaN, and every weight "
+            f"gets it. Make the value finite where it is computed."
         ),
-        fix=(
-            "safe = torch.where(cond, x, torch.ones_like(x))   # a value the op accepts where "
-            "cond is False\n"
-            "out = torch.where(cond, torch.log(safe), 0.0)     # finite, and so is its gradient\n"
-            "# or: torch.log(x.clamp_min(torch.finfo(x.dtype).tiny))"
-        ),
+        fix=_WHERE_FIX
+        if kinds == "-inf"
+        else _COUNT_FIX
+        if story == "constant"
+        else f"{_COUNT_FIX}\n# or, where an exp made it:\n{_EXP_FIX}",
     )
+
+
+_WHERE_FIX = (
+    "safe = torch.where(cond, x, torch.ones_like(x))   # a value the op accepts where "
+    "cond is False\n"
+    "out = torch.where(cond, torch.log(safe), 0.0)     # finite, and so is its gradient\n"
+    "# or: torch.log(x.clamp_min(torch.finfo(x.dtype).tiny))"
+)
+_COUNT_FIX = (
+    "w = 1.0 / count.clamp_min(1)   # a weight from a count: a count of 0 gets a finite "
+    "weight, not +inf"
+)
+_EXP_FIX = (
+    "x = x.clamp(max=math.log(torch.finfo(x.dtype).max))   # before torch.exp(x): its "
+    "result fits the dtype (import math)"
+)
 
 
 def _given(ev: OpEvent) -> str:

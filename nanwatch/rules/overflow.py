@@ -15,7 +15,7 @@ import itertools
 import math
 import re
 import statistics
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -2196,6 +2196,60 @@ def _explain_wide(
     )
 
 
+#: Detectron's ``bbox_xform_clip``: the largest log-ratio of a decoded box to its anchor
+_BOX_CLIP = math.log(1000.0 / 16)
+
+
+def _rewrite_calls(code: str | None, op: str, wrap: Callable[[str], str]) -> str | None:
+    """The user's line with the argument of EVERY call to ``op`` passed through ``wrap``
+    (``rewrite_call`` rewrites the first): ``w = aw * torch.exp(a); h = ah * torch.exp(b)``
+    gets both bounded. None when the line holds no such call."""
+    line = code.split("  #", 1)[0].rstrip() if code else ""
+    args: list[str] = []
+    got: list[str] = []
+
+    def keep(e: str) -> str:
+        got.append(e)
+        return f"_nw_arg{len(args)}_"
+
+    for _ in range(16):
+        got.clear()
+        new = rewrite_call(line, [op], keep)
+        if new is None or not got:
+            break
+        i = len(args)
+        args.append(got[0])
+        # hide this call from the next pass: rename the op next to its argument
+        new = new.replace(f"{op}(_nw_arg{i}_)", f"_nw_call{i}_(_nw_arg{i}_)", 1)
+        new = new.replace(f"_nw_arg{i}_.{op}(", f"_nw_arg{i}_._nw_call{i}_(", 1)
+        if new == line or f"_nw_call{i}_" not in new:
+            return None
+        line = new
+    if not args:
+        return None
+    for i, e in enumerate(args):
+        line = line.replace(f"_nw_call{i}_", op).replace(f"_nw_arg{i}_", wrap(e))
+    return line
+
+
+def _exp_calls(code: str | None, op: str) -> tuple[int, int]:
+    """How many calls to ``op`` the user's line makes, and how many of them are multiplied
+    by a tensor factor that is not another such call (``aw * torch.exp(dw)``)."""
+    line = _rewrite_calls(code, op, lambda e: "_nw_x_")
+    if line is None:
+        return 0, 0
+    call = rf"(?:(?:torch\.)?{re.escape(op)}\(_nw_x_\)|_nw_x_\.{re.escape(op)}\(\))"
+    n = len(re.findall(call, line))
+    line = re.sub(call, "_nw_e_", line)
+    # a tensor factor (a name, an index, a call), not a number nor another exp: aw * exp(dw)
+    before = r"(?:\b(?!_nw_e_\b)[A-Za-z_]\w*|[\])])\s*\*\s*_nw_e_"
+    after = r"_nw_e_\s*\*\s*(?!_nw_e_)[A-Za-z_(]"
+    scaled = len({m.end() for m in re.finditer(before, line)}) + len(
+        {m.start() for m in re.finditer(after, line)}
+    )
+    return n, min(scaled, n)
+
+
 def _fix_wide(
     kind: str,
     name: str,
@@ -2235,9 +2289,16 @@ def _fix_wide(
             "probs = torch.softmax(x, dim=-1)       # or torch.logsumexp / log_softmax"
         )
     if kind == "exp":
-        bound = lim.exp_bound / (math.log(2) if name.rstrip("_") == "exp2" else 1.0)
+        op = name.rstrip("_")
+        bound = lim.exp_bound / (math.log(2) if op == "exp2" else 1.0)
+        calls, scaled = _exp_calls(code, op)
+        # two exps each times a factor (a box decode: w = aw * exp(dw), h = ah * exp(dh)):
+        # half the dtype's bound leaves room for a product of two exps, not for the
+        # factors (w * h still overflows): bound the box as detectors do
+        box = scaled >= 2 and op == "exp" and not complex_
         cap = math.floor(bound / 2 * 10) / 10
-        bounds = f"-{cap}, {cap}" if name.rstrip("_") in _BOTH_SIDES else f"max={cap}"
+        limit = f"{_BOX_CLIP:.3f}" if box else str(cap)
+        bounds = f"-{limit}, {limit}" if op in _BOTH_SIDES else f"max={limit}"
         if complex_:  # no clamp for complex tensors: bound the real part, keep the phase
 
             def wrap(e: str) -> str:
@@ -2248,24 +2309,37 @@ def _fix_wide(
             def wrap(e: str) -> str:
                 return f"{paren(e)}.clamp({bounds})"
 
-        fixed = rewrite_call(code, [name.rstrip("_")], wrap)
-        first_line = fixed if fixed is not None else f"y = torch.{name.rstrip('_')}({wrap('x')})"
+        fixed = _rewrite_calls(code, op, wrap) if calls else None
+        first_line = fixed if fixed is not None else f"y = torch.{op}({wrap('x')})"
         last = (
             "# log(cosh(d)), a log-cosh loss, without cosh: "
             "d.abs() + F.softplus(-2 * d.abs()) - math.log(2)"
-            if name.rstrip("_") == "cosh" and not complex_
+            if op == "cosh" and not complex_
             else "# or bound the real part where it is made: a decay or damping passed "
             "through F.softplus (never negative) instead of a raw parameter"
             if complex_
             else "std = F.softplus(raw) + 1e-4   # or: a scale parameterized by softplus, not exp"
         )
         what = "the real part" if complex_ else "the argument"
-        return (
-            f"{first_line}\n"
-            f"# {cap} = half of {fmt(lim.exp_bound)}: bounding {what} keeps |exp| below "
-            f"sqrt({fmt(lim.max)}) = {fmt(math.sqrt(lim.max))}, so a product of two still fits\n"
-            f"{last}"
-        )
+        if box:
+            why = (
+                f"# {limit} = math.log(1000 / 16), Detectron's bbox_xform_clip: a decoded size "
+                "is at most 62.5 times its anchor, whatever the network predicts"
+            )
+            last = "# or predict log-sizes through a bounded head: dw = 4 * torch.tanh(raw)"
+        else:
+            why = (
+                f"# {cap} = half of {fmt(lim.exp_bound)}: bounding {what} keeps |{op}| below "
+                f"sqrt({fmt(lim.max)}) = {fmt(math.sqrt(lim.max))}"
+                + (
+                    ", but the factor it is multiplied by scales that bound too"
+                    if scaled
+                    else ", so a product of two still fits"
+                    if calls <= 2
+                    else ""
+                )
+            )
+        return f"{first_line}\n{why}\n{last}"
     if kind == "cast":
         return _fix_cast(code, dtype, cast_input)
     if clip is None:
