@@ -301,3 +301,26 @@ def test_nw112_computed_root_healthy_silent() -> None:
 def _line(text: str) -> int:
     with open(__file__) as f:
         return next(i for i, line in enumerate(f, 1) if text in line and "_line(" not in line)
+
+
+def test_a_bfloat16_sigmoid_saturating_at_a_logit_of_7_quotes_bfloat16s_bound() -> None:
+    """Under bfloat16 autocast, sigmoid(7) rounds to 1.0 and log(1 - p) is -inf: the
+    explanation quoted only float32's (17) and float16's (8) bounds, neither of which a
+    logit of 7 reaches. The bounds come from each dtype's eps: log(2 / eps)."""
+    m = nn.Linear(4, 2)
+    with torch.no_grad():
+        m.weight.zero_()
+        m.bias.fill_(7.0)
+    t = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    with (
+        nanwatch.watch(m, mode="forensic", postmortem=False) as nw,
+        pytest.raises(nanwatch.AnomalyError) as info,
+    ):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            p = torch.sigmoid(m(torch.randn(2, 4)))
+            loss = (-(t * torch.log(p) + (1 - t) * torch.log(1 - p))).sum()
+        loss.backward()
+    assert nw is not None
+    d = info.value.diagnosis
+    assert d is not None and d.code == "NW110"
+    assert "5.5 in bfloat16" in d.explanation

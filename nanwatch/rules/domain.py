@@ -84,6 +84,7 @@ from nanwatch.rules._evidence import (
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 from nanwatch.rules.generic import parametrization
+from nanwatch.stats import dtype_limits
 
 
 def _chain_evidence(ev: OpEvent, trigger: OpEvent, what: str) -> list[str]:
@@ -1322,7 +1323,9 @@ def _one_minus_use(stmt: str, calls: list[tuple[int, int, str]], q: str, *, bce:
         fix=f"{lead}{clamped}   # when only {q} exists",
         why=(
             f"The log of 1 - {q} is -inf where {q} is exactly 1: a sigmoid of a logit above "
-            "about 17 rounds to 1.0 in float32 (about 8 in float16), so 1 - p = 0"
+            f"about {_SIGMOID_ONE['float32']} rounds to 1.0 in float32 (about "
+            f"{_SIGMOID_ONE['float16']} in float16, {_SIGMOID_ONE['bfloat16']} in bfloat16), "
+            "so 1 - p = 0"
             + (", and the label's zero weight on that term makes 0 × -inf = NaN. " if bce else ". ")
             + "logsigmoid(-z) = log(1 - sigmoid(z)) and binary_cross_entropy_with_logits "
             "work from the logit and never form the 0."
@@ -1330,6 +1333,16 @@ def _one_minus_use(stmt: str, calls: list[tuple[int, int, str]], q: str, *, bce:
         evidence=f"the log is of 1 - {q}: -inf where {q} is exactly 1"
         + (f" (with log({q}) beside it: a hand-written binary cross-entropy)" if bce else ""),
     )
+
+
+#: the logit above which sigmoid rounds to exactly 1.0: 1 - sigmoid(z) ~ exp(-z) falls
+#: below half of the dtype's eps, so z > log(2 / eps) (16.6 in float32, 7.6 in float16,
+#: 5.5 in bfloat16: autocast to bfloat16 saturates at a logit of 6)
+_SIGMOID_ONE = {
+    name: f"{math.log(2 / lim.eps):.2g}"
+    for name in ("float32", "float16", "bfloat16")
+    if (lim := dtype_limits(name)) is not None
+}
 
 
 def _tanh_argument(node: ast.expr) -> ast.expr | None:
