@@ -1627,27 +1627,15 @@ def _clip_before_step(trace: StepTrace) -> tuple[str, float | None] | None:
     user's lines this step's notes name (the loss line): the clip's ``file:line`` and its
     ``max_norm`` when that is a number written there (None: a value clip, a variable).
     None when no such clip is found (a clip after ``step()`` clips nothing applied)."""
-    import linecache
-
     seen: set[str] = set()
     for n in trace.notes:
-        path, _, num = (n.source or "").rpartition(":")
-        if not path or not num.isdigit() or n.source in seen:
+        if not n.source or n.source in seen:
             continue
-        seen.add(n.source or "")
-        try:
-            tree = ast.parse("".join(linecache.getlines(path)))
-        except (SyntaxError, ValueError):
+        seen.add(n.source)
+        found = _user_scope(n.source)
+        if found is None:
             continue
-        line = int(num)
-        scope: ast.AST = tree
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and node.lineno <= line <= (node.end_lineno or node.lineno)
-                and node.lineno >= getattr(scope, "lineno", 0)
-            ):
-                scope = node
+        path, _, scope = found
         calls: list[tuple[int, int, str, ast.Call]] = []
         for node in ast.walk(scope):
             if not isinstance(node, ast.Call):
