@@ -271,3 +271,29 @@ def test_aminmax_reads_every_layout_like_torch(layout: str, planted: float | Non
         assert flat.dim() == 1 and flat.numel() == t.numel()
     if layout in ("sliced", "expanded"):
         assert flat is t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("planted", [None, math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("where", [0, "middle", -1])
+def test_large_tensors_read_with_amin_amax_agree_with_aminmax(
+    dtype: torch.dtype, planted: float | None, where: int | str
+) -> None:
+    """Past SPLIT_MINMAX_NUMEL values a float32/float64 CPU tensor is read with amin and
+    amax, not aminmax (faster there): min stays min, max stays max, a NaN anywhere (the
+    first or last value, the tail past the last vector) makes both NaN, an inf shows."""
+    from nanwatch._compat import SPLIT_MINMAX_NUMEL, aminmax
+
+    torch.manual_seed(1)
+    t = torch.randn(SPLIT_MINMAX_NUMEL + 3, dtype=torch.float32).to(dtype)
+    if planted is not None:
+        t[t.numel() // 2 if where == "middle" else int(where)] = planted
+    got = [x.item() for x in aminmax(t)]
+    want = [x.item() for x in torch.aminmax(t)]
+    assert got == pytest.approx(want, nan_ok=True)
+    if planted is not None and math.isnan(planted):
+        assert math.isnan(got[0]) and math.isnan(got[1])
+    cl = t[: 16 * 8 * 32 * 64].view(16, 8, 32, 64).contiguous(memory_format=torch.channels_last)
+    assert [x.item() for x in aminmax(cl)] == pytest.approx(
+        [x.item() for x in torch.aminmax(cl)], nan_ok=True
+    )
