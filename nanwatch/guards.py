@@ -594,8 +594,12 @@ class _Probe:
         recorded: Callable[[Any], bool] | None = None,
         ops_checked: bool = False,
         in_module: bool = False,
+        site: types.FrameType | None = None,
     ) -> None:
         self.spec = spec
+        #: the frame of the code that made the guarded call (the first outside torch and
+        #: nanwatch): an installed library's (transformers' loss) when it is not ``frame``
+        self.site = site if site is not None else frame
         #: the watcher checks every aten op (forensic): it names the op that made a value
         self.ops_checked = ops_checked
         #: the call runs inside a watched module's forward: the watcher replays that module
@@ -738,8 +742,19 @@ class _Probe:
     def has_arg(self, name: str) -> bool:
         """Whether :meth:`call_with` can replace parameter ``name``."""
         if self._call[0] is None:
-            return name in (self.spec.input, self.spec.target)
+            return any(n == name for _, n, _ in self._stand_ins())
         return any(n == name for _, n, _ in self._call[1])
+
+    def _stand_ins(self) -> list[tuple[str | None, str, str]]:
+        """The call's arguments when its line is unknown (a call inside a library): every
+        argument it was given, by parameter name (``log_probs, targets, input_lengths,
+        target_lengths, blank=blank``), so a fix that adds one keeps the others."""
+        parts: list[tuple[str | None, str, str]] = [(None, n, n) for n in self.order]
+        parts += [(k, n, k) for k, n in self.kw_names.items()]
+        if any(n == self.spec.input for _, n, _ in parts):
+            return parts
+        names = [self.spec.input] + ([self.spec.target] if self.spec.target else [])
+        return [(None, n, n) for n in names]
 
     def call_with(self, add: Mapping[str, Any] | None = None, /, **replace: str) -> str:
         """The user's line with the call's arguments replaced (and keywords ``add``ed):
@@ -747,8 +762,7 @@ class _Probe:
         callee, parts = self._call
         if callee is None:
             callee = self.callee
-            names = [self.spec.input] + ([self.spec.target] if self.spec.target else [])
-            parts = [(None, n, n) for n in names]
+            parts = self._stand_ins()
         texts = [(f"{kw}=" if kw else "") + replace.get(n, text) for kw, n, text in parts]
         texts += [f"{k}={v!r}" for k, v in (add or {}).items()]
         call = f"{callee}({', '.join(texts)})"
@@ -1606,15 +1620,29 @@ def _class_result(
     if ignore is not None and top in _IGNORE_LABELS and top != ignore:
         hint = f" — did you mean ignore_index={top}?"
         fix = _option_fix(p, "ignore_index", top)
-    elif all(val == c for val in values) and _smallest_label(t, ign) >= lo + 1:
+    elif all(val == c for val in values) and _one_based(t, ign, c, lo):
         hint = (
             f" — class indices start at 0: labels 1..{c} need `target - 1`, or the model "
             f"needs {c + 1} outputs"
         )
-        fix = p.call_with(target=f"{p.arg('target')} - 1")
+        tgt = p.arg("target")
+        if ign is not None and int(v.get("ignored", 0)):
+            # the shift must leave the ignore_index as it is (-100 - 1 is a label)
+            shifted = f"torch.where({tgt} == {ignore}, {tgt}, {tgt} - 1)"
+        else:
+            shifted = f"{tgt} - 1"
+        fix = p.call_with(target=shifted)
+    elif all(val == c for val in values) and _smallest_label(t, ign) >= lo + 1:
+        # no 0 among the labels, but too few distinct ones for a numbering from 1 (a
+        # vocabulary: an end-of-sequence id from a tokenizer the model was not resized for)
+        hint = (
+            f" — {c} is one past the last class ({c - 1}): a class (a token id) the model has "
+            f"no output for, so the model needs {c + 1} outputs"
+        )
+        fix = _more_outputs(p, c + 1, c)
     elif all(val == c for val in values):  # labels 0..c: one class more than outputs
         hint = f" — the labels run 0..{c}, so they need {c + 1} classes"
-        fix = f"give the model {c + 1} outputs, or remap the labels to 0..{c - 1}"
+        fix = _more_outputs(p, c + 1, c)
     elif all(val < 0 for val in values):
         hint = " — negative values are not class indices"
         fix = (
@@ -1625,7 +1653,7 @@ def _class_result(
     else:
         top_label = int(max(values))
         hint = f" — the largest label is {top_label}, so the labels need {top_label + 1} classes"
-        fix = f"give the model {int(max(values)) + 1} outputs, or remap the labels to 0..{c - 1}"
+        fix = _more_outputs(p, top_label + 1, c)
     problem = (
         f"target contains {_describe_values(values, counts)} (of {_n(total)}); {desc} with "
         f"{c} classes {accepts}{hint}"
@@ -1650,6 +1678,46 @@ def _class_result(
             positions=_positions(bad),
         )
     )
+
+
+def _one_based(t: torch.Tensor, ign: torch.Tensor | None, c: int, lo: int) -> bool:
+    """Whether the trained labels look numbered from 1 (``1..C``): none below ``lo + 1``, and
+    at least half of ``1..C`` present. A missing 0 alone says nothing when the labels are
+    few against C (24 token ids of a 100-token vocabulary rarely include id 0). The failure
+    path: a read is fine."""
+    kept = t if ign is None else t[~ign]
+    if not kept.numel() or float(kept.min()) < lo + 1:
+        return False
+    if c <= 1:
+        return True
+    distinct = int(torch.unique(kept).numel())
+    return distinct >= 2 and 2 * distinct >= c
+
+
+def _more_outputs(p: _Probe, k: int, c: int) -> str:
+    """The fix for class targets that need ``k`` classes where the model has ``c`` outputs:
+    a language model that can resize its output to its tokenizer
+    (``model.resize_token_embeddings``) when its output embeddings have the ``c`` rows,
+    else ``k`` outputs or labels remapped."""
+    for root in p.roots:
+        get = getattr(root, "get_output_embeddings", None)
+        if not callable(get) or not callable(getattr(root, "resize_token_embeddings", None)):
+            continue
+        try:
+            out = get()
+        except Exception:  # a model that does not implement it
+            continue
+        w = getattr(out, "weight", None)
+        if isinstance(w, torch.Tensor) and w.dim() == 2 and int(w.shape[0]) == c:
+            from nanwatch.watcher import _name_in_frame
+
+            name = _name_in_frame(p.frame, root) or "model"
+            return (
+                f"{name}.resize_token_embeddings(len(tokenizer))  # an output for every "
+                f"token id of the tokenizer that made the labels (at least {k}); or map "
+                f"the ids >= {c} to ones the model has"
+            )
+    return f"give the model {k} outputs, or remap the labels to 0..{c - 1}"
 
 
 def _smallest_label(t: torch.Tensor, ign: torch.Tensor | None) -> float:
@@ -1761,9 +1829,32 @@ def _ctc_lengths_valid(
     return sum(tlens) == t.numel()
 
 
+def _ctc_probabilities(p: _Probe, v: dict[str, float]) -> None:
+    """CTC takes log-probabilities (never above 0): an input in [0, 1] is read further, its
+    rows' sums over the classes (the last dim), so the note's ``probability_rows`` says
+    whether it holds probabilities (a softmax where a log_softmax belongs: the loss is
+    finite, often negative, and meaningless). Torch accepts it: the note carries the
+    evidence and ``probabilities_fix`` for a rule to warn on, as NW205 does for NLLLoss and
+    KLDivLoss fed probabilities. A second read only when the first shows it could be."""
+    x = p.input
+    lo, hi = v.get("input_min", math.nan), v.get("input_max", math.nan)
+    if not (lo >= 0.0 and hi <= 1.0 and hi > 0.0) or not x.is_floating_point() or x.dim() < 1:
+        return
+    acc = torch.float32 if x.element_size() < 4 else None
+    smin, smax = aminmax(x.sum(dim=-1, dtype=acc))
+    p.add("row_sum_min", smin)
+    p.add("row_sum_max", smax)
+    inp = p.arg(p.spec.input)
+    p.data["probabilities_fix"] = (
+        f"{inp} = {_functional_alias(p.frame)}.log_softmax(logits, dim=-1)  # was a softmax: "
+        f"{p.desc()} takes log-probabilities"
+    )
+
+
 def _check_ctc(p: _Probe) -> None:
     x, t = p.input, p.target
     _input_stats(p)
+    p.then(lambda v: _ctc_probabilities(p, v))
     if t is None or x.dim() == 0 or not _readable(t):
         return
     c = x.shape[-1]
@@ -1854,6 +1945,81 @@ def _check_ctc(p: _Probe) -> None:
     p.then(result)
 
 
+def _running_call(f: types.FrameType) -> ast.Call | None:
+    """The call frame ``f`` is making now, parsed from its source (a call written over
+    several lines too), from the code's positions (Python 3.11+); None when unknown."""
+    positions = getattr(f.f_code, "co_positions", None)
+    if positions is None or f.f_lasti < 0:
+        return None
+    pos = next(itertools.islice(positions(), f.f_lasti // 2, None), None)
+    if pos is None or any(x is None for x in pos):
+        return None
+    start, end, col, end_col = pos
+    name = f.f_code.co_filename
+    raw = [linecache.getline(name, i).encode() for i in range(start, end + 1)]
+    if not raw or not raw[-1]:
+        return None
+    raw[-1] = raw[-1][:end_col]
+    raw[0] = raw[0][col:]
+    try:
+        node = ast.parse(b"".join(raw).decode(), mode="eval").body
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return None
+    return node if isinstance(node, ast.Call) else None
+
+
+def _argument(call: ast.Call, name: str, params: Sequence[str]) -> ast.expr | None:
+    """The expression ``call`` passes for parameter ``name`` (by keyword, else by position
+    in ``params``)."""
+    for k in call.keywords:
+        if k.arg == name:
+            return k.value
+    if name in params and not any(isinstance(a, ast.Starred) for a in call.args):
+        i = list(params).index(name)
+        if i < len(call.args):
+            return call.args[i]
+    return None
+
+
+def _library_option(p: _Probe, name: str, value: Any) -> str | None:
+    """For a guarded call a library made, the setting of the user's object the library
+    reads option ``name`` from: the call's source passes ``zero_infinity=zero_infinity``,
+    its caller ``zero_infinity=self.config.ctc_zero_infinity``, so ``model.config.
+    ctc_zero_infinity = True``. Followed through the library's frames while the expression
+    is a parameter of the function that made the call; None when it ends elsewhere (a
+    literal, an expression that is no attribute of an object)."""
+    f, params, wanted = p.site, p.spec.params, name
+    for _ in range(8):
+        if f is None or f is p.frame:
+            return None
+        call = _running_call(f)
+        expr = _argument(call, wanted, params) if call is not None else None
+        if expr is None:
+            return None
+        if isinstance(expr, ast.Name):
+            code = f.f_code
+            n_params = code.co_argcount + code.co_kwonlyargcount
+            if expr.id not in code.co_varnames[:n_params]:
+                return None
+            # a parameter of the library function: what its caller passed
+            params, wanted = code.co_varnames[:n_params], expr.id
+            f = _call_site(f.f_back)
+            continue
+        chain: list[str] = []
+        node: ast.expr = expr
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if not chain or not isinstance(node, ast.Name) or node.id not in f.f_locals:
+            return None
+        from nanwatch.watcher import _name_in_frame
+
+        owner = f.f_locals[node.id]
+        who = _name_in_frame(p.frame, owner) or f"<the {type(owner).__name__}>"
+        return f"{who}.{'.'.join(reversed(chain))} = {value!r}"
+    return None
+
+
 def _ctc_short_failure(
     p: _Probe,
     count: int,
@@ -1895,11 +2061,18 @@ def _ctc_short_failure(
         f"{'its' if one else 'their'} input can align ({'; '.join(parts)}); "
         f"{p.desc(zero_infinity=False)} gives {'it' if one else 'them'} a loss of +inf{whole}"
     )
-    fix = (
-        _option_fix(p, "zero_infinity", True)
-        + "  # drops them; or filter out utterances whose labels are too long for their "
-        "audio (or lower the time downsampling)"
+    drops = (
+        "drops them; or filter out utterances whose labels are too long for their audio (or "
+        "lower the time downsampling)"
     )
+    setting = _library_option(p, "zero_infinity", True) if _in_library(p) else None
+    if setting is not None and p.site is not None:
+        fix = (
+            f"{setting}  # {p.spec.call} in {_site_name(p.site)} takes zero_infinity from "
+            f"it: {drops}"
+        )
+    else:
+        fix = f"{_option_fix(p, 'zero_infinity', True)}  # {drops}"
     p.fail(
         _Failure(
             code="NW516",
@@ -2846,6 +3019,70 @@ def _source(frame: types.FrameType) -> str:
     return f"{_short(frame.f_code.co_filename, os.getcwd())}:{frame.f_lineno}"
 
 
+def _call_site(f: types.FrameType | None) -> types.FrameType | None:
+    """The frame of the code that made a guarded call: the first above ``f`` that is not
+    torch's, the standard library's or nanwatch's (an installed library's, when the call
+    was made there: transformers' loss functions)."""
+    while f is not None and _frames.is_core(f.f_code.co_filename):
+        f = f.f_back
+    return f
+
+
+def _in_library(p: _Probe) -> bool:
+    """Whether the guarded call was made by code other than the user's line (an installed
+    library's loss, called from the user's ``model(...)``)."""
+    return p.site is not None and p.frame is not None and p.site is not p.frame
+
+
+def _site_name(f: types.FrameType) -> str:
+    """``transformers/loss/loss_utils.py:42``: a library frame's file from its package on."""
+    name = f.f_code.co_filename
+    for part in _frames._LIBRARY_PARTS:
+        if part in name:
+            return f"{name.split(part, 1)[1]}:{f.f_lineno}"
+    return _source(f)
+
+
+def _holds(frame: types.FrameType | None, t: torch.Tensor) -> bool:
+    """Whether a variable of ``frame`` is ``t`` (or the same values in the same layout)."""
+    if frame is None:
+        return False
+    for v in list(frame.f_locals.values()):
+        if v is t:
+            return True
+        if (
+            isinstance(v, torch.Tensor)
+            and _plain(v)
+            and v.shape == t.shape
+            and v.stride() == t.stride()
+            and v.dtype == t.dtype
+            and v.device == t.device
+            and v.data_ptr() == t.data_ptr()
+        ):
+            return True
+    return False
+
+
+def _positions_in(p: _Probe, failure: _Failure) -> str:
+    """Where a failure's positions index, when that is not a tensor of the user's: a call
+    made inside a library on a tensor it made (transformers flattens and shifts the
+    labels before its cross-entropy), so the user's line holds no tensor they index."""
+    if not failure.positions or not _in_library(p) or p.site is None:
+        return ""
+    if failure.check == "ctc-length":
+        return ""  # sample indices: the rows of the user's batch
+    name = p.spec.input
+    if failure.check.startswith("target") or failure.check == "ctc-blank":
+        name = p.spec.target or name
+    t = p.bound.get(name)
+    if not isinstance(t, torch.Tensor) or _holds(p.frame, t):
+        return ""
+    who = p.cls_name if p.is_module else p.spec.call
+    return (
+        f"in the {tuple(t.shape)} {name} that {who} got in {_site_name(p.site)}, not in your tensor"
+    )
+
+
 @functools.lru_cache(maxsize=256)
 def _short(filename: str, cwd: str) -> str:
     try:
@@ -2877,6 +3114,7 @@ def _guard(
     kw_names: Mapping[str, str],
     module: nn.Module | None = None,
     call: Callable[[], Any] | None = None,
+    site: types.FrameType | None = None,
 ) -> None:
     """Check one guarded call; for a loss, write its ``"loss_input"`` note; raise GuardError
     on a failure. ``call``: the guarded call itself, run on a failure on the CPU to learn
@@ -2900,6 +3138,7 @@ def _guard(
         recorded=lambda node: node in watcher._recorded_nodes,
         ops_checked=watcher._forensic,
         in_module=bool(watcher._stack),
+        site=site,
     )
     failure: _Failure | None = None
     # DisableTorchFunction: our own reads need no torch-function mode (a FunctionalGuards
@@ -2934,6 +3173,7 @@ def _guard(
         count=failure.count,
         total=failure.total,
         positions=[list(q) for q in failure.positions],
+        positions_in=_positions_in(p, failure),
         source_line=p.line,
     )
     torch_error = _torch_error(watcher, bound, call)
@@ -3121,7 +3361,9 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
             data[k] = v[k]
     if "row_sum_min" in v:
         lo, hi = v.get("input_min", math.nan), v.get("input_max", math.nan)
-        c = x.shape[1] if x.dim() >= 2 else x.shape[0]
+        # CTC's (T, N, C): the classes are last
+        ctc = p.spec.kind == "ctc"
+        c = x.shape[-1] if ctc or x.dim() < 2 else x.shape[1]
         tol = min(0.1, 1e-3 + c * torch.finfo(x.dtype).eps / 2)
         dev = max(abs(v["row_sum_min"] - 1), abs(v["row_sum_max"] - 1))
         data["probability_rows"] = bool(lo >= 0 and hi <= 1 and dev <= tol)
@@ -3156,7 +3398,11 @@ def _error(
     if line:
         lines.append(f"    {line}")
     if failure.positions:
-        lines.append(f"  first positions: {_format_positions(failure.positions, failure.count)}")
+        within = note.data.get("positions_in")
+        lines.append(
+            f"  first positions: {_format_positions(failure.positions, failure.count)}"
+            + (f" ({within})" if within else "")
+        )
     if failure.fix:
         lines.append("  fix: " + failure.fix.replace("\n", "\n       "))
     lines.append(
@@ -3253,6 +3499,7 @@ def _make_pre_hook(
                     kw_names={k: binding.kw_names.get(k, k) for k in kwargs},
                     module=module,
                     call=lambda: module.forward(*args, **kwargs),
+                    site=_call_site(sys._getframe(1)),
                 )
             except GuardError:
                 raise
@@ -3407,6 +3654,7 @@ class FunctionalGuards:
                 order=spec.positional[: len(args)],
                 kw_names={k: k for k in kwargs},
                 call=None if original is None else lambda: original(*args, **kwargs),
+                site=_call_site(caller),
             )
         except GuardError:
             raise

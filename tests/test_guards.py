@@ -999,7 +999,8 @@ def test_labels_zero_to_c_are_not_told_to_subtract_one() -> None:
     assert err.fix == "give the model 4 outputs, or remap the labels to 0..2"
     # ignored entries do not count as labels: 1..3 with -100 padding still means 1-based
     err = guarded(nn.CrossEntropyLoss(), torch.randn(4, 3), torch.tensor([1, -100, 3, 2]))
-    assert err.fix.endswith("- 1)")
+    # ... and the shift leaves them ignored (-100 - 1 would be a label out of range)
+    assert err.fix.endswith("torch.where(target == -100, target, target - 1))")
 
 
 def test_guard_error_is_also_the_error_torch_raises_on_the_cpu() -> None:

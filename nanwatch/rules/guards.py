@@ -137,8 +137,11 @@ def diagnosis_from_note(note: Note, *, step: int | None = None) -> Diagnosis:
     if positions:
         shown = ", ".join("(" + ", ".join(str(i) for i in q) + ")" for q in positions)
         count = int(data.get("count", 0) or 0)
+        within = data.get("positions_in")
         evidence.append(
-            f"first positions: {shown}" + (f" (of {count:,})" if count > len(positions) else "")
+            f"first positions: {shown}"
+            + (f" (of {count:,})" if count > len(positions) else "")
+            + (f" ({within})" if within else "")
         )
     if note.source:
         line = data.get("source_line")
