@@ -996,17 +996,24 @@ def inf_evidence(ev: OpEvent, src: InfSource, trigger: OpEvent, mode: object) ->
         made = (
             f"autograd node {src.node}"
             if src.node
-            else "code nanwatch did not trace" + ("" if forensic else ' (mode="forensic" names it)')
+            else "code nanwatch did not trace"
+            + ("" if forensic else f" ({_forensic_words()} names it)")
         )
         out.append(f"a -inf first appeared in {rec.where}, made by {made}")
     elif rec is None and not src.events and not forensic:
-        out.append('mode="forensic" traces every op and names the one that made the inf')
+        out.append(f"{_forensic_words()} traces every op and names the one that made the inf")
     line = code_line(ev)
     if line:
         out.append(line)
     if trigger is not ev:
         out.append(f"then {short_op(trigger.op)} carried it to {trigger.born}")
     return out
+
+
+def _forensic_words() -> str:
+    """``mode="forensic"``, or under ``nanwatch run`` the command that runs it."""
+    rerun = cli_rerun()
+    return rerun if rerun is not None else 'mode="forensic"'
 
 
 def inf_explanation(ev: OpEvent, src: InfSource) -> str:
@@ -1086,7 +1093,10 @@ def inf_fix(ev: OpEvent, src: InfSource, *, forensic: bool) -> str:
         return [line] if _names_known(line, known) else []
 
     if not lines:
-        if not masked and not forensic and src.state is None:
+        rerun = cli_rerun()
+        if not masked and not forensic and src.state is None and rerun is not None:
+            lines.append(f"{rerun}   # names the op that made the inf")
+        elif not masked and not forensic and src.state is None:
             crit = src.criterion
             lines += [
                 f'with nanwatch.watch(model{", criterion" if crit else ""}, mode="forensic") '
@@ -1626,10 +1636,29 @@ def untraced_hint(ctx: Any) -> str:
             "distributed run could block in a collective: run this rank's step with "
             'mode="forensic" or reproduce it in one process'
         )
+    rerun = cli_rerun()
+    if rerun is not None:  # nanwatch run: the script has no nw and no watch to change
+        return f"the op and line were not traced in this mode: run {rerun} to name them"
     return (
         "the op and line were not traced in this mode: run the step again with "
         'nanwatch.watch(..., mode="forensic") or nw.replay(step_fn) to name them'
     )
+
+
+def cli_rerun(mode: str = "forensic") -> str | None:
+    """``nanwatch run --mode forensic train.py --lr 1e-3`` when this process runs the
+    script under ``nanwatch run`` (its frames are below nanwatch's launcher): the user
+    changes no code, so the advice is the command, with the script and its arguments as
+    they were given; None in the user's own process (``nanwatch.watch`` in their code)."""
+    import shlex
+    import sys
+
+    from nanwatch import _frames
+
+    if not _frames._launchers:
+        return None
+    argv = [a for a in sys.argv if a] or ["train.py"]
+    return f"nanwatch run --mode {mode} " + " ".join(shlex.quote(a) for a in argv)
 
 
 # ---------------------------------------------------------------------- data flow
@@ -2343,3 +2372,92 @@ def fresh_name(want: str, taken: set[str]) -> str:
     while name in taken:
         name += "_"
     return name
+
+
+@dataclass(frozen=True)
+class OverflowedConstant:
+    """A finite Python constant too large for the op's dtype (``* -1e9`` in float16):
+    the op wrote it as ±inf."""
+
+    event: OpEvent
+    value: float  #: the constant, as the op got it
+    literal: str  #: as written on the user's line (``-1e9``), else formatted
+    dtype: str
+    max: float  #: the dtype's largest finite value
+
+
+#: a number literal: ``1e9``, ``1e+09``, ``1000000000.0``, ``.5``
+_NUMBER = re.compile(r"(?<![\w.])(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?(?![\w.])")
+
+
+def _unary_minus(line: str, start: int) -> int | None:
+    """Index of the unary minus just before ``start`` (``* -1e9``, ``(-1e9)``), else None
+    (``x - 1e9`` is a subtraction)."""
+    i = start - 1
+    while i >= 0 and line[i] == " ":
+        i -= 1
+    if i < 0 or line[i] != "-":
+        return None
+    j = i - 1
+    while j >= 0 and line[j] == " ":
+        j -= 1
+    if j >= 0 and (line[j].isalnum() or line[j] in "_)]."):
+        return None
+    return i
+
+
+def _constant_literal(code: str | None, value: float) -> tuple[int, int, bool] | None:
+    """Where ``value`` is written on the user's line: (start, end, negative) of the one
+    literal whose magnitude is ``|value|`` (with its unary minus), else None."""
+    if not code:
+        return None
+    line = code.split("  #", 1)[0]
+    hits = []
+    for m in _NUMBER.finditer(line):
+        try:
+            v = float(m.group())
+        except ValueError:
+            continue
+        if v == abs(value):
+            sign = _unary_minus(line, m.start())
+            hits.append((sign if sign is not None else m.start(), m.end(), sign is not None))
+    return hits[0] if len(hits) == 1 else None
+
+
+def overflowed_constant(ev: OpEvent) -> OverflowedConstant | None:
+    """A forward op that made ±inf of finite tensors with a finite constant beyond its
+    dtype's range: ``(1 - m) * -1e9`` or ``masked_fill(m, -1e9)`` in float16 (max 65504)."""
+    if ev.phase is not Phase.FORWARD or ev.injected or "inf" not in ev.born:
+        return None
+    lim = limits(ev.dtype)
+    if lim is None or ev.dtype is None or any(not x.finite for x in inputs_of(ev)):
+        return None
+    for v in ev.scalars.values():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        if math.isfinite(v) and abs(v) > lim.max:
+            where = _constant_literal(ev.code, float(v))
+            line = (ev.code or "").split("  #", 1)[0]
+            literal = line[where[0] : where[1]].replace(" ", "") if where else fmt(float(v))
+            return OverflowedConstant(ev, float(v), literal, ev.dtype, lim.max)
+    return None
+
+
+def dtype_expr(code: str | None, dtype: str) -> str:
+    """How the user's line names the dtype: ``scores.dtype`` when it converts to one
+    (``.to(scores.dtype)``, ``dtype=x.dtype``), else ``torch.float16``."""
+    m = re.search(r"([A-Za-z_][\w.]*)\.dtype\b", (code or "").split("  #", 1)[0])
+    return f"{m.group(1)}.dtype" if m else f"torch.{dtype}"
+
+
+def replace_constant(c: OverflowedConstant) -> str | None:
+    """The user's line with the overflowing constant replaced by the dtype's extreme finite
+    value: ``* -1e9`` -> ``* torch.finfo(scores.dtype).min``; None when it is not found."""
+    where = _constant_literal(c.event.code, c.value)
+    if where is None or not c.event.code:
+        return None
+    line = c.event.code.split("  #", 1)[0].rstrip()
+    start, end, negative = where
+    d = dtype_expr(line, c.dtype)
+    new = f"torch.finfo({d}).{'min' if negative else 'max'}"
+    return (line[:start] + new + line[end:]).strip()

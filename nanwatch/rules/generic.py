@@ -26,6 +26,7 @@ from nanwatch.rules._evidence import (
     anomaly_fields,
     cause_of,
     classify,
+    cli_rerun,
     code_line,
     describe_stat,
     device_type,
@@ -95,6 +96,16 @@ def _replay(roots: Sequence[str] = ()) -> str:
 _REPLAY = _replay()
 
 
+def _rerun() -> str:
+    """Under ``nanwatch run``: the same command in forensic mode, which checks every aten op
+    of forward and backward and names the op and the user's line."""
+    return (
+        f"{cli_rerun()}\n"
+        "# checks every aten op, forward and backward, and names the op and your line that "
+        "made it (slower: for finding it, not for training)"
+    )
+
+
 def _roots(ctx: RuleContext) -> list[str]:
     """The watched models of the step (root calls that are not a loss), by path."""
     return list(dict.fromkeys(c.path for c in ctx.trace.calls if c.root and not c.is_loss))
@@ -142,6 +153,8 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence.append(f"a -inf was first seen in {a.neginf_source.where}")
     if a.kind is AnomalyKind.FORWARD and ctx.facts.get("mode") == "forensic":
         fix = _READ_BAD  # every op was checked: never send a forensic run to forensic mode
+    elif cli_rerun() is not None and a.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
+        fix = _rerun()  # nanwatch run: the script has no nw to replay with, no watch to change
     elif a.kind is AnomalyKind.FORWARD:  # name the criterion only when one was watched
         fix = _forensic(_watched_criterion(ctx), _roots(ctx))
     elif a.kind is AnomalyKind.BACKWARD:
@@ -626,7 +639,8 @@ def _inspect_fix(ev: OpEvent) -> str:
         node = ev.node or op
         return (
             f"# {node} is the backward of a forward op whose derivative is infinite or\n"
-            "# undefined at some of its inputs; a replay names that forward line:\n" + _REPLAY
+            "# undefined at some of its inputs; a replay names that forward line:\n"
+            + (_rerun() if cli_rerun() is not None else _REPLAY)
         )
     name = packet(ev.op).rstrip("_")
     names = [name, name.removeprefix("special_")]

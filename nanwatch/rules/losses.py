@@ -11,15 +11,18 @@ guards ran, from their ``loss_input`` notes.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
 from nanwatch.records import Phase, StepTrace
 from nanwatch.rules._evidence import (
+    Activation,
     LossUse,
     cause_of,
     describe_activation,
     fmt,
+    full_statement,
     limits,
     loss_activation,
     loss_uses,
@@ -196,12 +199,62 @@ def _input_grad_magnitude(trace: StepTrace, use: LossUse) -> float | None:
 
 # ---------------------------------------------------------------------- pairing
 
-_BCE_LOGITS_FIX = (
-    "# drop the final nn.Sigmoid from the model so it returns logits, then:\n"
-    "criterion = nn.BCEWithLogitsLoss()     # applies the sigmoid inside, stably\n"
-    "loss = criterion(logits, y)\n"
-    "probs = torch.sigmoid(logits)          # at inference, where probabilities are needed"
-)
+
+#: ``bce(...)``, ``self.criterion(...)``: the callee of the user's loss line
+_CALLEE = re.compile(r"(?<![\w.])([A-Za-z_][\w.]*)\(")
+#: a module BCELoss built on a line: ``bce = nn.BCELoss(reduction='sum')``
+_BCE_BUILT = r"^(\s*){name}\s*=\s*((?:torch\.)?(?:nn\.)?)BCELoss\("
+
+
+def _sigmoid_words(act: Activation | None) -> str:
+    """The sigmoid as the user's code has it: the nn.Sigmoid module, or a torch.sigmoid call."""
+    if act is not None and act.module_type == "Sigmoid":
+        return f"the nn.Sigmoid ({act.path})" if act.path else "the final nn.Sigmoid"
+    if act is not None and act.path:
+        return f"the torch.sigmoid in {act.path}'s forward"
+    return "the torch.sigmoid"
+
+
+def _built_line(source: str | None, callee: str) -> str | None:
+    """The line of the user's file that builds the BCELoss module ``callee`` names."""
+    import linecache
+
+    path = (source or "").rpartition(":")[0]
+    if not path:
+        return None
+    pattern = re.compile(_BCE_BUILT.format(name=re.escape(callee)))
+    for text in linecache.getlines(path):
+        if pattern.match(text):
+            return text.split("  #", 1)[0].strip()
+    return None
+
+
+def _bce_logits_fix(use: LossUse, act: Activation | None) -> str:
+    """BCEWithLogitsLoss in place of the user's BCE, keeping its arguments (reduction,
+    weight): the functional call on the user's own line, the module where their code builds
+    it; the sigmoid named as their code applies it."""
+    sig = _sigmoid_words(act)
+    source = use.note.source if use.note is not None else None
+    code = full_statement(source) if source else None
+    line = code.split("  #", 1)[0].rstrip() if code else ""
+    tail = (
+        f"# and drop {sig} that feeds it, so the model returns logits; "
+        "torch.sigmoid(logits) where probabilities are needed (at inference)"
+    )
+    if "binary_cross_entropy(" in line:
+        fixed = line.replace("binary_cross_entropy(", "binary_cross_entropy_with_logits(", 1)
+        return f"{fixed}   # on logits: the sigmoid inside, stably\n{tail}"
+    m = _CALLEE.search(line.split("=", 1)[-1]) if line else None
+    built = _built_line(source, m.group(1)) if m is not None else None
+    if built is not None:
+        fixed = built.replace("BCELoss(", "BCEWithLogitsLoss(", 1)
+        return f"{fixed}   # was BCELoss: takes logits, the sigmoid inside, stably\n{tail}"
+    red = use.data("reduction")
+    args = f"reduction={red!r}" if isinstance(red, str) and red != "mean" else ""
+    return (
+        f"criterion = nn.BCEWithLogitsLoss({args})   # in place of your nn.BCELoss (keep its "
+        f"weight=, if any): the sigmoid inside, stably\n{tail}"
+    )
 
 
 def _pairing(ctx: RuleContext, loss: str, act: str) -> Iterator[tuple[LossUse, str]]:
@@ -255,7 +308,7 @@ def sigmoid_bce(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "BCEWithLogitsLoss fuses both with the log-sum-exp trick and stays exact "
                 "for any logit."
             ),
-            fix=_BCE_LOGITS_FIX,
+            fix=_bce_logits_fix(use, loss_activation(ctx.trace, use)),
         )
 
 

@@ -11,24 +11,30 @@ from collections.abc import Iterator
 
 from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, TensorStat
 from nanwatch.rules._evidence import (
+    OverflowedConstant,
     _function_names,
     _names_known,
     anomaly_fields,
     cause_of,
     code_line,
     describe_stat,
+    dtype_expr,
     first_input,
     fmt,
     inf_arithmetic,
     inf_evidence,
     inf_fix,
     inf_source,
+    input_named,
     inputs_of,
     limits,
     node_base,
     op_fields,
+    overflowed_constant,
     packet,
     paren,
+    put_in,
+    replace_constant,
     rewrite_call,
     short_op,
     untraced_hint,
@@ -364,6 +370,9 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         if cause.kind == "other" and _softmax_backward(cause.event):
             yield _hidden_masked_row(ctx, a, cause.event)
             return
+        if cause.kind == "other" and _logsumexp_backward(cause.event):
+            yield _empty_logsumexp(ctx, a, cause.event)
+            return
         if cause.kind == "other":
             yield from _fused_attention(ctx, a, cause.event)
             return
@@ -400,6 +409,7 @@ def _masked_softmax(
     x = first_input(ev)
     mask = next((e for e in chain if e.injected), None)
     cast = next((e for e in chain if _cast_to_inf(e) is not None), None)
+    const = next((c for c in map(overflowed_constant, chain) if c is not None), None)
     attention = _is_attention(ctx, a.record.call, [ev, mask])
     what = "scores" if attention else "values"
     evidence = []
@@ -415,6 +425,8 @@ def _masked_softmax(
         evidence.append(f"output: {ev.output.nan:,} NaN of {ev.output.numel:,} values")
     if cast is not None:
         evidence.append(_cast_to_inf(cast) or "")
+    elif const is not None:
+        evidence.append(_constant_words(const))
     elif mask is not None:
         val = mask.scalars.get("value")
         line = code_line(mask)
@@ -430,6 +442,9 @@ def _masked_softmax(
     if cast is not None:
         fix = _cast_fix(cast)
         explanation = _EXPLAIN + _EXPLAIN_CAST.format(dtype=cast.dtype)
+    elif const is not None:
+        fix = _constant_fix(const)
+        explanation = _constant_explanation(const, attention)
     elif not attention and _left_out(ctx, a):
         title = "Fully masked softmax row: no valid choice left"
         fix = _own_mask_fix(mask, attention=False) or _choice_fix(mask, ev)
@@ -540,6 +555,50 @@ def _hidden_nan_fix(ev: OpEvent) -> str:
             "the kept rows with the mask before the op"
         )
     return "\n".join(kept)
+
+
+def _constant_words(c: OverflowedConstant) -> str:
+    """``the -inf came from aten.mul.Tensor at a.py:12: <code>: -1e9 is -inf in float16
+    (max 65504)``."""
+    line = code_line(c.event)
+    sign = "-inf" if c.value < 0 else "+inf"
+    return (
+        f"the -inf came from {short_op(c.event.op)}" + (f" {line}" if line else "") + ": "
+        f"{c.literal} is {sign} in {c.dtype} (max {fmt(c.max)})"
+    )
+
+
+def _constant_explanation(c: OverflowedConstant, attention: bool) -> str:
+    """Why a finite mask constant made a NaN row: it overflowed the dtype."""
+    sign = "-inf" if c.value < 0 else "+inf"
+    what = "key" if attention else "entry"
+    return (
+        f"{c.literal} is {sign} in {c.dtype} (max {fmt(c.max)}): the mask constant does not "
+        f"fit in the dtype, so {short_op(c.event.op)} wrote {sign} at the masked positions. "
+        f"A row with every {what} masked is then -inf everywhere, and softmax(x) = "
+        "exp(x - max(x)) / sum(...) computes -inf - (-inf) = NaN for the whole row (in "
+        "float32 the same row stays finite). torch.finfo(dtype).min is the most negative "
+        f"value {c.dtype} holds: with it a fully masked row stays finite."
+    )
+
+
+def _constant_fix(c: OverflowedConstant) -> str:
+    """The user's line with the constant replaced by the dtype's most negative finite value,
+    and the clamp that keeps a masked score from rounding past it when added."""
+    d = dtype_expr(c.event.code, c.dtype)
+    fixed = replace_constant(c)
+    low = f"torch.finfo({d}).min"
+    head = (
+        f"{fixed}   # not {c.literal}: it is -inf in {c.dtype} (max {fmt(c.max)})"
+        if fixed
+        else f"# replace {c.literal} with {low}: {c.literal} is -inf in {c.dtype} "
+        f"(max {fmt(c.max)})"
+    )
+    return (
+        f"{head}\n"
+        f"# a negative score plus {low} can still round to -inf: after adding the mask, "
+        f"clamp the sum with .clamp_min({low})"
+    )
 
 
 _EXPLAIN_CAST = (
@@ -668,5 +727,99 @@ def _hidden_masked_row(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             "# or drop the rows with no item left before the softmax:\n"
             "keep = mask.any(dim=-1)\n"
             "scores, mask = scores[keep], mask[keep]"
+        ),
+    )
+
+
+def _logsumexp_backward(ev: OpEvent) -> bool:
+    """logsumexp's backward made NaN from the -inf its forward input held: its gradient is
+    exp(x - logsumexp(x)), and on a row that is -inf everywhere that is -inf - (-inf)."""
+    if ev.phase is not Phase.BACKWARD or node_base(ev.node) != "Logsumexp":
+        return False
+    ins = inputs_of(ev)
+    return "NaN" in ev.born and any(s.has_neginf for s in ins) and not any(s.has_nan for s in ins)
+
+
+def _neg_inf_line(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> OpEvent | str | None:
+    """Where the user's code writes the -inf: the op that put it in, when its line holds
+    the literal, else the one line of the function above it that does (``NEG =
+    float("-inf")``, used by the op by name), as ``path:line``."""
+    import linecache
+
+    src = inf_source(ctx.trace, a, ev)
+    for m in src.events:
+        if _NEG_INF.search((m.code or "").split("  #", 1)[0]):
+            return m
+    for m in src.events:
+        path, _, num = (m.source or "").rpartition(":")
+        if not path or not num.isdigit():
+            continue
+        found = []
+        for n in range(int(num), max(0, int(num) - 60), -1):
+            text = linecache.getline(path, n)
+            if _NEG_INF.search(text.split("  #", 1)[0]):
+                found.append((n, text.strip()))
+            if re.match(r"\s*(?:async\s+)?def\s", text):
+                break
+        if len(found) == 1:
+            return f"{path}:{found[0][0]}: {found[0][1]}"
+    return None
+
+
+def _empty_logsumexp(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
+    """torch.logsumexp over a row that is -inf everywhere (an unreachable state of a
+    hand-written CTC / RNN-T / HMM lattice, a fully masked row): the forward is -inf, a
+    correct log 0, but the gradient exp(x - lse) is exp(-inf - (-inf)) = NaN, and autograd
+    multiplies it by the row's gradient even when that is 0."""
+    x = input_named(ev, "self", "input")
+    lse = input_named(ev, "other", "result")
+    dtype = ev.dtype or "float32"
+    lim = limits(dtype)
+    evidence = [
+        f"{ev.node} made NaN: {short_op(ev.op)} computed exp(x - logsumexp(x)) = "
+        "exp(-inf - (-inf)) in the backward of torch.logsumexp"
+        + (f" at {ev.source}: {ev.code.strip()}" if ev.source and ev.code else "")
+    ]
+    if x is not None:
+        evidence.append(f"logsumexp's input: {describe_stat(x)}")
+    if lse is not None and lse.has_neginf:
+        rows = f"{lse.neginf:,} of {lse.numel:,}" if isinstance(lse.neginf, int) else "some"
+        evidence.append(
+            f"logsumexp's result: {rows} values are -inf: those rows of its input are -inf "
+            "everywhere (nothing reaches them)"
+        )
+    where = _neg_inf_line(ctx, a, ev)
+    if isinstance(where, OpEvent):
+        evidence.append(put_in(where))
+    elif where is not None:
+        evidence.append(f"the -inf is written at {where}")
+    big = "-1e30" if lim is not None and lim.max > 1e30 else f"torch.finfo(torch.{dtype}).min"
+    fixed: str | None = None
+    if isinstance(where, OpEvent):
+        fixed = _NEG_INF.sub(big, (where.code or "").split("  #", 1)[0].rstrip()).strip()
+    elif where is not None:
+        fixed = _NEG_INF.sub(big, where.split(": ", 1)[1].split("  #", 1)[0].rstrip()).strip()
+    head = (
+        f"{fixed}   # not -inf: unreachable states stay finite, their gradient is 0"
+        if fixed
+        else f"NEG = {big}   # for unreachable states, not float('-inf'): their gradient is 0"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="logsumexp over a row that is all -inf: NaN gradient",
+        evidence=evidence,
+        explanation=(
+            "torch.logsumexp of a row whose every value is -inf is -inf, a correct forward "
+            "value (log 0: no path reaches that state of the lattice). Its gradient is "
+            "softmax(x) = exp(x - logsumexp(x)), and on that row it is exp(-inf - (-inf)) = "
+            "NaN; autograd multiplies it by the row's gradient, and 0 × NaN is NaN, so it "
+            "reaches every weight even when the row does not reach the loss. A large finite "
+            f"negative value ({big} in {dtype}) instead of -inf gives the same forward "
+            "result, since exp of it is 0, and a finite gradient."
+        ),
+        fix=(
+            f"{head}\n"
+            "# a sequence with no valid path then gets a huge finite loss: drop it, or for "
+            "CTC use F.ctc_loss(..., zero_infinity=True), which handles unreachable states"
         ),
     )
