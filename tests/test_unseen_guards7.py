@@ -204,3 +204,25 @@ def test_ctc_on_softmax_probabilities_is_noted_with_a_log_softmax_fix(softmax: b
     else:
         assert not note.data.get("probability_rows")
         assert "probabilities_fix" not in note.data
+
+
+def test_ctc_on_softmax_probabilities_warns_nw205_with_the_fix() -> None:
+    """The guard's note reaches NW205: CTC fed probabilities is a warning on a finite step
+    (the loss is finite, often negative), with the log_softmax fix; log-probabilities are
+    quiet."""
+    torch.manual_seed(0)
+    enc, ctc = nn.Linear(20, 12), nn.CTCLoss()
+    for softmax in (True, False):
+        with watch(enc, ctc, on_anomaly="record") as nw:
+            out = enc(torch.randn(30, 3, 20))
+            lp = out.softmax(-1) if softmax else out.log_softmax(-1)
+            loss = ctc(lp, torch.randint(1, 12, (3, 8)), torch.full((3,), 30), torch.full((3,), 8))
+            loss.backward()
+            nw.step()
+        found = [d for t in (nw.trace, *nw.history) for d in t.diagnoses if d.code == "NW205"]
+        if softmax:
+            (d,) = found
+            assert "CTCLoss" in d.explanation and "log_softmax" in d.fix
+            assert any("sums to 1" in e for e in d.evidence)
+        else:
+            assert not found

@@ -1738,13 +1738,14 @@ _LOSS_NAMES = {
     "bcewithlogits": "bce_logits",
     "binarycrossentropywithlogits": "bce_logits",
     "kldiv": "kldiv",
+    "ctc": "ctc",
 }
 
 
 def loss_kind(name: str | None) -> str | None:
     """``BCELoss``/``F.binary_cross_entropy`` -> ``bce``; ``CrossEntropyLoss`` -> ``ce``;
     ``NLLLoss``/``nll_loss`` -> ``nll``; ``BCEWithLogitsLoss`` -> ``bce_logits``;
-    ``KLDivLoss``/``F.kl_div`` -> ``kldiv``.
+    ``KLDivLoss``/``F.kl_div`` -> ``kldiv``; ``CTCLoss``/``F.ctc_loss`` -> ``ctc``.
 
     >>> loss_kind("F.cross_entropy"), loss_kind("NLLLoss"), loss_kind("MSELoss")
     ('ce', 'nll', None)

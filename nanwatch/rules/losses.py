@@ -399,7 +399,8 @@ def softmax_nll(ctx: RuleContext) -> Iterator[Diagnosis]:
     summary=(
         "CrossEntropyLoss / NLLLoss input looks like probabilities (rows in [0, 1] "
         "summing to 1, non-negative NLLLoss input, a sigmoid output) though no softmax was "
-        "traced; KLDivLoss input above 0 (it takes log-probabilities)."
+        "traced; KLDivLoss input above 0 and CTCLoss input of probabilities (both take "
+        "log-probabilities)."
     ),
     early=True,
     priority=30,
@@ -411,6 +412,11 @@ def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
             for d in (_kl_div_on_probabilities(ctx, use), _kl_div_probability_log_target(ctx, use)):
                 if d is not None:
                     yield d
+            continue
+        if use.kind == "ctc":
+            d = _ctc_on_probabilities(ctx, use)
+            if d is not None:
+                yield d
             continue
         if use.kind not in ("ce", "nll"):
             continue
@@ -491,6 +497,32 @@ def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
             explanation=explanation,
             fix=fix,
         )
+
+
+def _ctc_on_probabilities(ctx: RuleContext, use: LossUse) -> Diagnosis | None:
+    """CTC fed probabilities: the guard found every row of its input in [0, 1] summing to 1
+    over the classes (its ``probability_rows``); torch computes a finite, often negative,
+    meaningless loss."""
+    if use.data("probability_rows") is not True:
+        return None
+    lo, hi = note_num(use.note, "input_min"), note_num(use.note, "input_max")
+    span = f" (it spans [{fmt(lo)}, {fmt(hi)}])" if lo is not None and hi is not None else ""
+    fix = use.data("probabilities_fix")
+    loss = f"; the loss is {fmt(use.value)}" if use.value is not None else ""
+    return ctx.diagnosis(
+        **_at_loss(use),
+        evidence=[
+            f"every row of {use.path}'s input is in [0, 1] and sums to 1 over the classes "
+            f"(the last dim){span}: probabilities{loss}"
+        ],
+        explanation=(
+            "CTCLoss takes log-probabilities (log_softmax over the classes, never above 0). "
+            "On probabilities it sums and multiplies the wrong quantities along the "
+            "alignments: the loss stays finite, often goes negative, and the model learns "
+            "nothing useful, without an error."
+        ),
+        fix=fix if isinstance(fix, str) else "log_probs = F.log_softmax(logits, dim=-1)",
+    )
 
 
 def _at_loss(use: LossUse) -> dict[str, Any]:
