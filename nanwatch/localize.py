@@ -26,6 +26,7 @@ from nanwatch.records import (
     Phase,
     Record,
     StepTrace,
+    TensorStat,
 )
 
 _GRAD_PHASES = (Phase.BACKWARD, Phase.GRADIENT)
@@ -261,6 +262,60 @@ def _own_outputs(trace: StepTrace, call: Call) -> list[Record]:
     ]
 
 
+def _innermost_user(trace: StepTrace, fwd: Record, call: Call, trig: Record) -> Call:
+    """The module whose backward sent the bad gradient ``trig`` to ``call``'s input ``fwd``: a
+    module inside ``call`` given the same tensor (a feature layer of a PINN applied to the
+    coordinates) is the one, when it is the only innermost one given it and the gradient of
+    its output was finite (the hook on the input records it once, for the outermost
+    module); the op checker's backward birth picks among several. Else ``call`` itself."""
+    users: list[Call] = []
+    for r in trace.records:
+        if r.phase is not Phase.INPUT or r.call == call.id or r.source != fwd.index:
+            continue
+        c = trace.call(r.call)
+        up = _parent(trace, c)
+        while up is not None and up.id != call.id:
+            up = _parent(trace, up)
+        if c is not None and up is not None and c not in users:
+            users.append(c)
+
+    def below(c: Call, d: Call) -> bool:  # d is inside c
+        up = _parent(trace, d)
+        while up is not None and up.id != c.id:
+            up = _parent(trace, up)
+        return up is not None
+
+    inner = [c for c in users if not any(below(c, d) for d in users if d is not c)]
+    born = _backward_birth(trace.ops)
+    if born is not None and born.path is not None:
+        inner = [c for c in inner if born.path == c.path or born.path.startswith(c.path + ".")]
+    if len(inner) != 1:
+        return call
+    outs = [
+        r
+        for r in trace.records
+        if r.phase is Phase.BACKWARD
+        and r.call == inner[0].id
+        and r.index < trig.index
+        and r.by_grad == trig.by_grad  # this backward pass's (see _other_pass_only)
+    ]
+    if outs and all(r.stat is not None and r.stat.finite for r in outs):
+        return inner[0]
+    return call
+
+
+def _other_pass_only(trace: StepTrace, call: Call, trig: Record) -> bool:
+    """The gradient of ``call``'s output was recorded before ``trig`` only in another
+    backward pass than ``trig``'s (``torch.autograd.grad``'s against the training
+    ``backward()``'s): a double backward reached ``trig`` without passing through it."""
+    grads = [
+        r
+        for r in trace.records
+        if r.phase is Phase.BACKWARD and r.call == call.id and r.index < trig.index
+    ]
+    return bool(grads) and all(r.by_grad != trig.by_grad for r in grads)
+
+
 def _hooked(trace: StepTrace, call: Call) -> bool:
     """``call``'s module has a full backward hook (``register_full_backward_hook``, never
     nanwatch's): torch passes its output through a ``BackwardHookFunction``, a new tensor
@@ -445,15 +500,21 @@ def op_phrase(ev: OpEvent) -> str:
     return f"{ev.op} {op_where(ev)}".rstrip()
 
 
-def _matching_op(ops: Sequence[OpEvent], phase: Phase, path: str | None) -> OpEvent | None:
+def _matching_op(
+    ops: Sequence[OpEvent], phase: Phase, path: str | None, held: TensorStat | None = None
+) -> OpEvent | None:
     """The op event of the trigger, from forensic tracing: the first NaN/+inf birth of the
     phase (in the producer when it is known). In backward a -inf counts too: no gradient is
     a mask, and the NaN or +inf seen downstream (softmax's backward) came from it. An event
     that names no aten op (a custom Function's backward seen from outside) is not one: see
-    :func:`_matching_custom`."""
+    :func:`_matching_custom`. ``held``: what the trigger record holds; a forward op that
+    made none of it, whose inputs already held all of it, did not make it (``x @ E.t()``
+    made NaN of a +inf and a -inf that came in with ``E``, the record holds the infs)."""
     best: OpEvent | None = None
     for ev in ops:
         if ev.phase is not phase or ev.injected or custom_backward(ev) is not None:
+            continue
+        if phase is Phase.FORWARD and _came_in(ev, held):
             continue
         if not ("NaN" in ev.born or "+inf" in ev.born or (phase is Phase.BACKWARD and ev.born)):
             continue
@@ -462,6 +523,22 @@ def _matching_op(ops: Sequence[OpEvent], phase: Phase, path: str | None) -> OpEv
         if best is None:
             best = ev
     return best
+
+
+def _stat_kinds(s: TensorStat | None) -> set[str]:
+    return set() if s is None or s.finite else set(s.kinds().split(", "))
+
+
+def _came_in(ev: OpEvent, held: TensorStat | None) -> bool:
+    """``ev`` made none of the non-finite kinds ``held`` has, and its inputs held them all:
+    the value the record saw came in with the inputs, it was not born in ``ev``."""
+    kinds = _stat_kinds(held)
+    if not kinds or kinds & set(ev.born.split(", ")):
+        return False
+    had: set[str] = set()
+    for _, s in ev.inputs:
+        had |= _stat_kinds(s)
+    return kinds <= had
 
 
 def _matching_custom(ops: Sequence[OpEvent], path: str | None) -> OpEvent | None:
@@ -559,6 +636,7 @@ def localize(
     neginf: Record | None = None
     consumer: str | None = None
     parameter: str | None = None
+    double = False  # a double backward's pass: see _other_pass_only
 
     derived = trig.phase is Phase.INPUT and trig.grad_fn is not None and trig.source is not None
     if derived and call is not None and call.root:
@@ -629,7 +707,7 @@ def localize(
         reached_root = False
         if fwd is not None and fwd.phase is Phase.INPUT:
             c = trace.call(fwd.call)
-            cands = [c] if c is not None else []
+            cands = [_innermost_user(trace, fwd, c, trig)] if c is not None else []
         elif fwd is not None:
             cands, reached_root = _consumers(trace, fwd, trig.index)
         between = (
@@ -637,10 +715,25 @@ def localize(
             if fwd is not None and fwd.phase is Phase.FORWARD
             else None
         )
+        # another backward pass over the graph (loss.backward() through what
+        # autograd.grad(create_graph=True) built): the consumers' output gradients were seen
+        # only in the other pass, so nothing says this pass's were finite
+        other_pass = bool(cands) and all(_other_pass_only(trace, c, trig) for c in cands)
         if between is not None:
             origin, path, consumer, summary = between
             summary = f"{what} gradient born in {summary}"
-        elif len(cands) == 1:
+        elif (
+            other_pass
+            and (born := _backward_birth(trace.ops)) is not None
+            and born.path == LOSS_PATH
+            and (root := _root_of(trace, trace.call(trig.call))) is not None
+        ):
+            origin, path, double = "after-output", root.path, True
+            summary = (
+                f"{what} gradient arrived at {trig.path}'s {trig.role} from code outside the "
+                "watched modules (the loss computed after the model)"
+            )
+        elif len(cands) == 1 and not other_pass:
             origin, path = "module", cands[0].path
             consumer = path
             summary = (
@@ -810,6 +903,7 @@ def localize(
             trace.ops,
             Phase.BACKWARD if kind is AnomalyKind.BACKWARD else Phase.FORWARD,
             LOSS_PATH if origin == "after-output" else path,
+            trig.stat,
         )
         if kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD)
         else None
@@ -824,6 +918,13 @@ def localize(
             f"{what} gradient born in the backward of {LOSS_PATH}, the loss code computed "
             f"outside the watched modules, on its way to the output of {path}"
         )
+        if double:
+            summary = (
+                f"{what} gradient born in the backward of {LOSS_PATH}, the loss code computed "
+                f"outside the watched modules, reaching {trig.path}'s {trig.role} through "
+                "the double backward of torch.autograd.grad(create_graph=True), not through "
+                "a module's output gradient"
+            )
         if op.backward_at and op.source == op.backward_at:  # the node's forward line unknown
             summary += "; mode='forensic' names the line that created it"
         consumer, path = path, LOSS_PATH  # the producer is the loss code, the model got it

@@ -26,7 +26,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,6 +330,9 @@ _SEEN_PRUNE = 4096
 class _Seen:
     ref: weakref.ReferenceType[torch.Tensor]
     event: OpEvent | None
+    #: the value is (made of) a non-finite parameter or buffer the replayed module already
+    #: held: what ops make of it was not born in them (see :meth:`OpChecker.hold_state`)
+    state: bool = False
 
 
 class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
@@ -469,16 +472,25 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             ),
             None,
         )
-        if src is None or src.event is None:
+        if src is None or (src.event is None and not src.state):
             return
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and self._lookup(t) is None:
-                self._remember(t, src.event)
+                self._remember(t, src.event, state=src.state)
 
-    def _remember(self, t: torch.Tensor, event: OpEvent | None) -> _Seen:
+    def hold_state(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Mark non-finite tensors the code reads that no op of it made (a module's
+        parameters and buffers, written before the call): an op whose non-finite input is
+        one of them, a view of one or made of one records no birth (``x @ E.t()`` of an
+        embedding holding +inf and -inf makes NaN of them, but the NaN came in with E)."""
+        for t in tensors:
+            if has_values(t) and _kinds(t):
+                self._remember(t, None, state=True)
+
+    def _remember(self, t: torch.Tensor, event: OpEvent | None, *, state: bool = False) -> _Seen:
         """Remember non-finite ``t`` with the event that made it; entries of freed tensors
         are dropped when the table has doubled (a -inf mask made every step, forensic)."""
-        seen = self._seen[id(t)] = _Seen(weakref.ref(t), event)
+        seen = self._seen[id(t)] = _Seen(weakref.ref(t), event, state)
         if len(self._seen) > self._prune_at:
             self._seen = {k: v for k, v in self._seen.items() if v.ref() is not None}
             self._prune_at = max(_SEEN_PRUNE, 2 * len(self._seen))
@@ -534,12 +546,19 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             others = [(n, t) for n, t in others if id(t) not in before.no_input]
         in_kinds: frozenset[str] = frozenset()
         cause: OpEvent | None = None
+        state = False
         for (_, t), (_, v) in zip(inputs, read, strict=True):
             seen = self._lookup(t)
             k = _kinds(v)
             in_kinds |= k
             if k and cause is None and seen is not None:
                 cause = seen.event
+            state = state or bool(k and seen is not None and seen.state)
+        if state:  # made of module state that was already non-finite: no birth here
+            for t, k in zip(outs, out_kinds, strict=True):
+                if k:
+                    self._remember(t, None, state=True)
+            return
         all_out = frozenset().union(*out_kinds)
         born = all_out - in_kinds - scalar_kinds
         injected = (all_out & scalar_kinds) - in_kinds
@@ -1236,6 +1255,7 @@ def replay(
     with preserved_state(module, devices), _replay_scope():
         for _ in range(max(1, attempts)):
             chk = OpChecker(current_path=current_path or replay_path, on_error=on_error)
+            chk.hold_state([*module.parameters(), *module.buffers()])
             before = rng_states(devices)
             push_path(path)
             out: Any = None

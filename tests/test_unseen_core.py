@@ -8,9 +8,7 @@ Each runs a tiny real training loop under ``nanwatch.watch`` on CPU."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import io
 import math
 import warnings
 from typing import Any
@@ -327,12 +325,10 @@ def test_batchnorm_reading_a_nan_running_var_in_eval_is_named() -> None:
     d = _top(nw)
     assert (d.code, d.evidence[0]) == ("NW405", "1.running_var (buffer, float32) holds NaN")
     # the fix reaches the module from the model (get_submodule of a root's class name
-    # raised), lists its buffers (vars(m) printed {}) and resets the running statistics
+    # raised), resets the running statistics and checks the buffer where it is written
     assert d.fix.splitlines()[0] == "m = model[1]"
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(d.fix, {"model": model, "torch": torch})
-    assert out.getvalue().strip() == "['running_var']"
+    assert "torch.isfinite(m.running_var).all()" in d.fix
+    exec(d.fix, {"model": model, "torch": torch})
     assert bool(torch.isfinite(model[1].running_var).all())
 
 

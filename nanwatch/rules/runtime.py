@@ -82,8 +82,18 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
         "again, but no op in it created it: it came in with the tensors above"
     )
     hooked = any(t["kind"] == "set by a forward pre-hook" for t in tensors)
-    call = ctx.trace.call(a.record.call)
-    ref = module_ref(a.path, root=call is None or call.root)
+    ref = _reach(ctx, a.path, a.record.call)
+    t0 = tensors[0]
+    owner, _, leaf = str(t0["name"]).rpartition(".")
+    cls = _class_at(ctx, a.path, owner)
+    # the tensor as the code that owns it reads it, and as the training loop can
+    held = f"self.{leaf}" if leaf.isidentifier() else None
+    parts = str(t0["name"]).split(".")
+    outside = (
+        "m" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts)
+        if ref is not None and all(p.isidentifier() or p.isdigit() for p in parts)
+        else None
+    )
     if hooked:
         explanation = (
             f"{names[0]} is not a parameter: a forward pre-hook computes it from the real "
@@ -92,7 +102,8 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             "nothing in the forward itself is wrong."
         )
         fix = (
-            f"m = {ref}   # the rows it divides by: re-init zeros\n"
+            (f"m = {ref}" if ref is not None else f"m = self   # in {cls or 'its module'}'s code")
+            + "   # the rows it divides by: re-init zeros\n"
             "for n, p in m.named_parameters():\n"
             "    if p.dim() > 1:\n"
             "        print(n, 'zero rows:', (p.flatten(1).norm(dim=1) == 0).sum().item())"
@@ -100,9 +111,8 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
     elif _from_the_start(ctx, tensors):
         # non-finite at the first forward nanwatch saw, before any update: made so when the
         # module was built (its __init__: a register_buffer of a 0/0) or loaded
-        t0 = tensors[0]
         kind = "buffer" if t0["kind"] == "buffer" else "tensor attribute"
-        cls = _owner_type(ctx, a.path, t0["name"])
+        built = _owner_type(ctx, a.path, t0["name"])
         when = (
             "when nanwatch attached"
             if t0.get("finite_at_attach") is False
@@ -111,37 +121,60 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence.append(f"{names[0]} already held {t0['stat']} {when}")
         explanation = (
             f"{names[0]} ({kind}) already held {t0['stat']} {when}: it was computed so when "
-            f"the module was built (in {cls}) or loaded from a checkpoint, not by "
+            f"the module was built (in {built}) or loaded from a checkpoint, not by "
             "training; the forward only passed it on. A constant table built at init (a "
             "filterbank, a window, a positional table) normalized by a sum, a norm or a "
             "count that is 0 for one of its rows gets 0/0 = NaN there."
         )
         listed = ", ".join(repr(t["name"]) for t in tensors[:4])
-        fix = (
-            f"m = {ref}   # right after building it (or loading its checkpoint):\n"
-            "print([n for n, t in [*m.named_buffers(), *vars(m).items()]\n"
-            f"       if torch.is_tensor(t) and not torch.isfinite(t).all()])   # {listed}\n"
-            f"# then fix the code in {cls} that computes it (or the checkpoint): "
+        if ref is not None:
+            fix = (
+                f"m = {ref}   # right after building it (or loading its checkpoint):\n"
+                "print([n for n, t in [*m.named_buffers(), *vars(m).items()]\n"
+                f"       if torch.is_tensor(t) and not torch.isfinite(t).all()])   # {listed}\n"
+            )
+        elif held is not None:
+            fix = (
+                f"# in {built}, right after it computes {leaf}:\n"
+                f"assert torch.isfinite({held}).all(), '{leaf} is {t0['stat']} from the start'\n"
+            )
+        else:
+            fix = ""
+        fix += (
+            f"# then fix the code in {built} that computes it (or the checkpoint): "
             "keep its denominators off 0, e.g. x / x.sum(dim, keepdim=True).clamp_min(1e-12)"
         )
     else:
+        running = any(t["name"].split(".")[-1].startswith("running_") for t in tensors)
         explanation = (
-            f"{names[0]} was already non-finite when the forward ran: it was set or updated "
-            "outside the forward (a buffer written in place, a tensor attribute assigned by "
-            "your code, a running statistic), so the layer only passed it on."
+            f"{names[0]} was already {t0['stat']} when the forward ran, and no op of the "
+            "forward made it so: it was written outside the forward (a buffer updated in "
+            "place, a copy_ under no_grad, a tensor attribute your code assigns"
+            + (", a running statistic" if running else "")
+            + "), so the layer only passed it on. Check it right after each write to "
+            "find the one that makes it non-finite."
         )
-        running = any(t["name"].startswith("running_") for t in tensors)
-        fix = (
-            f"m = {ref}\n"
-            "print([n for n, t in [*m.named_buffers(), *m.named_parameters(), *vars(m).items()]\n"
-            "       if torch.is_tensor(t) and not torch.isfinite(t).all()])\n"
-            + (
-                "m.reset_running_stats()   # the running statistics start afresh\n"
-                if running
-                else ""
+        lines = [f"m = {ref}"] if ref is not None else []
+        if running:
+            lines.append("m.reset_running_stats()   # the running statistics start afresh")
+        lines.append(
+            f"# right after each line that writes {leaf} ("
+            + (f"in {cls}'s methods or " if cls else "")
+            + "your training loop), to catch the writer:"
+        )
+        # runnable where the fix's names are the user's: through m in the training loop,
+        # else as the owning class's own code reads it
+        if outside is not None:
+            lines.append(
+                f"assert torch.isfinite({outside}).all(), '{leaf} became {t0['stat']}'"
+                + (f"   # in {cls}'s code: {held}" if cls and held else "")
             )
-            + "# then find the code that writes it"
-        )
+        elif held is not None:
+            lines.append(
+                f"assert torch.isfinite({held}).all(), '{leaf} became {t0['stat']}'"
+                + (f"   # in {cls}" if cls else "")
+            )
+        fix = "\n".join(lines)
     yield ctx.diagnosis(**anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix)
 
 
@@ -159,6 +192,33 @@ def _from_the_start(ctx: RuleContext, tensors: list[dict[str, Any]]) -> bool:
     if at_attach is not None:
         return at_attach is False
     return not ctx.history and ctx.step == 0
+
+
+def _reach(ctx: RuleContext, path: str, call_id: int) -> str | None:
+    """The expression that reaches the module at ``path`` from the name the user's code
+    gives it (``model.enc.fc``; ``criterion`` for a watched loss), when the fix's generic
+    name stands for one watched root; None when it stands for none (a second model, one of
+    several losses): a fix that named ``model`` there would name the wrong module."""
+    call = ctx.trace.call(call_id)
+    root = call
+    while root is not None and not root.root:
+        root = ctx.trace.call(root.parent) if root.parent is not None else None
+    if call is None or root is None:
+        return None
+    same = {c.path for c in ctx.trace.calls if c.root and c.is_loss == root.is_loss}
+    if len(same) != 1:
+        return None
+    here = call.root or path == root.path  # the root itself (named by its class)
+    if root.is_loss:
+        return "criterion" if here else None
+    return module_ref(path, root=here)
+
+
+def _class_at(ctx: RuleContext, path: str, sub: str) -> str | None:
+    """The class of the module ``sub`` below the module at ``path`` (``path`` itself when
+    ``sub`` is empty), from the step's calls; None when no call shows it."""
+    want = {path} if not sub else {sub, f"{path}.{sub}"}
+    return next((c.module_type for c in ctx.trace.calls if c.path in want and c.module_type), None)
 
 
 def _owner_type(ctx: RuleContext, path: str, name: str) -> str:
