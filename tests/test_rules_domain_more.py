@@ -1353,4 +1353,5 @@ def test_e2e_a_division_by_a_python_zero_gets_a_floor_not_a_tensor_clamp() -> No
         nw.step()
     d = nw.history[0].diagnoses[0]
     assert d.code == "NW111" and "denominator: the scalar 0.0" in d.evidence[0]
-    assert d.fix.startswith("d = max(d, 1e-3)") and "clamp_min" not in d.fix
+    assert d.fix.startswith("return torch.softmax(self.lin(x) / max(self.tau, 1e-3), dim=-1)")
+    assert "clamp_min" not in d.fix and "Python number" in d.explanation

@@ -2021,6 +2021,14 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if ev.phase is Phase.BACKWARD:
         evidence.append(f"in backward (autograd node {ev.node})")
     title = "Division by zero (0/0)" if zero_over_zero else "Division by zero"
+    gone = (
+        _normalize_eps_lost(ev.code, ev.dtype)
+        if ev.phase is Phase.FORWARD and has_zero(den) and not integer
+        else None
+    )
+    if gone is not None:  # F.normalize's own eps (1e-12 by default) is 0 in this dtype
+        yield _normalize_eps_diagnosis(ctx, a, ev, gone, evidence=evidence, title=title)
+        return
     lost = (
         lost_eps(ev.code, ev.dtype, "div", zeros=has_zero(den))
         if ev.phase is Phase.FORWARD and not integer
@@ -2078,6 +2086,50 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "division (-(-len(batch) // micro_batch_size)) or floor the count at 1."
             ),
             fix=_count_fix(ev),
+        )
+        return
+    if den is None and scalar_num(ev, "other") == 0 and "other" not in dict(ev.inputs):
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=title,
+            evidence=evidence,
+            explanation=(
+                "The denominator is a Python number, not a tensor, and it was 0 at this step: "
+                "a temperature, a scale or another hyperparameter that a schedule annealed to "
+                "0 (0.07 * max(0, 1 - step / T) is 0 from step T on; tau = max(1 - 0.1 * step, "
+                "0) is 0 at step 10), or that was set to 0. Every element is divided by it: "
+                "x/0 is ±inf and 0/0 is NaN. Give the number a floor above 0, or end the "
+                "schedule above 0."
+            ),
+            fix=_div_fix(ev, scalar=True, count=False),
+        )
+        return
+    norm_twice = (
+        _norm_second_derivative(ev)
+        if ev.phase is Phase.BACKWARD and node_base(ev.node) in _NORM_NODES
+        else None
+    )
+    if norm_twice is not None:
+        evidence.insert(
+            0,
+            f"the division is inside {ev.node}, the norm's own backward (x / ‖x‖): its "
+            "gradient went NaN at a norm of 0, which the first backward masks to 0; only a "
+            "second derivative (torch.autograd.grad(..., create_graph=True)) differentiates "
+            "that division again",
+        )
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"{title} in the second derivative of a norm at 0",
+            evidence=evidence,
+            explanation=(
+                "The gradient of ‖x‖ is x / ‖x‖, which autograd sets to 0 where the norm is "
+                "0; differentiating it again (forces from an energy, a gradient penalty, "
+                "a PINN's Laplacian) divides by that 0 norm: 0/0 = NaN. A clamp on the norm "
+                "(.clamp_min(eps)) or torch.linalg.vector_norm does not help, the norm's own "
+                "backward still runs at 0. Keep the squared norm off exact 0 before the "
+                "sqrt, with a where that gives the sqrt 1 there (the double-where trick)."
+            ),
+            fix=norm_twice,
         )
         return
     guard = _where_guard(ev.code) if ev.phase is Phase.BACKWARD else None
@@ -2967,12 +3019,142 @@ def _where_guard(code: str | None) -> tuple[str, str] | None:
 
 
 _NORM_FUNCS = ("torch.norm", "torch.linalg.norm", "torch.linalg.vector_norm")
+_NORMALIZE_FUNCS = (
+    "F.normalize",
+    "normalize",
+    "functional.normalize",
+    "nn.functional.normalize",
+    "torch.nn.functional.normalize",
+)
+_NORMALIZE_EPS = 1e-12  # F.normalize's default eps
+
+
+def _eps_floor(dtype: str | None) -> str | None:
+    """An eps ``dtype`` holds as a normal number: the power of ten at or above
+    ``finfo.tiny`` (``1e-4`` in float16), no smaller than the usual 1e-8."""
+    lim = limits(dtype)
+    if lim is None:
+        return None
+    return f"1e-{min(8, max(0, -math.ceil(math.log10(lim.tiny))))}"
+
+
+def _stored_as_zero(value: float, dtype: str | None) -> bool:
+    """A positive number that is 0 once stored in ``dtype`` (1e-12 in float16)."""
+    import torch
+
+    dt = getattr(torch, dtype or "", None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        return False
+    return value > 0 and bool(torch.tensor(value, dtype=dt) == 0)
+
+
+@dataclass(frozen=True)
+class _LostNormalizeEps:
+    """``F.normalize(z, dim=1)`` on the user's line, whose eps (1e-12 unless given) is 0 in
+    the op's dtype: a zero row is 0 / max(0, 0) = NaN."""
+
+    eps: str  #: the eps as written, or ``1e-12`` (the default)
+    given: bool  #: the line passes eps itself
+    dtype: str
+    floor: str  #: an eps the dtype holds (``1e-4``)
+    line: str  #: the user's statement with ``eps=floor``
+    operand: str  #: the tensor normalized (``z``)
+
+
+def _normalize_eps_lost(code: str | None, dtype: str | None) -> _LostNormalizeEps | None:
+    """The user's line calls F.normalize with an eps that is 0 in ``dtype``; None when the
+    line shows no such call or the eps is not a literal."""
+    floor = _eps_floor(dtype)
+    if floor is None or dtype is None:
+        return None
+    for stmt in statements(code):
+        if not stmt.isascii():
+            continue
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        for call in ast.walk(tree):
+            if not (isinstance(call, ast.Call) and ast.unparse(call.func) in _NORMALIZE_FUNCS):
+                continue
+            if not call.args:
+                continue
+            kw = next((k for k in call.keywords if k.arg == "eps"), None)
+            if kw is None and len(call.args) >= 4:
+                continue  # eps given by position: rare, leave it
+            value: object = _NORMALIZE_EPS
+            if kw is not None:
+                if not isinstance(kw.value, ast.Constant):
+                    continue
+                value = kw.value.value
+            if not isinstance(value, (int, float)) or not _stored_as_zero(float(value), dtype):
+                continue
+            if kw is not None:
+                line = _spliced(stmt, kw.value, floor)
+                eps = ast.get_source_segment(stmt, kw.value) or repr(value)
+            else:
+                end = (call.end_col_offset or 0) - 1
+                head = stmt[:end].rstrip()
+                sep = " " if head.endswith(",") else ", "
+                line = f"{head}{sep}eps={floor}{stmt[end:]}"
+                eps = "1e-12"
+            operand = ast.get_source_segment(stmt, call.args[0]) or ast.unparse(call.args[0])
+            return _LostNormalizeEps(
+                eps=eps,
+                given=kw is not None,
+                dtype=dtype,
+                floor=floor,
+                line=line,
+                operand=operand,
+            )
+    return None
+
+
+def _normalize_eps_diagnosis(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    gone: _LostNormalizeEps,
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """F.normalize divided a zero row by max(norm, eps) with an eps the dtype rounds to 0."""
+    lim = limits(gone.dtype)
+    sub = f" (anything below {fmt(lim.subnormal / 2)} rounds to 0)" if lim is not None else ""
+    which = f"eps={gone.eps}" if gone.given else "default eps=1e-12"
+    evidence.insert(
+        1,
+        f"F.normalize divides by max(norm, eps); its {which} is 0 in {gone.dtype}{sub}, so an "
+        "all-zero row is divided by 0",
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=title,
+        evidence=evidence,
+        explanation=(
+            f"F.normalize(x) is x / max(‖x‖, eps), and its eps is what keeps an all-zero row "
+            f"at 0 instead of 0/0. {gone.dtype} cannot hold {gone.eps}: it is stored as 0, "
+            "so the clamp does nothing and every all-zero row (a ReLU output that is 0 "
+            "everywhere, a padded sample) becomes NaN. Pass an eps the dtype can hold, or "
+            "normalize in float32."
+        ),
+        fix=(
+            f"{gone.line}   # {gone.eps} is 0 in {gone.dtype}; {gone.floor} is not: a zero "
+            "row stays 0\n"
+            f"# or normalize in float32: F.normalize({gone.operand}.float(), ...).to("
+            f"{paren(gone.operand)}.dtype)"
+        ),
+    )
+
+
 _CASTS = frozenset({"float", "double", "half", "bfloat16", "to", "type", "type_as", "long", "int"})
 
 
-def _normalize_fix(stmt: str, div: ast.BinOp) -> str | None:
+def _normalize_fix(stmt: str, div: ast.BinOp, *, eps: str | None = None) -> str | None:
     """``x / x.norm(dim=d, keepdim=True)`` (or ``torch.linalg.norm(x, dim=d, ...)``) as
-    ``F.normalize(x, dim=d)``: an L2 norm of the numerator along one dim."""
+    ``F.normalize(x, dim=d)``: an L2 norm of the numerator along one dim; with ``eps``
+    (a dtype that rounds the default 1e-12 to 0) passed as ``eps=``."""
     right, x = div.right, ast.unparse(div.left)
     if not isinstance(right, ast.Call):
         return None
@@ -2994,7 +3176,8 @@ def _normalize_fix(stmt: str, div: ast.BinOp) -> str | None:
     if p is not None and not (isinstance(p, ast.Constant) and p.value in (2, 2.0)):
         return None
     seg = ast.get_source_segment(stmt, div.left) or x
-    return _spliced(stmt, div, f"F.normalize({seg}, dim={ast.unparse(dim)})")
+    more = f", eps={eps}" if eps is not None else ""
+    return _spliced(stmt, div, f"F.normalize({seg}, dim={ast.unparse(dim)}{more})")
 
 
 def _dtype_of(node: ast.expr, text: str) -> str:
@@ -3109,15 +3292,28 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
     if one is None:
         return None
     stmt, div = one
-    norm = _normalize_fix(stmt, div)
+    floor = _eps_floor(ev.dtype)
+    narrow = floor is not None and _stored_as_zero(_NORMALIZE_EPS, ev.dtype)
+    num = input_named(ev, "self", "input")
+    # x/0 = ±inf (or a numerator with no zero at all): the numerator is not 0 where the
+    # denominator is, so clamp_min(eps) would give x/eps, huge, not 0
+    live = "inf" in ev.born or (num is not None and num.zeros == 0 and not num.has_nan)
+    norm = _normalize_fix(stmt, div, eps=floor if narrow else None)
+    if norm is not None and narrow:
+        return (
+            f"{norm}   # divides by max(norm, {floor}): a zero vector stays 0, not NaN "
+            f"(the default eps 1e-12 is 0 in {ev.dtype})"
+        )
     if norm is not None:
         return f"{norm}   # divides by max(norm, 1e-12): a zero vector stays 0, not NaN"
-    at_source = _fixed_at_assignment(ev, div.right, den)
+    at_source = _fixed_at_assignment(ev, div.right, den) if not live else None
     if at_source is not None:
         return at_source
     d = ast.get_source_segment(stmt, div.right)
     if d is None:
         return None
+    if live and den.min >= 0:
+        return _masked_division(stmt, div, d)
     if den.min >= 0:
         safe = f"{paren(d)}.clamp_min(torch.finfo({_dtype_of(div.right, d)}).eps)"
         why = "0/eps = 0 where the denominator is 0; elsewhere unchanged"
@@ -3125,6 +3321,123 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
         safe = f"torch.where({d} == 0, torch.ones_like({d}), {d})"
         why = "divides by 1 where the denominator is 0 (any sign): leaves x as is"
     return f"{_spliced(stmt, div.right, safe, grouped=True)}   # {why}"
+
+
+_SCALAR_ARGS = ("tau", "temperature", "temp", "t", "scale", "divisor", "sigma", "std")
+
+
+def _scalar_floor(code: str | None) -> str | None:
+    """The user's line with ``max(d, 1e-3)`` around the Python-number divisor: a keyword
+    argument that a call divides by (``F.gumbel_softmax(l, tau=self.tau)``), else the right
+    operand of the line's one ``/`` (``z @ z.t() / temperature``); None when neither shows."""
+    for stmt in statements(code):
+        if not stmt.isascii():
+            continue
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        kws = [
+            k
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+            for k in n.keywords
+            if k.arg in _SCALAR_ARGS and isinstance(k.value, (ast.Name, ast.Attribute))
+        ]
+        if len(kws) == 1:
+            k = kws[0]
+            text = ast.get_source_segment(stmt, k.value) or ast.unparse(k.value)
+            return _spliced(stmt, k.value, f"max({text}, 1e-3)")
+
+    def floor(d: str) -> str:
+        try:
+            value = ast.literal_eval(d)
+        except (ValueError, SyntaxError):
+            return f"max({d}, 1e-3)"
+        return d if isinstance(value, (int, float)) and value != 0 else f"max({d}, 1e-3)"
+
+    own = rewrite_divisor(code, floor)
+    return None if own is None or own in statements(code) else own  # a literal divisor: not it
+
+
+_NORM_NODES = frozenset({"LinalgVectorNorm", "Norm", "LinalgNorm"})
+
+
+def _norm_second_derivative(ev: OpEvent) -> str | None:
+    """The user's line with its one L2 norm (``x.norm(dim=d)``, ``torch.linalg.vector_norm
+    (x, dim=d)``, ``torch.norm(x, dim=d)``) computed as a double-where sqrt of the squared
+    norm, whose first and second derivatives are finite at 0; None when the line is unknown
+    or shows no such norm."""
+    if not ev.source or ev.source == ev.backward_at:
+        return None
+    for stmt in statements(ev.code):
+        if not stmt.isascii():
+            continue
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        norms = []
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Call):
+                continue
+            func = ast.unparse(n.func)
+            if isinstance(n.func, ast.Attribute) and n.func.attr == "norm" and not n.args:
+                x = n.func.value
+            elif func in _NORM_FUNCS and len(n.args) == 1:
+                x = n.args[0]
+            else:
+                continue
+            kw = {k.arg: k.value for k in n.keywords}
+            p = kw.pop("p", None) or kw.pop("ord", None)
+            if p is not None and not (isinstance(p, ast.Constant) and p.value in (2, 2.0)):
+                continue
+            if set(kw) - {"dim", "keepdim"}:
+                continue
+            norms.append((n, x, kw))
+        if len(norms) != 1:
+            continue
+        call, x, kw = norms[0]
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        sq = fresh_name("d2", names)
+        xs = ast.get_source_segment(stmt, x) or ast.unparse(x)
+        args = ", ".join(
+            f"{k}={ast.get_source_segment(stmt, v) or ast.unparse(v)}" for k, v in kw.items()
+        )
+        safe = f"torch.where({sq} > 0, torch.where({sq} > 0, {sq}, 1).sqrt(), 0)"
+        return (
+            f"{sq} = ({paren(xs)} ** 2).sum({args})   # the squared norm: smooth at 0\n"
+            f"{_spliced(stmt, call, safe)}   # the sqrt never sees 0: finite first and "
+            "second derivatives"
+        )
+    return None
+
+
+def _masked_division(stmt: str, div: ast.BinOp, d: str) -> str:
+    """``torch.where(d > 0, n / d.clamp_min(eps), fallback)`` in the user's line: a nonzero
+    numerator over a zero denominator is x/eps (huge) after a clamp, so the quotient is
+    not used there; the fallback is the tensor ``copy_`` writes into (its old value) when
+    the line shows one, else 0."""
+    n = ast.get_source_segment(stmt, div.left) or ast.unparse(div.left)
+    fallback, why = "0", "0 where the denominator is 0: pick what such a row should hold"
+    tree = ast.parse(stmt)
+    for call in ast.walk(tree):
+        if (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "copy_"
+            and len(call.args) == 1
+            and call.args[0].col_offset <= div.col_offset
+            and (call.args[0].end_col_offset or 0) >= (div.end_col_offset or 0)
+        ):
+            fallback = ast.get_source_segment(stmt, call.func.value) or ast.unparse(call.func.value)
+            why = f"{fallback} keeps its old value where the denominator is 0"
+    eps = f"torch.finfo({_dtype_of(div.right, d)}).eps"
+    safe = f"torch.where({d} > 0, {n} / {paren(d)}.clamp_min({eps}), {fallback})"
+    return (
+        f"{_spliced(stmt, div, safe, grouped=False)}   # {why}; x/eps would be huge, "
+        "the numerator is not 0 there"
+    )
 
 
 def _div_fix(
@@ -3139,6 +3452,12 @@ def _div_fix(
     has no integer dtypes); a float one is kept off 0 by its dtype's eps, on the user's
     own line when it is known; an unknown one gets both."""
     if scalar:  # a temperature annealed to 0, a count: no tensor to clamp
+        own_scalar = _scalar_floor(ev.code)
+        if own_scalar is not None:
+            return (
+                f"{own_scalar}   # a Python number annealed to 0: a floor keeps it above 0 "
+                "(or end the schedule above 0)"
+            )
         return (
             "d = max(d, 1e-3)   # a temperature or a scale annealed to 0: give it a floor\n"
             "y = x / d"
@@ -3847,9 +4166,78 @@ def _root_backward_own(ev: OpEvent) -> tuple[str, str] | None:
             f"{fixed}   # eps inside the sqrt{note}: its gradient at a zero variance is finite",
         )
     if _DISTANCE.search(arg):
-        return None  # a squared distance: the norm and pairwise_distance fixes apply
+        return _squares_under_root(stmt, arg, ev.dtype)
     fixed = rewrite_call(stmt, ["sqrt", "rsqrt"], lambda v: f"{paren(v)}.clamp_min(1e-12)")
     return _ROOT_BACKWARD, f"{fixed}   # keep the sqrt off exact 0: its gradient there is inf"
+
+
+def _complex_parts(arg: str) -> str | None:
+    """``z`` of ``z.real ** 2 + z.imag ** 2`` (any way of squaring): the squared magnitude
+    of a complex tensor; None for anything else."""
+    try:
+        node = ast.parse(arg.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)):
+        return None
+    a, b = _squared(node.left), _squared(node.right)
+    if not (isinstance(a, ast.Attribute) and isinstance(b, ast.Attribute)):
+        return None
+    if {a.attr, b.attr} != {"real", "imag"} or ast.dump(a.value) != ast.dump(b.value):
+        return None
+    return ast.get_source_segment(arg.strip(), a.value) or ast.unparse(a.value)
+
+
+def _root_call(stmt: str) -> ast.Call | None:
+    """The one ``torch.sqrt(...)`` / ``x.sqrt()`` call of ``stmt``; None for none or several."""
+    try:
+        tree = ast.parse(stmt)
+    except SyntaxError:
+        return None
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, (ast.Attribute, ast.Name))
+        and (n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id) == "sqrt"
+    ]
+    return calls[0] if len(calls) == 1 else None
+
+
+def _squares_under_root(stmt: str | None, arg: str, dtype: str | None) -> tuple[str, str] | None:
+    """A sum of squares under the user's sqrt that is not a difference (a - b: the norm and
+    pairwise_distance fixes apply): the magnitude of a complex number, ``z.abs()``, or the
+    user's own expression with an eps inside the sqrt."""
+    if stmt is None or not stmt.isascii():
+        return None
+    try:
+        tree = ast.parse(arg.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    if any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub) for n in ast.walk(tree)):
+        return None
+    parts = _complex_parts(arg)
+    call = _root_call(stmt)
+    if parts is not None and call is not None:
+        return (
+            "sqrt(0) = 0 is a fine forward value, but the derivative 1 / (2·sqrt(x)) is inf "
+            "at x = 0: this is the magnitude of a complex tensor (real² + imag²), which is 0 "
+            "wherever the signal is 0 (digital silence, padding, a zeroed band), and "
+            "autograd multiplies that inf by the 0 gradient of the squares: inf × 0 = NaN. "
+            "torch.abs of a complex tensor computes the same magnitude with a gradient of 0 "
+            "there.",
+            f"{_spliced(stmt, call, f'{paren(parts)}.abs()')}   # |z| of a complex tensor: "
+            "same value, its gradient at 0 is 0, not NaN",
+        )
+    eps = "1e-12" if not _stored_as_zero(1e-12, dtype) else (_eps_floor(dtype) or "1e-8")
+    method = re.search(r"(?<!torch)\.r?sqrt_?\(", stmt) is not None
+    fixed = rewrite_call(stmt, ["sqrt"], lambda v: f"({v} + {eps})" if method else f"{v} + {eps}")
+    if fixed is None:
+        return None
+    return (
+        _ROOT_BACKWARD,
+        f"{fixed}   # eps inside the sqrt: finite gradient where the sum of squares is 0",
+    )
 
 
 def _root_forward_text(e: object) -> str:
@@ -4665,12 +5053,96 @@ def outside_its_domain(ctx: RuleContext) -> Iterator[Diagnosis]:
     evidence.append(f"input {dom.arg} ({ev.dtype}): {_precise_stat(x, dom)}")
     evidence.append(f"{op} made {ev.born}")
     evidence += _chain_evidence(ev, cause.trigger, ev.born)
+    far = None if near else _far_outside(x, dom, ev.dtype)
+    if far is not None:
+        evidence.insert(1, far)
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            evidence=evidence,
+            explanation=_invalid_text(dom),
+            fix=_invalid_fix(ctx, dom),
+        )
+        return
     yield ctx.diagnosis(
         **op_fields(ev, a),
         evidence=evidence,
         explanation=_domain_text(dom, rounding=bool(near)),
         fix=_domain_fix(ev, dom),
     )
+
+
+_FAR_STEPS = 1000  # past an endpoint by more than this many float steps: not rounding
+
+
+def _far_outside(s: TensorStat | None, dom: Domain, dtype: str | None) -> str | None:
+    """Evidence when the input lies far past a finite endpoint (acosh of -94): more than
+    ``_FAR_STEPS`` of the dtype's float steps, so no rounding error made it; None else."""
+    lim = limits(dtype)
+    if s is None or lim is None or dom.poles:
+        return None
+    for value, edge, side in ((s.max, dom.hi, "above"), (s.min, dom.lo, "below")):
+        if not (math.isfinite(value) and math.isfinite(edge)) or not dom.outside_of(value):
+            continue
+        excess = value - edge if side == "above" else edge - value
+        step = lim.eps * max(1.0, abs(edge))
+        if excess > _FAR_STEPS * step:
+            return (
+                f"{_precise(value)} is {fmt(excess)} {side} {_fmt_edge(edge)}, "
+                f"{fmt(excess / step)} {dtype} rounding steps (eps {fmt(lim.eps)}): not "
+                f"rounding, the argument of {dom.name} is wrong"
+            )
+    return None
+
+
+_INVALID_WHY = {
+    "acosh": (
+        "In hyperbolic models it is the Poincaré distance, acosh(1 + 2|u - v|² / ((1 - "
+        "|u|²)(1 - |v|²))): once an optimizer step pushes a point to |u| ≥ 1, out of the "
+        "unit ball, the denominator turns 0 or negative and the argument falls below 1."
+    ),
+    "atanh": (
+        "In hyperbolic models it takes a norm that must stay below 1 (a point of the "
+        "Poincaré ball, tanh⁻¹ of |x|): points that an optimizer step pushed out of the "
+        "ball give norms of 1 and more."
+    ),
+    "acos": (
+        "A cosine computed from vectors that were not normalized (a plain dot product) "
+        "goes far beyond ±1."
+    ),
+    "asin": ("A sine or cosine computed from vectors that were not normalized goes far beyond ±1."),
+}
+
+
+def _invalid_text(dom: Domain) -> str:
+    return (
+        f"{dom.name} is a real number only on {dom.interval}, and its input is far outside, "
+        "not a float step or two: the values that feed it are invalid. "
+        + _INVALID_WHY.get(dom.name, "Check what produces them.")
+        + " A clamp to the domain would hide this: every clamped element gives the same "
+        "value and a zero gradient, and training goes on from wrong values."
+    )
+
+
+def _invalid_fix(ctx: RuleContext, dom: Domain) -> str:
+    head = f"# the input of {dom.name} is invalid, not rounded: fix what computes it"
+    if dom.name in ("acosh", "atanh"):
+        params = [q for q in watched_params([ctx.trace]) if q.endswith("weight")]
+        w = f"model.{params[0]}" if len(params) == 1 else "emb.weight"
+        note = "" if len(params) == 1 else "   # emb: the embedding that holds the points"
+        return (
+            f"{head}\n"
+            "# points must stay inside the unit ball: project them after every opt.step()\n"
+            f"with torch.no_grad():{note}\n"
+            f"    n = {w}.norm(dim=-1, keepdim=True)\n"
+            f"    {w}.mul_(((1 - 1e-5) / n).clamp_max(1))   # rows with |w| >= 1 back inside"
+        )
+    if dom.name in ("acos", "asin"):
+        return (
+            f"{head}\n"
+            "cos = F.cosine_similarity(a, b, dim=-1)   # normalized: within [-1, 1] up to "
+            "rounding"
+        )
+    return head
 
 
 def _domain_line(op: str, hit: DomainHit) -> str:
@@ -4850,11 +5322,20 @@ def _domain_backward(
 
 
 def _steep_text(dom: Domain) -> str:
+    lo = None if math.isinf(dom.lo) else _fmt_edge(dom.lo)
+    hi = None if math.isinf(dom.hi) else _fmt_edge(dom.hi)
+    guard = (
+        f"x.clamp({lo}, {hi})"
+        if lo is not None and hi is not None
+        else f"x.clamp_min({lo})"
+        if lo is not None
+        else f"x.clamp_max({hi})"
+    )
     return (
         f"{dom.name} is finite at the endpoints of {dom.interval}, so the forward pass shows "
         f"nothing, but its derivative {dom.slope} is infinite there; autograd multiplies it "
         "by the incoming gradient and inf × 0 is NaN. Clamping exactly to the endpoints "
-        "(x.clamp(-1, 1) before acos, the usual guard) keeps the forward finite and leaves "
+        f"({guard} before {dom.name}, the usual guard) keeps the forward finite and leaves "
         "the gradient infinite: the clamp needs a margin of a few eps inside."
     )
 
