@@ -554,13 +554,17 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             if k and cause is None and seen is not None:
                 cause = seen.event
             state = state or bool(k and seen is not None and seen.state)
-        if state:  # made of module state that was already non-finite: no birth here
+        all_out = frozenset().union(*out_kinds)
+        born = all_out - in_kinds - scalar_kinds
+        if state and "NaN" in born:
+            # NaN made of module state that already held infinities (inf - inf inside a
+            # matmul with an embedding of +inf and -inf): not born here. An inf the state
+            # passes on (x * scale, scale +inf) stays an event: its inputs show the state
+            # held it, which the rules name (NW111's "did not make the inf").
             for t, k in zip(outs, out_kinds, strict=True):
                 if k:
                     self._remember(t, None, state=True)
             return
-        all_out = frozenset().union(*out_kinds)
-        born = all_out - in_kinds - scalar_kinds
         injected = (all_out & scalar_kinds) - in_kinds
         event: OpEvent | None = None
         if (
