@@ -403,7 +403,9 @@ def scaler_step(i: int, scale: float) -> StepTrace:
 def case_scaler() -> Case:
     scales = [65536.0 / 2**i for i in range(20)]
     hist = [scaler_step(i, s) for i, s in enumerate(scales)]
-    return Case(scaler_step(20, scales[-1] / 2), hist, {"scaler": True})
+    cur = model_step(20, grad=INF)  # skipped too: a step with finite gradients is applied
+    cur.scale = scales[-1] / 2
+    return Case(cur, hist, {"scaler": True})
 
 
 def case_weight_decay() -> Case:

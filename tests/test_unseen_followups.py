@@ -114,7 +114,8 @@ def test_a_scaler_collapse_from_a_nan_born_in_backward_names_the_op_and_its_fix(
 def test_an_untraced_scaler_collapse_names_the_sqrt_from_the_records() -> None:
     nw = siamese_run("watch")
     d = all_diagnoses(nw, "NW305")[0]
-    assert (d.step, d.severity, d.path) == (10, "warning", "Siamese")
+    # a NaN born from finite gradients, twice in a row, is said then, not after 10 skips
+    assert d.step <= 2 and (d.severity, d.path) == ("error", "Siamese")
     assert any("NaN gradient born in the backward of code in Siamese" in e for e in d.evidence)
     assert any("made by SqrtBackward0 and holds exact zeros" in e for e in d.evidence)
     assert "torch.linalg.vector_norm(a - b, dim=-1)" in d.fix
@@ -141,7 +142,8 @@ def test_a_scaler_collapse_from_loss_code_names_the_loss_op_and_its_fix() -> Non
             scaler.update()
             nw.step()
     d305 = all_diagnoses(nw, "NW305")[0]
-    assert (d305.step, d305.path) == (10, "(loss)")
+    # zero residuals from step 3: the second NaN-born step says it, not the tenth skip
+    assert (d305.step, d305.path) == (4, "(loss)")
     assert any("[op aten.sqrt in SqrtBackward0" in e for e in d305.evidence)
     assert any(e.startswith("NW112 sqrt or fractional power at zero") for e in d305.evidence)
     assert "torch.linalg.vector_norm(a - b, dim=-1)" in d305.fix

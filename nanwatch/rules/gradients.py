@@ -1510,6 +1510,29 @@ def _times(ratio: float) -> str:
     return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
 
 
+def _level(values: list[float], need: int) -> tuple[float, int]:
+    """The recent level a gradient norm is compared with: the median of ``values`` (oldest
+    first), or of their later half when the norm rose in a warm-up and then settled there
+    (the later half's median over twice the earlier half's, and the later half no longer
+    rising: its second quarter's median at most twice its first's). Gradients that grow
+    as training starts (a queue of negatives filling, a loss leaving its plateau) leave an
+    early median far below where they settled; a norm still rising keeps the whole median,
+    so an instability that grows step after step is still measured from before it grew.
+    Returns the level and how many of the last steps it is the median of."""
+    med = statistics.median(values)
+    if len(values) < 2 * need:
+        return med, len(values)
+    half = len(values) // 2
+    early, late = values[:half], values[half:]
+    q = len(late) // 2
+    late_med = statistics.median(late)
+    if late_med > 2 * statistics.median(early) and statistics.median(
+        late[q:]
+    ) <= 2 * statistics.median(late[:q]):
+        return late_med, len(late)
+    return med, len(values)
+
+
 def _spikes(
     ctx: RuleContext, kind: str, current: dict[str, float], factor: float, need: int
 ) -> list[tuple[float, str, float, float]]:
@@ -1536,7 +1559,7 @@ def _spikes(
     for key, v, col in zip(keys, current.values(), zip(*rows, strict=True), strict=True):
         if v < factor * min(col) or len(col) - col.count(math.inf) < need:
             continue
-        med = statistics.median([x for x in col if x != math.inf])
+        med, _ = _level([x for x in col if x != math.inf], need)
         if med > 0 and v >= factor * med:
             out.append((v / med, key, v, med))
     out.sort(reverse=True)
@@ -1565,12 +1588,12 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
     totals = [p.total for p in past if p.total is not None and math.isfinite(p.total) and p.total]
     total_spike = False
     if cur.total is not None and math.isfinite(cur.total) and len(totals) >= need:
-        med = statistics.median(totals)
+        med, n = _level(totals, need)
         if med > 0 and cur.total >= factor * med:
             total_spike = True
             evidence.append(
                 f"total gradient norm {fmt(cur.total)} at step {ctx.step}; median of the "
-                f"previous {len(totals)} steps {fmt(med)} ({_times(cur.total / med)})"
+                f"previous {n} steps {fmt(med)} ({_times(cur.total / med)})"
             )
     mods = _spikes(ctx, "modules", _share_of_largest(cur.modules, factor), factor, need)
     params = _spikes(ctx, "params", _above_rounding(cur), factor, need)
@@ -2164,23 +2187,62 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
         else:
             fix = scaler_lines
     else:
-        explanation = (
-            f"Gradients of {top} are {'exactly ' if exact else ''}zero step after step: "
-            "its units are dead "
-            "(ReLUs that never fire, a saturated sigmoid or tanh, a loss clamp) or it is cut "
-            "off from the loss (a .detach(), an argmax, a mask that zeroes it). It stopped "
-            "learning without any error."
-        )
         # the ReLU and BCE lines only where the step shows a ReLU (a module, or an
         # output made by one) or a BCELoss; both when the step recorded no module calls
         kinds = {c.module_type for c in ctx.trace.calls}
         nodes = {r.grad_fn for r in ctx.trace.records if r.grad_fn}
+        relu = kinds & {"ReLU", "ReLU6"} or nodes & {"ReluBackward0", "ThresholdBackward0"}
+        mechanisms = [
+            m
+            for m, seen in (
+                ("ReLUs that never fire", not kinds or relu),
+                (
+                    "a saturated sigmoid or tanh",
+                    not kinds
+                    or kinds & {"Sigmoid", "Tanh", "Hardtanh", "Hardsigmoid"}
+                    or nodes & {"SigmoidBackward0", "TanhBackward0", "HardtanhBackward0"},
+                ),
+                ("a loss clamp", not kinds or "BCELoss" in kinds),
+            )
+            if seen
+        ]
+        dead_units = (
+            f"its units are dead ({', '.join(mechanisms)})"
+            if mechanisms
+            else "it is dead: something between it and the loss outputs a constant (an "
+            "exp() driven to 0, a saturated function, a clamp)"
+        )
+        explanation = (
+            f"Gradients of {top} are {'exactly ' if exact else ''}zero step after step: "
+            f"{dead_units} or it is cut off from the loss (a .detach(), an argmax, a mask "
+            "that zeroes it). It stopped learning without any error."
+        )
         fix = "# find what stops the gradient: a saturated activation, .detach(), a clamp"
-        if (
-            not kinds
-            or kinds & {"ReLU", "ReLU6"}
-            or nodes & {"ReluBackward0", "ThresholdBackward0"}
-        ):
+        jolt = _jolt(ctx, set(dead))
+        if jolt is not None:
+            u, name, move, gmax = jolt
+            lr = _lr_of(u) or 0.0
+            evidence.append(
+                f"the update at step {u.step} moved {name} by about {fmt(move)} in one step "
+                f"(param group {_group_of(u)}, lr {fmt(lr)}"
+                + ("" if _normalized(u.optimizer) else f" × its gradient {fmt(gmax)}")
+                + "); every gradient has been 0 since"
+            )
+            explanation = (
+                f"Gradients of {top} are {'exactly ' if exact else ''}zero step after step, "
+                f"from right after one optimizer step moved {name} by about {fmt(move)} "
+                f"(lr {fmt(lr)} in param group {_group_of(u)}): a weight thrown that far "
+                "saturates what it feeds (an exp() to 0, a sigmoid to 0 or 1, every logit "
+                "alike), and no gradient flows back through it to undo the step. It stopped "
+                "learning without any error."
+            )
+            target = 0.1 / move * lr  # an lr that moves it by about 0.1
+            new = 1e-3 if _normalized(u.optimizer) else 10 ** math.floor(math.log10(target))
+            fix = (
+                f'optimizer.param_groups[{_group_of(u)}]["lr"] = {fmt(new)}   # was '
+                f"{fmt(lr)} ({u.optimizer}): moved {name} by {fmt(move)} in one step"
+            )
+        if relu or not kinds:
             fix += "\nnn.LeakyReLU(0.01)        # instead of ReLU when units die"
         if not kinds or "BCELoss" in kinds:
             fix += "\nnn.BCEWithLogitsLoss()    # instead of sigmoid + BCELoss (clamped at -100)"
@@ -2191,6 +2253,58 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
         explanation=explanation,
         fix=fix,
     )
+
+
+#: an optimizer step that moves one weight by more than this is a jolt: trained weights are
+#: rarely past a few units in size, so it throws the weight far out of its working range
+_JOLT = 10.0
+
+
+def _moving(trace: StepTrace, paths: set[str]) -> bool:
+    """A parameter of ``paths`` got a non-zero, finite gradient this step."""
+    return any(
+        r.phase is Phase.GRADIENT
+        and r.path in paths
+        and r.stat is not None
+        and r.stat.finite
+        and (r.stat.min < 0 or r.stat.max > 0 or (r.stat.norm or 0.0) > 0)
+        for r in trace.records
+    )
+
+
+def _jolt(ctx: RuleContext, dead: set[str]) -> tuple[_Update, str, float, float] | None:
+    """The weight the last update before the gradients went to zero moved the most, when it
+    moved it by more than ``_JOLT`` in one step: the update, the parameter, about how far
+    (lr × its largest gradient; lr for Adam and its kin) and that gradient. From the last
+    step with a non-zero gradient in ``dead`` and its optimizer note."""
+    before = next((t for t in reversed(ctx.history) if _moving(t, dead)), None)
+    if before is None:
+        return None
+    grads = {
+        r.role: r.stat
+        for r in before.records
+        if r.phase is Phase.GRADIENT and r.stat is not None and r.stat.finite
+    }
+    best: tuple[_Update, str, float, float] | None = None
+    for n in (n for n in before.notes if n.kind == "optimizer"):
+        for g in n.data.get("groups", ()):
+            if not isinstance(g, dict):
+                continue
+            u = _Update(n.path, before.step, g)
+            lr = _lr_of(u)
+            if lr is None or lr <= 0:
+                continue
+            for name in g.get("names", ()):
+                s = grads.get(name)
+                if s is None:
+                    continue
+                gmax = max(abs(s.min), abs(s.max))
+                if gmax == 0:
+                    continue
+                move = lr if _normalized(n.path) else lr * gmax
+                if best is None or move > best[2]:
+                    best = (u, name, move, gmax)
+    return best if best is not None and best[2] > _JOLT else None
 
 
 def _zero_factors(traces: list[StepTrace], top: str) -> tuple[list[str], str] | None:
@@ -2408,6 +2522,8 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
     cur = ctx.trace.scale
     if cur is None:
         return
+    # the scale is read at scaler.scale(loss): a fall from one step to the next is the
+    # earlier step's skip; this step's own skip shows in its gradients (or is unknown)
     series = [(t.step, t.scale) for t in ctx.history if t.scale is not None]
     series.append((ctx.step, cur))
     skips = 0
@@ -2416,22 +2532,34 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
             skips += 1
         else:
             break
+    why, birth = ctx.memo(ctx.trace, "NW305.skip", _skip_cause)
+    if why == "finite":
+        return  # this step's gradients are finite: the scaler applies it, training goes on
+    nan_born = why == "nan" and birth is not None
+    if nan_born and _nan_born_before(ctx):
+        skips = max(skips, 1)
+    else:
+        nan_born = False
+    skipped_now = why in ("nan", "inf")
     need = ctx.thresholds.scaler_skips
     window = [s for _, s in series if s is not None]
     falls = sum(1 for x, y in itertools.pairwise(window) if y < x)
     collapsed = skips >= need and cur <= 1.0
     chronic = len(window) > 2 * need and falls >= len(window) // 2 and skips >= need
-    if not (collapsed or chronic):
+    if not (collapsed or chronic or nan_born):
         return
-    why, birth = _skip_cause(ctx.trace)
-    nan_born = why == "nan" and birth is not None
-    if not collapsed and (why in ("inf", "finite") or (why is None and _oversized(cur, birth))):
+    if (
+        not collapsed
+        and not nan_born
+        and (why in ("inf", "finite") or (why is None and _oversized(cur, birth)))
+    ):
         return  # a scale coming down to a working value (each overflow halves it), or settled
     first = series[-1 - skips][1]
+    known = len(window) - 1 + (1 if why is not None else 0)
     evidence = [
-        f"scale fell from {fmt(first)} to {fmt(cur)} over the last {skips} steps: each "
+        f"scale fell from {fmt(first)} to {fmt(cur)} over the last {count(skips, 'step')}: each "
         "fall is a skipped optimizer step",
-        f"{falls} of the last {len(window) - 1} steps were skipped",
+        f"{falls + skipped_now} of the last {known} steps were skipped",
     ]
     a = ctx.anomaly
     bad_grads = [
@@ -2455,8 +2583,37 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
         "applied."
     )
     path = a.path if a is not None else None
+    source: str | None = None
+    if why == "inf" and cur <= 1.0 and not nan_born:
+        # the gradient records are the parameters' (float32 master weights); what overflows
+        # is the low-precision backward in between: float16 unless a record says otherwise
+        low = [r.dtype for r in ctx.trace.records if r.phase in _GRAD_RECORDS]
+        dtype = next((d for d in low if low_precision(d) is not None), "float16")
+        lim = limits(dtype)
+        assert lim is not None
+        dev = device_type(None, *(r.device for r in ctx.trace.records))
+        if birth is not None:
+            path = birth.path
+            evidence.append(
+                f"{birth.summary}: the gradients overflow to inf even at scale {fmt(cur)}, "
+                f"past {dtype}'s max {fmt(lim.max)} unscaled"
+            )
+        fix = (
+            "loss = criterion(out, y)   # reduction='mean' (not 'sum'), or divide the loss "
+            "by the batch size\n"
+            f"with torch.autocast({dev}, dtype=torch.bfloat16):   # float32's range: "
+            "no GradScaler needed"
+        )
+        explanation = (
+            f"A GradScaler halves its scale whenever the gradients contain inf/NaN and "
+            f"skips that step. These gradients are inf, not NaN: {dtype} gradients "
+            f"overflow even unscaled (at scale {fmt(cur)}), so the scale falls below 1 and "
+            "no step is applied. The loss is too large for the dtype: a summed loss grows "
+            "with the batch; a mean-reduced or smaller loss, or bfloat16 / float32, fits."
+        )
     if nan_born and birth is not None:
         path = birth.op.path if birth.op is not None and birth.op.path else birth.path
+        source = birth.op.source if birth.op is not None else None
         evidence.append(
             f"{birth.summary}: the first non-finite gradient holds NaN and no inf, from "
             "finite gradients; no scale makes a NaN, so every step is skipped whatever the "
@@ -2466,6 +2623,7 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
         if named is not None:
             evidence.append(f"{named.code} {named.title}: " + "; ".join(named.evidence[:2]))
             fix = named.fix
+            source = named.source or source
         else:
             fix = (
                 "with torch.autograd.detect_anomaly():   # names the backward op that makes "
@@ -2484,11 +2642,22 @@ def scaler_collapse(ctx: RuleContext) -> Iterator[Diagnosis]:
     yield ctx.diagnosis(
         step=ctx.step,
         path=path,
-        severity="error" if collapsed else "warning",
+        severity="error" if collapsed or nan_born else "warning",
         evidence=evidence,
         explanation=explanation,
         fix=fix,
+        source=source,
     )
+
+
+def _nan_born_before(ctx: RuleContext) -> bool:
+    """Whether the step before this one, under the scaler too, also made a NaN in backward
+    from finite gradients: twice in a row is the model's doing, not a one-off batch."""
+    prev = ctx.history[-1] if ctx.history else None
+    if prev is None or prev.scale is None:
+        return False
+    why, birth = ctx.memo(prev, "NW305.skip", _skip_cause)
+    return why == "nan" and birth is not None
 
 
 def _forensic_call(trace: StepTrace) -> str:
