@@ -2085,6 +2085,14 @@ def _ctc_short_failure(
                 "a row need a blank frame between them: a target that needs more frames than "
                 "its input has no alignment, so its loss is +inf and its gradient NaN. "
                 "zero_infinity=True zeroes those losses and their gradients."
+                + (
+                    " With reduction='none', dropping the +inf losses afterwards "
+                    "(loss[torch.isfinite(loss)]) does not help: CTC's backward still writes "
+                    "NaN into those samples' gradients, even when their loss gets a gradient "
+                    "of 0."
+                    if reduction == "none"
+                    else ""
+                )
             ),
             values=tuple(needs),
             counts=(),

@@ -226,3 +226,25 @@ def test_ctc_on_softmax_probabilities_warns_nw205_with_the_fix() -> None:
             assert any("sums to 1" in e for e in d.evidence)
         else:
             assert not found
+
+
+def test_ctc_too_short_with_reduction_none_says_dropping_the_inf_does_not_help() -> None:
+    """An ESPnet-style loop drops the +inf per-utterance losses after a CTCLoss with
+    reduction='none'; CTC's backward still makes NaN gradients for them (checked here), so
+    the guard stops it and says so."""
+    torch.manual_seed(0)
+    lp = torch.randn(5, 2, 6).log_softmax(-1).requires_grad_()
+    t = torch.randint(1, 6, (2, 8))
+    lens, tl = torch.tensor([5, 5]), torch.tensor([8, 2])
+    loss = F.ctc_loss(lp, t, lens, tl, reduction="none")
+    loss[torch.isfinite(loss)].mean().backward()
+    assert lp.grad is not None and bool(lp.grad.isnan().any())  # what the guard prevents
+    ctc = nn.CTCLoss(reduction="none")
+    with pytest.raises(GuardError) as info, watch(ctc):
+        ctc(lp.detach(), t, lens, tl)
+    assert info.value.code == "NW516"
+    assert "does not help" in info.value.diagnosis.explanation
+    mean = nn.CTCLoss()
+    with pytest.raises(GuardError) as info, watch(mean):
+        mean(lp.detach(), t, lens, tl)
+    assert "does not help" not in info.value.diagnosis.explanation
