@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import errno
 import functools
+import math
 import os
 import signal
 import sys
@@ -31,10 +32,18 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nanwatch.records import StepTrace
     from nanwatch.report import Report
     from nanwatch.watcher import Watcher
 
-__all__ = ["atomic_write", "capture", "classify", "classify_signal", "install_signal_handlers"]
+__all__ = [
+    "atomic_write",
+    "capture",
+    "classify",
+    "classify_signal",
+    "install_signal_handlers",
+    "step_advice",
+]
 
 #: (class, how to recognize it in the exception's type name and message); first match wins
 _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -62,6 +71,18 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("autograd-inplace", ("modified by an inplace operation",)),
+    (
+        "non-finite",  # a check that refuses NaN/inf: clip_grad_norm_(error_if_nonfinite=True)
+        (
+            "is non-finite",
+            "non-finite values",
+            "Inf or NaN",
+            "NaN or Inf",
+            "inf or nan",
+            "nan or inf",
+            "contains either `inf`, `nan`",
+        ),
+    ),
     ("anomaly", ("AnomalyError",)),
     ("guard", ("GuardError",)),
     (
@@ -135,6 +156,11 @@ ADVICE: dict[str, str] = {
         "nanwatch matched it: replace the in-place op (x.mul_(2) -> x = x * 2; "
         "nn.ReLU(inplace=False); out[mask] = 0 -> out = out.masked_fill(mask, 0)), or write "
         "a buffer only after backward."
+    ),
+    "non-finite": (
+        "A check refused a NaN or inf value (clip_grad_norm_(error_if_nonfinite=True), "
+        "torch.multinomial's probabilities): the steps below show which tensors were not "
+        "finite, and Where it went wrong names the first one nanwatch saw."
     ),
     "anomaly": "nanwatch stopped the run at the first anomaly (on_anomaly='raise').",
     "guard": (
@@ -223,6 +249,56 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             info["optimizer"] = found
             info["advice"] = _optimizer_advice(cls, found)
     return info
+
+
+def step_advice(info: dict[str, Any], trace: StepTrace | None, *, scaler: bool = False) -> None:
+    """Sharpen ``info``'s advice (from :func:`classify`) with what the watcher recorded in the
+    step that raised (``trace``): for an exception about non-finite values, which parameter
+    gradients were not finite, and, when a GradScaler scaled them (``scaler``), that such
+    steps are expected and skipped by ``scaler.step``. Host-side data only.
+
+    Example:
+        >>> from nanwatch.records import StepTrace
+        >>> info = classify(RuntimeError("The total norm of order 2.0 ... is non-finite"))
+        >>> step_advice(info, StepTrace(step=3, scale=65536.0), scaler=True)
+        >>> "error_if_nonfinite=False" in info["advice"]
+        True
+    """
+    if info.get("class") != "non-finite" or trace is None:
+        return
+    from nanwatch.records import Phase
+
+    bad = [
+        r.role
+        for r in trace.records
+        if r.phase is Phase.GRADIENT and r.stat is not None and not r.stat.finite
+    ]
+    norm = trace.grad_norm
+    grads_bad = bool(bad) or (norm is not None and not math.isfinite(norm))
+    clip = "total norm" in str(info.get("message", ""))
+    which = ""
+    if bad:
+        names = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        which = f" ({names})"
+    if scaler and trace.scale is not None and (grads_bad or clip):
+        fix = (
+            "call clip_grad_norm_ with error_if_nonfinite=False, after scaler.unscale_(optimizer)"
+            if clip
+            else "let scaler.step(optimizer) skip the step instead of raising on it"
+        )
+        info["advice"] = (
+            "Under a GradScaler, inf and NaN gradients are expected on some steps (scaler.step "
+            f"skips them): {fix}. Step {trace.step}'s gradients were scaled by "
+            f"{trace.scale:.4g} and overflowed{which}; scaler.update() lowers the scale after "
+            "such a step."
+        )
+    elif grads_bad:
+        info["advice"] = (
+            f"Step {trace.step}'s parameter gradients were not finite{which}"
+            + (" when clip_grad_norm_ summed them" if clip else "")
+            + ": the check only reports them. Where it went wrong names the op that made the "
+            "first NaN or inf; fix that, not the check."
+        )
 
 
 def _raised_in_backward(exc: BaseException) -> bool:

@@ -58,6 +58,18 @@ class TensorStat:
     bad_cols: tuple[int, ...] | None = None
     bad_col_count: int | None = None
 
+    def __post_init__(self) -> None:
+        # An empty tensor reads min 0 and max 0; numel 0 with a NaN min or max is a
+        # placeholder for a tensor whose values were never read (the output of an op whose
+        # operands autograd did not save): zero counts there would claim "0 NaN of 0".
+        if self.numel == 0 and (math.isnan(self.min) or math.isnan(self.max)):
+            self.nan = self.posinf = self.neginf = self.zeros = self.near_max = None
+
+    @property
+    def placeholder(self) -> bool:
+        """True when no value of the tensor was read (its size unknown, nothing counted)."""
+        return self.numel == 0 and (math.isnan(self.min) or math.isnan(self.max))
+
     @property
     def counted(self) -> bool:
         return self.nan is not None

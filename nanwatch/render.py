@@ -25,7 +25,7 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +40,16 @@ from rich.text import Text
 from rich.theme import Theme
 
 from nanwatch.localize import custom_function
-from nanwatch.records import Anomaly, AnomalyKind, Call, Phase, Record, StepTrace, TensorStat
+from nanwatch.records import (
+    Anomaly,
+    AnomalyKind,
+    Call,
+    OpEvent,
+    Phase,
+    Record,
+    StepTrace,
+    TensorStat,
+)
 from nanwatch.report import ERROR_LABELS, Event, Report, anomaly_headline
 
 if TYPE_CHECKING:
@@ -271,6 +280,10 @@ def tree_rows(report: Report) -> tuple[list[TreeRow], str]:
 
     def stat_of(call: Call) -> ModuleStat:
         recs = by_call.get(call.id)
+        if recs and phase is Phase.BACKWARD:
+            # one row, one tensor: the gradients of the call's outputs (the gradients it sent
+            # back to its inputs have other shapes and counts: rows of their own)
+            recs = [r for r in recs if not r.role.startswith("input")]
         if recs:
             st = module_stat(recs, trace)
             st.bound = call.passthrough and phase is Phase.FORWARD
@@ -341,6 +354,14 @@ def tree_rows(report: Report) -> tuple[list[TreeRow], str]:
                     ancestor=call.id in ancestors,
                 )
             )
+            if call is culprit and phase is Phase.BACKWARD:
+                more = child_guide + ("│  " if n.children else "   ")
+                for r in by_call.get(call.id, []):
+                    if not r.role.startswith("input"):
+                        continue
+                    st = module_stat([r], trace)
+                    if st.bad or (a is not None and r is a.record):
+                        rows.append(TreeRow(more, f"↳ {r.role}", "its gradient", st))
         ordinal: dict[int, int] = {}
         seen: dict[str, int] = {}
         for sib in kids(call) if call is not None else []:
@@ -626,7 +647,7 @@ def _diagnoses_section(report: Report) -> Iterator[RenderableType]:
     ds = report.diagnoses
     yield _rule(f"Diagnoses ({len(ds)})")
     for d in ds[:_MAX_DIAGNOSES]:
-        yield _diagnosis_block(d, report.diagnosis_steps.get(d.code, 1))
+        yield _diagnosis_block(d, report.diagnosis_steps.get(d.code, 1), _call_sites(report))
     if len(ds) > _MAX_DIAGNOSES:
         yield Text(
             f"… {len(ds) - _MAX_DIAGNOSES} more diagnoses in the HTML and JSON report",
@@ -634,7 +655,7 @@ def _diagnoses_section(report: Report) -> Iterator[RenderableType]:
         )
 
 
-def _diagnosis_block(d: Diagnosis, steps: int) -> Table:
+def _diagnosis_block(d: Diagnosis, steps: int, sites: Collection[str] = ()) -> Table:
     sev = _STATUS_STYLE.get(d.severity, "nanwatch.info")
     head = Text()
     head.append(f"{d.severity} ", style=sev)
@@ -649,10 +670,11 @@ def _diagnosis_block(d: Diagnosis, steps: int) -> Table:
     grid.add_column(width=2)
     grid.add_column(style="nanwatch.label", no_wrap=True)
     grid.add_column(overflow="fold")
-    for i, ev in enumerate(d.evidence):
+    label, evidence = _diagnosis_lines(d, sites)
+    for i, ev in enumerate(evidence):
         grid.add_row("", "evidence" if i == 0 else "", Text(f"• {ev}"))
     if d.source:
-        grid.add_row("", "line", Text(d.source, style="nanwatch.source"))
+        grid.add_row("", label, Text(d.source, style="nanwatch.source"))
     if d.explanation:
         grid.add_row("", "why", Text(d.explanation))
     if d.fix:
@@ -663,6 +685,42 @@ def _diagnosis_block(d: Diagnosis, steps: int) -> Table:
     outer.add_row(head)
     outer.add_row(grid)
     return outer
+
+
+_CALLED_AT = "backward() called at"
+
+
+def _call_site(ev: OpEvent) -> bool:
+    """True when the op's source is the ``backward()`` call that ran it, not its own line:
+    a backward op whose node was made before anomaly mode was on (the forward line that
+    created it is unknown)."""
+    return ev.phase is Phase.BACKWARD and bool(ev.backward_at) and ev.source == ev.backward_at
+
+
+def _call_sites(report: Report) -> set[str]:
+    """The sources in ``report`` that are ``backward()`` call sites standing in for an op's
+    line (see :func:`_call_site`)."""
+    return {
+        ev.source
+        for a in report.anomalies
+        if a.op is not None
+        for ev in a.op.chain()
+        if ev.source and _call_site(ev)
+    }
+
+
+def _diagnosis_lines(d: Diagnosis, sites: Collection[str]) -> tuple[str, list[str]]:
+    """The label of the diagnosis's source (``line``, or ``backward() called at`` when it is
+    the call site of the backward pass, not the op's line) and its evidence, where an item
+    quoting that call site says so."""
+    if not d.source or d.source not in sites or d.phase != Phase.BACKWARD.value:
+        return "line", list(d.evidence)
+    at = f"at {d.source}"
+    evidence = [
+        f"{_CALLED_AT} {x.removeprefix('at ')}" if x == at or x.startswith(at + ":") else x
+        for x in d.evidence
+    ]
+    return _CALLED_AT, evidence
 
 
 def _anomaly_text(a: Anomaly) -> Text:
@@ -695,16 +753,16 @@ def _op_grid(a: Anomaly) -> Table | None:
             src = Text(ev.source, style="nanwatch.source")
             if ev.code:
                 src.append(f"  {ev.code}")
-            grid.add_row("line", src)
+            grid.add_row(_CALLED_AT if _call_site(ev) else "line", src)
         if ev.backward_at and ev.backward_at != ev.source:
-            grid.add_row("backward()", Text(ev.backward_at, style="nanwatch.source"))
+            grid.add_row(_CALLED_AT, Text(ev.backward_at, style="nanwatch.source"))
         for role, s in ev.inputs[:4]:
             grid.add_row(f"input {role}", Text(_stat_text(s)))
         if ev.scalars:
             grid.add_row(
                 "arguments", Text(", ".join(f"{k}={_scalar(v)}" for k, v in ev.scalars.items()))
             )
-        grid.add_row("output", Text(_stat_text(ev.output)))
+        grid.add_row("output", Text(_stat_text(ev.output, ev.born)))
     return grid
 
 
@@ -718,9 +776,11 @@ def _scalar(v: float | int | str) -> str:
     return fmt(v) if isinstance(v, float) else str(v)
 
 
-def _stat_text(s: TensorStat | None) -> str:
+def _stat_text(s: TensorStat | None, born: str = "") -> str:
     if s is None:
         return "not measured"
+    if s.placeholder:  # its values were never read: what the op created, nothing counted
+        return f"{born or s.kinds()} (values not counted)"
     parts = [f"min {fmt(s.min)}", f"max {fmt(s.max)}"]
     if s.finite_amax is not None and not s.finite:
         parts.append(f"finite max |x| {fmt(s.finite_amax)}")
@@ -999,7 +1059,7 @@ def _demo_view(outcome: Outcome) -> _DemoView:
         if a.op is not None:
             at = Text(a.op.op, style="nanwatch.op")
             if a.op.source:
-                at.append(" at ")
+                at.append(f" in the backward, {_CALLED_AT} " if _call_site(a.op) else " at ")
                 at.append(paths.text(a.op.source), style="nanwatch.source")
             rows.append(_DemoRow(Text("at", style="nanwatch.label"), at, line=a.op.code or ""))
     if err is not None:
@@ -1552,8 +1612,10 @@ def _html_error(report: Report) -> str:
 
 def _html_diagnoses(report: Report) -> str:
     cards: list[str] = []
+    sites = _call_sites(report)
     for d in report.diagnoses:
         steps = report.diagnosis_steps.get(d.code, 1)
+        label, evidence = _diagnosis_lines(d, sites)
         head = (
             f'<span class="sev {_e(d.severity)}">{_e(d.severity)}</span>'
             f'<span class="dcode">{_e(d.code)}</span><b>{_e(d.title)}</b>'
@@ -1562,11 +1624,11 @@ def _html_diagnoses(report: Report) -> str:
         if where:
             head += f' <span class="where">({_e(where)})</span>'
         rows: list[tuple[str, str]] = []
-        if d.evidence:
-            items = "".join(f"<li>{_e(x)}</li>" for x in d.evidence)
+        if evidence:
+            items = "".join(f"<li>{_e(x)}</li>" for x in evidence)
             rows.append(("evidence", f'<ul style="margin:0;padding-left:1.2em">{items}</ul>'))
         if d.source:
-            rows.append(("line", f"<code>{_e(d.source)}</code>"))
+            rows.append((label, f"<code>{_e(d.source)}</code>"))
         if d.explanation:
             rows.append(("why", _e(d.explanation)))
         if d.fix:
@@ -1609,9 +1671,10 @@ def _html_where(report: Report) -> str:
                 ]
                 if ev.source:
                     code = f"<pre>{_e(ev.code)}</pre>" if ev.code else ""
-                    kv.append(("line", f"<code>{_e(ev.source)}</code>{code}"))
+                    label = _CALLED_AT if _call_site(ev) else "line"
+                    kv.append((label, f"<code>{_e(ev.source)}</code>{code}"))
                 if ev.backward_at and ev.backward_at != ev.source:
-                    kv.append(("backward()", f"<code>{_e(ev.backward_at)}</code>"))
+                    kv.append((_CALLED_AT, f"<code>{_e(ev.backward_at)}</code>"))
                 kv.extend((f"input {role}", _e(_stat_text(s))) for role, s in ev.inputs)
                 if ev.scalars:
                     kv.append(
@@ -1620,7 +1683,7 @@ def _html_where(report: Report) -> str:
                             _e(", ".join(f"{k}={_scalar(v)}" for k, v in ev.scalars.items())),
                         )
                     )
-                kv.append(("output", _e(_stat_text(ev.output))))
+                kv.append(("output", _e(_stat_text(ev.output, ev.born))))
                 out.append(f'<div class="card op">{_kv(kv, raw=True)}</div>')
         if a.neginf_source is not None:
             n = a.neginf_source

@@ -231,9 +231,10 @@ class Report:
             steps.insert(0, first_bad)
         diagnoses, counts = _gather_diagnoses(steps, first_step)
         error: dict[str, Any] | None = None
+        scaler = getattr(watcher, "scaler", None) is not None
         if exc is not None:
             names = {id(prm): q for q, _, prm in getattr(watcher, "_params", ())}
-            error = _error_info(exc, steps, watcher.step_index, names)
+            error = _error_info(exc, steps, watcher.step_index, names, scaler=scaler)
         elif reason is not None:
             from nanwatch.postmortem import classify_signal
 
@@ -242,7 +243,10 @@ class Report:
         else:
             for t in reversed(steps):
                 if t.error is not None:
+                    from nanwatch.postmortem import step_advice
+
                     error = {**t.error, "step": t.step}
+                    step_advice(error, t, scaler=scaler)
                     break
         cfg = watcher.config
         return cls(
@@ -685,19 +689,23 @@ def _error_info(
     steps: Sequence[StepTrace],
     current: int,
     names: Mapping[int, str] | None = None,
+    *,
+    scaler: bool = False,
 ) -> dict[str, Any]:
-    from nanwatch.postmortem import classify
+    from nanwatch.postmortem import classify, step_advice
 
     info = classify(exc, names)
     step = current
+    raised: StepTrace | None = None
     for t in reversed(steps):
         if t.error is not None:
-            step = t.step
+            step, raised = t.step, t
             break
     else:
         if steps:
-            step = steps[-1].step
+            step, raised = steps[-1].step, steps[-1]
     info["step"] = step
+    step_advice(info, raised, scaler=scaler)
     lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
     if len(lines) > _MAX_TRACEBACK_LINES:
         half = _MAX_TRACEBACK_LINES // 2
