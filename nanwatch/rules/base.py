@@ -424,4 +424,44 @@ def evaluate(
                 continue
             out.extend(found)
     out.sort(key=sort_key)
+    return _birth_first(out, trace.anomaly)
+
+
+def _op_name(op: str) -> str:
+    """``aten.exp.default`` / ``aten.exp`` -> ``exp`` (the op's packet, overload dropped)."""
+    parts = op.split(".")
+    return (parts[1] if len(parts) > 1 else parts[0]).rstrip("_")
+
+
+def _birth_first(out: list[Diagnosis], anomaly: Anomaly | None) -> list[Diagnosis]:
+    """Among diagnoses of the first severity, one that explains the op where the anomaly
+    was born (the oldest op of its cause chain, which the step's headline names: it carries
+    that op, or cites it in its evidence) comes first: a diagnosis that does neither (a loss
+    whose value stayed finite) is second, whatever its priority. Its ``priority`` is
+    lowered to say so, so that every later sort by :func:`sort_key` (the report's) keeps
+    that order."""
+    if anomaly is None or anomaly.op is None or len(out) < 2:
+        return out
+    birth = anomaly.op.chain()[0]
+    name = _op_name(birth.op)
+    top = out[0].severity
+
+    cited = re.compile(rf"\baten\.{re.escape(name)}_?\b")
+
+    def born_here(d: Diagnosis) -> bool:
+        """``d`` is of the birth's op, or its evidence cites that op (a diagnosis of the
+        cause upstream of it: the logits that grew until the exp overflowed)."""
+        if d.severity != top:
+            return False
+        if d.op is not None:
+            return _op_name(d.op) == name
+        return any(cited.search(e) for e in d.evidence)
+
+    if born_here(out[0]) or not any(born_here(d) for d in out):
+        return out
+    first = min(d.priority for d in out if d.severity == top) - 1
+    for d in out:
+        if born_here(d):
+            d.priority = min(d.priority, first)
+    out.sort(key=sort_key)
     return out

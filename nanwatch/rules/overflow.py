@@ -138,9 +138,110 @@ def _softmax_like(ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEvent] 
         return True
     code = (ev.code or "").split("  #", 1)[0]
     if not _SOFTMAX_CODE.search(code):
-        return False
+        return _normalized_later(ev) is not None
     normalized = _exp_normalized(code)
-    return True if normalized is None else normalized
+    if normalized is None:
+        return True
+    return normalized or _normalized_later(ev) is not None
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _sum_of(node: ast.AST, derived: set[str]) -> bool:
+    """``node`` holds a sum (``x.sum(1)``, ``torch.sum(x)``) of something made from
+    ``derived`` names."""
+    for n in ast.walk(node):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+            continue
+        if n.func.attr not in ("sum", "nansum"):
+            continue
+        owner = n.func.value
+        summed = (
+            n.args[0] if isinstance(owner, ast.Name) and owner.id == "torch" and n.args else owner
+        )
+        if _names(summed) & derived:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class _Normalized:
+    """A later line of the exp's function that divides by, or takes the log of, a sum of
+    what the exp made: the exp is a softmax (or log-sum-exp) written over several lines."""
+
+    source: str  #: ``file.py:16``
+    code: str  #: that line
+    log: bool  #: the ratio or the sum goes into a log (a cross-entropy by hand)
+
+
+def _normalized_later(ev: OpEvent, reach: int = 15) -> _Normalized | None:
+    """Where a later line of the same function normalizes the exp's result: the name the
+    exp's line assigns (``sim = torch.exp(...)``) is followed through the lines that use it
+    (``pos = torch.diag(sim, n)``, ``denom = (sim * mask).sum(1)``) to a division by their
+    sum (``pos / denom``) or a log of it; None when no line within ``reach`` does."""
+    import linecache
+
+    path, _, num = (ev.source or "").rpartition(":")
+    if not path or not num.isdigit() or not ev.code or ev.phase is not Phase.FORWARD:
+        return None
+    if packet(ev.op) not in _BARE_EXP:
+        return None
+    start = int(num)
+    here = linecache.getline(path, start)
+    if not here.strip():
+        return None
+    indent = len(here) - len(here.lstrip())
+    derived = {
+        name
+        for stmt in statements(ev.code)
+        if re.search(rf"\b(?:{'|'.join(_EXP_CALLS)})\(", stmt)
+        and (name := _assigned(stmt)) is not None
+    }
+    if not derived:
+        return None
+    top = -1
+    for n in range(start - 1, max(0, start - 200), -1):
+        text = linecache.getline(path, n)
+        if re.match(r"\s*(?:async\s+)?def\s", text) and len(text) - len(text.lstrip()) < indent:
+            top = len(text) - len(text.lstrip())
+            break
+    sums: set[str] = set()
+    for n in range(start + 1, start + reach):
+        text = linecache.getline(path, n)
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        if len(text) - len(text.lstrip()) <= top:
+            break  # the function ended
+        for stmt in statements(text.strip()):
+            try:
+                tree = ast.parse(stmt)
+            except SyntaxError:
+                continue
+            target = _assigned(stmt)
+            if not _names(tree) & derived:
+                derived.discard(target or "")
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                    below = node.right
+                    if _sum_of(below, derived) or _names(below) & sums:
+                        logged = re.search(r"\blog\(", stmt) is not None
+                        return _Normalized(f"{path}:{n}", text.strip(), logged)
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "log"
+                ):
+                    inner = node.args[0] if node.args else node.func.value
+                    if _sum_of(inner, derived) or _names(inner) & sums:
+                        return _Normalized(f"{path}:{n}", text.strip(), True)
+            if target is not None:
+                derived.add(target)
+                if _sum_of(tree, derived):
+                    sums.add(target)
+    return None
 
 
 _SUMMING = frozenset({"sum", "nansum", "cumsum", "logsumexp", "softmax", "log_softmax"})
@@ -395,6 +496,30 @@ def _from_op(
         )
     fields = op_fields(ev, a)
     kind = _kind(name, ev, chain, ctx.trace.ops)
+    init = (
+        _log_init(ctx, ev, x, lim)
+        if wide
+        and lim is not None
+        and not result_only
+        and not cplx
+        and subst is None
+        and loop is None
+        and batch is None
+        and jump is None
+        and kind == "exp"
+        else None
+    )
+    if init is not None:
+        evidence = [
+            init.evidence if e.startswith("exp's argument reached") else e for e in evidence
+        ]
+    norm = _normalized_later(ev) if kind == "softmax" and not cplx else None
+    if norm is not None:
+        evidence.append(
+            f"the exp's result is normalized at {norm.source}: {norm.code} -- a "
+            + ("log of a ratio of exps (a cross-entropy" if norm.log else "softmax (")
+            + " written by hand)"
+        )
     if cplx and kind == "softmax":
         kind = "exp"  # a complex tensor has no max to subtract: bound its real part
     # an exp summed per segment by index (index_add_, scatter_add): a softmax per segment
@@ -426,6 +551,8 @@ def _from_op(
     elif jump is not None and lim is not None:
         explanation = _explain_jump(jump, dtype, lim, _setting_cause(ctx))
         fix = _fix_jump(ctx, jump)
+    elif init is not None and lim is not None:
+        explanation, fix = init.explanation(dtype, lim), init.fix(lim)
     elif wide and lim is not None:
         cause = "" if first else _setting_cause(ctx)
         explanation = _explain_wide(
@@ -482,9 +609,32 @@ def _from_op(
             cast_input=_cast_input(ctx, ev) if kind == "cast" else None,
             operands=tuple(s.magnitude for _, s in ev.inputs if s is not None),
         )
+    moved = _closure_moved(ctx) if wide and subst is None and loop is None else None
+    if moved is not None and batch is None and jump is None and init is None:
+        explanation += (
+            f" Here it happened {_closure_words(moved)}: {moved[0]} evaluates the loss several "
+            "times in one step() and updates the weights after each evaluation, so an lr "
+            "too large for its iterations moves them past the overflow within a single step."
+        )
+        fix = "\n".join([*_closure_fix(moved), fix])
     if not wide and loop is None and batch is None and jump is None and kind != "backward":
         in_loss = _loss_module_fix(ctx, a, ev, dtype, lim)
         fix = in_loss if in_loss is not None else fix
+    if norm is not None and norm.log and loop is None and batch is None and jump is None:
+        got: list[str] = []
+
+        def keep(e: str) -> str:
+            got.append(e)
+            return e
+
+        _rewrite_calls(ev.code, name.rstrip("_"), keep)
+        logits = got[0] if len(got) == 1 else "the exp's argument"
+        fix += (
+            f"\n# {norm.code} is a cross-entropy over the rows of {logits}: in log space "
+            f"it neither overflows nor underflows: F.cross_entropy({logits}, <row's target "
+            "index>), or F.log_softmax / torch.logsumexp over the same rows (masked entries "
+            "set to -inf first)"
+        )
     if seg is not None and loop is None and batch is None and jump is None:
         fix = _segment_fix(ev.code, name.rstrip("_"), seg) or fix
         explanation += (
@@ -790,8 +940,151 @@ def _called_ref(code: str | None, path: str) -> str | None:
 
 
 def _first_step(ctx: RuleContext) -> bool:
-    """No optimizer update came before this step (the first step nanwatch saw)."""
-    return not ctx.history and ctx.step == 0
+    """No optimizer update came before this step (the first step nanwatch saw), nor inside
+    it: a closure optimizer's own iterations (:func:`_closure_moved`) update the weights
+    between the evaluations of one step()."""
+    return not ctx.history and ctx.step == 0 and _closure_moved(ctx) is None
+
+
+def _closure_moved(ctx: RuleContext) -> tuple[str, int, float | None] | None:
+    """The anomaly came inside a closure optimizer's step() (LBFGS), after its closure had
+    already run backward: the optimizer's class, how many backward passes came before the
+    anomaly (each followed by one of its own updates), and its lr; None otherwise. One
+    step() evaluates the loss several times and moves the weights between evaluations."""
+    a = ctx.anomaly
+    note = next(
+        (n for n in ctx.trace.notes if n.kind == "optimizer" and n.path in _CLOSURE_OPTIMIZERS),
+        None,
+    )
+    if a is None or note is None:
+        return None
+    passes: dict[str, int] = {}
+    for r in ctx.trace.records:
+        if r.phase is Phase.GRADIENT and r.index < a.record.index:
+            passes[r.role] = passes.get(r.role, 0) + 1
+    n = max(passes.values(), default=0)
+    if n < 1:
+        return None
+    lrs = [
+        float(g["lr"])
+        for g in note.data.get("groups", ())
+        if isinstance(g, dict) and isinstance(g.get("lr"), (int, float))
+    ]
+    return note.path, n, max(lrs) if lrs else None
+
+
+def _closure_words(moved: tuple[str, int, float | None]) -> str:
+    opt, n, lr = moved
+    lr_s = f", lr {fmt(lr)}" if lr is not None else ""
+    return (
+        f"inside {opt}.step(){lr_s}: its closure had already run {n} backward "
+        f"pass{'' if n == 1 else 'es'} in this step, and {opt}'s own iterations moved the "
+        "weights between them"
+    )
+
+
+def _closure_fix(moved: tuple[str, int, float | None]) -> list[str]:
+    opt, _, lr = moved
+    lines = []
+    if opt == "LBFGS":
+        lines.append(
+            'for g in optimizer.param_groups: g["line_search_fn"] = "strong_wolfe"   # or '
+            'LBFGS(..., line_search_fn="strong_wolfe"): without a line search each inner '
+            "iteration takes a full lr-sized step, even one that raises the loss"
+        )
+    if lr is not None:
+        lines.append(
+            f'for g in optimizer.param_groups: g["lr"] = {_lower(lr)}   # was {fmt(lr)} ({opt})'
+        )
+    return lines
+
+
+@dataclass(frozen=True)
+class _LogInit:
+    """An exp of a module's own attribute (a parameter used as a log: exp(p) is the
+    quantity) that already overflows at step 0, before any update: it was initialised to the
+    quantity itself, not to its log."""
+
+    arg: str  #: exp's argument as written: ``self.logit_scale``
+    attr: str  #: the attribute's name: ``logit_scale``
+    value: float  #: its initial value (every element holds it)
+    numel: int
+    code: str | None = None  #: the user's exp line
+    op: str = "exp"
+
+    @property
+    def evidence(self) -> str:
+        return (
+            f"exp's argument {self.arg} is {fmt(self.value)} at step 0, before any optimizer "
+            f"update: its initial value already overflows exp (e^{fmt(self.value)} ≈ "
+            f"1e{int(self.value * math.log10(math.e))}); {self.arg} is used as a log (exp of it "
+            f"is the quantity) but was initialised to the quantity itself"
+        )
+
+    def explanation(self, dtype: str, lim: DtypeLimits) -> str:
+        return (
+            f"exp overflows {dtype} above {fmt(lim.exp_bound)} = log({fmt(lim.max)}). "
+            f"{self.arg} is used through exp({self.arg}), so it holds a log: "
+            f"initialised to {fmt(self.value)}, it makes exp({self.arg}) = "
+            f"e^{fmt(self.value)} on the very first forward. No update came before: nothing "
+            f"drifted. Initialise it to log({fmt(self.value)}) = {fmt(math.log(self.value))}; "
+            "a clamp of the argument at the overflow bound would only pin the parameter "
+            "there, with zero gradient and huge values."
+        )
+
+    def fix(self, lim: DtypeLimits) -> str:
+        v = repr(float(self.value))
+        made = (
+            f"torch.tensor(math.log({v}))"
+            if self.numel == 1
+            else f"torch.full_like(<initial tensor>, math.log({v}))"
+        )
+        cap = math.floor(lim.exp_bound / 2 * 10) / 10
+        small = math.log(self.value) < cap
+        hi = f"math.log({v})" if small else str(cap)
+        most = fmt(self.value) if small else fmt(math.exp(cap))
+        plain = self.code.split("  #", 1)[0].strip() if self.code else ""
+        fixed = _rewrite_calls(self.code, self.op, lambda e: f"{paren(e)}.clamp(max={hi})")
+        bound = (
+            f"{fixed}   # was: {plain}"
+            if fixed is not None
+            else f"# and bound the log where it is used: exp({self.arg}.clamp(max={hi}))"
+        )
+        return (
+            f"self.{self.attr} = nn.Parameter({made})   # in __init__: it is a log; was "
+            f"initialised to {fmt(self.value)}, the quantity itself\n"
+            f"{bound}\n"
+            f"# the log is bounded at {hi}: exp({self.arg}) stays at most {most}, far under "
+            f"{fmt(lim.max)}"
+        )
+
+
+def _log_init(
+    ctx: RuleContext, ev: OpEvent, x: TensorStat | None, lim: DtypeLimits
+) -> _LogInit | None:
+    """The exp's argument is a module attribute (``self.p``, or a watched parameter the
+    line names), taken as is, whose every value is the same number past exp's bound at
+    step 0 before any update: an initial value, given as the quantity, not its log."""
+    if packet(ev.op) not in _EXP_CALLS or ev.phase is not Phase.FORWARD or x is None:
+        return None
+    if not _first_step(ctx) or not (x.min == x.max and x.max > lim.exp_bound):
+        return None
+    found = _exp_argument(ev.code)
+    if found is None or found[0] != found[1]:
+        return None
+    arg = found[0]
+    params = watched_params((ctx.trace, *ctx.history))
+    attr = arg.rsplit(".", 1)[-1]
+    if not (arg.startswith("self.") or (params and param_named(params, arg) is not None)):
+        return None
+    return _LogInit(
+        arg=arg,
+        attr=attr,
+        value=float(x.max),
+        numel=x.numel,
+        code=ev.code,
+        op=packet(ev.op).rstrip("_"),
+    )
 
 
 def _overflowing(name: str, x: TensorStat | None, big: float) -> float:
@@ -1890,7 +2183,9 @@ def _growth_line(
             if math.isfinite(frac) and frac >= 0.01
             else f"{noun} up to {fmt(big)}"
         )
-    if _first_step(ctx):
+    if (moved := _closure_moved(ctx)) is not None:
+        when = f"at step {ctx.step}, {_closure_words(moved)}"
+    elif _first_step(ctx):
         when = (
             "at step 0, before any optimizer update: the initial weights or the inputs put it "
             "there, not the learning rate"
@@ -2318,7 +2613,8 @@ def _fix_wide(
             else "# or bound the real part where it is made: a decay or damping passed "
             "through F.softplus (never negative) instead of a raw parameter"
             if complex_
-            else "std = F.softplus(raw) + 1e-4   # or: a scale parameterized by softplus, not exp"
+            else "# or parameterize the positive quantity with F.softplus (it grows linearly), "
+            "not exp"
         )
         what = "the real part" if complex_ else "the argument"
         if box:
