@@ -231,8 +231,9 @@ class Scale(nn.Module):
 
 
 def test_a_nan_buffer_of_a_submodule_assigned_after_attach_is_module_state() -> None:
-    """A submodule set after attach holds a NaN buffer: the model's own replay reads it. Only
-    the model's own parameters and buffers were looked at, so it was a transient (NW404)."""
+    """A submodule set after attach holds a NaN buffer. Only the model's own parameters and
+    buffers were looked at, so it was a transient (NW404); the new submodule is now hooked
+    at the next step's first call, under its name, and its own forward reads the buffer."""
     torch.manual_seed(0)
 
     class Model(nn.Module):
@@ -254,10 +255,10 @@ def test_a_nan_buffer_of_a_submodule_assigned_after_attach_is_module_state() -> 
 
     nw = _run(model, nn.CrossEntropyLoss(), _batches(4, (4, 6), 3), before=add)
     a = nw.first_anomaly
-    assert (a.step, a.path, a.transient) == (2, "Model", None)
+    assert (a.step, a.path, a.transient) == (2, "scale", None)
     d = _top(nw)
     assert d.code == "NW405"
-    assert d.evidence[0] == "Model.scale.gain (buffer, float32) holds NaN"
+    assert d.evidence[0] == "scale.gain (buffer, float32) holds NaN"
 
 
 class Shift(nn.Module):
