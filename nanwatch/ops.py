@@ -1245,11 +1245,13 @@ def replay(
     on_error: Callable[[BaseException], None] | None = None,
     attempts: int = 8,
     pre_hooks: bool | int = True,
+    hold: Callable[[torch.Tensor], bool] | None = None,
 ) -> ReplayResult:
     """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
     :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
-    buffers are restored afterwards. Every watcher's hooks stay quiet during the replay
-    (they only track which module is running).
+    buffers are restored afterwards. The module's non-finite parameters and buffers are
+    held as given (:meth:`OpChecker.hold_state`), or only those ``hold`` says. Every
+    watcher's hooks stay quiet during the replay (they only track which module is running).
 
     A forward that draws random numbers (dropout, ``torch.randint``) cannot repeat the
     original draws, which are gone: it is run again with new draws, up to ``attempts``
@@ -1259,7 +1261,9 @@ def replay(
     with preserved_state(module, devices), _replay_scope():
         for _ in range(max(1, attempts)):
             chk = OpChecker(current_path=current_path or replay_path, on_error=on_error)
-            chk.hold_state([*module.parameters(), *module.buffers()])
+            chk.hold_state(
+                t for t in (*module.parameters(), *module.buffers()) if hold is None or hold(t)
+            )
             before = rng_states(devices)
             push_path(path)
             out: Any = None

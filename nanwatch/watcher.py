@@ -468,6 +468,8 @@ class Watcher:
         self._scaled_out = None
         self._tree = None
         self._tree_step = -1
+        #: each watched module's buffers and their versions when hooked: see _moved_state
+        self._state_marks: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
         #: global module hooks: every module called while attached is watched (nanwatch run)
         self.global_hooks = global_hooks
         self._forensic = self.config.mode == "forensic"
@@ -673,7 +675,10 @@ class Watcher:
         in sentinel mode); the handles go to ``self._handles``."""
         full_hooks = self.config.mode != "sentinel"
         forensic = self._forensic
+        marks = self._state_marks
         for module, info in modules:
+            for b in module.buffers(recurse=False):
+                marks[id(b)] = (weakref.ref(b), b._version)
             if not (info.is_root or full_hooks):
                 continue
             if not info.post_only or forensic:
@@ -694,6 +699,20 @@ class Watcher:
         """The children of every watched module, as (name, module) pairs: compared at each
         step's first call of a root, it tells that the model changed shape since attach."""
         return [tuple(m._modules.items()) for m, _ in self._modules]
+
+    def _moved_state(self, t: torch.Tensor) -> bool:
+        """Whether a replay takes the non-finite values of module state ``t`` as given, not
+        born in the ops that read them (see ``ops.OpChecker.hold_state``): parameters (the
+        weight checks name an update that made them non-finite), and buffers written since
+        they were hooked (an EMA codebook divided by a zero count). A buffer unchanged since
+        then holds its infinities by design (a causal mask of +inf): the op that makes NaN
+        of them (0 * inf) is the one to blame."""
+        if isinstance(t, nn.Parameter):
+            return True
+        mark = self._state_marks.get(id(t))
+        if mark is None or mark[0]() is not t:
+            return True  # set after attach: nothing says it was written by design
+        return t._version != mark[1]
 
     def _check_tree(self) -> None:
         """Once a step, at a root's call from outside: a module added under a watched one
@@ -3213,6 +3232,7 @@ class Watcher:
             path=target.path,
             on_error=self._checker_fault,
             pre_hooks=hooks,
+            hold=self._moved_state,
         )
         trace.ops.extend(result.events)
         first = result.first()
@@ -3378,7 +3398,13 @@ class Watcher:
         if _distributed() is not None:
             return  # a replay on one rank could block in a collective (see _pinpoint)
         result = ops.replay(
-            module, args, kwargs, path=maker.path, on_error=self._checker_fault, pre_hooks=hooks
+            module,
+            args,
+            kwargs,
+            path=maker.path,
+            on_error=self._checker_fault,
+            pre_hooks=hooks,
+            hold=self._moved_state,
         )
         made = next((e for e in result.events if "-inf" in e.born), None)
         if made is None:
