@@ -70,7 +70,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--no-guards", action="store_true", help="do not check loss and embedding inputs"
     )
-    run.add_argument("script", metavar="SCRIPT", help="the Python script to run")
+    run.add_argument(
+        "-m",
+        dest="module",
+        metavar="MODULE",
+        help="run MODULE as __main__, as python -m does (a package's module with relative "
+        "imports: -m pkg.train); the arguments after it are the script's",
+    )
+    run.add_argument("script", nargs="?", metavar="SCRIPT", help="the Python script to run")
     run.add_argument(
         "args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script"
     )
@@ -155,12 +162,102 @@ def _cmd_rules(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
+def _split_run(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """``nanwatch run``'s own arguments, up to and including SCRIPT (or ``-m MODULE``), and
+    the script's arguments after it, exactly as given: argparse's REMAINDER drops a leading
+    ``--`` that ``python train.py -- a`` keeps."""
+    if not argv or argv[0] != "run":
+        return argv, []
+    run = next(
+        a.choices["run"] for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    takes_value = {
+        flag: action.nargs != 0 for action in run._actions for flag in action.option_strings
+    }
+    i = 1
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":  # what follows is SCRIPT
+            return argv[: i + 2], argv[i + 2 :]
+        if token.startswith("-m"):
+            end = i + 2 if token == "-m" else i + 1  # -m pkg.train or -mpkg.train
+            return argv[:end], argv[end:]
+        if token.startswith("-") and token != "-":
+            name = token.split("=", 1)[0]
+            known = [f for f in takes_value if f == name] or [
+                f for f in takes_value if f.startswith(name) and name.startswith("--")
+            ]
+            if "=" not in token and len(known) == 1 and takes_value[known[0]]:
+                i += 1  # its value
+            i += 1
+            continue
+        return argv[: i + 1], argv[i + 1 :]  # SCRIPT
+    return argv, []
+
+
+def _run_script(path: str) -> None:
+    """Run the file ``path`` as ``__main__`` as ``python path`` does: ``__file__`` absolute
+    (a script that changes directory, Hydra-style, still finds files next to it),
+    ``sys.argv[0]`` as typed. A directory or zip file with a ``__main__.py`` goes to
+    :func:`runpy.run_path`, as python does."""
+    import builtins
+    import importlib.machinery
     import os
     import runpy
+    import types
+    import zipfile
 
-    script = args.script
-    if not os.path.isfile(script):
+    full = os.path.abspath(path)
+    if not os.path.isfile(full) or full.endswith((".pyc", ".pyo")) or zipfile.is_zipfile(full):
+        runpy.run_path(path, run_name="__main__")
+        return
+    with open(full, "rb") as f:
+        source = f.read()
+    code = compile(source, full, "exec", dont_inherit=True)  # not this file's __future__
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __file__=full,
+        __cached__=None,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", full),
+        __package__=None,
+        __spec__=None,
+        __builtins__=builtins,
+    )
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = main
+    try:
+        exec(code, main.__dict__)
+    finally:
+        if saved is None:
+            sys.modules.pop("__main__", None)
+        else:
+            sys.modules["__main__"] = saved
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    import os
+
+    module: str | None = args.module
+    script: str = args.script or ""
+    if (module is None) == (args.script is None):
+        what = "give a SCRIPT or -m MODULE, not both" if module else "give a SCRIPT to run"
+        print(f"nanwatch: error: {what} (nanwatch run --help)", file=sys.stderr)
+        return 2
+    saved_argv, saved_path0 = sys.argv, sys.path[0]
+    if module is not None:
+        import importlib.util
+
+        sys.path[0] = os.getcwd()  # python -m: the current directory comes first
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            sys.path[0] = saved_path0
+            print(f"nanwatch: error: no module named {module!r}", file=sys.stderr)
+            return 2
+        script = module.rsplit(".", 1)[-1] + ".py"  # names the end-of-run report
+    elif not os.path.isfile(script):
         print(f"nanwatch: error: no such script: {script!r}", file=sys.stderr)
         return 2
     import nanwatch
@@ -168,7 +265,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     options: dict[str, Any] = dict(
         mode=args.mode,
         on_anomaly=args.on_anomaly,
-        report_dir=args.report_dir,
+        # the script may change directory (Hydra does): the reports go where nanwatch was
+        # started, and the paths it prints stay valid
+        report_dir=os.path.abspath(args.report_dir),
         sample_every=args.sample_every,
         allow=tuple(args.allow),
         ignore=tuple(args.ignore),
@@ -179,10 +278,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except nanwatch.ConfigError as exc:  # named by its flag, not its Python keyword
         flag = "--" + exc.name.replace("_", "-")
         print(f"nanwatch: error: {str(exc).replace(f'`{exc.name}`', flag)}", file=sys.stderr)
+        sys.path[0] = saved_path0
         return 2
-    saved_argv, saved_path0 = sys.argv, sys.path[0]
-    sys.argv = [script, *args.args]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    sys.argv = [module or script, *args.args]  # run_module sets argv[0] to the module's file
+    if module is None:
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
     code: int = 0
     crashed = False
     from nanwatch import _frames
@@ -192,7 +292,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         held: BaseException | None = None
         with _frames.launched_here(), _children_watched(options, script) as children, nw:
             try:
-                runpy.run_path(script, run_name="__main__")
+                if module is not None:
+                    import runpy
+
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+                else:
+                    _run_script(script)
             except BaseException as exc:
                 if not children.failed(exc):
                     raise
@@ -331,8 +436,12 @@ class _Watched:
                 found.remove()
 
         found = torch.nn.modules.module.register_module_forward_pre_hook(note_rank)
+        from nanwatch import _frames
+
         try:
-            with _children_watched(self.options, self.script), nw:
+            # a spawned child starts with no launcher of its own: its advice is still
+            # nanwatch run's (--ignore), as in the parent
+            with _frames.launched_here(), _children_watched(self.options, self.script), nw:
                 result = self.fn(*args, **kwargs)
             ended = True
             return result
@@ -386,7 +495,10 @@ def _end_of_run_report(nw: Any, script: str, process: str | None = None) -> None
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    own, script_args = _split_run(parser, list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_args(own)
+    if args.command == "run":
+        args.args = list(args.args) + script_args  # after SCRIPT: the script's, unchanged
     if args.command is None:
         parser.print_help()
         return 0

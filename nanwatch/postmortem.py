@@ -584,6 +584,43 @@ def _save_new(report: Report, directory: Path, stem: str) -> tuple[Path, str]:
         candidate = f"{stem}-{n}"
 
 
+# ---------------------------------------------------------------------- where
+def unwritable(directory: str | os.PathLike[str]) -> str | None:
+    """Why no report can be written in ``directory`` (``"PermissionError: ..."``), or None
+    when it can: the directory is made if missing, and a temporary file is created in it
+    and removed. Asked before a report is due, so that a message never points at a
+    directory the report will not be in.
+
+    Example:
+        >>> unwritable("/proc/nanwatch-reports")           # doctest: +SKIP
+        "FileNotFoundError: [Errno 2] No such file or directory: '/proc/nanwatch-reports'"
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def full_report_line(directory: str | os.PathLike[str]) -> str:
+    """The last line of ``nanwatch run``'s :class:`~nanwatch.AnomalyError`: where its report
+    is, or, when ``directory`` cannot take it, that it will not be written and what to do.
+
+    Example:
+        >>> full_report_line("/tmp/reports")               # doctest: +SKIP
+        '  full report: in /tmp/reports (nanwatch report <file>.json)'
+    """
+    problem = unwritable(directory)
+    if problem is None:
+        return f"  full report: in {os.fspath(directory)} (nanwatch report <file>.json)"
+    return (
+        f"  full report: not written, {os.fspath(directory)!r} is not writable ({problem}); "
+        "give --report-dir a writable directory"
+    )
+
+
 # ---------------------------------------------------------------------- capture
 def capture(watcher: Watcher, exc: BaseException) -> Path | None:
     """Write the post-mortem report for ``exc`` (JSON, then HTML) into the watcher's

@@ -40,6 +40,14 @@ _BUILTIN_PREFIX = "nanwatch.rules."
 T = TypeVar("T")
 
 
+def _under_cli() -> bool:
+    """Whether this process runs a script under ``nanwatch run`` (its launcher's frames are
+    registered by :func:`nanwatch._frames.launched_here`)."""
+    from nanwatch import _frames
+
+    return bool(_frames._launchers)
+
+
 @dataclass(slots=True, eq=False)
 class Diagnosis:
     """What went wrong, where, the numbers that show it, and the fix.
@@ -66,9 +74,14 @@ class Diagnosis:
     fix: str = ""  #: code the user can paste
     source: str | None = None  #: the user's line, ``file.py:42``
     priority: int = 50  #: lower sorts first among diagnoses of equal severity
+    #: made in a script run by ``nanwatch run``: silenced by its ``--ignore``, not by a
+    #: ``watch()`` call the script does not have (kept in the saved report)
+    cli: bool = field(default_factory=_under_cli)
 
     @property
     def silence(self) -> str:
+        if self.cli:
+            return f"nanwatch run --ignore {self.code} ..."
         return f'nanwatch.watch(..., ignore=["{self.code}"])'
 
     @property
@@ -107,6 +120,7 @@ class Diagnosis:
             "fix": self.fix,
             "source": self.source,
             "priority": self.priority,
+            **({"cli": True} if self.cli else {}),
         }
 
     @classmethod
@@ -125,6 +139,7 @@ class Diagnosis:
             fix=d.get("fix", ""),
             source=d.get("source"),
             priority=int(d.get("priority", 50)),
+            cli=bool(d.get("cli", False)),
         )
 
 
