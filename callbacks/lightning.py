@@ -305,6 +305,28 @@ def _ranks_text(ranks: Sequence[int], world: int) -> str:
 
 
 # ---------------------------------------------------------------------- the callback
+def _skip_clipping_once(pl_module: Any) -> None:
+    """Lightning clips the gradients right after ``on_before_optimizer_step``, through
+    ``pl_module.configure_gradient_clipping``: on an update dropped by setting every gradient
+    to None, ``clip_grad_value_`` raises on the empty list (norm clipping returns 0). That
+    hook is shadowed on the instance for this one call, by a no-op that removes itself;
+    :func:`_unskip_clipping` removes it if no clipping came (another precision plugin)."""
+    if "configure_gradient_clipping" in vars(pl_module):
+        return  # the user's own per-instance override, or ours already
+
+    def _no_clipping(*args: Any, **kwargs: Any) -> None:
+        _unskip_clipping(pl_module)
+
+    _no_clipping._nanwatch_drop = True  # type: ignore[attr-defined]
+    object.__setattr__(pl_module, "configure_gradient_clipping", _no_clipping)
+
+
+def _unskip_clipping(pl_module: Any) -> None:
+    fn = vars(pl_module).get("configure_gradient_clipping")
+    if getattr(fn, "_nanwatch_drop", False):
+        del vars(pl_module)["configure_gradient_clipping"]
+
+
 class _NanWatch:
     """Watches a LightningModule's training for NaN/inf, fp16 overflow and bad loss inputs;
     pinpoints the op by replaying the failing batch; stops, skips, raises or warns.
@@ -594,6 +616,7 @@ class _NanWatch:
         nw = self.watcher
         if nw is None or not (nw.attached or self._broken):
             return
+        _unskip_clipping(pl_module)
         done = None if self._broken else self._guarded(self._end_step, trainer, pl_module, outputs)
         if not pl_module.automatic_optimization and not self._opt_stepped:
             self._decide(trainer, pl_module, None)
@@ -793,6 +816,8 @@ class _NanWatch:
                 params[id(p)] = p
         for p in params.values():
             p.grad = None
+        if pl_module.automatic_optimization:
+            _skip_clipping_once(pl_module)
 
     def _who(
         self, trainer: Any, world: int, unapplied: bool, late: bool, first: int

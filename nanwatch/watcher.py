@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import linecache
 import math
+import numbers
 import os
 import sys
 import threading
@@ -114,6 +115,7 @@ _PASSTHROUGH: frozenset[type] = frozenset(
         nn.AdaptiveMaxPool3d,
     }
 )
+_PASSTHROUGH_NAMES = frozenset(t.__name__ for t in _PASSTHROUGH)
 _FAST_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
@@ -192,6 +194,41 @@ _PRESERVING: frozenset[type] = _types(
     "CircularPad3d",
     "Embedding",
 )
+#: the normalizations among them: finite-preserving only while the constant added to the
+#: divisor is positive (``eps``; LocalResponseNorm's ``k``): with 0, a constant or all-zero
+#: input makes 0/0
+_NORMS: frozenset[type] = _types(
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "SyncBatchNorm",
+    "LayerNorm",
+    "GroupNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "RMSNorm",
+)
+
+
+def _preserves(m: nn.Module) -> bool:
+    """``m`` cannot make a NaN or inf of finite inputs (short of an overflow): its type is
+    in ``_PRESERVING`` and, for a normalization, the constant guarding its divisor is > 0
+    (RMSNorm's ``eps=None`` means the dtype's own eps)."""
+    t = type(m)
+    if t not in _PRESERVING:
+        return False
+    if t in _NORMS:
+        eps = getattr(m, "eps", 0.0)
+        if eps is None:
+            return t.__name__ == "RMSNorm"
+        return isinstance(eps, (int, float)) and eps > 0
+    if t.__name__ == "LocalResponseNorm":
+        k = getattr(m, "k", 0.0)
+        return isinstance(k, (int, float)) and k > 0
+    return True
+
+
 #: dtypes whose range makes overflow of a finite-preserving module implausible
 _WIDE = frozenset({torch.float32, torch.float64, torch.bfloat16})
 
@@ -280,7 +317,7 @@ class _ModInfo:
         self.is_root = is_root
         self.first_root = first_root
         self.passthrough = _is_passthrough(module) and not is_root
-        self.preserving = type(module) in _PRESERVING and not is_root
+        self.preserving = _preserves(module) and not is_root
         #: a norm with running statistics (BatchNorm, InstanceNorm(track_running_stats)):
         #: in eval it reads them, and a NaN or 0 there makes NaN/inf of finite inputs
         self.reads_stats = self.preserving and isinstance(module, nn.modules.batchnorm._NormBase)
@@ -475,6 +512,9 @@ class Watcher:
         self._forensic = self.config.mode == "forensic"
         self._infos: weakref.WeakKeyDictionary[nn.Module, _ModInfo] = weakref.WeakKeyDictionary()
         self.history: deque[StepTrace] = deque(maxlen=self.config.ring_size)
+        #: the step a :meth:`load_state_dict` resumed at: ``history``'s steps before it are
+        #: the restored ones (-1: nothing restored)
+        self._resumed_at = -1
         self._attach_versions: dict[int, int] = {}
         self._pinpointed: set[str] = set()  #: module paths replayed for an anomaly
         self._first_bad: StepTrace | None = None
@@ -927,6 +967,7 @@ class Watcher:
         self.anomalies = [Anomaly.from_dict(a) for a in state.get("anomalies", [])]
         self.first_anomaly = self.anomalies[0] if self.anomalies else None
         self._step = int(state["step"])
+        self._resumed_at = self._step
         self._reset_step()
 
     def close(self, exc: BaseException | None = None) -> Any:
@@ -3066,7 +3107,9 @@ class Watcher:
     def _localize(self, trace: StepTrace) -> Anomaly | None:
         if trace is self._trace:
             self._drain_ops()
-        first = not self.history
+        # a resumed run's restored steps ran in another process: weights bad at its first
+        # step came with what it loaded (a checkpoint), not from an update seen here
+        first = not self.history or self.history[-1].step < self._resumed_at
         anomaly = self._locate(trace, first)
         if anomaly is None:
             return None
@@ -3448,8 +3491,53 @@ class Watcher:
             found = self._replay_args(moved)
             if found is not None:
                 self._pinpoint(moved, found, pre_hooks=self._pre_hooks_seen(found[1]))
+            else:
+                self._name_unmeasured_range(trace, moved)
             return True
         return False
+
+    def _name_unmeasured_range(self, trace: StepTrace, anomaly: Anomaly) -> None:
+        """A forward anomaly moved onto a module nanwatch did not measure and cannot replay
+        (its input is freed): the value may have been born in any unmeasured module between
+        the last measured record and it. With more than one that could make it (not
+        ReLU-like), the summary names them all rather than the last."""
+        call = trace.call(anomaly.record.call)
+        chain: list[Call] = []
+        measured: Call | None = None
+        seen: set[int] = set()
+        while call is not None and call.id not in seen and call.passthrough:
+            seen.add(call.id)
+            chain.append(call)
+            nxt: Call | None = None
+            for r in trace.inputs_of(call.id):
+                src = trace.record(r.source) if r.source is not None else None
+                while src is not None and src.phase is Phase.INPUT and src.source is not None:
+                    src = trace.record(src.source)
+                if src is None or src.phase is not Phase.FORWARD:
+                    continue
+                owner = trace.call(src.call)
+                if owner is None:
+                    continue
+                if src.stat is not None:
+                    measured = owner
+                else:
+                    nxt = owner
+                break
+            call = nxt
+        suspects = [c for c in reversed(chain) if c.module_type not in _PASSTHROUGH_NAMES]
+        if measured is None or len(suspects) < 2:
+            return
+        names = ", ".join(f"{c.path} ({c.module_type})" for c in suspects)
+        head, sep, tail = anomaly.summary.partition(" [")
+        if " born in the forward of " not in head:
+            return
+        what = head.split(" born in the forward of ", 1)[0]
+        anomaly.summary = (
+            f"{what} born in the forward of one of {names}, after the finite output of "
+            f"{measured.path} ({measured.module_type}) (their outputs are not measured); "
+            "mode='forensic' names the op"
+            f"{sep}{tail}"
+        )
 
     def _replay_args(self, anomaly: Anomaly) -> tuple[Call, nn.Module, Any, Any] | None:
         """The call, module and a finished call's inputs (those still alive) of a forward
@@ -4017,15 +4105,16 @@ def _averaged_keys(optimizer: Any) -> list[str]:
 
 
 def _plain_numbers(v: Any) -> list[float]:
-    """A hyperparameter as floats: a number, a CPU scalar tensor, or a tuple of numbers
-    (Adafactor's eps); [] for anything else (a CUDA tensor is not read: no sync)."""
+    """A hyperparameter as floats: a number (a numpy scalar too: ``np.float32`` from an
+    ``lr_lambda`` is a real number), a CPU scalar tensor, or a tuple of numbers (Adafactor's
+    eps); [] for anything else (a CUDA tensor is not read: no sync)."""
     items = v if isinstance(v, (tuple, list)) else (v,)
     out: list[float] = []
     for x in items:
         if isinstance(x, bool):
             return []
         cpu_scalar = isinstance(x, torch.Tensor) and x.numel() == 1 and x.device.type == "cpu"
-        if not (isinstance(x, (int, float)) or cpu_scalar):
+        if not (isinstance(x, numbers.Real) or cpu_scalar):
             return []
         out.append(float(x))
     return out
