@@ -3695,7 +3695,10 @@ class Watcher:
             raise err
         if policy == "warn" and not self._warned:
             self._warned = True
-            _frames.warn_at_user(message)
+            # safe: under -W error (a CI smoke test) the warning would raise inside a hook,
+            # read as nanwatch's own fault, and switch the hook off for the rest of the run;
+            # on_anomaly="warn" asked to go on, so it goes to stderr then
+            _frames.warn_at_user(message, safe=True)
 
     def _announce(self, trace: StepTrace) -> None:
         """A :class:`nanwatch.NanwatchWarning` for each warning-severity code, the first time
@@ -3730,9 +3733,9 @@ class Watcher:
                 lines.append(f"  fix: {first}")
                 lines.extend(f"       {line}" for line in more)
         if self.global_hooks:  # nanwatch run: the script has no nw; the report is a file
-            lines.append(
-                f"  full report: in {self.config.report_dir} (nanwatch report <file>.json)"
-            )
+            from nanwatch.postmortem import full_report_line
+
+            lines.append(full_report_line(self.config.report_dir))
         else:
             lines.append("  full report: print(nw.report); nw.report.save('run.html')")
         return "\n".join(lines)

@@ -145,3 +145,29 @@ def test_unmeasured_chain_named_as_a_range(tmp_path: Any) -> None:
     assert "one of 1 (AdaptiveAvgPool2d), 2 (Dropout)" in summary, summary
     assert "finite output of 0 (Conv2d)" in summary
     assert "forensic" in summary
+
+
+def test_warn_policy_under_warnings_as_errors_keeps_watching(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """on_anomaly='warn' with warnings turned into errors (a CI smoke test): the anomaly's
+    warning goes to stderr; it is not read as nanwatch's own fault (an "internal error"
+    that switched the hook off for the rest of the run)."""
+    import warnings as _w
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with _w.catch_warnings():
+        _w.simplefilter("error")
+        with nanwatch.watch(model, on_anomaly="warn", postmortem=False) as nw:
+            for step in range(4):
+                x = torch.randn(3, 4)
+                if step in (1, 3):
+                    x[0, 0] = float("nan")
+                model(x).sum().backward()
+                nw.step()
+    err = capsys.readouterr().err
+    assert "internal error" not in err and "disabled" not in err
+    assert "step 1: NaN in the input data" in err  # the warning itself, on stderr
+    bad = [t.step for t in (*nw.history, nw.trace) if t.anomaly is not None]
+    assert 1 in bad and 3 in bad
