@@ -205,6 +205,8 @@ def _consumers_by(trace: StepTrace, rec: Record, *, views: bool) -> tuple[list[C
                 reached_root = True
         for r in trace.records:
             if r.phase is Phase.INPUT and (r.source == idx or made_of.get(r.index) == idx):
+                if _derived_link(r):
+                    continue  # code between made what the module got: see _derived_users
                 call = trace.call(r.call)
                 if call is None:
                     continue
@@ -219,6 +221,36 @@ def _consumers_by(trace: StepTrace, rec: Record, *, views: bool) -> tuple[list[C
             elif r.phase is Phase.FORWARD and r.source == idx:  # an alias (a container's output)
                 frontier.append(r.index)
     return out, reached_root
+
+
+def _derived_link(rec: Record) -> bool:
+    """``rec`` is a module input linked to a watched output it was computed from, not to the
+    very tensor (a root's input ``x * m`` the user's code made from another root's output
+    ``m``): the watcher names the autograd node that made it (``grad_fn``)."""
+    return rec.phase is Phase.INPUT and rec.source is not None and rec.grad_fn is not None
+
+
+def _derived_users(trace: StepTrace, rec: Record, before: int) -> list[Record]:
+    """The module inputs computed from ``rec``'s tensor (or an alias of it) by code outside
+    the watched modules (see :func:`_derived_link`) whose own gradient was recorded finite
+    before the record ``before``: the code between made the gradient that reached ``rec``."""
+    ids = {rec.index}
+    for r in trace.records:  # aliases: a container's output, the root's output
+        if r.phase is Phase.FORWARD and r.source in ids:
+            ids.add(r.index)
+    grads = {
+        r.source: r
+        for r in trace.records
+        if r.phase is Phase.BACKWARD and r.source is not None and r.index < before
+    }
+    out: list[Record] = []
+    for r in trace.records:
+        if not _derived_link(r) or r.source not in ids:
+            continue
+        g = grads.get(r.index)
+        if g is not None and g.stat is not None and g.stat.finite:
+            out.append(r)
+    return out
 
 
 def _returned_by(trace: StepTrace, call: Call, rec: Record) -> Record | None:
@@ -602,6 +634,54 @@ def _kinds_text(rec: Record) -> str:
     return rec.stat.kinds() if rec.stat is not None else "non-finite"
 
 
+def _rows_text(trig: Record) -> str:
+    """`` in samples 2, 5 (2 of 8)``: the rows of a root's input that held the value."""
+    s = trig.stat
+    if s is None or not s.bad_rows:
+        return ""
+    more = "" if not s.bad_row_count or s.bad_row_count <= len(s.bad_rows) else ", ..."
+    return (
+        f" in sample{'s' if len(s.bad_rows) > 1 else ''} "
+        + ", ".join(map(str, s.bad_rows))
+        + more
+        + (f" ({s.bad_row_count} of {trig.shape[0]})" if s.bad_row_count and trig.shape else "")
+    )
+
+
+def _op_before(trace: StepTrace, call: Call, trig: Record) -> OpEvent | None:
+    """A traced forward op of this step, outside ``call``, that made the non-finite value
+    ``trig`` (``call``'s input) holds from finite values (forensic mode, ``nw.replay``): the
+    input was computed, it is not data."""
+    for ev in trace.ops:
+        if ev.phase is not Phase.FORWARD or ev.injected or _came_in(ev, trig.stat):
+            continue
+        if not ("NaN" in ev.born or "+inf" in ev.born):
+            continue
+        if ev.path is not None and (ev.path == call.path or ev.path.startswith(call.path + ".")):
+            continue
+        return ev
+    return None
+
+
+def _earlier_root(trace: StepTrace, call: Call, trig: Record) -> str | None:
+    """The watched model (another root than ``call``, not a loss) that returned finite
+    outputs in this step before ``call`` got its input ``trig``, a tensor no record links
+    to anything: what ``call`` got was most likely computed from it by code that cut the
+    graph (``.detach()``). None when ``trig`` is a loss's input (a target is data) or the
+    same model ran before (micro-batches)."""
+    if call.is_loss or call.path == LOSS_PATH or trig.source is not None:
+        return None
+    for c in trace.calls:
+        if c.id == call.id or not c.root or c.is_loss or c.path in (LOSS_PATH, call.path):
+            continue
+        if c.end < 0 or c.end > trig.index:
+            continue
+        outs = _own_outputs(trace, c)
+        if outs and all(o.stat is not None and o.stat.finite for o in outs):
+            return c.path
+    return None
+
+
 def _finite_grad_before(trace: StepTrace, trig: Record, parameter: str | None) -> bool:
     """``parameter``'s gradient was recorded finite and not all zero in this step, before
     ``trig`` found the weight bad: a backward gave it what an update uses."""
@@ -650,23 +730,41 @@ def localize(
             f"{what} born in code outside the watched modules, in the value passed to "
             f"{trig.path} ({trig.role}), computed{after} by {trig.grad_fn}"
         )
+    elif (
+        trig.phase is Phase.INPUT
+        and call is not None
+        and call.root
+        and (
+            (made_by := _op_before(trace, call, trig)) is not None
+            or (earlier := _earlier_root(trace, call, trig)) is not None
+        )
+    ):
+        # no autograd history links it to a watched output (``.detach()``, ``no_grad``), but
+        # an op of this step made it, or it was given after another watched model ran
+        kind, origin = AnomalyKind.FORWARD, "between-roots"
+        path = trig.path
+        rows = _rows_text(trig)
+        if made_by is not None:
+            summary = (
+                f"{what} born in code outside the watched modules, in the value passed to "
+                f"{trig.path} ({trig.role}{rows}): an op of this step made it, not the data"
+            )
+        else:
+            summary = (
+                f"{what} in {trig.path}'s {trig.role}{rows}, given to it after {earlier} ran "
+                "in this step: most likely computed by your code between the calls, "
+                "detached from the graph (.detach(), torch.no_grad), so the records do not "
+                "link it to a watched output"
+            )
+            if not forensic:
+                summary += (
+                    "; mode='forensic' (nanwatch run --mode forensic) names the op that made "
+                    "it and its line"
+                )
     elif trig.phase is Phase.INPUT and (call is None or call.root):
         kind, origin = AnomalyKind.INPUT, "data"
         path = call.path if call is not None else trig.path
-        s = trig.stat
-        rows = ""
-        if s is not None and s.bad_rows:
-            more = "" if not s.bad_row_count or s.bad_row_count <= len(s.bad_rows) else ", ..."
-            rows = (
-                f" in sample{'s' if len(s.bad_rows) > 1 else ''} "
-                + ", ".join(map(str, s.bad_rows))
-                + more
-                + (
-                    f" ({s.bad_row_count} of {trig.shape[0]})"
-                    if s.bad_row_count and trig.shape
-                    else ""
-                )
-            )
+        rows = _rows_text(trig)
         summary = f"{what} in the input data: {trig.role} of {path}{rows} (bad data, not a layer)"
     elif trig.phase is Phase.INPUT:
         parent = _parent(trace, call)
@@ -733,6 +831,29 @@ def localize(
                 f"{what} gradient arrived at {trig.path}'s {trig.role} from code outside the "
                 "watched modules (the loss computed after the model)"
             )
+        elif (
+            not cands
+            and fwd is not None
+            and fwd.phase is Phase.FORWARD
+            and (users := _derived_users(trace, fwd, trig.index))
+        ):
+            # the modules got a tensor the user's code computed from this one (``x * m``):
+            # their backward sent a finite gradient, the code between made the bad one
+            u = users[0]
+            src = trace.record(u.source) if u.source is not None else None
+            origin, path = "between-roots", LOSS_PATH
+            consumer = u.path
+            summary = (
+                f"{what} gradient born in the backward of code outside the watched modules, "
+                f"between the output of {src.path if src is not None else fwd.path} and the "
+                f"{u.role} of {u.path} that it computed ({u.grad_fn} made that {u.role}): the "
+                f"gradient {u.path} sent back to its {u.role} was finite, the gradient "
+                f"reaching {trig.path}'s {trig.role} is not"
+            )
+            if not forensic:
+                summary += (
+                    "; mode='forensic' (nanwatch run --mode forensic) names the op and its line"
+                )
         elif len(cands) == 1 and not other_pass:
             origin, path = "module", cands[0].path
             consumer = path
@@ -1111,6 +1232,7 @@ def summarize(anomaly: Anomaly) -> str:
         op = None  # no op made it: the leaf held it before the op read it
     extra: list[str] = []
     if op is not None:
+        op = op.chain()[0]  # the birth of the first non-finite value (log's -inf, not neg's +inf)
         made = base.split(" ", 1)[0]
         unlike = op.born and made in ("NaN", "+inf", "-inf") and made not in op.born
         extra.append(f"op {op_phrase(op)}" + (f", which made {op.born}" if unlike else ""))
