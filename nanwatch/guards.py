@@ -2282,6 +2282,7 @@ def _check_regression(p: _Probe) -> None:
         and t.is_floating_point()
     ):
         p.on_any("target_negative", t < 0, lambda v, n, mask: _kl_failure(p, v, n, mask))
+        p.then(lambda v: _kl_probabilities_input(p, v))
     elif (
         p.spec.name == "kl_div"
         and p.bound.get("log_target", False) is True
@@ -2292,6 +2293,20 @@ def _check_regression(p: _Probe) -> None:
         p.on_any("target_neginf", t == -math.inf, lambda v, n, mask: _kl_log0(p, n, mask))
         p.data["log_target"] = True
         p.then(lambda v: _kl_probability_log_target(p, v))
+
+
+def _kl_probabilities_input(p: _Probe, v: dict[str, float]) -> None:
+    """An input with values above 0 and none below: probabilities where log-probabilities
+    belong. Torch accepts it (NW205 warns): the note carries ``probabilities_fix``, the
+    user's call with the input as log-probabilities (``F.softmax`` -> ``F.log_softmax``)."""
+    lo, hi = v.get("input_min", math.nan), v.get("input_max", math.nan)
+    if not (lo >= 0 and hi > 0):
+        return
+    inp = p.arg("input")
+    log_in = _renamed_call(inp, "softmax", "log_softmax") or f"{_paren(inp)}.log()"
+    p.data["probabilities_fix"] = (
+        p.call_with(input=log_in) + "  # the input as log-probabilities, the target unchanged"
+    )
 
 
 def _kl_probability_log_target(p: _Probe, v: dict[str, float]) -> None:
@@ -2357,9 +2372,105 @@ def _kl_log0(p: _Probe, n: int, mask: torch.Tensor) -> None:
     )
 
 
+def _node_name(t: torch.Tensor) -> str:
+    """``SoftmaxBackward0``: the autograd node that made ``t`` (empty when none)."""
+    return type(t.grad_fn).__name__ if t.grad_fn is not None else ""
+
+
+def _probability_rows(x: torch.Tensor) -> bool:
+    """``x`` holds probabilities: values in [0, 1] that sum to 1 along some dim (read only
+    when a failure is worded)."""
+    if x.dim() == 0 or x.numel() == 0 or not x.is_floating_point():
+        return False
+    with torch.no_grad():
+        if not bool(((x >= 0) & (x <= 1)).all()):
+            return False
+        return any(
+            bool(torch.allclose(x.sum(d, dtype=torch.float32), x.new_ones(()).float(), atol=1e-3))
+            for d in range(x.dim())
+            if x.shape[d] > 1
+        )
+
+
+def _renamed_call(expr: str, old: str, new: str) -> str | None:
+    """``F.softmax(s / T, dim=1)`` -> ``F.log_softmax(s / T, dim=1)`` (``old`` -> ``new``,
+    as a function or a method); None when ``expr`` is not such a call."""
+    try:
+        node = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(node, ast.Call):
+        return None
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    if name != old:
+        return None
+    text = expr.strip()
+    end = f.end_col_offset or 0
+    return text[: end - len(old)] + new + text[end:]
+
+
+def _kl_swapped(p: _Probe, v: dict[str, float]) -> bool:
+    """F.kl_div(probabilities, log-probabilities): the input is a softmax (its node, or
+    rows in [0, 1] summing to 1) and the target log-probabilities (LogSoftmaxBackward0, or
+    every value <= 0)."""
+    t = p.target
+    if t is None:
+        return False
+    log_target = _node_name(t).startswith("LogSoftmaxBackward") or v.get("target_max", 1) <= 0
+    if not log_target:
+        return False
+    return _node_name(p.input).startswith("SoftmaxBackward") or _probability_rows(p.input)
+
+
+def _kl_swapped_failure(p: _Probe, v: dict[str, float], n: int, mask: torch.Tensor) -> None:
+    t = p.target
+    assert t is not None
+    inp, tgt = p.arg("input"), p.arg("target")
+    log_in = _renamed_call(inp, "softmax", "log_softmax") or f"{_paren(inp)}.log()"
+    prob_t = _renamed_call(tgt, "log_softmax", "softmax") or f"{_paren(tgt)}.exp()"
+    p.fail(
+        _Failure(
+            code="NW511",
+            check="target-probabilities",
+            problem=(
+                f"input and target are swapped: the input is probabilities (a softmax) and the "
+                f"target log-probabilities ({_many(n, 'negative value')} of {_n(t.numel())}, "
+                f"max {_num(v['target_max'])}); {p.desc(log_target=False)} takes "
+                "log-probabilities as input and probabilities as target"
+            ),
+            expected="input: log-probabilities; target: probabilities",
+            fix=p.call_with(input=log_in, target=prob_t)
+            + "  # input: log-probabilities, target: probabilities",
+            explanation=(
+                "KLDivLoss computes target * (log(target) - input): input must be "
+                "log-probabilities (F.log_softmax) and target probabilities (F.softmax). "
+                "Swapped, the log of a negative target is NaN."
+            ),
+            values=(v["target_min"],),
+            count=n,
+            total=t.numel(),
+            positions=_positions(mask),
+        )
+    )
+
+
+def _paren(expr: str) -> str:
+    """``x`` -> ``x``; ``a * b`` -> ``(a * b)``: an expression safe to call a method on."""
+    e = expr.strip()
+    try:
+        node = ast.parse(e, mode="eval").body
+    except SyntaxError:
+        return f"({e})"
+    simple = (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.Constant)
+    return e if isinstance(node, simple) else f"({e})"
+
+
 def _kl_failure(p: _Probe, v: dict[str, float], n: int, mask: torch.Tensor) -> None:
     t = p.target
     assert t is not None
+    if _kl_swapped(p, v):
+        _kl_swapped_failure(p, v, n, mask)
     p.fail(
         _Failure(
             code="NW511",
@@ -3576,23 +3687,66 @@ class _FunctionalTap:
         def guarded(*args: Any, **kwargs: Any) -> Any:
             # constant under dynamo (the traced call is the original); a guarded functional
             # called by another (F.linear_cross_entropy -> F.cross_entropy) was checked
-            if _compiling() or getattr(_tls, "functional", False):
+            if _compiling():
                 return original(*args, **kwargs)
-            me = threading.get_ident()
-            for g in tuple(self._guards):
-                if g.thread == me:
-                    g.check(spec, args, kwargs, sys._getframe(1), original)
-            _tls.functional = True
+            caller = sys._getframe(1)
+            call = _as_caller(caller)
+            nested = getattr(_tls, "functional", False)
+            if not nested:
+                me = threading.get_ident()
+                for g in tuple(self._guards):
+                    if g.thread == me:
+                        g.check(spec, args, kwargs, caller, original)
+                _tls.functional = True
             try:
-                return original(*args, **kwargs)
+                return call(original, args, kwargs)
+            except BaseException as e:
+                _skip_trampoline(e, call)
+                raise
             finally:
-                _tls.functional = False
+                if not nested:
+                    _tls.functional = False
 
         guarded._nanwatch_guard = True  # type: ignore[attr-defined]
         return guarded
 
 
 _functional_tap = _FunctionalTap()
+
+#: ``fn(*args, **kwargs)`` in one frame: copied per call site with the caller's file, line
+#: and globals, so that a warning torch raises inside the original functional with
+#: ``stacklevel=2`` (F.mse_loss's "Using a target size ...") names the user's line and goes
+#: through the user's module's filters and registry, not ``guards.py``. Catching the
+#: warnings instead (``warnings.catch_warnings``) would cost microseconds a call, swap the
+#: process-wide filters under other threads, and reset every ``__warningregistry__`` (a
+#: "default" warning would repeat each step).
+_TRAMPOLINE = (lambda fn, args, kwargs: fn(*args, **kwargs)).__code__
+_callers: dict[tuple[int, int], tuple[types.CodeType, Callable[..., Any]]] = {}
+
+
+def _as_caller(frame: types.FrameType) -> Callable[..., Any]:
+    """The trampoline for the call ``frame`` is making now, cached per code object and
+    instruction (keyed by id, checked by identity: hashing a code object reads all of it)."""
+    code = frame.f_code
+    hit = _callers.get((id(code), frame.f_lasti))
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    if len(_callers) >= 4096:  # code made at run time (exec, lambdas): bounded
+        _callers.clear()
+    tramp = _TRAMPOLINE.replace(
+        co_filename=code.co_filename, co_firstlineno=frame.f_lineno, co_name=code.co_name
+    )
+    fn = types.FunctionType(tramp, frame.f_globals)
+    _callers[(id(code), frame.f_lasti)] = (code, fn)
+    return fn
+
+
+def _skip_trampoline(e: BaseException, call: Callable[..., Any]) -> None:
+    """Leave the trampoline out of an error's traceback: it would repeat the user's line."""
+    tb = e.__traceback__
+    nxt = tb.tb_next if tb is not None else None
+    if tb is not None and nxt is not None and nxt.tb_frame.f_code is call.__code__:
+        tb.tb_next = nxt.tb_next
 
 
 class FunctionalGuards:

@@ -1507,6 +1507,11 @@ def _update_seen(cur: _GradSummary) -> bool:
 
 
 def _times(ratio: float) -> str:
+    """A ratio for a sentence: ``3.2×``, ``42×``, ``8.9e+28×`` (no 30-digit integers)."""
+    if not math.isfinite(ratio):
+        return "inf×" if ratio > 0 else "NaN×"
+    if ratio >= 1e6:
+        return f"{ratio:.2g}×"
     return f"{ratio:.0f}×" if ratio >= 10 else f"{ratio:.1f}×"
 
 

@@ -90,7 +90,10 @@ def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
     cause = cause_of(a)
     if cause is not None:
-        if cause.kind == "overflow":
+        if cause.kind == "overflow" and (zero := _zero_variance(cause.event)) is not None:
+            # not an overflow: a normalization divided a constant row's 0 by sqrt(0 + eps)
+            yield _zero_variance_diagnosis(ctx, a, cause.event, zero)
+        elif cause.kind == "overflow":
             yield _from_op(ctx, a, cause.event, cause.trigger, cause.chain)
         elif cause.kind == "other":
             # an op with no rule of its own (a norm's variance) made NaN from finite values
@@ -98,6 +101,156 @@ def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
             yield from _wide_from_record(ctx, a)
         return
     yield from _from_record(ctx, a)
+
+
+#: normalizations that divide by sqrt(var + eps): a constant row has var 0, and with eps
+#: 0 its 0 / sqrt(0) is NaN (the op's own eps argument is recorded in its scalars)
+_VAR_NORMS = {
+    "native_layer_norm": ("LayerNorm", "row"),
+    "layer_norm": ("LayerNorm", "row"),
+    "native_group_norm": ("GroupNorm", "group"),
+    "group_norm": ("GroupNorm", "group"),
+}
+#: the eps torch's own normalization layers default to
+_NORM_EPS = "1e-5"
+
+
+@dataclass(frozen=True)
+class _ZeroVariance:
+    """A LayerNorm / GroupNorm that made NaN or inf from finite inputs of ordinary size,
+    with an eps that does not keep 1 / sqrt(var + eps) finite."""
+
+    layer: str  #: ``LayerNorm``
+    unit: str  #: what is normalized: ``row``, ``group``
+    eps: float
+    big: float  #: the largest |input|
+    rows: int | None  #: how many rows' 1 / sqrt(var + eps) were inf (from the rstd output)
+    of: int | None
+
+
+def _zero_variance(ev: OpEvent) -> _ZeroVariance | None:
+    """``ev`` is a normalization whose NaN/inf is not an overflow: every input finite, the
+    largest small enough that its variance fits the dtype, and its eps 0 or so small that
+    1 / sqrt(eps) passes the dtype's max (a row of equal values divides 0 by 0)."""
+    if ev.phase is not Phase.FORWARD:
+        return None
+    kind = _VAR_NORMS.get(packet(ev.op).rstrip("_"))
+    eps = ev.scalars.get("eps")
+    lim = limits(ev.dtype)
+    if kind is None or lim is None or isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return None
+    stats = inputs_of(ev)
+    if not stats or not all(s.finite for s in stats):
+        return None
+    big = max(s.magnitude for s in stats)
+    if not math.isfinite(big) or (2 * big) ** 2 >= lim.max:
+        return None  # a variance that large can overflow: NW101's own case
+    eps = float(eps)
+    if eps > 0 and 1 / math.sqrt(eps) < lim.max and float(torch.tensor(eps, dtype=torch.float32)):
+        return None  # eps keeps 1 / sqrt(var + eps) finite: not what made it
+    rstd = [s for n, s in ev.outputs if n.endswith("[2]") and s is not None]
+    rows = rstd[0].posinf if rstd and rstd[0].posinf else None
+    return _ZeroVariance(kind[0], kind[1], eps, big, rows, rstd[0].numel if rstd else None)
+
+
+def _eps_call(code: str, layer: str, eps: float, value: str) -> tuple[str, str] | None:
+    """The call in ``code`` of ``nn.<layer>(...)`` (a constructor) or of ``F.layer_norm`` /
+    ``F.group_norm`` whose ``eps=`` is ``eps`` as a literal (else the first whose eps is an
+    expression: a config's), and that call with eps set to ``value``:
+    ``('nn.LayerNorm(16, eps=0.0)', 'nn.LayerNorm(16, eps=1e-5)')``."""
+    func = re.sub(r"(?<!^)([A-Z])", r"_\1", layer).lower()  # LayerNorm -> layer_norm
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return None
+    lines = code.splitlines(keepends=True)
+    found: list[tuple[int, int, str, str]] = []
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call) or call.lineno != call.end_lineno:
+            continue
+        if ast.unparse(call.func).rpartition(".")[2] not in (layer, func):
+            continue
+        kw = next((k for k in call.keywords if k.arg == "eps"), None)
+        if kw is None:
+            continue
+        v = kw.value
+        literal = isinstance(v, ast.Constant) and isinstance(v.value, (int, float))
+        if literal and float(v.value) != eps:  # type: ignore[attr-defined]
+            continue  # another layer's eps
+        line = lines[call.lineno - 1]
+        a, b = call.col_offset, call.end_col_offset or call.col_offset
+        e0, e1 = v.col_offset, v.end_col_offset or v.col_offset
+        found.append((0 if literal else 1, call.lineno, line[a:b], line[a:e0] + value + line[e1:b]))
+    if not found:
+        return None
+    _, _, was, now = min(found)
+    return was, now
+
+
+def _eps_fix(ev: OpEvent, a: Anomaly, zero: _ZeroVariance) -> str:
+    """Where the user sets the eps: the F.layer_norm call on the op's line, the
+    ``nn.LayerNorm(..., eps=...)`` constructor in the op's file, or the module's attribute."""
+    import linecache
+
+    was = f"was eps={fmt(zero.eps)}"
+    why = f"a {zero.unit} of equal values has variance 0; eps keeps 1 / sqrt(var + eps) finite"
+    code = (ev.code or "").strip()
+    on_line = _eps_call(code, zero.layer, zero.eps, _NORM_EPS) if code else None
+    if on_line is not None:
+        return f"{code.replace(on_line[0], on_line[1], 1)}   # {was}: {why}"
+    path = (ev.source or "").rpartition(":")[0]
+    text = "".join(linecache.getlines(path)) if path else ""
+    built = _eps_call(text, zero.layer, zero.eps, _NORM_EPS) if text else None
+    if built is not None:
+        where = path.replace("\\", "/").rpartition("/")[2]
+        return f"{built[1]}   # in {where}, {was}: {why}"
+    ref = module_ref(ev.path or a.path)
+    if a.record.module_type == zero.layer and ref != "model":
+        return (
+            f"{ref}.eps = {_NORM_EPS}   # once, after building the model ({was}): {why}\n"
+            f"# better: nn.{zero.layer}(..., eps={_NORM_EPS}) where it is built"
+        )
+    return f"# pass eps={_NORM_EPS} to the {zero.layer} ({was}): {why}"
+
+
+def _zero_variance_diagnosis(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, zero: _ZeroVariance
+) -> Diagnosis:
+    """NaN of a normalization with eps 0: a division by zero (NW111), not an overflow."""
+    dtype = ev.dtype or a.record.dtype
+    op = short_op(ev.op)
+    lim = limits(dtype)
+    top = f"{dtype}'s largest value {fmt(lim.max)}" if lim is not None else f"{dtype}'s max"
+    rows = (
+        f"{zero.rows:,} of {count(zero.of, zero.unit)}"
+        if zero.rows is not None and zero.of is not None
+        else f"a {zero.unit}"
+    )
+    evidence = [
+        f"{op} made {ev.born} in {dtype} from finite inputs up to |x| = {fmt(zero.big)}: not "
+        f"an overflow (their squares are at most {fmt(zero.big**2)}, far below {top})",
+        f"{op} divides x - mean by sqrt(var + eps) with eps={fmt(zero.eps)}: {rows} held equal "
+        "values (variance 0), so 1 / sqrt(0) = inf and (x - mean) × inf = 0 × inf = NaN",
+    ]
+    evidence += [f"input {nm}: {describe_stat(s)}" for nm, s in ev.inputs[:3]]
+    line = code_line(ev)
+    if line is not None:
+        evidence.append(line)
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        code="NW111",
+        title="Division by zero",
+        priority=12,
+        evidence=evidence,
+        explanation=(
+            f"{zero.layer} computes (x - mean) / sqrt(var + eps). A {zero.unit} whose values "
+            "are all equal (a blank image, a padded token, a feature map a ReLU zeroed) has "
+            f"variance exactly 0, and with eps={fmt(zero.eps)} that is 0 / 0. The values are "
+            "not too large: a lower learning rate or gradient clipping would not help. eps is "
+            "there for this case."
+        ),
+        fix=_eps_fix(ev, a, zero),
+    )
 
 
 #: exp-like ops that overflow on both sides (cosh(-100) = inf, sinh(-100) = -inf)
