@@ -197,3 +197,6 @@ def test_kl_div_on_probabilities_note_carries_the_fix_on_the_users_line() -> Non
         in f
         for f in fixes
     ), fixes
+    # NW205 offers that fix, on the user's line, not a template with other names
+    (d,) = [d for t in nw.history for d in t.diagnoses if d.code == "NW205"]
+    assert d.fix.startswith("kd = F.kl_div(F.log_softmax(s / T, dim=1), F.softmax(t / T, dim=1)")

@@ -570,7 +570,8 @@ def _kl_div_on_probabilities(ctx: RuleContext, use: LossUse) -> Diagnosis | None
             "often negative, with gradients that do not push the distributions together; "
             "training goes on without an error."
         ),
-        fix=(
+        fix=use.data("probabilities_fix")
+        or (
             "loss = F.kl_div(F.log_softmax(logits, dim=-1), p_target, reduction='batchmean')\n"
             "# or, with log-probabilities on both sides:\n"
             "loss = F.kl_div(logp, logp_target, reduction='batchmean', log_target=True)"
