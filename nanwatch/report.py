@@ -593,8 +593,10 @@ def anomaly_headline(a: Anomaly) -> str:
     stat = a.record.stat
     kinds = stat.kinds() if stat is not None and not stat.finite else "non-finite value"
     then = ""
-    if a.op is not None and _unlike(a.op.born, kinds):  # log made -inf, the loss is +inf
-        kinds, then = a.op.born, f" (then {kinds})"
+    # the op that made the first non-finite value: a log's -inf, not the neg after it
+    op = a.op.chain()[0] if a.op is not None else None
+    if op is not None and _unlike(op.born, kinds):  # log made -inf, the loss is +inf
+        kinds, then = op.born, f" (then {kinds})"
     k = a.kind
     leaf = leaf_text(a.op)
     if leaf is not None:  # no op made it: a leaf the loss read held it (see the summary)
@@ -605,7 +607,7 @@ def anomaly_headline(a: Anomaly) -> str:
         text = f"{kinds} born in code outside the watched modules, in the input of {a.path}"
     elif k is AnomalyKind.FORWARD:
         text = f"{kinds} born in the forward of {a.path}"
-    elif k is AnomalyKind.BACKWARD and a.origin == "after-output":
+    elif k is AnomalyKind.BACKWARD and a.origin in ("after-output", "between-roots"):
         text = f"{kinds} gradient born in the backward of code outside the watched modules"
     elif k is AnomalyKind.BACKWARD:
         text = f"{kinds} gradient born in the backward of {a.path}"
@@ -614,8 +616,8 @@ def anomaly_headline(a: Anomaly) -> str:
     else:
         when = "before any update" if "before any update" in a.summary else "after an update"
         text = f"{kinds} in the weights {a.parameter or a.record.role} {when}"
-    if a.op is not None:
-        text += f" by {op_phrase(a.op)}"
+    if op is not None:
+        text += f" by {op_phrase(op)}"
     return f"{text}{then}, step {a.step}"
 
 

@@ -130,3 +130,8 @@ def test_the_summary_names_the_op_that_made_the_first_non_finite_value() -> None
     text = summarize(a)
     assert "[op aten.log.default at train.py:16, which made -inf]" in text
     assert "aten.neg" not in text
+    # the report's headline names the same op
+    from nanwatch.report import anomaly_headline
+
+    head = anomaly_headline(a)
+    assert "by aten.log.default" in head and "aten.neg" not in head, head
