@@ -26,6 +26,7 @@ import threading
 import types
 import warnings
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -322,6 +323,16 @@ def domain_counts(dom: Domain, t: torch.Tensor | None) -> dict[str, int]:
     return {k: int(n) for k, n in zip(("n_outside", "n_edge", "n_pole"), counts, strict=True) if n}
 
 
+#: ops that make a constant tensor: their NaN, picked by a ``where``, is a composite op's
+#: "undefined here" (see :meth:`OpChecker._chosen_constant`)
+_NAN_CONSTANT_OPS = frozenset({"scalar_tensor", "full", "full_like", "new_full", "fill", "fill_"})
+#: the op whose output a ``where`` combines with a NaN constant -> the composite op it is
+#: part of: torch.logdet is ``where(sign == -1, nan, logabsdet)`` of a slogdet
+_COMPOSITES = {
+    "aten._linalg_slogdet.default": "aten.logdet",
+    "aten.linalg_slogdet.default": "aten.logdet",
+}
+
 #: remembered non-finite tensors before the freed ones are first dropped
 _SEEN_PRUNE = 4096
 
@@ -377,6 +388,9 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         self._hidden_said = False
         self._nan_made = False
         self._in_backward = False
+        #: the last ops' floating outputs and the op that made each: a NaN constant that a
+        #: ``where`` selects is named by the composite op it runs inside (logdet)
+        self._made: deque[tuple[weakref.ReferenceType[torch.Tensor], str]] = deque(maxlen=16)
 
     def __torch_dispatch__(
         self,
@@ -521,6 +535,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         if not outs:
             return
         self.checked += 1
+        for t in outs:
+            self._made.append((weakref.ref(t), str(func)))
         backward = current_autograd_node() is not None
         if backward != self._in_backward:
             self._in_backward = backward
@@ -556,6 +572,13 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             state = state or bool(k and seen is not None and seen.state)
         all_out = frozenset().union(*out_kinds)
         born = all_out - in_kinds - scalar_kinds
+        chosen = None
+        if not born and "NaN" in all_out and func.overloadpacket is _aten.where:
+            chosen = self._chosen_constant(inputs, others)
+            if chosen is not None:  # where() put a NaN constant in: the NaN is born here
+                born = frozenset({"NaN"})
+                cause = None  # the constant is part of this op, not an earlier cause
+                read = [(n, t) for n, t in read if "NaN" not in _kinds(t)]
         if state and "NaN" in born:
             # NaN made of module state that already held infinities (inf - inf inside a
             # matmul with an embedding of +inf and -inf): not born here. An inf the state
@@ -605,8 +628,10 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             src = _cast_source(func, args, kwargs, first_bad)
             if src is not None:  # what a cast read: an int64 count, a float32 loss
                 kept["source_dtype"] = dtype_name(src.dtype)
+            if chosen is not None:
+                kept.update(chosen[1])
             event = OpEvent(
-                op=str(func),
+                op=chosen[0] if chosen is not None else str(func),
                 phase=phase,
                 path=path,
                 born=_join(born or injected),
@@ -635,6 +660,41 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 if isinstance(base, torch.Tensor) and self._lookup(base) is None:
                     # a view written in place (x[0].div_(n)): its base holds the value too
                     self._remember(base, seen.event)
+
+    def _chosen_constant(
+        self, inputs: Sequence[tuple[str, torch.Tensor]], others: Sequence[tuple[str, torch.Tensor]]
+    ) -> tuple[str, dict[str, float | int | str]] | None:
+        """For a ``where`` that selected a NaN an op made as a constant (``scalar_tensor``,
+        ``full``, ``fill`` with NaN: a composite op's "undefined here", logdet's
+        ``where(sign == -1, nan, logabsdet)``): the op to name (the composite when the other
+        branch's producer tells it, else the where) and scalars saying what it did; None
+        when the NaN came in any other way."""
+        factory: str | None = None
+        producers: list[str] = []
+        for _, t in inputs:
+            seen = self._lookup(t)
+            ev = seen.event if seen is not None else None
+            if (
+                ev is not None
+                and ev.injected
+                and "NaN" in ev.born
+                and [*str(ev.op).split("."), ""][1] in _NAN_CONSTANT_OPS
+            ):
+                factory = ev.op
+                continue
+            if "NaN" in _kinds(t):
+                return None  # a NaN that was not a constant: it came in with the input
+            producers += [op for ref, op in self._made if ref() is t]
+        if factory is None:
+            return None
+        scalars: dict[str, float | int | str] = {"nan_from": factory}
+        composite = next((_COMPOSITES[p] for p in producers if p in _COMPOSITES), None)
+        if composite == "aten.logdet":
+            cond = next((t for _, t in others if t.dtype is torch.bool), None)
+            if cond is not None:
+                scalars["negative_det"] = int(cond.sum())
+                scalars["matrices"] = int(cond.numel())
+        return composite or "aten.where.self", scalars
 
     def _hidden_nan(
         self, read: Sequence[tuple[str, torch.Tensor]], outs: Sequence[torch.Tensor]
@@ -1343,6 +1403,9 @@ _ELEMENTWISE: dict[str, tuple[str, tuple[tuple[str, str], ...], _Fn]] = {
     # 0 × -inf: autograd saves only the operand the other one's gradient needs; the other
     # is read from the node that made it (:func:`_produced`)
     "Mul": ("aten.mul", (("self", "_saved_self"), ("other", "_saved_other")), torch.mul),
+    # -inf - (-inf): autograd saves neither operand (only alpha); both are read from the
+    # nodes that made them (:func:`_produced`)
+    "Sub": ("aten.sub", (("self", "_saved_self"), ("other", "_saved_other")), torch.sub),
     # F.mse_loss called as a function: (input - target)**2 past the dtype's largest value
     "MseLoss": (
         "aten.mse_loss",
@@ -1419,6 +1482,16 @@ def _produced(
             if isinstance(x, torch.Tensor) and isinstance(index, torch.Tensor):
                 return torch.gather(x.detach(), int(dim), index)
             return None
+        if base == "Flip":
+            dims = _saved(node, "_saved_dims")
+            try:
+                src, snr = node.next_functions[0]
+            except (IndexError, ValueError):
+                return None
+            x = _produced(src, snr, values, depth - 1)
+            if x is None or not isinstance(dims, (list, tuple)):
+                return None
+            return torch.flip(x, [int(d) for d in dims])
         if base in _RESHAPES or base == "Expand":
             shape = _shape_of(node, nr)
             try:
@@ -1627,7 +1700,9 @@ def _elementwise_event(
 ) -> OpEvent | None:
     op, args, fn = _ELEMENTWISE[base]
     vals = [(name, _saved(node, attr)) for name, attr in args]
-    deep = base == "Mul"
+    deep = base in ("Mul", "Sub")
+    if base == "Sub" and _plain(_saved(node, "_saved_alpha")) not in (1, 1.0, None):
+        return None  # x - alpha * y: not read here
     vals = [
         (name, v if v is not None else _leaf(node, i, values, deep=deep))
         for i, (name, v) in enumerate(vals)
@@ -1705,9 +1780,33 @@ def _elementwise_event(
         )
     elif base == "MseLoss":
         why = "the squared differences overflow"
+    elif base == "Sub":
+        if "NaN" not in born or not all(isinstance(v, torch.Tensor) for _, v in vals):
+            return None  # an overflow, or an operand not read: other rules read it
+        inf = "-inf - (-inf)" if "-inf" in in_kinds else "inf - inf"
+        why = f"{inf}: both operands hold the same infinity at the same place"
+        event = _event(node, op, born, why, inputs=tensors, result=result, scalars=scalars)
+        for i, (_, v) in enumerate(vals):  # the mask (masked_fill) the infinity came from
+            k = _kinds(v) - {"NaN"} if isinstance(v, torch.Tensor) else frozenset()
+            if k and (fill := _fill_event(node, i, k)) is not None:
+                event.cause = fill
+                break
+        return event
     elif base == "Mul":
         if "NaN" not in born:
             return None  # finite × inf is the inf's, or an overflow: other rules read it
+        unread = [(i, n) for i, (n, v) in enumerate(vals) if v is None]
+        if unread and not (in_kinds & {"+inf", "-inf"}):
+            # an operand autograd did not save (``0.5 * x`` keeps only 0.5): no inf is
+            # seen, so the NaN came in with it; the node that made it is named
+            at, operand = unread[0]
+            nxt = _next_node(node, at)
+            by = f", made by {nxt}" if nxt else ""
+            scalars[_CAME_IN] = operand
+            if nxt:
+                scalars[f"{operand}_made_by"] = nxt
+            why = f"the NaN came in with its {operand}, which autograd did not save{by}"
+            return _event(node, op, born, why, inputs=tensors, result=result, scalars=scalars)
         why = "0 × inf"
         event = _event(node, op, born, why, inputs=tensors, result=result, scalars=scalars)
         for i, (_, v) in enumerate(vals):
@@ -1727,6 +1826,54 @@ def _elementwise_event(
         else:
             why = f"{outside} of its inputs outside {what}"
     return _event(node, op, born, why, inputs=tensors, result=result, scalars=scalars)
+
+
+#: ``OpEvent.scalars`` key of a backward-node event whose NaN came in with an operand
+#: autograd did not save (its schema name): the node read it, no op of its made it
+CAME_IN = _CAME_IN = "came_in"
+
+
+def _next_node(node: Any, i: int) -> str | None:
+    """The name of the autograd node that made ``node``'s ``i``-th input, or None."""
+    try:
+        nxt = node.next_functions[i][0]
+    except (IndexError, AttributeError, ValueError):
+        return None
+    return None if nxt is None else str(nxt.name())
+
+
+def _logdet_event(node: Any) -> OpEvent | None:
+    """``torch.logdet`` runs as ``where(sign == -1, nan, logabsdet)`` of a slogdet: a
+    ``WhereBackward0`` whose one branch has no history (the NaN constant) and whose other is
+    a ``LinalgSlogdetBackward0``'s logabsdet. Its saved sign tells which matrices had a
+    negative determinant: logdet is NaN there (and -inf where the determinant is 0)."""
+    nexts = list(getattr(node, "next_functions", ()) or ())
+    if len(nexts) != 2 or not any(n is None for n, _ in nexts):
+        return None
+    slog = next((n for n, nr in nexts if n is not None and nr == 1), None)
+    if slog is None or slog.name().split("Backward")[0] != "LinalgSlogdet":
+        return None
+    sign, lu, a = (_saved(slog, k) for k in ("_saved_sign", "_saved_LU", "_saved_A"))
+    if not isinstance(sign, torch.Tensor) or not isinstance(lu, torch.Tensor):
+        return None
+    with torch.no_grad():
+        sign = sign.detach()
+        neg = int((sign == -1).sum())
+        if not neg:
+            return None
+        logabs = lu.detach().diagonal(dim1=-2, dim2=-1).abs().log().sum(-1)
+        result = torch.where(sign == -1, torch.full_like(logabs, math.nan), logabs)
+    why = f"{neg} of {sign.numel()} matrices have a negative determinant (slogdet sign -1)"
+    inputs = [("self", a.detach())] if isinstance(a, torch.Tensor) else []
+    return _event(
+        node,
+        "aten.logdet",
+        "NaN",
+        why,
+        inputs=inputs,
+        result=result,
+        scalars={"negative_det": neg, "matrices": int(sign.numel())},
+    )
 
 
 def _result_only_event(node: Any, base: str) -> OpEvent | None:
@@ -1867,6 +2014,8 @@ def _node_event(
         return _elementwise_event(node, base, output, loss_kinds, values)
     if base in _RESULT_ONLY:
         return _result_only_event(node, base)
+    if base == "Where":
+        return _logdet_event(node)
     return _reduction_event(node, base)
 
 

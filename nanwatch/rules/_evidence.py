@@ -608,6 +608,38 @@ def binary_operands(ev: OpEvent) -> dict[str, str] | None:
     return {"self": left, "other": right}
 
 
+def wrapped_binop(ev: OpEvent) -> tuple[str, str, str] | None:
+    """(the binary op's expression, its left, its right operand) as written, when the
+    user's line holds exactly one such operator and does more with its result than assign
+    or return it (``(logZ - score).mean()``): the op's output is that expression, not what
+    the line makes of it. None otherwise.
+
+    >>> from nanwatch.records import OpEvent, Phase, TensorStat
+    >>> s = TensorStat(0.0, 1.0, 4)
+    >>> ev = OpEvent("aten.sub.Tensor", Phase.FORWARD, "crf", "NaN", s, [("self", s)],
+    ...              code="return (logZ - score).mean()")
+    >>> wrapped_binop(ev)
+    ('logZ - score', 'logZ', 'score')
+    """
+    one = _one_binop(ev)
+    if one is None:
+        return None
+    stmt, shift, node = one
+    parsed = _parsed(stmt)
+    body = parsed[0].body if parsed is not None and isinstance(parsed[0], ast.Module) else []
+    value = getattr(body[0], "value", None) if len(body) == 1 else None
+    if not isinstance(value, ast.expr):
+        return None
+    where = (value.col_offset, value.end_col_offset)
+    if where == (node.col_offset, node.end_col_offset):
+        return None  # the line assigns or returns the op's result itself
+    whole = stmt[slice(*_segment(stmt, shift, node))]
+    left, right = (stmt[slice(*_segment(stmt, shift, e))] for e in (node.left, node.right))
+    if packet(ev.op).rstrip("_") == "rsub":
+        left, right = right, left
+    return whole, left, right
+
+
 def _attr_of(expr: str) -> str | None:
     """``dist`` of ``self.dist``, ``-self.dist``, ``self.dist[:T, :T]``; None for anything
     else (a computation on it, a local name)."""
@@ -1021,6 +1053,32 @@ def inf_explanation(ev: OpEvent, src: InfSource) -> str:
     expr = inf_arithmetic(ev) or "arithmetic on infinities"
     undefined = f"{expr} has no value, so IEEE arithmetic returns NaN."
     name = packet(ev.op).rstrip("_")
+    const = _inf_constants(src)
+    if const is not None and name in _MULTIPLY:
+        op, sign = const
+        if sign == "+inf":
+            return (
+                f"{undefined} The +inf is a constant {op} wrote (fill value inf: an infinite "
+                "interval, distance or bound, not a mask), and the value it was multiplied by "
+                "is exactly 0 there (a density or weight a ReLU or a mask set to 0). Use a "
+                "large finite value instead of inf (1e10, as reference NeRF does for the last "
+                "interval): 0 × 1e10 = 0, and it still acts as infinite elsewhere "
+                "(exp(-1e10) = 0). Not torch.finfo(dtype).max: scaled by more than 1 it "
+                "overflows to inf again."
+            )
+        return (
+            f"{undefined} The -inf is a constant {op} wrote (fill value -inf: the start of a "
+            "running max, a bound), and the value it was multiplied by is exactly 0 there. "
+            "Start from torch.finfo(dtype).min instead (0 × finfo.min = 0), or zero those "
+            "positions with masked_fill instead of multiplying."
+        )
+    if src.kind == "mask" and name in _MULTIPLY and _inf_sign(src) == "+inf":
+        return (
+            f"{undefined} A value masked to +inf was multiplied by 0 (a 0/1 mask or a zero "
+            "weight applied after the +inf one). Mask with a large finite value (1e10, or "
+            "torch.finfo(dtype).max when nothing scales it up), or zero the masked values "
+            "with masked_fill instead of multiplying."
+        )
     if src.kind == "mask" and name in _MULTIPLY:
         return (
             f"{undefined} A value masked to -inf was multiplied by 0 (a 0/1 mask or a zero "
@@ -1055,6 +1113,57 @@ def inf_explanation(ev: OpEvent, src: InfSource) -> str:
     )
 
 
+def _inf_sign(src: InfSource) -> str | None:
+    """``+inf`` or ``-inf`` when every traced op that put the infinities in made that one
+    sign; None when unknown or mixed."""
+    signs = {k for e in src.events for k in e.born.split(", ") if k in ("+inf", "-inf")}
+    return next(iter(signs)) if len(signs) == 1 else None
+
+
+def _inf_constants(src: InfSource) -> tuple[str, str] | None:
+    """(the op, ``+inf``/``-inf``) when the infinities came only from ops that create a
+    tensor full of a constant (torch.full_like(x, inf): an infinite interval), not from a
+    mask written into chosen positions; None otherwise."""
+    if src.kind != "mask" or not src.events or src.masks:
+        return None
+    sign = _inf_sign(src)
+    if sign is None:
+        return None
+    return short_op(src.events[0].op), sign
+
+
+_POS_INF_LITERAL = re.compile(
+    r"""(?<![\w.])float\(\s*(['"])\+?inf(?:inity)?\1\s*\)"""
+    r"|(?<![\w.])(?:math|torch|np|numpy)\.inf\b",
+    re.IGNORECASE,
+)
+
+
+def replace_pos_inf(code: str | None, replacement: str) -> str | None:
+    """The user's line with its +inf literal (``float("inf")``, ``math.inf``) replaced;
+    None when the line holds none (or is unknown).
+
+    >>> replace_pos_inf('d = torch.full_like(d[:, :1], float("inf"))  # last', "1e10")
+    'd = torch.full_like(d[:, :1], 1e10)'
+    >>> replace_pos_inf('m = x.masked_fill(k, float("-inf"))', "1e10") is None
+    True
+    """
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].rstrip()
+    n = 0
+
+    def swap(m: re.Match[str]) -> str:
+        nonlocal n
+        if line[: m.start()].rstrip().endswith("-"):
+            return m.group(0)  # -float("inf"), -math.inf: a -inf
+        n += 1
+        return replacement
+
+    new = _POS_INF_LITERAL.sub(swap, line)
+    return new if n else None
+
+
 def inf_fix(ev: OpEvent, src: InfSource, *, forensic: bool) -> str:
     """Code for an op that made NaN of infinities: the user's mask line with
     ``torch.finfo(dtype).min`` for its -inf (a template when the line is not known), for a
@@ -1064,6 +1173,16 @@ def inf_fix(ev: OpEvent, src: InfSource, *, forensic: bool) -> str:
     finite_min = f"torch.finfo(torch.{dtype}).min"
     masked = src.kind == "mask"
     lines: list[str] = []
+    const = _inf_constants(src)
+    if const is not None and const[1] == "+inf" and packet(ev.op).rstrip("_") in _MULTIPLY:
+        for e in src.events:
+            fixed = replace_pos_inf(e.code, "1e10")
+            if fixed is not None:
+                return f"{fixed}   # not inf: 0 × 1e10 = 0, exp(-1e10) = 0"
+        return (
+            "# where the tensor is filled with inf: a large finite value instead\n"
+            "last = torch.full_like(x[..., :1], 1e10)   # not float('inf'): 0 × 1e10 = 0"
+        )
     for m in src.masks:
         fixed = replace_neg_inf(m.code, f"torch.finfo(torch.{m.dtype or dtype}).min")
         line = f"{fixed}   # not -inf: an empty row or segment stays finite"

@@ -52,6 +52,7 @@ from nanwatch.rules._evidence import (
     statements,
     top_level,
     untraced_hint,
+    wrapped_binop,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
@@ -349,6 +350,10 @@ def _with_op(ctx: RuleContext, a: Anomaly) -> Diagnosis:
         found = _parametrized(ctx, a, a.op, par)
         if found is not None:
             return found
+    if packet(a.op.op) == "logdet":
+        return _logdet(ctx, a, a.op)
+    if _CAME_IN in a.op.scalars:
+        return _came_in(ctx, a, a.op)
     cause = cause_of(a)
     if cause is not None and cause.kind == "inf-arith":
         return _inf_arithmetic(ctx, a, cause.event, cause.trigger)
@@ -392,6 +397,92 @@ def _with_op(ctx: RuleContext, a: Anomaly) -> Diagnosis:
         evidence=evidence,
         explanation=explanation,
         fix=_inspect_fix(ev),
+    )
+
+
+#: ``OpEvent.scalars`` key of a backward-node event whose NaN came in with an operand autograd
+#: did not save (see ``nanwatch.ops.CAME_IN``)
+_CAME_IN = "came_in"
+
+
+def _logdet(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
+    """torch.logdet of a matrix whose determinant is negative: log of a negative number, NaN
+    (torch runs it as ``where(sign == -1, nan, logabsdet)`` of a slogdet: no op raises)."""
+    neg = ev.scalars.get("negative_det")
+    total = ev.scalars.get("matrices")
+    evidence = [a.summary]
+    if isinstance(neg, int) and neg:
+        of = f" of {total}" if isinstance(total, int) else ""
+        evidence.append(f"{neg}{of} matrices have a negative determinant (slogdet sign -1)")
+    for nm, given in ev.inputs[:1]:
+        if nm == "self":  # the matrix (read from the graph; the op checker sees where's)
+            evidence.append(f"input {nm}: {describe_stat(given)}")
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    got: list[str] = []
+
+    def keep(e: str) -> str:
+        got.append(e)
+        return e
+
+    for st in statements(ev.code):
+        if rewrite_call(st, ["logdet"], keep) is not None and got:
+            break
+    arg = got[0] if got else "A"
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="logdet of a matrix with a negative determinant",
+        evidence=evidence,
+        explanation=(
+            "logdet(A) = log(det A) is NaN where det A < 0 (and -inf where det A = 0); torch "
+            "returns NaN there instead of raising. A matrix meant to be positive definite (a "
+            "covariance, a precision) built from learned values lost that property: a "
+            "learned diagonal went negative."
+        ),
+        fix=(
+            f"sign, logabsdet = torch.linalg.slogdet({arg})   # in place of torch.logdet({arg})\n"
+            "assert (sign > 0).all(), 'matrix not positive definite'\n"
+            "# or keep it positive definite: a positive learned diagonal, e.g.\n"
+            "# torch.diag_embed(F.softplus(raw) + 1e-6), or L @ L.mT with exp() on L's diagonal"
+        ),
+    )
+
+
+def _came_in(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
+    """A backward node's result is NaN but the operands it saved are finite and hold no
+    inf: the NaN came in with an operand autograd did not save (``0.5 * x`` keeps only
+    0.5), made upstream by the node named; this node did not make it."""
+    name = str(ev.scalars[_CAME_IN])
+    made = ev.scalars.get(f"{name}_made_by")
+    op = short_op(ev.op)
+    by = f", made by {made}" if made else ""
+    evidence = [
+        a.summary,
+        f"{op}'s {name} already held NaN{by}: autograd did not save it, and no input of "
+        f"{op} holds an inf",
+    ]
+    args = {k: v for k, v in ev.scalars.items() if k not in ("evidence", _CAME_IN)}
+    args = {k: v for k, v in args.items() if not k.endswith("_made_by")}
+    if args:
+        evidence.append("arguments: " + ", ".join(f"{k}={_arg(v)}" for k, v in args.items()))
+    evidence.append(untraced_hint(ctx))
+    mode = ctx.facts.get("mode")
+    if mode == "forensic":
+        fix = _READ_BAD
+    elif cli_rerun() is not None:
+        fix = _rerun()
+    else:
+        fix = _forensic(_watched_criterion(ctx), _roots(ctx))
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=(
+            f"The NaN reached {op} through its {name}{by}; {op} did not make it. The op that "
+            "made it ran earlier in the loss code and is not readable from the autograd "
+            "graph; forensic mode checks every op and names it and its line."
+        ),
+        fix=fix,
     )
 
 
@@ -665,6 +756,20 @@ def _inspect_fix(ev: OpEvent) -> str:
     first = ev.inputs[0][1] if ev.inputs else None
     same_shape = first is not None and first.numel == ev.output.numel
     where = f"right after {ev.source}" if ev.source else f"where {op} runs"
+    inner = wrapped_binop(ev) if not calls else None
+    if inner is not None:  # the line reduces the op's result: inspect the op's own expression
+        expr, left, right = inner
+        lines = [
+            f"# {where}: the elements {op} made {ev.born}, and its inputs there",
+            f"bad = ~torch.isfinite({expr})   # {op} alone, before the rest of the line",
+        ]
+        if len(ev.inputs) == 2 and all(
+            s is not None and s.numel == ev.output.numel for _, s in ev.inputs
+        ):
+            lines.append(f"print({paren(left)}[bad], {paren(right)}[bad])")
+        else:  # broadcast operands: the positions index the result's shape
+            lines.append(f"print(bad.nonzero()[:8])   # then index {left} and {right} with them")
+        return "\n".join(lines)
     lines = [f"# {where}: the elements {op} made {ev.born}, and its input there"]
     out = _target(stmt)
     if out is None:
