@@ -147,6 +147,10 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         return  # a constant -inf was put in (a mask): NW402 or NW100 say so, not a log
     if cause is not None and cause.kind == "inf-arith" and origin.kind != "log":
         return  # NaN from two infinities of unknown origin: NW100 names both suspects
+    if _passed_on_constant(src, origin):  # a module's own -inf (forbidden transitions): no log
+        if cause is None:  # NW100 names the op in forensic mode
+            yield _constant_neginf(ctx, a, src, origin)
+        return
     grew = f"it grew into {a.record.stat.kinds() if a.record.stat else 'NaN'} in {a.record.where}"
     if cause is not None:  # the op that was given it is known (a Linear's addmm)
         ev = cause.event
@@ -179,6 +183,65 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"returns NaN. {why}."
         ),
         fix=_LOG_FIX,
+        priority=25,
+    )
+
+
+#: autograd nodes that pass a -inf operand on (-inf + x = -inf) and make none of their own
+#: short of an overflow
+_PASS_ON_NODES = frozenset({"Add", "Sub", "Cat", "Stack", "Index", "Clone", "Expand", "View"})
+
+
+def _passed_on_constant(src: Record, origin: InfSource) -> bool:
+    """The record where the -inf was first seen was made by an op that only passes one on
+    (``self.w + self.c`` with a buffer ``c`` of forbidden transitions at -inf), its values
+    nowhere near the dtype's limit (no overflow): the -inf was a constant the module held,
+    made by no log."""
+    s = src.stat
+    if origin.kind not in ("unknown", "state") or s is None or not s.has_neginf:
+        return False
+    if node_base(origin.node) not in _PASS_ON_NODES:
+        return False
+    lim = limits(src.dtype)
+    big = s.finite_amax if s.finite_amax is not None else None
+    return lim is not None and big is not None and big < lim.max / 1e6 and not s.near_max
+
+
+def _constant_neginf(ctx: RuleContext, a: Anomaly, src: Record, origin: InfSource) -> Diagnosis:
+    """NaN from a -inf the module held as a constant (a constraint or mask: a CRF's
+    forbidden transitions in a buffer, added to its weights), the op untraced: no log made
+    it, so NW100's story (0 × -inf) with the fix of a multiply-by-mask, not a log fix."""
+    s = src.stat
+    assert s is not None
+    node = origin.node or "an add"
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        code="NW100",
+        title="NaN from arithmetic on infinities: a constant -inf times 0",
+        evidence=[
+            f"a -inf first appeared in {src.where} ({src.dtype}): {describe_stat(s)}",
+            f"autograd node {node} made it: it passes a -inf operand on and makes none "
+            f"(its finite values, at most {fmt(s.finite_amax or 0)}, are nowhere near the "
+            f"{src.dtype} limit: no overflow), so the module combined its own -inf constant "
+            "(a buffer or parameter of forbidden entries), made by no log",
+            f"it grew into {a.record.stat.kinds() if a.record.stat else 'NaN'} in {a.record.where}",
+            untraced_hint(ctx),
+        ],
+        explanation=(
+            "A constraint or mask held as -inf (a CRF's forbidden transitions, a bias that "
+            "forbids positions) is safe while it is only added, maxed and logsumexp-ed, but "
+            "a multiply by 0, such as a padding mask applied as x * mask, computes 0 × -inf "
+            "= NaN (and -inf + inf is NaN too). Select with torch.where instead of "
+            "multiplying by the mask, or hold the constraint as the dtype's most negative "
+            "finite number, which 0 × keeps at 0."
+        ),
+        fix=(
+            "y = torch.where(mask, x, 0.0)   # not x * mask: 0 × -inf is NaN (x: what the "
+            "mask multiplied)\n"
+            "c[forbidden] = torch.finfo(c.dtype).min   # or the constraint (c: the module's "
+            '-inf buffer) as a finite value, not float("-inf")\n'
+            '# mode="forensic" names the op and line'
+        ),
         priority=25,
     )
 
@@ -827,6 +890,21 @@ def _tiny(p: str) -> str:
 _NAME = re.compile(r"[A-Za-z_][\w.]*")
 
 
+def _param_values_match(ctx: RuleContext, qual: str, x: TensorStat) -> bool:
+    """Whether the watched parameter ``qual``'s recorded values are those of ``x`` (a log's
+    input whose line is unknown): its latest value record's largest magnitude equals
+    ``x``'s, and its min and max do where counted."""
+    amax = max(abs(x.min), abs(x.max))
+    for t in (ctx.trace, *reversed(ctx.history)):
+        for r in t.records:
+            if r.phase is Phase.PARAMETER and r.role == qual and r.stat is not None:
+                s = r.stat
+                if s.counted:
+                    return s.min == x.min and s.max == x.max
+                return max(abs(s.min), abs(s.max)) == amax
+    return False
+
+
 def _log_of_param(
     ctx: RuleContext, a: Anomaly, ev: OpEvent, x: TensorStat | None
 ) -> _LogUse | None:
@@ -850,7 +928,11 @@ def _log_of_param(
     elif not ev.code and (ev.path or a.path) == LOSS_PATH:
         hits = [q for q, n in params.items() if n == x.numel]
         outputs = {r.stat.numel for r in first_root_outputs(ctx.trace) if r.stat is not None}
-        if len(hits) == 1 and x.numel not in outputs:
+        # a size alone proves nothing (a sigmoid output of 8 values is no bias of 8 values):
+        # values below 0 (no probability, no activation that saturated to 0) or the
+        # parameter's own recorded values must say so too
+        said = x.min < 0 or _param_values_match(ctx, hits[0], x) if hits else False
+        if len(hits) == 1 and x.numel not in outputs and said:
             qual = hits[0]
     if qual is None:
         return None
@@ -913,6 +995,8 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
             return logit
         for start, end, arg in calls:
             lse = _logsumexp_use(stmt, start, end, arg, ev.dtype)
+            if lse is None and _NAME.fullmatch(arg):
+                lse = _logsumexp_of_name(stmt, start, end, arg, ev)
             if lse is not None:
                 return lse
         for start, end, arg in calls:
@@ -1119,11 +1203,43 @@ def _logsumexp_use(
     )
 
 
+def _logsumexp_of_name(stmt: str, start: int, end: int, arg: str, ev: OpEvent) -> _LogUse | None:
+    """``torch.log(s)`` where an earlier line of the function made ``s = exp(a) + exp(b) +
+    ...`` (a hand-written soft-min or logsumexp): the log's line with ``torch.logsumexp`` of
+    those exponents in its place."""
+    made = _assigned_before(ev.source, arg)
+    if made is None:
+        return None
+    try:
+        node = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    terms = _exp_terms(node)
+    if terms is None or len(terms) < 2:
+        return None
+    xs = ", ".join(ast.unparse(t) for t in terms)
+    lse = f"torch.logsumexp(torch.stack([{xs}]), dim=0)"
+    return _LogUse(
+        "logsumexp",
+        f"{stmt[:start]}{lse}{stmt[end:]}   # was torch.log({arg}) of {made}: exact where every "
+        "exp underflows to 0\n"
+        f"# not torch.log({arg}.clamp_min(tiny)): finite, but not the log of the sum",
+        why=_lse_why(ev.dtype),
+        evidence=f"{arg} was made by {made}: a sum of exp() terms, exactly 0 where every exp "
+        "underflowed to 0",
+    )
+
+
 def _exp_sum_logs(ops: list[object]) -> tuple[int, int]:
     """How many logs a loss graph's op list (depth first: a unary op's input follows it)
     holds, and how many of them take the log of a sum of exps (``log`` then ``add``/``sum``
-    then ``exp``)."""
-    logs = [i for i, o in enumerate(ops) if o == "log"]
+    then ``exp``). A log the list's end cuts short (``log``, ``add`` at its end: it holds
+    32 ops at most) is left out of both counts: its input is not known."""
+    logs = [
+        i
+        for i, o in enumerate(ops)
+        if o == "log" and not (len(ops) >= 32 and ops[i + 1 :] in ([], ["add"], ["sum"]))
+    ]
     summed = [i for i in logs if ops[i + 1 : i + 3] in (["add", "exp"], ["sum", "exp"])]
     return len(logs), len(summed)
 
@@ -2316,6 +2432,9 @@ def _all_zero_denominator(
             "the denominator is read from module state, not computed from this batch: "
             + ", ".join(f"{n} is {v}" if n != v else v for n, v in state),
         )
+    summed = None if state else _zero_sum_source(ctx, ev, divisor)
+    if summed is not None:
+        evidence.insert(2, summed)
     sqrt = divisor is not None and re.search(r"(?<![\w.])(?:torch\.)?sqrt\(|\.sqrt\(", divisor)
     own = None
     if sqrt and divisor is not None:
@@ -2339,6 +2458,11 @@ def _all_zero_denominator(
             f"\n# {names}: 0 everywhere means it was created with torch.zeros and read before "
             "any update; a variance, scale or count starts at torch.ones"
         )
+    elif summed is not None:
+        own += (
+            "\n# the sum is 0 where every value summed is 0: find why they are all 0 (a ReLU "
+            "output 0 everywhere: a dead head; softplus keeps a density or weight positive)"
+        )
     else:
         own += (
             "\n# find what left the denominator 0 everywhere: a buffer or parameter created "
@@ -2349,6 +2473,11 @@ def _all_zero_denominator(
         "it is: a buffer created with torch.zeros and used before any update fills it (a "
         "running variance read in eval mode before training updated it) is 0 everywhere."
         if state
+        else " It was computed in this step, a sum (or mean) of values that are all 0: every "
+        "term is 0, such as a ReLU output that is 0 everywhere (a dead ReLU head, its inputs "
+        "or bias pushed below 0 for every sample) or weights that are all 0, not a buffer "
+        "never filled."
+        if summed is not None
         else " That is a tensor never filled (a buffer or parameter created with torch.zeros "
         "and read before any update, running statistics used in eval mode), or the spread "
         "of an input that is constant everywhere."
@@ -2364,6 +2493,34 @@ def _all_zero_denominator(
         ),
         fix=own,
     )
+
+
+_REDUCE_NODES = frozenset({"Sum", "Mean", "Cumsum", "Mm", "Mv", "Bmm", "Matmul", "Dot"})
+
+
+def _zero_sum_source(ctx: RuleContext, ev: OpEvent, divisor: str | None) -> str | None:
+    """Evidence that an all-zero denominator was computed this step as a sum of zeros (its
+    autograd producer, ``other_made_by``, is a reduction, or the user's divisor is a
+    ``.sum(...)``), with the watched module output that is 0 everywhere when one is; None
+    when neither shows a computation."""
+    made = str(ev.scalars.get("other_made_by", "")).split("<")[0]
+    written = divisor is not None and re.search(r"\.(?:sum|mean)\(|torch\.(?:sum|mean)\(", divisor)
+    if node_base(made) not in _REDUCE_NODES and not written:
+        return None
+    by = f" (autograd node {made})" if made else f" ({divisor})"
+    text = (
+        f"the denominator was computed this step{by}: a sum of values that are all 0, not a "
+        "buffer never filled"
+    )
+    for r in ctx.trace.records:
+        if r.phase is not Phase.FORWARD or r.path == LOSS_PATH or not r.role.startswith("output"):
+            continue
+        m = exact(ctx.trace, r)
+        st = m.stat if m is not None else None
+        if st is not None and st.numel and st.min == 0 and st.max == 0:
+            text += f"; {r.where} is 0 everywhere ({st.numel:,} values)"
+            break
+    return text
 
 
 def _module_state(ev: OpEvent, divisor: str) -> list[tuple[str, str]]:
@@ -2746,6 +2903,9 @@ def _inf_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> D
         "value overflowed"
     )
     evidence += _chain_evidence(ev, trigger, ev.born)
+    mask = None if weights else _inf_mask_maker(ctx, ev, held)
+    if mask is not None:
+        return _inf_mask_given(ctx, a, ev, mask, evidence)
     holder = weights or (_inf_holder(ctx, ev, *held[0])[0] if held else "an input")
     if named and not weights:
         holder = f"{named} ({holder})"
@@ -2776,6 +2936,92 @@ def _inf_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> D
                 else "t: the tensor that held the inf, checked where it is made"
             )
         ),
+    )
+
+
+_MASK_OPS = frozenset(
+    {"masked_fill", "masked_fill_", "where", "full", "full_like", "fill", "fill_"}
+)
+_INF_TOKEN = re.compile(
+    r"""(?:-\s*)?(?:float\(\s*["'][+-]?inf(?:inity)?["']\s*\)|(?:math|torch|np|numpy)\.inf)""",
+    re.IGNORECASE,
+)
+
+
+def _inf_mask_maker(
+    ctx: RuleContext, ev: OpEvent, held: list[tuple[str, TensorStat]]
+) -> OpEvent | None:
+    """The traced op that wrote the infinities an input of ``ev`` held on purpose: a
+    ``masked_fill`` / ``where`` / ``full`` given a constant inf (a mask of forbidden
+    entries), of the same size, earlier in the step; None when the trace shows none."""
+    if not held:
+        return None
+    for mk in ctx.trace.ops:
+        if mk is ev:
+            break
+        if packet(mk.op) not in _MASK_OPS or not mk.injected:
+            continue
+        for _, st in held:
+            same = st.numel == mk.output.numel
+            if same and (
+                (st.has_posinf and mk.output.has_posinf) or (st.has_neginf and mk.output.has_neginf)
+            ):
+                return mk
+    return None
+
+
+def _inf_mask_given(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, mk: OpEvent, evidence: list[str]
+) -> Diagnosis:
+    """An inf written on purpose (a cost or score masked with ``masked_fill(~allowed, inf)``)
+    that an op later passed on: a row with nothing allowed is inf everywhere, and the
+    logsumexp or max-subtraction over it is inf - inf = NaN. The fix writes a large finite
+    value in the mask's place, on the mask's line when it is known."""
+    op = short_op(ev.op)
+    made = infinities(mk.output) or mk.born
+    at = f" {mk.at}" if mk.at else ""
+    line = f": {mk.code.strip()}" if mk.code else ""
+    outside = "a buffer or a tensor the code captured, made outside the traced ops"
+    evidence[:] = [e.replace(outside, f"made by {short_op(mk.op)}{at}") for e in evidence]
+    evidence.insert(
+        0,
+        f"{short_op(mk.op)} made the infinities on purpose{at}{line} ({made} of "
+        f"{mk.output.numel:,} values): a mask of forbidden entries, not a count that was 0",
+    )
+    sign = "-" if "-inf" in mk.born and "+inf" not in mk.born else ""
+    target = None
+    for stmt in statements(mk.code):
+        m = re.match(r"\s*([A-Za-z_][\w.]*)\s*=(?!=)", stmt)
+        target = target or (m.group(1) if m else None)
+    dtype = f"{target}.dtype" if target else f"torch.{mk.dtype or ev.dtype or 'float32'}"
+    big = f"{sign}torch.finfo({dtype}).max ** 0.5"
+    note = (
+        "# a large finite value, not inf: a row with nothing allowed stays finite (inf - inf "
+        "is NaN); sqrt(max) leaves room for / eps and sums"
+    )
+    own = None
+    for stmt in statements(mk.code):
+        if _INF_TOKEN.search(stmt):
+            own = _INF_TOKEN.sub(lambda _: big, stmt, count=1).strip()
+            break
+    fix = f"{own}   {note}" if own else f"cost = cost.masked_fill(~allowed, {big})   {note}"
+    fix += (
+        "\n# and where a row may have nothing allowed, drop it or give it a default partner "
+        "(its result is meaningless either way)"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="Infinite value given to an op (not an overflow): an inf mask",
+        evidence=evidence,
+        explanation=(
+            f"{op} made no infinity of its own: {short_op(mk.op)} wrote them as a mask of "
+            "forbidden entries. An inf mask works only while every row (or column) keeps one "
+            "finite entry: where nothing is allowed the row is inf everywhere, and a "
+            "logsumexp, a softmax or a max subtracted over it computes inf - inf = NaN. A "
+            "large finite value masks the same entries (exp of it is 0) and stays finite "
+            "where a row has nothing allowed."
+        ),
+        fix=fix,
     )
 
 
@@ -3326,6 +3572,27 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
 _SCALAR_ARGS = ("tau", "temperature", "temp", "t", "scale", "divisor", "sigma", "std")
 
 
+def _div_call_divisor(n: ast.AST) -> ast.expr | None:
+    """The divisor of a division written as a call, when it is a name or attribute:
+    ``x.div(keep_prob)`` / ``x.div_(d)`` / ``torch.div(x, d)`` (``true_divide``, ``divide``
+    too); None for anything else."""
+    if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+        return None
+    if n.func.attr not in ("div", "div_", "true_divide", "true_divide_", "divide", "divide_"):
+        return None
+    mod = ast.unparse(n.func.value) == "torch"
+    if n.keywords and any(k.arg not in ("rounding_mode",) for k in n.keywords):
+        return None
+    d = (
+        n.args[1]
+        if mod and len(n.args) == 2
+        else n.args[0]
+        if not mod and len(n.args) == 1
+        else None
+    )
+    return d if isinstance(d, (ast.Name, ast.Attribute)) else None
+
+
 def _scalar_floor(code: str | None) -> str | None:
     """The user's line with ``max(d, 1e-3)`` around the Python-number divisor: a keyword
     argument that a call divides by (``F.gumbel_softmax(l, tau=self.tau)``), else the right
@@ -3348,6 +3615,10 @@ def _scalar_floor(code: str | None) -> str | None:
             k = kws[0]
             text = ast.get_source_segment(stmt, k.value) or ast.unparse(k.value)
             return _spliced(stmt, k.value, f"max({text}, 1e-3)")
+        divs = [d for n in ast.walk(tree) if (d := _div_call_divisor(n)) is not None]
+        if len(divs) == 1 and "/" not in stmt:
+            text = ast.get_source_segment(stmt, divs[0]) or ast.unparse(divs[0])
+            return _spliced(stmt, divs[0], f"max({text}, 1e-3)")
 
     def floor(d: str) -> str:
         try:
@@ -4111,9 +4382,11 @@ _ROOT_BACKWARD = (
 )
 
 _ROOT_FIX_BACKWARD = (
-    "d = torch.linalg.vector_norm(a - b, dim=-1)    # its gradient at 0 is 0\n"
-    "d = F.pairwise_distance(a, b)                  # adds eps=1e-6 inside\n"
-    "d = ((a - b) ** 2).sum(-1).clamp_min(1e-12).sqrt()   # keep the sqrt off exact 0\n"
+    "norm = torch.linalg.vector_norm(x, dim=-1)   # not (x ** 2).sum(-1).sqrt(): its "
+    "gradient at 0 is 0\n"
+    "dist = F.pairwise_distance(x1, x2)   # a distance, not ((x1 - x2) ** 2).sum(-1).sqrt(): "
+    "eps=1e-6 inside\n"
+    "norm = ((x ** 2).sum(-1) + 1e-12).sqrt()   # or eps inside the sqrt: off exact 0\n"
     "std = torch.sqrt(v + 1e-4)   # v a variance (z.var(dim=0)): eps inside the sqrt"
 )
 
