@@ -570,12 +570,26 @@ def _kl_div_on_probabilities(ctx: RuleContext, use: LossUse) -> Diagnosis | None
             "often negative, with gradients that do not push the distributions together; "
             "training goes on without an error."
         ),
-        fix=use.data("probabilities_fix")
+        fix=_with_log_softmax(use.data("probabilities_fix"))
         or (
             "loss = F.kl_div(F.log_softmax(logits, dim=-1), p_target, reduction='batchmean')\n"
             "# or, with log-probabilities on both sides:\n"
             "loss = F.kl_div(logp, logp_target, reduction='batchmean', log_target=True)"
         ),
+    )
+
+
+def _with_log_softmax(fix: Any) -> str | None:
+    """The guard's fix on the user's line; when it takes the log of the probabilities
+    (``p.log()``: -inf wherever a probability underflowed to 0), a line more says where the
+    stable form comes from."""
+    if not isinstance(fix, str) or not fix:
+        return None
+    if "log_softmax" in fix:
+        return fix
+    return (
+        f"{fix}\n# better, where the probabilities are made: F.log_softmax(logits, dim=-1) "
+        "in place of F.softmax (a probability that underflowed to 0 has a log of -inf)"
     )
 
 
