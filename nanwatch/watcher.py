@@ -124,14 +124,10 @@ def _types(*names: str) -> frozenset[type]:
     return frozenset(getattr(nn, n) for n in names if isinstance(getattr(nn, n, None), type))
 
 
-#: Modules that cannot create a NaN or inf from finite inputs unless a value overflows the
-#: dtype: normalizations (eps > 0), dropout, averages, smooth activations, softmax (it
-#: subtracts the max), resampling, padding, lookups. In a dtype whose range ends near 3e38
-#: (float32, float64, bfloat16) that overflow would need values the records before them
-#: already show as absurd, so their outputs are not measured there: the next measured record
-#: (a Linear, a Conv, the loss) bounds them, and localization sees through them as it does
-#: through ReLU. In float16 and float8, where overflow is their real risk, they are measured.
-_PRESERVING: frozenset[type] = _types(
+#: normalizations: finite-preserving (see _PRESERVING) only while the constant added to the
+#: divisor is positive (``eps``; LocalResponseNorm's ``k``): with 0, a constant or all-zero
+#: input makes 0/0
+_NORMS: frozenset[type] = _types(
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
@@ -141,8 +137,18 @@ _PRESERVING: frozenset[type] = _types(
     "InstanceNorm1d",
     "InstanceNorm2d",
     "InstanceNorm3d",
-    "LocalResponseNorm",
     "RMSNorm",
+)
+
+#: Modules that cannot create a NaN or inf from finite inputs unless a value overflows the
+#: dtype: normalizations (eps > 0), dropout, averages, smooth activations, softmax (it
+#: subtracts the max), resampling, padding, lookups. In a dtype whose range ends near 3e38
+#: (float32, float64, bfloat16) that overflow would need values the records before them
+#: already show as absurd, so their outputs are not measured there: the next measured record
+#: (a Linear, a Conv, the loss) bounds them, and localization sees through them as it does
+#: through ReLU. In float16 and float8, where overflow is their real risk, they are measured.
+_PRESERVING: frozenset[type] = _NORMS | _types(
+    "LocalResponseNorm",
     "Dropout",
     "Dropout1d",
     "Dropout2d",
@@ -193,21 +199,6 @@ _PRESERVING: frozenset[type] = _types(
     "CircularPad2d",
     "CircularPad3d",
     "Embedding",
-)
-#: the normalizations among them: finite-preserving only while the constant added to the
-#: divisor is positive (``eps``; LocalResponseNorm's ``k``): with 0, a constant or all-zero
-#: input makes 0/0
-_NORMS: frozenset[type] = _types(
-    "BatchNorm1d",
-    "BatchNorm2d",
-    "BatchNorm3d",
-    "SyncBatchNorm",
-    "LayerNorm",
-    "GroupNorm",
-    "InstanceNorm1d",
-    "InstanceNorm2d",
-    "InstanceNorm3d",
-    "RMSNorm",
 )
 
 

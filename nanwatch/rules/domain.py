@@ -1207,13 +1207,10 @@ def _logsumexp_of_name(stmt: str, start: int, end: int, arg: str, ev: OpEvent) -
     """``torch.log(s)`` where an earlier line of the function made ``s = exp(a) + exp(b) +
     ...`` (a hand-written soft-min or logsumexp): the log's line with ``torch.logsumexp`` of
     those exponents in its place."""
-    made = _assigned_before(ev.source, arg)
-    if made is None:
+    found = _assigned_expr(ev.source, arg)
+    if found is None:
         return None
-    try:
-        node = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
-    except SyntaxError:
-        return None
+    made, node = found
     terms = _exp_terms(node)
     if terms is None or len(terms) < 2:
         return None
@@ -1517,13 +1514,10 @@ def _tanh_of_square(q: str, source: str | None) -> _TanhSquare | None:
         return _TanhSquare(ast.unparse(u), None)
     if not isinstance(base, ast.Name):
         return None
-    made = _assigned_before(source, base.id)
-    if made is None:
+    found = _assigned_expr(source, base.id)
+    if found is None:
         return None
-    try:
-        rhs = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
-    except SyntaxError:
-        return None
+    made, rhs = found
     u = _tanh_argument(rhs)
     return _TanhSquare(ast.unparse(u), made) if u is not None else None
 
@@ -2750,6 +2744,18 @@ def _assigned_before(source: str | None, name: str, reach: int = 40) -> str | No
             if pattern.match(stmt):
                 return stmt.strip()
     return None
+
+
+def _assigned_expr(source: str | None, name: str) -> tuple[str, ast.expr] | None:
+    """:func:`_assigned_before`'s statement and its right-hand side parsed; None when there
+    is none or it does not parse."""
+    made = _assigned_before(source, name)
+    if made is None:
+        return None
+    try:
+        return made, ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
+    except SyntaxError:
+        return None
 
 
 def _underflowed_denominator(

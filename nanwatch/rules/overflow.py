@@ -354,46 +354,34 @@ def _normalized_later(ev: OpEvent, reach: int = 15) -> _Normalized | None:
     }
     if not derived:
         return None
-    top = -1
-    for n in range(start - 1, max(0, start - 200), -1):
-        text = linecache.getline(path, n)
-        if re.match(r"\s*(?:async\s+)?def\s", text) and len(text) - len(text.lstrip()) < indent:
-            top = len(text) - len(text.lstrip())
-            break
     sums: set[str] = set()
-    for n in range(start + 1, start + reach):
-        text = linecache.getline(path, n)
-        if not text.strip() or text.lstrip().startswith("#"):
+    for n, text, stmt in _later_statements(path, start, indent, reach):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
             continue
-        if len(text) - len(text.lstrip()) <= top:
-            break  # the function ended
-        for stmt in statements(text.strip()):
-            try:
-                tree = ast.parse(stmt)
-            except SyntaxError:
-                continue
-            target = _assigned(stmt)
-            if not _names(tree) & derived:
-                derived.discard(target or "")
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
-                    below = node.right
-                    if _sum_of(below, derived) or _names(below) & sums:
-                        logged = re.search(r"\blog\(", stmt) is not None
-                        return _Normalized(f"{path}:{n}", text.strip(), logged)
-                if (
-                    isinstance(node, ast.Call)
-                    and isinstance(node.func, ast.Attribute)
-                    and node.func.attr == "log"
-                ):
-                    inner = node.args[0] if node.args else node.func.value
-                    if _sum_of(inner, derived) or _names(inner) & sums:
-                        return _Normalized(f"{path}:{n}", text.strip(), True)
-            if target is not None:
-                derived.add(target)
-                if _sum_of(tree, derived):
-                    sums.add(target)
+        target = _assigned(stmt)
+        if not _names(tree) & derived:
+            derived.discard(target or "")
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                below = node.right
+                if _sum_of(below, derived) or _names(below) & sums:
+                    logged = re.search(r"\blog\(", stmt) is not None
+                    return _Normalized(f"{path}:{n}", text.strip(), logged)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "log"
+            ):
+                inner = node.args[0] if node.args else node.func.value
+                if _sum_of(inner, derived) or _names(inner) & sums:
+                    return _Normalized(f"{path}:{n}", text.strip(), True)
+        if target is not None:
+            derived.add(target)
+            if _sum_of(tree, derived):
+                sums.add(target)
     return None
 
 
@@ -3694,8 +3682,24 @@ def _segment_sum(ev: OpEvent, reach: int = 15) -> _Segment | None:
                 names.add(name)
     if not names:
         return None
-    # the enclosing function's body: a later line of a lower block (after an if / else)
-    # still sees the name; a line at the def's own indent ends the function
+    for n, _, stmt in _later_statements(path, start, indent, reach):
+        found = _segment_call(stmt, names, f"{path}:{n}")
+        if found is not None:
+            return found
+        if _assigned(stmt) in names:
+            return None  # the exp's name is given another value first
+    return None
+
+
+def _later_statements(
+    path: str, start: int, indent: int, reach: int
+) -> Iterator[tuple[int, str, str]]:
+    """The statements after line ``start`` of ``path`` in the function enclosing it, as
+    (line number, the line stripped, a statement of it), for at most ``reach`` lines: a
+    later line of a lower block (after an if / else) still sees the names; a line at the
+    def's own indent ends the function. Blank and comment lines are skipped."""
+    import linecache
+
     top = -1
     for n in range(start - 1, max(0, start - 200), -1):
         text = linecache.getline(path, n)
@@ -3708,14 +3712,9 @@ def _segment_sum(ev: OpEvent, reach: int = 15) -> _Segment | None:
         if not text.strip() or text.lstrip().startswith("#"):
             continue
         if len(text) - len(text.lstrip()) <= top:
-            break  # the function ended
+            return  # the function ended
         for stmt in statements(text.strip()):
-            found = _segment_call(stmt, names, f"{path}:{n}")
-            if found is not None:
-                return found
-            if _assigned(stmt) in names:
-                return None  # the exp's name is given another value first
-    return None
+            yield n, text.strip(), stmt
 
 
 def _segment_full(receiver: str) -> str:
