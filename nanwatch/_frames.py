@@ -138,6 +138,21 @@ def user_frame(start: types.FrameType | None = None) -> types.FrameType | None:
     return None
 
 
+def user_frame_within(floor: types.FrameType | None) -> types.FrameType | None:
+    """:func:`user_frame` of the caller, looked for only below ``floor`` (a frame of
+    nanwatch that runs code again: a replay): a user frame above it ran the replay, not
+    the code (a torch module's forward has no user line; the next module's call that
+    triggered the replay is not it). None then."""
+    f: types.FrameType | None = sys._getframe(1)
+    while f is not None:
+        if f is floor:
+            return None
+        if not is_internal(f.f_code.co_filename):
+            return f
+        f = f.f_back
+    return None
+
+
 def framework_between(start: types.FrameType | None = None) -> bool:
     """Whether a training framework's frame (Lightning's) lies between ``start`` (default:
     the caller) and the user's line: the framework made the call (its ``backward()``), and
@@ -222,6 +237,11 @@ def describe_frame(f: types.FrameType | None) -> tuple[str | None, str | None]:
     filename = f.f_code.co_filename
     line = linecache.getline(filename, f.f_lineno).strip() or None
     return f"{_short(filename)}:{f.f_lineno}", line
+
+
+def describe_line(filename: str, lineno: int) -> tuple[str, str | None]:
+    """(``file.py:42``, the source text of that line), as :func:`describe_frame` says it."""
+    return f"{_short(filename)}:{lineno}", linecache.getline(filename, lineno).strip() or None
 
 
 def user_line() -> tuple[str | None, str | None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import inspect
 import math
 import os
 import random
@@ -376,6 +377,11 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         self.checked = 0
         self._current_path = current_path
         self._backward_site = backward_site
+        #: set by :func:`replay`: its own frame (user frames above it ran the replay, not
+        #: the code) and the line that called the replayed module, said for an op of code
+        #: with no user line (a torch module's own forward)
+        self.floor: types.FrameType | None = None
+        self.call_site: tuple[str, str | None] | None = None
         self._max_events = max_events
         self._seen: dict[int, _Seen] = {}
         self._prune_at = _SEEN_PRUNE
@@ -617,7 +623,11 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             else:
                 phase = Phase.FORWARD
                 path = self._current_path() if self._current_path is not None else None
-                source, code = _frames.describe_frame(_frames.user_frame())
+                if self.call_site is None:
+                    source, code = _frames.describe_frame(_frames.user_frame())
+                else:
+                    f = _frames.user_frame_within(self.floor)
+                    source, code = _frames.describe_frame(f) if f else self.call_site
                 node_name = None
             first_bad = next(t for t, k in zip(outs, out_kinds, strict=True) if k)
             out_stat = describe(first_bad) or TensorStat(math.nan, math.nan, 0)
@@ -1306,6 +1316,7 @@ def replay(
     attempts: int = 8,
     pre_hooks: bool | int = True,
     hold: Callable[[torch.Tensor], bool] | None = None,
+    call_site: tuple[str, str | None] | None = None,
 ) -> ReplayResult:
     """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
     :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
@@ -1315,12 +1326,17 @@ def replay(
 
     A forward that draws random numbers (dropout, ``torch.randint``) cannot repeat the
     original draws, which are gone: it is run again with new draws, up to ``attempts``
-    times, until one reproduces a non-finite value; ``result.random`` says so."""
+    times, until one reproduces a non-finite value; ``result.random`` says so.
+    ``call_site``: (``file.py:42``, its text), the line that called ``module``, given to an
+    op that has no user line of its own (see :func:`call_line`); without it such an op
+    gets the user's line that is running (right for a root replayed in its own hook)."""
     result = ReplayResult()
+    floor = sys._getframe()
     devices = _devices([args, kwargs])
     with preserved_state(module, devices), _replay_scope():
         for _ in range(max(1, attempts)):
             chk = OpChecker(current_path=current_path or replay_path, on_error=on_error)
+            chk.floor, chk.call_site = floor, call_site
             chk.hold_state(
                 t for t in (*module.parameters(), *module.buffers()) if hold is None or hold(t)
             )
@@ -1342,6 +1358,26 @@ def replay(
             if not (drew and result.clean):
                 break
     return result
+
+
+def call_line(parent: torch.nn.Module, attr: str) -> tuple[str, str | None] | None:
+    """(``file.py:42``, its text): the one line of ``parent``'s forward that calls its
+    child ``attr`` (``h = self.norm(x)``), read from the source; None when the forward is
+    not the user's (a torch container), cannot be read, or calls it on several lines."""
+    fwd = getattr(type(parent), "forward", None)
+    try:
+        lines, first = inspect.getsourcelines(fwd)  # type: ignore[arg-type]
+        file = inspect.getsourcefile(fwd)  # type: ignore[arg-type]
+        params = list(inspect.signature(fwd).parameters)  # type: ignore[arg-type]
+    except (OSError, TypeError, ValueError):
+        return None
+    if file is None or _frames.is_internal(file) or not params:
+        return None
+    pattern = re.compile(rf"\b{re.escape(params[0])}\.{re.escape(attr)}\s*\(")
+    hits = [first + i for i, ln in enumerate(lines) if pattern.search(ln)]
+    if len(hits) != 1:
+        return None
+    return _frames.describe_line(file, hits[0])
 
 
 # --------------------------------------------------------------------------- graph evidence

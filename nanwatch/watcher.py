@@ -731,6 +731,18 @@ class Watcher:
         step's first call of a root, it tells that the model changed shape since attach."""
         return [tuple(m._modules.items()) for m, _ in self._modules]
 
+    def _call_line(self, module: nn.Module) -> tuple[str, str | None] | None:
+        """The line of its watched parent's forward that calls ``module`` (see
+        :func:`ops.call_line`): where an op of a module with no code of the user's (a
+        torch LayerNorm) ran; None for a root (replayed in its own hook, the user's line
+        running then is its call) or when the parent's source does not say. Looked for
+        only when a replay needs it."""
+        for parent, _ in self._modules:
+            for name, child in parent._modules.items():
+                if child is module:
+                    return ops.call_line(parent, name)
+        return None
+
     def _moved_state(self, t: torch.Tensor) -> bool:
         """Whether a replay takes the non-finite values of module state ``t`` as given, not
         born in the ops that read them (see ``ops.OpChecker.hold_state``): parameters (the
@@ -3267,6 +3279,7 @@ class Watcher:
             on_error=self._checker_fault,
             pre_hooks=hooks,
             hold=self._moved_state,
+            call_site=self._call_line(module),
         )
         trace.ops.extend(result.events)
         first = result.first()

@@ -159,3 +159,36 @@ def test_a_neginf_padded_list_loss_is_named_in_watch_mode() -> None:
     diag = top(nw)
     assert diag.code == "NW402", text(diag)
     assert "-inf - (-inf)" in diag.title, diag.title
+
+
+class _LogThenNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.log(x)
+        h = self.norm(x)  # the line the LayerNorm's op runs at
+        return self.proj(h)
+
+
+def test_an_op_of_a_torch_module_is_placed_at_the_line_that_called_it() -> None:
+    """The replay of a torch module (LayerNorm, no code of the user's) found its op's line
+    by walking up to the first user frame: the next module's call that triggered the
+    replay. The line is where the parent's forward calls the module."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(_LogThenNorm.forward)
+    norm_line = first + next(i for i, ln in enumerate(lines) if "self.norm(x)" in ln)
+    m = _LogThenNorm()
+    x = torch.rand(2, 4)
+    x[0, 1] = 0.0
+    with pytest.raises(nanwatch.AnomalyError) as info, nanwatch.watch(m, postmortem=False):
+        m(x).sum().backward()
+    a = info.value.anomaly
+    assert a is not None and a.op is not None
+    chain = a.op.chain()
+    norm = next(ev for ev in chain if "layer_norm" in ev.op)
+    assert norm.source is not None and norm.source.endswith(f":{norm_line}"), norm.source
+    assert norm.code == "h = self.norm(x)  # the line the LayerNorm's op runs at"
