@@ -1,10 +1,15 @@
 """Helpers shared by the rule tests: the first bad step of a watcher, its top diagnosis,
-a diagnosis as one text, counted statistics, and a fix as the code a user pastes."""
+a diagnosis as one text, counted statistics, a fix as the code a user pastes, and the
+AnomalyError a run raises with its diagnosis of a code."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
+import nanwatch
 from nanwatch.records import StepTrace, TensorStat
 from nanwatch.rules.base import Diagnosis
 from nanwatch.rules.testing import stat
@@ -33,3 +38,18 @@ def text(d: Diagnosis) -> str:
 def code_lines(fix: str) -> str:
     """The fix without its comment-only lines, dedented: what a user pastes."""
     return "\n".join(ln.strip() for ln in fix.splitlines() if not ln.strip().startswith("#"))
+
+
+def first_of(err: nanwatch.AnomalyError, code: str) -> nanwatch.Diagnosis:
+    """The first of ``err``'s diagnoses with ``code``."""
+    return next(d for d in err.diagnoses if d.code == code)
+
+
+def raises(model: nn.Module, run: Callable[[], Any], mode: str = "watch") -> nanwatch.AnomalyError:
+    """The AnomalyError ``run()`` raises with ``model`` watched in ``mode``."""
+    try:
+        with nanwatch.watch(model, mode=mode):  # type: ignore[arg-type]
+            run()
+    except nanwatch.AnomalyError as e:
+        return e
+    raise AssertionError("no anomaly")

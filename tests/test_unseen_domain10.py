@@ -8,22 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-import nanwatch
+from tests._diagnoses import first_of as _first
+from tests._diagnoses import raises as _raises
 
 torch.set_num_threads(1)
-
-
-def _first(err: nanwatch.AnomalyError, code: str) -> nanwatch.Diagnosis:
-    return next(d for d in err.diagnoses if d.code == code)
-
-
-def _raises(model: nn.Module, run, mode: str = "watch") -> nanwatch.AnomalyError:  # type: ignore[no-untyped-def]
-    try:
-        with nanwatch.watch(model, mode=mode):  # type: ignore[arg-type]
-            run()
-    except nanwatch.AnomalyError as e:
-        return e
-    raise AssertionError("no anomaly")
 
 
 # ------------------------------------- 1: a saturated sigmoid is no parameter of its size
