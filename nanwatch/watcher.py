@@ -3181,6 +3181,7 @@ class Watcher:
             elif first_of_run or anomaly.path not in self._pinpointed:
                 self._pinpointed.add(anomaly.path)
                 self._pinpoint(anomaly, current)
+                self._pinpoint_derived_input(anomaly, current)
         elif (
             self.config.pinpoint
             and anomaly.kind is AnomalyKind.BACKWARD
@@ -3574,6 +3575,60 @@ class Watcher:
                 return None
             args.append(t)
         return (call, module, tuple(args), {}) if args else None
+
+    def _pinpoint_derived_input(
+        self, anomaly: Anomaly, current: tuple[Call, nn.Module, Any, Any] | None
+    ) -> None:
+        """The -inf a root's forward grew its NaN out of was first seen in that root's
+        input, computed by the user's code from a watched output (``logits / temperature``
+        between a model and its loss): the autograd graph below that input is read, as the
+        loss code's is, and the op that made the inf (a division by 0) becomes the cause of
+        the forward's op."""
+        src = anomaly.neginf_source
+        if src is None or src.phase is not Phase.INPUT or src.grad_fn is None:
+            return
+        call = self._trace.call(src.call)
+        if call is None or not call.root or src.source is None:
+            return
+        found = self._call_inputs(call, current, False, finished=True)
+        if found is None:
+            return
+        _, args, kwargs, _ = found
+        t = next((x for role, x in self._walk(args, "input", kwargs) if role == src.role), None)
+        if t is None or t.grad_fn is None or t.device.type != "cpu":
+            return
+        events = self._graph_events(t)
+        if not events:
+            return
+        made = events[0]
+        made.path = LOSS_PATH
+        self._trace.ops.extend(events)
+        if anomaly.op is None:
+            anomaly.op = made
+        else:
+            oldest = anomaly.op.chain()[0]
+            if oldest is not made and made not in anomaly.op.chain():
+                oldest.cause = made
+        anomaly.summary = summarize(anomaly)
+
+    def _graph_events(self, t: torch.Tensor) -> list[OpEvent]:
+        """:func:`ops.graph_evidence` below ``t``'s node, down to the watched outputs."""
+        stop: dict[int, Any] = {}  # the nodes held, so their ids stay theirs
+        made: dict[int, torch.Tensor] = {}  # and the watched outputs they made
+        for ref, _, _, _ in self._known.values():
+            x = ref()
+            if x is not None and x is not t and x.grad_fn is not None:
+                fn = x.grad_fn
+                stop[id(fn)] = fn
+                made[id(fn)] = x
+
+        def value(n: Any) -> torch.Tensor | None:
+            return made.get(id(n)) if stop.get(id(n)) is n else None
+
+        _, events = ops.graph_evidence(
+            t.grad_fn, stop=lambda n: stop.get(id(n)) is n, output=t, values=value
+        )
+        return events
 
     def _pinpoint_loss(self, anomaly: Anomaly, loss: torch.Tensor) -> None:
         """The loss code is not a module and cannot be re-run; its autograd graph can be

@@ -192,3 +192,24 @@ def test_an_op_of_a_torch_module_is_placed_at_the_line_that_called_it() -> None:
     norm = next(ev for ev in chain if "layer_norm" in ev.op)
     assert norm.source is not None and norm.source.endswith(f":{norm_line}"), norm.source
     assert norm.code == "h = self.norm(x)  # the line the LayerNorm's op runs at"
+
+
+def test_an_inf_the_users_division_put_in_a_loss_input_is_the_division() -> None:
+    """``logits / temperature`` with a temperature of 0 between the model and a watched
+    BCEWithLogitsLoss: the loss's input holds -inf, the loss makes NaN of it. The graph
+    below that input names the division (NW111), not a log of 0 (NW110)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 1))
+    crit = nn.BCEWithLogitsLoss()
+    x = torch.randn(16, 6)
+    y = (x[:, :1] > 0).float()
+    temperature = y.sum() - y.sum()
+    with (
+        pytest.raises(nanwatch.AnomalyError) as info,
+        nanwatch.watch(model, crit, postmortem=False),
+    ):
+        crit(model(x) / temperature, y).backward()
+    err = info.value
+    assert err.diagnosis is not None and err.diagnosis.code == "NW111", err.diagnosis
+    assert err.anomaly is not None and err.anomaly.op is not None
+    assert err.anomaly.op.chain()[0].op.startswith("aten.div")
