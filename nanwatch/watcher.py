@@ -3597,7 +3597,7 @@ class Watcher:
         t = next((x for role, x in self._walk(args, "input", kwargs) if role == src.role), None)
         if t is None or t.grad_fn is None or t.device.type != "cpu":
             return
-        events = self._graph_events(t)
+        _, events = self._graph_evidence(t)
         if not events:
             return
         made = events[0]
@@ -3611,7 +3611,7 @@ class Watcher:
                 oldest.cause = made
         anomaly.summary = summarize(anomaly)
 
-    def _graph_events(self, t: torch.Tensor) -> list[OpEvent]:
+    def _graph_evidence(self, t: torch.Tensor) -> tuple[list[str], list[OpEvent]]:
         """:func:`ops.graph_evidence` below ``t``'s node, down to the watched outputs."""
         stop: dict[int, Any] = {}  # the nodes held, so their ids stay theirs
         made: dict[int, torch.Tensor] = {}  # and the watched outputs they made
@@ -3625,29 +3625,14 @@ class Watcher:
         def value(n: Any) -> torch.Tensor | None:
             return made.get(id(n)) if stop.get(id(n)) is n else None
 
-        _, events = ops.graph_evidence(
+        return ops.graph_evidence(
             t.grad_fn, stop=lambda n: stop.get(id(n)) is n, output=t, values=value
         )
-        return events
 
     def _pinpoint_loss(self, anomaly: Anomaly, loss: torch.Tensor) -> None:
         """The loss code is not a module and cannot be re-run; its autograd graph can be
         read: the ops it ran and the saved inputs that were outside an op's domain."""
-        stop: dict[int, Any] = {}  # the nodes held, so their ids stay theirs
-        made: dict[int, torch.Tensor] = {}  # and the watched outputs they made
-        for ref, _, _, _ in self._known.values():
-            t = ref()
-            if t is not None and t is not loss and t.grad_fn is not None:
-                fn = t.grad_fn
-                stop[id(fn)] = fn
-                made[id(fn)] = t
-
-        def value(n: Any) -> torch.Tensor | None:
-            return made.get(id(n)) if stop.get(id(n)) is n else None
-
-        names, events = ops.graph_evidence(
-            loss.grad_fn, stop=lambda n: stop.get(id(n)) is n, output=loss, values=value
-        )
+        names, events = self._graph_evidence(loss)
         source, _ = _frames.user_line()
         for ev in events:
             ev.path = LOSS_PATH
