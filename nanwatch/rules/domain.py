@@ -3313,19 +3313,24 @@ class _LostNormalizeEps:
     operand: str  #: the tensor normalized (``z``)
 
 
+def _parsed(code: str | None) -> Iterator[tuple[str, ast.Module]]:
+    """Each statement of ``code`` that is ASCII and parses, with its tree."""
+    for stmt in statements(code):
+        if not stmt.isascii():
+            continue
+        try:
+            yield stmt, ast.parse(stmt)
+        except SyntaxError:
+            continue
+
+
 def _normalize_eps_lost(code: str | None, dtype: str | None) -> _LostNormalizeEps | None:
     """The user's line calls F.normalize with an eps that is 0 in ``dtype``; None when the
     line shows no such call or the eps is not a literal."""
     floor = _eps_floor(dtype)
     if floor is None or dtype is None:
         return None
-    for stmt in statements(code):
-        if not stmt.isascii():
-            continue
-        try:
-            tree = ast.parse(stmt)
-        except SyntaxError:
-            continue
+    for stmt, tree in _parsed(code):
         for call in ast.walk(tree):
             if not (isinstance(call, ast.Call) and ast.unparse(call.func) in _NORMALIZE_FUNCS):
                 continue
@@ -3603,13 +3608,7 @@ def _scalar_floor(code: str | None) -> str | None:
     """The user's line with ``max(d, 1e-3)`` around the Python-number divisor: a keyword
     argument that a call divides by (``F.gumbel_softmax(l, tau=self.tau)``), else the right
     operand of the line's one ``/`` (``z @ z.t() / temperature``); None when neither shows."""
-    for stmt in statements(code):
-        if not stmt.isascii():
-            continue
-        try:
-            tree = ast.parse(stmt)
-        except SyntaxError:
-            continue
+    for stmt, tree in _parsed(code):
         kws = [
             k
             for n in ast.walk(tree)
@@ -3647,13 +3646,7 @@ def _norm_second_derivative(ev: OpEvent) -> str | None:
     or shows no such norm."""
     if not ev.source or ev.source == ev.backward_at:
         return None
-    for stmt in statements(ev.code):
-        if not stmt.isascii():
-            continue
-        try:
-            tree = ast.parse(stmt)
-        except SyntaxError:
-            continue
+    for stmt, tree in _parsed(ev.code):
         norms = []
         for n in ast.walk(tree):
             if not isinstance(n, ast.Call):
