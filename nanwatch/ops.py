@@ -619,7 +619,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 source, code = ran if ran[0] is not None else forward_line(node)
                 if source is None:  # made before anomaly mode was on: the call is all we know
                     source, code = backward_at, backward_code
-                node_name = node.name()
+                node_name = name_of(node)
             else:
                 phase = Phase.FORWARD
                 path = self._current_path() if self._current_path is not None else None
@@ -729,7 +729,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             return None
         self._hidden_said = True
         bad = next(t for t in outs if "NaN" in _kinds(t))
-        event = node_event(node, bad, name=node.name())
+        event = node_event(node, bad, name=name_of(node))
         event.path = node.metadata.get("nanwatch.path")
         ran, (backward_at, backward_code) = self._backward_lines()
         source, code = ran if ran[0] is not None else forward_line(node)
@@ -1005,6 +1005,20 @@ _BACKWARD_CFUNCTION: type | None = getattr(
 _CUSTOM_NODE = re.compile(r"^(?P<fn>[A-Za-z_]\w*?)Backward$")
 
 
+def name_of(node: Any) -> str:
+    """``node.name()`` (``"MulBackward0"``), or the node's class name when torch refuses the
+    call: a Python custom Function's node whose graph was freed raises RuntimeError on
+    ``name()`` in some torch releases (2.11), and a report is no place to crash.
+
+    >>> name_of(torch.ones(1, requires_grad=True).mul(2).grad_fn)
+    'MulBackward0'
+    """
+    try:
+        return str(node.name())
+    except RuntimeError:
+        return type(node).__name__
+
+
 def custom_function(node: Any) -> str | None:
     """The class name of the ``torch.autograd.Function`` whose backward ``node`` runs, for
     a node of a Python custom Function (``MySqrtBackward`` -> ``MySqrt``); None for torch's
@@ -1021,7 +1035,7 @@ def custom_function(node: Any) -> str | None:
         if isinstance(name, str):
             return name
     try:
-        return custom_function(str(node.name()))
+        return custom_function(name_of(node))
     except Exception:  # not a node
         return None
 
@@ -1071,7 +1085,7 @@ def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> O
                 if len(inputs) < limit and has_values(v):
                     inputs.append((key, describe(v)))
                     if v.grad_fn is not None and _kinds(v) - {"NaN"}:
-                        scalars[f"{key}_made_by"] = v.grad_fn.name()  # whose inf it holds
+                        scalars[f"{key}_made_by"] = name_of(v.grad_fn)  # whose inf it holds
             elif isinstance(v, (int, float)) and not isinstance(v, bool) and len(scalars) < limit:
                 scalars[key] = v
     out = describe(grad) or TensorStat(math.nan, math.nan, 0)
@@ -1511,7 +1525,7 @@ def _produced(
     r = _saved(node, "_saved_result") if nr == 0 else None
     if isinstance(r, torch.Tensor):
         return r.detach()
-    base = node.name().split("Backward")[0]
+    base = name_of(node).split("Backward")[0]
     with torch.no_grad():
         if base == "Gather":
             x, dim, index = (_saved(node, f"_saved_{k}") for k in ("self", "dim", "index"))
@@ -1550,7 +1564,7 @@ def _fill_event(node: Any, i: int, kinds: frozenset[str], depth: int = 6) -> OpE
     except (IndexError, AttributeError, ValueError):
         return None
     while cur is not None and depth > 0:
-        base = cur.name().split("Backward")[0]
+        base = name_of(cur).split("Backward")[0]
         if base in _FILL_NODES:
             return OpEvent(
                 op=f"aten.{re.sub(r'(?<=[a-z])(?=[A-Z])', '_', base).lower()}",
@@ -1561,7 +1575,7 @@ def _fill_event(node: Any, i: int, kinds: frozenset[str], depth: int = 6) -> OpE
                 inputs=[],
                 # what reached the multiplication through nodes that keep values: the fill
                 scalars={"value": -math.inf} if kinds == {"-inf"} else {},
-                node=cur.name(),
+                node=name_of(cur),
                 injected=True,
             )
         if base not in _KEEPS_INF or not cur.next_functions:
@@ -1620,7 +1634,7 @@ def _made_by(node: Any, i: int, depth: int = 4, budget: int = 32) -> dict[str, i
     def walk(n: Any, level: int) -> list[Any] | None:
         nonlocal seen
         seen += 1
-        base = re.sub(r"Backward\d*$", "", n.name())
+        base = re.sub(r"Backward\d*$", "", name_of(n))
         if base in _EXP_NODES:
             return [n]
         if level >= depth or base not in _CARRIES_ZERO:
@@ -1637,7 +1651,7 @@ def _made_by(node: Any, i: int, depth: int = 4, budget: int = 32) -> dict[str, i
         chain = walk(first, 1)
     except Exception:  # an unusual node: the producer alone
         chain = None
-    out: dict[str, int | str] = {"other_made_by": "<".join(n.name() for n in chain or [first])}
+    out: dict[str, int | str] = {"other_made_by": "<".join(name_of(n) for n in chain or [first])}
     r = _saved(chain[-1], "_saved_result") if chain else None
     if isinstance(r, torch.Tensor) and r.numel():
         out["exp_zeros"] = _has(r, lambda v: v == 0)
@@ -1719,7 +1733,7 @@ def _event(
         output=output,
         inputs=[(n, describe(t)) for n, t in inputs if isinstance(t, torch.Tensor)],
         scalars=kept,
-        node=node.name(),
+        node=name_of(node),
         dtype=dtype,
         device=device,
         other_inputs=_briefs(other_inputs),
@@ -1875,7 +1889,7 @@ def _next_node(node: Any, i: int) -> str | None:
         nxt = node.next_functions[i][0]
     except (IndexError, AttributeError, ValueError):
         return None
-    return None if nxt is None else str(nxt.name())
+    return None if nxt is None else name_of(nxt)
 
 
 def _logdet_event(node: Any) -> OpEvent | None:
@@ -1887,7 +1901,7 @@ def _logdet_event(node: Any) -> OpEvent | None:
     if len(nexts) != 2 or not any(n is None for n, _ in nexts):
         return None
     slog = next((n for n, nr in nexts if n is not None and nr == 1), None)
-    if slog is None or slog.name().split("Backward")[0] != "LinalgSlogdet":
+    if slog is None or name_of(slog).split("Backward")[0] != "LinalgSlogdet":
         return None
     sign, lu, a = (_saved(slog, k) for k in ("_saved_sign", "_saved_LU", "_saved_A"))
     if not isinstance(sign, torch.Tensor) or not isinstance(lu, torch.Tensor):
@@ -2045,7 +2059,7 @@ def _node_event(
     inputs: a value outside the op's domain (log of 0, acos of 1.0000001, x/0), or a
     reduction over too few elements (the op semantics of PyTorch, not a list of
     scenarios). ``output`` is the node's forward result when known (the loss itself)."""
-    base = node.name().split("Backward")[0]
+    base = name_of(node).split("Backward")[0]
     if base in _ELEMENTWISE:
         return _elementwise_event(node, base, output, loss_kinds, values)
     if base in _RESULT_ONLY:
@@ -2085,7 +2099,7 @@ def graph_evidence(
     loss_kinds = _kinds(output) if isinstance(output, torch.Tensor) else frozenset()
     leaf_said = False
     for node in reversed(order):  # producers before consumers
-        base = node.name().split("Backward")[0]
+        base = name_of(node).split("Backward")[0]
         names.append(base.lower())
         if not leaf_said:
             try:
@@ -2130,7 +2144,7 @@ def leaf_event(node: Any) -> OpEvent | None:
         kinds = _kinds(v)
         if not kinds:
             continue
-        base = node.name().split("Backward")[0]
+        base = name_of(node).split("Backward")[0]
         names = _ELEMENTWISE.get(base, ("", (), torch.mul))[1]
         role = names[i][0] if i < len(names) else f"input[{i}]"
         stat = describe(v) or TensorStat(math.nan, math.nan, v.numel())
@@ -2146,14 +2160,14 @@ def leaf_event(node: Any) -> OpEvent | None:
         if optimizer:
             scalars["leaf_optimizer"] = optimizer
         return OpEvent(
-            op=node_op(node.name()),
+            op=node_op(name_of(node)),
             phase=Phase.FORWARD,
             path=None,
             born=_join(kinds),
             output=stat,
             inputs=[(role, stat)],
             scalars=scalars,
-            node=node.name(),
+            node=name_of(node),
             dtype=dtype_name(v.dtype),
             injected=True,
         )
@@ -2175,7 +2189,7 @@ def _constant_event(node: Any, i: int) -> OpEvent | None:
     a table lookup or data) and what the node saved of it holds NaN or inf: no op of the
     graph made the value, the code that computed the operand did (a loss weight
     ``min(snr, 5) / snr`` at ``snr = 0``, ``1 / sigma**2`` at ``sigma = 0``)."""
-    base = node.name().split("Backward")[0]
+    base = name_of(node).split("Backward")[0]
     if base not in _WEIGHT_NODES:
         return None
     names = _ELEMENTWISE[base][1]
@@ -2200,14 +2214,14 @@ def _constant_event(node: Any, i: int) -> OpEvent | None:
         scalars["constant_name"] = name
     source, code = forward_line(node)
     return OpEvent(
-        op=node_op(node.name()),
+        op=node_op(name_of(node)),
         phase=Phase.FORWARD,
         path=None,
         born=_join(kinds),
         output=stat,
         inputs=[(role, stat)],
         scalars=scalars,
-        node=node.name(),
+        node=name_of(node),
         dtype=dtype_name(v.dtype),
         injected=True,
         source=source,
@@ -2256,12 +2270,15 @@ def own_backward_event(
     hides ``log(0)`` gives 0 × -inf = NaN there whatever gradient arrives. No ``.grad`` is
     written; RNG state and buffers are restored. Anomaly-time work only: None when the
     replay makes no non-finite gradient."""
-    stops: dict[int, torch.Tensor] = {}  # the submodules' outputs, by their node's id
+    # the submodules' outputs, by their node's id; the node is held so that id stays its
+    # own (torch < 2.13 frees an unreferenced node's Python object, see NodeMarks)
+    stops: dict[int, tuple[Any, torch.Tensor]] = {}
 
     def on_output(_m: torch.nn.Module, _a: Any, out: Any) -> None:
         for _, t in iter_tensors(out, ""):
-            if t.grad_fn is not None:
-                stops[id(t.grad_fn)] = t
+            fn = t.grad_fn
+            if fn is not None:
+                stops[id(fn)] = (fn, t)
 
     def leaf(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
@@ -2287,11 +2304,11 @@ def own_backward_event(
             roots = [t for _, t in iter_tensors(out, "") if t.grad_fn is not None]
 
             def stop(n: Any) -> bool:
-                t = stops.get(id(n))
-                return (t is not None and t.grad_fn is n) or accumulates_grad(n)
+                held = stops.get(id(n))
+                return (held is not None and held[0] is n) or accumulates_grad(n)
 
             nodes = list(GraphWalk([t.grad_fn for t in roots], prune=stop, limit=512))
-            ends = [t for t in stops.values() if t.requires_grad]
+            ends = [t for _, t in stops.values() if t.requires_grad]
             ends += [t for t in tree_flatten([args, kwargs])[0] if _needs(t)]
             ends += [p for p in module.parameters(recurse=False) if p.requires_grad]
             if not roots or not nodes or not ends:
@@ -2303,7 +2320,7 @@ def own_backward_event(
                 bad = next((g for g in grad_inputs if g is not None and not _finite(g)), None)
                 if bad is None or any(g is not None and not _finite(g) for g in grad_outputs):
                     return
-                ev = node_event(node, bad, name=node.name())
+                ev = node_event(node, bad, name=name_of(node))
                 ev.source, ev.code = forward_line(node)
                 found.append(ev)
 

@@ -1958,17 +1958,10 @@ class Watcher:
         if self._idx == 0:
             return False
         recorded = self._recorded_nodes
-        seen: set[int] = set()
-        todo = [fn]
-        while todo and len(seen) < limit:
-            node = todo.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            if node in recorded:
-                return True
-            todo.extend(nxt for nxt, _ in node.next_functions)
-        return False
+        # GraphWalk holds the nodes it saw: torch < 2.13 frees a node's Python object once
+        # unreferenced, and a later node's object could take its id (a set of ids alone
+        # then skips that node and all below it)
+        return any(node in recorded for node in ops.GraphWalk([fn], limit=limit))
 
     def _last_root_output(self) -> int | None:
         """The latest forward record of a root call's output: what a root's derived input
@@ -2178,7 +2171,7 @@ class Watcher:
             if type(node).__name__ in _GRAD_MOVERS:
                 pass  # moving a finite gradient keeps it finite
             elif path == LOSS_PATH and _feeds_only(node, stop, 4):
-                last.append(node.name())  # what it makes is checked by the outputs' hooks
+                last.append(ops.name_of(node))  # what it makes is checked by the outputs' hooks
             else:
                 budget -= _grad_elements(node)
                 if budget < 0:
@@ -2190,7 +2183,7 @@ class Watcher:
         gen, step = self._gen, self._step
         handles = self._tensor_handles
         for node in nodes:
-            name = node.name()
+            name = ops.name_of(node)
 
             def on_node(
                 grad_inputs: tuple[torch.Tensor | None, ...],
