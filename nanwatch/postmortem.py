@@ -134,10 +134,13 @@ ADVICE: dict[str, str] = {
         "the CPU for a readable error."
     ),
     "cuda-error": (
-        "The CUDA runtime reported an error and the context is likely unusable. Kernels run "
-        "asynchronously, so the failing one was launched by one of the last modules listed. "
-        "Confirm with CUDA_LAUNCH_BLOCKING=1 python train.py: the traceback then points at "
-        "the failing op."
+        "The CUDA runtime reported an error and the context is likely unusable. If a line "
+        "above the traceback reads 'Assertion ... failed' (`t >= 0 && t < n_classes`, "
+        "'index out of bounds'), an earlier kernel's device-side assert killed the context "
+        "and this call only met it: an index out of range, most often a class target outside "
+        "[0, num_classes) or a token id >= num_embeddings. Kernels run asynchronously, so "
+        "the failing one was launched by one of the last modules listed. Confirm with "
+        "CUDA_LAUNCH_BLOCKING=1 python train.py: the traceback then points at the failing op."
     ),
     "out-of-memory": (
         "The device ran out of memory. The largest tensors of the last step are listed. Lower "

@@ -202,16 +202,24 @@ def test_a_device_side_assert_leaves_a_post_mortem_and_the_users_error(tmp_path:
         check=False,
     )
     assert proc.returncode != 0
-    assert "device-side assert triggered" in proc.stderr
-    # the user's own exception (torch.AcceleratorError, a RuntimeError, in torch >= 2.8)
-    pattern = r"^(torch\.AcceleratorError|RuntimeError): CUDA error: device-side assert"
-    assert "Traceback" in proc.stderr and re.search(pattern, proc.stderr, re.MULTILINE)
+    assert "Assertion `t >= 0 && t < n_classes` failed" in proc.stderr  # the kernel's own
+    # the user's own exception (torch.AcceleratorError, a RuntimeError, in torch >= 2.8).
+    # Which call first meets the dead context is up to timing: the next kernel launch says
+    # "device-side assert triggered", a cuBLAS call (the Linear's backward) says
+    # CUBLAS_STATUS_EXECUTION_FAILED (seen on an H100 with torch 2.11)
+    pattern = (
+        r"^(torch\.AcceleratorError|RuntimeError): CUDA error: "
+        r"(device-side assert|CUBLAS_STATUS_EXECUTION_FAILED)"
+    )
+    found = re.search(pattern, proc.stderr, re.MULTILINE)
+    assert "Traceback" in proc.stderr and found, proc.stderr[-2000:]
     assert "post-mortem report written" in proc.stderr
     reports = sorted(tmp_path.glob("nanwatch-*.json"))
     assert len(reports) == 1
     report = Report.load(reports[0])
-    assert report.error is not None
-    assert report.error["class"] == "cuda-device-assert" and report.error["device_lost"]
+    assert report.error is not None and report.error["device_lost"]
+    expected = "cuda-device-assert" if "device-side" in found[2] else "cuda-error"
+    assert report.error["class"] == expected
 
 
 def test_guards_stop_the_bad_target_before_the_kernel_and_the_gpu_lives_on() -> None:

@@ -2690,9 +2690,41 @@ def _skip_cause(trace: StepTrace) -> tuple[str | None, Anomaly | None]:
     if s.has_posinf or s.has_neginf:
         return "inf", b
     infs = any(r.stat is not None and (r.stat.has_posinf or r.stat.has_neginf) for r in grads)
-    if b.kind is AnomalyKind.BACKWARD or not infs:
+    if (b.kind is AnomalyKind.BACKWARD or not infs) and not _overflow_made_nan(trace, b):
         return "nan", b
     return "inf", b
+
+
+#: headroom below a dtype's max under which a scaled gradient entering an op cannot have
+#: overflowed inside it: one backward op rarely amplifies a gradient 1024-fold
+_OVERFLOW_HEADROOM = 2.0**10
+
+
+def _overflow_made_nan(trace: StepTrace, b: Anomaly) -> bool:
+    """The NaN-looking first bad gradient ``b`` may be the scale's doing: its values were not
+    counted (the min and max alone, where a NaN hides any inf beside it) and the finite
+    gradient that entered the op making it was within 1024x of the max of the
+    low-precision dtype it was made in. float16's log_softmax backward at scale 2**40 does
+    that on CUDA: -inf + inf = NaN beside +inf, all from one finite input of 1.1e12. A
+    smaller scale cures it, so the scaler's halving is working, not the model failing."""
+    s = b.record.stat
+    if s is None or s.counted:
+        return False  # counted: an inf beside the NaN would show, and none did
+    lim = low_precision(b.record.dtype)
+    if lim is None:
+        return False  # a float32/bfloat16 gradient: no scale overflows its range
+    # the gradient of the birth module's own output(s), else every finite gradient before it
+    upstream = [
+        r
+        for r in trace.records
+        if r.index < b.record.index
+        and r.phase is Phase.BACKWARD
+        and r.stat is not None
+        and r.stat.finite
+    ]
+    entering = [r for r in upstream if r.path == b.path and r.role.startswith("output")]
+    big = max((r.stat.magnitude for r in entering or upstream if r.stat), default=0.0)
+    return big * _OVERFLOW_HEADROOM >= lim.max
 
 
 _GRAD_RECORDS = (Phase.BACKWARD, Phase.GRADIENT)
