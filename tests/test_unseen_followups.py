@@ -10,6 +10,7 @@ records, and every fix that claims to be code is executed."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -421,11 +422,16 @@ def test_an_explicit_euler_loop_that_diverges_is_named_a_recurrence_not_a_deep_n
     d = top(nw)
     assert (d.code, d.path) == ("NW101", "f.lin")
     loop = [e for e in d.evidence if "times in this forward" in e]
-    assert loop == [
-        "f.lin was called 12 times in this forward and its output grew call after call, "
-        "from max |x| 33.5 to 34304 (×2 per call): a recurrence or an integrator that "
-        "diverges, not a deep stack of layers"
-    ]
+    # the numbers follow the random start (torch 2.13 draws max |x| 33.5 -> 34304)
+    assert len(loop) == 1
+    m = re.fullmatch(
+        r"f\.lin was called 12 times in this forward and its output grew call after call, "
+        r"from max \|x\| ([\d.]+) to ([\d.]+) \(×2 per call\): a recurrence or an "
+        r"integrator that diverges, not a deep stack of layers",
+        loop[0],
+    )
+    assert m is not None, loop[0]
+    assert 2.0**9 <= float(m[2]) / float(m[1]) <= 2.0**11  # doubling over the 12 calls
     assert "a smaller dt" in d.fix and "autocast" not in d.fix  # float32 would only delay it
 
 
