@@ -16,6 +16,18 @@ compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_co
 )
 
 
+def capturing() -> bool:
+    """A CUDA graph is being captured on the current stream (``torch.cuda.graph``, the
+    CUDA graphs of ``torch.compile(mode="reduce-overhead")``): no host read may happen then,
+    it would invalidate the capture. False without CUDA, at the cost of one check.
+
+    >>> capturing()
+    False
+    """
+    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    return initialized and torch.cuda.is_current_stream_capturing()
+
+
 def set_versions(tensors: list[torch.Tensor], versions: list[int]) -> None:
     """Set autograd's version counters of ``tensors`` back to ``versions``, where this torch
     can (the private setter takes sequences in recent torch, one tensor in older ones)."""

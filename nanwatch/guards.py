@@ -71,6 +71,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wr
 
 from nanwatch import _frames, ops
 from nanwatch._compat import aminmax
+from nanwatch._compat import capturing as _capturing
 from nanwatch._compat import compiling as _compiling
 from nanwatch._compat import transforming as _transforming
 from nanwatch.errors import GuardError, guard_error_class
@@ -454,6 +455,7 @@ def _quiet(watcher: Watcher) -> bool:
         or torch._C._current_autograd_node() is not None  # checkpoint recomputation
         or torch._C._get_tracing_state() is not None  # torch.jit.trace
         or _transforming()  # torch.func: wrapped tensors, no reads
+        or _capturing()  # a CUDA graph capture: a read would invalidate it
     )
 
 

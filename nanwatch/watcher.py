@@ -41,6 +41,7 @@ from torch import nn
 from nanwatch import _copies, _frames, ops
 from nanwatch._compat import (
     aminmax,
+    capturing,
     compiling,
     no_values,
     register_optimizer_step_post_hook,
@@ -545,6 +546,7 @@ class Watcher:
         self._acted_step = -1
         self._device_dead = False
         self._compiled_warned = False
+        self._capture_warned = False
         #: the optimizer stepping now applies a gradient your code wrote that is not finite
         self._written_bad = False
         self._quiet = False
@@ -1588,7 +1590,7 @@ class Watcher:
                     if g.get("decoupled_weight_decay") is True:
                         entry["decoupled_weight_decay"] = True
                 groups.append(entry)
-            if added:
+            if added and not capturing():  # reading the norms syncs: not in a CUDA graph
                 stale, stale_group = _never_reset(added)
             if groups:  # it updates watched weights (another model's optimizer does not)
                 self._after_backward = None  # an update: the next forward begins a step
@@ -2157,6 +2159,8 @@ class Watcher:
             return
         if (loss.device.type != "cpu" or self._defer_cpu) and not self._loss_graph_armed:
             return
+        if capturing():
+            return  # each check reads a gradient: a CUDA graph capture forbids it
         stop = self._recorded_nodes
         nodes: list[Any] = []
         last: list[str] = []
@@ -2594,6 +2598,15 @@ class Watcher:
         no update followed does not end the step (see :meth:`_discarded`)."""
         if self._stack:
             return  # the root calling itself, or called from inside another watched module
+        if not self._capture_warned and capturing():
+            self._capture_warned = True
+            _frames.warn_at_user(
+                "nanwatch: a CUDA graph is being captured through the watched modules. Its "
+                "replays run no Python hooks: nanwatch checks the captured step, not the "
+                "replayed ones. To find a NaN, run the steps eagerly under nanwatch (no "
+                "torch.cuda.graph, no mode='reduce-overhead') and capture after debugging.",
+                safe=True,
+            )
         if self._opt_running:
             if self._opt_forwarded:
                 return  # a closure's second evaluation (LBFGS): the same optimizer step

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import nanwatch
@@ -254,3 +255,67 @@ def test_lightning_on_the_gpu_finds_the_bad_batch(tmp_path: Path) -> None:
     assert a is not None and a.step == 2 and a.record.device.startswith("cuda")
     top = next(t for t in nw.history if t.step == 2).diagnoses[0]
     assert top.code == "NW401"
+
+
+@pytest.mark.parametrize("loss_kind", ["module", "functional"])
+def test_a_training_step_captured_in_a_cuda_graph_is_not_broken_by_the_hooks(
+    loss_kind: str,
+) -> None:
+    """torch.cuda.graph forbids any host read while it captures: the guards' reads (and the
+    loss code's checks) step aside, the capture succeeds, the replays train, and nanwatch
+    says once that it cannot see them. The recipe is PyTorch's whole-network capture."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    criterion = nn.CrossEntropyLoss()
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = model(x)
+        return criterion(out, y) if loss_kind == "module" else F.cross_entropy(out, y)
+
+    x = torch.randn(16, 32, device="cuda")
+    y = torch.randint(0, 10, (16,), device="cuda")
+    with nanwatch.watch(model, criterion) as nw:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                loss_of(x, y).backward()
+                opt.step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)
+        captured = pytest.warns(RuntimeWarning, match="CUDA graph is being captured")
+        with captured, torch.cuda.graph(graph):
+            loss = loss_of(x, y)
+            loss.backward()
+            opt.step()
+        first = loss.item()
+        for _ in range(5):
+            graph.replay()
+            nw.step()
+        assert loss.item() < first  # the replays trained
+    assert nw.first_anomaly is None
+
+
+def test_compile_with_cuda_graphs_runs_under_watch() -> None:
+    """torch.compile(mode="reduce-overhead") records CUDA graphs of the compiled model; the
+    watched eager hooks must neither break it nor fail."""
+    model = _mlp()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    criterion = nn.CrossEntropyLoss()
+    x = torch.randn(16, 32, device="cuda")
+    y = torch.randint(0, 10, (16,), device="cuda")
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "not watched under torch.compile" is expected
+        with nanwatch.watch(model, criterion) as nw:
+            for _ in range(5):
+                loss = criterion(compiled(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.item())
+                nw.step()
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
