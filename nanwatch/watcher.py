@@ -547,6 +547,7 @@ class Watcher:
         self._device_dead = False
         self._compiled_warned = False
         self._capture_warned = False
+        self._in_capture = False  # a CUDA graph capture began at the last outside call
         #: the optimizer stepping now applies a gradient your code wrote that is not finite
         self._written_bad = False
         self._quiet = False
@@ -1156,6 +1157,11 @@ class Watcher:
             if transforming():  # vmap/grad ran the model: no compiled one (see _on_backward)
                 self._transformed = True
             return
+        if not self._stack:  # once per call from outside every watched call
+            self._in_capture = capturing()
+            if self._in_capture:
+                self._capture_aside()
+                return
         if info.post_only and not self._forensic:
             return  # watched from its forward hook alone
         if ops.replaying():
@@ -1211,6 +1217,23 @@ class Watcher:
         except Exception as exc:
             self._fault("pre", "forward pre-hook", exc)
 
+    def _capture_aside(self) -> None:
+        """A CUDA graph is being captured (``torch.cuda.graph``,
+        ``make_graphed_callables``): any host read, a step boundary's flush included, would
+        invalidate the capture and fail the user's run, so the hooks step aside until the
+        next eager call, and say once that the replays are not watched."""
+        if self._capture_warned:
+            return
+        self._capture_warned = True
+        _frames.warn_at_user(
+            "nanwatch: a CUDA graph is being captured through the watched modules. nanwatch "
+            "steps aside while it captures, and its replays run no Python hooks: the "
+            "captured steps are not watched. To find a NaN, run the steps eagerly under "
+            "nanwatch (no torch.cuda.graph, no mode='reduce-overhead') and capture after "
+            "debugging.",
+            safe=True,
+        )
+
     def _post(
         self,
         info: _ModInfo,
@@ -1219,7 +1242,7 @@ class Watcher:
         kwargs: dict[str, Any],
         output: Any,
     ) -> None:
-        if not self._attached or _tracing():
+        if not self._attached or _tracing() or self._in_capture:
             return
         forensic = self._forensic
         if ops.replaying():
@@ -1741,7 +1764,7 @@ class Watcher:
         marks = self._grad_marks
         if not marks or not self._attached or threading.get_ident() != self._thread:
             return
-        if ops.replaying() or "grad_marks" in self._disabled_hooks:
+        if ops.replaying() or "grad_marks" in self._disabled_hooks or capturing():
             return
         try:
             with _NO_TORCH_FUNCTION():
@@ -2064,7 +2087,7 @@ class Watcher:
 
     def _end_of_backward(self) -> None:
         self._eob_queued = False
-        if not self._attached or ops.replaying() or _tracing():
+        if not self._attached or ops.replaying() or _tracing() or capturing():
             return
         try:
             with _NO_TORCH_FUNCTION():
@@ -2091,7 +2114,7 @@ class Watcher:
         output, so a NaN born there is found in forward, where it was born."""
         if not self._attached or threading.get_ident() != self._thread or ops.replaying():
             return
-        if _tracing():
+        if _tracing() or capturing():
             return
         # a training backward: gradients go into .grad. torch.autograd.grad (a gradient
         # penalty, an input saliency, an adversarial example) is not one, and does not
@@ -2598,15 +2621,6 @@ class Watcher:
         no update followed does not end the step (see :meth:`_discarded`)."""
         if self._stack:
             return  # the root calling itself, or called from inside another watched module
-        if not self._capture_warned and capturing():
-            self._capture_warned = True
-            _frames.warn_at_user(
-                "nanwatch: a CUDA graph is being captured through the watched modules. Its "
-                "replays run no Python hooks: nanwatch checks the captured step, not the "
-                "replayed ones. To find a NaN, run the steps eagerly under nanwatch (no "
-                "torch.cuda.graph, no mode='reduce-overhead') and capture after debugging.",
-                safe=True,
-            )
         if self._opt_running:
             if self._opt_forwarded:
                 return  # a closure's second evaluation (LBFGS): the same optimizer step

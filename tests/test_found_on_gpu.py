@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,3 +105,46 @@ def test_a_node_whose_name_torch_refuses_is_named_by_its_class() -> None:
 
     assert ops.name_of(FreedBackward()) == "FreedBackward"
     assert ops.name_of(torch.ones(1, requires_grad=True).exp().grad_fn) == "ExpBackward0"
+
+
+def test_the_hooks_step_aside_while_a_cuda_graph_captures(monkeypatch: Any) -> None:
+    """On an H100 the first forward under torch.cuda.graph began a step, whose flush read
+    the last step's statistics: "operation not permitted when stream is capturing", and the
+    user's capture failed. Simulated here by saying a capture runs for one step: nothing is
+    hooked or read then (a NaN goes unseen, a guard stays quiet), a warning says so once,
+    and the eager step after it is watched again."""
+    import nanwatch.guards as guards_mod
+    import nanwatch.watcher as watcher_mod
+
+    capture = {"on": False}
+    monkeypatch.setattr(watcher_mod, "capturing", lambda: capture["on"])
+    monkeypatch.setattr(guards_mod, "_capturing", lambda: capture["on"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    criterion = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+
+    def step(inputs: torch.Tensor, target: torch.Tensor, *, update: bool = True) -> None:
+        criterion(model(inputs), target).backward()
+        if update:
+            opt.step()
+        opt.zero_grad()
+
+    with nanwatch.watch(model, criterion, postmortem=False) as nw:
+        step(x, y)
+        nw.step()
+        capture["on"] = True
+        with pytest.warns(RuntimeWarning, match="CUDA graph is being captured"):
+            # a NaN would stop an eager step (no update here: a real capture runs no
+            # kernel, this one would train on the NaN); a target of 7 of 3 classes reaches
+            # torch's own check, not the guard (a GuardError says "target contains 7")
+            step(torch.full_like(x, float("nan")), y, update=False)
+            with pytest.raises(IndexError, match="Target 7 is out of bounds"):
+                step(x, torch.tensor([0, 1, 2, 0, 7]), update=False)
+            step(x, y, update=False)  # said once
+        capture["on"] = False
+        assert len(nw.history) == 1 and nw.trace.records == []  # nothing hooked or read
+        with pytest.raises(nanwatch.AnomalyError, match="NaN"):
+            step(torch.full_like(x, float("nan")), y)
+            nw.step()
