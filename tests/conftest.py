@@ -84,7 +84,12 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     assert scale_after == scale_before, "GradScaler.scale left wrapped"
     getstate_after = vars(torch.nn.Module).get("__getstate__")
     assert getstate_after is getstate_before, "nn.Module.__getstate__ left wrapped"
-    changed = [k for k, v in vars(torch.nn.functional).items() if functional_before.get(k) is not v]
+    changed = [
+        k
+        for k, v in vars(torch.nn.functional).items()
+        # a warning issued from the module (torch 2.4's kl_div) adds Python's own registry
+        if functional_before.get(k) is not v and k != "__warningregistry__"
+    ]
     assert not changed, f"torch.nn.functional left changed: {changed[:5]}"
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
