@@ -147,12 +147,15 @@ def test_nw111_nonzero_numerator_masks_the_update_not_eps() -> None:
     net = _EMACodebook()
     err = _raises(net, lambda: net(torch.randn(2, 4)).sum().backward(), mode="forensic")
     d = _first(err, "NW111")
-    assert "torch.where(self.cluster_size.unsqueeze(1) > 0, self.embed_avg / " in d.fix
+    # a buffer's sign is not in the code: rows of either sign are kept (!= 0), and the
+    # unused branch divides by 1
+    cs_ = "self.cluster_size.unsqueeze(1)"
+    assert f"torch.where({cs_} != 0, self.embed_avg / torch.where({cs_} != 0, {cs_}, 1)" in d.fix
     assert "self.embedding))" in d.fix
     assert "0/eps = 0" not in d.fix
     # the offered update leaves the zero-count rows as they were and the rest exact
-    emb, avg, cs = torch.randn(6, 4), net.embed_avg, net.cluster_size
-    new = torch.where(cs.unsqueeze(1) > 0, avg / cs.unsqueeze(1).clamp_min(1e-7), emb)
+    emb, avg, cs = torch.randn(6, 4), net.embed_avg, net.cluster_size.unsqueeze(1)
+    new = torch.where(cs != 0, avg / torch.where(cs != 0, cs, 1), emb)
     assert torch.isfinite(new).all() and torch.equal(new[1], emb[1])
 
 

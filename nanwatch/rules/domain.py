@@ -3515,19 +3515,17 @@ def _fixed_at_assignment(ev: OpEvent, right: ast.expr, den: TensorStat) -> str |
     text = ast.unparse(value)
     if re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", text):
         return None  # scale = scale * k: the first assignment is the one to fix
-    names = sorted(
-        (
-            n
-            for n in ast.walk(value)
-            if isinstance(n, ast.Name) and n.id not in _MODULES and not _called(value, n)
-        ),
-        key=lambda n: n.col_offset,
-    )
-    dtype = f"{names[0].id}.dtype" if names else f"{paren(text)}.dtype"
-    if den.min >= 0:
+    names = sorted(_dtype_carriers(value), key=lambda n: n.col_offset)
+    if den.min >= 0 and names:
         return (
-            f"{name} = {paren(text)}.clamp_min(torch.finfo({dtype}).eps)   # clamped where it "
-            f"is made: every division by {name} is safe, 0/eps = 0 where it was 0"
+            f"{name} = {paren(text)}.clamp_min(torch.finfo({names[0].id}.dtype).eps)   # clamped "
+            f"where it is made: every division by {name} is safe, 0/eps = 0 where it was 0"
+        )
+    if den.min >= 0:  # made by a call (f(t)): its dtype is the result's, not an argument's
+        return (
+            f"{name} = {text}\n"
+            f"{name} = {name}.clamp_min(torch.finfo({name}.dtype).eps)   # clamped where it is "
+            f"made: every division by {name} is safe, 0/eps = 0 where it was 0"
         )
     return (
         f"{name} = {text}\n"
@@ -3536,9 +3534,26 @@ def _fixed_at_assignment(ev: OpEvent, right: ast.expr, den: TensorStat) -> str |
     )
 
 
-def _called(tree: ast.expr, name: ast.Name) -> bool:
-    """``name`` is the function of a call in ``tree`` (``f(x)``), not a tensor."""
-    return any(isinstance(n, ast.Call) and n.func is name for n in ast.walk(tree))
+def _dtype_carriers(node: ast.expr) -> list[ast.Name]:
+    """The names whose dtype the value has: operands of arithmetic and the tensors a method
+    chain starts from (``hi`` and ``lo`` in ``(hi.max() - lo) / 255``), not arguments of a
+    call (``t`` in ``compute_snr(t)``, an integer timestep) nor indices, nor past a cast."""
+    if isinstance(node, ast.Name):
+        return [] if node.id in _MODULES else [node]
+    if isinstance(node, ast.BinOp):
+        return _dtype_carriers(node.left) + _dtype_carriers(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return _dtype_carriers(node.operand)
+    if isinstance(node, ast.Subscript):
+        return _dtype_carriers(node.value)
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr not in _CASTS
+        and ast.unparse(node.func.value) not in _MODULES
+    ):
+        return _dtype_carriers(node.func.value)
+    return []
 
 
 def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
@@ -3683,6 +3698,51 @@ def _norm_second_derivative(ev: OpEvent) -> str | None:
     return None
 
 
+_NEVER_NEGATIVE = frozenset(
+    {"sqrt", "rsqrt", "abs", "exp", "exp2", "cosh", "square", "norm", "vector_norm", "std"}
+    | {"var", "softplus", "sigmoid", "relu", "numel", "count_nonzero"}
+)
+_SAME_SIGN = frozenset(
+    {"sum", "mean", "amax", "amin", "max", "min", "float", "double", "half", "to", "detach"}
+    | {"unsqueeze", "squeeze", "view", "reshape", "expand", "expand_as", "flatten"}
+)
+
+
+def _never_negative(node: ast.expr) -> bool:
+    """The expression cannot be negative whatever the data: ``a.sqrt()``, ``x.abs()``,
+    ``torch.exp(s)``, ``x ** 2``, ``d.clamp_min(0)``, a sum or mean of such; a bare name or
+    a difference may be either sign."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and node.value >= 0
+    if isinstance(node, ast.BinOp):
+        if isinstance(node.op, ast.Pow):
+            p = node.right
+            even = isinstance(p, ast.Constant) and isinstance(p.value, int) and p.value % 2 == 0
+            return even or _never_negative(node.left)
+        if isinstance(node.op, (ast.Add, ast.Mult, ast.Div)):
+            return _never_negative(node.left) and _never_negative(node.right)
+        return False
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else ast.unparse(func)
+    module = isinstance(func, ast.Attribute) and ast.unparse(func.value) in (
+        *_MODULES,
+        "torch.linalg",
+    )
+    tensors = node.args if module else [func.value] if isinstance(func, ast.Attribute) else []
+    if name in _NEVER_NEGATIVE:
+        return True
+    if name in ("clamp_min", "clamp", "clip"):
+        low = [k.value for k in node.keywords if k.arg == "min"] + node.args[int(module) :][:1]
+        return bool(low) and _never_negative(low[0])
+    if name in ("max", "min", "maximum", "minimum") and tensors:  # every operand counts
+        return all(_never_negative(t) for t in [*tensors, *node.args])
+    if name in _SAME_SIGN and tensors:
+        return _never_negative(tensors[0])
+    return False
+
+
 def _masked_division(stmt: str, div: ast.BinOp, d: str) -> str:
     """``torch.where(d > 0, n / d.clamp_min(eps), fallback)`` in the user's line: a nonzero
     numerator over a zero denominator is x/eps (huge) after a clamp, so the quotient is
@@ -3702,12 +3762,16 @@ def _masked_division(stmt: str, div: ast.BinOp, d: str) -> str:
         ):
             fallback = ast.get_source_segment(stmt, call.func.value) or ast.unparse(call.func.value)
             why = f"{fallback} keeps its old value where the denominator is 0"
-    eps = f"torch.finfo({_dtype_of(div.right, d)}).eps"
-    safe = f"torch.where({d} > 0, {n} / {paren(d)}.clamp_min({eps}), {fallback})"
-    return (
-        f"{_spliced(stmt, div, safe, grouped=False)}   # {why}; x/eps would be huge, "
-        "the numerator is not 0 there"
-    )
+    n = paren(n)  # (a - b) / d: the numerator keeps its parentheses
+    if _never_negative(div.right):
+        eps = f"torch.finfo({_dtype_of(div.right, d)}).eps"
+        safe = f"torch.where({paren(d)} > 0, {n} / {paren(d)}.clamp_min({eps}), {fallback})"
+        tail = "x/eps would be huge, the numerator is not 0 there"
+    else:  # a sign the line does not fix (a target, a difference): keep the negative rows
+        kept = f"torch.where({paren(d)} != 0, {d}, 1)"
+        safe = f"torch.where({paren(d)} != 0, {n} / {kept}, {fallback})"
+        tail = "rows of either sign are kept; the unused branch divides by 1, so no NaN gradient"
+    return f"{_spliced(stmt, div, safe, grouped=False)}   # {why}; {tail}"
 
 
 def _div_fix(
@@ -3899,12 +3963,17 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
     own = scalar_base(ev) is None  # x is the base, not a tensor exponent
     pole = not backward and own and _pole_at_zero(ev, x, e)
     cancel = None
+    power = _forward_exponent(ev, e) if backward and node_base(ev.node) == "Pow" else None
     if backward:
         node = node_base(ev.node)
+        slope = (
+            f"d/dx x^({fmt(power)}) = {fmt(power)}·x^({fmt(power - 1)})"
+            if power is not None
+            else "d/dx sqrt(x) = 1 / (2·sqrt(x))"
+        )
         evidence.append(
             f"in backward, {ev.node} ({op}) made {ev.born}: the forward {node.lower()} was "
-            "given exact zeros, and its derivative there is infinite "
-            "(d/dx sqrt(x) = 1 / (2·sqrt(x)))"
+            f"given exact zeros, and its derivative there is infinite ({slope})"
         )
         for nm, s in ev.inputs[:2]:
             evidence.append(f"backward input {nm}: {describe_stat(s)}")
@@ -3956,6 +4025,8 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         explanation, fix = _cancel_text(cancel, ev.dtype), _cancel_fix(ev)
     elif pole:
         explanation, fix = _pole_text(ev, e), _pole_fix(ev, e)
+    elif backward and power is not None:
+        explanation, fix = _power_backward_text(power), _power_backward_fix(ev, power)
     elif backward:
         explanation, fix = _ROOT_BACKWARD, _root_backward_fix(node_base(ev.node), e, ev.dtype)
         mine = _root_backward_own(ev) if node_base(ev.node) in ("Sqrt", "Rsqrt") else None
@@ -3968,6 +4039,14 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
             f"{fmt(x.min if x is not None else None)}): not a network output",
         )
         explanation, fix = _ROOT_DATA, _data_root_fix(ev, e)
+    elif negative and (built := _built_from_data(ctx, ev)) is not None:
+        name, made, inputs = built
+        evidence.insert(
+            1,
+            f"the base {name} is computed from {inputs} with no autograd history ({made}; "
+            f"min {fmt(x.min if x is not None else None)}): data, not a network output",
+        )
+        explanation, fix = _ROOT_DATA_BUILT, _data_root_fix(ev, e)
     elif negative and not _raw_output(ev):
         explanation, fix = _ROOT_COMPUTED, _computed_root_fix(ev)
     elif negative:
@@ -4251,6 +4330,145 @@ def _data_base(ctx: RuleContext, ev: OpEvent, x: TensorStat | None) -> Record | 
     return None
 
 
+_ROOT_DATA_BUILT = (
+    "A root or a fractional power of a negative number is not real: PyTorch returns NaN. "
+    "The base is computed from the module's inputs that have no autograd history -- data, "
+    "not a prediction -- and takes their sign: a degree summed from signed edge weights "
+    "(correlations), a total with negative corrections, a difference of features. A "
+    "positive parameterization (softplus) does not apply: nothing here is learned. Clamp "
+    "the base where it is made, take absolute weights if the sign carries no meaning for "
+    "it, or fix the data."
+)
+
+#: calls whose arguments give a shape or a fill value, not the values of a tensor
+_CONSTRUCTORS = frozenset(
+    {"zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like"}
+    | {"arange", "eye", "tensor", "as_tensor", "size", "numel", "dim", "len"}
+)
+#: methods whose argument at this position is an index (no values flow from it)
+_INDEX_ARG = {
+    "scatter_add": 1, "scatter_add_": 1, "scatter": 1, "scatter_": 1, "scatter_reduce": 1,
+    "scatter_reduce_": 1, "index_add": 1, "index_add_": 1, "gather": 1, "index_select": 1,
+}  # fmt: skip
+
+
+def _value_names(node: ast.expr) -> list[str] | None:
+    """The names whose values flow into ``node`` (``ew`` of ``torch.zeros(x.size(0))
+    .scatter_add_(0, col, ew)``: not ``x``, read for its size, nor ``col``, an index); None
+    when something else does (a module call ``self.lin(h)``, an attribute ``self.w``, a
+    function of the user's), whose history is unknown."""
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Constant):
+        return []
+    if isinstance(node, ast.Attribute):
+        return [] if node.attr in ("shape", "device", "dtype", "ndim") else None
+    if isinstance(node, ast.UnaryOp):
+        return _value_names(node.operand)
+    if isinstance(node, (ast.BinOp, ast.Compare, ast.Subscript, ast.Tuple, ast.Slice)):
+        parts = [
+            _value_names(n)
+            for n in ast.iter_child_nodes(node)
+            if isinstance(n, ast.expr) and not isinstance(n, ast.expr_context)
+        ]
+        return None if any(p is None for p in parts) else [n for p in parts for n in p or []]
+    if not isinstance(node, ast.Call) or any(k.arg is None for k in node.keywords):
+        return None  # f(**kw): what it passes is not shown
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else ast.unparse(func)
+    if name in _CONSTRUCTORS:
+        return []
+    module = isinstance(func, ast.Attribute) and ast.unparse(func.value) in ("torch", "F")
+    if not isinstance(func, ast.Attribute) or (
+        not module and isinstance(func.value, ast.Attribute)
+    ):
+        return None  # f(x), self.lin(x): a function or a module of the user's
+    skip = _INDEX_ARG.get(name, -1) + int(module)
+    args = [a for i, a in enumerate(node.args) if i != skip]
+    args += [k.value for k in node.keywords if k.arg != "index"]
+    parts = [_value_names(a) for a in args] + ([] if module else [_value_names(func.value)])
+    return None if any(p is None for p in parts) else [n for p in parts for n in p or []]
+
+
+def _forward_params(source: str | None) -> list[str] | None:
+    """The positional parameters of the function holding line ``source``, without ``self``
+    (a method's first); None when its ``def`` line is not found or does not parse."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    here = linecache.getline(path, int(num))
+    indent = len(here) - len(here.lstrip())
+    for n in range(int(num) - 1, max(0, int(num) - 80), -1):
+        text = linecache.getline(path, n)
+        m = re.match(r"(\s*)(?:async\s+)?def\s", text)
+        if m is None or len(m.group(1)) >= indent:
+            continue
+        try:
+            fn = ast.parse(text.strip().removeprefix("async ") + " pass").body[0]
+        except (SyntaxError, IndexError):
+            return None
+        if not isinstance(fn, ast.FunctionDef):
+            return None
+        names = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+        return names[1:] if m.group(1) else names  # indented: a method
+    return None
+
+
+def _built_from_data(ctx: RuleContext, ev: OpEvent) -> tuple[str, str, str] | None:
+    """The root's base is a name computed, in the function that holds the user's line, only
+    from the module's inputs that have no autograd history (data) and from constructors
+    (``deg = torch.zeros(n).scatter_add_(0, col, ew)`` with ``ew`` an input): the name, its
+    assignment, and the inputs it read (``c1's input[2] (ew)``); None otherwise."""
+    got: list[str] = []
+    if _rewrite_base(ev.code, lambda b: b, got) is None or not got:
+        got = [a] if (a := call_argument(ev.code, ["sqrt", "rsqrt"])) else []
+    if not got or not re.fullmatch(r"[A-Za-z_]\w*", got[0].strip()) or ev.path is None:
+        return None
+    params = _forward_params(ev.source)
+    if params is None:
+        return None
+    trace = ctx.trace
+    calls = {c.id for c in trace.calls if c.path == ev.path}
+    inputs = {r.role: r for r in trace.records if r.phase is Phase.INPUT and r.call in calls}
+
+    def data(role: str) -> bool:
+        r = inputs.get(role)
+        if r is None:
+            return False
+        if not r.dtype.startswith(("float", "bfloat", "complex")):
+            return True  # an integer or bool tensor has no gradient
+        m = exact(trace, r)
+        return r.grad_fn is None and m is not None and m.grad_fn is None
+
+    base = got[0].strip()
+    seen: list[str] = []
+    todo, made = [base], ""
+    while todo:
+        name = todo.pop()
+        if name in params:
+            role = f"input[{params.index(name)}]"
+            if not data(role):
+                return None
+            seen.append(f"{role} ({name})")
+            continue
+        if len(seen) + len(todo) > 8:
+            return None
+        found = _assigned_expr(ev.source, name)
+        if found is None:
+            return None
+        stmt, value = found
+        made = made or stmt
+        names = _value_names(value)
+        if names is None or name in names:
+            return None
+        todo += [n for n in dict.fromkeys(names) if n not in todo]
+    if not seen:
+        return None
+    return base, made, f"{ev.path}'s " + ", ".join(dict.fromkeys(seen))
+
+
 def _data_root_fix(ev: OpEvent, e: object) -> str:
     """The user's line with the base (data) clamped at 0; a shift by 1 where the exponent
     may be negative (0 ** -p is inf)."""
@@ -4402,6 +4620,118 @@ def _root_backward_fix(node: str, e: object, dtype: str | None) -> str:
             "# a focal-style (1 - p) ** gamma: (1 - p).clamp_min(eps) ** gamma"
         )
     return _ROOT_FIX_BACKWARD
+
+
+def _forward_exponent(ev: OpEvent, e: object) -> float | None:
+    """The exponent the user's forward ``x ** p`` used, for a PowBackward0 event: the event
+    of a node carries it as is (``aten.pow``, read from what the node saved); the pow that
+    the backward ran (``aten.pow.Tensor_Scalar`` under forensic) computes x ** (p - 1), and
+    only a negative exponent there makes inf at 0. The user's line settles it when it shows
+    one constant exponent; None for a tensor exponent."""
+    if not isinstance(e, (int, float)) or isinstance(e, bool):
+        return None
+    shown = _line_exponent(ev.code) if ev.source and ev.source != ev.backward_at else None
+    if shown is not None and shown in (e, e + 1):
+        return shown
+    return float(e) + 1 if ev.op.startswith("aten.pow.") and e < 0 else float(e)
+
+
+def _powers(stmt: str) -> list[tuple[ast.expr, ast.expr, float]]:
+    """Each power with a constant exponent in ``stmt``: (the whole power, its base, p) for
+    ``x ** p``, ``x.pow(p)`` and ``torch.pow(x, p)``."""
+    try:
+        tree = ast.parse(stmt)
+    except SyntaxError:
+        return []
+
+    def number(n: ast.expr) -> float | None:
+        try:
+            v = ast.literal_eval(n)
+        except ValueError:
+            return None
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    out: list[tuple[ast.expr, ast.expr, float]] = []
+    for n in ast.walk(tree):
+        base: ast.expr | None = None
+        exp: ast.expr | None = None
+        if not isinstance(n, ast.expr):
+            continue
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow):
+            base, exp = n.left, n.right
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and not n.keywords:
+            if n.func.attr == "pow" and ast.unparse(n.func.value) == "torch" and len(n.args) == 2:
+                base, exp = n.args
+            elif n.func.attr == "pow" and len(n.args) == 1:
+                base, exp = n.func.value, n.args[0]
+        if base is not None and exp is not None and (p := number(exp)) is not None:
+            out.append((n, base, p))
+    return out
+
+
+def _line_exponent(code: str | None) -> float | None:
+    """The exponent of the one constant power on the user's line; None for none or several."""
+    found = [p for st in statements(code) for _, _, p in _powers(st)]
+    return found[0] if len(found) == 1 else None
+
+
+def _power_backward_text(p: float) -> str:
+    """Why ``x ** p`` at x = 0 made a NaN gradient, with the user's own exponent."""
+    q = fmt(p)
+    slope = f"{q}·x^({fmt(p - 1)})"
+    if p < 0:
+        return (
+            f"x ** {q} is inf at x = 0 already in forward: a count or a degree of 0 (a node "
+            "whose edge weights are all 0), an empty bag, a zero norm. Something after the "
+            "power replaced that inf (a masked_fill(y == inf, 0), a torch.where, an indexed "
+            "assignment), so the forward pass looks finite; backward does not see the "
+            "replacement: the replaced entries get gradient 0, and autograd multiplies it "
+            f"by the power's derivative {slope}, inf at 0: 0 × inf = NaN. The next "
+            "optimizer step makes every weight NaN."
+        )
+    return (
+        f"x ** {q} = 0 at x = 0 is a fine forward value, but its derivative {slope} is inf "
+        "there, and autograd multiplies it by the gradient of what fed the power (0 for a "
+        "row that was masked or constant): inf × 0 = NaN. The forward pass never shows a "
+        "bad value, and the next optimizer step makes every weight NaN."
+    )
+
+
+def _power_backward_fix(ev: OpEvent, p: float) -> str:
+    """The user's power computed only where its base is off 0, with the base clamped inside
+    (the double where: the discarded branch has a finite gradient, so 0 × it stays 0); 0
+    where the base is 0, which is what masking the inf gave."""
+    q = fmt(p)
+    why = (
+        "0 where the base is 0, what masking the inf gave; its gradient there is 0, not NaN"
+        if p < 0
+        else "0 at 0 as before; its gradient there is 0, not NaN"
+    )
+    signed = float(p).is_integer()  # x ** -1 is defined below 0: keep those rows
+    lines = [st for st in statements(ev.code) if len(_powers(st)) == 1]
+    if ev.source and ev.source != ev.backward_at and len(lines) == 1:
+        stmt = lines[0]
+        power, base, _ = _powers(stmt)[0]
+        b = ast.get_source_segment(stmt, base) or ast.unparse(base)
+        whole = ast.get_source_segment(stmt, power) or ast.unparse(power)
+        if signed:
+            cond, safe = f"{paren(b)} != 0", f"torch.where({paren(b)} != 0, {b}, 1)"
+        else:
+            eps = f"torch.finfo({_dtype_of(base, b)}).eps"
+            cond, safe = f"{paren(b)} > 0", f"{paren(b)}.clamp_min({eps})"
+        a = (base.col_offset or 0) - (power.col_offset or 0)
+        z = (base.end_col_offset or 0) - (power.col_offset or 0)
+        if 0 <= a <= z <= len(whole) and whole[a:z] == b:
+            inner = whole[:a] + safe + whole[z:]
+            return f"{_spliced(stmt, power, f'torch.where({cond}, {inner}, 0)')}   # {why}"
+    dt = f"torch.{ev.dtype}" if ev.dtype else "x.dtype"
+    if signed:
+        return f"y = torch.where(x != 0, torch.where(x != 0, x, 1) ** {q}, 0)   # {why}"
+    return (
+        f"eps = torch.finfo({dt}).eps\n"
+        f"y = torch.where(x > 0, x.clamp_min(eps) ** {q}, 0)   # was x ** {q}: its gradient "
+        f"{q}·x^({fmt(p - 1)}) is inf at 0; {why}"
+    )
 
 
 _VARIANCE = re.compile(r"(?:\.|\btorch\.)(?:var|std|var_mean|std_mean)\(|\bvariance\b|\bvar\b")
