@@ -3691,17 +3691,24 @@ class Watcher:
     def _in_users_names(self, diagnoses: list[Diagnosis]) -> None:
         """The rules write fixes for a model called ``model``, an optimizer called
         ``optimizer`` and a loss called ``criterion`` where they cannot know better. The
-        user's code (the frame that ran into the anomaly, its ``self`` and its module's
-        globals) holds the watched model, its optimizer and its loss under its own names:
-        those go into the fixes' code, unless the user's code also defines the generic
-        name. Comments are left as they are."""
+        user's code (the frames that ran into the anomaly, innermost first: the model's
+        forward, then the training loop that called it, each with its ``self`` and its
+        module's globals) holds the watched model, its optimizer and its loss under its own
+        names: the innermost frame that holds one names it in the fixes' code, unless that
+        frame also defines the generic name. Comments are left as they are."""
+        frames: list[Any] = []
         frame = _frames.user_frame(sys._getframe(1))
-        if frame is None:
+        while frame is not None and len(frames) < 32:
+            frames.append(frame)
+            frame = _frames.user_frame(frame.f_back)
+        if not frames:
             return
-        local = frame.f_locals
-        attrs = getattr(local.get("self"), "__dict__", None)
-        scopes: list[Any] = [n for n in (local, attrs, frame.f_globals) if hasattr(n, "items")]
-        defined = {k for names in scopes for k in names if isinstance(k, str)}
+
+        def scopes(f: Any) -> list[Any]:
+            local = f.f_locals
+            attrs = getattr(local.get("self"), "__dict__", None)
+            return [n for n in (local, attrs, f.f_globals) if hasattr(n, "items")]
+
         wanted: dict[str, Any] = {}
         roots = [(m, info) for m, info in self._modules if info.is_root]
         # one watched model, one loss: with several (a backbone and a head), "model" is
@@ -3713,21 +3720,25 @@ class Watcher:
         if len(losses) == 1:
             wanted["criterion"] = losses[0]
         watched = self._param_ids
-        for names in scopes:
-            for value in list(names.values()):
-                if (
-                    "optimizer" not in wanted
-                    and isinstance(value, torch.optim.Optimizer)
-                    and any(id(p) in watched for g in value.param_groups for p in g["params"])
-                ):
-                    wanted["optimizer"] = value
+        for f in frames:
+            for names in scopes(f):
+                for value in list(names.values()):
+                    if (
+                        "optimizer" not in wanted
+                        and isinstance(value, torch.optim.Optimizer)
+                        and any(id(p) in watched for g in value.param_groups for p in g["params"])
+                    ):
+                        wanted["optimizer"] = value
         renames: dict[str, str] = {}
         for generic, obj in wanted.items():
-            if generic in defined:
-                continue  # the user's code has that name: the fix may mean it
-            name = _name_in_frame(frame, obj)
-            if name is not None and name != generic:
-                renames[generic] = name
+            for f in frames:
+                name = _name_in_frame(f, obj)
+                if name is None:
+                    continue
+                defined = {k for names in scopes(f) for k in names if isinstance(k, str)}
+                if name != generic and generic not in defined:
+                    renames[generic] = name  # (defined: the user's code may mean it)
+                break
         if not renames:
             return
         for d in diagnoses:
@@ -4135,11 +4146,24 @@ def _name_in_frame(frame: Any, obj: Any) -> str | None:
     local = frame.f_locals  # a dict, or (python 3.13) a proxy with the same methods
     attrs = getattr(local.get("self"), "__dict__", None)
     scopes: list[tuple[Any, str]] = [(local, ""), (attrs, "self."), (frame.f_globals, "")]
+    # a method of ``obj`` itself (its forward, ``def forward(s, x)``): the name of its
+    # first argument is ``self`` under another name, not the caller's name for it
+    code = frame.f_code
+    receiver = code.co_varnames[0] if code.co_argcount else None
+    method = getattr(type(obj), code.co_name, None)
+    if getattr(method, "__code__", None) is not code:
+        receiver = None
     for names, prefix in scopes:
         if not hasattr(names, "items"):
             continue
         for key, value in names.items():
-            if value is obj and isinstance(key, str) and key.isidentifier() and key != "self":
+            if (
+                value is obj
+                and isinstance(key, str)
+                and key.isidentifier()
+                and key != "self"
+                and not (prefix == "" and names is local and key == receiver)
+            ):
                 return prefix + key
     return None
 
