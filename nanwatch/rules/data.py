@@ -6,7 +6,17 @@ import math
 import re
 from collections.abc import Iterator
 
-from nanwatch.records import LOSS_PATH, AnomalyKind, Call, Note, Phase, Record, StepTrace
+from nanwatch.records import (
+    LOSS_PATH,
+    AnomalyKind,
+    Call,
+    Note,
+    OpEvent,
+    Phase,
+    Record,
+    StepTrace,
+    TensorStat,
+)
 from nanwatch.rules._evidence import anomaly_fields, describe_stat, fmt, target_log
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
@@ -161,12 +171,17 @@ def _earlier_input(
 ) -> tuple[Record, bool] | None:
     """The first finite input of a call of root ``path`` in ``trace`` (before call id
     ``before``) in ``rec``'s place with its shape and dtype, and whether a gradient was
-    computed after that call (before index ``until``)."""
-    for c in trace.calls:
-        if c.id >= before:
-            break
-        if not c.root or c.path != path:
-            continue
+    computed after the last call of that root (before index ``until``): an attack's step
+    takes one, a sampling loop under ``torch.no_grad`` does not."""
+    calls = [c for c in trace.calls if c.id < before and c.root and c.path == path]
+    if not calls:
+        return None
+    last = calls[-1].start
+    grad = any(
+        x.phase is Phase.BACKWARD and x.index >= last and (until is None or x.index < until)
+        for x in trace.records
+    )
+    for c in calls:
         for r in trace.inputs_of(c.id):
             m = trace.resolve(r)
             if (
@@ -176,12 +191,6 @@ def _earlier_input(
                 and m.stat is not None
                 and m.stat.finite
             ):
-                grad = any(
-                    x.phase is Phase.BACKWARD
-                    and x.index >= c.start
-                    and (until is None or x.index < until)
-                    for x in trace.records
-                )
                 return r, grad
     return None
 
@@ -189,25 +198,65 @@ def _earlier_input(
 def _computed_input(
     ctx: RuleContext, evidence: list[str], made: tuple[Record, bool, bool]
 ) -> Diagnosis:
-    """NW401 for an input the user's code computed between two calls of the root."""
+    """NW401 for an input the user's code computed between two calls of the root. With a
+    gradient taken between the calls it is an attack's or a perturbation's per-sample
+    normalization; without one (a sampling or refinement loop under ``torch.no_grad``) the
+    op is not known in this mode, and forensic mode names it."""
     a = ctx.anomaly
     assert a is not None
     clean, same, grad = made
     rec = a.record
     s = rec.stat
     n = s.bad_row_count if s is not None and s.bad_row_count else 1
-    nan_only = s is not None and not s.posinf and not s.neginf
-    evidence = [
-        *evidence[:2],
+    has_inf = s is not None and bool(s.posinf or s.neginf)
+    has_nan = s is None or s.nan is None or s.nan > 0
+    kinds = "NaN or inf" if has_inf and has_nan else "inf" if has_inf else "NaN"
+    samples = f"sample{'s' if n != 1 else ''}"
+    called = (
         f"{a.path} was called "
         + ("earlier in this step" if same else f"in step {clean.step}, before any update,")
         + f" with a finite {clean.role} of the same shape {list(clean.shape)}: this "
         f"{rec.role} was computed after that call, by your code"
-        + (" (a gradient was computed between the two calls)" if grad else ""),
-        f"every value of the bad sample{'s' if n != 1 else ''} is "
+    )
+    title = f"{kinds} in an input your code computed between two calls of {a.path}"
+    if not grad:
+        found = s.kinds() if s is not None else kinds
+        return ctx.diagnosis(
+            **anomaly_fields(a),
+            title=title,
+            evidence=[
+                *evidence[:2],
+                called + " (no gradient was taken between the two calls: a sampling loop?)",
+                f"every value of the bad {samples} is {found.replace(', ', ' or ')}: a factor "
+                "applied to the whole sample is infinite, or its divisor is 0",
+                *evidence[2:],
+            ],
+            explanation=(
+                f"{a.path}'s input was finite when it was first called; the input of this "
+                "later call was computed by your code after it, with no gradient taken in "
+                "between: a sampling or denoising loop, an iterative refinement under "
+                "torch.no_grad. A whole sample turned non-finite at once "
+                "is a scalar coefficient of the update that is infinite, as 1 / x.sqrt() "
+                "or 1 / (1 - x).sqrt() is where x is exactly 0 or 1 (a schedule's last "
+                "value). The data are not at fault, and torch.nan_to_num would only hide "
+                "the division. This mode does not see code outside the modules; forensic "
+                "mode names the op and its line."
+            ),
+            fix=(
+                "with nanwatch.watch(model, mode='forensic') as nw:   # or: nanwatch run "
+                "--mode forensic script.py\n"
+                "    ...   # the loop that computes the next input: names the op and line\n"
+                "# then keep its divisor away from 0, e.g. a noise schedule's betas: "
+                "betas.clamp(max=0.999)"
+            ),
+        )
+    evidence = [
+        *evidence[:2],
+        called + " (a gradient was computed between the two calls)",
+        f"every value of the bad {samples} is "
         + (
             "NaN: a 0/0 over the whole sample, as a division by its norm gives when that norm is 0"
-            if nan_only
+            if not has_inf
             else "NaN or inf: the whole sample divided by 0, as a division by its norm gives "
             "when that norm is 0 (or underflows to 0)"
         ),
@@ -215,17 +264,17 @@ def _computed_input(
     ]
     return ctx.diagnosis(
         **anomaly_fields(a),
-        title=f"NaN in an input your code computed between two calls of {a.path}",
+        title=title,
         evidence=evidence,
         explanation=(
-            f"The batch was finite when {a.path} was first called on it; the input of "
-            "this later call was computed from it by your code (an adversarial attack, "
-            "a perturbation, an augmentation), and that computation made the NaN. A whole "
-            "sample of NaN is what a per-sample normalization makes of a sample whose norm "
-            "is 0: g / g.norm() where the input gradient of that sample is exactly 0 (a "
-            "blank image, a saturated or dead input), as in PGD's L2 step or VAT's "
-            "_l2_normalize. The data are not at fault, and torch.nan_to_num would only hide "
-            "the division."
+            f"The batch was finite when {a.path} was first called on it; the input of this "
+            "later call was computed from it by your code (an adversarial attack, "
+            "a perturbation, an augmentation), and that computation made the "
+            f"{kinds}. A whole sample of {kinds} is what a per-sample normalization makes of "
+            "a sample whose norm is 0: g / g.norm() where the input gradient of that sample "
+            "is exactly 0 (a blank image, a saturated or dead input), as in PGD's L2 step or "
+            "VAT's _l2_normalize. The data are not at fault, and torch.nan_to_num would only "
+            "hide the division."
         ),
         fix=(
             "def l2_normalize(g, eps=1e-12):   # per sample; a zero gradient stays 0, not NaN\n"
@@ -320,6 +369,47 @@ def _finite(v: object) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
+_ELEMENTWISE_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss"}
+
+
+def _passed_on_target(op: OpEvent) -> TensorStat | None:
+    """The op the anomaly names is the loss itself, which did not make the non-finite
+    value but read it in its target (the graph walk's op for ``F.mse_loss(pred, y)`` with a
+    -inf in ``y``): the target's statistics, else None."""
+    if op.cause is not None or op.injected:
+        return None
+    target = [st for name, st in op.inputs if name == "target"]
+    others = [st for name, st in op.inputs if name != "target"]
+    if len(target) != 1 or target[0] is None or target[0].finite:
+        return None
+    if any(st is None or not st.finite for st in others):
+        return None
+    return target[0]
+
+
+def _prediction_grad(ctx: RuleContext, n: Note) -> TensorStat | None:
+    """The gradient of an elementwise loss's prediction, when it has the target's shape:
+    the prediction is finite, so it is non-finite exactly where the target is (counted)."""
+    fname = str(n.data.get("loss", "")).rsplit(".", 1)[-1]
+    src, shape = n.data.get("input_source"), n.data.get("target_shape")
+    if fname not in _ELEMENTWISE_LOSSES or not isinstance(src, int) or not shape:
+        return None
+    if n.data.get("input_shape") != shape:
+        return None
+    if sum(m.data.get("input_source") == src for m in ctx.notes("loss_input")) != 1:
+        return None  # another loss read the prediction too: its gradient sums both
+    for r in ctx.trace.records:
+        if (
+            r.phase is Phase.BACKWARD
+            and src in (r.index, r.source)
+            and list(r.shape) == list(shape)
+            and r.stat is not None
+            and r.stat.nan is not None
+        ):
+            return r.stat
+    return None
+
+
 def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
     """A loss computed outside any module (``F.mse_loss(model(x), y)``) went non-finite,
     and its guard read a finite input but a non-finite target: the target was bad before
@@ -336,7 +426,8 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
     ]
     if not bad:
         return
-    if a.op is not None:
+    counted = _passed_on_target(a.op) if a.op is not None else None
+    if a.op is not None and counted is None:
         # an op made the value in this step (forensic mode's or the graph walk's op, or a
         # constant operand the loss code computed without gradients): the op-level rules
         # name it (NW101 for an exp overflow); bad data would send the user to the dataset
@@ -347,33 +438,67 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
     loss = str(n.data.get("loss", n.path))
     at = f" at {n.source}" if n.source else ""
     lo, hi = n.data.get("target_min"), n.data.get("target_max")
+    nan = not (_finite(lo) or _finite(hi)) and not (lo == -math.inf and hi == math.inf)
+    neg = lo == -math.inf and not nan
+    kinds = "NaN" if nan else "-inf" if neg and _finite(hi) else "+inf" if _finite(lo) else "inf"
+    if counted is None:
+        counted = _prediction_grad(ctx, n)
     evidence = [
         f"the target of {loss}{at} (shape {n.data.get('target_shape', '?')}) holds "
-        + ("NaN" if not (_finite(lo) or _finite(hi)) else "inf")
-        + f": min {fmt(lo) if isinstance(lo, (int, float)) else '?'}, max "
+        f"{kinds}: min {fmt(lo) if isinstance(lo, (int, float)) else '?'}, max "
         f"{fmt(hi) if isinstance(hi, (int, float)) else '?'}",
-        f"its input (the prediction) was finite: [{fmt(n.data['input_min'])}, "
-        f"{fmt(n.data['input_max'])}]",
     ]
+    evidence.append(
+        f"its input (the prediction) was finite: [{fmt(n.data['input_min'])}, "
+        f"{fmt(n.data['input_max'])}]"
+    )
+    if counted is not None and a.op is not None:
+        evidence.append(f"target: {describe_stat(counted)}")
+    elif counted is not None:
+        bad_n = (counted.nan or 0) + (counted.posinf or 0) + (counted.neginf or 0)
+        evidence.append(
+            f"{bad_n:,} of its {counted.numel:,} values {'is' if bad_n == 1 else 'are'} "
+            f"{counted.kinds().replace(', ', ' or ')}, counted in the gradient of the "
+            "prediction (an elementwise loss's gradient is non-finite exactly where its "
+            "target is)"
+        )
     if len(bad) > 1:
         evidence.append(f"{len(bad) - 1} more loss call(s) this step got a non-finite target")
     fields = anomaly_fields(a)
     fields["path"] = loss
+    if kinds == "-inf":
+        cause = (
+            "A target whose only non-finite values are -inf is what log(0) gives: a log "
+            "transform of a target holding zeros (counts, sales, prices)."
+        )
+        remedy = "y = torch.log1p(y)   # or torch.log(y.clamp_min(1e-6)): log(0) = -inf\n"
+    else:
+        cause = (
+            "Targets made in the training loop or read from the data are the usual "
+            "source: a missing reading or label parsed as NaN, a standardization by a "
+            "batch's standard deviation that is 0 (every target equal), a corrupted file."
+        )
+        some = counted is not None and (counted.nan or 0) < counted.numel
+        remedy = (
+            "print((~torch.isfinite(y)).nonzero()[:10].tolist())   # where: trace them "
+            "to the data\n"
+            if some
+            else "y = (y - y.mean()) / y.std().clamp_min(1e-6)   # a batch of equal targets "
+            "has std 0\n"
+        )
     yield ctx.diagnosis(
         **fields,
         title="NaN or inf in the loss targets",
         evidence=evidence,
         explanation=(
             f"The prediction reaching {loss} was finite and its target was not: the loss is "
-            "NaN because of the target, and no layer is at fault. Targets made in the "
-            "training loop are the usual source: a standardization by a batch's standard "
-            "deviation that is 0 (every target equal), a log of a zero target, a missing "
-            "label read as NaN."
+            f"{'NaN' if nan else 'non-finite'} because of the target, and no layer is at "
+            f"fault. {cause}"
         ),
         fix=(
             "assert torch.isfinite(y).all(), y   # where the target is made, before the loss\n"
-            "y = (y - y.mean()) / y.std().clamp_min(1e-6)   # a batch of equal targets has std 0\n"
-            "# or fix/drop the samples in Dataset.__getitem__"
+            + remedy
+            + "# or fix/drop the samples in Dataset.__getitem__"
         ),
     )
 

@@ -265,6 +265,19 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
         "# where it is computed, keep the denominator that reaches 0 away from it:\n"
         "# num / den.clamp_min(torch.finfo(den.dtype).eps)  (den: that ratio's denominator)"
     )
+    if stat is not None and stat.numel == 1 and stat.nan == 1:
+        # one value, NaN: the statistics of a batch of one (std/var with N - 1 = 0 degrees
+        # of freedom is NaN, and clamping the denominator keeps a NaN a NaN)
+        x = name or "x"
+        evidence.append(
+            "a single value, NaN: most likely a batch of one sample, whose std() or var() is "
+            "NaN (N - 1 = 0 degrees of freedom; torch warns 'degrees of freedom is <= 0')"
+        )
+        fix = (
+            f"# std of a single value is NaN; where {x} is normalized by its std:\n"
+            f"# ({x} - {x}.mean()) / ({x}.std(correction=0) + 1e-8)   # N = 1 gives std 0\n"
+            "# or skip batches of 1 (DataLoader(drop_last=True), if len(batch) > 1)\n" + fix
+        )
     if name:
         fix = (
             f"assert torch.isfinite({name}).all(), {name}   # right after {name} is computed\n"
