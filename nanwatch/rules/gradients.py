@@ -12,12 +12,14 @@ import itertools
 import math
 import re
 import statistics
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from nanwatch import _frames
 from nanwatch.localize import hook_op, localize, user_hook
 from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, Note, Phase, Record, StepTrace
 from nanwatch.rules._evidence import (
@@ -1539,10 +1541,21 @@ def _level(values: list[float], need: int) -> tuple[float, int]:
 
 
 def _spikes(
-    ctx: RuleContext, kind: str, current: dict[str, float], factor: float, need: int
+    ctx: RuleContext,
+    kind: str,
+    current: dict[str, float],
+    factor: float,
+    need: int,
+    *,
+    jump: bool = False,
 ) -> list[tuple[float, str, float, float]]:
     """Keys whose value is at least ``factor`` times their median over the history's
-    steps where it was not exactly 0 (``need`` such steps at least).
+    steps where it was not exactly 0 (``need`` such steps at least). With ``jump``, also
+    ``factor`` times each of their last ``need`` such steps: a jump, not a steady rise
+    nor a noisy one. Without a spike of the total norm, a parameter or module whose gradient
+    grows as it learns (a GAT's attention vectors from near-uniform attention at init, an
+    MDN's means as its sigmas shrink) climbs to many times its own early steps while no
+    step is many times the few before it; that is training, not an explosion.
 
     Runs every step, so it is built to be cheap: each history step's values, aligned to the
     current keys, are computed once per step (memo) and transposed in C; a key is a
@@ -1564,7 +1577,10 @@ def _spikes(
     for key, v, col in zip(keys, current.values(), zip(*rows, strict=True), strict=True):
         if v < factor * min(col) or len(col) - col.count(math.inf) < need:
             continue
-        med, _ = _level([x for x in col if x != math.inf], need)
+        seen = [x for x in col if x != math.inf]
+        if jump and v < factor * max(seen[-need:]):
+            continue
+        med, _ = _level(seen, need)
         if med > 0 and v >= factor * med:
             out.append((v / med, key, v, med))
     out.sort(reverse=True)
@@ -1600,8 +1616,10 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"total gradient norm {fmt(cur.total)} at step {ctx.step}; median of the "
                 f"previous {n} steps {fmt(med)} ({_times(cur.total / med)})"
             )
-    mods = _spikes(ctx, "modules", _share_of_largest(cur.modules, factor), factor, need)
-    params = _spikes(ctx, "params", _above_rounding(cur), factor, need)
+    # without a spike of the total, a parameter or module must jump above its recent level
+    jump = not total_spike
+    mods = _spikes(ctx, "modules", _share_of_largest(cur.modules, factor), factor, need, jump=jump)
+    params = _spikes(ctx, "params", _above_rounding(cur), factor, need, jump=jump)
     if not total_spike and not params and (not mods or _update_seen(cur)):
         # a module's output gradient alone is no explosion when the update is measured
         # and did not move: F.normalize of an all-zero row (1/eps, multiplied by the
@@ -1654,13 +1672,19 @@ def _clip_before_step(trace: StepTrace) -> tuple[str, float | None] | None:
     ``.step()`` (``clip_grad_norm_``, ``clip_grad_value_``), read from the function of the
     user's lines this step's notes name (the loss line): the clip's ``file:line`` and its
     ``max_norm`` when that is a number written there (None: a value clip, a variable).
-    None when no such clip is found (a clip after ``step()`` clips nothing applied)."""
+    None when no such clip is found (a clip after ``step()`` clips nothing applied).
+    With no such line (``loss = -flow(x).mean()`` calls no loss: the optimizer's note has
+    no source), the user's line running the rules now: the loop's ``nw.step()`` or the
+    next step's forward, in the function that also calls ``backward()`` and ``step()``."""
     seen: set[str] = set()
-    for n in trace.notes:
-        if not n.source or n.source in seen:
+    sources: list[str | None] = [n.source for n in trace.notes if n.source]
+    if not sources:
+        sources = [_running_line()]
+    for source in sources:
+        if not source or source in seen:
             continue
-        seen.add(n.source)
-        found = _user_scope(n.source)
+        seen.add(source)
+        found = _user_scope(source)
         if found is None:
             continue
         path, _, scope = found
@@ -1683,6 +1707,12 @@ def _clip_before_step(trace: StepTrace) -> tuple[str, float | None] | None:
             elif after_backward:
                 return f"{path}:{lineno}", _max_norm(call)
     return None
+
+
+def _running_line() -> str | None:
+    """``file:line`` of the innermost user frame on the stack (full path), or None."""
+    f = _frames.user_frame(sys._getframe(1))
+    return None if f is None else f"{f.f_code.co_filename}:{f.f_lineno}"
 
 
 def _max_norm(call: ast.Call) -> float | None:
@@ -1729,6 +1759,7 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
     # training backward reaches them through that gradient, a second derivative that is
     # exactly 0 through piecewise-linear layers; neither kind tells of dead units
     penalized = set() if every else {r.call for r in trace.records if r.by_grad}
+    padded = _padding_lookups(trace)
     for r in trace.records:
         s = r.stat
         if s is None or not s.finite:
@@ -1739,7 +1770,7 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
             zero = s.min == 0.0 and s.max == 0.0
             seen[r.path] = seen.get(r.path, True) and zero
             dtypes.setdefault(r.path, r.dtype)
-        elif r.phase is Phase.GRADIENT and r.path in called:
+        elif r.phase is Phase.GRADIENT and r.path in called and r.path not in padded:
             zero = s.norm == 0.0 if s.norm is not None else (s.min == 0.0 and s.max == 0.0)
             pseen[r.path] = pseen.get(r.path, True) and zero
             dtypes.setdefault(r.path, r.dtype)
@@ -1751,6 +1782,24 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
         dtypes,
         by_norm,
     )
+
+
+#: lookups whose ``padding_idx`` row is 0 and gets no gradient
+_EMBEDDINGS = frozenset(("Embedding", "EmbeddingBag"))
+
+
+def _padding_lookups(trace: StepTrace) -> set[str]:
+    """Embeddings whose every output this step was exactly 0: every id looked up was the
+    ``padding_idx`` (its row is 0 and gets no gradient) or every bag was empty (a
+    multi-hot feature absent from the whole batch: cold-start users). A weight gradient of
+    0 there is the data's, not dead units; the next batch with a real id moves it."""
+    zero: dict[str, bool] = {}
+    for r in trace.records:
+        if r.phase is Phase.FORWARD and r.module_type in _EMBEDDINGS:
+            s = r.stat
+            z = s is not None and s.finite and s.min == 0.0 and s.max == 0.0
+            zero[r.path] = zero.get(r.path, True) and z
+    return {p for p, z in zero.items() if z}
 
 
 def _tiniest(dtype: str) -> float:
@@ -2247,7 +2296,19 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f'optimizer.param_groups[{_group_of(u)}]["lr"] = {fmt(new)}   # was '
                 f"{fmt(lr)} ({u.optimizer}): moved {name} by {fmt(move)} in one step"
             )
-        if relu or not kinds:
+        var = _relu_variance(ctx.trace) if relu else None
+        if var is not None:
+            # a leaky ReLU makes a variance negative (GaussianNLLLoss raises on var < 0)
+            evidence.append(
+                f"{var[0]}'s {var[1]} is a ReLU's output, 0 where its input is negative: "
+                "no gradient flows back there"
+            )
+            fix += (
+                f"\n{var[1]} = F.softplus(v) + 1e-6   # instead of F.relu(v): a {var[1]} "
+                "must stay > 0 (a leaky ReLU makes it negative), and softplus has a gradient "
+                "everywhere"
+            )
+        elif relu or not kinds:
             fix += "\nnn.LeakyReLU(0.01)        # instead of ReLU when units die"
         if not kinds or "BCELoss" in kinds:
             fix += "\nnn.BCEWithLogitsLoss()    # instead of sigmoid + BCELoss (clamped at -100)"
@@ -2258,6 +2319,39 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
         explanation=explanation,
         fix=fix,
     )
+
+
+#: autograd nodes of a ReLU's output
+_RELU_NODES = frozenset(("ReluBackward0", "ThresholdBackward0"))
+#: keyword names of a loss input that must stay positive (a variance, a scale)
+_SCALE_KEYS = frozenset(("var", "scale", "std", "sigma"))
+
+
+def _relu_variance(trace: StepTrace) -> tuple[str, str] | None:
+    """The loss and the input's name (``GaussianNLLLoss``, ``var``) when a loss's variance
+    or scale input (GaussianNLLLoss's third, or a keyword named var/scale/std/sigma) was
+    made by a ReLU and is 0 somewhere: the ReLU cuts the gradient there, and a leaky ReLU
+    would make the variance negative."""
+    losses = {c.id: c for c in trace.calls if c.is_loss}
+    for r in trace.records:
+        c = losses.get(r.call)
+        if c is None or r.phase is not Phase.INPUT:
+            continue
+        key = r.role.rpartition(".")[2] if r.role.startswith("input.") else ""
+        gaussian = c.module_type == "GaussianNLLLoss" or c.path.endswith("gaussian_nll_loss")
+        if not (key in _SCALE_KEYS or (gaussian and r.role == "input[2]")):
+            continue
+        cur: Record | None = r
+        for _ in range(64):
+            if cur is None or cur.grad_fn is not None or cur.source is None:
+                break
+            cur = trace.record(cur.source)
+        if cur is None or cur.grad_fn not in _RELU_NODES:
+            continue
+        s = trace.resolve(cur).stat
+        if s is None or s.min <= 0.0:
+            return c.path, key or "var"
+    return None
 
 
 #: an optimizer step that moves one weight by more than this is a jolt: trained weights are
