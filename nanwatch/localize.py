@@ -122,10 +122,14 @@ def _earliest_neginf(trace: StepTrace, recs: Iterable[Record], limit: int = 64) 
             continue
         seen.add(r.index)
         m = trace.resolve(r)
-        if m.stat is None or not m.stat.has_neginf:
+        if m.stat is None:
+            todo.extend(_operands(trace, m))
+            continue
+        if not m.stat.has_neginf:
             continue
         if best is None or m.index < best.index:
             best = m
+        todo.extend(_operands(trace, m))  # measured: the parent's code may have passed it on
         if m.phase is Phase.FORWARD:
             todo.extend(trace.inputs_of(m.call))
             call = trace.call(m.call)
@@ -140,6 +144,26 @@ def _earliest_neginf(trace: StepTrace, recs: Iterable[Record], limit: int = 64) 
                     and r.stat.has_neginf
                 )
     return best
+
+
+def _operands(trace: StepTrace, rec: Record) -> list[Record]:
+    """What a module input that no record links (``rec``) can have been made of: the
+    watcher leaves such an input unmeasured only when its parent's code made it with an op
+    that cannot create a non-finite value (``x.chunk(2)``, a concatenation, a residual sum)
+    from recorded tensors, so its values came from the parent's inputs or from the outputs
+    of the parent's children that ran before it (a measured one may have come from them
+    too: forensic mode measures every input). Empty for a linked record."""
+    if rec.phase is not Phase.INPUT or rec.source is not None:
+        return []
+    parent = _parent(trace, trace.call(rec.call))
+    if parent is None:
+        return []
+    return [
+        r
+        for r in trace.records
+        if (r.call == parent.id and r.phase is Phase.INPUT)
+        or (parent.start < r.index < rec.index and r.phase is Phase.FORWARD)
+    ]
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -1208,6 +1232,8 @@ def summarize(anomaly: Anomaly) -> str:
     """The one-line summary, with the op and propagation when known."""
     base = anomaly.summary.split(" [")[0]
     base = _follow_op(anomaly, base)
+    base = _neginf_birth(anomaly, base)
+    base = _in_child(anomaly, base)
     op = anomaly.op
     if (
         anomaly.origin == "loss-code"
@@ -1233,8 +1259,8 @@ def summarize(anomaly: Anomaly) -> str:
     extra: list[str] = []
     if op is not None:
         op = op.chain()[0]  # the birth of the first non-finite value (log's -inf, not neg's +inf)
-        made = base.split(" ", 1)[0]
-        unlike = op.born and made in ("NaN", "+inf", "-inf") and made not in op.born
+        made = _leading_kinds(base)
+        unlike = op.born and made and made != set(op.born.split(", "))
         extra.append(f"op {op_phrase(op)}" + (f", which made {op.born}" if unlike else ""))
     if anomaly.propagator_count:
         extra.append(
@@ -1244,6 +1270,90 @@ def summarize(anomaly: Anomaly) -> str:
     if anomaly.transient:
         extra.append("a replay on the same inputs ran clean")
     return base + (" [" + "; ".join(extra) + "]" if extra else "")
+
+
+_KINDS = ("NaN", "+inf", "-inf")
+
+
+def _leading_kinds(text: str) -> set[str]:
+    """The kinds a summary opens with: ``{"+inf", "-inf"}`` for ``+inf, -inf born in ...``."""
+    out: set[str] = set()
+    for raw in text.split(" "):
+        word = raw.removesuffix(",")
+        if word not in _KINDS:
+            break
+        out.add(word)
+    return out
+
+
+def _neginf_birth(anomaly: Anomaly, base: str) -> str:
+    """A module's NaN or +inf made of a -inf that came in (a Linear's addmm given -inf: no
+    mask-writing module is an overflow's producer) was born where the -inf was: when the
+    traced ops show a computed -inf (an exp that overflowed, then a product; a log of 0)
+    born from finite values in another module's code, that module is the producer and the
+    anomaly moves to it. A -inf written on purpose (``masked_fill(mask, -inf)``: an
+    injected event) or one whose op is not known leaves the anomaly where it is."""
+    op, src = anomaly.op, anomaly.neginf_source
+    if (
+        op is None
+        or src is None
+        or anomaly.kind is not AnomalyKind.FORWARD
+        or anomaly.origin not in ("module", "between-children")
+        or op.phase is not Phase.FORWARD
+    ):
+        return base
+    chain = op.chain()
+    first = chain[0]
+    if len(chain) < 2 or first.phase is not Phase.FORWARD or first.injected or not first.born:
+        return base
+    if any(e.injected for e in chain) or first.path is None:
+        return base
+    if any(s is not None and not s.finite for _, s in first.inputs):
+        return base  # not born there from finite values
+    if not any(s is not None and s.has_neginf for _, s in op.inputs):
+        return base  # the op that made the anomaly's value was not given a -inf
+    if first.path == anomaly.path or first.path.startswith(anomaly.path + "."):
+        return base  # born inside the producer already named
+    what = src.stat.kinds() if src.stat is not None and not src.stat.finite else "-inf"
+    later = f"; it became {_kinds_text(anomaly.record)} in {anomaly.record.where}"
+    anomaly.path = first.path
+    if src.phase is Phase.INPUT and src.path != first.path:
+        anomaly.origin = "between-children"
+        return (
+            f"{what} born in the forward code of {first.path} itself, in the value it passed "
+            f"to {src.path} ({src.role}){later}"
+        )
+    anomaly.origin = "module"
+    typ = f" ({src.module_type})" if src.path == first.path and src.module_type else ""
+    return f"{what} born in the forward of {first.path}{typ}, in its {src.role}{later}"
+
+
+def _in_child(anomaly: Anomaly, base: str) -> str:
+    """A value the parent's code passed to a child (``conv(F.silu(norm(x)))``) held NaN or
+    inf, and the replay traced the op that made it from finite values to another child's
+    code (the norm, whose output nanwatch bounds by its input instead of measuring it):
+    that child is the producer, not the parent's own code."""
+    op, rec = anomaly.op, anomaly.record
+    if (
+        op is None
+        or anomaly.kind is not AnomalyKind.FORWARD
+        or anomaly.origin != "between-children"
+        or rec.phase is not Phase.INPUT
+    ):
+        return base
+    first = op.chain()[0]
+    path = first.path
+    if first.phase is not Phase.FORWARD or first.injected or not first.born or path is None:
+        return base
+    if not path.startswith(anomaly.path + ".") or path == rec.path:
+        return base  # the parent's own code, or the child that was given it
+    if any(s is not None and not s.finite for _, s in first.inputs):
+        return base
+    anomaly.path, anomaly.origin = path, "module"
+    return (
+        f"{_kinds_text(rec)} born in the forward of {path}, then passed by the code of "
+        f"{path.rsplit('.', 1)[0]} to {rec.path} ({rec.role})"
+    )
 
 
 def _neginf_returned_by(anomaly: Anomaly, path: str) -> bool:

@@ -986,6 +986,8 @@ def stamp_graph(outputs: Sequence[torch.Tensor], path: str) -> None:
     ``sqrt`` whose result the parent passed to the child): where an op checker saw a node
     made, the node gets the module that was running then (the parent, whose call is still
     open), not the child."""
+    if replaying():  # what the replay's submodule tracker reads (see _SubmoduleOps)
+        _tls.stamped = (frozenset(id(t) for t in outputs), path)
     roots = [t.grad_fn for t in outputs]
     for node in GraphWalk(
         roots, prune=lambda n: "nanwatch.path" in n.metadata or accumulates_grad(n)
@@ -1319,6 +1321,60 @@ def call_forward(
     return result
 
 
+class _SubmoduleOps:
+    """During a replay, gives the forward ops a submodule ran (between its forward pre-hook
+    and its forward hook) that submodule's path, where they got the enclosing module's: the
+    watcher pushes no path for a module it watches from its forward hook alone (a norm, an
+    activation), so a GroupNorm whose variance overflowed would be named by its parent. The
+    path is the one the watcher stamped that very call's outputs with (:func:`stamp_graph`);
+    a module that returns what it was given ran no op and keeps none."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.checker: OpChecker | None = None
+        self._starts: list[int] = []
+        self._handles: list[Any] = []
+        for m in module.modules():
+            if m is module:
+                continue
+            try:  # a scripted submodule takes no Python hooks: its ops keep the parent's path
+                pre = m.register_forward_pre_hook(self._pre)
+            except Exception:
+                continue
+            self._handles.append(pre)
+            try:
+                self._handles.append(m.register_forward_hook(self._post))
+            except Exception:
+                pre.remove()
+                self._handles.remove(pre)
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        chk = self.checker
+        self._starts.append(len(chk.events) if chk is not None else 0)
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        start = self._starts.pop() if self._starts else None
+        chk, stamped = self.checker, getattr(_tls, "stamped", None)
+        _tls.stamped = None
+        if chk is None or start is None or stamped is None:
+            return
+        ids, path = stamped
+        try:
+            outs = frozenset(id(t) for _, t in iter_tensors(output, ""))
+        except Exception:  # nanwatch must never break the replay it runs
+            return
+        if not ids or ids != outs:
+            return  # not this call's stamp (a module the watcher does not watch)
+        enclosing = replay_path()
+        for ev in chk.events[start:]:
+            if ev.phase is Phase.FORWARD and ev.path == enclosing:
+                ev.path = path
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
 def replay(
     module: torch.nn.Module,
     args: Sequence[Any],
@@ -1347,30 +1403,36 @@ def replay(
     result = ReplayResult()
     floor = sys._getframe()
     devices = _devices([args, kwargs])
-    with preserved_state(module, devices), _replay_scope():
-        for _ in range(max(1, attempts)):
-            chk = OpChecker(current_path=current_path or replay_path, on_error=on_error)
-            chk.floor, chk.call_site = floor, call_site
-            chk.hold_state(
-                t for t in (*module.parameters(), *module.buffers()) if hold is None or hold(t)
-            )
-            before = rng_states(devices)
-            push_path(path)
-            out: Any = None
-            try:
-                with torch.no_grad(), chk:
-                    out = call_forward(module, args, kwargs, pre_hooks=pre_hooks)
-            except Exception as exc:
-                result.error = f"{type(exc).__name__}: {exc}"
-            finally:
-                pop_path()
-            result.events = chk.events
-            result.output = frozenset().union(*(_kinds(t) for _, t in iter_tensors(out, "")))
-            result.attempts += 1
-            drew = drew_random(before, devices)
-            result.random = result.random or drew
-            if not (drew and result.clean):
-                break
+    tracker = _SubmoduleOps(module)
+    try:
+        with preserved_state(module, devices), _replay_scope():
+            for _ in range(max(1, attempts)):
+                chk = OpChecker(current_path=current_path or replay_path, on_error=on_error)
+                tracker.checker = chk
+                chk.floor, chk.call_site = floor, call_site
+                chk.hold_state(
+                    t for t in (*module.parameters(), *module.buffers()) if hold is None or hold(t)
+                )
+                before = rng_states(devices)
+                push_path(path)
+                out: Any = None
+                try:
+                    with torch.no_grad(), chk:
+                        out = call_forward(module, args, kwargs, pre_hooks=pre_hooks)
+                except Exception as exc:
+                    result.error = f"{type(exc).__name__}: {exc}"
+                finally:
+                    pop_path()
+                result.events = chk.events
+                result.output = frozenset().union(*(_kinds(t) for _, t in iter_tensors(out, "")))
+                result.attempts += 1
+                drew = drew_random(before, devices)
+                result.random = result.random or drew
+                if not (drew and result.clean):
+                    break
+    finally:
+        tracker.remove()
+        _tls.stamped = None
     return result
 
 
