@@ -1393,11 +1393,13 @@ def _nograd_entry(x: torch.Tensor, recorded: Callable[[Any], bool]) -> str | Non
 _LOG_FUNCS = ("torch", "np", "numpy", "math")
 
 
-def _log_term(p: _Probe) -> tuple[str, str] | None:
+def _log_term(p: _Probe) -> tuple[str, str, str] | None:
     """The user's line that adds a log to the loss input (``logits = logits -
     torch.log(q[items])[None, :]``), looked for from the loss line back through the lines
-    of the function before it, and that line with the log's argument clamped to the
-    dtype's smallest positive normal; None when no such line is found."""
+    of the function before it, that line made finite, and a comment for it; None when no
+    such line is found. The floor is one a probability can have (the uniform 1/N of an
+    indexed per-item table), or else no correction where the argument is 0: never the
+    dtype's tiny, whose log (-87 in float32) would add 87 to the score and bury the loss."""
     f = p.frame
     name = p.arg(p.spec.input)
     if f is None:
@@ -1442,8 +1444,37 @@ def _log_term(p: _Probe) -> tuple[str, str] | None:
             if not arg or owner in ("np", "numpy", "math"):
                 continue
             a = arg if _NAME_EXPR.fullmatch(arg) else f"({arg})"
-            return line, f"{head}{a}.clamp_min(torch.finfo({a}.dtype).tiny){tail}"
+            table = _indexed_table(f, arg)
+            if table is not None:  # q[items]: an item never counted gets the uniform 1/N
+                fixed = f"{head}{a}.clamp_min(1.0 / {table}.numel()){tail}"
+                return line, fixed, "an item never counted gets the uniform probability"
+            start, end = node.col_offset, node.end_col_offset or node.col_offset
+            fixed = f"{line[:start]}torch.where({a} > 0, torch.log({a}), 0.0){line[end:]}"
+            return line, fixed, "no correction where the frequency is 0"
     return None
+
+
+def _indexed_table(f: Any, arg: str) -> str | None:
+    """``q`` when ``arg`` is ``q[...]`` and ``q`` names a 1-D floating tensor in the frame
+    (looked up, never evaluated): a per-item probability table whose size is the number of
+    items."""
+    m = _INDEXED.fullmatch(arg)
+    if m is None:
+        return None
+    base = m.group(1)
+    head, *attrs = base.split(".")
+    obj = f.f_locals.get(head, f.f_globals.get(head))
+    for attr in attrs:  # instance attributes and a module's buffers, no properties run
+        found = getattr(obj, "__dict__", {}).get(attr)
+        if found is None and isinstance(obj, torch.nn.Module):
+            found = obj._buffers.get(attr, obj._parameters.get(attr))
+        obj = found
+    if isinstance(obj, torch.Tensor) and obj.dim() == 1 and obj.is_floating_point():
+        return base
+    return None
+
+
+_INDEXED = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\[[^\[\]]*\]")
 
 
 _NAME_EXPR = re.compile(r"[A-Za-z_][\w.]*(\[[^\[\]]*\])*")
@@ -1477,7 +1508,7 @@ def _nograd_input_result(p: _Probe, v: dict[str, float]) -> None:
     )
     found = _log_term(p)
     if found is not None:
-        fix = f"{found[1]}   # finite: the log of a 0 is -inf"
+        fix = f"{found[1]}   # {found[2]}"
     else:
         fix = (
             f"make the term {verb} {inp} finite before it is {done} (a log of a "
@@ -2924,7 +2955,29 @@ def _bigger_table(p: _Probe, need: int) -> str:
         return f"give {p.arg('weight')} at least {need} rows (it has {rows}), or remap the ids"
     if _input_embeddings_of(p):
         return "model.resize_token_embeddings(len(tokenizer))  # a row for every token"
-    return _table_like(p, need) + "  # or len(tokenizer) rows"
+    return _table_like(p, need) + ("  # or len(tokenizer) rows" if _token_table(p) else "")
+
+
+#: words in a table's name, or its ids' expression, that say it is indexed by tokens
+_TOKEN_WORDS = re.compile(r"tok|word|vocab|wte|input_ids|subword|wordpiece|bpe", re.IGNORECASE)
+
+
+def _token_table(p: _Probe) -> bool:
+    """Whether the guarded embedding looks like a token embedding (a model's input
+    embeddings, a watched model with an output head over as many classes as the table has
+    rows -- a language model's vocabulary --, or a name, the table's or its ids', about
+    tokens, words or a vocabulary): only then is a tokenizer the likely source of an id
+    past its rows."""
+    if p.is_module and _input_embeddings_of(p):
+        return True
+    rows = int(p.bound["weight"].shape[0])
+    for root in p.roots:
+        if any(isinstance(m, nn.Linear) and m.out_features == rows for m in root.modules()):
+            return True
+    names = [p._call[0] or "", p.arg(p.spec.input)]
+    if not p.is_module:
+        names.append(p.arg("weight"))
+    return any(_TOKEN_WORDS.search(n or "") for n in names)
 
 
 def _table_like(p: _Probe, rows: int, **opts: Any) -> str:
@@ -3033,15 +3086,19 @@ def _index_result(
                     f"max_length={rows})), or give the position embedding {top + 1} rows"
                 )
             else:
+                token = _token_table(p)
                 if all(x == rows for x in big):
-                    hint = (
-                        f" — {rows} is one past the last row: was a token added to the "
-                        "tokenizer after the embedding was built?"
+                    hint = f" — {rows} is one past the last row: " + (
+                        "was a token added to the tokenizer after the embedding was built?"
+                        if token
+                        else "was an id added (a new item, user or category) after the "
+                        "table was built?"
                     )
                 else:
-                    hint = (
-                        f" — the largest id is {top}, so the ids need {top + 1} rows: tokens "
-                        "added to the tokenizer, or ids from another tokenizer?"
+                    hint = f" — the largest id is {top}, so the ids need {top + 1} rows: " + (
+                        "tokens added to the tokenizer, or ids from another tokenizer?"
+                        if token
+                        else "ids added after the table was built, or ids from another mapping?"
                     )
                 fix = _bigger_table(p, top + 1)
         elif neg and top is None:

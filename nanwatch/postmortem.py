@@ -21,6 +21,7 @@ import errno
 import functools
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -71,6 +72,10 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("autograd-inplace", ("modified by an inplace operation",)),
+    (
+        "distribution-constraint",  # torch.distributions' validate_args: before "non-finite"
+        ("to satisfy the constraint",),  # and "dtype" (the printed values may say either)
+    ),
     (
         "non-finite",  # a check that refuses NaN/inf: clip_grad_norm_(error_if_nonfinite=True)
         (
@@ -165,6 +170,14 @@ ADVICE: dict[str, str] = {
         "torch.multinomial's probabilities): the steps below show which tensors were not "
         "finite, and Where it went wrong names the first one nanwatch saw."
     ),
+    "distribution-constraint": (
+        "A torch.distributions distribution refused its parameters (validate_args): a "
+        "scale or std must be > 0 -- std = F.softplus(raw) + 1e-5, or "
+        "log_std.clamp(-20, 2).exp(), never a raw Linear output or a relu (0 is refused); "
+        "probs must lie in [0, 1] and sum to 1 -- pass logits= instead (Categorical(logits="
+        "out)). When the invalid values are NaN, nanwatch's anomaly (Where it went wrong) "
+        "names where the NaN came from."
+    ),
     "anomaly": "nanwatch stopped the run at the first anomaly (on_anomaly='raise').",
     "guard": (
         "A nanwatch guard checked the inputs before the kernel ran and stopped the call; the "
@@ -239,7 +252,7 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": message[:4000],
         "device_lost": cls in _DEVICE_LOST,
-        "advice": ADVICE[cls],
+        "advice": _constraint_advice(message) if cls == "distribution-constraint" else ADVICE[cls],
     }
     if cls not in _NOT_RAISED_BY_OP and _raised_in_backward(exc):
         info["in_backward"] = True  # autograd's engine raised it: a backward did not finish
@@ -252,6 +265,54 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             info["optimizer"] = found
             info["advice"] = _optimizer_advice(cls, found)
     return info
+
+
+_CONSTRAINT = re.compile(
+    r"Expected parameter (?P<param>\w+) .*?of distribution (?P<dist>\w+)"
+    r".*?to satisfy the constraint (?P<constraint>[^,]*?(?:\([^)]*\))?), but found invalid values",
+    re.DOTALL,
+)
+#: a distribution parameter that is a scale: positive by construction
+_SCALES = ("scale", "scale_tril", "covariance_matrix", "precision_matrix", "concentration",
+           "rate", "df", "concentration0", "concentration1", "alpha", "temperature")  # fmt: skip
+
+
+def _constraint_advice(message: str) -> str:
+    """ADVICE for a torch.distributions constraint error, led by the parameter it names
+    (``Expected parameter scale (...) of distribution Normal(...) to satisfy the constraint
+    GreaterThan(lower_bound=0.0), but found invalid values: tensor(...)``)."""
+    m = _CONSTRAINT.search(message)
+    if m is None:
+        return ADVICE["distribution-constraint"]
+    param, dist, constraint = m["param"], m["dist"], m["constraint"]
+    values = message[m.end() :]
+    nan = re.search(r"\bnan\b", values) is not None
+    head = f"{dist}'s parameter {param} does not satisfy {constraint}"
+    if nan:
+        return (
+            f"{head}: it holds NaN, which no constraint accepts. The NaN was made before the "
+            "distribution: where nanwatch saw it first (Where it went wrong, the anomaly) "
+            "names the module or op that made it; fix that, not the distribution."
+        )
+    if param in _SCALES:
+        fix = (
+            f"{param} must be > 0, and a raw Linear output is negative about half the time, a "
+            f"relu exactly 0: make it positive by construction, {param} = F.softplus(raw) + "
+            "1e-5, or predict its log: log_std.clamp(-20, 2).exp()."
+        )
+    elif param == "probs":
+        fix = (
+            "probs must lie in [0, 1] and sum to 1 along the last dimension (a relu(x) / "
+            "sum is 0/0 for a row of zeros): pass the unnormalized scores as logits= "
+            f"instead ({dist}(logits=out)), which normalizes them safely."
+        )
+    else:
+        fix = (
+            "map the network's output into the constraint's set by construction (softplus "
+            "for > 0, sigmoid for (0, 1), logits= for probabilities) rather than passing it "
+            "raw."
+        )
+    return f"{head}: {fix}"
 
 
 def step_advice(info: dict[str, Any], trace: StepTrace | None, *, scaler: bool = False) -> None:

@@ -496,6 +496,55 @@ def _from_twin(
     return ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
 
 
+@dataclass(frozen=True)
+class _Target:
+    """A loss op's ``target`` operand (data) that is the huge one, its prediction small."""
+
+    op: str
+    target: TensorStat
+    others: float  #: the largest |x| among the op's other operands
+
+    def line(self) -> str:
+        return (
+            f"the huge operand is the target of {self.op} (the data the loss compares with), "
+            f"up to |y| = {fmt(self.target.magnitude)}, while the prediction is at most "
+            f"{fmt(self.others)}: the target is unscaled"
+        )
+
+
+def _huge_target(ev: OpEvent, lim: DtypeLimits) -> _Target | None:
+    """The operand named ``target`` (aten's loss ops: mse_loss, l1_loss, smooth_l1_loss,
+    huber_loss, ...) is past sqrt(max) -- its square overflows -- and larger than every
+    other operand: the data is unscaled, the model is not what grew."""
+    tgt = input_named(ev, "target")
+    if tgt is None or not tgt.finite or not tgt.magnitude >= math.sqrt(lim.max):
+        return None
+    rest = [s.magnitude for n, s in ev.inputs if n != "target" and s is not None]
+    if not rest or any(not m < tgt.magnitude for m in rest):
+        return None
+    return _Target(short_op(ev.op), tgt, max(rest))
+
+
+def _target_overflow(t: _Target, dtype: str, lim: DtypeLimits) -> tuple[str, str]:
+    big = fmt(t.target.magnitude)
+    explanation = (
+        f"{dtype} holds values up to {fmt(lim.max)}, so a squared difference overflows "
+        f"once it passes sqrt({fmt(lim.max)}) = {fmt(math.sqrt(lim.max))}. Here the target "
+        f"reaches {big}: the regression target is in raw units, and even where it does not "
+        f"overflow, its scale dwarfs the prediction (at most {fmt(t.others)}), so it "
+        "dominates the loss and the gradients. Normalizing the model's inputs does not help: "
+        "the target itself must be scaled, and the scaling undone on the predictions."
+    )
+    fix = (
+        "# scale the target (statistics from the training data), train on that, undo it "
+        "on predictions\n"
+        "y_scaled = (y - y_mean) / y_std          # pred_raw = pred * y_std + y_mean\n"
+        "# or, for positive values spanning orders of magnitude, predict the log:\n"
+        "y_scaled = torch.log1p(y)                # pred_raw = torch.expm1(pred)"
+    )
+    return explanation, fix
+
+
 def _from_op(
     ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent, chain: Sequence[OpEvent] = ()
 ) -> Diagnosis:
@@ -604,7 +653,13 @@ def _from_op(
     elif jump is not None:
         evidence.append(jump.line(_lr_note(ctx, jump.path)))
         evidence += [] if jump.elsewhere else _setting_evidence(ctx)
-    elif wide and lim is not None and name not in CAST and not result_only:
+    elif (
+        wide
+        and lim is not None
+        and name not in CAST
+        and not result_only
+        and _huge_target(ev, lim) is None  # the data is unscaled: no growth to explain
+    ):
         evidence.append(
             _growth_line(
                 ctx,
@@ -694,6 +749,9 @@ def _from_op(
         fix = _fix_jump(ctx, jump)
     elif init is not None and lim is not None:
         explanation, fix = init.explanation(dtype, lim), init.fix(lim)
+    elif wide and lim is not None and (target := _huge_target(ev, lim)) is not None:
+        explanation, fix = _target_overflow(target, dtype, lim)
+        evidence.append(target.line())
     elif wide and lim is not None:
         cause = "" if first else _setting_cause(ctx)
         explanation = _explain_wide(
@@ -3913,6 +3971,8 @@ def headroom(ctx: RuleContext) -> Iterator[Diagnosis]:
         lim = low_precision(r.dtype)
         if lim is None or not _measured(r, scaled) or r.stat is None:
             continue
+        if r.stat.has_nan or r.stat.has_posinf:
+            continue  # it already overflowed (or worse): a warning before it happens is late
         m = r.stat.magnitude
         if not math.isfinite(m) or m < frac * lim.max:
             continue
@@ -3954,7 +4014,12 @@ def headroom(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"{ratio:.0%} of that becomes {_past_max(top.dtype)} on the next spike (a larger "
             "batch, a sharper input, one more optimizer step)"
             + (", and the inf becomes NaN downstream" if _past_max(top.dtype) == "±inf" else "")
-            + ". No value is bad yet: this is the warning before it happens."
+            + (
+                ". Apart from its -inf (a mask, or a log of 0), no value has overflowed yet: "
+                if top.stat is not None and top.stat.has_neginf
+                else ". No value is bad yet: "
+            )
+            + "this is the warning before it happens."
         ),
         fix=(
             "# give these values range: bfloat16 has float32's range\n"
