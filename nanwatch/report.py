@@ -623,11 +623,12 @@ def anomaly_headline(a: Anomaly) -> str:
 
 def _unlike(born: str, kinds: str) -> bool:
     """The op made values of other kinds than the record holds (``-inf`` against the loss's
-    ``+inf`` after a minus sign): the headline names what the op made."""
+    ``+inf`` after a minus sign; only ``+inf`` where a later product with negative values
+    made the record ``+inf, -inf``): the headline names what the op made."""
     return (
         bool(born)
         and kinds != "non-finite value"
-        and not set(born.split(", ")) & set(kinds.split(", "))
+        and set(born.split(", ")) != set(kinds.split(", "))
     )
 
 
