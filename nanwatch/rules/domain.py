@@ -458,6 +458,12 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     if use is None and ev.phase is Phase.FORWARD and x is not None:
         use = _relu_zero_use(ctx, ev, x)
     if use is None and ev.phase is Phase.FORWARD and x is not None:
+        use = _softplus_zero_use(ctx, ev, x)
+    if use is None and ev.phase is Phase.FORWARD and x is not None:
+        use = _exp_chain_use(ctx, ev, x)
+    if use is None and ev.phase is Phase.FORWARD and x is not None:
+        use = _divided_too_use(ev, x)
+    if use is None and ev.phase is Phase.FORWARD and x is not None:
         use = _unknown_log_use(ev, x)
     if use is not None and use.evidence:
         evidence.insert(len(evidence) - len(_chain_evidence(ev, trigger, "-inf")), use.evidence)
@@ -653,6 +659,332 @@ def _unknown_log_use(ev: OpEvent, x: TensorStat) -> _LogUse | None:
             "the *_with_logits losses) never forms the 0; or it is data with exact zeros "
             "(black pixels, a fraction k/n with k = 0), which must be kept inside (0, 1)."
         ),
+    )
+
+
+def _underflow_at(dtype: str | None) -> float:
+    """The x below which exp(x) (and softplus(x) = log1p(exp(x))) is exactly 0 in ``dtype``."""
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    return math.log(lim.subnormal / 2)
+
+
+def _underflow_bound(dtype: str | None) -> str:
+    return fmt(_underflow_at(dtype))
+
+
+_SOFTPLUS_RHS = re.compile(
+    r"^(?:torch\.nn\.functional|F|torch)\.softplus\((.+)\)$|^(.+)\.softplus\(\s*\)$"
+)
+#: autograd nodes (loss graph names) other than softplus that turn finite values into exact
+#: zeros by saturating or underflowing; with one of them in the graph, softplus is not the
+#: only suspect
+_ZERO_MAKERS = frozenset(
+    {
+        "softmax",
+        "sigmoid",
+        "exp",
+        "exp2",
+        "relu",
+        "threshold",
+        "hardtanh",
+        "relu6",
+        "clamp",
+        "clampmin",
+        "clampmax",
+        "maskedfill",
+        "where",
+        "sqrt",
+    }
+)
+
+
+def _unwrapped(expr: str) -> str:
+    """``expr`` without whitespace and the parentheses around all of it."""
+    out = expr.strip()
+    while out.startswith("(") and _closing(out, 1) == len(out) - 1:
+        out = out[1:-1].strip()
+    return out
+
+
+def _is_softplus(expr: str) -> bool:
+    """``expr`` is one softplus call and nothing else (``F.softplus(raw)``, not
+    ``F.softplus(raw) + 1e-6``)."""
+    m = _SOFTPLUS_RHS.match(expr)
+    if m is None:
+        return False
+    if m.group(1) is not None:
+        return _closing(expr, expr.index("(") + 1) == len(expr) - 1
+    return True
+
+
+def _softplus_made_it(
+    ctx: RuleContext, ev: OpEvent, *, divisor: bool = False
+) -> tuple[str, str | None] | None:
+    """Evidence that a softplus made the exact zeros ``ev`` read (a scale or std head whose
+    F.softplus(raw) underflowed: exactly 0 for raw below log of half the smallest
+    subnormal): from the op's own ``*_made_by`` scalars, the user's line (the operand is
+    ``F.softplus(raw)`` or a name an earlier line assigned one), or, the line unknown, the
+    loss graph (another event of the step whose zero operand a softplus made, or a
+    softplus, no other op that saturates to 0, and a watched output of the log input's
+    size below softplus's underflow bound). Returns (evidence, the statement that made it
+    when known)."""
+    for k, v in ev.scalars.items():
+        if k.endswith("_made_by") and node_base(str(v).split("<")[0]) == "Softplus":
+            return f"autograd node {str(v).split('<')[0]} (F.softplus) made the zeros", None
+    found = None if divisor else _log_argument(ev)
+    args = _divisors(ev.code) if divisor else [found[3]] if found is not None else []
+    for written in args:
+        arg = _unwrapped(written)
+        if _is_softplus(arg):
+            return f"{arg} is a softplus output", None
+        if _NAME.fullmatch(arg):
+            made = _assigned_before(ev.source, arg)
+            rhs = made.split("=", 1)[1].strip() if made else ""
+            if made is not None and _is_softplus(rhs):
+                return f"{arg} was made by {made}", made
+    if ev.code or ev.path != LOSS_PATH:
+        return None
+    for n in ctx.notes("loss_graph"):
+        ops = n.data.get("ops")
+        if not isinstance(ops, list) or "softplus" not in ops:
+            continue
+        named = any(
+            k.endswith("_made_by") and node_base(str(v).split("<")[0]) == "Softplus"
+            for o in ctx.trace.ops
+            for k, v in o.scalars.items()
+        )
+        if named:
+            return "another op of this step divides by zeros a softplus made", None
+        x = first_input(ev)
+        low = x is not None and any(
+            r.role.startswith("output")
+            and r.stat is not None
+            and r.stat.numel == x.numel
+            and r.stat.min < _underflow_at(ev.dtype)
+            # every value below the bound: softplus of it is 0 everywhere, so is the input
+            and (r.stat.max >= _underflow_at(ev.dtype) or x.zeros == x.numel)
+            for r in ctx.records(Phase.FORWARD)
+        )
+        if low and not (_ZERO_MAKERS & set(ops)):
+            return (
+                "the loss graph computes a softplus, and no other op that saturates to exactly 0",
+                None,
+            )
+    return None
+
+
+def _softplus_head(
+    ctx: RuleContext, ev: OpEvent, x: TensorStat, *, divisor: bool = False
+) -> tuple[str, str, str]:
+    """Evidence, explanation and fix for a softplus scale head that underflowed to 0."""
+    dtype = ev.dtype or "float32"
+    bound = _underflow_bound(dtype)
+    found = _softplus_made_it(ctx, ev, divisor=divisor)
+    assert found is not None
+    said, made = found
+    raw = [
+        r
+        for r in ctx.records(Phase.FORWARD)
+        if r.role.startswith("output")
+        and r.stat is not None
+        and r.stat.numel == x.numel
+        and math.isfinite(r.stat.max)
+        and r.stat.max < _underflow_at(dtype)
+        and x.zeros == x.numel
+    ]
+    evidence = f"{said}: F.softplus(raw) is exactly 0 for raw below {bound} in {dtype}"
+    if raw and raw[0].stat is not None:
+        evidence += (
+            f"; {raw[0].path}'s output, of the same {count(x.numel, 'value')}, is at most "
+            f"{fmt(raw[0].stat.max)}"
+        )
+    why = (
+        f"Its input is a softplus output that underflowed to exactly 0: F.softplus(raw) = "
+        f"log1p(exp(raw)), and exp(raw) is 0 in {dtype} for raw below {bound}, which a "
+        "scale or std head's raw output reaches (a large negative bias, a diverging "
+        "layer). Softplus keeps a scale positive only in exact arithmetic; a small constant "
+        "added to it keeps it off 0 in every dtype, for the log and for any division by it."
+    )
+    lhs = made.split("=", 1)[0].strip() if made else "sigma"
+    rhs = made.split("=", 1)[1].strip() if made else "F.softplus(raw)"
+    fix = (
+        f"{lhs} = {rhs} + 1e-6   # a scale/std: never exactly 0, F.softplus is 0 below "
+        f"{bound} in {dtype}"
+        + ("" if made else "; raw the network's output")
+        + "\n# not a clamp on the log or on the divisor alone: the scale itself is 0, fix it "
+        "where it is made"
+    )
+    return evidence, why, fix
+
+
+def _softplus_zero_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
+    """The log's exact zeros were made by a softplus (a predicted scale) that underflowed."""
+    if x.min < 0 or not has_zero(x) or _softplus_made_it(ctx, ev) is None:
+        return None
+    evidence, why, fix = _softplus_head(ctx, ev, x)
+    return _LogUse("softplus-zero", fix=fix, why=why, evidence=evidence)
+
+
+_EXP_ONLY = re.compile(r"(?<![\w.])(?:torch\.)?exp\(|\.exp\(\s*\)")
+#: loss-graph ops through which an exp's value reaches a log unchanged in kind (products,
+#: quotients, sums): log(Σ π·exp(-z²/2)/σ) is a log of an exp
+_EXP_CARRIERS = frozenset(
+    {
+        "sum",
+        "mul",
+        "div",
+        "add",
+        "mean",
+        "unsqueeze",
+        "view",
+        "expand",
+        "squeeze",
+        "clone",
+        "to",
+        "index",
+        "select",
+        "permute",
+    }
+)
+
+
+def _calls_exp(path: str, text: str) -> bool:
+    """``text`` computes an exp: it calls one, or calls a function defined at the top level
+    of ``path`` whose body does."""
+    import linecache
+
+    if _EXP_ONLY.search(text):
+        return True
+    lines = linecache.getlines(path)
+    for fname in re.findall(r"(?<![\w.])([A-Za-z_]\w*)\(", text):
+        for i, line in enumerate(lines):
+            if not re.match(rf"\s*def\s+{re.escape(fname)}\s*\(", line):
+                continue
+            indent = len(line) - len(line.lstrip())
+            for body in lines[i + 1 : i + 60]:
+                if body.strip() and len(body) - len(body.lstrip()) <= indent:
+                    break
+                if _EXP_ONLY.search(body):
+                    return True
+            break
+    return False
+
+
+def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
+    """The log's argument is made by an exp, directly or through products and sums (a
+    density exp(-z²/2)/σ, a mixture Σ π·N(y)): its exact zeros are that exp underflowing,
+    whatever its largest value (a density exceeds 1). Read from the line and the lines
+    above it, else from the loss graph (log, then only products and sums, then exp)."""
+    if x.min < 0 or not has_zero(x):
+        return None
+    summed = False
+    found = _log_argument(ev)
+    if found is not None:
+        _, _, _, arg = found
+        path = (ev.source or "").rpartition(":")[0]
+        hit = _calls_exp(path, arg)
+        summed = "sum(" in arg
+        if not hit:
+            for name in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", arg)):
+                made = _assigned_before(ev.source, name)
+                if made is not None and _calls_exp(path, made.split("=", 1)[1]):
+                    hit = True
+                    summed = summed or "sum(" in made
+                    break
+        if not hit:
+            return None
+        said = f"the log's argument {arg} is made by exp() through products and sums"
+    elif not ev.code and ev.path == LOSS_PATH:
+        said = ""
+        for n in ctx.notes("loss_graph"):
+            ops = n.data.get("ops")
+            if not isinstance(ops, list):
+                continue
+            logs = [i for i, o in enumerate(ops) if o == "log"]
+            chains = []
+            for i in logs:
+                j = i + 1
+                while j < len(ops) and ops[j] in _EXP_CARRIERS:
+                    j += 1
+                chains.append(ops[i + 1 : j] if j < len(ops) and ops[j] == "exp" else None)
+            if logs and all(c is not None for c in chains):
+                summed = any("sum" in (c or []) for c in chains)
+                said = (
+                    "the loss graph takes the log of an exp through products and sums ("
+                    + " <- ".join(["log", *(chains[0] or []), "exp"])
+                    + ")"
+                )
+                break
+        if not said:
+            return None
+    else:
+        return None
+    dtype = ev.dtype or "float32"
+    bound = _underflow_bound(dtype)
+    tiny_log = _log_tiny(dtype)
+    why = (
+        f"Its input is made by exp(), directly or through products and sums (a density "
+        f"exp(-0.5·z²)/σ, a mixture Σ π·N(y)), and exp(a) is exactly 0 for a below {bound} "
+        f"in {dtype}: -0.5·z² gets there for a point about "
+        f"{fmt(math.sqrt(-2 * _underflow_at(dtype)))} standard deviations from every component. "
+        "That 0 is an underflow even where other values exceed 1: a density can. Compute "
+        "the log in log space, never forming the exp; a floor gives "
+        f"log(tiny) = {tiny_log}, finite but wrong, with no gradient toward the far point."
+    )
+    if summed:
+        fix = (
+            "log_lik = torch.logsumexp(torch.log(pi) + torch.distributions.Normal(mu, sigma)"
+            ".log_prob(y), dim=1)   # log Σ π·N(y | mu, sigma) in log space: pi the mixture "
+            "weights (F.log_softmax of their logits is better still), dim the component dim\n"
+            "# not torch.log(torch.sum(pi * density, 1)): each density's exp is 0 for a far "
+            "point"
+        )
+    else:
+        fix = (
+            "log_p = torch.log(c) + a   # log(c · exp(a)) in log space, a the exponent; for a "
+            "Gaussian density: torch.distributions.Normal(mu, sigma).log_prob(y)\n"
+            "# not torch.log(c * torch.exp(a)): exp(a) is 0 for a below "
+            f"{bound} in {dtype}"
+        )
+    return _LogUse(
+        "exp-underflow",
+        fix=fix,
+        why=why,
+        evidence=f"{said}: exp(a) = 0 for a below {bound} in {dtype}",
+    )
+
+
+def _divided_too_use(ev: OpEvent, x: TensorStat) -> _LogUse | None:
+    """The log's argument is also a divisor on the same line (``f(log(s)) / s``, a noise
+    level, a scale): a floor on the log alone leaves x / 0 = inf there. The value must be
+    kept above 0 where it is made."""
+    if x.min < 0 or not has_zero(x):
+        return None
+    found = _log_argument(ev)
+    if found is None:
+        return None
+    stmt, _, _, arg = found
+    if arg not in {d.strip().strip("()").strip() for d in _divisors(stmt)}:
+        return None
+    return _LogUse(
+        "divided-too",
+        fix=(
+            f"# {arg} must be > 0 where it is made: this line takes its log and divides by it, "
+            f"so a floor on the log alone leaves x / {arg} = inf\n"
+            f"# a noise level from a schedule: start the schedule at a sigma_min > 0 "
+            "(torch.linspace(sigma_max, sigma_min, n), not down to 0)\n"
+            f"# a predicted scale: F.softplus(raw) + 1e-6, never exactly 0"
+        ),
+        why=(
+            f"Its input {arg} holds {_zeros_text(x, 'log')}, and the same line divides by "
+            f"{arg}: both the log (-inf) and the quotient (inf) need {arg} > 0. A noise level "
+            "or scale of exactly 0 (a schedule that runs down to 0, a scale head that "
+            f"collapsed) is the bug; keep {arg} above 0 where it is made, not only inside "
+            "the log."
+        ),
+        evidence=f"{arg} is both the log's argument and a divisor on this line: a 0 makes "
+        "-inf and inf",
     )
 
 
@@ -2166,6 +2498,15 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if under is not None:
         yield _underflowed_denominator(ctx, a, ev, under, evidence=evidence, title=title)
         return
+    if (
+        den is not None
+        and not integer
+        and has_zero(den)
+        and ev.phase is Phase.FORWARD
+        and _softplus_made_it(ctx, ev, divisor=True) is not None
+    ):
+        yield _softplus_denominator(ctx, a, ev, den, evidence=evidence, title=title)
+        return
     diff = _narrow_difference(ev) if den is not None and not integer else None
     if diff is not None:
         yield _cancelled_denominator(ctx, a, ev, diff, evidence=evidence, title=title)
@@ -2397,6 +2738,47 @@ def _cancelled_denominator(
             "values it is made from, in float32."
         ),
         fix="\n".join(lines),
+    )
+
+
+def _softplus_denominator(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    den: TensorStat,
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """The zero denominator is a softplus output (a predicted scale or std) that
+    underflowed: F.softplus(raw) + eps where it is made, not a clamp on the divisor (a log
+    of the same scale on the line is -inf as well)."""
+    said, why, fix = _softplus_head(ctx, ev, den, divisor=True)
+    evidence.insert(1, said)
+    got = _divisors(ev.code)
+    d = got[0].strip().strip("()").strip() if got else None
+    logged = d is not None and any(
+        arg == d for stmt in statements(ev.code) for _, _, arg in _log_calls(stmt)
+    )
+    if logged:
+        evidence.insert(
+            2, f"the same line takes torch.log({d}): -inf there too, before the division"
+        )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=title,
+        evidence=evidence,
+        explanation=(
+            "The denominator is exactly 0. "
+            + why.replace("Its input is", "It is", 1)
+            + (
+                f" This line also takes the log of {d}, which is -inf at 0: a clamp on the "
+                "divisor alone leaves that -inf."
+                if logged
+                else ""
+            )
+        ),
+        fix=fix,
     )
 
 
