@@ -706,6 +706,43 @@ def _earlier_root(trace: StepTrace, call: Call, trig: Record) -> str | None:
     return None
 
 
+def _whole_samples_bad(rec: Record) -> bool:
+    """Every value of each bad sample of ``rec`` is NaN or inf: a factor or a divisor of the
+    whole sample, not a bad pixel or a missing feature of a loaded one."""
+    s = rec.stat
+    if s is None or len(rec.shape) < 2 or not s.bad_row_count or s.nan is None:
+        return False
+    bad = s.nan + (s.posinf or 0) + (s.neginf or 0)
+    per_sample = _numel(rec.shape[1:])
+    return per_sample > 1 and bad == s.bad_row_count * per_sample
+
+
+def _computed_between_calls(trace: StepTrace, call: Call, trig: Record) -> bool:
+    """``trig``, an input of root ``call`` that no record links to anything, was most likely
+    computed by the user's code from an earlier call of the same root in this step: that
+    call got a finite input in the same place, of the same shape and dtype, and each bad
+    sample is non-finite throughout (a sampling loop's ``x / alpha.sqrt()`` at alpha = 0,
+    an attack's ``g / g.norm()``). Loaded data goes bad a value at a time."""
+    if call.is_loss or call.path == LOSS_PATH or trig.source is not None:
+        return False
+    if not _whole_samples_bad(trig):
+        return False
+    for c in trace.calls:
+        if c.id >= call.id or not c.root or c.path != call.path:
+            continue
+        for r in trace.inputs_of(c.id):
+            m = trace.resolve(r)
+            if (
+                r.role == trig.role
+                and r.shape == trig.shape
+                and r.dtype == trig.dtype
+                and m.stat is not None
+                and m.stat.finite
+            ):
+                return True
+    return False
+
+
 def _finite_grad_before(trace: StepTrace, trig: Record, parameter: str | None) -> bool:
     """``parameter``'s gradient was recorded finite and not all zero in this step, before
     ``trig`` found the weight bad: a backward gave it what an update uses."""
@@ -790,6 +827,12 @@ def localize(
         path = call.path if call is not None else trig.path
         rows = _rows_text(trig)
         summary = f"{what} in the input data: {trig.role} of {path}{rows} (bad data, not a layer)"
+        if call is not None and _computed_between_calls(trace, call, trig):
+            origin = "between-calls"
+            summary = (
+                f"{what} in {trig.role} of {path}{rows}, computed by your code between two "
+                f"calls of {path} (not the data)"
+            )
     elif trig.phase is Phase.INPUT:
         parent = _parent(trace, call)
         kind, origin = AnomalyKind.FORWARD, "between-children"

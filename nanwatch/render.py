@@ -791,6 +791,28 @@ def _stat_text(s: TensorStat | None, born: str = "") -> str:
     return ", ".join(parts)
 
 
+def _neginf_line(a: Anomaly) -> str | None:
+    """Where the -inf this anomaly grew out of first appeared (a log of 0, a mask), when that
+    is another tensor than the anomaly's own: a -inf the anomaly's record holds itself, as
+    an overflow makes, came from nowhere earlier and is not named twice."""
+    n = a.neginf_source
+    if n is None or (n.step, n.index) == (a.record.step, a.record.index):
+        return None
+    if n.phase is Phase.INPUT:
+        where = f"{n.role} of {n.path}"
+    elif n.phase is Phase.FORWARD:
+        where = f"the {n.role} of {n.path}"
+    elif n.phase is Phase.BACKWARD:
+        where = f"the gradient of {n.path}'s {n.role}"
+    elif n.phase is Phase.GRADIENT:
+        where = f"the gradient of {n.path}"
+    else:
+        where = f"the weights {n.path}"
+    s = a.record.stat
+    what = f"The {s.kinds()}" if s is not None and not s.finite else "This value"
+    return f"{what} grew out of a -inf that first appeared in {where} (step {n.step})."
+
+
 def _where_section(report: Report) -> Iterator[RenderableType]:
     a = report.first_anomaly
     rows, phase = tree_rows(report)
@@ -802,12 +824,9 @@ def _where_section(report: Report) -> Iterator[RenderableType]:
         op = _op_grid(a)
         if op is not None:
             yield op
-        if a.neginf_source is not None:
-            n = a.neginf_source
-            yield Text(
-                f"The -inf it grew out of was first seen in {n.path} ({n.phase.value}, {n.role}).",
-                style="nanwatch.dim",
-            )
+        neginf = _neginf_line(a)
+        if neginf is not None:
+            yield Text(neginf, style="nanwatch.dim")
         if report.step(a.step) is None:
             yield Text(
                 f"Step {a.step} is no longer in the flight recorder "
@@ -1685,12 +1704,9 @@ def _html_where(report: Report) -> str:
                     )
                 kv.append(("output", _e(_stat_text(ev.output, ev.born))))
                 out.append(f'<div class="card op">{_kv(kv, raw=True)}</div>')
-        if a.neginf_source is not None:
-            n = a.neginf_source
-            out.append(
-                f'<p class="muted">The -inf it grew out of was first seen in '
-                f'<span class="path">{_e(n.path)}</span> ({_e(n.phase.value)}, {_e(n.role)}).</p>'
-            )
+        neginf = _neginf_line(a)
+        if neginf is not None:
+            out.append(f'<p class="muted">{_e(neginf)}</p>')
         if report.step(a.step) is None:
             out.append(
                 f'<p class="muted">Step {a.step} is no longer in the flight recorder '

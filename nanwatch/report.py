@@ -601,7 +601,12 @@ def anomaly_headline(a: Anomaly) -> str:
     leaf = leaf_text(a.op)
     if leaf is not None:  # no op made it: a leaf the loss read held it (see the summary)
         return f"{kinds} {leaf}{then}, step {a.step}"
-    if k is AnomalyKind.INPUT:
+    if k is AnomalyKind.INPUT and a.origin == "between-calls":
+        text = (
+            f"{kinds} in {a.record.role} of {a.path}, computed by your code between two calls "
+            f"of {a.path}"
+        )
+    elif k is AnomalyKind.INPUT:
         text = f"{kinds} in the input data ({a.record.role} of {a.path})"
     elif k is AnomalyKind.FORWARD and a.origin == "between-roots":
         text = f"{kinds} born in code outside the watched modules, in the input of {a.path}"
