@@ -166,13 +166,33 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
         **anomaly_fields(a),
         evidence=evidence,
         explanation=(
-            f"A non-finite value was born in {a.path} ({a.kind.value}, origin {a.origin}). "
+            f"A non-finite value was born {_born_where(a)}. "
             "None of nanwatch's specific rules (overflow, log of 0, division by 0, sqrt at "
             "0, masking, bad data, weights) matches the evidence; the op checker names the "
             "exact op and line."
         ),
         fix=fix,
     )
+
+
+def _born_where(a: Anomaly) -> str:
+    """Where the anomaly's origin puts the bad value's birth, in a user's words (the
+    localizer's origin codes, ``between-roots``, are not for users)."""
+    role = a.record.role
+    words = {
+        "module": f"in the {a.kind.value} of {a.path}",
+        "between-children": f"in the forward code of {a.path}, between its submodules",
+        "between-roots": (
+            f"in code outside the watched modules, in the value passed to {a.path} ({role})"
+        ),
+        "between-calls": f"in your code between two calls of {a.path}, in its {role}",
+        "data": f"in the input data ({role} of {a.path})",
+        "loss-code": "on the way to the loss, outside every watched module",
+        "after-output": f"in the {a.kind.value} of code after the output of {a.path}",
+        "gradient": f"in the gradient of {a.path}",
+        "parameter": f"in the parameter {a.parameter or a.path}",
+    }
+    return words.get(a.origin, f"in {a.path} ({a.kind.value})")
 
 
 def _leaf(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:

@@ -2425,6 +2425,30 @@ def _forward_values_of(trace: StepTrace, path: str) -> list[Record]:
     return out
 
 
+def _op_elsewhere(a: Anomaly) -> bool:
+    """The anomaly's forward op ran in another module than the record that saw its value:
+    a child whose output went on through functional code (``conv(F.silu(norm(x)))``), so
+    the record's own inputs are what the op made, not what it was given."""
+    op = a.op
+    return (
+        a.kind is AnomalyKind.FORWARD
+        and op is not None
+        and op.phase is Phase.FORWARD
+        and op.path is not None
+        and op.path != a.record.path
+    )
+
+
+def _op_call(trace: StepTrace, a: Anomaly) -> int | None:
+    """The id of the last call of the op's module that finished before the anomaly's
+    record (a child's call; None for code still running around it, a parent's forward,
+    whose own inputs are not what the op was given)."""
+    path = a.op.path if a.op is not None else None
+    at = a.record.index
+    calls = [c for c in trace.calls if c.path == path and c.start <= at and 0 <= c.end <= at]
+    return calls[-1].id if calls else None
+
+
 def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     """float32/float64, no op recorded: a NaN or inf made from finite values so large that
     a product of two of them passes the dtype's range (|x| >= sqrt(finfo.max)) -- values
@@ -2436,7 +2460,16 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     s = rec.stat
     if s is None or s.finite:
         return
-    if a.kind is AnomalyKind.FORWARD:
+    moved = _op_elsewhere(a)
+    if moved:
+        # the op that made the value ran in another module than the record that saw it
+        # (a child whose output went on through functional code): that op's inputs count
+        call = _op_call(ctx.trace, a)
+        resolved = [] if call is None else [ctx.trace.resolve(r) for r in ctx.trace.inputs_of(call)]
+        values = [m for m in resolved if m.stat is not None]
+        if len(values) != len(resolved):
+            values = []
+    elif a.kind is AnomalyKind.FORWARD:
         values = _inputs_of_record(ctx.trace, rec)
     elif a.kind is AnomalyKind.BACKWARD:
         values = _forward_values_of(ctx.trace, a.path)
@@ -2470,7 +2503,13 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     if lim is None or lim.short_range or not big >= math.sqrt(lim.max):
         return
     square = f"past sqrt({fmt(lim.max)}) = {fmt(math.sqrt(lim.max))}, the product or square "
-    if a.kind is AnomalyKind.FORWARD:
+    if moved and a.op is not None:
+        first = (
+            f"{short_op(a.op.op)} in {a.path} made {a.op.born} in {a.op.dtype or rec.dtype} "
+            f"from finite inputs up to |x| = {fmt(big)} (the {top.role} of {top.path}): "
+            f"{square}of two such values is inf"
+        )
+    elif a.kind is AnomalyKind.FORWARD:
         first = (
             f"{rec.where} holds {s.kinds()} in {rec.dtype}, made from finite inputs up to "
             f"|x| = {fmt(big)} (the {top.role} of {top.path}): {square}of two such values "
@@ -2520,13 +2559,79 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             clip=_clip_line(ctx),
             setting=bool(cause),
         )
-    yield ctx.diagnosis(
+    fields = anomaly_fields(a)
+    if moved and a.op is not None:
+        fields["phase"] = a.op.phase.value  # the op's forward, not the record's input
+    yield ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix, priority=20)
+
+
+#: autograd nodes of exp ops: a value they hold is that exp's result
+_EXP_NODES = {"ExpBackward0": "exp", "Exp2Backward0": "exp2", "Expm1Backward0": "expm1"}
+
+
+def _exp_from_record(ctx: RuleContext, a: Anomaly) -> Diagnosis | None:
+    """No op traced (watch, sentinel mode), but the autograd node of the first bad value is
+    an exp, and the value holds +inf and nothing else non-finite: exp of finite values is
+    +inf exactly where its argument passed the dtype's exp bound (float32: 88.72), so the
+    exp overflowed, as forensic mode would pinpoint."""
+    rec = a.record
+    s = rec.stat
+    name = _EXP_NODES.get(rec.grad_fn or "")
+    lim = limits(rec.dtype)
+    if (
+        name is None
+        or a.kind is not AnomalyKind.FORWARD
+        or s is None
+        or not s.has_posinf
+        or s.has_nan
+        or s.has_neginf
+        or lim is None
+        or lim.short_range
+    ):
+        return None
+    src = ctx.trace.record(rec.source) if rec.source is not None else None
+    src = ctx.trace.resolve(src) if src is not None else None
+    if src is not None and src.stat is not None and not src.stat.finite:
+        return None  # the inf came in: exp passed it on
+    bound = lim.exp_bound / (math.log(2) if name == "exp2" else 1.0)
+    made = (
+        f"{name} made it ({rec.grad_fn}): {name} of finite values is +inf exactly where its "
+        f"argument passed {fmt(bound)}, the {rec.dtype} exp bound "
+        f"(log({fmt(lim.max)}))"
+    )
+    evidence = [a.summary, f"{rec.where}: {describe_stat(s)}", made]
+    if src is not None and src.stat is not None:
+        evidence.append(f"the {name} was computed from {src.where}: {describe_stat(src.stat)}")
+    evidence.append(_growth_line(ctx, a, name, math.nan, lim))
+    first = _first_step(ctx)
+    evidence += [] if first else _setting_evidence(ctx)
+    evidence.append(untraced_hint(ctx))
+    cause = "" if first else _setting_cause(ctx)
+    explanation = _explain_wide("exp", rec.dtype, lim, None, math.nan, recurrent=False, cause=cause)
+    fix = _fix_wide(
+        "exp",
+        name,
+        rec.dtype,
+        lim,
+        None,
+        recurrent=False,
+        first=first,
+        ref=_module_ref(ctx, a),
+    )
+    if src is not None:  # no line traced: say which exp, in the first line's comment
+        head, sep, rest = fix.partition("\n")
+        which = f"the {name} feeding {rec.path} ({rec.role}), of {src.path}'s {src.role}"
+        fix = f"{head}   # {which}{sep}{rest}"
+    return ctx.diagnosis(
         **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix, priority=20
     )
 
 
 def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     rec = a.record
+    if (made := _exp_from_record(ctx, a)) is not None:
+        yield made
+        return
     lim = low_precision(rec.dtype)
     s = rec.stat
     if lim is None and limits(rec.dtype) is not None:
