@@ -727,20 +727,27 @@ def _computed_between_calls(trace: StepTrace, call: Call, trig: Record) -> bool:
         return False
     if not _whole_samples_bad(trig):
         return False
+    return earlier_finite_input(trace, trig, call.path, call.id) is not None
+
+
+def earlier_finite_input(trace: StepTrace, rec: Record, path: str, before: int) -> Record | None:
+    """The first input record of a call of root ``path`` in ``trace`` (call id below
+    ``before``) in ``rec``'s place, with its shape and dtype, that was finite: what the
+    user's code most likely computed ``rec`` from (a sampling loop, an attack's step)."""
     for c in trace.calls:
-        if c.id >= call.id or not c.root or c.path != call.path:
+        if c.id >= before or not c.root or c.path != path:
             continue
         for r in trace.inputs_of(c.id):
             m = trace.resolve(r)
             if (
-                r.role == trig.role
-                and r.shape == trig.shape
-                and r.dtype == trig.dtype
+                r.role == rec.role
+                and r.shape == rec.shape
+                and r.dtype == rec.dtype
                 and m.stat is not None
                 and m.stat.finite
             ):
-                return True
-    return False
+                return r
+    return None
 
 
 def _finite_grad_before(trace: StepTrace, trig: Record, parameter: str | None) -> bool:

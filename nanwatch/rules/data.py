@@ -6,6 +6,7 @@ import math
 import re
 from collections.abc import Iterator
 
+from nanwatch.localize import earlier_finite_input
 from nanwatch.records import (
     LOSS_PATH,
     AnomalyKind,
@@ -181,18 +182,8 @@ def _earlier_input(
         x.phase is Phase.BACKWARD and x.index >= last and (until is None or x.index < until)
         for x in trace.records
     )
-    for c in calls:
-        for r in trace.inputs_of(c.id):
-            m = trace.resolve(r)
-            if (
-                r.role == rec.role
-                and r.shape == rec.shape
-                and r.dtype == rec.dtype
-                and m.stat is not None
-                and m.stat.finite
-            ):
-                return r, grad
-    return None
+    found = earlier_finite_input(trace, rec, path, before)
+    return (found, grad) if found is not None else None
 
 
 def _computed_input(
