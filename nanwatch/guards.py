@@ -3471,22 +3471,31 @@ def _dead_upcast_source(
     (``criterion(model(x).float(), y)``: the model's output was a temporary): a forward
     record of the same autograd node type, dtype and shape whose measured min and max are
     the copy's own (a widening cast keeps every value); None when none matches. The node's
-    metadata gives the tensor's dtype and shape (torch >= 2.5)."""
+    metadata gives the tensor's dtype and shape (torch >= 2.5); before that, a node the
+    watcher recorded this step stands for it, with the copy's shape and any narrower dtype."""
     try:
         meta = node._input_metadata[nr]
         dtype, shape = meta.dtype, tuple(meta.shape)
     except Exception:  # older torch: no metadata on the node
+        dtype, shape = None, tuple(x.shape)
+        if node not in watcher._recorded_nodes:
+            return None
+    if dtype is not None and not _widens(dtype, x.dtype):
         return None
-    if not _widens(dtype, x.dtype) or shape != tuple(x.shape) or x.numel() == 0:
+    if shape != tuple(x.shape) or x.numel() == 0:
         return None
-    name, want = type(node).__name__, dtype_name(dtype)
+    name = type(node).__name__
     found = [
         r
         for r in watcher.trace.records
         if r.phase.value == "forward"
         and r.grad_fn == name
-        and r.dtype == want
         and tuple(r.shape) == shape
+        and (
+            r.dtype == dtype_name(dtype)
+            if dtype is not None
+            else isinstance(d := getattr(torch, r.dtype, None), torch.dtype) and _widens(d, x.dtype)
+        )
     ]
     if not found:
         return None
@@ -3496,7 +3505,7 @@ def _dead_upcast_source(
         return None
     for r in reversed(found):  # the latest: the model's output, after its children's
         if _measured(watcher, r.index) == (lo, hi):
-            return r.index, want
+            return r.index, r.dtype
     return None
 
 
