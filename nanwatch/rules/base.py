@@ -214,6 +214,17 @@ class RuleContext:
             self._now[key] = value
         return value
 
+    def cached(self, trace: StepTrace, key: str) -> Any:
+        """What :meth:`memo` kept for ``trace`` under ``key``, or None: nothing is
+        computed (a rule that carries a value from one step to the next reads the last
+        step's with it)."""
+        if trace is self.trace:
+            return self._now.get(key)
+        slot = _MEMO.get(id(trace))
+        if slot is None or slot[0] is not trace:
+            return None
+        return slot[1].get(key)
+
     def diagnosis(self, **fields: Any) -> Diagnosis:
         """A Diagnosis pre-filled with this rule's code, title, severity and step."""
         rule = self.rule

@@ -13,7 +13,7 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -1558,9 +1558,10 @@ def _spikes(
     step is many times the few before it; that is training, not an explosion.
 
     Runs every step, so it is built to be cheap: each history step's values, aligned to the
-    current keys, are computed once per step (memo) and transposed in C; a key is a
-    candidate only if its value reaches ``factor`` times its history's *minimum* (the median
-    is at least that), and only candidates get a median."""
+    current keys, are computed once per step (memo); each key's minimum over the history
+    is carried from the last step's (:func:`_window_mins`), and a key is a candidate only
+    if its value reaches ``factor`` times that minimum (the median is at least that): only
+    candidates read their history and get a median."""
     keys = tuple(current)
     if not keys:
         return []
@@ -1572,12 +1573,17 @@ def _spikes(
         # weighted 0 during a warm-up, a gate initialized to 0); neither is its level
         return tuple(values.get(k, math.inf) or math.inf for k in keys)
 
-    rows = [ctx.memo(t, tag, row) for t in ctx.history]
+    mins = _window_mins(ctx, tag, row)
+    rows: list[tuple[float, ...]] | None = None
     out = []
-    for key, v, col in zip(keys, current.values(), zip(*rows, strict=True), strict=True):
-        if v < factor * min(col) or len(col) - col.count(math.inf) < need:
+    for i, (key, v) in enumerate(zip(keys, current.values(), strict=True)):
+        if v < factor * mins[i]:
             continue
-        seen = [x for x in col if x != math.inf]
+        if rows is None:
+            rows = [ctx.memo(t, tag, row) for t in ctx.history]
+        seen = [x for x in (r[i] for r in rows) if x != math.inf]
+        if len(seen) < need:
+            continue
         if jump and v < factor * max(seen[-need:]):
             continue
         med, _ = _level(seen, need)
@@ -1585,6 +1591,48 @@ def _spikes(
             out.append((v / med, key, v, med))
     out.sort(reverse=True)
     return out
+
+
+def _window_mins(
+    ctx: RuleContext, tag: str, row: Callable[[StepTrace], tuple[float, ...]]
+) -> list[float]:
+    """Each key's minimum over the history's rows (``row``, memoized under ``tag``), kept
+    with the history's newest step and carried to the next: when the history grew by a
+    step, or slid by one (its oldest step dropped), only the new row is compared, and a
+    key is read again over the whole history only where the dropped row held its minimum.
+    A whole pass over the history (steps x keys) otherwise costs most of NW303's time on
+    every step. The steps are named by identity and number, not held: a dropped step is
+    not kept alive."""
+    hist = ctx.history
+    n = len(hist)
+    key = tag + ":window-min"
+
+    def mark(t: StepTrace) -> tuple[int, int]:
+        return id(t), t.step
+
+    def compute(last: StepTrace) -> tuple[Any, ...]:
+        new = ctx.memo(last, tag, row)
+        first_row = ctx.memo(hist[0], tag, row)
+        head = mark(hist[0]), mark(hist[1]) if n > 1 else None
+        prev = ctx.cached(hist[-2], key) if n > 1 else None
+        if prev is not None:
+            (p_first, p_second), p_n, p_mins, p_first_row = prev
+            if p_first == head[0] and p_n == n - 1:  # the history grew by this step
+                return head, n, list(map(min, p_mins, new)), first_row
+            if p_second == head[0] and p_n == n:  # it slid: its oldest step was dropped
+                mins = list(map(min, p_mins, new))
+                pairs = enumerate(zip(p_first_row, p_mins, strict=True))
+                stale = [i for i, (d, m) in pairs if d <= m]
+                if stale:
+                    rows = [ctx.memo(t, tag, row) for t in hist]
+                    for i in stale:
+                        mins[i] = min(r[i] for r in rows)
+                return head, n, mins, first_row
+        rows = [ctx.memo(t, tag, row) for t in hist]
+        return head, n, [min(col) for col in zip(*rows, strict=True)], first_row
+
+    mins: list[float] = ctx.memo(hist[-1], key, compute)[2]
+    return mins
 
 
 @rule(

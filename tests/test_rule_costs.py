@@ -1,0 +1,78 @@
+"""The rules' per-step caches give what a full pass over the history gives: NW303 carries
+each key's minimum over the history from one step to the next (issue 8: the rules run on
+every step, and this pass was most of their time)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+
+import pytest
+
+from nanwatch.config import Thresholds
+from nanwatch.records import StepTrace
+from nanwatch.rules import base
+from nanwatch.rules.gradients import _window_mins
+
+
+def _walk(ring: int, steps: int, keys: int, seed: int) -> None:
+    rng = random.Random(seed)
+    values: dict[int, tuple[float, ...]] = {}
+    history: deque[StepTrace] = deque(maxlen=ring)
+    calls = {"rows": 0}
+
+    def row(t: StepTrace) -> tuple[float, ...]:
+        calls["rows"] += 1
+        return values[t.step]
+
+    for step in range(steps):
+        trace = StepTrace(step=step)
+        # few distinct values, some absent (inf): the minimum is often tied, and often held
+        # by the step about to be dropped
+        values[step] = tuple(
+            math.inf if rng.random() < 0.2 else float(rng.randint(1, 4)) for _ in range(keys)
+        )
+        if history:
+            ctx = base.RuleContext(trace=trace, history=list(history), thresholds=Thresholds())
+            base._prune_memo(trace, list(history))
+            got = _window_mins(ctx, "tag", row)
+            want = [min(col) for col in zip(*(values[t.step] for t in history), strict=True)]
+            assert got == want, (step, got, want)
+        history.append(trace)
+    base._prune_memo(StepTrace(step=-1), [])
+    # carried, not recomputed: about one new row a step, not the whole history
+    assert calls["rows"] <= 3 * steps
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_window_minimum_matches_a_full_pass_as_the_history_grows_and_slides(seed: int) -> None:
+    _walk(ring=5, steps=40, keys=7, seed=seed)
+
+
+def test_window_minimum_with_a_history_of_one_step() -> None:
+    _walk(ring=1, steps=10, keys=3, seed=0)
+
+
+def _traces_in(value: object) -> list[StepTrace]:
+    if isinstance(value, StepTrace):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _traces_in(v)]
+    return []
+
+
+def test_a_dropped_step_is_not_kept_alive() -> None:
+    history: deque[StepTrace] = deque(maxlen=2)
+    for step in range(6):
+        trace = StepTrace(step=step)
+        if history:
+            ctx = base.RuleContext(trace=trace, history=list(history), thresholds=Thresholds())
+            base._prune_memo(trace, list(history))
+            _window_mins(ctx, "tag", lambda t: (float(t.step),))
+        history.append(trace)
+    try:
+        held = [t for _, kept in base._MEMO.values() for v in kept.values() for t in _traces_in(v)]
+        assert held == []  # steps are named by id and number in the carried value
+    finally:
+        base._prune_memo(StepTrace(step=-1), [])
