@@ -79,6 +79,8 @@ def first_trigger(
             absorbed.append(r)
             continue
         if not absorbed:
+            if r.phase is Phase.GRADIENT:
+                return _first_accumulated(trace, r, allow=allow, scaled_grads=scaled_grads)
             return r
         if r.phase is not Phase.FORWARD and r.phase is not Phase.INPUT:
             return absorbed[0]
@@ -89,6 +91,45 @@ def first_trigger(
                 return a
         return r
     return absorbed[0] if absorbed else None
+
+
+def _first_accumulated(
+    trace: StepTrace, first: Record, *, allow: Sequence[str], scaled_grads: bool
+) -> Record:
+    """Of the bad parameter gradients read with ``first`` (one end-of-backward check records
+    them all, in ``parameters()`` order), the one backward wrote first: a parameter's
+    gradient is made in its module's backward, which runs when the gradient of that
+    module's output arrives, so the module whose output gradient was recorded earliest in
+    this backward pass (the head of an MLP, before the first layer) made its gradient
+    first. A gradient whose module recorded no output gradient keeps its place after those
+    that did."""
+    records = trace.records
+    at = next((i for i, r in enumerate(records) if r is first), None)
+    if at is None:
+        return first
+    lo = at
+    while lo > 0 and records[lo - 1].phase is Phase.GRADIENT:
+        lo -= 1
+    hi = at
+    while hi + 1 < len(records) and records[hi + 1].phase is Phase.GRADIENT:
+        hi += 1
+    bad = [
+        r
+        for r in records[at : hi + 1]
+        if is_trigger(r, trace, allow=allow, scaled_grads=scaled_grads)
+    ]
+    if len(bad) < 2:
+        return first
+    start = lo
+    while start > 0 and records[start - 1].phase is not Phase.GRADIENT:
+        start -= 1  # this backward pass's records: back to the previous gradient check
+    arrived: dict[str, int] = {}
+    for r in records[start:lo]:
+        if r.phase is Phase.BACKWARD:
+            arrived.setdefault(r.path, r.index)
+    if not any(r.path in arrived for r in bad):
+        return first
+    return min(bad, key=lambda r: (arrived.get(r.path, math.inf), r.index))
 
 
 def _absorbed_input(trace: StepTrace, rec: Record) -> bool:
@@ -208,7 +249,24 @@ def _consumers(trace: StepTrace, rec: Record, before: int | None = None) -> tupl
                 for r in trace.records
             )
         ]
-    return out, reached_root
+    return _outermost(trace, out), reached_root
+
+
+def _outermost(trace: StepTrace, calls: list[Call]) -> list[Call]:
+    """``calls`` less those nested inside another of them: a child given the same tensor as
+    its parent (``self.enc(pts)`` in a module that also uses ``pts``) runs its backward
+    inside the parent's, so the two are one consumer, the parent."""
+    ids = {c.id for c in calls}
+
+    def nested(c: Call) -> bool:
+        up = _parent(trace, c)
+        while up is not None:
+            if up.id in ids:
+                return True
+            up = _parent(trace, up)
+        return False
+
+    return [c for c in calls if not nested(c)]
 
 
 def _consumers_by(trace: StepTrace, rec: Record, *, views: bool) -> tuple[list[Call], bool]:
@@ -561,7 +619,8 @@ def _matching_op(
 ) -> OpEvent | None:
     """The op event of the trigger, from forensic tracing: the first NaN/+inf birth of the
     phase (in the producer when it is known). In backward a -inf counts too: no gradient is
-    a mask, and the NaN or +inf seen downstream (softmax's backward) came from it. An event
+    a mask, and the NaN or +inf seen downstream (softmax's backward) came from it; in
+    forward a -inf an op that writes no mask made (see :func:`_overflow_op`). An event
     that names no aten op (a custom Function's backward seen from outside) is not one: see
     :func:`_matching_custom`. ``held``: what the trigger record holds; a forward op that
     made none of it, whose inputs already held all of it, did not make it (``x @ E.t()``
@@ -572,13 +631,65 @@ def _matching_op(
             continue
         if phase is Phase.FORWARD and _came_in(ev, held):
             continue
-        if not ("NaN" in ev.born or "+inf" in ev.born or (phase is Phase.BACKWARD and ev.born)):
+        if not is_birth(ev):
             continue
         if path is None or ev.path is None or ev.path == path or ev.path.startswith(path + "."):
             return ev
         if best is None:
             best = ev
     return best
+
+
+#: aten ops that cannot write a mask: a -inf they make from finite inputs is an overflow (a
+#: float16 product past -65504), not a ``masked_fill(-inf)`` or a ``log`` of a zero mask.
+_OVERFLOW_OPS = frozenset(
+    {
+        "mm",
+        "bmm",
+        "matmul",
+        "addmm",
+        "addbmm",
+        "baddbmm",
+        "addmv",
+        "mv",
+        "dot",
+        "vdot",
+        "linear",
+        "einsum",
+        "tensordot",
+        "convolution",
+        "_convolution",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "cudnn_convolution",
+        "mkldnn_convolution",
+        "_scaled_mm",
+        "pow",
+        "sum",
+        "cumsum",
+        "mean",
+        "prod",
+        "cumprod",
+    }
+)
+
+
+def is_birth(ev: OpEvent) -> bool:
+    """Whether the op event ``ev`` made a value that is an anomaly on its own: NaN or +inf; in
+    backward any non-finite value (no gradient is a mask); in forward a -inf an op of
+    :data:`_OVERFLOW_OPS` made (``aten.bmm.default``: an overflow, not a mask) with no
+    constant putting it in (see ``OpEvent.injected``)."""
+    if ev.injected or not ev.born:
+        return False
+    if "NaN" in ev.born or "+inf" in ev.born or ev.phase is Phase.BACKWARD:
+        return True
+    parts = ev.op.split(".")
+    name = parts[1] if len(parts) > 1 and parts[0] == "aten" else parts[0]
+    return name in _OVERFLOW_OPS
 
 
 def _stat_kinds(s: TensorStat | None) -> set[str]:
@@ -679,7 +790,7 @@ def _op_before(trace: StepTrace, call: Call, trig: Record) -> OpEvent | None:
     for ev in trace.ops:
         if ev.phase is not Phase.FORWARD or ev.injected or _came_in(ev, trig.stat):
             continue
-        if not ("NaN" in ev.born or "+inf" in ev.born):
+        if not is_birth(ev):
             continue
         if ev.path is not None and (ev.path == call.path or ev.path.startswith(call.path + ".")):
             continue
