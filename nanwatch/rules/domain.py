@@ -464,7 +464,7 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     if use is None and ev.phase is Phase.FORWARD and x is not None:
         use = _divided_too_use(ev, x)
     if use is None and ev.phase is Phase.FORWARD and x is not None:
-        use = _unknown_log_use(ev, x)
+        use = _unknown_log_use(ctx, ev, x)
     if use is not None and use.evidence:
         evidence.insert(len(evidence) - len(_chain_evidence(ev, trigger, "-inf")), use.evidence)
     return ctx.diagnosis(
@@ -584,7 +584,71 @@ def _relu_zero_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
     return None
 
 
-def _unknown_log_use(ev: OpEvent, x: TensorStat) -> _LogUse | None:
+#: autograd nodes (base names) that make a watched output in [0, 1] with exact zeros, and
+#: what they say the log's argument is
+_UNIT_MAKERS = {
+    "Softmax": "softmax",
+    "LogSoftmax": "softmax",
+    "Sigmoid": "sigmoid",
+    "Relu": "relu",
+    "Threshold": "relu",
+    "Relu6": "relu",
+    "Hardtanh": "relu",
+}
+
+
+def _unit_producer(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> str | None:
+    """What made a log's argument in [0, 1] with exact zeros, from op evidence: the watched
+    output holding its very values (its autograd node or module: ``softmax``, ``sigmoid``,
+    ``relu``), or, in loss code, the loss graph's op after a log (``rsub``: 1 - something;
+    ``erf`` below it: a Normal cdf, ``cdf``); None when nothing says."""
+    outs = [r for r in ctx.records(Phase.FORWARD) if r.role.startswith("output")]
+    # an unmeasured ReLU output is known by its pre-activation: a measured output of the
+    # same size whose maximum is the log argument's (a ReLU keeps a positive maximum)
+    pre = any(
+        o.stat is not None and o.stat.numel == x.numel and o.stat.max == x.max > 0 for o in outs
+    )
+    for r in outs:
+        st = r.stat
+        relu = _UNIT_MAKERS.get(node_base(r.grad_fn or "")) == "relu" or r.module_type == "ReLU"
+        if st is None and pre and relu and math.prod(r.shape) == x.numel:
+            return "relu"
+        if st is None or st.numel != x.numel or st.min != x.min or st.max != x.max:
+            continue
+        kind = _UNIT_MAKERS.get(node_base(r.grad_fn or ""))
+        if kind is None and r.module_type in ("ReLU", "Softmax", "Sigmoid"):
+            kind = r.module_type.lower()
+        if kind is not None:
+            return kind
+    if ev.code or ev.path != LOSS_PATH:
+        return None
+    # a watched output that may be the log's input (unmeasured, or of its very values)
+    # hides from the loss graph's op list: the op after a log may then be another branch's
+    if any(
+        math.prod(r.shape) == x.numel
+        and (r.stat is None or (r.stat.min == x.min and r.stat.max == x.max))
+        for r in outs
+    ):
+        return None
+    found: set[str] = set()
+    for n in ctx.notes("loss_graph"):
+        ops = n.data.get("ops")
+        if not isinstance(ops, list):
+            continue
+        for i, o in enumerate(ops):
+            if o != "log" or i + 1 >= len(ops):
+                continue
+            below = ops[i + 1 : i + 6]
+            if below[0] == "rsub":
+                found.add("cdf" if "erf" in below else "one-minus")
+            elif below[0] in ("softmax", "sigmoid"):
+                found.add(str(below[0]))
+    if len(found) == 1:
+        return found.pop()
+    return None
+
+
+def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
     """What the evidence shows when nothing names what the log was taken of: a negative
     argument is a domain error (no floor or probability recipe fixes it); exact zeros in
     values that are not probabilities come from the data or the code that made them; only
@@ -593,6 +657,8 @@ def _unknown_log_use(ev: OpEvent, x: TensorStat) -> _LogUse | None:
     arg = found[3] if found is not None else None
     what = arg or "the log's argument"
     tiny_log = _log_tiny(ev.dtype)
+    if x.min < 0 and _within_eps_below_zero(x, ev.dtype):
+        return _rounded_below_zero(ev, x, what, arg)
     if x.min < 0:
         return _LogUse(
             "negative",
@@ -640,6 +706,9 @@ def _unknown_log_use(ev: OpEvent, x: TensorStat) -> _LogUse | None:
             evidence=f"{what} is not a probability: it holds {zeros}, and values up to "
             f"{fmt(x.max)}",
         )
+    made = _unit_producer(ctx, ev, x)
+    if made is not None and made not in ("softmax", "sigmoid"):
+        return _unit_made_use(made, what, zeros, x, ev.dtype)
     lines = []
     if own:
         lines.append(f"{own}   # finite: log(tiny) = {tiny_log}")
@@ -659,6 +728,112 @@ def _unknown_log_use(ev: OpEvent, x: TensorStat) -> _LogUse | None:
             "the *_with_logits losses) never forms the 0; or it is data with exact zeros "
             "(black pixels, a fraction k/n with k = 0), which must be kept inside (0, 1)."
         ),
+    )
+
+
+def _within_eps_below_zero(x: TensorStat, dtype: str | None) -> bool:
+    """The most negative value is a few rounding steps below 0 at the values' scale (at
+    least 1): -1.19e-07 of 1 - x in float32, not a value negative in its own right."""
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    scale = max(abs(x.max) if math.isfinite(x.max) else 1.0, 1.0)
+    return x.min >= -8 * lim.eps * scale
+
+
+def _rounded_below_zero(ev: OpEvent, x: TensorStat, what: str, arg: str | None) -> _LogUse:
+    """A log's argument whose negative values are one rounding below 0 (1 - x with x a sum
+    of probabilities that rounded above 1: -1.19e-07 in float32): its true value is 0 or a
+    little above, not a quantity that is negative in its own right."""
+    dt = ev.dtype or "float32"
+    lim = limits(dt) or limits("float32")
+    assert lim is not None
+    own = _floored_line(ev)
+    floor = (
+        f"{own}   # a floor: the rounding below 0 and any exact 0 give log(tiny) = "
+        f"{_log_tiny(ev.dtype)}"
+        if own
+        else "# torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)), p the log's argument: the "
+        f"rounding below 0 and any exact 0 give log(tiny) = {_log_tiny(ev.dtype)}"
+    )
+    return _LogUse(
+        "rounding",
+        fix=(
+            f"{floor}\n"
+            "# or form 1 - x as the sum of the terms x leaves out (a reversed cumsum of the "
+            "probabilities), which never rounds below 0"
+        ),
+        why=(
+            f"Its input dips below 0 by {fmt(-x.min)} only, within a few {dt} eps "
+            f"({fmt(lim.eps)}) of its scale (max {fmt(x.max)}): that is rounding, not a "
+            "negative value. 1 - x where x is a sum of probabilities that should reach at "
+            "most 1 (a cumsum of a softmax) lands one rounding step below 0 when x rounds "
+            "above 1. Floor it at a tiny positive value, or compute the complement without "
+            "the subtraction."
+        ),
+        evidence=f"{what} reached {fmt(x.min)}, within a few eps ({fmt(lim.eps)}) of its scale: "
+        "a rounding error below 0, not a negative value",
+    )
+
+
+def _unit_made_use(made: str, what: str, zeros: str, x: TensorStat, dtype: str) -> _LogUse:
+    """A log's argument in [0, 1] with exact zeros that op evidence shows is no softmax or
+    sigmoid probability: a ReLU output (0 by construction), 1 - a Normal cdf (the Gaussian
+    survival, 0 once cdf rounds to 1), or 1 - something else that reached 1."""
+    tiny_log = _log_tiny(dtype)
+    dt = dtype or "float32"
+    if made == "relu":
+        return _LogUse(
+            "relu",
+            fix=(
+                f"# {what} is a ReLU output: for a predicted positive quantity (a rate, a "
+                "scale, a concentration) use F.softplus(raw) + 1e-6 in place of F.relu(raw): "
+                "positive, never exactly 0\n"
+                f"# not a floor on the log: log(tiny) = {tiny_log} is a wrong value, and the "
+                "ReLU's gradient is still 0"
+            ),
+            why=(
+                f"Its input holds {zeros} (max {fmt(x.max)}), and a ReLU made it: a ReLU is "
+                "exactly 0 for every negative input, so a positive quantity made with it is 0 "
+                "by construction, not a probability that underflowed; its gradient there is "
+                "0 too, so it never recovers. Softplus is positive everywhere and keeps a "
+                "gradient."
+            ),
+            evidence=f"{what} is a ReLU output (a watched output of the same values): "
+            "0 for every negative input",
+        )
+    if made == "cdf":
+        return _LogUse(
+            "cdf",
+            fix=(
+                "log_sf = torch.special.log_ndtr(-z)   # log(1 - Phi(z)), not "
+                "torch.log(1 - Normal(0, 1).cdf(z)): finite for every z\n"
+                "# log(Phi(z)) likewise: torch.special.log_ndtr(z)"
+            ),
+            why=(
+                f"Its input is 1 - cdf(z) of a Normal (the loss graph takes the log of 1 - "
+                f"a value made with erf), with {zeros}: the cdf rounds to exactly 1 in {dt} "
+                "once z is a few standard deviations out (about 5.4 in float32), so the "
+                "survival 1 - cdf(z) is 0 and its log is -inf, although the true value is "
+                "finite. torch.special.log_ndtr computes log(Phi(z)) without forming the "
+                "rounded cdf: log_ndtr(-z) is the log survival."
+            ),
+            evidence="the loss graph takes the log of 1 - x with x made by erf (a Normal "
+            "cdf): log <- rsub <- ... erf",
+        )
+    return _LogUse(
+        "one-minus",
+        fix=(
+            f"# {what} is 1 - p with p reaching 1: compute log(1 - p) without forming the 0, "
+            "F.logsigmoid(-logits) for p = sigmoid(logits), torch.log1p(-p) for a small p\n"
+            f"# or keep p below 1 where it is made: p.clamp_max(1 - torch.finfo(p.dtype).eps)"
+        ),
+        why=(
+            f"Its input is 1 - p (the loss graph takes the log of 1 - something) with "
+            f"{zeros}: p rounded to exactly 1 in {dt}, so 1 - p is 0. That is a complement "
+            "that lost its precision, not a probability of 0: compute it in a form that "
+            "never subtracts from 1 (logsigmoid of the negated logit, log1p)."
+        ),
+        evidence="the loss graph takes the log of 1 - x (log <- rsub)",
     )
 
 
@@ -2498,6 +2673,14 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if under is not None:
         yield _underflowed_denominator(ctx, a, ev, under, evidence=evidence, title=title)
         return
+    shrunk = (
+        _shrinking_maker(ev)
+        if den is not None and not integer and has_zero(den) and ev.phase is Phase.FORWARD
+        else None
+    )
+    if shrunk is not None and den is not None:
+        yield _shrunk_denominator(ctx, a, ev, den, shrunk, evidence=evidence, title=title)
+        return
     if (
         den is not None
         and not integer
@@ -3193,6 +3376,169 @@ def _underflowed_denominator(
     )
 
 
+_CUMPROD_CALL = re.compile(r"(?<![\w.])torch\.(?:cum)?prod\(|\.(?:cum)?prod\(")
+_ELU_CALL = re.compile(r"(?<![\w.])(?:F|torch\.nn\.functional|torch)\.elu_?\(")
+
+
+@dataclass(frozen=True)
+class _Shrunk:
+    """A denominator made by an op whose positive result rounds to exactly 0: a (cumulative)
+    product of factors below 1, or elu(x) + 1 (= exp(x) for x < 0)."""
+
+    kind: str  #: ``cumprod`` or ``elu``
+    said: str  #: how nanwatch knows: the statement that made it, or the autograd nodes
+    name: str | None = None  #: the name assigned (``P``), when read from the code
+    made: str | None = None  #: that statement (``P = torch.cumprod(dA, dim=1)``)
+
+
+def _shrinking_maker(ev: OpEvent) -> _Shrunk | None:
+    """The zero denominator of a forward division was made by a cumprod/prod or by an
+    elu (``elu(x) + 1``): from the line or an earlier line of the function that assigned a
+    name the divisor uses, else from the autograd nodes that made it (``other_made_by``)."""
+    for den in _divisors(ev.code):
+        texts = [(None, den)]
+        for name in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", den)):
+            made = _assigned_before(ev.source, name)
+            if made is not None:
+                texts.append((name, made))
+        for name, text in texts:
+            for kind, pat in (("cumprod", _CUMPROD_CALL), ("elu", _ELU_CALL)):
+                if pat.search(text):
+                    said = f"{name} was made by {text}" if name else f"the divisor is {text}"
+                    return _Shrunk(kind, said, name, text if name else None)
+    chain = ev.scalars.get("other_made_by")
+    if isinstance(chain, str):
+        bases = [node_base(n) for n in chain.split("<")]
+        for kind, nodes in (("cumprod", ("Cumprod", "Prod")), ("elu", ("Elu",))):
+            if any(b in nodes for b in bases):
+                return _Shrunk(kind, f"the divisor was made by autograd nodes {chain}")
+    return None
+
+
+def _shrunk_denominator(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    den: TensorStat,
+    u: _Shrunk,
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """A denominator that is positive in exact arithmetic and 0 in the dtype: a cumulative
+    product of factors below 1 that underflowed, or elu(x) + 1 that rounded to 0. The fix
+    keeps it in the log domain, or computes it in float32."""
+    dtype = ev.dtype or "float32"
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    narrow = dtype in _NARROW
+    zeros = f"{den.zeros:,} of its {den.numel:,} values are exactly 0"
+    if u.kind == "cumprod":
+        evidence.append(
+            f"{u.said}: a product of many factors below 1 shrinks geometrically, and "
+            f"{zeros}: it fell below {fmt(lim.subnormal / 2)} (half of {dtype}'s smallest "
+            f"subnormal, torch.finfo(torch.{dtype}).tiny = {fmt(lim.tiny)}) and underflowed"
+        )
+        explanation = (
+            "The denominator is a cumulative product (a decay over a sequence, a survival "
+            "or transmittance curve, a scan's state transition) of factors below 1. It is "
+            f"positive in exact arithmetic, but over a long sequence it underflows to exactly "
+            f"0 in {dtype}, and x/0 is ±inf, 0/0 NaN. No clamp makes the quotient right: keep "
+            "the product in the log domain (a cumsum of logs) and form ratios of products "
+            "as exp of a difference of log sums, which stays finite."
+        )
+        lhs = u.name or "P"
+        factors, dim = _cumprod_args(u.made) or ("a", "1")
+        was = u.made or f"P = torch.cumprod(a, dim={dim})"
+        fix = (
+            f"log_{lhs} = torch.cumsum(torch.log({factors}), dim={dim})   # was {was}: log of "
+            f"the product, never 0 (for {factors} = torch.exp(z): torch.cumsum(z, dim={dim}))\n"
+            f"# divide by subtracting: x / {lhs}_s as x * torch.exp(-log_{lhs}_s), and a ratio "
+            f"{lhs}_t / {lhs}_s as torch.exp(log_{lhs}_t - log_{lhs}_s) (a segment sum, finite)\n"
+            + (
+                "# and compute it in float32: a 16-bit dtype underflows far sooner\n"
+                if narrow
+                else ""
+            )
+            + "# not .clamp_min(eps): the quotient is then wrong by orders of magnitude"
+        )
+    else:
+        cut = math.log(lim.eps / 4)
+        evidence.append(
+            f"{u.said}: elu(x) + 1 equals exp(x) for x < 0, positive in exact arithmetic, "
+            f"but elu(x) rounds to exactly -1 in {dtype} once exp(x) is below "
+            f"{fmt(lim.eps / 4)} (x below {fmt(cut)}, eps = {fmt(lim.eps)}), and {zeros}"
+        )
+        explanation = (
+            f"The denominator is a sum of elu(x) + 1 features (linear attention's normalizer). "
+            f"elu(x) + 1 is positive for every x in exact arithmetic, but in {dtype} elu(x) "
+            f"rounds to -1 for x below {fmt(cut)}, so the feature is exactly 0, and a query or "
+            "key whose features are all that negative gives a normalizer of 0: x/0 is inf, "
+            "0/0 NaN."
+            + (
+                f" This is a {dtype} underflow: float32 holds the same values down to x "
+                f"below {fmt(math.log((limits('float32') or lim).eps / 4))}."
+                if narrow
+                else ""
+            )
+        )
+        eps = "1e-4" if narrow else "1e-6"
+        own = next(
+            (e for st in statements(ev.code) if (e := _spliced_eps(st, eps)) is not None), None
+        )
+        fix = (
+            f"{own}   # an eps {dtype} holds (at least {fmt(lim.tiny)}, "
+            f"torch.finfo(torch.{dtype}).tiny) keeps the normalizer off 0\n"
+            if own
+            else f"# add an eps to the normalizer, at least {fmt(lim.tiny)} "
+            f"(torch.finfo(torch.{dtype}).tiny): d + {eps} in {dtype}\n"
+        ) + (
+            "# or compute the features and the normalizer in float32: "
+            "F.elu(h.float()) + 1, then cast the result back"
+            if narrow
+            else "# or a feature map that stays positive: F.elu(h) + 1 + 1e-6"
+        )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: the denominator underflowed to 0",
+        evidence=evidence,
+        explanation=explanation,
+        fix=fix,
+    )
+
+
+def _cumprod_args(made: str | None) -> tuple[str, str] | None:
+    """(factors, dim) of the cumprod in ``P = torch.cumprod(a, dim=1)`` / ``a.cumprod(1)``."""
+    try:
+        tree = ast.parse((made or "").strip())
+    except SyntaxError:
+        return None
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if n.func.attr != "cumprod":
+                continue
+            args = list(n.args)
+            if ast.unparse(n.func.value) != "torch":
+                args.insert(0, n.func.value)
+            kw = {k.arg: k.value for k in n.keywords}
+            dim = kw.get("dim") or (args[1] if len(args) > 1 else None)
+            if args and dim is not None:
+                return ast.unparse(args[0]), ast.unparse(dim)
+    return None
+
+
+def _spliced_eps(stmt: str, eps: str) -> str | None:
+    """``stmt`` (one division) with ``+ eps`` added to its divisor."""
+    one = _one_division(stmt)
+    if one is None:
+        return None
+    st, div = one
+    d = ast.get_source_segment(st, div.right)
+    if d is None:
+        return None
+    return _spliced(st, div.right, f"({d} + {eps})", grouped=True)
+
+
 _UNDERFLOW_TEXT = (
     "The denominator is a sum of exp() terms, and exp(x) is exactly 0 in {dtype} for x "
     "below {low}: with exponents as large in magnitude as x / eps for a small temperature "
@@ -3294,6 +3640,11 @@ def _inf_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> D
     mask = None if weights else _inf_mask_maker(ctx, ev, held)
     if mask is not None:
         return _inf_mask_given(ctx, a, ev, mask, evidence)
+    if named is None and len(held) == 1:
+        named = _unary_operand(ev)
+    state = None if weights else _module_state_inf(ev, named)
+    if state is not None and named is not None:
+        return _state_inf_given(ctx, a, ev, named, state, evidence=evidence)
     holder = weights or (_inf_holder(ctx, ev, *held[0])[0] if held else "an input")
     if named and not weights:
         holder = f"{named} ({holder})"
@@ -3323,6 +3674,50 @@ def _inf_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> D
                 if named
                 else "t: the tensor that held the inf, checked where it is made"
             )
+        ),
+    )
+
+
+def _state_inf_given(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    named: str,
+    state: tuple[str, str],
+    *,
+    evidence: list[str],
+) -> Diagnosis:
+    """The inf an op passed on is a module's state (a buffer) that the code starts at an
+    infinity, the identity of a running min or max, and that was read before anything
+    updated it: an observer never calibrated, a running extreme read in eval mode first."""
+    op = short_op(ev.op)
+    attr, made = state
+    where = f"{ev.path}'s" if ev.path else "the module's"
+    evidence.insert(
+        0,
+        f"{named} is {where} state {attr}, set to an infinity by `{made}`, and it still held "
+        "it here: nothing updated it before this read",
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="Infinite value given to an op (not an overflow): a state still at its initial inf",
+        evidence=evidence,
+        explanation=(
+            f"{op} made no infinity of its own: {named} ({where} {attr}) already held one. The "
+            "code starts it at ±inf, the identity of a running min or max (an observer's "
+            "min_val = +inf, max_val = -inf), and it was read before any value updated it: "
+            "the update runs only in training mode, or only after a calibration pass that "
+            "has not run yet (a validation pass before the first training step). No division "
+            "made this inf. Read the state only once it has seen data, or fall back to the "
+            "current batch while it is still infinite."
+        ),
+        fix=(
+            f"{attr} = torch.where(torch.isinf({named}), x.min(), {named})   # read {attr} in "
+            f"place of {named}: while it has seen no data, the batch's own value (x: the "
+            "tensor it observes; x.max() for a running max)\n"
+            f"# or calibrate first: run a training-mode pass (or update {named}) before the "
+            "first evaluation\n"
+            f"assert torch.isfinite({named}).all(), {named}   # where it is read"
         ),
     )
 
@@ -3563,6 +3958,56 @@ def _operand(ev: OpEvent, name: str) -> str | None:
         return None
     side = found[0].left if name == "self" else found[0].right
     return None if isinstance(side, ast.Constant) else ast.unparse(side)
+
+
+def _unary_operand(ev: OpEvent) -> str | None:
+    """The user's expression for the one input of a unary op when its line holds exactly
+    one such call (``-s.min_val`` of aten.neg, ``x.abs()`` / ``torch.abs(x)``)."""
+    op = packet(ev.op).rstrip("_")
+    found: list[ast.expr] = []
+    for stmt in statements(ev.code):
+        try:
+            tree = ast.parse(stmt.strip())
+        except SyntaxError:
+            return None
+        for n in ast.walk(tree):
+            if op == "neg" and isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+                if not isinstance(n.operand, ast.Constant):
+                    found.append(n.operand)
+            elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                if n.func.attr != op:
+                    continue
+                if ast.unparse(n.func.value) == "torch" and len(n.args) == 1:
+                    found.append(n.args[0])
+                elif ast.unparse(n.func.value) != "torch" and not n.args:
+                    found.append(n.func.value)
+    return ast.unparse(found[0]) if len(found) == 1 else None
+
+
+_STATE_REF = re.compile(r"^([A-Za-z_]\w*)\.([A-Za-z_]\w*)$")
+
+
+def _module_state_inf(ev: OpEvent, expr: str | None) -> tuple[str, str] | None:
+    """When ``expr`` is a module attribute (``s.min_val``) that the file registers as a
+    buffer, or sets, to an infinity (``register_buffer("min_val", torch.tensor(float("inf")))``):
+    (the attribute, the statement that set it). A state kept across calls (a running min
+    or max, an observer) that still holds its initial inf: it was never updated."""
+    import linecache
+
+    m = _STATE_REF.match(expr or "")
+    path = (ev.source or "").rpartition(":")[0]
+    if m is None or not path:
+        return None
+    attr = m.group(2)
+    reg = re.compile(
+        rf"register_buffer\(\s*[\"']{re.escape(attr)}[\"']\s*,|"
+        rf"(?<![\w.])[A-Za-z_]\w*\.{re.escape(attr)}\s*=(?!=)"
+    )
+    for line in linecache.getlines(path):
+        for stmt in statements(line):
+            if reg.search(stmt) and re.search(r"\binf\b|float\(\s*[\"'][+-]?inf", stmt):
+                return attr, stmt.strip()
+    return None
 
 
 def _weight_ref(code: str | None) -> str | None:
@@ -3938,6 +4383,22 @@ def _dtype_carriers(node: ast.expr) -> list[ast.Name]:
     return []
 
 
+_BINDS_F = re.compile(
+    r"^\s*(?:import\s+torch\.nn\.functional\s+as\s+F|from\s+torch\.nn\s+import\s+"
+    r"(?:.*,\s*)?functional\s+as\s+F)\b",
+    re.M,
+)
+
+
+def _binds_f(source: str | None) -> bool:
+    """Whether the file of ``source`` (``file.py:42``) imports torch.nn.functional as
+    ``F``, so a fix written with ``F.`` runs there as pasted; False when it cannot be read."""
+    import linecache
+
+    path = (source or "").rpartition(":")[0]
+    return bool(path) and _BINDS_F.search("".join(linecache.getlines(path))) is not None
+
+
 def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
     """The user's line with its floating denominator kept off 0: ``F.normalize`` for a
     hand-written L2 normalization, ``.clamp_min(eps of its dtype)`` for a non-negative
@@ -3953,13 +4414,14 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
     # denominator is, so clamp_min(eps) would give x/eps, huge, not 0
     live = "inf" in ev.born or (num is not None and num.zeros == 0 and not num.has_nan)
     norm = _normalize_fix(stmt, div, eps=floor if narrow else None)
+    needs = "" if _binds_f(ev.source) else "\n# needs: import torch.nn.functional as F"
     if norm is not None and narrow:
         return (
             f"{norm}   # divides by max(norm, {floor}): a zero vector stays 0, not NaN "
-            f"(the default eps 1e-12 is 0 in {ev.dtype})"
+            f"(the default eps 1e-12 is 0 in {ev.dtype}){needs}"
         )
     if norm is not None:
-        return f"{norm}   # divides by max(norm, 1e-12): a zero vector stays 0, not NaN"
+        return f"{norm}   # divides by max(norm, 1e-12): a zero vector stays 0, not NaN{needs}"
     at_source = _fixed_at_assignment(ev, div.right, den) if not live else None
     if at_source is not None:
         return at_source
@@ -4509,7 +4971,16 @@ def _pole_fix(ev: OpEvent, e: object) -> str:
             else "y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)   # RMSNorm, "
             "with its eps"
         ]
-        if addend is not None:
+        lim = limits(ev.dtype)
+        if addend is not None and lim is not None and lim.subnormal / 2 > 1e-8:
+            dt = ev.dtype
+            lines.append(
+                f"# or give {addend} a value {dt} holds, at least {fmt(lim.tiny)} "
+                f"(torch.finfo(torch.{dt}).tiny): it added nothing, so it is 0 or below "
+                f"{fmt(lim.subnormal / 2)}, half of {dt}'s smallest subnormal "
+                f"{fmt(lim.subnormal)}, which rounds to 0 in {dt} (1e-8 and 1e-12 do)"
+            )
+        elif addend is not None:
             lines.append(
                 f"# or give {addend} a value above 0: the input reached exactly 0, so it "
                 "added nothing"
@@ -5985,12 +6456,65 @@ def _mean_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
             "# or sum and divide by a count that is at least 1:\n"
             f"loss = {fn}(pred, y, reduction='sum') / max(pred.numel(), 1)"
         )
-    was = f"   # was: {ev.code.split('  #', 1)[0].strip()}" if ev.code else ""
+    own = _mean_own_line(ev.code)
+    if own is not None and own[1]:
+        was = ev.code.split("  #", 1)[0].strip() if ev.code else ""
+        return (
+            f"{own[0]}   # was: {was}\n"
+            "# x[mask].mean() is the same as x[mask].sum() / max(x[mask].numel(), 1) when "
+            "not empty\n"
+            "# or skip the batch: if mask.any(): loss.backward()"
+        )
+    if own is not None:
+        return (
+            f"{own[0]}   # 0, not NaN, when nothing is selected; the mean otherwise\n"
+            "# or skip a batch that selects nothing, before loss.backward()"
+        )
+    returns = any(st.lstrip().startswith("return ") for st in statements(ev.code))
+    head = "return" if returns else "loss ="
     return (
-        f"loss = (x * mask).sum() / mask.sum().clamp_min(1){was}\n"
+        f"# e.g. {head} (x * mask).sum() / mask.sum().clamp_min(1)   # x the values, mask "
+        "the selection: 0, not NaN, when the mask is empty\n"
         "# x[mask].mean() is the same as x[mask].sum() / max(x[mask].numel(), 1) when not empty\n"
         "# or skip the batch: if mask.any(): loss.backward()"
     )
+
+
+def _mean_own_line(code: str | None) -> tuple[str, bool] | None:
+    """The user's line with its one full mean (``v.mean()``, ``torch.mean(v)``) written as
+    ``v.sum() / max(v.numel(), 1)``, or, for ``x[mask].mean()``, as ``(x * mask).sum() /
+    mask.sum().clamp_min(1)`` (True): 0 over an empty selection; None when the line holds
+    no such mean, or several."""
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt.strip())
+        except SyntaxError:
+            continue
+        text = stmt.strip()
+        means: list[tuple[ast.Call, ast.expr]] = []
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Call) or n.keywords or not isinstance(n.func, ast.Attribute):
+                continue
+            if n.func.attr != "mean":
+                continue
+            if not n.args and ast.unparse(n.func.value) not in ("torch", "np"):
+                means.append((n, n.func.value))
+            elif len(n.args) == 1 and ast.unparse(n.func.value) == "torch":
+                means.append((n, n.args[0]))
+        if len(means) != 1:
+            continue
+        call, v = means[0]
+        seg = ast.get_source_segment(text, v)
+        if seg is None:
+            continue
+        if isinstance(v, ast.Subscript) and isinstance(v.slice, ast.Name):
+            x, m = ast.get_source_segment(text, v.value), v.slice.id
+            if x is not None:
+                masked = f"({paren(x)} * {m}).sum() / {m}.sum().clamp_min(1)"
+                return _spliced(text, call, masked), True
+        x = paren(seg)
+        return _spliced(text, call, f"{x}.sum() / max({x}.numel(), 1)"), False
+    return None
 
 
 # ---------------------------------------------------------------------- NW114
