@@ -39,9 +39,10 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         help="run a training script unchanged, with every module watched",
         description="Run SCRIPT as __main__ with its own ARGS; every nn.Module it calls is "
-        "watched through global module hooks, and loss and embedding inputs are guarded. On "
-        "an anomaly or a crash a report is written; the script's exit code and exceptions "
-        "are kept.",
+        "watched through global module hooks, and loss and embedding inputs are guarded; "
+        "while a watcher of the script's own (nanwatch.watch(model)) is attached, it alone "
+        "watches and reports, with the script's options. On an anomaly or a crash a report "
+        "is written; the script's exit code and exceptions are kept.",
     )
     run.add_argument("--mode", choices=("sentinel", "watch", "forensic"), default="watch")
     run.add_argument(

@@ -515,6 +515,9 @@ class Watcher:
         #: internal errors caught in nanwatch's own hooks: (hook, message)
         self.faults: list[tuple[str, str]] = []
         self._attached = False
+        #: a global watcher (nanwatch run): the watchers of named modules it stands aside
+        #: for while they are attached (see :meth:`_stand_aside`)
+        self._aside: weakref.WeakSet[Watcher] = weakref.WeakSet()
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
         #: post-accumulate-grad hooks on large CPU weights (see :meth:`_hook_params`), by id
@@ -631,7 +634,7 @@ class Watcher:
 
     def attach(self) -> Watcher:
         """Register the hooks. Safe to call once; a second call is an error."""
-        if self._attached:
+        if self._attached or self._aside:
             raise NanwatchError("this Watcher is already attached; call detach() first.")
         self._modules = _name_modules(self.roots)
         self._infos = weakref.WeakKeyDictionary(self._modules)
@@ -702,6 +705,7 @@ class Watcher:
         self._check_loaded_weights()
         if self._cycle is not None:
             self._cycle_base = self._cycle_marks()
+        _take_turns(self)
         return self
 
     def _hook_modules(self, modules: Iterable[tuple[nn.Module, _ModInfo]]) -> None:
@@ -827,6 +831,12 @@ class Watcher:
     def detach(self) -> None:
         """Remove every hook this watcher registered. Safe to call twice."""
         _live.discard(self)
+        if not self.global_hooks:
+            for other in list(_live):  # a global watcher that stood aside for this one
+                other._stand_aside(self, False)
+        elif self._aside:  # its hooks are still registered: removed below
+            self._aside = weakref.WeakSet()
+            self._attached = True
         if not self._attached:
             return
         self._attached = False
@@ -837,6 +847,29 @@ class Watcher:
 
     def __enter__(self) -> Watcher:
         return self.attach()
+
+    def _stand_aside(self, other: Watcher, aside: bool) -> None:
+        """``other``, a watcher of named modules (the script's own ``nanwatch.watch(model)``
+        under ``nanwatch run``, a Lightning callback's), was attached (``aside``) or detached
+        while this global watcher is attached. While one is, this one steps aside as
+        :meth:`paused` does, its hooks registered: that watcher alone records and reports,
+        with the options the script gave it, so each problem is reported once, not once by
+        each watcher (and at two different steps)."""
+        if not self.global_hooks or other is self:
+            return
+        if aside:
+            if not self._aside:
+                self._attached = False
+            self._aside.add(other)
+            return
+        if other not in self._aside:
+            return
+        self._aside.discard(other)
+        if not self._aside:
+            self._stack.clear()  # calls left open when it stepped aside: never closed
+            if self._checker is not None:
+                self._checker.events.clear()  # the ops of the other watcher's steps
+            self._attached = True
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -1298,7 +1331,7 @@ class Watcher:
 
     # ------------------------------------------------------------------ global hooks
     def _global_pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if _compiling():
+        if _compiling() or not self._attached:  # (standing aside: see _stand_aside)
             return
         with _NO_TORCH_FUNCTION():
             # torch passes global pre-hooks no keyword arguments: a root's (the batch of a
@@ -3874,7 +3907,11 @@ class Watcher:
         from nanwatch import postmortem
 
         owner = getattr(exc, "_nanwatch_owner", None)
-        if owner is not None and owner != id(self):
+        if (owner is not None and owner != id(self)) or (
+            # a global watcher (nanwatch run), after a watcher of the script's own wrote the
+            # post-mortem of this exception: it stood aside while that one watched
+            self.global_hooks and getattr(exc, "_nanwatch_reported", None) not in (None, id(self))
+        ):
             # another watcher's AnomalyError or GuardError (nested watchers): that one
             # writes the post-mortem; this one's run was stopped without an anomaly of its
             # own, and a report of it would say 'stopped at the first anomaly' with none
@@ -3908,9 +3945,14 @@ class Watcher:
             self._quiet = False
         if self.config.postmortem:
             try:
-                return postmortem.capture(self, exc)
+                path = postmortem.capture(self, exc)
             except Exception as inner:
                 self._fault("post-mortem", "post-mortem", inner)
+                return None
+            if path is not None:  # a global watcher around this one writes none of its own
+                with contextlib.suppress(Exception):
+                    exc._nanwatch_reported = id(self)  # type: ignore[attr-defined]
+            return path
         return None
 
     def _ended_step_of(self, exc: BaseException) -> StepTrace | None:
@@ -4262,6 +4304,19 @@ _scaler_tap = _ScalerTap()
 
 #: the attached watchers of this process
 _live: weakref.WeakSet[Watcher] = weakref.WeakSet()
+
+
+def _take_turns(attached: Watcher) -> None:
+    """``attached`` was just attached: a global watcher (``nanwatch run``'s,
+    :func:`watch_all`) stands aside while a watcher of named modules is attached too (see
+    :meth:`Watcher._stand_aside`)."""
+    for other in list(_live):
+        if other is attached or other._forked:
+            continue
+        if attached.global_hooks and not other.global_hooks:
+            attached._stand_aside(other, True)
+        elif other.global_hooks and not attached.global_hooks:
+            other._stand_aside(attached, True)
 
 
 def _after_fork_in_child() -> None:
