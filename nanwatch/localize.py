@@ -57,9 +57,49 @@ def is_trigger(
     call = trace.call(rec.call)
     if call is None:
         return False
-    if call.arithmetic and rec.role.startswith("output"):
+    if rec.role.startswith("output") and (call.arithmetic or _unwatched_product(trace, call, rec)):
         return True  # a Linear or a Conv writes no mask: its -inf is an overflow
     return s.numel == 1 and (call.is_loss or call.root)  # a loss of -inf
+
+
+#: autograd nodes of ops that cannot write a mask (see :data:`_OVERFLOW_OPS`): a module
+#: output they made holding -inf is an overflow (a last Linear's ``AddmmBackward0``)
+_OVERFLOW_NODES = frozenset(
+    {
+        "Addmm",
+        "Mm",
+        "Bmm",
+        "Baddbmm",
+        "Addbmm",
+        "Addmv",
+        "Mv",
+        "Dot",
+        "Vdot",
+        "Convolution",
+        "ConvolutionBackwardOverrideable",
+        "CudnnConvolution",
+        "CudnnConvolutionTranspose",
+        "MkldnnConvolution",
+        "MkldnnLinear",
+        "SlowConv2D",
+        "SlowConvTranspose2D",
+        "ScaledMm",
+    }
+)
+
+
+def _unwatched_product(trace: StepTrace, call: Call, rec: Record) -> bool:
+    """``rec``, an output of ``call`` (not a loss) whose modules inside recorded nothing (a
+    sentinel step hooks only the roots: a Sequential's Linear is not watched; or a module
+    with no children), was made by an op that cannot write a mask, as its autograd node
+    says (``AddmmBackward0``): what the unwatched children or the module's own code computed
+    overflowed. A -inf a mask wrote (``MaskedFillBackward0``, ``WhereBackward0``) or one
+    made without autograd is left to become NaN or reach the loss first."""
+    if call.is_loss or call.path == LOSS_PATH or rec.grad_fn is None:
+        return False
+    if _node_base(rec.grad_fn).lstrip("_") not in _OVERFLOW_NODES:
+        return False
+    return not any(c.parent == call.id for c in trace.calls)
 
 
 def first_trigger(

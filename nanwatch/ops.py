@@ -41,6 +41,7 @@ from nanwatch import _copies, _frames
 from nanwatch._compat import aminmax, set_versions
 from nanwatch._domains import Domain, domain_of
 from nanwatch._structure import iter_tensors
+from nanwatch.localize import is_birth
 from nanwatch.records import LOSS_PATH, OpEvent, Phase, TensorStat
 from nanwatch.stats import brief, describe, device_name, dtype_name, has_values
 
@@ -772,9 +773,10 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         return frozenset()
 
     def first(self) -> OpEvent | None:
-        """The first event that created NaN or +inf (the usual trigger), else the first."""
+        """The first birth (see :func:`nanwatch.localize.is_birth`: NaN, +inf, a gradient's
+        -inf, a -inf an op that writes no mask made), else the first event."""
         for ev in self.events:
-            if not ev.injected and ("NaN" in ev.born or "+inf" in ev.born):
+            if is_birth(ev):
                 return ev
         for ev in self.events:
             if not ev.injected:
@@ -1155,8 +1157,10 @@ class ReplayResult:
         return not (self.clean and self.random)
 
     def first(self) -> OpEvent | None:
+        """The first birth (see :func:`nanwatch.localize.is_birth`), else the first event
+        that is not injected."""
         for ev in self.events:
-            if not ev.injected and ("NaN" in ev.born or "+inf" in ev.born):
+            if is_birth(ev):
                 return ev
         for ev in self.events:
             if not ev.injected:
