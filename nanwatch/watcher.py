@@ -57,7 +57,14 @@ from nanwatch.errors import (
     NanwatchError,
     NanwatchWarning,
 )
-from nanwatch.localize import adopt_backward_op, is_trigger, localize, propagators, summarize
+from nanwatch.localize import (
+    adopt_backward_op,
+    is_birth,
+    is_trigger,
+    localize,
+    propagators,
+    summarize,
+)
 from nanwatch.records import (
     LOSS_PATH,
     Anomaly,
@@ -1129,17 +1136,10 @@ class Watcher:
         # bad data and broken weights are bad in the replay too, with no op to blame
         if last is not None and last.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
             phase = Phase.BACKWARD if last.kind is AnomalyKind.BACKWARD else Phase.FORWARD
+            # is_birth: in backward a -inf is a result, not a mask (an inf/-x/d**2 at
+            # d = 0); in forward, a -inf only an overflow could make (a float16 matmul)
             first = next(
-                (
-                    e
-                    for e in result.events
-                    if e.phase is phase
-                    and not e.injected
-                    # in backward a -inf is a result, not a mask (an inf/-x/d**2 at d = 0)
-                    and (
-                        "NaN" in e.born or "+inf" in e.born or (phase is Phase.BACKWARD and e.born)
-                    )
-                ),
+                (e for e in result.events if e.phase is phase and is_birth(e)),
                 result.first(),
             )
             if first is not None:

@@ -110,3 +110,16 @@ def test_default_mode_names_the_float16_product_that_overflowed_to_neginf() -> N
     first = _Half.forward.__code__.co_firstlineno
     bmm_line = first + next(i for i, t in enumerate(src) if "torch.bmm" in t)
     assert a_.op.source is not None and a_.op.source.endswith(f":{bmm_line}")
+
+
+def test_replay_names_the_float16_product_that_overflowed_to_neginf() -> None:
+    m = _Half().half()
+    a = torch.full((1, 8, 8), 300.0, dtype=torch.float16)
+    b = torch.full((1, 8, 8), -300.0, dtype=torch.float16)
+    with nanwatch.watch(m, on_anomaly="record", postmortem=False) as nw:
+        m(a, b).float().sum().backward()
+        nw.step()
+        nw.replay(lambda: m(a, b).float().sum().backward())
+    found = nw.first_anomaly
+    assert found is not None and found.op is not None
+    assert found.op.op.startswith("aten.bmm"), found.summary
