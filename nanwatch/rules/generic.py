@@ -285,6 +285,18 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
         "# where it is computed, keep the denominator that reaches 0 away from it:\n"
         "# num / den.clamp_min(torch.finfo(den.dtype).eps)  (den: that ratio's denominator)"
     )
+    made_by = "a ratio whose denominator reached 0, an exp that overflowed"
+    log = _log_of_zero(stat, ev.code)
+    if log is not None:
+        # -inf and no NaN or +inf, among finite values that are not all 0 (a mask's): a
+        # log of 0, not a ratio; the tensor is a target or a table, made without gradients
+        made_by = "a log of 0: a target or a table made without gradients"
+        evidence.append(log)
+        fix = (
+            "# where the target is made: -inf is log(0); keep what the log reads inside (0, 1)\n"
+            "eps = 1e-6   # float32 resolves 1 - 1e-6\n"
+            "y = y.clamp(eps, 1 - eps)   # y: the target whose log(y) / log(1 - y) is taken"
+        )
     if stat is not None and stat.numel == 1 and stat.nan == 1:
         # one value, NaN: the statistics of a batch of one (std/var with N - 1 = 0 degrees
         # of freedom is NaN, and clamping the denominator keeps a NaN a NaN)
@@ -313,11 +325,28 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             f"{constant_text(ev) or 'a constant operand held it'}. A tensor the loss reads "
             "that was computed without gradients (a per-sample weight or scale, a soft "
             "target, a table) is not part of the autograd graph: no node of the graph made "
-            "its NaN or inf, the code that computed it did (a ratio whose denominator "
-            "reached 0, an exp that overflowed), and every loss term it touches turns with it."
+            f"its NaN or inf, the code that computed it did ({made_by}), and every loss term "
+            "it touches turns with it."
         ),
         fix=fix,
     )
+
+
+def _log_of_zero(stat: TensorStat | None, code: str | None) -> str | None:
+    """What says a tensor's -inf is a log of 0, or None: -inf its only non-finite kind
+    and finite values not all 0 (a 0 / -inf mask is no log), all of them <= 0 (a log of
+    values in (0, 1]: a probability, a proportion) or a ``log`` on its line."""
+    if stat is None or not stat.only_neginf or not stat.finite_amax:
+        return None
+    if stat.max <= 0:
+        return (
+            f"every finite value is negative (max {fmt(stat.max)}) and the rest are -inf: "
+            "the pattern of a log of values in (0, 1] (a probability, a proportion, 1 - y), "
+            "-inf where a value was exactly 0 (a target of exactly 0 or 1)"
+        )
+    if re.search(r"\blog\w*\(|\.log\w*\(", code or ""):
+        return "-inf is its only non-finite value and its line takes a log: log(0) is -inf"
+    return None
 
 
 #: nodes of log-probabilities: a value of -138 there is log(p) of a tiny p, which no
@@ -331,9 +360,20 @@ def _edge_inputs(ctx: RuleContext, a: Anomaly) -> list[str]:
     zeros: log, xlogy, sqrt; values past exp's overflow bound: a hand-written exp hidden by
     the next op in forward). What they would mean, not a verdict: the op is unknown."""
     trace = ctx.trace
-    calls = {c.id for c in trace.calls if c.path == a.path}
+    mine = [c for c in trace.calls if c.path == a.path]
+    calls = {c.id for c in mine}
     out: list[str] = []
-    zero_said = exp_said = False
+    # the exp clue only where an exp may run: the module's own code (a class of the user's,
+    # which nanwatch does not see into) or an exp node among its outputs; a torch module
+    # (Linear, Conv, Tanh) computes no hand-written exp, and torch's own silu, mish and
+    # softplus never overflow
+    exp_nodes = {
+        str(r.grad_fn or "").split("Backward")[0]
+        for r in trace.records
+        if r.call in calls and r.grad_fn
+    }
+    zero_said = False
+    exp_said = not (exp_nodes & _EXP_LIKE or any(not _torch_module(c.module_type) for c in mine))
     for r in trace.records:
         if r.call not in calls or r.phase is not Phase.INPUT:
             continue
@@ -366,6 +406,18 @@ def _edge_inputs(ctx: RuleContext, a: Anomaly) -> list[str]:
                 "softplus never overflow"
             )
     return out
+
+
+#: autograd nodes (``Backward`` dropped) of ops that take an exp of their input
+_EXP_LIKE = frozenset(("Exp", "Exp2", "Expm1"))
+
+
+def _torch_module(kind: str) -> bool:
+    """``kind`` names a module class of ``torch.nn`` (``Linear``, ``Tanh``): its code is
+    torch's, with no hand-written exp in it."""
+    import torch.nn  # the rules run inside a watched step: torch is imported already
+
+    return isinstance(getattr(torch.nn, kind, None), type)
 
 
 def _watched_criterion(ctx: RuleContext) -> bool:

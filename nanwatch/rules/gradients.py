@@ -174,7 +174,8 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence.append(
             "loss over the last steps: " + ", ".join(f"{fmt(v)} (step {st})" for st, v in losses)
         )
-    yield _plain_update(ctx, a, update, gnorm, name=name, evidence=evidence)
+    total = prev.grad_norm if prev is not None else None
+    yield _plain_update(ctx, a, update, gnorm, name=name, evidence=evidence, total=total)
 
 
 def _other_rank(
@@ -665,6 +666,7 @@ def _plain_update(
     *,
     name: str,
     evidence: list[str],
+    total: float | None = None,
 ) -> Diagnosis:
     """The optimizer's update wrote the NaN/inf and none of its settings is itself broken:
     what its size says (lr × gradient for SGD, about lr per weight for the Adam family, a
@@ -682,6 +684,9 @@ def _plain_update(
     grad = f" (norm {fmt(gnorm)})" if gnorm is not None else ""
     master = ("\n" + _master_weights_line(rec.dtype, rec.device)) if low else ""
     if not overflow:
+        clipped = _clip_overflow(ctx, gnorm, total, rec.dtype, who, name=name, evidence=evidence)
+        if clipped is not None:
+            return ctx.diagnosis(**anomaly_fields(a), **clipped)
         # NaN and no inf: no value grew past the dtype, so the update's size is not the
         # cause; the update made it from finite numbers, or read it from its state
         rms = u is not None and u.optimizer == "RMSprop" and u.group.get("centered") is True
@@ -784,6 +789,73 @@ def _plain_update(
             "optimizer.step()\n" + lr_fix + master
         ),
     )
+
+
+def _clip_overflow(
+    ctx: RuleContext,
+    gnorm: float | None,
+    total: float | None,
+    dtype: str,
+    who: str,
+    *,
+    name: str,
+    evidence: list[str],
+) -> dict[str, Any] | None:
+    """A NaN update after gradients so large that the square of their norm overflows the
+    dtype, clipped by ``clip_grad_norm_`` between ``backward()`` and ``step()``: torch
+    computes the total norm in the gradients' dtype (``foreach`` or not), gets inf, and
+    scales every gradient by ``max_norm / (inf + 1e-6)``: NaN for ``max_norm=inf`` (the
+    logging idiom), 0 for a finite one. The fields of that diagnosis, else None."""
+    lim = limits(dtype)
+    sizes = [v for v in (gnorm, total) if v is not None and not math.isnan(v)]
+    if lim is None or not sizes or max(sizes) <= math.sqrt(lim.max):
+        return None
+    clip = None
+    for t in (ctx.trace, *reversed(ctx.history[-1:])):
+        clip = _clip_before_step(t)
+        if clip is not None:
+            break
+    if clip is None or not clip[2].startswith("clip_grad_norm"):
+        return None
+    where, max_norm, fname, first = clip
+    if max_norm is not None and math.isfinite(max_norm):
+        return None  # max_norm / inf is 0: the clip zeroed the gradients, wrote no NaN
+    size = max(sizes)
+    bound = math.sqrt(lim.max)
+    limit = "max_norm=inf" if max_norm is not None else "a max_norm that is inf"
+    evidence.append(
+        f"gradient norm {fmt(size)} at the end of backward: above {fmt(bound)} = "
+        f"sqrt({fmt(lim.max)}), the largest {dtype} whose square fits in {dtype}"
+    )
+    evidence.append(f"{fname} at {where} runs between backward() and step()")
+    params = first or "model.parameters()"
+    return {
+        "title": "Non-finite weights: the gradient clip's norm overflowed and wrote NaN",
+        "evidence": evidence,
+        "explanation": (
+            f"The gradients exploded (norm {fmt(size)}), and {fname} at {where} turned "
+            f"them into NaN before {who} applied them to {name}. It computes the total "
+            f"norm in the gradients' dtype ({dtype}, with foreach=True or False alike) "
+            "from the squares of the gradients, which overflow: the norm is inf. It then "
+            "multiplies every gradient by max_norm / (total_norm + 1e-6), clamped to at "
+            f"most 1: with {limit} that is inf / inf = NaN, and every .grad is NaN when "
+            "the optimizer reads it. With a finite max_norm the factor is max_norm / inf = "
+            "0 instead: no NaN, but the update is silently zeroed. Compute the norm in "
+            "float64, where its square fits, clip with a finite max_norm, and find why "
+            "the gradients grow this large (a recurrent weight or an init gain too large, "
+            "a learning rate too high)."
+        ),
+        "fix": (
+            f"params = [p for p in {params} if p.grad is not None]\n"
+            "total = torch.linalg.vector_norm(torch.stack(\n"
+            "    [torch.linalg.vector_norm(p.grad, dtype=torch.float64) for p in params]))\n"
+            f"print(total.item())   # the norm {fmt(size)}: float64 holds its square\n"
+            "coef = (1.0 / (total + 1e-6)).clamp(max=1.0)   # max_norm=1.0, finite\n"
+            "for p in params:\n"
+            "    p.grad.mul_(coef.to(p.grad.dtype))   # instead of "
+            f"{fname}(..., {'inf' if max_norm is not None else 'max_norm'})"
+        ),
+    }
 
 
 def _unexplained_inf(
@@ -1715,11 +1787,12 @@ _CLIP_CALLS = frozenset(
 )
 
 
-def _clip_before_step(trace: StepTrace) -> tuple[str, float | None] | None:
+def _clip_before_step(trace: StepTrace) -> tuple[str, float | None, str, str | None] | None:
     """Where the user's code clips the gradients between ``backward()`` and the next
     ``.step()`` (``clip_grad_norm_``, ``clip_grad_value_``), read from the function of the
-    user's lines this step's notes name (the loss line): the clip's ``file:line`` and its
-    ``max_norm`` when that is a number written there (None: a value clip, a variable).
+    user's lines this step's notes name (the loss line): the clip's ``file:line``, its
+    ``max_norm`` when that is a number written there (None: a value clip, a variable;
+    ``inf`` for ``float("inf")``), the function's name and its first argument's source.
     None when no such clip is found (a clip after ``step()`` clips nothing applied).
     With no such line (``loss = -flow(x).mean()`` calls no loss: the optimizer's note has
     no source), the user's line running the rules now: the loop's ``nw.step()`` or the
@@ -1753,7 +1826,10 @@ def _clip_before_step(trace: StepTrace) -> tuple[str, float | None] | None:
             elif kind == "step":
                 after_backward = False
             elif after_backward:
-                return f"{path}:{lineno}", _max_norm(call)
+                f = call.func
+                fname = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                first = ast.unparse(call.args[0]) if call.args else None
+                return f"{path}:{lineno}", _max_norm(call), fname, first
     return None
 
 
@@ -1772,11 +1848,30 @@ def _max_norm(call: ast.Call) -> float | None:
     arg = next((k.value for k in call.keywords if k.arg == "max_norm"), None)
     if arg is None and len(call.args) >= 2:
         arg = call.args[1]
+    if _infinite(arg):
+        return math.inf
     try:
         v = ast.literal_eval(arg) if arg is not None else None
     except ValueError:
         return None
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _infinite(node: ast.expr | None) -> bool:
+    """``float("inf")``, ``math.inf``, ``torch.inf``, ``np.inf``: the max_norm of a clip
+    written only to log the norm."""
+    if isinstance(node, ast.Attribute):
+        return node.attr == "inf"
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "float"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    ):
+        return node.args[0].value.strip().lower().lstrip("+") in ("inf", "infinity")
+    return False
 
 
 # ---------------------------------------------------------------------- NW304
@@ -1824,8 +1919,16 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
             dtypes.setdefault(r.path, r.dtype)
             if s.norm is not None:
                 by_norm.add(r.path)
+    out = {p for p, z in seen.items() if z}
+    if penalized and any(not pseen.get(p, True) for p in out):
+        # a module whose every output gradient was 0 while its parameters got a non-zero
+        # gradient, in a step that differentiated calls with torch.autograd.grad: the
+        # training gradients came through that derivative graph (a PINN's residual, with
+        # create_graph=True), whose calls are left out above; the zeros seen (a boundary
+        # term exactly 0 by construction) tell of no dead units this step, for any module
+        out = set()
     return (
-        {p for p, z in seen.items() if z},
+        out,
         {p for p, z in pseen.items() if z},
         dtypes,
         by_norm,
