@@ -275,7 +275,7 @@ def _followers(ev: OpEvent, ops: Sequence[OpEvent]) -> list[OpEvent]:
     return [o for o in ops if not _same_event(o, ev) and any(_same_event(c, ev) for c in o.chain())]
 
 
-_SOFTMAX_CODE = re.compile(r"\b(softmax|logsumexp)\b|\.sum\(|torch\.sum\(")
+_SOFTMAX_CODE = re.compile(r"\b(softmax|logsumexp)\b|\.(?:cum)?sum\(|torch\.(?:cum)?sum\(")
 
 
 def _softmax_like(ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEvent] = ()) -> bool:
@@ -354,7 +354,12 @@ def _normalized_later(ev: OpEvent, reach: int = 15) -> _Normalized | None:
     }
     if not derived:
         return None
-    sums: set[str] = set()
+    # the exp's own line may assign the sum (``denom = (mask * torch.exp(x)).sum(1)``)
+    sums = {
+        name
+        for stmt in statements(ev.code)
+        if (name := _assigned(stmt)) is not None and _sums_an_exp(stmt)
+    }
     for n, text, stmt in _later_statements(path, start, indent, reach):
         try:
             tree = ast.parse(stmt)
@@ -383,6 +388,22 @@ def _normalized_later(ev: OpEvent, reach: int = 15) -> _Normalized | None:
             if _sum_of(tree, derived):
                 sums.add(target)
     return None
+
+
+def _sums_an_exp(stmt: str) -> bool:
+    """The statement sums (``.sum(d)``, ``torch.sum``) an expression holding an exp call."""
+    try:
+        tree = ast.parse(stmt)
+    except SyntaxError:
+        return False
+    for n in ast.walk(tree):
+        total = _call_of(n, "sum") if isinstance(n, ast.expr) else None
+        if total is None:
+            continue
+        for m in ast.walk(total[0]):
+            if isinstance(m, ast.expr) and _call_of(m, "exp") is not None:
+                return True
+    return False
 
 
 _SUMMING = frozenset({"sum", "nansum", "cumsum", "logsumexp", "softmax", "log_softmax"})
@@ -564,6 +585,10 @@ def _from_op(
     src = ev.scalars.get("source_dtype")
     source = src if isinstance(src, str) else None
     power: tuple[float, float, float] | None = None
+    tpow: _TensorPower | None = None
+    cums: _CumsumExponent | None = None
+    # the backward of a cast up (x.float()): the gradient is cast back to x's dtype
+    back_cast = (name in CAST or name == "to_copy") and ev.phase is Phase.BACKWARD
     # a complex tensor's statistics are of |z|: exp's overflow is governed by Re(z) alone
     cplx = dtype.startswith("complex") and name in EXP_LIKE
     if lim is None:
@@ -609,10 +634,24 @@ def _from_op(
             f"{op} cast {_integer_values(ints, source)} to {dtype}, whose largest finite "
             f"value is {fmt(lim.max)}: it became {ev.born}"
         )
+    elif back_cast:
+        size = f" (up to |x| = {fmt(big)})" if not math.isnan(big) else ""
+        cast_up = (
+            "a .float() / .to()"
+            if (ev.node or "ToCopy").startswith("ToCopy")
+            else f"a {dtype} operand promoted to float32 by {ev.node}"
+        )
+        evidence.append(
+            f"in backward{f' ({ev.node})' if ev.node else ''}, {op} cast the float32 gradient "
+            f"of {cast_up} back to {dtype}, the dtype of the tensor cast up{size}: "
+            f"it was past {fmt(lim.max)}, {dtype}'s largest finite value, and became {ev.born}"
+            + ("" if size else " (the gradient's value itself was not measured)")
+        )
     elif name in CAST:
         of = f"a {source} value" if source else "a value"
+        size = f" of |x| = {fmt(big)}" if not math.isnan(big) else " (its value was not measured)"
         evidence.append(
-            f"{op} cast {of} of |x| = {fmt(big)} to {dtype}, whose largest finite value "
+            f"{op} cast {of}{size} to {dtype}, whose largest finite value "
             f"is {fmt(lim.max)}: it became {ev.born}"
         )
     elif (power := _scalar_power(ev)) is not None:
@@ -621,10 +660,21 @@ def _from_op(
             f"{op} raised {fmt(base)} to the powers of its input: {fmt(base)} ** {fmt(e)} = "
             f"{fmt(value)} > {fmt(lim.max)} ({dtype}'s max)"
         )
+    elif (tpow := _tensor_power(ev, lim)) is not None:
+        evidence.append(
+            f"{op} raised bases up to {fmt(tpow.base)} to exponents up to "
+            f"{fmt(tpow.exponent)}: {fmt(tpow.exponent)} · log({fmt(tpow.base)}) = "
+            f"{tpow.log:.1f} > {fmt(lim.exp_bound)} = log({fmt(lim.max)}), {dtype}'s max"
+        )
     else:
         reach = _true_result(name, ev)
+        given = (
+            f"from inputs up to |x| = {fmt(big)}"
+            if not math.isnan(big)
+            else "(its inputs were not measured)"
+        )
         evidence.append(
-            f"{op} made {ev.born} in {dtype} from inputs up to |x| = {fmt(big)}"
+            f"{op} made {ev.born} in {dtype} {given}"
             + (f" (its exact result reaches up to {fmt(reach)})" if math.isfinite(reach) else "")
             + f"; the largest finite {dtype} value is {fmt(lim.max)}"
         )
@@ -653,11 +703,18 @@ def _from_op(
     elif jump is not None:
         evidence.append(jump.line(_lr_note(ctx, jump.path)))
         evidence += [] if jump.elsewhere else _setting_evidence(ctx)
+    elif wide and not result_only and not cplx and (cums := _cumsum_exponent(ev)) is not None:
+        evidence.append(
+            f"the exponent {cums.arg} is a cumulative sum, made at {cums.source}: "
+            f"{cums.code} -- a sum of one term per position, so it grows with the length "
+            "summed over, not because any value exploded"
+        )
     elif (
         wide
         and lim is not None
         and name not in CAST
         and not result_only
+        and tpow is None  # a power of ordinary operands: nothing grew past range
         and _huge_target(ev, lim) is None  # the data is unscaled: no growth to explain
     ):
         evidence.append(
@@ -749,6 +806,11 @@ def _from_op(
         fix = _fix_jump(ctx, jump)
     elif init is not None and lim is not None:
         explanation, fix = init.explanation(dtype, lim), init.fix(lim)
+    elif cums is not None and lim is not None:
+        explanation, fix = _cumsum_exp(cums, name.rstrip("_"), ev.code, dtype, lim)
+    elif tpow is not None and lim is not None:
+        explanation = _explain_tensor_power(tpow, dtype, lim)
+        fix = _fix_tensor_power(tpow, lim)
     elif wide and lim is not None and (target := _huge_target(ev, lim)) is not None:
         explanation, fix = _target_overflow(target, dtype, lim)
         evidence.append(target.line())
@@ -790,6 +852,11 @@ def _from_op(
         fix = _power_fix(ev.code, power, dtype, ref=_module_ref(ctx, a))
     elif ints is not None and lim is not None:
         explanation, fix = _int_cast(ev.code, ints[1], source, dtype, lim)
+    elif back_cast and lim is not None and (ev.node or "ToCopy").startswith("ToCopy"):
+        explanation, fix = _cast_back(dtype, lim, ev.code)
+    elif back_cast and lim is not None:  # type promotion: a low-precision operand's gradient
+        explanation = _explain_fixed_factor(dtype, lim, few=False)
+        fix = _fix_fixed_factor(dtype, _module_ref(ctx, a), ev.code)
     else:
         explanation = _explain(kind, dtype, lim)
         fix = _fix(
@@ -807,6 +874,17 @@ def _from_op(
             result=_true_result(name, ev),
             cast_input=_cast_input(ctx, ev) if kind == "cast" else None,
             operands=tuple(s.magnitude for _, s in ev.inputs if s is not None),
+            # the op's inf is itself the module's output (a state it returns), not an
+            # intermediate whose NaN followed: cast back, that output is inf again
+            output_fits=not (
+                trigger is ev
+                and a.record.stat is not None
+                and not a.record.stat.nan
+                and a.record.bad
+                and a.record.phase is Phase.FORWARD
+                and a.record.role.startswith("output")
+                and a.record.path == (ev.path or a.path)
+            ),
         )
     moved = _closure_moved(ctx) if wide and subst is None and loop is None else None
     if moved is not None and batch is None and jump is None and init is None:
@@ -819,7 +897,14 @@ def _from_op(
     if not wide and loop is None and batch is None and jump is None and kind != "backward":
         in_loss = _loss_module_fix(ctx, a, ev, dtype, lim)
         fix = in_loss if in_loss is not None else fix
-    if norm is not None and norm.log and loop is None and batch is None and jump is None:
+    weighted = (
+        _weighted_lse_fix(ev.code, norm)
+        if norm is not None and norm.log and name.rstrip("_") == "exp"
+        else None
+    )
+    if weighted is not None and loop is None and batch is None and jump is None:
+        fix = weighted
+    elif norm is not None and norm.log and loop is None and batch is None and jump is None:
         got: list[str] = []
 
         def keep(e: str) -> str:
@@ -1070,6 +1155,139 @@ def _power_fix(code: str | None, power: tuple[float, float, float], dtype: str, 
     return (
         f"# in {ref}'s forward: compute base ** t from t.float() ({why})\n"
         f"# and cast only its bounded results (cos, sin) to torch.{dtype}"
+    )
+
+
+@dataclass(frozen=True)
+class _TensorPower:
+    """``base ** exponent`` with both tensors, each ordinary, whose power overflows:
+    log|base| · exponent passed log(max)."""
+
+    base: float  #: the largest |base|
+    exponent: float  #: the largest exponent
+    names: tuple[str, str] | None  #: the two operands on the user's line, when it shows one
+
+    @property
+    def log(self) -> float:
+        return math.log(self.base) * self.exponent
+
+
+def _tensor_power(ev: OpEvent, lim: DtypeLimits) -> _TensorPower | None:
+    """A forward pow of a tensor by a tensor whose inputs are both far from the dtype's max,
+    but whose largest base to its largest exponent is past it; None otherwise."""
+    if packet(ev.op).rstrip("_") != "pow" or ev.phase is not Phase.FORWARD:
+        return None
+    stats = [st for _, st in ev.inputs if st is not None]
+    if len(stats) != 2:
+        return None
+    b, e = stats
+    base, top = b.magnitude, e.max
+    if not (math.isfinite(base) and math.isfinite(top)) or base <= 1 or top <= 1:
+        return None
+    if math.log(base) * top <= lim.exp_bound or max(base, abs(top)) > math.sqrt(lim.max):
+        return None
+    if lim.short_range and math.log(base) * top <= _exp_bound("float32"):
+        return None  # float16's range: the power fits float32, an upcast mends it
+    names: tuple[str, str] | None = None
+    line = ev.code.split("  #", 1)[0].strip() if ev.code else ""
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        tree = None
+    pows = [
+        (n.left, n.right)
+        for n in (ast.walk(tree) if tree is not None else ())
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow)
+    ]
+    if len(pows) == 1:
+        left = ast.get_source_segment(line, pows[0][0])
+        right = ast.get_source_segment(line, pows[0][1])
+        if left and right:
+            names = (left, right)
+    return _TensorPower(base, top, names)
+
+
+def _cumsum_exp(
+    c: _CumsumExponent, op: str, code: str | None, dtype: str, lim: DtypeLimits
+) -> tuple[str, str]:
+    """The explanation and fix of an exp of a cumulative sum: bound the length summed,
+    or exponentiate only differences of the sum (a decay between two positions)."""
+    plain = code.split("  #", 1)[0].strip() if code else ""
+    explanation = (
+        f"{op}'s argument {c.arg} is a cumulative sum: its value at position t is the sum "
+        "of t terms, so it grows with the sequence or chunk length, and a long enough one "
+        f"passes {fmt(lim.exp_bound)} = log({fmt(lim.max)}) in {dtype} even when every term "
+        "is small. A gated linear attention or state-space decay written as "
+        "exp(cs_t) · exp(-cs_s) overflows one factor and underflows the other; their "
+        "product, the decay exp(cs_t - cs_s) between two positions, is at most 1. Clamping "
+        "the exponent silently gives wrong decays."
+    )
+    dim = re.search(r"cumsum\((?:[^,()]+,\s*)?(?:dim\s*=\s*)?(-?\d+)\s*\)", c.code)
+    n = c.name
+    head = (
+        f"# was: {plain}\n"
+        f"# never exponentiate {n} alone: exponentiate differences, exp({n}_t - {n}_s), at "
+        "most 1 for s <= t when the terms are log-decays (<= 0): a masked segment sum, "
+        "Mamba-2's segsum\n"
+    )
+    if dim is not None and dim[1] == "1" and n.isidentifier():
+        seg = (
+            f"seg = {n}.unsqueeze(2) - {n}.unsqueeze(1)   # [b, t, s, ...] = {n}_t - {n}_s\n"
+            "causal = torch.tril(torch.ones(seg.shape[1], seg.shape[1], dtype=torch.bool, "
+            "device=seg.device))\n"
+            "seg = seg.masked_fill(~causal.view(1, *causal.shape, *[1] * (seg.dim() - 3)), "
+            "float('-inf'))\n"
+            "decay = torch.exp(seg)   # every entry <= 1: weight each (t, s) pair with it\n"
+        )
+    elif dim is not None and dim[1] == "-1" and n.isidentifier():
+        seg = (
+            f"seg = {n}[..., :, None] - {n}[..., None, :]   # [..., t, s] = {n}_t - {n}_s\n"
+            "causal = torch.tril(torch.ones(seg.shape[-1], seg.shape[-1], dtype=torch.bool, "
+            "device=seg.device))\n"
+            "decay = torch.exp(seg.masked_fill(~causal, float('-inf')))   # every entry <= 1\n"
+        )
+    else:
+        seg = (
+            f"# seg[t, s] = {n}_t - {n}_s over the dim {n} is summed on, -inf where s > t; "
+            "decay = torch.exp(seg)\n"
+        )
+    fix = (
+        head + seg + f"# or shorter chunks: within a chunk of C positions |{c.name}| stays below "
+        f"C · max|term|, keep that under {fmt(lim.exp_bound / 2)}, and carry the state "
+        "across chunks; or subtract each chunk's start value before the exp"
+    )
+    return explanation, fix
+
+
+def _explain_tensor_power(p: _TensorPower, dtype: str, lim: DtypeLimits) -> str:
+    return (
+        f"Neither operand of this power is large: bases up to {fmt(p.base)}, exponents up "
+        f"to {fmt(p.exponent)}. But base ** exponent = exp(exponent · log(base)), and "
+        f"{fmt(p.exponent)} · log({fmt(p.base)}) = {p.log:.1f} is past log({fmt(lim.max)}) = "
+        f"{fmt(lim.exp_bound)}, {dtype}'s limit: a power overflows when the exponent grows "
+        "(a learned shape, a sharpness exp(raw)), even with a moderate base. Normalizing the "
+        "inputs does not bound it; bounding the exponent, or staying in log space, does."
+    )
+
+
+def _fix_tensor_power(p: _TensorPower, lim: DtypeLimits) -> str:
+    base, k = p.names if p.names is not None else ("base", "exponent")
+    # half the dtype's exp bound: the power stays below sqrt(max), so a product still fits
+    cap = math.floor(lim.exp_bound / 2 / math.log(p.base) * 10) / 10
+    bounded = (
+        f"{k} = {k}.clamp(max={cap})   # before {base} ** {k}"
+        if p.names is not None and k.isidentifier()
+        else f"# clamp the exponent before the power: {paren(k)}.clamp(max={cap})"
+    )
+    return (
+        f"{bounded}\n"
+        f"# {fmt(p.base)} ** {fmt(p.exponent)} = e^{p.log:.1f}, past e^{fmt(lim.exp_bound)}: "
+        f"bound the exponent, not the values; {cap} keeps bases up to {fmt(p.base)} below "
+        f"sqrt(max) = {fmt(math.sqrt(lim.max))}\n"
+        "# or make the exponent bounded where it is made: 1 + F.softplus(raw) grows linearly "
+        "and (k_max - 1) * torch.sigmoid(raw) + 1 is bounded, an exp(raw) is neither\n"
+        f"# or stay in log space: log({base} ** {k}) = {paren(k)} * torch.log({base}); use "
+        "it where the loss takes a log, and keep the base near 1 (rescale the data so it is)"
     )
 
 
@@ -2234,6 +2452,54 @@ def _exp_argument(code: str | None) -> tuple[str, str] | None:
     return (ast.unparse(arg), text) if re.fullmatch(r"[A-Za-z_][\w.]*", text) else None
 
 
+@dataclass(frozen=True)
+class _CumsumExponent:
+    """An exp whose argument is a cumulative sum (``cs = torch.cumsum(logdecay, dim=1)``
+    then ``torch.exp(-cs)``): its exponent grows with the length summed over."""
+
+    arg: str  #: the exp's argument on the user's line (``-cs``)
+    name: str  #: the cumulative sum's name (``cs``)
+    source: str  #: where it is made, ``file.py:16``
+    code: str  #: that line
+
+
+def _cumsum_exponent(ev: OpEvent, reach: int = 40) -> _CumsumExponent | None:
+    """The earlier line of the exp's function that makes its argument by a cumsum, or the
+    exp's own line when its argument is one (``torch.exp(x.cumsum(1))``); None otherwise."""
+    import linecache
+
+    if packet(ev.op) not in _BARE_EXP or ev.phase is not Phase.FORWARD:
+        return None
+    got = _exp_argument(ev.code)
+    if got is None:
+        got_all: list[str] = []
+
+        def keep(e: str) -> str:
+            got_all.append(e)
+            return e
+
+        _rewrite_calls(ev.code, packet(ev.op).rstrip("_"), keep)
+        if len(got_all) == 1 and re.search(r"\bcumsum\(", got_all[0]):
+            return _CumsumExponent(got_all[0], got_all[0], ev.source or "", ev.code or "")
+        return None
+    arg, name = got
+    path, _, num = (ev.source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    start = int(num)
+    for n in range(start - 1, max(0, start - reach), -1):
+        text = linecache.getline(path, n)
+        if re.match(r"\s*(?:async\s+)?def\s", text):
+            return None
+        for stmt in statements(text):
+            if _assigned(stmt) != name:
+                continue
+            if re.search(r"\bcumsum\(", stmt):
+                return _CumsumExponent(arg, name, f"{path}:{n}", text.strip())
+            return None  # the name is made by something else
+    return None
+
+
 def _exp_holder(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> str | None:
     """For an exp that overflowed: the parameter its argument is (``exp(-log_vars)``, read
     from the user's line, or, the line unknown, the only watched parameter of the exp's
@@ -2670,6 +2936,22 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix, priority=20
         )
         return
+    factor = _fixed_factor(s, lim) if backward else None
+    if factor is not None:
+        evidence.insert(
+            2,
+            f"the finite values are at most {fmt(factor)}, {fmt(lim.max / factor)} times below "
+            f"{rec.dtype}'s max, yet {_inf_count(s)} overflowed: a few elements' gradient "
+            "is many orders of magnitude above the rest",
+        )
+        yield ctx.diagnosis(
+            **anomaly_fields(a),
+            evidence=evidence,
+            explanation=_explain_fixed_factor(rec.dtype, lim),
+            fix=_fix_fixed_factor(rec.dtype, _module_ref(ctx, a)),
+            priority=20,
+        )
+        return
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
@@ -2685,6 +2967,86 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             loss=a.path == LOSS_PATH,
         ),
         priority=20,
+    )
+
+
+def _cast_back(dtype: str, lim: DtypeLimits, code: str | None) -> tuple[str, str]:
+    """A backward cast: the float32 gradient of the user's x.float() went back to x's
+    dtype and did not fit -- a loss scale too large, or a large factor in the float32 part."""
+    top = fmt(lim.max)
+    plain = code.split("  #", 1)[0].strip() if code else ""
+    at = f" (at: {plain})" if plain else ""
+    explanation = (
+        f"In backward, the gradient of x.float() (or x.to(torch.float32)) is cast back to "
+        f"x's dtype, {dtype}. The float32 part of the graph made a gradient larger than "
+        f"{top}, {dtype}'s largest value, so that cast made it inf{at}: a loss multiplied by "
+        "a loss scale too large for these gradients, or a large factor in the float32 "
+        f"computation. Computing more in float32 does not help; the gradient must fit {dtype} "
+        "where it re-enters the model."
+    )
+    fix = (
+        f"# the gradient reaching the .float() was past {top}: lower what multiplies the loss\n"
+        "scaler = torch.amp.GradScaler()   # starts at 2**16, halves its scale on every "
+        "overflow and skips that step; nanwatch.watch(model, scaler=scaler) expects those "
+        "steps\n"
+        "# a hand-written loss scale: start lower (2.0 ** 16, not 2.0 ** 24); if it lowers "
+        "itself after an overflow by design, the first overflowing steps are expected\n"
+        f"# or train in bfloat16 (float32's range): the cast back cannot overflow there"
+    )
+    return explanation, fix
+
+
+def _inf_count(s: TensorStat) -> str:
+    n = (s.posinf or 0) + (s.neginf or 0)
+    return f"{n} of {s.numel:,}" if n else "some"
+
+
+def _fixed_factor(s: TensorStat, lim: DtypeLimits) -> float | None:
+    """A low-precision gradient where a few elements overflowed while every finite one is
+    tiny (at most max / 2**16): no loss scale fits both, a fixed large factor in the graph
+    (a 1e10 "infinite" interval, a 1e9 mask fill) multiplies those elements. The largest
+    finite |x|, or None when the values do not show that."""
+    if not lim.short_range or s.finite_amax is None or not math.isfinite(s.finite_amax):
+        return None
+    bad = (s.posinf or 0) + (s.neginf or 0)
+    if not bad or (s.nan or 0) or bad * 2 > s.numel or s.finite_amax <= 0:
+        return None
+    return s.finite_amax if s.finite_amax <= lim.max / 2.0**16 else None
+
+
+def _explain_fixed_factor(dtype: str, lim: DtypeLimits, *, few: bool = True) -> str:
+    head = (
+        f"A gradient exceeded {dtype}'s largest finite value {fmt(lim.max)} in a few "
+        "elements while the rest stayed tiny: not a loss too large (that overflows every "
+        "element alike), but a fixed large constant in the graph"
+        if few
+        else f"A gradient exceeded {dtype}'s largest finite value {fmt(lim.max)} on its way "
+        f"back to a {dtype} operand of a float32 product: likely a large constant in the graph"
+    )
+    return head + (
+        " -- a 1e10 'infinite' last "
+        "interval, a 1e9 mask fill, a large weight on one term -- multiplying those "
+        f"elements' gradient. A GradScaler cannot fix it: one scale for all gradients "
+        "either overflows these or flushes the rest to zero, and it skips every step while "
+        f"halving its scale. The gradient is cast back to {dtype} where a {dtype} tensor "
+        "met the factor (type promotion computes the product in float32, its gradient "
+        f"returns in {dtype})."
+    )
+
+
+def _fix_fixed_factor(dtype: str, ref: str, code: str | None = None) -> str:
+    plain = code.split("  #", 1)[0].strip() if code else ""
+    return (
+        (f"# at: {plain}\n" if plain else "")
+        + f"# compute where the constant meets the {dtype} tensor in float32: cast the {dtype} "
+        "operand up before multiplying, e.g.\n"
+        f"y = x.float() * c   # was: y = x * c, with x in {dtype} and c holding a large "
+        "constant (1e10)\n"
+        f"# and keep float32 back to where that gradient is consumed ({ref}'s output layer "
+        f"in float32: {ref}.float() with its input cast up), or use a constant that fits "
+        f"{dtype}: its gradient is that factor times the upstream one\n"
+        "# not a GradScaler: it scales every gradient by one factor and only helps a loss "
+        "whose gradients all under- or overflow together"
     )
 
 
@@ -2939,7 +3301,14 @@ def _fix_wide(
                     else ""
                 )
             )
-        return f"{first_line}\n{why}\n{last}"
+        unseen = (
+            "\n# if this exp's sum or cumsum goes into a log (a Cox, CRF or contrastive loss): "
+            "torch.logsumexp(x, dim) / torch.logcumsumexp(x, dim) instead -- a clamp there "
+            "changes the loss"
+            if fixed is None and op == "exp" and not complex_
+            else ""
+        )
+        return f"{first_line}\n{why}\n{last}{unseen}"
     if kind == "cast":
         return _fix_cast(code, dtype, cast_input)
     if clip is None:
@@ -3034,12 +3403,14 @@ def _fix(
     result: float = math.nan,
     cast_input: str | None = None,
     operands: tuple[float, ...] = (),
+    output_fits: bool = True,
 ) -> str:
     """Low precision: compute the op in float32, or train in bfloat16 (float32's range).
     ``arg``: an exp's largest argument; ``scalar``: the exp's input is one value (a learned
     0-dim scale); ``loss``: the op ran in loss code, outside the modules; ``result``: the
     largest |result| the op's inputs allow (:func:`_true_result`), NaN when unknown;
-    ``operands``: the largest |x| of each tensor input."""
+    ``operands``: the largest |x| of each tensor input; ``output_fits``: False when the
+    module's own output is what overflowed (cast back, it would be inf again)."""
     plain = code.split("#", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
     bf16 = f"# or train in bfloat16: torch.autocast({device}, dtype=torch.bfloat16)"
@@ -3137,7 +3508,9 @@ def _fix(
         if not loss and ref != "model":
             # in a submodule: float32 from its input to its output, the output cast back.
             # The line alone is not enough when the values it uses were made in the dtype
-            # (a mean rounded to float16 in E[x^2] - E[x]^2 cancels to a negative variance)
+            # (a mean rounded to float16 in E[x^2] - E[x]^2 cancels to a negative variance).
+            # Its inputs arrive in the dtype (nested too: an (h, c) state) and are cast up
+            # with it; its outputs are cast back only when they fit
             alt = (
                 f"# or in {ref}'s forward: {mine}, and the tensors this line uses made from "
                 ".float() inputs too"
@@ -3145,17 +3518,23 @@ def _fix(
                 else f"# or in {ref}'s forward: call {op} on .float() inputs, and keep every step "
                 f"from the forward's input to here in float32"
             )
-            return (
-                f"{ref}.float()   # once, after building the model: it computes in float32\n"
-                f"{ref}.register_forward_pre_hook(lambda m, args: tuple(a.float() if "
-                "torch.is_tensor(a) and a.is_floating_point() else a for a in args))\n"
-                f"{ref}.register_forward_hook(lambda m, args, out: out.to(torch.{dtype}))   "
-                f"# its output back to {dtype}\n"
+            back = (
+                f"{ref}.register_forward_hook(lambda m, args, out: {_tree_cast('out', dtype)})   "
+                f"# its outputs back to {dtype}\n"
                 f"# {past}, {dtype}'s largest value: computed in float32 and cast back, it is "
                 "inf again; in float32 from the module's input to its output, only the output "
                 "(a normalized value) is cast back"
-                + (f" {no_autocast}" if autocast else "")
-                + f"\n{alt}\n{bf16}"
+                if output_fits
+                else f"# no hook casting its outputs back: {past}, {dtype}'s largest value, and "
+                f"that value is {ref}'s output (a state it hands on): cast to {dtype} it is inf "
+                f"again. Keep it in float32; cast to {dtype} only an output that fits where it "
+                f"enters a {dtype} layer (head(h.to(torch.{dtype}))), or .float() those layers too"
+            )
+            return (
+                f"{ref}.float()   # once, after building the model: it computes in float32\n"
+                f"{ref}.register_forward_pre_hook(lambda m, args: {_tree_cast('args', 'float32')})"
+                f"   # its {dtype} inputs up to float32, nested ones too (an (h, c) state)\n"
+                f"{back}" + (f" {no_autocast}" if autocast else "") + f"\n{alt}\n{bf16}"
             )
         if mine is not None:
             kept = _assigned(mine) or "the result"
@@ -3190,6 +3569,15 @@ def _fix(
         f"{ref}.float()   # once, after building the model: this module computes in float32\n"
         f"# and give it x.float(); cast its output back with .to(torch.{dtype}) where needed\n"
         f"{bf16}"
+    )
+
+
+def _tree_cast(tree: str, dtype: str) -> str:
+    """Code casting every floating tensor of ``tree`` -- a module's args or output, with
+    tensors nested in tuples, lists and dicts (an (h, c) state) -- to ``dtype``."""
+    return (
+        f"torch.utils._pytree.tree_map(lambda a: a.to(torch.{dtype}) if torch.is_tensor(a) "
+        f"and a.is_floating_point() else a, {tree})"
     )
 
 
@@ -3687,7 +4075,15 @@ def _logsumexp_line(code: str | None) -> str | None:
         log = _call_of(node, "log")
         if log is None or log[1] or log[2]:
             continue
-        total = _call_of(log[0], "sum")
+        weighted = _weighted_lse(line, log[0])  # log((mask * exp(x)).sum(d))
+        if weighted is not None:
+            start = len(raw[: node.col_offset].decode())
+            end = len(raw[: node.end_col_offset].decode())
+            return line[:start] + weighted + line[end:]
+        # log(cumsum(exp(x), dim)) -- a Cox risk-set sum -- is torch.logcumsumexp
+        total, stable = _call_of(log[0], "sum"), "logsumexp"
+        if total is None:
+            total, stable = _call_of(log[0], "cumsum"), "logcumsumexp"
         if total is None:
             continue
         exp = _call_of(total[0], "exp")
@@ -3702,9 +4098,11 @@ def _logsumexp_line(code: str | None) -> str | None:
             continue
         dims = [*rest, *kws]
         if not any(k.arg == "dim" for k in total[2]) and not rest:
+            if stable != "logsumexp":
+                continue  # a cumsum always names its dim
             call = f"torch.logsumexp({paren(arg)}.flatten(), 0)"  # a sum over every value
         else:
-            call = f"torch.logsumexp({', '.join([arg, *(d for d in dims if d)])})"
+            call = f"torch.{stable}({', '.join([arg, *(d for d in dims if d)])})"
         start = len(raw[: node.col_offset].decode())
         end = len(raw[: node.end_col_offset].decode())
         return line[:start] + call + line[end:]
@@ -3718,10 +4116,94 @@ def _logsumexp_fix(code: str | None) -> str | None:
     if fixed is None:
         return None
     plain = code.split("  #", 1)[0].strip() if code else ""
+    if "torch.logcumsumexp(" in fixed:
+        return (
+            f"{fixed}  # was: {plain}\n"
+            "# torch.logcumsumexp computes log(cumsum(exp(x))) without overflow (a running "
+            "max is subtracted inside and added back): the value is the same. Clamping the exp "
+            "instead would change the loss (it becomes unbounded below)"
+        )
     return (
         f"{fixed}  # was: {plain}\n"
         "# torch.logsumexp computes log(sum(exp(x))) without overflow (it subtracts the max "
         "inside and adds it back): the value is the same, every exp is at most 1"
+    )
+
+
+def _factors(node: ast.expr) -> list[ast.expr]:
+    """The factors of a product ``a * b * c`` (one factor when ``node`` is no product)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return [*_factors(node.left), *_factors(node.right)]
+    return [node]
+
+
+def _weighted_lse(line: str, node: ast.expr) -> str | None:
+    """``torch.logsumexp(x + torch.log(w), dim)`` for ``node``, a weighted sum of one exp
+    (``(w * torch.exp(x)[None, :]).sum(1)``, a risk-set or masked sum); None when ``node``
+    is no such sum. log(sum(w * exp(x))) = logsumexp(x + log w): a weight 0 (a mask) is
+    log 0 = -inf there, which leaves its entry out, and no exp can overflow.
+
+    >>> _weighted_lse("d = (m * torch.exp(r)[None, :]).sum(1)", ast.parse(
+    ...     "d = (m * torch.exp(r)[None, :]).sum(1)").body[0].value)
+    'torch.logsumexp(r[None, :] + torch.log(m), 1)'
+    """
+    total = _call_of(node, "sum")
+    if total is None or not (total[1] or any(k.arg == "dim" for k in total[2])):
+        return None
+    factors = _factors(total[0])
+    exps: list[tuple[ast.expr, str]] = []
+    weights: list[str] = []
+    for f in factors:
+        sub, inner = "", f
+        while isinstance(inner, ast.Subscript):
+            seg = ast.get_source_segment(line, inner.slice)
+            if seg is None:
+                return None
+            sub = f"[{seg}]{sub}"
+            inner = inner.value
+        exp = _call_of(inner, "exp")
+        if exp is not None and not exp[1] and not exp[2]:
+            exps.append((exp[0], sub))
+            continue
+        text = ast.get_source_segment(line, f)
+        if text is None or "exp" in text:
+            return None
+        weights.append(text)
+    if len(exps) != 1 or not weights:
+        return None
+    arg = ast.get_source_segment(line, exps[0][0])
+    rest = [ast.get_source_segment(line, a) for a in total[1]]
+    kws = [f"{k.arg}={ast.get_source_segment(line, k.value)}" for k in total[2] if k.arg]
+    if arg is None or None in rest:
+        return None
+    shifted = " + ".join([f"{paren(arg)}{exps[0][1]}", *(f"torch.log({w})" for w in weights)])
+    return f"torch.logsumexp({', '.join([shifted, *(r for r in rest if r), *kws])})"
+
+
+def _weighted_lse_fix(code: str | None, norm: _Normalized) -> str | None:
+    """An exp line that assigns a weighted sum of exps (``denom = (at_risk *
+    torch.exp(risk)[None, :]).sum(1)``) whose log a later line takes: the log of that sum
+    computed by torch.logsumexp, named ``log_<name>``, to use in place of the log."""
+    line = code.split("  #", 1)[0].strip() if code else ""
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assign):
+        return None
+    stmt = tree.body[0]
+    if len(stmt.targets) != 1 or not isinstance(stmt.targets[0], ast.Name):
+        return None
+    name = stmt.targets[0].id
+    lse = _weighted_lse(line, stmt.value)
+    if lse is None:
+        return None
+    return (
+        f"log_{name} = {lse}  # was: {line}\n"
+        f"# then use log_{name} where {norm.source} takes torch.log({name}): {norm.code}\n"
+        f"# log(sum(w * exp(x))) = logsumexp(x + log(w)): the same value with no exp that "
+        "can overflow; a weight 0 (a mask) is log(0) = -inf there, which leaves its entry out. "
+        "Clamping the exp or subtracting a max would change the loss"
     )
 
 
