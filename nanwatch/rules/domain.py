@@ -683,6 +683,24 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
         return None
     own = _floored_line(ev)
     zeros = _zeros_text(x, "log")
+    made = _unit_producer(ctx, ev, x)
+    if made == "relu":  # a ReLU's zeros, whatever its maximum: a rate made with a ReLU
+        return _unit_made_use(made, what, zeros, x, ev.dtype)
+    if x.max > 1 and (masked := _masked_log_ratio(ctx, ev, x)) is not None:
+        return _LogUse(
+            "zero",
+            fix=masked,
+            why=(
+                f"Its input holds exact zeros and is not a probability (values up to "
+                f"{fmt(x.max)}), and it is not what the model returned: this line compares "
+                "logs of a prediction and a target, and a target of 0 marks an entry with no "
+                "value (no depth, no count, a padded or missing label). Its log is -inf, so "
+                "the loss is inf. Keep those entries out of the loss with a mask; a floor "
+                "would train the prediction toward log(tiny) there."
+            ),
+            evidence=f"{what} holds {zeros} (values up to {fmt(x.max)}), and the model's "
+            "output is not it: a target with entries that hold no value",
+        )
     if x.max > 1:
         head = (
             f"# {what} holds {zeros} (min 0, max {fmt(x.max)}): keep 0 out where {what} is "
@@ -706,7 +724,6 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             evidence=f"{what} is not a probability: it holds {zeros}, and values up to "
             f"{fmt(x.max)}",
         )
-    made = _unit_producer(ctx, ev, x)
     if made is not None and made not in ("softmax", "sigmoid"):
         return _unit_made_use(made, what, zeros, x, ev.dtype)
     lines = []
@@ -729,6 +746,43 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             "(black pixels, a fraction k/n with k = 0), which must be kept inside (0, 1)."
         ),
     )
+
+
+def _masked_log_ratio(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> str | None:
+    """The user's line that compares several logs (``log(pred) - log(gt)``, a log-depth or
+    log-count loss) with each log's argument indexed by a mask of the entries where all are
+    > 0, when the log's input (exact zeros, nothing below 0) is not the model's measured
+    output of its size: a target whose 0 marks a missing value. None otherwise."""
+    if x.min < 0 or not has_zero(x):
+        return None
+    for r in first_root_outputs(ctx.trace):
+        st = r.stat
+        if st is not None and st.numel == x.numel and (st.min, st.max) == (x.min, x.max):
+            return None  # the model's own output: its zeros are made there
+    for stmt in statements(ev.code):
+        calls = _log_calls(stmt)
+        args = list(dict.fromkeys(arg for _, _, arg in calls))
+        if len(args) < 2 or not all(_NAME.fullmatch(a) for a in args):
+            continue
+        if "=" not in stmt.split("(", 1)[0]:
+            continue  # an assignment keeps the rewritten line pasteable
+        taken = set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", stmt))
+        valid = fresh_name("valid", taken)
+        out, last = [], 0
+        for start, end, arg in calls:
+            text = stmt[start:end]
+            at = text.find(arg)
+            if at < 0:
+                return None
+            out += [stmt[last:start], text[:at], f"{arg}[{valid}]", text[at + len(arg) :]]
+            last = end
+        out.append(stmt[last:])
+        cond = " & ".join(f"({a} > 0)" for a in args)
+        return (
+            f"{valid} = {cond}   # the entries with a value: a target of 0 holds none\n"
+            + "".join(out)
+        )
+    return None
 
 
 def _within_eps_below_zero(x: TensorStat, dtype: str | None) -> bool:
@@ -1046,6 +1100,30 @@ def _calls_exp(path: str, text: str) -> bool:
     return False
 
 
+def _exp_operand(expr: str) -> str | None:
+    """``y`` of ``torch.exp(y)`` / ``y.exp()`` when ``expr`` is that one call; else None."""
+    try:
+        node = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(node, ast.Call) or node.keywords:
+        return None
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+    if name != "exp":
+        return None
+    if len(node.args) == 1 and (
+        isinstance(f, ast.Name)
+        or (isinstance(f, ast.Attribute) and ast.unparse(f.value) in ("torch", "math"))
+    ):
+        y = node.args[0]
+    elif not node.args and isinstance(f, ast.Attribute):
+        y = f.value
+    else:
+        return None
+    return ast.get_source_segment(expr.strip(), y) or ast.unparse(y)
+
+
 def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
     """The log's argument is made by an exp, directly or through products and sums (a
     density exp(-z²/2)/σ, a mixture Σ π·N(y)): its exact zeros are that exp underflowing,
@@ -1070,6 +1148,30 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
         if not hit:
             return None
         said = f"the log's argument {arg} is made by exp() through products and sums"
+        inner = _exp_operand(arg)
+        if inner is None and _NAME.fullmatch(arg):
+            made = _assigned_before(ev.source, arg)
+            inner = _exp_operand(made.split("=", 1)[1]) if made is not None else None
+        if inner is not None:  # log(exp(y)) = y: the exp need not be formed at all
+            stmt, start, end, _ = found
+            bare = not stmt[end:].strip() and re.search(r"=\s*$", stmt[:start]) is not None
+            direct = stmt[:start] + (inner if bare else paren(inner)) + stmt[end:]
+            bound = _underflow_bound(ev.dtype or "float32")
+            return _LogUse(
+                "exp-underflow",
+                fix=(
+                    f"{direct}   # log(exp(y)) = y: never form the exp, which is 0 for y "
+                    f"below {bound} in {ev.dtype or 'float32'}"
+                ),
+                why=(
+                    f"Its input is exp({inner}), and exp(y) is exactly 0 for y below {bound} in "
+                    f"{ev.dtype or 'float32'}: the log of that 0 is -inf, and its gradient "
+                    "1/0 is inf. The log undoes the exp: log(exp(y)) = y exactly, so use the "
+                    "exponent itself, which is finite everywhere and keeps its gradient."
+                ),
+                evidence=f"the log's argument {arg} is exp({inner}): log(exp(y)) = y, and "
+                f"exp(y) = 0 for y below {bound} in {ev.dtype or 'float32'}",
+            )
     elif not ev.code and ev.path == LOSS_PATH:
         said = ""
         for n in ctx.notes("loss_graph"):
@@ -1098,6 +1200,20 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
     dtype = ev.dtype or "float32"
     bound = _underflow_bound(dtype)
     tiny_log = _log_tiny(dtype)
+    if said.endswith("(log <- exp)"):  # the log of the exp itself: log(exp(y)) = y
+        return _LogUse(
+            "exp-underflow",
+            fix=(
+                "# torch.log(torch.exp(y)) is y: use the exponent y itself where the loss "
+                f"takes this log; the exp is 0 for y below {bound} in {dtype}"
+            ),
+            why=(
+                f"Its input is exp(y), and exp(y) is exactly 0 for y below {bound} in "
+                f"{dtype}: the log of that 0 is -inf. The log undoes the exp: log(exp(y)) = y "
+                "exactly, so use the exponent itself, finite everywhere and with its gradient."
+            ),
+            evidence=f"{said}: log(exp(y)) = y, and exp(y) = 0 for y below {bound} in {dtype}",
+        )
     why = (
         f"Its input is made by exp(), directly or through products and sums (a density "
         f"exp(-0.5·z²)/σ, a mixture Σ π·N(y)), and exp(a) is exactly 0 for a below {bound} "
@@ -2638,6 +2754,14 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if ev.phase is Phase.BACKWARD:
         evidence.append(f"in backward (autograd node {ev.node})")
     title = "Division by zero (0/0)" if zero_over_zero else "Division by zero"
+    limit = _removable_ratio(ev) if zero_over_zero and ev.phase is Phase.FORWARD else None
+    if limit is not None:  # x / sin(x) at x = 0: a limit, not a zero to clamp
+        said, why, fix = limit
+        evidence.insert(0, said)
+        yield ctx.diagnosis(
+            **op_fields(ev, a), title=title, evidence=evidence, explanation=why, fix=fix
+        )
+        return
     gone = (
         _normalize_eps_lost(ev.code, ev.dtype)
         if ev.phase is Phase.FORWARD and has_zero(den) and not integer
@@ -4050,6 +4174,144 @@ def _one_division(code: str | None) -> tuple[str, ast.BinOp] | None:
     return found[0] if len(found) == 1 else None
 
 
+#: f(x) / x = 1 + a·x² + O(x⁴) near 0: each f whose ratio with x is a removable 0/0
+_RATIO_SERIES = {"sin": (6, -1), "tan": (3, 1), "sinh": (6, 1), "tanh": (3, -1)}
+
+
+def _factors(node: ast.expr) -> tuple[ast.expr, list[str]]:
+    """``node`` without constant factors (``2 * torch.sin(t)`` -> ``torch.sin(t)``, ["2"])."""
+    consts: list[str] = []
+    while isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        if isinstance(node.left, ast.Constant) and isinstance(node.left.value, (int, float)):
+            consts.append(ast.unparse(node.left))
+            node = node.right
+        elif isinstance(node.right, ast.Constant) and isinstance(node.right.value, (int, float)):
+            consts.append(ast.unparse(node.right))
+            node = node.left
+        else:
+            break
+    return node, consts
+
+
+def _series_call(node: ast.expr) -> tuple[str, ast.expr] | None:
+    """(f, x) of ``torch.sin(x)`` / ``x.sin()`` for f in :data:`_RATIO_SERIES`."""
+    if not isinstance(node, ast.Call) or node.keywords or not isinstance(node.func, ast.Attribute):
+        return None
+    f = node.func.attr
+    if f not in _RATIO_SERIES:
+        return None
+    if len(node.args) == 1 and ast.unparse(node.func.value) == "torch":
+        return f, node.args[0]
+    if not node.args:
+        return f, node.func.value
+    return None
+
+
+def _removable_ratio(ev: OpEvent) -> tuple[str, str, str] | None:
+    """A 0/0 on the user's line that is a removable limit, ``x / (c·sin(x))`` or
+    ``sin(x) / x`` (tan, sinh, tanh too) at x = 0: the ratio tends to a finite value there
+    (1/c), and clamping the denominator would give 0 instead. The fix evaluates a Taylor
+    branch near 0 and the ratio of a safe x elsewhere (the double where keeps the unused
+    branch finite for backward); an x made by acos/asin gets a margin inside its clamp,
+    since their gradient at ±1 is inf. (evidence, explanation, fix), or None."""
+    found = _one_division(ev.code)
+    if found is None:
+        return None
+    stmt, div = found
+    num, cn = _factors(div.left)
+    den, cd = _factors(div.right)
+    if (hit := _series_call(den)) is not None and ast.dump(hit[1]) == ast.dump(num):
+        f, x, over = hit[0], num, True  # x / f(x)
+    elif (hit := _series_call(num)) is not None and ast.dump(hit[1]) == ast.dump(den):
+        f, x, over = hit[0], den, False  # f(x) / x
+    else:
+        return None
+    if not isinstance(x, (ast.Name, ast.Attribute)):
+        return None
+    xs = ast.unparse(x)
+    k, sign = _RATIO_SERIES[f]
+    sign = -sign if over else sign
+    series = f"1 {'+' if sign > 0 else '-'} {xs} ** 2 / {k}"
+    scale = [*cn, *[f"/ {c}" for c in cd]]
+    head = " * ".join(cn) if cn else ""
+    taylor = f"({series})" if head or cd else series
+    if head:
+        taylor = f"{head} * {taylor}"
+    for c in cd:
+        taylor = f"{taylor} / {c}"
+    limit = "1"
+    if scale:
+        limit = f"{' * '.join(cn) or '1'}" + "".join(f" / {c}" for c in cd)
+    taken = set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", stmt))
+    small, safe = fresh_name("small", taken), fresh_name(f"{xs.split('.')[-1]}_safe", taken)
+
+    class _Swap(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.expr:
+            return ast.Name(safe, ast.Load()) if ast.dump(n) == ast.dump(x) else n
+
+        def visit_Attribute(self, n: ast.Attribute) -> ast.expr:
+            if ast.dump(n) == ast.dump(x):
+                return ast.Name(safe, ast.Load())
+            return self.generic_visit(n)  # type: ignore[return-value]
+
+    import copy
+
+    ratio = ast.unparse(_Swap().visit(copy.deepcopy(div)))
+    whole = ast.get_source_segment(stmt, div) or ast.unparse(div)
+    lines: list[str] = []
+    made = _assigned_before(ev.source, xs) if isinstance(x, ast.Name) else None
+    inverse = None
+    if made is not None:
+        rhs = made.split("=", 1)[1].strip()
+        arg = call_argument(rhs, ["acos", "asin", "arccos", "arcsin"])
+        inverse = re.search(r"\b(a(?:rc)?(?:cos|sin))\(", rhs)
+        if arg is not None and inverse is not None:
+            m = re.fullmatch(r"(.+?)\.clamp\(\s*-1(?:\.0*)?\s*,\s*1(?:\.0*)?\s*\)", arg.strip())
+            inner = m.group(1) if m is not None else arg.strip()
+            eps = fresh_name("eps", taken)
+            kept = rewrite_call(
+                made, ["acos", "asin", "arccos", "arcsin"],
+                lambda v: f"{paren(inner)}.clamp(-1 + {eps}, 1 - {eps})",
+            )  # fmt: skip
+            if kept is not None:
+                lines += [
+                    f"{eps} = torch.finfo({paren(inner)}.dtype).eps",
+                    f"{kept}   # off ±1: {inverse.group(1)}'s gradient there is inf",
+                ]
+        else:
+            inverse = None
+    lines += [
+        f"{small} = {paren(xs)}.abs() < 1e-2",
+        f"{safe} = torch.where({small}, torch.ones_like({xs}), {xs})   # no 0 in the branch "
+        "not taken either",
+        f"{_spliced(stmt, div, f'torch.where({small}, {taylor}, {ratio})')}   # {whole} -> "
+        f"{limit} at {xs} = 0: its Taylor series there",
+    ]
+    said = (
+        f"numerator and denominator vanish together at {xs} = 0: {whole} tends to {limit} "
+        "there, a removable 0/0 (a limit), not a division by zero"
+    )
+    if inverse is not None:
+        said += (
+            f"; {xs} is {inverse.group(1)} of a value clamped to [-1, 1], exactly 0 at the "
+            f"endpoint, where {inverse.group(1)}'s gradient is inf"
+        )
+    why = (
+        f"{whole} is a ratio whose numerator and denominator are both 0 at {xs} = 0 (a "
+        "rotation at the identity, an angle of 0): its value there is the limit "
+        f"{limit}, but evaluated as it is it is 0/0 = NaN. Clamping the denominator would "
+        f"give 0 instead of {limit}, and"
+        + (
+            f" the next NaN would be {inverse.group(1)}'s gradient at the clamped endpoint"
+            if inverse is not None
+            else " its gradient would still be wrong there"
+        )
+        + ". Evaluate the Taylor series near 0 and the ratio elsewhere, with a safe value in "
+        "the branch not taken: torch.where differentiates both branches."
+    )
+    return said, why, "\n".join(lines)
+
+
 def _spliced(stmt: str, node: ast.expr, text: str, *, grouped: bool = False) -> str:
     """``stmt`` with the source of ``node`` replaced by ``text``; with ``grouped``, the
     parentheses around it too (the right operand of ``/``: ``(hi - lo)``)."""
@@ -4815,10 +5077,24 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
             if power is not None
             else "d/dx sqrt(x) = 1 / (2·sqrt(x))"
         )
-        evidence.append(
-            f"in backward, {ev.node} ({op}) made {ev.born}: the forward {node.lower()} was "
-            f"given exact zeros, and its derivative there is infinite ({slope})"
-        )
+        if power is not None and _negative_base(x, power):
+            assert x is not None
+            zeros = f", {x.zeros} exact zeros" if x.zeros is not None else ""
+            evidence.append(
+                f"in backward, {ev.node} ({op}) made {ev.born}: the forward power's base holds "
+                f"negative numbers (min {fmt(x.min)}{zeros}), and a negative number to a "
+                f"fractional power is NaN, and so is the derivative there ({slope})"
+                + (
+                    "; at 0 that derivative is 0, finite: exact zeros are not the cause"
+                    if power > 1
+                    else ""
+                )
+            )
+        else:
+            evidence.append(
+                f"in backward, {ev.node} ({op}) made {ev.born}: the forward {node.lower()} was "
+                f"given exact zeros, and its derivative there is infinite ({slope})"
+            )
         for nm, s in ev.inputs[:2]:
             evidence.append(f"backward input {nm}: {describe_stat(s)}")
     elif (number := scalar_base(ev)) is not None:  # number ** tensor: x is the exponent
@@ -4869,6 +5145,8 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         explanation, fix = _cancel_text(cancel, ev.dtype), _cancel_fix(ev)
     elif pole:
         explanation, fix = _pole_text(ev, e), _pole_fix(ev, e)
+    elif backward and power is not None and _negative_base(x, power):
+        explanation, fix = _negative_power_backward(ev, power)
     elif backward and power is not None:
         explanation, fix = _power_backward_text(power), _power_backward_fix(ev, power)
     elif backward:
@@ -4895,6 +5173,10 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         explanation, fix = _ROOT_COMPUTED, _computed_root_fix(ev)
     elif negative:
         explanation, fix = _ROOT_NEGATIVE, _negative_root_fix(ev)
+    elif not backward and own and x is None and (par := _root_of_param(ctx, a, ev, e)):
+        said, explanation, fix = par
+        evidence.insert(0, said)
+        evidence = [w for w in evidence if w != f"input ({ev.dtype}): not measured"]
     else:
         explanation = _root_forward_text(e)
         fix = _root_forward_fix(e, measured=x is not None and own)
@@ -4918,6 +5200,84 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
 
 
 _RSQRT = frozenset({"rsqrt", "rsqrt_"})
+
+
+_LAYER_PARAM = re.compile(r"(?:^|[._])(?:weight|bias)(?:_[a-z]+|_\w*\d\w*)?$")
+
+
+def _root_of_param(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, e: object
+) -> tuple[str, str, str] | None:
+    """A sqrt (or fractional power) of a watched parameter trained as it is (a wave speed
+    squared, a variance, a diffusivity) that made NaN while its input went unmeasured: the
+    parameter named on the line, or, the line unknown, the only watched parameter of the NaN
+    output's size in loss code. A root of a finite number is NaN only below 0, so an update
+    moved the parameter there: the fix maps an unconstrained parameter to a positive value,
+    not a clamp for rounding. (evidence, explanation, fix), or None."""
+    if "NaN" not in ev.born or (
+        e is not None and (not isinstance(e, (int, float)) or float(e).is_integer())
+    ):
+        return None
+    params = watched_params((ctx.trace, *reversed(ctx.history)))
+    stmt = next((st for st in statements(ev.code) if call_argument(st, ["sqrt", "pow"])), "")
+    expr = call_argument(stmt, ["sqrt", "pow"]) if stmt else None
+    if expr is not None and ev.op.startswith("aten.pow") and "," in expr:
+        expr = expr.split(",", 1)[0].strip()
+    qual: str | None = None
+    n = ev.output.numel
+    if expr is not None:
+        qual = param_named(params, expr) if _NAME.fullmatch(expr) else None
+    elif not ev.code and (ev.path or a.path) == LOSS_PATH:
+        # a layer's weight or bias is used by the layer's own forward, not by loss code
+        hits = [q for q, k in params.items() if k == n and not _LAYER_PARAM.search(q)]
+        outputs = {r.stat.numel for r in first_root_outputs(ctx.trace) if r.stat is not None}
+        if len(hits) == 1 and n not in outputs:
+            qual = hits[0]
+    if qual is None:
+        return None
+    ref = expr or module_ref(qual)
+    how = (
+        f"the {packet(ev.op)}'s input {ref} is the parameter {qual}"
+        if expr
+        else f"the {packet(ev.op)}'s NaN output has {count(n, 'value')}, as the parameter "
+        f"{qual} has, the only watched parameter of {count(n, 'value')}"
+    )
+    said = (
+        f"{how}: a {packet(ev.op)} of a finite number is NaN only below 0, so an optimizer "
+        "update moved it below 0 (not rounding: rounding does not move a parameter)"
+        if expr
+        # matched by size alone: said as what it points to, not as a fact
+        else f"{how}: if the {packet(ev.op)} is of it, an optimizer update moved it below 0 "
+        f"(a {packet(ev.op)} of a finite number is NaN only below 0, and rounding does not "
+        "move a parameter)"
+    )
+    grad = last_gradient(tuple(reversed(ctx.history)), qual)
+    held = group_holding((*ctx.history, ctx.trace), qual)
+    if grad is not None and held is not None:
+        opt, _, lr = held
+        size = grad.norm if grad.norm is not None else grad.magnitude
+        said += f"; its last gradient had norm {fmt(size)}, and {opt} lr {fmt(lr)}"
+    leaf = qual.split(".")[-1]
+    taken = set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", stmt))
+    pos = fresh_name(leaf if leaf != ref else f"{leaf}_pos", taken)
+    lines = [f"{pos} = torch.nn.functional.softplus({ref})   # positive whatever the update"]
+    if stmt:
+        lines.append(re.sub(rf"(?<![\w.]){re.escape(ref)}(?![\w(])", pos, stmt))
+    else:
+        lines.append(f"# use {pos} where the loss uses {ref}: its {packet(ev.op)} is finite")
+    lines.append(
+        f"# or train its log: log_{leaf} = nn.Parameter(torch.zeros({n})) and "
+        f"{leaf} = log_{leaf}.exp()"
+    )
+    why = (
+        f"The {packet(ev.op)}'s input is a parameter trained as it is, one that must stay "
+        "positive (a squared speed, a variance, a diffusivity, a scale). Nothing keeps it "
+        "above 0: an update larger than its value takes it below 0, where the "
+        f"{packet(ev.op)} is NaN. A clamp for rounding (clamp_min(0) + eps) would hide it and "
+        "zero its gradient, so it never comes back. Train an unconstrained parameter and map "
+        "it to a positive value (softplus, or exp of a log-parameter)."
+    )
+    return said, why, "\n".join(lines)
 
 
 def _pole_at_zero(ev: OpEvent, x: TensorStat | None, e: object) -> bool:
@@ -5526,6 +5886,90 @@ def _line_exponent(code: str | None) -> float | None:
     """The exponent of the one constant power on the user's line; None for none or several."""
     found = [p for st in statements(code) for _, _, p in _powers(st)]
     return found[0] if len(found) == 1 else None
+
+
+def _negative_base(x: TensorStat | None, p: float) -> bool:
+    """The base of a fractional power ``x ** p`` (the first input of its backward) holds
+    negative numbers: x ** p and its derivative are NaN there, whatever 0 does."""
+    return x is not None and x.min < 0 and not float(p).is_integer()
+
+
+def _in_where_branch(stmt: str, node: ast.expr) -> bool:
+    """``node`` sits in a value branch of a ``torch.where(cond, a, b)`` of ``stmt``."""
+    try:
+        tree = ast.parse(stmt)
+    except SyntaxError:
+        return False
+    for n in ast.walk(tree):
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "where"
+            and len(n.args) == 3
+        ):
+            for branch in n.args[1:]:
+                for m in ast.walk(branch):
+                    if (
+                        isinstance(m, ast.expr)
+                        and (m.col_offset, m.end_col_offset)
+                        == (node.col_offset, node.end_col_offset)
+                        and ast.dump(m) == ast.dump(node)
+                    ):
+                        return True
+    return False
+
+
+def _negative_power_backward(ev: OpEvent, p: float) -> tuple[str, str]:
+    """Why a fractional power of a negative base made a NaN gradient although the forward
+    pass was finite (the NaN entries were discarded: a torch.where branch, a mask), and the
+    user's power with its base clamped inside, so the discarded entries stay finite: x ** p
+    with p > 1 has a finite derivative at 0 (clamp to 0); p < 1 needs the base off 0."""
+    q = fmt(p)
+    slope = f"{q}·x^({fmt(p - 1)})"
+    lines = [st for st in statements(ev.code) if len(_powers(st)) == 1]
+    known = bool(ev.source and ev.source != ev.backward_at and len(lines) == 1)
+    masked = False
+    fix: str | None = None
+    if known:
+        stmt = lines[0]
+        power, base, _ = _powers(stmt)[0]
+        b = ast.get_source_segment(stmt, base) or ast.unparse(base)
+        whole = ast.get_source_segment(stmt, power) or ast.unparse(power)
+        lo = "0" if p > 1 else f"torch.finfo({_dtype_of(base, b)}).eps"
+        safe = f"{paren(b)}.clamp_min({lo})"
+        masked = _in_where_branch(stmt, power)
+        a = (base.col_offset or 0) - (power.col_offset or 0)
+        z = (base.end_col_offset or 0) - (power.col_offset or 0)
+        if 0 <= a <= z <= len(whole) and whole[a:z] == b:
+            inner = whole[:a] + safe + whole[z:]
+            new = inner if masked else f"torch.where({paren(b)} > 0, {inner}, 0)"
+            fix = (
+                f"{_spliced(stmt, power, new)}   # the base clamped inside the power: the "
+                "discarded entries are finite, so their gradient is 0, not NaN"
+            )
+    if fix is None:
+        dt = f"torch.{ev.dtype}" if ev.dtype else "x.dtype"
+        lo = "0" if p > 1 else f"torch.finfo({dt}).eps"
+        fix = (
+            f"y = torch.where(x > 0, x.clamp_min({lo}) ** {q}, 0)   # not torch.where(x > 0, "
+            f"x ** {q}, 0): the clamp inside keeps the discarded branch finite"
+        )
+    where = (
+        "torch.where still computes the masked branch for every entry and backward "
+        "differentiates it"
+        if masked
+        else "the NaN entries were discarded after the power (a torch.where, a mask), but "
+        "backward still differentiates the power at every entry"
+    )
+    return (
+        f"x ** {q} of a negative number is NaN (a negative base to a fractional power), and "
+        f"so is its derivative {slope}. The forward pass hides it: {where}. The discarded "
+        "entries get gradient 0, and autograd multiplies it by that NaN derivative: "
+        "0 × NaN = NaN, and the next optimizer step makes every weight NaN. Clamp the base "
+        "inside the branch (x.clamp_min(0) ** p; the where's condition alone does not help), "
+        "so the discarded entries are finite.",
+        fix,
+    )
 
 
 def _power_backward_text(p: float) -> str:
