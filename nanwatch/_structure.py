@@ -22,51 +22,59 @@ def iter_tensors(
     (``PackedSequence`` among them), ``torch.distributions`` objects (their parameters).
     Generators and iterators are never consumed; any other
     object is reported once through ``on_opaque`` and skipped."""
-    seen: set[int] = set()
+    return _walk(obj, prefix, 0, (set(), on_opaque, max_depth))
 
-    def walk(o: Any, role: str, depth: int) -> Iterator[tuple[str, torch.Tensor]]:
-        if isinstance(o, torch.Tensor):
-            yield role, o
-            return
-        if o is None or isinstance(o, (str, bytes, int, float, bool, complex)):
-            return
-        if depth >= max_depth or id(o) in seen:
-            return
-        if isinstance(o, Mapping):
-            seen.add(id(o))
-            attr_style = type(o) is not dict
-            for k, v in list(o.items()):
-                sub = f"{role}.{k}" if attr_style and isinstance(k, str) else f"{role}[{k!r}]"
-                yield from walk(v, sub, depth + 1)
-            return
-        if isinstance(o, tuple) and hasattr(o, "_fields"):  # namedtuple, PackedSequence
-            seen.add(id(o))
-            for name, v in zip(o._fields, o, strict=False):
-                yield from walk(v, f"{role}.{name}", depth + 1)
-            return
-        if isinstance(o, (tuple, list)):
-            seen.add(id(o))
-            for i, v in enumerate(o):
-                yield from walk(v, f"{role}[{i}]", depth + 1)
-            return
-        if dataclasses.is_dataclass(o) and not isinstance(o, type):
-            seen.add(id(o))
-            for f in dataclasses.fields(o):
-                yield from walk(getattr(o, f.name, None), f"{role}.{f.name}", depth + 1)
-            return
-        if isinstance(o, (set, frozenset, torch.dtype, torch.device, torch.Size)):
-            return
-        if isinstance(o, Distribution):
-            seen.add(id(o))
-            for name, v in _distribution_parts(o):
-                yield from walk(v, f"{role}.{name}", depth + 1)
-            return
-        if callable(o) or isinstance(o, torch.nn.Module) or _kv_cache(type(o)):
-            return
-        if on_opaque is not None:
-            on_opaque(type(o))
 
-    yield from walk(obj, prefix, 0)
+#: what :func:`_walk` carries down: the ids seen, the opaque-type callback, the depth limit
+_How = tuple[set[int], Callable[[type], None] | None, int]
+
+
+def _walk(o: Any, role: str, depth: int, how: _How) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`iter_tensors`' recursion, at module level: a nested function that calls
+    itself is a reference cycle (the function and its closure cell) that only the garbage
+    collector frees, and one a module call made the collector run several times a training
+    step (issue 8)."""
+    if isinstance(o, torch.Tensor):
+        yield role, o
+        return
+    if o is None or isinstance(o, (str, bytes, int, float, bool, complex)):
+        return
+    seen, on_opaque, max_depth = how
+    if depth >= max_depth or id(o) in seen:
+        return
+    if isinstance(o, Mapping):
+        seen.add(id(o))
+        attr_style = type(o) is not dict
+        for k, v in list(o.items()):
+            sub = f"{role}.{k}" if attr_style and isinstance(k, str) else f"{role}[{k!r}]"
+            yield from _walk(v, sub, depth + 1, how)
+        return
+    if isinstance(o, tuple) and hasattr(o, "_fields"):  # namedtuple, PackedSequence
+        seen.add(id(o))
+        for name, v in zip(o._fields, o, strict=False):
+            yield from _walk(v, f"{role}.{name}", depth + 1, how)
+        return
+    if isinstance(o, (tuple, list)):
+        seen.add(id(o))
+        for i, v in enumerate(o):
+            yield from _walk(v, f"{role}[{i}]", depth + 1, how)
+        return
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        seen.add(id(o))
+        for f in dataclasses.fields(o):
+            yield from _walk(getattr(o, f.name, None), f"{role}.{f.name}", depth + 1, how)
+        return
+    if isinstance(o, (set, frozenset, torch.dtype, torch.device, torch.Size)):
+        return
+    if isinstance(o, Distribution):
+        seen.add(id(o))
+        for name, v in _distribution_parts(o):
+            yield from _walk(v, f"{role}.{name}", depth + 1, how)
+        return
+    if callable(o) or isinstance(o, torch.nn.Module) or _kv_cache(type(o)):
+        return
+    if on_opaque is not None:
+        on_opaque(type(o))
 
 
 def _kv_cache(typ: type) -> bool:
@@ -99,3 +107,35 @@ def _distribution_parts(d: Distribution) -> Iterator[tuple[str, Any]]:
         if isinstance(v, Distribution):
             public = name.lstrip("_")  # MixtureSameFamily's property over _mixture_distribution
             yield (public if isinstance(getattr(type(d), public, None), property) else name), v
+
+
+def leaves(obj: Any) -> list[Any]:
+    """The leaves of an op's arguments or results, in ``tree_flatten``'s order: lists,
+    tuples, dicts, namedtuples and ``torch.return_types`` are walked, anything else is a
+    leaf (a tensor, a number, a ``torch.Size``, which ``tree_flatten`` splits into its ints: the
+    callers read only the tensors). ``torch.utils._pytree.tree_flatten``
+    recurses through a nested function, a reference cycle left for the garbage collector
+    on every call: the op checker flattens every op's arguments, and those cycles made
+    the collector run several times a step.
+
+    >>> leaves(([1, (2, 3)], {"a": 4}))
+    [1, 2, 3, 4]
+    """
+    out: list[Any] = []
+    _leaves_into(obj, out)
+    return out
+
+
+def _leaves_into(obj: Any, out: list[Any]) -> None:
+    kind = type(obj)
+    if kind is list or kind is tuple:
+        for x in obj:
+            _leaves_into(x, out)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _leaves_into(x, out)
+    elif isinstance(obj, tuple) and (hasattr(obj, "_fields") or hasattr(kind, "n_fields")):
+        for x in obj:  # a namedtuple, a torch.return_types structseq
+            _leaves_into(x, out)
+    else:
+        out.append(obj)

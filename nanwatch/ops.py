@@ -35,12 +35,11 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from nanwatch import _copies, _frames
 from nanwatch._compat import aminmax, set_versions
 from nanwatch._domains import Domain, domain_of
-from nanwatch._structure import iter_tensors
+from nanwatch._structure import iter_tensors, leaves
 from nanwatch.localize import is_birth
 from nanwatch.records import LOSS_PATH, OpEvent, Phase, TensorStat
 from nanwatch.stats import brief, describe, device_name, dtype_name, has_values
@@ -147,7 +146,7 @@ def _before(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> _Before |
                 before.no_input.add(id(t))
     written = {id(t) for t in before.written}
     ptrs = {p for t in before.written if (p := _storage(t)) is not None}
-    for t in tree_flatten((list(args), kwargs))[0]:
+    for t in leaves((list(args), kwargs)):
         if isinstance(t, torch.Tensor) and id(t) not in written and _storage(t) in ptrs:
             reads.append(t)  # reads memory the op writes (x.div_(x.detach()))
     budget = _COPY_BUDGET  # an optimizer's foreach step writes every weight: not copied
@@ -267,7 +266,7 @@ def _cast_source(
     parts = str(func).split(".")
     if len(parts) < 2 or parts[1] not in _CASTS:
         return None
-    for a in tree_flatten((list(args), kwargs))[0]:
+    for a in leaves((list(args), kwargs)):
         if isinstance(a, torch.Tensor) and a.dtype != out.dtype:
             return a
     return None
@@ -475,8 +474,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             return
         # autograd made this op's node before dispatching it, when it records the op at all
         own = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad
-            for t in tree_flatten((list(args), kwargs))[0]
+            isinstance(t, torch.Tensor) and t.requires_grad for t in leaves((list(args), kwargs))
         )
         self.created.note(path, own_node=own)
 
@@ -488,14 +486,14 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         src = next(
             (
                 seen
-                for a in tree_flatten(list(args))[0]
+                for a in leaves(list(args))
                 if isinstance(a, torch.Tensor) and (seen := self._lookup(a)) is not None
             ),
             None,
         )
         if src is None or (src.event is None and not src.state):
             return
-        for t in tree_flatten(out)[0]:
+        for t in leaves(out):
             if isinstance(t, torch.Tensor) and self._lookup(t) is None:
                 self._remember(t, src.event, state=src.state)
 
@@ -534,7 +532,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         """Record an event when ``func`` made a non-finite value its inputs did not hold.
         For an op that writes an argument (``x /= n``), ``before`` holds what it read: its
         written arguments are outputs, and their old values (not the new ones) inputs."""
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
         if before is not None:  # a written argument the op does not return (foreach ops)
             returned = {id(t) for t in outs}
             outs += [w for w in before.written if id(w) not in returned]
@@ -1169,8 +1167,7 @@ class ReplayResult:
 
 
 def _devices(objs: Sequence[Any]) -> set[torch.device]:
-    leaves = tree_flatten(list(objs))[0]
-    return {t.device for t in leaves if isinstance(t, torch.Tensor)}
+    return {t.device for t in leaves(list(objs)) if isinstance(t, torch.Tensor)}
 
 
 @contextlib.contextmanager
@@ -2375,7 +2372,7 @@ def own_backward_event(
 
             nodes = list(GraphWalk([t.grad_fn for t in roots], prune=stop, limit=512))
             ends = [t for _, t in stops.values() if t.requires_grad]
-            ends += [t for t in tree_flatten([args, kwargs])[0] if _needs(t)]
+            ends += [t for t in leaves([args, kwargs]) if _needs(t)]
             ends += [p for p in module.parameters(recurse=False) if p.requires_grad]
             if not roots or not nodes or not ends:
                 return None
