@@ -72,6 +72,7 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("autograd-inplace", ("modified by an inplace operation",)),
+    ("fp16-unscale", ("Attempting to unscale FP16 gradients",)),  # GradScaler on .half()
     (
         "distribution-constraint",  # torch.distributions' validate_args: before "non-finite"
         ("to satisfy the constraint",),  # and "dtype" (the printed values may say either)
@@ -164,6 +165,15 @@ ADVICE: dict[str, str] = {
         "nanwatch matched it: replace the in-place op (x.mul_(2) -> x = x * 2; "
         "nn.ReLU(inplace=False); out[mask] = 0 -> out = out.masked_fill(mask, 0)), or write "
         "a buffer only after backward."
+    ),
+    "fp16-unscale": (
+        "A GradScaler refused to unscale float16 gradients: the weights themselves are "
+        "float16 (model.half(), .to(torch.float16)), and a GradScaler is for mixed "
+        "precision, where the weights stay float32. Keep the model in float32 and run the "
+        "forward under torch.autocast(device_type='cuda', dtype=torch.float16) (the device "
+        "of your model), with scaler.scale(loss).backward(); scaler.step(optimizer); "
+        "scaler.update(). For a model that must stay pure float16, drop the scaler (or "
+        "train in bfloat16, which needs none)."
     ),
     "non-finite": (
         "A check refused a NaN or inf value (clip_grad_norm_(error_if_nonfinite=True), "

@@ -135,6 +135,9 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"its gradient norm at step {prev.step}, the update that broke it: "
                 f"{fmt(g.stat.norm)}"
             )
+    if consequence is not None and prev is not None and _scaler_bypassed(prev):
+        yield _scaler_bypass_diagnosis(ctx, a, prev, name=name, evidence=[*evidence, consequence])
+        return
     if consequence is not None:
         head, check = _grad_check(ctx, prev)
         yield ctx.diagnosis(
@@ -176,6 +179,70 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
     total = prev.grad_norm if prev is not None else None
     yield _plain_update(ctx, a, update, gnorm, name=name, evidence=evidence, total=total)
+
+
+def _scaler_bypassed(trace: StepTrace) -> bool:
+    """The optimizer stepped at ``trace`` though a GradScaler scaled its loss and a
+    gradient it applied was not finite: ``scaler.step(optimizer)`` skips such an update,
+    so the optimizer was stepped directly, on gradients still multiplied by the scale."""
+    if trace.scale is None or not any(n.kind == "optimizer" for n in trace.notes):
+        return False
+    return any(
+        r.phase is Phase.GRADIENT and r.stat is not None and not r.stat.finite
+        for r in trace.records
+    )
+
+
+def _scaler_name(trace: StepTrace) -> str:
+    """The user's name for the GradScaler: the ``X`` of ``X.scale(...)`` in the function
+    of this step's lines (``scaler`` when not found)."""
+    for source in dict.fromkeys(n.source for n in trace.notes if n.source):
+        found = _user_scope(source)
+        if found is None:
+            continue
+        for node in ast.walk(found[2]):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "scale"
+                and isinstance(node.func.value, ast.Name)
+                and len(node.args) == 1
+            ):
+                return node.func.value.id
+    return "scaler"
+
+
+def _scaler_bypass_diagnosis(
+    ctx: RuleContext, a: Anomaly, prev: StepTrace, *, name: str, evidence: list[str]
+) -> Diagnosis:
+    """NW301 for an optimizer stepped by hand while a GradScaler scales the loss."""
+    scale = fmt(prev.scale)
+    opt = next((n.path for n in prev.notes if n.kind == "optimizer"), "the optimizer")
+    var = _scaler_name(prev)
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title=f"Optimizer stepped with scaled gradients (scale {scale}): GradScaler bypassed",
+        evidence=[
+            *evidence,
+            f"a GradScaler multiplies the loss by {scale}, yet {opt} stepped at step "
+            f"{prev.step} with non-finite gradients: scaler.step() skips such an update, so "
+            "the optimizer was stepped directly (optimizer.step(), not scaler.step(optimizer))",
+        ],
+        explanation=(
+            f"scaler.scale(loss).backward() leaves every gradient multiplied by the scale "
+            f"({scale}). scaler.step(optimizer) divides them by it first and skips the update "
+            "when one is inf/NaN; optimizer.step() called directly does neither, so every "
+            f"update applied gradients {scale} times too large until {name} overflowed. "
+            "The earlier anomaly is this, not the learning rate."
+        ),
+        fix=(
+            f"{var}.scale(loss).backward()\n"
+            f"{var}.step(optimizer)   # unscales, skips the update when a gradient is inf/NaN\n"
+            f"{var}.update()\n"
+            "optimizer.zero_grad()"
+        ),
+        priority=95,
+    )
 
 
 def _other_rank(

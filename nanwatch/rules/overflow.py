@@ -52,6 +52,7 @@ from nanwatch.rules._evidence import (
     limits,
     loss_kind,
     low_precision,
+    model_call,
     module_ref,
     op_fields,
     packet,
@@ -67,7 +68,7 @@ from nanwatch.rules._evidence import (
     watched_params,
 )
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule
-from nanwatch.rules.gradients import _growing_averages, _normalized, unreset_grads
+from nanwatch.rules.gradients import _growing_averages, _normalized, _user_scope, unreset_grads
 from nanwatch.stats import DtypeLimits
 
 # ---------------------------------------------------------------------- NW101
@@ -816,6 +817,11 @@ def _from_op(
         evidence.append(target.line())
     elif wide and lim is not None:
         cause = "" if first else _setting_cause(ctx)
+        small = (
+            _grown_inside(ctx, _overflowing(name, x, big))
+            if first and not cplx and kind == "other"
+            else None
+        )
         explanation = _explain_wide(
             kind,
             dtype,
@@ -823,7 +829,7 @@ def _from_op(
             None if result_only else x,
             big,
             recurrent=recurrent,
-            cause=cause,
+            cause=cause or (_inside_cause(ctx, small) if small is not None else ""),
             complex_=cplx,
         )
         fix = _fix_wide(
@@ -840,6 +846,7 @@ def _from_op(
             setting=bool(cause),
             complex_=cplx,
             cast_input=_cast_input(ctx, ev) if kind == "cast" else None,
+            inside=_inside_fix(ctx, small) if small is not None else None,
         )
     elif power is not None and lim is not None:
         explanation = (
@@ -2165,12 +2172,142 @@ def _growing_setting(ctx: RuleContext) -> Diagnosis | None:
 
 def _setting_evidence(ctx: RuleContext) -> list[str]:
     """NW306's evidence for an optimizer setting that makes the update grow: the group's
-    value and what it does; NW307's first line for gradients never reset; [] when neither."""
+    value and what it does; NW307's first line for gradients never reset; a loss multiplied
+    by a constant before backward() and never divided back; [] when none."""
     setting = _growing_setting(ctx)
     if setting is not None:
         return list(setting.evidence[:2])
     unreset = unreset_grads(ctx)
-    return list(unreset.evidence[:1]) if unreset is not None else []
+    if unreset is not None:
+        return list(unreset.evidence[:1])
+    scaled = _scaled_backward(ctx)
+    return [scaled.line()] if scaled is not None else []
+
+
+@dataclass(frozen=True)
+class _ScaledBackward:
+    """``(loss * SCALE).backward()`` in the user's code with ``SCALE`` a constant above 1
+    that no line of the same function divides by: every gradient carries the factor."""
+
+    code: str  #: the backward call, as written
+    product: str  #: what it runs on (``loss * SCALE``)
+    const: str  #: the factor as written (``SCALE``, ``1024.0``)
+    factor: float
+    where: str  #: file:line
+
+    def line(self) -> str:
+        f = fmt(self.factor)
+        return (
+            f"backward() runs on {self.product} at {self.where}: the loss times {f}, and no line "
+            f"divides the gradients by {self.const} before the update: every step applies "
+            f"gradients {f}× too large"
+        )
+
+
+def _number(node: ast.expr, consts: dict[str, ast.expr], depth: int = 0) -> float | None:
+    """The value of a numeric literal, of a name assigned one once in the file, or of a
+    product / power of those (``2.0 ** 12``); None otherwise."""
+    if depth > 4:
+        return None
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return None if isinstance(node.value, bool) else float(node.value)
+    if isinstance(node, ast.Name) and node.id in consts:
+        return _number(consts[node.id], consts, depth + 1)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Pow)):
+        a, b = _number(node.left, consts, depth + 1), _number(node.right, consts, depth + 1)
+        if a is None or b is None or (isinstance(node.op, ast.Pow) and abs(b) > 64):
+            return None
+        return a * b if isinstance(node.op, ast.Mult) else a**b
+    return None
+
+
+def _scaled_backward(ctx: RuleContext) -> _ScaledBackward | None:
+    """The backward root is the loss times a constant above 1 (its autograd node is a
+    ``MulBackward0``, no GradScaler scaled it) and the user's function that runs the step
+    calls ``(loss * C).backward()`` with no division by ``C`` anywhere in it: gradients
+    scaled by hand and never unscaled."""
+    traces = (*ctx.history[-2:], ctx.trace)
+    if any(t.scale is not None for t in traces):
+        return None
+    if not any(
+        r.path == LOSS_PATH and r.phase is Phase.FORWARD and r.grad_fn == "MulBackward0"
+        for t in traces
+        for r in t.records
+    ):
+        return None
+    for source in dict.fromkeys(n.source for t in reversed(traces) for n in t.notes if n.source):
+        found = _user_scope(source)
+        if found is None:
+            continue
+        path, tree, scope = found
+        assigned: dict[str, list[ast.expr]] = {}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                and node.value is not None
+            ):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for tg in targets:
+                    if isinstance(tg, ast.Name):
+                        kept = node.value if not isinstance(node, ast.AugAssign) else tg
+                        assigned.setdefault(tg.id, []).append(kept)
+        consts = {k: v[0] for k, v in assigned.items() if len(v) == 1}
+        for node in ast.walk(scope):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "backward"
+                and isinstance(node.func.value, ast.BinOp)
+                and isinstance(node.func.value.op, ast.Mult)
+            ):
+                continue
+            prod = node.func.value
+            for const in (prod.right, prod.left):
+                factor = _number(const, consts)
+                if factor is None or not factor > 1 or not math.isfinite(factor):
+                    continue
+                written = ast.unparse(const)
+                if _divides_by(scope, written):
+                    return None
+                return _ScaledBackward(
+                    ast.unparse(node),
+                    ast.unparse(prod),
+                    written,
+                    factor,
+                    f"{path.rsplit('/', 1)[-1]}:{node.lineno}",
+                )
+    return None
+
+
+def _divides_by(scope: ast.AST, written: str) -> bool:
+    """Some line of ``scope`` divides by ``written`` (``g / SCALE``, ``p.grad /= SCALE``,
+    ``p.grad.div_(SCALE)``) or multiplies by its inverse: the user unscales."""
+    for node in ast.walk(scope):
+        if isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, ast.Div):
+            right = node.right if isinstance(node, ast.BinOp) else node.value
+            if ast.unparse(right) == written:
+                return True
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("div_", "div", "true_divide_", "true_divide")
+            and node.args
+            and ast.unparse(node.args[0]) == written
+        ):
+            return True
+    return False
+
+
+def _scaled_fix(scaled: _ScaledBackward) -> list[str]:
+    """Unscale the gradients before the update (or drop the factor)."""
+    return [
+        f"{scaled.code}",
+        "for p in model.parameters():   # unscale before optimizer.step()",
+        "    if p.grad is not None:",
+        f"        p.grad.div_({scaled.const})",
+        f"# (or drop the factor: {scaled.const} only guards float16 gradients from "
+        "underflow; torch.amp.GradScaler unscales and skips inf steps for you)",
+    ]
 
 
 #: what let the values grow, when the gradients are never reset (NW307)
@@ -2183,11 +2320,23 @@ _UNRESET_CAUSE = (
 
 def _setting_cause(ctx: RuleContext) -> str:
     """NW306's explanation of an optimizer setting that makes the update grow, or what
-    gradients never reset do (NW307); ""."""
+    gradients never reset do (NW307), or a loss scaled by hand and never unscaled; ""."""
     setting = _growing_setting(ctx)
     if setting is not None:
         return setting.explanation
-    return _UNRESET_CAUSE if unreset_grads(ctx) is not None else ""
+    if unreset_grads(ctx) is not None:
+        return _UNRESET_CAUSE
+    scaled = _scaled_backward(ctx)
+    if scaled is not None:
+        f = fmt(scaled.factor)
+        return (
+            f"What let them grow: backward() ran on the loss times {scaled.const} ({f}), so "
+            f"every gradient is {f}× the loss's gradient, and nothing divides it back before "
+            f"the update: each step is {f}× what the learning rate means. Loss scaling must "
+            "be undone (the gradients divided by the same factor) before optimizer.step(); "
+            "a lower learning rate only hides it."
+        )
+    return ""
 
 
 def _normalizing(ctx: RuleContext) -> str | None:
@@ -2225,6 +2374,9 @@ def _update_fix(ctx: RuleContext, path: str | None, *, clip_first: bool) -> list
             "# a lower lr or gradient clipping only delays the overflow: the gradients are "
             "never reset (NW307)",
         ]
+    scaled = _scaled_backward(ctx)
+    if scaled is not None:
+        return _scaled_fix(scaled)
     if _unwatched_source(ctx):
         return [_UNWATCHED]
     lr = _lr_fix(ctx, path)
@@ -2619,6 +2771,64 @@ def _param_magnitude(traces: Sequence[StepTrace], qualname: str) -> float | None
     return found
 
 
+#: how many times the model's inputs a value must be for "it grew inside the forward"
+_GREW_INSIDE = 1e6
+
+
+def _grown_inside(ctx: RuleContext, big: float) -> float | None:
+    """At the first step: the largest |x| of the model's floating-point inputs, when all
+    are known, finite and at least :data:`_GREW_INSIDE` times smaller than ``big``: the
+    values grew inside the forward (a solver loop, a recurrence), not in the data. None
+    otherwise."""
+    if not _first_step(ctx) or not math.isfinite(big):
+        return None
+    root = model_call(ctx.trace)
+    if root is None:
+        return None
+    mags = []
+    for r in ctx.trace.inputs_of(root.id):
+        m = ctx.trace.resolve(r)
+        if m.stat is not None and limits(m.dtype) is not None:
+            mags.append(m.stat.magnitude)
+    if not mags or not all(math.isfinite(v) for v in mags):
+        return None
+    top = max(mags)
+    return top if top * _GREW_INSIDE <= big else None
+
+
+def _inside_cause(ctx: RuleContext, small: float) -> str:
+    """The explanation's cause for values grown inside the first forward (see
+    :func:`_grown_inside`)."""
+    where = (
+        " In sentinel mode only the model's inputs and outputs are measured: mode='watch' "
+        "names the module or loop whose calls grow them."
+        if ctx.facts.get("mode") == "sentinel"
+        else ""
+    )
+    return (
+        f"The model's inputs were at most |x| = {fmt(small)}, and no update had run yet: the "
+        "values grew inside its forward, where something is applied again and again and "
+        "amplifies on every pass (a solver's step beyond its stability limit, a recurrence "
+        f"of gain above 1).{where}"
+    )
+
+
+def _inside_fix(ctx: RuleContext, small: float) -> str:
+    """The fix for values grown inside the first forward from small inputs."""
+    lines = [
+        f"# at step 0, before any update, from inputs of at most |x| = {fmt(small)}: the "
+        "values grew inside the forward",
+        "# shrink what the loop or recurrence applies on each pass (a smaller step size, a "
+        "gain <= 1, a normalization inside it) or bound its state (x.clamp)",
+    ]
+    if ctx.facts.get("mode") == "sentinel":
+        lines.append(
+            "# rerun under nanwatch.watch(model, mode='watch'): it names the module or loop "
+            "whose calls grow them"
+        )
+    return "\n".join(lines)
+
+
 def _growth_line(
     ctx: RuleContext,
     a: Anomaly,
@@ -2650,6 +2860,12 @@ def _growth_line(
         )
     if (moved := _closure_moved(ctx)) is not None:
         when = f"at step {ctx.step}, {_closure_words(moved)}"
+    elif _first_step(ctx) and (small := _grown_inside(ctx, big)) is not None:
+        when = (
+            f"at step 0, before any optimizer update, from model inputs of at most |x| = "
+            f"{fmt(small)}: they grew inside the model's forward (a loop or a recurrence that "
+            "amplifies on every pass), not in the inputs, nor by the learning rate"
+        )
     elif _first_step(ctx):
         when = (
             "at step 0, before any optimizer update: the initial weights or the inputs put it "
@@ -2803,6 +3019,7 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
         fix = _fix_batch(batch)
     else:
         cause = "" if _first_step(ctx) else _setting_cause(ctx)
+        small = _grown_inside(ctx, big)
         explanation = _explain_wide(
             "other",
             top.dtype,
@@ -2810,7 +3027,7 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             top.stat,
             big,
             recurrent=False,
-            cause=cause,
+            cause=cause or (_inside_cause(ctx, small) if small is not None else ""),
         )
         fix = _fix_wide(
             "other",
@@ -2824,6 +3041,7 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             update=_update_fix(ctx, _grown_path(ctx, a), clip_first=True),
             clip=_clip_line(ctx),
             setting=bool(cause),
+            inside=_inside_fix(ctx, small) if small is not None else None,
         )
     fields = anomaly_fields(a)
     if moved and a.op is not None:
@@ -3226,10 +3444,12 @@ def _fix_wide(
     setting: bool = False,
     complex_: bool = False,
     cast_input: str | None = None,
+    inside: str | None = None,
 ) -> str:
     """``update``: what to change in the training update, in order (:func:`_update_fix`);
     ``clip``: the line that bounds it, placed among a product's fixes ("" for none);
-    ``setting``: an optimizer setting makes the update grow (NW306), the cause itself."""
+    ``setting``: an optimizer setting makes the update grow (NW306), the cause itself;
+    ``inside``: the fix when the values grew inside the first forward (:func:`_inside_fix`)."""
     plain = code.split("  #", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
     if kind == "softmax":
@@ -3336,6 +3556,8 @@ def _fix_wide(
             "nn.init.xavier_uniform_(w)    # initial weights of gain ~1, not larger",
             clip,
         ]
+    elif first and inside is not None:  # small inputs: grown by the forward itself
+        return inside
     elif first:  # no update yet: neither the learning rate nor clipping made these values
         return (
             "# at step 0, before any update: the inputs or the initial weights are this large\n"
