@@ -260,3 +260,12 @@ def test_flight_recorder_memory_is_bounded_by_the_ring() -> None:
     # a leak would keep a whole step per step; the slack is the hook-tracking fixture of
     # conftest.py, which keeps every RemovableHandle nanwatch creates (~100 a step)
     assert abs(out["flat_growth_per_step"]) < 0.25 * out["bytes_per_step"]
+
+
+def test_every_error_class_the_post_mortem_names_has_a_label() -> None:
+    # a class without one reads "exception" in the report's headline
+    from nanwatch import postmortem
+    from nanwatch.report import ERROR_LABELS
+
+    classes = {c for c, _ in postmortem._CLASSES} | set(postmortem.ADVICE)
+    assert sorted(classes - set(ERROR_LABELS)) == []
