@@ -761,13 +761,19 @@ class _Probe:
     def call_with(self, add: Mapping[str, Any] | None = None, /, **replace: str) -> str:
         """The user's line with the call's arguments replaced (and keywords ``add``ed):
         ``loss = criterion(pred.squeeze(-1), y)``; just the call when the line is unknown."""
+        return self.call_with_suffix("", add, **replace)
+
+    def call_with_suffix(
+        self, suffix: str, add: Mapping[str, Any] | None = None, /, **replace: str
+    ) -> str:
+        """:meth:`call_with`, with ``suffix`` (``[..., :4]``) right after the call."""
         callee, parts = self._call
         if callee is None:
             callee = self.callee
             parts = self._stand_ins()
         texts = [(f"{kw}=" if kw else "") + replace.get(n, text) for kw, n, text in parts]
         texts += [f"{k}={v!r}" for k, v in (add or {}).items()]
-        call = f"{callee}({', '.join(texts)})"
+        call = f"{callee}({', '.join(texts)}){suffix}"
         line, span = self.line, self._span
         if line is None or span is None:
             return call
@@ -899,11 +905,12 @@ def _check_devices(p: _Probe) -> None:
         attr = p.is_module and name not in (p.spec.target, "input1", "input2", "var")
         where = f"{p.cls_name}.{name}" if attr else name
         if attr:
-            fix = f"{p.callee}.to({p.arg(p.spec.input)}.device)  # moves the loss's buffers"
+            fix = f"{p.callee}.to({_paren(p.arg(p.spec.input))}.device)  # moves the loss's buffers"
         elif p.has_arg(name):
-            fix = p.call_with(**{name: f"{p.arg(name)}.to({p.arg(p.spec.input)}.device)"})
+            there = f"{_paren(p.arg(p.spec.input))}.device"
+            fix = p.call_with(**{name: f"{_paren(p.arg(name))}.to({there})"})
         else:
-            fix = f"pass {name}={name}.to({p.arg(p.spec.input)}.device)"
+            fix = f"pass {name}={name}.to({_paren(p.arg(p.spec.input))}.device)"
         p.fail(
             _Failure(
                 code="NW508",
@@ -971,13 +978,14 @@ def _check_broadcast(p: _Probe) -> None:
     ea, eb = p.arg(n0), p.arg(n1)
     if a.dim() == b.dim() + 1 and a.shape[-1] == 1 and a.shape[:-1] == b.shape:
         if p.spec.name in _SIZED_BY_INPUT:
-            fix_args[n1] = f"{eb}.unsqueeze(-1)"  # var's size is checked against the input's
+            # var's size is checked against the input's
+            fix_args[n1] = f"{_paren(eb)}.unsqueeze(-1)"
         else:
-            fix_args[n0] = f"{ea}.squeeze(-1)"
+            fix_args[n0] = f"{_paren(ea)}.squeeze(-1)"
     elif b.dim() == a.dim() + 1 and b.shape[-1] == 1 and b.shape[:-1] == a.shape:
-        fix_args[n1] = f"{eb}.squeeze(-1)"
+        fix_args[n1] = f"{_paren(eb)}.squeeze(-1)"
     elif a.numel() == b.numel():
-        fix_args[n1] = f"{eb}.view_as({ea})"
+        fix_args[n1] = f"{_paren(eb)}.view_as({ea})"
     fix = p.call_with(**fix_args) if fix_args else f"make {ea} and {eb} the same shape"
     shapes = " and ".join(f"{n} {_shape(t)}" for n, t in ts)
     p.fail(
@@ -1566,12 +1574,13 @@ def _class_shape_failure(p: _Probe, c: int, expected: tuple[int, ...], desc: str
     hint, fix = "", f"give {tgt} the shape {expected}"
     if t.dim() == x.dim() and t.dim() >= 2 and ts[1] == 1 and ts[:1] + ts[2:] == expected:
         hint = " — the target has a channel dimension of size 1"
-        fix = p.call_with(target=f"{tgt}.squeeze(1)")
+        fix = p.call_with(target=f"{_paren(tgt)}.squeeze(1)")
     elif x.dim() >= 3 and ts == xs[:-1]:
         hint = f" — the {xs[-1]} classes look like the last dimension"
-        fix = p.call_with(input=f"{inp}.movedim(-1, 1)")
+        fix = p.call_with(input=f"{_paren(inp)}.movedim(-1, 1)")
         if x.dim() == 3:
-            fix += f"  # or {p.call_with(input=f'{inp}.flatten(0, 1)', target=f'{tgt}.flatten()')}"
+            flat = {"input": f"{_paren(inp)}.flatten(0, 1)", "target": f"{_paren(tgt)}.flatten()"}
+            fix += f"  # or {p.call_with(**flat)}"
     elif t.dim() >= 1 and x.dim() >= 1 and ts[0] != xs[0]:
         hint = f" — the batch sizes differ ({xs[0]} vs {ts[0]})"
         fix = f"check that {inp} and {tgt} come from the same batch"
@@ -2145,11 +2154,11 @@ def _check_binary(p: _Probe) -> None:
     if t.shape != x.shape:
         inp, tgt = p.arg("input"), p.arg("target")
         if x.dim() == t.dim() + 1 and x.shape[-1] == 1 and x.shape[:-1] == t.shape:
-            fix = p.call_with(input=f"{inp}.squeeze(-1)")
+            fix = p.call_with(input=f"{_paren(inp)}.squeeze(-1)")
         elif t.dim() == x.dim() + 1 and t.shape[-1] == 1 and t.shape[:-1] == x.shape:
-            fix = p.call_with(target=f"{tgt}.squeeze(-1)")
+            fix = p.call_with(target=f"{_paren(tgt)}.squeeze(-1)")
         elif t.numel() == x.numel():
-            fix = p.call_with(target=f"{tgt}.view_as({inp})")
+            fix = p.call_with(target=f"{_paren(tgt)}.view_as({inp})")
         else:
             fix = f"make {inp} and {tgt} the same shape"
         p.fail(
@@ -2268,7 +2277,7 @@ def _binary_target_failure(
         )
         hint = f" — {marker} among 0/1 labels: an 'ignore' marker, which BCE has no ignore for"
         fix = (
-            f"per = F.{fn}({inp}, {tgt}.clamp(0, 1), "
+            f"per = F.{fn}({inp}, {_paren(tgt)}.clamp(0, 1), "
             f"reduction='none')\nloss = (per * {keep}).sum() / {keep}.sum().clamp_min(1)"
         )
     elif tmin == -1 and tmax == 1:
@@ -2871,8 +2880,9 @@ def _check_offsets(p: _Probe, ids: torch.Tensor, offsets: torch.Tensor) -> torch
             fix = _OFFSETS_FIX
             if last == n:
                 problem += " — these look like the bags' ends (lengths.cumsum(0)), not their starts"
+                o = _paren(off)
                 fix = p.call_with(
-                    offsets=f"torch.cat([{off}.new_zeros(1), {off}{'' if ilo else '[:-1]'}])"
+                    offsets=f"torch.cat([{o}.new_zeros(1), {o}{'' if ilo else '[:-1]'}])"
                 )
             values, positions, count = (first,), ((0,),), 1
         elif last > n:
@@ -3011,7 +3021,8 @@ def _table_like(p: _Probe, rows: int, **opts: Any) -> str:
 def _own_padding_row(p: _Probe, text: str, rows: int) -> str:
     """The fix for padding that shares its row with a real id: a table with one more row,
     row ``rows``, kept for padding, and the negative ids mapped onto it."""
-    mapped = f"{text}.masked_fill({text} < 0, {rows})"
+    recv = _paren(text)
+    mapped = f"{recv}.masked_fill({recv} < 0, {rows})"
     if p.is_module and p.module is not None:
         made = _table_like(p, rows + 1, padding_idx=rows)
         call = _without_comment(p.call_with(input=mapped))
@@ -3022,6 +3033,18 @@ def _own_padding_row(p: _Probe, text: str, rows: int) -> str:
         call = p.call_with({"padding_idx": rows}, input=mapped)
     weight = p.arg("weight")
     return f"{_without_comment(call)}  # once {weight} has {rows + 1} rows: {rows} for padding"
+
+
+def _drop_column(p: _Probe, nc: int) -> str:
+    """``F.one_hot(idx, n + 1)[..., :n]``: the user's one_hot with a column for the value
+    ``nc`` (a sentinel), sliced off again, so sentinel rows come out all zeros."""
+    given = p.arg("num_classes", "")
+    if not given or given.lstrip("-").isdigit():
+        wider, keep = str(nc + 1), str(nc)
+    else:
+        wider, keep = f"{_paren(given)} + 1", given
+    fix = p.call_with_suffix(f"[..., :{keep}]", num_classes=wider)
+    return f"{_without_comment(fix)}  # rows of {nc} come out all zeros"
 
 
 def _index_result(
@@ -3050,16 +3073,27 @@ def _index_result(
             accepts = f"{p.desc(num_classes=nc)} accepts 0..{nc - 1}"
             expected = f"0..{nc - 1}"
         label = next((x for x in (*neg, *big) if x in _IGNORE_LABELS), None)
+        recv = _paren(text)
         if label is not None:
             hint = f" — {label} looks like an ignore label, and one_hot has none"
-            cond = f"{text} < 0" if label < 0 else f"{text} == {label}"
-            fix = _without_comment(p.call_with(tensor=f"{text}.masked_fill({cond}, 0)"))
+            cond = f"{recv} < 0" if label < 0 else f"{recv} == {label}"
+            fix = _without_comment(p.call_with(tensor=f"{recv}.masked_fill({cond}, 0)"))
             fix += "  # and leave those positions out of the loss"
         elif top is not None and not neg:
-            if nc is not None and all(x == nc for x in big):
-                hint = f" — class values start at 0: labels 1..{nc} need `{text} - 1`"
+            if nc is not None and all(x == nc for x in big) and v["index_min"] >= 1:
+                # no 0 anywhere and nothing past nc: 1-based labels
+                hint = f" — class values start at 0: labels 1..{nc} need `{recv} - 1`"
                 hint += f", or num_classes={nc + 1}"
-                fix = p.call_with(tensor=f"{text} - 1")
+                fix = p.call_with(tensor=f"{recv} - 1")
+            elif nc is not None and all(x == nc for x in big):
+                # 0 is a real class too: the values are not shifted, nc marks a slot
+                # beyond the classes (a dropped token, a padding class)
+                hint = (
+                    f" — 0 is a class too, so these are not 1-based labels: {nc} looks like "
+                    f"a sentinel (a dropped or padding slot); give it a column and drop it "
+                    f"(num_classes={nc + 1}, then [..., :{nc}])"
+                )
+                fix = _drop_column(p, nc)
             else:
                 hint = f" — the largest value is {top}, so num_classes must be at least {top + 1}"
                 fix = _functional_option(p, "num_classes", top + 1)
@@ -3133,7 +3167,8 @@ def _index_result(
                 fix = _own_padding_row(p, text, rows)
             else:
                 repl = str(pad) if pad is not None else "pad_id"
-                fix = _without_comment(p.call_with(input=f"{text}.masked_fill({text} < 0, {repl})"))
+                recv = _paren(text)
+                fix = _without_comment(p.call_with(input=f"{recv}.masked_fill({recv} < 0, {repl})"))
                 fix += (
                     f"  # {pad} is the padding_idx"
                     if pad is not None

@@ -327,8 +327,8 @@ def test_batchnorm_reading_a_nan_running_var_in_eval_is_named() -> None:
     assert (d.code, d.evidence[0]) == ("NW405", "1.running_var (buffer, float32) holds NaN")
     # the fix reaches the module from the model (get_submodule of a root's class name
     # raised), resets the running statistics and checks the buffer where it is written
-    assert d.fix.splitlines()[0] == "m = model[1]"
-    assert "torch.isfinite(m.running_var).all()" in d.fix
+    assert not d.fix.startswith("m = ")  # binds no name: the user's model may be m
+    assert "torch.isfinite(model[1].running_var).all()" in d.fix
     exec(d.fix, {"model": model, "torch": torch})
     assert bool(torch.isfinite(model[1].running_var).all())
 

@@ -65,7 +65,7 @@ def test_a_nan_an_op_made_of_a_buffers_infinities_is_the_buffers() -> None:
     assert d.code == "NW405"
     assert "book.table (buffer, float32) holds +inf, -inf" in d.evidence
     assert "written outside the forward" in d.explanation
-    assert "torch.isfinite(m.table).all()" in d.fix
+    assert "torch.isfinite(net.book.table).all()" in d.fix
 
 
 class EMAQuantizer(nn.Module):

@@ -297,7 +297,32 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             "eps = 1e-6   # float32 resolves 1 - 1e-6\n"
             "y = y.clamp(eps, 1 - eps)   # y: the target whose log(y) / log(1 - y) is taken"
         )
-    if stat is not None and stat.numel == 1 and stat.nan == 1:
+    ratio = _spread_ratio(ev.source or ev.backward_at, name) if name and stat else None
+    if ratio is not None and stat is not None and stat.numel > 1:
+        # the name was made by a division by a std / norm / var over the batch: one that is
+        # 0 (every value equal: a batch of all-zero rewards) makes every quotient 0/0
+        stmt, den, fixed = ratio
+        every = (
+            stat.nan == stat.numel
+            or (stat.nan or 0) + (stat.posinf or 0) + (stat.neginf or 0) == stat.numel
+        )
+        when = "every value is 0" if "norm" in den else "every value is equal"
+        made_by = f"a division by {den}, which is 0 when {when}"
+        evidence.append(
+            f"{name} was made by `{stmt}`: it divides by {den}, a spread (std, var or norm) "
+            + (
+                f"over the batch, and all {stat.numel} of its values are "
+                f"{'NaN' if stat.nan == stat.numel else 'non-finite'}: the pattern of a "
+                f"batch where {when}, so {den} is 0 and every quotient 0/0"
+                if every
+                else f"that is 0 where {when} (0/0 there)"
+            )
+        )
+        fix = (
+            f"{fixed}   # an eps: {den} is 0 when {when}\n"
+            f"# or skip the update when {den} == 0 (a batch with nothing to learn from)"
+        )
+    elif stat is not None and stat.numel == 1 and stat.nan == 1:
         # one value, NaN: the statistics of a batch of one (std/var with N - 1 = 0 degrees
         # of freedom is NaN, and clamping the denominator keeps a NaN a NaN)
         x = name or "x"
@@ -310,7 +335,7 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             f"# ({x} - {x}.mean()) / ({x}.std(correction=0) + 1e-8)   # N = 1 gives std 0\n"
             "# or skip batches of 1 (DataLoader(drop_last=True), if len(batch) > 1)\n" + fix
         )
-    if name:
+    if name and ratio is None:
         fix = (
             f"assert torch.isfinite({name}).all(), {name}   # right after {name} is computed\n"
             + fix
@@ -330,6 +355,80 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
         ),
         fix=fix,
     )
+
+
+#: reductions that measure a spread: a tensor of equal values has 0 of it
+_SPREADS = frozenset({"std", "var", "norm", "vector_norm"})
+
+
+def _spread(node: ast.expr) -> bool:
+    """``r.std()``, ``torch.std(r, 0)``, ``ret.norm()``, ``torch.linalg.norm(x)``,
+    ``r.var().sqrt()``, ``torch.sqrt(r.var())``: a spread of values, 0 when all are equal."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return False
+    attr = node.func.attr
+    if attr in _SPREADS:
+        return True
+    if attr == "sqrt":  # x.var().sqrt(), torch.sqrt(x.var())
+        inner = node.args[0] if node.args else node.func.value
+        return _spread(inner)
+    return False
+
+
+def _spread_ratio(source: str | None, name: str, reach: int = 40) -> tuple[str, str, str] | None:
+    """The last ``name = ... / spread`` above line ``source`` in the same function, the
+    spread's text and the statement with an eps added to it: ``adv = (r - r.mean()) /
+    r.std()`` -> ``(stmt, "r.std()", "adv = (r - r.mean()) / (r.std() + 1e-8)")``; None
+    when the file cannot be read or no such division made ``name``."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit() or not name.isidentifier():
+        return None
+    line = int(num)
+    here = linecache.getline(path, line)
+    indent = len(here) - len(here.lstrip())
+    assign = re.compile(rf"^\s*{re.escape(name)}\s*=(?!=)")
+    found: list[tuple[int, str]] = []  # (indentation, statement), nearest first
+    for n in range(line - 1, max(0, line - reach), -1):
+        text = linecache.getline(path, n)
+        if not text.strip():
+            continue
+        depth = len(text) - len(text.lstrip())
+        if re.match(r"\s*(?:async\s+)?def\s", text) and depth < indent:
+            break  # the function's start
+        found += [(depth, st.strip()) for st in reversed(statements(text)) if assign.match(st)]
+        if found and found[0][0] <= indent:
+            break  # assigned at the reading line's own level: the one that ran
+    if not found:
+        return None
+    nested = [st for depth, st in found if depth > indent]
+    if found[0][0] > indent and len(set(nested)) > 1:
+        return None  # assigned differently in branches (if / else): which one ran is unknown
+    return _eps_in_spread(found[0][1])
+
+
+def _eps_in_spread(stmt: str) -> tuple[str, str, str] | None:
+    """``stmt`` with ``+ 1e-8`` added to the spread it divides by (see :func:`_spread_ratio`)."""
+    try:
+        node = ast.parse(stmt).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not isinstance(node, ast.Assign):
+        return None
+    for sub in ast.walk(node.value):
+        if not (isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Div) and _spread(sub.right)):
+            continue
+        den = ast.get_source_segment(stmt, sub.right)
+        start, end = sub.right.col_offset, sub.right.end_col_offset
+        if den is None or end is None:
+            return None
+        if stmt[:start].rstrip().endswith("(") and stmt[end:].lstrip().startswith(")"):
+            new = f"{den} + 1e-8"  # already in parentheses: / (r.std())
+        else:
+            new = f"({den} + 1e-8)"
+        return stmt, den, stmt[:start] + new + stmt[end:]
+    return None
 
 
 def _log_of_zero(stat: TensorStat | None, code: str | None) -> str | None:

@@ -89,11 +89,11 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
     # the tensor as the code that owns it reads it, and as the training loop can
     held = f"self.{leaf}" if leaf.isidentifier() else None
     parts = str(t0["name"]).split(".")
-    outside = (
-        "m" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts)
-        if ref is not None and all(p.isidentifier() or p.isdigit() for p in parts)
-        else None
-    )
+    # the fixes reach the module through ``ref`` itself and bind no name of their own
+    # (comprehension variables stay inside): the user's model may be called ``m``, ``p``...
+    reachable = ref is not None and all(p.isidentifier() or p.isdigit() for p in parts)
+    outside = f"{ref}{_suffix(parts)}" if reachable else None
+    holder = f"{ref}{_suffix(parts[:-1])}" if reachable else None  # the module that holds it
     if hooked:
         explanation = (
             f"{names[0]} is not a parameter: a forward pre-hook computes it from the real "
@@ -101,12 +101,11 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             "A zero row of v, or an all-zero W (σ = 0), makes it 0/0 = NaN on every call; "
             "nothing in the forward itself is wrong."
         )
+        where = "" if ref is not None else f" (in {cls or 'its module'}'s code)"
         fix = (
-            (f"m = {ref}" if ref is not None else f"m = self   # in {cls or 'its module'}'s code")
-            + "   # the rows it divides by: re-init zeros\n"
-            "for n, p in m.named_parameters():\n"
-            "    if p.dim() > 1:\n"
-            "        print(n, 'zero rows:', (p.flatten(1).norm(dim=1) == 0).sum().item())"
+            f"# the rows it divides by{where}: re-init the zero ones\n"
+            "print([(n, (w.flatten(1).norm(dim=1) == 0).sum().item())\n"
+            f"       for n, w in {ref or 'self'}.named_parameters() if w.dim() > 1])"
         )
     elif _from_the_start(ctx, tensors):
         # non-finite at the first forward nanwatch saw, before any update: made so when the
@@ -129,8 +128,8 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
         listed = ", ".join(repr(t["name"]) for t in tensors[:4])
         if ref is not None:
             fix = (
-                f"m = {ref}   # right after building it (or loading its checkpoint):\n"
-                "print([n for n, t in [*m.named_buffers(), *vars(m).items()]\n"
+                "# right after building it (or loading its checkpoint):\n"
+                f"print([n for n, t in [*{ref}.named_buffers(), *vars({ref}).items()]\n"
                 f"       if torch.is_tensor(t) and not torch.isfinite(t).all()])   # {listed}\n"
             )
         elif held is not None:
@@ -154,9 +153,9 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             + "), so the layer only passed it on. Check it right after each write to "
             "find the one that makes it non-finite."
         )
-        lines = [f"m = {ref}"] if ref is not None else []
-        if running:
-            lines.append("m.reset_running_stats()   # the running statistics start afresh")
+        lines = []
+        if running and holder is not None:
+            lines.append(f"{holder}.reset_running_stats()   # the running statistics start afresh")
         lines.append(
             f"# right after each line that writes {leaf} ("
             + (f"in {cls}'s methods or " if cls else "")
@@ -176,6 +175,11 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             )
         fix = "\n".join(lines)
     yield ctx.diagnosis(**anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix)
+
+
+def _suffix(parts: list[str]) -> str:
+    """``[".0", "fc"]`` -> ``[0].fc``: attribute and index access to a module's child."""
+    return "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts)
 
 
 def _from_the_start(ctx: RuleContext, tensors: list[dict[str, Any]]) -> bool:
