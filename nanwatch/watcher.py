@@ -334,13 +334,31 @@ class _Frame:
     """A module call on the stack; holds the call's inputs until the call returns (they are
     alive anyway in the caller's frame) so the producer can be replayed."""
 
-    __slots__ = ("args", "call", "kwargs", "module")
+    __slots__ = ("args", "call", "kwargs", "module", "versions")
 
-    def __init__(self, call: Call, module: nn.Module, args: Any, kwargs: Any) -> None:
+    def __init__(
+        self, call: Call, module: nn.Module, args: Any, kwargs: Any, *, deep: bool = False
+    ) -> None:
         self.call = call
         self.module = module
         self.args = args
         self.kwargs = kwargs
+        # the version counters of the module's own buffers as the call began (host-side
+        # metadata, no device read): a forward that writes its own state in place (an EMA
+        # codebook, a step counter) shows in them, and a replay starts from what it wrote.
+        # ``deep``: its submodules' too, when their calls are not watched (sentinel mode)
+        bufs = module._buffers if not deep else dict(module.named_buffers())
+        self.versions: tuple[tuple[str, torch.Tensor, int | None], ...] | None = (
+            tuple((n, b, _version(b)) for n, b in bufs.items() if b is not None) if bufs else None
+        )
+
+    def written(self) -> list[str]:
+        """The module's own floating buffers the call has written in place so far."""
+        return [
+            n
+            for n, b, v in self.versions or ()
+            if _version(b) != v and (b.is_floating_point() or b.is_complex())
+        ]
 
 
 _SCRIPT_WARNED: set[int] = set()
@@ -1241,7 +1259,7 @@ class Watcher:
             if info.is_root and not self._stack and self._tree_step != self._step:
                 self._check_tree()
             call = self._open_call(info)
-            self._stack.append(_Frame(call, module, args, kwargs))
+            self._stack.append(_Frame(call, module, args, kwargs, deep=not self._full))
             self._record_inputs(info, call, args, kwargs)
             if self._new_trigger is not None:
                 self._handle_trigger(None)
@@ -1302,6 +1320,10 @@ class Watcher:
                 return  # forward raised; always_call ran us to keep the stack straight
             if frame is not None:
                 call = frame.call
+                if frame.versions is not None:
+                    written = frame.written()
+                    if written:
+                        self._state_writes[call.id] = written
             else:
                 call = self._open_call(info)
                 self._record_inputs(info, call, args, kwargs, after=True)
@@ -1422,6 +1444,7 @@ class Watcher:
         self._minmax = {}
         self._recorded_nodes.clear()  # the autograd nodes of the step's recorded tensors
         self._stack = []
+        self._state_writes: dict[int, list[str]] = {}  # call id -> own buffers it wrote
         self._pending = []
         self._pending_grads = []
         self._pending_rows = []
@@ -3238,7 +3261,7 @@ class Watcher:
         elif (
             self.config.pinpoint
             and anomaly.kind is AnomalyKind.BACKWARD
-            and anomaly.origin == "between-children"
+            and anomaly.origin in ("between-children", "module")
             and anomaly.op is None
             and not self._forensic
             and (first_of_run or anomaly.path not in self._pinpointed)
@@ -3352,7 +3375,12 @@ class Watcher:
             if state:  # the forward read it: no op made it, and a replay cannot clear it
                 self.note("module_state", target.path, tensors=state)
             elif not result.output:
-                anomaly.transient = True
+                written = self._own_writes(target)
+                if not written:
+                    anomaly.transient = True
+                else:
+                    self._overwritten_state(anomaly, target, module, written)
+                    return
         if result.random:
             self.note(
                 "replay",
@@ -3364,17 +3392,67 @@ class Watcher:
         self._pinpoint_neginf(anomaly, target, current, pre_hooks)
         anomaly.summary = summarize(anomaly)
 
+    def _own_writes(self, call: Call) -> list[str]:
+        """The module's own floating buffers ``call`` wrote in place (so far, when open)."""
+        for fr in self._stack:
+            if fr.call is call:
+                return fr.written()
+        return self._state_writes.get(call.id, [])
+
+    def _overwritten_state(
+        self, anomaly: Anomaly, target: Call, module: nn.Module, written: list[str]
+    ) -> None:
+        """A replay ran clean, but the forward wrote its own buffers in place (an EMA
+        codebook ``self.embed.copy_(avg / count)``): the replay started from the values the
+        forward left, not the ones it read, so it could not reproduce what it read. That is
+        the module's state (NW405), not a transient fault: a value one forward wrote (a
+        ``x / 0`` into a buffer) and the next one read."""
+        kinds = anomaly.record.stat.kinds() if anomaly.record.stat is not None else "NaN/inf"
+        bufs = dict(module.named_buffers())
+        tensors = [
+            {
+                "name": n,
+                "kind": "buffer",
+                "stat": kinds,
+                "dtype": dtype_name(bufs[n].dtype) if n in bufs else "",
+            }
+            for n in written
+        ]
+        self.note("module_state", target.path, tensors=tensors, overwritten=True)
+        anomaly.summary = summarize(anomaly)
+        base, sep, rest = anomaly.summary.partition(" [")
+        listed = ", ".join(f"{target.path}.{n}" for n in written[:4])
+        anomaly.summary = (
+            f"{base} [a replay ran clean, but the forward wrote {listed} in place: the "
+            "replay started from the values it wrote, not the ones it read"
+            f"{'; ' + rest.removesuffix(']') if sep else ''}]"
+        )
+
     def _pinpoint_own_backward(self, anomaly: Anomaly) -> None:
-        """A gradient went bad in the backward of a module's own code, between its children:
+        """A gradient went bad in the backward of a module's own code, between its children
+        (or in a module with no watched children, all its own code):
         the saved values that show why were freed as the backward ran, so the module is run
         again on its inputs and the backward of its own nodes checked node by node (see
         :func:`ops.own_backward_event`), as the loss code's nodes are on every step."""
         trace = self._trace
-        call = trace.call(anomaly.record.call)
-        target = trace.call(call.parent) if call is not None and call.parent is not None else None
+        if anomaly.origin == "module":
+            # a module's own backward, with no watched module inside it (a custom leaf that
+            # computes sqrt(sum((z - e) ** 2)) itself): its own code is the only place the
+            # gradient can be born. Called once in the step, so the call is known.
+            calls = [c for c in trace.calls if c.path == anomaly.path]
+            target = calls[0] if len(calls) == 1 and not calls[0].passthrough else None
+            if target is None or any(c.parent == target.id for c in trace.calls):
+                return
+        else:
+            call = trace.call(anomaly.record.call)
+            target = (
+                trace.call(call.parent) if call is not None and call.parent is not None else None
+            )
         if target is None:
             return
         found = self._call_inputs(target, None, False, finished=True)
+        if found is None and anomaly.origin == "module":
+            found = self._recomputed_inputs(target)
         if found is None:
             return
         module, args, kwargs, hooks = found
@@ -3391,6 +3469,68 @@ class Watcher:
         trace.ops.append(ev)
         anomaly.op = ev
         anomaly.summary = summarize(anomaly)
+
+    def _recomputed_inputs(self, call: Call) -> tuple[nn.Module, Any, Any, bool | int] | None:
+        """The inputs of a finished ``call`` that are freed (an activation no backward node
+        saved), made again by running the module that produced them on its own inputs,
+        still alive (a Linear's input, saved for its weight's gradient) and unchanged:
+        backward runs before the update, so its weights are those of the forward. Each made
+        again must match the statistics recorded for it. Anomaly-time work only."""
+        trace = self._trace
+        module = next((m for m, info in self._modules if info.path == call.path), None)
+        if module is None:
+            return None
+        alive = {
+            entry[1]: t
+            for entry in self._known.values()
+            if (t := entry[0]()) is not None and _version(t) == entry[2]
+        }
+        args: list[torch.Tensor] = []
+        for r in trace.inputs_of(call.id):
+            if not r.role.startswith("input["):
+                return None  # keyword inputs: not rebuilt
+            key = r.source if r.source is not None else r.index
+            t = alive.get(key)
+            if t is None:
+                src = trace.record(key)
+                made = self._remade_output(src) if src is not None else None
+                if made is None:
+                    return None
+                t = made
+            args.append(t)
+        if not args:
+            return None
+        return module, tuple(args), {}, self._pre_hooks_seen(module)
+
+    def _remade_output(self, rec: Record) -> torch.Tensor | None:
+        """``rec`` (a module's output) made again by its module, or None when that cannot be
+        done faithfully (its inputs are gone, it draws random numbers, the values differ)."""
+        producer = self._trace.call(rec.call)
+        if rec.phase is not Phase.FORWARD or producer is None or rec.stat is None:
+            return None
+        found = self._inputs_of_call(producer, unchanged=True)
+        if found is None:
+            return None
+        _, module, args, kwargs = found
+        devices = {t.device for _, t in self._walk(args, "input", kwargs)}
+        if any(d.type != "cpu" for d in devices):
+            return None
+        before = ops.rng_states(devices)
+        try:
+            with ops.preserved_state(module, devices), ops._replay_scope(), torch.enable_grad():
+                out = ops.call_forward(module, args, kwargs, pre_hooks=self._pre_hooks_seen(module))
+                drew = ops.drew_random(before, devices)
+        except Exception:
+            return None
+        if drew:
+            return None  # dropout: another mask, another value
+        t = next((x for role, x in self._walk(out, "output") if role == rec.role), None)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(rec.shape):
+            return None
+        stat = describe(t.detach())
+        if stat is None or (stat.min, stat.max) != (rec.stat.min, rec.stat.max):
+            return None
+        return t
 
     def _pre_hooks_seen(self, module: nn.Module) -> bool | int:
         """Which of ``module``'s forward pre-hooks a replay of the inputs this watcher's

@@ -170,12 +170,13 @@ def test_division_by_zero_names_op_line_and_zero_over_zero() -> None:
     assert "exact zero" in d.evidence[0]
 
 
-def test_sqrt_backward_names_the_module_and_how_to_get_the_op() -> None:
+def test_sqrt_backward_names_the_module_and_the_line_in_watch_mode() -> None:
+    # a module with no watched children: its own backward is replayed on the anomaly path
     d = top("sqrt-backward")
     text = " | ".join(d.evidence)
-    assert (d.path, d.phase) == ("distance", "backward")
+    assert (d.code, d.path, d.phase) == ("NW112", "distance", "backward")
     assert "SqrtBackward0" in text and "exact zeros" in text
-    assert 'mode="forensic"' in text and "nw.replay" in text
+    assert d.source is not None and d.source.endswith(line_of("sqrt_backward", "torch.sqrt("))
 
 
 def test_sqrt_backward_in_forensic_mode_names_the_line() -> None:
