@@ -176,8 +176,7 @@ class WatchConfig:
                 raise ConfigError(
                     name,
                     value,
-                    f"`{name}` must be True or False; got {value!r} "
-                    f"({type(value).__name__}).",
+                    f"`{name}` must be True or False; got {value!r} ({type(value).__name__}).",
                 )
         if not isinstance(self.thresholds, Thresholds):
             raise ConfigError(

@@ -56,8 +56,20 @@ def test_run_keeps_the_scripts_arguments_name_and_exit_code(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     before = dict(module_mod._global_forward_hooks)
-    code = cli.main(["run", "--report-dir", str(tmp_path), str(EXAMPLES / "train_args.py"),
-                     "--steps", "2", "--lr", "0.05", "--exit-code", "3"])
+    code = cli.main(
+        [
+            "run",
+            "--report-dir",
+            str(tmp_path),
+            str(EXAMPLES / "train_args.py"),
+            "--steps",
+            "2",
+            "--lr",
+            "0.05",
+            "--exit-code",
+            "3",
+        ]
+    )
     assert code == 3
     out = capsys.readouterr().out
     assert "argv=['--steps', '2', '--lr', '0.05', '--exit-code', '3']" in out
@@ -71,8 +83,7 @@ def test_run_that_records_an_anomaly_then_exits_writes_one_report_about_the_anom
 ) -> None:
     script = tmp_path / "train_exit.py"
     script.write_text(
-        (EXAMPLES / "train_nan.py").read_text(encoding="utf-8")
-        + "\nimport sys\nsys.exit(3)\n",
+        (EXAMPLES / "train_nan.py").read_text(encoding="utf-8") + "\nimport sys\nsys.exit(3)\n",
         encoding="utf-8",
     )
     reports = tmp_path / "reports"
@@ -89,8 +100,16 @@ def test_run_that_cannot_write_its_report_keeps_the_scripts_exit_code(
 ) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory", encoding="utf-8")
-    code = cli.main(["run", "--on-anomaly", "record", "--report-dir", str(blocker / "reports"),
-                     str(EXAMPLES / "train_nan.py")])
+    code = cli.main(
+        [
+            "run",
+            "--on-anomaly",
+            "record",
+            "--report-dir",
+            str(blocker / "reports"),
+            str(EXAMPLES / "train_nan.py"),
+        ]
+    )
     assert code == 0
     err = capsys.readouterr().err
     assert f"could not write the report to {str(blocker / 'reports')!r}" in err
@@ -117,8 +136,16 @@ def test_run_stops_a_script_that_goes_nan_and_leaves_a_report(tmp_path: Path) ->
 def test_run_with_record_lets_the_script_finish_and_reports_at_the_end(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = cli.main(["run", "--on-anomaly", "record", "--report-dir", str(tmp_path),
-                     str(EXAMPLES / "train_nan.py")])
+    code = cli.main(
+        [
+            "run",
+            "--on-anomaly",
+            "record",
+            "--report-dir",
+            str(tmp_path),
+            str(EXAMPLES / "train_nan.py"),
+        ]
+    )
     assert code == 0
     captured = capsys.readouterr()
     assert "done" in captured.out  # the script ran to its end
@@ -170,8 +197,18 @@ def test_run_passes_mode_and_sample_every_to_the_watcher(
     import json
 
     with pytest.raises(AnomalyError):
-        cli.main(["run", "--mode", mode, "--sample-every", every, "--report-dir",
-                  str(tmp_path), str(EXAMPLES / "train_nan.py")])
+        cli.main(
+            [
+                "run",
+                "--mode",
+                mode,
+                "--sample-every",
+                every,
+                "--report-dir",
+                str(tmp_path),
+                str(EXAMPLES / "train_nan.py"),
+            ]
+        )
     (saved,) = tmp_path.glob("*.json")
     data = json.loads(saved.read_text())
     assert data["config"]["mode"] == mode and data["config"]["sample_every"] == int(every)
@@ -187,8 +224,16 @@ def test_report_to_an_html_path_that_is_a_directory_is_a_clear_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     reports = tmp_path / "reports"
-    cli.main(["run", "--on-anomaly", "record", "--report-dir", str(reports),
-              str(EXAMPLES / "train_nan.py")])
+    cli.main(
+        [
+            "run",
+            "--on-anomaly",
+            "record",
+            "--report-dir",
+            str(reports),
+            str(EXAMPLES / "train_nan.py"),
+        ]
+    )
     capsys.readouterr()
     code = cli.main(["report", str(reports / "train_nan.json"), "--html", str(reports)])
     assert code == 2
