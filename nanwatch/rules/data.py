@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import linecache
 import math
 import re
+import textwrap
 from collections.abc import Iterator
 
 from nanwatch.localize import earlier_finite_input
@@ -457,7 +460,29 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence.append(f"{len(bad) - 1} more loss call(s) this step got a non-finite target")
     fields = anomaly_fields(a)
     fields["path"] = loss
-    if kinds == "-inf":
+    ratios = _log_ratio_target(n, loss) if kinds == "-inf" else []
+    if ratios:
+        tops = list(dict.fromkeys(top for top, _ in ratios))
+        shown = ", ".join(f"log({top} / {bottom})" for top, bottom in ratios)
+        evidence.append(
+            f"the target is made as {shown}: a log of a ratio (such as a box-regression encoding), "
+            f"-inf where {' or '.join(tops)} is 0"
+        )
+        cause = (
+            f"A target whose only non-finite values are -inf is what log(0) gives, and this "
+            f"one is a log of a ratio, {shown}: a degenerate entry (a box of zero width or "
+            "height, an annotation with x1 == x2) makes the numerator 0. Drop or repair "
+            "those entries; log1p would change the encoding, which then no longer matches "
+            "the exp() that decodes the prediction."
+        )
+        keep = " & ".join(f"({t} > 0)" for t in tops)
+        remedy = (
+            f"valid = {keep}   # where the target is made: keep degenerate entries out of "
+            "the loss (index the prediction and the target with it)\n"
+            f"# or repair them where the boxes are read: {tops[0]}.clamp_min(1) (a one-pixel "
+            "minimum, in pixel units); not log1p, which no exp() decoder inverts\n"
+        )
+    elif kinds == "-inf":
         cause = (
             "A target whose only non-finite values are -inf is what log(0) gives: a log "
             "transform of a target holding zeros (counts, sales, prices)."
@@ -492,6 +517,96 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
             + "# or fix/drop the samples in Dataset.__getitem__"
         ),
     )
+
+
+def _log_ratio_target(n: Note, loss: str) -> list[tuple[str, str]]:
+    """The logs of ratios a functional loss's target is made of, as (numerator, denominator)
+    source texts: the loss line's target, or the value assigned to its name above, or the
+    body of the function in the same file that value calls (``targets = encode(gt, a)``
+    with ``torch.log(gw / aw)`` in ``encode``). Empty when none is seen."""
+    path, _, num = (n.source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return []
+    lines = linecache.getlines(path)
+    line = int(num)
+    if not 0 < line <= len(lines):
+        return []
+    fname = loss.rsplit(".", 1)[-1]
+    try:
+        tree = ast.parse(lines[line - 1].strip())
+    except SyntaxError:
+        return []
+    target: ast.expr | None = None
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and ast.unparse(call.func).rsplit(".", 1)[-1] == fname:
+            kw = {k.arg: k.value for k in call.keywords if k.arg}
+            target = kw.get("target", call.args[1] if len(call.args) > 1 else None)
+            break
+    if target is None:
+        return []
+    found = _log_ratios(target)
+    if found or not isinstance(target, ast.Name):
+        return found
+    value = _assigned_above(lines, line, target.id)
+    if value is None:
+        return []
+    found = _log_ratios(value)
+    if found or not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)):
+        return found
+    body = _function_body(lines, value.func.id)
+    return _log_ratios(body) if body is not None else []
+
+
+def _log_ratios(node: ast.AST) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for c in ast.walk(node):
+        if not isinstance(c, ast.Call):
+            continue
+        name = ast.unparse(c.func)
+        arg: ast.expr | None = None
+        if name in ("torch.log", "np.log", "math.log", "log") and c.args:
+            arg = c.args[0]
+        elif isinstance(c.func, ast.Attribute) and c.func.attr == "log" and not c.args:
+            arg = c.func.value
+        if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Div):
+            out.append((ast.unparse(arg.left), ast.unparse(arg.right)))
+    return out
+
+
+def _assigned_above(lines: list[str], line: int, name: str, reach: int = 40) -> ast.expr | None:
+    """The value last assigned to ``name`` on a line above ``line`` (one statement a line)."""
+    for i in range(line - 2, max(-1, line - 2 - reach), -1):
+        text = lines[i].strip()
+        if not re.match(rf"{re.escape(name)}\s*=[^=]", text):
+            continue
+        try:
+            stmt = ast.parse(text).body[0]
+        except (SyntaxError, IndexError):
+            return None
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            return stmt.value
+        return None
+    return None
+
+
+def _function_body(lines: list[str], fname: str) -> ast.AST | None:
+    """The parsed ``def fname(...)`` of the file, its body up to the next line indented as
+    little as the def."""
+    for i, text in enumerate(lines):
+        m = re.match(rf"(\s*)def {re.escape(fname)}\(", text)
+        if m is None:
+            continue
+        indent = len(m.group(1))
+        end = i + 1
+        while end < len(lines) and (
+            not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent
+        ):
+            end += 1
+        try:
+            return ast.parse(textwrap.dedent("".join(lines[i:end])))
+        except SyntaxError:
+            return None
+    return None
 
 
 @rule(

@@ -58,6 +58,7 @@ from nanwatch.rules._evidence import (
     loss_kind,
     loss_uses,
     lost_eps,
+    model_call,
     module_ref,
     node_base,
     node_domain,
@@ -623,11 +624,15 @@ def _unit_producer(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> str | None:
     if ev.code or ev.path != LOSS_PATH:
         return None
     # a watched output that may be the log's input (unmeasured, or of its very values)
-    # hides from the loss graph's op list: the op after a log may then be another branch's
+    # hides from the loss graph's op list: the op after a log may then be another branch's.
+    # An output that is another's very tensor (a wrapper returning its child's output) is
+    # known by the record that measured it (not across a pass-through module: a Sigmoid's
+    # output is not its input)
+    found_at = [exact(ctx.trace, r) for r in outs]
+    measured = [m.stat if m is not None else None for m in found_at]
     if any(
-        math.prod(r.shape) == x.numel
-        and (r.stat is None or (r.stat.min == x.min and r.stat.max == x.max))
-        for r in outs
+        math.prod(r.shape) == x.numel and (st is None or (st.min == x.min and st.max == x.max))
+        for r, st in zip(outs, measured, strict=True)
     ):
         return None
     found: set[str] = set()
@@ -2924,6 +2929,26 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if every and den is not None:  # no exp in sight (those returned above): 0 everywhere
         yield _all_zero_denominator(ctx, a, ev, den, evidence=evidence, title=title)
         return
+    score = _overlap_score(ctx, ev) if "NaN" in ev.born and not integer else None
+    if score is not None:
+        said, smoothed = score
+        evidence.insert(1, said)
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"{title} in an overlap score (dice, IoU) of two empty masks",
+            evidence=evidence,
+            explanation=(
+                "The division is an overlap ratio, an intersection over the sizes of the "
+                "two sets (dice 2|A∩B| / (|A| + |B|), IoU, F1): where the prediction and "
+                "the target are both empty (a class absent from the batch, a masked-out "
+                "instance) it is 0/0 = NaN. A clamp on the denominator turns it into 0, the "
+                "worst score, so 1 - ratio charges a loss of 1 for a case that is perfectly "
+                "predicted. The usual remedy is smoothing, (2·inter + s) / (sizes + s) with "
+                "s = 1: 1 when both are empty, and almost unchanged elsewhere."
+            ),
+            fix=smoothed,
+        )
+        return
     yield ctx.diagnosis(
         **op_fields(ev, a),
         title=title,
@@ -2936,6 +2961,109 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=fix,
     )
+
+
+#: names that call a ratio an overlap score
+_OVERLAP_NAMES = re.compile(
+    r"(?<![A-Za-z])(?:inter|intersection|intersect|union|dice|[gdc]?iou|jaccard|tversky"
+    r"|overlap|f1|tp)(?![A-Za-z])",
+    re.I,
+)
+
+
+def _sum_of(ev: OpEvent, node: ast.expr) -> bool:
+    """Whether ``node``, or the value assigned to it above when it is a name, is a sum or
+    difference at its top (``a.sum() + b.sum()``, ``area_a + area_b - inter``): sizes of two
+    sets added, not a product of norms."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr not in ("clamp", "clamp_min", "clamp_", "clamp_min_", "float"):
+            break
+        node = node.func.value
+    if isinstance(node, ast.Name):
+        value = _unconditional_assignment(ev, node.id)
+        if value is not None:
+            node = value
+    return isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub))
+
+
+def _tensor_names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id not in _MODULES}
+
+
+def _expanded(ev: OpEvent, node: ast.expr) -> tuple[set[str], bool]:
+    """The tensor names ``node`` is made of, each name assigned above on the line's function
+    replaced by the names of its value (one level); and whether a product is among them."""
+    names: set[str] = set()
+    product = any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult) for n in ast.walk(node))
+    for name in _tensor_names(node):
+        value = _unconditional_assignment(ev, name)
+        if value is None:
+            names.add(name)
+            continue
+        names |= _tensor_names(value) or {name}
+        product = product or any(
+            isinstance(n, ast.BinOp)
+            and isinstance(n.op, ast.Mult)
+            and not isinstance(n.left, ast.Constant)
+            and not isinstance(n.right, ast.Constant)
+            for n in ast.walk(value)
+        )
+    return names, product
+
+
+def _overlap_score(ctx: RuleContext, ev: OpEvent) -> tuple[str, str] | None:
+    """A 0/0 that is an overlap score of two empty sets (dice, IoU, F1): the user's one
+    division whose numerator is a product of the tensors its denominator sums (or names
+    call it so: ``inter``, ``union``, ``dice``, ``iou``), or, the line unknown, a loss graph
+    of 1 - a ratio of sums of products. (evidence, fix) with the smoothed ratio; None
+    otherwise."""
+    one = _one_division(ev.code)
+    if one is not None:
+        stmt, div = one
+        num = ast.get_source_segment(stmt, div.left)
+        d = ast.get_source_segment(stmt, div.right)
+        if num is None or d is None:
+            return None
+        top, product = _expanded(ev, div.left)
+        low, _ = _expanded(ev, div.right)
+        shared = top & low
+        named = _OVERLAP_NAMES.search(stmt) is not None
+        if not (named or (len(shared) >= 2 and product and _sum_of(ev, div.right))):
+            return None
+        smoothed = _spliced(stmt, div, f"({num} + 1) / ({d} + 1)")
+        why = (
+            f"the ratio's numerator {num} is made of {', '.join(sorted(shared))}, which its "
+            f"denominator {d} sums: an overlap score"
+            if len(shared) >= 2 and product and _sum_of(ev, div.right)
+            else f"the line names an overlap score: {stmt.strip()}"
+        )
+        return why, (
+            f"{smoothed}   # smoothing s = 1: two empty sets score 1, not NaN (a clamp would "
+            "score them 0, the worst)"
+        )
+    if ev.code or ev.path != LOSS_PATH:
+        return None
+    for n in ctx.notes("loss_graph"):
+        ops = n.data.get("ops")
+        if not isinstance(ops, list):
+            continue
+        for i in range(len(ops) - 1):
+            if ops[i] != "rsub":
+                continue
+            j = i + 1 + (ops[i + 1] in ("mean", "sum"))
+            if j >= len(ops) or ops[j] != "div":
+                continue
+            below = ops[j + 1 : j + 16]
+            if "add" in below and below.count("sum") >= 2 and "mul" in below:
+                return (
+                    "the loss is 1 - a ratio of sums (autograd ops rsub, div, add, sum, mul): "
+                    "an overlap score, dice or IoU, of sums of products",
+                    "score = (2 * (pred * target).sum(dims) + 1) / (pred.sum(dims) + "
+                    "target.sum(dims) + 1)   # smoothing s = 1, on your ratio's own terms: "
+                    "two empty sets score 1, not NaN (a clamp would score them 0, the worst)\n"
+                    "# IoU: (inter + 1) / (union + 1)",
+                )
+    return None
 
 
 _NARROW = ("float16", "bfloat16")
@@ -3118,6 +3246,9 @@ def _all_zero_denominator(
     summed = None if state else _zero_sum_source(ctx, ev, divisor)
     if summed is not None:
         evidence.insert(2, summed)
+    collapsed = None if state or summed is not None else _collapsed_prediction(ctx, ev, den)
+    if collapsed is not None:
+        return _collapsed_denominator(ctx, a, ev, collapsed, evidence=evidence, title=title)
     sqrt = divisor is not None and re.search(r"(?<![\w.])(?:torch\.)?sqrt\(|\.sqrt\(", divisor)
     own = None
     if sqrt and divisor is not None:
@@ -3175,6 +3306,147 @@ def _all_zero_denominator(
             "the quotient finite; the zeros are what to fix."
         ),
         fix=own,
+    )
+
+
+#: autograd nodes that take part of a tensor (or all of it, reshaped): a denominator made by
+#: one is read out of a larger tensor, such as one column of a model's prediction
+_PART_NODES = frozenset(
+    {
+        "Select",
+        "Slice",
+        "Index",
+        "Unbind",
+        "Split",
+        "SplitWithSizes",
+        "Chunk",
+        "Narrow",
+        "View",
+        "Reshape",
+        "UnsafeView",
+        "Squeeze",
+        "Unsqueeze",
+        "Alias",
+        "AsStrided",
+        "Expand",
+        "Clone",
+        "Relu",
+        "Threshold",
+        "Hardtanh",
+        "Clamp",
+        "ClampMin",
+    }
+)
+
+
+@dataclass(frozen=True)
+class _Collapsed:
+    """A watched model output that holds the zeros an all-zero denominator is read from."""
+
+    where: str
+    numel: int
+    zeros: int | None
+    made_by: str
+    divisors: list[str]
+
+
+def _line_divisors(code: str | None) -> list[str]:
+    """The subscripted divisors of the user's line (``p[:, 3]`` in ``w / p[:, 3]``), each
+    division's; the one division's divisor when it is not a subscript."""
+    got = _divisors(code)
+    if got:
+        return [got[0].strip()]
+    line = (code or "").split("  #", 1)[0]
+    return list(dict.fromkeys(re.findall(r"(?<=[\w\)\]]) / ([A-Za-z_][\w.]*\[[^\[\]]*\])", line)))
+
+
+def _collapsed_prediction(ctx: RuleContext, ev: OpEvent, den: TensorStat) -> _Collapsed | None:
+    """The model's output an all-zero denominator is (part of), when the evidence says so:
+    the denominator was read out of a tensor (its autograd producer is a select, slice or
+    ReLU, or the user's divisor is a subscript) and the model's forward of the step returned
+    at least as many exact zeros. None otherwise (a buffer, a constant input)."""
+    made = str(ev.scalars.get("other_made_by", "")).split("<")[0]
+    divisors = _line_divisors(ev.code)
+    # an autograd producer at all: computed from parameters, not a buffer or the data
+    took = node_base(made) in _PART_NODES
+    if not (took or any("[" in d for d in divisors)):
+        return None
+    root = model_call(ctx.trace)
+    if root is None or not den.numel:
+        return None
+    for r in ctx.trace.records:
+        if r.call != root.id or r.phase is not Phase.FORWARD or not r.role.startswith("output"):
+            continue
+        m = exact(ctx.trace, r)
+        st = m.stat if m is not None else None
+        if st is None or st.numel <= 0:
+            continue
+        if st.zeros is not None:
+            if st.zeros < den.numel:
+                continue
+        elif not (took and st.min <= 0 <= st.max):  # uncounted: its range must hold 0
+            continue
+        return _Collapsed(r.path or r.where, st.numel, st.zeros, made, divisors)
+    return None
+
+
+def _collapsed_denominator(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    c: _Collapsed,
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """An all-zero denominator read out of the model's prediction: the prediction (a width,
+    a height, a scale) collapsed to exactly 0, as a ReLU on it does for every negative
+    pre-activation; fixed by predicting it positive, or a floor on the prediction."""
+    by = f" (autograd node {c.made_by})" if c.made_by else ""
+    held = (
+        f"which holds {c.zeros:,} exact zeros in its {c.numel:,} values"
+        if c.zeros is not None
+        else "whose values reach 0"
+    )
+    evidence.insert(
+        2,
+        f"the denominator is read out of a tensor computed this step{by}, and the model's "
+        f"output {c.where} {held}: the prediction collapsed to 0, not a buffer never filled",
+    )
+    if len(c.divisors) == 1:
+        d = c.divisors[0]
+        floor = rewrite_divisor(ev.code, lambda _: f"{paren(d)}.clamp_min(1e-6)")
+        at = (
+            f"{floor}   # or a floor on the prediction at the division"
+            if floor is not None
+            else f"# or a floor on the prediction at the division: {paren(d)}.clamp_min(1e-6)"
+        )
+    elif c.divisors:
+        at = (
+            "# or a floor on the prediction at the division, the one of "
+            f"{', '.join(c.divisors)} that the model predicted: <it>.clamp_min(1e-6)"
+        )
+    else:
+        at = "# or a floor on the prediction at the division: pred.clamp_min(1e-6)"
+    fix = (
+        f"# {c.where} returned exactly 0 where this denominator is read: predict a positive "
+        "quantity (a width, a height, a scale) positive where the model makes it\n"
+        "wh = F.softplus(raw) + 1e-3   # or raw.exp(), in place of torch.relu(raw) or a clamp "
+        "at 0; import torch.nn.functional as F\n" + at
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=title,
+        evidence=evidence,
+        explanation=(
+            "Every value of this denominator is exactly 0, and it is read out of what the "
+            f"model returned ({c.where}): the model's prediction collapsed to 0, not a tensor "
+            "never filled. A ReLU (or a clamp at 0) on a predicted width, height, scale or "
+            "count is exactly 0 for every negative pre-activation, and its gradient there is "
+            "0 too, so it does not recover by itself; x/0 is ±inf and 0/0 is NaN. Softplus "
+            "or exp keeps the prediction positive and its gradient alive."
+        ),
+        fix=fix,
     )
 
 
@@ -5805,10 +6077,11 @@ def _negative_root_fix(ev: OpEvent) -> str:
 
 _ROOT_BACKWARD = (
     "sqrt(0) = 0 is a fine forward value, but the derivative 1 / (2·sqrt(x)) is inf at "
-    "x = 0, and autograd multiplies it by the gradient of what fed the sqrt (0 for a "
-    "squared difference of identical vectors): inf × 0 = NaN. Euclidean distances between "
-    "identical samples, norms of zero vectors and x ** 0.5 all do this; the forward pass "
-    "never shows a bad value, and the next optimizer step makes every weight NaN."
+    "x = 0, and autograd multiplies it by the gradient of what fed the sqrt: ±inf, or "
+    "inf × 0 = NaN where that gradient is 0. Any argument that reaches exactly 0 does this: "
+    "a product or ratio that is 0 (of a clamped or ReLU-made quantity), a norm of a zero "
+    "vector, a distance between identical samples, x ** 0.5; the forward pass never shows "
+    "a bad value, and the next optimizer step makes every weight NaN."
 )
 
 _ROOT_FIX_BACKWARD = (
@@ -5817,7 +6090,9 @@ _ROOT_FIX_BACKWARD = (
     "dist = F.pairwise_distance(x1, x2)   # a distance, not ((x1 - x2) ** 2).sum(-1).sqrt(): "
     "eps=1e-6 inside\n"
     "norm = ((x ** 2).sum(-1) + 1e-12).sqrt()   # or eps inside the sqrt: off exact 0\n"
-    "std = torch.sqrt(v + 1e-4)   # v a variance (z.var(dim=0)): eps inside the sqrt"
+    "std = torch.sqrt(v + 1e-4)   # v a variance (z.var(dim=0)): eps inside the sqrt\n"
+    "y = torch.sqrt(a.clamp_min(1e-12))   # any other argument a that reaches 0 (a product "
+    "or ratio): a floor inside the sqrt"
 )
 
 
