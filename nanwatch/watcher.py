@@ -263,6 +263,20 @@ def _reads_running_stats(m: nn.Module) -> bool:
     )
 
 
+def _read_state(m: nn.Module, name: str) -> bool:
+    """Whether the forward of ``m`` may read the buffer ``name`` it wrote: not a norm's
+    running statistic in training mode, which that forward only updates (it normalizes
+    with the batch's statistics), so a value it held cannot explain a clean replay."""
+    owner_path, _, leaf = name.rpartition(".")
+    if leaf not in ("running_mean", "running_var"):
+        return True
+    try:
+        owner = m.get_submodule(owner_path) if owner_path else m
+    except AttributeError:
+        return True
+    return not owner.training
+
+
 def _is_passthrough(m: nn.Module) -> bool:
     t = type(m)
     if t in _PASSTHROUGH:
@@ -3375,7 +3389,7 @@ class Watcher:
             if state:  # the forward read it: no op made it, and a replay cannot clear it
                 self.note("module_state", target.path, tensors=state)
             elif not result.output:
-                written = self._own_writes(target)
+                written = [n for n in self._own_writes(target) if _read_state(module, n)]
                 if not written:
                     anomaly.transient = True
                 else:

@@ -118,6 +118,22 @@ def test_a_clean_replay_of_a_module_that_writes_no_state_stays_transient(tmp_pat
     assert "NW404" in _diagnosed(nw)
 
 
+def test_running_statistics_a_training_forward_only_writes_are_not_read_state() -> None:
+    # a norm in training mode normalizes with the batch's statistics and only updates its
+    # running ones (on torches whose batch_norm bumps their version): those writes cannot
+    # explain a clean replay; in eval mode the forward reads them
+    from nanwatch.watcher import _read_state
+
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    assert not _read_state(net, "1.running_mean") and not _read_state(net[1], "running_var")
+    assert _read_state(net, "1.num_batches_tracked")
+    net.eval()
+    assert _read_state(net, "1.running_mean") and _read_state(net[1], "running_var")
+    vq = nn.Module()
+    vq.register_buffer("embed", torch.zeros(2))
+    assert _read_state(vq, "embed")
+
+
 class _SqrtVQ(nn.Module):
     """A leaf module (no children) whose own code takes sqrt of a distance that is 0 for the
     tokens its codebook was copied from: sqrt's backward at 0 is inf, times 0 is NaN."""
