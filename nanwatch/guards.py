@@ -475,6 +475,21 @@ class _Failure:
     count: int = 0
     total: int = 0
     positions: tuple[tuple[int, ...], ...] = ()
+    #: torch computes the call without an error (its result is inf or NaN, which the
+    #: watcher sees): under on_anomaly="warn" the guard notes it and lets it run (_LENIENT)
+    torch_runs: bool = False
+
+
+#: checks whose input torch accepts on every device, making an inf or NaN loss rather than
+#: raising or asserting (a CTC target too long for its input, an inf or NaN loss weight, a
+#: -inf target logit, a non-finite term without gradients): under on_anomaly="warn" the
+#: guard notes them (a warning) and the call runs, so a loop that skips a non-finite loss
+#: works watched. "record" keeps stopping them: it is the policy of a driver that acts
+#: itself (the Lightning callback, whose GuardError ends fit). The rest stop the call
+#: whatever on_anomaly says: torch would raise, a GPU would assert, or the result would be
+#: finite and silently wrong (a broadcast, a target of 255 for BCE) with nothing for the
+#: watcher to see.
+_LENIENT = frozenset({"NW516", "NW517", "NW518", "NW519"})
 
 
 class _Fail(Exception):
@@ -1893,8 +1908,51 @@ def _ctc_probabilities(p: _Probe, v: dict[str, float]) -> None:
     )
 
 
+def _ctc_blank_failure(p: _Probe, blank: int, c: int) -> None:
+    """CTCLoss with a blank index outside the log-probs' ``c`` classes (``blank=len(vocab)``
+    with a head of ``len(vocab)`` outputs): torch refuses it ('blank must be in label
+    range'); said here with the numbers and the two ways out."""
+    if blank >= c:
+        fix = (
+            f"# the blank needs an output of its own: give the model {blank + 1} outputs "
+            f"(the last layer's {c} -> {blank + 1}), class {blank} the blank; or the blank=0 "
+            f"convention, labels shifted to 1..{c} (targets + 1) and {c + 1} outputs:\n"
+            + _option_fix(p, "blank", 0)
+        )
+        why = f"blank={blank} names class {blank}, and the model has only {c} (0..{c - 1})"
+    else:
+        fix = _option_fix(p, "blank", c - 1) + f"  # the last of the {c} classes"
+        why = f"blank={blank} is negative: CTC does not count it from the end"
+    p.fail(
+        _Failure(
+            code="NW501",
+            check="ctc-blank-range",
+            problem=(
+                f"blank index {blank} is outside the {c} classes of the log-probs (their last "
+                f"dim); {p.desc(blank=blank)} needs 0 <= blank < {c}: {why}"
+            ),
+            expected=f"blank in 0..{c - 1}",
+            fix=fix,
+            explanation=(
+                "CTC reads the blank's log-probability at every frame, so the blank is one of "
+                "the model's outputs: with len(vocab) labels the head needs len(vocab) + 1 "
+                "outputs. PyTorch refuses a blank outside them ('blank must be in label "
+                "range')."
+            ),
+            values=(blank,),
+            counts=(1,),
+            count=1,
+            total=1,
+        )
+    )
+
+
 def _check_ctc(p: _Probe) -> None:
     x, t = p.input, p.target
+    if x.dim() > 0:
+        blank_opt = p.bound.get("blank", 0)
+        if isinstance(blank_opt, int) and not 0 <= blank_opt < x.shape[-1]:
+            _ctc_blank_failure(p, int(blank_opt), int(x.shape[-1]))
     _input_stats(p)
     p.then(lambda v: _ctc_probabilities(p, v))
     if t is None or x.dim() == 0 or not _readable(t):
@@ -2258,6 +2316,9 @@ def _binary_target_failure(
 ) -> None:
     t = p.target
     assert t is not None
+    bad = mask & ~t.isfinite()  # the failure path: a second read is fine
+    if bool(bad.any()):
+        _binary_target_nonfinite(p, bad)
     tmin, tmax = v.get("target_min", math.nan), v.get("target_max", math.nan)
     tgt = p.arg("target")
     hint, fix = "", f"scale {tgt} into [0, 1]"
@@ -2305,6 +2366,99 @@ def _binary_target_failure(
             count=outside,
             total=t.numel(),
             positions=_positions(mask),
+        )
+    )
+
+
+def _made_at(p: _Probe, name: str) -> tuple[int, str] | None:
+    """The line (number, text) of the user's function that last assigned ``name`` before
+    the guarded call, looked for up to 40 lines back; None when none is found."""
+    f = p.frame
+    if f is None or not name.isidentifier():
+        return None
+    first = max(f.f_code.co_firstlineno, f.f_lineno - 40)
+    for lineno in range(f.f_lineno - 1, first - 1, -1):
+        line = _without_comment(linecache.getline(f.f_code.co_filename, lineno).strip())
+        try:
+            tree = ast.parse(line)
+        except SyntaxError:
+            continue
+        for stmt in tree.body:
+            targets = (
+                stmt.targets
+                if isinstance(stmt, ast.Assign)
+                else [stmt.target]
+                if isinstance(stmt, (ast.AugAssign, ast.AnnAssign))
+                else []
+            )
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            if name in names:
+                return lineno, line
+    return None
+
+
+def _binary_target_nonfinite(p: _Probe, bad: torch.Tensor) -> None:
+    """A BCE target holding NaN or inf: bad data (a 0/0 where the target is computed), not
+    a target on the wrong scale. BCELoss rejects it (as outside [0, 1]); BCEWithLogitsLoss
+    computes a NaN loss without a word, so the guard follows on_anomaly for it."""
+    t = p.target
+    assert t is not None
+    n_nan = int(t.isnan().sum())
+    n_inf = int(bad.sum()) - n_nan
+    kinds = " and ".join(
+        f"{k} at {_many(n, 'position')}" for k, n in (("NaN", n_nan), ("inf", n_inf)) if n
+    )
+    values, counts = _value_counts(t[bad])
+    tgt, inp = p.arg("target"), p.arg("input")
+    logits = p.spec.name != "binary_cross_entropy"
+    made = _made_at(p, tgt)
+    where = ""
+    if made is not None and p.frame is not None:
+        file = os.path.basename(p.frame.f_code.co_filename)
+        where = f"; {tgt} is made at {file}:{made[0]}: {made[1]}"
+    cause = (
+        "NaN is what 0/0 gives (a ratio of two zero sizes, such as min / max over a zero-width box)"
+    )
+    if n_inf:
+        cause = "NaN is what 0/0 gives, inf what x/0 gives (a ratio with a zero size)"
+    if logits:
+        law = (
+            f"{p.desc()} does not check its targets (its documentation asks for values in "
+            "[0, 1]): it computes the loss, NaN, and every gradient of the step with it"
+        )
+    else:
+        law = f"{p.desc()} rejects it (all elements of target should be between 0 and 1)"
+    simple = _NAME_EXPR.fullmatch(tgt) is not None and not p.is_module
+    if simple and not p.has_arg("weight") and not p.has_arg("pos_weight"):
+        fix = f"valid = torch.isfinite({tgt})   # or repair {tgt} where it is made\n" + p.call_with(
+            input=f"{_paren(inp)}[valid]", target=f"{tgt}[valid]"
+        )
+    else:
+        fix = (
+            f"assert torch.isfinite({tgt}).all()   # where {tgt} is made: drop or repair "
+            "the entries that divide by zero"
+        )
+    p.fail(
+        _Failure(
+            code="NW505",
+            check="target-nonfinite",
+            problem=(
+                f"target holds {kinds} (of {_n(t.numel())}){where}; bad data, not a scale: "
+                f"{p.desc()} needs finite targets in [0, 1]"
+            ),
+            expected="finite targets in [0, 1]",
+            fix=fix,
+            explanation=(
+                f"The target was {'non-finite' if n_inf else 'NaN'} before the loss saw it: "
+                f"{cause}. {law}. Rescaling does not help: find the entries where the target "
+                "is made, and drop or repair them."
+            ),
+            values=values,
+            counts=counts,
+            count=int(bad.sum()),
+            total=t.numel(),
+            positions=_positions(bad),
+            torch_runs=logits,
         )
     )
 
@@ -3182,11 +3336,33 @@ def _index_result(
                         f"\n# if {pad} is also a real id (padding_idx=-1 is the last row), "
                         f"give padding a row of its own and map to {rows}:\n# {made}"
                     )
-        else:
+        elif all(x in _IGNORE_LABELS for x in neg):
+            # a padding or ignore sentinel (-1, -100) beside ids past the end: two faults
+            assert top is not None  # both kinds: some below 0, some past the end
             hint = f" — ids below 0 and above {rows - 1}"
             fix = (
                 f"map the ids into 0..{rows - 1}: padding to the padding row, and a table with "
-                f"a row for every id ({top + 1 if top is not None else rows} or more)"
+                f"a row for every id ({top + 1} or more)"
+            )
+        else:
+            # ids on both sides of the table: no number of rows makes a negative id valid.
+            # Ids spread below 0 and past the end are what quantizing a value from outside
+            # the range the quantization assumes gives (audio not scaled to [-1, 1])
+            lo, hi = int(v["index_min"]), int(v["index_max"])
+            hint = (
+                f" — ids below 0 and above {rows - 1} (min {lo}, max {hi}): a bigger table "
+                "cannot hold a negative id; ids spread on both sides of the table are what "
+                "quantizing a value from outside the range the quantization expects gives"
+            )
+            ids_at = _made_at(p, text)
+            at = ""
+            if ids_at is not None and p.frame is not None:
+                file = os.path.basename(p.frame.f_code.co_filename)
+                at = f", where {text} is made ({file}:{ids_at[0]}: {ids_at[1]})"
+            fix = (
+                f"scale the value quantized into {text} to the range the quantization expects "
+                f"before quantizing it (e.g. int16 audio / 32768 for [-1, 1]){at}, so the ids "
+                f"land in 0..{rows - 1}; not a bigger table"
             )
         explanation = (
             "An embedding returns row `id` of its weight: an id outside [0, rows) reads past "
@@ -3370,6 +3546,10 @@ def _guard(
     if failure is None or failure.code in watcher.config.ignore:
         return
     source = _source(frame) if frame is not None else None
+    policy = watcher.config.on_anomaly
+    # torch would compute it (an inf or NaN the watcher then sees, or a loop skips with
+    # math.isfinite): under "warn" the guard notes it and lets the call run
+    lenient = (failure.torch_runs or failure.code in _LENIENT) and policy == "warn"
     note = watcher.note(
         "guard",
         path,
@@ -3388,7 +3568,11 @@ def _guard(
         positions=[list(q) for q in failure.positions],
         positions_in=_positions_in(p, failure),
         source_line=p.line,
+        raised=not lenient,
+        on_anomaly=policy,
     )
+    if lenient:
+        return
     torch_error = _torch_error(watcher, bound, call)
     err = _error(note, failure, watcher.step_index, is_module=is_module, torch_error=torch_error)
     err._nanwatch_owner = id(watcher)  # type: ignore[attr-defined]  # nested watchers

@@ -1,10 +1,12 @@
 """NW5xx: inputs stopped by a guard before the kernel ran (losses, embeddings, one_hot).
 
 A guard (``nanwatch/guards.py``) that finds a bad input writes a ``"guard"``
-:class:`~nanwatch.records.Note` and raises :class:`nanwatch.GuardError`. These rules turn
-that note into the step's :class:`~nanwatch.rules.Diagnosis`, so a post-mortem report of
-the run says the same as the exception did (an error; a warning when the program caught the
-GuardError and went on). One code per check; codes never change meaning.
+:class:`~nanwatch.records.Note` and raises :class:`nanwatch.GuardError` (except, under
+``on_anomaly="warn"``, for an input torch computes an inf or NaN loss from without an
+error: then the note says ``raised=False``, its diagnosis is a warning and the call runs).
+These rules turn that note into the step's :class:`~nanwatch.rules.Diagnosis`, so a
+post-mortem report of the run says the same as the exception did (an error; a warning when
+the program caught the GuardError and went on). One code per check; codes never change meaning.
 
 Example:
     >>> from nanwatch.records import Note
@@ -165,7 +167,16 @@ def _found(ctx: RuleContext, code: str) -> Iterator[Diagnosis]:
     for note in ctx.trace.notes:
         if note.kind == "guard" and note.data.get("code") == code:
             d = diagnosis_from_note(note, step=ctx.step)
-            if ctx.trace.error is None:
+            if note.data.get("raised") is False:
+                # torch computes it without an error (an inf or NaN loss): under "warn" the
+                # guard noted it and let the call run
+                d.severity = "warning"
+                policy = note.data.get("on_anomaly", "warn")
+                d.evidence.append(
+                    f"on_anomaly={policy!r}: noted, and the call ran (torch computes it "
+                    "without an error; the loss is inf or NaN, which a loop can skip)"
+                )
+            elif ctx.trace.error is None:
                 # the program caught the GuardError and went on (skipping a bad batch): a
                 # warning in the report, not a second error at the end of the step
                 d.severity = "warning"

@@ -74,13 +74,29 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
     if not tensors:
         return
     names = [f"{a.path}.{t['name']}" for t in tensors]
-    evidence = [
-        f"{a.path}.{t['name']} ({t['kind']}, {t['dtype']}) holds {t['stat']}" for t in tensors[:4]
-    ]
-    evidence.append(
-        f"a replay of {a.path}'s forward on the same inputs, every aten op checked, made it "
-        "again, but no op in it created it: it came in with the tensors above"
-    )
+    # the forward wrote these buffers in place after reading them (an EMA codebook): they
+    # were read holding the value and are finite now, and the replay, which started from
+    # what was written, ran clean
+    overwritten = bool(note.data.get("overwritten"))
+    if overwritten:
+        listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        evidence = [
+            f"{a.path}'s forward read {listed} and then wrote {'them' if len(names) > 1 else 'it'} "
+            f"in place ({', '.join(str(t['dtype']) for t in tensors[:1])} buffer"
+            f"{'s' if len(names) > 1 else ''}): the non-finite value it read is no longer "
+            "there",
+            f"a replay of {a.path}'s forward on the same inputs, every aten op checked, ran "
+            "clean: it started from the values the forward wrote, not the ones it read",
+        ]
+    else:
+        evidence = [
+            f"{a.path}.{t['name']} ({t['kind']}, {t['dtype']}) holds {t['stat']}"
+            for t in tensors[:4]
+        ]
+        evidence.append(
+            f"a replay of {a.path}'s forward on the same inputs, every aten op checked, made it "
+            "again, but no op in it created it: it came in with the tensors above"
+        )
     hooked = any(t["kind"] == "set by a forward pre-hook" for t in tensors)
     ref = _reach(ctx, a.path, a.record.call)
     t0 = tensors[0]
@@ -107,7 +123,7 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             "print([(n, (w.flatten(1).norm(dim=1) == 0).sum().item())\n"
             f"       for n, w in {ref or 'self'}.named_parameters() if w.dim() > 1])"
         )
-    elif _from_the_start(ctx, tensors):
+    elif not overwritten and _from_the_start(ctx, tensors):
         # non-finite at the first forward nanwatch saw, before any update: made so when the
         # module was built (its __init__: a register_buffer of a 0/0) or loaded
         kind = "buffer" if t0["kind"] == "buffer" else "tensor attribute"
@@ -146,7 +162,15 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
     else:
         running = any(t["name"].split(".")[-1].startswith("running_") for t in tensors)
         explanation = (
-            f"{names[0]} was already {t0['stat']} when the forward ran, and no op of the "
+            f"{a.path}'s forward read its own buffers before writing them in place (an EMA "
+            "update: mul_(decay).add_(...), a copy_ of avg / count under no_grad): the "
+            "non-finite value it read was written by an earlier call (a division by a "
+            "count that is 0 for an entry never used), and no op of this forward made it. "
+            "The replay started from the values written since, so the value it read is "
+            "gone. Check each buffer right after each write to find the one that makes it "
+            "non-finite."
+            if overwritten
+            else f"{names[0]} was already {t0['stat']} when the forward ran, and no op of the "
             "forward made it so: it was written outside the forward (a buffer updated in "
             "place, a copy_ under no_grad, a tensor attribute your code assigns"
             + (", a running statistic" if running else "")
