@@ -250,6 +250,12 @@ def _scalar_kinds(x: object) -> frozenset[str]:
 _ORDER = {"NaN": 0, "+inf": 1, "-inf": 2}
 
 
+#: boolean arguments an OpEvent keeps (as 0/1): those that decide whether a non-finite
+#: output is meant (``_ctc_loss(..., zero_infinity=True)`` zeroes the +inf loss of a target
+#: its input cannot align, which the op itself still returns)
+_FLAGS = frozenset({"zero_infinity"})
+
+
 def _join(kinds: frozenset[str]) -> str:
     return ", ".join(sorted(kinds, key=_ORDER.__getitem__))
 
@@ -762,6 +768,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                     kinds |= _scalar_kinds(x)
             return kinds
         if isinstance(a, bool):
+            if name in _FLAGS:
+                scalars[name] = int(a)
             return frozenset()
         if isinstance(a, (int, float)):
             scalars[name] = a
@@ -1892,7 +1900,17 @@ def _elementwise_event(
             f"with exponent {_plain(e) if not isinstance(e, torch.Tensor) else 'a tensor'}"
         )
     elif base == "MseLoss":
-        why = "the squared differences overflow"
+        held = [
+            f"its {n} held {_join(k)}"
+            for n, v in vals
+            if isinstance(v, torch.Tensor) and (k := _kinds(v) - {"NaN"})
+        ]
+        # an infinity given to it (a log(0) target) came in: (x - inf) ** 2 is inf
+        why = (
+            " and ".join(held) + ", which came in: the square of an infinite difference is +inf"
+            if held
+            else "the squared differences overflow"
+        )
     elif base == "Sub":
         if "NaN" not in born or not all(isinstance(v, torch.Tensor) for _, v in vals):
             return None  # an overflow, or an operand not read: other rules read it

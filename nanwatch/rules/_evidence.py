@@ -325,7 +325,10 @@ def classify(ev: OpEvent) -> str:
     (a forward op given a -inf, which it turned into inf or NaN), ``inf-input`` (a forward
     op given a +inf, which it passed on as ±inf: finite × inf, not an overflow; see
     :func:`inf_came_in`; or any arithmetic op given a non-finite Python number, see
-    :func:`nonfinite_scalars`), ``injected`` (a constant -inf put in on purpose) or ``other``.
+    :func:`nonfinite_scalars`), ``injected`` (a constant -inf put in on purpose),
+    ``log-zero`` (a log-probability output holding log 0 by definition, or a CTC loss of
+    +inf its ``zero_infinity=True`` zeroes; see :func:`log_zero`), ``impossible`` (a CTC loss
+    of +inf without ``zero_infinity``: a target its input cannot align) or ``other``.
 
     >>> from nanwatch.records import OpEvent, Phase, TensorStat
     >>> ev = OpEvent("aten.exp.default", Phase.FORWARD, "head", "+inf",
@@ -352,6 +355,9 @@ def classify(ev: OpEvent) -> str:
         if node_domain(ev.node) is not None:
             return "domain"  # acos's backward at ±1: whatever aten op it runs (rsqrt, div)
     name = packet(ev.op)
+    zero = log_zero(ev)
+    if zero is not None:
+        return zero  # log 0 of a log-probability table, not a value past the dtype's max
     if name in _SOFTMAX:
         x = first_input(ev)
         if x is not None and x.has_neginf and not x.has_posinf and not x.has_nan:
@@ -401,6 +407,60 @@ def classify(ev: OpEvent) -> str:
     if born_inf:
         return "overflow"
     return "other"
+
+
+# ---------------------------------------------------------------------- log of zero
+
+#: ops returning a CTC loss first: +inf for a target its input cannot align (probability 0)
+_CTC = frozenset({"_ctc_loss", "ctc_loss", "_cudnn_ctc_loss"})
+#: outputs that are log-probability tables by definition, by op and output name: the
+#: forward variables log_alpha of ``_ctc_loss`` (log 0 = -inf for every unreachable state)
+_LOG_TABLES: dict[str, frozenset[str]] = {"_ctc_loss": frozenset({"output[1]"})}
+#: schema names of outputs that are log-sum-exps (an attention kernel's ``logsumexp``:
+#: -inf for a query row whose every key is masked)
+_LOG_OUTPUTS = frozenset({"logsumexp", "log_sumexp", "softmax_lse", "lse"})
+_LOG_SOFTMAX = frozenset({"_log_softmax", "log_softmax", "special_log_softmax"})
+
+
+def log_zero(ev: OpEvent) -> str | None:
+    """``log-zero`` when every infinity a forward op made from finite inputs is a log of
+    probability 0 its output holds by definition, not a value past the dtype's max: -inf
+    in a log-probability output (``_ctc_loss``'s log_alpha table, an attention kernel's
+    ``logsumexp``, a log_softmax whose probability underflowed to 0), and the +inf CTC loss
+    of a target the input cannot align when ``zero_infinity=True`` zeroes it on purpose;
+    ``impossible`` for that +inf loss without ``zero_infinity`` (the data's fault, not a
+    range); None otherwise.
+
+    >>> from nanwatch.records import OpEvent, Phase, TensorStat
+    >>> lp = TensorStat(-2.2, -1.4, 240)
+    >>> ev = OpEvent("aten._ctc_loss.Tensor", Phase.FORWARD, "CTCLoss", "+inf, -inf",
+    ...              TensorStat(7.6, math.inf, 4, posinf=1), [("log_probs", lp)],
+    ...              scalars={"blank": 0, "zero_infinity": 1},
+    ...              outputs=[("output[0]", TensorStat(7.6, math.inf, 4, posinf=1)),
+    ...                       ("output[1]", TensorStat(-math.inf, 3.6, 520, neginf=109))])
+    >>> log_zero(ev), classify(ev)
+    ('log-zero', 'log-zero')
+    """
+    if ev.phase is not Phase.FORWARD or "NaN" in ev.born or ev.injected:
+        return None
+    born = {k.strip() for k in ev.born.split(",")}
+    if not born <= {"+inf", "-inf"} or any(s.has_posinf or s.has_nan for s in inputs_of(ev)):
+        return None
+    name = packet(ev.op)
+    if name in _LOG_SOFTMAX:
+        return "log-zero" if born == {"-inf"} else None  # log(p) of a p that became 0
+    outs = ev.outputs or [("output[0]", ev.output)]
+    tables = _LOG_TABLES.get(name, frozenset()) | _LOG_OUTPUTS
+    rest = [s for n, s in outs if n not in tables]
+    if any(s.has_neginf or s.has_nan for s in rest):
+        return None  # a -inf outside the log tables
+    if any(s.has_posinf for n, s in outs if n in tables):
+        return None  # log tables hold probabilities of at most 1: a +inf is not a log 0
+    if "+inf" not in born:
+        return "log-zero" if len(rest) < len(outs) else None
+    if name not in _CTC or any(s.has_posinf for s in rest[1:]):
+        return None
+    return "log-zero" if scalar_num(ev, "zero_infinity") == 1 else "impossible"
 
 
 # ---------------------------------------------------------------------- infinities
@@ -2369,6 +2429,38 @@ def _loss_line_of(note: Note) -> str | None:
     path, _, num = (note.source or "").rpartition(":")
     if path and num.isdigit():
         return linecache.getline(path, int(num)).strip() or None
+    return None
+
+
+def loss_input_rewrite(note: Note, wrap: Callable[[str], str], *, min_args: int = 2) -> str | None:
+    """The loss call's statement with its input (the first argument, or ``input=`` /
+    ``log_probs=``) passed through ``wrap``. The call is the one named as the loss
+    (``F.ctc_loss``, ``CTCLoss``) or, for a loss module called by the user's own name
+    (``ctc(out, y, il, tl)``), the outermost call with at least ``min_args`` arguments.
+    None when the line is unknown or holds no such call.
+
+    >>> from nanwatch.records import Note
+    >>> n = Note("loss_input", "CTCLoss", data={"loss": "CTCLoss",
+    ...          "source_line": "loss = ctc(m(x).transpose(0, 1), y, il, tl)"})
+    >>> loss_input_rewrite(n, lambda e: f"{paren(e)}.log_softmax(-1)", min_args=4)
+    'loss = ctc(m(x).transpose(0, 1).log_softmax(-1), y, il, tl)'
+    """
+    fname = str(note.data.get("loss", note.path)).rsplit(".", 1)[-1]
+    for stmt in statements(_loss_line_of(note)):
+        parsed = _parsed(stmt)
+        if parsed is None:
+            continue
+        tree, shift = parsed
+        calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)]  # outermost first
+        named = [c for c in calls if _call_name(c) == fname]
+        counted = [c for c in calls if len(c.args) + len(c.keywords) >= min_args]
+        for call in named or counted[:1]:
+            kw = {k.arg: k.value for k in call.keywords if k.arg}
+            arg = kw.get("input", kw.get("log_probs", call.args[0] if call.args else None))
+            if arg is None:
+                continue
+            s0, s1 = shift + arg.col_offset, shift + (arg.end_col_offset or arg.col_offset)
+            return stmt[:s0] + wrap(stmt[s0:s1]) + stmt[s1:]
     return None
 
 

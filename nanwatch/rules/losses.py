@@ -25,9 +25,11 @@ from nanwatch.rules._evidence import (
     full_statement,
     limits,
     loss_activation,
+    loss_input_rewrite,
     loss_uses,
     low_precision,
     note_num,
+    paren,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
@@ -414,7 +416,7 @@ def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
                     yield d
             continue
         if use.kind == "ctc":
-            d = _ctc_on_probabilities(ctx, use)
+            d = _ctc_on_probabilities(ctx, use) or _ctc_on_raw_scores(ctx, use)
             if d is not None:
                 yield d
             continue
@@ -522,6 +524,63 @@ def _ctc_on_probabilities(ctx: RuleContext, use: LossUse) -> Diagnosis | None:
             "nothing useful, without an error."
         ),
         fix=fix if isinstance(fix, str) else "log_probs = F.log_softmax(logits, dim=-1)",
+    )
+
+
+#: how far above 0 a log-probability may round (a hand-written x - x.logsumexp(-1))
+_LOG_PROB_SLACK = 1e-3
+
+
+def _ctc_on_raw_scores(ctx: RuleContext, use: LossUse) -> Diagnosis | None:
+    """CTC fed unnormalized scores (the log_softmax forgotten): log-probabilities are never
+    above 0, and a row of C of them whose smallest is ``lo`` sums exp to at least C·e^lo,
+    which must not pass 1. Read from the guard's note only (its input min and max, the
+    input's shape): no tensor is read again. Torch computes a finite, often negative loss
+    on raw logits and the model learns a wrong objective without an error."""
+    if use.data("probability_rows") is True:
+        return None  # probabilities: _ctc_on_probabilities says so
+    s = use.input_stat
+    lo = s.min if s is not None else note_num(use.note, "input_min")
+    hi = s.max if s is not None else note_num(use.note, "input_max")
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
+        return None  # a non-finite input: the anomaly's own rules read it
+    shape = use.data("input_shape")
+    classes = shape[-1] if isinstance(shape, list) and shape else None
+    evidence = []
+    if hi > _LOG_PROB_SLACK:
+        evidence.append(
+            f"{use.path}'s input spans [{fmt(lo)}, {fmt(hi)}]: log-probabilities are never above 0"
+        )
+    elif isinstance(classes, int) and classes > 1 and classes * math.exp(lo) > 1.05:
+        evidence.append(
+            f"{use.path}'s input spans [{fmt(lo)}, {fmt(hi)}] over {classes} classes: every "
+            f"row's probabilities sum to at least {classes}·e^{fmt(lo)} = "
+            f"{fmt(classes * math.exp(lo))}, not 1"
+        )
+    else:
+        return None
+    if use.value is not None:
+        evidence.append(f"the loss is {fmt(use.value)}")
+
+    def normalize(e: str) -> str:
+        return f"{paren(e)}.log_softmax(-1)"
+
+    line = loss_input_rewrite(use.note, normalize, min_args=4) if use.note is not None else None
+    fix = "log_probs = logits.log_softmax(-1)   # over the classes, the last dim of (T, N, C)"
+    if line is not None:
+        fix = f"{line}   # log_softmax over the classes, the last dim of (T, N, C)\n# or: {fix}"
+    return ctx.diagnosis(
+        **_at_loss(use),
+        title="Raw scores where log-probabilities are expected (CTCLoss without log_softmax)",
+        evidence=evidence,
+        explanation=(
+            "CTCLoss takes log-probabilities (log_softmax over the classes, never above 0) "
+            "and does not normalize its input itself, unlike CrossEntropyLoss. On raw "
+            "logits it sums scores that are not probabilities along the alignments: the "
+            "loss stays finite, can go negative, and the model is pushed to inflate every "
+            "score instead of learning the labels, without an error."
+        ),
+        fix=fix,
     )
 
 
