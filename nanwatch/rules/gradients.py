@@ -2135,6 +2135,11 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
             f"{fmt(dmax.max)} (finfo({low[0]}).max), and x / inf = 0"
         )
     scalar = _learned_scalar(trace)
+    margin = _margin_loss(trace)
+    if (margin is not None or not (saturated or divided)) and scalar is None:
+        zero = all(t.loss == 0.0 for t in traces)
+        if zero:
+            return _loss_at_minimum(ctx, end, evidence, margin, len(traces))
     sat = (
         "the loss is saturated to exactly 0: a softmax or cross-entropy whose logits spread "
         f"past what {ldtype} resolves (about {fmt(resolve)}) gives the target probability 1 "
@@ -2192,6 +2197,81 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
         phase=Phase.BACKWARD.value,
         evidence=evidence,
         explanation=explanation,
+        fix=fix,
+    )
+
+
+#: losses that are exactly 0 once every margin is met (a hinge), with their gradients
+_MARGIN_LOSSES = frozenset(
+    {
+        "MultiMarginLoss",
+        "MultiLabelMarginLoss",
+        "HingeEmbeddingLoss",
+        "MarginRankingLoss",
+        "TripletMarginLoss",
+        "TripletMarginWithDistanceLoss",
+        "CosineEmbeddingLoss",
+        "multi_margin_loss",
+        "multilabel_margin_loss",
+        "hinge_embedding_loss",
+        "margin_ranking_loss",
+        "triplet_margin_loss",
+        "triplet_margin_with_distance_loss",
+        "cosine_embedding_loss",
+    }
+)
+
+
+def _margin_loss(trace: StepTrace) -> str | None:
+    """The margin (hinge) loss this step computed, by its class or function name, when one
+    is in evidence (a watched criterion, a guarded functional loss); else None."""
+    for c in trace.calls:
+        if c.module_type in _MARGIN_LOSSES:
+            return c.module_type
+    for n in trace.notes:
+        loss = n.data.get("loss") if n.kind == "loss_input" else None
+        if isinstance(loss, str) and loss.rsplit(".", 1)[-1] in _MARGIN_LOSSES:
+            return loss.rsplit(".", 1)[-1]
+    return None
+
+
+def _loss_at_minimum(
+    ctx: RuleContext, end: Record, evidence: list[str], margin: str | None, steps: int
+) -> Diagnosis:
+    """The loss is exactly 0 step after step with no sign of saturation or of a division
+    by inf: it reached its minimum, and a loss at its minimum has no gradient. Convergence
+    (every margin met), not a fault: an info."""
+    what = f"{margin}, a margin (hinge) loss," if margin is not None else "the loss"
+    evidence = [*evidence]
+    if margin is not None:
+        evidence.append(f"the loss is {margin}: exactly 0 once every margin is met")
+    fix = (
+        "# nothing to fix if the model should fit this data: stop early (the loss is at its "
+        "minimum)\n"
+        + (
+            "# to keep learning past the margin: a larger margin, or a loss that is never "
+            "exactly 0\n"
+            "criterion = nn.CrossEntropyLoss()   # instead of the margin loss: keeps pushing "
+            "the margins apart"
+            if margin is not None
+            else "# if this loss should be above 0 here: check what it is multiplied by (a "
+            "weight of 0, a mask that keeps nothing) and that it is not a saturated "
+            "hinge, clamp(min=0) or relu of a satisfied margin"
+        )
+    )
+    return ctx.diagnosis(
+        title="Zero gradients: the loss reached its minimum (0), nothing is left to learn",
+        severity="info",
+        path=end.path,
+        phase=Phase.BACKWARD.value,
+        evidence=evidence,
+        explanation=(
+            f"{what[0].upper()}{what[1:]} is exactly 0 for the last {steps} steps, and the "
+            "gradient leaving it is exactly 0: a loss at its minimum has no gradient, so no "
+            "layer gets one. A margin or hinge loss does this as soon as every example "
+            "meets its margin (separable data): the model fits the data, it is not broken. "
+            "Neither underflow along the layers nor dead units."
+        ),
         fix=fix,
     )
 

@@ -892,7 +892,16 @@ def _from_op(
                 and a.record.role.startswith("output")
                 and a.record.path == (ev.path or a.path)
             ),
+            source=ev.source,
         )
+        heavy = (
+            _heavy_weights(ctx, a.path, lim, _module_ref(ctx, a))
+            if kind == "backward" and lim
+            else None
+        )
+        if heavy is not None:  # the module's own weights multiply the gradient past the max
+            explanation += f" Here the likelier cause is {a.path}'s own weights: {heavy[0]}."
+            fix = f"{heavy[1]}\n# or, if a large loss is the cause:\n{fix}"
     moved = _closure_moved(ctx) if wide and subst is None and loop is None else None
     if moved is not None and batch is None and jump is None and init is None:
         explanation += (
@@ -2771,6 +2780,100 @@ def _param_magnitude(traces: Sequence[StepTrace], qualname: str) -> float | None
     return found
 
 
+def _heavy_weights(
+    ctx: RuleContext, path: str, lim: DtypeLimits, ref: str
+) -> tuple[str, str] | None:
+    """When the module at ``path`` has recorded weights whose largest |w| is past
+    sqrt(max) of the dtype (a gradient through them is multiplied by that much): what to
+    say, and the fix lines. None when its weights are not recorded or are ordinary."""
+    own: dict[str, float] = {}
+    others: list[float] = []
+    for t in [*ctx.history, ctx.trace]:
+        for r in t.records:
+            if r.phase is not Phase.PARAMETER or r.stat is None or not r.stat.finite:
+                continue
+            owner = r.role.rsplit(".", 1)[0] if "." in r.role else ""
+            if owner == path:
+                own[r.role] = r.stat.magnitude
+            else:
+                others.append(r.stat.magnitude)
+    if not own:
+        return _heavy_gain(ctx, path, lim, ref)
+    role, big = max(own.items(), key=lambda kv: kv[1])
+    if big <= math.sqrt(lim.max):
+        return None
+    rest = max(others, default=math.nan)
+    beside = (
+        f" (the model's other parameters at most {fmt(rest)})"
+        if math.isfinite(rest) and rest < big / 100
+        else ""
+    )
+    said = (
+        f"{role} reaches {fmt(big)} in magnitude{beside}: backward multiplies the gradient of "
+        f"the module's output by these weights, and past {fmt(lim.max)} it is inf"
+    )
+    fix = (
+        f"# {role} reaches {fmt(big)}: find what made it that large (a checkpoint, an "
+        "in-place .mul_, an update too large) and re-initialize it\n"
+        f"nn.init.xavier_uniform_({ref}.{role.rsplit('.', 1)[-1]}.data)   # or reload it\n"
+        f"{_clip_line(ctx)}"
+    )
+    return said, fix
+
+
+def _heavy_gain(ctx: RuleContext, path: str, lim: DtypeLimits, ref: str) -> tuple[str, str] | None:
+    """Without weight records: a weighted module (Linear, Conv) whose forward made its
+    output's largest |x| more than sqrt(max) times its input's: weights that large, and
+    its backward multiplies the gradient by the same weights. None otherwise."""
+    trace = ctx.trace
+    arithmetic = {c.id for c in trace.calls if c.path == path and c.arithmetic}
+    measured = (
+        trace.resolve(r)
+        for r in trace.records
+        if r.call in arithmetic and r.phase is Phase.INPUT and r.role == "input[0]"
+    )  # an input is measured where it was made (the previous module's output)
+    ins = [r.stat.magnitude for r in measured if r.stat is not None and r.stat.finite]
+    outs = [
+        r.stat.magnitude
+        for r in trace.records
+        if r.call in arithmetic
+        and r.phase is Phase.FORWARD
+        and r.role == "output"
+        and r.stat is not None
+        and r.stat.finite
+    ]
+    if not ins or not outs or max(ins) <= 0:
+        return None
+    gain = max(outs) / max(ins)
+    if gain <= math.sqrt(lim.max):
+        return None
+    grads = [
+        r.stat.magnitude
+        for r in trace.records
+        if r.call in arithmetic
+        and r.phase is Phase.BACKWARD
+        and r.role == "output"
+        and r.stat is not None
+        and r.stat.finite
+    ]
+    small = (
+        f" (the gradient of its output is at most {fmt(max(grads))}: not a large loss)"
+        if grads and max(grads) < math.sqrt(lim.max)
+        else ""
+    )
+    said = (
+        f"its forward turned inputs of at most {fmt(max(ins))} into outputs up to "
+        f"{fmt(max(outs))}, {fmt(gain)} times larger: weights that large, and backward "
+        f"multiplies the gradient of its output by the same weights{small}"
+    )
+    fix = (
+        f"print({ref}.weight.abs().max())   # {path}'s weights: find what made them so (a "
+        "checkpoint, an in-place .mul_, an update too large) and re-initialize them\n"
+        f"{_clip_line(ctx)}"
+    )
+    return said, fix
+
+
 #: how many times the model's inputs a value must be for "it grew inside the forward"
 _GREW_INSIDE = 1e6
 
@@ -3170,21 +3273,23 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             priority=20,
         )
         return
+    explanation = _explain(kind, rec.dtype, lim)
+    fix = _fix(
+        kind,
+        "",
+        rec.dtype,
+        lim,
+        None,
+        device=device,
+        ref=_module_ref(ctx, a),
+        loss=a.path == LOSS_PATH,
+    )
+    heavy = _heavy_weights(ctx, a.path, lim, _module_ref(ctx, a)) if backward else None
+    if heavy is not None:  # the module's own weights multiply the gradient past the max
+        explanation += f" Here the likelier cause is {a.path}'s own weights: {heavy[0]}."
+        fix = f"{heavy[1]}\n# or, if a large loss is the cause:\n{fix}"
     yield ctx.diagnosis(
-        **anomaly_fields(a),
-        evidence=evidence,
-        explanation=_explain(kind, rec.dtype, lim),
-        fix=_fix(
-            kind,
-            "",
-            rec.dtype,
-            lim,
-            None,
-            device=device,
-            ref=_module_ref(ctx, a),
-            loss=a.path == LOSS_PATH,
-        ),
-        priority=20,
+        **anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix, priority=20
     )
 
 
@@ -3580,6 +3685,7 @@ _UPCASTS = (
     (
         re.compile(
             rf"\b((?:torch|F)\.(?:exp|exp2|expm1|softmax|log_softmax|logsumexp))\(({_OPERAND})"
+            r"(?![\w.(])"  # the whole operand: never x.float of x.float()
         ),
         r"\1(\2.float()",
     ),
@@ -3592,21 +3698,50 @@ _UPCASTS = (
 )
 
 
-def upcast_line(code: str | None) -> str | None:
+#: ops whose overflow comes from one tensor operand, cast by :func:`upcast_line`
+_ONE_OPERAND = frozenset({"pow", "square"})
+
+
+def upcast_line(code: str | None, op: str | None = None) -> str | None:
     """The user's line with the overflowing operand cast to float32, when it is one of the
-    usual shapes (``x.exp()``, ``torch.softmax(x, ...)``, ``a @ b``); else None.
+    usual shapes (``x.exp()``, ``torch.softmax(x, ...)``, ``a @ b``); else None. ``op``:
+    the op that overflowed (``pow`` casts the base of ``z.pow(2)`` or ``z ** 2``, not a
+    product elsewhere on the line); an operand already ``.float()`` is left as it is.
 
     >>> upcast_line("e = logits.exp()  # by hand")
     'e = logits.float().exp()'
+    >>> upcast_line("d = z.pow(2).sum(-1) - 2 * z.float() @ e.t().float()", "pow")
+    'd = z.float().pow(2).sum(-1) - 2 * z.float() @ e.t().float()'
     """
     if not code:
         return None
     line = code.split("#", 1)[0].strip()
+    op = op.rstrip("_") if op else None
+    if op is not None and op not in EXP_LIKE and op not in MATMUL:
+        # the op's own operand (one tensor: z of z.pow(2)); a product elsewhere on the line
+        # does not feed it, and an op of two tensors (a loss) is not this line's to cast
+        if op not in _ONE_OPERAND:
+            return None
+        return (_upcast_operands(line, op) if op == "pow" else None) or _upcast_call(line, op)
     for pattern, repl in _UPCASTS:
         new, n = pattern.subn(repl, line, count=1)
         if n:
             return new
     return _upcast_matmul(line)
+
+
+def _is_float32(expr: str) -> bool:
+    """``x.float()``, ``x.double()``, ``x.to(torch.float32)``: already cast up."""
+    return bool(
+        re.search(r"\.(?:float|double)\(\)$|\.to\(torch\.(?:float32|float64|float|double)\)$", expr)
+    )
+
+
+def _upcast_call(line: str, op: str) -> str | None:
+    """``line`` with the argument of its first ``op`` call (``z.pow(2)``, ``torch.pow(z, 2)``)
+    cast to float32; None when there is none or it is already float32."""
+    new = rewrite_call(line, [op], lambda e: e if _is_float32(e) else f"{paren(e)}.float()")
+    return new if new is not None and new != line else None
 
 
 def _fix(
@@ -3626,6 +3761,7 @@ def _fix(
     cast_input: str | None = None,
     operands: tuple[float, ...] = (),
     output_fits: bool = True,
+    source: str | None = None,
 ) -> str:
     """Low precision: compute the op in float32, or train in bfloat16 (float32's range).
     ``arg``: an exp's largest argument; ``scalar``: the exp's input is one value (a learned
@@ -3650,6 +3786,7 @@ def _fix(
             autocast=autocast,
             operands=operands,
             top=lim.max if lim is not None else math.inf,
+            source=source,
         )
     op = name.rstrip("_")
     lse = _logsumexp_fix(code) if kind == "softmax" and op == "exp" else None
@@ -3669,7 +3806,9 @@ def _fix(
             "# subtract the row max first (the dim you normalize over): every exp is then at "
             f"most 1 and fits {dtype}, and the softmax is the same\n{alt}"
         )
-    fixed = upcast_line(code)
+    fixed = upcast_line(code, op)
+    if fixed is not None and op not in EXP_LIKE | MATMUL and plain.startswith("return "):
+        fixed = None  # the module's output itself would turn float32: cast at the module
     top = fmt(lim.max) if lim is not None else "its largest value"
     if fixed is not None and kind == "softmax":
         return (
@@ -3684,8 +3823,12 @@ def _fix(
             f"{fixed}{was}\n"
             f"# keep the result in float32 where it is used: values above {top} do not fit "
             f"{dtype}, and casting them back makes the inf again\n"
-            "# or train in bfloat16, where exp overflows only above "
-            f"{fmt(_exp_bound('bfloat16'))}"
+            + (
+                "# or train in bfloat16, where exp overflows only above "
+                f"{fmt(_exp_bound('bfloat16'))}"
+                if op in EXP_LIKE or op in MATMUL
+                else "# or train in bfloat16 (float32's range, values up to 3.4e38)"
+            )
         )
     if kind == "backward":
         return (
@@ -3744,8 +3887,10 @@ def _fix(
                 f"{ref}.register_forward_hook(lambda m, args, out: {_tree_cast('out', dtype)})   "
                 f"# its outputs back to {dtype}\n"
                 f"# {past}, {dtype}'s largest value: computed in float32 and cast back, it is "
-                "inf again; in float32 from the module's input to its output, only the output "
-                "(a normalized value) is cast back"
+                f"inf again; in float32 from the module's input to its output, the hook casts "
+                f"back what it returns: right only for outputs that fit {dtype} (a normalized "
+                f"value, a probability); an output that can pass {top} (a loss, a squared norm) "
+                f"keep in float32: cast only the others back"
                 if output_fits
                 else f"# no hook casting its outputs back: {past}, {dtype}'s largest value, and "
                 f"that value is {ref}'s output (a state it hands on): cast to {dtype} it is inf "
@@ -3907,7 +4052,10 @@ def _upcast_operands(code: str | None, op: str) -> str | None:
             (n.col_offset, n.end_col_offset)
             for b in ops
             for n in (b.left, b.right)
-            if not holds_op(n) and not number(n) and n.end_col_offset is not None
+            if not holds_op(n)
+            and not number(n)
+            and n.end_col_offset is not None
+            and not _is_float32(line[n.col_offset : n.end_col_offset])
         },
         reverse=True,
     )
@@ -3942,6 +4090,7 @@ def _fix_matmul(
     autocast: bool,
     operands: Sequence[float] = (),
     top: float = math.inf,
+    source: str | None = None,
 ) -> str:
     """A low-precision product that overflowed: scale an operand first when the product is
     a similarity (``q @ k.transpose(-1, -2)``: attention scores), which fixes it in any
@@ -3984,12 +4133,73 @@ def _fix_matmul(
         f"again (a softmax, a norm, a sin/cos), then cast with .to(torch.{dtype})"
     )
     if mine is not None:
-        body = mine + was
+        name = _assigned(mine)
+        after = None if loss or name is None else _bounded_after(source, name, dtype)
+        if after is not None:  # the later line that bounds it again, cast back there
+            line, ops = after
+            body = (
+                f"{mine}{was}\n{line}   # {' and '.join(ops)} bound the values again (|x| <= 1): "
+                f"back to {dtype} for the {dtype} layers after"
+            )
+            keep = ""
+            if {"sin", "cos"} & set(ops) and len(operands) == 2 and max(operands) > 10:
+                keep = (
+                    f"# Fourier features: inputs up to {fmt(max(operands))}. Coordinates are "
+                    "usually normalized to [0, 1] first (pixel indices divided by the image "
+                    "size); the projection's scale then sets the frequencies"
+                )
+        else:
+            body = mine + was
+            if not loss:  # the cast back belongs on the user's code, not only in a comment
+                body += (
+                    f"   # float32 from here: cast back with .to(torch.{dtype}) after the op that "
+                    f"bounds it again (a softmax, a norm, a sin/cos), before a {dtype} layer"
+                )
+                keep = ""
         if autocast:
             body = f"with torch.autocast(device_type={device}, enabled=False):\n    {body}"
-        return f"{body}\n{why}{keep}\n{qk}{bf16}"
+        return f"{body}\n{why}{keep}{chr(10) if keep else ''}{qk}{bf16}"
     where = "in the loss code" if loss else f"in {ref}'s forward"
     return f"# {where}: compute this product on .float() operands{was}\n{why}{keep}\n{qk}{bf16}"
+
+
+#: calls whose result is bounded whatever their input: the place to cast back down
+_BOUNDING = ("sin", "cos", "tanh", "sigmoid", "softmax")
+
+
+def _bounded_after(source: str | None, name: str, dtype: str) -> tuple[str, list[str]] | None:
+    """The first later line of the same function (read from ``source``, ``file.py:42``)
+    that passes ``name`` through a bounded call (``torch.sin(proj)``, ``proj.softmax(-1)``),
+    with each such call cast back to ``dtype``; and the calls' names. None when none does."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    here = linecache.getline(path, int(num))
+    indent = len(here) - len(here.lstrip())
+    alt = "|".join(_BOUNDING)
+    arg = r"(?:\s*,[^()]*(?:\([^()]*\)[^()]*)*)?"
+    calls = re.compile(
+        rf"(?<![\w.])(?:torch\.|F\.)({alt})\(\s*{re.escape(name)}\s*{arg}\)"
+        rf"|(?<![\w.]){re.escape(name)}\.({alt})\([^()]*\)"
+    )
+    for n in range(int(num) + 1, int(num) + 20):
+        text = linecache.getline(path, n)
+        if not text:
+            return None
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        if len(text) - len(text.lstrip()) < indent or re.match(r"\s*(?:async\s+)?def\s", text):
+            return None  # the function ended
+        line = text.split("  #", 1)[0].strip()
+        ops = [m.group(1) or m.group(2) for m in calls.finditer(line)]
+        if ops:
+            new = calls.sub(lambda m: f"{m.group(0)}.to(torch.{dtype})", line)
+            return new, list(dict.fromkeys(ops))
+        if re.search(rf"(?<![\w.]){re.escape(name)}\b", line):
+            return None  # used unbounded first: the result stays float32 there
+    return None
 
 
 _TRANSPOSED = re.compile(
@@ -4675,10 +4885,11 @@ def _upcast_matmul(code: str | None) -> str | None:
     line = code.split("  #", 1)[0].rstrip()
     for begin, end, start, stop in _matmuls(line):
         left, right = line[begin : end + 1], line[start:stop]
-        return (
-            f"{line[:begin]}{paren(left)}.float() {line[end + 1 : start].strip()} "
-            f"{paren(right)}.float(){line[stop:]}"
-        )
+        if _is_float32(left) and _is_float32(right):
+            continue  # already a float32 product: never x.float().float()
+        left = left if _is_float32(left) else f"{paren(left)}.float()"
+        right = right if _is_float32(right) else f"{paren(right)}.float()"
+        return f"{line[:begin]}{left} {line[end + 1 : start].strip()} {right}{line[stop:]}"
     return None
 
 
