@@ -295,18 +295,62 @@ def _consumers(trace: StepTrace, rec: Record, before: int | None = None) -> tupl
 def _outermost(trace: StepTrace, calls: list[Call]) -> list[Call]:
     """``calls`` less those nested inside another of them: a child given the same tensor as
     its parent (``self.enc(pts)`` in a module that also uses ``pts``) runs its backward
-    inside the parent's, so the two are one consumer, the parent."""
+    inside the parent's, so the two are one consumer, the parent. A parent with no code of
+    its own that could have made a gradient (a Sequential passing its input to its first
+    child, see :func:`_pure_container`) is the one dropped: its child is the answer."""
     ids = {c.id for c in calls}
 
-    def nested(c: Call) -> bool:
+    def ancestors(c: Call) -> list[Call]:
+        out: list[Call] = []
         up = _parent(trace, c)
         while up is not None:
-            if up.id in ids:
-                return True
+            out.append(up)
             up = _parent(trace, up)
-        return False
+        return out
 
-    return [c for c in calls if not nested(c)]
+    pure = {c.id for c in calls if _pure_container(trace, c)}
+    keep: list[Call] = []
+    for c in calls:
+        if any(up.id in ids and up.id not in pure for up in ancestors(c)):
+            continue  # inside a consumer whose own code used the tensor too
+        if c.id in pure and any(c in ancestors(d) for d in calls if d is not c):
+            continue  # a container: the child given the tensor is the more specific one
+        keep.append(c)
+    return keep
+
+
+_CONTAINERS = frozenset({"Sequential", "ModuleList", "ModuleDict"})
+
+
+def _pure_container(trace: StepTrace, call: Call) -> bool:
+    """``call``'s module has no code of its own between its input and its output: a
+    ``nn.Sequential`` (or ``ModuleList``, ``ModuleDict``), or a module whose recorded
+    children account for all of it: every output is a child's output returned unchanged,
+    and every child's input is the module's input or a sibling's output, as it was (no
+    code of the module made a value in between)."""
+    if call.module_type in _CONTAINERS:
+        return True
+    kids = [c for c in trace.calls if c.parent == call.id]
+    outs = [r for r in trace.records if r.call == call.id and r.phase is Phase.FORWARD]
+    if not kids or not outs:
+        return False
+    kid_ids = {c.id for c in kids}
+    for o in outs:
+        src = trace.record(o.source) if o.source is not None else None
+        if src is None or src.call not in kid_ids or src.phase is not Phase.FORWARD:
+            return False
+    given = {r.index for r in trace.records if r.call in kid_ids and r.phase is Phase.FORWARD}
+    for r in trace.records:
+        if r.call == call.id and r.phase is Phase.INPUT:
+            given.add(r.index)
+            if r.source is not None:
+                given.add(r.source)
+    for r in trace.records:
+        if r.call not in kid_ids or r.phase is not Phase.INPUT:
+            continue
+        if r.source is None or _derived_link(r) or r.source not in given:
+            return False
+    return True
 
 
 def _consumers_by(trace: StepTrace, rec: Record, *, views: bool) -> tuple[list[Call], bool]:
@@ -488,6 +532,11 @@ def _hooked(trace: StepTrace, call: Call) -> bool:
     return False
 
 
+#: torch's own ``autograd.Function`` classes, named like a user's custom one: the
+#: backward of reentrant activation checkpointing reruns the module's forward inside it
+_TORCH_FUNCTIONS = frozenset({"CheckpointFunction"})
+
+
 def _weak(call: Call, dtype: str) -> bool:
     """A module whose backward cannot plausibly make a non-finite gradient from a finite
     one: sums of products (Linear, Conv) in float32 or float64, where the finite values
@@ -534,8 +583,13 @@ def _between_suspect(
                     "module",
                     c.path,
                     c.path,
-                    f"the backward of custom autograd.Function {fn} in {c.path}: the "
-                    f"gradient of {c.path}'s output was finite, {sent}",
+                    (
+                        f"the backward of {c.path}, its forward rerun by torch.utils.checkpoint"
+                        f" ({fn}, use_reentrant=True): the "
+                        if fn in _TORCH_FUNCTIONS
+                        else f"the backward of custom autograd.Function {fn} in {c.path}: the "
+                    )
+                    + f"gradient of {c.path}'s output was finite, {sent}",
                 )
             )
         elif _hooked(trace, c):
@@ -551,11 +605,21 @@ def _between_suspect(
                 )
             )
     root = _root_of(trace, trace.call(fwd.call))
-    grads = {
-        r.source: r
-        for r in trace.records
-        if r.phase is Phase.BACKWARD and r.source is not None and r.index < trig.index
-    }
+    grads = _grads_before(trace, trig)
+    for o, fn in _later_outputs(trace, fwd, grads):
+        if fn is None:
+            continue
+        # the producer used its own output in a custom Function before returning both
+        strong.append(
+            (
+                "module",
+                o.path,
+                o.path,
+                f"the backward of custom autograd.Function {fn} in {o.path}, which made its "
+                f"{o.role} after its {fwd.role}: the gradient of {o.path}'s {o.role} was "
+                f"finite, {sent}",
+            )
+        )
     for r in trace.records if cands else ():  # none: the parent's code is named already
         if r.phase is not Phase.INPUT or r.source is not None or r.stat is None:
             continue
@@ -583,13 +647,62 @@ def _between_suspect(
                 f"{call.path} sent back to its {r.role} was finite, {sent}",
             )
         )
+    if len(strong) > 1:
+        # several tensors made after the producer's output: the one made inside a module
+        # that took the output itself (a later block's input was made from its own input)
+        inner = [
+            e
+            for e in strong
+            if e[0] == "between-children"
+            and any(e[1] == c.path or e[1].startswith(c.path + ".") for c in cands)
+        ]
+        if len(inner) == 1:
+            strong = inner
     if len(strong) == 1:
         origin, path, consumer, text = strong[0]
-        others = [c.path for c in cands if c.path != consumer and not _weak(c, trig.dtype)]
+        others = [
+            c.path for c in cands if c.path not in (consumer, path) and not _weak(c, trig.dtype)
+        ]
         if others:  # a module that could have made it too
             text += f" (or in the backward of {', '.join(others[:3])})"
         return origin, path, consumer, text
     return None
+
+
+def _grads_before(trace: StepTrace, trig: Record) -> dict[int | None, Record]:
+    """The gradient records before ``trig``, by the forward record each is the gradient of."""
+    return {
+        r.source: r
+        for r in trace.records
+        if r.phase is Phase.BACKWARD and r.source is not None and r.index < trig.index
+    }
+
+
+def _later_outputs(
+    trace: StepTrace,
+    fwd: Record,
+    grads: dict[int | None, Record],
+    call: Call | None = None,
+) -> list[tuple[Record, str | None]]:
+    """The outputs the producer of ``fwd`` (a module output) returned after it, in the
+    same call, whose gradient was recorded finite (``grads``: gradient records by the
+    forward record they are of), with the custom ``autograd.Function`` that made each, if
+    one did: code of the producer that may have used ``fwd``'s tensor before returning it
+    (``p = relu(fc(h)); return p, XLogX.apply(p).sum(-1)``). ``call``: another call whose
+    outputs to read (the parent that used ``fwd``, a child's output)."""
+    if call is None:
+        call = trace.call(fwd.call)
+    if fwd.phase is not Phase.FORWARD or call is None or call.passthrough:
+        return []
+    out: list[tuple[Record, str | None]] = []
+    for o in _own_outputs(trace, call):
+        if o.index <= fwd.index or o.source is not None:
+            continue
+        g = grads.get(o.index)
+        if g is None or g.stat is None or not g.stat.finite:
+            continue
+        out.append((o, custom_function(o.grad_fn)))
+    return out
 
 
 def propagators(trace: StepTrace, after: Record, producer: str) -> tuple[list[str], int]:
@@ -1079,6 +1192,31 @@ def localize(
                 summary += (
                     "; mode='forensic' (nanwatch run --mode forensic) names the op and its line"
                 )
+        elif (
+            cands
+            and not other_pass
+            and fwd is not None
+            and all(_weak(c, trig.dtype) for c in cands)
+            and _finite_outputs(trace, cands, trig.index)
+            and (later := _later_outputs(trace, fwd, _grads_before(trace, trig)))
+        ):
+            # the modules that took the tensor cannot have made it (a Linear's backward in
+            # float32), and its producer made more outputs after it: the producer's own code
+            # used the tensor (``p = relu(fc(h)); return p, entropy(p)``)
+            origin, path = "module", fwd.path
+            consumer = path
+            o = later[0][0]
+            names = ", ".join(c.path for c in cands[:3])
+            kind_of = ", ".join(sorted({c.module_type for c in cands[:3] if c.module_type}))
+            typ = f" ({kind_of} in {trig.dtype})" if kind_of else ""
+            summary = (
+                f"{what} gradient born in the backward of code in {path} that used its own "
+                f"{fwd.role} before returning it (it made its {o.role} after it, whose "
+                f"gradient was finite): the gradient it got back at its {fwd.role} is not, "
+                f"and the backward of {names}{typ}, which took that {fwd.role}, cannot make "
+                f"{what} from the finite gradient of {'its' if len(cands) == 1 else 'their'} "
+                "output"
+            )
         elif len(cands) == 1 and not other_pass:
             origin, path = "module", cands[0].path
             consumer = path
@@ -1141,6 +1279,25 @@ def localize(
                 f"{what} gradient born in the backward of code in {path} that used the output "
                 f"of {used}{also}"
             )
+            by_fn = (
+                [
+                    (o, f)
+                    for o, f in _later_outputs(trace, rec, _grads_before(trace, trig), parent)
+                    if f is not None
+                ]
+                if parent is not None and rec is not None
+                else []
+            )
+            if len({f for _, f in by_fn}) == 1:
+                # the parent's code passed that output to a custom Function, whose output
+                # it returned: the Function's backward is the user's
+                o, function = by_fn[0]
+                summary = (
+                    f"{what} gradient born in the backward of custom autograd.Function {function} "
+                    f"in {path}, in code that used the output of {used}: the gradient of "
+                    f"{path}'s {o.role} was finite, the gradient sent back to {used}'s "
+                    f"{rec.role if rec is not None else trig.role} is not{also}"
+                )
         hook = user_hook(trace, trig)
         if hook is not None and between is None:
             suspects = [c for c in cands if not _weak(c, trig.dtype)]
