@@ -492,17 +492,54 @@ def _log_argument(ev: OpEvent) -> tuple[str, int, int, str] | None:
     end, argument); None when the line is unknown or takes several logs."""
     for stmt in statements(ev.code):
         calls = _log_calls(stmt)
+        if len(calls) > 1:  # the one of this op's kind whose argument is not a constant
+            name = packet(ev.op).rstrip("_")
+            calls = [
+                c
+                for c in calls
+                if _log_name(stmt[c[0] : c[1]]) in (name, None) and not _constant(c[2])
+            ]
         if len(calls) == 1:
             start, end, arg = calls[0]
             return stmt, start, end, arg
     return None
 
 
-def _log_tiny(dtype: str | None) -> str:
-    """log of the dtype's smallest normal number: what a floor at tiny turns log(0) into."""
+def _log_name(call: str) -> str | None:
+    """``log10`` for ``torch.log10(x)`` / ``x.log10()``; None when the text shows none."""
+    m = re.match(r"torch\.(log(?:2|10)?)\(", call) or re.search(r"\.(log(?:2|10)?)\(\s*\)$", call)
+    return m.group(1) if m else None
+
+
+_CONSTANT_TENSOR = re.compile(r"^torch\.(?:tensor|as_tensor|scalar_tensor)\(")
+
+
+def _constant(arg: str) -> bool:
+    """``2.0``, ``torch.tensor(ref)``: an argument that holds no zeros the batch made (a
+    literal, or a tensor made from a Python number on the line)."""
+    try:
+        ast.literal_eval(arg)
+    except (ValueError, SyntaxError):
+        return _CONSTANT_TENSOR.match(arg.strip()) is not None
+    return True
+
+
+_LOG_BASES: dict[str, Callable[[float], float]] = {
+    "log2": math.log2,
+    "log10": math.log10,
+}
+
+
+def _log_tiny(dtype: str | None, op: str | None = None) -> str:
+    """``log10(tiny) = -37.93 in float32``: the log the op takes (log, log2, log10; log1p and
+    the rest read as log) of the dtype's smallest normal number, what a floor at tiny turns
+    log(0) into."""
     lim = limits(dtype) or limits("float32")
     assert lim is not None
-    return f"{fmt(math.log(lim.tiny))} in {dtype or 'float32'}"
+    name = packet(op).rstrip("_") if op else "log"
+    fn = _LOG_BASES.get(name)
+    name, fn = (name, fn) if fn is not None else ("log", math.log)
+    return f"{name}(tiny) = {fmt(fn(lim.tiny))} in {dtype or 'float32'}"
 
 
 def _floored_line(ev: OpEvent) -> str | None:
@@ -558,7 +595,7 @@ def _relu_zero_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
             fix = (
                 f"# in {r.module_type}.forward: F.softplus(self.{attr}(...)) + 1e-6 in place "
                 f"of F.relu(self.{attr}(...)): positive, never exactly 0\n"
-                f"# not a floor on the log: log(tiny) = {_log_tiny(ev.dtype)} is a wrong "
+                f"# not a floor on the log: {_log_tiny(ev.dtype, ev.op)} is a wrong "
                 "value, and the ReLU's gradient is still 0"
             )
         else:
@@ -566,7 +603,7 @@ def _relu_zero_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
             fix = (
                 f"# {where} is a ReLU output: for a predicted positive quantity use "
                 "F.softplus(raw) + 1e-6 in place of F.relu(raw): positive, never exactly 0\n"
-                f"# not a floor on the log: log(tiny) = {_log_tiny(ev.dtype)} is a wrong "
+                f"# not a floor on the log: {_log_tiny(ev.dtype, ev.op)} is a wrong "
                 "value, and the ReLU's gradient is still 0"
             )
         return _LogUse(
@@ -661,7 +698,7 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     found = _log_argument(ev)
     arg = found[3] if found is not None else None
     what = arg or "the log's argument"
-    tiny_log = _log_tiny(ev.dtype)
+    tiny_log = _log_tiny(ev.dtype, ev.op)
     if x.min < 0 and _within_eps_below_zero(x, ev.dtype):
         return _rounded_below_zero(ev, x, what, arg)
     if x.min < 0:
@@ -672,13 +709,13 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
                 "it negative where it is computed\n"
                 "# a predicted positive quantity (a scale, a rate, a variance): F.softplus(raw) "
                 "+ 1e-6 or raw.exp(), not the raw output\n"
-                f"# not a clamp at a tiny value: log(tiny) = {tiny_log} is a wrong value, not "
+                f"# not a clamp at a tiny value: {tiny_log} is a wrong value, not "
                 "a small one"
             ),
             why=(
                 f"Its input is negative (min {fmt(x.min)}, max {fmt(x.max)}): that is a domain "
                 "error, not an underflow. No probability underflows below 0, and a floor at a "
-                f"tiny value would turn the NaN into log(tiny) = {tiny_log}, finite and wrong. "
+                f"tiny value would turn the NaN into {tiny_log}, finite and wrong. "
                 "The quantity the log is taken of is not positive: the code that computes it "
                 "is what to fix."
             ),
@@ -690,7 +727,7 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     zeros = _zeros_text(x, "log")
     made = _unit_producer(ctx, ev, x)
     if made == "relu":  # a ReLU's zeros, whatever its maximum: a rate made with a ReLU
-        return _unit_made_use(made, what, zeros, x, ev.dtype)
+        return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
     if x.max > 1 and (masked := _masked_log_ratio(ctx, ev, x)) is not None:
         return _LogUse(
             "zero",
@@ -711,11 +748,7 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             f"# {what} holds {zeros} (min 0, max {fmt(x.max)}): keep 0 out where {what} is "
             "made or sampled"
         )
-        guard = (
-            f"{own}   # or a floor, when a 0 is legitimate there: log(tiny) = {tiny_log}"
-            if own
-            else None
-        )
+        guard = f"{own}   # or a floor, when a 0 is legitimate there: {tiny_log}" if own else None
         return _LogUse(
             "zero",
             fix="\n".join(line for line in (head, guard) if line),
@@ -724,16 +757,44 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
                 f"{fmt(x.max)}): the 0 comes from the data or the code that makes it (a noise "
                 "level, a scale or a count that can be 0), not from an underflow. Keep 0 out "
                 f"of the log where the value is made; a floor keeps it finite at "
-                f"log(tiny) = {tiny_log}, which is only right where a 0 means 'almost nothing'."
+                f"{tiny_log}, which is only right where a 0 means 'almost nothing'."
             ),
             evidence=f"{what} is not a probability: it holds {zeros}, and values up to "
             f"{fmt(x.max)}",
         )
     if made is not None and made not in ("softmax", "sigmoid"):
-        return _unit_made_use(made, what, zeros, x, ev.dtype)
+        return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
+    if made is None and arg is not None and _is_ratio(arg):
+        return _unit_ratio_use(ev, what, zeros, x)
+    if made is None:
+        return _LogUse(
+            "unit",
+            fix="\n".join(
+                [
+                    *([f"{own}   # finite: {tiny_log}"] if own else []),
+                    f"# if {what} is a ratio or a normalized energy (x / x.max(), a / b): it "
+                    f"is 0 where the numerator is; a floor, {paren(arg or 'r')}.clamp_min"
+                    + (
+                        "(1e-10) (-100 dB for 10 * log10 of a power)"
+                        if packet(ev.op).rstrip("_") == "log10"
+                        else f"(torch.finfo({paren(arg or 'r')}.dtype).tiny)"
+                    ),
+                    f"# if {what} is a softmax/sigmoid probability: take the log from the "
+                    "logits, F.log_softmax(logits, dim=-1) or F.logsigmoid(logits)",
+                ]
+            ),
+            why=(
+                f"Its input lies in [0, 1] (min 0, max {fmt(x.max)}) with {zeros}, and no "
+                "softmax or sigmoid is seen making it. A ratio (an energy over its maximum "
+                "or over a reference, a fraction k/n) is exactly 0 where its numerator is: "
+                "silence, an empty class, a zero target. Its log is -inf; a floor keeps it "
+                "finite at a chosen bottom value. A probability that underflowed to 0 is "
+                "better computed from its logits."
+            ),
+        )
     lines = []
     if own:
-        lines.append(f"{own}   # finite: log(tiny) = {tiny_log}")
+        lines.append(f"{own}   # finite: {tiny_log}")
     lines += [
         f"# {what} is a softmax/sigmoid probability: take the log from the logits instead, "
         "F.log_softmax(logits, dim=-1) or F.logsigmoid(logits), not torch.log(p)",
@@ -750,6 +811,45 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             "the *_with_logits losses) never forms the 0; or it is data with exact zeros "
             "(black pixels, a fraction k/n with k = 0), which must be kept inside (0, 1)."
         ),
+    )
+
+
+def _is_ratio(arg: str) -> bool:
+    """``S / S.amax(-1, keepdim=True)``, ``(a / b)``: the log's argument is a quotient."""
+    try:
+        tree = ast.parse(arg.strip(), mode="eval")
+    except SyntaxError:
+        return False
+    node = tree.body
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args:
+        node = node.func.value  # (a / b).float()
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+
+
+def _unit_ratio_use(ev: OpEvent, what: str, zeros: str, x: TensorStat) -> _LogUse:
+    """A log of a quotient in [0, 1] with exact zeros (an energy over its maximum, a
+    fraction): 0 where the numerator is, and a floor (``amin``) is the usual answer."""
+    found = _log_argument(ev)
+    db = packet(ev.op).rstrip("_") == "log10"
+    amin = "1e-10" if db else f"torch.finfo({paren(what)}.dtype).tiny"
+    note = "amin = 1e-10: -100 dB for 10 * log10 of a power" if db else "a floor"
+    if found is not None:
+        stmt, start, end, arg = found
+        floor = f"{paren(arg)}.clamp_min({amin})"
+        fix = f"{stmt[:start]}{_with_arg(stmt[start:end], floor)}{stmt[end:]}   # {note}"
+    else:
+        fix = f"y = torch.log10(r.clamp_min({amin}))   # r = {what}: {note}"
+    return _LogUse(
+        "ratio",
+        fix=fix,
+        why=(
+            f"Its input is a ratio in [0, 1] (min 0, max {fmt(x.max)}) with {zeros}: 0 "
+            "wherever the numerator is 0 (silence, an empty band, an all-zero frame), not a "
+            "probability. The log of that 0 is -inf; a floor on the ratio (amin, the "
+            "bottom of the dB scale) keeps it finite, as torchaudio's AmplitudeToDB and "
+            "librosa's power_to_db do."
+        ),
+        evidence=f"{what} is a quotient in [0, 1] holding {zeros}",
     )
 
 
@@ -808,11 +908,10 @@ def _rounded_below_zero(ev: OpEvent, x: TensorStat, what: str, arg: str | None) 
     assert lim is not None
     own = _floored_line(ev)
     floor = (
-        f"{own}   # a floor: the rounding below 0 and any exact 0 give log(tiny) = "
-        f"{_log_tiny(ev.dtype)}"
+        f"{own}   # a floor: the rounding below 0 and any exact 0 give {_log_tiny(ev.dtype, ev.op)}"
         if own
         else "# torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)), p the log's argument: the "
-        f"rounding below 0 and any exact 0 give log(tiny) = {_log_tiny(ev.dtype)}"
+        f"rounding below 0 and any exact 0 give {_log_tiny(ev.dtype, ev.op)}"
     )
     return _LogUse(
         "rounding",
@@ -834,11 +933,13 @@ def _rounded_below_zero(ev: OpEvent, x: TensorStat, what: str, arg: str | None) 
     )
 
 
-def _unit_made_use(made: str, what: str, zeros: str, x: TensorStat, dtype: str) -> _LogUse:
+def _unit_made_use(
+    made: str, what: str, zeros: str, x: TensorStat, dtype: str, *, op: str | None = None
+) -> _LogUse:
     """A log's argument in [0, 1] with exact zeros that op evidence shows is no softmax or
     sigmoid probability: a ReLU output (0 by construction), 1 - a Normal cdf (the Gaussian
     survival, 0 once cdf rounds to 1), or 1 - something else that reached 1."""
-    tiny_log = _log_tiny(dtype)
+    tiny_log = _log_tiny(dtype, op)
     dt = dtype or "float32"
     if made == "relu":
         return _LogUse(
@@ -847,7 +948,7 @@ def _unit_made_use(made: str, what: str, zeros: str, x: TensorStat, dtype: str) 
                 f"# {what} is a ReLU output: for a predicted positive quantity (a rate, a "
                 "scale, a concentration) use F.softplus(raw) + 1e-6 in place of F.relu(raw): "
                 "positive, never exactly 0\n"
-                f"# not a floor on the log: log(tiny) = {tiny_log} is a wrong value, and the "
+                f"# not a floor on the log: {tiny_log} is a wrong value, and the "
                 "ReLU's gradient is still 0"
             ),
             why=(
@@ -1204,7 +1305,7 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
         return None
     dtype = ev.dtype or "float32"
     bound = _underflow_bound(dtype)
-    tiny_log = _log_tiny(dtype)
+    tiny_log = _log_tiny(dtype, ev.op)
     if said.endswith("(log <- exp)"):  # the log of the exp itself: log(exp(y)) = y
         return _LogUse(
             "exp-underflow",
@@ -1226,7 +1327,7 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
         f"{fmt(math.sqrt(-2 * _underflow_at(dtype)))} standard deviations from every component. "
         "That 0 is an underflow even where other values exceed 1: a density can. Compute "
         "the log in log space, never forming the exp; a floor gives "
-        f"log(tiny) = {tiny_log}, finite but wrong, with no gradient toward the far point."
+        f"{tiny_log}, finite but wrong, with no gradient toward the far point."
     )
     if summed:
         fix = (
@@ -1297,7 +1398,7 @@ def _det_use(ctx: RuleContext, ev: OpEvent) -> _LogUse | None:
         "NaN for a perfectly valid W, and -inf for a singular one. A change of variables "
         "(a flow's log-likelihood) needs log|det W|: torch.linalg.slogdet returns it, with "
         "the sign apart, and without det's overflow for large matrices. A clamp at a tiny "
-        f"value gives log(tiny) = {_log_tiny(ev.dtype)}: finite and wrong."
+        f"value gives {_log_tiny(ev.dtype, ev.op)}: finite and wrong."
     )
     for stmt in statements(ev.code):
         for start, end, arg in _log_calls(stmt):
@@ -2251,11 +2352,22 @@ def _log1p_below(
 ) -> Diagnosis:
     """log1p of -1 or below: not a probability's log but counts or amounts that went
     negative (a -1/-2 missing-value sentinel, a difference), or log(1 - p) at p = 1."""
-    code = next((st for st in statements(ev.code or "") if "log1p" in st), ev.code)
-    own = rewrite_call(code, ["log1p"], lambda v: f"{paren(v)}.clamp_min(0)")
+    own = _log1p_fix(ctx, ev, x)
+    if own is not None and not own[1]:  # a tensor the model computed: not data
+        return ctx.diagnosis(
+            **op_fields(ev, a),
+            evidence=evidence,
+            explanation=(
+                "log1p(x) = log(1 + x) is -inf at x = -1 and NaN below it. Its argument is "
+                "computed by the model, not read from the data: log1p(-v) is log(1 - v), -inf "
+                "once v reaches 1 (a norm or probability that rounded to 1, artanh at |v| = "
+                "1); log1p(c * v) of a signed v goes below -1 for negative v."
+            ),
+            fix=own[0],
+        )
     first = (
-        f"{own}   # counts and amounts are >= 0"
-        if own
+        own[0]
+        if own is not None
         else "y = torch.log1p(x.clamp_min(0))   # counts and amounts are >= 0"
     )
     return ctx.diagnosis(
@@ -2274,6 +2386,138 @@ def _log1p_below(
             "y = torch.log1p(-p.clamp_max(1 - torch.finfo(p.dtype).eps))   # log(1 - p)"
         ),
     )
+
+
+_NAMESPACES = frozenset({"torch", "math", "np", "numpy", "torch.special", "special"})
+
+
+def _log1p_calls(tree: ast.AST) -> list[tuple[ast.Call, ast.expr]]:
+    """The ``torch.log1p(v)`` / ``v.log1p()`` calls of ``tree``, each with its argument."""
+    out: list[tuple[ast.Call, ast.expr]] = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Name) and f.id == "log1p" and len(n.args) == 1:
+            out.append((n, n.args[0]))
+        elif isinstance(f, ast.Attribute) and f.attr in ("log1p", "log1p_"):
+            if ast.unparse(f.value) in _NAMESPACES:
+                if len(n.args) == 1 and ast.unparse(f.value) not in ("math", "np", "numpy"):
+                    out.append((n, n.args[0]))
+            elif not n.args:
+                out.append((n, f.value))
+    return sorted(out, key=lambda c: (c[0].col_offset, c[0].end_col_offset or 0))
+
+
+def _inside(node: ast.AST, outer: ast.AST) -> bool:
+    return any(n is node for n in ast.walk(outer))
+
+
+def _failing_log1p(
+    ctx: RuleContext, ev: OpEvent, x: TensorStat | None, tree: ast.AST
+) -> tuple[ast.Call, ast.expr] | None:
+    """The log1p call of the line whose argument reached -1: the only one; else the one on
+    the side of a binary operator (``log1p(x) - log1p(-x)``) that the next op on the line
+    received its -inf or NaN from; else the only one with a negated argument when every value
+    it received is <= 0 (``-v`` of a v >= 0). None when that leaves it open."""
+    calls = _log1p_calls(tree)
+    if len(calls) <= 1:
+        return calls[0] if calls else None
+    use = next((o for o in ctx.trace.ops if o.cause is ev and o.source == ev.source), None)
+    if use is not None and len(use.inputs) == 2:
+        bad = [
+            r
+            for r, st in use.inputs
+            if st is not None and (st.has_nan or st.has_posinf or st.has_neginf)
+        ]
+        ops = {"sub": ast.Sub, "add": ast.Add, "mul": ast.Mult, "div": ast.Div}
+        kind = ops.get(packet(use.op).rstrip("_"))
+        if len(bad) == 1 and kind is not None:
+            for b in ast.walk(tree):
+                if not (isinstance(b, ast.BinOp) and isinstance(b.op, kind)):
+                    continue
+                side = b.left if bad[0] == "self" else b.right
+                other = b.right if bad[0] == "self" else b.left
+                here = [c for c in calls if _inside(c[0], side)]
+                if len(here) == 1 and any(_inside(c[0], other) for c in calls):
+                    return here[0]
+    negated = [c for c in calls if isinstance(c[1], ast.UnaryOp) and isinstance(c[1].op, ast.USub)]
+    if len(negated) == 1 and x is not None and x.max <= 0:
+        return negated[0]
+    return None
+
+
+def _fed_from_batch(ctx: RuleContext, ev: OpEvent, arg: ast.expr) -> bool:
+    """log1p's argument is a plain name and the module running it took its input straight
+    from the batch (a root's input, not another watched module's output): data, not a
+    tensor the model computed."""
+    if not isinstance(arg, ast.Name) or ev.path is None:
+        return False
+    by_index = {r.index: r for r in ctx.trace.records}
+    ins = [r for r in ctx.records(Phase.INPUT) if r.path == ev.path]
+    return bool(ins) and all(
+        r.source is None or (src := by_index.get(r.source)) is None or src.phase is Phase.INPUT
+        for r in ins
+    )
+
+
+def _sign_of(tree: ast.AST) -> set[str]:
+    """The tensors whose sign the line takes: ``torch.sign(x)`` / ``x.sign()``."""
+    out: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "sign":
+            if ast.unparse(n.func.value) in _NAMESPACES and len(n.args) == 1:
+                out.add(ast.unparse(n.args[0]))
+            elif not n.args:
+                out.add(ast.unparse(n.func.value))
+    return out
+
+
+def _log1p_fix(ctx: RuleContext, ev: OpEvent, x: TensorStat | None) -> tuple[str, bool] | None:
+    """The user's line with the log1p whose argument reached -1 kept above it, and whether
+    that argument is data (read from the batch): ``sign(x) * log1p(mu * x)`` takes
+    ``x.abs()`` (mu-law forgot the abs); ``log1p(-v)`` keeps v below 1; data is clamped
+    to 0 (counts and amounts); a computed tensor is kept above -1. None when the line
+    does not show which call."""
+    for stmt, tree in _parsed(ev.code):
+        hit = _failing_log1p(ctx, ev, x, tree)
+        if hit is None:
+            continue
+        arg = hit[1]
+        text = ast.get_source_segment(stmt, arg) or ast.unparse(arg)
+        signed = [
+            n
+            for n in ast.walk(arg)
+            if isinstance(n, (ast.Name, ast.Attribute)) and ast.unparse(n) in _sign_of(tree)
+        ]
+        if len(signed) == 1:
+            v = ast.unparse(signed[0])
+            a0, b0 = signed[0].col_offset - arg.col_offset, signed[0].end_col_offset
+            b0 = (b0 or signed[0].col_offset) - arg.col_offset
+            fixed = f"{text[:a0]}{v}.abs(){text[b0:]}"
+            return (
+                f"{_spliced(stmt, arg, fixed)}   # sign({v}) * log1p(c * |{v}|): the "
+                f"magnitude goes into log1p, the sign outside",
+                False,
+            )
+        if isinstance(arg, ast.UnaryOp) and isinstance(arg.op, ast.USub):
+            v = ast.get_source_segment(stmt, arg.operand) or ast.unparse(arg.operand)
+            fixed = f"-{paren(v)}.clamp_max(1 - torch.finfo({paren(v)}.dtype).eps)"
+            return (
+                f"{_spliced(stmt, arg, fixed)}   # log1p(-{v}) = log(1 - {v}): {v} reached 1; "
+                f"below 1 it stays finite",
+                False,
+            )
+        if _fed_from_batch(ctx, ev, arg):
+            fixed = f"{paren(text)}.clamp_min(0)"
+            return f"{_spliced(stmt, arg, fixed)}   # counts and amounts are >= 0", True
+        fixed = f"{paren(text)}.clamp_min(-1 + torch.finfo({paren(text)}.dtype).eps)"
+        return (
+            f"{_spliced(stmt, arg, fixed)}   # log1p is finite above -1; find why "
+            f"{text} reached -1",
+            False,
+        )
+    return None
 
 
 def _xlogy_backward(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
@@ -3111,7 +3355,7 @@ def _narrow_difference(ev: OpEvent) -> _Difference | None:
     cast = None
     if seg:
         widened = f"{wide(sub.left, left)} - {wide(sub.right, right)}"
-        cast = rewrite_divisor(ev.code, lambda d: d.replace(seg, widened, 1))
+        cast = _rewrite_divisor(ev.code, lambda d: d.replace(seg, widened, 1))
     return _Difference(divisor, left, right, cast)
 
 
@@ -3254,18 +3498,29 @@ def _all_zero_denominator(
     if sqrt and divisor is not None:
         inside = rewrite_call(divisor, ["sqrt"], lambda e: f"({e} + 1e-5)")
         if inside is not None:
-            own = rewrite_divisor(ev.code, lambda d: inside)
+            own = _rewrite_divisor(ev.code, lambda d: inside)
             if own is not None:
                 own += "   # eps inside the sqrt, as nn.BatchNorm does: finite at a variance of 0"
+    norm = None if own is not None or state else _sqrt_made_divisor(ev)
+    if norm is not None:
+        own = (
+            f"{norm}   # eps inside the sqrt: a zero vector gets norm 1e-4, and x / n is 0, not 0/0"
+        )
     if own is None:
-        clamp = rewrite_divisor(
-            ev.code, lambda d: f"{paren(d)}.clamp_min(torch.finfo({paren(d)}.dtype).eps)"
+        clamp = _rewrite_divisor(
+            ev.code, lambda d: f"{paren(d)}.clamp_min(torch.finfo({_power_base(d)}.dtype).eps)"
         )
         own = (
             f"{clamp}   # keeps the quotient finite; the zeros themselves are the bug"
             if clamp is not None
             else _div_fix(ev, scalar=False, count=False, floating=True)
         )
+        surrogate = _one_plus_power(ev.code)
+        if surrogate is not None:
+            own += (
+                f"\n{surrogate}   # the usual form of this surrogate gradient: "
+                "g / (1 + c*|x|)**2 is finite, and largest, at x = 0"
+            )
     if state:
         names = ", ".join(dict.fromkeys(v for _, v in state))
         own += (
@@ -3277,24 +3532,30 @@ def _all_zero_denominator(
             "\n# the sum is 0 where every value summed is 0: find why they are all 0 (a ReLU "
             "output 0 everywhere: a dead head; softplus keeps a density or weight positive)"
         )
-    else:
+    elif norm is None:
         own += (
             "\n# find what left the denominator 0 everywhere: a buffer or parameter created "
             "with torch.zeros and never updated, an input that is constant everywhere"
         )
     why = (
-        f" It comes from {', '.join(dict.fromkeys(v for _, v in state))}, module state read as "
-        "it is: a buffer created with torch.zeros and used before any update fills it (a "
-        "running variance read in eval mode before training updated it) is 0 everywhere."
-        if state
-        else " It was computed in this step, a sum (or mean) of values that are all 0: every "
-        "term is 0, such as a ReLU output that is 0 everywhere (a dead ReLU head, its inputs "
-        "or bias pushed below 0 for every sample) or weights that are all 0, not a buffer "
-        "never filled."
-        if summed is not None
-        else " That is a tensor never filled (a buffer or parameter created with torch.zeros "
-        "and read before any update, running statistics used in eval mode), or the spread "
-        "of an input that is constant everywhere."
+        " It is a norm, the sqrt of a sum of squares, of vectors that are all zero: a "
+        "zero vector is a legitimate input (a capsule or feature that a ReLU left at 0), "
+        "and its direction x / |x| is 0/0. An eps inside the sqrt keeps the norm positive."
+        if norm is not None
+        else (
+            f" It comes from {', '.join(dict.fromkeys(v for _, v in state))}, module state read as "
+            "it is: a buffer created with torch.zeros and used before any update fills it (a "
+            "running variance read in eval mode before training updated it) is 0 everywhere."
+            if state
+            else " It was computed in this step, a sum (or mean) of values that are all 0: every "
+            "term is 0, such as a ReLU output that is 0 everywhere (a dead ReLU head, its inputs "
+            "or bias pushed below 0 for every sample) or weights that are all 0, not a buffer "
+            "never filled."
+            if summed is not None
+            else " That is a tensor never filled (a buffer or parameter created with torch.zeros "
+            "and read before any update, running statistics used in eval mode), or the spread "
+            "of an input that is constant everywhere."
+        )
     )
     return ctx.diagnosis(
         **op_fields(ev, a),
@@ -3415,7 +3676,7 @@ def _collapsed_denominator(
     )
     if len(c.divisors) == 1:
         d = c.divisors[0]
-        floor = rewrite_divisor(ev.code, lambda _: f"{paren(d)}.clamp_min(1e-6)")
+        floor = _rewrite_divisor(ev.code, lambda _: f"{paren(d)}.clamp_min(1e-6)")
         at = (
             f"{floor}   # or a floor on the prediction at the division"
             if floor is not None
@@ -3650,13 +3911,78 @@ def _python_count(ev: OpEvent) -> bool:
 
 def _count_fix(ev: OpEvent) -> str:
     """``max(n, 1)`` around the user's Python-int divisor: a count of 0 divides by 1."""
-    own = rewrite_divisor(ev.code, lambda d: f"max({d}, 1)")
+    own = _rewrite_divisor(ev.code, lambda d: f"max({d}, 1)")
     if own is not None:
         return f"{own}   # a count of 0 divides by 1 (an int: no tensor to clamp)"
     return (
         "y = x / max(d, 1)   # d: the Python int you divide by (a count): at least 1, "
         "no tensor to clamp"
     )
+
+
+_POWER = re.compile(r"\s*\*\*\s*(?:-?\s*\d[\w.]*|[A-Za-z_][\w.]*|\([^()]*\))")
+_MARK = "\x00divisor\x00"
+
+
+def _rewrite_divisor(code: str | None, wrap: Callable[[str], str]) -> str | None:
+    """``rewrite_divisor`` with a power taken whole: ``g / (c * x) ** 2`` divides by
+    ``(c * x) ** 2`` (``**`` binds tighter than ``/``), so ``wrap`` gets all of it.
+
+    >>> _rewrite_divisor("y = g / (c * x) ** 2", lambda d: f"F({d})")
+    'y = g / F((c * x) ** 2)'
+    """
+    seen: list[str] = []
+
+    def mark(d: str) -> str:
+        seen.append(d)
+        return _MARK
+
+    marked = rewrite_divisor(code, mark)
+    if marked is None:
+        return None
+    head, tail = marked.split(_MARK)
+    d = seen[0]
+    power = _POWER.match(tail)
+    if power is not None:
+        d, tail = d + tail[: power.end()], tail[power.end() :]
+    return head + wrap(d) + tail
+
+
+def _one_plus_power(code: str | None) -> str | None:
+    """The user's line with ``g / (c * x.abs()) ** k`` written ``g / (1 + c * x.abs()) ** k``:
+    the fast-sigmoid surrogate gradient, finite at x = 0; None for any other divisor."""
+    got = _divisors(code)
+    m = re.fullmatch(r"\((.*)\)(\s*\*\*\s*\S+)", got[0].strip()) if len(got) == 1 else None
+    if m is None or not re.search(r"\babs\(|\.abs\(\)", m.group(1)):
+        return None
+    return _rewrite_divisor(code, lambda _: f"(1 + {m.group(1)}){m.group(2)}")
+
+
+def _sqrt_made_divisor(ev: OpEvent) -> str | None:
+    """``n = torch.sqrt(n2 + 1e-8)``: the assignment, above the user's line, of the one name
+    its divisions divide by, when that name is a square root (a norm written by hand), with
+    an eps inside the sqrt; None when the line or the assignment shows none."""
+    names = {
+        n.right.id
+        for _, tree in _parsed(ev.code)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div) and isinstance(n.right, ast.Name)
+    }
+    if len(names) != 1:
+        return None
+    made = _assigned_before(ev.source, names.pop())
+    if made is None or not re.search(r"(?<![\w.])(?:torch\.)?sqrt\(|\.sqrt\(", made):
+        return None
+    if re.search(r"(?<![\w.])(?:torch\.)?sqrt\(", made):  # torch.sqrt(e): e + eps as is
+        return rewrite_call(made, ["sqrt"], lambda e: f"{e} + 1e-8")
+    return rewrite_call(made, ["sqrt"], lambda e: f"({e} + 1e-8)")
+
+
+def _power_base(d: str) -> str:
+    """``(c * x)`` for ``(c * x) ** 2``: the tensor whose dtype a power keeps; else ``d``
+    made safe for an attribute."""
+    base = _POWER.sub("", d, count=1) if _POWER.search(d) else d
+    return paren(base)
 
 
 def _divisors(code: str | None) -> list[str]:
@@ -3667,7 +3993,7 @@ def _divisors(code: str | None) -> list[str]:
         got.append(d)
         return d
 
-    rewrite_divisor(code, keep)
+    _rewrite_divisor(code, keep)
     return got
 
 
@@ -5025,7 +5351,7 @@ def _scalar_floor(code: str | None) -> str | None:
             return f"max({d}, 1e-3)"
         return d if isinstance(value, (int, float)) and value != 0 else f"max({d}, 1e-3)"
 
-    own = rewrite_divisor(code, floor)
+    own = _rewrite_divisor(code, floor)
     return None if own is None or own in statements(code) else own  # a literal divisor: not it
 
 
@@ -5174,7 +5500,7 @@ def _div_fix(
             "d = max(d, 1e-3)   # a temperature or a scale annealed to 0: give it a floor\n"
             "y = x / d"
         )
-    own = rewrite_divisor(ev.code, lambda d: f"{d}.clamp_min(1)") if count else None
+    own = _rewrite_divisor(ev.code, lambda d: f"{d}.clamp_min(1)") if count else None
     if own is not None:
         return f"{own}   # a count of 0 divides by 1: nothing to average gives 0, not NaN"
     if count:
