@@ -1684,22 +1684,12 @@ def _log_of_param(
             f"{group})"
             + (f": lr × gradient norm = {fmt(lr * size)} in one step" if opt == "SGD" else "")
         )
-    leaf = qual.split(".")[-1]
-    taken = set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", stmt))
-    pos = fresh_name(leaf if leaf != ref else f"{leaf}_pos", taken)
-    positive = f"torch.nn.functional.softplus({ref}) + 1e-6"
-    lines = [f"{pos} = {positive}   # positive whatever the update"]
-    if stmt:
-        lines.append(re.sub(rf"(?<![\w.]){re.escape(ref)}(?![\w(])", pos, stmt))
-    else:
-        lines.append(f"# use {pos} where the loss uses {ref}: torch.log({pos}) is finite")
-    lines.append(
-        f"# or train its log: log_{leaf} = nn.Parameter(torch.zeros({x.numel})) and "
-        f"{leaf} = log_{leaf}.exp()"
+    fix = _positive_param_fix(
+        qual, ref, stmt, x.numel, eps=" + 1e-6", finite=lambda pos: f"torch.log({pos})"
     )
     return _LogUse(
         "param",
-        fix="\n".join(lines),
+        fix=fix,
         why=(
             "Its input is a parameter trained as it is, one that must stay positive (a "
             "standard deviation or uncertainty weight, a scale, a temperature). Nothing keeps "
@@ -5803,6 +5793,34 @@ _RSQRT = frozenset({"rsqrt", "rsqrt_"})
 _LAYER_PARAM = re.compile(r"(?:^|[._])(?:weight|bias)(?:_[a-z]+|_\w*\d\w*)?$")
 
 
+def _positive_param_fix(
+    qual: str,
+    ref: str,
+    stmt: str,
+    numel: int,
+    *,
+    finite: Callable[[str], str],
+    eps: str = "",
+) -> str:
+    """The fix for a parameter trained as it is that must stay positive (``ref`` on the
+    user's line ``stmt``): map an unconstrained value through softplus (plus ``eps``), use
+    it on that line, or train its log. ``finite(name)`` names what the mapped value keeps
+    finite (``torch.log(sigma)``)."""
+    leaf = qual.rsplit(".", maxsplit=1)[-1]
+    taken = set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", stmt))
+    pos = fresh_name(leaf if leaf != ref else f"{leaf}_pos", taken)
+    lines = [f"{pos} = torch.nn.functional.softplus({ref}){eps}   # positive whatever the update"]
+    if stmt:
+        lines.append(re.sub(rf"(?<![\w.]){re.escape(ref)}(?![\w(])", pos, stmt))
+    else:
+        lines.append(f"# use {pos} where the loss uses {ref}: {finite(pos)} is finite")
+    lines.append(
+        f"# or train its log: log_{leaf} = nn.Parameter(torch.zeros({numel})) and "
+        f"{leaf} = log_{leaf}.exp()"
+    )
+    return "\n".join(lines)
+
+
 def _root_of_param(
     ctx: RuleContext, a: Anomaly, ev: OpEvent, e: object
 ) -> tuple[str, str, str] | None:
@@ -5855,18 +5873,7 @@ def _root_of_param(
         opt, _, lr = held
         size = grad.norm if grad.norm is not None else grad.magnitude
         said += f"; its last gradient had norm {fmt(size)}, and {opt} lr {fmt(lr)}"
-    leaf = qual.split(".")[-1]
-    taken = set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", stmt))
-    pos = fresh_name(leaf if leaf != ref else f"{leaf}_pos", taken)
-    lines = [f"{pos} = torch.nn.functional.softplus({ref})   # positive whatever the update"]
-    if stmt:
-        lines.append(re.sub(rf"(?<![\w.]){re.escape(ref)}(?![\w(])", pos, stmt))
-    else:
-        lines.append(f"# use {pos} where the loss uses {ref}: its {packet(ev.op)} is finite")
-    lines.append(
-        f"# or train its log: log_{leaf} = nn.Parameter(torch.zeros({n})) and "
-        f"{leaf} = log_{leaf}.exp()"
-    )
+    fix = _positive_param_fix(qual, ref, stmt, n, finite=lambda _: f"its {packet(ev.op)}")
     why = (
         f"The {packet(ev.op)}'s input is a parameter trained as it is, one that must stay "
         "positive (a squared speed, a variance, a diffusivity, a scale). Nothing keeps it "
@@ -5875,7 +5882,7 @@ def _root_of_param(
         "zero its gradient, so it never comes back. Train an unconstrained parameter and map "
         "it to a positive value (softplus, or exp of a log-parameter)."
     )
-    return said, why, "\n".join(lines)
+    return said, why, fix
 
 
 def _pole_at_zero(ev: OpEvent, x: TensorStat | None, e: object) -> bool:
