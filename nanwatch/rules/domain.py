@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from nanwatch._domains import Domain, domain_of
@@ -622,6 +622,15 @@ def _relu_zero_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
     return None
 
 
+def _graph_ops(ctx: RuleContext) -> Iterator[list[str]]:
+    """The ops of each ``"loss_graph"`` note of the step (the nodes from the loss back to
+    the model's output, as the watcher walked them), oldest first."""
+    for n in ctx.notes("loss_graph"):
+        ops = n.data.get("ops")
+        if isinstance(ops, list):
+            yield [str(o) for o in ops]
+
+
 #: autograd nodes (base names) that make a watched output in [0, 1] with exact zeros, and
 #: what they say the log's argument is
 _UNIT_MAKERS = {
@@ -673,10 +682,7 @@ def _unit_producer(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> str | None:
     ):
         return None
     found: set[str] = set()
-    for n in ctx.notes("loss_graph"):
-        ops = n.data.get("ops")
-        if not isinstance(ops, list):
-            continue
+    for ops in _graph_ops(ctx):
         for i, o in enumerate(ops):
             if o != "log" or i + 1 >= len(ops):
                 continue
@@ -1280,10 +1286,7 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
             )
     elif not ev.code and ev.path == LOSS_PATH:
         said = ""
-        for n in ctx.notes("loss_graph"):
-            ops = n.data.get("ops")
-            if not isinstance(ops, list):
-                continue
+        for ops in _graph_ops(ctx):
             logs = [i for i, o in enumerate(ops) if o == "log"]
             chains = []
             for i in logs:
@@ -1946,7 +1949,7 @@ def _logsumexp_of_name(stmt: str, start: int, end: int, arg: str, ev: OpEvent) -
     )
 
 
-def _exp_sum_logs(ops: list[object]) -> tuple[int, int]:
+def _exp_sum_logs(ops: Sequence[object]) -> tuple[int, int]:
     """How many logs a loss graph's op list (depth first: a unary op's input follows it)
     holds, and how many of them take the log of a sum of exps (``log`` then ``add``/``sum``
     then ``exp``). A log the list's end cuts short (``log``, ``add`` at its end: it holds
@@ -2057,10 +2060,7 @@ def _naive_softplus_use(ctx: RuleContext, ev: OpEvent) -> _LogUse | None:
         return None
     if ev.code or ev.path != LOSS_PATH:
         return None
-    for n in ctx.notes("loss_graph"):
-        ops = n.data.get("ops")
-        if not isinstance(ops, list):
-            continue
+    for ops in _graph_ops(ctx):
         logs, summed = _exp_sum_logs(ops)
         if summed and logs > summed:
             return _LogUse(
@@ -3277,10 +3277,7 @@ def _overlap_score(ctx: RuleContext, ev: OpEvent) -> tuple[str, str] | None:
         )
     if ev.code or ev.path != LOSS_PATH:
         return None
-    for n in ctx.notes("loss_graph"):
-        ops = n.data.get("ops")
-        if not isinstance(ops, list):
-            continue
+    for ops in _graph_ops(ctx):
         for i in range(len(ops) - 1):
             if ops[i] != "rsub":
                 continue
