@@ -1701,12 +1701,37 @@ class Watcher:
                 world = _distributed()  # NW301: another rank's gradient, all-reduced
                 if world is not None:
                     note.data.update(rank=world[0], world=world[1])
+                if self._bypasses_scaler(optimizer, kwargs):
+                    note.data["scaled_step"] = True  # NW301: the GradScaler was bypassed
                 if stale:
                     self._note_stale_grads(optimizer, stale, stale_group, groups)
                 if written:
                     self._note_written_grads(optimizer, written)
         except Exception as exc:
             self._fault("optimizer", "optimizer hook", exc)
+
+    def _bypasses_scaler(self, optimizer: Any, kwargs: Any) -> bool:
+        """This step of ``optimizer`` applies gradients still multiplied by the GradScaler's
+        scale: backward ran on ``scaler.scale(loss)`` this step, yet neither
+        ``scaler.unscale_(optimizer)`` nor ``scaler.step(optimizer)`` ran for it since the
+        last ``scaler.update()`` (the scaler's per-optimizer stage is still READY; inside
+        ``scaler.step`` it is UNSCALED by the time the optimizer steps). A Python read of the
+        scaler's state: no sync. An optimizer that unscales itself (``scaler.step`` hands it
+        ``grad_scaler=`` or sets ``found_inf``) and a wrapper whose inner optimizer the scaler
+        steps are not bypasses."""
+        if not self._scaled or self._grad_scale is None:
+            return False
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        if not isinstance(states, dict):
+            return False
+        if "grad_scaler" in (kwargs or {}) or hasattr(optimizer, "found_inf"):
+            return False
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return False
+        state = states.get(id(optimizer))
+        stage = state.get("stage") if isinstance(state, dict) else None
+        return stage is None or getattr(stage, "name", None) == "READY"
 
     def _grads_written(
         self, ps: list[Any], qualnames: dict[int, str], out: dict[str, tuple[str, torch.Tensor]]
@@ -3850,10 +3875,20 @@ class Watcher:
             anomaly.op = events[0]
         if source:
             base = anomaly.summary.split(" [")[0]
+            # the graph is read at backward(): its nodes keep no forward line, so the line
+            # named is the backward call's, not the op's (forensic mode traces the op's)
+            op = anomaly.op
+            unknown = op is None or not op.source or op.source == source
+            hint = (
+                f"; the op's line is not known in {self.config.mode} mode: mode='forensic' "
+                "or nw.replay(step_fn) names it"
+                if unknown and not self._forensic
+                else ""
+            )
             if _frames.framework_between():  # Lightning's backward; the user's trainer.fit
-                anomaly.summary = f"{base} (backward by Lightning, called from {source})"
+                anomaly.summary = f"{base} (backward by Lightning, called from {source}{hint})"
             else:
-                anomaly.summary = f"{base} (loss.backward() at {source})"
+                anomaly.summary = f"{base} (loss.backward() at {source}{hint})"
         anomaly.summary = summarize(anomaly)
 
     def _evaluate(self, trace: StepTrace) -> list[Diagnosis]:

@@ -46,13 +46,18 @@ from nanwatch.rules.generic import _REPLAY
         "A parameter holds NaN/inf before this step's forward: the last optimizer update "
         "wrote it (learning rate too high, no gradient clipping, no loss scaler; a NaN "
         "learning rate; an eps that is 0 in float16 weights), or the weights were loaded "
-        "so before the first update."
+        "so before the first update. Early: an optimizer stepped directly (not by "
+        "scaler.step) on a GradScaler's scaled gradients, named at its first update."
     ),
+    early=True,
     priority=10,
 )
 def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.kind is not AnomalyKind.PARAMETER:
+        if _scaled_step(ctx.trace) and not _scaled_step_told(ctx):
+            # from the first update: every one applies gradients x scale
+            yield _scaler_bypass_diagnosis(ctx, a, ctx.trace, name=None, evidence=[])
         return
     bad = [r for r in ctx.trace.records if r.phase is Phase.PARAMETER and r.bad]
     name = a.parameter or a.record.role
@@ -135,8 +140,9 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"its gradient norm at step {prev.step}, the update that broke it: "
                 f"{fmt(g.stat.norm)}"
             )
-    if consequence is not None and prev is not None and _scaler_bypassed(prev):
-        yield _scaler_bypass_diagnosis(ctx, a, prev, name=name, evidence=[*evidence, consequence])
+    if prev is not None and (_scaled_step(prev) or (consequence and _scaler_bypassed(prev))):
+        more = [consequence] if consequence else []
+        yield _scaler_bypass_diagnosis(ctx, a, prev, name=name, evidence=[*evidence, *more])
         return
     if consequence is not None:
         head, check = _grad_check(ctx, prev)
@@ -193,6 +199,18 @@ def _scaler_bypassed(trace: StepTrace) -> bool:
     )
 
 
+def _scaled_step(trace: StepTrace) -> bool:
+    """The optimizer stepped at ``trace`` on gradients a GradScaler scaled, with neither
+    ``scaler.unscale_(optimizer)`` nor ``scaler.step(optimizer)`` run for it (the watcher's
+    ``scaled_step`` mark on the ``"optimizer"`` note)."""
+    return any(n.kind == "optimizer" and n.data.get("scaled_step") for n in trace.notes)
+
+
+def _scaled_step_told(ctx: RuleContext) -> bool:
+    """An earlier step of the window already had its bypass told: once per run is enough."""
+    return any(_scaled_step(t) for t in ctx.history)
+
+
 def _scaler_name(trace: StepTrace) -> str:
     """The user's name for the GradScaler: the ``X`` of ``X.scale(...)`` in the function
     of this step's lines (``scaler`` when not found)."""
@@ -213,33 +231,69 @@ def _scaler_name(trace: StepTrace) -> str:
 
 
 def _scaler_bypass_diagnosis(
-    ctx: RuleContext, a: Anomaly, prev: StepTrace, *, name: str, evidence: list[str]
+    ctx: RuleContext,
+    a: Anomaly | None,
+    prev: StepTrace,
+    *,
+    name: str | None,
+    evidence: list[str],
 ) -> Diagnosis:
-    """NW301 for an optimizer stepped by hand while a GradScaler scales the loss."""
-    scale = fmt(prev.scale)
-    opt = next((n.path for n in prev.notes if n.kind == "optimizer"), "the optimizer")
+    """NW301 for an optimizer stepped by hand while a GradScaler scales the loss: at the
+    first such update (``a`` None: the weights are still finite) or once a weight
+    (``name``) overflowed."""
+    scale = fmt(prev.scale) if prev.scale is not None else "the scale"
+    notes = [n for n in prev.notes if n.kind == "optimizer"]
+    marked = [n for n in notes if n.data.get("scaled_step")]
+    opt = next((n.path for n in marked or notes), "the optimizer")
     var = _scaler_name(prev)
+    names = ctx.memo(prev, "loop_names", _loop_names)
+    optim = names.optimizer or "optimizer"
+    if _scaled_step(prev):
+        how = (
+            f"{opt} stepped at step {prev.step} on those gradients with neither "
+            f"{var}.unscale_({optim}) nor {var}.step({optim}) run since the last "
+            f"{var}.update(): the optimizer was stepped directly"
+        )
+    else:
+        how = (
+            f"{opt} stepped at step {prev.step} with non-finite gradients: scaler.step() "
+            "skips such an update, so the optimizer was stepped directly"
+        )
+    evidence = [
+        *evidence,
+        f"a GradScaler multiplies the loss by {scale}, yet {how} "
+        f"({optim}.step(), not {var}.step({optim}))",
+    ]
+    if name is None:
+        tail = (
+            "every update applies gradients "
+            f"{scale} times too large from the first one: the weights will overflow or the "
+            "training diverges, whatever the learning rate."
+        )
+    else:
+        tail = (
+            f"every update applied gradients {scale} times too large until {name} "
+            "overflowed. The earlier anomaly is this, not the learning rate."
+        )
+    fields: dict[str, Any] = (
+        anomaly_fields(a)
+        if a is not None
+        else {"phase": "optimizer", "parameter": None, "path": None}
+    )
     return ctx.diagnosis(
-        **anomaly_fields(a),
+        **fields,
         title=f"Optimizer stepped with scaled gradients (scale {scale}): GradScaler bypassed",
-        evidence=[
-            *evidence,
-            f"a GradScaler multiplies the loss by {scale}, yet {opt} stepped at step "
-            f"{prev.step} with non-finite gradients: scaler.step() skips such an update, so "
-            "the optimizer was stepped directly (optimizer.step(), not scaler.step(optimizer))",
-        ],
+        evidence=evidence,
         explanation=(
-            f"scaler.scale(loss).backward() leaves every gradient multiplied by the scale "
-            f"({scale}). scaler.step(optimizer) divides them by it first and skips the update "
-            "when one is inf/NaN; optimizer.step() called directly does neither, so every "
-            f"update applied gradients {scale} times too large until {name} overflowed. "
-            "The earlier anomaly is this, not the learning rate."
+            f"{var}.scale(loss).backward() leaves every gradient multiplied by the scale "
+            f"({scale}). {var}.step({optim}) divides them by it first and skips the update "
+            f"when one is inf/NaN; {optim}.step() called directly does neither, so " + tail
         ),
         fix=(
             f"{var}.scale(loss).backward()\n"
-            f"{var}.step(optimizer)   # unscales, skips the update when a gradient is inf/NaN\n"
+            f"{var}.step({optim})   # unscales, skips the update when a gradient is inf/NaN\n"
             f"{var}.update()\n"
-            "optimizer.zero_grad()"
+            f"{optim}.zero_grad()"
         ),
         priority=95,
     )
