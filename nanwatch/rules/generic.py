@@ -1409,7 +1409,9 @@ def _hidden_overflow(ctx: RuleContext, ev: OpEvent, times: int) -> Diagnosis:
             ev.code,
             device=device_type(ev),
             ref=ref,
-            loss=ev.path == LOSS_PATH,
+            # the loss code outside the modules, or a watched criterion's (nn.CTCLoss, the
+            # user's loss module): not the model's forward
+            loss=ev.path == LOSS_PATH or (call is not None and call.is_loss),
             autocast=ov._under_autocast(ctx, dtype),
             result=ov._true_result(name, ev),
         )
