@@ -2289,15 +2289,26 @@ class Watcher:
             limit=_LOSS_NODES,
         )
         budget = _LOSS_ELEMENTS
+        beside: list[Any] = []  # the nodes of ``last``
         for node in walk:
             if type(node).__name__ in _GRAD_MOVERS:
                 pass  # moving a finite gradient keeps it finite
             elif path == LOSS_PATH and _feeds_only(node, stop, 4):
                 last.append(ops.name_of(node))  # what it makes is checked by the outputs' hooks
+                beside.append(node)
             else:
                 budget -= _grad_elements(node)
                 if budget < 0:
                     walk.truncated = True
+                    break
+                nodes.append(node)
+        if not walk.truncated and len(set(last)) > 1:
+            # several kinds of node next to the outputs (x[:, 2] / x[:, 3] beside x[:, 0] - y):
+            # the outputs' hooks see their sum, and which one made a NaN cannot be told from
+            # it, so each gets a check of its own; one kind alone is named without one
+            for node in beside:
+                budget -= _grad_elements(node)
+                if budget < 0:
                     break
                 nodes.append(node)
         self._loss_last = None if walk.truncated else last
