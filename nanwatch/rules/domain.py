@@ -5176,6 +5176,20 @@ _HEADER_LINE = re.compile(r"(?:if|elif|else|for|while|with|try|except|finally)\b
 _MODULES = ("torch", "F", "nn", "math", "np", "self")
 
 
+def _coarse_eps(dtype: str, name: str) -> str:
+    """A line to add to an eps floor in a 16-bit float: its eps (9.8e-4 in float16, 7.8e-3
+    in bfloat16) is above many legitimate values (an int8 quantization scale max|w| / 127
+    of weights below 0.12), which the floor would silently raise; ``""`` in wider dtypes."""
+    lim = dtype_limits(dtype) if dtype else None
+    if lim is None or not lim.low_precision:
+        return ""
+    return (
+        f"\n# in {lim.name} eps is {fmt(lim.eps)}: a legitimate {name} below it is raised to it;"
+        f" when {name} can be that small, floor it at torch.finfo(...).tiny ({fmt(lim.tiny)})"
+        f" or compute {name} in float32"
+    )
+
+
 def _fixed_at_assignment(ev: OpEvent, right: ast.expr, den: TensorStat) -> str | None:
     """A denominator that is a plain name assigned above in the same function (``scale =
     (hi - lo) / 255``) is kept off 0 where it is made, so that every division by it is
@@ -5190,16 +5204,17 @@ def _fixed_at_assignment(ev: OpEvent, right: ast.expr, den: TensorStat) -> str |
     if re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", text):
         return None  # scale = scale * k: the first assignment is the one to fix
     names = sorted(_dtype_carriers(value), key=lambda n: n.col_offset)
+    coarse = _coarse_eps(ev.dtype, name)
     if den.min >= 0 and names:
         return (
             f"{name} = {paren(text)}.clamp_min(torch.finfo({names[0].id}.dtype).eps)   # clamped "
-            f"where it is made: every division by {name} is safe, 0/eps = 0 where it was 0"
+            f"where it is made: every division by {name} is safe, 0/eps = 0 where it was 0" + coarse
         )
     if den.min >= 0:  # made by a call (f(t)): its dtype is the result's, not an argument's
         return (
             f"{name} = {text}\n"
             f"{name} = {name}.clamp_min(torch.finfo({name}.dtype).eps)   # clamped where it is "
-            f"made: every division by {name} is safe, 0/eps = 0 where it was 0"
+            f"made: every division by {name} is safe, 0/eps = 0 where it was 0" + coarse
         )
     return (
         f"{name} = {text}\n"
