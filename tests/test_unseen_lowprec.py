@@ -1,6 +1,7 @@
-"""Low-precision fixes from user testing: an eps floor in a 16-bit float is above many
-legitimate values (an int8 quantization scale of small weights), and the fix says so with
-the dtype's limits instead of letting the pasted clamp coarsen the quantization."""
+"""Fixes that were wrong when pasted, from user testing: an eps floor in a 16-bit float is
+above many legitimate values (an int8 quantization scale of small weights), and the fix
+says so with the dtype's limits; an exp in loss code whose log of a cumulative sum the
+loss graph shows gets logcumsumexp, not a clamp that changes the loss."""
 
 from __future__ import annotations
 
@@ -54,3 +55,22 @@ def test_an_eps_floor_in_float32_says_nothing_more() -> None:
     fix = _fix(torch.float32)
     assert "clamp_min(torch.finfo(w.dtype).eps)" in fix
     assert "is raised to it" not in fix
+
+
+def test_watch_mode_cox_loss_gets_logcumsumexp_from_the_loss_graph() -> None:
+    # the exp runs in loss code, whose line watch mode does not know: the loss graph
+    # (log <- cumsum <- exp) says what the clamp would break
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    with torch.no_grad():
+        model.weight.fill_(30.0)
+    x = torch.ones(6, 4)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        risk = model(x).squeeze(-1)
+        loss = -(risk - torch.log(torch.cumsum(torch.exp(risk), 0))).mean()
+        loss.backward()
+        nw.step()
+    d = next(d for d in nw.history[-1].diagnoses if d.code == "NW101")
+    assert d.fix is not None
+    assert d.fix.startswith("y = torch.logcumsumexp(x, dim)"), d.fix
+    assert "clamp(max=" not in d.fix

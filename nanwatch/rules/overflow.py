@@ -935,6 +935,16 @@ def _from_op(
             "index>), or F.log_softmax / torch.logsumexp over the same rows (masked entries "
             "set to -inf first)"
         )
+    summed = _log_of_summed_exp(ctx) if not ev.code and name.rstrip("_") == "exp" else None
+    if summed is not None and weighted is None and loop is None and batch is None and jump is None:
+        fn = "logcumsumexp" if summed == "cumsum" else "logsumexp"
+        fix = (
+            f"y = torch.{fn}(x, dim)   # was: torch.log(torch.{summed}(torch.exp(x), dim))\n"
+            f"# the loss takes the log of a {summed} of exps (the graph from the loss: log <- "
+            f"{summed} <- exp): in log space it cannot overflow, and the loss is unchanged; a "
+            "clamp of exp's argument would change it (a Cox loss clamped so becomes unbounded "
+            "below)"
+        )
     if seg is not None and loop is None and batch is None and jump is None:
         fix = _segment_fix(ev.code, name.rstrip("_"), seg) or fix
         explanation += (
@@ -3742,6 +3752,21 @@ def _upcast_call(line: str, op: str) -> str | None:
     cast to float32; None when there is none or it is already float32."""
     new = rewrite_call(line, [op], lambda e: e if _is_float32(e) else f"{paren(e)}.float()")
     return new if new is not None and new != line else None
+
+
+def _log_of_summed_exp(ctx: RuleContext) -> str | None:
+    """``"cumsum"`` or ``"sum"`` when the step's loss graph takes the log of a (cumulative)
+    sum of exps, node after node (``log <- cumsum <- exp``: a Cox partial likelihood, a
+    hand-written logsumexp), else None. What the graph shows when the op's line is not
+    known (the loss code outside the modules, watch mode)."""
+    for n in ctx.notes("loss_graph"):
+        ops = n.data.get("ops")
+        if not isinstance(ops, list):
+            continue
+        for i in range(len(ops) - 2):
+            if ops[i] == "log" and ops[i + 1] in ("cumsum", "sum") and ops[i + 2] == "exp":
+                return str(ops[i + 1])
+    return None
 
 
 def _fix(
