@@ -3526,31 +3526,11 @@ class Watcher:
         still alive (a Linear's input, saved for its weight's gradient) and unchanged:
         backward runs before the update, so its weights are those of the forward. Each made
         again must match the statistics recorded for it. Anomaly-time work only."""
-        trace = self._trace
-        module = next((m for m, info in self._modules if info.path == call.path), None)
-        if module is None:
+        found = self._inputs_of_call(call, unchanged=True, remake=True)
+        if found is None:
             return None
-        alive = {
-            entry[1]: t
-            for entry in self._known.values()
-            if (t := entry[0]()) is not None and _version(t) == entry[2]
-        }
-        args: list[torch.Tensor] = []
-        for r in trace.inputs_of(call.id):
-            if not r.role.startswith("input["):
-                return None  # keyword inputs: not rebuilt
-            key = r.source if r.source is not None else r.index
-            t = alive.get(key)
-            if t is None:
-                src = trace.record(key)
-                made = self._remade_output(src) if src is not None else None
-                if made is None:
-                    return None
-                t = made
-            args.append(t)
-        if not args:
-            return None
-        return module, tuple(args), {}, self._pre_hooks_seen(module)
+        _, module, args, kwargs = found
+        return module, args, kwargs, self._pre_hooks_seen(module)
 
     def _remade_output(self, rec: Record) -> torch.Tensor | None:
         """``rec`` (a module's output) made again by its module, or None when that cannot be
@@ -3796,10 +3776,12 @@ class Watcher:
         return self._inputs_of_call(call)
 
     def _inputs_of_call(
-        self, call: Call, *, unchanged: bool = False
+        self, call: Call, *, unchanged: bool = False, remake: bool = False
     ) -> tuple[Call, nn.Module, Any, Any] | None:
         """The call, module and inputs (those still alive; ``unchanged``: and not written in
-        place since they were recorded) of a finished call, as its records hold them."""
+        place since they were recorded) of a finished call, as its records hold them;
+        ``remake``: an input that is gone is made again by the module that produced it
+        (:meth:`_remade_output`)."""
         trace = self._trace
         module = next((m for m, info in self._modules if info.path == call.path), None)
         if module is None:
@@ -3813,7 +3795,11 @@ class Watcher:
         for r in trace.inputs_of(call.id):
             if not r.role.startswith("input["):
                 return None  # keyword inputs: not rebuilt
-            t = alive.get(r.source if r.source is not None else r.index)
+            key = r.source if r.source is not None else r.index
+            t = alive.get(key)
+            if t is None and remake:
+                src = trace.record(key)
+                t = self._remade_output(src) if src is not None else None
             if not isinstance(t, torch.Tensor):
                 return None
             args.append(t)
