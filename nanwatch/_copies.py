@@ -11,6 +11,13 @@ state it returns leaves those hooks out (new dictionaries: the live module keeps
 The copy and the saved file hold plain ``OrderedDict``s of the user's own hooks: loading
 needs no nanwatch. The wrapper goes with the last hook. A class with a ``__getstate__`` of
 its own that does not call ``super()`` is not covered.
+
+``torch.jit.script(model)`` compiles every forward hook and pre-hook it finds on the model's
+modules; nanwatch's are Python closures TorchScript cannot compile (and must not: the
+scripted copy is the user's). While nanwatch owns hooks,
+``torch.jit._recursive.create_script_module`` is wrapped so nanwatch's hooks are out of the
+modules' hook dictionaries while it runs (the same dictionaries are put back after it, in
+their order): the scripted module carries the user's hooks alone.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["hide", "unhide"]
@@ -36,6 +44,8 @@ _ids: set[int] = set()
 _lock = threading.Lock()
 #: what ``nn.Module`` had as its own ``__getstate__`` before the wrapper (None: nothing)
 _original: list[Callable[..., Any] | None] = []
+#: ``torch.jit._recursive.create_script_module`` before the wrapper
+_script_original: list[Callable[..., Any]] = []
 
 
 def _strip(state: dict[str, Any]) -> dict[str, Any]:
@@ -65,6 +75,33 @@ def _getstate(self: nn.Module) -> Any:
 _getstate._nanwatch_tap = True  # type: ignore[attr-defined]
 
 
+def _create_script_module(nn_module: Any, *args: Any, **kwargs: Any) -> Any:
+    original = _script_original[0] if _script_original else _recursive().create_script_module
+    ids = _ids
+    if not ids or not isinstance(nn_module, nn.Module):
+        return original(nn_module, *args, **kwargs)
+    saved: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for m in nn_module.modules():
+            state = m.__dict__
+            for name in (*_HOOK_DICTS, *_FLAG_DICTS):
+                d = state.get(name)
+                if d and not ids.isdisjoint(d):
+                    saved.append((state, name, d))
+                    state[name] = OrderedDict((k, v) for k, v in d.items() if k not in ids)
+        return original(nn_module, *args, **kwargs)
+    finally:
+        for state, name, d in reversed(saved):
+            state[name] = d
+
+
+_create_script_module._nanwatch_tap = True  # type: ignore[attr-defined]
+
+
+def _recursive() -> Any:
+    return torch.jit._recursive
+
+
 def hide(ids: Iterable[int]) -> None:
     """Leave the hooks with these handle ids out of every module's pickled or copied state."""
     with _lock:
@@ -72,6 +109,9 @@ def hide(ids: Iterable[int]) -> None:
         if _ids and not _original:
             _original.append(vars(nn.Module).get("__getstate__"))
             nn.Module.__getstate__ = _getstate  # type: ignore[method-assign]
+            rec = _recursive()
+            _script_original.append(rec.create_script_module)
+            rec.create_script_module = _create_script_module
 
 
 def unhide(ids: Iterable[int]) -> None:
@@ -81,6 +121,11 @@ def unhide(ids: Iterable[int]) -> None:
         if _ids or not _original:
             return
         original = _original.pop()
+        if _script_original:
+            rec = _recursive()
+            script = _script_original.pop()
+            if getattr(rec.create_script_module, "_nanwatch_tap", False):
+                rec.create_script_module = script
         if getattr(vars(nn.Module).get("__getstate__"), "_nanwatch_tap", False):
             if original is None:
                 del nn.Module.__getstate__

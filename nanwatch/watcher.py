@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from nanwatch import _copies, _frames, ops
 from nanwatch._compat import (
@@ -568,6 +569,9 @@ class Watcher:
         self._params: list[tuple[str, str, nn.Parameter]] = []
         self._param_ids: frozenset[int] = frozenset()  #: ids of ``_params`` (optimizer hook)
         self._param_types: list[str] = []  # the owner module's class, aligned with _params
+        #: what the parameters were collected from (see :meth:`_param_sig_of`)
+        self._param_sig: list[tuple[Any, ...]] = []
+        self._lazy_left = False  #: a lazy module's parameters are not materialized yet
         self._disabled_hooks: set[str] = set()
         self._disabled_rules: set[str] = set()
         self._announced: set[str] = set()  # warning codes said once already
@@ -811,9 +815,8 @@ class Watcher:
         children; the model is walked again only when they changed."""
         self._tree_step = self._step
         tree = self._tree
-        if tree is None:
-            return
-        if self._tree_of() == tree:
+        if tree is None or self._tree_of() == tree:
+            self._refresh_params()
             return
         fresh = _name_modules(self.roots)
         added: list[tuple[nn.Module, _ModInfo]] = []
@@ -1353,6 +1356,10 @@ class Watcher:
             leaf = skip and not _needs_grad(args)
             self._record_outputs(info, call, output, skip=skip, leaf=leaf)
             call.end = self._idx
+            if self._lazy_left and info.is_root and not self._stack:
+                # a lazy module's first forward materialized its parameters: their
+                # gradients are checked from this backward on
+                self._refresh_params()
             if forensic:
                 outs = [t for _, t in iter_tensors(output, "output")]
                 ops.stamp_graph(outs, info.path)
@@ -1640,6 +1647,7 @@ class Watcher:
             # norm before that backward, when a reset could have been invisible)
             added: list[tuple[str, int, torch.Tensor | None]] = []
             written: dict[str, tuple[str, torch.Tensor]] = {}  # see _grads_written
+            in_place: dict[str, torch.Tensor] = {}
             for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
                 every = g.get("params", ())
                 for p in every:  # unwatched ones too: a weight watched later (a jit'd
@@ -1655,7 +1663,7 @@ class Watcher:
                     m = marks.get(id(p))
                     if m is not None and m[4] and p.grad is m[1]():
                         added.append((qualnames[id(p)], gi, m[5]))
-                self._grads_written(ps, qualnames, written)
+                self._grads_written(ps, qualnames, written, in_place)
                 entry: dict[str, Any] = {
                     "group": gi,
                     "params": len(ps),
@@ -1685,6 +1693,8 @@ class Watcher:
                 groups.append(entry)
             if added and not capturing():  # reading the norms syncs: not in a CUDA graph
                 stale, stale_group = _never_reset(added)
+            if in_place:
+                written.update(self._bad_in_place(in_place))
             if groups:  # it updates watched weights (another model's optimizer does not)
                 self._after_backward = None  # an update: the next forward begins a step
                 self._updated = True
@@ -1734,14 +1744,20 @@ class Watcher:
         return stage is None or getattr(stage, "name", None) == "READY"
 
     def _grads_written(
-        self, ps: list[Any], qualnames: dict[int, str], out: dict[str, tuple[str, torch.Tensor]]
+        self,
+        ps: list[Any],
+        qualnames: dict[int, str],
+        out: dict[str, tuple[str, torch.Tensor]],
+        in_place: dict[str, torch.Tensor],
     ) -> None:
         """The weights among ``ps`` whose ``.grad`` the optimizer is about to apply is not
         the one :meth:`_check_grads` read at the end of the last backward: ``"replaced"``
         (``p.grad = ...`` after it: GradNorm, PCGrad) or ``"unchecked"`` (no backward()
-        gave it: ``torch.autograd.grad`` results set by hand). One written in place since
-        (a clip, an unscale: a finite factor) is the one checked. Identity only: no tensor
-        is read."""
+        gave it: ``torch.autograd.grad`` results set by hand), into ``out``. Those that are
+        the tensor read but were written since (its version or its data moved:
+        ``p.grad.copy_(...)`` of an A-GEM projection, ``p.grad.data = ...``, and a clip or
+        an unscale too) go into ``in_place``, read by :meth:`_bad_in_place`. Identity and
+        version only: no tensor is read."""
         seen = getattr(self, "_grads_seen", {})
         for p in ps:
             g = p.grad
@@ -1750,6 +1766,41 @@ class Watcher:
             e = seen.get(id(p))
             if e is None or e[0]() is not g:
                 out[qualnames[id(p)]] = ("unchecked" if e is None else "replaced", g)
+            elif e[1] != g._version or e[2] != _data_ptr(g):
+                in_place[qualnames[id(p)]] = g
+
+    def _bad_in_place(
+        self, in_place: dict[str, torch.Tensor]
+    ) -> dict[str, tuple[str, torch.Tensor]]:
+        """The gradients written in place after backward (see :meth:`_grads_written`) that
+        hold NaN/inf now, as written after backward by the user's code (``"replaced"``):
+        NW301 then names that code, not the optimizer. Most such writes are a clip or an
+        unscale by a finite factor, so only the non-finite ones are told, and only where
+        reading them costs no device sync (CPU gradients, outside a CUDA graph capture).
+        Not when the square of the total gradient norm read at the end of backward was past
+        the dtype's largest value: the norm computed in that dtype is inf, a rescale by it
+        (``clip_grad_norm_``) inf / inf = NaN, which NW301 tells as such."""
+        grads = list(in_place.values())
+        if (
+            self._defer_cpu
+            or capturing()
+            # a DDP all-reduce (or a hand-written one) writes every gradient in place after
+            # backward: another rank's NaN is the all-reduce's, which NW301 names as such
+            or (torch.distributed.is_available() and torch.distributed.is_initialized())
+            or not all(g.device.type == "cpu" and g.layout is torch.strided for g in grads)
+        ):
+            return {}
+        total = self._trace.grad_norm
+        if total is not None and any(
+            g.is_floating_point() and not total * total <= torch.finfo(g.dtype).max for g in grads
+        ):
+            return {}
+        values = read_scalars(foreach_l2(grads))
+        return {
+            q: ("replaced", g)
+            for (q, g), v in zip(in_place.items(), values, strict=True)
+            if v - v != 0
+        }
 
     def _note_written_grads(
         self, optimizer: Any, written: dict[str, tuple[str, torch.Tensor]]
@@ -2450,23 +2501,56 @@ class Watcher:
         self._param_ids = frozenset(id(p) for _, _, p in self._params)
         owner_types = {info.path: info.type_name for _, info in self._modules}
         self._param_types = [owner_types.get(path, "") for _, path, _ in self._params]
+        self._param_sig = self._param_sig_of()
+
+    def _refresh_params(self) -> None:
+        """The parameters collected again when what they were collected from changed (a
+        parametrization registered or removed, a lazy module materialized, a parameter
+        replaced); one host-side look otherwise."""
+        if self._param_sig_of() != self._param_sig:
+            self._set_params()
+            self._hook_params()
+
+    def _param_sig_of(self) -> list[tuple[Any, ...]]:
+        """The class of every watched module and the identity and class of its own
+        parameters (host-side, no tensor read): it changes when a parametrization is
+        registered or removed (the module's class changes, its weight leaves
+        ``_parameters``), when a lazy module is materialized, or when a parameter is
+        replaced, and the parameters are collected again then (see :meth:`_check_tree`)."""
+        return [
+            (type(m), *[(id(p), type(p)) for p in m._parameters.values()]) for m, _ in self._modules
+        ]
 
     def _collect_params(self) -> list[tuple[str, str, nn.Parameter]]:
-        """(qualified name, owner module path, parameter), each parameter once."""
+        """(qualified name, owner module path, parameter), each parameter once: the leaves
+        the optimizer steps. Read from each module's ``_parameters``, never through its
+        attributes: a parametrized ``weight`` (``spectral_norm``, ``orthogonal``) is a
+        property that runs the parametrization (a power iteration that writes its ``_u``)
+        and returns a non-leaf; its leaf ``parametrizations.weight.original`` is watched
+        instead, under the owner's path. A lazy module's parameters are skipped until its
+        first forward materializes them."""
         seen: set[int] = set()
         out: list[tuple[str, str, nn.Parameter]] = []
+        lazy = False
         root_paths = {id(m): info.path for m, info in self._modules if info.is_root}
         for module, info in self._modules:
             base = "" if info.is_root else info.path
-            for local in info.params:
-                p = getattr(module, local, None)
+            if info.is_root and len(root_paths) > 1 and info.path != type(module).__name__:
+                base = info.path
+            own: list[tuple[str, Any]] = list(module._parameters.items())
+            plist = module._modules.get("parametrizations")
+            if plist is not None and parametrize.is_parametrized(module):
+                own.extend(plist.named_parameters(prefix="parametrizations"))
+            for local, p in own:
                 if not isinstance(p, torch.Tensor) or id(p) in seen:
+                    continue
+                if _uninitialized(p):
+                    lazy = True
                     continue
                 seen.add(id(p))
                 qual = f"{base}.{local}" if base else local
-                if info.is_root and len(root_paths) > 1 and info.path != type(module).__name__:
-                    qual = f"{info.path}.{local}"
                 out.append((qual, info.path, p))  # type: ignore[arg-type]
+        self._lazy_left = lazy
         return out
 
     def _hook_params(self) -> None:
@@ -2516,7 +2600,7 @@ class Watcher:
         metas: list[tuple[str, str, str]] = []
         # the gradients read here, by identity and version: the optimizer pre-hook tells a
         # .grad written after backward (PCGrad, GradNorm) from these (no tensor read)
-        seen: dict[int, tuple[Any, int]] = {}
+        seen: dict[int, tuple[Any, int, int]] = {}
         self._grads_seen = seen
         ref = weakref.ref
         hot = self._hot_norms  # the hooks' dict: emptied below, never replaced
@@ -2529,7 +2613,7 @@ class Watcher:
             if g is not None and p.requires_grad:
                 grads.append(g)
                 metas.append((q, path, owner_type))
-                seen[id(p)] = (ref(g), g._version)
+                seen[id(p)] = (ref(g), g._version, _data_ptr(g))
                 entry = hot.get(id(p))
                 if entry is not None and entry[0]() is g and entry[1] == g._version:
                     known.append(entry[2])
@@ -3950,19 +4034,28 @@ class Watcher:
                         wanted["optimizer"] = value
         renames: dict[str, str] = {}
         for generic, obj in wanted.items():
+            inner: set[str] = set()  # names of the frames nearer the anomaly than this one
             for f in frames:
+                defined = {k for names in scopes(f) for k in names if isinstance(k, str)}
                 name = _name_in_frame(f, obj)
                 if name is None:
+                    inner |= defined
                     continue
-                defined = {k for names in scopes(f) for k in names if isinstance(k, str)}
-                if name != generic and generic not in defined:
-                    renames[generic] = name  # (defined: the user's code may mean it)
+                # (defined, here or in a frame nearer the anomaly: the user's code may mean
+                # its own ``model``, a helper's argument that is a copy of the watched one)
+                if name != generic and generic not in defined and generic not in inner:
+                    renames[generic] = name
                 break
         if not renames:
             return
         for d in diagnoses:
             if d.fix:
-                d.fix = _renamed(d.fix, renames)
+                # a name on the user's own line is the user's (a helper's ``model`` argument,
+                # not the watched model's name in the loop that called it)
+                own = _names_on_line(d.source)
+                kept = {k: v for k, v in renames.items() if k not in own}
+                if kept:
+                    d.fix = _renamed(d.fix, kept)
 
     def _act(self, trace: StepTrace) -> None:
         """Apply ``on_anomaly`` once per step, to a localized anomaly or an error-severity
@@ -4328,6 +4421,24 @@ def _distributed() -> tuple[int, int] | None:
         return None
 
 
+def _names_on_line(source: str | None) -> set[str]:
+    """The names the user's line ``source`` (``train.py:42``) uses; empty when it cannot
+    be read.
+
+    >>> _names_on_line(None)
+    set()
+    """
+    import linecache
+    import re
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return set()
+    text = linecache.getline(path, int(num))
+    code = text[: _comment_start(text)]
+    return set(re.findall(r"(?<![\w.])[A-Za-z_]\w*", code))
+
+
 def _renamed(code: str, renames: dict[str, str]) -> str:
     """``code`` with each name of ``renames`` replaced where it stands as a name (not an
     attribute, a keyword argument or part of a longer name), in the code of each line but
@@ -4559,10 +4670,16 @@ _LOSS_INFO.is_loss = True
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _compiling = compiling
 
-#: Under a FakeTensorMode (torch.compile, export, meta-device initialisation) tensors hold
-#: no values, and under a torch.func transform (per-sample gradients with vmap, a
-#: Hessian) they are wrappers whose values cannot be read: the hooks stay out of the way.
-_tracing = no_values
+_jit_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", lambda: False)
+
+
+def _tracing() -> bool:
+    """Under a FakeTensorMode (torch.compile, export, meta-device initialisation) tensors
+    hold no values, under a torch.func transform (per-sample gradients with vmap, a
+    Hessian) they are wrappers whose values cannot be read, and under ``torch.jit.trace``
+    every read would be recorded as a constant of the traced graph (a TracerWarning): the
+    hooks stay out of the way."""
+    return no_values() or _jit_tracing()
 
 
 def _grad_elements(node: Any) -> int:
@@ -4638,6 +4755,21 @@ def _bad_state(module: nn.Module) -> list[dict[str, Any]]:
                 {"name": name, "kind": kind, "stat": stat.kinds(), "dtype": dtype_name(t.dtype)}
             )
     return out
+
+
+def _data_ptr(t: torch.Tensor) -> int:
+    """Where a tensor's data is (``t.data = ...`` moves it without a version bump); 0 for
+    one without storage (sparse)."""
+    try:
+        return int(t.data_ptr())
+    except RuntimeError:
+        return 0
+
+
+def _uninitialized(t: torch.Tensor) -> bool:
+    """A lazy module's parameter or buffer before its first forward: it has no data, and
+    any op on it (``detach``, ``_version``) raises."""
+    return nn.parameter.is_lazy(t)
 
 
 def _needs_grad(args: tuple[Any, ...]) -> bool:
