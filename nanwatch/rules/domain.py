@@ -13,6 +13,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from nanwatch._domains import Domain, domain_of
 from nanwatch.records import (
@@ -3106,13 +3107,22 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         if ev.phase is Phase.BACKWARD and node_base(ev.node) in _NORM_NODES
         else None
     )
+    norm_node = _norm_divided_twice(ctx, a, ev, den) if norm_twice is None else None
+    if norm_node is not None:
+        norm_twice = _NORM_TWICE_TEMPLATE
     if norm_twice is not None:
         evidence.insert(
             0,
             f"the division is inside {ev.node}, the norm's own backward (x / ‖x‖): its "
             "gradient went NaN at a norm of 0, which the first backward masks to 0; only a "
             "second derivative (torch.autograd.grad(..., create_graph=True)) differentiates "
-            "that division again",
+            "that division again"
+            if norm_node is None
+            else f"the division ({ev.node}) ran in a second backward "
+            "(torch.autograd.grad(..., create_graph=True) built its graph), and its zero "
+            f"denominator has the size of a norm's result ({norm_node}, "
+            f"{count(den.numel, 'value') if den else '?'}): "
+            "the norm's backward x / ‖x‖ differentiated again at a norm of 0",
         )
         yield ctx.diagnosis(
             **op_fields(ev, a),
@@ -3160,6 +3170,18 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         floating=den is not None and not integer,
         den=den,
     )
+    if (
+        ev.phase is Phase.BACKWARD
+        and node_base(ev.node) == "Div"
+        and (not ev.source or ev.source == ev.backward_at)
+        and _second_backward(ctx, a)
+    ):  # the line unknown: a norm's backward differentiated again is the usual one
+        fix += (
+            "\n# in a second backward (create_graph=True), a norm's own backward x / ‖x‖ "
+            "divides by the norm, and a clamp after the norm does not help; compute it as\n"
+            "# d2 = (v ** 2).sum(dim=-1); d = torch.where(d2 > 0, torch.where(d2 > 0, d2, 1)"
+            ".sqrt(), 0)"
+        )
     if every and den is not None:  # no exp in sight (those returned above): 0 everywhere
         yield _all_zero_denominator(ctx, a, ev, den, evidence=evidence, title=title)
         return
@@ -4050,6 +4072,18 @@ def _underflowed_denominator(
         + f"; exp(x) is exactly 0 in {dtype} for x below {fmt(low)} "
         f"(below {fmt(normal)} it loses precision), so every term underflowed"
     )
+    ratio = "0/0" in title
+    soft = _log_softmax_fix(ev, u) if u.name else None
+    if soft is not None:
+        return ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"{title}: exp() underflowed to 0",
+            evidence=evidence,
+            explanation=_SOFTMAX_UNDERFLOW_TEXT.format(
+                dtype=dtype, low=fmt(-low), what="0/0 is NaN" if ratio else "x/0 is inf"
+            ),
+            fix=soft,
+        )
     x = u.exponent or "x"
     name = u.name or "t"
     mm = re.fullmatch(rf"\(?\s*{re.escape(name)}(\.t\(\)|\.T)?\s*@\s*([\w.]+)\s*\)?", u.denominator)
@@ -4073,16 +4107,106 @@ def _underflowed_denominator(
             "the sum underflows to 0; divide by subtracting: log_y = torch.log(num) - log_d"
         )
     lines.append(
-        f"# or a larger temperature (eps) so that the exponents stay above {fmt(normal)}; "
-        "not .clamp_min(eps): the quotient and its gradient become 0 and training stops"
+        f"# or keep the exponents above {fmt(normal)} (a larger temperature, a larger "
+        "entropic eps); not .clamp_min(eps): the quotient and its gradient become 0 and "
+        "training stops"
     )
     return ctx.diagnosis(
         **op_fields(ev, a),
         title=f"{title}: exp() underflowed to 0",
         evidence=evidence,
-        explanation=_UNDERFLOW_TEXT.format(dtype=dtype, low=fmt(low)),
+        explanation=_UNDERFLOW_TEXT.format(
+            dtype=dtype, low=fmt(low), what="0/0 is NaN" if ratio else "x/0 is inf"
+        ),
         fix="\n".join(lines),
     )
+
+
+def _softmax_to_log(stmt: str) -> tuple[str, str] | None:
+    """``(p, F.log_softmax(z, dim=1))`` for ``p = F.softmax(z, dim=1)`` (also
+    ``torch.softmax``, ``z.softmax(1)``): the name assigned and the statement's value with
+    its softmax call made a log_softmax; None for anything else."""
+    try:
+        top = ast.parse(stmt).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not (
+        isinstance(top, ast.Assign)
+        and len(top.targets) == 1
+        and isinstance(top.targets[0], ast.Name)
+    ):
+        return None
+    value = ast.get_source_segment(stmt, top.value)
+    if value is None:
+        return None
+    shift = top.value.col_offset
+    for n in ast.walk(top.value):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        tail = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if tail != "softmax":
+            continue
+        end = (f.end_col_offset or 0) - shift
+        if value[end - len("softmax") : end] != "softmax":
+            return None
+        return top.targets[0].id, value[: end - len("softmax")] + "log_softmax" + value[end:]
+    return None
+
+
+def _log_softmax_fix(ev: OpEvent, u: _Underflow) -> str | None:
+    """The fix for a division by a softmax that underflowed to 0 (a distillation loss
+    written with probabilities, ``torch.log(p_old / p_new)``): the softmax's own argument
+    through log_softmax, and the log of the quotient as a difference of logs, with the
+    numerator's log_softmax too when it is a softmax as well; None when ``u.made`` is not
+    ``name = ...softmax(...)``."""
+    got = _softmax_to_log(u.made)
+    if got is None or got[0] != u.name:
+        return None
+    name, log_value = got
+    lines = [
+        f"log_{name} = {log_value}   # was {u.made}: its log, finite where the softmax "
+        "underflowed to 0"
+    ]
+    stmt = next(iter(statements(ev.code)), "")
+    try:
+        tree: ast.AST | None = ast.parse(stmt) if stmt else None
+    except SyntaxError:
+        tree = None
+    for n in ast.walk(tree) if tree is not None else ():
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        arg: ast.expr | None = None
+        if isinstance(f, ast.Attribute) and f.attr == "log" and not n.keywords:
+            if len(n.args) == 1 and ast.unparse(f.value) == "torch":
+                arg = n.args[0]
+            elif not n.args and ast.unparse(f.value) != "torch":
+                arg = f.value
+        if not (
+            isinstance(arg, ast.BinOp)
+            and isinstance(arg.op, ast.Div)
+            and ast.unparse(arg.right) == name
+        ):
+            continue
+        num = ast.get_source_segment(stmt, arg.left) or ast.unparse(arg.left)
+        log_num = f"torch.log({num})"
+        if isinstance(arg.left, ast.Name):
+            made = _assigned_before(ev.source, arg.left.id)
+            top = _softmax_to_log(made) if made is not None else None
+            if top is not None and top[0] == arg.left.id:
+                lines.append(f"log_{top[0]} = {top[1]}   # was {made}")
+                log_num = f"log_{top[0]}"
+        lines.append(
+            f"{_spliced(stmt, n, f'({log_num} - log_{name})')}   # log(a / b) = log(a) - "
+            "log(b): no division, no 0/0"
+        )
+        return "\n".join(lines)
+    lines.append(
+        f"# then divide in the log domain: log(a / {name}) = log(a) - log_{name}, "
+        f"a / {name} = torch.exp(torch.log(a) - log_{name})"
+    )
+    return "\n".join(lines)
 
 
 _CUMPROD_CALL = re.compile(r"(?<![\w.])torch\.(?:cum)?prod\(|\.(?:cum)?prod\(")
@@ -4248,11 +4372,19 @@ def _spliced_eps(stmt: str, eps: str) -> str | None:
     return _spliced(st, div.right, f"({d} + {eps})", grouped=True)
 
 
+_SOFTMAX_UNDERFLOW_TEXT = (
+    "The denominator is a softmax, and softmax(z) is exactly 0 in {dtype} where z lies "
+    "more than {low} below its row's largest entry (confident logits, a small "
+    "temperature): the division by it is {what}. Clamping it keeps the quotient finite but "
+    "wrong. log_softmax computes the same log-probabilities without forming the exp and "
+    "is finite there; divide by subtracting logs."
+)
+
 _UNDERFLOW_TEXT = (
     "The denominator is a sum of exp() terms, and exp(x) is exactly 0 in {dtype} for x "
     "below {low}: with exponents as large in magnitude as x / eps for a small temperature "
     "or entropic eps (a Sinkhorn kernel exp(-C / eps), a softmax written by hand) every "
-    "term underflowed and the sum is 0, so x/0 is inf. Clamping the denominator keeps it "
+    "term underflowed and the sum is 0, so {what}. Clamping the denominator keeps it "
     "finite but wrong: every quotient is 0, and so is its gradient. In the log domain the "
     "sum is torch.logsumexp, which subtracts the largest exponent first and never "
     "underflows."
@@ -4297,14 +4429,17 @@ def _graph_underflowed(
         )
     lines += [
         "log_y = torch.log(num) - log_d   # was y = num / d: divide by subtracting logs",
-        f"# or a larger temperature (eps) so that the exponents stay above {fmt(normal)}; "
-        "not .clamp_min(eps): the quotient and its gradient become 0 and training stops",
+        f"# or keep the exponents above {fmt(normal)} (a larger temperature, a larger "
+        "entropic eps); not .clamp_min(eps): the quotient and its gradient become 0 and "
+        "training stops",
     ]
     return ctx.diagnosis(
         **op_fields(ev, a),
         title=f"{title}: exp() underflowed to 0",
         evidence=evidence,
-        explanation=_UNDERFLOW_TEXT.format(dtype=dtype, low=fmt(low)),
+        explanation=_UNDERFLOW_TEXT.format(
+            dtype=dtype, low=fmt(low), what="0/0 is NaN" if "0/0" in title else "x/0 is inf"
+        ),
         fix="\n".join(lines),
     )
 
@@ -5358,6 +5493,47 @@ def _scalar_floor(code: str | None) -> str | None:
 
 
 _NORM_NODES = frozenset({"LinalgVectorNorm", "Norm", "LinalgNorm"})
+
+
+#: the double-where norm, for a line that is not known (watch mode)
+_NORM_TWICE_TEMPLATE = (
+    "d2 = (v ** 2).sum(dim=-1)   # v: the vectors of the norm (was d = v.norm(dim=-1)): the "
+    "squared norm, smooth at 0\n"
+    "d = torch.where(d2 > 0, torch.where(d2 > 0, d2, 1).sqrt(), 0)   # the sqrt never sees 0: "
+    "finite first and second derivatives; not .clamp_min(eps) on the norm: its own "
+    "backward still runs at 0"
+)
+
+
+def _norm_divided_twice(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, den: TensorStat | None
+) -> str | None:
+    """The autograd node of a norm (``LinalgVectorNormBackward0``) whose backward a second
+    backward differentiated at a norm of 0, told without the line (watch mode): a
+    DivBackward0 of a graph built by ``torch.autograd.grad(create_graph=True)`` whose zero
+    denominator has the size of the tensor the gradient went bad on, which a norm made (a
+    distance a module's input). None otherwise."""
+    if ev.phase is not Phase.BACKWARD or node_base(ev.node) != "Div":
+        return None
+    if den is None or not has_zero(den) or a.record.phase is not Phase.BACKWARD:
+        return None
+    if a.record.source is None:
+        return None
+    fwd = ctx.trace.record(a.record.source)
+    if fwd is None or not fwd.grad_fn or node_base(fwd.grad_fn) not in _NORM_NODES:
+        return None
+    if math.prod(fwd.shape) != den.numel:
+        return None
+    return fwd.grad_fn if _second_backward(ctx, a) else None
+
+
+def _second_backward(ctx: RuleContext, a: Anomaly) -> bool:
+    """The bad gradient came after another backward pass of the step (the
+    ``torch.autograd.grad(create_graph=True)`` of force matching, a gradient penalty)."""
+    return a.record.phase is Phase.BACKWARD and any(
+        r.phase is Phase.BACKWARD and r.by_grad != a.record.by_grad and r.index < a.record.index
+        for r in ctx.trace.records
+    )
 
 
 def _norm_second_derivative(ev: OpEvent) -> str | None:
@@ -6459,32 +6635,58 @@ def _forward_exponent(ev: OpEvent, e: object) -> float | None:
     """The exponent the user's forward ``x ** p`` used, for a PowBackward0 event: the event
     of a node carries it as is (``aten.pow``, read from what the node saved); the pow that
     the backward ran (``aten.pow.Tensor_Scalar`` under forensic) computes x ** (p - 1), and
-    only a negative exponent there makes inf at 0. The user's line settles it when it shows
-    one constant exponent; None for a tensor exponent."""
+    only a negative exponent there makes inf at 0. The user's line settles it when one of
+    its constant exponents is e or e + 1 (``d ** 3`` beside ``x ** (1 / 3)``: 1/3 for
+    e = -2/3); None for a tensor exponent."""
     if not isinstance(e, (int, float)) or isinstance(e, bool):
         return None
-    shown = _line_exponent(ev.code) if ev.source and ev.source != ev.backward_at else None
-    if shown is not None and shown in (e, e + 1):
-        return shown
-    return float(e) + 1 if ev.op.startswith("aten.pow.") and e < 0 else float(e)
+    ran = ev.op.startswith("aten.pow.")  # the backward's own pow: x ** (p - 1)
+    if ev.source and ev.source != ev.backward_at:
+        shown = {p for st in statements(ev.code) for _, _, p in _powers(st) if p is not None}
+        for want in (float(e) + 1, float(e)) if ran else (float(e), float(e) + 1):
+            hit = [p for p in shown if math.isclose(p, want, rel_tol=1e-6, abs_tol=1e-9)]
+            if len(hit) == 1:
+                return hit[0]
+    return float(e) + 1 if ran and e < 0 else float(e)
 
 
-def _powers(stmt: str) -> list[tuple[ast.expr, ast.expr, float]]:
-    """Each power with a constant exponent in ``stmt``: (the whole power, its base, p) for
-    ``x ** p``, ``x.pow(p)`` and ``torch.pow(x, p)``."""
+def _number(n: ast.expr) -> float | None:
+    """The value of a constant exponent: ``2``, ``-0.5``, ``(1 / 3)``; None otherwise."""
+    if isinstance(n, ast.Constant):
+        v = n.value
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, (ast.USub, ast.UAdd)):
+        v = _number(n.operand)
+        return None if v is None else -v if isinstance(n.op, ast.USub) else v
+    if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+        a, b = _number(n.left), _number(n.right)
+        if a is None or b is None or (isinstance(n.op, ast.Div) and b == 0):
+            return None
+        if isinstance(n.op, ast.Add):
+            return a + b
+        if isinstance(n.op, ast.Sub):
+            return a - b
+        return a * b if isinstance(n.op, ast.Mult) else a / b
+    return None
+
+
+def _symbolic(n: ast.expr) -> bool:
+    """An exponent held by a name or an attribute: ``gamma``, ``self.gamma``."""
+    while isinstance(n, ast.Attribute):
+        n = n.value
+    return isinstance(n, ast.Name)
+
+
+def _powers(stmt: str) -> list[tuple[ast.expr, ast.expr, float | None]]:
+    """Each power in ``stmt`` whose exponent is a constant (``2``, ``(1 / 3)``) or held by
+    a name (``self.gamma``, p None): (the whole power, its base, p) for ``x ** p``,
+    ``x.pow(p)`` and ``torch.pow(x, p)``. A base that is a number (``2 ** k``) is no
+    tensor's power and is left out."""
     try:
         tree = ast.parse(stmt)
     except SyntaxError:
         return []
-
-    def number(n: ast.expr) -> float | None:
-        try:
-            v = ast.literal_eval(n)
-        except ValueError:
-            return None
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-    out: list[tuple[ast.expr, ast.expr, float]] = []
+    out: list[tuple[ast.expr, ast.expr, float | None]] = []
     for n in ast.walk(tree):
         base: ast.expr | None = None
         exp: ast.expr | None = None
@@ -6497,15 +6699,66 @@ def _powers(stmt: str) -> list[tuple[ast.expr, ast.expr, float]]:
                 base, exp = n.args
             elif n.func.attr == "pow" and len(n.args) == 1:
                 base, exp = n.func.value, n.args[0]
-        if base is not None and exp is not None and (p := number(exp)) is not None:
+        if base is None or exp is None or _number(base) is not None:
+            continue
+        if (p := _number(exp)) is not None or _symbolic(exp):
             out.append((n, base, p))
     return out
 
 
-def _line_exponent(code: str | None) -> float | None:
-    """The exponent of the one constant power on the user's line; None for none or several."""
-    found = [p for st in statements(code) for _, _, p in _powers(st)]
-    return found[0] if len(found) == 1 else None
+def _power_at(ev: OpEvent, p: float) -> tuple[str, ast.expr, ast.expr] | None:
+    """The power on the user's forward line whose backward failed: (statement, the whole
+    power, its base). The one whose constant exponent is ``p`` (``xyz ** (1 / 3)``, not the
+    ``d ** 3`` of its condition); else the one whose exponent is a name (``(1 - p_t) **
+    self.gamma``); None when the line is unknown or several fit."""
+    if not ev.source or ev.source == ev.backward_at:
+        return None
+    found = [(st, n, b, q) for st in statements(ev.code) for n, b, q in _powers(st)]
+    same = [
+        (st, n, b)
+        for st, n, b, q in found
+        if q is not None and math.isclose(q, p, rel_tol=1e-6, abs_tol=1e-9)
+    ]
+    named = [(st, n, b) for st, n, b, q in found if q is None]
+    for pick in (same, named):
+        if len(pick) == 1:
+            return pick[0]
+        if pick:
+            return None
+    return None
+
+
+def _rebased(whole: str, power: ast.expr, base: ast.expr, b: str, safe: str) -> str | None:
+    """The power's source ``whole`` with its base ``b`` replaced by ``safe`` (which brings
+    its own parentheses: the base's grouping ones go, ``(1 - p).clamp_min(eps) ** g``, not
+    ``((1 - p).clamp_min(eps)) ** g``); None when the base is not found where the AST says."""
+    a = (base.col_offset or 0) - (power.col_offset or 0)
+    z = (base.end_col_offset or 0) - (power.col_offset or 0)
+    if not 0 <= a <= z <= len(whole) or whole[a:z] != b:
+        return None
+    i, j = a - 1, z
+    while i >= 0 and whole[i] == " ":
+        i -= 1
+    while j < len(whole) and whole[j] == " ":
+        j += 1
+    grouped = isinstance(power, ast.BinOp) and i >= 0 and j < len(whole)
+    if grouped and whole[i] == "(" and whole[j] == ")" and whole[:i].strip() == "":
+        a, z = i, j + 1
+    return whole[:a] + safe + whole[z:]
+
+
+def _exponent_text(p: float) -> str:
+    """An exponent as the user would write it: ``2``, ``0.5``, ``(1 / 3)`` for the
+    0.333... a node saved, never a rounded ``0.3333`` that changes the power."""
+    if float(p).is_integer():
+        return str(int(p))
+    r = repr(float(p))
+    if len(r) <= 7:
+        return r
+    f = Fraction(p).limit_denominator(64)
+    if math.isclose(float(f), p, rel_tol=1e-9):
+        return f"({f.numerator} / {f.denominator})"
+    return r
 
 
 def _negative_base(x: TensorStat | None, p: float) -> bool:
@@ -6546,22 +6799,16 @@ def _negative_power_backward(ev: OpEvent, p: float) -> tuple[str, str]:
     with p > 1 has a finite derivative at 0 (clamp to 0); p < 1 needs the base off 0."""
     q = fmt(p)
     slope = f"{q}·x^({fmt(p - 1)})"
-    lines = [st for st in statements(ev.code) if len(_powers(st)) == 1]
-    known = bool(ev.source and ev.source != ev.backward_at and len(lines) == 1)
     masked = False
     fix: str | None = None
-    if known:
-        stmt = lines[0]
-        power, base, _ = _powers(stmt)[0]
+    if (at := _power_at(ev, p)) is not None:
+        stmt, power, base = at
         b = ast.get_source_segment(stmt, base) or ast.unparse(base)
         whole = ast.get_source_segment(stmt, power) or ast.unparse(power)
         lo = "0" if p > 1 else f"torch.finfo({_dtype_of(base, b)}).eps"
         safe = f"{paren(b)}.clamp_min({lo})"
         masked = _in_where_branch(stmt, power)
-        a = (base.col_offset or 0) - (power.col_offset or 0)
-        z = (base.end_col_offset or 0) - (power.col_offset or 0)
-        if 0 <= a <= z <= len(whole) and whole[a:z] == b:
-            inner = whole[:a] + safe + whole[z:]
+        if (inner := _rebased(whole, power, base, b, safe)) is not None:
             new = inner if masked else f"torch.where({paren(b)} > 0, {inner}, 0)"
             fix = (
                 f"{_spliced(stmt, power, new)}   # the base clamped inside the power: the "
@@ -6570,9 +6817,11 @@ def _negative_power_backward(ev: OpEvent, p: float) -> tuple[str, str]:
     if fix is None:
         dt = f"torch.{ev.dtype}" if ev.dtype else "x.dtype"
         lo = "0" if p > 1 else f"torch.finfo({dt}).eps"
+        k = _exponent_text(p)
         fix = (
-            f"y = torch.where(x > 0, x.clamp_min({lo}) ** {q}, 0)   # not torch.where(x > 0, "
-            f"x ** {q}, 0): the clamp inside keeps the discarded branch finite"
+            f"y = x.clamp_min({lo}) ** {k}   # was x ** {k}, the base clamped inside the "
+            "power (inside the torch.where branch, before the mask; the condition stays as "
+            "it is): the discarded entries are finite, so their gradient is 0, not NaN"
         )
     where = (
         "torch.where still computes the masked branch for every entry and backward "
@@ -6625,10 +6874,8 @@ def _power_backward_fix(ev: OpEvent, p: float) -> str:
         else "0 at 0 as before; its gradient there is 0, not NaN"
     )
     signed = float(p).is_integer()  # x ** -1 is defined below 0: keep those rows
-    lines = [st for st in statements(ev.code) if len(_powers(st)) == 1]
-    if ev.source and ev.source != ev.backward_at and len(lines) == 1:
-        stmt = lines[0]
-        power, base, _ = _powers(stmt)[0]
+    if (at := _power_at(ev, p)) is not None:
+        stmt, power, base = at
         b = ast.get_source_segment(stmt, base) or ast.unparse(base)
         whole = ast.get_source_segment(stmt, power) or ast.unparse(power)
         if signed:
@@ -6636,17 +6883,15 @@ def _power_backward_fix(ev: OpEvent, p: float) -> str:
         else:
             eps = f"torch.finfo({_dtype_of(base, b)}).eps"
             cond, safe = f"{paren(b)} > 0", f"{paren(b)}.clamp_min({eps})"
-        a = (base.col_offset or 0) - (power.col_offset or 0)
-        z = (base.end_col_offset or 0) - (power.col_offset or 0)
-        if 0 <= a <= z <= len(whole) and whole[a:z] == b:
-            inner = whole[:a] + safe + whole[z:]
+        if (inner := _rebased(whole, power, base, b, safe)) is not None:
             return f"{_spliced(stmt, power, f'torch.where({cond}, {inner}, 0)')}   # {why}"
     dt = f"torch.{ev.dtype}" if ev.dtype else "x.dtype"
+    k = _exponent_text(p)
     if signed:
-        return f"y = torch.where(x != 0, torch.where(x != 0, x, 1) ** {q}, 0)   # {why}"
+        return f"y = torch.where(x != 0, torch.where(x != 0, x, 1) ** {k}, 0)   # {why}"
     return (
         f"eps = torch.finfo({dt}).eps\n"
-        f"y = torch.where(x > 0, x.clamp_min(eps) ** {q}, 0)   # was x ** {q}: its gradient "
+        f"y = torch.where(x > 0, x.clamp_min(eps) ** {k}, 0)   # was x ** {k}: its gradient "
         f"{q}·x^({fmt(p - 1)}) is inf at 0; {why}"
     )
 
@@ -6898,6 +7143,16 @@ def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "last, smaller batch of an epoch, batch_size=1 at evaluation)."
             )
             fix = _var_fix(ev)
+    elif sf.kind == "nll" and _empty_batch(sf):
+        evidence += _nll_evidence(ev, sf)
+        explanation = (
+            "With reduction='mean', cross-entropy and NLL divide the summed loss by the "
+            "number (total weight) of the targets. This batch holds no sample at all (an "
+            "empty draw: a replay buffer that is still empty, a selection that picked "
+            "nothing), so the loss is 0/0 = NaN; backward then makes every gradient NaN. "
+            "Compute the loss only when the batch holds a sample."
+        )
+        fix = _nll_fix(ctx, a, ev, sf)
     elif sf.kind == "nll":
         evidence += _nll_evidence(ev, sf)
         explanation = (
@@ -6989,6 +7244,8 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
             elif wt is not None and not sf.all_ignored:
                 line += "\n# or give every class a weight > 0"
             return line
+    if site is not None and _empty_batch(sf):  # not a term the lines above rewrite
+        return _empty_batch_fix(site)
     opts = _loss_options(ctx, ev, a)
     weight = re.match(r"weight=([^,]+)", opts) if opts else None
     found = (site.x, site.y) if site is not None else _loss_args(ev.code, opts)
@@ -7019,6 +7276,46 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
         + call
         + f"loss = loss / ({y} != {ii}).sum().clamp_min(1)   # 0 when no target counts\n"
         f"# or skip the batch: if ({y} != {ii}).any(): loss.backward()"
+    )
+
+
+def _empty_batch(sf: Shortfall) -> bool:
+    """The class loss got no sample at all (an empty draw from a replay buffer, an empty
+    selection): not targets that were ignored or weigh nothing."""
+    t = sf.targets
+    return (sf.per_output == 0 or (t is not None and t.numel == 0)) and not sf.all_ignored
+
+
+def _empty_batch_fix(site: _LossSite) -> str:
+    """The user's statement run only when its batch holds a sample, in the user's names: an
+    accumulation (``loss = loss + crit(out, y)``, ``loss += ...``) keeps its other terms;
+    a loss call that is one term of a larger expression becomes 0 for an empty batch; a
+    loss that is the whole value skips the step."""
+    y = paren(site.y)
+    cond = f"{y}.numel()"
+    why = "an empty batch adds nothing, not NaN; the other terms are kept"
+    try:
+        top = ast.parse(site.stmt).body[0]
+    except (SyntaxError, IndexError):
+        top = None
+    accum = isinstance(top, ast.AugAssign) or (
+        isinstance(top, ast.Assign)
+        and len(top.targets) == 1
+        and isinstance(top.value, ast.BinOp)
+        and ast.unparse(top.targets[0])
+        in {ast.unparse(n) for n in (top.value.left, top.value.right)}
+    )
+    if accum:
+        return f"if {cond}:   # {why}\n    {site.stmt}"
+    if (
+        isinstance(top, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        and (ast.get_source_segment(site.stmt, top.value) if top.value is not None else None)
+        != site.segment
+    ):
+        term = f"({site.segment} if {cond} else 0)"
+        return site.stmt.replace(site.segment, term, 1) + f"   # {why}"
+    return (
+        f"if not {cond}:\n    continue   # an empty batch has no loss: skip the step\n" + site.stmt
     )
 
 
