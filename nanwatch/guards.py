@@ -1167,6 +1167,20 @@ def _check_class(p: _Probe) -> None:
     p.then(lambda v: _class_result(p, v, c=c, lo=lo, ignore=ignore, ign=ign, desc=desc))
     if per_position and cdim is not None:
         _check_target_logit(p, kept, ign, c=c, cdim=cdim)
+        if not p.is_module:  # a module's input: checked by its early hook (see attach)
+            p.then(lambda v: _nograd_input_result(p, v))
+
+
+#: the losses whose input NW519 checks (:func:`_nograd_input_result`)
+_NOGRAD_CHECKED = frozenset({"cross_entropy", "nll_loss"})
+
+
+def _check_nograd_term(p: _Probe) -> None:
+    """A loss module's input made by adding a term without gradients: NW519 alone, checked
+    before the watcher's own pre-hook measures the input (see :func:`attach`)."""
+    x = p.input
+    if _readable(x) and x.is_floating_point() and x.dim() >= 2 and _nograd_add(x) is not None:
+        _input_stats(p)
         p.then(lambda v: _nograd_input_result(p, v))
 
 
@@ -1391,11 +1405,10 @@ def _finite_side(node: Any, recorded: Callable[[Any], bool]) -> bool:
     return not walk.truncated
 
 
-def _nograd_entry(x: torch.Tensor, recorded: Callable[[Any], bool]) -> str | None:
-    """The add or subtract through which a loss input's inf or NaN entered from a term with
-    no autograd history (``logits - torch.log(q)`` with ``q`` a count-based frequency that is
-    0), when the rest of the graph provably made only finite values: ``"-"`` or ``"+"``.
-    None when the graph cannot tell (then the watcher's diagnosis stands)."""
+def _nograd_add(x: torch.Tensor) -> Any | None:
+    """The autograd node of the add or subtract that made ``x`` (through views and copies)
+    when one of its operands has no autograd history (a term computed without gradients);
+    None otherwise. Reads no value."""
     fn = x.grad_fn
     for _ in range(8):  # views and copies between the add and the loss
         if fn is None or type(fn).__name__.split("Backward")[0] not in _SHAPE_ONLY:
@@ -1404,9 +1417,20 @@ def _nograd_entry(x: torch.Tensor, recorded: Callable[[Any], bool]) -> str | Non
         fn = nxt[0] if len(nxt) == 1 else None
     if fn is None or type(fn).__name__ not in _ADDS:
         return None
-    sides = [n for n, _ in fn.next_functions]
-    if sides.count(None) != 1:
+    if [n for n, _ in fn.next_functions].count(None) != 1:
         return None
+    return fn
+
+
+def _nograd_entry(x: torch.Tensor, recorded: Callable[[Any], bool]) -> str | None:
+    """The add or subtract through which a loss input's inf or NaN entered from a term with
+    no autograd history (``logits - torch.log(q)`` with ``q`` a count-based frequency that is
+    0), when the rest of the graph provably made only finite values: ``"-"`` or ``"+"``.
+    None when the graph cannot tell (then the watcher's diagnosis stands)."""
+    fn = _nograd_add(x)
+    if fn is None:
+        return None
+    sides = [n for n, _ in fn.next_functions]
     grad_side = next(n for n in sides if n is not None)
     if not (recorded(grad_side) or _finite_side(grad_side, recorded)):
         return None
@@ -2534,11 +2558,107 @@ def _kl_probability_log_target(p: _Probe, v: dict[str, float]) -> None:
     p.data["log_target_fix"] = fix
 
 
+_SOFTMAX_FUNCS = ("F", "torch", "nn.functional", "torch.nn.functional")
+
+
+def _softmax_log(node: ast.expr) -> tuple[ast.Call, ast.expr] | None:
+    """``(softmax call, its input)`` when ``node`` is the log of a softmax:
+    ``F.softmax(z, dim=1).log()``, ``torch.log(torch.softmax(z, 1))``, ``z.softmax(1).log()``."""
+    inner: ast.expr | None = None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        f = node.func
+        if f.attr == "log" and not node.args and not node.keywords:
+            inner = f.value  # (...).log()
+        elif (
+            f.attr == "log"
+            and ast.unparse(f.value) == "torch"
+            and len(node.args) == 1
+            and not node.keywords
+        ):
+            inner = node.args[0]  # torch.log(...)
+    if not (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)):
+        return None
+    if inner.func.attr != "softmax":
+        return None
+    if ast.unparse(inner.func.value) in _SOFTMAX_FUNCS:
+        if not inner.args:
+            return None
+        return inner, inner.args[0]  # F.softmax(z, dim=1)
+    return inner, inner.func.value  # z.softmax(1)
+
+
+def _log_softmax_fix(p: _Probe) -> tuple[int, str, str] | None:
+    """The line that made the log-target as the log of a softmax (``t = F.softmax(z / T,
+    dim=1).log()``), rewritten as a log-softmax (``t = F.log_softmax(z.float() / T,
+    dim=1)``, in float32 when the target is a narrower float): finite where the softmax
+    underflowed to 0. (line number, the line, its rewrite); None when not found."""
+    t = p.target
+    made = _made_at(p, p.arg("target"))
+    if made is None or t is None:
+        return None
+    lineno, line = made
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    widen = t.is_floating_point() and torch.finfo(t.dtype).bits < 32
+    for node in ast.walk(tree):
+        found = _softmax_log(node) if isinstance(node, ast.expr) else None
+        if found is None or not isinstance(node, ast.expr):
+            continue
+        sm, z = found
+        assert isinstance(sm.func, ast.Attribute)
+
+        def seg(n: ast.AST) -> str:
+            return ast.get_source_segment(line, n) or ast.unparse(n)
+
+        arg = seg(z)
+        if widen:  # the scores in float32, before a temperature divides them
+            if isinstance(z, ast.BinOp) and isinstance(z.op, (ast.Div, ast.Mult)):
+                tail = line[z.left.end_col_offset or 0 : z.end_col_offset]  # " / T"
+                arg = f"{_paren(seg(z.left))}.float(){tail}"
+            else:
+                arg = f"{_paren(arg)}.float()"
+        owner = seg(sm.func.value)
+        rest = [seg(a) for a in sm.args[1:]] + [seg(k) for k in sm.keywords]
+        if owner in _SOFTMAX_FUNCS:
+            call = f"{owner}.log_softmax({', '.join([arg, *rest])})"
+        else:
+            call = f"{_paren(arg)}.log_softmax({', '.join(rest)})"
+        start, end = node.col_offset, node.end_col_offset or node.col_offset
+        return lineno, line, line[:start] + call + line[end:]
+    return None
+
+
 def _kl_log0(p: _Probe, n: int, mask: torch.Tensor) -> None:
     """A log-target of -inf (log of a zero probability) with log_target=True: KLDivLoss
-    computes exp(t) * (t - input) = 0 * -inf = NaN there."""
+    computes exp(t) * (t - input) = 0 * -inf = NaN there. The fix makes the target a
+    log-softmax where it is the log of a softmax (the root cause: the softmax underflowed),
+    else passes probabilities and says log_target=False, in the call and (for a module) in
+    the constructor together."""
     t = p.target
     assert t is not None
+    made = _log_softmax_fix(p)
+    if made is not None and p.frame is not None:
+        file = os.path.basename(p.frame.f_code.co_filename)
+        fix = (
+            f"{made[2]}  # in place of {file}:{made[0]}: the log of a softmax is -inf where the "
+            "softmax underflows to 0, log_softmax is finite"
+        )
+    elif p.is_module:
+        made_as = p.construct(log_target=False)
+        if " = " not in made_as.split("(", 1)[0]:  # the user's name is not known
+            made_as = f"{p.callee} = {made_as}"
+        fix = (
+            f"{made_as}  # {p.desc(log_target=False)} takes probabilities: a zero one "
+            "contributes 0\n" + p.call_with(target=f"{_paren(p.arg('target'))}.exp()")
+        )
+    else:
+        fix = (
+            p.call_with(target=f"{_paren(p.arg('target'))}.exp()", log_target="False")
+            if p.has_arg("log_target")
+            else p.call_with({"log_target": False}, target=f"{_paren(p.arg('target'))}.exp()")
+        ) + "  # probabilities: a zero contributes 0"
     p.fail(
         _Failure(
             code="NW511",
@@ -2549,13 +2669,7 @@ def _kl_log0(p: _Probe, n: int, mask: torch.Tensor) -> None:
                 "there, which is 0 * -inf = NaN"
             ),
             expected="finite log-probabilities, or probabilities with log_target=False",
-            fix=(
-                p.call_with(target=f"{p.arg('target')}.exp()")
-                + f"  # with {p.desc(log_target=False)}: a zero probability contributes 0"
-                if p.is_module
-                else p.call_with(target=f"{p.arg('target')}.exp()", log_target="False")
-                + "  # probabilities: a zero contributes 0"
-            ),
+            fix=fix,
             explanation=(
                 "With log_target=False a zero target probability contributes 0 * log 0 = 0; "
                 "with log_target=True its log, -inf, gives NaN."
@@ -2851,7 +2965,109 @@ def _latent_classes(p: _Probe, name: str, w: torch.Tensor) -> list[int] | None:
     present[t] = True
     if bool((bad & present).any()):
         return None
+    if _reduction(p.bound) == "mean" and not bool(w.cpu()[present].ne(0).any()):
+        return None  # the weighted mean divides by the targets' weights, all 0: 0 / 0 = NaN
     return [int(k) for k in bad.nonzero().flatten().tolist()]
+
+
+#: calls that a weight vector is normalised by (``w / w.sum()``, ``w / w.max()``)
+_NORMALIZERS = ("sum", "mean", "max", "norm", "amax")
+
+
+def _divided_by_own(divisor: ast.expr) -> str | None:
+    """``w`` when ``divisor`` is a reduction of the name ``w`` (``w.sum()``,
+    ``torch.sum(w)``, ``w.norm(p=1)``): what a normalisation divides by; else None."""
+    for n in ast.walk(divisor):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Attribute) and f.attr in _NORMALIZERS:
+            if isinstance(f.value, ast.Name):
+                return f.value.id
+            if n.args and isinstance(n.args[0], ast.Name):  # torch.sum(w)
+                return n.args[0].id
+    return None
+
+
+def _normalised_at(p: _Probe, name: str) -> tuple[str, int, str] | None:
+    """Where the user's code normalised the weight it gives the loss as ``name``
+    (``w = w / w.sum() * C``): the name divided by its own sum, and that line's number and
+    text. The weight is the loss module's constructor argument (``crit =
+    nn.CrossEntropyLoss(weight=w)``, ``crit`` the name on the user's line) or the
+    functional's argument (a name); the line is the last assignment to it before. Read from
+    the file of the user's frame, only when a failure is worded; None when not found."""
+    f = p.frame
+    if f is None or p._call[0] is None:
+        return None
+    lines = linecache.getlines(f.f_code.co_filename)
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        return None
+    var: str | None = None
+    before = f.f_lineno
+    if p.is_module and p.module is not None:
+        callee = p._call[0]
+        sig = _signature(type(p.module))
+        params = list(sig.parameters) if sig is not None else []
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and any(ast.unparse(t) == callee for t in node.targets)
+            ):
+                continue
+            call = node.value
+            arg = next((k.value for k in call.keywords if k.arg == name), None)
+            if arg is None and name in params and params.index(name) < len(call.args):
+                arg = call.args[params.index(name)]
+            if isinstance(arg, ast.Name):
+                var, before = arg.id, node.lineno
+    elif p.has_arg(name) and p.arg(name).isidentifier():
+        var = p.arg(name)
+    if var is None:
+        return None
+    last: ast.stmt | None = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        assigned = any(
+            isinstance(n, ast.Name) and n.id == var for t in targets for n in ast.walk(t)
+        )
+        if assigned and node.lineno < before and (last is None or node.lineno > last.lineno):
+            last = node
+    summed: str | None = None
+    if isinstance(last, ast.AugAssign) and isinstance(last.op, ast.Div):
+        summed = _divided_by_own(last.value)
+    elif isinstance(last, (ast.Assign, ast.AnnAssign)) and last.value is not None:
+        for n in ast.walk(last.value):
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div):
+                summed = summed or _divided_by_own(n.right)
+    if last is None or summed is None or last.end_lineno != last.lineno:
+        return None
+    return summed, last.lineno, _without_comment(lines[last.lineno - 1].strip())
+
+
+def _collapsed_weight_fix(p: _Probe, name: str) -> str:
+    """The fix for weights normalised by a sum that held inf or NaN: give a class with no
+    sample weight 0 before the normalisation, on the user's lines when they are found."""
+    zero = ".nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)"
+    found = _normalised_at(p, name)
+    if found is not None and p.frame is not None:
+        w, lineno, line = found
+        file = os.path.basename(p.frame.f_code.co_filename)
+        return (
+            f"{w} = {w}{zero}  # insert before {file}:{lineno}: a class with no sample gets "
+            f"weight 0, not inf\n{line}"
+        )
+    return (
+        "# where the weights are made, before they are normalised (weights / weights.sum()):\n"
+        f"weights = weights{zero}  # a class with no sample gets weight 0, not inf"
+    )
 
 
 def _weight_failure(p: _Probe, name: str, w: torch.Tensor, n: int, *, negative: bool) -> None:
@@ -2873,8 +3089,32 @@ def _weight_failure(p: _Probe, name: str, w: torch.Tensor, n: int, *, negative: 
         found = f"{shown}{more} (of {_n(w.numel())} {units[w.numel() != 1]})"
     else:
         found = f"{_describe_values(values, counts)} (of {_n(w.numel())})"
-    latent = _latent_classes(p, name, w) if n_nonfinite else None
-    if latent:
+    finite = w[~nonfinite]
+    # normalised by a sum that held inf (w / w.sum() * C): inf / inf = NaN and every finite
+    # weight x / inf = 0; by one that held NaN, every weight NaN
+    collapsed = bool(n_nonfinite) and w.numel() > 1 and not bool(finite.ne(0).any())
+    latent = _latent_classes(p, name, w) if n_nonfinite and not collapsed else None
+    if collapsed:
+        if finite.numel():
+            how = (
+                f"and every other weight is 0 ({_n(finite.numel())} of {_n(w.numel())}): "
+                "normalised by a sum that holds inf (weights / weights.sum()), the inf weight "
+                "became inf / inf = NaN and zeroed every finite one (x / inf = 0)"
+            )
+        else:
+            how = (
+                "and so is every other weight: normalised by a sum that holds NaN or inf "
+                "(weights / weights.sum()), all of them are"
+            )
+        if p.spec.kind == "class" and name == "weight" and _reduction(p.bound) == "mean":
+            then = (
+                f"{where} divides by the targets' weights, all 0 or NaN: its loss is NaN "
+                "(0 / 0) for every batch"
+            )
+        else:
+            then = f"{where} gives a loss of 0 (no gradient) or NaN with them"
+        problem = f"{what} holds {found} {how}; {then}"
+    elif latent:
         classes = ", ".join(str(k) for k in latent[:_POSITIONS])
         classes += f" and {_n(len(latent) - _POSITIONS)} more" if len(latent) > _POSITIONS else ""
         problem = (
@@ -2904,7 +3144,11 @@ def _weight_failure(p: _Probe, name: str, w: torch.Tensor, n: int, *, negative: 
         if n_nonfinite
         else "  # or compute the weights so that none is negative"
     )
-    if p.is_module:
+    if collapsed:
+        # zeroing the non-finite weight here leaves all of them 0: the weights must be
+        # repaired before they are normalised
+        fix = _collapsed_weight_fix(p, name)
+    elif p.is_module:
         callee = p.callee
         if not all(part.isidentifier() for part in callee.split(".")):
             callee = "criterion"  # a call expression: nothing to assign to
@@ -3504,10 +3748,12 @@ def _guard(
     module: nn.Module | None = None,
     call: Callable[[], Any] | None = None,
     site: types.FrameType | None = None,
+    early: bool = False,
 ) -> None:
     """Check one guarded call; for a loss, write its ``"loss_input"`` note; raise GuardError
     on a failure. ``call``: the guarded call itself, run on a failure on the CPU to learn
-    which error torch raises there (see :func:`_torch_error`)."""
+    which error torch raises there (see :func:`_torch_error`). ``early``: a loss module's
+    check before the watcher's pre-hook (NW519 alone, no note unless it fails)."""
     x = bound.get(spec.input)
     if not isinstance(x, torch.Tensor):
         return
@@ -3534,13 +3780,16 @@ def _guard(
     # would otherwise see each of them) and no subclass handling
     with torch.no_grad(), torch._C.DisableTorchFunction():
         try:
-            _check_devices(p)
-            _CHECKS[spec.kind](p)
-            _check_weights(p)
+            if early:
+                _check_nograd_term(p)
+            else:
+                _check_devices(p)
+                _CHECKS[spec.kind](p)
+                _check_weights(p)
             p.read()
         except _Fail as fail:
             failure = fail.failure
-        if spec.kind != "index" and len(watcher.trace.notes) < _MAX_NOTES:
+        if not early and spec.kind != "index" and len(watcher.trace.notes) < _MAX_NOTES:
             source = _source(frame) if frame is not None else None
             watcher.note("loss_input", path, source=source, **_evidence(watcher, p))
     if failure is None or failure.code in watcher.config.ignore:
@@ -3868,6 +4117,17 @@ def attach(watcher: Watcher, modules: Sequence[tuple[nn.Module, str]]) -> list[A
             if spec is None:
                 continue
             binding = _ModuleBinding(module, spec)
+            if spec.name in _NOGRAD_CHECKED:
+                # before the watcher's own pre-hook (registered first, with prepend): a
+                # +inf it measures in the input raises there, before the guard below runs,
+                # and names no more than "born outside the watched modules"
+                handles.append(
+                    module.register_forward_pre_hook(
+                        _make_early_hook(watcher, health, binding, path),
+                        with_kwargs=True,
+                        prepend=True,
+                    )
+                )
             handles.append(
                 module.register_forward_pre_hook(
                     _make_pre_hook(watcher, health, binding, path), with_kwargs=True
@@ -3884,8 +4144,10 @@ def attach(watcher: Watcher, modules: Sequence[tuple[nn.Module, str]]) -> list[A
 
 
 def _make_pre_hook(
-    watcher: Watcher, health: _Health, binding: _ModuleBinding, path: str
+    watcher: Watcher, health: _Health, binding: _ModuleBinding, path: str, *, early: bool = False
 ) -> Callable[..., None]:
+    """The guard's forward pre-hook of one module; ``early``: NW519 alone, called by the
+    hook of :func:`_make_early_hook`."""
     spec = binding.spec
 
     def guard_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -3906,14 +4168,33 @@ def _make_pre_hook(
                     module=module,
                     call=lambda: module.forward(*args, **kwargs),
                     site=_call_site(sys._getframe(1)),
+                    early=early,
                 )
             except GuardError:
                 raise
             except Exception as exc:  # nanwatch must never break the training it watches
                 health.fault(_what(spec), exc)
-        _module_stack().append(module)
+        if not early:
+            _module_stack().append(module)
 
     return guard_pre_hook
+
+
+def _make_early_hook(
+    watcher: Watcher, health: _Health, binding: _ModuleBinding, path: str
+) -> Callable[..., None]:
+    """The pre-hook that runs before the watcher's (see :func:`attach`): the guard's NW519
+    check, only when the input's autograd node says a term without gradients was added to
+    it (no read otherwise)."""
+    guard = _make_pre_hook(watcher, health, binding, path, early=True)
+    name = binding.spec.input
+
+    def nograd_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = args[0] if args else kwargs.get(name)
+        if isinstance(x, torch.Tensor) and _nograd_add(x) is not None:
+            guard(module, args, kwargs)
+
+    return nograd_pre_hook
 
 
 def _what(spec: GuardSpec) -> str:
