@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanwatch.localize import custom_function
 from nanwatch.records import (
     LOSS_PATH,
     Anomaly,
@@ -286,6 +287,8 @@ def _softmax_like(ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEvent] 
     name = packet(ev.op)
     if name not in _BARE_EXP:
         return name in EXP_LIKE and name not in ("softplus",)
+    if _logistic(ev) is not None:  # e / (1 + e): divided, but by no sum of exps
+        return False
     later = list(chain[chain.index(ev) + 1 :]) if ev in chain else []
     later += _followers(ev, ops)
     if any(packet(e.op) in _NORMALIZERS for e in later):
@@ -297,6 +300,214 @@ def _softmax_like(ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEvent] 
     if normalized is None:
         return True
     return normalized or _normalized_later(ev) is not None
+
+
+@dataclass(frozen=True)
+class _Logistic:
+    """An exp whose result is divided by a sum of itself and a term that is no exp
+    (``e / (1 + e) ** 2``, ``e / (c + e)``): not a softmax, so not shift-invariant.
+    ``lines``: when every denominator is ``1 + e`` (a logistic: a sigmoid or its
+    derivative), the user's statements rewritten with torch.sigmoid, as (line number,
+    the statement, its rewrite); empty when they cannot all be rewritten."""
+
+    arg: str  #: the exp's argument
+    shown: str  #: one such ratio, as the user wrote it
+    lines: tuple[tuple[int, str, str], ...] = ()
+    sigmoid: str = ""  #: the sigmoid the rewrite uses: ``torch.sigmoid(K * u)``
+
+
+def _negated(arg: str) -> str | None:
+    """``K * u`` for ``-K * u`` or ``-(a + b)``: the expression whose negation ``arg`` is
+    (a leading minus of a product or of the whole); None when it is none."""
+    try:
+        node = ast.parse(arg.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        text = ast.get_source_segment(arg.strip(), node.operand)
+        return text if text is not None else None
+    left = node
+    while isinstance(left, ast.BinOp) and isinstance(left.op, (ast.Mult, ast.Div)):
+        left = left.left
+    if left is node or not (isinstance(left, ast.UnaryOp) and isinstance(left.op, ast.USub)):
+        return None
+    rest = arg.strip()[1:].strip()
+    return rest if rest and not rest.startswith(("-", "+")) else None
+
+
+def _logistic(ev: OpEvent, reach: int = 15) -> _Logistic | None:
+    """Where the exp's result (its name, or the same exp call again) is divided by a sum
+    holding it and a term that is no exp -- ``1 + e``, raised to a whole power or not --
+    on its own line or a later line of its function (a custom Function's backward too):
+    exp(a) / (1 + exp(a)) is sigmoid(a), 1 / (1 + exp(a)) is sigmoid(-a), and
+    exp(a) / (1 + exp(a)) ** 2 is sigmoid(a) * (1 - sigmoid(a)). None when no line does."""
+    import linecache
+
+    op = packet(ev.op).rstrip("_")
+    if op not in _BARE_EXP or not ev.code:
+        return None
+    path, _, num = (ev.source or "").rpartition(":")
+    here = linecache.getline(path, int(num)) if path and num.isdigit() else ""
+    stmts = [(int(num) if num.isdigit() else 0, st) for st in statements(ev.code)]
+    args = [a for _, st in stmts for a in _exp_args(st, op)]
+    if not args or not all(_same_expr(a, args[0]) for a in args):
+        return None
+    arg = args[0].strip()
+    try:
+        arg_dump = ast.dump(ast.parse(arg, mode="eval").body)
+    except SyntaxError:
+        return None
+    names: set[str] = set()
+    own: str | None = None  # the statement ``e = torch.exp(a)``, replaced by ``s = ...``
+    for _, st in stmts:
+        target = _assigned(st)
+        value = st.split("=", 1)[1] if target is not None else ""
+        if target is not None and (
+            _same_expr(value, f"torch.{op}({arg})") or _same_expr(value, f"{paren(arg)}.{op}()")
+        ):
+            names.add(target)
+            own = st
+    later = (
+        list(_later_statements(path, int(num), len(here) - len(here.lstrip()), reach))
+        if names and here.strip()
+        else []
+    )
+
+    def is_e(node: ast.AST) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in names
+        call = _call_of(node, op) if isinstance(node, ast.expr) else None
+        return call is not None and not call[1] and ast.dump(call[0]) == arg_dump
+
+    def holds_e(node: ast.AST) -> bool:
+        return any(is_e(n) for n in ast.walk(node))
+
+    def logistic_power(den: ast.expr) -> tuple[int, bool] | None:
+        """(n, one) for ``(c + e) ** n``: one is True when c is the constant 1."""
+        n = 1
+        if isinstance(den, ast.BinOp) and isinstance(den.op, ast.Pow):
+            k = den.right
+            if not (isinstance(k, ast.Constant) and type(k.value) is int and 1 <= k.value <= 4):
+                return None
+            den, n = den.left, k.value
+        if not (isinstance(den, ast.BinOp) and isinstance(den.op, ast.Add)):
+            return None
+        for e, c in ((den.left, den.right), (den.right, den.left)):
+            if is_e(e) and not holds_e(c) and not _exp_args(ast.unparse(c), op):
+                one = isinstance(c, ast.Constant) and c.value == 1
+                return n, one
+        return None
+
+    other = _negated(arg)
+    sig = f"torch.sigmoid({other if other is not None else arg})"
+    used = {n for _, st in [*stmts, *((n, st) for n, _, st in later)] for n in _names_of(st)}
+    s_name = (
+        next((c for c in ("s", "sig", "sig_", "_s") if c not in used), "_nw_s")
+        if own is not None
+        else sig
+    )
+
+    def factor(k: int, m: int) -> list[str]:
+        """sigmoid(a) ** m * (1 - sigmoid(a)) ** k, as factors."""
+        if other is not None:  # sigmoid(-x) = 1 - sigmoid(x)
+            k, m = m, k
+        out = [s_name if m == 1 else f"{s_name} ** {m}"] if m else []
+        if k:
+            out.append(f"(1 - {s_name})" if k == 1 else f"(1 - {s_name}) ** {k}")
+        return out
+
+    shown = ""
+    rewrites: list[tuple[int, str, str]] = []
+    complete = True
+    for n, st in [*stmts, *((n, st) for n, _, st in later)]:
+        if st == own:
+            continue
+        try:
+            tree = ast.parse(st)
+        except SyntaxError:
+            continue
+        if not holds_e(tree):
+            continue
+        target = _assigned(st)
+        spans: list[tuple[int, int, str]] = []
+        matched: set[int] = set()
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):
+                continue
+            power = logistic_power(node.right)
+            if power is None:
+                continue
+            shown = shown or (ast.get_source_segment(st, node) or "")
+            k, one = power
+            facs = _factors(node.left)
+            es = [f for f in facs if is_e(f)]
+            rest = [f for f in facs if not is_e(f)]
+            if not one or len(es) > k or any(holds_e(f) for f in rest):
+                complete = False
+                continue
+            texts = [paren(ast.get_source_segment(st, f) or "") for f in rest]
+            texts = [t for t in texts if t not in ("1", "1.0")]
+            body = " * ".join([*texts, *factor(k - len(es), len(es))]) or "1"
+            whole = isinstance(tree.body[0], (ast.Return, ast.Assign, ast.Expr)) and (
+                getattr(tree.body[0], "value", None) is node
+            )
+            start = len(st.encode()[: node.col_offset].decode())
+            end = len(st.encode()[: node.end_col_offset or 0].decode())
+            spans.append((start, end, body if whole else f"({body})"))
+            matched |= {id(m) for m in ast.walk(node)}
+        if any(is_e(m) and id(m) not in matched for m in ast.walk(tree)):
+            complete = False  # e used elsewhere: the rewrite would leave it undefined
+        if spans:
+            new = st
+            for start, end, body in sorted(spans, reverse=True):
+                if any(start < s0 < end for s0, _, _ in spans if s0 != start):
+                    complete = False
+                    break
+                new = new[:start] + body + new[end:]
+            rewrites.append((n, st, new))
+        if target in names:
+            break  # e reassigned: later lines see another value
+    if not shown:
+        return None
+    if not complete or not rewrites:
+        return _Logistic(arg, shown)
+    lines = tuple(rewrites)
+    if own is not None:
+        lines = ((int(num) if num.isdigit() else 0, own, f"{s_name} = {sig}"), *lines)
+    return _Logistic(arg, shown, lines, sig)
+
+
+def _explain_logistic(dtype: str, lim: DtypeLimits) -> str:
+    return (
+        f"This exp feeds a logistic form, e / (1 + e) (a sigmoid, or its derivative e / (1 + "
+        f"e)^2): the value is bounded, but exp of an argument above {fmt(lim.exp_bound)} is "
+        f"inf in {dtype}, and inf / inf = NaN. torch.sigmoid computes the same values without "
+        "that exp, for every input. It is not a softmax: subtracting a max from the argument "
+        "would change the values, and a clamp would too."
+    )
+
+
+def _fix_logistic(logi: _Logistic) -> str:
+    """The user's lines rewritten with torch.sigmoid, each with what it was."""
+    a = logi.arg
+    rows = [f"{new}  # was: {old}" for _, old, new in logi.lines]
+    where = sorted({n for n, _, _ in logi.lines if n})
+    at = f" (lines {', '.join(map(str, where))})" if len(where) > 1 else ""
+    return "\n".join(
+        [
+            *rows,
+            f"# with e = exp({a}){at}: e / (1 + e) = sigmoid({a}), 1 / (1 + e) = 1 - "
+            f"sigmoid({a}), e / (1 + e) ** 2 = sigmoid({a}) * (1 - sigmoid({a})): the same "
+            "values, and torch.sigmoid never overflows",
+        ]
+    )
+
+
+def _names_of(stmt: str) -> set[str]:
+    try:
+        return _names(ast.parse(stmt))
+    except SyntaxError:
+        return set()
 
 
 def _names(node: ast.AST) -> set[str]:
@@ -579,8 +790,11 @@ def _from_op(
     x = first_input(ev)
     evidence: list[str] = []
     big = max((s.magnitude for s in inputs_of(ev) if not math.isnan(s.magnitude)), default=math.nan)
-    # a backward of exp: what the node holds is exp's result, not its argument
-    result_only = ev.phase is Phase.BACKWARD and name in EXP_LIKE
+    # a backward of exp: what the node holds is exp's result, not its argument (an exp a
+    # custom Function's own backward() calls is an exp of its own argument)
+    result_only = (
+        ev.phase is Phase.BACKWARD and name in EXP_LIKE and custom_function(ev.node) is None
+    )
     # a cast of an integer tensor (a count): its values are in other_inputs, not inputs
     ints = _integer_source(ev) if name in CAST else None
     src = ev.scalars.get("source_dtype")
@@ -691,6 +905,8 @@ def _from_op(
         if result_only or subst is not None
         else _recurrence(ctx.trace, ev.path or a.path, a.record.call)
     )
+    if loop is None and ev.phase is Phase.BACKWARD and not result_only and subst is None:
+        loop = _backward_recurrence(ctx.trace, ev.path or a.path)
     batch = _batch_jump(ctx, a) if not result_only and loop is None else None
     jump = (
         _jump(ctx, a) if not wide and batch is None and loop is None and not result_only else None
@@ -763,6 +979,23 @@ def _from_op(
         and kind == "exp"
         else None
     )
+    arg_jump = (
+        _arg_jump(ctx, ev, lim)
+        if wide
+        and lim is not None
+        and kind == "exp"
+        and not result_only
+        and subst is None
+        and loop is None
+        and batch is None
+        else None
+    )
+    if arg_jump is not None and lim is not None:
+        evidence = [
+            arg_jump.line(lim.exp_bound) if e.startswith("exp's argument reached") else e
+            for e in evidence
+        ]
+        init = None
     if init is not None:
         evidence = [
             init.evidence if e.startswith("exp's argument reached") else e for e in evidence
@@ -792,7 +1025,7 @@ def _from_op(
         fix = _fix_substituted(ev.code)
     elif loop is not None:
         explanation = _explain_loop(loop, dtype)
-        fix = _fix_loop(loop)
+        fix = _fix_loop(loop, module_ref(loop.path) if loop.backward else None)
     elif batch is not None:
         explanation = _explain_batch(batch, dtype)
         fix = _fix_batch(batch)
@@ -805,6 +1038,9 @@ def _from_op(
     elif jump is not None and lim is not None:
         explanation = _explain_jump(jump, dtype, lim, _setting_cause(ctx))
         fix = _fix_jump(ctx, jump)
+    elif arg_jump is not None and lim is not None:
+        explanation = _explain_arg_jump(arg_jump, dtype, lim)
+        fix = _fix_arg_jump(ctx, arg_jump, ev.code, lim)
     elif init is not None and lim is not None:
         explanation, fix = init.explanation(dtype, lim), init.fix(lim)
     elif cums is not None and lim is not None:
@@ -945,6 +1181,15 @@ def _from_op(
             "clamp of exp's argument would change it (a Cox loss clamped so becomes unbounded "
             "below)"
         )
+    logi = _logistic(ev) if name in _BARE_EXP and not cplx and not result_only else None
+    if logi is not None:
+        evidence.append(
+            f"the exp's result is divided by a sum of itself and a term that is no exp: "
+            f"{logi.shown} -- not a softmax, so subtracting a max would change the value"
+        )
+    if logi is not None and logi.lines and lim is not None and subst is None and loop is None:
+        explanation = _explain_logistic(dtype, lim)
+        fix = _fix_logistic(logi)
     if seg is not None and loop is None and batch is None and jump is None:
         fix = _segment_fix(ev.code, name.rstrip("_"), seg) or fix
         explanation += (
@@ -1740,8 +1985,20 @@ class _Loop:
     first: float  #: max |x| of the first measured output
     last: float  #: max |x| of the last finite output before the overflow
     factor: float  #: the growth per call (geometric mean)
+    #: the backward of one forward call, run again and again in the step (autograd.grad in
+    #: the user's own fixed-point loop): the gradient grew pass after pass, not the output
+    backward: bool = False
+    weighted: bool = False  #: the module has a weight of its own (Linear, Conv)
 
     def line(self) -> str:
+        if self.backward:
+            return (
+                f"the backward of {self.path} ran {self.calls} times in this step for one "
+                "forward call (autograd.grad or backward called again and again: a "
+                "fixed-point or implicit solve) and the gradient it was given grew pass after "
+                f"pass, from max |x| {fmt(self.first)} to {fmt(self.last)} (×"
+                f"{fmt(self.factor)} per pass): an iteration that diverges"
+            )
         return (
             f"{self.path} was called {self.calls} times in this forward and its output grew "
             f"call after call, from max |x| {fmt(self.first)} to {fmt(self.last)} (×"
@@ -1776,7 +2033,50 @@ def _recurrence(trace: StepTrace, path: str | None, upto: int) -> _Loop | None:
     return _Loop(path, len(calls), mags[0], mags[-1], factor)
 
 
+def _backward_recurrence(trace: StepTrace, path: str | None) -> _Loop | None:
+    """The backward of one call of the module at ``path`` run at least ``_MANY_CALLS``
+    times in this step, the gradient of its output (in pass order) growing in most passes
+    and by orders of magnitude overall: a fixed-point iteration on the gradient (an
+    implicit layer's backward solved by repeated autograd.grad) that diverges."""
+    if not path:
+        return None
+    passes: dict[int, list[float]] = {}
+    for r in trace.records:
+        if r.path == path and r.phase is Phase.BACKWARD and r.role == "output" and r.stat:
+            passes.setdefault(r.call, []).append(r.stat.magnitude if r.stat.finite else math.nan)
+    if not passes:
+        return None
+    call, mags = max(passes.items(), key=lambda kv: len(kv[1]))
+    calls = len(mags)
+    mags = [m for m in mags if math.isfinite(m) and m > 0]
+    if len(mags) < _MANY_CALLS:
+        return None
+    pairs = list(itertools.pairwise(mags))
+    up = sum(1 for x, y in pairs if y > x)
+    if up < _GROWING * len(pairs) or mags[-1] < _GREW * mags[0]:
+        return None
+    factor = (mags[-1] / mags[0]) ** (1 / (len(mags) - 1))
+    c = trace.call(call)
+    weighted = c is not None and c.module_type in _SPECTRAL
+    return _Loop(path, calls, mags[0], mags[-1], factor, backward=True, weighted=weighted)
+
+
+#: modules ``torch.nn.utils.parametrizations.spectral_norm`` bounds by their ``weight``
+_SPECTRAL = frozenset({"Linear", "Bilinear", "Conv1d", "Conv2d", "Conv3d"})
+
+
 def _explain_loop(loop: _Loop, dtype: str) -> str:
+    if loop.backward:
+        return (
+            f"The backward of the same module ran {loop.calls} times in one step, each pass "
+            "fed the gradient the previous one made (g = J^T g + grad: the backward of an "
+            "implicit or equilibrium layer solved by fixed-point iteration), and the gradient "
+            f"grew by about ×{fmt(loop.factor)} per pass until it passed {dtype}'s largest "
+            "value. Such an iteration converges only when the map is a contraction (its "
+            "Jacobian's spectral norm below 1); this one is not. A normalization elsewhere, "
+            "gradient clipping (it runs after backward) or a lower learning rate do not change "
+            "it."
+        )
     return (
         f"The same module ran {loop.calls} times in one forward pass, each call fed what "
         f"the previous one made, and the values grew by about ×{fmt(loop.factor)} per "
@@ -1788,7 +2088,25 @@ def _explain_loop(loop: _Loop, dtype: str) -> str:
     )
 
 
-def _fix_loop(loop: _Loop) -> str:
+def _fix_loop(loop: _Loop, ref: str | None = None) -> str:
+    """``ref``: how the user's code names the looped module (``model.deq.f.W``)."""
+    if loop.backward:
+        spectral = (
+            f"{ref} = torch.nn.utils.parametrizations.spectral_norm({ref})   # in __init__ "
+            "or before training: its gain is then at most 1"
+            if ref and loop.weighted
+            else "# keep the map's gain below 1: torch.nn.utils.parametrizations.spectral_norm "
+            "on its weight, or a smaller init of it"
+        )
+        return (
+            f"# the iteration that runs the backward of {loop.path} ({loop.calls} passes) "
+            f"grows ×{fmt(loop.factor)} per pass: it diverges; make the map a contraction\n"
+            f"{spectral}\n"
+            "# or a smaller init of that weight (std well below 1 / sqrt(fan_in)), and cap the "
+            "iterations and check the residual: stop when (g_next - g).norm() stops shrinking "
+            "instead of running a fixed count, and fall back to one plain backward step when "
+            "it grows"
+        )
     return (
         f"# the loop that calls {loop.path} ({loop.calls} times) grows ×{fmt(loop.factor)} "
         "per call: make each step contract\n"
@@ -2750,6 +3068,92 @@ def _exp_holder(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> str | None:
     )
 
 
+@dataclass(frozen=True)
+class _ArgJump:
+    """An exp's argument, a parameter (or the input of a parametrization, which is its
+    parameter), that one optimizer update moved from well inside exp's range past it."""
+
+    param: str  #: the parameter's qualified name
+    before: float  #: the argument's largest value at the step before
+    now: float  #: at this step
+    since: int
+    step: int
+    lr: str  #: `` (SGD lr 30)``, "" when unknown
+
+    def line(self, bound: float) -> str:
+        return (
+            f"exp's argument, the parameter {self.param}, reached max {fmt(self.now)} at step "
+            f"{self.step} against {fmt(self.before)} at step {self.since}: one optimizer "
+            f"update{self.lr} moved it past exp's bound {fmt(bound)}, by more than that whole "
+            "range"
+        )
+
+
+#: ``enc.parametrizations.weight.0``: a parametrization of ``enc.weight`` (its input is
+#: the parameter ``enc.parametrizations.weight.original``)
+_PARAMETRIZATION = re.compile(r"(?P<owner>(?:.+\.)?parametrizations\.\w+)\.\d+")
+
+
+def _arg_jump(ctx: RuleContext, ev: OpEvent, lim: DtypeLimits) -> _ArgJump | None:
+    """The exp ran on its module's input, that input is a watched parameter (a
+    parametrization's ``original``), and between the step before and this one an optimizer
+    update moved its largest value from below half exp's bound to past the bound: the step
+    itself is too large. None when any of it is not in the records (no earlier step, no
+    optimizer step recorded, an input that is not a parameter)."""
+    if ev.phase is not Phase.FORWARD or not ev.path or not ctx.history:
+        return None
+    m = _PARAMETRIZATION.fullmatch(ev.path)
+    params = watched_params((ctx.trace, *reversed(ctx.history)))
+    qual = (
+        next(
+            (q for q in (f"{m['owner']}.original", f"{m['owner']}.original0") if q in params),
+            None,
+        )
+        if m
+        else None
+    )
+    x = first_input(ev)
+    prev = ctx.history[-1]
+    if qual is None or x is None or not any(n.kind == "optimizer" for n in prev.notes):
+        return None
+
+    def arg_max(t: StepTrace) -> float | None:
+        for r in t.records:
+            if r.path == ev.path and r.phase is Phase.INPUT and r.role == "input[0]":
+                return r.stat.max if r.stat is not None and r.stat.finite else None
+        return None
+
+    before, now = arg_max(prev), arg_max(ctx.trace)
+    if before is None or now is None or not math.isclose(now, x.max, rel_tol=1e-6):
+        return None
+    bound = lim.exp_bound
+    if not (before < bound / 2 < bound < now and now - before > bound):
+        return None
+    held = group_holding((*ctx.history, ctx.trace), qual)
+    lr = f" ({held[0]} lr {fmt(held[2])})" if held is not None else ""
+    return _ArgJump(qual, before, now, prev.step, ctx.step, lr)
+
+
+def _explain_arg_jump(j: _ArgJump, dtype: str, lim: DtypeLimits) -> str:
+    return (
+        f"exp overflows {dtype} above {fmt(lim.exp_bound)}. Its argument is the parameter "
+        f"{j.param}, and a single optimizer update moved it from {fmt(j.before)} to "
+        f"{fmt(j.now)}, farther than exp's whole usable range: the learning rate is too "
+        "large for it. Clamping exp's argument only moves the failure: the parameter keeps "
+        "taking such steps, and past the clamp its gradient is 0, so it never comes back."
+    )
+
+
+def _fix_arg_jump(ctx: RuleContext, j: _ArgJump, code: str | None, lim: DtypeLimits) -> str:
+    owner = j.param.split(".parametrizations.", 1)[0]
+    lines = _update_fix(ctx, owner, clip_first=False)
+    cap = math.floor(lim.exp_bound / 2 * 10) / 10
+    guard = rewrite_call(code, ["exp"], lambda e: f"{paren(e)}.clamp(max={cap})")
+    if guard is not None:
+        lines.append(f"# only as a guard, after the lr: {guard.strip()}")
+    return "\n".join(x for x in lines if x)
+
+
 def _in_module_holder(ctx: RuleContext, ev: OpEvent, arg: str) -> str:
     """For an exp in a watched module's forward: its argument is computed there, from the
     module's input or its watched children's outputs; the child whose output's largest
@@ -3574,10 +3978,8 @@ def _fix_wide(
             return lse
         if op in _BARE_EXP:
             return (
-                f"{_max_subtracted(code, op)}{was}\n"
-                "# subtract the row max first (the dim you normalize over): every exp is then "
-                "at most 1, and the result is the same\n"
-                "# or the whole softmax in one call, stable: torch.softmax(x, dim=-1) "
+                f"{_max_subtracted(code, op)}{was}\n{_row_max_note(code, op)}\n"
+                f"# or the whole softmax in one call, stable: {_one_call_softmax(code, op)} "
                 "(torch.logsumexp, F.log_softmax)"
             )
         return (
@@ -3828,8 +4230,7 @@ def _fix(
         )
         return (
             f"{_max_subtracted(code, op)}{was}\n"
-            "# subtract the row max first (the dim you normalize over): every exp is then at "
-            f"most 1 and fits {dtype}, and the softmax is the same\n{alt}"
+            f"{_row_max_note(code, op)}; every exp fits {dtype}\n{alt}"
         )
     fixed = upcast_line(code, op)
     if fixed is not None and op not in EXP_LIKE | MATMUL and plain.startswith("return "):
@@ -4462,10 +4863,9 @@ def _bounded_exp(
     if kind == "softmax" and past:
         return (
             f"{_max_subtracted(code, op)}{was}\n"
-            f"# subtract the row max first (the dim you normalize over): every exp is then at "
-            f"most 1; the argument reached {fmt(arg)}, past float32's exp bound {fmt(f32)} too, "
-            "so float32 or bfloat16 would still overflow\n"
-            "# or the whole softmax in one call, stable: torch.softmax(x, dim=-1)"
+            f"{_row_max_note(code, op)}; the argument reached {fmt(arg)}, past float32's exp "
+            f"bound {fmt(f32)} too, so float32 or bfloat16 would still overflow\n"
+            f"# or the whole softmax in one call, stable: {_one_call_softmax(code, op)}"
         )
     if kind != "exp" or not (past or scalar) or op not in _BARE_EXP:
         return None
@@ -4664,26 +5064,107 @@ def _weighted_lse_fix(code: str | None, norm: _Normalized) -> str | None:
     )
 
 
+def _exp_args(code: str | None, op: str) -> list[str]:
+    """The argument of every call to ``op`` on the user's line, in order."""
+    got: list[str] = []
+
+    def keep(e: str) -> str:
+        got.append(e)
+        return e
+
+    _rewrite_calls(code, op, keep)
+    return got
+
+
+def _same_expr(a: str, b: str) -> bool:
+    """Two source texts of one expression (``-K*u`` and ``-K * u``)."""
+    try:
+        return ast.dump(ast.parse(a.strip(), mode="eval")) == ast.dump(
+            ast.parse(b.strip(), mode="eval")
+        )
+    except SyntaxError:
+        return a.strip() == b.strip()
+
+
+def _summed_dim(code: str | None, op: str) -> str | None:
+    """The dim of the line's sum over an ``op`` call (``torch.exp(b).sum(dim=2)`` -> ``2``;
+    ``torch.sum(torch.exp(b), -1)`` -> ``-1``), "" for a sum over every value, None when the
+    line sums no such call: the dim a softmax by hand normalizes over."""
+    line = code.split("  #", 1)[0].strip() if code else ""
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        total = _call_of(node, "sum") if isinstance(node, ast.expr) else None
+        if total is None:
+            continue
+        if not any(isinstance(m, ast.expr) and _call_of(m, op) for m in ast.walk(total[0])):
+            continue
+        dims = [*total[1][:1], *(k.value for k in total[2] if k.arg == "dim")]
+        if not dims:
+            return ""
+        return ast.get_source_segment(line, dims[0])
+    return None
+
+
 def _max_subtracted(code: str | None, op: str) -> str:
     """The user's exp line with the row max subtracted from the argument (a stable
-    softmax by hand), or the same on a named placeholder when the line is unknown.
+    softmax by hand), or the same on a named placeholder when the line is unknown. Every
+    exp of the same argument is shifted by the same max (the numerator's and the sum's:
+    shifting one alone changes the ratio), over the dim the line's sum runs over.
 
     >>> _max_subtracted("e = torch.exp(scores)", "exp")
     'e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))'
     >>> _max_subtracted("e = (q @ k).exp()  # scores", "exp")
     'e = ((q @ k) - (q @ k).amax(dim=-1, keepdim=True)).exp()'
+    >>> _max_subtracted("c = torch.exp(b) / torch.exp(b).sum(2)", "exp").count(
+    ...     "torch.exp(b - b.amax(dim=2, keepdim=True))")
+    2
     """
     line = code.split("  #", 1)[0] if code else ""
-    function = re.search(rf"\b(?:torch\.special|torch|special)\.{re.escape(op)}\(", line)
+    args = _exp_args(code, op)
+    same = bool(args) and all(_same_expr(a, args[0]) for a in args)
+    dim = _summed_dim(code, op) if same else None
+    method = re.search(rf"(?<!\btorch)(?<!\bspecial)\.{re.escape(op)}\(", line) is not None
 
     def wrap(e: str) -> str:
-        shifted = f"{paren(e)} - {paren(e)}.amax(dim=-1, keepdim=True)"
-        return shifted if function else f"({shifted})"
+        top = (
+            f"{paren(e)}.max()" if dim == "" else f"{paren(e)}.amax(dim={dim or -1}, keepdim=True)"
+        )
+        shifted = f"{paren(e)} - {top}"
+        return f"({shifted})" if method else shifted
 
-    fixed = rewrite_call(code, [op], wrap)
+    fixed = _rewrite_calls(code, op, wrap) if same else rewrite_call(code, [op], wrap)
     if fixed is not None:
         return fixed
     return f"e = torch.{op}(x - x.amax(dim=-1, keepdim=True))   # x: this exp's argument"
+
+
+def _row_max_note(code: str | None, op: str) -> str:
+    """What the max subtraction of :func:`_max_subtracted` subtracts, in words."""
+    args = _exp_args(code, op)
+    dim = _summed_dim(code, op) if args else None
+    if len(args) > 1 and dim is not None and all(_same_expr(a, args[0]) for a in args):
+        over = "over every value" if dim == "" else f"over dim={dim}, the dim the sum runs over"
+        return (
+            f"# every exp of {args[0]} is shifted by the same max ({over}): each is then at "
+            "most 1, and the ratio is the same"
+        )
+    return (
+        "# subtract the row max first (the dim you normalize over): every exp is then "
+        "at most 1, and the result is the same"
+    )
+
+
+def _one_call_softmax(code: str | None, op: str) -> str:
+    """``torch.softmax(b, dim=2)`` for a line ``exp(b) / exp(b).sum(dim=2, ...)``, else
+    the generic ``torch.softmax(x, dim=-1)``."""
+    args = _exp_args(code, op) if op == "exp" else []
+    dim = _summed_dim(code, op) if len(args) > 1 else None
+    if dim and all(_same_expr(a, args[0]) for a in args) and not dim.startswith(("(", "[")):
+        return f"torch.softmax({args[0].strip()}, dim={dim})"
+    return "torch.softmax(x, dim=-1)"
 
 
 # ------------------------------------------------------------- a softmax over segments
