@@ -502,6 +502,83 @@ def _innermost_user(trace: StepTrace, fwd: Record, call: Call, trig: Record) -> 
     return call
 
 
+def _shared_input(
+    trace: StepTrace, trig: Record, fwd: Record, cand: Call, *, forensic: bool
+) -> tuple[str, str, str] | None:
+    """The gradient ``trig`` of ``fwd``, a module input, is the sum over every use of that
+    tensor (a hook on a leaf, or on the node that made it, sees the total), not only what
+    ``cand``'s backward sent back: a leaf image a total-variation term reads beside the
+    frozen network, a distance a module's own code divides by beside the RBF it feeds.
+    When a traced backward op made the value outside ``cand``, that code is the producer:
+    returns (origin, path, what follows "born in "). With no traced op, an input the
+    records do not link (its other uses are not seen) gets ``cand`` hedged with that code;
+    None when nothing speaks against ``cand``."""
+    born = _backward_birth(trace.ops)
+    sent = (
+        f"the gradient of {cand.path}'s output was finite, and the gradient reaching "
+        f"{trig.path}'s {trig.role} sums every use of that tensor, not only what "
+        f"{cand.path} sent back"
+    )
+    if born is not None and born.path is not None:
+        if born.path == cand.path or born.path.startswith(cand.path + "."):
+            return None
+        if born.path != LOSS_PATH:
+            return (
+                "module",
+                born.path,
+                f"the backward of {born.path}'s own code, which used {trig.path}'s "
+                f"{trig.role} too: {sent}",
+            )
+        double = not trig.by_grad and any(
+            r.phase is Phase.BACKWARD and r.by_grad and r.index < trig.index for r in trace.records
+        )
+        maker = _maker(trace, fwd)
+        if double and maker is not None:
+            owner, fn = maker
+            return (
+                "module",
+                owner,
+                f"the double backward of {owner}'s code (the graph that "
+                "torch.autograd.grad(create_graph=True) built from its backward): the "
+                f"gradient of {cand.path}'s output was finite, the gradient reaching "
+                f"{trig.path}'s {trig.role} is not, and it sums every use of that tensor: "
+                f"{owner}'s {fn} made it, and the derivative of that op's backward lands "
+                f"there (or that of {cand.path}'s backward, which took it)",
+            )
+        return (
+            "between-roots",
+            LOSS_PATH,
+            f"the backward of code outside the watched modules that used {trig.path}'s "
+            f"{trig.role} too (the loss code): {sent}",
+        )
+    if forensic or fwd.source is not None:
+        return None  # forensic traced every op: none outside made it; a linked input's
+        # other users are recorded consumers
+    maker = _maker(trace, fwd)
+    who = (
+        f"{maker[0]}'s own code, whose {maker[1]} made it"
+        if maker is not None
+        else "the loss code, or any other code given the same tensor"
+    )
+    return (
+        "module",
+        cand.path,
+        f"the backward of {cand.path}{_HEDGE}{trig.path}'s {trig.role} too ({who}): the "
+        f"gradient of {cand.path}'s output was finite, the gradient reaching {trig.path}'s "
+        f"{trig.role} is not, and it sums every use of that tensor",
+    )
+
+
+def _maker(trace: StepTrace, fwd: Record) -> tuple[str, str] | None:
+    """The module whose own code made ``fwd``, a module input no record links (the parent
+    of its call), and the autograd node that made it (``LinalgVectorNormBackward0`` ->
+    ``LinalgVectorNorm``); None for a root's input or one made without autograd."""
+    parent = _parent(trace, trace.call(fwd.call))
+    if parent is None or fwd.source is not None or not fwd.grad_fn:
+        return None
+    return parent.path, _node_base(fwd.grad_fn)
+
+
 def _other_pass_only(trace: StepTrace, call: Call, trig: Record) -> bool:
     """The gradient of ``call``'s output was recorded before ``trig`` only in another
     backward pass than ``trig``'s (``torch.autograd.grad``'s against the training
@@ -566,7 +643,16 @@ def _between_suspect(
         ),
         None,
     )
-    if linked is not None and linked.path != trig.path and linked.phase is Phase.FORWARD:
+    if (
+        linked is not None
+        and linked.phase is Phase.FORWARD
+        and any(c.path == linked.path for c in cands)
+    ):  # a module given its own earlier output back (a recurrent cell's state)
+        sent = (
+            f"the gradient sent back to {linked.path}'s inputs ({trig.path}'s {trig.role}, "
+            f"and its own {linked.role} from the previous call) is not"
+        )
+    elif linked is not None and linked.path != trig.path and linked.phase is Phase.FORWARD:
         sent = (
             f"the gradient sent back to {linked.path}'s {linked.role} is not (seen at "
             f"{trig.path}'s {trig.role}, which {linked.path} passed it on to)"
@@ -1225,6 +1311,11 @@ def localize(
                 f"was finite, the gradient it sent back to {trig.path}'s {trig.role}"
                 f"{_inside(trace, trace.call(trig.call), cands[0])} is not"
             )
+            if fwd is not None and fwd.phase is Phase.INPUT:
+                shared = _shared_input(trace, trig, fwd, cands[0], forensic=forensic)
+                if shared is not None:
+                    origin, path, text = shared
+                    summary = f"{what} gradient born in {text}"
         elif not cands and reached_root and fwd is not None:
             owner = trace.call(fwd.call)
             root = owner
@@ -1586,9 +1677,28 @@ def _follow_op(anomaly: Anomaly, base: str) -> str:
     )
 
 
+_HEDGE = ", or of code outside it that used "
+
+
+def _drop_hedge(anomaly: Anomaly, base: str) -> str:
+    """A module hedged with the other code that used its input (see :func:`_shared_input`)
+    is the producer once a traced op of its own backward made the value (the watcher's
+    replay of its backward, after localization)."""
+    op, rec = anomaly.op, anomaly.record
+    if _HEDGE not in base or op is None or op.phase is not Phase.BACKWARD or op.path is None:
+        return base
+    if op.path != anomaly.path and not op.path.startswith(anomaly.path + "."):
+        return base
+    return (
+        f"{base.split(_HEDGE, 1)[0]}: the gradient of its output was finite, the gradient it "
+        f"sent back to {rec.path}'s {rec.role} is not"
+    )
+
+
 def summarize(anomaly: Anomaly) -> str:
     """The one-line summary, with the op and propagation when known."""
     base = anomaly.summary.split(" [")[0]
+    base = _drop_hedge(anomaly, base)
     base = _follow_op(anomaly, base)
     base = _neginf_birth(anomaly, base)
     base = _in_child(anomaly, base)
