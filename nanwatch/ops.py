@@ -340,6 +340,56 @@ _COMPOSITES = {
     "aten.linalg_slogdet.default": "aten.logdet",
 }
 
+
+def _make_traced() -> Callable[[], bool]:
+    """Whether an op runs under tracing (``torch.export``, ``torch.compile``, ``make_fx``):
+    a fake, proxy or functionalization mode is active, and its tensors hold no values (a
+    statistic's ``.item()`` makes an unbacked symbol the tracer then fails on). One C call
+    per mode where torch keeps them by key (2.2 and later), else a look at the mode stack."""
+    key = getattr(torch._C, "_TorchDispatchModeKey", None)
+    get_mode = getattr(torch._C, "_get_dispatch_mode", None)
+    keys = [getattr(key, k) for k in ("FAKE", "PROXY", "FUNCTIONAL") if hasattr(key, k)]
+    if keys and get_mode is not None:
+        return lambda: any(get_mode(k) is not None for k in keys)
+    names = {"FakeTensorMode", "ProxyTorchDispatchMode", "FunctionalTensorMode"}
+
+    def active() -> bool:
+        stack = _python_dispatch._get_current_dispatch_mode_stack()
+        return any(type(m).__name__ in names for m in stack)
+
+    return active
+
+
+_traced: Callable[[], bool] = _make_traced()
+
+
+def _fake(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """A tensor argument holds no values: a FakeTensor or a FunctionalTensor (export's,
+    compile's), met after its mode was left."""
+    for t in leaves((list(args), kwargs)):
+        if isinstance(t, torch.Tensor) and type(t) not in _PLAIN and _no_data(t):
+            return True
+    return False
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _no_data(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+#: ``OpEvent.scalars`` key of an event the op checker records for a non-finite tensor with
+#: no autograd history that the loss code read and no checked op made (see
+#: :meth:`OpChecker._entered`): which argument of the op it was
+ENTERED = "entered"
+
+#: at most this many entered-data events while the checker's events are not taken
+_ENTERED_MAX = 4
+
 #: remembered non-finite tensors before the freed ones are first dropped
 _SEEN_PRUNE = 4096
 
@@ -412,6 +462,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if _traced() or _fake(args, kwargs):  # export, compile: no values to check
+            return func(*args, **kwargs)
         ignored = func.overloadpacket in _IGNORED_PACKETS or func.is_view
         before: _Before | None = None
         if not self._broken:
@@ -583,6 +635,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             state = state or bool(k and seen is not None and seen.state)
         all_out = frozenset().union(*out_kinds)
         born = all_out - in_kinds - scalar_kinds
+        if not born and cause is None and not state and not backward:
+            self._entered(func, inputs, read)
         chosen = None
         if not born and "NaN" in all_out and func.overloadpacket is _aten.where:
             chosen = self._chosen_constant(inputs, others)
@@ -675,6 +729,68 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 if isinstance(base, torch.Tensor) and self._lookup(base) is None:
                     # a view written in place (x[0].div_(n)): its base holds the value too
                     self._remember(base, seen.event)
+
+    def _entered(
+        self,
+        func: Any,
+        inputs: Sequence[tuple[str, torch.Tensor]],
+        read: Sequence[tuple[str, torch.Tensor]],
+    ) -> None:
+        """Record where a non-finite value entered the step: a forward op of code outside
+        every watched module (the loss code) read a tensor holding NaN or +inf that no
+        checked op made, with no autograd history (not a parameter, not computed from
+        one) and not module state: data the loop handed in (a target with a missing
+        label). The event is ``injected`` (no op made the value) with ``scalars[ENTERED]``
+        the argument's schema name; it is no birth and no other event's cause. A -inf alone
+        is left out: a mask made before the step holds it by design. Each tensor once, and
+        a few a step at most; not in a replay (its inputs are the step's, copied)."""
+        if self.floor is not None or len(self.events) >= self._max_events:
+            return
+        if self._current_path is None or self._current_path() is not None:
+            # a module's own code: its inputs are recorded, its state is not data; with no
+            # module known (a bare checker) nothing tells state from data
+            return
+        for (name, t), (_, v) in zip(inputs, read, strict=True):
+            if t.grad_fn is not None or t.requires_grad or self._lookup(t) is not None:
+                continue
+            kinds = _kinds(v)
+            if not (kinds & {"NaN", "+inf"}):
+                continue
+            if sum(ENTERED in e.scalars for e in self.events) >= _ENTERED_MAX:
+                return
+            if _frames.called_by_nanwatch():
+                return
+            self._remember(t, None)  # said once: the ops that read it again are not news
+            stat = describe(v) or TensorStat(math.nan, math.nan, v.numel())
+            if self.call_site is None:
+                source, code = _frames.describe_frame(_frames.user_frame())
+            else:
+                f = _frames.user_frame_within(self.floor)
+                source, code = _frames.describe_frame(f) if f else self.call_site
+            scalars: dict[str, float | int | str] = {
+                ENTERED: name,
+                "entered_shape": str(tuple(t.shape)),  # no "[": see leaf_event
+            }
+            named, _ = _user_names(t)
+            if named:
+                scalars["entered_name"] = named
+            self.events.append(
+                OpEvent(
+                    op=str(func),
+                    phase=Phase.FORWARD,
+                    path=None,
+                    born=_join(kinds),
+                    output=stat,
+                    inputs=[(name, stat)],
+                    scalars=scalars,
+                    source=source,
+                    code=code,
+                    dtype=dtype_name(v.dtype),
+                    injected=True,
+                    device=device_name(v.device),
+                )
+            )
+            return
 
     def _chosen_constant(
         self, inputs: Sequence[tuple[str, torch.Tensor]], others: Sequence[tuple[str, torch.Tensor]]

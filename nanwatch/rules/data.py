@@ -9,7 +9,7 @@ import re
 import textwrap
 from collections.abc import Iterator
 
-from nanwatch.localize import earlier_finite_input
+from nanwatch.localize import earlier_finite_input, is_birth
 from nanwatch.records import (
     LOSS_PATH,
     AnomalyKind,
@@ -21,7 +21,15 @@ from nanwatch.records import (
     StepTrace,
     TensorStat,
 )
-from nanwatch.rules._evidence import anomaly_fields, describe_stat, fmt, target_log
+from nanwatch.rules._evidence import (
+    anomaly_fields,
+    code_line,
+    describe_stat,
+    fmt,
+    packet,
+    short_op,
+    target_log,
+)
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
 
@@ -38,7 +46,8 @@ from nanwatch.rules.base import Diagnosis, RuleContext, rule
 def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is not None and a.kind is AnomalyKind.FORWARD and a.path == LOSS_PATH:
-        yield from _bad_functional_target(ctx)
+        said = list(_bad_functional_target(ctx))
+        yield from said or _entered_data(ctx)
         return
     if a is None or a.kind is not AnomalyKind.INPUT:
         return
@@ -105,6 +114,10 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
     if made is not None:
         yield _computed_input(ctx, evidence, made)
         return
+    computed = _computed_target(ctx, rec, call) if target and what == "targets" else None
+    if computed is not None:
+        yield _computed_target_diagnosis(ctx, evidence, computed)
+        return
     extra = {"title": "NaN or inf in the loss targets"} if what == "targets" else {}
     yield ctx.diagnosis(
         **anomaly_fields(a),
@@ -124,6 +137,102 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             owner=a.path,
             target=target,
             sparse=_sparse(bad[0]),
+        ),
+    )
+
+
+#: loss modules whose target is a distribution (soft labels): a teacher's softmax
+_SOFT_TARGET_LOSSES = frozenset({"KLDivLoss", "CrossEntropyLoss", "BCELoss", "BCEWithLogitsLoss"})
+_HALF = frozenset({"float16", "bfloat16"})
+_WIDE = frozenset({"float32", "float64"})
+
+
+def _computed_target(ctx: RuleContext, rec: Record, call: Call | None) -> list[str] | None:
+    """Why the non-finite target ``rec`` of loss ``call`` was computed in this step by
+    the user's code (a teacher or target network), not loaded: the watched model's own
+    input this step was finite, and the target is float16/bfloat16 while that input is
+    float32/float64 (a half-precision network made it), or each bad sample is NaN
+    throughout while every finite value lies in [-1, 1] for a loss of soft labels (a
+    softmax of a row holding inf is NaN in the whole row; loaded data goes bad a value at
+    a time). The reasons, in words; None when nothing says so."""
+    if call is None or rec.source is not None or rec.stat is None:
+        return None
+    trace = ctx.trace
+    model_inputs = [
+        r
+        for c in trace.calls
+        if c.root and not c.is_loss and c.id < call.id
+        for r in trace.inputs_of(c.id)
+        if r.stat is not None and r.dtype in (_HALF | _WIDE)
+    ]
+    if not model_inputs or any(r.bad for r in model_inputs):
+        return None
+    first = model_inputs[0]
+    reasons: list[str] = []
+    if rec.dtype in _HALF and first.dtype in _WIDE:
+        reasons.append(
+            f"the target is {rec.dtype} while the model's input ({first.role} of "
+            f"{first.path}) is {first.dtype}: a {rec.dtype} network computed it, not the "
+            "data loader"
+        )
+    s = rec.stat
+    soft = call.module_type in _SOFT_TARGET_LOSSES
+    if (
+        soft
+        and _whole_samples_bad(rec)
+        and not (s.posinf or s.neginf)
+        and s.finite_amax is not None
+        and s.finite_amax <= 1.0
+    ):
+        reasons.append(
+            "every value of each bad sample is NaN and every finite value lies in "
+            f"[-1, 1] (largest |value| {fmt(s.finite_amax)}): whole distributions gone NaN, "
+            "as a softmax makes of a row of logits holding inf; a missing value in loaded "
+            "data spoils one value, not a whole row"
+        )
+    if not reasons:
+        return None
+    reasons.append(
+        f"the model's input this step ({first.role} of {first.path}) was finite: the target "
+        "was computed from the batch, by code outside the watched modules"
+    )
+    return reasons
+
+
+def _computed_target_diagnosis(
+    ctx: RuleContext, evidence: list[str], reasons: list[str]
+) -> Diagnosis:
+    """NW401 for a loss target the user's code computed this step (a teacher's softmax, a
+    target network's values) that went non-finite: the network that made it is at fault,
+    not the data; nan_to_num would train on made-up targets."""
+    a = ctx.anomaly
+    assert a is not None
+    s = a.record.stat
+    kinds = s.kinds().replace(", ", " or ") if s is not None and not s.finite else "NaN or inf"
+    half = a.record.dtype in _HALF
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title=f"{kinds} in a loss target your code computed (a teacher or target network)",
+        evidence=[*evidence[:2], *reasons, *evidence[2:]],
+        explanation=(
+            f"The target of {a.path} was not loaded with the batch: code outside the "
+            "watched modules computed it in this step from the batch, typically a teacher "
+            "or target network run under torch.no_grad and a softmax of its logits. That "
+            "network made the non-finite value (a float16 activation past 65504 is inf, "
+            "and a softmax of a row holding inf is NaN in the whole row); nanwatch does not "
+            "watch it, so it cannot name the layer. Replacing the NaN (nan_to_num) would "
+            "train on made-up targets: fix the network that computes them."
+        ),
+        fix=(
+            "# watch the network that computes the target too: nanwatch then names its layer\n"
+            "# nanwatch.watch(model, criterion, teacher)   # teacher: that network\n"
+            + (
+                "teacher = teacher.float()   # float16 overflows past 65504; or run it under "
+                "torch.autocast(device_type, dtype=torch.bfloat16)"
+                if half
+                else "# if it runs in float16 (teacher.half()): teacher = teacher.float(), "
+                "or run it under torch.autocast(device_type, dtype=torch.bfloat16)"
+            )
         ),
     )
 
@@ -514,6 +623,159 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
         fix=(
             "assert torch.isfinite(y).all(), y   # where the target is made, before the loss\n"
             + remedy
+            + "# or fix/drop the samples in Dataset.__getitem__"
+        ),
+    )
+
+
+#: ``OpEvent.scalars`` key of the op checker's event for a non-finite tensor with no
+#: autograd history that the loss code read and no checked op made (``nanwatch.ops.ENTERED``)
+_ENTERED = "entered"
+
+#: the Python operator of an aten arithmetic op, to find its operands on the user's line
+_BINOPS: dict[str, type[ast.operator]] = {
+    "add": ast.Add,
+    "sub": ast.Sub,
+    "mul": ast.Mult,
+    "div": ast.Div,
+    "true_divide": ast.Div,
+    "pow": ast.Pow,
+    "floor_divide": ast.FloorDiv,
+    "remainder": ast.Mod,
+    "matmul": ast.MatMult,
+}
+
+
+def _entered_event(ctx: RuleContext) -> OpEvent | None:
+    """Forensic mode's event for a non-finite tensor that entered the step in the loss
+    code (no op made it, it has no autograd history), when it explains the anomaly: no
+    forward op of the step made a NaN or +inf, and the tensor holds the anomaly's kind
+    (or an infinity, which arithmetic turns into NaN)."""
+    a = ctx.anomaly
+    if a is None or a.op is not None:
+        return None
+    if any(ev.phase is Phase.FORWARD and is_birth(ev) for ev in ctx.trace.ops):
+        return None  # an op made it: the op-level rules name it
+    s = a.record.stat
+    want = set(s.kinds().split(", ")) if s is not None and not s.finite else {"NaN"}
+    for ev in ctx.trace.ops:
+        if ev.phase is not Phase.FORWARD or _ENTERED not in ev.scalars:
+            continue
+        have = set(ev.born.split(", "))
+        if have & want or "+inf" in have:
+            return ev
+    return None
+
+
+def _operands(ev: OpEvent) -> tuple[str, str | None] | None:
+    """The source text of the operand ``ev`` read the bad tensor as, and of its other
+    operand, from the op's line: ``(ys[i], pred)`` for ``other`` of ``aten.sub`` on
+    ``((pred - ys[i]) ** 2).mean()``; the name the code bound it to when known; None when
+    the line is not known or holds no single such operand."""
+    role = str(ev.scalars.get(_ENTERED, ""))
+    named = str(ev.scalars.get("entered_name") or "")
+    if not ev.code:
+        return (named, None) if named else None
+    try:
+        tree = ast.parse(ev.code.strip())
+    except SyntaxError:
+        try:
+            tree = ast.parse(ev.code.strip().rstrip(":,\\(") or "pass")
+        except SyntaxError:
+            return (named, None) if named else None
+    op = _BINOPS.get(packet(ev.op).removesuffix("_"))
+    found: set[tuple[str, str]] = set()
+    for node in ast.walk(tree):
+        pair: tuple[ast.expr, ast.expr] | None = None
+        if op is not None and isinstance(node, ast.BinOp) and isinstance(node.op, op):
+            pair = (node.left, node.right)
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func).rsplit(".", 1)[-1] == packet(ev.op)
+            and len(node.args) == 2
+        ):
+            pair = (node.args[0], node.args[1])
+        if pair is None:
+            continue
+        if role in ("self", "input"):
+            found.add((ast.unparse(pair[0]), ast.unparse(pair[1])))
+        elif role == "other":
+            found.add((ast.unparse(pair[1]), ast.unparse(pair[0])))
+    if len(found) == 1:
+        mine_text, other_text = found.pop()
+        if not named or named == mine_text:
+            return mine_text, other_text
+    return (named, None) if named else None
+
+
+def _entered_data(ctx: RuleContext) -> Iterator[Diagnosis]:
+    """NW401 for a NaN or inf that entered the step in data the loss code read (forensic
+    mode): a hand-written loss (``((pred - y) ** 2).mean()``) read a target holding NaN
+    that no op of the step made and that has no autograd history."""
+    a = ctx.anomaly
+    ev = _entered_event(ctx)
+    if a is None or ev is None:
+        return
+    role = str(ev.scalars[_ENTERED])
+    s = ev.inputs[0][1] if ev.inputs else ev.output
+    shape = str(ev.scalars.get("entered_shape", "")).strip("()").rstrip(",")
+    dims = [int(d) for d in shape.split(",") if d.strip().isdigit()]
+    at = f" at {ev.source}" if ev.source else ""
+    kinds = s.kinds() if s is not None and not s.finite else ev.born
+    counts = describe_stat(s)
+    bad_n = None
+    if s is not None:
+        bad_n = (s.nan or 0) + (s.posinf or 0) + (s.neginf or 0) or None
+    holds = f"{bad_n:,} {kinds.replace(', ', ' or ')}" if bad_n else kinds
+    names = _operands(ev)
+    evidence = [
+        a.summary,
+        f"`{role}` of aten.{packet(ev.op)}{at} holds {holds} ({ev.dtype}, shape {dims}): {counts}",
+    ]
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    evidence.append(
+        f"every op of the step was checked and none made it; the tensor has no autograd "
+        f"history (no gradient flows into it) and {short_op(ev.op)} was the first op to "
+        "read it: it came into the step with the data"
+    )
+    x = names[0] if names else "y"
+    note = (
+        ""
+        if names
+        else f"# y: the `{role}` operand of {short_op(ev.op)} on that line (your target)\n"
+    )
+    if len(dims) >= 2:
+        keep = f"keep = torch.isfinite({x}).flatten(1).all(dim=1)   # samples (dim 0) to keep"
+    elif len(dims) == 1:
+        keep = f"keep = torch.isfinite({x})   # 1-D: each element is a sample"
+    else:
+        keep = ""
+    pred = names[1] if names and names[1] else "pred"
+    use = (
+        f"\n# then compute the loss on those samples only: {pred}[keep] and {x}[keep]"
+        if keep
+        else ""
+    )
+    yield ctx.diagnosis(
+        **anomaly_fields(a),
+        title=f"{kinds.split(', ')[0]} entered the step in data your loss code read",
+        op=short_op(ev.op),
+        source=ev.source,
+        evidence=evidence,
+        explanation=(
+            f"The loss is {a.record.stat.kinds() if a.record.stat else 'non-finite'} because "
+            f"{short_op(ev.op)}{at} read a tensor that already held {kinds}: no layer and no "
+            "op of the step made it, and it has no autograd history, so it was handed in "
+            "with the batch (a target with a missing label parsed as NaN, a corrupted "
+            "sample). Fix or drop those samples where the data is loaded; masking them in "
+            "the loss keeps training on the rest."
+        ),
+        fix=(
+            f"{note}print((~torch.isfinite({x})).nonzero()[:10].tolist())   # where: trace "
+            "them to the dataset\n"
+            + (f"{keep}{use}\n" if keep else "")
             + "# or fix/drop the samples in Dataset.__getitem__"
         ),
     )
