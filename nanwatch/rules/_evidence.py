@@ -885,7 +885,11 @@ def _rewrite_right_operand(line: str, op: str, wrap: Callable[[str], str]) -> st
     return line[:start] + wrap(line[start:end]) + line[end:]
 
 
-_HEADER = re.compile(r"^(?:with|if|elif|else|for|while|try|except|finally)\b")
+#: the header of a one-line compound statement; a one-line ``def``'s body (``def
+#: forward(self, x): return self.head(x)``) is the statement that ran
+_HEADER = re.compile(
+    r"^(?:(?:async\s+)?(?:with|for|def)|if|elif|else|while|try|except|finally|class)\b"
+)
 
 
 def top_level(text: str, sep: str) -> list[int]:

@@ -940,6 +940,9 @@ def _inspect_fix(ev: OpEvent) -> str:
     first = ev.inputs[0][1] if ev.inputs else None
     same_shape = first is not None and first.numel == ev.output.numel
     where = f"right after {ev.source}" if ev.source else f"where {op} runs"
+    head = re.match(r"\s*(?:async\s+)?def\s+(\w+)", ev.code or "")
+    if head is not None:  # a one-line def: its body is what ran, and the code goes inside it
+        where = f"in {head.group(1)}'s body ({ev.source or 'its line'}), before its return"
     inner = wrapped_binop(ev) if not calls else None
     if inner is not None:  # the line reduces the op's result: inspect the op's own expression
         expr, left, right = inner

@@ -13,7 +13,7 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,10 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
         if _scaled_step(ctx.trace) and not _scaled_step_told(ctx):
             # from the first update: every one applies gradients x scale
             yield _scaler_bypass_diagnosis(ctx, a, ctx.trace, name=None, evidence=[])
+            return
+        grown = _grown_outside(ctx, a) if a is not None else None
+        if a is not None and grown is not None:
+            yield _grown_outside_diagnosis(ctx, a, grown)
         return
     bad = [r for r in ctx.trace.records if r.phase is Phase.PARAMETER and r.bad]
     name = a.parameter or a.record.role
@@ -468,6 +472,70 @@ class _GradWrite:
     division: str | None = None
     proj_where: str | None = None
     own_divisor: str | None = None
+    #: the divisor's value when the source fixes it (a literal, a name the function
+    #: assigns a number once), and the numerator's factors (``g``, ``sigma``, ``C``)
+    divisor_value: float | None = None
+    factors: tuple[str, ...] = ()
+
+
+def _assigned_number(scope: ast.AST, name: str) -> float | None:
+    """The number ``name`` is assigned in ``scope`` when every assignment of it there is
+    a numeric literal (``B = 32``, ``C, delta, B = 1.0, 1e-5, 32``); None otherwise."""
+    found: list[float] = []
+    for node in ast.walk(scope):
+        if not isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for tgt in targets:
+            pairs: list[tuple[ast.expr, ast.expr | None]] = [(tgt, node.value)]
+            if isinstance(tgt, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                pairs = list(zip(tgt.elts, node.value.elts, strict=False))
+            for t, v in pairs:
+                if not (isinstance(t, ast.Name) and t.id == name):
+                    continue
+                if (
+                    isinstance(node, ast.AugAssign)
+                    or not isinstance(v, ast.Constant)
+                    or not isinstance(v.value, (int, float))
+                    or isinstance(v.value, bool)
+                ):
+                    return None
+                found.append(float(v.value))
+    return found[0] if len(set(found)) == 1 else None
+
+
+def _assigns(scope: ast.AST, name: str) -> bool:
+    return any(
+        isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Store)
+        for n in ast.walk(scope)
+    )
+
+
+def _closure_number(tree: ast.AST, scope: ast.AST, name: str) -> float | None:
+    """The number ``name`` holds where ``scope`` reads it: assigned in ``scope``, else in
+    the innermost enclosing function (a closure) or the module that assigns it."""
+    line = getattr(scope, "lineno", 0)
+    outer = [
+        f
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and f is not scope
+        and f.lineno <= line <= (f.end_lineno or f.lineno)
+    ]
+    outer.sort(key=lambda f: -f.lineno)  # innermost first
+    for sc in (scope, *outer, tree):
+        if _assigns(sc, name):
+            return _assigned_number(sc, name)
+    return None
+
+
+def _factors(node: ast.expr, text: str) -> tuple[str, ...]:
+    """The operands of the products and sums ``node`` is made of (``g``,
+    ``torch.randn_like(g)``, ``sigma``, ``C`` for ``g + torch.randn_like(g) * sigma * C``)."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Add, ast.Sub)):
+        return _factors(node.left, text) + _factors(node.right, text)
+    seg = ast.get_source_segment(text, node)
+    return (seg,) if seg and not isinstance(node, ast.Constant) else ()
 
 
 _DOT_CALLS = frozenset({"dot", "vdot", "inner"})
@@ -485,6 +553,7 @@ def _grad_write(source: str | None) -> _GradWrite | None:
     path, tree, scope = found
     text = "".join(linecache.getlines(path))
     write: tuple[int, str, str, str | None] | None = None
+    extra: tuple[float | None, tuple[str, ...]] = (None, ())
     proj: tuple[int, str, str] | None = None
     for sc in _scopes_with_callees(tree, scope):
         for node in ast.walk(sc):
@@ -494,13 +563,25 @@ def _grad_write(source: str | None) -> _GradWrite | None:
                         seg = ast.get_source_segment(text, node) or ""
                         target = ast.get_source_segment(text, tgt) or ""
                         v = node.value
+                        divides = isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div)
                         den = (
                             ast.get_source_segment(text, v.right)
-                            if isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div)
+                            if isinstance(v, ast.BinOp) and divides
                             else None
                         )
                         if seg and "\n" not in seg and target:
                             write = (node.lineno, target, seg, den)
+                            if isinstance(v, ast.BinOp) and divides:
+                                r = v.right
+                                known = (
+                                    float(r.value)
+                                    if isinstance(r, ast.Constant)
+                                    and isinstance(r.value, (int, float))
+                                    else _closure_number(tree, sc, r.id)
+                                    if isinstance(r, ast.Name)
+                                    else None
+                                )
+                                extra = (known, _factors(v.left, text))
             elif (
                 isinstance(node, ast.BinOp)
                 and isinstance(node.op, ast.Div)
@@ -523,9 +604,22 @@ def _grad_write(source: str | None) -> _GradWrite | None:
     if write is None:
         return None
     line, target, code, den = write
+    value, factors = extra
     if proj is None:
-        return _GradWrite(f"{path}:{line}", target, code, own_divisor=den)
-    return _GradWrite(f"{path}:{line}", target, code, proj[1], proj[2], f"{path}:{proj[0]}", den)
+        return _GradWrite(
+            f"{path}:{line}", target, code, own_divisor=den, divisor_value=value, factors=factors
+        )
+    return _GradWrite(
+        f"{path}:{line}",
+        target,
+        code,
+        proj[1],
+        proj[2],
+        f"{path}:{proj[0]}",
+        den,
+        divisor_value=value,
+        factors=factors,
+    )
 
 
 _OPTIMIZERS = frozenset(
@@ -696,11 +790,21 @@ def _written_grad_diagnosis(
         )
         line = gw.where.rpartition(":")[2]
         st = a.record.stat
-        den = (
-            f"# it divides by {gw.own_divisor}: 0 there (an empty batch) gives inf\n"
-            if gw.own_divisor and st is not None and (st.has_posinf or st.has_neginf)
-            else ""
-        )
+        den = ""
+        if gw.own_divisor and st is not None and (st.has_posinf or st.has_neginf):
+            named = ", ".join(gw.factors[:6])
+            if gw.divisor_value == 0:
+                den = f"# it divides by {gw.own_divisor}, which is 0 there: that gives inf\n"
+            elif gw.divisor_value is not None:
+                den = (
+                    f"# it divides by {gw.own_divisor} = {fmt(gw.divisor_value)}, not 0: the "
+                    f"inf is in what it divides ({named or 'the numerator'})\n"
+                )
+            else:
+                den = (
+                    f"# it divides by {gw.own_divisor}: inf if that is 0, or if one of "
+                    f"{named or 'the numerator'} is inf\n"
+                )
         head = (
             f"# line {line}, {gw.code}, wrote the NaN/inf;\n{den}"
             "# check it right after that line, and each value it reads:\n"
@@ -1151,6 +1255,8 @@ def _written_elsewhere(
     owner = a.record.path
     op = None if after else _forward_writer_op(ctx, a.record, name)
     if op is None:
+        root = _root_path(ctx.trace, owner) or _root_of_name(ctx, name)
+        holder, _, note = (_owner_expr(ctx, root) if root else "model").partition("  # ")
         return ctx.diagnosis(
             **anomaly_fields(a),
             title="Non-finite weights written outside an optimizer step",
@@ -1165,8 +1271,9 @@ def _written_elsewhere(
             ),
             fix=(
                 "# right after each place that writes weights (an EMA update, a load):\n"
-                "bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]\n"
-                "assert not bad, bad"
+                f"bad = [n for n, p in {holder}.named_parameters() "
+                "if not torch.isfinite(p).all()]"
+                f"\nassert not bad, bad{f'   # {note}' if note else ''}"
             ),
         )
     leaf = name.rsplit(".", 1)[-1]
@@ -1198,6 +1305,148 @@ def _written_elsewhere(
             "constant (std = 0) and nothing adds an eps. The learning rate is not the cause."
         ),
         fix=fix,
+    )
+
+
+#: a module's output that grew this many times in one step while its input did not (by
+#: more than ``_STEADY``) was made by weights that grew so
+_GROWN = 1e3
+_STEADY = 10.0
+
+
+@dataclass(frozen=True)
+class _Grown:
+    """A watched module whose weights grew by orders of magnitude in one step while no
+    optimizer updated them: its path, its root's, its output's size before and now, its
+    input's, and the optimizers that did step (what they update)."""
+
+    path: str
+    root: str
+    before: float
+    now: float
+    inp: float
+    step: int
+    optimizers: tuple[str, ...]
+
+
+def _amax(stat: Any) -> float | None:
+    if stat is None or not stat.finite:
+        return None
+    return float(max(abs(stat.min), abs(stat.max)))
+
+
+def _root_path(trace: StepTrace, path: str) -> str | None:
+    """The watched root whose call encloses the call of ``path``."""
+    calls = {c.id: c for c in trace.calls}
+    for c in trace.calls:
+        if c.path != path:
+            continue
+        cur = c
+        for _ in range(256):
+            if cur.root or cur.parent is None or cur.parent not in calls:
+                break
+            cur = calls[cur.parent]
+        return cur.path if cur.root else None
+    return None
+
+
+def _updated_names(traces: Sequence[StepTrace]) -> tuple[set[str], tuple[str, ...]]:
+    """The parameter names the optimizers of ``traces`` updated, and those optimizers."""
+    names: set[str] = set()
+    opts: list[str] = []
+    for t in traces:
+        for n in t.notes:
+            if n.kind != "optimizer":
+                continue
+            opts.append(n.path)
+            for g in n.data.get("groups", ()):
+                if isinstance(g, dict):
+                    names.update(str(x) for x in g.get("names", ()))
+    return names, tuple(dict.fromkeys(opts))
+
+
+def _grown_outside(ctx: RuleContext, a: Anomaly) -> _Grown | None:
+    """The anomaly was born in a module's forward, and a module of the same root (it, or
+    one before it) gave an output this step orders of magnitude (``_GROWN``) above its
+    output of the step before, from an input of about the same size (within ``_STEADY``):
+    its weights grew so in one step. None of that root's parameters is one an optimizer
+    of those steps updated (the optimizer notes name what each updates): they were
+    written outside an optimizer step (an EMA copy, a manual write)."""
+    if a.record.phase is not Phase.FORWARD or not ctx.history:
+        return None
+    trace, prev = ctx.trace, ctx.history[-1]
+    root = _root_path(trace, a.path)
+    if root is None:
+        return None
+    names, opts = _updated_names((prev, trace))
+    if not opts:
+        return None  # no optimizer seen: which weights one updates is not known
+    ids = {c.id for c in trace.calls if c.root and c.path == root}
+    children = {c.path for c in trace.calls if c.parent in ids}
+    if any(n.startswith(c + ".") for n in names for c in children):
+        return None  # an optimizer updates weights of this root
+    old = {
+        r.path: r
+        for r in prev.records
+        if r.phase is Phase.FORWARD and r.role == "output" and r.stat is not None
+    }
+    for r in trace.records:
+        if r.index > a.record.index:
+            break
+        if r.phase is not Phase.FORWARD or r.role != "output" or r.path not in old:
+            continue
+        if _root_path(trace, r.path) != root or r.path == root:
+            continue
+        now, before = _amax(r.stat), _amax(old[r.path].stat)
+        if now is None or before is None or before <= 0 or now < _GROWN * before:
+            continue
+        ins = [
+            (_amax(trace.resolve(i).stat), _amax(prev.resolve(j).stat))
+            for i in trace.records
+            if i.phase is Phase.INPUT and i.path == r.path and i.role == "input[0]"
+            for j in prev.records
+            if j.phase is Phase.INPUT and j.path == r.path and j.role == "input[0]"
+        ]
+        if not ins or any(
+            x is None or y is None or x > _STEADY * y or y > _STEADY * x for x, y in ins
+        ):
+            continue
+        inp = ins[0][0] or 0.0
+        return _Grown(r.path, root, before, now, inp, prev.step, opts)
+    return None
+
+
+def _grown_outside_diagnosis(ctx: RuleContext, a: Anomaly, g: _Grown) -> Diagnosis:
+    target = _owner_expr(ctx, g.root)
+    expr, _, note = target.partition("  # ")
+    evidence = [
+        f"{g.path}'s output reached {fmt(g.now)} at step {ctx.step}, from {fmt(g.before)} at "
+        f"step {g.step}, for an input of about the same size ({fmt(g.inp)}): its weights "
+        f"grew about {fmt(g.now / g.before)}x in one step",
+        f"no optimizer updated {g.root}'s weights ({', '.join(g.optimizers)} update "
+        "other parameters): they were written outside an optimizer step",
+        f"then: {a.summary}" if a.summary else f"then the forward of {a.path} overflowed",
+    ]
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        op=a.op.op if a.op is not None else None,
+        title="Weights written outside an optimizer step grew until the forward overflowed",
+        priority=9,
+        evidence=evidence,
+        explanation=(
+            f"The weights of {g.root} grew by orders of magnitude between two steps, and no "
+            "optimizer updates them: code outside an optimizer step wrote them (an EMA or "
+            "teacher update p_ema.mul_(d).add_(p, alpha=1 - d) with a decay d outside "
+            "[0, 1], a manual copy or rescale under no_grad). Its forward then overflowed. "
+            "Gradient clipping and the learning rate do not touch these weights: fix the "
+            "write."
+        ),
+        fix=(
+            f"# right after the code that writes {g.root}'s weights (an EMA update: its "
+            "decay must be in [0, 1])\n"
+            f"big = [n for n, p in {expr}.named_parameters() if not p.abs().max() < 1e4]\n"
+            "assert not big, big" + (f"   # {note}" if note else "")
+        ),
     )
 
 
@@ -1834,12 +2083,27 @@ def _window_mins(
     severity="warning",
     summary=(
         "The gradient norm (total, per parameter or per module) jumped to many times its "
-        "median over the recorded steps (thresholds.explode_factor): clip or lower the lr."
+        "median over the recorded steps (thresholds.explode_factor): clip or lower the lr. "
+        "From the first step: a total norm past 1e-3 × sqrt(finfo(dtype).max) of the "
+        "gradients' dtype (1.8e16 in float32 and bfloat16), whose square nearly overflows."
     ),
     early=True,
     priority=30,
 )
 def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
+    # a jump over the recent level says more (its ratio, the parameter that jumped) than
+    # the absolute size, which is for gradients huge from the first step on
+    found = list(_jumped(ctx))
+    if found:
+        yield from found
+        return
+    huge = _huge_norm(ctx)
+    if huge is not None:
+        yield huge
+
+
+def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
+    """NW303 by the ratio of this step's gradient norms to their recent level."""
     factor = ctx.thresholds.explode_factor
     need = ctx.thresholds.min_history
     if len(ctx.history) < need:
@@ -1899,6 +2163,79 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm=1.0)  # before "
             f"{names.optimizer}.step()\n"
             "# and/or lower the learning rate or lengthen the warm-up"
+        ),
+    )
+
+
+#: a total gradient norm past this share of sqrt(finfo(dtype).max) is huge whatever its
+#: history: its square (what a norm sums) is within 1e-6 of the dtype's largest value
+_HUGE_SHARE = 1e-3
+
+
+def _norm_limit(trace: StepTrace) -> tuple[str, float] | None:
+    """The widest dtype of the step's parameter gradients and 1e-3 × sqrt(finfo.max) of
+    it; None for float16 (its range is short: a norm that large is a GradScaler's scale)
+    and when no gradient was recorded."""
+    dtypes = {r.dtype for r in trace.records if r.phase is Phase.GRADIENT}
+    best: tuple[str, float] | None = None
+    for d in dtypes:
+        t = getattr(torch, d, None)
+        if not isinstance(t, torch.dtype) or not t.is_floating_point or t == torch.float16:
+            continue
+        top = torch.finfo(t).max
+        if best is None or top > best[1]:
+            best = (d, top)
+    return (best[0], _HUGE_SHARE * best[1] ** 0.5) if best is not None else None
+
+
+def _huge_norm(ctx: RuleContext) -> Diagnosis | None:
+    """The step's total gradient norm is past ``_HUGE_SHARE`` × sqrt(finfo.max) of the
+    gradients' dtype, and no earlier recorded step's was: an explosion from the first
+    step, which no median of its own past can show (that past is as huge)."""
+    cur = ctx.memo(ctx.trace, "grad_summary", _grad_summary)
+    total = cur.total
+    lim = _norm_limit(ctx.trace) if total is not None and math.isfinite(total) else None
+    if total is None or lim is None or total < lim[1]:
+        return None
+    dtype, limit = lim
+    for t in ctx.history:
+        g = t.grad_norm
+        if g is not None and (not math.isfinite(g) or g >= limit):
+            return None  # said at the first step past it
+    clip = _clip_before_step(ctx.trace)
+    if clip is not None and (clip[1] is None or total > clip[1]):
+        return None  # clipped before the optimizer applied it
+    top = sorted(cur.params.items(), key=lambda kv: -kv[1])[:3]
+    top_value = torch.finfo(getattr(torch, dtype)).max
+    square = total * total
+    evidence = [
+        f"total gradient norm {fmt(total)} at step {ctx.step}: past {fmt(limit)}, 1e-3 × "
+        f"sqrt(finfo({dtype}).max); its square {fmt(square)} is "
+        + (
+            f"past {dtype}'s largest value {fmt(top_value)}: a sum of squares in {dtype} is inf"
+            if square >= top_value
+            else f"within a factor {fmt(top_value / square)} of {dtype}'s largest value"
+        )
+    ]
+    evidence += [f"parameter {k}: gradient norm {fmt(v)}" for k, v in top]
+    names = ctx.memo(ctx.trace, "loop_names", _loop_names)
+    return ctx.diagnosis(
+        parameter=top[0][0] if top else None,
+        phase=Phase.BACKWARD.value,
+        evidence=evidence,
+        explanation=(
+            f"The gradients are huge from this step on, not after a jump: a norm of "
+            f"{fmt(total)} is far beyond any healthy training, and the sum of squares a "
+            f"norm or clip computes reaches {dtype}'s overflow. Something between the "
+            "loss and the weights multiplies the gradient enormously (an implicit or "
+            "fixed-point layer whose backward diverges, a 1 / x of a tiny x, a loss scaled "
+            "by hand). Unclipped, the next update throws the weights out of range."
+        ),
+        fix=(
+            f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm=1.0)  # before "
+            f"{names.optimizer}.step()\n"
+            "# and find what makes the gradient this large: a replay or mode='forensic' "
+            "names the op"
         ),
     )
 
@@ -2536,7 +2873,10 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
     factors = _zero_factors(traces, top) if lim is None else None
     if factors is not None:
-        yield _zero_factors_diagnosis(ctx, top, need, *factors)
+        # the other dead modules whose factors are zero the same way (every adapter of a
+        # model built by one helper): named beside the first, each gets its own fix line
+        more = [d for d in dead[1:] if _zero_factors(traces, d) is not None]
+        yield _zero_factors_diagnosis(ctx, top, need, *factors, more=more)
         return
     sat = _cut_inside(ctx.trace, dead, lim.tiny) if lim is not None and exact else None
     if sat is not None:
@@ -2805,22 +3145,126 @@ def _zero_factors(traces: list[StepTrace], top: str) -> tuple[list[str], str] | 
     return (params, child) if params else None
 
 
+def _prefixed(trace: StepTrace, root: str) -> bool:
+    """The watched root ``root`` names its submodules with its own name as prefix
+    (``Sequential#2.0``): a root watched after another whose paths it shares, whose
+    variable name nanwatch does not know."""
+    ids = {c.id for c in trace.calls if c.root and c.path == root}
+    return "#" in root or any(
+        c.parent in ids and c.path.startswith(root + ".") for c in trace.calls
+    )
+
+
+def _owner_expr(ctx: RuleContext, path: str) -> str:
+    """An expression for the module at ``path`` in the user's words: ``model`` for the
+    watched root, ``model.get_submodule('4')`` for a submodule of it. A root watched after
+    another one that shares its paths (``Sequential#2``) has no known variable name: its
+    modules are reached from a neutral ``module``, and a comment after two spaces names
+    the root it stands for."""
+    root = _root_path(ctx.trace, path) or _root_of_name(ctx, path)
+    if root is None or not _prefixed(ctx.trace, root):
+        if root is not None and path == root:
+            return "model"
+        return f"model.get_submodule({path!r})"
+    if path == root:
+        return f"module  # module: the watched {root}"
+    rel = path[len(root) + 1 :] if path.startswith(root + ".") else path
+    return f"module.get_submodule({rel!r})  # module: the watched {root}"
+
+
+def _root_of_name(ctx: RuleContext, name: str) -> str | None:
+    """The watched root a qualified name starts with (a prefixed root's names carry its
+    name), when its owner made no call this step."""
+    roots = [c.path for t in (*ctx.history[-1:], ctx.trace) for c in t.calls if c.root]
+    return next((r for r in roots if name == r or name.startswith(r + ".")), None)
+
+
+def _param_shapes(trace: StepTrace, path: str) -> dict[str, tuple[int, ...]]:
+    """The shapes of the parameters of ``path`` whose gradients the step recorded, by name
+    relative to it (``A`` for ``4.A``)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for r in trace.records:
+        if r.phase is Phase.GRADIENT and r.path == path:
+            out.setdefault(_relative(r.role, path), r.shape)
+    return out
+
+
+def _relative(name: str, owner: str) -> str:
+    """A parameter's qualified name relative to the module that owns it."""
+    return name[len(owner) + 1 :] if name.startswith(owner + ".") else name
+
+
 def _zero_factors_diagnosis(
-    ctx: RuleContext, top: str, need: int, params: list[str], child: str
+    ctx: RuleContext,
+    top: str,
+    need: int,
+    params: list[str],
+    child: str,
+    *,
+    more: Sequence[str] = (),
 ) -> Diagnosis:
-    first = params[0]
-    root = any(c.root and c.path == top for c in ctx.trace.calls)
-    owner = "model" if root else f"model.get_submodule({top!r})"
     listed = ", ".join(params)
+    shapes = _param_shapes(ctx.trace, top)
+    empty = {n: s for n, s in shapes.items() if 0 in s}
+    others = f"; {', '.join(more)} are dead the same way" if more else ""
+    evidence = [
+        f"{top}: gradients of its parameters {listed} exactly 0 for the last {need} "
+        f"steps, while the gradient of its output is not{others}",
+        f"{top}'s output equals the output of its submodule {child} (same min and max "
+        f"each step): the term that {listed} add is 0",
+    ]
+    if empty:
+        sizes = ", ".join(f"{top}.{n} {tuple(s)}" for n, s in empty.items())
+        evidence.append(f"rank-0 adapter: {sizes} {'are' if len(empty) > 1 else 'is'} empty")
+        return ctx.diagnosis(
+            path=top,
+            phase=Phase.BACKWARD.value,
+            evidence=evidence,
+            explanation=(
+                f"{top} is a rank-0 adapter: its factors {listed} have no elements "
+                f"({sizes}), so their product is an empty sum, 0, and there is nothing to "
+                "train. A rank computed from a fraction of a narrow layer's size rounds to "
+                "0 (and alpha / r is then inf). Give every adapter a rank of at least 1."
+            ),
+            fix=(
+                f"# rank-0 adapter: {top}'s {'/'.join(empty)} are empty; where its rank is "
+                "computed, keep it at least 1\n"
+                "# (max(1, round(...))): at rank 0 the adapter adds nothing and alpha / r is inf"
+            ),
+        )
+    lines = []
+    names: list[tuple[str, str]] = []  # (owner path, the factor to initialize)
+    for path in (top, *more):
+        grads = [r.role for r in ctx.trace.records if r.phase is Phase.GRADIENT and r.path == path]
+        if grads:
+            names.append((path, _relative(grads[0], path)))
+    rest = ", ".join(_relative(p, top) for p in params[1:])
+    keep = f"keep {rest} at zero" if rest else "keep the other factor at zero"
+    owners = [_owner_expr(ctx, path) for path, _ in names]
+    factor = names[0][1] if names else ""
+    if (
+        len(names) > 1
+        and factor.isidentifier()
+        and all(n == factor for _, n in names)
+        and all(o.startswith("model.get_submodule(") and "#" not in o for o in owners)
+    ):
+        paths = ", ".join(repr(path) for path, _ in names)
+        lines = [
+            f"for name in ({paths}):  # before training; {keep}",
+            f"    torch.nn.init.kaiming_uniform_(model.get_submodule(name).{factor}, "
+            "a=math.sqrt(5))",
+        ]
+    for (_, name), owner in zip(names, owners, strict=True) if not lines else ():
+        target, _, note = owner.partition("  # ")
+        attr = f"{target}.{name}" if name.isidentifier() else f"{target}.get_parameter({name!r})"
+        lines.append(
+            f"torch.nn.init.kaiming_uniform_({attr}, a=math.sqrt(5))  # before training; {keep}"
+            + (f"; {note}" if note else "")
+        )
     return ctx.diagnosis(
         path=top,
         phase=Phase.BACKWARD.value,
-        evidence=[
-            f"{top}: gradients of its parameters {listed} exactly 0 for the last {need} "
-            "steps, while the gradient of its output is not",
-            f"{top}'s output equals the output of its submodule {child} (same min and max "
-            f"each step): the term that {listed} add is 0",
-        ],
+        evidence=evidence,
         explanation=(
             f"The parameters {listed} of {top} add nothing to its output and receive exactly "
             "zero gradients. When parameters that are all zero multiply each other (a "
@@ -2829,11 +3273,7 @@ def _zero_factors_diagnosis(
             "ever move. Initialize one factor randomly and keep only the other at zero; "
             "the update then starts at 0 and still learns."
         ),
-        fix=(
-            "import math\n"
-            f"torch.nn.init.kaiming_uniform_({owner}.{first}, a=math.sqrt(5))  # before training; "
-            "keep the other factor at zero"
-        ),
+        fix="import math\n" + "\n".join(lines),
     )
 
 
