@@ -604,9 +604,9 @@ class Watcher:
         #: this is a forked child of the process that attached (a DataLoader worker): the
         #: watcher was detached there at the fork and does nothing in it
         self._forked = False
-        #: an optimizer that updates watched weights is inside its ``step()`` (between
-        #: nanwatch's pre- and post-hook), and whether a root forward ran in it since: the
-        #: closure of LBFGS evaluates the model several times in one step
+        #: an optimizer that updates watched weights (or any one given a closure) is inside
+        #: its ``step()`` (between nanwatch's pre- and post-hook), and whether a root forward
+        #: ran in it since: the closure of LBFGS evaluates the model several times in one step
         self._opt_running = False
         self._opt_forwarded = False
         #: the optimizer that last stepped each weight (by the weight's id): its state is
@@ -1699,6 +1699,11 @@ class Watcher:
                 self._after_backward = None  # an update: the next forward begins a step
                 self._updated = True
                 self._ever_updated = True
+                self._opt_running = True
+                self._opt_forwarded = False
+            elif any(map(callable, args)) or callable(kwargs.get("closure")):
+                # an optimizer of other tensors given a closure (LBFGS optimizing an image
+                # through a frozen model): the forwards it makes are one step, as above
                 self._opt_running = True
                 self._opt_forwarded = False
             if groups and len(self._trace.notes) < 256:
@@ -2941,8 +2946,10 @@ class Watcher:
         something, while no weight was updated twice (the first cycle). At the first
         ``nw.step()``, all of them are folded, however many updates they hold (a
         discriminator's updates before the generator's, SAM's perturbed weights, a WGAN's
-        critic updates): from then on steps are the user's, and everything since attach is
-        the user's first step. Returns what the step updated, or None once nothing is
+        critic updates), and also when no watched weight was updated (LBFGS's closure
+        evaluations of an image optimized through a frozen model, a FedAvg server's clients
+        trained on copies): from then on steps are the user's, and everything since attach
+        is the user's first step. Returns what the step updated, or None once nothing is
         followed any more (an anomaly, a log as long as the ring: see
         :meth:`_cycle_boundary`)."""
         log = self._cycle
@@ -2953,7 +2960,7 @@ class Watcher:
             self._cycle_open = False  # updated twice: the first cycle is over
         if not (first_explicit or self._cycle_open):
             return changed  # kept for the first nw.step(), if it comes
-        if not (self._ever_updated if first_explicit else changed and self._updated):
+        if not (first_explicit or (changed and self._updated)):
             return changed  # the steps fold into the cycle of an optimizer's update
         cur = self._trace
         if (
