@@ -476,6 +476,14 @@ class _GradWrite:
     #: assigns a number once), and the numerator's factors (``g``, ``sigma``, ``C``)
     divisor_value: float | None = None
     factors: tuple[str, ...] = ()
+    #: written into the tensor backward left in ``.grad`` (``p.grad.copy_(...)``,
+    #: ``p.grad.data = ...``, ``p.grad /= n``), not a new tensor assigned to it
+    in_place: bool = False
+    #: the statement holding the projection's division, that division's divisor guarded
+    #: (``ratio = a @ b / (b @ b).clamp_min(1e-12)``); None when it spans lines
+    proj_fixed: str | None = None
+    #: ``b`` when the divisor is ``b @ b`` / ``torch.dot(b, b)``: its squared norm
+    proj_norm_of: str | None = None
 
 
 def _assigned_number(scope: ast.AST, name: str) -> float | None:
@@ -540,11 +548,112 @@ def _factors(node: ast.expr, text: str) -> tuple[str, ...]:
 
 _DOT_CALLS = frozenset({"dot", "vdot", "inner"})
 
+#: in-place tensor methods that leave the values as they were or cannot make NaN/inf
+_NOT_WRITES = frozenset({"zero_", "detach_", "requires_grad_", "nan_to_num_", "share_memory_"})
+
+
+def _grad_of(node: ast.expr) -> ast.expr | None:
+    """The ``x.grad`` that ``node`` writes into: ``x.grad``, ``x.grad.data``, a subscript of
+    either (``x.grad[mask]``); None for anything else."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    if isinstance(node, ast.Attribute) and node.attr == "data":
+        node = node.value
+    return node if isinstance(node, ast.Attribute) and node.attr == "grad" else None
+
+
+def _write_of(stmt: ast.stmt) -> tuple[ast.expr, ast.expr | None, ast.expr | None, bool] | None:
+    """What statement ``stmt`` writes into a ``.grad``: the ``x.grad`` written, the value
+    written (or combined in), the divisor it is divided by in place (``p.grad /= n``,
+    ``p.grad.div_(n)``), and whether the write is in place (into the tensor backward left
+    there) rather than a new tensor assigned to ``x.grad``. None when it writes none."""
+    if isinstance(stmt, ast.Assign):
+        for tgt in stmt.targets:
+            if isinstance(tgt, ast.Attribute) and tgt.attr == "grad":
+                return tgt, stmt.value, None, False
+            g = _grad_of(tgt)
+            if g is not None:
+                return g, stmt.value, None, True
+    elif isinstance(stmt, ast.AugAssign):
+        g = _grad_of(stmt.target)
+        if g is not None:
+            div = isinstance(stmt.op, ast.Div)
+            return g, None if div else stmt.value, stmt.value if div else None, True
+    elif isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        f = stmt.value.func
+        if (
+            isinstance(f, ast.Attribute)
+            and f.attr.endswith("_")
+            and not f.attr.startswith("_")
+            and f.attr not in _NOT_WRITES
+        ):
+            g = _grad_of(f.value)
+            args = stmt.value.args
+            if g is not None:
+                if f.attr == "div_" and args:
+                    return g, None, args[0], True
+                return g, args[0] if args else None, None, True
+    return None
+
+
+def _squared_norm_of(node: ast.expr, text: str) -> str | None:
+    """``b`` when ``node`` is ``b @ b``, ``torch.dot(b, b)``, ``b.dot(b)``: the squared
+    norm of ``b``; None otherwise."""
+    pair: tuple[ast.expr, ast.expr] | None = None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+        pair = (node.left, node.right)
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if len(node.args) == 2 and isinstance(node.func.value, ast.Name):
+            pair = (node.args[0], node.args[1])  # torch.dot(b, b)
+        elif len(node.args) == 1:
+            pair = (node.func.value, node.args[0])  # b.dot(b)
+    elif isinstance(node, ast.Call) and len(node.args) == 2:
+        pair = (node.args[0], node.args[1])  # dot(b, b)
+    if pair is None or ast.dump(pair[0]) != ast.dump(pair[1]):
+        return None
+    return ast.get_source_segment(text, pair[0])
+
+
+def _guarded_statement(text: str, stmt: ast.stmt, div: ast.BinOp) -> str | None:
+    """The single-line statement ``stmt`` with the divisor of ``div`` guarded by
+    ``.clamp_min(1e-12)``, as the user wrote the rest of it; None when it spans lines."""
+    seg = ast.get_source_segment(text, stmt)
+    den = ast.get_source_segment(text, div.right)
+    if not seg or not den or "\n" in seg:
+        return None
+    lines = text.splitlines()
+    row = lines[div.right.lineno - 1]
+    lo, hi = div.right.col_offset, div.right.end_col_offset
+    if hi is None or row[lo:hi] != den or div.right.lineno != stmt.lineno:
+        return None
+    new = row[:lo] + paren(den) + ".clamp_min(1e-12)" + row[hi:]
+    fixed = new[stmt.col_offset : len(new) - (len(row) - (stmt.end_col_offset or len(row)))]
+    try:
+        ast.parse(fixed)
+    except SyntaxError:
+        return None
+    return fixed
+
+
+def _is_projection(node: ast.AST) -> bool:
+    """``a / (b @ b)``, ``a / torch.dot(b, b)``: a division by a dot product."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):
+        return False
+    r = node.right
+    if isinstance(r, ast.BinOp):
+        return isinstance(r.op, ast.MatMult)
+    return isinstance(r, ast.Call) and (
+        getattr(r.func, "attr", None) in _DOT_CALLS or getattr(r.func, "id", None) in _DOT_CALLS
+    )
+
 
 def _grad_write(source: str | None) -> _GradWrite | None:
-    """The first ``X.grad = ...`` in the user's function that called ``optimizer.step()`` at
-    ``source`` (or in a function of the same file it calls), with a division by a dot
-    product of gradients there when there is one (PCGrad's projection)."""
+    """The first write into ``.grad`` in the user's function that called
+    ``optimizer.step()`` at ``source`` (or in a function of the same file it calls): a new
+    tensor assigned (``p.grad = ...``) before one written in place (``p.grad.copy_(...)``,
+    ``p.grad.data = ...``, ``p.grad.div_(n)``, ``p.grad[i] = ...``), with the first
+    division by a dot product of gradients there when there is one (PCGrad's, A-GEM's
+    projection)."""
     found = _user_scope(source)
     if found is None:
         return None
@@ -552,74 +661,74 @@ def _grad_write(source: str | None) -> _GradWrite | None:
 
     path, tree, scope = found
     text = "".join(linecache.getlines(path))
-    write: tuple[int, str, str, str | None] | None = None
-    extra: tuple[float | None, tuple[str, ...]] = (None, ())
-    proj: tuple[int, str, str] | None = None
-    for sc in _scopes_with_callees(tree, scope):
-        for node in ast.walk(sc):
-            if isinstance(node, ast.Assign) and write is None:
-                for tgt in node.targets:
-                    if isinstance(tgt, ast.Attribute) and tgt.attr == "grad":
-                        seg = ast.get_source_segment(text, node) or ""
-                        target = ast.get_source_segment(text, tgt) or ""
-                        v = node.value
-                        divides = isinstance(v, ast.BinOp) and isinstance(v.op, ast.Div)
-                        den = (
-                            ast.get_source_segment(text, v.right)
-                            if isinstance(v, ast.BinOp) and divides
-                            else None
-                        )
-                        if seg and "\n" not in seg and target:
-                            write = (node.lineno, target, seg, den)
-                            if isinstance(v, ast.BinOp) and divides:
-                                r = v.right
-                                known = (
-                                    float(r.value)
-                                    if isinstance(r, ast.Constant)
-                                    and isinstance(r.value, (int, float))
-                                    else _closure_number(tree, sc, r.id)
-                                    if isinstance(r, ast.Name)
-                                    else None
-                                )
-                                extra = (known, _factors(v.left, text))
-            elif (
-                isinstance(node, ast.BinOp)
-                and isinstance(node.op, ast.Div)
-                and proj is None
-                and (
-                    (isinstance(node.right, ast.BinOp) and isinstance(node.right.op, ast.MatMult))
-                    or (
-                        isinstance(node.right, ast.Call)
-                        and (
-                            getattr(node.right.func, "attr", None) in _DOT_CALLS
-                            or getattr(node.right.func, "id", None) in _DOT_CALLS
-                        )
-                    )
-                )
-            ):
-                div = ast.get_source_segment(text, node.right)
-                whole = ast.get_source_segment(text, node)
-                if div and whole and "\n" not in whole:
-                    proj = (node.lineno, div, whole)
+    writes: list[tuple[bool, int, int, ast.AST, ast.stmt]] = []
+    projs: list[tuple[int, int, ast.BinOp, ast.stmt]] = []
+    for k, sc in enumerate(_scopes_with_callees(tree, scope)):
+        for stmt in ast.walk(sc):
+            if not isinstance(stmt, ast.stmt):
+                continue
+            w = _write_of(stmt)
+            if w is not None:
+                writes.append((w[3], k, len(writes), sc, stmt))
+            for node in ast.iter_child_nodes(stmt):
+                if isinstance(node, ast.stmt):
+                    continue  # its own statement
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.BinOp) and _is_projection(sub):
+                        projs.append((k, sub.lineno, sub, stmt))
+    write = None
+    for in_place, _, _, sc, stmt in sorted(writes, key=lambda q: (q[0], q[1], q[2])):
+        seg = ast.get_source_segment(text, stmt) or ""
+        if seg and "\n" not in seg:
+            write = (in_place, sc, stmt, seg)
+            break
     if write is None:
         return None
-    line, target, code, den = write
-    value, factors = extra
-    if proj is None:
-        return _GradWrite(
-            f"{path}:{line}", target, code, own_divisor=den, divisor_value=value, factors=factors
+    in_place, sc, stmt, code = write
+    tgt_node, value, own, _ = _write_of(stmt)  # type: ignore[misc]
+    target = ast.get_source_segment(text, tgt_node) or ""
+    if not target:
+        return None
+    den: str | None = None
+    known: float | None = None
+    factors: tuple[str, ...] = ()
+    if own is None and isinstance(value, ast.BinOp) and isinstance(value.op, ast.Div):
+        own, factors = value.right, _factors(value.left, text)
+    elif own is not None:
+        factors = (target,)
+    if own is not None:
+        den = ast.get_source_segment(text, own)
+        known = (
+            float(own.value)
+            if isinstance(own, ast.Constant)
+            and isinstance(own.value, (int, float))
+            and not isinstance(own.value, bool)
+            else _closure_number(tree, sc, own.id)
+            if isinstance(own, ast.Name)
+            else None
         )
-    return _GradWrite(
-        f"{path}:{line}",
+    base = _GradWrite(
+        f"{path}:{stmt.lineno}",
         target,
         code,
-        proj[1],
-        proj[2],
-        f"{path}:{proj[0]}",
-        den,
-        divisor_value=value,
+        own_divisor=den,
+        divisor_value=known,
         factors=factors,
+        in_place=in_place,
     )
+    for _, _, div, pstmt in sorted(projs, key=lambda q: (q[0], q[1])):
+        whole = ast.get_source_segment(text, div)
+        divisor = ast.get_source_segment(text, div.right)
+        if whole and divisor and "\n" not in whole:
+            return dataclasses.replace(
+                base,
+                divisor=divisor,
+                division=whole,
+                proj_where=f"{path}:{div.lineno}",
+                proj_fixed=_guarded_statement(text, pstmt, div),
+                proj_norm_of=_squared_norm_of(div.right, text),
+            )
+    return base
 
 
 _OPTIMIZERS = frozenset(
@@ -752,12 +861,26 @@ def _written_grad_diagnosis(
     DP-SGD's clipped and noised sum), which nanwatch's check at the end of backward never
     saw. The fix names the line that wrote ``.grad`` when the user's source shows it."""
     how, held, source, opt, step, var = written
-    made = (
-        f"replaced after backward by your code (a new tensor in {name}.grad)"
-        if how == "replaced"
-        else "set by your code: no backward() gave it (torch.autograd.grad results written "
-        "into .grad)"
-    )
+    gw = _grad_write(source)
+    if how == "in_place" or (how == "replaced" and gw is not None and gw.in_place):
+        # the watcher tells a tensor swapped in and values written into the one backward
+        # left apart only by identity; the user's line says which
+        made = (
+            f"replaced after backward by your code, in place: written into the tensor "
+            f"backward left in {name}.grad"
+            + (f" ({gw.code})" if gw is not None and gw.in_place else "")
+        )
+    elif how == "replaced":
+        made = (
+            f"replaced after backward by your code (a new tensor in {name}.grad)"
+            if gw is not None
+            else f"replaced after backward by your code ({name}.grad assigned or written in place)"
+        )
+    else:
+        made = (
+            "set by your code: no backward() gave it (torch.autograd.grad results written "
+            "into .grad)"
+        )
     what = (
         "and it held NaN/inf"
         if held
@@ -769,18 +892,26 @@ def _written_grad_diagnosis(
     ]
     if source:
         evidence.append(f"the optimizer step at {source}")
-    gw = _grad_write(source)
     if gw is not None:
         evidence.append(f"your code writes the gradient at {gw.where}: {gw.code}")
     if gw is not None and gw.divisor is not None and gw.division is not None:
+        when = (
+            f"when {gw.proj_norm_of} is all zeros (its squared norm {gw.divisor} is then 0, "
+            "and so is the numerator)"
+            if gw.proj_norm_of
+            else f"when a gradient in {gw.divisor} is exactly 0"
+        )
         cause = (
             "your code computed it after backward with a projection (gradient surgery "
-            f"such as PCGrad): {gw.division} at {gw.proj_where} is 0/0 when a task "
-            "gradient is exactly 0 (a loss masked to 0, a task absent from the batch)"
+            f"such as PCGrad, A-GEM): {gw.division} at {gw.proj_where} is 0/0 {when}; a "
+            "gradient is exactly 0 for a loss masked to 0, a task absent from the batch, an "
+            "empty reference memory"
         )
+        line = (gw.proj_where or "").rpartition(":")[2]
         head = (
-            "# guard the division in your projection: a task gradient of 0 gives 0/0\n"
+            "# guard the division in your projection: a gradient of 0 gives 0/0\n"
             f"#   / {paren(gw.divisor)}.clamp_min(1e-12)   instead of   / {paren(gw.divisor)}\n"
+            + (f"#   line {line}: {gw.proj_fixed}\n" if gw.proj_fixed else "")
         )
     elif gw is not None:
         cause = (
