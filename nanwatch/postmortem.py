@@ -373,6 +373,23 @@ def step_advice(info: dict[str, Any], trace: StepTrace | None, *, scaler: bool =
             + ": the check only reports them. Where it went wrong names the op that made the "
             "first NaN or inf; fix that, not the check."
         )
+    elif (
+        trace.anomaly is None
+        and not trace.ops
+        and trace.records
+        and all(r.stat is None or r.stat.finite for r in trace.records)
+    ):
+        # nothing nanwatch watched held it: the value was made by code it does not watch,
+        # between the model's output and the check (sampling code after the model)
+        info["advice"] = (
+            f"Every value nanwatch watched in step {trace.step} was finite (the modules' "
+            "inputs and outputs, the loss, the gradients): the NaN or inf was made by your "
+            "code between the model's output and this check, on a line of the traceback "
+            "above it. Sampling code is the usual place: logits / temperature with a "
+            "temperature of 0 (take the argmax instead when it is 0), a top-k/top-p mask "
+            "that removes every token (always keep the most likely one), a log of a "
+            "probability of 0."
+        )
 
 
 def _raised_in_backward(exc: BaseException) -> bool:

@@ -1387,6 +1387,13 @@ def report_summary(report: Report, paths: Sequence[os.PathLike[str] | str]) -> R
         lines.append(hint)
     elif err is not None and err.get("advice"):
         lines.append(Text(f"  → {_first_sentence(str(err['advice']))}", style="nanwatch.dim"))
+    if top is None and err is not None and err.get("source"):
+        # the user's line that raised: the first place to look when no diagnosis names one
+        at = Text(f"  at {err['source']}", style="nanwatch.source")
+        code = str(err.get("code") or "").strip()
+        if code:
+            at.append(f"  {code}", style="nanwatch.dim")
+        lines.append(at)
     for p in paths:
         lines.append(Text(f"  {os.fspath(p)}", style="nanwatch.source"))
     return Themed(Group(*lines))
