@@ -15,7 +15,7 @@ import fnmatch
 import math
 import re
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from nanwatch.records import (
     LOSS_PATH,
@@ -1022,6 +1022,29 @@ def _rows_text(trig: Record) -> str:
     )
 
 
+def _ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``11th``, ``22nd``."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _which_call(trace: StepTrace, call: Call | None) -> str:
+    """``, at the 9th of 80 calls of odefunc in this step``: which call of a module the
+    step called more than once (a solver's function, a recurrent cell) got the value, so
+    the user sees which iteration blew up; the total only when the step's records go on
+    past that call (a step stopped at the anomaly has no later calls). Empty for a module
+    called once."""
+    if call is None:
+        return ""
+    ids = [c.id for c in trace.calls if c.path == call.path]
+    if len(ids) < 2 or call.id not in ids:
+        return ""
+    nth = ids.index(call.id) + 1
+    if nth < len(ids):
+        return f", at the {_ordinal(nth)} of {len(ids)} calls of {call.path} in this step"
+    return f", at the {_ordinal(nth)} call of {call.path} in this step"
+
+
 def _op_before(trace: StepTrace, call: Call, trig: Record) -> OpEvent | None:
     """A traced forward op of this step, outside ``call``, that made the non-finite value
     ``trig`` (``call``'s input) holds from finite values (forensic mode, ``nw.replay``): the
@@ -1078,6 +1101,60 @@ def _computed_between_calls(trace: StepTrace, call: Call, trig: Record) -> bool:
     if not _whole_samples_bad(trig):
         return False
     return earlier_finite_input(trace, trig, call.path, call.id) is not None
+
+
+#: loss modules whose target is a distribution (soft labels): a teacher's softmax
+SOFT_TARGET_LOSSES = frozenset({"KLDivLoss", "CrossEntropyLoss", "BCELoss", "BCEWithLogitsLoss"})
+#: the half-precision dtypes, by name
+HALF_DTYPES = frozenset({"float16", "bfloat16"})
+_HALF = HALF_DTYPES
+_WIDE = frozenset({"float32", "float64"})
+
+
+class ComputedTarget(NamedTuple):
+    """Why a loss target was computed in the step by the user's code (see
+    :func:`computed_target`)."""
+
+    model_input: Record  #: the watched model's first input this step, finite
+    half: bool  #: the target is float16/bfloat16 while that input is float32/float64
+    soft: bool  #: soft labels whose bad samples are NaN throughout, finite values in [-1, 1]
+
+
+def computed_target(trace: StepTrace, rec: Record, call: Call | None) -> ComputedTarget | None:
+    """The non-finite target ``rec`` of loss ``call`` was computed in this step by the
+    user's code (a teacher or target network), not loaded: the watched model's own input
+    this step was finite, and the target is float16/bfloat16 while that input is
+    float32/float64 (a half-precision network made it), or each bad sample is NaN
+    throughout while every finite value lies in [-1, 1] for a loss of soft labels (a
+    softmax of a row holding inf is NaN in the whole row; loaded data goes bad a value at
+    a time). None when nothing says so, when ``call`` is not a loss or ``rec`` is its
+    ``input[0]`` (the prediction, not the target)."""
+    if call is None or not call.is_loss or rec.role == "input[0]":
+        return None
+    if rec.source is not None or rec.stat is None:
+        return None
+    model_inputs = [
+        r
+        for c in trace.calls
+        if c.root and not c.is_loss and c.id < call.id
+        for r in trace.inputs_of(c.id)
+        if r.stat is not None and r.dtype in (_HALF | _WIDE)
+    ]
+    if not model_inputs or any(r.bad for r in model_inputs):
+        return None
+    first = model_inputs[0]
+    half = rec.dtype in _HALF and first.dtype in _WIDE
+    s = rec.stat
+    soft = (
+        call.module_type in SOFT_TARGET_LOSSES
+        and _whole_samples_bad(rec)
+        and not (s.posinf or s.neginf)
+        and s.finite_amax is not None
+        and s.finite_amax <= 1.0
+    )
+    if not (half or soft):
+        return None
+    return ComputedTarget(first, half, soft)
 
 
 def earlier_finite_input(trace: StepTrace, rec: Record, path: str, before: int) -> Record | None:
@@ -1184,7 +1261,13 @@ def localize(
         path = call.path if call is not None else trig.path
         rows = _rows_text(trig)
         summary = f"{what} in the input data: {trig.role} of {path}{rows} (bad data, not a layer)"
-        if call is not None and _computed_between_calls(trace, call, trig):
+        if computed_target(trace, trig, call) is not None:
+            origin = "computed-target"
+            summary = (
+                f"{what} in the target of {path} ({trig.role}){rows}, computed by your code "
+                "this step (a teacher or target network), not the data"
+            )
+        elif call is not None and _computed_between_calls(trace, call, trig):
             origin = "between-calls"
             summary = (
                 f"{what} in {trig.role} of {path}{rows}, computed by your code between two "
@@ -1197,7 +1280,7 @@ def localize(
         neginf = _earliest_neginf(trace, [trig])
         summary = (
             f"{what} born in the forward code of {path} itself, in the value it passed to "
-            f"{trig.path} ({trig.role})"
+            f"{trig.path} ({trig.role}){_which_call(trace, call)}"
         )
     elif trig.phase is Phase.FORWARD:
         kind, origin = AnomalyKind.FORWARD, "module"

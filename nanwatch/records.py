@@ -428,7 +428,8 @@ class Anomaly:
     path: str  #: the producer: module path, or the parameter's qualified name
     record: Record  #: the first bad record, the evidence
     #: ``"module"``: the module's own code; ``"between-children"``: functional code in the
-    #: module's forward between its children; ``"data"``, ``"parameter"``, ``"gradient"``.
+    #: module's forward between its children; ``"data"``, ``"parameter"``, ``"gradient"``;
+    #: ``"computed-target"``: a loss target the user's code computed this step (a teacher).
     origin: str
     summary: str  #: one line a person can act on
     propagators: list[str] = field(default_factory=list)  #: modules that merely passed it on

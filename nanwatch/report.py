@@ -609,6 +609,11 @@ def anomaly_headline(a: Anomaly) -> str:
             f"{kinds} in {a.record.role} of {a.path}, computed by your code between two calls "
             f"of {a.path}"
         )
+    elif k is AnomalyKind.INPUT and a.origin == "computed-target":
+        text = (
+            f"{kinds} in the target of {a.path} ({a.record.role}), computed by your code "
+            "this step (a teacher or target network)"
+        )
     elif k is AnomalyKind.INPUT:
         text = f"{kinds} in the input data ({a.record.role} of {a.path})"
     elif k is AnomalyKind.FORWARD and a.origin == "between-roots":

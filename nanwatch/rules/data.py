@@ -9,7 +9,7 @@ import re
 import textwrap
 from collections.abc import Iterator
 
-from nanwatch.localize import earlier_finite_input, is_birth
+from nanwatch.localize import HALF_DTYPES, computed_target, earlier_finite_input, is_birth
 from nanwatch.records import (
     LOSS_PATH,
     AnomalyKind,
@@ -141,57 +141,29 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
     )
 
 
-#: loss modules whose target is a distribution (soft labels): a teacher's softmax
-_SOFT_TARGET_LOSSES = frozenset({"KLDivLoss", "CrossEntropyLoss", "BCELoss", "BCEWithLogitsLoss"})
-_HALF = frozenset({"float16", "bfloat16"})
-_WIDE = frozenset({"float32", "float64"})
-
-
 def _computed_target(ctx: RuleContext, rec: Record, call: Call | None) -> list[str] | None:
     """Why the non-finite target ``rec`` of loss ``call`` was computed in this step by
-    the user's code (a teacher or target network), not loaded: the watched model's own
-    input this step was finite, and the target is float16/bfloat16 while that input is
-    float32/float64 (a half-precision network made it), or each bad sample is NaN
-    throughout while every finite value lies in [-1, 1] for a loss of soft labels (a
-    softmax of a row holding inf is NaN in the whole row; loaded data goes bad a value at
-    a time). The reasons, in words; None when nothing says so."""
-    if call is None or rec.source is not None or rec.stat is None:
+    the user's code (a teacher or target network), not loaded (see
+    :func:`nanwatch.localize.computed_target`, which the headline reads too): the reasons,
+    in words; None when nothing says so."""
+    found = computed_target(ctx.trace, rec, call)
+    if found is None:
         return None
-    trace = ctx.trace
-    model_inputs = [
-        r
-        for c in trace.calls
-        if c.root and not c.is_loss and c.id < call.id
-        for r in trace.inputs_of(c.id)
-        if r.stat is not None and r.dtype in (_HALF | _WIDE)
-    ]
-    if not model_inputs or any(r.bad for r in model_inputs):
-        return None
-    first = model_inputs[0]
+    first = found.model_input
     reasons: list[str] = []
-    if rec.dtype in _HALF and first.dtype in _WIDE:
+    if found.half:
         reasons.append(
             f"the target is {rec.dtype} while the model's input ({first.role} of "
             f"{first.path}) is {first.dtype}: a {rec.dtype} network computed it, not the "
             "data loader"
         )
-    s = rec.stat
-    soft = call.module_type in _SOFT_TARGET_LOSSES
-    if (
-        soft
-        and _whole_samples_bad(rec)
-        and not (s.posinf or s.neginf)
-        and s.finite_amax is not None
-        and s.finite_amax <= 1.0
-    ):
+    if found.soft and rec.stat is not None:
         reasons.append(
             "every value of each bad sample is NaN and every finite value lies in "
-            f"[-1, 1] (largest |value| {fmt(s.finite_amax)}): whole distributions gone NaN, "
-            "as a softmax makes of a row of logits holding inf; a missing value in loaded "
-            "data spoils one value, not a whole row"
+            f"[-1, 1] (largest |value| {fmt(rec.stat.finite_amax)}): whole distributions gone "
+            "NaN, as a softmax makes of a row of logits holding inf; a missing value in "
+            "loaded data spoils one value, not a whole row"
         )
-    if not reasons:
-        return None
     reasons.append(
         f"the model's input this step ({first.role} of {first.path}) was finite: the target "
         "was computed from the batch, by code outside the watched modules"
@@ -209,7 +181,7 @@ def _computed_target_diagnosis(
     assert a is not None
     s = a.record.stat
     kinds = s.kinds().replace(", ", " or ") if s is not None and not s.finite else "NaN or inf"
-    half = a.record.dtype in _HALF
+    half = a.record.dtype in HALF_DTYPES
     return ctx.diagnosis(
         **anomaly_fields(a),
         title=f"{kinds} in a loss target your code computed (a teacher or target network)",

@@ -187,6 +187,7 @@ def _born_where(a: Anomaly) -> str:
         ),
         "between-calls": f"in your code between two calls of {a.path}, in its {role}",
         "data": f"in the input data ({role} of {a.path})",
+        "computed-target": f"in the target of {a.path} ({role}), computed by your code this step",
         "loss-code": "on the way to the loss, outside every watched module",
         "after-output": f"in the {a.kind.value} of code after the output of {a.path}",
         "gradient": f"in the gradient of {a.path}",
