@@ -3002,6 +3002,14 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             **op_fields(ev, a), title=title, evidence=evidence, explanation=why, fix=fix
         )
         return
+    empty = (
+        _empty_selection(ctx, a, ev)
+        if (has_zero(den) or unmeasured) and not _python_count(ev)
+        else None
+    )
+    if empty is not None:
+        yield _empty_selection_diagnosis(ctx, a, ev, empty, evidence=evidence)
+        return
     gone = (
         _normalize_eps_lost(ev.code, ev.dtype)
         if ev.phase is Phase.FORWARD and has_zero(den) and not integer
@@ -3205,6 +3213,7 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             fix=smoothed,
         )
         return
+    evidence[1:1] = _which_division(ev) if not integer else []
     yield ctx.diagnosis(
         **op_fields(ev, a),
         title=title,
@@ -3515,6 +3524,10 @@ def _all_zero_denominator(
         own = (
             f"{norm}   # eps inside the sqrt: a zero vector gets norm 1e-4, and x / n is 0, not 0/0"
         )
+    several = _zero_divisions(ev) if own is None and _one_division(ev.code) is None else None
+    if several is not None and len(several.divisions) > 1:
+        own = _guard_each(ev, several)
+        evidence[2:2] = _which_division(ev)
     if own is None:
         clamp = _rewrite_divisor(
             ev.code, lambda d: f"{paren(d)}.clamp_min(torch.finfo({_power_base(d)}.dtype).eps)"
@@ -4705,6 +4718,31 @@ def _scalar_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
             fix="\n".join(fix),
         )
     ref = expr or f"the number given as {name}"
+    made = _attribute_quotient(ev, expr) if expr and math.isinf(value) else None
+    if made is not None:
+        stmt, where, divisor = made
+        evidence.insert(
+            1,
+            f"{expr} is made at {where}: {stmt}; {fmt(value)} there means {divisor} was 0 "
+            "(numpy and torch scalars divide by 0 with a warning, not an error)",
+        )
+        return ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"Infinite number given to an op: {stmt} is inf ({divisor} is 0)",
+            evidence=evidence,
+            explanation=(
+                f"{stmt.split('=', 1)[0].strip()} was computed as a division by {divisor}, "
+                f"and {divisor} was 0 when the module was built: a rank, size or count "
+                "derived from a configuration (int(round(frac * d)) is 0 for a small d), "
+                f"a number divided in numpy, which gives inf instead of raising. Capping "
+                f"{expr} would hide a component built empty; check {divisor} where it is "
+                "given."
+            ),
+            fix=(
+                f"assert {divisor} != 0, {divisor}   # before {stmt} ({where}): a rank or "
+                f"count must be at least 1; skip the component when {divisor} is 0"
+            ),
+        )
     bounded = None
     if not math.isnan(value):
         bounded = _replace_operand(
@@ -4731,6 +4769,38 @@ def _scalar_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         ),
         fix="\n".join(fix),
     )
+
+
+def _attribute_quotient(ev: OpEvent, expr: str) -> tuple[str, str, str] | None:
+    """For an operand ``self.<attr>`` of the user's line: the statement of the class that
+    assigned it as a division (``self.scaling = alpha / r``), where, and its divisor, when
+    the file shows exactly one such assignment above the line; else None."""
+    import linecache
+
+    m = re.fullmatch(r"self\.([A-Za-z_]\w*)", expr.strip())
+    path, _, num = (ev.source or "").rpartition(":")
+    if m is None or not path or not num.isdigit():
+        return None
+    pattern = re.compile(rf"^\s*self\.{re.escape(m.group(1))}\s*=(?!=)")
+    found: list[tuple[str, str, str]] = []
+    for n in range(1, int(num)):
+        text = linecache.getline(path, n)
+        for stmt in statements(text):
+            if not pattern.match(stmt):
+                continue
+            try:
+                value = ast.parse(stmt.strip()).body[0]
+            except (SyntaxError, IndexError):
+                return None
+            if not isinstance(value, ast.Assign):
+                return None
+            rhs = value.value
+            if not (isinstance(rhs, ast.BinOp) and isinstance(rhs.op, ast.Div)):
+                return None
+            if isinstance(rhs.right, ast.Constant):
+                return None
+            found.append((stmt.strip(), f"{path}:{n}", ast.unparse(rhs.right)))
+    return found[0] if len(found) == 1 else None
 
 
 def _replace_operand(ev: OpEvent, name: str, wrap: Callable[[str], str]) -> str | None:
@@ -4892,6 +4962,391 @@ def _one_division(code: str | None) -> tuple[str, ast.BinOp] | None:
             if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)
         ]
     return found[0] if len(found) == 1 else None
+
+
+def _resolved(node: ast.expr, ev: OpEvent, depth: int = 2) -> ast.expr:
+    """``node`` with each plain name replaced by the value it was assigned above the user's
+    line, whenever that line runs (``sq`` in ``1 + sq`` -> ``(s ** 2).sum(-1)``), ``depth``
+    levels deep; names with no such assignment are kept."""
+    if depth <= 0 or not ev.source:
+        return node
+
+    class _Sub(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            if n.id in _MODULES:
+                return n
+            value = _unconditional_assignment(ev, n.id)
+            if value is None or n.id in _tensor_names(value):
+                return n
+            return _resolved(value, ev, depth - 1)
+
+    import copy
+
+    return _Sub().visit(copy.deepcopy(node))  # type: ignore[no-any-return]
+
+
+def _positive(node: ast.expr) -> bool:
+    """The expression is above 0 whatever the data: a positive number, ``1 + x ** 2``, a
+    positive number plus something never negative, ``d.clamp_min(0.1)``."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, (int, float)) and node.value > 0
+    if isinstance(node, ast.BinOp):
+        left, right = node.left, node.right
+        if isinstance(node.op, ast.Add):
+            return (_positive(left) and _never_negative(right)) or (
+                _positive(right) and _never_negative(left)
+            )
+        if isinstance(node.op, (ast.Mult, ast.Div)):
+            return _positive(left) and _positive(right)
+        if isinstance(node.op, ast.Pow):
+            return _positive(left)
+        return False
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        name = node.func.attr
+        if name in ("clamp_min", "clamp", "clip"):
+            low = [k.value for k in node.keywords if k.arg == "min"] + node.args[:1]
+            return bool(low) and _positive(low[0])
+    return False
+
+
+def _cannot_be_zero(node: ast.expr, ev: OpEvent) -> str | None:
+    """Why a divisor of the user's line cannot be 0 (``1 + sq``: 1 plus a value that is
+    never negative, sq = ``(s ** 2).sum(-1)``); None when it can."""
+    if _positive(node):
+        return "a positive number" if isinstance(node, ast.Constant) else "at least positive"
+    full = _resolved(node, ev)
+    if full is not node and _positive(full):
+        return f"{ast.unparse(full)}, never 0"
+    return None
+
+
+def _whole_code(ev: OpEvent) -> str | None:
+    """The user's line, or the whole statement that starts there when the line alone does
+    not parse (a formula continued on the next lines)."""
+    for stmt in statements(ev.code):
+        try:
+            ast.parse(stmt)
+        except SyntaxError:
+            return full_statement(ev.source) or ev.code
+    return ev.code
+
+
+def _sqrt_eps(ev: OpEvent, name: str) -> str | None:
+    """``norm = torch.sqrt(sq + 1e-8)``: the assignment of the divisor ``name``, above the
+    user's line, with an eps the dtype holds inside each square root that has none (a norm
+    written by hand); a clamp after the sqrt keeps the forward finite but the sqrt's own
+    backward still divides by 0. None when ``name`` is not made by a sqrt."""
+    made = _assigned_before(ev.source, name)
+    if made is None or not made.isascii():
+        return None
+    try:
+        tree = ast.parse(made)
+    except SyntaxError:
+        return None
+    roots: list[tuple[ast.expr, bool]] = []
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+            continue
+        if n.func.attr != "sqrt" or n.keywords:
+            continue
+        mod = ast.unparse(n.func.value) in ("torch", "math", "np")
+        arg = n.args[0] if mod and len(n.args) == 1 else n.func.value if not n.args else None
+        if arg is None:
+            continue
+        guarded = (
+            isinstance(arg, ast.BinOp)
+            and isinstance(arg.op, ast.Add)
+            and (_positive(arg.left) or _positive(arg.right))
+        )
+        if not guarded and not _positive(arg):
+            roots.append((arg, not mod))
+    if not roots:
+        return None
+    eps = _eps_floor(ev.dtype) or "1e-8"
+    for arg, method in sorted(roots, key=lambda r: -r[0].col_offset):
+        text = ast.get_source_segment(made, arg) or ast.unparse(arg)
+        made = _spliced(made, arg, f"({text} + {eps})" if method else f"{text} + {eps}")
+    return made
+
+
+@dataclass(frozen=True)
+class _ZeroDivisions:
+    """The divisions of the user's line whose denominator can be 0, when it has several."""
+
+    stmt: str
+    divisions: list[ast.BinOp]
+    #: the divisors passed over, each with why it cannot be 0
+    ruled_out: list[tuple[str, str]]
+    total: int
+
+
+def _zero_divisions(ev: OpEvent) -> _ZeroDivisions | None:
+    """The divisions of the user's line that can have divided by the zeros: a line with
+    several ``/`` keeps those whose divisor can be 0 (``1 + sq`` of a square cannot); None
+    when the line is unknown, not ASCII, has no ``/``, or they span several statements."""
+    found: list[tuple[str, ast.BinOp]] = []
+    for stmt in statements(_whole_code(ev)):
+        if not stmt.isascii():
+            return None
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        found += [
+            (stmt, n)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)
+        ]
+    if not found:
+        return None
+    kept: list[tuple[str, ast.BinOp]] = []
+    out: list[tuple[str, str]] = []
+    for stmt, n in found:
+        why = _cannot_be_zero(n.right, ev)
+        if why is None:
+            kept.append((stmt, n))
+        else:
+            out.append((ast.get_source_segment(stmt, n.right) or ast.unparse(n.right), why))
+    if not kept or len({s for s, _ in kept}) != 1:
+        return None
+    kept.sort(key=lambda sn: sn[1].right.col_offset)
+    return _ZeroDivisions(kept[0][0], [n for _, n in kept], out, len(found))
+
+
+def _picked_division(ev: OpEvent) -> tuple[str, ast.BinOp, str | None] | None:
+    """The statement and the ``/`` of the user's line that divided by the zeros, with the
+    evidence that picked it among several (None when the line has one); None when the line
+    is unknown or several divisions can be 0."""
+    one = _one_division(ev.code)
+    if one is not None:
+        return one[0], one[1], None
+    z = _zero_divisions(ev)
+    if z is None or len(z.divisions) != 1:
+        return None
+    div = z.divisions[0]
+    d = ast.get_source_segment(z.stmt, div.right) or ast.unparse(div.right)
+    others = "; ".join(f"{t} is {why}" for t, why in z.ruled_out)
+    said = f"the line divides {z.total} times; only {d} can be 0 ({others}): it held the zeros"
+    return z.stmt, div, said
+
+
+def _which_division(ev: OpEvent) -> list[str]:
+    """Evidence of which ``/`` of a line with several divided by the zeros: the one whose
+    divisor can be 0, or that the zeros cannot tell them apart; [] for a line with one."""
+    if _one_division(ev.code) is not None:
+        return []
+    picked = _picked_division(ev)
+    if picked is not None:
+        return [picked[2]] if picked[2] else []
+    z = _zero_divisions(ev)
+    if z is None or len(z.divisions) < 2:
+        return []
+    ds = [ast.get_source_segment(z.stmt, d.right) or ast.unparse(d.right) for d in z.divisions]
+    return [
+        f"the line divides {z.total} times and {len(ds)} of its divisors can be 0 "
+        f"({', '.join(ds)}); the op's statistics do not say which one held the zeros, so the "
+        "fix guards each"
+    ]
+
+
+_MASK_CALLS = frozenset(
+    {"eq", "ne", "gt", "ge", "lt", "le", "isfinite", "isnan", "isinf", "isin", "isclose"}
+    | {"logical_and", "logical_or", "logical_not", "logical_xor", "bool"}
+)
+
+
+def _mask_of(node: ast.expr, source: str | None, depth: int = 3) -> bool:
+    """The expression is a mask, a bool tensor or a 0/1 cast of one: a comparison, ``~m``,
+    ``a & b``, ``m.float()``, ``torch.isfinite(x)``, a slice of one, or a name assigned one
+    above line ``source``."""
+    if isinstance(node, ast.Compare):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
+        return _mask_of(node.operand, source, depth)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.BitAnd, ast.BitOr, ast.BitXor)):
+        return _mask_of(node.left, source, depth) or _mask_of(node.right, source, depth)
+    if isinstance(node, ast.Subscript):
+        return _mask_of(node.value, source, depth)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr in _MASK_CALLS:
+            return True
+        if node.func.attr in _CASTS and ast.unparse(node.func.value) not in _MODULES:
+            return _mask_of(node.func.value, source, depth)
+        return False
+    if isinstance(node, ast.Name) and depth > 0 and node.id not in _MODULES:
+        made = _assigned_before(source, node.id)
+        if made is None:
+            return False
+        try:
+            value = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
+        except SyntaxError:
+            return False
+        if node.id in _tensor_names(value):
+            return False
+        return _mask_of(value, _line_of(source, made) or source, depth - 1)
+    return False
+
+
+def _mask_count(node: ast.expr, source: str | None, depth: int = 2) -> str | None:
+    """The mask a divisor counts (``alive`` for ``alive.sum()``, ``alive.float().sum()``,
+    ``torch.count_nonzero(alive)``, or a name assigned such a count), as written; None when
+    the divisor is not a count of a mask."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        f = node.func.attr
+        mod = ast.unparse(node.func.value) in _MODULES
+        x = node.args[0] if mod and node.args else None if mod else node.func.value
+        if x is None:
+            return None
+        if f == "count_nonzero" or (f == "sum" and _mask_of(x, source)):
+            return ast.unparse(x)
+        if f in _CASTS and not mod:  # mask.sum().float()
+            return _mask_count(x, source, depth)
+        return None
+    if isinstance(node, ast.Name) and depth > 0 and node.id not in _MODULES:
+        made = _assigned_before(source, node.id)
+        if made is None:
+            return None
+        try:
+            value = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
+        except SyntaxError:
+            return None
+        return _mask_count(value, _line_of(source, made) or source, depth - 1)
+    return None
+
+
+@dataclass(frozen=True)
+class _EmptySelection:
+    """A division by the count of a mask that selected nothing: a mean over an empty
+    selection written by hand."""
+
+    stmt: str
+    div: ast.BinOp
+    mask: str
+    #: where the statement was read when the op's own line is not known (watch mode)
+    read_from: str | None
+
+
+def _loss_statement(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> tuple[str, str] | None:
+    """For a division that made the loss itself on a line not recorded (watch mode): the
+    statement that assigned the tensor ``backward()`` was called on, read above that call,
+    when its value is one division; with where it was read."""
+    rec = a.record
+    if ev.code or not ev.backward_at or ev.path != "(loss)":
+        return None
+    if node_base(rec.grad_fn or "") != "Div" or (rec.stat is not None and rec.stat.numel != 1):
+        return None
+    import linecache
+
+    path, _, num = ev.backward_at.rpartition(":")
+    if not num.isdigit():
+        return None
+    m = re.search(r"([A-Za-z_]\w*)\.backward\(", linecache.getline(path, int(num)))
+    if m is None:
+        return None
+    made = _assigned_before(ev.backward_at, m.group(1))
+    if made is None:
+        return None
+    where = _line_of(ev.backward_at, made)
+    try:
+        top = ast.parse(made).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not (
+        isinstance(top, ast.Assign)
+        and isinstance(top.value, ast.BinOp)
+        and isinstance(top.value.op, ast.Div)
+    ):
+        return None
+    return made, where or ev.backward_at
+
+
+def _empty_selection(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _EmptySelection | None:
+    """The zero denominator is the count of a mask (``alive.sum()`` of a comparison), on the
+    user's line or, in watch mode, on the line that made the loss: the mask selected nothing
+    this step."""
+    if ev.phase is not Phase.FORWARD:
+        return None
+    found = _loss_statement(ctx, a, ev)
+    if found is not None:
+        stmt, where = found
+        top = ast.parse(stmt).body[0]
+        assert isinstance(top, ast.Assign)
+        assert isinstance(top.value, ast.BinOp)
+        div: ast.BinOp = top.value
+        source: str | None = where
+        read_from: str | None = where
+    else:
+        picked = _picked_division(ev)
+        if picked is None:
+            return None
+        stmt, div, _ = picked
+        source, read_from = ev.source, None
+    mask = _mask_count(div.right, source)
+    if mask is None:
+        return None
+    return _EmptySelection(stmt, div, mask, read_from)
+
+
+def _empty_selection_diagnosis(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    e: _EmptySelection,
+    *,
+    evidence: list[str],
+) -> Diagnosis:
+    """NW113's story for a mean written by hand, sum over a mask divided by its count: the
+    mask picked nothing, the count is 0, and the mean is 0/0."""
+    d = ast.get_source_segment(e.stmt, e.div.right) or ast.unparse(e.div.right)
+    evidence.insert(
+        0,
+        f"the denominator {d} counts the mask {e.mask}: it selected nothing this step, so "
+        "the count is 0 and the mean over the selection is 0/0",
+    )
+    if e.read_from is not None:
+        evidence.append(f"the loss was made at {e.read_from}: {e.stmt}")
+    fixed = _spliced(e.stmt, e.div.right, f"{paren(d)}.clamp_min(1)", grouped=True)
+    m = paren(e.mask)
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        code="NW113",
+        title="Mean over an empty selection: the mask selected nothing",
+        priority=12,
+        evidence=evidence,
+        explanation=(
+            "The division is a mean over a mask written by hand: the sum of the selected "
+            "values over the count of the selected ones. This step the mask selected "
+            "nothing, so both are 0 and the mean is 0/0 = NaN. An eps floor on the count "
+            "would hide it; count at least 1 (an empty selection then gives 0, with zero "
+            "gradient), or skip the step when the mask is empty, and find why it selected "
+            "nothing when that should not happen."
+        ),
+        fix=(
+            f"{fixed}   # a count of 0 divides by 1: an empty selection gives 0, not NaN\n"
+            f"# or skip the step when the mask is empty: if not {m}.any(): continue"
+        ),
+    )
+
+
+def _guard_each(ev: OpEvent, z: _ZeroDivisions) -> str | None:
+    """The user's line with every divisor that can be 0 kept off it, for a line whose
+    divisions the recorded zeros cannot tell apart (B-spline recursions: both ratios have
+    knot differences that repeated knots make 0); the quotient changes only where a
+    divisor is 0."""
+    stmt = z.stmt
+    for div in sorted(z.divisions, key=lambda n: -n.right.col_offset):
+        d = ast.get_source_segment(z.stmt, div.right)
+        if d is None:
+            return None
+        if _never_negative(div.right):
+            safe = f"{paren(d)}.clamp_min(torch.finfo({_dtype_of(div.right, d)}).eps)"
+        else:
+            safe = f"torch.where({d} == 0, 1, {d})"
+        stmt = _spliced(stmt, div.right, safe, grouped=True)
+    return (
+        f"{stmt}   # each divisor that can be 0 divides by 1 (or eps) where it is 0: "
+        "0/0 gives 0; elsewhere unchanged"
+    )
 
 
 #: f(x) / x = 1 + a·x² + O(x⁴) near 0: each f whose ratio with x is a removable 0/0
@@ -5400,10 +5855,11 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
     """The user's line with its floating denominator kept off 0: ``F.normalize`` for a
     hand-written L2 normalization, ``.clamp_min(eps of its dtype)`` for a non-negative
     one, a where that divides by 1 at the zeros for a signed one."""
-    one = _one_division(ev.code)
-    if one is None:
-        return None
-    stmt, div = one
+    picked = _picked_division(ev)
+    if picked is None:
+        z = _zero_divisions(ev) if _one_division(ev.code) is None else None
+        return _guard_each(ev, z) if z is not None and len(z.divisions) > 1 else None
+    stmt, div, _ = picked
     floor = _eps_floor(ev.dtype)
     narrow = floor is not None and _stored_as_zero(_NORMALIZE_EPS, ev.dtype)
     num = input_named(ev, "self", "input")
@@ -5419,6 +5875,13 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
         )
     if norm is not None:
         return f"{norm}   # divides by max(norm, 1e-12): a zero vector stays 0, not NaN{needs}"
+    rname = div.right.id if isinstance(div.right, ast.Name) else None
+    root = _sqrt_eps(ev, rname) if rname is not None else None
+    if root is not None:
+        return (
+            f"{root}   # eps inside the sqrt: a zero vector gets a small norm, and x / "
+            f"{rname} is 0, not 0/0; a clamp after the sqrt would leave its backward 0/0"
+        )
     at_source = _fixed_at_assignment(ev, div.right, den) if not live else None
     if at_source is not None:
         return at_source
