@@ -679,6 +679,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 if source is None:  # made before anomaly mode was on: the call is all we know
                     source, code = backward_at, backward_code
                 node_name = name_of(node)
+                saved = _saved_forward(node)
             else:
                 phase = Phase.FORWARD
                 path = self._current_path() if self._current_path is not None else None
@@ -688,6 +689,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                     f = _frames.user_frame_within(self.floor)
                     source, code = _frames.describe_frame(f) if f else self.call_site
                 node_name = None
+                saved = []
             first_bad = next(t for t, k in zip(outs, out_kinds, strict=True) if k)
             out_stat = describe(first_bad) or TensorStat(math.nan, math.nan, 0)
             kept = dict(list(scalars.items())[:6])
@@ -699,6 +701,16 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 kept["source_dtype"] = dtype_name(src.dtype)
             if chosen is not None:
                 kept.update(chosen[1])
+            if saved and (fdom := domain_of(node_op(node_name or ""))) is not None:
+                # the forward op's own input against its domain: acos given exactly 1.0
+                # (the backward's own op reads 1 - x², not the cosines)
+                own_in = dict(saved).get(f"saved {fdom.arg}")
+                kept.update({f"saved_{k}": n for k, n in domain_counts(fdom, own_in).items()})
+                if fdom.steep_edges and own_in is not None:  # finite there, steep slope
+                    ends = [e for e in {fdom.lo, fdom.hi} if math.isfinite(e)]
+                    at = sum(_has(own_in, functools.partial(torch.eq, other=e)) for e in ends)
+                    if at:
+                        kept["saved_at_edge"] = at
             event = OpEvent(
                 op=chosen[0] if chosen is not None else str(func),
                 phase=phase,
@@ -715,7 +727,9 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 injected=not born,
                 backward_at=backward_at,
                 device=device_name(first_bad.device),
-                other_inputs=_briefs(others[:4]),
+                # what the node saved in forward follows the op's own operands: the
+                # acos's input, the sqrt's result, read by the rules as ``saved self``
+                other_inputs=_briefs(others[:4]) + _briefs(saved),
                 outputs=_named_outputs(func, out),
             )
             self.events.append(event)
@@ -1186,6 +1200,27 @@ def node_op(name: str) -> str:
 
 def _saved_order(attr: str) -> tuple[int, str]:
     return ({"_saved_self": 0, "_saved_other": 1}.get(attr, 2), attr)
+
+
+#: prefix of the ``OpEvent.other_inputs`` names of what a backward op's autograd node saved
+#: in forward (``saved self`` of AcosBackward0, ``saved result`` of SqrtBackward0)
+SAVED = "saved "
+
+
+def _saved_forward(node: Any, limit: int = 2) -> list[tuple[str, torch.Tensor]]:
+    """The floating tensors autograd ``node`` saved in forward, the forward op's inputs
+    (``saved self``) and result (``saved result``), named with :data:`SAVED`; at most
+    ``limit``. Empty for a custom Function (it saves no ``_saved_*``)."""
+    if custom_function(node) is not None:
+        return []
+    found: list[tuple[str, torch.Tensor]] = []
+    for attr in sorted((a for a in dir(node) if a.startswith("_saved_")), key=_saved_order):
+        v = _saved(node, attr)
+        if isinstance(v, torch.Tensor) and has_values(v) and v.numel():
+            found.append((SAVED + attr.removeprefix("_saved_"), v.detach()))
+            if len(found) >= limit:
+                break
+    return found
 
 
 def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> OpEvent:
@@ -2314,6 +2349,80 @@ def graph_evidence(
         if event is not None:
             events.append(event)
     return names[::-1], events
+
+
+def _operands_finite(node: Any) -> bool | None:
+    """Whether the forward operands ``node`` saved (``_saved_self``, ``_saved_mat2``; not
+    its ``_saved_result``) are all finite: False when one already held a NaN or inf (the
+    op was given it); None when the node saved no operand with values (a view, a tanh) or
+    not every operand with a history (``x @ w`` with ``x`` data saves only ``x``): what
+    it was given is not all known."""
+    seen = tracked = 0
+    for attr in dir(node):
+        if not attr.startswith("_saved_") or attr.startswith("_saved_result"):
+            continue
+        v = _saved(node, attr)
+        if not isinstance(v, torch.Tensor) or not has_values(v) or v.numel() == 0:
+            continue
+        seen += 1
+        tracked += v.requires_grad
+        if not _finite(v):
+            return False
+    inputs = sum(n is not None for n, _ in getattr(node, "next_functions", ()) or ())
+    return True if seen and tracked >= inputs else None
+
+
+@dataclass
+class Birth:
+    """What :func:`birth_event` found below a named node: ``carried`` is true when the
+    node's own saved operands were non-finite already (its op carried a NaN it was given,
+    it made none); ``event`` is the op found to make it from finite operands (None: the
+    birth op is not known from the graph)."""
+
+    carried: bool
+    event: OpEvent | None = None
+
+
+def birth_event(
+    fn: Any,
+    *,
+    stop: Callable[[Any], bool] | None = None,
+    values: Callable[[Any], torch.Tensor | None] | None = None,
+    limit: int = 256,
+) -> Birth:
+    """The op that made the non-finite value ``fn`` (a tensor's ``grad_fn``) produced,
+    when ``fn`` only carried it: a matmul whose saved operands hold the NaN a ``w / norm``
+    of zero rows made before it. Walks back from ``fn`` through nodes that carried
+    non-finite operands or saved none (views, transposes, a tanh's result) to the first one
+    whose saved operands are finite and show its op made the value (:func:`_node_event`:
+    0/0, log of 0, acos outside [-1, 1]); nodes for which ``stop`` is true (watched
+    outputs) and leaves end a path. ``Birth.carried`` is false when ``fn``'s own operands
+    were finite or not saved (it may have made the value itself); then nothing is walked
+    unless it saved none."""
+    own = _operands_finite(fn)
+    if own is True:
+        return Birth(carried=False)
+    queue = deque([fn])
+    seen: dict[int, Any] = {}
+    while queue and len(seen) < limit:
+        node = queue.popleft()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        if accumulates_grad(node) or (stop is not None and node is not fn and stop(node)):
+            continue
+        finite = _operands_finite(node)
+        if finite is not False and node is not fn:
+            try:
+                event = _node_event(node, None, frozenset(), values)
+            except Exception:  # an unusual node: read on
+                event = None
+            if event is not None and _CAME_IN not in event.scalars and not event.injected:
+                return Birth(carried=own is False, event=event)
+            if finite is True and event is None:
+                continue  # finite operands and no op known to make it here: a dead end
+        queue.extend(n for n, _ in getattr(node, "next_functions", ()) or ())
+    return Birth(carried=own is False)
 
 
 #: ``OpEvent.scalars`` key of an event made by :func:`leaf_event`: which operand was the leaf
