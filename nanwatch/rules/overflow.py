@@ -10,6 +10,7 @@ dtype_limits``): float16's largest value is 65504 and exp overflows above log(65
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import itertools
 import math
@@ -91,6 +92,11 @@ def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a is None or a.transient:
         return
     cause = cause_of(a)
+    if cause is not None and cause.kind != "overflow":
+        made = _loss_code_product(ctx, a, cause.event)
+        if made is not None:  # watch mode: the loss code's float16 product made the inf
+            yield made
+            return
     if cause is not None:
         if cause.kind == "overflow" and (zero := _zero_variance(cause.event)) is not None:
             # not an overflow: a normalization divided a constant row's 0 by sqrt(0 + eps)
@@ -103,6 +109,93 @@ def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
             yield from _wide_from_record(ctx, a)
         return
     yield from _from_record(ctx, a)
+
+
+#: autograd nodes of the loss graph (``"loss_graph"`` notes, lowercased, no "Backward0")
+#: that sum products over an inner dimension: a Gram matrix, a similarity, a projection
+_GRAPH_PRODUCTS = ("bmm", "mm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot")
+#: nodes that can overflow by themselves: with one in the graph, the product is not alone
+_GRAPH_OVERFLOWS = ("exp", "exp2", "expm1", "pow", "cumprod", "prod", "sinh", "cosh")
+
+
+def _loss_code_product(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis | None:
+    """Watch mode, the op untraced: the loss op (``mse_loss``) was given +inf, and no NaN,
+    in float16, that no traced op made, while every watched output of the step was finite
+    and of that dtype, and the loss code's graph multiplies them (``bmm``: a Gram matrix
+    ``f @ f.transpose(1, 2)``) with no exp or power that could overflow instead: the
+    product's sums passed the dtype's max in the loss code."""
+    if ev.phase is not Phase.FORWARD or ev.cause is not None or ev.source is not None:
+        return None
+    if (ev.path or a.path) != LOSS_PATH:
+        return None
+    lim = limits(ev.dtype)
+    if lim is None or not lim.short_range:
+        return None  # bfloat16 has float32's range: float32 would overflow the same
+    ins = [(n, st) for n, st in ev.inputs if st is not None]
+    infs = [(n, st) for n, st in ins if st.has_posinf or st.has_neginf]
+    if not infs or any(st.has_nan for _, st in ins):
+        return None  # a NaN that came in is not an overflow
+    graph = [
+        str(op).lower()
+        for n in ctx.notes("loss_graph")
+        if isinstance(n.data.get("ops"), list)
+        for op in n.data["ops"]
+    ]
+    products = [op for op in graph if op in _GRAPH_PRODUCTS]
+    if not products or any(op in _GRAPH_OVERFLOWS for op in graph):
+        return None
+    losses = {c.id for c in ctx.trace.calls if c.is_loss}
+    outs = [
+        r
+        for r in ctx.trace.records
+        if r.phase is Phase.FORWARD
+        and r.call not in losses
+        and r.stat is not None
+        and r.index < a.record.index
+    ]
+    if not outs or any(not r.stat.finite for r in outs if r.stat is not None):
+        return None
+    same = [r for r in outs if r.dtype == ev.dtype and r.stat is not None]
+    if not same:
+        return None
+    big = max(r.stat.magnitude for r in same if r.stat is not None)
+    top = max(same, key=lambda r: r.stat.magnitude if r.stat is not None else 0.0)
+    op = packet(ev.op)
+    name, st = infs[0]
+    count = f"{st.posinf} +inf of {st.numel}" if st.posinf else st.kinds()
+    chain = " <- ".join(graph[: graph.index(products[0]) + 1])
+    prod = products[0]
+    evidence = [
+        f"{op}'s input {name} holds {count} in {ev.dtype}, and no NaN: values past "
+        f"{fmt(lim.max)}, {ev.dtype}'s largest value, made in the loss code before {op}",
+        f"the watched model's {ev.dtype} outputs were finite, up to |x| = {fmt(big)} "
+        f"({top.role} of {top.path}): the inf was made after them",
+        f"the loss code's graph, from the loss back: {chain}: {prod} sums products of those "
+        f"values over its inner dimension, and a sum of more than "
+        f"{math.ceil(lim.max / max(big * big, lim.tiny))} products of values up to "
+        f"{fmt(big)} passes {fmt(lim.max)}",
+        untraced_hint(ctx),
+    ]
+    explanation = (
+        f"{ev.dtype} holds values up to {fmt(lim.max)}. The loss code multiplies the model's "
+        f"{ev.dtype} outputs ({prod}: a Gram matrix or a similarity, f @ f.transpose(-1, -2)) "
+        f"and sums the products in {ev.dtype}: the sums passed {fmt(lim.max)} and became "
+        f"+inf, which {op} turned into NaN. A division after the product (/ (c * h * w)) comes "
+        "too late. Compute the product in float32: the model can stay in "
+        f"{ev.dtype}, and the loss's gradient still flows back to it."
+    )
+    fix = (
+        f"y = a.float() @ b.float()   # was: y = a @ b, the product ({prod}) in the loss code "
+        f"on the model's {ev.dtype} outputs (a Gram matrix: f.float() @ f.transpose(-1, "
+        "-2).float())\n"
+        "# keep the loss in float32 from there; mode='forensic' (or nw.replay(step_fn)) names "
+        "the product's line\n"
+        "# or train in bfloat16 (float32's range): "
+        f"torch.autocast(device_type={device_type(ev, a.record.device)}, dtype=torch.bfloat16)"
+    )
+    fields = anomaly_fields(a)
+    fields["op"] = f"aten.{prod}"
+    return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
 
 
 #: normalizations that divide by sqrt(var + eps): a constant row has var 0, and with eps
@@ -1149,6 +1242,9 @@ def _from_op(
     if not wide and loop is None and batch is None and jump is None and kind != "backward":
         in_loss = _loss_module_fix(ctx, a, ev, dtype, lim)
         fix = in_loss if in_loss is not None else fix
+        callee = _unwatched_callee(ev, lim) if in_loss is None else None
+        if callee is not None and lim is not None:
+            fix = _fix_unwatched_callee(callee, ev, dtype, lim)
     weighted = (
         _weighted_lse_fix(ev.code, norm)
         if norm is not None and norm.log and name.rstrip("_") == "exp"
@@ -1208,6 +1304,9 @@ def _loss_module_fix(
     call = ctx.trace.call(a.record.call)
     if call is None or not call.is_loss or lim is None or a.path == LOSS_PATH:
         return None
+    inside = ev.path == call.path if ev.path else a.record.phase is not Phase.INPUT
+    if not inside:
+        return None  # the op ran before the loss call (a teacher's forward): not in the loss
     loss = a.record.module_type or ""
     cls = getattr(torch.nn, loss, None)
     if not (isinstance(cls, type) and cls.__module__.startswith("torch.nn.")):
@@ -1230,6 +1329,69 @@ def _loss_module_fix(
     return (
         f"# where {loss} is called: give it .float() of each tensor argument, not the "
         f"{dtype} tensors\n{why}"
+    )
+
+
+#: ops a layer runs (a Linear, a convolution): made on a line that calls none of them
+#: itself, they ran inside a callable the line calls
+_LAYER_OPS = frozenset(
+    {"addmm", "mm", "bmm", "baddbmm", "addmv", "mv", "matmul", "linear", "convolution"}
+)
+#: a line's own spelling of such an op: then the op may be the line's, not the callee's
+_LAYER_CALLS = re.compile(
+    r"@|\b(?:addmm|mm|bmm|baddbmm|addmv|mv|matmul|linear|conv\w*|einsum)\s*\("
+)
+
+
+def _unwatched_callee(ev: OpEvent, lim: DtypeLimits | None) -> str | None:
+    """The callable on the op's line that ran it, outside every watched module: a layer op
+    (addmm of a Linear) in float16 on a line that spells no product itself and calls one
+    name that is neither torch's nor a builtin (``teacher`` in ``t = teacher(x.half())``:
+    a module nanwatch does not watch)."""
+    if ev.path is not None or ev.phase is not Phase.FORWARD or not ev.code:
+        return None
+    if lim is None or not lim.short_range or packet(ev.op).rstrip("_") not in _LAYER_OPS:
+        return None
+    plain = ev.code.split("#", 1)[0]
+    if _LAYER_CALLS.search(plain):
+        return None
+    names: set[str] = set()
+    for stmt in statements(ev.code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            return None
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Name) and not _library_name(f.id):
+                names.add(f.id)
+            elif (
+                isinstance(f, ast.Attribute)
+                and isinstance(f.value, ast.Name)
+                and f.value.id == "self"
+            ):
+                names.add(f"self.{f.attr}")
+    return next(iter(names)) if len(names) == 1 else None
+
+
+def _library_name(name: str) -> bool:
+    """A builtin's or a torch function's name (``len``, ``matmul`` imported bare)."""
+    return hasattr(builtins, name) or hasattr(torch, name) or hasattr(torch.nn.functional, name)
+
+
+def _fix_unwatched_callee(callee: str, ev: OpEvent, dtype: str, lim: DtypeLimits) -> str:
+    """The op ran inside ``callee``, which nanwatch does not watch, in a short-range dtype:
+    run it in float32 (or bfloat16, float32's range), or watch it so the layer is named."""
+    op = packet(ev.op).rstrip("_")
+    at = f" on {ev.source}" if ev.source else ""
+    return (
+        f"# {op} ran inside {callee}(...), called{at}: nanwatch does not watch it, and in "
+        f"{dtype} its values passed {fmt(lim.max)}, {dtype}'s largest value\n"
+        f"# run it in float32: {callee}.float(), called on float32 inputs (no .half() of "
+        f"them); or in bfloat16, float32's range: {callee}.bfloat16()\n"
+        f"# or watch it too, and nanwatch names its layer: nanwatch.watch(model, {callee}, ...)"
     )
 
 
@@ -1801,6 +1963,12 @@ class _Batch:
     until: int | None  #: its last step
     lim: DtypeLimits
     onset: int | None = None  #: the step from which the batches were this large, if earlier
+    #: the loop computed it: the input grew step after step, or the step took the gradient
+    #: with respect to it (torch.autograd.grad) and it grew within the step -- samples
+    #: updated from the model's own gradient (a Langevin sampler, an attack), not data
+    fed: bool = False
+    first: float | None = None  #: max |x| of the first measured batch of that input
+    by_grad: bool = False  #: this step took the model's gradient with respect to it
 
     @property
     def huge(self) -> bool:
@@ -1814,6 +1982,18 @@ class _Batch:
 
     def line(self, step: int) -> str:
         lim = self.lim
+        if self.fed:
+            how = (
+                "this step took the model's gradient with respect to it (torch.autograd.grad) "
+                "and the input grew within the step"
+                if self.by_grad
+                else "it grew step after step"
+            )
+            return (
+                f"the loop made the input: {self.name} holds max |x| = {fmt(self.now)} at step "
+                f"{step}, up from {fmt(self.first)} in the first batch; {how}: samples "
+                "updated and fed back, not data"
+            )
         if self.huge:
             frac = self.now / lim.max
             share = f", {frac:.0%} of the {lim.name} limit" if frac >= 0.01 else ""
@@ -1915,7 +2095,19 @@ def _batch_jump(ctx: RuleContext, a: Anomaly) -> _Batch | None:
         before = max((v for _, v in earlier), default=None)
         since = min((s for s, _ in earlier), default=None)
         until = max((s for s, _ in earlier), default=None)
-        batch = _Batch(r, now, before, since, until, lim, onset)
+        series = _series(ctx, r, upto)
+        first = next(
+            (
+                m.stat.magnitude
+                for t in (*ctx.history, ctx.trace)
+                for m in _root_inputs(t, upto if t is ctx.trace else math.inf)
+                if (m.path, m.role) == key and m.stat is not None
+            ),
+            None,
+        )
+        by_grad = first is not None and _fed_back(ctx, r, upto)
+        fed = by_grad or (first is not None and _grew_over_steps(series))
+        batch = _Batch(r, now, before, since, until, lim, onset, fed, first, by_grad)
         if batch.huge:
             found.append((math.inf, batch))
             continue
@@ -1939,7 +2131,57 @@ def _batch_jump(ctx: RuleContext, a: Anomaly) -> _Batch | None:
     return max(found, key=lambda f: f[0])[1]
 
 
+def _series(ctx: RuleContext, r: Record, upto: float) -> list[tuple[int, float]]:
+    """Each step's largest max |x| of the root input ``r`` names (its path and role), the
+    steps in order, this step's calls before ``upto`` ending it."""
+    key = (r.path, r.role)
+    per: dict[int, float] = {}
+    for t, end in [*((t, math.inf) for t in ctx.history), (ctx.trace, upto)]:
+        for m in _root_inputs(t, end):
+            if (m.path, m.role) == key and m.stat is not None:
+                per[t.step] = max(per.get(t.step, 0.0), m.stat.magnitude)
+    return sorted(per.items())
+
+
+def _grew_over_steps(series: list[tuple[int, float]]) -> bool:
+    """The input grew step after step, by orders of magnitude (``_GREW``), most steps
+    larger than the one before (``_GROWING``): no dataset does that; a loop that feeds its
+    own outputs back does."""
+    vals = [v for _, v in series]
+    if len(vals) < 3 or not vals[0] > 0 or vals[-1] < _GREW * vals[0]:
+        return False
+    rises = sum(1 for x, y in itertools.pairwise(vals) if y > x)
+    return rises >= _GROWING * (len(vals) - 1)
+
+
+def _fed_back(ctx: RuleContext, r: Record, upto: float) -> bool:
+    """This step took the gradient of the root's output with respect to the input ``r``
+    names (a backward record of that input: torch.autograd.grad(e.sum(), x)), and the input
+    grew within the step: this step's first such input was ``_JUMP`` times smaller."""
+    key = (r.path, r.role)
+    if not any(
+        m.phase is Phase.BACKWARD and (m.path, m.role) == key and m.index < upto
+        for m in ctx.trace.records
+    ):
+        return False
+    now = [
+        m.stat.magnitude
+        for m in _root_inputs(ctx.trace, upto)
+        if (m.path, m.role) == key and m.stat is not None
+    ]
+    return bool(now) and r.stat is not None and now[0] * _JUMP <= r.stat.magnitude
+
+
 def _explain_batch(b: _Batch, dtype: str) -> str:
+    if b.fed:
+        return (
+            f"{dtype} holds values up to {fmt(b.lim.max)}. The input reached max |x| = "
+            f"{fmt(b.now)}, and the loop computed it, not the dataset: samples updated from "
+            "the model's own gradient and fed back grew update after update. A sampler's "
+            "step size too large or its sign flipped (x + step * dE/dx climbs the energy; "
+            "x - step * dE/dx descends it), no clamp to the data's range after each update, "
+            "or a replay buffer that keeps diverged samples and feeds them back."
+        )
     usual = (
         f" ({fmt(b.now / b.before)} times the earlier batches')" if b.before and not b.huge else ""
     )
@@ -1954,6 +2196,18 @@ def _explain_batch(b: _Batch, dtype: str) -> str:
 
 
 def _fix_batch(b: _Batch) -> str:
+    if b.fed:
+        top = _nice_bound(b.first) if b.first else 1.0
+        rows = "x.abs().flatten(1).amax(dim=1)" if len(b.rec.shape) >= 2 else "x.abs()"
+        return (
+            f"x.data.clamp_(-{top!r}, {top!r})   # x: the samples, right after the loop "
+            f"updates them ({b.name}): keep them in the data's range (the first batch held "
+            f"max |x| = {fmt(b.first)})\n"
+            f"keep = {rows} <= {_JUMP * top!r}   # before they go back into a buffer: keep "
+            "only the samples that did not diverge (re-draw the others as fresh ones)\n"
+            "# and check the update's sign and step size: x - step_size * grad descends the "
+            "energy, x + step_size * grad climbs it"
+        )
     cap = _JUMP * b.before if b.before else math.sqrt(b.lim.max)
     rows = "x.abs().flatten(1).amax(dim=1)" if len(b.rec.shape) >= 2 else "x.abs()"
     return (
@@ -1963,6 +2217,17 @@ def _fix_batch(b: _Batch) -> str:
         "# fix them where the data is made: normalize (x / 255, (x - mean) / std), replace "
         "missing-value markers"
     )
+
+
+def _nice_bound(v: float) -> float:
+    """The smallest of 1, 2, 5 times a power of ten at or above ``v``: a round data range."""
+    if not (v > 0 and math.isfinite(v)):
+        return 1.0
+    p = 10.0 ** math.floor(math.log10(v))
+    for m in (1.0, 2.0, 5.0, 10.0):
+        if m * p >= v * (1 - 1e-9):
+            return float(f"{m * p:.6g}")
+    return float(f"{10 * p:.6g}")
 
 
 # ---------------------------------------------------------------- a loop in one forward
