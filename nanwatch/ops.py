@@ -2418,6 +2418,8 @@ def birth_event(
             except Exception:  # an unusual node: read on
                 event = None
             if event is not None and _CAME_IN not in event.scalars and not event.injected:
+                if event.source is None:  # the forward line, where anomaly mode kept it
+                    event.source, event.code = forward_line(node)
                 return Birth(carried=own is False, event=event)
             if finite is True and event is None:
                 continue  # finite operands and no op known to make it here: a dead end
@@ -2571,16 +2573,27 @@ def own_backward_event(
     forward and the user's line that made it. The original step's saved values are freed,
     so ``module`` is run again on its inputs (detached: its graph ends there) with
     gradients and anomaly mode on, and the backward of its own nodes alone is run (down to
-    its submodules' outputs, its own parameters and its inputs) from a gradient of ones,
-    each node checked as :meth:`Watcher` checks the loss code's: a ``torch.where`` that
+    its submodules' outputs, its own parameters and its inputs) from a gradient of ones at
+    its outputs and at the values its own code gave the submodules it called, each node
+    checked as :meth:`Watcher` checks the loss code's: a ``torch.where`` that
     hides ``log(0)`` gives 0 × -inf = NaN there whatever gradient arrives. No ``.grad`` is
     written; RNG state and buffers are restored. Anomaly-time work only: None when the
     replay makes no non-finite gradient."""
     # the submodules' outputs, by their node's id; the node is held so that id stays its
     # own (torch < 2.13 frees an unreferenced node's Python object, see NodeMarks)
     stops: dict[int, tuple[Any, torch.Tensor]] = {}
+    # what the module's own code gave the submodules it called itself (``d = sqrt(...)``
+    # then ``self.rbf(d)``): its gradient is part of the module's own backward too
+    given: list[torch.Tensor] = []
+    depth = [0]  # submodule calls open: 0 when the module's own code makes the call
+
+    def on_input(_m: torch.nn.Module, a: Any, kw: Any) -> None:
+        if depth[0] == 0:
+            given.extend(t for _, t in iter_tensors((a, kw), "") if t.grad_fn is not None)
+        depth[0] += 1
 
     def on_output(_m: torch.nn.Module, _a: Any, out: Any) -> None:
+        depth[0] -= 1
         for _, t in iter_tensors(out, ""):
             fn = t.grad_fn
             if fn is not None:
@@ -2594,7 +2607,9 @@ def own_backward_event(
     args = tuple(leaf(a) for a in args)
     kwargs = {k: leaf(v) for k, v in kwargs.items()}
     found: list[OpEvent] = []
-    handles = [m.register_forward_hook(on_output) for m in module.modules() if m is not module]
+    subs = [m for m in module.modules() if m is not module]
+    handles = [m.register_forward_hook(on_output) for m in subs]
+    handles += [m.register_forward_pre_hook(on_input, with_kwargs=True) for m in subs]
     try:
         with preserved_state(module, _devices([args, kwargs])), _replay_scope():
             push_path(path)
@@ -2612,6 +2627,12 @@ def own_backward_event(
             def stop(n: Any) -> bool:
                 held = stops.get(id(n))
                 return (held is not None and held[0] is n) or accumulates_grad(n)
+
+            ids = {id(t) for t in roots}
+            for t in given:  # the module's own values given to a submodule, once each
+                if id(t) not in ids and t.requires_grad and not stop(t.grad_fn):
+                    ids.add(id(t))
+                    roots.append(t)
 
             nodes = list(GraphWalk([t.grad_fn for t in roots], prune=stop, limit=512))
             ends = [t for _, t in stops.values() if t.requires_grad]

@@ -349,7 +349,7 @@ class _Frame:
     """A module call on the stack; holds the call's inputs until the call returns (they are
     alive anyway in the caller's frame) so the producer can be replayed."""
 
-    __slots__ = ("args", "call", "kwargs", "module", "versions")
+    __slots__ = ("args", "call", "inputs", "kwargs", "module", "versions")
 
     def __init__(
         self, call: Call, module: nn.Module, args: Any, kwargs: Any, *, deep: bool = False
@@ -358,6 +358,8 @@ class _Frame:
         self.module = module
         self.args = args
         self.kwargs = kwargs
+        #: a root call's input tensors' version counters as it began (see _root_call_inputs)
+        self.inputs: tuple[int | None, ...] | None = None
         # the version counters of the module's own buffers as the call began (host-side
         # metadata, no device read): a forward that writes its own state in place (an EMA
         # codebook, a step counter) shows in them, and a replay starts from what it wrote.
@@ -1276,8 +1278,11 @@ class Watcher:
             if info.is_root and not self._stack and self._tree_step != self._step:
                 self._check_tree()
             call = self._open_call(info)
-            self._stack.append(_Frame(call, module, args, kwargs, deep=not self._full))
+            frame = _Frame(call, module, args, kwargs, deep=not self._full)
+            self._stack.append(frame)
             self._record_inputs(info, call, args, kwargs)
+            if call.root:  # host-side counters only, once per root call
+                frame.inputs = tuple(_version(t) for _, t in self._walk(args, "input", kwargs))
             if self._new_trigger is not None:
                 self._handle_trigger(None)
         except NanwatchError:
@@ -1337,6 +1342,11 @@ class Watcher:
                 return  # forward raised; always_call ran us to keep the stack straight
             if frame is not None:
                 call = frame.call
+                if call.root:
+                    # its inputs, for a replay after an anomaly in its backward (a
+                    # non-tensor argument cannot be rebuilt from records): the step's
+                    # latest call of each root, released at the step's end
+                    self._root_frames[call.path] = frame
                 if frame.versions is not None:
                     written = frame.written()
                     if written:
@@ -1465,6 +1475,7 @@ class Watcher:
         self._minmax = {}
         self._recorded_nodes.clear()  # the autograd nodes of the step's recorded tensors
         self._stack = []
+        self._root_frames: dict[str, _Frame] = {}  # path -> its latest finished root call
         self._state_writes: dict[int, list[str]] = {}  # call id -> own buffers it wrote
         self._pending = []
         self._pending_grads = []
@@ -3577,12 +3588,13 @@ class Watcher:
         :func:`ops.own_backward_event`), as the loss code's nodes are on every step."""
         trace = self._trace
         if anomaly.origin == "module":
-            # a module's own backward, with no watched module inside it (a custom leaf that
-            # computes sqrt(sum((z - e) ** 2)) itself): its own code is the only place the
-            # gradient can be born. Called once in the step, so the call is known.
+            # a module's own backward (a custom leaf that computes sqrt(sum((z - e) ** 2))
+            # itself, a root's sqrt of a squared distance it gives its children): the replay
+            # stops at its children's outputs, so only its own code is checked. Called once
+            # in the step, so the call is known.
             calls = [c for c in trace.calls if c.path == anomaly.path]
             target = calls[0] if len(calls) == 1 and not calls[0].passthrough else None
-            if target is None or any(c.parent == target.id for c in trace.calls):
+            if target is None:
                 return
         else:
             call = trace.call(anomaly.record.call)
@@ -3684,8 +3696,20 @@ class Watcher:
             return None
         rebuilt = self._inputs_of_call(call, unchanged=True)
         if rebuilt is None:
-            return None
+            return self._root_call_inputs(call)
         return rebuilt[1], rebuilt[2], rebuilt[3], self._pre_hooks_seen(rebuilt[1])
+
+    def _root_call_inputs(self, call: Call) -> tuple[nn.Module, Any, Any, bool | int] | None:
+        """A finished root ``call``'s own arguments (``model(z, pos, batch, 4, i, j)``: a
+        non-tensor argument cannot be rebuilt from records), when every tensor among them
+        was recorded and is unchanged since (same version counter)."""
+        frame = self._root_frames.get(call.path)
+        if frame is None or frame.call is not call or frame.inputs is None:
+            return None
+        now = tuple(_version(t) for _, t in self._walk(frame.args, "input", frame.kwargs))
+        if now != frame.inputs or None in now:
+            return None
+        return frame.module, frame.args, frame.kwargs, self._pre_hooks_seen(frame.module)
 
     def _blame_weights(self, anomaly: Anomaly, module: nn.Module) -> bool:
         """The replay made the non-finite output again with no op creating it, and the
@@ -3905,6 +3929,11 @@ class Watcher:
         loss code's is, and the op that made the inf (a division by 0) becomes the cause of
         the forward's op."""
         src = anomaly.neginf_source
+        if src is None and anomaly.origin == "between-roots":
+            # a NaN born in the user's code between two roots (w / w.norm() of a zero row
+            # of a hypernetwork's output, then used in a matmul): the node that made the
+            # value the anomaly's record holds is found below it
+            src = anomaly.record
         if src is None or src.phase is not Phase.INPUT or src.grad_fn is None:
             return
         call = self._trace.call(src.call)
@@ -3917,7 +3946,19 @@ class Watcher:
         t = next((x for role, x in self._walk(args, "input", kwargs) if role == src.role), None)
         if t is None or t.grad_fn is None or t.device.type != "cpu":
             return
-        _, events = self._graph_evidence(t)
+        if src is anomaly.record:
+            stop, value = self._graph_stops(t)
+            birth = ops.birth_event(t.grad_fn, stop=stop, values=value)
+            if birth.event is None:
+                if birth.carried:
+                    anomaly.summary += (
+                        f" ({src.grad_fn} only carried it: its operands held it already; the "
+                        f"op that made it is not known in {self.config.mode} mode)"
+                    )
+                return
+            events = [birth.event]
+        else:
+            _, events = self._graph_evidence(t)
         if not events:
             return
         made = events[0]
@@ -3931,8 +3972,11 @@ class Watcher:
                 oldest.cause = made
         anomaly.summary = summarize(anomaly)
 
-    def _graph_evidence(self, t: torch.Tensor) -> tuple[list[str], list[OpEvent]]:
-        """:func:`ops.graph_evidence` below ``t``'s node, down to the watched outputs."""
+    def _graph_stops(
+        self, t: torch.Tensor
+    ) -> tuple[Callable[[Any], bool], Callable[[Any], torch.Tensor | None]]:
+        """Where a walk of the graph below ``t`` ends (the nodes of the watched values
+        other than ``t``), and the watched value each of those nodes made."""
         stop: dict[int, Any] = {}  # the nodes held, so their ids stay theirs
         made: dict[int, torch.Tensor] = {}  # and the watched outputs they made
         for ref, _, _, _ in self._known.values():
@@ -3945,9 +3989,12 @@ class Watcher:
         def value(n: Any) -> torch.Tensor | None:
             return made.get(id(n)) if stop.get(id(n)) is n else None
 
-        return ops.graph_evidence(
-            t.grad_fn, stop=lambda n: stop.get(id(n)) is n, output=t, values=value
-        )
+        return (lambda n: stop.get(id(n)) is n), value
+
+    def _graph_evidence(self, t: torch.Tensor) -> tuple[list[str], list[OpEvent]]:
+        """:func:`ops.graph_evidence` below ``t``'s node, down to the watched outputs."""
+        stop, value = self._graph_stops(t)
+        return ops.graph_evidence(t.grad_fn, stop=stop, output=t, values=value)
 
     def _pinpoint_loss(self, anomaly: Anomaly, loss: torch.Tensor) -> None:
         """The loss code is not a module and cannot be re-run; its autograd graph can be
