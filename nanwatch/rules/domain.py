@@ -88,6 +88,11 @@ from nanwatch.rules.base import Diagnosis, RuleContext, rule
 from nanwatch.rules.generic import parametrization
 from nanwatch.stats import dtype_limits
 
+#: name prefix of what a backward node saved in forward, at the end of an op event's
+#: ``other_inputs`` (``saved self``: acos's input; ``saved result``: sqrt's output; see
+#: ``nanwatch.ops.SAVED``)
+_SAVED = "saved "
+
 
 def _chain_evidence(ev: OpEvent, trigger: OpEvent, what: str) -> list[str]:
     out: list[str] = []
@@ -3002,6 +3007,26 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             **op_fields(ev, a), title=title, evidence=evidence, explanation=why, fix=fix
         )
         return
+    off = _off_switch(ev.code) if _one_zero(ev, den) else None
+    if off is not None:  # tanh(x / c) * c with c = 0: 0 means off, a floor keeps it 0
+        name, guarded = off
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=title,
+            evidence=evidence,
+            explanation=(
+                f"The denominator {name} is one number that also multiplies the "
+                "result (like a soft cap, tanh(x / c) * c), and it was 0: a setting "
+                "where 0 means the operation is off (a config's 'disabled'), not a "
+                "value to divide by. x/0 is ±inf and 0/0 is NaN (in the backward too, "
+                "where a forward multiplied by 0 shows nothing). A floor on the divisor "
+                f"would keep the division finite, but the product with {name} = 0 "
+                "leaves the output 0 and its gradient 0 forever: the model cannot "
+                "learn. Skip the operation when it is 0."
+            ),
+            fix=f"{guarded}   # {name} = 0 means off: the operation is skipped",
+        )
+        return
     empty = (
         _empty_selection(ctx, a, ev)
         if (has_zero(den) or unmeasured) and not _python_count(ev)
@@ -3214,6 +3239,27 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
         return
     evidence[1:1] = _which_division(ev) if not integer else []
+    dist = (
+        _distance_made(ctx, ev, den) if not integer and den is not None and has_zero(den) else None
+    )
+    if dist is not None:  # 1 / d of a pair distance: two points at the same place
+        evidence.insert(1, dist)
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"{title} at a distance of 0",
+            evidence=evidence,
+            explanation=(
+                "The denominator is a norm or distance, and it was exactly 0: two points "
+                "at the same place (a duplicated atom or sample, the same coordinates "
+                "written twice) or a self-pair i == j in the list of pairs. 1/d is inf "
+                "there, and the norm's own gradient at 0 is NaN too. Remove the cause "
+                "where the pairs are built (drop i == j pairs, deduplicate the points); "
+                "the fix keeps the line finite meanwhile."
+            ),
+            fix=f"{fix}\n# where the pairs are built: keep = i != j (no self-pairs), and "
+            "drop duplicate points from the data",
+        )
+        return
     yield ctx.diagnosis(
         **op_fields(ev, a),
         title=title,
@@ -3226,6 +3272,129 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=fix,
     )
+
+
+#: autograd nodes of a norm or a distance (``LinalgVectorNormBackward0``, ``CdistBackward0``)
+_DISTANCE_NODES = frozenset(
+    {"LinalgVectorNorm", "Norm", "LinalgNorm", "Cdist", "EuclideanDist", "Dist"}
+)
+#: calls that return a norm or a distance
+_DISTANCE_CALLS = frozenset({"norm", "vector_norm", "cdist", "dist", "pairwise_distance"})
+
+
+def _distance_made(ctx: RuleContext, ev: OpEvent, den: TensorStat) -> str | None:
+    """Evidence that the zero denominator of ``ev`` is a norm or a distance: the autograd
+    nodes that made it (``*_made_by``: a norm node, or a sqrt of a sum of squares), a
+    module output of this step with the same statistics that a norm node made, else the
+    user's line (the divisor, or the statement above that assigned a name it uses, calls
+    ``.norm()``, ``torch.cdist``, ``torch.sqrt((a - b) ** 2).sum(-1))``...). None when
+    none shows one."""
+    for k, v in ev.scalars.items():
+        if not (k.endswith("_made_by") and isinstance(v, str)):
+            continue
+        nodes = v.split("<")
+        bases = [node_base(n) for n in nodes]
+        hit = next((n for n in nodes if node_base(n) in _DISTANCE_NODES), None)
+        if hit is None and "Sqrt" in bases:
+            rest = bases[bases.index("Sqrt") + 1 :]
+            squares = ("Pow", "Square", "Mul")
+            if "Sum" in rest and any(b in squares for b in rest[rest.index("Sum") :]):
+                hit = nodes[bases.index("Sqrt")]
+        if hit is not None:
+            return f"the denominator was made by autograd node {hit} (a norm or distance)"
+    for r in ctx.trace.records:  # the same values, output by a module: its autograd node
+        s = r.stat
+        if (
+            r.phase is Phase.FORWARD
+            and node_base(r.grad_fn) in _DISTANCE_NODES
+            and s is not None
+            and (s.numel, s.min, s.max) == (den.numel, den.min, den.max)
+            and s.zeros in (None, den.zeros)
+        ):
+            return (
+                f"the denominator has the values of {r.path}'s {r.role}, which "
+                f"{r.grad_fn} made (a norm or distance): {describe_stat(s)}"
+            )
+    for div in _divisors(ev.code):
+        texts = [div]
+        for name in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", div)):
+            made = _assigned_before(ev.source, name)
+            if made is not None:
+                texts.append(made)
+        for text in texts:
+            if _is_distance(text):
+                said = "the divisor" if text is div else text.split("=", 1)[0].strip()
+                return f"{said} is a norm or distance: {text}"
+    return None
+
+
+def _is_distance(text: str) -> bool:
+    """``text`` (an expression or an assignment) computes a norm or distance at its top or
+    through scalings: ``(p[i] - p[j]).norm(dim=-1)``, ``torch.cdist(a, b)``,
+    ``torch.sqrt(((a - b) ** 2).sum(-1))``, ``d / cutoff``."""
+    try:
+        tree = ast.parse(text.strip())
+    except SyntaxError:
+        return False
+    body = tree.body[0] if len(tree.body) == 1 else None
+    node: ast.AST | None = (
+        body.value if isinstance(body, (ast.Assign, ast.Expr, ast.AnnAssign)) else None
+    )
+    while node is not None:
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+            # a distance scaled by a number: d / cutoff, 2 * d
+            node = node.left if not isinstance(node.left, ast.Constant) else node.right
+            continue
+        if isinstance(node, ast.Subscript):  # d[:, None]
+            node = node.value
+            continue
+        if not isinstance(node, ast.Call):
+            return False
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else ast.unparse(func)
+        if name in _DISTANCE_CALLS:
+            return True
+        if name == "sqrt":
+            arg = (
+                node.args[0]
+                if node.args
+                else func.value
+                if isinstance(func, ast.Attribute)
+                else None
+            )
+            return arg is not None and _sum_of_squares(arg)
+        if name in ("clamp", "clamp_min", "float", "unsqueeze", "squeeze", "view", "reshape"):
+            node = func.value if isinstance(func, ast.Attribute) else None
+            continue
+        return False
+    return False
+
+
+def _sum_of_squares(node: ast.expr) -> bool:
+    """``((a - b) ** 2).sum(-1)``, ``x.pow(2).sum(1)``, ``torch.sum(v * v, -1)``,
+    ``dx ** 2 + dy ** 2``."""
+
+    def square(n: ast.expr) -> bool:
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow):
+            return isinstance(n.right, ast.Constant) and n.right.value == 2
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):
+            return ast.unparse(n.left) == ast.unparse(n.right)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if n.func.attr == "square":
+                return True
+            if n.func.attr == "pow" and n.args:
+                a0 = n.args[-1]
+                return isinstance(a0, ast.Constant) and a0.value == 2
+        return False
+
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):  # dx ** 2 + dy ** 2
+        return square(node.right) and (square(node.left) or _sum_of_squares(node.left))
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "sum":
+            inner = node.args[0] if ast.unparse(func.value) == "torch" and node.args else func.value
+            return square(inner)
+    return False
 
 
 #: names that call a ratio an overlap score
@@ -5923,6 +6092,54 @@ def _div_call_divisor(n: ast.AST) -> ast.expr | None:
     return d if isinstance(d, (ast.Name, ast.Attribute)) else None
 
 
+def _one_zero(ev: OpEvent, den: TensorStat | None) -> bool:
+    """The divisor is one number, and it is 0: a Python number (``other=0.0``) or a
+    one-element tensor (torch wraps a Python number so in backward)."""
+    if den is None:
+        return scalar_num(ev, "other") == 0 and "other" not in dict(ev.inputs)
+    return den.numel == 1 and den.min == 0 and den.max == 0
+
+
+def _off_switch(code: str | None) -> tuple[str, str] | None:
+    """The user's line divides by a Python name that also multiplies the result
+    (``logits = torch.tanh(logits / self.softcap) * self.softcap``, ``x / c * c``): the
+    name, and the line with the operation skipped where it is 0 (0 means "off"; a floor
+    would leave the product 0 forever). None when the line has no such shape."""
+    for stmt, tree in _parsed(code):
+        found: list[tuple[ast.BinOp, str]] = []
+        for mul in ast.walk(tree):
+            if not (isinstance(mul, ast.BinOp) and isinstance(mul.op, ast.Mult)):
+                continue
+            for c, other in ((mul.left, mul.right), (mul.right, mul.left)):
+                if not isinstance(c, (ast.Name, ast.Attribute)):
+                    continue
+                name = ast.unparse(c)
+                found += [
+                    (d, name)
+                    for d in ast.walk(other)
+                    if isinstance(d, ast.BinOp)
+                    and isinstance(d.op, ast.Div)
+                    and ast.unparse(d.right) == name
+                ]
+        if len({name for _, name in found}) != 1:
+            continue
+        div, name = found[0]
+        num = ast.get_source_segment(stmt, div.left) or ast.unparse(div.left)
+        body = tree.body[0] if len(tree.body) == 1 else None
+        if (
+            isinstance(body, ast.Assign)
+            and len(body.targets) == 1
+            and ast.unparse(body.targets[0]) == ast.unparse(div.left)
+        ):  # the result replaces its input: skipping leaves the input as it was
+            return name, f"if {name}: {stmt}"
+        value = body.value if isinstance(body, (ast.Assign, ast.Return, ast.Expr)) else None
+        if value is None:
+            continue
+        text = ast.get_source_segment(stmt, value) or ast.unparse(value)
+        return name, _spliced(stmt, value, f"{text} if {name} else {paren(num)}")
+    return None
+
+
 def _scalar_floor(code: str | None) -> str | None:
     """The user's line with ``max(d, 1e-3)`` around the Python-number divisor: a keyword
     argument that a call divides by (``F.gumbel_softmax(l, tau=self.tau)``), else the right
@@ -6334,6 +6551,9 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
                 f"in backward, {ev.node} ({op}) made {ev.born}: the forward {node.lower()} was "
                 f"given exact zeros, and its derivative there is infinite ({slope})"
             )
+            if (res := dict(ev.other_inputs).get(_SAVED + "result")) is not None:
+                # the zeros themselves, not only the gradient that met them
+                evidence.append(f"forward {node.lower()} result: {describe_stat(res)}")
         for nm, s in ev.inputs[:2]:
             evidence.append(f"backward input {nm}: {describe_stat(s)}")
     elif (number := scalar_base(ev)) is not None:  # number ** tensor: x is the exponent
@@ -8642,6 +8862,15 @@ def _domain_backward(
         f"in backward, {ev.node} ({op}) made {ev.born}: the forward {dom.name} was given "
         f"values on the edge of {dom.interval}, where its derivative {dom.slope} is infinite"
     ]
+    # the forward op's own input (the cosines given exactly 1) before what the backward
+    # read (1 - x², of which the zeros are only a consequence)
+    own = dict(ev.other_inputs).get(_SAVED + dom.arg)
+    if own is not None:
+        at = ev.scalars.get("saved_at_edge")
+        evidence.append(
+            f"forward {dom.name} input: {describe_stat(own)}"
+            + (f"; {at:,} exactly at an edge" if isinstance(at, int) and at else "")
+        )
     for nm, s in ev.inputs[:2]:
         evidence.append(f"backward input {nm}: {describe_stat(s)}")
     evidence += _chain_evidence(ev, trigger, ev.born)
