@@ -1760,6 +1760,23 @@ def _follow_op(anomaly: Anomaly, base: str) -> str:
     )
 
 
+def _last_node(anomaly: Anomaly, base: str) -> str:
+    """``computed ... by MmBackward0`` names the autograd node that made the value handed
+    over, the last op of the user's code; once the op that made the NaN/inf is pinned (the
+    graph walk, a replay) and is another op (a division before the matmul), that node is
+    only the last op: ``(last op MmBackward0)``, so the headline names one culprit."""
+    rec, op = anomaly.record, anomaly.op
+    tail = f" by {rec.grad_fn}"
+    if op is None or not rec.grad_fn or not base.endswith(tail):
+        return base
+    parts = op.chain()[0].op.split(".")
+    name = (parts[1] if parts[0] == "aten" and len(parts) > 1 else parts[0]).rstrip("_")
+    node = re.sub(r"Backward\d*$", "", rec.grad_fn)
+    if name.replace("_", "").lower() == node.lower():
+        return base  # the pinned op made the value handed over: "by" it is right
+    return f"{base.removesuffix(tail)} (last op {rec.grad_fn})"
+
+
 _HEDGE = ", or of code outside it that used "
 
 
@@ -1783,6 +1800,7 @@ def summarize(anomaly: Anomaly) -> str:
     base = anomaly.summary.split(" [")[0]
     base = _drop_hedge(anomaly, base)
     base = _follow_op(anomaly, base)
+    base = _last_node(anomaly, base)
     base = _neginf_birth(anomaly, base)
     base = _in_child(anomaly, base)
     op = anomaly.op

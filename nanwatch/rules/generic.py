@@ -1352,9 +1352,38 @@ def hidden_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
         if key in seen or "NaN" in ev.born or classify(ev) != "overflow" or _mask_sum(ev):
             continue
         seen.add(key)
-        yield _hidden_overflow(ctx, ev, sum(1 for o in ctx.trace.ops if (o.op, o.source) == key))
+        alike = [o for o in ctx.trace.ops if (o.op, o.source) == key]
+        yield _hidden_overflow(ctx, ev, len(alike), [o.path for o in alike if o.path])
         if len(seen) == 3:
             return
+
+
+def _same_line(cls: str, mods: Sequence[str]) -> str:
+    listed = ", ".join(mods[:6]) + (" ..." if len(mods) > 6 else "")
+    return f"# the same line overflowed in every {cls} ({listed}): fix the class once"
+
+
+def _each_of_class(fix: str, cls: str, mods: Sequence[str], *, root: str) -> str | None:
+    """``fix``, written for one module reached as ``sub``, applied to every module of class
+    ``cls`` of the model: its code lines in a loop over ``model.modules()``, its comments
+    naming the class; one fix for all the modules ``mods`` the same line overflowed in.
+    None when a code line of ``fix`` is not a call on ``sub`` (a rewrite of the forward's
+    line: that already fixes every module of the class)."""
+    body: list[str] = []
+    notes: list[str] = []
+    for raw in fix.splitlines():
+        line = raw.replace("in sub's forward", f"in {cls}.forward").replace(
+            "sub's", f"each {cls}'s"
+        )
+        (notes if line.lstrip().startswith("#") else body).append(line)
+    if not body or not all(line.startswith("sub.") for line in body):
+        return None
+    loop = [
+        f"for sub in {root}.modules():",
+        f"    if type(sub).__name__ == {cls!r}:",
+        *(f"        {line}" for line in body),
+    ]
+    return "\n".join([_same_line(cls, mods), *loop, *notes])
 
 
 def _mask_sum(ev: OpEvent) -> bool:
@@ -1367,7 +1396,9 @@ def _mask_sum(ev: OpEvent) -> bool:
     return any(s.min <= -lim.max / 2 for s in inputs_of(ev) if not math.isnan(s.min))
 
 
-def _hidden_overflow(ctx: RuleContext, ev: OpEvent, times: int) -> Diagnosis:
+def _hidden_overflow(
+    ctx: RuleContext, ev: OpEvent, times: int, paths: Sequence[str] = ()
+) -> Diagnosis:
     from nanwatch.rules import overflow as ov  # the fixes NW101 gives for the same overflow
 
     dtype = ev.dtype or "float32"
@@ -1387,7 +1418,20 @@ def _hidden_overflow(ctx: RuleContext, ev: OpEvent, times: int) -> Diagnosis:
         made = f"{op} of inputs up to |x| = {fmt(big)}" + (
             f" (its exact result reaches {fmt(reach)})" if math.isfinite(reach) else ""
         )
-    where = f" in the forward of {ev.path}" if ev.path else ""
+    # every module the same line overflowed in this step (the RMSNorm of each block): a
+    # fix for the first alone moves the warning to the next
+    mods = list(dict.fromkeys([*([ev.path] if ev.path else []), *paths]))
+    types = {c.path: c.module_type for c in ctx.trace.calls if c.path in mods and c.module_type}
+    cls = types.get(mods[0]) if mods else None
+    shared = len(mods) > 1 and cls is not None and all(types.get(p) == cls for p in mods)
+    listed = ", ".join(mods[:6]) + (f" and {len(mods) - 6} more" if len(mods) > 6 else "")
+    where = (
+        f" in the forward of {len(mods)} modules: {listed}" + (f" (each a {cls})" if shared else "")
+        if len(mods) > 1
+        else f" in the forward of {ev.path}"
+        if ev.path
+        else ""
+    )
     evidence = [
         f"{made}: the result is past {top} (torch.finfo(torch.{dtype}).max) and became "
         f"{ev.born}{where}" + (f" ({times} times this step)" if times > 1 else "")
@@ -1402,10 +1446,11 @@ def _hidden_overflow(ctx: RuleContext, ev: OpEvent, times: int) -> Diagnosis:
     )
     call = next((c for c in ctx.trace.calls if c.path == ev.path), None)
     ref = module_ref(ev.path or "", root=call is None or call.root)
-    if power is not None:
-        fix = ov._power_fix(ev.code, power, dtype, ref=ref)
-    else:
-        fix = ov._fix(
+
+    def fix_for(ref: str) -> str:
+        if power is not None:
+            return ov._power_fix(ev.code, power, dtype, ref=ref)
+        return ov._fix(
             ov._kind(name, ev, [ev], ctx.trace.ops),
             name,
             dtype,
@@ -1418,6 +1463,14 @@ def _hidden_overflow(ctx: RuleContext, ev: OpEvent, times: int) -> Diagnosis:
             loss=ev.path == LOSS_PATH or (call is not None and call.is_loss),
             autocast=ov._under_autocast(ctx, dtype),
             result=ov._true_result(name, ev),
+        )
+
+    fix = fix_for(ref)
+    calls = [c for c in ctx.trace.calls if c.path in mods]
+    if shared and cls is not None and calls and not any(c.root or c.is_loss for c in calls):
+        # one fix for the class: the loop variable ``sub`` stands for each of its modules
+        fix = _each_of_class(fix_for("sub"), cls, mods, root=module_ref("", root=True)) or (
+            f"{_same_line(cls, mods)}\n{fix}"
         )
     explanation = (
         f"{name}'s result does not fit {dtype}, whose largest finite value is {top}, and "

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from nanwatch.records import Phase, StepTrace
 from nanwatch.rules._evidence import anomaly_fields, module_ref
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
@@ -123,6 +124,52 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             "print([(n, (w.flatten(1).norm(dim=1) == 0).sum().item())\n"
             f"       for n, w in {ref or 'self'}.named_parameters() if w.dim() > 1])"
         )
+    elif not overwritten and (absorbed := _absorbed_at(ctx, a.path, owner, tensors)):
+        # a norm's running statistics: its training forward folded an earlier step's NaN
+        # batch into them (the loop skipped that batch's backward, too late)
+        cause, norm = absorbed
+        what = f"{norm} ({cls})" if cls else norm
+        cause_stat = cause.anomaly.record.stat if cause.anomaly is not None else None
+        kinds = cause_stat.kinds() if cause_stat is not None else "a non-finite value"
+        evidence.append(
+            f"step {cause.step} ({_codes(cause)}): {kinds} reached {what} in its training "
+            f"forward, which folded it into {' and '.join(names[:2])}"
+        )
+        owner_s = f"{cls}'s" if cls else "the norm's"
+        explanation = (
+            f"{names[0]} absorbed the bad batch of step {cause.step} in "
+            f"{owner_s} training forward, "
+            "which folds each batch's mean and variance into the running statistics "
+            "(running = (1 - momentum) * running + momentum * batch) before any loss is "
+            "computed: skipping that batch's backward or optimizer step does not undo it. "
+            "NaN stays NaN at every later update, and every eval forward, which normalizes "
+            "with the running statistics, is NaN. The layer's code is not at fault."
+        )
+        top = _reach(ctx, _root_path(ctx.trace, a.record.call) or a.path, a.record.call)
+        lines = [
+            "# check the batch before the forward, not the loss after it (x: the input your",
+            "# loop feeds the model), in the training loop:",
+            "if not torch.isfinite(x).all(): continue",
+            "# then restore the running statistics, and recalibrate them on clean batches in",
+            "# train mode (torch.optim.swa_utils.update_bn(loader, model) does both):",
+        ]
+        if top is not None:
+            lines += [
+                f"for m in {top}.modules():",
+                '    if hasattr(m, "reset_running_stats"): m.reset_running_stats()',
+            ]
+        elif holder is not None:
+            lines.append(f"{holder}.reset_running_stats()")
+        # a consequence of that step's anomaly: listed after the diagnoses of it
+        after = [d.priority + 1 for d in cause.diagnoses if d.severity == "error"]
+        yield ctx.diagnosis(
+            **anomaly_fields(a),
+            evidence=evidence,
+            explanation=explanation,
+            fix="\n".join(lines),
+            **({"priority": max(after)} if after else {}),
+        )
+        return
     elif not overwritten and _from_the_start(ctx, tensors):
         # non-finite at the first forward nanwatch saw, before any update: made so when the
         # module was built (its __init__: a register_buffer of a 0/0) or loaded
@@ -199,6 +246,54 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
             )
         fix = "\n".join(lines)
     yield ctx.diagnosis(**anomaly_fields(a), evidence=evidence, explanation=explanation, fix=fix)
+
+
+_RUNNING = frozenset({"running_mean", "running_var"})
+
+
+def _absorbed_at(
+    ctx: RuleContext, path: str, owner: str, tensors: list[dict[str, Any]]
+) -> tuple[StepTrace, str] | None:
+    """The earlier step (of the history, oldest first) whose non-finite forward value
+    reached the norm that holds the non-finite running statistics ``tensors`` (``owner``
+    below the module at ``path``), and that norm's path: a step whose first anomaly was
+    seen before the norm ran in it (its input, an output upstream), or, where the norm's
+    calls were not recorded (sentinel), in the input of the root that holds it. None when
+    the tensors are not running statistics or no step of the history shows one."""
+    if not all(str(t.get("name", "")).rpartition(".")[2] in _RUNNING for t in tensors):
+        return None
+    want = {path} if not owner else {owner, f"{path}.{owner}"}
+    root = _root_path(ctx.trace, ctx.anomaly.record.call) if ctx.anomaly is not None else None
+    for t in ctx.history:
+        an = t.anomaly
+        if an is None or an.record.phase not in (Phase.INPUT, Phase.FORWARD):
+            continue
+        norms = [c for c in t.calls if c.path in want]
+        if norms:
+            hit = next((c for c in norms if c.start >= an.record.index), None)
+            if hit is not None:
+                return t, hit.path
+        elif (
+            an.record.phase is Phase.INPUT
+            and root is not None
+            and _root_path(t, an.record.call) == root
+        ):
+            return t, f"{path}.{owner}" if owner else path
+    return None
+
+
+def _root_path(trace: StepTrace, call_id: int) -> str | None:
+    """The path of the root call of ``trace`` that holds call ``call_id``."""
+    call = trace.call(call_id)
+    while call is not None and not call.root and call.parent is not None:
+        call = trace.call(call.parent)
+    return call.path if call is not None and call.root else None
+
+
+def _codes(t: StepTrace) -> str:
+    """``NW401`` (the error codes of step ``t``), or ``anomaly`` when it has none."""
+    codes = list(dict.fromkeys(d.code for d in t.diagnoses if d.severity == "error"))
+    return ", ".join(codes[:2]) if codes else "anomaly"
 
 
 def _suffix(parts: list[str]) -> str:
