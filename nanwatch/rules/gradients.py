@@ -182,6 +182,10 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
     if state:
         yield _bad_state_diagnosis(ctx, a, update, state, name=name, evidence=evidence)
         return
+    own = _own_optimizer_nan(ctx, a, update, prev, gnorm, name=name, evidence=evidence)
+    if own is not None:
+        yield own
+        return
     losses = [(t.step, t.loss) for t in ctx.history if t.loss is not None][-4:]
     if len(losses) >= 2:
         evidence.append(
@@ -189,6 +193,262 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
     total = prev.grad_norm if prev is not None else None
     yield _plain_update(ctx, a, update, gnorm, name=name, evidence=evidence, total=total)
+
+
+def _optimizer_class(name: str) -> type | None:
+    """The optimizer class called ``name`` that is not torch's own (a hand-written LAMB,
+    Adafactor, Shampoo), found among the subclasses of ``torch.optim.Optimizer``: the last
+    one defined. None when there is none, or when torch.optim has a class of that name and
+    no other module defines one."""
+    found: list[type] = []
+    todo = list(torch.optim.Optimizer.__subclasses__())
+    seen: set[type] = set()
+    while todo and len(seen) < 4096:
+        c = todo.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        todo.extend(c.__subclasses__())
+        if c.__name__ == name and not c.__module__.startswith("torch."):
+            found.append(c)
+    return found[-1] if found else None
+
+
+#: ops of an optimizer's step that are inf at 0: their name, what they do at 0
+_AT_ZERO = {"rsqrt": "rsqrt of 0 is inf", "reciprocal": "1 / 0 is inf"}
+#: divisors that are 0 where a gradient, a weight or a running statistic is all 0
+_ZERO_DIVISORS = frozenset({"norm", "vector_norm", "matrix_norm", "sqrt", "mean", "sum"})
+
+
+def _negative(node: ast.expr) -> bool:
+    """``-0.5``, ``-1.0 / p``: an exponent that is negative as written."""
+    while isinstance(node, ast.BinOp):
+        node = node.left
+    return isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub)
+
+
+def _call_name(node: ast.AST) -> str:
+    if not isinstance(node, ast.Call):
+        return ""
+    f = node.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
+def _zero_divisor(node: ast.expr, assigned: dict[str, ast.expr]) -> bool:
+    """A divisor with no eps that is 0 when what it is made of is all 0: a norm, a sqrt, a
+    mean or sum (``u_norm``, assigned ``upd.norm()``), never ``x + eps`` nor a clamp."""
+    if isinstance(node, ast.Name) and node.id in assigned:
+        node = assigned[node.id]
+    return _call_name(node) in _ZERO_DIVISORS
+
+
+def _zero_ops(tree: ast.AST, lines: list[str]) -> list[tuple[int, str, str, str | None]]:
+    """The ops in the methods ``tree`` holds that are inf or 0/0 at 0 with no eps (an
+    ``x.rsqrt()``, ``ev.pow(-1 / p)``, ``w / u.norm()``): each one's line number in
+    ``lines``, that line, what it does at 0, and the line with its operand clamped away from
+    0 (``.clamp_min(1e-12)``; None when that does not parse on its own)."""
+    assigned: dict[str, ast.expr] = {}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+        ):
+            assigned[node.targets[0].id] = node.value
+    guarded = {  # inside a torch.where(...): the user's own guard picks another value
+        id(sub) for node in ast.walk(tree) if _call_name(node) == "where" for sub in ast.walk(node)
+    }
+    hits: list[tuple[ast.expr, str]] = []
+    for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
+        name = _call_name(node)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            on_torch = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+            operand = node.args[0] if on_torch and node.args else node.func.value
+            power = node.args[1:2] if on_torch else node.args[:1]
+            if name in _AT_ZERO:
+                hits.append((operand, _AT_ZERO[name]))
+            elif name == "pow" and power and _negative(power[0]):
+                hits.append((operand, "a negative power of 0 is inf, of a negative NaN"))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            if _negative(node.right):
+                hits.append((node.left, "a negative power of 0 is inf, of a negative NaN"))
+        elif (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Div)
+            and _zero_divisor(node.right, assigned)
+        ):
+            hits.append((node.right, "a division by a norm or mean that is 0"))
+    by_line: dict[int, list[tuple[ast.expr, str]]] = {}
+    for operand, what in hits:
+        if operand.lineno == operand.end_lineno and 0 < operand.lineno <= len(lines):
+            by_line.setdefault(operand.lineno, []).append((operand, what))
+    out: list[tuple[int, str, str, str | None]] = []
+    for num in sorted(by_line):
+        row = lines[num - 1]
+        edits: list[tuple[int, str]] = []
+        for operand, _ in by_line[num]:
+            lo, hi = operand.col_offset, operand.end_col_offset or operand.col_offset
+            seg = row[lo:hi]
+            if paren(seg) != seg:
+                if lo > 0 and hi < len(row) and row[lo - 1] == "(" and row[hi] == ")":
+                    hi += 1  # parenthesized in the source already
+                else:
+                    edits.append((lo, "("))
+                    edits.append((hi, ")"))
+            edits.append((hi, ".clamp_min(1e-12)"))
+        fixed = row
+        for pos, add in sorted(edits, key=lambda e: -e[0]):
+            fixed = fixed[:pos] + add + fixed[pos:]
+        try:
+            ast.parse(fixed.strip())
+        except SyntaxError:
+            fixed = ""
+        whats = ", ".join(dict.fromkeys(w for _, w in by_line[num]))
+        out.append((num, row.strip(), whats, fixed.strip() or None))
+    return out
+
+
+def _step_source(cls: type) -> tuple[str, int, list[tuple[int, str, str, str | None]]] | None:
+    """Where ``cls.step`` is (its file, its first line) and the ops of ``step`` and of the
+    class's methods it calls (``self.inv_root``, ``Shampoo.inv_root``) that are inf or 0/0
+    at 0, with their lines in that file. None when the source cannot be read."""
+    import inspect
+    import linecache
+
+    fn = inspect.unwrap(getattr(cls, "step", None))  # type: ignore[arg-type]
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    path, line = code.co_filename, code.co_firstlineno
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return None
+    body = next(
+        (
+            c
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef)
+            and c.name == cls.__name__
+            and c.lineno <= line <= (c.end_lineno or c.lineno)
+        ),
+        None,
+    )
+    if body is None:
+        return None
+    methods = {
+        d.name: d for d in body.body if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    step = methods.get("step")
+    if step is None:
+        return path, line, []
+    used = [step]
+    for m in used:  # and the methods those call
+        for node in ast.walk(m):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in methods
+                and methods[node.attr] not in used
+                and isinstance(node.value, ast.Name)
+            ):
+                used.append(methods[node.attr])
+    lines = linecache.getlines(path)
+    lines = [ln.rstrip("\n") for ln in lines]
+    ops: list[tuple[int, str, str, str | None]] = []
+    for m in used:
+        ops.extend(_zero_ops(m, lines))
+    return path, step.lineno, sorted(ops)[:4]
+
+
+def _own_optimizer_nan(
+    ctx: RuleContext,
+    a: Anomaly,
+    u: _Update | None,
+    prev: StepTrace | None,
+    gnorm: float | None,
+    *,
+    name: str,
+    evidence: list[str],
+) -> Diagnosis | None:
+    """An optimizer that is not torch's (a hand-written LAMB, Adafactor, Shampoo) wrote NaN
+    from finite gradients and no non-finite state was seen: its step() divided by a norm
+    that is 0, or took rsqrt / a negative power of 0, where a weight or its gradient is all
+    0 (a zero-initialized head, a parameter the loss does not use, embedding rows no input
+    selects). Names the class, its step() and the lines of it that do so, with an eps each.
+    None for torch.optim's own classes, an inf, or no update seen."""
+    s = a.record.stat
+    if u is None or s is None or s.has_posinf or s.has_neginf:
+        return None
+    cls = _optimizer_class(u.optimizer)
+    if cls is None:
+        return None
+    found = _step_source(cls)
+    bad = {r.role for r in ctx.trace.records if r.phase is Phase.PARAMETER and r.bad}
+    zero = [
+        r.role
+        for r in (prev.records if prev is not None else ())
+        if r.phase is Phase.GRADIENT
+        and r.role in bad
+        and r.stat is not None
+        and r.stat.finite
+        and r.stat.norm == 0
+    ]
+    zero = list(dict.fromkeys(zero))
+    evidence = [*evidence]
+    where = f" ({_frames.describe_line(found[0], found[1])[0]})" if found is not None else ""
+    who = f"{u.optimizer}.step(){where}"
+    evidence.append(
+        f"updated at step {u.step} by {who}, a class of your code (not torch.optim), whose "
+        "state nanwatch did not find non-finite"
+    )
+    if zero:
+        evidence.append(
+            f"{', '.join(zero[:4])}{' and more' if len(zero) > 4 else ''}: gradient norm 0 "
+            f"at step {prev.step if prev is not None else u.step}, NaN after the update"
+        )
+    part = s.counted and bool(s.nan) and (s.nan or 0) < s.numel
+    if gnorm is not None and name not in zero and part:
+        evidence.append(
+            f"{s.nan} of {s.numel} values of {name} are NaN, the others finite: the "
+            "entries where the update's denominator was 0 (entries whose gradient was 0, "
+            "such as embedding rows no input selected)"
+        )
+    ops = found[2] if found is not None else []
+    short = _frames.describe_line(found[0], 1)[0].rpartition(":")[0] if found else ""
+    for num, row, what, _ in ops:
+        evidence.append(f"{short}:{num}, in {u.optimizer}: {row}   ({what}; no eps)")
+    if not zero and not ops:
+        return None  # nothing says a 0 reached a division: the generic account stands
+    explanation = (
+        f"{name} was finite when the last step's forward ran and is not now: {who}, your "
+        f"own optimizer, wrote NaN into it from finite gradients. A NaN with no inf is not an "
+        "overflow: its update divided by a norm that is 0 or took rsqrt / a negative power "
+        "of 0 (0/0, or inf × 0), which happens where a weight or its gradient is all 0 (a "
+        "zero-initialized layer, a weight the loss does not use, embedding rows no input "
+        "selects, a rank-deficient preconditioner). The learning rate is not the cause, and "
+        "its running state was not seen non-finite: clearing it will not help. Add an eps "
+        "to each such division or root, or guard it with torch.where (a trust ratio of 1 "
+        "when a norm is 0)."
+    )
+    fixes: list[str] = []
+    for num, row, what, fixed in ops:
+        fixes.append(f"# line {num}: {row}")
+        fixes.append(fixed if fixed else f"#   {what}: add an eps there")
+    if not fixes:
+        fixes.append(
+            f"# in {who}: add an eps to each division by a norm and each rsqrt / pow(-k):\n"
+            "#   x / (x_norm + 1e-12), (v + 1e-30).rsqrt(), ev.clamp_min(1e-12).pow(-0.25)"
+        )
+    head = f"# in {u.optimizer}.step(){where}: keep every divisor and root away from 0\n"
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title=f"Non-finite weights from {u.optimizer}, an optimizer of your code: 0/0 in its step",
+        evidence=evidence,
+        explanation=explanation,
+        fix=head + "\n".join(fixes),
+    )
 
 
 def _scaler_bypassed(trace: StepTrace) -> bool:
@@ -484,6 +744,13 @@ class _GradWrite:
     proj_fixed: str | None = None
     #: ``b`` when the divisor is ``b @ b`` / ``torch.dot(b, b)``: its squared norm
     proj_norm_of: str | None = None
+    #: an unbiased std/var the written value takes (``g.std()``, ``torch.var(g)``): of a
+    #: single element it divides by N - 1 = 0
+    spread: str | None = None
+    #: the ``for`` loop that holds the write and walks the weights by the name the write
+    #: reads ``.grad`` of (``p``): its header (``for p in model.parameters():``), its line
+    loop: str | None = None
+    loop_where: str | None = None
 
 
 def _assigned_number(scope: ast.AST, name: str) -> float | None:
@@ -707,6 +974,7 @@ def _grad_write(source: str | None) -> _GradWrite | None:
             if isinstance(own, ast.Name)
             else None
         )
+    loop = _loop_over(sc, stmt, tgt_node)
     base = _GradWrite(
         f"{path}:{stmt.lineno}",
         target,
@@ -715,6 +983,9 @@ def _grad_write(source: str | None) -> _GradWrite | None:
         divisor_value=known,
         factors=factors,
         in_place=in_place,
+        spread=_unbiased_spread(stmt, text),
+        loop=(ast.get_source_segment(text, loop) or "").split("\n", 1)[0] if loop else None,
+        loop_where=f"{path}:{loop.lineno}" if loop else None,
     )
     for _, _, div, pstmt in sorted(projs, key=lambda q: (q[0], q[1])):
         whole = ast.get_source_segment(text, div)
@@ -729,6 +1000,47 @@ def _grad_write(source: str | None) -> _GradWrite | None:
                 proj_norm_of=_squared_norm_of(div.right, text),
             )
     return base
+
+
+_SPREADS = frozenset({"std", "var", "std_mean", "var_mean"})
+
+
+def _unbiased_spread(stmt: ast.stmt, text: str) -> str | None:
+    """The first ``x.std()`` / ``torch.var(x)`` (``std_mean``, ``var_mean`` too) in
+    ``stmt`` that keeps torch's default Bessel correction (no ``unbiased=False``, no
+    ``correction=0``): of one element it divides by N - 1 = 0. None when there is none."""
+    for node in ast.walk(stmt):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        fname = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if fname not in _SPREADS:
+            continue
+        kws = {k.arg: k.value for k in node.keywords if k.arg}
+        off = kws.get("unbiased") or kws.get("correction")
+        if isinstance(off, ast.Constant) and off.value in (False, 0):
+            continue
+        return ast.get_source_segment(text, node)
+    return None
+
+
+def _loop_over(scope: ast.AST, stmt: ast.stmt, grad: ast.expr) -> ast.For | None:
+    """The innermost ``for`` in ``scope`` that holds ``stmt`` and whose target is the name
+    whose ``.grad`` it writes (``for p in model.parameters():`` around ``p.grad...``)."""
+    owner = grad.value if isinstance(grad, ast.Attribute) else None
+    if not isinstance(owner, ast.Name):
+        return None
+    found: ast.For | None = None
+    for node in ast.walk(scope):
+        if (
+            isinstance(node, ast.For)
+            and isinstance(node.target, ast.Name)
+            and node.target.id == owner.id
+            and node.lineno < stmt.lineno <= (node.end_lineno or node.lineno)
+            and (found is None or node.lineno > found.lineno)
+        ):
+            found = node
+    return found
 
 
 _OPTIMIZERS = frozenset(
@@ -913,6 +1225,8 @@ def _written_grad_diagnosis(
             f"#   / {paren(gw.divisor)}.clamp_min(1e-12)   instead of   / {paren(gw.divisor)}\n"
             + (f"#   line {line}: {gw.proj_fixed}\n" if gw.proj_fixed else "")
         )
+    elif gw is not None and gw.spread and _numel_of(ctx, name) == 1:
+        return _one_element_spread(ctx, a, gw, name=name, evidence=evidence)
     elif gw is not None:
         cause = (
             f"your code computed it ({gw.code} at {gw.where}) and made NaN/inf there or in a "
@@ -961,6 +1275,57 @@ def _written_grad_diagnosis(
             + f": {cause}. The optimizer, its state and the learning rate are not the cause."
         ),
         fix=head + _skip_step(var),
+    )
+
+
+def _numel_of(ctx: RuleContext, name: str) -> int | None:
+    """How many elements weight ``name`` has, from the shape of its records."""
+    for t in (ctx.trace, *reversed(ctx.history[-1:])):
+        for r in t.records:
+            if r.role == name and r.phase in (Phase.PARAMETER, Phase.GRADIENT):
+                return math.prod(r.shape)
+    return None
+
+
+def _one_element_spread(
+    ctx: RuleContext, a: Anomaly, gw: _GradWrite, *, name: str, evidence: list[str]
+) -> Diagnosis:
+    """The gradient your code wrote takes an unbiased std/var of the weight's gradient, and
+    the weight has one element (a learnable temperature, a scalar gate): torch divides by
+    N - 1 = 0, so the gradient is NaN at every step. Skipping the update on a non-finite
+    gradient would skip every one: the fix leaves 1-element weights out of that loop."""
+    line = gw.where.rpartition(":")[2]
+    var = gw.target.rpartition(".grad")[0] if gw.target.endswith(".grad") else "p"
+    var = var if var.isidentifier() else "p"
+    evidence = [
+        *evidence,
+        f"{name} has 1 element: {gw.spread} of its gradient is the unbiased (N - 1) estimate, "
+        "0 / 0 for N = 1",
+    ]
+    where = (
+        f" of that loop (line {gw.loop_where.rpartition(':')[2]}: {gw.loop})"
+        if gw.loop and gw.loop_where
+        else ""
+    )
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights: your gradient code takes the std of a 1-element weight",
+        evidence=evidence,
+        explanation=(
+            f"{name} has a single element, and your code rewrites its gradient with "
+            f"{gw.spread} ({gw.code} at {gw.where}): torch's std and var divide by N - 1 "
+            "(Bessel's correction), which is 0 for one element, so the result is NaN at every "
+            "step, whatever the gradient. Skipping optimizer.step() when a gradient is not "
+            "finite would skip every step and training would silently stop: leave "
+            "1-element weights (a learnable temperature or scale, a scalar gate) out of "
+            "that normalization. The optimizer and the learning rate are not the cause."
+        ),
+        fix=(
+            f"# line {line}, {gw.code}: {gw.spread} of 1 element divides by N - 1 = 0\n"
+            f"# first in the body{where}, skip 1-element weights:\n"
+            f"if {var}.numel() <= 1:   # or {var}.dim() <= 1 to skip biases and gains too\n"
+            "    continue"
+        ),
     )
 
 
@@ -1388,6 +1753,9 @@ def _written_elsewhere(
     if op is None:
         root = _root_path(ctx.trace, owner) or _root_of_name(ctx, name)
         holder, _, note = (_owner_expr(ctx, root) if root else "model").partition("  # ")
+        zero = _zero_grad_before(ctx, name, a.record)
+        if zero is not None and not (a.record.stat and a.record.stat.has_posinf):
+            return _normalized_by_zero(ctx, a, zero, name=name, evidence=[*evidence, how])
         return ctx.diagnosis(
             **anomaly_fields(a),
             title="Non-finite weights written outside an optimizer step",
@@ -1436,6 +1804,67 @@ def _written_elsewhere(
             "constant (std = 0) and nothing adds an eps. The learning rate is not the cause."
         ),
         fix=fix,
+    )
+
+
+def _zero_grad_before(ctx: RuleContext, name: str, rec: Record) -> float | None:
+    """The step's total gradient norm (0 when unknown) when the last backward before weight
+    ``name`` was found non-finite (``rec``) gave it a gradient of norm exactly 0, its
+    forward and backward clean: this step's, or the last step's when it was found ahead of
+    this step's forward. None otherwise."""
+    trace = ctx.trace
+    if rec.index < 0 and ctx.history and ctx.history[-1].anomaly is None:
+        trace = ctx.history[-1]
+    found: Record | None = None
+    for r in trace.records:
+        if r is rec:
+            break
+        if r.phase is Phase.PARAMETER:
+            continue
+        if r.bad:
+            return None
+        if r.phase is Phase.GRADIENT and r.role == name:
+            found = r
+    if found is None or found.stat is None or found.stat.norm != 0 or not found.stat.finite:
+        return None
+    total = trace.grad_norm
+    return total if total is not None and math.isfinite(total) else 0.0
+
+
+def _normalized_by_zero(
+    ctx: RuleContext, a: Anomaly, total: float, *, name: str, evidence: list[str]
+) -> Diagnosis:
+    """No optimizer wrote the NaN, and the backward just before it gave the weight a
+    gradient of norm 0: code that scales by 1 / the gradient's norm (SAM's perturbation
+    ``e_w = rho * g / ||g||``, a normalized-gradient step, LARS) computed 0/0."""
+    losses = [t.loss for t in (ctx.trace, *ctx.history[-1:]) if t.loss is not None]
+    at_min = (
+        f" (the loss was {fmt(losses[0])}: nothing left to learn on this batch)"
+        if (losses and losses[0] == 0)
+        else ""
+    )
+    evidence = [
+        *evidence,
+        f"the backward just before it gave {name} a gradient of norm 0"
+        + (f", and every watched weight too (total norm {fmt(total)})" if total == 0 else "")
+        + at_min,
+    ]
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights: an update outside the optimizer divided by a gradient norm of 0",
+        evidence=evidence,
+        explanation=(
+            f"{name} became non-finite in a write outside any optimizer step, right after a "
+            f"backward that gave it a gradient of exactly 0{at_min}. Code that moves the "
+            "weights by the gradient divided by its norm (SAM's first step e_w = rho * g / "
+            "||g||, a normalized-gradient or LARS-style update) computes 0 / 0 = NaN there. "
+            "The learning rate is not the cause: add an eps to that norm."
+        ),
+        fix=(
+            "# where your code divides by the gradient's norm (SAM's first_step):\n"
+            "#   scale = rho / (grad_norm + 1e-12)   instead of   rho / grad_norm\n"
+            "#   e_w = g / (g.norm() + 1e-12)        instead of   g / g.norm()"
+        ),
     )
 
 
