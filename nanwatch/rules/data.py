@@ -380,6 +380,15 @@ def _find_samples_fix(
         f"{x} = torch.nan_to_num({x}, nan=0.0, posinf=0.0, neginf=0.0)  # or fix/drop them in "
         "Dataset.__getitem__"
     )
+    if target:
+        # a target set to 0 is a label the model is trained toward: never nan_to_num it.
+        # It was loaded so (a missing label) or computed so by the loop (rewards divided
+        # by a std of 0, a target network's values): fix it where it is made, or drop it
+        last = (
+            f"assert torch.isfinite({x}).all()   # where {x} is made: a missing label in the "
+            f"data, or your code computing {x} (a division by a std of 0, a target network's "
+            "values); drop those samples, do not nan_to_num a target"
+        )
     head = f"{note}\n" if note else ""
     if sparse:
         find = (
