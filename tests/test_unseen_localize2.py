@@ -205,21 +205,27 @@ class _Score(nn.Module):
         return torch.where(den > 0, dot / den, torch.zeros_like(dot))
 
 
-def _score(q0: int) -> None:
+def _score(q0: int, mode: str = "watch") -> None:
     m = _Score()
-    with nanwatch.watch(m, postmortem=False):
+    with nanwatch.watch(m, postmortem=False, mode=mode):
         m(torch.tensor([q0, 2, 3]), torch.tensor([1, 4, 5])).sum().backward()
 
 
-def test_the_replay_template_is_marked_as_a_pattern_and_names_the_watched_model() -> None:
+def test_the_replay_template_is_marked_as_a_pattern() -> None:
+    """Sentinel mode does not replay a module's backward: its fix is the replay template,
+    whose names are a pattern's. (Watch mode now replays the root's own backward and
+    names the torch.where-guarded division itself.)"""
     with pytest.raises(nanwatch.AnomalyError) as info:
-        _score(0)  # a padding query: 0/0 in the backward of dot / den
-    (d,) = [d for d in info.value.diagnoses if d.code == "NW100"]
+        _score(0, mode="sentinel")  # a padding query: 0/0 in the backward of dot / den
+    (d,) = [d for d in info.value.diagnoses if "nw.replay(step_fn)" in (d.fix or "")]
     lines = (d.fix or "").splitlines()
-    assert lines[0] == "# adapt: your model, loss and batch (the model: _Score)"
-    assert "nw.replay(step_fn)" in d.fix
+    assert lines[0].startswith("# adapt: your model, loss and batch")
     # the pattern's names are said to be a pattern's, not presented as the user's code
     assert "your forward and loss" in lines[2] and "a pattern" in lines[2]
+    with pytest.raises(nanwatch.AnomalyError) as info:
+        _score(0)
+    (d,) = [d for d in info.value.diagnoses if d.code == "NW111"]
+    assert "torch.where(den > 0, den, 1)" in d.fix
 
 
 def test_the_forensic_template_is_marked_as_a_pattern() -> None:

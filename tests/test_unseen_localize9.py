@@ -69,10 +69,9 @@ def test_producer_code_that_used_its_own_output_not_the_float32_linear() -> None
     a = _run_gate(summed=True)
     assert a.kind is nanwatch.AnomalyKind.BACKWARD
     assert a.path == "gate"
-    assert "-inf gradient born in the backward of code in gate" in a.summary
-    assert "used its own output[0]" in a.summary
-    assert "head (Linear in float32)" in a.summary
-    assert "cannot make -inf" in a.summary
+    # the replay of gate's own backward names the Function that made the -inf (it was
+    # "code in gate that used its own output[0]" before that replay reached it)
+    assert "-inf gradient born in the backward of custom autograd.Function _XLogX" in a.summary
     assert "born in the backward of head" not in a.summary
 
 
