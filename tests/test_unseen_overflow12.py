@@ -287,4 +287,6 @@ def test_structural_backward_overflow_of_a_large_constant_is_not_a_gradscaler_fi
     assert d.code == "NW101"
     assert "scaler = torch.amp.GradScaler()" not in d.fix
     assert "x.float() * c" in d.fix and "not a GradScaler" in d.fix
-    assert "fixed large constant" in d.explanation
+    # (the replay of the root's own backward now pins the backward product whose other
+    # operand holds the 1e10: the explanation says "likely" no longer from the values alone)
+    assert "large constant in the graph" in d.explanation

@@ -98,7 +98,10 @@ def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
             yield made
             return
     if cause is not None:
-        if cause.kind == "overflow" and (zero := _zero_variance(cause.event)) is not None:
+        if cause.kind == "overflow" and (piv := _zero_pivot(cause.event)) is not None:
+            # not an overflow: a triangular / LU solve divided by a zero diagonal entry
+            yield _zero_pivot_diagnosis(ctx, a, cause.event, piv)
+        elif cause.kind == "overflow" and (zero := _zero_variance(cause.event)) is not None:
             # not an overflow: a normalization divided a constant row's 0 by sqrt(0 + eps)
             yield _zero_variance_diagnosis(ctx, a, cause.event, zero)
         elif cause.kind == "overflow":
@@ -218,7 +221,8 @@ class _ZeroVariance:
     layer: str  #: ``LayerNorm``
     unit: str  #: what is normalized: ``row``, ``group``
     eps: float
-    big: float  #: the largest |input|
+    big: float  #: the largest |input| (the data, the weight, the bias)
+    data: tuple[str, TensorStat] | None  #: the data input (``input``) and its stats
     rows: int | None  #: how many rows' 1 / sqrt(var + eps) were inf (from the rstd output)
     of: int | None
 
@@ -245,7 +249,9 @@ def _zero_variance(ev: OpEvent) -> _ZeroVariance | None:
         return None  # eps keeps 1 / sqrt(var + eps) finite: not what made it
     rstd = [s for n, s in ev.outputs if n.endswith("[2]") and s is not None]
     rows = rstd[0].posinf if rstd and rstd[0].posinf else None
-    return _ZeroVariance(kind[0], kind[1], eps, big, rows, rstd[0].numel if rstd else None)
+    first = ev.inputs[0] if ev.inputs else None
+    data = (first[0], first[1]) if first is not None and first[1] is not None else None
+    return _ZeroVariance(kind[0], kind[1], eps, big, data, rows, rstd[0].numel if rstd else None)
 
 
 def _eps_call(code: str, layer: str, eps: float, value: str) -> tuple[str, str] | None:
@@ -321,13 +327,26 @@ def _zero_variance_diagnosis(
         if zero.rows is not None and zero.of is not None
         else f"a {zero.unit}"
     )
+    data = zero.data
+    if data is None:
+        source = f"finite inputs up to |x| = {fmt(zero.big)}"
+    elif data[1].min == 0 and data[1].max == 0:
+        source = f"an input of all zeros ({data[1].numel:,} values)"
+    else:
+        source = f"an input up to |x| = {fmt(data[1].magnitude)}"
     evidence = [
-        f"{op} made {ev.born} in {dtype} from finite inputs up to |x| = {fmt(zero.big)}: not "
-        f"an overflow (their squares are at most {fmt(zero.big**2)}, far below {top})",
+        f"{op} made {ev.born} in {dtype} from {source}: not an overflow (the squares of its "
+        f"inputs are at most {fmt(zero.big**2)}, far below {top})",
         f"{op} divides x - mean by sqrt(var + eps) with eps={fmt(zero.eps)}: {rows} held equal "
         "values (variance 0), so 1 / sqrt(0) = inf and (x - mean) × inf = 0 × inf = NaN",
     ]
-    evidence += [f"input {nm}: {describe_stat(s)}" for nm, s in ev.inputs[:3]]
+    if data is not None:
+        evidence.append(f"{data[0]}: {describe_stat(data[1])}")
+    evidence += [
+        f"{nm}: {describe_stat(s)}" if nm == "input" else f"input {nm}: {describe_stat(s)}"
+        for nm, s in ev.inputs[:3]
+        if data is None or nm != data[0]
+    ]
     line = code_line(ev)
     if line is not None:
         evidence.append(line)
@@ -345,6 +364,228 @@ def _zero_variance_diagnosis(
             "there for this case."
         ),
         fix=_eps_fix(ev, a, zero),
+    )
+
+
+#: linalg ops that divide by their matrix's diagonal (a triangular or Cholesky factor) or by
+#: the pivots of its LU factorization: op -> (the matrix's schema name, its position in the
+#: Python call, its keyword there, the Python names of the call, what it divides by)
+_PIVOT_OPS: dict[str, tuple[str, int, str, tuple[str, ...], str]] = {
+    "linalg_solve_triangular": ("self", 0, "A", ("solve_triangular",), "diagonal"),
+    "triangular_solve": ("A", 1, "A", ("triangular_solve",), "diagonal"),
+    "cholesky_solve": ("input2", 1, "input2", ("cholesky_solve",), "diagonal"),
+    "cholesky_inverse": ("self", 0, "L", ("cholesky_inverse",), "diagonal"),
+    "linalg_solve": ("A", 0, "A", ("solve",), "pivots"),
+    "linalg_solve_ex": ("A", 0, "A", ("solve", "solve_ex"), "pivots"),
+    "_linalg_solve_ex": ("A", 0, "A", ("solve", "solve_ex"), "pivots"),
+    "linalg_inv": ("A", 0, "A", ("inv",), "pivots"),
+    "linalg_inv_ex": ("A", 0, "A", ("inv", "inv_ex"), "pivots"),
+    "inverse": ("self", 0, "A", ("inverse",), "pivots"),
+    "linalg_lu_solve": ("LU", 0, "LU", ("lu_solve",), "pivots"),
+    "lu_solve": ("LU_data", 1, "LU_data", ("lu_solve",), "pivots"),
+}
+#: modules whose attribute calls are functions (``torch.linalg.inv(A)``), not methods
+_LINALG_MODULES = frozenset({"torch", "torch.linalg", "linalg", "LA", "la"})
+#: wrappers that can make a diagonal entry exactly 0 (or underflow to it): the inner value
+#: is what softplus should take
+_ZEROING = frozenset({"relu", "clamp", "clip", "abs", "square", "exp", "sigmoid", "pow"})
+
+
+@dataclass(frozen=True)
+class _ZeroPivot:
+    """A linalg solve / inverse that made inf from inputs of ordinary size: it divided by a
+    zero (or underflowed) diagonal entry or pivot of its matrix."""
+
+    name: str  #: the matrix's schema name (``self``)
+    matrix: TensorStat | None
+    by: str  #: ``diagonal`` or ``pivots``
+    big: float
+    arg: str | None  #: the matrix's expression on the user's line (``L``)
+    built: tuple[str, str, str, str] | None  #: (line, statement, diag call, its fix)
+
+
+def _zero_pivot(ev: OpEvent) -> _ZeroPivot | None:
+    """``ev`` is a triangular / Cholesky / LU solve or inverse whose inf is not an
+    overflow: every input finite and small enough that no product of two passes the
+    dtype's max, so the inf is a division by a diagonal entry / pivot that is 0."""
+    spec = _PIVOT_OPS.get(packet(ev.op))
+    lim = limits(ev.dtype)
+    if spec is None or lim is None or ev.scalars.get("unitriangular") is True:
+        return None  # a unit-triangular solve never reads its diagonal
+    stats = inputs_of(ev)
+    if not stats or not all(s.finite for s in stats):
+        return None
+    big = max(s.magnitude for s in stats)
+    if not math.isfinite(big) or big * big >= lim.max:
+        return None  # values that large can overflow by themselves: NW101's own case
+    name, pos, kw, calls, by = spec
+    arg = _call_arg(ev.code, calls, pos, kw)
+    built = _diag_built(ev, arg) if arg is not None and arg.isidentifier() else None
+    return _ZeroPivot(name, input_named(ev, name), by, big, arg, built)
+
+
+def _call_arg(code: str | None, calls: tuple[str, ...], pos: int, kw: str) -> str | None:
+    """The expression of the matrix argument of the first ``torch.linalg.<call>(...)`` (or
+    ``x.<call>(...)``, the receiver at position 0) on the line ``code``."""
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            if node.func.attr not in calls:
+                continue
+            args = list(node.args)
+            if ast.unparse(node.func.value) not in _LINALG_MODULES:
+                args.insert(0, node.func.value)  # a method: the receiver is ``self``
+            found = next((k.value for k in node.keywords if k.arg == kw), None)
+            if found is None and pos < len(args):
+                found = args[pos]
+            if found is not None:
+                return ast.unparse(found)
+    return None
+
+
+def _diag_built(ev: OpEvent, name: str) -> tuple[str, str, str, str] | None:
+    """Where ``name`` was assigned before the op's line in the same function, when that
+    statement builds a diagonal from values that can be 0 (``torch.diag(torch.relu(d))``):
+    (``file.py:17``, the statement, the diag call, the call with ``F.softplus(d) + 1e-5``)."""
+    import linecache
+
+    path, _, num = (ev.source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    lines = linecache.getlines(path)
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        return None
+    at = int(num)
+    scopes = [
+        f
+        for f in ast.walk(tree)
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and f.lineno <= at <= (f.end_lineno or f.lineno)
+    ]
+    if not scopes:
+        return None
+    scope = max(scopes, key=lambda f: f.lineno)  # the innermost
+    assigns = [
+        s
+        for s in ast.walk(scope)
+        if isinstance(s, ast.Assign)
+        and s.lineno == s.end_lineno
+        and (s.end_lineno or s.lineno) < at
+        and any(isinstance(t, ast.Name) and t.id == name for t in s.targets)
+    ]
+    if not assigns:
+        return None
+    stmt = max(assigns, key=lambda s: s.lineno)
+    line = lines[stmt.lineno - 1]
+    functional = re.search(r"^\s*import torch\.nn\.functional as F\b", "".join(lines), re.M)
+    softplus = "F.softplus" if functional else "torch.nn.functional.softplus"
+    for call in ast.walk(stmt.value):
+        if not isinstance(call, ast.Call) or len(call.args) != 1:
+            continue
+        func = ast.unparse(call.func)
+        if func.rpartition(".")[2] not in ("diag", "diag_embed", "diagflat"):
+            continue
+        inner = call.args[0]
+        while isinstance(inner, ast.Call) and (
+            ast.unparse(inner.func).rpartition(".")[2] in _ZEROING
+        ):  # relu(d), d.clamp(min=0), torch.exp(d): softplus takes what they wrapped
+            wrapped = inner.func.value if isinstance(inner.func, ast.Attribute) else None
+            if inner.args and (wrapped is None or ast.unparse(wrapped) in _LINALG_MODULES):
+                inner = inner.args[0]
+            elif wrapped is not None and ast.unparse(wrapped) not in _LINALG_MODULES:
+                inner = wrapped
+            else:
+                break
+        if inner is call.args[0] and not isinstance(call.args[0], (ast.Name, ast.Attribute)):
+            return None  # already something else (softplus(d) + eps): no rewrite to offer
+        was = line[call.col_offset : call.end_col_offset]
+        now = f"{func}({softplus}({ast.unparse(inner)}) + 1e-5)"
+        where = f"{path.replace(chr(92), '/').rpartition('/')[2]}:{stmt.lineno}"
+        return where, line.strip(), was, line.replace(was, now, 1).strip()
+    return None
+
+
+def _zero_pivot_diagnosis(ctx: RuleContext, a: Anomaly, ev: OpEvent, piv: _ZeroPivot) -> Diagnosis:
+    """inf of a triangular / LU solve from modest inputs: a division by a zero diagonal
+    entry or pivot (NW111), not an overflow."""
+    dtype = ev.dtype or a.record.dtype
+    op = short_op(ev.op)
+    lim = limits(dtype)
+    top = f"{dtype}'s largest value {fmt(lim.max)}" if lim is not None else f"{dtype}'s max"
+    m = piv.arg or piv.name
+    what = (
+        f"each diagonal entry of {m}" if piv.by == "diagonal" else f"the pivots of {m}'s LU factors"
+    )
+    evidence = [
+        f"{op} made {ev.born} in {dtype} from finite inputs up to |x| = {fmt(piv.big)}: not an "
+        f"overflow (their products are at most {fmt(piv.big**2)}, far below {top})",
+        f"{op} divides by {what}: a zero pivot (a diagonal entry that is exactly 0, or "
+        "underflowed to it) gives ±inf, and the entries solved after it can become "
+        "inf - inf = NaN",
+    ]
+    if piv.matrix is not None:
+        note = ""
+        if piv.by == "diagonal" and piv.matrix.zeros:
+            note = "; the triangle the solve does not read counts among its zeros"
+        evidence.append(f"{m} ({piv.name}): {describe_stat(piv.matrix)}{note}")
+    if piv.built is not None:
+        where, stmt, was, _ = piv.built
+        evidence.append(f"{m} is built at {where}: {stmt}: {was} can put a 0 on the diagonal")
+    line = code_line(ev)
+    if line is not None:
+        evidence.append(line)
+    ridge = (
+        f"{m} + 1e-5 * torch.eye({paren(m)}.shape[-1], dtype={paren(m)}.dtype, "
+        f"device={paren(m)}.device)"
+    )
+    code = (ev.code or "").split("  #", 1)[0].strip()
+    on_line = None
+    if piv.arg and piv.arg.isidentifier():
+        on_line = re.sub(rf"(?<![\w.]){piv.arg}(?!\w)", lambda _: ridge, code, count=1)
+    elif piv.arg and piv.arg in code:
+        on_line = code.replace(piv.arg, f"({ridge})", 1)
+    on_line = on_line if on_line and on_line != code else None
+    if piv.built is not None:
+        _, _, was, now = piv.built
+        fix = (
+            f"{now}   # was {was}: keep the diagonal positive by construction, the solve "
+            "divides by it"
+        )
+        if on_line:
+            fix += f"\n# or add a ridge where it is solved: {on_line}"
+    elif on_line:
+        fix = (
+            f"{on_line}   # a ridge keeps the {piv.by} off 0\n"
+            "# better: keep the diagonal positive by construction: "
+            "torch.diag(F.softplus(d) + 1e-5), not torch.diag(torch.relu(d))"
+        )
+    else:
+        fix = (
+            "# keep the diagonal positive by construction: torch.diag(F.softplus(d) + 1e-5), "
+            f"not torch.diag(torch.relu(d)); or add a ridge: {ridge}"
+        )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        code="NW111",
+        title="Division by zero",
+        priority=12,
+        evidence=evidence,
+        explanation=(
+            f"{op} divides by {what}. One of them is 0 (the matrix is singular): the "
+            "division gives inf, not an error. The values "
+            "are not too large, so a lower learning rate or gradient clipping would not help. "
+            "A diagonal made with relu, clamp(min=0) or abs reaches exactly 0 once its "
+            "parameter crosses 0; softplus(d) + 1e-5 stays positive, and a small ridge "
+            "(+ 1e-5 * I) keeps the matrix invertible."
+        ),
+        fix=fix,
     )
 
 
@@ -897,6 +1138,18 @@ def _from_op(
     cums: _CumsumExponent | None = None
     # the backward of a cast up (x.float()): the gradient is cast back to x's dtype
     back_cast = (name in CAST or name == "to_copy") and ev.phase is Phase.BACKWARD
+    # a backward product into a low-precision gradient with an operand past that dtype's
+    # range (a float32 1e10 met a float16 tensor: type promotion): a fixed large factor
+    promoted = (
+        ev.phase is Phase.BACKWARD
+        and lim is not None
+        and lim.short_range
+        and name in ("mul", "div", "mm", "bmm", "matmul", "addmm", "addcmul", "addcdiv")
+        and any(
+            st is not None and st.finite_amax is not None and st.finite_amax > lim.max
+            for _, st in ev.inputs
+        )
+    )
     # a complex tensor's statistics are of |z|: exp's overflow is governed by Re(z) alone
     cplx = dtype.startswith("complex") and name in EXP_LIKE
     if lim is None:
@@ -1190,7 +1443,8 @@ def _from_op(
         explanation, fix = _int_cast(ev.code, ints[1], source, dtype, lim)
     elif back_cast and lim is not None and (ev.node or "ToCopy").startswith("ToCopy"):
         explanation, fix = _cast_back(dtype, lim, ev.code)
-    elif back_cast and lim is not None:  # type promotion: a low-precision operand's gradient
+    elif (back_cast or promoted) and lim is not None:  # type promotion: a low-precision
+        # operand's gradient
         explanation = _explain_fixed_factor(dtype, lim, few=False)
         fix = _fix_fixed_factor(dtype, _module_ref(ctx, a), ev.code)
     else:
@@ -4567,6 +4821,8 @@ def _fix(
             # (a mean rounded to float16 in E[x^2] - E[x]^2 cancels to a negative variance).
             # Its inputs arrive in the dtype (nested too: an (h, c) state) and are cast up
             # with it; its outputs are cast back only when they fit
+            if mine is not None and output_fits:
+                mine = _returned_in(mine, code, op, dtype)
             alt = (
                 f"# or in {ref}'s forward: {mine}, and the tensors this line uses made from "
                 ".float() inputs too"
@@ -4628,6 +4884,51 @@ def _fix(
         f"# and give it x.float(); cast its output back with .to(torch.{dtype}) where needed\n"
         f"{bf16}"
     )
+
+
+#: names on a line that are modules, not tensors: never the input whose dtype to keep
+_NOT_TENSORS = frozenset({"self", "torch", "F", "nn", "math", "np", "numpy"})
+
+
+def _returned_in(mine: str, code: str | None, op: str, dtype: str) -> str:
+    """``mine``, the module's ``return`` line with ``op`` computed on .float() values, cast
+    back to the dtype of the tensor ``op`` was given, so the module still returns ``dtype``
+    (as Llama's RMSNorm does): ``return x * torch.rsqrt(x.float().pow(2).mean(-1)) * w`` ->
+    ``return (x * torch.rsqrt(x.float().pow(2).mean(-1)) * w).to(x.dtype)``. ``mine`` as
+    it is for a line that is not a ``return`` or when no tensor name is found.
+
+    >>> _returned_in("return x.float().pow(2).mean(-1)", "return x.pow(2).mean(-1)", "pow",
+    ...              "float16")
+    'return (x.float().pow(2).mean(-1)).to(x.dtype)'
+    """
+    if dtype not in ("float16", "bfloat16"):
+        return mine
+    try:
+        tree = ast.parse(mine)
+    except (SyntaxError, ValueError):
+        return mine
+    ret = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(ret, ast.Return) or ret.value is None:
+        return mine
+    given: list[str] = []
+
+    def keep(e: str) -> str:
+        given.append(e)
+        return e
+
+    rewrite_call(code, [op], keep)
+    plain = (code or "").split("  #", 1)[0].strip().removeprefix("return").strip()
+    for expr in [*given[:1], plain]:  # the op's operand, else the whole returned value
+        try:
+            node = ast.parse(expr, mode="eval")
+        except (SyntaxError, ValueError):
+            continue
+        names = [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+        name = next((n for n in names if n not in _NOT_TENSORS), None)
+        if name is not None:
+            value = ast.get_source_segment(mine, ret.value) or ast.unparse(ret.value)
+            return f"return ({value}).to({name}.dtype)"
+    return mine
 
 
 def _tree_cast(tree: str, dtype: str) -> str:
