@@ -92,6 +92,17 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("anomaly", ("AnomalyError",)),
     ("guard", ("GuardError",)),
     (
+        "linalg",  # torch.linalg.LinAlgError, and the same failures raised as RuntimeError
+        (
+            "LinAlgError",
+            "not positive-definite",
+            "input matrix is singular",
+            "matrix is singular",
+            "failed to converge",
+            "singular U",
+        ),
+    ),
+    (
         "index-out-of-range",
         ("is out of bounds", "index out of range", "out of bounds for dimension"),
     ),
@@ -188,6 +199,15 @@ ADVICE: dict[str, str] = {
         "out)). When the invalid values are NaN, nanwatch's anomaly (Where it went wrong) "
         "names where the NaN came from."
     ),
+    "linalg": (
+        "A torch.linalg factorization or solve failed on its matrix. If it is a kernel or "
+        "covariance matrix, add a jitter to the diagonal (K = K + 1e-6 * "
+        "torch.eye(K.shape[-1], dtype=K.dtype, device=K.device)) or keep a learned noise "
+        "away from 0 (noise = F.softplus(raw_noise) + 1e-4), compute it in float64, and "
+        "check for duplicate inputs or more features than samples (rank deficiency). If it "
+        "holds NaN or inf (torch.isfinite(K).all()), that value is the cause: "
+        "mode='forensic' names the op that made it."
+    ),
     "anomaly": "nanwatch stopped the run at the first anomaly (on_anomaly='raise').",
     "guard": (
         "A nanwatch guard checked the inputs before the kernel ran and stopped the call; the "
@@ -221,6 +241,87 @@ ADVICE: dict[str, str] = {
     "exit": "sys.exit() was called inside the watched code.",
     "other": "The last modules that ran before the exception are listed.",
 }
+
+#: the public name of torch's linear-algebra error (its class lives in torch._C)
+_LINALG_ERROR = "torch.linalg.LinAlgError"
+#: torch.linalg functions that take the matrix first: what the advice calls it
+_LINALG_CALLS = (
+    "cholesky", "cholesky_ex", "solve", "solve_ex", "inv", "inv_ex", "eigh", "eigvalsh",
+    "eig", "svd", "svdvals", "lstsq", "lu_factor", "ldl_factor", "det", "slogdet",
+    "logdet", "pinv", "cholesky_inverse", "cholesky_solve", "potrf", "matrix_power",
+)  # fmt: skip
+
+
+def linalg_advice(message: str, code: str | None = None) -> str:
+    """ADVICE for a torch.linalg error, by what failed (``not positive-definite``,
+    ``singular``, ``failed to converge``), with the matrix under the name the user's
+    line ``code`` gives it (``torch.linalg.cholesky(K)`` -> ``K``) where it is a name.
+
+    Example:
+        >>> msg = "linalg.solve: ... the input matrix is singular."
+        >>> "lstsq(A, b)" in linalg_advice(msg, "x = torch.linalg.solve(A, b)")
+        True
+    """
+    found = _linalg_operands(code)
+    m = found[0] if found else ("A" if "singular" in message else "K")
+    rhs = found[1] if found and len(found) > 1 else "B"
+    eye = f"torch.eye({m}.shape[-1], dtype={m}.dtype, device={m}.device)"
+    nan = (
+        f"If {m} holds NaN or inf (torch.isfinite({m}).all() is False), that value is the "
+        "cause, not the matrix's rank: mode='forensic' names the op that made it."
+    )
+    if "singular" in message and "positive-definite" not in message:
+        return (
+            f"{m} is singular (rank-deficient), so solve/inv has no unique answer: use "
+            f"torch.linalg.lstsq({m}, {rhs}).solution or torch.linalg.pinv({m}), or add a "
+            f"ridge, {m} + 1e-6 * {eye}. Duplicate or collinear rows or columns, a row of "
+            "zeros, a regularizer that reached 0 make a matrix singular; for a kernel, Gram "
+            "or covariance matrix scale the ridge to 1e-6 to 1e-3 of its diagonal's mean "
+            f"and compute in float64 ({m}.double()). {nan}"
+        )
+    if "converge" in message:
+        return (
+            f"The decomposition of {m} did not converge: compute it in float64 "
+            f"({m}.double()), symmetrize it before eigh (({m} + {m}.mT) / 2), and add a "
+            f"small jitter ({m} + 1e-6 * {eye}). It is badly conditioned or has many "
+            f"repeated eigen or singular values. {nan}"
+        )
+    return (
+        f"{m} is not positive-definite: add a jitter to its diagonal, {m} = {m} + 1e-6 * "
+        f"{eye}, or keep a learned noise away from 0 (F.softplus(raw_noise) + 1e-4, not a "
+        "bare softplus that can reach 0). Compute it in float64 "
+        f"({m}.double()), and check the inputs for duplicates (identical rows make a kernel "
+        f"matrix singular) or more features than samples (rank deficiency). {nan}"
+    )
+
+
+def _linalg_operands(code: str | None) -> list[str]:
+    """The arguments of the torch.linalg call on the user's line that are plain names or
+    attributes, in order, up to the first that is not: ``x = torch.linalg.solve(A, b)`` ->
+    ``["A", "b"]``; ``[]`` when the matrix is an expression or no such call is there."""
+    if not code:
+        return []
+    import ast
+
+    try:
+        tree = ast.parse(code.strip())
+    except SyntaxError:
+        return []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if name not in _LINALG_CALLS:
+            continue
+        out: list[str] = []
+        for arg in node.args[:2]:
+            if not isinstance(arg, (ast.Name, ast.Attribute)):
+                break
+            out.append(ast.unparse(arg))
+        return out
+    return []
+
 
 _DEVICE_LOST = ("cuda-device-assert", "cuda-error")
 
@@ -257,12 +358,21 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             (c for c, needles in _CLASSES if any(n in text for n in needles)),
             "other",
         )
+    typename = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    if typename == "torch._C._LinAlgError" or _is_linalg_error(exc):
+        cls, typename = "linalg", _LINALG_ERROR
     info: dict[str, Any] = {
         "class": cls,
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "type": typename,
         "message": message[:4000],
         "device_lost": cls in _DEVICE_LOST,
-        "advice": _constraint_advice(message) if cls == "distribution-constraint" else ADVICE[cls],
+        "advice": (
+            _constraint_advice(message)
+            if cls == "distribution-constraint"
+            else linalg_advice(message)
+            if cls == "linalg"
+            else ADVICE[cls]
+        ),
     }
     if cls not in _NOT_RAISED_BY_OP and _raised_in_backward(exc):
         info["in_backward"] = True  # autograd's engine raised it: a backward did not finish
@@ -275,6 +385,14 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             info["optimizer"] = found
             info["advice"] = _optimizer_advice(cls, found)
     return info
+
+
+def _is_linalg_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ``torch.linalg.LinAlgError`` (torch only when already loaded)."""
+    torch = sys.modules.get("torch")
+    linalg = getattr(torch, "linalg", None)
+    kind = getattr(linalg, "LinAlgError", None)
+    return isinstance(kind, type) and isinstance(exc, kind)
 
 
 _CONSTRAINT = re.compile(

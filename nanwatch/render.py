@@ -541,6 +541,9 @@ def _error_section(report: Report) -> Iterator[RenderableType]:
         grid.add_row("caused by", Text(str(err["cause"])))
     if err.get("device_lost"):
         grid.add_row("device", Text("lost: nothing was read from the GPU", style="nanwatch.error"))
+    before = err.get("before")
+    if isinstance(before, dict) and before.get("text"):
+        grid.add_row("before it raised", Text(str(before["text"]), style="nanwatch.nan"))
     if err.get("advice"):
         grid.add_row("what to do", Text(str(err["advice"])))
     yield grid
@@ -1346,6 +1349,14 @@ class _DemoPanel:
         )
 
 
+def _in_report_file(sentence: str) -> str:
+    """A sentence of advice that says something "is listed" (the last modules, the largest
+    tensors) points at the report file when printed where nothing is listed (stderr)."""
+    if sentence.endswith(" listed."):
+        return sentence[:-1] + " in the report file."
+    return sentence.replace(" listed, ", " listed in the report file, ", 1)
+
+
 def _first_sentence(text: str) -> str:
     end = text.find(". ")
     return text if end < 0 else text[: end + 1]
@@ -1376,6 +1387,9 @@ def report_summary(report: Report, paths: Sequence[os.PathLike[str] | str]) -> R
     line = Text(f"  {_ICON[status]} ", style=_STATUS_STYLE[status])
     line.append(report.headline)
     lines.append(line)
+    before = err.get("before") if err is not None else None
+    if isinstance(before, dict) and before.get("text"):  # the NaN the exception came from
+        lines.append(Text(f"  ! {before['text']}", style="nanwatch.nan"))
     top = report.top
     if top is not None:
         hint = Text("  → ", style="nanwatch.dim")
@@ -1386,7 +1400,13 @@ def report_summary(report: Report, paths: Sequence[os.PathLike[str] | str]) -> R
             hint.append(f"; fix: {fix_lines[0].strip()}{more}", style="nanwatch.fix")
         lines.append(hint)
     elif err is not None and err.get("advice"):
-        lines.append(Text(f"  → {_first_sentence(str(err['advice']))}", style="nanwatch.dim"))
+        advice = str(err["advice"])
+        said = str(before.get("text", "")) if isinstance(before, dict) else ""
+        end = advice.find(". ", len(said))
+        if said and advice[1:].startswith(said[1:]) and end > 0:
+            advice = advice[end + 2 :]  # its first sentence is on its own line above
+        hint_text = _in_report_file(_first_sentence(advice))
+        lines.append(Text(f"  → {hint_text}", style="nanwatch.dim"))
     if top is None and err is not None and err.get("source"):
         # the user's line that raised: the first place to look when no diagnosis names one
         at = Text(f"  at {err['source']}", style="nanwatch.source")
@@ -1585,6 +1605,9 @@ def _html_error(report: Report) -> str:
         rows.append(("caused by", _e(err["cause"])))
     if err.get("device_lost"):
         rows.append(("device", '<b class="inf">lost</b>: nothing was read from the GPU'))
+    before = err.get("before")
+    if isinstance(before, dict) and before.get("text"):
+        rows.append(("before it raised", f'<b class="nan">{_e(before["text"])}</b>'))
     if err.get("advice"):
         rows.append(("what to do", _e(err["advice"])))
     out = [

@@ -36,7 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 from nanwatch.errors import ReportFormatError
 from nanwatch.localize import leaf_text, op_phrase
-from nanwatch.records import Anomaly, AnomalyKind, Call, Phase, Record, StepTrace
+from nanwatch.records import (
+    LOSS_PATH,
+    Anomaly,
+    AnomalyKind,
+    Call,
+    OpEvent,
+    Phase,
+    Record,
+    StepTrace,
+)
 from nanwatch.rules.base import Diagnosis, sort_key
 
 if TYPE_CHECKING:
@@ -72,6 +81,7 @@ ERROR_LABELS: dict[str, str] = {
     "fp16-unscale": "GradScaler on float16 weights",
     "distribution-constraint": "distribution argument out of its support",
     "non-finite": "a check refused NaN/inf",
+    "linalg": "linear algebra error",
     "keyboard-interrupt": "interrupted (Ctrl-C)",
     "signal": "terminated by a signal",
     "exit": "sys.exit",
@@ -232,12 +242,16 @@ class Report:
             and all(t.step != first_step for t in steps)
         ):  # the ring moved past the first anomaly: its step leads the report
             steps.insert(0, first_bad)
-        diagnoses, counts = _gather_diagnoses(steps, first_step)
         error: dict[str, Any] | None = None
         scaler = getattr(watcher, "scaler", None) is not None
         if exc is not None:
             names = {id(prm): q for q, _, prm in getattr(watcher, "_params", ())}
             error = _error_info(exc, steps, watcher.step_index, names, scaler=scaler)
+            born = _before_raise(watcher, steps, error)
+            if born is not None:  # the partial step's NaN, which no record held
+                anomalies.append(born)
+                if first_step is None:
+                    first_step = born.step
         elif reason is not None:
             from nanwatch.postmortem import classify_signal
 
@@ -251,6 +265,7 @@ class Report:
                     error = {**t.error, "step": t.step}
                     step_advice(error, t, scaler=scaler)
                     break
+        diagnoses, counts = _gather_diagnoses(steps, first_step)
         cfg = watcher.config
         return cls(
             steps=steps,
@@ -731,9 +746,161 @@ def _error_info(
     from nanwatch._frames import user_line_from_traceback
 
     info["source"], info["code"] = user_line_from_traceback("\n".join(lines) + "\n")
+    if info.get("class") == "linalg" and "optimizer" not in info:
+        from nanwatch.postmortem import linalg_advice
+
+        info["advice"] = linalg_advice(str(info.get("message", "")), info.get("code"))
     cause = exc.__cause__
     info["cause"] = None if cause is None else f"{type(cause).__name__}: {_first_line(str(cause))}"
     return info
+
+
+#: error classes whose exception is not an op's reaction to the values it got
+_NOT_BY_VALUES = ("anomaly", "guard", "keyboard-interrupt", "signal", "exit", "peer-failure")
+
+
+def _before_raise(
+    watcher: Watcher, steps: list[StepTrace], error: dict[str, Any]
+) -> Anomaly | None:
+    """The step that raised had already made a NaN or inf before the exception (an op that
+    was born non-finite, a non-finite record, its anomaly): ``error["before"]`` says where,
+    and the advice leads with it, whatever the exception's class -- a cholesky that refuses
+    a NaN matrix, an index_add_ given an index computed from NaN. When no record held the
+    value (the op's result never reached a module's output), the step in ``steps`` is
+    replaced by a copy whose anomaly is that op and whose diagnoses are the rules' on it;
+    that anomaly is returned. Host-side data only (the records and op events)."""
+    if error.get("class") in _NOT_BY_VALUES or not steps:
+        return None
+    number = error.get("step")
+    at = next((i for i in range(len(steps) - 1, -1, -1) if steps[i].step == number), None)
+    if at is None:
+        return None
+    trace = steps[at]
+    made: Anomaly | None = None
+    ev: OpEvent | None = None
+    if trace.anomaly is not None:
+        a = trace.anomaly
+        ev = a.op.chain()[0] if a.op is not None else None
+        kinds = (
+            ev.born
+            if ev is not None and ev.born
+            else (a.record.stat.kinds() if a.record.stat is not None else "non-finite value")
+        )
+        where = _event_where(ev) if ev is not None else f"in {a.record.where}"
+    else:
+        from nanwatch.localize import is_birth
+
+        ev = next((e for e in trace.ops if is_birth(e)), None)
+        bad = next((r for r in trace.records if r.bad), None)
+        if ev is not None:
+            kinds, where = ev.born, _event_where(ev)
+            made = _op_anomaly(trace, ev)
+        elif bad is not None and bad.stat is not None:
+            kinds, where = bad.stat.kinds(), f"in {bad.where}"
+        else:
+            return None
+    detail = _op_detail(ev) if ev is not None else ""
+    many = ", " in kinds
+    kinds = kinds.replace(", ", " and ")
+    text = f"before it raised, {kinds} {'were' if many else 'was'} born {where}" + (
+        f" ({detail})" if detail else ""
+    )
+    error["before"] = {
+        "kinds": kinds,
+        "where": where,
+        "source": ev.source if ev is not None else None,
+        "op": _short(ev.op) if ev is not None else None,
+        "detail": detail,
+        "text": text,
+    }
+    if made is not None:
+        copy = replace(trace, anomaly=made, diagnoses=[])
+        try:
+            copy.diagnoses = watcher._evaluate(copy)
+        except Exception as err:  # the report goes on without the rules' word
+            watcher.faults.append(("post-mortem rules", f"{type(err).__name__}: {err}"))
+        steps[at] = copy
+        trace = copy
+    codes = ", ".join(dict.fromkeys(d.code for d in trace.diagnoses if d.severity == "error"))
+    lead = text[0].upper() + text[1:]
+    error["advice"] = (
+        f"{lead}: the exception is most likely a consequence of that value; fix it first"
+        + (f" ({codes})" if codes else "")
+        + ". "
+        + str(error.get("advice", ""))
+    ).strip()
+    return made
+
+
+def _event_where(ev: OpEvent) -> str:
+    """``at train.py:17`` / ``in the backward of train.py:17`` / ``in <module>``."""
+    where = ev.at
+    if where:
+        return where
+    return f"in {ev.path}" if ev.path else "in code outside the watched modules"
+
+
+def _short(op: str) -> str:
+    """``aten.div.Tensor`` -> ``aten.div``."""
+    parts = op.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else op
+
+
+def _op_detail(ev: OpEvent) -> str:
+    """``aten.div, 0/0`` for a division that made NaN from zeros, ``aten.div, x/0`` for one
+    whose denominator held 0; else the op's name."""
+    from nanwatch.rules._evidence import denominator, has_zero, input_named, packet
+
+    op = _short(ev.op)
+    if packet(ev.op).rstrip("_") not in ("div", "true_divide", "divide", "reciprocal"):
+        return op
+    den = denominator(ev)
+    zero_den = has_zero(den) or any(
+        isinstance(v, (int, float)) and v == 0 for k, v in ev.scalars.items() if k == "other"
+    )
+    if not zero_den:
+        return op
+    num = input_named(ev, "self", "input")
+    if "NaN" in ev.born and has_zero(num):
+        return f"{op}, 0/0"
+    return f"{op}, x/0"
+
+
+def _op_anomaly(trace: StepTrace, ev: OpEvent) -> Anomaly:
+    """An anomaly for the op ``ev`` that made a NaN or inf which no record held (the step
+    raised before the value reached a module's output): the rules read its cause from it."""
+    running = [c for c in trace.calls if c.end < 0]
+    call = running[-1] if running else None
+    path = ev.path or (call.path if call is not None else LOSS_PATH)
+    backward = ev.phase is Phase.BACKWARD
+    record = Record(
+        index=len(trace.records),
+        step=trace.step,
+        phase=Phase.BACKWARD if backward else Phase.FORWARD,
+        path=path,
+        role="output",
+        dtype=ev.dtype,
+        device=ev.device,
+        shape=(ev.output.numel,),
+        stat=ev.output,
+        call=call.id if call is not None and call.path == path else -1,
+        module_type=call.module_type if call is not None and call.path == path else "",
+    )
+    kind = AnomalyKind.BACKWARD if backward else AnomalyKind.FORWARD
+    phase = "backward" if backward else "forward"
+    inside = f"the {phase} of {path}" if ev.path else "code outside the watched modules"
+    return Anomaly(
+        step=trace.step,
+        kind=kind,
+        path=path,
+        record=record,
+        origin="module" if ev.path else "loss-code",
+        summary=(
+            f"{ev.born} born in {inside} by {op_phrase(ev)}; the step raised before the "
+            "value reached a module's output"
+        ),
+        op=ev,
+    )
 
 
 def _environment(watcher: Watcher, steps: Sequence[StepTrace]) -> Environment:
