@@ -134,7 +134,10 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         if logged is not None:  # F.l1_loss(S.log(), T.log()): log(0) of the target, untraced
             yield _log_of_target(ctx, a, logged)
             return
-    if cause is not None:
+    # the op pinned is the one that put the -inf in (a mask's masked_fill, found by the
+    # loss graph's walk), not the one that made NaN of it, which is untraced
+    made_inf = cause is not None and cause.kind == "injected" and "NaN" not in cause.event.born
+    if cause is not None and not made_inf:
         if cause.kind == "log":
             yield _log_from_op(ctx, a, cause.event, cause.trigger)
             return
@@ -144,7 +147,8 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if src is None or a.kind is not AnomalyKind.FORWARD:
         return
     origin = inf_source(ctx.trace, a, cause.event if cause is not None else None)
-    masked = _masked_logprob(ctx, a, src, origin, cause.event if cause is not None else None)
+    nan_op = cause.event if cause is not None and not made_inf else None
+    masked = _masked_logprob(ctx, a, src, origin, nan_op)
     if masked is not None:  # log_prob of an action its mask gave probability 0
         yield masked
         return
@@ -3025,6 +3029,36 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "learn. Skip the operation when it is 0."
             ),
             fix=f"{guarded}   # {name} = 0 means off: the operation is skipped",
+        )
+        return
+    vanish = (
+        _limit_case(ev)
+        if _one_zero(ev, den) and (num is None or (num.min == 0 and num.max == 0))
+        else None
+    )
+    if vanish is not None:  # huber / kappa with huber built from kappa: 0/0, a limit
+        c = vanish.name
+        evidence.insert(
+            0,
+            f"the numerator is built from the divisor {c} too: {vanish.made}"
+            + (f" ({vanish.where.rpartition('/')[2]})" if vanish.where else "")
+            + f", which is 0 when {c} is 0",
+        )
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title="Division by zero (0/0)",
+            evidence=evidence,
+            explanation=(
+                f"The divisor {c} is a Python number set to 0, and the numerator is made "
+                f"from {c} as well, so it is 0 too: the line computes 0/0 = NaN. {c} = 0 is "
+                "the limit case of the formula (like a Huber loss divided by its kappa, "
+                "which becomes the plain L1/quantile loss as kappa -> 0), not a value to "
+                "divide by. A floor "
+                f"on {c} (max({c}, 1e-3)) would divide 0 by 1e-3: the result is exactly 0, "
+                "its gradient is 0, and the model silently stops learning. Compute the limit "
+                f"when {c} is 0, or require {c} > 0."
+            ),
+            fix=vanish.fix,
         )
         return
     empty = (
@@ -6140,6 +6174,142 @@ def _off_switch(code: str | None) -> tuple[str, str] | None:
     return None
 
 
+@dataclass(frozen=True)
+class _LimitCase:
+    """A Python-number divisor ``c`` = 0 whose numerator is built from ``c`` too (``huber
+    = torch.where(u.abs() <= kappa, ..., kappa * (...))`` above ``loss = w * huber /
+    kappa``): 0/0, and c = 0 is the limit case of the formula, not a value to floor."""
+
+    name: str  #: the divisor, ``kappa``
+    made: str  #: the statement that builds the numerator's name from it
+    where: str | None  #: ``file.py:N`` of that statement
+    limit: str | None  #: the numerator divided by ``c`` at c -> 0 (``... * u.abs()``)
+    fix: str
+
+
+def _at_zero(node: ast.expr, name: str) -> ast.expr:
+    """``node`` with ``name`` set to 0 and the terms that vanish folded away
+    (``u.abs() - 0.5 * kappa`` -> ``u.abs()``)."""
+
+    class _Zero(ast.NodeTransformer):
+        def visit_Name(self, n: ast.Name) -> ast.AST:
+            return ast.Constant(0) if n.id == name else n
+
+        def visit_Attribute(self, n: ast.Attribute) -> ast.AST:
+            return ast.Constant(0) if ast.unparse(n) == name else self.generic_visit(n)
+
+        def visit_BinOp(self, n: ast.BinOp) -> ast.AST:
+            self.generic_visit(n)
+            zero_l = isinstance(n.left, ast.Constant) and n.left.value == 0
+            zero_r = isinstance(n.right, ast.Constant) and n.right.value == 0
+            if isinstance(n.op, ast.Mult) and (zero_l or zero_r):
+                return ast.Constant(0)
+            if isinstance(n.op, (ast.Add, ast.Sub)) and zero_r:
+                return n.left
+            if isinstance(n.op, ast.Add) and zero_l:
+                return n.right
+            if isinstance(n.op, ast.Sub) and zero_l:
+                return ast.UnaryOp(ast.USub(), n.right)
+            return n
+
+    import copy
+
+    out = ast.fix_missing_locations(_Zero().visit(copy.deepcopy(node)))
+    return out if isinstance(out, ast.expr) else node
+
+
+def _substituted(expr: str, name: str, value: str) -> str:
+    """``expr`` with every plain ``name`` in it replaced by ``value`` (parenthesized)."""
+
+    class _Sub(ast.NodeTransformer):
+        def visit_Name(self, m: ast.Name) -> ast.AST:
+            return ast.parse(paren(value), mode="eval").body if m.id == name else m
+
+    return ast.unparse(_Sub().visit(ast.parse(expr, mode="eval")))
+
+
+def _over_name(node: ast.expr, name: str) -> ast.expr | None:
+    """``X`` for ``name * X`` / ``X * name`` (the value divided by ``name``); for a
+    ``torch.where`` whose one branch is such a product (a Huber loss: ``kappa * (|u| - 0.5
+    kappa)``), that branch's ``X``; None otherwise."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        for c, x in ((node.left, node.right), (node.right, node.left)):
+            if ast.unparse(c) == name:
+                return x
+        return None
+    if (
+        isinstance(node, ast.Call)
+        and ast.unparse(node.func) in ("torch.where", "where")
+        and len(node.args) == 3
+    ):
+        got = [_over_name(b, name) for b in node.args[1:]]
+        found = [x for x in got if x is not None]
+        return found[0] if len(found) == 1 else None
+    return None
+
+
+def _uses(node: ast.AST, name: str) -> bool:
+    """``node`` reads ``name`` (a plain name or ``self.x``)."""
+    return any(
+        isinstance(n, (ast.Name, ast.Attribute)) and ast.unparse(n) == name for n in ast.walk(node)
+    )
+
+
+def _limit_case(ev: OpEvent) -> _LimitCase | None:
+    """The user's line divides by a Python name whose value is 0 and its numerator holds a
+    name assigned above in the same function from that divisor (``huber = torch.where(u.abs()
+    <= kappa, 0.5 * u.pow(2), kappa * (u.abs() - 0.5 * kappa))``, then ``... * huber /
+    kappa``): the numerator vanishes with the divisor, so a floor divides 0 by the floor
+    and the loss is 0 for good. The fix computes the limit where the divisor is 0 (``huber /
+    kappa`` -> ``u.abs()``), else requires the divisor above 0. None for other lines."""
+    for stmt, tree in _parsed(ev.code):
+        divs = [
+            d
+            for d in ast.walk(tree)
+            if isinstance(d, ast.BinOp)
+            and isinstance(d.op, ast.Div)
+            and isinstance(d.right, (ast.Name, ast.Attribute))
+        ]
+        if len({ast.unparse(d.right) for d in divs}) != 1:
+            continue
+        div, c = divs[0], ast.unparse(divs[0].right)
+        if c in _MODULES:
+            continue
+        for n in ast.walk(div.left):
+            if not isinstance(n, ast.Name) or n.id in _MODULES or n.id == c:
+                continue
+            text = _assigned_value(ev.source, n.id)
+            try:
+                value = ast.parse(text, mode="eval").body if text else None
+            except SyntaxError:
+                value = None
+            if value is None or not _uses(value, c):
+                continue
+            made = f"{n.id} = {text}"
+            num = ast.get_source_segment(stmt, div.left) or ast.unparse(div.left)
+            over = _over_name(value, c)
+            limit = None
+            if over is not None:  # num / c -> num with n / c replaced by its limit
+                at0 = ast.unparse(_at_zero(over, c))
+                limit = _substituted(num, n.id, at0)
+            whole = ast.get_source_segment(stmt, div) or ast.unparse(div)
+            if limit is not None:
+                guarded = _spliced(stmt, div, f"({whole} if {c} else {limit})")
+                fix = (
+                    f"{guarded}   # {c} = 0 is the limit case ({n.id} / {c} -> {paren(at0)}): "
+                    f"computed, not divided; never floor {c} ({n.id} is 0 too: the loss "
+                    "would be 0 for good)"
+                )
+            else:
+                fix = (
+                    f'assert {c} > 0, "{c} = 0 is a limit case of this formula: '
+                    f'write it out, do not divide by 0"   # never floor {c}: {n.id} '
+                    f"is 0 with it, the result would be 0 for good\n{stmt}"
+                )
+            return _LimitCase(c, made, _line_of(ev.source, made.split("=", 1)[0] + "="), limit, fix)
+    return None
+
+
 def _scalar_floor(code: str | None) -> str | None:
     """The user's line with ``max(d, 1e-3)`` around the Python-number divisor: a keyword
     argument that a call divides by (``F.gumbel_softmax(l, tau=self.tau)``), else the right
@@ -6585,6 +6755,9 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
                 f"{what} of 0 is inf ({_pole_formula(ev, e)}): its input holds "
                 f"{_zeros_text(x, 'pow')} and nothing below 0"
             )
+            zf = _pole_zero_factor(ev)
+            if zf is not None:
+                evidence.append(zf.words)
         elif x is not None and has_zero(x):
             evidence.append(f"{what} at 0 is inf (a negative exponent or rsqrt)")
         evidence.append(f"input ({ev.dtype}): {describe_stat(x)}")
@@ -6604,6 +6777,18 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         explanation, fix = _cancel_text(cancel, ev.dtype), _cancel_fix(ev)
     elif pole:
         explanation, fix = _pole_text(ev, e), _pole_fix(ev, e)
+        if (zf := _pole_zero_factor(ev)) is not None:
+            explanation = (
+                f"x ** {e} = 1 / x ** {fmt(-float(e)) if isinstance(e, (int, float)) else '-e'}"
+                " is inf at x = 0. The base is not a count but a probability times a number "
+                "(an importance-sampling weight (N·P) ** -beta of prioritized replay), and the "
+                "probability is 0 because the values it normalizes are 0: priorities of "
+                "exactly 0 (a buffer filled with zeros instead of the max priority, or |td| "
+                "without + eps). One weight of inf makes the max inf too, so the usual "
+                "normalization w / w.max() is inf / inf = NaN. Keep every priority above 0 "
+                "where it is made; a floor on N·P would change the weights of a healthy "
+                "buffer, where N·P < 1 is common."
+            )
     elif backward and power is not None and _negative_base(x, power):
         explanation, fix = _negative_power_backward(ev, power)
     elif backward and power is not None:
@@ -6638,7 +6823,9 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         evidence = [w for w in evidence if w != f"input ({ev.dtype}): not measured"]
     else:
         explanation = _root_forward_text(e)
-        fix = _root_forward_fix(e, measured=x is not None and own)
+        fix = _root_forward_fix(
+            e, measured=x is not None and own, code=ev.code if own else None, dtype=ev.dtype
+        )
     lost = (
         lost_eps(ev.code, ev.dtype, "root", zeros=not backward and has_zero(x))
         if own and cancel is None and not negative
@@ -6769,10 +6956,145 @@ def _pole_at_zero(ev: OpEvent, x: TensorStat | None, e: object) -> bool:
     return x.min == 0.0 and has_zero(x)
 
 
+def _pole_zero_factor(ev: OpEvent) -> _ZeroFactor | None:
+    """:func:`_zero_factor` of the base of the user's power, for the evidence."""
+    if packet(ev.op) in _RSQRT:
+        return None
+    stmt = next((st for st in statements(ev.code) if re.search(r"pow\(|\*\*", st)), None)
+    base: list[str] = []
+    _rewrite_base(stmt, lambda b: b, base)
+    return _zero_factor(ev, base[0]) if base and not _count_base(base[0]) else None
+
+
 def _pole_formula(ev: OpEvent, e: object) -> str:
     if packet(ev.op) in _RSQRT:
         return "rsqrt(0) = 1 / sqrt(0)"
     return f"0 ** {e} = 1 / 0 ** {fmt(-float(e))}" if isinstance(e, (int, float)) else "1 / 0"
+
+
+#: calls and names whose value is a whole number: a count, a degree, a length
+_COUNT_CALLS = frozenset(
+    {"sum", "count_nonzero", "bincount", "len", "numel", "degree", "size", "nnz", "histc"}
+)
+_COUNT_NAME = re.compile(r"(?:^|_)(?:deg|degree|degrees|count|counts|cnt|len|lens|lengths?|n)$")
+
+
+def _count_base(base: str) -> bool:
+    """The base of a power is integer-valued: a sum, a count, a length, a bincount or a
+    degree (``adj.sum(1)``, ``deg``, ``lengths``); a product with a probability (``N *
+    P[idx]``) or any other continuous value is not."""
+    try:
+        node = ast.parse(base.strip(), mode="eval").body
+    except SyntaxError:
+        return True  # unknown: keep the count story
+    if isinstance(node, ast.Call):
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        return name in _COUNT_CALLS or "degree" in name
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        last = node.id if isinstance(node, ast.Name) else node.attr
+        return _COUNT_NAME.search(last.lower()) is not None
+    if isinstance(node, ast.Subscript):
+        return _count_base(ast.unparse(node.value))
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
+        return _count_base(ast.unparse(node.left)) and _count_base(ast.unparse(node.right))
+    return False
+
+
+@dataclass(frozen=True)
+class _ZeroFactor:
+    """The factor of a negative power's base that holds the zeros (``P`` in ``(N *
+    P[idx]) ** -beta``) traced to the tensor it normalizes (``prio``)."""
+
+    words: str
+    fix: str
+
+
+def _zero_factor(ev: OpEvent, base: str) -> _ZeroFactor | None:
+    """The base of a negative power is a product of numbers and one tensor factor that is a
+    normalized distribution made above (``P = prio ** alpha / (prio ** alpha).sum()``):
+    its zeros are the zeros of the tensor it normalizes (priorities of 0), which is the
+    thing to fix where it is made; a floor on the product would change every weight."""
+    try:
+        node = ast.parse(base.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    factors: list[ast.expr] = []
+
+    def walk(n: ast.expr) -> None:
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):
+            walk(n.left)
+            walk(n.right)
+        else:
+            factors.append(n)
+
+    walk(node)
+    tensors = []
+    for f in factors:
+        if isinstance(f, ast.Constant):
+            continue
+        if isinstance(f, ast.Name):
+            made = _assigned_value(ev.source, f.id)
+            if made is not None and re.fullmatch(r"\s*(?:\d[\d_.eE+-]*|len\(.*\))\s*", made):
+                continue  # a Python number: N = 64, n = len(buffer)
+        tensors.append(f)
+    if len(tensors) != 1:
+        return None
+    f = tensors[0]
+    head = f.value if isinstance(f, ast.Subscript) else f
+    if not isinstance(head, ast.Name):
+        return None
+    p = head.id
+    made = _assigned_value(ev.source, p)
+    try:
+        value = ast.parse(made, mode="eval").body if made else None
+    except SyntaxError:
+        return None
+    if not (
+        isinstance(value, ast.BinOp)
+        and isinstance(value.op, ast.Div)
+        and isinstance(value.right, ast.Call)
+        and isinstance(value.right.func, ast.Attribute)
+        and value.right.func.attr == "sum"
+    ):
+        return None
+    src = value.left  # prio ** alpha: the tensor normalized, maybe raised to a power
+    while isinstance(src, ast.BinOp) and isinstance(src.op, ast.Pow):
+        src = src.left
+    if not isinstance(src, ast.Name):
+        return None
+    q = src.id
+    init = _assigned_value(ev.source, q)
+    words = (
+        f"the base {base} is a probability times a number, not a count: {p} = {made} "
+        f"is 0 wherever {q} is 0, so {q} holds values of exactly 0 (priorities of 0), and "
+        f"0 ** {ev.scalars.get('exponent', '-b')} is inf"
+    )
+    lines = []
+    if init is not None and re.search(r"\bzeros(?:_like)?\(", init):
+        words += f"; {q} is made with zeros: {q} = {init}"
+        try:
+            made_node = ast.parse(init, mode="eval").body
+        except SyntaxError:
+            made_node = None
+        if isinstance(made_node, ast.IfExp):  # a ... if cond else torch.zeros(n): that branch
+            zeros = [b for b in (made_node.body, made_node.orelse) if "zeros" in ast.unparse(b)]
+            if len(zeros) == 1:
+                init = ast.get_source_segment(init, zeros[0]) or ast.unparse(zeros[0])
+        fixed = re.sub(r"\bzeros(_like)?\(", r"ones\1(", init)
+        lines.append(
+            f"{q} = {fixed}   # new entries at the max priority (1.0 in an empty buffer), "
+            "not 0: every one is sampled and none has a weight of inf"
+        )
+    lines.append(
+        f"# and where {q} is updated from the TD errors: |td| + eps (td.abs() + 1e-6), "
+        "never exactly 0"
+    )
+    lines.append(
+        f"# not a floor on {base}: it is below 1 for every sample of a healthy buffer, "
+        "and .clamp_min(1) would give them all the same weight"
+    )
+    return _ZeroFactor(words, "\n".join(lines))
 
 
 def _pole_text(ev: OpEvent, e: object) -> str:
@@ -6827,6 +7149,26 @@ def _pole_fix(ev: OpEvent, e: object) -> str:
     at_least_one = _rewrite_base(stmt, lambda b: f"{paren(b)}.clamp_min(1)", base)
     with_eps = _rewrite_base(stmt, lambda b: f"({b} + 1e-6)", [])
     lhs = _target(stmt)
+    if base and not _count_base(base[0]):  # a continuous value: keep it off 0, never 1
+        zero = _zero_factor(ev, base[0])
+        if zero is not None:
+            return zero.fix
+        own = _negative_power_floor(stmt, e, _power_eps(ev.dtype))
+        if own is not None:
+            return (
+                f"{own}   # a continuous value, not a count: a floor keeps the power finite "
+                "(not relu: 0 ** -k = inf; not sign·|x|)\n"
+                f"# better: find why {_unclipped_text(base[0])} reached 0 and keep it above 0 "
+                "where it is made"
+            )
+        floored = _rewrite_base(stmt, lambda b: f"{paren(b)}.clamp_min(1e-6)", [])
+        if floored is not None and with_eps is not None:
+            return (
+                f"{floored}   # a continuous value, not a count: an eps floor keeps "
+                f"{base[0]} ** {e} finite\n"
+                f"{with_eps}   # or add the eps\n"
+                f"# better: find why {base[0]} reached 0 and keep it above 0 where it is made"
+            )
     if at_least_one is None or with_eps is None or not base:
         p = f"{e}" if e is not None else "-0.5"
         return (
@@ -7697,9 +8039,118 @@ def _root_forward_text(e: object) -> str:
     )
 
 
-def _root_forward_fix(e: object, *, measured: bool = True) -> str:
+def _unclipped(node: ast.expr) -> ast.expr:
+    """The value under ``torch.relu(x)``, ``x.relu()``, ``x.abs()``, ``x.clamp_min(0)`` or
+    ``x.clamp(min=0)``: what a floor for a negative power applies to (relu and a clamp at 0
+    leave exact zeros, 0 ** -k = inf; abs flips the sign of the negative ones)."""
+    while isinstance(node, ast.Call):
+        f, args = node.func, node.args
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        method = isinstance(f, ast.Attribute) and ast.unparse(f.value) not in _MODULES
+        if method and isinstance(f, ast.Attribute):
+            recv = f.value
+            at_zero = (name == "clamp_min" and len(args) == 1) or (
+                name == "clamp"
+                and not args
+                and any(k.arg == "min" for k in node.keywords)
+                and all(k.arg == "min" for k in node.keywords)
+            )
+            if name in ("relu", "abs") and not args:
+                node = recv
+                continue
+            if at_zero:
+                v = args[0] if args else node.keywords[0].value
+                if isinstance(v, ast.Constant) and v.value == 0:
+                    node = recv
+                    continue
+            return node
+        if name in ("relu", "abs") and len(args) == 1:
+            node = args[0]
+            continue
+        return node
+    return node
+
+
+def _unclipped_text(expr: str) -> str:
+    """:func:`_unclipped` of an expression's text (``torch.relu(v)`` -> ``v``)."""
+    try:
+        return ast.unparse(_unclipped(ast.parse(expr.strip(), mode="eval").body))
+    except SyntaxError:
+        return expr
+
+
+def _negative_power_floor(code: str | None, e: object, eps: str) -> str | None:
+    """The user's line with the base of its negative power floored at ``eps``
+    (``evals.pow(-0.5)`` -> ``evals.clamp_min(1e-6).pow(-0.5)``), any relu, abs or sign
+    around that base dropped (``torch.relu(v) ** -0.5`` and ``v.sign() * v.abs() ** -0.5``
+    -> ``v.clamp_min(1e-6) ** -0.5``): a floor keeps every value finite and positive."""
+    for stmt, tree in _parsed(code):
+        powers: list[tuple[ast.expr, ast.expr, str]] = []  # (node, base, exponent text)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow):
+                powers.append((n, n.left, ast.unparse(n.right)))
+            elif isinstance(n, ast.Call) and len(n.args) >= 1:
+                f = n.func
+                if isinstance(f, ast.Attribute) and f.attr == "pow" and len(n.args) == 1:
+                    powers.append((n, f.value, ast.unparse(n.args[0])))
+                elif ast.unparse(f) == "torch.pow" and len(n.args) == 2:
+                    powers.append((n, n.args[0], ast.unparse(n.args[1])))
+        want = fmt(float(e)) if isinstance(e, (int, float)) else None
+        negative = [
+            pw
+            for pw in powers
+            if pw[2].lstrip("(").startswith("-") or (want is not None and pw[2] == want)
+        ]
+        if len(negative) != 1:
+            continue
+        node, base, k = negative[0]
+        inner = _unclipped(base)
+        text = ast.get_source_segment(stmt, inner) or ast.unparse(inner)
+        floored = f"{paren(text)}.clamp_min({eps}) ** {k}"
+        target: ast.expr = node
+        for m in ast.walk(tree):  # x.sign() * x.abs() ** -k: the sign goes too
+            if isinstance(m, ast.BinOp) and isinstance(m.op, ast.Mult):
+                for sgn, pw in ((m.left, m.right), (m.right, m.left)):
+                    if (
+                        pw is node
+                        and isinstance(sgn, ast.Call)
+                        and isinstance(sgn.func, ast.Attribute)
+                        and sgn.func.attr == "sign"
+                        and ast.unparse(sgn.func.value) == ast.unparse(inner)
+                    ):
+                        target = m
+        return _spliced(stmt, target, floored)
+    return None
+
+
+def _power_eps(dtype: str | None) -> str:
+    """The floor for the base of a negative power: 1e-6, or a normal number of a 16-bit
+    dtype whose tiny is above it (1e-4 in float16)."""
+    lim = limits(dtype)
+    if lim is not None and lim.tiny > 1e-6:
+        return _eps_floor(dtype) or "1e-4"
+    return "1e-6"
+
+
+def _root_forward_fix(
+    e: object, *, measured: bool = True, code: str | None = None, dtype: str | None = None
+) -> str:
     """``measured``: the input's minimum is known, and it is a rounding error (else the
-    fix of :func:`_negative_root_fix` applies)."""
+    fix of :func:`_negative_root_fix` applies). A negative power (whitening's ``evals **
+    -0.5``) gets a floor on the user's own line: relu or a signed power leave 0 ** -k = inf."""
+    if isinstance(e, (int, float)) and not isinstance(e, bool) and e < 0:
+        eps = _power_eps(dtype)
+        own = _negative_power_floor(code, e, eps)
+        if own is not None:
+            return (
+                f"{own}   # a negative power needs a base above 0: values at 0 or slightly "
+                "below it (rounding) are floored, not zeroed (relu: 0 ** -k = inf) nor "
+                "flipped (sign·|x|)"
+            )
+        return (
+            f"y = x.clamp_min({eps}) ** {e}   # a negative power needs a base above 0: a "
+            "floor, not relu (0 ** -k = inf) nor sign·|x|"
+        )
     if e is not None:
         return (
             f"y = x.sign() * x.abs() ** {e}     # a signed power, defined everywhere\n"
