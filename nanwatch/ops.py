@@ -427,8 +427,12 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         max_events: int = 32,
         on_error: Callable[[BaseException], None] | None = None,
         backward_site: Callable[[], tuple[str | None, str | None]] | None = None,
+        nanwatch_calls: bool = False,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        #: record the ops nanwatch's own code runs too (a user's autograd node whose
+        #: backward nanwatch runs again), not only the user's
+        self._nanwatch_calls = nanwatch_calls
         self.events: list[OpEvent] = []
         self.checked = 0
         self._current_path = current_path
@@ -664,7 +668,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         ):
             event = self._hidden_nan(read, outs)
         if (born or injected) and len(self.events) < self._max_events:
-            if _frames.called_by_nanwatch():  # a hook's own statistics (|x| of a -inf)
+            if not self._nanwatch_calls and _frames.called_by_nanwatch():
+                # a hook's own statistics (|x| of a -inf)
                 return
             node: Any = current_autograd_node()  # None outside backward
             backward_at: str | None = None
@@ -2647,7 +2652,10 @@ def own_backward_event(
                 bad = next((g for g in grad_inputs if g is not None and not _finite(g)), None)
                 if bad is None or any(g is not None and not _finite(g) for g in grad_outputs):
                     return
-                ev = node_event(node, bad, name=name_of(node))
+                name = name_of(node)
+                ev = node_event(node, bad, name=name)
+                if len(grad_outputs) > 1:  # svd, eigh: which op of its formula made it
+                    ev = _inner_backward_event(node, grad_outputs, name) or ev
                 ev.source, ev.code = forward_line(node)
                 found.append(ev)
 
@@ -2668,6 +2676,30 @@ def own_backward_event(
     for ev in found:
         ev.path = path
     return found[0] if found else None
+
+
+def _inner_backward_event(node: Any, grad_outputs: Sequence[Any], name: str) -> OpEvent | None:
+    """The aten op inside the backward of ``node``, an op with several outputs (svd's U,
+    S and Vh, eigh's eigenvalues and eigenvectors), that made a non-finite value from
+    finite ones: its backward formula combines them through several ops (svd's and eigh's
+    divide by the differences of the singular values or eigenvalues), and the node's saved
+    values alone do not say which. The node's backward is run once more on the same
+    gradients under an :class:`OpChecker`, from the node's post-hook (its saved values are
+    alive there); the event is the one forensic mode records. None when it cannot run or
+    no op made it."""
+    try:
+        with OpChecker(max_events=4, nanwatch_calls=True) as chk:
+            node(*grad_outputs)
+    except Exception:  # a node that cannot be called from Python: its own event stands
+        return None
+    ev = next(
+        (e for e in chk.events if e.phase is Phase.BACKWARD and not e.injected and e.born),
+        None,
+    )
+    if ev is not None:
+        ev.node = name
+        ev.backward_at = None
+    return ev
 
 
 def _needs(t: Any) -> bool:

@@ -498,7 +498,7 @@ class Watcher:
 
     def __init__(
         self,
-        modules: Sequence[nn.Module],
+        modules: Sequence[nn.Module | Sequence[nn.Module]],
         config: WatchConfig | None = None,
         *,
         scaler: Any = None,
@@ -506,6 +506,11 @@ class Watcher:
     ) -> None:
         if isinstance(modules, nn.Module):  # Watcher(model): its children are not roots
             modules = [modules]
+        # watch([q, q_target]): a list or tuple of modules given as one argument
+        flat: list[Any] = []
+        for item in modules:
+            flat.extend(item if isinstance(item, (list, tuple)) and item else [item])
+        modules = flat
         if not modules and not global_hooks:
             raise ConfigError(
                 "modules", modules, "watch() needs at least one nn.Module: watch(model, criterion)."
@@ -3420,6 +3425,15 @@ class Watcher:
         ):
             self._pinpointed.add(anomaly.path)
             self._pinpoint_own_backward(anomaly)
+        elif (
+            self.config.pinpoint
+            and anomaly.kind is AnomalyKind.GRADIENT
+            and anomaly.op is None
+            and not self._forensic
+            and (first_of_run or anomaly.path not in self._pinpointed)
+        ):
+            self._pinpointed.add(anomaly.path)
+            self._pinpoint_param_backward(anomaly)
         trace.diagnoses = self._evaluate(trace)
         self._act(trace)
 
@@ -3603,25 +3617,106 @@ class Watcher:
             )
         if target is None:
             return
-        found = self._call_inputs(target, None, False, finished=True)
-        if found is None and anomaly.origin == "module":
-            found = self._recomputed_inputs(target)
-        if found is None:
-            return
-        module, args, kwargs, hooks = found
-        if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
-            return  # on accelerators a replay syncs per op: use forensic mode or nw.replay()
-        if _distributed() is not None:
-            return  # a replay on one rank could block in a collective (see _pinpoint)
-        ev = ops.own_backward_event(module, args, kwargs, path=target.path, pre_hooks=hooks)
+        ev = self._own_backward(target, target.path, remake=anomaly.origin == "module")
         if ev is None:
             return
-        ev.backward_at = _frames.user_line()[0]
-        if ev.cause is not None:
-            ev.cause.path = target.path
         trace.ops.append(ev)
         anomaly.op = ev
         anomaly.summary = summarize(anomaly)
+
+    def _pinpoint_param_backward(self, anomaly: Anomaly) -> None:
+        """A parameter's gradient was the first bad value seen, the gradients of the
+        watched modules' outputs finite: the backward of its module's own code (an svd or
+        eigh of a weight at repeated singular values or eigenvalues) can make it from a
+        finite gradient. That module's call is replayed as :meth:`_pinpoint_own_backward`
+        replays one, and a node that makes it becomes the anomaly's op, as a traced one
+        does in forensic mode (:func:`adopt_backward_op`). Anomaly-time work only."""
+        trace = self._trace
+        path = anomaly.record.path
+        calls = [c for c in trace.calls if c.path == path]
+        if len(calls) == 1 and not calls[0].passthrough:
+            ev = self._own_backward(calls[0], path, remake=True)
+        elif not calls and not self._full:
+            # sentinel: the module's calls are not watched; the root that holds it is run
+            # again on its own inputs to give it its inputs
+            ev = self._own_backward(None, path, remake=False)
+        else:
+            return  # called several times: which call made it is not known
+        if ev is None:
+            return
+        trace.ops.append(ev)
+        adopt_backward_op(anomaly, [ev])
+
+    def _inputs_from_root(self, path: str) -> tuple[nn.Module, Any, Any, bool | int] | None:
+        """The module at ``path``, whose calls are not watched (sentinel mode hooks the
+        roots alone), and its inputs, made again by running the root that holds it on that
+        root call's own inputs, still alive and unchanged (see :meth:`_root_call_inputs`).
+        None when it is not called exactly once there, or the root draws random numbers
+        (dropout: other inputs). Anomaly-time work only."""
+        owner = next((m for m, info in self._modules if info.path == path), None)
+        if owner is None:
+            return None
+        found = next(
+            (
+                f
+                for c in reversed(self._trace.calls)
+                if c.root
+                and (f := self._root_call_inputs(c)) is not None
+                and any(m is owner for m in f[0].modules())
+            ),
+            None,
+        )
+        if found is None:
+            return None
+        root, args, kwargs, hooks = found
+        devices = {t.device for _, t in self._walk(args, "input", kwargs)}
+        if any(d.type != "cpu" for d in devices):
+            return None
+        seen: list[tuple[Any, Any]] = []
+
+        def grab(_m: nn.Module, a: Any, kw: Any) -> None:
+            seen.append((a, kw))
+
+        # the last pre-hook: what the module's forward got
+        handle = owner.register_forward_pre_hook(grab, with_kwargs=True)
+        before = ops.rng_states(devices)
+        try:
+            with ops.preserved_state(root, devices), ops._replay_scope(), torch.no_grad():
+                ops.call_forward(root, args, kwargs, pre_hooks=hooks)
+                drew = ops.drew_random(before, devices)
+        except Exception:  # a root that cannot run again here: nothing to replay
+            return None
+        finally:
+            handle.remove()
+        if drew or len(seen) != 1:
+            return None
+        return owner, seen[0][0], seen[0][1], False
+
+    def _own_backward(self, target: Call | None, path: str, *, remake: bool) -> OpEvent | None:
+        """:func:`ops.own_backward_event` of the finished call ``target``, on its inputs
+        if they are at hand (or, with ``remake``, made again); with no ``target``, of the
+        module at ``path`` on inputs its root made again. None when it cannot run or finds
+        no node."""
+        if target is None:
+            found = self._inputs_from_root(path)
+        else:
+            found = self._call_inputs(target, None, False, finished=True)
+            if found is None and remake:
+                found = self._recomputed_inputs(target)
+        if found is None:
+            return None
+        module, args, kwargs, hooks = found
+        if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
+            return None  # on accelerators a replay syncs per op: forensic mode, nw.replay()
+        if _distributed() is not None:
+            return None  # a replay on one rank could block in a collective (see _pinpoint)
+        ev = ops.own_backward_event(module, args, kwargs, path=path, pre_hooks=hooks)
+        if ev is None:
+            return None
+        ev.backward_at = _frames.user_line()[0]
+        if ev.cause is not None:
+            ev.cause.path = path
+        return ev
 
     def _recomputed_inputs(self, call: Call) -> tuple[nn.Module, Any, Any, bool | int] | None:
         """The inputs of a finished ``call`` that are freed (an activation no backward node
@@ -4934,7 +5029,7 @@ def watch_all(**options: Any) -> Watcher:
 
 
 def watch(
-    *modules: nn.Module,
+    *modules: nn.Module | Sequence[nn.Module],
     mode: str = "watch",
     on_anomaly: str = "raise",
     sample_every: int = 1,
@@ -4951,6 +5046,7 @@ def watch(
 ) -> Watcher:
     """Watch ``modules`` (the model, and the loss module when there is one) for non-finite
     values, forward and backward; returns a :class:`Watcher` to use as a context manager.
+    A list or tuple of modules counts as those modules: ``watch([q, q_target], criterion)``.
 
     ``mode``: ``"sentinel"`` (loss, gradients, weights: near zero cost), ``"watch"`` (every
     module), ``"forensic"`` (every aten op: slow, for replays). ``on_anomaly``: ``"raise"``

@@ -191,7 +191,7 @@ def test_nw302_skip_fix_names_the_users_model_and_optimizer() -> None:
     crit = nn.MSELoss()
     with (
         pytest.raises(nanwatch.AnomalyError) as info,
-        nanwatch.watch(net, crit, postmortem=False) as nw,
+        nanwatch.watch(net, crit, postmortem=False, pinpoint=False) as nw,
     ):
         for it in range(4):
             if it == 2:
