@@ -183,18 +183,11 @@ def test_a_backward_nan_in_a_head_recommends_nanwatchs_replay_and_it_names_the_s
     nw = nanwatch.watch(backbone, head, criterion, postmortem=False)
     with pytest.raises(nanwatch.AnomalyError) as err, nw:
         criterion(head(backbone(x), y), y).backward()
+    # watch mode replays the head's own backward (it was NW100 with nw.replay's template,
+    # which then named the sqrt): the sqrt's backward and its line are named at once
     d = err.value.diagnosis
-    assert d is not None and d.code == "NW100" and d.path == "ArcHead"
+    assert d is not None and d.code == "NW112" and d.path == "ArcHead"
     assert "detect_anomaly" not in d.fix
-    assert "nw.replay(step_fn)" in d.fix
-    # the bare "2" says which watched root it is in
-    assert "sent back to 2's output (a Linear inside Sequential) is not" in d.evidence[0]
-    # the fix, pasted with the user's names, names the sqrt's backward and its line
-    model = lambda t: head(backbone(t), y)  # noqa: E731 -- the user's `model(x)`
-    namespace = {"criterion": criterion, "model": model, "x": x, "y": y, "nw": nw}
-    exec(d.fix.replace("print(nw.report)", "report = nw.report"), namespace)
-    top = next(t for t in nw.report.diagnoses if t.step == 0)
-    assert top.code == "NW112"
     lines = Path(__file__).read_text().splitlines()
     line = next(i for i, t in enumerate(lines, 1) if "sine = torch.sqrt(" in t)
-    assert top.source is not None and top.source.endswith(f"test_unseen_autograd2.py:{line}")
+    assert d.source is not None and d.source.endswith(f"test_unseen_autograd2.py:{line}")
