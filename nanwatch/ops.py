@@ -349,6 +349,13 @@ def _make_traced() -> Callable[[], bool]:
     key = getattr(torch._C, "_TorchDispatchModeKey", None)
     get_mode = getattr(torch._C, "_get_dispatch_mode", None)
     keys = [getattr(key, k) for k in ("FAKE", "PROXY", "FUNCTIONAL") if hasattr(key, k)]
+    if len(keys) == 3 and get_mode is not None:  # every op asks: no generator, three C calls
+        fake, proxy, functional = keys
+        return lambda: (
+            get_mode(fake) is not None
+            or get_mode(proxy) is not None
+            or get_mode(functional) is not None
+        )
     if keys and get_mode is not None:
         return lambda: any(get_mode(k) is not None for k in keys)
     names = {"FakeTensorMode", "ProxyTorchDispatchMode", "FunctionalTensorMode"}
@@ -363,23 +370,22 @@ def _make_traced() -> Callable[[], bool]:
 _traced: Callable[[], bool] = _make_traced()
 
 
-def _fake(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+def _fake(types: Sequence[type]) -> bool:
     """A tensor argument holds no values: a FakeTensor or a FunctionalTensor (export's,
-    compile's), met after its mode was left."""
-    for t in leaves((list(args), kwargs)):
-        if isinstance(t, torch.Tensor) and type(t) not in _PLAIN and _no_data(t):
-            return True
-    return False
+    compile's), met after its mode was left. ``types``: what ``__torch_dispatch__`` is
+    given, the argument types that define their own dispatch (empty for plain tensors, so
+    the check costs nothing on the ops of a training step)."""
+    return any(t not in _PLAIN and _no_data(t) for t in types)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _no_data(t: torch.Tensor) -> bool:
+def _no_data(t: type) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor
 
-    return isinstance(t, (FakeTensor, FunctionalTensor))
+    return issubclass(t, (FakeTensor, FunctionalTensor))
 
 
 #: ``OpEvent.scalars`` key of an event the op checker records for a non-finite tensor with
@@ -466,7 +472,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if _traced() or _fake(args, kwargs):  # export, compile: no values to check
+        if (types and _fake(types)) or _traced():  # export, compile: no values to check
             return func(*args, **kwargs)
         ignored = func.overloadpacket in _IGNORED_PACKETS or func.is_view
         before: _Before | None = None
