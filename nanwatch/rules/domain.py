@@ -5151,6 +5151,13 @@ def _weight_ref(code: str | None) -> str | None:
 def _one_division(code: str | None) -> tuple[str, ast.BinOp] | None:
     """The statement of the user's line holding its one ``/``, and that operator's node;
     None when the line is unknown, not ASCII (offsets), or has no or several ``/``."""
+    found = _line_divisions(code)
+    return found[0] if found is not None and len(found) == 1 else None
+
+
+def _line_divisions(code: str | None) -> list[tuple[str, ast.BinOp]] | None:
+    """Each ``/`` of the user's line, with the statement that holds it; None when a
+    statement is not ASCII (its offsets would not match the text)."""
     found: list[tuple[str, ast.BinOp]] = []
     for stmt in statements(code):
         if not stmt.isascii():
@@ -5164,7 +5171,7 @@ def _one_division(code: str | None) -> tuple[str, ast.BinOp] | None:
             for n in ast.walk(tree)
             if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)
         ]
-    return found[0] if len(found) == 1 else None
+    return found
 
 
 def _resolved(node: ast.expr, ev: OpEvent, depth: int = 2) -> ast.expr:
@@ -5287,19 +5294,7 @@ def _zero_divisions(ev: OpEvent) -> _ZeroDivisions | None:
     """The divisions of the user's line that can have divided by the zeros: a line with
     several ``/`` keeps those whose divisor can be 0 (``1 + sq`` of a square cannot); None
     when the line is unknown, not ASCII, has no ``/``, or they span several statements."""
-    found: list[tuple[str, ast.BinOp]] = []
-    for stmt in statements(_whole_code(ev)):
-        if not stmt.isascii():
-            return None
-        try:
-            tree = ast.parse(stmt)
-        except SyntaxError:
-            continue
-        found += [
-            (stmt, n)
-            for n in ast.walk(tree)
-            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)
-        ]
+    found = _line_divisions(_whole_code(ev))
     if not found:
         return None
     kept: list[tuple[str, ast.BinOp]] = []

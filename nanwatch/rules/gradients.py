@@ -1815,16 +1815,8 @@ def _zero_grad_before(ctx: RuleContext, name: str, rec: Record) -> float | None:
     trace = ctx.trace
     if rec.index < 0 and ctx.history and ctx.history[-1].anomaly is None:
         trace = ctx.history[-1]
-    found: Record | None = None
-    for r in trace.records:
-        if r is rec:
-            break
-        if r.phase is Phase.PARAMETER:
-            continue
-        if r.bad:
-            return None
-        if r.phase is Phase.GRADIENT and r.role == name:
-            found = r
+    grads = _clean_grads(trace, name, rec)
+    found = grads[-1] if grads else None
     if found is None or found.stat is None or found.stat.norm != 0 or not found.stat.finite:
         return None
     total = trace.grad_norm
@@ -2054,7 +2046,23 @@ def _used_grad(trace: StepTrace, name: str, before: Record | None) -> float | No
     """The norm of the last finite, non-zero gradient of weight ``name`` in ``trace``, when
     every record up to it (and up to ``before``, when given) is finite: the step's forward
     and backward used the weight while it was finite. None otherwise."""
+    grads = _clean_grads(trace, name, before)
+    if grads is None:
+        return None
     found: float | None = None
+    for r in grads:
+        s = r.stat
+        if s is not None and s.finite:
+            size = s.norm if s.norm is not None else max(abs(s.min), abs(s.max))
+            found = size if size > 0 else found
+    return found
+
+
+def _clean_grads(trace: StepTrace, name: str, before: Record | None) -> list[Record] | None:
+    """The gradient records of weight ``name`` in ``trace`` up to ``before`` (the whole
+    step when None), in order; None when a record up to there is not finite (weights'
+    records aside): the forward and backward that made them were clean."""
+    out: list[Record] = []
     for r in trace.records:
         if r is before:
             break
@@ -2062,11 +2070,9 @@ def _used_grad(trace: StepTrace, name: str, before: Record | None) -> float | No
             continue
         if r.bad:
             return None
-        s = r.stat
-        if r.phase is Phase.GRADIENT and r.role == name and s is not None and s.finite:
-            size = s.norm if s.norm is not None else max(abs(s.min), abs(s.max))
-            found = size if size > 0 else found
-    return found
+        if r.phase is Phase.GRADIENT and r.role == name:
+            out.append(r)
+    return out
 
 
 def _hand_written(
