@@ -744,7 +744,8 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     made = _unit_producer(ctx, ev, x)
     if made == "relu":  # a ReLU's zeros, whatever its maximum: a rate made with a ReLU
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
-    if x.max > 1 and (masked := _masked_log_ratio(ctx, ev, x)) is not None:
+    above = _above_one(x.max, ev.dtype)
+    if above and (masked := _masked_log_ratio(ctx, ev, x)) is not None:
         return _LogUse(
             "zero",
             fix=masked,
@@ -759,7 +760,7 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             evidence=f"{what} holds {zeros} (values up to {fmt(x.max)}), and the model's "
             "output is not it: a target with entries that hold no value",
         )
-    if x.max > 1:
+    if above:
         head = (
             f"# {what} holds {zeros} (min 0, max {fmt(x.max)}): keep 0 out where {what} is "
             "made or sampled"
@@ -797,6 +798,8 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
                     ),
                     f"# if {what} is a softmax/sigmoid probability: take the log from the "
                     "logits, F.log_softmax(logits, dim=-1) or F.logsigmoid(logits)",
+                    "# if it is p * log(p) of a distribution with zeros (an entropy, a KL's "
+                    "target term): torch.special.xlogy(p, p) is 0 there, not 0 * -inf = NaN",
                 ]
             ),
             why=(
@@ -5146,6 +5149,15 @@ def _weight_ref(code: str | None) -> str | None:
             if len(c.args) >= 2 and plain and f.split(".")[0] not in ("torch", "F", "nn"):
                 return f"{f}.weight"
     return None
+
+
+def _above_one(value: float, dtype: str | None) -> bool:
+    """``value`` is past 1 by more than rounding: a probability computed in ``dtype`` (a
+    projected distribution, a normalized histogram) can end a few ulps above 1
+    (1.0000001 in float32) and is still one."""
+    lim = dtype_limits(dtype or "float32") or dtype_limits("float32")
+    eps = lim.eps if lim is not None else 2.0**-23
+    return value > 1 + 8 * eps
 
 
 def _one_division(code: str | None) -> tuple[str, ast.BinOp] | None:
