@@ -5384,13 +5384,10 @@ def _mask_of(node: ast.expr, source: str | None, depth: int = 3) -> bool:
             return _mask_of(node.func.value, source, depth)
         return False
     if isinstance(node, ast.Name) and depth > 0 and node.id not in _MODULES:
-        made = _assigned_before(source, node.id)
-        if made is None:
+        found = _assigned_expr(source, node.id)
+        if found is None:
             return False
-        try:
-            value = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
-        except SyntaxError:
-            return False
+        made, value = found
         if node.id in _tensor_names(value):
             return False
         return _mask_of(value, _line_of(source, made) or source, depth - 1)
@@ -5413,13 +5410,10 @@ def _mask_count(node: ast.expr, source: str | None, depth: int = 2) -> str | Non
             return _mask_count(x, source, depth)
         return None
     if isinstance(node, ast.Name) and depth > 0 and node.id not in _MODULES:
-        made = _assigned_before(source, node.id)
-        if made is None:
+        found = _assigned_expr(source, node.id)
+        if found is None:
             return None
-        try:
-            value = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
-        except SyntaxError:
-            return None
+        made, value = found
         return _mask_count(value, _line_of(source, made) or source, depth - 1)
     return None
 
