@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["hide", "unhide"]
+__all__ = ["hide", "sweep", "unhide"]
 
 #: the module hook dictionaries (id -> hook) and the id-keyed flags that go with them
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -131,3 +131,28 @@ def unhide(ids: Iterable[int]) -> None:
                 del nn.Module.__getstate__
             else:
                 nn.Module.__getstate__ = original  # type: ignore[method-assign]
+
+
+def sweep(modules: Iterable[nn.Module], hooks: Sequence[Callable[..., Any]]) -> None:
+    """Remove ``hooks`` (functions nanwatch registered, whose handles are already removed)
+    from the modules' hook dictionaries where they are still found under other ids: torch
+    registers a replaced module's forward hooks again on its replacement (torch.ao's
+    ``swap_module`` in ``prepare_qat`` and ``convert``, ``fuse_modules``, the sparsifier),
+    handles nanwatch never saw. Entries whose id belongs to a live nanwatch handle (another
+    watcher's, sharing a hook function) stay."""
+    wanted = {id(f) for f in hooks}
+    with _lock:
+        keep = set(_ids)
+    for m in modules:
+        state = m.__dict__
+        for name in ("_forward_pre_hooks", "_forward_hooks"):
+            d = state.get(name)
+            if not d:
+                continue
+            stale = [k for k, v in d.items() if id(v) in wanted and k not in keep]
+            for k in stale:
+                del d[k]
+                for flags in _FLAG_DICTS:
+                    f = state.get(flags)
+                    if f is not None:
+                        f.pop(k, None)

@@ -4123,14 +4123,14 @@ def attach(watcher: Watcher, modules: Sequence[tuple[nn.Module, str]]) -> list[A
                 # and names no more than "born outside the watched modules"
                 handles.append(
                     module.register_forward_pre_hook(
-                        _make_early_hook(watcher, health, binding, path),
+                        _make_early_hook(watcher, health, binding, path, module),
                         with_kwargs=True,
                         prepend=True,
                     )
                 )
             handles.append(
                 module.register_forward_pre_hook(
-                    _make_pre_hook(watcher, health, binding, path), with_kwargs=True
+                    _make_pre_hook(watcher, health, binding, path, module), with_kwargs=True
                 )
             )
             handles.append(
@@ -4144,13 +4144,24 @@ def attach(watcher: Watcher, modules: Sequence[tuple[nn.Module, str]]) -> list[A
 
 
 def _make_pre_hook(
-    watcher: Watcher, health: _Health, binding: _ModuleBinding, path: str, *, early: bool = False
+    watcher: Watcher,
+    health: _Health,
+    binding: _ModuleBinding,
+    path: str,
+    owner: nn.Module,
+    *,
+    early: bool = False,
 ) -> Callable[..., None]:
     """The guard's forward pre-hook of one module; ``early``: NW519 alone, called by the
     hook of :func:`_make_early_hook`."""
     spec = binding.spec
+    ref = weakref.ref(owner)
 
-    def guard_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def guard_pre_hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> None:
+        if kwargs is None or module is not ref():
+            return  # a copy torch registered on a replacement module (see Watcher._make_pre)
         if not health.broken and not _quiet(watcher):
             try:
                 bound = binding.bind(module, args, kwargs)
@@ -4181,15 +4192,19 @@ def _make_pre_hook(
 
 
 def _make_early_hook(
-    watcher: Watcher, health: _Health, binding: _ModuleBinding, path: str
+    watcher: Watcher, health: _Health, binding: _ModuleBinding, path: str, owner: nn.Module
 ) -> Callable[..., None]:
     """The pre-hook that runs before the watcher's (see :func:`attach`): the guard's NW519
     check, only when the input's autograd node says a term without gradients was added to
     it (no read otherwise)."""
-    guard = _make_pre_hook(watcher, health, binding, path, early=True)
+    guard = _make_pre_hook(watcher, health, binding, path, owner, early=True)
     name = binding.spec.input
 
-    def nograd_pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def nograd_pre_hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> None:
+        if kwargs is None:
+            return  # a copy on a replacement module (see _make_pre_hook)
         x = args[0] if args else kwargs.get(name)
         if isinstance(x, torch.Tensor) and _nograd_add(x) is not None:
             guard(module, args, kwargs)
@@ -4204,7 +4219,7 @@ def _what(spec: GuardSpec) -> str:
     return "one_hot guard" if spec.name == "one_hot" else "embedding guard"
 
 
-def _pop_hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+def _pop_hook(module: nn.Module, args: Any, *rest: Any) -> None:
     stack = _module_stack()
     if stack and stack[-1] is module:
         stack.pop()

@@ -773,13 +773,13 @@ class Watcher:
                 # first, so the call's inputs are what its caller passed: a user's pre-hook
                 # (a standardization) is code of the call, replayed with it
                 pre = module.register_forward_pre_hook(
-                    self._make_pre(info), with_kwargs=True, prepend=True
+                    self._make_pre(info, module), with_kwargs=True, prepend=True
                 )
                 info.pre_id = pre.id
                 self._handles.append(pre)
             self._handles.append(
                 module.register_forward_hook(
-                    self._make_post(info), with_kwargs=True, always_call=True
+                    self._make_post(info, module), with_kwargs=True, always_call=True
                 )
             )
 
@@ -1199,27 +1199,33 @@ class Watcher:
     # Every hook body runs with torch-function handling off: nanwatch's own statistics must
     # not pass through a user's TorchFunctionMode, which would both slow them down and show
     # them to the user's mode.
-    def _make_pre(self, info: _ModInfo) -> Callable[..., None]:
+    # The hooks are bound to their module: torch.ao's module swaps (prepare_qat, convert),
+    # fuse_modules and the sparsifier register a replaced module's forward hooks again on
+    # its replacement, without kwargs. Such a copy does nothing (the replacement is hooked
+    # at the next root call, see _check_tree) and is removed at detach (_copies.sweep).
+    def _make_pre(self, info: _ModInfo, owner: nn.Module) -> Callable[..., None]:
         pre = self._pre
+        ref = weakref.ref(owner)
 
-        def pre_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if _compiling():
+        def pre_hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+        ) -> None:
+            if _compiling() or kwargs is None or module is not ref():
                 return
             with _NO_TORCH_FUNCTION():
                 pre(info, module, args, kwargs)
 
         return pre_hook
 
-    def _make_post(self, info: _ModInfo) -> Callable[..., None]:
+    def _make_post(self, info: _ModInfo, owner: nn.Module) -> Callable[..., None]:
         post = self._post
+        ref = weakref.ref(owner)
 
-        def post_hook(
-            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-        ) -> None:
-            if _compiling():
+        def post_hook(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+            if _compiling() or len(rest) != 2 or module is not ref():
                 return
             with _NO_TORCH_FUNCTION():
-                post(info, module, args, kwargs, output)
+                post(info, module, args, rest[0], rest[1])
 
         return post_hook
 
@@ -4308,10 +4314,18 @@ class Watcher:
             fg, self._functional_guards = self._functional_guards, None
             with contextlib.suppress(Exception):
                 fg.__exit__(None, None, None)
+        # the hook functions, for the copies torch registered of them (see _make_pre)
+        fns = [
+            f
+            for h in self._handles
+            if (d := h.hooks_dict_ref()) is not None and (f := d.get(h.id)) is not None
+        ]
         for h in self._handles:
             h.remove()
         _copies.unhide(h.id for h in self._handles)
         self._handles = []
+        if fns:
+            _copies.sweep((m for r in self.roots for m in r.modules()), fns)
         for h in self._param_hooks.values():
             h.remove()
         self._param_hooks = {}

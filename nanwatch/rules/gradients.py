@@ -2576,9 +2576,20 @@ def _spikes(
     tag = f"spike-row:{kind}:{hash(keys)}"
 
     def row(t: StepTrace) -> tuple[float, ...]:
-        values = getattr(ctx.memo(t, "grad_summary", _grad_summary), kind)
+        summary = ctx.memo(t, "grad_summary", _grad_summary)
+        values = getattr(summary, kind)
         # inf: absent that step, or exactly 0 (not yet connected to the loss: a loss term
-        # weighted 0 during a warm-up, a gate initialized to 0); neither is its level
+        # weighted 0 during a warm-up, a gate initialized to 0); neither is its level. Nor
+        # is a parameter's norm lost in the rounding of that step's total (see
+        # _above_rounding): a conv bias before a BatchNorm in training mode has a true
+        # gradient of 0, and once the norm's statistics are frozen (fine-tuning, QAT's
+        # freeze_bn_stats) its real gradient is no jump over that noise
+        total = summary.total if kind == "params" else None
+        if total is not None and math.isfinite(total) and total > 0:
+            floor = _EPS32 * total * total
+            return tuple(
+                x if (x := values.get(k, 0.0)) and x * x >= floor else math.inf for k in keys
+            )
         return tuple(values.get(k, math.inf) or math.inf for k in keys)
 
     mins = _window_mins(ctx, tag, row)
