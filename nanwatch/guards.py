@@ -589,6 +589,18 @@ def _shape(t: torch.Tensor) -> str:
 
 
 # ---------------------------------------------------------------------------- one call
+#: read a CPU tensor's range as soon as it is computed (see :func:`_read_now`)
+_CPU_READS_NOW = True
+
+
+def _read_now(t: torch.Tensor) -> bool:
+    """Whether a statistic of ``t`` is read when it is computed rather than with the call's
+    one read: on the CPU a read is no host sync, and a range known at once spares the ops
+    it makes needless (a target range without ignore_index needs no mask; an input without
+    -inf needs no look at its target classes). An accelerator's values wait for the read."""
+    return _CPU_READS_NOW and t.device.type == "cpu"
+
+
 class _Probe:
     """One guarded call: Python-side checks (shapes, dtypes, devices) first, then every
     reduction the value checks need, read together with one host sync."""
@@ -841,6 +853,8 @@ class _Probe:
         one ``aminmax``."""
         known = self.known(t)
         lo, hi = known if known is not None else aminmax(t)
+        if isinstance(lo, torch.Tensor) and _read_now(t):
+            lo, hi = lo.item(), hi.item()
         for key, v in ((f"{prefix}_min", lo), (f"{prefix}_max", hi)):
             if isinstance(v, torch.Tensor):
                 self.add(key, v)
@@ -1155,18 +1169,34 @@ def _check_class(p: _Probe) -> None:
     lo = -1 if name == "multilabel_margin_loss" else 0
     ign: torch.Tensor | None = None
     kept = t
+    # on the CPU a read is no sync: the target's range is read first, and a range that
+    # does not hold ignore_index needs no mask (three ops fewer a step)
+    known: tuple[Any, Any] | None = None
+    if _read_now(t):
+        kmin, kmax = aminmax(t)
+        known = (kmin.item(), kmax.item())
     if ignore is not None:
-        ign = t == ignore
-        ignored["mask"] = ign
-        p.count("ignored", ign)
-        kept = torch.where(ign, lo, t)  # the labels of trained positions (ignored read as lo)
+        if known is not None and not known[0] <= ignore <= known[1]:
+            p.values["ignored"] = 0
+        else:
+            known = None
+            ign = t == ignore
+            ignored["mask"] = ign
+            p.count("ignored", ign)
+            kept = torch.where(ign, lo, t)  # the trained positions' labels (ignored: lo)
     # the range of the trained labels answers "any out of range?" without counting them
-    kmin, kmax = aminmax(kept)
-    p.add("target_min", kmin)
-    p.add("target_max", kmax)
+    if known is not None:
+        p.values["target_min"], p.values["target_max"] = known
+    else:
+        kmin, kmax = aminmax(kept)
+        p.add("target_min", kmin)
+        p.add("target_max", kmax)
     p.then(lambda v: _class_result(p, v, c=c, lo=lo, ignore=ignore, ign=ign, desc=desc))
     if per_position and cdim is not None:
-        _check_target_logit(p, kept, ign, c=c, cdim=cdim)
+        low = p.values.get("input_min")  # already read (the watcher's, or on the CPU)
+        if not (low is not None and low > -math.inf):
+            # (an input with no -inf, its min read, has none at a target either)
+            _check_target_logit(p, kept, ign, c=c, cdim=cdim)
         if not p.is_module:  # a module's input: checked by its early hook (see attach)
             p.then(lambda v: _nograd_input_result(p, v))
 

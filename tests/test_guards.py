@@ -564,6 +564,54 @@ def test_one_host_sync_per_guarded_call(monkeypatch: pytest.MonkeyPatch) -> None
     assert syncs == []
 
 
+def test_on_the_cpu_ranges_read_at_once_spare_the_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU a read is no sync: the target's range read first says no ignore_index is
+    in it (no mask), the input's min says no -inf is (no gather at the target classes).
+    The evidence is the same as from the one read an accelerator makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func.overloadpacket is not torch.ops.aten._local_scalar_dense:
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    real_guard = guards._guard
+    counted: list[list[str]] = []
+
+    def counted_guard(*args: Any, **kwargs: Any) -> None:
+        with CountOps() as c:
+            real_guard(*args, **kwargs)
+        counted.append(c.ops)
+
+    monkeypatch.setattr(guards, "_guard", counted_guard)
+    torch.manual_seed(0)
+    logits, y = torch.randn(8, 5), torch.randint(0, 5, (8,))
+    masked = logits.clone()
+    masked[0, y[0]] = -math.inf  # a -inf at a target: the gather must still run
+    notes = []
+    for now in (True, False):
+        monkeypatch.setattr(guards, "_CPU_READS_NOW", now)
+        criterion = nn.CrossEntropyLoss()  # watched; the functional calls are guarded
+        with watch(criterion, postmortem=False, on_anomaly="warn", functional_guards=True) as nw:
+            F.cross_entropy(logits, y)
+            with pytest.warns(nanwatch.NanwatchWarning):
+                F.cross_entropy(masked, y)
+                nw.step()
+        notes.append([n.data for n in nw.history[-1].notes if n.kind == "loss_input"])
+    fast, slow = counted[0], counted[2]
+    assert "eq" in slow and "where" in slow and "gather" in slow
+    assert "eq" not in fast and "where" not in fast and "gather" not in fast
+    assert "gather" in counted[1]  # the input holds -inf: looked at
+    assert notes[0] == notes[1]
+
+
 @pytest.mark.parametrize("deferred", [False, True], ids=["cpu", "accelerator-path"])
 def test_a_loss_input_the_watcher_measured_is_not_read_again(
     monkeypatch: pytest.MonkeyPatch, deferred: bool
