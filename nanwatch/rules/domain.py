@@ -1748,7 +1748,12 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
             m = _ONE_MINUS.match(arg)
             if m is not None:
                 return _one_minus_use(
-                    stmt, calls, m.group(1).strip(), bce=m.group(1).strip() in args
+                    stmt,
+                    calls,
+                    m.group(1).strip(),
+                    bce=m.group(1).strip() in args,
+                    source=ev.source,
+                    low=x.min if (x := first_input(ev)) is not None else None,
                 )
         for start, end, arg in calls:
             sig = _SIGMOID.match(arg)
@@ -2132,9 +2137,44 @@ def _with_arg(call: str, arg: str) -> str:
     return arg + call[call.rindex(".") :]
 
 
-def _one_minus_use(stmt: str, calls: list[tuple[int, int, str]], q: str, *, bce: bool) -> _LogUse:
+def _producer_of(q: str, source: str | None) -> tuple[str, str | None, str | None]:
+    """What made the probability ``q`` of a log(1 - q), read from the user's code:
+    ("sigmoid", its logit, None) for a sigmoid on the line or assigned to q's name in the
+    function; ("cumsum", None, the assignment) for a cumulative sum (a CDF of a softmax's
+    bins); ("unknown", None, the assignment or None) otherwise."""
+    sig = _SIGMOID.match(q)
+    if sig is not None:
+        return "sigmoid", (sig.group(1) or sig.group(2)).strip(), None
+    head = re.match(r"[A-Za-z_]\w*", q)
+    found = _assigned_expr(source, head.group(0)) if head is not None else None
+    if found is None:
+        return "unknown", None, None
+    made, rhs = found
+    for n in ast.walk(rhs):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            owner = ast.unparse(n.func.value)
+            if n.func.attr == "sigmoid":
+                if owner in ("torch", "F", "torch.nn.functional") and len(n.args) == 1:
+                    return "sigmoid", ast.unparse(n.args[0]), made
+                if not n.args:
+                    return "sigmoid", owner, made
+            if n.func.attr in ("cumsum", "cumsum_"):
+                return "cumsum", None, made
+    return "unknown", None, made
+
+
+def _one_minus_use(
+    stmt: str,
+    calls: list[tuple[int, int, str]],
+    q: str,
+    *,
+    bce: bool,
+    source: str | None = None,
+    low: float | None = None,
+) -> _LogUse:
     """log(1 - p) (and log(p) beside it: a hand-written binary cross-entropy) of a
-    probability that reached exactly 1."""
+    probability that reached exactly 1 (or, by rounding, above it: ``low``, the log's
+    input minimum, below 0). A sigmoid is named only when the code shows one."""
     out, last = [], 0
     for start, end, arg in calls:
         out.append(stmt[last:start])
@@ -2145,37 +2185,88 @@ def _one_minus_use(stmt: str, calls: list[tuple[int, int, str]], q: str, *, bce:
             out.append(stmt[start:end])
         last = end
     clamped = "".join(out) + stmt[last:]
-    sig = _SIGMOID.match(q)
-    if sig is not None:  # log(1 - torch.sigmoid(z)) on the line: the logit is known
-        z = (sig.group(1) or sig.group(2)).strip()
-        own: list[str] = []
-        last = 0
-        for start, end, arg in calls:
-            m = _ONE_MINUS.match(arg)
-            hit = m is not None and m.group(1).strip() == q
-            own += [stmt[last:start], f"F.logsigmoid(-{paren(z)})" if hit else stmt[start:end]]
-            last = end
-        lead = "".join(own) + stmt[last:] + f"   # log(1 - sigmoid({z})), never -inf\n"
-        lead += f"loss = F.binary_cross_entropy_with_logits({z}, y)   # a BCE of the logits\n"
+    kind, z, made = _producer_of(q, source)
+    above = low is not None and low < 0
+    f = "torch.nn.functional." if _lacks_f(source) else "F."
+    if kind == "sigmoid" and z is not None and not above:
+        if made is not None and bce:  # a hand-written BCE of p = sigmoid(...) made above
+            lead = (
+                f"loss = {f}binary_cross_entropy_with_logits(logits, y)   # {q} = "
+                "torch.sigmoid(logits): the loss from the logits\n"
+                f"log_1mp = {f}logsigmoid(-logits)   # log(1 - sigmoid(logits)), never -inf\n"
+            )
+        else:
+            own: list[str] = []
+            last = 0
+            for start, end, arg in calls:
+                m = _ONE_MINUS.match(arg)
+                hit = m is not None and m.group(1).strip() == q
+                new = f"{f}logsigmoid(-{paren(z)})" if hit else stmt[start:end]
+                own += [stmt[last:start], new]
+                last = end
+            lead = "".join(own) + stmt[last:] + f"   # log(1 - sigmoid({z})), never -inf\n"
+            if made is None:
+                lead += (
+                    f"loss = {f}binary_cross_entropy_with_logits({z}, y)   # a BCE of the logits\n"
+                )
+        return _LogUse(
+            "bce" if bce else "one-minus",
+            fix=f"{lead}{clamped}   # when only {q} exists",
+            why=(
+                f"The log of 1 - {q} is -inf where {q} is exactly 1: a sigmoid of a logit "
+                f"above about {_SIGMOID_ONE['float32']} rounds to 1.0 in float32 (about "
+                f"{_SIGMOID_ONE['float16']} in float16, {_SIGMOID_ONE['bfloat16']} in "
+                "bfloat16), so 1 - p = 0"
+                + (
+                    ", and the label's zero weight on that term makes 0 × -inf = NaN. "
+                    if bce
+                    else ". "
+                )
+                + "logsigmoid(-z) = log(1 - sigmoid(z)) and binary_cross_entropy_with_logits "
+                "work from the logit and never form the 0."
+            ),
+            evidence=f"the log is of 1 - {q}: -inf where {q} is exactly 1"
+            + (f" (with log({q}) beside it: a hand-written binary cross-entropy)" if bce else "")
+            + (f"; {q} is a sigmoid ({made})" if made else ""),
+        )
+    what = (
+        f"{q} rounded to 1 or just above it (the log's input reached {fmt(low)})"
+        if above
+        else f"{q} reached exactly 1"
+    )
+    if kind == "cumsum":
+        why = (
+            f"The log of 1 - {q} is -inf where {q} is exactly 1 and NaN where it is above 1. "
+            f"{q} is a cumulative sum of probabilities ({made}): the total of a softmax is 1 "
+            "only up to rounding, so at the late bins the running sum rounds to 1.0 or a few "
+            "eps above it, and 1 - it is 0 or negative. Compute the survival from the bins "
+            "after t (a reversed cumsum, or a logsumexp of log_softmax over them) instead of "
+            "1 minus the cumulative sum; else keep 1 - cdf above 0."
+        )
+        extra = (
+            "# better: S(t) as the sum of the bins after t, not 1 - cumsum: "
+            "surv = pmf.flip(1).cumsum(1).flip(1) - pmf, or "
+            "torch.logsumexp of F.log_softmax(logits, 1) over those bins"
+        )
     else:
-        lead = (
-            f"loss = F.binary_cross_entropy_with_logits(logits, y)   # {q} = torch.sigmoid("
-            "logits): the loss from the logits\n"
-            "log_1mp = F.logsigmoid(-logits)   # log(1 - sigmoid(logits)), never -inf\n"
+        why = (
+            f"The log of 1 - {q} is -inf where {q} is exactly 1"
+            + (" and NaN where it is above 1 (rounding)" if above else "")
+            + f": nothing keeps {q} below 1. Keep 1 - {q} above 0 (a clamp), or compute the "
+            "log of the complement from what made it: log1p(-p) is exact for small p but "
+            "-inf at p = 1 too."
+        )
+        extra = (
+            f"# if {q} is a sigmoid of z: F.logsigmoid(-z) = log(1 - sigmoid(z)), never -inf"
+            if not above
+            else f"# {q} went above 1: it is not a sigmoid (a sigmoid never exceeds 1)"
         )
     return _LogUse(
         "bce" if bce else "one-minus",
-        fix=f"{lead}{clamped}   # when only {q} exists",
-        why=(
-            f"The log of 1 - {q} is -inf where {q} is exactly 1: a sigmoid of a logit above "
-            f"about {_SIGMOID_ONE['float32']} rounds to 1.0 in float32 (about "
-            f"{_SIGMOID_ONE['float16']} in float16, {_SIGMOID_ONE['bfloat16']} in bfloat16), "
-            "so 1 - p = 0"
-            + (", and the label's zero weight on that term makes 0 × -inf = NaN. " if bce else ". ")
-            + "logsigmoid(-z) = log(1 - sigmoid(z)) and binary_cross_entropy_with_logits "
-            "work from the logit and never form the 0."
-        ),
-        evidence=f"the log is of 1 - {q}: -inf where {q} is exactly 1"
+        fix=f"{clamped}   # 1 - {q} kept above 0\n{extra}",
+        why=why,
+        evidence=f"the log is of 1 - {q}: {what}"
+        + (f"; {q} is a cumulative sum ({made})" if kind == "cumsum" else "")
         + (f" (with log({q}) beside it: a hand-written binary cross-entropy)" if bce else ""),
     )
 
@@ -6055,6 +6146,15 @@ def _binds_f(source: str | None) -> bool:
     return bool(path) and _BINDS_F.search("".join(linecache.getlines(path))) is not None
 
 
+def _lacks_f(source: str | None) -> bool:
+    """The file of ``source`` can be read and does not bind ``F`` (:func:`_binds_f`): a fix
+    pasted there spells ``torch.nn.functional.`` out."""
+    import linecache
+
+    path = (source or "").rpartition(":")[0]
+    return bool(path) and bool(linecache.getlines(path)) and not _binds_f(source)
+
+
 def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
     """The user's line with its floating denominator kept off 0: ``F.normalize`` for a
     hand-written L2 normalization, ``.clamp_min(eps of its dtype)`` for a non-negative
@@ -6963,7 +7063,7 @@ def _pole_zero_factor(ev: OpEvent) -> _ZeroFactor | None:
         return None
     stmt = next((st for st in statements(ev.code) if re.search(r"pow\(|\*\*", st)), None)
     base: list[str] = []
-    _rewrite_base(stmt, lambda b: b, base)
+    _rewrite_base(stmt, lambda b: b, base, ev)
     return _zero_factor(ev, base[0]) if base and not _count_base(base[0]) else None
 
 
@@ -7147,8 +7247,8 @@ def _pole_fix(ev: OpEvent, e: object) -> str:
         lines.append("# or keep padding rows out: normalize only where the mask is True")
         return "\n".join(lines)
     base: list[str] = []
-    at_least_one = _rewrite_base(stmt, lambda b: f"{paren(b)}.clamp_min(1)", base)
-    with_eps = _rewrite_base(stmt, lambda b: f"({b} + 1e-6)", [])
+    at_least_one = _rewrite_base(stmt, lambda b: f"{paren(b)}.clamp_min(1)", base, ev)
+    with_eps = _rewrite_base(stmt, lambda b: f"({b} + 1e-6)", [], ev)
     lhs = _target(stmt)
     if base and not _count_base(base[0]):  # a continuous value: keep it off 0, never 1
         zero = _zero_factor(ev, base[0])
@@ -7162,13 +7262,14 @@ def _pole_fix(ev: OpEvent, e: object) -> str:
                 f"# better: find why {_unclipped_text(base[0])} reached 0 and keep it above 0 "
                 "where it is made"
             )
-        floored = _rewrite_base(stmt, lambda b: f"{paren(b)}.clamp_min(1e-6)", [])
+        floored = _rewrite_base(stmt, lambda b: f"{paren(b)}.clamp_min(1e-6)", [], ev)
         if floored is not None and with_eps is not None:
             return (
                 f"{floored}   # a continuous value, not a count: an eps floor keeps "
                 f"{base[0]} ** {e} finite\n"
                 f"{with_eps}   # or add the eps\n"
-                f"# better: find why {base[0]} reached 0 and keep it above 0 where it is made"
+                f"# better: keep {base[0]} above 0 where it is made (a softplus or exp "
+                "output, not a relu: relu is exactly 0 for every negative input)"
             )
     if at_least_one is None or with_eps is None or not base:
         p = f"{e}" if e is not None else "-0.5"
@@ -7202,14 +7303,183 @@ def _target(stmt: str | None) -> str | None:
     return m.group(1) if m else None
 
 
-def _rewrite_base(stmt: str | None, wrap: Callable[[str], str], got: list[str]) -> str | None:
+def _power_sites(tree: ast.AST) -> list[tuple[ast.expr, ast.expr, ast.expr]]:
+    """Each power of ``tree`` in source order: (node, base, exponent) of ``x ** e``,
+    ``x.pow(e)`` and ``torch.pow(x, e)``."""
+    out: list[tuple[ast.expr, ast.expr, ast.expr]] = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow):
+            out.append((n, n.left, n.right))
+        elif isinstance(n, ast.Call):
+            f = n.func
+            if isinstance(f, ast.Attribute) and f.attr == "pow" and len(n.args) == 1:
+                if ast.unparse(f.value) != "torch":
+                    out.append((n, f.value, n.args[0]))
+            elif ast.unparse(f) == "torch.pow" and len(n.args) == 2:
+                out.append((n, n.args[0], n.args[1]))
+    return sorted(out, key=lambda t: (t[0].lineno, t[0].col_offset))
+
+
+def _source_tree(source: str | None) -> tuple[ast.Module, int] | None:
+    """The parsed file of ``source`` (``file.py:42``) and the line number; None when it
+    cannot be read or parsed."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    text = "".join(linecache.getlines(path))
+    if not text:
+        return None
+    try:
+        return ast.parse(text), int(num)
+    except (SyntaxError, ValueError):
+        return None
+
+
+_ARITH: dict[type, Callable[[float, float], float]] = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
+
+
+def _constant_value(expr: ast.expr, source: str | None, depth: int = 0) -> float | None:
+    """The number ``expr`` evaluates to, its names read from the user's file
+    (:func:`_name_constant`); None when any part is not such a constant."""
+    if depth > 8:
+        return None
+    if isinstance(expr, ast.Constant):
+        v = expr.value
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, (ast.USub, ast.UAdd)):
+        v = _constant_value(expr.operand, source, depth + 1)
+        return None if v is None else (-v if isinstance(expr.op, ast.USub) else v)
+    if isinstance(expr, ast.BinOp) and type(expr.op) in _ARITH:
+        a = _constant_value(expr.left, source, depth + 1)
+        b = _constant_value(expr.right, source, depth + 1)
+        if a is None or b is None or (isinstance(expr.op, ast.Div) and b == 0):
+            return None
+        return _ARITH[type(expr.op)](a, b)
+    if isinstance(expr, ast.Name) and source is not None:
+        found = _name_constant(expr.id, source)
+        return None if found is None else _constant_value(found, source, depth + 1)
+    return None
+
+
+def _assigned_in(body: list[ast.stmt], name: str, before: int | None) -> ast.expr | bool | None:
+    """What the last assignment to ``name`` among ``body``'s statements above line
+    ``before`` gives it: the expression, None when it is not one (``a, b = f()``, ``+=``),
+    False when none assigns it."""
+    got: ast.expr | bool | None = False
+    for st in body:
+        if before is not None and st.lineno >= before:
+            break
+        if isinstance(st, ast.Assign):
+            for t in st.targets:
+                v = st.value
+                if isinstance(t, ast.Name) and t.id == name:
+                    got = v
+                elif isinstance(t, ast.Tuple) and any(
+                    isinstance(x, ast.Name) and x.id == name for x in t.elts
+                ):
+                    same = isinstance(v, ast.Tuple) and len(v.elts) == len(t.elts)
+                    i = [isinstance(x, ast.Name) and x.id == name for x in t.elts].index(True)
+                    got = v.elts[i] if same and isinstance(v, ast.Tuple) else None
+        elif (
+            isinstance(st, (ast.AugAssign, ast.AnnAssign))
+            and isinstance(st.target, ast.Name)
+            and st.target.id == name
+        ):
+            got = st.value if isinstance(st, ast.AnnAssign) else None
+    return got
+
+
+def _name_constant(name: str, source: str) -> ast.expr | None:
+    """The expression ``name`` holds at line ``source``, read from the user's file: a
+    constant assigned in the enclosing function above the line, the default of its
+    parameter (``p=P``: what the line sees unless a caller passes one), or a module-level
+    assignment (``N, D, P = 256, 8, 1.5``); None when none is found."""
+    parsed = _source_tree(source)
+    if parsed is None:
+        return None
+    tree, line = parsed
+    fn: ast.FunctionDef | ast.AsyncFunctionDef | None = None
+    for n in ast.walk(tree):
+        if (
+            isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.lineno <= line <= (n.end_lineno or n.lineno)
+            and (fn is None or n.lineno > fn.lineno)
+        ):
+            fn = n
+    if fn is not None:
+        inner = [st for st in ast.walk(fn) if isinstance(st, ast.stmt) and st is not fn]
+        got = _assigned_in(sorted(inner, key=lambda st: st.lineno), name, line)
+        if got is not False:
+            return got if isinstance(got, ast.expr) else None
+        args = fn.args
+        pos = args.posonlyargs + args.args
+        named = dict(
+            zip([a.arg for a in pos[len(pos) - len(args.defaults) :]], args.defaults, strict=True)
+        )
+        named.update(
+            (a.arg, d)
+            for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+            if d is not None
+        )
+        if name in named:
+            return named[name]
+        if any(a.arg == name for a in pos + args.kwonlyargs):
+            return None
+    got = _assigned_in(tree.body, name, None if fn is not None else line)
+    return got if isinstance(got, ast.expr) else None
+
+
+def _traced_power(stmt: str, ev: OpEvent) -> tuple[str, ast.expr] | None:
+    """The statement and the base of the power on the user's line that the traced op ran,
+    when the line holds several: the one whose exponent evaluates (:func:`_constant_value`)
+    to the op's scalar exponent (``mu.pow(1 - p)`` with ``p = 1.5`` for an exponent of
+    -0.5, not the ``y.pow(2 - p)`` before it). None when not exactly one base fits."""
+    e = ev.scalars.get("exponent")
+    if not isinstance(e, (int, float)) or isinstance(e, bool):
+        return None
+    for st, tree in _parsed(stmt):
+        # a number's power (2 ** x) has its tensor in the exponent: not this op's base
+        sites = [s for s in _power_sites(tree) if _constant_value(s[1], None) is None]
+        if len(sites) < 2:
+            continue
+        fits = [
+            s
+            for s in sites
+            if (v := _constant_value(s[2], ev.source)) is not None
+            and math.isclose(v, e, rel_tol=1e-6, abs_tol=1e-9)
+        ]
+        if fits and len({ast.unparse(s[1]) for s in fits}) == 1:
+            return st, fits[0][1]
+    return None
+
+
+def _rewrite_base(
+    stmt: str | None,
+    wrap: Callable[[str], str],
+    got: list[str],
+    ev: OpEvent | None = None,
+) -> str | None:
     """The statement with the base of its power (``x.pow(e)``, ``torch.pow(x, e)``, ``x **
-    e``) passed through ``wrap``; the base is appended to ``got``."""
+    e``) passed through ``wrap``; the base is appended to ``got``. With ``ev``, the power
+    whose exponent is the traced one (:func:`_traced_power`) when the line holds several;
+    else the first."""
 
     def keep(b: str) -> str:
         got.append(b)
         return wrap(b)
 
+    if ev is not None and stmt and (hit := _traced_power(stmt, ev)) is not None:
+        st, node = hit
+        text = ast.get_source_segment(st, node) or ast.unparse(node)
+        new = keep(text)
+        return _spliced(st, node, paren(new) if new == text else new, grouped=True)
     out = rewrite_call(stmt, ["pow"], keep)
     if out is not None or not stmt:
         return out
@@ -7454,7 +7724,7 @@ def _built_from_data(ctx: RuleContext, ev: OpEvent) -> tuple[str, str, str] | No
     (``deg = torch.zeros(n).scatter_add_(0, col, ew)`` with ``ew`` an input): the name, its
     assignment, and the inputs it read (``c1's input[2] (ew)``); None otherwise."""
     got: list[str] = []
-    if _rewrite_base(ev.code, lambda b: b, got) is None or not got:
+    if _rewrite_base(ev.code, lambda b: b, got, ev) is None or not got:
         got = [a] if (a := call_argument(ev.code, ["sqrt", "rsqrt"])) else []
     if not got or not re.fullmatch(r"[A-Za-z_]\w*", got[0].strip()) or ev.path is None:
         return None
@@ -7509,7 +7779,7 @@ def _data_root_fix(ev: OpEvent, e: object) -> str:
         own = rewrite_call(ev.code, ["sqrt", "rsqrt"], lambda v: f"{paren(v)}.clamp_min(0)")
         base = "x"
     else:
-        own = _rewrite_base(ev.code, lambda b: f"{paren(b)}.clamp_min(0)", got)
+        own = _rewrite_base(ev.code, lambda b: f"{paren(b)}.clamp_min(0)", got, ev)
         base = got[0] if got else "x"
     signed = e is None or (isinstance(e, (int, float)) and not isinstance(e, bool) and e < 0)
     lines = [
@@ -7547,7 +7817,7 @@ def _raw_output(ev: OpEvent) -> bool:
     got: list[str] = []
     stmt = next((st for st in statements(ev.code) if "sqrt" in st), None)
     arg = call_argument(stmt, ["sqrt", "rsqrt"]) if stmt else None
-    if arg is None and _rewrite_base(ev.code, lambda b: b, got) is not None and got:
+    if arg is None and _rewrite_base(ev.code, lambda b: b, got, ev) is not None and got:
         arg = got[0]
     if arg is None:
         return True
@@ -7600,7 +7870,7 @@ def _computed_root_fix(ev: OpEvent) -> str:
     """The user's line with the root's argument clamped at 0."""
     own = rewrite_call(ev.code, ["sqrt", "rsqrt"], lambda v: f"{paren(v)}.clamp_min(0)")
     if own is None:
-        own = _rewrite_base(ev.code, lambda b: f"{paren(b)}.clamp_min(0)", [])
+        own = _rewrite_base(ev.code, lambda b: f"{paren(b)}.clamp_min(0)", [], ev)
     head = own or "y = torch.sqrt(v.clamp_min(0))"
     return (
         f"{head}   # entries outside the domain give 0, not NaN; the rest are unchanged\n"
@@ -8393,25 +8663,83 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
     if w is None and sf.weight is not None:  # weights the guard did not name
         keep, w = "weight=w, ", "w"
         head = "# w: the class weights given to the loss\n" + head
-    call = f"loss = {fn}({x}, {y}, {keep}ignore_index={ii}, reduction='sum')\n"
+    if _lacks_f(ev.source if ev.code else _loss_note_source(ctx)):
+        fn = fn.replace("F.", "torch.nn.functional.", 1)  # F is no name in the user's file
+    # the user's statement around a loss module's call (``crit(o, t) / K``): the rest of it
+    # is kept, with the summed loss over its count in place of the call
+    around = (
+        (site.stmt, site.segment, site.assigned)
+        if site is not None and not site.functional
+        else _call_of(code, *found)
+        if site is None and found is not None
+        else None
+    )
+    rest = around is not None and _more_than(around[0], around[1])
+    name = "loss"
+    if rest:
+        assert around is not None
+        name = fresh_name("ce" if "cross" in fn else "nll", set(re.findall(r"\w+", around[0])))
+    call = f"{name} = {fn}({x}, {y}, {keep}ignore_index={ii}, reduction='sum')\n"
     if w is not None:
-        return (
-            head
-            + call
-            + f"loss = loss / {w}[{y}[{y} != {ii}]].sum().clamp_min(1e-12)   # 0, not NaN, "
-            "when no target counts or the batch weighs nothing\n"
-            + (
-                f"# or skip the batch: if ({y} != {ii}).any(): loss.backward()"
-                if sf.all_ignored
-                else "# or give every class a weight > 0"
-            )
-        )
+        den = f"{w}[{y}[{y} != {ii}]].sum().clamp_min(1e-12)"
+        why = "0, not NaN, when no target counts or the batch weighs nothing"
+    else:
+        den, why = f"({y} != {ii}).sum().clamp_min(1)", "0 when no target counts"
+    if rest:
+        assert around is not None
+        stmt, segment, assigned = around
+        last = stmt.replace(segment, f"({name} / {den})", 1) + f"   # {why}\n"
+        target = assigned or "loss"
+    else:
+        last, target = f"loss = loss / {den}   # {why}\n", "loss"
     return (
         head
         + call
-        + f"loss = loss / ({y} != {ii}).sum().clamp_min(1)   # 0 when no target counts\n"
-        f"# or skip the batch: if ({y} != {ii}).any(): loss.backward()"
+        + last
+        + (
+            f"# or skip the batch: if ({y} != {ii}).any(): {target}.backward()"
+            if w is None or sf.all_ignored
+            else "# or give every class a weight > 0"
+        )
     )
+
+
+def _call_of(code: str | None, x: str, y: str) -> tuple[str, str, str | None] | None:
+    """The statement of ``code`` that calls a loss with input ``x`` and target ``y`` as
+    written, the call's text, and the name the statement assigns; None when none does."""
+    for stmt, tree in _parsed(code):
+        top = tree.body[0] if len(tree.body) == 1 else None
+        assigned = None
+        if isinstance(top, ast.Assign) and len(top.targets) == 1:
+            assigned = top.targets[0].id if isinstance(top.targets[0], ast.Name) else None
+        for c in _post_order(tree):
+            if _xy(stmt, c) == (x, y) and (seg := ast.get_source_segment(stmt, c)):
+                return stmt, seg, assigned
+    return None
+
+
+def _more_than(stmt: str, segment: str) -> bool:
+    """``stmt`` computes more than ``segment`` alone (``loss = crit(o, t) / K``, not
+    ``loss = crit(o, t)`` nor ``return crit(o, t)``)."""
+    try:
+        top = ast.parse(stmt).body[0]
+    except (SyntaxError, IndexError):
+        return False
+    value = getattr(top, "value", None)
+    if not isinstance(top, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Return, ast.Expr)):
+        return False
+    if isinstance(top, ast.AugAssign):
+        return True
+    return value is not None and ast.get_source_segment(stmt, value) != segment
+
+
+def _loss_note_source(ctx: RuleContext) -> str | None:
+    """The ``file.py:42`` of the step's class-index loss call, from its guard note."""
+    for n in ctx.notes("loss_input"):
+        name = n.data.get("loss")
+        if loss_kind(name if isinstance(name, str) else n.path) in ("ce", "nll") and n.source:
+            return n.source
+    return None
 
 
 def _empty_batch(sf: Shortfall) -> bool:
