@@ -192,10 +192,12 @@ def test_autocast_cast_fix_does_not_overwrite_the_label() -> None:
     d = top(nw)
     assert d.code == "NW101"
     assert "y = " not in d.fix and "x = " not in d.fix
-    assert "l = crit(model((x + delta).clamp(fin.min, fin.max)), y)" in d.fix
+    # the input holds raw values up to 1e5: scaled, not clamped (a clamp moves the overflow
+    # to the next op); the clamp form of a cast is tested below (_fix_cast)
+    assert "scale the input features" in d.fix and "9.998e+04" in d.fix
     ns = {"torch": torch, "crit": crit, "model": model, "x": x, "delta": delta, "y": y}
     exec(code_lines(d.fix), ns)
-    assert ns["y"] is y and torch.isfinite(ns["l"])
+    assert ns["y"] is y
 
 
 def test_cast_fix_takes_a_name_the_line_does_not_use() -> None:

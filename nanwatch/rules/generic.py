@@ -1351,11 +1351,73 @@ def hidden_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
         key = (ev.op, ev.source)
         if key in seen or "NaN" in ev.born or classify(ev) != "overflow" or _mask_sum(ev):
             continue
+        if _result_unused(ctx, ev):
+            continue
         seen.add(key)
         alike = [o for o in ctx.trace.ops if (o.op, o.source) == key]
         yield _hidden_overflow(ctx, ev, len(alike), [o.path for o in alike if o.path])
         if len(seen) == 3:
             return
+
+
+#: ops whose gradient multiplies by their own result (exp's is grad * exp(x)): an inf of
+#: theirs that reached the loss makes the backward inf or NaN (g * inf, 0 * inf) at their line
+_GRAD_OF_RESULT = frozenset({"exp", "exp_", "exp2", "expm1", "sinh", "cosh"})
+
+
+def _result_unused(ctx: RuleContext, ev: OpEvent) -> bool:
+    """An exp-like op whose whole line assigns its result to names (``lam = torch.exp(x)``),
+    in a step whose backward ran through the op's code (its module's output got a gradient;
+    loss code: the parameters did) and made no NaN or inf at that line: had the inf reached
+    the loss, its gradient would have been g * inf there. The result fed nothing the loss
+    depends on (computed and not used, a branch not taken): nothing was absorbed."""
+    if packet(ev.op) not in _GRAD_OF_RESULT or not ev.source or not ev.code:
+        return False
+    try:
+        tree = ast.parse(ev.code.strip())
+    except SyntaxError:
+        return False
+    stmt = tree.body[0] if len(tree.body) == 1 else None
+    if not isinstance(stmt, ast.Assign) or not isinstance(stmt.value, ast.Call):
+        return False  # the result used on the line itself (1 / (1 + torch.exp(-x)))
+    if any(isinstance(n, ast.Call) for a in stmt.value.args for n in ast.walk(a)):
+        return False  # another op on the line: which of them overflowed is not known
+    if any(o.phase is Phase.BACKWARD and o.source == ev.source for o in ctx.trace.ops):
+        return False
+    if _without_grad(ev.source):
+        return False  # no gradient to show whether the inf was used
+    if ev.path is None or ev.path == LOSS_PATH:
+        return ctx.trace.grad_norm is not None and math.isfinite(ctx.trace.grad_norm)
+    return any(r.phase is Phase.BACKWARD and r.path == ev.path for r in ctx.trace.records)
+
+
+def _without_grad(source: str) -> bool:
+    """The line at ``source`` (``file.py:42``) runs inside ``with torch.no_grad()`` /
+    ``torch.inference_mode()``, or in a function decorated with one; unknown: True."""
+    import linecache
+
+    path, _, num = source.rpartition(":")
+    if not path or not num.isdigit() or not linecache.getline(path, int(num)):
+        return True
+    here = linecache.getline(path, int(num))
+    indent = len(here) - len(here.lstrip())
+    off = re.compile(r"\b(?:no_grad|inference_mode|set_grad_enabled\(\s*False)\b")
+    n = int(num) - 1
+    while n > 0 and indent > 0:
+        text = linecache.getline(path, n)
+        n -= 1
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        ind = len(text) - len(text.lstrip())
+        if ind >= indent:
+            continue
+        indent = ind
+        if text.lstrip().startswith("with ") and off.search(text):
+            return True
+        if re.match(r"\s*(?:async\s+)?def\s", text):
+            above = linecache.getline(path, n).strip()
+            return above.startswith("@") and bool(off.search(above))
+    return False
 
 
 def _same_line(cls: str, mods: Sequence[str]) -> str:

@@ -1375,11 +1375,11 @@ def _from_op(
     elif batch is not None:
         explanation = _explain_batch(batch, dtype)
         fix = _fix_batch(batch)
-        scaled = _scaled_scores(ev.code) if kind == "matmul" else None
-        if scaled is not None:
+        pre = _prescaled(ev.code, ev.source) if kind == "matmul" else None
+        if pre is not None:
             fix += (
-                f"\n{scaled}   # and scale before the product: the scores are the same as "
-                "(q @ k^T) / sqrt(d), and their sums stay in range"
+                f"\n{pre[0]}   # and scale before the product: the result is the same, and "
+                "its sums stay in range" + (f"\n{pre[1]}" if pre[1] else "")
             )
     elif jump is not None and lim is not None:
         explanation = _explain_jump(jump, dtype, lim, _setting_cause(ctx))
@@ -1499,6 +1499,26 @@ def _from_op(
         callee = _unwatched_callee(ev, lim) if in_loss is None else None
         if callee is not None and lim is not None:
             fix = _fix_unwatched_callee(callee, ev, dtype, lim)
+        raw = (
+            _raw_input(ctx, lim)
+            if lim is not None
+            and ev.phase is Phase.FORWARD
+            and in_loss is None
+            and not dtype.startswith("float8")  # a float8 cast quantizes: it takes a scale
+            else None
+        )
+        if raw is not None and lim is not None:
+            evidence.append(
+                f"the model's input {raw.path} ({raw.role}) holds raw values up to "
+                f"{fmt(raw.stat.magnitude if raw.stat else math.nan)}, far beyond the unit "
+                f"scale of activations; {dtype}'s largest value is {fmt(lim.max)}"
+            )
+            explanation += (
+                " The values that overflow come from the model's input: features fed raw "
+                "(amounts, counts, coordinates in their own units) make every layer's values "
+                "that large, so a clamp here only moves the overflow to the next op."
+            )
+            fix = _fix_raw_input(raw, dtype, device)
     weighted = (
         _weighted_lse_fix(ev.code, norm)
         if norm is not None and norm.log and name.rstrip("_") == "exp"
@@ -4718,6 +4738,10 @@ def _fix(
     plain = code.split("#", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
     bf16 = f"# or train in bfloat16: torch.autocast({device}, dtype=torch.bfloat16)"
+    if kind in ("softmax", "exp") and lim is not None and not lim.short_range:
+        # float32/float64: no wider dtype to move to (bfloat16's range is float32's): bound
+        # the argument, or subtract the row max
+        return _fix_wide(kind, name, dtype, lim, code, recurrent=False, first=False, ref=ref)
     if kind in ("softmax", "exp") and lim is not None:
         bounded = _bounded_exp(kind, name, lim, code, arg=arg, scalar=scalar)
         if bounded is not None:
@@ -5093,17 +5117,24 @@ def _fix_matmul(
     plain = code.split("#", 1)[0].strip() if code else ""
     was = f"  # was: {plain}" if plain else ""
     bf16 = f"# or train in bfloat16: torch.autocast(device_type={device}, dtype=torch.bfloat16)"
-    scaled = None if loss else _scaled_scores(code)
+    if _integer_codes(operands):
+        # integer codes (int8 GEMM emulation): bfloat16's 8-bit mantissa rounds their sums
+        bf16 = (
+            f"# not bfloat16: operands up to {fmt(operands[0])} and {fmt(operands[1])} look "
+            "like integer codes, and bfloat16 holds integers exactly only up to 256 (float32: "
+            "up to 2**24)"
+        )
+    prescaled = None if loss else _prescaled(code, source)
+    scaled = prescaled[0] if prescaled is not None else None
     pair = operands[0] * operands[1] if len(operands) == 2 else math.nan
     too_big = scaled is not None and math.isfinite(pair) and pair > top
-    if scaled is not None and not too_big:
-        moved = scaled == _divisor_moved(plain)
+    if prescaled is not None and not too_big:
+        later = prescaled[1]
         return (
-            f"{scaled}{was}\n"
-            "# scale before the product, not after it: the scores are the same as "
-            f"(q @ k^T) / sqrt(d), and their sums stay in {dtype}'s range\n"
-            + ("" if moved else "# (a later division of these scores by sqrt(d) then goes)\n")
-            + bf16
+            f"{prescaled[0]}{was}\n"
+            + (f"{later}\n" if later else "")
+            + "# scale before the product, not after it: the result is the same, and its sums "
+            f"stay in {dtype}'s range\n" + bf16
         )
     why = (
         f"# scaling by 1/sqrt(d) is not enough: inputs up to {fmt(operands[0])} and "
@@ -5236,6 +5267,141 @@ def _divisor_moved(line: str) -> str | None:
             continue
         new = f"({paren(a)} / {d}) @ {b}"
         return line[: at(node.col_offset)] + new + line[at(node.end_col_offset) :]
+    return None
+
+
+#: largest |x| of a model input that is plainly raw data, not features scaled for a network
+_RAW_INPUT = 1e3
+
+
+def _raw_input(ctx: RuleContext, lim: DtypeLimits) -> Record | None:
+    """A floating input of a root module (not a loss) holding values past both
+    :data:`_RAW_INPUT` and 1/1000 of the dtype's max: raw features (dollars, pixel counts)
+    a low-precision forward cannot carry; None for bfloat16 and wider (float32's range)."""
+    if not lim.short_range:
+        return None
+    roots = {c.id for c in ctx.trace.calls if c.root and not c.is_loss}
+    bar = max(_RAW_INPUT, lim.max / 1e3)
+    return next(
+        (
+            r
+            for r in ctx.trace.records
+            if r.phase is Phase.INPUT
+            and r.call in roots
+            and r.dtype.startswith(("float", "bfloat"))
+            and r.stat is not None
+            and math.isfinite(r.stat.magnitude)
+            and r.stat.magnitude >= bar
+        ),
+        None,
+    )
+
+
+def _fix_raw_input(raw: Record, dtype: str, device: str) -> str:
+    """Scale the model's input features, instead of clamping inside the model."""
+    big = fmt(raw.stat.magnitude) if raw.stat is not None else "raw values"
+    return (
+        f"# scale the input features before they reach {raw.path} (values up to {big}): "
+        "standardize each column with the training set's mean and std, (x - mean) / std, "
+        "or log1p / quantile-transform heavy-tailed amounts\n"
+        f"# a clamp to {dtype}'s range only moves the overflow to the next op\n"
+        f"# or train in bfloat16 (float32's range): torch.autocast(device_type={device}, "
+        "dtype=torch.bfloat16)"
+    )
+
+
+def _integer_codes(operands: Sequence[float]) -> bool:
+    """Two operands whose largest |x| are the ends of signed integer codes (127 or 128 of
+    int8, 7 or 8 of int4, 2**(b-1) - 1 or 2**(b-1)): a quantized GEMM kept in a float dtype,
+    whose sums must stay exact integers, past bfloat16's 256."""
+    if len(operands) != 2 or not all(math.isfinite(m) and m >= 7 for m in operands):
+        return False
+    ends = all(any(m in (2**b, 2**b - 1) for b in range(3, 17)) for m in operands)
+    return ends and operands[0] * operands[1] > 256
+
+
+def _prescaled(code: str | None, source: str | None) -> tuple[str, str | None] | None:
+    """The user's product line with the factor its result is scaled by moved before the
+    product, and what becomes of the later line that applied it (None: the line's own
+    division moved); None when the code never scales the product (an int8 GEMM rescaled
+    by ``acc.float() * s``, a bare ``q @ k^T``): pre-scaling would change what it computes."""
+    line = code.split("  #", 1)[0].rstrip() if code else ""
+    moved = _divisor_moved(line.strip()) if line else None
+    if moved is not None:
+        return moved, None
+    name = _assigned(line)
+    later = _later_scale(source, name) if name else None
+    if later is None:
+        return None
+    sign, factor, after = later
+    for begin, end, start, _ in _matmuls(line):
+        left = line[begin : end + 1]
+        new = f"({paren(left)} {sign} {paren(factor)})"
+        fixed = f"{line[:begin]}{new} {line[end + 1 : start].strip()} {line[start:]}"
+        return fixed.strip(), after
+    return None
+
+
+def _later_scale(source: str | None, name: str) -> tuple[str, str, str] | None:
+    """The first later line of the same function that uses ``name`` (read from ``source``,
+    ``file.py:42``), when it divides or multiplies ``name`` itself by a factor
+    (``s = s / math.sqrt(d)``, ``s *= self.scale``, ``softmax(s * scale)``): the operator,
+    the factor's text, and what to do with that line once the factor moved before the
+    product. None when the first use of ``name`` is anything else."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    here = linecache.getline(path, int(num))
+    indent = len(here) - len(here.lstrip())
+    for n in range(int(num) + 1, int(num) + 20):
+        text = linecache.getline(path, n)
+        if not text:
+            return None
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        if len(text) - len(text.lstrip()) < indent or re.match(r"\s*(?:async\s+)?def\s", text):
+            return None  # the function ended
+        line = text.split("  #", 1)[0].strip()
+        if not re.search(rf"(?<![\w.]){re.escape(name)}\b", line):
+            continue
+        try:
+            tree = ast.parse(line)
+        except SyntaxError:
+            return None
+        ops = {ast.Div: "/", ast.Mult: "*"}
+        stmt = tree.body[0] if len(tree.body) == 1 else None
+        if (
+            isinstance(stmt, ast.AugAssign)
+            and isinstance(stmt.target, ast.Name)
+            and stmt.target.id == name
+            and type(stmt.op) in ops
+        ):
+            factor = ast.get_source_segment(line, stmt.value)
+            if factor is None:
+                return None
+            return ops[type(stmt.op)], factor, f"# and delete line {n} ({line}): the factor moved"
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.BinOp)
+                and type(node.op) in ops
+                and isinstance(node.left, ast.Name)
+                and node.left.id == name
+            ):
+                factor = ast.get_source_segment(line, node.right)
+                whole = ast.get_source_segment(line, node)
+                if factor is None or whole is None or name in identifiers(factor):
+                    return None
+                rest = line.replace(whole, name, 1)
+                if re.fullmatch(rf"{re.escape(name)}\s*=\s*\(?{re.escape(name)}\)?", rest):
+                    return (
+                        ops[type(node.op)],
+                        factor,
+                        (f"# and delete line {n} ({line}): the factor moved"),
+                    )
+                return ops[type(node.op)], factor, f"{rest}  # was: {line}"
+        return None  # used first in some other way: nothing to move
     return None
 
 
