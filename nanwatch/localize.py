@@ -1406,15 +1406,20 @@ def localize(
                 root = _parent(trace, root)
             origin = "after-output"
             path = root.path if root is not None else trig.path
+            if forensic:
+                advice = (
+                    "the op checker traced the step, and no op it saw made it from finite values"
+                )
+            else:
+                modes = "mode='forensic'" if trace.full else "mode='watch' or mode='forensic'"
+                advice = (
+                    f"run the step with {modes} (nanwatch run --mode forensic) to name the op "
+                    "and its line"
+                )
             summary = (
                 f"{what} gradient arrived at the output of {path} from code outside the "
-                "watched modules (the loss computed after the model): "
-                + (
-                    "the op checker traced the step, and no op it saw made it from finite values"
-                    if forensic
-                    else "watch the loss module too, or run the step with mode='forensic' "
-                    "(nanwatch run --mode forensic) to name the op and its line"
-                )
+                "watched modules (the loss code between the model's output and backward()): "
+                + advice
             )
         elif (
             fwd is not None

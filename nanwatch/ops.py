@@ -2673,6 +2673,10 @@ def own_backward_event(
                     grad_outputs=[torch.ones_like(t) for t in roots],
                     allow_unused=True,
                 )
+            except RuntimeError:
+                # a node that cannot run under autograd.grad (a reentrant checkpoint's
+                # backward calls backward() itself): what was checked before it stands
+                pass
             finally:
                 for h in hooks:
                     h.remove()

@@ -26,6 +26,7 @@ import linecache
 import math
 import numbers
 import os
+import re
 import sys
 import threading
 import warnings
@@ -495,6 +496,9 @@ class Watcher:
     #: the loss code's nodes whose gradients go straight to the watched outputs (checked by
     #: the outputs' own hooks, not twice), when this step's loss graph was walked whole
     _loss_last: list[str] | None
+    #: sentinel: the loss that ``backward()`` was called on this step, while the user holds
+    #: it (its graph names the loss code's nodes at anomaly time; nothing is checked)
+    _loss_ref: Callable[[], torch.Tensor | None] | None
 
     def __init__(
         self,
@@ -1517,6 +1521,7 @@ class Watcher:
         self._backward_site = (None, None)
         self._loss_node_bad = False
         self._loss_last = None
+        self._loss_ref = None
         if self._anomaly_paused and self._attached:
             self._anomaly_paused = False
             torch.autograd.set_detect_anomaly(True, check_nan=False)
@@ -1853,6 +1858,9 @@ class Watcher:
             how={q: how for q, (how, _) in list(written.items())[:64]},
             count=len(written),
             nonfinite=nonfinite,
+            # a watched module ran under vmap/grad this step (per-sample gradients): those
+            # calls are not watched, so what they made is only seen here
+            transformed=self._transformed,
         )
 
     def _note_stale_grads(
@@ -2337,6 +2345,8 @@ class Watcher:
                 self._record_loss(t)
                 if self._full and not self._forensic:
                     self._hook_loss_graph(t)
+                elif not self._full:
+                    self._loss_ref = weakref.ref(t)
         except NanwatchError:
             raise
         except Exception as exc:
@@ -2457,6 +2467,8 @@ class Watcher:
         output directly made it, when there is one such node (by name only: what it saved
         was freed once it ran)."""
         last = self._loss_last
+        if last is None and self._loss_ref is not None and not self._full:
+            last = self._loss_risky_nodes()
         if not last or len(set(last)) != 1 or self._loss_node_bad:
             return None
         name = last[0]
@@ -2474,6 +2486,31 @@ class Watcher:
             dtype=anomaly.record.dtype,
             backward_at=source,
         )
+
+    def _loss_risky_nodes(self) -> list[str] | None:
+        """Sentinel: the nodes of the loss code (between the loss ``backward()`` was called
+        on and the watched outputs) whose backward can make a non-finite gradient from a
+        finite one (a sqrt, a division, a fractional power); None when the loss is gone or
+        its graph too large. By name only: the values they saved are freed."""
+        loss = self._loss_ref() if self._loss_ref is not None else None
+        if loss is None or loss.grad_fn is None:
+            return None
+        stop = self._recorded_nodes
+        walk = ops.GraphWalk(
+            [loss.grad_fn],
+            prune=lambda n: n in stop or ops.accumulates_grad(n),
+            limit=_LOSS_NODES,
+        )
+        found: list[str] = []
+        for node in walk:
+            base = re.sub(r"Backward\d*$", "", type(node).__name__)
+            if base == "Pow":
+                e = getattr(node, "_saved_exponent", None)
+                if isinstance(e, (int, float)) and e >= 1 and float(e).is_integer():
+                    continue  # x ** 2: a finite derivative everywhere
+            if base in _RISKY_BACKWARD:
+                found.append(ops.name_of(node))
+        return None if walk.truncated else found
 
     def _backward_site_of_step(self) -> tuple[str | None, str | None]:
         """The user's ``loss.backward()`` line, taken by the backward tap (forensic)."""
@@ -3653,12 +3690,15 @@ class Watcher:
         trace.ops.append(ev)
         adopt_backward_op(anomaly, [ev])
 
-    def _inputs_from_root(self, path: str) -> tuple[nn.Module, Any, Any, bool | int] | None:
+    def _inputs_from_root(
+        self, path: str, *, grad: bool = False
+    ) -> tuple[nn.Module, Any, Any, bool | int] | None:
         """The module at ``path``, whose calls are not watched (sentinel mode hooks the
         roots alone), and its inputs, made again by running the root that holds it on that
         root call's own inputs, still alive and unchanged (see :meth:`_root_call_inputs`).
         None when it is not called exactly once there, or the root draws random numbers
-        (dropout: other inputs). Anomaly-time work only."""
+        (dropout: other inputs). ``grad``: run with gradients on, so the inputs require
+        gradients as the originals did. Anomaly-time work only."""
         owner = next((m for m, info in self._modules if info.path == path), None)
         if owner is None:
             return None
@@ -3687,7 +3727,11 @@ class Watcher:
         handle = owner.register_forward_pre_hook(grab, with_kwargs=True)
         before = ops.rng_states(devices)
         try:
-            with ops.preserved_state(root, devices), ops._replay_scope(), torch.no_grad():
+            with (
+                ops.preserved_state(root, devices),
+                ops._replay_scope(),
+                torch.set_grad_enabled(grad),
+            ):
                 ops.call_forward(root, args, kwargs, pre_hooks=hooks)
                 drew = ops.drew_random(before, devices)
         except Exception:  # a root that cannot run again here: nothing to replay
@@ -3709,6 +3753,13 @@ class Watcher:
             found = self._call_inputs(target, None, False, finished=True)
             if found is None and remake:
                 found = self._recomputed_inputs(target)
+            if found is None and remake:
+                # an input the parent's own code made (``emb(tok) * mask``) and only the
+                # backward held, freed by the time its gradient is seen: the root is run
+                # again on its own inputs, and what the module got must match the records
+                found = self._inputs_from_root(path, grad=True)
+                if found is not None and not self._matches_inputs(target, found[1], found[2]):
+                    found = None
         if found is None:
             return None
         module, args, kwargs, hooks = found
@@ -3723,6 +3774,24 @@ class Watcher:
         if ev.cause is not None:
             ev.cause.path = path
         return ev
+
+    def _matches_inputs(self, call: Call, args: Any, kwargs: Any) -> bool:
+        """``args`` and ``kwargs``, made again, are what ``call`` was given: every recorded
+        input has a tensor of the same shape and range among them."""
+        made = dict(self._walk(args, "input", kwargs))
+        for rec in self._trace.inputs_of(call.id):
+            t = made.get(rec.role)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(rec.shape):
+                return False
+            seen: Record | None = rec
+            while seen is not None and seen.stat is None and seen.source is not None:
+                seen = self._trace.record(seen.source)  # measured where it was made
+            if seen is None or seen.stat is None or not (t.is_floating_point() or t.is_complex()):
+                continue
+            stat = describe(t.detach())
+            if stat is None or (stat.min, stat.max) != (seen.stat.min, seen.stat.max):
+                return False
+        return True
 
     def _recomputed_inputs(self, call: Call) -> tuple[nn.Module, Any, Any, bool | int] | None:
         """The inputs of a finished ``call`` that are freed (an activation no backward node
@@ -4855,6 +4924,17 @@ def _grad_elements(node: Any) -> int:
         except Exception:  # a nested tensor has no single shape
             n += 1
     return max(n, 1)
+
+
+#: autograd nodes whose backward can make inf or NaN from a finite gradient and finite
+#: forward values (a derivative infinite at a point of the domain: sqrt at 0, 1/x at 0)
+_RISKY_BACKWARD = frozenset(
+    {
+        "Sqrt", "Rsqrt", "Pow", "Div", "Reciprocal", "Log", "Log2", "Log10", "Log1p",
+        "LinalgVectorNorm", "Norm", "Cdist", "Acos", "Asin", "Atanh", "Acosh", "Atan2",
+        "Xlogy", "Lgamma", "Digamma", "Polygamma", "Erfinv",
+    }
+)  # fmt: skip
 
 
 def _feeds_only(node: Any, stop: ops.NodeMarks, depth: int) -> bool:

@@ -1190,8 +1190,8 @@ def _written_grad_diagnosis(
         )
     else:
         made = (
-            "set by your code: no backward() gave it (torch.autograd.grad results written "
-            "into .grad)"
+            "set by your code: no backward() gave it (a gradient assigned to .grad, from "
+            "torch.autograd.grad, torch.func or your own code)"
         )
     what = (
         "and it held NaN/inf"
@@ -1206,6 +1206,13 @@ def _written_grad_diagnosis(
         evidence.append(f"the optimizer step at {source}")
     if gw is not None:
         evidence.append(f"your code writes the gradient at {gw.where}: {gw.code}")
+    transformed = _written_under_transform(ctx, step)
+    if transformed:
+        evidence.append(
+            "the model was called under a torch.func transform this step (vmap, grad, "
+            "functional_call inside them): nanwatch does not watch those calls, so a NaN/inf "
+            "their forward or backward made is first seen in the gradient your code wrote"
+        )
     if gw is not None and gw.divisor is not None and gw.division is not None:
         when = (
             f"when {gw.proj_norm_of} is all zeros (its squared norm {gw.divisor} is then 0, "
@@ -1265,6 +1272,17 @@ def _written_grad_diagnosis(
             "# the code that sets p.grad made NaN/inf: check it before optimizer.step():\n"
             "#   assert torch.isfinite(p.grad).all()\n"
         )
+    if transformed:
+        cause += (
+            ", or in the gradients it reads, made by the model under torch.func (a 0/0 in a "
+            "module's forward on one sample): call the model directly on the same batch, "
+            "model(x) and loss.backward(), under nanwatch (mode='forensic' names the op)"
+        )
+        head = (
+            "# the model ran under torch.func (not watched): check its forward and backward\n"
+            "# on this batch called directly, e.g. under nanwatch.watch(model, "
+            "mode='forensic')\n" + head
+        )
     return ctx.diagnosis(
         **anomaly_fields(a),
         title="Non-finite weights from a gradient your code wrote after backward",
@@ -1276,6 +1294,15 @@ def _written_grad_diagnosis(
         ),
         fix=head + _skip_step(var),
     )
+
+
+def _written_under_transform(ctx: RuleContext, step: int) -> bool:
+    """The ``"grad_written"`` note of ``step`` says a watched module was called under a
+    torch.func transform that step (per-sample gradients from ``vmap(grad(...))``)."""
+    for t in (ctx.trace, *ctx.history[-1:]):
+        if t.step == step:
+            return any(n.kind == "grad_written" and n.data.get("transformed") for n in t.notes)
+    return False
 
 
 def _numel_of(ctx: RuleContext, name: str) -> int | None:
