@@ -3563,6 +3563,42 @@ def _index_result(
                         else "ids added after the table was built, or ids from another mapping?"
                     )
                 fix = _bigger_table(p, top + 1)
+                if not token and p.is_module and p.module is not None:
+                    # a category id the table was not sized for: an 'unknown' row first
+                    from nanwatch.rules.guards import unknown_id_hint, unknown_row_fix
+
+                    recv = _paren(text)
+                    hint = unknown_id_hint((), rows, above=True)
+                    fix = unknown_row_fix(
+                        recv=recv,
+                        rows=rows,
+                        call=lambda e: _without_comment(p.call_with(input=e)),
+                        grown=_table_like(p, rows + 1),
+                        below=False,
+                        above=True,
+                        bigger=fix,
+                    )
+        elif neg and top is None and -100 not in neg and _padding_row(p, rows) is None:
+            from nanwatch.rules.guards import unknown_id_hint, unknown_row_fix
+
+            recv = _paren(text)
+            if _token_table(p):
+                # token padding written as a negative id: a padding row of its own
+                hint = " — padding written as a negative id? Give it a padding row"
+                fix = _own_padding_row(p, text, rows)
+            else:
+                hint = unknown_id_hint(neg, rows, above=False)
+                fix = unknown_row_fix(
+                    recv=recv,
+                    rows=rows,
+                    call=lambda e: _without_comment(p.call_with(input=e)),
+                    grown=_table_like(p, rows + 1)
+                    if p.is_module and p.module is not None
+                    else None,
+                    weight=p.arg("weight"),
+                    below=True,
+                    above=False,
+                )
         elif neg and top is None:
             if -100 in neg:
                 hint = " — -100 is the loss's ignore_index: were the labels passed as ids?"

@@ -207,7 +207,11 @@ def test_negative_ids_are_padding_to_map_to_the_padding_row() -> None:
     ids[:, 4:] = -1
     err = stopped(model, lambda: model(ids))
     assert "padding written as a negative id?" in str(err)
-    assert "ids.masked_fill(ids < 0, pad_id)" in err.fix and "padding_idx=pad_id" in err.fix
+    # a padding row of its own, in the model's numbers (no invented pad_id)
+    assert err.fix == (
+        "self.emb = nn.Embedding(101, 16, padding_idx=100)  # row 100 for padding alone\n"
+        "return self.out(self.emb(ids.masked_fill(ids < 0, 100)))"
+    )
 
 
 def test_ids_out_of_range_at_both_ends() -> None:
@@ -254,7 +258,9 @@ def test_embedding_bag_ids_with_offsets_and_in_2d() -> None:
     err = stopped(bag, lambda: bag(ids, offsets))
     assert (err.code, err.loss, err.values) == ("NW513", "EmbeddingBag", (12,))
     assert err.positions == ((4,),)
-    assert err.fix.startswith("bag = nn.EmbeddingBag(13, 4, mode='sum')")
+    # an 'unknown' row first (ids unseen when the table was sized); growing it, after
+    assert err.fix.startswith("bag = nn.EmbeddingBag(11, 4, mode='sum')  # row 10: 'unknown'")
+    assert "(the vocabulary grew): bag = nn.EmbeddingBag(13, 4, mode='sum')" in err.fix
     err = stopped(bag, lambda: bag(torch.tensor([[1, 2], [3, 10]])))
     assert err.values == (10,) and err.positions == ((1, 1),)
     err = stopped_f(lambda: F.embedding_bag(torch.tensor([[1, -1]]), torch.randn(10, 4)))

@@ -190,11 +190,11 @@ def test_sparse_input_fix_checks_the_bad_input_through_its_values(keyword: bool)
         (model(x, adj=adj) if keyword else model(x, adj)).sum().backward()
     d = info.value.diagnosis
     assert d.code == "NW401"
-    name = "adj" if keyword else "arg1"
+    name = "adj"  # by keyword, or positional: the forward's parameter name
     assert f"v = {name}.coalesce()" in d.fix
     assert "isfinite(x)" not in d.fix  # x, the node features, is clean
     if not keyword:
-        assert "# arg1: the 2nd argument you pass to GCN (input[1])" in d.fix
+        assert "# adj: the 2nd argument you pass to GCN (its forward's `adj`)" in d.fix
     scope = _pasted(d.fix, **{name: adj})
     fixed = scope[name]
     assert isinstance(fixed, torch.Tensor) and fixed.is_sparse
@@ -218,8 +218,8 @@ def test_dense_second_input_is_named_not_x() -> None:
         model(x, feats).sum().backward()
     d = info.value.diagnosis
     assert d.code == "NW401"
-    assert "bad = ~torch.isfinite(arg1).flatten(1).all(dim=1)" in d.fix
-    assert "arg1 = torch.nan_to_num(arg1" in d.fix
+    assert "bad = ~torch.isfinite(feats).flatten(1).all(dim=1)" in d.fix
+    assert "feats = torch.nan_to_num(feats" in d.fix
 
 
 def test_healthy_sparse_graph_stays_silent() -> None:

@@ -32,6 +32,27 @@ from nanwatch.stats import DtypeLimits, dtype_limits
 # ---------------------------------------------------------------------- numbers
 
 
+def forward_params(module: Any) -> tuple[str, ...]:
+    """The names of ``module``'s forward's positional parameters, in order, without
+    ``self`` and stopping at ``*args``: ``forward(self, c, x)`` -> ``("c", "x")``; ``()``
+    when its signature cannot be read. The watcher passes them to the rules as the fact
+    ``forward_params`` (``{call path: names}``), so a fix can call ``input[1]`` by the
+    name the model's code gives it."""
+    import inspect
+
+    fwd = getattr(module, "forward", None)
+    try:
+        params = inspect.signature(fwd).parameters.values() if fwd is not None else ()
+    except (TypeError, ValueError):
+        return ()
+    names: list[str] = []
+    for param in params:
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(param.name)
+    return tuple(names)
+
+
 def fmt(x: float | int | None) -> str:
     """A number for a sentence: 4 significant digits, exponent when large or tiny.
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ast
+import keyword as keyword_module
 import linecache
 import math
 import re
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 from nanwatch.localize import HALF_DTYPES, computed_target, earlier_finite_input, is_birth
 from nanwatch.records import (
@@ -137,6 +138,7 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             owner=a.path,
             target=target,
             sparse=_sparse(bad[0]),
+            params=_forward_params(ctx, call),
         ),
     )
 
@@ -368,14 +370,16 @@ def _find_samples_fix(
     owner: str = "",
     target: bool = False,
     sparse: bool = False,
+    params: Sequence[str] = (),
 ) -> str:
     """Code that lists the bad samples of the bad input and clears them, for its number of
     dimensions: ``flatten(1)`` needs two, a 1-D input's samples are its elements, a 0-d one
     is a value; a sparse one (fewer values measured than its shape holds) is read through
     its stored values. ``role`` (``input[1]``, ``input.adj``) names the tensor in the
     code: a keyword's name, ``x`` (``y`` for a loss's target) or ``argK`` for the K-th
-    positional argument of ``owner``'s call."""
-    x, note = _input_name(role, owner=owner, target=target)
+    positional argument of ``owner``'s call, or the name ``owner``'s forward gives it
+    (``params``, its positional parameters)."""
+    x, note = _input_name(role, owner=owner, target=target, params=params)
     last = (
         f"{x} = torch.nan_to_num({x}, nan=0.0, posinf=0.0, neginf=0.0)  # or fix/drop them in "
         "Dataset.__getitem__"
@@ -421,22 +425,45 @@ def _find_samples_fix(
 _ROLE = re.compile(r"input(?:\[(\d+)\]|\.([A-Za-z_]\w*))?(.*)")
 
 
-def _input_name(role: str, *, owner: str, target: bool) -> tuple[str, str]:
+def _forward_params(ctx: RuleContext, call: Call | None) -> tuple[str, ...]:
+    """The positional parameter names of the forward of ``call``'s module, when the watcher
+    gave them (the fact ``forward_params``: ``{call path: names}``)."""
+    known = ctx.facts.get("forward_params")
+    if call is None or not isinstance(known, Mapping):
+        return ()
+    names = known.get(call.path)
+    if not isinstance(names, (list, tuple)):
+        return ()
+    return tuple(str(n) for n in names)
+
+
+def _input_name(
+    role: str, *, owner: str, target: bool, params: Sequence[str] = ()
+) -> tuple[str, str]:
     """The name the fix calls the input ``role`` by, and a comment line saying which
     argument that is when the name is a stand-in: ``input.adj`` -> ``adj`` (the keyword),
-    ``input[0]`` -> ``x``, a loss's ``input[1]`` -> ``y``, ``input[2]`` -> ``arg2``."""
+    ``input[0]`` -> ``x``, a loss's ``input[1]`` -> ``y``, ``input[2]`` -> ``arg2``. A
+    model's positional input is called by its forward's parameter name when ``params``
+    holds it (``forward(self, c, x)``: ``input[1]`` -> ``x``)."""
     m = _ROLE.fullmatch(role)
     if m is None:
         return "x", ""
     index, keyword, rest = m.groups()
+    k = int(index) if index is not None else 0
+    named = params[k] if not target and not keyword and k < len(params) else ""
     if keyword:
         base, note = keyword, ""
+    elif named.isidentifier() and not keyword_module.iskeyword(named):
+        base, note = named, ""
+        if k:
+            nth = {1: "2nd", 2: "3rd"}.get(k, f"{k + 1}th")
+            of = f" to {owner}" if owner else ""
+            note = f"# {named}: the {nth} argument you pass{of} (its forward's `{named}`)"
     elif index is None or index == "0":
         base, note = "x", ""
     elif index == "1" and target:
         base, note = "y", ""
     else:
-        k = int(index)
         nth = {1: "2nd", 2: "3rd"}.get(k, f"{k + 1}th")
         of = f" to {owner}" if owner else ""
         base, note = f"arg{k}", f"# arg{k}: the {nth} argument you pass{of} (input[{k}])"

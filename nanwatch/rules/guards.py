@@ -18,13 +18,13 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from nanwatch.records import Note
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, RuleFunc, rule
 
-__all__ = ["CHECKS", "diagnosis_from_note"]
+__all__ = ["CHECKS", "diagnosis_from_note", "unknown_id_hint", "unknown_row_fix"]
 
 _FAMILY = "guards"
 #: A guard error is the cause of the step's failure: it sorts before the diagnoses of any
@@ -126,6 +126,73 @@ CHECKS: dict[str, tuple[str, str]] = {
         "loss is NaN.",
     ),
 }
+
+
+def unknown_id_hint(negative: Sequence[int], rows: int, *, above: bool) -> str:
+    """NW513's words for category ids with no row (a table that is not a token table):
+    a negative code is a missing or unknown category, not padding; an id past the last
+    row is one the table was not sized for."""
+    parts: list[str] = []
+    if negative:
+        codes = ", ".join(str(v) for v in sorted(set(negative))[:3])
+        parts.append(
+            f"{codes} is the code of a missing or unknown category (pandas' Categorical "
+            "codes are -1 for NaN and for a level not in the categories), not a row"
+        )
+    if above:
+        parts.append(
+            f"ids >= {rows} were not seen when the table was sized (a category only in "
+            "validation or new data)"
+        )
+    return " — " + "; ".join(parts) + ": give them an 'unknown' row of their own"
+
+
+def unknown_row_fix(
+    *,
+    recv: str,
+    rows: int,
+    call: Callable[[str], str],
+    grown: str | None,
+    weight: str = "the weight",
+    below: bool,
+    above: bool,
+    bigger: str | None = None,
+) -> str:
+    """NW513's fix for category ids with no row: one more row, ``rows``, kept for
+    'unknown', and the ids without a row mapped onto it. ``recv`` is the user's ids
+    expression (parenthesized when needed), ``call(expr)`` the user's line with the ids
+    replaced by ``expr``, ``grown`` the table built again with ``rows + 1`` rows in the
+    user's names (``self.store = nn.Embedding(46, 8)``; None for a functional call, whose
+    ``weight`` is named instead), ``bigger`` the fix growing the table to every id, offered
+    as the alternative when the ids past the end are new ones to learn.
+
+    Example:
+        >>> print(unknown_row_fix(recv="s", rows=45, call=lambda e: f"h = self.store({e})",
+        ...       grown="self.store = nn.Embedding(46, 8)", below=False, above=True))
+        self.store = nn.Embedding(46, 8)  # row 45: 'unknown', for ids the table has no row for
+        h = self.store(s.clamp_max(45))  # ids >= 45 -> 45
+    """
+    if below and above:
+        mapped = f"{recv}.masked_fill(({recv} < 0) | ({recv} >= {rows}), {rows})"
+        said = f"ids < 0 or >= {rows} -> {rows}"
+    elif above:
+        mapped, said = f"{recv}.clamp_max({rows})", f"ids >= {rows} -> {rows}"
+    else:
+        mapped, said = f"{recv}.masked_fill({recv} < 0, {rows})", f"ids < 0 -> {rows}"
+    line = call(mapped)
+    if grown is not None:
+        fix = (
+            f"{grown}  # row {rows}: 'unknown', for ids the table has no row for\n{line}  # {said}"
+        )
+    else:
+        fix = f"{line}  # {said}, once {weight} has {rows + 1} rows: row {rows} for 'unknown'"
+    if above and bigger:
+        first = bigger.splitlines()[0]
+        if first.split("#")[0].strip() == (grown or "").strip():
+            # the same table: growing it to every id is the 'unknown' row's table
+            first = f"that table, with {recv} left as it is (no {rows} mapping)"
+        fix += f"\n# or, if they are new ids to learn (the vocabulary grew): {first}"
+    return fix
 
 
 def diagnosis_from_note(note: Note, *, step: int | None = None) -> Diagnosis:
