@@ -32,7 +32,7 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -2487,6 +2487,25 @@ class Watcher:
             backward_at=source,
         )
 
+    def _name_risky_loss_nodes(self, anomaly: Anomaly) -> None:
+        """Sentinel: a gradient from the loss code went bad at a watched output, and the loss
+        code holds several nodes whose backward can make it (see :meth:`_loss_risky_nodes`):
+        the summary names their kinds, the candidates a guard goes on."""
+        risky = self._loss_risky_nodes() if self._loss_ref is not None else None
+        if not risky or self._loss_node_bad:
+            return
+        kinds = list(dict.fromkeys(risky))
+        listed = ", ".join(kinds[:4]) + (f" and {len(kinds) - 4} more" if len(kinds) > 4 else "")
+        head = "the loss code between the model's output and backward()"
+        if head not in anomaly.summary:
+            return
+        anomaly.summary = anomaly.summary.replace(
+            head,
+            f"{head}, whose nodes {listed} can each make a non-finite gradient from a finite "
+            "one: an input at the edge of its domain, a division by 0",
+            1,
+        )
+
     def _loss_risky_nodes(self) -> list[str] | None:
         """Sentinel: the nodes of the loss code (between the loss ``backward()`` was called
         on and the watched outputs) whose backward can make a non-finite gradient from a
@@ -3402,6 +3421,8 @@ class Watcher:
             if ev is not None:
                 trace.ops.append(ev)
                 anomaly = self._locate(trace, first) or anomaly
+            elif not self._full:
+                self._name_risky_loss_nodes(anomaly)
         trace.anomaly = anomaly
         if anomaly.origin == "after-output":
             self._loss_graph_armed = True  # the next steps check the loss code's gradients
@@ -3676,19 +3697,33 @@ class Watcher:
         does in forensic mode (:func:`adopt_backward_op`). Anomaly-time work only."""
         trace = self._trace
         path = anomaly.record.path
-        calls = [c for c in trace.calls if c.path == path]
-        if len(calls) == 1 and not calls[0].passthrough:
-            ev = self._own_backward(calls[0], path, remake=True)
-        elif not calls and not self._full:
-            # sentinel: the module's calls are not watched; the root that holds it is run
-            # again on its own inputs to give it its inputs
-            ev = self._own_backward(None, path, remake=False)
-        else:
-            return  # called several times: which call made it is not known
-        if ev is None:
-            return
-        trace.ops.append(ev)
-        adopt_backward_op(anomaly, [ev])
+        owner = next((m for m, info in self._modules if info.path == path), None)
+        # its own module first, then the modules that hold it, innermost first: the code
+        # of a parent that used the module's output (a root's ``acosh`` of a distance
+        # between embeddings) is where the gradient went bad when no watched output
+        # gradient between them carried it (sentinel watches the roots' alone)
+        chain = [path]
+        if owner is not None:
+            holders = [
+                (sum(1 for _ in m.modules()), info.path)
+                for m, info in self._modules
+                if m is not owner and any(x is owner for x in m.modules())
+            ]
+            chain += [p for _, p in sorted(holders)]
+        for where in chain:
+            calls = [c for c in trace.calls if c.path == where]
+            if len(calls) == 1 and not calls[0].passthrough:
+                ev = self._own_backward(calls[0], where, remake=True)
+            elif not calls and not self._full:
+                # sentinel: the module's calls are not watched; the root that holds it is
+                # run again on its own inputs to give it its inputs
+                ev = self._own_backward(None, where, remake=False)
+            else:
+                return  # called several times: which call made it is not known
+            if ev is not None:
+                trace.ops.append(ev)
+                adopt_backward_op(anomaly, [ev])
+                return
 
     def _inputs_from_root(
         self, path: str, *, grad: bool = False
@@ -4206,7 +4241,11 @@ class Watcher:
             self.config.thresholds,
             ignore=self.config.ignore,
             disabled=self._disabled_rules,
-            facts={"scaler": self._scaled, "mode": self.config.mode},
+            facts={
+                "scaler": self._scaled,
+                "mode": self.config.mode,
+                "forward_params": _ForwardParams(self._modules),
+            },
         )
         if any(d.fix for d in found):
             try:
@@ -4638,6 +4677,34 @@ def _never_reset(added: list[tuple[str, int, torch.Tensor | None]]) -> tuple[lis
         stale.append(name)
         group = gi if group < 0 else group
     return stale, group
+
+
+class _ForwardParams(Mapping[str, tuple[str, ...]]):
+    """The names of each root's forward parameters, by path: the rules call a model's
+    input by the name its forward gives it (``x``), not ``arg1``. Read (a signature each)
+    only when a rule asks, not every step."""
+
+    def __init__(self, modules: Sequence[tuple[nn.Module, _ModInfo]]) -> None:
+        self._modules = modules
+        self._names: dict[str, tuple[str, ...]] | None = None
+
+    def _read(self) -> dict[str, tuple[str, ...]]:
+        if self._names is None:
+            from nanwatch.rules._evidence import forward_params
+
+            self._names = {
+                info.path: forward_params(m) for m, info in self._modules if info.is_root
+            }
+        return self._names
+
+    def __getitem__(self, path: str) -> tuple[str, ...]:
+        return self._read()[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
 
 
 def _distributed() -> tuple[int, int] | None:

@@ -205,18 +205,20 @@ class _Score(nn.Module):
         return torch.where(den > 0, dot / den, torch.zeros_like(dot))
 
 
-def _score(q0: int, mode: str = "watch") -> None:
+def _score(q0: int, mode: str = "watch", calls: int = 1) -> None:
     m = _Score()
+    q, c = torch.tensor([q0, 2, 3]), torch.tensor([1, 4, 5])
     with nanwatch.watch(m, postmortem=False, mode=mode):
-        m(torch.tensor([q0, 2, 3]), torch.tensor([1, 4, 5])).sum().backward()
+        sum(m(q, c) for _ in range(calls)).sum().backward()
 
 
 def test_the_replay_template_is_marked_as_a_pattern() -> None:
-    """Sentinel mode does not replay a module's backward: its fix is the replay template,
-    whose names are a pattern's. (Watch mode now replays the root's own backward and
-    names the torch.where-guarded division itself.)"""
+    """Where sentinel cannot replay a module's backward (the root was called twice in the
+    step: which call made the NaN?) its fix is the replay template, whose names are a
+    pattern's. (Called once, sentinel and watch replay the root's own backward and name
+    the torch.where-guarded division itself.)"""
     with pytest.raises(nanwatch.AnomalyError) as info:
-        _score(0, mode="sentinel")  # a padding query: 0/0 in the backward of dot / den
+        _score(0, mode="sentinel", calls=2)  # a padding query: 0/0 in the backward of dot / den
     (d,) = [d for d in info.value.diagnoses if "nw.replay(step_fn)" in (d.fix or "")]
     lines = (d.fix or "").splitlines()
     assert lines[0].startswith("# adapt: your model, loss and batch")
