@@ -199,4 +199,4 @@ def test_item_id_out_of_range_is_worded_without_a_tokenizer(bad: int) -> None:
     err = info.value
     assert err.code == "NW513"
     assert "tokenizer" not in str(err) and err.fix is not None and "tokenizer" not in err.fix
-    assert "after the table was built" in str(err)
+    assert "were not seen when the table was sized" in str(err)  # an unknown row first

@@ -282,11 +282,23 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
         f"{op} read it as its {role}; it has no autograd history, so no op of the loss's "
         "graph made it: the code that computed it did"
     )
-    fix = (
-        "# where it is computed, keep the denominator that reaches 0 away from it:\n"
-        "# num / den.clamp_min(torch.finfo(den.dtype).eps)  (den: that ratio's denominator)"
-    )
     made_by = "a ratio whose denominator reached 0, an exp that overflowed"
+    if stat is not None and not stat.nan and (stat.has_posinf or stat.has_neginf):
+        # inf and no NaN: a quotient x / 0 is the likelier (an overflow gives it too)
+        fix = (
+            "# where it is computed, keep the denominator that reaches 0 away from it:\n"
+            "# num / den.clamp_min(torch.finfo(den.dtype).eps)  (den: that ratio's denominator)"
+            "\n# or, if an exp or a product made the inf, compute it in float32 or bound its input"
+        )
+    else:
+        # NaN: 0 / 0, inf / inf or inf - inf; nothing here shows which, nor a 0 denominator
+        made_by = "an overflow to inf, then inf / inf or inf - inf; or 0 / 0"
+        fix = (
+            "# where it is computed, find the op that made the NaN first: mode='forensic' or "
+            "nw.replay(step_fn) names it and its line\n"
+            "# NaN is inf / inf, inf - inf or 0 / 0: an exp or a product that overflowed to "
+            "inf (compute it in float32, or bound its input), or a denominator that reached 0"
+        )
     log = _log_of_zero(stat, ev.code)
     if log is not None:
         # -inf and no NaN or +inf, among finite values that are not all 0 (a mask's): a

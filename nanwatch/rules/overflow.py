@@ -1429,6 +1429,7 @@ def _from_op(
             complex_=cplx,
             cast_input=_cast_input(ctx, ev) if kind == "cast" else None,
             inside=_inside_fix(ctx, small) if small is not None else None,
+            source=ev.source,
         )
     elif power is not None and lim is not None:
         explanation = (
@@ -4503,6 +4504,7 @@ def _fix_wide(
     complex_: bool = False,
     cast_input: str | None = None,
     inside: str | None = None,
+    source: str | None = None,
 ) -> str:
     """``update``: what to change in the training update, in order (:func:`_update_fix`);
     ``clip``: the line that bounds it, placed among a product's fixes ("" for none);
@@ -4515,6 +4517,9 @@ def _fix_wide(
         lse = _logsumexp_fix(code) if op == "exp" else None
         if lse is not None:
             return lse
+        other = _other_dims(code, op, source) if op in _BARE_EXP else None
+        if other is not None:
+            return f"{_max_subtracted(code, op, over_all=True)}{was}\n{_global_max_note(other)}"
         if op in _BARE_EXP:
             return (
                 f"{_max_subtracted(code, op)}{was}\n{_row_max_note(code, op)}\n"
@@ -4741,9 +4746,11 @@ def _fix(
     if kind in ("softmax", "exp") and lim is not None and not lim.short_range:
         # float32/float64: no wider dtype to move to (bfloat16's range is float32's): bound
         # the argument, or subtract the row max
-        return _fix_wide(kind, name, dtype, lim, code, recurrent=False, first=False, ref=ref)
+        return _fix_wide(
+            kind, name, dtype, lim, code, recurrent=False, first=False, ref=ref, source=source
+        )
     if kind in ("softmax", "exp") and lim is not None:
-        bounded = _bounded_exp(kind, name, lim, code, arg=arg, scalar=scalar)
+        bounded = _bounded_exp(kind, name, lim, code, arg=arg, scalar=scalar, source=source)
         if bounded is not None:
             return bounded
     if kind == "matmul":
@@ -4762,6 +4769,10 @@ def _fix(
     lse = _logsumexp_fix(code) if kind == "softmax" and op == "exp" else None
     if lse is not None:
         return lse
+    other = _other_dims(code, op, source) if kind == "softmax" and lim is not None else None
+    f32 = _float32_exp(code, op) if other is not None else None
+    if other is not None and f32 is not None and lim is not None:
+        return _float32_exp_fix(f32, was, other, dtype, lim, arg=arg)
     if kind == "softmax" and op in _BARE_EXP:
         up = upcast_line(code)
         alt = (
@@ -5579,6 +5590,7 @@ def _bounded_exp(
     *,
     arg: float,
     scalar: bool,
+    source: str | None = None,
 ) -> str | None:
     """The fix of a low-precision exp that a float32 upcast cannot mend: an argument past
     float32's exp bound too (bound the argument; a softmax subtracts its max), or a
@@ -5592,6 +5604,9 @@ def _bounded_exp(
     lse = _logsumexp_fix(code) if kind == "softmax" and past and op == "exp" else None
     if lse is not None:
         return lse
+    other = _other_dims(code, op, source) if kind == "softmax" and past else None
+    if other is not None:
+        return f"{_max_subtracted(code, op, over_all=True)}{was}\n{_global_max_note(other)}"
     if kind == "softmax" and past:
         return (
             f"{_max_subtracted(code, op)}{was}\n"
@@ -5840,7 +5855,7 @@ def _summed_dim(code: str | None, op: str) -> str | None:
     return None
 
 
-def _max_subtracted(code: str | None, op: str) -> str:
+def _max_subtracted(code: str | None, op: str, *, over_all: bool = False) -> str:
     """The user's exp line with the row max subtracted from the argument (a stable
     softmax by hand), or the same on a named placeholder when the line is unknown. Every
     exp of the same argument is shifted by the same max (the numerator's and the sum's:
@@ -5857,7 +5872,7 @@ def _max_subtracted(code: str | None, op: str) -> str:
     line = code.split("  #", 1)[0] if code else ""
     args = _exp_args(code, op)
     same = bool(args) and all(_same_expr(a, args[0]) for a in args)
-    dim = _summed_dim(code, op) if same else None
+    dim = "" if over_all else _summed_dim(code, op) if same else None
     method = re.search(rf"(?<!\btorch)(?<!\bspecial)\.{re.escape(op)}\(", line) is not None
 
     def wrap(e: str) -> str:
@@ -5870,6 +5885,8 @@ def _max_subtracted(code: str | None, op: str) -> str:
     fixed = _rewrite_calls(code, op, wrap) if same else rewrite_call(code, [op], wrap)
     if fixed is not None:
         return fixed
+    if over_all:
+        return f"e = torch.{op}(x - x.max())   # x: this exp's argument"
     return f"e = torch.{op}(x - x.amax(dim=-1, keepdim=True))   # x: this exp's argument"
 
 
@@ -5885,7 +5902,8 @@ def _row_max_note(code: str | None, op: str) -> str:
         )
     return (
         "# subtract the row max first (the dim you normalize over): every exp is then "
-        "at most 1, and the result is the same"
+        "at most 1, and e / e.sum(that dim) is the same (not so for a normalization over "
+        "another dim)"
     )
 
 
@@ -5897,6 +5915,169 @@ def _one_call_softmax(code: str | None, op: str) -> str:
     if dim and all(_same_expr(a, args[0]) for a in args) and not dim.startswith(("(", "[")):
         return f"torch.softmax({args[0].strip()}, dim={dim})"
     return "torch.softmax(x, dim=-1)"
+
+
+#: calls and attributes that swap a tensor's dims: a max over the argument's last dim is
+#: then over another dim of the result than the one a later line normalizes over
+_SWAPPING_CALLS = frozenset({"t", "transpose", "permute", "swapaxes", "swapdims", "movedim"})
+_SWAPPED_ATTRS = frozenset({"T", "mT", "H", "mH"})
+
+
+def _exp_transposed(code: str | None, op: str) -> bool:
+    """The user's line transposes what its ``op`` call made (``torch.exp(x).t()``)."""
+    line = code.split("  #", 1)[0].strip() if code else ""
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            inner = node.func.value if node.func.attr in _SWAPPING_CALLS else None
+        elif isinstance(node, ast.Attribute) and node.attr in _SWAPPED_ATTRS:
+            inner = node.value
+        else:
+            inner = None
+        if inner is not None and any(
+            isinstance(m, ast.expr) and _call_of(m, op) for m in ast.walk(inner)
+        ):
+            return True
+    return False
+
+
+def _later_norm_dims(source: str | None, code: str | None, reach: int = 15) -> list[str]:
+    """The dims of the sums that later lines of the exp's function divide its result by
+    (``Q /= Q.sum(dim=1, keepdim=True)`` -> ``"1"``; ``"" `` for a sum over every value),
+    in order and each once: the dims the exp's result is normalized over."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit() or not code:
+        return []
+    here = linecache.getline(path, int(num))
+    if not here.strip():
+        return []
+    derived = {
+        name
+        for stmt in statements(code)
+        if re.search(rf"\b(?:{'|'.join(_EXP_CALLS)})\(", stmt)
+        and (name := _assigned(stmt)) is not None
+    }
+    dims: list[str] = []
+    if not derived:
+        return dims
+    indent = len(here) - len(here.lstrip())
+    for _, _, stmt in _later_statements(path, int(num), indent, reach):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        if not _names(tree) & derived:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+                below: ast.AST = node.right
+            elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
+                below = node.value
+            else:
+                continue
+            for m in ast.walk(below):
+                total = _call_of(m, "sum") if isinstance(m, ast.expr) else None
+                if total is None or not _names(total[0]) & derived:
+                    continue
+                given = [*total[1][:1], *(k.value for k in total[2] if k.arg == "dim")]
+                dim = (ast.get_source_segment(stmt, given[0]) or "?") if given else ""
+                if dim not in dims:
+                    dims.append(dim)
+        target = _assigned(stmt)
+        if target is not None:
+            derived.add(target)
+    return dims
+
+
+def _other_dims(code: str | None, op: str, source: str | None) -> str | None:
+    """How the exp's result is normalized over other dims than a max over its argument's
+    last dim (a transpose on the line, sums over several dims: Sinkhorn-Knopp iterations),
+    in words; None for a softmax by hand (the line's own sum, or one later sum over the
+    same dim) or when no later line shows it. A max subtracted then is no longer divided
+    out, and a shifted row whose exps all underflow to 0 divides 0 / 0."""
+    if op != "exp" or _summed_dim(code, op) is not None:
+        return None
+    dims = _later_norm_dims(source, code)
+    turned = _exp_transposed(code, op)
+    if not turned and len(dims) < 2 and dims != [""]:
+        return None
+    if turned and dims and set(dims) <= {"0", "-2"}:
+        return None
+    words = ", ".join("every value" if d == "" else f"dim={d}" for d in dims)
+    if turned:
+        return "a transpose" + (f", then sums over {words}" if dims else "")
+    return f"sums over {words}"
+
+
+def _global_max_note(other: str) -> str:
+    """Why one max over every value, not the row max, is subtracted: ``other`` says how
+    the exp's result is normalized (:func:`_other_dims`)."""
+    return (
+        "# one shift for every value (the max over all of them): a constant factor, which "
+        f"the normalization that follows ({other}) divides out; a row max is not divided "
+        "out by a normalization over another dim, and changes the result\n"
+        "# or stay in the log domain: normalize the argument with torch.logsumexp over each "
+        "dim in turn, and take the exp at the end"
+    )
+
+
+def _float32_exp_fix(
+    f32: str, was: str, other: str, dtype: str, lim: DtypeLimits, *, arg: float
+) -> str:
+    """The fix of a low-precision exp whose result is normalized over other dims than a
+    row max would be (``other``, :func:`_other_dims`): the exp in float32, as the reference
+    implementations of Sinkhorn-Knopp do, not a max subtracted in ``dtype``."""
+    floor = -math.log(lim.tiny * lim.eps)  # exp(x) of x below -floor is 0 in dtype
+    fits = (
+        f"exp({fmt(arg)}) = {fmt(math.exp(arg))} fits float32"
+        if math.isfinite(arg) and arg <= _exp_bound("float32")
+        else f"float32 holds exp up to {fmt(_exp_bound('float32'))}"
+    )
+    return (
+        f"{f32}{was}\n"
+        f"# the exp in float32 ({fits}); keep its result in float32 through the "
+        f"normalization that follows ({other}), and cast back to {dtype} only the "
+        "normalized values\n"
+        f"# not a row max subtracted in {dtype}: that normalization does not divide it "
+        f"out, so the result changes, and exps more than {fmt(floor)} below the max "
+        f"underflow to 0 in {dtype}: a row of zeros divides 0 / 0 = NaN\n"
+        "# or stay in the log domain: normalize the argument with torch.logsumexp over each "
+        "dim in turn, and take the exp at the end"
+    )
+
+
+def _float32_exp(code: str | None, op: str) -> str | None:
+    """The user's line with every ``op`` call's argument computed in float32 from its first
+    tensor operand on (``torch.exp(out.to(DT) / eps)`` -> ``torch.exp(out.to(DT).float()
+    / eps)``: type promotion carries float32 through the rest); None when unknown."""
+
+    def up(e: str) -> str:
+        try:
+            node = ast.parse(e.strip(), mode="eval").body
+        except SyntaxError:
+            return f"{paren(e)}.float()"
+        while True:
+            if isinstance(node, ast.BinOp):
+                node = node.right if isinstance(node.left, ast.Constant) else node.left
+            elif isinstance(node, ast.UnaryOp):
+                node = node.operand
+            else:
+                break
+        text = ast.get_source_segment(e.strip(), node)
+        if text is None or isinstance(node, ast.Constant) or _is_float32(text):
+            return e if text is not None and _is_float32(text) else f"{paren(e)}.float()"
+        s, end = e.strip(), node.end_col_offset or 0
+        return f"{s[: node.col_offset]}{paren(text)}.float(){s[end:]}"
+
+    line = code.split("  #", 1)[0] if code else ""
+    method = re.search(rf"(?<!\btorch)(?<!\bspecial)\.{re.escape(op)}\(", line) is not None
+    fixed = _rewrite_calls(code, op, lambda e: paren(up(e)) if method else up(e))
+    return fixed.strip() if fixed is not None and fixed.strip() != (code or "").strip() else None
 
 
 # ------------------------------------------------------------- a softmax over segments
