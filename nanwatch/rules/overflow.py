@@ -5201,32 +5201,39 @@ def _fix_matmul(
 _BOUNDING = ("sin", "cos", "tanh", "sigmoid", "softmax")
 
 
-def _bounded_after(source: str | None, name: str, dtype: str) -> tuple[str, list[str]] | None:
-    """The first later line of the same function (read from ``source``, ``file.py:42``)
-    that passes ``name`` through a bounded call (``torch.sin(proj)``, ``proj.softmax(-1)``),
-    with each such call cast back to ``dtype``; and the calls' names. None when none does."""
+def _following_lines(source: str | None, reach: int = 20) -> Iterator[tuple[int, str]]:
+    """The lines after ``source`` (``file.py:42``) in its block, as (line number, the line
+    stripped of its trailing comment), for at most ``reach`` lines: blank and comment lines
+    are skipped; a line indented less than ``source``'s, or a ``def``, ends them."""
     import linecache
 
     path, _, num = (source or "").rpartition(":")
     if not path or not num.isdigit():
-        return None
+        return
     here = linecache.getline(path, int(num))
     indent = len(here) - len(here.lstrip())
+    for n in range(int(num) + 1, int(num) + reach):
+        text = linecache.getline(path, n)
+        if not text:
+            return
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        if len(text) - len(text.lstrip()) < indent or re.match(r"\s*(?:async\s+)?def\s", text):
+            return  # the function ended
+        yield n, text.split("  #", 1)[0].strip()
+
+
+def _bounded_after(source: str | None, name: str, dtype: str) -> tuple[str, list[str]] | None:
+    """The first later line of the same function (read from ``source``, ``file.py:42``)
+    that passes ``name`` through a bounded call (``torch.sin(proj)``, ``proj.softmax(-1)``),
+    with each such call cast back to ``dtype``; and the calls' names. None when none does."""
     alt = "|".join(_BOUNDING)
     arg = r"(?:\s*,[^()]*(?:\([^()]*\)[^()]*)*)?"
     calls = re.compile(
         rf"(?<![\w.])(?:torch\.|F\.)({alt})\(\s*{re.escape(name)}\s*{arg}\)"
         rf"|(?<![\w.]){re.escape(name)}\.({alt})\([^()]*\)"
     )
-    for n in range(int(num) + 1, int(num) + 20):
-        text = linecache.getline(path, n)
-        if not text:
-            return None
-        if not text.strip() or text.lstrip().startswith("#"):
-            continue
-        if len(text) - len(text.lstrip()) < indent or re.match(r"\s*(?:async\s+)?def\s", text):
-            return None  # the function ended
-        line = text.split("  #", 1)[0].strip()
+    for _, line in _following_lines(source):
         ops = [m.group(1) or m.group(2) for m in calls.finditer(line)]
         if ops:
             new = calls.sub(lambda m: f"{m.group(0)}.to(torch.{dtype})", line)
@@ -5359,22 +5366,7 @@ def _later_scale(source: str | None, name: str) -> tuple[str, str, str] | None:
     (``s = s / math.sqrt(d)``, ``s *= self.scale``, ``softmax(s * scale)``): the operator,
     the factor's text, and what to do with that line once the factor moved before the
     product. None when the first use of ``name`` is anything else."""
-    import linecache
-
-    path, _, num = (source or "").rpartition(":")
-    if not path or not num.isdigit():
-        return None
-    here = linecache.getline(path, int(num))
-    indent = len(here) - len(here.lstrip())
-    for n in range(int(num) + 1, int(num) + 20):
-        text = linecache.getline(path, n)
-        if not text:
-            return None
-        if not text.strip() or text.lstrip().startswith("#"):
-            continue
-        if len(text) - len(text.lstrip()) < indent or re.match(r"\s*(?:async\s+)?def\s", text):
-            return None  # the function ended
-        line = text.split("  #", 1)[0].strip()
+    for n, line in _following_lines(source):
         if not re.search(rf"(?<![\w.]){re.escape(name)}\b", line):
             continue
         try:
