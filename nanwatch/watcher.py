@@ -727,6 +727,7 @@ class Watcher:
                 self._restore_signals = postmortem.install_signal_handlers(self)
             _backward_tap.install(self)
             _scaler_tap.install(self)
+            _clip_tap.install(self)
             handle = register_optimizer_step_pre_hook(self._on_optimizer_step)
             if handle is not None:
                 self._handles.append(handle)
@@ -1800,6 +1801,26 @@ class Watcher:
                 out[qualnames[id(p)]] = ("unchecked" if e is None else "replaced", g)
             elif e[1] != g._version or e[2] != _data_ptr(g):
                 in_place[qualnames[id(p)]] = g
+
+    def _clipped(self, params: list[Any], max_norm: Any) -> None:
+        """``clip_grad_norm_`` rescaled the gradients of ``params`` (see :class:`_ClipTap`):
+        those read at the end of backward, all finite then (the step's total norm is), and
+        written once since (the rescale), keep their check -- their new versions are noted.
+        A NaN ``max_norm`` makes NaN of any gradient: those are read as before."""
+        seen = getattr(self, "_grads_seen", None)
+        total = self._trace.grad_norm
+        if not seen or total is None or not math.isfinite(total):
+            return
+        try:
+            if math.isnan(float(max_norm)):
+                return
+        except (TypeError, ValueError, RuntimeError):
+            return
+        for p in params:
+            g = getattr(p, "grad", None)
+            e = seen.get(id(p))
+            if g is not None and e is not None and e[0]() is g and g._version == e[1] + 1:
+                seen[id(p)] = (e[0], g._version, e[2])
 
     def _bad_in_place(
         self, in_place: dict[str, torch.Tensor]
@@ -4415,6 +4436,7 @@ class Watcher:
     def _remove_hooks(self) -> None:
         _backward_tap.remove(self)
         _scaler_tap.remove(self)
+        _clip_tap.remove(self)
         if self._restore_signals is not None:
             restore, self._restore_signals = self._restore_signals, None
             restore()
@@ -4897,6 +4919,69 @@ class _ScalerTap:
 
 
 _scaler_tap = _ScalerTap()
+
+
+class _ClipTap:
+    """``torch.nn.utils.clip_grad_norm_``, wrapped while at least one watcher is attached.
+    Its rescale multiplies every gradient by min(max_norm / (total + 1e-6), 1): a finite
+    factor for finite gradients (0 when their norm overflows), so gradients the end of
+    backward read as finite stay finite. Each watcher notes their new versions
+    (:meth:`Watcher._clipped`), and the optimizer pre-hook does not read them again as
+    gradients written after backward (:meth:`Watcher._bad_in_place`): on the CPU that read
+    was a second pass over every gradient, each step of every loop that clips."""
+
+    _modules = ("torch.nn.utils", "torch.nn.utils.clip_grad")
+
+    def __init__(self) -> None:
+        self._watchers: list[Watcher] = []
+        self._originals: dict[str, Callable[..., Any]] = {}
+        self._lock = threading.Lock()
+
+    def install(self, watcher: Watcher) -> None:
+        with self._lock:
+            if not self._watchers:
+                for name in self._modules:
+                    mod = sys.modules.get(name)
+                    original = getattr(mod, "clip_grad_norm_", None)
+                    if mod is None or original is None:
+                        continue
+                    if getattr(original, "_nanwatch_tap", False):
+                        continue
+                    self._originals[name] = original
+                    mod.clip_grad_norm_ = self._wrap(original)  # type: ignore[attr-defined]
+            self._watchers.append(watcher)
+
+    def remove(self, watcher: Watcher) -> None:
+        with self._lock:
+            if watcher not in self._watchers:
+                return
+            self._watchers.remove(watcher)
+            if self._watchers:
+                return
+            for name, original in self._originals.items():
+                mod = sys.modules.get(name)
+                if mod is not None and getattr(mod.clip_grad_norm_, "_nanwatch_tap", False):
+                    mod.clip_grad_norm_ = original  # type: ignore[attr-defined]
+            self._originals = {}
+
+    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def clip_grad_norm_(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
+            # a generator is read once: the list goes to torch, which lists it anyway
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            out = original(params, max_norm, *args, **kwargs)
+            for w in list(self._watchers):
+                try:
+                    w._clipped(params, max_norm)
+                except Exception as exc:  # nanwatch never breaks the loop it watches
+                    w._fault("gradients", "clip_grad_norm_ tap", exc)
+            return out
+
+        clip_grad_norm_._nanwatch_tap = True  # type: ignore[attr-defined]
+        return clip_grad_norm_
+
+
+_clip_tap = _ClipTap()
 
 #: the attached watchers of this process
 _live: weakref.WeakSet[Watcher] = weakref.WeakSet()

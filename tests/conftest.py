@@ -67,6 +67,7 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     functional_before = dict(vars(torch.nn.functional))
     optim_before = {name: dict(getattr(optim_mod, name)) for name in _OPTIM_DICTS}
     getstate_before = vars(torch.nn.Module).get("__getstate__")
+    clip_before = torch.nn.utils.clip_grad_norm_
     yield
     leaked = []
     for h in ours:
@@ -78,6 +79,7 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     assert after == before, "global module hooks changed during the test"
     optim_after = {name: dict(getattr(optim_mod, name)) for name in _OPTIM_DICTS}
     assert optim_after == optim_before, "global optimizer hooks changed during the test"
+    assert torch.nn.utils.clip_grad_norm_ is clip_before, "clip_grad_norm_ left wrapped"
     assert torch.is_anomaly_enabled() == anomaly_before, "anomaly mode left switched"
     assert torch.autograd.backward is backward_before, "torch.autograd.backward left wrapped"
     scale_after = {cls: vars(cls)["scale"] for cls in scale_before}
