@@ -1249,6 +1249,41 @@ def _exp_operand(expr: str) -> str | None:
     return ast.get_source_segment(expr.strip(), y) or ast.unparse(y)
 
 
+_SUM_DIM_KEYWORDS = frozenset({"dim", "keepdim"})
+
+
+def _sum_exp_call(expr: str) -> tuple[str, str, str] | None:
+    """``(fn, y, dims)`` when ``expr`` is a sum or a running sum of one exp (``torch.cumsum(
+    torch.exp(y), 0)``, ``y.exp().sum(dim=1)``): ``fn`` the log-space call that replaces the
+    log of it (``torch.logcumsumexp``, ``torch.logsumexp``) and ``dims`` its arguments after
+    ``y``, in the user's words; None for any other expression."""
+    text = expr.strip()
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return None
+    name, f = node.func.attr, node.func
+    if name not in ("sum", "cumsum") or any(k.arg not in _SUM_DIM_KEYWORDS for k in node.keywords):
+        return None
+    if isinstance(f.value, ast.Name) and f.value.id == "torch":
+        if not node.args:
+            return None
+        summand, rest = node.args[0], [*node.args[1:], *node.keywords]
+    else:
+        summand, rest = f.value, [*node.args, *node.keywords]
+    y = _exp_operand(ast.get_source_segment(text, summand) or ast.unparse(summand))
+    if y is None:
+        return None
+    dims = ", ".join(ast.get_source_segment(text, a) or ast.unparse(a) for a in rest)
+    if name == "cumsum":
+        return ("torch.logcumsumexp", y, dims) if dims else None
+    if not dims:  # a sum over every element: one dim after flattening
+        return "torch.logsumexp", paren(y) + ".flatten()", "0"
+    return "torch.logsumexp", y, dims
+
+
 def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
     """The log's argument is made by an exp, directly or through products and sums (a
     density exp(-z²/2)/σ, a mixture Σ π·N(y)): its exact zeros are that exp underflowing,
@@ -1256,7 +1291,7 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
     above it, else from the loss graph (log, then only products and sums, then exp)."""
     if x.min < 0 or not has_zero(x):
         return None
-    summed = False
+    summed = product = False
     found = _log_argument(ev)
     if found is not None:
         _, _, _, arg = found
@@ -1269,10 +1304,16 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
                 if made is not None and _calls_exp(path, made.split("=", 1)[1]):
                     hit = True
                     summed = summed or "sum(" in made
+                    product = "*" in made.split("=", 1)[1]
                     break
         if not hit:
             return None
         said = f"the log's argument {arg} is made by exp() through products and sums"
+        made = _assigned_before(ev.source, arg) if _NAME.fullmatch(arg) else None
+        summed_exp = _sum_exp_call(made.split("=", 1)[1] if made is not None else arg)
+        if summed_exp is not None:
+            return _summed_exp_use(ev, found, summed_exp)
+        product = product or "*" in arg or (made is not None and "*" in made.split("=", 1)[1])
         inner = _exp_operand(arg)
         if inner is None and _NAME.fullmatch(arg):
             made = _assigned_before(ev.source, arg)
@@ -1304,7 +1345,7 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
             chains = []
             for i in logs:
                 j = i + 1
-                while j < len(ops) and ops[j] in _EXP_CARRIERS:
+                while j < len(ops) and (ops[j] in _EXP_CARRIERS or ops[j] == "cumsum"):
                     j += 1
                 chains.append(ops[i + 1 : j] if j < len(ops) and ops[j] == "exp" else None)
             if logs and all(c is not None for c in chains):
@@ -1322,6 +1363,24 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
     dtype = ev.dtype or "float32"
     bound = _underflow_bound(dtype)
     tiny_log = _log_tiny(dtype, ev.op)
+    for chain, fn in (("cumsum", "logcumsumexp"), ("sum", "logsumexp")):
+        if said.endswith(f"(log <- {chain} <- exp)"):  # log(sum(exp(a))): one call
+            return _LogUse(
+                "exp-underflow",
+                fix=(
+                    f"# torch.log(torch.{chain}(torch.exp(a), dim)) is torch.{fn}(a, dim): "
+                    f"use it where the loss takes this log; each exp is 0 for a below {bound} "
+                    f"in {dtype}"
+                ),
+                why=(
+                    f"Its input is a {chain} of exp(a), and exp(a) is exactly 0 for a below "
+                    f"{bound} in {dtype}: where every exponent summed is that low the "
+                    f"{chain} is 0 and its log is -inf; the gradient through it is NaN. "
+                    f"torch.{fn}(a, dim) computes the same log by shifting by the largest "
+                    "exponent first: finite for any finite input, with its gradient."
+                ),
+                evidence=f"{said}: exp(a) = 0 for a below {bound} in {dtype}",
+            )
     if said.endswith("(log <- exp)"):  # the log of the exp itself: log(exp(y)) = y
         return _LogUse(
             "exp-underflow",
@@ -1345,7 +1404,13 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
         "the log in log space, never forming the exp; a floor gives "
         f"{tiny_log}, finite but wrong, with no gradient toward the far point."
     )
-    if summed:
+    if summed and found is not None and not product:  # a sum of exps, not spelled as one
+        fix = (
+            f"# log of a sum of exps: torch.logsumexp(a, dim) for log(torch.sum(torch.exp(a), "
+            "dim)), torch.logcumsumexp(a, dim) for a running sum: never form the exp, which is "
+            f"0 for a below {bound} in {dtype}"
+        )
+    elif summed:
         fix = (
             "log_lik = torch.logsumexp(torch.log(pi) + torch.distributions.Normal(mu, sigma)"
             ".log_prob(y), dim=1)   # log Σ π·N(y | mu, sigma) in log space: pi the mixture "
@@ -1365,6 +1430,37 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
         fix=fix,
         why=why,
         evidence=f"{said}: exp(a) = 0 for a below {bound} in {dtype}",
+    )
+
+
+def _summed_exp_use(
+    ev: OpEvent, found: tuple[str, int, int, str], summed_exp: tuple[str, str, str]
+) -> _LogUse:
+    """The log of a sum (or a running sum) of one exp: every exp underflowed to 0 where the
+    exponents sit far below 0, and logsumexp / logcumsumexp compute the same log without
+    forming the exps."""
+    fn, y, dims = summed_exp
+    stmt, start, end, arg = found
+    dtype = ev.dtype or "float32"
+    bound = _underflow_bound(dtype)
+    call = f"{fn}({y}, {dims})"
+    running = fn.endswith("logcumsumexp")
+    what = "a running sum (cumsum)" if running else "a sum"
+    return _LogUse(
+        "exp-underflow",
+        fix=(
+            f"{stmt[:start]}{call}{stmt[end:]}   # log of {what} of exp in log space: "
+            f"exp({y}) is 0 for values below {bound} in {dtype}"
+        ),
+        why=(
+            f"Its input is {what} of exp({y}). exp(a) is exactly 0 for a below {bound} in "
+            f"{dtype}, so where every exponent summed is that low the sum is 0 and its "
+            f"log is -inf; the gradient through it is NaN. {fn}({y}, {dims}) computes the "
+            "same log by shifting by the largest exponent first: finite for any finite "
+            "input, with its gradient."
+        ),
+        evidence=f"the log's argument {arg} is {what} of exp({y}): exp(a) = 0 for a below "
+        f"{bound} in {dtype}",
     )
 
 
@@ -2469,15 +2565,17 @@ def _log1p_below(
         evidence=evidence,
         explanation=(
             "log1p(x) = log(1 + x) is -inf at x = -1 and NaN below it. It is used on counts "
-            "and amounts (log1p(clicks), log1p(price)), which cannot be below 0: a value of -1 "
-            "or less is a missing-value sentinel (-1, -2, -999) or an error upstream, not a "
-            "measurement; or it is log(1 - p) of a probability that reached 1."
+            "and amounts (log1p(clicks), log1p(price)), and a value of -1 or less is one of: "
+            "a signed quantity (a refund, a net loss, a difference), which needs the signed "
+            "transform sign(x) · log1p(|x|); a missing-value sentinel (-1, -999) or an error "
+            "upstream; or log(1 - p) of a probability that reached 1."
         ),
         fix=(
             f"{first}\n"
-            "# better: where the data is made, turn the sentinel into a missing-value "
-            "indicator column and a neutral value\n"
-            "y = torch.log1p(-p.clamp_max(1 - torch.finfo(p.dtype).eps))   # log(1 - p)"
+            "# a sentinel: where the data is made, turn it into a missing-value indicator "
+            "column and a neutral value\n"
+            "# log(1 - p) of a probability p: torch.log1p(-p.clamp_max(1 - "
+            "torch.finfo(p.dtype).eps))"
         ),
     )
 
@@ -2604,7 +2702,19 @@ def _log1p_fix(ctx: RuleContext, ev: OpEvent, x: TensorStat | None) -> tuple[str
             )
         if _fed_from_batch(ctx, ev, arg):
             fixed = f"{paren(text)}.clamp_min(0)"
-            return f"{_spliced(stmt, arg, fixed)}   # counts and amounts are >= 0", True
+            call = hit[0]
+            signed_call = f"torch.sign({text}) * torch.log1p({paren(text)}.abs())"
+            whole = any(
+                isinstance(n, (ast.Return, ast.Assign, ast.AnnAssign, ast.Expr)) and n.value is call
+                for n in ast.walk(tree)
+            )
+            return (
+                f"{_spliced(stmt, arg, fixed)}   # counts and amounts are >= 0\n"
+                f"{_spliced(stmt, call, signed_call if whole else f'({signed_call})')}"
+                "   # signed values (refunds, losses, differences): the sign outside, log1p "
+                "of the magnitude",
+                True,
+            )
         fixed = f"{paren(text)}.clamp_min(-1 + torch.finfo({paren(text)}.dtype).eps)"
         return (
             f"{_spliced(stmt, arg, fixed)}   # log1p is finite above -1; find why "
@@ -3105,6 +3215,14 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             **op_fields(ev, a), title=title, evidence=evidence, explanation=why, fix=fix
         )
         return
+    under_scale = _underflowed_scale(ev, num) if _one_zero(ev, den) else None
+    if under_scale is not None:  # amax / 127 below the dtype's smallest subnormal: 0
+        said, why, fix = under_scale
+        evidence.insert(0, said)
+        yield ctx.diagnosis(
+            **op_fields(ev, a), title=title, evidence=evidence, explanation=why, fix=fix
+        )
+        return
     off = _off_switch(ev.code) if _one_zero(ev, den) else None
     if off is not None:  # tanh(x / c) * c with c = 0: 0 means off, a floor keeps it 0
         name, guarded = off
@@ -3237,13 +3355,7 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             **op_fields(ev, a),
             title=title,
             evidence=evidence,
-            explanation=(
-                "The denominator is a Python int, a count, and it was 0 at this step: a "
-                "number of gradient-accumulation micro-batches computed as len(batch) // "
-                "micro_batch_size for a short last batch, an accumulation count of 0, the "
-                "size of an empty batch. x/0 is ±inf and 0/0 is NaN. Count with ceiling "
-                "division (-(-len(batch) // micro_batch_size)) or floor the count at 1."
-            ),
+            explanation=_count_text(ev),
             fix=_count_fix(ev),
         )
         return
@@ -4228,11 +4340,83 @@ def _python_count(ev: OpEvent) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and "other" not in dict(ev.inputs)
 
 
+def _bare(expr: str) -> str:
+    """``expr`` without one pair of parentheses around all of it: ``W - 1`` of ``(W - 1)``."""
+    e = expr.strip()
+    if e.startswith("(") and e.endswith(")"):
+        try:
+            if ast.dump(ast.parse(e[1:-1].strip(), mode="eval")) == ast.dump(
+                ast.parse(e, mode="eval")
+            ):
+                return e[1:-1].strip()
+        except SyntaxError:
+            pass
+    return e
+
+
+def _size_minus_one(divisor: str) -> str | None:
+    """``W`` of a divisor ``(W - 1)`` / ``len(xs) - 1``: a size minus 1, 0 at size 1."""
+    try:
+        node = ast.parse(divisor.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if (
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Sub)
+        and isinstance(node.right, ast.Constant)
+        and node.right.value == 1
+    ):
+        return ast.unparse(node.left)
+    return None
+
+
+def _count_text(ev: OpEvent) -> str:
+    """Why a Python-int divisor was 0, from how the line writes it: a size minus 1 (0 at
+    size 1), a floor division (a count of micro-batches), or a count in general."""
+    divisors = [d for st in statements(ev.code) for d in _divisors(st)]
+    sizes = [z for d in divisors if (z := _size_minus_one(d)) is not None]
+    if sizes:
+        d = " or ".join(_bare(d) for d in divisors if _size_minus_one(d) is not None)
+        z = " or ".join(sizes)
+        return (
+            f"The denominator {d} is a size minus 1, and it is 0 when {z} is 1: a "
+            "one-pixel level of an image pyramid or a thin crop (align_corners "
+            "normalization 2·x / (W - 1) - 1), a dimension of one element, the n - 1 of an "
+            "unbiased estimate from one sample. x/0 is ±inf and 0/0 is NaN. Floor it at 1 "
+            f"(max({sizes[0]} - 1, 1)): at size 1 the only coordinate is 0, and 0 / 1 = 0 is "
+            "the right value."
+        )
+    made = [
+        m
+        for d in divisors
+        if _NAME.fullmatch(d.strip()) and (m := _assigned_before(ev.source, d.strip()))
+    ]
+    if not ev.code or any("//" in d or "len(" in d for d in [*divisors, *made]):
+        return (
+            "The denominator is a Python int, a count, and it was 0 at this step: a "
+            "number of gradient-accumulation micro-batches computed as len(batch) // "
+            "micro_batch_size for a short last batch, an accumulation count of 0, the "
+            "size of an empty batch. x/0 is ±inf and 0/0 is NaN. Count with ceiling "
+            "division (-(-len(batch) // micro_batch_size)) or floor the count at 1."
+        )
+    return (
+        "The denominator is a Python int, a count, and it was 0 at this step (an empty "
+        "batch or selection, a counter that was never incremented, a step count that starts "
+        "at 0). x/0 is ±inf and 0/0 is NaN. Floor the count at 1, or skip the division when "
+        "there is nothing to divide."
+    )
+
+
 def _count_fix(ev: OpEvent) -> str:
     """``max(n, 1)`` around the user's Python-int divisor: a count of 0 divides by 1."""
-    own = _rewrite_divisor(ev.code, lambda d: f"max({d}, 1)")
+    own = _rewrite_divisor(ev.code, lambda d: f"max({_bare(d)}, 1)")
     if own is not None:
         return f"{own}   # a count of 0 divides by 1 (an int: no tensor to clamp)"
+    stmts = statements(ev.code)
+    each = [_rewrite_divisor(st, lambda d: f"max({_bare(d)}, 1)") for st in stmts]
+    if len(stmts) > 1 and all(r is not None for r in each):  # one division per statement
+        line = "; ".join(r.strip() for r in each if r is not None)
+        return f"{line}   # a size or count of 0 divides by 1 (an int: no tensor to clamp)"
     return (
         "y = x / max(d, 1)   # d: the Python int you divide by (a count): at least 1, "
         "no tensor to clamp"
@@ -6078,7 +6262,10 @@ def _coarse_eps(dtype: str, name: str) -> str:
 def _fixed_at_assignment(ev: OpEvent, right: ast.expr, den: TensorStat) -> str | None:
     """A denominator that is a plain name assigned above in the same function (``scale =
     (hi - lo) / 255``) is kept off 0 where it is made, so that every division by it is
-    safe, not only the one on this line."""
+    safe, not only the one on this line. An attribute (``self.scale``, a buffer) filled
+    above by ``self.scale.copy_(v)`` / ``self.scale = v`` is clamped there the same way."""
+    if isinstance(right, ast.Attribute) and den.min >= 0:
+        return _attribute_fixed_where_made(ev, ast.unparse(right))
     if not isinstance(right, ast.Name):
         return None
     name = right.id
@@ -6106,6 +6293,46 @@ def _fixed_at_assignment(ev: OpEvent, right: ast.expr, den: TensorStat) -> str |
         f"{name} = torch.where({name} == 0, torch.ones_like({name}), {name})   # every "
         f"division by {name} divides by 1 where it was 0 (any sign)"
     )
+
+
+def _attribute_fixed_where_made(ev: OpEvent, attr: str) -> str | None:
+    """The line above the user's, in the same function and at its indent or shallower (so
+    it ran), that fills the attribute ``attr`` (``self.scale.copy_(v)``, ``.fill_(v)``,
+    ``self.scale = v``), rewritten with ``v`` kept off 0; None when there is none."""
+    import linecache
+
+    path, _, num = (ev.source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    here = linecache.getline(path, int(num))
+    indent = len(here) - len(here.lstrip())
+    fill = re.compile(rf"^{re.escape(attr)}\.(copy_|fill_)\((.+)\)$")
+    assign = re.compile(rf"^{re.escape(attr)}\s*=(?!=)(.+)$")
+    for n in range(int(num) - 1, max(0, int(num) - 40), -1):
+        text = linecache.getline(path, n)
+        if not text.strip():
+            continue
+        deeper = len(text) - len(text.lstrip()) > indent
+        if re.match(r"\s*(?:async\s+)?def\s", text) and not deeper:
+            return None
+        for stmt in statements(text):
+            st = stmt.strip()
+            m, a = fill.match(st), assign.match(st)
+            if (m or a) and deeper:
+                return None  # made under a branch the line may not share
+            why = (
+                f"clamped where it is made: every division by {attr} is safe (the next one "
+                f"too), 0/eps = 0 where it was 0"
+            )
+            if m is not None:
+                v = m.group(2).strip()
+                return (
+                    f"{attr}.{m.group(1)}({paren(v)}.clamp_min(torch.finfo({attr}.dtype).eps))"
+                    f"   # {why}"
+                )
+            if a is not None:
+                return f"{st}\n{attr} = {attr}.clamp_min(torch.finfo({attr}.dtype).eps)   # {why}"
+    return None
 
 
 def _dtype_carriers(node: ast.expr) -> list[ast.Name]:
@@ -6225,6 +6452,75 @@ def _div_call_divisor(n: ast.AST) -> ast.expr | None:
         else None
     )
     return d if isinstance(d, (ast.Name, ast.Attribute)) else None
+
+
+def _underflowed_scale(ev: OpEvent, num: TensorStat | None) -> tuple[str, str, str] | None:
+    """(evidence, explanation, fix) when the one-number divisor is a name made just above
+    as ``expr / c`` from the values it divides (``scale = x.abs().amax() / 127``) and the
+    numerator's largest magnitude over ``c`` is below half the dtype's smallest subnormal:
+    the divisor underflowed to 0, it is not a 0 that means off."""
+    lim = limits(ev.dtype)
+    if lim is None or num is None or num.min is None or num.max is None:
+        return None
+    amax = max(abs(num.min), abs(num.max))
+    if not (math.isfinite(amax) and amax > 0):
+        return None
+    divisors = _divisors(ev.code)
+    if len(divisors) != 1 or not re.fullmatch(r"[A-Za-z_][\w.]*", d := divisors[0].strip()):
+        return None
+    made = _assigned_before(ev.source, d)
+    if made is None:
+        return None
+    rhs_text = made.split("=", 1)[1].strip()
+    try:
+        rhs = ast.parse(rhs_text, mode="eval").body
+    except SyntaxError:
+        return None
+    if not (
+        isinstance(rhs, ast.BinOp)
+        and isinstance(rhs.op, ast.Div)
+        and isinstance(rhs.right, ast.Constant)
+        and isinstance(rhs.right.value, (int, float))
+        and rhs.right.value > 1
+    ):
+        return None
+    c = float(rhs.right.value)
+    here = {n.id for st in statements(ev.code) for n in _names_in(st)} - {d.split(".")[0]}
+    if not here & {n.id for n in ast.walk(rhs.left) if isinstance(n, ast.Name)}:
+        return None  # not made from the values this line divides
+    if amax / c > lim.subnormal / 2:
+        return None
+    dt = lim.name
+    c_text = ast.get_source_segment(rhs_text, rhs.right) or fmt(c)
+    said = (
+        f"the divisor {d} = {rhs_text} is 0 but the values it is made from are not: the "
+        f"numerator's largest magnitude is {fmt(amax)}, and {fmt(amax)} / {c_text} = "
+        f"{fmt(amax / c)} is below half of {dt}'s smallest subnormal "
+        f"({fmt(lim.subnormal)}; torch.finfo({dt}).tiny = {fmt(lim.tiny)}): it rounded to 0"
+    )
+    why = (
+        f"The divisor {d} underflowed: it is computed in {dt} as a maximum over {c_text}, "
+        f"and for values as small as these that quotient is below the smallest number "
+        f"{dt} can hold, so it is stored as 0. It is not a setting where 0 means off. "
+        "Dividing by it makes ±inf, and 0/0 = NaN where the values are 0. Keep the divisor "
+        f"at least torch.finfo({dt}).tiny, or compute it and the division in float32."
+    )
+    lhs = made.split("=", 1)[0].strip()
+    fix = (
+        f"{lhs} = {paren(rhs_text)}.clamp_min(torch.finfo(torch.{dt}).tiny)   # a "
+        f"{d} that {dt} can hold: at least {fmt(lim.tiny)}\n"
+        f"# or compute {d} and the division in float32 (cast the values with .float() "
+        "first), then cast the result back"
+    )
+    return said, why, fix
+
+
+def _names_in(stmt: str) -> list[ast.Name]:
+    try:
+        tree = ast.parse(stmt.strip())
+    except SyntaxError:
+        return []
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Name)]
 
 
 def _one_zero(ev: OpEvent, den: TensorStat | None) -> bool:
@@ -6787,6 +7083,90 @@ def root_at_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         yield from _root_backward_untraced(ctx, a)
 
 
+def _pow_with_tensor_exponent(code: str | None) -> tuple[str, ast.BinOp] | None:
+    """The statement of the user's line and its one ``base ** exponent`` whose exponent is
+    not a number (``(t / lam) ** k``); None when the line shows none, or several."""
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt.strip())
+        except SyntaxError:
+            continue
+        pows = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.BinOp)
+            and isinstance(n.op, ast.Pow)
+            and not isinstance(n.right, ast.Constant)
+            and not (isinstance(n.right, ast.UnaryOp) and isinstance(n.right.operand, ast.Constant))
+        ]
+        if len(pows) == 1:
+            return stmt.strip(), pows[0]
+    return None
+
+
+def _log_text(ev: OpEvent, node: ast.expr, text: str) -> str:
+    """``torch.log(text)`` in the user's words; the exponent itself for a name made by
+    ``torch.exp(y)`` just above (``lam = torch.exp(log_lam)``: log(lam) is ``log_lam``,
+    finite where ``lam`` overflowed or underflowed)."""
+    if isinstance(node, ast.Name) and (made := _assigned_before(ev.source, node.id)) is not None:
+        inner = _exp_operand(made.split("=", 1)[1])
+        if inner is not None:
+            return paren(inner)
+    return f"torch.log({text})"
+
+
+def _exponent_grad(ev: OpEvent) -> tuple[str, str, str] | None:
+    """(evidence, explanation, fix) when the backward op is the log(base) of a power's
+    exponent gradient (PowBackward1 / PowBackward2: d/dk b ** k = b ** k · log(b)) and the
+    base held exact zeros: 0 · log(0) = 0 · -inf = NaN, whatever the exponent."""
+    if node_base(ev.node) != "Pow" or (ev.node or "") == "PowBackward0":
+        return None
+    if not short_op(ev.op).rstrip("_").endswith("log"):
+        return None
+    x = first_input(ev)
+    if x is None or not has_zero(x):
+        return None
+    dtype = ev.dtype or "float32"
+    evidence = (
+        f"in backward, {ev.node} ({short_op(ev.op)}) made {ev.born}: it computes the gradient "
+        f"of a power's tensor exponent, d/dk (b ** k) = b ** k · log(b), and the base b held "
+        f"{_zeros_text(x, 'log')}: 0 · log(0) = 0 · -inf = NaN"
+    )
+    explanation = (
+        "The power's exponent requires grad, and d/dk (b ** k) = b ** k · log(b). Where the "
+        "base b is exactly 0 (a ratio that underflowed: a scale that grew huge or overflowed "
+        f"to inf in {dtype}) that is 0 · -inf = NaN, although the forward value 0 ** k = 0 is "
+        "fine. This is not a root of a negative number: compute the power in log space, "
+        "exp(k · log b), from logs that are finite (the log the model already predicts), or "
+        "keep the base above 0."
+    )
+    fix = (
+        "z = torch.exp(k * (torch.log(t) - log_lam))   # b ** k in log space, from the "
+        "predicted log-scale: its exponent gradient is finite\n"
+        "z = b.clamp_min(torch.finfo(b.dtype).tiny) ** k   # or keep the base above 0"
+    )
+    at = _pow_with_tensor_exponent(ev.code)
+    if at is not None:
+        stmt, pw = at
+        b = ast.get_source_segment(stmt, pw.left) or ast.unparse(pw.left)
+        k = ast.get_source_segment(stmt, pw.right) or ast.unparse(pw.right)
+        base = pw.left
+        if isinstance(base, ast.BinOp) and isinstance(base.op, ast.Div):
+            num = ast.get_source_segment(stmt, base.left) or ast.unparse(base.left)
+            den = ast.get_source_segment(stmt, base.right) or ast.unparse(base.right)
+            logs = f"{_log_text(ev, base.left, num)} - {_log_text(ev, base.right, den)}"
+        else:
+            logs = _log_text(ev, base, b)
+        logged = f"torch.exp({paren(k)} * ({logs}))"
+        floored = f"{paren(b)}.clamp_min(torch.finfo({_dtype_of(base, b)}).tiny) ** {paren(k)}"
+        fix = (
+            f"{_spliced(stmt, pw, logged)}   # {paren(b)} ** {paren(k)} in log space: its "
+            f"gradient in {k} is finite where {b} is 0\n"
+            f"# or keep the base above 0: {_spliced(stmt, pw, floored)}"
+        )
+    return evidence, explanation, fix
+
+
 def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -> Diagnosis:
     x = first_input(ev)
     op = short_op(ev.op)
@@ -6797,7 +7177,13 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
     pole = not backward and own and _pole_at_zero(ev, x, e)
     cancel = None
     power = _forward_exponent(ev, e) if backward and node_base(ev.node) == "Pow" else None
-    if backward:
+    exp_grad = _exponent_grad(ev) if backward else None
+    if exp_grad is not None:
+        evidence.append(exp_grad[0])
+        for nm, saved in ev.other_inputs:
+            if nm.startswith(_SAVED):
+                evidence.append(f"forward pow {nm[len(_SAVED) :]}: {describe_stat(saved)}")
+    elif backward:
         node = node_base(ev.node)
         slope = (
             f"d/dx x^({fmt(power)}) = {fmt(power)}·x^({fmt(power - 1)})"
@@ -6874,7 +7260,9 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
     )
     negative = own and fractional and x is not None and x.min < 0
     negative = negative and x is not None and not _rounding_negative(x, ev.dtype)
-    if cancel is not None:
+    if exp_grad is not None:
+        _, explanation, fix = exp_grad
+    elif cancel is not None:
         explanation, fix = _cancel_text(cancel, ev.dtype), _cancel_fix(ev)
     elif pole:
         explanation, fix = _pole_text(ev, e), _pole_fix(ev, e)
@@ -8581,6 +8969,16 @@ def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
             "training runs fine until then."
         )
         fix = _mean_fix(ctx, a, ev, sf)
+        sliced = _slice_mean(ev.code) if sf.kind == "mean" else None
+        if sliced is not None:
+            lo, hi, fix = sliced
+            explanation = (
+                f"A mean divides a sum by a count. The line averages over the slice "
+                f"{lo}:{hi}, which is empty when {hi} <= {lo} (a segment whose end rounded "
+                "onto its start, a window at the end of a sequence): the count is 0 and "
+                "the mean is 0/0 = NaN. Keep at least one element in the slice, or skip the "
+                "empty segment."
+            )
     evidence += _chain_evidence(ev, cause.trigger, ev.born)
     yield ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
 
@@ -9304,6 +9702,58 @@ def _mean_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
     )
 
 
+def _slice_mean(code: str | None) -> tuple[str, str, str] | None:
+    """``(lo, hi, fix)`` when the user's line takes one mean of a slice ``x[..., lo:hi]``
+    (both bounds given, no step): the line with ``lo:max(hi, lo + 1)``, so the slice holds
+    one element at least; None for any other line."""
+    for stmt in statements(code):
+        text = stmt.strip()
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        means = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "mean"
+            and isinstance(n.func.value, ast.Subscript)
+        ]
+        if len(means) != 1:
+            continue
+        func = means[0].func
+        assert isinstance(func, ast.Attribute)
+        sub = func.value
+        assert isinstance(sub, ast.Subscript)
+        parts = sub.slice.elts if isinstance(sub.slice, ast.Tuple) else [sub.slice]
+        slices = [
+            p
+            for p in parts
+            if isinstance(p, ast.Slice)
+            and p.lower is not None
+            and p.upper is not None
+            and p.step is None
+            and not isinstance(p.upper, ast.Constant)
+        ]
+        if len(slices) != 1:
+            continue
+        sl = slices[0]
+        assert isinstance(sl, ast.Slice)
+        assert sl.lower is not None
+        assert sl.upper is not None
+        lo = ast.get_source_segment(text, sl.lower) or ast.unparse(sl.lower)
+        hi = ast.get_source_segment(text, sl.upper) or ast.unparse(sl.upper)
+        fixed = _spliced(text, sl.upper, f"max({hi}, {paren(lo)} + 1)")
+        return (
+            lo,
+            hi,
+            f"{fixed}   # at least one element: {lo}:{hi} is empty when {hi} <= {lo}\n"
+            f"# or skip the empty segment: compute this only when {hi} > {lo}",
+        )
+    return None
+
+
 def _mean_own_line(code: str | None) -> tuple[str, bool] | None:
     """The user's line with its one full mean (``v.mean()``, ``torch.mean(v)``) written as
     ``v.sum() / max(v.numel(), 1)``, or, for ``x[mask].mean()``, as ``(x * mask).sum() /
@@ -9512,6 +9962,22 @@ def _precise(x: float) -> str:
     return text
 
 
+def _edge_spread(s: TensorStat | None, dom: Domain) -> str:
+    """``" (the min is the edge 1 exactly, the max 1.0000129 is inside ...)"`` when the
+    values run from a finite edge into the domain: only some of them sit on the edge, and
+    the range printed at a few digits would read as all of them."""
+    if s is None or s.numel < 2 or s.max == s.min:
+        return ""
+    for edge, inner, other in ((dom.lo, s.min, s.max), (dom.hi, s.max, s.min)):
+        if math.isfinite(edge) and inner == edge and not dom.outside_of(other):
+            return (
+                f"; the {'min' if edge == dom.lo else 'max'} is exactly the edge "
+                f"{_fmt_edge(edge)}, the {'max' if edge == dom.lo else 'min'} "
+                f"{_precise(other)} is inside: not every value is on the edge"
+            )
+    return ""
+
+
 def _precise_stat(s: TensorStat | None, dom: Domain) -> str:
     if s is None:
         return "not measured"
@@ -9648,11 +10114,16 @@ def _domain_backward(
     if own is not None:
         at = ev.scalars.get("saved_at_edge")
         evidence.append(
-            f"forward {dom.name} input: {describe_stat(own)}"
+            f"forward {dom.name} input: {_precise_stat(own, dom)}"
             + (f"; {at:,} exactly at an edge" if isinstance(at, int) and at else "")
         )
-    for nm, s in ev.inputs[:2]:
-        evidence.append(f"backward input {nm}: {describe_stat(s)}")
+    for i, (nm, s) in enumerate(ev.inputs[:2]):
+        hits = ev.scalars.get("n_edge") if i == 0 and nm == dom.arg else None
+        evidence.append(
+            f"backward input {nm}: {_precise_stat(s, dom)}"
+            + (f"; {hits:,} exactly at an edge" if isinstance(hits, int) and hits else "")
+            + _edge_spread(s, dom)
+        )
     evidence += _chain_evidence(ev, trigger, ev.born)
     return ctx.diagnosis(
         **op_fields(ev, a),
