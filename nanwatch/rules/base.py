@@ -450,7 +450,32 @@ def evaluate(
                 continue
             out.extend(found)
     out.sort(key=sort_key)
+    for d in out:
+        if d.cli:
+            _for_cli(d)
     return _birth_first(out, trace.anomaly)
+
+
+#: what a script run by ``nanwatch run`` has not: a watcher ``nw`` and a ``step_fn``
+_API_HINT = re.compile(
+    r"mode='forensic' or nw\.replay\(step_fn\)|mode='forensic' \(or nw\.replay\(step_fn\)\)"
+)
+
+
+def cli_words(text: str) -> str:
+    """``text`` for a script run by ``nanwatch run``, which has no ``nw`` to replay with:
+    "mode='forensic' or nw.replay(step_fn)" becomes the command's ``--mode forensic``.
+
+    >>> cli_words("mode='forensic' or nw.replay(step_fn) names it")
+    'nanwatch run --mode forensic names it'
+    """
+    return _API_HINT.sub("nanwatch run --mode forensic", text)
+
+
+def _for_cli(d: Diagnosis) -> None:
+    d.explanation = cli_words(d.explanation)
+    d.fix = cli_words(d.fix)
+    d.evidence = [cli_words(e) for e in d.evidence]
 
 
 def _op_name(op: str) -> str:

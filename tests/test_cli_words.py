@@ -1,0 +1,54 @@
+"""A script run by ``nanwatch run`` has no ``nw`` to replay with: the diagnoses tell it the
+command's ``--mode forensic`` instead of "mode='forensic' or nw.replay(step_fn)"."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nanwatch
+from nanwatch import _frames
+from nanwatch.rules.base import cli_words
+from tests._diagnoses import top
+
+
+def _step(nw: nanwatch.Watcher, model: nn.Module) -> None:
+    x, t = torch.randn(16, 8), torch.tensor([0, 1, 2, 3] * 4)
+    with torch.no_grad():
+        snr = torch.tensor([4.0, 1.0, 0.25, 0.0])[t]
+        weight = torch.minimum(snr, torch.full_like(snr, 5.0)) / snr  # 0/0 at snr = 0
+    loss = (weight * F.mse_loss(model(x), x, reduction="none").mean(1)).mean()
+    loss.backward()
+    nw.step()
+
+
+@pytest.mark.parametrize("cli", [False, True])
+def test_the_forensic_hint_is_the_commands_under_nanwatch_run(
+    monkeypatch: pytest.MonkeyPatch, cli: bool
+) -> None:
+    if cli:  # as `nanwatch run` registers its launcher's frames
+        monkeypatch.setattr(_frames, "_launchers", Counter({__file__: 1}))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        _step(nw, model)
+    d = top(nw)
+    assert d.cli is cli
+    assert ("nw.replay(step_fn)" in d.fix) is not cli, d.fix
+    assert ("nanwatch run --mode forensic" in d.fix) is cli, d.fix
+
+
+def test_cli_words_keeps_what_is_around_the_hint() -> None:
+    assert cli_words("(mode='forensic' or nw.replay(step_fn)) names it") == (
+        "(nanwatch run --mode forensic) names it"
+    )
+    assert cli_words("mode='forensic' (or nw.replay(step_fn)) names") == (
+        "nanwatch run --mode forensic names"
+    )
+    assert cli_words("with nanwatch.watch(model, mode='forensic') as nw:") == (
+        "with nanwatch.watch(model, mode='forensic') as nw:"
+    )
