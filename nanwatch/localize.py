@@ -873,10 +873,37 @@ def _matching_op(
         if not is_birth(ev):
             continue
         if path is None or ev.path is None or ev.path == path or ev.path.startswith(path + "."):
-            return ev
+            return _earlier_nan(ops, ev, held)
         if best is None:
             best = ev
-    return best
+    return best if best is None else _earlier_nan(ops, best, held)
+
+
+def _earlier_nan(ops: Sequence[OpEvent], ev: OpEvent, held: TensorStat | None) -> OpEvent:
+    """``ev`` made an inf, not the NaN ``held`` holds; a later op made that NaN of ``ev``'s
+    inf and of a non-finite value an op before ``ev`` made (``log(v) + x / v`` with
+    ``v == 0``: log's -inf, then the division's +inf, then -inf + inf): that NaN's event,
+    whose cause chain starts at the op that ran first, which the step names. ``ev`` when
+    there is none."""
+    if held is None or not held.has_nan or "NaN" in ev.born.split(", "):
+        return ev
+    order = {id(e): i for i, e in enumerate(ops)}
+    at = order.get(id(ev))
+    if at is None:
+        return ev
+    made = set(ev.born.split(", "))
+    for later in ops[at + 1 :]:
+        if later.phase is not ev.phase or later.injected or "NaN" not in later.born:
+            continue
+        given: set[str] = set()
+        for _, s in later.inputs:
+            given |= _stat_kinds(s)
+        if not made <= given:
+            continue  # not made of ev's value
+        head = later.chain()[0]
+        if head is not later and not head.injected and order.get(id(head), at) < at:
+            return later
+    return ev
 
 
 #: aten ops that cannot write a mask: a -inf they make from finite inputs is an overflow (a

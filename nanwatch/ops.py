@@ -407,6 +407,23 @@ class _Seen:
     #: the value is (made of) a non-finite parameter or buffer the replayed module already
     #: held: what ops make of it was not born in them (see :meth:`OpChecker.hold_state`)
     state: bool = False
+    #: when ``event`` was recorded, in the checker's order of events (lower ran first): an
+    #: op given several non-finite operands names the one made first as its cause
+    seq: int = -1
+
+
+def _first_cause(makers: Sequence[_Seen]) -> tuple[OpEvent | None, int]:
+    """The event an op names as its cause, and its place in the order of events, from what
+    made its non-finite operands (operand order): the first operand's maker; but when one
+    of them is a birth (an inf that is an anomaly on its own: ``x / v``'s +inf) and another
+    operand's maker ran before it, the one that ran first (``log(v) + x / v`` with
+    ``v == 0``: log's -inf, not the division's +inf, whichever operand each is)."""
+    if not makers:
+        return None, -1
+    first = makers[0]
+    if any(is_birth(m.event) for m in makers if m.event is not None):
+        first = min(makers, key=lambda m: m.seq)
+    return first.event, first.seq
 
 
 class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's base is untyped
@@ -451,6 +468,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         self._max_events = max_events
         self._seen: dict[int, _Seen] = {}
         self._prune_at = _SEEN_PRUNE
+        self._seq = 0  #: the next event's place in the order of events (see ``_Seen.seq``)
         self._on_error = on_error
         self._broken = False
         #: which module's code made each autograd node while this checker ran
@@ -563,7 +581,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             return
         for t in leaves(out):
             if isinstance(t, torch.Tensor) and self._lookup(t) is None:
-                self._remember(t, src.event, state=src.state)
+                self._remember(t, src.event, state=src.state, seq=src.seq)
 
     def hold_state(self, tensors: Iterable[torch.Tensor]) -> None:
         """Mark non-finite tensors the code reads that no op of it made (a module's
@@ -574,10 +592,13 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             if has_values(t) and _kinds(t):
                 self._remember(t, None, state=True)
 
-    def _remember(self, t: torch.Tensor, event: OpEvent | None, *, state: bool = False) -> _Seen:
-        """Remember non-finite ``t`` with the event that made it; entries of freed tensors
-        are dropped when the table has doubled (a -inf mask made every step, forensic)."""
-        seen = self._seen[id(t)] = _Seen(weakref.ref(t), event, state)
+    def _remember(
+        self, t: torch.Tensor, event: OpEvent | None, *, state: bool = False, seq: int = -1
+    ) -> _Seen:
+        """Remember non-finite ``t`` with the event that made it (recorded ``seq``-th);
+        entries of freed tensors are dropped when the table has doubled (a -inf mask made
+        every step, forensic)."""
+        seen = self._seen[id(t)] = _Seen(weakref.ref(t), event, state, seq)
         if len(self._seen) > self._prune_at:
             self._seen = {k: v for k, v in self._seen.items() if v.ref() is not None}
             self._prune_at = max(_SEEN_PRUNE, 2 * len(self._seen))
@@ -634,15 +655,16 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             inputs = [(n, t) for n, t in inputs if id(t) not in before.no_input]
             others = [(n, t) for n, t in others if id(t) not in before.no_input]
         in_kinds: frozenset[str] = frozenset()
-        cause: OpEvent | None = None
+        makers: list[_Seen] = []  # what made each non-finite operand, in operand order
         state = False
         for (_, t), (_, v) in zip(inputs, read, strict=True):
             seen = self._lookup(t)
             k = _kinds(v)
             in_kinds |= k
-            if k and cause is None and seen is not None:
-                cause = seen.event
+            if k and seen is not None and seen.event is not None:
+                makers.append(seen)
             state = state or bool(k and seen is not None and seen.state)
+        cause, cause_seq = _first_cause(makers)
         all_out = frozenset().union(*out_kinds)
         born = all_out - in_kinds - scalar_kinds
         if not born and cause is None and not state and not backward:
@@ -747,13 +769,16 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             if phase is Phase.FORWARD and "NaN" in born:
                 self._nan_made = True  # a backward NaN of it is that op's (hidden or not)
         # remember every non-finite output, so later ops can name their cause
+        seq = cause_seq
+        if event is not None:
+            seq, self._seq = self._seq, self._seq + 1
         for t, k in zip(outs, out_kinds, strict=True):
             if k:
-                seen = self._remember(t, event if event is not None else cause)
+                seen = self._remember(t, event if event is not None else cause, seq=seq)
                 base = t._base if before is not None and t._is_view() else None
                 if isinstance(base, torch.Tensor) and self._lookup(base) is None:
                     # a view written in place (x[0].div_(n)): its base holds the value too
-                    self._remember(base, seen.event)
+                    self._remember(base, seen.event, seq=seen.seq)
 
     def _entered(
         self,
