@@ -419,13 +419,20 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         return _entr_backward(ctx, a, ev, trigger)
     dom = domain_of(ev.op)
     x = (input_named(ev, dom.arg) if dom is not None else None) or first_input(ev)
+    if ev.phase is Phase.BACKWARD and node_base(ev.node) == "Log" and "div" in ev.op:
+        x = input_named(ev, "other") or x  # grad / self: the divisor is the log's input
     op = short_op(ev.op)
+    if ev.phase is Phase.BACKWARD and node_base(ev.node) == "Log":
+        op = "aten.log"  # its backward's div: the words are the log's
     name = "log1p" if dom is not None and dom.lo == -1.0 else packet(ev.op)
     if ev.phase is Phase.FORWARD and ev.dtype.startswith("complex") and has_zero(x):
         return _complex_log(ctx, a, ev, trigger, x)
+    backward_log = ev.phase is Phase.BACKWARD and node_base(ev.node) == "Log"
+    if backward_log and x is not None and _subnormal(x, ev.dtype):
+        return _log_grad_overflow(ctx, a, ev, trigger, x)
     evidence: list[str] = []
     at = "-1" if name == "log1p" else "0"
-    if "-inf" in ev.born:
+    if "-inf" in ev.born and (ev.phase is Phase.FORWARD or has_zero(x) or x is None):
         evidence.append(f"{op} of {at} is -inf: its input holds {_zeros_text(x, name)}")
     if "NaN" in ev.born:
         evidence.append(
@@ -464,7 +471,8 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         use = _dist_value_use(ctx, ev, x)
     if use is None and ev.phase is Phase.FORWARD and x is not None and x.min <= 0:
         use = _det_use(ctx, ev)
-    if use is None and ev.phase is Phase.FORWARD:
+    forward_line = ev.phase is Phase.FORWARD or (ev.code and ev.source != ev.backward_at)
+    if use is None and forward_line:  # in backward: the line that made the log's node
         use = _log_use(ctx, a, ev)
     if use is None and ev.phase is Phase.FORWARD and x is not None:
         use = _relu_zero_use(ctx, ev, x)
@@ -494,6 +502,64 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
             )
         ),
         fix=use.fix if use is not None else _LOG_FIX,
+    )
+
+
+def _subnormal(x: TensorStat | None, dtype: str) -> bool:
+    """``x`` holds no 0 but values below ``dtype``'s smallest normal number (subnormals)."""
+    lim = dtype_limits(dtype) if dtype.startswith(("float", "bfloat")) else None
+    if x is None or lim is None or has_zero(x):
+        return False
+    low = min(abs(x.min), abs(x.max)) if x.min > 0 or x.max < 0 else 0.0
+    return 0.0 < low < lim.tiny
+
+
+def _log_grad_overflow(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent, x: TensorStat
+) -> Diagnosis:
+    """The backward of a log whose input is subnormal: log(x) is finite, 1/x overflows."""
+    dtype = ev.dtype or "float32"
+    lim = dtype_limits(dtype) or dtype_limits("float32")
+    assert lim is not None
+    low = x.min if x.min > 0 else x.max
+    evidence = [
+        f"the log's input is subnormal: values down to {fmt(low)}, below {dtype}'s smallest "
+        f"normal number {fmt(lim.tiny)}, and none is 0",
+        f"the forward log is finite (log({fmt(low)}) = {fmt(math.log(abs(low)))}), but in "
+        f"backward (autograd node {ev.node}) d/dx log(x) = 1/x = {fmt(1 / abs(low))} overflows "
+        f"{dtype} (max {fmt(lim.max)}) to inf",
+        f"input ({dtype}): {describe_stat(x)}",
+        *_chain_evidence(ev, trigger, "inf"),
+    ]
+    use = _exp_chain_use(ctx, ev, x, backward=True)
+    if use is not None and use.evidence:
+        evidence.insert(2, use.evidence)
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=(
+            f"The log's input got so small that {dtype} holds it only as a subnormal number: "
+            "the log itself is finite, but its gradient 1/x is larger than the dtype's "
+            "largest value, so it is inf, and the chain rule turns that into NaN. A value "
+            "this small is almost always an exp that underflowed (a density of a point far "
+            "from every component). "
+            + (
+                use.why
+                if use is not None and use.why
+                else "Compute the log in log space (logsumexp of the exponents, log_softmax, "
+                "a distribution's log_prob) so the tiny value is never formed."
+            )
+        ),
+        fix=(
+            use.fix
+            if use is not None
+            else "logp = torch.logsumexp(a, dim)   # log(torch.exp(a).sum(dim)) in log space, "
+            "a the exponents\n"
+            "logp = torch.logsumexp(torch.stack([a1 + math.log(c1), a2 + math.log(c2)]), 0)   "
+            "# log(c1 * torch.exp(a1) + c2 * torch.exp(a2)): a mixture's log density\n"
+            f"logp = torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))   # when only p exists: "
+            f"a floor at {fmt(lim.tiny)} keeps 1/p finite"
+        ),
     )
 
 
@@ -1284,12 +1350,14 @@ def _sum_exp_call(expr: str) -> tuple[str, str, str] | None:
     return "torch.logsumexp", y, dims
 
 
-def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
+def _exp_chain_use(
+    ctx: RuleContext, ev: OpEvent, x: TensorStat, *, backward: bool = False
+) -> _LogUse | None:
     """The log's argument is made by an exp, directly or through products and sums (a
     density exp(-z²/2)/σ, a mixture Σ π·N(y)): its exact zeros are that exp underflowing,
     whatever its largest value (a density exceeds 1). Read from the line and the lines
     above it, else from the loss graph (log, then only products and sums, then exp)."""
-    if x.min < 0 or not has_zero(x):
+    if x.min < 0 or not (has_zero(x) or backward):
         return None
     summed = product = False
     found = _log_argument(ev)
@@ -1313,6 +1381,9 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
         summed_exp = _sum_exp_call(made.split("=", 1)[1] if made is not None else arg)
         if summed_exp is not None:
             return _summed_exp_use(ev, found, summed_exp)
+        terms = _weighted_exps(arg, ev.source)
+        if terms is not None:
+            return _weighted_exps_use(ev, found, terms)
         product = product or "*" in arg or (made is not None and "*" in made.split("=", 1)[1])
         inner = _exp_operand(arg)
         if inner is None and _NAME.fullmatch(arg):
@@ -1338,7 +1409,7 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
                 evidence=f"the log's argument {arg} is exp({inner}): log(exp(y)) = y, and "
                 f"exp(y) = 0 for y below {bound} in {ev.dtype or 'float32'}",
             )
-    elif not ev.code and ev.path == LOSS_PATH:
+    elif (not ev.code and ev.path == LOSS_PATH) or (backward and ev.backward_at == ev.source):
         said = ""
         for ops in _graph_ops(ctx):
             logs = [i for i, o in enumerate(ops) if o == "log"]
@@ -1430,6 +1501,86 @@ def _exp_chain_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
         fix=fix,
         why=why,
         evidence=f"{said}: exp(a) = 0 for a below {bound} in {dtype}",
+    )
+
+
+def _weighted_exps(arg: str, source: str | None) -> list[tuple[str | None, str]] | None:
+    """``[(c, y), ...]`` when ``arg`` is a sum of two or more exps, each maybe times a
+    weight (``pi * torch.exp(a) + (1 - pi) * p2`` with ``p2 = torch.exp(b)`` above):
+    ``c`` the weight's text (None for none), ``y`` the exponent; else None."""
+    try:
+        node = ast.parse(arg.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    text = arg.strip()
+    summands: list[ast.expr] = []
+
+    def flatten(n: ast.expr) -> None:
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add):
+            flatten(n.left)
+            flatten(n.right)
+        else:
+            summands.append(n)
+
+    flatten(node)
+    if len(summands) < 2:
+        return None
+
+    def exponent(n: ast.expr) -> str | None:
+        seg = ast.get_source_segment(text, n) or ast.unparse(n)
+        y = _exp_operand(seg)
+        if y is None and isinstance(n, ast.Name):
+            made = _assigned_before(source, n.id)
+            y = _exp_operand(made.split("=", 1)[1]) if made is not None else None
+        return y
+
+    terms: list[tuple[str | None, str]] = []
+    for n in summands:
+        y = exponent(n)
+        if y is not None:
+            terms.append((None, y))
+            continue
+        if not isinstance(n, ast.BinOp) or not isinstance(n.op, ast.Mult):
+            return None
+        for e, c in ((n.right, n.left), (n.left, n.right)):
+            y = exponent(e)
+            if y is not None:
+                terms.append((ast.get_source_segment(text, c) or ast.unparse(c), y))
+                break
+        else:
+            return None
+    return terms
+
+
+def _weighted_exps_use(
+    ev: OpEvent, found: tuple[str, int, int, str], terms: list[tuple[str | None, str]]
+) -> _LogUse:
+    """The log of a weighted sum of exps (a mixture of densities): logsumexp of the
+    exponents plus the log weights, stacked."""
+    stmt, start, end, arg = found
+    dtype = ev.dtype or "float32"
+    bound = _underflow_bound(dtype)
+    parts = [y if c is None else f"{y} + math.log({c})" for c, y in terms]
+    call = f"torch.logsumexp(torch.stack([{', '.join(parts)}]), 0)"
+    weighted = any(c is not None for c, _ in terms)
+    return _LogUse(
+        "exp-underflow",
+        fix=(
+            f"{stmt[:start]}{call}{stmt[end:]}   # log of a sum of exps in log space"
+            + ("; torch.log(c) for a weight c that is a tensor" if weighted else "")
+            + f"\n# not torch.log({arg}): each exp is 0 (or subnormal) for exponents below "
+            f"{bound} in {dtype}"
+        ),
+        why=(
+            f"Its input is a sum of exps ({', '.join(f'exp({y})' for _, y in terms)}). "
+            f"Where every exponent is far below 0 each exp is subnormal or exactly 0 in "
+            f"{dtype}: the log is then -inf, or finite with a gradient 1/x that overflows. "
+            "torch.logsumexp of the exponents (plus the log weights) computes the same log "
+            "by shifting by the largest exponent first: finite for any finite input, with "
+            "its gradient."
+        ),
+        evidence=f"the log's argument {arg} is a sum of exps: exp(a) is 0 or subnormal for a "
+        f"far below 0 in {dtype}",
     )
 
 
@@ -1840,6 +1991,9 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
             sq = _tanh_of_square(m.group(1), ev.source) if m is not None else None
             if sq is not None:
                 return _tanh_squash_use(stmt, start, end, arg, sq, dtype=ev.dtype)
+        # the line's distinct 1 - q logs: the op's input stats cannot say which one held
+        # the 0, so each gets the floor
+        qs = list(dict.fromkeys(m.group(1).strip() for a_ in args if (m := _ONE_MINUS.match(a_))))
         for _, _, arg in calls:
             m = _ONE_MINUS.match(arg)
             if m is not None:
@@ -1847,6 +2001,7 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
                     stmt,
                     calls,
                     m.group(1).strip(),
+                    others=tuple(qs[1:]),
                     bce=m.group(1).strip() in args,
                     source=ev.source,
                     low=x.min if (x := first_input(ev)) is not None else None,
@@ -2267,6 +2422,7 @@ def _one_minus_use(
     bce: bool,
     source: str | None = None,
     low: float | None = None,
+    others: tuple[str, ...] = (),
 ) -> _LogUse:
     """log(1 - p) (and log(p) beside it: a hand-written binary cross-entropy) of a
     probability that reached exactly 1 (or, by rounding, above it: ``low``, the log's
@@ -2275,8 +2431,9 @@ def _one_minus_use(
     for start, end, arg in calls:
         out.append(stmt[last:start])
         m = _ONE_MINUS.match(arg)
-        if arg == q or (m is not None and m.group(1).strip() == q):
-            out.append(_with_arg(stmt[start:end], f"{paren(arg)}.clamp_min({_tiny(q)})"))
+        if arg == q or (m is not None and m.group(1).strip() in (q, *others)):
+            each = m.group(1).strip() if m is not None else q
+            out.append(_with_arg(stmt[start:end], f"{paren(arg)}.clamp_min({_tiny(each)})"))
         else:
             out.append(stmt[start:end])
         last = end
@@ -2357,11 +2514,21 @@ def _one_minus_use(
             if not above
             else f"# {q} went above 1: it is not a sigmoid (a sigmoid never exceeds 1)"
         )
+    ys = [y for y in map(_exp_operand, (q, *others)) if y is not None]
+    if ys:  # log(1 - exp(y)): log1mexp, exact in log space, still -inf at y = 0
+        extra = (
+            "# log(1 - exp(y)) in log space: torch.log1p(-torch.exp(y)) for y below -0.69, "
+            "torch.log(-torch.expm1(y)) above; both are -inf at y = 0, so keep y below 0: "
+            + ", ".join(f"{paren(y)}.clamp_max(-1e-6)" for y in ys)
+        )
+    both = f"1 - {q}" + "".join(f" and 1 - {o}" for o in others)
     return _LogUse(
         "bce" if bce else "one-minus",
-        fix=f"{clamped}   # 1 - {q} kept above 0\n{extra}",
+        fix=f"{clamped}   # {both} kept above 0"
+        + (": the op's input does not say which one held the 0" if others else "")
+        + f"\n{extra}",
         why=why,
-        evidence=f"the log is of 1 - {q}: {what}"
+        evidence=f"the log is of {both}: {what}"
         + (f"; {q} is a cumulative sum ({made})" if kind == "cumsum" else "")
         + (f" (with log({q}) beside it: a hand-written binary cross-entropy)" if bce else ""),
     )
@@ -5813,18 +5980,66 @@ def _guard_each(ev: OpEvent, z: _ZeroDivisions) -> str | None:
     knot differences that repeated knots make 0); the quotient changes only where a
     divisor is 0."""
     stmt = z.stmt
+    prob = _probability_divisors(ev, z)
+    if prob is not None:
+        return prob
+    eps = ones = False
     for div in sorted(z.divisions, key=lambda n: -n.right.col_offset):
         d = ast.get_source_segment(z.stmt, div.right)
         if d is None:
             return None
         if _never_negative(div.right):
             safe = f"{paren(d)}.clamp_min(torch.finfo({_dtype_of(div.right, d)}).eps)"
+            eps = True
         else:
             safe = f"torch.where({d} == 0, 1, {d})"
+            ones = True
         stmt = _spliced(stmt, div.right, safe, grouped=True)
+    how = " or ".join(w for w, on in (("by 1", ones), ("by eps", eps)) if on)
     return (
-        f"{stmt}   # each divisor that can be 0 divides by 1 (or eps) where it is 0: "
-        "0/0 gives 0; elsewhere unchanged"
+        f"{stmt}   # where a divisor is 0 it divides {how} instead"
+        + (": the quotient there is its numerator (1/0 gives 1, 0/0 gives 0)" if ones else "")
+        + "; elsewhere unchanged"
+    )
+
+
+def _probability_divisors(ev: OpEvent, z: _ZeroDivisions) -> str | None:
+    """The divisors are one probability and its complement (``1 / e`` and ``1 / (1 - e)``:
+    inverse-propensity weights, a treatment-regularization term), the probability a
+    sigmoid's output or the divisor's values in [0, 1]: it saturated at 0 or 1, and it is
+    clipped before the division (a where dividing by 1 there would give the smallest
+    weight where the weight should be largest). None for other divisors."""
+    qs: list[str] = []
+    complement = False
+    for div in z.divisions:
+        d = ast.get_source_segment(z.stmt, div.right)
+        if d is None:
+            return None
+        d = d.strip()
+        while d.startswith("(") and d.endswith(")"):
+            d = d[1:-1].strip()
+        m = _ONE_MINUS.match(d)
+        complement = complement or m is not None
+        qs.append(m.group(1).strip() if m is not None else d)
+    q = qs[0] if qs else ""
+    if len(set(qs)) != 1 or len(qs) < 2 or not complement or not _NAME.fullmatch(q):
+        return None
+    den = input_named(ev, "other") if "div" in ev.op else first_input(ev)
+    unit = den is not None and den.min >= 0 and den.max <= 1
+    if not unit and _producer_of(q, ev.source)[0] != "sigmoid":
+        return None
+    clip = fresh_name(f"{q}_clip", set(re.findall(r"\w+", z.stmt)))
+    stmt = z.stmt
+    for div in sorted(z.divisions, key=lambda n: -n.right.col_offset):
+        d = ast.get_source_segment(z.stmt, div.right) or ""
+        own = re.sub(rf"(?<![\w.]){re.escape(q)}(?!\w)", clip, d)
+        stmt = _spliced(stmt, div.right, paren(own), grouped=True)
+    what = "a sigmoid's output" if not unit else "a probability (its values lie in [0, 1])"
+    return (
+        f"{clip} = {q}.clamp(1e-3, 1 - 1e-3)   # {q} is {what} that saturated at 0 or 1: a "
+        "positivity violation (units with no chance of the other arm); clip it for the "
+        "division (1e-3 to 1e-6), or trim those units\n"
+        f"{stmt.strip()}   # {q} itself is unchanged elsewhere"
     )
 
 
@@ -9692,6 +9907,9 @@ def _mean_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
             f"{own[0]}   # 0, not NaN, when nothing is selected; the mean otherwise\n"
             "# or skip a batch that selects nothing, before loss.backward()"
         )
+    several = _several_means_fix(ev.code)
+    if several is not None:
+        return several
     returns = any(st.lstrip().startswith("return ") for st in statements(ev.code))
     head = "return" if returns else "loss ="
     return (
@@ -9700,6 +9918,99 @@ def _mean_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
         "# x[mask].mean() is the same as x[mask].sum() / max(x[mask].numel(), 1) when not empty\n"
         "# or skip the batch: if mask.any(): loss.backward()"
     )
+
+
+def _method_means(tree: ast.AST) -> list[tuple[ast.Call, ast.expr]]:
+    """Each ``v.mean(...)`` / ``torch.mean(v, ...)`` of ``tree`` with its ``v``."""
+    out: list[tuple[ast.Call, ast.expr]] = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.Call) or not isinstance(n.func, ast.Attribute):
+            continue
+        if n.func.attr != "mean":
+            continue
+        owner = ast.unparse(n.func.value)
+        if owner == "torch" and n.args:
+            out.append((n, n.args[0]))
+        elif owner not in ("torch", "np", "math", "statistics"):
+            out.append((n, n.func.value))
+    return out
+
+
+def _several_means_fix(code: str | None) -> str | None:
+    """The user's statement that takes several means, one of them over nothing this batch
+    (the op's input is empty, and its stats cannot say which): a difference of two groups'
+    means (an IPM, a distance between treated and control) is skipped when either group is
+    empty, since a 0 for the empty group's mean would be a wrong penalty; the means of a sum
+    of terms (a loss per group) each fall back to a sum, 0 over nothing. None when the
+    line takes fewer than two means, or is no assignment or return."""
+    for stmt in statements(code):
+        text = stmt.strip()
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        top = tree.body[0] if len(tree.body) == 1 else None
+        value = getattr(top, "value", None)
+        if not isinstance(top, (ast.Assign, ast.AnnAssign, ast.Return)) or value is None:
+            continue
+        means = _method_means(value)
+        if len(means) < 2:
+            continue
+        names = [ast.get_source_segment(text, c) or ast.unparse(c) for c, _ in means]
+
+        def holds(n: ast.AST, call: ast.Call) -> bool:
+            return any(m is call for m in ast.walk(n))
+
+        diff = next(
+            (
+                n
+                for n in ast.walk(value)
+                if isinstance(n, ast.BinOp)
+                and isinstance(n.op, ast.Sub)
+                and any(holds(n.left, c) for c, _ in means)
+                and any(holds(n.right, c) for c, _ in means)
+            ),
+            None,
+        )
+        if diff is not None:
+            conds, base = [], None
+            for _, v in means:
+                if isinstance(v, ast.Subscript) and not isinstance(v.slice, (ast.Slice, ast.Tuple)):
+                    sel = ast.get_source_segment(text, v.slice) or ast.unparse(v.slice)
+                    conds.append(f"{paren(sel)}.any()")
+                    base = base or ast.get_source_segment(text, v.value)
+                else:
+                    seg = ast.get_source_segment(text, v) or ast.unparse(v)
+                    conds.append(f"{paren(seg)}.numel()")
+                    base = base or seg
+            cond = " and ".join(dict.fromkeys(conds))
+            rhs = ast.get_source_segment(text, value) or ast.unparse(value)
+            lead = text[: text.index(rhs)] if rhs in text else ""
+            return (
+                f"{lead}{rhs} if {cond} else {paren(base or 'x')}.new_zeros(())   # a "
+                "difference of two groups' means: skip it when a group is empty\n"
+                f"# one of {', '.join(names)} is over 0 values this batch; a mean of 0 for the "
+                "empty group (a clamped count) would make the difference a wrong penalty\n"
+                f"# or skip the term only: compute it under `if {cond}:`"
+            )
+        fixed = text
+        for call, v in sorted(means, key=lambda m: -(m[0].col_offset or 0)):
+            whole = ast.get_source_segment(text, call)
+            vs = ast.get_source_segment(text, v)
+            if whole is None or vs is None or whole not in fixed:
+                return None
+            rest = (
+                [*call.args[1:], *call.keywords] if v in call.args else [*call.args, *call.keywords]
+            )
+            dims = ", ".join(ast.get_source_segment(text, d) or ast.unparse(d) for d in rest)
+            summed = f"{paren(vs)}.sum({dims})"
+            fixed = fixed.replace(whole, f"({whole} if {paren(vs)}.numel() else {summed})", 1)
+        return (
+            f"{fixed}   # a mean over 0 values is NaN: the sum over them is 0\n"
+            f"# one of {', '.join(names)} is over 0 values this batch (the op's input is "
+            "empty; its stats do not say which)"
+        )
+    return None
 
 
 def _slice_mean(code: str | None) -> tuple[str, str, str] | None:
