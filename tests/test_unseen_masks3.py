@@ -87,7 +87,8 @@ def test_sigmoid_bce_fix_keeps_the_functional_call_and_its_reduction() -> None:
         recon.backward()
         nw.step()
     fix = diagnosis(nw, "NW202").fix
-    first = fix.splitlines()[0]
+    assert fix.splitlines()[0].startswith("return self.fc(z)")  # first: the sigmoid goes
+    first = fix.splitlines()[1]
     assert first.startswith(
         'recon = F.binary_cross_entropy_with_logits(x_hat, x, reduction="sum") / x.size(0)'
     )
@@ -104,7 +105,7 @@ def test_sigmoid_bce_fix_rewrites_the_users_bceloss_module_line() -> None:
         loss = bce(dec(torch.randn(3, 4)), x)
         loss.backward()
         nw.step()
-    first = diagnosis(nw, "NW202").fix.splitlines()[0]
+    first = diagnosis(nw, "NW202").fix.splitlines()[1]  # [0] drops the sigmoid
     assert first.startswith('bce = nn.BCEWithLogitsLoss(reduction="sum", weight=torch.ones(6))')
     assert "criterion = nn.BCEWithLogitsLoss()" not in diagnosis(nw, "NW202").fix
 

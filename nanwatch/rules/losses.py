@@ -10,6 +10,7 @@ guards ran, from their ``loss_input`` notes.
 
 from __future__ import annotations
 
+import ast
 import math
 import re
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from nanwatch.rules._evidence import (
     loss_input_rewrite,
     loss_uses,
     low_precision,
+    module_ref,
     note_num,
     paren,
 )
@@ -231,31 +233,164 @@ def _built_line(source: str | None, callee: str) -> str | None:
     return None
 
 
+#: the calls that apply a sigmoid: ``torch.sigmoid(x)``, ``F.sigmoid(x)``, ``x.sigmoid()``
+_SIGMOID_CALLS = frozenset({"sigmoid", "expit"})
+
+
+def _sigmoid_call(node: ast.expr) -> ast.expr | None:
+    """The argument of ``node`` when it is a sigmoid call (its logit), else None."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return None
+    if node.func.attr not in _SIGMOID_CALLS:
+        return None
+    owner = ast.unparse(node.func.value)
+    if owner in ("torch", "F", "torch.nn.functional", "nn.functional", "torch.special"):
+        return node.args[0] if len(node.args) == 1 and not node.keywords else None
+    return node.func.value if not node.args and not node.keywords else None
+
+
+def _forward_sigmoid(path: str, cls: str) -> tuple[str, str] | None:
+    """In ``path``'s class ``cls``, the one line of its ``forward`` that applies a sigmoid:
+    (that line, the line with the sigmoid removed: it yields the logit); None when the class
+    or the line is not found, or several lines apply one."""
+    import linecache
+
+    text = "".join(linecache.getlines(path))
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    fwd = next(
+        (
+            f
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef) and c.name == cls
+            for f in c.body
+            if isinstance(f, ast.FunctionDef) and f.name == "forward"
+        ),
+        None,
+    )
+    if fwd is None:
+        return None
+    hits = [
+        (stmt, call, arg)
+        for stmt in ast.walk(fwd)
+        if isinstance(stmt, (ast.Assign, ast.Return, ast.AnnAssign))
+        and stmt.lineno == stmt.end_lineno
+        for call in ast.walk(stmt)
+        if isinstance(call, ast.expr) and (arg := _sigmoid_call(call)) is not None
+    ]
+    if len(hits) != 1:
+        return None
+    stmt, call, arg = hits[0]
+    line = linecache.getline(path, stmt.lineno)
+    seg = ast.get_source_segment(text, arg)
+    if call.lineno != stmt.lineno or call.end_col_offset is None or seg is None:
+        return None
+    inner = (
+        seg if isinstance(arg, (ast.Call, ast.Name, ast.Attribute, ast.Subscript)) else f"({seg})"
+    )
+    fixed = line[: call.col_offset] + inner + line[call.end_col_offset :]
+    return line.split("  #", 1)[0].strip(), fixed.split("  #", 1)[0].strip()
+
+
+def _other_uses(source: str | None, name: str, reach: int = 15) -> str | None:
+    """The first other statement near the loss line ``source`` that reads ``name`` (the
+    probability the sigmoid made): ``h = T / g - (1 - T) / (1 - g)``."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit() or not name.isidentifier():
+        return None
+    line = int(num)
+    for n in [*range(line + 1, line + reach), *range(line - 1, max(0, line - reach), -1)]:
+        text = linecache.getline(path, n).split("  #", 1)[0].strip()
+        if not text or text.startswith(("def ", "class ", "#")):
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        stmt = tree.body[0] if len(tree.body) == 1 else None
+        if isinstance(stmt, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in stmt.targets
+        ):
+            continue  # it is assigned here, not read
+        if (
+            stmt is not None
+            and "binary_cross_entropy" not in text
+            and any(
+                isinstance(x, ast.Name) and x.id == name and isinstance(x.ctx, ast.Load)
+                for x in ast.walk(stmt)
+            )
+        ):
+            return text
+    return None
+
+
+def _sigmoid_removal(use: LossUse, act: Activation | None, code: str) -> list[str]:
+    """The first lines of the NW202 fix: remove the sigmoid where the model applies it (the
+    nn.Sigmoid module, or the torch.sigmoid line of the module's forward), so the
+    BCEWithLogits that follows gets logits, not a second sigmoid; and the loss input's
+    other uses, which need the probability back."""
+    lines: list[str] = []
+    if act is not None and act.module_type == "Sigmoid" and act.path:
+        ref = module_ref(act.path)
+        lines.append(
+            f"{ref} = nn.Identity()   # first: drop the nn.Sigmoid ({act.path}), so the "
+            "model returns logits"
+            if ref != "model"
+            else f"# first: remove the nn.Sigmoid ({act.path}) so the model returns logits"
+        )
+    else:
+        rec = use.input
+        cls = act.path if act is not None and act.path else None
+        cls = rec.module_type if rec is not None and cls is None else cls
+        path = (use.note.source if use.note is not None else None) or ""
+        found = _forward_sigmoid(path.rpartition(":")[0], cls) if cls and path else None
+        where = f"{cls}.forward" if cls else "the model's forward"
+        if found is not None:
+            lines.append(f"{found[1]}   # first, in {where}: return the logit (was: {found[0]})")
+        else:
+            lines.append(f"# first, in {where}: drop the torch.sigmoid and return the logit itself")
+    # the loss's input as the user's line names it: it is the logit from now on
+    arg = re.search(r"binary_cross_entropy\(\s*([A-Za-z_]\w*)\s*[,)]", code or "")
+    m = _CALLEE.search(code.split("=", 1)[-1]) if code else None
+    if arg is None and m is not None:
+        arg = re.search(rf"{re.escape(m.group(1))}\(\s*([A-Za-z_]\w*)\s*[,)]", code)
+    name = arg.group(1) if arg is not None else None
+    other = _other_uses(use.note.source if use.note is not None else None, name) if name else None
+    tail = (
+        f"# {name} is a logit now: where the probability is used ({other}), use "
+        f"torch.sigmoid({name}) there"
+        if other is not None
+        else "# torch.sigmoid(logits) wherever the probability itself is needed (at inference)"
+    )
+    return [*lines, "@@", tail]
+
+
 def _bce_logits_fix(use: LossUse, act: Activation | None) -> str:
     """BCEWithLogitsLoss in place of the user's BCE, keeping its arguments (reduction,
     weight): the functional call on the user's own line, the module where their code builds
-    it; the sigmoid named as their code applies it."""
-    sig = _sigmoid_words(act)
+    it. Its first line removes the sigmoid where the model applies it: pasted alone, the
+    BCEWithLogits line would apply a sigmoid twice."""
     source = use.note.source if use.note is not None else None
     code = full_statement(source) if source else None
     line = code.split("  #", 1)[0].rstrip() if code else ""
-    tail = (
-        f"# and drop {sig} that feeds it, so the model returns logits; "
-        "torch.sigmoid(logits) where probabilities are needed (at inference)"
-    )
+    head, _, tail = "\n".join(_sigmoid_removal(use, act, line)).partition("\n@@\n")
     if "binary_cross_entropy(" in line:
         fixed = line.replace("binary_cross_entropy(", "binary_cross_entropy_with_logits(", 1)
-        return f"{fixed}   # on logits: the sigmoid inside, stably\n{tail}"
+        return f"{head}\n{fixed}   # on logits: the sigmoid inside, stably\n{tail}"
     m = _CALLEE.search(line.split("=", 1)[-1]) if line else None
     built = _built_line(source, m.group(1)) if m is not None else None
     if built is not None:
         fixed = built.replace("BCELoss(", "BCEWithLogitsLoss(", 1)
-        return f"{fixed}   # was BCELoss: takes logits, the sigmoid inside, stably\n{tail}"
+        return f"{head}\n{fixed}   # was BCELoss: takes logits, the sigmoid inside, stably\n{tail}"
     red = use.data("reduction")
     args = f"reduction={red!r}" if isinstance(red, str) and red != "mean" else ""
     return (
-        f"criterion = nn.BCEWithLogitsLoss({args})   # in place of your nn.BCELoss (keep its "
-        f"weight=, if any): the sigmoid inside, stably\n{tail}"
+        f"{head}\ncriterion = nn.BCEWithLogitsLoss({args})   # in place of your nn.BCELoss "
+        f"(keep its weight=, if any): the sigmoid inside, stably\n{tail}"
     )
 
 

@@ -1336,6 +1336,23 @@ def _from_op(
         and batch is None
         else None
     )
+    fill = (
+        _fill_arg(ctx, ev, x, lim)
+        if wide
+        and lim is not None
+        and not result_only
+        and not cplx
+        and subst is None
+        and loop is None
+        and batch is None
+        and jump is None
+        else None
+    )
+    if fill is not None:
+        evidence = [
+            fill.evidence if e.startswith("exp's argument reached") else e for e in evidence
+        ]
+        init = arg_jump = None
     if arg_jump is not None and lim is not None:
         evidence = [
             arg_jump.line(lim.exp_bound) if e.startswith("exp's argument reached") else e
@@ -1384,6 +1401,8 @@ def _from_op(
     elif jump is not None and lim is not None:
         explanation = _explain_jump(jump, dtype, lim, _setting_cause(ctx))
         fix = _fix_jump(ctx, jump)
+    elif fill is not None and lim is not None:
+        explanation, fix = fill.explanation(dtype, lim), fill.fix()
     elif arg_jump is not None and lim is not None:
         explanation = _explain_arg_jump(arg_jump, dtype, lim)
         fix = _fix_arg_jump(ctx, arg_jump, ev.code, lim)
@@ -2210,6 +2229,278 @@ def _log_init(
         code=ev.code,
         op=packet(ev.op).rstrip("_"),
     )
+
+
+#: calls that write one constant into a tensor: (the constant's position, its keyword)
+_FILL_CALLS: dict[str, tuple[int, str]] = {
+    "masked_fill": (1, "value"),
+    "masked_fill_": (1, "value"),
+    "fill_": (0, "value"),
+    "full": (1, "fill_value"),
+    "full_like": (1, "fill_value"),
+    "new_full": (1, "fill_value"),
+}
+#: a fill value this large is a sentinel (a mask or padding value), not a computed one
+_FILL_MIN = 1e4
+
+
+@dataclass(frozen=True)
+class _FillArg:
+    """exp's argument reached a mask fill value: one of its operands holds one huge
+    constant (``masked_fill(mask == 0, -1e9)``, ``torch.finfo(dtype).min``) at the positions
+    it masks, and exp of that is e^1e9 -- the filled positions, not values that grew."""
+
+    value: float  #: the fill value (``-1e9``)
+    top: float  #: exp's largest argument, as measured
+    positions: int | None  #: how many exp results overflowed: the filled positions
+    numel: int
+    operand: str | None = None  #: the name on the exp line that holds it (``old``)
+    made: str | None = None  #: the statement that filled it
+    made_at: str | None = None  #: where (``file.py:12``)
+    constant: str | None = None  #: the constant as written there (``-1e9``)
+    mask: str | None = None  #: the filled positions as written (``mask == 0``)
+    no_grad: bool = False  #: filled under no_grad / detached: no autograd history
+    arg: str | None = None  #: exp's argument as written (``lp - old``)
+    code: str | None = None  #: the user's exp line
+    op: str = "exp"
+
+    @property
+    def where(self) -> str:
+        n = f"{self.positions} of {self.numel} positions" if self.positions else "its positions"
+        return n
+
+    @property
+    def evidence(self) -> str:
+        if self.operand is None:
+            return (
+                f"exp's argument is exactly {fmt(self.top)} at {self.where} (its results are "
+                f"inf there): a round value of |x| >= {fmt(_FILL_MIN)} that no model computes "
+                "-- a mask or padding fill value (masked_fill, torch.full), not values that grew"
+            )
+        hist = " under torch.no_grad() (no autograd history)" if self.no_grad else ""
+        return (
+            f"exp's argument reached {fmt(self.top)} at {self.where} because {self.operand} "
+            f"holds the fill value {self.constant} there: {self.made_at}: {self.made}{hist} "
+            "-- a mask fill, not values that grew"
+        )
+
+    def explanation(self, dtype: str, lim: DtypeLimits) -> str:
+        who = self.operand or "an operand"
+        return (
+            f"exp overflows {dtype} above {fmt(lim.exp_bound)} = log({fmt(lim.max)}). {who} "
+            f"holds the fill value {self.constant or fmt(self.value)} at the positions it "
+            f"masks, so exp({self.arg or 'x'}) there is e^{fmt(self.top)} = inf, and a later "
+            "multiplication by the mask does not remove it (inf × 0 = NaN). The fill value is "
+            "meant to be ignored, but the exp runs before the mask: mask the argument before "
+            "the exp (the masked positions get exp(0) = 1), or fill with 0. A clamp of the "
+            "argument would hide the cause, not remove it."
+        )
+
+    def fix(self) -> str:
+        plain = self.code.split("  #", 1)[0].strip() if self.code else ""
+        fixed = (
+            _rewrite_calls(self.code, self.op, lambda e: f"{paren(e)}.masked_fill({self.mask}, 0)")
+            if self.mask is not None
+            else None
+        )
+        lines = (
+            [f"{fixed}   # was: {plain}"]
+            if fixed is not None
+            else [
+                f"# mask the positions {self.operand or 'the operand'} fills with "
+                f"{self.constant or fmt(self.value)} before the exp: "
+                f"{self.op}(({self.arg or 'x'}).masked_fill(<masked positions>, 0))"
+            ]
+        )
+        if self.made is not None and self.constant is not None:
+            zero = self.made.replace(self.constant, "0.0", 1)
+            if zero != self.made:
+                lines.append(f"# or fill it with 0 instead of {self.constant}: {zero}")
+        return "\n".join(lines)
+
+
+def _fill_constant(node: ast.expr, lim: DtypeLimits) -> float | None:
+    """The finite number ``node`` writes: a literal, negated or not, or a dtype's
+    ``finfo(...).min`` / ``.max``; None for anything else."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _fill_constant(node.operand, lim)
+        return None if v is None else (-v if isinstance(node.op, ast.USub) else v)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        v = float(node.value)
+        return v if math.isfinite(v) and not isinstance(node.value, bool) else None
+    if isinstance(node, ast.Attribute) and node.attr in ("min", "max"):
+        inner = node.value
+        if isinstance(inner, ast.Call) and ast.unparse(inner.func).endswith("finfo"):
+            return -lim.max if node.attr == "min" else lim.max
+    return None
+
+
+def _fill_call(value: ast.expr, lim: DtypeLimits) -> tuple[float, ast.expr, ast.expr | None] | None:
+    """The first call in ``value`` that fills a huge constant: (the constant, its node, the
+    mask it fills, if any)."""
+    for n in ast.walk(value):
+        if not isinstance(n, ast.Call):
+            continue
+        attr = n.func.attr if isinstance(n.func, ast.Attribute) else None
+        if attr in _FILL_CALLS:
+            pos, kw = _FILL_CALLS[attr]
+            node = n.args[pos] if len(n.args) > pos else None
+            node = next((k.value for k in n.keywords if k.arg == kw), node)
+            mask = n.args[0] if attr.startswith("masked_fill") and n.args else None
+            candidates = [(node, mask)] if node is not None else []
+        elif attr == "where" and len(n.args) == 3:  # where(cond, x, c): c where ~cond
+            cond = n.args[0]
+            candidates = [(n.args[1], cond), (n.args[2], ast.UnaryOp(ast.Invert(), cond))]
+        else:
+            continue
+        for const, mask in candidates:
+            v = _fill_constant(const, lim)
+            if v is not None and abs(v) >= _FILL_MIN:
+                return v, const, mask
+    return None
+
+
+def _fill_arg(
+    ctx: RuleContext, ev: OpEvent, x: TensorStat | None, lim: DtypeLimits
+) -> _FillArg | None:
+    """exp's argument reached a fill value: a name on the exp line was last assigned (in
+    the same function, or at module level) by a call that writes one constant of
+    |c| >= 1e4 (masked_fill, where, full), and the argument's largest value is that
+    constant's magnitude (within 1%). Without the source, an argument that is exactly a
+    round huge number (1e9, the dtype's max) is read as a fill value too."""
+    import linecache
+
+    name = packet(ev.op).rstrip("_")
+    if name not in ("exp", "exp2", "expm1") or ev.phase is not Phase.FORWARD or x is None:
+        return None
+    top = signed_max(x)
+    if not (math.isfinite(top) and top > lim.exp_bound and top >= _FILL_MIN):
+        return None
+    out = ev.output
+    positions = out.posinf if out is not None and out.posinf else None
+    numel = out.numel if out is not None else x.numel
+    arg = _exp_args(ev.code, name)
+    path, _, num = (ev.source or "").rpartition(":")
+    found = None
+    if len(arg) == 1 and path and num.isdigit():
+        found = _filled_operand(linecache.getlines(path), int(num), arg[0], top, lim)
+    if found is not None:
+        operand, stmt, at, value, const, mask, no_grad = found
+        return _FillArg(
+            value=value,
+            operand=operand,
+            made=stmt,
+            made_at=f"{path}:{at}",
+            constant=const,
+            mask=mask,
+            no_grad=no_grad,
+            arg=arg[0],
+            top=top,
+            positions=positions,
+            numel=numel,
+            code=ev.code,
+            op=name,
+        )
+    # no source: an argument of exactly a round huge value (1e9, 1e4·k, the dtype's max)
+    mant = top / 10 ** math.floor(math.log10(top))
+    dt = getattr(torch, ev.dtype or "float32", torch.float32)
+    exact = float(torch.tensor(round(mant) * 10 ** math.floor(math.log10(top)), dtype=dt))
+    if top not in (exact, lim.max):
+        return None
+    return _FillArg(
+        value=top,
+        arg=arg[0] if len(arg) == 1 else None,
+        top=top,
+        positions=positions,
+        numel=numel,
+        code=ev.code,
+        op=name,
+    )
+
+
+def _filled_operand(
+    lines: list[str], line: int, arg: str, top: float, lim: DtypeLimits
+) -> tuple[str, str, int, float, str, str | None, bool] | None:
+    """The name in ``arg`` whose last assignment above ``line`` fills a constant whose
+    magnitude ``top`` is: (name, the statement, its line, the constant, as written, the
+    mask, filled without autograd history)."""
+    try:
+        names = {n.id for n in ast.walk(ast.parse(arg, mode="eval")) if isinstance(n, ast.Name)}
+        tree = ast.parse("".join(lines))
+    except SyntaxError:
+        return None
+    parent: dict[ast.AST, ast.AST] = {}
+    for p in ast.walk(tree):
+        for c in ast.iter_child_nodes(p):
+            parent[c] = p
+
+    def scope(n: ast.AST) -> ast.AST | None:
+        while n in parent:
+            n = parent[n]
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                return n
+        return None
+
+    here = next(
+        (
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.stmt) and n.lineno == line and not isinstance(n, ast.FunctionDef)
+        ),
+        None,
+    )
+    # the exp line's function, the functions around it (a closure), then the module
+    chain: list[ast.AST | None] = [scope(here) if here is not None else None]
+    while chain[-1] is not None:
+        chain.append(scope(chain[-1]))
+    best: dict[str, tuple[tuple[int, int], ast.stmt, ast.expr]] = {}
+    for n in ast.walk(tree):
+        if not isinstance(n, (ast.Assign, ast.Expr)) or n.lineno >= line:
+            continue
+        own = scope(n)
+        if not any(own is c for c in chain):
+            continue
+        key = (-next(i for i, c in enumerate(chain) if own is c), n.lineno)  # innermost
+        got: list[tuple[str, ast.expr]] = []
+        if isinstance(n, ast.Assign):
+            got = [(t.id, n.value) for t in n.targets if isinstance(t, ast.Name)]
+        elif (
+            isinstance(n.value, ast.Call)
+            and isinstance(n.value.func, ast.Attribute)
+            and isinstance(n.value.func.value, ast.Name)
+            and n.value.func.attr in ("masked_fill_", "fill_")
+        ):  # old.masked_fill_(mask == 0, -1e9): filled in place
+            got = [(n.value.func.value.id, n.value)]
+        for nm, value in got:
+            if nm in names and (nm not in best or key > best[nm][0]):
+                best[nm] = (key, n, value)
+    hit = next(
+        (
+            (nm, stmt, value, fill)
+            for nm, (_, stmt, value) in sorted(best.items())
+            if (fill := _fill_call(value, lim)) is not None
+            and abs(top - abs(fill[0])) <= 0.01 * abs(fill[0])
+        ),
+        None,
+    )
+    if hit is None:
+        return None
+    operand, stmt, value, fill = hit
+    no_grad = ".detach()" in ast.unparse(value) or any(
+        isinstance(p, ast.With)
+        and any(re.search(r"no_grad|inference_mode", ast.unparse(i.context_expr)) for i in p.items)
+        for p in _ancestors(stmt, parent)
+    )
+    text = ast.get_source_segment("".join(lines), stmt) or ast.unparse(stmt)
+    const = ast.get_source_segment("".join(lines), fill[1]) or ast.unparse(fill[1])
+    mask = None if fill[2] is None else ast.unparse(fill[2])
+    return operand, " ".join(text.split()), stmt.lineno, fill[0], const, mask, no_grad
+
+
+def _ancestors(n: ast.AST, parent: dict[ast.AST, ast.AST]) -> Iterator[ast.AST]:
+    while n in parent:
+        n = parent[n]
+        yield n
 
 
 def _overflowing(name: str, x: TensorStat | None, big: float) -> float:
