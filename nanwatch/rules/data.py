@@ -578,6 +578,9 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
     fields = anomaly_fields(a)
     fields["path"] = loss
     ratios = _log_ratio_target(n, loss) if kinds == "-inf" else []
+    made_here = False
+    where = _loss_target(n, loss)
+    y = (_target_name(where[2]) if where is not None else None) or "y"
     if ratios:
         tops = list(dict.fromkeys(top for top, _ in ratios))
         shown = ", ".join(f"log({top} / {bottom})" for top, bottom in ratios)
@@ -599,12 +602,39 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"# or repair them where the boxes are read: {tops[0]}.clamp_min(1) (a one-pixel "
             "minimum, in pixel units); not log1p, which no exp() decoder inverts\n"
         )
+    elif kinds == "-inf" and (made := _log_made_target(n, loss)) is not None:
+        evidence.append(
+            f"the target is made in your code at {made['where']}: {made['log']}, which is "
+            f"-inf where {made['arg']} is 0"
+        )
+        cause = (
+            "A target whose only non-finite values are -inf is what log(0) gives, and this "
+            f"one is a log your code takes, {made['log']} at {made['where']}: the log made "
+            f"the -inf wherever {made['arg']} is 0, not the dataset. Keep 0 out of the log: "
+            + (
+                "log1p (log(1 + x)) for a count or a duration that can be 0, or a floor "
+                "(clamp_min) for a magnitude such as a spectrogram's power."
+                if made["counts"]
+                else "a floor (clamp_min) for a magnitude that can be 0 (the silence in a "
+                "spectrogram), or log1p (log(1 + x)) for a count or a duration."
+            )
+        )
+        remedy = f"{made['fixed']}   # at {made['where']}: log(0) = -inf; or {made['other']}\n"
+        if made["name"]:
+            remedy += (
+                f"assert torch.isfinite({made['name']}).all(), "
+                f'"{made["name"]} holds -inf"   # before the loss\n'
+            )
+        made_here = True
     elif kinds == "-inf":
         cause = (
             "A target whose only non-finite values are -inf is what log(0) gives: a log "
-            "transform of a target holding zeros (counts, sales, prices)."
+            "transform of a target holding zeros (a count, a duration or a power of 0)."
         )
-        remedy = "y = torch.log1p(y)   # or torch.log(y.clamp_min(1e-6)): log(0) = -inf\n"
+        remedy = (
+            f"{y} = torch.log1p({y})   # a count or a duration; or torch.log({y}.clamp_min(1e-5)) "
+            "for a magnitude: log(0) = -inf\n"
+        )
     else:
         cause = (
             "Targets made in the training loop or read from the data are the usual "
@@ -629,9 +659,10 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"fault. {cause}"
         ),
         fix=(
-            "assert torch.isfinite(y).all(), y   # where the target is made, before the loss\n"
-            + remedy
-            + "# or fix/drop the samples in Dataset.__getitem__"
+            remedy.rstrip("\n")
+            if made_here
+            else f"assert torch.isfinite({y}).all(), {y}   # where the target is made, before "
+            "the loss\n" + remedy + "# or fix/drop the samples in Dataset.__getitem__"
         ),
     )
 
@@ -794,26 +825,10 @@ def _log_ratio_target(n: Note, loss: str) -> list[tuple[str, str]]:
     source texts: the loss line's target, or the value assigned to its name above, or the
     body of the function in the same file that value calls (``targets = encode(gt, a)``
     with ``torch.log(gw / aw)`` in ``encode``). Empty when none is seen."""
-    path, _, num = (n.source or "").rpartition(":")
-    if not path or not num.isdigit():
+    where = _loss_target(n, loss)
+    if where is None:
         return []
-    lines = linecache.getlines(path)
-    line = int(num)
-    if not 0 < line <= len(lines):
-        return []
-    fname = loss.rsplit(".", 1)[-1]
-    try:
-        tree = ast.parse(lines[line - 1].strip())
-    except SyntaxError:
-        return []
-    target: ast.expr | None = None
-    for call in ast.walk(tree):
-        if isinstance(call, ast.Call) and ast.unparse(call.func).rsplit(".", 1)[-1] == fname:
-            kw = {k.arg: k.value for k in call.keywords if k.arg}
-            target = kw.get("target", call.args[1] if len(call.args) > 1 else None)
-            break
-    if target is None:
-        return []
+    lines, line, target = where
     found = _log_ratios(target)
     if found or not isinstance(target, ast.Name):
         return found
@@ -825,6 +840,157 @@ def _log_ratio_target(n: Note, loss: str) -> list[tuple[str, str]]:
         return found
     body = _function_body(lines, value.func.id)
     return _log_ratios(body) if body is not None else []
+
+
+def _loss_target(n: Note, loss: str) -> tuple[list[str], int, ast.expr] | None:
+    """(the file's lines, the loss line's number, the target argument of the loss call on
+    it) for a functional loss's note; None when the line or the call is not readable."""
+    path, _, num = (n.source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    lines = linecache.getlines(path)
+    line = int(num)
+    if not 0 < line <= len(lines):
+        return None
+    fname = loss.rsplit(".", 1)[-1]
+    try:
+        tree = ast.parse(lines[line - 1].strip())
+    except SyntaxError:
+        return None
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and ast.unparse(call.func).rsplit(".", 1)[-1] == fname:
+            kw = {k.arg: k.value for k in call.keywords if k.arg}
+            target = kw.get("target", call.args[1] if len(call.args) > 1 else None)
+            return (lines, line, target) if target is not None else None
+    return None
+
+
+def _target_name(target: ast.expr) -> str | None:
+    """The name of the tensor a loss target reads: ``y`` for ``y``, ``y[mask]``, ``y.float()``."""
+    node = target
+    while isinstance(node, (ast.Subscript, ast.Attribute, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+#: calls that keep 0 out of a log's argument: ``x.clamp(min=...)``, ``torch.maximum(x, eps)``
+_FLOORS = frozenset({"clamp", "clamp_min", "clip", "maximum", "max", "fmax"})
+
+
+def _bare_log(node: ast.AST) -> tuple[ast.Call, ast.expr, bool] | None:
+    """The first log call in ``node`` whose argument nothing keeps above 0 (no floor, no
+    ``+ 1``): (the call, its argument, whether it is the method form ``x.log()``)."""
+    for c in ast.walk(node):
+        if not isinstance(c, ast.Call):
+            continue
+        name = ast.unparse(c.func)
+        if name in ("torch.log", "np.log", "math.log", "log") and len(c.args) == 1:
+            arg, method = c.args[0], False
+        elif isinstance(c.func, ast.Attribute) and c.func.attr == "log" and not c.args:
+            if ast.unparse(c.func.value) in ("torch", "np", "math"):
+                continue
+            arg, method = c.func.value, True
+        else:
+            continue
+        if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Add):
+            continue
+        if any(
+            isinstance(f, ast.Call)
+            and isinstance(f.func, (ast.Attribute, ast.Name))
+            and (f.func.attr if isinstance(f.func, ast.Attribute) else f.func.id) in _FLOORS
+            for f in ast.walk(arg)
+        ):
+            continue
+        return c, arg, method
+    return None
+
+
+#: casts that say a log's argument held integers (a count, a duration in frames)
+_INT_CAST = re.compile(r"\.(?:float|double|half)\(\)$|\.to\((?:torch\.)?(?:float|double)")
+
+
+def _log_made_target(n: Note, loss: str) -> dict[str, str] | None:
+    """Where the user's code took the log that made a -inf target: the loss line's target
+    itself, the value assigned to its name above, or the body of the function in the same
+    file that value calls (``mel_t = mel_spectrogram(wav)`` with ``torch.log(mel)`` in it).
+    ``name`` (the target's name on the loss line, "" if none), ``where`` (``file.py:12``),
+    ``log`` and ``arg`` (the call and its argument as written, less a cast from integers),
+    ``fixed`` (that line with a log that stays finite at 0: log1p for a cast count, else a
+    floor), ``other`` (the other remedy) and ``counts``; None when not seen."""
+    found = _loss_target(n, loss)
+    if found is None:
+        return None
+    lines, line, target = found
+    path = (n.source or "").rpartition(":")[0]
+    name = _target_name(target) or ""
+    places: list[int] = [line]
+    value = _assigned_above(lines, line, name) if name else None
+    if value is not None:
+        places += [
+            i + 1
+            for i in range(line - 2, max(-1, line - 42), -1)
+            if re.match(rf"{re.escape(name)}\s*=[^=]", lines[i].strip())
+        ][:1]
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+            places += _function_lines(lines, value.func.id)
+    for num in places:
+        text = lines[num - 1].strip()
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        hit = _bare_log(tree)
+        if hit is None:
+            continue
+        call, arg, method = hit
+        seg = ast.get_source_segment(text, call)
+        a = ast.unparse(arg)
+        if seg is None:
+            continue
+        floor = (
+            f"{a}.clamp_min(1e-5).log()" if method else f"torch.log({_paren(a)}.clamp_min(1e-5))"
+        )
+        plus = f"{a}.log1p()" if method else f"torch.log1p({a})"
+        cast = _INT_CAST.search(a)
+        first, other = (plus, floor) if cast else (floor, plus)
+        start = text.index(seg)
+        return {
+            "name": name,
+            "where": f"{path}:{num}",
+            "log": seg,
+            "arg": a[: cast.start()] if cast else a,
+            "fixed": text[:start] + first + text[start + len(seg) :],
+            "other": other,
+            "counts": "1" if cast else "",
+        }
+    return None
+
+
+def _paren(expr: str) -> str:
+    try:
+        node = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return f"({expr})"
+    simple = (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.Constant)
+    return expr if isinstance(node, simple) else f"({expr})"
+
+
+def _function_lines(lines: list[str], fname: str) -> list[int]:
+    """The line numbers of ``def fname(...)``'s body in the file."""
+    for i, text in enumerate(lines):
+        m = re.match(rf"(\s*)def {re.escape(fname)}\(", text)
+        if m is None:
+            continue
+        indent, out = len(m.group(1)), []
+        end = i + 1
+        while end < len(lines) and (
+            not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent
+        ):
+            if lines[end].strip():
+                out.append(end + 1)
+            end += 1
+        return out
+    return []
 
 
 def _log_ratios(node: ast.AST) -> list[tuple[str, str]]:

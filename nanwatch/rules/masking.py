@@ -253,22 +253,71 @@ def _fix_for(
 _ATTENTION_WORDS = re.compile(r"attn|attention|key_padding|scores?\b|\bkeys?\b|quer", re.IGNORECASE)
 
 
-def _is_attention(ctx: RuleContext, call_id: int, events: list[OpEvent | None]) -> bool:
+def _enclosing_headers(source: str | None, reach: int = 400) -> list[str]:
+    """The ``def`` and ``class`` lines around the user's line ``file.py:42``, innermost
+    first, read from its file: ``def forward(self, query, memory, mask):`` and ``class
+    Attention(nn.Module):``. Sentinel mode records only the root module's call; the code
+    that ran the op still says which module's forward it is."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return []
+    here = linecache.getline(path, int(num))
+    if not here.strip():
+        return []
+    indent = len(here) - len(here.lstrip())
+    out: list[str] = []
+    for n in range(int(num) - 1, max(0, int(num) - reach), -1):
+        text = linecache.getline(path, n)
+        if not text.strip() or text.lstrip().startswith("#"):
+            continue
+        ind = len(text) - len(text.lstrip())
+        if ind >= indent:
+            continue
+        if re.match(r"\s*(?:async\s+def|def|class)\s", text):
+            out.append(text.strip())
+        indent = ind
+        if indent == 0:
+            break
+    return out
+
+
+def _class_name(header: str) -> str | None:
+    m = re.match(r"class\s+(\w+)", header)
+    return m.group(1) if m else None
+
+
+def _is_attention(ctx: RuleContext, call_id: int, events: list[OpEvent | None]) -> bool | None:
     """The masked softmax is attention (over keys) when its module is an attention module
-    or the user's lines name attention scores or keys; else it is a softmax over choices
-    (experts, classes, actions) and a fully masked row has no valid choice."""
+    or the user's lines (the op's, and the ``def``/``class`` lines that hold it) name
+    attention scores, queries or keys; else it is a softmax over choices (experts,
+    classes, actions) and a fully masked row has no valid choice. None: not known, when
+    only the root's call was recorded (sentinel) and the op ran in the forward of another
+    class, whose path (``attn``) was not recorded."""
     if _torch_module(ctx, call_id, events[0] if events else None):
         return True
     call = ctx.trace.call(call_id)
+    types: set[str] = set()
     while call is not None:
         if _ATTENTION_WORDS.search(f"{call.path} {call.module_type}"):
             return True
+        types.add(call.module_type)
         call = ctx.trace.call(call.parent) if call.parent is not None else None
-    return any(
+    if any(
         e is not None
         and (_ATTENTION_WORDS.search(e.path or "") or _ATTENTION_WORDS.search(e.code or ""))
         for e in events
-    )
+    ):
+        return True
+    headers = [h for e in events if e is not None for h in _enclosing_headers(e.source)]
+    if any(_ATTENTION_WORDS.search(h) for h in headers):
+        return True
+    if ctx.trace.full:
+        return False
+    classes = {c for c in map(_class_name, headers) if c is not None}
+    # sentinel: the op's own module is known only when its class is a recorded call's
+    return None if not classes or not classes <= types else False
 
 
 #: a masked_fill call: the mask is its first argument
@@ -411,7 +460,7 @@ def _masked_softmax(
     cast = next((e for e in chain if _cast_to_inf(e) is not None), None)
     const = next((c for c in map(overflowed_constant, chain) if c is not None), None)
     attention = _is_attention(ctx, a.record.call, [ev, mask])
-    what = "scores" if attention else "values"
+    what = "scores" if attention is True else "values"
     evidence = []
     if x is not None:
         evidence.append(
@@ -444,11 +493,15 @@ def _masked_softmax(
         explanation = _EXPLAIN + _EXPLAIN_CAST.format(dtype=cast.dtype)
     elif const is not None:
         fix = _constant_fix(const)
-        explanation = _constant_explanation(const, attention)
+        explanation = _constant_explanation(const, attention is True)
     elif not attention and _left_out(ctx, a):
         title = "Fully masked softmax row: no valid choice left"
         fix = _own_mask_fix(mask, attention=False) or _choice_fix(mask, ev)
         explanation = _EXPLAIN_CHOICE_LEFT_OUT
+    elif attention is None:
+        title = "Fully masked softmax row"
+        fix = _either_fix(mask, ev)
+        explanation = _EXPLAIN_EITHER
     elif not attention:
         title = "Fully masked softmax row: no valid choice left"
         fix = _choice_fix(mask, ev)
@@ -490,6 +543,36 @@ _EXPLAIN_CHOICE = (
     "negative finite value instead of -inf spreads it evenly over the choices the mask "
     "forbids). Make sure each row keeps at least one allowed entry."
 )
+
+
+_EXPLAIN_EITHER = (
+    "softmax(x) = exp(x - max(x)) / sum(...): on a row where every value is -inf the max "
+    "is -inf, x - max is -inf - (-inf) = NaN, and the whole row is NaN. In attention (a "
+    "query whose every key is masked: an empty sequence, length 0) the dtype's most "
+    "negative finite value instead of -inf keeps such a row finite; in a softmax over "
+    "choices (actions, experts) such a row has no valid choice, and each row must keep at "
+    "least one allowed entry. Only the root module's call was recorded (sentinel mode), so "
+    "the module that ran the softmax is not known; watch mode names it."
+)
+
+
+def _either_fix(mask: OpEvent | None, soft: OpEvent) -> str:
+    """Attention or a choice, not known: the check that no row is fully masked (right for
+    both), and the finite fill for attention in a comment."""
+    own = _own_mask_fix(mask)
+    line = own.split("\n", 1)[0].split("   #", 1)[0] if own else None
+    head = _choice_fix(mask, soft).split("\n# ", 1)[0]
+    tail = (
+        "# if this softmax is attention (a query with no key), a finite fill keeps the row "
+        f"finite instead: {line}"
+        if line
+        else "# if this softmax is attention (a query "
+        "with no key), fill with torch.finfo(dtype).min instead of -inf"
+    )
+    return (
+        f"{head}\n{tail}\n# if it picks a choice (an action, an expert), make sure each "
+        "row keeps at least one allowed entry"
+    )
 
 
 def _hidden_nan(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
