@@ -1259,6 +1259,19 @@ def _saved_forward(node: Any, limit: int = 2) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
+def _node_domain_counts(dom: Domain, v: torch.Tensor) -> dict[str, int]:
+    """:func:`domain_counts` of the input a backward node saved, with ``n_edge`` also
+    counting a steep endpoint (acosh given exactly 1.0, where its derivative is infinite)."""
+    counts = domain_counts(dom, v)
+    if dom.steep_edges and "n_edge" not in counts and not v.is_complex():
+        ends = [e for e in {dom.lo, dom.hi} if math.isfinite(e)]
+        with torch.no_grad():
+            at = sum(int(torch.eq(v.detach(), e).sum()) for e in ends)
+        if at:
+            counts["n_edge"] = at
+    return counts
+
+
 def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> OpEvent:
     """An event for the autograd node whose backward just made the non-finite gradient
     ``grad``, built in the node's post-hook -- before autograd frees what the node saved
@@ -1272,6 +1285,11 @@ def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> O
     if node is not None:
         path = node.metadata.get("nanwatch.path")
     if node is not None and fn is None:  # a custom Function saves no ``_saved_*``: none read
+        # the forward op's restricted domain (acosh's [1, inf); the logs are NW110's): how
+        # many of its saved input lie on an edge or outside, counted exactly
+        dom = domain_of(node_op(name))
+        if dom is not None and dom.family == "log":
+            dom = None
         for attr in sorted((a for a in dir(node) if a.startswith("_saved_")), key=_saved_order):
             try:
                 v = getattr(node, attr)
@@ -1281,6 +1299,8 @@ def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> O
             if isinstance(v, torch.Tensor):
                 if len(inputs) < limit and has_values(v):
                     inputs.append((key, describe(v)))
+                    if dom is not None and key == dom.arg:
+                        scalars.update(_node_domain_counts(dom, v))
                     if v.grad_fn is not None and _kinds(v) - {"NaN"}:
                         scalars[f"{key}_made_by"] = name_of(v.grad_fn)  # whose inf it holds
             elif isinstance(v, (int, float)) and not isinstance(v, bool) and len(scalars) < limit:

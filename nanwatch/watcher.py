@@ -588,6 +588,10 @@ class Watcher:
         self._announced: set[str] = set()  # warning codes said once already
         self._opaque_warned: set[type] = set()
         self._checker: ops.OpChecker | None = None
+        #: forensic: how many of the op checker's events ran up to this step's last
+        #: optimizer update; the ones after it (the next batch's rewards, computed before
+        #: its first module call) belong to the step the automatic rule begins next
+        self._ops_mark: int | None = None
         self._functional_guards: Any = None
         self._restore_signals: Callable[[], None] | None = None
         self._anomaly_mode_prev: tuple[bool, bool] | None = None
@@ -923,6 +927,7 @@ class Watcher:
             self._stack.clear()  # calls left open when it stepped aside: never closed
             if self._checker is not None:
                 self._checker.events.clear()  # the ops of the other watcher's steps
+                self._ops_mark = None
             self._attached = True
 
     @contextlib.contextmanager
@@ -1510,6 +1515,7 @@ class Watcher:
         self._transformed = False  # a watched module was called under a torch.func transform
         self._grad_call = False  # a call from outside with gradients on was made this step
         self._updated = False  # an optimizer stepped this step
+        self._ops_mark = None  # see __init__
         self._weights_at_grad: tuple[int, ...] | None = None  # versions after autograd.grad
         self._eob_queued = False
         self._grads_checked = False
@@ -1910,6 +1916,8 @@ class Watcher:
         if not self._attached or threading.get_ident() != self._thread:
             return
         self._opt_running = False
+        if self._checker is not None:
+            self._ops_mark = len(self._checker.events)
         try:
             stepped, marks, watched = self._stepped, self._grad_marks, self._param_ids
             if "grad_marks" in self._disabled_hooks:
@@ -3088,10 +3096,21 @@ class Watcher:
         return changed
 
     def _cycle_boundary(self) -> None:
-        """End the step by the automatic rule after a backward (see :meth:`_cycle_fold`)."""
+        """End the step by the automatic rule after a backward (see :meth:`_cycle_fold`).
+        The op checker's events recorded since the step's last optimizer update ran before
+        the call that begins the next step (its data, its rewards): they are that step's."""
         changed = self._cycle_fold()
         stepped_prev = self._stepped_prev
-        done = self._boundary()
+        chk, mark = self._checker, self._ops_mark
+        carried: list[OpEvent] = []
+        if chk is not None and mark is not None and mark < len(chk.events):
+            carried = chk.events[mark:]
+            del chk.events[mark:]
+        try:
+            done = self._boundary()
+        finally:
+            if chk is not None and carried:
+                chk.events[:0] = carried  # before those the next step records
         self._trained = True
         log = self._cycle
         if log is None:
@@ -3313,6 +3332,8 @@ class Watcher:
         if self._checker is not None and self._checker.events:
             self._trace.ops.extend(self._checker.events)
             self._checker.events.clear()
+            if self._ops_mark is not None:
+                self._ops_mark = 0  # what the checker records next ran after the update
 
     def _materialize(self, extra: Sequence[torch.Tensor] = ()) -> list[float]:
         """One host transfer per device for everything measured on accelerators. ``extra``

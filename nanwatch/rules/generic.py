@@ -24,6 +24,7 @@ from nanwatch.records import (
 )
 from nanwatch.rules._evidence import (
     anomaly_fields,
+    binary_operands,
     cause_of,
     classify,
     cli_rerun,
@@ -265,6 +266,15 @@ def _leaf(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
     )
 
 
+def _expression(text: str) -> bool:
+    """``text`` parses as one Python expression (``adv[:, None]``)."""
+    try:
+        ast.parse(text, mode="eval")
+    except SyntaxError:
+        return False
+    return True
+
+
 def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
     """The loss code multiplied or divided by a tensor with no autograd history (a loss
     weight made under torch.no_grad, from a buffer or a table) that held NaN or inf: the
@@ -293,9 +303,16 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
     else:
         # NaN: 0 / 0, inf / inf or inf - inf; nothing here shows which, nor a 0 denominator
         made_by = "an overflow to inf, then inf / inf or inf - inf; or 0 / 0"
-        fix = (
-            "# where it is computed, find the op that made the NaN first: mode='forensic' or "
-            "nw.replay(step_fn) names it and its line\n"
+        find = (
+            # forensic mode traced every op it ran: the NaN was made where none is traced
+            "# the op that made the NaN ran outside the traced ops (in a DataLoader worker, "
+            "a numpy computation, or before nanwatch attached): check it where it is "
+            "computed\n"
+            if ctx.facts.get("mode") == "forensic"
+            else "# where it is computed, find the op that made the NaN first: "
+            "mode='forensic' or nw.replay(step_fn) names it and its line\n"
+        )
+        fix = find + (
             "# NaN is inf / inf, inf - inf or 0 / 0: an exp or a product that overflowed to "
             "inf (compute it in float32, or bound its input), or a denominator that reached 0"
         )
@@ -353,6 +370,15 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             f"assert torch.isfinite({name}).all(), {name}   # right after {name} is computed\n"
             + fix
         )
+    elif not name and ctx.facts.get("mode") == "forensic" and fix.startswith("# the op that"):
+        # no name for it: the user's own expression for the operand, asserted before the
+        # line that reads it; then the same check moved up to where it is computed
+        expr = (binary_operands(ev) or {}).get(role)
+        if expr is not None and _expression(expr):
+            fix = (
+                f"assert torch.isfinite({expr}).all()   # before {packet(ev.op)} reads it; "
+                "move it up to where it is computed\n" + fix
+            )
     return ctx.diagnosis(
         **anomaly_fields(a),
         op=op,
