@@ -246,7 +246,10 @@ class NanwatchWarning(RuntimeWarning):
     once per code and watcher, pointing at your line. Silence one code with
     ``watch(..., ignore=["NW103"])``, all of them with
     ``warnings.filterwarnings("ignore", category=nanwatch.NanwatchWarning)``;
-    ``on_anomaly="record"`` issues none.
+    ``on_anomaly="record"`` issues none of these. The notices of what nanwatch cannot watch
+    (a model run under ``torch.compile``, a CUDA graph capture, a module output of a type
+    it cannot look into) are NanwatchWarnings too, issued once, in every mode: the same
+    filter silences them. nanwatch's own internal errors stay ``RuntimeWarning``.
     """
 
 

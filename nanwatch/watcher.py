@@ -1325,6 +1325,7 @@ class Watcher:
             "captured steps are not watched. To find a NaN, run the steps eagerly under "
             "nanwatch (no torch.cuda.graph, no mode='reduce-overhead') and capture after "
             "debugging.",
+            NanwatchWarning,
             safe=True,
         )
 
@@ -2096,6 +2097,7 @@ class Watcher:
                 f"nanwatch: a module input or output of type {typ.__qualname__} holds no "
                 "tensor nanwatch can see (not a tensor, tuple, list, dict, dataclass or "
                 "namedtuple); tensors inside it are not watched.",
+                NanwatchWarning,
                 safe=True,
             )
 
@@ -2583,6 +2585,7 @@ class Watcher:
                     "none of its modules ran in eager mode this step: a model run under "
                     "torch.compile (or from another thread) is not watched. Watch the eager "
                     "model and compile it after debugging.",
+                    NanwatchWarning,
                     safe=True,
                 )
                 return

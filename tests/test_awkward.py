@@ -143,7 +143,7 @@ def test_generators_are_not_consumed_and_opaque_objects_warn_once() -> None:
     model = Emit(gen)
     other = Emit(Opaque)
     with (
-        pytest.warns(RuntimeWarning, match="Opaque holds no tensor") as record,
+        pytest.warns(nanwatch.NanwatchWarning, match="Opaque holds no tensor") as record,
         nanwatch.watch(model, other) as nw,
     ):
         for _ in range(3):
