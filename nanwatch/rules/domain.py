@@ -9,10 +9,11 @@ checker saw it, and otherwise the module and what to run to name the op.
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 from nanwatch._domains import Domain, domain_of
@@ -94,6 +95,71 @@ from nanwatch.stats import dtype_limits
 _SAVED = "saved "
 
 
+def _statement_key(stmt: str) -> tuple[str, str] | None:
+    """What a simple statement writes: the target of an assignment, ``return``, or the
+    method an expression statement calls (``x.div_``); None for anything else, or for text
+    that is not exactly one statement."""
+    try:
+        body = ast.parse(stmt).body
+    except SyntaxError:
+        return None
+    if len(body) != 1:
+        return None
+    node = body[0]
+    if isinstance(node, ast.Assign):
+        return "=", " = ".join(ast.unparse(t) for t in node.targets)
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return "=", ast.unparse(node.target)
+    if isinstance(node, ast.Return):
+        return "return", ""
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        return "call", ast.unparse(node.value.func)
+    return None
+
+
+def _on_its_line(source: str | None, fix: str) -> str:
+    """``fix`` with each of its lines that rewrites one statement of the user's line put
+    back into that line, so the pasted line keeps what else it held: a one-line compound
+    statement's header (``else: score = a / b`` stays under its ``else:``) and the other
+    ``;``-separated statements. A line rewritten as one statement that writes what exactly
+    one statement of the user's line writes is that statement's rewrite."""
+    line = full_statement(source)
+    if not line:
+        return fix
+    code = line.split("  #", 1)[0].strip()
+    stmts = statements(code)
+    if not stmts or stmts == [code]:
+        return fix
+    keys = [_statement_key(st) for st in stmts]
+    out = []
+    for text in fix.split("\n"):
+        body, sep, note = text.partition("   #")
+        body = body.rstrip()
+        key = _statement_key(body) if body and not body.startswith("#") else None
+        at = code.find(stmts[keys.index(key)]) if key is not None and keys.count(key) == 1 else -1
+        if at >= 0:
+            old = stmts[keys.index(key)]
+            out.append(code[:at] + body + code[at + len(old) :] + (sep + note if sep else ""))
+        else:
+            out.append(text)
+    return "\n".join(out)
+
+
+def _whole_lines(
+    func: Callable[[RuleContext], Iterator[Diagnosis]],
+) -> Callable[[RuleContext], Iterator[Diagnosis]]:
+    """A rule whose fixes keep the rest of the user's line (:func:`_on_its_line`)."""
+
+    @functools.wraps(func)
+    def run(ctx: RuleContext) -> Iterator[Diagnosis]:
+        for d in func(ctx):
+            if d.fix and d.source:
+                d.fix = _on_its_line(d.source, d.fix)
+            yield d
+
+    return run
+
+
 def _chain_evidence(ev: OpEvent, trigger: OpEvent, what: str) -> list[str]:
     out: list[str] = []
     line = code_line(ev)
@@ -119,6 +185,7 @@ def _chain_evidence(ev: OpEvent, trigger: OpEvent, what: str) -> list[str]:
     ),
     priority=12,
 )
+@_whole_lines
 def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
@@ -573,12 +640,135 @@ def _log_argument(ev: OpEvent) -> tuple[str, int, int, str] | None:
             calls = [
                 c
                 for c in calls
-                if _log_name(stmt[c[0] : c[1]]) in (name, None) and not _constant(c[2])
+                if _log_name(stmt[c[0] : c[1]]) in (name, None)
+                and not _constant(c[2])
+                and not _kept_above_zero(c[2])
             ]
         if len(calls) == 1:
             start, end, arg = calls[0]
             return stmt, start, end, arg
     return None
+
+
+_FLOORS = ("clamp", "clamp_min", "clip", "maximum", "fmax")
+
+
+def _kept_above_zero(arg: str) -> bool:
+    """The log's argument as written cannot be 0: clamped from below (``torch.clamp(x,
+    min=1e-5)``, ``x.clamp_min(eps)``) or shifted by a positive constant (``d + 1``). On a
+    line with several logs (``log(x.clamp_min(eps)) if ok else log(x)``), not the one."""
+    try:
+        node = ast.parse(arg.strip(), mode="eval").body
+    except SyntaxError:
+        return False
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return any(
+            isinstance(c, ast.Constant) and isinstance(c.value, (int, float)) and c.value > 0
+            for c in (node.left, node.right)
+        )
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+    if name not in _FLOORS:
+        return False
+    if name in ("clamp", "clip"):  # a clamp with only a max does not floor
+        given = {k.arg for k in node.keywords}
+        on_torch = isinstance(f, ast.Attribute) and ast.unparse(f.value) == "torch"
+        return "min" in given or len(node.args) > (1 if on_torch else 0)
+    return True
+
+
+def _cast_of(arg: str) -> str | None:
+    """``d`` of ``d.float()`` / ``d.to(torch.float32)`` / ``d.type(torch.float)``: a value
+    cast to a floating dtype, as written; None when the argument is no such cast."""
+    try:
+        node = ast.parse(arg.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+        return None
+    attr = node.func.attr
+    floating = attr in ("float", "double", "half", "bfloat16") and not node.args
+    if attr in ("to", "type") and len(node.args) == 1:
+        floating = (
+            re.fullmatch(r"torch\.(?:float\d*|double|half|bfloat16)", ast.unparse(node.args[0]))
+            is not None
+        )
+    if not floating:
+        return None
+    return ast.get_source_segment(arg.strip(), node.func.value)
+
+
+def _whole_counts(arg: str | None, x: TensorStat) -> bool:
+    """The log's argument is a count (whole numbers >= 0): its values have an integer
+    maximum, and the line casts it to float from another dtype (``dur.float()``) or names
+    it as a count (``lengths``, ``x.sum(1)``)."""
+    if arg is None or x.min < 0 or not math.isfinite(x.max) or not float(x.max).is_integer():
+        return False
+    inner = _cast_of(arg)
+    return inner is not None or (_count_base(arg) and _NAME.fullmatch(arg.strip()) is not None)
+
+
+def _resolution_floor(x: TensorStat, dtype: str | None) -> str:
+    """A floor for a log of non-negative data at the dtype's resolution at the data's
+    scale: eps × max, rounded up to a power of ten (``1e-05`` for float32 data up to 72):
+    values below it are rounding noise next to the largest one."""
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    scale = x.max if math.isfinite(x.max) and x.max > 0 else 1.0
+    exp = math.ceil(math.log10(max(lim.eps * scale, lim.tiny)))
+    return f"1e{exp:+03d}".replace("e+0", "e").replace("e-0", "e-") if exp else "1.0"
+
+
+def _data_log_fix(ev: OpEvent, x: TensorStat, what: str) -> tuple[str, str] | None:
+    """The user's line with a log of non-negative data kept finite at its zeros: a count
+    logged as ``log1p`` (``log(0 + 1) = 0``), continuous data floored at its resolution
+    (:func:`_resolution_floor`); with the comment, and a sentence for the explanation.
+    None when the line or its one log is unknown."""
+    found = _log_argument(ev)
+    if found is None:
+        return None
+    stmt, start, end, arg = found
+    call = stmt[start:end]
+    name = _log_name(call) or packet(ev.op).rstrip("_")
+    what = _cast_of(arg) or what
+    rest = (
+        f"\n# or, where a 0 means missing: keep it out where {what} is made, or mask it out "
+        "of the loss"
+    )
+    if _whole_counts(arg, x):
+        if name == "log":
+            new = f"torch.log1p({arg})" if call.startswith("torch.") else f"{paren(arg)}.log1p()"
+        else:
+            new = _with_arg(call, f"{arg} + 1" if call.startswith("torch.") else f"({arg} + 1)")
+        line = f"{stmt[:start]}{new}{stmt[end:]}"
+        said = "log(x + 1)" if name == "log" else f"{name}(x + 1)"
+        return (
+            f"{line}   # {what} counts (whole numbers >= 0, max {fmt(x.max)}): {said} is 0 at "
+            f"a count of 0; what is compared with it must use the same {said} (at inference: "
+            f"{'expm1' if name == 'log' else 'the inverse'} of the prediction){rest}",
+            f"It holds whole numbers from 0 to {fmt(x.max)}, a count or a duration, and a "
+            f"count of 0 is a legitimate value: {said} maps it to 0, the usual transform of "
+            "a count target; the same transform must be inverted where the prediction is used.",
+        )
+    if name != "log" or _is_ratio(arg):
+        return None  # decibels and ratios to a reference: their floor is the scale's bottom
+    floor = _resolution_floor(x, ev.dtype)
+    line = f"{stmt[:start]}{_with_arg(call, f'{paren(arg)}.clamp_min({floor})')}{stmt[end:]}"
+    low = fmt(_LOG_BASES.get(name, math.log)(float(floor)))
+    tiny = f"{stmt[:start]}{_with_arg(call, f'{paren(arg)}.clamp_min({_tiny(arg)})')}{stmt[end:]}"
+    return (
+        f"{line}   # a floor at {floor}, {ev.dtype or 'float32'}'s resolution at {what}'s "
+        f"scale (eps × max {fmt(x.max)}): a 0 becomes {name}({floor}) = {low}, not -inf\n"
+        f"# to leave every positive value as it is, floor at the dtype's tiny instead: {tiny}"
+        f"   ({_log_tiny(ev.dtype, ev.op)}){rest}",
+        f"A floor at the data's resolution ({floor}: eps × its max {fmt(x.max)}) keeps it "
+        f"finite at {name}({floor}) = {low}, right where a 0 means 'almost nothing' "
+        "(silence, an empty bin); a floor at the dtype's tiny would make it "
+        f"{_log_tiny(ev.dtype, ev.op).split(' in ')[0]}, far below every real value. Where a 0 "
+        "means missing, keep it out of the loss with a mask instead.",
+    )
 
 
 def _log_name(call: str) -> str | None:
@@ -772,11 +962,41 @@ def _unit_producer(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> str | None:
     return None
 
 
+def _loss_log_line(ctx: RuleContext, ev: OpEvent) -> OpEvent | None:
+    """A log that made the loss on a line not recorded (watch mode: loss code runs outside
+    every module), with its line: the statement that assigned the tensor ``backward()`` was
+    called on, read above that call, when it takes the one log of this op's kind and the
+    loss graph holds one such log; None otherwise."""
+    if ev.code or not ev.backward_at or ev.path != LOSS_PATH or ev.phase is not Phase.FORWARD:
+        return None
+    name = packet(ev.op).rstrip("_")
+    graphs = list(_graph_ops(ctx))
+    if len(graphs) != 1 or graphs[0].count(name) != 1:
+        return None
+    import linecache
+
+    path, _, num = ev.backward_at.rpartition(":")
+    if not num.isdigit():
+        return None
+    m = re.search(r"([A-Za-z_]\w*)\.backward\(", linecache.getline(path, int(num)))
+    made = _assigned_before(ev.backward_at, m.group(1)) if m is not None else None
+    if made is None:
+        return None
+    calls = [c for c in _log_calls(made) if _log_name(made[c[0] : c[1]]) in (name, None)]
+    if len(calls) != 1:
+        return None
+    return replace(ev, code=made, source=_line_of(ev.backward_at, made) or ev.backward_at)
+
+
 def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
     """What the evidence shows when nothing names what the log was taken of: a negative
     argument is a domain error (no floor or probability recipe fixes it); exact zeros in
     values that are not probabilities come from the data or the code that made them; only
-    zeros within [0, 1] may be probabilities that underflowed."""
+    zeros within [0, 1] may be probabilities that underflowed. In watch mode a log that made
+    the loss is read on the loss's line (:func:`_loss_log_line`)."""
+    lined = _loss_log_line(ctx, ev)
+    read = f"the loss was made at {lined.source}: {lined.code}" if lined is not None else None
+    made_ev, ev = ev, lined or ev
     found = _log_argument(ev)
     arg = found[3] if found is not None else None
     what = arg or "the log's argument"
@@ -807,7 +1027,7 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
         return None
     own = _floored_line(ev)
     zeros = _zeros_text(x, "log")
-    made = _unit_producer(ctx, ev, x)
+    made = _unit_producer(ctx, made_ev, x)
     if made == "relu":  # a ReLU's zeros, whatever its maximum: a rate made with a ReLU
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
     above = _above_one(x.max, ev.dtype)
@@ -825,6 +1045,20 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             ),
             evidence=f"{what} holds {zeros} (values up to {fmt(x.max)}), and the model's "
             "output is not it: a target with entries that hold no value",
+        )
+    data_fix = _data_log_fix(ev, x, what) if above else None
+    if data_fix is not None:
+        fix, said = data_fix
+        return _LogUse(
+            "zero",
+            fix=fix,
+            why=(
+                f"Its input holds exact zeros and is not a probability (values up to "
+                f"{fmt(x.max)}): the 0 comes from the data or the code that makes it, not "
+                f"from an underflow. {said}"
+            ),
+            evidence=f"{what} is not a probability: it holds {zeros}, and values up to "
+            f"{fmt(x.max)}",
         )
     if above:
         head = (
@@ -850,32 +1084,48 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     if made is None and arg is not None and _is_ratio(arg):
         return _unit_ratio_use(ev, what, zeros, x)
     if made is None:
+        softmax = (
+            f"# if {what} is a softmax/sigmoid probability: take the log from the "
+            "logits, F.log_softmax(logits, dim=-1) or F.logsigmoid(logits)"
+        )
+        mixture = (
+            f"# if {what} is a mixture (w * p + (1 - w) * q, a copy distribution scattered "
+            "into a vocabulary): it is 0 where every component is, a label none can give; "
+            "floor it, or map such labels to one the model can produce"
+        )
+        entropy = (
+            "# if it is p * log(p) of a distribution with zeros (an entropy, a KL's "
+            "target term): torch.special.xlogy(p, p) is 0 there, not 0 * -inf = NaN"
+        )
+        lines = (
+            [f"{own}   # finite: {tiny_log}", softmax, entropy, mixture]
+            if own
+            else [
+                f"# if {what} is a ratio or a normalized energy (x / x.max(), a / b): it "
+                f"is 0 where the numerator is; a floor, {paren(arg or 'r')}.clamp_min"
+                + (
+                    "(1e-10) (-100 dB for 10 * log10 of a power)"
+                    if packet(ev.op).rstrip("_") == "log10"
+                    else f"(torch.finfo({paren(arg or 'r')}.dtype).tiny)"
+                ),
+                softmax,
+                entropy,
+            ]
+        )
         return _LogUse(
             "unit",
-            fix="\n".join(
-                [
-                    *([f"{own}   # finite: {tiny_log}"] if own else []),
-                    f"# if {what} is a ratio or a normalized energy (x / x.max(), a / b): it "
-                    f"is 0 where the numerator is; a floor, {paren(arg or 'r')}.clamp_min"
-                    + (
-                        "(1e-10) (-100 dB for 10 * log10 of a power)"
-                        if packet(ev.op).rstrip("_") == "log10"
-                        else f"(torch.finfo({paren(arg or 'r')}.dtype).tiny)"
-                    ),
-                    f"# if {what} is a softmax/sigmoid probability: take the log from the "
-                    "logits, F.log_softmax(logits, dim=-1) or F.logsigmoid(logits)",
-                    "# if it is p * log(p) of a distribution with zeros (an entropy, a KL's "
-                    "target term): torch.special.xlogy(p, p) is 0 there, not 0 * -inf = NaN",
-                ]
-            ),
+            fix="\n".join(lines),
             why=(
-                f"Its input lies in [0, 1] (min 0, max {fmt(x.max)}) with {zeros}, and no "
-                "softmax or sigmoid is seen making it. A ratio (an energy over its maximum "
-                "or over a reference, a fraction k/n) is exactly 0 where its numerator is: "
-                "silence, an empty class, a zero target. Its log is -inf; a floor keeps it "
+                f"Its input lies in [0, 1] (min 0, max {fmt(x.max)}) with {zeros}, and what "
+                "made it is not seen: no watched softmax or sigmoid output holds these "
+                "values. A probability put together by hand is exactly 0 where each of its "
+                "parts is: a mixture of distributions (a sum of weights times probabilities) "
+                "at a label no component gives, a ratio or a fraction k/n where its "
+                "numerator is 0 (silence, an empty class). Its log is -inf; a floor keeps it "
                 "finite at a chosen bottom value. A probability that underflowed to 0 is "
                 "better computed from its logits."
             ),
+            evidence=read or "",
         )
     lines = []
     if own:
@@ -3297,6 +3547,7 @@ def _near_zero_division(
     ),
     priority=12,
 )
+@_whole_lines
 def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
@@ -6636,13 +6887,46 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
         return None
     if live and den.min >= 0:
         return _masked_division(stmt, div, d)
-    if den.min >= 0:
+    counted = _counted_power(stmt, div.right)
+    if den.min >= 0 and counted is not None:
+        base, power = counted
+        safe = f"{paren(base)}.clamp_min(1) ** {power}"
+        why = (
+            f"{base} is a count: floored at 1 before the power, a count of 0 divides by 1 "
+            "(not 0/0, and no power's gradient at 0); elsewhere unchanged"
+        )
+    elif den.min >= 0:
         safe = f"{paren(d)}.clamp_min(torch.finfo({_dtype_of(div.right, d)}).eps)"
         why = "0/eps = 0 where the denominator is 0; elsewhere unchanged"
     else:
         safe = f"torch.where({d} == 0, torch.ones_like({d}), {d})"
         why = "divides by 1 where the denominator is 0 (any sign): leaves x as is"
     return f"{_spliced(stmt, div.right, safe, grouped=True)}   # {why}"
+
+
+def _counted_power(stmt: str, node: ast.expr) -> tuple[str, str] | None:
+    """The base and exponent, as written, of a denominator that is a count to a positive
+    power (``length ** alpha``, ``lengths.float() ** 0.6``); None for anything else."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow)):
+        return None
+    k = node.right
+    if isinstance(k, ast.UnaryOp) and isinstance(k.op, ast.USub):
+        return None  # a negative power is a division already
+    if isinstance(k, ast.Constant) and not (isinstance(k.value, (int, float)) and k.value > 0):
+        return None
+    base = node.left
+    while (
+        isinstance(base, ast.Call)
+        and isinstance(base.func, ast.Attribute)
+        and base.func.attr in ("float", "double", "half", "to", "type")
+    ):
+        base = base.func.value  # lengths.float(): the count is lengths
+    b = ast.get_source_segment(stmt, base)
+    if b is None or not _count_base(b):
+        return None
+    whole = ast.get_source_segment(stmt, node.left)
+    power = ast.get_source_segment(stmt, k)
+    return (whole, power) if whole and power else None
 
 
 _SCALAR_ARGS = ("tau", "temperature", "temp", "t", "scale", "divisor", "sigma", "std")
@@ -7285,6 +7569,7 @@ _ROOT_NODES = frozenset({"Sqrt", "Rsqrt", "Pow", "Cdist", "Norm", "LinalgVectorN
     ),
     priority=12,
 )
+@_whole_lines
 def root_at_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
@@ -9103,6 +9388,7 @@ def _root_backward_untraced(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]
     ),
     priority=12,
 )
+@_whole_lines
 def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
@@ -10117,6 +10403,7 @@ def _mean_own_line(code: str | None) -> tuple[str, bool] | None:
     ),
     priority=12,
 )
+@_whole_lines
 def outside_its_domain(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
