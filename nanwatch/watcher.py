@@ -3244,11 +3244,13 @@ class Watcher:
         self._foldable = []
         empty = not trace.records and not trace.calls
         if final and empty and self._user_loss is None:
-            return trace
+            if not self._last_update_checked():
+                return trace
+            empty = False  # the weights the run's last update wrote are bad: said below
         if final and not self._explicit:
             self._cycle_fold()  # a run that ends with its first update cycle
         try:
-            self._flush()
+            self._flush(final=final)
         except NanwatchError:
             raise
         except Exception as exc:  # the step still ends; what was flushed is kept
@@ -3263,6 +3265,36 @@ class Watcher:
         self._act(done)
         return done
 
+    def _last_update_checked(self) -> bool:
+        """At detach, when no step is open: sentinel (and a sampled-out watch step) reads no
+        weight after an update, the next step's forward shows a bad one; the run's last
+        update has no next step. Its weights are read once here (one max per weight), and
+        the bad ones recorded: True then, and that step is flushed like any other. A
+        saved checkpoint of NaN weights must not end a run with an empty report."""
+        last = self.history[-1] if self.history else None
+        if (
+            last is None
+            or last.full
+            or self.first_anomaly is not None  # told already: the weights followed from it
+            or not self._ever_updated
+            or self._device_dead
+            or _tracing()
+            or not self._params
+        ):
+            return False
+        try:
+            with _NO_TORCH_FUNCTION(), torch.no_grad():
+                values = read_scalars(self._param_maxima())
+                if all(math.isfinite(v) for v in values):
+                    return False
+                # recorded as bad before a next step (as its forward would have found
+                # them), written by the last step's update (``_stepped_prev``)
+                self._check_params(at_end=False, values=values)
+        except Exception as exc:  # a weight nanwatch cannot read: nothing more to say
+            self._fault("weights", "weight check at detach", exc)
+            return False
+        return bool(self._trace.records)
+
     def _overflow_step(self) -> None:
         _frames.warn_at_user(
             f"nanwatch: a single step recorded more than {self.config.max_records_per_step} "
@@ -3271,17 +3303,19 @@ class Watcher:
         )
         self._boundary()
 
-    def _flush(self) -> None:
+    def _flush(self, *, final: bool = False) -> None:
         """Bring the step's statistics to the host (one transfer), check gradients and
-        weights, localize, and run the rules."""
+        weights, localize, and run the rules. ``final``: the run's last step (detach),
+        whose update's weights no next forward will read: checked in every mode."""
         trace = self._trace
         if not self._device_dead and not _tracing():
-            maxima = self._param_maxima() if self._full else []  # read with the rest
+            weigh = self._full or (final and self._updated and self.first_anomaly is None)
+            maxima = self._param_maxima() if weigh else []  # read with the rest
             weights = self._materialize(maxima)
             if not self._grads_checked and self._backward_seen:
                 self._check_grads()
                 self._materialize()
-            if self._full:  # weights made non-finite by this step's update
+            if weigh:  # weights made non-finite by this step's update
                 self._check_params(at_end=True, all_records=self._forensic, values=weights)
         else:  # the device is gone: statistics still on it are unknown, not NaN
             for rec, _, _ in self._pending + self._pending_grads:
