@@ -2633,10 +2633,33 @@ def _spikes(
         if jump and v < factor * max(seen[-need:]):
             continue
         med, _ = _level(seen, need)
-        if med > 0 and v >= factor * med:
+        if med <= 0 or v < factor * med:
+            continue
+        # past the largest level it had (see _peak); alone (``jump``), ``factor`` times
+        # it: with the total no higher than before, one parameter's share of it shifting
+        # back toward its early steps is training, not an explosion
+        peak = _peak(seen, factor, need)
+        if v >= factor * peak if jump else v > peak:
             out.append((v / med, key, v, med))
     out.sort(reverse=True)
     return out
+
+
+def _peak(values: list[float], factor: float, need: int) -> float:
+    """The largest of ``values`` (a gradient norm over the history, oldest first) that
+    was no spike itself: a value after the first ``need`` counts only when below ``factor``
+    times the median of the values before it. A norm that does not pass this peak returns
+    to a level the run has already had and trained through, not an explosion: after an
+    optimizer converged (LBFGS, a fit that has settled) the norm sits orders of magnitude
+    below its first steps, and the next step that moves off the optimum is many times that
+    median while still far below where the run began. A spike earlier in the history is
+    left out of the peak, so a recurring explosion is still one each time."""
+    top = 0.0
+    for i, v in enumerate(values):
+        if i >= need and v >= factor * statistics.median(values[:i]):
+            continue
+        top = max(top, v)
+    return top
 
 
 def _window_mins(
@@ -2687,7 +2710,9 @@ def _window_mins(
     severity="warning",
     summary=(
         "The gradient norm (total, per parameter or per module) jumped to many times its "
-        "median over the recorded steps (thresholds.explode_factor): clip or lower the lr. "
+        "median over the recorded steps (thresholds.explode_factor) and past the largest "
+        "level the run had before (a converged run moving off its optimum is no explosion): "
+        "clip at a max_norm that binds, or lower the lr. "
         "From the first step: a total norm past 1e-3 × sqrt(finfo(dtype).max) of the "
         "gradients' dtype (1.8e16 in float32 and bfloat16), whose square nearly overflows."
     ),
@@ -2719,7 +2744,7 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
     total_spike = False
     if cur.total is not None and math.isfinite(cur.total) and len(totals) >= need:
         med, n = _level(totals, need)
-        if med > 0 and cur.total >= factor * med:
+        if med > 0 and cur.total >= factor * med and cur.total > _peak(totals, factor, need):
             total_spike = True
             evidence.append(
                 f"total gradient norm {fmt(cur.total)} at step {ctx.step}; median of the "
@@ -2752,6 +2777,9 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
     path = mods[0][1] if mods else None
     param = params[0][1] if params else None
     names = ctx.memo(ctx.trace, "loop_names", _loop_names)
+    max_norm = "1.0"
+    if total_spike and cur.total is not None:
+        max_norm = _binding_max_norm(_peak(totals, factor, need), cur.total)
     yield ctx.diagnosis(
         path=path,
         parameter=param,
@@ -2764,11 +2792,27 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
             "such update can undo many steps of training or push weights out of range."
         ),
         fix=(
-            f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm=1.0)  # before "
+            f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm={max_norm})  # before "
             f"{names.optimizer}.step()\n"
             "# and/or lower the learning rate or lengthen the warm-up"
         ),
     )
+
+
+def _binding_max_norm(level: float, total: float) -> str:
+    """The ``max_norm`` the clip fix suggests, as written: the usual 1.0 where it clips
+    this step's ``total``; below that (a clip at 1.0 does nothing to a spike from 1e-3 to
+    0.2), the smallest 1, 2, 5 × 10^k at or above ``level`` (the largest total the run
+    trained with, :func:`_peak`) and below ``total``, else ``level`` to two digits."""
+    if total > 1.0:
+        return "1.0"
+    k = math.floor(math.log10(level)) if level > 0 else 0
+    for e in (k, k + 1):
+        for m in (1, 2, 5):
+            c = m * 10.0**e
+            if level <= c < total:
+                return repr(float(f"{c:.0e}"))
+    return repr(float(f"{level:.2g}"))
 
 
 #: a total gradient norm past this share of sqrt(finfo(dtype).max) is huge whatever its
