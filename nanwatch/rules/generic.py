@@ -11,6 +11,7 @@ import itertools
 import math
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from nanwatch.localize import CONSTANT, LEAF, constant_text, leaf_never_written, leaf_text
 from nanwatch.records import (
@@ -23,6 +24,7 @@ from nanwatch.records import (
     TensorStat,
 )
 from nanwatch.rules._evidence import (
+    InfSource,
     anomaly_fields,
     binary_operands,
     cause_of,
@@ -47,6 +49,7 @@ from nanwatch.rules._evidence import (
     op_fields,
     packet,
     paren,
+    replace_pos_inf,
     rewrite_call,
     short_op,
     signed_max,
@@ -715,13 +718,251 @@ def _inf_arithmetic(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent)
     NW402's): name the operation, the inputs and the suspects."""
     src = inf_source(ctx.trace, a, ev)
     mode = ctx.facts.get("mode")
+    evidence = [a.summary, *inf_evidence(ev, src, trigger, mode)]
+    explanation = inf_explanation(ev, src)
+    fix = inf_fix(ev, src, forensic=mode == "forensic")
+    expr = inf_arithmetic(ev) or "arithmetic on infinities"
+    empty = _empty_min(ev, src)
+    plus = [m for m in src.masks if "+inf" in m.born and "-inf" not in m.born]
+    name = packet(ev.op).rstrip("_")
+    if empty is not None:
+        evidence.append(empty.evidence())
+        explanation = empty.explanation(expr)
+        fix = empty.fix(ev)
+    elif plus and len(plus) == len(src.masks) and name not in ("mul", "multiply"):
+        # a +inf fill (a min's neutral value): the finite stand-in is finfo.max, not .min
+        dtype = plus[0].dtype or ev.dtype or "float32"
+        explanation = (
+            f"{expr} has no value, so IEEE arithmetic returns NaN. Values masked to +inf met "
+            "another infinity. Mask with torch.finfo(dtype).max, the largest finite value "
+            "(a min then ignores it as inf did; not when something scales it up), or leave "
+            "the masked values out of this op."
+        )
+        lines = [
+            f"{fixed}   # not inf: a finite fill keeps {expr} from happening"
+            for m in plus
+            if (fixed := replace_pos_inf(m.code, f"torch.finfo(torch.{dtype}).max")) is not None
+        ]
+        fix = "\n".join(dict.fromkeys(lines)) or fix
+    if not fix.strip():
+        fix = _assert_finite(ev, expr)
     return ctx.diagnosis(
         **op_fields(ev, a),
-        title=f"NaN from arithmetic on infinities: {inf_arithmetic(ev)}",
-        evidence=[a.summary, *inf_evidence(ev, src, trigger, mode)],
-        explanation=inf_explanation(ev, src),
-        fix=inf_fix(ev, src, forensic=mode == "forensic"),
+        title=f"NaN from arithmetic on infinities: {expr}",
+        evidence=evidence,
+        explanation=explanation,
+        fix=fix,
     )
+
+
+def _assert_finite(ev: OpEvent, expr: str) -> str:
+    """The last resort fix: an assert, in the user's names (the op's operands as its line
+    writes them), that stops at the first infinity before the op makes NaN of it."""
+    ops = binary_operands(ev)
+    held = [n for n, s in ev.inputs if s is not None and (s.has_posinf or s.has_neginf)]
+    names = [ops[n] for n in held if ops is not None and n in ops]
+    at = f" (line {ev.source.rpartition(':')[2]})" if ev.source else ""
+    if not names:
+        return (
+            f"assert torch.isfinite(x).all(), 'x holds inf'   # x: each input of {short_op(ev.op)}"
+            f"{at}, before it: {expr} = NaN"
+        )
+    return "\n".join(
+        f"assert torch.isfinite({n}).all(), {n!r} + ' holds inf'   # before{at}: {expr} = NaN"
+        for n in dict.fromkeys(names)
+    )
+
+
+#: reductions that keep a +inf fill when every value of a slice was masked: the min over
+#: an empty set, whose neutral value the fill is
+_MIN_REDUCTIONS = frozenset({"amin", "min", "cummin", "aminmax"})
+#: calls and subscripts that reshape a mask without changing which values it holds:
+#: ``mask.flatten()[None, :].any()`` is ``mask.any()``
+_RESHAPES = frozenset(
+    {"flatten", "view", "reshape", "unsqueeze", "squeeze", "contiguous", "expand", "bool"}
+)
+
+
+def _whole(node: ast.expr) -> ast.expr:
+    """``mask`` of ``mask.flatten()[None, :]``: the tensor a reshaping chain starts from."""
+    while True:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _RESHAPES
+        ):
+            node = node.func.value
+        elif isinstance(node, ast.Subscript) and all(
+            (isinstance(i, ast.Constant) and i.value in (None, Ellipsis))
+            or (isinstance(i, ast.Slice) and i.lower is i.upper is i.step is None)
+            for i in (node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice])
+        ):
+            node = node.value
+        else:
+            return node
+
+
+def _inf_literal(node: ast.expr) -> bool:
+    """A +inf literal: ``float("inf")``, ``math.inf``, ``torch.inf``."""
+    text = ast.unparse(node).replace("'", '"').replace(" ", "")
+    return text in ('float("inf")', 'float("+inf")', "math.inf", "torch.inf", "np.inf")
+
+
+@dataclass(frozen=True)
+class _EmptyMin:
+    """A +inf fill (masked_fill(m, inf), torch.where(keep, x, inf)) that a min reduced: a
+    slice the mask kept no value of has the fill as its min, and that inf met another."""
+
+    fill: OpEvent  #: the op that wrote the +inf
+    keep: str  #: what holds True where a value is kept, for ``.any()``: ``mask``
+    reduce: str  #: the min: ``amin``
+    finite: str | None  #: the fill line with torch.finfo(dtype).max for the inf
+
+    def evidence(self) -> str:
+        out = self.fill.output
+        where = f" at {self.fill.source}" if self.fill.source else ""
+        n = f"{out.posinf:,} of {out.numel:,} values" if out is not None else "values"
+        every = out is not None and out.posinf == out.numel
+        kept = "no value at all" if every else "no value on some slices"
+        return (
+            f"{short_op(self.fill.op)}{where} wrote +inf into {n} and {self.reduce} reduced "
+            f"them: {self.keep} kept {kept}, and the {self.reduce} of only the fill is +inf"
+        )
+
+    def explanation(self, expr: str) -> str:
+        return (
+            f"{expr} has no value, so IEEE arithmetic returns NaN. The +inf is the fill of "
+            f"an empty mask: where {self.keep} keeps no value, every value {self.reduce} "
+            "reduces is the +inf fill, so the min is inf, and it met another inf. "
+            f" Guard the empty case ({self.keep}.any()). A "
+            "finite fill for a min is torch.finfo(dtype).max, not finfo.min (which every min "
+            "would pick)."
+        )
+
+    def fix(self, ev: OpEvent) -> str:
+        guard = self._guarded(ev)
+        lines = [guard] if guard is not None else []
+        if guard is None:
+            at = f" (line {self.fill.source.rpartition(':')[2]})" if self.fill.source else ""
+            lines.append(
+                f"assert {self.keep}.any(), {(self.keep + ' is empty')!r}   # before the "
+                f"{self.reduce}{at}: its min is the inf fill"
+            )
+        if self.finite is not None:
+            lines.append(
+                f"# or {self.finite}   # a finite fill: an empty slice's min is then finite "
+                "(the largest value), not inf"
+            )
+        return "\n".join(lines)
+
+    def _guarded(self, ev: OpEvent) -> str | None:
+        """The op's line computing its one binary expression only when the mask kept a
+        value (0 otherwise), when the fill ran earlier in the same function and file."""
+        kind = {"div": ast.Div, "true_divide": ast.Div, "divide": ast.Div, "sub": ast.Sub}.get(
+            packet(ev.op).rstrip("_")
+        )
+        fpath, _, fnum = (self.fill.source or "").rpartition(":")
+        path, _, num = (ev.source or "").rpartition(":")
+        if kind is None or not ev.code or not fnum.isdigit() or not num.isdigit():
+            return None
+        if fpath != path or not 0 < int(num) - int(fnum) < 40 or _def_between(path, fnum, num):
+            return None
+        line = ev.code.split("  #", 1)[0].rstrip()
+        try:
+            tree = ast.parse(line.strip())
+        except SyntaxError:
+            return None
+        found = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, kind)]
+        if len(found) != 1:
+            return None
+        stripped = line.strip()
+        start, end = found[0].col_offset, found[0].end_col_offset or found[0].col_offset
+        whole = stripped[start:end]
+        shape = ast.get_source_segment(stripped, found[0].left) or "x"
+        guarded = f"({whole} if {self.keep}.any() else torch.zeros_like({shape}))"
+        if stripped[start - 1 : start] == "(" and stripped[end : end + 1] == ")":
+            start, end = start - 1, end + 1
+        return (
+            f"{stripped[:start]}{guarded}{stripped[end:]}   # an empty {self.keep}: "
+            "no kept value, choose what it should be (0 here)"
+        )
+
+
+def _def_between(path: str, start: str, end: str) -> bool:
+    """A ``def`` line between two lines of ``path``: they are in different functions."""
+    import linecache
+
+    return any(
+        re.match(r"\s*(?:async\s+)?def\s", linecache.getline(path, n))
+        for n in range(int(start) + 1, int(end) + 1)
+    )
+
+
+def _empty_min(ev: OpEvent, src: InfSource) -> _EmptyMin | None:
+    """The +inf fill a min reduced on the fill's line (``x.masked_fill(~m, inf).amin(1)``)
+    when it is where the op's infinities came from; None otherwise."""
+    for m in src.masks:
+        if "+inf" not in m.born or "-inf" in m.born or not m.code:
+            continue
+        line = m.code.split("  #", 1)[0].strip()
+        try:
+            tree = ast.parse(line)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            reduce = _min_of(node)
+            if reduce is None:
+                continue
+            fill, reduced = reduce
+            keep = _kept(fill)
+            if keep is None:
+                continue
+            dtype = m.dtype or ev.dtype or "float32"
+            return _EmptyMin(
+                m, keep, reduced, replace_pos_inf(line, f"torch.finfo(torch.{dtype}).max")
+            )
+    return None
+
+
+def _min_of(node: ast.Call) -> tuple[ast.Call, str] | None:
+    """(the +inf fill call, the min's name) when ``node`` is a min reduction of one:
+    ``x.masked_fill(k, inf).amin(1)``, ``torch.amin(torch.where(k, x, inf), 1)``."""
+    func = node.func
+    if not isinstance(func, ast.Attribute) or func.attr not in _MIN_REDUCTIONS:
+        return None
+    is_torch = isinstance(func.value, ast.Name) and func.value.id == "torch"
+    inner = node.args[0] if is_torch and node.args else None if is_torch else func.value
+    while isinstance(inner, ast.Call | ast.Subscript) and not _is_fill(inner):
+        inner = inner.value if isinstance(inner, ast.Subscript) else None
+    if isinstance(inner, ast.Call) and _is_fill(inner):
+        return inner, func.attr
+    return None
+
+
+def _is_fill(node: ast.expr) -> bool:
+    return _kept(node) is not None if isinstance(node, ast.Call) else False
+
+
+def _kept(call: ast.Call) -> str | None:
+    """What holds True where a +inf fill call keeps the value: ``m`` of
+    ``x.masked_fill(~m, inf)`` (``~(k)`` of ``masked_fill(k, inf)``), ``keep`` of
+    ``torch.where(keep, x, inf)``; None for other calls."""
+    func = call.func
+    if not isinstance(func, ast.Attribute):
+        return None
+    if func.attr in ("masked_fill", "masked_fill_"):
+        args = [*call.args, *(k.value for k in call.keywords if k.arg in ("mask", "value"))]
+        if len(args) != 2 or not _inf_literal(args[1]):
+            return None
+        mask = args[0]
+        if isinstance(mask, ast.UnaryOp) and isinstance(mask.op, ast.Invert | ast.Not):
+            return ast.unparse(_whole(mask.operand))
+        return f"(~{paren(ast.unparse(mask))})"
+    if func.attr == "where" and len(call.args) == 3 and _inf_literal(call.args[2]):
+        return ast.unparse(_whole(call.args[0]))
+    return None
 
 
 def _hidden_inf(ev: OpEvent) -> list[tuple[str, TensorStat]]:

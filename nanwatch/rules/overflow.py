@@ -4813,9 +4813,10 @@ def _fix_wide(
             return f"{_max_subtracted(code, op, over_all=True)}{was}\n{_global_max_note(other)}"
         if op in _BARE_EXP:
             return (
-                f"{_max_subtracted(code, op)}{was}\n{_row_max_note(code, op)}\n"
-                f"# or the whole softmax in one call, stable: {_one_call_softmax(code, op)} "
-                "(torch.logsumexp, F.log_softmax)"
+                f"{_max_subtracted(code, op, source=source)}{was}\n"
+                f"{_row_max_note(code, op, source)}\n"
+                "# or the whole softmax in one call, stable: "
+                f"{_one_call_softmax(code, op, source)} (torch.logsumexp, F.log_softmax)"
             )
         return (
             f"x = x - x.amax(dim=-1, keepdim=True)   # subtract the row max before exp{was}\n"
@@ -5074,8 +5075,8 @@ def _fix(
             f"dim=-1).to(torch.{dtype}) (probabilities fit {dtype})"
         )
         return (
-            f"{_max_subtracted(code, op)}{was}\n"
-            f"{_row_max_note(code, op)}; every exp fits {dtype}\n{alt}"
+            f"{_max_subtracted(code, op, source=source)}{was}\n"
+            f"{_row_max_note(code, op, source)}; every exp fits {dtype}\n{alt}"
         )
     fixed = upcast_line(code, op)
     if fixed is not None and op not in EXP_LIKE | MATMUL and plain.startswith("return "):
@@ -5892,10 +5893,10 @@ def _bounded_exp(
         return f"{_max_subtracted(code, op, over_all=True)}{was}\n{_global_max_note(other)}"
     if kind == "softmax" and past:
         return (
-            f"{_max_subtracted(code, op)}{was}\n"
-            f"{_row_max_note(code, op)}; the argument reached {fmt(arg)}, past float32's exp "
-            f"bound {fmt(f32)} too, so float32 or bfloat16 would still overflow\n"
-            f"# or the whole softmax in one call, stable: {_one_call_softmax(code, op)}"
+            f"{_max_subtracted(code, op, source=source)}{was}\n"
+            f"{_row_max_note(code, op, source)}; the argument reached {fmt(arg)}, past "
+            f"float32's exp bound {fmt(f32)} too, so float32 or bfloat16 would still overflow\n"
+            f"# or the whole softmax in one call, stable: {_one_call_softmax(code, op, source)}"
         )
     if kind != "exp" or not (past or scalar) or op not in _BARE_EXP:
         return None
@@ -6138,11 +6139,33 @@ def _summed_dim(code: str | None, op: str) -> str | None:
     return None
 
 
-def _max_subtracted(code: str | None, op: str, *, over_all: bool = False) -> str:
+def _norm_dim(code: str | None, op: str, source: str | None) -> tuple[str | None, str]:
+    """The dim a softmax by hand normalizes the ``op`` result over, and where it was read:
+    ``("2", "line")`` from the line's own sum over the exp (:func:`_summed_dim`),
+    ``("1", "later")`` from the one sum a later line divides the result by
+    (:func:`_later_norm_dims`; not when the line transposes the result), ``(None, "")``
+    when neither shows it. ``""`` is a sum over every value."""
+    args = _exp_args(code, op)
+    if not args or not all(_same_expr(a, args[0]) for a in args):
+        return None, ""
+    dim = _summed_dim(code, op)
+    if dim is not None:
+        return dim, "line"
+    if op == "exp" and source and not _exp_transposed(code, op):
+        later = _later_norm_dims(source, code)
+        if len(later) == 1 and "?" not in later[0]:
+            return later[0], "later"
+    return None, ""
+
+
+def _max_subtracted(
+    code: str | None, op: str, *, over_all: bool = False, source: str | None = None
+) -> str:
     """The user's exp line with the row max subtracted from the argument (a stable
     softmax by hand), or the same on a named placeholder when the line is unknown. Every
     exp of the same argument is shifted by the same max (the numerator's and the sum's:
-    shifting one alone changes the ratio), over the dim the line's sum runs over.
+    shifting one alone changes the ratio), over the dim the line's sum runs over, or else
+    the dim a later line normalizes the result over (read from ``source``, :func:`_norm_dim`).
 
     >>> _max_subtracted("e = torch.exp(scores)", "exp")
     'e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))'
@@ -6155,7 +6178,7 @@ def _max_subtracted(code: str | None, op: str, *, over_all: bool = False) -> str
     line = code.split("  #", 1)[0] if code else ""
     args = _exp_args(code, op)
     same = bool(args) and all(_same_expr(a, args[0]) for a in args)
-    dim = "" if over_all else _summed_dim(code, op) if same else None
+    dim = "" if over_all else _norm_dim(code, op, source)[0] if same else None
     method = re.search(rf"(?<!\btorch)(?<!\bspecial)\.{re.escape(op)}\(", line) is not None
 
     def wrap(e: str) -> str:
@@ -6173,29 +6196,35 @@ def _max_subtracted(code: str | None, op: str, *, over_all: bool = False) -> str
     return f"e = torch.{op}(x - x.amax(dim=-1, keepdim=True))   # x: this exp's argument"
 
 
-def _row_max_note(code: str | None, op: str) -> str:
-    """What the max subtraction of :func:`_max_subtracted` subtracts, in words."""
+def _row_max_note(code: str | None, op: str, source: str | None = None) -> str:
+    """What the max subtraction of :func:`_max_subtracted` subtracts, in words: the
+    result is unchanged only where the normalization's dim was read."""
     args = _exp_args(code, op)
-    dim = _summed_dim(code, op) if args else None
-    if len(args) > 1 and dim is not None and all(_same_expr(a, args[0]) for a in args):
-        over = "over every value" if dim == "" else f"over dim={dim}, the dim the sum runs over"
+    dim, where = _norm_dim(code, op, source)
+    if dim is not None:
+        over = "every value" if dim == "" else f"dim={dim}"
+        whose = "the line's sum" if where == "line" else "the sum a later line divides by"
+        shifted = f"every exp of {args[0].strip()}" if len(args) > 1 else args[0].strip()
         return (
-            f"# every exp of {args[0]} is shifted by the same max ({over}): each is then at "
-            "most 1, and the ratio is the same"
+            f"# {shifted} is shifted by its max over {over}, the dim {whose} runs over: "
+            "each exp is then at most 1, and the ratio is the same"
         )
     return (
-        "# subtract the row max first (the dim you normalize over): every exp is then "
-        "at most 1, and e / e.sum(that dim) is the same (not so for a normalization over "
-        "another dim)"
+        "# dim=-1 is a guess (no sum of this exp was found to read it from): use the dim "
+        "whose sum you divide by. Only a ratio to a sum over that same dim is unchanged "
+        "by the shift; any other use of the exp is scaled by exp(-max)"
     )
 
 
-def _one_call_softmax(code: str | None, op: str) -> str:
-    """``torch.softmax(b, dim=2)`` for a line ``exp(b) / exp(b).sum(dim=2, ...)``, else
-    the generic ``torch.softmax(x, dim=-1)``."""
+def _one_call_softmax(code: str | None, op: str, source: str | None = None) -> str:
+    """``torch.softmax(b, dim=2)`` for a line ``exp(b) / exp(b).sum(dim=2, ...)`` (or an
+    exp a later line divides by its sum over dim=2), else the generic
+    ``torch.softmax(x, dim=-1)``."""
     args = _exp_args(code, op) if op == "exp" else []
-    dim = _summed_dim(code, op) if len(args) > 1 else None
-    if dim and all(_same_expr(a, args[0]) for a in args) and not dim.startswith(("(", "[")):
+    dim, where = _norm_dim(code, op, source) if args else (None, "")
+    if len(args) == 1 and where != "later":
+        dim = None  # a line that sums its one exp is no softmax in one call
+    if dim and not dim.startswith(("(", "[")):
         return f"torch.softmax({args[0].strip()}, dim={dim})"
     return "torch.softmax(x, dim=-1)"
 
