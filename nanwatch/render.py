@@ -23,6 +23,7 @@ import html
 import io
 import math
 import os
+import re
 import shutil
 import sys
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -1362,6 +1363,31 @@ def _first_sentence(text: str) -> str:
     return text if end < 0 else text[: end + 1]
 
 
+#: a helper a fix defines before its change: ``eps = torch.finfo(torch.float32).eps``
+_HELPER = re.compile(r"^\w+\s*=\s*(?:torch\.finfo\(.*|[-+.\deE]+)$")
+
+
+def key_line(fix: str) -> str:
+    r"""The line of a fix a one-line summary shows: the rewrite of the user's line (``# was:``)
+    if it has one, else its first line of code that is not a helper constant, else its
+    first line.
+
+    >>> key_line("eps = torch.finfo(torch.float32).eps\ny = x.clamp_min(eps) ** 0.75")
+    'y = x.clamp_min(eps) ** 0.75'
+    >>> key_line("# adapt: your loop\nloss = f(x)  # was: loss = g(x)")
+    'loss = f(x)  # was: loss = g(x)'
+    """
+    lines = [ln.strip() for ln in fix.strip().splitlines() if ln.strip()]
+    if not lines:
+        return ""
+    rewrite = next((ln for ln in lines if "# was:" in ln and not ln.startswith("#")), None)
+    if rewrite is not None:
+        return rewrite
+    code = [ln for ln in lines if not ln.startswith("#")]
+    main = [ln for ln in code if not _HELPER.match(ln.split("  #", 1)[0].strip())]
+    return (main or code or lines)[0]
+
+
 def report_summary(report: Report, paths: Sequence[os.PathLike[str] | str]) -> RenderableType:
     """A few lines for stderr when a report was written: what happened (the exception, or
     the anomalies of a run that finished), the headline, the first hint, the files. The
@@ -1397,7 +1423,7 @@ def report_summary(report: Report, paths: Sequence[os.PathLike[str] | str]) -> R
         if top.fix:
             fix_lines = top.fix.strip().splitlines()
             more = " …" if len(fix_lines) > 1 else ""
-            hint.append(f"; fix: {fix_lines[0].strip()}{more}", style="nanwatch.fix")
+            hint.append(f"; fix: {key_line(top.fix)}{more}", style="nanwatch.fix")
         lines.append(hint)
     elif err is not None and err.get("advice"):
         advice = str(err["advice"])
