@@ -4304,6 +4304,7 @@ class Watcher:
                 if unknown and not self._forensic
                 else ""
             )
+
             if _frames.framework_between():  # Lightning's backward; the user's trainer.fit
                 anomaly.summary = f"{base} (backward by Lightning, called from {source}{hint})"
             else:
@@ -4326,6 +4327,10 @@ class Watcher:
                 "forward_params": _ForwardParams(self._modules),
             },
         )
+        if self.global_hooks and trace.anomaly is not None:  # nanwatch run: no nw, no step_fn
+            from nanwatch.rules.base import cli_words
+
+            trace.anomaly.summary = cli_words(trace.anomaly.summary)
         if any(d.fix for d in found):
             try:
                 self._in_users_names(found)

@@ -4,6 +4,7 @@ command's ``--mode forensic`` instead of "mode='forensic' or nw.replay(step_fn)"
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +53,28 @@ def test_cli_words_keeps_what_is_around_the_hint() -> None:
     assert cli_words("with nanwatch.watch(model, mode='forensic') as nw:") == (
         "with nanwatch.watch(model, mode='forensic') as nw:"
     )
+
+
+_SQRT0 = """\
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+model = nn.Linear(4, 4)
+x = torch.randn(8, 4)
+out = model(x)
+loss = torch.sqrt((out - out.detach()).pow(2).sum(1)).mean()  # sqrt(0): NaN gradient
+loss.backward()
+"""
+
+
+def test_the_summary_hint_under_nanwatch_run_is_the_command(tmp_path: Path) -> None:
+    from nanwatch import cli
+
+    script = tmp_path / "sqrt0.py"
+    script.write_text(_SQRT0)
+    with pytest.raises(nanwatch.AnomalyError) as info:
+        cli.main(["run", "--mode", "watch", "--report-dir", str(tmp_path / "r"), str(script)])
+    summary = info.value.anomaly.summary if info.value.anomaly is not None else ""
+    assert "nw.replay(step_fn)" not in summary, summary
+    assert "nanwatch run --mode forensic names" in summary, summary

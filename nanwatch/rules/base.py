@@ -459,6 +459,7 @@ def evaluate(
 #: what a script run by ``nanwatch run`` has not: a watcher ``nw`` and a ``step_fn``
 _API_HINT = re.compile(
     r"mode='forensic' or nw\.replay\(step_fn\)|mode='forensic' \(or nw\.replay\(step_fn\)\)"
+    r"|mode='forensic'(?= names)"
 )
 
 
@@ -468,6 +469,8 @@ def cli_words(text: str) -> str:
 
     >>> cli_words("mode='forensic' or nw.replay(step_fn) names it")
     'nanwatch run --mode forensic names it'
+    >>> cli_words("; mode='forensic' names the line")
+    '; nanwatch run --mode forensic names the line'
     """
     return _API_HINT.sub("nanwatch run --mode forensic", text)
 
