@@ -150,7 +150,11 @@ def test_a_hand_written_optimizer_is_named_with_its_zero_norm_division(tmp_path:
     assert "trust = w_norm / u_norm" in t
     assert "s.clear()" not in d.fix and "load_state_dict" not in d.fix
     code = code_lines(d.fix)
-    assert "trust = w_norm / u_norm.clamp_min(1e-12)" in code
+    # a ratio of norms: 1 where either is 0 (LAMB's convention), not a clamp that gives 0
+    assert (
+        "trust = torch.where((w_norm > 0) & (u_norm > 0), w_norm / u_norm, "
+        "torch.ones_like(w_norm))" in code
+    )
     ast.parse(code)
     fixed = _LAMB.replace("trust = w_norm / u_norm", code.strip())
     assert _diagnose(_load(tmp_path, fixed)) is None

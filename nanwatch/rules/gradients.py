@@ -15,7 +15,7 @@ import statistics
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -242,11 +242,38 @@ def _zero_divisor(node: ast.expr, assigned: dict[str, ast.expr]) -> bool:
     return _call_name(node) in _ZERO_DIVISORS
 
 
+def _is_norm(node: ast.expr, assigned: dict[str, ast.expr]) -> bool:
+    """A norm with no eps (``w_norm``, assigned ``p.norm()``; ``torch.linalg.vector_norm(p)``):
+    never negative, 0 exactly when its tensor is all 0."""
+    if isinstance(node, ast.Name) and node.id in assigned:
+        node = assigned[node.id]
+    return _call_name(node) in {"norm", "vector_norm", "matrix_norm"}
+
+
+def _normalizes_itself(div: ast.BinOp) -> bool:
+    """``x / x.norm()``: a tensor divided by its own norm, 0/0 where it is all 0."""
+    r = div.right
+    return (
+        isinstance(r, ast.Call)
+        and isinstance(r.func, ast.Attribute)
+        and _call_name(r) in {"norm", "vector_norm"}
+        and ast.dump(r.func.value) == ast.dump(div.left)
+    )
+
+
+#: how ``_zero_ops`` rewrites an op: floor its operand, guard a ratio of two norms with
+#: torch.where (1 when either is 0, the LAMB/LARS convention), or add an eps to a norm a
+#: tensor is divided by to normalize it
+_Rewrite = Literal["clamp", "where", "eps"]
+
+
 def _zero_ops(tree: ast.AST, lines: list[str]) -> list[tuple[int, str, str, str | None]]:
     """The ops in the methods ``tree`` holds that are inf or 0/0 at 0 with no eps (an
     ``x.rsqrt()``, ``ev.pow(-1 / p)``, ``w / u.norm()``): each one's line number in
-    ``lines``, that line, what it does at 0, and the line with its operand clamped away from
-    0 (``.clamp_min(1e-12)``; None when that does not parse on its own)."""
+    ``lines``, that line, what it does at 0, and the line with that op guarded (None when
+    that does not parse on its own): its operand clamped away from 0 (``.clamp_min(1e-12)``),
+    a ratio of two norms (a trust ratio) kept to 1 where either is 0 with ``torch.where``,
+    ``x / (x.norm() + 1e-7)`` for a tensor normalized by its own norm."""
     assigned: dict[str, ast.expr] = {}
     for node in ast.walk(tree):
         if (
@@ -258,7 +285,7 @@ def _zero_ops(tree: ast.AST, lines: list[str]) -> list[tuple[int, str, str, str 
     guarded = {  # inside a torch.where(...): the user's own guard picks another value
         id(sub) for node in ast.walk(tree) if _call_name(node) == "where" for sub in ast.walk(node)
     }
-    hits: list[tuple[ast.expr, str]] = []
+    hits: list[tuple[ast.expr, str, _Rewrite]] = []
     for node in ast.walk(tree):
         if id(node) in guarded:
             continue
@@ -268,52 +295,75 @@ def _zero_ops(tree: ast.AST, lines: list[str]) -> list[tuple[int, str, str, str 
             operand = node.args[0] if on_torch and node.args else node.func.value
             power = node.args[1:2] if on_torch else node.args[:1]
             if name in _AT_ZERO:
-                hits.append((operand, _AT_ZERO[name]))
+                hits.append((operand, _AT_ZERO[name], "clamp"))
             elif name == "pow" and power and _negative(power[0]):
-                hits.append((operand, "a negative power of 0 is inf, of a negative NaN"))
+                hits.append((operand, "a negative power of 0 is inf, of a negative NaN", "clamp"))
         elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
             if _negative(node.right):
-                hits.append((node.left, "a negative power of 0 is inf, of a negative NaN"))
+                hits.append((node.left, "a negative power of 0 is inf, of a negative NaN", "clamp"))
         elif (
             isinstance(node, ast.BinOp)
             and isinstance(node.op, ast.Div)
             and _zero_divisor(node.right, assigned)
         ):
-            hits.append((node.right, "a division by a norm or mean that is 0"))
-    by_line: dict[int, list[tuple[ast.expr, str]]] = {}
-    for operand, what in hits:
+            if _is_norm(node.left, assigned) and _is_norm(node.right, assigned):
+                hits.append((node, "a ratio of two norms, inf or 0/0 where one is 0", "where"))
+            elif _normalizes_itself(node):
+                hits.append((node.right, "a tensor divided by its own norm, 0/0 at 0", "eps"))
+            else:
+                hits.append((node.right, "a division by a norm or mean that is 0", "clamp"))
+    by_line: dict[int, list[tuple[ast.expr, str, _Rewrite]]] = {}
+    for hit in hits:
+        operand = hit[0]
         if operand.lineno == operand.end_lineno and 0 < operand.lineno <= len(lines):
-            by_line.setdefault(operand.lineno, []).append((operand, what))
+            by_line.setdefault(operand.lineno, []).append(hit)
     out: list[tuple[int, str, str, str | None]] = []
     for num in sorted(by_line):
         row = lines[num - 1]
-        edits: list[tuple[int, str]] = []
-        for operand, _ in by_line[num]:
+        edits: list[tuple[int, int, str]] = []  # replace row[lo:hi] with the text
+        for operand, _, how in by_line[num]:
             lo, hi = operand.col_offset, operand.end_col_offset or operand.col_offset
             seg = row[lo:hi]
-            if paren(seg) != seg:
-                if lo > 0 and hi < len(row) and row[lo - 1] == "(" and row[hi] == ")":
-                    hi += 1  # parenthesized in the source already
-                else:
-                    edits.append((lo, "("))
-                    edits.append((hi, ")"))
-            edits.append((hi, ".clamp_min(1e-12)"))
+            if how == "where" and isinstance(operand, ast.BinOp):
+                a = row[operand.left.col_offset : operand.left.end_col_offset]
+                b = row[operand.right.col_offset : operand.right.end_col_offset]
+                edits.append(
+                    (
+                        lo,
+                        hi,
+                        f"torch.where(({a} > 0) & ({b} > 0), {paren(a)} / {paren(b)}, "
+                        f"torch.ones_like({a}))",
+                    )
+                )
+            elif how == "eps":
+                edits.append((lo, hi, f"({seg} + 1e-7)"))
+            elif paren(seg) != seg and row[lo - 1 : lo] == "(" and row[hi : hi + 1] == ")":
+                edits.append((lo - 1, hi + 1, f"({seg}).clamp_min(1e-12)"))  # its own parens
+            else:
+                edits.append((lo, hi, f"{paren(seg)}.clamp_min(1e-12)"))
         fixed = row
-        for pos, add in sorted(edits, key=lambda e: -e[0]):
-            fixed = fixed[:pos] + add + fixed[pos:]
+        end = len(row) + 1
+        for lo, hi, text in sorted(edits, key=lambda e: (-e[0], e[1])):
+            if hi > end:
+                continue  # inside an op already rewritten on this line
+            fixed = fixed[:lo] + text + fixed[hi:]
+            end = lo
         try:
             ast.parse(fixed.strip())
         except SyntaxError:
             fixed = ""
-        whats = ", ".join(dict.fromkeys(w for _, w in by_line[num]))
+        whats = ", ".join(dict.fromkeys(w for _, w, _ in by_line[num]))
         out.append((num, row.strip(), whats, fixed.strip() or None))
     return out
 
 
-def _step_source(cls: type) -> tuple[str, int, list[tuple[int, str, str, str | None]]] | None:
-    """Where ``cls.step`` is (its file, its first line) and the ops of ``step`` and of the
-    class's methods it calls (``self.inv_root``, ``Shampoo.inv_root``) that are inf or 0/0
-    at 0, with their lines in that file. None when the source cannot be read."""
+def _step_source(
+    cls: type,
+) -> tuple[str, int, list[tuple[int, str, str, str | None, str]]] | None:
+    """Where ``cls.step`` is (its file, its first line) and the ops of ``step``, of the
+    class's methods it calls (``self.inv_root``, ``Shampoo.inv_root``) and of the functions
+    of the same file those call (``zeropower_via_newtonschulz5(g)``) that are inf or 0/0 at
+    0, with their lines in that file. None when the source cannot be read."""
     import inspect
     import linecache
 
@@ -356,10 +406,14 @@ def _step_source(cls: type) -> tuple[str, int, list[tuple[int, str, str, str | N
                 used.append(methods[node.attr])
     lines = linecache.getlines(path)
     lines = [ln.rstrip("\n") for ln in lines]
-    ops: list[tuple[int, str, str, str | None]] = []
-    for m in used:
-        ops.extend(_zero_ops(m, lines))
-    return path, step.lineno, sorted(ops)[:4]
+    scopes: list[ast.AST] = []
+    for m in used:  # and the functions of the file they call (a Newton-Schulz helper)
+        scopes.extend(sc for sc in _scopes_with_callees(tree, m) if sc not in scopes)
+    ops: list[tuple[int, str, str, str | None, str]] = []
+    for sc in scopes:
+        fn = f"{cls.__name__}.{sc.name}" if sc in used else getattr(sc, "name", cls.__name__)
+        ops.extend((*op, fn) for op in _zero_ops(sc, lines))
+    return path, step.lineno, sorted(set(ops))[:4]
 
 
 def _own_optimizer_nan(
@@ -417,8 +471,8 @@ def _own_optimizer_nan(
         )
     ops = found[2] if found is not None else []
     short = _frames.describe_line(found[0], 1)[0].rpartition(":")[0] if found else ""
-    for num, row, what, _ in ops:
-        evidence.append(f"{short}:{num}, in {u.optimizer}: {row}   ({what}; no eps)")
+    for num, row, what, _, fn in ops:
+        evidence.append(f"{short}:{num}, in {fn}: {row}   ({what}; no eps)")
     if not zero and not ops:
         return None  # nothing says a 0 reached a division: the generic account stands
     explanation = (
@@ -433,18 +487,28 @@ def _own_optimizer_nan(
         "when a norm is 0)."
     )
     fixes: list[str] = []
-    for num, row, what, fixed in ops:
+    for num, row, what, fixed, _ in ops:
         fixes.append(f"# line {num}: {row}")
         fixes.append(fixed if fixed else f"#   {what}: add an eps there")
     if not fixes:
         fixes.append(
-            f"# in {who}: add an eps to each division by a norm and each rsqrt / pow(-k):\n"
+            "# add an eps to each division by a norm and each rsqrt / pow(-k):\n"
             "#   x / (x_norm + 1e-12), (v + 1e-30).rsqrt(), ev.clamp_min(1e-12).pow(-0.25)"
         )
     head = f"# in {u.optimizer}.step(){where}: keep every divisor and root away from 0\n"
+    kinds = " ".join(op[2] for op in ops)
+    # a ratio of two norms with one 0 is x/0 = inf, then inf × 0 = NaN in the update it
+    # scales, or 0/0 when both are: the values seen do not tell which
+    what = (
+        "a ratio of norms with a norm of 0"
+        if "ratio of two norms" in kinds and not ("own norm" in kinds and zero)
+        else "0/0"
+    )
     return ctx.diagnosis(
         **anomaly_fields(a),
-        title=f"Non-finite weights from {u.optimizer}, an optimizer of your code: 0/0 in its step",
+        title=(
+            f"Non-finite weights from {u.optimizer}, an optimizer of your code: {what} in its step"
+        ),
         evidence=evidence,
         explanation=explanation,
         fix=head + "\n".join(fixes),
@@ -751,6 +815,113 @@ class _GradWrite:
     #: reads ``.grad`` of (``p``): its header (``for p in model.parameters():``), its line
     loop: str | None = None
     loop_where: str | None = None
+    #: a name the write reads (``scale`` of ``p.grad.mul_(scale)``) traced to the
+    #: assignment that divides by a norm (``scale = max_norm / unitwise_norm(p.grad)``):
+    #: that division, its ``file:line``, and the statements with both norms floored
+    traced: str | None = None
+    traced_where: str | None = None
+    traced_fixes: tuple[str, ...] = ()
+
+
+def _normish(node: ast.AST) -> bool:
+    """A call that computes a norm or a mean (``g.norm()``, ``unitwise_norm(p)``): 0 where
+    its tensor is all 0."""
+    name = _call_name(node)
+    return name in _ZERO_DIVISORS or name.lower().endswith("norm")
+
+
+def _reads_grad(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "grad" for n in ast.walk(node))
+
+
+def _assigns_above(scope: ast.AST, name: str, before: int) -> list[ast.Assign]:
+    """The single-line ``name = ...`` in ``scope`` above line ``before``, the last first
+    (each branch of an ``if``)."""
+    found = [
+        n
+        for n in ast.walk(scope)
+        if isinstance(n, ast.Assign)
+        and len(n.targets) == 1
+        and isinstance(n.targets[0], ast.Name)
+        and n.targets[0].id == name
+        and n.lineno < before
+        and n.end_lineno == n.lineno
+    ]
+    return sorted(found, key=lambda n: -n.lineno)
+
+
+def _last_assign(scope: ast.AST, name: str, before: int) -> ast.Assign | None:
+    """The last single-line ``name = ...`` in ``scope`` above line ``before``."""
+    found = _assigns_above(scope, name, before)
+    return found[0] if found else None
+
+
+def _floored(text: str, stmt: ast.stmt, calls: Sequence[tuple[ast.expr, str]]) -> str | None:
+    """The single-line ``stmt`` with each call of ``calls`` followed by its floor
+    (``.clamp_min(1e-6)``); None when it does not parse."""
+    row = text.splitlines()[stmt.lineno - 1]
+    fixed = row
+    for call, floor in sorted(calls, key=lambda c: -c[0].col_offset):
+        hi = call.end_col_offset or call.col_offset
+        fixed = fixed[:hi] + f".clamp_min({floor})" + fixed[hi:]
+    fixed = fixed[stmt.col_offset : len(fixed) - (len(row) - (stmt.end_col_offset or len(row)))]
+    try:
+        ast.parse(fixed)
+    except SyntaxError:
+        return None
+    return fixed
+
+
+def _traced_division(
+    text: str, scope: ast.AST, stmt: ast.stmt, target: ast.expr
+) -> tuple[str, int, tuple[str, ...]] | None:
+    """A name the ``.grad`` write ``stmt`` reads, traced to its assignment in ``scope``
+    where it divides by a norm (AGC's ``scale = max_norm / unitwise_norm(p.grad)``): that
+    division, its line, and the assignments with the norms floored, the gradient's
+    (the divisor) by 1e-6 and a weight's the numerator is made of by 1e-3, as NFNets'
+    AGC does (a weight of all 0 would otherwise keep a gradient of 0). None when the
+    write reads no such name."""
+    tnames = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    names = [
+        n.id
+        for n in ast.walk(stmt)
+        if isinstance(n, ast.Name) and n.id not in tnames and isinstance(n.ctx, ast.Load)
+    ]
+    for asg in (a for nm in dict.fromkeys(names) for a in _assigns_above(scope, nm, stmt.lineno)):
+        for div in ast.walk(asg.value):
+            if not (isinstance(div, ast.BinOp) and isinstance(div.op, ast.Div)):
+                continue
+            if not _normish(div.right):
+                continue
+            whole = ast.get_source_segment(text, div)
+            if not whole:
+                continue
+            fixes: list[str] = []
+            for ref in dict.fromkeys(
+                n.id for n in ast.walk(div.left) if isinstance(n, ast.Name)
+            ):  # the numerator's norms of a weight, through their assignment
+                up = _last_assign(scope, ref, asg.lineno)
+                if up is None:
+                    continue
+                weights = [
+                    (c, "1e-3")
+                    for c in ast.walk(up.value)
+                    if isinstance(c, ast.Call) and _normish(c) and not _reads_grad(c)
+                ]
+                if weights:
+                    got = _floored(text, up, weights)
+                    if got:
+                        fixes.append(got)
+            own = [
+                (c, "1e-3")
+                for c in ast.walk(div.left)
+                if isinstance(c, ast.Call) and _normish(c) and not _reads_grad(c)
+            ]
+            got = _floored(text, asg, [*own, (div.right, "1e-6")])
+            if got:
+                fixes.append(got)
+            return whole, asg.lineno, tuple(fixes)
+    return None
 
 
 def _assigned_number(scope: ast.AST, name: str) -> float | None:
@@ -975,6 +1146,7 @@ def _grad_write(source: str | None) -> _GradWrite | None:
             else None
         )
     loop = _loop_over(sc, stmt, tgt_node)
+    traced = _traced_division(text, sc, stmt, tgt_node)
     base = _GradWrite(
         f"{path}:{stmt.lineno}",
         target,
@@ -986,6 +1158,9 @@ def _grad_write(source: str | None) -> _GradWrite | None:
         spread=_unbiased_spread(stmt, text),
         loop=(ast.get_source_segment(text, loop) or "").split("\n", 1)[0] if loop else None,
         loop_where=f"{path}:{loop.lineno}" if loop else None,
+        traced=traced[0] if traced else None,
+        traced_where=f"{path}:{traced[1]}" if traced else None,
+        traced_fixes=traced[2] if traced else (),
     )
     for _, _, div, pstmt in sorted(projs, key=lambda q: (q[0], q[1])):
         whole = ast.get_source_segment(text, div)
@@ -1234,6 +1409,32 @@ def _written_grad_diagnosis(
         )
     elif gw is not None and gw.spread and _numel_of(ctx, name) == 1:
         return _one_element_spread(ctx, a, gw, name=name, evidence=evidence)
+    elif gw is not None and gw.traced and gw.traced_where:
+        line = gw.traced_where.rpartition(":")[2]
+        evidence.append(f"what it writes is computed at {gw.traced_where}: {gw.traced}")
+        cause = (
+            f"your code computed it ({gw.code} at {gw.where}) from {gw.traced} (line "
+            f"{line}), a division by a norm that is 0 where a gradient is all 0, and 0/0 "
+            "where the norm it divides is of a weight that is all 0 too (a zero-initialized "
+            "bias, a dead unit)"
+        )
+        head = (
+            f"# line {line}, {gw.traced}, is 0/0 where a gradient is all 0: floor the norms\n"
+            + "".join(f"{f}\n" for f in gw.traced_fixes)
+            + "# skipping the update on a non-finite gradient is no fix here: the same 0/0\n"
+            "# recurs at every step, so every update would be skipped and training stop"
+        )
+        return ctx.diagnosis(
+            **anomaly_fields(a),
+            title="Non-finite weights from a gradient your code wrote after backward",
+            evidence=evidence,
+            explanation=(
+                f"{name} became non-finite at the update because the gradient {opt} applied "
+                f"held NaN/inf: {cause}. The optimizer, its state and the learning rate are "
+                "not the cause."
+            ),
+            fix=head,
+        )
     elif gw is not None:
         cause = (
             f"your code computed it ({gw.code} at {gw.where}) and made NaN/inf there or in a "
