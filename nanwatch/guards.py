@@ -4093,12 +4093,14 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
 
 
 def _format_positions(positions: Sequence[Sequence[int]], count: int) -> str:
-    """``5, 6`` for a 1-d tensor, ``(0, 12, 40), (0, 12, 41)`` otherwise; ``(of N)``."""
+    """``5, 6`` for a 1-d tensor, ``(0, 12, 40), (0, 12, 41)`` otherwise; ``… (N in all)``
+    when more positions hold the value than are shown."""
     if all(len(q) == 1 for q in positions):
         shown = ", ".join(str(q[0]) for q in positions)
     else:
         shown = ", ".join("(" + ", ".join(str(i) for i in q) + ")" for q in positions)
-    return shown + (f" (of {_n(count)})" if count > len(positions) else "")
+    # "8, 9, 10 (of 8)" read as positions out of a range of 8: the count is of positions
+    return shown + (f" … ({_n(count)} in all)" if count > len(positions) else "")
 
 
 def _error(

@@ -1100,3 +1100,12 @@ def test_255_among_0_1_labels_is_a_missing_marker_not_a_0_255_mask() -> None:
     assert "target.clamp(0, 1), reduction='none'" in err.fix and "(target != 255)" in err.fix
     err = guarded(nn.BCEWithLogitsLoss(), torch.randn(3), torch.tensor([0.0, 255.0, 255.0]))
     assert err.fix.endswith("target / 255)")
+
+
+def test_first_positions_say_how_many_there_are_in_all() -> None:
+    """'first positions: 8, 9, 10 (of 8)' read as positions out of a range of 8."""
+    crit = nn.MarginRankingLoss()
+    y = torch.tensor([1.0] * 8 + [0.0] * 8)  # 0/1 labels; the loss takes 1 and -1
+    with watch(crit, postmortem=False), pytest.raises(GuardError) as info:
+        crit(torch.randn(16), torch.randn(16), y)
+    assert "first positions: 8, 9, 10 … (8 in all)" in str(info.value)
