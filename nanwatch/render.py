@@ -1363,8 +1363,10 @@ def _first_sentence(text: str) -> str:
     return text if end < 0 else text[: end + 1]
 
 
-#: a helper a fix defines before its change: ``eps = torch.finfo(torch.float32).eps``
-_HELPER = re.compile(r"^\w+\s*=\s*(?:torch\.finfo\(.*|[-+.\deE]+)$")
+#: what a fix sets up before its change: ``eps = torch.finfo(torch.float32).eps``, an import
+_HELPER = re.compile(
+    r"^(?:\w+\s*=\s*(?:torch\.finfo\(.*|[-+.\deE]+)|import \S.*|from \S+ import .*)$"
+)
 
 
 def key_line(fix: str) -> str:
