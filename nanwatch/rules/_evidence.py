@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nanwatch._domains import Domain, domain_of
 from nanwatch.records import (
@@ -28,6 +28,9 @@ from nanwatch.records import (
     TensorStat,
 )
 from nanwatch.stats import DtypeLimits, dtype_limits
+
+if TYPE_CHECKING:
+    from nanwatch.rules.base import Diagnosis, RuleContext
 
 # ---------------------------------------------------------------------- numbers
 
@@ -962,6 +965,73 @@ def _in_lambda(text: str, colon: int) -> bool:
     return re.search(r"\blambda\b[^:]*$", text[:colon]) is not None
 
 
+def _statement_key(stmt: str) -> tuple[str, str] | None:
+    """What a simple statement writes: the target of an assignment, ``return``, or the
+    method an expression statement calls (``x.div_``); None for anything else, or for text
+    that is not exactly one statement."""
+    try:
+        body = ast.parse(stmt).body
+    except SyntaxError:
+        return None
+    if len(body) != 1:
+        return None
+    node = body[0]
+    if isinstance(node, ast.Assign):
+        return "=", " = ".join(ast.unparse(t) for t in node.targets)
+    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        return "=", ast.unparse(node.target)
+    if isinstance(node, ast.Return):
+        return "return", ""
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        return "call", ast.unparse(node.value.func)
+    return None
+
+
+def on_its_line(source: str | None, fix: str) -> str:
+    """``fix`` with each of its lines that rewrites one statement of the user's line put
+    back into that line, so the pasted line keeps what else it held: a one-line compound
+    statement's header (``else: score = a / b`` stays under its ``else:``) and the other
+    ``;``-separated statements. A line rewritten as one statement that writes what exactly
+    one statement of the user's line writes is that statement's rewrite."""
+    line = full_statement(source)
+    if not line:
+        return fix
+    code = line.split("  #", 1)[0].strip()
+    stmts = statements(code)
+    if not stmts or stmts == [code]:
+        return fix
+    keys = [_statement_key(st) for st in stmts]
+    out = []
+    for text in fix.split("\n"):
+        body, sep, note = text.partition("   #")
+        body = body.rstrip()
+        key = _statement_key(body) if body and not body.startswith("#") else None
+        at = code.find(stmts[keys.index(key)]) if key is not None and keys.count(key) == 1 else -1
+        if at >= 0:
+            old = stmts[keys.index(key)]
+            out.append(code[:at] + body + code[at + len(old) :] + (sep + note if sep else ""))
+        else:
+            out.append(text)
+    return "\n".join(out)
+
+
+def whole_lines(
+    func: Callable[[RuleContext], Iterator[Diagnosis]],
+) -> Callable[[RuleContext], Iterator[Diagnosis]]:
+    """A rule whose fixes keep the rest of the user's line (:func:`on_its_line`): decorate
+    a rule whose fix rewrites statements that :func:`statements` took out of a one-line
+    compound statement, and the pasted line keeps its ``else:`` / ``if c:`` header."""
+
+    @functools.wraps(func)
+    def run(ctx: RuleContext) -> Iterator[Diagnosis]:
+        for d in func(ctx):
+            if d.fix and d.source:
+                d.fix = on_its_line(d.source, d.fix)
+            yield d
+
+    return run
+
+
 def rewrite_divisor(code: str | None, wrap: Callable[[str], str]) -> str | None:
     """The user's line with the right operand of its one binary ``/`` passed through
     ``wrap``; None when the line has no such division or more than one.
@@ -1172,10 +1242,18 @@ def inf_explanation(ev: OpEvent, src: InfSource) -> str:
             "multiplying."
         )
     if src.kind == "mask":
+        fill = _inf_sign(src)
+        if fill == "+inf":
+            masked, limit = "+inf", "torch.finfo(dtype).max, the largest finite value"
+        elif fill == "-inf":
+            masked, limit = "-inf", "torch.finfo(dtype).min, the most negative finite value"
+        else:
+            masked = "an infinity"
+            limit = "torch.finfo(dtype).min for -inf, torch.finfo(dtype).max for +inf"
         return (
-            f"{undefined} Values masked to -inf met another infinity. Mask with "
-            "torch.finfo(dtype).min, the most negative finite value, or leave the masked "
-            "values out of this op (masked_fill(mask, 0.0) before a sum)."
+            f"{undefined} Values masked to {masked} met another infinity. Mask with "
+            f"{limit}, or leave the masked values out of this op (masked_fill(mask, 0.0) "
+            "before a sum)."
         )
     if src.kind == "log":
         return f"{undefined} The -inf is a log of 0 (see NW110)."
@@ -1328,7 +1406,36 @@ def inf_fix(ev: OpEvent, src: InfSource, *, forensic: bool) -> str:
         lines += ours("x = x.masked_fill(~keep, 0.0)   # zero masked values before multiplying")
     if not masked and src.state is None:
         lines += ours("logp = F.log_softmax(logits, dim=-1)   # a log of 0: from logits (NW110)")
+    if not lines:
+        lines = _finite_asserts(ev)
     return "\n".join(lines)
+
+
+def _finite_asserts(ev: OpEvent) -> list[str]:
+    """``assert torch.isfinite(<operand>).all()`` for each of the op's operands on the
+    user's line that held an infinity (each operand when the stats do not tell), to put
+    above the line: it stops the step where the infinity comes in. A comment when the line
+    or its operands are not known."""
+    exprs: list[str] = []
+    ops = binary_operands(ev)
+    if ops is not None:
+        held = {n for n, _ in inf_inputs(ev)}
+        exprs = [e for n, e in ops.items() if n in held] or list(ops.values())
+    else:
+        arg = call_argument(ev.code, [packet(ev.op).rstrip("_")])
+        exprs = [arg] if arg else []
+    out = []
+    for e in dict.fromkeys(exprs):
+        line = f"assert torch.isfinite({e}).all()"
+        if _parsed(line) is not None:
+            out.append(line)
+    if not out:
+        return [
+            "# above this line: assert torch.isfinite(t).all() for each tensor the op reads; "
+            "the one that fails holds the inf"
+        ]
+    out[0] += "   # above this line: stops the step where the inf comes in"
+    return out
 
 
 def clamp_where_made(ev: OpEvent, clamp: str) -> str | None:

@@ -9,7 +9,6 @@ checker saw it, and otherwise the module and what to run to name the op.
 from __future__ import annotations
 
 import ast
-import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -84,6 +83,7 @@ from nanwatch.rules._evidence import (
     target_log,
     untraced_hint,
     watched_params,
+    whole_lines,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 from nanwatch.rules.generic import parametrization
@@ -95,69 +95,8 @@ from nanwatch.stats import dtype_limits
 _SAVED = "saved "
 
 
-def _statement_key(stmt: str) -> tuple[str, str] | None:
-    """What a simple statement writes: the target of an assignment, ``return``, or the
-    method an expression statement calls (``x.div_``); None for anything else, or for text
-    that is not exactly one statement."""
-    try:
-        body = ast.parse(stmt).body
-    except SyntaxError:
-        return None
-    if len(body) != 1:
-        return None
-    node = body[0]
-    if isinstance(node, ast.Assign):
-        return "=", " = ".join(ast.unparse(t) for t in node.targets)
-    if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-        return "=", ast.unparse(node.target)
-    if isinstance(node, ast.Return):
-        return "return", ""
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
-        return "call", ast.unparse(node.value.func)
-    return None
-
-
-def _on_its_line(source: str | None, fix: str) -> str:
-    """``fix`` with each of its lines that rewrites one statement of the user's line put
-    back into that line, so the pasted line keeps what else it held: a one-line compound
-    statement's header (``else: score = a / b`` stays under its ``else:``) and the other
-    ``;``-separated statements. A line rewritten as one statement that writes what exactly
-    one statement of the user's line writes is that statement's rewrite."""
-    line = full_statement(source)
-    if not line:
-        return fix
-    code = line.split("  #", 1)[0].strip()
-    stmts = statements(code)
-    if not stmts or stmts == [code]:
-        return fix
-    keys = [_statement_key(st) for st in stmts]
-    out = []
-    for text in fix.split("\n"):
-        body, sep, note = text.partition("   #")
-        body = body.rstrip()
-        key = _statement_key(body) if body and not body.startswith("#") else None
-        at = code.find(stmts[keys.index(key)]) if key is not None and keys.count(key) == 1 else -1
-        if at >= 0:
-            old = stmts[keys.index(key)]
-            out.append(code[:at] + body + code[at + len(old) :] + (sep + note if sep else ""))
-        else:
-            out.append(text)
-    return "\n".join(out)
-
-
-def _whole_lines(
-    func: Callable[[RuleContext], Iterator[Diagnosis]],
-) -> Callable[[RuleContext], Iterator[Diagnosis]]:
-    """A rule whose fixes keep the rest of the user's line (:func:`_on_its_line`)."""
-
-    @functools.wraps(func)
-    def run(ctx: RuleContext) -> Iterator[Diagnosis]:
-        for d in func(ctx):
-            if d.fix and d.source:
-                d.fix = _on_its_line(d.source, d.fix)
-            yield d
-
-    return run
+#: a rule whose fixes keep the rest of the user's line (:func:`on_its_line`)
+_whole_lines = whole_lines
 
 
 def _chain_evidence(ev: OpEvent, trigger: OpEvent, what: str) -> list[str]:
@@ -9641,6 +9580,39 @@ def _loss_note_source(ctx: RuleContext) -> str | None:
     return None
 
 
+def _in_loop(source: str | None) -> bool:
+    """Line ``source`` (``train.py:42``) runs in the body of a ``for``/``while`` loop of
+    its own function (or of the module's top level): a ``continue`` there skips the batch.
+    False when it does not, or when the file cannot be read and parsed."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return False
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return False
+    line = int(num)
+
+    def walk(node: ast.AST, looped: bool) -> bool | None:
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, ast.stmt):
+                continue
+            end = child.end_lineno or child.lineno
+            if not child.lineno <= line <= end:
+                continue
+            scope = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            here = (
+                False if scope else looped or isinstance(child, (ast.For, ast.AsyncFor, ast.While))
+            )
+            inner = walk(child, here)
+            return here if inner is None else inner
+        return None
+
+    return bool(walk(tree, False))
+
+
 def _empty_batch(sf: Shortfall) -> bool:
     """The class loss got no sample at all (an empty draw from a replay buffer, an empty
     selection): not targets that were ignored or weigh nothing."""
@@ -9676,6 +9648,16 @@ def _empty_batch_fix(site: _LossSite) -> str:
     ):
         term = f"({site.segment} if {cond} else 0)"
         return site.stmt.replace(site.segment, term, 1) + f"   # {why}"
+    if isinstance(top, ast.Return) and not _in_loop(site.source):
+        x = paren(site.x)
+        return (
+            f"if not {cond}:   # an empty batch has no loss: 0, not NaN (backward still runs)\n"
+            f"    return {x}.sum() * 0\n" + site.stmt
+        )
+    if not _in_loop(site.source):  # no loop to continue: 0 for an empty batch
+        x = paren(site.x)
+        term = f"({site.segment} if {cond} else {x}.sum() * 0)"
+        return site.stmt.replace(site.segment, term, 1) + "   # 0, not NaN, for an empty batch"
     return (
         f"if not {cond}:\n    continue   # an empty batch has no loss: skip the step\n" + site.stmt
     )
@@ -9842,6 +9824,7 @@ class _LossSite:
     #: the call is one term of a sum with other calls (``bce(a, b) + ce(x, y)``): it can be
     #: replaced by 0 alone
     term: bool = False
+    source: str | None = None  #: where the statement is, ``train.py:42``
 
 
 def _post_order(node: ast.AST) -> Iterator[ast.Call]:
@@ -9889,6 +9872,7 @@ def _loss_site(
     paths = {p for p in (ev.path, a.path) if p}
     mine = [n for n in notes if n.path in paths] or [n for n in notes if family(_note_name(n))]
     note = next((n for n in reversed(mine) if _empty_input(n)), mine[-1] if mine else None)
+    where = ev.source if code and code == ev.code else note.source if note is not None else None
     for stmt in statements(code):
         try:
             tree = ast.parse(stmt)
@@ -9926,9 +9910,8 @@ def _loss_site(
         if site is not None:
             seg = ast.get_source_segment(stmt, site[0]) or ""
             callee = ast.unparse(site[0].func)
-            return _LossSite(
-                stmt, seg, *site[1], callee, functional, False, assigned, _a_term(tree, site[0])
-            )
+            term = _a_term(tree, site[0])
+            return _LossSite(stmt, seg, *site[1], callee, functional, False, assigned, term, where)
         if (
             note is not None
             and _functional_name(note)
@@ -9944,10 +9927,39 @@ def _loss_site(
             if model is None:
                 return None
             seg = ast.get_source_segment(stmt, model) or ""
+            made = _made_by(where, ast.unparse(model.func))
+            xy = _xy(stmt, model)
+            if made is not None and family(made) and xy is not None:  # a loss module's call
+                callee, term = ast.unparse(model.func), _a_term(tree, model)
+                return _LossSite(stmt, seg, *xy, callee, False, False, assigned, term, where)
             y = _labels_arg(stmt, model)
             callee = ast.unparse(model.func)
-            return _LossSite(stmt, seg, "", y, callee, True, True, assigned)
+            return _LossSite(stmt, seg, "", y, callee, True, True, assigned, source=where)
     return None
+
+
+def _made_by(source: str | None, name: str) -> str | None:
+    """The class or function whose call the user's file assigns to ``name`` (``ce =
+    nn.CrossEntropyLoss()`` -> ``nn.CrossEntropyLoss``; ``self.crit = ...`` for
+    ``self.crit``), when every such assignment calls the same one; None otherwise, or when
+    the file of ``source`` (``train.py:42``) cannot be read and parsed."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return None
+    made = {
+        ast.unparse(n.value.func)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Assign)
+        and isinstance(n.value, ast.Call)
+        and any(ast.unparse(t) == name for t in n.targets)
+    }
+    return made.pop() if len(made) == 1 else None
 
 
 def _a_term(tree: ast.AST, node: ast.Call) -> bool:
@@ -10014,6 +10026,59 @@ def _module_term_fix(site: _LossSite, ii: int, sf: Shortfall) -> str:
     return site.stmt.replace(site.segment, term, 1) + f"   # 0, not NaN, {why}"
 
 
+#: the functional losses whose reduction='mean' is their reduction='sum' divided by the
+#: input's number of elements (cross-entropy and NLL divide by the targets' total weight)
+_ELEMENTWISE_MEAN = frozenset(
+    {
+        "binary_cross_entropy",
+        "binary_cross_entropy_with_logits",
+        "mse_loss",
+        "l1_loss",
+        "smooth_l1_loss",
+        "huber_loss",
+        "soft_margin_loss",
+    }
+)
+
+
+def _elementwise_mean(callee: str) -> bool:
+    """``callee`` (``F.mse_loss``, ``torch.nn.functional.l1_loss``) is such a loss."""
+    return callee.rsplit(".", 1)[-1] in _ELEMENTWISE_MEAN
+
+
+def _empty_loss_fix(site: _LossSite) -> str:
+    """The user's statement with its loss call on an empty input made 0, not NaN, and the
+    loss unchanged otherwise: an elementwise loss function summed and divided by at least
+    1; any other loss guarded by its input's size, the empty case ``x.sum() * 0`` so that
+    backward still runs (a ``return`` of the call is preceded by an early return)."""
+    x = paren(site.x)
+    why = f"0, not NaN, when {site.x} is empty"
+    try:
+        top: ast.stmt | None = ast.parse(site.stmt).body[0]
+    except (SyntaxError, IndexError):
+        top = None
+    value = getattr(top, "value", None)
+    whole = value is not None and ast.get_source_segment(site.stmt, value) == site.segment
+    if site.functional and _elementwise_mean(site.callee):
+        tree = ast.parse(site.segment, mode="eval").body
+        assert isinstance(tree, ast.Call)
+        tree.keywords = [k for k in tree.keywords if k.arg != "reduction"]
+        tree.keywords.append(ast.keyword("reduction", ast.Constant("sum")))
+        term = f"{ast.unparse(tree)} / max({x}.numel(), 1)"
+        why += "; the mean otherwise"
+    else:
+        if isinstance(top, ast.Return) and whole:
+            return (
+                f"if {x}.numel() == 0:\n"
+                f"    return {x}.sum() * 0   # {why} (0 keeps the graph: backward runs)\n"
+                + site.stmt
+            )
+        term = f"{site.segment} if {x}.numel() else {x}.sum() * 0"
+    if not whole:
+        term = f"({term})"
+    return site.stmt.replace(site.segment, term, 1) + f"   # {why}"
+
+
 def _empty_term_fix(site: _LossSite) -> str:
     """The user's loss call on an empty selection, one term of a sum of losses, made 0, not
     NaN: a loss module's call guarded by the input's size; a loss function summed and
@@ -10043,13 +10108,14 @@ def _model_loss_fix(site: _LossSite, ii: int, sf: Shortfall) -> str:
         head = "# labels: the labels given to the model on this line\n"
     why = "no label counts" if sf.weight is None else "no label weighs anything"
     cond = f"({y} != {ii}).any()"
+    skip = (
+        f"if not {cond}:\n    continue   # skip this batch before the forward\n"
+        if _in_loop(site.source)  # no loop around the line: skip where the batch is drawn
+        else f"# skip such a batch in the training loop, before this line runs: if not {cond}\n"
+    )
     out = (
         "# the model computes a mean loss over the labels it is given: 0/0 when "
-        f"{why}\n"
-        + head
-        + f"if not {cond}:\n"
-        + "    continue   # skip this batch before the forward\n"
-        + site.stmt
+        f"{why}\n" + head + skip + site.stmt
     )
     m = re.fullmatch(r'(\w+)\["labels"\]', y)
     if m is not None and site.assigned and sf.weight is None and site.segment in site.stmt:
@@ -10174,10 +10240,18 @@ def _mean_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
         site = _loss_site(ctx, a, ev, ev.code, family)
         if site is not None and site.term:
             return _empty_term_fix(site)
+        if site is not None and not site.inside:
+            return _empty_loss_fix(site)
+        returns = any(st.lstrip().startswith("return ") for st in statements(ev.code))
+        head = "return" if returns else "loss ="
+        if _elementwise_mean(fn):
+            call = f"{fn}(pred, y, reduction='sum') / max(pred.numel(), 1)"
+        else:
+            call = f"{fn}(pred, y) if pred.numel() else pred.sum() * 0"
         return (
-            "if pred.numel() == 0: continue   # skip the empty batch\n"
-            "# or sum and divide by a count that is at least 1:\n"
-            f"loss = {fn}(pred, y, reduction='sum') / max(pred.numel(), 1)"
+            f"# e.g. {head} {call}   # pred, y the loss's input and target: 0, not NaN, "
+            "when pred is empty\n"
+            "# or skip the batch: if pred.numel(): loss.backward()"
         )
     own = _mean_own_line(ev.code)
     if own is not None and own[1]:
