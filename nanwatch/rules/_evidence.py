@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from nanwatch._domains import Domain, domain_of
 from nanwatch.records import (
@@ -28,9 +28,6 @@ from nanwatch.records import (
     TensorStat,
 )
 from nanwatch.stats import DtypeLimits, dtype_limits
-
-if TYPE_CHECKING:
-    from nanwatch.rules.base import Diagnosis, RuleContext
 
 # ---------------------------------------------------------------------- numbers
 
@@ -1013,23 +1010,6 @@ def on_its_line(source: str | None, fix: str) -> str:
         else:
             out.append(text)
     return "\n".join(out)
-
-
-def whole_lines(
-    func: Callable[[RuleContext], Iterator[Diagnosis]],
-) -> Callable[[RuleContext], Iterator[Diagnosis]]:
-    """A rule whose fixes keep the rest of the user's line (:func:`on_its_line`): decorate
-    a rule whose fix rewrites statements that :func:`statements` took out of a one-line
-    compound statement, and the pasted line keeps its ``else:`` / ``if c:`` header."""
-
-    @functools.wraps(func)
-    def run(ctx: RuleContext) -> Iterator[Diagnosis]:
-        for d in func(ctx):
-            if d.fix and d.source:
-                d.fix = on_its_line(d.source, d.fix)
-            yield d
-
-    return run
 
 
 def rewrite_divisor(code: str | None, wrap: Callable[[str], str]) -> str | None:

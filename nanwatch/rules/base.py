@@ -451,6 +451,13 @@ def evaluate(
             out.extend(found)
     out.sort(key=sort_key)
     for d in out:
+        if d.fix and d.source:
+            # a rewrite of one statement of a one-line compound statement goes back into
+            # the user's whole line: under its ``else:`` / ``if c:``, beside its other
+            # ``;`` statements (a pasted ``score = ...`` alone ran whatever the branch)
+            from nanwatch.rules._evidence import on_its_line
+
+            d.fix = on_its_line(d.source, d.fix)
         if d.cli:
             _for_cli(d)
     return _birth_first(out, trace.anomaly)

@@ -83,7 +83,6 @@ from nanwatch.rules._evidence import (
     target_log,
     untraced_hint,
     watched_params,
-    whole_lines,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 from nanwatch.rules.generic import parametrization
@@ -96,7 +95,6 @@ _SAVED = "saved "
 
 
 #: a rule whose fixes keep the rest of the user's line (:func:`on_its_line`)
-_whole_lines = whole_lines
 
 
 def _chain_evidence(ev: OpEvent, trigger: OpEvent, what: str) -> list[str]:
@@ -124,7 +122,6 @@ def _chain_evidence(ev: OpEvent, trigger: OpEvent, what: str) -> list[str]:
     ),
     priority=12,
 )
-@_whole_lines
 def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
@@ -3486,7 +3483,6 @@ def _near_zero_division(
     ),
     priority=12,
 )
-@_whole_lines
 def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
@@ -7508,7 +7504,6 @@ _ROOT_NODES = frozenset({"Sqrt", "Rsqrt", "Pow", "Cdist", "Norm", "LinalgVectorN
     ),
     priority=12,
 )
-@_whole_lines
 def root_at_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
@@ -9327,7 +9322,6 @@ def _root_backward_untraced(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]
     ),
     priority=12,
 )
-@_whole_lines
 def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
@@ -10477,7 +10471,6 @@ def _mean_own_line(code: str | None) -> tuple[str, bool] | None:
     ),
     priority=12,
 )
-@_whole_lines
 def outside_its_domain(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
