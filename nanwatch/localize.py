@@ -1596,6 +1596,11 @@ def localize(
             by = "the last update (optimizer step)"
             if writer is not None and writer.get("after_optimizer"):
                 by = "a write after the last optimizer step (not the update)"
+                if writer.get("replaced"):
+                    by = (
+                        "a write after the last optimizer step (not the update) that replaced "
+                        "its tensor (a .data assignment)"
+                    )
             elif writer is not None and writer.get("optimizer") is None:
                 by = (
                     "code outside an optimizer step (no torch.optim optimizer updated it: a "
@@ -1605,6 +1610,13 @@ def localize(
                 f"{what} in the weights of {parameter}: made non-finite by {by}, not by this "
                 "step's computation"
             )
+            if writer is not None and writer.get("op") and writer.get("op_source"):
+                # forensic: the op that wrote it (0/0 of a w / w.norm() of a zero row)
+                summary = (
+                    f"{what} in the weights of {parameter}: made non-finite by {by}: "
+                    f"{writer['op']} made {writer.get('op_born') or what} at "
+                    f"{writer['op_source']}"
+                )
 
     # a gradient from outside the modules was born in the loss code's backward: its op
     op = (

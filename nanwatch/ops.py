@@ -604,6 +604,13 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             self._prune_at = max(_SEEN_PRUNE, 2 * len(self._seen))
         return seen
 
+    def maker(self, t: torch.Tensor) -> OpEvent | None:
+        """The recorded op that made the non-finite values ``t`` holds, when this checker
+        saw it made (an in-place ``w.div_(w.norm(...))`` of a weight: the weight itself, or
+        a view's base); None otherwise."""
+        seen = self._lookup(t)
+        return seen.event if seen is not None else None
+
     def _lookup(self, t: torch.Tensor) -> _Seen | None:
         seen = self._seen.get(id(t))
         if seen is not None and seen.ref() is t:

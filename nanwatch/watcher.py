@@ -627,6 +627,10 @@ class Watcher:
         #: the optimizer that last stepped each weight (by the weight's id): its state is
         #: read for that weight only once the weight is found non-finite
         self._stepped_by: dict[int, weakref.ReferenceType[Any]] = {}
+        #: each weight's data pointer right after the last optimizer step that updated it
+        #: (by the weight's id): ``p.data = w / w.norm()`` after the step replaces the
+        #: weight's tensor and moves no version (NW301: written after the update)
+        self._stepped_ptr: dict[int, int] = {}
         #: each watched weight's gradient as the last optimizer step that updated it left
         #: it, followed through backward passes to see whether it was reset (NW307): id ->
         #: [weight, weak reference to its .grad, the .grad's version last seen, changed
@@ -1931,6 +1935,9 @@ class Watcher:
                         entry = stepped.get(key)
                         if entry is not None and entry[1] == gi:
                             stepped[key] = (entry[0], gi, p._version)
+                            ptr = _data_ptr(p)
+                            if ptr:
+                                self._stepped_ptr[key] = ptr
                         if key in watched:  # marks: see _grads_around_backward
                             grad = p.grad
                             if grad is None:
@@ -2865,13 +2872,35 @@ class Watcher:
                 if stepped is None and not at_end:
                     stepped = self._stepped_prev.get(id(param))
                 after = stepped is not None and stepped[2] not in (-1, param._version)
+                if stepped is not None and stepped[2] != -1 and not after:
+                    # a .data assignment after the update: a new tensor, the same version
+                    ptr = self._stepped_ptr.get(id(param))
+                    after = ptr is not None and ptr != _data_ptr(param)
                 at_attach = self._attach_versions.get(id(param))
                 if stepped is not None:
                     self._read_optimizer_state(q, param, bad_state)
+                # forensic: the op that wrote it outside the update, and its line
+                written = (
+                    self._weight_writer_op(param, q, after=after)
+                    if stepped is None or after
+                    else None
+                )
+                by_op: dict[str, Any] = {}
+                if written is not None:
+                    by_op = {
+                        "op": written.op,
+                        "op_born": written.born,
+                        "op_source": written.source,
+                        "op_code": written.code,
+                        "op_scalars": dict(written.scalars),
+                    }
                 self.note(
                     "weight_writer",
                     path,
                     parameter=q,
+                    **by_op,
+                    # the update left another tensor in it (p.data = ... after the step)
+                    replaced=bool(after and stepped and stepped[2] == param._version),
                     optimizer=stepped[0] if stepped and not after else None,
                     group=stepped[1] if stepped and not after else None,
                     after_optimizer=stepped[0] if after and stepped else None,
@@ -2893,6 +2922,35 @@ class Watcher:
             for i, r in enumerate(front):
                 r.index = -len(front) + i
             self._trace.records[:0] = front
+
+    def _weight_writer_op(
+        self, param: nn.Parameter, qualname: str, *, after: bool
+    ) -> OpEvent | None:
+        """Forensic: the op that made the NaN/inf of weight ``param`` (found non-finite,
+        written by no optimizer, or ``after`` one): the op the checker saw write it in place
+        (``w.div_(w.norm(...))`` under no_grad), else, for a write after the update, the
+        first op since the update that made a non-finite tensor of the weight's size on a
+        line that names the weight (``w.data = w.data / w.data.norm(...)`` replaces its
+        tensor: the op made the new one). None when the checker recorded neither."""
+        chk = self._checker
+        if chk is None:
+            return None
+        made = chk.maker(param)
+        if made is not None and made.phase is Phase.FORWARD and not made.injected:
+            return made
+        if not after or self._ops_mark is None:
+            return None
+        leaf = re.compile(rf"\b{re.escape(qualname.rsplit('.', 1)[-1])}\b")
+        for ev in chk.events[self._ops_mark :]:
+            if (
+                ev.phase is Phase.FORWARD
+                and not ev.injected
+                and ev.output.numel == param.numel()
+                and ev.code
+                and leaf.search(ev.code)
+            ):
+                return ev
+        return None
 
     def _read_optimizer_state(
         self, qualname: str, param: nn.Parameter, out: dict[str, list[list[str]]]
@@ -3266,11 +3324,13 @@ class Watcher:
         return done
 
     def _last_update_checked(self) -> bool:
-        """At detach, when no step is open: sentinel (and a sampled-out watch step) reads no
-        weight after an update, the next step's forward shows a bad one; the run's last
-        update has no next step. Its weights are read once here (one max per weight), and
-        the bad ones recorded: True then, and that step is flushed like any other. A
-        saved checkpoint of NaN weights must not end a run with an empty report."""
+        """Sentinel (and a sampled-out watch step) reads no weight after an update: the next
+        step's forward shows a bad one. The run's last update has no next step (at detach,
+        when no step is open), and a step cut short by an exception before its loss shows
+        nothing: there the weights are read once (one max per weight), and the bad ones
+        recorded: True then, and that step is flushed like any other. A saved checkpoint of
+        NaN weights must not end a run with an empty report, nor a crash it caused with a
+        post-mortem that does not say so."""
         last = self.history[-1] if self.history else None
         if (
             last is None
@@ -4351,16 +4411,25 @@ class Watcher:
         while frame is not None and len(frames) < 32:
             frames.append(frame)
             frame = _frames.user_frame(frame.f_back)
-        if not frames:
-            return
 
         def scopes(f: Any) -> list[Any]:
             local = f.f_locals
             attrs = getattr(local.get("self"), "__dict__", None)
             return [n for n in (local, attrs, f.f_globals) if hasattr(n, "items")]
 
-        wanted: dict[str, Any] = {}
         roots = [(m, info) for m, info in self._modules if info.is_root]
+        if not any(info.is_loss for _, info in roots) and not any(
+            "criterion" in names for f in frames for names in scopes(f)
+        ):
+            # no loss module watched and no ``criterion`` in the user's code: a template's
+            # ``loss = criterion(model(x), y)`` would call a name that does not exist
+            for d in diagnoses:
+                if d.fix and "criterion(" in d.fix:
+                    d.fix = _without_criterion(d.fix, self._backward_site[0])
+        if not frames:
+            return
+
+        wanted: dict[str, Any] = {}
         # one watched model, one loss: with several (a backbone and a head), "model" is
         # their composition, which has no name of its own
         models = [m for m, info in roots if not info.is_loss]
@@ -4573,6 +4642,10 @@ class Watcher:
         self._quiet = True
         try:
             if ended is None:
+                if not self._updated and not isinstance(exc, NanwatchError):
+                    # the step ran on the weights the last update wrote, which sentinel
+                    # never read: a NaN there is what the post-mortem must lead with
+                    self._last_update_checked()
                 self._boundary()
         except Exception as inner:
             self.faults.append(("post-mortem flush", f"{type(inner).__name__}: {inner}"))
@@ -4803,6 +4876,32 @@ def _distributed() -> tuple[int, int] | None:
         return (int(dist.get_rank()), size) if size > 1 else None
     except Exception:  # a backend without a default group, a torch without it
         return None
+
+
+_CRITERION_LINE = re.compile(r"^(?P<indent>\s*)(?P<target>[A-Za-z_]\w*)\s*=\s*criterion\(")
+
+
+def _without_criterion(code: str, backward_at: str | None) -> str:
+    """``code`` (a template fix) with each line that assigns ``criterion(...)`` and says it
+    is a pattern (the replay's ``step_fn``) made a placeholder for the user's own forward
+    and loss: the user's code has no ``criterion``.
+
+    >>> _without_criterion("    loss = criterion(model(x), y)   # a pattern: ...", None)
+    '    loss = ...   # a pattern: write your forward and loss here, as in your training step'
+    """
+    out = []
+    for line in code.split("\n"):
+        cut = _comment_start(line)
+        m = _CRITERION_LINE.match(line[:cut])
+        if m is None or "a pattern" not in line[cut:]:
+            out.append(line)
+            continue
+        where = f" (before its backward() at {backward_at})" if backward_at else ""
+        out.append(
+            f"{m.group('indent')}{m.group('target')} = ...   # a pattern: write your forward "
+            f"and loss here, as in your training step{where}"
+        )
+    return "\n".join(out)
 
 
 def _names_on_line(source: str | None) -> set[str]:

@@ -58,3 +58,27 @@ def test_a_users_exception_is_not_replaced_by_the_check_at_detach() -> None:
         opt.step()
         nw.step()
         raise ValueError("the user's own")
+
+
+def test_a_crash_after_an_update_that_broke_the_weights_leads_with_them() -> None:
+    """A NaN learning rate (a schedule's 0/0) breaks the weights at an update; the loop
+    raises its own error before the next forward, so sentinel never read them. The
+    post-mortem leads with the NaN weights and the exception goes on unchanged."""
+    model, opt, x = _model()
+    for g in opt.param_groups:
+        g["lr"] = 1e-3
+    nw = nanwatch.watch(model, mode="sentinel", postmortem=False)
+    with pytest.raises(ValueError, match="math domain error"), nw:
+        for step in range(3):
+            if step == 2:
+                raise ValueError("math domain error")  # math.cos(nan) in the schedule
+            model(x).pow(2).mean().backward()
+            if step == 1:
+                opt.param_groups[0]["lr"] = float("nan")
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+    last = nw.history[-1]
+    assert last.error is not None and last.diagnoses, last
+    assert last.diagnoses[0].code == "NW301"
+    assert "learning rate" in last.diagnoses[0].title
