@@ -13,7 +13,7 @@ import math
 import re
 import statistics
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -2419,6 +2419,215 @@ def _numbers(v: object) -> list[float]:
     return []
 
 
+@dataclass(frozen=True)
+class _LrDivision:
+    """A division in the user's learning-rate schedule (the code that writes
+    ``g["lr"] = ...``) whose divisor can be 0: ``where`` (``file:line``), the function,
+    the line, the divisor's source, the values of the names in it (when read), whether it
+    is 0 now, and the line with the divisor kept at 1 or more (None when that does not
+    parse)."""
+
+    where: str
+    func: str
+    code: str
+    divisor: str
+    values: tuple[tuple[str, float], ...]
+    zero: bool
+    fixed: str | None
+
+
+_ARITH = {ast.Add: float.__add__, ast.Sub: float.__sub__, ast.Mult: float.__mul__}
+
+
+def _read_number(node: ast.expr, ns: dict[str, Any], seen: dict[str, float]) -> float | None:
+    """The value of a divisor made of names, attributes, numbers, ``+ - *``, read from
+    ``ns`` without running any code of the user's (attributes through ``vars``); the names
+    read go to ``seen``. None when it is made of anything else or a name is not there."""
+    if isinstance(node, ast.Constant):
+        v = node.value
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        x = _read_number(node.operand, ns, seen)
+        return None if x is None else (-x if isinstance(node.op, ast.USub) else x)
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITH:
+        lhs, rhs = _read_number(node.left, ns, seen), _read_number(node.right, ns, seen)
+        if lhs is None or rhs is None:
+            return None
+        return _ARITH[type(node.op)](lhs, rhs)
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        value: Any
+        if isinstance(node, ast.Name):
+            if node.id not in ns:
+                return None
+            value = ns[node.id]
+        else:
+            base = node.value
+            if not isinstance(base, ast.Name) or base.id not in ns:
+                return None
+            try:
+                value = vars(ns[base.id]).get(node.attr)
+            except TypeError:  # no __dict__
+                return None
+        if isinstance(value, bool) or (
+            isinstance(value, torch.Tensor) and (value.numel() != 1 or value.device.type != "cpu")
+        ):
+            return None  # a CUDA tensor is not read: no sync
+        try:
+            number = float(value)  # an int, a float, a numpy scalar, a CPU scalar tensor
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        if not math.isfinite(number):
+            return None
+        seen[ast.unparse(node)] = number
+        return number
+    return None
+
+
+def _count_divisor(node: ast.expr) -> bool:
+    """A divisor that is a count or a difference of two (``warmup_steps``,
+    ``total - warmup``, ``self.total_steps - self.warmup``): names, attributes and whole
+    numbers joined by ``+ - *``, with at least one name. Not a guarded ``max(1, n)``."""
+    names = False
+    for sub in ast.walk(node):
+        if isinstance(sub, (ast.Name, ast.Attribute)):
+            names = True
+        elif isinstance(sub, ast.Constant):
+            if not isinstance(sub.value, int) or isinstance(sub.value, bool):
+                return False
+        elif not isinstance(
+            sub,
+            (ast.BinOp, ast.UnaryOp, ast.Load, ast.Add, ast.Sub, ast.Mult, ast.USub, ast.UAdd),
+        ):
+            return False
+    return names
+
+
+def _writes_lr(node: ast.AST) -> bool:
+    """``node`` holds a write of a param group's learning rate: ``g["lr"] = ...``."""
+    for sub in ast.walk(node):
+        targets = (
+            sub.targets
+            if isinstance(sub, ast.Assign)
+            else [sub.target]
+            if isinstance(sub, ast.AugAssign)
+            else []
+        )
+        for t in targets:
+            if (
+                isinstance(t, ast.Subscript)
+                and isinstance(t.slice, ast.Constant)
+                and t.slice.value == "lr"
+            ):
+                return True
+    return False
+
+
+def _own_names(scope: ast.AST) -> set[str]:
+    """The names ``scope`` binds itself: its arguments and the names it assigns."""
+    out: set[str] = set()
+    if isinstance(scope, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        a = scope.args
+        out |= {x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)}
+        out |= {x.arg for x in (a.vararg, a.kwarg) if x is not None}
+    for sub in ast.walk(scope):
+        if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+            out.add(sub.id)
+    return out
+
+
+def _lr_divisions() -> list[_LrDivision]:
+    """The divisions by a count or a difference of counts (``total_steps -
+    warmup_steps``) in the user's learning-rate schedule: the functions of the files of the
+    running user frames that write ``g["lr"] = ...``, and the functions of their file they
+    call. Those whose divisor reads 0 now come first; [] when none is found (no user frame
+    on the stack: a report read later)."""
+    import linecache
+
+    frames: list[Any] = []
+    f = _frames.user_frame(sys._getframe(1))
+    while f is not None and len(frames) < 32:
+        frames.append(f)
+        f = _frames.user_frame(f.f_back)
+    out: list[_LrDivision] = []
+    done: set[str] = set()
+    for frame in frames:
+        path = frame.f_code.co_filename
+        if path in done:
+            continue
+        done.add(path)
+        lines = [ln.rstrip("\n") for ln in linecache.getlines(path)]
+        try:
+            tree = ast.parse("\n".join(lines))
+        except (SyntaxError, ValueError):
+            continue
+        writers: list[ast.AST] = [
+            d
+            for d in ast.walk(tree)
+            if isinstance(d, (ast.FunctionDef, ast.AsyncFunctionDef)) and _writes_lr(d)
+        ]
+        # the innermost functions that write it (not the function that holds one)
+        writers = [d for d in writers if not any(w is not d and w in ast.walk(d) for w in writers)]
+        if not writers and _writes_lr(tree):  # a script's top-level loop writes it
+            writers = [s for s in tree.body if _writes_lr(s)]
+        scopes: list[ast.AST] = []
+        for w in writers:
+            scopes.extend(sc for sc in _scopes_with_callees(tree, w) if sc not in scopes)
+        live = {id(fr.f_code): fr for fr in frames if fr.f_code.co_filename == path}
+        for sc in scopes:
+            func = getattr(sc, "name", "<module>")
+            ns = dict(frame.f_globals)
+            running = next(
+                (
+                    fr
+                    for fr in live.values()
+                    if fr.f_code.co_name == func
+                    and (func == "<module>" or getattr(sc, "lineno", 0) == fr.f_code.co_firstlineno)
+                ),
+                None,
+            )
+            if running is not None:
+                ns.update(running.f_locals)
+            elif isinstance(sc, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for n in _own_names(sc):  # its own names hold the values of its last call
+                    ns.pop(n, None)
+            for node in ast.walk(sc):
+                if not (
+                    isinstance(node, ast.BinOp)
+                    and isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod))
+                    and _count_divisor(node.right)
+                ):
+                    continue
+                r = node.right
+                if r.lineno != r.end_lineno or not 0 < r.lineno <= len(lines):
+                    continue
+                seen: dict[str, float] = {}
+                value = _read_number(r, ns, seen)
+                if value is not None and value != 0:
+                    continue  # not 0 now: not this division
+                row = lines[r.lineno - 1]
+                lo, hi = r.col_offset, r.end_col_offset or r.col_offset
+                if lo > 0 and row[lo - 1] == "(" and row[hi : hi + 1] == ")":
+                    lo, hi = lo - 1, hi + 1  # the divisor's own parentheses
+                fixed: str | None = (row[:lo] + f"max(1, {ast.unparse(r)})" + row[hi:]).strip()
+                try:
+                    ast.parse(fixed or "")
+                except SyntaxError:
+                    fixed = None
+                out.append(
+                    _LrDivision(
+                        where=_frames.describe_line(path, r.lineno)[0],
+                        func=func,
+                        code=row.strip(),
+                        divisor=ast.unparse(r),
+                        values=tuple(seen.items()) if value is not None else (),
+                        zero=value == 0,
+                        fixed=fixed,
+                    )
+                )
+    out.sort(key=lambda d: not d.zero)
+    return out
+
+
 def _update_itself(
     ctx: RuleContext, a: Anomaly, u: _Update, *, name: str, evidence: list[str]
 ) -> Diagnosis | None:
@@ -2428,29 +2637,60 @@ def _update_itself(
     lrs = _numbers(u.group.get("lr"))
     bad_lr = next((x for x in lrs if not math.isfinite(x)), None)
     if bad_lr is not None:
+        evidence = [
+            *evidence,
+            f"{u.optimizer}'s learning rate was {fmt(bad_lr)} at the update of step {u.step}"
+            + (f" (param group {u.group['group']})" if u.group.get("group") else ""),
+        ]
+        check = (
+            "import math\n"
+            f"lr = optimizer.param_groups[{u.group.get('group', 0)}]['lr']\n"
+            "assert math.isfinite(lr), lr   # right after each change of the lr"
+            + (" (scheduler.step())" if "initial_lr" in u.group else "")
+        )
+        try:
+            found = _lr_divisions() if math.isnan(bad_lr) or math.isinf(bad_lr) else []
+        except Exception:  # unreadable source: the generic hints stand
+            found = []
+        div = found[0] if found else None
+        where = ""
+        if div is not None:
+            now = ", ".join(f"{k} = {fmt(v)}" for k, v in div.values)
+            where = f"{div.where}, in {div.func}: {div.code} divides by {div.divisor}" + (
+                f", which is 0 ({now})" if div.zero and now else ", which can be 0"
+            )
+            evidence.append(where)
+        hints = (
+            "\n# warmup: step / max(1, warmup_steps), never step / warmup_steps"
+            "\n# after a warmup: (step - warmup) / max(1, total - warmup): 0/0 when "
+            "total == warmup"
+            "\n# a decay: (1 - step / total) ** p needs step <= total: clamp the step"
+        )
+        if div is not None and div.fixed is not None:
+            fix = (
+                f"# {div.where}, in {div.func}: {div.divisor}"
+                + (" is 0 here" if div.zero else " can be 0")
+                + " (x/0 is inf, 0/0 NaN): keep it at 1 or more\n"
+                + div.fixed
+                + "\n"
+                + check
+            )
+        else:
+            fix = check + hints
         return ctx.diagnosis(
             **anomaly_fields(a),
             title="Non-finite learning rate",
-            evidence=[
-                *evidence,
-                f"{u.optimizer}'s learning rate was {fmt(bad_lr)} at the update of step {u.step}"
-                + (f" (param group {u.group['group']})" if u.group.get("group") else ""),
-            ],
+            evidence=evidence,
             explanation=(
                 f"The optimizer multiplied the gradient of {name} by a learning rate of "
                 f"{fmt(bad_lr)}: every weight it touched became non-finite at once, whatever "
                 "the gradients were. Learning-rate schedules written by hand produce it: a "
-                "warmup of 0 steps divides 0 by 0, a decay past its last step takes a "
-                "negative power or a log of 0."
+                "warmup of 0 steps divides 0 by 0, so does a decay phase of 0 steps (total "
+                "steps equal to the warmup's) in (step - warmup) / (total - warmup), a "
+                "decay past its last step takes a negative power or a log of 0."
+                + (f" Here: {where}." if where else "")
             ),
-            fix=(
-                "import math\n"
-                f"lr = optimizer.param_groups[{u.group.get('group', 0)}]['lr']\n"
-                "assert math.isfinite(lr), lr   # right after each change of the lr"
-                + (" (scheduler.step())" if "initial_lr" in u.group else "")
-                + "\n# warmup: step / max(1, warmup_steps), never step / warmup_steps"
-                + "\n# a decay: (1 - step / total) ** p needs step <= total: clamp the step"
-            ),
+            fix=fix,
         )
     if _normalized(u.optimizer) and 0.0 in _numbers(u.group.get("eps")):
         return _zero_eps(ctx, a, u, name=name, evidence=evidence)
@@ -4023,8 +4263,13 @@ def _owner_expr(ctx: RuleContext, path: str) -> str:
 
 def _root_of_name(ctx: RuleContext, name: str) -> str | None:
     """The watched root a qualified name starts with (a prefixed root's names carry its
-    name), when its owner made no call this step."""
+    name), when its owner made no call this step: a root that ran in this step or the one
+    before, else any watched root (an EMA copy whose weights were written before its first
+    forward)."""
     roots = [c.path for t in (*ctx.history[-1:], ctx.trace) for c in t.calls if c.root]
+    watched = ctx.facts.get("forward_params")
+    if isinstance(watched, Mapping):
+        roots += [r for r in watched if isinstance(r, str) and r not in roots]
     return next((r for r in roots if name == r or name.startswith(r + ".")), None)
 
 
