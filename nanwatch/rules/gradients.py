@@ -1964,13 +1964,17 @@ def _written_elsewhere(
     finite and something wrote it again): other code wrote the NaN/inf. When the step's
     records place the write in this step's forward (a data-dependent init, ActNorm's
     ``logs = log(1 / std)``), that is what it says, with the op and line when known."""
+    writer = _writer(ctx, name)
     how = (
-        f"{after} updated {name} and left it finite; it was written again after that "
-        "update (its version changed)"
+        f"{after} updated {name} and left it finite; "
+        + (
+            "its tensor was replaced after that update (a .data assignment, which moves no version)"
+            if (writer or {}).get("replaced")
+            else "it was written again after that update (its version changed)"
+        )
         if after
         else f"no optimizer step of the watched run updated {name} since the last check"
     )
-    writer = _writer(ctx, name)
     if not after and _finite_at_attach(writer) and not (writer or {}).get("since_attach"):
         how += (
             "; nanwatch's check at attach found it finite, and the write left its version "
@@ -1984,6 +1988,8 @@ def _written_elsewhere(
         zero = _zero_grad_before(ctx, name, a.record)
         if zero is not None and not (a.record.stat and a.record.stat.has_posinf):
             return _normalized_by_zero(ctx, a, zero, name=name, evidence=[*evidence, how])
+        if writer is not None and writer.get("op") and writer.get("op_source"):
+            return _written_by_op(ctx, a, writer, name=name, evidence=[*evidence, how])
         return ctx.diagnosis(
             **anomaly_fields(a),
             title="Non-finite weights written outside an optimizer step",
@@ -2033,6 +2039,170 @@ def _written_elsewhere(
         ),
         fix=fix,
     )
+
+
+def _written_by_op(
+    ctx: RuleContext, a: Anomaly, writer: dict[str, Any], *, name: str, evidence: list[str]
+) -> Diagnosis:
+    """Forensic: weight ``name`` was written outside an optimizer step (after one, or with
+    none) by the op the ``"weight_writer"`` note names, on the user's line ``op_code``: the
+    fix is at that line. A division by a norm (a TransE renormalization ``w / w.norm(dim=1)``
+    of an all-zero padding row: 0 / 0) gets the norm guarded in the line's own names."""
+    op, source = str(writer["op"]), str(writer["op_source"])
+    code = str(writer.get("op_code") or "").strip()
+    born = writer.get("op_born") or "NaN/inf"
+    after = writer.get("after_optimizer")
+    leaf = name.rsplit(".", 1)[-1]
+    evidence = [
+        *evidence,
+        f"{op} made {born} at {source}: {code} "
+        + ("(the write after the update)" if after else f"(the line that wrote {leaf})"),
+    ]
+    guarded = _guard_norms(code) if code else None
+    if guarded is not None:
+        text, recv, normalize = guarded
+        weight = _written_expr(code, leaf) or recv
+        rows = weight.removesuffix(".data")
+        pad = "Embedding" in (a.record.module_type or "")
+        zero = "an all-zero row" + (" (an Embedding's padding_idx row)" if pad else "")
+        fix = (
+            f"# at {source}: a division by a norm that is 0 for {zero}: 0 / 0 = NaN. "
+            "Guard the norm\n"
+            f"{text}   # in place of yours\n"
+            + (f"# or: {normalize}\n" if normalize else "")
+            + (
+                f"# or renormalize only the other rows ({rows}[1:] when row 0 is the padding row)"
+                if pad
+                else ""
+            )
+        ).rstrip()
+        cause = f"it divides by a norm, and {zero} of {name} has norm 0: 0 / 0 = NaN"
+    else:
+        key = op.split(".")[1] if "." in op else op
+        hint = _OP_HINTS.get(key, _OP_HINTS.get(key.rstrip("_"), ""))
+        check = _written_expr(code, leaf) or f"model.get_parameter({name!r})"
+        fix = (
+            f"# at {source}: {hint or 'keep what it writes finite'}\n"
+            f"assert torch.isfinite({check}).all(), {check + ' non-finite'!r}"
+            "   # right after that line"
+        )
+        cause = f"{op} on that line made {born}"
+    by = f"after {after} updated it and left it finite" if after else "by no optimizer"
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        source=source,
+        title="Non-finite weights written outside an optimizer step",
+        evidence=evidence,
+        explanation=(
+            f"{name} became non-finite {by}: your code at {source} wrote it ({cause}). "
+            "The learning rate is not the cause."
+        ),
+        fix=fix,
+    )
+
+
+#: torch functions that take the tensor whose norm they compute as their first argument
+_NORM_FUNCS = {"norm", "vector_norm"}
+#: calls that divide their receiver by their first argument
+_DIV_CALLS = {"div", "div_", "true_divide", "true_divide_"}
+_TORCH_NS = ("torch", "torch.linalg")
+
+
+def _guard_norms(code: str) -> tuple[str, str, str | None] | None:
+    """The user's line with each norm it divides by (``x / w.norm(dim=1, keepdim=True)``,
+    ``w.div_(w.norm(...))``, ``torch.linalg.vector_norm(w, ...)``) clamped to the dtype's
+    eps, the first norm's tensor, and, when the line is ``w / w.norm(dim=d)``, the same
+    line with ``torch.nn.functional.normalize(w, dim=d)``; None when it divides by none."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    divisors: list[ast.expr] = []
+    pairs: list[tuple[ast.expr, ast.expr, ast.expr]] = []  # (whole, numerator, divisor)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            divisors.append(node.right)
+            pairs.append((node, node.left, node.right))
+        elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Div):
+            divisors.append(node.value)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _DIV_CALLS
+            and node.args
+        ):
+            divisors.append(node.args[-1])
+            pairs.append((node, node.func.value if len(node.args) == 1 else node.args[0],
+                          node.args[-1]))  # fmt: skip
+    norms: list[tuple[ast.Call, ast.expr]] = []
+    for d in divisors:
+        for n in ast.walk(d):
+            of = _norm_of(n) if isinstance(n, ast.Call) else None
+            inside = any(_within(n, m) for m, _ in norms)
+            if of is not None and isinstance(n, ast.Call) and not inside:
+                norms.append((n, of))
+    if not norms:
+        return None
+
+    def seg(n: ast.AST) -> str:
+        return ast.get_source_segment(code, n) or ""
+
+    text = code
+    for n, of in sorted(norms, key=lambda x: (x[0].lineno, x[0].col_offset), reverse=True):
+        start = _offset(code, n.lineno, n.col_offset)
+        end = _offset(code, n.end_lineno or n.lineno, n.end_col_offset or 0)
+        guard = f"{seg(n)}.clamp_min(torch.finfo({seg(of)}.dtype).eps)"
+        text = text[:start] + guard + text[end:]
+    normalize = None
+    for whole, num, div in pairs:
+        of = _norm_of(div)
+        dim = _norm_dim(div) if isinstance(div, ast.Call) else None
+        if of is None or dim is None or ast.dump(of) != ast.dump(num):
+            continue
+        call = f"torch.nn.functional.normalize({seg(num)}, dim={dim})"
+        if isinstance(whole, ast.Call) and ast.unparse(whole.func).endswith("_"):
+            call = f"{seg(num)}.copy_({call})"
+        start = _offset(code, whole.lineno, whole.col_offset)
+        end = _offset(code, whole.end_lineno or whole.lineno, whole.end_col_offset or 0)
+        normalize = code[:start] + call + code[end:]
+        break
+    return text, seg(norms[0][1]), normalize
+
+
+def _norm_of(node: ast.AST) -> ast.expr | None:
+    """The tensor whose L2 norm ``node`` computes (``w.norm(...)``, ``torch.norm(w, ...)``,
+    ``torch.linalg.vector_norm(w, ...)``), or None."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return None
+    f = node.func
+    if f.attr not in _NORM_FUNCS:
+        return None
+    if ast.unparse(f.value) in _TORCH_NS:
+        return node.args[0] if node.args else None
+    return f.value if f.attr == "norm" else None
+
+
+def _norm_dim(call: ast.Call) -> str | None:
+    """The ``dim`` of an L2 norm call, as source, when it is one (``p`` absent or 2)."""
+    kw = {k.arg: ast.unparse(k.value) for k in call.keywords if k.arg}
+    func = call.func
+    method = not (isinstance(func, ast.Attribute) and ast.unparse(func.value) in _TORCH_NS)
+    args = [ast.unparse(x) for x in call.args[0 if method else 1 :]]
+    p = kw.get("p", kw.get("ord", args[0] if args else None))
+    dim = kw.get("dim", args[1] if len(args) > 1 else None)
+    return dim if p in (None, "2", "2.0") else None
+
+
+def _within(node: ast.AST, outer: ast.AST) -> bool:
+    """Whether ``node`` is ``outer`` or inside it."""
+    return any(n is node for n in ast.walk(outer))
+
+
+def _offset(code: str, line: int, col: int) -> int:
+    """The character offset in ``code`` of an AST (line, UTF-8 column) position."""
+    lines = code.splitlines(keepends=True)
+    before = sum(len(s) for s in lines[: line - 1])
+    return before + len(lines[line - 1].encode()[:col].decode(errors="ignore"))
 
 
 def _zero_grad_before(ctx: RuleContext, name: str, rec: Record) -> float | None:
