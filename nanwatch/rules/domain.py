@@ -1017,6 +1017,8 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
         )
     if made is not None and made not in ("softmax", "sigmoid"):
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
+    if made in ("softmax", "sigmoid"):
+        return _probability_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
     if made is None and arg is not None and _is_ratio(arg):
         return _unit_ratio_use(ev, what, zeros, x)
     if made is None:
@@ -1201,6 +1203,35 @@ def _rounded_below_zero(ev: OpEvent, x: TensorStat, what: str, arg: str | None) 
         ),
         evidence=f"{what} reached {fmt(x.min)}, within a few eps ({fmt(lim.eps)}) of its scale: "
         "a rounding error below 0, not a negative value",
+    )
+
+
+def _probability_made_use(
+    made: str, what: str, zeros: str, x: TensorStat, dtype: str, *, op: str | None = None
+) -> _LogUse:
+    """A log's argument with exact zeros that op evidence shows a softmax or a sigmoid made
+    (a watched output of its very values, or the loss graph's ``log <- softmax``): a
+    probability that underflowed; the log from the logits, a floor the only alternative."""
+    dt = dtype or "float32"
+    call, not_call = (
+        ("F.log_softmax(logits, dim=-1)", "torch.log(F.softmax(logits, dim=-1))")
+        if made == "softmax"
+        else ("F.logsigmoid(logits)", "torch.log(torch.sigmoid(logits))")
+    )
+    return _LogUse(
+        made,
+        fix=(
+            f"logp = {call}   # not {not_call}: logits, the {made}'s input; never 0\n"
+            f"# or keep the {made} and floor it: torch.log(p.clamp_min(torch.finfo(p.dtype)"
+            f".tiny)), {_log_tiny(dtype, op)} at the zeros"
+        ),
+        why=(
+            f"Its input is a {made} output with {zeros} (max {fmt(x.max)}): the {made} of a "
+            f"logit far below the others underflows to exactly 0 in {dt}, and its log is "
+            f"-inf, although the true log-probability is finite. {call} computes it from the "
+            "logits without forming the 0."
+        ),
+        evidence=f"{what} is a {made} output (log <- {made}): a probability that underflowed to 0",
     )
 
 
@@ -2198,7 +2229,10 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
                 z = (sig.group(1) or sig.group(2)).strip()
                 own = f"{stmt[:start]}F.logsigmoid({z}){stmt[end:]}"
                 return _LogUse(
-                    "sigmoid", f"{own}   # log(sigmoid(z)) without forming the 0\n" + _SIGMOID_FIX
+                    "sigmoid",
+                    f"{own}   # log(sigmoid(z)) without forming the 0\n"
+                    f"# or keep the sigmoid and floor it: "
+                    f"{stmt[:start]}{_floor_text(arg, ev.dtype)}{stmt[end:]}",
                 )
             soft = _SOFTMAX.match(arg)
             if soft is not None:
@@ -2209,7 +2243,10 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
                 )
                 own = f"{stmt[:start]}{inner}{stmt[end:]}"
                 return _LogUse(
-                    "softmax", f"{own}   # log(softmax(z)) without forming the 0\n" + _LOG_FIX
+                    "softmax",
+                    f"{own}   # log(softmax(z)) without forming the 0\n"
+                    f"# or keep the softmax and floor it: "
+                    f"{stmt[:start]}{_floor_text(arg, ev.dtype)}{stmt[end:]}",
                 )
         break
     hand = _naive_softplus_use(ctx, ev)
@@ -2232,6 +2269,13 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
     if kind == "softmax":
         return _LogUse("softmax", _LOG_FIX)
     return None
+
+
+def _floor_text(p: str, dtype: str | None) -> str:
+    """``torch.log(p.clamp_min(torch.finfo(<dtype>).tiny))`` for the probability ``p`` as
+    written, of the log's dtype."""
+    dt = f"torch.{dtype}" if dtype and re.fullmatch(r"[a-z]+\d*", dtype) else f"{paren(p)}.dtype"
+    return f"torch.log({paren(p)}.clamp_min(torch.finfo({dt}).tiny))"
 
 
 def _log_of(node: ast.expr) -> tuple[str, ast.expr] | None:
@@ -3832,6 +3876,12 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
         return
     evidence[1:1] = _which_division(ev) if not integer else []
+    normed = _self_normalization(ev) if not integer and den is not None else None
+    if normed is not None and den is not None:  # x / x.norm(): a zero vector, not a distance
+        yield _zero_vector_normalized(
+            ctx, a, ev, normed, den=den, fix=fix, evidence=evidence, title=title
+        )
+        return
     dist = (
         _distance_made(ctx, ev, den) if not integer and den is not None and has_zero(den) else None
     )
@@ -3845,7 +3895,8 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "The denominator is a norm or distance, and it was exactly 0: two points "
                 "at the same place (a duplicated atom or sample, the same coordinates "
                 "written twice) or a self-pair i == j in the list of pairs. 1/d is inf "
-                "there, and the norm's own gradient at 0 is NaN too. Remove the cause "
+                "there (and a distance written as sqrt(sum of squares) has a NaN gradient "
+                "at 0; torch's norm and cdist give 0 there). Remove the cause "
                 "where the pairs are built (drop i == j pairs, deduplicate the points); "
                 "the fix keeps the line finite meanwhile."
             ),
@@ -3862,6 +3913,159 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             "standard deviation or a range (max - min) of a feature that did not vary, a "
             "norm of an all-zero vector, a count of selected elements that was 0. x/0 is "
             "±inf and 0/0 is NaN, and the whole column or row goes bad from here."
+        ),
+        fix=fix,
+    )
+
+
+def _norm_operand(node: ast.expr) -> ast.expr | None:
+    """The tensor a norm call is taken of: ``x`` of ``x.norm(dim=-1)``,
+    ``torch.linalg.vector_norm(x, dim=-1)``; None for anything else."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    if isinstance(func, ast.Attribute) and func.attr == "norm":
+        if ast.unparse(func.value) in ("torch", "torch.linalg"):
+            return node.args[0] if node.args else None
+        return func.value
+    if ast.unparse(func) in _NORM_FUNCS and node.args:
+        return node.args[0]
+    return None
+
+
+@dataclass(frozen=True)
+class _Normalized:
+    """A division of a tensor by its own norm on the user's line (``q / q.norm(...)``)."""
+
+    stmt: str  #: the statement that holds the division
+    x: str  #: the tensor normalized, as written
+    divisor: str  #: the divisor, as written (a norm call, or a name assigned one)
+    made: str | None  #: the assignment of that name, when the divisor is a name
+
+
+def _self_normalization(ev: OpEvent) -> _Normalized | None:
+    """The user's division when its divisor is the norm of its own numerator (``x /
+    x.norm(dim=-1, keepdim=True)``, or ``x / n`` with ``n = x.norm(...)`` above): a
+    normalization, whose 0/0 is a zero vector, not two points at the same place."""
+    picked = _picked_division(ev)
+    if picked is None:
+        return None
+    stmt, div, _ = picked
+    right: ast.expr = div.right
+    made = None
+    if isinstance(right, ast.Name):
+        value = _unconditional_assignment(ev, right.id)
+        if value is None:
+            return None
+        made = _assigned_before(ev.source, right.id)
+        right = value
+    operand = _norm_operand(right)
+    if operand is None or ast.unparse(operand) != ast.unparse(div.left):
+        return None
+    x = ast.get_source_segment(stmt, div.left) or ast.unparse(div.left)
+    d = ast.get_source_segment(stmt, div.right) or ast.unparse(div.right)
+    return _Normalized(stmt=stmt, x=x, divisor=d, made=made)
+
+
+def _function_lines(source: str | None, reach: int = 200) -> list[tuple[int, str]]:
+    """The lines (number, text) of the function that holds line ``source``
+    (``file.py:42``), read from the file; [] when it cannot be read."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return []
+    line = int(num)
+    here = linecache.getline(path, line)
+    indent = len(here) - len(here.lstrip())
+    start = None
+    for n in range(line - 1, max(0, line - reach), -1):
+        text = linecache.getline(path, n)
+        if re.match(r"\s*(?:async\s+)?def\s", text) and len(text) - len(text.lstrip()) < indent:
+            start = n
+            break
+    if start is None:
+        return []
+    top = linecache.getline(path, start)
+    depth = len(top) - len(top.lstrip())
+    out: list[tuple[int, str]] = []
+    for n in range(start + 1, start + reach):
+        text = linecache.getline(path, n)
+        if not text:
+            break
+        if text.strip() and len(text) - len(text.lstrip()) <= depth:
+            break
+        out.append((n, text))
+    return out
+
+
+def _same_normalizations(ev: OpEvent, x: str) -> list[tuple[int, str, str]]:
+    """The other hand-written L2 normalizations (``k = k / k.norm(dim=-1, keepdim=True)``)
+    in the function of the user's line, each (line number, tensor, its F.normalize
+    rewrite): the same 0/0 waits there for the next run once this line is fixed."""
+    line = int((ev.source or "").rpartition(":")[2] or 0)
+    out: list[tuple[int, str, str]] = []
+    for n, text in _function_lines(ev.source):
+        if n == line:
+            continue
+        for stmt in statements(text.split("  #", 1)[0].strip()):
+            if not stmt.isascii():
+                continue
+            try:
+                tree = ast.parse(stmt)
+            except SyntaxError:
+                continue
+            for div in ast.walk(tree):
+                if not (isinstance(div, ast.BinOp) and isinstance(div.op, ast.Div)):
+                    continue
+                operand = _norm_operand(div.right)
+                if operand is None or ast.unparse(operand) != ast.unparse(div.left):
+                    continue
+                fixed = _normalize_fix(stmt, div)
+                name = ast.unparse(div.left)
+                if fixed is not None and name != x:
+                    out.append((n, name, fixed))
+    return out
+
+
+def _zero_vector_normalized(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    normed: _Normalized,
+    *,
+    den: TensorStat,
+    fix: str,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """``x / x.norm()`` at a zero vector: 0/0. F.normalize divides by max(norm, eps)."""
+    zeros = den.zeros or 0
+    said = f"{zeros:,} of {count(den.numel, 'norm')} {'is' if zeros == 1 else 'are'} 0"
+    how = f"{normed.divisor}, assigned {normed.made}" if normed.made else normed.divisor
+    evidence.insert(
+        1,
+        f"the divisor {how} is the norm of the numerator {normed.x} itself: a "
+        f"normalization, and {said} (an all-zero vector of {normed.x})",
+    )
+    others = _same_normalizations(ev, normed.x)
+    if others:
+        head, sep, rest = fix.partition("\n")
+        more = "\n".join(
+            f"{fixed}   # line {n}: the same normalization of {name}, 0/0 at a zero vector too"
+            for n, name, fixed in others
+        )
+        fix = f"{head}\n{more}{sep}{rest}"
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title} normalizing a zero vector",
+        evidence=evidence,
+        explanation=(
+            f"{normed.x} / ‖{normed.x}‖ is 0/0 = NaN for a vector that is all zeros: a token "
+            "or embedding that is exactly 0 (a cls token or padding row initialised to "
+            "zeros, a padding_idx embedding, a masked-out position, a layer without bias "
+            "fed zeros). F.normalize divides by max(‖x‖, eps) instead, so a zero vector "
+            "stays 0 and its gradient is finite; elsewhere the result is unchanged."
         ),
         fix=fix,
     )
@@ -3915,16 +4119,35 @@ def _distance_made(ctx: RuleContext, ev: OpEvent, den: TensorStat) -> str | None
             if made is not None:
                 texts.append(made)
         for text in texts:
-            if _is_distance(text):
+            if _is_distance(text, ev.source):
                 said = "the divisor" if text is div else text.split("=", 1)[0].strip()
                 return f"{said} is a norm or distance: {text}"
     return None
 
 
-def _is_distance(text: str) -> bool:
+def _difference(node: ast.expr, source: str | None) -> bool:
+    """``node`` is made by a subtraction (``p[i] - p[j]``, ``x[:, None] - x[None]``,
+    ``a.sub(b)``), or is a name assigned one above line ``source``."""
+    if isinstance(node, ast.Name):
+        made = _assigned_before(source, node.id)
+        if made is None:
+            return False
+        try:
+            node = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
+        except SyntaxError:
+            return False
+    return any(
+        (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub))
+        or (isinstance(n, ast.Call) and ast.unparse(n.func).rpartition(".")[2] == "sub")
+        for n in ast.walk(node)
+    )
+
+
+def _is_distance(text: str, source: str | None = None) -> bool:
     """``text`` (an expression or an assignment) computes a norm or distance at its top or
     through scalings: ``(p[i] - p[j]).norm(dim=-1)``, ``torch.cdist(a, b)``,
-    ``torch.sqrt(((a - b) ** 2).sum(-1))``, ``d / cutoff``."""
+    ``torch.sqrt(((a - b) ** 2).sum(-1))``, ``d / cutoff``; a norm only of a difference
+    (``x.norm()`` alone is a length, not a distance)."""
     try:
         tree = ast.parse(text.strip())
     except SyntaxError:
@@ -3945,6 +4168,9 @@ def _is_distance(text: str) -> bool:
             return False
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else ast.unparse(func)
+        if name in ("norm", "vector_norm"):  # a distance is the norm of a difference
+            operand = _norm_operand(node)
+            return operand is not None and _difference(operand, source)
         if name in _DISTANCE_CALLS:
             return True
         if name == "sqrt":
@@ -7173,6 +7399,32 @@ def _scalar_floor(code: str | None) -> str | None:
     return None if own is None or own in statements(code) else own  # a literal divisor: not it
 
 
+def _named_scalar_floor(stmt: str | None) -> str | None:
+    """The user's whole statement (on several lines: ``full_statement``) with
+    ``max(T, 1e-3)`` for each divisor that is the one name (or attribute) it divides by:
+    ``F.kl_div(F.log_softmax(s / T, dim=1), F.log_softmax(t / T, dim=1), ...)``; None when
+    it does not parse or divides by no name or by several."""
+    if not stmt or not stmt.isascii():
+        return None
+    try:
+        tree = ast.parse(stmt)
+    except SyntaxError:
+        return None
+    divisors = [
+        n.right
+        for n in ast.walk(tree)
+        if isinstance(n, ast.BinOp)
+        and isinstance(n.op, ast.Div)
+        and isinstance(n.right, (ast.Name, ast.Attribute))
+    ]
+    if len({ast.unparse(d) for d in divisors}) != 1 or any(d.lineno != 1 for d in divisors):
+        return None
+    name = ast.get_source_segment(stmt, divisors[0]) or ast.unparse(divisors[0])
+    for d in sorted(divisors, key=lambda d: d.col_offset, reverse=True):
+        stmt = _spliced(stmt, d, f"max({name}, 1e-3)")
+    return stmt
+
+
 _NORM_NODES = frozenset({"LinalgVectorNorm", "Norm", "LinalgNorm"})
 
 
@@ -7349,7 +7601,7 @@ def _div_fix(
     has no integer dtypes); a float one is kept off 0 by its dtype's eps, on the user's
     own line when it is known; an unknown one gets both."""
     if scalar:  # a temperature annealed to 0, a count: no tensor to clamp
-        own_scalar = _scalar_floor(ev.code)
+        own_scalar = _scalar_floor(ev.code) or _named_scalar_floor(full_statement(ev.source))
         if own_scalar is not None:
             return (
                 f"{own_scalar}   # a Python number annealed to 0: a floor keeps it above 0 "
@@ -9404,6 +9656,10 @@ def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
         fix = _mean_fix(ctx, a, ev, sf)
         sliced = _slice_mean(ev.code) if sf.kind == "mean" else None
+        tail = _tail_slice_mean(ev.code) if sf.kind == "mean" and sliced is None else None
+        if tail is not None:
+            said, explanation, fix = tail
+            evidence[-1] = f"{said} ({count(sf.outputs or 0, 'output')}): sum / 0 = 0/0 = NaN"
         if sliced is not None:
             lo, hi, fix = sliced
             explanation = (
@@ -10415,6 +10671,74 @@ def _slice_mean(code: str | None) -> tuple[str, str, str] | None:
             hi,
             f"{fixed}   # at least one element: {lo}:{hi} is empty when {hi} <= {lo}\n"
             f"# or skip the empty segment: compute this only when {hi} > {lo}",
+        )
+    return None
+
+
+def _tail_slice_mean(code: str | None) -> tuple[str, str, str] | None:
+    """``(evidence, explanation, fix)`` when the user's line takes one mean along a dim of
+    a slice that runs to the end on that dim (``x[:, self.num_prefix:].mean(dim=1)``): the
+    dim is empty when the tensor holds no entry past the start; the fix divides the sum by
+    the count floored at 1, so an empty dim gives 0, and names the dim. None otherwise."""
+    for stmt in statements(code):
+        text = stmt.strip()
+        if not text.isascii():
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        means = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "mean"
+            and isinstance(n.func.value, ast.Subscript)
+        ]
+        if len(means) != 1:
+            continue
+        call = means[0]
+        func = call.func
+        assert isinstance(func, ast.Attribute)
+        sub = func.value
+        assert isinstance(sub, ast.Subscript)
+        parts = sub.slice.elts if isinstance(sub.slice, ast.Tuple) else [sub.slice]
+        if any(isinstance(p, ast.Constant) and p.value is Ellipsis for p in parts):
+            continue
+        at = [
+            i
+            for i, p in enumerate(parts)
+            if isinstance(p, ast.Slice) and p.lower is not None and p.upper is None
+        ]
+        dims = [k.value for k in call.keywords if k.arg == "dim"] + call.args[:1]
+        if len(at) != 1 or len(dims) != 1 or len(call.args) + len(call.keywords) != 1:
+            continue
+        dim = dims[0]
+        if not (isinstance(dim, ast.Constant) and dim.value == at[0]):
+            continue
+        if any(isinstance(p, ast.Constant) for p in parts):
+            continue  # an integer index drops a dim: the positions would not match
+        sl = parts[at[0]]
+        assert isinstance(sl, ast.Slice)
+        assert sl.lower is not None
+        lo = ast.get_source_segment(text, sl.lower) or ast.unparse(sl.lower)
+        x = ast.get_source_segment(text, sub.value) or ast.unparse(sub.value)
+        part = ast.get_source_segment(text, sub) or ast.unparse(sub)
+        d = dim.value
+        fixed = _spliced(text, call, f"{part}.sum(dim={d}) / max({x}.shape[{d}] - {paren(lo)}, 1)")
+        return (
+            f"mean along dim {d} of {part}, and that dim has size 0: {x} holds no entry "
+            f"past {lo} on dim {d}",
+            f"A mean divides a sum by a count. {part} keeps the entries of {x} from {lo} to "
+            f"the end of dim {d}, and this batch {x} had none there (size {lo} or less on "
+            f"dim {d}: whatever made {x} dropped or cropped all of them, such as a token "
+            "dropout that kept 0 tokens), so the mean over dim "
+            f"{d} is 0/0 = NaN. Keep at least one entry there where {x} is made; the fix "
+            "makes the empty case 0 meanwhile.",
+            f"{fixed}   # sum over count, the count at least 1: an empty dim {d} gives 0, "
+            "not NaN; unchanged otherwise\n"
+            f"# and where {x} is made: keep at least one entry past {lo} on dim {d}",
         )
     return None
 
