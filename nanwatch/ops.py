@@ -287,15 +287,33 @@ def _briefs(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, Tens
     return out
 
 
+#: outputs (by position) that are scratch an op leaves partly unwritten: ``_ctc_loss``'s
+#: log_alpha table, saved for its backward, is written only up to each sample's input and
+#: target lengths; the rest is whatever the allocator held (1e31, +inf, NaN, differing run
+#: to run), which is no value the op made
+_SCRATCH_OUTPUTS: dict[str, frozenset[int]] = {
+    "_ctc_loss": frozenset({1}),
+    "_cudnn_ctc_loss": frozenset({1}),
+}
+
+
+def _scratch(func: Any) -> frozenset[int]:
+    """The positions of ``func``'s outputs that are partly unwritten scratch."""
+    parts = str(func).split(".")
+    return _SCRATCH_OUTPUTS.get(parts[1] if len(parts) > 1 else parts[0], frozenset())
+
+
 def _named_outputs(func: Any, out: Any) -> list[tuple[str, TensorStat]]:
     """Statistics of every output of an op that returns several, by the schema's names
-    (``output``, ``total_weight``); empty for a single output."""
+    (``output``, ``total_weight``); empty for a single output. Scratch outputs (see
+    :data:`_SCRATCH_OUTPUTS`) are left out."""
     if not isinstance(out, (tuple, list)):
         return []
     names = [r.name for r in func._schema.returns]
+    scratch = _scratch(func)
     found: list[tuple[str, TensorStat]] = []
     for i, t in enumerate(out):
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, torch.Tensor) or i in scratch:
             continue
         s = brief(t)
         if s is not None:
@@ -629,6 +647,10 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         For an op that writes an argument (``x /= n``), ``before`` holds what it read: its
         written arguments are outputs, and their old values (not the new ones) inputs."""
         outs = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
+        scratch = _scratch(func)
+        if scratch and isinstance(out, (tuple, list)):
+            unwritten = {id(t) for i, t in enumerate(out) if i in scratch}
+            outs = [t for t in outs if id(t) not in unwritten]
         if before is not None:  # a written argument the op does not return (foreach ops)
             returned = {id(t) for t in outs}
             outs += [w for w in before.written if id(w) not in returned]

@@ -44,24 +44,27 @@ def _ctc_events(nw: nanwatch.Watcher) -> list[OpEvent]:
     return [ev for t in nw.history for ev in t.ops if "_ctc_loss" in ev.op]
 
 
-def test_zeroed_impossible_ctc_sample_and_log_alpha_are_no_hidden_overflow() -> None:
-    """Sample 3 has 6 labels in 4 frames: its loss is +inf, which zero_infinity=True zeroes,
-    and log_alpha holds -inf (log 0) for unreachable states. NW105 called both an overflow
-    past float32's max and proposed .float()."""
+def test_zeroed_impossible_ctc_sample_is_no_hidden_overflow() -> None:
+    """Sample 3 has 6 labels in 4 frames: its loss is +inf, which zero_infinity=True zeroes.
+    NW105 called it an overflow past float32's max and proposed .float()."""
     nw = _ctc_steps(True, [3, 5, 4, 6], "forensic")
     evs = _ctc_events(nw)
-    assert evs and all("+inf" in ev.born and "-inf" in ev.born for ev in evs)
+    assert evs and all(ev.born.strip() == "+inf" for ev in evs)
     assert evs[0].scalars.get("zero_infinity") == 1
     assert {classify(ev) for ev in evs} == {"log-zero"}
     assert "NW105" not in [d.code for d in nw.report.diagnoses]
 
 
-def test_feasible_ctc_batch_log_alpha_is_no_hidden_overflow() -> None:
+def test_ctc_log_alpha_scratch_is_not_read() -> None:
+    """log_alpha, the table _ctc_loss saves for its backward, is written only up to each
+    sample's lengths: the rest is what the allocator held (1e31, +inf or NaN, run to run),
+    and reading it made the classification of the same step differ with the tests run
+    before it. A feasible batch has no CTC event at all."""
     nw = _ctc_steps(False, [3, 5, 4, 2], "forensic")
-    evs = _ctc_events(nw)
-    assert evs and all(ev.born.strip() == "-inf" for ev in evs)  # log_alpha only
-    assert {classify(ev) for ev in evs} == {"log-zero"}
+    assert _ctc_events(nw) == []
     assert not [d.code for d in nw.report.diagnoses]
+    for ev in _ctc_events(_ctc_steps(True, [3, 5, 4, 6], "forensic")):
+        assert [n for n, _ in ev.outputs] == ["output[0]"] or not ev.outputs
 
 
 def _event(op: str, born: str, outputs: list[tuple[str, TensorStat]], **scalars: int) -> OpEvent:
