@@ -3594,6 +3594,27 @@ def _infinite(node: ast.expr | None) -> bool:
 # ---------------------------------------------------------------------- NW304
 
 
+def _starved(trace: StepTrace) -> set[str]:
+    """Modules every call of which this step got no samples: all its inputs, all its
+    outputs or all its output gradients have 0 elements (``box_head(feats[pos])`` with no
+    positive, an MoE expert routed no token). Such a call passes its weights a gradient of
+    exactly 0 because it computed nothing, not because anything vanished."""
+    shapes: dict[tuple[int, Phase], list[bool]] = {}
+    paths: dict[int, str] = {}
+    for r in trace.records:
+        if r.call < 0 or r.phase not in (Phase.INPUT, Phase.FORWARD, Phase.BACKWARD):
+            continue
+        if r.phase is Phase.BACKWARD and not r.role.startswith("output"):
+            continue  # the gradient a call passes back to its inputs, not one it got
+        paths.setdefault(r.call, r.path)
+        shapes.setdefault((r.call, r.phase), []).append(math.prod(r.shape) == 0)
+    empty: dict[str, bool] = {}
+    for call, path in paths.items():
+        none = any(all(shapes.get((call, ph), [False])) for ph in Phase)
+        empty[path] = empty.get(path, True) and none
+    return {p for p, e in empty.items() if e}
+
+
 def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], set[str]]:
     """Modules whose every output gradient was exactly zero this step, modules whose every
     parameter gradient was zero, each module's gradient dtype, and the modules of the
@@ -3614,6 +3635,9 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
     # (zero_grad(set_to_none=False)), not dead units
     graphed = {r.path for r in trace.records if r.phase is Phase.FORWARD and r.grad_fn}
     called &= graphed | {r.path for r in trace.records if r.phase is Phase.BACKWARD}
+    # a module that got no samples this step (a 0-row input) is absent, not dead
+    starved = _starved(trace)
+    called -= starved
     every = _by_grad_only(trace)
     # the calls torch.autograd.grad differentiated (a gradient penalty's D(x_hat)): the
     # training backward reaches them through that gradient, a second derivative that is
@@ -3625,7 +3649,7 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
         if s is None or not s.finite:
             continue
         if r.phase is Phase.BACKWARD:
-            if not every and (r.by_grad or r.call in penalized):
+            if (not every and (r.by_grad or r.call in penalized)) or r.path in starved:
                 continue
             zero = s.min == 0.0 and s.max == 0.0
             seen[r.path] = seen.get(r.path, True) and zero
