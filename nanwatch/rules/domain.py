@@ -924,6 +924,19 @@ def _loss_log_line(ctx: RuleContext, ev: OpEvent) -> OpEvent | None:
     return replace(ev, code=made, source=_line_of(ev.backward_at, made) or ev.backward_at)
 
 
+def _difference_of_probabilities(ctx: RuleContext, x: TensorStat) -> bool:
+    """A log's argument below 0 is read from a watched output that a subtraction made
+    (SubBackward0), within [-1, 1] and down to the argument's minimum: a difference of two
+    probabilities (cumulative ones of an ordinal head), negative where they are out of order."""
+    for r in ctx.records(Phase.FORWARD):
+        st = r.stat
+        if not r.role.startswith("output") or st is None or node_base(r.grad_fn or "") != "Sub":
+            continue
+        if -1.0 <= st.min <= x.min < 0 and st.max <= 1.0:
+            return True
+    return False
+
+
 def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
     """What the evidence shows when nothing names what the log was taken of: a negative
     argument is a domain error (no floor or probability recipe fixes it); exact zeros in
@@ -939,6 +952,29 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     tiny_log = _log_tiny(ev.dtype, ev.op)
     if x.min < 0 and _within_eps_below_zero(x, ev.dtype):
         return _rounded_below_zero(ev, x, what, arg)
+    if x.min < 0 and _difference_of_probabilities(ctx, x):
+        return _LogUse(
+            "negative",
+            fix=(
+                f"# {what} reached {fmt(x.min)}, and the model output it comes from was made "
+                "by a subtraction, within [-1, 1]: a difference of two probabilities\n"
+                "# cumulative probabilities sigmoid(f - b) (an ordinal / CORAL / cumulative-"
+                "logit head): P(y = k) = c[k] - c[k + 1] is negative where the thresholds b "
+                "are not increasing; order them:\n"
+                "b = b0 + torch.cumsum(F.softplus(deltas), 0)   # a pattern, in your names: "
+                "b0 the first threshold, deltas the raw gaps (nn.Parameter)\n"
+                f"# not a clamp at a tiny value: {tiny_log} is a wrong value, not a small one"
+            ),
+            why=(
+                f"Its input is negative (min {fmt(x.min)}, max {fmt(x.max)}) and was made by a "
+                "subtraction of values in [0, 1]: a probability formed as a difference of "
+                "cumulative probabilities (sigmoid(f - b[k]) - sigmoid(f - b[k + 1])) is "
+                "negative wherever b[k] > b[k + 1]. Thresholds learned freely are not kept "
+                "in order; build them as a first value plus a cumulative sum of positive gaps."
+            ),
+            evidence=f"{what} holds negative values, down to {fmt(x.min)}, and a watched "
+            "output made by a subtraction (SubBackward0) holds them, within [-1, 1]",
+        )
     if x.min < 0:
         return _LogUse(
             "negative",
@@ -2198,6 +2234,9 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
                 lse = _logsumexp_of_name(stmt, start, end, arg, ev)
             if lse is not None:
                 return lse
+        ratio = _xlogy_ratio_use(stmt)
+        if ratio is not None:
+            return ratio
         for start, end, arg in calls:
             ent = _entropy_use(stmt, start, end, arg)
             if ent is not None:
@@ -2262,6 +2301,18 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
             '# mode="forensic" names your line, and nanwatch rewrites it',
             why=_lse_why(ev.dtype),
             evidence="the loss graph takes the log of a sum of exp() terms (log <- add <- exp)",
+        )
+    if _graph_xlogy(ctx, ev):
+        return _LogUse(
+            "xlogy",
+            "term = torch.xlogy(y, y) - torch.xlogy(y, mu)   # a pattern, in your names: "
+            "y * torch.log(y / mu) is 0 where y is 0 (0 · log 0 = 0), a y of 0 is legitimate\n"
+            "term = torch.xlogy(t, t) - t * q   # t * (torch.log(t) - q), the same\n"
+            '# mode="forensic" names your line, and nanwatch rewrites it',
+            why=_XLOGY_WHY,
+            evidence="the loss graph multiplies the log by something (mul <- log) and the "
+            "log is taken of a quotient (log <- div): a y · log(y / mu) term, 0 × -inf = NaN "
+            "where y is 0",
         )
     kind = _input_activation(ctx, a, ev)
     if kind == "sigmoid":
@@ -2577,6 +2628,110 @@ def _naive_softplus_use(ctx: RuleContext, ev: OpEvent) -> _LogUse | None:
                 f"log(1 + exp(x)) is exactly 0 for x below {bound} in {dtype}",
             )
     return None
+
+
+_XLOGY_WHY = (
+    "A term y · log(y / mu) (a Poisson or Gamma deviance, a KL divergence p · log(p / q), "
+    "t · (log(t) - log q)) tends to 0 as y -> 0, and y = 0 is legitimate there (a count "
+    "of 0, a probability of 0): computed as written it is 0 × log(0) = 0 × -inf = NaN. "
+    "torch.xlogy(y, z) = y · log(z) is 0 where y is 0 (0 · log 0 = 0 by convention); "
+    "xlogy(y, y) - xlogy(y, mu) is the same value with the ratio split, so no log sees a "
+    "0 made by a division (xlogy(y, y / mu) would: its gradient with respect to mu is "
+    "0/0 = NaN where y is 0)."
+)
+
+
+def _xlogy_terms(f: ast.expr, g: ast.expr, seg: Callable[[ast.expr], str]) -> str | None:
+    """``xlogy(A, A) - xlogy(A, B)`` for a product ``A * g`` whose ``g`` is ``log(A / B)``
+    or ``log(A) - log(B)`` (``xlogy(A, A) - A * R`` for ``log(A) - R``); None otherwise."""
+    a = ast.unparse(f)
+    logged = _log_of(g)
+    if logged is not None and logged[0] == "log":
+        arg = logged[1]
+        ratio = isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Div)
+        if ratio and ast.unparse(arg.left) == a:  # type: ignore[attr-defined]
+            b = seg(arg.right)  # type: ignore[attr-defined]
+            return f"torch.xlogy({seg(f)}, {seg(f)}) - torch.xlogy({seg(f)}, {b})"
+        return None
+    if isinstance(g, ast.BinOp) and isinstance(g.op, ast.Sub):
+        first = _log_of(g.left)
+        if first is None or first[0] != "log" or ast.unparse(first[1]) != a:
+            return None
+        second = _log_of(g.right)
+        rest = (
+            f"torch.xlogy({seg(f)}, {seg(second[1])})"
+            if second is not None and second[0] == "log"
+            else f"{paren(seg(f))} * {paren(seg(g.right))}"
+        )
+        return f"torch.xlogy({seg(f)}, {seg(f)}) - {rest}"
+    return None
+
+
+def _xlogy_ratio_use(stmt: str) -> _LogUse | None:
+    """``y * torch.log(y / mu)`` (or ``log(y / mu) * y``, ``t * (torch.log(t) - q)``): the
+    log's argument is a ratio, or a difference of logs, whose numerator is the factor that
+    multiplies the log, 0 where that factor is: xlogy gives 0 · log 0 = 0."""
+    s = stmt.strip()
+    try:
+        tree = ast.parse(s)
+    except SyntaxError:
+        return None
+    if "\n" in s:
+        return None
+    raw = s.encode()
+
+    def seg(n: ast.expr) -> str:
+        return raw[n.col_offset : n.end_col_offset].decode()
+
+    parents = {id(c): n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
+            continue
+        for f, g in ((node.left, node.right), (node.right, node.left)):
+            terms = _xlogy_terms(f, g, seg)
+            if terms is None:
+                continue
+            up = parents.get(id(node))
+            bare = isinstance(up, ast.BinOp) and (
+                isinstance(up.op, ast.Add) or (isinstance(up.op, ast.Sub) and up.left is node)
+            )
+            bare = bare or isinstance(up, (ast.Assign, ast.AugAssign, ast.Return, ast.Expr))
+            start = len(raw[: node.col_offset].decode())
+            end = len(raw[: node.end_col_offset or 0].decode())
+            bare = bare or (s[start - 1 : start] == "(" and s[end : end + 1] == ")")
+            new = terms if bare else f"({terms})"
+            own = s[:start] + new + s[end:]
+            y = seg(f)
+            return _LogUse(
+                "xlogy",
+                fix=(
+                    f"{own}   # {y} · log(...) is 0 where {y} is 0 (0 · log 0 = 0): a {y} of 0 "
+                    f"is legitimate, no floor needed\n"
+                    f"# if {y} requires grad: torch.xlogy({y}, {paren(y)}.clamp_min("
+                    f"{_tiny(y)})) for the first term, whose gradient is {y} / {y} otherwise"
+                ),
+                why=_XLOGY_WHY,
+                evidence=f"the line multiplies the log by {y}, the numerator of what the log "
+                f"is taken of: {y} · log({y} / ...) at {y} = 0 is 0 × -inf = NaN",
+            )
+    return None
+
+
+def _graph_xlogy(ctx: RuleContext, ev: OpEvent) -> bool:
+    """The loss graph (no line known) shows the failing log as ``mul <- log <- div``, the
+    loss graph's only log: a ``y * log(y / mu)`` term written by hand, likely."""
+    if ev.code or ev.path != LOSS_PATH:
+        return False
+    x = first_input(ev)
+    if x is None or not has_zero(x) or x.min < 0:
+        return False
+    for ops in _graph_ops(ctx):
+        logs = [i for i, o in enumerate(ops) if o == "log"]
+        if len(logs) == 1 and 0 < logs[0] < len(ops) - 1:
+            i = logs[0]
+            if ops[i - 1] == "mul" and ops[i + 1] == "div":
+                return True
+    return False
 
 
 def _entropy_use(stmt: str, start: int, end: int, arg: str) -> _LogUse | None:
@@ -8976,11 +9131,13 @@ _ROOT_BACKWARD = (
 )
 
 _ROOT_FIX_BACKWARD = (
-    "norm = torch.linalg.vector_norm(x, dim=-1)   # not (x ** 2).sum(-1).sqrt(): its "
+    "norm = torch.linalg.vector_norm(x, dim=-1)   # a pattern: dim= the dim your sum of "
+    "squares runs over (-1 only if it is the last); not (x ** 2).sum(dim).sqrt(): its "
     "gradient at 0 is 0\n"
-    "dist = F.pairwise_distance(x1, x2)   # a distance, not ((x1 - x2) ** 2).sum(-1).sqrt(): "
-    "eps=1e-6 inside\n"
-    "norm = ((x ** 2).sum(-1) + 1e-12).sqrt()   # or eps inside the sqrt: off exact 0\n"
+    "dist = F.pairwise_distance(x1, x2)   # a distance over the last dim, not ((x1 - x2) ** "
+    "2).sum(-1).sqrt(): eps=1e-6 inside\n"
+    "norm = ((x ** 2).sum(-1) + 1e-12).sqrt()   # or eps inside the sqrt, summed over the same "
+    "dim: off exact 0\n"
     "std = torch.sqrt(v + 1e-4)   # v a variance (z.var(dim=0)): eps inside the sqrt\n"
     "y = torch.sqrt(a.clamp_min(1e-12))   # any other argument a that reaches 0 (a product "
     "or ratio): a floor inside the sqrt"
@@ -10432,10 +10589,15 @@ def _var_fix(ev: OpEvent) -> str:
             "y = (x - x.mean(0)) / (s + 1e-5)  # dividing by it: keep it off 0, as BatchNorm\n"
             "# or never reduce over one sample: DataLoader(..., drop_last=True)"
         )
+    added = re.search(r"correction=0[^()]*\)\s*\+\s*(\d[\w.+-]*)", fixed)
+    eps = (
+        f"+ {added.group(1)} keeps a division by it finite"
+        if added is not None
+        else "where you divide by it, add an eps (+ 1e-5)"
+    )
     return (
         f"{fixed}\n"
-        "# correction=0 (unbiased=False): N = 1 gives 0, not NaN; + 1e-5 keeps a division "
-        "by it finite\n"
+        f"# correction=0 (unbiased=False): N = 1 gives 0, not NaN; {eps}\n"
         "# or never reduce over one sample: DataLoader(..., drop_last=True)"
     )
 
