@@ -647,8 +647,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         For an op that writes an argument (``x /= n``), ``before`` holds what it read: its
         written arguments are outputs, and their old values (not the new ones) inputs."""
         outs = [t for t in leaves(out) if isinstance(t, torch.Tensor)]
-        scratch = _scratch(func)
-        if scratch and isinstance(out, (tuple, list)):
+        if isinstance(out, (tuple, list)) and (scratch := _scratch(func)):
             unwritten = {id(t) for i, t in enumerate(out) if i in scratch}
             outs = [t for t in outs if id(t) not in unwritten]
         if before is not None:  # a written argument the op does not return (foreach ops)
