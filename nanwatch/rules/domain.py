@@ -10785,16 +10785,10 @@ def _several_means_fix(code: str | None) -> str | None:
     return None
 
 
-def _slice_mean(code: str | None) -> tuple[str, str, str] | None:
-    """``(lo, hi, fix)`` when the user's line takes one mean of a slice ``x[..., lo:hi]``
-    (both bounds given, no step): the line with ``lo:max(hi, lo + 1)``, so the slice holds
-    one element at least; None for any other line."""
-    for stmt in statements(code):
-        text = stmt.strip()
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
+def _mean_of_a_slice(code: str | None) -> Iterator[tuple[str, ast.Call]]:
+    """Each statement of ``code`` (ASCII, parsed) that takes exactly one ``.mean`` of a
+    subscript (``f[b, :, t0:t1].mean(1)``), with that call."""
+    for stmt, tree in _parsed(code):
         means = [
             n
             for n in ast.walk(tree)
@@ -10803,9 +10797,16 @@ def _slice_mean(code: str | None) -> tuple[str, str, str] | None:
             and n.func.attr == "mean"
             and isinstance(n.func.value, ast.Subscript)
         ]
-        if len(means) != 1:
-            continue
-        func = means[0].func
+        if len(means) == 1:
+            yield stmt.strip(), means[0]
+
+
+def _slice_mean(code: str | None) -> tuple[str, str, str] | None:
+    """``(lo, hi, fix)`` when the user's line takes one mean of a slice ``x[..., lo:hi]``
+    (both bounds given, no step): the line with ``lo:max(hi, lo + 1)``, so the slice holds
+    one element at least; None for any other line."""
+    for text, call in _mean_of_a_slice(code):
+        func = call.func
         assert isinstance(func, ast.Attribute)
         sub = func.value
         assert isinstance(sub, ast.Subscript)
@@ -10842,25 +10843,7 @@ def _tail_slice_mean(code: str | None) -> tuple[str, str, str] | None:
     a slice that runs to the end on that dim (``x[:, self.num_prefix:].mean(dim=1)``): the
     dim is empty when the tensor holds no entry past the start; the fix divides the sum by
     the count floored at 1, so an empty dim gives 0, and names the dim. None otherwise."""
-    for stmt in statements(code):
-        text = stmt.strip()
-        if not text.isascii():
-            continue
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
-        means = [
-            n
-            for n in ast.walk(tree)
-            if isinstance(n, ast.Call)
-            and isinstance(n.func, ast.Attribute)
-            and n.func.attr == "mean"
-            and isinstance(n.func.value, ast.Subscript)
-        ]
-        if len(means) != 1:
-            continue
-        call = means[0]
+    for text, call in _mean_of_a_slice(code):
         func = call.func
         assert isinstance(func, ast.Attribute)
         sub = func.value
