@@ -4749,22 +4749,19 @@ class Watcher:
         self._trace.mutations.extend((same or views)[:4])
 
 
-class _BackwardTap:
-    """A scoped wrapper of ``torch.autograd.backward`` (which ``Tensor.backward`` calls):
-    installed while at least one watcher is attached, removed with the last one, and left
-    alone if someone else wrapped it after us."""
+class _Tap:
+    """A wrapper of a torch function, installed (:meth:`_patch`) with the first attached
+    watcher and removed (:meth:`_unpatch`) with the last; a wrapper someone else installed
+    after ours is left alone."""
 
     def __init__(self) -> None:
         self._watchers: list[Watcher] = []
-        self._original: Callable[..., Any] | None = None
         self._lock = threading.Lock()
-        self._wrapper = self._tapped  # one bound method, so `is` can recognize it
 
     def install(self, watcher: Watcher) -> None:
         with self._lock:
             if not self._watchers:
-                self._original = torch.autograd.backward
-                torch.autograd.backward = self._wrapper
+                self._patch()
             self._watchers.append(watcher)
 
     def remove(self, watcher: Watcher) -> None:
@@ -4772,10 +4769,33 @@ class _BackwardTap:
             if watcher not in self._watchers:
                 return
             self._watchers.remove(watcher)
-            if not self._watchers and self._original is not None:
-                if torch.autograd.backward is self._wrapper:
-                    torch.autograd.backward = self._original
-                self._original = None
+            if not self._watchers:
+                self._unpatch()
+
+    def _patch(self) -> None:
+        raise NotImplementedError
+
+    def _unpatch(self) -> None:
+        raise NotImplementedError
+
+
+class _BackwardTap(_Tap):
+    """A scoped wrapper of ``torch.autograd.backward`` (which ``Tensor.backward`` calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._original: Callable[..., Any] | None = None
+        self._wrapper = self._tapped  # one bound method, so `is` can recognize it
+
+    def _patch(self) -> None:
+        self._original = torch.autograd.backward
+        torch.autograd.backward = self._wrapper
+
+    def _unpatch(self) -> None:
+        if self._original is not None:
+            if torch.autograd.backward is self._wrapper:
+                torch.autograd.backward = self._original
+            self._original = None
 
     def _tapped(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
         watchers = list(self._watchers)
@@ -5033,7 +5053,7 @@ def _plain_numbers(v: Any) -> list[float]:
     return out
 
 
-class _ScalerTap:
+class _ScalerTap(_Tap):
     """A scoped wrapper of ``GradScaler.scale``, installed while at least one watcher is
     attached: the first ``scaler.scale(loss)`` tells every watcher that was given no scaler
     which one is in use, so the inf/NaN gradients a scaler expects now and then (and skips
@@ -5042,31 +5062,20 @@ class _ScalerTap:
     is then read as it runs."""
 
     def __init__(self) -> None:
-        self._watchers: list[Watcher] = []
+        super().__init__()
         self._originals: dict[type, Callable[..., Any]] = {}
-        self._lock = threading.Lock()
 
-    def install(self, watcher: Watcher) -> None:
-        with self._lock:
-            if not self._watchers:
-                for cls in _grad_scaler_classes():
-                    original = vars(cls)["scale"]
-                    wrapper = self._wrap(original)
-                    self._originals[cls] = original
-                    cls.scale = wrapper  # type: ignore[attr-defined]
-            self._watchers.append(watcher)
+    def _patch(self) -> None:
+        for cls in _grad_scaler_classes():
+            original = vars(cls)["scale"]
+            self._originals[cls] = original
+            cls.scale = self._wrap(original)  # type: ignore[attr-defined]
 
-    def remove(self, watcher: Watcher) -> None:
-        with self._lock:
-            if watcher not in self._watchers:
-                return
-            self._watchers.remove(watcher)
-            if self._watchers:
-                return
-            for cls, original in self._originals.items():
-                if getattr(vars(cls).get("scale"), "_nanwatch_tap", False):
-                    cls.scale = original  # type: ignore[attr-defined]
-            self._originals = {}
+    def _unpatch(self) -> None:
+        for cls, original in self._originals.items():
+            if getattr(vars(cls).get("scale"), "_nanwatch_tap", False):
+                cls.scale = original  # type: ignore[attr-defined]
+        self._originals = {}
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
@@ -5083,7 +5092,7 @@ class _ScalerTap:
 _scaler_tap = _ScalerTap()
 
 
-class _ClipTap:
+class _ClipTap(_Tap):
     """``torch.nn.utils.clip_grad_norm_``, wrapped while at least one watcher is attached.
     Its rescale multiplies every gradient by min(max_norm / (total + 1e-6), 1): a finite
     factor for finite gradients (0 when their norm overflows), so gradients the end of
@@ -5095,36 +5104,24 @@ class _ClipTap:
     _modules = ("torch.nn.utils", "torch.nn.utils.clip_grad")
 
     def __init__(self) -> None:
-        self._watchers: list[Watcher] = []
+        super().__init__()
         self._originals: dict[str, Callable[..., Any]] = {}
-        self._lock = threading.Lock()
 
-    def install(self, watcher: Watcher) -> None:
-        with self._lock:
-            if not self._watchers:
-                for name in self._modules:
-                    mod = sys.modules.get(name)
-                    original = getattr(mod, "clip_grad_norm_", None)
-                    if mod is None or original is None:
-                        continue
-                    if getattr(original, "_nanwatch_tap", False):
-                        continue
-                    self._originals[name] = original
-                    mod.clip_grad_norm_ = self._wrap(original)  # type: ignore[attr-defined]
-            self._watchers.append(watcher)
+    def _patch(self) -> None:
+        for name in self._modules:
+            mod = sys.modules.get(name)
+            original = getattr(mod, "clip_grad_norm_", None)
+            if mod is None or original is None or getattr(original, "_nanwatch_tap", False):
+                continue
+            self._originals[name] = original
+            mod.clip_grad_norm_ = self._wrap(original)  # type: ignore[attr-defined]
 
-    def remove(self, watcher: Watcher) -> None:
-        with self._lock:
-            if watcher not in self._watchers:
-                return
-            self._watchers.remove(watcher)
-            if self._watchers:
-                return
-            for name, original in self._originals.items():
-                mod = sys.modules.get(name)
-                if mod is not None and getattr(mod.clip_grad_norm_, "_nanwatch_tap", False):
-                    mod.clip_grad_norm_ = original  # type: ignore[attr-defined]
-            self._originals = {}
+    def _unpatch(self) -> None:
+        for name, original in self._originals.items():
+            mod = sys.modules.get(name)
+            if mod is not None and getattr(mod.clip_grad_norm_, "_nanwatch_tap", False):
+                mod.clip_grad_norm_ = original  # type: ignore[attr-defined]
+        self._originals = {}
 
     def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)
