@@ -9991,16 +9991,10 @@ def _in_loop(source: str | None) -> bool:
     """Line ``source`` (``train.py:42``) runs in the body of a ``for``/``while`` loop of
     its own function (or of the module's top level): a ``continue`` there skips the batch.
     False when it does not, or when the file cannot be read and parsed."""
-    import linecache
-
-    path, _, num = (source or "").rpartition(":")
-    if not path or not num.isdigit():
+    parsed = _source_tree(source)
+    if parsed is None:
         return False
-    try:
-        tree = ast.parse("".join(linecache.getlines(path)))
-    except (SyntaxError, ValueError):
-        return False
-    line = int(num)
+    tree, line = parsed
 
     def walk(node: ast.AST, looped: bool) -> bool | None:
         for child in ast.iter_child_nodes(node):
