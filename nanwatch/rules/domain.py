@@ -3987,6 +3987,18 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             fix=f"{fixed}   # 1 where the guard discards the quotient: its gradient is 0, not NaN",
         )
         return
+    learn = (
+        _learnable_divisor(ctx, ev, ev.path or a.path)
+        if ev.phase is Phase.FORWARD
+        and den is not None
+        and not integer
+        and den.min >= 0
+        and has_zero(den)
+        else None
+    )
+    if learn is not None:  # LSQ's step size: clamp_min would freeze it at 0
+        yield _learnable_diagnosis(ctx, a, ev, learn, evidence=evidence, title=title)
+        return
     every = den is not None and not integer and den.numel > 1 and den.zeros == den.numel
     fix = _div_fix(
         ev,
@@ -4070,6 +4082,38 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             "±inf and 0/0 is NaN, and the whole column or row goes bad from here."
         ),
         fix=fix,
+    )
+
+
+def _learnable_diagnosis(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, lv: _Learnable, *, evidence: list[str], title: str
+) -> Diagnosis:
+    """A zero divisor that is (made from) a learnable parameter: a floor by clamp_min passes
+    no gradient below eps, so the parameter would stay 0; a straight-through floor keeps it."""
+    made = (
+        f"the divisor {lv.divisor} is made from {lv.attr}"
+        if lv.name is not None
+        else f"the divisor {lv.divisor} is"
+    )
+    evidence.insert(
+        0,
+        f"{made}, a learnable parameter ({lv.qual}, an nn.Parameter of the module whose "
+        "forward holds the line)",
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: a learnable divisor is 0",
+        evidence=evidence,
+        explanation=(
+            f"The divisor is learnable and it was exactly 0 ({lv.attr} initialized from the "
+            "data, like LSQ's step size 2·mean|x|/sqrt(Qp), is 0 on an all-zero first batch). "
+            f"A clamp_min(eps) floor would make the line finite but passes no gradient below "
+            f"eps: {lv.attr} would never move from 0 and the layer's output stays about 0. "
+            "abs() + eps does not help either (the gradient of abs at 0 is 0). Floor its "
+            "value but let the gradient through (x + (x.clamp_min(eps) - x).detach()), and "
+            "start it above 0 where it is initialized."
+        ),
+        fix=_learnable_fix(ev, lv),
     )
 
 
@@ -7115,6 +7159,143 @@ def _attribute_fixed_where_made(ev: OpEvent, attr: str) -> str | None:
             if a is not None:
                 return f"{st}\n{attr} = {attr}.clamp_min(torch.finfo({attr}.dtype).eps)   # {why}"
     return None
+
+
+@dataclass(frozen=True)
+class _Learnable:
+    """A divisor that is, or is made from, a learnable parameter of the module whose
+    forward holds the division (LSQ's step size ``self.s``)."""
+
+    divisor: str  #: the divisor as written on the line (``s_scale``, ``self.s``)
+    attr: str  #: the parameter's attribute, as read (``self.s``)
+    qual: str  #: its qualified name (``aq.s``)
+    name: str | None  #: the local name the divisor is, when it is one (``s_scale``)
+
+
+def _self_attrs(node: ast.expr) -> list[str]:
+    """The ``self.<x>`` attributes an expression reads, in order of appearance."""
+    found = [
+        n
+        for n in ast.walk(node)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+        and isinstance(n.ctx, ast.Load)
+    ]
+    return [n.attr for n in sorted(found, key=lambda n: (n.lineno, n.col_offset))]
+
+
+def _declared_parameters(source: str | None) -> set[str]:
+    """The attribute names the class whose method holds the line ``source`` makes
+    ``nn.Parameter``s of (``self.s = nn.Parameter(...)``,
+    ``self.register_parameter("s", ...)``), read from the user's file; empty when unknown."""
+    parsed = _source_tree(source)
+    if parsed is None:
+        return set()
+    tree, line = parsed
+    owners = [
+        c
+        for c in ast.walk(tree)
+        if isinstance(c, ast.ClassDef) and c.lineno <= line <= (c.end_lineno or c.lineno)
+    ]
+    if not owners:
+        return set()
+    cls = max(owners, key=lambda c: c.lineno)  # the innermost class holding the line
+    out: set[str] = set()
+    for n in ast.walk(cls):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call):
+            f = n.value.func
+            called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if called != "Parameter":
+                continue
+            for t in n.targets:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == "self"
+                ):
+                    out.add(t.attr)
+        elif (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "register_parameter"
+            and n.args
+            and isinstance(n.args[0], ast.Constant)
+            and isinstance(n.args[0].value, str)
+        ):
+            out.add(n.args[0].value)
+    return out
+
+
+def _recorded_parameter(ctx: RuleContext, qual: str) -> bool:
+    """Whether the watcher recorded a parameter (its value or its gradient) named ``qual``."""
+    for t in (ctx.trace, *ctx.history):
+        for r in t.records:
+            if r.phase in (Phase.PARAMETER, Phase.GRADIENT) and r.role == qual:
+                return True
+    return False
+
+
+def _learnable_divisor(ctx: RuleContext, ev: OpEvent, path: str) -> _Learnable | None:
+    """The divisor of the user's line when it is ``self.<p>``, or a name assigned above from
+    an expression reading ``self.<p>``, where ``p`` is a parameter of the module ``path``
+    whose forward holds the line (its records, or ``nn.Parameter`` in its class)."""
+    picked = _picked_division(ev)
+    if picked is None:
+        return None
+    stmt, div, _ = picked
+    right = div.right
+    name: str | None = None
+    if isinstance(right, ast.Name):
+        name = right.id
+        value = _unconditional_assignment(ev, name)
+        if value is None:
+            return None
+        attrs = _self_attrs(value)
+    else:
+        attrs = _self_attrs(right) if isinstance(right, ast.Attribute) else []
+        if not (isinstance(right, ast.Attribute) and attrs == [right.attr]):
+            return None
+    if not attrs:
+        return None
+    declared: set[str] | None = None
+    for attr in attrs:
+        qual = f"{path}.{attr}" if path else attr
+        if not _recorded_parameter(ctx, qual):
+            if declared is None:
+                declared = _declared_parameters(ev.source)
+            if attr not in declared:
+                continue
+        d = ast.get_source_segment(stmt, right) or ast.unparse(right)
+        return _Learnable(divisor=d, attr=f"self.{attr}", qual=qual, name=name)
+    return None
+
+
+def _learnable_fix(ev: OpEvent, lv: _Learnable) -> str:
+    """A floor on a learnable divisor that keeps its gradient (a straight-through floor:
+    the value is max(d, eps), the gradient that of d), and a floor where it is initialized."""
+    eps = f"torch.finfo({lv.attr}.dtype).eps"
+    init = (
+        f"{lv.attr}.data.clamp_(min={eps})   # right after {lv.attr} is initialized (a "
+        "data-dependent init of an all-zero batch gives 0): it starts above 0"
+    )
+    if lv.name is not None:
+        value = _unconditional_assignment(ev, lv.name)
+        made = f"{lv.name} = {ast.unparse(value)}\n" if value is not None else ""
+        d = lv.name
+        return (
+            f"{made}{d} = {d} + ({d}.clamp_min(torch.finfo({d}.dtype).eps) - {d}).detach()"
+            f"   # floored at eps in value, the gradient still reaches {lv.attr}\n{init}"
+        )
+    picked = _picked_division(ev)
+    assert picked is not None
+    stmt, div, _ = picked
+    d = lv.divisor
+    safe = f"({d} + ({d}.clamp_min({eps}) - {d}).detach())"
+    return (
+        f"{_spliced(stmt, div.right, safe, grouped=True)}   # floored at eps in value, the "
+        f"gradient still reaches {lv.attr}\n{init}"
+    )
 
 
 def _dtype_carriers(node: ast.expr) -> list[ast.Name]:
