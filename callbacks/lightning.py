@@ -15,6 +15,8 @@ Lightning event                what the callback does
 ``on_before_optimizer_step``   ``nw.check()`` (a new anomaly: replay the batch to pinpoint
                                the op); reduce the decision across ranks; then every rank
                                stops, skips, raises or warns
+``on_after_backward``          the gradients are read at the step's check (sentinel
+                               mode sees no backward of a submodule called alone)
 ``on_train_batch_end``         (accumulating: ``nw.check()``) ``nw.step(loss)``; say its
                                early warnings; log the step's figures; write the report
                                of a stop
@@ -483,6 +485,8 @@ class _NanWatch:
         #: the accumulation window made bad (see _inherited)
         self._inherits = -1
         self._broken = False  # an internal error stopped the watching
+        #: the figures known at some step of this run (see _log)
+        self._known: set[str] = set()
 
     @classmethod
     def for_namespace(cls, namespace: str) -> type[_NanWatch]:
@@ -609,6 +613,17 @@ class _NanWatch:
         if not self._broken:
             self._guarded(self._check, trainer, pl_module)
         self._decide(trainer, pl_module, optimizer)
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        # the watcher reads the gradients (their norm: ``nanwatch/grad_norm``; NaN/inf in
+        # them) after a backward that reached a watched module's output. In sentinel mode
+        # only the LightningModule's own call is watched, and a training_step that calls
+        # ``self.net(x)`` never makes one: the gradients would go unread, and a NaN born in
+        # backward would be found only in the weights after the update. Lightning calls
+        # this hook after every backward, so the backward is known to have run.
+        nw = self.watcher
+        if nw is not None and nw.attached and not self._broken:
+            nw._backward_seen = True
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -991,6 +1006,16 @@ class _NanWatch:
         nw = self.watcher
         assert nw is not None
         figures = step_metrics(done, scaled=nw.scaler is not None)
+        # a figure is NaN on a step where it is unknown (a logger would repeat the last
+        # value); one never known in this run (max_logit in sentinel mode when only a
+        # submodule is called) is left out, not logged as a column of NaN
+        if done.max_logit is not None:
+            self._known.add("nanwatch/max_logit")
+        if done.grad_norm is not None:
+            self._known.add("nanwatch/grad_norm")
+        for name in ("nanwatch/max_logit", "nanwatch/grad_norm"):
+            if name not in self._known:
+                figures.pop(name, None)
         figures["nanwatch/anomalies"] = float(self._anomalies_before + len(nw.anomalies))
         figures["nanwatch/warnings"] = float(self.warning_count)
         figures["nanwatch/skipped"] = float(len(self.skipped))
