@@ -592,6 +592,8 @@ class Watcher:
         #: optimizer update; the ones after it (the next batch's rewards, computed before
         #: its first module call) belong to the step the automatic rule begins next
         self._ops_mark: int | None = None
+        #: how many backward passes reached their end-of-backward check (see _BackwardTap)
+        self._eob_count = 0
         self._functional_guards: Any = None
         self._restore_signals: Callable[[], None] | None = None
         self._anomaly_mode_prev: tuple[bool, bool] | None = None
@@ -2306,6 +2308,7 @@ class Watcher:
 
     def _end_of_backward(self) -> None:
         self._eob_queued = False
+        self._eob_count += 1
         if not self._attached or ops.replaying() or _tracing() or capturing():
             return
         try:
@@ -4807,13 +4810,20 @@ class _BackwardTap(_Tap):
             return torch.autograd.backward(tensors, *args, **kwargs)
         for w in watchers:
             w._in_backward += 1
+        ended = [w._eob_count for w in watchers]
         try:
             out = original(tensors, *args, **kwargs)
         finally:
             for w in watchers:
                 w._in_backward -= 1
-        for w in watchers:
+        for w, n in zip(watchers, ended, strict=True):
             w._grads_around_backward(False)
+            if w._eob_count == n and w._attached and threading.get_ident() == w._thread:
+                # no watched output got a gradient (sentinel, and the loop called a
+                # submodule of the root, never the root: Lightning's self.net(x)): the
+                # end-of-backward check the output hooks queue did not run; run it now,
+                # or the parameter gradients are never read
+                w._end_of_backward()
         return out
 
 
