@@ -89,6 +89,19 @@ def short_op(op: str) -> str:
     return op[: -len(".default")] if op.endswith(".default") else op
 
 
+def operands(node: ast.expr, op: type[ast.operator]) -> list[ast.expr]:
+    """The operands of a chain of one binary operator, left to right: ``a + b + c`` with
+    ``ast.Add`` gives ``[a, b, c]``; any other node is its own one operand.
+
+    >>> [ast.unparse(n) for n in operands(ast.parse("a * b * (c + d)", mode="eval").body,
+    ...                                   ast.Mult)]
+    ['a', 'b', 'c + d']
+    """
+    if isinstance(node, ast.BinOp) and isinstance(node.op, op):
+        return [*operands(node.left, op), *operands(node.right, op)]
+    return [node]
+
+
 def packet(op: str) -> str:
     """``aten.div.Tensor`` -> ``div``."""
     parts = op.split(".")

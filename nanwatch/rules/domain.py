@@ -66,6 +66,7 @@ from nanwatch.rules._evidence import (
     nonfinite_scalars,
     note_num,
     op_fields,
+    operands,
     outside_domain,
     packet,
     param_named,
@@ -1766,16 +1767,7 @@ def _weighted_exps(arg: str, source: str | None) -> list[tuple[str | None, str]]
     except SyntaxError:
         return None
     text = arg.strip()
-    summands: list[ast.expr] = []
-
-    def flatten(n: ast.expr) -> None:
-        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Add):
-            flatten(n.left)
-            flatten(n.right)
-        else:
-            summands.append(n)
-
-    flatten(node)
+    summands = operands(node, ast.Add)
     if len(summands) < 2:
         return None
 
@@ -8530,16 +8522,7 @@ def _zero_factor(ev: OpEvent, base: str) -> _ZeroFactor | None:
         node = ast.parse(base.strip(), mode="eval").body
     except SyntaxError:
         return None
-    factors: list[ast.expr] = []
-
-    def walk(n: ast.expr) -> None:
-        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):
-            walk(n.left)
-            walk(n.right)
-        else:
-            factors.append(n)
-
-    walk(node)
+    factors = operands(node, ast.Mult)
     tensors = []
     for f in factors:
         if isinstance(f, ast.Constant):

@@ -57,6 +57,7 @@ from nanwatch.rules._evidence import (
     model_call,
     module_ref,
     op_fields,
+    operands,
     packet,
     param_named,
     paren,
@@ -6020,9 +6021,7 @@ def _logsumexp_fix(code: str | None) -> str | None:
 
 def _factors(node: ast.expr) -> list[ast.expr]:
     """The factors of a product ``a * b * c`` (one factor when ``node`` is no product)."""
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-        return [*_factors(node.left), *_factors(node.right)]
-    return [node]
+    return operands(node, ast.Mult)
 
 
 def _weighted_lse(line: str, node: ast.expr) -> str | None:
