@@ -72,6 +72,15 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("autograd-inplace", ("modified by an inplace operation",)),
+    (
+        "graph-freed",  # a tensor carried across steps with its graph (an RNN's hidden state)
+        (
+            "backward through the graph a second time",
+            "saved tensors after they have already been freed",
+        ),
+    ),
+    ("packing-length", ("Length of all samples has to be greater than 0",)),
+    ("python-overflow", ("math range error", "Numerical result out of range")),
     ("fp16-unscale", ("Attempting to unscale FP16 gradients",)),  # GradScaler on .half()
     (
         "distribution-constraint",  # torch.distributions' validate_args: before "non-finite"
@@ -176,6 +185,31 @@ ADVICE: dict[str, str] = {
         "nanwatch matched it: replace the in-place op (x.mul_(2) -> x = x * 2; "
         "nn.ReLU(inplace=False); out[mask] = 0 -> out = out.masked_fill(mask, 0)), or write "
         "a buffer only after backward."
+    ),
+    "graph-freed": (
+        "A tensor kept from an earlier step still carries that step's autograd graph, which "
+        "its backward() freed: detach it where it is carried to the next step (an RNN's "
+        "hidden state in truncated BPTT: hidden = hidden.detach(), or (h.detach(), "
+        "c.detach()) for an LSTM; a running total of losses: total += loss.item(); an "
+        "output cached on a module or in a list). retain_graph=True is not the fix there: "
+        "each backward would run back through every earlier batch, slower and larger every "
+        "step. If one step's graph is really differentiated twice (two losses, each with its "
+        "own backward), add the losses and call backward() once, or pass retain_graph=True "
+        "to the first call only."
+    ),
+    "packing-length": (
+        "pack_padded_sequence got a length of 0: every sequence must have at least one step "
+        "(an empty line, a text the tokenizer cut to nothing, a length counted from a mask "
+        "that is all padding). Drop empty samples in the Dataset or the collate_fn, or pack "
+        "lengths.clamp_min(1) and leave those rows out of the loss with a mask."
+    ),
+    "python-overflow": (
+        "A Python math function overflowed a float64 (math.exp(x) for x over 709.78, "
+        "x ** y, math.cosh): the number it was given is too large, most often a loss that "
+        "has diverged (perplexity = math.exp(loss)). The loss of the last steps is in the "
+        "report: if it has been growing, lower the learning rate or clip the gradients "
+        "(torch.nn.utils.clip_grad_norm_); to log a perplexity that cannot overflow, use "
+        "math.exp(min(loss, 700))."
     ),
     "fp16-unscale": (
         "A GradScaler refused to unscale float16 gradients: the weights themselves are "

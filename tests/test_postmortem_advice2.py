@@ -1,0 +1,127 @@
+"""Post-mortem advice for three failures of recurrent and language-model loops that were
+told only "the last modules that ran are listed": a hidden state carried to the next batch
+with its graph (backward through a freed graph), a length of 0 given to
+pack_padded_sequence, and a perplexity math.exp(loss) that overflowed a Python float."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence
+
+import nanwatch
+from nanwatch.postmortem import classify
+from nanwatch.report import Report
+
+
+def _report(tmp_path: Path) -> Report:
+    (path,) = sorted(tmp_path.glob("*.json"))
+    return Report.load(path)
+
+
+class _LM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.rnn = nn.GRU(6, 6, batch_first=True)
+        self.out = nn.Linear(6, 10)
+
+    def forward(
+        self, x: torch.Tensor, h: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        y, h = self.rnn(self.emb(x), h)
+        return self.out(y), h
+
+
+@pytest.mark.parametrize("mode", ["watch", "sentinel"])
+def test_hidden_state_not_detached_is_named_and_the_error_unchanged(
+    tmp_path: Path, mode: str
+) -> None:
+    torch.manual_seed(0)
+    m = _LM()
+    crit = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    h = None
+    with (
+        pytest.raises(RuntimeError, match="backward through the graph a second time"),
+        nanwatch.watch(m, crit, mode=mode, report_dir=str(tmp_path)) as nw,
+    ):
+        for _ in range(3):
+            x = torch.randint(0, 10, (2, 5))
+            logits, h = m(x, h)  # truncated BPTT without hidden = hidden.detach()
+            loss = crit(logits.reshape(-1, 10), x.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            nw.step()
+    report = _report(tmp_path)
+    assert report.error is not None and report.error["class"] == "graph-freed"
+    assert report.headline.startswith("RuntimeError (backward through a freed graph)")
+    advice = report.error["advice"]
+    assert "hidden = hidden.detach()" in advice
+    assert advice.index("detach") < advice.index("retain_graph=True"), "detach first"
+    assert "not the fix" in advice
+
+
+def test_the_advice_for_a_detached_hidden_state_works() -> None:
+    torch.manual_seed(0)
+    m = _LM()
+    crit = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    h = None
+    with nanwatch.watch(m, crit) as nw:
+        for _ in range(3):
+            x = torch.randint(0, 10, (2, 5))
+            logits, h = m(x, h)
+            h = h.detach()  # the advice
+            loss = crit(logits.reshape(-1, 10), x.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            nw.step()
+    assert not nw.report.diagnoses
+
+
+def test_a_length_of_zero_in_packing(tmp_path: Path) -> None:
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.LSTM(4, 4, batch_first=True)
+
+        def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            return self.rnn(packed)[1][0]
+
+    m = Tagger()
+    with (
+        pytest.raises(RuntimeError, match="Length of all samples"),
+        nanwatch.watch(m, report_dir=str(tmp_path)),
+    ):
+        m(torch.randn(3, 5, 4), torch.tensor([5, 0, 3])).sum().backward()
+    report = _report(tmp_path)
+    assert report.error is not None and report.error["class"] == "packing-length"
+    assert "a length of 0" in report.error["advice"]
+    assert "lengths.clamp_min(1)" in report.error["advice"]
+
+
+def test_perplexity_overflow_names_the_float64_limit() -> None:
+    loss = 2 * math.log(torch.finfo(torch.float64).max)
+    with pytest.raises(OverflowError) as info:
+        math.exp(loss)
+    out = classify(info.value)
+    assert out["class"] == "python-overflow"
+    limit = f"{math.log(torch.finfo(torch.float64).max):.2f}"
+    assert limit in out["advice"], "the largest x math.exp takes"
+    assert "math.exp(min(loss, 700))" in out["advice"]
+    assert math.isfinite(math.exp(min(loss, 700)))
+
+
+def test_unrelated_errors_keep_their_classes() -> None:
+    assert classify(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))["class"] == (
+        "shape-mismatch"
+    )
+    assert classify(OverflowError("int too large to convert to float"))["class"] == "other"
