@@ -629,6 +629,9 @@ class Watcher:
         #: the optimizer that last stepped each weight (by the weight's id): its state is
         #: read for that weight only once the weight is found non-finite
         self._stepped_by: dict[int, weakref.ReferenceType[Any]] = {}
+        #: where each optimizer's last step fell: id -> (the step, how many calls of that
+        #: step had begun), to tell a forward after the update from one before it (NW301)
+        self._opt_calls: dict[int, tuple[int, int]] = {}
         #: each weight's data pointer right after the last optimizer step that updated it
         #: (by the weight's id): ``p.data = w / w.norm()`` after the step replaces the
         #: weight's tensor and moves no version (NW301: written after the update)
@@ -640,6 +643,14 @@ class Watcher:
         self._grad_marks: dict[int, list[Any]] = {}
         #: each weight's finiteness as the attach check read it (absent: not read)
         self._attach_finite: dict[int, bool] = {}
+        #: weights that held -inf, and no NaN or +inf, when nanwatch first read them (a
+        #: CRF's forbidden transitions, a mask kept in a Parameter): id -> how many. Their
+        #: -inf is a constraint, not an anomaly: they are checked apart (max |w| over the
+        #: rest, and whether the count of -inf grew), see :meth:`_weight_maxima`
+        self._neginf_at_start: dict[int, int] = {}
+        #: the weights whose values a weight check has read (their first sight is past)
+        self._weighed: set[int] = set()
+        self._weighed_for: list[tuple[str, str, nn.Parameter]] | None = None
         self._checking_attach = False
         #: a training ``backward()`` is running (its depth): gradients recorded outside one
         #: come from ``torch.autograd.grad`` (``Record.by_grad``)
@@ -1925,6 +1936,7 @@ class Watcher:
         self._opt_running = False
         if self._checker is not None:
             self._ops_mark = len(self._checker.events)
+        self._opt_calls[id(optimizer)] = (self._step, len(self._trace.calls))
         try:
             stepped, marks, watched = self._stepped, self._grad_marks, self._param_ids
             if "grad_marks" in self._disabled_hooks:
@@ -2811,16 +2823,53 @@ class Watcher:
     def _param_maxima(self) -> list[torch.Tensor]:
         """max |w| of every watched parameter, left on the devices (no sync). A small model
         on the CPU gets one max over all its weights instead (one kernel, not one a weight:
-        only a non-finite weight is recorded, and then :meth:`_check_params` looks at each)."""
+        only a non-finite weight is recorded, and then :meth:`_check_params` looks at each),
+        followed by the value of each weight with -inf constraints (fewer values than
+        weights: :meth:`_check_params` tells the two apart by that)."""
         params = [p.detach() for _, _, p in self._params]
+        known = self._neginf_at_start
+        counts = [known.get(id(p)) for _, _, p in self._params] if known else []
+        plain = [p for p, n in zip(params, counts, strict=True) if n is None] if known else params
         if (
-            len(params) > 1
+            len(plain) > 1
             and not self._forensic
             and all(p.device.type == "cpu" for p in params)
             and sum(p.numel() for p in params) <= _FLAT_WEIGHTS
         ):
-            return [torch.cat([p.reshape(-1) for p in params]).abs().max()]  # NaN propagates
-        return foreach_absmax(params)
+            flat = torch.cat([p.reshape(-1) for p in plain]).abs().max()  # NaN propagates
+            pairs = zip(params, counts, strict=False)  # counts is [] with no constraint
+            cons = [_constrained_max(p, n) for p, n in pairs if n is not None]
+            return [flat, *cons]
+        return self._weight_maxima(params)
+
+    def _weight_maxima(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """max |w| of each of ``params`` (the watched weights, detached, in order), on the
+        devices; a weight with -inf constraints gets :func:`_constrained_max` instead."""
+        known = self._neginf_at_start
+        counts = [known.get(id(p)) for _, _, p in self._params] if known else []
+        if not any(n is not None for n in counts):
+            return foreach_absmax(params)  # the common path: no weight carries -inf
+        pairs = list(zip(params, counts, strict=True))
+        plain = iter(foreach_absmax([p for p, n in pairs if n is None]))
+        return [next(plain) if n is None else _constrained_max(p, n) for p, n in pairs]
+
+    def _constraint_at_first_sight(self, param: nn.Parameter) -> TensorStat | None:
+        """The weight ``param`` (non-finite): its statistics; None when this is the first
+        time a weight check reads it and it holds -inf and no NaN or +inf: those -inf are
+        constraints it was loaded or initialized with (a CRF's forbidden transitions),
+        remembered and not an anomaly. A weight that was finite when first read has none:
+        a -inf in it later is an anomaly, and so is a -inf more than it came with."""
+        stat = describe(param.detach())
+        if (
+            id(param) not in self._weighed
+            and param.dtype in _NEGINF_DTYPES
+            and stat is not None
+            and stat.only_neginf
+            and stat.neginf
+        ):
+            self._neginf_at_start[id(param)] = stat.neginf
+            return None
+        return stat
 
     def _check_params(
         self, *, at_end: bool, all_records: bool = False, values: list[float] | None = None
@@ -2835,12 +2884,29 @@ class Watcher:
         if not self._params:
             return
         params = [p.detach() for _, _, p in self._params]
-        if values is not None and len(values) == 1 < len(params):  # one max over them all
-            if math.isfinite(values[0]) and not all_records:
+        if values is not None and len(values) < len(params):  # one max over them all
+            if all(math.isfinite(v) for v in values) and not all_records:
+                self._mark_weighed()
                 return
             values = None
         if values is None or len(values) != len(params):
-            values = read_scalars(foreach_absmax(params))
+            values = read_scalars(self._weight_maxima(params))
+        try:
+            self._check_each_param(params, values, at_end=at_end, all_records=all_records)
+        finally:
+            self._mark_weighed()
+
+    def _mark_weighed(self) -> None:
+        """The watched weights were read: a -inf found in them from here on is no
+        constraint. Once for each list of weights (``_params`` is replaced, never changed)."""
+        if self._weighed_for is not self._params:
+            self._weighed.update(id(p) for _, _, p in self._params)
+            self._weighed_for = self._params
+
+    def _check_each_param(
+        self, params: list[torch.Tensor], values: list[float], *, at_end: bool, all_records: bool
+    ) -> None:
+        """:meth:`_check_params` on the maxima ``values`` of the detached weights ``params``."""
         front: list[Record] = []
         seen: set[str] | None = None
         bad_state: dict[str, list[list[str]]] = {}
@@ -2855,7 +2921,10 @@ class Watcher:
                 continue
             stat = TensorStat(-a, a, p.numel())
             if a - a != 0:
-                stat = describe(p) or stat
+                first = self._constraint_at_first_sight(param)
+                if first is None and id(param) in self._neginf_at_start:
+                    continue  # -inf constraints it came with: not an anomaly
+                stat = first or stat
             if at_end:
                 rec = self._new_record(Phase.PARAMETER, path, q, p, -1, module_type=owner_type)
             else:
@@ -2879,8 +2948,13 @@ class Watcher:
                     # a .data assignment after the update: a new tensor, the same version
                     ptr = self._stepped_ptr.get(id(param))
                     after = ptr is not None and ptr != _data_ptr(param)
+                replaced = bool(after and stepped and stepped[2] == param._version)
+                # a forward of this step ran with it finite after that update: written
+                # since, in place and unseen by autograd (p.data.add_, a copy_ under no_grad)
+                read_by = self._read_since_update(param, path) if stepped and not after else None
+                after = after or read_by is not None
                 at_attach = self._attach_versions.get(id(param))
-                if stepped is not None:
+                if stepped is not None and read_by is None:
                     self._read_optimizer_state(q, param, bad_state)
                 # forensic: the op that wrote it outside the update, and its line
                 written = (
@@ -2903,7 +2977,9 @@ class Watcher:
                     parameter=q,
                     **by_op,
                     # the update left another tensor in it (p.data = ... after the step)
-                    replaced=bool(after and stepped and stepped[2] == param._version),
+                    replaced=replaced,
+                    # the module whose forward ran with it finite after the update
+                    read_finite_by=read_by,
                     optimizer=stepped[0] if stepped and not after else None,
                     group=stepped[1] if stepped and not after else None,
                     after_optimizer=stepped[0] if after and stepped else None,
@@ -2925,6 +3001,40 @@ class Watcher:
             for i, r in enumerate(front):
                 r.index = -len(front) + i
             self._trace.records[:0] = front
+
+    def _read_since_update(self, param: nn.Parameter, path: str) -> str | None:
+        """The path of a module (``path``, the weight's owner, or a module holding it) whose
+        call in this step began after the optimizer step that last updated ``param`` and
+        ended with every output it recorded finite: that forward ran with the weight
+        finite, so no optimizer wrote its NaN/inf. None when no such call is known.
+        Anomaly-time work only."""
+        ref = self._stepped_by.get(id(param))
+        optimizer = ref() if ref is not None else None
+        at = self._opt_calls.get(id(optimizer)) if optimizer is not None else None
+        if at is None or at[0] > self._step:
+            return None
+        trace = self._trace
+        calls = trace.calls[at[1] :] if at[0] == self._step else trace.calls
+        roots: dict[str, nn.Module] = {
+            info.path: m for m, info in self._modules if info.is_root and not info.is_loss
+        }
+        for c in calls:
+            if c.end == -1 or c.is_loss or c.path == LOSS_PATH:
+                continue
+            if not (
+                c.path == path
+                or path.startswith(c.path + ".")
+                or (c.root and c.path in roots and _holds(roots[c.path], param))
+            ):
+                continue
+            outs = [
+                r
+                for r in trace.records
+                if c.start <= r.index < c.end and r.phase is Phase.FORWARD and r.call == c.id
+            ]
+            if outs and all(r.stat is not None and r.stat.finite for r in outs):
+                return c.path
+        return None
 
     def _weight_writer_op(
         self, param: nn.Parameter, qualname: str, *, after: bool
@@ -4082,6 +4192,7 @@ class Watcher:
         self._params = [*self._params, *added]
         self._param_ids = frozenset(id(p) for _, _, p in self._params)
         self._param_types = [*self._param_types, *types]
+        self._weighed.update(id(p) for _, _, p in added)  # read: their -inf is no constraint
         trace = self._trace
         self._forget(trace, anomaly)
         moved = self._localize(trace)
@@ -4436,6 +4547,9 @@ class Watcher:
         # one watched model, one loss: with several (a backbone and a head), "model" is
         # their composition, which has no name of its own
         models = [m for m, info in roots if not info.is_loss]
+        if len(models) > 1:  # a loss written as a plain Module (no weights) is no model
+            watched_ids = self._param_ids
+            models = [m for m in models if any(id(p) in watched_ids for p in m.parameters())]
         losses = [m for m, info in roots if info.is_loss]
         if len(models) == 1:
             wanted["model"] = models[0]
@@ -5363,6 +5477,23 @@ def _norm64(g: torch.Tensor) -> float:
             return float(torch.linalg.vector_norm(v.detach().double()))
     except Exception:
         return math.inf
+
+
+#: float dtypes whose -inf a weight may hold as a constraint (see ``_neginf_at_start``)
+_NEGINF_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _holds(module: nn.Module, param: nn.Parameter) -> bool:
+    """``param`` is one of the parameters of ``module`` (or of its submodules)."""
+    return any(p is param for p in module.parameters())
+
+
+def _constrained_max(p: torch.Tensor, neginf: int) -> torch.Tensor:
+    """A weight with ``neginf`` -inf constraints: max |w| over its other entries (NaN and
+    +inf propagate), or inf when it holds more -inf than that (an update made one)."""
+    low = torch.isneginf(p)
+    top = torch.where(low, torch.zeros((), dtype=p.dtype, device=p.device), p.abs()).max()
+    return torch.where(low.sum() > neginf, torch.full_like(top, math.inf), top)
 
 
 def _finite(t: torch.Tensor) -> bool:

@@ -1965,6 +1965,11 @@ def _written_elsewhere(
     records place the write in this step's forward (a data-dependent init, ActNorm's
     ``logs = log(1 / std)``), that is what it says, with the op and line when known."""
     writer = _writer(ctx, name)
+    read_by = (writer or {}).get("read_finite_by")
+    if after and isinstance(read_by, str) and not (writer or {}).get("op"):
+        return _written_between_forwards(
+            ctx, a, name=name, evidence=evidence, after=after, read_by=read_by
+        )
     how = (
         f"{after} updated {name} and left it finite; "
         + (
@@ -2038,6 +2043,53 @@ def _written_elsewhere(
             "constant (std = 0) and nothing adds an eps. The learning rate is not the cause."
         ),
         fix=fix,
+    )
+
+
+def _written_between_forwards(
+    ctx: RuleContext, a: Anomaly, *, name: str, evidence: list[str], after: str, read_by: str
+) -> Diagnosis:
+    """A forward of this step (of ``read_by``, a module holding the weight) ran with
+    ``name`` finite after the last update by ``after``, and no optimizer step ran since:
+    code between that forward and this one wrote the NaN/inf in place, outside the
+    optimizer and the autograd graph (a finite-difference step ``p.data.add_(v, alpha=R)``,
+    a ``copy_`` under no_grad), which moves no version counter nanwatch could see."""
+    s = a.record.stat
+    what = "NaN" if s is None or s.has_nan else "inf"
+    root = _root_path(ctx.trace, a.record.path) or _root_of_name(ctx, name)
+    holder, _, note = (_owner_expr(ctx, root) if root else "model").partition("  # ")
+    forensic = ctx.facts.get("mode") == "forensic"
+    trace_hint = (
+        "mode='forensic' traces ops inside the watched modules' forwards only, so it does "
+        "not see a write made in the training loop between two forwards"
+        if forensic
+        else "mode='forensic' names the op and line when the write runs inside a watched "
+        "module's forward"
+    )
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights written in place between two forwards, not by an optimizer",
+        evidence=[
+            *evidence,
+            f"{read_by}'s forward ran with {name} finite in step {ctx.step}, after the last "
+            f"{after} update of it; no optimizer step ran since",
+        ],
+        explanation=(
+            f"The {what} in {name} was written between that forward and the one that found it, "
+            f"by code outside the optimizer and the autograd graph: a .data write "
+            "(p.data.add_(v, alpha=r), p.data.copy_(...)) or an in-place op under "
+            "torch.no_grad(), as a finite-difference step, a lookahead or a weight backup "
+            "and restore do. Such a write moves no version counter and builds no graph. "
+            f"{after}'s update and the learning rate are not the cause: look for a scale "
+            "that is inf or NaN in that write (r / ||v|| with ||v|| = 0 gives inf, and "
+            f"inf * 0 = NaN). {trace_hint[0].upper()}{trace_hint[1:]}."
+        ),
+        fix=(
+            "# right after each in-place write to the weights between forwards (p.data.add_,\n"
+            "# copy_ under no_grad): the first one that leaves a non-finite weight\n"
+            f"bad = [n for n, p in {holder}.named_parameters() if not torch.isfinite(p).all()]"
+            f"\nassert not bad, bad{f'   # {note}' if note else ''}"
+        ),
     )
 
 
