@@ -788,6 +788,32 @@ def _later_outputs(
         if g is None or g.stat is None or not g.stat.finite:
             continue
         out.append((o, custom_function(o.grad_fn)))
+    for o, made in _returned_from_child(trace, call, fwd.index):
+        g = grads.get(made.index)
+        if g is not None and g.stat is not None and g.stat.finite:
+            out.append((o, None))  # a Function there is the child's, not the producer's code
+    return out
+
+
+def _returned_from_child(trace: StepTrace, call: Call, after: int) -> list[tuple[Record, Record]]:
+    """The outputs of ``call`` recorded after record ``after`` that are a child's output
+    returned as it is (``return y_hat, self.lower_bound(lik)``), each with the child's
+    output record (where the tensor's gradient is recorded): a value the producer's own
+    code made, through that child, after the output ``after``."""
+    out: list[tuple[Record, Record]] = []
+    for o in trace.records:
+        if o.call != call.id or o.phase is not Phase.FORWARD or o.index <= after:
+            continue
+        if o.stat is not None or o.source is None:
+            continue
+        made = trace.record(o.source)
+        if made is None or made.phase is not Phase.FORWARD or made.call == call.id:
+            continue
+        inner = trace.call(made.call)
+        while inner is not None and inner is not call:
+            inner = _parent(trace, inner)
+        if inner is call:  # made inside this call (by a child), not passed in from outside
+            out.append((o, made))
     return out
 
 
@@ -1839,6 +1865,26 @@ def _drop_hedge(anomaly: Anomaly, base: str) -> str:
     )
 
 
+#: op events a replay traced with new random draws, by id: (the event, the attempt). Events
+#: are slotted (no weak references): the last few are kept, which is all a summary reads.
+_REDRAWN: dict[int, tuple[OpEvent, int]] = {}
+_REDRAWN_KEEP = 1024
+
+
+def mark_redrawn(events: Sequence[OpEvent], attempt: int) -> None:
+    for ev in reversed(events):  # the first (the birth) is dropped last
+        _REDRAWN[id(ev)] = (ev, attempt)
+    while len(_REDRAWN) > _REDRAWN_KEEP:
+        del _REDRAWN[next(iter(_REDRAWN))]
+
+
+def redrawn(ev: OpEvent) -> int | None:
+    """The attempt of the replay that traced ``ev`` with random draws other than the
+    original run's (its statistics are that draw's, not the values the run had), else None."""
+    got = _REDRAWN.get(id(ev))
+    return got[1] if got is not None and got[0] is ev else None
+
+
 def summarize(anomaly: Anomaly) -> str:
     """The one-line summary, with the op and propagation when known."""
     base = anomaly.summary.split(" [")[0]
@@ -1875,6 +1921,12 @@ def summarize(anomaly: Anomaly) -> str:
         made = _leading_kinds(base)
         unlike = op.born and made and made != set(op.born.split(", "))
         extra.append(f"op {op_phrase(op)}" + (f", which made {op.born}" if unlike else ""))
+        attempt = redrawn(op)
+        if attempt is not None:
+            extra.append(
+                f"traced by a replay that drew new random numbers (attempt {attempt}): the "
+                "op's values quoted are from that draw, not the run's"
+            )
     if anomaly.propagator_count:
         extra.append(
             f"passed on by {anomaly.propagator_count} module"

@@ -40,7 +40,7 @@ from nanwatch import _copies, _frames
 from nanwatch._compat import aminmax, set_versions
 from nanwatch._domains import Domain, domain_of
 from nanwatch._structure import iter_tensors, leaves
-from nanwatch.localize import is_birth
+from nanwatch.localize import is_birth, mark_redrawn
 from nanwatch.records import LOSS_PATH, OpEvent, Phase, TensorStat
 from nanwatch.stats import brief, describe, device_name, dtype_name, has_values
 
@@ -1382,6 +1382,9 @@ class ReplayResult:
     #: says nothing about the original run, whose draws were others
     random: bool = False
     attempts: int = 0  #: how many times the code was run
+    #: the first attempt started from the generators' state the original forward started
+    #: with (``rng`` of :func:`replay`): its draws were the original ones
+    same_draws: bool = False
     #: the non-finite kinds the replayed forward's output held (``NaN``, ``+inf``, ``-inf``):
     #: a replay with no event whose output is non-finite made the value again from a
     #: non-finite tensor it read (a weight, a buffer), not a transient fault
@@ -1390,6 +1393,11 @@ class ReplayResult:
     @property
     def clean(self) -> bool:
         return not self.events and self.error is None
+
+    @property
+    def new_draws(self) -> bool:
+        """The events' numbers come from random draws other than the original run's."""
+        return self.random and not (self.same_draws and self.attempts == 1)
 
     @property
     def conclusive(self) -> bool:
@@ -1497,6 +1505,49 @@ def rng_states(devices: set[torch.device]) -> list[Any]:
     states += [torch.cuda.get_rng_state(d) for d in sorted(devices, key=str) if d.type == "cuda"]
     states += _host_rng_states()
     return states
+
+
+def forward_rng(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any] | None:
+    """The CPU generator's state as a call on ``args``, ``kwargs`` begins, for
+    :func:`replay`'s ``rng`` (one host-side copy, about 1 us: taken once per root call, so
+    Python's and NumPy's generators, 10 to 50 us each, are not copied; a replay that draws
+    from them is told apart by :func:`replay`); None when an input is on an accelerator,
+    where watch mode does not replay."""
+    devices = _devices([args, kwargs])
+    if any(d.type != "cpu" for d in devices):
+        return None
+    return [torch.get_rng_state()]
+
+
+def set_rng_states(states: list[Any], devices: set[torch.device]) -> bool:
+    """Put back the generator states :func:`forward_rng` (the CPU generator's) or
+    :func:`rng_states` took for the same ``devices``; False (and nothing set) when they do
+    not match (another device, NumPy imported since)."""
+    if not states or not isinstance(states[0], torch.Tensor):
+        return False
+    if len(states) == 1:  # forward_rng's: the CPU generator only
+        if any(d.type != "cpu" for d in devices):
+            return False
+        torch.set_rng_state(states[0])
+        return True
+    cuda = [d for d in sorted(devices, key=str) if d.type == "cuda"]
+    if len(states) != len(rng_states(devices)):
+        return False
+    torch.set_rng_state(states[0])
+    for d, state in zip(cuda, states[1 : 1 + len(cuda)], strict=True):
+        torch.cuda.set_rng_state(state, d)
+    _set_host_rng_states(states[1 + len(cuda) :])
+    return True
+
+
+def _host_drew(before: list[Any]) -> bool:
+    """Whether Python's or NumPy's generator moved since ``before`` (:func:`rng_states`,
+    whose host states come last)."""
+    after = _host_rng_states()
+    then = before[len(before) - len(after) :] if len(before) >= len(after) else []
+    return len(then) != len(after) or not all(
+        _same_host_state(a, b) for a, b in zip(then, after, strict=True)
+    )
 
 
 def drew_random(before: list[Any], devices: set[torch.device]) -> bool:
@@ -1631,6 +1682,7 @@ def replay(
     pre_hooks: bool | int = True,
     hold: Callable[[torch.Tensor], bool] | None = None,
     call_site: tuple[str, str | None] | None = None,
+    rng: list[Any] | None = None,
 ) -> ReplayResult:
     """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
     :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
@@ -1640,7 +1692,11 @@ def replay(
 
     A forward that draws random numbers (dropout, ``torch.randint``) cannot repeat the
     original draws, which are gone: it is run again with new draws, up to ``attempts``
-    times, until one reproduces a non-finite value; ``result.random`` says so.
+    times, until one reproduces a non-finite value; ``result.random`` says so. ``rng``: the
+    generators' states as the original call began (:func:`rng_states` of the inputs'
+    devices): the first attempt starts from them and repeats the original draws
+    (``result.same_draws``); the events of an attempt with new draws are marked
+    (:func:`nanwatch.localize.redrawn`), since their numbers are not the run's.
     ``call_site``: (``file.py:42``, its text), the line that called ``module``, given to an
     op that has no user line of its own (see :func:`call_line`); without it such an op
     gets the user's line that is running (right for a root replayed in its own hook)."""
@@ -1650,6 +1706,10 @@ def replay(
     tracker = _SubmoduleOps(module)
     try:
         with preserved_state(module, devices), _replay_scope():
+            same = rng is not None and set_rng_states(rng, devices)
+            # only the CPU generator was given back (forward_rng): the first attempt repeats
+            # the original draws unless it drew from Python's or NumPy's generator too
+            host_only_given = same and rng is not None and len(rng) == 1
             for _ in range(max(1, attempts)):
                 chk = OpChecker(current_path=current_path or replay_path, on_error=on_error)
                 tracker.checker = chk
@@ -1672,6 +1732,12 @@ def replay(
                 result.attempts += 1
                 drew = drew_random(before, devices)
                 result.random = result.random or drew
+                if result.attempts == 1:
+                    result.same_draws = same and not (
+                        host_only_given and drew and _host_drew(before)
+                    )
+                if drew and not (result.same_draws and result.attempts == 1):
+                    mark_redrawn(chk.events, result.attempts)
                 if not (drew and result.clean):
                     break
     finally:

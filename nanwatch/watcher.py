@@ -350,7 +350,7 @@ class _Frame:
     """A module call on the stack; holds the call's inputs until the call returns (they are
     alive anyway in the caller's frame) so the producer can be replayed."""
 
-    __slots__ = ("args", "call", "inputs", "kwargs", "module", "versions")
+    __slots__ = ("args", "call", "inputs", "kwargs", "module", "rng", "versions")
 
     def __init__(
         self, call: Call, module: nn.Module, args: Any, kwargs: Any, *, deep: bool = False
@@ -361,6 +361,9 @@ class _Frame:
         self.kwargs = kwargs
         #: a root call's input tensors' version counters as it began (see _root_call_inputs)
         self.inputs: tuple[int | None, ...] | None = None
+        #: a root call's CPU generator state as it began (ops.forward_rng): a replay of it
+        #: repeats its random draws
+        self.rng: list[Any] | None = None
         # the version counters of the module's own buffers as the call began (host-side
         # metadata, no device read): a forward that writes its own state in place (an EMA
         # codebook, a step counter) shows in them, and a replay starts from what it wrote.
@@ -1321,6 +1324,7 @@ class Watcher:
             self._record_inputs(info, call, args, kwargs)
             if call.root:  # host-side counters only, once per root call
                 frame.inputs = tuple(_version(t) for _, t in self._walk(args, "input", kwargs))
+                frame.rng = ops.forward_rng(args, kwargs)
             if self._new_trigger is not None:
                 self._handle_trigger(None)
         except NanwatchError:
@@ -3839,6 +3843,7 @@ class Watcher:
             pre_hooks=hooks,
             hold=self._moved_state,
             call_site=self._call_line(module),
+            rng=self._call_rng(target),
         )
         trace.ops.extend(result.events)
         first = result.first()
@@ -3873,6 +3878,13 @@ class Watcher:
             )
         self._pinpoint_neginf(anomaly, target, current, pre_hooks)
         anomaly.summary = summarize(anomaly)
+
+    def _call_rng(self, call: Call) -> list[Any] | None:
+        """The CPU generator state ``call`` (a root call) began with, if still known."""
+        frame = next((fr for fr in self._stack if fr.call is call), None)
+        if frame is None:
+            frame = self._root_frames.get(call.path)
+        return frame.rng if frame is not None and frame.call is call else None
 
     def _own_writes(self, call: Call) -> list[str]:
         """The module's own floating buffers ``call`` wrote in place (so far, when open)."""
