@@ -1636,6 +1636,14 @@ def localize(
                 f"{what} in the weights of {parameter}: made non-finite by {by}, not by this "
                 "step's computation"
             )
+            if writer is not None and writer.get("read_finite_by"):
+                # a forward of this step read it finite after the update: written since
+                summary = (
+                    f"{what} in the weights of {parameter}: written in place after "
+                    f"{writer['read_finite_by']}'s forward ran with it finite this step, by "
+                    "code autograd does not see (a .data write, a copy_ or add_ under "
+                    "no_grad), not by an optimizer step"
+                )
             if writer is not None and writer.get("op") and writer.get("op_source"):
                 # forensic: the op that wrote it (0/0 of a w / w.norm() of a zero row)
                 summary = (

@@ -645,7 +645,11 @@ def anomaly_headline(a: Anomaly) -> str:
     elif k is AnomalyKind.GRADIENT:
         text = f"{kinds} in the gradient of {a.parameter or a.record.role}"
     else:
-        when = "before any update" if "before any update" in a.summary else "after an update"
+        when = "after an update"
+        if "before any update" in a.summary:
+            when = "before any update"
+        elif "not by an optimizer step" in a.summary:  # written between two forwards
+            when = "written in place between forwards"
         text = f"{kinds} in the weights {a.parameter or a.record.role} {when}"
     if op is not None:
         text += f" by {op_phrase(op)}"

@@ -216,3 +216,26 @@ def test_exploding_gradient_fix_names_the_watched_model_beside_a_loss_module() -
     fix = found[0].fix
     assert "clip_grad_norm_(net.parameters()" in fix and "model." not in code_lines(fix)
     ast.parse(code_lines(fix))
+
+
+def test_a_weight_written_between_forwards_is_not_called_an_update_in_the_summary() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(8, 4)
+    with pytest.raises(nanwatch.AnomalyError) as info, nanwatch.watch(net) as nw:
+        for step in range(3):
+            net(x).pow(2).mean().backward()
+            if step == 2:
+                v = torch.zeros_like(net[0].weight)
+                with torch.no_grad():
+                    net[0].weight.data.add_(v, alpha=float("inf"))  # inf * 0 = NaN
+            net(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+    a = info.value.anomaly
+    assert a is not None
+    assert "written in place after" in a.summary and "not by an optimizer step" in a.summary
+    assert "made non-finite by the last update" not in a.summary
+    assert "written in place between forwards" in nw.report.headline
