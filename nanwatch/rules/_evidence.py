@@ -416,6 +416,9 @@ def classify(ev: OpEvent) -> str:
             return "div"  # an integer count spanning 0 holds it: integers have no tiny values
         if den is not None and born_inf and not near_zero_denominator(ev):
             return "overflow"  # exploded numerators: x / d went past the max
+        number = scalar_num(ev, "other")
+        if den is None and number is not None and born_inf and "other" not in dict(ev.inputs):
+            return "overflow"  # x / 1e-4 past the max: a Python divisor that is not 0
         return "div"
     if name in _ROOT:
         e = _exponent(ev)

@@ -847,21 +847,52 @@ _UNIT_MAKERS = {
 }
 
 
+def _relu_of(ctx: RuleContext, r: Record, x: TensorStat) -> bool:
+    """The unmeasured ReLU output ``r`` holds the values ``x``: its own pre-activation (the
+    record its ``source`` links lead to: the ReLU's input, measured) has ``x``'s size, its
+    positive maximum and, below 0, a minimum that the ReLU makes ``x``'s 0. Another
+    tensor of the same size (a likelihood computed from the ReLU's output) is not it."""
+    if r.source is None or math.prod(r.shape) != x.numel:
+        return False
+    pre = ctx.trace.resolve(r)
+    st = pre.stat
+    if pre is r or st is None or st.numel != x.numel or not st.max > 0:
+        return False
+    if st.max == x.max and max(st.min, 0.0) == x.min:
+        return True
+    return st.min < 0 and x.min == 0 and _scaled_by_caller(ctx, r, x)
+
+
+def _scaled_by_caller(ctx: RuleContext, r: Record, x: TensorStat) -> bool:
+    """The ReLU output ``r`` scaled into ``x`` by the module around it (``self.net(z) *
+    3``): a measured output of ``x``'s very values, made by a multiplication or division
+    (which keeps the ReLU's zeros), of a call that encloses the ReLU's, and no other output
+    of that size measured in between."""
+    for o in ctx.records(Phase.FORWARD):
+        st = o.stat
+        if o.index <= r.index or not o.role.startswith("output") or st is None:
+            continue
+        if st.numel != x.numel:
+            continue
+        if (st.min, st.max) != (x.min, x.max) or node_base(o.grad_fn) not in ("Mul", "Div"):
+            return False
+        call = ctx.trace.call(r.call)
+        while call is not None and call.id != o.call:
+            call = ctx.trace.call(call.parent) if call.parent is not None else None
+        return call is not None
+    return False
+
+
 def _unit_producer(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> str | None:
     """What made a log's argument in [0, 1] with exact zeros, from op evidence: the watched
     output holding its very values (its autograd node or module: ``softmax``, ``sigmoid``,
     ``relu``), or, in loss code, the loss graph's op after a log (``rsub``: 1 - something;
     ``erf`` below it: a Normal cdf, ``cdf``); None when nothing says."""
     outs = [r for r in ctx.records(Phase.FORWARD) if r.role.startswith("output")]
-    # an unmeasured ReLU output is known by its pre-activation: a measured output of the
-    # same size whose maximum is the log argument's (a ReLU keeps a positive maximum)
-    pre = any(
-        o.stat is not None and o.stat.numel == x.numel and o.stat.max == x.max > 0 for o in outs
-    )
     for r in outs:
         st = r.stat
         relu = _UNIT_MAKERS.get(node_base(r.grad_fn or "")) == "relu" or r.module_type == "ReLU"
-        if st is None and pre and relu and math.prod(r.shape) == x.numel:
+        if st is None and relu and _relu_of(ctx, r, x):
             return "relu"
         if st is None or st.numel != x.numel or st.min != x.min or st.max != x.max:
             continue
@@ -936,6 +967,103 @@ def _difference_of_probabilities(ctx: RuleContext, x: TensorStat) -> bool:
         if -1.0 <= st.min <= x.min < 0 and st.max <= 1.0:
             return True
     return False
+
+
+#: the autograd nodes of a floor (``clamp_min``, ``torch.maximum``, ``clamp``)
+_FLOOR_NODES = ("ClampMin", "Clamp", "Maximum", "Max")
+
+#: a likelihood's usual floor (compressai's ``likelihood_bound``): log(1e-9) = -20.7, about
+#: 30 bits for a symbol, where float32's tiny would charge 126 bits
+_LIKELIHOOD_FLOOR = 1e-9
+
+
+def _likelihood_maker(ctx: RuleContext, x: TensorStat) -> tuple[Record, str] | None:
+    """The watched output holding a log argument's very values (in [0, 1], with exact
+    zeros), when a subtraction (``Sub``: a difference of two probabilities, cdf(upper) -
+    cdf(lower)) or a floor (``ClampMin``: a floor that left zeros) made it; None when no
+    such output holds them or outputs of both kinds do."""
+    if x.min != 0 or not 0 < x.max <= 1 or not has_zero(x):
+        return None
+    found: dict[str, Record] = {}
+    for r in ctx.records(Phase.FORWARD):
+        st = r.stat
+        if not r.role.startswith("output") or st is None:
+            continue
+        if (st.numel, st.min, st.max) != (x.numel, x.min, x.max):
+            continue
+        if x.zeros is not None and st.zeros is not None and st.zeros != x.zeros:
+            continue
+        base = node_base(r.grad_fn)
+        kind = "sub" if base == "Sub" else "floor" if base in _FLOOR_NODES else None
+        if kind is not None:
+            found.setdefault(kind, r)
+    if len(found) != 1:
+        return None
+    ((kind, rec),) = found.items()
+    return rec, kind
+
+
+def _likelihood_use(
+    ctx: RuleContext, ev: OpEvent, x: TensorStat, *, what: str, arg: str | None, zeros: str
+) -> _LogUse | None:
+    """A log of a likelihood made by hand that is exactly 0: a difference of two cumulative
+    probabilities that underflowed (both 0) or cancelled (both rounded to 1), or a floor
+    that the dtype rounds to 0. The answer is a floor the dtype holds (float32 when it
+    holds none): the likelihood bound of an entropy model."""
+    made = _likelihood_maker(ctx, x)
+    lim = limits(ev.dtype) or limits("float32")
+    if made is None or lim is None:
+        return None
+    rec, kind = made
+    dtype = ev.dtype or "float32"
+    held = lim.subnormal <= _LIKELIHOOD_FLOOR
+    sub = f"{dtype}'s smallest subnormal is {fmt(lim.subnormal)}"
+    if held:
+        floor, note = f"clamp_min({_LIKELIHOOD_FLOOR:g})", "a likelihood bound"
+    else:
+        floor = f"float().clamp_min({_LIKELIHOOD_FLOOR:g})"
+        note = f"a likelihood bound, in float32: {_LIKELIHOOD_FLOOR:g} rounds to 0 in {dtype}"
+    found = _log_argument(ev)
+    if found is not None:
+        stmt, start, end, a = found
+        line = f"{stmt[:start]}{_with_arg(stmt[start:end], f'{paren(a)}.{floor}')}{stmt[end:]}"
+    else:
+        name = arg if arg is not None and _NAME.fullmatch(arg) else "lik"
+        line = f"{name} = {name}.{floor}   # {name}: the likelihood the log is taken of"
+    made_by = f"{rec.path} {rec.role}" if rec.path else rec.role
+    if kind == "sub":
+        fix = (
+            f"{line}   # {note}\n"
+            "# where both cumulative probabilities round to 1 (the upper tail), the symmetric "
+            "form cdf(0.5 - |v|) - cdf(-0.5 - |v|) keeps them in the lower tail, where they are "
+            "exact"
+        )
+        why = (
+            f"Its input lies in [0, 1] (min 0, max {fmt(x.max)}) with {zeros}, and a "
+            "subtraction made it: a likelihood formed as a difference of two cumulative "
+            "probabilities (cdf(v + 0.5) - cdf(v - 0.5)) is exactly 0 where both underflow "
+            "to 0 or both round to 1, though the true value is small, not 0. Its log is "
+            "-inf. A floor on the likelihood (an entropy model's likelihood bound) keeps "
+            "every valid value and bounds the rate of the rest."
+        )
+        evidence = (
+            f"{what} is {made_by} (a watched output of the same values), made by a "
+            f"subtraction (SubBackward0) within [0, 1]: a difference of two probabilities "
+            "that underflowed or cancelled to 0"
+        )
+    else:
+        fix = f"{line}   # {note}\n# or compute the likelihood in float32 (outside autocast)"
+        why = (
+            f"Its input lies in [0, 1] (min 0, max {fmt(x.max)}) with {zeros}, though a "
+            f"floor (a clamp) made it: the floor is 0 or below what {dtype} can hold "
+            f"({sub}; half of it rounds to 0), so it keeps nothing out of the log. A floor "
+            f"the dtype holds, or a likelihood computed in float32, does."
+        )
+        evidence = (
+            f"{what} is {made_by} (a watched output of the same values), made by a floor "
+            f"({rec.grad_fn}) that left {zeros} in {dtype}: {sub}"
+        )
+    return _LogUse("likelihood", fix=fix, why=why, evidence=evidence)
 
 
 def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
@@ -1052,6 +1180,9 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             evidence=f"{what} is not a probability: it holds {zeros}, and values up to "
             f"{fmt(x.max)}",
         )
+    lik = _likelihood_use(ctx, ev, x, what=what, arg=arg, zeros=zeros) if made is None else None
+    if lik is not None:
+        return lik
     if made is not None and made not in ("softmax", "sigmoid"):
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
     if made in ("softmax", "sigmoid"):
@@ -3693,6 +3824,9 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     name = packet(ev.op)
     num = input_named(ev, "self", "input")
     den = denominator(ev)
+    number = scalar_num(ev, "other")
+    if den is None and number and "other" not in dict(ev.inputs):
+        return  # a Python divisor that is not 0 (x / 1e-4 past the max): not x/0
     closest = smallest_magnitude(den)
     if closest is not None and den is not None and name != "reciprocal":
         yield from _near_zero_division(ctx, a, ev, num=num, den=den, closest=closest)
@@ -4063,6 +4197,24 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             "drop duplicate points from the data",
         )
         return
+    shared = (
+        _shared_divisor(ev)
+        if ev.phase is Phase.FORWARD
+        and not integer
+        and den is not None
+        and den.min >= 0
+        and "every division by" not in fix  # floored where it is made already
+        else None
+    )
+    if shared is not None:
+        name, lines = shared
+        evidence.append(f"{name} is the divisor of {len(lines)} lines: {', '.join(lines)}")
+        fix = (
+            f"{name} = {name}.clamp_min(torch.finfo({name}.dtype).eps)   # once, before the "
+            f"lines that divide by {name} ({', '.join(lines)}): each of them is finite, and "
+            f"every {name} above the floor is unchanged\n"
+            f"# or floor {name} where it is made (a lower bound on a predicted scale)"
+        )
     yield ctx.diagnosis(
         **op_fields(ev, a),
         title=title,
@@ -4075,6 +4227,32 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=fix,
     )
+
+
+def _shared_divisor(ev: OpEvent) -> tuple[str, list[str]] | None:
+    """The divisor of the user's line when it is a plain name that other lines of the same
+    function divide by too (``upper = cdf((0.5 - v) / scales)``, ``lower = cdf((-0.5 - v) /
+    scales)``): its name and those lines (``file.py:131``), in order. A guard on this line
+    alone leaves the others dividing by 0; a floor on the name, before them all, does not."""
+    seen: list[str] = []
+
+    def keep(d: str) -> str:
+        seen.append(d)
+        return d
+
+    if rewrite_divisor(ev.code, keep) is None or len(seen) != 1:
+        return None
+    name = seen[0].strip()
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        return None
+    path = (ev.source or "").rpartition(":")[0]
+    divides = re.compile(rf"(?<=[\w\)\]]) / {re.escape(name)}(?![\w.(\[])")
+    lines = [
+        f"{path.rpartition('/')[2]}:{n}"
+        for n, text in _function_lines(ev.source)
+        if divides.search(text.split("#", 1)[0])
+    ]
+    return (name, lines) if len(lines) > 1 else None
 
 
 def _learnable_diagnosis(
@@ -8316,6 +8494,29 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
             f"min {fmt(x.min if x is not None else None)}): data, not a network output",
         )
         explanation, fix = _ROOT_DATA_BUILT, _data_root_fix(ev, e)
+    elif negative and (squares := _root_weighted_squares(ev)) is not None:
+        name, made, square, weights = squares
+        said = ", ".join(weights)
+        evidence.insert(
+            1,
+            f"{name} = {made}: a weighted sum of squares ({square}), >= 0 for any input "
+            f"while its weights ({said}) are >= 0: negative only where they went negative",
+        )
+        explanation = (
+            "sqrt(x) is not a real number for negative x: PyTorch returns NaN. The argument "
+            f"is a weighted sum of squares ({made}), never negative while its weights "
+            f"({said}) are not: a parameter that an update pushed below 0 makes it negative. "
+            "A clamp at 0 keeps every healthy value unchanged (softplus would change them "
+            "all); the cause is the weights, which need a non-negativity constraint (a "
+            "reparametrization, as GDN's NonNegativeParametrizer, or a clamp after each "
+            "optimizer step)."
+        )
+        fix = (
+            _computed_root_fix(ev).split("\n", 1)[0]
+            + f"\n{name} = {_floored_weights(made, weights)}   # where {name} is made: "
+            "non-negative weights, every healthy value unchanged (or a non-negative "
+            "reparametrization of them)"
+        )
     elif negative and not _raw_output(ev):
         explanation, fix = _ROOT_COMPUTED, _computed_root_fix(ev)
     elif negative:
@@ -9233,7 +9434,80 @@ def _raw_output(ev: OpEvent) -> bool:
         return False
     if not isinstance(node, ast.Name):
         return True
-    return not isinstance(_unconditional_assignment(ev, node.id), ast.BinOp)
+    made = _unconditional_assignment(ev, node.id)
+    if isinstance(made, ast.BinOp) or _weighted_squares(made) is not None:
+        return False
+    # values gathered from several computations (torch.stack([cs1, cs2, ssim])) are not
+    # one head's raw output
+    return not (
+        isinstance(made, ast.Call)
+        and isinstance(made.func, ast.Attribute)
+        and made.func.attr in ("stack", "cat", "concat", "concatenate")
+    )
+
+
+def _is_square(node: ast.expr) -> bool:
+    """``x ** 2``, ``x * x``, ``x.pow(2)``, ``torch.square(x)``: non-negative by itself."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        return isinstance(node.right, ast.Constant) and node.right.value == 2
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return ast.dump(node.left) == ast.dump(node.right)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr == "square" and len(node.args) == 1:
+            return True
+        if node.func.attr == "pow" and len(node.args) == 1:
+            arg = node.args[0]
+            return isinstance(arg, ast.Constant) and arg.value == 2
+    return False
+
+
+def _weighted_squares(made: ast.expr | None) -> tuple[str, list[str]] | None:
+    """A call that weighs squares (``F.conv2d(x ** 2, gamma, beta)``, ``F.linear(h * h,
+    w, b)``): non-negative for every healthy input, negative only where its weights are.
+    The square's text and the weights' (the call's other arguments that are names)."""
+    if not isinstance(made, ast.Call):
+        return None
+    args = [*made.args, *(k.value for k in made.keywords)]
+    squares = [a for a in args if _is_square(a)]
+    weights = [
+        ast.unparse(a)
+        for a in args
+        if isinstance(a, (ast.Name, ast.Attribute)) and not _is_square(a)
+    ]
+    if len(squares) != 1 or not weights:
+        return None
+    return ast.unparse(squares[0]), weights
+
+
+def _floored_weights(made: str, weights: list[str]) -> str:
+    """``F.conv2d(x ** 2, gamma, beta)`` -> ``F.conv2d(x ** 2, gamma.clamp_min(0),
+    beta.clamp_min(0))``: the call's weight arguments floored at 0."""
+    call = ast.parse(made, mode="eval").body
+    assert isinstance(call, ast.Call)
+
+    def floor(a: ast.expr) -> ast.expr:
+        if isinstance(a, (ast.Name, ast.Attribute)) and ast.unparse(a) in weights:
+            return ast.parse(f"{ast.unparse(a)}.clamp_min(0)", mode="eval").body
+        return a
+
+    call.args = [floor(a) for a in call.args]
+    for k in call.keywords:
+        k.value = floor(k.value)
+    return ast.unparse(call)
+
+
+def _root_weighted_squares(ev: OpEvent) -> tuple[str, str, str, list[str]] | None:
+    """The root's argument named on the line and assigned above it from a weighted sum of
+    squares: (its name, the assignment's value, the square, the weights)."""
+    stmt = next((st for st in statements(ev.code) if "sqrt" in st), None)
+    arg = call_argument(stmt, ["sqrt", "rsqrt"]) if stmt else None
+    if arg is None or not _NAME.fullmatch(arg.strip()) or "." in arg:
+        return None
+    made = _unconditional_assignment(ev, arg.strip())
+    found = _weighted_squares(made)
+    if made is None or found is None:
+        return None
+    return arg.strip(), ast.unparse(made), found[0], found[1]
 
 
 _VIEWS = frozenset(
@@ -9275,7 +9549,14 @@ def _negative_root_fix(ev: OpEvent) -> str:
     """A positive parameterization of the values the sqrt was given, on the user's line
     when it is known."""
     own = rewrite_call(ev.code, ["sqrt"], lambda v: f"F.softplus({v})")
-    head = f"{own}   # softplus keeps them positive" if own else "w = F.softplus(raw)   # > 0"
+    if own is None:
+        own = _rewrite_base(ev.code, lambda b: f"F.softplus({b})", [], ev)
+    head = (
+        f"{own}   # softplus keeps them positive"
+        if own
+        else "# the root's argument, where the network predicts it: F.softplus of the raw "
+        "output (> 0)"
+    )
     return (
         f"{head}; use the same at inference\n"
         "# or predict the log: w = raw.exp() (a log link), and work with logs instead of "
