@@ -1497,6 +1497,11 @@ def _from_op(
                 and a.record.path == (ev.path or a.path)
             ),
             source=ev.source,
+            # a Python number operand (x / tau): no .float() on it
+            number_side=(
+                "right" if "other" in ev.scalars else "left" if "self" in ev.scalars else None
+            ),
+            number=_as_float(ev.scalars.get("other")),
         )
         heavy = (
             _heavy_weights(ctx, a.path, lim, _module_ref(ctx, a))
@@ -2069,7 +2074,10 @@ def _kind(name: str, ev: OpEvent, chain: Sequence[OpEvent], ops: Sequence[OpEven
 def _module_ref(ctx: RuleContext, a: Anomaly) -> str:
     """``model.rnn`` for the anomaly's module (``model`` when it is the root)."""
     call = ctx.trace.call(a.record.call)
-    return module_ref(a.path, root=call is None or call.root)
+    # the record may be a child's input that the root's own code made (``a.path`` is then
+    # the root's, the record's call the child's): the root is reached as ``model``
+    root = call is None or call.root or any(c.root and c.path == a.path for c in ctx.trace.calls)
+    return module_ref(a.path, root=root)
 
 
 def _called_ref(code: str | None, path: str) -> str | None:
@@ -5026,6 +5034,8 @@ def _fix(
     operands: tuple[float, ...] = (),
     output_fits: bool = True,
     source: str | None = None,
+    number_side: str | None = None,
+    number: float | None = None,
 ) -> str:
     """Low precision: compute the op in float32, or train in bfloat16 (float32's range).
     ``arg``: an exp's largest argument; ``scalar``: the exp's input is one value (a learned
@@ -5128,10 +5138,17 @@ def _fix(
     op = name.rstrip("_")
     where = "in the loss code" if loss else f"in {ref}'s forward"
     no_autocast = f"(under autocast: inside torch.autocast(device_type={device}, enabled=False))"
+    floored = (
+        _floor_number_divisor(code, operands, lim, was=was, dtype=dtype, number=number)
+        if op == "div" and number_side == "right" and lim is not None
+        else None
+    )
+    if floored is not None:
+        return f"{floored}\n{bf16}"
     if op and op not in _BOUNDED_RESULT:
         # the op's own result is past the dtype's max (it became inf from finite inputs):
         # computed in float32 it fits, but casting it back makes the inf again
-        mine = _upcast_operands(code, op) or rewrite_call(
+        mine = _upcast_operands(code, op, number_side=number_side) or rewrite_call(
             code, [op], lambda e: f"{paren(e)}.float()"
         )
         past = (
@@ -5336,11 +5353,13 @@ _OPERATORS: dict[str, type[ast.operator]] = {
 }
 
 
-def _upcast_operands(code: str | None, op: str) -> str | None:
+def _upcast_operands(code: str | None, op: str, *, number_side: str | None = None) -> str | None:
     """The user's line with the operands of its ``op`` operators (``*`` for mul) cast to
     float32: an operand that holds another such operator keeps its form (its inner operands
     are cast), a number is left as it is. None for a line without that operator, an
-    in-place one (``x *= y``) or a line that does not parse.
+    in-place one (``x *= y``) or a line that does not parse. ``number_side``: ``"left"`` or
+    ``"right"``, the operand the op got as a Python number (a ``tau`` bound to a float: no
+    ``.float()`` method), left as it is when the line holds one such operator.
 
     >>> _upcast_operands("var = (x * x).mean(-1) - mu * mu  # E[x^2] - E[x]^2", "mul")
     'var = (x.float() * x.float()).mean(-1) - mu.float() * mu.float()'
@@ -5362,6 +5381,10 @@ def _upcast_operands(code: str | None, op: str) -> str | None:
     def holds_op(node: ast.expr) -> bool:
         return any(n in ops for n in ast.walk(node))
 
+    python_number: set[int] = set()
+    if number_side is not None and len(ops) == 1:
+        python_number.add(id(ops[0].left if number_side == "left" else ops[0].right))
+
     def number(node: ast.expr) -> bool:
         if isinstance(node, ast.UnaryOp):
             node = node.operand
@@ -5374,6 +5397,7 @@ def _upcast_operands(code: str | None, op: str) -> str | None:
             for n in (b.left, b.right)
             if not holds_op(n)
             and not number(n)
+            and id(n) not in python_number
             and n.end_col_offset is not None
             and not _is_float32(line[n.col_offset : n.end_col_offset])
         },
@@ -5384,6 +5408,73 @@ def _upcast_operands(code: str | None, op: str) -> str | None:
     for begin, end in spans:
         line = f"{line[:begin]}{paren(line[begin:end])}.float(){line[end:]}"
     return line
+
+
+def _floor_number_divisor(
+    code: str | None,
+    operands: tuple[float, ...],
+    lim: DtypeLimits,
+    *,
+    was: str,
+    dtype: str,
+    number: float | None,
+) -> str | None:
+    """``y = x / max(tau, 1e-3)`` for ``y = x / tau``: a division by a Python number (an
+    annealed temperature) whose quotient passed the dtype's max. The floor is the smallest
+    power of ten at least 4 times max|x| / max (room for larger numerators than this
+    step's). When the line holds not exactly one ``/`` (the division is inside a library
+    call given the number), a comment with the number and the floor; None when neither
+    the numerator nor the number is known."""
+    top = max((m for m in operands if math.isfinite(m)), default=math.nan)
+    if not top > 0:
+        return None
+    floor = 10.0 ** math.ceil(math.log10(4 * top / lim.max))
+    need = fmt(top / lim.max)
+    right = _single_divisor(code)
+    if right is None or code is None:
+        if number is None or not math.isfinite(number) or number == 0:
+            return None
+        return (
+            f"# the op divided values up to {fmt(top)} by the Python number {fmt(number)}: "
+            f"the quotient passes {fmt(lim.max)}, {dtype}'s largest value, once that number is "
+            f"below {need}; floor it at {floor:g} where it is computed or passed "
+            f"(max(value, {floor:g})), or end its schedule above that"
+        )
+    line = code.split("  #", 1)[0].strip()
+    begin, end = right
+    text = line[begin:end]
+    new = f"{line[:begin]}max({text}, {floor:g}){line[end:]}"
+    return (
+        f"{new}{was}\n# {text} is a Python number: divided into values up to {fmt(top)}, the "
+        f"quotient passes {fmt(lim.max)} ({dtype}'s largest value) once {text} < {need}; a "
+        f"floor of {floor:g} keeps it below (or end the schedule above it)"
+    )
+
+
+def _single_divisor(code: str | None) -> tuple[int, int] | None:
+    """The span of the divisor of the one ``/`` of ``code`` (a one-statement line), when it
+    is not a literal; None otherwise."""
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].strip()
+    if not line.isascii():
+        return None
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    divs = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)]
+    if len(divs) != 1 or isinstance(divs[0].right, ast.Constant):
+        return None
+    right = divs[0].right
+    if right.end_col_offset is None:
+        return None
+    return right.col_offset, right.end_col_offset
+
+
+def _as_float(value: object) -> float | None:
+    """A recorded scalar argument as a float (None for a string or a missing one)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _assigned(line: str) -> str | None:
