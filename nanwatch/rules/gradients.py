@@ -3676,9 +3676,19 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
     pseen: dict[str, bool] = {}
     dtypes: dict[str, str] = {}
     by_norm: set[str] = set()
-    if any(r.stat is not None and (r.stat.has_nan or r.stat.has_posinf) for r in trace.records):
-        # a step with NaN says nothing of vanishing gradients: L1's sign(NaN) is 0, and a
-        # gradient of 0 there is the NaN's doing, not dead units
+    zero = False  # any gradient exactly 0 (or of norm 0): none on most steps, nothing to do
+    grad_phases = (Phase.BACKWARD, Phase.GRADIENT)
+    for r in trace.records:
+        s = r.stat
+        if s is None:
+            continue
+        if s.has_nan or s.has_posinf:
+            # a step with NaN says nothing of vanishing gradients: L1's sign(NaN) is 0, and a
+            # gradient of 0 there is the NaN's doing, not dead units
+            return set(), set(), dtypes, by_norm
+        if not zero and r.phase in grad_phases:
+            zero = (s.min == 0.0 and s.max == 0.0) or s.norm == 0.0
+    if not zero:
         return set(), set(), dtypes, by_norm
     called = {r.path for r in trace.records if r.phase is Phase.FORWARD}
     # a module none of whose outputs has an autograd node ran outside the graph: its
