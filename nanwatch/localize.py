@@ -755,6 +755,98 @@ def _between_suspect(
     return None
 
 
+def _loss_code_birth(trace: StepTrace, cand: Call, reached_root: bool) -> bool:
+    """The one module that took the tensor (``cand``: a loss module given the logits) is not
+    where its gradient went bad: the tensor also reached code outside every watched module
+    (``reached_root``: it is, or passed on, a root's output), and the first traced backward
+    op that made the non-finite gradient ran a node that code created (``- 0.1 *
+    entr(p).sum()`` beside ``crit(logits, y)``), not one inside ``cand``'s graph."""
+    if not reached_root:
+        return False
+    born = _backward_birth(trace.ops)
+    return born is not None and born.path == LOSS_PATH and cand.path != LOSS_PATH
+
+
+def _loss_code_beside(trace: StepTrace, cand: Call, reached_root: bool) -> Record | None:
+    """With no op traced: the record of a loss the user's code computed from more than the
+    output of ``cand``, a loss module (``crit(logits, y) - 0.1 * entropy(logits)``), when
+    the tensor whose gradient went bad also reached that code (``reached_root``): that
+    code's backward may have made the gradient as well as ``cand``'s. None otherwise."""
+    if not reached_root or not cand.is_loss or cand.path == LOSS_PATH:
+        return None
+    if _backward_birth(trace.ops) is not None:
+        return None  # a traced op says whose it was
+    return next(
+        (
+            r
+            for r in trace.records
+            if r.path == LOSS_PATH
+            and r.phase is Phase.FORWARD
+            and r.source is None
+            and r.grad_fn is not None
+        ),
+        None,
+    )
+
+
+def _neginf_turned(trace: StepTrace, grad: Record) -> Record | None:
+    """A parameter's non-finite gradient (``grad``) that its module's backward made of a
+    -inf the module was given: a call of the module took a positional input holding -inf
+    alone (not a trigger: -inf is how masks are written), returned finite outputs, and got
+    finite gradients for them, yet the weight's gradient is not (a Linear's or a GRU's
+    ``x.T @ g`` with 0 × -inf: NaN). The -inf was where it began: the first record where
+    it appeared (see :func:`_earliest_neginf`), in the code that made the input. None
+    when there is no such call."""
+    s = grad.stat
+    if grad.phase is not Phase.GRADIENT or s is None or s.finite:
+        return None
+    for c in trace.calls:
+        if c.path != grad.path or c.end < 0 or c.is_loss or c.path == LOSS_PATH:
+            continue
+        fed = [
+            r
+            for r in trace.inputs_of(c.id)
+            if r.role.startswith("input[")
+            and (m := trace.resolve(r)).stat is not None
+            and m.stat.only_neginf
+        ]
+        if not fed:
+            continue
+        outs = [
+            trace.resolve(r).stat
+            for r in trace.records
+            if r.call == c.id and r.phase is Phase.FORWARD
+        ]
+        if not outs or any(o is None or not o.finite for o in outs):
+            continue
+        if any(
+            r.call == c.id
+            and r.phase is Phase.BACKWARD
+            and r.index < grad.index
+            and r.stat is not None
+            and not r.stat.finite
+            for r in trace.records
+        ):
+            continue  # a bad gradient came in from outside: not this module's making
+        return _earliest_neginf(trace, fed) or fed[0]
+    return None
+
+
+def _neginf_maker(ops: Sequence[OpEvent], path: str) -> OpEvent | None:
+    """The first traced forward op in ``path``'s code (or its children's) that made a -inf
+    from finite values (``torch.log(dt)`` of a zero step): the op behind a -inf that a
+    module's backward later turned into NaN."""
+    for ev in ops:
+        if ev.phase is not Phase.FORWARD or ev.injected or "-inf" not in ev.born.split(", "):
+            continue
+        if ev.path is not None and ev.path != path and not ev.path.startswith(path + "."):
+            continue
+        if any(s is not None and not s.finite for _, s in ev.inputs):
+            continue
+        return ev
+    return None
+
+
 def _grads_before(trace: StepTrace, trig: Record) -> dict[int | None, Record]:
     """The gradient records before ``trig``, by the forward record each is the gradient of."""
     return {
@@ -1259,6 +1351,10 @@ def localize(
     trig = first_trigger(trace, allow=allow, scaled_grads=scaled_grads)
     if trig is None:
         return None
+    turned = _neginf_turned(trace, trig)
+    grad_trig: Record | None = None
+    if turned is not None:  # the parameter's NaN grew out of a -inf its module was given
+        grad_trig, trig = trig, turned
     what = _kinds_text(trig)
     call = trace.call(trig.call)
     neginf: Record | None = None
@@ -1320,6 +1416,20 @@ def localize(
                 f"{what} in the target of {path} ({trig.role}){rows}, computed by your code "
                 "this step (a teacher or target network), not the data"
             )
+        elif trig.grad_fn is not None:
+            # an autograd history (``logits / self.temperature``): computed this step by
+            # code outside the watched modules, from a parameter or a value that needs one
+            origin, kind = "between-roots", AnomalyKind.FORWARD
+            summary = (
+                f"{what} born in code outside the watched modules, in the value passed to "
+                f"{path} ({trig.role}{rows}), computed by {trig.grad_fn} this step (it has an "
+                "autograd history: not the data)"
+            )
+            if not forensic:
+                summary += (
+                    "; mode='forensic' (nanwatch run --mode forensic) names the op that made "
+                    "it and its line"
+                )
         elif call is not None and _computed_between_calls(trace, call, trig):
             origin = "between-calls"
             summary = (
@@ -1439,7 +1549,11 @@ def localize(
                 f"{what} from the finite gradient of {'its' if len(cands) == 1 else 'their'} "
                 "output"
             )
-        elif len(cands) == 1 and not other_pass:
+        elif (
+            len(cands) == 1
+            and not other_pass
+            and not _loss_code_birth(trace, cands[0], reached_root)
+        ):
             origin, path = "module", cands[0].path
             consumer = path
             summary = (
@@ -1447,6 +1561,15 @@ def localize(
                 f"was finite, the gradient it sent back to {trig.path}'s {trig.role}"
                 f"{_inside(trace, trace.call(trig.call), cands[0])} is not"
             )
+            other = _loss_code_beside(trace, cands[0], reached_root)
+            if other is not None and fwd is not None:
+                # nothing traced says whose backward it was: the loss code used more than
+                # the loss module's output, and the tensor reached that code too
+                summary += (
+                    f"; or in the backward of the loss code outside the watched modules, "
+                    f"which computed the loss ({other.grad_fn}) from more than {path}'s output "
+                    f"and was given {fwd.path}'s {fwd.role} too"
+                )
             if fwd is not None and fwd.phase is Phase.INPUT:
                 shared = _shared_input(trace, trig, fwd, cands[0], forensic=forensic)
                 if shared is not None:
@@ -1652,6 +1775,16 @@ def localize(
                     f"{writer['op_source']}"
                 )
 
+    if grad_trig is not None:
+        user = trace.call(grad_trig.call)
+        typ = f" ({user.module_type})" if user is not None and user.module_type else ""
+        neginf = neginf or trig
+        summary += (
+            f"; the backward of {grad_trig.path}{typ}, which took it, made "
+            f"{_kinds_text(grad_trig)} of it in the gradient of parameter "
+            f"{_param_name(grad_trig)} (0 × -inf in a weight's gradient): the -inf is where "
+            "it began, though the output of the module was finite"
+        )
     # a gradient from outside the modules was born in the loss code's backward: its op
     op = (
         _matching_op(
@@ -1701,6 +1834,8 @@ def localize(
             "; the op inside it was not traced: mode='forensic' or nw.replay(step_fn) "
             "names it and its line"
         )
+    if grad_trig is not None and op is None:
+        op = _neginf_maker(trace.ops, path)  # forensic: the op that made the -inf (a log of 0)
     if kind is AnomalyKind.BACKWARD and op is None and custom is None:
         op = _hidden_forward_nan(trace.ops)
         if op is not None:  # no backward op made it: the forward NaN the loss never saw did
