@@ -48,6 +48,7 @@ from nanwatch.rules._evidence import (
     full_statement,
     group_holding,
     has_zero,
+    identifiers,
     inf_arithmetic,
     inf_inputs,
     inf_source,
@@ -59,6 +60,7 @@ from nanwatch.rules._evidence import (
     loss_kind,
     loss_uses,
     lost_eps,
+    low_precision,
     model_call,
     module_ref,
     node_base,
@@ -1066,6 +1068,104 @@ def _likelihood_use(
     return _LogUse("likelihood", fix=fix, why=why, evidence=evidence)
 
 
+def _negated_log(expr: str) -> str | None:
+    """``u`` of ``-torch.log(u)`` / ``-u.log()`` / ``torch.log(u).neg()`` /
+    ``torch.neg(torch.log(u))``: a negated natural log, as written; None otherwise."""
+    text = _unwrapped(expr)
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    inner: ast.expr | None = None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = node.operand
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        if node.func.attr == "neg" and not node.args:
+            inner = node.func.value
+        elif ast.unparse(node.func) == "torch.neg" and len(node.args) == 1:
+            inner = node.args[0]
+    if not isinstance(inner, ast.Call) or not isinstance(inner.func, ast.Attribute):
+        return None
+    f = inner.func
+    if ast.unparse(f) == "torch.log" and len(inner.args) == 1 and not inner.keywords:
+        u = inner.args[0]
+    elif f.attr == "log" and not inner.args and ast.unparse(f.value) != "torch":
+        u = f.value
+    else:
+        return None
+    return ast.get_source_segment(text, u)
+
+
+def _log_of_negated_log(ev: OpEvent) -> tuple[str, int, int, str, str] | None:
+    """The user's line takes the log of ``-log(u)`` (Gumbel noise, -log(-log(u))), written
+    there or assigned to the log's argument earlier in the function: (statement, the outer
+    log call's start and end, its argument, u). ``-log(u)`` is exactly 0 where ``u`` is 1,
+    and at least -log(1 - eps/2) > eps/2 everywhere else (no value of u in (0, 1) is closer
+    to 1 than eps/2 of its dtype). None when the line shows no such log, or several."""
+    found: list[tuple[str, int, int, str, str]] = []
+    for stmt in statements(ev.code):
+        for start, end, arg in _log_calls(stmt):
+            if _log_name(stmt[start:end]) not in ("log", None):
+                continue
+            u = _negated_log(arg)
+            if u is None and _NAME.fullmatch(arg.strip()) and "." not in arg:
+                made = _assigned_value(ev.source, arg.strip())
+                u = _negated_log(made) if made is not None else None
+            if u is not None:
+                found.append((stmt, start, end, arg, u))
+    return found[0] if len(found) == 1 else None
+
+
+def _negated_log_use(ev: OpEvent, x: TensorStat, zeros: str) -> _LogUse | None:
+    """A log of ``-log(u)`` whose zeros are where ``u`` rounded to exactly 1 (a uniform
+    draw cast to a low-precision dtype: ``torch.rand(n).to(torch.bfloat16)`` rounds values
+    within eps/4 of 1 up to 1.0). The floor is u's resolution below 1 (eps/2), which no
+    other value of -log(u) is below: only the zeros change; the cure is a draw in float32."""
+    if x.min < 0 or x.max <= 0:
+        return None
+    found = _log_of_negated_log(ev)
+    if found is None:
+        return None
+    stmt, start, end, arg, u = found
+    dtype = ev.dtype or "float32"
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    on = u if u in identifiers(stmt) and _NAME.fullmatch(u) else arg
+    floor = f"torch.finfo({paren(on)}.dtype).eps / 2"
+    line = f"{stmt[:start]}{_with_arg(stmt[start:end], f'{paren(arg)}.clamp_min({floor})')}"
+    line += stmt[end:]
+    low = lim.eps / 2
+    cast = (
+        f"; in {dtype}, torch.rand(...).to({dtype}) rounds every draw above 1 - "
+        f"{fmt(lim.eps / 4)} up to 1.0"
+        if low_precision(dtype) is not None
+        else ""
+    )
+    fix = (
+        f"{line}   # -log({u}) is 0 only where {u} == 1; every other value is at least "
+        f"eps / 2 = {fmt(low)} ({u}'s spacing below 1 in {dtype}), so only the zeros change "
+        f"(to -log({fmt(low)}) = {fmt(-math.log(low))})\n"
+        f"# better, where {u} is drawn: draw it and compute the noise in float32, then cast "
+        "the noise, not the uniform: g = -torch.log(-torch.log(torch.rand(shape).clamp(1e-6, "
+        f"1 - 1e-6))).to(dtype){cast}"
+    )
+    why = (
+        f"Its input is -log({u}), which is exactly 0 where {u} is exactly 1 ({zeros}): "
+        f"a uniform draw is in [0, 1), but one rounded or cast to {dtype} reaches 1.0. "
+        f"No other value of -log({u}) is below eps / 2 = {fmt(low)} of {dtype} (the "
+        f"largest value below 1 is 1 - eps / 2), so a floor there changes the zeros only; "
+        "a floor at the argument's scale would change valid samples, and one at the dtype's "
+        "tiny would turn a 0 into a sample of -log(tiny), far above every real one. Drawing "
+        "the uniform in float32, clamped inside (0, 1), and casting the result keeps every "
+        "sample exact."
+    )
+    evidence = (
+        f"{arg} is -log({u}): 0 exactly where {u} == 1 ({zeros}, max {fmt(x.max)}), "
+        f"a uniform that rounded to 1 in {dtype}"
+    )
+    return _LogUse("negated-log", fix=fix, why=why, evidence=evidence)
+
+
 def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
     """What the evidence shows when nothing names what the log was taken of: a negative
     argument is a domain error (no floor or probability recipe fixes it); exact zeros in
@@ -1131,6 +1231,9 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     made = _unit_producer(ctx, made_ev, x)
     if made == "relu":  # a ReLU's zeros, whatever its maximum: a rate made with a ReLU
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
+    negated = _negated_log_use(ev, x, zeros) if made is None else None
+    if negated is not None:  # -log(u) is 0 where u rounded to 1 (Gumbel noise)
+        return negated
     above = _above_one(x.max, ev.dtype)
     if above and (masked := _masked_log_ratio(ctx, ev, x)) is not None:
         return _LogUse(
@@ -1156,7 +1259,7 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             why=(
                 f"Its input holds exact zeros and is not a probability (values up to "
                 f"{fmt(x.max)}): the 0 comes from the data or the code that makes it, not "
-                f"from an underflow. {said}"
+                f"from a probability that underflowed. {said}"
             ),
             evidence=f"{what} is not a probability: it holds {zeros}, and values up to "
             f"{fmt(x.max)}",
@@ -1173,7 +1276,9 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             why=(
                 f"Its input holds exact zeros and is not a probability (values up to "
                 f"{fmt(x.max)}): the 0 comes from the data or the code that makes it (a noise "
-                "level, a scale or a count that can be 0), not from an underflow. Keep 0 out "
+                "level, a scale or a count that can be 0; an exp, softplus or sigmoid of an "
+                f"argument below {_underflow_bound(ev.dtype)} underflows to exactly 0 too), "
+                "not from a probability that underflowed. Keep 0 out "
                 f"of the log where the value is made; a floor keeps it finite at "
                 f"{tiny_log}, which is only right where a 0 means 'almost nothing'."
             ),
@@ -1571,7 +1676,17 @@ def _softplus_made_it(
             and (r.stat.max >= _underflow_at(ev.dtype) or x.zeros == x.numel)
             for r in ctx.records(Phase.FORWARD)
         )
-        if low and not (_ZERO_MAKERS & set(ops)):
+        # the log's argument is one the graph computed (a log in it), with a few exact
+        # zeros: the softplus of an argument that a term not watched (w * dt) drove low
+        few = (
+            not divisor
+            and "log" in ops
+            and x is not None
+            and x.zeros is not None
+            and 0 < x.zeros < x.numel
+            and x.min == 0
+        )
+        if (low or few) and not (_ZERO_MAKERS & set(ops)):
             return (
                 "the loss graph computes a softplus, and no other op that saturates to exactly 0",
                 None,
@@ -1628,7 +1743,56 @@ def _softplus_zero_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse 
     if x.min < 0 or not has_zero(x) or _softplus_made_it(ctx, ev) is None:
         return None
     evidence, why, fix = _softplus_head(ctx, ev, x)
+    exact = _log_softplus_line(ctx, ev)
+    if exact is not None:
+        fix += (
+            f"\n{exact}   # or keep the softplus"
+            + (" (z its argument)" if exact.startswith("log_rate = torch.where(z ") else "")
+            + " as it is and take its log exactly: log "
+            "softplus(z) = z + log1p(exp(z)) is z to within exp(z) below -20, where softplus "
+            "is 0 or inexact"
+        )
+        why += (
+            " Its log needs no floor at all: log softplus(z) is z itself (to within exp(z)) "
+            "for z below -20, which torch.where selects without forming the 0."
+        )
     return _LogUse("softplus-zero", fix=fix, why=why, evidence=evidence)
+
+
+def _softplus_arg(expr: str) -> str | None:
+    """``z`` of ``F.softplus(z)`` / ``z.softplus()`` (the call and nothing else)."""
+    text = _unwrapped(expr)
+    if not _is_softplus(text):
+        return None
+    m = _SOFTPLUS_RHS.match(text)
+    assert m is not None
+    return (m.group(1) or m.group(2)).strip()
+
+
+def _log_softplus_line(ctx: RuleContext, ev: OpEvent) -> str | None:
+    """The user's log of a softplus rewritten as the exact log-softplus, ``torch.where(z <
+    -20, z, torch.log(F.softplus(z.clamp_min(-20))))`` (the clamp keeps the branch where
+    does not take finite, so its gradient is not 0 * inf); on the log's line when known,
+    else a pattern in the softplus's names. None for a log other than the natural one."""
+    if packet(ev.op).rstrip("_") != "log":
+        return None
+    found = _softplus_made_it(ctx, ev)
+    made = found[1] if found is not None else None
+    line = _log_argument(ev)
+    if line is not None and any(
+        re.search(rf"(?<![\w.]){re.escape(line[3])}(?![\w(])", d) for d in _divisors(ev.code)
+    ):
+        return None  # the line divides by it too (a scale): its log alone is not the fix
+    z = _softplus_arg(made.split("=", 1)[1]) if made else None
+    if z is None and line is not None:
+        z = _softplus_arg(line[3])
+    name = z or "z"
+    p = paren(name)
+    exact = f"torch.where({p} < -20, {name}, torch.log(F.softplus({p}.clamp_min(-20))))"
+    if line is not None and z is not None:
+        stmt, start, end, _ = line
+        return f"{stmt[:start]}{exact}{stmt[end:]}"
+    return f"log_rate = {exact}"
 
 
 _EXP_ONLY = re.compile(r"(?<![\w.])(?:torch\.)?exp\(|\.exp\(\s*\)")
@@ -4836,6 +5000,133 @@ def _softplus_denominator(
     )
 
 
+def _made_as_sum(source: str | None, name: str, const: float) -> str | None:
+    """The other addends of ``name = <terms> + const`` in the user's file (``alpha =
+    F.softplus(a) + 1`` with ``const`` 1 gives ``F.softplus(a)``), when every assignment of
+    ``name`` there is such a sum; None otherwise, or when the file cannot be read."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return None
+    found: set[str] = set()
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.Assign) or not any(ast.unparse(t) == name for t in n.targets):
+            continue
+        terms = operands(n.value, ast.Add)
+        rest = [
+            t
+            for t in terms
+            if not (isinstance(t, ast.Constant) and isinstance(t.value, (int, float)))
+            or float(t.value) != const
+        ]
+        if len(rest) != len(terms) - 1:
+            return None
+        loose = (ast.IfExp, ast.Lambda, ast.BoolOp, ast.Compare, ast.NamedExpr)
+        found.add(
+            " + ".join(
+                f"({ast.unparse(t)})" if isinstance(t, loose) else ast.unparse(t) for t in rest
+            )
+        )
+    return found.pop() if len(found) == 1 else None
+
+
+def _all_zero_difference(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    den: TensorStat,
+    divisor: str | None,
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis | None:
+    """A denominator that a subtraction made (``alpha - 1``, ``x - mu``) and that is 0
+    everywhere: its two operands are equal after rounding, a cancellation, not a tensor
+    never filled. ``c + small`` is exactly ``c`` once ``small`` is below half of c's
+    spacing (eps/2 at 1.0 in float32: 5.96e-8), so ``(F.softplus(a) + 1) - 1`` is 0 where
+    the softplus is small; the difference is computed exactly from its source."""
+    node: ast.expr | None = None
+    if divisor is not None:
+        try:
+            node = ast.parse(_unwrapped(divisor), mode="eval").body
+        except SyntaxError:
+            return None
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)):
+            return None
+    elif node_base(str(ev.scalars.get("other_made_by", "")).split("<")[0]) != "Sub":
+        return None
+    dtype = ev.dtype or "float32"
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    half = fmt(lim.eps / 2)
+    if node is None or divisor is None:
+        evidence.insert(
+            2, "a subtraction (SubBackward0) made the denominator: its operands are equal"
+        )
+        left, right, made = "a", "b", None
+    else:
+        assert isinstance(node, ast.BinOp)
+        divisor = _unwrapped(divisor)
+        left, right = ast.unparse(node.left), ast.unparse(node.right)
+        const = node.right.value if isinstance(node.right, ast.Constant) else None
+        made = (
+            _made_as_sum(ev.source, left, float(const))
+            if isinstance(const, (int, float)) and _NAME.fullmatch(left)
+            else None
+        )
+        evidence.insert(
+            2,
+            f"the denominator {divisor} is a difference, 0 in all {den.numel:,} values: "
+            f"{left} equals {right} there after rounding (a cancellation)"
+            + (f"; {left} is made as {made} + {right}" if made else ""),
+        )
+    floor = _rewrite_divisor(
+        ev.code, lambda d: f"{paren(d)}.clamp_min(torch.finfo({paren(left)}.dtype).eps)"
+    )
+    lines = []
+    if made is not None:
+        lines.append(
+            f"# {divisor} is exactly {made}: compute it from there, not by subtracting, e.g. "
+            f"return {made} from where {left} is made and divide by it"
+        )
+        direct = _rewrite_divisor(ev.code, lambda d: paren(made))
+        if direct is not None and _NAME.fullmatch(made) is not None:
+            lines.insert(0, direct)
+    if floor is not None:
+        lines.append(f"{floor}   # or floor the difference: finite, though {left} stays = {right}")
+    if not lines or made is None:
+        lines.append(
+            f"# {left} - {right} is 0 where {left} rounded to {right}: a value built as "
+            "c + small (alpha = F.softplus(raw) + 1, then alpha - 1) is exactly c once small "
+            f"is below eps/2 x |c| (eps/2 = {half} in {dtype}); compute the small part (the "
+            "difference) directly and divide by it, or add a margin the dtype holds "
+            "(F.softplus(raw) + 1 + 1e-6 at 1.0)"
+        )
+    why = (
+        f" A subtraction made it: {left} - {right} is exactly 0 where the two are equal after "
+        "rounding, a cancellation, not a tensor never filled. A value built as c + "
+        f"something small is exactly c in {dtype} once the small part is below half c's "
+        f"spacing (eps/2 = {half} at 1.0), and all of the difference is lost. Computing "
+        "the difference from what it is made of (the small part itself) keeps it exact; a "
+        "floor only keeps the quotient finite."
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=title,
+        evidence=evidence,
+        explanation=(
+            "Every value of this denominator is exactly 0, not a few: x/0 is ±inf and 0/0 is "
+            "NaN everywhere it divides." + why
+        ),
+        fix="\n".join(lines),
+    )
+
+
 def _all_zero_denominator(
     ctx: RuleContext,
     a: Anomaly,
@@ -4862,6 +5153,13 @@ def _all_zero_denominator(
             "the denominator is read from module state, not computed from this batch: "
             + ", ".join(f"{n} is {v}" if n != v else v for n, v in state),
         )
+    cancelled = (
+        None
+        if state
+        else _all_zero_difference(ctx, a, ev, den, divisor, evidence=evidence, title=title)
+    )
+    if cancelled is not None:
+        return cancelled
     summed = None if state else _zero_sum_source(ctx, ev, divisor)
     if summed is not None:
         evidence.insert(2, summed)
