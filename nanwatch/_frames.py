@@ -198,6 +198,28 @@ def called_by_nanwatch(start: types.FrameType | None = None) -> bool:
     return False
 
 
+_OPTIM_DIR = os.path.join(_TORCH_DIR, "optim", "")
+
+
+def in_optimizer_step(start: types.FrameType | None = None) -> bool:
+    """Whether the code above ``start`` (default: the caller) is an optimizer's own
+    arithmetic: a frame of ``torch.optim`` (LBFGS's line search, Adam's update) or of the
+    ``step`` of a ``torch.optim.Optimizer`` (a third-party or hand-written one) lies between
+    it and the user's line. A closure the optimizer calls (LBFGS) is the user's line: what
+    it runs is the model's and the loss code's."""
+    f: types.FrameType | None = start if start is not None else sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name.startswith(_OPTIM_DIR):
+            return True
+        if f.f_code.co_name == "step" and isinstance(f.f_locals.get("self"), torch.optim.Optimizer):
+            return True
+        if not is_internal(name):
+            return False
+        f = f.f_back
+    return False
+
+
 _CHECKPOINT_FILE = os.path.join(_TORCH_DIR, "utils", "checkpoint.py")
 
 

@@ -744,6 +744,14 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             else:
                 phase = Phase.FORWARD
                 path = self._current_path() if self._current_path is not None else None
+                if path is None and self.floor is None and _frames.in_optimizer_step():
+                    # an optimizer's own arithmetic (LBFGS's cubic interpolation of a line
+                    # search step overflowing): no op of the model or of the loss code; the
+                    # weights it writes are checked as an update's (NW301)
+                    for t, k in zip(outs, out_kinds, strict=True):
+                        if k:
+                            self._remember(t, None, state=True)
+                    return
                 if self.call_site is None:
                     source, code = _frames.describe_frame(_frames.user_frame())
                 else:
@@ -836,8 +844,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 continue
             if sum(ENTERED in e.scalars for e in self.events) >= _ENTERED_MAX:
                 return
-            if _frames.called_by_nanwatch():
-                return
+            if _frames.called_by_nanwatch() or _frames.in_optimizer_step():
+                return  # nanwatch's statistics, an optimizer reading a gradient: no data
             self._remember(t, None)  # said once: the ops that read it again are not news
             stat = describe(v) or TensorStat(math.nan, math.nan, v.numel())
             if self.call_site is None:
@@ -2497,6 +2505,8 @@ def graph_evidence(
         except Exception:  # an unusual node must not cost the rest of the evidence
             event = None
         if event is not None:
+            if event.source is None:  # the op's line, where anomaly mode kept it (forensic)
+                event.source, event.code = forward_line(node)
             events.append(event)
     return names[::-1], events
 

@@ -612,6 +612,10 @@ class Watcher:
         self._acted_step = -1
         self._device_dead = False
         self._compiled_warned = False
+        #: torch.compile's frame count when watch() attached, and when a look for a compiled
+        #: model last found no evidence (see _warn_if_unwatched)
+        self._dynamo_at_attach = 0
+        self._dynamo_looked = -1
         self._capture_warned = False
         self._in_capture = False  # a CUDA graph capture began at the last outside call
         #: the optimizer stepping now applies a gradient your code wrote that is not finite
@@ -779,6 +783,8 @@ class Watcher:
         self._attached = True
         _live.add(self)
         self._thread = threading.get_ident()
+        self._dynamo_at_attach = _dynamo_frames() or 0
+        self._dynamo_looked = -1
         self._gen += 1
         self._reset_step()
         self._check_loaded_weights()
@@ -2594,12 +2600,26 @@ class Watcher:
 
     def _warn_if_unwatched(self, loss: torch.Tensor, *, compiled_only: bool = False) -> None:
         """backward() runs through watched parameters although no watched module ran in
-        eager mode this step: the model runs compiled (torch.compile traces hooks away) or
-        from another thread. Say so once instead of watching nothing in silence.
-        ``compiled_only``: only when the graph holds a compiled function's node."""
+        eager mode this step, and torch.compile ran: the model runs compiled (torch.compile
+        traces hooks away). Say so once instead of watching nothing in silence.
+        ``compiled_only``: only when the graph holds a compiled function's node.
+
+        Only on evidence of compilation (a compiled graph's node below the loss, or a frame
+        torch.compile compiled since ``watch()`` attached): a parameter read by a method
+        that is not ``forward`` (temperature scaling's ``temperature_scale(logits)`` on
+        cached logits) reaches backward with no module call, and nothing is compiled."""
+        frames = _dynamo_frames()
+        if frames is None or frames == self._dynamo_looked:
+            return  # nothing compiled, or nothing since the last look found no evidence
         ours = {id(p) for _, _, p in self._params}
         nodes = list(ops.GraphWalk([loss.grad_fn], limit=10_000))
-        if compiled_only and not any("CompiledFunction" in type(n).__name__ for n in nodes):
+        compiled = any("CompiledFunction" in type(n).__name__ for n in nodes)
+        if not compiled and frames <= self._dynamo_at_attach:
+            # no compiled graph's node, and torch.compile ran no frame since watch(): a
+            # parameter read outside forward; looked at again once torch.compile runs
+            self._dynamo_looked = frames
+            return
+        if compiled_only and not compiled:
             self._compiled_warned = True  # eager children called one by one: decided, and
             return  # not walked again at every step
         for node in nodes:
@@ -2609,8 +2629,8 @@ class Watcher:
                 _frames.warn_at_user(
                     "nanwatch: backward() went through the watched model's parameters, but "
                     "none of its modules ran in eager mode this step: a model run under "
-                    "torch.compile (or from another thread) is not watched. Watch the eager "
-                    "model and compile it after debugging.",
+                    "torch.compile is not watched. Watch the eager model and compile it "
+                    "after debugging.",
                     NanwatchWarning,
                     safe=True,
                 )
@@ -5350,6 +5370,20 @@ _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _compiling = compiling
 
 _jit_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", lambda: False)
+
+
+def _dynamo_frames() -> int | None:
+    """How many frames torch.compile (TorchDynamo) has compiled in this process, from its
+    own counter, without importing it; None when it was never imported (nothing ran
+    compiled). 0 on a torch whose counters are laid out otherwise: only a compiled graph's
+    node is evidence there."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return None
+    try:
+        return int(utils.counters["frames"]["total"])
+    except Exception:
+        return 0
 
 
 def _tracing() -> bool:
