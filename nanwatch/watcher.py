@@ -2104,6 +2104,10 @@ class Watcher:
                     # an encoder and a head): not data, whatever it holds
                     rec.grad_fn = _grad_fn_name(t)
                     rec.source = self._last_root_output()
+                elif call.root and t.grad_fn is not None and self._from_params(t.grad_fn):
+                    # computed from a watched weight outside every module's forward (logits /
+                    # self.temperature in a calibration method): not data either
+                    rec.grad_fn = _grad_fn_name(t)
                 if call.root or self._forensic or not self._made_safely(t):
                     if rec.grad_fn is None and not call.root:
                         rec.grad_fn = _grad_fn_name(t)  # the code that made it (localize)
@@ -2231,6 +2235,17 @@ class Watcher:
         # then skips that node and all below it)
         return any(node in recorded for node in ops.GraphWalk([fn], limit=limit))
 
+    def _from_params(self, fn: Any, limit: int = 64) -> bool:
+        """``fn``'s graph reaches a watched parameter (its AccumulateGrad node) within
+        ``limit`` nodes. Asked only of a root's input that has a graph none of whose nodes
+        was recorded: a batch has no graph, and a model's output is recorded."""
+        ids = self._param_ids
+        for node in ops.GraphWalk([fn], limit=limit):
+            var = getattr(node, "variable", None) if ops.accumulates_grad(node) else None
+            if var is not None and id(var) in ids:
+                return True
+        return False
+
     def _last_root_output(self) -> int | None:
         """The latest forward record of a root call's output: what a root's derived input
         was most likely computed from."""
@@ -2262,7 +2277,11 @@ class Watcher:
             return False
         recorded = self._recorded_nodes
         for nxt, _ in fn.next_functions:
-            if nxt is None or nxt in recorded or ops.accumulates_grad(nxt):
+            if nxt is None:
+                # an operand with no autograd history and no record (log(dt) of the data
+                # under no_grad, a constant): nothing bounds it, so the result is measured
+                return False
+            if nxt in recorded or ops.accumulates_grad(nxt):
                 continue
             if depth > 0 and self._safe_node(nxt, depth - 1):
                 continue
@@ -3837,6 +3856,11 @@ class Watcher:
             return
         found = self._call_inputs(target, current, pre_hooks, finished=False)
         if found is None:
+            if anomaly.op is None and anomaly.neginf_source is not None:
+                # found at gradient time (a -inf input that the module's backward turned
+                # into NaN): the call is over, but the code that made the -inf can be replayed
+                self._pinpoint_neginf(anomaly, None, current, pre_hooks)
+                anomaly.summary = summarize(anomaly)
             return
         module, args, kwargs, hooks = found
         if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
