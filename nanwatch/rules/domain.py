@@ -440,7 +440,14 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     at = "-1" if name == "log1p" else "0"
     if "-inf" in ev.born and (ev.phase is Phase.FORWARD or has_zero(x) or x is None):
         evidence.append(f"{op} of {at} is -inf: its input holds {_zeros_text(x, name)}")
-    if "NaN" in ev.born:
+    if "NaN" in ev.born and backward_log and x is not None and x.min >= 0 and has_zero(x):
+        # nothing below 0: the NaN is log's backward, grad / x, at 0 / 0
+        evidence.append(
+            f"in backward, {op}'s gradient grad / x is 0 / 0 = NaN: its input holds "
+            f"{_zeros_text(x, name)} (none below 0), and the gradient arriving there is 0 "
+            "(the forward's -inf was discarded later, as exp(-inf) = 0 does)"
+        )
+    elif "NaN" in ev.born:
         evidence.append(
             f"{op} of a number below {at} is NaN: its input's minimum is "
             f"{fmt(x.min if x is not None else None)}"
@@ -2505,6 +2512,100 @@ def _log_of_param(
     )
 
 
+def _log_expanded(node: ast.expr, log: str, top: bool = True) -> str | None:
+    """``log`` of ``node`` with the logarithm's identities applied, in the user's names:
+    log(a ** n) = n * log(a), log(exp(z)) = z (natural log only), log(a * b) = log(a) +
+    log(b), log(a / b) = log(a) - log(b). None when no power or exp is there to take apart
+    (a plain product is left to the other rules).
+
+    >>> _log_expanded(ast.parse("gamma ** dist", mode="eval").body, "log")
+    'dist * torch.log(gamma)'
+    >>> _log_expanded(ast.parse("torch.exp(-z) * w", mode="eval").body, "log")
+    '-z + torch.log(w)'
+    """
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        base, n = node.left, node.right
+    elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "pow"
+        and not node.keywords
+    ):
+        on_torch = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+        args = node.args if on_torch else [node.func.value, *node.args]
+        if len(args) != 2:
+            return None
+        base, n = args
+    elif (
+        log == "log"
+        and isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "exp"
+        and not node.keywords
+    ):
+        on_torch = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+        args = node.args if on_torch else [node.func.value, *node.args]
+        if len(args) != 1:
+            return None
+        return ast.unparse(args[0])
+    elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+        left = _log_expanded(node.left, log, top=False)
+        right = _log_expanded(node.right, log, top=False)
+        if top and left is None and right is None:
+            return None
+        lt = left if left is not None else f"torch.{log}({ast.unparse(node.left)})"
+        rt = right if right is not None else f"torch.{log}({ast.unparse(node.right)})"
+        if isinstance(node.op, ast.Div):
+            return f"{lt} - ({rt})" if right is not None else f"{lt} - {rt}"
+        return f"{lt} + {rt}"
+    else:
+        return None
+    inner = _log_expanded(base, log, top=False)
+    lb = f"({inner})" if inner is not None else f"torch.{log}({ast.unparse(base)})"
+    exp = ast.unparse(n)
+    if not isinstance(n, (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Call)):
+        exp = f"({exp})"
+    return f"{exp} * {lb}"
+
+
+def _log_identity_use(stmt: str, calls: list[tuple[int, int, str]], dtype: str) -> _LogUse | None:
+    """A log of a power, an exp, or a product of them (``torch.log(gamma ** dist)``): the
+    power underflows to 0 (0.5 ** 150 in float32) and log(0) = -inf, while the identity
+    ``dist * torch.log(gamma)`` is exact and forms no 0 -- nor a NaN gradient."""
+    for start, end, arg in calls:
+        try:
+            node = ast.parse(arg.strip(), mode="eval").body
+        except SyntaxError:
+            continue
+        log = _log_name(stmt[start:end]) or "log"
+        new = _log_expanded(node, log)
+        if new is None:
+            continue
+        whole = (
+            re.fullmatch(r"\s*(?:return\s+|[\w.\[\], ]+=\s*)?", stmt[:start])
+            and not stmt[end:].strip()
+        )
+        line = f"{stmt[:start]}{new if whole else f'({new})'}{stmt[end:]}"
+        lim = limits(dtype) or limits("float32")
+        tiny = f" (below {fmt(lim.tiny)} in {dtype})" if lim is not None else ""
+        return _LogUse(
+            "identity",
+            f"{line}   # was: {stmt}\n"
+            f"# the log of a power or an exp, taken apart: exact, and the value whose log is "
+            f"taken never underflows to 0",
+            why=(
+                f"Here the log is taken of {arg}: a power (or exp) of many factors underflows, "
+                f"past the dtype's smallest normal number{tiny} and its subnormals, to exactly "
+                "0, "
+                "and log(0) = -inf; its gradient 1/x is then inf, or NaN (0/0) where the "
+                "incoming gradient is 0. The logarithm's identities (log(a ** n) = n * log(a), "
+                "log(exp(z)) = z, log(a * b) = log(a) + log(b)) give the same value without "
+                "forming the tiny number."
+            ),
+        )
+    return None
+
+
 def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
     """The log's use, read from its line; else from the activation that made the input
     of the module the log ran in; None when neither says."""
@@ -2512,6 +2613,9 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
         calls = _log_calls(stmt)
         if not calls:
             continue
+        identity = _log_identity_use(stmt, calls, ev.dtype)
+        if identity is not None:
+            return identity
         logit = _logit_by_hand(stmt)
         if logit is not None:
             return logit
@@ -5490,6 +5594,58 @@ class _Underflow:
     #: zeros and size
     graph: tuple[str, ...] = ()
     zeros: tuple[int, int] | None = None
+    #: the method whose ``return`` made the exp (``phi`` of ``q = self.phi(x)``, a feature
+    #: map), with that return's line (``file.py:25``); None when the exp is on a line
+    via: str | None = None
+    via_at: str | None = None
+
+
+def _method_exp(source: str | None, made: str) -> tuple[str, str, str] | None:
+    """An exp made inside a method that ``made`` calls (``self.phi(self.q(x))``): its name,
+    its ``return`` statement that calls exp (``return torch.exp(a) / math.sqrt(self.m)``)
+    and that line (``file.py:25``), read from the same file; None when none is seen."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    lines = linecache.getlines(path)
+    # the class that holds the line: self.phi is its own phi, not another class's
+    line = min(int(num), len(lines)) - 1
+    indent = len(lines[line]) - len(lines[line].lstrip()) if 0 <= line < len(lines) else 0
+    lo, hi = 0, len(lines)
+    for n in range(line, -1, -1):
+        text = lines[n]
+        if re.match(r"\s*class\s", text) and len(text) - len(text.lstrip()) < indent:
+            lo, depth = n, len(text) - len(text.lstrip())
+            hi = next(
+                (
+                    k
+                    for k in range(n + 1, len(lines))
+                    if lines[k].strip() and len(lines[k]) - len(lines[k].lstrip()) <= depth
+                ),
+                len(lines),
+            )
+            break
+    for name in dict.fromkeys(re.findall(r"(?<![\w])self\.([A-Za-z_]\w*)\(", made)):
+        for i in range(lo, hi):
+            text = lines[i]
+            if not re.match(rf"\s*def\s+{re.escape(name)}\s*\(", text):
+                continue
+            depth = len(text) - len(text.lstrip())
+            found: list[tuple[int, str, str]] = []
+            for j in range(i + 1, min(len(lines), i + 200)):
+                body = lines[j]
+                if body.strip() and len(body) - len(body.lstrip()) <= depth:
+                    break
+                for stmt in statements(body):
+                    if stmt.startswith("return ") and _EXP_CALL.search(stmt):
+                        found.append((len(body) - len(body.lstrip()), stmt, f"{path}:{j + 1}"))
+            if found:  # the function's own path (least indented), the last one of those
+                top = min(f[0] for f in found)
+                _, stmt, at = [f for f in found if f[0] == top][-1]
+                return name, stmt, at
+    return None
 
 
 def _exp_underflow(ev: OpEvent) -> _Underflow | None:
@@ -5508,6 +5664,24 @@ def _exp_underflow(ev: OpEvent) -> _Underflow | None:
         made = _assigned_before(ev.source, name)
         if made is not None and _EXP_CALL.search(made):
             return _Underflow(den, name, made, _exp_argument(made))
+    # one step further: den = q @ k.sum(1), q = self.phi(x) and phi returns an exp (a
+    # linear attention's feature map): sums and products of exps, made in a method
+    for name in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", den)):
+        made = _assigned_before(ev.source, name)
+        if made is None:
+            continue
+        line = _line_of(ev.source, made)
+        texts = [made]
+        value = made.split("=", 1)[1]
+        for inner in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", value)):
+            held = _assigned_value(line, inner) if line is not None else None
+            if held is not None:
+                texts.append(held)
+        for text in texts:
+            hit = _method_exp(ev.source, text)
+            if hit is not None:
+                fn, ret, at = hit
+                return _Underflow(den, name, ret, _exp_argument(ret), via=fn, via_at=at)
     return None
 
 
@@ -5746,6 +5920,26 @@ def _divisors(code: str | None) -> list[str]:
     return got
 
 
+def _exp_args(code: str) -> list[str]:
+    """The argument of each ``torch.exp(x)`` / ``x.exp()`` of the statement ``code``.
+
+    >>> _exp_args("return torch.exp(wx) * (-h).exp() / 2")
+    ['wx', '-h']
+    """
+    try:
+        tree = ast.parse(code.strip().removeprefix("return").strip() or "0", mode="eval")
+    except SyntaxError:
+        return []
+    got: list[str] = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "exp":
+            own = isinstance(n.func.value, ast.Name) and n.func.value.id == "torch"
+            args = n.args if own else [n.func.value]
+            if len(args) == 1 and not n.keywords:
+                got.append(ast.unparse(args[0]))
+    return got
+
+
 def _exp_argument(code: str) -> str | None:
     """The argument of the first ``torch.exp(x)`` / ``x.exp()`` of ``code``."""
     got: list[str] = []
@@ -5806,6 +6000,8 @@ def _underflowed_denominator(
     low, normal = math.log(lim.subnormal / 2), math.log(lim.tiny)
     if u.graph:
         return _graph_underflowed(ctx, a, ev, u, evidence=evidence, title=title)
+    if u.via is not None:
+        return _feature_map_underflowed(ctx, a, ev, u, evidence=evidence, title=title)
     evidence.append(
         f"the denominator {u.denominator} is a sum of exp() terms"
         + (f": {u.made}" if u.name else "")
@@ -5859,6 +6055,83 @@ def _underflowed_denominator(
             dtype=dtype, low=fmt(low), what="0/0 is NaN" if ratio else "x/0 is inf"
         ),
         fix="\n".join(lines),
+    )
+
+
+def _feature_map_underflowed(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, u: _Underflow, *, evidence: list[str], title: str
+) -> Diagnosis:
+    """A denominator summed from the exp() features a method returns (a Performer's
+    positive random features ``phi(x) = exp(w.x - |x|^2 / 2)``): the exp underflowed to 0
+    in the dtype, so whole rows of features are 0 and so is their sum. Subtract the
+    exponent's maximum (a constant per sequence, which cancels between numerator and
+    denominator) and compute the features in float32."""
+    lim = limits(ev.dtype) or limits("float32")
+    f32 = limits("float32")
+    assert lim is not None
+    assert f32 is not None
+    dtype = ev.dtype or "float32"
+    low, normal = math.log(lim.subnormal / 2), math.log(lim.tiny)
+    where = (u.via_at or "").rpartition("/")[2]
+    evidence.append(
+        f"the denominator {u.denominator} sums and multiplies exp() features made by "
+        f"{u.via}(), which returns {u.made.removeprefix('return ')}"
+        + (f" ({where})" if where else "")
+    )
+    evidence.append(
+        f"exp(x) is exactly 0 in {dtype} for x below {fmt(low)} (log of half its smallest "
+        f"subnormal; below log(finfo.tiny) = {fmt(normal)} it is already subnormal): where "
+        "every feature of a row underflowed, their sum is 0"
+    )
+    exps = _exp_args(u.made)
+    x = " + ".join(paren(e) for e in exps) if len(exps) > 1 else u.exponent or "x"
+    simple = _NAME.fullmatch(x) is not None
+    z = x if simple else "z"
+    first = "" if simple else f"{z} = {x}; "
+    fix = (
+        f"{first}{z} = {z}.float(); {z} = {z} - {z}.amax(dim=(-2, -1), keepdim=True).detach()"
+        f"   # in {u.via}, before: {u.made}"
+        + ("" if simple else f" (and torch.exp({z}) in place of its exp)")
+        + "\n# the exponent's maximum, a constant per sequence (FAVOR+'s stabilizer): every "
+        "feature is scaled by the same exp(-max), which cancels between numerator and "
+        "denominator, and the largest feature is exp(0) = 1\n"
+    )
+    call = ctx.trace.call(a.record.call)
+    ref = module_ref(ev.path or a.path, root=call is not None and call.root)
+    if lim.short_range and ref != "model":
+        # the float32 features meet the module's float16 tensors (v, the weights): the
+        # module runs in float32, its inputs cast up and its outputs back
+        cast = (
+            "torch.utils._pytree.tree_map(lambda a: a.to(torch.{}) if torch.is_tensor(a) "
+            "and a.is_floating_point() else a, {})"
+        )
+        fix += (
+            f"{ref}.float()   # once, after building the model: the features and the sums "
+            f"over them in float32, where exp underflows only below "
+            f"{fmt(math.log(f32.subnormal / 2))}, not {fmt(low)}\n"
+            f"{ref}.register_forward_pre_hook(lambda m, args: {cast.format('float32', 'args')})"
+            f"   # its {dtype} inputs up to float32\n"
+            f"{ref}.register_forward_hook(lambda m, args, out: {cast.format(dtype, 'out')})   "
+            f"# its output (normalized) back to {dtype}\n"
+        )
+    fix += (
+        f"# not a clamp on {u.denominator}: the quotient of 0-features by a floor is 0, and so "
+        "is its gradient"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: exp() features underflowed to 0",
+        evidence=evidence,
+        explanation=(
+            f"The denominator is a sum of exp() features, and exp(x) is exactly 0 in {dtype} "
+            f"for x below {fmt(low)}. Features such as a Performer's exp(w.x - |x|^2 / 2) have "
+            "exponents far below 0 when the inputs are large (no normalization before the "
+            f"attention): every feature of a row underflows, their sum is 0 and the "
+            "division is 0/0 = NaN. Subtracting the exponent's maximum keeps the largest "
+            "feature at 1, and float32 holds exponents down to "
+            f"{fmt(math.log(f32.subnormal / 2))}."
+        ),
+        fix=fix,
     )
 
 

@@ -5101,6 +5101,36 @@ def _fix(
             "# or train in bfloat16, where exp overflows only above "
             f"{fmt(_exp_bound('bfloat16'))}"
         )
+    if (
+        fixed is not None
+        and kind != "cast"
+        and plain.startswith("return ")
+        and not loss
+        and ref != "model"
+        and dtype in ("float16", "bfloat16")
+    ):
+        # the float32 value leaves the function: the module's next float16 op (a matmul
+        # with a float16 tensor) would fail on the mixed dtypes. The whole module in
+        # float32 runs; the line alone only when what it returns fits the dtype
+        back = _returned_in(fixed, code, op, dtype)
+        return (
+            f"{ref}.float()   # once, after building the model: it computes in float32\n"
+            f"{ref}.register_forward_pre_hook(lambda m, args: {_tree_cast('args', 'float32')})"
+            f"   # its {dtype} inputs up to float32\n"
+            f"{ref}.register_forward_hook(lambda m, args, out: {_tree_cast('out', dtype)})   "
+            f"# its outputs back to {dtype}\n"
+            f"# {op} passes {top} in {dtype} on this line, which returns its value to the rest "
+            f"of {ref}'s forward: in float32 from the module's input to its output, every op "
+            f"after it sees float32 too\n"
+            f"# or, only if what this line returns fits {dtype} (a normalized value): "
+            f"{back}{was}\n"
+            + (
+                "# or train in bfloat16, where exp overflows only above "
+                f"{fmt(_exp_bound('bfloat16'))}"
+                if op in EXP_LIKE or op in MATMUL
+                else "# or train in bfloat16 (float32's range, values up to 3.4e38)"
+            )
+        )
     if fixed is not None and kind != "cast":
         return (
             f"{fixed}{was}\n"
