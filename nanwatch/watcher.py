@@ -1019,6 +1019,7 @@ class Watcher:
             self._user_loss = loss
         with _NO_TORCH_FUNCTION():
             if first:  # the automatic steps before it were the user's first step
+                self._fold_evaluations()
                 self._cycle_fold(first_explicit=True)
             self._cycle = None
             return self._boundary()
@@ -3397,6 +3398,32 @@ class Watcher:
                 or self._updated
                 or cur.error is not None
                 or any(c.root and c.path == path for c in prev.calls)
+            ):
+                break
+            foldable.pop()
+            self._merge_into(prev, end, stepped_prev, full=prev.full)
+
+    def _fold_evaluations(self) -> None:
+        """At the first ``nw.step()``: the steps the automatic rule began after a training
+        update with no_grad calls (generation or a validation run inside the loop, before
+        the loop's ``nw.step()``; each call was a step then) are that training step's, and
+        are folded back into it (:meth:`_cycle_fold` then folds it with the update), so the
+        user's steps are numbered from 0 as the loop counts them. Steps that held an
+        anomaly stay."""
+        foldable = self._foldable
+        while self._trained and foldable:
+            prev, end, stepped_prev = foldable[-1]
+            cur = self._trace
+            if (
+                not self.history
+                or self.history[-1] is not prev
+                or prev.step != cur.step - 1
+                or prev.anomaly is not None
+                or prev.error is not None
+                or cur.anomaly is not None
+                or cur.error is not None
+                or self._new_trigger is not None
+                or self._pending_data is not None
             ):
                 break
             foldable.pop()
