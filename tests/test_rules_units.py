@@ -457,6 +457,29 @@ def case_masked() -> Case:
     return Case(anomaly_in_module(soft, path="attn", module_type="SelfAttention"))
 
 
+def case_hidden_nan() -> Case:
+    """A NaN target hidden by torch.where in forward: the norm's backward saved it (NW407)."""
+    e = ev(
+        "aten.linalg_vector_norm.default",
+        "NaN",
+        [("self", counted(NAN, 0.9, nan=4, numel=32))],
+        phase=Phase.BACKWARD,
+        node="LinalgVectorNormBackward0",
+        path=None,
+        code="err = (pred - gt).norm(dim=-1)",
+    )
+    b = TraceBuilder(0)
+    net = b.call("Net", root=True)
+    x = b.input(net, stat(-1.0, 1.0))
+    out = b.forward(net, stat(-1.0, 1.0))
+    b.backward(out, counted(NAN, NAN, nan=4))
+    b.backward(x, counted(NAN, NAN, nan=8))
+    t = b.build(loss=0.5)
+    assert t.anomaly is not None
+    t.anomaly.op = e
+    return Case(t)
+
+
 INPLACE_MESSAGE = (
     "one of the variables needed for gradient computation has been modified by an inplace "
     "operation: [torch.FloatTensor [8, 16]], which is output 0 of SigmoidBackward0, is at "
@@ -586,6 +609,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW404": case_transient,
     "NW405": case_module_state,
     "NW406": case_absorbed_data,
+    "NW407": case_hidden_nan,
 }
 
 

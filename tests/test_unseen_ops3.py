@@ -101,7 +101,7 @@ def test_forensic_names_a_nan_target_hidden_by_where_like_watch_mode() -> None:
     with nanwatch.watch(net, on_anomaly="record", postmortem=False, mode="forensic") as nw:
         _where_step(nw, net, y)
     diag = top(nw)
-    assert diag.code == "NW402", text(diag)
+    assert diag.code == "NW407", text(diag)
     assert diag.phase == "backward"
     assert "DivBackward0 saved its forward self" in text(diag), text(diag)
     assert "log_prob(y)" in text(diag), text(diag)  # the forward line that saved the NaN
@@ -166,7 +166,7 @@ def test_forensic_names_the_hidden_nan_again_at_a_later_step() -> None:
             _where_step(nw, net, y)
             net.zero_grad()
     codes = [t.diagnoses[0].code for t in nw.history if t.anomaly is not None]
-    assert codes == ["NW402", "NW402"], codes
+    assert codes == ["NW407", "NW407"], codes
 
 
 class _SigmoidScaleCoupling(nn.Module):

@@ -2024,7 +2024,7 @@ def test_a_nan_target_hidden_by_torch_where_is_named_not_a_root_at_zero() -> Non
         torch.where(mask, (p - y) ** 2, 0.0).sum().backward()
         nw.step()
     d = nw.history[0].diagnoses[0]
-    assert d.code == "NW402" and d.title.startswith("NaN hidden by a mask in forward")
+    assert d.code == "NW407" and d.title.startswith("NaN hidden by a mask in forward")
     assert "nan_to_num" in d.fix
 
 

@@ -20,6 +20,7 @@ from nanwatch.records import Phase, StepTrace
 from nanwatch.rules._evidence import (
     Activation,
     LossUse,
+    _statement_key,
     cause_of,
     describe_activation,
     fmt,
@@ -32,6 +33,7 @@ from nanwatch.rules._evidence import (
     module_ref,
     note_num,
     paren,
+    statements,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
@@ -145,12 +147,7 @@ def _bce_saturation(ctx: RuleContext, use: LossUse, frac: float) -> Diagnosis | 
             "rounds."
             + ("" if call is not None else " (functional F.binary_cross_entropy: same fix)")
         ),
-        fix=(
-            "# return logits from the model (drop the final sigmoid), then:\n"
-            "criterion = nn.BCEWithLogitsLoss()\n"
-            "loss = criterion(logits, y)\n"
-            "probs = torch.sigmoid(logits)   # only where probabilities are needed"
-        ),
+        fix=_bce_logits_fix(ctx.trace, use, loss_activation(ctx.trace, use)),
     )
 
 
@@ -328,7 +325,24 @@ def _other_uses(source: str | None, name: str, reach: int = 15) -> str | None:
     return None
 
 
-def _sigmoid_removal(use: LossUse, act: Activation | None, code: str) -> list[str]:
+def _producer_type(trace: StepTrace, use: LossUse) -> str | None:
+    """The class of the module whose output the loss received (``OccNet``), followed from
+    the loss's input record through its ``source`` links past the loss module's own call:
+    the sigmoid that made the probabilities ran at the end of that module's forward."""
+    rec = use.input
+    for _ in range(64):
+        if rec is None:
+            return None
+        call = trace.call(rec.call)
+        if rec.phase is Phase.FORWARD and (call is None or not call.is_loss):
+            return rec.module_type or None
+        rec = trace.record(rec.source) if rec.source is not None else None
+    return None
+
+
+def _sigmoid_removal(
+    trace: StepTrace, use: LossUse, act: Activation | None, code: str
+) -> list[str]:
     """The first lines of the NW202 fix: remove the sigmoid where the model applies it (the
     nn.Sigmoid module, or the torch.sigmoid line of the module's forward), so the
     BCEWithLogits that follows gets logits, not a second sigmoid; and the loss input's
@@ -343,9 +357,8 @@ def _sigmoid_removal(use: LossUse, act: Activation | None, code: str) -> list[st
             else f"# first: remove the nn.Sigmoid ({act.path}) so the model returns logits"
         )
     else:
-        rec = use.input
         cls = act.path if act is not None and act.path else None
-        cls = rec.module_type if rec is not None and cls is None else cls
+        cls = _producer_type(trace, use) if cls is None else cls
         path = (use.note.source if use.note is not None else None) or ""
         found = _forward_sigmoid(path.rpartition(":")[0], cls) if cls and path else None
         where = f"{cls}.forward" if cls else "the model's forward"
@@ -369,15 +382,28 @@ def _sigmoid_removal(use: LossUse, act: Activation | None, code: str) -> list[st
     return [*lines, "@@", tail]
 
 
-def _bce_logits_fix(use: LossUse, act: Activation | None) -> str:
+#: the callee of a loss line that is the user's loss module (``crit``, ``self.bce``), not a
+#: function of torch's
+_MODULE_CALLEE = re.compile(r"(?!(?:torch|F|nn)\.)[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
+
+
+def _loss_statement(code: str | None) -> str:
+    """The statement of the user's loss line that computes the loss: ``loss = crit(p, y)``
+    of ``loss = crit(p, y); loss.backward(); opt.step()``."""
+    stmts = statements(code)
+    assigns = [s for s in stmts if (_statement_key(s) or ("",))[0] == "="]
+    return (assigns or stmts or [""])[0]
+
+
+def _bce_logits_fix(trace: StepTrace, use: LossUse, act: Activation | None) -> str:
     """BCEWithLogitsLoss in place of the user's BCE, keeping its arguments (reduction,
     weight): the functional call on the user's own line, the module where their code builds
-    it. Its first line removes the sigmoid where the model applies it: pasted alone, the
-    BCEWithLogits line would apply a sigmoid twice."""
+    it, under the name their loss line calls it by. Its first line removes the sigmoid where
+    the model applies it: pasted alone, the BCEWithLogits line would apply a sigmoid twice."""
     source = use.note.source if use.note is not None else None
     code = full_statement(source) if source else None
-    line = code.split("  #", 1)[0].rstrip() if code else ""
-    head, _, tail = "\n".join(_sigmoid_removal(use, act, line)).partition("\n@@\n")
+    line = _loss_statement(code)
+    head, _, tail = "\n".join(_sigmoid_removal(trace, use, act, line)).partition("\n@@\n")
     if "binary_cross_entropy(" in line:
         fixed = line.replace("binary_cross_entropy(", "binary_cross_entropy_with_logits(", 1)
         return f"{head}\n{fixed}   # on logits: the sigmoid inside, stably\n{tail}"
@@ -388,8 +414,11 @@ def _bce_logits_fix(use: LossUse, act: Activation | None) -> str:
         return f"{head}\n{fixed}   # was BCELoss: takes logits, the sigmoid inside, stably\n{tail}"
     red = use.data("reduction")
     args = f"reduction={red!r}" if isinstance(red, str) and red != "mean" else ""
+    # the loss line calls the watched BCELoss module by the user's name for it (``crit``)
+    called = m is not None and use.call is not None and _MODULE_CALLEE.fullmatch(m.group(1))
+    name = m.group(1) if called and m is not None else "criterion"
     return (
-        f"{head}\ncriterion = nn.BCEWithLogitsLoss({args})   # in place of your nn.BCELoss "
+        f"{head}\n{name} = nn.BCEWithLogitsLoss({args})   # in place of your nn.BCELoss "
         f"(keep its weight=, if any): the sigmoid inside, stably\n{tail}"
     )
 
@@ -445,7 +474,7 @@ def sigmoid_bce(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "BCEWithLogitsLoss fuses both with the log-sum-exp trick and stays exact "
                 "for any logit."
             ),
-            fix=_bce_logits_fix(use, loss_activation(ctx.trace, use)),
+            fix=_bce_logits_fix(ctx.trace, use, loss_activation(ctx.trace, use)),
         )
 
 

@@ -1,4 +1,5 @@
-"""Masking: a fully masked attention row (NW402). ``masked_fill(mask, -inf)`` before a
+"""Masking: a fully masked attention row (NW402), a NaN hidden by a mask in forward that
+comes back as a NaN gradient (NW407). ``masked_fill(mask, -inf)`` before a
 softmax is normal and never reported; a row that is -inf everywhere has no maximum, and
 softmax returns NaN for the whole row. A softmax written by hand over rows or segments
 (graph attention: a node whose every edge is masked) fails the same way one op earlier, at
@@ -6,6 +7,7 @@ x - max = -inf - (-inf)."""
 
 from __future__ import annotations
 
+import ast
 import re
 from collections.abc import Iterator
 
@@ -15,6 +17,7 @@ from nanwatch.rules._evidence import (
     _function_names,
     _names_known,
     anomaly_fields,
+    binary_operands,
     cause_of,
     code_line,
     describe_stat,
@@ -37,6 +40,7 @@ from nanwatch.rules._evidence import (
     replace_constant,
     rewrite_call,
     short_op,
+    statements,
     untraced_hint,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
@@ -324,10 +328,208 @@ def _is_attention(ctx: RuleContext, call_id: int, events: list[OpEvent | None]) 
 _FILL_MASK = re.compile(r"\.masked_fill_?\(")
 
 
+def _function_lines(source: str | None, *, after: bool = False, reach: int = 60) -> list[str]:
+    """The lines of the user's function around line ``source``: those above it, nearest
+    first (up to its ``def``), or with ``after`` those below it while they stay inside."""
+    import linecache
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return []
+    here = linecache.getline(path, int(num))
+    indent = len(here) - len(here.lstrip())
+    out: list[str] = []
+    span = range(int(num) + 1, int(num) + reach) if after else range(int(num) - 1, 0, -1)
+    for n in span:
+        text = linecache.getline(path, n)
+        if not text.strip() or text.lstrip().startswith("#"):
+            if after and not text:
+                break
+            continue
+        if len(out) >= reach:
+            break
+        ind = len(text) - len(text.lstrip())
+        if not after and re.match(r"\s*(?:async\s+)?def\s", text) and ind < indent:
+            break
+        if after and ind < indent and not text.lstrip().startswith((")", "]", "}")):
+            break
+        out.append(text.split("  #", 1)[0].strip())
+    return out
+
+
+def _assignments(lines: list[str]) -> list[tuple[str, list[str], ast.expr]]:
+    """(the statement, the names it assigns, its value) of each one-line assignment."""
+    out = []
+    for line in lines:
+        for stmt in statements(line):
+            try:
+                body = ast.parse(stmt).body
+            except SyntaxError:
+                continue
+            node = body[0] if len(body) == 1 else None
+            if not isinstance(node, ast.Assign) or len(node.targets) != 1:
+                continue
+            t = node.targets[0]
+            elts = t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]
+            names = [e.id for e in elts if isinstance(e, ast.Name)]
+            if names:
+                out.append((stmt, names, node.value))
+    return out
+
+
+def _calls(node: ast.AST, names: frozenset[str]) -> list[ast.Call]:
+    return [
+        c
+        for c in ast.walk(node)
+        if isinstance(c, ast.Call)
+        and (c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", ""))
+        in names
+    ]
+
+
+def _reaches(
+    node: ast.AST, names: frozenset[str], defs: dict[str, ast.expr], depth: int = 4
+) -> bool:
+    """``node`` calls one of ``names``, or reads a name whose value (``defs``) does."""
+    if _calls(node, names):
+        return True
+    if depth == 0:
+        return False
+    read = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return any(n in defs and _reaches(defs[n], names, defs, depth - 1) for n in read)
+
+
+_CUMSUM = frozenset({"cumsum"})
+_SORT = frozenset({"sort", "argsort", "sorted"})
+
+
+def _cumsum_dim(node: ast.AST, defs: dict[str, ast.expr]) -> str | None:
+    """The ``dim`` of the cumsum that ``node`` reads, as written (``-1``)."""
+    for c in _calls(node, _CUMSUM):
+        kw = next((k.value for k in c.keywords if k.arg == "dim"), None)
+        method = isinstance(c.func, ast.Attribute) and ast.unparse(c.func.value) != "torch"
+        pos = c.args[0 if method else 1] if len(c.args) > (0 if method else 1) else None
+        dim = kw if kw is not None else pos
+        return ast.unparse(dim) if dim is not None else None
+    read = [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+    return next(
+        (d for n in read if n in defs and (d := _cumsum_dim(defs[n], {})) is not None), None
+    )
+
+
+def _nucleus_fix(mask: OpEvent, expr: str) -> str | None:
+    """A top-p (nucleus) filter that removes every token: the mask is a cut of the
+    cumulative sum of sorted probabilities (``remove = cum > top_p``), which also removes
+    the top token when it alone holds more than top_p. The standard filter shifts the cut
+    right by one, so the token that crosses top_p (and so the top one) stays: the shift,
+    in the user's names, right after the cut."""
+    if not expr.isidentifier():
+        return None
+    above = _assignments(_function_lines(mask.source))  # nearest first
+    defs: dict[str, ast.expr] = {}
+    for _, names, value in reversed(above):
+        for n in names:
+            defs[n] = value
+    flow = {expr}
+    for stmt, names, value in above:
+        hit = [n for n in names if n in flow]
+        if not hit:
+            continue
+        if (
+            isinstance(value, ast.Compare)
+            and (cut := value.left) is not None
+            and len(value.ops) == 1
+            and isinstance(value.ops[0], (ast.Gt, ast.GtE))
+            and _reaches(cut, _CUMSUM, defs)
+            and _reaches(cut, _SORT, defs)
+        ):
+            t = hit[0]
+            dim = _cumsum_dim(cut, defs)
+            p = ast.unparse(value.comparators[0])
+            if dim == "-1":
+                shift = (
+                    f"{t}[..., 1:] = {t}[..., :-1].clone()   # shift the cut right by one: the "
+                    f"token that crosses {p} stays\n"
+                    f"{t}[..., 0] = False   # and the most likely token always stays"
+                )
+            elif dim is not None:
+                shift = (
+                    f"{t} = {t}.roll(1, dims={dim})   # shift the cut right by one: the token "
+                    f"that crosses {p} stays\n"
+                    f"{t}.narrow({dim}, 0, 1).fill_(False)   # and the most likely token "
+                    "always stays"
+                )
+            else:
+                return None
+            return (
+                f"{stmt}\n{shift}\n"
+                f"# {stmt} is a top-p (nucleus) cut of the sorted cumulative probabilities: "
+                f"it removes every token when the top one alone holds more than {p}; put the "
+                "shift right after it (before the mask is scattered back), as the standard "
+                "top-p filter does"
+            )
+        flow |= {
+            n.id for n in ast.walk(value) if isinstance(n, ast.Name) and n.id not in names
+        } | set(names)
+    return None
+
+
+#: calls that draw from a softmax's probabilities: the softmax picks the next token
+_SAMPLERS = frozenset({"multinomial", "Categorical", "sample", "argmax"})
+
+
+def _sampled(soft: OpEvent) -> bool:
+    """The softmax's result is drawn from on the lines after it (``torch.multinomial(probs,
+    1)``): decoding, where a row with every token banned needs a token to fall back on."""
+    stmts = statements(soft.code)
+    target = None
+    for st in stmts:
+        try:
+            node = ast.parse(st).body[0]
+        except (SyntaxError, IndexError):
+            continue
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            target = node.targets[0].id
+    if target is None:
+        return False
+    for line in _function_lines(soft.source, after=True, reach=20):
+        try:
+            tree = ast.parse(line)
+        except SyntaxError:
+            continue
+        if any(
+            isinstance(a, ast.Name) and a.id == target
+            for c in _calls(tree, _SAMPLERS)
+            for a in ast.walk(c)
+        ):
+            return True
+    return False
+
+
+def _unban_fix(line: str, start: int, expr: str, dim: int) -> str:
+    """Decoding with every token of a row banned: the user's mask with such rows unbanned
+    (a finite, uniform row instead of NaN), on their own line."""
+    guard = f"{paren(expr)} & ~{paren(expr)}.all(dim={dim}, keepdim=True)"
+    if expr.isidentifier():
+        head = (
+            f"{expr} = {guard}   # a row with every token banned: unban it, so the softmax "
+            f"stays finite\n{line.strip()}"
+        )
+    else:
+        fixed = line[:start] + line[start:].replace(expr, guard, 1)
+        head = f"{fixed.strip()}   # unban a row with every token banned: the softmax stays finite"
+    return (
+        f"{head}\n# better: leave at least one token allowed in each row (fall back to an "
+        "end-of-sequence token when everything else is banned), or stop that sequence"
+    )
+
+
 def _choice_fix(mask: OpEvent | None, soft: OpEvent) -> str:
     """A softmax over choices with a row where every choice is masked: no fill value makes
     that row right (finfo.min spreads it over the forbidden choices), so the fix checks
-    that each row keeps an allowed entry, in the user's own mask expression."""
+    that each row keeps an allowed entry, in the user's own mask expression. A top-p cut
+    gets the shift that keeps the top token; a mask of banned tokens before sampling gets a
+    guard that unbans a fully banned row."""
     advice = (
         "# a row with every entry masked has no valid choice: make sure each row keeps at "
         "least one allowed entry (fix the mask, or drop those rows before the softmax)"
@@ -336,8 +538,13 @@ def _choice_fix(mask: OpEvent | None, soft: OpEvent) -> str:
     line = mask.code.split("  #", 1)[0].rstrip() if mask is not None and mask.code else ""
     m = _FILL_MASK.search(line)
     expr = _kwarg_value(line, m.end()) if m is not None else None
+    nucleus = _nucleus_fix(mask, expr) if mask is not None and expr is not None else None
+    if nucleus is not None:
+        return nucleus
     if expr is None or not isinstance(dim, int) or dim >= 0:
         return advice
+    if m is not None and _sampled(soft):
+        return _unban_fix(line, m.end(), expr, dim)
     return (
         f"assert {paren(_negate(expr))}.any(dim={dim}).all(), "
         '"a row with every entry masked: no valid choice"\n'
@@ -411,8 +618,7 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
     cause = cause_of(a)
     if cause is not None:
         if cause.kind == "hidden-nan":
-            yield _hidden_nan(ctx, a, cause.event)
-            return
+            return  # NW407's
         if cause.kind == "inf-arith":
             yield from _masked_by_hand(ctx, a, cause.event, cause.trigger)
             return
@@ -575,6 +781,27 @@ def _either_fix(mask: OpEvent | None, soft: OpEvent) -> str:
     )
 
 
+@rule(
+    "NW407",
+    title="NaN hidden by a mask in forward, NaN gradient in backward",
+    severity="error",
+    summary=(
+        "A value that held NaN (a NaN target, a log of a negative number) was selected away "
+        "by torch.where or zeroed by a mask, so the loss stayed finite; backward still "
+        "multiplies its 0 gradient by the NaN (0 × NaN = NaN). Clean the value before the "
+        "torch.where or the mask."
+    ),
+    priority=10,
+)
+def hidden_nan_gradient(ctx: RuleContext) -> Iterator[Diagnosis]:
+    a = ctx.anomaly
+    if a is None or a.transient:
+        return
+    cause = cause_of(a)
+    if cause is not None and cause.kind == "hidden-nan":
+        yield _hidden_nan(ctx, a, cause.event)
+
+
 def _hidden_nan(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
     """A backward node whose saved forward values held NaN: the forward's NaN never reached
     the loss (``torch.where(mask, (p - y) ** 2, 0)`` with NaN targets, ``x * 0``), and the
@@ -603,7 +830,7 @@ def _hidden_nan(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             "discarded branch, and 0 times NaN is NaN: every weight gets NaN. Clean the "
             "value before it enters the expression, not after."
         ),
-        fix=_hidden_nan_fix(ev),
+        fix=_hidden_nan_fix(ev, {n for n, _ in bad}),
     )
 
 
@@ -621,9 +848,44 @@ _HIDDEN_NAN_FIX = (
 )
 
 
-def _hidden_nan_fix(ev: OpEvent) -> str:
-    """The template fix, keeping only the lines whose names the user's function has (a
-    ``p`` it never defined is left out); prose says the rest."""
+def _op_names(op: str) -> list[str]:
+    """The names the user's code may call an aten op by: ``aten.linalg_vector_norm`` ->
+    ``linalg_vector_norm``, ``vector_norm``, ``norm``; ``aten._softmax`` -> ``softmax``."""
+    parts = packet(op).strip("_").split("_")
+    return ["_".join(parts[i:]) for i in range(len(parts)) if parts[i]]
+
+
+def _cleaned_on_line(ev: OpEvent, bad: set[str]) -> str | None:
+    """The user's line of the op whose saved forward input held NaN, with that input
+    passed through torch.nan_to_num (``err = torch.nan_to_num(pred - gt).norm(dim=-1)``):
+    its gradient at the NaN is then 0, not NaN. None when the line does not show the op."""
+    ops = binary_operands(ev)
+    if ops is not None:
+        name = next((n for n in ("self", "other") if n in bad), None)
+        if name is None:
+            return None
+        expr = ops[name].strip()
+        stmt = next((st for st in statements(ev.code) if expr in st), None)
+        if stmt is None:
+            return None
+        at = stmt.index(expr)
+        return f"{stmt[:at]}torch.nan_to_num({expr}){stmt[at + len(expr) :]}"
+    if not bad & {"self", "input", "result"}:
+        return None
+    return rewrite_call(ev.code, _op_names(ev.op), lambda e: f"torch.nan_to_num({e})")
+
+
+def _hidden_nan_fix(ev: OpEvent, bad: set[str] | None = None) -> str:
+    """The user's op line with the NaN input cleaned, where the line shows the op; else the
+    template fix, keeping only the lines whose names the user's function has (a ``p`` it
+    never defined is left out); prose says the rest."""
+    cleaned = _cleaned_on_line(ev, bad or set()) if ev.code else None
+    if cleaned is not None:
+        return (
+            f"{cleaned.strip()}   # clean the NaN before the op, not after: its gradient "
+            "there is 0, not 0 × NaN\n"
+            "# or select the rows the mask keeps before this op, so the NaN never enters it"
+        )
     known = _function_names(ev.source, ev.code)
     kept = [line for line, code in _HIDDEN_NAN_FIX if _names_known(code or line, known)]
     if not kept or not kept[0].startswith("y ="):
