@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import itertools
 import linecache
 import os
 import re
@@ -14,6 +15,7 @@ import sysconfig
 import types
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -252,13 +254,58 @@ def call_kwargs(module: object, start: types.FrameType) -> dict[str, object]:
     return {}
 
 
+class CodeLine(str):
+    """A line of the user's source, stripped, that also knows which part of it the frame
+    was running (``span``: its columns in the stripped text, Python 3.11's instruction
+    positions): of ``torch.sqrt(a) if ok else torch.sqrt(b)``, the second call. A plain
+    ``str`` everywhere else (a report, JSON); the span is lost by any string operation."""
+
+    span: tuple[int, int] | None
+
+    def __new__(cls, text: str, span: tuple[int, int] | None = None) -> CodeLine:
+        obj = super().__new__(cls, text)
+        obj.span = span
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled as the plain string: a checkpoint that holds a report (the Lightning
+        # callback's state) loads with torch.load(weights_only=True), which takes no class
+        return (str, (str(self),))
+
+
+def _running_span(f: types.FrameType, raw: str) -> tuple[int, int] | None:
+    """The columns, in ``raw.strip()``, of the expression frame ``f`` is running (the call
+    into torch that is on the stack), when it lies on the frame's line alone."""
+    positions = getattr(f.f_code, "co_positions", None)
+    if positions is None or f.f_lasti < 0:
+        return None
+    try:
+        pos = next(itertools.islice(positions(), f.f_lasti // 2, None), None)
+    except (ValueError, TypeError):
+        return None
+    if pos is None:
+        return None
+    line, end_line, col, end_col = pos
+    if line != f.f_lineno or end_line != line or col is None or end_col is None:
+        return None
+    indent = len(raw) - len(raw.lstrip())
+    # the offsets count UTF-8 bytes: an ASCII line is where they are characters
+    if not raw.isascii() or col < indent or end_col <= col:
+        return None
+    return col - indent, end_col - indent
+
+
 def describe_frame(f: types.FrameType | None) -> tuple[str | None, str | None]:
-    """(``file.py:42``, the source text of that line) for a frame."""
+    """(``file.py:42``, the source text of that line) for a frame; the text is a
+    :class:`CodeLine` that knows the span the frame was running."""
     if f is None:
         return None, None
     filename = f.f_code.co_filename
-    line = linecache.getline(filename, f.f_lineno).strip() or None
-    return f"{_short(filename)}:{f.f_lineno}", line
+    raw = linecache.getline(filename, f.f_lineno).rstrip("\n")
+    line = raw.strip()
+    if not line:
+        return f"{_short(filename)}:{f.f_lineno}", None
+    return f"{_short(filename)}:{f.f_lineno}", CodeLine(line, _running_span(f, raw))
 
 
 def describe_line(filename: str, lineno: int) -> tuple[str, str | None]:

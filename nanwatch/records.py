@@ -365,7 +365,7 @@ class OpEvent:
             "inputs": [[r, None if s is None else s.to_dict()] for r, s in self.inputs],
             "scalars": {k: _num(v) if isinstance(v, float) else v for k, v in self.scalars.items()},
             "source": self.source,
-            "code": self.code,
+            "code": None if self.code is None else str(self.code),  # a CodeLine: plain
             "node": self.node,
             "dtype": self.dtype,
             "cause": None if self.cause is None else self.cause.to_dict(),

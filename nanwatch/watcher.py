@@ -1064,13 +1064,15 @@ class Watcher:
             if len(self.anomalies) <= 32
             else (self.anomalies[:1] + self.anomalies[-31:])
         )
-        return {
-            "version": 1,
-            "step": self._step,
-            "anomaly_count": len(self.anomalies),
-            "steps": steps,
-            "anomalies": [a.to_dict() for a in kept],
-        }
+        return _plain(
+            {
+                "version": 1,
+                "step": self._step,
+                "anomaly_count": len(self.anomalies),
+                "steps": steps,
+                "anomalies": [a.to_dict() for a in kept],
+            }
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (before attaching): step numbering continues and the
@@ -5629,6 +5631,19 @@ def _hook_site(fn: Any) -> dict[str, Any] | None:
         "at": f"{code.co_filename}:{code.co_firstlineno}",
         "code": line,
     }
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` (dicts, lists, tuples, strings, numbers) with every ``str`` subclass (a
+    :class:`nanwatch._frames.CodeLine`) made a plain ``str``: a checkpoint holding it loads
+    with ``torch.load(weights_only=True)``, which takes no class."""
+    if isinstance(obj, str):
+        return obj if type(obj) is str else str(obj)
+    if isinstance(obj, dict):
+        return {_plain(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(v) for v in obj)
+    return obj
 
 
 def _grad_fn_name(t: torch.Tensor) -> str | None:

@@ -1865,7 +1865,9 @@ def call_argument(code: str | None, names: Sequence[str]) -> str | None:
 def rewrite_call(code: str | None, names: Sequence[str], wrap: Callable[[str], str]) -> str | None:
     """The user's line with the argument of its first call to one of ``names`` passed
     through ``wrap``: ``torch.acos(c)`` and ``c.acos()`` both get ``wrap("c")`` in place of
-    ``c``. None when the line holds no such call (or is unknown).
+    ``c``. None when the line holds no such call (or is unknown). When ``code`` knows the
+    part of the line that ran (a :class:`nanwatch._frames.CodeLine`: of ``torch.sqrt(a) if
+    ok else torch.sqrt(b)``, the second call), the call inside that part is rewritten.
 
     >>> rewrite_call("y = torch.acos(a * b)  # angle", ["acos"], lambda e: f"clip({e})")
     'y = torch.acos(clip(a * b))'
@@ -1874,6 +1876,20 @@ def rewrite_call(code: str | None, names: Sequence[str], wrap: Callable[[str], s
     """
     if not code:
         return None
+    span = getattr(code, "span", None)
+    found = list(_calls_of(code, names))
+    if span is not None:
+        found = [c for c in found if span[0] <= c[0] and c[1] <= span[1]] or found
+    if not found:
+        return None
+    _, _, head, arg, tail = found[0]
+    return head + wrap(arg) + tail  # wrap called once: some callers collect its argument
+
+
+def _calls_of(code: str, names: Sequence[str]) -> Iterator[tuple[int, int, str, str, str]]:
+    """For each call to one of ``names`` on the line (see :func:`rewrite_call`): where the
+    call begins and ends (its receiver included), and the line cut around the argument
+    that :func:`rewrite_call` wraps (before it, the argument, after it)."""
     line = code.split("  #", 1)[0].rstrip()
     alt = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
     mod = r"(?:torch\.special|torch\.linalg|torch|special|linalg|F)\."
@@ -1890,7 +1906,8 @@ def rewrite_call(code: str | None, names: Sequence[str], wrap: Callable[[str], s
             recv = line[begin:dot]
             if recv.startswith("(") and _close(line, begin + 1) == dot - 1:
                 recv = recv[1:-1]  # a parenthesized group: wrap what is inside
-            return line[:begin] + wrap(recv) + line[dot:]
+            yield begin, close_at + 1, line[:begin], recv, line[dot:]
+            continue
         if m.group(1) is None:
             continue  # a bare name: a user function of the same name, not the op
         args = line[open_at:close_at]
@@ -1905,8 +1922,13 @@ def rewrite_call(code: str | None, names: Sequence[str], wrap: Callable[[str], s
                 break
         first = args[:cut]
         lead = first[: len(first) - len(first.lstrip())]
-        return line[:open_at] + lead + wrap(first.strip()) + args[cut:] + line[close_at:]
-    return None
+        yield (
+            m.start(),
+            close_at + 1,
+            line[:open_at] + lead,
+            first.strip(),
+            args[cut:] + line[close_at:],
+        )
 
 
 def module_ref(path: str, *, root: bool = False) -> str:
