@@ -1064,7 +1064,7 @@ class Watcher:
             if len(self.anomalies) <= 32
             else (self.anomalies[:1] + self.anomalies[-31:])
         )
-        return _plain(
+        state: dict[str, Any] = _plain(
             {
                 "version": 1,
                 "step": self._step,
@@ -1073,6 +1073,7 @@ class Watcher:
                 "anomalies": [a.to_dict() for a in kept],
             }
         )
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (before attaching): step numbering continues and the
