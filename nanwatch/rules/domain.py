@@ -2625,7 +2625,7 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
                 lse = _logsumexp_of_name(stmt, start, end, arg, ev)
             if lse is not None:
                 return lse
-        ratio = _xlogy_ratio_use(stmt)
+        ratio = _xlogy_ratio_use(stmt, subtracted=_subtracted_log_zero(a, ev), ev=ev)
         if ratio is not None:
             return ratio
         for start, end, arg in calls:
@@ -3032,15 +3032,22 @@ _XLOGY_WHY = (
 )
 
 
-def _xlogy_terms(f: ast.expr, g: ast.expr, seg: Callable[[ast.expr], str]) -> str | None:
+def _xlogy_terms(
+    f: ast.expr,
+    g: ast.expr,
+    seg: Callable[[ast.expr], str],
+    log_b: Callable[[str], str] | None = None,
+) -> str | None:
     """``xlogy(A, A) - xlogy(A, B)`` for a product ``A * g`` whose ``g`` is ``log(A / B)``
-    or ``log(A) - log(B)`` (``xlogy(A, A) - A * R`` for ``log(A) - R``); None otherwise."""
+    or ``log(A) - log(B)`` (``xlogy(A, A) - A * R`` for ``log(A) - R``); None otherwise.
+    ``log_b`` given (the 0 is in B, not A): ``xlogy(A, A) - A * log_b(B)``, a log of B
+    that is finite where B is 0."""
     a = ast.unparse(f)
     logged = _log_of(g)
     if logged is not None and logged[0] == "log":
         arg = logged[1]
         ratio = isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Div)
-        if ratio and ast.unparse(arg.left) == a:  # type: ignore[attr-defined]
+        if ratio and log_b is None and ast.unparse(arg.left) == a:  # type: ignore[attr-defined]
             b = seg(arg.right)  # type: ignore[attr-defined]
             return f"torch.xlogy({seg(f)}, {seg(f)}) - torch.xlogy({seg(f)}, {b})"
         return None
@@ -3049,19 +3056,88 @@ def _xlogy_terms(f: ast.expr, g: ast.expr, seg: Callable[[ast.expr], str]) -> st
         if first is None or first[0] != "log" or ast.unparse(first[1]) != a:
             return None
         second = _log_of(g.right)
-        rest = (
-            f"torch.xlogy({seg(f)}, {seg(second[1])})"
-            if second is not None and second[0] == "log"
-            else f"{paren(seg(f))} * {paren(seg(g.right))}"
-        )
+        if log_b is not None:
+            if second is None or second[0] != "log":
+                return None
+            rest = f"{paren(seg(f))} * {log_b(seg(second[1]))}"
+        else:
+            rest = (
+                f"torch.xlogy({seg(f)}, {seg(second[1])})"
+                if second is not None and second[0] == "log"
+                else f"{paren(seg(f))} * {paren(seg(g.right))}"
+            )
         return f"torch.xlogy({seg(f)}, {seg(f)}) - {rest}"
     return None
 
 
-def _xlogy_ratio_use(stmt: str) -> _LogUse | None:
+def _subtracted_log_zero(a: Anomaly, ev: OpEvent) -> bool:
+    """The failing log is the subtracted one of ``log(A) - log(B)``: the op that read its
+    -inf (the next event of the anomaly's chain) is a subtraction whose ``other`` holds the
+    -inf while its ``self`` (the first log) is finite, so the 0 was in B, not in A."""
+    chain = a.op.chain() if a.op is not None else []
+    after = [chain[i + 1] for i, e in enumerate(chain[:-1]) if e is ev]
+    if not after or packet(after[0].op) != "sub":
+        return False
+    ins = dict(after[0].inputs)
+    left, right = ins.get("self"), ins.get("other")
+    if left is None or right is None or not right.neginf:
+        return False
+    return not left.neginf and math.isfinite(left.min) and math.isfinite(left.max)
+
+
+_SOFTMAX_NAMES = ("softmax", "log_softmax")
+
+
+def _log_softmax_of(rhs: ast.expr, text: str) -> str | None:
+    """``text`` (a right-hand side that is a softmax call: ``z.softmax(-1)``,
+    ``F.softmax(z, dim=-1)``, ``torch.softmax(z, -1)``) as the log_softmax of the same
+    logits; None when it is not one."""
+    if not isinstance(rhs, ast.Call):
+        return None
+    func = rhs.func
+    name = (
+        func.attr
+        if isinstance(func, ast.Attribute)
+        else func.id
+        if isinstance(func, ast.Name)
+        else ""
+    )
+    if name != "softmax" or func.end_col_offset is None:
+        return None
+    # the call's own name ends where its argument list starts
+    head = text[: func.end_col_offset]
+    if not head.endswith("softmax"):
+        return None
+    return f"{head[: -len('softmax')]}log_softmax{text[func.end_col_offset :]}"
+
+
+def _subtracted_log_fix(ev: OpEvent, b: str) -> tuple[str, str | None]:
+    """The log of ``b`` (the second log's argument, exactly 0 somewhere) taken finite: the
+    log_softmax of its logits when ``b`` is a name assigned a softmax earlier in the
+    function (returned with that new assignment), else ``b`` floored at the dtype's
+    smallest normal number."""
+    floor = f"torch.log({paren(b)}.clamp_min({_tiny(b)}))"
+    if not re.fullmatch(r"[A-Za-z_]\w*", b):
+        return floor, None
+    found = _assigned_expr(ev.source, b)
+    if found is None:
+        return floor, None
+    made, rhs = found
+    text = made.split("=", 1)[1].strip()
+    logs = _log_softmax_of(rhs, text)
+    if logs is None:
+        return floor, None
+    return f"log_{b}", f"log_{b} = {logs}   # next to {made}: log {b} without forming the 0"
+
+
+def _xlogy_ratio_use(
+    stmt: str, *, subtracted: bool = False, ev: OpEvent | None = None
+) -> _LogUse | None:
     """``y * torch.log(y / mu)`` (or ``log(y / mu) * y``, ``t * (torch.log(t) - q)``): the
     log's argument is a ratio, or a difference of logs, whose numerator is the factor that
-    multiplies the log, 0 where that factor is: xlogy gives 0 · log 0 = 0."""
+    multiplies the log, 0 where that factor is: xlogy gives 0 · log 0 = 0. ``subtracted``
+    (the 0 is in the second log's argument, ``q`` of ``p * (log(p) - log(q))``): xlogy
+    only for ``p · log p``, and ``log q`` taken where it is finite."""
     s = stmt.strip()
     try:
         tree = ast.parse(s)
@@ -3074,12 +3150,22 @@ def _xlogy_ratio_use(stmt: str) -> _LogUse | None:
     def seg(n: ast.expr) -> str:
         return raw[n.col_offset : n.end_col_offset].decode()
 
+    made: list[str] = []
+    logged: list[str] = []
+
+    def log_b(b: str) -> str:
+        assert ev is not None
+        text, line = _subtracted_log_fix(ev, b)
+        made[:] = [line] if line is not None else []
+        logged[:] = [b]
+        return text
+
     parents = {id(c): n for n in ast.walk(tree) for c in ast.iter_child_nodes(n)}
     for node in ast.walk(tree):
         if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)):
             continue
         for f, g in ((node.left, node.right), (node.right, node.left)):
-            terms = _xlogy_terms(f, g, seg)
+            terms = _xlogy_terms(f, g, seg, log_b if subtracted and ev is not None else None)
             if terms is None:
                 continue
             up = parents.get(id(node))
@@ -3093,6 +3179,8 @@ def _xlogy_ratio_use(stmt: str) -> _LogUse | None:
             new = terms if bare else f"({terms})"
             own = s[:start] + new + s[end:]
             y = seg(f)
+            if logged:
+                return _zero_in_second_log(own, y, logged[0], made, ev)
             return _LogUse(
                 "xlogy",
                 fix=(
@@ -3106,6 +3194,46 @@ def _xlogy_ratio_use(stmt: str) -> _LogUse | None:
                 f"is taken of: {y} · log({y} / ...) at {y} = 0 is 0 × -inf = NaN",
             )
     return None
+
+
+def _zero_in_second_log(own: str, y: str, b: str, made: list[str], ev: OpEvent | None) -> _LogUse:
+    """The fix of ``y * (log(y) - log(b))`` where ``b`` (not ``y``) holds the 0: a
+    reference distribution that underflowed (a KL penalty to a frozen model's softmax)."""
+    dtype = (ev.dtype if ev is not None else "") or "float32"
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    low = fmt(-math.log(lim.subnormal / 2))
+    x = first_input(ev) if ev is not None else None
+    zeros = f"{x.zeros:,} of its {x.numel:,} values" if x is not None and x.zeros else "values"
+    if made:
+        lines = [
+            made[0],
+            f"{own}   # log {b} is finite where {b} underflowed to 0",
+            f"# no logits at hand: torch.log({paren(b)}.clamp_min({_tiny(b)})) for "
+            f"torch.log({b}), a floor (it understates the term where {b} is 0)",
+        ]
+    else:
+        lines = [
+            f"{own}   # log {b} floored at the dtype's smallest normal number: finite where "
+            f"{b} underflowed to 0",
+            f"# where {b} is a softmax, take the log_softmax of its logits instead: exact, "
+            "and never 0",
+        ]
+    return _LogUse(
+        "xlogy",
+        fix="\n".join(lines),
+        why=(
+            f"Here the 0 is in {b}, the second log's argument, not in {y}: {b} is exactly 0 "
+            f"where {y} is not, so {y} · (log {y} - log {b}) = {y} · +inf = inf, and "
+            f"torch.xlogy({y}, {b}) is -inf there as well (xlogy is 0 only where its first "
+            f"argument is). A softmax underflows to exactly 0 in {dtype} for a logit more "
+            f"than {low} below its row's largest (a confident reference model): "
+            f"its true log is finite. log_softmax of the same logits gives it without forming "
+            f"the 0; torch.xlogy({y}, {y}) keeps {y} · log {y} = 0 where {y} is 0."
+        ),
+        evidence=f"the log that made -inf is log({b}), the subtracted one (log({y}) is finite "
+        f"there): {b} is exactly 0 in {zeros}",
+    )
 
 
 def _graph_xlogy(ctx: RuleContext, ev: OpEvent) -> bool:
@@ -5155,13 +5283,18 @@ def _all_zero_difference(
     spacing (eps/2 at 1.0 in float32: 5.96e-8), so ``(F.softplus(a) + 1) - 1`` is 0 where
     the softplus is small; the difference is computed exactly from its source."""
     node: ast.expr | None = None
+    via: tuple[str, str] | None = None  # (name, its assignment) when a name held the difference
     if divisor is not None:
         try:
             node = ast.parse(_unwrapped(divisor), mode="eval").body
         except SyntaxError:
             return None
         if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)):
-            return None
+            held = _difference_held(ev.source, node)
+            if held is None:
+                return None
+            name, made_by, node = held
+            via = (name, made_by)
     elif node_base(str(ev.scalars.get("other_made_by", "")).split("<")[0]) != "Sub":
         return None
     dtype = ev.dtype or "float32"
@@ -5173,6 +5306,20 @@ def _all_zero_difference(
             2, "a subtraction (SubBackward0) made the denominator: its operands are equal"
         )
         left, right, made = "a", "b", None
+    elif via is not None:
+        assert isinstance(node, ast.BinOp)
+        return _cancelled_name(
+            ctx,
+            a,
+            ev,
+            den=den,
+            divisor=divisor,
+            node=node,
+            via=via,
+            evidence=evidence,
+            title=title,
+            half=half,
+        )
     else:
         assert isinstance(node, ast.BinOp)
         divisor = _unwrapped(divisor)
@@ -5226,6 +5373,145 @@ def _all_zero_difference(
         explanation=(
             "Every value of this denominator is exactly 0, not a few: x/0 is ±inf and 0/0 is "
             "NaN everywhere it divides." + why
+        ),
+        fix="\n".join(lines),
+    )
+
+
+def _difference_held(source: str | None, node: ast.expr) -> tuple[str, str, ast.BinOp] | None:
+    """A name of the divisor (``2 * one_m``) that an earlier line of the function assigned a
+    difference (``one_m = 1 - rho ** 2``): the name, that assignment and its difference."""
+    for n in ast.walk(node):
+        if not isinstance(n, ast.Name):
+            continue
+        found = _assigned_expr(source, n.id)
+        if found is None:
+            continue
+        made, rhs = found
+        if isinstance(rhs, ast.BinOp) and isinstance(rhs.op, ast.Sub):
+            return n.id, made, rhs
+    return None
+
+
+_SATURATING = {"tanh": "(-1 + {e}, 1 - {e})", "sigmoid": "({e}, 1 - {e})"}
+
+
+def _saturated_square(source: str | None, node: ast.BinOp) -> tuple[str, str, str, str] | None:
+    """``1 - t ** 2`` (or ``1 - t``) where ``t`` was assigned a tanh (a sigmoid): the name,
+    its assignment, the squashing function and its argument; the difference is 0 where the
+    function rounded to +-1."""
+    if not (isinstance(node.left, ast.Constant) and node.left.value == 1):
+        return None
+    base = node.right
+    if isinstance(base, ast.BinOp) and isinstance(base.op, ast.Pow):
+        if not (isinstance(base.right, ast.Constant) and base.right.value == 2):
+            return None
+        base = base.left
+    elif isinstance(base, ast.BinOp) and isinstance(base.op, ast.Mult):
+        if ast.unparse(base.left) != ast.unparse(base.right):
+            return None
+        base = base.left
+    if not isinstance(base, ast.Name):
+        return None
+    found = _assigned_expr(source, base.id)
+    for _ in range(3):  # past ``rho = rho.clamp(...)`` under an if: the value it was made from
+        if found is None or base.id not in {
+            n.id for n in ast.walk(found[1]) if isinstance(n, ast.Name)
+        }:
+            break
+        at = _line_of(source, found[0])
+        found = _assigned_expr(at, base.id) if at is not None else None
+    if found is None:
+        return None
+    made, call = found
+    if not isinstance(call, ast.Call):
+        return None
+    f = call.func
+    fn = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+    if fn not in _SATURATING or call.keywords:
+        return None
+    on_value = isinstance(f, ast.Attribute) and ast.unparse(f.value) not in ("torch", "F")
+    args = [f.value] if on_value and isinstance(f, ast.Attribute) else list(call.args)
+    if len(args) != 1 or (fn == "sigmoid" and node.right is not base):
+        return None
+    return base.id, made, fn, ast.unparse(args[0])
+
+
+def _cancelled_name(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    *,
+    den: TensorStat,
+    divisor: str,
+    node: ast.BinOp,
+    via: tuple[str, str],
+    evidence: list[str],
+    title: str,
+    half: str,
+) -> Diagnosis:
+    """The denominator uses a name assigned a difference that cancelled to 0 everywhere
+    (``one_m = 1 - rho ** 2`` with ``rho = torch.tanh(r)`` rounded to 1): floor the name
+    where it is made, which covers every use of it, and keep a saturating function off
+    its limits."""
+    name, made = via
+    dtype = ev.dtype or "float32"
+    left, right = ast.unparse(node.left), ast.unparse(node.right)
+    at = _line_of(ev.source, made)
+    where = f" ({at.rpartition('/')[2]})" if at else ""
+    evidence.insert(
+        2,
+        f"the denominator {_unwrapped(divisor)} is 0 in all {den.numel:,} values: {name} is "
+        f"made as {made}{where}, a difference whose operands are equal after rounding (a "
+        "cancellation)",
+    )
+    uses = len(re.findall(rf"(?<![\w.]){re.escape(name)}(?![\w(])", ev.code or ""))
+    sat = _saturated_square(ev.source, node)
+    lines: list[str] = []
+    why = ""
+    if sat is not None:
+        t, t_made, fn, arg = sat
+        lim = limits(dtype) or limits("float32")
+        assert lim is not None
+        e = f"torch.finfo({paren(arg)}.dtype).eps"
+        rhs = t_made.split("=", 1)[1].strip()
+        bound = 0.5 * math.log(8 / lim.eps) if fn == "tanh" else math.log(4 / lim.eps)
+        limit, size = ("±1", f"|{arg}|") if fn == "tanh" else ("1", arg)
+        lines.append(
+            f"{t} = {paren(rhs)}.clamp{_SATURATING[fn].format(e=e)}   # was {t_made}: "
+            f"{fn}({arg}) is exactly {'±1' if fn == 'tanh' else '1'} in {dtype} for "
+            f"{'|' + arg + '|' if fn == 'tanh' else arg} above about {fmt(bound)}, and "
+            f"{left} - {right} is then 0"
+        )
+        evidence.insert(
+            3,
+            f"{t} is made as {t_made}: {fn} rounds to exactly {limit} in {dtype} once "
+            f"{size} exceeds about {fmt(bound)}",
+        )
+        why = (
+            f" Here {t} = {fn}({arg}) saturated: {fn} is exactly "
+            f"{'±1' if fn == 'tanh' else '1'} in {dtype} beyond about {fmt(bound)}, so "
+            f"{left} - {right} is 0. Clamping {t} inside its open interval keeps the "
+            f"difference at least about 2 · eps wherever it is used."
+        )
+    operands = [n.id for n in ast.walk(node) if isinstance(n, ast.Name)]
+    typed = next((n for n in operands if n not in ("torch", "F", "math", "np")), None)
+    dt = f"{typed}.dtype" if typed is not None else f"torch.{dtype}"
+    own = f"{name} = {paren(made.split('=', 1)[1].strip())}.clamp_min(torch.finfo({dt}).eps)"
+    lines.append(
+        f"{'# or ' if sat is not None else ''}{own}   # was {made}: floored where it is made, "
+        f"so every use of {name} ({uses} on the failing line) stays finite"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: a difference cancelled to 0",
+        evidence=evidence,
+        explanation=(
+            "Every value of this denominator is exactly 0, not a few: x/0 is ±inf and 0/0 is "
+            f"NaN everywhere it divides. {name} = {left} - {right} is exactly 0 where the two "
+            "are equal after rounding (a cancellation, not a tensor never filled; eps/2 = "
+            f"{half} at 1.0 in {dtype})." + why + " A floor on the name where it is made "
+            "covers every use of it; flooring one use leaves the others at 0."
         ),
         fix="\n".join(lines),
     )
@@ -6020,6 +6306,8 @@ def _underflowed_denominator(
             ),
             fix=soft,
         )
+    if not _summed_exp(u):
+        return _single_exp_denominator(ctx, a, ev, u, evidence=evidence, title=title)
     x = u.exponent or "x"
     name = u.name or "t"
     mm = re.fullmatch(rf"\(?\s*{re.escape(name)}(\.t\(\)|\.T)?\s*@\s*([\w.]+)\s*\)?", u.denominator)
@@ -6053,6 +6341,89 @@ def _underflowed_denominator(
         evidence=evidence,
         explanation=_UNDERFLOW_TEXT.format(
             dtype=dtype, low=fmt(low), what="0/0 is NaN" if ratio else "x/0 is inf"
+        ),
+        fix="\n".join(lines),
+    )
+
+
+_SUMMING = frozenset(
+    ("sum", "nansum", "mean", "matmul", "mm", "bmm", "mv", "dot", "einsum", "cumsum", "norm")
+)
+
+
+def _summed_exp(u: _Underflow) -> bool:
+    """The denominator sums its exp() terms (``exp(x).sum(-1)``, ``K @ v``, ``a + exp(b)``),
+    read from the line's divisor and the assignment that made the exp; False for one exp
+    scaled or raised (``sig = log_sig.exp()`` then ``(y - mu) / sig``), which no logsumexp
+    rewrites. Unreadable code counts as summed (the template as before)."""
+    texts = [u.denominator, u.made.split("=", 1)[1] if u.name else u.made]
+    for text in texts:
+        try:
+            node = ast.parse(_unwrapped(text.strip()), mode="eval").body
+        except SyntaxError:
+            return True
+        for n in ast.walk(node):
+            if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Add, ast.Sub, ast.MatMult)):
+                return True
+            if isinstance(n, ast.Call):
+                f = n.func
+                called = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if called in _SUMMING:
+                    return True
+    return u.via is not None
+
+
+_SINGLE_EXP_TEXT = (
+    "The denominator is one exp(), not a sum of them: exp(x) is exactly 0 in {dtype} for x "
+    "below {low} (a log-scale or log-variance head driven far negative, a collapsed "
+    "mixture component), so {what}. Dividing by multiplying, num * exp(-x), does not "
+    "help: exp(-x) overflows for -x above {over}, which it is wherever exp(x) underflowed; "
+    "nothing is summed, so no logsumexp applies either. A floor at finfo.tiny ** 0.25 "
+    "({floor}) keeps the quotient and the 1/d² of its gradient finite; a scale this small "
+    "is a collapsed component: keep x in a range in the model."
+)
+
+
+def _single_exp_denominator(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, u: _Underflow, *, evidence: list[str], title: str
+) -> Diagnosis:
+    """The zero denominator is one exp() that underflowed (``sig = log_sig.exp()``, then
+    ``(y - mu) / sig``): floor the exp where it is made, in the user's names."""
+    lim = limits(ev.dtype) or limits("float32")
+    assert lim is not None
+    dtype = ev.dtype or "float32"
+    low = fmt(math.log(lim.subnormal / 2))
+    x = u.exponent or "x"
+    floor = f"torch.finfo({paren(x)}.dtype).tiny ** 0.25"
+    if u.name and "=" in u.made:
+        target, rhs = u.made.split("=", 1)
+        fix = (
+            f"{target.strip()} = {paren(rhs.strip())}.clamp_min({floor})   # was {u.made}: "
+            f"exactly 0 for {x} below {low} in {dtype}; floored, a division by {u.name} and "
+            "its gradient stay finite"
+        )
+    else:
+        line = _rewrite_divisor(ev.code, lambda d: f"{paren(d)}.clamp_min({floor})")
+        fix = (
+            f"{line}   # exp({x}) is exactly 0 for {x} below {low} in {dtype}"
+            if line is not None
+            else f"d = torch.exp({x}).clamp_min({floor})   # the denominator, floored"
+        )
+    lines = [
+        fix,
+        f"# better, keep {x} in a range in the model ({paren(x)}.clamp(min=...), or a scale "
+        "made as F.softplus(raw) + a minimum)",
+    ]
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: exp() underflowed to 0",
+        evidence=evidence,
+        explanation=_SINGLE_EXP_TEXT.format(
+            dtype=dtype,
+            low=low,
+            what="0/0 is NaN" if "0/0" in title else "x/0 is inf",
+            over=fmt(lim.exp_bound),
+            floor=fmt(lim.tiny**0.25),
         ),
         fix="\n".join(lines),
     )
@@ -6424,6 +6795,27 @@ def _graph_underflowed(
         f"{fmt(normal)} it loses precision), so those terms underflowed"
     )
     evidence.append(untraced_hint(ctx))
+    if len(bases) == 1:  # the denominator is the exp itself: nothing summed
+        lines = [
+            "d = torch.exp(x).clamp_min(torch.finfo(x.dtype).tiny ** 0.25)   # a pattern, in "
+            "your names: d the denominator, x what you pass to torch.exp(x)",
+            "# better, keep x in a range in the model (x.clamp(min=...), or a scale made as "
+            "F.softplus(raw) + a minimum)",
+            '# mode="forensic" names your line, and nanwatch rewrites it',
+        ]
+        return ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"{title}: exp() underflowed to 0",
+            evidence=evidence,
+            explanation=_SINGLE_EXP_TEXT.format(
+                dtype=dtype,
+                low=fmt(low),
+                what="0/0 is NaN" if "0/0" in title else "x/0 is inf",
+                over=fmt(lim.exp_bound),
+                floor=fmt(lim.tiny**0.25),
+            ),
+            fix="\n".join(lines),
+        )
     lines = ["log_K = x   # x: what you pass to torch.exp(x); keep it, never form the exp"]
     if len(bases) > 1 and bases[0] in ("mv", "dot"):
         lines.append(
@@ -11591,20 +11983,72 @@ def _torch_layer(module_type: str) -> str | None:
 _VAR_CALL = re.compile(r"(\.|\btorch\.)(std|var|std_mean|var_mean)\(")
 
 
+def _guarded_var(code: str | None) -> str | None:
+    """The user's line with its one ``x.std(...)`` / ``torch.var(x, ...)`` call taken only
+    where the reduced size exceeds 1 (``(x.std() if x.numel() > 1 else 1.0)``): a batch of
+    one gets 1.0 (its deviation from the mean is 0 anyway), every other batch is unchanged.
+    None when the line shows no such call or its reduced size cannot be written."""
+    stmt = (statements(code) or [""])[0].split("  #", 1)[0].rstrip()
+    try:
+        tree = ast.parse(stmt)
+    except SyntaxError:
+        return None
+    calls = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if n.func.attr not in ("std", "var"):
+                continue
+            on_torch = isinstance(n.func.value, ast.Name) and n.func.value.id == "torch"
+            args = list(n.args[1:] if on_torch else n.args)
+            recv = (n.args[0] if n.args else None) if on_torch else n.func.value
+            if recv is not None:
+                calls.append((n, recv, args))
+    if len(calls) != 1 or not stmt.isascii():
+        return None
+    call, recv, args = calls[0]
+    kw = {k.arg: k.value for k in call.keywords}
+    dim = kw.get("dim", args[0] if args else None)
+    x = ast.get_source_segment(stmt, recv)
+    whole = ast.get_source_segment(stmt, call)
+    if x is None or whole is None:
+        return None
+    if dim is None:
+        size = f"{paren(x)}.numel()"
+    elif isinstance(dim, ast.Constant) and isinstance(dim.value, int):
+        size = f"{paren(x)}.shape[{dim.value}]"
+    elif isinstance(dim, ast.UnaryOp) and isinstance(dim.operand, ast.Constant):
+        size = f"{paren(x)}.shape[{ast.unparse(dim)}]"
+    else:
+        return None
+    assert call.end_col_offset is not None
+    return f"{stmt[: call.col_offset]}({whole} if {size} > 1 else 1.0){stmt[call.end_col_offset :]}"
+
+
 def _var_fix(ev: OpEvent) -> str:
     fixed = _with_correction0(ev.code)
+    added = re.search(r"correction=0[^()]*\)\s*\+\s*(\d[\w.+-]*)", fixed or "")
+    eps = (
+        f"+ {added.group(1)} keeps a division by it finite"
+        if added is not None
+        else "where you divide by it, add an eps (+ 1e-5)"
+    )
+    guarded = _guarded_var(ev.code) if fixed is not None else None
+    if guarded is not None and fixed is not None:
+        return (
+            f"{guarded}   # a reduction over 1 element: its deviation from the mean is 0, "
+            "so 1.0 stands in; every larger batch is unchanged\n"
+            "# or never reduce over one sample: DataLoader(..., drop_last=True), or skip "
+            "the step when the batch holds 1\n"
+            "# or the population std, which changes the scale of every batch by sqrt(N / "
+            f"(N - 1)) (1.15x at N = 4): {fixed}\n"
+            f"#   correction=0 (unbiased=False): N = 1 gives 0, not NaN; {eps}"
+        )
     if fixed is None:
         return (
             "s = x.std(dim=0, correction=0)   # N = 1 gives std 0, not NaN (unbiased=False)\n"
             "y = (x - x.mean(0)) / (s + 1e-5)  # dividing by it: keep it off 0, as BatchNorm\n"
             "# or never reduce over one sample: DataLoader(..., drop_last=True)"
         )
-    added = re.search(r"correction=0[^()]*\)\s*\+\s*(\d[\w.+-]*)", fixed)
-    eps = (
-        f"+ {added.group(1)} keeps a division by it finite"
-        if added is not None
-        else "where you divide by it, add an eps (+ 1e-5)"
-    )
     return (
         f"{fixed}\n"
         f"# correction=0 (unbiased=False): N = 1 gives 0, not NaN; {eps}\n"
