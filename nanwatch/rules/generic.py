@@ -364,9 +364,12 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             "NaN (N - 1 = 0 degrees of freedom; torch warns 'degrees of freedom is <= 0')"
         )
         fix = (
-            f"# std of a single value is NaN; where {x} is normalized by its std:\n"
-            f"# ({x} - {x}.mean()) / ({x}.std(correction=0) + 1e-8)   # N = 1 gives std 0\n"
-            "# or skip batches of 1 (DataLoader(drop_last=True), if len(batch) > 1)\n" + fix
+            f"# std of a single value is NaN; where {x} is normalized by its std, guard the "
+            "batch of one (other batches unchanged):\n"
+            f"# ({x} - {x}.mean()) / (({x}.std() if {x}.numel() > 1 else 1.0) + 1e-8)\n"
+            "# or skip batches of 1 (DataLoader(drop_last=True), if len(batch) > 1)\n"
+            f"# or {x}.std(correction=0) (0 for one value; it rescales every batch by "
+            "sqrt(N/(N-1)))\n" + fix
         )
     if name and ratio is None:
         fix = (
