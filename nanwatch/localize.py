@@ -1076,6 +1076,21 @@ def is_birth(ev: OpEvent) -> bool:
     return name in _OVERFLOW_OPS
 
 
+def forward_birth(events: Sequence[OpEvent]) -> OpEvent | None:
+    """The op of ``events`` (read from a loss's autograd graph, nearest the inputs first:
+    :func:`nanwatch.ops.graph_evidence`) that made the loss's non-finite value in the
+    forward. An event whose result is known and finite made nothing non-finite there: a
+    sqrt of 0 is 0, only its gradient 1/(2 sqrt(x)) is inf; it is passed over for the op
+    after it that made the value (the log of that 0, -inf). The first event when every
+    one is such."""
+    for ev in events:
+        out = ev.output
+        if ev.phase is Phase.FORWARD and out.numel > 0 and out.finite and not ev.injected:
+            continue
+        return ev
+    return events[0] if events else None
+
+
 def _stat_kinds(s: TensorStat | None) -> set[str]:
     return set() if s is None or s.finite else set(s.kinds().split(", "))
 
@@ -1233,6 +1248,20 @@ def _whole_samples_bad(rec: Record) -> bool:
     bad = s.nan + (s.posinf or 0) + (s.neginf or 0)
     per_sample = _numel(rec.shape[1:])
     return per_sample > 1 and bad == s.bad_row_count * per_sample
+
+
+def _computed_look(rec: Record) -> bool:
+    """``rec``'s non-finite values fill whole samples, or whole feature columns of a 2-D
+    input: a sample or a feature divided by a zero norm, speed or standard deviation, as
+    the user's code or a preprocessing step makes. A missing value of loaded data spoils
+    one value and leaves the rest of its sample and column finite."""
+    if _whole_samples_bad(rec):
+        return True
+    s = rec.stat
+    if s is None or len(rec.shape) != 2 or not s.bad_col_count or s.nan is None:
+        return False
+    bad = s.nan + (s.posinf or 0) + (s.neginf or 0)
+    return rec.shape[0] > 1 and bad == s.bad_col_count * rec.shape[0]
 
 
 def _computed_between_calls(trace: StepTrace, call: Call, trig: Record) -> bool:
@@ -1435,6 +1464,16 @@ def localize(
             summary = (
                 f"{what} in {trig.role} of {path}{rows}, computed by your code between two "
                 f"calls of {path} (not the data)"
+            )
+        elif not forensic and _computed_look(trig):
+            # whole samples non-finite, as a division of each by a zero norm or speed makes:
+            # without tracing, the batch cannot be told from the user's code that ran on it
+            # before the call (no autograd history when nothing needs a grad)
+            origin = "data-or-code"
+            summary = (
+                f"{what} in {trig.role} of {path}{rows}: the batch, or your code that ran on "
+                "it before the model's call; mode='forensic' (nanwatch run --mode forensic) "
+                "names the op if your code made it"
             )
     elif trig.phase is Phase.INPUT:
         parent = _parent(trace, call)

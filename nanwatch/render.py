@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import ast
 import base64
 import html
 import io
@@ -1371,13 +1372,16 @@ _HELPER = re.compile(
 
 def key_line(fix: str) -> str:
     r"""The line of a fix a one-line summary shows: the rewrite of the user's line (``# was:``)
-    if it has one, else its first line of code that is not a helper constant, else its
-    first line.
+    if it has one, else its first line of code that is not a helper constant; a fix of
+    comments only gives its first commented-out line of code, after the comment that
+    introduces it ("...:"), else its first line.
 
     >>> key_line("eps = torch.finfo(torch.float32).eps\ny = x.clamp_min(eps) ** 0.75")
     'y = x.clamp_min(eps) ** 0.75'
     >>> key_line("# adapt: your loop\nloss = f(x)  # was: loss = g(x)")
     'loss = f(x)  # was: loss = g(x)'
+    >>> key_line("# where x is normalized:\n# x / (x.std(correction=0) + 1e-8)\n# or skip it")
+    '# where x is normalized: x / (x.std(correction=0) + 1e-8)'
     """
     lines = [ln.strip() for ln in fix.strip().splitlines() if ln.strip()]
     if not lines:
@@ -1387,7 +1391,38 @@ def key_line(fix: str) -> str:
         return rewrite
     code = [ln for ln in lines if not ln.startswith("#")]
     main = [ln for ln in code if not _HELPER.match(ln.split("  #", 1)[0].strip())]
-    return (main or code or lines)[0]
+    if main or code:
+        return (main or code)[0]
+    # only comments: a comment that introduces code ("...: ") is no fix on its own line;
+    # show it with the first commented-out line of code after it
+    body = [ln.lstrip("#").strip() for ln in lines]
+    at = next((i for i, b in enumerate(body) if _is_code(b)), None)
+    if at is None:
+        intro = lines[0].endswith(":") and len(lines) > 1
+        return f"{lines[0]} {body[1]}" if intro else lines[0]
+    if at > 0 and body[at - 1].endswith(":"):
+        return f"{lines[at - 1]} {body[at].split('  #', 1)[0].strip()}"
+    return lines[at]
+
+
+def _is_code(text: str) -> bool:
+    """Whether a comment's text is a line of Python (an expression or a statement with an
+    operator or a call), not prose: ``(x - x.mean()) / x.std()`` is, ``skip batches of 1``
+    is not."""
+    src = text.split("  #", 1)[0].strip()
+    if not src:
+        return False
+    try:
+        tree = ast.parse(src)
+    except SyntaxError:
+        return False
+    if len(tree.body) != 1:
+        return False
+    node = tree.body[0]
+    if isinstance(node, ast.Expr) and isinstance(node.value, (ast.Name, ast.Constant)):
+        return False
+    ops = (ast.Call, ast.BinOp, ast.Assign, ast.AugAssign)
+    return any(isinstance(n, ops) for n in ast.walk(node))
 
 
 def report_summary(report: Report, paths: Sequence[os.PathLike[str] | str]) -> RenderableType:

@@ -88,6 +88,7 @@ ERROR_LABELS: dict[str, str] = {
     "keyboard-interrupt": "interrupted (Ctrl-C)",
     "signal": "terminated by a signal",
     "exit": "sys.exit",
+    "user-raised": "raised by your code",
     "other": "exception",
 }
 
@@ -249,7 +250,9 @@ class Report:
         scaler = getattr(watcher, "scaler", None) is not None
         if exc is not None:
             names = {id(prm): q for q, _, prm in getattr(watcher, "_params", ())}
-            error = _error_info(exc, steps, watcher.step_index, names, scaler=scaler)
+            error = _error_info(
+                exc, steps, watcher.step_index, names, scaler=scaler, mode=watcher.config.mode
+            )
             born = _before_raise(watcher, steps, error)
             if born is not None:  # the partial step's NaN, which no record held
                 anomalies.append(born)
@@ -267,6 +270,7 @@ class Report:
 
                     error = {**t.error, "step": t.step}
                     step_advice(error, t, scaler=scaler)
+                    _name_the_op(error, t, watcher.config.mode)
                     break
         diagnoses, counts = _gather_diagnoses(steps, first_step)
         cfg = watcher.config
@@ -632,6 +636,11 @@ def anomaly_headline(a: Anomaly) -> str:
             f"{kinds} in the target of {a.path} ({a.record.role}), computed by your code "
             "this step (a teacher or target network)"
         )
+    elif k is AnomalyKind.INPUT and a.origin == "data-or-code":
+        text = (
+            f"{kinds} in the input data ({a.record.role} of {a.path}): the batch, or your "
+            "code before the call"
+        )
     elif k is AnomalyKind.INPUT:
         text = f"{kinds} in the input data ({a.record.role} of {a.path})"
     elif k is AnomalyKind.FORWARD and a.origin == "between-roots":
@@ -729,6 +738,7 @@ def _error_info(
     names: Mapping[int, str] | None = None,
     *,
     scaler: bool = False,
+    mode: str = "",
 ) -> dict[str, Any]:
     from nanwatch.postmortem import classify, step_advice
 
@@ -744,6 +754,7 @@ def _error_info(
             step, raised = steps[-1].step, steps[-1]
     info["step"] = step
     step_advice(info, raised, scaler=scaler)
+    _name_the_op(info, raised, mode)
     lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()
     if len(lines) > _MAX_TRACEBACK_LINES:
         half = _MAX_TRACEBACK_LINES // 2
@@ -760,6 +771,29 @@ def _error_info(
     cause = exc.__cause__
     info["cause"] = None if cause is None else f"{type(cause).__name__}: {_first_line(str(cause))}"
     return info
+
+
+def _name_the_op(info: dict[str, Any], trace: StepTrace | None, mode: str) -> None:
+    """A check that refused NaN or inf (``torch.multinomial``) when every value nanwatch
+    watched in ``trace`` was finite and no op was traced: the value was made by code
+    between the model and the check, and the advice's first sentence (the one the stderr
+    summary prints) says how to name its op and line (``mode='forensic'``,
+    ``nw.replay``). Not in forensic mode, which traced every op."""
+    advice = str(info.get("advice") or "")
+    if info.get("class") != "non-finite" or trace is None or mode == "forensic" or not advice:
+        return
+    if trace.anomaly is not None or trace.ops or not trace.records or "forensic" in advice:
+        return
+    if not all(r.stat is None or r.stat.finite for r in trace.records):
+        return
+    from types import SimpleNamespace
+
+    from nanwatch.rules._evidence import untraced_hint
+
+    hint = untraced_hint(SimpleNamespace(facts={"mode": mode}, trace=trace))
+    end = advice.find(". ")
+    head, rest = (advice.rstrip("."), "") if end < 0 else (advice[:end], advice[end + 1 :])
+    info["advice"] = f"{head}; {hint}.{rest}"
 
 
 #: error classes whose exception is not an op's reaction to the values it got
