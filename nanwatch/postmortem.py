@@ -273,6 +273,11 @@ ADVICE: dict[str, str] = {
         "the steps recorded so far, the step in progress included."
     ),
     "exit": "sys.exit() was called inside the watched code.",
+    "user-raised": (
+        "Raised by your own code (an exception class it defines), not by torch or Python: "
+        "if it ends the run on purpose (early stopping, a time limit), nothing here needs "
+        "fixing. Any NaN or inf nanwatch saw before it is listed in the report."
+    ),
     "other": "The last modules that ran before the exception are listed.",
 }
 
@@ -360,6 +365,20 @@ def _linalg_operands(code: str | None) -> list[str]:
 _DEVICE_LOST = ("cuda-device-assert", "cuda-error")
 
 
+def _users_class(typ: type) -> bool:
+    """``typ`` is an exception class the user's own code defines (an ``EarlyStop`` of the
+    training script), not one of Python, torch or an installed library."""
+    module = sys.modules.get(typ.__module__)
+    file = getattr(module, "__file__", None)
+    if typ.__module__ == "__main__":
+        return True
+    if not isinstance(file, str):
+        return False
+    from nanwatch import _frames
+
+    return not _frames.is_internal(file)
+
+
 def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict[str, Any]:
     """What kind of failure ``exc`` is, from its type and message only (no device access):
     ``class``, ``type``, ``message``, ``device_lost`` (the CUDA context is unusable) and
@@ -392,6 +411,8 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             (c for c, needles in _CLASSES if any(n in text for n in needles)),
             "other",
         )
+        if cls == "other" and _users_class(type(exc)):
+            cls = "user-raised"
     typename = f"{type(exc).__module__}.{type(exc).__qualname__}"
     if typename == "torch._C._LinAlgError" or _is_linalg_error(exc):
         cls, typename = "linalg", _LINALG_ERROR

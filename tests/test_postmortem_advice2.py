@@ -125,3 +125,27 @@ def test_unrelated_errors_keep_their_classes() -> None:
         "shape-mismatch"
     )
     assert classify(OverflowError("int too large to convert to float"))["class"] == "other"
+
+
+class EarlyStop(Exception):
+    """A control-flow exception of the training script."""
+
+
+def test_an_exception_class_of_the_users_code_is_not_called_a_crash(tmp_path: Path) -> None:
+    m = nn.Linear(4, 1)
+    with (
+        pytest.raises(EarlyStop),
+        nanwatch.watch(m, report_dir=str(tmp_path)) as nw,
+    ):
+        for i in range(3):
+            m(torch.randn(2, 4)).pow(2).mean().backward()
+            nw.step()
+            if i == 1:
+                raise EarlyStop("patience")
+    report = _report(tmp_path)
+    assert report.error is not None and report.error["class"] == "user-raised"
+    assert report.headline.startswith("EarlyStop (raised by your code)")
+    assert "nothing here needs fixing" in report.error["advice"]
+    # Python's and torch's own errors keep their classes
+    assert classify(ValueError("bad value"))["class"] == "other"
+    assert classify(RuntimeError("boom"))["class"] == "other"
