@@ -61,6 +61,7 @@ from nanwatch.errors import (
 )
 from nanwatch.localize import (
     adopt_backward_op,
+    forward_birth,
     is_birth,
     is_trigger,
     localize,
@@ -4551,7 +4552,7 @@ class Watcher:
         self._trace.ops.extend(events)
         self.note("loss_graph", LOSS_PATH, source=source, ops=names[:32])
         if events:
-            anomaly.op = events[0]
+            anomaly.op = forward_birth(events)  # not a sqrt of 0 before the log of it
         if source:
             base = anomaly.summary.split(" [")[0]
             # the graph is read at backward(): its nodes keep no forward line, so the line

@@ -2522,7 +2522,19 @@ def _log_expanded(node: ast.expr, log: str, top: bool = True) -> str | None:
     'dist * torch.log(gamma)'
     >>> _log_expanded(ast.parse("torch.exp(-z) * w", mode="eval").body, "log")
     '-z + torch.log(w)'
+    >>> _log_expanded(ast.parse("2 * math.pi * s * torch.sqrt(v)", mode="eval").body, "log")
+    >>> _log_expanded(ast.parse("2 * math.pi * s ** 2", mode="eval").body, "log")
+    'math.log(2 * math.pi) + 2 * torch.log(s)'
     """
+    if top and not _holds_power_or_exp(node, log):
+        return None
+    value = _numeric_value(node)
+    if value is not None and value > 0:  # numbers only: torch.log takes no Python number
+        text = ast.unparse(node)
+        fn = {"log": "math.log", "log2": "math.log2", "log10": "math.log10"}.get(log)
+        if fn is not None and "math." in text:  # the line imports math already
+            return f"{fn}({text})"
+        return repr(getattr(math, log, math.log)(value))
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
         base, n = node.left, node.right
     elif (
@@ -2566,6 +2578,48 @@ def _log_expanded(node: ast.expr, log: str, top: bool = True) -> str | None:
     if not isinstance(n, (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Call)):
         exp = f"({exp})"
     return f"{exp} * {lb}"
+
+
+def _holds_power_or_exp(node: ast.expr, log: str) -> bool:
+    """``node`` is a product or quotient with a power or (for the natural log) an exp in
+    it: what :func:`_log_expanded` takes apart."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+        return True
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return node.func.attr == "pow" or (log == "log" and node.func.attr == "exp")
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
+        return _holds_power_or_exp(node.left, log) or _holds_power_or_exp(node.right, log)
+    return False
+
+
+_MATH_CONSTANTS = {"pi": math.pi, "e": math.e, "tau": math.tau}
+
+
+def _numeric_value(node: ast.expr) -> float | None:
+    """The value of a product, quotient or power of numbers and ``math.pi`` / ``math.e`` /
+    ``math.tau`` (``2 * math.pi``); None for anything that holds a name."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return float(node.value) if not isinstance(node.value, bool) else None
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "math"
+        and node.attr in _MATH_CONSTANTS
+    ):
+        return _MATH_CONSTANTS[node.attr]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div, ast.Pow)):
+        a, b = _numeric_value(node.left), _numeric_value(node.right)
+        if a is None or b is None:
+            return None
+        try:
+            if isinstance(node.op, ast.Mult):
+                return a * b
+            if isinstance(node.op, ast.Div):
+                return a / b if b else None
+            return float(a**b)
+        except (OverflowError, ZeroDivisionError, TypeError, ValueError):
+            return None
+    return None
 
 
 def _log_identity_use(stmt: str, calls: list[tuple[int, int, str]], dtype: str) -> _LogUse | None:
