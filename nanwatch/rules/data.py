@@ -30,6 +30,7 @@ from nanwatch.rules._evidence import (
     packet,
     short_op,
     target_log,
+    untraced_hint,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
@@ -119,6 +120,18 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
     if computed is not None:
         yield _computed_target_diagnosis(ctx, evidence, computed)
         return
+    data_fix = _find_samples_fix(
+        bad[0].shape,
+        rows_known=rows_known,
+        role=bad[0].role,
+        owner=a.path,
+        target=target,
+        sparse=_sparse(bad[0]),
+        params=_forward_params(ctx, call),
+    )
+    if a.origin == "data-or-code":
+        yield _data_or_code(ctx, evidence, what, data_fix)
+        return
     extra = {"title": "NaN or inf in the loss targets"} if what == "targets" else {}
     yield ctx.diagnosis(
         **anomaly_fields(a),
@@ -131,14 +144,36 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             "it into NaN activations and the loss into NaN; every layer downstream is "
             "innocent."
         ),
-        fix=_find_samples_fix(
-            bad[0].shape,
-            rows_known=rows_known,
-            role=bad[0].role,
-            owner=a.path,
-            target=target,
-            sparse=_sparse(bad[0]),
-            params=_forward_params(ctx, call),
+        fix=data_fix,
+    )
+
+
+def _data_or_code(ctx: RuleContext, evidence: list[str], what: str, data_fix: str) -> Diagnosis:
+    """NW401 for a NaN that fills whole samples (or whole columns) of a root's input in a
+    mode that traces no op: the pattern of a division by a zero norm, speed or std of each
+    sample in the user's code before the call as much as of a bad file. Which one, forensic
+    mode tells: it names the op if the user's code made it."""
+    a = ctx.anomaly
+    assert a is not None
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        evidence=[
+            *evidence,
+            "whole samples are non-finite: the pattern of a division by a per-sample norm, "
+            "speed or std that is 0 in your code before the call, or of bad data",
+        ],
+        explanation=(
+            f"The {what} held the non-finite value when {a.path} was called, and every layer "
+            "after it only passed it on. Either the batch itself is bad (a corrupted file, a "
+            "missing value parsed as NaN) or your code that ran on it before the call made it "
+            "(x / x.norm(), x / speed, (x - mean) / std with a zero for a sample); this mode "
+            "traces no op outside the modules, so it cannot tell which."
+        ),
+        fix=(
+            f"# {untraced_hint(ctx)}\n"
+            "# if your code divided by a per-sample norm, speed or std that is 0, floor it "
+            "there: x / s.clamp_min(1e-6)\n"
+            f"# if the data is bad:\n{data_fix}"
         ),
     )
 
