@@ -3386,36 +3386,23 @@ class Watcher:
             for r in cur.records:
                 r.step = number
             return
-        while foldable:
-            prev, end, stepped_prev = foldable[-1]
-            cur = self._trace
-            if (
-                not self.history
-                or self.history[-1] is not prev
-                or prev.step != cur.step - 1
-                or prev.anomaly is not None
-                or cur.anomaly is not None
-                or self._new_trigger is not None
-                or self._pending_data is not None
-                or self._backward_called
-                or self._backward_seen
-                or self._updated
-                or cur.error is not None
-                or any(c.root and c.path == path for c in prev.calls)
-            ):
-                break
-            foldable.pop()
-            self._merge_into(prev, end, stepped_prev, full=prev.full)
+        self._fold_back(
+            lambda prev: (
+                not (
+                    self._backward_called
+                    or self._backward_seen
+                    or self._updated
+                    or any(c.root and c.path == path for c in prev.calls)
+                )
+            )
+        )
 
-    def _fold_evaluations(self) -> None:
-        """At the first ``nw.step()``: the steps the automatic rule began after a training
-        update with no_grad calls (generation or a validation run inside the loop, before
-        the loop's ``nw.step()``; each call was a step then) are that training step's, and
-        are folded back into it (:meth:`_cycle_fold` then folds it with the update), so the
-        user's steps are numbered from 0 as the loop counts them. Steps that held an
-        anomaly stay."""
+    def _fold_back(self, also: Callable[[StepTrace], bool]) -> None:
+        """Merge the current step into the foldable steps before it (``_foldable``, the
+        latest first), while each is the one just before it in ``history``, neither holds
+        an anomaly or an error, nothing is pending, and ``also(prev)`` holds."""
         foldable = self._foldable
-        while self._trained and foldable:
+        while foldable:
             prev, end, stepped_prev = foldable[-1]
             cur = self._trace
             if (
@@ -3428,10 +3415,21 @@ class Watcher:
                 or cur.error is not None
                 or self._new_trigger is not None
                 or self._pending_data is not None
+                or not also(prev)
             ):
                 break
             foldable.pop()
             self._merge_into(prev, end, stepped_prev, full=prev.full)
+
+    def _fold_evaluations(self) -> None:
+        """At the first ``nw.step()``: the steps the automatic rule began after a training
+        update with no_grad calls (generation or a validation run inside the loop, before
+        the loop's ``nw.step()``; each call was a step then) are that training step's, and
+        are folded back into it (:meth:`_cycle_fold` then folds it with the update), so the
+        user's steps are numbered from 0 as the loop counts them. Steps that held an
+        anomaly stay."""
+        if self._trained:
+            self._fold_back(lambda prev: True)
 
     def _merge_into(
         self,
