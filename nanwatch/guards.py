@@ -601,6 +601,28 @@ def _read_now(t: torch.Tensor) -> bool:
     return _CPU_READS_NOW and t.device.type == "cpu"
 
 
+def _own_statement(tree: ast.Module, node: ast.expr) -> tuple[int, int] | None:
+    """Byte offsets of the simple statement of a one-line ``tree`` that holds ``node``, when
+    the line holds more than that statement: a fix rewrites that statement alone, without
+    the ``if CE:`` or ``with autocast():`` before it or the statements beside it."""
+    best: ast.stmt | None = None
+    for stmt in ast.walk(tree):
+        if (
+            isinstance(stmt, ast.stmt)
+            and not hasattr(stmt, "body")  # a compound statement's test holds the call
+            and stmt.lineno == stmt.end_lineno == 1
+            and stmt.end_col_offset is not None
+            and node.end_col_offset is not None
+            and stmt.col_offset <= node.col_offset
+            and node.end_col_offset <= stmt.end_col_offset
+        ):
+            best = stmt
+    if best is None or (len(tree.body) == 1 and tree.body[0] is best):
+        return None
+    assert best.end_col_offset is not None
+    return best.col_offset, best.end_col_offset
+
+
 class _Probe:
     """One guarded call: Python-side checks (shapes, dtypes, devices) first, then every
     reduction the value checks need, read together with one host sync."""
@@ -649,6 +671,9 @@ class _Probe:
         self.order = tuple(order)
         self.kw_names = dict(kw_names or {})
         self._span: tuple[int, int] | None = None  #: byte offsets of the call in ``line``
+        #: byte offsets in ``line`` of the one statement that makes the call, when the line
+        #: holds more (``if CE: loss = F.cross_entropy(x, y)``, ``a = 1; loss = crit(x, y)``)
+        self._stmt: tuple[int, int] | None = None
         self.bound = bound
         self.is_module = is_module
         self.cls_name = cls_name
@@ -758,6 +783,7 @@ class _Probe:
         )
         if node.end_col_offset is not None and node.lineno == node.end_lineno == 1:
             self._span = (node.col_offset, node.end_col_offset)
+            self._stmt = _own_statement(tree, node)
         return callee, parts
 
     def arg(self, name: str, default: str | None = None) -> str:
@@ -805,7 +831,8 @@ class _Probe:
         if line is None or span is None:
             return call
         raw = line.encode()
-        return (raw[: span[0]] + call.encode() + raw[span[1] :]).decode()
+        first, last = self._stmt or (0, len(raw))
+        return (raw[first : span[0]] + call.encode() + raw[span[1] : last]).decode()
 
     @property
     def callee(self) -> str:
@@ -1162,7 +1189,7 @@ def _check_class(p: _Probe) -> None:
             _target_stats(p)
             outside = t.clamp(0, 1) != t
             p.count("target_outside", outside)
-            p.then(lambda v: _soft_target_result(p, v, outside, desc))
+            p.then(lambda v: _soft_target_result(p, v, outside))
         return
     if not _readable(t) or c < 1:
         return
@@ -1539,16 +1566,23 @@ def _indexed_table(f: Any, arg: str) -> str | None:
     if m is None:
         return None
     base = m.group(1)
-    head, *attrs = base.split(".")
+    obj = _looked_up(f, base)
+    if isinstance(obj, torch.Tensor) and obj.dim() == 1 and obj.is_floating_point():
+        return base
+    return None
+
+
+def _looked_up(f: Any, dotted: str) -> Any:
+    """The object ``dotted`` (``buf_y``, ``self.buf.labels``) names in frame ``f``: looked
+    up, never evaluated (instance attributes and a module's buffers; no property runs)."""
+    head, *attrs = dotted.split(".")
     obj = f.f_locals.get(head, f.f_globals.get(head))
-    for attr in attrs:  # instance attributes and a module's buffers, no properties run
+    for attr in attrs:
         found = getattr(obj, "__dict__", {}).get(attr)
         if found is None and isinstance(obj, torch.nn.Module):
             found = obj._buffers.get(attr, obj._parameters.get(attr))
         obj = found
-    if isinstance(obj, torch.Tensor) and obj.dim() == 1 and obj.is_floating_point():
-        return base
-    return None
+    return obj
 
 
 _INDEXED = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\[[^\[\]]*\]")
@@ -1731,6 +1765,8 @@ def _class_result(
     if ignore is not None and top in _IGNORE_LABELS and top != ignore:
         hint = f" — did you mean ignore_index={top}?"
         fix = _option_fix(p, "ignore_index", top)
+        if top < 0 and 2 * counts[0] > total:
+            hint, fix = _unfilled_slots(p, top, counts[0], total, fix)
     elif all(val == c for val in values) and _one_based(t, ign, c, lo):
         hint = (
             f" — class indices start at 0: labels 1..{c} need `target - 1`, or the model "
@@ -1791,6 +1827,65 @@ def _class_result(
     )
 
 
+def _unfilled_slots(p: _Probe, top: int, n: int, total: int, option: str) -> tuple[str, str]:
+    """(hint, fix) for a negative sentinel label (-1) that fills most of the batch: rather
+    the empty slots of a buffer sampled past its filled entries (a replay buffer made with
+    ``torch.full(..., -1)``), or padding, than labels to skip. Evidence, when the target is
+    ``buf[idx]`` and ``buf`` is a tensor in the user's frame: the slots of ``buf`` that
+    hold only ``top`` (a run at its end: never filled) and the line that made ``idx``.
+    ``ignore_index`` comes second: it hides the sampling bug, and a batch of only ``top``
+    then has a mean over zero elements (NaN)."""
+    tgt = p.arg("target")
+    buf = idx = None
+    try:
+        node = ast.parse(tgt, mode="eval").body
+    except SyntaxError:
+        node = None
+    if isinstance(node, ast.Subscript) and p.frame is not None:
+        base = ast.unparse(node.value)
+        if re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", base):
+            obj = _looked_up(p.frame, base)
+            if isinstance(obj, torch.Tensor) and obj.dim() >= 1 and _plain(obj):
+                buf = (base, obj)
+        if isinstance(node.slice, ast.Name):
+            idx = node.slice.id
+    evidence = ""
+    filled = None
+    if buf is not None:
+        base, obj = buf
+        slots = (obj == top).reshape(obj.shape[0], -1).all(-1)
+        empty = int(slots.sum())
+        if empty:
+            size = obj.shape[0]
+            first = size - int(slots.flip(0).int().cumprod(0).sum())  # the trailing run
+            if first < size and size - first == empty:
+                filled = first
+                evidence = f"; {base} holds {top} in its slots {first}..{size - 1}, never filled"
+            else:
+                evidence = f"; {base} holds {top} in {empty} of its {size} slots"
+    made = _made_at(p, idx) if idx is not None else None
+    if made is not None and p.frame is not None:
+        file = os.path.basename(p.frame.f_code.co_filename)
+        evidence += f"; {idx} is made at {file}:{made[0]}: {made[1]}"
+    where = buf[0] if buf is not None else "the buffer"
+    now = f" (now {filled})" if filled is not None else ""
+    mean = _reduction(p.bound) in (None, "mean")
+    nan = f"; a batch of only {top} then has a NaN mean (0/0)" if mean else ""
+    hint = (
+        f" — {top} fills {_n(n)} of {_n(total)} positions: it may mark unfilled slots or "
+        f"padding of a buffer, not labels to skip{evidence}; sample only filled entries "
+        f"(torch.randint(0, min(n_seen, capacity), ...)); ignore_index={top} would hide "
+        f"them{nan}"
+    )
+    fix = (
+        f"# sample only the filled slots of {where}: "
+        f"{idx or 'idx'} = torch.randint(0, min(n_seen, capacity), ...)  # n_seen: filled "
+        f"slots{now}\n{_without_comment(option)}  # only if {top} marks labels to skip"
+        f"{nan}"
+    )
+    return hint, fix
+
+
 def _one_based(t: torch.Tensor, ign: torch.Tensor | None, c: int, lo: int) -> bool:
     """Whether the trained labels look numbered from 1 (``1..C``): none below ``lo + 1``, and
     at least half of ``1..C`` present. A missing 0 alone says nothing when the labels are
@@ -1849,33 +1944,151 @@ def _functional_option(p: _Probe, name: str, value: Any) -> str:
     return p.call_with({name: value})
 
 
-def _soft_target_result(p: _Probe, v: dict[str, float], outside: torch.Tensor, desc: str) -> None:
+def _soft_target_rows(p: _Probe, t: torch.Tensor) -> torch.Tensor:
+    """A probability target as rows of class weights (float64): one row per sample (and
+    spatial position), classes last."""
+    cdim = 1 if t.dim() > 1 and p.spec.name == "cross_entropy" else t.dim() - 1
+    return t.detach().movedim(cdim, -1).reshape(-1, t.shape[cdim]).double()
+
+
+def _two_hot(rows: torch.Tensor) -> bool:
+    """Whether every row weighs at most two adjacent classes, summing to 1, and some row
+    two of them: a two-hot encoding of a value between two bins (a distributional reward
+    or value head). A one-hot target is not one."""
+    if not rows.numel():
+        return False
+    nz = rows != 0
+    count = nz.sum(-1)
+    c = rows.shape[-1]
+    first = nz.int().argmax(-1)
+    last = c - 1 - nz.flip(-1).int().argmax(-1)
+    sums_one = (rows.sum(-1) - 1).abs() <= 1e-3
+    return bool(
+        ((count >= 1) & (count <= 2) & (last - first <= 1) & sums_one).all() and (count == 2).any()
+    )
+
+
+def _soft_target_result(p: _Probe, v: dict[str, float], outside: torch.Tensor) -> None:
+    """Words a probability target that is not one (the failure path: reads are fine). A
+    NaN is bad data where the target is made, not a scale; rows that sum to 1 with a weight
+    outside [0, 1] are an encoding extrapolated past its range (a two-hot value beyond the
+    last bin); only rows that are no distribution at all (scores, counts) are rescaled."""
     n = int(v["target_outside"])
     if not n:
         return
     t = p.target
     assert t is not None
+    desc = p.desc()  # ignore_index plays no part for probability targets
+    tgt = p.arg("target")
+    rows = _soft_target_rows(p, t)
+    bad_row = rows.isnan().any(-1) | (rows.clamp(0, 1) != rows).any(-1)
+    finite = torch.isfinite(t)
+    n_nan = int(t.isnan().sum())
+    n_inf = int(t.isinf().sum())
+    made = _made_at(p, tgt)
+    where = ""
+    if made is not None and p.frame is not None:
+        file = os.path.basename(p.frame.f_code.co_filename)
+        where = f"; {tgt} is made at {file}:{made[0]}: {made[1]}"
+    in_rows = f"{_many(int(bad_row.sum()), 'row')} of {_n(rows.shape[0])}"
+    expected = "probabilities in [0, 1]"
+    if n_nan or n_inf:
+        kinds = " and ".join(
+            f"{k} at {_many(m, 'position')}" for k, m in (("NaN", n_nan), ("inf", n_inf)) if m
+        )
+        problem = (
+            f"target holds {kinds} (of {_n(t.numel())}, in {in_rows}){where}; bad data, "
+            f"not a scale: {desc} with probability targets needs finite values in [0, 1]"
+        )
+        if _two_hot(rows[~bad_row]):
+            problem += (
+                "; its other rows are two-hot (two adjacent bins summing to 1): a value "
+                "outside the bins' range puts both bin indices on the same edge bin, and its "
+                "weight divides by their width, 0"
+            )
+            fix = (
+                f"# where {tgt} is made: clamp the value into the bins' range before the "
+                "two-hot encoding (value.clamp(bins[0], bins[-1])) and keep the upper index "
+                "in [1, len(bins) - 1], so the two bins differ and no bin width is 0"
+            )
+        else:
+            fix = (
+                f"assert torch.isfinite({tgt}).all()   # where {tgt} is made: find the 0/0 "
+                "(a zero width, count or norm) or log(0) that gave it, and repair it there"
+            )
+        values, counts = _value_counts(t[~finite])
+        explanation = (
+            "The target was NaN or inf before the loss saw it (0/0 gives NaN, x/0 inf): the "
+            "loss and every gradient of the step would be NaN. A softmax or a clamp of the "
+            "target cannot repair it: repair the entries where the target is made."
+        )
+    else:
+        bad_rows = rows[bad_row]
+        sums_one = bool(((bad_rows.sum(-1) - 1).abs() <= 1e-3).all())
+        problem = (
+            f"target probabilities outside [0, 1] at {_many(n, 'position')} "
+            f"(of {_n(t.numel())}, in {in_rows}; min {_num(v['target_min'])}, "
+            f"max {_num(v['target_max'])}){where}; {desc} with probability targets needs "
+            "values in [0, 1]"
+        )
+        if sums_one and _two_hot(bad_rows):
+            c = rows.shape[-1]
+            cls = sorted({int(i) for i in bad_rows.nonzero()[:, 1].tolist()})
+            side = (
+                "beyond the last bin"
+                if cls and min(cls) >= c - 2
+                else "below the first bin"
+                if cls and max(cls) <= 1
+                else "outside its two bins"
+            )
+            problem += (
+                f"; the rows sum to 1 over two adjacent classes ({', '.join(map(str, cls[:4]))}"
+                f"{' …' if len(cls) > 4 else ''}): a two-hot encoding of a value {side}, "
+                "its weights extrapolated"
+            )
+            fix = (
+                f"# where {tgt} is made: clamp the value into the bins' range before the "
+                "two-hot encoding (value.clamp(bins[0], bins[-1])), so both weights stay in "
+                "[0, 1]"
+            )
+        elif sums_one:
+            problem += (
+                "; the rows sum to 1 but hold weights outside [0, 1]: a mixture extrapolated "
+                "past its range (a smoothing or mixing weight outside [0, 1])"
+            )
+            fix = (
+                f"# where {tgt} is made: keep every mixing weight in [0, 1] (clamp the value "
+                "or weight before it is encoded), so the rows stay distributions"
+            )
+        elif float(v["target_min"]) >= 0:
+            cdim = 1 if t.dim() > 1 and p.spec.name == "cross_entropy" else t.dim() - 1
+            fix = (
+                p.call_with(target=f"{_paren(tgt)} / {_paren(tgt)}.sum(dim={cdim}, keepdim=True)")
+                + "  # if the targets are counts; or pass class indices (int64)"
+            )
+        else:
+            fix = (
+                p.call_with(target=f"{_paren(tgt)}.softmax(dim=1)")
+                + "  # if the targets are scores (logits); or pass class indices (int64)"
+            )
+        values, counts = (v["target_min"], v["target_max"]), ()
+        explanation = (
+            "A float target shaped like the input is read as class probabilities; values "
+            "outside [0, 1] (an extrapolated encoding, logits, counts) give a meaningless loss."
+        )
     p.fail(
         _Failure(
             code="NW511",
             check="target-probabilities",
-            problem=(
-                f"target probabilities outside [0, 1] at {_many(n, 'position')} "
-                f"(of {_n(t.numel())}; min {_num(v['target_min'])}, "
-                f"max {_num(v['target_max'])}); {desc} with probability targets needs values "
-                "in [0, 1]"
-            ),
-            expected="probabilities in [0, 1]",
-            fix=p.call_with(target=f"{p.arg('target')}.softmax(dim=1)")
-            + "  # if the targets are scores; or pass class indices (int64)",
-            explanation=(
-                "A float target shaped like the input is read as class probabilities; values "
-                "outside [0, 1] (logits, counts, labels) give a meaningless loss."
-            ),
-            values=(v["target_min"], v["target_max"]),
-            count=n,
+            problem=problem,
+            expected=expected,
+            fix=fix,
+            explanation=explanation,
+            values=values,
+            counts=counts,
+            count=int((outside | ~finite).sum()),
             total=t.numel(),
-            positions=_positions(outside),
+            positions=_positions(outside | ~finite),
         )
     )
 
