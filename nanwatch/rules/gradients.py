@@ -2368,63 +2368,113 @@ def _updated_names(traces: Sequence[StepTrace]) -> tuple[set[str], tuple[str, ..
 
 
 def _grown_outside(ctx: RuleContext, a: Anomaly) -> _Grown | None:
-    """The anomaly was born in a module's forward, and a module of the same root (it, or
-    one before it) gave an output this step orders of magnitude (``_GROWN``) above its
-    output of the step before, from an input of about the same size (within ``_STEADY``):
-    its weights grew so in one step. None of that root's parameters is one an optimizer
-    of those steps updated (the optimizer notes name what each updates): they were
-    written outside an optimizer step (an EMA copy, a manual write)."""
+    """The anomaly was born in a forward, and a module of a root that no optimizer steps
+    gave an output this step orders of magnitude (``_GROWN``) above its output of an
+    earlier step of the history, from an input of about the same size (within
+    ``_STEADY``): its weights grew so. The root is the anomaly's own, or the root whose
+    output the anomaly's call read (an EMA copy's prediction overflowing in the loss). None
+    of that root's parameters is one an optimizer of those steps updated (the optimizer
+    notes name what each updates): they were written outside an optimizer step (an EMA or
+    averaged copy with a decay past 1, a manual write). An output seen only every few
+    steps (a copy evaluated every k steps) is compared with its earliest size in the
+    history when it grew at each sighting between."""
     if a.record.phase is not Phase.FORWARD or not ctx.history:
         return None
     trace, prev = ctx.trace, ctx.history[-1]
-    root = _root_path(trace, a.path)
-    if root is None:
-        return None
     names, opts = _updated_names((prev, trace))
     if not opts:
         return None  # no optimizer seen: which weights one updates is not known
-    ids = {c.id for c in trace.calls if c.root and c.path == root}
-    children = {c.path for c in trace.calls if c.parent in ids}
-    if any(n.startswith(c + ".") for n in names for c in children):
-        return None  # an optimizer updates weights of this root
-    old = {
-        r.path: r
-        for r in prev.records
-        if r.phase is Phase.FORWARD and r.role == "output" and r.stat is not None
-    }
+    roots = [_root_path(trace, a.path)]
+    for r in trace.records:
+        src = r.source if r.call == a.record.call and r.phase is Phase.INPUT else None
+        if src is not None and 0 <= src < len(trace.records):
+            roots.append(_root_path(trace, trace.records[src].path))
+    # then any root that ran before it (its output sliced or reshaped by the user's code
+    # on its way to the op that overflowed)
+    roots += [c.path for c in trace.calls if c.root and c.start <= a.record.index]
+    for root in dict.fromkeys(x for x in roots if x is not None):
+        ids = {c.id for c in trace.calls if c.root and c.path == root}
+        children = {c.path for c in trace.calls if c.parent in ids}
+        if not children or any(n.startswith(c + ".") for n in names for c in children):
+            continue  # no weights below it, or an optimizer updates weights of this root
+        found = _grown_in(ctx, a, root, opts)
+        if found is not None:
+            return found
+    return None
+
+
+def _outputs_of(trace: StepTrace, path: str) -> tuple[float | None, float | None] | None:
+    """The largest |x| of ``path``'s last output in ``trace`` and of its first input then;
+    None when the step recorded no measured output of it."""
+    out = None
+    for r in trace.records:
+        if r.phase is Phase.FORWARD and r.role == "output" and r.path == path and r.stat:
+            out = r
+    if out is None:
+        return None
+    inp = next(
+        (
+            _amax(trace.resolve(i).stat)
+            for i in trace.records
+            if i.phase is Phase.INPUT and i.path == path and i.role == "input[0]"
+        ),
+        None,
+    )
+    return _amax(out.stat), inp
+
+
+def _grown_in(ctx: RuleContext, a: Anomaly, root: str, opts: tuple[str, ...]) -> _Grown | None:
+    """A module of ``root`` whose output this step is ``_GROWN`` times its size at an
+    earlier step of the history (see :func:`_grown_outside`), from an input as large."""
+    trace = ctx.trace
     for r in trace.records:
         if r.index > a.record.index:
             break
-        if r.phase is not Phase.FORWARD or r.role != "output" or r.path not in old:
+        if r.phase is not Phase.FORWARD or r.role != "output" or r.stat is None:
             continue
-        if _root_path(trace, r.path) != root or r.path == root:
+        if r.path == root or _root_path(trace, r.path) != root:
             continue
-        now, before = _amax(r.stat), _amax(old[r.path].stat)
-        if now is None or before is None or before <= 0 or now < _GROWN * before:
+        now, inp = _outputs_of(trace, r.path) or (None, None)
+        if now is None or inp is None:
             continue
-        ins = [
-            (_amax(trace.resolve(i).stat), _amax(prev.resolve(j).stat))
-            for i in trace.records
-            if i.phase is Phase.INPUT and i.path == r.path and i.role == "input[0]"
-            for j in prev.records
-            if j.phase is Phase.INPUT and j.path == r.path and j.role == "input[0]"
+        seen = [(t.step, o) for t in ctx.history if (o := _outputs_of(t, r.path)) is not None]
+        steady = [
+            (st, out)
+            for st, (out, x) in seen
+            if out and x is not None and inp <= _STEADY * x and x <= _STEADY * inp
         ]
-        if not ins or any(
-            x is None or y is None or x > _STEADY * y or y > _STEADY * x for x, y in ins
-        ):
+        if not steady:
             continue
-        inp = ins[0][0] or 0.0
-        return _Grown(r.path, root, before, now, inp, prev.step, opts)
+        if now >= _GROWN * steady[-1][1]:
+            st, before = steady[-1]  # in one step, or since its last sighting
+        else:
+            sizes = [out for _, out in steady] + [now]
+            if len(steady) < 2 or now < _GROWN * sizes[0]:
+                continue
+            if any(b <= x for x, b in itertools.pairwise(sizes)):
+                continue  # not a growth at every sighting: training, not a runaway average
+            st, before = steady[0]
+        return _Grown(r.path, root, before, now, inp, st, opts)
     return None
 
 
 def _grown_outside_diagnosis(ctx: RuleContext, a: Anomaly, g: _Grown) -> Diagnosis:
     target = _owner_expr(ctx, g.root)
+    if target == "model":
+        # ``model`` is what the optimizer steps; this root is another one (its EMA copy)
+        target = f"module  # module: the watched {g.root}"
     expr, _, note = target.partition("  # ")
+    gap = ctx.step - g.step
     evidence = [
         f"{g.path}'s output reached {fmt(g.now)} at step {ctx.step}, from {fmt(g.before)} at "
         f"step {g.step}, for an input of about the same size ({fmt(g.inp)}): its weights "
-        f"grew about {fmt(g.now / g.before)}x in one step",
+        + (
+            f"grew about {fmt(g.now / g.before)}x in one step"
+            if gap <= 1
+            else f"grew about {fmt(g.now / g.before)}x in {gap} steps "
+            f"(x{fmt((g.now / g.before) ** (1 / gap))} per step: an average whose decay is "
+            "past 1 grows so)"
+        ),
         f"no optimizer updated {g.root}'s weights ({', '.join(g.optimizers)} update "
         "other parameters): they were written outside an optimizer step",
         f"then: {a.summary}" if a.summary else f"then the forward of {a.path} overflowed",
@@ -3394,12 +3444,46 @@ def exploding(ctx: RuleContext) -> Iterator[Diagnosis]:
         yield huge
 
 
+def _call_paths(trace: StepTrace) -> frozenset[str] | None:
+    """The modules (and the ``(loss)`` a loop computed outside any module) a full step
+    called; None for a sampled-out step, which records no calls."""
+    return frozenset(c.path for c in trace.calls) if trace.full and trace.calls else None
+
+
+def _regime(ctx: RuleContext) -> Sequence[StepTrace] | None:
+    """The history of the current regime: the steps from the last one that called a module
+    or computed a loss term that no earlier step of the history had (a task switch adding
+    an EWC penalty and a new head, a loss term switched on). Gradients of a new composition
+    of the loss have no level yet: a jump over the steps before it is no explosion. None
+    when the current step itself is the first of a new regime."""
+    hist = ctx.history
+    paths = [ctx.memo(t, "call_paths", _call_paths) for t in hist]
+    paths.append(ctx.memo(ctx.trace, "call_paths", _call_paths))
+    seen: set[str] = set()
+    start = 0
+    for i, p in enumerate(paths):
+        if p is None or p <= seen:
+            continue
+        if seen:
+            start = i
+        seen |= p
+    if start == len(hist):
+        return None
+    return hist[start:] if start else hist
+
+
 def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
-    """NW303 by the ratio of this step's gradient norms to their recent level."""
+    """NW303 by the ratio of this step's gradient norms to their recent level, within the
+    current regime (:func:`_regime`)."""
     factor = ctx.thresholds.explode_factor
     need = ctx.thresholds.min_history
     if len(ctx.history) < need:
         return
+    regime = _regime(ctx)
+    if regime is None or len(regime) < need:
+        return
+    if len(regime) < len(ctx.history):
+        ctx = dataclasses.replace(ctx, history=regime)
     cur = ctx.memo(ctx.trace, "grad_summary", _grad_summary)
     past = [ctx.memo(t, "grad_summary", _grad_summary) for t in ctx.history]
     evidence: list[str] = []
@@ -3696,7 +3780,18 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
     # torch.no_grad(), so this backward gave them nothing; a zero .grad there is stale
     # (zero_grad(set_to_none=False)), not dead units
     graphed = {r.path for r in trace.records if r.phase is Phase.FORWARD and r.grad_fn}
-    called &= graphed | {r.path for r in trace.records if r.phase is Phase.BACKWARD}
+    reached = {r.path for r in trace.records if r.phase is Phase.BACKWARD}
+    called &= graphed | reached
+    if trace.full and reached:
+        # a module whose own output gradient was hooked (measured, with an autograd node)
+        # but that no backward of this step reached: its output was not in the loss (an
+        # auxiliary head added only every k steps), so a zero .grad is stale, not dead units
+        hooked = {
+            r.path
+            for r in trace.records
+            if r.phase is Phase.FORWARD and r.grad_fn and r.stat is not None and r.source is None
+        }
+        called -= hooked - reached
     # a module that got no samples this step (a 0-row input) is absent, not dead
     starved = _starved(trace)
     called -= starved

@@ -37,6 +37,7 @@ from nanwatch.rules._evidence import (
     CAST,
     EXP_LIKE,
     MATMUL,
+    _calls_of,
     anomaly_fields,
     cause_of,
     code_line,
@@ -71,7 +72,13 @@ from nanwatch.rules._evidence import (
     watched_params,
 )
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule
-from nanwatch.rules.gradients import _growing_averages, _normalized, _user_scope, unreset_grads
+from nanwatch.rules.gradients import (
+    _growing_averages,
+    _grown_outside,
+    _normalized,
+    _user_scope,
+    unreset_grads,
+)
 from nanwatch.stats import DtypeLimits
 
 # ---------------------------------------------------------------------- NW101
@@ -91,6 +98,10 @@ from nanwatch.stats import DtypeLimits
 def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
+        return
+    if _grown_outside(ctx, a) is not None:
+        # weights no optimizer steps (an EMA copy) grew until this op overflowed: NW301
+        # names the write; a lower lr, clipping or a float32 op would not touch them
         return
     cause = cause_of(a)
     if cause is not None and cause.kind != "overflow":
@@ -4980,11 +4991,33 @@ def upcast_line(code: str | None, op: str | None = None) -> str | None:
         if op not in _ONE_OPERAND:
             return None
         return (_upcast_operands(line, op) if op == "pow" else None) or _upcast_call(line, op)
+    names = [op] if op is not None and op in EXP_LIKE else list(_UPCAST_EXPS)
+    calls = list(_calls_of(code, names)) if op is None or op in EXP_LIKE else []
+    if len(calls) > 1 and getattr(code, "span", None) is not None:
+        # several exps on the line: the one that ran (the CodeLine's span), not the first
+        return _upcast_exp_call(code, names)
     for pattern, repl in _UPCASTS:
         new, n = pattern.subn(repl, line, count=1)
         if n:
             return new
+    if calls:
+        # an argument that is a call itself (torch.exp(torch.abs(x))): cast the user's own
+        # argument, whatever it is, never a name of the template's
+        return _upcast_exp_call(code, names)
     return _upcast_matmul(line)
+
+
+#: the exp-like calls :data:`_UPCASTS` casts the operand of
+_UPCAST_EXPS = ("exp", "exp2", "expm1", "softmax", "log_softmax", "logsumexp")
+
+
+def _upcast_exp_call(code: str, names: Sequence[str]) -> str | None:
+    """``code`` (one line) with the argument of the exp-like call that ran cast to float32
+    by :func:`rewrite_call`; None when it is already float32 or not found."""
+    new = rewrite_call(code, names, lambda e: e if _is_float32(e) else f"{paren(e)}.float()")
+    line = code.split("#", 1)[0].strip()
+    new = new.strip() if new is not None else None
+    return new if new and new != line else None
 
 
 def _is_float32(expr: str) -> bool:
