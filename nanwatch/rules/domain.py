@@ -168,6 +168,12 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         if cause is None:  # NW100 names the op in forensic mode
             yield _constant_neginf(ctx, a, src, origin)
         return
+    if (
+        origin.kind != "log"
+        and not _log_in_sight(ctx, cause.event if cause else None)
+        and _may_be_overflow(ctx, src)
+    ):
+        return  # no log op, node or line, and an overflow fits as well: no guess of a log
     grew = f"it grew into {a.record.stat.kinds() if a.record.stat else 'NaN'} in {a.record.where}"
     if cause is not None:  # the op that was given it is known (a Linear's addmm)
         ev = cause.event
@@ -201,6 +207,54 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=_LOG_FIX,
         priority=25,
+    )
+
+
+#: autograd nodes of a log (the evidence module's set): a -inf they made is a log of 0
+_LOG_NODE_NAMES = frozenset(
+    {"Log", "Log2", "Log10", "Log1P", "LogSoftmax", "Xlogy", "SpecialXlog1Py", "LogSigmoid"}
+)
+_LOG_CALL = re.compile(
+    r"\blog(?:_softmax|sigmoid|1p|2|10|_prob|_sum_exp|it)?\s*\(|\bxlogy\s*\(|\.log\b"
+)
+
+
+def _log_in_sight(ctx: RuleContext, event: OpEvent | None) -> bool:
+    """Something of the step shows a log: a record made by a log node (a loss input's
+    ``LogSoftmaxBackward0``, in a note too), or a log call on the user's line of the op that
+    was given the -inf. A -inf with none of these (a float16 Linear that overflowed under
+    no_grad) is not called a log of 0."""
+    nodes = [r.grad_fn for r in ctx.trace.records if r.stat is not None and r.stat.has_neginf]
+    nodes += [
+        str(n.data.get(k))
+        for n in ctx.trace.notes
+        if n.kind == "loss_input" and n.data.get("input_min") == -math.inf
+        for k in ("input_grad_fn", "input_activation")
+    ]
+    nodes += [
+        str(op) for n in ctx.trace.notes if n.kind == "loss_graph" for op in n.data.get("ops", ())
+    ]
+    if any(node_base(n) in _LOG_NODE_NAMES for n in nodes if n):
+        return True
+    line = full_statement(event.source) if event is not None else None
+    return bool(line and _LOG_CALL.search(line))
+
+
+def _may_be_overflow(ctx: RuleContext, src: Record) -> bool:
+    """The -inf first seen in ``src`` may as well be an overflow: no finite value beside it
+    to judge by, finite values near its dtype's max, or a float16/bfloat16 value that held
+    a -inf before it (a half-precision Linear whose weights blew up, cast to float32)."""
+    s, lim = src.stat, limits(src.dtype)
+    if s is None or lim is None or s.finite_amax is None:
+        return True
+    if s.near_max or s.finite_amax > lim.max / 64:
+        return True
+    return any(
+        r.index <= src.index
+        and r.dtype in ("float16", "bfloat16")
+        and r.stat is not None
+        and r.stat.has_neginf
+        for r in ctx.trace.records
     )
 
 
@@ -1033,23 +1087,32 @@ def _likelihood_use(
         floor = f"float().clamp_min({_LIKELIHOOD_FLOOR:g})"
         note = f"a likelihood bound, in float32: {_LIKELIHOOD_FLOOR:g} rounds to 0 in {dtype}"
     found = _log_argument(ev)
+    made_by = f"{rec.path} {rec.role}" if rec.path else rec.role
+    tail = ""
     if found is not None:
         stmt, start, end, a = found
         line = f"{stmt[:start]}{_with_arg(stmt[start:end], f'{paren(a)}.{floor}')}{stmt[end:]}"
-    else:
-        name = arg if arg is not None and _NAME.fullmatch(arg) else "lik"
-        line = f"{name} = {name}.{floor}   # {name}: the likelihood the log is taken of"
-    made_by = f"{rec.path} {rec.role}" if rec.path else rec.role
+    else:  # no line: a pattern in placeholder names, not a name presented as the user's
+        line = f"logp = torch.log(p.{floor})"
+        note = (
+            f"a pattern, in your names: p, the log's argument ({made_by}); if p is a "
+            f"likelihood, {note}"
+        )
+        tail = (
+            "\n# if it is p * log(p) of a distribution with zeros (an entropy, a "
+            "straight-through sample): torch.special.xlogy(p, p) is 0 there, not 0 * -inf = NaN"
+            f"\n{_FORENSIC_LINE}"
+        )
     if kind == "sub":
         fix = (
             f"{line}   # {note}\n"
             "# where both cumulative probabilities round to 1 (the upper tail), the symmetric "
             "form cdf(0.5 - |v|) - cdf(-0.5 - |v|) keeps them in the lower tail, where they are "
-            "exact"
+            f"exact{tail}"
         )
         why = (
             f"Its input lies in [0, 1] (min 0, max {fmt(x.max)}) with {zeros}, and a "
-            "subtraction made it: a likelihood formed as a difference of two cumulative "
+            "subtraction made it. A likelihood formed as a difference of two cumulative "
             "probabilities (cdf(v + 0.5) - cdf(v - 0.5)) is exactly 0 where both underflow "
             "to 0 or both round to 1, though the true value is small, not 0. Its log is "
             "-inf. A floor on the likelihood (an entropy model's likelihood bound) keeps "
@@ -1061,7 +1124,7 @@ def _likelihood_use(
             "that underflowed or cancelled to 0"
         )
     else:
-        fix = f"{line}   # {note}\n# or compute the likelihood in float32 (outside autocast)"
+        fix = f"{line}   # {note}\n# or compute the likelihood in float32 (outside autocast){tail}"
         why = (
             f"Its input lies in [0, 1] (min 0, max {fmt(x.max)}) with {zeros}, though a "
             f"floor (a clamp) made it: the floor is 0 or below what {dtype} can hold "
@@ -1298,7 +1361,9 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     if made is not None and made not in ("softmax", "sigmoid"):
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
     if made in ("softmax", "sigmoid"):
-        return _probability_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
+        return _probability_made_use(
+            made, what, zeros, x, ev.dtype, op=ev.op, known=not _line_unknown(ev)
+        )
     if made is None and arg is not None and _is_ratio(arg):
         return _unit_ratio_use(ev, what, zeros, x)
     if made is None:
@@ -1486,8 +1551,25 @@ def _rounded_below_zero(ev: OpEvent, x: TensorStat, what: str, arg: str | None) 
     )
 
 
+#: the last line of a fix written as a pattern because the op's line is not known
+_FORENSIC_LINE = '# mode="forensic" names your line, and nanwatch rewrites it'
+
+
+def _line_unknown(ev: OpEvent) -> bool:
+    """The op's own line is not known (sentinel and watch modes read the loss graph at
+    backward(): its nodes keep no forward line)."""
+    return not ev.code or not ev.source or ev.source == ev.backward_at
+
+
 def _probability_made_use(
-    made: str, what: str, zeros: str, x: TensorStat, dtype: str, *, op: str | None = None
+    made: str,
+    what: str,
+    zeros: str,
+    x: TensorStat,
+    dtype: str,
+    *,
+    op: str | None = None,
+    known: bool = True,
 ) -> _LogUse:
     """A log's argument with exact zeros that op evidence shows a softmax or a sigmoid made
     (a watched output of its very values, or the loss graph's ``log <- softmax``): a
@@ -1501,9 +1583,11 @@ def _probability_made_use(
     return _LogUse(
         made,
         fix=(
-            f"logp = {call}   # not {not_call}: logits, the {made}'s input; never 0\n"
+            f"logp = {call}   # a pattern, in your names: logits, the {made}'s input; not "
+            f"{not_call}; never 0\n"
             f"# or keep the {made} and floor it: torch.log(p.clamp_min(torch.finfo(p.dtype)"
             f".tiny)), {_log_tiny(dtype, op)} at the zeros"
+            + ("" if known else f"\n{_FORENSIC_LINE}")
         ),
         why=(
             f"Its input is a {made} output with {zeros} (max {fmt(x.max)}): the {made} of a "
@@ -2691,7 +2775,7 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
             m = _ONE_MINUS.match(arg)
             sq = _tanh_of_square(m.group(1), ev.source) if m is not None else None
             if sq is not None:
-                return _tanh_squash_use(stmt, start, end, arg, sq, dtype=ev.dtype)
+                return _tanh_squash_use(stmt, start, end, arg, sq, dtype=ev.dtype, source=ev.source)
         # the line's distinct 1 - q logs: the op's input stats cannot say which one held
         # the 0, so each gets the floor
         qs = list(dict.fromkeys(m.group(1).strip() for a_ in args if (m := _ONE_MINUS.match(a_))))
@@ -3566,8 +3650,39 @@ def _tanh_of_square(q: str, source: str | None) -> _TanhSquare | None:
     return _TanhSquare(ast.unparse(u), made) if u is not None else None
 
 
+def _imported_names(source: str | None) -> set[str] | None:
+    """The names the file of ``source`` (``file.py:42``) binds with an import statement
+    (``import math``, ``import torch.nn.functional as F``, ``from math import log``): a fix
+    may spell ``math.`` only where ``math`` is among them; None when the file cannot be
+    read or parsed."""
+    import linecache
+
+    path = (source or "").rpartition(":")[0]
+    text = "".join(linecache.getlines(path)) if path else ""
+    if not text:
+        return None
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name != "*":
+                    names.add(alias.asname or alias.name.split(".")[0])
+    return names
+
+
 def _tanh_squash_use(
-    stmt: str, start: int, end: int, arg: str, sq: _TanhSquare, *, dtype: str | None
+    stmt: str,
+    start: int,
+    end: int,
+    arg: str,
+    sq: _TanhSquare,
+    *,
+    dtype: str | None,
+    source: str | None = None,
 ) -> _LogUse:
     """log(1 - tanh(u)**2) written as it reads: tanh(u) rounds to exactly ±1 for a large |u|,
     so the log is -inf; 2·(log 2 - u - softplus(-2u)) is the same value, finite for every u."""
@@ -3576,7 +3691,17 @@ def _tanh_squash_use(
     dt = dtype or "float32"
     bound = 0.5 * math.log(8 / lim.eps)  # 1 - tanh(u) ~ 2·exp(-2u) < eps/4: rounds to 1
     u = paren(sq.u)
-    stable = f"2 * (math.log(2) - {u} - F.softplus(-2 * {u}))"
+    bound_names = _imported_names(source)
+    has_math = bound_names is None or "math" in bound_names
+    has_f = bound_names is None or "F" in bound_names or _binds_f(source)
+    log2 = "math.log(2)" if has_math else f"{math.log(2)!r}"
+    softplus = "F.softplus" if has_f else "torch.nn.functional.softplus"
+    stable = f"2 * ({log2} - {u} - {softplus}(-2 * {u}))"
+    # the file unread: its imports unknown, the names the fix uses are said
+    needs_line = (
+        "# needs: import math; import torch.nn.functional as F\n" if bound_names is None else ""
+    )
+    log2_note = "" if has_math else f" ({math.log(2)!r} = log 2)"
     call = stmt[start:end]
     own = f"{stmt[:start]}{stable}{stmt[end:]}"
     floor = math.log(lim.tiny)
@@ -3586,8 +3711,8 @@ def _tanh_squash_use(
     return _LogUse(
         "tanh-squash",
         fix=(
-            f"{own}   # = {call}, exact and finite for every {sq.u}\n"
-            "# needs: import math; import torch.nn.functional as F\n"
+            f"{own}   # = {call}, exact and finite for every {sq.u}{log2_note}\n"
+            f"{needs_line}"
             f"# not a clamp of 1 - tanh^2 at tiny: log(tiny) = {fmt(floor)} in {dt} where the "
             f"true value is -2|{sq.u}| + 2 log 2 ({fmt(true)} at {fmt(at)}), with 0 gradient"
         ),
@@ -4497,8 +4622,11 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "a temperature, a scale or another hyperparameter that a schedule annealed to "
                 "0 (0.07 * max(0, 1 - step / T) is 0 from step T on; tau = max(1 - 0.1 * step, "
                 "0) is 0 at step 10), or that was set to 0. Every element is divided by it: "
-                "x/0 is ±inf and 0/0 is NaN. Give the number a floor above 0, or end the "
-                "schedule above 0."
+                "x/0 is ±inf and 0/0 is NaN."
+                + (
+                    _scaled_scalar_text(ev)
+                    or " Give the number a floor above 0, or end the schedule above 0."
+                )
             ),
             fix=_div_fix(ev, scalar=True, count=False),
         )
@@ -8202,17 +8330,18 @@ def _dtype_of(node: ast.expr, text: str) -> str:
             if n.func.attr in _CASTS:
                 return f"{paren(text)}.dtype"
             n = n.func.value
-        elif isinstance(n, ast.Subscript):
-            n = n.value
         else:
-            break
+            break  # a subscript stays: fisher[n] of a dict has a dtype, fisher has none
     if n is node and isinstance(n, ast.BinOp) and not isinstance(n.op, (ast.Div, ast.Pow)):
         # hi - lo: the operands' dtype (a number on one side keeps the tensor's)
         side = n.right if isinstance(n.left, ast.Constant) else n.left
         if isinstance(side, (ast.Name, ast.Attribute)):
             n = side
     base = ast.unparse(n)
-    plain = re.fullmatch(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*", base) is not None
+    root = n
+    while isinstance(root, ast.Subscript):
+        root = root.value
+    plain = re.fullmatch(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*", ast.unparse(root)) is not None
     if n is not node and plain and base.split(".")[0] not in ("torch", "F", "nn", "math", "np"):
         return f"{base}.dtype"
     return f"{paren(text)}.dtype"
@@ -8291,8 +8420,9 @@ def _fixed_at_assignment(ev: OpEvent, right: ast.expr, den: TensorStat) -> str |
     names = sorted(_dtype_carriers(value), key=lambda n: n.col_offset)
     coarse = _coarse_eps(ev.dtype, name)
     if den.min >= 0 and names:
+        carrier = ast.unparse(names[0])  # stats[k], not stats: a dict has no dtype
         return (
-            f"{name} = {paren(text)}.clamp_min(torch.finfo({names[0].id}.dtype).eps)   # clamped "
+            f"{name} = {paren(text)}.clamp_min(torch.finfo({carrier}.dtype).eps)   # clamped "
             f"where it is made: every division by {name} is safe, 0/eps = 0 where it was 0" + coarse
         )
     if den.min >= 0:  # made by a call (f(t)): its dtype is the result's, not an argument's
@@ -8485,10 +8615,11 @@ def _learnable_fix(ev: OpEvent, lv: _Learnable) -> str:
     )
 
 
-def _dtype_carriers(node: ast.expr) -> list[ast.Name]:
+def _dtype_carriers(node: ast.expr) -> list[ast.expr]:
     """The names whose dtype the value has: operands of arithmetic and the tensors a method
     chain starts from (``hi`` and ``lo`` in ``(hi.max() - lo) / 255``), not arguments of a
-    call (``t`` in ``compute_snr(t)``, an integer timestep) nor indices, nor past a cast."""
+    call (``t`` in ``compute_snr(t)``, an integer timestep) nor indices, nor past a cast.
+    An indexed name stays indexed (``stats[k]``): a dict or a list has no dtype."""
     if isinstance(node, ast.Name):
         return [] if node.id in _MODULES else [node]
     if isinstance(node, ast.BinOp):
@@ -8496,7 +8627,10 @@ def _dtype_carriers(node: ast.expr) -> list[ast.Name]:
     if isinstance(node, ast.UnaryOp):
         return _dtype_carriers(node.operand)
     if isinstance(node, ast.Subscript):
-        return _dtype_carriers(node.value)
+        root: ast.expr = node.value
+        while isinstance(root, ast.Subscript):
+            root = root.value
+        return [node] if _dtype_carriers(root) else []
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Attribute)
@@ -8738,6 +8872,8 @@ def _off_switch(code: str | None) -> tuple[str, str] | None:
         if len({name for _, name in found}) != 1:
             continue
         div, name = found[0]
+        if len({id(d) for d, _ in found}) != 1 or _times_scaled(tree, name) != 1:
+            continue  # a KD loss's s / T, t / T ... * T * T: T is a temperature, not a switch
         num = ast.get_source_segment(stmt, div.left) or ast.unparse(div.left)
         body = tree.body[0] if len(tree.body) == 1 else None
         if (
@@ -8752,6 +8888,17 @@ def _off_switch(code: str | None) -> tuple[str, str] | None:
         text = ast.get_source_segment(stmt, value) or ast.unparse(value)
         return name, _spliced(stmt, value, f"{text} if {name} else {paren(num)}")
     return None
+
+
+def _times_scaled(tree: ast.AST, name: str) -> int:
+    """How many times the statement multiplies by ``name`` (``T * T`` and ``T ** 2``: 2)."""
+    n = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            n += sum(ast.unparse(side) == name for side in (node.left, node.right))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
+            n += 2 * (ast.unparse(node.left) == name)
+    return n
 
 
 @dataclass(frozen=True)
@@ -8920,6 +9067,75 @@ def _scalar_floor(code: str | None) -> str | None:
 
     own = _rewrite_divisor(code, floor)
     return None if own is None or own in statements(code) else own  # a literal divisor: not it
+
+
+def _scaled_scalar(stmt: str | None) -> str | None:
+    """The Python-number divisor (a name or attribute) that the statement also multiplies
+    by: ``T`` in ``F.kl_div(F.log_softmax(s / T, 1), ..., reduction="batchmean") * T * T``;
+    None when it parses to no such name."""
+    for _, tree in _parsed(stmt):
+        name = _scaled_scalar_in(tree)
+        if name is not None:
+            return name
+    return None
+
+
+def _scaled_scalar_in(tree: ast.AST) -> str | None:
+    """:func:`_scaled_scalar` for one parsed statement."""
+    divisors = {
+        ast.unparse(d)
+        for n in ast.walk(tree)
+        if (
+            d := n.right
+            if isinstance(n, ast.BinOp)
+            and isinstance(n.op, (ast.Div, ast.FloorDiv))
+            and isinstance(n.right, (ast.Name, ast.Attribute))
+            else _div_call_divisor(n)
+        )
+        is not None
+    }
+    factors = {
+        ast.unparse(side)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Mult, ast.Pow))
+        for side in ((n.left, n.right) if isinstance(n.op, ast.Mult) else (n.left,))
+        if isinstance(side, (ast.Name, ast.Attribute))
+    }
+    both = sorted(divisors & factors)
+    return both[0] if len(both) == 1 else None
+
+
+def _scaled_scalar_text(ev: OpEvent) -> str:
+    """The sentence for a zero divisor that the user's statement also multiplies by."""
+    name = _scaled_scalar(full_statement(ev.source) or ev.code)
+    if name is None:
+        return ""
+    return (
+        f" Here the statement also multiplies by {name} (the {name} * {name} scaling of "
+        f"distillation): with {name} floored only in the divisions the product is 0, the "
+        f"term silently off. {name} = 0 is a config error (a distillation temperature is "
+        "1-4): set it above 0 where it is made."
+    )
+
+
+def _scaled_scalar_fix(ev: OpEvent) -> str | None:
+    """A check at the source for a Python-number divisor of 0 that the user's statement
+    also multiplies by (distillation's ``/ T`` ... ``* T * T``): a floor in the divisions
+    would leave the product 0, the term silently off; None when the line shows no such
+    name."""
+    stmt = full_statement(ev.source) or ev.code
+    name = _scaled_scalar(stmt)
+    if name is None:
+        return None
+    made = _assigned_before(ev.source, name)
+    where = _line_of(ev.source, made) if made is not None else None
+    at = f" ({where.rsplit('/', 1)[-1]}: {made})" if made and where else ""
+    return (
+        f'assert {name} > 0, "{name} must be > 0 (a distillation temperature is 1-4)"   '
+        f"# before the line: {name} is 0, a config error: set it where it is made{at}\n"
+        f"# not max({name}, 1e-3) in the divisions: the line also multiplies by {name}, "
+        "so the result would be 0 every step (the term silently off)"
+    )
 
 
 def _named_scalar_floor(stmt: str | None) -> str | None:
@@ -9124,6 +9340,9 @@ def _div_fix(
     has no integer dtypes); a float one is kept off 0 by its dtype's eps, on the user's
     own line when it is known; an unknown one gets both."""
     if scalar:  # a temperature annealed to 0, a count: no tensor to clamp
+        scaled = _scaled_scalar_fix(ev)
+        if scaled is not None:
+            return scaled
         own_scalar = _scalar_floor(ev.code) or _named_scalar_floor(full_statement(ev.source))
         if own_scalar is not None:
             return (
@@ -9131,8 +9350,11 @@ def _div_fix(
                 "(or end the schedule above 0)"
             )
         return (
-            "d = max(d, 1e-3)   # a temperature or a scale annealed to 0: give it a floor\n"
-            "y = x / d"
+            "d = max(d, 1e-3)   # d: the Python number divided by; annealed to 0: a floor\n"
+            "y = x / d\n"
+            "# set to 0 in a config (a distillation temperature is 1-4): that is the error, "
+            "set it > 0 where it is made; a floor is no fix when the result is also "
+            "multiplied by d (distillation's * T * T): it would be 0"
         )
     own = _rewrite_divisor(ev.code, lambda d: f"{d}.clamp_min(1)") if count else None
     if own is not None:
