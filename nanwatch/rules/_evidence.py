@@ -2397,10 +2397,13 @@ class LostEps:
             if self.value is None
             else ""
         )
+        sub = fmt(self.lim.subnormal)
+        fin = f"torch.finfo(torch.{self.dtype})"
         return (
             f"{self.line}\n"
-            f"# an eps must be at least {tiny} (torch.finfo(torch.{self.dtype}).tiny) to "
-            f"count in {self.dtype}{wider}"
+            f"# an eps below {fmt(self.lim.subnormal / 2)} rounds to 0 in {self.dtype}: its "
+            f"smallest positive value is {sub} ({fin}.smallest_normal * {fin}.eps, a subnormal); "
+            f"{self.floor} is above {tiny} ({fin}.tiny), where it keeps full precision{wider}"
         )
 
 

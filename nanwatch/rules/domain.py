@@ -4549,9 +4549,22 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     )
     if lost is not None:  # the line keeps the denominator off 0 with an eps that is 0 here
         evidence.insert(1, lost.words("the denominator"))
+        known = lost.value
+        if known is None:
+            held = _attribute_value(ev.source, lost.text)
+            if held is not None and 0 < held[0] <= lost.lim.subnormal / 2:
+                known = held[0]
+                evidence.insert(
+                    2,
+                    f"{lost.text} is {held[1]}: {fmt(known)}, which rounds to 0 in {lost.dtype}",
+                )
         yield ctx.diagnosis(
             **op_fields(ev, a),
-            title=title,
+            title=(
+                f"{title}: eps={fmt(known)} rounds to 0 in {lost.dtype}"
+                if known is not None
+                else title
+            ),
             evidence=evidence,
             explanation=(
                 "The eps added to the denominator on this line is meant to keep it off 0 "
@@ -5449,6 +5462,51 @@ def _made_as_sum(source: str | None, name: str, const: float) -> str | None:
     return found.pop() if len(found) == 1 else None
 
 
+def _attribute_value(source: str | None, text: str) -> tuple[float, str] | None:
+    """The number ``self.<attr>`` holds (``self.variance_epsilon``), read from the user's
+    file: the class around line ``source`` assigns it a literal, or a parameter of its
+    ``__init__`` whose default is one (when every assignment agrees). The value and how it
+    was found, in words; None otherwise."""
+    import linecache
+
+    m = re.fullmatch(r"self\.(\w+)", text.strip())
+    path, _, num = (source or "").rpartition(":")
+    if m is None or not path or not num.isdigit():
+        return None
+    try:
+        tree = ast.parse("".join(linecache.getlines(path)))
+    except (SyntaxError, ValueError):
+        return None
+    line = int(num)
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        if not cls.lineno <= line <= (cls.end_lineno or cls.lineno):
+            continue
+        found: set[tuple[float, str]] = set()
+        for fn in cls.body:
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            args = fn.args.args[len(fn.args.args) - len(fn.args.defaults) :]
+            defaults = dict(zip((x.arg for x in args), fn.args.defaults, strict=True))
+            for n in ast.walk(fn):
+                if not isinstance(n, ast.Assign) or not any(
+                    ast.unparse(t) == f"self.{m.group(1)}" for t in n.targets
+                ):
+                    continue
+                v = n.value
+                how = f"set to {ast.unparse(v)}"
+                if isinstance(v, ast.Name) and v.id in defaults:
+                    dflt = ast.unparse(defaults[v.id])
+                    how = f"{v.id}={dflt}, the default of {cls.name}.{fn.name}"
+                    v = defaults[v.id]
+                if not isinstance(v, ast.Constant) or not isinstance(v.value, (int, float)):
+                    return None
+                found.add((float(v.value), how))
+        return found.pop() if len(found) == 1 else None
+    return None
+
+
 def _all_zero_difference(
     ctx: RuleContext,
     a: Anomaly,
@@ -5475,7 +5533,21 @@ def _all_zero_difference(
             held = _difference_held(ev.source, node)
             if held is None:
                 return None
-            name, made_by, node = held
+            name, made_by, diff = held
+            if _norm_of(node) == name:
+                return _zero_norm_difference(
+                    ctx,
+                    a,
+                    ev,
+                    den,
+                    _unwrapped(divisor),
+                    name=name,
+                    made=made_by,
+                    diff=diff,
+                    evidence=evidence,
+                    title=title,
+                )
+            node = diff
             via = (name, made_by)
     elif node_base(str(ev.scalars.get("other_made_by", "")).split("<")[0]) != "Sub":
         return None
@@ -5617,6 +5689,94 @@ def _saturated_square(source: str | None, node: ast.BinOp) -> tuple[str, str, st
     if len(args) != 1 or (fn == "sigmoid" and node.right is not base):
         return None
     return base.id, made, fn, ast.unparse(args[0])
+
+
+_NORMS = {"norm", "vector_norm"}
+
+
+def _valid_python(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except SyntaxError:
+        return False
+    return True
+
+
+def _norm_of(node: ast.expr) -> str | None:
+    """The name whose vector norm ``node`` is (``b2.norm(dim=-1)``, ``torch.linalg.norm(b2)``,
+    ``torch.norm(b2, dim=1)``, ``LA.vector_norm(b2)``); None for anything else."""
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return None
+    f = node.func
+    if f.attr not in _NORMS:
+        return None
+    root = ast.unparse(f.value)
+    if root in ("torch", "torch.linalg", "linalg", "LA", "F"):
+        arg = node.args[0] if node.args else None
+    elif f.attr == "norm":
+        arg = f.value
+    else:
+        return None
+    return arg.id if isinstance(arg, ast.Name) else None
+
+
+def _zero_norm_difference(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    den: TensorStat,
+    divisor: str,
+    *,
+    name: str,
+    made: str,
+    diff: ast.BinOp,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """The divisor is the norm of a vector made as a difference (Gram-Schmidt's
+    ``b2 = a2 - (b1 * a2).sum(-1, keepdim=True) * b1``) and it is 0: the vector is 0. A
+    floor belongs on the norm, which cannot be negative; a floor on the signed vector
+    changes every healthy output."""
+    left, right = ast.unparse(diff.left), ast.unparse(diff.right)
+    right_names = {n.id for n in ast.walk(diff.right) if isinstance(n, ast.Name)}
+    others = sorted(right_names - {left, "torch", "F", "math", "np"})
+    if isinstance(diff.left, ast.Name) and left in right_names and len(others) == 1:
+        cause = (
+            f"{left} is 0 or parallel to {others[0]} (its projection on {others[0]} is all of it)"
+        )
+    else:
+        cause = f"{left} is 0 there or equal to {right}"
+    at = _line_of(ev.source, made)
+    where = f" ({at.rpartition('/')[2]})" if at else ""
+    evidence.insert(
+        2,
+        f"the denominator {divisor} is 0 in all {den.numel:,} values: it is the norm of "
+        f"{name}, made as {made}{where}, so {name} is the zero vector: {cause}",
+    )
+    eps = f"torch.finfo({name}.dtype).eps"
+    code = (ev.code or "").strip()
+    fixed = code.replace(divisor, f"{paren(divisor)}.clamp_min({eps})", 1)
+    lines = []
+    if code and fixed != code and _valid_python(fixed):
+        lines.append(f"{fixed}   # was {code}: the norm floored, not the vector")
+    else:
+        lines.append(
+            f"... / {paren(divisor)}.clamp_min({eps})   # the norm floored, not the vector"
+        )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: the norm of {name} is 0",
+        evidence=evidence,
+        explanation=(
+            f"Every value of this denominator is exactly 0: {name} = {left} - {right} is the "
+            f"zero vector, and x/0 is ±inf, 0/0 NaN. That happens when {cause}: a degenerate "
+            "input to the normalization (check how the vectors are taken from the prediction, "
+            "e.g. its layout). Floor the norm, which cannot be negative, not the signed "
+            f"vector: clamping {name} element-wise changes every healthy output. The floor "
+            "keeps degenerate rows finite; it does not make them meaningful."
+        ),
+        fix="\n".join(lines),
+    )
 
 
 def _cancelled_name(
@@ -11309,6 +11469,30 @@ def _negative_power_floor(code: str | None, e: object, eps: str) -> str | None:
     return None
 
 
+def _rsqrt_floor(code: str | None, eps: str) -> str | None:
+    """The user's line with the input of its one rsqrt floored at ``eps``
+    (``torch.diag(L.rsqrt())`` -> ``torch.diag(L.clamp_min(1e-5).rsqrt())``,
+    ``torch.rsqrt(v)`` -> ``torch.rsqrt(v.clamp_min(1e-5))``); None without exactly one."""
+    for stmt, tree in _parsed(code):
+        calls: list[tuple[ast.Call, ast.expr]] = []
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Call) or not isinstance(n.func, ast.Attribute):
+                continue
+            if n.func.attr != "rsqrt":
+                continue
+            if ast.unparse(n.func.value) == "torch" and len(n.args) == 1:
+                calls.append((n, n.args[0]))
+            elif ast.unparse(n.func.value) != "torch" and not n.args:
+                calls.append((n, n.func.value))
+        if len(calls) != 1:
+            continue
+        _, base = calls[0]
+        inner = _unclipped(base)
+        text = ast.get_source_segment(stmt, inner) or ast.unparse(inner)
+        return _spliced(stmt, base, f"{paren(text)}.clamp_min({eps})")
+    return None
+
+
 def _power_eps(dtype: str | None) -> str:
     """The floor for the base of a negative power: 1e-6, or a normal number of a 16-bit
     dtype whose tiny is above it (1e-4 in float16)."""
@@ -11336,6 +11520,13 @@ def _root_forward_fix(
         return (
             f"y = x.clamp_min({eps}) ** {e}   # a negative power needs a base above 0: a "
             "floor, not relu (0 ** -k = inf) nor sign·|x|"
+        )
+    own_rsqrt = _rsqrt_floor(code, "1e-5") if e is None else None
+    if own_rsqrt is not None:
+        return (
+            f"{own_rsqrt}   # rsqrt needs its input above 0: values at 0 or slightly below "
+            "it (rounding) are floored at 1e-5, an eps as in LayerNorm; every larger value is "
+            "unchanged"
         )
     if e is not None:
         return (
@@ -11440,7 +11631,24 @@ def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
         batch = _batch_size(ctx)
         single = sf.per_output == 1 and batch is not None and batch > 1
-        if single:  # one element reduced while the batch holds several: not the batch
+        activation = _std_of_activation(ev, a.record.module_type) if single else None
+        if activation is not None:  # one element of an activation (a 1x1 feature map)
+            evidence.append(
+                f"this batch has {batch} samples: the reduced dimensions of "
+                f"{activation[0]} hold one element each (a feature map or sequence of size "
+                "1), not a batch of one and not a weight"
+            )
+            explanation = (
+                "std and var divide the summed squared deviations by N - correction, and "
+                "here N = 1: the correction=1 default divides by 0. The reduction is over "
+                "dimensions of an activation that hold a single element (a 1x1 feature map: "
+                "an input too small for the network's downsampling), so no DataLoader "
+                "setting changes it. The population variance plus an eps is finite at N = 1 "
+                "(std eps**0.5), or keep the reduced dimensions at 2 or more (a feature map "
+                "at least 2x2)."
+            )
+            fix = activation[1]
+        elif single:  # one element reduced while the batch holds several: not the batch
             evidence.append(
                 f"this batch has {batch} samples: the element reduced is not a batch of "
                 "one (a weight's fan-in or a feature dimension of size 1)"
@@ -12227,6 +12435,66 @@ def _batch_size(ctx: RuleContext) -> int | None:
         call = ctx.trace.call(r.call)
         if call is not None and call.root and not call.is_loss:
             return r.shape[0]
+    return None
+
+
+def _std_of_activation(ev: OpEvent, module_type: str) -> tuple[str, str] | None:
+    """The std/var call on the user's line when what it reduces is not a weight: its
+    receiver is not module state (``self.weight``, or a name assigned from ``self.``) and
+    the module is no torch layer subclass. The call's text and a fix in the user's names:
+    ``x.var(dims, unbiased=False).add(1e-5).sqrt()`` for ``x.std(dims)``."""
+    if _torch_layer(module_type) is not None:
+        return None
+    line = (ev.code or "").split("  #", 1)[0].strip()
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    for n in ast.walk(tree):
+        if not (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("std", "var")
+        ):
+            continue
+        on = n.func.value
+        if ast.unparse(on) == "torch":
+            if not n.args:
+                continue
+            on, args = n.args[0], n.args[1:]
+        else:
+            args = n.args
+        root = on
+        while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        if not isinstance(root, ast.Name) or root.id == "self":
+            return None
+        made = _assigned_expr(ev.source, root.id)
+        if made is not None and "self." in made[0].split("=", 1)[1]:
+            return None  # module state (w = self.weight): the weight case
+        keep = [k for k in n.keywords if k.arg not in ("unbiased", "correction")]
+        call = ast.Call(
+            func=ast.Attribute(value=on, attr="var", ctx=ast.Load()),
+            args=list(args),
+            keywords=[*keep, ast.keyword(arg="unbiased", value=ast.Constant(False))],
+        )
+        var = ast.unparse(call)
+        what = ast.unparse(n)
+        new = f"{var}.add(1e-5)" if n.func.attr == "var" else f"{var}.add(1e-5).sqrt()"
+        fixed = line.replace(what, new, 1) if what in line else None
+        lines = []
+        if fixed is not None and fixed != line:
+            lines.append(
+                f"{fixed}   # was {line}: population variance + eps, finite where the reduced "
+                "dimensions hold 1 element"
+            )
+        else:
+            lines.append(f"{new}   # was {what}: population variance + eps")
+        lines.append(
+            "# or keep the reduced dimensions at 2 or more elements (a feature map at least "
+            "2x2: a larger input)"
+        )
+        return ast.unparse(on), "\n".join(lines)
     return None
 
 
