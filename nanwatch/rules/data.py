@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 import keyword as keyword_module
 import linecache
 import math
@@ -27,8 +28,10 @@ from nanwatch.rules._evidence import (
     code_line,
     describe_stat,
     fmt,
+    module_ref,
     packet,
     short_op,
+    statements,
     target_log,
     untraced_hint,
 )
@@ -128,7 +131,11 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
         target=target,
         sparse=_sparse(bad[0]),
         params=_forward_params(ctx, call),
+        site=_call_site(ctx, call),
     )
+    norms = [] if target else _norms_reached(ctx, rec)
+    if norms:
+        data_fix += "\n" + _restore_norms(norms)
     if a.origin == "data-or-code":
         yield _data_or_code(ctx, evidence, what, data_fix)
         return
@@ -406,6 +413,7 @@ def _find_samples_fix(
     target: bool = False,
     sparse: bool = False,
     params: Sequence[str] = (),
+    site: Mapping[str, object] | None = None,
 ) -> str:
     """Code that lists the bad samples of the bad input and clears them, for its number of
     dimensions: ``flatten(1)`` needs two, a 1-D input's samples are its elements, a 0-d one
@@ -413,8 +421,21 @@ def _find_samples_fix(
     its stored values. ``role`` (``input[1]``, ``input.adj``) names the tensor in the
     code: a keyword's name, ``x`` (``y`` for a loss's target) or ``argK`` for the K-th
     positional argument of ``owner``'s call, or the name ``owner``'s forward gives it
-    (``params``, its positional parameters)."""
+    (``params``, its positional parameters). ``site``: the user's call of the root (see
+    :func:`_call_site`): the expression passed there names the tensor; a call made inside a
+    library (``update_bn(loader, model)``) names that library call instead."""
     x, note = _input_name(role, owner=owner, target=target, params=params)
+    passed = _site_arg(site, role) if site is not None and not target else None
+    if passed is not None:
+        x, note = passed, ""
+    elif site is not None and not target and site.get("library") and site.get("user_code"):
+        lib, code = str(site["library"]), str(site["user_code"]).strip()
+        at = f" at {site['user_source']}" if site.get("user_source") else ""
+        note = (
+            f"# the bad batch came through {code}{at}: {lib} calls {owner or 'the model'} on "
+            f"each batch of the data you pass it;\n# check those batches before that call "
+            f"({x}: each batch it is given), not a name inside {lib}"
+        )
     last = (
         f"{x} = torch.nan_to_num({x}, nan=0.0, posinf=0.0, neginf=0.0)  # or fix/drop them in "
         "Dataset.__getitem__"
@@ -472,6 +493,100 @@ def _forward_params(ctx: RuleContext, call: Call | None) -> tuple[str, ...]:
     return tuple(str(n) for n in names)
 
 
+def _norms_reached(ctx: RuleContext, rec: Record) -> list[Call]:
+    """The BatchNorm calls of the step that ran after the bad input ``rec`` was recorded,
+    in the same root call (the watcher let the forward go on: ``on_anomaly`` "record",
+    "warn", a Lightning skip): in train mode each folded the batch's NaN into its running
+    statistics."""
+    call = ctx.trace.call(rec.call)
+    root = call
+    while root is not None and not root.root and root.parent is not None:
+        root = ctx.trace.call(root.parent)
+    if root is None:
+        return []
+    out: list[Call] = []
+    for c in ctx.trace.calls:
+        if "BatchNorm" not in c.module_type or c.start < rec.index or c.id == root.id:
+            continue
+        up: Call | None = c
+        while up is not None and up.id != root.id and up.parent is not None:
+            up = ctx.trace.call(up.parent)
+        if up is not None and up.id == root.id and c.path not in {n.path for n in out}:
+            out.append(c)
+    return out
+
+
+def _restore_norms(norms: list[Call]) -> str:
+    """The fix's lines for BatchNorms the bad batch reached: in train mode (``model.train()``,
+    a statistics re-estimation under no_grad, ``update_bn``) their running mean and variance
+    took its NaN, and every later eval forward is NaN: reset them, then re-estimate them on
+    clean batches."""
+    refs = [module_ref(c.path) for c in norms]
+    named = ", ".join(f"{c.module_type} '{c.path}'" for c in norms[:3])
+    more = f" and {len(refs) - 3} more" if len(refs) > 3 else ""
+    lines = [
+        f"# the bad batch reached {named}{more}: in train mode (model.train(), a",
+        "# re-estimation of the statistics, update_bn) it made their running_mean/var NaN,",
+        "# and every later eval forward is NaN: reset them, then re-estimate on clean batches",
+        *(f"{r}.reset_running_stats()" for r in refs[:3]),
+    ]
+    if len(refs) > 3:
+        lines += [
+            "for m in model.modules():",
+            '    if hasattr(m, "reset_running_stats"): m.reset_running_stats()',
+        ]
+    lines.append(
+        "# then: torch.optim.swa_utils.update_bn(loader, model)   (loader: your clean batches)"
+    )
+    return "\n".join(lines)
+
+
+def _call_site(ctx: RuleContext, call: Call | None) -> Mapping[str, object] | None:
+    """The user's call of the root that holds ``call``: the ``call_site`` note of its path
+    (``code``: the line, ``callee``: the name the line calls the root by; ``library``,
+    ``user_code``, ``user_source``: a call made inside a library function, and the user's
+    line that called that function). None when no note says."""
+    root = call
+    while root is not None and not root.root and root.parent is not None:
+        root = ctx.trace.call(root.parent)
+    if root is None:
+        return None
+    note = next((n for n in ctx.trace.notes if n.kind == "call_site" and n.path == root.path), None)
+    return note.data if note is not None else None
+
+
+def _site_arg(site: Mapping[str, object], role: str) -> str | None:
+    """The expression the user's line passes as input ``role`` (``input[0]``, ``input.adj``)
+    in its call of ``site["callee"]``: ``calib_x`` of ``net(calib_x)``, when it is a name
+    the fix can assign to (a name, an attribute, a subscript); None otherwise."""
+    code, callee = site.get("code"), site.get("callee")
+    m = _ROLE.fullmatch(role)
+    if not isinstance(code, str) or not isinstance(callee, str) or m is None or site.get("library"):
+        return None
+    index, keyword, rest = m.groups()
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or ast.unparse(node.func) != callee:
+                continue
+            arg: ast.expr | None = None
+            if keyword:
+                arg = next((k.value for k in node.keywords if k.arg == keyword), None)
+            else:
+                k = int(index) if index is not None else 0
+                if k < len(node.args) and not any(
+                    isinstance(a, ast.Starred) for a in node.args[: k + 1]
+                ):
+                    arg = node.args[k]
+            if isinstance(arg, (ast.Name, ast.Attribute, ast.Subscript)):
+                return ast.unparse(arg) + (rest or "")
+            return None
+    return None
+
+
 def _input_name(
     role: str, *, owner: str, target: bool, params: Sequence[str] = ()
 ) -> tuple[str, str]:
@@ -486,6 +601,10 @@ def _input_name(
     index, keyword, rest = m.groups()
     k = int(index) if index is not None else 0
     named = params[k] if not target and not keyword and k < len(params) else ""
+    if hasattr(builtins, named):
+        # a torch module's ``forward(self, input)``: not a name the user's code gives the
+        # batch, and assigning it would shadow the builtin
+        named = ""
     if keyword:
         base, note = keyword, ""
     elif named.isidentifier() and not keyword_module.iskeyword(named):

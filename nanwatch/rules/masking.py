@@ -8,6 +8,7 @@ x - max = -inf - (-inf)."""
 from __future__ import annotations
 
 import ast
+import math
 import re
 from collections.abc import Iterator
 
@@ -798,8 +799,26 @@ def hidden_nan_gradient(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a is None or a.transient:
         return
     cause = cause_of(a)
-    if cause is not None and cause.kind == "hidden-nan":
+    if cause is not None and cause.kind == "hidden-nan" and not _loss_not_finite(ctx):
         yield _hidden_nan(ctx, a, cause.event)
+
+
+def _loss_not_finite(ctx: RuleContext) -> bool:
+    """Whether the step's loss is known to be NaN or inf: its value (``trace.loss``), else
+    the last one-value forward output of a root or a loss module. Then the NaN a backward
+    node saved reached the loss, and no mask or torch.where hid it: not NW407's."""
+    loss = ctx.trace.loss
+    if loss is not None:
+        return not math.isfinite(loss)
+    last: TensorStat | None = None
+    for r in ctx.trace.records:
+        if r.phase is not Phase.FORWARD:
+            continue
+        st = ctx.trace.resolve(r).stat
+        call = ctx.trace.call(r.call)
+        if st is not None and st.numel == 1 and call is not None and (call.root or call.is_loss):
+            last = st
+    return last is not None and not last.finite
 
 
 def _hidden_nan(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:

@@ -226,7 +226,8 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
         lines = []
         if running and holder is not None:
-            lines.append(f"{holder}.reset_running_stats()   # the running statistics start afresh")
+            top = _reach(ctx, _root_path(ctx.trace, a.record.call) or a.path, a.record.call)
+            lines += _restore_running(holder, top, cls)
         lines.append(
             f"# right after each line that writes {leaf} ("
             + (f"in {cls}'s methods or " if cls else "")
@@ -249,6 +250,32 @@ def module_state(ctx: RuleContext) -> Iterator[Diagnosis]:
 
 
 _RUNNING = frozenset({"running_mean", "running_var"})
+
+
+def _restore_running(holder: str, top: str | None, cls: str | None) -> list[str]:
+    """The fix for running statistics that hold NaN/inf: reset them, then re-estimate them
+    on clean batches, or reload them. A reset alone leaves mean 0 / var 1 for every channel:
+    finite, but not the statistics the layer's weights were trained with, so the outputs
+    are wrong."""
+    model = top or "model"
+    lines = [
+        "# reload the running statistics from a clean checkpoint, or reset them and",
+        "# re-estimate them on clean batches (a reset alone gives mean 0 / var 1: finite, wrong):",
+        f"{holder}.reset_running_stats()",
+    ]
+    if cls is not None and "BatchNorm" in cls:
+        # update_bn resets every BatchNorm and runs train-mode forwards under no_grad
+        # with a cumulative average (momentum=None), then restores the mode
+        lines.append(
+            f"# then: torch.optim.swa_utils.update_bn(loader, {model})   (loader: your clean "
+            "training batches; it restores eval mode)"
+        )
+    else:
+        lines.append(
+            f"# then, on clean batches: {model}.train(); with torch.no_grad(): {model}(x) "
+            f"for each batch x; {model}.eval()"
+        )
+    return lines
 
 
 def _absorbed_at(
