@@ -2032,6 +2032,22 @@ def _last_node(anomaly: Anomaly, base: str) -> str:
 _HEDGE = ", or of code outside it that used "
 
 
+#: the clause the loss graph's reading adds when it could not name the op's line
+_LINE_UNKNOWN = re.compile(r"; the op's line is not known in \w+ mode: .*? names it")
+
+
+def _drop_line_unknown(anomaly: Anomaly, base: str) -> str:
+    """The clause saying the op's line is not known, once a replay (or forensic tracing)
+    found the line: the summary then quotes it."""
+    op = anomaly.op.chain()[0] if anomaly.op is not None else None
+    if op is None or not op.source:
+        return base
+    m = _LINE_UNKNOWN.search(base)
+    if m is None or base[: m.start()].endswith(op.source):
+        return base  # the line found is the backward call's own, not the op's
+    return base[: m.start()] + base[m.end() :]
+
+
 def _drop_hedge(anomaly: Anomaly, base: str) -> str:
     """A module hedged with the other code that used its input (see :func:`_shared_input`)
     is the producer once a traced op of its own backward made the value (the watcher's
@@ -2071,6 +2087,7 @@ def summarize(anomaly: Anomaly) -> str:
     """The one-line summary, with the op and propagation when known."""
     base = anomaly.summary.split(" [")[0]
     base = _drop_hedge(anomaly, base)
+    base = _drop_line_unknown(anomaly, base)
     base = _follow_op(anomaly, base)
     base = _last_node(anomaly, base)
     base = _neginf_birth(anomaly, base)

@@ -499,6 +499,11 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         #: the last ops' floating outputs and the op that made each: a NaN constant that a
         #: ``where`` selects is named by the composite op it runs inside (logdet)
         self._made: deque[tuple[weakref.ReferenceType[torch.Tensor], str]] = deque(maxlen=16)
+        #: this backward's events born inside a node's formula, with their node, while a
+        #: later op may still show the node masked them (see :meth:`_contain`)
+        self._node_events: dict[int, tuple[OpEvent, Any]] = {}
+        #: events taken back as masked, by id: where they stood in ``events``
+        self._masked: dict[int, int] = {}
 
     def __torch_dispatch__(
         self,
@@ -659,12 +664,17 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         self.checked += 1
         for t in outs:
             self._made.append((weakref.ref(t), str(func)))
-        backward = current_autograd_node() is not None
+        node_now: Any = current_autograd_node()
+        backward = node_now is not None
         if backward != self._in_backward:
             self._in_backward = backward
             if not backward:  # a forward after a backward: the next step's evidence
                 self._hidden_said = self._nan_made = False
+                self._node_events.clear()
+                self._masked.clear()
         out_kinds = [_kinds(t) for t in outs]
+        if backward and self._node_events:
+            self._contain(node_now, args, kwargs, finite=not any(out_kinds))
         if not any(out_kinds):
             return
         schema_args = func._schema.arguments
@@ -804,6 +814,10 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             self.events.append(event)
             if phase is Phase.FORWARD and "NaN" in born:
                 self._nan_made = True  # a backward NaN of it is that op's (hidden or not)
+            if node is not None and born and cause is None and not state:
+                # made of finite values inside a backward formula: watched until the formula
+                # shows whether it masks it (see _contain)
+                self._node_events[id(event)] = (event, node)
         # remember every non-finite output, so later ops can name their cause
         seq = cause_seq
         if event is not None:
@@ -815,6 +829,33 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 if isinstance(base, torch.Tensor) and self._lookup(base) is None:
                     # a view written in place (x[0].div_(n)): its base holds the value too
                     self._remember(base, seen.event, seq=seen.seq)
+
+    def _contain(
+        self, node: Any, args: Sequence[Any], kwargs: dict[str, Any], *, finite: bool
+    ) -> None:
+        """An op inside a backward node's formula that made inf or NaN (the reciprocal of
+        x² + y² in atan2's backward at the origin) is no birth when the node's formula masks
+        it (a ``where`` that turns it into the gradient 0, all finite) and it never reaches
+        another node: its event is taken back. One that a later node reads (the gradient the
+        node passed on held it after all) is put back in place."""
+        for t in leaves((list(args), kwargs)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            seen = self._lookup(t)
+            ev = seen.event if seen is not None else None
+            made = self._node_events.get(id(ev)) if ev is not None else None
+            if made is None:
+                continue
+            if made[1] is not node:  # it left its node: a birth, whatever masked it there
+                del self._node_events[id(ev)]
+                at = self._masked.pop(id(ev), None)
+                if at is not None and ev is not None:
+                    self.events.insert(min(at, len(self.events)), ev)
+            elif finite and id(ev) not in self._masked and _kinds(t):
+                with contextlib.suppress(ValueError):
+                    at = next(i for i, e in enumerate(self.events) if e is ev)
+                    del self.events[at]
+                    self._masked[id(ev)] = at
 
     def _entered(
         self,

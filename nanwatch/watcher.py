@@ -610,6 +610,9 @@ class Watcher:
         self._step = 0
         self._warned = False
         self._explicit = False
+        #: the framework callback that made this watcher (``"lightning"``), or None: its
+        #: hints name that callback's arguments, not a ``watch()`` call the user has not
+        self.front: str | None = None
         self._acted_step = -1
         self._device_dead = False
         self._compiled_warned = False
@@ -1042,8 +1045,16 @@ class Watcher:
                 self._check_grads()
                 self._materialize()
         trace = self._trace
-        if trace.anomaly is None:
+        a = trace.anomaly
+        if a is None:
             self._localize(trace)
+        else:
+            # found while the step ran: count what it took with it since (the step end does
+            # the same), so that a warning said now quotes the count the report will
+            props, n = propagators(trace, a.record, a.path)
+            if n != a.propagator_count:
+                a.propagators, a.propagator_count = props, n
+                a.summary = self._front_words(summarize(a))
         return trace.anomaly
 
     def state_dict(self) -> dict[str, Any]:
@@ -1528,6 +1539,9 @@ class Watcher:
         self._known = {}
         self._minmax = {}
         self._recorded_nodes.clear()  # the autograd nodes of the step's recorded tensors
+        #: a root call's outputs by their memory (data_ptr, shape, dtype): a root's input
+        #: that ``.detach()`` cut from such an output shares its storage (see _detached_from)
+        self._root_out_ptrs: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[int, int]] = {}
         self._stack = []
         self._root_frames: dict[str, _Frame] = {}  # path -> its latest finished root call
         self._state_writes: dict[int, list[str]] = {}  # call id -> own buffers it wrote
@@ -2109,6 +2123,10 @@ class Watcher:
                     # an encoder and a head): not data, whatever it holds
                     rec.grad_fn = _grad_fn_name(t)
                     rec.source = self._last_root_output()
+                elif call.root and t.grad_fn is None and rec.source is None:
+                    # a watched output passed on through .detach() (a GAN's fake.detach()
+                    # given to the discriminator): no graph links it, its memory does
+                    rec.source = self._detached_from(t)
                 elif call.root and t.grad_fn is not None and self._from_params(t.grad_fn):
                     # computed from a watched weight outside every module's forward (logits /
                     # self.temperature in a calibration method): not data either
@@ -2177,6 +2195,7 @@ class Watcher:
                 rec.grad_fn = _grad_fn_name(t)
                 rec.version = ver
                 if call.root:
+                    self._remember_root_output(t, rec.index)
                     if self._trace.resolve(rec).stat is None:
                         self._measure(rec, t)  # a root's output is always measured: the logits
                     if not entry[3] and self._maybe_hook_grad(t, rec):
@@ -2210,6 +2229,28 @@ class Watcher:
                         self._unhooked.setdefault(info.path, []).append(rec)
             known[id(t)] = (weakref.ref(t), rec.index, ver, hooked)
             self._remember_node(t)
+            if call.root and floating:
+                self._remember_root_output(t, rec.index)
+
+    def _remember_root_output(self, t: torch.Tensor, index: int) -> None:
+        ptr = _memory_at(t)
+        if ptr is not None:
+            self._root_out_ptrs[(ptr, tuple(t.shape), t.dtype)] = (id(t), index)
+
+    def _detached_from(self, t: torch.Tensor) -> int | None:
+        """The record of this step's root output whose memory ``t`` is (same data_ptr,
+        shape and dtype): ``t`` is that output detached, not data. Only while that output
+        is alive: freed memory that a new batch took holds data."""
+        ptrs = self._root_out_ptrs
+        ptr = _memory_at(t) if ptrs else None
+        found = ptrs.get((ptr, tuple(t.shape), t.dtype)) if ptr is not None else None
+        if found is None:
+            return None
+        entry = self._known.get(found[0])
+        out = entry[0]() if entry is not None else None
+        if out is None or _memory_at(out) != ptr:
+            return None
+        return found[1]
 
     def _hook_recomputed(self, info: _ModInfo, output: Any) -> None:
         """A module's forward re-run inside backward (reentrant activation checkpointing,
@@ -2299,9 +2340,14 @@ class Watcher:
         tensors without a node (leaves) get a tensor hook."""
         if not (t.requires_grad and torch.is_grad_enabled()) or t.is_inference():
             return False
+        node = t.grad_fn
+        if node is None and rec.phase is Phase.FORWARD and id(t) in self._param_ids:
+            # a watched weight returned as an output (a learnable waypoint): its gradient
+            # sums every use of it (the module's own forward too) and is checked as the
+            # weight's; read here it would be taken for what the loss code sent back
+            return False
         gen = self._gen
         step = self._step
-        node = t.grad_fn
         if node is not None:
             nr = t.output_nr
 
@@ -4570,6 +4616,19 @@ class Watcher:
                 anomaly.summary = f"{base} (loss.backward() at {source}{hint})"
         anomaly.summary = summarize(anomaly)
 
+    def _front_words(self, summary: str) -> str:
+        """``summary``'s hints in the words of what the user runs: ``nanwatch run``'s options,
+        the Lightning callback's arguments, else ``watch()``'s."""
+        if self.global_hooks:  # nanwatch run: no nw, no step_fn
+            from nanwatch.rules.base import cli_words
+
+            return cli_words(summary)
+        if self.front == "lightning":
+            from nanwatch.rules.base import lightning_words
+
+            return lightning_words(summary)
+        return summary
+
     def _evaluate(self, trace: StepTrace) -> list[Diagnosis]:
         from nanwatch.rules import evaluate
 
@@ -4583,13 +4642,12 @@ class Watcher:
             facts={
                 "scaler": self._scaled,
                 "mode": self.config.mode,
+                "front": self.front,
                 "forward_params": _ForwardParams(self._modules),
             },
         )
-        if self.global_hooks and trace.anomaly is not None:  # nanwatch run: no nw, no step_fn
-            from nanwatch.rules.base import cli_words
-
-            trace.anomaly.summary = cli_words(trace.anomaly.summary)
+        if trace.anomaly is not None:
+            trace.anomaly.summary = self._front_words(trace.anomaly.summary)
         if any(d.fix for d in found):
             try:
                 self._in_users_names(found)
@@ -4727,7 +4785,12 @@ class Watcher:
         lines: list[str] = []
         a = trace.anomaly
         if a is not None:
-            lines.append(f"nanwatch: step {trace.step}: {a.summary}")
+            summary = a.summary
+            if trace is self._trace and self.config.on_anomaly != "raise":
+                # said while the step runs on: the modules it reaches later are not counted
+                # yet, and the count the report gives at the step end would differ
+                summary = _without_count(summary)
+            lines.append(f"nanwatch: step {trace.step}: {summary}")
         top = trace.diagnoses[0] if trace.diagnoses else None
         if top is not None:
             if a is None:
@@ -5644,6 +5707,35 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_plain(v) for v in obj)
     return obj
+
+
+_COUNT = re.compile(r"(?:; )?passed on by \d+ modules?")
+
+
+def _without_count(summary: str) -> str:
+    """``summary`` without its "passed on by N modules" clause.
+
+    >>> _without_count("NaN in x [op aten.log; passed on by 1 module]")
+    'NaN in x [op aten.log]'
+    >>> _without_count("NaN in x [passed on by 3 modules]")
+    'NaN in x'
+    """
+    out = _COUNT.sub("", summary).replace("[; ", "[")
+    return out.replace(" []", "")
+
+
+def _memory_at(t: torch.Tensor) -> int | None:
+    """Where ``t``'s values start in memory; None where it has no plain memory (sparse,
+    meta, a fake tensor under tracing) or no values."""
+    try:
+        if t.is_nested or t.layout is not torch.strided or t.device.type == "meta":
+            return None
+        if not t.numel():
+            return None
+        ptr = t.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return ptr or None
 
 
 def _grad_fn_name(t: torch.Tensor) -> str | None:
