@@ -506,6 +506,7 @@ class _NanWatch:
         if self.watcher is not None:
             self.watcher.detach()
         self.watcher = Watcher([pl_module], self.config.replace(report_dir=directory))
+        self.watcher.front = "lightning"  # hints name this callback, not a watch() call
         self.skipped = []
         self.report_paths = []
         self.stopped_at = None

@@ -77,11 +77,16 @@ class Diagnosis:
     #: made in a script run by ``nanwatch run``: silenced by its ``--ignore``, not by a
     #: ``watch()`` call the script does not have (kept in the saved report)
     cli: bool = field(default_factory=_under_cli)
+    #: made by the watcher of a framework callback (``"lightning"``: the Lightning
+    #: callback): silenced, and sent to forensic mode, through that callback's arguments
+    front: str | None = None
 
     @property
     def silence(self) -> str:
         if self.cli:
             return f"nanwatch run --ignore {self.code} ..."
+        if self.front == "lightning":
+            return f'NanWatchCallback(..., ignore=["{self.code}"])'
         return f'nanwatch.watch(..., ignore=["{self.code}"])'
 
     @property
@@ -121,6 +126,7 @@ class Diagnosis:
             "source": self.source,
             "priority": self.priority,
             **({"cli": True} if self.cli else {}),
+            **({"front": self.front} if self.front else {}),
         }
 
     @classmethod
@@ -140,6 +146,7 @@ class Diagnosis:
             source=d.get("source"),
             priority=int(d.get("priority", 50)),
             cli=bool(d.get("cli", False)),
+            front=d.get("front") if isinstance(d.get("front"), str) else None,
         )
 
 
@@ -460,6 +467,9 @@ def evaluate(
             d.fix = on_its_line(d.source, d.fix)
         if d.cli:
             _for_cli(d)
+        elif (facts or {}).get("front") == "lightning":
+            d.front = "lightning"
+            _for_lightning(d)
     return _birth_first(out, trace.anomaly)
 
 
@@ -480,6 +490,34 @@ def cli_words(text: str) -> str:
     '; nanwatch run --mode forensic names the line'
     """
     return _API_HINT.sub("nanwatch run --mode forensic", text)
+
+
+#: a watcher made by hand, in a fix's code: under the Lightning callback there is none
+_WATCH_CALL = re.compile(
+    r"with nanwatch\.watch\([^\n]*?mode='forensic'\) as nw:[^\n]*(?:\n[ \t]+[^\n]*)*"
+)
+
+
+def lightning_words(text: str) -> str:
+    """``text`` for a run watched by the Lightning callback, which has no ``nw`` of the
+    user's to replay with nor a ``watch()`` call to change: the hints name the callback's
+    own argument.
+
+    >>> lightning_words("mode='forensic' or nw.replay(step_fn) names it")
+    "NanWatchCallback(mode='forensic') names it"
+    """
+    text = _WATCH_CALL.sub(
+        "trainer = Trainer(callbacks=[NanWatchCallback(mode='forensic')])   # every aten "
+        "op checked",
+        text,
+    )
+    return _API_HINT.sub("NanWatchCallback(mode='forensic')", text)
+
+
+def _for_lightning(d: Diagnosis) -> None:
+    d.explanation = lightning_words(d.explanation)
+    d.fix = lightning_words(d.fix)
+    d.evidence = [lightning_words(e) for e in d.evidence]
 
 
 def _for_cli(d: Diagnosis) -> None:
