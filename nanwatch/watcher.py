@@ -1348,6 +1348,8 @@ class Watcher:
                 frame.inputs = tuple(_version(t) for _, t in self._walk(args, "input", kwargs))
                 frame.rng = ops.forward_rng(args, kwargs)
             if self._new_trigger is not None:
+                if call.root:  # a bad input: the user's line that called the model, now
+                    self._note_call_site(info, module)
                 self._handle_trigger(None)
         except NanwatchError:
             raise
@@ -4005,6 +4007,18 @@ class Watcher:
             frame = self._root_frames.get(call.path)
         return frame.rng if frame is not None and frame.call is call else None
 
+    def _note_call_site(self, info: _ModInfo, module: nn.Module) -> None:
+        """Note where the user called the root ``info`` whose input is bad (NW401 names the
+        batch as that line passed it). Anomaly time only: a frame walk."""
+        if any(n.kind == "call_site" and n.path == info.path for n in self._trace.notes):
+            return
+        try:
+            data = _call_site_data(module)
+        except Exception:  # a frame nanwatch cannot read: the rule does without
+            data = None
+        if data is not None:
+            self.note("call_site", info.path, **data)
+
     def _own_writes(self, call: Call) -> list[str]:
         """The module's own floating buffers ``call`` wrote in place (so far, when open)."""
         for fr in self._stack:
@@ -5249,6 +5263,41 @@ def _comment_start(line: str) -> int:
         elif ch == "#":
             return i
     return len(line)
+
+
+#: the file of ``nn.Module.__call__``: the frames between a call and its pre-hooks
+_MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
+
+
+def _call_site_data(module: nn.Module) -> dict[str, Any] | None:
+    """Where the user's code called the root ``module`` (from its forward pre-hook: the
+    frames below are the call's): ``code``, the user's line; ``callee``, the name that line
+    calls the module by; and, when a library function made the call (``update_bn``),
+    ``library`` (its module and name), ``user_code`` and ``user_source`` (the user's line
+    that called that function)."""
+    f: Any = sys._getframe(1)
+    while f is not None and (
+        f.f_globals.get("__name__", "").startswith("nanwatch")
+        or f.f_code.co_filename.endswith(_MODULE_CALL)
+    ):
+        f = f.f_back  # nanwatch's hooks and nn.Module's call machinery
+    if f is None:
+        return None
+    user = _frames.user_frame(f)
+    if user is None:
+        return None
+    if user is f:
+        source, code = _frames.describe_frame(f)
+        return {"code": str(code or ""), "source": source, "callee": _name_in_frame(f, module)}
+    source, code = _frames.describe_frame(user)
+    name = f.f_globals.get("__name__", "?")
+    return {
+        "code": str(_frames.describe_frame(f)[1] or ""),
+        "library": f"{name}.{f.f_code.co_name}",
+        "user_code": str(code or ""),
+        "user_source": source,
+        "callee": _name_in_frame(f, module),
+    }
 
 
 def _name_in_frame(frame: Any, obj: Any) -> str | None:
