@@ -90,7 +90,7 @@ def test_input_nan_the_model_reads_raises_nw401() -> None:
     except nanwatch.AnomalyError as e:
         d = next(d for d in e.diagnoses if d.code == "NW401")
         assert d.path == "_Raw" and "sample 2" in " ".join(d.evidence)
-        assert "torch.nan_to_num(x" in d.fix
+        assert "inp = torch.nan_to_num(inp" in d.fix  # the user's name for the batch
     else:
         raise AssertionError("no anomaly")
 

@@ -148,7 +148,7 @@ def test_a_bad_batch_into_a_sequential_is_not_called_by_its_forward_parameter() 
     batch[1, 2] = float("nan")
     d = _first(_raises(net, lambda: net(batch)), "NW401")
     assert "input =" not in d.fix and "isfinite(input)" not in d.fix
-    assert "x = torch.nan_to_num(x" in d.fix
+    assert "batch = torch.nan_to_num(batch" in d.fix  # the user's name, from the call
     ast.parse(code_lines(d.fix))
 
 
