@@ -2619,31 +2619,16 @@ def _log_expanded(node: ast.expr, log: str, top: bool = True) -> str | None:
         if fn is not None and "math." in text:  # the line imports math already
             return f"{fn}({text})"
         return repr(getattr(math, log, math.log)(value))
+    powered = _operands_of(node, "pow")
+    exped = _operands_of(node, "exp") if log == "log" else None
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
         base, n = node.left, node.right
-    elif (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "pow"
-        and not node.keywords
-    ):
-        on_torch = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
-        args = node.args if on_torch else [node.func.value, *node.args]
-        if len(args) != 2:
+    elif powered is not None:
+        if len(powered) != 2:
             return None
-        base, n = args
-    elif (
-        log == "log"
-        and isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Attribute)
-        and node.func.attr == "exp"
-        and not node.keywords
-    ):
-        on_torch = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
-        args = node.args if on_torch else [node.func.value, *node.args]
-        if len(args) != 1:
-            return None
-        return ast.unparse(args[0])
+        base, n = powered
+    elif exped is not None:
+        return ast.unparse(exped[0]) if len(exped) == 1 else None
     elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div)):
         left = _log_expanded(node.left, log, top=False)
         right = _log_expanded(node.right, log, top=False)
@@ -2662,6 +2647,20 @@ def _log_expanded(node: ast.expr, log: str, top: bool = True) -> str | None:
     if not isinstance(n, (ast.Name, ast.Constant, ast.Attribute, ast.Subscript, ast.Call)):
         exp = f"({exp})"
     return f"{exp} * {lb}"
+
+
+def _operands_of(node: ast.expr, name: str) -> list[ast.expr] | None:
+    """The operands of a call of ``name`` written as a function or a method, without
+    keywords: ``[a, n]`` for ``torch.pow(a, n)`` and ``a.pow(n)``; None for anything else."""
+    if (
+        not isinstance(node, ast.Call)
+        or not isinstance(node.func, ast.Attribute)
+        or node.func.attr != name
+        or node.keywords
+    ):
+        return None
+    on_torch = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+    return list(node.args) if on_torch else [node.func.value, *node.args]
 
 
 def _holds_power_or_exp(node: ast.expr, log: str) -> bool:
