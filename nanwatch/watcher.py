@@ -1795,6 +1795,7 @@ class Watcher:
                     type(optimizer).__name__,
                     groups=groups,
                     averages=_averaged_keys(optimizer),
+                    ident=id(optimizer),  # two optimizers of one class are two schedules
                 )
                 world = _distributed()  # NW301: another rank's gradient, all-reduced
                 if world is not None:

@@ -3616,6 +3616,8 @@ class _LrStep:
     optimizer: str  #: the class (``SGD``)
     lrs: tuple[float, ...]  #: per param group
     groups: tuple[int, ...] = ()  #: their indices in ``optimizer.param_groups``
+    #: which optimizer object (two of one class: a GAN's generator and discriminator)
+    ident: int | None = None
 
 
 def _lr_steps(ctx: RuleContext) -> list[_LrStep]:
@@ -3635,8 +3637,15 @@ def _lr_steps(ctx: RuleContext) -> list[_LrStep]:
                 and math.isfinite(g["lr"])
             ]
             if pairs:
+                ident = n.data.get("ident")
                 out.append(
-                    _LrStep(t.step, n.path, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+                    _LrStep(
+                        t.step,
+                        n.path,
+                        tuple(p[0] for p in pairs),
+                        tuple(p[1] for p in pairs),
+                        ident if isinstance(ident, int) else None,
+                    )
                 )
     return out
 
@@ -3653,7 +3662,7 @@ def _lr_rise(steps: Sequence[_LrStep]) -> tuple[_LrStep, _LrStep] | None:
     if not steps:
         return None
     last = steps[-1]
-    mine = [s for s in steps if s.optimizer == last.optimizer]
+    mine = [s for s in steps if s.optimizer == last.optimizer and s.ident == last.ident]
     first = min(mine, key=lambda s: max(s.lrs))
     if max(last.lrs) > _ROSE * max(first.lrs) and first.step < last.step:
         return first, last
