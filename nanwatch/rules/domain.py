@@ -5430,15 +5430,10 @@ def _made_as_sum(source: str | None, name: str, const: float) -> str | None:
     """The other addends of ``name = <terms> + const`` in the user's file (``alpha =
     F.softplus(a) + 1`` with ``const`` 1 gives ``F.softplus(a)``), when every assignment of
     ``name`` there is such a sum; None otherwise, or when the file cannot be read."""
-    import linecache
-
-    path, _, num = (source or "").rpartition(":")
-    if not path or not num.isdigit():
+    parsed = _source_tree(source)
+    if parsed is None:
         return None
-    try:
-        tree = ast.parse("".join(linecache.getlines(path)))
-    except (SyntaxError, ValueError):
-        return None
+    tree = parsed[0]
     found: set[str] = set()
     for n in ast.walk(tree):
         if not isinstance(n, ast.Assign) or not any(ast.unparse(t) == name for t in n.targets):
@@ -5466,17 +5461,11 @@ def _attribute_value(source: str | None, text: str) -> tuple[float, str] | None:
     file: the class around line ``source`` assigns it a literal, or a parameter of its
     ``__init__`` whose default is one (when every assignment agrees). The value and how it
     was found, in words; None otherwise."""
-    import linecache
-
     m = re.fullmatch(r"self\.(\w+)", text.strip())
-    path, _, num = (source or "").rpartition(":")
-    if m is None or not path or not num.isdigit():
+    parsed = _source_tree(source) if m is not None else None
+    if m is None or parsed is None:
         return None
-    try:
-        tree = ast.parse("".join(linecache.getlines(path)))
-    except (SyntaxError, ValueError):
-        return None
-    line = int(num)
+    tree, line = parsed
     for cls in ast.walk(tree):
         if not isinstance(cls, ast.ClassDef):
             continue
