@@ -469,7 +469,7 @@ def read_scalars(values: Sequence[torch.Tensor]) -> list[float]:
             ]
             flat = parts[0] if len(parts) == 1 else torch.cat(parts)
             if dev.type == "cuda":
-                host = torch.empty(flat.shape, dtype=acc, pin_memory=True)
+                host = torch.empty(flat.shape, dtype=acc, device="cpu", pin_memory=True)
                 host.copy_(flat, non_blocking=True)
                 torch.cuda.current_stream(dev).synchronize()
             else:

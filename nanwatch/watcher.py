@@ -479,6 +479,11 @@ class Watcher:
     _pending: list[tuple[Record, torch.Tensor, torch.Tensor]]
     _pending_rows: list[tuple[Record, torch.Tensor]]
     _pending_grads: list[tuple[Record, torch.Tensor, torch.Tensor]]
+    #: accelerators: (node name, loss path, dtype, site, 0-d flag: 0 finite, 1 inf born, 2
+    #: NaN born) for the loss code's risky autograd nodes, read with the step's statistics
+    _pending_nodes: list[
+        tuple[str, str, str, tuple[str | None, str | None], dict[str, Any], torch.Tensor]
+    ]
     _new_trigger: Record | None
     _user_loss: torch.Tensor | float | None
     _grad_scale: torch.Tensor | None
@@ -989,14 +994,17 @@ class Watcher:
         if self._forked:
             return  # a forked child: the parent's watcher reports, not this copy
         try:
-            if exc is None or _deliberate_exit(exc):
-                self._quiet = exc is not None  # the exit must come out as it went in
-                try:
-                    self._boundary(final=True)
-                finally:
-                    self._quiet = False
-            else:
-                self._on_exception(exc)
+            # torch.set_default_device("cuda") is a TorchFunctionMode: nanwatch's own
+            # tensors (the pinned buffer of the read) are made where nanwatch says
+            with _NO_TORCH_FUNCTION():
+                if exc is None or _deliberate_exit(exc):
+                    self._quiet = exc is not None  # the exit must come out as it went in
+                    try:
+                        self._boundary(final=True)
+                    finally:
+                        self._quiet = False
+                else:
+                    self._on_exception(exc)
         finally:
             self.detach()
         # returning None: never swallow the user's exception
@@ -1040,10 +1048,8 @@ class Watcher:
             ...     opt.zero_grad(set_to_none=True)               # skip this update
         """
         if not self._device_dead:
-            self._materialize()
-            if self._backward_seen and not self._grads_checked:
-                self._check_grads()
-                self._materialize()
+            with _NO_TORCH_FUNCTION():
+                self._late_trigger(act=False)  # and pinpointed, as before an update
         trace = self._trace
         a = trace.anomaly
         if a is None:
@@ -1118,10 +1124,11 @@ class Watcher:
             return None
         path = None
         try:
-            if exc is None:
-                self._boundary(final=True)
-            else:
-                path = self._on_exception(exc)
+            with _NO_TORCH_FUNCTION():  # see __exit__
+                if exc is None:
+                    self._boundary(final=True)
+                else:
+                    path = self._on_exception(exc)
         finally:
             self.detach()
         return path
@@ -1550,6 +1557,7 @@ class Watcher:
         self._pending = []
         self._pending_grads = []
         self._pending_rows = []
+        self._pending_nodes = []
         #: outputs recorded under no_grad, per module path: a reentrant checkpoint's first
         #: pass, whose recomputation in backward gets their gradient hooks
         self._unhooked: dict[str, list[Record]] = {}
@@ -1564,6 +1572,7 @@ class Watcher:
         self._transformed = False  # a watched module was called under a torch.func transform
         self._grad_call = False  # a call from outside with gradients on was made this step
         self._updated = False  # an optimizer stepped this step
+        self._late = False  # a trigger read after its calls ended (see _late_trigger)
         self._ops_mark = None  # see __init__
         self._weights_at_grad: tuple[int, ...] | None = None  # versions after autograd.grad
         self._eob_queued = False
@@ -1806,8 +1815,53 @@ class Watcher:
                     self._note_stale_grads(optimizer, stale, stale_group, groups)
                 if written:
                     self._note_written_grads(optimizer, written)
+            if groups:
+                with _NO_TORCH_FUNCTION():
+                    self._flush_before_update()
+        except NanwatchError:
+            raise  # on_anomaly="raise": the update does not run
         except Exception as exc:
             self._fault("optimizer", "optimizer hook", exc)
+
+    def _flush_before_update(self) -> None:
+        """Accelerators (statistics left on the device until read): an optimizer is about to
+        apply this step's gradients, so what the step measured is read now, in the one
+        transfer the step end would have made (it then finds nothing left to read). A bad
+        value is localized and its op pinpointed while the weights it was computed with are
+        unchanged and the root's inputs are at hand, and ``on_anomaly`` acts before the
+        update writes it into the weights, as on the CPU, where each value is read when it
+        is measured."""
+        if (
+            not self._defer_pending()
+            or self._trace.anomaly is not None
+            or self._device_dead
+            or _tracing()
+            or capturing()
+        ):
+            return
+        self._late_trigger(act=True)
+
+    def _defer_pending(self) -> bool:
+        """Statistics on a device not read yet, or gradients not checked yet."""
+        return bool(self._pending or self._pending_grads) or (
+            self._backward_seen and not self._grads_checked
+        )
+
+    def _late_trigger(self, *, act: bool) -> None:
+        """Read the step's pending statistics (and check the gradients if backward ran);
+        a bad one is localized and pinpointed from the inputs still at hand
+        (:meth:`_handle_trigger`, on finished calls); ``act``: and acted on."""
+        self._materialize(keep_trigger=True)
+        if self._backward_seen and not self._grads_checked:
+            self._check_grads()
+            self._materialize(keep_trigger=True)
+        if self._new_trigger is None:
+            return
+        self._late = True
+        try:
+            self._handle_trigger(None, act=act)
+        finally:
+            self._late = False
 
     def _bypasses_scaler(self, optimizer: Any, kwargs: Any) -> bool:
         """This step of ``optimizer`` applies gradients still multiplied by the GradScaler's
@@ -2499,10 +2553,11 @@ class Watcher:
         the run (until then the anomaly's message says what names the op)."""
         if "loss-graph" in self._disabled_hooks or loss.grad_fn is None:
             return
-        if (loss.device.type != "cpu" or self._defer_cpu) and not self._loss_graph_armed:
-            return
         if capturing():
             return  # each check reads a gradient: a CUDA graph capture forbids it
+        if (loss.device.type != "cpu" or self._defer_cpu) and not self._loss_graph_armed:
+            self._flag_loss_nodes(loss, path)
+            return
         stop = self._recorded_nodes
         nodes: list[Any] = []
         last: list[str] = []
@@ -2550,6 +2605,100 @@ class Watcher:
                 check(gen, step, name, grad_inputs, grad_outputs, path=path)
 
             handles.append(node.register_hook(on_node))
+
+    def _flag_loss_nodes(self, loss: torch.Tensor, path: str) -> None:
+        """Accelerators: the loss code's autograd nodes whose backward can make a NaN or
+        inf from a finite gradient (a sqrt, a fractional power, a division; see
+        :meth:`_loss_risky_nodes`) get a post-hook that leaves one flag on the device --
+        did the node make a non-finite gradient from a finite one -- read with the step's
+        other statistics (no sync here). The first node flagged is named by its op; what
+        it saved in forward is freed by then, so the evidence is its name and line."""
+        stop = self._recorded_nodes
+        walk = ops.GraphWalk(
+            [loss.grad_fn],
+            prune=lambda n: (n in stop and n is not loss.grad_fn) or ops.accumulates_grad(n),
+            limit=_LOSS_NODES,
+        )
+        gen, step = self._gen, self._step
+        for node in walk:
+            base = re.sub(r"Backward\d*$", "", type(node).__name__)
+            if base not in _RISKY_BACKWARD:
+                continue
+            scalars: dict[str, Any] = {}
+            if base == "Pow":
+                e = getattr(node, "_saved_exponent", None)
+                if isinstance(e, (int, float)) and e >= 1 and float(e).is_integer():
+                    continue  # x ** 2: a finite derivative everywhere
+                if isinstance(e, (int, float)) and not isinstance(e, bool):
+                    scalars["exponent"] = e  # a number: read now, before autograd frees it
+            name = ops.name_of(node)
+
+            def on_node(
+                grad_inputs: tuple[torch.Tensor | None, ...],
+                grad_outputs: tuple[torch.Tensor | None, ...],
+                name: str = name,
+                scalars: dict[str, Any] = scalars,
+            ) -> None:
+                if not self._attached or gen != self._gen or step != self._step:
+                    return
+                if "loss-graph" in self._disabled_hooks or ops.replaying():
+                    return
+                try:
+                    with _NO_TORCH_FUNCTION(), torch.no_grad():
+                        self._flag_loss_node(name, path, scalars, grad_inputs, grad_outputs)
+                except Exception as exc:
+                    self._fault("loss-graph", "loss-code gradient check", exc)
+
+            self._tensor_handles.append(node.register_hook(on_node))
+
+    def _flag_loss_node(
+        self,
+        name: str,
+        path: str,
+        scalars: dict[str, Any],
+        grad_inputs: tuple[torch.Tensor | None, ...],
+        grad_outputs: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        made = [g for g in grad_inputs if g is not None and g.is_floating_point()]
+        got = [g for g in grad_outputs if g is not None and g.is_floating_point()]
+        if not made:
+            return
+        bad = torch.stack([~torch.isfinite(g).all() for g in made]).any()
+        if got:
+            bad = bad & torch.stack([torch.isfinite(g).all() for g in got]).all()
+        nan = torch.stack([torch.isnan(g).any() for g in made]).any()
+        site = self._backward_site if self._backward_site[0] else _frames.user_line()
+        flag = bad.to(torch.int8) * (1 + nan.to(torch.int8))
+        self._pending_nodes.append((name, path, dtype_name(made[0].dtype), site, scalars, flag))
+
+    def _read_loss_nodes(self, flags: list[float]) -> None:
+        """The first loss-code node flagged by :meth:`_flag_loss_node` becomes the op
+        event of the step (by name: what it saved is freed), as :meth:`_check_loss_node`
+        makes one on the CPU."""
+        nodes, self._pending_nodes = self._pending_nodes, []
+        for (name, path, dtype, site, scalars, _), flag in zip(nodes, flags, strict=True):
+            if not flag or self._loss_node_bad:
+                continue
+            self._loss_node_bad = True
+            nan = flag >= 2
+            out = TensorStat(math.nan if nan else -math.inf, math.nan if nan else math.inf, 0)
+            source, code = site
+            self._trace.ops.append(
+                OpEvent(
+                    op=ops.node_op(name),
+                    phase=Phase.BACKWARD,
+                    path=path,
+                    born="NaN" if nan else "inf",
+                    output=out,
+                    source=source,
+                    code=code,
+                    node=name,
+                    dtype=dtype,
+                    backward_at=source,
+                    scalars=dict(scalars),
+                )
+            )
+            return
 
     def _on_loss_node(
         self,
@@ -3615,6 +3764,7 @@ class Watcher:
             for rec, _, _ in self._pending + self._pending_grads:
                 rec.stat = None
             self._pending, self._pending_grads, self._pending_rows = [], [], []
+            self._pending_nodes = []
         self._drain_ops()
         self._summarize(trace)
         found = trace.anomaly
@@ -3666,15 +3816,23 @@ class Watcher:
             if self._ops_mark is not None:
                 self._ops_mark = 0  # what the checker records next ran after the update
 
-    def _materialize(self, extra: Sequence[torch.Tensor] = ()) -> list[float]:
+    def _materialize(
+        self, extra: Sequence[torch.Tensor] = (), *, keep_trigger: bool = False
+    ) -> list[float]:
         """One host transfer per device for everything measured on accelerators. ``extra``
-        (0-d device tensors: the weights' maxima) rides along; its values are returned."""
+        (0-d device tensors: the weights' maxima) rides along; its values are returned.
+        ``keep_trigger``: the first bad record read stays the trigger, for
+        :meth:`_late_trigger` to localize and pinpoint."""
         pending, grads, flagged = self._pending, self._pending_grads, self._pending_rows
         self._pending, self._pending_grads, self._pending_rows = [], [], []
-        if not pending and not grads and not extra:
+        nodes = [f for *_, f in self._pending_nodes]
+        if not pending and not grads and not extra and not nodes:
             return []
         rows = pending + grads
-        flat = read_scalars([x for _, a, b in rows for x in (a, b)] + list(extra))
+        flat = read_scalars([x for _, a, b in rows for x in (a, b)] + list(extra) + nodes)
+        if nodes:
+            self._read_loss_nodes(flat[len(flat) - len(nodes) :])
+            flat = flat[: len(flat) - len(nodes)]
         values = [(flat[2 * i], flat[2 * i + 1]) for i in range(len(rows))]
         for (rec, _, _), (lo, hi) in zip(pending, values, strict=False):
             rec.stat = TensorStat(lo, hi, rec.stat.numel if rec.stat is not None else 0)
@@ -3689,7 +3847,8 @@ class Watcher:
             self._fill_grad_stats(
                 recs, [None] * len(recs), [hi for _, hi in values[len(pending) :]]
             )
-        self._new_trigger = None  # the flush localizes the whole step itself
+        if not keep_trigger:
+            self._new_trigger = None  # the flush localizes the whole step itself
         return flat[2 * len(rows) :]
 
     def _summarize(self, trace: StepTrace) -> None:
@@ -3809,10 +3968,12 @@ class Watcher:
         current: tuple[Call, nn.Module, Any, Any] | None,
         *,
         loss: torch.Tensor | None = None,
+        act: bool = True,
     ) -> None:
-        """A record just turned out bad (CPU: known at once). Localize now, pinpoint the op
-        while the producer's inputs are at hand (for a functional loss: from the autograd
-        graph it built), and act."""
+        """A record just turned out bad (CPU: known at once; accelerators: read before the
+        update, :meth:`_late_trigger`). Localize now, pinpoint the op while the producer's
+        inputs are at hand (for a functional loss: from the autograd graph it built), and
+        act (unless not ``act``)."""
         rec, self._new_trigger = self._new_trigger, None
         trace = self._trace
         pending = self._pending_data
@@ -3872,7 +4033,8 @@ class Watcher:
             self._pinpointed.add(anomaly.path)
             self._pinpoint_param_backward(anomaly)
         trace.diagnoses = self._evaluate(trace)
-        self._act(trace)
+        if act:
+            self._act(trace)
 
     def _note_user_hooks(self, trig: Record) -> None:
         """Note the hooks the user registered on the tensor whose gradient ``trig`` found
@@ -3933,6 +4095,10 @@ class Watcher:
         if target is None:
             return
         found = self._call_inputs(target, current, pre_hooks, finished=False)
+        if found is None and self._late:
+            late = self._late_inputs(target)
+            if late is not None:
+                target, found = late
         if found is None:
             if anomaly.op is None and anomaly.neginf_source is not None:
                 # found at gradient time (a -inf input that the module's backward turned
@@ -3941,8 +4107,7 @@ class Watcher:
                 anomaly.summary = summarize(anomaly)
             return
         module, args, kwargs, hooks = found
-        if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
-            return  # on accelerators a replay syncs per op: use forensic mode or nw.replay()
+        # on accelerators the replay syncs at each op: anomaly-time work, once per module
         world = _distributed()
         if world is not None:  # a module may call a collective (a gather layer,
             # SyncBatchNorm, DDP's forward): run on one rank alone it waits for the others
@@ -4000,6 +4165,27 @@ class Watcher:
             )
         self._pinpoint_neginf(anomaly, target, current, pre_hooks)
         anomaly.summary = summarize(anomaly)
+
+    def _late_inputs(
+        self, call: Call
+    ) -> tuple[Call, tuple[nn.Module, Any, Any, bool | int]] | None:
+        """For a trigger read after the step's calls ended (:meth:`_late_trigger`): the
+        finished ``call``'s inputs if they are alive and unchanged, else the root call that
+        ran it, with that root's own arguments (kept until the next call of the root): a
+        replay of the root checks every op of the submodule too, on the same weights."""
+        found = self._call_inputs(call, None, False, finished=True)
+        if found is not None:
+            return call, found
+        trace = self._trace
+        root: Call | None = call
+        seen: set[int] = set()
+        while root is not None and not root.root and root.id not in seen:
+            seen.add(root.id)
+            root = trace.call(root.parent) if root.parent is not None else None
+        if root is None or not root.root or root is call:
+            return None
+        found = self._root_call_inputs(root)
+        return (root, found) if found is not None else None
 
     def _call_rng(self, call: Call) -> list[Any] | None:
         """The CPU generator state ``call`` (a root call) began with, if still known."""

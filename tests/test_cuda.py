@@ -65,14 +65,25 @@ def test_a_watched_step_leaves_statistics_on_the_gpu_until_the_step_ends() -> No
         opt.step()
         opt.zero_grad()
 
+    def forward_backward() -> None:
+        criterion(model(x), y).backward()
+
+    def update() -> None:
+        opt.step()
+        opt.zero_grad()
+
     with nanwatch.watch(model, criterion, guards=False) as nw:
         for _ in range(2):  # warm-up: lazy CUDA initialization syncs once
             train()
             nw.step()
-        during = _syncs(train)
+        during = _syncs(forward_backward)
+        before_update = _syncs(update)
         at_end = _syncs(nw.step)
     assert during == []  # every statistic stayed on the device
-    assert len(at_end) == 1  # one transfer for the whole step: records, gradients, weights
+    # one transfer before the update (records and gradients: a bad value is found while
+    # the weights are still those it was computed with), one at the end (the new weights)
+    assert len(before_update) == 1
+    assert len(at_end) == 1
     trace = nw.history[-1]
     assert trace.anomaly is None and not [d for d in trace.diagnoses if d.severity == "error"]
     assert trace.grad_norm is not None and math.isfinite(trace.grad_norm)
@@ -233,6 +244,54 @@ def test_guards_stop_the_bad_target_before_the_kernel_and_the_gpu_lives_on() -> 
         criterion(model(x), y)
     y[3] = 0
     assert math.isfinite(criterion(model(x), y).item())  # the context is alive
+
+
+def test_a_hand_written_losss_nan_gradient_is_named_without_a_sync_per_node() -> None:
+    model = _mlp()
+    x1 = torch.randn(8, 32, device="cuda")
+
+    def step(x2: torch.Tensor) -> None:
+        d = torch.sqrt(((model(x1) - model(x2)) ** 2).sum(-1))  # a distance by hand
+        (d - 1.0).pow(2).mean().backward()
+
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        for _ in range(2):
+            step(torch.randn(8, 32, device="cuda"))
+            nw.step()
+        assert _syncs(lambda: step(torch.randn(8, 32, device="cuda"))) == []
+        nw.step()
+        assert nw.first_anomaly is None
+        same = x1.clone()
+        same[:4] += 1.0  # rows 4..7: the same sample twice, a distance of 0
+        step(same)
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.path == "(loss)"
+    assert a.op is not None and a.op.op == "aten.sqrt"
+    assert nw.history[-1].diagnoses[0].code == "NW112"
+
+
+def test_errors_are_diagnosed_under_a_default_device_of_cuda() -> None:
+    """torch.set_default_device("cuda") is a TorchFunctionMode: the post-mortem of the
+    user's error still reads the step (its pinned buffer is made on the host)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sigmoid(), nn.Linear(16, 1)).cuda()
+    criterion = nn.MSELoss()
+    torch.set_default_device("cuda")
+    try:
+        x, y = torch.randn(64, 8), torch.randn(64)
+        nw = nanwatch.watch(model, criterion, postmortem=False)
+        with pytest.raises(nanwatch.GuardError), nw:
+            criterion(model(x), y)  # (64, 1) against (64): broadcast
+        nw2 = nanwatch.watch(model, postmortem=False)
+        with pytest.raises(RuntimeError, match="inplace"), nw2:
+            h = model[1](model[0](x))
+            h.mul_(2)
+            model[2](h).sum().backward()
+    finally:
+        torch.set_default_device("cpu")
+    assert nw.faults == [] and nw2.faults == []
+    assert [d.code for t in nw.history for d in t.diagnoses][:1] == ["NW506"]
+    assert "NW403" in [d.code for t in nw2.history for d in t.diagnoses]
 
 
 def test_lightning_on_the_gpu_finds_the_bad_batch(tmp_path: Path) -> None:

@@ -9782,6 +9782,13 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
                     else ""
                 )
             )
+        elif x is None:  # named by its node alone: what it saved was freed unread
+            evidence.append(
+                f"in backward, {ev.node} ({op}) made {ev.born} from a finite gradient: its "
+                f"derivative is infinite where the forward {node.lower()}'s base is exactly 0 "
+                f"({slope}), and NaN below 0 (its saved values were freed before they could "
+                "be read without a device sync)"
+            )
         else:
             evidence.append(
                 f"in backward, {ev.node} ({op}) made {ev.born}: the forward {node.lower()} was "
