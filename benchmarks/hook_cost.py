@@ -474,6 +474,7 @@ def split(workload: str, quick: bool, rounds: int) -> Split:
             finally:
                 if key == "watch":
                     nw.detach()
+
     def one() -> None:
         w.step()
         nw.step()

@@ -53,8 +53,14 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64),
-                          nn.Tanh(), nn.Linear(64, 1))
+    model = nn.Sequential(
+        nn.Linear(32, 64),
+        nn.GELU(),
+        nn.LayerNorm(64),
+        nn.Linear(64, 64),
+        nn.Tanh(),
+        nn.Linear(64, 1),
+    )
     criterion = nn.MSELoss()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randn(64, 32), torch.randn(64, 1)
@@ -69,8 +75,7 @@ def main() -> int:
             nw.step()
             if step % args.every == 0:
                 records = sum(len(t.records) for t in nw.history)
-                rows.append((step, rss_mib(), live_tensors(), records,
-                             time.perf_counter() - t0))
+                rows.append((step, rss_mib(), live_tensors(), records, time.perf_counter() - t0))
     steps = [float(r[0]) for r in rows[1:]]  # after the first sample: the ring is full
     rss_slope = slope(steps, [r[1] for r in rows[1:]]) * 1000 * 1024  # KiB per 1000 steps
     tensor_slope = slope(steps, [float(r[2]) for r in rows[1:]]) * 1000

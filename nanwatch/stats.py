@@ -12,6 +12,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -452,28 +453,79 @@ def read_scalars(values: Sequence[torch.Tensor]) -> list[float]:
         # a read each: no stack, no conversion (2-4x cheaper for the few values of a step,
         # and exact: a Python float holds every float32, float16 and bfloat16 value)
         return [float(v.item()) for v in values]
-    out: list[float] = [math.nan] * len(values)
-    by_device: dict[torch.device, dict[torch.dtype, list[int]]] = {}
-    for i, v in enumerate(values):
-        by_device.setdefault(v.device, {}).setdefault(v.dtype, []).append(i)
-    with torch.no_grad():
-        for dev, groups in by_device.items():
-            wide = dev.type == "cpu" or torch.float64 in groups
-            acc = torch.float64 if wide else torch.float32
-            order = [i for idx in groups.values() for i in idx]
-            parts = [
-                torch.stack([values[i] for i in idx]).to(acc)
-                if dtype in _STACKABLE
-                else torch.stack([values[i].to(acc) for i in idx])  # float8 has no stack
-                for dtype, idx in groups.items()
-            ]
-            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-            if dev.type == "cuda":
-                host = torch.empty(flat.shape, dtype=acc, device="cpu", pin_memory=True)
-                host.copy_(flat, non_blocking=True)
-                torch.cuda.current_stream(dev).synchronize()
+    return HostRead(values).wait()
+
+
+class HostRead:
+    """0-d tensors on their way to the host (see :func:`read_scalars`). On CUDA they are
+    stacked on the device with an event recorded after them, and nothing waits until
+    :meth:`wait`, which waits for that event -- for the work that made the values, not for
+    what was enqueued since (a backward keeps the GPU busy meanwhile) -- and copies them on
+    a side stream. No pinned memory: a page-locked buffer still held when a device-side
+    assert kills the context makes its free throw inside a destructor, which aborts the
+    process before the user's error is printed. Other devices are read when waited for;
+    CPU values at once.
+
+    Example:
+        >>> r = HostRead([torch.tensor(1.5), torch.tensor(2.0)])
+        >>> r.ready(), r.wait()
+        (True, [1.5, 2.0])
+    """
+
+    def __init__(self, values: Sequence[torch.Tensor]) -> None:
+        self._n = len(values)
+        #: per device: (the value indices in order, the flat tensor, the event after it)
+        self._parts: list[tuple[list[int], torch.Tensor, Any]] = []
+        by_device: dict[torch.device, dict[torch.dtype, list[int]]] = {}
+        for i, v in enumerate(values):
+            by_device.setdefault(v.device, {}).setdefault(v.dtype, []).append(i)
+        with torch.no_grad():
+            for dev, groups in by_device.items():
+                wide = dev.type == "cpu" or torch.float64 in groups
+                acc = torch.float64 if wide else torch.float32
+                order = [i for idx in groups.values() for i in idx]
+                parts = [
+                    torch.stack([values[i] for i in idx]).to(acc)
+                    if dtype in _STACKABLE
+                    else torch.stack([values[i].to(acc) for i in idx])  # float8 has no stack
+                    for dtype, idx in groups.items()
+                ]
+                flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+                event = None
+                if dev.type == "cuda":
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(torch.cuda.current_stream(dev))
+                self._parts.append((order, flat, event))
+
+    def ready(self) -> bool:
+        """Whether :meth:`wait` would return without waiting for a device."""
+        return all(
+            flat.device.type == "cpu" or (event is not None and event.query())
+            for _, flat, event in self._parts
+        )
+
+    def wait(self) -> list[float]:
+        out: list[float] = [math.nan] * self._n
+        for order, flat, event in self._parts:
+            if event is not None:
+                event.synchronize()  # the values are made
+                # copied on a stream of its own: the current one may hold a whole backward
+                # enqueued behind them, which this copy must not wait for
+                with torch.cuda.stream(_side_stream(flat.device)):
+                    host = flat.to("cpu")
             else:
-                host = flat.cpu()
+                host = flat if flat.device.type == "cpu" else flat.cpu()
             for i, v in zip(order, host.tolist(), strict=True):
                 out[i] = v
-    return out
+        return out
+
+
+_SIDE_STREAMS: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """One stream per CUDA device for nanwatch's reads (made on first use)."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+    return stream

@@ -81,6 +81,7 @@ from nanwatch.records import (
     TensorStat,
 )
 from nanwatch.stats import (
+    HostRead,
     bad_row_flags,
     describe,
     device_name,
@@ -454,6 +455,22 @@ def _unwrap_compiled(m: nn.Module, *, path: str = "") -> nn.Module:
     return m
 
 
+_PendingNode = tuple[str, str, str, tuple[str | None, str | None], dict[str, Any], torch.Tensor]
+"""A loss-code node's flag on the device: (node name, loss path, dtype, backward site, the
+scalars it saved, 0-d flag: 0 finite, 1 inf born, 2 NaN born); see ``_flag_loss_nodes``."""
+
+
+@dataclasses.dataclass
+class _Prefetch:
+    """Statistics on their way to the host (see ``Watcher._prefetch``)."""
+
+    rows: list[tuple[Record, torch.Tensor, torch.Tensor, int]]
+    grads: list[tuple[Record, torch.Tensor, torch.Tensor]]
+    nodes: list[_PendingNode]
+    read: HostRead
+    wait: bool  #: the update waits for it (the forward's); else read only once landed
+
+
 class Watcher:
     """Watches modules for non-finite values, forward and backward; see :func:`watch`.
 
@@ -476,14 +493,14 @@ class Watcher:
     _recorded_nodes: ops.NodeMarks
     _minmax: dict[int, tuple[Any, Any]]  #: record index -> the aminmax measured for it
     _stack: list[_Frame]
-    _pending: list[tuple[Record, torch.Tensor, torch.Tensor]]
+    _pending: list[tuple[Record, torch.Tensor, torch.Tensor, int]]  #: + the numel
+    #: statistics already on their way to the host (see :meth:`_prefetch`)
+    _prefetched: list[_Prefetch]
     _pending_rows: list[tuple[Record, torch.Tensor]]
     _pending_grads: list[tuple[Record, torch.Tensor, torch.Tensor]]
     #: accelerators: (node name, loss path, dtype, site, 0-d flag: 0 finite, 1 inf born, 2
     #: NaN born) for the loss code's risky autograd nodes, read with the step's statistics
-    _pending_nodes: list[
-        tuple[str, str, str, tuple[str | None, str | None], dict[str, Any], torch.Tensor]
-    ]
+    _pending_nodes: list[_PendingNode]
     _new_trigger: Record | None
     _user_loss: torch.Tensor | float | None
     _grad_scale: torch.Tensor | None
@@ -1555,6 +1572,7 @@ class Watcher:
         self._root_frames: dict[str, _Frame] = {}  # path -> its latest finished root call
         self._state_writes: dict[int, list[str]] = {}  # call id -> own buffers it wrote
         self._pending = []
+        self._prefetched = []
         self._pending_grads = []
         self._pending_rows = []
         self._pending_nodes = []
@@ -1572,6 +1590,7 @@ class Watcher:
         self._transformed = False  # a watched module was called under a torch.func transform
         self._grad_call = False  # a call from outside with gradients on was made this step
         self._updated = False  # an optimizer stepped this step
+        self._applied = False  # and its update returned (the post-hook ran)
         self._late = False  # a trigger read after its calls ended (see _late_trigger)
         self._ops_mark = None  # see __init__
         self._weights_at_grad: tuple[int, ...] | None = None  # versions after autograd.grad
@@ -1670,8 +1689,8 @@ class Watcher:
             mm = minmax(t)
             if mm is None:
                 return
-            rec.stat = TensorStat(math.nan, math.nan, numel(t))  # filled at the flush
-            self._pending.append((rec, mm[0], mm[1]))
+            # rec.stat stays None (not read yet) until the flush fills it
+            self._pending.append((rec, mm[0], mm[1], numel(t)))
             self._minmax[rec.index] = mm
             if rows:  # the batch: which samples are bad, read only if any is
                 flags = bad_row_flags(t)
@@ -1825,34 +1844,30 @@ class Watcher:
 
     def _flush_before_update(self) -> None:
         """Accelerators (statistics left on the device until read): an optimizer is about to
-        apply this step's gradients, so what the step measured is read now, in the one
-        transfer the step end would have made (it then finds nothing left to read). A bad
-        value is localized and its op pinpointed while the weights it was computed with are
-        unchanged and the root's inputs are at hand, and ``on_anomaly`` acts before the
-        update writes it into the weights, as on the CPU, where each value is read when it
-        is measured."""
+        apply this step's gradients. The forward's statistics, sent to the host when
+        backward began (:meth:`_prefetch`), are read now -- having waited for the forward
+        only, so the GPU stays busy with backward and no sync exposes the optimizer's own
+        host time. A bad value is localized and its op pinpointed while the weights it was
+        computed with are unchanged and the root's inputs are at hand, and ``on_anomaly``
+        acts before the update writes it into the weights, as on the CPU. What backward
+        made is read at the step end, in its one transfer."""
         if (
-            not self._defer_pending()
+            not self._prefetched
             or self._trace.anomaly is not None
             or self._device_dead
             or _tracing()
             or capturing()
         ):
             return
-        self._late_trigger(act=True)
+        self._late_trigger(act=True, prefetched_only=True)
 
-    def _defer_pending(self) -> bool:
-        """Statistics on a device not read yet, or gradients not checked yet."""
-        return bool(self._pending or self._pending_grads) or (
-            self._backward_seen and not self._grads_checked
-        )
-
-    def _late_trigger(self, *, act: bool) -> None:
-        """Read the step's pending statistics (and check the gradients if backward ran);
-        a bad one is localized and pinpointed from the inputs still at hand
-        (:meth:`_handle_trigger`, on finished calls); ``act``: and acted on."""
-        self._materialize(keep_trigger=True)
-        if self._backward_seen and not self._grads_checked:
+    def _late_trigger(self, *, act: bool, prefetched_only: bool = False) -> None:
+        """Read the step's pending statistics (and check the gradients if backward ran;
+        ``prefetched_only``: see :meth:`_flush_before_update`); a bad one is localized and
+        pinpointed from the inputs still at hand (:meth:`_handle_trigger`, on finished
+        calls); ``act``: and acted on."""
+        self._materialize(keep_trigger=True, prefetched_only=prefetched_only)
+        if not prefetched_only and self._backward_seen and not self._grads_checked:
             self._check_grads()
             self._materialize(keep_trigger=True)
         if self._new_trigger is None:
@@ -2020,6 +2035,7 @@ class Watcher:
         if not self._attached or threading.get_ident() != self._thread:
             return
         self._opt_running = False
+        self._applied = self._applied or self._updated
         if self._checker is not None:
             self._ops_mark = len(self._checker.events)
         self._opt_calls[id(optimizer)] = (self._step, len(self._trace.calls))
@@ -2463,6 +2479,8 @@ class Watcher:
         try:
             with _NO_TORCH_FUNCTION():
                 self._check_grads()
+                if self._pending or self._pending_grads or self._pending_nodes:
+                    self._prefetch(wait=False)  # the accelerator path
                 if not self._backward_called:  # autograd.grad: did it train? (see above)
                     self._weights_at_grad = tuple(p._version for _, _, p in self._params)
                 if not self._explicit:  # only the automatic step rule reads the marks
@@ -2480,6 +2498,35 @@ class Watcher:
             self._fault("grad", "end-of-backward check", exc)
 
     def _on_backward(self, tensors: Any) -> None:
+        try:
+            self._tap_backward(tensors)
+        finally:
+            if self._pending and self._attached:  # the accelerator path
+                try:
+                    with _NO_TORCH_FUNCTION():
+                        self._prefetch(wait=True)
+                except Exception as exc:
+                    self._fault("grad", "forward statistics read", exc)
+
+    def _prefetch(self, *, wait: bool) -> None:
+        """The statistics measured so far start their way to the host, in a copy enqueued
+        behind the work that made them, and nothing waits: when backward is about to run
+        (the forward's, the loss's too: ``wait``, the optimizer pre-hook waits for them,
+        which is for the forward alone while the GPU runs backward) and when it has been
+        enqueued (what backward made and the gradients' norms: read before the update only
+        if they have landed by then, see :meth:`_flush_before_update`)."""
+        if _tracing() or capturing() or self._device_dead or ops.replaying():
+            return
+        rows, grads, nodes = self._pending, self._pending_grads, self._pending_nodes
+        if not (rows or grads or nodes):
+            return
+        self._pending, self._pending_grads, self._pending_nodes = [], [], []
+        values = [x for r in rows for x in (r[1], r[2])]
+        values += [x for _, a, b in grads for x in (a, b)]
+        read = HostRead(values + [f for *_, f in nodes])
+        self._prefetched.append(_Prefetch(rows, grads, nodes, read, wait))
+
+    def _tap_backward(self, tensors: Any) -> None:
         """``backward()`` is about to run: a loss computed by code outside every watched
         module (``F.cross_entropy``, a hand-written log-loss) is recorded like a module's
         output, so a NaN born there is found in forward, where it was born."""
@@ -2671,11 +2718,10 @@ class Watcher:
         flag = bad.to(torch.int8) * (1 + nan.to(torch.int8))
         self._pending_nodes.append((name, path, dtype_name(made[0].dtype), site, scalars, flag))
 
-    def _read_loss_nodes(self, flags: list[float]) -> None:
+    def _read_loss_nodes(self, nodes: list[_PendingNode], flags: list[float]) -> None:
         """The first loss-code node flagged by :meth:`_flag_loss_node` becomes the op
         event of the step (by name: what it saved is freed), as :meth:`_check_loss_node`
         makes one on the CPU."""
-        nodes, self._pending_nodes = self._pending_nodes, []
         for (name, path, dtype, site, scalars, _), flag in zip(nodes, flags, strict=True):
             if not flag or self._loss_node_bad:
                 continue
@@ -3039,8 +3085,7 @@ class Watcher:
             values = read_scalars(norms)  # float32 norms (float64 for float64)
             self._fill_grad_stats(recs, grads, values)
         else:
-            for rec, n in zip(recs, norms, strict=True):
-                rec.stat = TensorStat(math.nan, math.nan, rec_numel(rec))
+            for rec, n in zip(recs, norms, strict=True):  # rec.stat: None until read
                 self._pending_grads.append((rec, n, n))
 
     def _fill_grad_stats(
@@ -3754,17 +3799,31 @@ class Watcher:
         if not self._device_dead and not _tracing():
             weigh = self._full or (final and self._updated and self.first_anomaly is None)
             maxima = self._param_maxima() if weigh else []  # read with the rest
-            weights = self._materialize(maxima)
+            # read with no update applied since (no optimizer, a GradScaler that skipped
+            # it): the weights are still the step's, and a bad value is pinpointed as before
+            # an update (see _flush_before_update)
+            late = self._read_late() and not self._applied and trace.anomaly is None
+            weights = self._materialize(maxima, keep_trigger=late)
             if not self._grads_checked and self._backward_seen:
                 self._check_grads()
-                self._materialize()
+                self._materialize(keep_trigger=late)
+            if late and self._new_trigger is not None:
+                self._late = True
+                try:
+                    self._handle_trigger(None, act=False)  # the step end acts
+                finally:
+                    self._late = False
+            self._new_trigger = None
             if weigh:  # weights made non-finite by this step's update
                 self._check_params(at_end=True, all_records=self._forensic, values=weights)
         else:  # the device is gone: statistics still on it are unknown, not NaN
-            for rec, _, _ in self._pending + self._pending_grads:
+            for rec, *_ in self._pending + self._pending_grads:
                 rec.stat = None
+            for pf in self._prefetched:
+                for rec, *_ in pf.rows + pf.grads:
+                    rec.stat = None
             self._pending, self._pending_grads, self._pending_rows = [], [], []
-            self._pending_nodes = []
+            self._pending_nodes, self._prefetched = [], []
         self._drain_ops()
         self._summarize(trace)
         found = trace.anomaly
@@ -3817,39 +3876,76 @@ class Watcher:
                 self._ops_mark = 0  # what the checker records next ran after the update
 
     def _materialize(
-        self, extra: Sequence[torch.Tensor] = (), *, keep_trigger: bool = False
+        self,
+        extra: Sequence[torch.Tensor] = (),
+        *,
+        keep_trigger: bool = False,
+        prefetched_only: bool = False,
     ) -> list[float]:
         """One host transfer per device for everything measured on accelerators. ``extra``
         (0-d device tensors: the weights' maxima) rides along; its values are returned.
         ``keep_trigger``: the first bad record read stays the trigger, for
-        :meth:`_late_trigger` to localize and pinpoint."""
-        pending, grads, flagged = self._pending, self._pending_grads, self._pending_rows
-        self._pending, self._pending_grads, self._pending_rows = [], [], []
-        nodes = [f for *_, f in self._pending_nodes]
-        if not pending and not grads and not extra and not nodes:
-            return []
-        rows = pending + grads
-        flat = read_scalars([x for _, a, b in rows for x in (a, b)] + list(extra) + nodes)
-        if nodes:
-            self._read_loss_nodes(flat[len(flat) - len(nodes) :])
-            flat = flat[: len(flat) - len(nodes)]
-        values = [(flat[2 * i], flat[2 * i + 1]) for i in range(len(rows))]
-        for (rec, _, _), (lo, hi) in zip(pending, values, strict=False):
-            rec.stat = TensorStat(lo, hi, rec.stat.numel if rec.stat is not None else 0)
-        for rec, flags in flagged:  # a second read, only for a bad batch
-            if rec.stat is not None and not rec.stat.finite:
-                rec.stat.bad_rows, rec.stat.bad_row_count = rows_from_flags(flags)
-        for rec, _, _ in pending:
-            if rec.stat is not None and not rec.stat.finite:
-                self._note_bad(rec)
-        if grads:
-            recs = [r for r, _, _ in grads]
-            self._fill_grad_stats(
-                recs, [None] * len(recs), [hi for _, hi in values[len(pending) :]]
-            )
+        :meth:`_late_trigger` to localize and pinpoint. ``prefetched_only``: only what
+        :meth:`_prefetch` sent on its way, waiting for the forward's and taking the rest
+        only if it has landed (see :meth:`_flush_before_update`)."""
+        filled: list[Record] = []
+        grads: list[tuple[list[Record], list[float]]] = []
+        taken: list[_Prefetch] = []
+        left = self._prefetched
+        while left and (not prefetched_only or left[0].wait or left[0].read.ready()):
+            taken.append(left.pop(0))  # in order: a later one is not read before
+        for pf in taken:
+            got = pf.read.wait()
+            for i, (rec, _, _, n) in enumerate(pf.rows):
+                rec.stat = TensorStat(got[2 * i], got[2 * i + 1], n)
+                filled.append(rec)
+            base = 2 * len(pf.rows)
+            if pf.grads:
+                grads.append(
+                    (
+                        [r for r, _, _ in pf.grads],
+                        [got[base + 2 * i + 1] for i in range(len(pf.grads))],
+                    )
+                )
+            if pf.nodes:
+                self._read_loss_nodes(pf.nodes, got[base + 2 * len(pf.grads) :])
+        out: list[float] = []
+        if not prefetched_only:
+            pending, pgrads, nodes = self._pending, self._pending_grads, self._pending_nodes
+            self._pending, self._pending_grads, self._pending_nodes = [], [], []
+            if pending or pgrads or extra or nodes:
+                values = [x for r in pending for x in (r[1], r[2])]
+                values += [x for _, a, b in pgrads for x in (a, b)]
+                flat = read_scalars(values + list(extra) + [f for *_, f in nodes])
+                if nodes:
+                    self._read_loss_nodes(nodes, flat[len(flat) - len(nodes) :])
+                    flat = flat[: len(flat) - len(nodes)]
+                for i, (rec, _, _, n) in enumerate(pending):
+                    rec.stat = TensorStat(flat[2 * i], flat[2 * i + 1], n)
+                    filled.append(rec)
+                base = 2 * len(pending)
+                if pgrads:
+                    maxima = [flat[base + 2 * i + 1] for i in range(len(pgrads))]
+                    grads.append(([r for r, _, _ in pgrads], maxima))
+                out = flat[base + 2 * len(pgrads) :]
+        if filled:
+            now = {id(r) for r in filled}
+            flagged: list[tuple[Record, torch.Tensor]] = []
+            kept: list[tuple[Record, torch.Tensor]] = []
+            for rec, flags in self._pending_rows:
+                (flagged if id(rec) in now else kept).append((rec, flags))
+            self._pending_rows = kept
+            for rec, flags in flagged:  # a second read, only for a bad batch
+                if rec.stat is not None and not rec.stat.finite:
+                    rec.stat.bad_rows, rec.stat.bad_row_count = rows_from_flags(flags)
+            for rec in filled:
+                if rec.stat is not None and not rec.stat.finite:
+                    self._note_bad(rec)
+        for recs, maxima in grads:  # after the records: they ran first
+            self._fill_grad_stats(recs, [None] * len(recs), maxima)
         if not keep_trigger:
             self._new_trigger = None  # the flush localizes the whole step itself
-        return flat[2 * len(rows) :]
+        return out
 
     def _summarize(self, trace: StepTrace) -> None:
         s = self.scaler
@@ -3943,7 +4039,13 @@ class Watcher:
         anomaly = self._locate(trace, first)
         if anomaly is None:
             return None
-        if anomaly.kind is not AnomalyKind.PARAMETER and not self._device_dead:
+        if (
+            anomaly.kind is not AnomalyKind.PARAMETER
+            and not self._device_dead
+            # read after an update (the accelerator path's step end): the weights now are
+            # not those the step computed with, and the end of the step checks them itself
+            and not (self._applied and self._read_late())
+        ):
             with contextlib.suppress(Exception):
                 self._check_params(at_end=False)
             if any(r.phase is Phase.PARAMETER and r.bad for r in trace.records):
@@ -4166,6 +4268,10 @@ class Watcher:
         self._pinpoint_neginf(anomaly, target, current, pre_hooks)
         anomaly.summary = summarize(anomaly)
 
+    def _read_late(self) -> bool:
+        """The step's statistics are read after its calls (the accelerator path)."""
+        return self._defer_cpu or any(p.device.type != "cpu" for _, _, p in self._params[:1])
+
     def _late_inputs(
         self, call: Call
     ) -> tuple[Call, tuple[nn.Module, Any, Any, bool | int]] | None:
@@ -4335,8 +4441,6 @@ class Watcher:
             return None
         root, args, kwargs, hooks = found
         devices = {t.device for _, t in self._walk(args, "input", kwargs)}
-        if any(d.type != "cpu" for d in devices):
-            return None
         seen: list[tuple[Any, Any]] = []
 
         def grab(_m: nn.Module, a: Any, kw: Any) -> None:
@@ -4382,8 +4486,7 @@ class Watcher:
         if found is None:
             return None
         module, args, kwargs, hooks = found
-        if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
-            return None  # on accelerators a replay syncs per op: forensic mode, nw.replay()
+        # on accelerators the replay syncs at each op: anomaly-time work, once per module
         if _distributed() is not None:
             return None  # a replay on one rank could block in a collective (see _pinpoint)
         ev = ops.own_backward_event(module, args, kwargs, path=path, pre_hooks=hooks)
@@ -4435,8 +4538,6 @@ class Watcher:
             return None
         _, module, args, kwargs = found
         devices = {t.device for _, t in self._walk(args, "input", kwargs)}
-        if any(d.type != "cpu" for d in devices):
-            return None
         before = ops.rng_states(devices)
         try:
             with ops.preserved_state(module, devices), ops._replay_scope(), torch.enable_grad():
@@ -4569,8 +4670,6 @@ class Watcher:
         if found is None:
             return
         module, args, kwargs, hooks = found
-        if any(t.device.type != "cpu" for _, t in self._walk(args, "input", kwargs)):
-            return
         if _distributed() is not None:
             return  # a replay on one rank could block in a collective (see _pinpoint)
         result = ops.replay(
@@ -4734,8 +4833,8 @@ class Watcher:
             return
         _, args, kwargs, _ = found
         t = next((x for role, x in self._walk(args, "input", kwargs) if role == src.role), None)
-        if t is None or t.grad_fn is None or t.device.type != "cpu":
-            return
+        if t is None or t.grad_fn is None:  # (reading the graph's values syncs on accelerators:
+            return  # anomaly-time work)
         if src is anomaly.record:
             stop, value = self._graph_stops(t)
             birth = ops.birth_event(t.grad_fn, stop=stop, values=value)

@@ -244,9 +244,13 @@ def test_watch_mode_names_the_loss_codes_node_and_what_it_saved() -> None:
     assert top.code != "NW100"  # a diagnosis of the op, not "a non-finite value"
 
 
-def test_on_accelerators_the_loss_code_is_checked_after_its_first_bad_gradient() -> None:
-    """A check is a sync per node there: the first anomaly says what names the op, and the
-    steps after it (on_anomaly="warn", "record", Lightning's "skip") check the loss code."""
+def test_on_accelerators_the_loss_codes_node_is_named_then_read_after_its_first_bad_gradient() -> (
+    None
+):
+    """A full check reads each node's gradient, a sync per node there: the first anomaly
+    names the node from a flag each risky node leaves on the device (its saved values are
+    freed unread), and the steps after it (on_anomaly="warn", "record", Lightning's "skip")
+    check the loss code in full, with what the node saved."""
     model, x, y = _saturated_linear()
     nw = nanwatch.watch(model, on_anomaly="record")
     nw._defer_cpu = True  # the accelerator path, driven on CPU
@@ -256,9 +260,10 @@ def test_on_accelerators_the_loss_code_is_checked_after_its_first_bad_gradient()
             nw.step()
             model.zero_grad()  # no update: the same failure again
     first, second = (t.anomaly for t in nw.history)
-    assert first is not None and first.op is None
-    assert "mode='forensic' (nanwatch run --mode forensic)" in first.summary
+    assert first is not None and first.op is not None and first.op.node == "PowBackward0"
+    assert first.op.scalars == {"exponent": 0.5} and first.op.inputs == []  # not read
     assert second is not None and second.origin == "after-output"
+    assert dict(second.op.inputs if second.op else [])["self"].zeros  # read: 1 - p at 0
     assert second.op is not None and second.op.node == "PowBackward0"
     assert second.op.scalars == {"exponent": 0.5}
     backward_line = _line(_focal_step, "# the backward call")

@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import gpu, hook_cost, run
+from benchmarks import gallery_device, gpu, hook_cost, run
 from benchmarks._timing import minor_faults
 from benchmarks.variants import VARIANTS, DebugUnderflowOverflow, make_runners
 from benchmarks.workloads import build
+from nanwatch import scenarios
 
 pytestmark = pytest.mark.slow
 
@@ -186,3 +187,12 @@ def test_hook_cost_quick_reports_per_module_microseconds(tmp_path: Path) -> None
     # each of W3's guards is measured: its embedding's and its loss's, once a step each
     assert re.search(r"\| embed \(Embedding\) \| \(2, 8\) int64 \| 1 \| \d+\.\d \|", md), md
     assert re.search(r"\| CrossEntropyLoss \(CrossEntropyLoss\) \| .* \| 1 \| \d+\.\d \|", md)
+
+
+def test_the_gallery_on_a_device_says_where_it_differs() -> None:
+    rows = gallery_device.run("cpu", "watch", accelerator_path=True)
+    assert len(rows) == len(scenarios.names())
+    assert all(r["mismatch"] == [] and r["faults"] == [] for r in rows), rows
+    from nanwatch.watcher import Watcher
+
+    assert Watcher.attach.__name__ == "attach"  # put back

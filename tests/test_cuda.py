@@ -80,10 +80,10 @@ def test_a_watched_step_leaves_statistics_on_the_gpu_until_the_step_ends() -> No
         before_update = _syncs(update)
         at_end = _syncs(nw.step)
     assert during == []  # every statistic stayed on the device
-    # one transfer before the update (records and gradients: a bad value is found while
-    # the weights are still those it was computed with), one at the end (the new weights)
-    assert len(before_update) == 1
-    assert len(at_end) == 1
+    # a copy each, on nanwatch's side stream after an event: the forward's statistics
+    # (before the update), what backward made (then, or at the end if it had not landed),
+    # the new weights (at the end); never one sync per statistic
+    assert len(before_update) + len(at_end) <= 3
     trace = nw.history[-1]
     assert trace.anomaly is None and not [d for d in trace.diagnoses if d.severity == "error"]
     assert trace.grad_norm is not None and math.isfinite(trace.grad_norm)
@@ -288,7 +288,7 @@ def test_errors_are_diagnosed_under_a_default_device_of_cuda() -> None:
             h.mul_(2)
             model[2](h).sum().backward()
     finally:
-        torch.set_default_device("cpu")
+        torch.set_default_device(None)  # no mode left on the stack
     assert nw.faults == [] and nw2.faults == []
     assert [d.code for t in nw.history for d in t.diagnoses][:1] == ["NW506"]
     assert "NW403" in [d.code for t in nw2.history for d in t.diagnoses]

@@ -95,10 +95,12 @@ def test_raise_stops_the_update_on_the_accelerator_path(deferred: None) -> None:
         assert math.isfinite(float(p.detach().abs().max()))
 
 
-def test_the_step_end_reads_nothing_twice_on_the_accelerator_path(
+def test_the_update_waits_for_the_forward_alone_on_the_accelerator_path(
     deferred: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A healthy sentinel step: one read, before the update; the step end reads nothing."""
+    """A healthy step: the statistics leave for the host when backward begins (the forward's)
+    and when it has been enqueued (the gradients'), and are read before the update with no
+    stream-wide read (read_scalars): on the CPU both have landed by then."""
     from nanwatch import watcher as w
 
     reads: list[int] = []
@@ -115,12 +117,13 @@ def test_the_step_end_reads_nothing_twice_on_the_accelerator_path(
         for _ in range(3):
             x, y = torch.randn(8, 4), torch.randn(8, 1)
             nn.functional.mse_loss(model(x), y).backward()
+            assert nw._prefetched and not nw._pending  # on their way, not read
             reads.clear()
             opt.step()
-            assert len(reads) == 1  # before the update
+            assert reads == [] and not nw._prefetched  # read, without a stream-wide wait
             opt.zero_grad()
             nw.step()
-            assert len(reads) == 1  # and none at the step end
+            assert reads == []  # sentinel: the step end had nothing left to read
     assert nw.first_anomaly is None
 
 
@@ -159,3 +162,20 @@ def test_healthy_loss_code_leaves_no_flag_on_the_accelerator_path(deferred: None
             assert nw._pending_nodes == []  # read with the step's statistics
     assert nw.first_anomaly is None
     assert not [d for t in nw.history for d in t.diagnoses if d.severity == "error"]
+
+
+@pytest.mark.parametrize("mode", ["watch", "sentinel"])
+def test_a_backward_not_landed_before_the_update_is_read_at_the_step_end(
+    mode: str, deferred: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU far behind: what backward made has not reached the host when the optimizer
+    steps, so it is read at the step end, after the update. The NaN gradient is still the
+    step's anomaly where backward made it, not the weights the update then broke."""
+    from nanwatch.stats import HostRead
+
+    monkeypatch.setattr(HostRead, "ready", lambda self: False)
+    torch.manual_seed(0)
+    outcome = scenarios.run(scenarios.get("sqrt-backward"), mode=mode)
+    a = outcome.anomaly
+    assert a is not None and a.kind.value in ("backward", "gradient")
+    assert outcome.top is not None and outcome.top.code != "NW301"
