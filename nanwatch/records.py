@@ -271,6 +271,9 @@ class Call:
     #: the module computes its outputs as sums of products of its inputs and weights
     #: (Linear, Conv, RNN): a -inf in its output is an overflow, never a mask
     arithmetic: bool = False
+    #: its arguments were tensors alone, each recorded (no keywords, no Python values, no
+    #: mask nanwatch does not record): the records rebuild the call exactly for a replay
+    rebuildable: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {

@@ -2166,8 +2166,15 @@ class Watcher:
         keep_ints = call.root or info.is_loss
         if len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor):
             items: Iterable[tuple[str, torch.Tensor]] = (("input[0]", args[0]),)
+            a = args[0]
+            call.rebuildable = keep_ints or a.is_floating_point() or a.is_complex()
         else:
             items = self._walk(args, "input", kwargs)
+            call.rebuildable = not kwargs and all(
+                isinstance(a, torch.Tensor)
+                and (keep_ints or a.is_floating_point() or a.is_complex())
+                for a in args
+            )
         for role, t in items:
             floating = t.is_floating_point() or t.is_complex()
             if not floating and not keep_ints:
@@ -2505,8 +2512,32 @@ class Watcher:
                 try:
                     with _NO_TORCH_FUNCTION():
                         self._prefetch(wait=True)
+                        self._read_if_landed(tensors)
+                except NanwatchError:
+                    raise  # on_anomaly="raise": before backward runs, as on the CPU
                 except Exception as exc:
                     self._fault("grad", "forward statistics read", exc)
+
+    def _read_if_landed(self, tensors: Any) -> None:
+        """The forward's statistics, just sent (:meth:`_prefetch`), are read now if they
+        have already landed -- the GPU has run the forward, which a step bound by the host
+        usually has: no wait. A bad value is then localized with everything a CPU run has
+        at this point: the loss code's autograd graph (the op that made a NaN in it), the
+        inputs backward saved. Otherwise they are read before the update."""
+        pf = self._prefetched[-1] if self._prefetched else None
+        if pf is None or self._trace.anomaly is not None or not pf.read.ready():
+            return
+        self._materialize(keep_trigger=True, prefetched_only=True)
+        if self._new_trigger is None:
+            return
+        t = tensors if isinstance(tensors, torch.Tensor) else None
+        if t is None and isinstance(tensors, (tuple, list)) and len(tensors) == 1:
+            t = tensors[0] if isinstance(tensors[0], torch.Tensor) else None
+        self._late = True
+        try:
+            self._handle_trigger(None, loss=t if t is not None and t.grad_fn is not None else None)
+        finally:
+            self._late = False
 
     def _prefetch(self, *, wait: bool) -> None:
         """The statistics measured so far start their way to the host, in a copy enqueued
@@ -4787,6 +4818,8 @@ class Watcher:
         ``remake``: an input that is gone is made again by the module that produced it
         (:meth:`_remade_output`)."""
         trace = self._trace
+        if not call.rebuildable:
+            return None  # an argument no record holds (a bool mask, a number, a keyword)
         module = next((m for m, info in self._modules if info.path == call.path), None)
         if module is None:
             return None
