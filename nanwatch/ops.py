@@ -1634,6 +1634,31 @@ def call_forward(
     what the caller passed; False when they are what ``forward`` got (pre-hooks already
     applied); a hook id: ``args`` are what that hook saw, so the pre-hooks after it run."""
     mm = torch.nn.modules.module
+    args, kwargs = run_pre_hooks(module, args, kwargs, pre_hooks=pre_hooks)
+    result = module.forward(*args, **kwargs)
+    global_kw = getattr(mm, "_global_forward_hooks_with_kwargs", {})
+    posts = _user_hooks(getattr(mm, "_global_forward_hooks", {}))
+    posts += _user_hooks(module._forward_hooks)
+    for hook_id, hook in posts:
+        if hook_id in module._forward_hooks_with_kwargs or hook_id in global_kw:
+            got = hook(module, args, kwargs, result)
+        else:
+            got = hook(module, args, result)
+        if got is not None:
+            result = got
+    return result
+
+
+def run_pre_hooks(
+    module: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    pre_hooks: bool | int = True,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments ``module.forward`` gets from ``args``/``kwargs`` after the user's
+    forward pre-hooks that ``pre_hooks`` selects (see :func:`call_forward`) ran."""
+    mm = torch.nn.modules.module
     args = tuple(args)
     if pre_hooks is not False:
         after = None if isinstance(pre_hooks, bool) else pre_hooks
@@ -1651,18 +1676,7 @@ def call_forward(
                 got = hook(module, args)
                 if got is not None:
                     args = got if isinstance(got, tuple) else (got,)
-    result = module.forward(*args, **kwargs)
-    global_kw = getattr(mm, "_global_forward_hooks_with_kwargs", {})
-    posts = _user_hooks(getattr(mm, "_global_forward_hooks", {}))
-    posts += _user_hooks(module._forward_hooks)
-    for hook_id, hook in posts:
-        if hook_id in module._forward_hooks_with_kwargs or hook_id in global_kw:
-            got = hook(module, args, kwargs, result)
-        else:
-            got = hook(module, args, result)
-        if got is not None:
-            result = got
-    return result
+    return args, kwargs
 
 
 class _SubmoduleOps:

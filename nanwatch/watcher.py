@@ -4228,6 +4228,7 @@ class Watcher:
         if target is None:
             return
         found = self._call_inputs(target, current, pre_hooks, finished=False)
+        meant = target
         if found is None and self._late:
             late = self._late_inputs(target)
             if late is not None:
@@ -4240,6 +4241,14 @@ class Watcher:
                 anomaly.summary = summarize(anomaly)
             return
         module, args, kwargs, hooks = found
+        if self._late and hooks is not False:
+            # read after the call ended, its inputs are those the pre-hooks got: they run
+            # again first, outside the checked replay, as on the CPU, where the replay gets
+            # what the forward got. What a pre-hook sets (the weight weight_norm computes)
+            # is then the state the forward read, not an op of the forward
+            with _NO_TORCH_FUNCTION():
+                args, kwargs = ops.run_pre_hooks(module, args, kwargs, pre_hooks=hooks)
+            hooks = False
         # on accelerators the replay syncs at each op: anomaly-time work, once per module
         world = _distributed()
         if world is not None:  # a module may call a collective (a gather layer,
@@ -4279,10 +4288,20 @@ class Watcher:
             if result.output and self._blame_weights(anomaly, module):
                 return  # re-localized on the non-finite weights the replay read
             state = _bad_state(module)
+            written = [] if state else self._own_writes(target)
+            # read late, the root that ran the module was replayed in its place: state of
+            # that module is told as its own, named below it, as when it is replayed itself
+            owner, where = _state_owner(
+                self._modules, module, target=target, meant=meant, state=state, written=written
+            )
+            if owner is not None:
+                module, target = owner, meant
+                state = [{**t, "name": n} for t in state if (n := where(t["name"]))]
+                written = [n for w in written if (n := where(w))]
             if state:  # the forward read it: no op made it, and a replay cannot clear it
                 self.note("module_state", target.path, tensors=state)
             elif not result.output:
-                written = [n for n in self._own_writes(target) if _read_state(module, n)]
+                written = [n for n in written if _read_state(module, n)]
                 if not written:
                     anomaly.transient = True
                 else:
@@ -4348,7 +4367,33 @@ class Watcher:
         for fr in self._stack:
             if fr.call is call:
                 return fr.written()
-        return self._state_writes.get(call.id, [])
+        own = self._state_writes.get(call.id, [])
+        if not self._late:
+            return own
+        # read after the calls ended (the accelerator path), a submodule whose inputs are
+        # gone is replayed through the root that ran it: what that submodule wrote in place
+        # is then the replayed call's state too, named from the replayed module
+        trace = self._trace
+        module = next((m for m, info in self._modules if info.path == call.path), None)
+        if module is None:
+            return own
+        names = {id(m): n for n, m in module.named_modules()}
+        found = list(own)
+        for c in trace.calls:
+            written = self._state_writes.get(c.id)
+            if not written or c.id == call.id:
+                continue
+            up, seen = c.parent, set()
+            while up is not None and up != call.id and up not in seen:
+                seen.add(up)
+                parent = trace.call(up)
+                up = parent.parent if parent is not None else None
+            sub = next((m for m, info in self._modules if info.path == c.path), None)
+            if up != call.id or sub is None or id(sub) not in names:
+                continue
+            prefix = names[id(sub)]
+            found += [f"{prefix}.{n}" if prefix else n for n in written if n not in found]
+        return found
 
     def _overwritten_state(
         self, anomaly: Anomaly, target: Call, module: nn.Module, written: list[str]
@@ -5928,6 +5973,31 @@ def _reached(trace: StepTrace, anomaly: Anomaly) -> bool:
             continue
         return True
     return False
+
+
+def _state_owner(
+    modules: Sequence[tuple[nn.Module, _ModInfo]],
+    replayed: nn.Module,
+    *,
+    target: Call,
+    meant: Call,
+    state: list[dict[str, Any]],
+    written: list[str],
+) -> tuple[nn.Module | None, Callable[[str], str | None]]:
+    """When the root ``target`` was replayed in place of the call ``meant`` (whose inputs
+    were gone when the accelerator path read the step): ``meant``'s module and a map of the
+    names below the root to names below it, if every bad or written tensor is its own;
+    else ``(None, ...)``: the root's names stand. What other modules hold is left out: the
+    module's forward read only its own state (its inputs were recorded finite)."""
+    keep: Callable[[str], str | None] = lambda n: n  # noqa: E731
+    if target is meant:
+        return None, keep
+    sub = next((m for m, info in modules if info.path == meant.path), None)
+    prefix = next((n for n, m in replayed.named_modules() if m is sub), None)
+    names = [t["name"] for t in state] + list(written)
+    if sub is None or not prefix or not any(n.startswith(prefix + ".") for n in names):
+        return None, keep
+    return sub, lambda n: n[len(prefix) + 1 :] if n.startswith(prefix + ".") else None
 
 
 def _bad_state(module: nn.Module) -> list[dict[str, Any]]:

@@ -994,10 +994,16 @@ def test_watch_all_rejects_mixing_config_and_options() -> None:
         nanwatch.watch_all(speed=3)
 
 
-def test_check_localizes_mid_step_without_ending_it_or_acting() -> None:
+def test_check_localizes_mid_step_without_ending_it_or_acting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from nanwatch.stats import HostRead
+
     model = _nan_model()
     nw = nanwatch.watch(model, on_anomaly="raise", postmortem=False)
     nw._defer_cpu = True  # the accelerator path: nothing known until a transfer
+    # a GPU behind the host: the forward's statistics have not landed when backward begins
+    monkeypatch.setattr(HostRead, "ready", lambda self: False)
     with nw:
         model(torch.randn(2, 3)).sum().backward()
         a = nw.check()
