@@ -1576,6 +1576,9 @@ class Watcher:
         self._pending_grads = []
         self._pending_rows = []
         self._pending_nodes = []
+        #: gradients your code wrote after backward, on the accelerator path: their norms,
+        #: left on the device and read at the step end (see _read_written_later)
+        self._written_reads: list[tuple[Any, dict[str, Any], list[str], list[Any], Any]] = []
         #: outputs recorded under no_grad, per module path: a reentrant checkpoint's first
         #: pass, whose recomputation in backward gets their gradient hooks
         self._unhooked: dict[str, list[Record]] = {}
@@ -1806,6 +1809,12 @@ class Watcher:
                 stale, stale_group = _never_reset(added)
             if in_place:
                 written.update(self._bad_in_place(in_place))
+                if self._read_late() and not capturing() and _distributed() is None:
+                    # not read here on accelerators (no sync): the norms are read at the
+                    # step end, and a non-finite one told then as your code's write
+                    self._read_written_later(
+                        optimizer, {q: ("replaced", g) for q, g in in_place.items()}
+                    )
             if groups:  # it updates watched weights (another model's optimizer does not)
                 self._after_backward = None  # an update: the next forward begins a step
                 self._updated = True
@@ -1996,7 +2005,7 @@ class Watcher:
             values = read_scalars(foreach_l2([g for _, g in dense])) if dense else []
             nonfinite = [q for (q, _), v in zip(dense, values, strict=True) if v - v != 0]
         self._written_bad = bool(nonfinite)  # the weights are checked after the update
-        self.note(
+        note = self.note(
             "grad_written",
             type(optimizer).__name__,
             source=where,
@@ -2008,6 +2017,62 @@ class Watcher:
             # calls are not watched, so what they made is only seen here
             transformed=self._transformed,
         )
+        if nonfinite is None and self._read_late() and not capturing():
+            self._read_written_later(optimizer, written, note)
+
+    def _read_written_later(
+        self, optimizer: Any, written: dict[str, tuple[str, torch.Tensor]], note: Any = None
+    ) -> None:
+        """The accelerator path of :meth:`_note_written_grads` and :meth:`_bad_in_place`:
+        the norms of the gradients your code wrote are computed now, on their devices, and
+        read with the step's statistics at its end (:meth:`_read_written`), so NW301 names
+        your code as on the CPU, without a sync before the update. ``note``: the
+        ``"grad_written"`` note to complete; None: gradients written in place, told in a note
+        only if one is not finite."""
+        dense = [(q, g) for q, (_, g) in written.items() if g.layout is torch.strided]
+        if not dense:
+            return
+        meta: dict[str, Any] = {"how": {q: how for q, (how, _) in written.items()}}
+        if note is None:
+            frame = _frames.user_frame(sys._getframe(2))
+            meta.update(
+                path=type(optimizer).__name__,
+                source=_frames.describe_frame(frame)[0],
+                variable=_name_in_frame(frame, optimizer),
+                transformed=self._transformed,
+            )
+        norms = foreach_l2([g for _, g in dense])
+        dtypes = [g.dtype for _, g in dense]
+        self._written_reads.append((note, meta, [q for q, _ in dense], dtypes, norms))
+
+    def _read_written(self) -> None:
+        """Read the norms :meth:`_read_written_later` left on the devices (the step end):
+        the gradients that were not finite complete their note. Gradients rescaled in place
+        after a total norm whose square overflowed (``clip_grad_norm_``'s inf / inf) are
+        not, as on the CPU (see :meth:`_bad_in_place`)."""
+        reads, self._written_reads = self._written_reads, []
+        total = self._trace.grad_norm
+        for note, meta, names, dtypes, norms in reads:
+            values = read_scalars(norms)
+            bad = [q for q, v in zip(names, values, strict=True) if v - v != 0]
+            if note is not None:
+                note.data["nonfinite"] = bad
+                continue
+            overflowed = total is not None and any(
+                d.is_floating_point and not total * total <= torch.finfo(d).max for d in dtypes
+            )
+            if not bad or overflowed or len(self._trace.notes) >= 256:
+                continue
+            self.note(
+                "grad_written",
+                meta["path"],
+                source=meta["source"],
+                variable=meta["variable"],
+                how={q: meta["how"][q] for q in bad[:64]},
+                count=len(bad),
+                nonfinite=bad,
+                transformed=meta["transformed"],
+            )
 
     def _note_stale_grads(
         self, optimizer: Any, stale: list[str], group: int, groups: list[dict[str, Any]]
@@ -3118,6 +3183,21 @@ class Watcher:
         else:
             for rec, n in zip(recs, norms, strict=True):  # rec.stat: None until read
                 self._pending_grads.append((rec, n, n))
+            # each gradient as checked: a norm read as non-finite looks at the gradient
+            # itself if it is unchanged by then (squares past the dtype's max, not a NaN or
+            # inf in it, as on the CPU); weak references, no tensor read now
+            self._grads_at_check = {
+                id(rec): (ref(g), g._version) for rec, g in zip(recs, grads, strict=True)
+            }
+
+    def _grad_as_checked(self, rec: Record) -> torch.Tensor | None:
+        """The gradient the deferred record ``rec`` measured (see :meth:`_check_grads`),
+        if it is alive and unwritten since; None otherwise (its norm is all that is known)."""
+        entry = getattr(self, "_grads_at_check", {}).get(id(rec))
+        if entry is None:
+            return None
+        g = entry[0]()
+        return g if g is not None and g._version == entry[1] else None
 
     def _fill_grad_stats(
         self, recs: list[Record], grads: Sequence[torch.Tensor | None], values: list[float]
@@ -3838,6 +3918,8 @@ class Watcher:
             if not self._grads_checked and self._backward_seen:
                 self._check_grads()
                 self._materialize(keep_trigger=late)
+            if self._written_reads:
+                self._read_written()
             if late and self._new_trigger is not None:
                 self._late = True
                 try:
@@ -3855,6 +3937,7 @@ class Watcher:
                     rec.stat = None
             self._pending, self._pending_grads, self._pending_rows = [], [], []
             self._pending_nodes, self._prefetched = [], []
+            self._written_reads = []
         self._drain_ops()
         self._summarize(trace)
         found = trace.anomaly
@@ -3973,7 +4056,7 @@ class Watcher:
                 if rec.stat is not None and not rec.stat.finite:
                     self._note_bad(rec)
         for recs, maxima in grads:  # after the records: they ran first
-            self._fill_grad_stats(recs, [None] * len(recs), maxima)
+            self._fill_grad_stats(recs, [self._grad_as_checked(r) for r in recs], maxima)
         if not keep_trigger:
             self._new_trigger = None  # the flush localizes the whole step itself
         return out
