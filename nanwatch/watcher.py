@@ -352,7 +352,7 @@ class _Frame:
     """A module call on the stack; holds the call's inputs until the call returns (they are
     alive anyway in the caller's frame) so the producer can be replayed."""
 
-    __slots__ = ("args", "call", "inputs", "kwargs", "module", "rng", "versions")
+    __slots__ = ("args", "call", "inputs", "kwargs", "module", "rng", "site", "versions")
 
     def __init__(
         self, call: Call, module: nn.Module, args: Any, kwargs: Any, *, deep: bool = False
@@ -366,6 +366,9 @@ class _Frame:
         #: a root call's CPU generator state as it began (ops.forward_rng): a replay of it
         #: repeats its random draws
         self.rng: list[Any] | None = None
+        #: a root call's caller, as it stood when the call began (see _site_at), when its
+        #: statistics are read after it returned (the accelerator path)
+        self.site: _FrameAt | None = None
         # the version counters of the module's own buffers as the call began (host-side
         # metadata, no device read): a forward that writes its own state in place (an EMA
         # codebook, a step counter) shows in them, and a replay starts from what it wrote.
@@ -1371,6 +1374,11 @@ class Watcher:
             if call.root:  # host-side counters only, once per root call
                 frame.inputs = tuple(_version(t) for _, t in self._walk(args, "input", kwargs))
                 frame.rng = ops.forward_rng(args, kwargs)
+                if self._read_late():
+                    # a bad input or output is read after the call returned, when the
+                    # user's line has moved on (to backward()): keep where it called the
+                    # model (a few frames' lines, no read of any value)
+                    frame.site = _site_at(sys._getframe(1))
             if self._new_trigger is not None:
                 if call.root:  # a bad input: the user's line that called the model, now
                     self._note_call_site(info, module)
@@ -1573,6 +1581,7 @@ class Watcher:
         self._state_writes: dict[int, list[str]] = {}  # call id -> own buffers it wrote
         self._pending = []
         self._prefetched = []
+        self._described_bad = 0  # records described in full this step (see _describe_bad)
         self._pending_grads = []
         self._pending_rows = []
         self._pending_nodes = []
@@ -4052,6 +4061,7 @@ class Watcher:
             for rec, flags in flagged:  # a second read, only for a bad batch
                 if rec.stat is not None and not rec.stat.finite:
                     rec.stat.bad_rows, rec.stat.bad_row_count = rows_from_flags(flags)
+            self._describe_bad(filled, {id(r) for r, _ in flagged})
             for rec in filled:
                 if rec.stat is not None and not rec.stat.finite:
                     self._note_bad(rec)
@@ -4060,6 +4070,31 @@ class Watcher:
         if not keep_trigger:
             self._new_trigger = None  # the flush localizes the whole step itself
         return out
+
+    def _describe_bad(self, filled: list[Record], batches: set[int]) -> None:
+        """Records read non-finite after their calls (the accelerator path) hold min and max
+        only; a tensor still alive and unchanged is described in full now, as the CPU path
+        describes it when measured: its NaN/inf counts and, for a batch (``batches``: ids
+        of records measured with rows), which samples and features hold them -- what tells
+        bad data from a value the user's code computed. Anomaly-time work (a read per
+        record), for a bounded number of records a step."""
+        bad = [r for r in filled if r.stat is not None and not r.stat.finite]
+        if not bad or self._described_bad >= _DESCRIBE_BAD:
+            return
+        alive: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int | None]] = {
+            idx: (ref, ver) for ref, idx, ver, _ in self._known.values()
+        }
+        for rec in bad:
+            if self._described_bad >= _DESCRIBE_BAD:
+                return
+            entry = alive.get(rec.index)
+            t = entry[0]() if entry is not None else None
+            if t is None or entry is None or entry[1] != _version(t):
+                continue  # freed, or written since: what it held then is not known
+            self._described_bad += 1
+            stat = describe(t, rows=id(rec) in batches)
+            if stat is not None and not stat.finite:
+                rec.stat = stat
 
     def _summarize(self, trace: StepTrace) -> None:
         s = self.scaler
@@ -4153,6 +4188,8 @@ class Watcher:
         anomaly = self._locate(trace, first)
         if anomaly is None:
             return None
+        if anomaly.kind is AnomalyKind.INPUT and trace is self._trace:
+            self._late_call_site(anomaly)
         if (
             anomaly.kind is not AnomalyKind.PARAMETER
             and not self._device_dead
@@ -4354,7 +4391,7 @@ class Watcher:
             on_error=self._checker_fault,
             pre_hooks=hooks,
             hold=self._moved_state,
-            call_site=self._call_line(module),
+            call_site=self._call_line(module) or self._late_line(target),
             rng=self._call_rng(target),
         )
         trace.ops.extend(result.events)
@@ -4433,17 +4470,51 @@ class Watcher:
             frame = self._root_frames.get(call.path)
         return frame.rng if frame is not None and frame.call is call else None
 
-    def _note_call_site(self, info: _ModInfo, module: nn.Module) -> None:
+    def _note_call_site(
+        self, info: _ModInfo, module: nn.Module, site: _FrameAt | None = None
+    ) -> None:
         """Note where the user called the root ``info`` whose input is bad (NW401 names the
-        batch as that line passed it). Anomaly time only: a frame walk."""
+        batch as that line passed it). Anomaly time only: a frame walk (``site``: the
+        frames as the call found them, see :meth:`_late_call_site`)."""
         if any(n.kind == "call_site" and n.path == info.path for n in self._trace.notes):
             return
         try:
-            data = _call_site_data(module)
+            data = _call_site_data(module, site)
         except Exception:  # a frame nanwatch cannot read: the rule does without
             data = None
         if data is not None:
             self.note("call_site", info.path, **data)
+
+    def _late_site(self, call: Call | None) -> _FrameAt | None:
+        """Where the user called the finished root ``call``, kept when it began (the
+        accelerator path, see ``_Frame.site``)."""
+        if call is None or not call.root:
+            return None
+        frame = self._root_frames.get(call.path)
+        return frame.site if frame is not None and frame.call is call else None
+
+    def _late_line(self, call: Call) -> tuple[str, str | None] | None:
+        """The user's line that called the finished root ``call`` (see :meth:`_late_site`),
+        for a replay of it after that line has moved on; None on the CPU path."""
+        site = self._late_site(call)
+        user = _frames.user_frame(site) if site is not None else None  # type: ignore[arg-type]
+        if user is None:
+            return None
+        source, code = _frames.describe_frame(user)
+        return (source, code) if source is not None else None
+
+    def _late_call_site(self, anomaly: Anomaly) -> None:
+        """Bad input data read after the root's call returned (the accelerator path): the
+        user's line has moved on, so its call of the root is noted from the frames kept
+        as the call began, as the pre-hook notes it on the CPU."""
+        call = self._trace.call(anomaly.record.call)
+        site = self._late_site(call)
+        if call is None or site is None:
+            return
+        frame = self._root_frames[call.path]
+        info = self._infos.get(frame.module)
+        if info is not None:
+            self._note_call_site(info, frame.module, site)
 
     def _own_writes(self, call: Call) -> list[str]:
         """The module's own floating buffers ``call`` wrote in place (so far, when open)."""
@@ -5716,13 +5787,57 @@ def _comment_start(line: str) -> int:
 _MODULE_CALL = os.path.join("torch", "nn", "modules", "module.py")
 
 
-def _call_site_data(module: nn.Module) -> dict[str, Any] | None:
+class _FrameAt:
+    """A frame as it stood at one moment (its line and instruction then), read after it
+    has moved on: where the user called a root, when its values are read after the call
+    returned (the accelerator path). The frame itself is not held: it would keep its
+    locals (a step's logits on a GPU) alive until the root's next call. Its names are read
+    from the frame of the same code still running when they are asked for (the training
+    loop's own), or are not known (a ``training_step`` that has returned)."""
+
+    __slots__ = ("f_back", "f_code", "f_globals", "f_lasti", "f_lineno")
+
+    def __init__(self, f: Any, back: _FrameAt | None) -> None:
+        self.f_code, self.f_globals = f.f_code, f.f_globals
+        self.f_lasti, self.f_lineno = f.f_lasti, f.f_lineno
+        self.f_back = back
+
+    @property
+    def f_locals(self) -> Any:
+        f: Any = sys._getframe(1)
+        while f is not None and f.f_code is not self.f_code:
+            f = f.f_back
+        return f.f_locals if f is not None else {}
+
+
+def _site_at(start: Any) -> _FrameAt | None:
+    """The frames from the first one outside nanwatch and nn.Module's call machinery up
+    to the user's (see :func:`_call_site_data`), as they stand now."""
+    f = start
+    while f is not None and (
+        f.f_globals.get("__name__", "").startswith("nanwatch")
+        or f.f_code.co_filename.endswith(_MODULE_CALL)
+    ):
+        f = f.f_back
+    chain: list[Any] = []
+    while f is not None and len(chain) < 32:
+        chain.append(f)
+        if not _frames.is_internal(f.f_code.co_filename):
+            break  # the user's frame: the frames above it are not read
+        f = f.f_back
+    site: _FrameAt | None = None
+    for fr in reversed(chain):
+        site = _FrameAt(fr, site)
+    return site
+
+
+def _call_site_data(module: nn.Module, start: Any = None) -> dict[str, Any] | None:
     """Where the user's code called the root ``module`` (from its forward pre-hook: the
     frames below are the call's): ``code``, the user's line; ``callee``, the name that line
     calls the module by; and, when a library function made the call (``update_bn``),
     ``library`` (its module and name), ``user_code`` and ``user_source`` (the user's line
-    that called that function)."""
-    f: Any = sys._getframe(1)
+    that called that function). ``start``: those frames as kept by :func:`_site_at`."""
+    f: Any = start if start is not None else sys._getframe(1)
     while f is not None and (
         f.f_globals.get("__name__", "").startswith("nanwatch")
         or f.f_code.co_filename.endswith(_MODULE_CALL)
@@ -5957,6 +6072,8 @@ _FLAT_WEIGHTS = 1 << 16
 #: about half of what the loss code's own forward and backward cost: a CTC over 200
 #: frames (1,600 nodes) takes 42 ms a step unwatched, 69 ms watched (49 ms with 64 nodes)
 _LOSS_NODES = 4096
+#: bad records a step described in full after the accelerator path read them (a read each)
+_DESCRIBE_BAD = 32
 #: and at most this many gradient elements in all (each checked gradient is read once):
 #: a model left unwatched behind a functional loss is not read through whole every step
 _LOSS_ELEMENTS = 1 << 24
