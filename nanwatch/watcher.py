@@ -1015,7 +1015,7 @@ class Watcher:
             return  # a forked child: the parent's watcher reports, not this copy
         try:
             # torch.set_default_device("cuda") is a TorchFunctionMode: nanwatch's own
-            # tensors (the pinned buffer of the read) are made where nanwatch says
+            # tensors (the stacked statistics of a read) are made where nanwatch says
             with _NO_TORCH_FUNCTION():
                 if exc is None or _deliberate_exit(exc):
                     self._quiet = exc is not None  # the exit must come out as it went in
@@ -1868,7 +1868,7 @@ class Watcher:
         host time. A bad value is localized and its op pinpointed while the weights it was
         computed with are unchanged and the root's inputs are at hand, and ``on_anomaly``
         acts before the update writes it into the weights, as on the CPU. What backward
-        made is read at the step end, in its one transfer."""
+        made is read at the step end."""
         if (
             not self._prefetched
             or self._trace.anomaly is not None
@@ -3912,7 +3912,7 @@ class Watcher:
         self._boundary()
 
     def _flush(self, *, final: bool = False) -> None:
-        """Bring the step's statistics to the host (one transfer), check gradients and
+        """Bring the step's statistics still on the devices to the host, check gradients and
         weights, localize, and run the rules. ``final``: the run's last step (detach),
         whose update's weights no next forward will read: checked in every mode."""
         trace = self._trace
