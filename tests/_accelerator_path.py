@@ -1,0 +1,24 @@
+"""A pytest plugin: every Watcher takes the accelerator (CUDA) path on the CPU -- statistics
+left "on the device" and read late (when backward begins if they have landed, before the
+optimizer's update, at the step end) -- so the whole suite tells where that path
+diagnoses differently from the CPU path, where each value is read as it is measured:
+
+    python -m pytest -p tests._accelerator_path
+
+Not part of the default run: some tests check CPU-only mechanics by design (a raise
+inside the forward, reads made by hooks, counts of a tensor freed before a late read).
+Stop 27: 266 failures at its start, 78 at 479a42c, most of them a weaker diagnosis."""
+
+from __future__ import annotations
+
+from nanwatch.watcher import Watcher
+
+_attach = Watcher.attach
+
+
+def _on_the_accelerator_path(self: Watcher) -> Watcher:
+    self._defer_cpu = True
+    return _attach(self)
+
+
+Watcher.attach = _on_the_accelerator_path  # type: ignore[method-assign]
