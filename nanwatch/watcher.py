@@ -460,7 +460,8 @@ def _unwrap_compiled(m: nn.Module, *, path: str = "") -> nn.Module:
 
 _PendingNode = tuple[str, str, str, tuple[str | None, str | None], dict[str, Any], torch.Tensor]
 """A loss-code node's flag on the device: (node name, loss path, dtype, backward site, the
-scalars it saved, 0-d flag: 0 finite, 1 inf born, 2 NaN born); see ``_flag_loss_nodes``."""
+scalars it saved, 0-d flag: 0 finite, else what was born: 1 NaN, 2 +inf, 4 -inf, summed);
+see ``_flag_loss_nodes``."""
 
 
 @dataclasses.dataclass
@@ -528,6 +529,9 @@ class Watcher:
     #: sentinel: the loss that ``backward()`` was called on this step, while the user holds
     #: it (its graph names the loss code's nodes at anomaly time; nothing is checked)
     _loss_ref: Callable[[], torch.Tensor | None] | None
+    #: sentinel on the accelerator path: the loss code's risky nodes (see
+    #: :meth:`_loss_risky_nodes`), named at ``backward()``: the loss may be gone by the read
+    _loss_risky: list[str] | None
 
     def __init__(
         self,
@@ -1618,6 +1622,8 @@ class Watcher:
         self._loss_node_bad = False
         self._loss_last = None
         self._loss_ref = None
+        self._loss_risky = None
+        self._flag_site: tuple[str | None, str | None] = (None, None)
         if self._anomaly_paused and self._attached:
             self._anomaly_paused = False
             torch.autograd.set_detect_anomaly(True, check_nan=False)
@@ -2350,7 +2356,10 @@ class Watcher:
                 rec.version = ver
                 if call.root:
                     self._remember_root_output(t, rec.index)
-                    if self._trace.resolve(rec).stat is None:
+                    orig = self._trace.resolve(rec)
+                    # measured already, maybe not read yet (the accelerator path): an alias
+                    # measured again would look like a new tensor (_hooked reads it so)
+                    if orig.stat is None and orig.index not in self._minmax:
                         self._measure(rec, t)  # a root's output is always measured: the logits
                     if not entry[3] and self._maybe_hook_grad(t, rec):
                         # the gradient the loss sends back is checked where it arrives, also
@@ -2689,6 +2698,10 @@ class Watcher:
                     self._hook_loss_graph(t)
                 elif not self._full:
                     self._loss_ref = weakref.ref(t)
+                    if t.device.type != "cpu" or self._defer_cpu:
+                        # read late, when the user may have dropped the loss: its nodes'
+                        # names are taken now (a walk of the loss code alone, no sync)
+                        self._loss_risky = self._loss_risky_nodes()
         except NanwatchError:
             raise
         except Exception as exc:
@@ -2772,10 +2785,21 @@ class Watcher:
             limit=_LOSS_NODES,
         )
         gen, step = self._gen, self._step
+        # the user's backward() line, once (not a frame walk in each node's hook)
+        self._flag_site = _frames.user_line()
+        last: list[str] = []
         for node in walk:
             base = re.sub(r"Backward\d*$", "", type(node).__name__)
-            if base not in _RISKY_BACKWARD:
-                continue
+            if (
+                type(node).__name__ not in _GRAD_MOVERS
+                and path == LOSS_PATH
+                and _feeds_only(node, stop, 4)
+            ):
+                # as on the CPU: the node next to the outputs is named when the outputs'
+                # hooks see its gradient go bad and no flag names another (by name only)
+                last.append(ops.name_of(node))
+            if base not in _FLAGGED_BACKWARD and ops.custom_function(node) is None:
+                continue  # a custom Function's backward is the user's: it can make anything
             scalars: dict[str, Any] = {}
             if base == "Pow":
                 e = getattr(node, "_saved_exponent", None)
@@ -2802,6 +2826,7 @@ class Watcher:
                     self._fault("loss-graph", "loss-code gradient check", exc)
 
             self._tensor_handles.append(node.register_hook(on_node))
+        self._loss_last = None if walk.truncated else last
 
     def _flag_loss_node(
         self,
@@ -2811,17 +2836,27 @@ class Watcher:
         grad_inputs: tuple[torch.Tensor | None, ...],
         grad_outputs: tuple[torch.Tensor | None, ...],
     ) -> None:
-        made = [g for g in grad_inputs if g is not None and g.is_floating_point()]
-        got = [g for g in grad_outputs if g is not None and g.is_floating_point()]
+        # one min/max pass over each gradient (NaN shows in both, an inf in one): a node of
+        # a hand-written loss can hold a logits-sized gradient, read once, not per kind
+        made = [m for g in grad_inputs if g is not None and (m := minmax(g)) is not None]
+        got = [m for g in grad_outputs if g is not None and (m := minmax(g)) is not None]
         if not made:
             return
-        bad = torch.stack([~torch.isfinite(g).all() for g in made]).any()
-        if got:
-            bad = bad & torch.stack([torch.isfinite(g).all() for g in got]).all()
-        nan = torch.stack([torch.isnan(g).any() for g in made]).any()
-        site = self._backward_site if self._backward_site[0] else _frames.user_line()
-        flag = bad.to(torch.int8) * (1 + nan.to(torch.int8))
-        self._pending_nodes.append((name, path, dtype_name(made[0].dtype), site, scalars, flag))
+        lo = torch.stack([m[0].float() for m in made])
+        hi = torch.stack([m[1].float() for m in made])
+        nan = (lo.isnan() | hi.isnan()).any()
+        pos = (hi == math.inf).any()
+        neg = (lo == -math.inf).any()
+        bad = nan | pos | neg
+        if got:  # it arrived finite: born here
+            ends = torch.stack([x.float() for m in got for x in m])
+            bad = bad & torch.isfinite(ends).all()
+        # which kinds were born, as on the CPU (a -inf is not called +inf): one bit each
+        kinds = nan.to(torch.int8) + 2 * pos.to(torch.int8) + 4 * neg.to(torch.int8)
+        flag = bad.to(torch.int8) * kinds
+        dtype = next(g.dtype for g in grad_inputs if g is not None and g.is_floating_point())
+        site = self._backward_site if self._backward_site[0] else self._flag_site
+        self._pending_nodes.append((name, path, dtype_name(dtype), site, scalars, flag))
 
     def _read_loss_nodes(self, nodes: list[_PendingNode], flags: list[float]) -> None:
         """The first loss-code node flagged by :meth:`_flag_loss_node` becomes the op
@@ -2831,15 +2866,19 @@ class Watcher:
             if not flag or self._loss_node_bad:
                 continue
             self._loss_node_bad = True
-            nan = flag >= 2
-            out = TensorStat(math.nan if nan else -math.inf, math.nan if nan else math.inf, 0)
+            bits = int(flag)
+            nan, pos, neg = bool(bits & 1), bool(bits & 2), bool(bits & 4)
+            # nothing was counted: min and max alone say which kinds were born
+            lo = -math.inf if neg else math.nan if nan else math.inf
+            hi = math.inf if pos else math.nan if nan else -math.inf
+            out = TensorStat(lo, hi, 0)
             source, code = site
             self._trace.ops.append(
                 OpEvent(
                     op=ops.node_op(name),
                     phase=Phase.BACKWARD,
                     path=path,
-                    born="NaN" if nan else "inf",
+                    born=out.kinds(),
                     output=out,
                     source=source,
                     code=code,
@@ -2903,8 +2942,8 @@ class Watcher:
         output directly made it, when there is one such node (by name only: what it saved
         was freed once it ran)."""
         last = self._loss_last
-        if last is None and self._loss_ref is not None and not self._full:
-            last = self._loss_risky_nodes()
+        if last is None and not self._full:
+            last = self._loss_risky_names()
         if not last or len(set(last)) != 1 or self._loss_node_bad:
             return None
         name = last[0]
@@ -2927,7 +2966,7 @@ class Watcher:
         """Sentinel: a gradient from the loss code went bad at a watched output, and the loss
         code holds several nodes whose backward can make it (see :meth:`_loss_risky_nodes`):
         the summary names their kinds, the candidates a guard goes on."""
-        risky = self._loss_risky_nodes() if self._loss_ref is not None else None
+        risky = self._loss_risky_names()
         if not risky or self._loss_node_bad:
             return
         kinds = list(dict.fromkeys(risky))
@@ -2941,6 +2980,13 @@ class Watcher:
             "one: an input at the edge of its domain, a division by 0",
             1,
         )
+
+    def _loss_risky_names(self) -> list[str] | None:
+        """Sentinel: :meth:`_loss_risky_nodes`, or what the accelerator path named at
+        ``backward()`` (the loss may be gone when its values are read)."""
+        if self._loss_risky is not None:
+            return self._loss_risky
+        return self._loss_risky_nodes() if self._loss_ref is not None else None
 
     def _loss_risky_nodes(self) -> list[str] | None:
         """Sentinel: the nodes of the loss code (between the loss ``backward()`` was called
@@ -5032,6 +5078,10 @@ class Watcher:
             if not r.role.startswith("input["):
                 return None  # keyword inputs: not rebuilt
             key = r.source if r.source is not None else r.index
+            if r.grad_fn is not None:
+                # a root's input computed from a watched output (``p[keep]``, ``h / h.norm()``)
+                # names that output as its source, another tensor: only its own record is it
+                key = r.index
             t = alive.get(key)
             if t is None and remake:
                 src = trace.record(key)
@@ -6143,8 +6193,16 @@ _RISKY_BACKWARD = frozenset(
         "Sqrt", "Rsqrt", "Pow", "Div", "Reciprocal", "Log", "Log2", "Log10", "Log1p",
         "LinalgVectorNorm", "Norm", "Cdist", "Acos", "Asin", "Atanh", "Acosh", "Atan2",
         "Xlogy", "Lgamma", "Digamma", "Polygamma", "Erfinv",
+        # -log(x) - 1 is inf at 0; exp(x - lse) is NaN where a whole row is -inf (a CTC's
+        # or a masked attention's logsumexp whose -inf the loss code masks afterwards)
+        "SpecialEntr", "Logsumexp",
     }
 )  # fmt: skip
+
+#: the nodes the accelerator path flags (see ``_flag_loss_nodes``): the risky ones, and
+#: exp, whose gradient is 0 × inf = NaN where its forward overflowed and the loss code
+#: discarded the inf (PPO's ratio under torch.min); the CPU checks every node instead
+_FLAGGED_BACKWARD = _RISKY_BACKWARD | {"Exp"}
 
 
 def _feeds_only(node: Any, stop: ops.NodeMarks, depth: int) -> bool:

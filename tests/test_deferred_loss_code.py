@@ -1,0 +1,120 @@
+"""The accelerator path (driven on the CPU with ``_defer_cpu``) gives the loss code's
+diagnoses that the CPU path gives, although its values are read late, when the loss and
+the temporaries the user's code made may be gone."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import nanwatch
+from nanwatch.records import LOSS_PATH, AnomalyKind
+
+
+def _deferred(*modules: nn.Module, **kw: object) -> nanwatch.Watcher:
+    nw = nanwatch.watch(*modules, on_anomaly="record", postmortem=False, **kw)  # type: ignore[arg-type]
+    nw._defer_cpu = True  # the accelerator path, driven on CPU
+    return nw
+
+
+def _zero_linear() -> nn.Linear:
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.zero_()
+        model.bias.zero_()  # every output exactly 0
+    return model
+
+
+def _sqrt_step(model: nn.Module) -> None:
+    out = model(torch.randn(2, 4))
+    torch.sqrt(out).mean().backward()  # the loss is gone once this returns
+
+
+def test_sentinel_names_the_loss_codes_risky_node_after_the_loss_is_gone() -> None:
+    model = _zero_linear()
+    nw = _deferred(model, mode="sentinel")
+    with nw:
+        _sqrt_step(model)
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.origin == "after-output"
+    assert a.op is not None and a.op.node == "SqrtBackward0"  # named at backward()
+    assert nw.history[-1].diagnoses[0].code != "NW100"
+
+
+def test_watch_mode_names_the_single_loss_node_next_to_the_output() -> None:
+    model = _zero_linear()
+    nw = _deferred(model)
+    with nw:
+        out = model(torch.randn(2, 4))
+        (out.abs() + 1).log().mean().backward()  # finite: nothing to name
+        nw.step()
+    assert nw.first_anomaly is None
+
+
+class _Half(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g / torch.zeros_like(g)  # the user's own backward makes inf / NaN
+
+
+def test_a_custom_functions_backward_in_the_loss_code_is_named_not_its_neighbour() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    nw = _deferred(model)
+    with nw:
+        e = model(torch.randn(5, 4))
+        _Half.apply(e[:, None] - e[None]).pow(2).mean().backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.kind is AnomalyKind.BACKWARD and a.path == LOSS_PATH
+    assert "custom autograd.Function _Half" in a.summary
+    assert a.op is None or a.op.node != "SubBackward0"  # not blamed on the node beside it
+
+
+def test_a_loss_module_given_a_selection_of_the_output_is_replayed_on_that_selection() -> None:
+    torch.manual_seed(0)
+    model, crit = nn.Linear(6, 2), nn.SmoothL1Loss()
+    nw = _deferred(model, crit)
+    with nw:
+        p = model(torch.randn(4, 6))
+        keep = torch.zeros(4, dtype=torch.bool)  # nothing selected: the mean of nothing
+        crit(p[keep], torch.zeros_like(p[keep])).backward()
+        nw.step()
+    d = nw.history[-1].diagnoses[0]
+    assert d.code == "NW113" and d.op is not None and d.op.startswith("aten.smooth_l1_loss")
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.head1 = nn.Linear(16, 1)
+        self.head2 = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.head1(h), self.head2(h)
+
+
+def test_a_full_backward_hook_on_a_head_is_named_when_read_late() -> None:
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    handle = model.head2.register_full_backward_hook(
+        lambda m, gi, go: (gi[0] / gi[0].norm(),)  # type: ignore[index]  # 0/0
+    )
+    try:
+        nw = _deferred(model)
+        with nw:
+            p1, p2 = model(torch.randn(16, 8))
+            (p1.pow(2).mean() + 0.0 * p2.sum()).backward()
+            nw.step()
+    finally:
+        handle.remove()
+    a = nw.first_anomaly
+    assert a is not None and a.path == "head2"
+    assert "backward hook of head2 (register_full_backward_hook)" in a.summary
