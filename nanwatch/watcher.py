@@ -1607,6 +1607,13 @@ class Watcher:
         self._grad_call = False  # a call from outside with gradients on was made this step
         self._updated = False  # an optimizer stepped this step
         self._applied = False  # and its update returned (the post-hook ran)
+        self._applied_calls = 0  # len(trace.calls) when the step's last update returned
+        #: the accelerator path: the weights as the forwards read late computed with them,
+        #: taken before an update (see _on_optimizer_step); None when not needed
+        self._before_update: (
+            tuple[list[torch.Tensor], dict[int, Any], dict[int, Any], dict[int, int], int] | None
+        ) = None
+        self._versions: dict[int, int] | None = None  # see _check_before_update
         self._late = False  # a trigger read after its calls ended (see _late_trigger)
         self._ops_mark = None  # see __init__
         self._weights_at_grad: tuple[int, ...] | None = None  # versions after autograd.grad
@@ -1765,6 +1772,16 @@ class Watcher:
         ):
             return
         try:
+            # accelerators: forwards since backward began (a second forward of the step, an
+            # evaluation) are read only at the step end, after this update: what the update
+            # is told from is kept now, and the weights' maxima computed on their devices
+            # (no sync), so a NaN/inf read late in them is told from the weights they
+            # computed with (see _check_before_update)
+            before = (
+                (dict(self._stepped), dict(self._opt_calls))
+                if self._read_late() and self._pending and self._before_update is None
+                else None
+            )
             groups: list[dict[str, Any]] = []
             name = type(optimizer).__name__
             ref = weakref.ref(optimizer)
@@ -1830,6 +1847,15 @@ class Watcher:
                     self._read_written_later(
                         optimizer, {q: ("replaced", g) for q, g in in_place.items()}
                     )
+            if groups and before is not None and not capturing() and not self._device_dead:
+                weights = [p.detach() for _, _, p in self._params]
+                versions = {id(p): p._version for _, _, p in self._params}
+                self._before_update = (
+                    self._weight_maxima(weights),
+                    *before,
+                    versions,
+                    len(self._trace.calls),
+                )
             if groups:  # it updates watched weights (another model's optimizer does not)
                 self._after_backward = None  # an update: the next forward begins a step
                 self._updated = True
@@ -2116,6 +2142,8 @@ class Watcher:
             return
         self._opt_running = False
         self._applied = self._applied or self._updated
+        if self._updated:
+            self._applied_calls = len(self._trace.calls)
         if self._checker is not None:
             self._ops_mark = len(self._checker.events)
         self._opt_calls[id(optimizer)] = (self._step, len(self._trace.calls))
@@ -3392,6 +3420,11 @@ class Watcher:
                 front.append(rec)
             rec.stat = stat
             if not stat.finite and len(self._trace.notes) < 256:
+                # the weight's version when its values were taken (before the update, see
+                # _check_before_update), else now
+                version = param._version
+                if self._versions is not None:
+                    version = self._versions.get(id(param), version)
                 # which optimizer step, if any, last wrote it (NW301: an EMA copy, a loaded
                 # checkpoint, a pruning mask are written by no optimizer)
                 # on a trigger, an update earlier in this step (an evaluation forward after
@@ -3400,12 +3433,12 @@ class Watcher:
                 stepped = self._stepped.get(id(param))
                 if stepped is None and not at_end:
                     stepped = self._stepped_prev.get(id(param))
-                after = stepped is not None and stepped[2] not in (-1, param._version)
+                after = stepped is not None and stepped[2] not in (-1, version)
                 if stepped is not None and stepped[2] != -1 and not after:
                     # a .data assignment after the update: a new tensor, the same version
                     ptr = self._stepped_ptr.get(id(param))
                     after = ptr is not None and ptr != _data_ptr(param)
-                replaced = bool(after and stepped and stepped[2] == param._version)
+                replaced = bool(after and stepped and stepped[2] == version)
                 # a forward of this step ran with it finite after that update: written
                 # since, in place and unseen by autograd (p.data.add_, a copy_ under no_grad)
                 read_by = self._read_since_update(param, path) if stepped and not after else None
@@ -3442,7 +3475,7 @@ class Watcher:
                     after_optimizer=stepped[0] if after and stepped else None,
                     # written since the attach check found it finite, by no optimizer
                     since_attach=(
-                        stepped is None and at_attach is not None and at_attach != param._version
+                        stepped is None and at_attach is not None and at_attach != version
                     ),
                     # what the attach check read (a .data write bumps no version)
                     finite_at_attach=(
@@ -3927,8 +3960,11 @@ class Watcher:
         post-mortem that does not say so."""
         last = self.history[-1] if self.history else None
         if (
-            last is None
-            or last.full
+            # no step ended yet: a run of updates alone (per-sample gradients under vmap,
+            # no watched forward, no nw.step()) whose gradients were not read before them
+            # (accelerators read nothing before an update): its weights are read here
+            (last is None and not (self._read_late() and self._ever_updated))
+            or (last is not None and last.full)
             or self.first_anomaly is not None  # told already: the weights followed from it
             or not self._ever_updated
             or self._device_dead
@@ -3982,6 +4018,19 @@ class Watcher:
                 finally:
                     self._late = False
             self._new_trigger = None
+            if self._applied and self._read_late():
+                # before the weights this step's update wrote are recorded as its own:
+                with contextlib.suppress(Exception):
+                    if self._bad_after_update(trace):
+                        # a call after the step's last update (an evaluation after
+                        # optimizer.step()) computed a NaN/inf with the weights as they
+                        # are now: bad ones were bad before that forward ran, as its
+                        # trigger finds on the CPU
+                        self._check_params(at_end=False)
+                    else:
+                        # one before it, read only now: judged by the weights it computed
+                        # with, weighed before the update (see _on_optimizer_step)
+                        self._check_before_update(trace)
             if weigh:  # weights made non-finite by this step's update
                 self._check_params(at_end=True, all_records=self._forensic, values=weights)
         else:  # the device is gone: statistics still on it are unknown, not NaN
@@ -4240,8 +4289,10 @@ class Watcher:
             anomaly.kind is not AnomalyKind.PARAMETER
             and not self._device_dead
             # read after an update (the accelerator path's step end): the weights now are
-            # not those the step computed with, and the end of the step checks them itself
-            and not (self._applied and self._read_late())
+            # not those the step computed with, and the end of the step checks them itself;
+            # unless the bad value's call began after the step's last update (an evaluation
+            # after optimizer.step()): it computed with the weights as they are now
+            and not (self._applied and self._read_late() and not self._after_update(trace, anomaly))
         ):
             with contextlib.suppress(Exception):
                 self._check_params(at_end=False)
@@ -4261,6 +4312,42 @@ class Watcher:
         if self.first_anomaly is None:
             self.first_anomaly = anomaly
         return anomaly
+
+    def _check_before_update(self, trace: StepTrace) -> None:
+        """:meth:`_check_params` on the weights' maxima taken before the step's update, when
+        a forward before it recorded a NaN/inf, read late: the weights are judged as that
+        forward's trigger judges them on the CPU, with what the update is told from then."""
+        if self._before_update is None or trace.anomaly is not None:
+            return
+        maxima, stepped, opt_calls, versions, ncalls = self._before_update
+        self._before_update = None
+        calls = {c.id for c in trace.calls[:ncalls]}
+        if not any(r.bad and r.phase is Phase.FORWARD and r.call in calls for r in trace.records):
+            return
+        values = read_scalars(maxima)
+        if all(math.isfinite(v) for v in values):
+            return
+        now = self._stepped, self._opt_calls
+        self._stepped, self._opt_calls, self._versions = stepped, opt_calls, versions
+        try:
+            self._check_params(at_end=False, values=values)
+        finally:
+            self._stepped, self._opt_calls = now
+            self._versions = None
+
+    def _bad_after_update(self, trace: StepTrace) -> bool:
+        """A call that began after the step's last optimizer update recorded a NaN/inf."""
+        later = {c.id for c in trace.calls[self._applied_calls :]}
+        return bool(later) and any(r.bad and r.call in later for r in trace.records)
+
+    def _after_update(self, trace: StepTrace, anomaly: Anomaly) -> bool:
+        """The call that recorded ``anomaly`` began after the step's last optimizer update
+        returned: the weights it computed with are those the watched modules hold now."""
+        rec = anomaly.record
+        if rec is None or trace is not self._trace:
+            return False
+        later = {c.id for c in trace.calls[self._applied_calls :]}
+        return rec.call in later
 
     def _handle_trigger(
         self,
