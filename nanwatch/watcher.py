@@ -2828,13 +2828,11 @@ class Watcher:
                 last.append(ops.name_of(node))
             if base not in _FLAGGED_BACKWARD and ops.custom_function(node) is None:
                 continue  # a custom Function's backward is the user's: it can make anything
-            scalars: dict[str, Any] = {}
-            if base == "Pow":
-                e = getattr(node, "_saved_exponent", None)
-                if isinstance(e, (int, float)) and e >= 1 and float(e).is_integer():
-                    continue  # x ** 2: a finite derivative everywhere
-                if isinstance(e, (int, float)) and not isinstance(e, bool):
-                    scalars["exponent"] = e  # a number: read now, before autograd frees it
+            e = _pow_exponent(node) if base == "Pow" else None
+            if _whole_power(e):
+                continue  # x ** 2: a finite derivative everywhere
+            # the exponent, a number: read now, before autograd frees it
+            scalars: dict[str, Any] = {"exponent": e} if e is not None else {}
             name = ops.name_of(node)
 
             def on_node(
@@ -2900,22 +2898,7 @@ class Watcher:
             lo = -math.inf if neg else math.nan if nan else math.inf
             hi = math.inf if pos else math.nan if nan else -math.inf
             out = TensorStat(lo, hi, 0)
-            source, code = site
-            self._trace.ops.append(
-                OpEvent(
-                    op=ops.node_op(name),
-                    phase=Phase.BACKWARD,
-                    path=path,
-                    born=out.kinds(),
-                    output=out,
-                    source=source,
-                    code=code,
-                    node=name,
-                    dtype=dtype,
-                    backward_at=source,
-                    scalars=dict(scalars),
-                )
-            )
+            self._trace.ops.append(_node_event(name, path, out, dtype, site, scalars=scalars))
             return
 
     def _on_loss_node(
@@ -2976,19 +2959,8 @@ class Watcher:
             return None
         name = last[0]
         stat = anomaly.record.stat or TensorStat(math.nan, math.nan, 0)
-        source, code = self._backward_site if self._backward_site[0] else _frames.user_line()
-        return OpEvent(
-            op=ops.node_op(name),
-            phase=Phase.BACKWARD,
-            path=LOSS_PATH,
-            born=stat.kinds(),
-            output=stat,
-            source=source,
-            code=code,
-            node=name,
-            dtype=anomaly.record.dtype,
-            backward_at=source,
-        )
+        site = self._backward_site if self._backward_site[0] else _frames.user_line()
+        return _node_event(name, LOSS_PATH, stat, anomaly.record.dtype, site)
 
     def _name_risky_loss_nodes(self, anomaly: Anomaly) -> None:
         """Sentinel: a gradient from the loss code went bad at a watched output, and the loss
@@ -3033,10 +3005,8 @@ class Watcher:
         found: list[str] = []
         for node in walk:
             base = re.sub(r"Backward\d*$", "", type(node).__name__)
-            if base == "Pow":
-                e = getattr(node, "_saved_exponent", None)
-                if isinstance(e, (int, float)) and e >= 1 and float(e).is_integer():
-                    continue  # x ** 2: a finite derivative everywhere
+            if base == "Pow" and _whole_power(_pow_exponent(node)):
+                continue  # x ** 2: a finite derivative everywhere
             if base in _RISKY_BACKWARD:
                 found.append(ops.name_of(node))
         return None if walk.truncated else found
@@ -6290,6 +6260,44 @@ _RISKY_BACKWARD = frozenset(
 #: exp, whose gradient is 0 × inf = NaN where its forward overflowed and the loss code
 #: discarded the inf (PPO's ratio under torch.min); the CPU checks every node instead
 _FLAGGED_BACKWARD = _RISKY_BACKWARD | {"Exp"}
+
+
+def _pow_exponent(node: Any) -> int | float | None:
+    """The number a ``PowBackward`` node saved as its exponent; None for a tensor one."""
+    e = getattr(node, "_saved_exponent", None)
+    return e if isinstance(e, (int, float)) and not isinstance(e, bool) else None
+
+
+def _whole_power(e: int | float | None) -> bool:
+    """``x ** e`` has a finite derivative everywhere (a whole power of at least 1)."""
+    return e is not None and e >= 1 and float(e).is_integer()
+
+
+def _node_event(
+    name: str,
+    path: str,
+    out: TensorStat,
+    dtype: str,
+    site: tuple[str | None, str | None],
+    *,
+    scalars: dict[str, Any] | None = None,
+) -> OpEvent:
+    """The event of a loss-code autograd node named by its name alone (what it saved was
+    freed before it could be read): its op, what it made, the user's backward() line."""
+    source, code = site
+    return OpEvent(
+        op=ops.node_op(name),
+        phase=Phase.BACKWARD,
+        path=path,
+        born=out.kinds(),
+        output=out,
+        source=source,
+        code=code,
+        node=name,
+        dtype=dtype,
+        backward_at=source,
+        scalars=dict(scalars or {}),
+    )
 
 
 def _feeds_only(node: Any, stop: ops.NodeMarks, depth: int) -> bool:
