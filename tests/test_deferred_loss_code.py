@@ -9,20 +9,14 @@ from torch import nn
 
 import nanwatch
 from nanwatch.records import LOSS_PATH, AnomalyKind
+from tests.test_backward_lines import _zero_linear
+from tests.test_unseen_mtl import TwoHeads
 
 
 def _deferred(*modules: nn.Module, **kw: object) -> nanwatch.Watcher:
     nw = nanwatch.watch(*modules, on_anomaly="record", postmortem=False, **kw)  # type: ignore[arg-type]
     nw._defer_cpu = True  # the accelerator path, driven on CPU
     return nw
-
-
-def _zero_linear() -> nn.Linear:
-    model = nn.Linear(4, 3)
-    with torch.no_grad():
-        model.weight.zero_()
-        model.bias.zero_()  # every output exactly 0
-    return model
 
 
 def _sqrt_step(model: nn.Module) -> None:
@@ -89,21 +83,9 @@ def test_a_loss_module_given_a_selection_of_the_output_is_replayed_on_that_selec
     assert d.code == "NW113" and d.op is not None and d.op.startswith("aten.smooth_l1_loss")
 
 
-class _TwoHeads(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
-        self.head1 = nn.Linear(16, 1)
-        self.head2 = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.trunk(x)
-        return self.head1(h), self.head2(h)
-
-
 def test_a_full_backward_hook_on_a_head_is_named_when_read_late() -> None:
     torch.manual_seed(0)
-    model = _TwoHeads()
+    model = TwoHeads()
     handle = model.head2.register_full_backward_hook(
         lambda m, gi, go: (gi[0] / gi[0].norm(),)  # type: ignore[index]  # 0/0
     )
