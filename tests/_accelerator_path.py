@@ -14,6 +14,10 @@ value was freed before the late read (an output's NaN/inf counts, a node's saved
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from nanwatch.watcher import Watcher
 
 _attach = Watcher.attach
@@ -25,3 +29,21 @@ def _on_the_accelerator_path(self: Watcher) -> Watcher:
 
 
 Watcher.attach = _on_the_accelerator_path  # type: ignore[method-assign]
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Tests marked ``cpu_path`` check the CPU path's own mechanics (reads its hooks make,
+    a raise inside the forward): skipped here. Tests marked ``accelerator_weaker`` get a
+    weaker diagnosis on this path, a known gap: expected to fail (strictly: one that
+    passes is a gap closed, and its mark must go)."""
+    for item in items:
+        mark = item.get_closest_marker("cpu_path")
+        if mark is not None:
+            item.add_marker(pytest.mark.skip(reason=f"the CPU path's own: {_reason(mark)}"))
+        mark = item.get_closest_marker("accelerator_weaker")
+        if mark is not None:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=_reason(mark)))
+
+
+def _reason(mark: Any) -> str:
+    return str(mark.kwargs.get("reason") or (mark.args[0] if mark.args else ""))

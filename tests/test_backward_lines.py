@@ -106,6 +106,9 @@ def test_a_raise_from_inside_backward_adds_no_anomaly_mode_warning() -> None:
     assert not torch.is_anomaly_enabled()
 
 
+@pytest.mark.cpu_path(
+    reason="a raise inside backward; the accelerator path raises once the value is read"
+)
 def test_forensic_mode_keeps_anomaly_mode_on_after_a_caught_anomaly() -> None:
     model, x, y = _saturated_linear()
     with nanwatch.watch(model, mode="forensic", postmortem=False) as nw:
@@ -222,6 +225,7 @@ def test_nanwatch_run_never_names_its_own_frames(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------- watch mode (the default)
+@pytest.mark.cpu_path(reason="reads what the node saved; the accelerator path's own test follows")
 def test_watch_mode_names_the_loss_codes_node_and_what_it_saved() -> None:
     model, x, y = _saturated_linear()
     with nanwatch.watch(model, on_anomaly="record") as nw:
@@ -290,6 +294,7 @@ def _zero_linear() -> nn.Linear:
     return model
 
 
+@pytest.mark.cpu_path(reason="counts the CPU path's hooks; the accelerator path adds a device flag")
 def test_the_loss_node_next_to_the_output_is_named_without_a_check_of_its_own() -> None:
     """Its gradient is what the output's hook measures: no second pass over it, and when
     it is the only such node it is named (what it saved was freed when it ran)."""

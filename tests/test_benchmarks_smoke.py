@@ -189,6 +189,7 @@ def test_hook_cost_quick_reports_per_module_microseconds(tmp_path: Path) -> None
     assert re.search(r"\| CrossEntropyLoss \(CrossEntropyLoss\) \| .* \| 1 \| \d+\.\d \|", md)
 
 
+@pytest.mark.cpu_path(reason="checks that Watcher.attach is put back, which the plugin replaces")
 def test_the_gallery_on_a_device_says_where_it_differs() -> None:
     rows = gallery_device.run("cpu", "watch", accelerator_path=True)
     assert len(rows) == len(scenarios.names())

@@ -40,6 +40,7 @@ def _loop(monkeypatch: pytest.MonkeyPatch, after_clip: Any = None, max_norm: flo
     return read, nw
 
 
+@pytest.mark.cpu_path(reason="counts the host reads the CPU path makes")
 def test_a_clip_is_not_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
     read, nw = _loop(monkeypatch)
     assert read == []  # nothing written since backward but the clip's rescale
@@ -48,6 +49,7 @@ def test_a_clip_is_not_read_again(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not getattr(torch.nn.utils.clip_grad.clip_grad_norm_, "_nanwatch_tap", False)
 
 
+@pytest.mark.cpu_path(reason="counts the host reads the CPU path makes")
 def test_a_write_after_the_clip_is_still_read_and_told(monkeypatch: pytest.MonkeyPatch) -> None:
     def project(model: nn.Module) -> None:  # an A-GEM-like projection: 0/0 in place
         g = model[2].weight.grad

@@ -92,6 +92,9 @@ def _sgd(ps):  # type: ignore[no-untyped-def]
     return torch.optim.SGD(ps, lr=0.1)
 
 
+@pytest.mark.cpu_path(
+    reason="raises at the first opt.step(); the accelerator path reads a late .grad later"
+)
 def test_dp_sgd_under_vmap_without_step_stops_at_the_update_of_a_nan_gradient() -> None:
     done: list[str] = []
     with pytest.raises(nanwatch.AnomalyError) as info:
