@@ -2521,6 +2521,7 @@ def graph_evidence(
     limit: int = 512,
     output: torch.Tensor | None = None,
     values: Callable[[Any], torch.Tensor | None] | None = None,
+    logs: list[list[str]] | None = None,
 ) -> tuple[list[str], list[OpEvent]]:
     """Read the autograd graph below ``fn`` (a loss's ``grad_fn``) down to the nodes in
     ``stop`` (true for the grad_fns of watched outputs): the names of the ops it ran, and an
@@ -2530,7 +2531,9 @@ def graph_evidence(
     (``self``, ``other``); ``output`` is ``fn``'s forward result (the loss), which tells
     what the last op made when its inputs were not saved; ``values`` gives the tensor a
     ``stop`` node made, for an input autograd did not save (the numerator of ``logits / t``
-    is the model's output). Events come nearest-to-the-inputs first."""
+    is the model's output). Events come nearest-to-the-inputs first. ``logs``, when given,
+    gets what each log of the graph was taken of (:func:`made_from`): ``log(p)`` beside
+    ``log(1 - p)`` is a binary cross-entropy written by hand."""
     names: list[str] = []
     events: list[OpEvent] = []
     order: list[Any] = []
@@ -2546,6 +2549,8 @@ def graph_evidence(
     for node in reversed(order):  # producers before consumers
         base = name_of(node).split("Backward")[0]
         names.append(base.lower())
+        if logs is not None and base in ("Log", "Log2", "Log10"):
+            logs.append(made_from(node, stop))
         if not leaf_said:
             try:
                 leaf = leaf_event(node)
@@ -2562,8 +2567,37 @@ def graph_evidence(
         if event is not None:
             if event.source is None:  # the op's line, where anomaly mode kept it (forensic)
                 event.source, event.code = forward_line(node)
+            event.made_from = made_from(node, stop)
             events.append(event)
     return names[::-1], events
+
+
+def made_from(node: Any, stop: Callable[[Any], bool] | None = None, depth: int = 4) -> list[str]:
+    """The ops that made ``node``'s first input, nearest first, lower-case, followed through
+    each one's first input for at most ``depth`` nodes: ``log(1 - p)`` gives ``["rsub",
+    ...]``. A node in ``stop`` (a watched module's output) ends the chain as
+    ``"watched:<op>"``; a leaf as ``"leaf"``. What a log or a division was given, for code no
+    module wraps, read from the graph alone (no tensor is read).
+
+    >>> p = torch.sigmoid(torch.zeros(2, requires_grad=True))
+    >>> made_from(torch.log(1 - p).grad_fn)
+    ['rsub', 'sigmoid', 'leaf']
+    """
+    out: list[str] = []
+    nxt = getattr(node, "next_functions", ()) or ()
+    cur = next((n for n, _ in nxt if n is not None), None)
+    while cur is not None and len(out) < depth:
+        if accumulates_grad(cur):
+            out.append("leaf")
+            break
+        base = name_of(cur).split("Backward")[0].lower()
+        if stop is not None and stop(cur):
+            out.append(f"watched:{base}")
+            break
+        out.append(base)
+        nxt = getattr(cur, "next_functions", ()) or ()
+        cur = next((n for n, _ in nxt if n is not None), None)
+    return out
 
 
 def _operands_finite(node: Any) -> bool | None:

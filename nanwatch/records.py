@@ -337,6 +337,10 @@ class OpEvent:
     #: every output of an op that returns several, by schema name (nll_loss's ``output`` and
     #: ``total_weight``); empty for single-output ops (``output`` holds it).
     outputs: list[tuple[str, TensorStat]] = field(default_factory=list)
+    #: events read from a loss's autograd graph: the ops that made its first input, nearest
+    #: first, lower-case (``["rsub"]``), ending at a watched module's output as
+    #: ``"watched:sigmoid"`` (the op that made that output); empty when not read.
+    made_from: list[str] = field(default_factory=list)
 
     @property
     def at(self) -> str:
@@ -381,6 +385,8 @@ class OpEvent:
             d["other_inputs"] = [[r, s.to_dict()] for r, s in self.other_inputs]
         if self.outputs:
             d["outputs"] = [[r, s.to_dict()] for r, s in self.outputs]
+        if self.made_from:
+            d["made_from"] = list(self.made_from)
         return d
 
     @classmethod
@@ -406,6 +412,7 @@ class OpEvent:
             device=d.get("device", ""),
             other_inputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("other_inputs", [])],
             outputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("outputs", [])],
+            made_from=[str(m) for m in d.get("made_from", [])],
         )
 
 
@@ -510,7 +517,9 @@ class Note:
       ``values``/``counts`` (most frequent first), ``count``, ``total``, ``positions`` (the
       first few), ``source_line``.
     * ``"loss_graph"``: the loss was computed outside any module; ``data["ops"]`` lists the
-      ops of its autograd graph (``["neg", "mean", "mul", "log"]``).
+      ops of its autograd graph (``["neg", "mean", "mul", "log"]``); ``data["logs"]`` what
+      each log in it was taken of (``[["rsub", "watched:sigmoid"], ["watched:sigmoid"]]``,
+      see :func:`nanwatch.ops.made_from`).
     * ``"optimizer"``: one per optimizer step of watched weights, written before the
       update; ``path`` is the optimizer's class. ``data["groups"]``: per parameter group,
       ``params`` (how many watched), ``dtypes``, ``lr`` and ``eps`` when they are numbers.

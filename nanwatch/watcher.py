@@ -5219,21 +5219,24 @@ class Watcher:
 
         return (lambda n: stop.get(id(n)) is n), value
 
-    def _graph_evidence(self, t: torch.Tensor) -> tuple[list[str], list[OpEvent]]:
+    def _graph_evidence(
+        self, t: torch.Tensor, logs: list[list[str]] | None = None
+    ) -> tuple[list[str], list[OpEvent]]:
         """:func:`ops.graph_evidence` below ``t``'s node, down to the watched outputs."""
         stop, value = self._graph_stops(t)
-        return ops.graph_evidence(t.grad_fn, stop=stop, output=t, values=value)
+        return ops.graph_evidence(t.grad_fn, stop=stop, output=t, values=value, logs=logs)
 
     def _pinpoint_loss(self, anomaly: Anomaly, loss: torch.Tensor) -> None:
         """The loss code is not a module and cannot be re-run; its autograd graph can be
         read: the ops it ran and the saved inputs that were outside an op's domain."""
-        names, events = self._graph_evidence(loss)
+        logs: list[list[str]] = []
+        names, events = self._graph_evidence(loss, logs)
         source, _ = _frames.user_line()
         for ev in events:
             ev.path = LOSS_PATH
             ev.backward_at = source
         self._trace.ops.extend(events)
-        self.note("loss_graph", LOSS_PATH, source=source, ops=names[:32])
+        self.note("loss_graph", LOSS_PATH, source=source, ops=names[:32], logs=logs[:8])
         if events:
             anomaly.op = forward_birth(events)  # not a sqrt of 0 before the log of it
         if source:

@@ -569,6 +569,7 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
             )
         ),
         fix=use.fix if use is not None else _LOG_FIX,
+        **({"title": use.title} if use is not None and use.title else {}),
     )
 
 
@@ -964,6 +965,9 @@ def _unit_producer(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> str | None:
             kind = r.module_type.lower()
         if kind is not None:
             return kind
+    chained = _chain_producer(ev.made_from)
+    if chained is not None:  # the graph says what made the log's own input
+        return chained
     if ev.code or ev.path != LOSS_PATH:
         return None
     # a watched output that may be the log's input (unmeasured, or of its very values)
@@ -991,6 +995,35 @@ def _unit_producer(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> str | None:
     if len(found) == 1:
         return found.pop()
     return None
+
+
+#: :data:`_UNIT_MAKERS` by the lower-case names of :attr:`OpEvent.made_from`
+_CHAIN_MAKERS = {k.lower(): v for k, v in _UNIT_MAKERS.items()}
+
+
+def _chain_producer(chain: Sequence[str]) -> str | None:
+    """What made a log's input, from the ops the loss graph shows below it (see
+    :func:`nanwatch.ops.made_from`): a softmax, sigmoid or ReLU itself; ``1 - x`` (rsub)
+    of a sigmoid (``one-minus-sigmoid``: the complement of a saturated sigmoid), of a
+    Normal cdf (``cdf``: erf below it) or of anything else (``one-minus``); None when the
+    chain says none of these.
+
+    >>> _chain_producer(["rsub", "watched:sigmoid"]), _chain_producer(["watched:softmax"])
+    ('one-minus-sigmoid', 'softmax')
+    >>> _chain_producer(["mul", "leaf"]) is None
+    True
+    """
+    ops = [o.removeprefix("watched:") for o in chain]
+    if not ops:
+        return None
+    kind = _CHAIN_MAKERS.get(ops[0])
+    if kind is not None:
+        return kind
+    if ops[0] != "rsub":
+        return None
+    if "erf" in ops[1:]:
+        return "cdf"
+    return "one-minus-sigmoid" if len(ops) > 1 and ops[1] == "sigmoid" else "one-minus"
 
 
 def _loss_log_line(ctx: RuleContext, ev: OpEvent) -> OpEvent | None:
@@ -1358,6 +1391,8 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     lik = _likelihood_use(ctx, ev, x, what=what, arg=arg, zeros=zeros) if made is None else None
     if lik is not None:
         return lik
+    if made == "one-minus-sigmoid":
+        return _one_minus_sigmoid_use(ctx, what, zeros, x, ev, known=not _line_unknown(ev))
     if made is not None and made not in ("softmax", "sigmoid"):
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
     if made in ("softmax", "sigmoid"):
@@ -1660,6 +1695,75 @@ def _unit_made_use(
             "never subtracts from 1 (logsigmoid of the negated logit, log1p)."
         ),
         evidence="the loss graph takes the log of 1 - x (log <- rsub)",
+    )
+
+
+def _one_minus_sigmoid_use(
+    ctx: RuleContext, what: str, zeros: str, x: TensorStat, ev: OpEvent, *, known: bool
+) -> _LogUse:
+    """A log of ``1 - p`` that the loss graph shows a sigmoid made p for (log <- rsub <-
+    sigmoid), read without the user's line: the complement of a saturated sigmoid, fixed
+    from the logits (binary_cross_entropy_with_logits for a hand-written binary
+    cross-entropy, the loss graph taking a second log; logsigmoid(-logits) otherwise), and
+    the nn.Sigmoid module that made p dropped so the model returns them."""
+    dt = ev.dtype or "float32"
+    f = "torch.nn.functional." if _lacks_f(ev.backward_at) else "F."
+    # log(p) of the same sigmoid beside log(1 - p): a binary cross-entropy written by hand
+    bce = any(
+        isinstance(chain, list)
+        and [str(o).removeprefix("watched:") for o in chain][:1] == ["sigmoid"]
+        for n in ctx.notes("loss_graph")
+        for chain in n.data.get("logs", ())
+    )
+    paths = {
+        r.path
+        for r in ctx.records(Phase.FORWARD)
+        if r.role.startswith("output") and r.module_type == "Sigmoid"
+    }
+    module = paths.pop() if len(paths) == 1 else None
+    maker = f"the nn.Sigmoid ({module})" if module is not None else "a sigmoid"
+    lines = []
+    if module is not None:
+        ref = module_ref(module)
+        lines.append(
+            f"{ref} = nn.Identity()   # first: drop {maker}, so the model returns logits"
+            if ref != "model"
+            else f"# first: remove {maker}, so the model returns logits"
+        )
+    bce_line = (
+        f"loss = {f}binary_cross_entropy_with_logits(logits, y)   # a pattern, in your "
+        "names: logits, what the sigmoid was given; y, the targets: the binary "
+        "cross-entropy from the logits, never -inf"
+    )
+    log_line = f"log_1mp = {f}logsigmoid(-logits)   # log(1 - sigmoid(logits)), never -inf"
+    lines += [bce_line, log_line] if bce else [log_line, bce_line]
+    lines.append("# torch.sigmoid(logits) wherever the probability itself is needed")
+    if not known:
+        lines.append(_FORENSIC_LINE)
+    limit = _SIGMOID_ONE.get(dt, _SIGMOID_ONE["float32"])
+    return _LogUse(
+        "bce" if bce else "one-minus",
+        title=(
+            "Log of zero in a hand-written binary cross-entropy: the sigmoid saturated at 1"
+            if bce
+            else "Log of zero: 1 - sigmoid, with the sigmoid saturated at 1"
+        ),
+        fix="\n".join(lines),
+        why=(
+            f"Its input is 1 - p with p made by {maker} ({zeros}): a sigmoid of a logit above "
+            f"about {limit} rounds to exactly 1.0 in {dt}, so 1 - p is 0 and its log is -inf, "
+            "although the true log(1 - p) is finite"
+            + ("; with the label's weight of 0 on that term, 0 × -inf is NaN. " if bce else ". ")
+            + "binary_cross_entropy_with_logits and logsigmoid(-logits) work from the logit "
+            "and never form the 0."
+        ),
+        evidence=f"{what} is 1 - p, p the output of {maker} (log <- rsub <- sigmoid): 0 "
+        f"where p rounded to 1"
+        + (
+            "; the loss takes the log of p as well: a hand-written binary cross-entropy"
+            if bce
+            else ""
+        ),
     )
 
 
@@ -2461,6 +2565,8 @@ class _LogUse:
     fix: str
     why: str = ""
     evidence: str = ""
+    #: the diagnosis's title, when the use says more than the rule's own
+    title: str = ""
 
 
 _LOG_CALL = re.compile(r"(?<![\w.])torch\.(log(?:2|10)?)\(|\.(log(?:2|10)?)\(\s*\)")

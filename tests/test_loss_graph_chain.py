@@ -1,0 +1,114 @@
+"""A log in loss code whose line is not known (watch and sentinel mode: the loss is a
+function of the model's output, outside every module) is read from the loss's autograd
+graph: what made the log's own input. ``log(1 - p)`` with ``p`` an nn.Sigmoid's output is
+the complement of a saturated sigmoid, not "a ratio, a probability or an entropy": the fix
+computes the loss from the logits (the failure of ``examples/train_nan.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nanwatch
+from nanwatch.ops import made_from
+from nanwatch.rules.domain import _chain_producer
+from tests._diagnoses import text, top
+
+torch.set_num_threads(1)
+
+
+def _bce(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()
+
+
+def _complement_only(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return -((1 - y) * torch.log(1 - p)).mean()
+
+
+def _saturated(loss_fn, mode: str, *, defer: bool = False):  # type: ignore[no-untyped-def]
+    """A classifier ending in nn.Sigmoid whose logit for sample 0 is 40 (sigmoid rounds to
+    exactly 1.0 in float32) with label 0: log(1 - p) is -inf there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 1), nn.Sigmoid())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[10.0, 0.0, 0.0]]))
+        model[0].bias.zero_()
+    x = torch.zeros(4, 3)
+    x[0, 0] = 4.0
+    y = torch.tensor([[0.0], [1.0], [0.0], [1.0]])
+    nw = nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False)
+    if defer:
+        nw._defer_cpu = True
+    with nw:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        nw.step()
+    return nw
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_hand_written_bce_on_a_sigmoid_module_is_fixed_from_the_logits(defer: bool) -> None:
+    d = top(_saturated(_bce, "watch", defer=defer))
+    assert d.code == "NW110"
+    assert (
+        d.title == "Log of zero in a hand-written binary cross-entropy: the sigmoid saturated at 1"
+    )
+    assert "log <- rsub <- sigmoid" in text(d)
+    assert "a hand-written binary cross-entropy" in text(d)
+    lines = d.fix.splitlines()
+    assert lines[0].startswith("model[1] = nn.Identity()")  # the Sigmoid module, by its path
+    assert "binary_cross_entropy_with_logits(logits, y)" in lines[1]
+    assert "logsigmoid(-logits)" in lines[2]
+    assert "a ratio" not in d.fix  # not the recipe for a log of unknown origin
+
+
+def test_sentinel_mode_says_the_same_without_the_module() -> None:
+    # sentinel records the model's output only: the sigmoid is known from the graph, the
+    # module that applied it is not
+    d = top(_saturated(_bce, "sentinel"))
+    assert d.code == "NW110"
+    assert "p the output of a sigmoid" in text(d)
+    assert d.fix.splitlines()[0].startswith("loss = ")
+    assert "binary_cross_entropy_with_logits" in d.fix and "nn.Identity" not in d.fix
+
+
+def test_a_log_of_the_complement_alone_leads_with_logsigmoid() -> None:
+    d = top(_saturated(_complement_only, "watch"))
+    assert d.code == "NW110"
+    assert d.title == "Log of zero: 1 - sigmoid, with the sigmoid saturated at 1"
+    assert "hand-written binary cross-entropy" not in text(d)
+    lines = d.fix.splitlines()
+    assert lines[0].startswith("model[1] = nn.Identity()")
+    assert "logsigmoid(-logits)" in lines[1]
+
+
+def test_made_from_follows_first_inputs_and_stops_at_watched_outputs() -> None:
+    z = torch.zeros(2, requires_grad=True)
+    p = torch.sigmoid(z * 2)
+    q = torch.log(1 - p)
+    assert made_from(q.grad_fn) == ["rsub", "sigmoid", "mul", "leaf"]
+    assert made_from(q.grad_fn, depth=2) == ["rsub", "sigmoid"]
+    stop = p.grad_fn
+    assert made_from(q.grad_fn, lambda n: n is stop) == ["rsub", "watched:sigmoid"]
+    assert made_from(torch.log(z.exp()).grad_fn) == ["exp", "leaf"]
+
+
+def test_the_chain_says_what_made_a_logs_input() -> None:
+    assert _chain_producer(["rsub", "watched:sigmoid"]) == "one-minus-sigmoid"
+    assert _chain_producer(["rsub", "sigmoid", "mul"]) == "one-minus-sigmoid"
+    assert _chain_producer(["rsub", "mul", "erf"]) == "cdf"
+    assert _chain_producer(["rsub", "mul"]) == "one-minus"
+    assert _chain_producer(["watched:softmax"]) == "softmax"
+    assert _chain_producer(["relu", "addmm"]) == "relu"
+    assert _chain_producer(["exp", "leaf"]) is None
+    assert _chain_producer([]) is None
+
+
+def test_the_chain_travels_with_the_op_event_in_a_saved_report() -> None:
+    nw = _saturated(_bce, "watch")
+    ev = next(e for t in nw.history for e in t.ops if e.made_from)
+    from nanwatch.records import OpEvent
+
+    again = OpEvent.from_dict(ev.to_dict())
+    assert again.made_from == ev.made_from == ["rsub", "watched:sigmoid"]
