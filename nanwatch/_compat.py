@@ -157,3 +157,44 @@ def storage_order(t: torch.Tensor) -> torch.Tensor:
 
 #: one pass giving min and max (NaN propagates); see :func:`_make_aminmax`
 aminmax = _make_aminmax()
+
+
+#: the device types whose autocast state a late replay restores (see :func:`autocast_state`)
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    """The device types autocast is enabled for now, each with its dtype: host-side flags,
+    no device work. ``torch.is_autocast_enabled(device_type)`` came in 2.4; before it, one
+    function per device.
+
+    >>> autocast_state()
+    ()
+    """
+    out: list[tuple[str, torch.dtype]] = []
+    for dev in _AUTOCAST_DEVICES:
+        try:
+            on = torch.is_autocast_enabled(dev)
+            dtype = torch.get_autocast_dtype(dev)
+        except (TypeError, AttributeError):  # torch < 2.4
+            cpu = dev == "cpu"
+            on = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+            dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
+        if on:
+            out.append((dev, dtype))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Any:
+    """Run the block under the autocast ``state`` (see :func:`autocast_state`) that a call
+    began with, whatever autocast holds now: a replay after the call ended (the accelerator
+    path) then makes what the call made, in the dtypes it made them."""
+    enabled = dict(state)
+    with contextlib.ExitStack() as stack:
+        for dev in _AUTOCAST_DEVICES:
+            if dev in enabled:
+                stack.enter_context(torch.autocast(dev, dtype=enabled[dev]))
+            elif dev in dict(autocast_state()):
+                stack.enter_context(torch.autocast(dev, enabled=False))
+        yield

@@ -1438,6 +1438,8 @@ class ReplayResult:
     #: a replay with no event whose output is non-finite made the value again from a
     #: non-finite tensor it read (a weight, a buffer), not a transient fault
     output: frozenset[str] = frozenset()
+    #: the outputs of each call of ``keep`` (see :func:`replay`) in the last attempt, in order
+    kept: list[Any] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -1687,8 +1689,10 @@ class _SubmoduleOps:
     path is the one the watcher stamped that very call's outputs with (:func:`stamp_graph`);
     a module that returns what it was given ran no op and keeps none."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, keep: torch.nn.Module | None = None) -> None:
         self.checker: OpChecker | None = None
+        self.keep = keep
+        self.kept: list[Any] = []  # what each call of ``keep`` returned (see replay)
         self._starts: list[int] = []
         self._handles: list[Any] = []
         for m in module.modules():
@@ -1711,6 +1715,8 @@ class _SubmoduleOps:
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         start = self._starts.pop() if self._starts else None
+        if module is self.keep:
+            self.kept.append(output)
         chk, stamped = self.checker, getattr(_tls, "stamped", None)
         _tls.stamped = None
         if chk is None or start is None or stamped is None:
@@ -1746,6 +1752,7 @@ def replay(
     hold: Callable[[torch.Tensor], bool] | None = None,
     call_site: tuple[str, str | None] | None = None,
     rng: list[Any] | None = None,
+    keep: torch.nn.Module | None = None,
 ) -> ReplayResult:
     """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
     :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
@@ -1762,11 +1769,14 @@ def replay(
     (:func:`nanwatch.localize.redrawn`), since their numbers are not the run's.
     ``call_site``: (``file.py:42``, its text), the line that called ``module``, given to an
     op that has no user line of its own (see :func:`call_line`); without it such an op
-    gets the user's line that is running (right for a root replayed in its own hook)."""
+    gets the user's line that is running (right for a root replayed in its own hook).
+    ``keep``: ``module`` or a submodule of it whose outputs are handed back
+    (``result.kept``): a value read after its call ended was freed by then, and the replay
+    made it again (anomaly-time work only)."""
     result = ReplayResult()
     floor = sys._getframe()
     devices = _devices([args, kwargs])
-    tracker = _SubmoduleOps(module)
+    tracker = _SubmoduleOps(module, keep if keep is not module else None)
     try:
         with preserved_state(module, devices), _replay_scope():
             same = rng is not None and set_rng_states(rng, devices)
@@ -1781,6 +1791,7 @@ def replay(
                     t for t in (*module.parameters(), *module.buffers()) if hold is None or hold(t)
                 )
                 before = rng_states(devices)
+                tracker.kept = []
                 push_path(path)
                 out: Any = None
                 try:
@@ -1792,6 +1803,7 @@ def replay(
                     pop_path()
                 result.events = chk.events
                 result.output = frozenset().union(*(_kinds(t) for _, t in iter_tensors(out, "")))
+                result.kept = [out] if keep is module else tracker.kept
                 result.attempts += 1
                 drew = drew_random(before, devices)
                 result.random = result.random or drew

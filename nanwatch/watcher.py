@@ -43,6 +43,8 @@ from torch.nn.utils import parametrize
 from nanwatch import _copies, _frames, ops
 from nanwatch._compat import (
     aminmax,
+    autocast_as,
+    autocast_state,
     capturing,
     compiling,
     no_values,
@@ -352,7 +354,17 @@ class _Frame:
     """A module call on the stack; holds the call's inputs until the call returns (they are
     alive anyway in the caller's frame) so the producer can be replayed."""
 
-    __slots__ = ("args", "call", "inputs", "kwargs", "module", "rng", "site", "versions")
+    __slots__ = (
+        "args",
+        "autocast",
+        "call",
+        "inputs",
+        "kwargs",
+        "module",
+        "rng",
+        "site",
+        "versions",
+    )
 
     def __init__(
         self, call: Call, module: nn.Module, args: Any, kwargs: Any, *, deep: bool = False
@@ -369,6 +381,9 @@ class _Frame:
         #: a root call's caller, as it stood when the call began (see _site_at), when its
         #: statistics are read after it returned (the accelerator path)
         self.site: _FrameAt | None = None
+        #: a root call's autocast state as it began (see _compat.autocast_state), when its
+        #: statistics are read after it returned: a replay then runs under it again
+        self.autocast: tuple[tuple[str, torch.dtype], ...] = ()
         # the version counters of the module's own buffers as the call began (host-side
         # metadata, no device read): a forward that writes its own state in place (an EMA
         # codebook, a step counter) shows in them, and a replay starts from what it wrote.
@@ -1383,6 +1398,7 @@ class Watcher:
                     # user's line has moved on (to backward()): keep where it called the
                     # model (a few frames' lines, no read of any value)
                     frame.site = _site_at(sys._getframe(1))
+                    frame.autocast = autocast_state()
             if self._new_trigger is not None:
                 if call.root:  # a bad input: the user's line that called the model, now
                     self._note_call_site(info, module)
@@ -4388,6 +4404,8 @@ class Watcher:
         ):
             self._pinpointed.add(anomaly.path)
             self._pinpoint_param_backward(anomaly)
+        if self._late and self.config.pinpoint and not self._forensic:
+            self._pinpoint_named_node(anomaly)
         trace.diagnoses = self._evaluate(trace)
         if act:
             self._act(trace)
@@ -4486,17 +4504,22 @@ class Watcher:
                 f"in one process){sep}{rest}"
             )
             return
-        result = ops.replay(
-            module,
-            args,
-            kwargs,
-            path=target.path,
-            on_error=self._checker_fault,
-            pre_hooks=hooks,
-            hold=self._moved_state,
-            call_site=self._call_line(module) or self._late_line(target),
-            rng=self._call_rng(target),
-        )
+        # read late, the call's autocast region has ended: the replay runs under the state
+        # the call began with (on the CPU path it runs inside the call, under it already)
+        with autocast_as(self._late_autocast(target)) if self._late else contextlib.nullcontext():
+            result = ops.replay(
+                module,
+                args,
+                kwargs,
+                path=target.path,
+                on_error=self._checker_fault,
+                pre_hooks=hooks,
+                hold=self._moved_state,
+                call_site=self._call_line(module) or self._late_line(target),
+                rng=self._call_rng(target),
+                keep=self._freed_producer(anomaly),
+            )
+        self._describe_replayed(anomaly, target, result)
         trace.ops.extend(result.events)
         first = result.first()
         if first is not None:
@@ -4540,6 +4563,82 @@ class Watcher:
             )
         self._pinpoint_neginf(anomaly, target, current, pre_hooks)
         anomaly.summary = summarize(anomaly)
+
+    def _late_autocast(self, call: Call) -> tuple[tuple[str, torch.dtype], ...]:
+        """The autocast state the root call that ran ``call`` began with (see
+        ``_Frame.autocast``); none when that call is not known."""
+        trace, seen = self._trace, set()
+        root: Call | None = call
+        while root is not None and not root.root and root.id not in seen:
+            seen.add(root.id)
+            root = trace.call(root.parent) if root.parent is not None else None
+        frame = self._root_frames.get(root.path) if root is not None else None
+        return frame.autocast if frame is not None and frame.call is root else ()
+
+    def _freed_producer(self, anomaly: Anomaly) -> nn.Module | None:
+        """Read late (the accelerator path), the bad output's counts and finite max are
+        known only while it is alive (:meth:`_describe_bad`): when it was freed first, the
+        module that made it, whose output the replay makes again (see
+        :meth:`_describe_replayed`). None on the CPU path, where it was described as
+        measured."""
+        rec = anomaly.record
+        if not self._late or rec.phase is not Phase.FORWARD or rec.stat is None:
+            return None
+        if rec.stat.counted or rec.stat.finite:
+            return None
+        call = self._trace.call(rec.call)
+        if call is None:
+            return None
+        return next((m for m, info in self._modules if info.path == call.path), None)
+
+    def _describe_replayed(self, anomaly: Anomaly, target: Call, result: ops.ReplayResult) -> None:
+        """The bad output of :meth:`_freed_producer`, made again by the replay of ``target``
+        on the same inputs and weights, is described from that copy, as the CPU path
+        describes it when measured: its NaN/inf counts and finite max (what tells an
+        overflow's size, or a value grown since the last step). Only a copy with the same
+        draws and the same min and max as the one read stands for it."""
+        rec = anomaly.record
+        if not result.kept or result.new_draws or rec.stat is None or rec.stat.counted:
+            return
+        trace = self._trace
+        call = trace.call(rec.call)
+        if call is None:
+            return
+        # which call of the module, among those the replayed call ran (a module called
+        # twice in a forward made an output each time)
+        nth = 0
+        if call.id != target.id:
+            for c in trace.calls:
+                if c.id >= call.id:
+                    break
+                if c.path == call.path and c.id > target.id and self._under(c, target):
+                    nth += 1
+        if nth >= len(result.kept):
+            return
+        t = dict(iter_tensors(result.kept[nth], "output")).get(rec.role)
+        if t is None and isinstance(result.kept[nth], torch.Tensor) and rec.role == "output":
+            t = result.kept[nth]
+        if t is None:
+            return
+        stat = describe(t)
+        old = rec.stat
+        if stat is None or stat.numel != old.numel or not _same_ends(stat, old):
+            return
+        stat.bad_rows, stat.bad_row_count = old.bad_rows, old.bad_row_count
+        stat.bad_cols, stat.bad_col_count = old.bad_cols, old.bad_col_count
+        rec.stat = stat
+
+    def _under(self, call: Call, top: Call) -> bool:
+        """``call`` ran inside ``top`` (any depth)."""
+        trace, seen = self._trace, set()
+        up = call.parent
+        while up is not None and up not in seen:
+            if up == top.id:
+                return True
+            seen.add(up)
+            parent = trace.call(up)
+            up = parent.parent if parent is not None else None
+        return False
 
     def _read_late(self) -> bool:
         """The step's statistics are read after its calls (the accelerator path)."""
@@ -4709,6 +4808,28 @@ class Watcher:
             return
         trace.ops.append(ev)
         anomaly.op = ev
+        anomaly.summary = summarize(anomaly)
+
+    def _pinpoint_named_node(self, anomaly: Anomaly) -> None:
+        """Read late (the accelerator path), a node of a watched loss module's own code was
+        named by its name alone (:meth:`_read_loss_nodes`: what it saved was freed before
+        the read). That module's call is replayed as :meth:`_pinpoint_own_backward` replays
+        one, and the node it finds, with what it saved, takes the name-only event's place,
+        as the CPU path reads it in the node's hook. Anomaly-time work only."""
+        ev = anomaly.op
+        trace = self._trace
+        if ev is None or ev.inputs or ev.output.numel:
+            return  # no event, or one that read the node's values (numel 0: by name alone)
+        if ev.phase is not Phase.BACKWARD or ev.path in (None, LOSS_PATH) or ev.node is None:
+            return
+        calls = [c for c in trace.calls if c.path == ev.path]
+        if len(calls) != 1 or calls[0].passthrough:
+            return  # called several times: which call made it is not known
+        found = self._own_backward(calls[0], ev.path, remake=True)
+        if found is None or found.node != ev.node:
+            return  # another node: the flag named what the run made
+        trace.ops[trace.ops.index(ev)] = found
+        anomaly.op = found
         anomaly.summary = summarize(anomaly)
 
     def _pinpoint_param_backward(self, anomaly: Anomaly) -> None:
@@ -6274,6 +6395,13 @@ def _pow_exponent(node: Any) -> int | float | None:
 def _whole_power(e: int | float | None) -> bool:
     """``x ** e`` has a finite derivative everywhere (a whole power of at least 1)."""
     return e is not None and e >= 1 and float(e).is_integer()
+
+
+def _same_ends(a: TensorStat, b: TensorStat) -> bool:
+    """The two statistics read the same min and max (NaN equal to NaN)."""
+    return all(
+        x == y or (math.isnan(x) and math.isnan(y)) for x, y in ((a.min, b.min), (a.max, b.max))
+    )
 
 
 def _node_event(
