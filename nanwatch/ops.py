@@ -1395,6 +1395,7 @@ def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> O
         scalars=scalars,
         node=name,
         dtype=dtype_name(grad.dtype),
+        made_from=made_from(node) if node is not None else [],
     )
 
 

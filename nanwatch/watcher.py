@@ -473,7 +473,9 @@ def _unwrap_compiled(m: nn.Module, *, path: str = "") -> nn.Module:
     return m
 
 
-_PendingNode = tuple[str, str, str, tuple[str | None, str | None], dict[str, Any], torch.Tensor]
+_PendingNode = tuple[
+    str, str, str, tuple[str | None, str | None], dict[str, Any], list[str], torch.Tensor
+]
 """A loss-code node's flag on the device: (node name, loss path, dtype, backward site, the
 scalars it saved, 0-d flag: 0 finite, else what was born: 1 NaN, 2 +inf, 4 -inf, summed);
 see ``_flag_loss_nodes``."""
@@ -2850,12 +2852,16 @@ class Watcher:
             # the exponent, a number: read now, before autograd frees it
             scalars: dict[str, Any] = {"exponent": e} if e is not None else {}
             name = ops.name_of(node)
+            # what a log was taken of (a softmax, 1 - a sigmoid), from the graph alone:
+            # its saved input is freed before the flag is read
+            made = ops.made_from(node, lambda n: n in stop) if base in _LOGS else []
 
             def on_node(
                 grad_inputs: tuple[torch.Tensor | None, ...],
                 grad_outputs: tuple[torch.Tensor | None, ...],
                 name: str = name,
                 scalars: dict[str, Any] = scalars,
+                made: list[str] = made,
             ) -> None:
                 if not self._attached or gen != self._gen or step != self._step:
                     return
@@ -2863,7 +2869,9 @@ class Watcher:
                     return
                 try:
                     with _NO_TORCH_FUNCTION(), torch.no_grad():
-                        self._flag_loss_node(name, path, scalars, grad_inputs, grad_outputs)
+                        self._flag_loss_node(
+                            name, path, scalars, grad_inputs, grad_outputs, chain=made
+                        )
                 except Exception as exc:
                     self._fault("loss-graph", "loss-code gradient check", exc)
 
@@ -2877,6 +2885,8 @@ class Watcher:
         scalars: dict[str, Any],
         grad_inputs: tuple[torch.Tensor | None, ...],
         grad_outputs: tuple[torch.Tensor | None, ...],
+        *,
+        chain: list[str],
     ) -> None:
         # one min/max pass over each gradient (NaN shows in both, an inf in one): a node of
         # a hand-written loss can hold a logits-sized gradient, read once, not per kind
@@ -2898,13 +2908,13 @@ class Watcher:
         flag = bad.to(torch.int8) * kinds
         dtype = next(g.dtype for g in grad_inputs if g is not None and g.is_floating_point())
         site = self._backward_site if self._backward_site[0] else self._flag_site
-        self._pending_nodes.append((name, path, dtype_name(dtype), site, scalars, flag))
+        self._pending_nodes.append((name, path, dtype_name(dtype), site, scalars, chain, flag))
 
     def _read_loss_nodes(self, nodes: list[_PendingNode], flags: list[float]) -> None:
         """The first loss-code node flagged by :meth:`_flag_loss_node` becomes the op
         event of the step (by name: what it saved is freed), as :meth:`_check_loss_node`
         makes one on the CPU."""
-        for (name, path, dtype, site, scalars, _), flag in zip(nodes, flags, strict=True):
+        for (name, path, dtype, site, scalars, made, _), flag in zip(nodes, flags, strict=True):
             if not flag or self._loss_node_bad:
                 continue
             self._loss_node_bad = True
@@ -2914,7 +2924,9 @@ class Watcher:
             lo = -math.inf if neg else math.nan if nan else math.inf
             hi = math.inf if pos else math.nan if nan else -math.inf
             out = TensorStat(lo, hi, 0)
-            self._trace.ops.append(_node_event(name, path, out, dtype, site, scalars=scalars))
+            ev = _node_event(name, path, out, dtype, site, scalars=scalars)
+            ev.made_from = list(made)
+            self._trace.ops.append(ev)
             return
 
     def _on_loss_node(
@@ -6384,6 +6396,8 @@ _RISKY_BACKWARD = frozenset(
 #: exp, whose gradient is 0 × inf = NaN where its forward overflowed and the loss code
 #: discarded the inf (PPO's ratio under torch.min); the CPU checks every node instead
 _FLAGGED_BACKWARD = _RISKY_BACKWARD | {"Exp"}
+#: the logs among them: a flag of one keeps what the graph says its input was made by
+_LOGS = frozenset({"Log", "Log2", "Log10"})
 
 
 def _pow_exponent(node: Any) -> int | float | None:

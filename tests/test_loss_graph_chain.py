@@ -112,3 +112,46 @@ def test_the_chain_travels_with_the_op_event_in_a_saved_report() -> None:
 
     again = OpEvent.from_dict(ev.to_dict())
     assert again.made_from == ev.made_from == ["rsub", "watched:sigmoid"]
+
+
+def _xent(z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(z, dim=-1)
+    return -(torch.log(p) * torch.nn.functional.one_hot(y, z.shape[-1])).sum(-1).mean()
+
+
+def _spread(mode: str, *, defer: bool = False):  # type: ignore[no-untyped-def]
+    """Logits 100 apart: the softmax of the low ones is subnormal (not 0), its log finite,
+    and the log's gradient 1/p overflows in backward."""
+    model = nn.Linear(2, 3)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[50.0, 0.0], [-50.0, 0.0], [0.0, 0.0]]))
+        model.bias.zero_()
+    x = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    y = torch.tensor([1, 2])
+    nw = nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False)
+    if defer:
+        nw._defer_cpu = True
+    with nw:
+        _xent(model(x), y).backward()
+        nw.step()
+    return nw
+
+
+def test_a_subnormal_softmax_under_a_log_gets_log_softmax() -> None:
+    d = top(_spread("watch"))
+    assert d.code == "NW110"
+    assert "the log's input is subnormal" in text(d)
+    assert "a softmax output (log <- softmax): a probability that underflowed\n" in text(d) + "\n"
+    assert d.fix.startswith("logp = F.log_softmax(logits, dim=-1)")
+
+
+@pytest.mark.parametrize("mode", ["watch", "sentinel"])
+def test_a_log_node_named_without_its_input_claims_no_value(mode: str) -> None:
+    # read late (the accelerator path) or in sentinel, the log's node is known by its name:
+    # what it was given is not said, only what its gradient makes where
+    d = top(_spread(mode, defer=True))
+    assert d.code == "NW110"
+    words = text(d)
+    assert "its input x was freed before it could be read" in words
+    assert "below 0 is NaN" not in words and "minimum is ?" not in words
+    assert "log_softmax" in d.fix

@@ -492,9 +492,23 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         return _log_grad_overflow(ctx, a, ev, trigger, x)
     evidence: list[str] = []
     at = "-1" if name == "log1p" else "0"
-    if "-inf" in ev.born and (ev.phase is Phase.FORWARD or has_zero(x) or x is None):
+    if x is None and backward_log:
+        # named by its node alone (what it saved was freed before the read): say what its
+        # gradient makes, not which input it had
+        lim = dtype_limits(ev.dtype or "float32") or dtype_limits("float32")
+        assert lim is not None
+        evidence.append(
+            f"in backward (autograd node {ev.node}), the log's gradient grad / x made "
+            f"{ev.born or 'a non-finite value'}; its input x was freed before it could be "
+            f"read: 1/x is inf where x is 0, or below {ev.dtype or 'float32'}'s smallest "
+            f"normal number {fmt(lim.tiny)} (a probability that underflowed), and NaN "
+            "where x is below 0"
+        )
+    elif "-inf" in ev.born and (ev.phase is Phase.FORWARD or has_zero(x) or x is None):
         evidence.append(f"{op} of {at} is -inf: its input holds {_zeros_text(x, name)}")
-    if "NaN" in ev.born and backward_log and x is not None and x.min >= 0 and has_zero(x):
+    if x is None and backward_log:
+        pass  # said above: its input is not known
+    elif "NaN" in ev.born and backward_log and x is not None and x.min >= 0 and has_zero(x):
         # nothing below 0: the NaN is log's backward, grad / x, at 0 / 0
         evidence.append(
             f"in backward, {op}'s gradient grad / x is 0 / 0 = NaN: its input holds "
@@ -551,6 +565,8 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         use = _divided_too_use(ev, x)
     if use is None and ev.phase is Phase.FORWARD and x is not None:
         use = _unknown_log_use(ctx, ev, x)
+    if use is None and x is None:  # named by its node alone: the graph says what it took
+        use = _unread_log_use(ctx, ev)
     if use is not None and use.evidence:
         evidence.insert(len(evidence) - len(_chain_evidence(ev, trigger, "-inf")), use.evidence)
     return ctx.diagnosis(
@@ -571,6 +587,22 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         fix=use.fix if use is not None else _LOG_FIX,
         **({"title": use.title} if use is not None and use.title else {}),
     )
+
+
+def _unread_log_use(ctx: RuleContext, ev: OpEvent) -> _LogUse | None:
+    """A log whose input was not read (its node named by its name alone, what it saved
+    freed), taken of a softmax or a sigmoid, or of 1 - a sigmoid, as the loss graph shows
+    below it (:attr:`OpEvent.made_from`): the fix from the logits; None otherwise."""
+    made = _chain_producer(ev.made_from)
+    zeros = "values that underflowed to 0 or to a subnormal number (its input was not read)"
+    known = not _line_unknown(ev)
+    if made in ("softmax", "sigmoid"):
+        return _probability_made_use(
+            made, "the log's argument", zeros, None, ev.dtype, op=ev.op, known=known
+        )
+    if made == "one-minus-sigmoid":
+        return _one_minus_sigmoid_use(ctx, "the log's argument", zeros, ev, known=known)
+    return None
 
 
 def _subnormal(x: TensorStat | None, dtype: str) -> bool:
@@ -600,6 +632,10 @@ def _log_grad_overflow(
         *_chain_evidence(ev, trigger, "inf"),
     ]
     use = _exp_chain_use(ctx, ev, x, backward=True)
+    made = _chain_producer(ev.made_from) if use is None else None
+    if made in ("softmax", "sigmoid"):  # log(softmax(z)): a probability that underflowed
+        zeros = f"values down to {fmt(low)}, none 0"
+        use = _probability_made_use(made, "the log's argument", zeros, x, dtype, op=ev.op)
     if use is not None and use.evidence:
         evidence.insert(2, use.evidence)
     return ctx.diagnosis(
@@ -1392,7 +1428,7 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     if lik is not None:
         return lik
     if made == "one-minus-sigmoid":
-        return _one_minus_sigmoid_use(ctx, what, zeros, x, ev, known=not _line_unknown(ev))
+        return _one_minus_sigmoid_use(ctx, what, zeros, ev, known=not _line_unknown(ev))
     if made is not None and made not in ("softmax", "sigmoid"):
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
     if made in ("softmax", "sigmoid"):
@@ -1600,7 +1636,7 @@ def _probability_made_use(
     made: str,
     what: str,
     zeros: str,
-    x: TensorStat,
+    x: TensorStat | None,
     dtype: str,
     *,
     op: str | None = None,
@@ -1625,12 +1661,15 @@ def _probability_made_use(
             + ("" if known else f"\n{_FORENSIC_LINE}")
         ),
         why=(
-            f"Its input is a {made} output with {zeros} (max {fmt(x.max)}): the {made} of a "
+            f"Its input is a {made} output with {zeros}"
+            + (f" (max {fmt(x.max)})" if x is not None else "")
+            + f": the {made} of a "
             f"logit far below the others underflows to exactly 0 in {dt}, and its log is "
             f"-inf, although the true log-probability is finite. {call} computes it from the "
             "logits without forming the 0."
         ),
-        evidence=f"{what} is a {made} output (log <- {made}): a probability that underflowed to 0",
+        evidence=f"{what} is a {made} output (log <- {made}): a probability that underflowed"
+        + (" to 0" if x is None or has_zero(x) else ""),
     )
 
 
@@ -1699,7 +1738,7 @@ def _unit_made_use(
 
 
 def _one_minus_sigmoid_use(
-    ctx: RuleContext, what: str, zeros: str, x: TensorStat, ev: OpEvent, *, known: bool
+    ctx: RuleContext, what: str, zeros: str, ev: OpEvent, *, known: bool
 ) -> _LogUse:
     """A log of ``1 - p`` that the loss graph shows a sigmoid made p for (log <- rsub <-
     sigmoid), read without the user's line: the complement of a saturated sigmoid, fixed
