@@ -90,6 +90,7 @@ def test_a_parameter_divided_by_directly_is_named_learnable() -> None:
     m = _Direct()
     d = _first(_raises(m, lambda: m(torch.zeros(2, 3))), "NW111")
     assert "learnable" in d.title and "(self.s + (self.s.clamp_min(" in d.fix
+    assert d.evidence[0].startswith("the divisor self.s is a learnable parameter (")
     ast.parse(code_lines(d.fix))
 
 

@@ -4996,14 +4996,13 @@ def _learnable_diagnosis(
     """A zero divisor that is (made from) a learnable parameter: a floor by clamp_min passes
     no gradient below eps, so the parameter would stay 0; a straight-through floor keeps it."""
     made = (
-        f"the divisor {lv.divisor} is made from {lv.attr}"
+        f"the divisor {lv.divisor} is made from {lv.attr}, a learnable parameter"
         if lv.name is not None
-        else f"the divisor {lv.divisor} is"
+        else f"the divisor {lv.divisor} is a learnable parameter"
     )
     evidence.insert(
         0,
-        f"{made}, a learnable parameter ({lv.qual}, an nn.Parameter of the module whose "
-        "forward holds the line)",
+        f"{made} ({lv.qual}, an nn.Parameter of the module whose forward holds the line)",
     )
     return ctx.diagnosis(
         **op_fields(ev, a),
