@@ -155,3 +155,54 @@ def test_a_log_node_named_without_its_input_claims_no_value(mode: str) -> None:
     assert "its input x was freed before it could be read" in words
     assert "below 0 is NaN" not in words and "minimum is ?" not in words
     assert "log_softmax" in d.fix
+
+
+class _Het(nn.Module):
+    """A mean and a variance head; the variance is a Linear's raw output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mu = nn.Linear(2, 1)
+        self.var = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.mu(x), self.var(x)
+
+
+def _gaussian_nll(mu: torch.Tensor, var: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (0.5 * torch.log(var) + (y - mu) ** 2 / (2 * var)).mean()
+
+
+def _shifted_nll(mu: torch.Tensor, var: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (0.5 * torch.log(var - 3) + (y - mu) ** 2).mean()
+
+
+def _het(loss_fn, *, defer: bool = False):  # type: ignore[no-untyped-def]
+    model = _Het()
+    with torch.no_grad():
+        model.var.weight.fill_(1.0)
+        model.var.bias.fill_(-1.0)
+    x = torch.tensor([[0.1, 0.2], [2.0, 1.0]])
+    nw = nanwatch.watch(model, on_anomaly="record", postmortem=False)
+    if defer:
+        nw._defer_cpu = True
+    with nw:
+        mu, var = model(x)
+        loss_fn(mu, var, torch.zeros(2, 1)).backward()
+        nw.step()
+    return nw
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_log_of_a_linears_raw_output_names_the_layer(defer: bool) -> None:
+    d = top(_het(_gaussian_nll, defer=defer))
+    assert d.code == "NW110"
+    assert "is the output of var (Linear) itself (the same 2 values" in text(d)
+    assert "softplus(model.var(h)) + 1e-6" in d.fix
+
+
+def test_a_log_of_a_value_computed_from_the_layer_is_not_called_its_output() -> None:
+    d = top(_het(_shifted_nll))
+    assert d.code == "NW110"
+    assert "var (Linear)" not in text(d)
+    assert "find what makes it negative" in d.fix

@@ -1305,6 +1305,36 @@ def _negated_log_use(ev: OpEvent, x: TensorStat, zeros: str) -> _LogUse | None:
     return _LogUse("negated-log", fix=fix, why=why, evidence=evidence)
 
 
+#: layers whose output is an affine map of their input: any real number
+_AFFINE = frozenset(
+    {"Linear", "LazyLinear", "Bilinear", "Conv1d", "Conv2d", "Conv3d", "LazyConv1d",
+     "LazyConv2d", "LazyConv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d"}
+)  # fmt: skip
+
+
+def _raw_layer_output(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> tuple[str, str] | None:
+    """(path, type) of the affine layer (a Linear, a convolution) whose output is, value for
+    value, the log's input: the loss graph shows the log took a watched output itself
+    (:attr:`OpEvent.made_from` ``["watched:..."]``) and one module's measured output has its
+    very statistics; the innermost module when a parent returned it as is."""
+    chain = ev.made_from
+    if not chain or not chain[0].startswith("watched:"):
+        return None
+    found: list[Record] = []
+    for r in ctx.records(Phase.FORWARD):
+        st = r.stat
+        if not r.role.startswith("output") or st is None or st.numel != x.numel:
+            continue
+        if st.min == x.min and st.max == x.max:
+            found.append(r)
+    if not found:
+        return None
+    inner = max(found, key=lambda r: (r.module_type in _AFFINE, r.path.count(".")))
+    if inner.module_type not in _AFFINE:
+        return None
+    return inner.path, inner.module_type
+
+
 def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
     """What the evidence shows when nothing names what the log was taken of: a negative
     argument is a domain error (no floor or probability recipe fixes it); exact zeros in
@@ -1342,6 +1372,32 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             ),
             evidence=f"{what} holds negative values, down to {fmt(x.min)}, and a watched "
             "output made by a subtraction (SubBackward0) holds them, within [-1, 1]",
+        )
+    raw = _raw_layer_output(ctx, made_ev, x) if x.min < 0 else None
+    if raw is not None:
+        path, kind = raw
+        ref = module_ref(path)
+        f = "torch.nn.functional." if _lacks_f(made_ev.backward_at or made_ev.source) else "F."
+        return _LogUse(
+            "negative",
+            fix=(
+                f"# {what} is what {path} ({kind}) returns, unconstrained, and it reached "
+                f"{fmt(x.min)}: make it positive where it is made\n"
+                f"positive = {f}softplus({ref}(h)) + 1e-6   # a pattern, in your names: h, what "
+                f"{path} is given; or {ref}(h).exp(), {path} then predicting its log\n"
+                f"# not a clamp at a tiny value: {tiny_log} is a wrong value, not a small one"
+            ),
+            why=(
+                f"Its input is negative (min {fmt(x.min)}, max {fmt(x.max)}): the very values "
+                f"{path} ({kind}) returned, and a {kind}'s output can be any real number. A "
+                "quantity that must be positive (a variance, a scale, a rate) needs a positive "
+                "map after the layer: softplus, or exp of a predicted log. A floor at a tiny "
+                f"value would turn the NaN into {tiny_log}, finite and wrong, and leave no "
+                "gradient to move the layer back."
+            ),
+            evidence=f"{what} is the output of {path} ({kind}) itself (the same "
+            f"{x.numel:,} values, min {fmt(x.min)}, max {fmt(x.max)}): a {kind}'s output is "
+            "any real number, and a log needs one above 0",
         )
     if x.min < 0:
         return _LogUse(
