@@ -961,10 +961,32 @@ class _NanWatch:
             "warn": "training goes on (warn: the update is applied)",
         }[self.on_anomaly]
         every = "every rank: " if world > 1 else ""
+        # the diagnosis and its fix, as nanwatch.watch says them: the report is for later
+        said = self._top_lines(steps)
         return (
-            f"{head}\n  {every}{doing}.\n  report: {nw.config.report_dir} "
+            f"{head}\n{said}  {every}{doing}.\n  report: {nw.config.report_dir} "
             "(nanwatch report <file>.json to read it again)"
         )
+
+    def _top_lines(self, steps: list[int]) -> str:
+        """The earliest found step's first diagnosis (its headline) and fix, one line each
+        and the fix's continuation lines indented, ending in a newline; "" when the step has
+        none (another rank's anomaly)."""
+        nw = self.watcher
+        assert nw is not None
+        first = min(steps, default=None)
+        top = next(
+            (t.diagnoses[0] for t in [*nw.history, nw.trace] if t.step == first and t.diagnoses),
+            None,
+        )
+        if top is None:
+            return ""
+        lines = [f"  {top.headline}"]
+        if top.fix:
+            fix, *more = top.fix.splitlines()
+            lines.append(f"  fix: {fix}")
+            lines.extend(f"       {line}" for line in more)
+        return "\n".join(lines) + "\n"
 
     def _replay(self, trainer: Any, pl_module: Any) -> None:
         """Re-run the failing batch's training_step and backward under the op checker, with

@@ -263,11 +263,17 @@ def test_a_nan_only_in_test_step_is_left_to_a_watch_around_trainer_test(tmp_path
 def test_stop_drops_the_bad_update_stops_and_writes_the_report(tmp_path: Path) -> None:
     cb = NanWatchCallback()  # on_anomaly="stop"
     weights = weights_recorder()
-    with pytest.warns(RuntimeWarning, match=r"step 2: NaN born in the forward of blowup"):
+    with pytest.warns(RuntimeWarning, match=r"step 2: NaN born in the forward of blowup") as caught:
         trainer = fit(tmp_path, Model(bad=[2]), cb, weights, batches=6)
     nw = cb.watcher
     assert nw is not None and not nw.attached
     assert cb.stopped_at == 2 and trainer.should_stop
+    # the warning says the diagnosis and its fix, as nanwatch.watch does, not only where
+    said = next(str(w.message) for w in caught if "step 2: NaN born" in str(w.message))
+    top = next(t for t in nw.history if t.step == 2).diagnoses[0]
+    assert f"\n  {top.headline}\n" in said and top.fix
+    assert f"\n  fix: {top.fix.splitlines()[0]}\n" in said
+    assert said.index(top.headline) < said.index("training stops") < said.index("report:")
     assert [t.step for t in nw.history] == [0, 1, 2]  # batches 3-5 never ran
     assert torch.equal(weights.after[2], weights.after[1])  # the NaN update was dropped
     assert all(torch.isfinite(w).all() for w in weights.after)
