@@ -176,6 +176,8 @@ def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
         try:
             on = torch.is_autocast_enabled(dev)
             dtype = torch.get_autocast_dtype(dev)
+        except RuntimeError:  # a device type this build does not know
+            continue
         except (TypeError, AttributeError):  # torch < 2.4
             cpu = dev == "cpu"
             on = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()

@@ -640,7 +640,7 @@ class _Probe:
         module: nn.Module | None = None,
         roots: Sequence[nn.Module] = (),
         known: Callable[[torch.Tensor], tuple[Any, Any] | None] | None = None,
-        upstream: bool = False,
+        upstream: bool | Callable[[], bool] = False,
         from_module: Callable[[torch.Tensor], bool] | None = None,
         recorded: Callable[[Any], bool] | None = None,
         ops_checked: bool = False,
@@ -662,8 +662,9 @@ class _Probe:
         #: value an op made in it is traced to that op by the watcher
         self.from_module = from_module or (lambda t: False)
         #: the watcher already found a NaN/inf born earlier in this step: a non-finite loss
-        #: input is its consequence, which the watcher's diagnosis explains
-        self.upstream = upstream
+        #: input is its consequence, which the watcher's diagnosis explains. A callable is
+        #: asked only when a check needs it (see :attr:`upstream`)
+        self._upstream = upstream
         #: the min and max a watcher already measured for a tensor (a watched module's
         #: output, unchanged since), so the input is not read a second time
         self.known = known or (lambda t: None)
@@ -865,6 +866,14 @@ class _Probe:
         )
         made = f"nn.{self.cls_name}({args})"
         return f"{callee} = {made}" if callee else made
+
+    @property
+    def upstream(self) -> bool:
+        """Whether a NaN/inf was born earlier in this step. Asked only once a check found a
+        non-finite input: on accelerators the watcher's statistics are still on the device
+        then, and finding a bad one costs a read that a healthy step must not pay."""
+        up = self._upstream
+        return bool(up() if callable(up) else up)
 
     def fail(self, f: _Failure) -> None:
         raise _Fail(f)
@@ -4047,7 +4056,7 @@ def _guard(
         module=module,
         roots=watcher.roots,
         known=watcher.measured_minmax,
-        upstream=watcher.trace.anomaly is not None,
+        upstream=lambda: watcher.trace.anomaly is not None or watcher._unread_bad(),
         from_module=watcher.made_by_watched,
         recorded=lambda node: node in watcher._recorded_nodes,
         ops_checked=watcher._forensic,

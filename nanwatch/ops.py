@@ -37,7 +37,7 @@ from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanwatch import _copies, _frames
-from nanwatch._compat import aminmax, set_versions
+from nanwatch._compat import aminmax, autocast_as, set_versions
 from nanwatch._domains import Domain, domain_of
 from nanwatch._structure import iter_tensors, leaves
 from nanwatch.localize import is_birth, mark_redrawn
@@ -1571,6 +1571,11 @@ def forward_rng(args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any] | None
     return [torch.get_rng_state()]
 
 
+def _autocast_or_not(state: tuple[tuple[str, torch.dtype], ...] | None) -> Any:
+    """:func:`nanwatch._compat.autocast_as` ``state``; None: autocast left as it is."""
+    return contextlib.nullcontext() if state is None else autocast_as(state)
+
+
 def set_rng_states(states: list[Any], devices: set[torch.device]) -> bool:
     """Put back the generator states :func:`forward_rng` (the CPU generator's) or
     :func:`rng_states` took for the same ``devices``; False (and nothing set) when they do
@@ -1754,6 +1759,7 @@ def replay(
     call_site: tuple[str, str | None] | None = None,
     rng: list[Any] | None = None,
     keep: torch.nn.Module | None = None,
+    autocast: tuple[tuple[str, torch.dtype], ...] | None = None,
 ) -> ReplayResult:
     """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
     :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
@@ -1773,7 +1779,10 @@ def replay(
     gets the user's line that is running (right for a root replayed in its own hook).
     ``keep``: ``module`` or a submodule of it whose outputs are handed back
     (``result.kept``): a value read after its call ended was freed by then, and the replay
-    made it again (anomaly-time work only)."""
+    made it again (anomaly-time work only). ``autocast``: the autocast state the original
+    call ran under (:func:`nanwatch._compat.autocast_state`), for a replay made after it
+    returned, outside the user's ``torch.autocast`` region; None: as it is now (a replay
+    inside the call, under its autocast already)."""
     result = ReplayResult()
     floor = sys._getframe()
     devices = _devices([args, kwargs])
@@ -1796,7 +1805,7 @@ def replay(
                 push_path(path)
                 out: Any = None
                 try:
-                    with torch.no_grad(), chk:
+                    with torch.no_grad(), _autocast_or_not(autocast), chk:
                         out = call_forward(module, args, kwargs, pre_hooks=pre_hooks)
                 except Exception as exc:
                     result.error = f"{type(exc).__name__}: {exc}"

@@ -43,7 +43,6 @@ from torch.nn.utils import parametrize
 from nanwatch import _copies, _frames, ops
 from nanwatch._compat import (
     aminmax,
-    autocast_as,
     autocast_state,
     capturing,
     compiling,
@@ -1041,7 +1040,7 @@ class Watcher:
                 if exc is None or _deliberate_exit(exc):
                     self._quiet = exc is not None  # the exit must come out as it went in
                     try:
-                        self._boundary(final=True)
+                        self._final_boundary()
                     finally:
                         self._quiet = False
                 else:
@@ -1167,12 +1166,23 @@ class Watcher:
         try:
             with _NO_TORCH_FUNCTION():  # see __exit__
                 if exc is None:
-                    self._boundary(final=True)
+                    self._final_boundary()
                 else:
                     path = self._on_exception(exc)
         finally:
             self.detach()
         return path
+
+    def _final_boundary(self) -> None:
+        """End the run's last step. On the accelerator path an anomaly of that step is read
+        only now, and raised from the exit: the CPU path raised it inside the ``with``
+        block, whose exit wrote the post-mortem; this one writes it too."""
+        try:
+            self._boundary(final=True)
+        except AnomalyError as err:
+            if self._read_late() and getattr(err, "_nanwatch_owner", None) == id(self):
+                self._on_exception(err)
+            raise
 
     def note(self, kind: str, path: str, *, source: str | None = None, **data: Any) -> Note:
         """Add evidence to the current step for the rules (see :class:`nanwatch.Note`)."""
@@ -1197,6 +1207,32 @@ class Watcher:
         if entry is None or entry[0]() is not t or entry[2] != _version(t):
             return None
         return self._minmax.get(entry[1])
+
+    def _unread_bad(self) -> bool:
+        """The accelerator path: a statistic of this step still on the device is an anomaly
+        the CPU path would have found when it measured it (:func:`is_trigger`, as in
+        :meth:`_note_bad`: a -inf a loss module is given is no anomaly) -- a value the watched
+        modules made (or their data) is bad, and the late read will trace it. One read, asked
+        only by a guard that found a non-finite input (see ``guards._Probe.upstream``)."""
+        pending = self._pending
+        if not pending:
+            return False
+        with _NO_TORCH_FUNCTION(), torch.no_grad():
+            got = read_scalars([x for _, lo, hi, _ in pending for x in (lo, hi)])
+        for i, (rec, _, _, n) in enumerate(pending):
+            lo, hi = got[2 * i], got[2 * i + 1]
+            if math.isfinite(lo) and math.isfinite(hi):
+                continue
+            rec.stat = TensorStat(lo, hi, n)  # as it will be read; the read fills it again
+            try:
+                found = is_trigger(
+                    rec, self._trace, allow=self.config.allow, scaled_grads=self._scaled
+                )
+            finally:
+                rec.stat = None
+            if found:
+                return True
+        return False
 
     def made_by_watched(self, t: torch.Tensor) -> bool:
         """``t`` is, or is a copy or view of, a tensor a watched module returned this step
@@ -4518,19 +4554,19 @@ class Watcher:
             return
         # read late, the call's autocast region has ended: the replay runs under the state
         # the call began with (on the CPU path it runs inside the call, under it already)
-        with autocast_as(self._late_autocast(target)) if self._late else contextlib.nullcontext():
-            result = ops.replay(
-                module,
-                args,
-                kwargs,
-                path=target.path,
-                on_error=self._checker_fault,
-                pre_hooks=hooks,
-                hold=self._moved_state,
-                call_site=self._call_line(module) or self._late_line(target),
-                rng=self._call_rng(target),
-                keep=self._freed_producer(anomaly),
-            )
+        result = ops.replay(
+            module,
+            args,
+            kwargs,
+            path=target.path,
+            on_error=self._checker_fault,
+            pre_hooks=hooks,
+            hold=self._moved_state,
+            call_site=self._call_line(module) or self._late_line(target),
+            rng=self._call_rng(target),
+            keep=self._freed_producer(anomaly),
+            autocast=self._call_autocast(target),
+        )
         self._describe_replayed(anomaly, target, result)
         trace.ops.extend(result.events)
         first = result.first()
@@ -4575,17 +4611,6 @@ class Watcher:
             )
         self._pinpoint_neginf(anomaly, target, current, pre_hooks)
         anomaly.summary = summarize(anomaly)
-
-    def _late_autocast(self, call: Call) -> tuple[tuple[str, torch.dtype], ...]:
-        """The autocast state the root call that ran ``call`` began with (see
-        ``_Frame.autocast``); none when that call is not known."""
-        trace, seen = self._trace, set()
-        root: Call | None = call
-        while root is not None and not root.root and root.id not in seen:
-            seen.add(root.id)
-            root = trace.call(root.parent) if root.parent is not None else None
-        frame = self._root_frames.get(root.path) if root is not None else None
-        return frame.autocast if frame is not None and frame.call is root else ()
 
     def _freed_producer(self, anomaly: Anomaly) -> nn.Module | None:
         """Read late (the accelerator path), the bad output's counts and finite max are
@@ -4683,6 +4708,25 @@ class Watcher:
         if frame is None:
             frame = self._root_frames.get(call.path)
         return frame.rng if frame is not None and frame.call is call else None
+
+    def _call_autocast(self, call: Call) -> tuple[tuple[str, torch.dtype], ...] | None:
+        """The autocast state the root call that ran ``call`` began with, for a replay made
+        after it returned (the accelerator path); None when the replay runs in the call's
+        own hook, under it already."""
+        if not self._late:
+            return None
+        trace = self._trace
+        root: Call | None = call
+        seen: set[int] = set()
+        while root is not None and not root.root and root.id not in seen:
+            seen.add(root.id)
+            root = trace.call(root.parent) if root.parent is not None else None
+        if root is None:
+            return None  # not known: autocast as it is
+        frame = next((fr for fr in self._stack if fr.call is root), None)
+        if frame is None:
+            frame = self._root_frames.get(root.path)
+        return frame.autocast if frame is not None and frame.call is root else None
 
     def _note_call_site(
         self, info: _ModInfo, module: nn.Module, site: _FrameAt | None = None
@@ -5146,6 +5190,7 @@ class Watcher:
             on_error=self._checker_fault,
             pre_hooks=hooks,
             hold=self._moved_state,
+            autocast=self._call_autocast(maker),
         )
         made = next((e for e in result.events if "-inf" in e.born), None)
         if made is None:
@@ -5660,8 +5705,18 @@ class Watcher:
             # writes the post-mortem; this one's run was stopped without an anomaly of its
             # own, and a report of it would say 'stopped at the first anomaly' with none
             self._quiet = True
+            known, first_bad = list(self.anomalies), self._first_bad
             try:
-                self._boundary()
+                done = self._boundary()
+                found = done.anomaly
+                if self._read_late() and found is not None and found not in known:
+                    # read only now (the accelerator path): both watchers saw the same
+                    # tensors (a gradient into the other's model), and on the CPU the
+                    # first hook to see it raised before this one's ran. The anomaly is
+                    # the other watcher's, which reported it
+                    self._forget(done, found)
+                    self._first_bad = first_bad
+                    done.diagnoses = self._evaluate(done)
             except Exception as inner:
                 self.faults.append(("post-mortem flush", f"{type(inner).__name__}: {inner}"))
             finally:
