@@ -1120,6 +1120,16 @@ def _target_stats(p: _Probe) -> None:
         mn, mx = aminmax(t)
         p.add("target_min", mn)
         p.add("target_max", mx)
+        if t.is_floating_point():
+
+            def count(v: dict[str, float]) -> None:
+                # a non-finite target: how many of its values are, counted while it is at
+                # hand (a second read, only then): read after backward (the accelerator
+                # path), the gradient that counts them on the CPU is freed
+                if not (math.isfinite(v["target_min"]) and math.isfinite(v["target_max"])):
+                    p.count("target_nonfinite", ~torch.isfinite(t))
+
+            p.then(count)
 
 
 # -- class targets ---------------------------------------------------------------------
@@ -4299,7 +4309,8 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
     if t is not None:
         data["target_dtype"] = dtype_name(t.dtype)
         data["target_shape"] = list(t.shape)
-    for k in ("input_min", "input_max", "target_min", "target_max", "ignored_amax", "valid_amax"):
+    keys = ("input_min", "input_max", "target_min", "target_max", "target_nonfinite")
+    for k in (*keys, "ignored_amax", "valid_amax"):
         if k in v:
             data[k] = v[k]
     if "row_sum_min" in v:

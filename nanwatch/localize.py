@@ -1243,9 +1243,9 @@ def _whole_samples_bad(rec: Record) -> bool:
     """Every value of each bad sample of ``rec`` is NaN or inf: a factor or a divisor of the
     whole sample, not a bad pixel or a missing feature of a loaded one."""
     s = rec.stat
-    if s is None or len(rec.shape) < 2 or not s.bad_row_count or s.nan is None:
+    bad = s.bad_values if s is not None else None  # counted, or told apart by sample only
+    if s is None or len(rec.shape) < 2 or not s.bad_row_count or bad is None:
         return False
-    bad = s.nan + (s.posinf or 0) + (s.neginf or 0)
     per_sample = _numel(rec.shape[1:])
     return per_sample > 1 and bad == s.bad_row_count * per_sample
 

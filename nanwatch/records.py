@@ -57,6 +57,10 @@ class TensorStat:
     #: few) and how many do (a missing-value column, a zero-std standardization).
     bad_cols: tuple[int, ...] | None = None
     bad_col_count: int | None = None
+    #: NaN and inf values together, where they were not counted apart: a batch read after
+    #: its calls (the accelerator path) and freed before it could be described, whose
+    #: per-sample counts of non-finite values were kept.
+    nonfinite: int | None = None
 
     def __post_init__(self) -> None:
         # An empty tensor reads min 0 and max 0; numel 0 with a NaN min or max is a
@@ -91,6 +95,13 @@ class TensorStat:
         if self.neginf is not None:
             return self.neginf > 0
         return self.min == -math.inf
+
+    @property
+    def bad_values(self) -> int | None:
+        """How many values are NaN or inf, when known (counted, or :attr:`nonfinite`)."""
+        if self.nan is not None:
+            return self.nan + (self.posinf or 0) + (self.neginf or 0)
+        return self.nonfinite
 
     @property
     def finite(self) -> bool:
@@ -136,7 +147,8 @@ class TensorStat:
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"min": _num(self.min), "max": _num(self.max), "numel": self.numel}
         for name in (
-            "nan", "posinf", "neginf", "zeros", "near_max", "bad_row_count", "bad_col_count"
+            "nan", "posinf", "neginf", "zeros", "near_max", "bad_row_count", "bad_col_count",
+            "nonfinite",
         ):  # fmt: skip
             v = getattr(self, name)
             if v is not None:
@@ -171,6 +183,7 @@ class TensorStat:
             norm=None if norm is None else _unnum(norm),
             bad_cols=None if d.get("bad_cols") is None else tuple(d["bad_cols"]),
             bad_col_count=d.get("bad_col_count"),
+            nonfinite=d.get("nonfinite"),
         )
 
 

@@ -199,8 +199,30 @@ def bad_row_flags(t: torch.Tensor) -> torch.Tensor | None:
         return (~torch.isfinite(dense)).reshape(dense.shape[0], -1).any(dim=1)
 
 
+def bad_row_counts(t: torch.Tensor) -> torch.Tensor | None:
+    """How many values of each index along dim 0 (each sample of a batch) are NaN or inf,
+    as an int64 tensor on ``t``'s device; no sync, the same one pass as
+    :func:`bad_row_flags`. Read late (the accelerator path), after the batch may be freed,
+    the counts still tell a whole sample gone bad (divided by a zero norm) from a bad
+    pixel of a loaded one. None when ``t`` has no rows to tell apart.
+
+    >>> bad_row_counts(torch.tensor([[1.0, 2.0], [float("nan"), float("inf")]])).tolist()
+    [0, 2]
+    """
+    if not has_values(t) or t.dim() < 1 or t.is_nested or t.layout is not torch.strided:
+        return None
+    with torch.no_grad():
+        dense = t.detach()
+        if dense.dtype in _FLOAT8:
+            dense = dense.float()
+        if dense.numel() == 0:
+            return None
+        return (~torch.isfinite(dense)).reshape(dense.shape[0], -1).sum(dim=1)
+
+
 def rows_from_flags(flags: torch.Tensor, *, max_rows: int = 8) -> tuple[tuple[int, ...], int]:
-    """The first ``max_rows`` indices set in ``flags`` and how many are set (a host read)."""
+    """The first ``max_rows`` indices set (non-zero) in ``flags`` and how many are set (a
+    host read)."""
     idx = flags.nonzero().flatten()
     return tuple(int(i) for i in idx[:max_rows].tolist()), int(idx.numel())
 

@@ -83,7 +83,7 @@ from nanwatch.records import (
 )
 from nanwatch.stats import (
     HostRead,
-    bad_row_flags,
+    bad_row_counts,
     describe,
     device_name,
     dtype_name,
@@ -1771,8 +1771,9 @@ class Watcher:
             # rec.stat stays None (not read yet) until the flush fills it
             self._pending.append((rec, mm[0], mm[1], numel(t)))
             self._minmax[rec.index] = mm
-            if rows:  # the batch: which samples are bad, read only if any is
-                flags = bad_row_flags(t)
+            if rows:  # the batch: which samples are bad (and how many of their values:
+                # the batch may be freed by the read), read only if any is
+                flags = bad_row_counts(t)
                 if flags is not None:
                     self._pending_rows.append((rec, flags))
             return
@@ -4190,6 +4191,9 @@ class Watcher:
             for rec, flags in flagged:  # a second read, only for a bad batch
                 if rec.stat is not None and not rec.stat.finite:
                     rec.stat.bad_rows, rec.stat.bad_row_count = rows_from_flags(flags)
+                    # their values all told, in case the batch is freed before it can be
+                    # described (a computed input whose graph is gone)
+                    rec.stat.nonfinite = int(flags.sum())
             self._describe_bad(filled, {id(r) for r, _ in flagged})
             for rec in filled:
                 if rec.stat is not None and not rec.stat.finite:
@@ -4431,7 +4435,8 @@ class Watcher:
                     anomaly.summary = summarize(anomaly)
             elif first_of_run or anomaly.path not in self._pinpointed:
                 self._pinpointed.add(anomaly.path)
-                self._pinpoint(anomaly, current)
+                late_found = rec is not None and rec.phase in (Phase.BACKWARD, Phase.GRADIENT)
+                self._pinpoint(anomaly, current, in_backward=late_found)
                 self._pinpoint_derived_input(anomaly, current)
         elif (
             self.config.pinpoint
@@ -4503,10 +4508,12 @@ class Watcher:
         current: tuple[Call, nn.Module, Any, Any] | None,
         *,
         pre_hooks: bool | int = False,
+        in_backward: bool = False,
     ) -> None:
         """Replay the module whose code made the anomaly on its inputs, every op checked.
         ``current``: a call whose inputs are at hand, with ``pre_hooks`` (see
-        :func:`ops.call_forward`) saying which of its pre-hooks they went through."""
+        :func:`ops.call_forward`) saying which of its pre-hooks they went through;
+        ``in_backward``: the value that told of it was a gradient."""
         trace = self._trace
         if anomaly.origin == "between-roots":
             return  # no module ran the code: forensic mode or nw.replay() traces it
@@ -4518,6 +4525,14 @@ class Watcher:
             return
         found = self._call_inputs(target, current, pre_hooks, finished=False)
         meant = target
+        if found is None and self._late and in_backward and anomaly.neginf_source is not None:
+            # a -inf only its gradient told of: on the CPU that is found in backward, once
+            # the call is over, and the code that made the -inf is replayed (below); the
+            # whole call replayed now would name the first op the -inf went through
+            self._pinpoint_neginf(anomaly, None, current, pre_hooks)
+            if anomaly.op is not None:
+                anomaly.summary = summarize(anomaly)
+                return
         if found is None and self._late:
             late = self._late_inputs(target)
             if late is not None:
@@ -4530,7 +4545,11 @@ class Watcher:
                 anomaly.summary = summarize(anomaly)
             return
         module, args, kwargs, hooks = found
-        if self._late and hooks is not False:
+        # a value the module's own code made before one of its children's calls: on the CPU
+        # that call is still open when it is found, and its replay runs the user's
+        # pre-hooks under the checker with the rest of its code (a standardization there)
+        own_code = anomaly.origin == "between-children" and target is meant
+        if self._late and hooks is not False and not own_code:
             # read after the call ended, its inputs are those the pre-hooks got: they run
             # again first, outside the checked replay, as on the CPU, where the replay gets
             # what the forward got. What a pre-hook sets (the weight weight_norm computes)
@@ -4568,6 +4587,17 @@ class Watcher:
             autocast=self._call_autocast(target),
         )
         self._describe_replayed(anomaly, target, result)
+        if target is not meant:
+            # the root ran in place of the call whose inputs were gone (read late): only
+            # the ops of that call's module made its value; what the root's code did with
+            # it after the call (inf - inf in a later layer) is not where it began
+            within = meant.path + "."
+            kept = [
+                e
+                for e in result.events
+                if e.path is None or e.path == meant.path or e.path.startswith(within)
+            ]
+            result = dataclasses.replace(result, events=kept)
         trace.ops.extend(result.events)
         first = result.first()
         if first is not None:
@@ -5470,20 +5500,33 @@ class Watcher:
             trace.anomaly.summary = self._front_words(trace.anomaly.summary)
         if any(d.fix for d in found):
             try:
-                self._in_users_names(found)
+                self._in_users_names(found, trace)
             except Exception as exc:  # the fixes keep their generic names
                 self._fault("rules", "user's names in fixes", exc)
         return found
 
-    def _in_users_names(self, diagnoses: list[Diagnosis]) -> None:
+    def _in_users_names(self, diagnoses: list[Diagnosis], trace: StepTrace | None = None) -> None:
         """The rules write fixes for a model called ``model``, an optimizer called
         ``optimizer`` and a loss called ``criterion`` where they cannot know better. The
         user's code (the frames that ran into the anomaly, innermost first: the model's
         forward, then the training loop that called it, each with its ``self`` and its
         module's globals) holds the watched model, its optimizer and its loss under its own
         names: the innermost frame that holds one names it in the fixes' code, unless that
-        frame also defines the generic name. Comments are left as they are."""
+        frame also defines the generic name. Comments are left as they are.
+
+        Read after the calls (the accelerator path), the line that called the model has
+        moved on: the user's frame kept as the anomaly's root call began comes first, as
+        it would at the call (``trace``: the step read)."""
         frames: list[Any] = []
+        anomaly = trace.anomaly if trace is not None else None
+        if anomaly is not None and trace is self._trace and self._read_late():
+            call = trace.call(anomaly.record.call)
+            while call is not None and not call.root and call.parent is not None:
+                call = trace.call(call.parent)
+            site = self._late_site(call)
+            at_call = _frames.user_frame(site) if site is not None else None  # type: ignore[arg-type]
+            if at_call is not None:
+                frames.append(at_call)
         frame = _frames.user_frame(sys._getframe(1))
         while frame is not None and len(frames) < 32:
             frames.append(frame)
@@ -6103,9 +6146,20 @@ class _FrameAt:
     @property
     def f_locals(self) -> Any:
         f: Any = sys._getframe(1)
+        free = self.f_code.co_freevars
+        outer: Any = None
         while f is not None and f.f_code is not self.f_code:
+            if outer is None and free and any(c is self.f_code for c in f.f_code.co_consts):
+                outer = f
             f = f.f_back
-        return f.f_locals if f is not None else {}
+        if f is not None:
+            return f.f_locals
+        if outer is not None:
+            # a closure that has returned (a lambda, the closure of optimizer.step): the
+            # names it took from the function that defined it, which still runs
+            names = outer.f_locals
+            return {k: names[k] for k in free if k in names}
+        return {}
 
 
 def _site_at(start: Any) -> _FrameAt | None:
@@ -6545,8 +6599,13 @@ def _state_owner(
     keep: Callable[[str], str | None] = lambda n: n  # noqa: E731
     if target is meant:
         return None, keep
-    sub = next((m for m, info in modules if info.path == meant.path), None)
-    prefix = next((n for n, m in replayed.named_modules() if m is sub), None)
+    # the module of that path that the root runs now: a submodule assigned after attach
+    # (model.scale = Scale()) shares its path with the one it replaced
+    below = {id(m): n for n, m in replayed.named_modules()}
+    sub, prefix = next(
+        ((m, below[id(m)]) for m, info in modules if info.path == meant.path and id(m) in below),
+        (None, None),
+    )
     names = [t["name"] for t in state] + list(written)
     if sub is None or not prefix or not any(n.startswith(prefix + ".") for n in names):
         return None, keep

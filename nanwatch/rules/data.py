@@ -258,10 +258,10 @@ def _whole_samples_bad(rec: Record) -> bool:
     ``x / x.norm()`` of a sample whose norm is 0 gives (0/0 = NaN where x is 0, inf where
     it is not). A bad pixel or a missing feature leaves the rest of its sample finite."""
     s = rec.stat
-    if s is None or len(rec.shape) < 2 or not s.bad_row_count or s.nan is None:
+    bad = s.bad_values if s is not None else None  # counted, or told apart by sample only
+    if s is None or len(rec.shape) < 2 or not s.bad_row_count or bad is None:
         return False
     per_sample = math.prod(rec.shape[1:])
-    bad = s.nan + (s.posinf or 0) + (s.neginf or 0)
     return per_sample > 1 and bad == s.bad_row_count * per_sample
 
 
@@ -327,8 +327,9 @@ def _computed_input(
     rec = a.record
     s = rec.stat
     n = s.bad_row_count if s is not None and s.bad_row_count else 1
-    has_inf = s is not None and bool(s.posinf or s.neginf)
-    has_nan = s is None or s.nan is None or s.nan > 0
+    # the counts, else min and max (a batch read late and freed before it was counted)
+    has_inf = s is not None and (s.has_posinf or s.has_neginf)
+    has_nan = s is None or s.has_nan
     kinds = "NaN or inf" if has_inf and has_nan else "inf" if has_inf else "NaN"
     samples = f"sample{'s' if n != 1 else ''}"
     called = (
@@ -663,15 +664,21 @@ def _prediction_grad(ctx: RuleContext, n: Note) -> TensorStat | None:
         return None
     if sum(m.data.get("input_source") == src for m in ctx.notes("loss_input")) != 1:
         return None  # another loss read the prediction too: its gradient sums both
+    told = n.data.get("target_nonfinite")
     for r in ctx.trace.records:
         if (
             r.phase is Phase.BACKWARD
             and src in (r.index, r.source)
             and list(r.shape) == list(shape)
             and r.stat is not None
-            and r.stat.nan is not None
         ):
-            return r.stat
+            if r.stat.nan is not None:
+                return r.stat
+            if not r.stat.finite and isinstance(told, (int, float)):
+                # read after backward freed it (the accelerator path): the same count, as
+                # the loss's guard counted it in the target
+                s = r.stat
+                return TensorStat(s.min, s.max, s.numel, nonfinite=int(told))
     return None
 
 
@@ -720,7 +727,7 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
     if counted is not None and a.op is not None:
         evidence.append(f"target: {describe_stat(counted)}")
     elif counted is not None:
-        bad_n = (counted.nan or 0) + (counted.posinf or 0) + (counted.neginf or 0)
+        bad_n = counted.bad_values or 0
         evidence.append(
             f"{bad_n:,} of its {counted.numel:,} values {'is' if bad_n == 1 else 'are'} "
             f"{counted.kinds().replace(', ', ' or ')}, counted in the gradient of the "
@@ -795,7 +802,10 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
             "source: a missing reading or label parsed as NaN, a standardization by a "
             "batch's standard deviation that is 0 (every target equal), a corrupted file."
         )
-        some = counted is not None and (counted.nan or 0) < counted.numel
+        some = (
+            counted is not None
+            and (counted.nan if counted.nan is not None else counted.nonfinite or 0) < counted.numel
+        )
         remedy = (
             "print((~torch.isfinite(y)).nonzero()[:10].tolist())   # where: trace them "
             "to the data\n"
