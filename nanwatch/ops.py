@@ -1349,16 +1349,99 @@ def _node_domain_counts(dom: Domain, v: torch.Tensor) -> dict[str, int]:
     return counts
 
 
-def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> OpEvent:
+#: the ``_saved_*`` attribute names of each autograd node class (``dir`` is slow)
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_attrs(node: Any) -> tuple[str, ...]:
+    cls = type(node)
+    found = _SAVED_ATTRS.get(cls)
+    if found is None:
+        found = _SAVED_ATTRS[cls] = tuple(a for a in dir(node) if a.startswith("_saved_"))
+    return found
+
+
+class SavedNode:
+    """An autograd node together with what it saved in forward, taken while autograd still
+    held it (in the node's own hook, during backward): read later, after autograd freed its
+    saved values, it answers as the node did then. The producers of its saved tensors (the
+    log whose -inf a ``torch.where`` kept) are taken too, one level down, since their
+    backward frees theirs later in the same pass. No tensor is read when it is taken: it
+    holds references, so the memory stays in use until the snapshot is dropped;
+    :attr:`nbytes` says how much.
+
+    >>> x = torch.zeros(3, requires_grad=True)
+    >>> node = torch.log(x).grad_fn
+    >>> snap = SavedNode(node)
+    >>> torch.equal(snap._saved_self, x), snap.name(), snap.nbytes
+    (True, 'LogBackward0', 12)
+    """
+
+    __slots__ = ("_node", "_producers", "_saved", "_versions", "nbytes")
+
+    def __init__(self, node: Any, *, depth: int = 1) -> None:
+        self._node = node
+        self._saved = {a: _saved(node, a) for a in _saved_attrs(node)}
+        self._producers: dict[int, SavedNode] = {}
+        tensors = [v for v in self._saved.values() if isinstance(v, torch.Tensor)]
+        self._versions = [(t, t._version) for t in tensors]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if depth > 0:
+            for t in tensors:
+                fn = t.grad_fn
+                if fn is not None and fn is not node and id(fn) not in self._producers:
+                    snap = SavedNode(fn, depth=depth - 1)
+                    self._producers[id(fn)] = snap
+                    self.nbytes += snap.nbytes
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_saved_"):
+            if name in self._saved:
+                return self._saved[name]
+            raise AttributeError(name)
+        return getattr(self._node, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted({*dir(self._node), *self._saved})
+
+    def producer(self, fn: Any) -> Any:
+        """``fn`` (a saved tensor's ``grad_fn``) with what it saved, when it was taken."""
+        return self._producers.get(id(fn), fn)
+
+    def unchanged(self) -> bool:
+        """No tensor it holds was written in place since it was taken (an optimizer's update
+        of a weight the loss code read), its producers' included: their values are those
+        the node saw."""
+        return all(t._version == v for t, v in self._versions) and all(
+            p.unchanged() for p in self._producers.values()
+        )
+
+
+def real_node(node: Any) -> Any:
+    """The autograd node itself, for a :class:`SavedNode` or a node."""
+    return node._node if isinstance(node, SavedNode) else node
+
+
+def node_event(
+    node: Any,
+    grad: torch.Tensor | None,
+    *,
+    name: str,
+    limit: int = 4,
+    out: TensorStat | None = None,
+    dtype: str = "",
+) -> OpEvent:
     """An event for the autograd node whose backward just made the non-finite gradient
     ``grad``, built in the node's post-hook -- before autograd frees what the node saved
     in forward (its inputs, its result, its scalar arguments), which is the evidence:
     ``self`` with 10 exact zeros and ``exponent`` 0.5 for ``(1 - p) ** 0.5`` at p == 1.
-    ``node`` may be None (torch without ``_current_autograd_node``): the name alone."""
+    ``node`` may be None (torch without ``_current_autograd_node``): the name alone; or a
+    :class:`SavedNode`, read after backward. Without ``grad`` (read late: a device flag
+    said it was bad), ``out`` and ``dtype`` say what it made."""
     inputs: list[tuple[str, TensorStat | None]] = []
     scalars: dict[str, float | int | str] = {}
     path = None
-    fn = custom_function(node) if node is not None else custom_function(name)
+    fn = custom_function(real_node(node)) if node is not None else custom_function(name)
     if node is not None:
         path = node.metadata.get("nanwatch.path")
     if node is not None and fn is None:  # a custom Function saves no ``_saved_*``: none read
@@ -1382,7 +1465,11 @@ def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> O
                         scalars[f"{key}_made_by"] = name_of(v.grad_fn)  # whose inf it holds
             elif isinstance(v, (int, float)) and not isinstance(v, bool) and len(scalars) < limit:
                 scalars[key] = v
-    out = describe(grad) or TensorStat(math.nan, math.nan, 0)
+    if grad is not None:
+        out = describe(grad) or TensorStat(math.nan, math.nan, 0)
+        dtype = dtype_name(grad.dtype)
+    elif out is None:
+        out = TensorStat(math.nan, math.nan, 0)
     cause = _saved_cause(node) if node is not None and fn is None and out.has_nan else None
     return OpEvent(
         cause=cause,
@@ -1394,7 +1481,7 @@ def node_event(node: Any, grad: torch.Tensor, *, name: str, limit: int = 4) -> O
         inputs=inputs,
         scalars=scalars,
         node=name,
-        dtype=dtype_name(grad.dtype),
+        dtype=dtype,
         made_from=made_from(node) if node is not None else [],
     )
 
@@ -1411,7 +1498,9 @@ def _saved_cause(node: Any) -> OpEvent | None:
         producer = v.grad_fn
         if producer is None or not (_kinds(v) - {"NaN"}):
             continue
-        if attr == "_saved_result" or producer is node:
+        if isinstance(node, SavedNode):  # read after backward: the producer as it was
+            producer = node.producer(producer)
+        if attr == "_saved_result" or real_node(producer) is real_node(node):
             # the node's own forward made it (ExpBackward0 keeps exp's inf result): the
             # node's event already says that op overflowed in forward, then 0 x inf here
             continue

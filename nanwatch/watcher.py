@@ -473,7 +473,14 @@ def _unwrap_compiled(m: nn.Module, *, path: str = "") -> nn.Module:
 
 
 _PendingNode = tuple[
-    str, str, str, tuple[str | None, str | None], dict[str, Any], list[str], torch.Tensor
+    str,
+    str,
+    str,
+    tuple[str | None, str | None],
+    dict[str, Any],
+    list[str],
+    "ops.SavedNode | None",
+    torch.Tensor,
 ]
 """A loss-code node's flag on the device: (node name, loss path, dtype, backward site, the
 scalars it saved, 0-d flag: 0 finite, else what was born: 1 NaN, 2 +inf, 4 -inf, summed);
@@ -1643,6 +1650,7 @@ class Watcher:
         self._pending_grads = []
         self._pending_rows = []
         self._pending_nodes = []
+        self._kept_saved = 0  # bytes of flagged nodes' saved values kept (see _keep_saved)
         #: gradients your code wrote after backward, on the accelerator path: their norms,
         #: left on the device and read at the step end (see _read_written_later)
         self._written_reads: list[tuple[Any, dict[str, Any], list[str], list[Any], Any]] = []
@@ -2945,13 +2953,35 @@ class Watcher:
         flag = bad.to(torch.int8) * kinds
         dtype = next(g.dtype for g in grad_inputs if g is not None and g.is_floating_point())
         site = self._backward_site if self._backward_site[0] else self._flag_site
-        self._pending_nodes.append((name, path, dtype_name(dtype), site, scalars, chain, flag))
+        snap = self._keep_saved(ops.current_autograd_node())
+        self._pending_nodes.append(
+            (name, path, dtype_name(dtype), site, scalars, chain, snap, flag)
+        )
+
+    def _keep_saved(self, node: Any) -> ops.SavedNode | None:
+        """What a flagged loss-code node saved in forward, kept until its flag is read:
+        references taken in its hook, no read. Read late, the node's saved values are freed
+        by then, and they are the evidence (the zeros a log was given, the -inf a
+        ``torch.where`` kept), as the CPU path reads them in the hook. At most
+        :data:`_KEEP_SAVED` bytes a step: a node over it is named by its name alone."""
+        if node is None or ops.custom_function(node) is not None:
+            return None
+        try:
+            snap = ops.SavedNode(node)
+        except Exception:  # an unusual node: its name is the evidence
+            return None
+        if self._kept_saved + snap.nbytes > _KEEP_SAVED:
+            return None
+        self._kept_saved += snap.nbytes
+        return snap
 
     def _read_loss_nodes(self, nodes: list[_PendingNode], flags: list[float]) -> None:
         """The first loss-code node flagged by :meth:`_flag_loss_node` becomes the op
         event of the step (by name: what it saved is freed), as :meth:`_check_loss_node`
         makes one on the CPU."""
-        for (name, path, dtype, site, scalars, made, _), flag in zip(nodes, flags, strict=True):
+        for (name, path, dtype, site, scalars, made, snap, _), flag in zip(
+            nodes, flags, strict=True
+        ):
             if not flag or self._loss_node_bad:
                 continue
             self._loss_node_bad = True
@@ -2961,10 +2991,31 @@ class Watcher:
             lo = -math.inf if neg else math.nan if nan else math.inf
             hi = math.inf if pos else math.nan if nan else -math.inf
             out = TensorStat(lo, hi, 0)
-            ev = _node_event(name, path, out, dtype, site, scalars=scalars)
-            ev.made_from = list(made)
+            ev = self._saved_node_event(snap, name, out, dtype) if snap is not None else None
+            if ev is None:  # by name alone
+                ev = _node_event(name, path, out, dtype, site, scalars=scalars)
+            else:  # what it saved, kept in its hook: as the CPU path reads it there
+                ev.path = path
+                ev.source, ev.code = site
+                ev.backward_at = ev.source
+                ev.scalars = {**scalars, **ev.scalars}
+            ev.made_from = list(made) or ev.made_from
             self._trace.ops.append(ev)
             return
+
+    def _saved_node_event(
+        self, snap: ops.SavedNode, name: str, out: TensorStat, dtype: str
+    ) -> OpEvent | None:
+        """The event of a flagged node from what it saved (see :meth:`_keep_saved`), when
+        nothing written in place since changed it; None otherwise. Reads its saved values:
+        anomaly-time work only."""
+        if not snap.unchanged():
+            return None
+        try:
+            with _NO_TORCH_FUNCTION(), torch.no_grad():
+                return ops.node_event(snap, None, name=name, out=out, dtype=dtype)
+        except Exception:  # an unusual node: its name is the evidence
+            return None
 
     def _on_loss_node(
         self,
@@ -6505,6 +6556,10 @@ _RISKY_BACKWARD = frozenset(
 #: exp, whose gradient is 0 × inf = NaN where its forward overflowed and the loss code
 #: discarded the inf (PPO's ratio under torch.min); the CPU checks every node instead
 _FLAGGED_BACKWARD = _RISKY_BACKWARD | {"Exp"}
+#: bytes of what flagged loss-code nodes saved, kept a step until their flags are read on
+#: the accelerator path (see Watcher._keep_saved): a hand-written loss over a batch's
+#: logits fits; a node past it is named by its name alone
+_KEEP_SAVED = 64 << 20
 #: the logs among them: a flag of one keeps what the graph says its input was made by
 _LOGS = frozenset({"Log", "Log2", "Log10"})
 

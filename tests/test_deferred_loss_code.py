@@ -100,3 +100,65 @@ def test_a_full_backward_hook_on_a_head_is_named_when_read_late() -> None:
     a = nw.first_anomaly
     assert a is not None and a.path == "head2"
     assert "backward hook of head2 (register_full_backward_hook)" in a.summary
+
+
+def _focal_like(model: nn.Module, w: torch.Tensor | None = None) -> None:
+    """(1 - p) ** 0.5 at p == 1: PowBackward0 makes NaN from a finite gradient; what it
+    saved (1 - p, with exact zeros) is the evidence, freed once the node has run."""
+    p = torch.sigmoid(model(torch.full((2, 4), 1.0)) * 100.0)
+    loss = (1 - p) ** 0.5
+    if w is not None:
+        loss = loss * w
+    loss.mean().backward()
+
+
+def _saturating() -> nn.Linear:
+    model = nn.Linear(4, 3)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.zero_()
+    return model
+
+
+def test_a_flagged_loss_node_is_read_with_what_it_saved_kept_from_its_hook() -> None:
+    model = _saturating()
+    nw = _deferred(model)
+    with nw:
+        _focal_like(model)
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.op is not None and a.op.node == "PowBackward0"
+    base = dict(a.op.inputs)["self"]
+    assert base is not None and base.min == 0 and base.zeros == 6  # 1 - p, all at 0
+    assert a.op.scalars["exponent"] == 0.5
+    assert nw._pending_nodes == []  # nothing kept once the flags were read
+
+
+def test_over_the_byte_budget_a_flagged_node_is_named_by_its_name(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import nanwatch.watcher as w
+
+    monkeypatch.setattr(w, "_KEEP_SAVED", 0)
+    model = _saturating()
+    nw = _deferred(model)
+    with nw:
+        _focal_like(model)
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.op is not None and a.op.node == "PowBackward0"
+    assert a.op.inputs == []  # not kept: its name and its line are the evidence
+
+
+def test_a_saved_value_written_in_place_after_the_hook_is_not_told_as_seen() -> None:
+    # the flag is read at the step's end: a weight the flagged node saved (bias ** 0.5
+    # saves the bias itself) was written in place before that, so its values are no
+    # longer those the node saw, and the node is named by its name alone
+    model = _zero_linear()
+    nw = _deferred(model)
+    with nw:
+        out = model(torch.randn(2, 4))
+        (out.sum() + (model.bias**0.5).sum()).backward()  # d/db sqrt(b) at 0: inf
+        with torch.no_grad():
+            model.bias.add_(1.0)
+        nw.step()
+    ev = next(e for t in nw.history for e in t.ops if e.node == "PowBackward0")
+    assert ev.inputs == [] and ev.scalars["exponent"] == 0.5
