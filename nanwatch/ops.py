@@ -1404,6 +1404,11 @@ class SavedNode:
     def __dir__(self) -> list[str]:
         return sorted({*dir(self._node), *self._saved})
 
+    @property
+    def node(self) -> Any:
+        """The autograd node itself."""
+        return self._node
+
     def producer(self, fn: Any) -> Any:
         """``fn`` (a saved tensor's ``grad_fn``) with what it saved, when it was taken."""
         return self._producers.get(id(fn), fn)

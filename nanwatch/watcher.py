@@ -549,6 +549,8 @@ class Watcher:
     #: the loss code's nodes whose gradients go straight to the watched outputs (checked by
     #: the outputs' own hooks, not twice), when this step's loss graph was walked whole
     _loss_last: list[str] | None
+    #: the loss code's nodes with what they saved, as backward began (_flag_loss_nodes)
+    _loss_snaps: list[tuple[str, str, ops.SavedNode]]
     #: sentinel: the loss that ``backward()`` was called on this step, while the user holds
     #: it (its graph names the loss code's nodes at anomaly time; nothing is checked)
     _loss_ref: Callable[[], torch.Tensor | None] | None
@@ -984,6 +986,7 @@ class Watcher:
         self._remove_hooks()
         self._known.clear()
         self._stack.clear()
+        self._loss_snaps = []  # what the loss code saved: no reference kept after detach
 
     def __enter__(self) -> Watcher:
         return self.attach()
@@ -1651,6 +1654,7 @@ class Watcher:
         self._pending_rows = []
         self._pending_nodes = []
         self._kept_saved = 0  # bytes of flagged nodes' saved values kept (see _keep_saved)
+        self._loss_snaps = []
         #: gradients your code wrote after backward, on the accelerator path: their norms,
         #: left on the device and read at the step end (see _read_written_later)
         self._written_reads: list[tuple[Any, dict[str, Any], list[str], list[Any], Any]] = []
@@ -2881,6 +2885,12 @@ class Watcher:
         last: list[str] = []
         for node in walk:
             base = re.sub(r"Backward\d*$", "", type(node).__name__)
+            if type(node).__name__ not in _GRAD_MOVERS:
+                # what it saved, while autograd holds it: a node no flag checks (0 x inf in
+                # a Mul, (p - y) ** 2 of a NaN target) is found by it (see _saved_loss_node)
+                snap = self._keep_saved(node)
+                if snap is not None:
+                    self._loss_snaps.append((ops.name_of(node), path, snap))
             if (
                 type(node).__name__ not in _GRAD_MOVERS
                 and path == LOSS_PATH
@@ -2966,6 +2976,9 @@ class Watcher:
         :data:`_KEEP_SAVED` bytes a step: a node over it is named by its name alone."""
         if node is None or ops.custom_function(node) is not None:
             return None
+        for _, _, kept in self._loss_snaps:  # taken when backward began: the same values
+            if kept.node is node:
+                return kept
         try:
             snap = ops.SavedNode(node)
         except Exception:  # an unusual node: its name is the evidence
@@ -3062,6 +3075,34 @@ class Watcher:
         ev.source, ev.code = site  # the node's forward line is unknown without anomaly mode
         ev.backward_at = ev.source
         self._trace.ops.append(ev)
+
+    def _saved_loss_node(self, anomaly: Anomaly) -> OpEvent | None:
+        """Read late, a gradient from the loss code went bad at a watched output and no
+        flag named a node: the first loss-code node, nearest the loss, that saved an operand
+        holding a NaN or inf (kept when backward began, see :meth:`_flag_loss_nodes`), whose
+        backward multiplies the gradient by it (0 x inf where a ``torch.where`` or a mask
+        hid it), as the CPU path finds it in that node's hook. Reads the kept values:
+        anomaly-time work only; None when none holds one."""
+        stat = anomaly.record.stat or TensorStat(math.nan, math.nan, 0)
+        site = self._backward_site if self._backward_site[0] else _frames.user_line()
+        for name, path, snap in self._loss_snaps:
+            # an operand its backward multiplies the gradient by: 0 x inf is NaN there (a
+            # gather's or a view's saved input is only its shape; a result of NaN is its own
+            # forward op's, log_softmax of a row of -inf, which the name-only event tells)
+            factors = _GRAD_FACTORS.get(re.sub(r"Backward\d*$", "", name), ())
+            if not factors or not snap.unchanged():
+                continue
+            held = [getattr(snap, a, None) for a in factors]
+            if not any(isinstance(t, torch.Tensor) and _nonfinite_values(t) for t in held):
+                continue
+            ev = self._saved_node_event(snap, name, stat, anomaly.record.dtype)
+            if ev is None:
+                continue
+            ev.path = path
+            ev.source, ev.code = site
+            ev.backward_at = ev.source
+            return ev
+        return None
 
     def _last_loss_node(self, anomaly: Anomaly) -> OpEvent | None:
         """A gradient from outside the modules went bad at a watched output, and every
@@ -4388,7 +4429,8 @@ class Watcher:
             if any(r.phase is Phase.PARAMETER and r.bad for r in trace.records):
                 anomaly = self._locate(trace, first) or anomaly
         if anomaly.origin == "after-output" and anomaly.op is None and trace is self._trace:
-            ev = self._last_loss_node(anomaly)
+            ev = self._saved_loss_node(anomaly) if self._loss_snaps else None
+            ev = ev or self._last_loss_node(anomaly)
             if ev is not None:
                 trace.ops.append(ev)
                 anomaly = self._locate(trace, first) or anomaly
@@ -6556,6 +6598,19 @@ _RISKY_BACKWARD = frozenset(
 #: exp, whose gradient is 0 × inf = NaN where its forward overflowed and the loss code
 #: discarded the inf (PPO's ratio under torch.min); the CPU checks every node instead
 _FLAGGED_BACKWARD = _RISKY_BACKWARD | {"Exp"}
+#: autograd nodes whose backward multiplies the incoming gradient by what they saved of
+#: their operands (by the ``_saved_*`` name): a NaN or inf held there makes the gradient
+#: NaN where it is 0 (a masked entry), inf elsewhere
+_GRAD_FACTORS: dict[str, tuple[str, ...]] = {
+    "Mul": ("_saved_self", "_saved_other"),
+    "Div": ("_saved_self",),
+    "Pow": ("_saved_self",),
+    "Mm": ("_saved_self", "_saved_mat2"),
+    "Bmm": ("_saved_self", "_saved_mat2"),
+    "Addmm": ("_saved_mat1", "_saved_mat2"),
+    "Addcmul": ("_saved_tensor1", "_saved_tensor2"),
+    "Dot": ("_saved_self", "_saved_tensor"),
+}
 #: bytes of what flagged loss-code nodes saved, kept a step until their flags are read on
 #: the accelerator path (see Watcher._keep_saved): a hand-written loss over a batch's
 #: logits fits; a node past it is named by its name alone
@@ -6580,6 +6635,11 @@ def _same_ends(a: TensorStat, b: TensorStat) -> bool:
     return all(
         x == y or (math.isnan(x) and math.isnan(y)) for x, y in ((a.min, b.min), (a.max, b.max))
     )
+
+
+def _nonfinite_values(t: torch.Tensor) -> bool:
+    """``t`` holds a NaN or inf (a read; a tensor with no values to read holds none)."""
+    return t.is_floating_point() and not _has_no_data(t) and not _finite(t)
 
 
 def _node_event(

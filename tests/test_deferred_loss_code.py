@@ -162,3 +162,40 @@ def test_a_saved_value_written_in_place_after_the_hook_is_not_told_as_seen() -> 
         nw.step()
     ev = next(e for t in nw.history for e in t.ops if e.node == "PowBackward0")
     assert ev.inputs == [] and ev.scalars["exponent"] == 0.5
+
+
+def test_a_nan_target_hidden_by_where_is_found_in_what_the_loss_code_saved() -> None:
+    # (p - y) ** 2 of a NaN target, hidden by torch.where: no flag checks a whole power,
+    # and its saved operand (p - y), kept when backward began, holds the NaN that backward
+    # multiplies a 0 by, as the CPU path reads it in the node's hook
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6)
+    nw = _deferred(model)
+    with nw:
+        p = model(torch.randn(8, 4))
+        y = torch.randn(8, 6)
+        y[:, 4:] = float("nan")
+        torch.where(~torch.isnan(y), (p - y) ** 2, 0.0).sum().backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.op is not None and a.op.node == "PowBackward0"
+    assert dict(a.op.inputs)["self"].nan == 16  # read from the operand kept
+    assert nw.history[0].diagnoses[0].code == "NW407"
+    assert nw._loss_snaps == []  # released at the step's end
+
+
+def test_a_gathers_saved_input_is_no_factor_of_its_gradient() -> None:
+    # alpha * logp with alpha = 1 / count, a count of 0: the Mul that saved alpha (+inf) is
+    # where 0 x inf is NaN; the gather nearer the loss saved the product only for its shape
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3)
+    counts = torch.tensor([500.0, 30.0, 0.0])
+    alpha = counts.sum() / (len(counts) * counts)
+    nw = _deferred(m)
+    with nw:
+        logp = torch.nn.functional.log_softmax(m(torch.randn(8, 4)), 1)
+        y = torch.randint(0, 2, (8,))
+        (-(alpha * logp).gather(1, y[:, None]).mean()).backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.op is not None and a.op.node == "MulBackward0"
