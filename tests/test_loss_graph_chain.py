@@ -146,15 +146,26 @@ def test_a_subnormal_softmax_under_a_log_gets_log_softmax() -> None:
 
 
 @pytest.mark.parametrize("mode", ["watch", "sentinel"])
-def test_a_log_node_named_without_its_input_claims_no_value(mode: str) -> None:
-    # read late (the accelerator path) or in sentinel, the log's node is known by its name:
-    # what it was given is not said, only what its gradient makes where
+def test_a_log_node_named_without_its_input_claims_no_value(mode: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # read late (the accelerator path) with nothing of what the node saved kept (over the
+    # byte budget), or in sentinel, the log's node is known by its name: what it was given
+    # is not said, only what its gradient makes where
+    import nanwatch.watcher as w
+
+    monkeypatch.setattr(w, "_KEEP_SAVED", 0)
     d = top(_spread(mode, defer=True))
     assert d.code == "NW110"
     words = text(d)
     assert "its input x was freed before it could be read" in words
     assert "below 0 is NaN" not in words and "minimum is ?" not in words
     assert "log_softmax" in d.fix
+
+
+def test_read_late_with_what_it_saved_the_log_node_is_told_as_on_the_cpu() -> None:
+    d = top(_spread("watch", defer=True))
+    assert d.code == "NW110"
+    assert "the log's input is subnormal" in text(d)
+    assert d.fix.startswith("logp = F.log_softmax(logits, dim=-1)")
 
 
 class _Het(nn.Module):

@@ -59,7 +59,19 @@ class _Box(nn.Module):
         return torch.cat([o[:, :2], torch.relu(o[:, 2:])], 1)
 
 
-@pytest.mark.parametrize("mode", ["watch", "forensic"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "watch",
+        pytest.param(
+            "forensic",
+            marks=pytest.mark.accelerator_weaker(
+                reason="a finite root output keeps only its min and max read late: its "
+                "zeros are not counted, so the collapse evidence is missing"
+            ),
+        ),
+    ],
+)
 def test_all_zero_denominator_read_from_the_prediction_is_a_collapse_not_a_buffer(
     mode: str,
 ) -> None:

@@ -13,6 +13,7 @@ import math
 import re
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -112,6 +113,9 @@ def test_a_scaler_collapse_from_a_nan_born_in_backward_names_the_op_and_its_fix(
     assert a.grad is not None and torch.isfinite(a.grad).all()
 
 
+@pytest.mark.accelerator_weaker(
+    reason="the bad gradient is freed before the read: NaN and inf are not told apart"
+)
 def test_an_untraced_scaler_collapse_names_the_sqrt_from_the_records() -> None:
     nw = siamese_run("watch")
     d = all_diagnoses(nw, "NW305")[0]
@@ -176,6 +180,9 @@ class Normed(nn.Module):
         return self.head(UnitNorm.apply(self.enc(x)))
 
 
+@pytest.mark.accelerator_weaker(
+    reason="the bad gradient is freed before the read: NaN and inf are not told apart"
+)
 def test_a_scaler_collapse_no_rule_explains_gives_the_backward_recipe() -> None:
     torch.manual_seed(0)
     model, crit = Normed(), nn.CrossEntropyLoss()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -75,6 +76,9 @@ def test_a_module_cut_off_from_the_loss_is_still_vanishing() -> None:
 # ------------------------------------------------- NW301: a logging clip at inf overflows
 
 
+@pytest.mark.accelerator_weaker(
+    reason="the norms are read after the clip wrote NaN into the gradients"
+)
 def test_a_logging_clip_at_inf_names_the_overflowed_norm_not_the_optimizer_state() -> None:
     """Gradients of 1e19 each: their norm's square overflows float32, clip_grad_norm_
     returns inf and scales every gradient by inf / inf = NaN before step(). It was 'SGD

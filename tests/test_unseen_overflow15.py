@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -132,6 +133,9 @@ class _Equilibrium(nn.Module):
         return z
 
 
+@pytest.mark.accelerator_weaker(
+    reason="read after run() returned, the fix names the model model, not m"
+)
 def test_a_diverging_backward_fixed_point_loop_is_named_not_layernorm() -> None:
     torch.manual_seed(0)
     m = _Equilibrium()

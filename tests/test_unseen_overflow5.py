@@ -142,6 +142,7 @@ class _Coupling(nn.Module):
         return x * torch.exp(s)
 
 
+@pytest.mark.cpu_path(reason="a raise inside the forward, before the root's output exists")
 def test_exp_in_a_modules_forward_names_its_child_and_the_models_lr() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)

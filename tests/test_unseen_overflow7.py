@@ -64,6 +64,7 @@ class _nothing:
         return None
 
 
+@pytest.mark.accelerator_weaker(reason="functional_call's fast weights are gone by the late replay")
 def test_maml_inner_lr_blames_the_substituted_fast_weights_not_init() -> None:
     d = top(_maml(0.4))
     assert d.code == "NW101" and d.op == "aten.addmm"
@@ -76,6 +77,7 @@ def test_maml_inner_lr_blames_the_substituted_fast_weights_not_init() -> None:
     assert "param_groups" not in d.fix and "the initial weights or the inputs" not in t
 
 
+@pytest.mark.accelerator_weaker(reason="functional_call's fast weights are gone by the late replay")
 def test_maml_inner_lr_after_outer_steps_does_not_lower_the_meta_lr() -> None:
     d = top(_maml(0.4, outer=4, warm=2))
     assert d.code == "NW101" and d.step == 2

@@ -60,6 +60,7 @@ class _Net(nn.Module):
         return self.norm(self.lin(x) * 0)
 
 
+@pytest.mark.accelerator_weaker(reason="the input gradient's NaN count is freed before the read")
 def test_a_gradient_row_holds_one_tensor_and_the_input_gradient_gets_its_own() -> None:
     torch.manual_seed(0)
     net = _Net()

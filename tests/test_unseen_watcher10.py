@@ -216,7 +216,19 @@ def _agem(model: nn.Module, steps: int = 2) -> None:
         opt.step()
 
 
-@pytest.mark.parametrize("mode", ["watch", "sentinel"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "watch",
+        pytest.param(
+            "sentinel",
+            marks=pytest.mark.accelerator_weaker(
+                reason="read late, the gradients are read after the user's write: the NaN "
+                "is blamed on backward, one step late"
+            ),
+        ),
+    ],
+)
 def test_a_gradient_written_in_place_after_backward_is_blamed_on_that_code(mode: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 3))
