@@ -91,7 +91,9 @@ def _short_ctc() -> tuple[torch.Tensor, ...]:
 
 def test_ctc_too_short_under_warn_runs_and_warns_so_a_loop_can_skip_it() -> None:
     ctc = nn.CTCLoss(reduction="sum")
-    warned = pytest.warns(nanwatch.NanwatchWarning, match="NW516 warning")
+    # the call runs; the +inf loss it makes is the step's anomaly, and the guard's note is
+    # its cause: the anomaly's warning leads with it (not a generic non-finite value)
+    warned = pytest.warns(RuntimeWarning, match="NW516 error: CTC target longer than its")
     with warned, nanwatch.watch(ctc, on_anomaly="warn", postmortem=False) as nw:
         loss = ctc(*_short_ctc())
         assert not math.isfinite(loss.item())  # what the skipping loop tests
@@ -99,7 +101,8 @@ def test_ctc_too_short_under_warn_runs_and_warns_so_a_loop_can_skip_it() -> None
     (note,) = [n for t in (nw.trace, *nw.history) for n in t.notes if n.kind == "guard"]
     assert note.data["raised"] is False and note.data["code"] == "NW516"
     (d,) = [d for t in (nw.trace, *nw.history) for d in t.diagnoses if d.code == "NW516"]
-    assert d.severity == "warning"
+    assert d.severity == "error"
+    assert [t.diagnoses[0].code for t in nw.history] == ["NW516"]
     assert any("on_anomaly='warn': noted, and the call ran" in e for e in d.evidence)
     # raise (the default) still stops it before the kernel; zero_infinity never does
     stops = pytest.raises(GuardError, match="longer than its input can align")
@@ -189,3 +192,23 @@ def test_module_state_overwritten_by_its_forward_says_the_replay_ran_clean() -> 
     assert "read its own buffers before writing them in place" in d.explanation
     assert "outside the forward" not in d.explanation
     assert "assert torch.isfinite(" in d.fix
+
+
+def test_a_noted_target_logit_of_minus_inf_is_the_cause_of_the_inf_loss_it_lets_run() -> None:
+    # an action the mask forbids, taken from a stale buffer: under "warn" the guard notes
+    # it and the call runs; the +inf loss is the anomaly, and the note names its cause
+    torch.manual_seed(0)
+    pol = nn.Linear(6, 4)
+    legal = torch.ones(16, 4, dtype=torch.bool)
+    legal[:, 3] = False
+    a = torch.randint(0, 4, (16,))
+    a[0] = 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.watch(pol, on_anomaly="warn", postmortem=False) as nw:
+            logits = pol(torch.randn(16, 6)).masked_fill(~legal, float("-inf"))
+            F.cross_entropy(logits, a).backward()
+            nw.step()
+    top = nw.history[0].diagnoses[0]
+    assert top.code == "NW518" and top.severity == "error"
+    assert all(d.code != "NW100" for d in nw.history[0].diagnoses)

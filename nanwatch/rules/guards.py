@@ -9,7 +9,7 @@ post-mortem report of the run says the same as the exception did (an error; a wa
 the program caught the GuardError and went on). One code per check; codes never change meaning.
 
 Example:
-    >>> from nanwatch.records import Note
+    >>> from nanwatch.records import LOSS_PATH, Note, Phase
     >>> note = Note("guard", "CrossEntropyLoss", {"code": "NW501", "problem": "target contains 255",
     ...             "fix": "nn.CrossEntropyLoss(ignore_index=255)", "explanation": ""})
     >>> diagnosis_from_note(note, step=3).headline
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from nanwatch.records import Note
+from nanwatch.records import LOSS_PATH, Note, Phase
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, RuleFunc, rule
 
 __all__ = ["CHECKS", "diagnosis_from_note", "unknown_id_hint", "unknown_row_fix"]
@@ -236,8 +236,11 @@ def _found(ctx: RuleContext, code: str) -> Iterator[Diagnosis]:
             d = diagnosis_from_note(note, step=ctx.step)
             if note.data.get("raised") is False:
                 # torch computes it without an error (an inf or NaN loss): under "warn" the
-                # guard noted it and let the call run
-                d.severity = "warning"
+                # guard noted it and let the call run. When the step's first NaN/inf is that
+                # loss, the note is its cause (an error, before the generic NW100), else
+                # a warning (a loop skipped the non-finite loss)
+                if not _made_the_anomaly(ctx, note):
+                    d.severity = "warning"
                 policy = note.data.get("on_anomaly", "warn")
                 d.evidence.append(
                     f"on_anomaly={policy!r}: noted, and the call ran (torch computes it "
@@ -249,6 +252,15 @@ def _found(ctx: RuleContext, code: str) -> Iterator[Diagnosis]:
                 d.severity = "warning"
                 d.evidence.append("the GuardError was caught and the step went on")
             yield d
+
+
+def _made_the_anomaly(ctx: RuleContext, note: Note) -> bool:
+    """The step's anomaly is a value born in the forward of the loss call the guard noted
+    (a loss module at its path, or a functional loss in the loss code)."""
+    a = ctx.anomaly
+    if a is None or a.record.phase is not Phase.FORWARD:
+        return False
+    return a.path in (note.path, LOSS_PATH)
 
 
 def _register(code: str) -> Callable[[RuleFunc], RuleFunc]:
