@@ -2508,6 +2508,19 @@ def _result_only_event(node: Any, base: str) -> OpEvent | None:
     return None
 
 
+def _dim_of(d: Any, ndim: int) -> int:
+    """A dimension an autograd node saved, as an index into ``ndim`` dimensions: a negative
+    one (``dim=-1``) is saved as an unsigned 64-bit integer (2**64 - 1).
+
+    >>> _dim_of(2**64 - 1, 3), _dim_of(1, 3), _dim_of(-1, 2)
+    (2, 1, 1)
+    """
+    i = int(d)
+    if i >= 2**63:
+        i -= 2**64
+    return i % max(ndim, 1)
+
+
 def _reduced(sizes: Sequence[int], dims: Any) -> tuple[int, int]:
     """(elements per output, number of outputs) of a reduction of a tensor of ``sizes``
     over ``dims`` (None or empty: all of them)."""
@@ -2516,7 +2529,7 @@ def _reduced(sizes: Sequence[int], dims: Any) -> tuple[int, int]:
         picked = set(range(len(shape)))
     else:
         seq = dims if isinstance(dims, (list, tuple)) else [dims]
-        picked = {int(d) % max(len(shape), 1) for d in seq}
+        picked = {_dim_of(d, len(shape)) for d in seq}
     per = math.prod(shape[d] for d in picked) if shape else 1
     outs = math.prod(s for d, s in enumerate(shape) if d not in picked)
     return per, outs
@@ -2686,6 +2699,65 @@ def graph_evidence(
             event.made_from = made_from(node, stop)
             events.append(event)
     return names[::-1], events
+
+
+def graph_selections(
+    fn: Any, *, stop: Callable[[Any], bool] | None = None, limit: int = 512
+) -> list[dict[str, Any]]:
+    """The gathers of a loss's autograd graph (``logp.gather(1, a)``, a Categorical's
+    ``log_prob(a)``) that picked NaN or inf entries out of a source holding some (a
+    log-softmax of logits a mask set to -inf): what each picked, out of what, and what made
+    its source (:func:`made_from`). A selection makes no infinity, it carries one the
+    index points at: the evidence that the index (an action, a target) is an entry the
+    mask forbids. Reads the saved source and index: anomaly-time work only.
+
+    >>> x = torch.tensor([[0.0, float("-inf")], [0.0, 0.0]], requires_grad=True)
+    >>> p = torch.log_softmax(x, 1).gather(1, torch.tensor([[1], [0]]))
+    >>> [(s["picked"], s["rows"], s["made_from"][0]) for s in graph_selections(p.grad_fn)]
+    [({'-inf': 1}, 2, 'logsoftmax')]
+    """
+    out: list[dict[str, Any]] = []
+    walk = GraphWalk(
+        [fn], prune=lambda n: (stop is not None and stop(n)) or accumulates_grad(n), limit=limit
+    )
+    for node in walk:
+        if name_of(node).split("Backward")[0] != "Gather":
+            continue
+        src, index, dim = (_saved(node, f"_saved_{k}") for k in ("self", "index", "dim"))
+        if not (isinstance(src, torch.Tensor) and isinstance(index, torch.Tensor)):
+            continue
+        if not src.is_floating_point() or not has_values(src) or not isinstance(dim, int):
+            continue
+        dim = _dim_of(dim, src.dim())
+        try:
+            with torch.no_grad():
+                picked = torch.gather(src.detach(), dim, index)
+                counts = {
+                    k: int(c)
+                    for k, c in (
+                        ("NaN", picked.isnan().sum()),
+                        ("+inf", (picked == math.inf).sum()),
+                        ("-inf", (picked == -math.inf).sum()),
+                    )
+                    if c
+                }
+                if not counts:
+                    continue
+                held = int((~torch.isfinite(src)).sum())
+        except Exception:  # an unusual gather: no evidence from it
+            continue
+        out.append(
+            {
+                "node": name_of(node),
+                "picked": counts,
+                "rows": int(index.numel()),
+                "source_nonfinite": held,
+                "source_numel": int(src.numel()),
+                "dim": dim,
+                "made_from": made_from(node, stop),
+            }
+        )
+    return out
 
 
 def made_from(node: Any, stop: Callable[[Any], bool] | None = None, depth: int = 4) -> list[str]:

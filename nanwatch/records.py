@@ -532,7 +532,8 @@ class Note:
     * ``"loss_graph"``: the loss was computed outside any module; ``data["ops"]`` lists the
       ops of its autograd graph (``["neg", "mean", "mul", "log"]``); ``data["logs"]`` what
       each log in it was taken of (``[["rsub", "watched:sigmoid"], ["watched:sigmoid"]]``,
-      see :func:`nanwatch.ops.made_from`).
+      see :func:`nanwatch.ops.made_from`); ``data["selections"]`` the gathers that picked
+      an infinity out of their source (:func:`nanwatch.ops.graph_selections`).
     * ``"optimizer"``: one per optimizer step of watched weights, written before the
       update; ``path`` is the optimizer's class. ``data["groups"]``: per parameter group,
       ``params`` (how many watched), ``dtypes``, ``lr`` and ``eps`` when they are numbers.

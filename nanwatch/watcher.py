@@ -5537,7 +5537,13 @@ class Watcher:
             ev.path = LOSS_PATH
             ev.backward_at = source
         self._trace.ops.extend(events)
-        self.note("loss_graph", LOSS_PATH, source=source, ops=names[:32], logs=logs[:8])
+        data: dict[str, Any] = {"ops": names[:32], "logs": logs[:8]}
+        if not anomaly.record.stat or not anomaly.record.stat.finite:
+            stop, _ = self._graph_stops(loss)
+            picked = ops.graph_selections(loss.grad_fn, stop=stop)
+            if picked:  # a gather that picked an infinity its source held (a masked entry)
+                data["selections"] = picked[:4]
+        self.note("loss_graph", LOSS_PATH, source=source, **data)
         if events:
             anomaly.op = forward_birth(events)  # not a sqrt of 0 before the log of it
         if source:

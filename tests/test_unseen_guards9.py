@@ -212,3 +212,52 @@ def test_a_noted_target_logit_of_minus_inf_is_the_cause_of_the_inf_loss_it_lets_
     top = nw.history[0].diagnoses[0]
     assert top.code == "NW518" and top.severity == "error"
     assert all(d.code != "NW100" for d in nw.history[0].diagnoses)
+
+
+def _masked_actions(log_prob: str, *, defer: bool = False) -> nanwatch.Watcher:
+    """A policy whose logits the training loop masks with -inf, and actions from a stale
+    buffer: row 0 took action 3, which the mask forbids. No guard sees a hand-written
+    gather or a Categorical's log_prob."""
+    torch.manual_seed(0)
+    pol = nn.Linear(6, 4)
+    legal = torch.ones(16, 4, dtype=torch.bool)
+    legal[:, 3] = False
+    a = torch.randint(0, 3, (16,))
+    a[0] = 3
+    adv = torch.randn(16)
+    nw = nanwatch.watch(pol, on_anomaly="record", postmortem=False)
+    nw._defer_cpu = defer
+    with nw:
+        logits = pol(torch.randn(16, 6)).masked_fill(~legal, float("-inf"))
+        if log_prob == "gather":
+            logp = torch.log_softmax(logits, -1).gather(1, a[:, None]).squeeze(1)
+        else:
+            logp = torch.distributions.Categorical(logits=logits).log_prob(a)
+        (-(logp * adv).mean()).backward()
+        nw.step()
+    return nw
+
+
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("log_prob", ["gather", "categorical"])
+def test_a_gathered_log_probability_of_a_masked_action_is_named_from_the_graph(
+    log_prob: str, defer: bool
+) -> None:
+    d = _masked_actions(log_prob, defer=defer).history[0].diagnoses[0]
+    assert d.code == "NW518" and d.severity == "error"
+    assert d.title == "Gathered log-probability is -inf: the index selects a masked entry"
+    said = "\n".join(d.evidence)
+    assert "picked -inf in 1 of 16 rows" in said
+    assert "<- maskedfill: entries a mask set to -inf" in said
+    assert "legal.gather(1, a[:, None])" in d.fix
+
+
+def test_gathers_that_pick_finite_entries_say_nothing() -> None:
+    from nanwatch.ops import graph_selections
+
+    x = torch.tensor([[0.0, float("-inf")], [0.0, 0.0]], requires_grad=True)
+    ok = torch.log_softmax(x, 1).gather(1, torch.tensor([[0], [1]]))
+    assert graph_selections(ok.grad_fn) == []
+    bad = torch.log_softmax(x, 1).gather(-1, torch.tensor([[1], [0]]))  # dim -1: saved unsigned
+    (sel,) = graph_selections(bad.grad_fn)
+    assert sel["picked"] == {"-inf": 1} and sel["dim"] == 1 and sel["rows"] == 2

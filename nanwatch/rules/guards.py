@@ -116,7 +116,8 @@ CHECKS: dict[str, tuple[str, str]] = {
         "Target logit is -inf",
         "CrossEntropyLoss/NLLLoss got -inf at a row's target class (a mask that also covers "
         "the target, the log of a zero probability): that row's loss is +inf (NaN when the "
-        "whole row is -inf).",
+        "whole row is -inf). Also a loss's gather of a -inf log-probability (logp.gather(1, "
+        "a), a Categorical's log_prob(a)): the index selects an entry the mask set to -inf.",
     ),
     "NW519": (
         "Loss input non-finite from a term without gradients",
@@ -357,7 +358,70 @@ def loss_weight_not_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
 
 @_register("NW518")
 def target_logit_neginf(ctx: RuleContext) -> Iterator[Diagnosis]:
-    return _found(ctx, "NW518")
+    found = list(_found(ctx, "NW518"))
+    if found:
+        yield from found
+        return
+    picked = _picked_neginf(ctx)
+    if picked is not None:
+        yield picked
+
+
+def _picked_neginf(ctx: RuleContext) -> Diagnosis | None:
+    """A loss in loss code went non-finite and its graph shows a gather that picked -inf
+    out of a log-probability that holds some (``log_softmax(logits).gather(1, a)``, a
+    Categorical's ``log_prob(a)``, logits masked with -inf): no guard saw it, and the index
+    of those rows (an action, a target) is an entry the mask forbids."""
+    a = ctx.anomaly
+    if a is None or a.path != LOSS_PATH or a.record.phase is not Phase.FORWARD:
+        return None
+    for note in ctx.notes("loss_graph"):
+        for sel in note.data.get("selections", ()):
+            n = int(sel.get("picked", {}).get("-inf", 0))
+            if not n:
+                continue
+            rows, held, total = sel.get("rows", 0), sel.get("source_nonfinite", 0), 0
+            total = sel.get("source_numel", 0)
+            chain = [str(o).removeprefix("watched:") for o in sel.get("made_from", ())]
+            masked = next((o for o in chain if o in ("maskedfill", "where", "indexput")), None)
+            by = " <- ".join(["gather", *chain[: chain.index(masked) + 1]]) if masked else ""
+            evidence = [
+                f"the loss code's gather picked -inf in {n:,} of {rows:,} rows: its source "
+                f"holds {held:,} non-finite of {total:,} values, and the index of those rows "
+                "points at them" + (f" ({by}: entries a mask set to -inf)" if by else ""),
+                "a log-probability of -inf is a probability of 0: the action or target "
+                "selected there is one the mask forbids; its loss term is inf, and a sum of "
+                "+inf and -inf terms (a signed advantage) is NaN",
+            ]
+            if note.source:
+                evidence.append(f"at {note.source}")
+            return ctx.diagnosis(
+                # read from the graph, no guard stopped it: after the domain rules that
+                # name the masked output itself (NW110's masked action of a policy module)
+                priority=40,
+                title="Gathered log-probability is -inf: the index selects a masked entry",
+                path=LOSS_PATH,
+                phase="forward",
+                evidence=evidence,
+                explanation=(
+                    "The log-probabilities were computed from logits a mask set to -inf "
+                    "(illegal actions, padding, excluded classes), and the index gathered "
+                    "from them (the action taken, the target) points at such an entry in "
+                    "some rows: the mask and the index disagree. That happens when the "
+                    "actions come from an older mask (a replay buffer, a rollout from "
+                    "another state), or when the target is one the mask covers."
+                ),
+                fix=(
+                    "bad = ~legal.gather(1, a[:, None]).squeeze(1)   # a pattern, in your "
+                    "names: legal the mask (True = allowed), a the gathered index\n"
+                    "print(bad.nonzero().flatten().tolist())   # the rows: find where their "
+                    "index was made (a stale action, a target the mask covers)\n"
+                    "# then keep those rows out of the loss, or build the mask so it never "
+                    "covers the index taken"
+                ),
+                source=note.source,
+            )
+    return None
 
 
 @_register("NW519")
