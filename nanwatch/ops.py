@@ -2081,7 +2081,7 @@ def _produced(
         if base == "Gather":
             x, dim, index = (_saved(node, f"_saved_{k}") for k in ("self", "dim", "index"))
             if isinstance(x, torch.Tensor) and isinstance(index, torch.Tensor):
-                return torch.gather(x.detach(), int(dim), index)
+                return torch.gather(x.detach(), _dim_of(dim, x.dim()), index)
             return None
         if base == "Flip":
             dims = _saved(node, "_saved_dims")
@@ -2092,7 +2092,7 @@ def _produced(
             x = _produced(src, snr, values, depth - 1)
             if x is None or not isinstance(dims, (list, tuple)):
                 return None
-            return torch.flip(x, [int(d) for d in dims])
+            return torch.flip(x, [_dim_of(d, x.dim()) for d in dims])
         if base in _RESHAPES or base == "Expand":
             shape = _shape_of(node, nr)
             try:
@@ -2559,6 +2559,8 @@ def _reduction_event(node: Any, base: str) -> OpEvent | None:
         if not isinstance(x, torch.Tensor):
             return None
         dims = _saved(node, "_saved_dim")
+        if isinstance(dims, (list, tuple)):  # dim=-1 is saved as 2**64 - 1
+            dims = tuple(_dim_of(d, x.dim()) for d in dims)
         c = _plain(_saved(node, "_saved_correction"))
         corr = 1 if c is None else c
         per, outs = _reduced(x.shape, dims)

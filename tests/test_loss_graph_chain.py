@@ -217,3 +217,18 @@ def test_a_log_of_a_value_computed_from_the_layer_is_not_called_its_output() -> 
     assert d.code == "NW110"
     assert "var (Linear)" not in text(d)
     assert "find what makes it negative" in d.fix
+
+
+def test_a_std_over_the_last_dim_of_one_element_in_loss_code_is_named() -> None:
+    # std(-1): autograd saves dim -1 as 2**64 - 1; read modulo the rank it was dim 0 of a
+    # 3-d tensor (two elements), and the std over one element went unnamed (NW100)
+    model = nn.Linear(4, 1)
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        h = model(torch.randn(2, 3, 4))
+        with pytest.warns(UserWarning, match="degrees of freedom"):
+            loss = h.std(-1).sum()
+        loss.backward()
+        nw.step()
+    d = top(nw)
+    assert d.code == "NW113"
+    assert "reduced 1 element into each output (6 values into 6 outputs)" in text(d)
