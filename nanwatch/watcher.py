@@ -4814,16 +4814,23 @@ class Watcher:
         found = self._call_inputs(call, None, False, finished=True)
         if found is not None:
             return call, found
+        root = self._root_of(call)
+        if root is None or not root.root or root is call:
+            return None
+        found = self._root_call_inputs(root)
+        return (root, found) if found is not None else None
+
+    def _root_of(self, call: Call) -> Call | None:
+        """The call of a root module that ran ``call`` (``call`` itself for a root's), up
+        its parents; None when a parent is not recorded. The result need not be a root's
+        call when the chain ends in a cycle (not a root: the caller checks)."""
         trace = self._trace
         root: Call | None = call
         seen: set[int] = set()
         while root is not None and not root.root and root.id not in seen:
             seen.add(root.id)
             root = trace.call(root.parent) if root.parent is not None else None
-        if root is None or not root.root or root is call:
-            return None
-        found = self._root_call_inputs(root)
-        return (root, found) if found is not None else None
+        return root
 
     def _call_rng(self, call: Call) -> list[Any] | None:
         """The CPU generator state ``call`` (a root call) began with, if still known."""
@@ -4838,12 +4845,7 @@ class Watcher:
         own hook, under it already."""
         if not self._late:
             return None
-        trace = self._trace
-        root: Call | None = call
-        seen: set[int] = set()
-        while root is not None and not root.root and root.id not in seen:
-            seen.add(root.id)
-            root = trace.call(root.parent) if root.parent is not None else None
+        root = self._root_of(call)
         if root is None:
             return None  # not known: autocast as it is
         frame = next((fr for fr in self._stack if fr.call is root), None)

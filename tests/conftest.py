@@ -111,6 +111,22 @@ def _isolated_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
+def deferred(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every watcher the test attaches takes the accelerator path (statistics read late),
+    driven on the CPU: tests of that path use it, as ``tests/_accelerator_path.py`` does for
+    the whole suite."""
+    from nanwatch.watcher import Watcher
+
+    attach = Watcher.attach
+
+    def on_device(self: Watcher) -> Watcher:
+        self._defer_cpu = True
+        return attach(self)
+
+    monkeypatch.setattr(Watcher, "attach", on_device)
+
+
+@pytest.fixture
 def report_dir(tmp_path: Path) -> Path:
     d = tmp_path / "reports"
     return d

@@ -16,21 +16,12 @@ from torch import nn
 
 import nanwatch
 from nanwatch.records import AnomalyKind, Phase
-from nanwatch.watcher import Watcher
 
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True)
-def deferred(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every watcher takes the accelerator path."""
-    attach = Watcher.attach
-
-    def on_device(self: Watcher) -> Watcher:
-        self._defer_cpu = True
-        return attach(self)
-
-    monkeypatch.setattr(Watcher, "attach", on_device)
+#: every watcher takes the accelerator path (the ``deferred`` fixture of conftest)
+pytestmark = pytest.mark.usefixtures("deferred")
 
 
 def _top(nw: Any) -> Any:

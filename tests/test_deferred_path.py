@@ -18,18 +18,6 @@ from nanwatch.errors import AnomalyError
 from nanwatch.watcher import Watcher
 
 
-@pytest.fixture
-def deferred(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every watcher takes the accelerator path."""
-    attach = Watcher.attach
-
-    def on_device(self: Watcher) -> Watcher:
-        self._defer_cpu = True
-        return attach(self)
-
-    monkeypatch.setattr(Watcher, "attach", on_device)
-
-
 def _found(outcome: scenarios.Outcome) -> tuple[Any, ...]:
     a = outcome.anomaly
     top = outcome.top

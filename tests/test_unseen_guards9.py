@@ -194,30 +194,10 @@ def test_module_state_overwritten_by_its_forward_says_the_replay_ran_clean() -> 
     assert "assert torch.isfinite(" in d.fix
 
 
-def test_a_noted_target_logit_of_minus_inf_is_the_cause_of_the_inf_loss_it_lets_run() -> None:
-    # an action the mask forbids, taken from a stale buffer: under "warn" the guard notes
-    # it and the call runs; the +inf loss is the anomaly, and the note names its cause
-    torch.manual_seed(0)
-    pol = nn.Linear(6, 4)
-    legal = torch.ones(16, 4, dtype=torch.bool)
-    legal[:, 3] = False
-    a = torch.randint(0, 4, (16,))
-    a[0] = 3
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with nanwatch.watch(pol, on_anomaly="warn", postmortem=False) as nw:
-            logits = pol(torch.randn(16, 6)).masked_fill(~legal, float("-inf"))
-            F.cross_entropy(logits, a).backward()
-            nw.step()
-    top = nw.history[0].diagnoses[0]
-    assert top.code == "NW518" and top.severity == "error"
-    assert all(d.code != "NW100" for d in nw.history[0].diagnoses)
-
-
-def _masked_actions(log_prob: str, *, defer: bool = False) -> nanwatch.Watcher:
+def _masked_actions(log_prob: str, *, defer: bool = False, policy: str = "record") -> Any:
     """A policy whose logits the training loop masks with -inf, and actions from a stale
     buffer: row 0 took action 3, which the mask forbids. No guard sees a hand-written
-    gather or a Categorical's log_prob."""
+    gather or a Categorical's log_prob; F.cross_entropy's guard does."""
     torch.manual_seed(0)
     pol = nn.Linear(6, 4)
     legal = torch.ones(16, 4, dtype=torch.bool)
@@ -225,17 +205,32 @@ def _masked_actions(log_prob: str, *, defer: bool = False) -> nanwatch.Watcher:
     a = torch.randint(0, 3, (16,))
     a[0] = 3
     adv = torch.randn(16)
-    nw = nanwatch.watch(pol, on_anomaly="record", postmortem=False)
+    nw = nanwatch.watch(pol, on_anomaly=policy, postmortem=False)
     nw._defer_cpu = defer
-    with nw:
-        logits = pol(torch.randn(16, 6)).masked_fill(~legal, float("-inf"))
-        if log_prob == "gather":
-            logp = torch.log_softmax(logits, -1).gather(1, a[:, None]).squeeze(1)
-        else:
-            logp = torch.distributions.Categorical(logits=logits).log_prob(a)
-        (-(logp * adv).mean()).backward()
-        nw.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nw:
+            logits = pol(torch.randn(16, 6)).masked_fill(~legal, float("-inf"))
+            if log_prob == "cross_entropy":
+                loss = F.cross_entropy(logits, a)
+            else:
+                if log_prob == "gather":
+                    logp = torch.log_softmax(logits, -1).gather(1, a[:, None]).squeeze(1)
+                else:
+                    logp = torch.distributions.Categorical(logits=logits).log_prob(a)
+                loss = -(logp * adv).mean()
+            loss.backward()
+            nw.step()
     return nw
+
+
+def test_a_noted_target_logit_of_minus_inf_is_the_cause_of_the_inf_loss_it_lets_run() -> None:
+    # under "warn" the guard notes it and the call runs; the +inf loss is the anomaly, and
+    # the note names its cause
+    nw = _masked_actions("cross_entropy", policy="warn")
+    top = nw.history[0].diagnoses[0]
+    assert top.code == "NW518" and top.severity == "error"
+    assert all(d.code != "NW100" for d in nw.history[0].diagnoses)
 
 
 @pytest.mark.parametrize("defer", [False, True])
