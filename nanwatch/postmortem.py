@@ -125,6 +125,10 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "Expected input batch_size",
             "doesn't match the broadcast shape",
             "size of tensor a",
+            # a convolution's channels, a norm's shape or features, built for another size
+            "channels, but got",
+            "expected input with shape",
+            "running_mean should contain",
         ),
     ),
     (

@@ -753,6 +753,11 @@ def _error_info(
         if steps:
             step, raised = steps[-1].step, steps[-1]
     info["step"] = step
+    kept = raised.error if raised is not None else None
+    if kept and kept.get("class") == info["class"] and kept.get("advice"):
+        # the watcher's own advice, sharpened with what it saw (the layer a shape error
+        # was raised in, its size against its input's)
+        info["advice"] = kept["advice"]
     step_advice(info, raised, scaler=scaler)
     _name_the_op(info, raised, mode)
     lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).splitlines()

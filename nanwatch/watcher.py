@@ -5868,6 +5868,10 @@ class Watcher:
             return None
         try:
             info = postmortem.classify(exc, {id(p): q for q, _, p in self._params})
+            if info.get("class") == "shape-mismatch" and "optimizer" not in info:
+                said = self._shape_advice()
+                if said is not None:
+                    info["advice"] = said
             if info.get("device_lost"):
                 self._device_dead = True
             self._note_mutations()
@@ -5901,6 +5905,46 @@ class Watcher:
                     exc._nanwatch_reported = id(self)  # type: ignore[attr-defined]
             return path
         return None
+
+    def _shape_advice(self) -> str | None:
+        """For a shape error raised in a watched layer that fixes the size of its input (a
+        Linear's in_features, a convolution's or a norm's channels, a LayerNorm's
+        normalized_shape): what it was built for against what it was given, read from the
+        call still running and its input's recorded shape (host-side metadata), and the
+        module that made that input. None when the error is not that."""
+        trace = self._trace
+        running = [c for c in trace.calls if c.end < 0 and not c.root]
+        if not running:
+            return None
+        call = running[-1]
+        module = next((m for m, i in self._modules if i.path == call.path), None)
+        rec = next(
+            (
+                r
+                for r in trace.records
+                if r.call == call.id and r.phase is Phase.INPUT and r.role == "input[0]"
+            ),
+            None,
+        )
+        if module is None or rec is None or not rec.shape:
+            return None
+        found = _size_mismatch(module, tuple(rec.shape))
+        if found is None:
+            return None
+        what, want, got, rebuilt = found
+        kind = type(module).__name__
+        src = trace.record(rec.source) if rec.source is not None else None
+        made = trace.call(src.call) if src is not None and src.call is not None else None
+        by = (
+            f", the output of {made.path} ({made.module_type})"
+            if made is not None and made.id != call.id and not made.root
+            else ""
+        )
+        return (
+            f"{call.path} ({kind}) was built for {what} {want}, but its input (shape "
+            f"{list(rec.shape)}{by}) has {got}: build it as {rebuilt} where the model "
+            f"creates {call.path}, or make what comes before it give {want}."
+        )
 
     def _ended_step_of(self, exc: BaseException) -> StepTrace | None:
         """The finished step an AnomalyError of ``nw.step()`` was raised for, when nothing
@@ -6643,6 +6687,55 @@ def _same_ends(a: TensorStat, b: TensorStat) -> bool:
     return all(
         x == y or (math.isnan(x) and math.isnan(y)) for x, y in ((a.min, b.min), (a.max, b.max))
     )
+
+
+def _size_mismatch(module: nn.Module, shape: tuple[int, ...]) -> tuple[str, int, int, str] | None:
+    """(what, built for, given, the constructor that takes the input as it is) when
+    ``module`` fixes a size of its input that ``shape`` does not have; None otherwise.
+
+    >>> _size_mismatch(nn.Linear(6, 1), (2, 8))
+    ('in_features', 6, 8, 'nn.Linear(8, 1)')
+    >>> _size_mismatch(nn.Conv2d(3, 16, 3), (4, 1, 28, 28))[3]
+    'nn.Conv2d(1, 16, kernel_size=(3, 3))'
+    """
+    if isinstance(module, nn.Linear) and shape:
+        want, got = module.in_features, shape[-1]
+        if want != got:
+            bias = "" if module.bias is not None else ", bias=False"
+            return "in_features", want, got, f"nn.Linear({got}, {module.out_features}{bias})"
+        return None
+    if isinstance(module, nn.modules.conv._ConvNd) and not isinstance(
+        module, nn.modules.conv._ConvTransposeNd
+    ):
+        dims = len(module.kernel_size)
+        if len(shape) not in (dims + 1, dims + 2):
+            return None
+        got = shape[1] if len(shape) == dims + 2 else shape[0]
+        want = module.in_channels
+        if want != got:
+            cls = type(module).__name__
+            k = tuple(module.kernel_size)
+            return (
+                "in_channels",
+                want,
+                got,
+                f"nn.{cls}({got}, {module.out_channels}, kernel_size={k})",
+            )
+        return None
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and len(shape) >= 2:
+        want, got = module.num_features, shape[1]
+        if want != got:
+            return "num_features", want, got, f"nn.{type(module).__name__}({got})"
+        return None
+    if isinstance(module, nn.LayerNorm):
+        ns = tuple(module.normalized_shape)
+        got_ns = shape[-len(ns) :] if len(shape) >= len(ns) else shape
+        if tuple(got_ns) != ns:
+            want_s = ns[0] if len(ns) == 1 else list(ns)
+            got_s = got_ns[0] if len(got_ns) == 1 else list(got_ns)
+            return "normalized_shape", want_s, got_s, f"nn.LayerNorm({got_s})"  # type: ignore[return-value]
+        return None
+    return None
 
 
 def _nonfinite_values(t: torch.Tensor) -> bool:

@@ -149,3 +149,75 @@ def test_an_exception_class_of_the_users_code_is_not_called_a_crash(tmp_path: Pa
     # Python's and torch's own errors keep their classes
     assert classify(ValueError("bad value"))["class"] == "other"
     assert classify(RuntimeError("boom"))["class"] == "other"
+
+
+class _Convs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)  # the data is grayscale: 1 channel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x).mean()
+
+
+@pytest.mark.parametrize(
+    ("model", "x", "said"),
+    [
+        (
+            lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(6, 1)),
+            torch.randn(2, 4),
+            "2 (Linear) was built for in_features 6, but its input (shape [2, 8], the output "
+            "of 1 (ReLU)) has 8: build it as nn.Linear(8, 1) where the model creates 2",
+        ),
+        (
+            _Convs,
+            torch.randn(2, 1, 8, 8),
+            "conv (Conv2d) was built for in_channels 3, but its input (shape [2, 1, 8, 8]) has "
+            "1: build it as nn.Conv2d(1, 8, kernel_size=(3, 3))",
+        ),
+    ],
+)
+def test_a_layer_built_for_another_size_is_named_with_both_sizes(
+    tmp_path: Path,
+    model,
+    x,
+    said,  # type: ignore[no-untyped-def]
+) -> None:
+    m = model()
+    with pytest.raises(RuntimeError), nanwatch.watch(m, report_dir=str(tmp_path)):
+        m(x)
+    report = _report(tmp_path)
+    assert report.error is not None and report.error["class"] == "shape-mismatch"
+    assert said in report.error["advice"]
+
+
+def test_a_shape_error_elsewhere_keeps_the_general_advice(tmp_path: Path) -> None:
+    m = nn.Linear(4, 3)
+    with pytest.raises(RuntimeError), nanwatch.watch(m, report_dir=str(tmp_path)):
+        m(torch.randn(2, 4)) @ torch.randn(4, 2)  # the user's own matmul, no layer's input
+    report = _report(tmp_path)
+    assert report.error is not None and report.error["class"] == "shape-mismatch"
+    assert report.error["advice"].startswith("Two tensors' shapes do not fit.")
+
+
+def test_the_sizes_each_layer_fixes() -> None:
+    # norms are watched from their forward hook alone (no call is open when they raise):
+    # the sizes are still told apart, for a layer whose call is recorded
+    from nanwatch.watcher import _size_mismatch
+
+    assert _size_mismatch(nn.LayerNorm(16), (2, 5, 12)) == (
+        "normalized_shape",
+        16,
+        12,
+        "nn.LayerNorm(12)",
+    )
+    assert _size_mismatch(nn.BatchNorm1d(8), (4, 6)) == ("num_features", 8, 6, "nn.BatchNorm1d(6)")
+    assert _size_mismatch(nn.Linear(6, 1, bias=False), (3, 4))[3] == "nn.Linear(4, 1, bias=False)"
+    assert _size_mismatch(nn.Conv1d(2, 4, 5), (3, 10)) == (
+        "in_channels",
+        2,
+        3,
+        "nn.Conv1d(3, 4, kernel_size=(5,))",
+    )
+    assert _size_mismatch(nn.Linear(6, 1), (2, 6)) is None
+    assert _size_mismatch(nn.ReLU(), (2, 6)) is None
