@@ -5869,7 +5869,7 @@ class Watcher:
         try:
             info = postmortem.classify(exc, {id(p): q for q, _, p in self._params})
             if info.get("class") == "shape-mismatch" and "optimizer" not in info:
-                said = self._shape_advice()
+                said = self._shape_advice(exc)
                 if said is not None:
                     info["advice"] = said
             if info.get("device_lost"):
@@ -5906,44 +5906,49 @@ class Watcher:
             return path
         return None
 
-    def _shape_advice(self) -> str | None:
+    def _shape_advice(self, exc: BaseException) -> str | None:
         """For a shape error raised in a watched layer that fixes the size of its input (a
-        Linear's in_features, a convolution's or a norm's channels, a LayerNorm's
-        normalized_shape): what it was built for against what it was given, read from the
-        call still running and its input's recorded shape (host-side metadata), and the
-        module that made that input. None when the error is not that."""
-        trace = self._trace
-        running = [c for c in trace.calls if c.end < 0 and not c.root]
-        if not running:
-            return None
-        call = running[-1]
-        module = next((m for m, i in self._modules if i.path == call.path), None)
-        rec = next(
-            (
-                r
-                for r in trace.records
-                if r.call == call.id and r.phase is Phase.INPUT and r.role == "input[0]"
-            ),
-            None,
-        )
-        if module is None or rec is None or not rec.shape:
-            return None
-        found = _size_mismatch(module, tuple(rec.shape))
+        Linear's in_features, a convolution's channels, a norm's features or shape): what it
+        was built for against what it was given. The layer and its input are read from the
+        traceback's frames (the innermost ``forward`` of a watched module: sentinel's
+        submodules and the norms watched from their forward hook alone have no open call);
+        the module that made the input, from the records when its call is recorded. None
+        when the error is not that."""
+        found = _raising_layer(exc, self._infos)
         if found is None:
             return None
-        what, want, got, rebuilt = found
+        module, shape = found
+        size = _size_mismatch(module, shape)
+        if size is None:
+            return None
+        what, want, got, rebuilt = size
+        path = self._infos[module].path
         kind = type(module).__name__
-        src = trace.record(rec.source) if rec.source is not None else None
+        trace = self._trace
+        call = next((c for c in reversed(trace.calls) if c.path == path and c.end < 0), None)
+        rec = (
+            next(
+                (
+                    r
+                    for r in trace.records
+                    if r.call == call.id and r.phase is Phase.INPUT and r.role == "input[0]"
+                ),
+                None,
+            )
+            if call is not None
+            else None
+        )
+        src = trace.record(rec.source) if rec is not None and rec.source is not None else None
         made = trace.call(src.call) if src is not None and src.call is not None else None
         by = (
             f", the output of {made.path} ({made.module_type})"
-            if made is not None and made.id != call.id and not made.root
+            if made is not None and call is not None and made.id != call.id and not made.root
             else ""
         )
         return (
-            f"{call.path} ({kind}) was built for {what} {want}, but its input (shape "
-            f"{list(rec.shape)}{by}) has {got}: build it as {rebuilt} where the model "
-            f"creates {call.path}, or make what comes before it give {want}."
+            f"{path} ({kind}) was built for {what} {want}, but its input (shape "
+            f"{list(shape)}{by}) has {got}: build it as {rebuilt} where the model "
+            f"creates {path}, or make what comes before it give {want}."
         )
 
     def _ended_step_of(self, exc: BaseException) -> StepTrace | None:
@@ -6687,6 +6692,31 @@ def _same_ends(a: TensorStat, b: TensorStat) -> bool:
     return all(
         x == y or (math.isnan(x) and math.isnan(y)) for x, y in ((a.min, b.min), (a.max, b.max))
     )
+
+
+def _raising_layer(
+    exc: BaseException, watched: Mapping[nn.Module, Any]
+) -> tuple[nn.Module, tuple[int, ...]] | None:
+    """The innermost watched module whose own method was running when ``exc`` was raised,
+    with the shape of the tensor that method was given first (``forward(self, input)``,
+    ``Conv2d._conv_forward(self, input, ...)``), read from the traceback's frames; None
+    when no such frame holds a tensor."""
+    tb = exc.__traceback__
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        owner = frame.f_locals.get("self")
+        if not isinstance(owner, nn.Module) or owner not in watched:
+            continue
+        code = frame.f_code
+        if code.co_argcount < 2:
+            continue
+        x = frame.f_locals.get(code.co_varnames[1])
+        if isinstance(x, torch.Tensor):
+            return owner, tuple(x.shape)
+    return None
 
 
 def _size_mismatch(module: nn.Module, shape: tuple[int, ...]) -> tuple[str, int, int, str] | None:

@@ -175,17 +175,23 @@ class _Convs(nn.Module):
             "conv (Conv2d) was built for in_channels 3, but its input (shape [2, 1, 8, 8]) has "
             "1: build it as nn.Conv2d(1, 8, kernel_size=(3, 3))",
         ),
+        (  # a norm is watched from its forward hook alone: read from the traceback
+            lambda: nn.Sequential(nn.Linear(4, 12), nn.LayerNorm(16)),
+            torch.randn(2, 4),
+            "1 (LayerNorm) was built for normalized_shape 16, but its input (shape [2, 12]) "
+            "has 12: build it as nn.LayerNorm(12)",
+        ),
     ],
 )
-def test_a_layer_built_for_another_size_is_named_with_both_sizes(
-    tmp_path: Path,
-    model,
-    x,
-    said,  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mode", ["watch", "sentinel"])
+def test_a_layer_built_for_another_size_is_named_with_both_sizes(  # type: ignore[no-untyped-def]
+    tmp_path: Path, model, x, said, mode: str
 ) -> None:
     m = model()
-    with pytest.raises(RuntimeError), nanwatch.watch(m, report_dir=str(tmp_path)):
+    with pytest.raises(RuntimeError), nanwatch.watch(m, mode=mode, report_dir=str(tmp_path)):
         m(x)
+    if mode == "sentinel":  # only the root's call is recorded: no producer is named
+        said = said.replace(", the output of 1 (ReLU))", ")")
     report = _report(tmp_path)
     assert report.error is not None and report.error["class"] == "shape-mismatch"
     assert said in report.error["advice"]
