@@ -120,12 +120,17 @@ def _saturating() -> nn.Linear:
     return model
 
 
-def test_a_flagged_loss_node_is_read_with_what_it_saved_kept_from_its_hook() -> None:
+def _focal_run() -> nanwatch.Watcher:
     model = _saturating()
     nw = _deferred(model)
     with nw:
         _focal_like(model)
         nw.step()
+    return nw
+
+
+def test_a_flagged_loss_node_is_read_with_what_it_saved_kept_from_its_hook() -> None:
+    nw = _focal_run()
     a = nw.first_anomaly
     assert a is not None and a.op is not None and a.op.node == "PowBackward0"
     base = dict(a.op.inputs)["self"]
@@ -138,12 +143,7 @@ def test_over_the_byte_budget_a_flagged_node_is_named_by_its_name(monkeypatch) -
     import nanwatch.watcher as w
 
     monkeypatch.setattr(w, "_KEEP_SAVED", 0)
-    model = _saturating()
-    nw = _deferred(model)
-    with nw:
-        _focal_like(model)
-        nw.step()
-    a = nw.first_anomaly
+    a = _focal_run().first_anomaly
     assert a is not None and a.op is not None and a.op.node == "PowBackward0"
     assert a.op.inputs == []  # not kept: its name and its line are the evidence
 
