@@ -181,6 +181,19 @@ def minmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return mn, mx
 
 
+def _nonfinite_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """``~isfinite(t)`` with one row per index along dim 0, on ``t``'s device; None when
+    ``t`` has no rows to tell apart."""
+    if not has_values(t) or t.dim() < 1 or t.is_nested or t.layout is not torch.strided:
+        return None
+    dense = t.detach()  # complex: a part that is not finite (|z| may overflow alone)
+    if dense.dtype in _FLOAT8:
+        dense = dense.float()
+    if dense.numel() == 0:
+        return None
+    return (~torch.isfinite(dense)).reshape(dense.shape[0], -1)
+
+
 def bad_row_flags(t: torch.Tensor) -> torch.Tensor | None:
     """Whether each index along dim 0 (each sample of a batch) holds a NaN or an inf, as a
     bool tensor on ``t``'s device; no sync. None when ``t`` has no rows to tell apart.
@@ -188,15 +201,9 @@ def bad_row_flags(t: torch.Tensor) -> torch.Tensor | None:
     >>> bad_row_flags(torch.tensor([[1.0, 2.0], [float("nan"), 0.0]])).tolist()
     [False, True]
     """
-    if not has_values(t) or t.dim() < 1 or t.is_nested or t.layout is not torch.strided:
-        return None
     with torch.no_grad():
-        dense = t.detach()  # complex: a part that is not finite (|z| may overflow alone)
-        if dense.dtype in _FLOAT8:
-            dense = dense.float()
-        if dense.numel() == 0:
-            return None
-        return (~torch.isfinite(dense)).reshape(dense.shape[0], -1).any(dim=1)
+        rows = _nonfinite_rows(t)
+        return None if rows is None else rows.any(dim=1)
 
 
 def bad_row_counts(t: torch.Tensor) -> torch.Tensor | None:
@@ -209,15 +216,9 @@ def bad_row_counts(t: torch.Tensor) -> torch.Tensor | None:
     >>> bad_row_counts(torch.tensor([[1.0, 2.0], [float("nan"), float("inf")]])).tolist()
     [0, 2]
     """
-    if not has_values(t) or t.dim() < 1 or t.is_nested or t.layout is not torch.strided:
-        return None
     with torch.no_grad():
-        dense = t.detach()
-        if dense.dtype in _FLOAT8:
-            dense = dense.float()
-        if dense.numel() == 0:
-            return None
-        return (~torch.isfinite(dense)).reshape(dense.shape[0], -1).sum(dim=1)
+        rows = _nonfinite_rows(t)
+        return None if rows is None else rows.sum(dim=1)
 
 
 def rows_from_flags(flags: torch.Tensor, *, max_rows: int = 8) -> tuple[tuple[int, ...], int]:
