@@ -1239,9 +1239,11 @@ def _earlier_root(trace: StepTrace, call: Call, trig: Record) -> str | None:
     return None
 
 
-def _whole_samples_bad(rec: Record) -> bool:
+def whole_samples_bad(rec: Record) -> bool:
     """Every value of each bad sample of ``rec`` is NaN or inf: a factor or a divisor of the
-    whole sample, not a bad pixel or a missing feature of a loaded one."""
+    whole sample, as ``x / x.norm()`` of a sample whose norm is 0 gives (0/0 = NaN where x
+    is 0, inf where it is not), not a bad pixel or a missing feature of a loaded one, which
+    leaves the rest of its sample finite."""
     s = rec.stat
     bad = s.bad_values if s is not None else None  # counted, or told apart by sample only
     if s is None or len(rec.shape) < 2 or not s.bad_row_count or bad is None:
@@ -1255,7 +1257,7 @@ def _computed_look(rec: Record) -> bool:
     input: a sample or a feature divided by a zero norm, speed or standard deviation, as
     the user's code or a preprocessing step makes. A missing value of loaded data spoils
     one value and leaves the rest of its sample and column finite."""
-    if _whole_samples_bad(rec):
+    if whole_samples_bad(rec):
         return True
     s = rec.stat
     if s is None or len(rec.shape) != 2 or not s.bad_col_count or s.nan is None:
@@ -1272,7 +1274,7 @@ def _computed_between_calls(trace: StepTrace, call: Call, trig: Record) -> bool:
     an attack's ``g / g.norm()``). Loaded data goes bad a value at a time."""
     if call.is_loss or call.path == LOSS_PATH or trig.source is not None:
         return False
-    if not _whole_samples_bad(trig):
+    if not whole_samples_bad(trig):
         return False
     return earlier_finite_input(trace, trig, call.path, call.id) is not None
 
@@ -1321,7 +1323,7 @@ def computed_target(trace: StepTrace, rec: Record, call: Call | None) -> Compute
     s = rec.stat
     soft = (
         call.module_type in SOFT_TARGET_LOSSES
-        and _whole_samples_bad(rec)
+        and whole_samples_bad(rec)
         and not (s.posinf or s.neginf)
         and s.finite_amax is not None
         and s.finite_amax <= 1.0

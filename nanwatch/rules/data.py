@@ -11,7 +11,13 @@ import re
 import textwrap
 from collections.abc import Iterator, Mapping, Sequence
 
-from nanwatch.localize import HALF_DTYPES, computed_target, earlier_finite_input, is_birth
+from nanwatch.localize import (
+    HALF_DTYPES,
+    computed_target,
+    earlier_finite_input,
+    is_birth,
+    whole_samples_bad,
+)
 from nanwatch.records import (
     LOSS_PATH,
     AnomalyKind,
@@ -253,18 +259,6 @@ def _computed_target_diagnosis(
     )
 
 
-def _whole_samples_bad(rec: Record) -> bool:
-    """Every value of each bad sample is NaN or inf: a whole sample divided by 0, as
-    ``x / x.norm()`` of a sample whose norm is 0 gives (0/0 = NaN where x is 0, inf where
-    it is not). A bad pixel or a missing feature leaves the rest of its sample finite."""
-    s = rec.stat
-    bad = s.bad_values if s is not None else None  # counted, or told apart by sample only
-    if s is None or len(rec.shape) < 2 or not s.bad_row_count or bad is None:
-        return False
-    per_sample = math.prod(rec.shape[1:])
-    return per_sample > 1 and bad == s.bad_row_count * per_sample
-
-
 def _made_between_calls(
     ctx: RuleContext, rec: Record, call: Call | None
 ) -> tuple[Record, bool, bool] | None:
@@ -279,7 +273,7 @@ def _made_between_calls(
     the next step's first, and the step before, with a backward and no update, is looked
     at too."""
     trace = ctx.trace
-    if call is None or not call.root or rec.source is not None or not _whole_samples_bad(rec):
+    if call is None or not call.root or rec.source is not None or not whole_samples_bad(rec):
         return None
     found = _earlier_input(trace, rec, call.path, call.id, rec.index)
     if found is not None:
