@@ -380,7 +380,7 @@ def _picked_neginf(ctx: RuleContext) -> Diagnosis | None:
             n = int(sel.get("picked", {}).get("-inf", 0))
             if not n:
                 continue
-            rows, held, total = sel.get("rows", 0), sel.get("source_nonfinite", 0), 0
+            rows, held = sel.get("rows", 0), sel.get("source_nonfinite", 0)
             total = sel.get("source_numel", 0)
             chain = [str(o).removeprefix("watched:") for o in sel.get("made_from", ())]
             masked = next((o for o in chain if o in ("maskedfill", "where", "indexput")), None)
