@@ -979,14 +979,7 @@ class _NanWatch:
             (t.diagnoses[0] for t in [*nw.history, nw.trace] if t.step == first and t.diagnoses),
             None,
         )
-        if top is None:
-            return ""
-        lines = [f"  {top.headline}"]
-        if top.fix:
-            fix, *more = top.fix.splitlines()
-            lines.append(f"  fix: {fix}")
-            lines.extend(f"       {line}" for line in more)
-        return "\n".join(lines) + "\n"
+        return "" if top is None else "\n".join(top.brief()) + "\n"
 
     def _replay(self, trainer: Any, pl_module: Any) -> None:
         """Re-run the failing batch's training_step and backward under the op checker, with

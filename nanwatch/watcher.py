@@ -5759,11 +5759,7 @@ class Watcher:
         if top is not None:
             if a is None:
                 lines.append(f"nanwatch: step {trace.step}: {top.title}")
-            lines.append(f"  {top.headline}")
-            if top.fix:
-                first, *more = top.fix.splitlines()
-                lines.append(f"  fix: {first}")
-                lines.extend(f"       {line}" for line in more)
+            lines.extend(top.brief())
         if self.global_hooks:  # nanwatch run: the script has no nw; the report is a file
             from nanwatch.postmortem import full_report_line
 

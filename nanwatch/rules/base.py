@@ -110,6 +110,20 @@ class Diagnosis:
         where = self.where
         return f"{self.code} {self.severity}: {self.title}" + (f" ({where})" if where else "")
 
+    def brief(self, indent: str = "  ") -> list[str]:
+        """The lines an error or a warning message gives it: the headline, then the fix,
+        its continuation lines under its first.
+
+        >>> Diagnosis("NW1", "t", "error", fix="a = 1\\nb = 2").brief()
+        ['  NW1 error: t', '  fix: a = 1', '       b = 2']
+        """
+        lines = [f"{indent}{self.headline}"]
+        if self.fix:
+            first, *more = self.fix.splitlines()
+            lines.append(f"{indent}fix: {first}")
+            lines.extend(f"{indent}     {line}" for line in more)
+        return lines
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "code": self.code,
