@@ -2642,7 +2642,68 @@ def _node_event(
         return _result_only_event(node, base)
     if base == "Where":
         return _logdet_event(node)
+    if base in ("Softmax", "LogSoftmax"):
+        return _softmax_event(node, base, values)
     return _reduction_event(node, base)
+
+
+def _softmax_event(
+    node: Any, base: str, values: Callable[[Any], torch.Tensor | None] | None = None
+) -> OpEvent | None:
+    """A softmax (or log-softmax) whose saved result is NaN across whole rows: each such
+    row was -inf everywhere (a row a mask filled: no key, no valid class), softmax of all
+    -inf being NaN. Its input is not saved; the rows are told from the result, and the
+    input is rebuilt when it is a masked_fill of a tensor at hand (see
+    :func:`_masked_input`)."""
+    r = _saved(node, "_saved_result")
+    d = _saved(node, "_saved_dim")
+    if not isinstance(r, torch.Tensor) or not has_values(r) or r.dim() == 0 or d is None:
+        return None
+    dim = _dim_of(d, r.dim())
+    with torch.no_grad():
+        rows = torch.isnan(r).all(dim=dim)
+        k, n = int(rows.sum()), int(rows.numel())
+    if not k:
+        return None
+    op = "aten._softmax" if base == "Softmax" else "aten._log_softmax"
+    why = f"{k} of {n} rows are NaN along dim {dim}: each was -inf everywhere in its input"
+    x = _masked_input(node, rows, dim, values)
+    return _event(
+        node,
+        op,
+        "NaN",
+        why,
+        inputs=[("self", x)] if x is not None else (),
+        result=r,
+        scalars={"nan_rows": k, "rows": n},
+    )
+
+
+def _masked_input(
+    node: Any, nan_rows: torch.Tensor, dim: int, values: Callable[[Any], torch.Tensor | None] | None
+) -> torch.Tensor | None:
+    """The input of softmax ``node`` when it is ``x.masked_fill(mask, -inf)`` of a tensor
+    ``x`` at hand (a watched output, through ``values``): the fill value is not saved, but
+    it is -inf when the rows the softmax made NaN are exactly those the mask covers whole,
+    a row it covers in part is finite, and ``x`` is finite (a NaN or +inf fill would make
+    the partly masked rows NaN too). None otherwise."""
+    try:
+        src = node.next_functions[0][0]
+        if src is None or name_of(src).split("Backward")[0] != "MaskedFill":
+            return None
+        mask = _saved(src, "_saved_mask")
+        below = src.next_functions[0]
+        x = _produced(below[0], below[1], values) if below[0] is not None else None
+        if not isinstance(mask, torch.Tensor) or x is None or not bool(torch.isfinite(x).all()):
+            return None
+        with torch.no_grad():
+            m = mask.expand_as(x)
+            whole, part = m.all(dim=dim), m.any(dim=dim) & ~m.all(dim=dim)
+            if not torch.equal(whole, nan_rows.reshape(whole.shape)) or not bool(part.any()):
+                return None
+            return x.masked_fill(m, -math.inf)
+    except Exception:  # an unusual graph: the rows alone are the evidence
+        return None
 
 
 def graph_evidence(

@@ -232,3 +232,41 @@ def test_a_std_over_the_last_dim_of_one_element_in_loss_code_is_named() -> None:
     d = top(nw)
     assert d.code == "NW113"
     assert "reduced 1 element into each output (6 values into 6 outputs)" in text(d)
+
+
+def _masked_pooling(partial: bool):  # type: ignore[no-untyped-def]
+    """Attention pooling in loss code: softmax over scores a padding mask filled with -inf;
+    row (0, 1) is padding everywhere. ``partial``: batch 1 is padded at its end too."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6)
+    mask = torch.zeros(2, 3, 6, dtype=torch.bool)
+    mask[0, 1, :] = True
+    if partial:
+        mask[1, :, 4:] = True
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        h = model(torch.randn(2, 3, 4))
+        w = torch.softmax(h.masked_fill(mask, float("-inf")), -1)
+        (w * h).sum().backward()
+        nw.step()
+    return nw
+
+
+def test_a_fully_masked_row_of_a_softmax_in_loss_code_is_nw402() -> None:
+    # the fill value is not saved; the rows made NaN are exactly those the mask covers
+    # whole, and partly covered rows stayed finite: the fill was -inf
+    nw = _masked_pooling(partial=True)
+    d = top(nw)
+    assert d.code == "NW402"
+    assert "12 of 36 values are -inf and none is NaN or +inf: at least one row" in text(d)
+    assert nw.first_anomaly is not None and nw.first_anomaly.op is not None
+    assert nw.first_anomaly.op.scalars["nan_rows"] == 1
+
+
+def test_without_a_partly_masked_row_the_fill_is_not_guessed() -> None:
+    # a NaN or +inf fill would make the same rows NaN: the op and its rows are named, the
+    # fill is not claimed
+    nw = _masked_pooling(partial=False)
+    a = nw.first_anomaly
+    assert a is not None and a.op is not None and a.op.op == "aten._softmax"
+    assert a.op.inputs == [] and a.op.scalars["nan_rows"] == 1
+    assert top(nw).code != "NW402"
