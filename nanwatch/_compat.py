@@ -187,6 +187,40 @@ def autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
     return tuple(out)
 
 
+def function_modes() -> tuple[Any, ...]:
+    """The TorchFunctionModes in force, innermost last: ``torch.set_default_device`` and a
+    ``with torch.device(...)`` block are one (they say where new tensors are made), and so
+    is a user's own mode. Host-side: one call when none is on the stack.
+
+    >>> function_modes()
+    ()
+    """
+    if not torch._C._len_torch_function_stack():
+        return ()
+    from torch.overrides import _get_current_function_mode_stack
+
+    return tuple(_get_current_function_mode_stack())  # type: ignore[no-untyped-call]
+
+
+@contextlib.contextmanager
+def as_called(modes: tuple[Any, ...] = ()) -> Any:
+    """Run the block as the user's code ran: torch-function handling on (nanwatch's hooks
+    turn it off for their own statistics), and ``modes`` (see :func:`function_modes`,
+    taken as the replayed call began) in force again. A mode is out of the stack while its
+    own handler runs: a hook inside ``loss.backward()`` under ``torch.set_default_device
+    ("cuda")`` would otherwise make the replay's new tensors on the CPU."""
+    enable = getattr(torch._C, "_EnableTorchFunction", None)
+    with contextlib.ExitStack() as stack:
+        if enable is not None:
+            stack.enter_context(enable())
+        if modes:
+            present = {id(m) for m in function_modes()}
+            for mode in modes:
+                if id(mode) not in present:
+                    stack.enter_context(mode)
+        yield
+
+
 @contextlib.contextmanager
 def autocast_as(state: tuple[tuple[str, torch.dtype], ...]) -> Any:
     """Run the block under the autocast ``state`` (see :func:`autocast_state`) that a call

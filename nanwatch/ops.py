@@ -37,7 +37,7 @@ from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanwatch import _copies, _frames
-from nanwatch._compat import aminmax, autocast_as, set_versions
+from nanwatch._compat import aminmax, as_called, autocast_as, set_versions
 from nanwatch._domains import Domain, domain_of
 from nanwatch._structure import iter_tensors, leaves
 from nanwatch.localize import is_birth, mark_redrawn
@@ -1729,12 +1729,23 @@ def call_forward(
     kwargs: dict[str, Any],
     *,
     pre_hooks: bool | int = True,
+    modes: tuple[Any, ...] = (),
 ) -> Any:
     """``module(*args, **kwargs)`` as ``nn.Module.__call__`` runs it, with the user's forward
     pre-hooks and forward hooks (global and the module's) and none of nanwatch's: a hook
     that divides by a norm is part of the computation. ``pre_hooks``: True when ``args`` are
     what the caller passed; False when they are what ``forward`` got (pre-hooks already
-    applied); a hook id: ``args`` are what that hook saw, so the pre-hooks after it run."""
+    applied); a hook id: ``args`` are what that hook saw, so the pre-hooks after it run.
+    It runs as the user's code ran (:func:`nanwatch._compat.as_called`): torch-function
+    handling on, under ``modes`` (the call's TorchFunctionModes, such as the default
+    device) again."""
+    with as_called(modes):
+        return _call_forward(module, args, kwargs, pre_hooks)
+
+
+def _call_forward(
+    module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], pre_hooks: bool | int
+) -> Any:
     mm = torch.nn.modules.module
     args, kwargs = run_pre_hooks(module, args, kwargs, pre_hooks=pre_hooks)
     result = module.forward(*args, **kwargs)
@@ -1854,6 +1865,7 @@ def replay(
     rng: list[Any] | None = None,
     keep: torch.nn.Module | None = None,
     autocast: tuple[tuple[str, torch.dtype], ...] | None = None,
+    modes: tuple[Any, ...] = (),
 ) -> ReplayResult:
     """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
     :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
@@ -1876,7 +1888,11 @@ def replay(
     made it again (anomaly-time work only). ``autocast``: the autocast state the original
     call ran under (:func:`nanwatch._compat.autocast_state`), for a replay made after it
     returned, outside the user's ``torch.autocast`` region; None: as it is now (a replay
-    inside the call, under its autocast already)."""
+    inside the call, under its autocast already). The forward runs with torch-function
+    handling on, as the user's code ran (nanwatch's hooks turn it off for their own
+    work), under ``modes``: the TorchFunctionModes the original call ran under
+    (``torch.set_default_device``, a user's mode), those out of force now entered again
+    (see :func:`nanwatch._compat.as_called`)."""
     result = ReplayResult()
     floor = sys._getframe()
     devices = _devices([args, kwargs])
@@ -1900,7 +1916,7 @@ def replay(
                 out: Any = None
                 try:
                     with torch.no_grad(), _autocast_or_not(autocast), chk:
-                        out = call_forward(module, args, kwargs, pre_hooks=pre_hooks)
+                        out = call_forward(module, args, kwargs, pre_hooks=pre_hooks, modes=modes)
                 except Exception as exc:
                     result.error = f"{type(exc).__name__}: {exc}"
                 finally:

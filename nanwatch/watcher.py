@@ -46,6 +46,7 @@ from nanwatch._compat import (
     autocast_state,
     capturing,
     compiling,
+    function_modes,
     no_values,
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -359,6 +360,7 @@ class _Frame:
         "call",
         "inputs",
         "kwargs",
+        "modes",
         "module",
         "rng",
         "site",
@@ -383,6 +385,9 @@ class _Frame:
         #: a root call's autocast state as it began (see _compat.autocast_state), when its
         #: statistics are read after it returned: a replay then runs under it again
         self.autocast: tuple[tuple[str, torch.dtype], ...] = ()
+        #: a root call's TorchFunctionModes as it began (see _compat.function_modes): a
+        #: replay runs under them again (the device torch.set_default_device names)
+        self.modes: tuple[Any, ...] = ()
         # the version counters of the module's own buffers as the call began (host-side
         # metadata, no device read): a forward that writes its own state in place (an EMA
         # codebook, a step counter) shows in them, and a replay starts from what it wrote.
@@ -1441,6 +1446,7 @@ class Watcher:
             if call.root:  # host-side counters only, once per root call
                 frame.inputs = tuple(_version(t) for _, t in self._walk(args, "input", kwargs))
                 frame.rng = ops.forward_rng(args, kwargs)
+                frame.modes = function_modes()
                 if self._read_late():
                     # a bad input or output is read after the call returned, when the
                     # user's line has moved on (to backward()): keep where it called the
@@ -4678,6 +4684,7 @@ class Watcher:
             rng=self._call_rng(target),
             keep=self._freed_producer(anomaly),
             autocast=self._call_autocast(target),
+            modes=self._call_modes(target),
         )
         self._describe_replayed(anomaly, target, result)
         if target is not meant:
@@ -4845,13 +4852,25 @@ class Watcher:
         own hook, under it already."""
         if not self._late:
             return None
+        frame = self._root_frame(call)
+        return frame.autocast if frame is not None else None
+
+    def _call_modes(self, call: Call) -> tuple[Any, ...]:
+        """The TorchFunctionModes the root call that ran ``call`` began under (see
+        :func:`nanwatch._compat.as_called`); none when not known."""
+        frame = self._root_frame(call)
+        return frame.modes if frame is not None else ()
+
+    def _root_frame(self, call: Call) -> _Frame | None:
+        """The frame of the root call that ran ``call``, open or the root's last; None
+        when the root is not known."""
         root = self._root_of(call)
         if root is None:
-            return None  # not known: autocast as it is
+            return None
         frame = next((fr for fr in self._stack if fr.call is root), None)
         if frame is None:
             frame = self._root_frames.get(root.path)
-        return frame.autocast if frame is not None and frame.call is root else None
+        return frame if frame is not None and frame.call is root else None
 
     def _note_call_site(
         self, info: _ModInfo, module: nn.Module, site: _FrameAt | None = None
@@ -5064,7 +5083,7 @@ class Watcher:
             return None
         found = next(
             (
-                f
+                (c, f)
                 for c in reversed(self._trace.calls)
                 if c.root
                 and (f := self._root_call_inputs(c)) is not None
@@ -5074,7 +5093,7 @@ class Watcher:
         )
         if found is None:
             return None
-        root, args, kwargs, hooks = found
+        root_call, (root, args, kwargs, hooks) = found
         devices = {t.device for _, t in self._walk(args, "input", kwargs)}
         seen: list[tuple[Any, Any]] = []
 
@@ -5090,7 +5109,9 @@ class Watcher:
                 ops._replay_scope(),
                 torch.set_grad_enabled(grad),
             ):
-                ops.call_forward(root, args, kwargs, pre_hooks=hooks)
+                ops.call_forward(
+                    root, args, kwargs, pre_hooks=hooks, modes=self._call_modes(root_call)
+                )
                 drew = ops.drew_random(before, devices)
         except Exception:  # a root that cannot run again here: nothing to replay
             return None
@@ -5176,7 +5197,13 @@ class Watcher:
         before = ops.rng_states(devices)
         try:
             with ops.preserved_state(module, devices), ops._replay_scope(), torch.enable_grad():
-                out = ops.call_forward(module, args, kwargs, pre_hooks=self._pre_hooks_seen(module))
+                out = ops.call_forward(
+                    module,
+                    args,
+                    kwargs,
+                    pre_hooks=self._pre_hooks_seen(module),
+                    modes=self._call_modes(producer),
+                )
                 drew = ops.drew_random(before, devices)
         except Exception:
             return None
@@ -5316,6 +5343,7 @@ class Watcher:
             pre_hooks=hooks,
             hold=self._moved_state,
             autocast=self._call_autocast(maker),
+            modes=self._call_modes(maker),
         )
         made = next((e for e in result.events if "-inf" in e.born), None)
         if made is None:

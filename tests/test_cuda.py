@@ -46,6 +46,12 @@ def _syncs(fn: Callable[[], Any]) -> list[str]:
     return seen
 
 
+def _busy() -> None:
+    """Queue about 25 ms of GPU work ahead of what follows: the forward's statistics have
+    not landed when backward begins, as in a step the GPU bounds."""
+    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64),
@@ -66,6 +72,7 @@ def test_a_watched_step_leaves_statistics_on_the_gpu_until_the_step_ends() -> No
         opt.zero_grad()
 
     def forward_backward() -> None:
+        _busy()
         criterion(model(x), y).backward()
 
     def update() -> None:
@@ -79,7 +86,15 @@ def test_a_watched_step_leaves_statistics_on_the_gpu_until_the_step_ends() -> No
         during = _syncs(forward_backward)
         before_update = _syncs(update)
         at_end = _syncs(nw.step)
+        # a forward the GPU has already run is read when backward begins: one copy, on
+        # nanwatch's side stream, which waits for nothing the GPU still has to do
+        loss = criterion(model(x), y)
+        torch.cuda.synchronize()
+        landed = _syncs(loss.backward)
+        update()
+        nw.step()
     assert during == []  # every statistic stayed on the device
+    assert len(landed) == 1
     # a copy each, on nanwatch's side stream after an event: the forward's statistics
     # (before the update), what backward made (then, or at the end if it had not landed),
     # the new weights (at the end); never one sync per statistic
@@ -258,7 +273,9 @@ def test_a_hand_written_losss_nan_gradient_is_named_without_a_sync_per_node() ->
         for _ in range(2):
             step(torch.randn(8, 32, device="cuda"))
             nw.step()
-        assert _syncs(lambda: step(torch.randn(8, 32, device="cuda"))) == []
+        x2 = torch.randn(8, 32, device="cuda")
+        _busy()
+        assert _syncs(lambda: step(x2)) == []
         nw.step()
         assert nw.first_anomaly is None
         same = x1.clone()
@@ -269,6 +286,43 @@ def test_a_hand_written_losss_nan_gradient_is_named_without_a_sync_per_node() ->
     assert a is not None and a.path == "(loss)"
     assert a.op is not None and a.op.op == "aten.sqrt"
     assert nw.history[-1].diagnoses[0].code == "NW112"
+
+
+class _Pool(nn.Module):
+    """Attention pooling whose padding mask is made on the default device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(8, 1)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        pad = torch.arange(x.shape[1])[None, :] >= lengths[:, None]  # no device= given
+        scores = self.score(x).squeeze(-1).masked_fill(pad, float("-inf"))
+        return self.out((torch.softmax(scores, dim=-1)[..., None] * x).sum(1))
+
+
+@pytest.mark.parametrize("mode", ["watch", "sentinel"])
+def test_a_late_replay_makes_its_tensors_on_the_default_device(mode: str) -> None:
+    """torch.set_default_device("cuda") is a TorchFunctionMode, out of force while its own
+    handler runs ``loss.backward()``, where the forward is read: its replay still makes the
+    mask on the GPU, and names the softmax of the fully masked row."""
+    torch.manual_seed(0)
+    torch.set_default_device("cuda")
+    try:
+        model = _Pool()
+        with nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False) as nw:
+            lengths = torch.tensor([5, 0, 2])  # an empty sequence
+            F.cross_entropy(
+                model(torch.randn(3, 5, 8), lengths), torch.tensor([0, 1, 2])
+            ).backward()
+            nw.step()
+    finally:
+        torch.set_default_device(None)
+    a = nw.first_anomaly
+    assert a is not None and not nw.faults
+    assert a.op is not None and a.op.op.startswith("aten._softmax"), a.summary
+    assert nw.history[0].diagnoses[0].code == "NW402"
 
 
 def test_errors_are_diagnosed_under_a_default_device_of_cuda() -> None:

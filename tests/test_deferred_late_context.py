@@ -3,19 +3,22 @@ path has at hand when it measures: a late replay runs in the autocast region the
 in; a guard that finds a non-finite loss input asks whether the watched modules' unread
 statistics are bad before it blames a term without gradients; an anomaly raised at the
 ``with`` block's exit gets its post-mortem; and a watcher stopped by another's anomaly does
-not claim that anomaly as its own when it reads its statistics only then."""
+not claim that anomaly as its own when it reads its statistics only then; a replay runs
+under the TorchFunctionModes the call ran under (the default device, a user's mode)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import nanwatch
-from nanwatch._compat import autocast_state
+from nanwatch._compat import as_called, autocast_state, function_modes
 
 
 def _deferred(nw: nanwatch.Watcher) -> nanwatch.Watcher:
@@ -90,3 +93,49 @@ def test_a_watcher_stopped_by_another_does_not_claim_its_anomaly(tmp_path: Path)
     assert nw_g.first_anomaly is not None and nw_d.first_anomaly is None
     assert nw_d.first_bad_step is None
     assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+class _Float16Linear(TorchFunctionMode):
+    """A user's precision-emulation mode: every ``F.linear`` rounds its result to float16."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        return out.half().float() if func is F.linear else out
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["cpu", "accelerator"])
+def test_a_replay_runs_under_the_users_torch_function_mode(deferred: bool) -> None:
+    # nanwatch's hooks turn torch-function handling off for their own work, and a mode is
+    # out of force while its own handler runs loss.backward(): a replay outside the mode
+    # computed in float32, ran clean and said "transient" (NW404)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    nw = nanwatch.watch(model, on_anomaly="record", postmortem=False)
+    nw._defer_cpu = deferred
+    with nw, _Float16Linear():
+        loss = F.cross_entropy(model(torch.rand(3, 4) * 1e6), torch.tensor([0, 1, 0]))
+        loss.backward()
+        nw.step()
+    a = nw.first_anomaly
+    assert a is not None and a.path == "0"
+    assert a.op is not None and a.op.op.startswith("aten._to_copy")  # the float16 cast
+    assert nw.history[0].diagnoses[0].code == "NW101"
+    assert function_modes() == ()  # the replay left no mode on the stack
+
+
+def test_function_modes_and_as_called_put_the_default_device_back() -> None:
+    assert function_modes() == ()
+    torch.set_default_device("meta")
+    try:
+        modes = function_modes()
+        assert [type(m).__name__ for m in modes] == ["DeviceContext"]
+        with torch._C.DisableTorchFunction():  # as in nanwatch's hooks
+            assert torch.arange(2).device.type == "cpu"
+            with as_called():
+                assert torch.arange(2).device.type == "meta"
+    finally:
+        torch.set_default_device(None)
+    # a call's mode entered again after its block ended, and left as it was after
+    with as_called(modes):
+        assert torch.arange(2).device.type == "meta"
+    assert torch.arange(2).device.type == "cpu" and function_modes() == ()
