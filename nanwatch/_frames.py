@@ -364,11 +364,13 @@ def warn_at_user(
     *,
     safe: bool = False,
     where: str | None = None,
+    detail: str | None = None,
 ) -> None:
     """A warning that points at the user's line, wherever inside hooks it is raised.
 
     ``safe``: for nanwatch's own faults, which must never stop training: when warnings are
-    turned into errors (``-W error``), the message goes to stderr instead of raising.
+    turned into errors (``-W error``), the message goes to stderr instead of raising, with
+    ``detail`` after it (the traceback of nanwatch's own error, for its report).
     ``where``: ``file.py:42``, the line the warning is about (the loss call a diagnosis
     names), said instead of the line running now (``nw.step()``); also what is named when
     no user code is on the stack (a step ended by ``nanwatch run`` after the script
@@ -400,7 +402,7 @@ def warn_at_user(
     except Warning:
         if not safe:
             raise
-        sys.stderr.write(f"{message}\n")
+        sys.stderr.write(f"{message}\n" + (detail or ""))
 
 
 def _notebook_cell(filename: str) -> str | None:

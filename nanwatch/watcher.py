@@ -29,6 +29,7 @@ import os
 import re
 import sys
 import threading
+import traceback
 import warnings
 import weakref
 from collections import deque
@@ -5808,6 +5809,7 @@ class Watcher:
             "rest of the run and training goes on. Please report it with the traceback "
             "(python -W error::RuntimeWarning).",
             safe=True,
+            detail="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
         )
 
     def _checker_fault(self, exc: BaseException) -> None:

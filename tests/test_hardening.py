@@ -147,7 +147,11 @@ def test_an_internal_fault_under_warnings_as_errors_does_not_stop_training(
         with nanwatch.watch(model, postmortem=False) as nw:
             model(torch.randn(2, 3)).sum().backward()
             nw.step()
-    assert nw.faults and "internal error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert nw.faults and "internal error" in err
+    # the message asks for the traceback that -W error gives: it is there, nanwatch's own
+    assert "Traceback (most recent call last)" in err and "in broken" in err
+    assert "KeyError: 'boom'" in err
 
 
 def test_a_compiled_submodule_is_refused_with_the_way_out() -> None:
