@@ -76,7 +76,8 @@ class TinyLM(nn.Module):
 def documents(n: int) -> Iterator[str]:
     g = torch.Generator().manual_seed(1)
     for _ in range(n):
-        idx = torch.randint(0, len(WORDS), (int(torch.randint(4, SEQ - 1, (), generator=g)),))
+        n_words = int(torch.randint(4, SEQ - 1, (), generator=g, device=g.device))
+        idx = torch.randint(0, len(WORDS), (n_words,))
         yield " ".join(WORDS[i] for i in idx.tolist())
 
 

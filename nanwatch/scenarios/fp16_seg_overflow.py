@@ -65,8 +65,9 @@ class SegLoss(nn.Module):
 
 
 def batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    target = torch.randint(0, CLASSES, (4, 16, 16), generator=gen)
-    x = 0.5 * torch.randn(4, 3, 16, 16, generator=gen)
+    # drawn on the generator's device (the CPU), whatever the default device is
+    target = torch.randint(0, CLASSES, (4, 16, 16), generator=gen, device=gen.device)
+    x = 0.5 * torch.randn(4, 3, 16, 16, generator=gen, device=gen.device)
     for c in range(CLASSES):  # each class has its own mean color
         x += (target == c).unsqueeze(1) * (0.4 * c)
     x[:, :, :, 12:] = 4.0  # bright padding on the right: unlabeled
@@ -82,7 +83,7 @@ def train(watch: Callable[..., Any]) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     with watch(model, criterion) as nw:
         for _ in range(36):
-            x, target = batch(gen)
+            x, target = (t.to(opt.param_groups[0]["params"][0].device) for t in batch(gen))
             loss = criterion(model(x), target)
             loss.backward()
             opt.step()
