@@ -7,7 +7,9 @@
 #    accelerator path's late reads (tests/test_deferred_*.py), now on a real device;
 # 2. the failure gallery with its tensors on CUDA, in watch and in sentinel mode: where
 #    nanwatch's answer differs from each scenario's EXPECTED (benchmarks/gallery_device.py);
-# 3. the GPU benchmark (benchmarks/gpu.py) at batch 16 and 64, after 1 and 2, on a GPU
+# 3. the stream tests of test_cuda.py with the wait for the user's stream switched off,
+#    which must fail (they prove the wait is needed);
+# 4. the GPU benchmark (benchmarks/gpu.py) at batch 16 and 64, after 1 and 2, on a GPU
 #    nothing else is using: RESULTS-GPU.md and the raw cells go to OUTDIR.
 #
 # It installs nanwatch over the torch already there (no dependency is resolved: a machine
@@ -43,6 +45,16 @@ for mode in watch sentinel; do
 done
 wait
 
+# the stream tests must fail with the wait for the user's stream switched off: they can
+(
+  timeout 120 "$py" -c "
+import sys, pytest, nanwatch.watcher as w
+w.note_stream = lambda device: None
+sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-o', 'addopts=', 'tests/test_cuda.py',
+                      '-k', 'stream_of_its_own']))" >"$out/streams-off.log" 2>&1
+  echo "rc=$?" >>"$out/streams-off.log"
+)
+
 timeout 300 "$py" -m benchmarks.gpu --batches 16,64 --out "$out/RESULTS-GPU.md" \
   --json "$out/gpu.json" >"$out/gpu.log" 2>&1
 echo "rc=$?" >>"$out/gpu.log"
@@ -51,4 +63,5 @@ echo "== tests";            grep -E "passed|failed|^FAILED|^ERROR|^rc=" "$out/te
 for mode in watch sentinel; do
   echo "== gallery on cuda, $mode"; tail -25 "$out/gallery-$mode.log"
 done
+echo "== stream tests with the wait off (must fail: rc=1)"; grep -E "passed|failed|^rc=" "$out/streams-off.log" | tail -3
 echo "== GPU benchmark";    grep -E "x[0-9]|^rc=" "$out/gpu.log" | tail -20

@@ -499,11 +499,16 @@ class HostRead:
         self._n = len(values)
         #: per device: (the value indices in order, the flat tensor, the event after it)
         self._parts: list[tuple[list[int], torch.Tensor, Any]] = []
+        #: values made on another stream (see note_stream), alive until they are read: the
+        #: allocator may hand their memory to that stream's next tensor once they are freed
+        self._keep: Sequence[torch.Tensor] | None = None
         by_device: dict[torch.device, dict[torch.dtype, list[int]]] = {}
         for i, v in enumerate(values):
             by_device.setdefault(v.device, {}).setdefault(v.dtype, []).append(i)
         with torch.no_grad():
             for dev, groups in by_device.items():
+                if join_streams(dev):
+                    self._keep = values
                 wide = dev.type == "cpu" or torch.float64 in groups
                 acc = torch.float64 if wide else torch.float32
                 order = [i for idx in groups.values() for i in idx]
@@ -540,7 +545,46 @@ class HostRead:
                 host = flat if flat.device.type == "cpu" else flat.cpu()
             for i, v in zip(order, host.tolist(), strict=True):
                 out[i] = v
+        self._keep = None
         return out
+
+
+#: per CUDA device, the streams other than its default one that watched calls ran on
+_PRODUCERS: dict[torch.device, list[Any]] = {}
+#: at most this many streams a device (torch's pool has 32 of each priority)
+_MAX_PRODUCERS = 64
+
+
+def note_stream(device: torch.device) -> None:
+    """Remember ``device``'s current stream when it is not the default one: statistics
+    measured in a ``with torch.cuda.stream(s)`` block are made on ``s``, and a read made
+    after the block (``nw.step()`` on the default stream) must wait for ``s`` before it
+    stacks them, or it copies values not yet computed. Host-side, once per root call."""
+    if device.type != "cuda":
+        return
+    stream = torch.cuda.current_stream(device)
+    if stream == torch.cuda.default_stream(device):
+        return
+    seen = _PRODUCERS.setdefault(device, [])
+    if stream not in seen and len(seen) < _MAX_PRODUCERS:
+        seen.append(stream)
+
+
+def join_streams(device: torch.device) -> bool:
+    """Make ``device``'s current stream wait for the streams :func:`note_stream`
+    remembered, so what nanwatch enqueues next (a stack of statistics, the norms of the
+    gradients a backward on them wrote) runs after their work; whether it waited for one.
+    A dict lookup where no step ran on a stream of the user's own."""
+    others = _PRODUCERS.get(device)
+    if not others:
+        return False
+    current = torch.cuda.current_stream(device)
+    waited = False
+    for stream in others:
+        if stream != current:
+            current.wait_stream(stream)
+            waited = True
+    return waited
 
 
 _SIDE_STREAMS: dict[torch.device, Any] = {}

@@ -92,8 +92,10 @@ from nanwatch.stats import (
     foreach_absmax,
     foreach_l2,
     hot_l2_pays,
+    join_streams,
     l2,
     minmax,
+    note_stream,
     numel,
     read_minmax,
     read_scalars,
@@ -1454,6 +1456,8 @@ class Watcher:
                     # model (a few frames' lines, no read of any value)
                     frame.site = _site_at(sys._getframe(1))
                     frame.autocast = autocast_state()
+                    if self._params:  # a step run on a stream of the user's own
+                        note_stream(self._params[0][2].device)
             if self._new_trigger is not None:
                 if call.root:  # a bad input: the user's line that called the model, now
                     self._note_call_site(info, module)
@@ -2670,6 +2674,7 @@ class Watcher:
             return
         try:
             with _NO_TORCH_FUNCTION():
+                self._join_streams()
                 self._check_grads()
                 if self._pending or self._pending_grads or self._pending_nodes:
                     self._prefetch(wait=False)  # the accelerator path
@@ -4069,6 +4074,7 @@ class Watcher:
         if final and not self._explicit:
             self._cycle_fold()  # a run that ends with its first update cycle
         try:
+            self._join_streams()
             self._flush(final=final)
         except NanwatchError:
             raise
@@ -4807,6 +4813,12 @@ class Watcher:
             parent = trace.call(up)
             up = parent.parent if parent is not None else None
         return False
+
+    def _join_streams(self) -> None:
+        """Work enqueued now waits for the streams of the user's own a watched call ran on
+        (see :func:`nanwatch.stats.note_stream`): nothing to do unless one did."""
+        if self._params:
+            join_streams(self._params[0][2].device)
 
     def _read_late(self) -> bool:
         """The step's statistics are read after its calls (the accelerator path)."""

@@ -288,6 +288,52 @@ def test_a_hand_written_losss_nan_gradient_is_named_without_a_sync_per_node() ->
     assert nw.history[-1].diagnoses[0].code == "NW112"
 
 
+@pytest.mark.parametrize("backward_in_block", [True, False], ids=["step", "forward"])
+def test_a_step_run_on_a_stream_of_its_own_is_read_after_that_stream(
+    backward_in_block: bool,
+) -> None:
+    """The forward (and backward) in ``with torch.cuda.stream(s)``, the rest after the
+    block, on the default stream: nanwatch's reads and gradient norms there wait for ``s``.
+    Without that wait they used statistics and gradients ``s`` had not computed yet (``s``
+    is held 25 ms behind the host here)."""
+    model = _mlp()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    outputs: list[torch.Tensor] = []
+    norms: list[float] = []
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        for step in range(3):
+            with torch.cuda.stream(side):
+                _busy()
+                x = torch.randn(16, 32, device="cuda")
+                if step == 2:
+                    x[3, 5] = float("nan")
+                out = model(x)
+                outputs.append(out.detach())
+                loss = out.square().mean()
+                if backward_in_block:
+                    loss.backward()
+            if not backward_in_block:
+                loss.backward()
+            nw.step()
+            torch.cuda.synchronize()
+            norms.append(
+                torch.linalg.vector_norm(
+                    torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+                ).item()
+            )
+            model.zero_grad()
+    a = nw.first_anomaly
+    assert a is not None and a.step == 2 and a.kind.value == "input", a.summary
+    for step in (0, 1):  # the healthy steps were read as they were, not as garbage
+        trace = nw.history[step]
+        assert trace.anomaly is None
+        rec = next(r for r in trace.records if r.path == "4" and r.phase is Phase.FORWARD)
+        assert rec.stat is not None
+        assert rec.stat.max == pytest.approx(outputs[step].max().item(), rel=1e-6)
+        assert rec.stat.min == pytest.approx(outputs[step].min().item(), rel=1e-6)
+        assert trace.grad_norm == pytest.approx(norms[step], rel=1e-4)
+
+
 class _Pool(nn.Module):
     """Attention pooling whose padding mask is made on the default device."""
 
