@@ -1459,7 +1459,9 @@ def node_event(
             try:
                 v = getattr(node, attr)
             except Exception:  # freed, or modified in place since (autograd raises)
-                continue
+                v = _kept(node, attr)  # unless a snapshot kept it (saved_from)
+                if v is _NOT_KEPT:
+                    continue
             key = attr.removeprefix("_saved_")
             if isinstance(v, torch.Tensor):
                 if len(inputs) < limit and has_values(v):
@@ -1966,7 +1968,44 @@ def _saved(node: Any, name: str) -> Any:
     try:
         return getattr(node, name)
     except Exception:  # freed, or modified in place since (autograd raises)
-        return None
+        kept = _kept(node, name)
+        return None if kept is _NOT_KEPT else kept
+
+
+_NOT_KEPT = object()
+
+
+def _kept(node: Any, name: str) -> Any:
+    """What ``node`` saved as ``name`` when a snapshot of it was taken, inside
+    :func:`saved_from`; ``_NOT_KEPT`` when none was."""
+    table: dict[int, SavedNode] | None = getattr(_tls, "saved", None)
+    snap = table.get(id(node)) if table else None
+    if snap is None or snap.node is not node or name not in snap._saved:
+        return _NOT_KEPT
+    return snap._saved[name]
+
+
+@contextlib.contextmanager
+def saved_from(snaps: Iterable[SavedNode]) -> Iterator[None]:
+    """Read an autograd graph whose saved values backward has freed as it stood when
+    ``snaps`` were taken (:class:`SavedNode`, their producers too): within the block, what
+    a node saved is answered from its snapshot when autograd no longer holds it. A
+    snapshot whose tensors were written in place since is left out (not what the node
+    saw). The accelerator path reads the loss code's graph after backward so, when the
+    forward's statistics had not landed as it began."""
+    table: dict[int, SavedNode] = {}
+    todo = list(snaps)
+    while todo:
+        snap = todo.pop()
+        if id(snap.node) not in table and snap.unchanged():
+            table[id(snap.node)] = snap
+            todo.extend(snap._producers.values())
+    before = getattr(_tls, "saved", None)
+    _tls.saved = table
+    try:
+        yield
+    finally:
+        _tls.saved = before
 
 
 def _has(t: Any, pred: Callable[[torch.Tensor], torch.Tensor]) -> int:

@@ -559,6 +559,7 @@ class Watcher:
     _loss_last: list[str] | None
     #: the loss code's nodes with what they saved, as backward began (_flag_loss_nodes)
     _loss_snaps: list[tuple[str, str, ops.SavedNode]]
+    _late_loss: torch.Tensor | None
     #: sentinel: the loss that ``backward()`` was called on this step, while the user holds
     #: it (its graph names the loss code's nodes at anomaly time; nothing is checked)
     _loss_ref: Callable[[], torch.Tensor | None] | None
@@ -995,6 +996,7 @@ class Watcher:
         self._known.clear()
         self._stack.clear()
         self._loss_snaps = []  # what the loss code saved: no reference kept after detach
+        self._late_loss = None
 
     def __enter__(self) -> Watcher:
         return self.attach()
@@ -1707,6 +1709,10 @@ class Watcher:
         self._loss_last = None
         self._loss_ref = None
         self._loss_risky = None
+        #: the loss backward() ran on, when its code's saved values were kept (read late,
+        #: the accelerator path): held until the step ends, so its graph can be read after
+        #: backward if the forward's statistics had not landed as it began (ops.saved_from)
+        self._late_loss = None
         self._flag_site: tuple[str | None, str | None] = (None, None)
         if self._anomaly_paused and self._attached:
             self._anomaly_paused = False
@@ -2803,12 +2809,16 @@ class Watcher:
                 self._record_loss(t)
                 if self._full and not self._forensic:
                     self._hook_loss_graph(t)
+                    if self._loss_snaps and (t.device.type != "cpu" or self._defer_cpu):
+                        self._late_loss = t  # see _late_loss
                 elif not self._full:
                     self._loss_ref = weakref.ref(t)
                     if t.device.type != "cpu" or self._defer_cpu:
                         # read late, when the user may have dropped the loss: its nodes'
-                        # names are taken now (a walk of the loss code alone, no sync)
-                        self._loss_risky = self._loss_risky_nodes()
+                        # names are taken now (a walk of the loss code alone, no sync),
+                        # and what they saved (references, no read), which backward frees
+                        self._loss_risky = self._loss_risky_nodes(keep=True)
+                        self._late_loss = t if self._loss_snaps else None
         except NanwatchError:
             raise
         except Exception as exc:
@@ -3157,11 +3167,13 @@ class Watcher:
             return self._loss_risky
         return self._loss_risky_nodes() if self._loss_ref is not None else None
 
-    def _loss_risky_nodes(self) -> list[str] | None:
+    def _loss_risky_nodes(self, *, keep: bool = False) -> list[str] | None:
         """Sentinel: the nodes of the loss code (between the loss ``backward()`` was called
         on and the watched outputs) whose backward can make a non-finite gradient from a
         finite one (a sqrt, a division, a fractional power); None when the loss is gone or
-        its graph too large. By name only: the values they saved are freed."""
+        its graph too large. By name only: the values they saved are freed. ``keep``: as
+        ``backward()`` begins, every node's saved values are kept too (see
+        :meth:`_keep_saved`), for a read after backward."""
         loss = self._loss_ref() if self._loss_ref is not None else None
         if loss is None or loss.grad_fn is None:
             return None
@@ -3173,6 +3185,10 @@ class Watcher:
         )
         found: list[str] = []
         for node in walk:
+            if keep and type(node).__name__ not in _GRAD_MOVERS:
+                snap = self._keep_saved(node)
+                if snap is not None:
+                    self._loss_snaps.append((ops.name_of(node), LOSS_PATH, snap))
             base = re.sub(r"Backward\d*$", "", type(node).__name__)
             if base == "Pow" and _whole_power(_pow_exponent(node)):
                 continue  # x ** 2: a finite derivative everywhere
@@ -4531,8 +4547,15 @@ class Watcher:
         if self.config.pinpoint and anomaly.kind is AnomalyKind.FORWARD and anomaly.op is None:
             # the loss code's graph is read at every anomaly (cheap); a module is replayed
             # at its first anomaly of the run only (warn/record runs go on with one a step)
+            late = loss is None and self._late and anomaly.path == LOSS_PATH
+            if late and self._loss_snaps:
+                # read after backward (the forward had not landed as it began): the graph
+                # is read as it stood then, from what its nodes saved, kept at backward()
+                loss = self._late_loss
             if loss is not None and anomaly.path == LOSS_PATH:
-                self._pinpoint_loss(anomaly, loss)
+                kept = [snap for *_, snap in self._loss_snaps] if late else []
+                with ops.saved_from(kept):
+                    self._pinpoint_loss(anomaly, loss)
                 src = anomaly.neginf_source
                 if src is not None and (first_of_run or src.path not in self._pinpointed):
                     # the -inf it grew out of came from a watched module: replay that one

@@ -4,11 +4,13 @@ the temporaries the user's code made may be gone."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 import nanwatch
 from nanwatch.records import LOSS_PATH, AnomalyKind
+from nanwatch.stats import HostRead
 from tests.test_backward_lines import _zero_linear
 from tests.test_unseen_mtl import TwoHeads
 
@@ -199,3 +201,43 @@ def test_a_gathers_saved_input_is_no_factor_of_its_gradient() -> None:
         nw.step()
     a = nw.first_anomaly
     assert a is not None and a.op is not None and a.op.node == "MulBackward0"
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 1)
+        self.act = nn.Sigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+@pytest.mark.parametrize("mode", ["watch", "sentinel"])
+def test_a_loss_codes_graph_is_read_after_backward_when_the_forward_had_not_landed(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a GPU-bound step: the forward's statistics have not landed when backward() begins,
+    # so the +inf loss is found before the update, after backward freed what the loss
+    # code saved and the user dropped the loss. It was NW100, "not traced in this mode";
+    # the graph is read as backward() found it, from the saved values kept then
+    monkeypatch.setattr(HostRead, "ready", lambda self: False)
+    torch.manual_seed(0)
+    model = _Classifier()
+    with torch.no_grad():
+        model.fc.weight.copy_(torch.tensor([[10.0, 0.0, 0.0]]))
+        model.fc.bias.zero_()
+    x = torch.zeros(4, 3)
+    x[0, 0] = 4.0  # a logit of 40: the sigmoid rounds to exactly 1.0 in float32
+    y = torch.tensor([[0.0], [1.0], [0.0], [1.0]])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    nw = _deferred(model, mode=mode)
+    with nw:
+        p = model(x)
+        (-(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()).backward()
+        opt.step()  # the forward is read here, before the update
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW110", d.title
+    assert "hand-written binary cross-entropy" in d.title
+    assert nw._late_loss is None  # not held past the step
