@@ -33,7 +33,7 @@ fi
 (
   timeout 240 "$py" -m pytest -q -p no:cacheprovider -o addopts="" -rfE \
     tests/test_cuda.py tests/test_found_on_gpu.py tests/test_deferred_path.py \
-    tests/test_deferred_loss_code.py >"$out/tests.log" 2>&1
+    tests/test_deferred_loss_code.py tests/test_deferred_late_context.py >"$out/tests.log" 2>&1
   echo "rc=$?" >>"$out/tests.log"
 ) &
 for mode in watch sentinel; do
