@@ -560,6 +560,12 @@ class Watcher:
     #: the loss code's nodes with what they saved, as backward began (_flag_loss_nodes)
     _loss_snaps: list[tuple[str, str, ops.SavedNode]]
     _late_loss: torch.Tensor | None
+    _late_losses: dict[int, torch.Tensor]
+    #: the loss code's graph is being read after an optimizer update (see
+    #: :meth:`_pinpoint_loss_after_update`)
+    _reading_after_update: bool = False
+    _derived_fns: list[Any]
+    _input_snaps: list[ops.SavedNode]
     #: sentinel: the loss that ``backward()`` was called on this step, while the user holds
     #: it (its graph names the loss code's nodes at anomaly time; nothing is checked)
     _loss_ref: Callable[[], torch.Tensor | None] | None
@@ -997,6 +1003,8 @@ class Watcher:
         self._stack.clear()
         self._loss_snaps = []  # what the loss code saved: no reference kept after detach
         self._late_loss = None
+        self._late_losses = {}
+        self._derived_fns, self._input_snaps = [], []
 
     def __enter__(self) -> Watcher:
         return self.attach()
@@ -1666,8 +1674,15 @@ class Watcher:
         self._pending_grads = []
         self._pending_rows = []
         self._pending_nodes = []
+        #: the gradients whose norms are still on their way (see _check_grads)
+        self._grads_kept: list[torch.Tensor] | None = None
         self._kept_saved = 0  # bytes of flagged nodes' saved values kept (see _keep_saved)
         self._loss_snaps = []
+        #: read late: the nodes of the roots' inputs the user's code computed from watched
+        #: outputs this step, and what the nodes below them saved, kept as backward began
+        #: (see _keep_derived)
+        self._derived_fns: list[Any] = []
+        self._input_snaps: list[ops.SavedNode] = []
         #: gradients your code wrote after backward, on the accelerator path: their norms,
         #: left on the device and read at the step end (see _read_written_later)
         self._written_reads: list[tuple[Any, dict[str, Any], list[str], list[Any], Any]] = []
@@ -1713,6 +1728,9 @@ class Watcher:
         #: the accelerator path): held until the step ends, so its graph can be read after
         #: backward if the forward's statistics had not landed as it began (ops.saved_from)
         self._late_loss = None
+        #: each such loss of the step by its record's index: an optimizer's closure
+        #: (LBFGS) runs backward on several losses in one step, all read at its end
+        self._late_losses = {}
         self._flag_site: tuple[str | None, str | None] = (None, None)
         if self._anomaly_paused and self._attached:
             self._anomaly_paused = False
@@ -1866,6 +1884,10 @@ class Watcher:
                 if self._read_late() and self._pending and self._before_update is None
                 else None
             )
+            # what the weights were last written by before this update began (an entry a
+            # step, empty when this is its first optimizer): the forward read before the
+            # update (_flush_before_update) is judged with it, as a CPU trigger is
+            prior = dict(self._stepped) if self._prefetched else None
             groups: list[dict[str, Any]] = []
             name = type(optimizer).__name__
             ref = weakref.ref(optimizer)
@@ -1970,13 +1992,13 @@ class Watcher:
                     self._note_written_grads(optimizer, written)
             if groups:
                 with _NO_TORCH_FUNCTION():
-                    self._flush_before_update()
+                    self._flush_before_update(prior)
         except NanwatchError:
             raise  # on_anomaly="raise": the update does not run
         except Exception as exc:
             self._fault("optimizer", "optimizer hook", exc)
 
-    def _flush_before_update(self) -> None:
+    def _flush_before_update(self, prior: dict[int, tuple[str, int, int]] | None = None) -> None:
         """Accelerators (statistics left on the device until read): an optimizer is about to
         apply this step's gradients. The forward's statistics, sent to the host when
         backward began (:meth:`_prefetch`), are read now -- having waited for the forward
@@ -1984,7 +2006,10 @@ class Watcher:
         host time. A bad value is localized and its op pinpointed while the weights it was
         computed with are unchanged and the root's inputs are at hand, and ``on_anomaly``
         acts before the update writes it into the weights, as on the CPU. What backward
-        made is read at the step end."""
+        made is read at the step end. ``prior``: which update last wrote each weight as the
+        optimizer's pre-hook began (:attr:`_stepped` before it marked its own weights, which
+        it has not written yet): a weight found bad now is told from it, as a trigger in
+        the forward tells it on the CPU."""
         if (
             not self._prefetched
             or self._trace.anomaly is not None
@@ -1993,7 +2018,13 @@ class Watcher:
             or capturing()
         ):
             return
-        self._late_trigger(act=True, prefetched_only=True)
+        now = self._stepped
+        if prior is not None:
+            self._stepped = prior
+        try:
+            self._late_trigger(act=True, prefetched_only=True)
+        finally:
+            self._stepped = now
 
     def _late_trigger(self, *, act: bool, prefetched_only: bool = False) -> None:
         """Read the step's pending statistics (and check the gradients if backward ran;
@@ -2395,6 +2426,8 @@ class Watcher:
                     # an encoder and a head): not data, whatever it holds
                     rec.grad_fn = _grad_fn_name(t)
                     rec.source = self._last_root_output()
+                    if t.device.type != "cpu" or self._defer_cpu:  # read late: see _keep_derived
+                        self._derived_fns.append(t.grad_fn)
                 elif call.root and t.grad_fn is None and rec.source is None:
                     # a watched output passed on through .detach() (a GAN's fake.detach()
                     # given to the discriminator): no graph links it, its memory does
@@ -2721,9 +2754,17 @@ class Watcher:
         at this point: the loss code's autograd graph (the op that made a NaN in it), the
         inputs backward saved. Otherwise they are read before the update."""
         pf = self._prefetched[-1] if self._prefetched else None
-        if pf is None or self._trace.anomaly is not None or not pf.read.ready():
+        if pf is None or self._trace.anomaly is not None:
             return
-        self._materialize(keep_trigger=True, prefetched_only=True)
+        # inside an optimizer's step (a closure's evaluation, LBFGS): read now, waiting for
+        # the forward if it must -- the optimizer updates the weights as soon as the
+        # closure returns, with no hook before it; LBFGS's float(closure()) waits for the
+        # device there anyway
+        inside = self._opt_running
+        if not (inside or pf.read.ready()):
+            return
+        # inside: the last evaluation's gradients too, unread ahead of the forward's
+        self._materialize(keep_trigger=True, prefetched_only=not inside)
         if self._new_trigger is None:
             return
         t = tensors if isinstance(tensors, torch.Tensor) else None
@@ -2772,6 +2813,9 @@ class Watcher:
         if "loss" in self._disabled_hooks:
             return
         try:
+            if self._derived_fns:
+                with _NO_TORCH_FUNCTION():
+                    self._keep_derived()
             if self._forensic or self._loss_graph_armed:
                 self._backward_site = _frames.user_line()
                 if self._anomaly_paused:  # raised from an earlier backward, and caught
@@ -2810,7 +2854,7 @@ class Watcher:
                 if self._full and not self._forensic:
                     self._hook_loss_graph(t)
                     if self._loss_snaps and (t.device.type != "cpu" or self._defer_cpu):
-                        self._late_loss = t  # see _late_loss
+                        self._hold_late_loss(t)
                 elif not self._full:
                     self._loss_ref = weakref.ref(t)
                     if t.device.type != "cpu" or self._defer_cpu:
@@ -2818,11 +2862,25 @@ class Watcher:
                         # names are taken now (a walk of the loss code alone, no sync),
                         # and what they saved (references, no read), which backward frees
                         self._loss_risky = self._loss_risky_nodes(keep=True)
-                        self._late_loss = t if self._loss_snaps else None
+                        self._hold_late_loss(t)
+                elif t.device.type != "cpu" or self._defer_cpu:
+                    # forensic, read late: the loss code's graph as backward begins, as
+                    # above (its ops' lines are on its nodes: anomaly mode is on)
+                    self._loss_risky_nodes(keep=True, loss=t)
+                    self._hold_late_loss(t)
         except NanwatchError:
             raise
         except Exception as exc:
             self._fault("loss", "backward tap", exc)
+
+    def _hold_late_loss(self, t: torch.Tensor) -> None:
+        """Hold the loss ``backward()`` runs on, recorded just now, until the step ends, when
+        what its code's nodes saved was kept (see :attr:`_late_loss`); by its record, for
+        a step that runs backward on several (an optimizer's closure)."""
+        self._late_loss = t if self._loss_snaps else None
+        entry = self._known.get(id(t))
+        if self._late_loss is not None and entry is not None:
+            self._late_losses[entry[1]] = t
 
     def _hook_loss_graph(self, loss: torch.Tensor, *, path: str = LOSS_PATH) -> None:
         """Check the gradients that the backward of a loss computed outside the watched
@@ -2990,6 +3048,28 @@ class Watcher:
             (name, path, dtype_name(dtype), site, scalars, chain, snap, flag)
         )
 
+    def _keep_derived(self) -> None:
+        """Read late (the accelerator path), as ``backward()`` begins: what the nodes of the
+        code between two roots saved (``w / w.norm()`` of a hypernetwork's output, passed to
+        a loss module), below each root input that code computed (:meth:`_record_inputs`)
+        down to the watched values, kept (references, no read, within :data:`_KEEP_SAVED`).
+        A NaN born there is found after backward freed them; its op is then read from these
+        (:meth:`_pinpoint_derived_input`), as the CPU path reads the live graph."""
+        roots, self._derived_fns = self._derived_fns, []
+        own = {id(fn): fn for fn in roots}
+        stop = self._recorded_nodes
+        walk = ops.GraphWalk(
+            roots,
+            prune=lambda n: (n in stop and own.get(id(n)) is not n) or ops.accumulates_grad(n),
+            limit=_LOSS_NODES,
+        )
+        for node in walk:
+            if type(node).__name__ in _GRAD_MOVERS:
+                continue
+            snap = self._keep_saved(node)
+            if snap is not None:
+                self._input_snaps.append(snap)
+
     def _keep_saved(self, node: Any) -> ops.SavedNode | None:
         """What a flagged loss-code node saved in forward, kept until its flag is read:
         references taken in its hook, no read. Read late, the node's saved values are freed
@@ -3093,7 +3173,7 @@ class Watcher:
             return  # it arrived non-finite: not born here
         ev = ops.node_event(ops.current_autograd_node(), bad, name=name)
         ev.path = path
-        site = self._backward_site if self._backward_site[0] else _frames.user_line()
+        site = self._loss_site()
         ev.source, ev.code = site  # the node's forward line is unknown without anomaly mode
         ev.backward_at = ev.source
         self._trace.ops.append(ev)
@@ -3106,7 +3186,7 @@ class Watcher:
         hid it), as the CPU path finds it in that node's hook. Reads the kept values:
         anomaly-time work only; None when none holds one."""
         stat = anomaly.record.stat or TensorStat(math.nan, math.nan, 0)
-        site = self._backward_site if self._backward_site[0] else _frames.user_line()
+        site = self._loss_site()
         for name, path, snap in self._loss_snaps:
             # an operand its backward multiplies the gradient by: 0 x inf is NaN there (a
             # gather's or a view's saved input is only its shape; a result of NaN is its own
@@ -3138,7 +3218,7 @@ class Watcher:
             return None
         name = last[0]
         stat = anomaly.record.stat or TensorStat(math.nan, math.nan, 0)
-        site = self._backward_site if self._backward_site[0] else _frames.user_line()
+        site = self._loss_site()
         return _node_event(name, LOSS_PATH, stat, anomaly.record.dtype, site)
 
     def _name_risky_loss_nodes(self, anomaly: Anomaly) -> None:
@@ -3167,16 +3247,22 @@ class Watcher:
             return self._loss_risky
         return self._loss_risky_nodes() if self._loss_ref is not None else None
 
-    def _loss_risky_nodes(self, *, keep: bool = False) -> list[str] | None:
+    def _loss_risky_nodes(
+        self, *, keep: bool = False, loss: torch.Tensor | None = None
+    ) -> list[str] | None:
         """Sentinel: the nodes of the loss code (between the loss ``backward()`` was called
         on and the watched outputs) whose backward can make a non-finite gradient from a
         finite one (a sqrt, a division, a fractional power); None when the loss is gone or
         its graph too large. By name only: the values they saved are freed. ``keep``: as
         ``backward()`` begins, every node's saved values are kept too (see
-        :meth:`_keep_saved`), for a read after backward."""
-        loss = self._loss_ref() if self._loss_ref is not None else None
+        :meth:`_keep_saved`), for a read after backward. ``loss``: the loss to walk from
+        (else the one ``backward()`` was last called on, while the user holds it)."""
+        if loss is None:
+            loss = self._loss_ref() if self._loss_ref is not None else None
         if loss is None or loss.grad_fn is None:
             return None
+        if keep:  # read late: the user's backward() line, while it runs (see _loss_site)
+            self._flag_site = _frames.user_line()
         stop = self._recorded_nodes
         walk = ops.GraphWalk(
             [loss.grad_fn],
@@ -3195,6 +3281,17 @@ class Watcher:
             if base in _RISKY_BACKWARD:
                 found.append(ops.name_of(node))
         return None if walk.truncated else found
+
+    def _loss_site(self) -> tuple[str | None, str | None]:
+        """The user's ``backward()`` line of the step, for an event of the loss code: taken
+        when backward began (the backward tap, forensic; the loss code's walk, read late),
+        else the line running now -- on the CPU path, the ``backward()`` itself. Read late
+        (before the update, at the step end) the line running now is another one."""
+        if self._backward_site[0]:
+            return self._backward_site
+        if self._late and self._flag_site[0]:
+            return self._flag_site
+        return _frames.user_line()
 
     def _backward_site_of_step(self) -> tuple[str | None, str | None]:
         """The user's ``loss.backward()`` line, taken by the backward tap (forensic)."""
@@ -3427,6 +3524,11 @@ class Watcher:
             self._grads_at_check = {
                 id(rec): (ref(g), g._version) for rec, g in zip(recs, grads, strict=True)
             }
+            # and held until their norms are read: one read only at the step end (the GPU
+            # still behind when the optimizer began) finds them after zero_grad() dropped
+            # them; nothing is kept past that read, which a step boundary makes before the
+            # next forward allocates
+            self._grads_kept = grads
 
     def _grad_as_checked(self, rec: Record) -> torch.Tensor | None:
         """The gradient the deferred record ``rec`` measured (see :meth:`_check_grads`),
@@ -4198,11 +4300,15 @@ class Watcher:
             self._pending, self._pending_grads, self._pending_rows = [], [], []
             self._pending_nodes, self._prefetched = [], []
             self._written_reads = []
+            self._grads_kept = None
         self._drain_ops()
         self._summarize(trace)
         found = trace.anomaly
         if found is None:
             self._localize(trace)
+            if self._applied and self._late_losses:
+                with contextlib.suppress(Exception):
+                    self._pinpoint_loss_after_update(trace)
         self._pending_data = None
         a = trace.anomaly
         if a is not None and a.kind is AnomalyKind.INPUT and not _reached(trace, a):
@@ -4266,8 +4372,12 @@ class Watcher:
         grads: list[tuple[list[Record], list[float]]] = []
         taken: list[_Prefetch] = []
         left = self._prefetched
-        while left and (not prefetched_only or left[0].wait or left[0].read.ready()):
+        # waiting for a forward's waits for what was enqueued before it too (a backward's
+        # gradients ahead of a second forward of the step): those are read with it
+        upto = max((i for i, pf in enumerate(left) if pf.wait), default=-1)
+        while left and (not prefetched_only or upto >= 0 or left[0].wait or left[0].read.ready()):
             taken.append(left.pop(0))  # in order: a later one is not read before
+            upto -= 1
         for pf in taken:
             got = pf.read.wait()
             for i, (rec, _, _, n) in enumerate(pf.rows):
@@ -4321,6 +4431,8 @@ class Watcher:
                     self._note_bad(rec)
         for recs, maxima in grads:  # after the records: they ran first
             self._fill_grad_stats(recs, [self._grad_as_checked(r) for r in recs], maxima)
+        if grads and not self._pending_grads and not any(pf.grads for pf in self._prefetched):
+            self._grads_kept = None  # every norm read: see _check_grads
         if not keep_trigger:
             self._new_trigger = None  # the flush localizes the whole step itself
         return out
@@ -4551,7 +4663,7 @@ class Watcher:
             if late and self._loss_snaps:
                 # read after backward (the forward had not landed as it began): the graph
                 # is read as it stood then, from what its nodes saved, kept at backward()
-                loss = self._late_loss
+                loss = self._late_loss_of(anomaly)
             if loss is not None and anomaly.path == LOSS_PATH:
                 kept = [snap for *_, snap in self._loss_snaps] if late else []
                 with ops.saved_from(kept):
@@ -4591,6 +4703,39 @@ class Watcher:
         trace.diagnoses = self._evaluate(trace)
         if act:
             self._act(trace)
+
+    def _late_loss_of(self, anomaly: Anomaly) -> torch.Tensor | None:
+        """The loss held for a read after backward (see :meth:`_hold_late_loss`) whose
+        record is ``anomaly``'s, else the step's last one."""
+        at = anomaly.record
+        loss = self._late_losses.get(at.index) if at is not None else None
+        return self._late_loss if loss is None else loss
+
+    def _pinpoint_loss_after_update(self, trace: StepTrace) -> None:
+        """The step end read a NaN/inf born in the loss code after an optimizer update
+        (LBFGS's closure runs backward and updates before anything is read): the modules are
+        not replayed with weights the update changed, but the loss code's graph is read as
+        backward found it, from what its nodes saved, which a write since invalidates."""
+        a = trace.anomaly
+        if (
+            a is None
+            or not self.config.pinpoint
+            or a.kind is not AnomalyKind.FORWARD
+            or a.op is not None
+            or a.path != LOSS_PATH
+            or not self._loss_snaps
+        ):
+            return
+        loss = self._late_loss_of(a)
+        if loss is None:
+            return
+        self._late = self._reading_after_update = True
+        try:
+            with ops.saved_from([snap for *_, snap in self._loss_snaps]):
+                self._pinpoint_loss(a, loss)
+        finally:
+            self._late = self._reading_after_update = False
+        a.summary = summarize(a)
 
     def _note_user_hooks(self, trig: Record) -> None:
         """Note the hooks the user registered on the tensor whose gradient ``trig`` found
@@ -4734,8 +4879,10 @@ class Watcher:
             anomaly.op = first
         elif (
             result.clean
-            and result.conclusive
-            and self._blame_unmeasured(anomaly, target, args, kwargs)
+            # the root's replay, run for ``meant`` with the original draws, made its bad
+            # value only before it: ``meant``'s own code ran the same computation, clean
+            and (result.conclusive or not result.new_draws)
+            and self._blame_unmeasured_of(anomaly, meant, target, args, kwargs)
         ):
             return  # re-localized in the module that made its input, and pinpointed there
         elif result.clean and result.conclusive:
@@ -5106,14 +5253,16 @@ class Watcher:
                 return
 
     def _inputs_from_root(
-        self, path: str, *, grad: bool = False
+        self, path: str, *, grad: bool = False, redraw: bool = False
     ) -> tuple[nn.Module, Any, Any, bool | int] | None:
         """The module at ``path``, whose calls are not watched (sentinel mode hooks the
         roots alone), and its inputs, made again by running the root that holds it on that
         root call's own inputs, still alive and unchanged (see :meth:`_root_call_inputs`).
         None when it is not called exactly once there, or the root draws random numbers
-        (dropout: other inputs). ``grad``: run with gradients on, so the inputs require
-        gradients as the originals did. Anomaly-time work only."""
+        (dropout: other inputs) -- unless ``redraw``: the generators are then set back to
+        their state as the root call began, when known, so it draws what it drew then.
+        ``grad``: run with gradients on, so the inputs require gradients as the originals
+        did. Anomaly-time work only."""
         owner = next((m for m, info in self._modules if info.path == path), None)
         if owner is None:
             return None
@@ -5138,17 +5287,25 @@ class Watcher:
 
         # the last pre-hook: what the module's forward got
         handle = owner.register_forward_pre_hook(grab, with_kwargs=True)
-        before = ops.rng_states(devices)
+        rng = self._call_rng(root_call) if redraw else None
         try:
             with (
                 ops.preserved_state(root, devices),
                 ops._replay_scope(),
                 torch.set_grad_enabled(grad),
             ):
+                # the generators as the root call began, when known: a dropout draws the
+                # masks it drew then (see ops.replay's ``same_draws``)
+                same = rng is not None and ops.set_rng_states(rng, devices)
+                before = ops.rng_states(devices)
                 ops.call_forward(
                     root, args, kwargs, pre_hooks=hooks, modes=self._call_modes(root_call)
                 )
                 drew = ops.drew_random(before, devices)
+                if drew and same and len(rng or ()) == 1:
+                    drew = ops._host_drew(before)  # only the CPU generator was given back
+                elif drew and same:
+                    drew = False
         except Exception:  # a root that cannot run again here: nothing to replay
             return None
         finally:
@@ -5394,12 +5551,37 @@ class Watcher:
         if oldest is not made and oldest.cause is None and given:
             oldest.cause = made
 
-    def _blame_unmeasured(self, anomaly: Anomaly, call: Call, args: Any, kwargs: Any) -> bool:
+    def _blame_unmeasured_of(
+        self, anomaly: Anomaly, meant: Call, target: Call, args: Any, kwargs: Any
+    ) -> bool:
+        """:meth:`_blame_unmeasured` for ``meant``, replayed clean as ``target`` on ``args``.
+        Read late, with ``meant``'s inputs gone, its root ran in its place (``target``): the
+        inputs ``meant`` got are made again by running that root once more, so a NaN one
+        that no record measured (a LayerNorm's, freed by backward) is told as on the CPU,
+        where the call's own inputs were at hand. Anomaly-time work only."""
+        if target is meant:
+            return self._blame_unmeasured(anomaly, target, args, kwargs)
+        # the step's weights (no update applied since: see _flush), the root's own inputs
+        # unchanged, its draws the original ones (see _inputs_from_root): what the call got
+        remade = self._inputs_from_root(meant.path)
+        drawn = remade is None
+        if drawn:
+            remade = self._inputs_from_root(meant.path, redraw=True)
+        if remade is None:
+            return False
+        return self._blame_unmeasured(anomaly, meant, remade[1], remade[2], remade_root=not drawn)
+
+    def _blame_unmeasured(
+        self, anomaly: Anomaly, call: Call, args: Any, kwargs: Any, *, remade_root: bool = False
+    ) -> bool:
         """The replay made nothing because the module was given a NaN: an input that no
         record measured (the output of a module whose magnitude nanwatch bounds by its input
         instead of reading it, a LayerNorm whose variance overflowed in float32). That
         producer's output is measured now, the step is localized again (the anomaly moves
-        to it) and the producer is replayed in turn. Returns whether it moved."""
+        to it) and the producer is replayed in turn. Returns whether it moved.
+        ``remade_root``: ``args`` were made again by a run of the root that drew no random
+        numbers (read late: see :meth:`_blame_unmeasured_of`), whose replay, in place of the
+        producer's freed inputs, is its computation too."""
         trace = self._trace
         inputs = {r.role: r for r in trace.inputs_of(call.id)}
         for role, t in self._walk(args, "input", kwargs):
@@ -5423,6 +5605,10 @@ class Watcher:
             found = self._replay_args(moved)
             if found is not None:
                 self._pinpoint(moved, found, pre_hooks=self._pre_hooks_seen(found[1]))
+            elif remade_root:  # read late, its input freed: its root runs again
+                self._pinpoint(moved, None)  # (see _late_inputs)
+                if trace.anomaly is moved and moved.op is None:
+                    self._name_unmeasured_range(trace, moved)
             else:
                 self._name_unmeasured_range(trace, moved)
             return True
@@ -5541,6 +5727,12 @@ class Watcher:
         t = next((x for role, x in self._walk(args, "input", kwargs) if role == src.role), None)
         if t is None or t.grad_fn is None:  # (reading the graph's values syncs on accelerators:
             return  # anomaly-time work)
+        # read late, after backward freed what the graph's nodes saved: as it stood then
+        with ops.saved_from(self._input_snaps if self._late else []):
+            self._derived_graph_op(anomaly, src, t)
+
+    def _derived_graph_op(self, anomaly: Anomaly, src: Record, t: torch.Tensor) -> None:
+        """See :meth:`_pinpoint_derived_input`: the op below ``t`` (``src``'s value)."""
         if src is anomaly.record:
             stop, value = self._graph_stops(t)
             birth = ops.birth_event(t.grad_fn, stop=stop, values=value)
@@ -5584,7 +5776,13 @@ class Watcher:
         def value(n: Any) -> torch.Tensor | None:
             return made.get(id(n)) if stop.get(id(n)) is n else None
 
-        return (lambda n: stop.get(id(n)) is n), value
+        if not self._reading_after_update:
+            return (lambda n: stop.get(id(n)) is n), value
+        # read after an update (see _pinpoint_loss_after_update): a watched output the user
+        # dropped since (a closure's local) still ends the walk, at the node that made it,
+        # with no value to tell: below it are the modules' weights, which the update wrote
+        recorded, own = self._recorded_nodes, t.grad_fn
+        return (lambda n: stop.get(id(n)) is n or (n is not own and n in recorded)), value
 
     def _graph_evidence(
         self, t: torch.Tensor, logs: list[list[str]] | None = None
@@ -5598,7 +5796,7 @@ class Watcher:
         read: the ops it ran and the saved inputs that were outside an op's domain."""
         logs: list[list[str]] = []
         names, events = self._graph_evidence(loss, logs)
-        source, _ = _frames.user_line()
+        source, _ = self._loss_site() if self._late else _frames.user_line()
         for ev in events:
             ev.path = LOSS_PATH
             ev.backward_at = source

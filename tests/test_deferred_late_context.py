@@ -77,6 +77,13 @@ def test_an_anomaly_raised_at_the_exit_writes_its_post_mortem(tmp_path: Path) ->
     assert report.error is not None and report.error["class"] == "anomaly"
 
 
+@pytest.mark.gpu_bound_weaker(
+    reason=(
+        "nothing is read at the generator's optimizer step: the inner watcher, exiting first,"
+        " reads the shared NaN gradient and claims it; it needs an order between watchers' "
+        "late reads"
+    )
+)
 def test_a_watcher_stopped_by_another_does_not_claim_its_anomaly(tmp_path: Path) -> None:
     torch.manual_seed(0)
     gen, disc = nn.Linear(2, 2), nn.Linear(2, 1)

@@ -144,6 +144,12 @@ class _CRF(nn.Module):
         self.trans = _Transitions(3)
 
 
+@pytest.mark.gpu_bound_weaker(
+    reason=(
+        "the -inf comes from a watched module and is multiplied in loss code: the snapshot "
+        "walk stops at that module's output, so no op is named (NW100)"
+    )
+)
 def test_constraint_neginf_times_pad_mask_is_no_log_of_zero() -> None:
     m = _CRF()
 

@@ -159,6 +159,9 @@ def test_a_divided_softmax_becomes_the_log_softmax_of_its_own_argument() -> None
     assert "= x" not in code
     assert "0/0 is NaN" in d.explanation and "x/0 is inf" not in d.explanation
     assert "temperature (eps)" not in d.fix
+    # the gradients of the step that raised dropped: read late (a GPU-bound step), the raise
+    # came after its backward wrote them
+    m.zero_grad(set_to_none=True)
     scope = {"F": F, "torch": torch, "out": m(x), "old_out": old_out, "T": 2.0}
     scope["p_old"] = F.softmax(old_out / 2.0, dim=1)
     exec(code, scope)

@@ -93,7 +93,9 @@ def test_division_by_one_exp_that_underflowed_floors_the_exp_not_a_logsumexp() -
     assert "sig = log_sig.exp().clamp_min(torch.finfo(log_sig.dtype).tiny ** 0.25)" in d.fix
     assert "logsumexp" not in d.fix and "log_sig = log_sig" not in d.fix
     assert "overflows" in d.explanation
-    # the fix, pasted in place of the exp's line, makes the step finite
+    # the fix, pasted in place of the exp's line, makes the step finite (the gradients of
+    # the step that raised dropped: read late, the raise came after its backward wrote them)
+    m.zero_grad(set_to_none=True)
     out = m.head(x)
     mu, log_sig = out[:, :2], out[:, 2:]
     env = {"torch": torch, "log_sig": log_sig}

@@ -59,7 +59,9 @@ def test_renormalization_over_kept_experts_is_clamped_on_the_users_line() -> Non
     g = torch.rand(6, 2) * kept
     w = eval(_fix_code(d.fix).split("=", 1)[1], {"torch": torch, "g": g})
     assert torch.isfinite(w).all() and (w[2] == 0).all()
-    # healthy twin: every token keeps an expert
+    # healthy twin: every token keeps an expert (the gradients of the step that raised
+    # dropped: read late, a GPU-bound step, the raise came after its backward wrote them)
+    m.zero_grad(set_to_none=True)
     assert _caught(m, lambda: m(x, torch.ones(6, 2)).sum().backward()) is None
 
 
@@ -82,6 +84,9 @@ def test_hand_written_qk_norm_suggests_f_normalize() -> None:
     d = _caught(m, lambda: m(x).sum().backward())
     assert d is not None and d.code == "NW111"
     assert _fix_code(d.fix) == "q = F.normalize(q, dim=-1)"
+    # the gradients of the step that raised dropped: read late (a GPU-bound step), the raise
+    # came after its backward wrote them
+    m.zero_grad(set_to_none=True)
     q = m.wq(x)
     out = eval("F.normalize(q, dim=-1)", {"F": F, "q": q})
     out.sum().backward()

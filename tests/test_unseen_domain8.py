@@ -312,9 +312,10 @@ def test_a_bfloat16_sigmoid_saturating_at_a_logit_of_7_quotes_bfloat16s_bound() 
         m.weight.zero_()
         m.bias.fill_(7.0)
     t = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+    # raised as backward begins, or (read late: a GPU-bound step) as the watch ends
     with (
-        nanwatch.watch(m, mode="forensic", postmortem=False) as nw,
         pytest.raises(nanwatch.AnomalyError) as info,
+        nanwatch.watch(m, mode="forensic", postmortem=False) as nw,
     ):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             p = torch.sigmoid(m(torch.randn(2, 4)))

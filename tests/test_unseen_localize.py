@@ -4,6 +4,7 @@ activation written by hand whose forward exp overflowed, a parametrized weight."
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -209,6 +210,11 @@ def test_the_pasted_stable_forms_compute_what_the_hand_written_lines_did() -> No
     assert _stable_form("y = x / (1 + torch.exp(-z))") is None  # not the same x
 
 
+@pytest.mark.gpu_bound_weaker(
+    reason="a NaN gradient is read at the step end, after the update wrote it into the weights "
+    "(waiting for backward's statistics before the update would expose a sync each healthy "
+    "step): the module's input, freed by backward, cannot be made again to replay its backward"
+)
 def test_watch_mode_names_the_input_past_exps_bound() -> None:
     trace = _activation_step(HandSwish(), mode="watch", sign=-1.0)
     a = trace.anomaly

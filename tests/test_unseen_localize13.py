@@ -4,6 +4,7 @@ new random numbers says so, and one given the forward's generator state repeats 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -105,6 +106,11 @@ def test_a_replay_given_the_forwards_generator_state_repeats_its_draws() -> None
     assert ev2 is not None and again.new_draws and localize.redrawn(ev2) == 1
 
 
+@pytest.mark.landed_only(
+    reason="replays the module on its inputs, alive as backward begins, with new draws; read "
+    "after backward freed them, its root is replayed from the generator state the root call "
+    "began with, and repeats the run's own draws"
+)
 def test_an_op_traced_with_new_random_draws_says_its_numbers_are_not_the_runs() -> None:
     m = nn.Sequential(nn.Linear(8, 8), _Noise(), nn.Linear(8, 2))
 

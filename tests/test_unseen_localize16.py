@@ -82,6 +82,10 @@ def _nan_batch() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return m, x, torch.randint(0, 3, (8,))
 
 
+@pytest.mark.landed_only(
+    reason="the warning is said mid-step by the read as backward begins; GPU-bound it is said "
+    "at the step end, where the count it quotes is final"
+)
 def test_a_warning_said_mid_step_quotes_no_count_the_step_end_changes() -> None:
     m, x, y = _nan_batch()
     nw = nanwatch.watch(m, on_anomaly="warn")

@@ -184,7 +184,19 @@ class _SigmoidScaleCoupling(nn.Module):
         return torch.cat([xa, (xb + shift) * scale], 1), torch.log(scale).sum(1)
 
 
-@pytest.mark.parametrize("drifted", [True, False])
+@pytest.mark.parametrize(
+    "drifted",
+    [
+        pytest.param(
+            True,
+            marks=pytest.mark.landed_only(
+                reason="asserts the raise comes from loss.backward(): GPU-bound, the forward "
+                "is read before the update or at the step end, and it raises there"
+            ),
+        ),
+        False,
+    ],
+)
 def test_the_module_whose_neginf_the_loss_code_turned_into_inf_is_replayed(drifted: bool) -> None:
     torch.manual_seed(0)
     flow = _SigmoidScaleCoupling()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -53,6 +54,12 @@ def ln_train(model: nn.Module) -> nanwatch.Watcher:
     return nw
 
 
+@pytest.mark.gpu_bound_weaker(
+    reason=(
+        "op, path and evidence match; the fix read late leaves out the advice not to cast the"
+        " float32 product back (not yet investigated)"
+    )
+)
 def test_an_overflowing_float16_product_is_kept_in_float32_not_cast_back() -> None:
     """The fix said 'call mul on .float() inputs and cast the result back with
     .to(torch.float16)': x*x of 300 is 90,000 > 65504, inf again."""
