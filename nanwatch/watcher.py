@@ -561,6 +561,8 @@ class Watcher:
     _loss_snaps: list[tuple[str, str, ops.SavedNode]]
     _late_loss: torch.Tensor | None
     _late_losses: dict[int, torch.Tensor]
+    #: the nodes of the watched values alive as backward() began (see _hold_late_loss)
+    _late_stops: list[Any]
     #: the loss code's graph is being read after an optimizer update (see
     #: :meth:`_pinpoint_loss_after_update`)
     _reading_after_update: bool = False
@@ -1004,6 +1006,7 @@ class Watcher:
         self._loss_snaps = []  # what the loss code saved: no reference kept after detach
         self._late_loss = None
         self._late_losses = {}
+        self._late_stops = []
         self._derived_fns, self._input_snaps = [], []
 
     def __enter__(self) -> Watcher:
@@ -1731,6 +1734,7 @@ class Watcher:
         #: each such loss of the step by its record's index: an optimizer's closure
         #: (LBFGS) runs backward on several losses in one step, all read at its end
         self._late_losses = {}
+        self._late_stops = []
         self._flag_site: tuple[str | None, str | None] = (None, None)
         if self._anomaly_paused and self._attached:
             self._anomaly_paused = False
@@ -2881,6 +2885,15 @@ class Watcher:
         entry = self._known.get(id(t))
         if self._late_loss is not None and entry is not None:
             self._late_losses[entry[1]] = t
+        if self._late_loss is not None:
+            # the nodes of the watched values alive now, where a walk of the loss code ends
+            # (see _graph_stops): read after backward, some may be gone. Host-side, one
+            # pass over the step's known tensors, only when loss code was kept
+            self._late_stops += [
+                x.grad_fn
+                for ref, *_ in self._known.values()
+                if (x := ref()) is not None and x is not t and x.grad_fn is not None
+            ]
 
     def _hook_loss_graph(self, loss: torch.Tensor, *, path: str = LOSS_PATH) -> None:
         """Check the gradients that the backward of a loss computed outside the watched
@@ -5776,6 +5789,11 @@ class Watcher:
         def value(n: Any) -> torch.Tensor | None:
             return made.get(id(n)) if stop.get(id(n)) is n else None
 
+        if self._late and self._late_stops:
+            # read after backward: the watched values alive as backward began ended the walk
+            # then, and end it now, dropped since or not (a function's local)
+            for fn in self._late_stops:
+                stop.setdefault(id(fn), fn)
         if not self._reading_after_update:
             return (lambda n: stop.get(id(n)) is n), value
         # read after an update (see _pinpoint_loss_after_update): a watched output the user

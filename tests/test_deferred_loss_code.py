@@ -241,3 +241,27 @@ def test_a_loss_codes_graph_is_read_after_backward_when_the_forward_had_not_land
     assert d.code == "NW110", d.title
     assert "hand-written binary cross-entropy" in d.title
     assert nw._late_loss is None  # not held past the step
+
+
+def test_a_loss_graph_read_late_stops_at_a_watched_output_the_user_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the loss code's graph read after backward, once the function that made the watched
+    # output returned: the walk ends at that output's node, as it did while the output was
+    # alive, not inside the module that made it (its "add" is the module's own op)
+    from tests.test_unseen_domain10 import _CRF
+
+    monkeypatch.setattr(HostRead, "ready", lambda self: False)
+    m = _CRF()
+
+    def run() -> None:
+        t = m.trans()  # -inf at a forbidden transition
+        mask = torch.tensor([1.0, 1.0, 0.0])
+        (t[torch.tensor([1, 0, 0]), torch.tensor([0, 2, 2])] * mask).sum().backward()
+
+    nw = _deferred(m)
+    with nw:
+        run()
+        nw.step()
+    notes = [n for n in nw.history[0].notes if n.kind == "loss_graph"]
+    assert notes and notes[0].data["ops"] == ["sum", "mul", "index"]

@@ -146,8 +146,9 @@ class _CRF(nn.Module):
 
 @pytest.mark.gpu_bound_weaker(
     reason=(
-        "the -inf comes from a watched module and is multiplied in loss code: the snapshot "
-        "walk stops at that module's output, so no op is named (NW100)"
+        "read late, the module's -inf output was dropped before its statistics were read: "
+        "only its min and max are known, not its largest finite value, so the rule cannot "
+        "rule out an overflow and says 'Non-finite value'"
     )
 )
 def test_constraint_neginf_times_pad_mask_is_no_log_of_zero() -> None:
