@@ -2889,11 +2889,7 @@ class Watcher:
             # the nodes of the watched values alive now, where a walk of the loss code ends
             # (see _graph_stops): read after backward, some may be gone. Host-side, one
             # pass over the step's known tensors, only when loss code was kept
-            self._late_stops += [
-                x.grad_fn
-                for ref, *_ in self._known.values()
-                if (x := ref()) is not None and x is not t and x.grad_fn is not None
-            ]
+            self._late_stops += [x.grad_fn for x in self._watched_values(t)]
 
     def _hook_loss_graph(self, loss: torch.Tensor, *, path: str = LOSS_PATH) -> None:
         """Check the gradients that the backward of a loss computed outside the watched
@@ -2978,12 +2974,11 @@ class Watcher:
         last: list[str] = []
         for node in walk:
             base = re.sub(r"Backward\d*$", "", type(node).__name__)
-            if type(node).__name__ not in _GRAD_MOVERS:
-                # what it saved, while autograd holds it: a node no flag checks (0 x inf in
-                # a Mul, (p - y) ** 2 of a NaN target) is found by it (see _saved_loss_node)
-                snap = self._keep_saved(node)
-                if snap is not None:
-                    self._loss_snaps.append((ops.name_of(node), path, snap))
+            # what it saved, while autograd holds it: a node no flag checks (0 x inf in a
+            # Mul, (p - y) ** 2 of a NaN target) is found by it (see _saved_loss_node)
+            snap = self._snapshot(node)
+            if snap is not None:
+                self._loss_snaps.append((ops.name_of(node), path, snap))
             if (
                 type(node).__name__ not in _GRAD_MOVERS
                 and path == LOSS_PATH
@@ -3077,11 +3072,14 @@ class Watcher:
             limit=_LOSS_NODES,
         )
         for node in walk:
-            if type(node).__name__ in _GRAD_MOVERS:
-                continue
-            snap = self._keep_saved(node)
+            snap = self._snapshot(node)
             if snap is not None:
                 self._input_snaps.append(snap)
+
+    def _snapshot(self, node: Any) -> ops.SavedNode | None:
+        """:meth:`_keep_saved` for a node of a walk as ``backward()`` begins; None for a node
+        that only moves a gradient (a view, an expand: what it saved is no evidence)."""
+        return None if type(node).__name__ in _GRAD_MOVERS else self._keep_saved(node)
 
     def _keep_saved(self, node: Any) -> ops.SavedNode | None:
         """What a flagged loss-code node saved in forward, kept until its flag is read:
@@ -3284,10 +3282,9 @@ class Watcher:
         )
         found: list[str] = []
         for node in walk:
-            if keep and type(node).__name__ not in _GRAD_MOVERS:
-                snap = self._keep_saved(node)
-                if snap is not None:
-                    self._loss_snaps.append((ops.name_of(node), LOSS_PATH, snap))
+            snap = self._snapshot(node) if keep else None
+            if snap is not None:
+                self._loss_snaps.append((ops.name_of(node), LOSS_PATH, snap))
             base = re.sub(r"Backward\d*$", "", type(node).__name__)
             if base == "Pow" and _whole_power(_pow_exponent(node)):
                 continue  # x ** 2: a finite derivative everywhere
@@ -5772,6 +5769,12 @@ class Watcher:
                 oldest.cause = made
         anomaly.summary = summarize(anomaly)
 
+    def _watched_values(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """The step's watched values still alive, other than ``t``, that autograd made: the
+        nodes where a walk of the graph below ``t`` ends (see :meth:`_graph_stops`)."""
+        alive = (ref() for ref, *_ in self._known.values())
+        return [x for x in alive if x is not None and x is not t and x.grad_fn is not None]
+
     def _graph_stops(
         self, t: torch.Tensor
     ) -> tuple[Callable[[Any], bool], Callable[[Any], torch.Tensor | None]]:
@@ -5779,12 +5782,10 @@ class Watcher:
         other than ``t``), and the watched value each of those nodes made."""
         stop: dict[int, Any] = {}  # the nodes held, so their ids stay theirs
         made: dict[int, torch.Tensor] = {}  # and the watched outputs they made
-        for ref, _, _, _ in self._known.values():
-            x = ref()
-            if x is not None and x is not t and x.grad_fn is not None:
-                fn = x.grad_fn
-                stop[id(fn)] = fn
-                made[id(fn)] = x
+        for x in self._watched_values(t):
+            fn = x.grad_fn
+            stop[id(fn)] = fn
+            made[id(fn)] = x
 
         def value(n: Any) -> torch.Tensor | None:
             return made.get(id(n)) if stop.get(id(n)) is n else None
