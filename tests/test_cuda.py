@@ -47,9 +47,10 @@ def _syncs(fn: Callable[[], Any]) -> list[str]:
 
 
 def _busy() -> None:
-    """Queue about 25 ms of GPU work ahead of what follows: the forward's statistics have
-    not landed when backward begins, as in a step the GPU bounds."""
-    torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
+    """Queue about 100 ms of GPU work ahead of what follows: the forward's statistics have
+    not landed when backward begins, as in a step the GPU bounds. (25 ms was once too
+    little on an H100 shared with two other processes: the host fell that far behind.)"""
+    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
 
 
 def _mlp() -> nn.Module:
@@ -293,9 +294,13 @@ def test_a_step_run_on_a_stream_of_its_own_is_read_after_that_stream(
     backward_in_block: bool,
 ) -> None:
     """The forward (and backward) in ``with torch.cuda.stream(s)``, the rest after the
-    block, on the default stream: nanwatch's reads and gradient norms there wait for ``s``.
-    Without that wait they used statistics and gradients ``s`` had not computed yet (``s``
-    is held 25 ms behind the host here)."""
+    block, on the default stream. ``forward``: the backward and the gradient norms, on the
+    default stream, wait for ``s``; without that wait they used statistics and gradients
+    ``s`` had not computed yet (``s`` is held 100 ms behind the host here; seen failing on
+    an H100 with the wait off). ``step``: everything nanwatch enqueues during backward is
+    on ``s`` itself and ordered by it, with or without the wait: it checks that a step
+    wholly on a stream of its own is read right, and the update's case below is the one
+    whose read at ``nw.step()`` needs the wait."""
     model = _mlp()
     side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
     outputs: list[torch.Tensor] = []
@@ -332,6 +337,36 @@ def test_a_step_run_on_a_stream_of_its_own_is_read_after_that_stream(
         assert rec.stat.max == pytest.approx(outputs[step].max().item(), rel=1e-6)
         assert rec.stat.min == pytest.approx(outputs[step].min().item(), rel=1e-6)
         assert trace.grad_norm == pytest.approx(norms[step], rel=1e-4)
+
+
+def test_an_update_on_a_stream_of_its_own_is_weighed_after_that_stream() -> None:
+    """Forward, backward and ``optimizer.step()`` all in ``with torch.cuda.stream(s)``, and
+    ``nw.step()`` after the block, on the default stream. watch weighs the weights the
+    update wrote at ``nw.step()``: that read waits for ``s``, or it weighs the weights as
+    they were before an update ``s`` has not run yet, and a learning rate of inf goes
+    unseen (the run's last step: no next forward reads them)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    weights: list[bool] = []
+    with nanwatch.watch(model, on_anomaly="record", postmortem=False) as nw:
+        for step in range(3):
+            with torch.cuda.stream(side):
+                model(torch.randn(16, 32, device="cuda")).square().mean().backward()
+                if step == 2:
+                    for group in opt.param_groups:
+                        group["lr"] = float("inf")
+                _busy()  # the update runs 100 ms after the host has moved on
+                opt.step()
+                opt.zero_grad()
+            nw.step()
+            torch.cuda.synchronize()
+            weights.append(all(bool(p.isfinite().all()) for p in model.parameters()))
+    assert weights == [True, True, False]  # the update of step 2 made them non-finite
+    a = nw.first_anomaly
+    assert a is not None and a.step == 2 and a.kind is AnomalyKind.PARAMETER, (
+        a.summary if a else nw.history[-1].records
+    )
 
 
 class _Pool(nn.Module):
