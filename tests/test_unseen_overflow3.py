@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nanwatch
+from nanwatch.records import OpEvent, Phase, TensorStat
 from nanwatch.rules.testing import TraceBuilder, diagnose, stat
 from tests._diagnoses import code_lines, top
 
@@ -54,12 +55,6 @@ def ln_train(model: nn.Module) -> nanwatch.Watcher:
     return nw
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason=(
-        "op, path and evidence match; the fix read late leaves out the advice not to cast the"
-        " float32 product back (not yet investigated)"
-    )
-)
 def test_an_overflowing_float16_product_is_kept_in_float32_not_cast_back() -> None:
     """The fix said 'call mul on .float() inputs and cast the result back with
     .to(torch.float16)': x*x of 300 is 90,000 > 65504, inf again."""
@@ -77,6 +72,47 @@ def test_an_overflowing_float16_product_is_kept_in_float32_not_cast_back() -> No
     for m in model.modules():
         m._forward_pre_hooks.clear()
         m._forward_hooks.clear()
+
+
+def _product_in_a_module(out: TensorStat) -> str:
+    """The fix for x * x past 65504 in float16 module ``1``, whose output reads ``out``."""
+    b = TraceBuilder(0)
+    net = b.call("model", "Sequential", root=True)
+    b.input(net, stat(-1.0, 1.0), dtype="float16")
+    blk = b.call("1", "HandLayerNorm", parent=net)
+    b.input(blk, stat(299.0, 301.0), dtype="float16")
+    b.forward(blk, out, dtype="float16")
+    x = stat(299.0, 301.0, numel=64)
+    ev = OpEvent(
+        op="aten.mul.Tensor",
+        phase=Phase.FORWARD,
+        path="1",
+        born="+inf",
+        output=stat(299.0**2, math.inf, numel=64),
+        inputs=[("self", x), ("other", x)],
+        source="model.py:34",
+        code="h = x * x",
+        dtype="float16",
+        device="cpu",
+    )
+    b.op(ev)
+    trace = b.build()
+    assert trace.anomaly is not None
+    trace.anomaly.op = ev
+    return diagnose(trace)[0].fix
+
+
+@pytest.mark.parametrize("counted", [True, False])
+def test_an_output_read_uncounted_is_judged_by_its_nan_not_its_missing_counts(
+    counted: bool,
+) -> None:
+    """Read late (the accelerator path), a bad output holds min and max, no counts: its
+    NaN count None was taken for 'no NaN', so a product's inf was called the module's
+    own output, and the hook casting the outputs back was left out of the fix."""
+    nan = _product_in_a_module(stat(math.nan, math.nan, numel=64, counted=counted))
+    assert "its outputs back to float16" in nan and "no hook casting" not in nan
+    inf = _product_in_a_module(stat(1.0, math.inf, numel=64, counted=counted))
+    assert inf.splitlines()[2].startswith("# no hook casting its outputs back: mul's result")
 
 
 def test_an_overflow_without_the_line_still_says_keep_it_in_float32() -> None:

@@ -1501,7 +1501,7 @@ def _from_op(
             output_fits=not (
                 trigger is ev
                 and a.record.stat is not None
-                and not a.record.stat.nan
+                and not a.record.stat.has_nan
                 and a.record.bad
                 and a.record.phase is Phase.FORWARD
                 and a.record.role.startswith("output")
