@@ -1099,13 +1099,6 @@ class LogProbs(nn.Module):
         return torch.log(torch.softmax(self.fc(x), dim=-1) + 1e-8)  # 1e-8 is 0 in float16
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason=(
-        "the loss code's snapshot stops at the watched module's output, so the log inside "
-        "LogProbs is replayed, not read from the graph: no made_from, and the fix keeps the "
-        "eps instead of F.log_softmax"
-    )
-)
 def test_a_loss_made_inf_from_the_models_neg_inf_output_is_traced_to_it() -> None:
     # the model returns log-probabilities with -inf (a mask, not yet an anomaly); nll_loss in
     # loss code makes +inf of it: the -inf's first record is the model's, and it is NW110
@@ -1121,6 +1114,41 @@ def test_a_loss_made_inf_from_the_models_neg_inf_output_is_traced_to_it() -> Non
     assert t.anomaly.neginf_source is not None and t.anomaly.neginf_source.path == "LogProbs"
     assert "from -inf first seen in LogProbs" in t.anomaly.summary
     assert d.code == "NW110" and "F.log_softmax" in d.fix
+
+
+def test_a_log_of_a_softmax_plus_an_eps_float16_cannot_hold_is_taken_as_log_softmax() -> None:
+    """The op pinpointed (forensic, or read late and replayed): the fix only raised the eps
+    (1e-8 -> 1e-4) and never said log_softmax, which needs none and is exact."""
+    torch.manual_seed(0)
+    model = LogProbs().half()
+    x = (torch.randn(6, 4) * 300).half()
+    with nanwatch.watch(model, mode="forensic", on_anomaly="record", postmortem=False) as nw:
+        F.nll_loss(model(x).float(), torch.randint(0, 3, (6,))).backward()
+        nw.step()
+    d = nw.history[0].diagnoses[0]
+    assert (d.code, d.op) == ("NW110", "aten.log")
+    first, alt = d.fix.splitlines()[:2]
+    assert first.startswith("return F.log_softmax(self.fc(x), dim=-1)   # log(softmax(z))")
+    assert alt.startswith("# or keep the softmax with an eps that float16 holds: return torch.log(")
+    assert "Here the log is taken of a softmax: F.log_softmax computes it" in d.explanation
+    with torch.no_grad():  # the pasted line: finite where the softmax underflowed to 0
+        assert bool(torch.isfinite(F.log_softmax(model.fc(x), dim=-1)).all())
+        assert not bool(torch.isfinite(model(x)).all())
+
+
+def test_only_a_log_of_a_softmax_or_sigmoid_plus_the_eps_is_taken_in_log_space() -> None:
+    from nanwatch.rules.domain import _log_of_activation
+
+    got = _log_of_activation("lp = torch.log(1e-8 + z.sigmoid())", "1e-8")
+    assert got == ("sigmoid", "F.logsigmoid", "lp = F.logsigmoid(z)")
+    got = _log_of_activation("lp = (z.softmax(-1) + eps).log()", "eps")
+    assert got == ("softmax", "F.log_softmax", "lp = z.log_softmax(-1)")
+    # a mixture of softmaxes, a product: no single log_softmax is their log
+    assert _log_of_activation("lp = torch.log(a.softmax(-1) * w + 1e-8)", "1e-8") is None
+    assert (
+        _log_of_activation("lp = torch.log(F.softmax(a, -1) + F.softmax(b, -1) + 1e-8)", "1e-8")
+        is None
+    )
 
 
 def test_e2e_a_bfloat16_exp_overflow_is_bounded_not_upcast() -> None:

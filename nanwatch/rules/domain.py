@@ -531,6 +531,7 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     )
     if lost is not None:  # the line has an eps, and in this dtype it is 0
         evidence.insert(1, lost.words(f"the input of {op}"))
+        exact = _log_of_activation(ev.code, lost.text)
         return ctx.diagnosis(
             **op_fields(ev, a),
             evidence=evidence,
@@ -538,9 +539,20 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
                 f"{op} is -inf at 0. The eps added on this line is meant to keep its input "
                 f"off 0, but {ev.dtype} cannot hold it: a number below half of "
                 f"{ev.dtype}'s smallest subnormal is stored as 0, so 0 + eps is still 0. "
-                "Use an eps the dtype can hold, or compute this line in a wider dtype."
+                + (
+                    f"Here the log is taken of a {exact[0]}: {exact[1]} computes it from the "
+                    "logits, exactly and with no eps, never forming the probability that "
+                    "underflowed to 0."
+                    if exact is not None
+                    else "Use an eps the dtype can hold, or compute this line in a wider dtype."
+                )
             ),
-            fix=lost.fix(),
+            fix=(
+                lost.fix()
+                if exact is None
+                else f"{exact[2]}   # log({exact[0]}(z)) without forming the 0: no eps needed\n"
+                f"# or keep the {exact[0]} with an eps that {ev.dtype} holds: {lost.fix()}"
+            ),
         )
     poisson = _poisson_use(ctx, a, ev, x) if ev.phase is Phase.FORWARD else None
     if poisson is not None:
@@ -2709,6 +2721,60 @@ _SOFTMAX = re.compile(
 
 def _tiny(p: str) -> str:
     return f"torch.finfo({paren(p)}.dtype).tiny"
+
+
+def _log_of_activation(code: str | None, eps: str) -> tuple[str, str, str] | None:
+    """A log of a softmax or sigmoid plus ``eps`` on the user's line
+    (``torch.log(torch.softmax(z, -1) + 1e-8)``): the activation's name, the log-space
+    function that replaces both, and the statement with it (``F.log_softmax(z, -1)``);
+    None when the log's argument is anything else."""
+    for stmt in statements(code):
+        for start, end, arg in _log_calls(stmt):
+            rest = _without_term(arg, eps)
+            if rest is None:
+                continue
+            sig, soft = _SIGMOID.match(rest), _SOFTMAX.match(rest)
+            if sig is not None and _one_call(rest):
+                inner = f"F.logsigmoid({sig.group(1) or sig.group(2)})"
+                kind, fn = "sigmoid", "F.logsigmoid"
+            elif soft is not None and _one_call(rest):
+                inner = (
+                    f"F.log_softmax({soft.group(1)})"
+                    if soft.group(1) is not None
+                    else f"{soft.group(2)}.log_softmax({soft.group(3)})"
+                )
+                kind, fn = "softmax", "F.log_softmax"
+            else:
+                continue
+            return kind, fn, f"{stmt[:start]}{inner}{stmt[end:]}"
+    return None
+
+
+def _without_term(expr: str, term: str) -> str | None:
+    """``expr`` without ``term`` added at its top level (``a + 1e-8`` -> ``a``); None when
+    ``term`` is not one of its two operands."""
+    try:
+        tree = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.BinOp) or not isinstance(tree.op, ast.Add):
+        return None
+    left, right = ast.get_source_segment(expr, tree.left), ast.get_source_segment(expr, tree.right)
+    if right is not None and right.strip() == term:
+        return left.strip() if left is not None else None
+    if left is not None and left.strip() == term:
+        return right.strip() if right is not None else None
+    return None
+
+
+def _one_call(expr: str) -> bool:
+    """``expr`` is one call whose argument list closes at its end (``f(a)``, not
+    ``f(a) * g(b)``)."""
+    try:
+        tree = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return False
+    return isinstance(tree, ast.Call) and ast.get_source_segment(expr, tree) == expr
 
 
 _NAME = re.compile(r"[A-Za-z_][\w.]*")
