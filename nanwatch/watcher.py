@@ -563,6 +563,9 @@ class Watcher:
     _late_losses: dict[int, torch.Tensor]
     #: the nodes of the watched values alive as backward() began (see _hold_late_loss)
     _late_stops: list[Any]
+    #: read late: the watched values the loss code read, unread as backward() began, by
+    #: their records' indices (see _hold_loss_inputs)
+    _late_values: dict[int, torch.Tensor]
     #: the loss code's graph is being read after an optimizer update (see
     #: :meth:`_pinpoint_loss_after_update`)
     _reading_after_update: bool = False
@@ -1007,6 +1010,7 @@ class Watcher:
         self._late_loss = None
         self._late_losses = {}
         self._late_stops = []
+        self._late_values = {}
         self._derived_fns, self._input_snaps = [], []
 
     def __enter__(self) -> Watcher:
@@ -1735,6 +1739,7 @@ class Watcher:
         #: (LBFGS) runs backward on several losses in one step, all read at its end
         self._late_losses = {}
         self._late_stops = []
+        self._late_values = {}
         self._flag_site: tuple[str | None, str | None] = (None, None)
         if self._anomaly_paused and self._attached:
             self._anomaly_paused = False
@@ -2963,11 +2968,15 @@ class Watcher:
         other statistics (no sync here). The first node flagged is named by its op; what
         it saved in forward is freed by then, so the evidence is its name and line."""
         stop = self._recorded_nodes
-        walk = ops.GraphWalk(
-            [loss.grad_fn],
-            prune=lambda n: (n in stop and n is not loss.grad_fn) or ops.accumulates_grad(n),
-            limit=_LOSS_NODES,
-        )
+        reached: list[Any] = []  # the watched values' nodes where the walk ends
+
+        def prune(n: Any) -> bool:
+            if n in stop and n is not loss.grad_fn:
+                reached.append(n)
+                return True
+            return ops.accumulates_grad(n)
+
+        walk = ops.GraphWalk([loss.grad_fn], prune=prune, limit=_LOSS_NODES)
         gen, step = self._gen, self._step
         # the user's backward() line, once (not a frame walk in each node's hook)
         self._flag_site = _frames.user_line()
@@ -3020,6 +3029,30 @@ class Watcher:
 
             self._tensor_handles.append(node.register_hook(on_node))
         self._loss_last = None if walk.truncated else last
+        if reached:
+            self._hold_loss_inputs(loss, reached)
+
+    def _hold_loss_inputs(self, loss: torch.Tensor, nodes: list[Any]) -> None:
+        """Read late (nothing landed as backward began), the watched values the loss code
+        read (``nodes``: theirs, where its graph's walk ended) are held, while unread, until
+        their statistics are read: one found bad is then described in full (its NaN and
+        inf counts, its largest finite value, see :meth:`_describe_bad`), as the CPU path
+        describes it when measured, and not by its min and max alone because the user's
+        code dropped it (a function's local). References, no read; within
+        :data:`_KEEP_SAVED` bytes a step, shared with what the loss code's nodes saved."""
+        ends = {id(n) for n in nodes}
+        for x in self._watched_values(loss):
+            entry = self._known.get(id(x))
+            if entry is None or id(x.grad_fn) not in ends:
+                continue
+            rec = self._trace.record(entry[1])
+            if rec is None or rec.stat is not None or rec.index not in self._minmax:
+                continue  # read already, or nothing to read (an integer tensor)
+            size = numel(x) * x.element_size()
+            if self._kept_saved + size > _KEEP_SAVED:
+                continue
+            self._kept_saved += size
+            self._late_values[entry[1]] = x
 
     def _flag_loss_node(
         self,
@@ -4436,6 +4469,8 @@ class Watcher:
                     # described (a computed input whose graph is gone)
                     rec.stat.nonfinite = int(flags.sum())
             self._describe_bad(filled, {id(r) for r, _ in flagged})
+            for rec in filled:  # read, and described if bad: held no longer
+                self._late_values.pop(rec.index, None)
             for rec in filled:
                 if rec.stat is not None and not rec.stat.finite:
                     self._note_bad(rec)

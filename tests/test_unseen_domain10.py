@@ -4,10 +4,14 @@ hand-written norm."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
 
+import nanwatch
+from nanwatch.stats import HostRead
 from tests._diagnoses import first_of as _first
 from tests._diagnoses import raises as _raises
 
@@ -144,13 +148,6 @@ class _CRF(nn.Module):
         self.trans = _Transitions(3)
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason=(
-        "read late, the module's -inf output was dropped before its statistics were read: "
-        "only its min and max are known, not its largest finite value, so the rule cannot "
-        "rule out an overflow and says 'Non-finite value'"
-    )
-)
 def test_constraint_neginf_times_pad_mask_is_no_log_of_zero() -> None:
     m = _CRF()
 
@@ -166,6 +163,38 @@ def test_constraint_neginf_times_pad_mask_is_no_log_of_zero() -> None:
     assert d.code == "NW100" and "constant -inf" in d.title
     assert "torch.where(mask, x, 0.0)" in d.fix and "torch.finfo(c.dtype).min" in d.fix
     assert "log" not in d.fix
+
+
+def test_read_late_the_dropped_neginf_output_the_loss_read_is_described_in_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Statistics read after backward (nothing landed as it began): the module's output,
+    a local of the step function, was dropped before the read, and only its min and max
+    were known -- not its largest finite value, which rules out an overflow -- so the
+    diagnosis was 'Non-finite value'. The value the loss code read is held until read,
+    then released."""
+    monkeypatch.setattr(HostRead, "ready", lambda self: False)
+    m = _CRF()
+    out: list[weakref.ReferenceType[torch.Tensor]] = []
+
+    def run() -> None:
+        T = m.trans()
+        out.append(weakref.ref(T))
+        mask = torch.tensor([1.0, 1.0, 0.0])
+        prev, cur = torch.tensor([1, 0, 0]), torch.tensor([0, 2, 2])
+        (T[prev, cur] * mask).sum().backward()
+
+    nw = nanwatch.watch(m, on_anomaly="record", postmortem=False)
+    nw._defer_cpu = True
+    with nw:
+        run()
+        nw.step()
+        assert out[0]() is None  # held until read, not past the step
+    src = nw.history[0].anomaly.neginf_source if nw.history[0].anomaly else None
+    assert src is not None and src.path == "trans" and src.stat is not None
+    assert src.stat.neginf == 1 and src.stat.finite_amax is not None
+    d = nw.history[0].diagnoses[0]
+    assert d.code == "NW100" and "constant -inf" in d.title
 
 
 # ------------------------------- 5: an all-zero sum computed this step is no unfilled buffer
