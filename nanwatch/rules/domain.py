@@ -4321,7 +4321,7 @@ def _kl_target_untraced(ctx: RuleContext, a: Anomaly) -> Diagnosis | None:
     rec = a.record
     if a.op is not None or rec.phase is not Phase.BACKWARD or rec.role != "input[1]":
         return None
-    if loss_kind(rec.module_type) != "kldiv" or rec.stat is None or not rec.stat.nan:
+    if loss_kind(rec.module_type) != "kldiv" or rec.stat is None or not rec.stat.has_nan:
         return None
     fwd = next(
         (

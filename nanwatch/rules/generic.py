@@ -296,7 +296,7 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
         "graph made it: the code that computed it did"
     )
     made_by = "a ratio whose denominator reached 0, an exp that overflowed"
-    if stat is not None and not stat.nan and (stat.has_posinf or stat.has_neginf):
+    if stat is not None and not stat.has_nan and (stat.has_posinf or stat.has_neginf):
         # inf and no NaN: a quotient x / 0 is the likelier (an overflow gives it too)
         fix = (
             "# where it is computed, keep the denominator that reaches 0 away from it:\n"
