@@ -1781,7 +1781,11 @@ def _class_result(
     else:
         accepts = f"accepts 0..{c - 1}"
     hint = ""
-    if ignore is not None and top in _IGNORE_LABELS and top != ignore:
+    if ignore is not None and top in _IGNORE_LABELS and top != ignore and _in_library(p):
+        # a library's loss call (transformers' with -100): its ignore_index is not the
+        # user's to change; the labels they pass in are
+        hint, fix = _library_ignore(p, t, top, ignore)
+    elif ignore is not None and top in _IGNORE_LABELS and top != ignore:
         hint = f" — did you mean ignore_index={top}?"
         fix = _option_fix(p, "ignore_index", top)
         if top < 0 and 2 * counts[0] > total:
@@ -1844,6 +1848,37 @@ def _class_result(
             positions=_positions(bad),
         )
     )
+
+
+def _library_ignore(p: _Probe, t: torch.Tensor, top: int, ignore: int) -> tuple[str, str]:
+    """(hint, fix) for labels marked with ``top`` to be skipped, given to a loss that a
+    library calls with ``ignore_index=ignore`` (a Hugging Face model's ``labels``, skipped
+    at -100): the labels change, in the user's tensor when one of theirs holds them."""
+    site = _site_name(p.site) if p.site is not None else "a library"
+    name = _user_tensor(p.frame, t) or "labels"
+    hint = f" — {site} makes this call: mark the labels to skip with {ignore}, not {top}"
+    fix = f"{name} = {name}.masked_fill({name} == {top}, {ignore})   # before the model call"
+    return hint, fix
+
+
+def _user_tensor(frame: types.FrameType | None, t: torch.Tensor) -> str | None:
+    """The name of a tensor variable of ``frame`` whose values ``t`` views (the user's
+    ``labels``, which a library flattened with ``labels.view(-1)``), if there is one."""
+    if frame is None or not _plain(t):
+        return None
+    for key, v in list(frame.f_locals.items()):
+        if (
+            isinstance(key, str)
+            and key.isidentifier()
+            and isinstance(v, torch.Tensor)
+            and _plain(v)
+            and v.dtype == t.dtype
+            and v.device == t.device
+            and v.numel() == t.numel()
+            and v.data_ptr() == t.data_ptr()
+        ):
+            return key
+    return None
 
 
 def _unfilled_slots(p: _Probe, top: int, n: int, total: int, option: str) -> tuple[str, str]:

@@ -609,6 +609,26 @@ def _hooked(trace: StepTrace, call: Call) -> bool:
     return False
 
 
+#: autograd nodes of views (``h[:, -k:]`` is an ``AliasBackward0`` when it keeps every
+#: row): their backward only moves the gradient's values, so it makes nothing non-finite
+_MOVING_NODES = frozenset(
+    {
+        "Alias",
+        "View",
+        "UnsafeView",
+        "Reshape",
+        "ReshapeAlias",
+        "Squeeze",
+        "Unsqueeze",
+        "Slice",
+        "Select",
+        "Permute",
+        "Transpose",
+        "T",
+        "Narrow",
+    }
+)
+
 #: torch's own ``autograd.Function`` classes, named like a user's custom one: the
 #: backward of reentrant activation checkpointing reruns the module's forward inside it
 _TORCH_FUNCTIONS = frozenset({"CheckpointFunction"})
@@ -719,6 +739,8 @@ def _between_suspect(
         g = grads.get(r.index)
         if g is None or g.stat is None or not g.stat.finite:
             continue
+        if r.grad_fn and _node_base(r.grad_fn) in _MOVING_NODES:
+            continue  # a view of what it was made from: its backward makes no NaN
         parent = _parent(trace, call)
         fn = custom_function(r.grad_fn)
         by = f" (custom autograd.Function {fn})" if fn else f" ({r.grad_fn})" if r.grad_fn else ""
@@ -1182,6 +1204,25 @@ def _rows_text(trig: Record) -> str:
     )
 
 
+def root_call_number(trace: StepTrace, call: Call | None) -> tuple[int, int] | None:
+    """(which call of its root module ``call`` is in this step, counted from 1; how many
+    calls of that root the step recorded) when the root ran more than once (gradient
+    accumulation over micro-batches, a discriminator given real and fake batches); None
+    for a root run once, or not a root's call."""
+    if call is None or not call.root:
+        return None
+    calls = [c.id for c in trace.calls if c.root and c.path == call.path]
+    if len(calls) < 2 or call.id not in calls:
+        return None
+    return calls.index(call.id) + 1, len(calls)
+
+
+def _call_text(trace: StepTrace, call: Call | None) -> str:
+    """``, in its 3rd call this step``: which batch of the step a sample number counts in."""
+    n = root_call_number(trace, call)
+    return f", in its {_ordinal(n[0])} call this step" if n is not None else ""
+
+
 def _ordinal(n: int) -> str:
     """``1st``, ``2nd``, ``3rd``, ``11th``, ``22nd``."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
@@ -1439,7 +1480,7 @@ def localize(
     elif trig.phase is Phase.INPUT and (call is None or call.root):
         kind, origin = AnomalyKind.INPUT, "data"
         path = call.path if call is not None else trig.path
-        rows = _rows_text(trig)
+        rows = _rows_text(trig) + _call_text(trace, call)
         summary = f"{what} in the input data: {trig.role} of {path}{rows} (bad data, not a layer)"
         if computed_target(trace, trig, call) is not None:
             origin = "computed-target"

@@ -531,9 +531,13 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             return out
         if ignored:
             # a view or copy of a remembered non-finite value holds it too; in forward not
-            # autograd's own detach of what it saves (a backward op reading it is the node's)
-            passes = current_autograd_node() is not None or (
-                func.overloadpacket not in _NOT_PASSED_IN_FORWARD
+            # autograd's own detach of what it saves (a backward op reading it is the node's),
+            # which it makes only with grad on (a replay's full slice ``h[:, 0:]`` is an alias)
+            packet = func.overloadpacket
+            passes = (
+                current_autograd_node() is not None
+                or packet not in _NOT_PASSED_IN_FORWARD
+                or (not torch.is_grad_enabled() and packet not in _FRESH_PACKETS)
             )
             if self._seen and passes:
                 try:
@@ -1537,6 +1541,9 @@ class ReplayResult:
     output: frozenset[str] = frozenset()
     #: the outputs of each call of ``keep`` (see :func:`replay`) in the last attempt, in order
     kept: list[Any] = field(default_factory=list)
+    #: the events (by id) that the replayed forward's non-finite output was made of: the op
+    #: that made each bad output value and the causes it named, back to the first
+    reached: frozenset[int] = frozenset()
 
     @property
     def clean(self) -> bool:
@@ -1554,8 +1561,13 @@ class ReplayResult:
         return not (self.clean and self.random)
 
     def first(self) -> OpEvent | None:
-        """The first birth (see :func:`nanwatch.localize.is_birth`), else the first event
-        that is not injected."""
+        """The first birth (see :func:`nanwatch.localize.is_birth`) that the output was made
+        of, else the first birth, else the first event that is not injected. An inf that a
+        later op absorbed (tanh's ``x**3`` term in GELU, saturating to 1) reached nothing:
+        the NaN that did reach the output is born later."""
+        for ev in self.events:
+            if id(ev) in self.reached and is_birth(ev):
+                return ev
         for ev in self.events:
             if is_birth(ev):
                 return ev
@@ -1563,6 +1575,18 @@ class ReplayResult:
             if not ev.injected:
                 return ev
         return None
+
+
+def _reached(chk: OpChecker, out: Any) -> frozenset[int]:
+    """The ids of the events ``chk`` recorded that ``out``'s non-finite tensors were made
+    of: the maker of each, and the causes each names, back to the first."""
+    found: set[int] = set()
+    for _, t in iter_tensors(out, ""):
+        ev = chk.maker(t) if _kinds(t) else None
+        while ev is not None and id(ev) not in found:
+            found.add(id(ev))
+            ev = ev.cause
+    return frozenset(found)
 
 
 def _devices(objs: Sequence[Any]) -> set[torch.device]:
@@ -1925,6 +1949,7 @@ def replay(
                     pop_path()
                 result.events = chk.events
                 result.output = frozenset().union(*(_kinds(t) for _, t in iter_tensors(out, "")))
+                result.reached = _reached(chk, out)
                 result.kept = [out] if keep is module else tracker.kept
                 result.attempts += 1
                 drew = drew_random(before, devices)

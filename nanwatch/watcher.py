@@ -5609,15 +5609,26 @@ class Watcher:
         # the step's weights (no update applied since: see _flush), the root's own inputs
         # unchanged, its draws the original ones (see _inputs_from_root): what the call got
         remade = self._inputs_from_root(meant.path)
-        drawn = remade is None
-        if drawn:
+        redrawn = remade is None
+        if redrawn:  # a dropout: the generators set back, it draws what it drew then
             remade = self._inputs_from_root(meant.path, redraw=True)
         if remade is None:
             return False
-        return self._blame_unmeasured(anomaly, meant, remade[1], remade[2], remade_root=not drawn)
+        # either way the root ran the original computation: its replay (with the original
+        # draws, see _call_rng) makes the producer's freed inputs again
+        return self._blame_unmeasured(
+            anomaly, meant, remade[1], remade[2], remade_root=True, redrawn=redrawn
+        )
 
     def _blame_unmeasured(
-        self, anomaly: Anomaly, call: Call, args: Any, kwargs: Any, *, remade_root: bool = False
+        self,
+        anomaly: Anomaly,
+        call: Call,
+        args: Any,
+        kwargs: Any,
+        *,
+        remade_root: bool = False,
+        redrawn: bool = False,
     ) -> bool:
         """The replay made nothing because the module was given a NaN: an input that no
         record measured (the output of a module whose magnitude nanwatch bounds by its input
@@ -5625,8 +5636,11 @@ class Watcher:
         producer's output is measured now, the step is localized again (the anomaly moves
         to it) and the producer is replayed in turn. Returns whether it moved.
         ``remade_root``: ``args`` were made again by a run of the root that drew no random
-        numbers (read late: see :meth:`_blame_unmeasured_of`), whose replay, in place of the
-        producer's freed inputs, is its computation too."""
+        numbers, or drew them again from the generators' state as it began (``redrawn``;
+        read late: see :meth:`_blame_unmeasured_of`), whose replay, in place of the
+        producer's freed inputs, is its computation too. Redrawn, an op whose value came
+        from another unmeasured module (a Dropout's ``inf * 0`` of a pool's inf) is not
+        taken: the range of modules that could have made it is named, as on the CPU."""
         trace = self._trace
         inputs = {r.role: r for r in trace.inputs_of(call.id)}
         for role, t in self._walk(args, "input", kwargs):
@@ -5652,6 +5666,15 @@ class Watcher:
                 self._pinpoint(moved, found, pre_hooks=self._pre_hooks_seen(found[1]))
             elif remade_root:  # read late, its input freed: its root runs again
                 self._pinpoint(moved, None)  # (see _late_inputs)
+                cause = moved.op.cause if moved.op is not None else None
+                inside = (
+                    cause is not None
+                    and cause.path is not None
+                    and (cause.path == moved.path or cause.path.startswith(moved.path + "."))
+                )
+                if redrawn and cause is not None and not inside:
+                    moved.op = None  # made of a value born before this module
+                    moved.summary = summarize(moved)
                 if trace.anomaly is moved and moved.op is None:
                     self._name_unmeasured_range(trace, moved)
             else:

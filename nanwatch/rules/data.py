@@ -16,6 +16,7 @@ from nanwatch.localize import (
     computed_target,
     earlier_finite_input,
     is_birth,
+    root_call_number,
     whole_samples_bad,
 )
 from nanwatch.records import (
@@ -96,6 +97,13 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"{s.kinds() if s else 'NaN'}{rows}"
         )
         evidence.append(f"{r.role}: {describe_stat(s)}")
+    nth = root_call_number(trace, call)
+    if nth is not None:  # micro-batches: the sample numbers count within one of them
+        evidence.append(
+            f"{a.path} ran {nth[1]} times in this step (micro-batches of gradient "
+            f"accumulation, or several batches): the bad one is its call {nth[0]} of "
+            f"{nth[1]}, and the sample numbers count within that call's batch"
+        )
     if a.propagator_count:
         evidence.append(
             f"{a.propagator_count} module{'s' if a.propagator_count != 1 else ''} merely "

@@ -4334,7 +4334,8 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
         values = _forward_values_of(ctx.trace, a.path)
     else:
         return
-    if not values and a.op is not None and a.op.phase is Phase.FORWARD:
+    of_op = not values and a.op is not None and a.op.phase is Phase.FORWARD
+    if of_op and a.op is not None:
         # inputs bounded by earlier records, not read (a residual sum): the op read them
         values = [
             Record(
@@ -4369,9 +4370,14 @@ def _wide_from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
             f"{square}of two such values is inf"
         )
     elif a.kind is AnomalyKind.FORWARD:
+        # the op's own operand when the values came from it, not the module's input (a
+        # root's: the token ids of a language model)
+        owner = top.path
+        if of_op and a.op is not None:
+            owner = f"{short_op(a.op.op)} in {a.op.path or a.path}"
         first = (
             f"{rec.where} holds {s.kinds()} in {rec.dtype}, made from finite inputs up to "
-            f"|x| = {fmt(big)} (the {top.role} of {top.path}): {square}of two such values "
+            f"|x| = {fmt(big)} (the {top.role} of {owner}): {square}of two such values "
             "is inf"
         )
     else:
