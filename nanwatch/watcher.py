@@ -4728,7 +4728,7 @@ class Watcher:
             self.config.pinpoint
             and anomaly.kind is AnomalyKind.BACKWARD
             and anomaly.origin in ("between-children", "module")
-            and anomaly.op is None
+            and (anomaly.op is None or _line_unknown(anomaly.op, anomaly.path))
             and not self._forensic
             and (first_of_run or anomaly.path not in self._pinpointed)
         ):
@@ -5213,7 +5213,9 @@ class Watcher:
         (or in a module with no watched children, all its own code):
         the saved values that show why were freed as the backward ran, so the module is run
         again on its inputs and the backward of its own nodes checked node by node (see
-        :func:`ops.own_backward_event`), as the loss code's nodes are on every step."""
+        :func:`ops.own_backward_event`), as the loss code's nodes are on every step. A node
+        its hook named already (a watched loss module's) is replaced by the replay's event
+        of the same node, which has its forward line."""
         trace = self._trace
         if anomaly.origin == "module":
             # a module's own backward (a custom leaf that computes sqrt(sum((z - e) ** 2))
@@ -5234,7 +5236,14 @@ class Watcher:
         ev = self._own_backward(target, target.path, remake=anomaly.origin == "module")
         if ev is None:
             return
-        trace.ops.append(ev)
+        named = anomaly.op
+        if named is not None and ev.node != named.node:
+            return  # another node: the one its hook saw make the value stays
+        at = next((i for i, o in enumerate(trace.ops) if o is named), None)
+        if at is not None:
+            trace.ops[at] = ev
+        else:
+            trace.ops.append(ev)
         anomaly.op = ev
         anomaly.summary = summarize(anomaly)
 
@@ -7288,6 +7297,14 @@ def _constrained_max(p: torch.Tensor, neginf: int) -> torch.Tensor:
     low = torch.isneginf(p)
     top = torch.where(low, torch.zeros((), dtype=p.dtype, device=p.device), p.abs()).max()
     return torch.where(low.sum() > neginf, torch.full_like(top, math.inf), top)
+
+
+def _line_unknown(ev: OpEvent, path: str) -> bool:
+    """``ev`` is a backward node of ``path``'s own code that its hook named while backward
+    ran, with the line that called backward() for its line: a node keeps no forward line
+    without anomaly mode, and a replay of the module's code can name it."""
+    own = ev.phase is Phase.BACKWARD and ev.path == path
+    return own and (not ev.source or ev.source == ev.backward_at)
 
 
 def _finite(t: torch.Tensor) -> bool:

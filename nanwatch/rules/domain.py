@@ -576,6 +576,8 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     if use is None and ev.phase is Phase.FORWARD and x is not None:
         use = _divided_too_use(ev, x)
     if use is None and ev.phase is Phase.FORWARD and x is not None:
+        use = _product_underflow_use(ctx, ev, x)
+    if use is None and ev.phase is Phase.FORWARD and x is not None:
         use = _unknown_log_use(ctx, ev, x)
     if use is None and x is None:  # named by its node alone: the graph says what it took
         use = _unread_log_use(ctx, ev)
@@ -599,6 +601,70 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         fix=use.fix if use is not None else _LOG_FIX,
         **({"title": use.title} if use is not None and use.title else {}),
     )
+
+
+#: autograd nodes (base names) of a product along a dimension
+_PRODUCTS = {"Cumprod": "cumprod", "Prod": "prod"}
+
+
+def _product_underflow_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
+    """The log's argument, in [0, 1] with exact zeros, is read from a watched output made
+    by a product along a dimension (``torch.cumprod(1 - h, -1)``: a survival curve,
+    ``p.prod(-1)``: a sequence likelihood) that holds the same exact zeros: a product of many
+    factors below 1 underflows to 0 past the dtype's smallest subnormal. The log of the
+    product is the sum of the logs, which never forms the 0."""
+    if not (has_zero(x) and x.min == 0 and x.max <= 1):
+        return None
+    for r in ctx.records(Phase.FORWARD):
+        kind = _PRODUCTS.get(node_base(r.grad_fn or ""))
+        st = r.stat
+        if kind is None or not r.role.startswith("output") or st is None:
+            continue
+        if not (st.min == 0 and st.max <= 1 and st.numel >= x.numel and has_zero(st)):
+            continue
+        lim = limits(r.dtype)
+        if lim is None:
+            continue
+        zeros = f"{st.zeros:,} exact zeros" if st.zeros else "exact zeros"
+        made = (
+            f"{r.path}'s output is a {kind} ({r.grad_fn}) of factors in [0, 1] and holds "
+            f"{zeros} (max {fmt(st.max)})"
+        )
+        sums = "torch.cumsum" if kind == "cumprod" else "torch.sum"
+        halves = math.ceil(-math.log2(lim.subnormal)) + 2  # 0.5 ** halves is below it: 0
+        if kind == "cumprod":
+            ways = (
+                "log_s = torch.cumsum(F.logsigmoid(-z), dim=-1)   # for torch.cumprod(1 - "
+                "torch.sigmoid(z), dim=-1): logsigmoid(-z) is log(1 - sigmoid(z))\n"
+                "log_s = torch.cumsum(torch.log1p(-h), dim=-1)    # for torch.cumprod(1 - h, "
+                "dim=-1) of a probability h\n"
+            )
+        else:
+            ways = (
+                "log_s = torch.log(p).sum(-1)   # for p.prod(-1) of probabilities p\n"
+                "log_s = F.log_softmax(logits, -1).gather(-1, idx).sum((-2, -1))   # for picks "
+                "of a softmax, p = softmax(logits).gather(-1, idx): the logs from the logits\n"
+            )
+        return _LogUse(
+            "product",
+            fix=(
+                f"# in {r.path}'s forward: take the log before the {kind}, and sum: "
+                f"log({kind}(p)) = {sums}(log(p))\n{ways}"
+                "# then use log_s where the code takes torch.log of the product; not a floor: "
+                f"{_log_tiny(ev.dtype, ev.op)} is a wrong value with no gradient"
+            ),
+            why=(
+                f"Its input holds {_zeros_text(x, 'log')}, and {made}. A product of many "
+                f"factors below 1 shrinks geometrically: past {fmt(lim.subnormal)}, the "
+                f"smallest {r.dtype} value, it is exactly 0 (0.5 ** {halves} already is in "
+                f"{r.dtype}), so its log is -inf even though every factor is positive. The log "
+                "of a product is the sum of the logs of its factors: computed that way it "
+                "stays finite (a sum of many negative numbers) and keeps its gradient."
+            ),
+            evidence=f"{made}: a product that underflowed, below {fmt(lim.subnormal)} in {r.dtype}",
+            title="Log of a product that underflowed to 0",
+        )
+    return None
 
 
 def _unread_log_use(ctx: RuleContext, ev: OpEvent) -> _LogUse | None:
@@ -870,6 +936,52 @@ def _floored_line(ev: OpEvent) -> str | None:
 _RELU_NODES = ("Relu", "Threshold", "Relu6", "Hardtanh")
 
 
+def _unmeasured_relu_zero_use(
+    ctx: RuleContext, ev: OpEvent, r: Record, x: TensorStat
+) -> _LogUse | None:
+    """The log's zeros are the output ``r`` of a ReLU that was not measured (watch mode
+    links a ReLU's output to its input, measured where it was made), whose input, of the
+    log input's size, is <= 0 in every value: the ReLU makes all of it exactly 0."""
+    if not (node_base(r.grad_fn or "") in _RELU_NODES or r.module_type == "ReLU"):
+        return None
+    if x.max != 0:
+        return None
+    pre = ctx.trace.resolve(r)
+    ps = pre.stat
+    if pre is r or ps is None or ps.numel != x.numel or ps.max > 0 or not math.isfinite(ps.min):
+        return None
+    of = f"{pre.path}'s {pre.role}" + (f" ({pre.module_type})" if pre.module_type else "")
+    made = (
+        f"{r.path}'s output is a ReLU of {of}, which is negative or 0 in every value "
+        f"(max {fmt(ps.max)})"
+    )
+    if r.module_type == "ReLU":
+        swap = (
+            f"# {r.path} is an nn.ReLU: for a predicted positive quantity put nn.Softplus() in "
+            "its place (or F.softplus(raw) + 1e-6 in a forward): positive, never exactly 0"
+        )
+    else:
+        swap = (
+            f"# {r.path}'s output is a ReLU output: for a predicted positive quantity use "
+            "F.softplus(raw) + 1e-6 in place of F.relu(raw): positive, never exactly 0"
+        )
+    return _LogUse(
+        "relu",
+        fix=(
+            f"{swap}\n# not a floor on the log: {_log_tiny(ev.dtype, ev.op)} is a wrong "
+            "value, and the ReLU's gradient is still 0"
+        ),
+        why=(
+            f"Its input holds {_zeros_text(x, 'log')}, and {made}: the ReLU makes all "
+            f"{ps.numel:,} values exactly 0. A ReLU is exactly 0 for every negative input, "
+            "so a predicted positive quantity (a mean, a rate, a scale) made with it is 0 "
+            "whenever its pre-activation is negative, and its gradient there is 0 too: it "
+            "never recovers. Softplus is positive everywhere and keeps a gradient."
+        ),
+        evidence=f"{made}: the ReLU makes all {ps.numel:,} values exactly 0",
+    )
+
+
 def _relu_zero_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
     """The log's zeros are a watched module's output that is exactly 0 everywhere, made by
     a ReLU: its autograd node is one (``ReluBackward0``), the module is an ``nn.ReLU``, or
@@ -878,6 +990,11 @@ def _relu_zero_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | No
     softplus keeps it positive."""
     if x.min < 0 or not has_zero(x):
         return None
+    for r in ctx.records(Phase.FORWARD):
+        if r.role.startswith("output") and r.stat is None:
+            use = _unmeasured_relu_zero_use(ctx, ev, r, x)
+            if use is not None:
+                return use
     outs = [r for r in ctx.records(Phase.FORWARD) if r.role.startswith("output") and r.stat]
     for r in outs:
         st = r.stat
@@ -5552,6 +5669,12 @@ class _Difference:
     left: str  #: the subtraction's operands (``1``, ``ab``)
     right: str
     cast: str | None  #: the user's line with the subtraction's tensor operands in float32
+    #: the name the denominator reads, assigned the difference on an earlier line (``var``)
+    name: str | None = None
+    #: that assignment computed two-pass (``var = ((x - m) ** 2).mean(-1)``), when the
+    #: difference is a variance as E[x²] - E[x]²; and the values it is the variance of
+    two_pass: str | None = None
+    values: str | None = None
 
 
 def _narrow_difference(ev: OpEvent) -> _Difference | None:
@@ -5573,7 +5696,7 @@ def _narrow_difference(ev: OpEvent) -> _Difference | None:
         None,
     )
     if sub is None:
-        return None
+        return _named_difference(ev, divisor, tree)
     left, right = ast.unparse(sub.left), ast.unparse(sub.right)
     consts = [isinstance(o, ast.Constant) for o in (sub.left, sub.right)]
     if all(consts):
@@ -5588,6 +5711,57 @@ def _narrow_difference(ev: OpEvent) -> _Difference | None:
         widened = f"{wide(sub.left, left)} - {wide(sub.right, right)}"
         cast = _rewrite_divisor(ev.code, lambda d: d.replace(seg, widened, 1))
     return _Difference(divisor, left, right, cast)
+
+
+def _named_difference(ev: OpEvent, divisor: str, tree: ast.AST) -> _Difference | None:
+    """The denominator reads a name that an earlier line of the function assigned a
+    difference of tensors (``var = (x * x).mean(-1) - mean * mean`` before
+    ``/ torch.sqrt(var)``)."""
+    names = [
+        n.id
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Name) and n.id not in ("torch", "math", "F", "self")
+    ]
+    for name in dict.fromkeys(names):
+        value = _assigned_value(ev.source, name)
+        try:
+            node = ast.parse(value.strip(), mode="eval").body if value else None
+        except SyntaxError:
+            continue
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Sub)):
+            continue
+        if isinstance(node.left, ast.Constant) and isinstance(node.right, ast.Constant):
+            continue
+        left, right = ast.unparse(node.left), ast.unparse(node.right)
+        var = _two_pass_variance(name, node.left, node.right)
+        return _Difference(
+            divisor,
+            left,
+            right,
+            None,
+            name=name,
+            two_pass=var[0] if var else None,
+            values=var[1] if var else None,
+        )
+    return None
+
+
+def _two_pass_variance(name: str, left: ast.expr, right: ast.expr) -> tuple[str, str] | None:
+    """``name = ((x - m) ** 2).mean(dims)`` for ``name = (x * x).mean(dims) - m * m``: the
+    variance as the mean of squared deviations, never negative and exact for nearly
+    constant x, where E[x²] - E[x]² subtracts two nearly equal numbers; and ``x``."""
+    if not (
+        isinstance(left, ast.Call)
+        and isinstance(left.func, ast.Attribute)
+        and left.func.attr == "mean"
+    ):
+        return None
+    xs, ms = _squared(left.func.value), _squared(right)
+    if xs is None or ms is None:
+        return None
+    x, m = ast.unparse(xs), ast.unparse(ms)
+    args = ", ".join([ast.unparse(a) for a in left.args] + [ast.unparse(k) for k in left.keywords])
+    return f"{name} = (({x} - {m}) ** 2).mean({args})", x
 
 
 def _cancelled_denominator(
@@ -5608,9 +5782,12 @@ def _cancelled_denominator(
         m = re.search(r"(?<![\w.])self\.[A-Za-z_]\w*", value or "")
         if m:
             state.append(f"{o} is read from {m.group(0)}")
+    if d.two_pass is not None:
+        return _cancelled_variance(ctx, a, ev, d, d.two_pass, evidence=evidence, title=title)
+    made = f"reads {d.name} = {d.left} - {d.right}, made" if d.name else "is made by"
     evidence.insert(
         1,
-        f"the denominator {d.divisor} is made by {d.left} - {d.right} in {ev.dtype}: it is 0 "
+        f"the denominator {d.divisor} {made} {d.left} - {d.right} in {ev.dtype}: it is 0 "
         f"where the two are equal in {ev.dtype}, whose eps is {fmt(lim.eps)}: numbers less than "
         f"eps·|x| apart can round to the same value (every x within {half} of 1 is 1.0)",
     )
@@ -5646,6 +5823,69 @@ def _cancelled_denominator(
             "diffusion schedule at the first timesteps, 1 - β of a momentum near 1. x/0 is "
             "±inf. The zero is the dtype's, not the data's: compute that difference, and the "
             "values it is made from, in float32."
+        ),
+        fix="\n".join(lines),
+    )
+
+
+def _cancelled_variance(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    d: _Difference,
+    two_pass: str,
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """The zero denominator is the square root of a variance computed as E[x²] - E[x]² in a
+    16-bit dtype: two nearly equal numbers, each rounded by more than the variance when the
+    mean is large against the spread, cancel to 0 (or below it: sqrt is NaN)."""
+    lim = limits(ev.dtype)
+    assert lim is not None
+    assert d.name is not None
+    x = d.values or "x"
+    evidence.insert(
+        1,
+        f"the denominator {d.divisor} reads {d.name} = {d.left} - {d.right} in {ev.dtype}: a "
+        f"variance as E[x²] - E[x]², two nearly equal numbers when the mean is large against "
+        f"the spread; {ev.dtype} rounds each by up to {fmt(lim.eps / 2)} of itself (eps "
+        f"{fmt(lim.eps)} / 2), more than the variance, so it cancels to 0",
+    )
+    name = re.escape(d.name)
+    floor = f"{d.name} + 1e-5"
+    div = re.sub(rf"\(\s*{name}\s*\)", f"({floor})", d.divisor, count=1)
+    if div == d.divisor:
+        div = re.sub(rf"(?<![\w.]){name}(?!\w)", f"({floor})", d.divisor, count=1)
+    eps_line = _rewrite_divisor(ev.code, lambda t: t.replace(d.divisor.strip(), div.strip(), 1))
+    lines = [
+        f"{two_pass}   # two-pass: the mean of squared deviations, never negative, exact for "
+        "values that barely vary",
+        (
+            f"{eps_line}   # and an eps inside the sqrt (LayerNorm's 1e-5): a row that does "
+            "not vary at all has variance 0"
+            if eps_line and eps_line != ev.code
+            else f"# and an eps inside the sqrt ({floor}, LayerNorm's): a row that does not "
+            "vary at all has variance 0"
+        ),
+        f"# or F.layer_norm({paren(x)}.float(), {paren(x)}.shape[-1:]) for the whole "
+        "normalization (over the last dim): float32 "
+        "statistics, two-pass, with eps",
+        "# not .clamp_min(eps) on the denominator: it divides by eps instead of the true spread",
+    ]
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: a {ev.dtype} variance as E[x²] - E[x]² cancelled to 0",
+        evidence=evidence,
+        explanation=(
+            f"The denominator is the square root of a variance computed as E[x²] - E[x]² in "
+            f"{ev.dtype}. When the mean is large against the spread (activations far from 0 "
+            f"that vary little), E[x²] and E[x]² are nearly equal, and {ev.dtype}, with eps "
+            f"{fmt(lim.eps)}, rounds each by more than their difference: the variance comes "
+            "out 0, or negative (sqrt of it is NaN), for rows that do vary. x/0 is ±inf and "
+            "0/0 NaN. The mean of squared deviations, ((x - mean) ** 2).mean(), subtracts "
+            "before squaring and has no such cancellation (torch.var and LayerNorm compute it "
+            "so); float32 statistics and an eps inside the sqrt make it safe."
         ),
         fix="\n".join(lines),
     )

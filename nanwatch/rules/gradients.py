@@ -21,7 +21,16 @@ import torch
 
 from nanwatch import _frames
 from nanwatch.localize import hook_op, localize, user_hook
-from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, Note, Phase, Record, StepTrace
+from nanwatch.records import (
+    LOSS_PATH,
+    Anomaly,
+    AnomalyKind,
+    Note,
+    Phase,
+    Record,
+    StepTrace,
+    TensorStat,
+)
 from nanwatch.rules._evidence import (
     anomaly_fields,
     count,
@@ -4107,24 +4116,14 @@ def _loss_at_minimum(
     )
 
 
-def _zero_output(ctx: RuleContext, top: str, names: str, need: int) -> Diagnosis | None:
+def _zero_output(
+    ctx: RuleContext, top: str, names: str, need: int, *, itself: bool = True
+) -> Diagnosis | None:
     """The zero starts at a module whose output is exactly 0 everywhere while its input is
     not (and holds positive values: no dead ReLU): it receives a non-zero gradient and
     passes back 0. In float16 the usual maker is x / inf, a sum or a count past 65504."""
     trace = ctx.trace
-    fwd = next(
-        (
-            r
-            for r in trace.records
-            if r.phase is Phase.FORWARD and r.path == top and r.stat is not None
-        ),
-        None,
-    )
-    if fwd is None or fwd.stat is None or not fwd.stat.finite or not fwd.stat.max > 0:
-        return None
-    for inp in trace.records:
-        if inp.phase is not Phase.INPUT or inp.source != fwd.index or inp.path == top:
-            continue
+    for inp, fed in _zero_output_candidates(trace, top, itself=itself):
         outs = [
             trace.resolve(r)
             for r in trace.records
@@ -4152,9 +4151,14 @@ def _zero_output(ctx: RuleContext, top: str, names: str, need: int) -> Diagnosis
             f"the zero starts at {m.path}: the gradient of its output is not 0 (up to "
             f"{fmt(g)}), the gradient it passes back to {top} is exactly 0",
             f"{m.path}'s output is exactly 0 everywhere ({m.dtype}, shape {list(m.shape)}) "
-            f"while its input spans {fmt(fwd.stat.min)} to {fmt(fwd.stat.max)}: its output "
+            f"while its input spans {fmt(fed.min)} to {fmt(fed.max)}: its output "
             "does not depend on its input",
         ]
+        if m.path == top:  # the module that makes the zero is the dead one itself
+            evidence[1] = (
+                f"the zero starts at {top} itself: the gradient of its output is not 0 (up "
+                f"to {fmt(g)}), its own weights' gradients are exactly 0"
+            )
         if lim is not None and lim.short_range:
             evidence.append(
                 f"{m.path} computes in {m.dtype}: a sum or a count past {fmt(lim.max)} "
@@ -4178,6 +4182,22 @@ def _zero_output(ctx: RuleContext, top: str, names: str, need: int) -> Diagnosis
                 "# (a mask or factor that is 0, a division by a huge or infinite value)"
             )
             cause = "A mask or factor that is 0 everywhere, or a division by an inf, does it."
+            half = low_precision("float16")
+            amax = fed.magnitude
+            if half is not None and math.isfinite(amax) and amax * amax > half.max:
+                # a cast inside the forward (x.half()) is not seen by the records: its input
+                # tells whether squares of it fit float16
+                root = math.sqrt(half.max)
+                evidence.append(
+                    f"its input reaches |x| = {fmt(amax)}: if {m.path} computes in float16 "
+                    f"inside (x.half()), x ** 2 is inf above {fmt(root)} = sqrt({fmt(half.max)}"
+                    "), and x / inf or rsqrt(inf) is 0"
+                )
+                fix += (
+                    f"\n# if it casts to float16 inside: its input reaches {fmt(amax)}, whose "
+                    f"square passes {fmt(half.max)}; take the mean of squares (a norm, a "
+                    "variance) in float32: x.float().pow(2).mean(-1, keepdim=True)"
+                )
         return ctx.diagnosis(
             title="Zero gradients: a module's output is exactly 0 whatever its input",
             path=m.path,
@@ -4191,6 +4211,35 @@ def _zero_output(ctx: RuleContext, top: str, names: str, need: int) -> Diagnosis
             fix=fix,
         )
     return None
+
+
+def _zero_output_candidates(
+    trace: StepTrace, top: str, *, itself: bool
+) -> Iterator[tuple[Record, TensorStat]]:
+    """The input records of the calls that may make a zero everywhere for the dead ``top``,
+    with the finite, partly positive values they were given: each call that took ``top``'s
+    output, then (``itself``) ``top``'s own call (a module with weights of its own whose
+    output is 0: its weights' gradients are 0 too)."""
+    fwd = next(
+        (
+            r
+            for r in trace.records
+            if r.phase is Phase.FORWARD and r.path == top and r.stat is not None
+        ),
+        None,
+    )
+    if fwd is not None and fwd.stat is not None and fwd.stat.finite and fwd.stat.max > 0:
+        for inp in trace.records:
+            if inp.phase is Phase.INPUT and inp.source == fwd.index and inp.path != top:
+                yield inp, fwd.stat
+    calls = {c.id for c in trace.calls if c.path == top} if itself else set()
+    for inp in trace.records:
+        if inp.phase is not Phase.INPUT or inp.call not in calls:
+            continue
+        st = trace.resolve(inp).stat
+        if st is not None and st.finite and st.max > 0:
+            yield inp, st
+            return
 
 
 def _loss_entries(trace: StepTrace) -> set[int]:
@@ -4307,7 +4356,10 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
             yield _loss_term_note(ctx, top, off, len(ctx.history) + 1)
         return
     traces = [*ctx.history[-(need - 1) :], ctx.trace] if need > 1 else [ctx.trace]
-    found = _flat_loss(ctx, traces, names) or _zero_output(ctx, top, names, need)
+    # the dead module's own output 0 whatever its input: unless one update threw its
+    # weights there (the jolt, below, says which and by how much)
+    itself = _jolt(ctx, set(dead)) is None
+    found = _flat_loss(ctx, traces, names) or _zero_output(ctx, top, names, need, itself=itself)
     if found is not None:
         yield found
         return
