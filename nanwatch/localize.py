@@ -2158,6 +2158,11 @@ def summarize(anomaly: Anomaly) -> str:
         base = f"{what} {leaf}{rest}"
         op = None  # no op made it: the leaf held it before the op read it
     extra: list[str] = []
+    if anomaly.state_written:
+        extra.append(
+            f"a replay ran clean, but the forward wrote {', '.join(anomaly.state_written[:4])} "
+            "in place: the replay started from the values it wrote, not the ones it read"
+        )
     if op is not None:
         op = op.chain()[0]  # the birth of the first non-finite value (log's -inf, not neg's +inf)
         made = _leading_kinds(base)

@@ -210,6 +210,9 @@ class Record:
     #: a gradient (``BACKWARD``) computed by ``torch.autograd.grad`` (an input saliency, a
     #: gradient penalty, an attack), not by the training ``backward()``
     by_grad: bool = False
+    #: its place among the records of every watcher of the process, in the order they were
+    #: made (host-side, not saved): nested watchers that read late are ordered by it
+    seq: int = field(default=-1, repr=False)
 
     @property
     def bad(self) -> bool:
@@ -465,6 +468,9 @@ class Anomaly:
     parameter: str | None = None
     #: when a replay of the same computation ran clean: a transient (hardware, race) suspect.
     transient: bool | None = None
+    #: the module's own buffers (``vq.inv_scale``) its forward wrote in place when a replay
+    #: of it ran clean: the replay started from what it wrote, not what it read (NW405)
+    state_written: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -481,6 +487,7 @@ class Anomaly:
             "consumer": self.consumer,
             "parameter": self.parameter,
             "transient": self.transient,
+            **({"state_written": list(self.state_written)} if self.state_written else {}),
         }
 
     @classmethod
@@ -501,6 +508,7 @@ class Anomaly:
             consumer=d.get("consumer"),
             parameter=d.get("parameter"),
             transient=d.get("transient"),
+            state_written=list(d.get("state_written", [])),
         )
 
 

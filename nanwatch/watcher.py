@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import linecache
 import math
 import numbers
@@ -368,6 +369,7 @@ class _Frame:
         "rng",
         "site",
         "versions",
+        "weights",
     )
 
     def __init__(
@@ -385,6 +387,9 @@ class _Frame:
         #: a root call's caller, as it stood when the call began (see _site_at), when its
         #: statistics are read after it returned (the accelerator path)
         self.site: _FrameAt | None = None
+        #: a root call's watched weights' version counters as it began, when its statistics
+        #: are read after it returned (see Watcher._weights_written_since)
+        self.weights: tuple[tuple[int, int | None], ...] | None = None
         #: a root call's autocast state as it began (see _compat.autocast_state), when its
         #: statistics are read after it returned: a replay then runs under it again
         self.autocast: tuple[tuple[str, torch.dtype], ...] = ()
@@ -639,6 +644,7 @@ class Watcher:
         self._attach_versions: dict[int, int] = {}
         self._pinpointed: set[str] = set()  #: module paths replayed for an anomaly
         self._first_bad: StepTrace | None = None
+        self._attach_order = -1  # see attach
         self.anomalies: list[Anomaly] = []
         self.first_anomaly: Anomaly | None = None
         #: internal errors caught in nanwatch's own hooks: (hook, message)
@@ -763,6 +769,9 @@ class Watcher:
         self._cycle_open = True
         #: an optimizer updated watched weights in this run (see :meth:`_discarded`)
         self._ever_updated = False
+        #: read late, the weights' version counters when a step's end last found them all
+        #: finite (see :meth:`_weights_written_since`); None when not known
+        self._weights_checked: tuple[tuple[int, int | None], ...] | None = None
         self._reset_step()
 
     # ------------------------------------------------------------------ public API
@@ -859,6 +868,7 @@ class Watcher:
         self._tree = self._tree_of() if full_hooks and not self.global_hooks else None
         self._tree_step = -1
         self._attached = True
+        self._attach_order = next(_RECORD_ORDER)  # nested watchers read in this order
         _live.add(self)
         self._thread = threading.get_ident()
         self._dynamo_at_attach = _dynamo_frames() or 0
@@ -1473,6 +1483,7 @@ class Watcher:
                     # model (a few frames' lines, no read of any value)
                     frame.site = _site_at(sys._getframe(1))
                     frame.autocast = autocast_state()
+                    frame.weights = self._weight_versions()
                     if self._params:  # a step run on a stream of the user's own
                         note_stream(self._params[0][2].device)
             if self._new_trigger is not None:
@@ -1674,6 +1685,8 @@ class Watcher:
         self._root_out_ptrs: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[int, int]] = {}
         self._stack = []
         self._root_frames: dict[str, _Frame] = {}  # path -> its latest finished root call
+        #: the functional loss's call and where backward() began on it (see _record_loss)
+        self._loss_at: tuple[Call, _FrameAt | None] | None = None
         self._state_writes: dict[int, list[str]] = {}  # call id -> own buffers it wrote
         self._pending = []
         self._prefetched = []
@@ -1813,6 +1826,7 @@ class Watcher:
             source,
             module_type,
         )
+        rec.seq = next(_RECORD_ORDER)
         self._idx += 1
         self._trace.records.append(rec)
         return rec
@@ -3389,6 +3403,10 @@ class Watcher:
         rec.version = _version(t)
         self._measure(rec, t)
         call.end = self._idx
+        # read after backward() returned (the accelerator path, the post-mortem), the frame
+        # that ran it (a helper's, whose ``model`` argument is its own) is gone: kept now,
+        # as a root call's site is (a few frames' lines, once a step)
+        self._loss_at = (call, _site_at(sys._getframe(1)))
         self._known[id(t)] = (weakref.ref(t), rec.index, rec.version, False)
         scaled = self._scaled_out
         if scaled is not None and scaled() is t:
@@ -4248,7 +4266,7 @@ class Watcher:
             self._first_bad = done
         self._step += 1
         self._reset_step()
-        self._act(done)
+        self._act(done, kept=kept)
         return done
 
     def _last_update_checked(self) -> bool:
@@ -4334,6 +4352,9 @@ class Watcher:
                         self._check_before_update(trace)
             if weigh:  # weights made non-finite by this step's update
                 self._check_params(at_end=True, all_records=self._forensic, values=weights)
+                if self._read_late():
+                    bad = any(r.phase is Phase.PARAMETER and r.bad for r in trace.records)
+                    self._weights_checked = None if bad else self._weight_versions()
         else:  # the device is gone: statistics still on it are unknown, not NaN
             for rec, *_ in self._pending + self._pending_grads:
                 rec.stat = None
@@ -4609,6 +4630,8 @@ class Watcher:
             # unless the bad value's call began after the step's last update (an evaluation
             # after optimizer.step()): it computed with the weights as they are now
             and not (self._applied and self._read_late() and not self._after_update(trace, anomaly))
+            # nor after a write of the weights with no optimizer (a hand-written update)
+            and not self._weights_written_since(trace, anomaly)
         ):
             with contextlib.suppress(Exception):
                 self._check_params(at_end=False)
@@ -4656,6 +4679,29 @@ class Watcher:
         """A call that began after the step's last optimizer update recorded a NaN/inf."""
         later = {c.id for c in trace.calls[self._applied_calls :]}
         return bool(later) and any(r.bad and r.call in later for r in trace.records)
+
+    def _weight_versions(self) -> tuple[tuple[int, int | None], ...]:
+        """The watched weights, each with its version counter (host-side, no device read):
+        an in-place write of a weight (``w.sub_(lr * w.grad)``, an optimizer's) moves it."""
+        return tuple((id(p), _version(p)) for _, _, p in self._params)
+
+    def _weights_written_since(self, trace: StepTrace, anomaly: Anomaly) -> bool:
+        """Read late (the accelerator path's step end), the weights were written in place
+        after the root call that recorded ``anomaly`` began (a hand-written update, no
+        optimizer: nothing was read before it), and that call computed with the weights the
+        last step's end found finite, unwritten since: the weights now are not those it
+        computed with, and the end of the step checks them itself."""
+        if trace is not self._trace or not self._read_late() or self._weights_checked is None:
+            return False
+        call = trace.call(anomaly.record.call)
+        while call is not None and not call.root and call.parent is not None:
+            call = trace.call(call.parent)
+        frame = self._root_frame(call) if call is not None else None
+        began = frame.weights if frame is not None else None
+        if began is None or began != self._weights_checked:
+            return False
+        now = self._weight_versions()  # the same weights (a replay may add one), written
+        return [i for i, _ in now] == [i for i, _ in began] and now != began
 
     def _after_update(self, trace: StepTrace, anomaly: Anomaly) -> bool:
         """The call that recorded ``anomaly`` began after the step's last optimizer update
@@ -5199,14 +5245,10 @@ class Watcher:
             for n in written
         ]
         self.note("module_state", target.path, tensors=tensors, overwritten=True)
+        # a field, not words added to the summary: a later summary (the propagators counted
+        # at the step's end) says it again
+        anomaly.state_written = [f"{target.path}.{n}" for n in written]
         anomaly.summary = summarize(anomaly)
-        base, sep, rest = anomaly.summary.partition(" [")
-        listed = ", ".join(f"{target.path}.{n}" for n in written[:4])
-        anomaly.summary = (
-            f"{base} [a replay ran clean, but the forward wrote {listed} in place: the "
-            "replay started from the values it wrote, not the ones it read"
-            f"{'; ' + rest.removesuffix(']') if sep else ''}]"
-        )
 
     def _pinpoint_own_backward(self, anomaly: Anomaly) -> None:
         """A gradient went bad in the backward of a module's own code, between its children
@@ -5963,16 +6005,19 @@ class Watcher:
         names: the innermost frame that holds one names it in the fixes' code, unless that
         frame also defines the generic name. Comments are left as they are.
 
-        Read after the calls (the accelerator path), the line that called the model has
-        moved on: the user's frame kept as the anomaly's root call began comes first, as
-        it would at the call (``trace``: the step read)."""
+        Read after the calls (the accelerator path, the post-mortem), the line that called
+        the model has moved on: the user's frame kept as the anomaly's root call began (or,
+        for the loss code, as backward() began on it) comes first, as it would at the call
+        (``trace``: the step read)."""
         frames: list[Any] = []
         anomaly = trace.anomaly if trace is not None else None
-        if anomaly is not None and trace is self._trace and self._read_late():
+        if anomaly is not None and trace is self._trace:
             call = trace.call(anomaly.record.call)
             while call is not None and not call.root and call.parent is not None:
                 call = trace.call(call.parent)
-            site = self._late_site(call)
+            site = self._late_site(call) if self._read_late() else None
+            if site is None and self._loss_at is not None and self._loss_at[0] is call:
+                site = self._loss_at[1]  # the loss code's: where backward() ran on it
             at_call = _frames.user_frame(site) if site is not None else None  # type: ignore[arg-type]
             if at_call is not None:
                 frames.append(at_call)
@@ -6020,11 +6065,20 @@ class Watcher:
                         and any(id(p) in watched for g in value.param_groups for p in g["params"])
                     ):
                         wanted["optimizer"] = value
+
+        def defined_in(f: Any) -> set[str]:
+            names = {k for names in scopes(f) for k in names if isinstance(k, str)}
+            if isinstance(f, _FrameAt) and not f.running:
+                # kept as the call began and returned since, its locals are gone; its code
+                # still says which names are its own (a helper's ``model`` argument)
+                names |= set(f.f_code.co_varnames) | set(f.f_code.co_cellvars)
+            return names
+
         renames: dict[str, str] = {}
         for generic, obj in wanted.items():
             inner: set[str] = set()  # names of the frames nearer the anomaly than this one
             for f in frames:
-                defined = {k for names in scopes(f) for k in names if isinstance(k, str)}
+                defined = defined_in(f)
                 name = _name_in_frame(f, obj)
                 if name is None:
                     inner |= defined
@@ -6045,9 +6099,10 @@ class Watcher:
                 if kept:
                     d.fix = _renamed(d.fix, kept)
 
-    def _act(self, trace: StepTrace) -> None:
+    def _act(self, trace: StepTrace, *, kept: StepTrace | None = None) -> None:
         """Apply ``on_anomaly`` once per step, to a localized anomaly or an error-severity
-        diagnosis; say each early warning once."""
+        diagnosis; say each early warning once. ``kept``: the first bad step before
+        ``trace`` ended (see :meth:`_earlier_elsewhere`)."""
         if self._quiet or self._acted_step == trace.step:
             return
         self._announce(trace)
@@ -6067,13 +6122,73 @@ class Watcher:
                 torch.autograd.set_detect_anomaly(False)
             err = AnomalyError(message, anomaly=anomaly, diagnoses=trace.diagnoses)
             err._nanwatch_owner = id(self)  # type: ignore[attr-defined]  # see _on_exception
+            if anomaly is not None and self._read_late():
+                earlier = self._earlier_elsewhere(trace, anomaly, kept)
+                if earlier is not None:
+                    raise earlier
             raise err
+
         if policy == "warn" and not self._warned:
             self._warned = True
             # safe: under -W error (a CI smoke test) the warning would raise inside a hook,
             # read as nanwatch's own fault, and switch the hook off for the rest of the run;
             # on_anomaly="warn" asked to go on, so it goes to stderr then
             _frames.warn_at_user(message, safe=True)
+
+    def _earlier_elsewhere(
+        self, trace: StepTrace, mine: Anomaly, kept: StepTrace | None
+    ) -> AnomalyError | None:
+        """Read late (before an update, at a step's end or the exit), ``mine`` is about to
+        be raised; another watcher attached on this thread (nested watchers: a GAN's
+        generator and discriminator, which see the same tensors) may hold unread statistics
+        of the same step. On the CPU the first hook to see a bad value raised, and stopped
+        the other watcher's run: so the others read theirs now, without acting, and the
+        anomaly whose first bad record was made first is raised. When another's came
+        first, this watcher takes back its own (``kept``: its first bad step before
+        ``trace`` ended) and that one's error is returned; otherwise the others take back
+        what they found, as they would when this one's error stops them."""
+        if mine.record.seq < 0 or self._in_backward:
+            return None  # inside backward: the hook that sees it first raises, as on the CPU
+        here = threading.get_ident()
+        found: list[tuple[Watcher, Anomaly]] = []
+        for w in sorted(_live, key=lambda w: w._attach_order):
+            held = w._trace.anomaly  # found already: its own step end acts on it
+            if (
+                w is self
+                or not w._attached
+                or w._forked
+                or w._in_backward
+                or w._thread != here
+                or not w._read_late()
+                or w.config.on_anomaly != "raise"
+                or held is not None
+            ):
+                continue
+            try:
+                w._late_trigger(act=False)
+            except Exception as exc:  # its statistics are read again at its step end
+                w._fault("flush", "read at another watcher's anomaly", exc)
+                continue
+            a = w._trace.anomaly
+            if a is not None and a.record.seq >= 0:
+                found.append((w, a))
+        first = min(found, key=lambda f: f[1].record.seq, default=None)
+        theirs: AnomalyError | None = None
+        winner: Watcher | None = None
+        if first is not None and first[1].record.seq < mine.record.seq:
+            try:
+                first[0]._act(first[0]._trace)
+            except AnomalyError as err:
+                theirs, winner = err, first[0]
+        for w, a in found:
+            if w is not winner:
+                w._forget(w._trace, a)
+        if theirs is not None:
+            self._forget(trace, mine)
+            if self._first_bad is trace:
+                self._first_bad = kept
+            trace.diagnoses = self._evaluate(trace)
+        return theirs
 
     def _announce(self, trace: StepTrace) -> None:
         """A :class:`nanwatch.NanwatchWarning` for each warning-severity code, the first time
@@ -6639,6 +6754,14 @@ class _FrameAt:
         self.f_back = back
 
     @property
+    def running(self) -> bool:
+        """A frame of the same code still runs (its names can be read)."""
+        f: Any = sys._getframe(1)
+        while f is not None and f.f_code is not self.f_code:
+            f = f.f_back
+        return f is not None
+
+    @property
     def f_locals(self) -> Any:
         f: Any = sys._getframe(1)
         free = self.f_code.co_freevars
@@ -6874,6 +6997,8 @@ _clip_tap = _ClipTap()
 
 #: the attached watchers of this process
 _live: weakref.WeakSet[Watcher] = weakref.WeakSet()
+#: the order records are made in, across the watchers of the process (``Record.seq``)
+_RECORD_ORDER = itertools.count()
 
 
 def _take_turns(attached: Watcher) -> None:

@@ -77,13 +77,6 @@ def test_an_anomaly_raised_at_the_exit_writes_its_post_mortem(tmp_path: Path) ->
     assert report.error is not None and report.error["class"] == "anomaly"
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason=(
-        "nothing is read at the generator's optimizer step: the inner watcher, exiting first,"
-        " reads the shared NaN gradient and claims it; it needs an order between watchers' "
-        "late reads"
-    )
-)
 def test_a_watcher_stopped_by_another_does_not_claim_its_anomaly(tmp_path: Path) -> None:
     torch.manual_seed(0)
     gen, disc = nn.Linear(2, 2), nn.Linear(2, 1)
@@ -99,6 +92,33 @@ def test_a_watcher_stopped_by_another_does_not_claim_its_anomaly(tmp_path: Path)
         opt_g.step()
     assert nw_g.first_anomaly is not None and nw_d.first_anomaly is None
     assert nw_d.first_bad_step is None
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+class _LogShifted(nn.Module):
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return (z - 100).log()  # NaN made in the discriminator's forward
+
+
+def test_the_watcher_whose_bad_value_came_first_claims_it_when_both_read_late(
+    tmp_path: Path,
+) -> None:
+    # the discriminator's forward makes a NaN, which backward takes into the generator:
+    # the generator's watcher reads it at its optimizer step, before the discriminator's
+    # watcher reads its own forward; on the CPU that forward's hook raised first
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 1), _LogShifted())
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    with (
+        pytest.raises(nanwatch.AnomalyError) as info,
+        _deferred(nanwatch.watch(gen, report_dir=str(tmp_path))) as nw_g,
+        _deferred(nanwatch.watch(disc, report_dir=str(tmp_path))) as nw_d,
+    ):
+        disc(gen(torch.randn(3, 2))).mean().backward()
+        opt_g.step()
+    assert nw_g.first_anomaly is None and nw_g.first_bad_step is None
+    a = nw_d.first_anomaly
+    assert a is not None and a.path == "1" and info.value.anomaly is a
     assert len(list(tmp_path.glob("*.json"))) == 1
 
 

@@ -124,12 +124,6 @@ def test_reptile_deepcopy_says_the_values_came_from_unwatched_code() -> None:
     assert "nanwatch.watch(clone)" in d.fix
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason=(
-        "a hand-written update with no optimizer: nothing is read before the step end, after "
-        "the update, which then finds the weights bad (NW301, not the forward's NW101)"
-    )
-)
 def test_hand_written_update_of_the_watched_model_still_says_so() -> None:
     torch.manual_seed(0)
     model, crit = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1)), nn.MSELoss()

@@ -69,12 +69,6 @@ def _diagnosed(nw: Any) -> list[str]:
     return [d.code for d in _trace(nw).diagnoses]
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason=(
-        "NW405 is given, but not the 'in place' wording of a replay that started from the "
-        "state the forward wrote (cause not found)"
-    )
-)
 @pytest.mark.parametrize("mode", ["watch", "sentinel"])
 def test_a_forward_that_read_state_it_then_overwrote_is_not_transient(
     tmp_path: Any, mode: str
