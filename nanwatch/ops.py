@@ -2786,6 +2786,25 @@ def _masked_input(
         return None
 
 
+def _in_run_order(nodes: list[Any]) -> list[Any]:
+    """``nodes`` in the order their forward ops ran: autograd numbers each node as it is
+    made (``_sequence_nr``), so of two branches of a loss (``mse + kl``) the op that ran
+    first comes first, not the one nearest the inputs. A producer is always numbered
+    before its consumers. ``nodes`` as given when a node has no number (older torch).
+
+    >>> x = torch.ones(1, requires_grad=True)
+    >>> a = x.exp()
+    >>> b = x.log()
+    >>> [name_of(n) for n in _in_run_order([b.grad_fn, a.grad_fn])]
+    ['ExpBackward0', 'LogBackward0']
+    """
+    try:
+        numbers = [int(n._sequence_nr()) for n in nodes]
+    except Exception:  # a node type without a number: the walk's order
+        return nodes
+    return [n for _, n in sorted(zip(numbers, nodes, strict=True), key=lambda p: p[0])]
+
+
 def graph_evidence(
     fn: Any,
     *,
@@ -2803,7 +2822,7 @@ def graph_evidence(
     (``self``, ``other``); ``output`` is ``fn``'s forward result (the loss), which tells
     what the last op made when its inputs were not saved; ``values`` gives the tensor a
     ``stop`` node made, for an input autograd did not save (the numerator of ``logits / t``
-    is the model's output). Events come nearest-to-the-inputs first. ``logs``, when given,
+    is the model's output). Events come in the order their ops ran. ``logs``, when given,
     gets what each log of the graph was taken of (:func:`made_from`): ``log(p)`` beside
     ``log(1 - p)`` is a binary cross-entropy written by hand."""
     names: list[str] = []
@@ -2818,7 +2837,7 @@ def graph_evidence(
     )
     loss_kinds = _kinds(output) if isinstance(output, torch.Tensor) else frozenset()
     leaf_said = False
-    for node in reversed(order):  # producers before consumers
+    for node in _in_run_order(order[::-1]):  # producers before consumers
         base = name_of(node).split("Backward")[0]
         names.append(base.lower())
         if logs is not None and base in ("Log", "Log2", "Log10"):

@@ -6045,6 +6045,21 @@ def _all_zero_difference(
             via = (name, made_by)
     elif node_base(str(ev.scalars.get("other_made_by", "")).split("<")[0]) != "Sub":
         return None
+    if isinstance(node, ast.BinOp) and divisor is not None:
+        zero = _zero_terms(ev, node)
+        if zero is not None:
+            return _zero_terms_denominator(
+                ctx,
+                a,
+                ev,
+                den,
+                _unwrapped(divisor),
+                node=node,
+                terms=zero,
+                via=via,
+                evidence=evidence,
+                title=title,
+            )
     dtype = ev.dtype or "float32"
     lim = limits(dtype) or limits("float32")
     assert lim is not None
@@ -6121,6 +6136,97 @@ def _all_zero_difference(
         explanation=(
             "Every value of this denominator is exactly 0, not a few: x/0 is ±inf and 0/0 is "
             "NaN everywhere it divides." + why
+        ),
+        fix="\n".join(lines),
+    )
+
+
+def _zero_terms(ev: OpEvent, diff: ast.BinOp) -> tuple[str, str] | None:
+    """A difference that subtracts the division's own numerator (``union = ap + at - inter``
+    for ``iou = inter / union``) where that numerator is 0 in every value: the difference
+    is 0 everywhere, so its other operand is exactly 0 everywhere too (``x - 0 == 0`` only
+    at ``x == 0``). Every term is 0, not two equal values that cancelled after rounding.
+    The numerator's text and the other operand's; None otherwise."""
+    one = _one_division(ev.code)
+    num = dict(ev.inputs).get("self")
+    if one is None or num is None or not (num.min == 0 and num.max == 0):
+        return None
+    text = ast.unparse(one[1].left)
+    left, right = ast.unparse(diff.left), ast.unparse(diff.right)
+    if right == text:
+        return text, left
+    if left == text:
+        return text, right
+    return None
+
+
+def _zero_terms_denominator(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    den: TensorStat,
+    divisor: str,
+    *,
+    node: ast.BinOp,
+    terms: tuple[str, str],
+    via: tuple[str, str] | None,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """0/0 where the denominator subtracts the numerator and both are 0 everywhere (an IoU
+    or Jaccard ``inter / (a + b - inter)`` of empty masks or boxes of zero area): the
+    terms are all 0, not cancelled. A floor (torchvision's box losses add eps to the
+    union) makes the quotient 0 there; the fix is in what left every term at 0."""
+    num, other = terms
+    diff = ast.unparse(node)
+    if via is not None:
+        name, made = via
+        at = _line_of(ev.source, made)
+        where = f" ({at.rpartition('/')[2]})" if at else ""
+        what = f"{name}, made as {made}{where},"
+    else:
+        name, made, what = divisor, None, f"{divisor}"
+    evidence.insert(
+        2,
+        f"the denominator {what} is 0 in all {den.numel:,} values, and it subtracts the "
+        f"numerator {num}, itself 0 in every value: {other} is 0 everywhere too, every term "
+        "is 0 (not a cancellation of equal values)",
+    )
+    typed = next(
+        (
+            n.id
+            for n in ast.walk(node)
+            if isinstance(n, ast.Name) and n.id not in ("torch", "F", "math", "np")
+        ),
+        None,
+    )
+    dt = f"{typed}.dtype" if typed is not None else f"torch.{ev.dtype or 'float32'}"
+    if made is not None:
+        rhs = made.split("=", 1)[1].strip()
+        floor: str | None = (
+            f"{name} = {paren(rhs)}.clamp_min(torch.finfo({dt}).eps)   # was {made}: "
+            f"{num} / eps is 0 where every term is 0; every use of {name} stays finite"
+        )
+    else:
+        floor = _rewrite_divisor(ev.code, lambda d: f"{paren(d)}.clamp_min(torch.finfo({dt}).eps)")
+        if floor is not None:
+            floor += f"   # {num} / eps is 0 where every term is 0"
+    lines = [floor] if floor is not None else []
+    lines.append(
+        f"# {other} and {num} are 0 in every value: find why every term is 0 (an empty mask, "
+        "a box of zero width or height, a ReLU output 0 everywhere)"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: every term of a difference is 0",
+        evidence=evidence,
+        explanation=(
+            f"Every value of this denominator is exactly 0, and so is the numerator: 0/0 is "
+            f"NaN everywhere it divides. {diff} subtracts the numerator {num}, which is 0 in "
+            f"every value, so {other} is exactly 0 as well: nothing cancelled after rounding, "
+            "every term is 0 (an overlap ratio of empty masks or of boxes of zero area). A "
+            "floor on the denominator, as torchvision's box IoU losses add eps to the union, "
+            "makes the ratio 0 there; why every term is 0 is what to fix."
         ),
         fix="\n".join(lines),
     )
