@@ -2240,11 +2240,12 @@ def _neginf_birth(anomaly: Anomaly, base: str) -> str:
     return f"{what} born in the forward of {first.path}{typ}, in its {src.role}{later}"
 
 
-def _in_child(anomaly: Anomaly, base: str) -> str:
+def _in_child(anomaly: Anomaly, base: str, *, below: bool = False) -> str:
     """A value the parent's code passed to a child (``conv(F.silu(norm(x)))``) held NaN or
     inf, and the replay traced the op that made it from finite values to another child's
     code (the norm, whose output nanwatch bounds by its input instead of measuring it):
-    that child is the producer, not the parent's own code."""
+    that child is the producer, not the parent's own code. ``below``: the watcher found the
+    op's module inside the parent's call (a root's children are not named after it)."""
     op, rec = anomaly.op, anomaly.record
     if (
         op is None
@@ -2257,14 +2258,49 @@ def _in_child(anomaly: Anomaly, base: str) -> str:
     path = first.path
     if first.phase is not Phase.FORWARD or first.injected or not first.born or path is None:
         return base
-    if not path.startswith(anomaly.path + ".") or path == rec.path:
+    if not (below or path.startswith(anomaly.path + ".")) or path == rec.path:
         return base  # the parent's own code, or the child that was given it
     if any(s is not None and not s.finite for _, s in first.inputs):
         return base
+    parent = anomaly.path
     anomaly.path, anomaly.origin = path, "module"
     return (
         f"{_kinds_text(rec)} born in the forward of {path}, then passed by the code of "
-        f"{path.rsplit('.', 1)[0]} to {rec.path} ({rec.role})"
+        f"{parent} to {rec.path} ({rec.role})"
+    )
+
+
+def born_below(anomaly: Anomaly, path: str, module_type: str) -> None:
+    """The replay of the anomaly's module traced the op that made its value from finite
+    values to ``path``, a module the watcher found inside that module's call (one whose
+    output it did not measure: a norm bounded by its input, or code between its children):
+    the anomaly moves to that innermost module, in its path and summary, which the rules
+    then quote. A -inf that came in is :func:`_neginf_birth`'s."""
+    op, rec = anomaly.op, anomaly.record
+    if op is None or anomaly.kind is not AnomalyKind.FORWARD or anomaly.neginf_source:
+        return
+    first = op.chain()[0]
+    if first.phase is not Phase.FORWARD or first.injected or not first.born:
+        return
+    if first.path != path or path == anomaly.path:
+        return
+    if any(s is not None and not s.finite for _, s in first.inputs):
+        return  # not born there from finite values
+    base, sep, rest = anomaly.summary.partition(" [")
+    if anomaly.origin == "between-children":
+        moved = _in_child(anomaly, base, below=True)
+        if moved is not base:
+            anomaly.summary = moved + sep + rest
+        return
+    head = " born in the forward of "
+    if anomaly.origin != "module" or head not in base:
+        return
+    what = base.split(head, 1)[0]
+    outer = anomaly.path
+    anomaly.path = path
+    typ = f" ({module_type})" if module_type else ""
+    anomaly.summary = (
+        f"{what}{head}{path}{typ}, inside {outer}; first seen in {rec.where}{sep}{rest}"
     )
 
 

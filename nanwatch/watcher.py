@@ -65,6 +65,7 @@ from nanwatch.errors import (
 )
 from nanwatch.localize import (
     adopt_backward_op,
+    born_below,
     forward_birth,
     is_birth,
     is_trigger,
@@ -5008,7 +5009,29 @@ class Watcher:
                 reproduced=first is not None,
             )
         self._pinpoint_neginf(anomaly, target, current, pre_hooks)
+        self._born_below(anomaly, meant)
         anomaly.summary = summarize(anomaly)
+
+    def _born_below(self, anomaly: Anomaly, meant: Call) -> None:
+        """The replay of ``meant`` traced the op that made the anomaly's value to a module
+        that ran inside that call (a root's children are not named after it, so the path
+        alone does not tell): the anomaly names that innermost module (see
+        :func:`nanwatch.localize.born_below`). Not when each of its calls there gave
+        outputs measured finite: the value the op made did not leave it."""
+        op = anomaly.op
+        path = op.chain()[0].path if op is not None else None
+        if path is None or path == meant.path:
+            return
+        outer = next((m for m, info in self._modules if info.path == meant.path), None)
+        inner = next((m for m, info in self._modules if info.path == path), None)
+        if outer is None or inner is None or not any(m is inner for m in outer.modules()):
+            return  # not a module inside it (the op of a shared module, or unknown)
+        trace = self._trace
+        ids = {c.id for c in trace.calls if c.path == path and self._under(c, meant)}
+        outs = [r for r in trace.records if r.call in ids and r.phase is Phase.FORWARD]
+        if outs and all(r.stat is not None and r.stat.finite for r in outs):
+            return
+        born_below(anomaly, path, type(inner).__name__)
 
     def _freed_producer(self, anomaly: Anomaly) -> nn.Module | None:
         """Read late (the accelerator path), the bad output's counts and finite max are
