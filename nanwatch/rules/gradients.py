@@ -3092,18 +3092,30 @@ def bad_param_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
         evidence.append("float16 gradients with inf: an overflow in backward")
     head, check = _grad_check(ctx)
     names = ctx.memo(ctx.trace, "loop_names", _loop_names)
+    explanation = (
+        "Backward produced a NaN or inf in a parameter's gradient. The next optimizer "
+        "step would write it into the weights (and Adam's moments keep it forever). "
+        "With low-precision gradients an overflow is the usual cause; otherwise an op "
+        "whose derivative is infinite at the current input (sqrt or pow at 0, log at 0, "
+        "acos at ±1)."
+    )
+    first = _nw302_first(ctx, a)
+    grew = _lr_divergence(ctx)
+    if grew is not None and user_hook(ctx.trace, a.record) is None:
+        # the gradients grew with each update up to this step: the lr, not an op, is the
+        # cause (the op that overflowed is only where the growth ran out of range)
+        evidence[1:1] = grew.evidence()
+        explanation = (
+            f"Backward produced a NaN or inf in a parameter's gradient after the gradients "
+            f"grew {_times(grew.growth)} or more with each update. " + grew.explanation()
+        )
+        first = grew.fix(names.optimizer) + "\n"
     yield ctx.diagnosis(
         **anomaly_fields(a),
         evidence=evidence,
-        explanation=(
-            "Backward produced a NaN or inf in a parameter's gradient. The next optimizer "
-            "step would write it into the weights (and Adam's moments keep it forever). "
-            "With low-precision gradients an overflow is the usual cause; otherwise an op "
-            "whose derivative is infinite at the current input (sqrt or pow at 0, log at 0, "
-            "acos at ±1)."
-        ),
+        explanation=explanation,
         fix=(
-            _nw302_first(ctx, a)
+            first
             + (
                 "scaler = torch.amp.GradScaler()        # low precision: skips overflowing steps\n"
                 if low
@@ -3426,6 +3438,171 @@ def _window_mins(
     return mins
 
 
+# ------------------------------------------------- gradients that grow with each update
+
+
+@dataclass(frozen=True)
+class _Divergence:
+    """Gradient norms that multiplied across consecutive updates of a plain (not
+    Adam-family) optimizer: the signature of a learning rate above gradient descent's
+    stable limit."""
+
+    optimizer: str  #: the class (``SGD``)
+    lrs: tuple[float, ...]  #: its param groups' learning rates at the last of those updates
+    steps: tuple[int, ...]  #: the steps whose gradient norms are compared, oldest first
+    norms: tuple[float, ...]  #: their total gradient norms
+    losses: tuple[float | None, ...]  #: their losses (None where not recorded)
+
+    @property
+    def growth(self) -> float:
+        """The smallest factor the gradient norm grew by across one of the updates."""
+        return min(b / a for a, b in itertools.pairwise(self.norms))
+
+    @property
+    def lr(self) -> float:
+        return max(self.lrs)
+
+    def evidence(self) -> list[str]:
+        n = len(self.norms) - 1
+        norms = " → ".join(fmt(g) for g in self.norms)
+        line = (
+            f"total gradient norm {norms} at steps {self.steps[0]} to {self.steps[-1]}: "
+            f"{_times(self.growth)} or more across each of {count(n, 'update')} of "
+            f"{self.optimizer} lr {', '.join(fmt(x) for x in dict.fromkeys(self.lrs))}"
+        )
+        first, last = self.losses[0], self.losses[-1]
+        if first is not None and last is not None and last > first:
+            line += f"; the loss rose from {fmt(first)} to {fmt(last)}"
+        size = self.lr * self.norms[-2]
+        return [
+            line,
+            f"the update at step {self.steps[-2]} had norm {fmt(size)} "
+            f"(lr {fmt(self.lr)} × gradient norm {fmt(self.norms[-2])})",
+        ]
+
+    def explanation(self) -> str:
+        r = self.growth
+        return (
+            f"The gradients multiply after every update: {self.optimizer} moves the weights "
+            "by lr × gradient, and a step longer than the loss's curvature allows "
+            "overshoots the minimum, lands where the gradient is larger, and takes a longer "
+            "step still. Gradient descent multiplies the gradient by about 1 - lr × "
+            f"curvature per step: a growth of {_times(r)} means lr × curvature is about "
+            f"{fmt(r + 1)}, and it is stable below 2, so the learning rate is about "
+            f"{fmt((r + 1) / 2)} times too high. Clipping bounds the step, the lr is the "
+            "cause."
+        )
+
+    def fix(self, optimizer: str) -> str:
+        # the stable limit, lr × 2 / (growth + 1), and a tenth of it: at the limit itself
+        # the loss oscillates instead of falling
+        scale = 2 / (self.growth + 1)
+        if len(set(self.lrs)) == 1:
+            new = _round_down(self.lr * scale / 10)
+            return (
+                f'for g in {optimizer}.param_groups: g["lr"] = {fmt(new)}   # was '
+                f"{fmt(self.lr)} ({self.optimizer}); the gradients grow above about "
+                f"{self.lr * scale:.2g}"
+            )
+        return (
+            f'for g in {optimizer}.param_groups: g["lr"] *= {fmt(_round_down(scale / 10))}   '
+            f"# {self.optimizer}'s lrs were {', '.join(fmt(x) for x in self.lrs)}; the "
+            f"gradients grow above about {scale:.2g} of them"
+        )
+
+
+def _round_down(x: float) -> float:
+    """The largest 1, 2 or 5 × 10^k at or below ``x`` (> 0)."""
+    k = math.floor(math.log10(x))
+    for m in (5, 2, 1):
+        if m * 10.0**k <= x * (1 + 1e-9):
+            return float(f"{m * 10.0**k:.0e}")
+    return float(f"{10.0 ** (k - 1):.0e}")
+
+
+def _plain_lrs(trace: StepTrace) -> tuple[str, tuple[float, ...]] | None:
+    """The optimizer that stepped at the end of ``trace`` and its groups' learning rates,
+    when there is exactly one and it moves the weights by lr × gradient (not the Adam
+    family, whose step is about lr whatever the gradient; not LBFGS; not Lion's sign nor
+    LAMB's or LARS's trust ratio, which set the step's size apart from the gradient's)."""
+    notes = [n for n in trace.notes if n.kind == "optimizer"]
+    if len(notes) != 1 or _normalized(notes[0].path) or notes[0].path == "LBFGS":
+        return None
+    if any(k in notes[0].path.lower() for k in ("lion", "lamb", "lars")):
+        return None
+    lrs = [
+        float(g["lr"])
+        for g in notes[0].data.get("groups", ())
+        if isinstance(g, dict)
+        and isinstance(g.get("lr"), (int, float))
+        and not isinstance(g.get("lr"), bool)
+    ]
+    if not lrs or not all(math.isfinite(x) and x > 0 for x in lrs):
+        return None
+    return notes[0].path, tuple(lrs)
+
+
+def _lr_divergence(ctx: RuleContext) -> _Divergence | None:
+    """The total gradient norm multiplied (``explode_factor`` or more) across each of the
+    last updates before the step's latest finite norm (this step's, else the last
+    recorded one: a NaN gradient now ends the growth), each update by the same plain
+    optimizer. One such update is enough only when the loss rose across it too (a run
+    whose lr is fine can meet one bad batch; its loss does not climb with the gradient).
+    None otherwise."""
+    factor = ctx.thresholds.explode_factor
+    traces = list(ctx.history)
+    g = ctx.trace.grad_norm
+    if g is not None and math.isfinite(g):
+        traces.append(ctx.trace)
+    elif not traces or _plain_lrs(traces[-1]) is None:
+        return None
+    chain = [traces[-1]]
+    opt: tuple[str, tuple[float, ...]] | None = None
+    ratios: list[float] = []
+    for prev in reversed(traces[:-1]):
+        nxt = chain[0]
+        a, b = prev.grad_norm, nxt.grad_norm
+        here = _plain_lrs(prev)
+        if (
+            here is None
+            or (opt is not None and here[0] != opt[0])
+            or prev.step != nxt.step - 1
+            or a is None
+            or b is None
+            or not (math.isfinite(a) and a > 0 and math.isfinite(b))
+            or b < factor * a
+        ):
+            break
+        r = b / a
+        if max([*ratios, r]) > factor * min([*ratios, r]):
+            # a fixed lr × curvature multiplies the gradient by about the same factor at
+            # each update; a growth that began with a jump far larger (or smaller) than the
+            # ones after it began elsewhere (a division by a tiny number, a bad batch), and
+            # the lr only carried it on
+            return None
+        ratios.append(r)
+        opt = opt or here
+        chain.insert(0, prev)
+    if opt is None:
+        return None
+    losses = tuple(t.loss if t.loss is not None and math.isfinite(t.loss) else None for t in chain)
+    if len(chain) == 2 and (
+        not (losses[0] is not None and losses[1] is not None and losses[1] > losses[0])
+        or any(_plain_lrs(t) == opt for t in traces[: len(traces) - len(chain)])
+    ):
+        # one rise is the lr's only with the loss rising too, and only when no earlier
+        # update at this lr kept the gradients level: a run that trained at it and then
+        # jumped once met a bad batch, not its lr
+        return None
+    return _Divergence(
+        opt[0],
+        opt[1],
+        tuple(t.step for t in chain),
+        tuple(float(t.grad_norm or 0.0) for t in chain),
+        losses,
+    )
+
+
 @rule(
     "NW303",
     title="Exploding gradients",
@@ -3536,6 +3713,21 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
     max_norm = "1.0"
     if total_spike and cur.total is not None:
         max_norm = _binding_max_norm(_peak(totals, factor, need), cur.total)
+    clip_line = (
+        f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm={max_norm})  # before "
+        f"{names.optimizer}.step()"
+    )
+    grew = _lr_divergence(ctx) if total_spike else None
+    if grew is not None:
+        yield ctx.diagnosis(
+            path=path,
+            parameter=param,
+            phase=Phase.BACKWARD.value,
+            evidence=[*grew.evidence(), *evidence[1:]],
+            explanation=grew.explanation(),
+            fix=grew.fix(names.optimizer) + "\n" + clip_line + "   # and, to bound any one step",
+        )
+        return
     yield ctx.diagnosis(
         path=path,
         parameter=param,
@@ -3547,11 +3739,7 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
             "learning rate that is too high for this stage of training). Unclipped, one "
             "such update can undo many steps of training or push weights out of range."
         ),
-        fix=(
-            f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm={max_norm})  # before "
-            f"{names.optimizer}.step()\n"
-            "# and/or lower the learning rate or lengthen the warm-up"
-        ),
+        fix=clip_line + "\n# and/or lower the learning rate or lengthen the warm-up",
     )
 
 
@@ -3623,6 +3811,54 @@ def _huge_norm(ctx: RuleContext) -> Diagnosis | None:
     ]
     evidence += [f"parameter {k}: gradient norm {fmt(v)}" for k, v in top]
     names = ctx.memo(ctx.trace, "loop_names", _loop_names)
+    grew = _lr_divergence(ctx)
+    if grew is not None:
+        return ctx.diagnosis(
+            parameter=top[0][0] if top else None,
+            phase=Phase.BACKWARD.value,
+            evidence=[*grew.evidence(), *evidence],
+            explanation=grew.explanation(),
+            fix=(
+                grew.fix(names.optimizer)
+                + f"\ntorch.nn.utils.clip_grad_norm_({names.params}, max_norm=1.0)  # before "
+                f"{names.optimizer}.step(), to bound any one step"
+            ),
+        )
+    amps = [x for t in (*ctx.history, ctx.trace) if (x := _amplifier(t)) is not None]
+    if amps:
+        amp = max(amps, key=lambda x: x.gain)
+        eps = torch.finfo(getattr(torch, amp.dtype)).eps
+        evidence.insert(
+            1,
+            f"module {amp.path} ({amp.module_type}) multiplied the gradient "
+            f"{_times(amp.gain)} in its own backward at step {amp.step}: |gradient of its "
+            f"output| {fmt(amp.out_grad)}, of its input {fmt(amp.in_grad)}; past 1 / eps of "
+            f"{amp.dtype} ({fmt(1 / eps)})",
+        )
+        return ctx.diagnosis(
+            path=amp.path,
+            parameter=top[0][0] if top else None,
+            phase=Phase.BACKWARD.value,
+            evidence=evidence,
+            explanation=(
+                f"Module {amp.path} ({amp.module_type}) multiplies the gradient passing "
+                f"through its backward by {_times(amp.gain)}, more than 1 / eps of "
+                f"{amp.dtype}: its forward divides by a number at the rounding level of "
+                "what that number was computed from. The usual cause is a difference of "
+                "nearly equal numbers that cancelled: a variance as E[x²] - E[x]² of values "
+                "far from 0 (worst in float16 or bfloat16), 1 - x for x near 1; an eps added "
+                "to it (sqrt(var + eps)) leaves no NaN, but the division by about sqrt(eps) "
+                "is what is left. Clipping hides it; the fix is in that forward."
+            ),
+            fix=(
+                f"# in {amp.path}'s forward ({amp.module_type}): compute what it divides by "
+                "without cancellation and in float32: the variance as ((x - mean) ** 2)"
+                ".mean(), or F.layer_norm(x.float(), x.shape[-1:]) for the whole "
+                "normalization\n"
+                f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm=1.0)  # before "
+                f"{names.optimizer}.step(), until then"
+            ),
+        )
     return ctx.diagnosis(
         parameter=top[0][0] if top else None,
         phase=Phase.BACKWARD.value,
@@ -3642,6 +3878,61 @@ def _huge_norm(ctx: RuleContext) -> Diagnosis | None:
             "names the op"
         ),
     )
+
+
+@dataclass(frozen=True)
+class _Amplifier:
+    """A module whose own backward multiplied the gradient passing through it by more
+    than 1 / eps of the gradients' dtype: it divides by a number at the rounding level of
+    what that number was computed from."""
+
+    step: int
+    path: str
+    module_type: str
+    out_grad: float  #: max |gradient of its output|
+    in_grad: float  #: max |gradient of its input|
+    dtype: str
+
+    @property
+    def gain(self) -> float:
+        return self.in_grad / self.out_grad
+
+
+def _amplifier(trace: StepTrace) -> _Amplifier | None:
+    """The call of a full step whose backward multiplied the gradient the most, by the
+    records' data flow: the gradient of the output its input came from (``source``) over
+    the gradient of its own output; only when past 1 / finfo(dtype).eps."""
+    if not trace.full:
+        return None
+    grad_of: dict[int, tuple[float, str]] = {}  # forward record index -> its gradient
+    for r in trace.records:
+        s = r.stat
+        if r.phase is Phase.BACKWARD and not r.by_grad and r.source is not None and s is not None:
+            m = s.magnitude
+            if math.isfinite(m):
+                grad_of[r.source] = (max(m, grad_of.get(r.source, (0.0, ""))[0]), r.dtype)
+    out_grad: dict[int, float] = {}
+    for r in trace.records:
+        if r.phase is Phase.FORWARD and r.index in grad_of:
+            out_grad[r.call] = max(out_grad.get(r.call, 0.0), grad_of[r.index][0])
+    best: _Amplifier | None = None
+    for r in trace.records:
+        if r.phase is not Phase.INPUT or r.source is None or r.source not in grad_of:
+            continue
+        g_out = out_grad.get(r.call)
+        g_in, dtype = grad_of[r.source]
+        c = trace.call(r.call)
+        if not g_out or c is None or c.is_loss:
+            continue
+        t = getattr(torch, dtype, None)
+        if not (isinstance(t, torch.dtype) and t.is_floating_point):
+            continue
+        if g_in * torch.finfo(t).eps <= g_out:
+            continue
+        found = _Amplifier(trace.step, c.path, c.module_type, g_out, g_in, dtype)
+        if best is None or found.gain > best.gain:
+            best = found
+    return best
 
 
 _CLIP_CALLS = frozenset(
