@@ -2165,8 +2165,9 @@ def summarize(anomaly: Anomaly) -> str:
         )
     if op is not None:
         op = op.chain()[0]  # the birth of the first non-finite value (log's -inf, not neg's +inf)
+        base = _born_first(anomaly, op, base)
         made = _leading_kinds(base)
-        unlike = op.born and made and made != set(op.born.split(", "))
+        unlike = op.born and made and (made != set(op.born.split(", ")) or " (then " in base)
         extra.append(f"op {op_phrase(op)}" + (f", which made {op.born}" if unlike else ""))
         attempt = redrawn(op)
         if attempt is not None:
@@ -2185,6 +2186,23 @@ def summarize(anomaly: Anomaly) -> str:
 
 
 _KINDS = ("NaN", "+inf", "-inf")
+
+
+def _born_first(anomaly: Anomaly, op: OpEvent, base: str) -> str:
+    """A gradient whose op made kinds the record does not hold (a sqrt's backward made -inf,
+    a 0 × -inf after it NaN) opens with what the op made, the record's kinds after it, as
+    the headline does: ``-inf gradient born in ... (then NaN)``."""
+    stat = anomaly.record.stat
+    if anomaly.kind is not AnomalyKind.BACKWARD or op.phase is not Phase.BACKWARD:
+        return base
+    if not op.born or stat is None or stat.finite:
+        return base
+    held = stat.kinds()
+    lead = _leading_kinds(base)
+    if lead != set(held.split(", ")) or set(op.born.split(", ")) <= lead:
+        return base  # the op made kinds the record holds: both are named already
+    rest = base.split(" ", len(lead))[-1]
+    return f"{op.born} {rest} (then {held})"
 
 
 def _leading_kinds(text: str) -> set[str]:

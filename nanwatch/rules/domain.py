@@ -5566,16 +5566,35 @@ _OVERLAP_NAMES = re.compile(
 )
 
 
-def _sum_of(ev: OpEvent, node: ast.expr) -> bool:
-    """Whether ``node``, or the value assigned to it above when it is a name, is a sum or
-    difference at its top (``a.sum() + b.sum()``, ``area_a + area_b - inter``): sizes of two
-    sets added, not a product of norms."""
+def _earlier_value(ev: OpEvent, stmt: str, name: str) -> ast.expr | None:
+    """The value of the last ``name = value`` in the statements of the user's line before
+    ``stmt`` (``inter = (p * t).sum(); return 1 - 2 * inter / ...``), else of the last one
+    above the line that runs whenever it does."""
+    value = None
+    for earlier in statements(ev.code):
+        if earlier == stmt:
+            break
+        try:
+            node = ast.parse(earlier).body
+        except SyntaxError:
+            continue
+        if len(node) == 1 and isinstance(node[0], ast.Assign) and len(node[0].targets) == 1:
+            target = node[0].targets[0]
+            if isinstance(target, ast.Name) and target.id == name:
+                value = node[0].value
+    return value if value is not None else _unconditional_assignment(ev, name)
+
+
+def _sum_of(ev: OpEvent, node: ast.expr, stmt: str) -> bool:
+    """Whether ``node``, or the value assigned to it earlier on the line (before ``stmt``)
+    or above it when it is a name, is a sum or difference at its top (``a.sum() + b.sum()``,
+    ``area_a + area_b - inter``): sizes of two sets added, not a product of norms."""
     while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         if node.func.attr not in ("clamp", "clamp_min", "clamp_", "clamp_min_", "float"):
             break
         node = node.func.value
     if isinstance(node, ast.Name):
-        value = _unconditional_assignment(ev, node.id)
+        value = _earlier_value(ev, stmt, node.id)
         if value is not None:
             node = value
     return isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub))
@@ -5585,13 +5604,14 @@ def _tensor_names(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id not in _MODULES}
 
 
-def _expanded(ev: OpEvent, node: ast.expr) -> tuple[set[str], bool]:
-    """The tensor names ``node`` is made of, each name assigned above on the line's function
-    replaced by the names of its value (one level); and whether a product is among them."""
+def _expanded(ev: OpEvent, node: ast.expr, stmt: str) -> tuple[set[str], bool]:
+    """The tensor names ``node`` (of the line's statement ``stmt``) is made of, each name
+    assigned earlier on the line or above it in the line's function replaced by the names of
+    its value (one level); and whether a product is among them."""
     names: set[str] = set()
     product = any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult) for n in ast.walk(node))
     for name in _tensor_names(node):
-        value = _unconditional_assignment(ev, name)
+        value = _earlier_value(ev, stmt, name)
         if value is None:
             names.add(name)
             continue
@@ -5604,6 +5624,17 @@ def _expanded(ev: OpEvent, node: ast.expr) -> tuple[set[str], bool]:
             for n in ast.walk(value)
         )
     return names, product
+
+
+def _overlap_terms(ev: OpEvent, stmt: str, div: ast.BinOp) -> list[str]:
+    """The tensors a division's numerator multiplies and its denominator sums (``2 * (p *
+    t).sum() / (p.sum() + t.sum())``: p and t), two or more: a ratio of two overlapping sums,
+    whose 0/0 means both sets are empty; [] otherwise (``(x * m).sum() / m.sum()``, a mean
+    over a mask, shares one)."""
+    top, product = _expanded(ev, div.left, stmt)
+    low, _ = _expanded(ev, div.right, stmt)
+    shared = top & low
+    return sorted(shared) if len(shared) >= 2 and product and _sum_of(ev, div.right, stmt) else []
 
 
 def _overlap_score(ctx: RuleContext, ev: OpEvent) -> tuple[str, str] | None:
@@ -5619,17 +5650,15 @@ def _overlap_score(ctx: RuleContext, ev: OpEvent) -> tuple[str, str] | None:
         d = ast.get_source_segment(stmt, div.right)
         if num is None or d is None:
             return None
-        top, product = _expanded(ev, div.left)
-        low, _ = _expanded(ev, div.right)
-        shared = top & low
+        shared = _overlap_terms(ev, stmt, div)
         named = _OVERLAP_NAMES.search(stmt) is not None
-        if not (named or (len(shared) >= 2 and product and _sum_of(ev, div.right))):
+        if not (named or shared):
             return None
         smoothed = _spliced(stmt, div, f"({num} + 1) / ({d} + 1)")
         why = (
-            f"the ratio's numerator {num} is made of {', '.join(sorted(shared))}, which its "
+            f"the ratio's numerator {num} is made of {', '.join(shared)}, which its "
             f"denominator {d} sums: an overlap score"
-            if len(shared) >= 2 and product and _sum_of(ev, div.right)
+            if shared
             else f"the line names an overlap score: {stmt.strip()}"
         )
         return why, (
@@ -6943,12 +6972,17 @@ def _float_count(ev: OpEvent, den: TensorStat) -> str | None:
     """A floating denominator that is a count (``cnt = torch.bincount(b).to(h.dtype)``,
     ``mask.float().sum(1)``): its recorded values are whole numbers from 0 (min 0, max an
     integer), and the code shows a count -- a bincount, a sum, an index_add of ones on the
-    line or where its name was assigned, or a count's name. What shows it, else None."""
+    line or where its name was assigned, or a count's name. What shows it, else None; None
+    too when the numerator multiplies the tensors the denominator sums (an overlap ratio, not
+    a number of elements: its 0/0 is two empty sets, which smoothing scores 1)."""
     if not (den.min == 0 and math.isfinite(den.max) and den.max >= 1 and den.max.is_integer()):
         return None
     got = _divisors(ev.code)
     if not got:
         return None
+    one = _one_division(ev.code)
+    if one is not None and _overlap_terms(ev, *one):
+        return None  # a ratio of two overlapping sums (dice): 0/0 is two empty sets
     divisor = got[0]
     if _COUNT_CODE.search(divisor):
         return f"the line counts it: {divisor}"
