@@ -92,6 +92,7 @@ from nanwatch.stats import (
     device_name,
     dtype_name,
     foreach_absmax,
+    foreach_finite_probe,
     foreach_l2,
     hot_l2_pays,
     join_streams,
@@ -3648,13 +3649,18 @@ class Watcher:
 
     def _weight_maxima(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """max |w| of each of ``params`` (the watched weights, detached, in order), on the
-        devices; a weight with -inf constraints gets :func:`_constrained_max` instead."""
+        devices; a weight with -inf constraints gets :func:`_constrained_max` instead.
+        Outside forensic mode (which records every weight's max) only finiteness is asked
+        of these values: a large CPU weight gets a cheaper probe, finite when it is
+        (:func:`nanwatch.stats.foreach_finite_probe`), and :meth:`_check_each_param` looks
+        closer at a weight whose probe is not."""
+        maxima = foreach_absmax if self._forensic else foreach_finite_probe
         known = self._neginf_at_start
         counts = [known.get(id(p)) for _, _, p in self._params] if known else []
         if not any(n is not None for n in counts):
-            return foreach_absmax(params)  # the common path: no weight carries -inf
+            return maxima(params)  # the common path: no weight carries -inf
         pairs = list(zip(params, counts, strict=True))
-        plain = iter(foreach_absmax([p for p, n in pairs if n is None]))
+        plain = iter(maxima([p for p, n in pairs if n is None]))
         return [next(plain) if n is None else _constrained_max(p, n) for p, n in pairs]
 
     def _constraint_at_first_sight(self, param: nn.Parameter) -> TensorStat | None:
@@ -3714,9 +3720,14 @@ class Watcher:
         front: list[Record] = []
         seen: set[str] | None = None
         bad_state: dict[str, list[list[str]]] = {}
-        for (q, path, param), p, owner_type, a in zip(
+        for (q, path, param), p, owner_type, probe in zip(
             self._params, params, self._param_types, values, strict=True
         ):
+            a = probe
+            if a - a != 0 and not all_records and hot_l2_pays(p):
+                # a probe's sum of squares (see _weight_maxima): finite values past the
+                # square root of the dtype's max overflow it too; the max says which
+                a = foreach_absmax([p])[0].item()
             if not (all_records or a - a != 0):  # keep only inf/NaN, unless asked for all
                 continue
             if seen is None:

@@ -14,7 +14,7 @@ from torch import nn
 
 import nanwatch
 from nanwatch.records import Phase
-from nanwatch.stats import hot_l2_pays, l2
+from nanwatch.stats import foreach_finite_probe, hot_l2_pays, l2
 
 WIDE = 512  # 512 x 512 weights: 262,144 values, past the size where the hook pays
 
@@ -145,3 +145,45 @@ def test_forensic_mode_reads_after_backward() -> None:
         grad = model[0].weight.grad
         assert grad is not None
         assert _grad_norms(w)["0.weight"] == pytest.approx(grad.norm().item(), rel=1e-5)
+
+
+def test_the_weight_probe_is_finite_exactly_when_it_need_not_look_closer() -> None:
+    """After an update, watch asks only whether each weight is finite: a large CPU weight
+    gets its sum of squares (one pass), which NaN and inf make non-finite, and which finite
+    values past sqrt(float32 max) overflow too: "look closer", not "bad"."""
+    big = torch.randn(WIDE, WIDE)
+    small = torch.tensor([-3.0, 2.0])
+    probe, exact = foreach_finite_probe([big, small])
+    assert probe.item() == pytest.approx((big * big).sum().item(), rel=1e-4)
+    assert exact.item() == 3.0  # below the size where the dot pays: its max |x|
+    big[1, 2] = math.nan
+    assert math.isnan(foreach_finite_probe([big])[0].item())
+    big[1, 2] = 1e20  # finite, but its square is not
+    assert math.isinf(foreach_finite_probe([big])[0].item())
+
+
+def _weights_step(value: float) -> nanwatch.Watcher:
+    """One watched step whose update writes ``value`` into the large weight."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with nanwatch.watch(model, mode="watch", on_anomaly="record") as w:
+        model(torch.randn(8, WIDE)).pow(2).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model[0].weight[3, 4] = value  # as an update would
+        w.step()
+    return w
+
+
+def test_a_finite_weight_past_the_probes_range_is_no_anomaly() -> None:
+    w = _weights_step(1e20)
+    assert w.first_anomaly is None
+    assert not [r for r in w.history[-1].records if r.phase is Phase.PARAMETER]
+
+
+def test_a_nan_weight_after_the_update_is_found_through_the_probe() -> None:
+    w = _weights_step(math.nan)
+    bad = [r for r in w.history[-1].records if r.phase is Phase.PARAMETER]
+    assert [r.role for r in bad] == ["0.weight"]
+    assert bad[0].stat is not None and bad[0].stat.nan == 1
+    assert w.first_anomaly is not None and w.first_anomaly.record is bad[0]
