@@ -2189,18 +2189,19 @@ _KINDS = ("NaN", "+inf", "-inf")
 
 
 def _born_first(anomaly: Anomaly, op: OpEvent, base: str) -> str:
-    """A gradient whose op made kinds the record does not hold (a sqrt's backward made -inf,
-    a 0 × -inf after it NaN) opens with what the op made, the record's kinds after it, as
-    the headline does: ``-inf gradient born in ... (then NaN)``."""
+    """A value whose op made other kinds than the record holds opens with what the op made,
+    the record's kinds after it, as the headline does (:func:`nanwatch.report.anomaly_headline`):
+    ``-inf born in the forward of (loss) ... (then +inf)`` for ``-log(p)`` of a saturated
+    sigmoid (the log made -inf, the minus +inf), ``-inf gradient born in ... (then NaN)``
+    for a sqrt's backward whose -inf a product turned into NaN, ``+inf born ... (then +inf,
+    -inf)`` where a later product with negative values gave the record both signs."""
     stat = anomaly.record.stat
-    if anomaly.kind is not AnomalyKind.BACKWARD or op.phase is not Phase.BACKWARD:
-        return base
     if not op.born or stat is None or stat.finite:
         return base
     held = stat.kinds()
     lead = _leading_kinds(base)
-    if lead != set(held.split(", ")) or set(op.born.split(", ")) <= lead:
-        return base  # the op made kinds the record holds: both are named already
+    if lead != set(held.split(", ")) or set(op.born.split(", ")) == lead:
+        return base  # the summary does not open with the record's kinds, or the op made them
     rest = base.split(" ", len(lead))[-1]
     return f"{op.born} {rest} (then {held})"
 

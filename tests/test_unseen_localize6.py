@@ -139,9 +139,10 @@ def test_an_op_that_made_only_plus_inf_is_said_so_when_the_record_holds_both() -
         model(x, deg).sum().backward()
         nw.step()
     a = nw.first_anomaly
-    assert a is not None and a.summary.startswith("+inf, -inf born in the forward of _Gcn")
+    # what the op made, then what the record came to hold, in the summary as in the headline
+    assert a is not None and a.summary.startswith("+inf born in the forward of _Gcn")
+    assert " (then +inf, -inf) [" in a.summary, a.summary
     assert "aten.pow.Tensor_Scalar" in a.summary and ", which made +inf;" in a.summary
-    # the one-line headline names what the op made, then what the record came to hold
     from nanwatch.report import anomaly_headline
 
     head = anomaly_headline(a)

@@ -99,9 +99,16 @@ def test_a_replay_names_the_custom_backward_in_the_headline() -> None:
         nw.replay(step_fn)
     a = nw.first_anomaly
     assert a is not None and a.op is not None
+    # what the custom backward made, then what the gradient came to hold, as the headline says
     assert a.summary.startswith(
-        "+inf, -inf gradient born in the backward of custom autograd.Function GradReverse"
-    )
+        "-inf gradient born in the backward of custom autograd.Function GradReverse"
+    ), a.summary
+    assert " (then +inf, -inf) [" in a.summary, a.summary
+    from nanwatch.report import anomaly_headline
+
+    head = anomaly_headline(a)
+    assert head.startswith("-inf gradient born in the backward of "), head
+    assert "(then +inf, -inf), step 0" in head, head
 
 
 def test_a_finite_grl_stays_silent() -> None:

@@ -1776,7 +1776,8 @@ def test_the_headline_names_what_the_op_made_when_the_value_changed_sign_after_i
     assert a is not None and a.op is not None and a.op.born == "-inf"
     assert anomaly_headline(a).startswith("-inf born in the forward of (loss) by aten.log")
     assert "(then +inf), step 0" in anomaly_headline(a)
-    assert a.summary.startswith("+inf born ") and ", which made -inf]" in a.summary
+    assert a.summary.startswith("-inf born ") and " (then +inf) [op aten.log" in a.summary
+    assert ", which made -inf]" in a.summary
 
 
 def test_max_logit_reads_the_logits_of_an_output_that_also_holds_the_loss() -> None:

@@ -3728,6 +3728,73 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
             fix=grew.fix(names.optimizer) + "\n" + clip_line + "   # and, to bound any one step",
         )
         return
+    # the module whose own backward multiplied the gradient past 1 / eps this step, and by
+    # far more than it did while the norms were level: the jump began there
+    amp = _amplified(ctx, (ctx.trace,), ctx.history)
+    if amp is not None:
+        evidence.insert(1, amp.evidence())
+        yield ctx.diagnosis(
+            path=amp.path,
+            parameter=param,
+            phase=Phase.BACKWARD.value,
+            evidence=evidence,
+            explanation=amp.explanation(),
+            fix=amp.fix(names.params, names.optimizer),
+        )
+        return
+    jumped = _gain_jump(ctx)
+    if jumped is not None:
+        g, top, n = jumped
+        evidence.insert(
+            1,
+            f"module {g.path} ({g.module_type}) multiplied the gradient {_times(g.gain)} in its "
+            f"own backward at step {g.step}: |gradient of its output| {fmt(g.out_grad)}, of "
+            f"its input {fmt(g.in_grad)}; at most {fmt(top)}× in each of the "
+            f"{count(n, 'step')} before",
+        )
+        yield ctx.diagnosis(
+            path=g.path,
+            parameter=param,
+            phase=Phase.BACKWARD.value,
+            evidence=evidence,
+            explanation=(
+                f"Module {g.path} ({g.module_type}) multiplied the gradient passing through "
+                f"its backward by {_times(g.gain)}, {_times(g.gain / top)} more than in any "
+                "step before: the jump began there. Its forward divides by something that "
+                "became small for this batch (or takes its sqrt or log, whose derivative "
+                "does): a variance or norm near 0 (a normalization of "
+                "near-constant values, a variance as E[x²] - E[x]² that cancelled), where an "
+                "eps keeps the result finite and the gradient is multiplied by about "
+                "1 / sqrt(eps). Clipping bounds the update; the cause is in that forward or "
+                "in what it was given."
+            ),
+            fix=(
+                f"# in {g.path}'s forward ({g.module_type}): find what it divides by that "
+                f"became small at step {g.step} (a variance, a norm); compute a variance as "
+                "((x - mean) ** 2).mean() in float32, and a larger eps bounds the gain at "
+                "1 / sqrt(eps)\n"
+                f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm={max_norm})  # "
+                f"before {names.optimizer}.step(), until then"
+            ),
+        )
+        return
+    inside = _jumped_inside(ctx, cur, params) if not ctx.trace.full else None
+    if inside is not None:
+        owner, lines, explanation = inside
+        yield ctx.diagnosis(
+            path=owner,
+            parameter=param,
+            phase=Phase.BACKWARD.value,
+            evidence=[*evidence, *lines],
+            explanation=explanation,
+            fix=(
+                f"# rerun to step {ctx.step} under nanwatch.watch(model, mode='watch'): it "
+                "names the module whose backward multiplied the gradient\n"
+                f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm={max_norm})  # "
+                f"before {names.optimizer}.step(), until then"
+            ),
+        )
+        return
     yield ctx.diagnosis(
         path=path,
         parameter=param,
@@ -3741,6 +3808,82 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=clip_line + "\n# and/or lower the learning rate or lengthen the warm-up",
     )
+
+
+def _median_ratio(ctx: RuleContext, kind: str, key: str, value: float) -> float | None:
+    """``value`` over the median of ``key``'s recorded values of ``kind`` (``"params"``,
+    ``"modules"``) in the history's steps (not 0, at least ``min_history`` of them)."""
+    seen = [
+        x
+        for t in ctx.history
+        if (x := getattr(ctx.memo(t, "grad_summary", _grad_summary), kind).get(key)) and x > 0
+    ]
+    if len(seen) < ctx.thresholds.min_history:
+        return None
+    med, _ = _level(seen, ctx.thresholds.min_history)
+    return value / med if med > 0 else None
+
+
+def _jumped_inside(
+    ctx: RuleContext, cur: _GradSummary, params: list[tuple[float, str, float, float]]
+) -> tuple[str, list[str], str] | None:
+    """A step that measured only the root's output gradient and the parameters' (sentinel,
+    a step ``sample_every`` left out): a parameter's gradient that jumped ``explode_factor``
+    times more than the gradient the loss sent back into the model grew inside the model,
+    between its output and that parameter's module: multiplied by a backward on the way,
+    or by larger inputs to that module. That module, the evidence lines and the
+    explanation; None when the jump is not past that, or the step has not one root whose
+    output gradient has a level to compare with (two models: which one holds the
+    parameter is not measured)."""
+    if not params:
+        return None
+    factor = ctx.thresholds.explode_factor
+    ratio, key, _, _ = params[0]
+    rec = next((r for r in ctx.trace.records if r.phase is Phase.GRADIENT and r.role == key), None)
+    entered = [
+        (r, root, v)
+        for root, v in cur.modules.items()
+        if (r := _median_ratio(ctx, "modules", root, v)) is not None
+    ]
+    if rec is None or len(cur.modules) != 1 or len(entered) != 1:
+        return None
+    r_in, root, v_in = entered[0]
+    if ratio < factor * max(r_in, 1.0):
+        return None
+    level = [
+        (name, r)
+        for name, v in _above_rounding(cur).items()
+        if (r := _median_ratio(ctx, "params", name, v)) is not None and 1 / factor <= r < factor
+    ]
+    lines: list[str] = []
+    if r_in < factor:  # a spike of it is in the evidence already
+        lines.append(
+            f"module {root}: max |gradient of its output| {fmt(v_in)} vs median "
+            f"{fmt(v_in / r_in)} ({_times(r_in)}), the gradient the loss sent back into it"
+        )
+    if level:
+        lines.append(
+            "parameters whose gradient stayed near its level: "
+            + ", ".join(f"{n} ({_times(r)})" for n, r in level[:3])
+            + (", ..." if len(level) > 3 else "")
+        )
+    owner = rec.path
+    came = (
+        f"stayed near its level ({_times(r_in)})" if r_in < factor else f"rose only {_times(r_in)}"
+    )
+    explanation = (
+        f"The gradient the loss sent back into {root} {came}, while the gradient of {key} "
+        f"jumped {_times(ratio)}: the jump happened inside the model, between {root}'s "
+        f"output and module {owner} ({rec.module_type}). Either a backward on that path "
+        "multiplied the gradient (a forward that divides by a number near 0, with an eps "
+        "that keeps it finite: a variance as E[x²] - E[x]² that cancelled, worst in "
+        "float16 or bfloat16; x / norm(x) or 1 / x of a tiny x), or what "
+        f"{owner} was applied to grew (a weight's gradient is its output's gradient times "
+        "its input). Only the model's output gradient and its parameters' gradients were "
+        "measured this step (sentinel mode or sample_every): mode='watch' measures each "
+        "module's backward and names the one that multiplied it."
+    )
+    return owner, lines, explanation
 
 
 def _binding_max_norm(level: float, total: float) -> str:
@@ -3824,40 +3967,16 @@ def _huge_norm(ctx: RuleContext) -> Diagnosis | None:
                 f"{names.optimizer}.step(), to bound any one step"
             ),
         )
-    amps = [x for t in (*ctx.history, ctx.trace) if (x := _amplifier(t)) is not None]
-    if amps:
-        amp = max(amps, key=lambda x: x.gain)
-        eps = torch.finfo(getattr(torch, amp.dtype)).eps
-        evidence.insert(
-            1,
-            f"module {amp.path} ({amp.module_type}) multiplied the gradient "
-            f"{_times(amp.gain)} in its own backward at step {amp.step}: |gradient of its "
-            f"output| {fmt(amp.out_grad)}, of its input {fmt(amp.in_grad)}; past 1 / eps of "
-            f"{amp.dtype} ({fmt(1 / eps)})",
-        )
+    amp = _amplified(ctx, (*ctx.history, ctx.trace))
+    if amp is not None:
+        evidence.insert(1, amp.evidence())
         return ctx.diagnosis(
             path=amp.path,
             parameter=top[0][0] if top else None,
             phase=Phase.BACKWARD.value,
             evidence=evidence,
-            explanation=(
-                f"Module {amp.path} ({amp.module_type}) multiplies the gradient passing "
-                f"through its backward by {_times(amp.gain)}, more than 1 / eps of "
-                f"{amp.dtype}: its forward divides by a number at the rounding level of "
-                "what that number was computed from. The usual cause is a difference of "
-                "nearly equal numbers that cancelled: a variance as E[x²] - E[x]² of values "
-                "far from 0 (worst in float16 or bfloat16), 1 - x for x near 1; an eps added "
-                "to it (sqrt(var + eps)) leaves no NaN, but the division by about sqrt(eps) "
-                "is what is left. Clipping hides it; the fix is in that forward."
-            ),
-            fix=(
-                f"# in {amp.path}'s forward ({amp.module_type}): compute what it divides by "
-                "without cancellation and in float32: the variance as ((x - mean) ** 2)"
-                ".mean(), or F.layer_norm(x.float(), x.shape[-1:]) for the whole "
-                "normalization\n"
-                f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm=1.0)  # before "
-                f"{names.optimizer}.step(), until then"
-            ),
+            explanation=amp.explanation(),
+            fix=amp.fix(names.params, names.optimizer),
         )
     return ctx.diagnosis(
         parameter=top[0][0] if top else None,
@@ -3897,13 +4016,44 @@ class _Amplifier:
     def gain(self) -> float:
         return self.in_grad / self.out_grad
 
+    def evidence(self) -> str:
+        eps = torch.finfo(getattr(torch, self.dtype)).eps
+        return (
+            f"module {self.path} ({self.module_type}) multiplied the gradient "
+            f"{_times(self.gain)} in its own backward at step {self.step}: |gradient of its "
+            f"output| {fmt(self.out_grad)}, of its input {fmt(self.in_grad)}; past 1 / eps of "
+            f"{self.dtype} ({fmt(1 / eps)})"
+        )
 
-def _amplifier(trace: StepTrace) -> _Amplifier | None:
-    """The call of a full step whose backward multiplied the gradient the most, by the
-    records' data flow: the gradient of the output its input came from (``source``) over
-    the gradient of its own output; only when past 1 / finfo(dtype).eps."""
+    def explanation(self) -> str:
+        return (
+            f"Module {self.path} ({self.module_type}) multiplies the gradient passing "
+            f"through its backward by {_times(self.gain)}, more than 1 / eps of "
+            f"{self.dtype}: its forward divides by a number at the rounding level of "
+            "what that number was computed from. The usual cause is a difference of "
+            "nearly equal numbers that cancelled: a variance as E[x²] - E[x]² of values "
+            "far from 0 (worst in float16 or bfloat16), 1 - x for x near 1; an eps added "
+            "to it (sqrt(var + eps)) leaves no NaN, but the division by about sqrt(eps) "
+            "is what is left. Clipping hides it; the fix is in that forward."
+        )
+
+    def fix(self, params: str, optimizer: str) -> str:
+        return (
+            f"# in {self.path}'s forward ({self.module_type}): compute what it divides by "
+            "without cancellation and in float32: the variance as ((x - mean) ** 2)"
+            ".mean(), or F.layer_norm(x.float(), x.shape[-1:]) for the whole "
+            "normalization\n"
+            f"torch.nn.utils.clip_grad_norm_({params}, max_norm=1.0)  # before "
+            f"{optimizer}.step(), until then"
+        )
+
+
+def _gains(trace: StepTrace) -> dict[str, _Amplifier]:
+    """How much each call of a full step multiplied the gradient in its own backward, by
+    the records' data flow (the gradient of the output its input came from, ``source``,
+    over the gradient of its own output): the largest gain per module."""
     if not trace.full:
-        return None
+        return {}
     grad_of: dict[int, tuple[float, str]] = {}  # forward record index -> its gradient
     for r in trace.records:
         s = r.stat
@@ -3911,11 +4061,13 @@ def _amplifier(trace: StepTrace) -> _Amplifier | None:
             m = s.magnitude
             if math.isfinite(m):
                 grad_of[r.source] = (max(m, grad_of.get(r.source, (0.0, ""))[0]), r.dtype)
+    if not grad_of:
+        return {}
     out_grad: dict[int, float] = {}
     for r in trace.records:
         if r.phase is Phase.FORWARD and r.index in grad_of:
             out_grad[r.call] = max(out_grad.get(r.call, 0.0), grad_of[r.index][0])
-    best: _Amplifier | None = None
+    found: dict[str, _Amplifier] = {}
     for r in trace.records:
         if r.phase is not Phase.INPUT or r.source is None or r.source not in grad_of:
             continue
@@ -3927,11 +4079,68 @@ def _amplifier(trace: StepTrace) -> _Amplifier | None:
         t = getattr(torch, dtype, None)
         if not (isinstance(t, torch.dtype) and t.is_floating_point):
             continue
-        if g_in * torch.finfo(t).eps <= g_out:
+        amp = _Amplifier(trace.step, c.path, c.module_type, g_out, g_in, dtype)
+        if c.path not in found or amp.gain > found[c.path].gain:
+            found[c.path] = amp
+    return found
+
+
+def _amplifiers(trace: StepTrace) -> dict[str, _Amplifier]:
+    """The calls of a full step whose backward multiplied the gradient past 1 /
+    finfo(dtype).eps (see :func:`_gains`)."""
+    return {
+        k: a
+        for k, a in _gains(trace).items()
+        if a.in_grad * torch.finfo(getattr(torch, a.dtype)).eps > a.out_grad
+    }
+
+
+def _gain_jump(ctx: RuleContext) -> tuple[_Amplifier, float, int] | None:
+    """The module whose own backward multiplied the gradient more than 1× this step and
+    ``explode_factor`` times more than in each history step that measured it (at least
+    ``min_history`` of them), the largest such jump: where a jump of the gradient norms
+    began, though its gain stays below 1 / eps (a division by sqrt(eps) of a variance
+    that became 0 multiplies by 1 / sqrt(eps)), and sent back a gradient of at least
+    1 / explode_factor**2 of the step's largest. It, its largest gain before and how many
+    steps measured it; None when no module's gain jumped."""
+    factor = ctx.thresholds.explode_factor
+    need = ctx.thresholds.min_history
+    past = [ctx.memo(t, "gains", _gains) for t in ctx.history]
+    # the gradient it sent back must be a share of the step's largest that moves the
+    # update (see _share_of_largest): a large ratio of two slivers of gradient is no jump
+    largest = max(ctx.memo(ctx.trace, "grad_summary", _grad_summary).modules.values(), default=0.0)
+    best: tuple[_Amplifier, float, int] | None = None
+    for path, g in ctx.memo(ctx.trace, "gains", _gains).items():
+        if g.gain <= 1.0 or g.in_grad * factor * factor < largest:
             continue
-        found = _Amplifier(trace.step, c.path, c.module_type, g_out, g_in, dtype)
-        if best is None or found.gain > best.gain:
-            best = found
+        before = [p[path].gain for p in past if path in p]
+        if len(before) < need or g.gain < factor * max(before):
+            continue
+        if best is None or g.gain / max(before) > best[0].gain / best[1]:
+            best = (g, max(before), len(before))
+    return best
+
+
+def _amplified(
+    ctx: RuleContext, traces: Sequence[StepTrace], level: Sequence[StepTrace] = ()
+) -> _Amplifier | None:
+    """The module whose backward multiplied the gradient the most in ``traces``, past 1 /
+    eps of its dtype; with ``level`` (the steps whose gradients the jump is measured
+    against), only one that multiplied it ``explode_factor`` times more than it did in
+    each of those steps: a module that multiplied it as much while the norms stayed level
+    did not make the jump."""
+    factor = ctx.thresholds.explode_factor
+    before = [ctx.memo(t, "amplifiers", _amplifiers) for t in level]
+    best: _Amplifier | None = None
+    for t in traces:
+        for amp in ctx.memo(t, "amplifiers", _amplifiers).values():
+            if any(
+                (old := b.get(amp.path)) is not None and amp.gain < factor * old.gain
+                for b in before
+            ):
+                continue
+            if best is None or amp.gain > best.gain:
+                best = amp
     return best
 
 
