@@ -1227,6 +1227,150 @@ class GraphWalk:
             stack.extend(n for n, _ in node.next_functions)
 
 
+#: how source code writes the forward op of an autograd node (its name without
+#: ``Backward<N>``): a statement found by data flow is named as the op's line only when its
+#: text writes the op (see :func:`statement_line`)
+_OP_WORDS: dict[str, re.Pattern[str]] = {
+    base: re.compile(words)
+    for base, words in {
+        "Sqrt": r"\bsqrt\b",
+        "Rsqrt": r"\brsqrt\b",
+        "Pow": r"\*\*|\bpow\b",
+        "Div": r"/|\bdiv(ide)?\b|\btrue_divide\b",
+        "Reciprocal": r"\breciprocal\b|/",
+        "Log": r"\blog\b",
+        "Log2": r"\blog2\b",
+        "Log10": r"\blog10\b",
+        "Log1p": r"\blog1p\b",
+        "LinalgVectorNorm": r"\b(vector_)?norm\b",
+        "Norm": r"\bnorm\b",
+        "Cdist": r"\bcdist\b",
+        "Acos": r"\b(acos|arccos)\b",
+        "Asin": r"\b(asin|arcsin)\b",
+        "Atanh": r"\b(atanh|arctanh)\b",
+        "Acosh": r"\b(acosh|arccosh)\b",
+        "Atan2": r"\b(atan2|arctan2)\b",
+        "Xlogy": r"\bxlogy\b",
+        "Lgamma": r"\blgamma\b",
+        "Digamma": r"\bdigamma\b",
+        "Polygamma": r"\bpolygamma\b",
+        "Erfinv": r"\berfinv\b",
+        "SpecialEntr": r"\bentr\b",
+        "Logsumexp": r"\blogsumexp\b",
+        "Exp": r"\bexp\b",
+    }.items()
+}
+_STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
+
+
+def held_nodes(frame: Any) -> dict[str, Any]:
+    """The autograd nodes of the tensors ``frame`` binds to local names (name -> node):
+    what :func:`statement_line` reads, taken while the frame runs (references, no read)."""
+    out: dict[str, Any] = {}
+    for k, v in list(frame.f_locals.items()):
+        if isinstance(v, torch.Tensor) and isinstance(k, str):
+            fn = v.grad_fn
+            if fn is not None:
+                out[k] = fn
+    return out
+
+
+def statement_line(
+    node: Any,
+    held: dict[str, Any],
+    code: types.CodeType,
+    lineno: int,
+    *,
+    stop: Callable[[Any], bool] | None = None,
+    limit: int = 4096,
+) -> tuple[str, str] | None:
+    """The user's line that created autograd ``node`` in forward, found without anomaly
+    mode, from data flow: of the local names of the user's function ``code`` that called
+    ``backward()`` at ``lineno`` (``held``: their tensors' nodes, see :func:`held_nodes`),
+    the one whose graph reaches ``node`` before it reaches another's (the statement that
+    assigned it made the node), at that name's latest assignment above ``lineno``, and the
+    line of that statement that writes the node's op (``sqrt`` for a ``SqrtBackward0``).
+    None when no name, or more than one, reaches it first, or the statement does not write
+    the op (it called a helper that did: a line that does not hold the op is no answer).
+    ``stop``: nodes where the walk ends (the watched modules' outputs). Anomaly-time work:
+    a walk per local tensor."""
+    words = _OP_WORDS.get(re.sub(r"Backward\d*$", "", name_of(node)))
+    if words is None:
+        return None
+    names: dict[int, list[str]] = {}
+    fns: dict[int, Any] = {}
+    for k, fn in held.items():
+        names.setdefault(id(fn), []).append(k)
+        fns[id(fn)] = fn
+    owners: list[str] = []
+    for key, fn in fns.items():
+
+        def prune(n: Any, fn: Any = fn) -> bool:
+            return (n is not fn and id(n) in fns) or accumulates_grad(n) or bool(stop and stop(n))
+
+        if fn is node or any(n is node for n in GraphWalk([fn], prune=prune, limit=limit)):
+            owners.extend(names[key])
+            if len(owners) > len(names[key]):
+                return None  # two locals reach it: which statement made it is not told
+    if not owners:
+        return None
+    lines = []
+    current: int | None = None  # before 3.11 an instruction knows only where a line starts
+    try:
+        for ins in _instructions(code):
+            start = ins.starts_line
+            if isinstance(start, int) and not isinstance(start, bool):
+                current = start
+            if ins.opname in _STORES and ins.argval in owners:
+                pos = getattr(ins, "positions", None)
+                line = pos.lineno if pos is not None and pos.lineno is not None else current
+                if line is not None and line <= lineno:
+                    lines.append(line)
+    except Exception:  # code dis cannot read: no answer
+        return None
+    if not lines:
+        return None
+    return _op_in_statement(code.co_filename, max(lines), set(owners), words)
+
+
+def _instructions(code: types.CodeType) -> list[Any]:
+    import dis
+
+    return list(dis.get_instructions(code))
+
+
+def _op_in_statement(
+    filename: str, lineno: int, targets: set[str], words: re.Pattern[str]
+) -> tuple[str, str] | None:
+    """The first line of the assignment to one of ``targets`` at ``lineno`` (the whole
+    statement, over several lines) that writes the op ``words`` matches, as
+    :func:`_frames.describe_line` says it."""
+    import ast
+    import linecache
+
+    first, last = lineno, lineno
+    text = "".join(linecache.getlines(filename))
+    try:
+        tree = ast.parse(text) if text else None
+    except (SyntaxError, ValueError):
+        tree = None
+    for st in ast.walk(tree) if tree is not None else ():
+        if not isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            continue
+        end = st.end_lineno or st.lineno
+        if not st.lineno <= lineno <= end:
+            continue
+        tgts = st.targets if isinstance(st, ast.Assign) else [st.target]
+        if any(isinstance(n, ast.Name) and n.id in targets for t in tgts for n in ast.walk(t)):
+            first, last = st.lineno, end
+            break
+    for line in range(first, last + 1):
+        raw = linecache.getline(filename, line).split("#", 1)[0]
+        if words.search(raw):
+            return _frames.describe_line(filename, line)  # type: ignore[return-value]
+    return None
+
+
 def accumulates_grad(node: Any) -> bool:
     """The node that writes a leaf's ``.grad`` (the graph's end at a weight or input)."""
     return type(node).__name__ == "AccumulateGrad"

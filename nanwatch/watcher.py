@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import keyword
 import linecache
 import math
 import numbers
@@ -420,11 +421,20 @@ _SCRIPT_WARNED: set[int] = set()
 
 
 def _name_modules(
-    roots: Sequence[nn.Module], *, taken: set[str] | None = None, first: bool = True
+    roots: Sequence[nn.Module],
+    *,
+    taken: set[str] | None = None,
+    first: bool = True,
+    compiled: bool = False,
 ) -> list[tuple[nn.Module, _ModInfo]]:
     """Name every submodule by its qualified name (``encoder.layers.3.attn``); a root is
     named by its class. A module reachable twice keeps its first name. When several roots
-    are watched and two paths would collide, the later root's paths get its name as prefix."""
+    are watched and two paths would collide, the later root's paths get its name as prefix.
+
+    A ``torch.compile``'d submodule is refused (see :func:`_unwrap_compiled`), unless
+    ``compiled`` (sentinel mode, which hooks only the roots): then its wrapper is skipped
+    and what it wraps takes its name, so its weights are named as in the user's model
+    (``blocks.2.weight``, not ``blocks.2._orig_mod.weight``)."""
     out: list[tuple[nn.Module, _ModInfo]] = []
     seen: set[int] = set()
     taken = set() if taken is None else set(taken)
@@ -439,18 +449,31 @@ def _name_modules(
         if any(q in taken for q, _ in subs) or name in taken:
             prefix = name + "."
         skipped: list[str] = []
+        wrappers: set[str] = set()  # the compiled submodules' paths (``compiled`` only)
         for q, m in [("", root), *subs]:
             if id(m) in seen:
                 continue
             if any(q == s or q.startswith(s + ".") for s in skipped):
                 continue
-            _unwrap_compiled(m, path=q)  # a torch.compile'd submodule is refused like a root
+            if q and _is_compiled(m):
+                if not compiled:
+                    _unwrap_compiled(m, path=q, root=root)  # refused like a root
+                wrappers.add(q)
+                continue
+            shown = q
+            if wrappers:
+                parts = q.split(".")
+                shown = ".".join(
+                    p
+                    for j, p in enumerate(parts)
+                    if not (p == "_orig_mod" and ".".join(parts[:j]) in wrappers)
+                )
             if isinstance(m, torch.jit.ScriptModule):
                 skipped.append(q)
                 if id(m) not in _SCRIPT_WARNED:
                     _SCRIPT_WARNED.add(id(m))
                     warnings.warn(
-                        f"nanwatch: {q or name} is a torch.jit.ScriptModule; scripted modules "
+                        f"nanwatch: {shown or name} is a torch.jit.ScriptModule; scripted modules "
                         "cannot be hooked from Python, so it and its submodules are not watched. "
                         "Watch the eager module instead.",
                         RuntimeWarning,
@@ -458,7 +481,7 @@ def _name_modules(
                     )
                 continue
             seen.add(id(m))
-            path = name if not q else prefix + q
+            path = name if not q else prefix + shown
             taken.add(path)
             out.append(
                 (m, _ModInfo(path, m, is_root=not q, first_root=(first and i == 0 and not q)))
@@ -466,25 +489,89 @@ def _name_modules(
     return out
 
 
-def _unwrap_compiled(m: nn.Module, *, path: str = "") -> nn.Module:
+def _is_compiled(m: nn.Module) -> bool:
+    """Whether ``m`` is the wrapper ``torch.compile`` returns for a module."""
+    return isinstance(getattr(m, "_orig_mod", None), nn.Module) and (
+        type(m).__name__ == "OptimizedModule"
+    )
+
+
+def _unwrap_compiled(m: nn.Module, *, path: str = "", root: nn.Module | None = None) -> nn.Module:
     """``m`` itself; a ``torch.compile`` wrapper is refused with the line that unwraps it
-    (``path``: its name inside the watched model, "" for a root)."""
-    orig = getattr(m, "_orig_mod", None)
-    if isinstance(orig, nn.Module) and type(m).__name__ == "OptimizedModule":
-        if path:
-            where = f"the submodule {path} ({type(orig).__name__}) is"
-            attr = "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split("."))
-            how = f"{attr} = {attr}._orig_mod   # while debugging; compile it again after"
+    (``path``: its name inside the watched ``root``, "" for a root), written with the name
+    the user's code gives the watched model, or in words when no name of it is found."""
+    if not _is_compiled(m):
+        return m
+    orig: nn.Module = m._orig_mod  # type: ignore[assignment]
+    if path and root is not None:
+        where = f"the submodule {path} ({type(orig).__name__}) is"
+        name = _user_name(root)
+        if name is not None:
+            how = f"{_unwrap_line(root, name, path)}   # while debugging; compile it again after"
         else:
-            where = f"{type(orig).__name__} is"
-            how = "model = model._orig_mod   # and watch that; compile it after debugging"
-        raise ConfigError(
-            "modules",
-            m,
-            f"{where} wrapped by torch.compile; nanwatch's Python hooks would force graph "
-            f"breaks in every module. Watch the eager code:\n    {how}",
+            how = (
+                f"set {path} of the {type(root).__name__} you watch to its ._orig_mod while "
+                "debugging; compile it again after"
+            )
+        how += (
+            '\nor use mode="sentinel": it hooks only the roots and runs a compiled submodule as is.'
         )
-    return m
+    else:
+        where = f"{type(orig).__name__} is"
+        name = _user_name(m)
+        if name is not None:
+            how = f"{name} = {name}._orig_mod   # and watch that; compile it after debugging"
+        else:
+            how = "watch its ._orig_mod (the eager module) instead; compile it after debugging"
+    raise ConfigError(
+        "modules",
+        m,
+        f"{where} wrapped by torch.compile; nanwatch's Python hooks would force graph "
+        f"breaks in every module. Watch the eager code:\n    {how}",
+    )
+
+
+def _user_name(obj: object) -> str | None:
+    """A name the user's code binds to ``obj``: a local, else a global, of the innermost
+    user frame that has one (a wrapper of the user's around ``watch()`` holds the watcher,
+    its caller the model): the variable a fix can be written with. None when none is found
+    (the model was made in the call: ``watch(Net())``)."""
+    f = _frames.user_frame()
+    for _ in range(16):
+        if f is None:
+            return None
+        for scope in (f.f_locals, f.f_globals):
+            for k, v in list(scope.items()):
+                if v is obj and isinstance(k, str) and k.isidentifier() and k[0] != "_":
+                    return k
+        f = _frames.user_frame(f.f_back)
+    return None
+
+
+def _unwrap_line(root: nn.Module, name: str, path: str) -> str:
+    """The statement that puts back the eager module of the compiled submodule ``path`` of
+    ``root`` (bound to ``name``), as Python that runs: ``net.blocks[2] = net.blocks[2]._orig_mod``
+    for an index of a Sequential or ModuleList, ``net.heads["a-b"]`` for a ModuleDict's key
+    that is no identifier, ``setattr``/``getattr`` for any other name."""
+    expr, parent = name, root
+    line = ""
+    for part in path.split("."):
+        if isinstance(parent, (nn.Sequential, nn.ModuleList)) and part.isdigit():
+            step = f"{expr}[{part}]"
+            line = f"{step} = {step}._orig_mod"
+        elif part.isidentifier() and not keyword.iskeyword(part):
+            step = f"{expr}.{part}"
+            line = f"{step} = {step}._orig_mod"
+        elif isinstance(parent, nn.ModuleDict):
+            step = f"{expr}[{part!r}]"
+            line = f"{step} = {step}._orig_mod"
+        else:
+            step = f"getattr({expr}, {part!r})"
+            line = f"setattr({expr}, {part!r}, {step}._orig_mod)"
+        expr = step
+        child = parent._modules.get(part)
+        parent = child if child is not None else parent
+    return line
 
 
 _PendingNode = tuple[
@@ -566,6 +653,9 @@ class Watcher:
     _loss_last: list[str] | None
     #: the loss code's nodes with what they saved, as backward began (_flag_loss_nodes)
     _loss_snaps: list[tuple[str, str, ops.SavedNode]]
+    #: read late: the code, line and local tensors' nodes of the user's frame that called
+    #: backward() on the loss code (see _flag_loss_nodes), for the op's forward line
+    _loss_held: tuple[Any, int, dict[str, Any]] | None
     _late_loss: torch.Tensor | None
     _late_losses: dict[int, torch.Tensor]
     #: the nodes of the watched values alive as backward() began (see _hold_late_loss)
@@ -807,7 +897,8 @@ class Watcher:
         """Register the hooks. Safe to call once; a second call is an error."""
         if self._attached or self._aside:
             raise NanwatchError("this Watcher is already attached; call detach() first.")
-        self._modules = _name_modules(self.roots)
+        # sentinel hooks only the roots: a compiled submodule runs compiled, and is no obstacle
+        self._modules = _name_modules(self.roots, compiled=self.config.mode == "sentinel")
         self._infos = weakref.WeakKeyDictionary(self._modules)
         self._set_params()
         full_hooks = self.config.mode != "sentinel"
@@ -950,7 +1041,7 @@ class Watcher:
         if tree is None or self._tree_of() == tree:
             self._refresh_params()
             return
-        fresh = _name_modules(self.roots)
+        fresh = _name_modules(self.roots, compiled=self.config.mode == "sentinel")
         added: list[tuple[nn.Module, _ModInfo]] = []
         for m, info in fresh:
             known = self._infos.get(m)
@@ -1019,6 +1110,7 @@ class Watcher:
         self._known.clear()
         self._stack.clear()
         self._loss_snaps = []  # what the loss code saved: no reference kept after detach
+        self._loss_held = None
         self._late_loss = None
         self._late_losses = {}
         self._late_stops = []
@@ -1700,6 +1792,7 @@ class Watcher:
         self._grads_kept: list[torch.Tensor] | None = None
         self._kept_saved = 0  # bytes of flagged nodes' saved values kept (see _keep_saved)
         self._loss_snaps = []
+        self._loss_held = None
         #: read late: the nodes of the roots' inputs the user's code computed from watched
         #: outputs this step, and what the nodes below them saved, kept as backward began
         #: (see _keep_derived)
@@ -2928,6 +3021,11 @@ class Watcher:
         if (loss.device.type != "cpu" or self._defer_cpu) and not self._loss_graph_armed:
             self._flag_loss_nodes(loss, path)
             return
+        if loss.device.type != "cpu" or self._defer_cpu:
+            # an accelerator's backward runs the nodes' hooks on its own thread, where no
+            # frame of the user's is on the stack: their names are taken now (see
+            # _forward_line)
+            self._hold_loss_names()
         stop = self._recorded_nodes
         nodes: list[Any] = []
         last: list[str] = []
@@ -2994,8 +3092,10 @@ class Watcher:
 
         walk = ops.GraphWalk([loss.grad_fn], prune=prune, limit=_LOSS_NODES)
         gen, step = self._gen, self._step
-        # the user's backward() line, once (not a frame walk in each node's hook)
-        self._flag_site = _frames.user_line()
+        # the user's backward() line, once (not a frame walk in each node's hook), and the
+        # nodes of its frame's local tensors: read late, the function that computed the
+        # loss (a helper's) may have returned, and its names say which line made a node
+        self._flag_site = _frames.describe_frame(self._hold_loss_names())
         last: list[str] = []
         for node in walk:
             base = re.sub(r"Backward\d*$", "", type(node).__name__)
@@ -3175,6 +3275,9 @@ class Watcher:
                 ev.backward_at = ev.source
                 ev.scalars = {**scalars, **ev.scalars}
             ev.made_from = list(made) or ev.made_from
+            fwd = self._forward_line(snap._node if snap is not None else None)
+            if fwd is not None:
+                ev.source, ev.code = fwd
             self._trace.ops.append(ev)
             return
 
@@ -3231,12 +3334,48 @@ class Watcher:
         self._loss_node_bad = True  # later nodes only pass it on
         if any(o is not None and not _finite(o) for o in grad_outputs):
             return  # it arrived non-finite: not born here
-        ev = ops.node_event(ops.current_autograd_node(), bad, name=name)
+        node = ops.current_autograd_node()
+        ev = ops.node_event(node, bad, name=name)
         ev.path = path
         site = self._loss_site()
-        ev.source, ev.code = site  # the node's forward line is unknown without anomaly mode
+        ev.source, ev.code = site
         ev.backward_at = ev.source
+        # without anomaly mode a node holds no forward line: the user's frame that called
+        # backward() tells it, from its locals' graphs, when the loss code ran there
+        fwd = self._forward_line(node, _frames.user_frame())
+        if fwd is not None:
+            ev.source, ev.code = fwd
         self._trace.ops.append(ev)
+
+    def _hold_loss_names(self) -> Any:
+        """As ``backward()`` begins on the loss code: the user's frame that called it, whose
+        code, line and local tensors' nodes are kept for :meth:`_forward_line` (references,
+        no read: a look at the frame's names, once a step)."""
+        frame = _frames.user_frame()
+        if frame is not None:
+            self._loss_held = (frame.f_code, frame.f_lineno, ops.held_nodes(frame))
+        return frame
+
+    def _forward_line(self, node: Any, frame: Any = None) -> tuple[str, str] | None:
+        """:func:`ops.statement_line` of a loss-code ``node``, the walk ending at the watched
+        values: from ``frame`` (the user's, running ``backward()`` now), else, read late,
+        from the names the frame that called ``backward()`` held then (see
+        :meth:`_flag_loss_nodes`); None when it cannot tell (or fails: the backward() line
+        stands)."""
+        if node is None:
+            return None
+        stop = self._recorded_nodes
+        try:
+            if frame is not None:
+                held = (frame.f_code, frame.f_lineno, ops.held_nodes(frame))
+            elif self._loss_held is not None:
+                held = self._loss_held
+            else:
+                return None
+            code, line, nodes = held
+            return ops.statement_line(node, nodes, code, line, stop=lambda n: n in stop)
+        except Exception:
+            return None
 
     def _saved_loss_node(self, anomaly: Anomaly) -> OpEvent | None:
         """Read late, a gradient from the loss code went bad at a watched output and no
@@ -3263,6 +3402,9 @@ class Watcher:
             ev.path = path
             ev.source, ev.code = site
             ev.backward_at = ev.source
+            fwd = self._forward_line(snap._node)
+            if fwd is not None:
+                ev.source, ev.code = fwd
             return ev
         return None
 
