@@ -739,6 +739,11 @@ class _Probe:
         line = self.line
         if not line:
             return None, []
+        if self.is_module and _in_library(self):
+            # a library's code called the module (BERT's token_type_embeddings inside
+            # ``model(...)``): a call on the user's line that merely has as many arguments
+            # (``torch.tensor([0, 1])``) is not it
+            return None, []
         try:
             tree = ast.parse(line)
         except SyntaxError:
@@ -3626,6 +3631,51 @@ def _looks_like_positions(ids: torch.Tensor) -> bool:
     return ids.dim() >= 1 and ids.shape[-1] >= 2 and bool((ids.diff(dim=-1) == 1).all())
 
 
+def _config_key(p: _Probe, rows: int) -> str | None:
+    """The one setting of a watched model's config that sized the guarded table
+    (``type_vocab_size``, ``max_position_embeddings``): an int equal to its rows under a
+    name for a size or a count of positions; None when none or several match."""
+    found: set[str] = set()
+    for root in p.roots:
+        config = getattr(root, "config", None)
+        for key, value in getattr(config, "__dict__", {}).items():
+            if (
+                type(value) is int
+                and value == rows
+                and re.search(r"(?:_size|positions|_embeddings)$", key)
+            ):
+                found.add(key)
+    return found.pop() if len(found) == 1 else None
+
+
+def _config_sized(p: _Probe, key: str, rows: int, top: int) -> tuple[str, str]:
+    """NW513's hint and fix for ids past a table a model's config sized: a position past
+    its context (a generation loop whose KV cache grew past it), or a count the config
+    fixes (BERT's ``type_vocab_size``): the ids must fit it, or the config must change."""
+    if "position" in key:
+        return (
+            f" — these are positions: the model was built with {key}={rows}, and position "
+            f"{top} is past it: the tokens so far (a KV cache's past plus this input) are "
+            "longer than the model's context"
+        ), (
+            f"stop at {rows} tokens in all (the prompt plus new ones: generate(..., "
+            f"max_length={rows})), or keep only the last {rows - 1} tokens in the cache"
+        )
+    frame = p.frame
+    names = frame.f_locals if frame is not None else {}
+    var = next((k for k, v in list(names.items()) if v is p.input), None)
+    hint = f" — the model's config sized this table: {key}={rows}, and the ids reach {top}"
+    if var is None:
+        fix = f"# give it ids in 0..{rows - 1} only"
+    else:
+        hint += f" (in {var})"
+        fix = f"{var} = {var}.clamp_max({rows - 1})   # ids in 0..{rows - 1} only"
+    return hint, (
+        f"{fix}\n# or, training from scratch: build the model from a config with "
+        f"{key}={top + 1} (a pretrained model's {key} is fixed)"
+    )
+
+
 def _padding_row(p: _Probe, rows: int) -> int | None:
     pad = p.bound.get("padding_idx")
     if not isinstance(pad, int) or isinstance(pad, bool):
@@ -3814,6 +3864,8 @@ def _index_result(
                     f"truncate the inputs to {rows} tokens (tokenizer(..., truncation=True, "
                     f"max_length={rows})), or give the position embedding {top + 1} rows"
                 )
+            elif (sized := _config_key(p, rows)) is not None and not _token_table(p):
+                hint, fix = _config_sized(p, sized, rows, top)
             else:
                 token = _token_table(p)
                 if all(x == rows for x in big):

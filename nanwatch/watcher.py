@@ -815,6 +815,9 @@ class Watcher:
         #: where each optimizer's last step fell: id -> (the step, how many calls of that
         #: step had begun), to tell a forward after the update from one before it (NW301)
         self._opt_calls: dict[int, tuple[int, int]] = {}
+        #: the lr scheduler of each optimizer that has one (by the optimizer's id): its
+        #: class and the user's name for it, found once in the frame that steps it
+        self._schedulers: dict[int, tuple[str, str | None] | None] = {}
         #: each weight's data pointer right after the last optimizer step that updated it
         #: (by the weight's id): ``p.data = w / w.norm()`` after the step replaces the
         #: weight's tensor and moves no version (NW301: written after the update)
@@ -2102,6 +2105,10 @@ class Watcher:
                 world = _distributed()  # NW301: another rank's gradient, all-reduced
                 if world is not None:
                     note.data.update(rank=world[0], world=world[1])
+                if any("initial_lr" in g for g in groups):  # a scheduler sets this lr
+                    found = self._scheduler_of(optimizer)
+                    if found is not None:
+                        note.data.update(scheduler=found[0], scheduler_variable=found[1])
                 if self._bypasses_scaler(optimizer, kwargs):
                     note.data["scaled_step"] = True  # NW301: the GradScaler was bypassed
                 if stale:
@@ -2347,6 +2354,32 @@ class Watcher:
                 nonfinite=bad,
                 transformed=meta["transformed"],
             )
+
+    def _scheduler_of(self, optimizer: Any) -> tuple[str, str | None] | None:
+        """The lr scheduler that drives ``optimizer``: its class and the user's name for it,
+        looked for once in the frame that steps the optimizer (its locals, ``self``'s
+        attributes, its module's globals); None when none there does (a framework's)."""
+        key = id(optimizer)
+        if key in self._schedulers:
+            return self._schedulers[key]
+        frame = _frames.user_frame(sys._getframe(1))
+        found: tuple[str, str | None] | None = None
+        if frame is not None:
+            local = frame.f_locals
+            attrs = getattr(local.get("self"), "__dict__", None)
+            scopes: list[tuple[Any, str]] = [(local, ""), (attrs, "self."), (frame.f_globals, "")]
+            for names, prefix in scopes:
+                if not hasattr(names, "items"):
+                    continue
+                for name, value in list(names.items()):
+                    if isinstance(value, _SCHEDULERS) and value.optimizer is optimizer:
+                        var = prefix + name if str(name).isidentifier() else None
+                        found = (type(value).__name__, var)
+                        break
+                if found is not None:
+                    break
+        self._schedulers[key] = found
+        return found
 
     def _note_stale_grads(
         self, optimizer: Any, stale: list[str], group: int, groups: list[dict[str, Any]]
@@ -7006,6 +7039,10 @@ def _call_site_data(module: nn.Module, start: Any = None) -> dict[str, Any] | No
         "user_source": source,
         "callee": _name_in_frame(f, module),
     }
+
+
+#: torch's lr schedulers (ReduceLROnPlateau is one since torch 2.2)
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def _name_in_frame(frame: Any, obj: Any) -> str | None:

@@ -1000,6 +1000,86 @@ def _statement_key(stmt: str) -> tuple[str, str] | None:
     return None
 
 
+#: lr schedulers that compute each lr from the one they find in the group (``lr *= gamma``):
+#: a lower ``g["lr"]`` stays lowered
+_CHAINED_SCHEDULERS = frozenset(
+    {
+        "StepLR",
+        "MultiStepLR",
+        "ConstantLR",
+        "LinearLR",
+        "ExponentialLR",
+        "PolynomialLR",
+        "CosineAnnealingLR",
+        "MultiplicativeLR",
+        "ReduceLROnPlateau",
+    }
+)
+#: lr schedulers that set each lr from a peak they were given, not from the optimizer's
+_PEAK_SCHEDULERS = frozenset({"OneCycleLR", "CyclicLR"})
+#: lr schedulers made of others, each holding its own base
+_COMPOSITE_SCHEDULERS = frozenset({"SequentialLR", "ChainedScheduler"})
+#: a fix's line that sets a param group's learning rate
+_LR_WRITE = re.compile(r"([\w.]+)\.param_groups\b.*\[\s*[\"']lr[\"']\s*\]\s*[*/]?=(?!=)")
+
+
+def with_scheduler(fix: str, notes: Sequence[Note]) -> str:
+    """``fix`` with what keeps its new learning rate when an lr scheduler drives the
+    optimizer (its ``"optimizer"`` note names one): LambdaLR (transformers' warmup
+    schedules) and CosineAnnealingWarmRestarts set ``lr`` from their ``base_lrs`` at every
+    ``step()``, so a lower ``g["lr"]`` alone is undone by the next one; OneCycleLR and
+    CyclicLR set it from the peak they were made with. A scheduler that scales the lr it
+    finds (StepLR, CosineAnnealingLR) keeps it: nothing is added.
+
+    >>> n = Note("optimizer", "SGD", data={"scheduler": "LambdaLR", "scheduler_variable": "s"})
+    >>> fix = with_scheduler('for g in optimizer.param_groups: g["lr"] = 0.001', [n])
+    >>> print(fix.splitlines()[1].split("   #")[0])
+    s.base_lrs = [g["lr"] for g in optimizer.param_groups]
+    """
+    lines = fix.splitlines()
+    at = next((i for i, ln in enumerate(lines) if _LR_WRITE.search(ln.split("#", 1)[0])), None)
+    if at is None:
+        return fix
+    found = None
+    for n in reversed(notes):
+        kind = n.data.get("scheduler")
+        if n.kind == "optimizer" and isinstance(kind, str):
+            found = n
+            if f"({n.path}" in lines[at]:  # the optimizer the line names
+                break
+    if found is None:
+        return fix
+    kind = str(found.data["scheduler"])
+    if kind in _CHAINED_SCHEDULERS or f"{kind}.base_lrs" in fix:
+        return fix
+    var = found.data.get("scheduler_variable")
+    sched = var if isinstance(var, str) and var else "scheduler"
+    m = _LR_WRITE.search(lines[at])
+    assert m is not None
+    optimizer = m.group(1)
+    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+    new = re.search(r"\[\s*[\"']lr[\"']\s*\]\s*=\s*([\d.eE+-]+)", lines[at])
+    peak = new.group(1) if new else "a lower one"
+    if kind in _PEAK_SCHEDULERS:
+        line = (
+            f"# {kind} sets the lr from the max_lr it was made with at every {sched}.step(), "
+            f"undoing this: make {sched} again with max_lr={peak}"
+        )
+    elif kind in _COMPOSITE_SCHEDULERS:
+        line = (
+            f"# {kind}'s schedulers set the lr from the one the optimizer had when they were "
+            f"made, undoing this: make {optimizer} with lr={peak}, then the schedulers again"
+        )
+    else:
+        line = (
+            f'{sched}.base_lrs = [g["lr"] for g in {optimizer}.param_groups]   # {kind} sets '
+            f"the lr from base_lrs at every {sched}.step(): without this line it undoes the "
+            "new lr"
+        )
+    lines.insert(at + 1, indent + line)
+    return "\n".join(lines)
+
+
 def on_its_line(source: str | None, fix: str) -> str:
     """``fix`` with each of its lines that rewrites one statement of the user's line put
     back into that line, so the pasted line keeps what else it held: a one-line compound

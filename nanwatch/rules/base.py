@@ -471,7 +471,19 @@ def evaluate(
                 continue
             out.extend(found)
     out.sort(key=sort_key)
+    # the optimizers an lr scheduler drives: a fix that lowers the lr also lowers what the
+    # scheduler sets it from, or its next step() undoes it
+    scheduled = [
+        n
+        for t in (*history[-1:], trace)
+        for n in t.notes
+        if n.kind == "optimizer" and "scheduler" in n.data
+    ]
     for d in out:
+        if d.fix and scheduled:
+            from nanwatch.rules._evidence import with_scheduler
+
+            d.fix = with_scheduler(d.fix, scheduled)
         if d.fix and d.source:
             # a rewrite of one statement of a one-line compound statement goes back into
             # the user's whole line: under its ``else:`` / ``if c:``, beside its other

@@ -12435,7 +12435,11 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
     x, y = found or ("logits", "y")
     head = ""
     if not re.fullmatch(r"[\w.]+", y):
-        head, y = f"t = {y}\n", "t"
+        # a name of its own: the user's function may use ``t`` already (a decoder's input
+        # tokens, read again after the loss line)
+        src = ev.source if ev.code else _loss_note_source(ctx)
+        t = fresh_name("t", identifiers(f"{code or ''} {x}") | _names_of_function(src))
+        head, y = f"{t} = {y}\n", t
     keep = f"{opts}, " if opts else ""
     w: str | None = weight.group(1) if weight is not None else None
     if w is None and sf.weight is not None:  # weights the guard did not name
@@ -12480,6 +12484,19 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
             else "# or give every class a weight > 0"
         )
     )
+
+
+def _names_of_function(source: str | None) -> set[str]:
+    """The variable names the body of the user's function holding line ``source`` reads or
+    assigns (strings and attributes left out); empty when it cannot be read or parsed."""
+    import textwrap
+
+    lines = _function_lines(source)
+    try:
+        tree = ast.parse(textwrap.dedent("".join(text for _, text in lines)))
+    except (SyntaxError, ValueError):
+        return set()
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
 
 
 def _call_of(code: str | None, x: str, y: str) -> tuple[str, str, str | None] | None:

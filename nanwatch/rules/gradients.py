@@ -5743,23 +5743,50 @@ def diverging_decay(ctx: RuleContext) -> Iterator[Diagnosis]:
     if ctx.anomaly is not None:
         evidence.append(f"then, at step {ctx.step}: {ctx.anomaly.summary}")
     good = limit / 10 / lr
+    explanation = (
+        "Weight decay pulls each weight toward 0 by lr × weight_decay of itself per "
+        f"step. Past {fmt(limit)} it overshoots 0 by more than the weight was, so the "
+        "weights flip sign and grow geometrically, step after step, until they overflow. "
+        "Clipping the gradients cannot stop it: the decay is applied inside "
+        "optimizer.step(), after clipping."
+    )
+    if wd <= _USUAL_DECAY:
+        # a usual decay: only a learning rate far past any usable one (> 20) goes past
+        # the limit with it, and that lr throws the weights off by itself too
+        new = 1e-3 if _normalized(optimizer) else min(0.1, _round_down(limit / 10 / wd))
+        yield ctx.diagnosis(
+            severity="error",
+            evidence=evidence,
+            explanation=explanation
+            + f" weight_decay {fmt(wd)} is a usual value; the learning rate {fmt(lr)} is "
+            "not"
+            + (" (Adam-like optimizers: 1e-5 to 1e-2)" if _normalized(optimizer) else "")
+            + ": even without the decay, a step that large throws the weights far from "
+            "anything learned.",
+            fix=(
+                f'optimizer.param_groups[{gi}]["lr"] = {fmt(new)}   # was {fmt(lr)} '
+                f"({optimizer}, weight_decay {fmt(wd)}): lr × weight_decay must stay well "
+                f"below {fmt(limit)}"
+            ),
+        )
+        return
     yield ctx.diagnosis(
         severity="error",
         evidence=evidence,
-        explanation=(
-            "Weight decay pulls each weight toward 0 by lr × weight_decay of itself per "
-            f"step. Past {fmt(limit)} it overshoots 0 by more than the weight was, so the "
-            "weights flip sign and grow geometrically, step after step, until they overflow. "
-            "Clipping the gradients cannot stop it: the decay is applied inside "
-            "optimizer.step(), after clipping. weight_decay is usually 1e-4 to 0.1; it was "
-            "probably given where a learning rate or a decay factor was meant."
-        ),
+        explanation=explanation
+        + " weight_decay is usually 1e-4 to 0.1; it was probably given where a learning "
+        "rate or a decay factor was meant.",
         fix=(
             f"optimizer.param_groups[{gi}].update(weight_decay={fmt(min(good, 0.01))})   "
             f"# was {fmt(wd)} ({optimizer}, lr {fmt(lr)})\n"
             f"# keep lr * weight_decay well below {fmt(limit)} (typical: 1e-5 to 1e-3)"
         ),
     )
+
+
+#: the largest weight decay in common use: past the divergence limit with one of these, the
+#: learning rate is the value out of its range (over 2 / 0.1 = 20)
+_USUAL_DECAY = 0.1
 
 
 #: a running-average coefficient of an optimizer's group, what it averages, the largest
