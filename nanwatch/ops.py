@@ -1968,13 +1968,23 @@ class _SubmoduleOps:
     watcher pushes no path for a module it watches from its forward hook alone (a norm, an
     activation), so a GroupNorm whose variance overflowed would be named by its parent. The
     path is the one the watcher stamped that very call's outputs with (:func:`stamp_graph`);
-    a module that returns what it was given ran no op and keeps none."""
+    a module that returns what it was given ran no op and keeps none. ``names``: the path of
+    a submodule whose calls the watcher does not hook (sentinel mode hooks the roots alone),
+    None for others: its calls push that path (:func:`push_path`) for the ops they run."""
 
-    def __init__(self, module: torch.nn.Module, keep: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        keep: torch.nn.Module | None = None,
+        names: Callable[[torch.nn.Module], str | None] | None = None,
+    ) -> None:
         self.checker: OpChecker | None = None
         self.keep = keep
         self.kept: list[Any] = []  # what each call of ``keep`` returned (see replay)
+        self._names = names
         self._starts: list[int] = []
+        self._pushed: list[bool] = []  # per open call: whether its pre-hook pushed a path
+        self._depth = 0  # the path stack's depth as the attempt began (see unwind)
         self._handles: list[Any] = []
         for m in module.modules():
             if m is module:
@@ -1993,9 +2003,15 @@ class _SubmoduleOps:
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         chk = self.checker
         self._starts.append(len(chk.events) if chk is not None else 0)
+        path = self._names(module) if self._names is not None else None
+        if path is not None:
+            push_path(path)
+        self._pushed.append(path is not None)
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         start = self._starts.pop() if self._starts else None
+        if self._pushed and self._pushed.pop():
+            pop_path()
         if module is self.keep:
             self.kept.append(output)
         chk, stamped = self.checker, getattr(_tls, "stamped", None)
@@ -2014,10 +2030,47 @@ class _SubmoduleOps:
             if ev.phase is Phase.FORWARD and ev.path == enclosing:
                 ev.path = path
 
+    def begin(self) -> None:
+        """An attempt of the replay begins: no submodule call is open."""
+        self._starts.clear()
+        self._pushed.clear()
+        self._depth = len(getattr(_tls, "paths", None) or ())
+
+    def unwind(self) -> None:
+        """An attempt ended: the paths pushed by submodule calls that raised (their forward
+        hook never ran) are popped, so the stack is as the attempt found it."""
+        stack = getattr(_tls, "paths", None)
+        if stack is not None:
+            del stack[self._depth :]
+        self._starts.clear()
+        self._pushed.clear()
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+@contextlib.contextmanager
+def named_calls(
+    modules: Sequence[torch.nn.Module], names: Callable[[torch.nn.Module], str | None]
+) -> Iterator[None]:
+    """While a replay runs ``modules`` through the user's own code (``nw.replay(step_fn)``),
+    the calls of their submodules that ``names`` gives a path (those no hook names, see
+    :class:`_SubmoduleOps`) push it for the ops they run; the hooks are removed, and the
+    paths of calls that raised popped, on exit."""
+    trackers: list[_SubmoduleOps] = []
+    depth = len(getattr(_tls, "paths", None) or ())
+    try:
+        for m in modules:
+            trackers.append(_SubmoduleOps(m, None, names))
+        yield
+    finally:
+        for t in trackers:
+            t.remove()
+        stack = getattr(_tls, "paths", None)
+        if stack is not None:
+            del stack[depth:]
 
 
 def replay(
@@ -2036,6 +2089,7 @@ def replay(
     keep: torch.nn.Module | None = None,
     autocast: tuple[tuple[str, torch.dtype], ...] | None = None,
     modes: tuple[Any, ...] = (),
+    names: Callable[[torch.nn.Module], str | None] | None = None,
 ) -> ReplayResult:
     """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
     :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
@@ -2062,11 +2116,13 @@ def replay(
     handling on, as the user's code ran (nanwatch's hooks turn it off for their own
     work), under ``modes``: the TorchFunctionModes the original call ran under
     (``torch.set_default_device``, a user's mode), those out of force now entered again
-    (see :func:`nanwatch._compat.as_called`)."""
+    (see :func:`nanwatch._compat.as_called`). ``names``: the path of each submodule whose
+    calls no hook names during the replay (see :class:`_SubmoduleOps`), so that an op a
+    child of ``module`` ran is told as that child's."""
     result = ReplayResult()
     floor = sys._getframe()
     devices = _devices([args, kwargs])
-    tracker = _SubmoduleOps(module, keep if keep is not module else None)
+    tracker = _SubmoduleOps(module, keep if keep is not module else None, names)
     try:
         with preserved_state(module, devices), _replay_scope():
             same = rng is not None and set_rng_states(rng, devices)
@@ -2083,6 +2139,7 @@ def replay(
                 before = rng_states(devices)
                 tracker.kept = []
                 push_path(path)
+                tracker.begin()
                 out: Any = None
                 try:
                     with torch.no_grad(), _autocast_or_not(autocast), chk:
@@ -2090,6 +2147,7 @@ def replay(
                 except Exception as exc:
                     result.error = f"{type(exc).__name__}: {exc}"
                 finally:
+                    tracker.unwind()
                     pop_path()
                 result.events = chk.events
                 result.output = frozenset().union(*(_kinds(t) for _, t in iter_tensors(out, "")))

@@ -734,7 +734,9 @@ class Watcher:
         #: the restored ones (-1: nothing restored)
         self._resumed_at = -1
         self._attach_versions: dict[int, int] = {}
-        self._pinpointed: set[str] = set()  #: module paths replayed for an anomaly
+        #: (what was replayed: "forward", "backward" or "gradient"; the path of the module
+        #: that replay blamed, after any move into a child) for each anomaly replayed so far
+        self._pinpointed: set[tuple[str, str]] = set()
         self._first_bad: StepTrace | None = None
         self._attach_order = -1  # see attach
         self.anomalies: list[Anomaly] = []
@@ -1429,6 +1431,9 @@ class Watcher:
             if rng_state is not None:
                 torch.set_rng_state(rng_state)
             stack.enter_context(ops._replay_scope())
+            if self.config.mode == "sentinel" and not self.global_hooks:
+                # the roots' children have no hooks: the replay names their ops itself
+                stack.enter_context(ops.named_calls(self.roots, self._unhooked_path))
             torch.autograd.set_detect_anomaly(True, check_nan=False)
             stack.callback(torch.autograd.set_detect_anomaly, prev[0], check_nan=prev[1])
             chk = ops.OpChecker(
@@ -1464,6 +1469,7 @@ class Watcher:
             )
             if first is not None:
                 last.op = first
+                self._replayed_below(last)
             elif result.clean and result.conclusive:
                 last.transient = True
             last.summary = summarize(last)
@@ -4936,7 +4942,8 @@ class Watcher:
             return
         if self.config.pinpoint and anomaly.kind is AnomalyKind.FORWARD and anomaly.op is None:
             # the loss code's graph is read at every anomaly (cheap); a module is replayed
-            # at its first anomaly of the run only (warn/record runs go on with one a step)
+            # at its first anomaly of the run only (warn/record runs go on with one a step),
+            # see _replay_due
             late = loss is None and self._late and anomaly.path == LOSS_PATH
             if late and self._loss_snaps:
                 # read after backward (the forward had not landed as it began): the graph
@@ -4947,40 +4954,62 @@ class Watcher:
                 with ops.saved_from(kept):
                     self._pinpoint_loss(anomaly, loss)
                 src = anomaly.neginf_source
-                if src is not None and (first_of_run or src.path not in self._pinpointed):
+                if src is not None and (first_of_run or self._replay_due("forward", src.path)):
                     # the -inf it grew out of came from a watched module: replay that one
-                    self._pinpointed.add(src.path)
+                    self._pinpointed.add(("forward", src.path))
                     self._pinpoint_neginf(anomaly, None, current, False)
                     anomaly.summary = summarize(anomaly)
-            elif first_of_run or anomaly.path not in self._pinpointed:
-                self._pinpointed.add(anomaly.path)
-                late_found = rec is not None and rec.phase in (Phase.BACKWARD, Phase.GRADIENT)
-                self._pinpoint(anomaly, current, in_backward=late_found)
-                self._pinpoint_derived_input(anomaly, current)
+            elif first_of_run or self._replay_due("forward", anomaly.path):
+                try:
+                    late_found = rec is not None and rec.phase in (Phase.BACKWARD, Phase.GRADIENT)
+                    self._pinpoint(anomaly, current, in_backward=late_found)
+                    self._pinpoint_derived_input(anomaly, current)
+                finally:  # the module blamed, once the replay moved it into a child
+                    self._pinpointed.add(("forward", anomaly.path))
         elif (
             self.config.pinpoint
             and anomaly.kind is AnomalyKind.BACKWARD
             and anomaly.origin in ("between-children", "module")
             and (anomaly.op is None or _line_unknown(anomaly.op, anomaly.path))
             and not self._forensic
-            and (first_of_run or anomaly.path not in self._pinpointed)
+            and (first_of_run or self._replay_due("backward", anomaly.path))
         ):
-            self._pinpointed.add(anomaly.path)
-            self._pinpoint_own_backward(anomaly)
+            try:
+                self._pinpoint_own_backward(anomaly)
+            finally:
+                self._pinpointed.add(("backward", anomaly.path))
         elif (
             self.config.pinpoint
             and anomaly.kind is AnomalyKind.GRADIENT
             and anomaly.op is None
             and not self._forensic
-            and (first_of_run or anomaly.path not in self._pinpointed)
+            and (first_of_run or self._replay_due("gradient", anomaly.path))
         ):
-            self._pinpointed.add(anomaly.path)
-            self._pinpoint_param_backward(anomaly)
+            try:
+                self._pinpoint_param_backward(anomaly)
+            finally:
+                self._pinpointed.add(("gradient", anomaly.path))
         if self._late and self.config.pinpoint and not self._forensic:
             self._pinpoint_named_node(anomaly)
         trace.diagnoses = self._evaluate(trace)
         if act:
             self._act(trace)
+
+    def _replay_due(self, what: str, path: str) -> bool:
+        """Whether an anomaly localized in the module at ``path`` is replayed; ``what``:
+        "forward", "backward" (the module's own backward) or "gradient" (the backward
+        behind a parameter's gradient). Each is replayed once a run for a module (its later
+        anomalies of that kind are its code's again: a warn/record run goes on with one a
+        step), keyed by the module the replay blamed: a parent whose replay moved the value
+        into a child it did not measure is replayed again at its next one, which may come
+        from its own code or another child. So is a module whose submodules' calls are not
+        hooked (sentinel's roots): its path alone does not tell which code made it."""
+        if (what, path) not in self._pinpointed:
+            return True
+        module = next((m for m, info in self._modules if info.path == path), None)
+        if module is None:
+            return False
+        return any(self._unhooked_path(m) is not None for m in module.modules() if m is not module)
 
     def _late_loss_of(self, anomaly: Anomaly) -> torch.Tensor | None:
         """The loss held for a read after backward (see :meth:`_hold_late_loss`) whose
@@ -5138,6 +5167,7 @@ class Watcher:
             keep=self._freed_producer(anomaly),
             autocast=self._call_autocast(target),
             modes=self._call_modes(target),
+            names=self._unhooked_path,
         )
         self._describe_replayed(anomaly, target, result)
         if target is not meant:
@@ -5197,6 +5227,30 @@ class Watcher:
         self._pinpoint_neginf(anomaly, target, current, pre_hooks)
         self._born_below(anomaly, meant)
         anomaly.summary = summarize(anomaly)
+
+    def _replayed_below(self, anomaly: Anomaly) -> None:
+        """:meth:`replay` traced the forward op that made the anomaly's value to a module
+        whose calls are not hooked (sentinel) inside the one that recorded it: the anomaly
+        moves there, as after the replay at the time it was found (:meth:`_born_below`)."""
+        op = anomaly.op
+        path = op.chain()[0].path if op is not None and op.phase is Phase.FORWARD else None
+        if anomaly.kind is not AnomalyKind.FORWARD or path is None or path == anomaly.path:
+            return
+        outer = next((m for m, info in self._modules if info.path == anomaly.path), None)
+        inner = next((m for m, info in self._modules if info.path == path), None)
+        if outer is None or inner is None or self._unhooked_path(inner) is None:
+            return
+        if any(m is inner for m in outer.modules()):
+            born_below(anomaly, path, type(inner).__name__)
+
+    def _unhooked_path(self, module: nn.Module) -> str | None:
+        """The path of ``module`` when the watcher does not hook its calls (sentinel mode
+        hooks the roots alone), so that no hook of its names the ops a replay runs in it:
+        the replay names them (see :func:`ops.replay`'s ``names``). None for the others."""
+        if self.global_hooks or self.config.mode != "sentinel":
+            return None  # every call is hooked, and its hooks name it during a replay
+        info = self._infos.get(module)
+        return None if info is None or info.is_root else info.path
 
     def _born_below(self, anomaly: Anomaly, meant: Call) -> None:
         """The replay of ``meant`` traced the op that made the anomaly's value to a module
@@ -5842,6 +5896,7 @@ class Watcher:
             hold=self._moved_state,
             autocast=self._call_autocast(maker),
             modes=self._call_modes(maker),
+            names=self._unhooked_path,
         )
         made = next((e for e in result.events if "-inf" in e.born), None)
         if made is None:

@@ -43,8 +43,11 @@ def test_sentinel_neginf_out_of_a_sequential_is_born_in_the_model() -> None:
     a = nw.first_anomaly
     assert a is not None
     assert a.kind is nanwatch.AnomalyKind.FORWARD
-    assert a.path == "Sequential"
-    assert a.summary.startswith("-inf born in the forward of Sequential")
+    # sentinel hooks the root alone: its replay names the Linear whose addmm overflowed
+    assert a.path == "2"
+    assert a.summary.startswith(
+        "-inf born in the forward of 2 (Linear), inside Sequential; first seen in Sequential"
+    )
     assert "(loss)" not in a.summary.split(" [")[0]
     assert a.op is not None and a.op.op.startswith("aten.addmm")
     assert a.op.source is not None and a.op.source.endswith(f":{line}")
