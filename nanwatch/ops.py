@@ -2492,6 +2492,60 @@ def _made_by(node: Any, i: int, depth: int = 4, budget: int = 32) -> dict[str, i
     return out
 
 
+#: nodes that move a norm's values without changing them (``n[:, None]``, ``n.expand_as(x)``)
+_MOVES = frozenset({"Unsqueeze", "Squeeze", "View", "UnsafeView", "Reshape", "Expand", "Clone"})
+#: autograd nodes of a vector norm
+_NORM_NODES = frozenset({"LinalgVectorNorm", "Norm"})
+
+
+def _own_norm(node: Any, depth: int = 4) -> dict[str, int | str]:
+    """Whether a division ``node``'s denominator is the norm of its own numerator (``x /
+    x.norm(dim=-1, keepdim=True)``, ``x / x.pow(2).sum(-1).sqrt()[:, None]``), read from
+    the autograd graph: the norm's input is the very node that made the numerator. Gives
+    ``other_norm_of_self`` (1) and ``norm_dim`` (the norm's dim, when one), else {}."""
+    try:
+        num, den = node.next_functions[0][0], node.next_functions[1][0]
+    except (IndexError, AttributeError, RuntimeError):
+        return {}
+    if num is None or den is None or accumulates_grad(num):
+        return {}
+
+    def base(n: Any) -> str:
+        return re.sub(r"Backward\d*$", "", name_of(n))
+
+    def first(n: Any) -> Any:
+        return next((m for m, _ in getattr(n, "next_functions", ()) or () if m is not None), None)
+
+    cur = den
+    for _ in range(depth):
+        if cur is None or base(cur) not in _MOVES:
+            break
+        cur = first(cur)
+    if cur is None:
+        return {}
+    if base(cur) in _NORM_NODES:
+        normed = first(cur)
+        dims = _saved(cur, "_saved_dim")
+    elif base(cur) == "Sqrt":  # sqrt(sum(x ** 2)): a norm written out
+        total = first(cur)
+        square = first(total) if total is not None and base(total) == "Sum" else None
+        if square is None or base(square) not in ("Pow", "Square"):
+            return {}
+        if base(square) == "Pow" and _plain(_saved(square, "_saved_exponent")) not in (2, 2.0):
+            return {}
+        normed = first(square)
+        dims = _saved(total, "_saved_dim")
+    else:
+        return {}
+    if normed is None or normed is not num:
+        return {}
+    out: dict[str, int | str] = {"other_norm_of_self": 1}
+    if isinstance(dims, (tuple, list)) and len(dims) == 1 and isinstance(dims[0], int):
+        d = dims[0]
+        out["norm_dim"] = d - 2**64 if d >= 2**63 else d  # saved as an unsigned int
+    return out
+
+
 def _kinds_of(values: Sequence[Any]) -> frozenset[str]:
     out: frozenset[str] = frozenset()
     for v in values:
@@ -2620,6 +2674,7 @@ def _elementwise_event(
             zeros = 1
         elif zeros:  # what made the zeros: an exp() that underflowed, summed (K @ v)
             scalars.update(_made_by(node, 1))
+            scalars.update(_own_norm(node))
         if not zeros:  # a tiny denominator (a softmax probability of 1e-42): x/d overflows
             if result is None or not isinstance(result, torch.Tensor):
                 return None

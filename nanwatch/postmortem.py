@@ -430,7 +430,7 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             if cls == "distribution-constraint"
             else linalg_advice(message)
             if cls == "linalg"
-            else ADVICE[cls]
+            else (cls == "other" and _function_advice(message)) or ADVICE[cls]
         ),
     }
     if cls not in _NOT_RAISED_BY_OP and _raised_in_backward(exc):
@@ -454,6 +454,49 @@ def _is_linalg_error(exc: BaseException) -> bool:
     return isinstance(kind, type) and isinstance(exc, kind)
 
 
+_BAD_GRADIENT = re.compile(
+    r"Function (?P<fn>\w+?)Backward\d* returned an invalid gradient at index (?P<i>\d+) - "
+    r"got \[(?P<got>[^\]]*)\] but expected shape compatible with \[(?P<want>[^\]]*)\]"
+)
+_GRADIENT_COUNT = re.compile(
+    r"function (?P<fn>\w+?)Backward\d* returned an incorrect number of gradients "
+    r"\(expected (?P<want>\d+), got (?P<got>\d+)\)",
+    re.IGNORECASE,
+)
+
+
+def _function_advice(message: str) -> str | None:
+    """Advice for autograd's check of a custom Function's backward (an exception of no
+    class of its own), led by what it names: the Function, the input, and the shape or the
+    count it got and expected; None for another message.
+
+    >>> _function_advice("Function ClipBackward returned an invalid gradient at index 0 - "
+    ...     "got [1] but expected shape compatible with [6, 1]")[:66]
+    'Clip.backward returned a gradient of shape [1] for forward input 0'
+    """
+    m = _BAD_GRADIENT.search(message)
+    if m is not None:
+        fn, i, got, want = m["fn"], m["i"], m["got"], m["want"]
+        return (
+            f"{fn}.backward returned a gradient of shape [{got}] for forward input {i} "
+            f"(counted from 0, ctx not counted), whose shape is [{want}]: each gradient has "
+            "its input's shape. A backward that reduces (.sum(), .mean()) must do so only over "
+            "the dimensions its forward broadcast that input along, with keepdim=True, as "
+            f"grad.sum(dim, keepdim=True). torch.autograd.gradcheck({fn}.apply, inputs) on "
+            "small float64 inputs checks the backward against the forward."
+        )
+    m = _GRADIENT_COUNT.search(message)
+    if m is not None:
+        fn, got, want = m["fn"], m["got"], m["want"]
+        return (
+            f"{fn}.backward returned {got} gradient{'s' if got != '1' else ''} for a forward "
+            f"that takes {want} argument{'s' if want != '1' else ''} (ctx not counted): "
+            "return one per forward argument, in order, None for each one that needs no "
+            "gradient (a flag, an int, a tensor that does not require grad)."
+        )
+    return None
+
+
 _CONSTRAINT = re.compile(
     r"Expected parameter (?P<param>\w+) .*?of distribution (?P<dist>\w+)"
     r".*?to satisfy the constraint (?P<constraint>[^,]*?(?:\([^)]*\))?), but found invalid values",
@@ -462,6 +505,61 @@ _CONSTRAINT = re.compile(
 #: a distribution parameter that is a scale: positive by construction
 _SCALES = ("scale", "scale_tril", "covariance_matrix", "precision_matrix", "concentration",
            "rate", "df", "concentration0", "concentration1", "alpha", "temperature")  # fmt: skip
+
+
+#: what a positive map that made a scale of exactly 0 did, by the autograd node torch's
+#: message prints with the invalid values (``grad_fn=<SoftplusBackward0>``); ``{low}``: the
+#: input below which the map rounds to 0 in the values' dtype
+_SCALE_MAKERS = {
+    "Softplus": (
+        "{param} must be > 0, and it was made by a softplus, which is positive in exact "
+        "arithmetic but rounds to exactly 0 once its input is below about {low}: a floor "
+        "keeps it positive, {param} = F.softplus(raw) + 1e-5; and look at why raw went that "
+        "low (a learning rate too high, an unnormalized input)."
+    ),
+    "Exp": (
+        "{param} must be > 0, and it was made by an exp, which underflows to exactly 0 once "
+        "its input is below about {low}: clamp the log first, {param} = "
+        "log_std.clamp(-20, 2).exp(), or add a floor, raw.exp() + 1e-5."
+    ),
+    "Sigmoid": (
+        "{param} must be > 0, and it was made by a sigmoid, which rounds to exactly 0 once "
+        "its input is below about {low_normal}: add a floor, torch.sigmoid(raw) + 1e-5, or use "
+        "F.softplus(raw) + 1e-5."
+    ),
+    "Relu": (
+        "{param} must be > 0, and it was made by a relu, which is exactly 0 for every "
+        "negative input (and passes no gradient there): {param} = F.softplus(raw) + 1e-5 "
+        "in place of the relu, or predict its log: log_std.clamp(-20, 2).exp()."
+    ),
+}
+
+
+def _underflow_edge(values: str, *, normal: bool = False) -> str:
+    """Where exp (and softplus) of a number rounds to 0 in the dtype of the values torch
+    printed (``dtype=torch.float16`` in the tensor's repr; float32 when it names none): the
+    log of that dtype's smallest positive value, ``-103.3 in float32``; with ``normal``, of
+    its smallest normal value (a sigmoid flushes below it: ``-87.3 in float32``)."""
+    m = re.search(r"dtype=torch\.(\w+)", values)
+    name = m[1] if m else "float32"
+    from nanwatch.stats import dtype_limits  # torch is loaded: it raised the error
+
+    lim = dtype_limits(name)
+    if lim is None:
+        return "the log of the dtype's smallest positive value"
+    return f"{math.log(lim.tiny if normal else lim.subnormal):.1f} in {name}"
+
+
+def _made_by_node(values: str) -> str:
+    """The autograd node that made the invalid values, as torch prints the tensor in its
+    message (``tensor([0., 0.], grad_fn=<SoftplusBackward0>)``): ``Softplus``; "" when
+    the values have no history.
+
+    >>> _made_by_node("tensor([0., 0.], grad_fn=<SoftplusBackward0>)")
+    'Softplus'
+    """
+    m = re.search(r"grad_fn=<(\w+?)Backward\d*>", values)
+    return m[1] if m else ""
 
 
 def _constraint_advice(message: str) -> str:
@@ -481,7 +579,14 @@ def _constraint_advice(message: str) -> str:
             "distribution: where nanwatch saw it first (Where it went wrong, the anomaly) "
             "names the module or op that made it; fix that, not the distribution."
         )
-    if param in _SCALES:
+    made = _SCALE_MAKERS.get(_made_by_node(values)) if param in _SCALES else None
+    if made is not None:
+        fix = made.format(
+            param=param,
+            low=_underflow_edge(values),
+            low_normal=_underflow_edge(values, normal=True),
+        )
+    elif param in _SCALES:
         fix = (
             f"{param} must be > 0, and a raw Linear output is negative about half the time, a "
             f"relu exactly 0: make it positive by construction, {param} = F.softplus(raw) + "

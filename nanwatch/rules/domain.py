@@ -676,7 +676,14 @@ def _unread_log_use(ctx: RuleContext, ev: OpEvent) -> _LogUse | None:
     known = not _line_unknown(ev)
     if made in ("softmax", "sigmoid"):
         return _probability_made_use(
-            made, "the log's argument", zeros, None, ev.dtype, op=ev.op, known=known
+            made,
+            "the log's argument",
+            zeros,
+            None,
+            ev.dtype,
+            op=ev.op,
+            known=known,
+            picked=_picks(ev.made_from),
         )
     if made == "one-minus-sigmoid":
         return _one_minus_sigmoid_use(ctx, "the log's argument", zeros, ev, known=known)
@@ -713,7 +720,9 @@ def _log_grad_overflow(
     made = _chain_producer(ev.made_from) if use is None else None
     if made in ("softmax", "sigmoid"):  # log(softmax(z)): a probability that underflowed
         zeros = f"values down to {fmt(low)}, none 0"
-        use = _probability_made_use(made, "the log's argument", zeros, x, dtype, op=ev.op)
+        use = _probability_made_use(
+            made, "the log's argument", zeros, x, dtype, op=ev.op, picked=_picks(ev.made_from)
+        )
     if use is not None and use.evidence:
         evidence.insert(2, use.evidence)
     return ctx.diagnosis(
@@ -1092,6 +1101,25 @@ def _relu_of(ctx: RuleContext, r: Record, x: TensorStat) -> bool:
     return st.min < 0 and x.min == 0 and _scaled_by_caller(ctx, r, x)
 
 
+def _clipped_output(ctx: RuleContext, x: TensorStat) -> Record | None:
+    """The measured module output whose values are ``x`` with the negatives made 0 (a relu
+    or a ``clamp(min=0)`` applied to it in code no module wraps, ``F.relu(self.s(h))``):
+    the same size and the same positive maximum, a minimum below 0 where ``x``'s is 0. The
+    exact float maximum shared is the evidence; the last such output when several."""
+    if not (x.min == 0 and x.max > 0 and math.isfinite(x.max)):
+        return None
+    found = [
+        r
+        for r in ctx.records(Phase.FORWARD)
+        if r.role.startswith("output")
+        and r.stat is not None
+        and r.stat.numel == x.numel
+        and r.stat.max == x.max
+        and r.stat.min < 0
+    ]
+    return found[-1] if found else None
+
+
 def _scaled_by_caller(ctx: RuleContext, r: Record, x: TensorStat) -> bool:
     """The ReLU output ``r`` scaled into ``x`` by the module around it (``self.net(z) *
     3``): a measured output of ``x``'s very values, made by a multiplication or division
@@ -1164,6 +1192,26 @@ def _unit_producer(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> str | None:
 
 #: :data:`_UNIT_MAKERS` by the lower-case names of :attr:`OpEvent.made_from`
 _CHAIN_MAKERS = {k.lower(): v for k, v in _UNIT_MAKERS.items()}
+#: ops of :attr:`OpEvent.made_from` whose output values are some of their input's, unchanged
+_PICKS = frozenset(
+    {"gather", "index", "select", "slice", "squeeze", "unsqueeze", "view", "unsafeview"}
+    | {"reshape", "expand", "clone", "t", "transpose", "permute", "take", "maskedselect"}
+)
+
+
+def _picks(chain: Sequence[str]) -> list[str]:
+    """The leading ops of a ``made_from`` chain that only pick or move values (``p.gather(1,
+    a).squeeze(1)``): ``["squeeze", "gather"]``; [] when the first op computes.
+
+    >>> _picks(["squeeze", "gather", "watched:softmax"]), _picks(["watched:softmax"])
+    (['squeeze', 'gather'], [])
+    """
+    out: list[str] = []
+    for o in chain:
+        if o.startswith("watched:") or o not in _PICKS:
+            break
+        out.append(o)
+    return out
 
 
 def _chain_producer(chain: Sequence[str]) -> str | None:
@@ -1177,8 +1225,15 @@ def _chain_producer(chain: Sequence[str]) -> str | None:
     ('one-minus-sigmoid', 'softmax')
     >>> _chain_producer(["mul", "leaf"]) is None
     True
+
+    Ops that pick or move values without changing them (a gather of the taken action's
+    probability, a squeeze, an index) are looked through: they hand on the maker's values.
+
+    >>> _chain_producer(["squeeze", "gather", "watched:softmax"])
+    'softmax'
     """
     ops = [o.removeprefix("watched:") for o in chain]
+    ops = ops[len(_picks(chain)) :]
     if not ops:
         return None
     kind = _CHAIN_MAKERS.get(ops[0])
@@ -1188,6 +1243,8 @@ def _chain_producer(chain: Sequence[str]) -> str | None:
         return None
     if "erf" in ops[1:]:
         return "cdf"
+    if ops[1:3] in (["pow", "tanh"], ["mul", "tanh"]):  # 1 - tanh(u) ** 2: a tanh squash
+        return "one-minus-tanh2"
     return "one-minus-sigmoid" if len(ops) > 1 and ops[1] == "sigmoid" else "one-minus"
 
 
@@ -1464,6 +1521,73 @@ def _raw_layer_output(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> tuple[str
     return inner.path, inner.module_type
 
 
+def _abs_operand(arg: str | None) -> str | None:
+    """The operand of ``arg`` when it is an absolute value (``torch.abs(v)``, ``v.abs()``,
+    ``abs(v)``), as written; None otherwise.
+
+    >>> _abs_operand("torch.abs(1 + psi @ u)"), _abs_operand("det.abs()"), _abs_operand("p")
+    ('1 + psi @ u', 'det', None)
+    """
+    try:
+        node = ast.parse((arg or "").strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(node, ast.Call):
+        return None
+    name = ast.unparse(node.func)
+    if name in ("torch.abs", "abs", "torch.absolute") and len(node.args) == 1:
+        return ast.unparse(node.args[0])
+    if isinstance(node.func, ast.Attribute) and node.func.attr in ("abs", "absolute"):
+        return None if node.args else ast.unparse(node.func.value)
+    return None
+
+
+def _log_of_abs(
+    ev: OpEvent, made_ev: OpEvent, arg: str | None, what: str, x: TensorStat
+) -> _LogUse | None:
+    """A log whose argument is an absolute value (the user's line, or the loss graph's op
+    below the log: ``abs``), with exact zeros: log|v| is -inf where v is 0, a value that
+    changes sign (a Jacobian determinant of a flow, a signal), not a probability that
+    underflowed. None when the argument is no absolute value."""
+    operand = _abs_operand(arg)
+    chain = [o.removeprefix("watched:") for o in made_ev.made_from]
+    if operand is None and chain[len(_picks(chain)) :][:1] != ["abs"]:
+        return None
+    v = operand or "v"
+    zeros = _zeros_text(x, "log")
+    lim = dtype_limits(ev.dtype or "float32")
+    eps = fmt(lim.eps) if lim is not None else "1e-6"
+    tiny_log = _log_tiny(ev.dtype, ev.op)
+    found = _log_argument(ev) if operand is not None else None
+    kept = f"{paren(v)}.abs() + {eps}"
+    line = (
+        f"{found[0][: found[1]]}{_with_arg(found[0][found[1] : found[2]], kept)}"
+        f"{found[0][found[2] :]}   # finite: log({eps}) at a 0"
+        if found is not None
+        else f"torch.log({kept})   # in place of torch.log(torch.abs({v})): log({eps}) at a 0"
+    )
+    return _LogUse(
+        "magnitude",
+        fix=(
+            f"# log|{v}| is -inf where {v} is exactly 0: keep it off 0 by construction where "
+            "it is made; for a normalizing flow's log|det J|, a transform that stays "
+            "invertible (a planar flow's u constrained so that w·u > -1; a coupling layer's "
+            "scale as exp(s), whose log|det| is s.sum(-1) with no log taken)\n"
+            f"{line}; not a floor at tiny: {tiny_log}"
+        ),
+        why=(
+            f"Its input is an absolute value |{v}| with {zeros}: log|{v}| is -inf where {v} "
+            "is exactly 0, a value that can take either sign passing through 0 (a Jacobian "
+            "determinant that vanished: the transform is not invertible there), not a "
+            f"probability that underflowed. Its gradient 1/({v}) is infinite there too. The "
+            "cure is a quantity that cannot reach 0; an eps inside the log only keeps the "
+            "line finite."
+        ),
+        evidence=f"{what} is an absolute value, |{v}|: the log of a magnitude that reached 0",
+        title="Log of an absolute value that reached 0",
+    )
+
+
 def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | None:
     """What the evidence shows when nothing names what the log was taken of: a negative
     argument is a domain error (no floor or probability recipe fixes it); exact zeros in
@@ -1550,11 +1674,26 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
         )
     if not has_zero(x):
         return None
+    magnitude = _log_of_abs(ev, made_ev, arg, what, x)
+    if magnitude is not None:  # log|v|: v crossed 0, no probability
+        return magnitude
     own = _floored_line(ev)
     zeros = _zeros_text(x, "log")
     made = _unit_producer(ctx, made_ev, x)
     if made == "relu":  # a ReLU's zeros, whatever its maximum: a rate made with a ReLU
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
+    clipped = _clipped_output(ctx, x) if made is None else None
+    if clipped is not None:  # a measured output with its negatives zeroed: a relu of it
+        use = _unit_made_use("relu", what, zeros, x, ev.dtype, op=ev.op)
+        st = clipped.stat
+        assert st is not None
+        return replace(
+            use,
+            evidence=f"{what} holds the values of {clipped.path}'s {clipped.role} "
+            f"({clipped.module_type}: min {fmt(st.min)}, max {fmt(st.max)}, "
+            f"{count(st.numel, 'value')}) with its negatives set to 0: a relu (or a clamp at "
+            "0) of it",
+        )
     negated = _negated_log_use(ev, x, zeros) if made is None else None
     if negated is not None:  # -log(u) is 0 where u rounded to 1 (Gumbel noise)
         return negated
@@ -1618,7 +1757,14 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
     if made in ("softmax", "sigmoid"):
         return _probability_made_use(
-            made, what, zeros, x, ev.dtype, op=ev.op, known=not _line_unknown(ev)
+            made,
+            what,
+            zeros,
+            x,
+            ev.dtype,
+            op=ev.op,
+            known=not _line_unknown(ev),
+            picked=_picks(made_ev.made_from) if made_ev.made_from else (),
         )
     if made is None and arg is not None and _is_ratio(arg):
         return _unit_ratio_use(ev, what, zeros, x)
@@ -1826,6 +1972,7 @@ def _probability_made_use(
     *,
     op: str | None = None,
     known: bool = True,
+    picked: Sequence[str] = (),
 ) -> _LogUse:
     """A log's argument with exact zeros that op evidence shows a softmax or a sigmoid made
     (a watched output of its very values, or the loss graph's ``log <- softmax``): a
@@ -1836,24 +1983,36 @@ def _probability_made_use(
         if made == "softmax"
         else ("F.logsigmoid(logits)", "torch.log(torch.sigmoid(logits))")
     )
+    pick = ""
+    if picked:  # log(p.gather(1, a)): the log of every probability, then the same pick
+        pick = (
+            f"\n# then pick from logp as the code picks from the {made}'s output "
+            f"({' <- '.join(picked)}): logp.gather(-1, idx) in place of torch.log(p.gather("
+            "-1, idx)); the log of a picked probability is the picked log-probability"
+        )
     return _LogUse(
         made,
         fix=(
             f"logp = {call}   # a pattern, in your names: logits, the {made}'s input; not "
-            f"{not_call}; never 0\n"
+            f"{not_call}; never 0{pick}\n"
             f"# or keep the {made} and floor it: torch.log(p.clamp_min(torch.finfo(p.dtype)"
             f".tiny)), {_log_tiny(dtype, op)} at the zeros"
             + ("" if known else f"\n{_FORENSIC_LINE}")
         ),
         why=(
-            f"Its input is a {made} output with {zeros}"
+            f"Its input is {'picked from ' if picked else ''}a {made} output with {zeros}"
             + (f" (max {fmt(x.max)})" if x is not None else "")
             + f": the {made} of a "
             f"logit far below the others underflows to exactly 0 in {dt}, and its log is "
             f"-inf, although the true log-probability is finite. {call} computes it from the "
             "logits without forming the 0."
         ),
-        evidence=f"{what} is a {made} output (log <- {made}): a probability that underflowed"
+        evidence=(
+            f"{what} is picked from a {made} output (log <- {' <- '.join(picked)} <- {made})"
+            if picked
+            else f"{what} is a {made} output (log <- {made})"
+        )
+        + ": a probability that underflowed"
         + (" to 0" if x is None or has_zero(x) else ""),
     )
 
@@ -1885,6 +2044,32 @@ def _unit_made_use(
             ),
             evidence=f"{what} is a ReLU output (a watched output of the same values): "
             "0 for every negative input",
+        )
+    if made == "one-minus-tanh2":
+        lim = dtype_limits(dt) or dtype_limits("float32")
+        assert lim is not None
+        edge = 0.5 * math.log(8 / lim.eps)  # tanh(u) ** 2 rounds to 1 above it
+        return _LogUse(
+            "tanh",
+            fix=(
+                "log_det = 2 * (math.log(2) - u - F.softplus(-2 * u))   # a pattern, in your "
+                "names: u, the tanh's input (the action before the squash); equal to "
+                "torch.log(1 - torch.tanh(u) ** 2), and finite for every u\n"
+                "# not torch.log(1 - a.pow(2) + 1e-6): finite, but wrong where tanh(u) "
+                "rounds to ±1, and its gradient there is 0"
+            ),
+            why=(
+                f"Its input is 1 - tanh(u)² (the loss graph takes the log of 1 - the square "
+                f"of a tanh) with {zeros}: tanh(u)² rounds to exactly 1 in {dt} once |u| > "
+                f"{fmt(edge)}, so 1 - tanh(u)² is 0 and its log is -inf, although the true "
+                "value, about 2·log(2) - 2|u|, is finite. That is the log-Jacobian of a tanh-"
+                "squashed action (a SAC policy's log-probability correction) whose "
+                "pre-squash action grew large; the same quantity written from u, without "
+                "forming tanh(u), stays exact."
+            ),
+            evidence="the loss graph takes the log of 1 - tanh(u)² (log <- rsub <- "
+            f"square <- tanh): tanh(u)² rounds to 1 for |u| > {fmt(edge)} in {dt}",
+            title="Log of 1 - tanh(u)² that rounded to 0",
         )
     if made == "cdf":
         return _LogUse(
@@ -5119,8 +5304,18 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             "# d2 = (v ** 2).sum(dim=-1); d = torch.where(d2 > 0, torch.where(d2 > 0, d2, 1)"
             ".sqrt(), 0)"
         )
+    graphed = (
+        _graph_normalization(ctx, ev)
+        if not integer and den is not None and has_zero(den) and _line_unknown(ev)
+        else None
+    )
+    if graphed is not None and den is not None:  # x / x.norm() read from the graph
+        yield _zero_vector_normalized(
+            ctx, a, ev, graphed, den=den, fix=graphed.fix or fix, evidence=evidence, title=title
+        )
+        return
     if every and den is not None:  # no exp in sight (those returned above): 0 everywhere
-        yield _all_zero_denominator(ctx, a, ev, den, evidence=evidence, title=title)
+        yield _all_zero_denominator(ctx, a, ev, den, evidence=evidence, title=title, fix=fix)
         return
     score = _overlap_score(ctx, ev) if "NaN" in ev.born and not integer else None
     if score is not None:
@@ -5283,6 +5478,9 @@ class _Normalized:
     x: str  #: the tensor normalized, as written
     divisor: str  #: the divisor, as written (a norm call, or a name assigned one)
     made: str | None  #: the assignment of that name, when the divisor is a name
+    #: read from the autograd graph, the line unknown: what made the vector, and the fix
+    maker: str | None = None
+    fix: str | None = None
 
 
 def _self_normalization(ev: OpEvent) -> _Normalized | None:
@@ -5301,12 +5499,74 @@ def _self_normalization(ev: OpEvent) -> _Normalized | None:
             return None
         made = _assigned_before(ev.source, right.id)
         right = value
+    while True:  # a norm moved into place: n[:, None], n.unsqueeze(-1), n.expand_as(x)
+        if isinstance(right, ast.Subscript):
+            right = right.value
+        elif (
+            isinstance(right, ast.Call)
+            and isinstance(right.func, ast.Attribute)
+            and right.func.attr in ("unsqueeze", "view", "reshape", "expand", "expand_as")
+        ):
+            right = right.func.value
+        else:
+            break
     operand = _norm_operand(right)
     if operand is None or ast.unparse(operand) != ast.unparse(div.left):
         return None
     x = ast.get_source_segment(stmt, div.left) or ast.unparse(div.left)
     d = ast.get_source_segment(stmt, div.right) or ast.unparse(div.right)
     return _Normalized(stmt=stmt, x=x, divisor=d, made=made)
+
+
+def _graph_normalization(ctx: RuleContext, ev: OpEvent) -> _Normalized | None:
+    """A division whose line is unknown (watch and sentinel modes read the loss graph) when
+    the graph shows its divisor is the norm of its own numerator (``other_norm_of_self``,
+    see :func:`nanwatch.ops._own_norm`): ``x / x.norm()``, with the watched module whose
+    output is ``x`` (``made_from``: the numerator's producer) when one is."""
+    if not ev.scalars.get("other_norm_of_self"):
+        return None
+    dim = ev.scalars.get("norm_dim")
+    d = f"dim={dim}" if isinstance(dim, int) else ""
+    maker = None
+    num = input_named(ev, "self", "input")
+    chain = ev.made_from
+    if num is not None and chain and chain[0].startswith("watched:"):
+        op = chain[0].removeprefix("watched:")
+        outs = [  # the watched outputs the numerator is: its values, or its node and size
+            r
+            for r in ctx.records(Phase.FORWARD)
+            if r.role.startswith("output")
+            and (
+                (r.stat.numel, r.stat.min, r.stat.max) == (num.numel, num.min, num.max)
+                if r.stat is not None
+                else node_base(r.grad_fn).lower() == op and math.prod(r.shape) == num.numel
+            )
+        ]
+        roots = {r.call for r in ctx.trace.root_outputs()}
+        if outs:
+            inner = max(outs, key=lambda r: (r.call not in roots, r.path.count(".")))
+            maker = (
+                f"{inner.path} ({inner.module_type})"
+                if inner.call not in roots
+                else f"the model ({inner.module_type})"
+            )
+    said = f"the output of {maker}" if maker else "the tensor normalized"
+    divisor = f"x.norm({d}, keepdim=True)" if d else "x.norm()"
+    fix = (
+        f"x = F.normalize(x, {d})   # a pattern, in your names: x, {said}; in place of "
+        f"x / {divisor}: it divides by max(norm, 1e-12), so a zero vector stays 0, not NaN"
+        if d
+        else f"x = x / x.norm().clamp_min(1e-12)   # a pattern, in your names: x, {said}: "
+        "a zero tensor stays 0, not NaN"
+    ) + f"\n{_FORENSIC_LINE}"
+    return _Normalized(
+        stmt="",
+        x="x",
+        divisor=divisor,
+        made=None,
+        maker=maker,
+        fix=fix,
+    )
 
 
 def _function_lines(source: str | None, reach: int = 200) -> list[tuple[int, str]]:
@@ -5385,11 +5645,20 @@ def _zero_vector_normalized(
     zeros = den.zeros or 0
     said = f"{zeros:,} of {count(den.numel, 'norm')} {'is' if zeros == 1 else 'are'} 0"
     how = f"{normed.divisor}, assigned {normed.made}" if normed.made else normed.divisor
-    evidence.insert(
-        1,
-        f"the divisor {how} is the norm of the numerator {normed.x} itself: a "
-        f"normalization, and {said} (an all-zero vector of {normed.x})",
-    )
+    if normed.stmt:
+        evidence.insert(
+            1,
+            f"the divisor {how} is the norm of the numerator {normed.x} itself: a "
+            f"normalization, and {said} (an all-zero vector of {normed.x})",
+        )
+    else:  # read from the graph: the norm's input is the numerator's own autograd node
+        of = f", the output of {normed.maker}" if normed.maker else ""
+        evidence.insert(
+            1,
+            "the autograd graph shows the divisor is the norm of the numerator itself"
+            f"{of}: a normalization x / {normed.divisor}, and {said} (an all-zero vector)",
+        )
+    relu = normed.maker is not None and _chain_producer(ev.made_from) == "relu"
     others = _same_normalizations(ev, normed.x)
     if others:
         head, sep, rest = fix.partition("\n")
@@ -5403,14 +5672,36 @@ def _zero_vector_normalized(
         title=f"{title} normalizing a zero vector",
         evidence=evidence,
         explanation=(
-            f"{normed.x} / ‖{normed.x}‖ is 0/0 = NaN for a vector that is all zeros: a token "
-            "or embedding that is exactly 0 (a cls token or padding row initialised to "
-            "zeros, a padding_idx embedding, a masked-out position, a layer without bias "
-            "fed zeros). F.normalize divides by max(‖x‖, eps) instead, so a zero vector "
+            f"{normed.x} / ‖{normed.x}‖ is 0/0 = NaN for a vector that is all zeros: "
+            + (
+                f"here the output of {normed.maker}"
+                + ("" if "(ReLU)" in (normed.maker or "") else ", made by a ReLU")
+                + ": all zeros for a sample whose every unit is off (each pre-activation "
+                "below 0), and with no gradient to turn them back on. "
+                if relu
+                else "a token or embedding that is exactly 0 (a cls token or padding row "
+                "initialised to zeros, a padding_idx embedding, a masked-out position, a "
+                "layer without bias fed zeros). "
+            )
+            + "F.normalize divides by max(‖x‖, eps) instead, so a zero vector "
             "stays 0 and its gradient is finite; elsewhere the result is unchanged."
         ),
-        fix=fix,
+        fix=_before_forensic_line(
+            fix,
+            "# and a ReLU right before a normalization zeroes whole vectors: F.gelu or "
+            "F.leaky_relu there keeps them nonzero and trainable"
+            if relu
+            else "",
+        ),
     )
+
+
+def _before_forensic_line(fix: str, line: str) -> str:
+    """``fix`` with ``line`` added, above its closing hint to run forensic mode if any."""
+    if not line:
+        return fix
+    head, sep, tail = fix.rpartition(f"\n{_FORENSIC_LINE}")
+    return f"{head}\n{line}{sep}{tail}" if sep and not tail else f"{fix}\n{line}"
 
 
 #: autograd nodes of a norm or a distance (``LinalgVectorNormBackward0``, ``CdistBackward0``)
@@ -6496,10 +6787,13 @@ def _all_zero_denominator(
     *,
     evidence: list[str],
     title: str,
+    fix: str | None = None,
 ) -> Diagnosis:
     """Every value of a floating denominator is 0 and neither the line nor the graph shows
     an exp: not a feature that did not vary in one batch but a tensor that is 0 everywhere;
-    module state read as it is (``self.running_var``) is named when the code shows it."""
+    module state read as it is (``self.running_var``) is named when the code shows it; a
+    line that divides a tensor by its own norm (not a difference's: Gram-Schmidt) normalizes
+    zero vectors, and ``fix`` (the division's fix) is kept for it."""
     got = _divisors(ev.code)
     divisor = got[0] if got else None
     state = _module_state(ev, divisor) if divisor is not None else []
@@ -6521,6 +6815,11 @@ def _all_zero_denominator(
     )
     if cancelled is not None:
         return cancelled
+    normed = None if state or fix is None else _self_normalization(ev)
+    if normed is not None and fix is not None:  # x / x.norm() of all-zero vectors
+        return _zero_vector_normalized(
+            ctx, a, ev, normed, den=den, fix=fix, evidence=evidence, title=title
+        )
     summed = None if state else _zero_sum_source(ctx, ev, divisor)
     if summed is not None:
         evidence.insert(2, summed)
