@@ -19,6 +19,7 @@ from nanwatch._domains import Domain, domain_of
 from nanwatch.records import (
     LOSS_PATH,
     Anomaly,
+    AnomalyKind,
     Call,
     Note,
     OpEvent,
@@ -2214,6 +2215,32 @@ def _num(v: Any) -> float | None:
 
 def note_num(note: Note | None, key: str) -> float | None:
     return _num(note.data.get(key)) if note is not None else None
+
+
+def module_loss_target(trace: StepTrace, a: Anomaly) -> Note | None:
+    """The ``loss_input`` note of a loss module whose output the anomaly is, when the -inf
+    it grew from was in the target the user's code passed it (not a watched module's
+    output) and the prediction was finite: ``crit(pred, torch.log(w))`` with a 0 in ``w``.
+    The localization names the loss's forward (a -inf is what a mask holds), but the
+    target was bad before the loss saw it, as a functional loss's is. None otherwise."""
+    src = a.neginf_source
+    if a.kind is not AnomalyKind.FORWARD or src is None or src.phase is not Phase.INPUT:
+        return None
+    call = trace.call(a.record.call)
+    if call is None or not call.is_loss or src.call != a.record.call:
+        return None
+    if src.role == "input[0]" or src.source is not None:
+        return None  # the prediction, or a watched module's output: not the user's target
+    for n in trace.notes:
+        if n.kind != "loss_input" or n.path != call.path:
+            continue
+        lo, hi = note_num(n, "target_min"), note_num(n, "target_max")
+        ins = [note_num(n, "input_min"), note_num(n, "input_max")]
+        if lo is None or hi is None or (math.isfinite(lo) and math.isfinite(hi)):
+            continue
+        if all(v is not None and math.isfinite(v) for v in ins):
+            return n
+    return None
 
 
 def exact(trace: StepTrace, rec: Record) -> Record | None:

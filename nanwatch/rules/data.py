@@ -35,6 +35,7 @@ from nanwatch.rules._evidence import (
     code_line,
     describe_stat,
     fmt,
+    module_loss_target,
     module_ref,
     packet,
     short_op,
@@ -60,6 +61,9 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a is not None and a.kind is AnomalyKind.FORWARD and a.path == LOSS_PATH:
         said = list(_bad_functional_target(ctx))
         yield from said or _entered_data(ctx)
+        return
+    if a is not None and module_loss_target(ctx.trace, a) is not None:
+        yield from _bad_functional_target(ctx, path=a.path)
         return
     if a is None or a.kind is not AnomalyKind.INPUT:
         return
@@ -684,16 +688,18 @@ def _prediction_grad(ctx: RuleContext, n: Note) -> TensorStat | None:
     return None
 
 
-def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
+def _bad_functional_target(ctx: RuleContext, path: str | None = None) -> Iterator[Diagnosis]:
     """A loss computed outside any module (``F.mse_loss(model(x), y)``) went non-finite,
     and its guard read a finite input but a non-finite target: the target was bad before
-    the loss saw it (no module records a functional loss's target)."""
+    the loss saw it (no module records a functional loss's target). ``path``: the loss
+    module whose note to read (its target's -inf, see :func:`module_loss_target`)."""
     a = ctx.anomaly
     assert a is not None
     bad: list[Note] = [
         n
         for n in ctx.notes("loss_input")
-        if "target_min" in n.data
+        if (path is None or n.path == path)
+        and "target_min" in n.data
         and not (_finite(n.data.get("target_min")) and _finite(n.data.get("target_max")))
         and _finite(n.data.get("input_min"))
         and _finite(n.data.get("input_max"))
@@ -707,7 +713,7 @@ def _bad_functional_target(ctx: RuleContext) -> Iterator[Diagnosis]:
         # name it (NW101 for an exp overflow); bad data would send the user to the dataset
         return
     n = bad[0]
-    if target_log(n) is not None:
+    if path is None and target_log(n) is not None:
         return  # the loss line took the log of a target holding 0: NW110 says so
     loss = str(n.data.get("loss", n.path))
     at = f" at {n.source}" if n.source else ""
@@ -996,7 +1002,13 @@ def _log_ratio_target(n: Note, loss: str) -> list[tuple[str, str]]:
         return []
     lines, line, target = where
     found = _log_ratios(target)
-    if found or not isinstance(target, ast.Name):
+    if found:
+        return found
+    if isinstance(target, ast.Call) and isinstance(target.func, ast.Name):
+        # made on the loss line by a function of the file: ``crit(pred, encode(gt, a))``
+        body = _function_body(lines, target.func.id)
+        return _log_ratios(body) if body is not None else []
+    if not isinstance(target, ast.Name):
         return found
     value = _assigned_above(lines, line, target.id)
     if value is None:
@@ -1023,11 +1035,21 @@ def _loss_target(n: Note, loss: str) -> tuple[list[str], int, ast.expr] | None:
         tree = ast.parse(lines[line - 1].strip())
     except SyntaxError:
         return None
-    for call in ast.walk(tree):
-        if isinstance(call, ast.Call) and ast.unparse(call.func).rsplit(".", 1)[-1] == fname:
-            kw = {k.arg: k.value for k in call.keywords if k.arg}
-            target = kw.get("target", call.args[1] if len(call.args) > 1 else None)
-            return (lines, line, target) if target is not None else None
+    calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)]
+    named = [c for c in calls if ast.unparse(c.func).rsplit(".", 1)[-1] == fname]
+    if not named and fname[:1].isupper():
+        # a loss module (its class's name) is called by the name the user gave it
+        # (``crit(pred, y)``): the outermost call of two or more arguments not torch's own
+        named = [
+            c
+            for c in calls
+            if (len(c.args) > 1 or any(k.arg == "target" for k in c.keywords))
+            and ast.unparse(c.func).split(".", 1)[0] not in ("torch", "F", "np", "math")
+        ][:1]
+    for call in named:
+        kw = {k.arg: k.value for k in call.keywords if k.arg}
+        target = kw.get("target", call.args[1] if len(call.args) > 1 else None)
+        return (lines, line, target) if target is not None else None
     return None
 
 
@@ -1035,6 +1057,12 @@ def _target_name(target: ast.expr) -> str | None:
     """The name of the tensor a loss target reads: ``y`` for ``y``, ``y[mask]``, ``y.float()``."""
     node = target
     while isinstance(node, (ast.Subscript, ast.Attribute, ast.Call)):
+        if isinstance(node, ast.Call) and (
+            isinstance(node.func, ast.Name)
+            or ast.unparse(node.func).rsplit(".", 1)[0] in ("torch", "F", "np", "math")
+        ):
+            # a function's result (``encode(gt, a)``, ``torch.log(d)``): no name holds it
+            return None
         node = node.func if isinstance(node, ast.Call) else node.value
     return node.id if isinstance(node, ast.Name) else None
 

@@ -62,6 +62,7 @@ from nanwatch.rules._evidence import (
     lost_eps,
     low_precision,
     model_call,
+    module_loss_target,
     module_ref,
     node_base,
     node_domain,
@@ -152,6 +153,8 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     src = a.neginf_source
     if src is None or a.kind is not AnomalyKind.FORWARD:
         return
+    if module_loss_target(ctx.trace, a) is not None:
+        return  # a loss module's target held the -inf the user's code made: NW401 says where
     origin = inf_source(ctx.trace, a, cause.event if cause is not None else None)
     nan_op = cause.event if cause is not None and not made_inf else None
     masked = _masked_logprob(ctx, a, src, origin, nan_op)
@@ -5318,6 +5321,26 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         yield _all_zero_denominator(ctx, a, ev, den, evidence=evidence, title=title, fix=fix)
         return
     score = _overlap_score(ctx, ev) if "NaN" in ev.born and not integer else None
+    if score is not None and score[0].endswith(_BOX_AREAS):
+        said, fixed = score
+        evidence.insert(1, said)
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"{title} in an IoU of two boxes of zero size",
+            evidence=evidence,
+            explanation=(
+                "The division is an IoU of boxes, an intersection area over a union area, "
+                "each a width times a height: where both boxes have zero size (a degenerate "
+                "annotation with x1 == x2, a predicted box that collapsed to a point, both at "
+                "the same place) it is 0/0 = NaN. Areas are in the coordinates' units, so "
+                "the smoothing of 1 a dice of pixel masks uses is not small against them "
+                "(areas of normalized coordinates are below 1): an eps under each division "
+                "by an area is the usual remedy (torchvision's generalized_box_iou_loss adds "
+                "1e-7), with boxes of zero size kept out of the loss."
+            ),
+            fix=fixed,
+        )
+        return
     if score is not None:
         said, smoothed = score
         evidence.insert(1, said)
@@ -5928,6 +5951,48 @@ def _overlap_terms(ev: OpEvent, stmt: str, div: ast.BinOp) -> list[str]:
     return sorted(shared) if len(shared) >= 2 and product and _sum_of(ev, div.right, stmt) else []
 
 
+#: the evidence that an overlap score's terms are areas of boxes (see :func:`_box_areas`)
+_BOX_AREAS = (
+    "of box areas, a width times a height made of coordinate differences (not counts of "
+    "elements): two boxes of zero size, 0/0"
+)
+
+
+def _box_areas(ev: OpEvent, stmt: str, div: ast.BinOp) -> bool:
+    """Whether the ratio's terms (or the values assigned to their names on the line or above
+    it) hold an area, a product of two differences (``(x2 - x1).clamp(min=0) * (y2 -
+    y1).clamp(min=0)``), and no sum: sizes of boxes in the coordinates' units, not counts
+    of elements as a dice of masks sums."""
+    nodes: list[ast.AST] = [div.left, div.right]
+    for node in (div.left, div.right):
+        for name in _tensor_names(node):
+            value = _earlier_value(ev, stmt, name)
+            if value is not None:
+                nodes.append(value)
+
+    def difference(n: ast.AST) -> bool:
+        while isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            if n.func.attr not in ("clamp", "clamp_min", "clip", "abs", "float"):
+                return False
+            n = n.func.value
+        return isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub)
+
+    summed = any(
+        isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "sum"
+        for n in nodes
+        for c in ast.walk(n)
+    )
+    area = any(
+        isinstance(c, ast.BinOp)
+        and isinstance(c.op, ast.Mult)
+        and difference(c.left)
+        and difference(c.right)
+        for n in nodes
+        for c in ast.walk(n)
+    )
+    return area and not summed
+
+
 def _overlap_score(ctx: RuleContext, ev: OpEvent) -> tuple[str, str] | None:
     """A 0/0 that is an overlap score of two empty sets (dice, IoU, F1): the user's one
     division whose numerator is a product of the tensors its denominator sums (or names
@@ -5945,13 +6010,28 @@ def _overlap_score(ctx: RuleContext, ev: OpEvent) -> tuple[str, str] | None:
         named = _OVERLAP_NAMES.search(stmt) is not None
         if not (named or shared):
             return None
-        smoothed = _spliced(stmt, div, f"({num} + 1) / ({d} + 1)")
         why = (
             f"the ratio's numerator {num} is made of {', '.join(shared)}, which its "
             f"denominator {d} sums: an overlap score"
             if shared
             else f"the line names an overlap score: {stmt.strip()}"
         )
+        if not shared and _box_areas(ev, stmt, div):
+            # areas in the coordinates' units: a smoothing of 1 is not small against them
+            unit = d if d.isidentifier() else f"({d})"
+            fixed = _spliced(
+                stmt, div.right, f"({d} + torch.finfo({unit}.dtype).eps)", grouped=True
+            )
+            return (
+                f"{why}; {_BOX_AREAS}",
+                f"{fixed}   # an eps under {d}: 0, not NaN, where both boxes have zero "
+                "size, every other ratio as it was (a smoothing of 1 would move those of "
+                "areas not much larger than 1 in your units)\n"
+                "# the same eps under each later division by an area (GIoU's enclosing box)\n"
+                "# and keep boxes of zero width or height (x2 <= x1 or y2 <= y1) out of the "
+                "loss: they are bad annotations or collapsed predictions",
+            )
+        smoothed = _spliced(stmt, div, f"({num} + 1) / ({d} + 1)")
         return why, (
             f"{smoothed}   # smoothing s = 1: two empty sets score 1, not NaN (a clamp would "
             "score them 0, the worst)"
@@ -12290,7 +12370,7 @@ def _squares_under_root(stmt: str | None, arg: str, dtype: str | None) -> tuple[
     except SyntaxError:
         return None
     if any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub) for n in ast.walk(tree)):
-        return None
+        return _squared_difference_under_root(stmt, tree.body, dtype)
     parts = _complex_parts(arg)
     call = _root_call(stmt)
     if parts is not None and call is not None:
@@ -12312,6 +12392,30 @@ def _squares_under_root(stmt: str | None, arg: str, dtype: str | None) -> tuple[
     return (
         _ROOT_BACKWARD,
         f"{fixed}   # eps inside the sqrt: finite gradient where the sum of squares is 0",
+    )
+
+
+def _squared_difference_under_root(
+    stmt: str, arg: ast.expr, dtype: str | None
+) -> tuple[str, str] | None:
+    """The square of one difference under the user's sqrt, elementwise (nothing summed
+    under the root: ``((a - b) ** 2).sqrt()``, Charbonnier's loss without its eps): an eps
+    inside the sqrt, or the difference's abs(), which is the same value; None for a
+    distance, a sum of squared differences (the norm and pairwise_distance fixes apply)."""
+    diff = _squared(arg)
+    if not (isinstance(diff, ast.BinOp) and isinstance(diff.op, ast.Sub)):
+        return None
+    eps = "1e-12" if not _stored_as_zero(1e-12, dtype) else (_eps_floor(dtype) or "1e-8")
+    method = re.search(r"(?<!torch)\.r?sqrt_?\(", stmt) is not None
+    fixed = rewrite_call(stmt, ["sqrt"], lambda v: f"({v} + {eps})" if method else f"{v} + {eps}")
+    if fixed is None:
+        return None
+    d = ast.unparse(diff)
+    return (
+        _ROOT_BACKWARD,
+        f"{fixed}   # eps inside the sqrt: finite gradient where {d} is 0 (Charbonnier's "
+        f"loss: sqrt(d ** 2 + eps ** 2))\n# or ({d}).abs(): the same value as the sqrt of "
+        "its square, with a gradient of 0 at 0",
     )
 
 

@@ -3732,14 +3732,15 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
     # far more than it did while the norms were level: the jump began there
     amp = _amplified(ctx, (ctx.trace,), ctx.history)
     if amp is not None:
-        evidence.insert(1, amp.evidence())
+        lines, explanation, fix = _amplifier_text(ctx, amp, names)
+        evidence[1:1] = lines
         yield ctx.diagnosis(
             path=amp.path,
             parameter=param,
             phase=Phase.BACKWARD.value,
             evidence=evidence,
-            explanation=amp.explanation(),
-            fix=amp.fix(names.params, names.optimizer),
+            explanation=explanation,
+            fix=fix,
         )
         return
     jumped = _gain_jump(ctx)
@@ -3969,14 +3970,15 @@ def _huge_norm(ctx: RuleContext) -> Diagnosis | None:
         )
     amp = _amplified(ctx, (*ctx.history, ctx.trace))
     if amp is not None:
-        evidence.insert(1, amp.evidence())
+        lines, explanation, fix = _amplifier_text(ctx, amp, names)
+        evidence[1:1] = lines
         return ctx.diagnosis(
             path=amp.path,
             parameter=top[0][0] if top else None,
             phase=Phase.BACKWARD.value,
             evidence=evidence,
-            explanation=amp.explanation(),
-            fix=amp.fix(names.params, names.optimizer),
+            explanation=explanation,
+            fix=fix,
         )
     return ctx.diagnosis(
         parameter=top[0][0] if top else None,
@@ -4011,6 +4013,7 @@ class _Amplifier:
     out_grad: float  #: max |gradient of its output|
     in_grad: float  #: max |gradient of its input|
     dtype: str
+    call: int = -1  #: the id of the call, in its step's trace
 
     @property
     def gain(self) -> float:
@@ -4048,6 +4051,77 @@ class _Amplifier:
         )
 
 
+def _tiny_input(trace: StepTrace, call: int) -> tuple[str, float, float] | None:
+    """The input of ``call`` (role, min, max) whose values are all positive and whose
+    smallest is at most finfo(dtype).eps times its largest (``alpha_bar`` of a noise
+    schedule at 3.7e-33 next to 0.99), the smallest such ratio: a division by it makes the
+    largest factor; None when no input is so (a sign-mixed input's smallest |x| is not
+    known)."""
+    best: tuple[str, float, float] | None = None
+    for given in trace.inputs_of(call):
+        r = trace.resolve(given)  # an input another module made: its output's statistics
+        s = r.stat
+        t = getattr(torch, r.dtype or "", None)
+        if s is None or not (isinstance(t, torch.dtype) and t.is_floating_point):
+            continue
+        lo, hi = s.min, s.max
+        if not (math.isfinite(lo) and math.isfinite(hi)) or not 0 < lo <= hi * torch.finfo(t).eps:
+            continue
+        if best is None or lo / hi < best[1] / best[2]:
+            best = (given.role, lo, hi)
+    return best
+
+
+def _amplifier_text(
+    ctx: RuleContext, amp: _Amplifier, names: _LoopNames
+) -> tuple[list[str], str, str]:
+    """The evidence lines, explanation and fix for a module whose own backward multiplied
+    the gradient past 1 / eps: a cancelled difference it divides by (``amp``'s own text), or,
+    when one of its inputs held positive values at the rounding level of its largest, a
+    division by that input (or its sqrt): a floor under it, not a variance computed again."""
+    trace = next((t for t in (ctx.trace, *ctx.history) if t.step == amp.step), None)
+    tiny = _tiny_input(trace, amp.call) if trace is not None and amp.call >= 0 else None
+    if tiny is None:
+        return [amp.evidence()], amp.explanation(), amp.fix(names.params, names.optimizer)
+    role, lo, hi = tiny
+    m = re.fullmatch(r"input\[(\d+)\]", role)
+    known = ctx.facts.get("forward_params")
+    params = known.get(amp.path) if isinstance(known, Mapping) else None
+    k = int(m.group(1)) if m is not None else -1
+    name = str(params[k]) if isinstance(params, (list, tuple)) and 0 <= k < len(params) else ""
+    label = f"{name} ({role})" if name else role
+    var = name or "d"
+    dtype = amp.dtype
+    lines = [
+        amp.evidence(),
+        f"its input {label} holds values from {fmt(lo)} to {fmt(hi)}: the smallest is "
+        f"{fmt(lo / hi)} of the largest, below eps of {dtype} "
+        f"({fmt(torch.finfo(getattr(torch, dtype)).eps)}); dividing by it multiplies by up "
+        f"to {fmt(1 / lo)}, by its sqrt up to {fmt(lo**-0.5)}",
+    ]
+    explanation = (
+        f"Module {amp.path} ({amp.module_type}) multiplies the gradient passing through "
+        f"its backward by {_times(amp.gain)}, and its input {label} holds values as small "
+        f"as {fmt(lo)} next to {fmt(hi)}: a division by it, or by its square root, in "
+        "that forward multiplies the value and its gradient by as much. Such values come "
+        "from a quantity that reaches 0 at one end of its range and was rounded to a "
+        "tiny number (a noise schedule's cumulative alpha at the last timestep, a "
+        "variance, a weight or a probability of 0). Clipping hides it; the fix is a "
+        "floor under what the forward divides by, or keeping those values out."
+    )
+    fix = (
+        f"{var} = {var}.clamp_min(torch.finfo({var}.dtype).eps ** 0.5)   # first thing "
+        f"in {amp.path}'s forward ({amp.module_type})"
+        + ("" if name else f"; {var}: its {role}")
+        + f": 1 / {var} stays under 1 / sqrt(eps), 1 / sqrt({var}) under eps ** -0.25\n"
+        f"# or keep such values out where {var} is made (clip the schedule or the "
+        "variance away from 0)\n"
+        f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm=1.0)  # before "
+        f"{names.optimizer}.step(), until then"
+    )
+    return lines, explanation, fix
+
+
 def _gains(trace: StepTrace) -> dict[str, _Amplifier]:
     """How much each call of a full step multiplied the gradient in its own backward, by
     the records' data flow (the gradient of the output its input came from, ``source``,
@@ -4079,7 +4153,7 @@ def _gains(trace: StepTrace) -> dict[str, _Amplifier]:
         t = getattr(torch, dtype, None)
         if not (isinstance(t, torch.dtype) and t.is_floating_point):
             continue
-        amp = _Amplifier(trace.step, c.path, c.module_type, g_out, g_in, dtype)
+        amp = _Amplifier(trace.step, c.path, c.module_type, g_out, g_in, dtype, c.id)
         if c.path not in found or amp.gain > found[c.path].gain:
             found[c.path] = amp
     return found

@@ -2732,9 +2732,14 @@ def _series(ctx: RuleContext, r: Record, upto: float) -> list[tuple[int, float]]
 def _grew_over_steps(series: list[tuple[int, float]]) -> bool:
     """The input grew step after step, by orders of magnitude (``_GREW``), most steps
     larger than the one before (``_GROWING``): no dataset does that; a loop that feeds its
-    own outputs back does."""
+    own outputs back does. Not when one step's jump made nearly all of it (all but less
+    than ``_JUMP``): that is one batch larger than the others (timesteps given in steps
+    where fractions were expected), not a growth step after step."""
     vals = [v for _, v in series]
     if len(vals) < 3 or not vals[0] > 0 or vals[-1] < _GREW * vals[0]:
+        return False
+    jumps = [y / x for x, y in itertools.pairwise(vals) if x > 0]
+    if jumps and max(jumps) * _JUMP > vals[-1] / vals[0]:
         return False
     rises = sum(1 for x, y in itertools.pairwise(vals) if y > x)
     return rises >= _GROWING * (len(vals) - 1)
