@@ -477,6 +477,8 @@ class _NanWatch:
         #: (step, batch_idx) with findings whose update is not applied yet / was applied
         self._pending: list[tuple[int, int]] = []
         self._late: list[tuple[int, int]] = []
+        #: the epoch of each step with findings (its batch index counts from 0 in each)
+        self._epochs: dict[int, int] = {}
         self._decided = -1
         self._report_due = False
         self._warned = False
@@ -572,8 +574,10 @@ class _NanWatch:
             return
         try:
             if nw.attached or self._paused:
-                # classifies, flushes what is safe to read, writes the post-mortem, detaches
-                path = nw.close(exception)
+                # classifies, flushes what is safe to read, writes the post-mortem, detaches;
+                # paused, the validation raised it: no training step did
+                during = {"during": "validation"} if self._paused else {}
+                path = nw.close(exception, **during)
                 if path is not None:
                     self.report_paths.append(path)
         except Exception as exc:
@@ -658,6 +662,7 @@ class _NanWatch:
             # optimizer step ran in this batch (gradient accumulation)
             found = (done.step, self._batch_idx)
             (self._late if self._opt_stepped else self._pending).append(found)
+            self._epochs[done.step] = int(trainer.current_epoch)
         self._announce(done)
         return done
 
@@ -735,6 +740,7 @@ class _NanWatch:
             return
         first = not self._pending
         self._pending.append((step, self._batch_idx))
+        self._epochs[step] = int(trainer.current_epoch)
         # a replay can name the op of a value born in forward or backward code; bad data and
         # broken weights have no op to name
         if first and anomaly.kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD):
@@ -939,8 +945,10 @@ class _NanWatch:
         if found:
             first, batch = min(found)
             opt_step = int(getattr(trainer, "global_step", 0) or 0)
+            epoch = self._epochs.get(first, 0)
+            of = f"epoch {epoch}, " if epoch else ""  # batch 3 of epoch 2, not of the first
             where = (
-                f" (batch {batch}, optimizer step {opt_step})"
+                f" ({of}batch {batch}, optimizer step {opt_step})"
                 if first != batch or (first != opt_step)
                 else ""
             )

@@ -307,6 +307,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise held
     except SystemExit as exc:  # the script's own exit: keep its code
         code = _exit_code(exc)
+        from nanwatch.postmortem import interrupt_behind
+
+        # after a Ctrl-C (Lightning exits with 1): the post-mortem was written on the way out
+        crashed = interrupt_behind(exc) is not None
     except BaseException:
         crashed = True  # the post-mortem was written on the way out; the exception goes on
         raise
@@ -446,8 +450,10 @@ class _Watched:
                 result = self.fn(*args, **kwargs)
             ended = True
             return result
-        except SystemExit:
-            ended = True
+        except SystemExit as exc:
+            from nanwatch.postmortem import interrupt_behind
+
+            ended = interrupt_behind(exc) is None  # a Ctrl-C's exit wrote its post-mortem
             raise
         finally:
             found.remove()

@@ -43,6 +43,7 @@ __all__ = [
     "classify",
     "classify_signal",
     "install_signal_handlers",
+    "interrupt_behind",
     "step_advice",
 ]
 
@@ -381,6 +382,29 @@ def _users_class(typ: type) -> bool:
     from nanwatch import _frames
 
     return not _frames.is_internal(file)
+
+
+def interrupt_behind(exc: BaseException | None) -> KeyboardInterrupt | None:
+    """The Ctrl-C that ``exc``, a ``sys.exit()`` raised while handling it, ends the run for:
+    Lightning's Trainer shuts down on a KeyboardInterrupt, then exits with 1. The run was
+    interrupted, not ended on purpose: its post-mortem is the interrupt's, and the exit goes
+    on as it was raised. None for any other exception (``raise SystemExit(1) from None``
+    included: its raiser cut the link).
+
+    Example:
+        >>> try:
+        ...     try:
+        ...         raise KeyboardInterrupt
+        ...     except KeyboardInterrupt:
+        ...         raise SystemExit(1)
+        ... except SystemExit as exc:
+        ...     type(interrupt_behind(exc)).__name__
+        'KeyboardInterrupt'
+    """
+    if not isinstance(exc, SystemExit) or exc.__suppress_context__:
+        return None
+    behind = exc.__context__
+    return behind if isinstance(behind, KeyboardInterrupt) else None
 
 
 def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from nanwatch.records import (
     StepTrace,
     TensorStat,
 )
-from nanwatch.report import ERROR_LABELS, Event, Report, anomaly_headline
+from nanwatch.report import ERROR_LABELS, Event, Report, anomaly_headline, error_when
 
 if TYPE_CHECKING:
     from nanwatch.rules.base import Diagnosis
@@ -1438,7 +1438,8 @@ def report_summary(report: Report, paths: Sequence[os.PathLike[str] | str]) -> R
     if err is not None:
         label = ERROR_LABELS.get(str(err.get("class", "other")), "exception")
         kind = str(err.get("type", "")).rsplit(".", 1)[-1]
-        head.append(f"{kind} ({label}) at step {err.get('step', '?')}; post-mortem report written")
+        when = error_when(err) if err.get("during") else f" at step {err.get('step', '?')}"
+        head.append(f"{kind} ({label}){when}; post-mortem report written")
     else:
         r = report.step_range
         n = report.anomaly_count

@@ -253,11 +253,6 @@ class Report:
             error = _error_info(
                 exc, steps, watcher.step_index, names, scaler=scaler, mode=watcher.config.mode
             )
-            born = _before_raise(watcher, steps, error)
-            if born is not None:  # the partial step's NaN, which no record held
-                anomalies.append(born)
-                if first_step is None:
-                    first_step = born.step
         elif reason is not None:
             from nanwatch.postmortem import classify_signal
 
@@ -272,6 +267,13 @@ class Report:
                     step_advice(error, t, scaler=scaler)
                     _name_the_op(error, t, watcher.config.mode)
                     break
+        if error is not None and reason is None:
+            # the exception's own report and ``nw.report`` read after it: the same lead
+            born = _before_raise(watcher, steps, error)
+            if born is not None:  # the partial step's NaN, which no record held
+                anomalies.append(born)
+                if first_step is None:
+                    first_step = born.step
         diagnoses, counts = _gather_diagnoses(steps, first_step)
         cfg = watcher.config
         return cls(
@@ -353,7 +355,7 @@ class Report:
             msg = _first_line(str(err.get("message", "")))
             where = self._error_where()
             head = f"{short} ({label})" if short and short != label else label
-            text = f"{head}{where}, step {err.get('step', '?')}"
+            text = f"{head}{where}{error_when(err)}"
             return f"{text}: {msg}" if msg else text
         if a is not None:
             return anomaly_headline(a)
@@ -372,6 +374,8 @@ class Report:
         )
 
     def _error_where(self) -> str:
+        if self.error is not None and self.error.get("during"):
+            return ""  # nothing watched ran: error_when says what did
         events = self.recent_events(limit=64)
         running = [e for e in events if e.running]
         if self.error is not None and self.error.get("class") == "autograd-inplace":
@@ -754,6 +758,8 @@ def _error_info(
             step, raised = steps[-1].step, steps[-1]
     info["step"] = step
     kept = raised.error if raised is not None else None
+    if kept and kept.get("during"):
+        info["during"] = kept["during"]
     if kept and kept.get("class") == info["class"] and kept.get("advice"):
         # the watcher's own advice, sharpened with what it saw (the layer a shape error
         # was raised in, its size against its input's)
@@ -799,6 +805,25 @@ def _name_the_op(info: dict[str, Any], trace: StepTrace | None, mode: str) -> No
     end = advice.find(". ")
     head, rest = (advice.rstrip("."), "") if end < 0 else (advice[:end], advice[end + 1 :])
     info["advice"] = f"{head}; {hint}.{rest}"
+
+
+def error_when(err: Mapping[str, Any]) -> str:
+    """When the exception of ``err`` (a report's ``error``) was raised, in words after its
+    class: ``, step 16``; raised while the watching was paused (``err["during"]``, see
+    :meth:`nanwatch.Watcher.close`), what ran then and the last step before it:
+    `` during validation, after step 15``.
+
+    Example:
+        >>> error_when({"step": 16, "during": "validation"})
+        ' during validation, after step 15'
+    """
+    step = err.get("step", "?")
+    during = err.get("during")
+    if not during:
+        return f", step {step}"
+    if isinstance(step, int) and step > 0:
+        return f" during {during}, after step {step - 1}"
+    return f" during {during}, before step 0" if step == 0 else f" during {during}"
 
 
 #: error classes whose exception is not an op's reaction to the values it got

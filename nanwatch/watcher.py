@@ -579,14 +579,19 @@ _PendingNode = tuple[
     str,
     str,
     tuple[str | None, str | None],
+    tuple[str | None, str | None],
     dict[str, Any],
     list[str],
     "ops.SavedNode | None",
     torch.Tensor,
 ]
-"""A loss-code node's flag on the device: (node name, loss path, dtype, backward site, the
-scalars it saved, 0-d flag: 0 finite, else what was born: 1 NaN, 2 +inf, 4 -inf, summed);
-see ``_flag_loss_nodes``."""
+"""A loss-code node's flag on the device: (node name, loss path, dtype, backward site, its
+forward line where anomaly mode kept it, the scalars it saved, the ops that made what a log
+was taken of, what it saved, 0-d flag: 0 finite, else what was born: 1 NaN, 2 +inf, 4 -inf,
+summed); see ``_flag_loss_nodes``."""
+
+#: no line known
+_NO_LINE: tuple[str | None, str | None] = (None, None)
 
 
 @dataclasses.dataclass
@@ -1181,14 +1186,18 @@ class Watcher:
             # torch.set_default_device("cuda") is a TorchFunctionMode: nanwatch's own
             # tensors (the stacked statistics of a read) are made where nanwatch says
             with _NO_TORCH_FUNCTION():
-                if exc is None or _deliberate_exit(exc):
+                from nanwatch.postmortem import interrupt_behind
+
+                # an exit a framework made of a Ctrl-C reports the interrupt, and goes on
+                interrupted = interrupt_behind(exc)
+                if exc is None or (_deliberate_exit(exc) and interrupted is None):
                     self._quiet = exc is not None  # the exit must come out as it went in
                     try:
                         self._final_boundary()
                     finally:
                         self._quiet = False
                 else:
-                    self._on_exception(exc)
+                    self._on_exception(interrupted or exc)
         finally:
             self.detach()
         # returning None: never swallow the user's exception
@@ -1300,10 +1309,12 @@ class Watcher:
         self._resumed_at = self._step
         self._reset_step()
 
-    def close(self, exc: BaseException | None = None) -> Any:
+    def close(self, exc: BaseException | None = None, *, during: str | None = None) -> Any:
         """End watching as the context manager's exit would: with ``exc``, classify it,
         finish the step from what is safe to read and write the post-mortem (returned as
-        the path of its JSON file, or None); without, end the step. Always detaches."""
+        the path of its JSON file, or None); without, end the step. Always detaches.
+        ``during``: what ran unwatched when ``exc`` was raised (``"validation"``, while a
+        framework had paused the watching): the post-mortem says so, not that a step did."""
         if self._forked:
             return None
         path = None
@@ -1312,7 +1323,7 @@ class Watcher:
                 if exc is None:
                     self._final_boundary()
                 else:
-                    path = self._on_exception(exc)
+                    path = self._on_exception(exc, during=during)
         finally:
             self.detach()
         return path
@@ -3239,9 +3250,14 @@ class Watcher:
         flag = bad.to(torch.int8) * kinds
         dtype = next(g.dtype for g in grad_inputs if g is not None and g.is_floating_point())
         site = self._backward_site if self._backward_site[0] else self._flag_site
-        snap = self._keep_saved(ops.current_autograd_node())
+        node = ops.current_autograd_node()
+        snap = self._keep_saved(node)
+        # the node's forward line: kept on it in anomaly mode only (a string, no read)
+        line = (
+            ops.forward_line(node) if node is not None and torch.is_anomaly_enabled() else _NO_LINE
+        )
         self._pending_nodes.append(
-            (name, path, dtype_name(dtype), site, scalars, chain, snap, flag)
+            (name, path, dtype_name(dtype), site, line, scalars, chain, snap, flag)
         )
 
     def _keep_derived(self) -> None:
@@ -3293,7 +3309,7 @@ class Watcher:
         """The first loss-code node flagged by :meth:`_flag_loss_node` becomes the op
         event of the step (by name: what it saved is freed), as :meth:`_check_loss_node`
         makes one on the CPU."""
-        for (name, path, dtype, site, scalars, made, snap, _), flag in zip(
+        for (name, path, dtype, site, line, scalars, made, snap, _), flag in zip(
             nodes, flags, strict=True
         ):
             if not flag or self._loss_node_bad:
@@ -3308,13 +3324,14 @@ class Watcher:
             ev = self._saved_node_event(snap, name, out, dtype) if snap is not None else None
             if ev is None:  # by name alone
                 ev = _node_event(name, path, out, dtype, site, scalars=scalars)
+                _place(ev, line, site)
             else:  # what it saved, kept in its hook: as the CPU path reads it there
                 ev.path = path
-                ev.source, ev.code = site
-                ev.backward_at = ev.source
+                _place(ev, line, site)
                 ev.scalars = {**scalars, **ev.scalars}
             ev.made_from = list(made) or ev.made_from
-            fwd = self._forward_line(snap._node if snap is not None else None)
+            # anomaly mode's line is exact; without it, the names backward()'s frame held
+            fwd = None if line[0] is not None else self._forward_line(snap.node if snap else None)
             if fwd is not None:
                 ev.source, ev.code = fwd
             self._trace.ops.append(ev)
@@ -3376,14 +3393,12 @@ class Watcher:
         node = ops.current_autograd_node()
         ev = ops.node_event(node, bad, name=name)
         ev.path = path
-        site = self._loss_site()
-        ev.source, ev.code = site
-        ev.backward_at = ev.source
-        # without anomaly mode a node holds no forward line: the user's frame that called
-        # backward() tells it, from its locals' graphs, when the loss code ran there
-        fwd = self._forward_line(node, _frames.user_frame())
-        if fwd is not None:
-            ev.source, ev.code = fwd
+        line = ops.forward_line(node) if node is not None else _NO_LINE
+        if line[0] is None:
+            # without anomaly mode a node holds no forward line: the user's frame that
+            # called backward() tells it, from its locals' graphs, when the loss code ran there
+            line = self._forward_line(node, _frames.user_frame()) or _NO_LINE
+        _place(ev, line, self._loss_site())
         self._trace.ops.append(ev)
 
     def _hold_loss_names(self) -> Any:
@@ -3439,11 +3454,10 @@ class Watcher:
             if ev is None:
                 continue
             ev.path = path
-            ev.source, ev.code = site
-            ev.backward_at = ev.source
-            fwd = self._forward_line(snap._node)
-            if fwd is not None:
-                ev.source, ev.code = fwd
+            line = ops.forward_line(snap)
+            if line[0] is None:
+                line = self._forward_line(snap.node) or _NO_LINE
+            _place(ev, line, site)
             return ev
         return None
 
@@ -6558,9 +6572,10 @@ class Watcher:
             self._anomaly_mode_prev = None
             torch.autograd.set_detect_anomaly(enabled, check_nan=check_nan)
 
-    def _on_exception(self, exc: BaseException) -> Any:
+    def _on_exception(self, exc: BaseException, *, during: str | None = None) -> Any:
         """The code inside ``watch`` raised: finish the step from what is safe to read, write
-        the post-mortem, and let the exception go on unchanged."""
+        the post-mortem, and let the exception go on unchanged (``during``: see
+        :meth:`close`)."""
         from nanwatch import postmortem
 
         owner = getattr(exc, "_nanwatch_owner", None)
@@ -6592,6 +6607,8 @@ class Watcher:
             return None
         try:
             info = postmortem.classify(exc, {id(p): q for q, _, p in self._params})
+            if during:
+                info["during"] = during
             if info.get("class") == "shape-mismatch" and "optimizer" not in info:
                 said = self._shape_advice(exc)
                 if said is not None:
@@ -7509,6 +7526,17 @@ def _size_mismatch(module: nn.Module, shape: tuple[int, ...]) -> tuple[str, int,
 def _nonfinite_values(t: torch.Tensor) -> bool:
     """``t`` holds a NaN or inf (a read; a tensor with no values to read holds none)."""
     return t.is_floating_point() and not _has_no_data(t) and not _finite(t)
+
+
+def _place(
+    ev: OpEvent, line: tuple[str | None, str | None], site: tuple[str | None, str | None]
+) -> None:
+    """The lines of ``ev``, a loss-code node's backward event: ``line``, the forward line that
+    created the node where anomaly mode kept it (``Trainer(detect_anomaly=True)``,
+    ``torch.autograd.detect_anomaly()``), else the ``backward()`` call ``site``, which is
+    always ``backward_at``."""
+    ev.source, ev.code = line if line[0] is not None else site
+    ev.backward_at = site[0]
 
 
 def _node_event(
