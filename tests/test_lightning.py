@@ -249,7 +249,10 @@ def test_a_nan_only_in_test_step_is_left_to_a_watch_around_trainer_test(tmp_path
     assert cb.report_paths == [] and not list(tmp_path.rglob("nanwatch-*.json"))
     # the docstring's recipe: the NaN is found where it is born, and reported
     with (
-        pytest.raises(nanwatch.AnomalyError, match="NaN born in the forward of blowup") as err,
+        pytest.raises(
+            nanwatch.AnomalyError,
+            match=r"-inf born in the forward of blowup \(Blowup\) \(then NaN\)",
+        ) as err,
         nanwatch.watch(model, report_dir=tmp_path / "eval"),
     ):
         trainer.test(model, verbose=False)
@@ -263,13 +266,15 @@ def test_a_nan_only_in_test_step_is_left_to_a_watch_around_trainer_test(tmp_path
 def test_stop_drops_the_bad_update_stops_and_writes_the_report(tmp_path: Path) -> None:
     cb = NanWatchCallback()  # on_anomaly="stop"
     weights = weights_recorder()
-    with pytest.warns(RuntimeWarning, match=r"step 2: NaN born in the forward of blowup") as caught:
+    with pytest.warns(
+        RuntimeWarning, match=r"step 2: -inf born in the forward of blowup \(Blowup\) \(then NaN\)"
+    ) as caught:
         trainer = fit(tmp_path, Model(bad=[2]), cb, weights, batches=6)
     nw = cb.watcher
     assert nw is not None and not nw.attached
     assert cb.stopped_at == 2 and trainer.should_stop
     # the warning says the diagnosis and its fix, as nanwatch.watch does, not only where
-    said = next(str(w.message) for w in caught if "step 2: NaN born" in str(w.message))
+    said = next(str(w.message) for w in caught if "step 2: -inf born" in str(w.message))
     top = next(t for t in nw.history if t.step == 2).diagnoses[0]
     assert f"\n  {top.headline}\n" in said and top.fix
     assert f"\n  fix: {top.fix.splitlines()[0]}\n" in said
@@ -342,7 +347,7 @@ def test_skip_covers_the_whole_accumulation_window(tmp_path: Path) -> None:
 
 def test_raise_raises_anomaly_error_and_writes_the_postmortem(tmp_path: Path) -> None:
     cb = NanWatchCallback(on_anomaly="raise")
-    with pytest.raises(nanwatch.AnomalyError, match="step 2: NaN born") as err:
+    with pytest.raises(nanwatch.AnomalyError, match="step 2: -inf born") as err:
         fit(tmp_path, Model(bad=[2]), cb, batches=6)
     assert err.value.module == "blowup" and err.value.anomaly is not None
     assert err.value.diagnoses, "the step was finished before raising: rules ran"
@@ -534,7 +539,9 @@ def test_an_internal_error_stops_the_watching_not_the_training(
 def test_pytorch_lightning_trainer_stops_at_the_anomaly(tmp_path: Path) -> None:
     PLCallback = NanWatchCallback.for_namespace("pytorch_lightning")
     cb = PLCallback()
-    with pytest.warns(RuntimeWarning, match="step 1: NaN born in the forward of blowup"):
+    with pytest.warns(
+        RuntimeWarning, match=r"step 1: -inf born in the forward of blowup \(Blowup\) \(then NaN\)"
+    ):
         trainer = fit(
             tmp_path, model_class("pytorch_lightning")(bad=[1]), cb, ns="pytorch_lightning"
         )
