@@ -269,7 +269,7 @@ class Report:
                     break
         if error is not None and reason is None:
             # the exception's own report and ``nw.report`` read after it: the same lead
-            born = _before_raise(watcher, steps, error)
+            born = _before_raise(watcher, steps, error, scaled=scaler)
             if born is not None:  # the partial step's NaN, which no record held
                 anomalies.append(born)
                 if first_step is None:
@@ -831,7 +831,7 @@ _NOT_BY_VALUES = ("anomaly", "guard", "keyboard-interrupt", "signal", "exit", "p
 
 
 def _before_raise(
-    watcher: Watcher, steps: list[StepTrace], error: dict[str, Any]
+    watcher: Watcher, steps: list[StepTrace], error: dict[str, Any], *, scaled: bool = False
 ) -> Anomaly | None:
     """The step that raised had already made a NaN or inf before the exception (an op that
     was born non-finite, a non-finite record, its anomaly): ``error["before"]`` says where,
@@ -839,7 +839,9 @@ def _before_raise(
     a NaN matrix, an index_add_ given an index computed from NaN. When no record held the
     value (the op's result never reached a module's output), the step in ``steps`` is
     replaced by a copy whose anomaly is that op and whose diagnoses are the rules' on it;
-    that anomaly is returned. Host-side data only (the records and op events)."""
+    that anomaly is returned. ``scaled``: a GradScaler scales the gradients, whose inf and
+    NaN it expects now and then (it skips that step): they are not what the exception
+    followed from. Host-side data only (the records and op events)."""
     if error.get("class") in _NOT_BY_VALUES or not steps:
         return None
     number = error.get("step")
@@ -861,8 +863,9 @@ def _before_raise(
     else:
         from nanwatch.localize import is_birth
 
-        ev = next((e for e in trace.ops if is_birth(e)), None)
-        bad = next((r for r in trace.records if r.bad), None)
+        grads = (Phase.BACKWARD, Phase.GRADIENT) if scaled else ()
+        ev = next((e for e in trace.ops if is_birth(e) and e.phase not in grads), None)
+        bad = next((r for r in trace.records if r.bad and r.phase not in grads), None)
         if ev is not None:
             kinds, where = ev.born, _event_where(ev)
             made = _op_anomaly(trace, ev)

@@ -63,7 +63,13 @@ torch.manual_seed(0)
 model = nn.Linear(4, 4)
 x = torch.randn(8, 4)
 out = model(x)
-loss = torch.sqrt((out - out.detach()).pow(2).sum(1)).mean()  # sqrt(0): NaN gradient
+
+
+def penalty(out):  # a helper's line: watch cannot name it, forensic can
+    return torch.sqrt((out - out.detach()).pow(2).sum(1)).mean()  # sqrt(0): NaN gradient
+
+
+loss = penalty(out)
 loss.backward()
 """
 
