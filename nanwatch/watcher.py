@@ -3920,7 +3920,7 @@ class Watcher:
         ):
             a = probe
             if a - a != 0 and not all_records and hot_l2_pays(p):
-                # a probe's sum of squares (see _weight_maxima): finite values past the
+                # a probe's L2 norm (see _weight_maxima): finite values past the
                 # square root of the dtype's max overflow it too; the max says which
                 a = foreach_absmax([p])[0].item()
             if not (all_records or a - a != 0):  # keep only inf/NaN, unless asked for all
