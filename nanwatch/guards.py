@@ -25,6 +25,13 @@ read fills, for a loss, the ``"loss_input"`` :class:`~nanwatch.records.Note` the
 lets through computes exactly what it would have computed without it; a call of any
 other function costs nothing.
 
+A guard cannot run inside a ``torch.compile``'d child (sentinel mode runs one compiled):
+its hooks are traced away, and nothing of it enters the graph. When the compiled call
+raises, the error goes on unchanged, and on the CPU the eager module runs again on the same
+inputs with the guards on, so the report names the values as a guard would have (see
+:func:`_explain_compiled`); on a GPU, whose context the assert killed, the error's advice
+names the compiled child, the guarded modules in it and how to have them checked.
+
 A check is silenced like a diagnosis: ``watch(..., ignore=["NW506"])`` lets calls that fail
 only that check through (the loss then runs as PyTorch computes it).
 
@@ -74,6 +81,7 @@ from nanwatch._compat import aminmax
 from nanwatch._compat import capturing as _capturing
 from nanwatch._compat import compiling as _compiling
 from nanwatch._compat import transforming as _transforming
+from nanwatch._structure import leaves
 from nanwatch.errors import GuardError, guard_error_class
 from nanwatch.stats import dtype_name
 
@@ -450,7 +458,7 @@ class _Health:
 def _quiet(watcher: Watcher) -> bool:
     return (
         _compiling()  # first: constant under dynamo, so nothing else traced
-        or not watcher.attached
+        or (not watcher.attached and getattr(_tls, "explaining", None) is not watcher)
         or ops.replaying()
         or torch._C._current_autograd_node() is not None  # checkpoint recomputation
         or torch._C._get_tracing_state() is not None  # torch.jit.trace
@@ -4524,6 +4532,10 @@ def attach(watcher: Watcher, modules: Sequence[tuple[nn.Module, str]]) -> list[A
             handles.append(
                 module.register_forward_hook(_pop_hook, with_kwargs=True, always_call=True)
             )
+        for wrapper, path in _compiled_children(watcher, modules):
+            pre, post = _make_compiled_hooks(watcher, health, wrapper, path)
+            handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
+            handles.append(wrapper.register_forward_hook(post, with_kwargs=True, always_call=True))
     except BaseException:
         for h in handles:
             h.remove()
@@ -4548,6 +4560,8 @@ def _make_pre_hook(
     def guard_pre_hook(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
     ) -> None:
+        if _compiling():  # inside a compiled child: see _make_compiled_hooks
+            return
         if kwargs is None or module is not ref():
             return  # a copy torch registered on a replacement module (see Watcher._make_pre)
         if not health.broken and not _quiet(watcher):
@@ -4591,6 +4605,8 @@ def _make_early_hook(
     def nograd_pre_hook(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
     ) -> None:
+        if _compiling():  # no grad_fn to read under dynamo (a read would break the graph)
+            return
         if kwargs is None:
             return  # a copy on a replacement module (see _make_pre_hook)
         x = args[0] if args else kwargs.get(name)
@@ -4598,6 +4614,140 @@ def _make_early_hook(
             guard(module, args, kwargs)
 
     return nograd_pre_hook
+
+
+def _compiled_children(
+    watcher: Watcher, modules: Sequence[tuple[nn.Module, str]]
+) -> list[tuple[nn.Module, str]]:
+    """The ``torch.compile`` wrappers of the watched roots' submodules (sentinel mode runs
+    them compiled) that hold a guarded module, or call guarded functionals, each with the
+    path its eager module is watched under."""
+    from nanwatch.watcher import _is_compiled
+
+    paths = {id(m): p for m, p in modules}
+    out: list[tuple[nn.Module, str]] = []
+    seen: set[int] = set()
+    functional = watcher.config.functional_guards
+    for root in watcher.roots:
+        for _, m in root.named_modules():
+            if id(m) in seen or not _is_compiled(m):
+                continue
+            seen.add(id(m))
+            orig: nn.Module = m._orig_mod
+            path = paths.get(id(orig))
+            if path is None:
+                continue
+            if functional or any(spec_for(type(sub)) is not None for sub in orig.modules()):
+                out.append((m, path))
+    return out
+
+
+def _make_compiled_hooks(
+    watcher: Watcher, health: _Health, wrapper: nn.Module, path: str
+) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The hooks on a compiled child's wrapper, which run in eager mode around the compiled
+    call: the pre-hook keeps the call's inputs (references, no read) until the call ends;
+    when the call raises, the forward hook explains the error (see :func:`_explain_compiled`)
+    and the error goes on unchanged. A guard cannot run inside a compiled graph."""
+    ref = weakref.ref(wrapper)
+    calls = threading.local()
+
+    def compiled_pre_hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> None:
+        if _compiling() or kwargs is None or module is not ref():
+            return
+        stack: list[Any] | None = getattr(calls, "stack", None)
+        if stack is None:
+            stack = calls.stack = []
+        # the error being handled as the call begins (a call made in an ``except`` block)
+        stack.append((args, kwargs, sys.exc_info()[1]))
+
+    def compiled_post_hook(module: nn.Module, args: tuple[Any, ...], *rest: Any) -> None:
+        stack = getattr(calls, "stack", None)
+        if _compiling() or not stack or module is not ref():
+            return
+        call_args, call_kwargs, handled = stack.pop()
+        exc = sys.exc_info()[1]
+        if rest[-1] is not None or exc is handled:
+            return  # returned (always_call hooks run in torch's ``except`` when it raised)
+        if not isinstance(exc, Exception) or health.broken or _quiet(watcher):
+            return
+        try:
+            _explain_compiled(watcher, module, path, (call_args, call_kwargs), exc)
+        except Exception as fault:  # the user's error is the one that matters
+            health.fault("explanation of a compiled call", fault)
+
+    return compiled_pre_hook, compiled_post_hook
+
+
+def _explain_compiled(
+    watcher: Watcher,
+    wrapper: nn.Module,
+    path: str,
+    call: tuple[tuple[Any, ...], dict[str, Any]],
+    exc: Exception,
+) -> None:
+    """The compiled call of ``wrapper`` (watched as ``path``) raised ``exc``, which goes on
+    unchanged: its eager module runs again on the same inputs with the guards on (no
+    gradient; RNG state and buffers put back), and a guard that stops a call there writes
+    its ``"guard"`` note as if it had run in the compiled call, marked ``compiled``. Only
+    on the CPU: on a GPU the error is an assert that left the device unusable, and a
+    ``"compiled_call"`` note keeps what the host knows (the guarded modules inside, the
+    tables' sizes, the integer inputs' dtypes and shapes) for the error's advice (see
+    ``postmortem.step_advice``). ``call``: the call's positional and keyword arguments."""
+    from nanwatch.errors import NanwatchError
+    from nanwatch.postmortem import classify
+
+    args, kwargs = call
+    if isinstance(exc, NanwatchError):
+        return  # a guard's own error: a functional one the graph called by name
+    orig: nn.Module = wrapper._orig_mod  # type: ignore[assignment]
+    tensors = [t for t in leaves([args, kwargs]) if isinstance(t, torch.Tensor)]
+    if classify(exc)["device_lost"] or any(t.device.type != "cpu" for t in tensors):
+        # no value can be read (a device-side assert kills the context; a GPU run is not
+        # replayed): what is known on the host, for the error's advice
+        guarded = [
+            f"{path}.{q}" if q else path
+            for q, m in orig.named_modules()
+            if spec_for(type(m)) is not None
+        ]
+        sizes = [
+            f"{type(m).__name__} {path}.{q}: {m.num_embeddings} rows"
+            for q, m in orig.named_modules()
+            if isinstance(getattr(m, "num_embeddings", None), int)
+        ]
+        ids = [
+            f"{dtype_name(t.dtype)} {tuple(t.shape)}"
+            for t in tensors
+            if not (t.is_floating_point() or t.is_complex())
+        ]
+        watcher.note("compiled_call", path, guarded=guarded, sizes=sizes, ids=ids)
+        return
+    notes = watcher.trace.notes
+    before = len(notes)
+    outer = getattr(_tls, "explaining", None)
+    _tls.explaining = watcher
+    try:
+        with (
+            watcher.paused(),
+            torch.no_grad(),
+            ops.preserved_state(orig, set()),
+            warnings.catch_warnings(),
+        ):
+            warnings.simplefilter("ignore")
+            orig(*args, **kwargs)
+    except Exception:  # a GuardError (its note is the explanation), or the error again
+        pass
+    finally:
+        _tls.explaining = outer
+    lines = str(exc).strip().splitlines()
+    error = type(exc).__name__ + (f" ({lines[0].rstrip('.')})" if lines else "")
+    for note in notes[before:]:
+        if note.kind == "guard":
+            note.data["raised"] = True
+            note.data["compiled"] = path
+            note.data["compiled_error"] = error
 
 
 def _what(spec: GuardSpec) -> str:
@@ -4608,6 +4758,8 @@ def _what(spec: GuardSpec) -> str:
 
 
 def _pop_hook(module: nn.Module, args: Any, *rest: Any) -> None:
+    if _compiling():
+        return
     stack = _module_stack()
     if stack and stack[-1] is module:
         stack.pop()

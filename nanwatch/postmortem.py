@@ -644,6 +644,8 @@ def step_advice(info: dict[str, Any], trace: StepTrace | None, *, scaler: bool =
         >>> "error_if_nonfinite=False" in info["advice"]
         True
     """
+    if trace is not None and info.get("class") in (*_DEVICE_LOST, "index-out-of-range"):
+        _compiled_call_advice(info, trace)
     if info.get("class") != "non-finite" or trace is None:
         return
     from nanwatch.records import Phase
@@ -696,6 +698,25 @@ def step_advice(info: dict[str, Any], trace: StepTrace | None, *, scaler: bool =
             "that removes every token (always keep the most likely one), a log of a "
             "probability of 0."
         )
+
+
+def _compiled_call_advice(info: dict[str, Any], trace: StepTrace) -> None:
+    """The error came out of a ``torch.compile``'d child holding guarded modules that could
+    not be checked (a ``"compiled_call"`` note, see ``guards._explain_compiled``): the
+    advice leads with that child, its tables' sizes and its integer inputs, and how to have
+    the guard name the values. Host-side data only."""
+    note = next((n for n in reversed(trace.notes) if n.kind == "compiled_call"), None)
+    if note is None or not note.data.get("guarded"):
+        return
+    data = note.data
+    known = "; ".join([*data.get("sizes", ()), *(f"input {i}" for i in data.get("ids", ()))])
+    info["advice"] = (
+        f"The error came out of the torch.compile'd call of {note.path}, which holds "
+        f"{', '.join(data['guarded'])}: a guard cannot check inputs inside a compiled graph"
+        + (f" ({known})" if known else "")
+        + f". Run this batch through {note.path} uncompiled (its ._orig_mod), or on the CPU, "
+        "and the guard names the values and their positions. " + str(info.get("advice", ""))
+    )
 
 
 def _raised_in_backward(exc: BaseException) -> bool:

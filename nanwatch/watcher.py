@@ -36,7 +36,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -770,6 +770,10 @@ class Watcher:
         self._disabled_rules: set[str] = set()
         self._announced: set[str] = set()  # warning codes said once already
         self._opaque_warned: set[type] = set()
+        #: roots found by the global hooks, by the line that called them and what they are
+        #: (see :meth:`_same_as_before`): a module made anew at each call (a loss built in
+        #: the loop) keeps one name, and the one it replaces is let go
+        self._site_roots: dict[tuple[Any, ...], tuple[weakref.ref[nn.Module], str]] = {}
         self._checker: ops.OpChecker | None = None
         #: forensic: how many of the op checker's events ran up to this step's last
         #: optimizer update; the ones after it (the next batch's rewards, computed before
@@ -1710,7 +1714,7 @@ class Watcher:
             # torch passes global pre-hooks no keyword arguments: a root's (the batch of a
             # model called with input_ids=...) are read from the call's frame
             kwargs = {} if self._stack else _frames.call_kwargs(module, sys._getframe(1))
-            info = self._info_for(module, args, kwargs)
+            info = self._info_for(module, args, kwargs, sys._getframe(1))
             if info is not None:
                 self._pre(info, module, args, kwargs)
 
@@ -1726,11 +1730,16 @@ class Watcher:
                 self._post(info, module, args, kwargs, output)
 
     def _info_for(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        caller: FrameType | None = None,
     ) -> _ModInfo | None:
         """The module's info; a module seen for the first time is named on the spot: from
         outside any watched call it is a new root (with all its submodules), from inside
-        one it is named below the running module."""
+        one it is named below the running module. ``caller``: the frame of the module's
+        call (a new root takes the name of the one it replaces, see :meth:`_same_as_before`)."""
         info = self._infos.get(module)
         if info is not None or not self._attached or ops.replaying():
             return info
@@ -1743,8 +1752,17 @@ class Watcher:
                 path = f"{parent.call.path}.{rel or '<' + type(module).__name__ + '>'}"
                 found = [(module, _ModInfo(path, module, is_root=False, first_root=False))]
             else:
+                site, before = self._same_as_before(module, caller)
+                if before is not None:
+                    self._let_go(before[0]())
                 taken = {i.path for _, i in self._modules}
                 found = _name_modules([module], taken=taken, first=not self._modules)
+                if before is not None:
+                    old = found[0][1].path
+                    for _, i in found:  # the name of the module it replaces
+                        i.path = before[1] + i.path[len(old) :]
+                if site is not None:
+                    self._site_roots[site] = (weakref.ref(module), found[0][1].path)
                 self.roots.append(module)
             self._register_found(found, args, kwargs)
         except GuardError:
@@ -1753,6 +1771,56 @@ class Watcher:
             self._fault("pre", "module discovery", exc)
             return None
         return self._infos.get(module)
+
+    def _same_as_before(
+        self, module: nn.Module, caller: FrameType | None
+    ) -> tuple[tuple[Any, ...] | None, tuple[weakref.ref[nn.Module], str] | None]:
+        """For a new root found by the global hooks: the key of its call site (the user's
+        line that called it, the class and its plain settings), and what was found there
+        before (a weak reference to the module and its name), or None. A module without
+        parameters made anew at each call (``nn.CrossEntropyLoss()(out, y)`` in the loop)
+        is one logical module: the same class called from the same line with the same
+        settings. A module with parameters is not (heads in a list, each called by one
+        line of a loop, train apart)."""
+        frame = _frames.user_frame(caller) if caller is not None else None
+        if frame is None or next(module.parameters(), None) is not None:
+            return None, None
+        plain = tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(module).items()
+                if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
+            )
+        )
+        site = (frame.f_code, frame.f_lasti, type(module), plain)
+        return site, self._site_roots.get(site)
+
+    def _let_go(self, module: nn.Module | None) -> None:
+        """Drop a root found by the global hooks that a module made at the same line
+        replaces (see :meth:`_same_as_before`): its hooks are removed and nothing of the
+        watcher holds it, so a loss made at each step does not pile up."""
+        if module is None:
+            return
+        gone = {id(m) for m in module.modules()}
+        dicts = {
+            id(d)
+            for m in module.modules()
+            for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks)
+        }
+        kept, removed = [], []
+        for h in self._handles:
+            ref = getattr(h, "hooks_dict_ref", None)
+            if ref is not None and id(ref()) in dicts:
+                h.remove()
+                removed.append(h.id)
+            else:
+                kept.append(h)
+        self._handles = kept
+        _copies.unhide(removed)
+        self.roots = [r for r in self.roots if r is not module]
+        self._modules = [(m, i) for m, i in self._modules if id(m) not in gone]
+        for m in module.modules():
+            self._infos.pop(m, None)
 
     def _register_found(
         self,

@@ -6268,9 +6268,10 @@ def _cancelled_variance(
             else f"# and an eps inside the sqrt ({floor}, LayerNorm's): a row that does not "
             "vary at all has variance 0"
         ),
-        f"# or F.layer_norm({paren(x)}.float(), {paren(x)}.shape[-1:]) for the whole "
-        "normalization (over the last dim): float32 "
-        "statistics, two-pass, with eps",
+        f"# or F.layer_norm({paren(x)}.float(), {paren(x)}.shape[-1:]).to({paren(x)}.dtype) for "
+        "the whole normalization (over the last dim): float32 statistics, two-pass, with "
+        f"eps, cast back to {ev.dtype} for the layers after it (a model cast to {ev.dtype} "
+        "takes no float32 input)",
         "# not .clamp_min(eps) on the denominator: it divides by eps instead of the true spread",
     ]
     return ctx.diagnosis(
@@ -9863,6 +9864,9 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
         )
     if norm is not None:
         return f"{norm}   # divides by max(norm, 1e-12): a zero vector stays 0, not NaN{needs}"
+    spread = _std_eps(ev, stmt, div, den)
+    if spread is not None:
+        return spread
     rname = div.right.id if isinstance(div.right, ast.Name) else None
     root = _sqrt_eps(ev, rname) if rname is not None else None
     if root is not None:
@@ -9893,6 +9897,112 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
         safe = f"torch.where({d} == 0, torch.ones_like({d}), {d})"
         why = "divides by 1 where the denominator is 0 (any sign): leaves x as is"
     return f"{_spliced(stmt, div.right, safe, grouped=True)}   # {why}"
+
+
+#: the eps InstanceNorm, LayerNorm and BatchNorm add to the variance inside the sqrt
+_NORM_VAR_EPS = "1e-5"
+
+
+def _std_eps(ev: OpEvent, stmt: str, div: ast.BinOp, den: TensorStat) -> str | None:
+    """A denominator that is a standard deviation (``x.std(dims)``, ``torch.sqrt(x.var(dims))``,
+    or a name the function assigned one, ``std = x.std(dims)``) with ``eps`` inside the
+    sqrt, as the built-in norms do: a row that does not vary (a constant channel) has
+    variance 0, and ``(x - mean) / sqrt(var + eps)`` is then about 0 with a gradient of at
+    most 1/sqrt(eps). A clamp after the sqrt (``std.clamp_min(eps)``) divides the rounding
+    left in ``x - mean`` by eps, and the gradient by eps too. The built-in norm is named
+    when the dims say which (``(2, 3)``: ``F.instance_norm``, ``-1``: ``F.layer_norm``).
+    None for any other denominator."""
+    made = None
+    text = ast.get_source_segment(stmt, div.right)
+    if isinstance(div.right, ast.Name):
+        made = _assigned_before(ev.source, div.right.id)
+        text = made
+    if not text or not text.isascii():
+        return None
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+
+    def variance(name: str) -> ast.Call | None:  # a name the function assigned a variance
+        value = _assigned_before(ev.source, name)
+        try:
+            v = ast.parse(value.split("=", 1)[1].strip(), mode="eval").body if value else None
+        except SyntaxError:
+            return None
+        return v if isinstance(v, ast.Call) else None
+
+    found = [f for n in ast.walk(tree) if (f := _var_inside_sqrt(n, variance)) is not None]
+    if len(found) != 1:
+        return None
+    node, replacement, x, dims = found[0]
+    fixed = _spliced(text, node, replacement)
+    if made is None:
+        fixed = _spliced(stmt, div.right, fixed)
+    eps = _NORM_VAR_EPS
+    rows = f" ({den.zeros:,} of {den.numel:,} here)" if den.zeros else ""
+    lines = [
+        f"{fixed}   # eps inside the sqrt ({eps}, as the built-in norms): a row that does not "
+        f"vary{rows} has variance 0 and gives about 0, with a gradient of at most "
+        "1/sqrt(eps); not .clamp_min(eps) after the sqrt: it divides by eps, and the "
+        "gradient too"
+    ]
+    builtin = None
+    if dims in ("(2, 3)", "[2, 3]", "(-2, -1)", "[-2, -1]"):
+        builtin = f"F.instance_norm({x}, eps={eps})   # (N, C, H, W): each channel of each sample"
+    elif dims in ("-1", "(-1,)", "[-1]"):
+        builtin = f"F.layer_norm({x}, {paren(x)}.shape[-1:], eps={eps})   # over the last dim"
+    if builtin is not None:
+        needs = "" if _binds_f(ev.source) else "\n# needs: import torch.nn.functional as F"
+        lines.append(f"# or the whole normalization built in: {builtin}{needs}")
+    return "\n".join(lines)
+
+
+def _var_inside_sqrt(
+    n: ast.AST, variance: Callable[[str], ast.Call | None]
+) -> tuple[ast.expr, str, str, str | None] | None:
+    """For a standard deviation without an eps: the node, what replaces it (the square
+    root of the variance plus eps), the tensor and the dims as written; None otherwise.
+    ``x.std(d)`` and ``torch.std(x, d)`` keep their arguments (correction too); the sqrt
+    of a name is one when ``variance`` finds the variance call assigned to it."""
+    if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+        return None
+    attr, owner = n.func.attr, ast.unparse(n.func.value)
+    mod = owner in ("torch", "math", "np")
+    eps = _NORM_VAR_EPS
+    if attr == "std":
+        x = n.args[0] if mod and n.args else None if mod else n.func.value
+        if x is None:
+            return None
+        args = [ast.unparse(a) for a in n.args] + [ast.unparse(k) for k in n.keywords]
+        given = ", ".join(args)
+        var = f"torch.var({given})" if mod else f"{paren(ast.unparse(x))}.var({given})"
+        return n, f"torch.sqrt({var} + {eps})", ast.unparse(x), _dims_of(n, 1 if mod else 0)
+    if attr != "sqrt" or n.keywords:
+        return None
+    arg = n.args[0] if mod and len(n.args) == 1 else n.func.value if not n.args else None
+    call = variance(arg.id) if isinstance(arg, ast.Name) else arg
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
+        return None  # a sum with an eps: not a bare variance
+    vmod = ast.unparse(call.func.value) == "torch"
+    if call.func.attr != "var" or arg is None:
+        return None
+    x = call.args[0] if vmod and call.args else None if vmod else call.func.value
+    if x is None:
+        return None
+    v = ast.unparse(arg)
+    root = f"torch.sqrt({v} + {eps})" if mod else f"({v} + {eps}).sqrt()"
+    return n, root, ast.unparse(x), _dims_of(call, 1 if vmod else 0)
+
+
+def _dims_of(call: ast.Call, skip: int) -> str | None:
+    """The ``dim`` argument of a reduction call as written (keyword, or the first positional
+    after the tensor)."""
+    for k in call.keywords:
+        if k.arg == "dim":
+            return ast.unparse(k.value)
+    rest = call.args[skip:]
+    return ast.unparse(rest[0]) if rest else None
 
 
 def _counted_power(stmt: str, node: ast.expr) -> tuple[str, str] | None:

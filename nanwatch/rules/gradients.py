@@ -4043,8 +4043,9 @@ class _Amplifier:
     def fix(self, params: str, optimizer: str) -> str:
         return (
             f"# in {self.path}'s forward ({self.module_type}): compute what it divides by "
-            "without cancellation and in float32: the variance as ((x - mean) ** 2)"
-            ".mean(), or F.layer_norm(x.float(), x.shape[-1:]) for the whole "
+            "without cancellation and in float32, cast back after: the variance as "
+            "((x - mean) ** 2).mean() of x = x.float(), the result .to() the input's dtype, "
+            "or F.layer_norm(x.float(), x.shape[-1:]).to(x.dtype) for the whole "
             "normalization\n"
             f"torch.nn.utils.clip_grad_norm_({params}, max_norm=1.0)  # before "
             f"{optimizer}.step(), until then"

@@ -235,7 +235,20 @@ def _found(ctx: RuleContext, code: str) -> Iterator[Diagnosis]:
     for note in ctx.trace.notes:
         if note.kind == "guard" and note.data.get("code") == code:
             d = diagnosis_from_note(note, step=ctx.step)
-            if note.data.get("raised") is False:
+            compiled = note.data.get("compiled")
+            if compiled:
+                # the guard could not run inside the compiled graph: it checked the inputs
+                # again on the eager module once the compiled call had raised
+                d.evidence.append(
+                    f"the torch.compile'd call of {compiled} raised "
+                    f"{note.data.get('compiled_error') or 'an error'}: a guard cannot run "
+                    "inside a compiled graph, so nanwatch checked the same inputs on the eager "
+                    "module after the error"
+                )
+                if ctx.trace.error is None:
+                    d.severity = "warning"  # the program caught the error and went on
+                    d.evidence.append("the error was caught and the step went on")
+            elif note.data.get("raised") is False:
                 # torch computes it without an error (an inf or NaN loss): under "warn" the
                 # guard noted it and let the call run. When the step's first NaN/inf is that
                 # loss, the note is its cause (an error, before the generic NW100), else
