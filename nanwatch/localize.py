@@ -2316,7 +2316,7 @@ def born_below(anomaly: Anomaly, path: str, module_type: str) -> None:
         return
     what = base.split(head, 1)[0]
     outer = anomaly.path
-    anomaly.path = path
+    anomaly.path, anomaly.module_type = path, module_type
     typ = f" ({module_type})" if module_type else ""
     anomaly.summary = (
         f"{what}{head}{path}{typ}, inside {outer}; first seen in {rec.where}{sep}{rest}"

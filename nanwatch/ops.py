@@ -3423,6 +3423,8 @@ def own_backward_event(
     *,
     path: str,
     pre_hooks: bool | int = True,
+    names: Callable[[torch.nn.Module], str | None] | None = None,
+    ends: Sequence[torch.Tensor] | None = None,
 ) -> OpEvent | None:
     """The autograd node of a module's own code (the ops it runs between its children)
     whose backward makes a non-finite gradient from a finite one, with what it saved in
@@ -3434,7 +3436,14 @@ def own_backward_event(
     checked as :meth:`Watcher` checks the loss code's: a ``torch.where`` that
     hides ``log(0)`` gives 0 × -inf = NaN there whatever gradient arrives. No ``.grad`` is
     written; RNG state and buffers are restored. Anomaly-time work only: None when the
-    replay makes no non-finite gradient."""
+    replay makes no non-finite gradient.
+
+    ``names``: the path of a submodule whose calls no hook watched (sentinel mode hooks the
+    roots alone, see :class:`_SubmoduleOps`), None for the others: no gradient of its
+    outputs was measured, so its backward is checked with the module's own, and a node its
+    call made is told as its innermost such submodule's. ``ends``: the tensors whose
+    gradients the backward is run for (a parameter whose gradient went bad: only the nodes
+    on its way are run), in place of the module's own parameters and inputs."""
     # the submodules' outputs, by their node's id; the node is held so that id stays its
     # own (torch < 2.13 frees an unreferenced node's Python object, see NodeMarks)
     stops: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -3442,6 +3451,12 @@ def own_backward_event(
     # then ``self.rbf(d)``): its gradient is part of the module's own backward too
     given: list[torch.Tensor] = []
     depth = [0]  # submodule calls open: 0 when the module's own code makes the call
+    # the submodules checked with the module's own code (``names``): the nodes each call
+    # made, by their id (held, as ``stops``), innermost call first; and per open call the
+    # nodes of its inputs and the node counter as it began (see _Creations), where the
+    # nodes its code made end
+    owned: dict[int, tuple[Any, str]] = {}
+    opened: list[tuple[list[Any], int | None]] = []
 
     def on_input(_m: torch.nn.Module, a: Any, kw: Any) -> None:
         if depth[0] == 0:
@@ -3455,6 +3470,34 @@ def own_backward_event(
             if fn is not None:
                 stops[id(fn)] = (fn, t)
 
+    def into(_m: torch.nn.Module, a: Any, kw: Any) -> None:
+        came = [t.grad_fn for _, t in iter_tensors((a, kw), "") if t.grad_fn is not None]
+        opened.append((came, _next_sequence_nr()))
+
+    def made(m: torch.nn.Module, _a: Any, out: Any) -> None:
+        came, start = opened.pop() if opened else ([], None)
+        sub = names(m) if names is not None else None
+        if sub is None:
+            return
+        ins, end = {id(n) for n in came}, _next_sequence_nr()
+
+        def before(n: Any) -> bool:  # made before the call (a tensor the module holds)
+            if id(n) in ins or accumulates_grad(n):
+                return True
+            if start is None or end is None:
+                return False
+            try:
+                return not start <= int(n._sequence_nr()) < end
+            except Exception:  # a node without a number: its place in the walk decides
+                return False
+
+        outs = [t.grad_fn for _, t in iter_tensors(out, "") if t.grad_fn is not None]
+        for n in GraphWalk(outs, prune=before, limit=512):
+            owned.setdefault(id(n), (n, sub))  # an inner call's are its own: it ended first
+
+    def seen(m: torch.nn.Module) -> bool:
+        return names is not None and names(m) is not None
+
     def leaf(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
             return t.detach().requires_grad_(t.requires_grad)
@@ -3463,9 +3506,14 @@ def own_backward_event(
     args = tuple(leaf(a) for a in args)
     kwargs = {k: leaf(v) for k, v in kwargs.items()}
     found: list[OpEvent] = []
-    subs = [m for m in module.modules() if m is not module]
+    inner = [m for m in module.modules() if m is not module]
+    subs = [m for m in inner if not seen(m)]
     handles = [m.register_forward_hook(on_output) for m in subs]
     handles += [m.register_forward_pre_hook(on_input, with_kwargs=True) for m in subs]
+    for m in inner:
+        if seen(m):
+            handles.append(m.register_forward_pre_hook(into, with_kwargs=True))
+            handles.append(m.register_forward_hook(made))
     try:
         with preserved_state(module, _devices([args, kwargs])), _replay_scope():
             push_path(path)
@@ -3491,10 +3539,13 @@ def own_backward_event(
                     roots.append(t)
 
             nodes = list(GraphWalk([t.grad_fn for t in roots], prune=stop, limit=512))
-            ends = [t for _, t in stops.values() if t.requires_grad]
-            ends += [t for t in leaves([args, kwargs]) if _needs(t)]
-            ends += [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if not roots or not nodes or not ends:
+            if ends is not None:
+                wanted = [t for t in ends if _needs(t)]
+            else:
+                wanted = [t for _, t in stops.values() if t.requires_grad]
+                wanted += [t for t in leaves([args, kwargs]) if _needs(t)]
+                wanted += [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if not roots or not nodes or not wanted:
                 return None
 
             def check(node: Any, grad_inputs: Any, grad_outputs: Any) -> None:
@@ -3508,13 +3559,15 @@ def own_backward_event(
                 if len(grad_outputs) > 1:  # svd, eigh: which op of its formula made it
                     ev = _inner_backward_event(node, grad_outputs, name) or ev
                 ev.source, ev.code = forward_line(node)
+                held = owned.get(id(node))
+                ev.path = held[1] if held is not None and held[0] is node else path
                 found.append(ev)
 
             hooks = [n.register_hook(functools.partial(check, n)) for n in nodes]
             try:
                 torch.autograd.grad(
                     roots,
-                    ends,
+                    wanted,
                     grad_outputs=[torch.ones_like(t) for t in roots],
                     allow_unused=True,
                 )
@@ -3528,8 +3581,6 @@ def own_backward_event(
     finally:
         for h in handles:
             h.remove()
-    for ev in found:
-        ev.path = path
     return found[0] if found else None
 
 

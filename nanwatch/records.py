@@ -471,6 +471,9 @@ class Anomaly:
     #: the module's own buffers (``vq.inv_scale``) its forward wrote in place when a replay
     #: of it ran clean: the replay started from what it wrote, not what it read (NW405)
     state_written: list[str] = field(default_factory=list)
+    #: the type of the module at ``path`` when that is not the record's: a module sentinel
+    #: does not hook, inside the root whose output was measured, found by a replay (``RNN``)
+    module_type: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -488,6 +491,7 @@ class Anomaly:
             "parameter": self.parameter,
             "transient": self.transient,
             **({"state_written": list(self.state_written)} if self.state_written else {}),
+            **({"module_type": self.module_type} if self.module_type else {}),
         }
 
     @classmethod
@@ -509,6 +513,7 @@ class Anomaly:
             parameter=d.get("parameter"),
             transient=d.get("transient"),
             state_written=list(d.get("state_written", [])),
+            module_type=d.get("module_type", ""),
         )
 
 

@@ -3602,6 +3602,10 @@ class Watcher:
                 continue  # x ** 2: a finite derivative everywhere
             if base in _RISKY_BACKWARD:
                 found.append(ops.name_of(node))
+        if keep and found and self._loss_held is None:
+            # read late, such a node may be named after backward (see _loss_node_of_param):
+            # the line that made it is found from the names the user's frame holds now
+            self._hold_loss_names()
         return None if walk.truncated else found
 
     def _loss_site(self) -> tuple[str | None, str | None]:
@@ -5104,8 +5108,28 @@ class Watcher:
         """The step end read a NaN/inf born in the loss code after an optimizer update
         (LBFGS's closure runs backward and updates before anything is read): the modules are
         not replayed with weights the update changed, but the loss code's graph is read as
-        backward found it, from what its nodes saved, which a write since invalidates."""
+        backward found it, from what its nodes saved, which a write since invalidates.
+        Sentinel: a parameter's bad gradient made in the loss code's backward is named there
+        too (see :meth:`_loss_node_of_param`): not a replay, which the update prevents."""
         a = trace.anomaly
+        if (
+            a is not None
+            and self.config.pinpoint
+            and a.kind is AnomalyKind.GRADIENT
+            and a.op is None
+            and not self._full
+            and not self._forensic
+        ):
+            param = next((p for q, _, p in self._params if q == a.record.role), None)
+            self._late = self._reading_after_update = True
+            try:
+                ev = self._loss_node_of_param(a, param) if param is not None else None
+            finally:
+                self._late = self._reading_after_update = False
+            if ev is not None:
+                trace.ops.append(ev)
+                adopt_backward_op(a, [ev])
+            return
         if (
             a is None
             or not self.config.pinpoint
@@ -5678,20 +5702,95 @@ class Watcher:
                 if m is not owner and any(x is owner for x in m.modules())
             ]
             chain += [p for _, p in sorted(holders)]
+        # sentinel: the gradients of the submodules' outputs were not watched, so the
+        # backward of those that ran between the parameter's module and the output (a
+        # ``sqrt`` of a child at exactly 0) is checked with each holder's own, on the way
+        # to the parameter alone, and a node is told as the innermost submodule that made it
+        ends = [p for q, _, p in self._params if q == anomaly.record.role]
         for where in chain:
             calls = [c for c in trace.calls if c.path == where]
             if len(calls) == 1 and not calls[0].passthrough:
-                ev = self._own_backward(calls[0], where, remake=True)
+                ev = self._own_backward(
+                    calls[0], where, remake=True, names=self._unhooked_path, ends=ends or None
+                )
             elif not calls and not self._full:
                 # sentinel: the module's calls are not watched; the root that holds it is
                 # run again on its own inputs to give it its inputs
-                ev = self._own_backward(None, where, remake=False)
+                ev = self._own_backward(
+                    None, where, remake=False, names=self._unhooked_path, ends=ends or None
+                )
             else:
-                return  # called several times: which call made it is not known
+                break  # called several times: which call made it is not known
             if ev is not None:
                 trace.ops.append(ev)
                 adopt_backward_op(anomaly, [ev])
                 return
+        if ends and not self._full:
+            ev = self._loss_node_of_param(anomaly, ends[0])
+            if ev is not None:
+                trace.ops.append(ev)
+                adopt_backward_op(anomaly, [ev])
+
+    def _loss_node_of_param(self, anomaly: Anomaly, param: torch.Tensor) -> OpEvent | None:
+        """Sentinel: no module's own backward, replayed, made the parameter's bad gradient,
+        and the loss code's nodes are not checked as they run (watch checks them): the
+        node of the loss code that made it, when the graph from the loss to ``param`` holds
+        exactly one node whose backward can make a non-finite gradient from a finite one (a
+        ``sqrt`` of a gradient penalty's norm at 0, see :data:`_RISKY_BACKWARD`), and it is
+        in the loss code (not in a module's forward). Named with what it saved when that
+        was kept as backward began (the accelerator path), else by its name alone: autograd
+        freed it. None when the graph is gone, too large, or holds no such node or several.
+        A walk of the graph: anomaly-time work only."""
+        trace = self._trace
+        if any(n.kind == "user_hook" and n.path == anomaly.record.path for n in trace.notes):
+            return None  # a hook of the user's on it may have made it: no node is named
+        loss = self._loss_ref() if self._loss_ref is not None else None
+        if loss is None:
+            loss = self._late_loss
+        if loss is None or loss.grad_fn is None:
+            return None
+        stop = self._recorded_nodes
+        walk = ops.GraphWalk([loss.grad_fn], limit=_LOSS_NODES)
+        nodes = list(walk)
+        if walk.truncated:
+            return None
+        # the nodes whose gradient flows on to ``param`` other than through a watched
+        # output, whose gradient was measured finite (else the anomaly would be there):
+        # children before parents
+        reach: set[int] = set()
+        for node in _post_order(nodes):
+            if ops.accumulates_grad(node):
+                if getattr(node, "variable", None) is param:
+                    reach.add(id(node))
+            elif node not in stop and any(
+                n is not None and id(n) in reach for n, _ in node.next_functions
+            ):
+                reach.add(id(node))
+        risky = [n for n in nodes if id(n) in reach and _risky_backward(n)]
+        if len(risky) != 1:
+            return None
+        node = risky[0]
+        code = ops.GraphWalk(
+            [loss.grad_fn],
+            prune=lambda n: n in stop or ops.accumulates_grad(n),
+            limit=_LOSS_NODES,
+        )
+        if not any(n is node for n in code):
+            return None  # a module's forward made it: its replay is what names it
+        name = ops.name_of(node)
+        stat = anomaly.record.stat or TensorStat(math.nan, math.nan, 0)
+        snap = next((s for _, _, s in self._loss_snaps if s.node is node), None)
+        ev = self._saved_node_event(snap, name, stat, anomaly.record.dtype) if snap else None
+        site = self._loss_site()
+        if ev is None:
+            ev = _node_event(name, LOSS_PATH, stat, anomaly.record.dtype, site)
+        ev.path = LOSS_PATH
+        line = ops.forward_line(snap if snap is not None else node)
+        if line[0] is None:
+            frame = None if self._late else _frames.user_frame()
+            line = self._forward_line(node, frame) or _NO_LINE
+        _place(ev, line, site)
+        return ev
 
     def _inputs_from_root(
         self, path: str, *, grad: bool = False, redraw: bool = False
@@ -5755,11 +5854,19 @@ class Watcher:
             return None
         return owner, seen[0][0], seen[0][1], False
 
-    def _own_backward(self, target: Call | None, path: str, *, remake: bool) -> OpEvent | None:
+    def _own_backward(
+        self,
+        target: Call | None,
+        path: str,
+        *,
+        remake: bool,
+        names: Callable[[nn.Module], str | None] | None = None,
+        ends: Sequence[torch.Tensor] | None = None,
+    ) -> OpEvent | None:
         """:func:`ops.own_backward_event` of the finished call ``target``, on its inputs
         if they are at hand (or, with ``remake``, made again); with no ``target``, of the
         module at ``path`` on inputs its root made again. None when it cannot run or finds
-        no node."""
+        no node. ``names`` and ``ends``: see :func:`ops.own_backward_event`."""
         if target is None:
             found = self._inputs_from_root(path)
         else:
@@ -5779,12 +5886,14 @@ class Watcher:
         # on accelerators the replay syncs at each op: anomaly-time work, once per module
         if _distributed() is not None:
             return None  # a replay on one rank could block in a collective (see _pinpoint)
-        ev = ops.own_backward_event(module, args, kwargs, path=path, pre_hooks=hooks)
+        ev = ops.own_backward_event(
+            module, args, kwargs, path=path, pre_hooks=hooks, names=names, ends=ends
+        )
         if ev is None:
             return None
         ev.backward_at = _frames.user_line()[0]
         if ev.cause is not None:
-            ev.cause.path = path
+            ev.cause.path = ev.path
         return ev
 
     def _matches_inputs(self, call: Call, args: Any, kwargs: Any) -> bool:
@@ -7594,6 +7703,40 @@ def _size_mismatch(module: nn.Module, shape: tuple[int, ...]) -> tuple[str, int,
 def _nonfinite_values(t: torch.Tensor) -> bool:
     """``t`` holds a NaN or inf (a read; a tensor with no values to read holds none)."""
     return t.is_floating_point() and not _has_no_data(t) and not _finite(t)
+
+
+def _risky_backward(node: Any) -> bool:
+    """``node``'s backward can make a non-finite gradient from a finite one (see
+    :data:`_RISKY_BACKWARD`; ``x ** 2`` cannot)."""
+    base = re.sub(r"Backward\d*$", "", type(node).__name__)
+    if base == "Pow" and _whole_power(_pow_exponent(node)):
+        return False
+    return base in _RISKY_BACKWARD
+
+
+def _post_order(nodes: Sequence[Any]) -> list[Any]:
+    """``nodes`` (autograd nodes, each once) with every node after those it sends its
+    gradient to, among them: an iterative depth-first walk (a graph thousands deep)."""
+    among = {id(n): n for n in nodes}
+    done: set[int] = set()
+    out: list[Any] = []
+    for first in nodes:
+        if id(first) in done:
+            continue
+        stack: list[tuple[Any, bool]] = [(first, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                out.append(node)
+                continue
+            if id(node) in done:
+                continue
+            done.add(id(node))
+            stack.append((node, True))
+            for n, _ in node.next_functions:
+                if n is not None and id(n) in among and id(n) not in done:
+                    stack.append((n, False))
+    return out
 
 
 def _place(

@@ -10921,8 +10921,8 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
             evidence.append(
                 f"in backward, {ev.node} ({op}) made {ev.born} from a finite gradient: its "
                 f"derivative is infinite where the forward {node.lower()}'s base is exactly 0 "
-                f"({slope}), and NaN below 0 (its saved values were freed before they could "
-                "be read without a device sync)"
+                f"({slope}), and NaN below 0 (autograd freed its saved values before they "
+                "were read)"
             )
         else:
             evidence.append(

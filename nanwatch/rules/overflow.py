@@ -1393,7 +1393,8 @@ def _from_op(
             f"softmax over each {seg.index} segment, whose max is the segment's own"
         )
     device = device_type(ev, a.record.device)
-    recurrent = a.record.module_type in _RECURRENT
+    # the module the op ran in: the record's, or one inside it that sentinel does not hook
+    recurrent = (a.module_type or a.record.module_type) in _RECURRENT
     first = _first_step(ctx)
     if subst is not None and lim is not None:
         explanation = _explain_substituted(subst, dtype, lim)
