@@ -840,6 +840,10 @@ class Watcher:
         self._grad_marks: dict[int, list[Any]] = {}
         #: each weight's finiteness as the attach check read it (absent: not read)
         self._attach_finite: dict[int, bool] = {}
+        #: each finite weight's size as the attach check read it, before any update under
+        #: nanwatch: name -> (value, ``"max"`` for max |w| or ``"norm"`` for its L2 norm,
+        #: numel). The rules weigh an update against it (NW308); no extra read
+        self._attach_scales: dict[str, tuple[float, str, int]] = {}
         #: weights that held -inf, and no NaN or +inf, when nanwatch first read them (a
         #: CRF's forbidden transitions, a mask kept in a Parameter): id -> how many. Their
         #: -inf is a constraint, not an anomaly: they are checked apart (max |w| over the
@@ -3968,10 +3972,22 @@ class Watcher:
             values = None
         if values is None or len(values) != len(params):
             values = read_scalars(self._weight_maxima(params))
+            if self._checking_attach:
+                self._keep_attach_scales(params, values)
         try:
             self._check_each_param(params, values, at_end=at_end, all_records=all_records)
         finally:
             self._mark_weighed()
+
+    def _keep_attach_scales(self, params: list[torch.Tensor], values: list[float]) -> None:
+        """Keep the finite weights' sizes the attach check just read (``values``, of
+        :meth:`_weight_maxima`: max |w|, or the L2 norm of a large CPU weight), by name."""
+        neginf = self._neginf_at_start
+        self._attach_scales = {
+            q: (v, "max" if self._forensic or not hot_l2_pays(p) else "norm", p.numel())
+            for (q, _, param), p, v in zip(self._params, params, values, strict=True)
+            if math.isfinite(v) and id(param) not in neginf
+        }
 
     def _mark_weighed(self) -> None:
         """The watched weights were read: a -inf found in them from here on is no
@@ -6440,6 +6456,7 @@ class Watcher:
                 "mode": self.config.mode,
                 "front": self.front,
                 "forward_params": _ForwardParams(self._modules),
+                "weight_scales": self._attach_scales,
             },
         )
         if trace.anomaly is not None:

@@ -428,6 +428,17 @@ def case_stale_grads() -> Case:
     return Case(b.build())
 
 
+def case_loss_spike() -> Case:
+    def step(i: int, loss: float, lr: float) -> StepTrace:
+        b = TraceBuilder(i)
+        b.gradient("fc", "fc.weight", 0.5, numel=64)
+        b.note("optimizer", "AdamW", ident=1,
+               groups=[{"group": 0, "params": 1, "names": ["fc.weight"], "lr": lr}])  # fmt: skip
+        return b.build(loss=loss, grad_norm=0.5)
+
+    return Case(step(2, 40.0, 1.0), [step(0, 1.1, 1e-3), step(1, 1.0, 1.0)])
+
+
 def case_input() -> Case:
     b = TraceBuilder(1)
     net = b.call("Sequential", root=True)
@@ -603,6 +614,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW305": case_scaler,
     "NW306": case_weight_decay,
     "NW307": case_stale_grads,
+    "NW308": case_loss_spike,
     "NW401": case_input,
     "NW402": case_masked,
     "NW403": case_inplace,

@@ -1,7 +1,8 @@
 """Gradients, weights and the optimizer: non-finite weights after an update (NW301),
 non-finite parameter gradients (NW302), exploding gradients (NW303), vanishing or dead
 gradients (NW304), a collapsing loss scaler (NW305), a weight decay that makes the update
-diverge (NW306) and gradients that are never reset between optimizer steps (NW307).
+diverge (NW306), gradients that are never reset between optimizer steps (NW307) and a loss
+spike right after an oversized update (NW308).
 """
 
 from __future__ import annotations
@@ -6052,3 +6053,298 @@ def unreset_grads(ctx: RuleContext) -> Diagnosis | None:
     a lower learning rate); None otherwise."""
     probe = dataclasses.replace(ctx, rule=REGISTRY["NW307"], _now={})
     return next(_stale_grads(probe), None)
+
+
+# ---------------------------------------------------------------------- NW308
+
+#: the fix's lr puts the update at this share of the weight's size: a healthy update moves a
+#: weight by about 1e-3 of itself; a hundredth still trains fast
+_SAFE_SHARE = 1e-2
+
+
+@dataclass(frozen=True)
+class _Raise:
+    """A param group whose lr the update before the spike raised ``explode_factor`` times or
+    more over the update before it."""
+
+    optimizer: str
+    group: int
+    old: float
+    new: float
+    step: int  #: the step of the update that used the raised lr
+
+
+@dataclass(frozen=True)
+class _Oversize:
+    """A weight the update before the spike moved by as much as its own size or more."""
+
+    optimizer: str
+    group: int
+    lr: float
+    param: str
+    move: float  #: about how far each of its values moved (lr, or lr × its gradient's RMS)
+    size: float  #: the typical size of its values when watching began
+    kind: str  #: ``"max"``: ``size`` is max |w|; ``"norm"``: its RMS
+    plain: bool  #: lr × gradient (SGD), not about lr per value (Adam and its kin)
+    step: int
+
+    @property
+    def ratio(self) -> float:
+        return self.move / self.size
+
+    def evidence(self) -> str:
+        how = "lr × its gradient's RMS" if self.plain else "about lr, whatever the gradient"
+        what = "largest |value|" if self.kind == "max" else "RMS value"
+        return (
+            f"the update at step {self.step} ({self.optimizer}, param group {self.group}, lr "
+            f"{fmt(self.lr)}) moved {self.param} by {fmt(self.move)} per value ({how}): "
+            f"{_times(self.ratio)} its {what} {fmt(self.size)} when watching began"
+        )
+
+
+def _group_lrs(n: Note) -> dict[int, dict[str, Any]]:
+    """An ``"optimizer"`` note's param groups by index, those with a positive finite lr."""
+    out: dict[int, dict[str, Any]] = {}
+    for i, g in enumerate(n.data.get("groups", ())):
+        if not isinstance(g, dict):
+            continue
+        lrs = _numbers(g.get("lr"))
+        if lrs and math.isfinite(lrs[0]) and lrs[0] > 0:
+            gi = g.get("group", i)
+            out[gi if isinstance(gi, int) and not isinstance(gi, bool) else i] = g
+    return out
+
+
+def _lr_raises(ctx: RuleContext, update: StepTrace) -> list[_Raise]:
+    """The param groups whose lr at ``update`` (the last step of the history, whose update
+    wrote the weights the spiking loss was computed with) is ``explode_factor`` times or
+    more the lr the same optimizer's group had at its update before."""
+    factor = ctx.thresholds.explode_factor
+    out: list[_Raise] = []
+    for n in update.notes:
+        if n.kind != "optimizer":
+            continue
+        before = next(
+            (
+                m
+                for t in reversed(ctx.history[:-1])
+                for m in t.notes
+                if m.kind == "optimizer"
+                and m.path == n.path
+                and m.data.get("ident") == n.data.get("ident")
+            ),
+            None,
+        )
+        if before is None:
+            continue
+        old_groups = _group_lrs(before)
+        for gi, g in _group_lrs(n).items():
+            old = old_groups.get(gi)
+            if old is None:
+                continue
+            new_lr, old_lr = _numbers(g.get("lr"))[0], _numbers(old.get("lr"))[0]
+            if new_lr >= factor * old_lr:
+                out.append(_Raise(n.path, gi, old_lr, new_lr, update.step))
+    return out
+
+
+def _oversized_update(ctx: RuleContext, update: StepTrace) -> _Oversize | None:
+    """The update of ``update`` when it moved the weights of one param group by their own
+    size or more (their size when watching began: the attach check's read,
+    ``facts["weight_scales"]``): the weight holding the most values among those it moved so;
+    None otherwise. Adam and its kin move each value by about lr (Lion by exactly lr); a
+    plain optimizer by lr × the gradient (its RMS per value). It must be so for at least
+    half the values the group updated: a weight initialized near 0 on purpose (a LayerScale
+    gain of 1e-6) is moved by many times its size at every healthy step, and a weight that
+    was exactly 0 (a bias, a zero-initialized gate) has no size to compare with. LBFGS, LAMB
+    and LARS set the step's size apart from the lr."""
+    scales = ctx.facts.get("weight_scales")
+    if not isinstance(scales, Mapping) or not scales:
+        return None
+    grads = {
+        r.role: r.stat.norm
+        for r in update.records
+        if r.phase is Phase.GRADIENT
+        and r.stat is not None
+        and r.stat.norm is not None
+        and math.isfinite(r.stat.norm)
+        and r.stat.norm > 0
+    }
+    notes = [n for n in update.notes if n.kind == "optimizer"]
+    best: _Oversize | None = None
+    for n in notes:
+        low = n.path.lower()
+        if n.path == "LBFGS" or "lamb" in low or "lars" in low:
+            continue
+        plain = not (_normalized(n.path) or "lion" in low)
+        groups = _group_lrs(n)
+        only = len(notes) == 1 and len(groups) == 1
+        for gi, g in groups.items():
+            lr = _numbers(g.get("lr"))[0]
+            listed = [x for x in g.get("names", ()) if isinstance(x, str)]
+            # the note lists a group's first names only: with one optimizer of one group,
+            # every weight that got a gradient is its
+            members = list(grads) if only else [x for x in listed if x in grads]
+            total = 0
+            moved: list[tuple[int, _Oversize]] = []
+            for name in members:
+                scale = scales.get(name)
+                if not (isinstance(scale, tuple) and len(scale) == 3):
+                    continue
+                value, kind, numel = scale
+                if not (value > 0 and numel > 0):
+                    continue
+                total += numel
+                size = value if kind == "max" else value / math.sqrt(numel)
+                move = lr * grads[name] / math.sqrt(numel) if plain else lr
+                o = _Oversize(n.path, gi, lr, name, move, size, kind, plain, update.step)
+                if math.isfinite(o.ratio) and o.ratio >= 1:
+                    moved.append((numel, o))
+            if not moved or 2 * sum(k for k, _ in moved) < total:
+                continue
+            _, o = max(moved, key=lambda m: (m[0], m[1].ratio))
+            if best is None or o.ratio > best.ratio:
+                best = o
+    return best
+
+
+def _spike_level(ctx: RuleContext) -> tuple[float, int] | None:
+    """The largest |loss| of the history's steps and how many steps recorded one, when this
+    step's loss is ``explode_factor`` times that or more and the last step of the history
+    is the one before it (its update wrote the weights this loss was computed with)."""
+    loss = ctx.trace.loss
+    hist = ctx.history
+    if loss is None or not math.isfinite(loss) or loss <= 0 or not hist:
+        return None
+    if hist[-1].step != ctx.step - 1:
+        return None
+    past = [abs(t.loss) for t in hist if t.loss is not None and math.isfinite(t.loss)]
+    if not past:
+        return None
+    top = max(past)
+    if top <= 0 or loss < ctx.thresholds.explode_factor * top:
+        return None
+    return top, len(past)
+
+
+def _same_spike(ctx: RuleContext) -> bool:
+    """The loss has stayed high since a step of the history that NW308 diagnosed (no loss
+    since fell back below ``explode_factor`` times less than that step's): a loss that
+    keeps multiplying as the weights diverge is one spike, said at its first step."""
+    hist = list(ctx.history)
+    last = next(
+        (
+            i
+            for i in range(len(hist) - 1, -1, -1)
+            if any(getattr(d, "code", "") == "NW308" for d in hist[i].diagnoses)
+        ),
+        None,
+    )
+    if last is None:
+        return False
+    first = hist[last].loss
+    if first is None or not math.isfinite(first):
+        return False
+    floor = first / ctx.thresholds.explode_factor
+    return all(t.loss is None or not (t.loss < floor) for t in hist[last:])
+
+
+@rule(
+    "NW308",
+    title="Loss spike after an oversized update",
+    severity="warning",
+    summary=(
+        "The loss jumped to many times (thresholds.explode_factor) the largest loss of the "
+        "recorded steps right after an update that raised the lr as many times, or moved a "
+        "weight by as much as its own size: the step overshot. Lower the lr of that group."
+    ),
+    early=True,
+    priority=25,
+)
+def loss_spike(ctx: RuleContext) -> Iterator[Diagnosis]:
+    yield from _loss_spike(ctx)
+
+
+def _loss_spike(ctx: RuleContext) -> Iterator[Diagnosis]:
+    """A loss spike is the update's when the loss is a multiple of its past and the update
+    that came just before it was oversized: its lr raised many times at once, or its step
+    as large as a weight. A loss spike alone is no warning: a loss near 0 multiplies by 100
+    on one hard batch, and a warm-up raises it for a few steps; neither came from an update
+    as large as the weights."""
+    level = _spike_level(ctx)
+    if level is None:
+        return
+    top, seen = level
+    update = ctx.history[-1]
+    if _same_spike(ctx):
+        return
+    raises = _lr_raises(ctx, update)
+    big = _oversized_update(ctx, update)
+    if not raises and big is None:
+        return
+    loss = float(ctx.trace.loss or 0.0)
+    before = (
+        "the loss of the step before"
+        if seen == 1
+        else f"the largest loss of the previous {count(seen, 'step')}"
+    )
+    evidence = [f"loss {fmt(loss)} at step {ctx.step}: {_times(loss / top)} {before} ({fmt(top)})"]
+    for r in raises[:2]:
+        evidence.append(
+            f"the update at step {r.step} ({r.optimizer}, param group {r.group}) used lr "
+            f"{fmt(r.new)}, {_times(r.new / r.old)} the {fmt(r.old)} of its update before"
+        )
+    if big is not None:
+        evidence.append(big.evidence())
+    g = ctx.trace.grad_norm
+    norms = [t.grad_norm for t in ctx.history if t.grad_norm is not None]
+    finite = [x for x in norms if math.isfinite(x) and x > 0]
+    factor = ctx.thresholds.explode_factor
+    if g is not None and math.isfinite(g) and finite and g >= factor * max(finite):
+        evidence.append(
+            f"total gradient norm {fmt(g)} at step {ctx.step}: {_times(g / max(finite))} the "
+            f"largest of the previous steps ({fmt(max(finite))}); the gradients followed"
+        )
+    if raises:
+        r = raises[0]
+        why = (
+            f"the lr of {r.optimizer}'s param group {r.group} was raised {_times(r.new / r.old)} "
+            f"at once, to {fmt(r.new)}"
+        )
+        fix = (
+            f'optimizer.param_groups[{r.group}]["lr"] = {fmt(r.old)}   # was {fmt(r.new)} '
+            f"({r.optimizer}); raise it over many steps (a warm-up scheduler), not at once"
+        )
+        optimizer, param = r.optimizer, big.param if big is not None else None
+    else:
+        assert big is not None
+        what = "largest |value|" if big.kind == "max" else "RMS value"
+        why = (
+            f"it moved {big.param} by {_times(big.ratio)} its {what} (lr {fmt(big.lr)} "
+            f"with {big.optimizer}, param group {big.group})"
+        )
+        new = _round_down(big.lr * _SAFE_SHARE / big.ratio)
+        fix = (
+            f'optimizer.param_groups[{big.group}]["lr"] = {fmt(new)}   # was {fmt(big.lr)} '
+            f"({big.optimizer}): its update was {_times(big.ratio)} the size of {big.param}"
+        )
+        optimizer, param = big.optimizer, big.param
+    clip = (
+        " Clipping the gradients does not bound this step: "
+        f"{optimizer} moves each weight by about lr whatever the gradient."
+        if _normalized(optimizer) or "lion" in optimizer.lower()
+        else ""
+    )
+    yield ctx.diagnosis(
+        parameter=param,
+        phase=Phase.FORWARD.value,
+        evidence=evidence,
+        explanation=(
+            f"The loss jumped right after the update at step {update.step}: {why}. The "
+            "update overshot, far past where the gradient it followed still described the "
+            "loss, so the weights now compute with values training never had. Left alone, "
+            "such a step ends in NaN/inf or in units that no longer learn (NW304) a few "
+            f"steps later.{clip}"
+        ),
+        fix=fix,
+    )
