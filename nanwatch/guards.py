@@ -4325,6 +4325,77 @@ def _upcast_source(watcher: Watcher, x: torch.Tensor) -> tuple[int, str] | None:
     return _dead_upcast_source(watcher, x, node, nr)
 
 
+#: how many single-input autograd nodes a loss input may be computed through from a
+#: widening copy (``(logits.float() / T).log_softmax(-1)``: two) for
+#: :func:`_computed_after_upcast` to find it
+_UPCAST_DEPTH = 8
+
+
+def _computed_after_upcast(watcher: Watcher, x: torch.Tensor) -> tuple[int, str] | None:
+    """For a loss input computed from a widening copy of a recorded tensor through ops of
+    one tensor input each (``logits.float() / T``, a ``log_softmax`` of it: a scalar
+    operand is no input), the index of that tensor's record and its dtype; None
+    otherwise. Every op after the copy ran in the wider dtype: an exp among them (a
+    softmax) is far from the narrow dtype's bound."""
+    fn = x.grad_fn
+    for _ in range(_UPCAST_DEPTH):
+        if fn is None:
+            return None
+        nxt = [(n, nr) for n, nr in fn.next_functions if n is not None]
+        if len(nxt) != 1:
+            return None
+        node = nxt[0][0]
+        if type(node).__name__ == "ToCopyBackward0":
+            below = [(n, k) for n, k in node.next_functions if n is not None]
+            if len(below) != 1:
+                return None
+            src, src_nr = below[0]
+            leaf = getattr(src, "variable", None)
+            candidates = (
+                [leaf]
+                if isinstance(leaf, torch.Tensor)
+                else [
+                    t
+                    for entry in list(watcher._known.values())
+                    if (t := entry[0]()) is not None and t.grad_fn is src and t.output_nr == src_nr
+                ]
+            )
+            for t in candidates:
+                if _widens(t.dtype, x.dtype):
+                    rec = watcher.record_of(t)
+                    if rec is not None:
+                        return rec.index, dtype_name(t.dtype)
+            if candidates or leaf is not None or src not in watcher._recorded_nodes:
+                return None
+            return _dead_copy_source(watcher, src, src_nr)
+        fn = node
+    return None
+
+
+def _dead_copy_source(watcher: Watcher, src: Any, nr: int) -> tuple[int, str] | None:
+    """The record of the tensor (output ``nr`` of autograd node ``src``) a widening copy
+    was made of, when that tensor is gone (``model(x).float() / T``: the output was a
+    temporary) and ``src`` is a node the watcher recorded this step: the latest forward
+    record of the same node type, dtype and shape (the model's output, after its
+    children's). The node's metadata gives the tensor's dtype and shape; None without it
+    (torch < 2.5), or when no record matches."""
+    try:
+        meta = src._input_metadata[nr]
+        dtype, shape = meta.dtype, tuple(meta.shape)
+    except Exception:  # older torch: no metadata on the node
+        return None
+    name = type(src).__name__
+    for r in reversed(watcher.trace.records):
+        if (
+            r.phase.value == "forward"
+            and r.grad_fn == name
+            and tuple(r.shape) == shape
+            and r.dtype == dtype_name(dtype)
+        ):
+            return r.index, r.dtype
+    return None
+
+
 def _dead_upcast_source(
     watcher: Watcher, x: torch.Tensor, node: Any, nr: int
 ) -> tuple[int, str] | None:
@@ -4400,6 +4471,12 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
             # the loss took a widening copy (logits.float()): the same values, seen in
             # input_dtype; the record holds them in the narrower input_upcast_from
             data["input_source"], data["input_upcast_from"] = up
+        else:
+            after = _computed_after_upcast(watcher, x)
+            if after is not None:
+                # computed in input_dtype from a widening copy (logits.float() / T, a
+                # log_softmax of it): other values than the record's, in a wider dtype
+                data["input_widened_from"], data["input_widened_dtype"] = after
     t = p.target
     if t is not None:
         data["target_dtype"] = dtype_name(t.dtype)

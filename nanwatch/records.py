@@ -530,7 +530,10 @@ class Note:
       node under the input that is not a view or copy), ``input_source`` (index of the
       record that produced the input, when a watched module did), ``input_upcast_from``
       (the input is a widening copy of a recorded tensor, ``logits.float()``: that tensor's
-      dtype; ``input_source`` is then its record), ``input_min``,
+      dtype; ``input_source`` is then its record), ``input_widened_from`` and
+      ``input_widened_dtype`` (the input was computed, op after op of one tensor each, from
+      such a copy: ``logits.float() / T``; the record and dtype of the narrower tensor),
+      ``input_min``,
       ``input_max``, ``probability_rows`` (True when every row is in [0, 1] and sums to 1),
       ``exact_zeros``/``exact_ones`` (inputs of BCE-style losses), ``ignore_index``,
       ``ignored`` (count of targets equal to it), ``ignored_amax``/``valid_amax`` (max |x|

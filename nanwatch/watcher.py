@@ -4515,9 +4515,10 @@ class Watcher:
             if c.end >= 0:
                 c.end += end
         for n in cur.notes:
-            src = n.data.get("input_source")
-            if isinstance(src, int) and not isinstance(src, bool):
-                n.data["input_source"] = src + end
+            for key in ("input_source", "input_widened_from"):
+                src = n.data.get(key)
+                if isinstance(src, int) and not isinstance(src, bool):
+                    n.data[key] = src + end
         prev.records += cur.records
         prev.calls += cur.calls
         prev.ops += cur.ops
@@ -6457,6 +6458,7 @@ class Watcher:
                 "front": self.front,
                 "forward_params": _ForwardParams(self._modules),
                 "weight_scales": self._attach_scales,
+                "weight_norms": _WeightNorms(self),
             },
         )
         if trace.anomaly is not None:
@@ -7107,6 +7109,52 @@ class _ForwardParams(Mapping[str, tuple[str, ...]]):
 
     def __getitem__(self, path: str) -> tuple[str, ...]:
         return self._read()[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+
+class _WeightNorms(Mapping[str, tuple[str, float]]):
+    """The L2 norm of each watched weight, by parameter name, with its dtype: the scale a
+    gradient's norm is compared with (NW303: a gradient at the rounding level of its
+    weights is noise, not a level to jump from). Read (one multi-tensor norm, one host
+    read) only when a rule asks, once per evaluation: never on a dead device, under
+    tracing, nor of a weight that is not a plain dense tensor (a sharded DTensor's norm is
+    a collective that only this rank would join)."""
+
+    def __init__(self, watcher: Watcher) -> None:
+        self._watcher = watcher
+        self._norms: dict[str, tuple[str, float]] | None = None
+
+    def _read(self) -> dict[str, tuple[str, float]]:
+        if self._norms is None:
+            self._norms = {}
+            w = self._watcher
+            if w._device_dead or _tracing():
+                return self._norms
+            plain = [
+                (q, p.detach())
+                for q, _, p in w._params
+                if type(p.detach()) is torch.Tensor
+                and p.is_floating_point()
+                and p.layout is torch.strided
+                and p.device.type != "meta"
+            ]
+            try:
+                with _NO_TORCH_FUNCTION(), torch.no_grad():
+                    values = read_scalars(foreach_l2([t for _, t in plain]))
+            except Exception:  # a weight nanwatch cannot read: no scale, no floor
+                return self._norms
+            self._norms = {
+                q: (dtype_name(t.dtype), v) for (q, t), v in zip(plain, values, strict=True)
+            }
+        return self._norms
+
+    def __getitem__(self, name: str) -> tuple[str, float]:
+        return self._read()[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._read())

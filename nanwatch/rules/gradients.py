@@ -3611,8 +3611,11 @@ def _lr_divergence(ctx: RuleContext) -> _Divergence | None:
     summary=(
         "The gradient norm (total, per parameter or per module) jumped to many times its "
         "median over the recorded steps (thresholds.explode_factor) and past the largest "
-        "level the run had before (a converged run moving off its optimum is no explosion): "
-        "clip at a max_norm that binds, or lower the lr. "
+        "level the run had before (a converged run moving off its optimum is no explosion), "
+        "and not small against the weights: a jump from rounding noise (below "
+        "finfo(dtype).eps × the weights' norm: a loss at its floor) must pass explode_factor "
+        "times that floor, and one to below sqrt(float32 eps) × the weights' norm explodes "
+        "nothing. Clip at a max_norm that binds, or lower the lr. "
         "From the first step: a total norm past 1e-3 × sqrt(finfo(dtype).max) of the "
         "gradients' dtype (1.8e16 in float32 and bfloat16), whose square nearly overflows."
     ),
@@ -3676,9 +3679,19 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
     evidence: list[str] = []
     totals = [p.total for p in past if p.total is not None and math.isfinite(p.total) and p.total]
     total_spike = False
+
+    def scale(key: str) -> _WeightScale | None:
+        # read from the weights only for a norm that jumped: not every step
+        return ctx.memo(ctx.trace, "weight_scales", lambda t: _weight_scales(ctx, cur)).get(key)
+
     if cur.total is not None and math.isfinite(cur.total) and len(totals) >= need:
         med, n = _level(totals, need)
-        if med > 0 and cur.total >= factor * med and cur.total > _peak(totals, factor, need):
+        if (
+            med > 0
+            and cur.total >= factor * med
+            and cur.total > _peak(totals, factor, need)
+            and not _small_for_weights(cur.total, med, factor, scale(_TOTAL))
+        ):
             total_spike = True
             evidence.append(
                 f"total gradient norm {fmt(cur.total)} at step {ctx.step}; median of the "
@@ -3687,7 +3700,11 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
     # without a spike of the total, a parameter or module must jump above its recent level
     jump = not total_spike
     mods = _spikes(ctx, "modules", _share_of_largest(cur.modules, factor), factor, need, jump=jump)
-    params = _spikes(ctx, "params", _above_rounding(cur), factor, need, jump=jump)
+    params = [
+        p
+        for p in _spikes(ctx, "params", _above_rounding(cur), factor, need, jump=jump)
+        if not _small_for_weights(p[2], p[3], factor, scale(p[1]))
+    ]
     if not total_spike and not params and (not mods or _update_seen(cur)):
         # a module's output gradient alone is no explosion when the update is measured
         # and did not move: F.normalize of an all-zero row (1/eps, multiplied by the
@@ -3810,6 +3827,79 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=clip_line + "\n# and/or lower the learning rate or lengthen the warm-up",
     )
+
+
+#: the key of :func:`_weight_scales` for the total norm (no parameter is named so)
+_TOTAL = ""
+
+
+@dataclass(frozen=True)
+class _WeightScale:
+    """A weight's (or all the step's trainable weights') size, against which a gradient
+    norm is small or not: ``norm`` (L2), ``noise`` (the gradient norm at its rounding
+    level, finfo(dtype).eps × norm) and ``limit`` (sqrt(finfo(dtype).max): a norm past it
+    squares past the dtype's range)."""
+
+    norm: float
+    noise: float
+    limit: float
+
+
+def _weight_scales(ctx: RuleContext, cur: _GradSummary) -> dict[str, _WeightScale]:
+    """For each parameter with a gradient this step, and for them all (key ``_TOTAL``),
+    the scale of its weights (:class:`_WeightScale`), from the fact ``weight_norms`` (read
+    from the weights, when the watcher gives it; empty otherwise: rules run on records
+    alone too)."""
+    norms = ctx.facts.get("weight_norms")
+    if not isinstance(norms, Mapping) or not cur.params:
+        return {}
+    out: dict[str, _WeightScale] = {}
+    for name in cur.params:
+        got = norms.get(name)
+        if got is None:
+            continue
+        dtype, w = got
+        t = getattr(torch, dtype, None)
+        if isinstance(t, torch.dtype) and t.is_floating_point and math.isfinite(w) and w > 0:
+            fi = torch.finfo(t)
+            out[name] = _WeightScale(w, fi.eps * w, math.sqrt(fi.max))
+    if out:
+        each = list(out.values())
+        out[_TOTAL] = _WeightScale(
+            math.sqrt(sum(s.norm**2 for s in each)),
+            math.sqrt(sum(s.noise**2 for s in each)),
+            min(s.limit for s in each),
+        )
+    return out
+
+
+def _small_for_weights(
+    value: float, level: float, factor: float, scale: _WeightScale | None
+) -> bool:
+    """Whether a gradient norm ``value``, ``factor`` times or more its recent ``level``,
+    is still no explosion by the size of its weights (``scale``), far from the dtype's
+    limits:
+
+    - from the rounding level: ``level`` at or below ``scale.noise`` (finfo.eps × ||w||),
+      where the gradient is numerical noise against its weights (an update lr × g with
+      lr <= 1 does not change their rounded values: a loss at its floor, ~0). Noise is no
+      level to be many times: the level is that floor, and ``value`` must pass ``factor``
+      times it;
+    - to a norm still small against the weights: below sqrt(float32 eps) × ||w|| (the
+      middle, in orders of magnitude, between float32 rounding noise and the weights
+      themselves), where even an lr of 1 moves them by a sliver of their size.
+
+    False without a scale (no weights read)."""
+    if scale is None or not value < scale.limit:
+        return False
+    if level <= scale.noise and value < factor * scale.noise:
+        return True
+    return value < _SMALL_SHARE * scale.norm
+
+
+#: a gradient norm below this share of its weights' norm is small against them
+#: (sqrt(float32 eps), the middle between float32 rounding noise and the weights)
+_SMALL_SHARE = math.sqrt(_EPS32)
 
 
 def _median_ratio(ctx: RuleContext, kind: str, key: str, value: float) -> float | None:

@@ -7033,9 +7033,16 @@ def _only_stable_losses(trace: StepTrace, rec: Record) -> bool:
             call = trace.call(r.call)
             kinds.append(loss_kind(call.module_type) if call is not None and call.is_loss else None)
     for n in trace.notes:
-        if n.kind != "loss_input" or n.data.get("input_source") not in ids:
+        if n.kind != "loss_input":
             continue
         seen = n.data.get("input_dtype")
+        if n.data.get("input_widened_from") in ids and isinstance(seen, str):
+            # computed in float32 from a float32 copy of it (logits.float() / T): every exp
+            # on the way ran in float32, far from the bound
+            kinds.append("upcast" if not low_precision(seen) else None)
+            continue
+        if n.data.get("input_source") not in ids:
+            continue
         if n.data.get("input_upcast_from") and isinstance(seen, str) and not low_precision(seen):
             # the loss took a float32 copy (logits.float()): whatever exp it computes runs
             # in float32, far from the bound
