@@ -383,6 +383,10 @@ class _NanWatch:
     metrics alone (``test_loss`` nan), with no warning from this callback. To find where,
     wrap the call: ``with nanwatch.watch(model): trainer.test(model)`` raises
     :class:`nanwatch.AnomalyError` naming the module and the op, and writes its report.
+    An exception raised in ``fit``'s validation, the sanity check's included, still leaves
+    the post-mortem, which says it was raised there. An lr scheduler returned by
+    ``configure_optimizers`` is named in a fix that lowers the lr, as
+    ``trainer.lr_scheduler_configs[i].scheduler``.
 
     Example:
         >>> from nanwatch.callbacks import NanWatchCallback                   # doctest: +SKIP
@@ -528,6 +532,9 @@ class _NanWatch:
             self._restore(nw, self._state)
             self._state = None
         nw.scaler = getattr(trainer.precision_plugin, "scaler", None)
+        for i, cfg in enumerate(getattr(trainer, "lr_scheduler_configs", None) or ()):
+            # returned by configure_optimizers: no frame that steps the optimizer holds it
+            nw.add_scheduler(cfg.scheduler, name=f"trainer.lr_scheduler_configs[{i}].scheduler")
         self._replayable = bool(pl_module.automatic_optimization) and not (
             trainer.world_size > 1
             and any(isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules())
@@ -573,10 +580,15 @@ class _NanWatch:
         if nw is None:
             return
         try:
-            if nw.attached or self._paused:
+            # the sanity check's validation runs before on_train_start attaches the watcher:
+            # what it raises is told as the validation's, before step 0
+            sanity = not nw.attached and bool(getattr(trainer, "sanity_checking", False))
+            if nw.attached or self._paused or sanity:
                 # classifies, flushes what is safe to read, writes the post-mortem, detaches;
                 # paused, the validation raised it: no training step did
-                during = {"during": "validation"} if self._paused else {}
+                during = {"during": "the sanity check"} if sanity else {}
+                if self._paused:
+                    during = {"during": "validation"}
                 path = nw.close(exception, **during)
                 if path is not None:
                     self.report_paths.append(path)

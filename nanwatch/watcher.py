@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from nanwatch import _copies, _frames, ops
+from nanwatch import _copies, _frames, _trainer, ops
 from nanwatch._compat import (
     aminmax,
     autocast_state,
@@ -732,6 +732,9 @@ class Watcher:
         self._state_marks: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
         #: global module hooks: every module called while attached is watched (nanwatch run)
         self.global_hooks = global_hooks
+        #: nanwatch run: the script's Trainer, if one runs, says each step's epoch and batch
+        self._trainer_probe = _trainer.TrainerProbe() if global_hooks else None
+        self._positions: dict[int, tuple[int, int]] = {}
         self._forensic = self.config.mode == "forensic"
         self._infos: weakref.WeakKeyDictionary[nn.Module, _ModInfo] = weakref.WeakKeyDictionary()
         self.history: deque[StepTrace] = deque(maxlen=self.config.ring_size)
@@ -879,6 +882,8 @@ class Watcher:
         self._cycle_open = True
         #: an optimizer updated watched weights in this run (see :meth:`_discarded`)
         self._ever_updated = False
+        #: a gradient reached a watched value in this run: it trains (see _read_at_root_end)
+        self._ever_backward = False
         #: read late, the weights' version counters when a step's end last found them all
         #: finite (see :meth:`_weights_written_since`); None when not known
         self._weights_checked: tuple[tuple[int, int | None], ...] | None = None
@@ -1703,6 +1708,8 @@ class Watcher:
                 ops.stamp_graph(outs, info.path)
             if self._new_trigger is not None:
                 self._handle_trigger((call, module, args, kwargs))
+            elif call.root and not self._stack and self._read_at_root_end():
+                self._late_trigger(act=True, current=(call, module, args, kwargs))
             if self._idx > self.config.max_records_per_step and not self._quiet:
                 self._overflow_step()
         except NanwatchError:
@@ -2240,11 +2247,35 @@ class Watcher:
         finally:
             self._stepped = now
 
-    def _late_trigger(self, *, act: bool, prefetched_only: bool = False) -> None:
+    def _read_at_root_end(self) -> bool:
+        """Read late, a run that only evaluates (no gradient and no update yet: a watch
+        around ``trainer.test``, an inference loop) reads each root call's statistics as the
+        call returns -- its step's one read, as its next call would make it -- while its
+        inputs are at hand and the model as it ran: an inference tensor has no version to
+        tell it unchanged later, and the loop may set the model up for its next batch
+        before calling it."""
+        return (
+            self._read_late()
+            and not torch.is_grad_enabled()
+            and not self._ever_backward
+            and not self._ever_updated
+            and not self._device_dead
+            and self._trace.anomaly is None
+            and not capturing()
+            and not _frames.in_checkpoint(sys._getframe(2))
+        )
+
+    def _late_trigger(
+        self,
+        *,
+        act: bool,
+        prefetched_only: bool = False,
+        current: tuple[Call, nn.Module, Any, Any] | None = None,
+    ) -> None:
         """Read the step's pending statistics (and check the gradients if backward ran;
         ``prefetched_only``: see :meth:`_flush_before_update`); a bad one is localized and
         pinpointed from the inputs still at hand (:meth:`_handle_trigger`, on finished
-        calls); ``act``: and acted on."""
+        calls, or ``current``: a root call returning now); ``act``: and acted on."""
         self._materialize(keep_trigger=True, prefetched_only=prefetched_only)
         if not prefetched_only and self._backward_seen and not self._grads_checked:
             self._check_grads()
@@ -2253,7 +2284,7 @@ class Watcher:
             return
         self._late = True
         try:
-            self._handle_trigger(None, act=act)
+            self._handle_trigger(current, act=act)
         finally:
             self._late = False
 
@@ -2444,10 +2475,20 @@ class Watcher:
                 transformed=meta["transformed"],
             )
 
+    def add_scheduler(self, scheduler: Any, *, name: str | None = None) -> None:
+        """Tell the lr scheduler that drives its optimizer when no frame holds it (a
+        framework's: Lightning's ``trainer.lr_scheduler_configs``), so a fix that lowers the
+        lr keeps it (see :func:`nanwatch.rules._evidence.with_scheduler`); ``name``: the
+        expression that reaches it from the user's code."""
+        optimizer = getattr(scheduler, "optimizer", None)
+        if isinstance(scheduler, _SCHEDULERS) and optimizer is not None:
+            self._schedulers[id(optimizer)] = (type(scheduler).__name__, name)
+
     def _scheduler_of(self, optimizer: Any) -> tuple[str, str | None] | None:
         """The lr scheduler that drives ``optimizer``: its class and the user's name for it,
-        looked for once in the frame that steps the optimizer (its locals, ``self``'s
-        attributes, its module's globals); None when none there does (a framework's)."""
+        as told (:meth:`add_scheduler`) or looked for once in the frame that steps the
+        optimizer (its locals, ``self``'s attributes, its module's globals); None when none
+        there does (a framework's that was not told)."""
         key = id(optimizer)
         if key in self._schedulers:
             return self._schedulers[key]
@@ -2467,6 +2508,13 @@ class Watcher:
                         break
                 if found is not None:
                     break
+        trainer = self._trainer_probe.trainer() if self._trainer_probe is not None else None
+        if found is None and trainer is not None:
+            # nanwatch run on a Lightning script: the trainer steps what configure_optimizers
+            # returned, and no frame of the user's holds it
+            held = _trainer.scheduler_name(trainer, optimizer)
+            if held is not None and isinstance(held[0], _SCHEDULERS):
+                found = (type(held[0]).__name__, held[1])
         self._schedulers[key] = found
         return found
 
@@ -2922,6 +2970,7 @@ class Watcher:
             return
         try:
             self._backward_seen = True
+            self._ever_backward = True
             if not self._eob_queued:
                 self._eob_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -4223,6 +4272,25 @@ class Watcher:
                 # gradient: the targets of a consistency loss, VAT's, is the same step)
                 self._evaluation_boundary()
         self._begun = True
+        if self._trainer_probe is not None:
+            self._note_position()
+
+    def _note_position(self) -> None:
+        """The epoch and batch a running Trainer is at as the step's first call begins
+        (``nanwatch run``): read now, since a late read names the step after its batch ended."""
+        step = self._trace.step
+        if step in self._positions or self._trainer_probe is None:
+            return
+        try:
+            found = self._trainer_probe.position(sys._getframe(2))
+        except Exception as exc:
+            self._trainer_probe = None
+            self._fault("trainer", "trainer position", exc)
+            return
+        if found is not None:
+            self._positions[step] = found
+            if len(self._positions) > self.config.ring_size:
+                del self._positions[min(self._positions)]
 
     def _evaluation_boundary(self) -> None:
         """A call under no_grad after a step that did not train: the step ends (each call of
@@ -5238,7 +5306,7 @@ class Watcher:
                 anomaly.summary = summarize(anomaly)
                 return
         if found is None and self._late:
-            late = self._late_inputs(target)
+            late = self._late_inputs(target, current)
             if late is not None:
                 target, found = late
         if found is None:
@@ -5472,18 +5540,21 @@ class Watcher:
         return self._defer_cpu or any(p.device.type != "cpu" for _, _, p in self._params[:1])
 
     def _late_inputs(
-        self, call: Call
+        self, call: Call, current: tuple[Call, nn.Module, Any, Any] | None = None
     ) -> tuple[Call, tuple[nn.Module, Any, Any, bool | int]] | None:
         """For a trigger read after the step's calls ended (:meth:`_late_trigger`): the
         finished ``call``'s inputs if they are alive and unchanged, else the root call that
-        ran it, with that root's own arguments (kept until the next call of the root): a
-        replay of the root checks every op of the submodule too, on the same weights."""
+        ran it, with that root's own arguments (kept until the next call of the root, or
+        ``current``: the root call returning now): a replay of the root checks every op of
+        the submodule too, on the same weights."""
         found = self._call_inputs(call, None, False, finished=True)
         if found is not None:
             return call, found
         root = self._root_of(call)
         if root is None or not root.root or root is call:
             return None
+        if current is not None and current[0] is root:
+            return root, (current[1], current[2], current[3], False)
         found = self._root_call_inputs(root)
         return (root, found) if found is not None else None
 
@@ -6685,17 +6756,18 @@ class Watcher:
     def _message(self, trace: StepTrace) -> str:
         lines: list[str] = []
         a = trace.anomaly
+        step = f"step {trace.step}{_trainer.where(self._positions.get(trace.step), trace.step)}"
         if a is not None:
             summary = a.summary
             if trace is self._trace and self.config.on_anomaly != "raise":
                 # said while the step runs on: the modules it reaches later are not counted
                 # yet, and the count the report gives at the step end would differ
                 summary = _without_count(summary)
-            lines.append(f"nanwatch: step {trace.step}: {summary}")
+            lines.append(f"nanwatch: {step}: {summary}")
         top = trace.diagnoses[0] if trace.diagnoses else None
         if top is not None:
             if a is None:
-                lines.append(f"nanwatch: step {trace.step}: {top.title}")
+                lines.append(f"nanwatch: {step}: {top.title}")
             lines.extend(top.brief())
         if self.global_hooks:  # nanwatch run: the script has no nw; the report is a file
             from nanwatch.postmortem import full_report_line
