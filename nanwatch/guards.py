@@ -4306,6 +4306,19 @@ def _upcast_source(watcher: Watcher, x: torch.Tensor) -> tuple[int, str] | None:
     node, nr = fn.next_functions[0]
     if node is None:
         return None
+    found, alive = _copied_from(watcher, node, nr, x.dtype)
+    if found is not None or alive:
+        return found
+    return _dead_upcast_source(watcher, x, node, nr)
+
+
+def _copied_from(
+    watcher: Watcher, node: Any, nr: int, dtype: torch.dtype
+) -> tuple[tuple[int, str] | None, bool]:
+    """The record (index, dtype) of the tensor a copy to ``dtype`` widened, output ``nr``
+    of autograd node ``node``, found among the live tensors (a leaf's AccumulateGrad holds
+    it; a recorded tensor still alive shares its node); and whether any such tensor is
+    alive. When none is, the caller looks for the record of one that is gone."""
     leaf = getattr(node, "variable", None)
     if isinstance(leaf, torch.Tensor):
         candidates: list[torch.Tensor] = [leaf]
@@ -4316,13 +4329,11 @@ def _upcast_source(watcher: Watcher, x: torch.Tensor) -> tuple[int, str] | None:
             if (t := entry[0]()) is not None and t.grad_fn is node and t.output_nr == nr
         ]
     for t in candidates:
-        if _widens(t.dtype, x.dtype):
+        if _widens(t.dtype, dtype):
             rec = watcher.record_of(t)
             if rec is not None:
-                return rec.index, dtype_name(t.dtype)
-    if candidates or leaf is not None:
-        return None
-    return _dead_upcast_source(watcher, x, node, nr)
+                return (rec.index, dtype_name(t.dtype)), True
+    return None, bool(candidates) or leaf is not None
 
 
 #: how many single-input autograd nodes a loss input may be computed through from a
@@ -4350,23 +4361,9 @@ def _computed_after_upcast(watcher: Watcher, x: torch.Tensor) -> tuple[int, str]
             if len(below) != 1:
                 return None
             src, src_nr = below[0]
-            leaf = getattr(src, "variable", None)
-            candidates = (
-                [leaf]
-                if isinstance(leaf, torch.Tensor)
-                else [
-                    t
-                    for entry in list(watcher._known.values())
-                    if (t := entry[0]()) is not None and t.grad_fn is src and t.output_nr == src_nr
-                ]
-            )
-            for t in candidates:
-                if _widens(t.dtype, x.dtype):
-                    rec = watcher.record_of(t)
-                    if rec is not None:
-                        return rec.index, dtype_name(t.dtype)
-            if candidates or leaf is not None or src not in watcher._recorded_nodes:
-                return None
+            found, alive = _copied_from(watcher, src, src_nr, x.dtype)
+            if found is not None or alive or src not in watcher._recorded_nodes:
+                return found
             return _dead_copy_source(watcher, src, src_nr)
         fn = node
     return None
