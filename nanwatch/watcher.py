@@ -5855,7 +5855,12 @@ class Watcher:
             ):
                 reach.add(id(node))
         risky = [n for n in nodes if id(n) in reach and _risky_backward(n)]
-        if len(risky) != 1:
+        if len(risky) != 1 or any(
+            id(n) in reach and isinstance(n, torch.autograd.function.BackwardCFunction)
+            for n in nodes
+        ):
+            # a custom Function's backward on the way is code of its own: it may have
+            # made the NaN as well as the one op known to risk it
             return None
         node = risky[0]
         code = ops.GraphWalk(
