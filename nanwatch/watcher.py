@@ -2479,7 +2479,18 @@ class Watcher:
         """Tell the lr scheduler that drives its optimizer when no frame holds it (a
         framework's: Lightning's ``trainer.lr_scheduler_configs``), so a fix that lowers the
         lr keeps it (see :func:`nanwatch.rules._evidence.with_scheduler`); ``name``: the
-        expression that reaches it from the user's code."""
+        expression that reaches it from the user's code. The Lightning callback tells each
+        scheduler the trainer holds.
+
+        Example:
+            >>> model = nn.Linear(2, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+            >>> nw = Watcher(model)
+            >>> nw.add_scheduler(sched, name="trainer.lr_scheduler_configs[0].scheduler")
+            >>> nw._scheduler_of(opt)
+            ('LambdaLR', 'trainer.lr_scheduler_configs[0].scheduler')
+        """
         optimizer = getattr(scheduler, "optimizer", None)
         if isinstance(scheduler, _SCHEDULERS) and optimizer is not None:
             self._schedulers[id(optimizer)] = (type(scheduler).__name__, name)
