@@ -383,7 +383,8 @@ def primitives(number: int) -> dict[str, float]:
 
 @dataclass
 class Split:
-    """A real workload's watch overhead, split: the statistics kernels alone vs the rest."""
+    """A real workload's overhead under ``mode``, split: the statistics kernels alone vs
+    the rest."""
 
     workload: str
     unwatched_ms: float
@@ -395,6 +396,12 @@ class Split:
     #: ms per watched step spent in each part of nanwatch, measured inside training
     #: (exclusive times: a part's time excludes the parts it calls)
     parts: dict[str, float] = field(default_factory=dict)
+    mode: str = "watch"
+    grads: int = 0  # parameter gradients whose L2 norm is read per step
+    grad_elements: int = 0  # their elements
+    #: the L2 norms of exactly those gradients (nanwatch.stats.foreach_l2), alone, read
+    #: again right after a backward wrote them and cache-hot (ms)
+    grad_norm_ms: tuple[float, float] = (0.0, 0.0)
 
 
 #: the Watcher methods whose exclusive time ``split`` measures, and what each is
@@ -404,6 +411,7 @@ _PARTS = {
     "_post": "forward hooks (records, data flow)",
     "_on_grad": "gradient hooks",
     "_check_grads": "gradient norms (every parameter gradient, once)",
+    "l2": "gradient norms read in backward (large gradients, while cache-hot)",
     "_check_params": "weight check (every weight, once)",
     "_evaluate": "rules",
     "_boundary": "step boundary (flush, localize)",
@@ -431,10 +439,16 @@ def _parts(nw: Any, step: Callable[[], None], steps: int) -> dict[str, float]:
 
         return timed
 
-    originals = {name: getattr(nw, name) for name in _PARTS}
+    from nanwatch import watcher
+
+    # ``l2`` is a module function the gradient hooks call, not a method: wrapped there
+    methods = [name for name in _PARTS if name != "l2"]
+    originals = {name: getattr(nw, name) for name in methods}
+    hot_l2 = watcher.l2
     try:
         for name, fn in originals.items():
             setattr(nw, name, wrap(name, fn))
+        watcher.l2 = wrap("l2", hot_l2)
         nw.attach()
         try:
             step()  # warm-up, not counted
@@ -444,35 +458,38 @@ def _parts(nw: Any, step: Callable[[], None], steps: int) -> dict[str, float]:
         finally:
             nw.detach()
     finally:
-        for name in _PARTS:
+        watcher.l2 = hot_l2
+        for name in methods:
             with contextlib.suppress(AttributeError):
                 delattr(nw, name)
     return {name: 1e3 * t / steps for name, t in totals.items()}
 
 
-def split(workload: str, quick: bool, rounds: int) -> Split:
-    """Step time of ``workload`` unwatched and under ``watch`` (interleaved, medians), and the
+def split(workload: str, quick: bool, rounds: int, mode: str = "watch") -> Split:
+    """Step time of ``workload`` unwatched and under ``mode`` (interleaved, medians), and the
     cost of the statistics kernels alone: the tensors nanwatch measured in one step (caught
     by wrapping ``Watcher._measure``, a private method: a probe) timed with torch.aminmax
-    outside of training, on the same threads."""
+    outside of training, on the same threads, and the L2 norms of the step's parameter
+    gradients (every mode reads each once), timed alone right after a backward wrote them
+    and again cache-hot."""
     w = build(workload, quick=quick)
-    nw = nanwatch.watch(*w.modules(), mode="watch")
+    nw = nanwatch.watch(*w.modules(), mode=mode)
     clock = time.perf_counter
-    times: dict[str, list[float]] = {"unwatched": [], "watch": []}
+    times: dict[str, list[float]] = {"unwatched": [], mode: []}
     for rnd in range(rounds + 1):
-        for key in ("unwatched", "watch") if rnd % 2 else ("watch", "unwatched"):
-            if key == "watch":
+        for key in ("unwatched", mode) if rnd % 2 else (mode, "unwatched"):
+            if key == mode:
                 nw.attach()
             try:
                 for i in range(4):
                     t0 = clock()
                     w.step()
-                    if key == "watch":
+                    if key == mode:
                         nw.step()
                     if rnd and i:  # round 0 and each block's first step: warm-up
                         times[key].append(clock() - t0)
             finally:
-                if key == "watch":
+                if key == mode:
                     nw.detach()
 
     def one() -> None:
@@ -510,16 +527,46 @@ def split(workload: str, quick: bool, rounds: int) -> Split:
     kernels()
     k = min(timeit.repeat(kernels, number=3, repeat=5)) / 3
     r = min(timeit.repeat(reads, number=20, repeat=5)) / 20
+    grads, norms = _grad_norm_floor(w, 3 if quick else 10)
     return Split(
         workload,
         statistics.median(times["unwatched"]) * 1e3,
-        statistics.median(times["watch"]) * 1e3,
+        statistics.median(times[mode]) * 1e3,
         len(floats),
         sum(t.numel() for t in floats),
         k * 1e3,
         r * 1e3,
         parts,
+        mode,
+        len(grads),
+        sum(g.numel() for g in grads),
+        norms,
     )
+
+
+def _grad_norm_floor(w: Any, repeats: int) -> tuple[list[torch.Tensor], tuple[float, float]]:
+    """The workload's parameter gradients after one backward, and the medians (ms) of
+    ``foreach_l2`` over them read right after a backward wrote them (each repeat runs
+    forward and backward again, unwatched) and read again at once (cache-hot)."""
+    from nanwatch.stats import foreach_l2, read_scalars
+
+    params = [p for p in w.model.parameters() if p.requires_grad]
+    fresh: list[float] = []
+    hot: list[float] = []
+    grads: list[torch.Tensor] = []
+    for _ in range(repeats):
+        w.optimizer.zero_grad(set_to_none=True)
+        w.loss().backward()
+        grads = [p.grad for p in params if p.grad is not None]
+        t0 = time.perf_counter()
+        read_scalars(foreach_l2(grads))
+        t1 = time.perf_counter()
+        read_scalars(foreach_l2(grads))
+        t2 = time.perf_counter()
+        fresh.append(t1 - t0)
+        hot.append(t2 - t1)
+    w.optimizer.zero_grad(set_to_none=True)
+    return grads, (statistics.median(fresh) * 1e3, statistics.median(hot) * 1e3)
 
 
 # ---------------------------------------------------------------------------- 4. profile
@@ -661,9 +708,9 @@ def render(
         add(f"| {k} | {v:.2f} |")
     for sp in splits:
         over = sp.watched_ms - sp.unwatched_ms
-        add(f"\n## 3b. {sp.workload} under `watch`: statistics kernels vs the rest\n")
+        add(f"\n## 3b. {sp.workload} under `{sp.mode}`: statistics kernels vs the rest\n")
         add(
-            f"- step: unwatched {sp.unwatched_ms:.1f} ms, watch {sp.watched_ms:.1f} ms: "
+            f"- step: unwatched {sp.unwatched_ms:.1f} ms, {sp.mode} {sp.watched_ms:.1f} ms: "
             f"overhead {over:.1f} ms (x{sp.watched_ms / sp.unwatched_ms:.3f})"
         )
         add(f"- tensors measured per step: {sp.tensors} ({sp.elements / 1e6:.1f} M elements)")
@@ -673,8 +720,15 @@ def render(
             f"({sp.aminmax_ms / sp.unwatched_ms:.1%} of the unwatched step); reading the "
             f"results (.item() x 2 each): {sp.item_ms:.2f} ms"
         )
+        fresh, hot = sp.grad_norm_ms
+        add(
+            f"- the L2 norms of the step's {sp.grads} parameter gradients "
+            f"({sp.grad_elements / 1e6:.1f} M elements), alone: {fresh:.2f} ms right after "
+            f"a backward wrote them, {hot:.2f} ms cache-hot"
+        )
+        kernels = sp.aminmax_ms + sp.item_ms + fresh
         add(f"- the rest of the overhead (Python in the hooks, register_hook, records, "
-            f"flush and rules): {over - sp.aminmax_ms - sp.item_ms:.1f} ms")  # fmt: skip
+            f"flush and rules): {over - kernels:.1f} ms")  # fmt: skip
     for p in profs:
         add(f"\n## 4. Profile: {p.workload}, mode `{p.mode}`, {p.steps} steps under cProfile\n")
         add(f"Step under the profiler: {p.step_ms:.1f} ms; nanwatch's own Python plus the "

@@ -178,6 +178,8 @@ class WorkloadResult:
     timing_s: float = 0.0
     #: where watch's overhead goes (benchmarks.hook_cost.split), when a target failed
     split: Any = None
+    #: where sentinel's goes (the same, in sentinel mode), when its target failed
+    sentinel_split: Any = None
     #: aten ops per step (forward, backward and optimizer): forensic checks each of them
     aten_ops: int | None = None
     #: µs of one aminmax of a 1 MiB activation just written by a Linear, and of the same
@@ -530,13 +532,22 @@ def explain(results: Sequence[WorkloadResult], opts: Options) -> None:
     aten ops forensic mode checks."""
     from benchmarks.hook_cost import split
 
+    rounds = 1 if opts.quick else 3
     for r in results:
-        failed = [cells.get(r.name, "") for _, cells in targets([r])]
-        if not any(c.startswith("FAIL") for c in failed):
+        failed = {title: cells.get(r.name, "") for title, cells in targets([r])}
+        if not any(c.startswith("FAIL") for c in failed.values()):
             continue
         if "watch" in r.cells:
-            r.split = split(r.name, opts.quick, 1 if opts.quick else 3)
+            r.split = split(r.name, opts.quick, rounds)
             r.read_us = read_cost(5 if opts.quick else 50)
+        # a sampled-out step of sample_every=10 is a sentinel step: its split tells both
+        sentinel_failed = any(
+            c.startswith("FAIL")
+            for t, c in failed.items()
+            if t.startswith(("sentinel <=", "watch sample_every"))
+        )
+        if "sentinel" in r.cells and sentinel_failed:
+            r.sentinel_split = split(r.name, opts.quick, rounds, mode="sentinel")
         if "forensic" in r.cells:
             r.aten_ops = count_aten_ops(r.name, opts)
 
@@ -547,6 +558,9 @@ def why_markdown(results: Sequence[WorkloadResult]) -> list[str]:
 
     out: list[str] = []
     for r in results:
+        sp = r.sentinel_split
+        if sp is not None:
+            out.append(_sentinel_why(r.name, sp, _PARTS))
         sp = r.split
         if sp is not None:
             over = sp.watched_ms - sp.unwatched_ms
@@ -585,6 +599,34 @@ def why_markdown(results: Sequence[WorkloadResult]) -> list[str]:
                 else f"- {r.name}, `forensic`: {r.aten_ops} aten ops a step."
             )
     return out
+
+
+def _sentinel_why(name: str, sp: Any, parts: dict[str, str]) -> str:
+    """Where sentinel's overhead goes on workload ``name`` (``sp``: a sentinel split): the
+    kernels every step needs (one read of each gradient, the root's few tensors) against
+    nanwatch's Python."""
+    over = sp.watched_ms - sp.unwatched_ms
+    fresh, hot = sp.grad_norm_ms
+    floor = fresh + sp.aminmax_ms + sp.item_ms
+    python = over - floor
+    return (
+        f"- {name}, `sentinel`: {over:.1f} ms a step over {sp.unwatched_ms:.1f} ms "
+        f"(x{sp.watched_ms / sp.unwatched_ms:.3f} in this measurement). The kernels it "
+        f"cannot skip, timed alone outside training: the L2 norms of the {sp.grads} "
+        f"parameter gradients ({sp.grad_elements / 1e6:.1f} M elements) {fresh:.2f} ms right "
+        f"after a backward wrote them ({hot:.2f} ms cache-hot), and the min-max of the "
+        f"{sp.tensors} tensors it measures (the model's input and output, the loss's "
+        f"inputs, the output gradient) {sp.aminmax_ms + sp.item_ms:.2f} ms: together "
+        f"x{(sp.unwatched_ms + floor) / sp.unwatched_ms:.3f}, against the target's x1.02. "
+        f"The rest, {python:.1f} ms, is Python. Inside training, per step: "
+        + "; ".join(
+            f"{what} {sp.parts[key]:.2f} ms"
+            for key, what in parts.items()
+            if key in sp.parts and sp.parts[key] >= 0.005
+        )
+        + ". A sampled-out step of `sample_every=10` is a sentinel step: nine in ten "
+        "steps of that variant pay this."
+    )
 
 
 def source_digest() -> str:

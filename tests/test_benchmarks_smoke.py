@@ -189,6 +189,24 @@ def test_hook_cost_quick_reports_per_module_microseconds(tmp_path: Path) -> None
     assert re.search(r"\| CrossEntropyLoss \(CrossEntropyLoss\) \| .* \| 1 \| \d+\.\d \|", md)
 
 
+def test_a_failed_sentinel_target_is_explained_with_its_gradient_norm_floor() -> None:
+    # the issue asks for the profile that shows why a target is out of reach: sentinel's
+    # split times the gradients' norms alone (a read of every gradient) and its parts
+    from nanwatch import watcher
+
+    hot_l2 = watcher.l2
+    sp = hook_cost.split("W1", True, 1, mode="sentinel")
+    assert watcher.l2 is hot_l2  # the probe is put back
+    assert sp.mode == "sentinel" and sp.grads == 16  # 8 Linear layers: weight and bias
+    assert sp.grad_elements == 8 * (64 * 64 + 64)
+    assert all(ms > 0 for ms in sp.grad_norm_ms)
+    assert {"_check_grads", "_evaluate", "l2"} <= set(sp.parts)
+    result = run.WorkloadResult("W1", "", 18, sentinel_split=sp)
+    (why,) = run.why_markdown([result])
+    assert why.startswith("- W1, `sentinel`: ") and "16 parameter gradients" in why
+    assert "gradient norms (every parameter gradient, once)" in why
+
+
 @pytest.mark.cpu_path(reason="checks that Watcher.attach is put back, which the plugin replaces")
 def test_the_gallery_on_a_device_says_where_it_differs() -> None:
     rows = gallery_device.run("cpu", "watch", accelerator_path=True)
