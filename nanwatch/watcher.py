@@ -924,7 +924,6 @@ class Watcher:
         self._modules = _name_modules(self.roots, compiled=self.config.mode == "sentinel")
         self._infos = weakref.WeakKeyDictionary(self._modules)
         self._set_params()
-        full_hooks = self.config.mode != "sentinel"
         forensic = self._forensic
         try:
             self._hook_params()
@@ -981,7 +980,8 @@ class Watcher:
         except BaseException:
             self._remove_hooks()
             raise
-        self._tree = self._tree_of() if full_hooks and not self.global_hooks else None
+        # every mode: a layer or loss added in sentinel mode has parameters and guards too
+        self._tree = self._tree_of() if not self.global_hooks else None
         self._tree_step = -1
         self._attached = True
         self._attach_order = next(_RECORD_ORDER)  # nested watchers read in this order
