@@ -1056,15 +1056,20 @@ class Watcher:
     def _check_tree(self) -> None:
         """Once a step, at a root's call from outside: a module added under a watched one
         after attach (a layer inserted to grow the model, a head attached later) is named
-        and hooked like those found at attach, and a module moved by the change (the layers
-        after an ``insert``) takes its current name. One look at each watched module's
-        children; the model is walked again only when they changed."""
+        and hooked like those found at attach, a module moved by the change (the layers
+        after an ``insert``) takes its current name, and one no longer in the model (a head
+        replaced) is no longer watched. One look at each watched module's children; the
+        model is walked again only when they changed."""
         self._tree_step = self._step
         tree = self._tree
         if tree is None or self._tree_of() == tree:
             self._refresh_params()
             return
         fresh = _name_modules(self.roots, compiled=self.config.mode == "sentinel")
+        live = {id(m) for m, _ in fresh}
+        # a module replaced (``model.head = nn.Linear(...)``) or deleted: no longer watched,
+        # so its name and its parameters' are the new module's alone
+        self._unwatch([m for m, i in self._modules if id(m) not in live and not i.is_root])
         added: list[tuple[nn.Module, _ModInfo]] = []
         for m, info in fresh:
             known = self._infos.get(m)
@@ -1812,10 +1817,16 @@ class Watcher:
         watcher holds it, so a loss made at each step does not pile up."""
         if module is None:
             return
-        gone = {id(m) for m in module.modules()}
+        self._unwatch(list(module.modules()))
+        self.roots = [r for r in self.roots if r is not module]
+
+    def _unwatch(self, modules: list[nn.Module]) -> None:
+        """Stop watching exactly ``modules`` (not their submodules, which may live on
+        elsewhere): their hooks are removed and nothing of the watcher holds them."""
+        gone = {id(m) for m in modules}
         dicts = {
             id(d)
-            for m in module.modules()
+            for m in modules
             for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks)
         }
         kept, removed = [], []
@@ -1828,9 +1839,8 @@ class Watcher:
                 kept.append(h)
         self._handles = kept
         _copies.unhide(removed)
-        self.roots = [r for r in self.roots if r is not module]
         self._modules = [(m, i) for m, i in self._modules if id(m) not in gone]
-        for m in module.modules():
+        for m in modules:
             self._infos.pop(m, None)
 
     def _register_found(
