@@ -1829,16 +1829,22 @@ class Watcher:
             for m in modules
             for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_hooks)
         }
-        kept, removed = [], []
+        kept, removed, fns = [], [], []
         for h in self._handles:
             ref = getattr(h, "hooks_dict_ref", None)
-            if ref is not None and id(ref()) in dicts:
+            d = ref() if ref is not None else None
+            if d is not None and id(d) in dicts:
+                f = d.get(h.id)
+                if f is not None:
+                    fns.append(f)
                 h.remove()
                 removed.append(h.id)
             else:
                 kept.append(h)
         self._handles = kept
         _copies.unhide(removed)
+        if fns:  # the copies torch registered of them on a replacement (see _make_pre)
+            _copies.sweep((m for r in self.roots for m in r.modules()), fns)
         self._modules = [(m, i) for m, i in self._modules if id(m) not in gone]
         for m in modules:
             self._infos.pop(m, None)
