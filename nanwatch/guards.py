@@ -2281,6 +2281,55 @@ def _ctc_blank_failure(p: _Probe, blank: int, c: int) -> None:
     )
 
 
+def _ctc_batch_first(p: _Probe, x: torch.Tensor, t: torch.Tensor) -> None:
+    """CTC log-probs given batch-first, (N, T, C) where CTCLoss takes (T, N, C): the
+    input_lengths (and padded targets, when 2-D) count dim 0 as the batch, dim 1 is not
+    that size. Torch refuses it ('input_lengths must be of size batch_size'); said here
+    with the shapes and the transpose. Host-side: shapes and lengths' sizes only."""
+    if x.dim() != 3 or x.shape[0] == x.shape[1]:
+        return
+    il = p.bound.get("input_lengths")
+    k = (
+        il.numel()
+        if isinstance(il, torch.Tensor)
+        else len(il)
+        if isinstance(il, (list, tuple))
+        else -1
+    )
+    rows = t.shape[0] if t.dim() == 2 else None
+    if k != x.shape[0] or rows not in (None, x.shape[0]):
+        return
+    n, frames, c = x.shape
+    inp = p.arg(p.spec.input)
+    also = f" and the targets {rows} rows" if rows is not None else ""
+    p.fail(
+        _Failure(
+            code="NW520",
+            check="ctc-layout",
+            problem=(
+                f"log_probs has shape {tuple(x.shape)}, which {p.desc()} reads as (T, N, C) ="
+                f" ({n} frames, {frames} samples, {c} classes), but input_lengths has {k} "
+                f"entries{also}: it is batch-first, (N, T, C) = ({n} samples, {frames} "
+                f"frames, {c} classes)"
+            ),
+            expected="(T, N, C)",
+            fix=p.call_with(**{p.spec.input: f"{_paren(inp)}.transpose(0, 1)"})
+            + "  # (N, T, C) -> (T, N, C)",
+            explanation=(
+                "CTCLoss takes log-probabilities time first, (T, N, C). A batch-first "
+                "tensor (an RNN built with batch_first=True, a transformer's (N, T, C) "
+                "output) puts the samples where the frames belong: torch refuses it when "
+                "the sizes differ, and aligns along the wrong axis without an error when "
+                "they happen to match."
+            ),
+            values=(tuple(x.shape),),
+            counts=(1,),
+            count=1,
+            total=1,
+        )
+    )
+
+
 def _check_ctc(p: _Probe) -> None:
     x, t = p.input, p.target
     if x.dim() > 0:
@@ -2291,6 +2340,7 @@ def _check_ctc(p: _Probe) -> None:
     p.then(lambda v: _ctc_probabilities(p, v))
     if t is None or x.dim() == 0 or not _readable(t):
         return
+    _ctc_batch_first(p, x, t)
     c = x.shape[-1]
     blank = int(p.bound.get("blank", 0))
     unbatched = x.dim() == 2  # (T, C) log-probs with one target (S,) of exactly S labels
@@ -2302,9 +2352,11 @@ def _check_ctc(p: _Probe) -> None:
     if tlens is not None and t.dim() == 2:
         used = torch.arange(t.shape[1], device=t.device) < tlens[:, None]
     # a target longer than its input has no alignment: +inf, unless zero_infinity drops it
+    # (a loss of 0 and no gradient for that sample: counted for the note, NW207)
     short: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     ilens: torch.Tensor | None = None
-    if tlens is not None and not p.bound.get("zero_infinity", False):
+    dropping = bool(p.bound.get("zero_infinity", False))
+    if tlens is not None:
         ilens = _ctc_lengths(p.bound.get("input_lengths"), n, t.device)
         if ilens is not None:
             short = _ctc_short(t, tlens, ilens, used)
@@ -2372,7 +2424,10 @@ def _check_ctc(p: _Probe) -> None:
                     positions=_positions(blanks),
                 )
             )
-        if short is not None and tlens is not None and ilens is not None and v["ctc_short"]:
+        if dropping and short is not None and v["ctc_short"]:
+            p.data["ctc_dropped"] = int(v["ctc_short"])
+            p.data["ctc_samples"] = n
+        elif short is not None and tlens is not None and ilens is not None and v["ctc_short"]:
             n_short = int(v["ctc_short"])
             _ctc_short_failure(p, n_short, short, tlens=tlens, ilens=ilens, unbatched=unbatched)
 
@@ -4285,6 +4340,27 @@ def _activation_node(fn: Any, depth: int = 8) -> str | None:
     return None
 
 
+#: autograd nodes that keep a tensor's shape and the meaning of each of its dims
+_SAME_DIMS = frozenset(("ToCopyBackward0", "CloneBackward0", "AliasBackward0"))
+
+
+def _softmax_dim(x: torch.Tensor) -> int | None:
+    """The dim a softmax or log_softmax that made ``x`` (its own node, or under a cast or a
+    clone) normalized over, counted from 0 in ``x``'s dims; None when ``x`` was not made
+    so. Host-side: read from the autograd node, no tensor is touched."""
+    fn = x.grad_fn
+    while fn is not None and type(fn).__name__ in _SAME_DIMS:
+        nxt = [n for n, _ in fn.next_functions if n is not None]
+        fn = nxt[0] if len(nxt) == 1 else None
+    if fn is None or type(fn).__name__ not in ("LogSoftmaxBackward0", "SoftmaxBackward0"):
+        return None
+    dim = getattr(fn, "_saved_dim", None)
+    if not isinstance(dim, int) or x.dim() == 0:
+        return None
+    dim = dim - 2**64 if dim >= 2**63 else dim  # a negative dim, stored unsigned
+    return dim % x.dim() if -x.dim() <= dim < x.dim() else None
+
+
 def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
     """Whether a cast from ``src`` to ``dst`` keeps every value exactly (float16 and
     bfloat16 to float32, float32 to float64)."""
@@ -4458,6 +4534,8 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
         "input_shape": list(x.shape),
         "input_grad_fn": type(x.grad_fn).__name__ if x.grad_fn is not None else None,
         "input_activation": _activation_node(x.grad_fn),
+        "input_softmax_dim": _softmax_dim(x),
+        "input_requires_grad": x.requires_grad,
         "reduction": _reduction(p.bound),
     }
     rec = watcher.record_of(x)

@@ -313,6 +313,55 @@ def case_probabilities() -> Case:
     return Case(t)
 
 
+def case_ctc_dropped() -> Case:
+    b = TraceBuilder(0)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0, numel=80), shape=(5, 2, 8))
+    out = b.forward(net, stat(-3.0, -0.5, numel=60), shape=(5, 2, 6))
+    crit = b.call("CTCLoss", root=True, is_loss=True)
+    b.input(crit, source=out, shape=(5, 2, 6))
+    b.forward(crit, stat(0.0, 0.0, numel=1), shape=())
+    b.note("loss_input", "CTCLoss", loss="CTCLoss", ctc_dropped=2, ctc_samples=2)
+    return Case(b.build(loss=0.0))
+
+
+def case_softmax_dim() -> Case:
+    t = pairing_trace("NLLLoss", None, grad_fn="LogSoftmaxBackward0")
+    t.notes.append(
+        _note(
+            "NLLLoss",
+            loss="NLLLoss",
+            input_shape=[8, 5],
+            input_activation="LogSoftmaxBackward0",
+            input_softmax_dim=0,
+        )
+    )
+    return Case(t)
+
+
+def case_detached() -> Case:
+    b = TraceBuilder(0)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0, numel=80), shape=(8, 10))
+    b.forward(net, stat(-2.0, 3.0, numel=40), shape=(8, 5), grad_fn="AddmmBackward0")
+    crit = b.call("CrossEntropyLoss", root=True, is_loss=True)
+    b.input(crit, stat(-2.0, 3.0, numel=40), shape=(8, 5))
+    b.forward(crit, stat(1.5, 1.5, numel=1), shape=())
+    b.gradient("Net", "weight", 0.0, shape=(5, 10))
+    b.note(
+        "loss_input",
+        "CrossEntropyLoss",
+        loss="CrossEntropyLoss",
+        input_dtype="float32",
+        input_shape=[8, 5],
+        input_grad_fn=None,
+        input_requires_grad=False,
+        input_min=-2.0,
+        input_max=3.0,
+    )
+    return Case(b.build(loss=1.5))
+
+
 def _note(path: str, **data: Any) -> Any:
     from nanwatch.records import Note
 
@@ -607,6 +656,9 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW204": case_softmax_nll,
     "NW205": case_probabilities,
     "NW206": case_ignored_logits,
+    "NW207": case_ctc_dropped,
+    "NW208": case_softmax_dim,
+    "NW209": case_detached,
     "NW301": case_bad_weights,
     "NW302": case_bad_grads,
     "NW303": case_exploding,

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import itertools
 import math
+import os
 import re
 import statistics
 import sys
@@ -33,17 +34,21 @@ from nanwatch.records import (
     TensorStat,
 )
 from nanwatch.rules._evidence import (
+    _loss_line_of,
     anomaly_fields,
     count,
     describe_stat,
     device_type,
     fmt,
     limits,
+    loss_uses,
     low_precision,
+    note_num,
     paren,
 )
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule, sort_key
 from nanwatch.rules.generic import _REPLAY
+from nanwatch.rules.losses import ctc_dropped, detached_input
 
 # ---------------------------------------------------------------------- NW301
 
@@ -4590,7 +4595,12 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
         if r is None or s is None or not (s.min == 0.0 and s.max == 0.0):
             return None
         ends.append(r)
-    if ctx.trace.loss != 0.0:  # exactly 0 now; on the way there a saturating loss is tiny
+    now = ctx.trace.loss
+    # the same value step after step, and not 0: a loss that does not depend on the
+    # outputs at all (1 - 2·inter / inf of a float16 dice), not one that reached a minimum
+    const = now is not None and now != 0.0 and math.isfinite(now)
+    const = const and all(t.loss == now for t in traces) and _inputs_moved(traces, ends)
+    if now != 0.0 and not const:  # exactly 0 now; on the way there a saturating loss is tiny
         return None
     trace = ctx.trace
     end = ends[-1]
@@ -4608,8 +4618,9 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
         f"one backward computes from the loss, is exactly 0 ({end.dtype}, shape "
         f"{list(end.shape)})",
         (
-            f"the loss is exactly 0 at steps {traces[0].step} to {traces[-1].step}"
-            if all(t.loss == 0.0 for t in traces)
+            f"the loss is exactly {fmt(now)} at steps {traces[0].step} to {traces[-1].step}"
+            + (": it does not move" if const else "")
+            if all(t.loss == now for t in traces)
             else f"the loss at steps {traces[0].step} to {traces[-1].step}: "
             + ", ".join(fmt(t.loss) if t.loss is not None else "?" for t in traces)
             + ": exactly 0 now"
@@ -4626,6 +4637,25 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
                 "probability 1 exactly, and cross-entropy 0"
             )
     saturated = spread is not None and spread > resolve
+    # the cross-entropy's own input (z1 @ z2.T / T): a scale or temperature applied after
+    # the model may saturate the softmax where the model's outputs do not
+    scaled = False
+    span = None if saturated else _ce_input_span(trace)
+    if span is not None and span[2] - span[1] > resolve:
+        name, lo, hi = span
+        evidence.append(
+            f"{name}'s input spans {fmt(lo)} to {fmt(hi)}: a spread of {fmt(hi - lo)}, past "
+            f"{fmt(resolve)} = log(1/eps) of float32, the softmax's precision: the target "
+            "probability is 1 exactly, and cross-entropy 0"
+            + (
+                f"; {out.path}'s output spreads only {fmt(spread)}: what scales it on the way "
+                "(a temperature, a logit scale) saturates the softmax"
+                if out is not None and spread is not None
+                else ""
+            )
+        )
+        saturated = True
+        scaled = spread is not None
     dtypes = [end.dtype, out.dtype if out is not None else None]
     dtypes += [
         str(n.data.get("input_upcast_from") or n.data.get("input_dtype"))
@@ -4642,15 +4672,22 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
         )
     scalar = _learned_scalar(trace)
     margin = _margin_loss(trace)
-    if (margin is not None or not (saturated or divided)) and scalar is None:
-        zero = all(t.loss == 0.0 for t in traces)
-        if zero:
-            return _loss_at_minimum(ctx, end, evidence, margin, len(traces))
+    zero = all(t.loss == 0.0 for t in traces)
+    factor = None if divided else _zero_factor(trace)
+    if factor is not None and zero:
+        # the loss function's own value is not 0, or cannot be: a factor after it is
+        return _loss_times_zero(ctx, end, [*evidence, *factor[0]], factor[1], len(traces))
+    if (margin is not None or not (saturated or divided)) and scalar is None and zero:
+        return _loss_at_minimum(ctx, end, evidence, margin, len(traces))
+    if saturated and not (divided or scaled) and scalar is None and zero and _softmax_loss(trace):
+        # a cross-entropy at 0 over logits spread past what its dtype resolves: each
+        # target's probability rounds to 1, the loss's floor; nothing in it is learned
+        return _loss_at_minimum(ctx, end, evidence, None, len(traces), floor=ldtype)
     sat = (
         "the loss is saturated to exactly 0: a softmax or cross-entropy whose logits spread "
         f"past what {ldtype} resolves (about {fmt(resolve)}) gives the target probability 1 "
-        "exactly; a learnable scale or temperature that grew does this (clamp it), and so "
-        "does a margin or hinge satisfied everywhere"
+        "exactly; a temperature too small, or a learnable scale or temperature that grew, "
+        "does this (clamp it), and so does a margin or hinge satisfied everywhere"
     )
     inf = (
         "the loss was divided by inf: a count or sum taken in float16 passes "
@@ -4659,10 +4696,19 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
     )
     first, second = (inf, sat) if divided else (sat, inf)
     explanation = (
-        "The gradient leaving the loss is already exactly 0, and the loss is exactly 0: the "
-        "loss does not depend on the outputs, so no layer gets a gradient. This is neither "
-        "underflow along the layers (a GradScaler multiplies 0 by its scale and still gets "
-        f"0) nor dead units. The usual causes: {first}; or {second}."
+        "The gradient leaving the loss is already exactly 0, and the loss is "
+        + (f"{fmt(now)} step after step" if const else "exactly 0")
+        + ": the loss does not depend on the outputs, so no layer gets a gradient. This is "
+        "neither underflow along the layers (a GradScaler multiplies 0 by its scale and "
+        "still gets 0) nor dead units. "
+        + (
+            f"The usual causes: {first}; or {second}."
+            if not const
+            else f"The usual cause: {inf}."
+            if divided
+            else "The usual causes: a division by an inf, or a function saturated at every "
+            "element (a clamp, a sigmoid at 0 or 1) between the outputs and the loss."
+        )
     )
     if scalar is not None:
         clamp = (
@@ -4742,11 +4788,20 @@ def _margin_loss(trace: StepTrace) -> str | None:
 
 
 def _loss_at_minimum(
-    ctx: RuleContext, end: Record, evidence: list[str], margin: str | None, steps: int
+    ctx: RuleContext,
+    end: Record,
+    evidence: list[str],
+    margin: str | None,
+    steps: int,
+    *,
+    floor: str | None = None,
 ) -> Diagnosis:
-    """The loss is exactly 0 step after step with no sign of saturation or of a division
-    by inf: it reached its minimum, and a loss at its minimum has no gradient. Convergence
-    (every margin met), not a fault: an info."""
+    """The loss is exactly 0 step after step with no sign of a division by inf: it
+    reached its minimum, and a loss at its minimum has no gradient. Convergence (every
+    margin met; with ``floor``, the dtype a cross-entropy was computed in, every target's
+    probability rounded to 1), not a fault: an info."""
+    if floor is not None:
+        return _cross_entropy_floor(ctx, end, evidence, steps, floor)
     what = f"{margin}, a margin (hinge) loss," if margin is not None else "the loss"
     evidence = [*evidence]
     if margin is not None:
@@ -4777,6 +4832,219 @@ def _loss_at_minimum(
             "layer gets one. A margin or hinge loss does this as soon as every example "
             "meets its margin (separable data): the model fits the data, it is not broken. "
             "Neither underflow along the layers nor dead units."
+        ),
+        fix=fix,
+    )
+
+
+def _cross_entropy_floor(
+    ctx: RuleContext, end: Record, evidence: list[str], steps: int, dtype: str
+) -> Diagnosis:
+    """A cross-entropy exactly 0 step after step over logits spread past log(1/eps) of
+    ``dtype``: every target's probability rounds to 1, the loss's minimum, and its gradient
+    (softmax - one-hot) rounds to 0. The model fits these examples: an info."""
+    return ctx.diagnosis(
+        title="Zero gradients: the loss reached its minimum (0), nothing is left to learn",
+        severity="info",
+        path=end.path,
+        phase=Phase.BACKWARD.value,
+        evidence=evidence,
+        explanation=(
+            f"Cross-entropy is exactly 0 for the last {steps} steps: the logits put each "
+            f"target so far above the other classes that its probability rounds to 1 in "
+            f"{dtype}, and log(1) = 0 is the loss's minimum. Its gradient, softmax - "
+            "one-hot, rounds to 0 with it, so no layer gets one. The model fits (memorized) "
+            "these examples; it is not broken, and the loss does depend on the outputs. "
+            "Neither underflow along the layers nor dead units."
+        ),
+        fix=(
+            "# nothing to fix if the model should fit this data: stop early (the loss is at "
+            "its minimum)\n"
+            "# to keep learning once the examples are fit, and keep the logits from growing:\n"
+            + (
+                "criterion = nn.CrossEntropyLoss(label_smoothing=0.1)"
+                if any(u.kind == "ce" and u.call is not None for u in loss_uses(ctx.trace))
+                else "loss = F.cross_entropy(logits, target, label_smoothing=0.1)"
+            )
+            + "   # its minimum is above 0 and its gradient never rounds to 0"
+        ),
+    )
+
+
+def _inputs_moved(traces: list[StepTrace], ends: list[Record]) -> bool:
+    """Whether the outputs the loss read (the forward record of each step's first loss
+    gradient) took other values on some step: a loss that stays the same while they move
+    does not depend on them."""
+    seen: set[tuple[float, float]] = set()
+    for t, end in zip(traces, ends, strict=True):
+        src = t.record(end.source) if end.source is not None else None
+        st = t.resolve(src).stat if src is not None else None
+        if st is None or not st.finite:
+            return False
+        seen.add((st.min, st.max))
+    return len(seen) > 1
+
+
+def _ce_input_span(trace: StepTrace) -> tuple[str, float, float] | None:
+    """The cross-entropy call of this step whose input spreads widest: its path, and the
+    input's min and max (measured, or read by the guard)."""
+    best: tuple[str, float, float] | None = None
+    for u in loss_uses(trace):
+        if u.kind != "ce":
+            continue
+        st = u.input_stat
+        lo = st.min if st is not None else note_num(u.note, "input_min")
+        hi = st.max if st is not None else note_num(u.note, "input_max")
+        if lo is None or hi is None or not math.isfinite(hi - lo):
+            continue
+        if best is None or hi - lo > best[2] - best[1]:
+            best = (u.path, lo, hi)
+    return best
+
+
+def _softmax_loss(trace: StepTrace) -> bool:
+    """Whether this step's loss is a cross-entropy (a watched criterion, a guarded
+    functional call): a loss whose only way to 0 is a target probability of 1."""
+    return any(u.kind == "ce" for u in loss_uses(trace))
+
+
+def _reached(trace: StepTrace, rec: Record) -> bool:
+    """Whether the training backward of this step passed a gradient to ``rec``'s tensor."""
+    return any(
+        r.phase is Phase.BACKWARD and r.source == rec.index and not r.by_grad for r in trace.records
+    )
+
+
+def _zero_factor(trace: StepTrace) -> tuple[list[str], Note | None] | None:
+    """Evidence that the loss is 0 because of what is applied to it after the loss
+    function (a weight of 0, a mask that keeps nothing), not because the loss function
+    reached its minimum, with the guard's note of that loss call: a loss call whose own
+    output, which backward reached, is not 0; or a cross-entropy whose logits spread too
+    little for any target's probability to round to 1 in their dtype (its only way to 0).
+    None when neither is known."""
+    uses = [u for u in loss_uses(trace) if u.path != LOSS_PATH]
+    for u in uses:
+        out = u.output
+        s = out.stat if out is not None else None
+        if out is None or s is None or not s.finite or (s.min == 0.0 and s.max == 0.0):
+            continue
+        if not _reached(trace, out):
+            continue  # a loss computed beside the training one (a validation metric)
+        span = fmt(s.max) if s.numel == 1 else f"{fmt(s.min)} to {fmt(s.max)}"
+        return [
+            f"{u.path} itself returns {span}, not 0 (its output, shape {list(out.shape)}): "
+            f"the zero is made after it"
+        ], u.note
+    for u in uses:
+        if u.kind != "ce":
+            continue
+        st = u.input_stat
+        lo = st.min if st is not None else note_num(u.note, "input_min")
+        hi = st.max if st is not None else note_num(u.note, "input_max")
+        # a softmax over float16 or bfloat16 logits accumulates in float32 (CPU and CUDA)
+        acc = "float64" if u.input_dtype == "float64" else "float32"
+        lim = limits(acc)
+        if lo is None or hi is None or lim is None or not math.isfinite(hi - lo):
+            continue
+        if u.measured is not None and not _reached(trace, u.measured):
+            continue
+        ignored, shape = note_num(u.note, "ignored"), u.data("target_shape")
+        total = math.prod(shape) if isinstance(shape, list) else None
+        if ignored and total and ignored == total:
+            return [
+                f"every target of {u.path} is its ignore_index "
+                f"({fmt(note_num(u.note, 'ignore_index'))}): it has nothing to learn from, "
+                f"and a reduction of {u.data('reduction', 'sum')} gives 0"
+            ], u.note
+        resolve = math.log(1 / lim.eps)
+        if hi - lo <= resolve:
+            return [
+                f"{u.path}'s logits span {fmt(lo)} to {fmt(hi)}: a spread of {fmt(hi - lo)}, "
+                f"within {fmt(resolve)} = log(1/eps) of {acc}, the softmax's precision; "
+                "cross-entropy is 0 only where a target's probability rounds to 1, which needs "
+                "a wider spread: "
+                f"{u.path} itself is above 0, the zero is made after it"
+            ], u.note
+    return None
+
+
+#: the operators a loss line applies to the loss function's value that can make it 0
+_FACTOR_OPS = (ast.Mult,)
+
+
+def _loss_factors(note: Note | None) -> list[str]:
+    """The operands a loss line multiplies the loss call by (``w`` of ``loss = w *
+    crit(p, y)``, ``mask`` of ``(crit(p, y) * mask).sum() / n``): the candidates for a
+    factor of 0. Empty when the line is unknown."""
+    line = _loss_line_of(note) if note is not None else None
+    if line is None:
+        return []
+    fname = str(note.data.get("loss", note.path) if note is not None else "").rsplit(".", 1)[-1]
+    try:
+        tree = ast.parse(line.removeprefix("return ").strip())
+    except SyntaxError:
+        return []
+    calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)]  # outermost first
+    named = [c for c in calls if ast.unparse(c.func).rsplit(".", 1)[-1] == fname]
+    # a loss module called by the user's own name (crit(p, y)): the first call of two
+    # or more positional arguments
+    candidates = named or [c for c in calls if len(c.args) >= 2]
+    if not candidates:
+        return []
+    loss = candidates[0]
+
+    def calls_loss(node: ast.AST) -> bool:
+        return any(c is loss for c in ast.walk(node))
+
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, _FACTOR_OPS)):
+            continue
+        for side, other in ((node.left, node.right), (node.right, node.left)):
+            text = ast.unparse(side)
+            if calls_loss(other) and not calls_loss(side) and text not in found:
+                found.append(text)
+    return found
+
+
+def _loss_times_zero(
+    ctx: RuleContext, end: Record, evidence: list[str], note: Note | None, steps: int
+) -> Diagnosis:
+    """The loss is exactly 0 step after step while the loss function's own value is not
+    (or cannot be): what is applied to it afterwards is 0. A warning: nothing trains."""
+    factors = _loss_factors(note)
+    line = _loss_line_of(note) if note is not None else None
+    where = f" ({os.path.basename(note.source)})" if note is not None and note.source else ""
+    if factors:
+        evidence = [
+            *evidence,
+            f"the loss line{where} multiplies the loss by {', '.join(factors)}: "
+            + ("it is 0" if len(factors) == 1 else "one of them is 0"),
+        ]
+        fix = (
+            f"print({', '.join(factors)})   # before loss.backward(): 0 here; a loss weight "
+            "that never ramps up, a mask that keeps no element"
+        )
+    else:
+        fix = (
+            "# print each factor applied to the loss function's value before backward: a "
+            "loss weight that never ramps up, a mask that keeps no element, targets that "
+            "are all ignore_index"
+        )
+    if line is not None:
+        fix = f"# the loss line{where}: {line}\n{fix}"
+    return ctx.diagnosis(
+        title="Zero gradients: the loss is multiplied by 0, not at its minimum",
+        path=end.path,
+        phase=Phase.BACKWARD.value,
+        evidence=evidence,
+        explanation=(
+            f"The loss backward starts from is exactly 0 for the last {steps} steps, and so "
+            "is every gradient, but the loss function itself is not at its minimum: the zero "
+            "comes from what is applied to its value afterwards (a loss weight of 0, a "
+            "warm-up factor that never ramps up, a mask or per-example weights that keep "
+            "nothing in this batch). No layer gets a gradient, so nothing trains, without "
+            "an error."
         ),
         fix=fix,
     )
@@ -5022,6 +5290,12 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
             yield _loss_term_note(ctx, top, off, len(ctx.history) + 1)
         return
     traces = [*ctx.history[-(need - 1) :], ctx.trace] if need > 1 else [ctx.trace]
+    if ctx.trace.loss == 0.0 and any(
+        (d := ctc_dropped(u)) is not None and d[0] >= d[1] for u in loss_uses(ctx.trace)
+    ):
+        return  # CTCLoss(zero_infinity=True) dropped every sample: NW207 says so
+    if any(detached_input(ctx.trace, u) is not None for u in loss_uses(ctx.trace)):
+        return  # the loss was computed on a detached output: NW209 says so
     # the dead module's own output 0 whatever its input: unless one update threw its
     # weights there (the jolt, below, says which and by how much)
     itself = _jolt(ctx, set(dead)) is None

@@ -126,6 +126,11 @@ CHECKS: dict[str, tuple[str, str]] = {
         "frequency as a sampling-bias correction) added to the scores holds them, and the "
         "loss is NaN.",
     ),
+    "NW520": (
+        "CTC log-probs are batch-first",
+        "CTCLoss got (N, T, C) log-probabilities where it takes (T, N, C): input_lengths "
+        "count dim 0 as the batch (an RNN with batch_first=True); transpose(0, 1).",
+    ),
 }
 
 
@@ -362,6 +367,11 @@ def embedding_bag_offsets(ctx: RuleContext) -> Iterator[Diagnosis]:
 @_register("NW516")
 def ctc_target_too_long(ctx: RuleContext) -> Iterator[Diagnosis]:
     return _found(ctx, "NW516")
+
+
+@_register("NW520")
+def ctc_batch_first(ctx: RuleContext) -> Iterator[Diagnosis]:
+    return _found(ctx, "NW520")
 
 
 @_register("NW517")

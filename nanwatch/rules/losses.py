@@ -565,8 +565,8 @@ def softmax_nll(ctx: RuleContext) -> Iterator[Diagnosis]:
     summary=(
         "CrossEntropyLoss / NLLLoss input looks like probabilities (rows in [0, 1] "
         "summing to 1, non-negative NLLLoss input, a sigmoid output) though no softmax was "
-        "traced; KLDivLoss input above 0 and CTCLoss input of probabilities (both take "
-        "log-probabilities)."
+        "traced; NLLLoss, KLDivLoss and CTCLoss input above 0 or of probabilities (they "
+        "take log-probabilities); a sigmoid output fed to BCEWithLogitsLoss."
     ),
     early=True,
     priority=30,
@@ -584,11 +584,21 @@ def probabilities_as_logits(ctx: RuleContext) -> Iterator[Diagnosis]:
             if d is not None:
                 yield d
             continue
+        if use.kind == "bce_logits":
+            d = _bce_logits_on_sigmoid(ctx, use)
+            if d is not None:
+                yield d
+            continue
         if use.kind not in ("ce", "nll"):
             continue
         act = loss_activation(ctx.trace, use)
         if act is not None and act.kind in _LOGIT_ACTIVATIONS:
             continue  # NW203/NW204 name a softmax; a log_softmax is what the loss takes
+        if use.kind == "nll" and act is None:
+            d = _nll_on_raw_scores(ctx, use)
+            if d is not None:
+                yield d
+                continue
         s = use.input_stat
         lo = s.min if s is not None else note_num(use.note, "input_min")
         hi = s.max if s is not None else note_num(use.note, "input_max")
@@ -743,6 +753,123 @@ def _ctc_on_raw_scores(ctx: RuleContext, use: LossUse) -> Diagnosis | None:
             "logits it sums scores that are not probabilities along the alignments: the "
             "loss stays finite, can go negative, and the model is pushed to inflate every "
             "score instead of learning the labels, without an error."
+        ),
+        fix=fix,
+    )
+
+
+def _bce_logits_on_sigmoid(ctx: RuleContext, use: LossUse) -> Diagnosis | None:
+    """BCEWithLogitsLoss fed a sigmoid's output: it applies its own sigmoid to values in
+    (0, 1), so every prediction lies in [0.5, 0.731]: the loss cannot go below
+    log(1 + e^-1) for a positive nor log(2) for a negative, and training stalls."""
+    act = loss_activation(ctx.trace, use)
+    if act is None or act.kind != "sigmoid":
+        return None
+    hi = 1 / (1 + math.exp(-1))
+    evidence = [
+        f"{use.path}'s input is {describe_activation(act)}{_range(use)}",
+        f"BCEWithLogitsLoss applies a sigmoid itself: on values in (0, 1) every prediction "
+        f"is between 0.5 and {fmt(hi)}, so a positive costs at least {fmt(-math.log(hi))} "
+        f"and a negative at least {fmt(math.log(2))}, however good the model",
+    ]
+    if use.value is not None:
+        evidence.append(f"the loss is {fmt(use.value)}")
+    line = _unwrapped_sigmoid(use)
+    fix = (
+        f"{line}   # the logits: BCEWithLogitsLoss applies the sigmoid itself"
+        if line is not None
+        else f"# remove {_sigmoid_words(act)} before the loss: BCEWithLogitsLoss takes the "
+        "logits and applies the sigmoid itself\nloss = criterion(logits, target)"
+    )
+    return ctx.diagnosis(
+        **_at_loss(use),
+        title="Sigmoid output where logits are expected (BCEWithLogitsLoss after a sigmoid)",
+        evidence=evidence,
+        explanation=(
+            "BCEWithLogitsLoss = sigmoid + BCELoss: it expects raw logits. Given sigmoid "
+            "outputs it applies a second sigmoid to values in (0, 1), so no prediction can "
+            "be confident, the loss plateaus well above 0 and the gradients are small: "
+            "training stalls without an error."
+        ),
+        fix=fix,
+    )
+
+
+def _unwrapped_sigmoid(use: LossUse) -> str | None:
+    """The loss line with the sigmoid around the loss call's input removed
+    (``crit(torch.sigmoid(z), y)`` -> ``crit(z, y)``); None when the line does not apply
+    the sigmoid there."""
+    from nanwatch.rules._evidence import _loss_line_of
+
+    line = _loss_line_of(use.note) if use.note is not None else None
+    for stmt in statements(line):
+        body = stmt.removeprefix("return ")
+        try:
+            tree = ast.parse(body.strip())
+        except SyntaxError:
+            continue
+        calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and c.args]
+        for call in calls:
+            logit = _sigmoid_call(call.args[0])
+            if logit is None:
+                continue
+            old, new = ast.unparse(call.args[0]), ast.unparse(logit)
+            text = ast.unparse(tree).replace(old, new, 1)
+            return ("return " if stmt.startswith("return ") else "") + text
+    return None
+
+
+def _nll_on_raw_scores(ctx: RuleContext, use: LossUse) -> Diagnosis | None:
+    """NLLLoss fed raw scores (the log_softmax forgotten): some are above 0, or a row of C
+    of them whose smallest is ``lo`` sums exp to C·e^lo > 1, while some are below 0 (an
+    input that is all >= 0 is probabilities: the caller says so). NLLLoss only picks
+    -input[target]: the loss goes negative and falls without bound as the target's score
+    grows, without an error."""
+    s = use.input_stat
+    lo = s.min if s is not None else note_num(use.note, "input_min")
+    hi = s.max if s is not None else note_num(use.note, "input_max")
+    if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)) or lo >= 0:
+        return None
+    shape = use.data("input_shape")
+    if not isinstance(shape, list) and use.input is not None:
+        shape = list(use.input.shape)
+    # (N, C, ...) or an unbatched (C,): the classes are dim 1, or dim 0
+    classes = (
+        (shape[1] if len(shape) > 1 else shape[0]) if isinstance(shape, list) and shape else None
+    )
+    if hi > _LOG_PROB_SLACK:
+        evidence = [
+            f"{use.path}'s input spans [{fmt(lo)}, {fmt(hi)}]: log-probabilities are never above 0"
+        ]
+    elif isinstance(classes, int) and classes > 1 and classes * math.exp(lo) > 1.05:
+        evidence = [
+            f"{use.path}'s input spans [{fmt(lo)}, {fmt(hi)}] over {classes} classes: every "
+            f"row's probabilities sum to at least {classes}·e^{fmt(lo)} = "
+            f"{fmt(classes * math.exp(lo))}, not 1"
+        ]
+    else:
+        return None
+    value = use.value
+    if value is not None and value < 0:
+        evidence.append(f"the loss is {fmt(value)}: a negative log-likelihood is never below 0")
+
+    def normalize(e: str) -> str:
+        return f"{paren(e)}.log_softmax(1)"
+
+    line = loss_input_rewrite(use.note, normalize) if use.note is not None else None
+    fix = "loss = F.cross_entropy(logits, target)   # = F.nll_loss(logits.log_softmax(1), target)"
+    if line is not None:
+        fix = f"{line}   # log_softmax over the classes, dim 1\n# or: {fix}"
+    return ctx.diagnosis(
+        **_at_loss(use),
+        title="Raw scores where log-probabilities are expected (NLLLoss without log_softmax)",
+        evidence=evidence,
+        explanation=(
+            "NLLLoss takes log-probabilities (log_softmax over the classes, never above 0) and "
+            "only picks -input[target]; unlike CrossEntropyLoss it does not normalize. On raw "
+            "scores the loss rewards inflating the target's score without bound: it goes "
+            "negative and keeps falling while the model learns nothing about the other "
+            "classes, without an error, until the scores overflow."
         ),
         fix=fix,
     )
@@ -955,4 +1082,286 @@ def _low_dtype(trace: StepTrace, use: LossUse) -> str | None:
     for r in trace.records:
         if r.phase is Phase.FORWARD and low_precision(r.dtype) is not None:
             return r.dtype
+    return None
+
+
+# ---------------------------------------------------------------------- NW207
+
+#: the share of a batch CTCLoss(zero_infinity=True) may drop before NW207 speaks: a few
+#: impossible alignments are what the option is for, most of a batch is a length bug
+CTC_DROPPED_SHARE = 0.5
+
+
+def ctc_dropped(use: LossUse) -> tuple[int, int] | None:
+    """(dropped, samples) when ``use`` is a CTCLoss with zero_infinity=True whose guard
+    found at least :data:`CTC_DROPPED_SHARE` of its samples with a target longer than the
+    input can align (the note's ``ctc_dropped``, ``ctc_samples``); else None."""
+    if use.kind != "ctc":
+        return None
+    dropped, n = note_num(use.note, "ctc_dropped"), note_num(use.note, "ctc_samples")
+    if not dropped or not n or dropped < n * CTC_DROPPED_SHARE:
+        return None
+    return int(dropped), int(n)
+
+
+@rule(
+    "NW207",
+    title="CTCLoss(zero_infinity=True) drops samples whose targets are too long",
+    severity="warning",
+    summary=(
+        "CTCLoss with zero_infinity=True got, for half its samples or more, a target "
+        "longer than the input can align: each such sample's loss and gradient are set to "
+        "0, so the model learns from few samples or none, without an error."
+    ),
+    early=True,
+    priority=20,
+)
+def ctc_zero_infinity_drops(ctx: RuleContext) -> Iterator[Diagnosis]:
+    for use in loss_uses(ctx.trace):
+        found = ctc_dropped(use)
+        if found is None:
+            continue
+        dropped, n = found
+        every = dropped >= n
+        evidence = [
+            f"{'every one' if every else dropped} of the {n} samples of {use.path} "
+            f"{'has' if every else 'have'} a target longer than its input_lengths can align "
+            "(one frame per label, and a blank between two equal labels)",
+            "zero_infinity=True sets the loss of each such sample to 0 instead of +inf, and "
+            "its gradient to 0",
+        ]
+        loss = ctx.trace.loss
+        if every and loss is not None and loss == 0.0:
+            evidence.append("the loss is exactly 0: nothing trains")
+        yield ctx.diagnosis(
+            **_at_loss(use),
+            evidence=evidence,
+            explanation=(
+                "CTC sums over the alignments of the target to the input frames; a target "
+                "that needs more frames than input_lengths gives has none, and its loss is "
+                "+inf. zero_infinity=True hides that by zeroing those samples, so "
+                + (
+                    "the whole batch is dropped: the loss is 0 and no layer gets a gradient. "
+                    if every
+                    else "most of the batch is dropped and the model learns from the rest. "
+                )
+                + "Usually input_lengths counts the wrong frames (the audio's, or the "
+                "lengths before the model's downsampling, divided too far), or "
+                "target_lengths counts padding."
+            ),
+            fix=(
+                "# input_lengths: the frames of the model's output (after its stride), one per "
+                "sample; target_lengths: the real labels, without padding\n"
+                "print((input_lengths - target_lengths).min())   # below 0: too few frames"
+            ),
+        )
+
+
+# ---------------------------------------------------------------------- NW208
+
+
+def _class_dim(use: LossUse) -> int | None:
+    """The dim of ``use``'s input that holds the classes: 1 of NLLLoss's and
+    CrossEntropyLoss's (N, C, ...) (0 of an unbatched (C,)), the last of CTCLoss's
+    (T, N, C); None for other losses or an unknown shape."""
+    shape = use.data("input_shape")
+    if not isinstance(shape, list) or not shape:
+        return None
+    if use.kind == "ctc":
+        return len(shape) - 1
+    if use.kind in ("nll", "ce"):
+        return 1 if len(shape) > 1 else 0
+    return None
+
+
+@rule(
+    "NW208",
+    title="Softmax over another dim than the classes",
+    severity="warning",
+    summary=(
+        "The (log-)probabilities fed to NLLLoss, CTCLoss or CrossEntropyLoss were normalized "
+        "over a dim that is not the classes (F.log_softmax without dim= takes dim 0 of a "
+        "3-D input: CTC's time): the loss is finite and trains the wrong objective."
+    ),
+    early=True,
+    priority=20,
+)
+def softmax_wrong_dim(ctx: RuleContext) -> Iterator[Diagnosis]:
+    for use in loss_uses(ctx.trace):
+        dim, classes = note_num(use.note, "input_softmax_dim"), _class_dim(use)
+        if dim is None or classes is None or int(dim) == classes:
+            continue
+        shape = use.data("input_shape")
+        node = str(use.data("input_activation", ""))
+        fn = "log_softmax" if node.startswith("LogSoftmax") else "softmax"
+        layout = "(T, N, C)" if use.kind == "ctc" else "(N, C, ...)" if len(shape) > 1 else "(C,)"
+        evidence = [
+            f"{use.path}'s input, shape {shape}, is a {fn} over dim {int(dim)}; "
+            f"{use.path} reads the classes on dim {classes} of its {layout} input",
+        ]
+        if use.kind == "ctc" and int(dim) == 0:
+            evidence.append(
+                "F.log_softmax(x) without dim= picks dim 0 for a 3-D input: the time frames"
+            )
+
+        what = "log-probabilities" if use.kind != "ce" else "logits"
+        line = None
+        if use.note is not None and use.kind != "ce":
+            line = _rewrite_softmax_dim(use.note, classes if use.kind != "ctc" else -1)
+        fix = line or (
+            f"log_probs = F.log_softmax(logits, dim={-1 if use.kind == 'ctc' else classes})"
+            f"   # over the classes, dim {classes}"
+        )
+        if use.kind == "ce":
+            fix = (
+                "loss = F.cross_entropy(logits, target)   # on the logits: it normalizes over "
+                "dim 1 itself"
+            )
+        yield ctx.diagnosis(
+            **_at_loss(use),
+            evidence=evidence,
+            explanation=(
+                f"{use.path} expects {what} normalized over the classes (dim {classes}); "
+                f"these were normalized over dim {int(dim)}, across "
+                + (
+                    "the time frames"
+                    if use.kind == "ctc" and int(dim) == 0
+                    else "other samples or positions"
+                )
+                + ", so each class's score is weighed against those instead of the other "
+                "classes and the loss trains a wrong objective: it stays finite and falls "
+                "slowly, without an error."
+            ),
+            fix=fix,
+        )
+
+
+def _rewrite_softmax_dim(note: Any, dim: int) -> str | None:
+    """The loss line with its ``log_softmax(...)`` call's dim set to ``dim`` (added when
+    it had none); None when the line holds no such call."""
+    from nanwatch.rules._evidence import _loss_line_of
+
+    line = _loss_line_of(note)
+    if line is None:
+        return None
+    for stmt in statements(line):
+        try:
+            tree = ast.parse(stmt.removeprefix("return ").strip())
+        except SyntaxError:
+            continue
+        for call in ast.walk(tree):
+            if (
+                not isinstance(call, ast.Call)
+                or ast.unparse(call.func).rsplit(".", 1)[-1] != "log_softmax"
+            ):
+                continue
+            method = isinstance(call.func, ast.Attribute) and ast.unparse(call.func) not in (
+                "F.log_softmax",
+                "torch.log_softmax",
+                "nn.functional.log_softmax",
+                "torch.nn.functional.log_softmax",
+            )
+            pos = 0 if method else 1
+            new = ast.Call(
+                func=call.func,
+                args=call.args[:pos] if len(call.args) > pos else call.args,
+                keywords=[k for k in call.keywords if k.arg != "dim"]
+                + [ast.keyword(arg="dim", value=ast.Constant(dim))],
+            )
+            old_src, new_src = ast.unparse(call), ast.unparse(new)
+            text = ast.unparse(tree).replace(old_src, new_src, 1)
+            prefix = "return " if stmt.startswith("return ") else ""
+            return prefix + text if not text.startswith("return") else text
+    return None
+
+
+# ---------------------------------------------------------------------- NW209
+
+
+def detached_input(trace: StepTrace, use: LossUse) -> Any:
+    """The forward record of the module output ``use``'s input was cut from the graph of
+    (``criterion(model(x).detach(), y)``, ``.data``): the loss input has no autograd node
+    and does not require grad while autograd recorded, and a module output of this step
+    with a node holds exactly its values (the same shape, dtype, min and max); else
+    None. Read from the guard's note and the records."""
+    if use.note is None or use.data("input_requires_grad", True) is not False:
+        return None
+    if use.data("input_grad_fn"):
+        return None
+    lo, hi = note_num(use.note, "input_min"), note_num(use.note, "input_max")
+    shape, dtype = use.data("input_shape"), use.input_dtype
+    if lo is None or hi is None or not isinstance(shape, list):
+        return None
+    rec = None
+    for r in trace.records:
+        s = r.stat
+        if r.phase is not Phase.FORWARD or not r.grad_fn or s is None:
+            continue
+        if list(r.shape) == shape and r.dtype == dtype and s.min == lo and s.max == hi:
+            rec = r
+            break
+    return rec
+
+
+def _all_grads_zero(trace: StepTrace) -> bool:
+    """Whether this step's backward gave every watched parameter a gradient of exactly 0
+    (at least one measured)."""
+    grads = [r.stat for r in trace.records if r.phase is Phase.GRADIENT and r.stat is not None]
+    return bool(grads) and all(
+        s.finite and (s.norm == 0.0 if s.norm is not None else s.min == 0.0 == s.max) for s in grads
+    )
+
+
+@rule(
+    "NW209",
+    title="Loss computed on a detached output",
+    severity="warning",
+    summary=(
+        "A loss got a model output detached from the graph (.detach(), torch.no_grad()) "
+        "while the step's backward gave every parameter a gradient of 0: the loss trains "
+        "nothing, without an error."
+    ),
+    early=True,
+    priority=20,
+)
+def loss_on_detached(ctx: RuleContext) -> Iterator[Diagnosis]:
+    if not _all_grads_zero(ctx.trace):
+        return  # another term trains the model: a detached loss is a logged metric
+    for use in loss_uses(ctx.trace):
+        rec = detached_input(ctx.trace, use)
+        if rec is None:
+            continue
+        line = _undetached(use)
+        fix = "loss = criterion(model(x), y)   # on the output itself, not model(x).detach()"
+        if line is not None:
+            fix = f"{line}   # on the output itself, with its autograd graph"
+        yield ctx.diagnosis(
+            **_at_loss(use),
+            evidence=[
+                f"{use.path}'s input holds {rec.path}'s output, which had an autograd node "
+                f"({rec.grad_fn}), but has none itself and does not require grad: it was "
+                "detached from the model",
+                "every parameter gradient of this step is exactly 0: whatever the backward "
+                "ran through (a term like 0 * p.sum()) gives the model nothing",
+            ],
+            explanation=(
+                f"{use.path} computes its loss on values cut from the graph (.detach(), a "
+                "computation under torch.no_grad(), .data), so its gradient never reaches "
+                "the model; the backward succeeds only through other terms, which here give "
+                "every parameter 0. The loss moves with the data, the model never changes."
+            ),
+            fix=fix,
+        )
+
+
+def _undetached(use: LossUse) -> str | None:
+    """The loss line with ``.detach()`` (or ``.data``) removed from the loss call's input;
+    None when the line holds neither there."""
+    from nanwatch.rules._evidence import _loss_line_of
+
+    line = _loss_line_of(use.note) if use.note is not None else None
+    for stmt in statements(line):
+        for cut in (".detach()", ".data"):
+            if cut in stmt:
+                return stmt.replace(cut, "", 1)
     return None
