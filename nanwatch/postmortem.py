@@ -81,6 +81,13 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("packing-length", ("Length of all samples has to be greater than 0",)),
+    (
+        "norm-one-value",  # a BatchNorm (InstanceNorm) in training given a batch (map) of 1
+        (
+            "Expected more than 1 value per channel when training",
+            "Expected more than 1 spatial element when training",
+        ),
+    ),
     ("python-overflow", ("math range error", "Numerical result out of range")),
     ("fp16-unscale", ("Attempting to unscale FP16 gradients",)),  # GradScaler on .half()
     (
@@ -207,6 +214,14 @@ ADVICE: dict[str, str] = {
         "(an empty line, a text the tokenizer cut to nothing, a length counted from a mask "
         "that is all padding). Drop empty samples in the Dataset or the collate_fn, or pack "
         "lengths.clamp_min(1) and leave those rows out of the loss with a mask."
+    ),
+    "norm-one-value": (
+        "A BatchNorm in training mode got one value per channel, whose variance cannot be "
+        "computed: drop the epoch's short last batch (DataLoader(..., drop_last=True)) or "
+        "skip batches of 1 (if x.shape[0] > 1). Call model.eval() before predicting one "
+        "sample; to train on batches of 1, use GroupNorm or LayerNorm in its place. An "
+        "InstanceNorm given a 1x1 map in training is the same error: give it larger inputs "
+        "or fewer downsamplings before it."
     ),
     "python-overflow": (
         "A Python math function overflowed a float64 (math.exp(x) for x over 709.78, "

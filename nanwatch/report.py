@@ -74,6 +74,7 @@ ERROR_LABELS: dict[str, str] = {
     "autograd-inplace": "autograd in-place error",
     "graph-freed": "backward through a freed graph",
     "packing-length": "a sequence of length 0 in packing",
+    "norm-one-value": "a norm given one value per channel in training",
     "python-overflow": "Python float overflow",
     "anomaly": "nanwatch anomaly",
     "guard": "nanwatch guard",
@@ -849,6 +850,8 @@ def _before_raise(
     if at is None:
         return None
     trace = steps[at]
+    if _after_earlier(watcher, steps, trace, error):
+        return None
     made: Anomaly | None = None
     ev: OpEvent | None = None
     if trace.anomaly is not None:
@@ -904,6 +907,36 @@ def _before_raise(
         + str(error.get("advice", ""))
     ).strip()
     return made
+
+
+def _after_earlier(
+    watcher: Watcher, steps: list[StepTrace], trace: StepTrace, error: dict[str, Any]
+) -> bool:
+    """The run's first anomaly came at an earlier step (a "record" or "warn" run went on),
+    and the step that raised made nothing new: no value of its own was born non-finite, or
+    only its weights were, written by an earlier update (NW301). The advice leads with that
+    first anomaly, whose consequence the exception most likely is, not with the weights.
+    Returns whether it did."""
+    first = getattr(watcher, "first_anomaly", None)
+    if first is None or first.step >= trace.step:
+        return False
+    a = trace.anomaly
+    own = a is not None and a.kind is not AnomalyKind.PARAMETER
+    if own or (a is None and any(r.bad for r in trace.records if r.phase is not Phase.PARAMETER)):
+        return False
+    then = next((t for t in steps if t.step == first.step), None)
+    codes = ", ".join(
+        dict.fromkeys(d.code for d in (then.diagnoses if then else []) if d.severity == "error")
+    )
+    head = anomaly_headline(first)
+    error["before"] = {"text": f"before it raised, at step {first.step}: {head}"}
+    weights = " (the weights it made non-finite were used since)" if a is not None else ""
+    error["advice"] = (
+        f"The run's first anomaly came at step {first.step}, and training went on{weights}: "
+        f"{head}{f' ({codes})' if codes else ''}. The exception is most likely a consequence: "
+        "fix that first. " + str(error.get("advice", ""))
+    ).strip()
+    return True
 
 
 def _event_where(ev: OpEvent) -> str:

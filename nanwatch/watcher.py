@@ -5757,6 +5757,13 @@ class Watcher:
             target = (
                 trace.call(call.parent) if call is not None and call.parent is not None else None
             )
+            # the child's output may be its parent's too (a Sequential's last child): the
+            # code that used it is the ancestor's the localizer named, further up
+            up = target
+            while up is not None and up.path != anomaly.path and up.parent is not None:
+                up = trace.call(up.parent)
+            if up is not None and up.path == anomaly.path:
+                target = up
         if target is None:
             return
         ev = self._own_backward(target, target.path, remake=anomaly.origin == "module")
@@ -6562,6 +6569,7 @@ class Watcher:
                 "forward_params": _ForwardParams(self._modules),
                 "weight_scales": self._attach_scales,
                 "weight_norms": _WeightNorms(self),
+                "param_shapes": _ParamShapes(self._params),
             },
         )
         if trace.anomaly is not None:
@@ -6913,6 +6921,10 @@ class Watcher:
                 said = self._shape_advice(exc)
                 if said is not None:
                     info["advice"] = said
+            if info.get("class") == "norm-one-value":
+                said = _one_value_advice(exc, self._infos)
+                if said is not None:
+                    info["advice"] = said
             if info.get("device_lost"):
                 self._device_dead = True
             self._note_mutations()
@@ -7213,6 +7225,31 @@ class _ForwardParams(Mapping[str, tuple[str, ...]]):
 
     def __getitem__(self, path: str) -> tuple[str, ...]:
         return self._read()[path]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+
+class _ParamShapes(Mapping[str, tuple[int, ...]]):
+    """The shape of each watched weight, by parameter name: host-side metadata, for a rule
+    that names weights no record of the step holds (a parametrization's stored tensors,
+    in sentinel, when the anomaly stopped the step before backward). Read only when a rule
+    asks."""
+
+    def __init__(self, params: Sequence[tuple[str, str, nn.Parameter]]) -> None:
+        self._params = params
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+
+    def _read(self) -> dict[str, tuple[int, ...]]:
+        if self._shapes is None:
+            self._shapes = {q: tuple(p.shape) for q, _, p in self._params}
+        return self._shapes
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        return self._read()[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._read())
@@ -7818,6 +7855,42 @@ def _raising_layer(
         if isinstance(x, torch.Tensor):
             return owner, tuple(x.shape)
     return None
+
+
+def _one_value_advice(exc: BaseException, watched: Mapping[nn.Module, Any]) -> str | None:
+    """For a norm that refused one value per channel in training (see
+    :func:`_raising_layer`): the layer, the shape it was given and what to change; None
+    when no watched norm was running.
+
+    >>> bn = nn.BatchNorm1d(8)
+    >>> try:
+    ...     bn(torch.randn(1, 8))
+    ... except ValueError as e:
+    ...     info = _ModInfo("head.bn", bn, is_root=False, first_root=False)
+    ...     print(_one_value_advice(e, {bn: info})[:62])
+    head.bn (BatchNorm1d) got an input of shape [1, 8] in training
+    """
+    found = _raising_layer(exc, watched)
+    if found is None:
+        return None
+    module, shape = found
+    path, kind = watched[module].path, type(module).__name__
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return (
+            f"{path} ({kind}) got an input of shape {list(shape)} in training, a map of one "
+            "element per channel, whose variance cannot be computed: give the model larger "
+            f"inputs or fewer downsamplings before {path}, or use a GroupNorm there."
+        )
+    if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return None
+    return (
+        f"{path} ({kind}) got an input of shape {list(shape)} in training, one value per "
+        "channel, whose variance cannot be computed: drop the epoch's short last batch "
+        "(DataLoader(..., drop_last=True)) or skip batches of 1 (if x.shape[0] > 1). It is "
+        "a batch of 1 sample, left over when the dataset's size is not a multiple of the "
+        "batch size. Call model.eval() before predicting one sample; to train on batches of "
+        "1, use GroupNorm or LayerNorm in its place."
+    )
 
 
 def _size_mismatch(module: nn.Module, shape: tuple[int, ...]) -> tuple[str, int, int, str] | None:

@@ -1349,7 +1349,8 @@ def test_e2e_a_log_cosh_loss_on_an_outlier_names_cosh_and_clamps_both_sides() ->
     d = nw.history[0].diagnoses[0]
     assert (d.code, d.op) == ("NW101", "aten.cosh")
     assert "from an input up to |x| = 15" in d.evidence[0]  # the -150, not the max
-    assert "clamp(-44.3, 44.3)" in d.fix and "softplus(-2 * d.abs())" in d.fix
+    # the same loss without cosh: a clamp inside cosh would zero the outlier's gradient
+    assert "softplus(-2 * d.abs())" in d.fix.split("\n")[0] and "clamp(-44.3, 44.3)" not in d.fix
 
 
 def test_e2e_an_exp_overflow_a_min_hid_in_forward_is_an_overflow_in_backward() -> None:

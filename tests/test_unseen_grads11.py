@@ -82,19 +82,21 @@ def test_a_rank_0_adapter_is_called_empty_not_initialized() -> None:
 # ------------------------------ 2: a one-line def: the inspect fix reads its body
 
 
-class _WN(nn.Module):
+class _Zeta(nn.Module):
+    """A value no rule explains (Hurwitz zeta at a negative q), made in a one-line forward
+    (a weight_norm of a zero weight was this test's model: it has a diagnosis of its own)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
-        head = nn.Linear(16, 4)
-        nn.init.zeros_(head.weight)
-        self.head = nn.utils.parametrizations.weight_norm(head)
+        self.head = nn.Linear(16, 4)
 
-    def forward(self, x): return self.head(self.body(x))  # type: ignore[no-untyped-def]  # fmt: skip
+    def forward(self, x): return self.head(self.body(x)) + torch.special.zeta(x[:, :4], -1.5)  # type: ignore[no-untyped-def]  # fmt: skip
 
 
 def test_a_one_line_def_gives_its_body_to_the_inspect_fix() -> None:
-    m = _WN()
+    torch.manual_seed(0)
+    m = _Zeta()
 
     def run() -> None:
         m(torch.randn(4, 8)).sum().backward()
@@ -102,7 +104,7 @@ def test_a_one_line_def_gives_its_body_to_the_inspect_fix() -> None:
     d = _first(_raises(m, run, "sentinel"), "NW100")
     _compiles(d.fix)
     assert "def forward" not in d.fix.split("\n", 1)[1]
-    assert "out = self.head(self.body(x))" in d.fix
+    assert "out = self.head(self.body(x)) + torch.special.zeta(x[:, :4], -1.5)" in d.fix
     assert "in forward's body" in d.fix
 
 

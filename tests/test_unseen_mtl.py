@@ -77,8 +77,11 @@ def test_a_functional_grl_is_not_blamed_on_the_label_head() -> None:
     a = nw.first_anomaly
     assert a is not None and a.kind is AnomalyKind.BACKWARD
     assert a.path == "DANN" and a.origin == "between-children"
-    assert "code in DANN that made domain_head's input[0]" in a.summary
+    # its own backward, replayed, names the Function that made it (as nw.replay does)
+    assert "born in the backward of custom autograd.Function GradReverse" in a.summary
     assert "label_head" not in a.summary.split(" [")[0]
+    d = nw.report.diagnoses[0]
+    assert "GradReverse.apply at " in d.fix, d.fix  # the factor it multiplies by: lambd
 
 
 def test_a_replay_names_the_custom_backward_in_the_headline() -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -1242,6 +1242,8 @@ def _chain_producer(chain: Sequence[str]) -> str | None:
     kind = _CHAIN_MAKERS.get(ops[0])
     if kind is not None:
         return kind
+    if ops[0] == "sub" and ops[1:2] == ["sigmoid"]:
+        return "sigmoid-difference"  # sigmoid(a) - sigmoid(b): a logistic cdf's bin mass
     if ops[0] != "rsub":
         return None
     if "erf" in ops[1:]:
@@ -1756,6 +1758,8 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
         return lik
     if made == "one-minus-sigmoid":
         return _one_minus_sigmoid_use(ctx, what, zeros, ev, known=not _line_unknown(ev))
+    if made == "sigmoid-difference":
+        return _sigmoid_difference_use(what, zeros, ev.dtype)
     if made is not None and made not in ("softmax", "sigmoid"):
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
     if made in ("softmax", "sigmoid"):
@@ -2964,6 +2968,36 @@ def _complex_log(
             "clamped."
         ),
         fix=fix,
+    )
+
+
+def _sigmoid_difference_use(what: str, zeros: str, dtype: str) -> _LogUse:
+    """The log of ``sigmoid(a) - sigmoid(b)`` (a discretized logistic's bin, an ordinal
+    model's class between two cut points) that is 0 where both sigmoids rounded to the same
+    value: the same log in a form that never subtracts them."""
+    lim = dtype_limits(dtype) or dtype_limits("float32")
+    assert lim is not None
+    edge = -math.log(lim.eps / 2)  # sigmoid(x) rounds to 1 above it
+    return _LogUse(
+        "sigmoid-difference",
+        fix=(
+            "log_p = F.logsigmoid(a) + F.logsigmoid(-b) + torch.log(-torch.expm1(b - a))   "
+            "# = log(sigmoid(a) - sigmoid(b)) for a > b, finite where both sigmoids round to 1\n"
+            f"# or a floor, where a 0 may stand: torch.log({what if what.isidentifier() else 'd'}"
+            ".clamp_min(1e-12))"
+        ),
+        why=(
+            f"Its input is a difference of sigmoids, sigmoid(a) - sigmoid(b) (the loss graph "
+            f"takes the log of a sub of a sigmoid), with {zeros}: in {dtype} sigmoid(x) "
+            f"rounds to exactly 1 for x above {fmt(edge)}, so two cut points both above it give "
+            "0, and its log is -inf "
+            "although the mass between them is not 0. That is the bin of a discretized "
+            "logistic likelihood or the class of a cumulative (ordinal) model far from its "
+            "center; written without subtracting the sigmoids it stays exact."
+        ),
+        evidence="the loss graph takes the log of a difference of sigmoids (log <- sub <- "
+        f"sigmoid): sigmoid(x) rounds to 1 for x > {fmt(edge)} in {dtype}",
+        title="Log of a difference of sigmoids that rounded to 0",
     )
 
 
@@ -5065,6 +5099,29 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "learn. Skip the operation when it is 0."
             ),
             fix=f"{guarded}   # {name} = 0 means off: the operation is skipped",
+        )
+        return
+    ball = _ball_factor(ev) if ev.phase is Phase.FORWARD else []
+    if ball:  # 1 - |x|²: a point of the Poincaré ball on (or past) its boundary
+        evidence.insert(
+            0,
+            "the denominator is made from 1 - |x|², the conformal factor of the unit "
+            f"(Poincaré) ball: {'; '.join(made for _, made in ball)}; it is 0 for a point on "
+            "the ball's boundary and negative outside it",
+        )
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title="Division by zero: a point on the boundary of the Poincaré ball",
+            evidence=evidence,
+            explanation=(
+                "A hyperbolic model keeps its points strictly inside the unit ball, where "
+                "1 - |x|² > 0; an optimizer step (plain SGD or Adam, not a Riemannian one) "
+                "moved a point to |x| = 1 or beyond, so the factor is 0 and the distance "
+                "divides by it. A guard that returns 0 there would call that point close to "
+                "every other: project the points back inside after each step, and keep the "
+                "factor off 0 (a margin below 1, as geoopt's PoincareBall does)."
+            ),
+            fix=_ball_fix(ctx, ball),
         )
         return
     vanish = (
@@ -7346,6 +7403,66 @@ _COUNT_NAME = re.compile(
     r"(?<![\w.])(?:n|cnt\w*|counts?|\w+_counts?|counts?_\w+|num_\w+|n_\w+|\w*lengths?|"
     r"\w*_lens?|lens?|deg|degrees?|\w+_deg)(?![\w(])"
 )
+
+
+_ONE_MINUS = re.compile(r"^\s*\(?\s*1(?:\.0*)?\s*-\s*(?P<rest>.+)$")
+_SQUARE = re.compile(r"\*\*\s*2(?!\d)|\.pow\(\s*2\s*\)|\.square\(\)|torch\.square\(")
+_REDUCE = re.compile(r"\.sum\(|torch\.sum\(|norm\(|\.dot\(|\.pow\(\s*2\s*\)\.sum")
+
+
+def _squared_norm_gap(text: str) -> bool:
+    """``text`` computes 1 - a squared norm: ``1 - (x ** 2).sum(-1)``, ``1 - x.norm(dim=-1)
+    ** 2``, ``1 - x.pow(2).sum(dim=-1, keepdim=True)``."""
+    m = _ONE_MINUS.match(text)
+    return m is not None and bool(_SQUARE.search(m["rest"])) and bool(_REDUCE.search(m["rest"]))
+
+
+def _ball_factor(ev: OpEvent) -> list[tuple[str, str]]:
+    """Each ``1 - |x|²`` (a Poincaré ball's conformal factor) the divisor of the op's line
+    is made from, written there or assigned to a name the divisor uses (``nx = 1 - (x **
+    2).sum(-1)``): (the factor's name or text, the statement that makes it); [] for none."""
+    got = _divisors(ev.code)
+    if not got:
+        return []
+    divisor = got[0]
+    inner = divisor.strip()
+    if _squared_norm_gap(inner.removeprefix("(").removesuffix(")")):
+        return [(inner, (ev.code or "").strip())]
+    found: list[tuple[str, str]] = []
+    for name in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", divisor)):
+        made = _assigned_before(ev.source, name)
+        for stmt in (made or "").split(";"):  # nx = ...; ny = ... on one line
+            lhs, eq, rhs = stmt.partition("=")
+            if eq and lhs.strip() == name and _squared_norm_gap(rhs):
+                found.append((name, stmt.strip()))
+                break
+    return found
+
+
+def _ball_fix(ctx: RuleContext, factors: list[tuple[str, str]]) -> str:
+    """Project the ball's points back inside after each update, and keep the factors off 0."""
+    shapes = ctx.facts.get("param_shapes")
+    names = list(shapes) if isinstance(shapes, Mapping) else list(watched_params([ctx.trace]))
+    tables = [q for q in names if q.endswith("weight")]
+    w = f"model.{tables[0]}" if len(tables) == 1 else "emb.weight"
+    note = "" if len(tables) == 1 else "   # emb: the embedding that holds the points"
+    keep = []
+    for factor, made in factors:
+        lhs, eq, rhs = made.partition("=")
+        keep.append(
+            f"{lhs.strip()} = ({rhs.strip()}).clamp_min(1e-5)   # and keep the factor off 0"
+            if eq and lhs.strip() == factor
+            else f"# and keep the factor off 0: ({factor}).clamp_min(1e-5)"
+        )
+    return "\n".join(
+        [
+            "# after every opt.step(): points back inside the unit ball",
+            f"with torch.no_grad():{note}",
+            f"    n = {w}.norm(dim=-1, keepdim=True)",
+            f"    {w}.mul_(((1 - 1e-5) / n).clamp_max(1))   # rows with |w| >= 1 back inside",
+            *keep,
+        ]
+    )
 
 
 def _float_count(ev: OpEvent, den: TensorStat) -> str | None:

@@ -10,7 +10,7 @@ import ast
 import itertools
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from nanwatch.localize import CONSTANT, LEAF, constant_text, leaf_never_written, leaf_text
@@ -20,7 +20,6 @@ from nanwatch.records import (
     AnomalyKind,
     OpEvent,
     Phase,
-    Record,
     TensorStat,
 )
 from nanwatch.rules._evidence import (
@@ -1512,18 +1511,20 @@ def _parametrized(
     trace = ctx.trace
     call = next((c for c in trace.calls if c.path == path), None)
     ins = [r for r in trace.inputs_of(call.id)] if call is not None else []
-    if not ins or _given(ev) != "from finite inputs":
+    stored = [(r.shape, f"original{i}" if len(ins) > 1 else "original") for i, r in enumerate(ins)]
+    if not stored:  # sentinel: no call of it was recorded; the weights' names tell them
+        stored = _stored_by_name(ctx, f"{owner}.parametrizations.{name}.".lstrip("."))
+    if not stored or _given(ev) != "from finite inputs":
         return None
-    stored = [(r, f"original{i}" if len(ins) > 1 else "original") for i, r in enumerate(ins)]
     zeros = [(nm, s) for nm, s in ev.inputs if s is not None and has_zero(s)]
     if not zeros:
         return None
     culprit = _stored_with(stored, zeros[0][1]) or stored[-1]
     plist = f"{module_ref(owner)}.parametrizations.{name}"
-    kind = call.module_type if call is not None else "parametrization"
+    kind = call.module_type if call is not None else (a.module_type or "parametrization")
     op = short_op(ev.op)
     what = f"{owner}'s {name}" if owner else name
-    names = ", ".join(f"{o} {r.shape}" for r, o in stored)
+    names = ", ".join(f"{o} {shape}" for shape, o in stored)
     evidence = [
         a.summary,
         f"{path} ({kind}) is a torch parametrization: every forward it computes {what} from "
@@ -1598,9 +1599,29 @@ def _spectral_fix(what: str, module: str, name: str, stored: str) -> tuple[str, 
     return explanation, fix
 
 
-def _stored_with(stored: list[tuple[Record, str]], held: TensorStat) -> tuple[Record, str] | None:
+def _stored_by_name(ctx: RuleContext, prefix: str) -> list[tuple[tuple[int, ...], str]]:
+    """The shapes of the tensors stored in a parametrization list (``original``,
+    ``original0``, ...), in order, by the names of the watched weights (the fact
+    ``param_shapes``, else the records of their gradients) that are ``prefix`` + that name."""
+    shapes = ctx.facts.get("param_shapes")
+    found: dict[str, tuple[int, ...]] = {}
+    named = (
+        list(shapes.items())
+        if isinstance(shapes, Mapping)
+        else [(r.role, r.shape) for r in ctx.trace.records if r.phase is Phase.GRADIENT]
+    )
+    for q, shape in named:
+        rest = q[len(prefix) :] if q.startswith(prefix) else ""
+        if re.fullmatch(r"original\d*", rest):
+            found.setdefault(rest, tuple(shape))
+    return [(found[k], k) for k in sorted(found, key=lambda k: (len(k), k))]
+
+
+def _stored_with(
+    stored: list[tuple[tuple[int, ...], str]], held: TensorStat
+) -> tuple[tuple[int, ...], str] | None:
     """The stored tensor the op's input with zeros is (as many values, the first such)."""
-    return next((x for x in stored if _numel(x[0].shape) == held.numel), None)
+    return next((x for x in stored if _numel(x[0]) == held.numel), None)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

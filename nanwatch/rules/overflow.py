@@ -1291,6 +1291,7 @@ def _from_op(
         and not result_only
         and tpow is None  # a power of ordinary operands: nothing grew past range
         and _huge_target(ev, lim) is None  # the data is unscaled: no growth to explain
+        and (name in EXP_LIKE or not math.isnan(big))  # inputs unmeasured: nothing to tell
     ):
         evidence.append(
             _growth_line(
@@ -1463,6 +1464,26 @@ def _from_op(
             inside=_inside_fix(ctx, small) if small is not None else None,
             source=ev.source,
         )
+        if name.rstrip("_") == "cosh" and not cplx and _log_of_cosh(ctx, ev):
+            # a log-cosh loss: the same loss without cosh, not a clamp that zeroes its
+            # gradient (tanh(d)) past the bound
+            fix = (
+                "log_cosh = d.abs() + F.softplus(-2 * d.abs()) - math.log(2)   # = "
+                "torch.log(torch.cosh(d)), d what you pass to cosh: finite for every d\n"
+                "# not torch.cosh(d.clamp(...)): past the clamp the loss stops growing and its "
+                "gradient is 0, so the largest errors stop being learned"
+            )
+        fn = custom_function(ev.node) if ev.phase is Phase.BACKWARD else None
+        if fn is not None and math.isnan(big) and kind == "other":
+            # its own backward() made it from a gradient that was not measured
+            at = f" at {ev.source}" if ev.source else ""
+            fix = (
+                f"# {fn}.backward made {ev.born}: each factor it multiplies the gradient by "
+                f"(what forward saved on ctx, the arguments of {fn}.apply{at}) must be "
+                "finite and not huge\n"
+                f"# torch.autograd.gradcheck({fn}.apply, inputs) on small float64 inputs checks "
+                "the backward against the forward"
+            )
     elif power is not None and lim is not None:
         explanation = (
             f"{fmt(power[0])} ** t grows with the exponent t, and {dtype} holds values up to "
@@ -4758,6 +4779,13 @@ def _explain_wide(
             "grow geometrically when nothing normalizes them."
         )
         return head + f"The inputs of this product were already up to {fmt(big)}." + more
+    if math.isnan(big):  # its inputs were not measured: how large they were is not known
+        return head + (
+            "Its inputs were not measured here (a custom Function's backward is given a "
+            "gradient nanwatch does not read): find what made its result that large, a "
+            "factor it multiplies by (a value saved in forward, a coefficient) or inputs that "
+            "grew."
+        )
     if cause:
         return head + f"The inputs reached {fmt(big)}. {cause}"
     return head + (
@@ -4818,6 +4846,17 @@ def _exp_calls(code: str | None, op: str) -> tuple[int, int]:
         {m.start() for m in re.finditer(after, line)}
     )
     return n, min(scaled, n)
+
+
+def _log_of_cosh(ctx: RuleContext, ev: OpEvent) -> bool:
+    """The cosh's result goes into a log (a log-cosh loss): the loss graph shows a log taken
+    of a cosh (its ``"loss_graph"`` note), or the op's line takes one."""
+    for n in ctx.notes("loss_graph"):
+        logs = n.data.get("logs")
+        if isinstance(logs, list) and any(isinstance(c, list) and c[:1] == ["cosh"] for c in logs):
+            return True
+    code = (ev.code or "").replace(" ", "")
+    return bool(re.search(r"log\((torch\.)?cosh\(|\.cosh\(\)\.log\(", code))
 
 
 def _fix_wide(
