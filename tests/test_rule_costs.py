@@ -18,26 +18,29 @@ from nanwatch.rules.gradients import _window_mins
 
 def _walk(ring: int, steps: int, keys: int, seed: int) -> None:
     rng = random.Random(seed)
-    values: dict[int, tuple[float, ...]] = {}
+    values: dict[int, dict[str, float]] = {}
     history: deque[StepTrace] = deque(maxlen=ring)
     calls = {"rows": 0}
 
-    def row(t: StepTrace) -> tuple[float, ...]:
+    def row(t: StepTrace) -> dict[str, float]:
         calls["rows"] += 1
         return values[t.step]
 
+    names = [f"k{i}" for i in range(keys)]
     for step in range(steps):
         trace = StepTrace(step=step)
-        # few distinct values, some absent (inf): the minimum is often tied, and often held
-        # by the step about to be dropped
-        values[step] = tuple(
-            math.inf if rng.random() < 0.2 else float(rng.randint(1, 4)) for _ in range(keys)
-        )
+        # few distinct values, some absent: the minimum is often tied, and often held by
+        # the step about to be dropped
+        values[step] = {k: float(rng.randint(1, 4)) for k in names if rng.random() >= 0.2}
         if history:
             ctx = base.RuleContext(trace=trace, history=list(history), thresholds=Thresholds())
             base._prune_memo(trace, list(history))
-            got = _window_mins(ctx, "tag", row)
-            want = [min(col) for col in zip(*(values[t.step] for t in history), strict=True)]
+            window = _window_mins(ctx, "tag", row)
+            got = [window.get(k) for k in [*names, "never"]]
+            want = [
+                min((values[t.step].get(k, math.inf) for t in history), default=math.inf)
+                for k in [*names, "never"]
+            ]
             assert got == want, (step, got, want)
         history.append(trace)
     base._prune_memo(StepTrace(step=-1), [])
@@ -69,7 +72,7 @@ def test_a_dropped_step_is_not_kept_alive() -> None:
         if history:
             ctx = base.RuleContext(trace=trace, history=list(history), thresholds=Thresholds())
             base._prune_memo(trace, list(history))
-            _window_mins(ctx, "tag", lambda t: (float(t.step),))
+            _window_mins(ctx, "tag", lambda t: {"k": float(t.step)})
         history.append(trace)
     try:
         held = [t for _, kept in base._MEMO.values() for v in kept.values() for t in _traces_in(v)]

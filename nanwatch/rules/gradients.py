@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import itertools
 import math
 import os
 import re
 import statistics
 import sys
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -3219,6 +3221,7 @@ class _GradSummary:
     total: float | None
     params: dict[str, float]  #: parameter -> gradient L2 norm
     modules: dict[str, float]  #: module path -> max |gradient of its output|
+    dtypes: frozenset[str] = frozenset()  #: the dtypes of the parameter gradients recorded
 
 
 def _by_grad_only(trace: StepTrace) -> bool:
@@ -3230,21 +3233,44 @@ def _by_grad_only(trace: StepTrace) -> bool:
 
 
 def _grad_summary(trace: StepTrace) -> _GradSummary:
+    """The step's parameter gradient norms and module output gradients (max |gradient| over
+    finite values), in one pass over its records: NW303 reads it on every step. A module's
+    gradients ``torch.autograd.grad`` computed count only when no training ``backward()``
+    recorded one (:func:`_by_grad_only`)."""
     params: dict[str, float] = {}
     modules: dict[str, float] = {}
+    by_grad: dict[str, float] = {}
+    dtypes: set[str] = set()
     losses = {c.id for c in trace.calls if c.is_loss}
-    every = _by_grad_only(trace)
+    trained = False
+    gradient, backward = Phase.GRADIENT, Phase.BACKWARD
     for r in trace.records:
+        phase = r.phase
+        if phase is gradient:
+            dtypes.add(r.dtype)
+        elif phase is backward:
+            trained = trained or not r.by_grad
+        else:
+            continue
         s = r.stat
         if s is None or r.call in losses:  # a loss's own gradient is 1 by definition
             continue
-        if r.phase is Phase.GRADIENT and s.norm is not None and math.isfinite(s.norm):
-            params[r.role] = s.norm
-        elif r.phase is Phase.BACKWARD and (every or not r.by_grad):
-            m = s.magnitude
-            if math.isfinite(m):
-                modules[r.path] = max(m, modules.get(r.path, 0.0))
-    return _GradSummary(trace.grad_norm, params, modules)
+        if phase is gradient:
+            if s.norm is not None and math.isfinite(s.norm):
+                params[r.role] = s.norm
+            continue
+        # TensorStat.magnitude, without its property calls
+        m = s.finite_amax
+        if m is None:
+            if (s.nan > 0) if s.nan is not None else (math.isnan(s.min) or math.isnan(s.max)):
+                continue
+            m = max(abs(s.min), abs(s.max))
+        if math.isfinite(m):
+            into = by_grad if r.by_grad else modules
+            old = into.get(r.path)
+            if old is None or m > old:
+                into[r.path] = m
+    return _GradSummary(trace.grad_norm, params, modules if trained else by_grad, frozenset(dtypes))
 
 
 #: float32's machine epsilon: the norms are summed in float32 or wider
@@ -3322,6 +3348,7 @@ def _spikes(
     factor: float,
     need: int,
     *,
+    window: _WindowMin | None,
     jump: bool = False,
 ) -> list[tuple[float, str, float, float]]:
     """Keys whose value is at least ``factor`` times their median over the history's
@@ -3332,42 +3359,19 @@ def _spikes(
     MDN's means as its sigmas shrink) climbs to many times its own early steps while no
     step is many times the few before it; that is training, not an explosion.
 
-    Runs every step, so it is built to be cheap: each history step's values, aligned to the
-    current keys, are computed once per step (memo); each key's minimum over the history
-    is carried from the last step's (:func:`_window_mins`), and a key is a candidate only
-    if its value reaches ``factor`` times that minimum (the median is at least that): only
+    Runs every step, so it is built to be cheap: a key is a candidate only if its value
+    reaches ``factor`` times its minimum over the history (``window``, carried from step to
+    step by :func:`_window_mins`, when one is kept; the median is at least that), and only
     candidates read their history and get a median."""
-    keys = tuple(current)
-    if not keys:
-        return []
-    tag = f"spike-row:{kind}:{hash(keys)}"
-
-    def row(t: StepTrace) -> tuple[float, ...]:
-        summary = ctx.memo(t, "grad_summary", _grad_summary)
-        values = getattr(summary, kind)
-        # inf: absent that step, or exactly 0 (not yet connected to the loss: a loss term
-        # weighted 0 during a warm-up, a gate initialized to 0); neither is its level. Nor
-        # is a parameter's norm lost in the rounding of that step's total (see
-        # _above_rounding): a conv bias before a BatchNorm in training mode has a true
-        # gradient of 0, and once the norm's statistics are frozen (fine-tuning, QAT's
-        # freeze_bn_stats) its real gradient is no jump over that noise
-        total = summary.total if kind == "params" else None
-        if total is not None and math.isfinite(total) and total > 0:
-            floor = _EPS32 * total * total
-            return tuple(
-                x if (x := values.get(k, 0.0)) and x * x >= floor else math.inf for k in keys
-            )
-        return tuple(values.get(k, math.inf) or math.inf for k in keys)
-
-    mins = _window_mins(ctx, tag, row)
-    rows: list[tuple[float, ...]] | None = None
     out = []
-    for i, (key, v) in enumerate(zip(keys, current.values(), strict=True)):
-        if v < factor * mins[i]:
+    rows: list[Mapping[str, float]] | None = None
+    for key, v in current.items():
+        if window is not None and v < factor * window.get(key):
             continue
         if rows is None:
-            rows = [ctx.memo(t, tag, row) for t in ctx.history]
-        seen = [x for x in (r[i] for r in rows) if x != math.inf]
+            row = _grad_row(ctx, kind)
+            rows = [ctx.memo(t, _ROW_TAG + kind, row) for t in ctx.history]
+        seen = [x for r in rows if (x := r.get(key)) is not None]
         if len(seen) < need:
             continue
         if jump and v < factor * max(seen[-need:]):
@@ -3402,46 +3406,138 @@ def _peak(values: list[float], factor: float, need: int) -> float:
     return top
 
 
+def _total_row(summary: _GradSummary) -> dict[str, float]:
+    """The step's total gradient norm under the key ``_TOTAL``, when it is finite and not
+    0 (a level to compare with); empty otherwise."""
+    total = summary.total
+    return {_TOTAL: total} if total is not None and math.isfinite(total) and total else {}
+
+
+def _param_row(summary: _GradSummary) -> dict[str, float]:
+    """The step's parameter gradient norms that are a level: not exactly 0 (not yet
+    connected to the loss: a loss term weighted 0 during a warm-up, a gate initialized to
+    0), nor lost in the rounding of that step's total (see :func:`_above_rounding`: a conv
+    bias before a BatchNorm in training mode has a true gradient of 0, and once the norm's
+    statistics are frozen, fine-tuning or QAT's freeze_bn_stats, its real gradient is no
+    jump over that noise)."""
+    total = summary.total
+    if total is not None and math.isfinite(total) and total > 0:
+        floor = _EPS32 * total * total
+        return {k: x for k, x in summary.params.items() if x and x * x >= floor}
+    return {k: x for k, x in summary.params.items() if x}
+
+
+def _module_row(summary: _GradSummary) -> dict[str, float]:
+    """The step's module output gradients (max |gradient|) that are not exactly 0."""
+    return {k: x for k, x in summary.modules.items() if x}
+
+
+#: what a step contributes to the history's level of each kind of gradient norm
+_ROWS: dict[str, Callable[[_GradSummary], dict[str, float]]] = {
+    "total": _total_row,
+    "params": _param_row,
+    "modules": _module_row,
+}
+_ROW_TAG = "nw303-row:"
+
+
+def _grad_row(ctx: RuleContext, kind: str) -> Callable[[StepTrace], dict[str, float]]:
+    """A step's row of ``kind`` (:data:`_ROWS`), from its memoized gradient summary."""
+    fn = _ROWS[kind]
+    return lambda t: fn(ctx.memo(t, "grad_summary", _grad_summary))
+
+
+#: a step named by identity and number: a dropped step is not kept alive by what is carried
+_Mark = tuple[int, int]
+
+
+def _mark(t: StepTrace) -> _Mark:
+    return id(t), t.step
+
+
+class _WindowMin:
+    """Each key's minimum over the rows of a window of steps (oldest first), kept as the
+    window grows by a step and slides by one: per key, a queue of the values that can still
+    become its minimum (each smaller than the ones after it, with its row's position), so a
+    step costs one row, not a pass over the window."""
+
+    __slots__ = ("_queues", "end", "marks")
+
+    def __init__(self) -> None:
+        self.marks: deque[_Mark] = deque()  #: the window's steps, oldest first
+        self.end = 0  #: how many rows were pushed
+        self._queues: dict[str, deque[tuple[int, float]]] = {}
+
+    def push(self, mark: _Mark, row: Mapping[str, float]) -> None:
+        """Add a step, newest, with its values (an absent key: no value that step)."""
+        pos = self.end
+        self.end += 1
+        self.marks.append(mark)
+        lo = self.end - len(self.marks)
+        for key, v in row.items():
+            q = self._queues.get(key)
+            if q is None:
+                self._queues[key] = deque(((pos, v),))
+                continue
+            while q and q[-1][1] >= v:
+                q.pop()
+            while q and q[0][0] < lo:
+                q.popleft()
+            q.append((pos, v))
+
+    def drop(self) -> None:
+        """Drop the window's oldest step."""
+        self.marks.popleft()
+
+    def get(self, key: str) -> float:
+        """``key``'s minimum over the window; inf when no step of it has a value."""
+        q = self._queues.get(key)
+        if not q:
+            return math.inf
+        lo = self.end - len(self.marks)
+        while q and q[0][0] < lo:
+            q.popleft()
+        return q[0][1] if q else math.inf
+
+
 def _window_mins(
-    ctx: RuleContext, tag: str, row: Callable[[StepTrace], tuple[float, ...]]
-) -> list[float]:
+    ctx: RuleContext, tag: str, row: Callable[[StepTrace], Mapping[str, float]]
+) -> _WindowMin:
     """Each key's minimum over the history's rows (``row``, memoized under ``tag``), kept
     with the history's newest step and carried to the next: when the history grew by a
-    step, or slid by one (its oldest step dropped), only the new row is compared, and a
-    key is read again over the whole history only where the dropped row held its minimum.
-    A whole pass over the history (steps x keys) otherwise costs most of NW303's time on
-    every step. The steps are named by identity and number, not held: a dropped step is
-    not kept alive."""
+    step, or slid by one (its oldest step dropped), only the new row is added. A pass over
+    the history (steps x keys) otherwise costs most of NW303's time on every step."""
     hist = ctx.history
     n = len(hist)
     key = tag + ":window-min"
 
-    def mark(t: StepTrace) -> tuple[int, int]:
-        return id(t), t.step
+    def rebuild() -> _WindowMin:
+        w = _WindowMin()
+        for t in hist:
+            w.push(_mark(t), ctx.memo(t, tag, row))
+        return w
 
-    def compute(last: StepTrace) -> tuple[Any, ...]:
-        new = ctx.memo(last, tag, row)
-        first_row = ctx.memo(hist[0], tag, row)
-        head = mark(hist[0]), mark(hist[1]) if n > 1 else None
+    def compute(last: StepTrace) -> _WindowMin:
         prev = ctx.cached(hist[-2], key) if n > 1 else None
-        if prev is not None:
-            (p_first, p_second), p_n, p_mins, p_first_row = prev
-            if p_first == head[0] and p_n == n - 1:  # the history grew by this step
-                return head, n, list(map(min, p_mins, new)), first_row
-            if p_second == head[0] and p_n == n:  # it slid: its oldest step was dropped
-                mins = list(map(min, p_mins, new))
-                pairs = enumerate(zip(p_first_row, p_mins, strict=True))
-                stale = [i for i, (d, m) in pairs if d <= m]
-                if stale:
-                    rows = [ctx.memo(t, tag, row) for t in hist]
-                    for i in stale:
-                        mins[i] = min(r[i] for r in rows)
-                return head, n, mins, first_row
-        rows = [ctx.memo(t, tag, row) for t in hist]
-        return head, n, [min(col) for col in zip(*rows, strict=True)], first_row
+        if not isinstance(prev, _WindowMin) or not prev.marks or prev.marks[-1] != _mark(hist[-2]):
+            return rebuild()
+        m = len(prev.marks)
+        if m == n - 1 and prev.marks[0] == _mark(hist[0]):  # the history grew by this step
+            prev.push(_mark(last), ctx.memo(last, tag, row))
+            return prev
+        if m == n and prev.marks[1] == _mark(hist[0]):  # it slid: its oldest step was dropped
+            prev.drop()
+            prev.push(_mark(last), ctx.memo(last, tag, row))
+            return prev
+        return rebuild()
 
-    mins: list[float] = ctx.memo(hist[-1], key, compute)[2]
-    return mins
+    if not n:
+        return _WindowMin()
+    w: _WindowMin = ctx.memo(hist[-1], key, compute)
+    # carried in place: the value kept with an older step may have moved on since
+    if len(w.marks) != n or w.marks[-1] != _mark(hist[-1]) or w.marks[0] != _mark(hist[0]):
+        w = rebuild()
+    return w
 
 
 # ------------------------------------------------- gradients that grow with each update
@@ -3616,11 +3712,14 @@ def _lr_divergence(ctx: RuleContext) -> _Divergence | None:
     summary=(
         "The gradient norm (total, per parameter or per module) jumped to many times its "
         "median over the recorded steps (thresholds.explode_factor) and past the largest "
-        "level the run had before (a converged run moving off its optimum is no explosion), "
-        "and not small against the weights: a jump from rounding noise (below "
-        "finfo(dtype).eps × the weights' norm: a loss at its floor) must pass explode_factor "
-        "times that floor, and one to below sqrt(float32 eps) × the weights' norm explodes "
-        "nothing. Clip at a max_norm that binds, or lower the lr. "
+        "level the run had before (a converged run moving off its optimum is no explosion, "
+        "nor a fit whose loss sat at finfo(loss dtype).eps of where the run began going "
+        "back to the gradient level it began with), and not small against the weights: a "
+        "jump from rounding noise (below finfo(dtype).eps × the weights' norm: a loss at its "
+        "floor) must pass explode_factor times that floor, and one to below sqrt(float32 "
+        "eps) × the weights' norm explodes nothing. Clip at a max_norm that binds, or lower "
+        "the lr; right after an update that raised the lr explode_factor times or moved the "
+        "weights by their own size, the lr is named (NW308 says it where the loss spiked). "
         "From the first step: a total norm past 1e-3 × sqrt(finfo(dtype).max) of the "
         "gradients' dtype (1.8e16 in float32 and bfloat16), whose square nearly overflows."
     ),
@@ -3667,6 +3766,192 @@ def _regime(ctx: RuleContext) -> Sequence[StepTrace] | None:
     return hist[start:] if start else hist
 
 
+def _candidates(
+    ctx: RuleContext,
+    cur: _GradSummary,
+    params: Mapping[str, float],
+    modules: Mapping[str, float],
+    windows: Mapping[str, _WindowMin],
+) -> bool:
+    """Whether any norm of the step could be a spike (a necessary condition of
+    :func:`_jumped`'s, checked before it reads the history): the total, or a parameter's
+    (of ``params``) or, when the step measured no update, a module's (of ``modules``), at
+    ``explode_factor`` times its minimum over the history or more (the median over any
+    later part of the history, a regime, is at least that) and, without the total, as many
+    times each of its last ``min_history`` values (a jump). A healthy step stops here."""
+    factor = ctx.thresholds.explode_factor
+    total = cur.total
+    if (
+        total is not None
+        and math.isfinite(total)
+        and total >= factor * windows["total"].get(_TOTAL)
+    ):
+        return True
+    kinds = (
+        [("params", params)] if _update_seen(cur) else [("params", params), ("modules", modules)]
+    )
+    for kind, current in kinds:
+        w = windows[kind]
+        found = [(k, v) for k, v in current.items() if v >= factor * w.get(k)]
+        if found and _jumps(ctx, kind, found, factor):
+            return True
+    return False
+
+
+def _jumps(ctx: RuleContext, kind: str, found: list[tuple[str, float]], factor: float) -> bool:
+    """Whether any of ``found`` (key, value) is ``factor`` times each of its last
+    ``min_history`` values in the history's rows of ``kind`` (where it had one), with that
+    many values found."""
+    need = ctx.thresholds.min_history
+    row = _grad_row(ctx, kind)
+    tag = _ROW_TAG + kind
+    last: dict[str, list[float]] = {k: [] for k, _ in found}
+    for t in reversed(ctx.history):
+        r = ctx.memo(t, tag, row)
+        for k, seen in last.items():
+            if len(seen) < need and (x := r.get(k)) is not None:
+                seen.append(x)
+        if all(len(seen) >= need for seen in last.values()):
+            break
+    return any(len(last[k]) >= need and v >= factor * max(last[k]) for k, v in found)
+
+
+@dataclass(frozen=True)
+class _Start:
+    """The first losses and total gradient norms recorded while watching (``min_history``
+    of each at most, finite, oldest first): the level the run began at, carried from step
+    to step long after the ring buffer dropped those steps."""
+
+    losses: tuple[float, ...] = ()
+    totals: tuple[float, ...] = ()
+
+    def add(self, trace: StepTrace, need: int) -> _Start:
+        losses, totals = self.losses, self.totals
+        if len(losses) < need and trace.loss is not None and math.isfinite(trace.loss):
+            losses = (*losses, trace.loss)
+        g = trace.grad_norm
+        if len(totals) < need and g is not None and math.isfinite(g) and g > 0:
+            totals = (*totals, g)
+        if losses is self.losses and totals is self.totals:
+            return self
+        return _Start(losses, totals)
+
+
+def _run_start(ctx: RuleContext, need: int) -> _Start:
+    """The run's :class:`_Start`, kept with the history's newest step and carried to the
+    next (read from the history alone when the step before has none: the ring's oldest
+    steps then stand for the start)."""
+    hist = ctx.history
+    key = "nw303-start"
+
+    def compute(last: StepTrace) -> _Start:
+        prev = ctx.cached(hist[-2], key) if len(hist) > 1 else None
+        if isinstance(prev, _Start):
+            return prev.add(last, need)
+        start = _Start()
+        for t in hist:
+            start = start.add(t, need)
+        return start
+
+    return ctx.memo(hist[-1], key, compute) if hist else _Start()
+
+
+def _settled(ctx: RuleContext, start: _Start, total: float | None, level: float | None) -> bool:
+    """Whether the step's total gradient norm ``total``, many times its recent ``level``,
+    is a fitted model moved off its optimum: the loss has sat at its floor (the history's
+    median loss at or below finfo(loss dtype).eps × the loss the run began with: a fit
+    exact to the loss's resolution), the gradient level is the rounding noise of that fit
+    (at or below sqrt(eps) × the norm the run began with: a squared loss's gradient goes as
+    its square root), and ``total`` is back at most to that beginning norm, a level the run
+    trained through. One hard batch, one noisy label, does that to a converged fit; no
+    update has grown."""
+    need = ctx.thresholds.min_history
+    if (
+        total is None
+        or level is None
+        or not math.isfinite(total)
+        or len(start.losses) < need
+        or len(start.totals) < need
+    ):
+        return False
+    loss0, total0 = statistics.median(start.losses), statistics.median(start.totals)
+    if not (loss0 > 0 and total <= total0):
+        return False
+    losses = [t.loss for t in ctx.history if t.loss is not None]
+    if len(losses) < need or not all(math.isfinite(x) and x >= 0 for x in losses):
+        return False
+    t = getattr(torch, _loss_dtype(ctx.trace), None)
+    eps = torch.finfo(t).eps if isinstance(t, torch.dtype) and t.is_floating_point else _EPS32
+    return statistics.median(losses) <= eps * loss0 and level <= math.sqrt(eps) * total0
+
+
+def _overshot(ctx: RuleContext) -> tuple[StepTrace, list[_Raise], _Oversize | None] | None:
+    """The update just before this step (the history's last step's) when it was oversized
+    as NW308 measures it: its lr raised ``explode_factor`` times at once, or a step as large
+    as the weights it moved; with the lr raises and the weight moved the most. None
+    otherwise."""
+    hist = ctx.history
+    if not hist or hist[-1].step != ctx.step - 1:
+        return None
+    update = hist[-1]
+    raises = _lr_raises(ctx, update)
+    big = _oversized_update(ctx, update)
+    return (update, raises, big) if raises or big is not None else None
+
+
+def _spike_told(ctx: RuleContext) -> bool:
+    """Whether the loss spike NW308 diagnoses already says this jump of the gradients: NW308
+    fires at this step, or fired at an earlier step of the same spike (:func:`_same_spike`)
+    where the gradients had jumped with the loss (its evidence says they followed), or NW303
+    has named the lr since then. Otherwise NW303 names the lr, once a spike."""
+    probe = dataclasses.replace(ctx, rule=REGISTRY["NW308"], _now={})
+    if next(_loss_spike(probe), None) is not None:
+        return True
+    if not _same_spike(ctx):
+        return False
+    hist = list(ctx.history)
+    last = max(i for i, t in enumerate(hist) if any(d.code == "NW308" for d in t.diagnoses))
+    g = hist[last].grad_norm
+    before = [
+        x for t in hist[:last] if (x := t.grad_norm) is not None and math.isfinite(x) and x > 0
+    ]
+    if g is not None and before and g >= ctx.thresholds.explode_factor * max(before):
+        return True
+    return any(d.code == "NW303" for t in hist[last + 1 :] for d in t.diagnoses)
+
+
+def _overshoot_diagnosis(
+    ctx: RuleContext,
+    over: tuple[StepTrace, list[_Raise], _Oversize | None],
+    evidence: list[str],
+    param: str | None,
+    clip_line: str,
+) -> Diagnosis:
+    """NW303 for gradients that jumped right after an oversized update (the loss did not
+    spike with them, or NW308 would say it): the lr is named, not a module."""
+    update, raises, big = over
+    why, fix, moved, clip = _overshoot_words(raises, big)
+    lines = [
+        f"the update at step {r.step} ({r.optimizer}, param group {r.group}) used lr "
+        f"{fmt(r.new)}, {_times(r.new / r.old)} the {fmt(r.old)} of its update before"
+        for r in raises[:2]
+    ]
+    if big is not None:
+        lines.append(big.evidence())
+    return ctx.diagnosis(
+        parameter=moved or param,
+        phase=Phase.BACKWARD.value,
+        evidence=[*evidence[:1], *lines, *evidence[1:]],
+        explanation=(
+            f"The gradients jumped right after the update at step {update.step}: {why}. The "
+            "update overshot, so the weights now compute with values training never had, "
+            "where the gradient is many times the one it followed: the learning rate made "
+            f"this jump, not a module's backward.{clip}"
+        ),
+        fix=fix if clip else f"{fix}\n{clip_line}   # and, to bound any one step",
+    )
+
+
 def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
     """NW303 by the ratio of this step's gradient norms to their recent level, within the
     current regime (:func:`_regime`)."""
@@ -3674,12 +3959,22 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
     need = ctx.thresholds.min_history
     if len(ctx.history) < need:
         return
+    cur = ctx.memo(ctx.trace, "grad_summary", _grad_summary)
+    # a module's output gradient counts alone only when the step measured no update: its
+    # window is kept only then (elsewhere its spikes read the history without one)
+    kinds = ("total", "params") if _update_seen(cur) else tuple(_ROWS)
+    windows = {k: _window_mins(ctx, _ROW_TAG + k, _grad_row(ctx, k)) for k in kinds}
+    rounded = _above_rounding(cur)
+    shared = _share_of_largest(cur.modules, factor)
+    start = _run_start(ctx, need)
+    if not _candidates(ctx, cur, rounded, shared, windows):
+        return
     regime = _regime(ctx)
     if regime is None or len(regime) < need:
         return
+    full = ctx
     if len(regime) < len(ctx.history):
         ctx = dataclasses.replace(ctx, history=regime)
-    cur = ctx.memo(ctx.trace, "grad_summary", _grad_summary)
     past = [ctx.memo(t, "grad_summary", _grad_summary) for t in ctx.history]
     evidence: list[str] = []
     totals = [p.total for p in past if p.total is not None and math.isfinite(p.total) and p.total]
@@ -3689,8 +3984,10 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
         # read from the weights only for a norm that jumped: not every step
         return ctx.memo(ctx.trace, "weight_scales", lambda t: _weight_scales(ctx, cur)).get(key)
 
+    level: float | None = None
     if cur.total is not None and math.isfinite(cur.total) and len(totals) >= need:
         med, n = _level(totals, need)
+        level = med
         if (
             med > 0
             and cur.total >= factor * med
@@ -3704,10 +4001,10 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
             )
     # without a spike of the total, a parameter or module must jump above its recent level
     jump = not total_spike
-    mods = _spikes(ctx, "modules", _share_of_largest(cur.modules, factor), factor, need, jump=jump)
+    mods = _spikes(ctx, "modules", shared, factor, need, window=windows.get("modules"), jump=jump)
     params = [
         p
-        for p in _spikes(ctx, "params", _above_rounding(cur), factor, need, jump=jump)
+        for p in _spikes(ctx, "params", rounded, factor, need, window=windows["params"], jump=jump)
         if not _small_for_weights(p[2], p[3], factor, scale(p[1]))
     ]
     if not total_spike and not params and (not mods or _update_seen(cur)):
@@ -3715,6 +4012,10 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
         # and did not move: F.normalize of an all-zero row (1/eps, multiplied by the
         # zero input), an output layer initialized to 0 whose gradient grows from
         # nothing. Clipping would change nothing.
+        return
+    if _settled(ctx, start, cur.total, level):
+        # a fit at its floor met a batch it does not fit: its gradients are back at a
+        # level the run trained through, not many times anything the update can overshoot
         return
     clip = _clip_before_step(ctx.trace)
     if clip is not None and (clip[1] is None or cur.total is None or cur.total > clip[1]):
@@ -3750,6 +4051,13 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
             explanation=grew.explanation(),
             fix=grew.fix(names.optimizer) + "\n" + clip_line + "   # and, to bound any one step",
         )
+        return
+    over = _overshot(full)
+    if over is not None:
+        # the update before this step overshot: the lr made the jump, not a module's
+        # backward; NW308 says so where the loss spiked with it
+        if not _spike_told(full):
+            yield _overshoot_diagnosis(ctx, over, evidence, param, clip_line)
         return
     # the module whose own backward multiplied the gradient past 1 / eps this step, and by
     # far more than it did while the norms were level: the jump began there
@@ -4004,11 +4312,11 @@ def _binding_max_norm(level: float, total: float) -> str:
 _HUGE_SHARE = 1e-3
 
 
-def _norm_limit(trace: StepTrace) -> tuple[str, float] | None:
-    """The widest dtype of the step's parameter gradients and 1e-3 × sqrt(finfo.max) of
-    it; None for float16 (its range is short: a norm that large is a GradScaler's scale)
+@functools.lru_cache(maxsize=64)
+def _norm_limit(dtypes: frozenset[str]) -> tuple[str, float] | None:
+    """The widest of ``dtypes`` (a step's parameter gradients') and 1e-3 × sqrt(finfo.max)
+    of it; None for float16 (its range is short: a norm that large is a GradScaler's scale)
     and when no gradient was recorded."""
-    dtypes = {r.dtype for r in trace.records if r.phase is Phase.GRADIENT}
     best: tuple[str, float] | None = None
     for d in dtypes:
         t = getattr(torch, d, None)
@@ -4026,7 +4334,7 @@ def _huge_norm(ctx: RuleContext) -> Diagnosis | None:
     step, which no median of its own past can show (that past is as huge)."""
     cur = ctx.memo(ctx.trace, "grad_summary", _grad_summary)
     total = cur.total
-    lim = _norm_limit(ctx.trace) if total is not None and math.isfinite(total) else None
+    lim = _norm_limit(cur.dtypes) if total is not None and math.isfinite(total) else None
     if total is None or lim is None or total < lim[1]:
         return None
     dtype, limit = lim
@@ -6613,6 +6921,46 @@ def _same_spike(ctx: RuleContext) -> bool:
     return all(t.loss is None or not (t.loss < floor) for t in hist[last:])
 
 
+def _overshoot_words(
+    raises: Sequence[_Raise], big: _Oversize | None
+) -> tuple[str, str, str | None, str]:
+    """What an oversized update did, for a sentence (``why``), the fix that lowers its lr,
+    the weight it moved the most (None when the lr raise alone shows it) and, for an
+    optimizer whose step is about lr whatever the gradient, why clipping does not bound it
+    (empty otherwise)."""
+    if raises:
+        r = raises[0]
+        why = (
+            f"the lr of {r.optimizer}'s param group {r.group} was raised {_times(r.new / r.old)} "
+            f"at once, to {fmt(r.new)}"
+        )
+        fix = (
+            f'optimizer.param_groups[{r.group}]["lr"] = {fmt(r.old)}   # was {fmt(r.new)} '
+            f"({r.optimizer}); raise it over many steps (a warm-up scheduler), not at once"
+        )
+        optimizer, param = r.optimizer, big.param if big is not None else None
+    else:
+        assert big is not None
+        what = "largest |value|" if big.kind == "max" else "RMS value"
+        why = (
+            f"it moved {big.param} by {_times(big.ratio)} its {what} (lr {fmt(big.lr)} "
+            f"with {big.optimizer}, param group {big.group})"
+        )
+        new = _round_down(big.lr * _SAFE_SHARE / big.ratio)
+        fix = (
+            f'optimizer.param_groups[{big.group}]["lr"] = {fmt(new)}   # was {fmt(big.lr)} '
+            f"({big.optimizer}): its update was {_times(big.ratio)} the size of {big.param}"
+        )
+        optimizer, param = big.optimizer, big.param
+    clip = (
+        " Clipping the gradients does not bound this step: "
+        f"{optimizer} moves each weight by about lr whatever the gradient."
+        if _normalized(optimizer) or "lion" in optimizer.lower()
+        else ""
+    )
+    return why, fix, param, clip
+
+
 @rule(
     "NW308",
     title="Loss spike after an oversized update",
@@ -6669,36 +7017,7 @@ def _loss_spike(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"total gradient norm {fmt(g)} at step {ctx.step}: {_times(g / max(finite))} the "
             f"largest of the previous steps ({fmt(max(finite))}); the gradients followed"
         )
-    if raises:
-        r = raises[0]
-        why = (
-            f"the lr of {r.optimizer}'s param group {r.group} was raised {_times(r.new / r.old)} "
-            f"at once, to {fmt(r.new)}"
-        )
-        fix = (
-            f'optimizer.param_groups[{r.group}]["lr"] = {fmt(r.old)}   # was {fmt(r.new)} '
-            f"({r.optimizer}); raise it over many steps (a warm-up scheduler), not at once"
-        )
-        optimizer, param = r.optimizer, big.param if big is not None else None
-    else:
-        assert big is not None
-        what = "largest |value|" if big.kind == "max" else "RMS value"
-        why = (
-            f"it moved {big.param} by {_times(big.ratio)} its {what} (lr {fmt(big.lr)} "
-            f"with {big.optimizer}, param group {big.group})"
-        )
-        new = _round_down(big.lr * _SAFE_SHARE / big.ratio)
-        fix = (
-            f'optimizer.param_groups[{big.group}]["lr"] = {fmt(new)}   # was {fmt(big.lr)} '
-            f"({big.optimizer}): its update was {_times(big.ratio)} the size of {big.param}"
-        )
-        optimizer, param = big.optimizer, big.param
-    clip = (
-        " Clipping the gradients does not bound this step: "
-        f"{optimizer} moves each weight by about lr whatever the gradient."
-        if _normalized(optimizer) or "lion" in optimizer.lower()
-        else ""
-    )
+    why, fix, param, clip = _overshoot_words(raises, big)
     yield ctx.diagnosis(
         parameter=param,
         phase=Phase.FORWARD.value,
