@@ -101,6 +101,27 @@ def no_values() -> bool:
     return fake_mode_active() or transforming()
 
 
+def _make_values_hidden() -> Callable[[], bool]:
+    """:func:`no_values`, or ``torch.jit.trace`` recording every op (a read would become a
+    constant of the traced graph), asked by every hook call: one Python call of three C
+    checks where torch has them all, else the same checks through their helpers."""
+    key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)
+    get_mode = getattr(torch._C, "_get_dispatch_mode", None)
+    level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
+    jit = getattr(torch._C, "_is_tracing", None)
+    if key is None or get_mode is None or level is None or jit is None:
+        jit_tracing = jit or (lambda: False)
+        return lambda: no_values() or bool(jit_tracing())
+
+    def hidden() -> bool:
+        return get_mode(key) is not None or level() is not None or bool(jit())
+
+    return hidden
+
+
+values_hidden: Callable[[], bool] = _make_values_hidden()
+
+
 #: From this many values on, a CPU float32/float64 tensor is read with ``amin`` and
 #: ``amax`` (two vectorized passes) rather than ``torch.aminmax`` (one slower pass): on
 #: torch 2.13's CPU kernels, two threads, the pair takes 0.72x the time at 2**20 values and

@@ -122,12 +122,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def device_name(device: torch.device) -> str:
-    return _device_name(device)
-
-
 @functools.lru_cache(maxsize=64)
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """``torch.device("cuda", 0)`` -> ``"cuda:0"`` (cached: every record asks it)."""
     return str(device)
 
 

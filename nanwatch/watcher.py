@@ -50,10 +50,10 @@ from nanwatch._compat import (
     capturing,
     compiling,
     function_modes,
-    no_values,
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
     transforming,
+    values_hidden,
 )
 from nanwatch._structure import iter_tensors
 from nanwatch.config import WatchConfig
@@ -626,6 +626,11 @@ class Watcher:
     _known: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, int | None, bool]]
     _recorded_nodes: ops.NodeMarks
     _minmax: dict[int, tuple[Any, Any]]  #: record index -> the aminmax measured for it
+    #: (data_ptr, dtype, numel) of a contiguous tensor measured this step -> (weakref to its
+    #: base, record index, version then): a view of the same values reads these (see
+    #: :meth:`_read_of`); valid while ``_minmax`` is the dict ``_reads_for`` names
+    _reads: dict[tuple[int, torch.dtype, int], tuple[weakref.ReferenceType[torch.Tensor], int, int]]
+    _reads_for: dict[int, tuple[Any, Any]] | None = None
     _stack: list[_Frame]
     _pending: list[tuple[Record, torch.Tensor, torch.Tensor, int]]  #: + the numel
     #: statistics already on their way to the host (see :meth:`_prefetch`)
@@ -1673,7 +1678,13 @@ class Watcher:
                 self._hook_recomputed(info, output)
                 return
             pre_opened = not info.post_only or forensic
-            frame = self._pop_frame(module) if pre_opened else None
+            frame: _Frame | None = None
+            if pre_opened:
+                stack = self._stack
+                if stack and stack[-1].module is module:
+                    frame = stack.pop()  # the innermost call returns (_pop_frame's common case)
+                else:
+                    frame = self._pop_frame(module)
             if pre_opened and frame is None:
                 return  # the call began before attach(), or in a skipped step
             if output is None and sys.exc_info()[1] is not None:
@@ -1976,19 +1987,22 @@ class Watcher:
 
     def _open_call(self, info: _ModInfo) -> Call:
         calls = self._trace.calls
-        parent = self._stack[-1].call.id if self._stack else None
+        stack = self._stack
+        # positional (id, path, module_type, parent, start, end, passthrough, is_loss, root,
+        # arithmetic): this runs for every module call. A root, or a module called from code
+        # outside every watched call (a LightningModule's training_step calling self.net):
+        # its inputs are data
         call = Call(
-            id=len(calls),
-            path=info.path,
-            module_type=info.type_name,
-            parent=parent,
-            start=self._idx,
-            passthrough=info.passthrough,
-            is_loss=info.is_loss,
-            # a root, or a module called from code outside every watched call (a
-            # LightningModule's training_step calling self.net): its inputs are data
-            root=info.is_root or not self._stack,
-            arithmetic=info.arithmetic,
+            len(calls),
+            info.path,
+            info.type_name,
+            stack[-1].call.id if stack else None,
+            self._idx,
+            -1,
+            info.passthrough,
+            info.is_loss,
+            info.is_root or not stack,
+            info.arithmetic,
         )
         calls.append(call)
         return call
@@ -2043,13 +2057,20 @@ class Watcher:
 
     def _measure(self, rec: Record, t: torch.Tensor, *, rows: bool = False) -> None:
         """Statistics of ``t`` into ``rec``: read at once on CPU (no device to wait for),
-        kept on the device until the flush elsewhere. Counts only for bad tensors."""
+        kept on the device until the flush elsewhere. Counts only for bad tensors. A view of
+        values measured already in this step, unchanged since, is not read again."""
         if t.device.type != "cpu" or self._defer_cpu:
-            mm = minmax(t)
+            n = numel(t)
+            big = n >= _REREAD_NUMEL
+            mm = self._read_of(t) if big and t._base is not None else None
             if mm is None:
-                return
+                mm = minmax(t)
+                if mm is None:
+                    return
+                if big:
+                    self._remember_read(rec, t)
             # rec.stat stays None (not read yet) until the flush fills it
-            self._pending.append((rec, mm[0], mm[1], numel(t)))
+            self._pending.append((rec, mm[0], mm[1], n))
             self._minmax[rec.index] = mm
             if rows:  # the batch: which samples are bad (and how many of their values:
                 # the batch may be freed by the read), read only if any is
@@ -2066,14 +2087,22 @@ class Watcher:
             n = t.numel()
             if n == 0 or t.is_meta:
                 return
-            try:
-                a, b = aminmax(t.detach())  # detach: cheaper than a no_grad block
-                lo, hi = a.item(), b.item()
-                self._minmax[rec.index] = (lo, hi)
-            except RuntimeError:
-                if _has_no_data(t):
-                    return  # a fake or functional tensor (tracing): nothing to measure
-                raise
+            big = n >= _REREAD_NUMEL
+            seen = self._read_of(t) if big and t._base is not None else None
+            if seen is not None:
+                lo, hi = seen
+                self._minmax[rec.index] = seen
+            else:
+                try:
+                    a, b = aminmax(t.detach())  # detach: cheaper than a no_grad block
+                    lo, hi = a.item(), b.item()
+                    self._minmax[rec.index] = (lo, hi)
+                except RuntimeError:
+                    if _has_no_data(t):
+                        return  # a fake or functional tensor (tracing): nothing to measure
+                    raise
+                if big:
+                    self._remember_read(rec, t)
         else:
             mm = minmax(t)  # complex, float8, sparse, nested
             if mm is None:
@@ -2084,6 +2113,58 @@ class Watcher:
         else:
             rec.stat = describe(t, rows=rows)
             self._note_bad(rec)
+
+    def _remember_read(self, rec: Record, t: torch.Tensor) -> None:
+        """Keep where ``t``'s values lie, for :meth:`_read_of`: a contiguous tensor's memory
+        is its first element's address and its number of elements (its values as they are
+        stored: no lazy negation or conjugation). Its base is kept (weakly), not ``t``: a
+        view's Python object is often gone by the time a view of the same base is seen
+        (``self.head(h).flatten(0, 1)``), the base lives as long as any of its views."""
+        if (
+            t.layout is not torch.strided
+            or not t.is_contiguous()
+            or t.is_inference()
+            or t.is_neg()
+            or t.is_conj()
+        ):
+            return
+        reads = self._reads if self._reads_for is self._minmax else None
+        if reads is None:  # a new step (or one folded into the last): indices start again
+            reads = self._reads = {}
+            self._reads_for = self._minmax
+        try:
+            key = (t.data_ptr(), t.dtype, t.numel())
+        except RuntimeError:  # no storage (a functional or wrapper tensor): nothing to share
+            return
+        base = t._base
+        reads[key] = (weakref.ref(t if base is None else base), rec.index, t._version)
+
+    def _read_of(self, t: torch.Tensor) -> tuple[Any, Any] | None:
+        """The min and max this step read of exactly ``t``'s values: ``t`` is a view (a
+        root's ``logits.flatten(0, 1)``, the gradient a reshape hands back) of the same
+        memory as a tensor measured before, of the same base (alive, so that memory is
+        not reused; its views share one version counter), and written by nothing since.
+        None: ``t`` is to be read."""
+        if (
+            self._reads_for is not self._minmax
+            or t.layout is not torch.strided
+            or not t.is_contiguous()
+            or t.is_inference()
+            or t.is_neg()
+            or t.is_conj()
+        ):
+            return None
+        try:
+            found = self._reads.get((t.data_ptr(), t.dtype, t.numel()))
+        except RuntimeError:
+            return None
+        if found is None:
+            return None
+        ref, index, version = found
+        base = t._base
+        if ref() is not (t if base is None else base) or t._version != version:
+            return None
+        return self._minmax.get(index)
 
     def _note_bad(self, rec: Record) -> None:
         if (
@@ -2797,10 +2878,15 @@ class Watcher:
                     break
                 if r.phase is Phase.INPUT:
                     first_input = r.index
+        recorded = self._recorded_nodes
         for role, t in items:
             entry = known.get(id(t))
             same = entry is not None and entry[0]() is t
-            ver = _version(t)
+            try:  # _version(t), inline: this runs for every output
+                ver = None if t.is_inference() else t._version
+            except RuntimeError:
+                ver = None
+            fn = t.grad_fn
             if same and entry is not None and entry[2] == ver:
                 # an alias of a tensor already measured (a container returning its child's output)
                 rec = self._new_record(
@@ -2812,7 +2898,7 @@ class Watcher:
                     source=entry[1],
                     module_type=info.type_name,
                 )
-                rec.grad_fn = _grad_fn_name(t)
+                rec.grad_fn = None if fn is None else type(fn).__name__
                 rec.version = ver
                 if call.root:
                     self._remember_root_output(t, rec.index)
@@ -2830,7 +2916,7 @@ class Watcher:
             rec = self._new_record(
                 Phase.FORWARD, info.path, role, t, call.id, module_type=info.type_name
             )
-            rec.grad_fn = _grad_fn_name(t)
+            rec.grad_fn = None if fn is None else type(fn).__name__
             rec.version = ver
             if same and entry is not None:
                 rec.source = entry[1]
@@ -2851,7 +2937,8 @@ class Watcher:
                     if not hooked and not torch.is_grad_enabled():
                         self._unhooked.setdefault(info.path, []).append(rec)
             known[id(t)] = (weakref.ref(t), rec.index, ver, hooked)
-            self._remember_node(t)
+            if fn is not None:
+                recorded.add(fn)  # _remember_node(t)
             if call.root and floating:
                 self._remember_root_output(t, rec.index)
 
@@ -2960,67 +3047,65 @@ class Watcher:
     def _maybe_hook_grad(self, t: torch.Tensor, rec: Record) -> bool:
         """Hook the gradient of ``t``. A pre-hook on the autograd node that made it sees the
         same gradient (``grad_outputs[t.output_nr]``) and costs a seventh of a tensor hook;
-        tensors without a node (leaves) get a tensor hook."""
+        tensors without a node (leaves) get a tensor hook. The hook is :meth:`_on_grad`
+        bound to what it needs (no closure made per call)."""
         if not (t.requires_grad and torch.is_grad_enabled()) or t.is_inference():
             return False
         node = t.grad_fn
-        if node is None and rec.phase is Phase.FORWARD and id(t) in self._param_ids:
+        if node is not None:
+            hook = functools.partial(self._on_grad, self._gen, self._step, rec, t.output_nr)
+            self._tensor_handles.append(node.register_prehook(hook))
+            return True
+        if rec.phase is Phase.FORWARD and id(t) in self._param_ids:
             # a watched weight returned as an output (a learnable waypoint): its gradient
             # sums every use of it (the module's own forward too) and is checked as the
             # weight's; read here it would be taken for what the loss code sent back
             return False
-        gen = self._gen
-        step = self._step
-        if node is not None:
-            nr = t.output_nr
-
-            def on_grads(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-                g = grad_outputs[nr] if nr < len(grad_outputs) else None
-                if g is not None:
-                    with _NO_TORCH_FUNCTION():
-                        self._on_grad(gen, step, rec, g)
-
-            self._tensor_handles.append(node.register_prehook(on_grads))
-            return True
-
-        def on_grad(g: torch.Tensor) -> None:
-            with _NO_TORCH_FUNCTION():
-                self._on_grad(gen, step, rec, g)
-
-        self._tensor_handles.append(t.register_hook(on_grad))  # type: ignore[no-untyped-call]
+        hook = functools.partial(self._on_grad, self._gen, self._step, rec, -1)
+        self._tensor_handles.append(t.register_hook(hook))  # type: ignore[no-untyped-call]
         return True
 
-    def _on_grad(self, gen: int, step: int, fwd: Record, g: torch.Tensor) -> None:
+    def _on_grad(self, gen: int, step: int, fwd: Record, nr: int, grads: Any) -> None:
+        """The gradient hook of the tensor ``fwd`` recorded: ``grads`` is the ``grad_outputs``
+        of the node that made it, the tensor's among them at ``nr``; ``nr`` -1: a tensor
+        hook's, ``grads`` is the gradient itself."""
+        if nr >= 0:
+            g = grads[nr] if nr < len(grads) else None
+            if g is None:
+                return
+        else:
+            g = grads
         if not self._attached or gen != self._gen or ops.replaying() or _tracing():
             return
         if "grad" in self._disabled_hooks:
             return
-        try:
-            self._backward_seen = True
-            self._ever_backward = True
-            if not self._eob_queued:
-                self._eob_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            if step != self._step:
-                return  # the step was ended between forward and backward
-            rec = self._new_record(
-                Phase.BACKWARD,
-                fwd.path,
-                fwd.role,
-                g,
-                fwd.call,
-                source=fwd.index,
-                module_type=fwd.module_type,
-            )
-            if not self._in_backward:
-                rec.by_grad = True  # torch.autograd.grad: a saliency, a penalty, an attack
-            self._measure(rec, g)
-            if self._new_trigger is not None:
-                self._handle_trigger(None)
-        except NanwatchError:
-            raise
-        except Exception as exc:
-            self._fault("grad", "gradient hook", exc)
+        with _NO_TORCH_FUNCTION():
+            try:
+                self._backward_seen = True
+                self._ever_backward = True
+                if not self._eob_queued:
+                    self._eob_queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                if step != self._step:
+                    return  # the step was ended between forward and backward
+                rec = self._new_record(
+                    Phase.BACKWARD,
+                    fwd.path,
+                    fwd.role,
+                    g,
+                    fwd.call,
+                    source=fwd.index,
+                    module_type=fwd.module_type,
+                )
+                if not self._in_backward:
+                    rec.by_grad = True  # torch.autograd.grad: a saliency, a penalty, an attack
+                self._measure(rec, g)
+                if self._new_trigger is not None:
+                    self._handle_trigger(None)
+            except NanwatchError:
+                raise
+            except Exception as exc:
+                self._fault("grad", "gradient hook", exc)
 
     def _end_of_backward(self) -> None:
         self._eob_queued = False
@@ -7736,9 +7821,10 @@ _LOSS_INFO.is_loss = True
 
 
 _NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
+#: From this many values on, a view of values the step measured already is not read again
+#: (see Watcher._read_of): below it the read costs less than keeping track of it.
+_REREAD_NUMEL = 1 << 16
 _compiling = compiling
-
-_jit_tracing: Callable[[], bool] = getattr(torch._C, "_is_tracing", lambda: False)
 
 
 def _dynamo_frames() -> int | None:
@@ -7755,13 +7841,12 @@ def _dynamo_frames() -> int | None:
         return 0
 
 
-def _tracing() -> bool:
-    """Under a FakeTensorMode (torch.compile, export, meta-device initialisation) tensors
-    hold no values, under a torch.func transform (per-sample gradients with vmap, a
-    Hessian) they are wrappers whose values cannot be read, and under ``torch.jit.trace``
-    every read would be recorded as a constant of the traced graph (a TracerWarning): the
-    hooks stay out of the way."""
-    return no_values() or _jit_tracing()
+#: Under a FakeTensorMode (torch.compile, export, meta-device initialisation) tensors
+#: hold no values, under a torch.func transform (per-sample gradients with vmap, a
+#: Hessian) they are wrappers whose values cannot be read, and under ``torch.jit.trace``
+#: every read would be recorded as a constant of the traced graph (a TracerWarning): the
+#: hooks stay out of the way. One call of C checks: every hook call asks it.
+_tracing: Callable[[], bool] = values_hidden
 
 
 def _grad_elements(node: Any) -> int:
