@@ -609,16 +609,22 @@ def _sentinel_why(name: str, sp: Any, parts: dict[str, str]) -> str:
     fresh, hot = sp.grad_norm_ms
     floor = fresh + sp.aminmax_ms + sp.item_ms
     python = over - floor
+    rest = (
+        f"The rest, {python:.1f} ms, is Python."
+        if python > 0.1 * over
+        else "The overhead measured here is no more than those kernels: this split's own "
+        "rounds cannot resolve the Python at this step length."
+    )
     return (
         f"- {name}, `sentinel`: {over:.1f} ms a step over {sp.unwatched_ms:.1f} ms "
         f"(x{sp.watched_ms / sp.unwatched_ms:.3f} in this measurement). The kernels it "
         f"cannot skip, timed alone outside training: the L2 norms of the {sp.grads} "
         f"parameter gradients ({sp.grad_elements / 1e6:.1f} M elements) {fresh:.2f} ms right "
         f"after a backward wrote them ({hot:.2f} ms cache-hot), and the min-max of the "
-        f"{sp.tensors} tensors it measures (the model's input and output, the loss's "
-        f"inputs, the output gradient) {sp.aminmax_ms + sp.item_ms:.2f} ms: together "
+        f"{sp.tensors} floating tensors it measures (the root calls' inputs and outputs, the "
+        f"gradient of the model's output) {sp.aminmax_ms + sp.item_ms:.2f} ms: together "
         f"x{(sp.unwatched_ms + floor) / sp.unwatched_ms:.3f}, against the target's x1.02. "
-        f"The rest, {python:.1f} ms, is Python. Inside training, per step: "
+        f"{rest} Inside training, per step (each part clock-wrapped, which adds to it): "
         + "; ".join(
             f"{what} {sp.parts[key]:.2f} ms"
             for key, what in parts.items()
