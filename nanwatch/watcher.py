@@ -376,7 +376,13 @@ class _Frame:
     )
 
     def __init__(
-        self, call: Call, module: nn.Module, args: Any, kwargs: Any, *, deep: bool = False
+        self,
+        call: Call,
+        module: nn.Module,
+        args: Any,
+        kwargs: Any,
+        *,
+        owners: Sequence[tuple[str, dict[str, Any]]] | None = None,
     ) -> None:
         self.call = call
         self.module = module
@@ -402,10 +408,13 @@ class _Frame:
         # the version counters of the module's own buffers as the call began (host-side
         # metadata, no device read): a forward that writes its own state in place (an EMA
         # codebook, a step counter) shows in them, and a replay starts from what it wrote.
-        # ``deep``: its submodules' too, when their calls are not watched (sentinel mode)
-        bufs = module._buffers if not deep else dict(module.named_buffers())
+        # ``owners``: its submodules' too, when their calls are not watched (sentinel mode):
+        # the ``_buffers`` of each, by its name's prefix (see Watcher._buffer_owners)
+        if owners is None:
+            owners = (("", module._buffers),)
         self.versions: tuple[tuple[str, torch.Tensor, int | None], ...] | None = (
-            tuple((n, b, _version(b)) for n, b in bufs.items() if b is not None) if bufs else None
+            tuple((p + n, b, _version(b)) for p, d in owners for n, b in d.items() if b is not None)
+            or None
         )
 
     def written(self) -> list[str]:
@@ -647,6 +656,8 @@ class Watcher:
     _tree: list[tuple[Any, ...]] | None
     #: the step whose first root call compared the tree
     _tree_step: int
+    #: each root's buffers' owners, by the root's id (see :meth:`_buffer_owners`)
+    _owners: dict[int, tuple[nn.Module, list[tuple[str, dict[str, Any]]]]]
     #: the last tensor ``GradScaler.scale`` returned (the loss times the scale)
     _scaled_out: Callable[[], Any] | None
     #: the record of this step's loss that ``backward()`` ran on when it was scaler-scaled
@@ -733,6 +744,7 @@ class Watcher:
         self._scaled_out = None
         self._tree = None
         self._tree_step = -1
+        self._owners = {}
         #: each watched module's buffers and their versions when hooked: see _moved_state
         self._state_marks: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
         #: global module hooks: every module called while attached is watched (nanwatch run)
@@ -988,6 +1000,7 @@ class Watcher:
         # every mode: a layer or loss added in sentinel mode has parameters and guards too
         self._tree = self._tree_of() if not self.global_hooks else None
         self._tree_step = -1
+        self._owners = {}
         self._attached = True
         self._attach_order = next(_RECORD_ORDER)  # nested watchers read in this order
         _live.add(self)
@@ -1026,6 +1039,20 @@ class Watcher:
                     self._make_post(info, module), with_kwargs=True, always_call=True
                 )
             )
+
+    def _buffer_owners(self, module: nn.Module) -> list[tuple[str, dict[str, Any]]]:
+        """``module`` and each of its submodules (once each, as ``named_buffers`` walks
+        them): the prefix of its buffers' names and its ``_buffers`` dict, whose entries
+        are read at each call (a buffer replaced or registered since shows). Kept while the
+        model's tree stands (:meth:`_check_tree` drops them when it changes); walked afresh
+        at each call when nothing watches the tree (global hooks)."""
+        if self._tree is None:
+            return [(f"{q}." if q else "", m._buffers) for q, m in module.named_modules()]
+        got = self._owners.get(id(module))
+        if got is None or got[0] is not module:
+            walk = [(f"{q}." if q else "", m._buffers) for q, m in module.named_modules()]
+            got = self._owners[id(module)] = (module, walk)
+        return got[1]
 
     def _tree_of(self) -> list[tuple[Any, ...]]:
         """The children of every watched module, as (name, module) pairs: compared at each
@@ -1070,6 +1097,7 @@ class Watcher:
         if tree is None or self._tree_of() == tree:
             self._refresh_params()
             return
+        self._owners = {}  # buffers' owners are walked again (see _buffer_owners)
         fresh = _name_modules(self.roots, compiled=self.config.mode == "sentinel")
         live = {id(m) for m, _ in fresh}
         # a module replaced (``model.head = nn.Linear(...)``) or deleted: no longer watched,
@@ -1607,7 +1635,8 @@ class Watcher:
             if info.is_root and not self._stack and self._tree_step != self._step:
                 self._check_tree()
             call = self._open_call(info)
-            frame = _Frame(call, module, args, kwargs, deep=not self._full)
+            owners = None if self._full else self._buffer_owners(module)
+            frame = _Frame(call, module, args, kwargs, owners=owners)
             self._stack.append(frame)
             self._record_inputs(info, call, args, kwargs)
             if call.root:  # host-side counters only, once per root call

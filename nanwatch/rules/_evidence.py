@@ -12,6 +12,7 @@ import itertools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -2260,9 +2261,38 @@ def exact(trace: StepTrace, rec: Record) -> Record | None:
     return cur if cur is not None and cur.stat is not None else None
 
 
+#: the step being evaluated and its loss calls, once found (see :func:`evaluating`): a
+#: dozen rules ask for them on every step, healthy ones included
+_USES_NOW: list[Any] = [None, None]
+
+
+@contextmanager
+def evaluating(trace: StepTrace) -> Iterator[None]:
+    """While the rules evaluate ``trace`` (which nothing writes meanwhile), its loss calls
+    are found once: :func:`loss_uses` returns the same list to every rule. Outside, each
+    call looks afresh (a trace read late changes as its statistics land)."""
+    outer = _USES_NOW[:]
+    _USES_NOW[0], _USES_NOW[1] = trace, None
+    try:
+        yield
+    finally:
+        _USES_NOW[:] = outer
+
+
 def loss_uses(trace: StepTrace) -> list[LossUse]:
     """Every loss call of the step: from loss-module calls, and from the guards' notes
-    (functional losses have only a note)."""
+    (functional losses have only a note). Read-only for the caller: within one evaluation
+    (:func:`evaluating`) every rule gets the same list."""
+    now = _USES_NOW
+    if now[0] is trace:
+        if now[1] is None:
+            now[1] = _find_loss_uses(trace)
+        found: list[LossUse] = now[1]
+        return found
+    return _find_loss_uses(trace)
+
+
+def _find_loss_uses(trace: StepTrace) -> list[LossUse]:
     notes = [n for n in trace.notes if n.kind == "loss_input"]
     out: list[LossUse] = []
     used: set[int] = set()

@@ -451,25 +451,28 @@ def evaluate(
         for r in REGISTRY.values()
         if r.code not in skip and not (healthy and not r.early and r.builtin)
     ]
-    for fallback in (False, True):
-        if fallback and any(d.severity == "error" for d in out):
-            break
-        for r in rules:
-            if r.fallback is not fallback or r.code in dead:
-                continue
-            ctx.rule = r
-            try:
-                found = r(ctx)
-            except Exception as exc:
-                dead.add(r.code)
-                warnings.warn(
-                    f"nanwatch: rule {r.code} ({r.title}) raised {type(exc).__name__}: {exc}; "
-                    "it is disabled for the rest of this run. The step goes on.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                continue
-            out.extend(found)
+    from nanwatch.rules._evidence import evaluating
+
+    with evaluating(trace):  # the rules read the step's loss calls once
+        for fallback in (False, True):
+            if fallback and any(d.severity == "error" for d in out):
+                break
+            for r in rules:
+                if r.fallback is not fallback or r.code in dead:
+                    continue
+                ctx.rule = r
+                try:
+                    found = r(ctx)
+                except Exception as exc:
+                    dead.add(r.code)
+                    warnings.warn(
+                        f"nanwatch: rule {r.code} ({r.title}) raised {type(exc).__name__}: {exc}; "
+                        "it is disabled for the rest of this run. The step goes on.",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                    continue
+                out.extend(found)
     out.sort(key=sort_key)
     # the optimizers an lr scheduler drives: a fix that lowers the lr also lowers what the
     # scheduler sets it from, or its next step() undoes it
