@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, TensorStat
 from nanwatch.rules._evidence import (
@@ -894,10 +894,164 @@ def _cleaned_on_line(ev: OpEvent, bad: set[str]) -> str | None:
     return rewrite_call(ev.code, _op_names(ev.op), lambda e: f"torch.nan_to_num({e})")
 
 
+#: ops defined on part of the line (or with an infinite derivative at its edge), which make
+#: NaN or inf in the branch a torch.where discards; the value each is given there instead
+#: (its function and derivative are finite at it)
+_DOMAIN_SAFE = {
+    "sqrt": "1.0",
+    "rsqrt": "1.0",
+    "log": "1.0",
+    "log2": "1.0",
+    "log10": "1.0",
+    "log1p": "0.0",
+    "reciprocal": "1.0",
+    "acos": "0.0",
+    "asin": "0.0",
+    "atanh": "0.0",
+    "arccos": "0.0",
+    "arcsin": "0.0",
+    "arctanh": "0.0",
+    "erfinv": "0.0",
+    "lgamma": "1.0",
+    "digamma": "1.0",
+    "pow": "1.0",
+}
+
+#: modules whose functions take the tensor first (``torch.sqrt(x)``), as opposed to a
+#: tensor's method (``x.sqrt()``)
+_NAMESPACES = frozenset(("torch", "F", "math", "special", "np"))
+
+
+def _domain_arg(node: ast.AST, names: Sequence[str], *, any_power: bool = False) -> ast.expr | None:
+    """The argument of the call of one of ``names`` that ``node`` is: ``x`` of
+    ``torch.sqrt(x)``, ``x.sqrt()``, ``x ** 0.5`` (a fractional power, or ``any_power``);
+    None otherwise."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and "pow" in names:
+        exp = node.right
+        if any_power:
+            return node.left
+        if isinstance(exp, ast.Constant) and isinstance(exp.value, float):
+            return None if exp.value.is_integer() else node.left
+        return None
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name not in names:
+        return None
+    if isinstance(func, ast.Attribute):
+        owner = func.value
+        while isinstance(owner, ast.Attribute):
+            owner = owner.value
+        if not (isinstance(owner, ast.Name) and owner.id in _NAMESPACES):
+            return func.value  # x.sqrt()
+    return node.args[0] if node.args else None
+
+
+def _outer_domain_arg(node: ast.AST) -> tuple[ast.expr, str] | None:
+    """The outermost call in ``node`` of an op with a restricted domain (see
+    :data:`_DOMAIN_SAFE`): its argument and the value it is safe at; None when it has
+    none (the NaN came in with the data: a NaN target)."""
+    queue = [node]
+    while queue:
+        cur = queue.pop(0)
+        for name, safe in _DOMAIN_SAFE.items():
+            arg = _domain_arg(cur, (name,))
+            if arg is not None:
+                return arg, safe
+        queue.extend(ast.iter_child_nodes(cur))
+    return None
+
+
+def _double_where(ev: OpEvent, bad: set[str]) -> str | None:
+    """The user's line with the "double where": the op that made (or was given) the NaN
+    inside a ``torch.where`` branch gets its argument through the same condition, with a
+    value it is finite at where the branch is discarded
+    (``torch.where(z > 0, torch.sqrt(z), 0)`` ->
+    ``torch.where(z > 0, torch.sqrt(torch.where(z > 0, z, 1.0)), 0)``). torch.where's
+    backward gives the discarded entries a 0 gradient, and the op's derivative there is
+    finite, so no 0 × NaN is left; cleaning the result (or nan_to_num of a finite input
+    that is out of the op's domain) leaves it. None when the line has no torch.where
+    around the op."""
+    names = _op_names(ev.op)
+    operands = binary_operands(ev) if bad & {"self", "other"} else None
+    for stmt in statements(ev.code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "where"
+                and len(node.args) == 3
+                and node.lineno == node.end_lineno
+            ):
+                continue
+            cond = ast.get_source_segment(stmt, node.args[0])
+            if cond is None:
+                continue
+            for branch, keep in ((node.args[1], cond), (node.args[2], f"~({cond})")):
+                found = _nan_maker(stmt, branch, names, operands, bad)
+                if found is None:
+                    continue
+                arg, safe = found
+                text = ast.get_source_segment(stmt, arg)
+                if text is None or arg.col_offset is None or arg.end_col_offset is None:
+                    continue
+                return (
+                    f"{stmt[: arg.col_offset]}torch.where({keep}, {text}, {safe})"
+                    f"{stmt[arg.end_col_offset :]}"
+                )
+    return None
+
+
+def _nan_maker(
+    stmt: str,
+    branch: ast.expr,
+    names: list[str],
+    operands: dict[str, str] | None,
+    bad: set[str],
+) -> tuple[ast.expr, str] | None:
+    """In one branch of a torch.where: the expression to pass through the condition, and
+    the value to give it where the branch is discarded. The op's own argument when the op
+    saved its NaN result or input (``torch.sqrt(z)``: ``z``); for a binary op's NaN
+    operand (``a / (b - 1).sqrt()``), the argument of the op inside it that made the NaN
+    (``b - 1``), or the operand itself when nothing in it could (a NaN target)."""
+    if operands is not None:
+        for side in ("self", "other"):
+            if side not in bad:
+                continue
+            want = operands[side].strip()
+            for node in ast.walk(branch):
+                if ast.get_source_segment(stmt, node) == want:
+                    inner = _outer_domain_arg(node)
+                    if inner is not None:
+                        return inner
+                    return (node, "1.0") if isinstance(node, ast.expr) else None
+        return None
+    safe = next((_DOMAIN_SAFE[n] for n in names if n in _DOMAIN_SAFE), "1.0")
+    given = bool(bad & {"self", "input"})  # the NaN came into the op: any power of it
+    for node in ast.walk(branch):
+        arg = _domain_arg(node, names, any_power=given)
+        if arg is not None:
+            return arg, safe
+    return None
+
+
 def _hidden_nan_fix(ev: OpEvent, bad: set[str] | None = None) -> str:
     """The user's op line with the NaN input cleaned, where the line shows the op; else the
     template fix, keeping only the lines whose names the user's function has (a ``p`` it
     never defined is left out); prose says the rest."""
+    guarded = _double_where(ev, bad or set()) if ev.code else None
+    if guarded is not None:
+        return (
+            f"{guarded}   # the entries torch.where discards get a safe value before the "
+            "op: their gradient is then 0, not 0 × NaN\n"
+            "# (nan_to_num after the op, or on an input that is finite but outside the "
+            "op's domain, leaves the NaN in backward)"
+        )
     cleaned = _cleaned_on_line(ev, bad or set()) if ev.code else None
     if cleaned is not None:
         return (
