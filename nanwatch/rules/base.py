@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -283,9 +284,10 @@ class Rule:
     priority: int = 50
     fallback: bool = False
 
-    @property
+    @functools.cached_property
     def builtin(self) -> bool:
-        """Whether the rule ships with nanwatch (its function lives in ``nanwatch.rules``)."""
+        """Whether the rule ships with nanwatch (its function lives in ``nanwatch.rules``).
+        Asked of every rule at every step (see :func:`evaluate`): found once."""
         return str(getattr(self.func, "__module__", "")).startswith(_BUILTIN_PREFIX)
 
     def __call__(self, ctx: RuleContext) -> list[Diagnosis]:
@@ -401,6 +403,11 @@ def sort_key(d: Diagnosis) -> tuple[int, int, str]:
 
 
 def _prune_memo(trace: StepTrace, history: Sequence[StepTrace]) -> None:
+    """Drop what :meth:`RuleContext.memo` kept for steps that left the history. Only when
+    it holds more entries than there are live steps: fewer can be stale too, but they are
+    bounded by the history's length until then."""
+    if len(_MEMO) <= len(history) + 1:
+        return
     live = {id(t) for t in history}
     live.add(id(trace))
     for k in [k for k in _MEMO if k not in live]:
