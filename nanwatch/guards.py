@@ -3820,10 +3820,65 @@ def _table_like(p: _Probe, rows: int, **opts: Any) -> str:
         args.append(f"{param.name}={v!r}")
     args += [f"{k}={v!r}" for k, v in opts.items()]
     made = f"nn.{owner.__name__}({', '.join(args)})"
-    callee = p._call[0]
-    if callee is not None and all(part.isidentifier() for part in callee.split(".")):
-        made = f"{callee} = {made}"
+    target = _module_expr(p)
+    if target is not None:
+        made = f"{target} = {made}"
     return made
+
+
+def _module_expr(p: _Probe) -> str | None:
+    """The user's expression for the guarded module, from the callee on their line: the
+    callee itself when it is that module (``self.emb``), the path down to it when the
+    callee is a model holding it (``m`` calling a Sequential whose first layer is the
+    table: ``m[0]``). None when the callee is no plain name or does not lead to it (the
+    user's frame is read with getattr on names and modules only)."""
+    callee = p._call[0]
+    frame, module = p.frame, p.module
+    if callee is None or frame is None or module is None:
+        return None
+    obj = _resolved(callee, frame)
+    if obj is module:
+        return callee
+    if not isinstance(obj, nn.Module):
+        return None
+    path = next((q for q, m in obj.named_modules() if m is module), None)
+    if not path:
+        return None
+    return callee + "".join(f"[{q}]" if q.isdigit() else f".{q}" for q in path.split("."))
+
+
+def _resolved(expr: str, frame: types.FrameType) -> Any:
+    """The object ``expr`` names in ``frame``: a name, then attributes and constant
+    subscripts of modules only (``self.body["tok"]``, ``m[0]``: a container's lookup, which
+    runs no user code); :data:`_MISSING` for anything else."""
+    try:
+        node = ast.parse(expr, mode="eval").body
+    except SyntaxError:
+        return _MISSING
+    chain: list[ast.Attribute | ast.Subscript] = []
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        chain.append(node)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return _MISSING
+    scope = frame.f_locals
+    obj = scope[node.id] if node.id in scope else frame.f_globals.get(node.id, _MISSING)
+    for link in reversed(chain):
+        if not isinstance(obj, nn.Module):
+            return _MISSING
+        if isinstance(link, ast.Attribute):
+            obj = getattr(obj, link.attr, _MISSING)
+        elif isinstance(link.slice, ast.Constant) and isinstance(
+            obj, (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+        ):
+            key: Any = link.slice.value
+            try:
+                obj = obj[key]
+            except (KeyError, IndexError, TypeError):
+                return _MISSING
+        else:
+            return _MISSING
+    return obj
 
 
 def _own_padding_row(p: _Probe, text: str, rows: int) -> str:

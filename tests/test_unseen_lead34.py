@@ -1,0 +1,72 @@
+"""The fix for an id past an embedding table's last row builds the table again under the
+user's own name for it: the table itself when the line calls it, the path down to it
+when the line calls the model that holds it (not the model's name: ``m = nn.Embedding``
+would replace the whole model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nanwatch
+from nanwatch.errors import GuardError
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.ModuleDict({"tok": nn.Embedding(50, 4)})
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body["tok"](ids)).mean(1)
+
+
+def _fix_of(err: pytest.ExceptionInfo[GuardError]) -> str:
+    assert err.value.code == "NW513", err.value
+    return err.value.fix.splitlines()[0].split("  #")[0]
+
+
+def test_a_table_inside_a_sequential_is_named_by_its_index() -> None:
+    m = nn.Sequential(nn.Embedding(100, 8), nn.Flatten(), nn.Linear(32, 1))
+    ids = torch.randint(0, 100, (4, 4))
+    ids[1, 2] = 100
+    watched = nanwatch.watch(m, on_anomaly="raise", postmortem=False)
+    with pytest.raises(GuardError) as err, watched:
+        m(ids)
+    assert _fix_of(err) == "m[0] = nn.Embedding(101, 8)"
+
+
+def test_a_table_called_in_a_forward_through_a_container_is_named_as_called() -> None:
+    model = _Encoder()
+    ids = torch.randint(0, 50, (2, 3))
+    ids[0, 0] = 57
+    with (
+        pytest.raises(GuardError) as err,
+        nanwatch.watch(model, on_anomaly="raise", postmortem=False),
+    ):
+        model(ids)
+    assert _fix_of(err) == 'self.body["tok"] = nn.Embedding(58, 4)', err.value
+
+
+def test_a_table_called_by_its_own_name_keeps_that_name() -> None:
+    table = nn.Embedding(10, 3)
+    ids = torch.tensor([[1, 10]])
+    with (
+        pytest.raises(GuardError) as err,
+        nanwatch.watch(table, on_anomaly="raise", postmortem=False),
+    ):
+        table(ids)
+    assert _fix_of(err) == "table = nn.Embedding(11, 3)"
+
+
+def test_a_table_nested_in_the_called_model_is_named_by_its_path() -> None:
+    net = nn.Sequential(nn.Sequential(nn.Embedding(20, 4)), nn.Flatten(), nn.Linear(8, 1))
+    ids = torch.tensor([[3, 25]])
+    with (
+        pytest.raises(GuardError) as err,
+        nanwatch.watch(net, on_anomaly="raise", postmortem=False),
+    ):
+        net(ids)
+    assert _fix_of(err) == "net[0][0] = nn.Embedding(21, 4)"
