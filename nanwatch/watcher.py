@@ -2467,7 +2467,19 @@ class Watcher:
         """``clip_grad_norm_`` rescaled the gradients of ``params`` (see :class:`_ClipTap`):
         those read at the end of backward, all finite then (the step's total norm is), and
         written once since (the rescale), keep their check -- their new versions are noted.
-        A NaN ``max_norm`` makes NaN of any gradient: those are read as before."""
+        A NaN ``max_norm`` makes NaN of any gradient: those are read as before. A
+        ``max_norm`` of 0 or less is noted for the rules (NW309): it scales every gradient
+        to 0, or flips it."""
+        if isinstance(max_norm, (int, float)) and max_norm <= 0 and not _tracing():
+            user = _frames.user_frame(sys._getframe(1))
+            source, code = _frames.describe_frame(user) if user is not None else (None, None)
+            self.note(
+                "clip",
+                "(gradients)",
+                source=source,
+                max_norm=float(max_norm),
+                code=str(code) if code else None,
+            )
         seen = getattr(self, "_grads_seen", None)
         total = self._trace.grad_norm
         if not seen or total is None or not math.isfinite(total):

@@ -70,3 +70,57 @@ def test_a_table_nested_in_the_called_model_is_named_by_its_path() -> None:
     ):
         net(ids)
     assert _fix_of(err) == "net[0][0] = nn.Embedding(21, 4)"
+
+
+# ------------------------------------------------- clip_grad_norm_ with max_norm <= 0: NW309
+class _Cfg:
+    max_grad_norm = 0.0  # "0: no clipping" in the trainer this config came from
+
+
+def _clip_run(mode: str, bound: float, *, from_config: bool) -> list[tuple[str, str, str]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = _Cfg()
+    cfg.max_grad_norm = bound
+    with nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        for _ in range(3):
+            loss = (model(torch.randn(32, 8)) - 1).pow(2).mean()
+            loss.backward()
+            if from_config:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.0)
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+    return [(d.code, d.severity, d.fix) for d in nw.report.diagnoses]
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_clipping_to_a_max_norm_of_zero_is_said_with_the_guard_the_loop_needs(mode: str) -> None:
+    found = [d for d in _clip_run(mode, 0.0, from_config=True) if d[0] == "NW309"]
+    assert found, _clip_run(mode, 0.0, from_config=True)
+    _, severity, fix = found[0]
+    assert severity == "warning"
+    assert fix.splitlines() == [
+        "if cfg.max_grad_norm > 0:   # 0 or less: no clipping (clip_grad_norm_ has no 'off' value)",
+        "    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)",
+    ]
+
+
+def test_a_literal_zero_max_norm_gets_a_positive_bound() -> None:
+    found = [d for d in _clip_run("sentinel", 0.0, from_config=False) if d[0] == "NW309"]
+    assert found[0][2].startswith(
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)   #"
+    ), found
+
+
+def test_a_negative_max_norm_is_an_error() -> None:
+    found = [d for d in _clip_run("watch", -1.0, from_config=True) if d[0] == "NW309"]
+    assert found and found[0][1] == "error", found
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_a_positive_max_norm_is_silent(mode: str) -> None:
+    assert _clip_run(mode, 1.0, from_config=True) == []

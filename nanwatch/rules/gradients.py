@@ -47,6 +47,7 @@ from nanwatch.rules._evidence import (
     low_precision,
     note_num,
     paren,
+    statements,
 )
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule, sort_key
 from nanwatch.rules.generic import _REPLAY
@@ -6725,6 +6726,107 @@ def unreset_grads(ctx: RuleContext) -> Diagnosis | None:
     a lower learning rate); None otherwise."""
     probe = dataclasses.replace(ctx, rule=REGISTRY["NW307"], _now={})
     return next(_stale_grads(probe), None)
+
+
+# ---------------------------------------------------------------------- NW309
+#: the parameter names clip_grad_norm_ takes its bound by
+_MAX_NORM_ARGS = ("max_norm",)
+
+
+def _max_norm_text(code: str | None) -> str | None:
+    """The user's expression for ``max_norm`` in their ``clip_grad_norm_`` call: its second
+    positional argument or its keyword; None when the line does not show the call."""
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name not in ("clip_grad_norm_", "clip_grad_norm"):
+                continue
+            arg = next((k.value for k in node.keywords if k.arg in _MAX_NORM_ARGS), None)
+            if arg is None and len(node.args) >= 2:
+                arg = node.args[1]
+            if arg is not None:
+                return ast.get_source_segment(stmt, arg)
+    return None
+
+
+@rule(
+    "NW309",
+    title="Gradient clipping with max_norm 0 or below",
+    severity="warning",
+    summary=(
+        "clip_grad_norm_ multiplies every gradient by max_norm / (total norm + 1e-6): with "
+        "max_norm=0 every update is 0 and nothing trains; a negative max_norm flips every "
+        "gradient, and the optimizer climbs the loss. It has no 'off' value."
+    ),
+    early=True,
+    priority=12,
+)
+def clip_to_nothing(ctx: RuleContext) -> Iterator[Diagnosis]:
+    note = next((n for n in ctx.trace.notes if n.kind == "clip"), None)
+    if note is None:
+        return
+    bound = note.data.get("max_norm")
+    if not isinstance(bound, float):
+        return
+    code = note.data.get("code")
+    code = code if isinstance(code, str) else None
+    flipped = bound < 0
+    evidence = [
+        f"clip_grad_norm_ was given max_norm={fmt(bound)}"
+        + (f" at {note.source}: {code}" if note.source and code else ""),
+        "it multiplies every gradient by max_norm / (total norm + 1e-6)"
+        + (
+            f" = {fmt(bound)} / (norm + 1e-6), below 0 (clamped at 1 above only): every "
+            "gradient points the other way, and each update climbs the loss"
+            if flipped
+            else " = 0: the optimizer applies zero gradients, and no weight moves"
+        ),
+    ]
+    text = _max_norm_text(code)
+    if code and text is not None and not _is_number(text):
+        fix = (
+            f"if {text} > 0:   # 0 or less: no clipping (clip_grad_norm_ has no 'off' value)\n"
+            f"    {code.strip()}"
+        )
+    elif code and text is not None:
+        fix = (
+            f"{code.strip().replace(text, '1.0', 1)}   # a positive bound; or drop the call "
+            "to train unclipped"
+        )
+    else:
+        fix = (
+            "if max_norm > 0:   # 0 or less: no clipping\n"
+            "    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)"
+        )
+    yield ctx.diagnosis(
+        path=None,
+        severity="error" if flipped else "warning",
+        evidence=evidence,
+        explanation=(
+            "torch.nn.utils.clip_grad_norm_ rescales the gradients so that their total norm "
+            "is at most max_norm. It has no value that turns it off: max_norm=0 rescales "
+            "them to 0, and a negative one flips them. Trainers whose configs read "
+            "max_grad_norm=0 as 'no clipping' skip the call; a loop that calls it "
+            "unconditionally with that setting trains nothing."
+        ),
+        fix=fix,
+        source=note.source,
+    )
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------- NW308
