@@ -2470,15 +2470,19 @@ class Watcher:
         A NaN ``max_norm`` makes NaN of any gradient: those are read as before. A
         ``max_norm`` of 0 or less is noted for the rules (NW309): it scales every gradient
         to 0, or flips it."""
-        if isinstance(max_norm, (int, float)) and max_norm <= 0 and not _tracing():
+        bad_bound = isinstance(max_norm, (int, float)) and max_norm <= 0
+        scale = self._still_scaled(params) if self._scaled else None
+        if (bad_bound or scale is not None) and not _tracing():
             user = _frames.user_frame(sys._getframe(1))
             source, code = _frames.describe_frame(user) if user is not None else (None, None)
+            bound = float(max_norm) if isinstance(max_norm, (int, float)) else None
             self.note(
                 "clip",
                 "(gradients)",
                 source=source,
-                max_norm=float(max_norm),
+                max_norm=bound,
                 code=str(code) if code else None,
+                scale=scale,
             )
         seen = getattr(self, "_grads_seen", None)
         total = self._trace.grad_norm
@@ -2494,6 +2498,28 @@ class Watcher:
             e = seen.get(id(p))
             if g is not None and e is not None and e[0]() is g and g._version == e[1] + 1:
                 seen[id(p)] = (e[0], g._version, e[2])
+
+    def _still_scaled(self, params: list[Any]) -> float | None:
+        """The GradScaler's scale, when ``params``' gradients still hold it: backward ran on
+        ``scaler.scale(loss)`` and ``scaler.unscale_(optimizer)`` has not run since the
+        last ``scaler.update()`` for the optimizer that steps them (for any optimizer, when
+        none is known yet). None otherwise. A read of the scaler's state, and of the scale
+        only when they are (a sync on an accelerator, in that misuse alone)."""
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        if not isinstance(states, dict):
+            return None
+        refs = {id(r()): r for p in params if (r := self._stepped_by.get(id(p))) is not None}
+        if refs:
+            stages = [states.get(k, {}).get("stage") for k in refs]
+        else:
+            stages = [s.get("stage") for s in states.values() if isinstance(s, dict)] or [None]
+        if not all(st is None or getattr(st, "name", None) == "READY" for st in stages):
+            return None
+        scale = getattr(self.scaler, "_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            return None
+        value = float(scale)
+        return value if value > 1 else None
 
     def _bad_in_place(
         self, in_place: dict[str, torch.Tensor]

@@ -487,6 +487,16 @@ def case_clip_to_nothing() -> Case:
     return Case(b.build())
 
 
+def case_clip_scaled() -> Case:
+    b = TraceBuilder(1)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0))
+    b.forward(net, stat(-1.0, 1.0))
+    b.note("clip", "(gradients)", source="train.py:14", max_norm=1.0, scale=65536.0,
+           code="torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)")  # fmt: skip
+    return Case(b.build())
+
+
 def case_loss_spike() -> Case:
     def step(i: int, loss: float, lr: float) -> StepTrace:
         b = TraceBuilder(i)
@@ -677,6 +687,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW306": case_weight_decay,
     "NW307": case_stale_grads,
     "NW309": case_clip_to_nothing,
+    "NW310": case_clip_scaled,
     "NW308": case_loss_spike,
     "NW401": case_input,
     "NW402": case_masked,

@@ -124,3 +124,43 @@ def test_a_negative_max_norm_is_an_error() -> None:
 @pytest.mark.parametrize("mode", ["sentinel", "watch"])
 def test_a_positive_max_norm_is_silent(mode: str) -> None:
     assert _clip_run(mode, 1.0, from_config=True) == []
+
+
+# ------------------------------- clip_grad_norm_ before scaler.unscale_(optimizer): NW310
+def _amp_run(mode: str, *, unscale: bool, enabled: bool = True) -> list[tuple[str, list[str], str]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=enabled)
+    with nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = (model(torch.randn(32, 8)) - 1).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            if unscale:
+                scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            nw.step()
+    return [(d.code, d.evidence, d.fix) for d in nw.report.diagnoses]
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_clipping_scaled_gradients_asks_for_unscale_first(mode: str) -> None:
+    found = [d for d in _amp_run(mode, unscale=False) if d[0] == "NW310"]
+    assert found, _amp_run(mode, unscale=False)
+    _, evidence, fix = found[0]
+    assert "still multiplied by the GradScaler's scale, 65536" in evidence[0], evidence
+    assert "1.53e-05 (max_norm / scale)" in evidence[1], evidence
+    assert fix.splitlines() == [
+        "scaler.unscale_(opt)   # the real gradients: clip_grad_norm_ compares their norm",
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+    ]
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_clipping_after_unscale_or_without_a_scale_is_silent(mode: str) -> None:
+    assert _amp_run(mode, unscale=True) == []
+    assert _amp_run(mode, unscale=False, enabled=False) == []

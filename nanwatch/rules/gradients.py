@@ -6773,7 +6773,7 @@ def clip_to_nothing(ctx: RuleContext) -> Iterator[Diagnosis]:
     if note is None:
         return
     bound = note.data.get("max_norm")
-    if not isinstance(bound, float):
+    if not isinstance(bound, float) or bound > 0:
         return
     code = note.data.get("code")
     code = code if isinstance(code, str) else None
@@ -6817,6 +6817,65 @@ def clip_to_nothing(ctx: RuleContext) -> Iterator[Diagnosis]:
             "unconditionally with that setting trains nothing."
         ),
         fix=fix,
+        source=note.source,
+    )
+
+
+@rule(
+    "NW310",
+    title="Gradients clipped while still multiplied by the GradScaler's scale",
+    severity="warning",
+    summary=(
+        "clip_grad_norm_ ran before scaler.unscale_(optimizer): it measured the scaled "
+        "gradients, whose norm is the scale (65536 at first) times the real one, so every "
+        "step clips to max_norm / scale and the bound follows the scale, not the gradients."
+    ),
+    early=True,
+    priority=12,
+)
+def clip_scaled(ctx: RuleContext) -> Iterator[Diagnosis]:
+    note = next(
+        (n for n in ctx.trace.notes if n.kind == "clip" and note_num(n, "scale") is not None),
+        None,
+    )
+    if note is None:
+        return
+    scale = note_num(note, "scale")
+    assert scale is not None
+    bound = note.data.get("max_norm")
+    code = note.data.get("code")
+    code = code.strip() if isinstance(code, str) else None
+    var = _scaler_name(ctx.trace)
+    optim = ctx.memo(ctx.trace, "loop_names", _loop_names).optimizer or "optimizer"
+    said = f"max_norm={fmt(bound)}" if isinstance(bound, float) else "its max_norm"
+    evidence = [
+        f"clip_grad_norm_({said}) ran"
+        + (f" at {note.source}: {code}" if note.source and code else "")
+        + f", before {var}.unscale_({optim}): the gradients it measured were still "
+        f"multiplied by the GradScaler's scale, {fmt(scale)}",
+        "the norm it compared with max_norm is "
+        f"{fmt(scale)} times the real one: it clips once the real norm passes "
+        + (
+            f"{fmt(bound / scale)} (max_norm / scale)"
+            if isinstance(bound, float)
+            else "max_norm / scale"
+        )
+        + ", not max_norm, and that bound moves each time the scaler changes its scale",
+    ]
+    head = f"{var}.unscale_({optim})   # the real gradients: clip_grad_norm_ compares their norm"
+    yield ctx.diagnosis(
+        path=None,
+        evidence=evidence,
+        explanation=(
+            "A GradScaler multiplies the loss, and so every gradient, by its scale, and "
+            f"divides them back in {var}.step() or {var}.unscale_(). Anything that reads "
+            "the gradients' values in between -- clipping, a norm you log -- sees them "
+            f"scaled: clip_grad_norm_ then clips to max_norm / scale. {var}.unscale_() "
+            f"first (once per optimizer per step; {var}.step() does not unscale twice)."
+        ),
+        fix=f"{head}\n{code}"
+        if code
+        else f"{head}\ntorch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)",
         source=note.source,
     )
 
