@@ -2243,6 +2243,13 @@ class Watcher:
             added: list[tuple[str, int, torch.Tensor | None]] = []
             written: dict[str, tuple[str, torch.Tensor]] = {}  # see _grads_written
             in_place: dict[str, torch.Tensor] = {}
+            # the weights whose gradients the last backward checked, now all None: reset
+            # between backward() and this step (see _grads_written)
+            # (this step's backward: an optimizer given a closure runs its own later)
+            closure = any(map(callable, args)) or callable(kwargs.get("closure"))
+            checked = getattr(self, "_grads_seen", None) if self._grads_checked else None
+            dropped: list[Any] | None = [] if checked and not closure else None
+            checked = checked or {}
             for gi, g in enumerate(getattr(optimizer, "param_groups", ())):
                 every = g.get("params", ())
                 for p in every:  # unwatched ones too: a weight watched later (a jit'd
@@ -2252,6 +2259,11 @@ class Watcher:
                 ps = [p for p in every if id(p) in self._param_ids]
                 if not ps:
                     continue
+                if dropped is not None:  # backward gave them gradients, none is left (NW311)
+                    if any(p.grad is not None for p in ps):
+                        dropped = None
+                    else:
+                        dropped += [p for p in ps if id(p) in checked]
                 if qualnames is None:
                     qualnames = {id(p): q for q, _, p in self._params}
                 for p in ps if marks else ():
@@ -2337,6 +2349,9 @@ class Watcher:
                     self._note_stale_grads(optimizer, stale, stale_group, groups)
                 if written:
                     self._note_written_grads(optimizer, written)
+                if dropped and qualnames is not None:
+                    note.data["grads_dropped"] = [qualnames[id(p)] for p in dropped[:8]]
+                    note.data["grads_dropped_count"] = len(dropped)
             if groups:
                 with _NO_TORCH_FUNCTION():
                     self._flush_before_update(prior)

@@ -497,6 +497,16 @@ def case_clip_scaled() -> Case:
     return Case(b.build())
 
 
+def case_step_without_grads() -> Case:
+    b = TraceBuilder(1)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0))
+    b.forward(net, stat(-1.0, 1.0))
+    b.note("optimizer", "SGD", ident=1, grads_dropped=["fc.weight", "fc.bias"],
+           grads_dropped_count=2, groups=[{"group": 0, "params": 2, "lr": 0.1}])  # fmt: skip
+    return Case(b.build())
+
+
 def case_loss_spike() -> Case:
     def step(i: int, loss: float, lr: float) -> StepTrace:
         b = TraceBuilder(i)
@@ -688,6 +698,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW307": case_stale_grads,
     "NW309": case_clip_to_nothing,
     "NW310": case_clip_scaled,
+    "NW311": case_step_without_grads,
     "NW308": case_loss_spike,
     "NW401": case_input,
     "NW402": case_masked,

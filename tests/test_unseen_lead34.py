@@ -164,3 +164,51 @@ def test_clipping_scaled_gradients_asks_for_unscale_first(mode: str) -> None:
 def test_clipping_after_unscale_or_without_a_scale_is_silent(mode: str) -> None:
     assert _amp_run(mode, unscale=True) == []
     assert _amp_run(mode, unscale=False, enabled=False) == []
+
+
+# ------------------------------- zero_grad() between backward() and step(): NW311
+def _order_run(mode: str, order: str) -> list[str]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt: torch.optim.Optimizer
+    if order == "lbfgs":
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = (model(x) - y).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        for _ in range(3):
+            if order == "lbfgs":
+                opt.step(closure)
+                opt.zero_grad()  # after the step: the next closure's backward gives them
+                nw.step()
+                continue
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            if order == "between":
+                opt.zero_grad()
+            elif order == "partial":
+                model[0].weight.grad = None  # a weight frozen for this step, by hand
+            opt.step()
+            if order != "between":
+                opt.zero_grad()
+            nw.step()
+    return [d.code for d in nw.report.diagnoses]
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_zero_grad_between_backward_and_step_is_said(mode: str) -> None:
+    assert "NW311" in _order_run(mode, "between")
+
+
+@pytest.mark.parametrize("order", ["usual", "partial", "lbfgs"])
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_gradients_present_or_reset_after_the_step_are_silent(mode: str, order: str) -> None:
+    assert "NW311" not in _order_run(mode, order)

@@ -6880,6 +6880,50 @@ def clip_scaled(ctx: RuleContext) -> Iterator[Diagnosis]:
     )
 
 
+@rule(
+    "NW311",
+    title="The optimizer stepped with no gradients: zero_grad() between backward() and step()",
+    severity="warning",
+    summary=(
+        "Every weight the optimizer updates had a gradient when backward() returned, and "
+        "none when step() ran: they were reset in between, so the update skips every "
+        "weight and nothing trains."
+    ),
+    early=True,
+    priority=12,
+)
+def step_without_grads(ctx: RuleContext) -> Iterator[Diagnosis]:
+    for n in ctx.trace.notes:
+        if n.kind != "optimizer" or not n.data.get("grads_dropped"):
+            continue
+        names = [x for x in n.data["grads_dropped"] if isinstance(x, str)]
+        count = n.data.get("grads_dropped_count")
+        count = count if isinstance(count, int) else len(names)
+        loop = ctx.memo(ctx.trace, "loop_names", _loop_names)
+        optim = loop.optimizer or "optimizer"
+        shown = ", ".join(names[:3]) + (", ..." if count > 3 else "")
+        yield ctx.diagnosis(
+            path=None,
+            evidence=[
+                f"backward() gave gradients to the {count} weights {n.path} updates "
+                f"({shown}); when {optim}.step() ran, every one of them was None",
+                "an optimizer skips a weight whose .grad is None: this update changed nothing",
+            ],
+            explanation=(
+                "zero_grad() resets the gradients (to None, by default): called after "
+                "backward() and before step(), it drops the gradients backward just "
+                "computed, and every step is empty. The loss never moves, yet every value "
+                "stays finite. Reset them after the step (or before backward), not between."
+            ),
+            fix=(
+                f"{optim}.zero_grad()   # before backward (or after step), not between them\n"
+                "loss.backward()\n"
+                f"{optim}.step()"
+            ),
+        )
+        return
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
