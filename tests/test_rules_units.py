@@ -182,6 +182,11 @@ def case_headroom() -> Case:
     return Case(model_step(dtype="float16", out=(-40000.0, 100.0)))
 
 
+def case_huge_loss() -> Case:
+    # a loss of 1e12 from values of at most |x| = 3: no sum of their squares comes near
+    return Case(model_step(loss=1e12, criterion="KLByHand"))
+
+
 def case_logits_exp_bound(criterion: str = "DiceLossByHand") -> Case:
     def step(i: int, top: float) -> StepTrace:
         return model_step(
@@ -675,6 +680,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW103": case_logits_exp_bound,
     "NW104": case_growth,
     "NW105": case_hidden_overflow,
+    "NW106": case_huge_loss,
     "NW110": case_log,
     "NW111": case_div,
     "NW112": case_root,

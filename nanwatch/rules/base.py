@@ -191,6 +191,9 @@ class RuleContext:
     rule: Rule | None = None
     #: extra facts the watcher knows (``scaler``: whether a GradScaler was given; ``mode``).
     facts: dict[str, Any] = field(default_factory=dict)
+    #: the codes the user silenced (``ignore=``): a rule that leaves a case to another one
+    #: speaks itself when that one is silenced
+    ignored: frozenset[str] = frozenset()
     #: what :meth:`memo` computed for the current step in this evaluation
     _now: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -451,7 +454,13 @@ def evaluate(
     skip = set(ignore)
     dead = disabled if disabled is not None else set()
     out: list[Diagnosis] = []
-    ctx = RuleContext(trace=trace, history=history, thresholds=thresholds, facts=dict(facts or {}))
+    ctx = RuleContext(
+        trace=trace,
+        history=history,
+        thresholds=thresholds,
+        facts=dict(facts or {}),
+        ignored=frozenset(skip),
+    )
     healthy = _healthy(trace)
     rules = [
         r

@@ -3715,7 +3715,10 @@ def _lr_divergence(ctx: RuleContext) -> _Divergence | None:
         "median over the recorded steps (thresholds.explode_factor) and past the largest "
         "level the run had before (a converged run moving off its optimum is no explosion, "
         "nor a fit whose loss sat at finfo(loss dtype).eps of where the run began going "
-        "back to the gradient level it began with), and not small against the weights: a "
+        "back to the gradient level it began with, nor a -log-probability loss (cross-"
+        "entropy, NLL, BCE) whose batch, summed, costs less than one sample did at the "
+        "start, rising by at most one sample's log(1 / finfo(loss dtype).eps): one flipped "
+        "label in a memorized batch), and not small against the weights: a "
         "jump from rounding noise (below finfo(dtype).eps × the weights' norm: a loss at its "
         "floor) must pass explode_factor times that floor, and one to below sqrt(float32 "
         "eps) × the weights' norm explodes nothing. Clip at a max_norm that binds, or lower "
@@ -3886,6 +3889,73 @@ def _settled(ctx: RuleContext, start: _Start, total: float | None, level: float 
     return statistics.median(losses) <= eps * loss0 and level <= math.sqrt(eps) * total0
 
 
+#: losses that are -log of a probability the model gave, averaged (or summed) over samples
+_LOG_PROB_LOSSES = frozenset({"ce", "nll", "bce", "bce_logits"})
+
+
+def _samples(trace: StepTrace) -> tuple[int, bool] | None:
+    """The step's one loss call that is a -log of probabilities (:data:`_LOG_PROB_LOSSES`):
+    how many samples (target positions not ignored) it reduced over, and whether it
+    averaged them (False: summed). None for another loss, several, or ``reduction="none"``."""
+    # (the loss computed outside any module is a use of its own, of no kind)
+    uses = [u for u in loss_uses(trace) if u.path != LOSS_PATH]
+    if len(uses) != 1 or uses[0].kind not in _LOG_PROB_LOSSES:
+        return None
+    u = uses[0]
+    reduction = u.data("reduction", "mean")
+    if reduction not in ("mean", "sum"):
+        return None
+    shape = u.data("target_shape")
+    if isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+        n = math.prod(shape)
+    else:
+        rec = u.measured or u.input
+        if rec is None or not rec.shape:
+            return None
+        n = math.prod(rec.shape)
+        if u.kind in ("ce", "nll") and len(rec.shape) > 1:
+            n //= max(rec.shape[1], 1)  # the class dim
+    ignored = u.data("ignored", 0)
+    n -= int(ignored) if isinstance(ignored, (int, float)) else 0
+    return (n, reduction == "mean") if n > 0 else None
+
+
+def _one_sample_off(ctx: RuleContext, start: _Start, total: float | None) -> bool:
+    """Whether the step's total gradient norm ``total`` (a spike over its recent level) is a
+    fit that memorized its batch meeting one sample it does not fit (a flipped label), not
+    an explosion. The loss is a -log of the probabilities the model gave (cross-entropy,
+    NLL, BCE) over n samples; the history's losses, summed over the batch, are at most what
+    one sample cost when the run began (every sample is fit); this step's loss rose above
+    them by at most what one sample adds at a probability of finfo(loss dtype).eps, log(1 /
+    eps) (its share of a mean: / n); and ``total`` is back at most to the largest norm the
+    run began with, a level it trained through."""
+    need = ctx.thresholds.min_history
+    loss = ctx.trace.loss
+    if (
+        total is None
+        or loss is None
+        or not math.isfinite(total)
+        or not math.isfinite(loss)
+        or len(start.losses) < need
+        or len(start.totals) < need
+        or total > max(start.totals)
+    ):
+        return False
+    got = _samples(ctx.trace)
+    if got is None:
+        return False
+    n, mean = got
+    losses = [t.loss for t in ctx.history if t.loss is not None]
+    if len(losses) < need or not all(math.isfinite(x) and x >= 0 for x in losses):
+        return False
+    level = statistics.median(losses)
+    per = n if mean else 1  # the loss in units of one sample's
+    first = statistics.median(start.losses) / (1 if mean else n)  # one sample's, at first
+    t = getattr(torch, _loss_dtype(ctx.trace), None)
+    eps = torch.finfo(t).eps if isinstance(t, torch.dtype) and t.is_floating_point else _EPS32
+    return level * per <= first and (loss - level) * per <= math.log(1 / eps)
+
+
 def _overshot(ctx: RuleContext) -> tuple[StepTrace, list[_Raise], _Oversize | None] | None:
     """The update just before this step (the history's last step's) when it was oversized
     as NW308 measures it: its lr raised ``explode_factor`` times at once, or a step as large
@@ -3904,7 +3974,10 @@ def _spike_told(ctx: RuleContext) -> bool:
     """Whether the loss spike NW308 diagnoses already says this jump of the gradients: NW308
     fires at this step, or fired at an earlier step of the same spike (:func:`_same_spike`)
     where the gradients had jumped with the loss (its evidence says they followed), or NW303
-    has named the lr since then. Otherwise NW303 names the lr, once a spike."""
+    has named the lr since then. Otherwise NW303 names the lr, once a spike; and always when
+    the user silenced NW308 (``ignore=``), which then tells nothing."""
+    if "NW308" in ctx.ignored:
+        return False
     probe = dataclasses.replace(ctx, rule=REGISTRY["NW308"], _now={})
     if next(_loss_spike(probe), None) is not None:
         return True
@@ -4014,7 +4087,7 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
         # zero input), an output layer initialized to 0 whose gradient grows from
         # nothing. Clipping would change nothing.
         return
-    if _settled(ctx, start, cur.total, level):
+    if _settled(ctx, start, cur.total, level) or _one_sample_off(ctx, start, cur.total):
         # a fit at its floor met a batch it does not fit: its gradients are back at a
         # level the run trained through, not many times anything the update can overshoot
         return

@@ -1124,6 +1124,123 @@ def _target_overflow(t: _Target, dtype: str, lim: DtypeLimits) -> tuple[str, str
     return explanation, fix
 
 
+@dataclass(frozen=True)
+class _DataOperand:
+    """An exp-like op whose argument is a sum or difference of a watched output (the
+    model's prediction) and a tensor no watched module made (data: a target), where that
+    tensor alone passes the op's overflow bound and nothing the model made or was given
+    comes near it."""
+
+    op: str
+    arg: float  #: the op's largest |argument|
+    made: str  #: the op that combined them (``sub``)
+    model: float  #: the largest |x| of the model's output it was made from
+    data: float  #: at least this large: the other operand (|arg| - model)
+    others: float  #: the largest |x| of anything the model made or was given
+    bound: float  #: the op's overflow bound
+
+    def line(self) -> str:
+        return (
+            f"{self.op}'s argument is a {self.made} of the model's output (at most |x| = "
+            f"{fmt(self.model)}) and a tensor no watched module made, at least |y| = "
+            f"{fmt(self.data)}: data passed to the loss (the target) puts it at "
+            f"{fmt(self.arg)}, past the bound {fmt(self.bound)}, while everything the model made "
+            f"or was given is at most {fmt(self.others)}"
+        )
+
+
+#: ops that only add, subtract, negate or reshape: |result| <= the sum of the operands'
+_ADDITIVE = frozenset({"sub", "rsub", "add", "neg"})
+_SHAPE_ONLY = frozenset(
+    {
+        "view",
+        "reshape",
+        "unsafeview",
+        "squeeze",
+        "unsqueeze",
+        "expand",
+        "t",
+        "transpose",
+        "permute",
+        "clone",
+        "slice",
+        "select",
+    }
+)
+
+
+def _data_operand(ctx: RuleContext, ev: OpEvent, lim: DtypeLimits) -> _DataOperand | None:
+    """See :class:`_DataOperand`: the loss graph's chain below the op (its ``made_from``)
+    is additive ops down to a watched output, so |argument| <= |that output| + |the other
+    operand|; the other operand is then at least their difference. None unless it alone
+    passes the op's bound and everything recorded this step (the model's inputs, every
+    watched output) stays below that bound."""
+    name = packet(ev.op).rstrip("_")
+    x = first_input(ev)
+    if name not in _BARE_EXP or x is None or not x.finite or ev.phase is not Phase.FORWARD:
+        return None
+    chain = ev.made_from
+    if not chain or not chain[-1].startswith("watched:"):
+        return None
+    steps = chain[:-1]
+    if not steps or not all(c in _ADDITIVE or c in _SHAPE_ONLY for c in steps):
+        return None
+    made = next((c for c in steps if c in _ADDITIVE and c != "neg"), None)
+    if made is None:
+        return None
+    node = chain[-1].split(":", 1)[1].replace("_", "")
+    bound = lim.exp_bound + (math.log(2) if name in _BOTH_SIDES else 0.0)
+    model = 0.0
+    others = 0.0
+    for r in ctx.trace.records:
+        if r.phase is not Phase.FORWARD and r.phase is not Phase.INPUT:
+            continue
+        if r.path == LOSS_PATH:
+            continue
+        st = ctx.trace.resolve(r).stat
+        if st is None or not st.finite or limits(r.dtype) is None:
+            continue
+        others = max(others, st.magnitude)
+        fn = (r.grad_fn or "").split("Backward")[0].lower().replace("_", "")
+        if r.phase is Phase.FORWARD and fn == node:
+            model = max(model, st.magnitude)
+    if model == 0.0 or others >= bound:
+        return None
+    data = x.magnitude - model
+    if not data > bound:
+        return None
+    op = short_op(ev.op)
+    return _DataOperand(op, x.magnitude, made, model, data, others, bound)
+
+
+def _data_overflow(d: _DataOperand, dtype: str, lim: DtypeLimits) -> str:
+    return (
+        f"{dtype} holds values up to {fmt(lim.max)}: reaching that is not a precision "
+        f"problem, and computing in a wider dtype only delays it. {d.op} overflows {dtype} "
+        f"for |x| above {fmt(d.bound)}, and its argument combines the model's output (at "
+        f"most {fmt(d.model)}) with data it never made, at least {fmt(d.data)}: the targets "
+        "were never standardized, so the difference is in their raw units whatever the "
+        "model predicts, at the first step and at every later one. Standardize the targets "
+        "(and undo it on the predictions)."
+    )
+
+
+def _data_fix(code: str | None, log_cosh: bool) -> str:
+    scale = (
+        "y = (y - y_mean) / y_std   # standardize the target (mean and std of the training "
+        "targets); pred * y_std + y_mean undoes it"
+    )
+    if log_cosh:
+        return (
+            f"{scale}\n"
+            "log_cosh = d.abs() + F.softplus(-2 * d.abs()) - math.log(2)   # = "
+            "torch.log(torch.cosh(d)), d what you pass to cosh: finite for every d\n"
+            "# not torch.cosh(d.clamp(...)): past the clamp the loss stops growing and its "
+            "gradient is 0, so the largest errors stop being learned"
+        )
+    return scale
+
+
 def _from_op(
     ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent, chain: Sequence[OpEvent] = ()
 ) -> Diagnosis:
@@ -1148,6 +1265,7 @@ def _from_op(
     power: tuple[float, float, float] | None = None
     tpow: _TensorPower | None = None
     cums: _CumsumExponent | None = None
+    data: _DataOperand | None = None
     # the backward of a cast up (x.float()): the gradient is cast back to x's dtype
     back_cast = (name in CAST or name == "to_copy") and ev.phase is Phase.BACKWARD
     # a backward product into a low-precision gradient with an operand past that dtype's
@@ -1284,6 +1402,14 @@ def _from_op(
             f"{cums.code} -- a sum of one term per position, so it grows with the length "
             "summed over, not because any value exploded"
         )
+    elif (
+        wide
+        and lim is not None
+        and not result_only
+        and not cplx
+        and (data := _data_operand(ctx, ev, lim)) is not None
+    ):
+        evidence.append(data.line())
     elif (
         wide
         and lim is not None
@@ -1427,6 +1553,9 @@ def _from_op(
     elif tpow is not None and lim is not None:
         explanation = _explain_tensor_power(tpow, dtype, lim)
         fix = _fix_tensor_power(tpow, lim)
+    elif data is not None and lim is not None:
+        explanation = _data_overflow(data, dtype, lim)
+        fix = _data_fix(ev.code, name.rstrip("_") == "cosh" and _log_of_cosh(ctx, ev))
     elif wide and lim is not None and (target := _huge_target(ev, lim)) is not None:
         explanation, fix = _target_overflow(target, dtype, lim)
         evidence.append(target.line())
@@ -1446,6 +1575,7 @@ def _from_op(
             recurrent=recurrent,
             cause=cause or (_inside_cause(ctx, small) if small is not None else ""),
             complex_=cplx,
+            op=name.rstrip("_"),
         )
         fix = _fix_wide(
             kind,
@@ -4734,10 +4864,12 @@ def _explain_wide(
     recurrent: bool,
     cause: str = "",
     complex_: bool = False,
+    op: str = "exp",
 ) -> str:
     """float32 / float64: the range is vast, so the values themselves exploded; ``cause``,
     when the records name what grew them (an optimizer setting, NW306), says it instead of
-    the usual suspects; ``complex_``: an exp of a complex tensor."""
+    the usual suspects; ``complex_``: an exp of a complex tensor; ``op``: the exp-like op
+    (cosh and sinh overflow on both sides, above log(2 × max) in |x|)."""
     top = fmt(lim.max)
     head = (
         f"{dtype} holds values up to {top}: reaching that is not a precision problem, and "
@@ -4758,6 +4890,15 @@ def _explain_wide(
             "log-amplitude -- grows with it (a mode exp((-d + iω)·t) with d < 0 grows "
             "without limit in t). Keep the decay positive by construction (softplus), or "
             "bound the real part; a clamp of the complex tensor itself does not exist."
+        )
+    if kind == "exp" and op in _BOTH_SIDES:
+        arg = x.magnitude if x is not None else math.nan
+        reached = f"reached |x| = {fmt(arg)}" if not math.isnan(arg) else "passed it"
+        return head + (
+            f"{op} overflows {dtype} for |x| above {fmt(lim.exp_bound + math.log(2))}; its "
+            f"argument {reached}. An argument with no bound -- a difference of values that "
+            "grew, a learned quantity that drifted -- passes it: bound it, or write the "
+            f"expression so that it never takes {op} of a large number."
         )
     if kind == "exp":
         arg = signed_max(x)
@@ -7253,3 +7394,284 @@ def growth_to_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
             "dtype=torch.bfloat16)"
         ),
     )
+
+
+# ---------------------------------------------------------------------- NW106
+
+
+@dataclass(frozen=True)
+class _LossScale:
+    """What the values a loss could be computed from can make of it: ``values``, how many
+    there are (the model's inputs and outputs, every watched module's output, the loss
+    calls' inputs and targets), and ``scale``, the largest |x| among them (at least 1).
+    A loss that sums the square of each of them reaches ``bound``. ``dtype``: the loss's
+    own (its one-value output's; float32 when not recorded)."""
+
+    values: int
+    scale: float
+    dtype: str
+
+    @property
+    def bound(self) -> float:
+        return self.values * self.scale * self.scale
+
+
+def _loss_scale(trace: StepTrace, below: float = math.inf) -> _LossScale | None:
+    """The step's :class:`_LossScale`: its finite floating-point values measured in forward
+    (an input measured elsewhere is that output, counted once), but not the loss itself (a
+    loss call's output, a one-value output of a root, the loss computed outside any
+    module), with the targets the guards read for functional losses. One pass, cut short
+    (None) once ``_HUGE_LOSS_FLOOR`` × the bound passes ``below``: no loss under that is
+    huge, whatever its dtype (a healthy step reads a few records)."""
+    special = {c.id: c for c in trace.calls if c.is_loss or c.root}
+    floating: dict[str, bool] = {}
+    values = 0
+    scale = 1.0
+    dtype = "float32"
+    for r in trace.records:
+        st = r.stat
+        if st is None or (r.phase is not Phase.FORWARD and r.phase is not Phase.INPUT):
+            continue
+        if r.phase is Phase.FORWARD:
+            call = special.get(r.call)
+            if r.path == LOSS_PATH or (call is not None and (call.is_loss or st.numel <= 1)):
+                if st.numel == 1:  # the loss, not what it was made of
+                    dtype = r.dtype
+                continue
+        wide = floating.get(r.dtype)
+        if wide is None:
+            wide = floating[r.dtype] = limits(r.dtype) is not None
+        if not wide or not st.finite:
+            continue
+        values += st.numel
+        scale = max(scale, st.magnitude)
+        if _HUGE_LOSS_FLOOR * values * scale * scale > below:
+            return None
+    for n in trace.notes:
+        if n.kind != "loss_input":
+            continue
+        for key in ("target_min", "target_max", "input_min", "input_max"):
+            v = n.data.get(key)
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                scale = max(scale, abs(float(v)))
+    return _LossScale(max(values, 1), scale, dtype)
+
+
+def _huge_loss(ctx: RuleContext, trace: StepTrace) -> tuple[float, _LossScale, str] | None:
+    """The step's loss when it is finite and past ``1 / sqrt(eps)`` (of the loss's dtype)
+    times :attr:`_LossScale.bound`: more than a sum of squares of every value it could be
+    made of, by the middle (in orders of magnitude) between the loss's rounding and the
+    loss itself. The loss, its scale and its dtype; None otherwise."""
+    loss = trace.loss
+    if loss is None or not math.isfinite(loss):
+        return None
+    size = abs(loss)
+    if size < _HUGE_LOSS_FLOOR:  # below any bound (values >= 1, scale >= 1): most steps
+        return None
+    sc = _loss_scale(trace, size)
+    if sc is None:
+        return None
+    lim = limits(sc.dtype)
+    if lim is None:
+        return None
+    slack = 1.0 / math.sqrt(lim.eps)
+    return (loss, sc, sc.dtype) if size >= slack * sc.bound else None
+
+
+#: the smallest loss that can be huge: 1 / sqrt(eps) of the dtype with the largest eps a
+#: loss is computed in (bfloat16), times the smallest bound (one value of scale 1)
+_HUGE_LOSS_FLOOR = 1.0 / math.sqrt(torch.finfo(torch.bfloat16).eps)
+
+
+@dataclass(frozen=True)
+class _Singular:
+    """A value the loss was computed from that sits near 0, all of one sign, whose gradient
+    from the loss is at least 1 / |x|: a term of the loss singular at 0."""
+
+    rec: Record
+    low: float  #: its smallest |x|
+    high: float  #: its largest |x|
+    grad: float | None  #: the largest |gradient| the loss sent to it (None: not measured)
+
+    def line(self) -> str:
+        sign = "positive" if self.rec.stat is not None and self.rec.stat.min > 0 else "negative"
+        grad = (
+            f"; the loss's gradient with respect to it reaches {fmt(self.grad)}, about "
+            f"1/x² at x = {fmt(1 / math.sqrt(self.grad))}"
+            if self.grad is not None and self.grad > 0
+            else ""
+        )
+        return (
+            f"{self.rec.path} ({self.rec.role}) holds only tiny {sign} values, |x| from "
+            f"{fmt(self.low)} to {fmt(self.high)}{grad}: the loss blows up as they go to 0"
+        )
+
+
+def _singular(trace: StepTrace) -> _Singular | None:
+    """The model's value nearest 0 among those all of one sign and at most sqrt(eps) of
+    their dtype, with a gradient from the loss (when measured) of at least 1 / |x|: a loss
+    term like 1/x, log x, lgamma or digamma (≈ -1/x) of it. None when no value is so."""
+    best: _Singular | None = None
+    grads: dict[int, float] = {}
+    for r in trace.records:
+        if (
+            r.phase is Phase.BACKWARD
+            and r.source is not None
+            and not r.by_grad
+            and r.stat is not None
+            and math.isfinite(r.stat.magnitude)
+        ):
+            grads[r.source] = max(grads.get(r.source, 0.0), r.stat.magnitude)
+    for r in trace.records:
+        if r.phase is not Phase.FORWARD or r.path == LOSS_PATH:
+            continue
+        s, lim = r.stat, limits(r.dtype)
+        if s is None or lim is None or not s.finite or s.numel <= 1:
+            continue
+        if not (s.min > 0 or s.max < 0):
+            continue
+        low, high = min(abs(s.min), abs(s.max)), s.magnitude
+        if high > math.sqrt(lim.eps):
+            continue
+        g = grads.get(r.index)
+        if g is not None and g * high < 1:
+            continue  # its gradient is not that of a term singular at 0
+        if best is None or low < best.low:
+            best = _Singular(r, low, high, g)
+    return best
+
+
+@rule(
+    "NW106",
+    title="Huge finite loss: a term of it blows up",
+    severity="warning",
+    summary=(
+        "The loss is finite but past 1 / sqrt(finfo(loss dtype).eps) (2896 in float32) "
+        "times what a sum of squares of every value it could be made of reaches (the "
+        "model's inputs and outputs, the watched modules' outputs, the targets the losses "
+        "were given): a term of it is singular (1/x, log x, lgamma or digamma of a value "
+        "near 0, a Dirichlet or Gamma concentration), an exp of a large argument, or data "
+        "the model never saw in raw units. Said once, at the first such step, before it "
+        "turns into inf."
+    ),
+    early=True,
+    priority=45,
+)
+def huge_loss(ctx: RuleContext) -> Iterator[Diagnosis]:
+    found = _huge_loss(ctx, ctx.trace)
+    if found is None:
+        return
+    hist = ctx.history
+    if hist and hist[-1].step == ctx.step - 1 and _huge_loss(ctx, hist[-1]) is not None:
+        return  # said at the first step of it
+    loss, sc, dtype = found
+    lim = limits(dtype)
+    if lim is None:
+        return
+    read = any(n.kind == "loss_input" for n in ctx.trace.notes)
+    made_of = "the model's inputs and outputs" + (
+        ", its modules' outputs" if ctx.trace.full else ""
+    )
+    evidence = [
+        f"loss {fmt(loss)} at step {ctx.step}: {_times_of(abs(loss) / sc.bound)} a sum of "
+        f"squares of all {count(sc.values, 'value')} it could be made of, at most |x| = "
+        f"{fmt(sc.scale)} each ({fmt(sc.bound)}): {made_of}"
+        + (" and the targets the losses were given" if read else "")
+    ]
+    g = ctx.trace.grad_norm
+    if g is not None and math.isfinite(g) and g > 0:
+        evidence.append(f"total gradient norm {fmt(g)}")
+    sing = _singular(ctx.trace)
+    rounding = abs(loss) * lim.eps
+    head = (
+        f"{dtype} still holds this loss (up to {fmt(lim.max)}), but no sum of squares, "
+        "products or logs of the values it was computed from comes near it: a term of the "
+        "loss blows up. "
+    )
+    tail = (
+        f" That term dwarfs the others (any term below {fmt(rounding)} is lost in the "
+        f"loss's {dtype} rounding) and its gradient drives every update; a little further "
+        "and it is inf, then NaN."
+    )
+    when = "at step 0, before any update" if _first_step(ctx) else f"at step {ctx.step}"
+    if sing is not None:
+        evidence.append(sing.line())
+        where = f"{sing.rec.path} ({sing.rec.role})"
+        src = _exp_source(ctx.trace, sing)
+        made = (
+            f"{src.path}'s output, from {fmt(src.stat.min)} to {fmt(src.stat.max)}"
+            if src is not None and src.stat is not None
+            else None
+        )
+        if made is not None:
+            evidence.append(
+                f"{made}: e^x of it spans the same range, so {where} is softplus or exp of "
+                "it (softplus(x) ≈ e^x below -10)"
+            )
+        explanation = (
+            head + f"The values of {where} are within {fmt(sing.high)} of 0, where a term like "
+            "1/x, log x, or lgamma(x) and digamma(x) (≈ -log x and -1/x) is singular: the "
+            "log-density or KL of a Dirichlet, Gamma or Beta takes both of its "
+            "concentration, a Gaussian's of its variance. "
+            + (
+                f"It is softplus or exp of {made}: that far below 0 "
+                if made is not None
+                else "A positive quantity made by softplus or exp of a large negative "
+                "number is that small "
+            )
+            + f"{when}."
+            + tail
+        )
+        fix = (
+            f"# a floor under the positive quantity {where} returns keeps the term finite\n"
+            "x = F.softplus(raw) + 1e-3   # where it is F.softplus(raw); raw.exp() + 1e-3 "
+            "where it is raw.exp()\n"
+            + (
+                f"# and bring {src.path}'s output near 0 (its initialization: a bias far below 0)"
+                if src is not None
+                else "# and find what makes raw that negative (an initialization: a bias "
+                "far below 0)"
+            )
+        )
+    else:
+        explanation = (
+            head + "The term is singular at a value that got near 0 (1/x, log x, lgamma or "
+            "digamma of it, a log-det of a near-singular matrix), an exp of a large "
+            "argument, or made of data the model never saw, in raw units (a target the "
+            "loss compares with: its square is the loss)." + tail
+        )
+        fix = (
+            f"# print each term of the loss at step {ctx.step}: the one near {fmt(loss)} "
+            "is it\n"
+            "# a term of x near 0 (1/x, log x, lgamma/digamma(x)): bound x away from 0, "
+            "F.softplus(raw) + 1e-3 or x.clamp(min=1e-3)\n"
+            "# a target in raw units: standardize it, y = (y - y_mean) / y_std "
+            "(statistics from the training data; undo it on predictions)"
+        )
+    yield ctx.diagnosis(
+        path=sing.rec.path if sing is not None else LOSS_PATH,
+        phase=Phase.FORWARD.value,
+        evidence=evidence,
+        explanation=explanation,
+        fix=fix,
+    )
+
+
+def _exp_source(trace: StepTrace, sing: _Singular) -> Record | None:
+    """The watched module output, all below 0, whose e^x spans ``sing``'s range (each end
+    within a factor e): the value softplus or exp made it from. None when none does."""
+    if sing.rec.stat is None or sing.rec.stat.min <= 0:
+        return None
+    lo, hi = math.log(sing.low), math.log(sing.high)
+    for r in trace.records:
+        s = r.stat
+        if r.phase is not Phase.FORWARD or r is sing.rec or s is None or not s.finite:
+            continue
+        if s.max < 0 and abs(s.min - lo) <= 1 and abs(s.max - hi) <= 1:
+            return r
+    return None
+
+
+def _times_of(ratio: float) -> str:
+    """``2.3e+06×``: how many times a bound the loss is."""
+    return f"{fmt(ratio)}×"
