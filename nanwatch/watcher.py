@@ -2345,6 +2345,10 @@ class Watcher:
                         note.data.update(scheduler=found[0], scheduler_variable=found[1])
                 if self._bypasses_scaler(optimizer, kwargs):
                     note.data["scaled_step"] = True  # NW301: the GradScaler was bypassed
+                elif self._scaled and self._backward_called and self._scaled_loss is None:
+                    scale = self._unscaled_twice(optimizer)
+                    if scale is not None:  # NW314: divided by a scale never multiplied in
+                        note.data["unscaled_backward"] = scale
                 if stale:
                     self._note_stale_grads(optimizer, stale, stale_group, groups)
                 if written:
@@ -2451,6 +2455,22 @@ class Watcher:
         state = states.get(id(optimizer))
         stage = state.get("stage") if isinstance(state, dict) else None
         return stage is None or getattr(stage, "name", None) == "READY"
+
+    def _unscaled_twice(self, optimizer: Any) -> float | None:
+        """The scale the GradScaler has divided ``optimizer``'s gradients by this step
+        (``scaler.step()`` or ``scaler.unscale_()``: its stage is UNSCALED), when the step's
+        backward ran on the loss itself, not on ``scaler.scale(loss)``: the gradients were
+        never multiplied by it. None otherwise. The scale is read only then."""
+        states = getattr(self.scaler, "_per_optimizer_states", None)
+        state = states.get(id(optimizer)) if isinstance(states, dict) else None
+        stage = state.get("stage") if isinstance(state, dict) else None
+        if getattr(stage, "name", None) != "UNSCALED":
+            return None
+        scale = getattr(self.scaler, "_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            return None
+        value = float(scale)
+        return value if value > 1 else None
 
     def _grads_written(
         self,

@@ -512,6 +512,16 @@ def case_step_without_grads() -> Case:
     return Case(b.build())
 
 
+def case_unscaled_backward() -> Case:
+    b = TraceBuilder(1)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0))
+    b.forward(net, stat(-1.0, 1.0))
+    b.note("optimizer", "SGD", ident=1, unscaled_backward=65536.0,
+           groups=[{"group": 0, "params": 2, "lr": 0.1}])  # fmt: skip
+    return Case(b.build())
+
+
 def case_loss_spike() -> Case:
     def step(i: int, loss: float, lr: float) -> StepTrace:
         b = TraceBuilder(i)
@@ -705,6 +715,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW309": case_clip_to_nothing,
     "NW310": case_clip_scaled,
     "NW311": case_step_without_grads,
+    "NW314": case_unscaled_backward,
     "NW308": case_loss_spike,
     "NW401": case_input,
     "NW402": case_masked,

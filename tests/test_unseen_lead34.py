@@ -212,3 +212,40 @@ def test_zero_grad_between_backward_and_step_is_said(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["sentinel", "watch"])
 def test_gradients_present_or_reset_after_the_step_are_silent(mode: str, order: str) -> None:
     assert "NW311" not in _order_run(mode, order)
+
+
+# ------------------- backward on the loss, not on scaler.scale(loss), under scaler.step(): NW314
+def _scale_run(mode: str, how: str) -> list[str]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    crit = nn.MSELoss()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with nanwatch.watch(model, crit, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        for _ in range(3):
+            for _ in range(2 if how == "accumulate" else 1):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = crit(model(torch.randn(32, 8)).float(), torch.ones(32, 1))
+                if how == "discarded":
+                    scaler.scale(loss)
+                    loss.backward()
+                else:
+                    scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            nw.step()
+    return [d.code for d in nw.report.diagnoses]
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_backward_on_the_unscaled_loss_under_scaler_step_is_said(mode: str) -> None:
+    # scaler.scale(loss) made, its result dropped (a scaler that never scaled anything
+    # raises in torch itself)
+    assert "NW314" in _scale_run(mode, "discarded")
+
+
+@pytest.mark.parametrize("how", ["usual", "accumulate"])
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_backward_on_the_scaled_loss_is_silent(mode: str, how: str) -> None:
+    assert _scale_run(mode, how) == []

@@ -6212,6 +6212,52 @@ def _loss_term_note(
     )
 
 
+# ---------------------------------------------------------------------- NW314
+@rule(
+    "NW314",
+    title="GradScaler divides gradients that backward never multiplied",
+    severity="warning",
+    summary=(
+        "backward() ran on the loss itself, not on scaler.scale(loss), yet scaler.step() "
+        "(or unscale_) divided the gradients by the scale: every update is 1/scale of what "
+        "it should be (1/65536 at first), and the model barely moves."
+    ),
+    early=True,
+    priority=12,
+)
+def unscaled_backward(ctx: RuleContext) -> Iterator[Diagnosis]:
+    for n in ctx.trace.notes:
+        scale = note_num(n, "unscaled_backward") if n.kind == "optimizer" else None
+        if scale is None:
+            continue
+        var = _scaler_name(ctx.trace)
+        optim = ctx.memo(ctx.trace, "loop_names", _loop_names).optimizer or "optimizer"
+        yield ctx.diagnosis(
+            path=None,
+            evidence=[
+                f"this step's backward() ran on the loss, not on {var}.scale(loss), and "
+                f"{n.path} stepped inside {var}.step() after the gradients were divided "
+                f"by the scale, {fmt(scale)}",
+                f"every gradient it applied is {fmt(1 / scale)} times the real one: the "
+                "weights barely move, and the scale keeps growing while no step overflows",
+            ],
+            explanation=(
+                "A GradScaler multiplies the loss by its scale before backward, so small "
+                "float16 gradients do not underflow, and divides the gradients by it again "
+                f"in {var}.step(). Backward on the loss itself skips the multiplication but "
+                "not the division. The result of scaler.scale(loss) is the tensor to call "
+                "backward() on."
+            ),
+            fix=(
+                f"{var}.scale(loss).backward()   # not loss.backward(): "
+                f"{var}.step() divides by the scale\n"
+                f"{var}.step({optim})\n"
+                f"{var}.update()"
+            ),
+        )
+        return
+
+
 # ---------------------------------------------------------------------- NW305
 
 
