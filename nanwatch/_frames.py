@@ -295,6 +295,30 @@ def _running_span(f: types.FrameType, raw: str) -> tuple[int, int] | None:
     return col - indent, end_col - indent
 
 
+#: (id of a code object, instruction) -> (that code object, the text of the call it makes
+#: there): the guards ask once per loss call site, not once per call
+_CALL_TEXTS: dict[tuple[int, int], tuple[types.CodeType, str | None]] = {}
+
+
+def running_call(f: types.FrameType) -> str | None:
+    """The source text of the call frame ``f`` is making now (``nll(logits, y)`` of
+    ``loss = 0.5 * mse(r, y2) + 0.5 * nll(logits, y)``), when it lies on the frame's line;
+    None otherwise. Cached per code object and instruction (keyed by id, checked by
+    identity)."""
+    code = f.f_code
+    key = (id(code), f.f_lasti)
+    hit = _CALL_TEXTS.get(key)
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    raw = linecache.getline(code.co_filename, f.f_lineno).rstrip("\n")
+    span = _running_span(f, raw) if raw.strip() else None
+    text = raw.strip()[span[0] : span[1]] if span is not None else None
+    if len(_CALL_TEXTS) >= 4096:  # code made at run time (exec, lambdas): bounded
+        _CALL_TEXTS.clear()
+    _CALL_TEXTS[key] = (code, text)
+    return text
+
+
 def describe_frame(f: types.FrameType | None) -> tuple[str | None, str | None]:
     """(``file.py:42``, the source text of that line) for a frame; the text is a
     :class:`CodeLine` that knows the span the frame was running."""

@@ -3260,15 +3260,15 @@ def _remember_clean(t: torch.Tensor) -> None:
 
 
 def _per_class_weight(p: _Probe, name: str) -> bool:
-    """Whether parameter ``name`` weighs classes (or labels) rather than elements: a
-    negative value there turns that class's loss into a reward."""
+    """Whether parameter ``name`` weighs classes (or labels) rather than elements."""
     return name == "pos_weight" or p.spec.kind == "class" or p.spec.name.startswith("multilabel")
 
 
 def _check_weights(p: _Probe) -> None:
     """A loss's weight or pos_weight holding inf or NaN (``n_neg / n_pos`` or ``1 / counts``
     with a class absent from the counts) makes the loss inf or NaN, at once or the first
-    time that class is a target; a negative class weight rewards the loss of its class.
+    time that class is a target; a negative weight (every torch loss that takes one has
+    terms >= 0) turns its class's or element's loss into a reward the optimizer maximizes.
     Counted in the guard's one read; a weight read clean is not read again until it
     changes."""
     if p.spec.kind == "index":
@@ -3279,12 +3279,10 @@ def _check_weights(p: _Probe) -> None:
             continue
         if _known_clean(w):
             continue
-        negative = _per_class_weight(p, name)
-        bad = ~torch.isfinite(w)
-        if negative:
-            bad |= w < 0
+        # one pass: clamping moves a negative or +-inf weight, and NaN != NaN
+        bad = w.clamp(0, torch.finfo(w.dtype).max) != w
         p.count(f"{name}_bad", bad)
-        p.then(functools.partial(_weight_result, p, name, w, negative))
+        p.then(functools.partial(_weight_result, p, name, w, True))
 
 
 def _weight_result(
@@ -3496,9 +3494,13 @@ def _weight_failure(p: _Probe, name: str, w: torch.Tensor, n: int, *, negative: 
             f"{where} gives an inf or NaN loss with it"
         )
     else:
+        unit = (
+            "class" if per_class and p.spec.kind == "class" else "label" if per_class else "element"
+        )
         problem = (
-            f"{what} holds {found}: a negative weight rewards the loss of its class instead of "
-            f"penalizing it; {where} needs weights >= 0"
+            f"{what} holds {found}: a negative weight rewards the loss of its {unit} instead "
+            f"of penalizing it (the optimizer makes those predictions worse, and the loss "
+            f"falls without bound); {where} needs weights >= 0"
         )
     repair = ".nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)" if n_nonfinite else ""
     if negative and bool((w.nan_to_num(neginf=0.0) < 0).any()):
@@ -3537,6 +3539,11 @@ def _weight_failure(p: _Probe, name: str, w: torch.Tensor, n: int, *, negative: 
                 "(NaN where it meets a zero, 0 * inf), a NaN weight makes it NaN, and the mean "
                 "over the batch carries it into every gradient. PyTorch accepts such weights "
                 "without a word; the NaN shows up inside the loss kernel."
+                if n_nonfinite
+                else "A loss multiplies each term, never negative, by its weight: a negative "
+                "weight makes the term negative, so the optimizer lowers the loss by making "
+                "that prediction worse, and the loss can fall toward -inf while the model "
+                "degrades. PyTorch accepts such weights without a word."
             ),
             values=values,
             counts=counts,
@@ -4294,7 +4301,13 @@ def _guard(
             failure = fail.failure
         if not early and spec.kind != "index" and len(watcher.trace.notes) < _MAX_NOTES:
             source = _source(frame) if frame is not None else None
-            watcher.note("loss_input", path, source=source, **_evidence(watcher, p))
+            data = _evidence(watcher, p)
+            if frame is not None:
+                # which call of the line is this loss (``0.5 * mse(a, b) + nll(c, d)``):
+                # the rules rewrite that one
+                data["call"] = _frames.running_call(frame)
+            watcher.note("loss_input", path, source=source, **data)
+            _tls.sign_tap = _sign_tap(watcher, p, path, source, module) if failure is None else None
     if failure is None or failure.code in watcher.config.ignore:
         return
     source = _source(frame) if frame is not None else None
@@ -4591,6 +4604,9 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
         "input_activation": _activation_node(x.grad_fn),
         "input_softmax_dim": _softmax_dim(x),
         "input_requires_grad": x.requires_grad,
+        # a leaf that needs a gradient: a parameter, or values given a graph of their own
+        # (argmax(...).float().requires_grad_()), whose gradient stops there
+        "input_parameter": isinstance(x, nn.Parameter),
         "reduction": _reduction(p.bound),
     }
     rec = watcher.record_of(x)
@@ -4970,6 +4986,115 @@ def _pop_hook(module: nn.Module, args: Any, *rest: Any) -> None:
     stack = _module_stack()
     if stack and stack[-1] is module:
         stack.pop()
+    if rest:
+        _take_sign_tap(module, rest[-1])
+
+
+# -- the sign of the gradient a per-element loss gets -------------------------------------
+#: steps at which a per-element loss's gradient sign is checked: a weighting that makes some
+#: terms rewards is there from the first step; later, a few steps now and then
+_SIGN_FIRST, _SIGN_EVERY, _SIGN_RUN = 8, 100, 3
+#: holds an entry once the check failed (an internal error): off for the process
+_sign_off: list[bool] = []
+
+
+@dataclass(frozen=True, eq=False)
+class _SignTap:
+    """A per-element binary loss call (``reduction="none"``) whose output gets a gradient
+    hook: every term of these losses is >= 0, so the total's gradient on a term should be
+    >= 0; a target value whose every term gets a negative one has its loss maximized."""
+
+    watcher: Watcher
+    owner: nn.Module | None  #: the loss module, or None for a functional call
+    path: str
+    loss: str
+    source: str | None
+    classes: torch.Tensor  #: each term's target, rounded: 0 or 1
+
+
+def _sign_tap(
+    watcher: Watcher, p: _Probe, path: str, source: str | None, module: nn.Module | None
+) -> _SignTap | None:
+    """The tap for a per-element binary loss that trains something, on the steps the check
+    runs; None otherwise (no cost). Class-index losses are left alone: a policy gradient
+    weighs the cross-entropy of the actions it sampled by signed advantages, and an action
+    that is always worse than the mean gets a negative weight every step, rightly."""
+    step = watcher.step_index
+    if _sign_off or (step >= _SIGN_FIRST and step % _SIGN_EVERY >= _SIGN_RUN):
+        return None
+    t, x = p.target, p.input
+    if p.spec.kind != "binary" or _reduction(p.bound) != "none" or t is None:
+        return None
+    if not x.requires_grad or not _readable(t):  # the output's own tells grad mode
+        return None
+    if not t.is_floating_point() or t.shape != x.shape:
+        return None
+    return _SignTap(
+        watcher=watcher,
+        owner=module,
+        path=path,
+        loss=p.cls_name if p.is_module else p.spec.call,
+        source=source,
+        classes=(t >= 0.5).long(),
+    )
+
+
+def _take_sign_tap(owner: nn.Module | None, out: Any) -> None:
+    """After the guarded call: hook its output's gradient, when its guard left a tap."""
+    tap: _SignTap | None = getattr(_tls, "sign_tap", None)
+    if tap is None or tap.owner is not owner:
+        return
+    _tls.sign_tap = None
+    if (
+        isinstance(out, torch.Tensor)
+        and out.requires_grad
+        and out.shape == tap.classes.shape
+        and not _compiling()
+    ):
+        hook = functools.partial(_sign_hook, tap)
+        out.register_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def _sign_hook(tap: _SignTap, grad: torch.Tensor) -> None:
+    """Count, per target value, the terms whose gradient is negative (one read; a second
+    only when some are): a ``"loss_sign"`` note when every term of one target value got
+    one while the other got positive ones."""
+    try:
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            g = grad.reshape(-1)
+            neg = g < 0
+            n_neg = int(neg.sum())
+            if not n_neg:
+                return
+            k = tap.classes.to(grad.device).reshape(-1)
+            rows = torch.stack(
+                [
+                    torch.bincount(k, minlength=2),
+                    torch.bincount(k[neg], minlength=2),
+                    torch.bincount(k[g > 0], minlength=2),
+                ]
+            ).tolist()
+        total, negs, poss = rows
+        flipped = [c for c in (0, 1) if total[c] and negs[c] == total[c]]
+        if len(flipped) != 1 or not poss[1 - flipped[0]]:
+            return  # no target value wholly maximized, or the other not minimized
+        w = tap.watcher
+        if len(w.trace.notes) >= _MAX_NOTES:
+            return
+        c = flipped[0]
+        w.note(
+            "loss_sign",
+            tap.path,
+            source=tap.source,
+            loss=tap.loss,
+            flipped=c,
+            flipped_terms=total[c],
+            trained=1 - c,
+            terms=sum(total),
+        )
+    except Exception as exc:  # nanwatch must never break the training it watches
+        _sign_off.append(True)
+        _Health(tap.watcher).fault("loss sign check", exc)
 
 
 # ---------------------------------------------------------------------------- functional
@@ -5029,13 +5154,16 @@ class _FunctionalTap:
                         g.check(spec, args, kwargs, caller, original)
                 _tls.functional = True
             try:
-                return call(original, args, kwargs)
+                out = call(original, args, kwargs)
             except BaseException as e:
                 _skip_trampoline(e, call)
                 raise
             finally:
                 if not nested:
                     _tls.functional = False
+            if not nested:
+                _take_sign_tap(None, out)
+            return out
 
         guarded._nanwatch_guard = True  # type: ignore[attr-defined]
         return guarded

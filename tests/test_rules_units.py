@@ -367,6 +367,31 @@ def case_detached() -> Case:
     return Case(b.build(loss=1.5))
 
 
+def case_target_maximized() -> Case:
+    """A hand-weighted focal loss with alpha above 1: every term of target 0 got a negative
+    gradient in two steps in a row (the guards' ``"loss_sign"`` notes)."""
+
+    def step(n: int) -> StepTrace:
+        t = model_step(n)
+        t.notes.append(
+            Note(
+                "loss_sign",
+                "F.binary_cross_entropy_with_logits",
+                {
+                    "loss": "F.binary_cross_entropy_with_logits",
+                    "flipped": 0,
+                    "flipped_terms": 9,
+                    "trained": 1,
+                    "terms": 16,
+                },
+                source="train.py:12",
+            )
+        )
+        return t
+
+    return Case(step(1), history=[step(0)])
+
+
 def _note(path: str, **data: Any) -> Any:
     from nanwatch.records import Note
 
@@ -705,6 +730,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW207": case_ctc_dropped,
     "NW208": case_softmax_dim,
     "NW209": case_detached,
+    "NW210": case_target_maximized,
     "NW301": case_bad_weights,
     "NW302": case_bad_grads,
     "NW303": case_exploding,

@@ -2722,6 +2722,34 @@ def _loss_line_of(note: Note) -> str | None:
     return None
 
 
+def loss_call_in(tree: ast.AST, note: Note | None) -> ast.Call | None:
+    """The loss call of a guard's ``"loss_input"`` note in a parsed statement: the call the
+    user's frame was making (the note's ``call``, compared as code: spacing aside), else
+    the one call named as the loss (``cross_entropy`` for ``F.cross_entropy``); None when
+    neither is found (``0.5 * mse(a, b) + nll(c, d)`` from a note without its call).
+
+    >>> from nanwatch.records import Note
+    >>> n = Note("loss_input", "NLLLoss", data={"loss": "NLLLoss", "call": "nll(c,  d)"})
+    >>> ast.unparse(loss_call_in(ast.parse("loss = 0.5 * mse(a, b) + 0.5 * nll(c, d)"), n))
+    'nll(c, d)'
+    """
+    if note is None:
+        return None
+    calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)]
+    text = note.data.get("call")
+    if isinstance(text, str):
+        try:
+            want = ast.unparse(ast.parse(text, mode="eval").body)
+        except SyntaxError:
+            want = None
+        found = [c for c in calls if ast.unparse(c) == want]
+        if found:
+            return found[0]
+    fname = str(note.data.get("loss", note.path)).rsplit(".", 1)[-1]
+    named = [c for c in calls if _call_name(c) == fname]
+    return named[0] if len(named) == 1 else None
+
+
 def loss_input_rewrite(note: Note, wrap: Callable[[str], str], *, min_args: int = 2) -> str | None:
     """The loss call's statement with its input (the first argument, or ``input=`` /
     ``log_probs=``) passed through ``wrap``. The call is the one named as the loss
@@ -2744,7 +2772,8 @@ def loss_input_rewrite(note: Note, wrap: Callable[[str], str], *, min_args: int 
         calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)]  # outermost first
         named = [c for c in calls if _call_name(c) == fname]
         counted = [c for c in calls if len(c.args) + len(c.keywords) >= min_args]
-        for call in named or counted[:1]:
+        exact = loss_call_in(tree, note)
+        for call in [exact] if exact is not None else named or counted[:1]:
             kw = {k.arg: k.value for k in call.keywords if k.arg}
             arg = kw.get("input", kw.get("log_probs", call.args[0] if call.args else None))
             if arg is None:

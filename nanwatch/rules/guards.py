@@ -110,7 +110,7 @@ CHECKS: dict[str, tuple[str, str]] = {
     "NW517": (
         "Loss weight is inf, NaN or negative",
         "A loss's weight or pos_weight holds inf or NaN (n_neg / n_pos or 1 / counts where a "
-        "class has no sample), or a class weight is negative: the loss is inf or NaN.",
+        "class has no sample), or a negative weight: the loss is inf or NaN, or rewards errors.",
     ),
     "NW518": (
         "Target logit is -inf",

@@ -16,10 +16,11 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from nanwatch.records import Phase, StepTrace
+from nanwatch.records import LOSS_PATH, Phase, Record, StepTrace
 from nanwatch.rules._evidence import (
     Activation,
     LossUse,
+    _parsed,
     _statement_key,
     cause_of,
     describe_activation,
@@ -27,6 +28,7 @@ from nanwatch.rules._evidence import (
     full_statement,
     limits,
     loss_activation,
+    loss_call_in,
     loss_input_rewrite,
     loss_uses,
     low_precision,
@@ -403,6 +405,9 @@ def _bce_logits_fix(trace: StepTrace, use: LossUse, act: Activation | None) -> s
     source = use.note.source if use.note is not None else None
     code = full_statement(source) if source else None
     line = _loss_statement(code)
+    here = _sigmoid_on_line(line, use)
+    if here is not None:
+        return here
     head, _, tail = "\n".join(_sigmoid_removal(trace, use, act, line)).partition("\n@@\n")
     if "binary_cross_entropy(" in line:
         fixed = line.replace("binary_cross_entropy(", "binary_cross_entropy_with_logits(", 1)
@@ -421,6 +426,95 @@ def _bce_logits_fix(trace: StepTrace, use: LossUse, act: Activation | None) -> s
         f"{head}\n{name} = nn.BCEWithLogitsLoss({args})   # in place of your nn.BCELoss "
         f"(keep its weight=, if any): the sigmoid inside, stably\n{tail}"
     )
+
+
+def _sigmoid_on_line(line: str, use: LossUse) -> str | None:
+    """NW202's fix when the loss line itself applies the sigmoid to the loss call's input
+    (``bce(torch.sigmoid(z), y)``, ``F.binary_cross_entropy(z.sigmoid(), y)``): that call
+    on the logit, as BCEWithLogits; nothing to change in the model. None otherwise."""
+    parsed = _parsed(line) if line else None
+    if parsed is None or not line.isascii():
+        return None
+    tree, shift = parsed
+    call = loss_call_in(tree, use.note)
+    if call is None or not call.args or call.end_col_offset is None:
+        return None
+    logit = _sigmoid_call(call.args[0])
+    if logit is None or call.lineno != call.end_lineno:
+        return None
+    seg = ast.get_source_segment(line[shift:], logit) or ast.unparse(logit)
+    if not isinstance(logit, (ast.Call, ast.Name, ast.Attribute, ast.Subscript)):
+        seg = f"({seg})"
+    first, last = shift + call.col_offset, shift + call.end_col_offset
+    arg = call.args[0]
+    a0, a1 = shift + arg.col_offset, shift + (arg.end_col_offset or arg.col_offset)
+    text = line[first:a0] + seg + line[a1:last]
+    callee = ast.get_source_segment(line[shift:], call.func) or ast.unparse(call.func)
+    if callee.rsplit(".", 1)[-1] == "binary_cross_entropy":
+        text = text.replace("binary_cross_entropy(", "binary_cross_entropy_with_logits(", 1)
+        return (
+            f"{line[:first]}{text}{line[last:]}   # on the logit: BCEWithLogits applies the "
+            "sigmoid inside, stably"
+        )
+    if not _MODULE_CALLEE.fullmatch(callee):
+        return None
+    built = _built_line(use.note.source if use.note is not None else None, callee)
+    red = use.data("reduction")
+    args = f"reduction={red!r}" if isinstance(red, str) and red != "mean" else ""
+    made = (
+        built.replace("BCELoss(", "BCEWithLogitsLoss(", 1)
+        if built is not None
+        else f"{callee} = nn.BCEWithLogitsLoss({args})"
+    )
+    return (
+        f"{made}   # in place of the nn.BCELoss (keep its weight=, if any): the sigmoid "
+        f"inside, stably\n{line[:first]}{text}{line[last:]}   # on the logit"
+    )
+
+
+#: the callers of a softmax as a function: ``torch.softmax(x, 1)``, ``F.softmax(x, dim=1)``
+_SOFTMAX_OWNERS = ("torch", "F", "nn.functional", "torch.nn.functional", "torch.special")
+
+
+def _softmax_on_line(use: LossUse, *, log: bool) -> str | None:
+    """NW203's and NW204's fix when the loss line itself applies the softmax to the loss
+    call's input (``F.cross_entropy(logits.softmax(-1), y)``): that statement with the
+    softmax dropped (CrossEntropyLoss) or made a log_softmax (NLLLoss); the model is fine.
+    None when the line does not show it there."""
+    from nanwatch.rules._evidence import _loss_line_of
+
+    line = _loss_line_of(use.note) if use.note is not None else None
+    for stmt in statements(line):
+        parsed = _parsed(stmt)
+        if parsed is None or not stmt.isascii():
+            continue
+        tree, shift = parsed
+        call = loss_call_in(tree, use.note)
+        arg = call.args[0] if call is not None and call.args else None
+        if not isinstance(arg, ast.Call) or not isinstance(arg.func, ast.Attribute):
+            continue
+        if arg.func.attr != "softmax" or arg.lineno != arg.end_lineno:
+            continue
+        owner = ast.unparse(arg.func.value)
+        if owner in _SOFTMAX_OWNERS:
+            if not arg.args:
+                continue
+            inner = arg.args[0]
+        else:
+            inner = arg.func.value
+        a0, a1 = shift + arg.col_offset, shift + (arg.end_col_offset or arg.col_offset)
+        if log:
+            f0 = shift + (arg.func.end_col_offset or 0) - len("softmax")
+            new = stmt[:f0] + "log_softmax" + stmt[f0 + len("softmax") :]
+            return f"{new}   # NLLLoss takes log-probabilities"
+        text = ast.get_source_segment(stmt[shift:], inner) or ast.unparse(inner)
+        if not isinstance(inner, (ast.Call, ast.Name, ast.Attribute, ast.Subscript)):
+            text = f"({text})"
+        return (
+            f"{stmt[:a0]}{text}{stmt[a1:]}   # on the logits: CrossEntropyLoss applies "
+            "log_softmax itself"
+        )
+    return None
 
 
 def _pairing(ctx: RuleContext, loss: str, act: str) -> Iterator[tuple[LossUse, str]]:
@@ -512,7 +606,8 @@ def softmax_ce(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "above 0, and the gradients are small: training is slow and stalls early. "
                 "No error is raised, which is why this survives for months."
             ),
-            fix=(
+            fix=_softmax_on_line(use, log=False)
+            or (
                 "# remove the final nn.Softmax: the model returns logits\n"
                 "criterion = nn.CrossEntropyLoss()      # applies log_softmax itself\n"
                 "loss = criterion(logits, target)\n"
@@ -550,7 +645,8 @@ def softmax_nll(ctx: RuleContext) -> Iterator[Diagnosis]:
                 "negative loss whose gradient does not grow for wrong predictions, so "
                 "training crawls and the loss curve is meaningless."
             ),
-            fix=(
+            fix=_softmax_on_line(use, log=True)
+            or (
                 "self.out = nn.LogSoftmax(dim=1)    # was: nn.Softmax(dim=1)\n"
                 "criterion = nn.NLLLoss()\n"
                 "# or drop the activation and use nn.CrossEntropyLoss() on the logits"
@@ -808,8 +904,9 @@ def _unwrapped_sigmoid(use: LossUse) -> str | None:
             tree = ast.parse(body.strip())
         except SyntaxError:
             continue
+        exact = loss_call_in(tree, use.note)
         calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and c.args]
-        for call in calls:
+        for call in [exact] if exact is not None and exact.args else calls:
             logit = _sigmoid_call(call.args[0])
             if logit is None:
                 continue
@@ -1249,7 +1346,8 @@ def _rewrite_softmax_dim(note: Any, dim: int) -> str | None:
             tree = ast.parse(stmt.removeprefix("return ").strip())
         except SyntaxError:
             continue
-        for call in ast.walk(tree):
+        exact = loss_call_in(tree, note)
+        for call in ast.walk(exact if exact is not None else tree):
             if (
                 not isinstance(call, ast.Call)
                 or ast.unparse(call.func).rsplit(".", 1)[-1] != "log_softmax"
@@ -1303,6 +1401,28 @@ def detached_input(trace: StepTrace, use: LossUse) -> Any:
     return rec
 
 
+def rebuilt_leaf(trace: StepTrace, use: LossUse) -> Record | None:
+    """The loss input is a leaf of its own that requires grad but is no parameter
+    (``model(x).argmax(1).float().requires_grad_()``, ``torch.tensor(..., requires_grad=
+    True)``): its gradient stops there. Returns the output of a watched (non-loss) module
+    of this step that had an autograd node, the graph the loss was cut from; None when the
+    input is not such a leaf or no module ran with autograd. Read from the guard's note."""
+    if use.note is None or use.data("input_grad_fn") or use.data("input_requires_grad") is not True:
+        return None
+    if use.data("input_parameter", True) is not False:
+        return None  # a parameter (or a note without the key): the loss trains it directly
+    return _graph_root(trace)
+
+
+def _no_grad_reached(trace: StepTrace) -> bool:
+    """Whether no watched parameter got a nonzero gradient this step (none at all, or all
+    exactly 0)."""
+    grads = [r.stat for r in trace.records if r.phase is Phase.GRADIENT and r.stat is not None]
+    return all(
+        s.finite and (s.norm == 0.0 if s.norm is not None else s.min == 0.0 == s.max) for s in grads
+    )
+
+
 def _all_grads_zero(trace: StepTrace) -> bool:
     """Whether this step's backward gave every watched parameter a gradient of exactly 0
     (at least one measured)."""
@@ -1317,14 +1437,22 @@ def _all_grads_zero(trace: StepTrace) -> bool:
     title="Loss computed on a detached output",
     severity="warning",
     summary=(
-        "A loss got a model output detached from the graph (.detach(), torch.no_grad()) "
-        "while the step's backward gave every parameter a gradient of 0: the loss trains "
-        "nothing, without an error."
+        "A loss got a model output detached from the graph (.detach(), torch.no_grad(), "
+        "argmax(...).float().requires_grad_()) while no watched parameter got a nonzero "
+        "gradient: the loss trains nothing, without an error."
     ),
     early=True,
     priority=20,
 )
 def loss_on_detached(ctx: RuleContext) -> Iterator[Diagnosis]:
+    if _no_grad_reached(ctx.trace):
+        for use in loss_uses(ctx.trace):
+            leaf = rebuilt_leaf(ctx.trace, use)
+            if leaf is not None:
+                yield _leaf_diagnosis(ctx, use, leaf)
+        rebuilt = _rebuilt_loss(ctx)
+        if rebuilt is not None:
+            yield rebuilt
     if not _all_grads_zero(ctx.trace):
         return  # another term trains the model: a detached loss is a logged metric
     for use in loss_uses(ctx.trace):
@@ -1354,6 +1482,84 @@ def loss_on_detached(ctx: RuleContext) -> Iterator[Diagnosis]:
         )
 
 
+def _rebuilt_loss(ctx: RuleContext) -> Diagnosis | None:
+    """``backward()`` ran on a loss with no autograd node (``torch.tensor(total,
+    requires_grad=True)`` of losses summed with ``.item()``) while a watched module ran with
+    autograd and no parameter got a gradient: the loss holds the numbers, not the graph."""
+    trace = ctx.trace
+    loss = next(
+        (r for r in trace.records if r.path == LOSS_PATH and r.phase is Phase.FORWARD), None
+    )
+    if loss is None or loss.grad_fn:
+        return None
+    root = _graph_root(trace)
+    if root is None:
+        return None
+    return ctx.diagnosis(
+        path=LOSS_PATH,
+        phase=Phase.FORWARD.value,
+        evidence=[
+            "backward() ran on a loss with no autograd node: a new leaf, made from numbers "
+            "(torch.tensor(total, requires_grad=True) of losses added up with .item())",
+            f"{root.path}'s output had an autograd node ({root.grad_fn}) this step, but no "
+            "watched parameter got a nonzero gradient",
+        ],
+        explanation=(
+            "A Python number (.item(), float(loss)) carries no graph, and a tensor built from "
+            "it is a leaf of its own: backward() gives it a gradient and stops. The loss "
+            "goes up and down with the data, the optimizer steps with no gradient, and the "
+            "model never changes."
+        ),
+        fix=(
+            "losses.append(criterion(model(x), y))   # the loss tensors, not .item()\n"
+            "loss = torch.stack(losses).mean()   # its graph reaches the model\n"
+            "loss.backward(); total += loss.item()   # .item() only for logging, after"
+        ),
+    )
+
+
+def _graph_root(trace: StepTrace) -> Record | None:
+    """The output of a watched root module (not a loss) that had an autograd node this
+    step: the model ran with autograd."""
+    losses = {c.id for c in trace.calls if c.is_loss}
+    for r in trace.records:
+        if r.phase is Phase.FORWARD and r.grad_fn and r.call not in losses:
+            call = trace.call(r.call)
+            if call is not None and call.root:
+                return r
+    return None
+
+
+def _leaf_diagnosis(ctx: RuleContext, use: LossUse, rec: Record) -> Diagnosis:
+    lo, hi = note_num(use.note, "input_min"), note_num(use.note, "input_max")
+    values = f" (values {fmt(lo)} to {fmt(hi)})" if lo is not None and hi is not None else ""
+    return ctx.diagnosis(
+        **_at_loss(use),
+        evidence=[
+            f"{use.path}'s input{values} requires grad but has no autograd node and is no "
+            "parameter: a new leaf, made by .requires_grad_() (or torch.tensor(..., "
+            "requires_grad=True)) from values without a graph",
+            f"{rec.path}'s output had an autograd node ({rec.grad_fn}) this step, but no "
+            "watched parameter got a nonzero gradient: the loss's graph ends at that leaf",
+        ],
+        explanation=(
+            f"Autograd sends {use.path}'s gradient to its input and stops: a leaf has no "
+            "graph behind it. Marking a tensor as requiring grad does not connect it to the "
+            "model that made its values; an argmax, a round, a comparison or an .item() has "
+            "no gradient at all, so the values were cut from the model before. The backward "
+            "runs without an error, the optimizer steps with no gradient, the model never "
+            "changes."
+        ),
+        fix=(
+            "# compute the loss on the model's scores, not on a hard choice made from them:\n"
+            "loss = F.cross_entropy(logits, y)   # for class labels, in place of "
+            "mse(logits.argmax(1).float().requires_grad_(), y)\n"
+            "# or keep a differentiable expectation: "
+            "(logits.softmax(1) * torch.arange(C)).sum(1), Gumbel-softmax with hard=True"
+        ),
+    )
+
+
 def _undetached(use: LossUse) -> str | None:
     """The loss line with ``.detach()`` (or ``.data``) removed from the loss call's input;
     None when the line holds neither there."""
@@ -1361,7 +1567,141 @@ def _undetached(use: LossUse) -> str | None:
 
     line = _loss_line_of(use.note) if use.note is not None else None
     for stmt in statements(line):
+        # within the loss call, when the line says which it is (``mse(a.detach(), b) +
+        # ce(c.detach(), y)``): the cut of this loss's input, not the first of the line
+        first, last = _call_bounds(stmt, use.note) or (0, len(stmt))
+        seg = stmt[first:last]
         for cut in (".detach()", ".data"):
-            if cut in stmt:
-                return stmt.replace(cut, "", 1)
+            if cut in seg:
+                return stmt[:first] + seg.replace(cut, "", 1) + stmt[last:]
     return None
+
+
+def _call_bounds(stmt: str, note: Any) -> tuple[int, int] | None:
+    """The offsets in ``stmt`` of the loss call of ``note`` (see :func:`loss_call_in`);
+    None when it is not found there."""
+    parsed = _parsed(stmt)
+    if parsed is None:
+        return None
+    tree, shift = parsed
+    call = loss_call_in(tree, note)
+    if call is None or call.lineno != call.end_lineno or call.end_col_offset is None:
+        return None
+    if not stmt.isascii():
+        return None  # the offsets count UTF-8 bytes
+    return shift + call.col_offset, shift + call.end_col_offset
+
+
+# ---------------------------------------------------------------------- NW210
+#: terms of one target value that must all have got a negative gradient, over consecutive
+#: checked steps (two at least), before NW210 speaks: were the signs a coin flip per sample
+#: (a signed advantage), 16 in a row would come up once in 65,536
+_SIGN_TERMS = 16
+_SIGN_LOOKBACK = 8
+
+
+def _flipped_run(ctx: RuleContext, note: Any) -> tuple[int, int] | None:
+    """(steps, terms): the run of consecutive steps, this one last, in which the loss call
+    of ``note`` (same path and line) had every term of the same target value get a
+    negative gradient, and how many terms those were; None when the run is too short."""
+    target = note.data.get("flipped")
+    steps, terms = 1, int(note.data.get("flipped_terms", 0))
+    for i, t in enumerate(reversed(list(ctx.history)[-_SIGN_LOOKBACK:]), start=1):
+        if terms >= _SIGN_TERMS and steps >= 2:
+            break
+        if t.step != ctx.trace.step - i:
+            break
+        same = [
+            n
+            for n in t.notes
+            if n.kind == "loss_sign"
+            and n.path == note.path
+            and n.source == note.source
+            and n.data.get("flipped") == target
+        ]
+        if not same:
+            break
+        steps += 1
+        terms += sum(int(n.data.get("flipped_terms", 0)) for n in same)
+    return (steps, terms) if terms >= _SIGN_TERMS and steps >= 2 else None
+
+
+def _assigned_name(source: str | None) -> str | None:
+    """The name the loss line assigns (``ce`` of ``ce = F.binary_cross_entropy(...)``)."""
+    code = full_statement(source) if source else None
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        node = tree.body[0] if tree.body else None
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name):
+                return target.id
+    return None
+
+
+@rule(
+    "NW210",
+    title="Per-element loss maximized for one target value (a negative weight)",
+    severity="warning",
+    summary=(
+        "Every term of a per-element binary loss (reduction='none') whose target is 0 (or "
+        "1) gets a negative gradient, step after step, while the others get positive "
+        "ones: a weight applied by hand is negative there (a focal alpha above 1), so the "
+        "optimizer makes those predictions worse."
+    ),
+    early=True,
+    priority=20,
+)
+def loss_target_maximized(ctx: RuleContext) -> Iterator[Diagnosis]:
+    done: set[tuple[str, str | None]] = set()
+    for note in ctx.notes("loss_sign"):
+        if (note.path, note.source) in done:
+            continue
+        run = _flipped_run(ctx, note)
+        if run is None:
+            continue
+        done.add((note.path, note.source))
+        steps, terms = run
+        d = note.data
+        loss = str(d.get("loss", note.path))
+        which, other = f"target {d.get('flipped')}", f"target {d.get('trained')}"
+        name = _assigned_name(note.source) or "loss"
+        weighted = _other_uses(note.source, name) if name != "loss" else None
+        at = f": {weighted}" if weighted else ""
+        if weighted:
+            fix = (
+                f"{weighted}   # every factor of {name} here must be >= 0: one is negative for "
+                f"{which}\n# a balance weight alpha * y + (1 - alpha) * (1 - y) needs 0 <= "
+                "alpha <= 1 (a focal loss's alpha: 0.25)"
+            )
+        else:
+            fix = (
+                "weight = weight.clamp_min(0)   # the factor that multiplies the per-element "
+                f"loss: it is negative for {which}; or fix how it is computed"
+            )
+        yield ctx.diagnosis(
+            path=note.path,
+            phase=Phase.BACKWARD.value,
+            source=note.source,
+            evidence=[
+                f"{loss}(..., reduction='none') has terms >= 0, but the total loss sent a "
+                f"negative gradient to every term of {which}: {terms:,} terms over the last "
+                f"{steps} steps, none spared",
+                f"the terms of {other} get positive ones: the sign follows the target, not "
+                "the sample",
+            ],
+            explanation=(
+                f"The per-element loss is weighted by hand before the reduction{at}. That "
+                f"weight is negative for {which}, so lowering the total raises the loss of "
+                "those terms: the optimizer pushes their predictions toward the wrong answer, "
+                "and the total can fall below 0 while the model gets worse. A balance factor "
+                "outside its range does this: alpha * y + (1 - alpha) * (1 - y) with alpha > "
+                "1 (a focal loss's alpha is a fraction, 0.25), or 1 - w with w > 1. (A policy "
+                "gradient whose targets are sampled actions, weighted by advantages, does it "
+                "on purpose when one action always pays less than the mean.)"
+            ),
+            fix=fix,
+        )
