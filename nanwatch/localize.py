@@ -1547,6 +1547,7 @@ def localize(
             origin = "loss-code"
             summary = (
                 f"{what} born on the way to the loss, outside every watched module's output{fed}"
+                f"{_root_not_called(trace)}"
             )
         else:
             summary = f"{what} born in the forward of {path}{typ}{fed}"
@@ -1950,6 +1951,31 @@ def localize(
 _NO_ANOMALY = "torch.autograd.detect_anomaly does not check hooks"
 
 
+#: :func:`_root_not_called`'s words, and the root they name
+_NOT_RUN = re.compile(r": (\S+) did not run this step")
+
+
+def _root_not_called(trace: StepTrace) -> str:
+    """Why sentinel mode saw no module make a value of this step: the loop called parts of
+    a watched root itself, never the root, whose own call is all sentinel mode hooks (see
+    ``Watcher._probe_parts``); empty when the step's root ran."""
+    note = next((n for n in trace.notes if n.kind == "root_not_called"), None)
+    if note is None:
+        return ""
+    root, part = note.path, note.data.get("part") or ""
+    reached = f" (the loss reached the weights of {part} alone)" if part else ""
+    if note.data.get("front") == "lightning":
+        fix = ": NanWatchCallback(mode='watch'), which hooks every module"
+    else:
+        watch = f"pass {part} to nanwatch.watch" if part else "watch the parts the loop calls"
+        fix = f", {watch}, or call {root}"
+    return (
+        f": {root} did not run this step{reached}, and sentinel mode hooks only {root}'s own "
+        f"call: the parts the loop calls are hooked from the next step on; to watch them from "
+        f"the start{fix}"
+    )
+
+
 def user_hook(trace: StepTrace, trig: Record) -> dict[str, Any] | None:
     """The hook the user registered on the tensor whose gradient ``trig`` found bad (the
     watcher's ``user_hook`` note: ``tensor``, ``how``, ``fn``, ``at``, ``code``,
@@ -2145,10 +2171,14 @@ def summarize(anomaly: Anomaly) -> str:
         and not _neginf_returned_by(anomaly, op.path)
     ):  # a value a module made and kept aside (self.aux = ...), which the loss then used
         what = base.split(" born on the way to the loss, ")[0]
-        base = (
-            f"{what} born in the forward of {op.path}, in a value it did not return that the "
-            "loss used"
-        )
+        alone = _NOT_RUN.search(base)
+        if alone is not None:  # its output unseen: the loop called it, its root unhooked
+            base = f"{what} born in the forward of {op.path}, called by the loop without {alone[1]}"
+        else:
+            base = (
+                f"{what} born in the forward of {op.path}, in a value it did not return that "
+                "the loss used"
+            )
     leaf = leaf_text(op) or constant_text(op) if anomaly.origin == "loss-code" else None
     if leaf is not None and " born on the way to the loss, " in base:
         what, rest = base.split(" born on the way to the loss, ", 1)

@@ -37,7 +37,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -819,6 +819,17 @@ class Watcher:
         self._acted_step = -1
         self._device_dead = False
         self._compiled_warned = False
+        #: sentinel mode (which hooks only the roots): no root has run yet in a step that
+        #: ran backward() (see :meth:`_probe_parts`); False once looked, or in other modes
+        self._probe_due = self.config.mode == "sentinel" and not global_hooks
+        #: the parts of the roots hooked for a while to find those the loop calls itself:
+        #: id(module) -> the handles; None when not probing (see :meth:`_end_probe`)
+        self._probing: dict[int, list[Any]] | None = None
+        #: the paths of the parts found called from outside every watched call while their
+        #: root is not: sentinel hooks them as roots, at each attach (see _hook_modules)
+        self._called_alone: set[str] = set()
+        #: the roots replayed to find a loss-code op in their forward (_replay_roots_for)
+        self._kept_aside_replayed: set[str] = set()
         #: torch.compile's frame count when watch() attached, and when a look for a compiled
         #: model last found no evidence (see _warn_if_unwatched)
         self._dynamo_at_attach = 0
@@ -1024,7 +1035,7 @@ class Watcher:
         for module, info in modules:
             for b in module.buffers(recurse=False):
                 marks[id(b)] = (weakref.ref(b), b._version)
-            if not (info.is_root or full_hooks):
+            if not (info.is_root or full_hooks or info.path in self._called_alone):
                 continue
             if not info.post_only or forensic:
                 # first, so the call's inputs are what its caller passed: a user's pre-hook
@@ -3329,8 +3340,10 @@ class Watcher:
                 t = tensors[0] if isinstance(tensors[0], torch.Tensor) else None
             if t is None or t.numel() != 1 or not t.is_floating_point():
                 return
+            if self._probing is not None:
+                self._end_probe()
             if (
-                not self._compiled_warned
+                (not self._compiled_warned or self._probe_due)
                 and not self._transformed
                 and all(c.is_loss for c in self._trace.calls)
             ):
@@ -3340,7 +3353,10 @@ class Watcher:
                 with _NO_TORCH_FUNCTION():
                     # sentinel hooks only the roots: children called one by one (by hand,
                     # checkpoint_sequential) leave no call, so only a compiled graph tells
-                    self._warn_if_unwatched(t, compiled_only=not self._full)
+                    if not self._compiled_warned:
+                        self._warn_if_unwatched(t, compiled_only=not self._full)
+                    if self._probe_due:
+                        self._probe_parts(t)
             entry = self._known.get(id(t))
             if entry is not None and entry[0]() is t:
                 # a watched module (the criterion) produced it: already recorded; the
@@ -3864,10 +3880,14 @@ class Watcher:
             snap = self._snapshot(node) if keep else None
             if snap is not None:
                 self._loss_snaps.append((ops.name_of(node), LOSS_PATH, snap))
-            base = re.sub(r"Backward\d*$", "", type(node).__name__)
+            typ = type(node).__name__
+            base = re.sub(r"Backward\d*$", "", typ)
             if base == "Pow" and _whole_power(_pow_exponent(node)):
                 continue  # x ** 2: a finite derivative everywhere
-            if base in _RISKY_BACKWARD:
+            # a custom autograd.Function's node (``<Function>Backward``, no number): its
+            # backward is any code of the user's; a module's full backward hook is not one
+            custom = typ.endswith("Backward") and typ != "BackwardHookFunctionBackward"
+            if base in _RISKY_BACKWARD or custom:
                 found.append(ops.name_of(node))
         if keep and found and self._loss_held is None:
             # read late, such a node may be named after backward (see _loss_node_of_param):
@@ -3927,6 +3947,98 @@ class Watcher:
                     safe=True,
                 )
                 return
+
+    def _probe_parts(self, loss: torch.Tensor) -> None:
+        """Sentinel mode hooks only the roots, and ``backward()`` runs on a loss although no
+        root ran this step: the loop calls parts of a root itself (a LightningModule's
+        training_step calling ``self.net(x)``, a backbone and a head called one by one, a
+        wrapper's ``model.module(x)``). Once per watcher: when the loss reaches watched
+        weights, this step's localization is told (a ``"root_not_called"`` note: the root,
+        and the smallest part that holds every watched weight the loss reached), and every
+        part is hooked until the next ``backward()``, which keeps the hooks of the parts
+        called from outside every watched call -- the real roots -- and removes the rest
+        (see :meth:`_end_probe`). Host-side: one walk of the loss's graph, no read."""
+        self._probe_due = False
+        owners = {id(p): path for _, path, p in self._params}
+        reached: set[str] = set()
+        walk = ops.GraphWalk([loss.grad_fn], limit=10_000)
+        for node in walk:
+            var = getattr(node, "variable", None)
+            if var is not None and id(var) in owners:
+                reached.add(owners[id(var)])
+            elif "CompiledFunction" in type(node).__name__:
+                return  # a compiled model: hooks would only make torch.compile compile again
+        if not reached:
+            return  # not the watched model's loss
+        root_of: dict[str, str] = {}
+        root = ""
+        for _, info in self._modules:
+            if info.is_root:
+                root = info.path
+            root_of[info.path] = root
+        roots = {root_of.get(p, "") for p in reached}
+        if len(roots) != 1:
+            return  # the weights of several roots: not one root left uncalled
+        (root,) = roots
+        parts = [p.split(".") for p in reached]
+        common: list[str] = []
+        for names in zip(*parts, strict=False):
+            if len(set(names)) != 1:
+                break
+            common.append(names[0])
+        part = ".".join(common)
+        # (a walk cut short may not have reached every weight: no part is named then)
+        part = part if part in root_of and part != root and not walk.truncated else ""
+        self.note("root_not_called", root, part=part, front=self.front)
+        compiled = {  # the modules inside a torch.compile'd submodule run compiled
+            id(x) for r in self.roots for m in r.modules() if _is_compiled(m)
+            for x in cast(nn.Module, m._orig_mod).modules()
+        }  # fmt: skip
+        probed: dict[int, list[Any]] = {}
+        for module, info in self._modules:
+            if info.is_root or info.post_only or root_of.get(info.path) != root:
+                continue
+            if id(module) in compiled:
+                continue
+            pre = module.register_forward_pre_hook(
+                self._make_pre(info, module), with_kwargs=True, prepend=True
+            )
+            info.pre_id = pre.id
+            post = module.register_forward_hook(
+                self._make_post(info, module), with_kwargs=True, always_call=True
+            )
+            probed[id(module)] = [pre, post]
+            self._handles += [pre, post]
+        _copies.hide(h.id for hs in probed.values() for h in hs)
+        self._probing = probed
+
+    def _end_probe(self) -> None:
+        """A ``backward()`` after :meth:`_probe_parts`: the parts called from outside every
+        watched call since then are hooked as roots from now on (at each attach too); the
+        other parts' hooks go, all of them when the root ran instead. Until a call of either,
+        the hooks stay: they run only when a part runs, and the first part to run is called
+        from outside."""
+        probed = self._probing
+        if probed is None:
+            return
+        roots = {info.path for _, info in self._modules if info.is_root}
+        outer = {c.path for c in self._trace.calls if c.parent is None and not c.is_loss}
+        if not outer:
+            return  # no part ran yet, nor the root
+        alone = outer - roots  # (none when the root ran instead: no part is kept)
+        self._probing = None
+        self._called_alone |= alone
+        gone: list[Any] = []
+        for module, info in self._modules:
+            hs = probed.get(id(module))
+            if hs is not None and info.path not in alone:
+                gone += hs
+                info.pre_id = None
+        for h in gone:
+            h.remove()
+        dropped = {id(h) for h in gone}
+        self._handles = [h for h in self._handles if id(h) not in dropped]
+        _copies.unhide(h.id for h in gone)
 
     def _record_loss(self, t: torch.Tensor) -> None:
         self._begun = True
@@ -6707,6 +6819,7 @@ class Watcher:
         self.note("loss_graph", LOSS_PATH, source=source, **data)
         if events:
             anomaly.op = forward_birth(events)  # not a sqrt of 0 before the log of it
+            self._replay_roots_for(anomaly)
         if source:
             base = anomaly.summary.split(" [")[0]
             # the graph is read at backward(): its nodes keep no forward line, so the line
@@ -6725,6 +6838,60 @@ class Watcher:
             else:
                 anomaly.summary = f"{base} (loss.backward() at {source}{hint})"
         anomaly.summary = summarize(anomaly)
+
+    def _replay_roots_for(self, anomaly: Anomaly) -> None:
+        """The loss code's graph names the op that made the value (``aten.mean`` of an empty
+        selection), but no watched call returned that value: it may be one a root's forward
+        made and kept aside (``self.aux = ...``), which the loss then read. Each root call of
+        the step is replayed on its own inputs, every op checked, with its random draws; the
+        first whose replay makes the same op's non-finite value from finite operands ran it:
+        the op gets that root's path and its line. Anomaly time only, once a run for each
+        root; not where the weights moved since the call, nor in a distributed run (a root's
+        forward may run a collective)."""
+        op = anomaly.op
+        if op is None or op.phase is not Phase.FORWARD or self._forensic:
+            return
+        if not self.config.pinpoint or _distributed() is not None:
+            return
+        name = ".".join(op.op.split(".")[:2])  # aten.mean (the graph knows no overload)
+        for call in self._trace.calls:
+            if not call.root or call.is_loss or call.end < 0:
+                continue
+            if call.path in self._kept_aside_replayed:
+                continue
+            frame = self._root_frames.get(call.path)
+            if frame is None or frame.call is not call:
+                continue
+            if frame.weights is not None and frame.weights != self._weight_versions():
+                continue  # read late, after an update: the replay would compute anew
+            found = self._root_call_inputs(call)
+            if found is None:
+                continue
+            self._kept_aside_replayed.add(call.path)
+            module, args, kwargs, hooks = found
+            result = ops.replay(
+                module,
+                args,
+                kwargs,
+                path=call.path,
+                on_error=self._checker_fault,
+                pre_hooks=hooks,
+                hold=self._moved_state,
+                call_site=self._call_line(module) or self._late_line(call),
+                rng=self._call_rng(call),
+                autocast=self._call_autocast(call),
+                modes=self._call_modes(call),
+                names=self._unhooked_path,
+            )
+            first = result.first()
+            if first is None or ".".join(first.op.split(".")[:2]) != name:
+                continue
+            if first.born != op.born or result.new_draws:
+                continue  # another value, or other draws: not shown to be the same op
+            self._trace.ops.extend(result.events)
+            first.backward_at = op.backward_at
+            anomaly.op = first
+            return
 
     def _front_words(self, summary: str) -> str:
         """``summary``'s hints in the words of what the user runs: ``nanwatch run``'s options,
@@ -7048,6 +7215,9 @@ class Watcher:
             h.remove()
         _copies.unhide(h.id for h in self._handles)
         self._handles = []
+        if self._probing is not None:  # detached while probing: probed again after attach
+            self._probing = None
+            self._probe_due = True
         if fns:
             _copies.sweep((m for r in self.roots for m in r.modules()), fns)
         for h in self._param_hooks.values():

@@ -78,16 +78,22 @@ def test_sentinel_logs_the_gradient_norm_of_a_submodule_step(
     # the figure of the step that held the update's backward (each window's last batch)
     ends = [t.grad_norm for t in nw.history if (t.step + 1) % accumulate == 0 or t.step == 4]
     assert logged == pytest.approx(ends, rel=1e-6)
-    # max_logit is unknown at every step (the LightningModule's own call never runs): left
-    # out, not a column of NaN
-    assert not any("max_logit" in k for r in rows for k in r)
+    # max_logit: unknown at step 0 (the LightningModule's own call never runs); from the
+    # first backward on, sentinel watches net, the part training_step calls, and its output
+    first, *rest = nw.history
+    assert first.max_logit is None and all(t.max_logit for t in rest)
+    maxima = [float(r["nanwatch/max_logit"]) for r in rows if r.get("nanwatch/max_logit")]
+    assert maxima == pytest.approx([t.max_logit for t in rest if t.grad_norm in ends], rel=1e-6)
 
 
 def test_sentinel_finds_a_nan_gradient_before_the_update(tmp_path: Path) -> None:
     torch.manual_seed(0)
     cb = NanWatchCallback(mode="sentinel", on_anomaly="skip")
     model = BackwardNaN(bad=False)
-    with pytest.warns(RuntimeWarning, match=r"nanwatch: step 1: NaN in the gradient"):
+    # net, the part training_step calls, is watched from the first backward on: the NaN is
+    # seen where it arrives, at net's output, before the weights' gradients
+    arrived = r"nanwatch: step 1: NaN gradient arrived at the output of net from code outside"
+    with pytest.warns(RuntimeWarning, match=arrived):
         fit(tmp_path, model, cb, batches=3)
     nw = cb.watcher
     assert nw is not None and nw.first_anomaly is not None
