@@ -745,6 +745,8 @@ class Watcher:
         self._tree = None
         self._tree_step = -1
         self._owners = {}
+        #: optimizers that step none of the watched weights (see _note_foreign_step)
+        self._foreign: dict[int, tuple[weakref.ReferenceType[Any], int, bool]] = {}
         #: each watched module's buffers and their versions when hooked: see _moved_state
         self._state_marks: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
         #: global module hooks: every module called while attached is watched (nanwatch run)
@@ -2367,6 +2369,8 @@ class Watcher:
                 if dropped and qualnames is not None:
                     note.data["grads_dropped"] = [qualnames[id(p)] for p in dropped[:8]]
                     note.data["grads_dropped_count"] = len(dropped)
+            if not groups and self._grads_checked and getattr(self, "_grads_seen", None):
+                self._note_foreign_step(optimizer)
             if groups:
                 with _NO_TORCH_FUNCTION():
                     self._flush_before_update(prior)
@@ -2466,6 +2470,22 @@ class Watcher:
         state = states.get(id(optimizer))
         stage = state.get("stage") if isinstance(state, dict) else None
         return stage is None or getattr(stage, "name", None) == "READY"
+
+    def _note_foreign_step(self, optimizer: Any) -> None:
+        """``optimizer`` steps none of the watched weights, after a backward that gave them
+        gradients: a ``"foreign_step"`` note (NW315 when no optimizer steps them, step
+        after step: one built on another instance of the model). Whether its tensors have
+        the watched weights' shapes is found once per optimizer; nothing is read."""
+        key = id(optimizer)
+        known = self._foreign.get(key)
+        if known is None or known[0]() is not optimizer:
+            theirs = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"]]
+            same = sorted(tuple(p.shape) for p in theirs) == sorted(
+                tuple(p.shape) for _, _, p in self._params
+            )
+            known = self._foreign[key] = (weakref.ref(optimizer), len(theirs), same)
+        if len(self._trace.notes) < 256:
+            self.note("foreign_step", type(optimizer).__name__, params=known[1], same=known[2])
 
     def _unscaled_twice(self, optimizer: Any) -> float | None:
         """The scale the GradScaler has divided ``optimizer``'s gradients by this step

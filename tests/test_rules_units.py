@@ -547,6 +547,19 @@ def case_unscaled_backward() -> Case:
     return Case(b.build())
 
 
+def case_foreign_optimizer() -> Case:
+    def step(i: int) -> StepTrace:
+        b = TraceBuilder(i)
+        net = b.call("Net", root=True)
+        b.input(net, stat(-1.0, 1.0))
+        b.forward(net, stat(-1.0, 1.0))
+        b.gradient("Net", "fc.weight", 0.5, numel=64)
+        b.note("foreign_step", "SGD", params=2, same=True)
+        return b.build(loss=1.0, grad_norm=0.5)
+
+    return Case(step(2), [step(0), step(1)])
+
+
 def case_loss_spike() -> Case:
     def step(i: int, loss: float, lr: float) -> StepTrace:
         b = TraceBuilder(i)
@@ -742,6 +755,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW310": case_clip_scaled,
     "NW311": case_step_without_grads,
     "NW314": case_unscaled_backward,
+    "NW315": case_foreign_optimizer,
     "NW308": case_loss_spike,
     "NW401": case_input,
     "NW402": case_masked,

@@ -249,3 +249,64 @@ def test_backward_on_the_unscaled_loss_under_scaler_step_is_said(mode: str) -> N
 @pytest.mark.parametrize("mode", ["sentinel", "watch"])
 def test_backward_on_the_scaled_loss_is_silent(mode: str, how: str) -> None:
     assert _scale_run(mode, how) == []
+
+
+# ------------------------ an optimizer built on another instance of the model: NW315
+def _foreign_run(mode: str, how: str) -> list[str]:
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    critic = nn.Sequential(nn.Linear(1, 8), nn.ReLU(), nn.Linear(8, 1))
+    c_opt = torch.optim.SGD(critic.parameters(), lr=0.01)
+    if how == "copied":
+        model = copy.deepcopy(model)  # e.g. a wrapper that copies: opt holds the old tensors
+    with nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        for i in range(8):
+            x = torch.randn(32, 8)
+            if how == "critic" and i % 5:
+                # WGAN-style critic steps: the generator (watched) gets gradients through
+                # the non-detached fake and is not stepped
+                critic(model(x)).mean().backward()
+                c_opt.step()
+                c_opt.zero_grad(set_to_none=False)
+                model.zero_grad(set_to_none=False)
+            else:
+                (model(x) - 1).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            nw.step()
+    return [d.code for d in nw.report.diagnoses]
+
+
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_an_optimizer_of_another_instance_of_the_model_is_said(mode: str) -> None:
+    assert "NW315" in _foreign_run(mode, "copied")
+
+
+@pytest.mark.parametrize("how", ["usual", "critic"])
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_the_model_s_own_optimizer_or_another_model_s_is_silent(mode: str, how: str) -> None:
+    assert "NW315" not in _foreign_run(mode, how)
+
+
+# ------------- the forward under no_grad, the loss made to require grad by hand: NW209
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_a_loss_made_to_require_grad_after_a_no_grad_forward_is_said(mode: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with nanwatch.watch(model, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        for _ in range(2):
+            with torch.no_grad():
+                out = model(torch.randn(32, 8))
+            loss = (out - 1).pow(2).mean().requires_grad_()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            nw.step()
+        with torch.no_grad():  # an evaluation afterwards: no backward, nothing said
+            model(torch.randn(4, 8))
+    found = [d for d in nw.report.diagnoses if d.code == "NW209"]
+    assert found and "torch.no_grad()" in found[0].evidence[1], nw.report.diagnoses

@@ -6258,6 +6258,72 @@ def unscaled_backward(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
 
 
+# ---------------------------------------------------------------------- NW315
+#: steps in a row with gradients on the watched weights and no update of them
+_FOREIGN_STEPS = 3
+
+
+def _foreign_only(trace: StepTrace) -> Note | None:
+    """The step's note of an optimizer that stepped none of the watched weights, tensors of
+    their very shapes, when no optimizer stepped any of them (an ``"optimizer"`` note says
+    one did) and backward gave them a gradient that is not 0. Another model's optimizer (a
+    GAN's critic, stepped alone for several steps) has other shapes."""
+    if any(n.kind == "optimizer" for n in trace.notes):
+        return None
+    norm = trace.grad_norm
+    if norm is None or not norm > 0:
+        return None
+    return next((n for n in trace.notes if n.kind == "foreign_step" and n.data.get("same")), None)
+
+
+@rule(
+    "NW315",
+    title="The optimizer never updates the watched model: it holds none of its weights",
+    severity="warning",
+    summary=(
+        "Step after step, backward() gives the model's weights gradients and an optimizer "
+        "steps, but its parameters are none of them: it was built on another instance of "
+        "the model (re-created, reloaded or deep-copied after the optimizer was made)."
+    ),
+    early=True,
+    priority=12,
+)
+def foreign_optimizer(ctx: RuleContext) -> Iterator[Diagnosis]:
+    note = _foreign_only(ctx.trace)
+    if note is None:
+        return
+    recent = ctx.history[-(_FOREIGN_STEPS - 1) :]
+    if len(recent) < _FOREIGN_STEPS - 1 or not all(_foreign_only(t) for t in recent):
+        return
+    if ctx.history[: -(_FOREIGN_STEPS - 1)] and _foreign_only(ctx.history[-_FOREIGN_STEPS]):
+        return  # said at the first step of the run
+    count = note_num(note, "params")
+    evidence = [
+        f"for {_FOREIGN_STEPS} steps (to step {ctx.step}) backward() gave the watched "
+        f"weights gradients and {note.path} stepped, but none of its "
+        + (f"{int(count)} " if count is not None else "")
+        + "parameters is a watched weight: no update reached the model",
+        "its parameters have exactly the shapes of the model's weights: they are those of "
+        "another instance of the model",
+    ]
+    yield ctx.diagnosis(
+        path=None,
+        evidence=evidence,
+        explanation=(
+            "An optimizer holds the tensors it was given when it was made. A model built "
+            "again after that (a second model = Net(), a checkpoint loaded into a new "
+            "instance, a deepcopy, a wrapper that copies the weights) trains with its own "
+            "tensors, which the optimizer never touches: the loss never improves, and every "
+            "value stays finite."
+        ),
+        fix=(
+            "model = Net()   # the model as it will train: built, loaded, wrapped\n"
+            "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)   # then the optimizer, "
+            "on its parameters"
+        ),
+    )
+
+
 # ---------------------------------------------------------------------- NW305
 
 

@@ -1494,7 +1494,8 @@ def _rebuilt_loss(ctx: RuleContext) -> Diagnosis | None:
         return None
     root = _graph_root(trace)
     if root is None:
-        return None
+        frozen = _root_without_graph(trace)
+        return _no_grad_forward(ctx, frozen) if frozen is not None else None
     return ctx.diagnosis(
         path=LOSS_PATH,
         phase=Phase.FORWARD.value,
@@ -1514,6 +1515,51 @@ def _rebuilt_loss(ctx: RuleContext) -> Diagnosis | None:
             "losses.append(criterion(model(x), y))   # the loss tensors, not .item()\n"
             "loss = torch.stack(losses).mean()   # its graph reaches the model\n"
             "loss.backward(); total += loss.item()   # .item() only for logging, after"
+        ),
+    )
+
+
+def _root_without_graph(trace: StepTrace) -> Record | None:
+    """The output of a watched root module (not a loss) that had no autograd node this
+    step, when none had one: the model ran under torch.no_grad() (or inference_mode)."""
+    losses = {c.id for c in trace.calls if c.is_loss}
+    found: Record | None = None
+    for r in trace.records:
+        if r.phase is not Phase.FORWARD or r.call in losses:
+            continue
+        call = trace.call(r.call)
+        if call is None or not call.root:
+            continue
+        if r.grad_fn:
+            return None
+        found = found or r
+    return found
+
+
+def _no_grad_forward(ctx: RuleContext, out: Record) -> Diagnosis:
+    """``backward()`` ran on a loss with no autograd node, and the model's forward made none
+    either: it ran under ``torch.no_grad()``, and the loss was made to require grad by
+    hand so that backward() would not raise."""
+    return ctx.diagnosis(
+        path=LOSS_PATH,
+        phase=Phase.FORWARD.value,
+        evidence=[
+            "backward() ran on a loss with no autograd node that requires grad: a leaf made "
+            "by hand (loss.requires_grad_(), torch.tensor(loss, requires_grad=True))",
+            f"{out.path}'s output had no autograd node this step either: the forward ran "
+            "under torch.no_grad() (or torch.inference_mode()), so nothing connects the loss "
+            "to a weight, and no parameter got a gradient",
+        ],
+        explanation=(
+            "backward() on a loss computed without a graph raises 'element 0 of tensors does "
+            "not require grad'; making the loss require grad silences that error, and "
+            "backward() then gives the loss itself a gradient and stops. The optimizer steps "
+            "with no gradient and the model never changes."
+        ),
+        fix=(
+            "out = model(x)   # the training forward outside torch.no_grad()\n"
+            "loss = criterion(out, y)   # no .requires_grad_(): its graph reaches the model\n"
+            "loss.backward()"
         ),
     )
 
