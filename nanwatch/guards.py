@@ -4429,6 +4429,32 @@ def _softmax_dim(x: torch.Tensor) -> int | None:
     return dim % x.dim() if -x.dim() <= dim < x.dim() else None
 
 
+def _softmax_of_one(fn: Any, depth: int = 8) -> dict[str, Any] | None:
+    """The softmax or log_softmax under a loss input (down a chain of one-input nodes: a
+    log, a clamp, a squeeze) that normalized over a dim of size 1: its output is exactly 1
+    (or 0) whatever its input, and the loss does not depend on it. Its node, the dim and its
+    result's shape; None otherwise. Host-side: the node's saved dim and its result's shape,
+    no value is read."""
+    while fn is not None and depth > 0:
+        name = type(fn).__name__
+        if name in ("LogSoftmaxBackward0", "SoftmaxBackward0"):
+            dim = getattr(fn, "_saved_dim", None)
+            try:
+                shape = list(fn._saved_result.shape)
+            except (AttributeError, RuntimeError):  # freed, or not kept by this build
+                return None
+            if not isinstance(dim, int) or not shape:
+                return None
+            dim = dim - 2**64 if dim >= 2**63 else dim  # a negative dim, stored unsigned
+            if not -len(shape) <= dim < len(shape) or shape[dim] != 1 or 0 in shape:
+                return None
+            return {"node": name, "dim": dim % len(shape), "shape": shape}
+        nxt = [n for n, _ in fn.next_functions if n is not None]
+        fn = nxt[0] if len(nxt) == 1 else None
+        depth -= 1
+    return None
+
+
 def _widens(src: torch.dtype, dst: torch.dtype) -> bool:
     """Whether a cast from ``src`` to ``dst`` keeps every value exactly (float16 and
     bfloat16 to float32, float32 to float64)."""
@@ -4609,6 +4635,9 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
         "input_parameter": isinstance(x, nn.Parameter),
         "reduction": _reduction(p.bound),
     }
+    one = _softmax_of_one(x.grad_fn)
+    if one is not None:  # NW304: a softmax over one element, the loss is constant
+        data["input_softmax_of_one"] = one
     rec = watcher.record_of(x)
     data["input_source"] = rec.index if rec is not None else None
     if rec is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import keyword
 import linecache
@@ -862,6 +863,10 @@ class Watcher:
         #: the lr scheduler of each optimizer that has one (by the optimizer's id): its
         #: class and the user's name for it, found once in the frame that steps it
         self._schedulers: dict[int, tuple[str, str | None] | None] = {}
+        #: the scheduler objects themselves, and the source of the lr lambdas of each
+        #: (LambdaLR, MultiplicativeLR), read once when its lr is 0 (NW312)
+        self._scheduler_refs: dict[int, weakref.ref[Any]] = {}
+        self._lambda_sources: dict[int, list[dict[str, str]]] = {}
         #: each weight's data pointer right after the last optimizer step that updated it
         #: (by the weight's id): ``p.data = w / w.norm()`` after the step replaces the
         #: weight's tensor and moves no version (NW301: written after the update)
@@ -2356,6 +2361,10 @@ class Watcher:
                     found = self._scheduler_of(optimizer)
                     if found is not None:
                         note.data.update(scheduler=found[0], scheduler_variable=found[1])
+                        if all(g.get("lr") == 0 for g in groups):  # NW312: what keeps it 0
+                            lambdas = self._lambdas_of(optimizer)
+                            if lambdas:
+                                note.data["scheduler_lambdas"] = lambdas
                 if self._bypasses_scaler(optimizer, kwargs):
                     note.data["scaled_step"] = True  # NW301: the GradScaler was bypassed
                 elif self._scaled and self._backward_called and self._scaled_loss is None:
@@ -2724,6 +2733,7 @@ class Watcher:
         optimizer = getattr(scheduler, "optimizer", None)
         if isinstance(scheduler, _SCHEDULERS) and optimizer is not None:
             self._schedulers[id(optimizer)] = (type(scheduler).__name__, name)
+            self._scheduler_refs[id(optimizer)] = weakref.ref(scheduler)
 
     def _scheduler_of(self, optimizer: Any) -> tuple[str, str | None] | None:
         """The lr scheduler that drives ``optimizer``: its class and the user's name for it,
@@ -2746,7 +2756,25 @@ class Watcher:
                     if isinstance(value, _SCHEDULERS) and value.optimizer is optimizer:
                         var = prefix + name if str(name).isidentifier() else None
                         found = (type(value).__name__, var)
+                        self._scheduler_refs[key] = weakref.ref(value)
                         break
+                if found is not None:
+                    break
+            # one level down: an attribute of a local object (``m._sched`` of a model or a
+            # state object the loop keeps it on)
+            for owner, value in list(local.items()) if found is None else ():
+                try:  # a proxy's __dict__ or attribute may raise: that local is skipped
+                    attrs = getattr(value, "__dict__", None)
+                    if not isinstance(attrs, dict) or not str(owner).isidentifier():
+                        continue
+                    for name, held in list(attrs.items())[:256]:
+                        if isinstance(held, _SCHEDULERS) and held.optimizer is optimizer:
+                            var = f"{owner}.{name}" if str(name).isidentifier() else None
+                            found = (type(held).__name__, var)
+                            self._scheduler_refs[key] = weakref.ref(held)
+                            break
+                except Exception:
+                    continue
                 if found is not None:
                     break
         trainer = self._trainer_probe.trainer() if self._trainer_probe is not None else None
@@ -2756,7 +2784,34 @@ class Watcher:
             held = _trainer.scheduler_name(trainer, optimizer)
             if held is not None and isinstance(held[0], _SCHEDULERS):
                 found = (type(held[0]).__name__, held[1])
+                self._scheduler_refs[key] = weakref.ref(held[0])
         self._schedulers[key] = found
+        return found
+
+    def _lambdas_of(self, optimizer: Any) -> list[dict[str, str]]:
+        """The source of the lr lambdas of the scheduler that drives ``optimizer`` (LambdaLR,
+        MultiplicativeLR), each with its ``file:line``; read once per optimizer, empty when
+        it has none or their source cannot be read (a builtin, code typed at a prompt)."""
+        key = id(optimizer)
+        if key in self._lambda_sources:
+            return self._lambda_sources[key]
+        ref = self._scheduler_refs.get(key)
+        sched = ref() if ref is not None else None
+        found: list[dict[str, str]] = []
+        for fn in getattr(sched, "lr_lambdas", None) or ():
+            code = getattr(fn, "__code__", None)
+            if code is None:
+                continue
+            try:
+                text = inspect.getsource(fn)
+            except Exception:  # no file, a builtin, source the tokenizer cannot read
+                continue
+            found.append(
+                {"code": text.strip()[:500], "at": f"{code.co_filename}:{code.co_firstlineno}"}
+            )
+            if len(found) >= 4:
+                break
+        self._lambda_sources[key] = found
         return found
 
     def _note_stale_grads(

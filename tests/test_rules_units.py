@@ -560,6 +560,19 @@ def case_foreign_optimizer() -> Case:
     return Case(step(2), [step(0), step(1)])
 
 
+def case_lr_zero() -> Case:
+    def step(i: int) -> StepTrace:
+        b = TraceBuilder(i)
+        b.gradient("fc", "fc.weight", 0.5, numel=64)
+        b.note("optimizer", "AdamW", ident=1, scheduler="LambdaLR", scheduler_variable="sched",
+               groups=[{"group": 0, "params": 1, "lr": 0.0, "initial_lr": 1e-3}],
+               scheduler_lambdas=[{"code": "sched = LambdaLR(opt, lambda s: s // warm)",
+                                   "at": "train.py:9"}])  # fmt: skip
+        return b.build(loss=1.0, grad_norm=0.5)
+
+    return Case(step(4), [step(i) for i in range(4)])
+
+
 def case_loss_spike() -> Case:
     def step(i: int, loss: float, lr: float) -> StepTrace:
         b = TraceBuilder(i)
@@ -756,6 +769,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW311": case_step_without_grads,
     "NW314": case_unscaled_backward,
     "NW315": case_foreign_optimizer,
+    "NW312": case_lr_zero,
     "NW308": case_loss_spike,
     "NW401": case_input,
     "NW402": case_masked,
@@ -1284,3 +1298,33 @@ def test_catch_all_only_when_nothing_specific_fired() -> None:
     d = case_catch_all().get("NW100")
     assert d.op == "aten.special_zeta" and "aten.special_zeta made NaN in float32" in d.evidence[1]
     assert "NW100" not in case_div().codes()
+
+
+# ------------------------------------------------------------------ NW312 lr stuck at 0
+
+
+def _lr_step(i: int, lr: float, grad: float = 0.5) -> StepTrace:
+    b = TraceBuilder(i)
+    b.gradient("fc", "fc.weight", grad, numel=64)
+    b.note("optimizer", "AdamW", ident=1,
+           groups=[{"group": 0, "params": 1, "lr": lr}])  # fmt: skip
+    return b.build(loss=1.0, grad_norm=grad)
+
+
+def test_nw312_a_warmup_from_zero_that_rises_is_silent() -> None:
+    lrs = [0.0, 1e-4, 2e-4, 3e-4, 4e-4, 5e-4]
+    hist = [_lr_step(i, lr) for i, lr in enumerate(lrs[:-1])]
+    assert "NW312" not in Case(_lr_step(5, lrs[-1]), hist).codes()
+
+
+def test_nw312_four_steps_at_zero_are_not_enough_and_zero_gradients_are_nw304s() -> None:
+    assert "NW312" not in Case(_lr_step(3, 0.0), [_lr_step(i, 0.0) for i in range(3)]).codes()
+    hist = [_lr_step(i, 0.0, grad=0.0) for i in range(4)]
+    assert "NW312" not in Case(_lr_step(4, 0.0, grad=0.0), hist).codes()
+
+
+def test_nw312_a_schedule_that_ended_at_zero_says_it_was_above_0() -> None:
+    hist = [_lr_step(0, 1e-3)] + [_lr_step(i, 0.0) for i in range(1, 6)]
+    d = Case(_lr_step(6, 0.0), hist).get("NW312")
+    assert any("it was 0.001 at step 0" in e for e in d.evidence)
+    assert "number of steps" in d.fix

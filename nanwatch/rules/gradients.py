@@ -5059,6 +5059,13 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
     if factor is not None and zero:
         # the loss function's own value is not 0, or cannot be: a factor after it is
         return _loss_times_zero(ctx, end, [*evidence, *factor[0]], factor[1], len(traces))
+    one = _softmax_of_one(trace)
+    plain = margin is None and scalar is None and not saturated  # no other way to 0 in sight
+    if zero and not divided and (one is not None or (plain and _zero_from_start(ctx))):
+        # no update brought it to 0: it was 0 before any could, or a softmax over one
+        # element makes it so whatever the outputs
+        moved = out if _inputs_moved(traces, ends) else None
+        return _zero_from_the_start(ctx, end, evidence, moved, one=one, steps=len(traces))
     if (margin is not None or not (saturated or divided)) and scalar is None and zero:
         return _loss_at_minimum(ctx, end, evidence, margin, len(traces))
     if saturated and not (divided or scaled) and scalar is None and zero and _softmax_loss(trace):
@@ -5131,6 +5138,169 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
         phase=Phase.BACKWARD.value,
         evidence=evidence,
         explanation=explanation,
+        fix=fix,
+    )
+
+
+_FROM_START = "Zero gradients: the loss is 0 from the first step, it never came down"
+
+
+def _zero_from_start(ctx: RuleContext) -> bool:
+    """Whether the loss was exactly 0 at every step since the watch began (its first step,
+    step 0, is still in the history): no update brought it there. Once said, it stays said
+    after the history's window moves past step 0."""
+    hist = ctx.history
+    if any(d.code == "NW304" and d.title == _FROM_START for t in hist for d in t.diagnoses):
+        return True
+    first = hist[0] if hist else ctx.trace
+    return first.step == 0 and all(t.loss == 0.0 for t in (*hist, ctx.trace))
+
+
+def _softmax_of_one(trace: StepTrace) -> tuple[Note, dict[str, Any]] | None:
+    """A loss call of this step whose input came from a softmax or log_softmax over a dim
+    of size 1 (the guard read it from the autograd graph), with what the guard kept."""
+    for n in trace.notes:
+        one = n.data.get("input_softmax_of_one") if n.kind == "loss_input" else None
+        if isinstance(one, dict) and isinstance(one.get("shape"), list):
+            return n, one
+    return None
+
+
+def _class_dim(note: Note, shape: list[int], dim: int) -> tuple[int, int] | None:
+    """The dim of a softmax's ``shape`` that holds the classes of ``note``'s loss: the one
+    whose size is the loss input's class count (dim 1 of an (N, C, ...) input, the last of
+    any other), nearest ``dim``; with that size. None when no other dim has it."""
+    ishape = note.data.get("input_shape")
+    if not isinstance(ishape, list) or not ishape:
+        return None
+    loss = str(note.data.get("loss", note.path)).lower()
+    ce = "nll" in loss or "cross_entropy" in loss or "crossentropy" in loss
+    c = ishape[1] if ce and len(ishape) > 1 else ishape[-1]
+    dims = [i for i, n in enumerate(shape) if n == c and n > 1 and i != dim]
+    return (min(dims, key=lambda i: abs(i - dim)), int(c)) if dims else None
+
+
+def _same_arguments(note: Note | None) -> tuple[str, str] | None:
+    """The loss line's loss call given one expression as both its input and its target
+    (``F.mse_loss(pred, pred)``): that expression, and the call with ``target`` in its
+    second place; None otherwise or when unknown."""
+    line = _loss_line_of(note) if note is not None else None
+    if line is None:
+        return None
+    try:
+        tree = ast.parse(line.removeprefix("return ").strip())
+    except SyntaxError:
+        return None
+    for c in ast.walk(tree):
+        if isinstance(c, ast.Call) and len(c.args) >= 2:
+            a, b = ast.unparse(c.args[0]), ast.unparse(c.args[1])
+            if a == b:
+                c.args[1] = ast.Name("target")
+                return a, ast.unparse(c)
+    return None
+
+
+def _zero_from_the_start(
+    ctx: RuleContext,
+    end: Record,
+    evidence: list[str],
+    out: Record | None,
+    *,
+    one: tuple[Note, dict[str, Any]] | None,
+    steps: int,
+) -> Diagnosis:
+    """The loss is exactly 0, and its gradient with it, at every step since the watch
+    began (or a softmax over a dim of size 1 makes it so): it did not come down to a
+    minimum, it does not depend on the outputs. A warning: nothing trains."""
+    trace = ctx.trace
+    evidence = [*evidence]
+    first = ctx.history[0].step if ctx.history else trace.step
+    start = _zero_from_start(ctx)
+    if start:
+        # (said of the whole run, in place of the window's line)
+        evidence = [e for e in evidence if not e.startswith("the loss is exactly 0 at steps")]
+        evidence.append(
+            f"the loss is exactly 0 at every step since the watch began (steps {first} to "
+            f"{trace.step}): no update brought it there, it started there"
+        )
+    notes = [n for n in trace.notes if n.kind == "loss_input"]
+    note = one[0] if one is not None else (notes[0] if notes else None)
+    where = f" ({os.path.basename(note.source)})" if note is not None and note.source else ""
+    line = _loss_line_of(note) if note is not None else None
+    head = f"# the loss line{where}: {line}\n" if line is not None else ""
+    if one is not None:
+        n, data = one
+        shape, dim = data["shape"], int(data["dim"])
+        op = "log_softmax" if data.get("node") == "LogSoftmaxBackward0" else "softmax"
+        value = "exactly 0 (log 1)" if op == "log_softmax" else "exactly 1 (its log 0)"
+        evidence.append(
+            f"{n.path}'s input comes from a {op} ({data.get('node')}) over dim {dim} of size "
+            f"1 (its result's shape {shape}): a {op} over one element is {value} whatever the "
+            "logits"
+        )
+        cls = _class_dim(n, shape, dim)
+        if cls is not None:
+            fix = (
+                f"{head}# the {op} normalizes over dim {dim}, of size 1 (shape {shape}): "
+                f"normalize over the classes, the dim of size {cls[1]}\n"
+                f"p = torch.{op}(logits, dim={cls[0]})   # dim={cls[0]} of {shape}, not a dim "
+                "of size 1"
+            )
+        else:
+            fix = (
+                f"{head}# the {op} normalizes over dim {dim}, of size 1 (shape {shape}): "
+                "normalize over the dim that holds the classes"
+            )
+        why = (
+            f" A {op} over a dim of size 1 is {value} for any input: the loss is the same "
+            "whatever the model outputs."
+        )
+    else:
+        same = _same_arguments(note)
+        if same is not None and note is not None:
+            evidence.append(
+                f"{note.path} compares {same[0]} with itself (the loss line{where}): 0 "
+                f"whatever {same[0]} is"
+            )
+        lo, hi = (
+            (note_num(note, "input_min"), note_num(note, "input_max")) if note else (None, None)
+        )
+        if note is not None and lo is not None and lo == hi:
+            evidence.append(
+                f"{note.path}'s input is exactly {fmt(lo)} everywhere (shape "
+                f"{note.data.get('input_shape')}): the same whatever the model outputs"
+            )
+        if out is not None:
+            evidence.append(
+                f"{out.path}'s output takes other values from step to step while the loss "
+                "stays 0: the loss does not follow it"
+            )
+        fix = (
+            f"{head}loss = {same[1]}   # the labels, not {same[0]} itself"
+            if same is not None
+            else f"{head}# the loss is 0 whatever the outputs: print what it is computed from, "
+            "before loss.backward()\n"
+            "print(loss.grad_fn, loss.grad_fn.next_functions)   # the ops between the outputs "
+            "and the loss: a softmax over a dim of size 1, a target that is the prediction "
+            "itself, a detach"
+        )
+        why = ""
+    return ctx.diagnosis(
+        title=_FROM_START,
+        path=end.path,
+        phase=Phase.BACKWARD.value,
+        evidence=evidence,
+        explanation=(
+            f"The loss is exactly 0 for the last {steps} steps, and the gradient leaving it "
+            "is exactly 0"
+            + (
+                ", and it was 0 before any update could bring it down: it did not reach a minimum"
+                if start
+                else ""
+            )
+            + ". The loss does not depend on the outputs, so no layer gets a gradient and "
+            f"nothing trains.{why} Neither underflow along the layers nor dead units."
+        ),
         fix=fix,
     )
 
@@ -7115,6 +7285,181 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# ---------------------------------------------------------------------- NW312
+
+#: optimizer steps in a row at lr exactly 0 before NW312 speaks: past any warmup that starts
+#: at 0 for one step (transformers' get_linear_schedule_with_warmup)
+_LR_ZERO_STEPS = 5
+
+
+def _lr_zero(n: Note) -> bool:
+    """Whether every param group of an ``"optimizer"`` note has an lr of exactly 0."""
+    groups = n.data.get("groups")
+    if not isinstance(groups, list) or not groups:
+        return False
+    return all(isinstance(g, dict) and g.get("lr") == 0 for g in groups)
+
+
+def _grads_moved(trace: StepTrace) -> float | None:
+    """This step's parameter gradients' total norm when it is above 0 (the largest
+    parameter's when no total was kept); None when they were 0 or not measured."""
+    if trace.grad_norm is not None and math.isfinite(trace.grad_norm):
+        return trace.grad_norm if trace.grad_norm > 0 else None
+    norms = [
+        r.stat.norm
+        for r in trace.records
+        if r.phase is Phase.GRADIENT and r.stat is not None and r.stat.norm is not None
+    ]
+    top = max(norms, default=0.0)
+    return top if top > 0 and math.isfinite(top) else None
+
+
+def _floor_divisions(source: str) -> tuple[str, str, str] | None:
+    """The lr lambda's source (``inspect.getsource``: the whole line of a lambda, or the
+    ``def``) when it divides with ``//``: the first ``a // b``, its divisor ``b``, and the
+    statement that holds it with every ``//`` of the function written ``/``."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.Lambda, ast.FunctionDef))]
+    for fn in funcs:
+        divs = [
+            n for n in ast.walk(fn) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.FloorDiv)
+        ]
+        if not divs:
+            continue
+        stmts = fn.body if isinstance(fn, ast.FunctionDef) else tree.body
+        stmt = next((st for st in stmts if any(d in ast.walk(st) for d in divs)), None)
+        if stmt is None:
+            continue
+        first = ast.unparse(divs[0])
+        for d in divs:
+            d.op = ast.Div()
+        return first, ast.unparse(divs[0].right), ast.unparse(stmt)
+    return None
+
+
+@rule(
+    "NW312",
+    title="The lr is exactly 0: each optimizer step changes nothing",
+    severity="warning",
+    summary=(
+        "Every param group of an optimizer had lr exactly 0 for 5 optimizer steps in a "
+        "row while its gradients were not 0 (a warmup written with integer division, a "
+        "schedule past its end, lr=0): the weights never move."
+    ),
+    early=True,
+    priority=14,
+)
+def lr_stuck_at_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
+    need = _LR_ZERO_STEPS
+    if len(ctx.history) < need - 1:
+        return
+    for n in ctx.trace.notes:
+        if n.kind != "optimizer" or not _lr_zero(n):
+            continue
+        ident = n.data.get("ident")
+        zero: list[tuple[StepTrace, float]] = []  # the steps it stepped at lr 0, latest first
+        before: tuple[int, float] | None = None  # the latest step it had an lr above 0
+        for t in (ctx.trace, *reversed(ctx.history)):
+            m = next(
+                (x for x in t.notes if x.kind == "optimizer" and x.data.get("ident") == ident),
+                None,
+            )
+            if m is None:
+                continue  # a step of gradient accumulation: no update
+            if not _lr_zero(m):
+                groups = m.data.get("groups") or []
+                lrs = [g.get("lr") for g in groups if isinstance(g, dict)]
+                top = max((x for x in lrs if isinstance(x, (int, float))), default=None)
+                before = (t.step, float(top)) if top is not None else None
+                break
+            norm = _grads_moved(t)
+            if norm is None:
+                return  # no gradient to apply: nothing is lost to the lr (NW304 says why)
+            zero.append((t, norm))
+        if len(zero) < need:
+            return
+        yield _lr_zero_diagnosis(ctx, n, zero, before)
+        return
+
+
+def _lr_zero_diagnosis(
+    ctx: RuleContext,
+    n: Note,
+    zero: list[tuple[StepTrace, float]],
+    before: tuple[int, float] | None,
+) -> Diagnosis:
+    groups = [g for g in n.data.get("groups") or [] if isinstance(g, dict)]
+    base = [g.get("initial_lr") for g in groups]
+    base_lr = next((x for x in base if isinstance(x, (int, float)) and x > 0), None)
+    sched = n.data.get("scheduler")
+    var = n.data.get("scheduler_variable")
+    sname = var if isinstance(var, str) and var else "scheduler"
+    first, last = zero[-1][0].step, zero[0][0].step
+    evidence = [
+        f"{n.path}'s lr is exactly 0 for the last {len(zero)} optimizer steps (steps "
+        f"{first} to {last}), in "
+        + ("its one param group" if len(groups) == 1 else f"all {len(groups)} param groups"),
+        f"its gradients are not 0 (total norm {fmt(zero[0][1])} at step {last}): the update "
+        "is the lr times them, 0, and the weights do not move",
+    ]
+    if before is not None:
+        evidence.append(
+            f"it was {fmt(before[1])} at step {before[0]}: the schedule took it to 0 (a decay "
+            "that ends at 0, a scheduler stepped past its total steps)"
+        )
+    fix = ""
+    if isinstance(sched, str):
+        evidence.append(
+            f"{sched} ({sname}) sets it"
+            + (f", from the base lr {fmt(base_lr)} (initial_lr)" if base_lr is not None else "")
+        )
+    lambdas = n.data.get("scheduler_lambdas")
+    for lam in lambdas if isinstance(lambdas, list) else ():
+        found = _floor_divisions(str(lam.get("code", ""))) if isinstance(lam, dict) else None
+        if found is None:
+            continue
+        div, divisor, fixed = found
+        at = str(lam.get("at", ""))
+        where = f"{os.path.basename(at.rsplit(':', 1)[0])}:{at.rsplit(':', 1)[-1]}" if at else ""
+        evidence.append(
+            f"{sched}'s lr lambda ({where}) computes {div}, an integer division: 0 for every "
+            f"step below {divisor}, so the factor it gives the lr is 0"
+        )
+        fix = f"{fixed}   # / not //: {div} is 0 until the step reaches {divisor}"
+        break
+    if not fix:
+        if before is not None:
+            fix = (
+                f"# the schedule ends at 0 before training does: give {sname} the run's real "
+                "number of steps (num_training_steps, total_iters, T_max), or stop there"
+            )
+        elif isinstance(sched, str):
+            fix = (
+                f"print({sname}.get_last_lr())   # 0: check the factor {sched} computes for "
+                "the first steps (an integer division, a start at 0)"
+            )
+        else:
+            optim = ctx.memo(ctx.trace, "loop_names", _loop_names).optimizer or "optimizer"
+            fix = (
+                f"# {n.path} was made with lr=0 (or it was set to 0): give it a learning rate\n"
+                f"{optim} = torch.optim.{n.path}(model.parameters(), lr=1e-3)"
+            )
+    return ctx.diagnosis(
+        path=None,
+        evidence=evidence,
+        explanation=(
+            f"An optimizer step moves each weight by the lr times what it makes of the "
+            f"gradient: at lr 0 every step of {n.path} changes nothing, so nothing trains, "
+            "while the loss and every value stay finite. A warmup that starts at 0 rises "
+            "after its first step; this one stayed at 0."
+        ),
+        fix=fix,
+    )
 
 
 # ---------------------------------------------------------------------- NW308
