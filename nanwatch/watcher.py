@@ -5746,20 +5746,15 @@ class Watcher:
             return
         # read late, the call's autocast region has ended: the replay runs under the state
         # the call began with (on the CPU path it runs inside the call, under it already)
-        result = ops.replay(
+        result = self._replay_of(
+            target,
             module,
             args,
             kwargs,
-            path=target.path,
-            on_error=self._checker_fault,
-            pre_hooks=hooks,
-            hold=self._moved_state,
+            hooks,
             call_site=self._call_line(module) or self._late_line(target),
             rng=self._call_rng(target),
             keep=self._freed_producer(anomaly),
-            autocast=self._call_autocast(target),
-            modes=self._call_modes(target),
-            names=self._unhooked_path,
         )
         self._describe_replayed(anomaly, target, result)
         if target is not meant:
@@ -5977,6 +5972,28 @@ class Watcher:
         if frame is None:
             frame = self._root_frames.get(call.path)
         return frame.rng if frame is not None and frame.call is call else None
+
+    def _replay_of(
+        self, call: Call, module: nn.Module, args: Any, kwargs: Any, hooks: Any, **extra: Any
+    ) -> ops.ReplayResult:
+        """:func:`ops.replay` of ``call``'s module on the inputs found for it (with the
+        pre-hooks that ran on them), under the state the call began with (its autocast
+        region, its TorchFunctionModes), holding the module's state still and naming the
+        modules the replay passes through as the watcher does; ``extra``: the line that
+        made the call, its random draws, what to keep of the producer."""
+        return ops.replay(
+            module,
+            args,
+            kwargs,
+            path=call.path,
+            on_error=self._checker_fault,
+            pre_hooks=hooks,
+            hold=self._moved_state,
+            autocast=self._call_autocast(call),
+            modes=self._call_modes(call),
+            names=self._unhooked_path,
+            **extra,
+        )
 
     def _call_autocast(self, call: Call) -> tuple[tuple[str, torch.dtype], ...] | None:
         """The autocast state the root call that ran ``call`` began with, for a replay made
@@ -6578,18 +6595,7 @@ class Watcher:
         module, args, kwargs, hooks = found
         if _distributed() is not None:
             return  # a replay on one rank could block in a collective (see _pinpoint)
-        result = ops.replay(
-            module,
-            args,
-            kwargs,
-            path=maker.path,
-            on_error=self._checker_fault,
-            pre_hooks=hooks,
-            hold=self._moved_state,
-            autocast=self._call_autocast(maker),
-            modes=self._call_modes(maker),
-            names=self._unhooked_path,
-        )
+        result = self._replay_of(maker, module, args, kwargs, hooks)
         made = next((e for e in result.events if "-inf" in e.born), None)
         if made is None:
             return
@@ -6944,19 +6950,14 @@ class Watcher:
                 continue
             self._kept_aside_replayed.add(call.path)
             module, args, kwargs, hooks = found
-            result = ops.replay(
+            result = self._replay_of(
+                call,
                 module,
                 args,
                 kwargs,
-                path=call.path,
-                on_error=self._checker_fault,
-                pre_hooks=hooks,
-                hold=self._moved_state,
+                hooks,
                 call_site=self._call_line(module) or self._late_line(call),
                 rng=self._call_rng(call),
-                autocast=self._call_autocast(call),
-                modes=self._call_modes(call),
-                names=self._unhooked_path,
             )
             first = result.first()
             if first is None or ".".join(first.op.split(".")[:2]) != name:
