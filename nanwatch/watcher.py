@@ -2496,6 +2496,15 @@ class Watcher:
         if len(self._trace.notes) < 256:
             self.note("foreign_step", type(optimizer).__name__, params=known[1], same=known[2])
 
+    def _scale_read(self) -> float | None:
+        """The GradScaler's current scale, read (a sync on an accelerator: only for a
+        misuse found without reading it), when it multiplies anything (above 1)."""
+        scale = getattr(self.scaler, "_scale", None)
+        if not isinstance(scale, torch.Tensor):
+            return None
+        value = float(scale)
+        return value if value > 1 else None
+
     def _unscaled_twice(self, optimizer: Any) -> float | None:
         """The scale the GradScaler has divided ``optimizer``'s gradients by this step
         (``scaler.step()`` or ``scaler.unscale_()``: its stage is UNSCALED), when the step's
@@ -2506,11 +2515,7 @@ class Watcher:
         stage = state.get("stage") if isinstance(state, dict) else None
         if getattr(stage, "name", None) != "UNSCALED":
             return None
-        scale = getattr(self.scaler, "_scale", None)
-        if not isinstance(scale, torch.Tensor):
-            return None
-        value = float(scale)
-        return value if value > 1 else None
+        return self._scale_read()
 
     def _grads_written(
         self,
@@ -2590,11 +2595,7 @@ class Watcher:
             stages = [s.get("stage") for s in states.values() if isinstance(s, dict)] or [None]
         if not all(st is None or getattr(st, "name", None) == "READY" for st in stages):
             return None
-        scale = getattr(self.scaler, "_scale", None)
-        if not isinstance(scale, torch.Tensor):
-            return None
-        value = float(scale)
-        return value if value > 1 else None
+        return self._scale_read()
 
     def _bad_in_place(
         self, in_place: dict[str, torch.Tensor]
