@@ -203,6 +203,17 @@ def case_growth() -> Case:
     return Case(step(8), history(8, step))
 
 
+def case_update_below_rounding() -> Case:
+    # bfloat16 weights of RMS 0.1 (spaced 0.00049 apart there) stepped by AdamW at lr=1e-5
+    b = TraceBuilder(0)
+    net = b.call("Net", root=True)
+    b.input(net, stat(-1.0, 1.0))
+    b.forward(net, stat(-1.0, 1.0))
+    group = {"group": 0, "params": 1, "names": ["fc.weight"], "dtypes": ["bfloat16"], "lr": 1e-5}
+    b.note("optimizer", "AdamW", groups=[group])
+    return Case(b.build(), facts={"weight_scales": {"fc.weight": (6.4, "norm", 4096)}})
+
+
 def case_log() -> Case:
     log = ev("aten.log.default", "-inf", [("self", counted(0.0, 1.0, zeros=3))])
     mul = ev(
@@ -742,6 +753,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW104": case_growth,
     "NW105": case_hidden_overflow,
     "NW106": case_huge_loss,
+    "NW107": case_update_below_rounding,
     "NW110": case_log,
     "NW111": case_div,
     "NW112": case_root,

@@ -16,7 +16,7 @@ import itertools
 import math
 import re
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,9 +73,11 @@ from nanwatch.rules._evidence import (
 )
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule
 from nanwatch.rules.gradients import (
+    _group_lrs,
     _growing_averages,
     _grown_outside,
     _normalized,
+    _numbers,
     _user_scope,
     unreset_grads,
 )
@@ -7675,3 +7677,253 @@ def _exp_source(trace: StepTrace, sing: _Singular) -> Record | None:
 def _times_of(ratio: float) -> str:
     """``2.3e+06×``: how many times a bound the loss is."""
     return f"{fmt(ratio)}×"
+
+
+# ---------------------------------------------------------------------- NW107
+
+
+@rule(
+    "NW107",
+    title="Updates below the weights' rounding step: low-precision weights stop learning",
+    severity="warning",
+    summary=(
+        "Weights held in float16/bfloat16 (no float32 master copy) get updates smaller than "
+        "half the spacing of the dtype's numbers around them (finfo.eps × |w|: 2^-7 × |w| "
+        "in bfloat16): w + Δ rounds back to w, and most values never change while every "
+        "number stays finite. Adam-type steps are about lr, SGD's lr × |grad|. Said once."
+    ),
+    early=True,
+    priority=20,
+)
+def update_below_rounding(ctx: RuleContext) -> Iterator[Diagnosis]:
+    notes = [
+        n
+        for n in ctx.trace.notes
+        if n.kind == "optimizer"
+        and any(
+            low_precision(d) is not None
+            for g in n.data.get("groups", ())
+            if isinstance(g, dict)
+            for d in g.get("dtypes", ())
+        )
+    ]
+    if not notes or ctx.trace.anomaly is not None:
+        return  # the healthy path: float32 weights (autocast included) or no update; a
+        # step whose values went bad has a worse problem than lost updates
+    # the optimizers' lrs: a step with the same ones as the step before it is not looked
+    # at again (the weights' sizes change slowly), so a run whose updates survive the
+    # rounding pays for one look, and one more at each change of the lr; a stall told at
+    # one lr is not told again while it lasts
+    key = tuple(
+        (
+            n.path,
+            n.data.get("ident"),
+            tuple(
+                (g.get("lr"), g.get("initial_lr"))
+                for g in n.data.get("groups") or ()
+                if isinstance(g, dict)
+            ),
+        )
+        for n in notes
+    )
+    if ctx.history and ctx.cached(ctx.history[-1], _LOST_KEY) == key:
+        ctx.memo(ctx.trace, _LOST_KEY, lambda t: key)
+        return
+    if any(getattr(d, "code", "") == "NW107" for t in ctx.history for d in t.diagnoses):
+        return  # said once
+    found = _lost_updates(ctx, notes)
+    ctx.memo(ctx.trace, _LOST_KEY, lambda t: key)
+    if found is not None:
+        yield _lost_update_diagnosis(ctx, found)
+
+
+#: the memo key of the optimizer lrs a step was looked at with (see NW107)
+_LOST_KEY = "lost_update_lrs"
+
+
+@dataclass(frozen=True)
+class _LostWeight:
+    """One low-precision weight whose update rounds away: its name, dtype, how many values
+    it holds, its RMS value, the update per value, and the share of its values (estimated
+    from a normal spread of that RMS) at or above ``floor``, the smallest |w| whose half
+    rounding step exceeds the update."""
+
+    name: str
+    dtype: str
+    numel: int
+    rms: float
+    update: float
+    floor: float
+    lost: float
+
+
+@dataclass(frozen=True)
+class _Lost:
+    optimizer: str
+    lr: float
+    normalized: bool
+    weights: tuple[_LostWeight, ...]  #: the low-precision weights of the group, largest first
+    share: float  #: of the low-precision values whose update rounds away (estimated)
+    values: int  #: the low-precision values the group updates
+
+
+def _lost_updates(ctx: RuleContext, notes: list[Note]) -> _Lost | None:
+    """The optimizer step of this trace whose low-precision weights lose half or more of
+    their values' updates to rounding, or None. The lr is the larger of the group's lr and
+    its scheduler's base lr (``initial_lr``): a warmup's first tiny steps are no stall."""
+    scales = ctx.facts.get("weight_scales")
+    scales = scales if isinstance(scales, dict) else {}
+    norms = ctx.facts.get("weight_norms")
+    grads: dict[str, float] | None = None
+    for n in notes:
+        low = n.path.lower()
+        if n.path == "LBFGS" or "lamb" in low or "lars" in low:
+            continue  # the step's size is set apart from the lr
+        normalized = _normalized(n.path) or "lion" in low
+        groups = _group_lrs(n)
+        for g in groups.values():
+            dtypes = [d for d in g.get("dtypes", ()) if isinstance(d, str)]
+            if not any(low_precision(d) for d in dtypes):
+                continue
+            lr = max([_numbers(g.get("lr"))[0], *_numbers(g.get("initial_lr"))])
+            names = [x for x in g.get("names", ()) if isinstance(x, str)]
+            if grads is None:
+                grads = {
+                    r.role: r.stat.norm
+                    for r in ctx.trace.records
+                    if r.phase is Phase.GRADIENT
+                    and r.stat is not None
+                    and r.stat.norm is not None
+                    and math.isfinite(r.stat.norm)
+                }
+            if len(notes) == 1 and len(groups) == 1:
+                # the note lists a group's first names only: with one optimizer of one
+                # group, every watched weight that got a gradient is its (a frozen base
+                # model's weights are not)
+                names = list(scales) or (list(norms) if isinstance(norms, Mapping) else [])
+                names = [x for x in names if x in grads] if grads else names
+            if not normalized:
+                momentum = _numbers(g.get("momentum"))
+                damp = _numbers(g.get("dampening"))
+                m = momentum[0] if momentum and 0 <= momentum[0] < 1 else 0.0
+                # the steady step of SGD with momentum: lr × g × (1 - dampening) / (1 - m)
+                gain = (1 - (damp[0] if damp else 0.0)) / (1 - m)
+            weights: list[_LostWeight] = []
+            total = 0
+            eps = min(x.eps for d in dtypes if (x := low_precision(d)) is not None)
+            even = _keeps_from(lr, eps) if normalized else math.inf
+            for name in names:
+                scale = scales.get(name)
+                if not (isinstance(scale, tuple) and len(scale) == 3 and scale[2] > 0):
+                    continue
+                size, kind, numel = scale
+                if normalized:
+                    update, floor = lr, even
+                else:
+                    gn = grads.get(name)
+                    if gn is None:
+                        continue
+                    update = lr * gain * gn / math.sqrt(numel)
+                    if not update > 0:
+                        continue
+                    floor = _keeps_from(update, eps)
+                if kind == "max" and floor > size:
+                    # even the largest value keeps its update: nothing to read
+                    total += numel
+                    continue
+                w = _weight_size(name, dtypes, scale, norms)
+                if w is None:
+                    continue
+                dtype, rms = w
+                lim = low_precision(dtype)
+                if lim is None or not rms > 0:
+                    continue
+                floor = _keeps_from(update, lim.eps)
+                lost = math.erfc(floor / (rms * math.sqrt(2)))
+                total += numel
+                weights.append(_LostWeight(name, dtype, numel, rms, update, floor, lost))
+            if not weights:
+                continue
+            share = sum(x.lost * x.numel for x in weights) / total
+            if share >= 0.5:
+                weights.sort(key=lambda x: (-x.numel * x.lost, x.name))
+                return _Lost(n.path, lr, normalized, tuple(weights), share, total)
+    return None
+
+
+def _keeps_from(update: float, eps: float) -> float:
+    """The smallest |w| whose update ``update`` rounds away: |w| in [2^k, 2^(k+1)) is
+    spaced 2^k × eps apart, and w + Δ rounds back to w where Δ is below half of that."""
+    return 2.0 ** (math.floor(math.log2(2 * update / eps)) + 1)
+
+
+def _weight_size(
+    name: str, dtypes: list[str], scale: tuple[float, str, int], norms: object
+) -> tuple[str, float] | None:
+    """``name``'s dtype and RMS value: from the attach check's L2 norm when it read one
+    (and the group holds one dtype), else from ``facts["weight_norms"]`` (read once, when
+    asked)."""
+    value, kind, numel = scale
+    if kind == "norm" and len(dtypes) == 1:
+        return dtypes[0], value / math.sqrt(numel)
+    if not isinstance(norms, Mapping):
+        return None
+    got = norms.get(name)
+    if got is None:
+        return None
+    dtype, l2 = got
+    return (dtype, l2 / math.sqrt(numel)) if math.isfinite(l2) else None
+
+
+def _lost_update_diagnosis(ctx: RuleContext, found: _Lost) -> Diagnosis:
+    big = found.weights[0]
+    lim = low_precision(big.dtype)
+    assert lim is not None
+    step = lim.eps * 2.0 ** math.floor(math.log2(big.rms))
+    per = (
+        f"about lr = {fmt(found.lr)} per value ({found.optimizer} divides each gradient by "
+        "its running size)"
+        if found.normalized
+        else f"lr × |grad| = {fmt(found.lr)} × {fmt(big.update / found.lr)} = "
+        f"{fmt(big.update)} per value of {big.name} (RMS)"
+    )
+    values = found.values
+    evidence = [
+        f"{found.optimizer} updates {count(values, 'value')} held in {big.dtype}, with no "
+        f"float32 copy: finfo({big.dtype}).eps = {fmt(lim.eps)}",
+        f"{big.name}: typical |w| (RMS) = {fmt(big.rms)}, where {big.dtype} numbers are "
+        f"{fmt(step)} apart: an update below {fmt(step / 2)} rounds back to w",
+        f"{found.optimizer}'s update: {per}, {fmt(step / 2 / big.update)}× too small",
+        f"every value with |w| >= {fmt(big.floor)} loses its whole update: about "
+        f"{round(100 * found.share)}% of the values (a normal spread of each weight's RMS) "
+        "never change",
+    ]
+    return ctx.diagnosis(
+        path=None,
+        parameter=big.name,
+        evidence=evidence,
+        explanation=(
+            f"The weights are stored in {big.dtype}, which keeps "
+            f"{round(-math.log2(lim.eps))} bits of mantissa: near |w| = {fmt(big.rms)} it "
+            f"cannot represent a change smaller than {fmt(step / 2)}. Each optimizer step "
+            f"computes w + Δ with Δ about {fmt(big.update)} and rounds the sum back to "
+            f"{big.dtype}, which gives w again: the loss stays flat, every value is finite, "
+            "and nothing raises. Mixed precision keeps the weights (and the optimizer's "
+            "update) in float32 and computes in the low precision under autocast; raising "
+            "the lr past the rounding step changes the training instead of fixing it."
+        ),
+        fix=(
+            "model = model.float()   # float32 master weights: before the optimizer is built\n"
+            f"with torch.autocast(device_type={device_type(None, _first_device(ctx))}, "
+            f"dtype=torch.{big.dtype}):\n"
+            "    loss = criterion(model(x), y)\n"
+            f"# or keep {big.dtype} weights with an optimizer that carries a Kahan-summation "
+            "compensation buffer"
+            + (" or rounds stochastically" if big.dtype == "bfloat16" else "")
+            + " (what the rounding drops is added back)"
+        ),
+    )
+
+
+def _first_device(ctx: RuleContext) -> str | None:
+    return next((r.device for r in ctx.trace.records if r.device), None)
