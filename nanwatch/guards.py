@@ -1863,28 +1863,89 @@ def _class_result(
     )
 
 
-def _library_ignore(p: _Probe, t: torch.Tensor, top: int, ignore: int) -> tuple[str, str]:
+#: the ignore_index of torch's class losses, which libraries pass on (transformers' -100)
+_IGNORE_DEFAULT = -100
+
+
+def _library_ignore(
+    p: _Probe, t: torch.Tensor, top: int, ignore: int, *, source: str | None = None
+) -> tuple[str, str]:
     """(hint, fix) for labels marked with ``top`` to be skipped, given to a loss that a
     library calls with ``ignore_index=ignore`` (a Hugging Face model's ``labels``, skipped
-    at -100): the labels change, in the user's tensor when one of theirs holds them."""
+    at -100): the labels change, in the user's tensor when one of theirs holds them.
+    ``source``: the user's tensor the library made ``t`` from (a seq2seq model's decoder
+    ids, shifted right from the labels, with -100 turned into padding on the way)."""
+    name = source or _user_tensor(p.frame, t) or "labels"
+    if source is not None:
+        hint = (
+            f" — the model shifted {source} right by one into this input, {top} and all: "
+            f"mark the labels to skip with {ignore} (the ignore_index of torch's losses), "
+            f"not {top}"
+        )
+        fix = f"{name} = {name}.masked_fill({name} == {top}, {ignore})   # before the model call"
+        return hint, fix
     site = _site_name(p.site) if p.site is not None else "a library"
-    name = _user_tensor(p.frame, t) or "labels"
     hint = f" — {site} makes this call: mark the labels to skip with {ignore}, not {top}"
     fix = f"{name} = {name}.masked_fill({name} == {top}, {ignore})   # before the model call"
     return hint, fix
 
 
+def _frame_tensors(frame: types.FrameType | None) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a user's frame holds, each with the expression that reads it: a local
+    (``labels``), or an entry of a local mapping under a string key (``batch["labels"]``:
+    the dict or ``BatchEncoding`` of a ``model(**batch)`` loop)."""
+    if frame is None:
+        return []
+    found: list[tuple[str, torch.Tensor]] = []
+    entries: list[tuple[str, torch.Tensor]] = []
+    for key, v in list(frame.f_locals.items()):
+        if not isinstance(key, str) or not key.isidentifier() or key == "self":
+            continue
+        if isinstance(v, torch.Tensor):
+            found.append((key, v))
+        elif isinstance(v, Mapping):
+            try:
+                items = list(v.items())
+            except Exception:  # a mapping whose items cannot be listed
+                continue
+            entries += [
+                (f"{key}[{k!r}]", t)
+                for k, t in items
+                if isinstance(k, str) and isinstance(t, torch.Tensor)
+            ]
+    return found + entries
+
+
+def _made_from(p: _Probe, ids: torch.Tensor, neg: list[int]) -> str | None:
+    """The user's integer tensor (``batch["labels"]``) that a library shifted right by one
+    into the guarded ids (a seq2seq model's decoder inputs), when a library made the call,
+    no tensor of the user's holds the ids, and the one negative value they have came with
+    the shift (a failure path: reads are fine)."""
+    if len(neg) != 1 or not _in_library(p) or _holds(p.frame, ids):
+        return None
+    found = [
+        name
+        for name, t in _frame_tensors(p.frame)
+        if t is not ids
+        and t.dtype == ids.dtype
+        and t.device == ids.device
+        and t.shape == ids.shape
+        and t.shape[-1] >= 2
+        and bool((t == neg[0]).any())
+        and bool((ids[..., 1:] == t[..., :-1]).all())  # shifted right by one
+    ]
+    return found[0] if len(found) == 1 else None
+
+
 def _user_tensor(frame: types.FrameType | None, t: torch.Tensor) -> str | None:
     """The name of a tensor variable of ``frame`` whose values ``t`` views (the user's
-    ``labels``, which a library flattened with ``labels.view(-1)``), if there is one."""
+    ``labels``, which a library flattened with ``labels.view(-1)``, or ``batch["labels"]``
+    of a ``model(**batch)`` call), if there is one."""
     if frame is None or not _plain(t):
         return None
-    for key, v in list(frame.f_locals.items()):
+    for key, v in _frame_tensors(frame):
         if (
-            isinstance(key, str)
-            and key.isidentifier()
-            and isinstance(v, torch.Tensor)
-            and _plain(v)
+            _plain(v)
             and v.dtype == t.dtype
             and v.device == t.device
             and v.numel() == t.numel()
@@ -1990,7 +2051,54 @@ def _more_outputs(p: _Probe, k: int, c: int) -> str:
                 f"token id of the tokenizer that made the labels (at least {k}); or map "
                 f"the ids >= {c} to ones the model has"
             )
+    counted = _config_count(p, c)
+    if counted is not None:
+        from nanwatch.watcher import _name_in_frame
+
+        root, key = counted
+        name = _name_in_frame(p.frame, root) or "model"
+        cls = type(root).__name__
+        source = getattr(getattr(root, "config", None), "_name_or_path", None)
+        if source and isinstance(source, str) and callable(getattr(root, "from_pretrained", None)):
+            return (
+                f"{name} = {cls}.from_pretrained({source!r}, {key}={k}, "
+                f"ignore_mismatched_sizes=True)   # was {key}={c}: a head with {c} outputs; "
+                f"or remap the labels to 0..{c - 1}"
+            )
+        held = _name_in_frame(p.frame, getattr(root, "config", None))
+        if held is not None:
+            return (
+                f"{held}.{key} = {k}   # was {c}: then build {name} again from {held}; "
+                f"or remap the labels to 0..{c - 1}"
+            )
+        return (
+            f"# build {name} from a config with {key}={k} (it has {key}={c}), "
+            f"or remap the labels to 0..{c - 1}"
+        )
     return f"give the model {k} outputs, or remap the labels to 0..{c - 1}"
+
+
+def _config_count(p: _Probe, c: int) -> tuple[nn.Module, str] | None:
+    """The watched model and the one setting of its config that counts its classes
+    (``num_labels``, ``num_classes``, a property or a plain attribute) when it equals the
+    ``c`` outputs the loss got: the setting to change for labels that need more."""
+    found: list[tuple[nn.Module, str]] = []
+    for root in p.roots:
+        config = getattr(root, "config", None)
+        if config is None:
+            continue
+        keys = set(getattr(config, "__dict__", {}))
+        keys |= {n for n in dir(type(config)) if isinstance(getattr(type(config), n), property)}
+        for key in sorted(keys):
+            if not re.search(r"(?:^|_)(?:labels|classes)$", key):
+                continue
+            try:
+                value = getattr(config, key)
+            except Exception:  # a property that needs what this config lacks
+                continue
+            if type(value) is int and value == c:
+                found.append((root, key))
+    return found[0] if len(found) == 1 else None
 
 
 def _smallest_label(t: torch.Tensor, ign: torch.Tensor | None) -> float:
@@ -3731,9 +3839,7 @@ def _config_sized(p: _Probe, key: str, rows: int, top: int) -> tuple[str, str]:
             f"stop at {rows} tokens in all (the prompt plus new ones: generate(..., "
             f"max_length={rows})), or keep only the last {rows - 1} tokens in the cache"
         )
-    frame = p.frame
-    names = frame.f_locals if frame is not None else {}
-    var = next((k for k, v in list(names.items()) if v is p.input), None)
+    var = _held_as(p.frame, p.input)
     hint = f" — the model's config sized this table: {key}={rows}, and the ids reach {top}"
     if var is None:
         fix = f"# give it ids in 0..{rows - 1} only"
@@ -4022,6 +4128,10 @@ def _index_result(
                         above=True,
                         bigger=fix,
                     )
+        elif neg and top is None and -100 not in neg and (src := _made_from(p, ids, neg)):
+            # a library made these ids from a tensor of the user's (decoder ids shifted
+            # right from the labels): that tensor's negative values are the mistake
+            hint, fix = _library_ignore(p, ids, neg[0], _IGNORE_DEFAULT, source=src)
         elif neg and top is None and -100 not in neg and _padding_row(p, rows) is None:
             from nanwatch.rules.guards import unknown_id_hint, unknown_row_fix
 
@@ -4187,23 +4297,27 @@ def _site_name(f: types.FrameType) -> str:
 
 
 def _holds(frame: types.FrameType | None, t: torch.Tensor) -> bool:
-    """Whether a variable of ``frame`` is ``t`` (or the same values in the same layout)."""
-    if frame is None:
-        return False
-    for v in list(frame.f_locals.values()):
+    """Whether a variable of ``frame`` (or an entry of a mapping it holds) is ``t`` (or the
+    same values in the same layout)."""
+    return _held_as(frame, t) is not None
+
+
+def _held_as(frame: types.FrameType | None, t: torch.Tensor) -> str | None:
+    """The expression of ``frame`` that holds ``t`` (or the same values in the same
+    layout): ``token_type_ids``, or ``batch["token_type_ids"]``; None when none does."""
+    for key, v in _frame_tensors(frame):
         if v is t:
-            return True
+            return key
         if (
-            isinstance(v, torch.Tensor)
-            and _plain(v)
+            _plain(v)
             and v.shape == t.shape
             and v.stride() == t.stride()
             and v.dtype == t.dtype
             and v.device == t.device
             and v.data_ptr() == t.data_ptr()
         ):
-            return True
-    return False
+            return key
+    return None
 
 
 def _positions_in(p: _Probe, failure: _Failure) -> str:

@@ -1141,7 +1141,7 @@ def _fused_attention(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Iterator[Diag
     call = ctx.trace.call(a.record.call)
     typ = call.module_type if call is not None else a.record.module_type
     text = f"{packet(ev.op)} {a.path} {typ}".lower()
-    if "atten" not in text:
+    if "atten" not in text or not _may_softmax(ev.op):
         return
     evidence = [
         f"{short_op(ev.op)} made {out.nan or 'some':,} NaN (and no inf) of {out.numel:,} "
@@ -1163,6 +1163,18 @@ def _fused_attention(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Iterator[Diag
         explanation=_EXPLAIN,
         fix=_fix_for(ctx, a.record.call, ev, inverted=inverted is not None),
     )
+
+
+def _may_softmax(op: str) -> bool:
+    """Whether ``op`` may run a softmax inside it: a fused attention kernel
+    (``aten._native_multi_head_attention``, ``aten._scaled_dot_product_*_attention``), a
+    softmax, or an op outside aten (a custom kernel nothing here can read). An aten op
+    without one (``native_layer_norm`` of an attention block's output, whose variance
+    overflowed) that made NaN from finite inputs is no masked row."""
+    if not op.startswith("aten."):
+        return True
+    name = packet(op).lower()
+    return "atten" in name or "softmax" in name
 
 
 _EXPLAIN_BY_HAND = (
