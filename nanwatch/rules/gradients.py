@@ -5372,12 +5372,10 @@ def _loss_at_minimum(
             "hinge, clamp(min=0) or relu of a satisfied margin"
         )
     )
-    return ctx.diagnosis(
-        title="Zero gradients: the loss reached its minimum (0), nothing is left to learn",
-        severity="info",
-        path=end.path,
-        phase=Phase.BACKWARD.value,
-        evidence=evidence,
+    return _at_minimum(
+        ctx,
+        end,
+        evidence,
         explanation=(
             f"{what[0].upper()}{what[1:]} is exactly 0 for the last {steps} steps, and the "
             "gradient leaving it is exactly 0: a loss at its minimum has no gradient, so no "
@@ -5389,18 +5387,32 @@ def _loss_at_minimum(
     )
 
 
-def _cross_entropy_floor(
-    ctx: RuleContext, end: Record, evidence: list[str], steps: int, dtype: str
+def _at_minimum(
+    ctx: RuleContext, end: Record, evidence: list[str], *, explanation: str, fix: str
 ) -> Diagnosis:
-    """A cross-entropy exactly 0 step after step over logits spread past log(1/eps) of
-    ``dtype``: every target's probability rounds to 1, the loss's minimum, and its gradient
-    (softmax - one-hot) rounds to 0. The model fits these examples: an info."""
+    """NW304's info that the loss sits at its minimum, at ``end`` (the gradient leaving the
+    loss): a margin loss every example meets, or a cross-entropy at its floor."""
     return ctx.diagnosis(
         title="Zero gradients: the loss reached its minimum (0), nothing is left to learn",
         severity="info",
         path=end.path,
         phase=Phase.BACKWARD.value,
         evidence=evidence,
+        explanation=explanation,
+        fix=fix,
+    )
+
+
+def _cross_entropy_floor(
+    ctx: RuleContext, end: Record, evidence: list[str], steps: int, dtype: str
+) -> Diagnosis:
+    """A cross-entropy exactly 0 step after step over logits spread past log(1/eps) of
+    ``dtype``: every target's probability rounds to 1, the loss's minimum, and its gradient
+    (softmax - one-hot) rounds to 0. The model fits these examples: an info."""
+    return _at_minimum(
+        ctx,
+        end,
+        evidence,
         explanation=(
             f"Cross-entropy is exactly 0 for the last {steps} steps: the logits put each "
             f"target so far above the other classes that its probability rounds to 1 in "
