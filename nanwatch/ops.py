@@ -41,7 +41,7 @@ from nanwatch._compat import aminmax, as_called, autocast_as, set_versions
 from nanwatch._domains import Domain, domain_of
 from nanwatch._structure import iter_tensors, leaves
 from nanwatch.localize import is_birth, mark_redrawn
-from nanwatch.records import LOSS_PATH, OpEvent, Phase, TensorStat
+from nanwatch.records import DIFFERENCE_OF, LOSS_PATH, OpEvent, Phase, TensorStat
 from nanwatch.stats import brief, describe, device_name, dtype_name, has_values
 
 _aten = torch.ops.aten
@@ -414,6 +414,10 @@ ENTERED = "entered"
 #: at most this many entered-data events while the checker's events are not taken
 _ENTERED_MAX = 4
 
+#: the packets whose results :class:`OpChecker` keeps a subtraction's operands' size of
+#: (``add``: a number added to one, ``var + eps``)
+_DIFFERENCES = frozenset((_aten.sub, _aten.rsub, _aten.add))
+
 #: remembered non-finite tensors before the freed ones are first dropped
 _SEEN_PRUNE = 4096
 
@@ -499,6 +503,11 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         #: the last ops' floating outputs and the op that made each: a NaN constant that a
         #: ``where`` selects is named by the composite op it runs inside (logdet)
         self._made: deque[tuple[weakref.ReferenceType[torch.Tensor], str]] = deque(maxlen=16)
+        #: the last forward subtractions of two tensors: each result and its operands'
+        #: largest magnitude (see :data:`DIFFERENCE_OF`)
+        self._differences: deque[tuple[weakref.ReferenceType[torch.Tensor], float]] = deque(
+            maxlen=8
+        )
         #: this backward's events born inside a node's formula, with their node, while a
         #: later op may still show the node masked them (see :meth:`_contain`)
         self._node_events: dict[int, tuple[OpEvent, Any]] = {}
@@ -670,6 +679,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             self._made.append((weakref.ref(t), str(func)))
         node_now: Any = current_autograd_node()
         backward = node_now is not None
+        if not backward and func.overloadpacket in _DIFFERENCES:
+            self._note_difference(func, args, outs)
         if backward != self._in_backward:
             self._in_backward = backward
             if not backward:  # a forward after a backward: the next step's evidence
@@ -779,6 +790,10 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             dom = domain_of(str(func))
             if dom is not None:
                 kept.update(domain_counts(dom, dict(read).get(dom.arg)))
+            for name, t in read[:2]:
+                size = self._difference_of(t)
+                if size is not None:
+                    kept[f"{DIFFERENCE_OF}:{name}"] = size
             src = _cast_source(func, args, kwargs, first_bad)
             if src is not None:  # what a cast read: an int64 count, a float32 loss
                 kept["source_dtype"] = dtype_name(src.dtype)
@@ -833,6 +848,41 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 if isinstance(base, torch.Tensor) and self._lookup(base) is None:
                     # a view written in place (x[0].div_(n)): its base holds the value too
                     self._remember(base, seen.event, seq=seen.seq)
+
+    def _note_difference(self, func: Any, args: Sequence[Any], outs: list[torch.Tensor]) -> None:
+        """Keep the largest magnitude of a forward subtraction's two floating operands with
+        its result (two reads, for ``sub`` and ``rsub`` alone: the checker reads every
+        output anyway), so an op that meets the result outside its domain can tell a
+        difference that cancelled to rounding noise from values negative in their own
+        right. A number added to or taken from a kept result passes its entry on."""
+        if len(outs) != 1 or not outs[0].is_floating_point():
+            return
+        ops_ = [a for a in args[:2] if isinstance(a, torch.Tensor) and has_values(a)]
+        if len(ops_) == 1 and any(isinstance(a, (int, float)) for a in args[1:2]):
+            # a number added to a difference (``var + eps``) shifts it by far less than
+            # the operands' rounding step, not out of it: the result is that noise too
+            size: float | None = self._difference_of(ops_[0])
+            if size is not None:
+                self._differences.append((weakref.ref(outs[0]), size))
+            return
+        if len(ops_) != 2 or func.overloadpacket is _aten.add:
+            return
+        with torch.no_grad():  # |x|'s max (operands may differ in dtype and device)
+            size = max(float(torch.linalg.vector_norm(a.detach(), math.inf)) for a in ops_)
+        if math.isfinite(size) and size > 0:
+            self._differences.append((weakref.ref(outs[0]), size))
+
+    def _difference_of(self, t: torch.Tensor) -> float | None:
+        """The operands' largest magnitude of the subtraction that made ``t`` (or the base
+        ``t`` is a view of), when it was one of the last few; None otherwise."""
+        if not self._differences:
+            return None
+        base = t._base if t._is_view() else None
+        for ref, size in self._differences:
+            made = ref()
+            if made is not None and (made is t or made is base):
+                return size
+        return None
 
     def _contain(
         self, node: Any, args: Sequence[Any], kwargs: dict[str, Any], *, finite: bool

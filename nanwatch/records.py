@@ -321,6 +321,13 @@ class Call:
         )
 
 
+#: ``OpEvent.scalars`` key prefix, ``difference_of:<input name>``: that input of the op was
+#: the result of a forward subtraction of two tensors, and the value is the largest
+#: magnitude among its operands (``E[x²] - E[x]²`` of values near 1000: about 1e6, whose
+#: float32 rounding step is 0.06, so the "variance" is noise of that size, of either sign)
+DIFFERENCE_OF = "difference_of"
+
+
 @dataclass(slots=True, eq=False)
 class OpEvent:
     """An aten op that produced a non-finite value its inputs did not hold."""

@@ -17,6 +17,7 @@ from fractions import Fraction
 
 from nanwatch._domains import Domain, domain_of
 from nanwatch.records import (
+    DIFFERENCE_OF,
     LOSS_PATH,
     Anomaly,
     AnomalyKind,
@@ -11759,9 +11760,19 @@ class _Cancellation:
     ulp: float  #: eps · amax²: one rounding step of those squares
     steps: int  #: how many such steps the minimum is below 0
     dtype: str
+    #: the op's input was made by a subtraction whose operands reached this magnitude (seen
+    #: op by op: the large values may be the module's own intermediates); None: inferred
+    #: from the squares of the values the module was given or computed
+    operands: float | None = None
 
     @property
     def words(self) -> str:
+        if self.operands is not None:
+            return (
+                f"{count(self.steps, f'{self.dtype} rounding step')} of the subtraction that "
+                f"made it, whose operands reach {fmt(self.operands)} (eps·{fmt(self.operands)}"
+                f" = {fmt(self.ulp)}): cancellation, not values negative in their own right"
+            )
         return (
             f"{count(self.steps, f'{self.dtype} rounding step')} of the squares of the values "
             f"{self.path} works with (max |x| {fmt(self.amax)}, x² up to "
@@ -11776,7 +11787,19 @@ def _cancellation(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _Cancellation
     children's outputs this step): a variance E[x²] - E[x]² of values far from 0 cancels to
     noise of that size, of either sign."""
     lim = limits(ev.dtype)
-    if lim is None or ev.path is None or not x.min < 0:
+    if lim is None or not x.min < 0:
+        return None
+    name = ev.inputs[0][0] if ev.inputs else None
+    operands = ev.scalars.get(f"{DIFFERENCE_OF}:{name}")
+    if isinstance(operands, float) and math.isfinite(operands) and operands > 0:
+        # seen op by op: the subtraction that made the argument, and its operands' size
+        ulp = lim.eps * operands
+        if -x.min <= 16 * ulp:
+            steps = max(1, round(-x.min / ulp))
+            amax = math.sqrt(operands)
+            return _Cancellation(ev.path or "", amax, ulp, steps, ev.dtype or "float32", operands)
+        return None
+    if ev.path is None:
         return None
     trace = ctx.trace
     calls = {c.id for c in trace.calls if c.path == ev.path}
@@ -11798,10 +11821,15 @@ def _cancellation(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _Cancellation
 
 
 def _cancel_text(c: _Cancellation, dtype: str | None) -> str:
+    near = (
+        f"numbers near {fmt(c.operands)}"
+        if c.operands is not None
+        else f"numbers near {fmt(c.amax * c.amax)} (squares of values up to {fmt(c.amax)})"
+    )
     return (
         "sqrt(x) is not a real number for negative x: PyTorch returns NaN. These negative "
         "values are rounding, not data: a variance computed as E[x²] - E[x]² subtracts two "
-        f"numbers near {fmt(c.amax * c.amax)} (squares of values up to {fmt(c.amax)}) that "
+        f"{near} that "
         f"agree to within {dtype or 'float32'}'s precision, and what is left is noise of "
         f"about {fmt(c.ulp)}, of either sign. Values far from 0 with a small spread (an "
         "un-centered feature, a constant row) do this. Subtracting the mean first, "
