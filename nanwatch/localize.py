@@ -2498,3 +2498,55 @@ def inplace_suspects(traces: Iterable[StepTrace], message: str) -> list[Record]:
         if out:
             break
     return out
+
+
+def other_births(trace: StepTrace, anomaly: Anomaly, limit: int = 3) -> list[Record]:
+    """Forward outputs of ``trace`` born non-finite elsewhere than ``anomaly``: a module call
+    whose output went bad while every input it was given was finite (measured), that is not
+    the anomaly's own call, nor one of its callers, nor the -inf source it grew out of, and
+    whose children made nothing bad themselves. A second problem of the same step (a log(0)
+    in another branch) that fixing the first one would only uncover. At most ``limit``."""
+    if anomaly.kind is not AnomalyKind.FORWARD:
+        return []
+    own = trace.call(anomaly.record.call)
+    skip: set[int] = set()
+    c = own
+    while c is not None and len(skip) < 256:  # the anomaly's call and its callers
+        skip.add(c.id)
+        c = trace.call(c.parent) if c.parent is not None else None
+    src = anomaly.neginf_source
+    if src is not None and src.step == trace.step:
+        skip.add(src.call)
+    bad_calls = {
+        r.call
+        for r in trace.records
+        if r.phase is Phase.FORWARD and r.stat is not None and not r.stat.finite
+    }
+    out: list[Record] = []
+    for r in trace.records:
+        if r.phase is not Phase.FORWARD or r.stat is None or r.stat.finite or r.call in skip:
+            continue
+        call = trace.call(r.call)
+        if call is None or call.is_loss or call.path == LOSS_PATH:
+            continue
+        if any(k.parent == call.id and k.id in bad_calls for k in trace.calls):
+            continue  # a child made it: that child is the birth
+        ins = [_measured(trace, i) for i in trace.inputs_of(call.id)]
+        if not ins or any(i is None or i.stat is None or not i.stat.finite for i in ins):
+            continue  # an input was bad, or not measured: not known to be born here
+        if all(o.path != r.path for o in out):
+            out.append(r)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _measured(trace: StepTrace, rec: Record) -> Record | None:
+    """The record that measured input ``rec``: its link, or, for an unmeasured input made
+    by an op that cannot create a non-finite value, the output it was made of (see
+    :func:`_made_of`)."""
+    got = trace.resolve(rec)
+    if got.stat is not None:
+        return got
+    made = _made_of(trace, rec)
+    return trace.record(made) if made is not None else None

@@ -41,7 +41,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.theme import Theme
 
-from nanwatch.localize import custom_function
+from nanwatch.localize import custom_function, other_births
 from nanwatch.records import (
     Anomaly,
     AnomalyKind,
@@ -652,7 +652,7 @@ def _diagnoses_section(report: Report) -> Iterator[RenderableType]:
     ds = report.diagnoses
     yield _rule(f"Diagnoses ({len(ds)})")
     for d in ds[:_MAX_DIAGNOSES]:
-        yield _diagnosis_block(d, report.diagnosis_steps.get(d.code, 1), _call_sites(report))
+        yield _diagnosis_block(d, report.steps_of(d), _call_sites(report))
     if len(ds) > _MAX_DIAGNOSES:
         yield Text(
             f"… {len(ds) - _MAX_DIAGNOSES} more diagnoses in the HTML and JSON report",
@@ -818,6 +818,24 @@ def _neginf_line(a: Anomaly) -> str | None:
     return f"{what} grew out of a -inf that first appeared in {where} (step {n.step})."
 
 
+def _also_born(report: Report, a: Anomaly) -> str | None:
+    """The step's other births (see :func:`nanwatch.localize.other_births`), in one line."""
+    trace = report.step(a.step)
+    if trace is None:
+        return None
+    others = other_births(trace, a)
+    if not others:
+        return None
+    where = "; ".join(
+        f"{r.stat.kinds() if r.stat is not None else 'non-finite'} in the {r.role} of {r.path}"
+        for r in others
+    )
+    return (
+        f"Also born in step {a.step}, from finite inputs (a separate problem, not fed by "
+        f"this one): {where}."
+    )
+
+
 def _where_section(report: Report) -> Iterator[RenderableType]:
     a = report.first_anomaly
     rows, phase = tree_rows(report)
@@ -832,6 +850,9 @@ def _where_section(report: Report) -> Iterator[RenderableType]:
         neginf = _neginf_line(a)
         if neginf is not None:
             yield Text(neginf, style="nanwatch.dim")
+        also = _also_born(report, a)
+        if also is not None:
+            yield Text(also, style="nanwatch.dim")
         if report.step(a.step) is None:
             yield Text(
                 f"Step {a.step} is no longer in the flight recorder "
@@ -840,7 +861,7 @@ def _where_section(report: Report) -> Iterator[RenderableType]:
             )
         later = report.anomalies[1:]
         if later:
-            firsts = ", ".join(f"step {x.step} at {x.path}" for x in later[:3])
+            firsts = ", ".join(f"step {x.step} at {x.path}{_other_origin(x, a)}" for x in later[:3])
             more = report.anomaly_count - 1 - min(3, len(later))
             yield Text(
                 f"Later anomalies: {firsts}" + (f" and {more} more" if more > 0 else ""),
@@ -848,6 +869,18 @@ def _where_section(report: Report) -> Iterator[RenderableType]:
             )
     if rows:
         yield _tree_table(rows, phase)
+
+
+def _other_origin(later: Anomaly, first: Anomaly) -> str:
+    """`` (from -inf in b)`` when ``later`` grew out of a -inf first seen somewhere else than
+    the one ``first`` grew out of: the same module, fed by another problem."""
+    src = later.neginf_source
+    if src is None or src.path == later.path:
+        return ""
+    was = first.neginf_source
+    if was is not None and was.path == src.path:
+        return ""
+    return f" (from -inf in {src.path})"
 
 
 def _tree_table(rows: Sequence[TreeRow], phase: str) -> Table:
@@ -1727,7 +1760,7 @@ def _html_diagnoses(report: Report) -> str:
     cards: list[str] = []
     sites = _call_sites(report)
     for d in report.diagnoses:
-        steps = report.diagnosis_steps.get(d.code, 1)
+        steps = report.steps_of(d)
         label, evidence = _diagnosis_lines(d, sites)
         head = (
             f'<span class="sev {_e(d.severity)}">{_e(d.severity)}</span>'
@@ -1801,6 +1834,9 @@ def _html_where(report: Report) -> str:
         neginf = _neginf_line(a)
         if neginf is not None:
             out.append(f'<p class="muted">{_e(neginf)}</p>')
+        also = _also_born(report, a)
+        if also is not None:
+            out.append(f'<p class="muted">{_e(also)}</p>')
         if report.step(a.step) is None:
             out.append(
                 f'<p class="muted">Step {a.step} is no longer in the flight recorder '

@@ -29,7 +29,7 @@ import platform
 import traceback
 import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -199,9 +199,10 @@ class Report:
     #: non-finite anomalies of the run, first first (at most 50; see ``anomaly_count``)
     anomalies: list[Anomaly] = field(default_factory=list)
     anomaly_count: int = 0
-    #: distinct diagnoses (the first occurrence of each code), most important first
+    #: distinct findings (the first occurrence of each code at each place, see
+    #: :func:`finding_key`), most important first
     diagnoses: list[Diagnosis] = field(default_factory=list)
-    #: code -> how many recorded steps it fired in
+    #: code -> how many recorded steps it fired in (per finding: :meth:`steps_of`)
     diagnosis_steps: dict[str, int] = field(default_factory=dict)
     environment: Environment = field(default_factory=Environment)
     #: the exception or signal that ended the run: ``class``, ``type``, ``message``,
@@ -326,6 +327,32 @@ class Report:
     def top(self) -> Diagnosis | None:
         """The most important diagnosis."""
         return self.diagnoses[0] if self.diagnoses else None
+
+    def steps_of(self, d: Diagnosis) -> int:
+        """How many of the recorded steps found ``d`` (the same code at the same place, see
+        :func:`finding_key`, or a catch-all finding there that ``d`` explains); for a report
+        built without its steps, how many fired its code.
+
+        >>> Report(steps=[], diagnosis_steps={"NW110": 2}).steps_of(
+        ...     Diagnosis("NW110", "t", "error", path="head"))
+        2
+        """
+        mine = d.to_dict()
+        own = next(
+            (
+                t
+                for t in self.steps
+                if t.step == d.step and any(x is d or x.to_dict() == mine for x in t.diagnoses)
+            ),
+            None,
+        )
+        key = finding_key(d, own)
+        n = sum(
+            1
+            for t in self.steps
+            if any(same_finding(finding_key(x, t), key) or _absorbs(d, x) for x in t.diagnoses)
+        )
+        return n if n > 0 else self.diagnosis_steps.get(d.code, 1)
 
     @property
     def step_range(self) -> tuple[int, int] | None:
@@ -724,16 +751,86 @@ def _pending_records(watcher: Watcher) -> set[int]:
 def _gather_diagnoses(
     steps: Sequence[StepTrace], first_step: int | None
 ) -> tuple[list[Diagnosis], dict[str, int]]:
+    """The distinct findings of ``steps`` (the first occurrence of each, the first bad
+    step's first) and, by code, how many steps each code fired in. A code found in two
+    places (two modules, two ops, two parameters, or one module fed by two different
+    origins of the bad value) is two findings: each is kept."""
     ordered = sorted(steps, key=lambda t: t.step != first_step)  # stable
-    seen: dict[str, Diagnosis] = {}
+    seen: dict[tuple[str | None, ...], Diagnosis] = {}
     counts: Counter[str] = Counter()
     for t in ordered:
         codes: set[str] = set()
         for d in t.diagnoses:
-            seen.setdefault(d.code, d)
+            key = finding_key(d, t)
+            if not any(same_finding(key, k) for k in seen):
+                seen[key] = d
             codes.add(d.code)
         counts.update(codes)
-    return sorted(seen.values(), key=sort_key), dict(counts)
+    return sorted(_explained(seen.values()), key=sort_key), dict(counts)
+
+
+def same_finding(a: tuple[str | None, ...], b: tuple[str | None, ...]) -> bool:
+    """Two :func:`finding_key` keys are one finding: equal, where an op that was not traced
+    (None: a later step's, in a mode that pinpoints an op once) matches any op.
+
+    >>> same_finding(("NW111", "forward", "m", "aten.div.Tensor", None, None),
+    ...              ("NW111", "forward", "m", None, None, None))
+    True
+    >>> same_finding(("NW111", "forward", "m", "aten.div.Tensor", None, None),
+    ...              ("NW111", "forward", "m", "aten.log.default", None, None))
+    False
+    """
+    _op = 3
+    return len(a) == len(b) and all(
+        x == y or (i == _op and (x is None or y is None))
+        for i, (x, y) in enumerate(zip(a, b, strict=True))
+    )
+
+
+def _explained(found: Iterable[Diagnosis]) -> list[Diagnosis]:
+    """``found`` less the catch-all findings (a fallback rule's: "no specific rule matches")
+    at a place (module, phase) a specific error diagnosis explains: the same anomaly seen
+    again in a step where its evidence (the op) was not traced."""
+    found = list(found)
+    return [d for d in found if not any(_absorbs(x, d) for x in found)]
+
+
+def _catch_all(d: Diagnosis) -> bool:
+    from nanwatch.rules.base import REGISTRY
+
+    r = REGISTRY.get(d.code)
+    return r is not None and r.fallback
+
+
+def _absorbs(d: Diagnosis, other: Diagnosis) -> bool:
+    """``other`` is a catch-all finding at the place (module, phase) that ``d``, a specific
+    error diagnosis, explains: the same anomaly, seen without its evidence."""
+    return (
+        d.severity == "error"
+        and not _catch_all(d)
+        and _catch_all(other)
+        and (d.path, d.phase) == (other.path, other.phase)
+    )
+
+
+def finding_key(d: Diagnosis, trace: StepTrace | None = None) -> tuple[str | None, ...]:
+    """What makes two diagnoses one finding: the same code at the same place (phase, module,
+    op, parameter) and, for a diagnosis at the module where its step's anomaly was seen,
+    the same origin of the bad value (the module where a -inf it grew out of was first
+    seen): a NaN in ``head`` from a log(0) in ``a`` one step and in ``b`` the next is two
+    problems. Numbers (evidence) and the step do not count: a problem that recurs is one.
+
+    >>> a = Diagnosis("NW110", "t", "error", step=0, path="head")
+    >>> finding_key(a) == finding_key(Diagnosis("NW110", "t", "error", step=3, path="head"))
+    True
+    >>> finding_key(a) == finding_key(Diagnosis("NW110", "t", "error", step=0, path="tail"))
+    False
+    """
+    origin: str | None = None
+    a = trace.anomaly if trace is not None else None
+    if a is not None and d.path is not None and d.path == a.path:
+        origin = a.neginf_source.path if a.neginf_source is not None else a.path
+    return (d.code, d.phase, d.path, d.op, d.parameter, origin)
 
 
 def _error_info(

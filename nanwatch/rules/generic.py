@@ -20,6 +20,7 @@ from nanwatch.records import (
     AnomalyKind,
     OpEvent,
     Phase,
+    StepTrace,
     TensorStat,
 )
 from nanwatch.rules._evidence import (
@@ -148,6 +149,9 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
     if a.op is not None:
         yield _with_op(ctx, a)
         return
+    if a.origin == "loss-code" and _compiled_below_loss(ctx.trace):
+        yield _compiled(ctx, a)
+        return
     evidence = [a.summary, f"{a.record.where}: {describe_stat(a.record.stat)}"]
     if a.kind is AnomalyKind.BACKWARD and a.origin == "module":
         evidence += _edge_inputs(ctx, a)
@@ -175,6 +179,54 @@ def non_finite(ctx: RuleContext) -> Iterator[Diagnosis]:
             "exact op and line."
         ),
         fix=fix,
+    )
+
+
+def _compiled_below_loss(trace: StepTrace) -> bool:
+    """The loss's autograd graph holds a torch.compile'd function's node: the model's
+    forward ran compiled, where module hooks do not run (torch.compile traces them away)."""
+    return any(
+        str(op).startswith("compiledfunction")
+        for n in trace.notes
+        if n.kind == "loss_graph"
+        for op in n.data.get("ops", ())
+    )
+
+
+def _compiled(ctx: RuleContext, a: Anomaly) -> Diagnosis:
+    """NW100 for a NaN born outside every watched module's output while the loss's graph
+    runs through a torch.compile'd function: the model ran compiled, so no module of it was
+    watched; the birth is somewhere inside it, and only the eager model can say where."""
+    roots = _roots(ctx)
+    ran = [c.path for c in ctx.trace.calls if not c.is_loss]
+    evidence = [
+        f"{a.record.where}: {describe_stat(a.record.stat)}",
+        "the loss's autograd graph runs through a torch.compile'd function "
+        "(CompiledFunctionBackward)"
+        + (
+            f"; {len(ran)} watched module call{'s' if len(ran) != 1 else ''} ran eagerly"
+            if ran
+            else ": no watched module ran eagerly this step, so none had its output checked"
+        ),
+    ]
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite value inside a torch.compile'd model (its modules were not watched)",
+        evidence=evidence,
+        explanation=(
+            f"The {a.record.stat.kinds() if a.record.stat is not None else 'non-finite value'} "
+            "reached the loss from a model that ran under torch.compile. torch.compile traces "
+            "module hooks away and runs fused kernels, so nanwatch saw neither the modules nor "
+            "the ops inside it (forensic mode cannot trace a compiled graph either): the value "
+            "was born somewhere in the compiled model, not in the loss code. Run the same step "
+            "with the eager model and nanwatch names the module, the op and the line."
+        ),
+        fix=(
+            "out = model(x)   # the eager module you watch, not torch.compile(model): its "
+            "hooks run and name the module and op\n"
+            "# (a compiled module's eager one is compiled._orig_mod)\n"
+            f"# run the same step so, and compile again once it is fixed{_through(roots)}"
+        ),
     )
 
 
