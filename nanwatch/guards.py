@@ -2716,13 +2716,16 @@ def _check_binary(p: _Probe) -> None:
             fix = p.call_with(target=f"{_paren(tgt)}.view_as({inp})")
         else:
             fix = f"make {inp} and {tgt} the same shape"
+        hint = ""
+        if (indices := _class_indices_fix(p, x, t)) is not None:
+            hint, fix = indices
         p.fail(
             _Failure(
                 code="NW507",
                 check="shape",
                 problem=(
                     f"input {_shape(x)} and target {_shape(t)} differ; {p.desc()} needs equal "
-                    "shapes"
+                    f"shapes{hint}"
                 ),
                 expected=f"target of shape {_shape(x)}",
                 fix=fix,
@@ -2760,6 +2763,45 @@ def _check_binary(p: _Probe) -> None:
             t.clamp(0, 1) != t,
             lambda v, n, mask: _binary_target_failure(p, v, n, mask),
         )
+
+
+def _class_indices_fix(p: _Probe, x: torch.Tensor, t: torch.Tensor) -> tuple[str, str] | None:
+    """NW507's hint and fix for a target of one value per row against an input of C > 1
+    columns, each value a whole number in ``[0, C)``: class indices (one class per row)
+    given to a multi-label loss. A Hugging Face classifier does this itself when its
+    labels are float: it sets ``config.problem_type = "multi_label_classification"`` from
+    the first batch's dtype (and keeps it). One read, on this failure path only."""
+    if not (
+        x.dim() == t.dim() + 1
+        and x.shape[:-1] == t.shape
+        and x.shape[-1] > 1
+        and t.numel() > 0
+        and _readable(t)
+    ):
+        return None
+    c = int(x.shape[-1])
+    v = t.double()
+    if not bool(((v == v.round()) & (v >= 0) & (v < c)).all()):
+        return None
+    hint = (
+        f" — the target holds one class index per row (whole numbers in 0..{c - 1}) for the "
+        f"{c} columns: one class per row needs int64 class indices and cross-entropy, not a "
+        "multi-label loss"
+    )
+    problem_types = {getattr(getattr(r, "config", None), "problem_type", None) for r in p.roots}
+    tgt = _held_as(p.frame, t) or p.arg("target")
+    if "multi_label_classification" in problem_types and _in_library(p):
+        return hint + f" ({tgt} is {dtype_name(t.dtype)})", (
+            f"{tgt} = {_paren(tgt)}.long()   # int64 class indices: the model then uses "
+            "CrossEntropyLoss\n"
+            "model.config.problem_type = None   # transformers set it to "
+            "'multi_label_classification' from the float labels of the first batch"
+        )
+    inp = p.arg("input")
+    return hint, (
+        f"F.cross_entropy({inp}, {_paren(tgt)}.long())   # one class per row\n"
+        f"# or one-hot targets for a multi-label loss: F.one_hot({_paren(tgt)}.long(), {c}).float()"
+    )
 
 
 def _bce_input_failure(p: _Probe, v: dict[str, float], outside: int, mask: torch.Tensor) -> None:
@@ -4087,13 +4129,38 @@ def _index_result(
         expected = f"0..{rows - 1}"
         if top is not None and not neg:
             if p.spec.name == "embedding" and _looks_like_positions(ids):
+                length = int(ids.shape[-1])
+                # rows below the first position are not positions: a padding row
+                # (RoBERTa: positions start at padding_idx + 1), or an offset the config
+                # leaves out (BART: max_position_embeddings + 2 rows, positions from 2)
+                pad = _padding_row(p, rows)
+                lo = int(v["index_min"])
+                key = _config_key(p, rows)
+                start, setting = 0, rows  # the first position, the config's value
+                if pad is not None and lo == pad + 1:
+                    start = lo
+                elif 0 < lo < rows and key is None:
+                    key = _position_key(p.roots, rows - lo)
+                    if key is not None:
+                        start, setting = lo, rows - lo
+                usable = rows - start
+                has = f"the {rows} positions the embedding has"
+                if start:
+                    has = f"the {usable} positions the embedding's {rows} rows hold from {start}"
+                if key is not None:
+                    has += f" (config.{key}={setting})"
                 hint = (
-                    f" — these are positions: the sequence ({ids.shape[-1]} tokens) is longer "
-                    f"than the {rows} positions the embedding has"
+                    f" — these are positions: the sequence ({length} tokens) is longer than " + has
+                )
+                grow = (
+                    f"build the model with {key} >= {top + 1 - rows + setting} (a pretrained "
+                    "model's is fixed)"
+                    if key is not None
+                    else f"give the position embedding {top + 1} rows"
                 )
                 fix = (
-                    f"truncate the inputs to {rows} tokens (tokenizer(..., truncation=True, "
-                    f"max_length={rows})), or give the position embedding {top + 1} rows"
+                    f"truncate the inputs to {usable} tokens (tokenizer(..., truncation=True, "
+                    f"max_length={usable})), or {grow}"
                 )
             elif (sized := _config_key(p, rows)) is not None and not _token_table(p):
                 hint, fix = _config_sized(p, sized, rows, top)
@@ -4898,6 +4965,15 @@ def attach(watcher: Watcher, modules: Sequence[tuple[nn.Module, str]]) -> list[A
             handles.append(
                 module.register_forward_hook(_pop_hook, with_kwargs=True, always_call=True)
             )
+        for module, path in modules:
+            table = _position_table(module, watcher.roots)
+            if table is not None:
+                handles.append(
+                    module.register_forward_pre_hook(
+                        _make_position_hook(watcher, health, module, path, table),
+                        with_kwargs=True,
+                    )
+                )
         for wrapper, path in _compiled_children(watcher, modules):
             pre, post = _make_compiled_hooks(watcher, health, wrapper, path)
             handles.append(wrapper.register_forward_pre_hook(pre, with_kwargs=True))
@@ -4957,6 +5033,217 @@ def _make_pre_hook(
             _module_stack().append(module)
 
     return guard_pre_hook
+
+
+#: a config setting that fixes the number of positions (``max_position_embeddings``,
+#: GPT-2's ``n_positions``, ``n_ctx``, ``max_seq_len``, ``block_size``)
+_POSITION_KEY = re.compile(
+    r"^(?!.*relative).*position|^n_ctx$|seq_len(?:gth)?$|^block_size$|^max_len$|context_length",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class _PositionTable:
+    """A module's own learned position table: the child ``name``, its ``rows``, the
+    ``usable`` positions (fewer than the rows when a padding row comes first: RoBERTa's
+    positions start at ``padding_idx + 1``), its ``padding`` row, the config ``key``
+    that sized it and the names of the holder's forward parameters (``params``)."""
+
+    name: str
+    rows: int
+    usable: int
+    padding: int | None
+    key: str
+    params: tuple[str, ...]
+
+
+def _position_key(roots: Sequence[nn.Module], rows: int) -> str | None:
+    """The one setting for positions, in the watched roots' configs, whose value is
+    ``rows``; None for none or several."""
+    keys = {
+        key
+        for root in roots
+        for key, value in getattr(getattr(root, "config", None), "__dict__", {}).items()
+        if type(value) is int and value == rows and _POSITION_KEY.search(key)
+    }
+    return keys.pop() if len(keys) == 1 else None
+
+
+def _position_table(module: nn.Module, roots: Sequence[nn.Module]) -> _PositionTable | None:
+    """The position table ``module`` holds as a child, when exactly one of its child
+    ``nn.Embedding`` tables has as many rows as a watched model's config setting for
+    positions (``max_position_embeddings``); None otherwise (a table of another size, a
+    module without a config: the embedding guard checks the position ids themselves)."""
+    if isinstance(module, nn.Embedding):
+        return None
+    found = []
+    for name, child in module.named_children():
+        if type(child) is not nn.Embedding or child.num_embeddings < 2:
+            continue
+        key = _position_key(roots, child.num_embeddings)
+        if key is not None:
+            found.append((name, child, key))
+    if len(found) != 1:
+        return None
+    name, child, key = found[0]
+    rows, pad = int(child.num_embeddings), child.padding_idx
+    padded = isinstance(pad, int) and 0 <= pad < rows - 1
+    try:
+        params = tuple(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return _PositionTable(
+        name=name,
+        rows=rows,
+        usable=rows - pad - 1 if padded and pad is not None else rows,
+        padding=pad if padded else None,
+        key=key,
+        params=params,
+    )
+
+
+def _make_position_hook(
+    watcher: Watcher, health: _Health, owner: nn.Module, path: str, table: _PositionTable
+) -> Callable[..., None]:
+    """The pre-hook of a module that holds a position table (see :func:`_position_table`):
+    token ids longer than its positions stop the call before any kernel runs (a position
+    past the table is a device-side assert on a GPU, where the positions are made inside
+    the forward and first index a buffer: RoBERTa's ``torch.gather``). Shapes only, no
+    device read, except when the table has a padding row and the ids are too long: then
+    one read counts each row's ids that are not padding, which are what get positions."""
+    ref = weakref.ref(owner)
+
+    def position_pre_hook(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> None:
+        if _compiling() or kwargs is None or module is not ref():
+            return
+        if health.broken or _quiet(watcher):
+            return
+        try:
+            _check_positions(
+                watcher, module=module, path=path, table=table, args=args, kwargs=kwargs
+            )
+        except GuardError:
+            raise
+        except Exception as exc:  # nanwatch must never break the training it watches
+            health.fault("the position-table guard", exc)
+
+    return position_pre_hook
+
+
+def _check_positions(
+    watcher: Watcher,
+    *,
+    module: nn.Module,
+    path: str,
+    table: _PositionTable,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    bound = dict(zip(table.params, args, strict=False))
+    bound.update(kwargs)
+    if any("position" in name and isinstance(v, torch.Tensor) for name, v in bound.items()) or any(
+        isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 3
+        for v in bound.values()
+    ):
+        return  # the caller's own positions, or embeddings given: nothing to count from ids
+    ids = [
+        (name, v)
+        for name, v in bound.items()
+        if isinstance(v, torch.Tensor)
+        and v.dim() >= 2
+        and not v.is_floating_point()
+        and not v.is_complex()
+        and v.dtype is not torch.bool
+    ]
+    if not ids:
+        return
+    arg, x = max(ids, key=lambda item: item[1].shape[-1])
+    length = int(x.shape[-1])
+    if length <= table.usable:
+        return
+    need = length
+    if table.padding is not None:
+        if not _readable(x):
+            return
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            need = int((x != table.padding).sum(-1).max().item())
+        if need <= table.usable:
+            return
+    if "NW513" in watcher.config.ignore:
+        return
+    frame = _frames.user_frame(sys._getframe(2))
+    cls_name = type(module).__name__
+    where = f"{path}.{table.name}" if path else table.name
+    counted = (
+        f"a row of {need} tokens besides padding (id {table.padding})"
+        if table.padding is not None
+        else f"{length} tokens"
+    )
+    size = (
+        f"{table.rows} rows but {table.usable} positions (padding_idx={table.padding}: "
+        f"positions start at {table.padding + 1})"
+        if table.padding is not None
+        else f"{table.rows} positions"
+    )
+    usable = table.usable
+    failure = _Failure(
+        code="NW513",
+        check="positions",
+        problem=(
+            f"{arg} {_shape(x)} has {counted}, but {where} (Embedding) has {size} "
+            f"(config.{table.key}={table.rows}): the sequence is longer than the model's "
+            "position table"
+        ),
+        expected=f"at most {usable} tokens",
+        fix=(
+            f"truncate the inputs to {usable} tokens (tokenizer(..., truncation=True, "
+            f"max_length={usable})), or slice the batch: {arg}[:, :{usable}] (and its "
+            f"attention_mask and labels alike); longer inputs need a model built with "
+            f"{table.key} >= {need + table.rows - usable} (a pretrained model's is fixed)"
+        ),
+        explanation=(
+            "A learned position table has one row per position: each token past its last "
+            "row has a position the model cannot look up (an index error, or a shape error "
+            "where the model slices a buffer of positions; on a GPU, a device-side assert "
+            "that kills the CUDA context)."
+        ),
+        count=max(need - usable, 0),
+        total=need,
+    )
+    source = _source(frame) if frame is not None else None
+    line = (
+        linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() or None
+        if frame is not None
+        else None
+    )
+    note = watcher.note(
+        "guard",
+        path,
+        source=source,
+        code=failure.code,
+        check=failure.check,
+        loss=cls_name,
+        problem=failure.problem,
+        expected=failure.expected,
+        fix=failure.fix,
+        explanation=failure.explanation,
+        values=[],
+        counts=[],
+        count=failure.count,
+        total=failure.total,
+        positions=[],
+        positions_in=None,
+        source_line=line,
+        raised=True,
+        on_anomaly=watcher.config.on_anomaly,
+    )
+    torch_error = _torch_error(watcher, bound, lambda: module.forward(*args, **kwargs))
+    err = _error(note, failure, watcher.step_index, is_module=True, torch_error=torch_error)
+    err._nanwatch_owner = id(watcher)  # type: ignore[attr-defined]  # nested watchers
+    raise err
 
 
 def _make_early_hook(

@@ -472,6 +472,17 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             else (cls == "other" and _function_advice(message)) or ADVICE[cls]
         ),
     }
+    if cls in _POSITION_CLASSES:
+        try:  # shapes and module attributes only: no device access
+            said = position_advice(exc) or batch_shape_advice(exc)
+        except Exception:  # the user's exception matters more than ours
+            said = None
+        if said is not None:
+            info["advice"] = said + (
+                " The CUDA context is now unusable: restart the process after the fix."
+                if cls in _DEVICE_LOST
+                else ""
+            )
     if cls not in _NOT_RAISED_BY_OP and _raised_in_backward(exc):
         info["in_backward"] = True  # autograd's engine raised it: a backward did not finish
     if cls not in _DEVICE_LOST and cls not in _NOT_RAISED_BY_OP:  # (async: the step only
@@ -483,6 +494,237 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             info["optimizer"] = found
             info["advice"] = _optimizer_advice(cls, found)
     return info
+
+
+#: classes an input longer than a module's position table raises as: the shape error of a
+#: sliced position buffer, the index error of a lookup past its rows, the CUDA assert of one
+_POSITION_CLASSES = (
+    "other",
+    "index-out-of-range",
+    "shape-mismatch",
+    "cuda-device-assert",
+    "cuda-error",
+)
+#: a table's or buffer's name that says it holds positions (``position_embeddings``,
+#: ``embed_positions``, ``pos_emb``, GPT-2's ``wpe``, ``position_ids``)
+_POSITION_NAME = re.compile(r"position|(?:^|_)pos(?:_|$)|wpe", re.IGNORECASE)
+#: a config setting that fixes the number of positions (``max_position_embeddings``,
+#: ``n_positions``, ``n_ctx``, ``max_seq_len``, ``block_size``)
+_POSITION_KEY = re.compile(
+    r"^(?!.*relative).*position|^n_ctx$|seq_len(?:gth)?$|^block_size$|^max_len$|context_length",
+    re.IGNORECASE,
+)
+
+
+def position_advice(exc: BaseException) -> str | None:
+    """Advice for an error raised inside a module's forward (any class, any model) whose
+    input sequence is longer than the position table that module holds: a child
+    ``nn.Embedding`` or an integer buffer sized by a config setting for positions
+    (``max_position_embeddings``), or named for positions when it raised the error itself
+    or the error's message names its size or the input's length. A table with a
+    ``padding_idx`` keeps its rows up to it for padding (RoBERTa's positions start at
+    ``padding_idx + 1``), so fewer positions are usable than it has rows. From the
+    traceback's frames, shapes and module attributes only: no device access. None when no
+    running forward held such a table shorter than its input.
+
+    Example:
+        >>> import torch
+        >>> class M(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.register_buffer("position_ids", torch.arange(4))
+        ...     def forward(self, x):
+        ...         return x + self.position_ids[: x.shape[1]]
+        >>> try:
+        ...     M()(torch.zeros(1, 6, dtype=torch.long))
+        ... except RuntimeError as e:
+        ...     print(position_advice(e)[:55])
+        The input has 6 tokens, but position_ids (buffer) has 4
+    """
+    import torch
+    from torch import nn
+
+    message = str(exc)
+    tb = exc.__traceback__
+    frames: list[FrameType] = []
+    while tb is not None and len(frames) < 512:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    owners = [(f, me) for f in frames if isinstance(me := f.f_locals.get("self"), nn.Module)]
+    if not owners:
+        return None
+    root = owners[0][1]
+    configs = [c for _, m in owners if (c := getattr(m, "config", None)) is not None]
+    for frame, module in reversed(owners):
+        if isinstance(module, nn.Embedding):
+            continue  # a table given its ids: the guard's and torch's message say that
+        length, arg, what = _sequence_length(frame, torch)
+        if length is None:
+            continue
+        for name, rows, usable, padding in _position_tables(module, configs, torch, nn):
+            if length <= usable:
+                continue
+            key = _config_setting(configs, rows)
+            table = getattr(module, name, None)
+            if (
+                key is None
+                and not any(m is table for _, m in owners)
+                and not re.search(rf"\b(?:{rows}|{length})\b", message)
+            ):
+                continue  # named for positions, but neither raised nor named by the error
+            path = next((q for q, m in root.named_modules() if m is module), "")
+            kind = type(table).__name__ if isinstance(table, nn.Module) else "buffer"
+            where = f"{path}.{name}" if path else name
+            size = f"{rows} positions"
+            if padding is not None:
+                size = (
+                    f"{rows} rows but {usable} positions (padding_idx={padding}: positions "
+                    f"start at {padding + 1})"
+                )
+            if key:
+                size += f" (config.{key}={rows})"
+            sliced = f"{arg}[:, :{usable}]" if what == "tokens" else f"{arg}[:, :{usable}, :]"
+            grow = (
+                f"a model built with {key} >= {length + rows - usable} (a pretrained model's "
+                "is fixed)"
+                if key
+                else f"a table of {length + rows - usable} rows"
+            )
+            return (
+                f"The input has {length} {what}, but {where} ({kind}) has {size}. Truncate "
+                f"when tokenizing: tokenizer(..., truncation=True, max_length={usable}), or "
+                f"slice the batch: {sliced} (and its attention_mask and labels alike). Longer "
+                f"inputs need {grow}."
+            )
+    return None
+
+
+def batch_shape_advice(exc: BaseException) -> str | None:
+    """Advice for an error raised inside a model's forward whose per-token inputs disagree:
+    the integer (or bool) tensors of two or more dimensions the outermost running module
+    was given (``input_ids``, ``attention_mask``, ``token_type_ids``) that do not share the
+    first one's shape, when the error's message names one of the sizes that differ. From the
+    traceback's frames and shapes only. None otherwise.
+
+    Example:
+        >>> import torch
+        >>> class M(torch.nn.Module):
+        ...     def forward(self, input_ids, attention_mask):
+        ...         return input_ids * attention_mask
+        >>> try:
+        ...     M()(torch.ones(2, 8, dtype=torch.long), torch.ones(2, 6, dtype=torch.long))
+        ... except RuntimeError as e:
+        ...     print(batch_shape_advice(e)[:53])
+        input_ids is (2, 8) but attention_mask is (2, 6): the
+    """
+    import torch
+    from torch import nn
+
+    tb = exc.__traceback__
+    while tb is not None and not (
+        tb.tb_frame.f_code.co_name == "forward"
+        and isinstance(tb.tb_frame.f_locals.get("self"), nn.Module)
+    ):
+        tb = tb.tb_next  # the first module's own forward (not torch's call machinery)
+    if tb is None:
+        return None
+    frame = tb.tb_frame
+    code = frame.f_code
+    given = []
+    for name in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
+        t = frame.f_locals.get(name)
+        if (
+            name != "self"
+            and isinstance(t, torch.Tensor)
+            and t.dim() >= 2
+            and not t.is_floating_point()
+            and not t.is_complex()
+        ):
+            given.append((name, tuple(int(n) for n in t.shape)))
+    if len(given) < 2:
+        return None
+    (first, shape), rest = given[0], given[1:]
+    off = [(name, other) for name, other in rest if other != shape]
+    if not off:
+        return None
+    sizes = {n for _, other in off for n in (*other, *shape)} - (
+        {n for n in shape} & {n for _, other in off for n in other}
+    )
+    if not any(re.search(rf"\b{n}\b", str(exc)) for n in sizes):
+        return None
+    name, other = off[0]
+    return (
+        f"{first} is {_dims(shape)} but {name} is {_dims(other)}: the tensors of one "
+        "batch that go token by token (ids, attention mask, token types) must all have the "
+        "same (batch, length). Make them together: tokenizer(texts, padding=True, "
+        "truncation=True) returns them aligned; a collate_fn that pads or cuts one must do "
+        "the same to the others."
+    )
+
+
+def _sequence_length(frame: FrameType, torch: Any) -> tuple[int | None, str, str]:
+    """The longest sequence among the tensors ``frame``'s function was given, the argument
+    that holds it and what it counts: an integer tensor's last dimension (token ids, an
+    attention mask: ``(batch, length)``, ``"tokens"``), a 3-d floating tensor's middle one
+    (``inputs_embeds``: ``(batch, length, dim)``, ``"positions"``)."""
+    code = frame.f_code
+    nargs = code.co_argcount + code.co_kwonlyargcount
+    best: tuple[int | None, str, str] = (None, "", "")
+    for name in code.co_varnames[:nargs]:
+        t = frame.f_locals.get(name)
+        if name == "self" or not isinstance(t, torch.Tensor) or t.dim() < 1:
+            continue
+        if t.is_floating_point():
+            if t.dim() != 3:
+                continue
+            n, what = int(t.shape[-2]), "positions"
+        elif t.dtype is torch.bool or t.is_complex():
+            continue
+        else:
+            n, what = int(t.shape[-1]), "tokens"
+        if best[0] is None or n > best[0]:
+            best = (n, name, what)
+    return best
+
+
+def _position_tables(
+    module: Any, configs: list[Any], torch: Any, nn: Any
+) -> list[tuple[str, int, int, int | None]]:
+    """The position tables ``module`` holds itself: ``(name, rows, usable, padding_idx)``
+    for each child ``nn.Embedding`` and integer buffer (its last dimension) named for
+    positions or sized by a config setting for positions, the smallest usable first."""
+    found: list[tuple[str, int, int, int | None]] = []
+    for name, child in module.named_children():
+        if not isinstance(child, nn.Embedding) or child.num_embeddings < 1:
+            continue
+        rows = int(child.num_embeddings)
+        if not (_POSITION_NAME.search(name) or _config_setting(configs, rows)):
+            continue
+        pad = child.padding_idx
+        usable = rows - (pad + 1) if isinstance(pad, int) and 0 <= pad < rows - 1 else rows
+        found.append((name, rows, usable, pad if usable < rows else None))
+    for name, buf in module.named_buffers(recurse=False):
+        if not isinstance(buf, torch.Tensor) or buf.dim() < 1 or buf.is_floating_point():
+            continue
+        if buf.dtype is torch.bool or buf.is_complex():
+            continue
+        rows = int(buf.shape[-1])
+        if rows > 0 and _POSITION_NAME.search(name) and not any(r == rows for _, r, _, _ in found):
+            found.append((name.rpartition(".")[2], rows, rows, None))
+    return sorted(found, key=lambda t: t[2])
+
+
+def _config_setting(configs: list[Any], rows: int) -> str | None:
+    """The one setting for positions, among the configs of the running modules, whose value
+    is ``rows`` (``max_position_embeddings``, GPT-2's ``n_positions``); None for none or
+    several."""
+    keys = {
+        key
+        for config in configs
+        for key, value in getattr(config, "__dict__", {}).items()
+        if type(value) is int and value == rows and _POSITION_KEY.search(key)
+    }
+    return keys.pop() if len(keys) == 1 else None
 
 
 def _is_linalg_error(exc: BaseException) -> bool:
@@ -921,6 +1163,11 @@ def _optimizer_advice(cls: str, found: dict[str, Any]) -> str:
 
 def _shape(dims: Any) -> str:
     return "[" + ", ".join(str(d) for d in dims) + "]"
+
+
+def _dims(dims: Any) -> str:
+    """``(2, 8)``: a shape as torch prints a tensor's size."""
+    return "(" + ", ".join(str(d) for d in dims) + ")"
 
 
 def classify_signal(name: str) -> dict[str, Any]:

@@ -61,7 +61,8 @@ CHECKS: dict[str, tuple[str, str]] = {
     ),
     "NW507": (
         "Input and target shapes differ",
-        "A BCE-family loss got an input and a target of different shapes.",
+        "A BCE-family loss got an input and a target of different shapes (class indices, "
+        "one per row, for a multi-label loss: a classifier given float labels).",
     ),
     "NW508": (
         "Loss tensors on different devices",
@@ -89,7 +90,8 @@ CHECKS: dict[str, tuple[str, str]] = {
     "NW513": (
         "Index out of range",
         "Ids for an Embedding/EmbeddingBag (or F.one_hot values) outside [0, rows): a token "
-        "id equal to the vocabulary size, padding written as -1 or -100.",
+        "id equal to the vocabulary size, padding written as -1 or -100, a sequence longer "
+        "than the model's position table.",
     ),
     "NW514": (
         "Index has the wrong dtype",
