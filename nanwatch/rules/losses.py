@@ -20,6 +20,7 @@ from nanwatch.records import LOSS_PATH, Phase, Record, StepTrace
 from nanwatch.rules._evidence import (
     Activation,
     LossUse,
+    _call_name,
     _parsed,
     _statement_key,
     cause_of,
@@ -1688,6 +1689,205 @@ def _assigned_name(source: str | None) -> str | None:
     return None
 
 
+#: calls that draw a sample: a target made by one of them from the loss's own input is an
+#: action the model chose (a policy gradient), not a label
+_SAMPLERS = frozenset(
+    {"bernoulli", "multinomial", "sample", "rsample", "rand", "rand_like", "poisson"}
+)
+
+
+def _enclosing_code(source: str | None) -> tuple[ast.AST, int] | None:
+    """The parsed function around line ``source`` (the whole file when the line is in no
+    function), and the file line of the tree's line 1; None when it cannot be read."""
+    import linecache
+    import textwrap
+
+    path, _, num = (source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    lines = linecache.getlines(path)
+    at = int(num)
+    if not 0 < at <= len(lines) or len(lines) > 20_000:
+        return None
+    indent = len(lines[at - 1]) - len(lines[at - 1].lstrip())
+    for n in range(at - 1, 0, -1):
+        text = lines[n - 1]
+        own = len(text) - len(text.lstrip())
+        if not text.strip() or own >= indent:
+            continue
+        indent = own  # the block this line opens holds the loss line
+        if re.match(r"\s*(?:async\s+)?def\s", text):
+            end = next(
+                (
+                    k
+                    for k in range(at, len(lines))
+                    if lines[k].strip() and len(lines[k]) - len(lines[k].lstrip()) <= own
+                ),
+                len(lines),
+            )
+            try:
+                return ast.parse(textwrap.dedent("".join(lines[n - 1 : end]))), n
+            except (SyntaxError, ValueError, RecursionError):  # not Python, or too deep
+                return None
+    try:
+        return ast.parse("".join(lines)), 1
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+
+
+#: module names that hold functions, not values (``torch.rand``, ``F.sigmoid``)
+_MODULES = frozenset({"torch", "F", "nn", "np", "math", "D", "dist", "distributions"})
+
+
+def _loaded_names(node: ast.AST) -> set[str]:
+    """The names an expression reads, leaving out the functions it calls by name and the
+    modules it takes functions from."""
+    called = {id(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)}
+    return {
+        n.id
+        for n in ast.walk(node)
+        if isinstance(n, ast.Name)
+        and isinstance(n.ctx, ast.Load)
+        and id(n) not in called
+        and n.id not in _MODULES
+    }
+
+
+def _assignments(tree: ast.AST) -> dict[str, list[ast.expr]]:
+    """Every value each plain name is given in ``tree`` (``x, y = batch`` gives both the
+    whole ``batch``)."""
+    out: dict[str, list[ast.expr]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        for t in targets:
+            pairs: list[tuple[ast.expr, ast.expr]] = [(t, value)]
+            if (
+                isinstance(t, ast.Tuple)
+                and isinstance(value, ast.Tuple)
+                and len(t.elts) == len(value.elts)
+            ):
+                pairs = list(zip(t.elts, value.elts, strict=True))  # ``x, y = a, b``: each its own
+            for part, val in pairs:
+                for n in ast.walk(part):
+                    if isinstance(n, ast.Name):
+                        out.setdefault(n.id, []).append(val)
+    return out
+
+
+def _expanded(
+    node: ast.AST, defs: dict[str, list[ast.expr]], skip: set[str]
+) -> tuple[set[str], list[ast.expr]]:
+    """The names ``node`` reads, followed back through their assignments (not through
+    ``skip``), and every expression met on the way."""
+    names: set[str] = set()
+    seen: list[ast.expr] = [node] if isinstance(node, ast.expr) else []
+    todo = list(_loaded_names(node) - skip)
+    while todo and len(names) < 200:
+        name = todo.pop()
+        if name in names:
+            continue
+        names.add(name)
+        for value in defs.get(name, []):
+            seen.append(value)
+            todo.extend(_loaded_names(value) - skip - names)
+    return names, seen
+
+
+def _sign_by_design(note: Any) -> bool | None:
+    """Whether the user's code gives every term of one target value its sign by design:
+    the weight of the per-element loss is computed from the target (``alpha * y + (1 -
+    alpha) * (1 - y)``, ``1 - 2 * y``) and the target is a label, not an action the model
+    sampled from its own output (``torch.bernoulli(logits.sigmoid())``, ``dist.sample()``).
+    False for a signed weight the target does not make (an advantage, a detached value)
+    or a sampled target; None when the code cannot be read (the gradients alone speak)."""
+    parsed = _enclosing_code(note.source)
+    if parsed is None:
+        return None
+    tree, first = parsed
+    line = int(str(note.source).rpartition(":")[2]) - first + 1
+    stmt = next(
+        (
+            s
+            for s in ast.walk(tree)
+            if isinstance(s, ast.stmt)
+            and not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and s.lineno <= line <= (s.end_lineno or s.lineno)
+            and not any(isinstance(c, ast.stmt) and c is not s for c in ast.iter_child_nodes(s))
+        ),
+        None,
+    )
+    if stmt is None:
+        return None
+    data = dict(note.data)
+    data.pop("call", None)
+    call = loss_call_in(stmt, type(note)("loss_input", note.path, data))
+    if call is None:
+        # a loss module called by the user's own name (``crit(logits, y)``, whose forward
+        # made the functional call): the outermost call of two positional arguments
+        call = next(
+            (c for c in ast.walk(stmt) if isinstance(c, ast.Call) and len(c.args) >= 2), None
+        )
+    if call is None:
+        return None
+    kw = {k.arg: k.value for k in call.keywords if k.arg}
+    inp = kw.get("input", call.args[0] if call.args else None)
+    target = kw.get("target", call.args[1] if len(call.args) > 1 else None)
+    if inp is None or target is None:
+        return None
+    defs = _assignments(tree)
+    model_side = _expanded(inp, defs, set())[0]
+    for e in _expanded(target, defs, set())[1]:
+        for c in ast.walk(e):
+            if not isinstance(c, ast.Call) or _call_name(c) not in _SAMPLERS:
+                continue
+            drawn = c.func.value if isinstance(c.func, ast.Attribute) else None
+            parts = [*c.args, *(k.value for k in c.keywords), *([drawn] if drawn else [])]
+            if any(_expanded(a, defs, set())[0] & model_side for a in parts):
+                return False  # an action drawn from the model's own output is the target
+    # what weighs the terms: the rest of the loss line, else the next statement that reads
+    # the name the loss line gives them (``ce = F.bce(...)``, then ``(alpha_t * ce).mean()``)
+    owner = [t.id for t in getattr(stmt, "targets", []) if isinstance(t, ast.Name)]
+    skip = set(owner) | _loaded_names(inp)
+    own = {id(n) for n in ast.walk(call)}
+    reads = {
+        n.id
+        for n in ast.walk(stmt)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in own
+    }
+    weight_names, weight = _expanded(
+        ast.Tuple([ast.Name(r, ast.Load()) for r in reads], ast.Load()), defs, skip
+    )
+    users = [
+        s
+        for s in ast.walk(tree)
+        if isinstance(s, ast.stmt)
+        and s.lineno > line
+        and not any(isinstance(c, ast.stmt) for c in ast.iter_child_nodes(s))
+        and set(owner) & _loaded_names(s)
+    ]
+    weigh: ast.AST = stmt
+    if not weight_names and users:
+        weigh = min(users, key=lambda s: s.lineno)
+        weight_names, weight = _expanded(weigh, defs, skip)
+    if not weight_names:
+        return None  # no weight in sight: the caller weighs the terms
+    centred = any(
+        isinstance(b, ast.BinOp)
+        and isinstance(b.op, ast.Sub)
+        and any(isinstance(c, ast.Call) and _call_name(c) == "mean" for c in ast.walk(b.right))
+        for e in [weigh, *weight]
+        for b in ast.walk(e)
+    )
+    if centred:
+        return False  # less its batch mean: an advantage, signed by the returns, not the target
+    return bool(weight_names & _loaded_names(target))
+
+
 @rule(
     "NW210",
     title="Per-element loss maximized for one target value (a negative weight)",
@@ -1707,7 +1907,7 @@ def loss_target_maximized(ctx: RuleContext) -> Iterator[Diagnosis]:
         if (note.path, note.source) in done:
             continue
         run = _flipped_run(ctx, note)
-        if run is None:
+        if run is None or _sign_by_design(note) is False:
             continue
         done.add((note.path, note.source))
         steps, terms = run
