@@ -1052,10 +1052,12 @@ def test_an_adam_eps_that_is_zero_in_float16_weights_is_named() -> None:
     d = t.diagnoses[0]
     assert d.code == "NW301" and d.title == "Optimizer eps is 0 in the weights' dtype"
     tiny = torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps
-    assert f"Adam's eps=1e-08 is 0 in float16, whose smallest positive value is {tiny:.3g}" in (
+    assert f"Adam's eps=1e-8 is 0 in float16, whose smallest positive value is {tiny:.3g}" in (
         " ".join(d.evidence)
     )
-    assert "model = model.float()" in d.fix and "eps=1e-4" in d.fix
+    # the test's own lines: the model built without .half(), the optimizer with eps=1e-4
+    assert d.fix.startswith("model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))")
+    assert "torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-4)" in d.fix
 
 
 def test_float16_adam_with_an_eps_that_float16_holds_stays_silent() -> None:

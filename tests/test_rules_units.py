@@ -214,6 +214,35 @@ def case_update_below_rounding() -> Case:
     return Case(b.build(), facts={"weight_scales": {"fc.weight": (6.4, "norm", 4096)}})
 
 
+def case_saved_rstd_overflow() -> Case:
+    """A float16 LayerNorm with eps=1e-12 over an all-zero row: its forward saved 1 /
+    sqrt(0 + 1e-12) = 1e6, inf in float16, and its backward made NaN of it (NW108)."""
+    e = ev(
+        "aten.native_layer_norm",
+        "NaN",
+        [
+            ("input", counted(0.0, 2.0, zeros=8, numel=64)),
+            ("result2", counted(0.5, INF, posinf=1, numel=8)),
+        ],
+        dtype="float16",
+        phase=Phase.BACKWARD,
+        node="NativeLayerNormBackward0",
+        path="ln",
+    )
+    b = TraceBuilder(0)
+    net = b.call("Net", root=True)
+    x = b.input(net, stat(-1.0, 1.0), dtype="float16")
+    ln = b.call("ln", "LayerNorm", parent=net)
+    b.input(ln, source=x, dtype="float16")
+    out = b.forward(ln, stat(-1.0, 1.0), dtype="float16", grad_fn="NativeLayerNormBackward0")
+    b.backward(out, stat(-1.0, 1.0), dtype="float16")
+    b.backward(x, counted(NAN, NAN, nan=8), dtype="float16")
+    t = b.build()
+    assert t.anomaly is not None
+    t.anomaly.op = e
+    return Case(t)
+
+
 def case_log() -> Case:
     log = ev("aten.log.default", "-inf", [("self", counted(0.0, 1.0, zeros=3))])
     mul = ev(
@@ -754,6 +783,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW105": case_hidden_overflow,
     "NW106": case_huge_loss,
     "NW107": case_update_below_rounding,
+    "NW108": case_saved_rstd_overflow,
     "NW110": case_log,
     "NW111": case_div,
     "NW112": case_root,

@@ -205,7 +205,7 @@ def test_a_usual_weight_decay_past_its_limit_blames_the_absurd_lr(mode: str) -> 
     assert "weight_decay 0.01 is a usual value; the learning rate 1000 is not" in d.explanation
     assert "it was probably given where a learning rate" not in d.explanation
     assert "weight_decay=" not in d.fix  # the decay is not what to change
-    assert d.fix.startswith('optimizer.param_groups[0]["lr"] = 0.001   # was 1000 (AdamW')
+    assert d.fix.startswith('optimizer.param_groups[0]["lr"] = 1e-3   # was 1000 (AdamW')
     exec(_lr_lines(d.fix), {"optimizer": optimizer, "scheduler": scheduler})
     scheduler.step()
     g = optimizer.param_groups[0]

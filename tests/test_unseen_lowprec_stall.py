@@ -73,11 +73,14 @@ def test_pure_bfloat16_adamw_at_a_small_lr_is_told_once_with_the_rounding_number
     text = " | ".join(d.evidence)
     assert "finfo(bfloat16).eps = 0.007812" in text
     assert "typical |w| (RMS) = 0.1028" in text and "rounds back to w" in text
-    assert "about lr = 1e-05 per value" in text
+    assert "about lr = 1e-5 per value" in text
     assert "AdamW updates 2,372 values held in bfloat16, with no float32 copy" in text
     assert "every value with |w| >= 0.003906 loses its whole update: about 97%" in text
     assert d.parameter == "0.weight"
-    assert d.fix.startswith("model = model.float()")
+    # the test's own line that built the model, without its .to(dtype)
+    assert d.fix.startswith(
+        "model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))   # float32 weights"
+    )
     assert "torch.autocast(device_type='cpu', dtype=torch.bfloat16)" in d.fix
     assert "Kahan-summation" in d.fix and "stochastically" in d.fix
 
@@ -86,7 +89,7 @@ def test_pure_bfloat16_adamw_at_a_small_lr_is_told_once_with_the_rounding_number
 def test_pure_bfloat16_sgd_scales_the_update_by_the_gradient(mode: str) -> None:
     found, _ = _train(torch.bfloat16, lambda ps: torch.optim.SGD(ps, lr=1e-3), mode=mode)
     d = next(d for _, d in found if d.code == "NW107")
-    assert "SGD's update: lr × |grad| = 0.001 ×" in " | ".join(d.evidence)
+    assert "SGD's update: lr × |grad| = 1e-3 ×" in " | ".join(d.evidence)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -70,7 +70,7 @@ def test_a_nan_in_a_resumed_adam_state_is_not_blamed_on_the_learning_rate() -> N
     assert d.parameter == "fc1.weight"
     # the watcher read Adam's state of the bad weight: the key is named
     assert d.title == "Non-finite optimizer state"
-    assert "Adam's state for fc1.weight holds NaN/inf: exp_avg_sq (lr 0.001 is finite)" in (
+    assert "Adam's state for fc1.weight holds NaN/inf: exp_avg_sq (lr 1e-3 is finite)" in (
         d.evidence
     )
     assert "Lowering the learning rate or clipping the gradients does not remove it" in (
@@ -108,14 +108,14 @@ def test_an_optimizer_state_fact_names_the_bad_state_key() -> None:
     t.notes[:] = [n for n in t.notes if n.kind != "optimizer_state"]  # the watcher's own
     d = next(d for d in diagnose(t, history) if d.code == "NW301")
     assert d.title == "Non-finite weights after an optimizer step"
-    assert "updated at step 0 by Adam (lr 0.001, param group 0)" in d.evidence
+    assert "updated at step 0 by Adam (lr 1e-3, param group 0)" in d.evidence
     assert "the learning rate is not too high and clipping will not help" in d.explanation
     t.notes.append(
         Note("optimizer_state", "Adam", {"optimizer_state_bad": [["fc1.weight", "exp_avg_sq"]]})
     )
     d = next(d for d in diagnose(t, history) if d.code == "NW301")
     assert d.title == "Non-finite optimizer state"
-    assert "Adam's state for fc1.weight holds NaN/inf: exp_avg_sq (lr 0.001 is finite)" in (
+    assert "Adam's state for fc1.weight holds NaN/inf: exp_avg_sq (lr 1e-3 is finite)" in (
         d.evidence
     )
     assert "Lowering the learning rate or clipping the gradients does not remove it" in (
@@ -146,7 +146,7 @@ def test_float16_adam_with_a_huge_lr_is_told_clipping_does_not_bound_its_step() 
     assert "At lr 30000 a weight reaches float16's largest value 65504 in about 2.183 steps" in (
         d.explanation
     )
-    assert d.fix.splitlines()[0] == ('opt.param_groups[0]["lr"] = 0.001   # was 30000 (Adam)')
+    assert d.fix.splitlines()[0] == ('opt.param_groups[0]["lr"] = 1e-3   # was 30000 (Adam)')
     assert "clip_grad_norm_" not in d.fix and "torch.optim." not in d.fix
 
 
@@ -166,7 +166,7 @@ def test_centered_rmsprop_nan_names_the_square_root_not_the_lr() -> None:
             if nw.history[-1].anomaly is not None:
                 break
     _, d = _nw301(nw)
-    assert any(e.endswith("by RMSprop (lr 0.001, param group 0)") for e in d.evidence)
+    assert any(e.endswith("by RMSprop (lr 1e-3, param group 0)") for e in d.evidence)
     assert "RMSprop(centered=True) takes sqrt(square_avg - grad_avg²)" in d.explanation
     assert "far too high" not in d.explanation
     first = d.fix.splitlines()[0]
@@ -205,7 +205,7 @@ def test_lbfgs_that_overflows_float16_weights_gets_a_line_search() -> None:
     assert d.fix.splitlines()[:2] == [
         'opt.param_groups[0]["line_search_fn"] = "strong_wolfe"   # a line search picks '
         "each step's length",
-        'opt.param_groups[0]["lr"] = 1   # was 1e+30 (LBFGS)',
+        'opt.param_groups[0]["lr"] = 1   # was 1e30 (LBFGS)',
     ]
     assert "SGD" not in d.fix and "clip_grad_norm_" not in d.fix
 

@@ -124,7 +124,7 @@ def test_the_lr_fix_of_several_groups_names_the_group_holding_the_weights_that_g
     assert "SGD lr 10 in param group 1, which holds fc2's weights" in text(d)
     assert d.fix.splitlines()[0] == (
         'optimizer.param_groups[1]["lr"] = 1   # was 10 (SGD): the group holding fc2\'s '
-        "weights; leave the others (0: 0.001)"
+        "weights; leave the others (0: 1e-3)"
     )
     opt = torch.optim.SGD(
         [{"params": [nn.Parameter(torch.ones(1))], "lr": lr} for lr in (1e-3, 10.0)]
@@ -438,7 +438,7 @@ def test_without_the_groups_parameter_names_the_fix_prints_them_instead_of_divid
     )
     lines = d.fix.splitlines()
     assert lines[0] == (
-        "# SGD's param groups have lr 0.001, 10: lower the lr of the group holding fc2's "
+        "# SGD's param groups have lr 1e-3, 10: lower the lr of the group holding fc2's "
         "weights, not all of them; which group holds which weights:"
     )
     assert "/= 10" not in d.fix

@@ -132,7 +132,7 @@ def test_an_update_earlier_in_the_step_is_named_when_an_evaluation_finds_its_nan
     assert a is not None and a.step == 0 and a.parameter == "0.weight"
     (d,) = [d for d in info.value.diagnoses if d.code == "NW301"]
     assert "eps is 0" in d.title
-    assert 'g["eps"] = 1e-08' in (d.fix or "")
+    assert 'g["eps"] = 1e-8' in (d.fix or "")
 
 
 @pytest.mark.parametrize("evaluate", [False, True])

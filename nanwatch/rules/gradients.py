@@ -1615,7 +1615,7 @@ def _lr_line(u: _Update, lr: float) -> str:
         new = 1e-3  # Adam-family steps are about lr per weight: 1e-5 to 1e-2 is usual
     else:
         new = lr / 10
-    return f'optimizer.param_groups[{gi}]["lr"] = {fmt(new)}   # was {fmt(lr)} ({u.optimizer})'
+    return f'optimizer.param_groups[{gi}]["lr"] = {hyper(new)}   # was {hyper(lr)} ({u.optimizer})'
 
 
 def _master_weights_line(dtype: str, device: str) -> str:
@@ -1646,7 +1646,8 @@ def _plain_update(
     overflow = s is None or s.has_posinf or s.has_neginf
     who = "the optimizer step"
     if u is not None:
-        who = f"{u.optimizer} (lr {fmt(lr) if lr is not None else '?'}, param group {_group_of(u)})"
+        rate = hyper(lr) if lr is not None else "?"
+        who = f"{u.optimizer} (lr {rate}, param group {_group_of(u)})"
         evidence.append(f"updated at step {u.step} by {who}")
     grad = f" (norm {fmt(gnorm)})" if gnorm is not None else ""
     master = ("\n" + _master_weights_line(rec.dtype, rec.device)) if low else ""
@@ -1713,7 +1714,7 @@ def _plain_update(
             )
     if u is not None and _normalized(u.optimizer):
         reach = (
-            f" At lr {fmt(lr)} a weight reaches {rec.dtype}'s largest value {fmt(lim.max)} "
+            f" At lr {hyper(lr)} a weight reaches {rec.dtype}'s largest value {fmt(lim.max)} "
             f"in about {fmt(lim.max / lr)} steps."
             if lim is not None and lr
             else ""
@@ -1736,7 +1737,7 @@ def _plain_update(
         else 'for g in optimizer.param_groups: g["lr"] /= 10   # a learning rate 10 times lower'
     )
     size = (
-        f" Each update is lr × gradient: {fmt(lr)} × {fmt(gnorm)} = {fmt(lr * gnorm)} here."
+        f" Each update is lr × gradient: {hyper(lr)} × {fmt(gnorm)} = {fmt(lr * gnorm)} here."
         if lr is not None and gnorm is not None
         else ""
     )
@@ -1903,7 +1904,7 @@ def _bad_state_diagnosis(
         evidence=[
             *evidence,
             f"{opt}'s state for {name} holds NaN/inf: {', '.join(keys)}"
-            + (f" (lr {fmt(lr)} is finite)" if lr is not None else ""),
+            + (f" (lr {hyper(lr)} is finite)" if lr is not None else ""),
         ],
         explanation=(
             f"{opt} computes each update of {name} from its running state "
@@ -2918,6 +2919,34 @@ def _lr_divisions() -> list[_LrDivision]:
     return out
 
 
+def hyper(x: float) -> str:
+    """A hyperparameter (an lr, an eps) as code writes it: short, exact to 4 digits, in
+    ``1e-3`` style below 0.01 and from a million up; every message writes an lr with it
+    (one style, NW101's and NW306's alike).
+
+    >>> hyper(0.001), hyper(3e-4), hyper(2.5e-5), hyper(0.1), hyper(0.336), hyper(30.0)
+    ('1e-3', '3e-4', '2.5e-5', '0.1', '0.336', '30')
+    >>> hyper(30000.0), hyper(1e30), hyper(0.0001234567), hyper(float("nan"))
+    ('30000', '1e30', '1.235e-4', 'NaN')
+    """
+    if not math.isfinite(x) or x == 0:
+        return fmt(x)
+    if 1e-2 <= abs(x) < 1e4:
+        return f"{x:.4g}"
+    if 1e4 <= abs(x) < 1e6:
+        return str(round(x))
+    mantissa, _, exp = f"{x:.3e}".partition("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exp)}"
+
+
+def eps_for(dtype: str) -> float:
+    """An Adam eps that ``dtype`` holds as a normal number: the smallest power of 10 at
+    or above ``finfo(dtype).tiny`` (1e-4 in float16, whose smallest normal is 6.1e-5)."""
+    tiny = torch.finfo(getattr(torch, dtype)).tiny
+    return 10.0 ** math.ceil(math.log10(tiny))
+
+
 def _update_itself(
     ctx: RuleContext, a: Anomaly, u: _Update, *, name: str, evidence: list[str]
 ) -> Diagnosis | None:
@@ -2929,7 +2958,7 @@ def _update_itself(
     if bad_lr is not None:
         evidence = [
             *evidence,
-            f"{u.optimizer}'s learning rate was {fmt(bad_lr)} at the update of step {u.step}"
+            f"{u.optimizer}'s learning rate was {hyper(bad_lr)} at the update of step {u.step}"
             + (f" (param group {u.group['group']})" if u.group.get("group") else ""),
         ]
         check = (
@@ -2973,7 +3002,7 @@ def _update_itself(
             evidence=evidence,
             explanation=(
                 f"The optimizer multiplied the gradient of {name} by a learning rate of "
-                f"{fmt(bad_lr)}: every weight it touched became non-finite at once, whatever "
+                f"{hyper(bad_lr)}: every weight it touched became non-finite at once, whatever "
                 "the gradients were. Learning-rate schedules written by hand produce it: a "
                 "warmup of 0 steps divides 0 by 0, so does a decay phase of 0 steps (total "
                 "steps equal to the warmup's) in (step - warmup) / (total - warmup), a "
@@ -3000,23 +3029,43 @@ def _update_itself(
         title="Optimizer eps is 0 in the weights' dtype",
         evidence=[
             *evidence,
-            f"{u.optimizer}'s eps={fmt(zero[0])} is 0 in {dtype}, whose smallest positive "
+            f"{u.optimizer}'s eps={hyper(zero[0])} is 0 in {dtype}, whose smallest positive "
             f"value is {fmt(tiny)} (update of step {u.step})",
         ],
         explanation=(
             f"{u.optimizer} divides by sqrt(v) + eps, and with {dtype} weights it computes "
-            f"in {dtype}: eps={fmt(zero[0])} rounds to 0 there, so a weight whose gradient "
+            f"in {dtype}: eps={hyper(zero[0])} rounds to 0 there, so a weight whose gradient "
             "history is 0 (or underflowed to 0) gets 0 / 0 = NaN, and a tiny one gets an "
             "enormous step. Low-precision training keeps float32 master weights for exactly "
-            "this; the optimizer then runs in float32."
+            "this; the optimizer then runs in float32. Keeping the weights in "
+            f"{dtype} needs an eps it holds as a normal number: at least "
+            f"{fmt(lim.tiny)} (torch.finfo(torch.{dtype}).tiny), {hyper(eps_for(dtype))} "
+            "as a power of 10."
         ),
-        fix=(
-            "model = model.float()   # float32 weights; low precision in the forward only:\n"
-            f"with torch.autocast(device_type={device_type(None, a.record.device)}, "
-            f"dtype=torch.{dtype}):\n"
-            "    loss = criterion(model(x), y)\n"
-            f"# or, keeping {dtype} weights: {u.optimizer}(params, eps=1e-4)"
+        fix=_half_fix(ctx, u, dtype, a.record.device),
+    )
+
+
+def _half_fix(ctx: RuleContext, u: _Update, dtype: str, device: str) -> str:
+    """NW301's fix for an optimizer whose eps is 0 in the weights' dtype, written on the
+    user's own lines where their running code shows them: the cast of the model undone,
+    the forward under autocast (a GradScaler for float16), or the optimizer's construction
+    with an eps that the dtype holds."""
+    from nanwatch.rules import overflow as ov  # overflow imports this module
+
+    ident = next(
+        (
+            n.data.get("ident")
+            for t in (ctx.trace, *reversed(ctx.history[-1:]))
+            for n in reversed(t.notes)
+            if n.kind == "optimizer" and n.path == u.optimizer
         ),
+        None,
+    )
+    eps = eps_for(dtype)
+    lines = ov.half_lines(dtype, optimizer=u.optimizer, ident=ident, eps=hyper(eps))
+    return ov.half_weights_fix(
+        dtype, device_type(None, device), lines, optimizer=u.optimizer, eps=eps
     )
 
 
@@ -3059,7 +3108,7 @@ def _zero_eps(
         ),
         fix=(
             "for g in optimizer.param_groups:\n"
-            f'    g["eps"] = {fmt(new)}   # was 0 ({u.optimizer}); {name} already holds NaN:\n'
+            f'    g["eps"] = {hyper(new)}   # was 0 ({u.optimizer}); {name} already holds NaN:\n'
             "# restart from a checkpoint saved before it (or re-initialize it)"
         ),
     )
@@ -6850,7 +6899,7 @@ def diverging_decay(ctx: RuleContext) -> Iterator[Diagnosis]:
     elif isinstance(n_params := g.get("params"), int):
         held = f" ({count(n_params, 'weight')})"
     evidence = [
-        f"{optimizer} param group {gi}{held}: lr {fmt(lr)} × weight_decay {fmt(wd)} = "
+        f"{optimizer} param group {gi}{held}: lr {hyper(lr)} × weight_decay {fmt(wd)} = "
         f"{fmt(lr * wd)}, past {fmt(limit)}, the largest value for which its update stays "
         "bounded",
         f"{optimizer} {how}: each step multiplies the weights by up to {fmt(growth)} in size "
@@ -6874,13 +6923,13 @@ def diverging_decay(ctx: RuleContext) -> Iterator[Diagnosis]:
             severity="error",
             evidence=evidence,
             explanation=explanation
-            + f" weight_decay {fmt(wd)} is a usual value; the learning rate {fmt(lr)} is "
+            + f" weight_decay {fmt(wd)} is a usual value; the learning rate {hyper(lr)} is "
             "not"
             + (" (Adam-like optimizers: 1e-5 to 1e-2)" if _normalized(optimizer) else "")
             + ": even without the decay, a step that large throws the weights far from "
             "anything learned.",
             fix=(
-                f'optimizer.param_groups[{gi}]["lr"] = {fmt(new)}   # was {fmt(lr)} '
+                f'optimizer.param_groups[{gi}]["lr"] = {hyper(new)}   # was {hyper(lr)} '
                 f"({optimizer}, weight_decay {fmt(wd)}): lr × weight_decay must stay well "
                 f"below {fmt(limit)}"
             ),
@@ -6894,7 +6943,7 @@ def diverging_decay(ctx: RuleContext) -> Iterator[Diagnosis]:
         "rate or a decay factor was meant.",
         fix=(
             f"optimizer.param_groups[{gi}].update(weight_decay={fmt(min(good, 0.01))})   "
-            f"# was {fmt(wd)} ({optimizer}, lr {fmt(lr)})\n"
+            f"# was {fmt(wd)} ({optimizer}, lr {hyper(lr)})\n"
             f"# keep lr * weight_decay well below {fmt(limit)} (typical: 1e-5 to 1e-3)"
         ),
     )

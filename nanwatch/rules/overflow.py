@@ -18,6 +18,7 @@ import re
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,6 +80,7 @@ from nanwatch.rules.gradients import (
     _normalized,
     _numbers,
     _user_scope,
+    hyper,
     unreset_grads,
 )
 from nanwatch.stats import DtypeLimits
@@ -2293,7 +2295,7 @@ def _closure_moved(ctx: RuleContext) -> tuple[str, int, float | None] | None:
 
 def _closure_words(moved: tuple[str, int, float | None]) -> str:
     opt, n, lr = moved
-    lr_s = f", lr {fmt(lr)}" if lr is not None else ""
+    lr_s = f", lr {hyper(lr)}" if lr is not None else ""
     return (
         f"inside {opt}.step(){lr_s}: its closure had already run {n} backward "
         f"pass{'' if n == 1 else 'es'} in this step, and {opt}'s own iterations moved the "
@@ -2312,7 +2314,7 @@ def _closure_fix(moved: tuple[str, int, float | None]) -> list[str]:
         )
     if lr is not None:
         lines.append(
-            f'for g in optimizer.param_groups: g["lr"] = {_lower(lr)}   # was {fmt(lr)} ({opt})'
+            f'for g in optimizer.param_groups: g["lr"] = {_lower(lr)}   # was {hyper(lr)} ({opt})'
         )
     return lines
 
@@ -3830,7 +3832,7 @@ def _lr_rise(steps: Sequence[_LrStep]) -> tuple[_LrStep, _LrStep] | None:
 
 def _lower(lr: float) -> str:
     """A learning rate to try instead of ``lr``."""
-    return "1e-3" if lr >= _ABSURD_LR else fmt(lr / 10)
+    return "1e-3" if lr >= _ABSURD_LR else hyper(lr / 10)
 
 
 def _lr_fix(ctx: RuleContext, path: str | None = None) -> list[str]:
@@ -3853,21 +3855,21 @@ def _lr_fix(ctx: RuleContext, path: str | None = None) -> list[str]:
     if rise is not None:
         first, _ = rise
         return [
-            f"# {last.optimizer}'s lr rose from {fmt(max(first.lrs))} at step {first.step} to "
-            f"{fmt(lr)} at step {last.step}: a scheduler raised it (a warmup, OneCycleLR),",
+            f"# {last.optimizer}'s lr rose from {hyper(max(first.lrs))} at step {first.step} to "
+            f"{hyper(lr)} at step {last.step}: a scheduler raised it (a warmup, OneCycleLR),",
             f"# and the values exploded on the way up: lower the schedule's peak (OneCycleLR's "
-            f"max_lr, the warmup's target) to {fmt(lr / 10)} or less",
+            f"max_lr, the warmup's target) to {hyper(lr / 10)} or less",
         ]
     if len(set(last.lrs)) > 1:
-        was = ", ".join(fmt(x) for x in last.lrs)
+        was = ", ".join(hyper(x) for x in last.lrs)
         group = _group_of(ctx, path) if path else None
         if group is not None and group in last.groups:
             mine = last.lrs[last.groups.index(group)]
             others = ", ".join(
-                f"{g}: {fmt(x)}" for g, x in zip(last.groups, last.lrs, strict=True) if g != group
+                f"{g}: {hyper(x)}" for g, x in zip(last.groups, last.lrs, strict=True) if g != group
             )
             return [
-                f'optimizer.param_groups[{group}]["lr"] = {_lower(mine)}   # was {fmt(mine)} '
+                f'optimizer.param_groups[{group}]["lr"] = {_lower(mine)}   # was {hyper(mine)} '
                 f"({last.optimizer}): the group holding {path}'s weights; leave the others "
                 f"({others})"
             ]
@@ -3880,16 +3882,16 @@ def _lr_fix(ctx: RuleContext, path: str | None = None) -> list[str]:
         ]
     if lr >= _ABSURD_LR:
         return [
-            f'for g in optimizer.param_groups: g["lr"] = 1e-3   # was {fmt(lr)} '
+            f'for g in optimizer.param_groups: g["lr"] = 1e-3   # was {hyper(lr)} '
             f"({last.optimizer}): far above any usable learning rate"
         ]
     if _normalized(last.optimizer) and lr > 1e-2:  # Adam's steps are about lr per weight
         return [
-            f'for g in optimizer.param_groups: g["lr"] = 1e-3   # was {fmt(lr)} '
+            f'for g in optimizer.param_groups: g["lr"] = 1e-3   # was {hyper(lr)} '
             f"({last.optimizer}: 1e-5 to 1e-2 is usual)"
         ]
     return [
-        f'for g in optimizer.param_groups: g["lr"] = {fmt(lr / 10)}   # was {fmt(lr)} '
+        f'for g in optimizer.param_groups: g["lr"] = {hyper(lr / 10)}   # was {hyper(lr)} '
         f"({last.optimizer})"
     ]
 
@@ -3910,11 +3912,11 @@ def _lr_note(ctx: RuleContext, path: str | None = None) -> str:
     last = steps[-1]
     group = _group_of(ctx, path) if path and len(set(last.lrs)) > 1 else None
     if group is not None and group in last.groups:
-        mine = fmt(last.lrs[last.groups.index(group)])
+        mine = hyper(last.lrs[last.groups.index(group)])
         return f" ({last.optimizer} lr {mine} in param group {group}, which holds {path}'s weights)"
-    lr = ", ".join(fmt(x) for x in dict.fromkeys(last.lrs))
+    lr = ", ".join(hyper(x) for x in dict.fromkeys(last.lrs))
     rise = _lr_rise(steps)
-    up = f", up from {fmt(max(rise[0].lrs))} at step {rise[0].step}" if rise else ""
+    up = f", up from {hyper(max(rise[0].lrs))} at step {rise[0].step}" if rise else ""
     return f" ({last.optimizer} lr {lr}{up})"
 
 
@@ -4082,7 +4084,7 @@ def _exp_holder(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> str | None:
         )
     opt, group, lr = held
     return (
-        f"{how}, which drifted during training ({opt} lr {fmt(lr)} in param group {group}, "
+        f"{how}, which drifted during training ({opt} lr {hyper(lr)} in param group {group}, "
         "which holds it)"
     )
 
@@ -4149,7 +4151,7 @@ def _arg_jump(ctx: RuleContext, ev: OpEvent, lim: DtypeLimits) -> _ArgJump | Non
     if not (before < bound / 2 < bound < now and now - before > bound):
         return None
     held = group_holding((*ctx.history, ctx.trace), qual)
-    lr = f" ({held[0]} lr {fmt(held[2])})" if held is not None else ""
+    lr = f" ({held[0]} lr {hyper(held[2])})" if held is not None else ""
     return _ArgJump(qual, before, now, prev.step, ctx.step, lr)
 
 
@@ -7881,10 +7883,10 @@ def _lost_update_diagnosis(ctx: RuleContext, found: _Lost) -> Diagnosis:
     assert lim is not None
     step = lim.eps * 2.0 ** math.floor(math.log2(big.rms))
     per = (
-        f"about lr = {fmt(found.lr)} per value ({found.optimizer} divides each gradient by "
+        f"about lr = {hyper(found.lr)} per value ({found.optimizer} divides each gradient by "
         "its running size)"
         if found.normalized
-        else f"lr × |grad| = {fmt(found.lr)} × {fmt(big.update / found.lr)} = "
+        else f"lr × |grad| = {hyper(found.lr)} × {fmt(big.update / found.lr)} = "
         f"{fmt(big.update)} per value of {big.name} (RMS)"
     )
     values = found.values
@@ -7913,11 +7915,14 @@ def _lost_update_diagnosis(ctx: RuleContext, found: _Lost) -> Diagnosis:
             "the lr past the rounding step changes the training instead of fixing it."
         ),
         fix=(
-            "model = model.float()   # float32 master weights: before the optimizer is built\n"
-            f"with torch.autocast(device_type={device_type(None, _first_device(ctx))}, "
-            f"dtype=torch.{big.dtype}):\n"
-            "    loss = criterion(model(x), y)\n"
-            f"# or keep {big.dtype} weights with an optimizer that carries a Kahan-summation "
+            half_weights_fix(
+                big.dtype,
+                device_type(None, _first_device(ctx)),
+                half_lines(big.dtype, optimizer=None, ident=None, eps=None),
+                optimizer=found.optimizer,
+                eps=None,
+            )
+            + f"\n# or keep {big.dtype} weights with an optimizer that carries a Kahan-summation "
             "compensation buffer"
             + (" or rounds stochastically" if big.dtype == "bfloat16" else "")
             + " (what the rounding drops is added back)"
@@ -7927,3 +7932,419 @@ def _lost_update_diagnosis(ctx: RuleContext, found: _Lost) -> Diagnosis:
 
 def _first_device(ctx: RuleContext) -> str | None:
     return next((r.device for r in ctx.trace.records if r.device), None)
+
+
+# ------------------------------------------------ float16 / bfloat16 weights: the user's lines
+
+
+@dataclass(frozen=True)
+class _Lines:
+    """The user's lines a fix for low-precision weights rewrites (each None when unseen):
+    the cast of the model (``model.half()``) and its float32 version, the statements from
+    the forward to the loss, the loss's name, the optimizer's name and its construction."""
+
+    cast: tuple[str, str | None] | None = None  #: (the line, the line without the cast)
+    forward: tuple[str, ...] = ()
+    loss: str | None = None
+    optimizer: str | None = None
+    built: str | None = None  #: the optimizer's construction statement
+    built_eps: str | None = None  #: that statement with ``eps=`` set for the dtype
+
+
+_CAST_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def _dtype_named(node: ast.expr, frame: Any = None) -> str | None:
+    """``torch.float16`` / ``torch.half`` / ``torch.bfloat16`` -> the dtype's name; a name
+    that holds a dtype in ``frame`` (``.to(dtype)``) too."""
+    if isinstance(node, ast.Name) and frame is not None:
+        value = _value_in(frame, node.id)
+        return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else None
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "torch"
+    ):
+        return _CAST_DTYPES.get(node.attr)
+    return None
+
+
+def _cast_of(call: ast.Call, dtype: str, frame: Any = None) -> ast.Call | None:
+    """The call itself when it casts its receiver to ``dtype`` (``.half()``,
+    ``.bfloat16()``, ``.to(torch.float16)``, ``.to(device, dtype=torch.half)``)."""
+    f = call.func
+    if not isinstance(f, ast.Attribute):
+        return None
+    if f.attr in ("half", "bfloat16") and not call.args and not call.keywords:
+        return call if _CAST_DTYPES[f.attr] == dtype else None
+    if f.attr in ("to", "type"):
+        named = [_dtype_named(a, frame) for a in call.args] + [
+            _dtype_named(k.value, frame) for k in call.keywords if k.arg == "dtype"
+        ]
+        return call if dtype in named else None
+    return None
+
+
+def _uncast(call: ast.Call, dtype: str, frame: Any = None) -> ast.expr:
+    """The call without its cast: ``net.half()`` -> ``net``, ``net.to(device,
+    torch.half)`` -> ``net.to(device)``."""
+    f = call.func
+    assert isinstance(f, ast.Attribute)
+    if f.attr in ("half", "bfloat16"):
+        return f.value
+    args = [a for a in call.args if _dtype_named(a, frame) != dtype]
+    keywords = [k for k in call.keywords if not (k.arg == "dtype" and _dtype_named(k.value, frame))]
+    if not args and not keywords:
+        return f.value
+    return ast.Call(func=f, args=args, keywords=keywords)
+
+
+def _user_files() -> list[tuple[Any, str, ast.Module]]:
+    """The running user frames, innermost first, each with its file's text and tree (one
+    parse a file); [] when no user frame is on the stack (a report read later)."""
+    import linecache
+    import sys
+
+    from nanwatch import _frames
+
+    out: list[tuple[Any, str, ast.Module]] = []
+    parsed: dict[str, tuple[str, ast.Module] | None] = {}
+    f = _frames.user_frame(sys._getframe(1))
+    while f is not None and len(out) < 16:
+        path = f.f_code.co_filename
+        if path not in parsed:
+            text = "".join(linecache.getlines(path))
+            try:
+                parsed[path] = (text, ast.parse(text)) if text else None
+            except (SyntaxError, ValueError):
+                parsed[path] = None
+        got = parsed[path]
+        if got is not None:
+            out.append((f, *got))
+        f = _frames.user_frame(f.f_back)
+    return out
+
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+
+
+def _scope_of(frame: Any, tree: ast.Module) -> ast.AST | None:
+    """The function (or the module) whose code ``frame`` runs."""
+    code = frame.f_code
+    if code.co_name == "<module>":
+        return tree
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if first == code.co_firstlineno:
+                return node
+    return None
+
+
+def _own_nodes(scope: ast.AST | None) -> Iterator[ast.AST]:
+    """The nodes of ``scope``'s own code, not those of the functions and classes it
+    defines (another test's ``model.half()`` in the same file is not this one)."""
+    if scope is None:
+        return
+    todo = list(ast.iter_child_nodes(scope))[::-1]
+    while todo:  # in source order
+        node = todo.pop()
+        if isinstance(node, _DEFS):
+            continue
+        yield node
+        todo.extend(list(ast.iter_child_nodes(node))[::-1])
+
+
+def _value_in(frame: Any, name: str) -> object:
+    local = frame.f_locals
+    return local[name] if name in local else frame.f_globals.get(name)
+
+
+def _resolve(frame: Any, node: ast.expr) -> object:
+    """The object a name or a chain of attributes (``self.net``) holds in ``frame``."""
+    if isinstance(node, ast.Name):
+        return _value_in(frame, node.id)
+    if isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Name, ast.Attribute)):
+        try:
+            return getattr(_resolve(frame, node.value), node.attr, None)
+        except Exception:  # a property that raises
+            return None
+    return None
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _source(text: str, node: ast.AST) -> str:
+    """A statement's own text, its continuation lines dedented with it."""
+    import textwrap
+
+    seg = ast.get_source_segment(text, node, padded=True) or ast.unparse(node)
+    return textwrap.dedent(seg).strip()
+
+
+def _set_eps(text: str, call: ast.Call, stmt: ast.stmt, eps: str) -> str | None:
+    """The statement holding ``call`` with the call's ``eps=`` set to ``eps``."""
+    own = _source(text, stmt)
+    lines = text.splitlines()
+    if stmt.end_lineno is None or call.end_lineno is None or call.end_col_offset is None:
+        return None
+    if stmt.lineno != stmt.end_lineno:  # several lines: the rewrite is ast's
+        new = ast.parse(own).body[0]
+        for c in ast.walk(new):
+            if isinstance(c, ast.Call) and ast.unparse(c) == ast.unparse(call):
+                c.keywords = [k for k in c.keywords if k.arg != "eps"]
+                c.keywords.append(ast.keyword(arg="eps", value=ast.Constant(float(eps))))
+                return ast.unparse(new).replace(f"eps={float(eps)!r}", f"eps={eps}")
+        return None
+    row = lines[stmt.lineno - 1]
+    old = next((k for k in call.keywords if k.arg == "eps"), None)
+    if old is not None and old.value.end_col_offset is not None:
+        row = row[: old.value.col_offset] + eps + row[old.value.end_col_offset :]
+    else:
+        at = call.end_col_offset - 1  # the call's closing parenthesis
+        before = row[:at].rstrip()
+        sep = "" if before.endswith(("(", ",")) else ", "
+        sep = " " if before.endswith(",") else sep
+        row = before + sep + f"eps={eps}" + row[at:]
+    return row.strip()
+
+
+def _loss_statements(
+    block: list[ast.stmt], at: int, loss: ast.expr, frame: Any, text: str
+) -> tuple[str, ...]:
+    """The statements before ``block[at]`` that compute ``loss`` (a name, or the
+    expression ``backward()`` is called on: then ``loss = <it>`` ends them), from the
+    first that calls a module (the forward) on: what autocast must hold."""
+    from torch import nn
+
+    def calls_module(node: ast.AST) -> bool:  # model(x), self.net(x): not model.parameters()
+        return any(
+            isinstance(c, ast.Call) and isinstance(_resolve(frame, c.func), nn.Module)
+            for c in ast.walk(node)
+        )
+
+    need = {n.id for n in ast.walk(loss) if isinstance(n, ast.Name)}
+    found: list[tuple[ast.AST, str]] = []
+    if not isinstance(loss, ast.Name):
+        seg = ast.get_source_segment(text, loss)
+        if seg is None or "\n" in seg:
+            return ()
+        found.append((loss, f"loss = {seg}"))
+    for st in reversed(block[:at]):
+        if not isinstance(st, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            break
+        targets = st.targets if isinstance(st, ast.Assign) else [st.target]
+        made = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+        if not made & need or st.value is None:
+            continue
+        found.append((st, _source(text, st)))
+        need |= {n.id for n in ast.walk(st.value) if isinstance(n, ast.Name)}
+    found.reverse()
+    first = next((i for i, (node, _) in enumerate(found) if calls_module(node)), None)
+    if first is None:
+        return ()
+    return tuple(code for _, code in found[first:])
+
+
+def half_lines(dtype: str, *, optimizer: str | None, ident: object, eps: str | None) -> _Lines:
+    """What the user's running code says about weights kept in ``dtype``: see
+    :class:`_Lines`. ``optimizer``: the optimizer's class name (``AdamW``), ``ident`` the
+    ``id()`` the watcher noted for it; ``eps``: the eps to write into its construction.
+    Nothing (the generic lines stand) when the source cannot be read or understood."""
+    try:
+        return _half_lines(dtype, optimizer=optimizer, ident=ident, eps=eps)
+    except Exception:  # source that ast or a frame's values do not give as expected
+        return _Lines()
+
+
+def _half_lines(dtype: str, *, optimizer: str | None, ident: object, eps: str | None) -> _Lines:
+    from torch import nn
+
+    cast: tuple[str, str | None] | None = None
+    forward: tuple[str, ...] = ()
+    loss: str | None = None
+    opt_name: str | None = None
+    built: str | None = None
+    built_eps: str | None = None
+    for frame, text, tree in _user_files():
+        parents: dict[int, ast.AST] = {}
+        for node in ast.walk(tree):
+            for child in ast.iter_child_nodes(node):
+                parents[id(child)] = node
+
+        def stmt_of(node: ast.AST, parents: dict[int, ast.AST] = parents) -> ast.stmt | None:
+            n: ast.AST | None = node
+            while n is not None and not isinstance(n, ast.stmt):
+                n = parents.get(id(n))
+            return n if isinstance(n, ast.stmt) else None
+
+        for node in _own_nodes(_scope_of(frame, tree)):
+            if not isinstance(node, ast.Call):
+                continue
+            st = stmt_of(node)
+            if st is None:
+                continue
+            if cast is None and _cast_of(node, dtype, frame) is not None:
+                targets = st.targets if isinstance(st, ast.Assign) else []
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                root = _root_name(node.func)
+                if root is not None:
+                    names.append(root)
+                if any(isinstance(_value_in(frame, n), nn.Module) for n in names):
+                    if isinstance(st, ast.Expr) and st.value is node:
+                        cast = (_source(text, st), None)  # the whole line is the cast
+                    else:  # the line without the cast (ast's spelling of it)
+                        new = ast.parse(_source(text, st)).body[0]
+                        for c in ast.walk(new):
+                            if isinstance(c, ast.Call) and ast.unparse(c) == ast.unparse(node):
+                                swapped = _uncast(c, dtype, frame)
+                                for p in ast.walk(new):
+                                    for field, value in ast.iter_fields(p):
+                                        if value is c:
+                                            setattr(p, field, swapped)
+                                break
+                        cast = (_source(text, st), ast.unparse(new))
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if built is None and optimizer is not None and name == optimizer:
+                targets = st.targets if isinstance(st, ast.Assign) else []
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                mine = ident is None or any(id(_value_in(frame, n)) == ident for n in names)
+                if not names or mine:
+                    built = _source(text, st)
+                    built_eps = _set_eps(text, node, st, eps) if eps is not None else None
+                    opt_name = names[0] if names else None
+            if (
+                loss is None
+                and isinstance(f, ast.Attribute)
+                and f.attr == "backward"
+                and isinstance(st, ast.Expr)
+                and st.value is node
+            ):
+                block = next(
+                    (
+                        b
+                        for p in (parents.get(id(st)),)
+                        if p is not None
+                        for b in (getattr(p, "body", None), getattr(p, "orelse", None))
+                        if isinstance(b, list) and st in b
+                    ),
+                    None,
+                )
+                if block is not None:
+                    got = _loss_statements(block, block.index(st), f.value, frame, text)
+                    if got:
+                        forward = got
+                        loss = f.value.id if isinstance(f.value, ast.Name) else "loss"
+        if opt_name is None and ident is not None:
+            opt_name = next(
+                (k for k, v in frame.f_locals.items() if id(v) == ident),
+                next((k for k, v in frame.f_globals.items() if id(v) == ident), None),
+            )
+    return _Lines(cast, forward, loss, opt_name, built, built_eps)
+
+
+def half_weights_fix(
+    dtype: str, device: str, lines: _Lines, *, optimizer: str | None, eps: float | None
+) -> str:
+    """The fix for weights kept in ``dtype``: float32 weights (the user's cast line without
+    the cast), the user's forward and loss under autocast, a GradScaler for float16; and,
+    with ``eps``, the user's optimizer built with an eps that ``dtype`` holds."""
+    out: list[str] = []
+    keep = f"float32 weights, {dtype} in the forward only"
+    if lines.cast is not None:
+        old, new = lines.cast
+        out.append(f"# delete {old}: {keep}" if new is None else f"{new}   # {keep}")
+    else:
+        out.append(f"model.float()   # before the optimizer is built: {keep}")
+    # loss scaling keeps small gradients from underflowing where the dtype's smallest
+    # normal is above float32's (float16's); bfloat16 has float32's range
+    scaled = torch.finfo(getattr(torch, dtype)).tiny > torch.finfo(torch.float32).tiny
+    if scaled:
+        out.append(f"scaler = torch.amp.GradScaler({device})   # once, before the loop")
+    out.append(f"with torch.autocast(device_type={device}, dtype=torch.{dtype}):")
+    out.extend(
+        "    " + ln
+        for st in lines.forward or ("loss = criterion(model(x), y)",)
+        for ln in st.splitlines()
+    )
+    if scaled:
+        loss = lines.loss or "loss"
+        opt = lines.optimizer or "optimizer"
+        out += [
+            f"scaler.scale({loss}).backward()   # was: {loss}.backward()",
+            f"scaler.step({opt})   # was: {opt}.step()",
+            "scaler.update()",
+        ]
+    if eps is not None:
+        if lines.built_eps is not None:
+            out.append(f"# or, keeping {dtype} weights: {lines.built_eps}")
+        else:
+            out.append(f"# or, keeping {dtype} weights: {optimizer}(params, eps={hyper(eps)})")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------- NW108
+
+
+@rule(
+    "NW108",
+    title="Normalization eps too small for the dtype",
+    severity="error",
+    summary=(
+        "A LayerNorm / GroupNorm in a low precision whose eps is below 1 / finfo.max² "
+        "(float16: 2.33e-10): for a row of equal values the 1 / sqrt(var + eps) "
+        "its forward saves is inf, and its backward multiplies by it: NaN gradients."
+    ),
+    priority=12,
+)
+def saved_rstd_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
+    a = ctx.anomaly
+    ev = a.op if a is not None else None
+    if a is None or ev is None or ev.phase is not Phase.BACKWARD:
+        return
+    kind = _VAR_NORMS.get(packet(ev.op).rstrip("_"))
+    lim = low_precision(ev.dtype)
+    # the forward's saved outputs: (out, mean, rstd); rstd = 1 / sqrt(var + eps)
+    rstd = next((s for n, s in ev.inputs if n == "result2" and s is not None), None)
+    if kind is None or lim is None or rstd is None or not rstd.posinf:
+        return
+    layer, unit = kind
+    floor = 1 / lim.max**2  # 1 / sqrt(eps) > max below it
+    rows = f"{rstd.posinf:,} of {count(rstd.numel, unit)}"
+    evidence = [
+        f"{short_op(ev.op)}'s backward made {ev.born} in {ev.dtype}: the 1 / sqrt(var + eps) "
+        f"its forward saved (rstd) is +inf for {rows}",
+        f"1 / sqrt(var + eps) passes {ev.dtype}'s largest value {fmt(lim.max)} only when var "
+        f"+ eps < 1 / {fmt(lim.max)}² = {fmt(floor)}: those {unit}s have variance 0 (equal "
+        f"values) and the {layer}'s eps is below {fmt(floor)}",
+        f"input rstd: {describe_stat(rstd)}",
+    ]
+    evidence += [f"input {n}: {describe_stat(s)}" for n, s in ev.inputs if n == "input"]
+    line = code_line(ev)
+    if line is not None:
+        evidence.append(line)
+    yield ctx.diagnosis(
+        **op_fields(ev, a),
+        evidence=evidence,
+        explanation=(
+            f"{layer} saves 1 / sqrt(var + eps) for its backward. A {unit} of equal values (a "
+            "padded token's zero embedding, a blank image) has variance 0, and with an eps "
+            f"below {fmt(floor)} its 1 / sqrt(eps) does not fit {ev.dtype}: "
+            f"it is saved as inf. The forward still outputs 0 for that {unit}, so nothing "
+            "looks wrong until backward multiplies by the saved value: 0 × inf = NaN. "
+            f"torch's default eps {_NORM_EPS} keeps it at {fmt(float(_NORM_EPS) ** -0.5)}."
+        ),
+        fix=(
+            f"for m in model.modules():   # eps below {fmt(floor)}: 1 / sqrt(eps) passes "
+            f"{ev.dtype}'s {fmt(lim.max)}\n"
+            f"    if isinstance(m, nn.{layer}) and m.eps < {fmt(floor)}:\n"
+            f"        m.eps = {_NORM_EPS}\n"
+            f"# or where it is built: nn.{layer}(..., eps={_NORM_EPS}); or run it in float32 "
+            f"(autocast does: keep the weights float32, {ev.dtype} in the forward)"
+        ),
+    )
