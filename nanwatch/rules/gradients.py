@@ -4893,6 +4893,10 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
     graphed = {r.path for r in trace.records if r.phase is Phase.FORWARD and r.grad_fn}
     reached = {r.path for r in trace.records if r.phase is Phase.BACKWARD}
     called &= graphed | reached
+    if not trace.full and called:
+        # sentinel records the roots' calls only: the weights of a root whose forward ran
+        # in the graph and got a backward are its modules' (a frozen weight keeps no .grad)
+        called |= {r.path for r in trace.records if r.phase is Phase.GRADIENT}
     if trace.full and reached:
         # a module whose own output gradient was hooked (measured, with an autograd node)
         # but that no backward of this step reached: its output was not in the loss (an
@@ -5011,6 +5015,8 @@ def _learned_scalar(trace: StepTrace) -> str | None:
     """A trained one-value parameter (a learnable logit scale or temperature): its name."""
     for r in trace.records:
         if r.phase is Phase.GRADIENT and math.prod(r.shape) == 1 and r.dtype.startswith("float"):
+            if r.role.rsplit(".", 1)[-1] == "bias":
+                continue  # a one-output layer's bias (Linear(d, 1)): no scale of logits
             return r.role
     return None
 
@@ -5113,8 +5119,32 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
     if zero and not divided and (one is not None or (plain and _zero_from_start(ctx))):
         # no update brought it to 0: it was 0 before any could, or a softmax over one
         # element makes it so whatever the outputs
+        before = _updates_before(ctx) if one is None else None
+        if before is not None and before[1] > 0:
+            # the model trained before the watch began: the loss came down to 0 then
+            opt, count, total = before
+            line = (
+                f"{opt} made {count} updates before the watch began (its state's step count "
+                f"is {total}, {total - count} of them watched): the loss came down to 0 before "
+                "the watch could see it"
+            )
+            return _loss_at_minimum(ctx, end, [*evidence, line], margin, len(traces))
         moved = out if _inputs_moved(traces, ends) else None
-        return _zero_from_the_start(ctx, end, evidence, moved, one=one, steps=len(traces))
+        return _zero_from_the_start(
+            ctx,
+            end,
+            evidence,
+            moved,
+            one=one,
+            steps=len(traces),
+            # (once told from the first step, it stays told as the window moves on)
+            fresh=before is not None
+            or any(
+                d.code == "NW304" and d.title == _FROM_START
+                for t in ctx.history
+                for d in t.diagnoses
+            ),
+        )
     if (margin is not None or not (saturated or divided)) and scalar is None and zero:
         return _loss_at_minimum(ctx, end, evidence, margin, len(traces))
     if saturated and not (divided or scaled) and scalar is None and zero and _softmax_loss(trace):
@@ -5192,6 +5222,37 @@ def _flat_loss(ctx: RuleContext, traces: list[StepTrace], names: str) -> Diagnos
 
 
 _FROM_START = "Zero gradients: the loss is 0 from the first step, it never came down"
+#: the same, where the watch began after training had (or may have): said of the watch only
+_SINCE_WATCH = "Zero gradients: the loss is 0 at every step since the watch began"
+
+
+def _updates_before(ctx: RuleContext) -> tuple[str, int, int] | None:
+    """How many updates the model's optimizer made before the watch began: its class, the
+    count, and its state's step count, read from the optimizer in the user's frames (the
+    step count Adam, AdamW, RMSprop... keep per weight) less the updates the watch saw
+    (its notes since step 0). None when it cannot be told (SGD keeps no count)."""
+    traces = (*ctx.history, ctx.trace)
+    if traces[0].step != 0:
+        return None
+    notes = [n for t in traces for n in t.notes if n.kind == "optimizer"]
+    if not notes:
+        return None
+    ident = notes[-1].data.get("ident")
+    seen = sum(1 for n in notes if n.data.get("ident") == ident)
+    got = _held_as(lambda v: isinstance(v, torch.optim.Optimizer) and id(v) == ident)
+    if got is None:
+        return None
+    counts: list[float] = []
+    for state in list(getattr(got[1], "state", {}).values())[:64]:
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor) and step.numel() == 1 and step.device.type == "cpu":
+            counts.append(float(step.item()))
+        elif isinstance(step, (int, float)):
+            counts.append(float(step))
+    if not counts:
+        return None
+    total = int(max(counts))
+    return notes[-1].path, max(total - seen, 0), total
 
 
 def _zero_from_start(ctx: RuleContext) -> bool:
@@ -5199,7 +5260,11 @@ def _zero_from_start(ctx: RuleContext) -> bool:
     step 0, is still in the history): no update brought it there. Once said, it stays said
     after the history's window moves past step 0."""
     hist = ctx.history
-    if any(d.code == "NW304" and d.title == _FROM_START for t in hist for d in t.diagnoses):
+    if any(
+        d.code == "NW304" and d.title.startswith((_FROM_START, _SINCE_WATCH))
+        for t in hist
+        for d in t.diagnoses
+    ):
         return True
     first = hist[0] if hist else ctx.trace
     return first.step == 0 and all(t.loss == 0.0 for t in (*hist, ctx.trace))
@@ -5257,21 +5322,28 @@ def _zero_from_the_start(
     *,
     one: tuple[Note, dict[str, Any]] | None,
     steps: int,
+    fresh: bool = False,
 ) -> Diagnosis:
     """The loss is exactly 0, and its gradient with it, at every step since the watch
     began (or a softmax over a dim of size 1 makes it so): it did not come down to a
-    minimum, it does not depend on the outputs. A warning: nothing trains."""
+    minimum, it does not depend on the outputs. A warning: nothing trains. ``fresh``: the
+    optimizer's state shows the watch began with its first update; without it, or a cause
+    that makes the loss 0 whatever the weights, it is said of the watch only (a watch
+    begun mid-training cannot see the loss come down)."""
     trace = ctx.trace
     evidence = [*evidence]
     first = ctx.history[0].step if ctx.history else trace.step
     start = _zero_from_start(ctx)
+    since = len(evidence)
     if start:
         # (said of the whole run, in place of the window's line)
         evidence = [e for e in evidence if not e.startswith("the loss is exactly 0 at steps")]
+        since = len(evidence)
         evidence.append(
             f"the loss is exactly 0 at every step since the watch began (steps {first} to "
             f"{trace.step}): no update brought it there, it started there"
         )
+    structural = one is not None
     notes = [n for n in trace.notes if n.kind == "loss_input"]
     note = one[0] if one is not None else (notes[0] if notes else None)
     where = f" ({os.path.basename(note.source)})" if note is not None and note.source else ""
@@ -5307,6 +5379,7 @@ def _zero_from_the_start(
     else:
         same = _same_arguments(note)
         if same is not None and note is not None:
+            structural = True
             evidence.append(
                 f"{note.path} compares {same[0]} with itself (the loss line{where}): 0 "
                 f"whatever {same[0]} is"
@@ -5315,6 +5388,7 @@ def _zero_from_the_start(
             (note_num(note, "input_min"), note_num(note, "input_max")) if note else (None, None)
         )
         if note is not None and lo is not None and lo == hi:
+            structural = True
             evidence.append(
                 f"{note.path}'s input is exactly {fmt(lo)} everywhere (shape "
                 f"{note.data.get('input_shape')}): the same whatever the model outputs"
@@ -5334,6 +5408,30 @@ def _zero_from_the_start(
             "itself, a detach"
         )
         why = ""
+    if start and not (structural or fresh):
+        # the watch may have begun after training did (its first step is the watch's, not
+        # training's): the loss may have come down to 0 before, unseen
+        evidence[since] = (
+            f"the loss is exactly 0 at every step since the watch began (steps {first} to "
+            f"{trace.step}): no update since then moved it"
+        )
+        return ctx.diagnosis(
+            title=f"{_SINCE_WATCH} (step {first}), it does not move",
+            path=end.path,
+            phase=Phase.BACKWARD.value,
+            evidence=evidence,
+            explanation=(
+                f"The loss is exactly 0 for the last {steps} steps, and the gradient leaving "
+                "it is exactly 0, so no layer gets a gradient. The steps before the watch "
+                "began are not seen: if the loss came down to 0 then (a hinge, a "
+                "relu(margin - score), met by every example), it is at its minimum and "
+                "nothing is left to learn; if it was 0 from training's first step, it does "
+                "not depend on the outputs and nothing trains. Neither underflow along the "
+                "layers nor dead units."
+            ),
+            fix=fix.replace("# the loss is 0 whatever the outputs:", "# if it should not be 0:")
+            + "\n# watched from training's first step, nanwatch tells the two apart",
+        )
     return ctx.diagnosis(
         title=_FROM_START,
         path=end.path,
@@ -5858,6 +5956,265 @@ def _loss_term_off(ctx: RuleContext, top: str) -> tuple[Record, Record] | None:
     return (zero, other) if zero is not None and other is not None else None
 
 
+#: modules whose weight gradient is their input times their output's gradient (summed over
+#: the batch): a weight gradient of exactly 0 under a non-zero output gradient says their
+#: input was exactly 0
+_PRODUCT_WEIGHTS = frozenset(
+    {
+        "Linear",
+        "LazyLinear",
+        "NonDynamicallyQuantizableLinear",
+        "Conv1d",
+        "Conv2d",
+        "Conv3d",
+        "LazyConv1d",
+        "LazyConv2d",
+        "LazyConv3d",
+        "ConvTranspose1d",
+        "ConvTranspose2d",
+        "ConvTranspose3d",
+    }
+)
+
+
+@dataclass(frozen=True)
+class _ZeroFed:
+    """A module given an input of exactly 0 (``taker``), told by its weight's gradient, and
+    what made that zero when the records show it."""
+
+    taker: str
+    kind: str  #: the taker's module type
+    weight: str  #: the weight whose gradient is exactly 0
+    live: float  #: the largest non-zero gradient the taker got (its output's, its bias's)
+    live_what: str
+    maker: str | None = None  #: the module whose output is 0 (or whose forward ran the op)
+    maker_kind: str = ""
+    op: str | None = None  #: the autograd node of an op between modules that made the 0
+    measured: bool = False  #: the maker's output itself was measured exactly 0
+    fed: Record | None = None  #: the last measured non-zero tensor before the zero
+    shape: tuple[int, ...] = ()
+    others: tuple[str, ...] = ()  #: unmeasured modules beside the maker in the same span
+
+
+def _zero_takers(trace: StepTrace, dead: set[str]) -> list[_ZeroFed]:
+    """Modules outside ``dead`` whose every weight gradient is exactly 0 while a gradient
+    they get is not (their output's, their bias's): their input was exactly 0."""
+    weights: dict[str, tuple[str, bool]] = {}
+    live: dict[str, tuple[float, str]] = {}
+    kinds: dict[str, str] = {}
+    for r in trace.records:
+        s = r.stat
+        if s is None or not s.finite or r.path in dead:
+            continue
+        if r.phase is Phase.GRADIENT and r.module_type in _PRODUCT_WEIGHTS:
+            n = s.norm if s.norm is not None else max(abs(s.min), abs(s.max))
+            kinds[r.path] = r.module_type
+            if len(r.shape) >= 2:
+                name, zero = weights.get(r.path, (r.role, True))
+                weights[r.path] = (name, zero and n == 0.0)
+            elif n > live.get(r.path, (0.0, ""))[0]:
+                live[r.path] = (n, f"{r.role}'s gradient")
+        elif r.phase is Phase.BACKWARD and not r.by_grad and r.role.startswith("output"):
+            n = s.magnitude
+            if n > live.get(r.path, (0.0, ""))[0]:
+                live[r.path] = (n, "the gradient of its output")
+    return [
+        _ZeroFed(p, kinds[p], w, *live[p])
+        for p, (w, zero) in weights.items()
+        if zero and live.get(p, (0.0, ""))[0] > 0
+    ]
+
+
+def _zero_maker(trace: StepTrace, z: _ZeroFed) -> _ZeroFed | None:
+    """Walk back from the taker's input to what made it exactly 0: a module whose measured
+    output is 0 while its input is not, an op between modules (the input itself measured
+    0, made by no module), or the unmeasured modules (passthroughs: a dropout, a ReLU)
+    between the last measured non-zero tensor and the taker."""
+    calls = {c.id for c in trace.calls if c.path == z.taker}
+    rec = next(
+        (r for r in trace.records if r.phase is Phase.INPUT and r.call in calls),
+        None,
+    )
+    crossed: list[Record] = []
+    for _ in range(64):
+        if rec is None:
+            return None
+        s = rec.stat
+        if s is not None:
+            if not s.finite:
+                return None
+            if s.min == 0.0 and s.max == 0.0:
+                if rec.phase is Phase.INPUT and rec.source is None:
+                    parent = trace.call(rec.call)
+                    up = trace.call(parent.parent) if parent and parent.parent is not None else None
+                    return dataclasses.replace(
+                        z,
+                        maker=up.path if up is not None else None,
+                        maker_kind=up.module_type if up is not None else "",
+                        op=rec.grad_fn,
+                        measured=True,
+                        shape=rec.shape,
+                    )
+                if rec.phase is Phase.FORWARD:
+                    ins = [trace.resolve(r) for r in trace.inputs_of(rec.call)]
+                    fed = next(
+                        (r for r in ins if r.stat is not None and r.stat.finite and r.stat.max > 0),
+                        None,
+                    )
+                    call = trace.call(rec.call)
+                    if fed is not None and call is not None:
+                        return dataclasses.replace(
+                            z,
+                            maker=call.path,
+                            maker_kind=call.module_type,
+                            measured=True,
+                            fed=fed,
+                            shape=rec.shape,
+                        )
+                    rec = ins[0] if ins else None  # its input was 0 too: further back
+                    continue
+                return None
+            if not crossed or s.max <= 0:
+                return None  # a non-zero input, or nothing unmeasured to make the zero
+            # the zero is made in the unmeasured span: a ReLU keeps the positive values
+            # it is given, so it is not the maker where the span starts positive
+            span = [c for c in crossed if c.grad_fn not in _RELU_NODES]
+            if not span:
+                return None
+            first = span[0]
+            call = trace.call(first.call)
+            return dataclasses.replace(
+                z,
+                maker=first.path,
+                maker_kind=call.module_type if call is not None else first.module_type,
+                fed=rec,
+                shape=first.shape,
+                others=tuple(c.path for c in crossed if c is not first),
+            )
+        if rec.source is None:
+            return None
+        if rec.phase is Phase.FORWARD:
+            crossed.insert(0, rec)
+        rec = trace.record(rec.source)
+    return None
+
+
+def _zeroed_input(ctx: RuleContext, dead: list[str], head: str, need: int) -> Diagnosis | None:
+    """A module after the dead ones gets an input of exactly 0 (its weight gradient is 0
+    under a non-zero output gradient): a module or op before it returns 0 for every value
+    (``nn.Dropout(p=1.0)``, a mask of zeros, ``x * 0``), and nothing before it gets a
+    gradient. Names the maker where the records show it, and says so where they do not
+    (sentinel records no layer's output)."""
+    trace = ctx.trace
+    takers = _zero_takers(trace, set(dead))
+    if not takers:
+        return None
+    found: _ZeroFed | None = None
+    if trace.full:
+        for z in takers:
+            found = _zero_maker(trace, z)
+            if found is not None:
+                break
+        if found is None:
+            return None
+    z = found or takers[0]
+    evidence = [
+        head,
+        f"{z.taker}'s weight gradient ({z.weight}) is exactly 0 while {z.live_what} is not "
+        f"(up to {fmt(z.live)}): a {z.kind}'s weight gradient is its input times the "
+        f"gradient of its output, so {z.taker}'s input is exactly 0",
+    ]
+    maker = z.maker
+    kind = f" ({z.maker_kind})" if z.maker_kind and z.maker_kind != maker else ""
+    if maker is not None and z.op is not None:
+        evidence.append(
+            f"{z.taker}'s input is exactly 0 everywhere (shape {list(z.shape)}), made by "
+            f"{z.op} in {maker}{kind}'s own forward, not by a module"
+        )
+        title = "Zero gradients: an op sets a layer's whole input to exactly 0"
+        what = f"An op in {maker}'s forward ({z.op}) returns exactly 0 for every value"
+        fix = (
+            f"# in {maker}{kind}'s forward: the op ({z.op}) that makes {z.taker}'s input "
+            "0 everywhere\n# a factor that is 0 (x * 0), a mask of all zeros: keep some of "
+            "the values, or drop the op"
+        )
+    elif maker is not None:
+        fed = z.fed.stat if z.fed is not None else None
+        if z.measured:
+            evidence.append(
+                f"{maker}'s output is exactly 0 everywhere (shape {list(z.shape)}) while its "
+                f"input spans {fmt(fed.min if fed else None)} to {fmt(fed.max if fed else None)}"
+                ": its output does not depend on its input"
+            )
+        elif z.fed is not None and fed is not None:
+            relus = [
+                r.path
+                for r in trace.records
+                if r.phase is Phase.FORWARD and r.path in z.others and r.grad_fn in _RELU_NODES
+            ]
+            evidence.append(
+                f"{maker}{kind}'s output is that 0 while what it is given is not: the last "
+                f"tensor measured before it, {z.fed.path}'s {z.fed.role}, spans {fmt(fed.min)} "
+                f"to {fmt(fed.max)}"
+                + (
+                    f"; {', '.join(relus)} (ReLU) zero{'es' if len(relus) == 1 else ''} only "
+                    "the values below 0"
+                    if relus
+                    else ""
+                )
+            )
+        title = "Zero gradients: a module's output is exactly 0 whatever its input"
+        what = f"{maker}{kind} returns exactly 0 for every value"
+        dropout = "Dropout" in z.maker_kind
+        fix = (
+            f"# {maker}{kind}: p is the share of values it zeroes; p=1.0 zeroes them all\n"
+            "nn.Dropout(p=0.1)   # p < 1"
+            if dropout
+            else f"# in {maker}{kind}'s forward: find what makes its output 0 everywhere\n"
+            "# (a mask or factor that is 0, x * 0, a dropout with p=1.0): keep some values"
+        )
+    else:
+        title = "Zero gradients: a layer's input is exactly 0 at every step"
+        what = f"What feeds {z.taker} returns exactly 0 for every value"
+        evidence.append(
+            "sentinel mode records no layer's output: watch mode names the module that makes the 0"
+        )
+        fix = (
+            f"# what feeds {z.taker} returns 0 for every value: a dropout with p=1.0, a mask "
+            "of zeros, x * 0, or ReLUs that never fire\n"
+            'nanwatch.watch(model, mode="watch")   # names the module or op that makes it'
+        )
+    return ctx.diagnosis(
+        title=title,
+        path=maker or z.taker,
+        phase=Phase.BACKWARD.value,
+        evidence=evidence,
+        explanation=(
+            f"{what}, so {z.taker} gets an input of exactly 0 and passes no gradient back: "
+            f"everything before it ({', '.join(dead[:3])}{', ...' if len(dead) > 3 else ''}) "
+            "stops learning, without an error."
+            + (
+                " Neither dead units nor underflow: they do not zero a whole output of a "
+                "module whose input is not 0."
+                if maker is not None
+                else ""
+            )
+        ),
+        fix=fix,
+    )
+
+
+def _backward_flow(trace: StepTrace) -> Record | None:
+    """The gradient of a root's output in a float16-like dtype (a short range), where the
+    step's records hold no layer's own (sentinel): the dtype backward runs in."""
+    for r in trace.records:
+        if r.phase is Phase.BACKWARD and not r.by_grad:
+            lim = low_precision(r.dtype)
+            if lim is not None and lim.short_range:
+                return r
+    return None
+
+
 @rule(
     "NW304",
     title="Vanishing gradients: zero for many steps",
@@ -5886,6 +6243,11 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     dead.sort(key=lambda p: order.get(p, math.inf))  # nearest the loss first
     top = dead[0]
     dtype = dtypes.get(top, "")
+    # sentinel hooks no layer's output: the gradient of a root's output tells the dtype
+    # backward ran in (float16 under autocast), where the weights' own .grad is float32
+    flow = None if ctx.trace.full or top in out_now else _backward_flow(ctx.trace)
+    if flow is not None:
+        dtype = flow.dtype
     lim = low_precision(dtype)
     if lim is not None and not lim.short_range:
         lim = None  # bfloat16 has float32's exponent: its gradients do not underflow sooner
@@ -5913,6 +6275,13 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     # weights there (the jolt, below, says which and by how much)
     itself = _jolt(ctx, set(dead)) is None
     found = _flat_loss(ctx, traces, names) or _zero_output(ctx, top, names, need, itself=itself)
+    if found is None and lim is None:
+        head = (
+            f"{names}: every gradient exactly 0 for the last {need} steps"
+            if exact
+            else f"{names}: gradient norm 0 for the last {need} steps"
+        )
+        found = _zeroed_input(ctx, dead, head, need)
     if found is not None:
         yield found
         return
@@ -5935,7 +6304,14 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"{names}: gradient norm 0 for the last {need} steps (every gradient 0 or below "
             f"{fmt(floor)}, whose square underflows in the norm)"
         ]
-    if lim is not None:
+    if lim is not None and flow is not None:
+        evidence.append(
+            f"backward runs in {dtype} (the gradient of {flow.path}'s {flow.role} is "
+            f"{dtype}; sentinel mode records no layer's own): it holds values down to "
+            f"{fmt(lim.subnormal)}, and values under {fmt(lim.subnormal / 2)} round to "
+            "exactly 0" + ("" if scaled else "; no GradScaler was given")
+        )
+    elif lim is not None:
         evidence.append(
             f"gradients are {dtype}: it holds values down to {fmt(lim.subnormal)} (its "
             f"smallest subnormal; below {fmt(lim.tiny)}, its smallest normal, precision is "
@@ -7448,6 +7824,84 @@ def lr_stuck_at_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
 
 
+def _held_as(found: Callable[[object], bool]) -> tuple[str, object] | None:
+    """The user's expression for the first object ``found`` accepts in the frames of their
+    code on the stack (innermost first): a local, an attribute of ``self``, a global, or one
+    level into a local (an attribute, a dict's str key, a list's item: ``state["sched"]``,
+    ``scheds[0]``), read from dicts, lists and ``__dict__`` only: no property runs."""
+    f = _frames.user_frame(sys._getframe(1))
+    depth = 0
+    while f is not None and depth < 16:
+        local = f.f_locals
+        attrs = getattr(local.get("self"), "__dict__", None)
+        loose: tuple[str, object] | None = None  # a loop's variable: the last item it took
+        for names, prefix in ((local, ""), (attrs, "self."), (f.f_globals, "")):
+            if not isinstance(names, Mapping):
+                continue
+            for key, value in list(names.items()):
+                if isinstance(key, str) and key.isidentifier() and key != "self" and found(value):
+                    if names is local and key in _loop_targets(f):
+                        loose = loose or (key, value)
+                        continue
+                    return prefix + key, value
+        for owner, value in list(local.items()):
+            if not isinstance(owner, str) or not owner.isidentifier():
+                continue
+            inner: list[tuple[str, object]] = []
+            try:  # a proxy's __dict__ may raise: that local is skipped
+                if isinstance(value, dict):
+                    inner = [
+                        (f"[{k!r}]", v) for k, v in list(value.items())[:64] if isinstance(k, str)
+                    ]
+                elif isinstance(value, (list, tuple)):
+                    inner = [(f"[{i}]", v) for i, v in enumerate(value[:64])]
+                elif isinstance(fields := getattr(value, "__dict__", None), dict):
+                    inner = [
+                        (f".{k}", v)
+                        for k, v in list(fields.items())[:256]
+                        if isinstance(k, str) and k.isidentifier()
+                    ]
+            except Exception:
+                continue
+            for suffix, held in inner:
+                if found(held):
+                    return owner + suffix, held
+        if loose is not None:
+            return loose
+        f = _frames.user_frame(f.f_back)
+        depth += 1
+    return None
+
+
+def _loop_targets(f: Any) -> frozenset[str]:
+    """The names the function running in frame ``f`` binds as ``for`` targets (``s`` of
+    ``for s in scheds``): each holds one item of a collection, not the user's name for it."""
+    found = _user_scope(f"{f.f_code.co_filename}:{f.f_lineno}")
+    if found is None:
+        return frozenset()
+    return frozenset(
+        n.id
+        for node in ast.walk(found[2])
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension))
+        for n in ast.walk(node.target)
+        if isinstance(n, ast.Name)
+    )
+
+
+def _optimizer_named(ident: object) -> str | None:
+    """The user's name for the optimizer whose ``id`` is ``ident`` (the optimizer note's)."""
+    got = _held_as(lambda v: isinstance(v, torch.optim.Optimizer) and id(v) == ident)
+    return got[0] if got is not None else None
+
+
+def _scheduler_named(ident: object) -> tuple[str, str] | None:
+    """The user's name for the lr scheduler that drives the optimizer ``ident``, and its
+    class."""
+    kinds = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    got = _held_as(lambda v: isinstance(v, kinds) and id(getattr(v, "optimizer", None)) == ident)
+    return (got[0], type(got[1]).__name__) if got is not None else None
+
+
 def _lr_zero_diagnosis(
     ctx: RuleContext,
     n: Note,
@@ -7459,7 +7913,14 @@ def _lr_zero_diagnosis(
     base_lr = next((x for x in base if isinstance(x, (int, float)) and x > 0), None)
     sched = n.data.get("scheduler")
     var = n.data.get("scheduler_variable")
-    sname = var if isinstance(var, str) and var else "scheduler"
+    ident = n.data.get("ident")
+    if (not isinstance(var, str) or not var) and (base_lr is not None or sched is not None):
+        # the watcher looked where the optimizer is stepped; the scheduler may be held
+        # elsewhere (a list of schedulers, a dict of state)
+        held = _scheduler_named(ident)
+        if held is not None and (sched is None or held[1] == sched):
+            var, sched = held
+    sname = var if isinstance(var, str) and var else None
     first, last = zero[-1][0].step, zero[0][0].step
     evidence = [
         f"{n.path}'s lr is exactly 0 for the last {len(zero)} optimizer steps (steps "
@@ -7476,7 +7937,7 @@ def _lr_zero_diagnosis(
     fix = ""
     if isinstance(sched, str):
         evidence.append(
-            f"{sched} ({sname}) sets it"
+            f"{sched}{f' ({sname})' if sname else ''} sets it"
             + (f", from the base lr {fmt(base_lr)} (initial_lr)" if base_lr is not None else "")
         )
     lambdas = n.data.get("scheduler_lambdas")
@@ -7496,19 +7957,32 @@ def _lr_zero_diagnosis(
     if not fix:
         if before is not None:
             fix = (
-                f"# the schedule ends at 0 before training does: give {sname} the run's real "
-                "number of steps (num_training_steps, total_iters, T_max), or stop there"
+                f"# the schedule ends at 0 before training does: give {sname or 'its scheduler'} "
+                "the run's real number of steps (num_training_steps, total_iters, T_max), or "
+                "stop there"
             )
-        elif isinstance(sched, str):
+        elif isinstance(sched, str) and sname is not None:
             fix = (
                 f"print({sname}.get_last_lr())   # 0: check the factor {sched} computes for "
                 "the first steps (an integer division, a start at 0)"
             )
+        elif isinstance(sched, str) or base_lr is not None:
+            fix = (
+                f"# {sched if isinstance(sched, str) else 'the scheduler'} of {n.path} sets "
+                "its lr to 0"
+                + (f" (from its base lr {fmt(base_lr)}, initial_lr)" if base_lr is not None else "")
+                + ": print its get_last_lr() and check the factor it computes for the first "
+                "steps (an integer division, a start at 0)"
+            )
         else:
-            optim = ctx.memo(ctx.trace, "loop_names", _loop_names).optimizer or "optimizer"
+            # the user's name for it (in their frames, else their source); none found: the
+            # line makes no assignment to a name they may not have
+            loop = ctx.memo(ctx.trace, "loop_names", _loop_names).optimizer
+            optim = _optimizer_named(ident) or (loop if loop != _LoopNames.optimizer else None)
+            make = f"torch.optim.{n.path}(model.parameters(), lr=1e-3)"
             fix = (
                 f"# {n.path} was made with lr=0 (or it was set to 0): give it a learning rate\n"
-                f"{optim} = torch.optim.{n.path}(model.parameters(), lr=1e-3)"
+                + (f"{optim} = {make}" if optim else f"{make}   # where you make it, not lr=0")
             )
     return ctx.diagnosis(
         path=None,
