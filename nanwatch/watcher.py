@@ -7804,17 +7804,25 @@ def _renamed(code: str, renames: dict[str, str]) -> str:
     'net.float()  # the model in float32'
     >>> _renamed("f(model=model, x=self.model)", {"model": "net"})
     'f(model=net, x=self.model)'
+    >>> _renamed("    optimizer = SGD(lr=0.1)", {"optimizer": "opt"})
+    '    opt = SGD(lr=0.1)'
     """
     import re
 
     pattern = re.compile(
-        r"(?<![\w.'\"])(" + "|".join(map(re.escape, renames)) + r")(?![\w'\"])(?!\s*=[^=])"
+        r"(?<![\w.'\"])(" + "|".join(map(re.escape, renames)) + r")(?![\w'\"])(\s*=(?!=))?"
     )
+
+    def name(head: str, m: re.Match[str]) -> str:
+        if m.group(2) and head[: m.start()].strip():
+            return m.group(0)  # a keyword argument (``f(model=...)``): its name stays
+        return renames[m.group(1)] + (m.group(2) or "")  # a name, or a statement's target
+
     out = []
     for line in code.split("\n"):
         cut = _comment_start(line)
         head, tail = line[:cut], line[cut:]
-        out.append(pattern.sub(lambda m: renames[m.group(1)], head) + tail)
+        out.append(pattern.sub(functools.partial(name, head), head) + tail)
     return "\n".join(out)
 
 
