@@ -30,7 +30,7 @@ def test_exploding_gradients_name_the_lr_when_nw308_is_ignored(mode: str) -> Non
     d = found[0]
     assert d.step is not None and d.step <= 5
     assert any("(SGD, param group 0, lr 1000) moved proj.weight" in e for e in d.evidence)
-    assert d.fix.startswith('opt.param_groups[0]["lr"] = 0.0002   # was 1000 (SGD)')
+    assert d.fix.startswith('opt.param_groups[0]["lr"] = 2e-4   # was 1000 (SGD)')
 
 
 # ---------------------------------------------------------------- NW106: a huge finite loss

@@ -296,7 +296,7 @@ def test_a_scheduler_kept_in_a_list_is_named_not_taken_for_lr_zero() -> None:
                 nw.step()
     d = _diags(nw, "NW312")[0]
     assert any(
-        e == "LambdaLR (scheds[0]) sets it, from the base lr 0.001 (initial_lr)" for e in d.evidence
+        e == "LambdaLR (scheds[0]) sets it, from the base lr 1e-3 (initial_lr)" for e in d.evidence
     )
     assert d.fix.startswith("print(scheds[0].get_last_lr())")
     assert "made with lr=0" not in d.fix

@@ -149,7 +149,7 @@ def test_gradients_after_an_lr_raised_at_once_blame_the_lr_not_a_module(mode: st
     said = "\n".join(d.evidence)
     assert "the update at step 6 (AdamW, param group 0) used lr 0.5, 500× the 0.001" in said
     assert "the learning rate made this jump, not a module's backward" in d.explanation
-    assert d.fix.startswith('opt.param_groups[0]["lr"] = 0.001   # was 0.5 (AdamW)'), d.fix
+    assert d.fix.startswith('opt.param_groups[0]["lr"] = 1e-3   # was 0.5 (AdamW)'), d.fix
     assert "find what it divides by" not in d.fix, d.fix
 
 

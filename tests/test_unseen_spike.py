@@ -76,7 +76,7 @@ def test_bert_at_lr_50_is_warned_at_the_step_its_loss_spikes(mode: str) -> None:
     assert f"(AdamW, param group 0, lr 50) moved {d.parameter} by 50 per value" in text
     assert "its largest |value|" in text and "when watching began" in text
     # Adam's step is about lr whatever the gradient: the lr is the fix, not clipping
-    assert d.fix.startswith('opt.param_groups[0]["lr"] = 0.0005   # was 50 (AdamW)')
+    assert d.fix.startswith('opt.param_groups[0]["lr"] = 5e-4   # was 50 (AdamW)')
     assert "Clipping the gradients does not bound this step" in d.explanation
 
 
@@ -142,7 +142,7 @@ def test_an_lr_raised_at_once_is_named_at_the_step_the_loss_spikes(mode: str) ->
     assert "the update at step 5 (AdamW, param group 0) used lr 50, 50000× the 0.001" in (
         "\n".join(d.evidence)
     )
-    assert d.fix.startswith('opt.param_groups[0]["lr"] = 0.001   # was 50 (AdamW); raise it')
+    assert d.fix.startswith('opt.param_groups[0]["lr"] = 1e-3   # was 50 (AdamW); raise it')
     assert "raised 50000× at once, to 50" in d.explanation
 
 

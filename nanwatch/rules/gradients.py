@@ -3620,7 +3620,7 @@ class _Divergence:
         line = (
             f"total gradient norm {norms} at steps {self.steps[0]} to {self.steps[-1]}: "
             f"{_times(self.growth)} or more across each of {count(n, 'update')} of "
-            f"{self.optimizer} lr {', '.join(fmt(x) for x in dict.fromkeys(self.lrs))}"
+            f"{self.optimizer} lr {', '.join(hyper(x) for x in dict.fromkeys(self.lrs))}"
         )
         first, last = self.losses[0], self.losses[-1]
         if first is not None and last is not None and last > first:
@@ -3629,7 +3629,7 @@ class _Divergence:
         return [
             line,
             f"the update at step {self.steps[-2]} had norm {fmt(size)} "
-            f"(lr {fmt(self.lr)} × gradient norm {fmt(self.norms[-2])})",
+            f"(lr {hyper(self.lr)} × gradient norm {fmt(self.norms[-2])})",
         ]
 
     def explanation(self) -> str:
@@ -3652,13 +3652,13 @@ class _Divergence:
         if len(set(self.lrs)) == 1:
             new = _round_down(self.lr * scale / 10)
             return (
-                f'for g in {optimizer}.param_groups: g["lr"] = {fmt(new)}   # was '
-                f"{fmt(self.lr)} ({self.optimizer}); the gradients grow above about "
+                f'for g in {optimizer}.param_groups: g["lr"] = {hyper(new)}   # was '
+                f"{hyper(self.lr)} ({self.optimizer}); the gradients grow above about "
                 f"{self.lr * scale:.2g}"
             )
         return (
             f'for g in {optimizer}.param_groups: g["lr"] *= {fmt(_round_down(scale / 10))}   '
-            f"# {self.optimizer}'s lrs were {', '.join(fmt(x) for x in self.lrs)}; the "
+            f"# {self.optimizer}'s lrs were {', '.join(hyper(x) for x in self.lrs)}; the "
             f"gradients grow above about {scale:.2g} of them"
         )
 
@@ -6391,14 +6391,14 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
             lr = _lr_of(u) or 0.0
             evidence.append(
                 f"the update at step {u.step} moved {name} by about {fmt(move)} in one step "
-                f"(param group {_group_of(u)}, lr {fmt(lr)}"
+                f"(param group {_group_of(u)}, lr {hyper(lr)}"
                 + ("" if _normalized(u.optimizer) else f" × its gradient {fmt(gmax)}")
                 + "); every gradient has been 0 since"
             )
             explanation = (
                 f"Gradients of {top} are {'exactly ' if exact else ''}zero step after step, "
                 f"from right after one optimizer step moved {name} by about {fmt(move)} "
-                f"(lr {fmt(lr)} in param group {_group_of(u)}): a weight thrown that far "
+                f"(lr {hyper(lr)} in param group {_group_of(u)}): a weight thrown that far "
                 "saturates what it feeds (an exp() to 0, a sigmoid to 0 or 1, every logit "
                 "alike), and no gradient flows back through it to undo the step. It stopped "
                 "learning without any error."
@@ -6406,8 +6406,8 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
             target = 0.1 / move * lr  # an lr that moves it by about 0.1
             new = 1e-3 if _normalized(u.optimizer) else 10 ** math.floor(math.log10(target))
             fix = (
-                f'optimizer.param_groups[{_group_of(u)}]["lr"] = {fmt(new)}   # was '
-                f"{fmt(lr)} ({u.optimizer}): moved {name} by {fmt(move)} in one step"
+                f'optimizer.param_groups[{_group_of(u)}]["lr"] = {hyper(new)}   # was '
+                f"{hyper(lr)} ({u.optimizer}): moved {name} by {fmt(move)} in one step"
             )
         var = _relu_variance(ctx.trace) if relu else None
         if var is not None:
@@ -7938,7 +7938,7 @@ def _lr_zero_diagnosis(
     if isinstance(sched, str):
         evidence.append(
             f"{sched}{f' ({sname})' if sname else ''} sets it"
-            + (f", from the base lr {fmt(base_lr)} (initial_lr)" if base_lr is not None else "")
+            + (f", from the base lr {hyper(base_lr)} (initial_lr)" if base_lr is not None else "")
         )
     lambdas = n.data.get("scheduler_lambdas")
     for lam in lambdas if isinstance(lambdas, list) else ():
@@ -7970,7 +7970,11 @@ def _lr_zero_diagnosis(
             fix = (
                 f"# {sched if isinstance(sched, str) else 'the scheduler'} of {n.path} sets "
                 "its lr to 0"
-                + (f" (from its base lr {fmt(base_lr)}, initial_lr)" if base_lr is not None else "")
+                + (
+                    f" (from its base lr {hyper(base_lr)}, initial_lr)"
+                    if base_lr is not None
+                    else ""
+                )
                 + ": print its get_last_lr() and check the factor it computes for the first "
                 "steps (an integer division, a start at 0)"
             )
@@ -8039,7 +8043,7 @@ class _Oversize:
         what = "largest |value|" if self.kind == "max" else "RMS value"
         return (
             f"the update at step {self.step} ({self.optimizer}, param group {self.group}, lr "
-            f"{fmt(self.lr)}) moved {self.param} by {fmt(self.move)} per value ({how}): "
+            f"{hyper(self.lr)}) moved {self.param} by {fmt(self.move)} per value ({how}): "
             f"{_times(self.ratio)} its {what} {fmt(self.size)} when watching began"
         )
 
@@ -8205,7 +8209,7 @@ def _overshoot_words(
             f"at once, to {fmt(r.new)}"
         )
         fix = (
-            f'optimizer.param_groups[{r.group}]["lr"] = {fmt(r.old)}   # was {fmt(r.new)} '
+            f'optimizer.param_groups[{r.group}]["lr"] = {hyper(r.old)}   # was {hyper(r.new)} '
             f"({r.optimizer}); raise it over many steps (a warm-up scheduler), not at once"
         )
         optimizer, param = r.optimizer, big.param if big is not None else None
@@ -8213,12 +8217,12 @@ def _overshoot_words(
         assert big is not None
         what = "largest |value|" if big.kind == "max" else "RMS value"
         why = (
-            f"it moved {big.param} by {_times(big.ratio)} its {what} (lr {fmt(big.lr)} "
+            f"it moved {big.param} by {_times(big.ratio)} its {what} (lr {hyper(big.lr)} "
             f"with {big.optimizer}, param group {big.group})"
         )
         new = _round_down(big.lr * _SAFE_SHARE / big.ratio)
         fix = (
-            f'optimizer.param_groups[{big.group}]["lr"] = {fmt(new)}   # was {fmt(big.lr)} '
+            f'optimizer.param_groups[{big.group}]["lr"] = {hyper(new)}   # was {hyper(big.lr)} '
             f"({big.optimizer}): its update was {_times(big.ratio)} the size of {big.param}"
         )
         optimizer, param = big.optimizer, big.param
