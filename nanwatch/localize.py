@@ -1150,6 +1150,18 @@ def _hidden_forward_nan(ops: Sequence[OpEvent]) -> OpEvent | None:
     )
 
 
+def _grad_in_forward(ops: Sequence[OpEvent], path: str) -> OpEvent | None:
+    """For a value born in the forward of ``path`` that no forward op made (forensic): the
+    traced backward op, run for a node that ``path``'s forward made, that made a NaN or inf
+    from finite values. A forward that differentiates its own output (a physics-informed loss,
+    a gradient penalty: ``torch.autograd.grad(..., create_graph=True)``) runs backward ops
+    inside it, and what they return (``x / sqrt(x**2)`` at 0 is 0/0) is a forward value."""
+    ev = _matching_op(ops, Phase.BACKWARD, path)
+    if ev is None or ev.path is None or not (ev.path == path or ev.path.startswith(path + ".")):
+        return None
+    return ev
+
+
 def _backward_birth(ops: Sequence[OpEvent]) -> OpEvent | None:
     """The first traced backward op that made a NaN or inf from finite values."""
     return _matching_op(ops, Phase.BACKWARD, None)
@@ -1879,6 +1891,14 @@ def localize(
         if kind in (AnomalyKind.FORWARD, AnomalyKind.BACKWARD)
         else None
     )
+    if op is None and kind is AnomalyKind.FORWARD and origin == "module":
+        op = _grad_in_forward(trace.ops, path)
+        if op is not None:
+            summary += (
+                f": made by the backward of {op.node or op.op} that torch.autograd.grad"
+                "(create_graph=True) ran inside the forward"
+                + (f" at {op.backward_at}" if op.backward_at else "")
+            )
     custom = (
         _matching_custom(trace.ops, LOSS_PATH if origin == "after-output" else path)
         if kind is AnomalyKind.BACKWARD and op is None
