@@ -12,6 +12,7 @@ created the value while everything it was computed from was finite.
 from __future__ import annotations
 
 import fnmatch
+import linecache
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -1158,6 +1159,12 @@ def _grad_in_forward(ops: Sequence[OpEvent], path: str) -> OpEvent | None:
     inside it, and what they return (``x / sqrt(x**2)`` at 0 is 0/0) is a forward value."""
     ev = _matching_op(ops, Phase.BACKWARD, path)
     if ev is None or ev.path is None or not (ev.path == path or ev.path.startswith(path + ".")):
+        return None
+    # run by a differentiation inside the forward, not by the step's own backward() (whose
+    # ops are traced too when the forward's statistics landed late: that birth came after)
+    file, _, num = (ev.backward_at or "").rpartition(":")
+    called = linecache.getline(file, int(num)) if file and num.isdigit() else ""
+    if not called or ".backward(" in called or "autograd.backward(" in called:
         return None
     return ev
 
