@@ -1291,8 +1291,8 @@ def _from_op(
     elif result_only:
         evidence.append(
             f"in forward, {op} overflowed: the result autograd saved holds +inf "
-            f"({describe_stat(x)}), which the loss then left out (a min, a clamp or a where "
-            "chose the other branch)"
+            f"({describe_stat(x)}), which later ops left out of the loss (a min, a clamp, "
+            "a where that chose the other branch, or a ReLU of what became -inf)"
         )
         evidence.append(
             f"in backward ({ev.node}) the gradient is multiplied by that result: 0 × inf = "
@@ -4943,6 +4943,71 @@ def _explain_wide(
 _BOX_CLIP = math.log(1000.0 / 16)
 
 
+def _softplus_by_hand(code: str | None) -> str | None:
+    """``code`` with each ``log(1 + exp(x))`` (``torch.log``, ``.log()``, ``log1p(exp(x))``,
+    ``1 + exp`` either way round) written as ``F.softplus(x)``: softplus by hand, whose exp
+    overflows where softplus is simply x. None when the line holds none.
+
+    >>> _softplus_by_hand("sigma = torch.log(1 + torch.exp(s.rho)); w = s.mu + sigma")
+    'sigma = F.softplus(s.rho); w = s.mu + sigma'
+    >>> _softplus_by_hand("y = torch.log1p(x.exp())")
+    'y = F.softplus(x)'
+    """
+    if not code:
+        return None
+    line = code.split("  #", 1)[0].rstrip()
+    try:
+        tree = ast.parse(line.strip())
+    except SyntaxError:
+        return None
+    text = line.strip()
+
+    def exp_arg(node: ast.AST) -> ast.expr | None:
+        if not isinstance(node, ast.Call):
+            return None
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr == "exp":
+            if isinstance(f.value, ast.Name) and f.value.id in ("torch", "math", "np"):
+                return node.args[0] if len(node.args) == 1 else None
+            return f.value if not node.args else None  # x.exp()
+        return None
+
+    def one(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and node.value in (1, 1.0)
+
+    found: list[tuple[int, int, str]] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        name, f = node.func.attr, node.func
+        plain = isinstance(f.value, ast.Name) and f.value.id == "torch" and len(node.args) == 1
+        inner = node.args[0] if plain else (f.value if not node.args else None)
+        if inner is None:
+            continue
+        x: ast.expr | None = None
+        if name == "log1p":
+            x = exp_arg(inner)
+        elif name == "log" and isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Add):
+            if one(inner.left):
+                x = exp_arg(inner.right)
+            elif one(inner.right):
+                x = exp_arg(inner.left)
+        seg = ast.get_source_segment(text, x) if x is not None else None
+        if seg is None or node.end_col_offset is None or node.end_lineno != node.lineno:
+            continue
+        found.append((node.col_offset, node.end_col_offset, f"F.softplus({seg})"))
+    if not found:
+        return None
+    found.sort()
+    out, at = [], 0
+    for a, b, new in found:
+        if a < at:  # nested in one already rewritten
+            continue
+        out.append(text[at:a] + new)
+        at = b
+    return "".join(out) + text[at:]
+
+
 def _rewrite_calls(code: str | None, op: str, wrap: Callable[[str], str]) -> str | None:
     """The user's line with the argument of EVERY call to ``op`` passed through ``wrap``
     (``rewrite_call`` rewrites the first): ``w = aw * torch.exp(a); h = ah * torch.exp(b)``
@@ -5070,6 +5135,14 @@ def _fix_wide(
 
         fixed = _rewrite_calls(code, op, wrap) if calls else None
         first_line = fixed if fixed is not None else f"y = torch.{op}({wrap('x')})"
+        softplus = _softplus_by_hand(code) if op == "exp" and not complex_ else None
+        if softplus is not None:
+            # log(1 + exp(x)) written out: torch's softplus is the same function, computed
+            # without forming exp(x) (x itself above its threshold of 20)
+            return (
+                f"{softplus}   # log(1 + exp(x)) is F.softplus(x): same values, no overflow\n"
+                f"# or only bound the argument: {first_line.strip()}"
+            )
         last = (
             "# log(cosh(d)), a log-cosh loss, without cosh: "
             "d.abs() + F.softplus(-2 * d.abs()) - math.log(2)"
