@@ -473,8 +473,12 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         on_error: Callable[[BaseException], None] | None = None,
         backward_site: Callable[[], tuple[str | None, str | None]] | None = None,
         nanwatch_calls: bool = False,
+        param_of: Callable[[torch.Tensor], tuple[str, str] | None] | None = None,
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        #: a watched parameter's qualified name and the type of the module that holds it,
+        #: by identity (None for any other tensor): asked only when an event is recorded
+        self._param_of = param_of
         #: record the ops nanwatch's own code runs too (a user's autograd node whose
         #: backward nanwatch runs again), not only the user's
         self._nanwatch_calls = nanwatch_calls
@@ -829,6 +833,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 # acos's input, the sqrt's result, read by the rules as ``saved self``
                 other_inputs=_briefs(others[:4]) + _briefs(saved),
                 outputs=_named_outputs(func, out),
+                params=self._params_in(inputs[:6]),
             )
             self.events.append(event)
             if phase is Phase.FORWARD and "NaN" in born:
@@ -848,6 +853,18 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 if isinstance(base, torch.Tensor) and self._lookup(base) is None:
                     # a view written in place (x[0].div_(n)): its base holds the value too
                     self._remember(base, seen.event, seq=seen.seq)
+
+    def _params_in(self, inputs: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, str, str]]:
+        """The op's inputs that are watched parameters: (schema name, qualified name, the
+        holding module's type). Host-side lookups by identity, for an event alone."""
+        if self._param_of is None:
+            return []
+        out: list[tuple[str, str, str]] = []
+        for name, t in inputs:
+            found = self._param_of(t)
+            if found is not None:
+                out.append((name, *found))
+        return out
 
     def _note_difference(self, func: Any, args: Sequence[Any], outs: list[torch.Tensor]) -> None:
         """Keep the largest magnitude of a forward subtraction's two floating operands with
@@ -2140,6 +2157,7 @@ def replay(
     autocast: tuple[tuple[str, torch.dtype], ...] | None = None,
     modes: tuple[Any, ...] = (),
     names: Callable[[torch.nn.Module], str | None] | None = None,
+    param_of: Callable[[torch.Tensor], tuple[str, str] | None] | None = None,
 ) -> ReplayResult:
     """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
     :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
@@ -2168,7 +2186,8 @@ def replay(
     (``torch.set_default_device``, a user's mode), those out of force now entered again
     (see :func:`nanwatch._compat.as_called`). ``names``: the path of each submodule whose
     calls no hook names during the replay (see :class:`_SubmoduleOps`), so that an op a
-    child of ``module`` ran is told as that child's."""
+    child of ``module`` ran is told as that child's. ``param_of``: the name of a watched
+    parameter an op reads (see :class:`OpChecker`)."""
     result = ReplayResult()
     floor = sys._getframe()
     devices = _devices([args, kwargs])
@@ -2180,7 +2199,9 @@ def replay(
             # the original draws unless it drew from Python's or NumPy's generator too
             host_only_given = same and rng is not None and len(rng) == 1
             for _ in range(max(1, attempts)):
-                chk = OpChecker(current_path=current_path or replay_path, on_error=on_error)
+                chk = OpChecker(
+                    current_path=current_path or replay_path, on_error=on_error, param_of=param_of
+                )
                 tracker.checker = chk
                 chk.floor, chk.call_site = floor, call_site
                 chk.hold_state(

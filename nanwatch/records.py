@@ -364,6 +364,9 @@ class OpEvent:
     #: first, lower-case (``["rsub"]``), ending at a watched module's output as
     #: ``"watched:sigmoid"`` (the op that made that output); empty when not read.
     made_from: list[str] = field(default_factory=list)
+    #: the inputs that are watched parameters, read by identity: (schema name, qualified
+    #: name, type of the module that holds it), ``("other", "scales.1", "ParameterList")``
+    params: list[tuple[str, str, str]] = field(default_factory=list)
 
     @property
     def at(self) -> str:
@@ -410,6 +413,8 @@ class OpEvent:
             d["outputs"] = [[r, s.to_dict()] for r, s in self.outputs]
         if self.made_from:
             d["made_from"] = list(self.made_from)
+        if self.params:
+            d["params"] = [list(p) for p in self.params]
         return d
 
     @classmethod
@@ -436,6 +441,7 @@ class OpEvent:
             other_inputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("other_inputs", [])],
             outputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("outputs", [])],
             made_from=[str(m) for m in d.get("made_from", [])],
+            params=[(str(r), str(q), str(t)) for r, q, t in d.get("params", [])],
         )
 
 
@@ -560,6 +566,8 @@ class Note:
     * ``"optimizer"``: one per optimizer step of watched weights, written before the
       update; ``path`` is the optimizer's class. ``data["groups"]``: per parameter group,
       ``params`` (how many watched), ``dtypes``, ``lr`` and ``eps`` when they are numbers.
+    * ``"step_marked"``: on a step with an anomaly that began at the user's ``step()``
+      (the automatic step rule did not draw its boundary); no data.
     * ``"distributed"``: written by the Lightning callback on the step where an anomaly was
       acted on across ranks. ``data``: ``rank``, ``world_size``, ``ranks`` (those that saw
       it), ``first_ranks`` (those that saw it first), ``action``.

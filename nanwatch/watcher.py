@@ -786,6 +786,8 @@ class Watcher:
         self._params: list[tuple[str, str, nn.Parameter]] = []
         self._param_ids: frozenset[int] = frozenset()  #: ids of ``_params`` (optimizer hook)
         self._param_types: list[str] = []  # the owner module's class, aligned with _params
+        #: the parameters' names and owner types by id, for op events (see _param_of)
+        self._param_table: tuple[list[Any], dict[int, tuple[nn.Parameter, str, str]]] | None = None
         #: what the parameters were collected from (see :meth:`_param_sig_of`)
         self._param_sig: list[tuple[Any, ...]] = []
         self._lazy_left = False  #: a lazy module's parameters are not materialized yet
@@ -816,6 +818,9 @@ class Watcher:
         self._step = 0
         self._warned = False
         self._explicit = False
+        #: the first step that began at the user's ``step()`` (each one after it did too:
+        #: the automatic step rule is off once the user marks the steps); None before
+        self._marked_from: int | None = None
         #: the framework callback that made this watcher (``"lightning"``), or None: its
         #: hints name that callback's arguments, not a ``watch()`` call the user has not
         self.front: str | None = None
@@ -1010,6 +1015,7 @@ class Watcher:
                     on_error=self._checker_fault,
                     max_events=256,
                     backward_site=self._backward_site_of_step,
+                    param_of=self._param_of,
                 )
                 self._checker.__enter__()  # type: ignore[no-untyped-call]
         except BaseException:
@@ -1296,7 +1302,10 @@ class Watcher:
                 self._fold_evaluations()
                 self._cycle_fold(first_explicit=True)
             self._cycle = None
-            return self._boundary()
+            done = self._boundary()
+            if self._marked_from is None:
+                self._marked_from = self._step
+            return done
 
     def check(self) -> Anomaly | None:
         """Localize what the current step recorded so far, without ending the step or acting
@@ -1517,7 +1526,10 @@ class Watcher:
             torch.autograd.set_detect_anomaly(True, check_nan=False)
             stack.callback(torch.autograd.set_detect_anomaly, prev[0], check_nan=prev[1])
             chk = ops.OpChecker(
-                current_path=ops.replay_path, on_error=self._checker_fault, max_events=256
+                current_path=ops.replay_path,
+                on_error=self._checker_fault,
+                max_events=256,
+                param_of=self._param_of,
             )
             before = ops.rng_states(devices)
             try:
@@ -5831,6 +5843,23 @@ class Watcher:
         if any(m is inner for m in outer.modules()):
             born_below(anomaly, path, type(inner).__name__)
 
+    def _param_of(self, t: torch.Tensor) -> tuple[str, str] | None:
+        """``t``'s qualified name and the type of the module that holds it, when ``t`` is a
+        watched parameter (by identity), for an op event that reads it; None otherwise.
+        Host-side and built on first ask after the parameters changed: anomaly-time work."""
+        params = self._params
+        if id(t) not in self._param_ids:
+            return None
+        table = self._param_table
+        if table is None or table[0] is not params:
+            names = {
+                id(p): (p, q, kind)
+                for (q, _, p), kind in zip(params, self._param_types, strict=False)
+            }
+            table = self._param_table = (params, names)
+        found = table[1].get(id(t))
+        return (found[1], found[2]) if found is not None and found[0] is t else None
+
     def _unhooked_path(self, module: nn.Module) -> str | None:
         """The path of ``module`` when the watcher does not hook its calls (sentinel mode
         hooks the roots alone), so that no hook of its names the ops a replay runs in it:
@@ -5993,6 +6022,7 @@ class Watcher:
             autocast=self._call_autocast(call),
             modes=self._call_modes(call),
             names=self._unhooked_path,
+            param_of=self._param_of,
             **extra,
         )
 
@@ -6598,6 +6628,12 @@ class Watcher:
             return  # a replay on one rank could block in a collective (see _pinpoint)
         result = self._replay_of(maker, module, args, kwargs, hooks)
         made = next((e for e in result.events if "-inf" in e.born), None)
+        if made is None:  # a complex value is measured by |z|: a -inf part (the log of a
+            # complex 0, -inf + 0j) is told as +inf, and view_as_real passes the -inf on
+            made = next(
+                (e for e in result.events if e.dtype.startswith("complex") and "+inf" in e.born),
+                None,
+            )
         if made is None:
             return
         trace.ops.extend(result.events)
@@ -6986,6 +7022,14 @@ class Watcher:
     def _evaluate(self, trace: StepTrace) -> list[Diagnosis]:
         from nanwatch.rules import evaluate
 
+        marked = self._marked_from
+        if (
+            trace.anomaly is not None
+            and marked is not None
+            and trace.step >= marked
+            and not any(n.kind == "step_marked" for n in trace.notes)
+        ):  # the rules read step boundaries as the user's, not the automatic rule's
+            trace.notes.append(Note(kind="step_marked", path="step()"))
         history = [t for t in self.history if t.step < trace.step]
         found = evaluate(
             trace,

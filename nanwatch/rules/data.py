@@ -283,7 +283,8 @@ def _made_between_calls(
     Before any optimizer update in the run, the automatic step rule cannot tell an attack's
     ``backward()`` from a training step's and ends the step there: the bad input is then
     the next step's first, and the step before, with a backward and no update, is looked
-    at too."""
+    at too. A step that began at the user's ``nw.step()`` (a ``"step_marked"`` note) began
+    where the user said: the step before is another batch's."""
     trace = ctx.trace
     if call is None or not call.root or rec.source is not None or not whole_samples_bad(rec):
         return None
@@ -291,6 +292,8 @@ def _made_between_calls(
     if found is not None:
         return found[0], True, found[1]
     if not ctx.history or any(n.kind == "optimizer" for t in ctx.history for n in t.notes):
+        return None
+    if ctx.notes("step_marked"):
         return None
     prev = ctx.history[-1]
     if prev.step != trace.step - 1 or any(c.root and c.id < call.id for c in trace.calls):

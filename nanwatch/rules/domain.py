@@ -5345,6 +5345,10 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if learn is not None:  # LSQ's step size: clamp_min would freeze it at 0
         yield _learnable_diagnosis(ctx, a, ev, learn, evidence=evidence, title=title)
         return
+    param = _divisor_parameter(ev) if den is not None and not integer and has_zero(den) else None
+    if param is not None and den is not None:  # the op divided by a watched parameter itself
+        yield _parameter_divisor(ctx, a, ev, den, param, evidence=evidence, title=title)
+        return
     every = den is not None and not integer and den.numel > 1 and den.zeros == den.numel
     fix = _div_fix(
         ev,
@@ -5503,6 +5507,93 @@ def _shared_divisor(ev: OpEvent) -> tuple[str, list[str]] | None:
         if divides.search(text.split("#", 1)[0])
     ]
     return (name, lines) if len(lines) > 1 else None
+
+
+def _divisor_parameter(ev: OpEvent) -> tuple[str, str] | None:
+    """The qualified name and holding module's type of the watched parameter that is the
+    division's denominator itself (read by identity when the event was recorded: a
+    ``ParameterList`` entry the line indexes, ``s.scales[1]``); None when it is not one."""
+    role = "self" if packet(ev.op).rstrip("_") == "reciprocal" else "other"
+    return next(((q, kind) for r, q, kind in ev.params if r == role), None)
+
+
+def _parameter_access(qual: str, kind: str) -> str:
+    """Python that reads the parameter ``qual`` from the model: ``scales.1`` ->
+    ``model.scales[1]``, ``heads.a.scale`` -> ``model.heads.a.scale``; a key of a
+    ``ParameterDict`` (``kind``), or one that is no identifier, subscripted
+    (``model.scales["b"]``)."""
+    parts = qual.split(".")
+    out = "model"
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            out += f"[{part}]"
+        elif part.isidentifier() and not (kind == "ParameterDict" and i == len(parts) - 1):
+            out += f".{part}"
+        else:
+            out += f'["{part}"]'
+    return out
+
+
+def _parameter_divisor(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    den: TensorStat,
+    held: tuple[str, str],
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """NW111 when the denominator is a watched parameter itself (by identity, not by the
+    line's text): named, with a fix that acts on it, its init and a floor that keeps its
+    gradient (a clamp_min floor passes none below eps: the parameter would stay at 0)."""
+    qual, kind = held
+    owner = f" ({kind})" if kind else ""
+    zeros = (
+        "0 everywhere"
+        if den.zeros == den.numel
+        else f"0 in {den.zeros:,} of its {count(den.numel, 'value')}"
+        if den.zeros
+        else "0"
+    )
+    evidence.insert(0, f"the denominator is the parameter {qual}{owner}, which holds {zeros}")
+    access = _parameter_access(qual, kind)
+    fix = (
+        f"with torch.no_grad():   # where {qual} is initialized: a divisor starts away from 0\n"
+        f"    {access}.fill_(1.0)"
+    )
+    if den.min >= 0:  # a floor in value that keeps the gradient (not for a signed divisor)
+
+        def floor(d: str) -> str:
+            return f"({d} + ({d}.clamp_min(torch.finfo({d}.dtype).eps) - {d}).detach())"
+
+        seen: list[str] = []
+
+        def named(d: str) -> str:
+            seen.append(d)
+            return floor("d")
+
+        line = _rewrite_divisor(ev.code, named)
+        line = f"d = {seen[0]}\n{line}" if line and seen else f"d = {access}\ny = x / {floor('d')}"
+        fix += f"\n{line}   # floored at eps in value, the gradient still reaches {qual}"
+    fix += (
+        f"\n# or keep {qual} positive while it trains: store its log and divide by its exp "
+        "(or by F.softplus of it)"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: the parameter {qual} is 0",
+        evidence=evidence,
+        explanation=(
+            f"The op divides by the parameter {qual} itself, and it holds 0: a learnable "
+            "divisor (a scale, a temperature) initialized to 0, set to 0, or trained to 0. "
+            "x/0 is ±inf and 0/0 is NaN. A clamp_min(eps) on the line makes it finite but "
+            f"passes no gradient below eps, so {qual} would stay at 0: start it away from 0, "
+            "and floor its value without stopping its gradient, or keep it positive by "
+            "parameterization."
+        ),
+        fix=fix,
+    )
 
 
 def _learnable_diagnosis(
