@@ -317,3 +317,37 @@ def test_the_lr_zero_fix_assigns_no_name_the_user_may_not_have() -> None:
     assert d.fix.splitlines()[-1] == (
         "torch.optim.Adam(model.parameters(), lr=1e-3)   # where you make it, not lr=0"
     )
+
+
+# ------------------ a stale zero .grad of an unused head is no vanishing gradient
+
+
+class _WithUnusedHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.aux = nn.Linear(16, 3)  # trained once before, unused now
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("mode", ["watch", "sentinel"])
+def test_an_unused_heads_stale_zero_grad_is_not_vanishing(mode: str) -> None:
+    """zero_grad(set_to_none=False) leaves the unused head a .grad of zeros every step:
+    sentinel, which records no forward of the head, took it for a dead layer (NW304)."""
+    torch.manual_seed(0)
+    m = _WithUnusedHead()
+    m.aux(torch.randn(2, 16)).sum().backward()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def loss() -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        return F.cross_entropy(m(torch.randn(32, 8)), torch.randint(0, 4, (32,)))
+
+    with nanwatch.watch(m, mode=mode, on_anomaly="record", postmortem=False) as nw:
+        for _ in range(12):
+            loss().backward()
+            opt.step()
+            nw.step()
+    assert [d.code for d in nw.report.diagnoses if d.severity != "info"] == []

@@ -4862,6 +4862,36 @@ def _starved(trace: StepTrace) -> set[str]:
     return {p for p, e in empty.items() if e}
 
 
+def _zero_stat(s: TensorStat) -> bool:
+    return s.norm == 0.0 or s.max == s.min == 0.0
+
+
+def _input_zeroed(grads: Sequence[Record]) -> bool:
+    """A layer's weight gradient is exactly 0 while its bias's is not: its input was exactly
+    0 (a weight gradient is the input times the output gradient), so backward reached it and
+    the layers before it got zeros this step, not a stale .grad."""
+    zero_w = {
+        r.path
+        for r in grads
+        if r.role.endswith(".weight") and r.stat is not None and _zero_stat(r.stat)
+    }
+    return any(
+        r.path in zero_w
+        and r.role.endswith(".bias")
+        and r.stat is not None
+        and not _zero_stat(r.stat)
+        for r in grads
+    )
+
+
+def _low_precision_backward(trace: StepTrace) -> bool:
+    """A root's output gradient this step is float16 or bfloat16: backward ran in a dtype
+    whose small gradients underflow to exactly 0."""
+    return any(
+        r.phase is Phase.BACKWARD and r.dtype in ("float16", "bfloat16") for r in trace.records
+    )
+
+
 def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], set[str]]:
     """Modules whose every output gradient was exactly zero this step, modules whose every
     parameter gradient was zero, each module's gradient dtype, and the modules of the
@@ -4895,8 +4925,17 @@ def _zero_grads(trace: StepTrace) -> tuple[set[str], set[str], dict[str, str], s
     called &= graphed | reached
     if not trace.full and called:
         # sentinel records the roots' calls only: the weights of a root whose forward ran
-        # in the graph and got a backward are its modules' (a frozen weight keeps no .grad)
-        called |= {r.path for r in trace.records if r.phase is Phase.GRADIENT}
+        # in the graph and got a backward are its modules' (a frozen weight keeps no .grad).
+        # A module whose every weight gradient is exactly 0 counts only where the backward
+        # ran in float16/bfloat16, whose gradients underflow, or was cut inside the model
+        # (a layer whose weight gradient is 0 and its bias's is not: its input was 0). Else
+        # its .grad may be stale (an unused head's after zero_grad(set_to_none=False)),
+        # which sentinel cannot tell from a new one; a non-zero gradient is in the graph
+        grads = [r for r in trace.records if r.phase is Phase.GRADIENT]
+        if _low_precision_backward(trace) or _input_zeroed(grads):
+            called |= {r.path for r in grads}
+        else:
+            called |= {r.path for r in grads if r.stat is not None and not _zero_stat(r.stat)}
     if trace.full and reached:
         # a module whose own output gradient was hooked (measured, with an autograd node)
         # but that no backward of this step reached: its output was not in the loss (an
