@@ -214,6 +214,41 @@ def case_update_below_rounding() -> Case:
     return Case(b.build(), facts={"weight_scales": {"fc.weight": (6.4, "norm", 4096)}})
 
 
+def zeroed_norm(*, gate_grad: float = 0.0, lo: float = -2204.0, hi: float = 2012.0) -> StepTrace:
+    """A hand-written float16 LayerNorm whose (x - mean) ** 2 overflowed: its output is all
+    exact zeros from an input 4216 wide, its weight's gradient 0 (NW109)."""
+    b = TraceBuilder(0)
+    net = b.call("Net", root=True)
+    x = b.input(net, stat(-2290.0, 2790.0, numel=128), dtype="float16")
+    fc = b.call("fc", "Linear", parent=net)
+    b.input(fc, source=x, dtype="float16")
+    h = b.forward(fc, stat(lo, hi, numel=512), dtype="float16", grad_fn="AddmmBackward0")
+    ln = b.call("norm", "LN", parent=net)
+    b.input(ln, source=h, dtype="float16")
+    out = b.forward(ln, stat(-0.0, -0.0, numel=512), dtype="float16", grad_fn="DivBackward0")
+    b.forward(net, source=out, dtype="float16")
+    b.backward(out, stat(-0.003, 0.003, numel=512), dtype="float16")
+    b.backward(h, stat(0.0, 0.0, numel=512), dtype="float16")
+    b.gradient("fc", "fc.weight", 0.0, dtype="float16")
+    b.gradient("norm", "norm.g", gate_grad, dtype="float16")
+    return b.build(loss=0.01, grad_norm=gate_grad)
+
+
+def case_zeroed_by_overflow() -> Case:
+    return Case(zeroed_norm())
+
+
+def test_zeroed_output_is_silent_when_its_parameters_learn_or_its_input_is_narrow() -> None:
+    assert "NW109" in Case(zeroed_norm()).codes()
+    # a zero-initialized gate: its own parameter gets a gradient from the input it zeroes
+    assert "NW109" not in Case(zeroed_norm(gate_grad=0.5)).codes()
+    # an input of no positive value (a dead ReLU) or whose deviations square below finfo.max
+    assert "NW109" not in Case(zeroed_norm(hi=-10.0)).codes()
+    assert "NW109" not in Case(zeroed_norm(lo=2012.0 - 250.0)).codes()
+    # a non-negative input (after a ReLU) too wide to square still zeroes a hand-written norm
+    assert "NW109" in Case(zeroed_norm(lo=0.0)).codes()
+
+
 def case_saved_rstd_overflow() -> Case:
     """A float16 LayerNorm with eps=1e-12 over an all-zero row: its forward saved 1 /
     sqrt(0 + 1e-12) = 1e6, inf in float16, and its backward made NaN of it (NW108)."""
@@ -784,6 +819,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW106": case_huge_loss,
     "NW107": case_update_below_rounding,
     "NW108": case_saved_rstd_overflow,
+    "NW109": case_zeroed_by_overflow,
     "NW110": case_log,
     "NW111": case_div,
     "NW112": case_root,

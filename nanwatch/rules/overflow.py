@@ -8421,3 +8421,143 @@ def saved_rstd_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"(autocast does: keep the weights float32, {ev.dtype} in the forward)"
         ),
     )
+
+
+# ---------------------------------------------------------------------- NW109
+
+
+@dataclass(frozen=True)
+class _Zeroed:
+    """A low-precision module output of exact zeros from an input that holds positive values
+    and whose spread passes sqrt(finfo.max)."""
+
+    out: Record  #: the module's output: every value 0
+    src: Record  #: its input: max > 0, max - min > sqrt(finfo.max)
+    lim: DtypeLimits
+    grad_in: Record | None  #: the gradient that reached the input: every value 0, or None
+    zeros: TensorStat  #: ``out``'s statistics
+    wide: TensorStat  #: ``src``'s statistics
+
+
+def _all_zero(s: TensorStat | None) -> bool:
+    return s is not None and s.numel > 1 and s.min == 0 and s.max == 0
+
+
+def _zeroed_outputs(ctx: RuleContext) -> list[_Zeroed]:
+    """Watch mode's records alone (no op events): module outputs in a short-range dtype that
+    are all exactly 0 while the module's input of that dtype held positive values, and values
+    so far apart that a square of their difference, (x - mean) ** 2, passes finfo.max. A
+    ReLU zeroes an input only when none of it is positive (a dead ReLU); a module whose own
+    parameters got a non-zero gradient (a gate initialized at 0) is left alone."""
+    trace = ctx.trace
+    dtypes = {r.dtype for r in trace.records}
+    if not any((lim := low_precision(d)) is not None and lim.short_range for d in dtypes):
+        return []  # no float16 or float8 value this step (the common case): nothing to do
+    calls = {c.id: c for c in trace.calls}
+    traced = {ev.path for ev in trace.ops if ev.phase is Phase.FORWARD}
+    found: list[_Zeroed] = []
+    for r in trace.records:
+        call = calls.get(r.call)
+        if r.phase is not Phase.FORWARD or call is None or call.is_loss or call.passthrough:
+            continue
+        lim = low_precision(r.dtype)
+        if lim is None or not lim.short_range or r.stat is None or r.path in traced:
+            continue
+        if not _all_zero(r.stat):
+            continue
+        wide = [
+            (m, m.stat)
+            for m in _inputs_of_record(trace, r)
+            if m.dtype == r.dtype
+            and m.stat is not None
+            and m.stat.finite
+            and m.stat.max > 0
+            and (m.stat.max - m.stat.min) ** 2 > lim.max
+        ]
+        if not wide:
+            continue
+        grads = [g for g in trace.records if g.phase is Phase.GRADIENT and g.path == r.path]
+        if any(g.stat is None or g.stat.magnitude != 0 for g in grads):
+            continue  # its parameters learn from it: the zeros are the module's own
+        src, ws = max(wide, key=lambda w: w[1].magnitude)
+        back = [
+            b
+            for b in trace.records
+            if b.phase is Phase.BACKWARD and b.source == src.index and _all_zero(b.stat)
+        ]
+        found.append(_Zeroed(r, src, lim, back[0] if back else None, r.stat, ws))
+    return found
+
+
+@rule(
+    "NW109",
+    title="Overflow zeroed a module's low-precision output (silently wrong values)",
+    severity="warning",
+    summary=(
+        "Watch mode: a float16 module's output is all exact zeros while its input held "
+        "positive values, so far apart that (x - mean) ** 2 passes finfo.max (|x - mean| > "
+        "255.9 in float16): a variance or norm computed in float16 became inf and x / inf = "
+        "0. No NaN appears; compute the statistic in float32."
+    ),
+    early=True,
+    priority=22,
+)
+def zeroed_by_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
+    if ctx.anomaly is not None:
+        return  # a non-finite value reached a record: the anomaly's rules say what it was
+    found = _zeroed_outputs(ctx)
+    if not found:
+        return
+    z = found[0]
+    out, src, lim = z.out, z.src, z.lim
+    zs, ws = z.zeros, z.wide
+    dtype = out.dtype
+    spread = ws.max - ws.min
+    root = math.sqrt(lim.max)
+    evidence = [
+        f"{out.where}: all {zs.numel:,} values are exactly 0 in {dtype}",
+        f"its input ({src.where}) spans {fmt(ws.min)} to {fmt(ws.max)}: positive values, "
+        f"which a ReLU would keep; values {fmt(spread)} apart square to "
+        f"up to {fmt(spread**2)}, past {fmt(lim.max)} (torch.finfo(torch.{dtype}).max; "
+        f"a square overflows when |x| > {fmt(root)})",
+    ]
+    if z.grad_in is not None:
+        evidence.append(
+            f"the gradient that reached {src.path}'s output through it is all 0 too: nothing "
+            "flows back through the zeros"
+        )
+    if len(found) > 1:
+        evidence.append(
+            "also zeroed: "
+            + ", ".join(f.out.path for f in found[1:4])
+            + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        )
+    evidence.append(
+        "no module output, loss or gradient holds NaN or inf: the inf stayed inside "
+        f"{out.path}'s forward"
+    )
+    ref = module_ref(out.path)
+    yield ctx.diagnosis(
+        path=out.path,
+        phase=out.phase.value,
+        evidence=evidence,
+        explanation=(
+            f"{dtype} holds values up to {fmt(lim.max)}, so a square passes it once |x| > "
+            f"{fmt(root)}. A variance or norm computed by hand in {dtype} ((x - mean) ** 2, "
+            "x.pow(2).sum(), x.norm()) overflows to inf on these inputs, and the division by "
+            f"it turns every value into 0 (x / inf = 0): {out.path} outputs zeros, its "
+            "gradients are 0, and training goes on without a NaN. (An input whose every row "
+            "is constant would also give 0; its deviations would be 0.) mode='forensic' "
+            "names the op and line (NW105)."
+        ),
+        fix=(
+            "# compute the statistic in float32 and cast the result back, e.g. a hand-written "
+            "LayerNorm:\n"
+            f"x32 = x.float()   # in the forward of {ref}\n"
+            "mu = x32.mean(-1, keepdim=True)\n"
+            "var = ((x32 - mu) ** 2).mean(-1, keepdim=True)\n"
+            "y = ((x32 - mu) / torch.sqrt(var + eps)).to(x.dtype)\n"
+            "# or use nn.LayerNorm / F.layer_norm (they accumulate in float32), or "
+            f"keep {ref} in float32: {ref}.float() and cast its input"
+        ),
+    )
