@@ -8,8 +8,9 @@ so a later event names the earlier one as its cause: op-level data flow, not gue
 
 :func:`replay` re-runs a module's call on its inputs under the checker (its forward and
 the user's forward hooks and pre-hooks on it, none of nanwatch's), with
-``torch.no_grad()``, and puts RNG state and buffers (BatchNorm running statistics) back,
-so the replay changes nothing.
+``torch.no_grad()`` (once more with gradients on when the forward raised there: one that
+differentiates itself), and puts RNG state, buffers (BatchNorm running statistics) and
+``.grad`` back, so the replay changes nothing.
 """
 
 from __future__ import annotations
@@ -2161,7 +2162,12 @@ def replay(
 ) -> ReplayResult:
     """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
     :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
-    buffers are restored afterwards. The module's non-finite parameters and buffers are
+    buffers are restored afterwards. A forward that raised under ``no_grad`` (one that
+    differentiates itself: ``torch.autograd.grad(..., create_graph=True)`` of a PINN's
+    du/dx, a gradient penalty) is run once more, from the same draws, with gradients on as
+    the user's ran (see :func:`_grad_mode`), the ``.grad`` of the parameters and of the
+    inputs set aside (:func:`_grads_set_aside`): the backward ops it runs are checked, and
+    what its result holds is theirs. The module's non-finite parameters and buffers are
     held as given (:meth:`OpChecker.hold_state`), or only those ``hold`` says. Every
     watcher's hooks stay quiet during the replay (they only track which module is running).
 
@@ -2198,7 +2204,8 @@ def replay(
             # only the CPU generator was given back (forward_rng): the first attempt repeats
             # the original draws unless it drew from Python's or NumPy's generator too
             host_only_given = same and rng is not None and len(rng) == 1
-            for _ in range(max(1, attempts)):
+
+            def run(grad: bool) -> tuple[OpChecker, Any, str | None]:
                 chk = OpChecker(
                     current_path=current_path or replay_path, on_error=on_error, param_of=param_of
                 )
@@ -2207,19 +2214,38 @@ def replay(
                 chk.hold_state(
                     t for t in (*module.parameters(), *module.buffers()) if hold is None or hold(t)
                 )
-                before = rng_states(devices)
                 tracker.kept = []
                 push_path(path)
                 tracker.begin()
                 out: Any = None
+                error: str | None = None
+                mode = _grad_mode() if grad else torch.no_grad()
                 try:
-                    with torch.no_grad(), _autocast_or_not(autocast), chk:
+                    with (
+                        _grads_set_aside(module, args, kwargs, grad),
+                        mode,
+                        _autocast_or_not(autocast),
+                        chk,
+                    ):
                         out = call_forward(module, args, kwargs, pre_hooks=pre_hooks, modes=modes)
                 except Exception as exc:
-                    result.error = f"{type(exc).__name__}: {exc}"
+                    error = f"{type(exc).__name__}: {exc}"
                 finally:
                     tracker.unwind()
                     pop_path()
+                return chk, out, error
+
+            for _ in range(max(1, attempts)):
+                before = rng_states(devices)
+                chk, out, result.error = run(False)
+                if result.error is not None:
+                    # a forward that differentiates itself (``torch.autograd.grad`` of its
+                    # own output, a PINN's du/dx) raises under no_grad: run it once more,
+                    # from the same draws, with gradients on, as the user's forward ran
+                    set_rng_states(before, devices)
+                    again = run(True)
+                    if again[2] is None or (again[0].events and not chk.events):
+                        chk, out, result.error = again
                 result.events = chk.events
                 result.output = frozenset().union(*(_kinds(t) for _, t in iter_tensors(out, "")))
                 result.reached = _reached(chk, out)
@@ -2239,6 +2265,39 @@ def replay(
         tracker.remove()
         _tls.stamped = None
     return result
+
+
+@contextlib.contextmanager
+def _grad_mode() -> Iterator[None]:
+    """Gradients on, and each autograd node keeps the line that made it (anomaly mode, its
+    NaN checks off): a backward op that the replayed forward runs is told by its line."""
+    with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, False):
+        yield
+
+
+@contextlib.contextmanager
+def _grads_set_aside(
+    module: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any], grad: bool
+) -> Iterator[None]:
+    """With ``grad`` (a replay run with gradients on), the ``.grad`` of the module's
+    parameters and of the inputs' leaf tensors that require grad are set aside and put
+    back afterwards, the same objects: what the replayed forward's own backward wrote there
+    (a ``loss.backward()`` inside it) is dropped, and the user's gradients are as they
+    were. ``torch.autograd.grad`` writes no ``.grad`` at all."""
+    if not grad:
+        yield
+        return
+    leaves_ = [t for _, t in iter_tensors([args, kwargs], "")]
+    kept: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for t in (*module.parameters(), *leaves_):
+        if t.requires_grad and t.is_leaf and id(t) not in kept:
+            kept[id(t)] = (t, t.grad)
+            t.grad = None
+    try:
+        yield
+    finally:
+        for t, g in kept.values():
+            t.grad = g
 
 
 def call_line(parent: torch.nn.Module, attr: str) -> tuple[str, str | None] | None:

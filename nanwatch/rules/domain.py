@@ -11284,7 +11284,29 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
             "still 0. Use an eps the dtype can hold, or compute this line in a wider dtype."
         )
         fix = lost.fix()
+    if backward and a.kind is AnomalyKind.FORWARD:
+        explanation = _derivative_in_forward(explanation, ev)
     return ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
+
+
+#: the clause of a root's backward-only explanation that holds only when the step's own
+#: backward() ran the derivative
+_NEVER_SHOWN = re.compile(r"[;.] the forward pass never shows a bad value,", re.IGNORECASE)
+
+
+def _derivative_in_forward(explanation: str, ev: OpEvent) -> str:
+    """``explanation`` for a root's derivative that a differentiation inside the forward
+    ran (a backward op whose bad value the forward's statistics saw first:
+    ``torch.autograd.grad(..., create_graph=True)``, a PINN's du/dx, a gradient penalty).
+    What that backward op returns is a forward value, so the forward does show it."""
+    at = f" at {ev.backward_at}" if ev.backward_at else ""
+    said = (
+        f"Here torch.autograd.grad(create_graph=True){at} ran this derivative inside the "
+        "forward, so its inf or NaN is a forward value: the forward's output holds it"
+    )
+    if _NEVER_SHOWN.search(explanation):
+        return _NEVER_SHOWN.sub(lambda _: f". {said},", explanation, count=1)
+    return f"{explanation} {said}."
 
 
 _RSQRT = frozenset({"rsqrt", "rsqrt_"})
