@@ -12,21 +12,13 @@ from torch import nn
 
 import nanwatch
 from nanwatch.postmortem import classify
+from tests._hf import tiny_classifier
 
 transformers = pytest.importorskip("transformers")
 
 
 def _bert() -> nn.Module:
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.BertConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=100,
-        max_position_embeddings=64,
-    )
-    return transformers.BertForSequenceClassification(cfg)
+    return tiny_classifier("Bert", 64)
 
 
 @pytest.mark.parametrize(

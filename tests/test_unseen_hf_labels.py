@@ -12,22 +12,13 @@ from torch import nn
 
 import nanwatch
 from nanwatch.errors import GuardError
+from tests._hf import tiny_classifier
 
 transformers = pytest.importorskip("transformers")
 
 
 def _classifier(num_labels: int) -> nn.Module:
-    transformers.logging.set_verbosity_error()
-    cfg = transformers.BertConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=100,
-        max_position_embeddings=64,
-        num_labels=num_labels,
-    )
-    return transformers.BertForSequenceClassification(cfg)
+    return tiny_classifier("Bert", 64, num_labels=num_labels)
 
 
 def test_float_labels_for_a_classifier_are_told_to_be_int64() -> None:

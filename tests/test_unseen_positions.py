@@ -20,6 +20,7 @@ from torch import nn
 import nanwatch
 from nanwatch.errors import GuardError
 from nanwatch.postmortem import classify
+from tests._hf import tiny_classifier
 
 transformers = pytest.importorskip("transformers")
 
@@ -30,27 +31,11 @@ def _quiet_transformers() -> None:
 
 
 def _bert(positions: int) -> nn.Module:
-    cfg = transformers.BertConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=100,
-        max_position_embeddings=positions,
-    )
-    return transformers.BertForSequenceClassification(cfg)
+    return tiny_classifier("Bert", positions)
 
 
 def _roberta(positions: int) -> nn.Module:
-    cfg = transformers.RobertaConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=100,
-        max_position_embeddings=positions,
-    )
-    return transformers.RobertaForSequenceClassification(cfg)
+    return tiny_classifier("Roberta", positions)
 
 
 def _gpt2(positions: int) -> nn.Module:
