@@ -3770,7 +3770,11 @@ def _lr_divergence(ctx: RuleContext) -> _Divergence | None:
         "label in a memorized batch), and not small against the weights: a "
         "jump from rounding noise (below finfo(dtype).eps × the weights' norm: a loss at its "
         "floor) must pass explode_factor times that floor, and one to below sqrt(float32 "
-        "eps) × the weights' norm explodes nothing. Clip at a max_norm that binds, or lower "
+        "eps) × the weights' norm explodes nothing; nor does one step of a small norm back "
+        "below explode_factor times the norm the run began with, not growing, whose update "
+        "(lr × the norm; about lr per value for Adam) moves the weights by under 1 / "
+        "explode_factor of their norm (a converged policy meeting a rare action). Clip at "
+        "a max_norm that binds, or lower "
         "the lr; right after an update that raised the lr explode_factor times or moved the "
         "weights by their own size, the lr is named (NW308 says it where the loss spiked). "
         "From the first step: a total norm past 1e-3 × sqrt(finfo(dtype).max) of the "
@@ -4005,6 +4009,91 @@ def _one_sample_off(ctx: RuleContext, start: _Start, total: float | None) -> boo
     return level * per <= first and (loss - level) * per <= math.log(1 / eps)
 
 
+def _stepped_notes(ctx: RuleContext) -> list[Note]:
+    """The ``"optimizer"`` notes of the update this step's gradients go to: this step's,
+    else (read before its update ran) the last step of the history that has one."""
+    for t in (ctx.trace, *reversed(ctx.history)):
+        notes = [n for n in t.notes if n.kind == "optimizer"]
+        if notes:
+            return notes
+    return []
+
+
+def _update_size(ctx: RuleContext, cur: _GradSummary) -> float | None:
+    """About how far (an L2 norm) the update moves the weights that have a gradient this
+    step: lr × the total gradient norm for an optimizer that steps by lr × gradient (SGD),
+    about lr per value for Adam and its kin (:func:`_normalized`) and Lion's sign, whatever
+    the gradient; the largest lr of the update's optimizers and param groups. None without
+    a recorded lr or total, or when an optimizer sets its step's size apart from both
+    (LBFGS's line search, LAMB's and LARS's trust ratio)."""
+    total = cur.total
+    notes = _stepped_notes(ctx)
+    if total is None or not math.isfinite(total) or not notes:
+        return None
+    values = sum(
+        math.prod(r.shape)
+        for r in ctx.trace.records
+        if r.phase is Phase.GRADIENT and r.role in cur.params
+    )
+    size = 0.0
+    for n in notes:
+        low = n.path.lower()
+        if n.path == "LBFGS" or "lamb" in low or "lars" in low:
+            return None
+        lrs = [x for g in _group_lrs(n).values() for x in _numbers(g.get("lr"))[:1]]
+        if not lrs:
+            return None
+        per_value = _normalized(n.path) or "lion" in low
+        size = max(size, max(lrs) * (math.sqrt(values) if per_value else total))
+    return size
+
+
+#: a spike more than this many times the spiking steps right before it keeps growing
+#: (the doubling that :func:`_level` reads as a norm still rising)
+_GROWING = 2.0
+
+
+def _harmless_spike(
+    ctx: RuleContext, start: _Start, cur: _GradSummary, level: float | None
+) -> bool:
+    """Whether the step's total gradient norm, ``explode_factor`` times its recent
+    ``level`` or more, is a small norm's one-step jump that threatens nothing (a converged
+    policy meeting a rare action whose normalized advantage is large): all of
+
+    - measured from the level the run began at (the median of its first total norms,
+      :class:`_Start`), it is no spike: below ``explode_factor`` times that, a size the
+      run trained through;
+    - it does not keep growing: not over :data:`_GROWING` times the largest of the steps
+      right before it that were already that far above the level;
+    - the update it makes (:func:`_update_size`) moves the weights (their norm,
+      ``facts["weight_norms"]``) by less than 1 / ``explode_factor`` of their size: not
+      within ``explode_factor`` of a step as large as the weights (NW308's oversized one).
+
+    False whenever one of these is not measured (no start level, lr or weights read)."""
+    factor = ctx.thresholds.explode_factor
+    total = cur.total
+    if (
+        total is None
+        or level is None
+        or not math.isfinite(total)
+        or level <= 0
+        or len(start.totals) < ctx.thresholds.min_history
+        or total >= factor * statistics.median(start.totals)
+    ):
+        return False
+    before = 0.0
+    for t in reversed(ctx.history):
+        g = t.grad_norm
+        if g is None or not math.isfinite(g) or g < factor * level:
+            break
+        before = max(before, g)
+    if before and total > _GROWING * before:
+        return False
+    size = _update_size(ctx, cur)
+    weights = ctx.memo(ctx.trace, "weight_scales", lambda t: _weight_scales(ctx, cur)).get(_TOTAL)
+    return size is not None and weights is not None and factor * size < weights.norm
+
+
 def _overshot(ctx: RuleContext) -> tuple[StepTrace, list[_Raise], _Oversize | None] | None:
     """The update just before this step (the history's last step's) when it was oversized
     as NW308 measures it: its lr raised ``explode_factor`` times at once, or a step as large
@@ -4232,6 +4321,10 @@ def _jumped(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"before {names.optimizer}.step(), until then"
             ),
         )
+        return
+    if _harmless_spike(ctx, start, cur, level):
+        # a small norm's one-step jump back within the run's first level, whose update
+        # moves the weights by a sliver: clipping would change nothing that matters
         return
     inside = _jumped_inside(ctx, cur, params) if not ctx.trace.full else None
     if inside is not None:
