@@ -249,6 +249,57 @@ def test_zeroed_output_is_silent_when_its_parameters_learn_or_its_input_is_narro
     assert "NW109" in Case(zeroed_norm(lo=0.0)).codes()
 
 
+def wide_norm(
+    *,
+    out: tuple[float, float] = (-2.766, 2.639),
+    lo: float = -2204.0,
+    hi: float = 2012.0,
+    grad_fn: str = "DivBackward0",
+) -> StepTrace:
+    """A hand-written float16 LayerNorm whose input is too wide to square: its output is
+    normalized (the rows whose (x - mean) ** 2 overflowed are 0, unseen in min and max)."""
+    b = TraceBuilder(0)
+    net = b.call("Net", root=True)
+    x = b.input(net, stat(-2290.0, 2750.0, numel=128), dtype="float16", shape=(8, 16))
+    fc = b.call("fc", "Linear", parent=net)
+    b.input(fc, source=x, dtype="float16", shape=(8, 16))
+    shape = (8, 64)
+    h = b.forward(
+        fc, stat(lo, hi, numel=512), dtype="float16", shape=shape, grad_fn="AddmmBackward0"
+    )
+    ln = b.call("norm", "LN", parent=net)
+    b.input(ln, source=h, dtype="float16", shape=shape)
+    o = b.forward(ln, stat(*out, numel=512), dtype="float16", shape=shape, grad_fn=grad_fn)
+    b.forward(net, source=o, dtype="float16", shape=shape)
+    b.backward(o, stat(-0.04, 0.04, numel=512))
+    b.backward(h, stat(-0.07, 0.09, numel=512))
+    b.gradient("fc", "fc.weight", 1.9, dtype="float16")
+    b.gradient("norm", "norm.g", 0.38, dtype="float16")
+    return b.build(loss=0.48, grad_norm=2.0)
+
+
+def case_wide_norm() -> Case:
+    return Case(wide_norm())
+
+
+def test_wide_norm_input_is_silent_for_a_fused_norm_a_narrow_input_or_one_divisor() -> None:
+    assert "NW115" in Case(wide_norm()).codes()
+    # nn.LayerNorm's kernel and a statistic computed in float32 then cast back
+    assert "NW115" not in Case(wide_norm(grad_fn="NativeLayerNormBackward0")).codes()
+    assert "NW115" not in Case(wide_norm(grad_fn="ToCopyBackward0")).codes()
+    # deviations whose squares fit float16
+    assert "NW115" not in Case(wide_norm(lo=2012.0 - 250.0)).codes()
+    # not normalized: past sqrt(64), of one sign (a softmax by hand), or within ±1 (x / its
+    # L2 norm, which torch accumulates in float32)
+    assert "NW115" not in Case(wide_norm(out=(-9.0, 2.6))).codes()
+    assert "NW115" not in Case(wide_norm(out=(-0.36, 0.35))).codes()
+    assert "NW115" not in Case(wide_norm(out=(0.0, 1.0))).codes()
+    # x / 1000: min and max divided by one number
+    assert "NW115" not in Case(wide_norm(out=(-2.204, 2.012))).codes()
+    # an output of exact zeros is NW109's
+    assert "NW115" not in Case(wide_norm(out=(0.0, 0.0))).codes()
+
+
 def case_saved_rstd_overflow() -> Case:
     """A float16 LayerNorm with eps=1e-12 over an all-zero row: its forward saved 1 /
     sqrt(0 + 1e-12) = 1e6, inf in float16, and its backward made NaN of it (NW108)."""
@@ -825,6 +876,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "NW112": case_root,
     "NW113": case_too_few_elements,
     "NW114": case_outside_domain,
+    "NW115": case_wide_norm,
     "NW201": case_bce_saturated,
     "NW202": case_sigmoid_bce,
     "NW203": case_softmax_ce,

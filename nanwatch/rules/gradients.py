@@ -6231,12 +6231,33 @@ def _zero_maker(trace: StepTrace, z: _ZeroFed) -> _ZeroFed | None:
     return None
 
 
-def _zeroed_input(ctx: RuleContext, dead: list[str], head: str, need: int) -> Diagnosis | None:
+def _too_wide_to_square(trace: StepTrace) -> Record | None:
+    """The input or output in a short-range dtype (float16, float8) with the largest finite
+    |x| whose square passes that dtype's finfo.max, if any: a variance or norm computed in
+    that dtype from such values is inf, and dividing by it gives exactly 0."""
+    best: tuple[float, Record] | None = None
+    for r in trace.records:
+        s = r.stat
+        lim = low_precision(r.dtype)
+        if r.phase not in (Phase.INPUT, Phase.FORWARD) or s is None or not s.finite:
+            continue
+        if lim is None or not lim.short_range or s.magnitude**2 <= lim.max:
+            continue
+        if best is None or s.magnitude > best[0]:
+            best = (s.magnitude, r)
+    return best[1] if best is not None else None
+
+
+def _zeroed_input(
+    ctx: RuleContext, dead: list[str], head: str, need: int, *, wide: Record | None = None
+) -> Diagnosis | None:
     """A module after the dead ones gets an input of exactly 0 (its weight gradient is 0
     under a non-zero output gradient): a module or op before it returns 0 for every value
     (``nn.Dropout(p=1.0)``, a mask of zeros, ``x * 0``), and nothing before it gets a
     gradient. Names the maker where the records show it, and says so where they do not
-    (sentinel records no layer's output)."""
+    (sentinel records no layer's output). ``wide``: a float16 value whose square passes
+    finfo.max, when the step holds one: a zero whose maker the records do not show is then
+    told as an overflow's (x / inf = 0)."""
     trace = ctx.trace
     takers = _zero_takers(trace, set(dead))
     if not takers:
@@ -6316,22 +6337,45 @@ def _zeroed_input(ctx: RuleContext, dead: list[str], head: str, need: int) -> Di
             "of zeros, x * 0, or ReLUs that never fire\n"
             'nanwatch.watch(model, mode="watch")   # names the module or op that makes it'
         )
+    explanation = (
+        f"{what}, so {z.taker} gets an input of exactly 0 and passes no gradient back: "
+        f"everything before it ({', '.join(dead[:3])}{', ...' if len(dead) > 3 else ''}) "
+        "stops learning, without an error."
+        + (
+            " Neither dead units nor underflow: they do not zero a whole output of a "
+            "module whose input is not 0."
+            if maker is not None
+            else ""
+        )
+    )
+    wlim = low_precision(wide.dtype) if wide is not None and wide.stat is not None else None
+    if wide is not None and wide.stat is not None and wlim is not None and maker is None:
+        dtype, amax, root = wide.dtype, wide.stat.magnitude, math.sqrt(wlim.max)
+        evidence.append(
+            f"{wide.where} reaches |x| = {fmt(amax)} in {dtype}: a square passes "
+            f"{fmt(wlim.max)} (torch.finfo(torch.{dtype}).max) once |x| > {fmt(root)}, so a "
+            f"variance or norm of such values computed in {dtype} is inf, and x / inf = 0"
+        )
+        explanation += (
+            f" In {dtype} the usual maker is an overflow, not underflow: a variance or norm "
+            f"taken in {dtype} ((x - mean) ** 2, x.pow(2).sum()) of values past {fmt(root)} "
+            "is inf, and the division by it returns 0 for every value. A GradScaler does not "
+            "help: it scales gradients, and x / inf stays 0."
+        )
+        fix = (
+            f"# in {dtype}, a variance or norm of values past {fmt(root)} is inf and x / inf "
+            "= 0: take it in float32, e.g. in a hand-written LayerNorm:\n"
+            "x32 = x.float()\n"
+            "y = ((x32 - x32.mean(-1, keepdim=True)) / torch.sqrt(x32.var(-1, keepdim=True, "
+            "unbiased=False) + eps)).to(x.dtype)\n"
+            "# or nn.LayerNorm (it accumulates in float32)\n" + fix
+        )
     return ctx.diagnosis(
         title=title,
         path=maker or z.taker,
         phase=Phase.BACKWARD.value,
         evidence=evidence,
-        explanation=(
-            f"{what}, so {z.taker} gets an input of exactly 0 and passes no gradient back: "
-            f"everything before it ({', '.join(dead[:3])}{', ...' if len(dead) > 3 else ''}) "
-            "stops learning, without an error."
-            + (
-                " Neither dead units nor underflow: they do not zero a whole output of a "
-                "module whose input is not 0."
-                if maker is not None
-                else ""
-            )
-        ),
+        explanation=explanation,
         fix=fix,
     )
 
@@ -6407,13 +6451,18 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     # weights there (the jolt, below, says which and by how much)
     itself = _jolt(ctx, set(dead)) is None
     found = _flat_loss(ctx, traces, names) or _zero_output(ctx, top, names, need, itself=itself)
-    if found is None and lim is None:
+    # sentinel, in float16: a layer's input of exactly 0 is an overflow's doing when the step
+    # holds values whose squares pass finfo.max (a variance of them is inf, x / inf = 0), not
+    # underflow's (watch mode measures the module that makes the 0: _zero_output, NW109)
+    sentinel = not ctx.trace.full
+    wide = _too_wide_to_square(ctx.trace) if lim is not None and sentinel else None
+    if found is None and (lim is None or wide is not None):
         head = (
             f"{names}: every gradient exactly 0 for the last {need} steps"
             if exact
             else f"{names}: gradient norm 0 for the last {need} steps"
         )
-        found = _zeroed_input(ctx, dead, head, need)
+        found = _zeroed_input(ctx, dead, head, need, wide=wide)
     if found is not None:
         yield found
         return

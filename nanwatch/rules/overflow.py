@@ -8561,3 +8561,151 @@ def zeroed_by_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"keep {ref} in float32: {ref}.float() and cast its input"
         ),
     )
+
+
+# ---------------------------------------------------------------------- NW115
+
+
+@dataclass(frozen=True)
+class _WideNorm:
+    """A low-precision module output made by a division in that dtype, normalized (values
+    of both signs, max |y| between 1 and sqrt(last dim)), from an input whose spread passes
+    sqrt(finfo.max)."""
+
+    out: Record  #: the module's output: finite, not all 0
+    src: Record  #: its input of the same dtype: max - min > sqrt(finfo.max)
+    lim: DtypeLimits
+    width: int  #: the output's last dim, the one a norm runs over
+    normed: TensorStat  #: ``out``'s statistics
+    wide: TensorStat  #: ``src``'s statistics
+
+
+#: the autograd node of a tensor-by-tensor division (x / std): an output it made was
+#: computed in its own dtype, not cast from float32 (ToCopyBackward0) nor made by a fused
+#: norm kernel that accumulates in float32 (NativeLayerNormBackward0)
+_DIVISION = "DivBackward0"
+
+
+def _one_divisor(out: TensorStat, src: TensorStat, eps: float) -> bool:
+    """The output's min and max are the input's divided by one positive number (x / c, a
+    constant scale): a per-row normalization divides rows by different numbers, and
+    subtracting a mean moves min and max apart."""
+    if src.min >= 0 or src.max <= 0:
+        return False
+    a, b = out.min / src.min, out.max / src.max
+    return abs(a - b) <= 4 * eps * max(abs(a), abs(b))
+
+
+def _wide_norms(ctx: RuleContext) -> list[_WideNorm]:
+    """Watch mode's records alone: module outputs in a short-range dtype made by a division
+    in that dtype (their autograd node), normalized (values of both signs, max |y| between
+    1 and sqrt of the last dim: what dividing by a row's standard deviation or root mean
+    square gives),
+    whose input of that dtype spreads wider than sqrt(finfo.max), so that (x - mean) ** 2
+    can pass finfo.max in some row. An all-zero output is NW109's."""
+    trace = ctx.trace
+    dtypes = {r.dtype for r in trace.records}
+    if not any((lim := low_precision(d)) is not None and lim.short_range for d in dtypes):
+        return []  # no float16 or float8 value this step (the common case): nothing to do
+    calls = {c.id: c for c in trace.calls}
+    traced = {ev.path for ev in trace.ops if ev.phase is Phase.FORWARD}
+    found: list[_WideNorm] = []
+    for r in trace.records:
+        call = calls.get(r.call)
+        if r.phase is not Phase.FORWARD or call is None or call.is_loss or call.passthrough:
+            continue
+        s, lim = r.stat, low_precision(r.dtype)
+        if lim is None or not lim.short_range or s is None or not s.finite:
+            continue
+        if r.grad_fn != _DIVISION or r.path in traced or not r.shape or r.shape[-1] < 2:
+            continue
+        width = r.shape[-1]
+        # a row divided by its standard deviation or root mean square has a mean square of
+        # 1: some |y| >= 1, none past sqrt(width). A division by an L2 norm keeps |y| <= 1
+        # (x / x.norm(): torch's norm accumulates in float32); a softmax is of one sign
+        if not (s.min < 0 < s.max) or not 1 < s.magnitude <= math.sqrt(width):
+            continue
+        root = math.sqrt(lim.max)
+        wide = [
+            (m, m.stat)
+            for m in _inputs_of_record(trace, r)
+            if m.dtype == r.dtype
+            and m.stat is not None
+            and m.stat.finite
+            and m.stat.max - m.stat.min > root
+            and not _one_divisor(s, m.stat, lim.eps)
+        ]
+        if wide:
+            src, ws = max(wide, key=lambda w: w[1].magnitude)
+            found.append(_WideNorm(r, src, lim, width, s, ws))
+    return found
+
+
+@rule(
+    "NW115",
+    title="Low-precision normalization of values too wide to square (rows can silently be 0)",
+    severity="warning",
+    summary=(
+        "Watch mode: a module divides its float16 input by a statistic of it (its output is "
+        "normalized, made by a float16 division) while that input spreads wider than "
+        "sqrt(finfo.max) (255.9 in float16): in a row whose |x - mean| passes it, "
+        "(x - mean) ** 2 is inf, the variance is inf and the row's output silently becomes "
+        "0. Compute the statistic in float32."
+    ),
+    early=True,
+    priority=24,
+)
+def wide_norm_input(ctx: RuleContext) -> Iterator[Diagnosis]:
+    if ctx.anomaly is not None:
+        return  # a non-finite value reached a record: the anomaly's rules say what it was
+    found = _wide_norms(ctx)
+    if not found:
+        return
+    z = found[0]
+    out, src, lim = z.out, z.src, z.lim
+    os_, ws = z.normed, z.wide
+    dtype = out.dtype
+    root = math.sqrt(lim.max)
+    spread = ws.max - ws.min
+    evidence = [
+        f"{out.where} was made by a {dtype} division ({_DIVISION}: not a cast from float32, "
+        f"not a fused norm) and is normalized: {fmt(os_.min)} to {fmt(os_.max)}, max |y| "
+        f"between 1 and sqrt({z.width}) = {fmt(math.sqrt(z.width))}, as a division by a "
+        f"standard deviation or root mean square over its last dim ({z.width}) gives",
+        f"its input ({src.where}) spans {fmt(ws.min)} to {fmt(ws.max)}: values {fmt(spread)} "
+        f"apart; a deviation past {fmt(root)} squares past {fmt(lim.max)} "
+        f"(torch.finfo(torch.{dtype}).max)",
+        "watch mode reads each tensor's min and max, not its rows: a row zeroed this way "
+        "(variance inf, x / inf = 0) does not change them",
+    ]
+    if len(found) > 1:
+        evidence.append(
+            "also: "
+            + ", ".join(f.out.path for f in found[1:4])
+            + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+        )
+    ref = module_ref(out.path)
+    yield ctx.diagnosis(
+        path=out.path,
+        phase=out.phase.value,
+        evidence=evidence,
+        explanation=(
+            f"{dtype} holds values up to {fmt(lim.max)}, so a square passes it once |x| > "
+            f"{fmt(root)}. A variance computed by hand in {dtype} ((x - mean) ** 2, "
+            f"x.pow(2).mean()) is inf for every row that holds such a deviation, and the "
+            f"division by its square root turns that row into exact 0s (x / inf = 0) while "
+            f"the other rows stay right: {out.path}'s min and max look normal, no NaN "
+            "appears, and nothing flows back through the zeroed rows. mode='forensic' (or "
+            "nw.replay(step_fn)) names the op and line when it happens (NW105)."
+        ),
+        fix=(
+            "# compute the statistic in float32 and cast the result back, e.g. a hand-written "
+            "LayerNorm:\n"
+            f"x32 = x.float()   # in the forward of {ref}\n"
+            "mu = x32.mean(-1, keepdim=True)\n"
+            "var = ((x32 - mu) ** 2).mean(-1, keepdim=True)\n"
+            "y = ((x32 - mu) / torch.sqrt(var + eps)).to(x.dtype)\n"
+            "# or use nn.LayerNorm / F.layer_norm (they accumulate in float32), or keep "
+            f"{ref} in float32: {ref}.float() and cast its input"
+        ),
+    )
