@@ -8,9 +8,10 @@ so a later event names the earlier one as its cause: op-level data flow, not gue
 
 :func:`replay` re-runs a module's call on its inputs under the checker (its forward and
 the user's forward hooks and pre-hooks on it, none of nanwatch's), with
-``torch.no_grad()`` (once more with gradients on when the forward raised there: one that
-differentiates itself), and puts RNG state, buffers (BatchNorm running statistics) and
-``.grad`` back, so the replay changes nothing.
+``torch.no_grad()`` (once more with gradients on when the forward raised there for want
+of them: one that differentiates itself), and puts RNG state, the module's state (buffers
+such as BatchNorm's running statistics, tensors and numbers held as attributes) and
+``.grad`` back, between the runs and after, so the replay changes nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import functools
 import inspect
 import math
+import operator
 import os
 import random
 import re
@@ -1806,9 +1808,14 @@ def _devices(objs: Sequence[Any]) -> set[torch.device]:
 
 
 @contextlib.contextmanager
-def preserved_state(module: torch.nn.Module | None, devices: set[torch.device]) -> Iterator[None]:
-    """Save RNG state (CPU and the given CUDA devices) and the module's buffers; put them
-    back afterwards whatever happens.
+def preserved_state(
+    module: torch.nn.Module | None, devices: set[torch.device]
+) -> Iterator[ModuleState]:
+    """Save RNG state (CPU and the given CUDA devices) and the module's state (its buffers
+    and what its submodules hold as plain attributes, see :class:`ModuleState`); put them
+    back afterwards whatever happens. Yields the :class:`ModuleState`, whose
+    :meth:`~ModuleState.restore` puts the state back in between (a second run of the
+    forward starts from what the first one found).
 
     Buffers go back with their autograd version counters: the forward being replayed may
     have saved one for backward (``x / self.scale``, BatchNorm's running statistics in eval
@@ -1818,30 +1825,102 @@ def preserved_state(module: torch.nn.Module | None, devices: set[torch.device]) 
     cpu_rng = torch.get_rng_state()
     cuda_rng = {d: torch.cuda.get_rng_state(d) for d in devices if d.type == "cuda"}
     host_rng = _host_rng_states()
-    saved: list[tuple[torch.Tensor, torch.Tensor, int | None]] = []
-    if module is not None:
-        with torch.no_grad():
-            saved = [
-                (b, b.detach().clone(), _version(b)) for b in module.buffers() if not b.is_meta
-            ]
+    state = ModuleState(module)
     try:
-        yield
+        yield state
     finally:
+        state.restore()
+        torch.set_rng_state(cpu_rng)
+        for d, rng in cuda_rng.items():
+            torch.cuda.set_rng_state(rng, d)
+        _set_host_rng_states(host_rng)
+
+
+#: the values a module holds as a plain attribute that a forward may rebind
+#: (``self.calls += 1``, ``self.initialized = True``): immutable, so keeping the object
+#: keeps the value
+_IMMUTABLE = (bool, int, float, complex, str, bytes, type(None))
+
+
+class ModuleState:
+    """What a forward may change of ``module`` and its submodules, saved now: the values of
+    the buffers and of the tensors they hold as plain attributes and need no gradient
+    (``self.count = torch.zeros(())`` that ``self.count += 1`` writes in place), each with
+    its version counter; which object each plain attribute holds (a tensor, a number, a
+    string: ``self.last = y``, ``self.calls += 1``); and what each list and dict attribute
+    holds (a cache the forward appends to). :meth:`restore` puts all of it back. Parameters
+    are not copied: that would double the model's memory for the rare forward that writes
+    its weights (``nn.Embedding(max_norm=...)`` renormalizes rows in place)."""
+
+    def __init__(self, module: torch.nn.Module | None) -> None:
+        self._values: list[tuple[torch.Tensor, torch.Tensor, int | None]] = []
+        self._attrs: list[tuple[dict[str, Any], str, Any]] = []
+        self._containers: list[tuple[list[Any] | dict[Any, Any], Any]] = []
+        if module is None:
+            return
+        tensors: dict[int, torch.Tensor] = {id(b): b for b in module.buffers()}
+        for m in module.modules():
+            attrs = vars(m)
+            for name, v in attrs.items():
+                if name in _MODULE_TABLES:
+                    continue
+                if isinstance(v, torch.Tensor):
+                    if not isinstance(v, torch.nn.Parameter):
+                        self._attrs.append((attrs, name, v))
+                        if not v.requires_grad and _plain_tensor(v):
+                            tensors.setdefault(id(v), v)
+                elif isinstance(v, _IMMUTABLE):
+                    self._attrs.append((attrs, name, v))
+                elif type(v) is list:
+                    self._containers.append((v, list(v)))
+                elif type(v) is dict:
+                    self._containers.append((v, dict(v)))
+        with torch.no_grad():
+            self._values = [
+                (t, t.detach().clone(), _version(t)) for t in tensors.values() if not t.is_meta
+            ]
+
+    def restore(self) -> None:
+        """Put the saved state back (and again each time it is called). A tensor whose
+        values and version are as saved is not written at all."""
+        for attrs, name, v in self._attrs:
+            if attrs.get(name, _MISSING) is not v:
+                attrs[name] = v
+        for box, items in self._containers:
+            if isinstance(box, list):
+                if len(box) != len(items) or any(map(operator.is_not, box, items)):
+                    box[:] = items
+            elif box.keys() != items.keys() or any(box[k] is not v for k, v in items.items()):
+                box.clear()
+                box.update(items)
         changed: list[tuple[torch.Tensor, int]] = []
         with torch.no_grad():
-            for b, copy, version in saved:
-                if version is not None and _version(b) == version and torch.equal(b, copy):
+            for t, copy, version in self._values:
+                if version is not None and _version(t) == version and torch.equal(t, copy):
                     continue  # as it was: leave it, version and all
                 # a kernel may write a buffer without counting it (batch_norm's running
                 # statistics): restore whatever differs
-                b.copy_(copy)
+                t.copy_(copy)
                 if version is not None:
-                    changed.append((b, version))
-        set_versions([b for b, _ in changed], [v for _, v in changed])
-        torch.set_rng_state(cpu_rng)
-        for d, state in cuda_rng.items():
-            torch.cuda.set_rng_state(state, d)
-        _set_host_rng_states(host_rng)
+                    changed.append((t, version))
+        set_versions([t for t, _ in changed], [v for _, v in changed])
+
+
+def _plain_tensor(t: torch.Tensor) -> bool:
+    """A dense tensor of torch's own that a copy and a compare can handle, and that code
+    outside inference mode can write (an inference tensor it cannot)."""
+    return (
+        type(t) is torch.Tensor
+        and t.layout is torch.strided
+        and not (t.is_nested or t.is_meta or t.is_inference())
+    )
+
+
+_MISSING = object()
+
+#: what every ``nn.Module`` holds in its ``__dict__`` (its tables of parameters, buffers,
+#: children and hooks; ``training``): not state a forward changes
+_MODULE_TABLES = frozenset(vars(torch.nn.Module()))
 
 
 def _host_rng_states() -> list[tuple[str, Any]]:
@@ -2162,14 +2241,17 @@ def replay(
 ) -> ReplayResult:
     """Re-run ``module(*args, **kwargs)`` (its forward and the user's hooks on it, see
     :func:`call_forward`) under :class:`OpChecker` with ``torch.no_grad()``; RNG state and
-    buffers are restored afterwards. A forward that raised under ``no_grad`` (one that
-    differentiates itself: ``torch.autograd.grad(..., create_graph=True)`` of a PINN's
-    du/dx, a gradient penalty) is run once more, from the same draws, with gradients on as
-    the user's ran (see :func:`_grad_mode`), the ``.grad`` of the parameters and of the
-    inputs set aside (:func:`_grads_set_aside`): the backward ops it runs are checked, and
-    what its result holds is theirs. The module's non-finite parameters and buffers are
-    held as given (:meth:`OpChecker.hold_state`), or only those ``hold`` says. Every
-    watcher's hooks stay quiet during the replay (they only track which module is running).
+    the module's state (see :class:`ModuleState`) are restored afterwards. A forward that
+    raised under ``no_grad`` for want of gradients (one that differentiates itself:
+    ``torch.autograd.grad(..., create_graph=True)`` of a PINN's du/dx, a gradient penalty;
+    see :func:`grad_caused`) is run once more, from the same state and draws, with
+    gradients on as the user's ran (see :func:`_grad_mode`), the ``.grad`` of the
+    parameters and of the inputs set aside (:func:`_grads_set_aside`): the backward ops it
+    runs are checked, and what its result holds is theirs. Any other error is the code's
+    own: ``result.error`` says it, and the forward is not run again. The module's
+    non-finite parameters and buffers are held as given (:meth:`OpChecker.hold_state`), or
+    only those ``hold`` says. Every watcher's hooks stay quiet during the replay (they only
+    track which module is running).
 
     A forward that draws random numbers (dropout, ``torch.randint``) cannot repeat the
     original draws, which are gone: it is run again with new draws, up to ``attempts``
@@ -2199,13 +2281,13 @@ def replay(
     devices = _devices([args, kwargs])
     tracker = _SubmoduleOps(module, keep if keep is not module else None, names)
     try:
-        with preserved_state(module, devices), _replay_scope():
+        with preserved_state(module, devices) as state, _replay_scope():
             same = rng is not None and set_rng_states(rng, devices)
             # only the CPU generator was given back (forward_rng): the first attempt repeats
             # the original draws unless it drew from Python's or NumPy's generator too
             host_only_given = same and rng is not None and len(rng) == 1
 
-            def run(grad: bool) -> tuple[OpChecker, Any, str | None]:
+            def run(grad: bool) -> tuple[OpChecker, Any, BaseException | None]:
                 chk = OpChecker(
                     current_path=current_path or replay_path, on_error=on_error, param_of=param_of
                 )
@@ -2218,7 +2300,7 @@ def replay(
                 push_path(path)
                 tracker.begin()
                 out: Any = None
-                error: str | None = None
+                error: BaseException | None = None
                 mode = _grad_mode() if grad else torch.no_grad()
                 try:
                     with (
@@ -2229,23 +2311,28 @@ def replay(
                     ):
                         out = call_forward(module, args, kwargs, pre_hooks=pre_hooks, modes=modes)
                 except Exception as exc:
-                    error = f"{type(exc).__name__}: {exc}"
+                    error = exc
                 finally:
                     tracker.unwind()
                     pop_path()
                 return chk, out, error
 
             for _ in range(max(1, attempts)):
+                if result.attempts:
+                    state.restore()  # each attempt starts from the state the first found
                 before = rng_states(devices)
-                chk, out, result.error = run(False)
-                if result.error is not None:
+                chk, out, error = run(False)
+                if error is not None and grad_caused(error):
                     # a forward that differentiates itself (``torch.autograd.grad`` of its
                     # own output, a PINN's du/dx) raises under no_grad: run it once more,
-                    # from the same draws, with gradients on, as the user's forward ran
+                    # from the same state and draws, with gradients on, as the user's ran
+                    state.restore()
                     set_rng_states(before, devices)
                     again = run(True)
                     if again[2] is None or (again[0].events and not chk.events):
-                        chk, out, result.error = again
+                        chk, out = again[0], again[1]
+                        error = again[2] and error  # both raised: the first error is said
+                result.error = None if error is None else f"{type(error).__name__}: {error}"
                 result.events = chk.events
                 result.output = frozenset().union(*(_kinds(t) for _, t in iter_tensors(out, "")))
                 result.reached = _reached(chk, out)
@@ -2298,6 +2385,88 @@ def _grads_set_aside(
     finally:
         for t, g in kept.values():
             t.grad = g
+
+
+#: what torch says when a tensor that should carry a graph has none: what grad mode off
+#: makes of a forward that differentiates itself
+_NO_GRAPH = re.compile(
+    r"(does not|doesn't) require grad|(does not|doesn't) have a grad_fn|has no grad_fn",
+    re.IGNORECASE,
+)
+
+
+def _differentiating_code() -> frozenset[types.CodeType]:
+    """The code of torch's entry points that differentiate (``torch.autograd.grad``,
+    ``torch.autograd.backward``, ``Tensor.backward``)."""
+    found = set()
+    for f in (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward):
+        code = getattr(inspect.unwrap(f), "__code__", None)
+        if code is not None:
+            found.add(code)
+    return frozenset(found)
+
+
+_DIFFERENTIATING = _differentiating_code()
+
+
+def grad_caused(exc: BaseException) -> bool:
+    """Whether grad mode off can be why ``exc`` was raised: it, or an exception it was
+    raised from, says a tensor has no graph (``element 0 of tensors does not require grad
+    and does not have a grad_fn``), or was raised inside ``torch.autograd.grad`` or a
+    ``backward()`` the code called. Any other error is the code's own, and running it
+    again with gradients on would only hide it."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if _NO_GRAPH.search(str(e)):
+            return True
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code in _DIFFERENTIATING:
+                return True
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def forward_again(
+    module: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    *,
+    grad: bool,
+    state: ModuleState,
+    devices: set[torch.device],
+    pre_hooks: bool | int = True,
+    modes: tuple[Any, ...] = (),
+    retry: Callable[[], None] | None = None,
+) -> Any:
+    """:func:`call_forward` with gradients on or off (``grad``), retried as :func:`replay`
+    retries: a forward that raised with gradients off for want of them (see
+    :func:`grad_caused`) is run once more with gradients on (:func:`_grad_mode`, the
+    ``.grad`` of its parameters and inputs set aside), from the module ``state`` (put back
+    with :meth:`ModuleState.restore`) and the generators' states it began with; ``retry``
+    is called first (a caller's own bookkeeping of the failed run). Any other error, and
+    the first one when the second run raises too, is raised as it was."""
+    before = rng_states(devices)
+    try:
+        with torch.set_grad_enabled(grad):
+            return call_forward(module, args, kwargs, pre_hooks=pre_hooks, modes=modes)
+    except Exception as exc:
+        if grad or not grad_caused(exc):
+            raise
+        first = exc
+    state.restore()
+    set_rng_states(before, devices)
+    if retry is not None:
+        retry()
+    try:
+        with _grads_set_aside(module, args, kwargs, True), _grad_mode():
+            return call_forward(module, args, kwargs, pre_hooks=pre_hooks, modes=modes)
+    except Exception:  # the second run's error: the first one is the code's
+        pass
+    raise first
 
 
 def call_line(parent: torch.nn.Module, attr: str) -> tuple[str, str | None] | None:

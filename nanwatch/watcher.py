@@ -6378,17 +6378,22 @@ class Watcher:
         handle = owner.register_forward_pre_hook(grab, with_kwargs=True)
         rng = self._call_rng(root_call) if redraw else None
         try:
-            with (
-                ops.preserved_state(root, devices),
-                ops._replay_scope(),
-                torch.set_grad_enabled(grad),
-            ):
+            with ops.preserved_state(root, devices) as state, ops._replay_scope():
                 # the generators as the root call began, when known: a dropout draws the
                 # masks it drew then (see ops.replay's ``same_draws``)
                 same = rng is not None and ops.set_rng_states(rng, devices)
                 before = ops.rng_states(devices)
-                ops.call_forward(
-                    root, args, kwargs, pre_hooks=hooks, modes=self._call_modes(root_call)
+                # a root that differentiates itself (a PINN) runs again with gradients on
+                ops.forward_again(
+                    root,
+                    args,
+                    kwargs,
+                    grad=grad,
+                    state=state,
+                    devices=devices,
+                    pre_hooks=hooks,
+                    modes=self._call_modes(root_call),
+                    retry=seen.clear,
                 )
                 drew = ops.drew_random(before, devices)
                 if drew and same and len(rng or ()) == 1:
@@ -6488,11 +6493,14 @@ class Watcher:
         devices = {t.device for _, t in self._walk(args, "input", kwargs)}
         before = ops.rng_states(devices)
         try:
-            with ops.preserved_state(module, devices), ops._replay_scope(), torch.enable_grad():
-                out = ops.call_forward(
+            with ops.preserved_state(module, devices) as state, ops._replay_scope():
+                out = ops.forward_again(
                     module,
                     args,
                     kwargs,
+                    grad=True,
+                    state=state,
+                    devices=devices,
                     pre_hooks=self._pre_hooks_seen(module),
                     modes=self._call_modes(producer),
                 )
@@ -7841,8 +7849,12 @@ def _names_on_line(source: str | None) -> set[str]:
 
 def _renamed(code: str, renames: dict[str, str]) -> str:
     """``code`` with each name of ``renames`` replaced where it stands as a name (not an
-    attribute, a keyword argument or part of a longer name), in the code of each line but
-    not in its comment.
+    attribute, a keyword argument, a parameter of a function or lambda of the code, or part
+    of a longer name), in the code of each line but not in its comment: every target of an
+    assignment or a loop, those a tuple unpacks included (``a, model = ...``,
+    ``for x, y in loader:``). Code that parses is read by its syntax tree; other code (a
+    template with a placeholder line) line by line, a ``name =`` taken for a keyword
+    argument inside brackets or after a word (see :func:`_renamed_line`).
 
     >>> _renamed("model.float()  # the model in float32", {"model": "net"})
     'net.float()  # the model in float32'
@@ -7850,24 +7862,82 @@ def _renamed(code: str, renames: dict[str, str]) -> str:
     'f(model=net, x=self.model)'
     >>> _renamed("    optimizer = SGD(lr=0.1)", {"optimizer": "opt"})
     '    opt = SGD(lr=0.1)'
+    >>> _renamed("for x, y in loader:", {"y": "target"})
+    'for x, target in loader:'
     """
+    lines = code.split("\n")
+    spots = _name_spots(lines, renames)
+    if spots is None:
+        return "\n".join(_renamed_line(line, renames) for line in lines)
+    for row, col, old in sorted(spots, reverse=True):
+        line = lines[row]
+        lines[row] = line[:col] + renames[old] + line[col + len(old) :]
+    return "\n".join(lines)
+
+
+def _name_spots(lines: list[str], renames: dict[str, str]) -> list[tuple[int, int, str]] | None:
+    """(line, column, name) of each use of a name of ``renames`` in the code ``lines`` as
+    Python reads it, outside the functions and lambdas that take a parameter of that name;
+    None when the code does not parse."""
+    import ast
+
+    filled = [ln for ln in lines if ln.strip()]
+    margin = min((len(ln) - len(ln.lstrip()) for ln in filled), default=0)
+    if any(ln[:margin] != filled[0][:margin] for ln in filled):
+        return None  # indented with different whitespace: not one block
+    body = [ln[margin:] if ln.strip() else "" for ln in lines]
+    try:
+        tree = ast.parse("\n".join(body))
+    except (SyntaxError, ValueError):
+        return None
+    spots: list[tuple[int, int, str]] = []
+
+    def visit(node: ast.AST, bound: frozenset[str]) -> None:
+        if isinstance(node, ast.Name):
+            if node.id in renames and node.id not in bound:
+                text = body[node.lineno - 1].encode()[: node.col_offset].decode()
+                spots.append((node.lineno - 1, margin + len(text), node.id))
+            return
+        if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]
+            inner = bound | {p.arg for p in params if p is not None}
+            outer: list[ast.AST] = [*a.defaults, *(d for d in a.kw_defaults if d is not None)]
+            if not isinstance(node, ast.Lambda):
+                outer += node.decorator_list
+            for child in outer:
+                visit(child, bound)
+            for child in node.body if isinstance(node.body, list) else [node.body]:
+                visit(child, inner)
+            return
+        for child in ast.iter_child_nodes(node):
+            visit(child, bound)
+
+    visit(tree, frozenset())
+    return spots
+
+
+def _renamed_line(line: str, renames: dict[str, str]) -> str:
+    """:func:`_renamed` of one line of code that may not parse: a name followed by ``=``
+    inside brackets, or after a word, is a keyword argument's, and stays."""
     import re
 
     pattern = re.compile(
         r"(?<![\w.'\"])(" + "|".join(map(re.escape, renames)) + r")(?![\w'\"])(\s*=(?!=))?"
     )
+    cut = _comment_start(line)
+    head, tail = line[:cut], line[cut:]
 
-    def name(head: str, m: re.Match[str]) -> str:
-        if m.group(2) and head[: m.start()].strip():
-            return m.group(0)  # a keyword argument (``f(model=...)``): its name stays
+    def name(m: re.Match[str]) -> str:
+        before = head[: m.start()].rstrip()
+        depth = sum(before.count(c) for c in "([{") - sum(before.count(c) for c in ")]}")
+        # a target stands first, or after another target (``a, model =``, ``*model``,
+        # ``best = model =``); else ``model=`` is a keyword (``f(model=...)``, and in prose)
+        if m.group(2) and (depth > 0 or (before and before[-1] not in ",*=")):
+            return m.group(0)
         return renames[m.group(1)] + (m.group(2) or "")  # a name, or a statement's target
 
-    out = []
-    for line in code.split("\n"):
-        cut = _comment_start(line)
-        head, tail = line[:cut], line[cut:]
-        out.append(pattern.sub(functools.partial(name, head), head) + tail)
-    return "\n".join(out)
+    return pattern.sub(name, head) + tail
 
 
 def _comment_start(line: str) -> int:
