@@ -80,6 +80,10 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "saved tensors after they have already been freed",
         ),
     ),
+    (
+        "no-graph",  # backward() on a tensor computed without autograd's graph
+        ("does not require grad and does not have a grad_fn",),
+    ),
     ("packing-length", ("Length of all samples has to be greater than 0",)),
     (
         "norm-one-value",  # a BatchNorm (InstanceNorm) in training given a batch (map) of 1
@@ -208,6 +212,13 @@ ADVICE: dict[str, str] = {
         "step. If one step's graph is really differentiated twice (two losses, each with its "
         "own backward), add the losses and call backward() once, or pass retain_graph=True "
         "to the first call only."
+    ),
+    "no-graph": (
+        "backward() ran on a tensor with no autograd graph: it was computed with gradients "
+        "off (inside torch.no_grad() or torch.inference_mode()), from values cut off the "
+        "graph (.detach(), .item(), .numpy(), torch.tensor(...)), or from weights that all "
+        "have requires_grad=False. print(loss.grad_fn) on the loss line, and compute the "
+        "loss from the model's output with torch ops, outside no_grad."
     ),
     "packing-length": (
         "pack_padded_sequence got a length of 0: every sequence must have at least one step "

@@ -73,6 +73,7 @@ ERROR_LABELS: dict[str, str] = {
     "peer-failure": "a peer rank failed first",
     "autograd-inplace": "autograd in-place error",
     "graph-freed": "backward through a freed graph",
+    "no-graph": "backward on a tensor with no graph",
     "packing-length": "a sequence of length 0 in packing",
     "norm-one-value": "a norm given one value per channel in training",
     "python-overflow": "Python float overflow",

@@ -1997,6 +1997,10 @@ class Watcher:
         self._stepped: dict[int, tuple[str, int, int]] = {}
         self._backward_seen = False
         self._backward_called = False  # backward() (not autograd.grad) ran this step
+        #: each backward() of this step that finished: the tensors it ran on (weakly) and the
+        #: user's line that called it (see _backward_began); the one running, until it ends
+        self._backwards_done: list[tuple[list[weakref.ReferenceType[torch.Tensor]], Any]] = []
+        self._backward_now: tuple[list[weakref.ReferenceType[torch.Tensor]], Any] | None = None
         self._transformed = False  # a watched module was called under a torch.func transform
         self._grad_call = False  # a call from outside with gradients on was made this step
         self._updated = False  # an optimizer stepped this step
@@ -3334,6 +3338,109 @@ class Watcher:
             raise
         except Exception as exc:
             self._fault("grad", "end-of-backward check", exc)
+
+    def _backward_began(self, tensors: Any) -> None:
+        """A ``backward()`` begins: the tensors it runs on (weakly) and the line of the user's
+        code that called it, kept for the step (host-side: one walk up the stack). A second
+        backward through a graph the first one freed is then told from a tensor carried over
+        from an earlier step (see :meth:`_graph_freed_advice`)."""
+        if not self._attached or threading.get_ident() != self._thread:
+            return
+        try:
+            if isinstance(tensors, torch.Tensor):
+                refs = [weakref.ref(tensors)]
+            elif isinstance(tensors, (list, tuple)):
+                refs = [weakref.ref(t) for t in tensors if isinstance(t, torch.Tensor)]
+            else:
+                refs = []
+            f = _frames.user_frame(sys._getframe(1))
+            self._backward_now = (refs, (f.f_code.co_filename, f.f_lineno) if f else None)
+        except Exception:  # a hint for a post-mortem: never worth breaking backward for
+            self._backward_now = None
+
+    def _backward_ended(self) -> None:
+        """The ``backward()`` :meth:`_backward_began` saw finished."""
+        now, self._backward_now = self._backward_now, None
+        if now is not None and threading.get_ident() == self._thread:
+            self._backwards_done.append(now)
+
+    def _graph_freed_advice(self) -> str | None:
+        """For "backward through the graph a second time" raised by a backward() of a step
+        in which another one already finished: the two lines, and the fix for the same
+        tensor differentiated twice, or for a second loss that reaches the graph the first
+        one freed. None when no earlier backward() of this step finished (a tensor carried
+        over from an earlier step: the general advice says it)."""
+        now, done = self._backward_now, self._backwards_done
+        if now is None or not done:
+            return None
+
+        def where(site: Any) -> str:
+            return "an unknown line" if site is None else _frames.describe_line(*site)[0]
+
+        refs, second = now
+        failing = [t for t in (r() for r in refs) if t is not None]
+        step = self._trace.step
+        for earlier, first in reversed(done):
+            if any(t is r() for t in failing for r in earlier):
+                return (
+                    f"backward() ran twice on the same tensor in step {step}: at "
+                    f"{where(first)}, then at {where(second)}. The first one freed the "
+                    "values its graph saved for backward: call backward() once; if the "
+                    "second is meant, pass retain_graph=True to the first."
+                )
+        first = done[-1][1]
+        return (
+            f"The backward() at {where(second)} reached a part of the graph that an earlier "
+            f"backward() freed: the one at {where(first)} in step {step}, when both losses "
+            "come from the same forward (add them and call backward() once: "
+            "(loss_a + loss_b).backward(), or pass retain_graph=True to the first only), or "
+            "one of an earlier step, through a tensor carried over with its graph (detach it "
+            "where it is carried: hidden = hidden.detach())."
+        )
+
+    def _no_graph_advice(self) -> str | None:
+        """For backward() on a tensor with no autograd graph: frozen weights, the model's
+        forward run with gradients off, or a graph cut between the model's output and the
+        loss, told apart from the weights' ``requires_grad`` and the step's records of the
+        model's outputs (their ``grad_fn``). Host-side data only."""
+        params = [p for _, _, p in self._params]
+        if params and not any(p.requires_grad for p in params):
+            return (
+                f"None of the {len(params)} watched weights requires grad (frozen with "
+                "requires_grad_(False)), so nothing the model computes has a graph: unfreeze "
+                "the ones to train (for p in model.head.parameters(): p.requires_grad_(True)) "
+                "and give those to the optimizer."
+            )
+        trace = self._trace
+        calls = {c.id: c for c in trace.calls}
+        outs = [
+            r
+            for r in trace.records
+            if r.phase is Phase.FORWARD
+            and r.role.startswith("output")
+            and (c := calls.get(r.call)) is not None
+            and c.root
+            and not c.is_loss
+            and r.dtype.startswith(("float", "bfloat", "complex"))
+        ]
+        if not outs or not params:
+            return None
+        last = outs[-1]
+        if all(r.grad_fn is None for r in outs if r.call == last.call):
+            return (
+                f"{last.path}'s output in step {trace.step} has no autograd graph although "
+                "its weights require grad: its forward ran with gradients off, inside "
+                "torch.no_grad() or torch.inference_mode() (an evaluation block or a "
+                "decorator around the training step, or torch.set_grad_enabled(False) left "
+                "on). Run the training forward outside it."
+            )
+        return (
+            f"{last.path}'s output in step {trace.step} has a graph ({last.grad_fn}), but "
+            "the tensor backward() ran on has none: your code cut it between the model's "
+            "output and the loss (a .detach(), .item(), .numpy() or torch.tensor(...) of a "
+            "value the loss is made of, or a loss computed under torch.no_grad()). Make the "
+            "loss from the output with torch ops."
+        )
 
     def _on_backward(self, tensors: Any) -> None:
         try:
@@ -7411,6 +7518,14 @@ class Watcher:
                 said = _one_value_advice(exc, self._infos)
                 if said is not None:
                     info["advice"] = said
+            if info.get("class") == "graph-freed":
+                said = self._graph_freed_advice()
+                if said is not None:
+                    info["advice"] = said
+            if info.get("class") == "no-graph":
+                said = self._no_graph_advice()
+                if said is not None:
+                    info["advice"] = said
             if info.get("device_lost"):
                 self._device_dead = True
             self._note_mutations()
@@ -7627,6 +7742,7 @@ class _BackwardTap(_Tap):
     def _tapped(self, tensors: Any, *args: Any, **kwargs: Any) -> Any:
         watchers = list(self._watchers)
         for w in watchers:
+            w._backward_began(tensors)
             w._grads_around_backward(True)
             w._on_backward(tensors)
         original = self._original
@@ -7641,6 +7757,7 @@ class _BackwardTap(_Tap):
             for w in watchers:
                 w._in_backward -= 1
         for w, n in zip(watchers, ended, strict=True):
+            w._backward_ended()
             w._grads_around_backward(False)
             if w._eob_count == n and w._attached and threading.get_ident() == w._thread:
                 # no watched output got a gradient (sentinel, and the loop called a
