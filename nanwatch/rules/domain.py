@@ -581,6 +581,24 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         use = _divided_too_use(ev, x)
     if use is None and ev.phase is Phase.FORWARD and x is not None:
         use = _product_underflow_use(ctx, ev, x)
+    logged = (
+        _log_argument(ev)
+        if use is None and ev.phase is Phase.FORWARD and has_zero(x) and x is not None
+        else None
+    )
+    lk = _table_lookup(ev, logged[3]) if logged is not None and x is not None else None
+    if lk is not None and x is not None and x.min >= 0:  # log(alpha_bar[t]) at a 0 entry
+        return _table_zero(
+            ctx,
+            a,
+            ev,
+            x,
+            lk,
+            evidence=evidence,
+            title=ctx.rule.title if ctx.rule is not None else "Log of zero",
+            operand="the input of the log",
+            effect="log(0) is -inf",
+        )
     if use is None and ev.phase is Phase.FORWARD and x is not None:
         use = _unknown_log_use(ctx, ev, x)
     if use is None and x is None:  # named by its node alone: the graph says what it took
@@ -4916,6 +4934,435 @@ def _zeros_text(x: object, name: str) -> str:
     return f"values down to {fmt(x.min)}"
 
 
+# ------------------------------------------------------------- a table read by index
+
+#: calls that pass a tensor's values on unchanged, or as a root of them: a value read
+#: from a table is still that entry (or 0 where the entry is 0) through them
+_PASSING = frozenset(
+    {
+        "sqrt",
+        "rsqrt",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "to",
+        "view",
+        "reshape",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "expand_as",
+        "flatten",
+        "contiguous",
+        "clone",
+        "detach",
+        "type_as",
+        "view_as",
+        "reshape_as",
+    }
+)
+#: calls that read entries of their first argument at the indices of another one
+_GATHERS = {"gather": 2, "index_select": 2, "take": 1, "take_along_dim": 1}
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    """An operand of the op that the user's lines read from a table by index: ``ab =
+    s.ab[t][:, None]``, then ``/ ab.sqrt()``. ``one``: the operand is 1 - the entry, so an
+    entry of exactly 1 is its zero. ``made``: the statement that built the table as a
+    cumulative product (``s.register_buffer("ab", torch.cumprod(1 - betas, 0))``), with
+    the factor's ``1 - x`` name (``betas``) or the factor itself when it is no ``1 - x``."""
+
+    operand: str  #: the op's operand as its line writes it: ``ab.sqrt()``
+    table: str
+    index: str
+    lookup: str  #: the indexing expression: ``s.ab[t]``
+    stmt: str | None  #: the statement that holds it when it is not the op's own line
+    one: bool
+    made: str | None = None
+    made_at: str | None = None
+    beta: str | None = None  #: ``betas`` of ``cumprod(1 - betas)``
+    factor: str | None = None  #: the factor of ``cumprod(alphas)`` when it is no 1 - x
+
+
+def _is_one(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value in (1, 1.0) and node.value is not True
+
+
+def _passed(node: ast.expr) -> tuple[ast.expr, bool]:
+    """``node`` without the calls that keep its zeros (sqrt, casts, reshapes, a ``[:,
+    None]``) and with one ``1 - x`` taken off: (x, whether a 1 - was)."""
+    one = False
+    for _ in range(16):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            torch_fn = isinstance(f.value, ast.Name) and f.value.id == "torch"
+            if torch_fn and f.attr in ("sqrt", "rsqrt") and len(node.args) == 1:
+                node = node.args[0]
+                continue
+            if not torch_fn and f.attr in _PASSING:
+                node = f.value
+                continue
+        if (
+            isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Pow)
+            and isinstance(node.right, ast.Constant)
+        ):
+            node = node.left
+            continue
+        if isinstance(node, ast.Subscript) and _only_slices(node.slice):
+            node = node.value
+            continue
+        if (
+            not one
+            and isinstance(node, ast.BinOp)
+            and isinstance(node.op, ast.Sub)
+            and _is_one(node.left)
+        ):
+            node, one = node.right, True
+            continue
+        break
+    return node, one
+
+
+def _only_slices(s: ast.expr) -> bool:
+    """A subscript that adds or keeps dimensions: ``[:, None]``, ``[..., None]``."""
+    parts = s.elts if isinstance(s, ast.Tuple) else [s]
+    return all(
+        isinstance(p, ast.Slice)
+        or (isinstance(p, ast.Constant) and (p.value is None or p.value is Ellipsis))
+        for p in parts
+    )
+
+
+def _table_read(node: ast.expr, source: str | None) -> tuple[str, str, str] | None:
+    """(table, index, the expression) when ``node`` reads entries of a named table at the
+    indices of a named tensor: ``s.ab[t]``, ``ab.gather(0, t)``, ``torch.gather(ab, 0, t)``,
+    ``ab.index_select(0, t)``, or a function of the user's file that does one of those with
+    its first two arguments (``extract(self.ab, t, x.shape)``)."""
+
+    def named(n: ast.expr) -> bool:
+        while isinstance(n, ast.Attribute):
+            n = n.value
+        return isinstance(n, ast.Name)
+
+    def index(n: ast.expr) -> bool:  # a tensor of indices: no number, slice or mask
+        return named(n) or (isinstance(n, ast.Call) and named(n.func))
+
+    if isinstance(node, ast.Subscript):
+        if named(node.value) and index(node.slice) and not _only_slices(node.slice):
+            return ast.unparse(node.value), ast.unparse(node.slice), ast.unparse(node)
+        return None
+    if not isinstance(node, ast.Call):
+        return None
+    f = node.func
+    if isinstance(f, ast.Attribute) and f.attr in _GATHERS:
+        own = isinstance(f.value, ast.Name) and f.value.id == "torch"
+        args = node.args if own else [f.value, *node.args]
+        at = _GATHERS[f.attr]
+        if len(args) > at and named(args[0]) and index(args[at]):
+            return ast.unparse(args[0]), ast.unparse(args[at]), ast.unparse(node)
+        return None
+    fn = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+    if fn is None or len(node.args) < 2 or not (named(node.args[0]) and index(node.args[1])):
+        return None
+    if _gathering_function(source, fn):
+        return ast.unparse(node.args[0]), ast.unparse(node.args[1]), ast.unparse(node)
+    return None
+
+
+def _gathering_function(source: str | None, fn: str) -> bool:
+    """A function ``fn`` of the user's file whose first argument it reads at the indices of
+    its second (``def extract(a, t, shape): return a.gather(-1, t).reshape(...)``)."""
+    parsed = _source_tree(source)
+    if parsed is None:
+        return False
+    for d in ast.walk(parsed[0]):
+        if not isinstance(d, ast.FunctionDef) or d.name != fn:
+            continue
+        params = [a.arg for a in d.args.args if a.arg not in ("self", "cls")]
+        if len(params) < 2:
+            continue
+        for n in ast.walk(d):
+            got = _table_read(n, None) if isinstance(n, (ast.Subscript, ast.Call)) else None
+            if got is not None and got[:2] == (params[0], params[1]):
+                return True
+    return False
+
+
+def _table_lookup(ev: OpEvent, operand: str | None) -> _Lookup | None:
+    """The table ``operand`` (an operand of ``ev``, as the user's line writes it) was read
+    from by index, following the names the line uses to the lines above that assigned
+    them (``ab = s.ab[t][:, None]``); with the statement that built the table when it is
+    a cumulative product in the user's file. None when the lines show no such read."""
+    if operand is None or ev.phase is not Phase.FORWARD:
+        return None
+    try:
+        node: ast.expr = ast.parse(_unwrapped(operand), mode="eval").body
+    except SyntaxError:
+        return None
+    one, stmt = False, None
+    for _ in range(4):
+        node, flipped = _passed(node)
+        one ^= flipped
+        got = _table_read(node, ev.source)
+        if got is not None:
+            table, index, lookup = got
+            if "." not in table:
+                return None  # a tensor the function was given or computed (h[keep])
+            return _built(ev, _Lookup(_unwrapped(operand), table, index, lookup, stmt, one))
+        if not isinstance(node, ast.Name):
+            return None
+        made = _assigned_before(ev.source, node.id)
+        if made is None:
+            return None
+        try:
+            node = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
+        except SyntaxError:
+            return None
+        stmt = made
+    return None
+
+
+def _built(ev: OpEvent, found: _Lookup) -> _Lookup:
+    """``found`` with the statement of the user's file that builds its table, when that is
+    a cumulative product (``self.ab = torch.cumprod(1 - betas, 0)``, ``register_buffer("ab",
+    ...)``, or through an ``alphas = 1 - betas`` of the same function)."""
+    parsed = _source_tree(ev.source)
+    attr = found.table.rpartition(".")[2]
+    if parsed is None or "." not in found.table:
+        return found
+    import linecache
+
+    tree, line = parsed
+    path = (ev.source or "").rpartition(":")[0]
+    text = "".join(linecache.getlines(path))
+    around = [  # the class whose method reads the table: its own attribute
+        c
+        for c in ast.walk(tree)
+        if isinstance(c, ast.ClassDef) and c.lineno <= line <= (c.end_lineno or c.lineno)
+    ]
+    if not around:
+        return found
+    for fn in ast.walk(min(around, key=lambda c: (c.end_lineno or c.lineno) - c.lineno)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        local: dict[str, ast.expr] = {}
+        for st in ast.walk(fn):
+            if not isinstance(st, (ast.Assign, ast.Expr)):
+                continue
+            value: ast.expr | None = None
+            if isinstance(st, ast.Assign):
+                for t in st.targets:
+                    if isinstance(t, ast.Name):
+                        local[t.id] = st.value
+                    elif isinstance(t, ast.Attribute) and t.attr == attr:
+                        value = st.value
+            elif (
+                isinstance(st.value, ast.Call)
+                and isinstance(st.value.func, ast.Attribute)
+                and st.value.func.attr == "register_buffer"
+                and len(st.value.args) >= 2
+                and isinstance(st.value.args[0], ast.Constant)
+                and st.value.args[0].value == attr
+            ):
+                value = st.value.args[1]
+            if value is None:
+                continue
+            factor = _cumprod_factor(value, local)
+            if factor is None:
+                continue
+            stmt = ast.get_source_segment(text, st) or ast.unparse(st)
+            beta = None
+            f_node = factor
+            if isinstance(f_node, ast.Name) and f_node.id in local:
+                f_node = local[f_node.id]
+            if (
+                isinstance(f_node, ast.BinOp)
+                and isinstance(f_node.op, ast.Sub)
+                and _is_one(f_node.left)
+            ):
+                beta = _segment(text, f_node.right)
+            return replace(
+                found,
+                made=" ".join(stmt.split()),
+                made_at=f"{path}:{st.lineno}",
+                beta=beta,
+                factor=_segment(text, factor),
+            )
+    return found
+
+
+def _segment(text: str, node: ast.expr) -> str:
+    """``node`` as the file writes it, on one line (``1e-4``, not ``0.0001``)."""
+    return " ".join((ast.get_source_segment(text, node) or ast.unparse(node)).split())
+
+
+def _cumprod_factor(value: ast.expr, local: Mapping[str, ast.expr]) -> ast.expr | None:
+    """The factors of the cumulative product ``value`` is (``torch.cumprod(x, 0)``,
+    ``x.cumprod(0)``, maybe under a sqrt or cast), or a local name assigned one."""
+    for _ in range(3):
+        node, one = _passed(value)
+        if one:
+            return None
+        if isinstance(node, ast.Name) and node.id in local:
+            value = local[node.id]
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            if node.func.attr != "cumprod":
+                return None
+            own = isinstance(node.func.value, ast.Name) and node.func.value.id in ("torch", "np")
+            if own:
+                return node.args[0] if node.args else None
+            return node.func.value
+        return None
+    return None
+
+
+def _index_input(ctx: RuleContext, ev: OpEvent, a: Anomaly, n: int) -> str | None:
+    """Evidence that the indices are the module's own integer input of ``n`` values (the
+    batch's timesteps): one entry read per index."""
+    path = ev.path or a.path
+    for r in ctx.records(Phase.INPUT):
+        if r.path == path and r.dtype.startswith(("int", "uint")) and math.prod(r.shape) == n:
+            return (
+                f"{path} was given an integer tensor of {count(n, 'value')} ({r.role}, "
+                f"{r.dtype}), as many as the values read"
+            )
+    return None
+
+
+def _table_zero(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    x: TensorStat,
+    lk: _Lookup,
+    *,
+    evidence: list[str],
+    title: str,
+    operand: str,
+    effect: str,
+) -> Diagnosis:
+    """The op's zero operand was read from a table by index (a noise schedule's alpha_bar
+    at the batch's timesteps): the table holds 0 there (or 1, where the line takes 1 - it),
+    and every item that draws such an index meets it. Said with the table, the indices,
+    the statement that built the table, and fixes where it is built and where it is read."""
+    dtype = ev.dtype or "float32"
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    bad = "1" if lk.one else "0"
+    zeros = f"{x.zeros:,} of the {count(x.numel, 'value')}" if x.zeros else "values"
+    said = [
+        f"{operand} {lk.operand} is "
+        + ("1 - an entry" if lk.one else "an entry")
+        + f" of the table {lk.table} read at the indices {lk.index}"
+        + (f" ({lk.stmt})" if lk.stmt else ""),
+        f"{zeros} are exactly 0: the entries of {lk.table} read for them are {bad}"
+        + (", and 1 - 1 = 0" if lk.one else ""),
+    ]
+    if lk.made is not None:
+        said.append(f"{lk.table} is a cumulative product, built at {lk.made_at}: {lk.made}")
+    idx = _index_input(ctx, ev, a, x.numel)
+    if idx is not None:
+        said.append(idx)
+    evidence[1:1] = said
+    eps = f"torch.finfo(torch.{dtype}).eps"
+    beta = lk.beta if lk.beta is not None and _NAME.fullmatch(lk.beta) else None
+    if lk.made is not None:
+        if lk.one:
+            how = (
+                f"A cumulative product is exactly 1 until its first factor below 1: "
+                f"{lk.table} is 1 at its first indices while "
+                + (f"{beta} is 0 there" if beta else "their betas are 0")
+                + ", and 1 - 1 = 0."
+            )
+        else:
+            how = (
+                "A cumulative product is exactly 0 from its first factor of 0 on: "
+                + (f"1 - {beta} = 0 where {beta} = 1" if beta else "a factor of 0, a beta of 1")
+                + " (a schedule that ends at beta = 1, as a cosine schedule does without "
+                f"clipping), or where the product falls below {dtype}'s smallest subnormal "
+                f"({fmt(lim.subnormal)}): the last indices of {lk.table} are 0."
+            )
+    else:
+        how = (
+            f"The table itself holds {bad} there (a noise schedule's alpha_bar that reaches "
+            + ("1 at its first timesteps" if lk.one else "0 at its last timesteps")
+            + ", built with betas that reach "
+            + ("0)." if lk.one else "1).")
+        )
+    explanation = (
+        f"{operand[0].upper()}{operand[1:]} is {'1 - ' if lk.one else ''}an entry of "
+        f"{lk.table} picked by {lk.index}, "
+        f"and the entries picked for some items are {bad}: {effect} for every item that "
+        f"draws such an index. {how} Keep every entry "
+        + ("below 1" if lk.one else "above 0")
+        + " where the table is built, or leave those indices out of the draw."
+    )
+    lines: list[str] = []
+    if lk.made is not None:
+        f = lk.factor or ""
+        floor = f"{paren(f)}.clamp(max=1 - {eps})" if lk.one else f"{paren(f)}.clamp(min=1e-3)"
+        new, at = lk.made, f"at {lk.made_at}"
+        if re.fullmatch(r"[A-Za-z_]\w*", f):  # alphas = 1 - betas above: floored before
+            new, at = f"{f} = {floor}", f"before {lk.made_at}"
+        elif lk.beta is not None:  # cumprod(1 - betas): the betas clipped in place
+            clip = (
+                f"{paren(lk.beta)}.clamp(min={eps})"
+                if lk.one
+                else f"{paren(lk.beta)}.clamp(max=0.999)"
+            )
+            new = re.sub(
+                rf"\b1(?:\.0*)?\s*-\s*{re.escape(lk.beta)}(?![\w.(\[])",
+                lambda _: f"1 - {clip}",
+                lk.made,
+                count=1,
+            )
+        if new == lk.made and f and f in lk.made:
+            new = lk.made.replace(f, floor, 1)
+        if new != lk.made:
+            lines.append(
+                f"{new}   # {at}: "
+                + (
+                    f"every factor below 1, so no entry of {lk.table} is 1"
+                    if lk.one
+                    else f"every factor at least 0.001 (improved DDPM's max beta), so no "
+                    f"entry of {lk.table} is 0"
+                )
+            )
+        span = (
+            f"draw {lk.index} from int(({lk.table} == 1).sum()) on"
+            if lk.one
+            else f"draw {lk.index} below int(({lk.table} > 0).sum())"
+        )
+        lines.append(f"# or leave those indices out: {span}")
+    clamp = f".clamp(max=1 - {eps})" if lk.one else f".clamp(min={eps})"
+    target = lk.stmt or (ev.code or "").split("  #", 1)[0].strip()
+    if lk.lookup in target:
+        fixed = target.replace(lk.lookup, f"{lk.lookup}{clamp}", 1)
+        lines.append(
+            ("# or clamp the value read: " if lines else "")
+            + f"{fixed}"
+            + ("" if lines else f"   # an entry of {bad} read as {'1 - eps' if lk.one else 'eps'}")
+        )
+    if lk.made is None:
+        built = "betas above 0" if lk.one else "betas clipped to <= 0.999"
+        lines.append(
+            f"# better, where {lk.table} is built: keep every entry "
+            f"{'below 1' if lk.one else 'above 0'} ({built} before a cumprod); the indices "
+            f"to look at: ({lk.table} == {bad}).nonzero().flatten()"
+        )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: {'1 - ' if lk.one else ''}{lk.table}[{lk.index}] is 0 for some {lk.index}",
+        evidence=evidence,
+        explanation=explanation,
+        fix="\n".join(lines),
+    )
+
+
 # ---------------------------------------------------------------------- NW111
 
 
@@ -5231,6 +5678,25 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     diff = _narrow_difference(ev) if den is not None and not integer else None
     if diff is not None:
         yield _cancelled_denominator(ctx, a, ev, diff, evidence=evidence, title=title)
+        return
+    # alpha_bar[t] of a schedule that reaches 0 (a float16 1 - ab that rounded: above)
+    table = (
+        _table_lookup(ev, next(iter(_divisors(ev.code)), None))
+        if den is not None and not integer and has_zero(den) and den.min >= 0
+        else None
+    )
+    if table is not None and den is not None:
+        yield _table_zero(
+            ctx,
+            a,
+            ev,
+            den,
+            table,
+            evidence=evidence,
+            title=title,
+            operand="the denominator",
+            effect="x/0 is ±inf (0/0 NaN)",
+        )
         return
     if _in_distribution(ev):
         evidence.append(
@@ -11194,6 +11660,18 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         _, explanation, fix = exp_grad
     elif cancel is not None:
         explanation, fix = _cancel_text(cancel, ev.dtype), _cancel_fix(ev)
+    elif pole and x is not None and (lk := _table_lookup(ev, _pole_operand(ev))) is not None:
+        return _table_zero(  # rsqrt(alpha_bar[t]) of a schedule that reaches 0
+            ctx,
+            a,
+            ev,
+            x,
+            lk,
+            evidence=evidence,
+            title=ctx.rule.title if ctx.rule is not None else "Root at zero",
+            operand="the input of the root",
+            effect=f"{_pole_formula(ev, e)} is inf",
+        )
     elif pole:
         explanation, fix = _pole_text(ev, e), _pole_fix(ev, e)
         if (zf := _pole_zero_factor(ev)) is not None:
@@ -11428,6 +11906,22 @@ def _pole_zero_factor(ev: OpEvent) -> _ZeroFactor | None:
     base: list[str] = []
     _rewrite_base(stmt, lambda b: b, base, ev)
     return _zero_factor(ev, base[0]) if base and not _count_base(base[0]) else None
+
+
+def _pole_operand(ev: OpEvent) -> str | None:
+    """The input of the rsqrt, or the base of the negative power, as the line writes it."""
+    stmt = next((st for st in statements(ev.code) if re.search(r"rsqrt|pow\(|\*\*", st)), None)
+    got: list[str] = []
+    if packet(ev.op) in _RSQRT:
+
+        def keep(v: str) -> str:
+            got.append(v)
+            return v
+
+        rewrite_call(stmt, ["rsqrt"], keep)
+    else:
+        _rewrite_base(stmt, lambda b: b, got, ev)
+    return got[0] if got else None
 
 
 def _pole_formula(ev: OpEvent, e: object) -> str:
