@@ -110,6 +110,22 @@ class LogWeighted(nn.Module):
         return (w * (eps - noise) ** 2).mean()
 
 
+class LogSnr(nn.Module):
+    """Weights the loss by the log signal-to-noise ratio, a logit of alpha_bar by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eps = Eps()
+        self.register_buffer("alphas_bar", torch.cumprod(1 - torch.linspace(1e-4, 1.0, 50), 0))
+
+    def forward(self, x0: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        ab = self.alphas_bar[t][:, None]
+        noise = torch.randn_like(x0)
+        eps = self.eps(ab.sqrt() * x0 + (1 - ab).sqrt() * noise, t)
+        log_snr = torch.log(ab) - torch.log(1 - ab)
+        return (log_snr * (eps - noise) ** 2).mean()
+
+
 T = torch.tensor([0, 10, 25, 49] * 2)
 
 
@@ -227,6 +243,21 @@ def test_the_log_of_a_zero_alpha_bar_is_named_as_a_table_entry(mode: str) -> Non
         'self.register_buffer("alphas_bar", torch.cumprod(1 - torch.linspace(1e-4, 1.0, '
         "50).clamp(max=0.999), 0))"
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_log_snr_by_hand_of_a_zero_alpha_bar_is_told_as_the_table_not_pixels(
+    mode: str,
+) -> None:
+    d = _diag(LogSnr(), mode)
+    assert d.code == "NW110"
+    assert "pixel" not in d.explanation.lower() and "pixel" not in d.fix.lower()
+    assert "ab is read from the table self.alphas_bar at the indices t" in d.explanation
+    assert "a logit of self.alphas_bar[t]" in "\n".join(d.evidence)
+    first, second = d.fix.splitlines()[:2]
+    assert first.startswith("log_snr = torch.logit(ab, eps=torch.finfo(ab.dtype).eps)")
+    assert second.startswith("# or keep self.alphas_bar's entries inside (0, 1) where it is ")
+    assert "test_unseen_schedule.py:" in second
 
 
 @pytest.mark.parametrize(

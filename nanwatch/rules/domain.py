@@ -3378,7 +3378,7 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
         identity = _log_identity_use(stmt, calls, ev.dtype)
         if identity is not None:
             return identity
-        logit = _logit_by_hand(stmt)
+        logit = _logit_by_hand(stmt, ev)
         if logit is not None:
             return logit
         for start, end, arg in calls:
@@ -3496,10 +3496,13 @@ def _log_of(node: ast.expr) -> tuple[str, ast.expr] | None:
     return None
 
 
-def _logit_by_hand(stmt: str) -> _LogUse | None:
+def _logit_by_hand(stmt: str, ev: OpEvent | None = None) -> _LogUse | None:
     """``log(x) - log1p(-x)`` or ``log(x) - log(1 - x)`` on the user's line: a logit written
-    by hand (a flow's logit preprocessing of pixels in [0, 1]), -inf at x = 0 from the first
-    log and +inf at x = 1 from the second; the line with ``torch.logit(x, eps=...)``."""
+    by hand (a flow's logit preprocessing of pixels in [0, 1], a diffusion schedule's log
+    signal-to-noise ratio), -inf at x = 0 from the first log and +inf at x = 1 from the
+    second; the line with ``torch.logit(x, eps=...)``. When the lines above ``ev`` read x
+    from a table by index (``ab = self.alphas_bar[t]``, see :func:`_table_lookup`), the
+    story is that table's entries, not pixels."""
     try:
         tree = ast.parse(stmt.strip())
     except SyntaxError:
@@ -3527,6 +3530,32 @@ def _logit_by_hand(stmt: str) -> _LogUse | None:
         own = (
             lines[: node.col_offset] + f"torch.logit({x}, eps={eps})" + lines[node.end_col_offset :]
         )
+        lk = _table_lookup(ev, x) if ev is not None else None
+        if lk is not None:
+            built = f" where it is built ({lk.made_at})" if lk.made_at else ""
+            return _LogUse(
+                "logit",
+                fix=(
+                    f"{own}   # logit with {x} clamped into [eps, 1 - eps]: finite at 0 and 1\n"
+                    f"# or keep {lk.table}'s entries inside (0, 1){built}: "
+                    f".clamp({eps.replace(paren(x), lk.table)}, 1 - "
+                    f"{eps.replace(paren(x), lk.table)})"
+                ),
+                why=(
+                    f"The line is a logit written by hand, log({x}) - log(1 - {x}): log({x}) "
+                    f"is -inf where {x} is exactly 0 and {second} is -inf where {x} is exactly "
+                    f"1, which the subtraction turns into +inf. {x} is read from the table "
+                    f"{lk.table} at the indices {lk.index} ({lk.lookup}): an entry of exactly "
+                    "0 or 1 there gives it (a noise schedule whose alpha_bar reaches 0 at its "
+                    "last steps, or is 1 at its first). torch.logit with eps clamps the input "
+                    "into [eps, 1 - eps] first; the derivative is finite there too."
+                ),
+                evidence=(
+                    f"the line computes log({x}) - log(1 - {x}), a logit of {lk.lookup}: "
+                    f"-inf from log({x}) where the entry is 0, and +inf from -{second} where "
+                    "it is 1 (log of 1 - 1 = 0)"
+                ),
+            )
         return _LogUse(
             "logit",
             fix=(
