@@ -4488,7 +4488,11 @@ def _guard(
                 # the rules rewrite that one
                 data["call"] = _frames.running_call(frame)
             watcher.note("loss_input", path, source=source, **data)
-            _tls.sign_tap = _sign_tap(watcher, p, path, source, module) if failure is None else None
+            _tls.sign_tap = (
+                _sign_tap(watcher, p, path, source, module, call=data.get("call"))
+                if failure is None
+                else None
+            )
     if failure is None or failure.code in watcher.config.ignore:
         return
     source = _source(frame) if frame is not None else None
@@ -5430,43 +5434,65 @@ _sign_off: list[bool] = []
 
 @dataclass(frozen=True, eq=False)
 class _SignTap:
-    """A per-element binary loss call (``reduction="none"``) whose output gets a gradient
-    hook: every term of these losses is >= 0, so the total's gradient on a term should be
-    >= 0; a target value whose every term gets a negative one has its loss maximized."""
+    """A per-element loss call (``reduction="none"``) whose output gets a gradient hook:
+    every term of these losses is >= 0, so the total's gradient on a term should be >= 0;
+    a target value whose every term gets a negative one has its loss maximized, and so has
+    the whole loss when every term does. A ``likelihood`` tap is a distribution's
+    ``log_prob`` of data: its terms are to be maximized, so their gradients should be <= 0."""
 
     watcher: Watcher
     owner: nn.Module | None  #: the loss module, or None for a functional call
     path: str
     loss: str
     source: str | None
-    classes: torch.Tensor  #: each term's target, rounded: 0 or 1
+    classes: torch.Tensor  #: each term's target, rounded: 0 or 1 (all 0 but for binary)
+    binary: bool = True  #: whether ``classes`` tells the target values apart
+    likelihood: bool = False
+    call: str | None = None  #: the source text of the call (``dist.log_prob(y)``)
 
 
 def _sign_tap(
-    watcher: Watcher, p: _Probe, path: str, source: str | None, module: nn.Module | None
+    watcher: Watcher,
+    p: _Probe,
+    path: str,
+    source: str | None,
+    module: nn.Module | None,
+    *,
+    call: str | None = None,
 ) -> _SignTap | None:
-    """The tap for a per-element binary loss that trains something, on the steps the check
-    runs; None otherwise (no cost). Class-index losses are left alone: a policy gradient
-    weighs the cross-entropy of the actions it sampled by signed advantages, and an action
-    that is always worse than the mean gets a negative weight every step, rightly."""
-    step = watcher.step_index
-    if _sign_off or (step >= _SIGN_FIRST and step % _SIGN_EVERY >= _SIGN_RUN):
+    """The tap for a per-element binary or class-index loss that trains something, on the
+    steps the check runs; None otherwise (no cost). A class-index loss is told only when
+    every term is maximized: a policy gradient weighs the cross-entropy of the actions it
+    sampled by signed advantages, and an action that is always worse than the mean gets a
+    negative weight every step, rightly (the rules read whether the target was sampled)."""
+    if not _sign_step(watcher):
         return None
     t, x = p.target, p.input
-    if p.spec.kind != "binary" or _reduction(p.bound) != "none" or t is None:
+    kind = p.spec.kind
+    if kind not in ("binary", "class") or _reduction(p.bound) != "none" or t is None:
         return None
     if not x.requires_grad or not _readable(t):  # the output's own tells grad mode
         return None
-    if not t.is_floating_point() or t.shape != x.shape:
+    if kind == "binary" and (not t.is_floating_point() or t.shape != x.shape):
         return None
+    if kind == "class" and (t.is_floating_point() or t.dim() != max(x.dim() - 1, 1)):
+        return None  # class probabilities, or a target shape the output does not take
     return _SignTap(
         watcher=watcher,
         owner=module,
         path=path,
         loss=p.cls_name if p.is_module else p.spec.call,
         source=source,
-        classes=(t >= 0.5).long(),
+        classes=(t >= 0.5).long() if kind == "binary" else torch.zeros_like(t, dtype=torch.long),
+        binary=kind == "binary",
+        call=call,
     )
+
+
+def _sign_step(watcher: Watcher) -> bool:
+    """Whether the gradient sign of per-element losses is checked at this step."""
+    step = watcher.step_index
+    return not _sign_off and not (step >= _SIGN_FIRST and step % _SIGN_EVERY >= _SIGN_RUN)
 
 
 def _take_sign_tap(owner: nn.Module | None, out: Any) -> None:
@@ -5482,35 +5508,54 @@ def _take_sign_tap(owner: nn.Module | None, out: Any) -> None:
         and not _compiling()
     ):
         hook = functools.partial(_sign_hook, tap)
-        out.register_hook(hook)  # type: ignore[no-untyped-call]
+        _keep(out.register_hook(hook))  # type: ignore[no-untyped-call]
 
 
 def _sign_hook(tap: _SignTap, grad: torch.Tensor) -> None:
-    """Count, per target value, the terms whose gradient is negative (one read; a second
-    only when some are): a ``"loss_sign"`` note when every term of one target value got
-    one while the other got positive ones."""
+    """Count, per target value, the terms whose gradient has the wrong sign (negative; for
+    a likelihood, positive): one read, a second only when some are. A ``"loss_sign"`` note
+    when every term that got a gradient got the wrong sign (``flipped="all"``), or when
+    every term of one target value did while the other got the right one."""
     try:
         with torch.no_grad(), torch._C.DisableTorchFunction():
             g = grad.reshape(-1)
-            neg = g < 0
-            n_neg = int(neg.sum())
-            if not n_neg:
+            wrong = g > 0 if tap.likelihood else g < 0
+            n_wrong = int(wrong.sum())
+            if not n_wrong:
                 return
+            right = g < 0 if tap.likelihood else g > 0
             k = tap.classes.to(grad.device).reshape(-1)
             rows = torch.stack(
                 [
                     torch.bincount(k, minlength=2),
-                    torch.bincount(k[neg], minlength=2),
-                    torch.bincount(k[g > 0], minlength=2),
+                    torch.bincount(k[wrong], minlength=2),
+                    torch.bincount(k[right], minlength=2),
                 ]
             ).tolist()
         total, negs, poss = rows
-        flipped = [c for c in (0, 1) if total[c] and negs[c] == total[c]]
-        if len(flipped) != 1 or not poss[1 - flipped[0]]:
-            return  # no target value wholly maximized, or the other not minimized
         w = tap.watcher
         if len(w.trace.notes) >= _MAX_NOTES:
             return
+        extra: dict[str, Any] = {"call": tap.call} if tap.call else {}
+        if tap.likelihood:
+            extra["likelihood"] = True
+        if not any(poss):  # every term the total reached is pushed the wrong way
+            w.note(
+                "loss_sign",
+                tap.path,
+                source=tap.source,
+                loss=tap.loss,
+                flipped="all",
+                flipped_terms=n_wrong,
+                terms=sum(total),
+                **extra,
+            )
+            return
+        if not tap.binary or tap.likelihood:
+            return
+        flipped = [c for c in (0, 1) if total[c] and negs[c] == total[c]]
+        if len(flipped) != 1 or not poss[1 - flipped[0]]:
+            return  # no target value wholly maximized, or the other not minimized
         c = flipped[0]
         w.note(
             "loss_sign",
@@ -5525,6 +5570,111 @@ def _sign_hook(tap: _SignTap, grad: torch.Tensor) -> None:
     except Exception as exc:  # nanwatch must never break the training it watches
         _sign_off.append(True)
         _Health(tap.watcher).fault("loss sign check", exc)
+
+
+# -- the log-likelihood of data: a distribution's log_prob --------------------------------
+def _log_prob_classes() -> list[type]:
+    """The classes of ``torch.distributions`` that define their own ``log_prob`` (a plain
+    function: nothing else is wrapped)."""
+    import torch.distributions as D
+
+    out: list[type] = []
+    for name in dir(D):
+        cls = getattr(D, name)
+        if (
+            isinstance(cls, type)
+            and issubclass(cls, D.Distribution)
+            and isinstance(cls.__dict__.get("log_prob"), types.FunctionType)
+            and cls not in out
+        ):
+            out.append(cls)
+    return out
+
+
+def _wrap_log_prob(
+    original: Callable[..., Any], guards: Callable[[], list[FunctionalGuards]]
+) -> Callable[..., Any]:
+    """``original`` (a distribution's ``log_prob``), whose outermost call of a guarding
+    thread taps the sign of the gradient its terms get (see :func:`_log_prob_tap`)."""
+
+    @functools.wraps(original)
+    def log_prob(self: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        if _compiling():
+            return original(self, value, *args, **kwargs)
+        caller = sys._getframe(1)
+        # run from a copy of the caller's frame (see _as_caller): the ops inside keep the
+        # user's line, and no frame of nanwatch sits between them and it
+        call = _as_caller(caller)
+        nested = getattr(_tls, "log_prob", False)
+        _tls.log_prob = True
+        try:
+            out = call(original, (self, value, *args), kwargs)
+        except BaseException as e:
+            _skip_trampoline(e, call)
+            raise
+        finally:
+            _tls.log_prob = nested
+        if nested:
+            return out  # Independent's log_prob calls its base's: the outer one is told
+        me = threading.get_ident()
+        for g in tuple(guards()):
+            if g.thread == me:
+                _log_prob_tap(g, self, value, out, caller)
+                break
+        return out
+
+    log_prob._nanwatch_guard = True  # type: ignore[attr-defined]
+    return log_prob
+
+
+def _log_prob_tap(
+    guards: FunctionalGuards, dist: Any, value: Any, out: Any, caller: types.FrameType
+) -> None:
+    """Hook the gradient of ``dist.log_prob(value)`` when ``value`` is data (no gradient
+    reaches it: an observed label or a stored action, not a reparameterized sample) and the
+    log-likelihood trains something, on the steps the sign check runs."""
+    watcher = guards.watcher
+    if guards.health.broken or _quiet(watcher) or not _sign_step(watcher):
+        return
+    if not isinstance(value, torch.Tensor) or value.requires_grad:
+        return
+    if not isinstance(out, torch.Tensor) or not out.requires_grad or not _readable(out):
+        return
+    if not out.is_floating_point() or out.numel() < 2:
+        return
+    try:
+        frame = _frames.user_frame(caller)
+        tap = _SignTap(
+            watcher=watcher,
+            owner=None,
+            path=f"{type(dist).__name__}.log_prob",
+            loss=f"{type(dist).__name__}.log_prob",
+            source=_source(frame) if frame is not None else None,
+            classes=torch.zeros(out.shape, dtype=torch.long, device=out.device),
+            binary=False,
+            likelihood=True,
+            call=_frames.running_call(frame) if frame is not None else None,
+        )
+        _keep(out.register_hook(functools.partial(_sign_hook, tap)))  # type: ignore[no-untyped-call]
+    except Exception as exc:  # nanwatch must never break the training it watches
+        guards.health.fault("log_prob sign check", exc)
+
+
+#: the sign hooks on tensors that may still be alive: removed with the last guard, so a
+#: step that raised before its backward leaves none behind
+_sign_handles: list[Any] = []
+
+
+def _keep(handle: Any) -> None:
+    """Hold ``handle`` (a tensor hook's) until the guards go; those of freed tensors go now."""
+    _sign_handles[:] = [h for h in _sign_handles if h.hooks_dict_ref() is not None]
+    _sign_handles.append(handle)
+
+
+def _drop_sign_hooks() -> None:
+    for h in _sign_handles:
+        h.remove()
+    _sign_handles.clear()
 
 
 # ---------------------------------------------------------------------------- functional
@@ -5542,6 +5692,7 @@ class _FunctionalTap:
     def __init__(self) -> None:
         self._guards: list[FunctionalGuards] = []
         self._originals: dict[str, Callable[..., Any]] = {}
+        self._log_probs: dict[type, Callable[..., Any]] = {}  #: each class's own log_prob
         self._lock = threading.Lock()
 
     def install(self, guards: FunctionalGuards) -> None:
@@ -5553,6 +5704,12 @@ class _FunctionalTap:
                         continue
                     self._originals[spec.name] = original
                     setattr(F, spec.name, self._wrap(spec, original))
+                for cls in _log_prob_classes():
+                    own = cls.__dict__["log_prob"]
+                    if getattr(own, "_nanwatch_guard", False):
+                        continue
+                    self._log_probs[cls] = own
+                    cls.log_prob = _wrap_log_prob(own, lambda: self._guards)  # type: ignore[attr-defined]
             self._guards.append(guards)
 
     def remove(self, guards: FunctionalGuards) -> None:
@@ -5566,6 +5723,11 @@ class _FunctionalTap:
                 if getattr(getattr(F, name, None), "_nanwatch_guard", False):
                     setattr(F, name, original)
             self._originals = {}
+            for cls, own in self._log_probs.items():
+                if getattr(cls.__dict__.get("log_prob"), "_nanwatch_guard", False):
+                    cls.log_prob = own  # type: ignore[attr-defined]
+            self._log_probs = {}
+            _drop_sign_hooks()
 
     def _wrap(self, spec: GuardSpec, original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)

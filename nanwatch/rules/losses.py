@@ -1888,15 +1888,377 @@ def _sign_by_design(note: Any) -> bool | None:
     return bool(weight_names & _loaded_names(target))
 
 
+# -- a loss negated on its way to backward(), or a log-likelihood left unnegated --------
+#: calls that fill a tensor with one value: a target made by one is no label but a side of
+#: a minimax game (a GAN generator's ``-bce(d(fake), zeros)``), signed on purpose
+_FILLS = frozenset({"zeros", "ones", "full", "zeros_like", "ones_like", "full_like"})
+
+
+def _is_neg_const(node: ast.AST) -> float | None:
+    """The value of a negative number literal (``-1``, ``-0.5``); None otherwise."""
+    if (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and isinstance(node.operand.value, (int, float))
+        and not isinstance(node.operand.value, bool)
+    ):
+        return -float(node.operand.value)
+    return None
+
+
+def _flip(parent: ast.AST, child: ast.AST) -> bool:
+    """Whether ``parent`` negates ``child``'s value (``-x``, ``x * -1``, ``a - x``,
+    ``x.neg()``, ``torch.neg(x)``)."""
+    if isinstance(parent, ast.UnaryOp):
+        return isinstance(parent.op, ast.USub)
+    if isinstance(parent, ast.BinOp):
+        if isinstance(parent.op, ast.Sub):
+            return parent.right is child
+        if isinstance(parent.op, (ast.Mult, ast.Div)):
+            other = parent.right if parent.left is child else parent.left
+            if isinstance(parent.op, ast.Div) and other is parent.left:
+                return False
+            return _is_neg_const(other) is not None
+        return False
+    if isinstance(parent, ast.Call) and _call_name(parent) in ("neg", "negative"):
+        f = parent.func
+        own = isinstance(f, ast.Attribute) and f.value is child  # x.neg()
+        return own or (child in parent.args and isinstance(f, ast.Attribute))  # torch.neg(x)
+    return False
+
+
+def _path(stmt: ast.stmt, start: ast.AST) -> list[tuple[ast.AST, ast.AST]]:
+    """The (parent, child) pairs from ``start`` up to the value of ``stmt``, innermost
+    first."""
+    parents = {id(c): p for p in ast.walk(stmt) for c in ast.iter_child_nodes(p)}
+    out: list[tuple[ast.AST, ast.AST]] = []
+    node: ast.AST = start
+    while id(node) in parents:
+        parent = parents[id(node)]
+        if isinstance(parent, ast.stmt):
+            break
+        out.append((parent, node))
+        node = parent
+    return out
+
+
+def _negations(stmt: ast.stmt, start: ast.AST) -> list[ast.AST]:
+    """The nodes of ``stmt`` that negate the value of ``start`` on its way to the
+    statement's value, innermost first."""
+    return [parent for parent, child in _path(stmt, start) if _flip(parent, child)]
+
+
+def _simple(tree: ast.AST, line: int) -> ast.stmt | None:
+    """The innermost statement of ``tree`` holding line ``line``."""
+    return next(
+        (
+            s
+            for s in ast.walk(tree)
+            if isinstance(s, ast.stmt)
+            and not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and s.lineno <= line <= (s.end_lineno or s.lineno)
+            and not any(isinstance(c, ast.stmt) and c is not s for c in ast.iter_child_nodes(s))
+        ),
+        None,
+    )
+
+
+def _sign_chain(
+    tree: ast.AST, stmt: ast.stmt, call: ast.Call
+) -> list[tuple[ast.stmt, list[ast.AST]]]:
+    """The statements the value of ``call`` goes through to the loss (the loss line, then
+    each first later statement that reads the name the previous one assigned, four at
+    most), each with the nodes that negate it there."""
+    chain = [(stmt, _negations(stmt, call))]
+    while len(chain) < 4:
+        last = chain[-1][0]
+        targets = getattr(last, "targets", None) or [getattr(last, "target", None)]
+        names = [t.id for t in targets if isinstance(t, ast.Name)]
+        if len(names) != 1:
+            break
+        end = last.end_lineno or last.lineno
+        users = sorted(
+            (
+                s
+                for s in ast.walk(tree)
+                if isinstance(s, ast.stmt)
+                and s.lineno > end
+                and not any(isinstance(c, ast.stmt) for c in ast.iter_child_nodes(s))
+                and names[0] in _loaded_names(s)
+            ),
+            key=lambda s: s.lineno,
+        )
+        if not users or not isinstance(users[0], (ast.Assign, ast.AnnAssign, ast.Return)):
+            break  # read by ``loss.backward()``, a log call: the loss is the last value
+        nxt = users[0]
+        reads = [
+            n
+            for n in ast.walk(nxt)
+            if isinstance(n, ast.Name) and n.id == names[0] and isinstance(n.ctx, ast.Load)
+        ]
+        flips = [f for r in reads for f in _negations(nxt, r)]
+        chain.append((nxt, flips))
+        if names[0] in {
+            n.id
+            for t in getattr(nxt, "targets", [])
+            for n in ast.walk(t)
+            if isinstance(n, ast.Name)
+        }:
+            break  # ``loss = -loss``: no later reader is told apart from this one
+    return chain
+
+
+def _line_text(source: str | None, stmt: ast.stmt, first: int) -> tuple[str, int] | None:
+    """The text of one-line statement ``stmt`` in the file of ``source`` (read at its
+    indentation: the parsed code may be dedented), and the column shift from the parsed
+    code to the file; None for a statement over several lines or with non-ASCII text."""
+    import linecache
+
+    if stmt.lineno != stmt.end_lineno or stmt.end_col_offset is None:
+        return None
+    path = (source or "").rpartition(":")[0]
+    text = linecache.getline(path, stmt.lineno + first - 1).rstrip("\n")
+    if not text.isascii():
+        return None
+    shift = len(text) - len(text.lstrip()) - stmt.col_offset
+    return text, shift
+
+
+def _unnegated(text: str, shift: int, flip: ast.AST) -> str | None:
+    """``text`` with the negation ``flip`` taken out (``-x`` -> ``x``, ``x * -1`` -> ``x``,
+    ``x * -0.5`` -> ``x * 0.5``, ``a - x`` -> ``a + x``, ``x.neg()`` -> ``x``)."""
+
+    def span(n: ast.AST) -> tuple[int, int]:
+        return n.col_offset + shift, (n.end_col_offset or 0) + shift  # type: ignore[attr-defined]
+
+    a, b = span(flip)
+    seg = text[a:b]
+    if isinstance(flip, ast.UnaryOp):
+        new = seg[1:].lstrip()
+    elif isinstance(flip, ast.BinOp) and isinstance(flip.op, ast.Sub):
+        _, lb = span(flip.left)
+        ra, _ = span(flip.right)
+        gap = text[lb:ra]
+        cut = gap.rfind("-")
+        if cut < 0:
+            return None
+        new = text[a:lb] + gap[:cut] + "+" + gap[cut + 1 :] + text[ra:b]
+    elif isinstance(flip, ast.BinOp):
+        neg_right = _is_neg_const(flip.right) is not None
+        const = flip.right if neg_right else flip.left
+        value = _is_neg_const(const)
+        ca, cb = span(const)
+        if value == -1.0:
+            if neg_right:
+                new = text[a:ca].rstrip()
+                new = new[:-1].rstrip() if new.endswith(("*", "/")) else new
+            else:
+                new = text[cb:b].lstrip()
+                new = new[1:].lstrip() if new.startswith("*") else new
+        else:
+            new = text[a:ca] + text[ca:cb][1:].lstrip() + text[cb:b]
+    elif isinstance(flip, ast.Call):
+        f = flip.func
+        if isinstance(f, ast.Attribute) and not flip.args:
+            m = re.match(r"^(.*)\.\s*(neg|negative)\(\s*\)$", seg, re.S)
+            if m is None:
+                return None
+            new = m.group(1)
+        elif flip.args:
+            xa, xb = span(flip.args[0])
+            new = paren(text[xa:xb])
+        else:
+            return None
+    else:
+        return None
+    return text[:a] + new + text[b:]
+
+
+def _negated(text: str, shift: int, stmt: ast.stmt) -> str | None:
+    """``text`` with the value ``stmt`` assigns or returns negated (``loss = x.mean()`` ->
+    ``loss = -x.mean()``)."""
+    value = getattr(stmt, "value", None)
+    if not isinstance(value, ast.expr) or value.end_col_offset is None:
+        return None
+    a, b = value.col_offset + shift, value.end_col_offset + shift
+    seg = text[a:b]
+    atom = isinstance(value, (ast.Call, ast.Attribute, ast.Name, ast.Subscript))
+    return text[:a] + ("-" + seg if atom else f"-({seg})") + text[b:]
+
+
+def _sign_words(flip: ast.AST) -> str:
+    """How ``flip`` negates, as the code writes it: ``'* -1'``, ``'-1 *'``, ``'-'``,
+    ``'.neg()'``."""
+    if isinstance(flip, ast.BinOp) and not isinstance(flip.op, ast.Sub):
+        op = "*" if isinstance(flip.op, ast.Mult) else "/"
+        if _is_neg_const(flip.right) is not None:
+            return f"'{op} {ast.unparse(flip.right)}'"
+        return f"'{ast.unparse(flip.left)} {op}'"
+    if isinstance(flip, ast.Call):
+        method = isinstance(flip.func, ast.Attribute) and not flip.args
+        return f"'.{_call_name(flip)}()'" if method else f"'{ast.unparse(flip.func)}'"
+    return "'-'"
+
+
+def _maximized(note: Any) -> dict[str, Any] | None:
+    """What makes the loss of a ``flipped="all"`` note maximized, read from the user's
+    code: a loss (terms >= 0) negated an odd number of times on its way to the loss, or a
+    log-likelihood (``log_prob``) of data negated an even number of times (none).
+    ``line``: the statement to rewrite, ``fixed``: that statement rewritten, ``sign``: the
+    code that negates (None for a log-likelihood nothing negates). None when the code
+    cannot be read, when the target was sampled from the model's own output (a policy
+    gradient, signed by its advantages), when the weight is an advantage (a value less
+    its batch mean), or when the target is one value filled in (a minimax game's side)."""
+    parsed = _enclosing_code(note.source)
+    if parsed is None:
+        return None
+    tree, first = parsed
+    line = int(str(note.source).rpartition(":")[2]) - first + 1
+    stmt = _simple(tree, line)
+    if stmt is None:
+        return None
+    call = loss_call_in(stmt, type(note)("loss_input", note.path, dict(note.data)))
+    likelihood = bool(note.data.get("likelihood"))
+    if call is None:
+        return None
+    kw = {k.arg: k.value for k in call.keywords if k.arg}
+    if likelihood:
+        inp = call.func.value if isinstance(call.func, ast.Attribute) else None
+        target = kw.get("value", call.args[0] if call.args else None)
+    else:
+        inp = kw.get("input", call.args[0] if call.args else None)
+        target = kw.get("target", call.args[1] if len(call.args) > 1 else None)
+    if inp is None or target is None:
+        return None
+    defs = _assignments(tree)
+
+    def names(node: ast.expr) -> set[str]:
+        # a name read as a whole counts, even one spelled like a module (``dist``)
+        own = {node.id} if isinstance(node, ast.Name) else set()
+        return own | _expanded(node, defs, set())[0]
+
+    model_side = names(inp)
+    for made in _expanded(target, defs, set())[1]:
+        if isinstance(made, ast.Call) and _call_name(made) in _FILLS:
+            return None  # a target of one value (``valid = torch.ones(n)``): a game's side
+        for c in ast.walk(made):
+            if not isinstance(c, ast.Call) or _call_name(c) not in _SAMPLERS:
+                continue
+            drawn = c.func.value if isinstance(c.func, ast.Attribute) else None
+            parts = [*c.args, *(k.value for k in c.keywords), *([drawn] if drawn else [])]
+            if any(names(a) & model_side for a in parts):
+                return None  # an action drawn from the model's own output is the target
+    chain = _sign_chain(tree, stmt, call)
+    skip = _loaded_names(inp) | _loaded_names(target)
+    # the negations on the loss's own way are no centring (``0 - loss.mean()``)
+    own = {id(f) for _, fs in chain for f in fs}
+    for s, _ in chain:
+        for e in [s, *_expanded(s, defs, skip)[1]]:
+            for b in ast.walk(e):
+                if (
+                    id(b) not in own
+                    and isinstance(b, ast.BinOp)
+                    and isinstance(b.op, ast.Sub)
+                    and any(
+                        isinstance(c, ast.Call) and _call_name(c) == "mean"
+                        for c in ast.walk(b.right)
+                    )
+                ):
+                    return None  # less its batch mean: an advantage, signed by the returns
+    flips = [(s, f) for s, fs in chain for f in fs]
+    if len(flips) % 2 != (0 if likelihood else 1):
+        return None
+    # nothing negates: the minus goes where the value is last computed (not ``return loss``)
+    computed = [s for s, _ in chain if not isinstance(getattr(s, "value", None), ast.Name)]
+    where, flip = flips[-1] if flips else ((computed or [stmt])[-1], None)
+    found = _line_text(note.source, where, first)
+    if found is None:
+        return {"line": None, "fixed": None, "sign": None, "likelihood": likelihood}
+    text, shift = found
+    if flip is None:
+        fixed = _negated(text, shift, where)
+        sign = None
+    else:
+        fixed = _unnegated(text, shift, flip)
+        sign = _sign_words(flip)
+    return {
+        "line": text.strip(),
+        "fixed": fixed.strip() if fixed else None,
+        "sign": sign,
+        "likelihood": likelihood,
+        "target": ast.unparse(target),
+    }
+
+
+def _maximized_diagnosis(
+    ctx: RuleContext, note: Any, run: tuple[int, int], how: dict[str, Any]
+) -> Diagnosis:
+    steps, terms = run
+    loss = str(note.data.get("loss", note.path))
+    line, fixed, sign = how["line"], how["fixed"], how["sign"]
+    if how["likelihood"]:
+        title = "Log-likelihood minimized: the minus sign of the loss is missing"
+        what = f"{loss}({how.get('target', 'y')})"
+        evidence = [
+            f"{what} is the log-likelihood of data (the target is no sample of the model): "
+            f"training should raise it, but the total loss sent a positive gradient to every "
+            f"one of its terms: {terms:,} terms over the last {steps} steps, none spared",
+            f"nothing negates it on its way to the loss: {line}"
+            if sign is None
+            else f"it is negated an even number of times on its way to the loss: {line}",
+        ]
+        explanation = (
+            "Minimizing the log-likelihood pushes the model away from the observed labels: "
+            "the loss keeps falling, without bound, while every prediction gets worse, and "
+            "no NaN warns. Maximum likelihood minimizes the negative log-likelihood, "
+            "-log_prob(y).mean(). (A policy gradient on sampled actions, or a value less "
+            "its batch mean, is left alone: there the sign is the advantage's.)"
+        )
+        fix = fixed or "loss = -log_prob.mean()   # the negative log-likelihood"
+    else:
+        title = "Loss maximized: it is negated on its way to backward()"
+        evidence = [
+            f"{loss}(..., reduction='none') has terms >= 0, but the total loss sent a "
+            f"negative gradient to every one of them: {terms:,} terms over the last {steps} "
+            "steps, none spared",
+            f"the code negates it with {sign}: {line}" if line else "the code negates it",
+        ]
+        explanation = (
+            f"The per-element {loss} is reduced by hand (weighted or not) and the result "
+            "negated, so lowering the total raises every term: the optimizer pushes each "
+            "prediction away from its label. The loss falls below 0 and keeps falling while "
+            "the model gets worse, and no NaN warns. Per-sample or class weights must be >= "
+            "0 and the sum they weigh is minimized as it is. (Maximizing a loss on purpose, "
+            "as an adversary or to unlearn: silence this code.)"
+        )
+        fix = fixed or "loss = (weights * per_element_loss).mean()   # no minus sign"
+    if fixed and line:
+        fix = f"{fixed}   # was: {line}"
+    return ctx.diagnosis(
+        title=title,
+        path=note.path,
+        phase=Phase.BACKWARD.value,
+        source=note.source,
+        evidence=evidence,
+        explanation=explanation,
+        fix=fix,
+    )
+
+
 @rule(
     "NW210",
-    title="Per-element loss maximized for one target value (a negative weight)",
+    title="Loss maximized: a negative weight or a wrong sign",
     severity="warning",
     summary=(
         "Every term of a per-element binary loss (reduction='none') whose target is 0 (or "
         "1) gets a negative gradient, step after step, while the others get positive "
         "ones: a weight applied by hand is negative there (a focal alpha above 1), so the "
-        "optimizer makes those predictions worse."
+        "optimizer makes those predictions worse. Also every term of a per-element loss "
+        "that the code negates (-(w * ce).mean(), * -1), and every term of a "
+        "distribution's log_prob of data that nothing negates (log_prob(y).mean()). A "
+        "target sampled from the model (a policy gradient), a weight less its batch mean "
+        "(an advantage) and a target of one value (a minimax game) are left alone."
     ),
     early=True,
     priority=20,
@@ -1907,6 +2269,12 @@ def loss_target_maximized(ctx: RuleContext) -> Iterator[Diagnosis]:
         if (note.path, note.source) in done:
             continue
         run = _flipped_run(ctx, note)
+        if run is not None and note.data.get("flipped") == "all":
+            how = _maximized(note)
+            if how is not None:
+                done.add((note.path, note.source))
+                yield _maximized_diagnosis(ctx, note, run, how)
+            continue
         if run is None or _sign_by_design(note) is False:
             continue
         done.add((note.path, note.source))
@@ -1929,6 +2297,7 @@ def loss_target_maximized(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"loss: it is negative for {which}; or fix how it is computed"
             )
         yield ctx.diagnosis(
+            title="Per-element loss maximized for one target value (a negative weight)",
             path=note.path,
             phase=Phase.BACKWARD.value,
             source=note.source,
