@@ -2187,6 +2187,7 @@ def summarize(anomaly: Anomaly) -> str:
     base = _follow_op(anomaly, base)
     base = _last_node(anomaly, base)
     base = _neginf_birth(anomaly, base)
+    base = _returned_overflow(anomaly, base)
     base = _in_child(anomaly, base)
     op = anomaly.op
     if (
@@ -2316,6 +2317,45 @@ def _neginf_birth(anomaly: Anomaly, base: str) -> str:
     return f"{what} born in the forward of {first.path}{typ}, in its {src.role}{later}"
 
 
+def _returned_overflow(anomaly: Anomaly, base: str) -> str:
+    """The loss code turned a module's -inf output into +inf or NaN (``F.nll_loss`` of a
+    hand-written log-softmax), and the traced ops show that -inf made, inside that module,
+    from a +inf or NaN its own code computed from finite values (``exp(x)`` overflowed,
+    then ``x - log(inf)``): the first non-finite value was born there, not on the way to
+    the loss, and the anomaly moves to that module. A -inf made as one (a log of 0, a
+    mask) is a value the loss code made bad: :func:`summarize` keeps the loss code."""
+    op, src = anomaly.op, anomaly.neginf_source
+    if (
+        op is None
+        or src is None
+        or anomaly.kind is not AnomalyKind.FORWARD
+        or anomaly.origin != "loss-code"
+        or op.phase is not Phase.FORWARD
+        or src.phase is not Phase.FORWARD
+    ):
+        return base
+    chain = op.chain()
+    first = chain[0]
+    if first.phase is not Phase.FORWARD or first.path is None or not first.born:
+        return base
+    if any(e.injected for e in chain):
+        return base  # written on purpose
+    if not {"NaN", "+inf"} & set(first.born.split(", ")):
+        return base  # a -inf made as one: not an anomaly until the loss code used it
+    if any(s is not None and not s.finite for _, s in first.inputs):
+        return base  # not born there from finite values
+    if first.path != src.path and not first.path.startswith(src.path + "."):
+        return base  # not made by the module that returned the -inf
+    typ = f" ({src.module_type})" if src.path == first.path and src.module_type else ""
+    returned = src.stat.kinds() if src.stat is not None and not src.stat.finite else "-inf"
+    anomaly.path, anomaly.origin = first.path, "module"
+    return (
+        f"{first.born} born in the forward of {first.path}{typ}, which turned it into "
+        f"{returned} in its {src.role}; it became {_kinds_text(anomaly.record)} in "
+        f"{anomaly.record.where}"
+    )
+
+
 def _in_child(anomaly: Anomaly, base: str, *, below: bool = False) -> str:
     """A value the parent's code passed to a child (``conv(F.silu(norm(x)))``) held NaN or
     inf, and the replay traced the op that made it from finite values to another child's
@@ -2351,16 +2391,18 @@ def born_below(anomaly: Anomaly, path: str, module_type: str) -> None:
     values to ``path``, a module the watcher found inside that module's call (one whose
     output it did not measure: a norm bounded by its input, or code between its children):
     the anomaly moves to that innermost module, in its path and summary, which the rules
-    then quote. A -inf that came in is :func:`_neginf_birth`'s."""
+    then quote. A -inf that came in is :func:`_neginf_birth`'s; a mask's -inf written in
+    ``path`` and turned into NaN there (see :func:`_grew_from_mask`) was born there too."""
     op, rec = anomaly.op, anomaly.record
     if op is None or anomaly.kind is not AnomalyKind.FORWARD or anomaly.neginf_source:
         return
     first = op.chain()[0]
-    if first.phase is not Phase.FORWARD or first.injected or not first.born:
+    masked = first.injected and _grew_from_mask(op.chain(), path)
+    if first.phase is not Phase.FORWARD or (first.injected and not masked) or not first.born:
         return
     if first.path != path or path == anomaly.path:
         return
-    if any(s is not None and not s.finite for _, s in first.inputs):
+    if not masked and any(s is not None and not s.finite for _, s in first.inputs):
         return  # not born there from finite values
     base, sep, rest = anomaly.summary.partition(" [")
     if anomaly.origin == "between-children":
@@ -2371,13 +2413,27 @@ def born_below(anomaly: Anomaly, path: str, module_type: str) -> None:
     head = " born in the forward of "
     if anomaly.origin != "module" or head not in base:
         return
-    what = base.split(head, 1)[0]
+    what = _kinds_text(rec) if masked else base.split(head, 1)[0]
     outer = anomaly.path
     anomaly.path, anomaly.module_type = path, module_type
     typ = f" ({module_type})" if module_type else ""
     anomaly.summary = (
         f"{what}{head}{path}{typ}, inside {outer}; first seen in {rec.where}{sep}{rest}"
     )
+
+
+def _grew_from_mask(chain: Sequence[OpEvent], path: str) -> bool:
+    """The chain opens with a -inf written on purpose (``masked_fill(mask, -inf)``), and the
+    op that first made NaN or +inf of it (a softmax of a row masked whole) ran in ``path``
+    too, given no NaN or +inf: the mask is no anomaly, that op's NaN is, and both are the
+    code of the module at ``path``."""
+    for ev in chain:
+        if ev.phase is not Phase.FORWARD or ev.path != path:
+            return False
+        if not {"NaN", "+inf"} & set(ev.born.split(", ")):
+            continue
+        return not any(s is not None and (s.has_nan or s.has_posinf) for _, s in ev.inputs)
+    return False
 
 
 def _neginf_returned_by(anomaly: Anomaly, path: str) -> bool:
