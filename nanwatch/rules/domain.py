@@ -91,6 +91,7 @@ from nanwatch.rules._evidence import (
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 from nanwatch.rules.generic import parametrization
+from nanwatch.rules.masking import _DOMAIN_SAFE, _domain_arg, _double_where
 from nanwatch.stats import dtype_limits
 
 #: name prefix of what a backward node saved in forward, at the end of an op event's
@@ -496,6 +497,9 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         return _log_grad_overflow(ctx, a, ev, trigger, x)
     evidence: list[str] = []
     at = "-1" if name == "log1p" else "0"
+    # a NaN made by the log's backward on a line that discards the log's -inf in forward
+    # (torch.where(z > 0, torch.log(z), 0)): the double where is the fix
+    discarded = _discarded_log(ev) if backward_log and "NaN" in ev.born else None
     if x is None and backward_log:
         # named by its node alone (what it saved was freed before the read): say what its
         # gradient makes, not which input it had
@@ -517,7 +521,12 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         evidence.append(
             f"in backward, {op}'s gradient grad / x is 0 / 0 = NaN: its input holds "
             f"{_zeros_text(x, name)} (none below 0), and the gradient arriving there is 0 "
-            "(the forward's -inf was discarded later, as exp(-inf) = 0 does)"
+            + (
+                f"({discarded.by} on that line discarded the forward's -inf there, and its "
+                "backward gives the discarded entries a 0 gradient)"
+                if discarded is not None
+                else "(the forward's -inf was discarded later, as exp(-inf) = 0 does)"
+            )
         )
     elif "NaN" in ev.born:
         evidence.append(
@@ -569,6 +578,8 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     if use is None and ev.phase is Phase.FORWARD and x is not None and x.min <= 0:
         use = _det_use(ctx, ev)
     forward_line = ev.phase is Phase.FORWARD or (ev.code and ev.source != ev.backward_at)
+    if use is None and discarded is not None:
+        use = _discarded_use(discarded)
     if use is None and forward_line:  # in backward: the line that made the log's node
         use = _log_use(ctx, a, ev)
     if use is None and ev.phase is Phase.FORWARD and x is not None:
@@ -3366,6 +3377,106 @@ def _log_identity_use(stmt: str, calls: list[tuple[int, int, str]], dtype: str) 
             ),
         )
     return None
+
+
+@dataclass(frozen=True)
+class _Discarded:
+    """A log on the user's line whose result an op of the same line discards in part
+    (``torch.where(z > 0, torch.log(z), 0)``): what discards it, and the line rewritten so
+    the discarded entries reach the log as a value it is finite at."""
+
+    by: str  #: ``torch.where``, ``masked_fill``, ``the index``
+    line: str
+
+
+def _discarded_log(ev: OpEvent) -> _Discarded | None:
+    """The log of ``ev`` (its backward made NaN) sits, on its line, inside a branch of a
+    ``torch.where``, or is the receiver of a ``masked_fill`` or the value indexed: that op
+    drops the log's -inf at 0 in forward, but its backward sends the dropped entries a 0
+    gradient, and the log's backward divides it by 0. The rewrite passes the log's argument
+    through the same selection with a safe value (the "double where"); None when the line
+    shows none of these around the log."""
+    if not ev.code:
+        return None
+    names = ["log"]  # its backward is LogBackward0's: the op may be named by its div
+    guarded = _double_where(replace(ev, op="aten.log"), set())
+    if guarded is not None:
+        return _Discarded("torch.where", guarded)
+    safe = _DOMAIN_SAFE["log"]
+    for stmt in statements(ev.code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", 0) != getattr(node, "end_lineno", -1):
+                continue  # one line: the rewrite splices columns
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("masked_fill", "masked_fill_")
+                and node.args
+            ):
+                # the log itself is filled (elementwise, so the mask fits its input too)
+                arg = _domain_arg(node.func.value, names)
+                mask = ast.get_source_segment(stmt, node.args[0])
+                text = ast.get_source_segment(stmt, arg) if arg is not None else None
+                if arg is None or mask is None or text is None or arg.end_col_offset is None:
+                    continue
+                inner = text if _NAME.fullmatch(text) else f"({text})"
+                return _Discarded(
+                    "masked_fill",
+                    f"{stmt[: arg.col_offset]}{inner}.masked_fill({mask}, {safe})"
+                    f"{stmt[arg.end_col_offset :]}",
+                )
+            if isinstance(node, ast.Subscript):  # torch.log(z)[z > 0]: log(z[z > 0])
+                arg = _domain_arg(node.value, names)
+                index = ast.get_source_segment(stmt, node.slice)
+                text = ast.get_source_segment(stmt, arg) if arg is not None else None
+                if arg is None or index is None or text is None:
+                    continue
+                log, end = node.value, node.value.end_col_offset
+                if arg.end_col_offset is None or end is None or node.end_col_offset is None:
+                    continue
+                inner = text if _NAME.fullmatch(text) else f"({text})"
+                return _Discarded(
+                    "the index",
+                    f"{stmt[: node.col_offset]}{stmt[log.col_offset : arg.col_offset]}"
+                    f"{inner}[{index}]{stmt[arg.end_col_offset : end]}"
+                    f"{stmt[node.end_col_offset :]}",
+                )
+    return None
+
+
+def _discarded_use(d: _Discarded) -> _LogUse:
+    """The fix for a log whose -inf the line's ``torch.where`` (``masked_fill``, index)
+    discards, while its backward still divides by the 0: the line rewritten so the log never
+    sees the discarded entries."""
+    by = d.by
+    if by == "the index":
+        how = "index before the log: it never sees the entries the index drops"
+        select = "Index the log's input instead, so that the log never sees the 0"
+    else:
+        how = (
+            f"the entries {by} discards reach the log as {_DOMAIN_SAFE['log']}, not 0: "
+            "their gradient is 0 / 1 = 0, not 0 / 0"
+        )
+        select = (
+            "Select the log's input too, with a value the log is finite at, so that it "
+            "never sees the 0"
+        )
+    return _LogUse(
+        "discarded",
+        fix=f"{d.line}   # {how}",
+        why=(
+            f"On its line, {by} keeps the log only where its input is valid, but the log "
+            "is still computed everywhere: at 0 it is -inf, which the forward drops, and in "
+            f"backward {by} gives the dropped entries a 0 gradient that the log's backward "
+            f"divides by 0: 0 / 0 = NaN. {select} (a nan_to_num after the log does not "
+            "reach the backward)."
+        ),
+        title=f"Log of zero discarded by {by}: NaN in its backward",
+    )
 
 
 def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:

@@ -2075,6 +2075,11 @@ def _written_between_forwards(
     a ``copy_`` under no_grad), which moves no version counter nanwatch could see."""
     s = a.record.stat
     what = "NaN" if s is None or s.has_nan else "inf"
+    applied = _applied_bad_grad(ctx, a.record, name=name, after=after)
+    if applied is not None:
+        return _applied_bad_grad_diagnosis(
+            ctx, a, applied, name=name, evidence=evidence, after=after, read_by=read_by
+        )
     root = _root_path(ctx.trace, a.record.path) or _root_of_name(ctx, name)
     holder, _, note = (_owner_expr(ctx, root) if root else "model").partition("  # ")
     forensic = ctx.facts.get("mode") == "forensic"
@@ -2109,6 +2114,78 @@ def _written_between_forwards(
             f"bad = [n for n, p in {holder}.named_parameters() if not torch.isfinite(p).all()]"
             f"\nassert not bad, bad{f'   # {note}' if note else ''}"
         ),
+    )
+
+
+def _applied_bad_grad(
+    ctx: RuleContext, rec: Record, *, name: str, after: str
+) -> tuple[StepTrace, Record] | None:
+    """The last update by the optimizer ``after`` (this step's when the weight ``rec`` was
+    found at the step's end, else the last step's) had ``name`` in its param groups and
+    applied a gradient of it that was already non-finite: that update wrote the NaN/inf,
+    whatever a module's finite output seemed to say. The step and the gradient's record;
+    None when the records do not show it."""
+    prev = (
+        ctx.trace if _after_forward(ctx.trace, rec) else (ctx.history[-1] if ctx.history else None)
+    )
+    if prev is None:
+        return None
+    updated = any(
+        n.kind == "optimizer"
+        and n.path == after
+        and any(
+            isinstance(g, dict) and name in g.get("names", ()) for g in n.data.get("groups", ())
+        )
+        for n in prev.notes
+    )
+    if not updated:
+        return None
+    g = next((r for r in prev.records if r.phase is Phase.GRADIENT and r.role == name), None)
+    if g is None or g.stat is None or g.stat.finite:
+        return None
+    return prev, g
+
+
+def _applied_bad_grad_diagnosis(
+    ctx: RuleContext,
+    a: Anomaly,
+    applied: tuple[StepTrace, Record],
+    *,
+    name: str,
+    evidence: list[str],
+    after: str,
+    read_by: str,
+) -> Diagnosis:
+    """NW301 for a weight that ``after``'s update wrote non-finite from a non-finite
+    gradient, while ``read_by``'s output stayed finite: its forward drops the bad values
+    (``torch.where(z > 0, torch.log(z), 0)`` of a NaN ``z`` is 0), so that output does not
+    show the weight finite, and no write between forwards is needed to explain it."""
+    prev, g = applied
+    kinds = g.stat.kinds() if g.stat is not None else "non-finite"
+    head, check = _grad_check(ctx, prev)
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights (a consequence of an earlier anomaly)",
+        evidence=[
+            *evidence,
+            f"the gradient of {name} applied by {after}'s update at step {prev.step} was "
+            f"already {kinds}",
+            f"{read_by}'s output stayed finite in step {ctx.step} with {name} non-finite: "
+            "its forward drops those values (a torch.where or masked_fill discards them) or "
+            "does not use them, so that output does not show the weight finite",
+        ],
+        explanation=(
+            f"{name} became non-finite because {after} applied a non-finite gradient at "
+            f"step {prev.step}: this is the aftermath of that step's anomaly, not a write "
+            "between forwards. Fix that one; skipping updates with non-finite gradients "
+            "keeps the weights intact meanwhile."
+        ),
+        fix=(
+            f"{head}if all({check} for p in model.parameters()\n"
+            "       if p.grad is not None):\n"
+            "    optimizer.step()   # skip updates with NaN/inf gradients"
+        ),
+        priority=95,
     )
 
 
