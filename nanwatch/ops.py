@@ -16,10 +16,13 @@ such as BatchNorm's running statistics, tensors and numbers held as attributes) 
 
 from __future__ import annotations
 
+import ast
 import bisect
+import builtins
 import contextlib
 import functools
 import inspect
+import linecache
 import math
 import operator
 import os
@@ -1333,15 +1336,37 @@ _OP_WORDS: dict[str, re.Pattern[str]] = {
 _STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
 
 
+class HeldNodes(dict[str, Any]):
+    """:func:`held_nodes`' answer (name -> node), with what the frame could call through
+    (``scope``: its other local objects, by weak reference, so that no step keeps them or
+    makes a cycle of them; ``module``: the name of its module, whose globals are looked up
+    when needed), for :func:`statement_line` to follow a call into the code that made a
+    node (a loss ``step()`` that adds a model's penalty method)."""
+
+    scope: dict[str, weakref.ReferenceType[Any]]
+    module: str | None
+
+
+#: local values that are data, not something code could be called through
+_DATA = (torch.Tensor, list, tuple, dict, set, frozenset, str, bytes, int, float, complex, bool)
+
+
 def held_nodes(frame: Any) -> dict[str, Any]:
     """The autograd nodes of the tensors ``frame`` binds to local names (name -> node):
-    what :func:`statement_line` reads, taken while the frame runs (references, no read)."""
-    out: dict[str, Any] = {}
+    what :func:`statement_line` reads, taken while the frame runs (references, no read);
+    a :class:`HeldNodes`, which also names the frame's other objects weakly."""
+    out = HeldNodes()
+    out.scope, out.module = {}, frame.f_globals.get("__name__")
     for k, v in list(frame.f_locals.items()):
-        if isinstance(v, torch.Tensor) and isinstance(k, str):
+        if not isinstance(k, str):
+            continue
+        if isinstance(v, torch.Tensor):
             fn = v.grad_fn
             if fn is not None:
                 out[k] = fn
+        elif v is not None and not isinstance(v, _DATA):
+            with contextlib.suppress(TypeError):  # an object without weak references
+                out.scope[k] = weakref.ref(v)
     return out
 
 
@@ -1400,7 +1425,14 @@ def statement_line(
         return None
     if not lines:
         return None
-    return _op_in_statement(code.co_filename, max(lines), set(owners), words)
+    found = _op_in_statement(code.co_filename, max(lines), set(owners), words)
+    if found is None and isinstance(held, HeldNodes):
+        # the statement called the code that made the node (``loss = step()``, whose
+        # ``model.penalty()`` took the sqrt): the line there that writes the op
+        found = _op_in_callees(
+            node, held, code.co_filename, max(lines), targets=set(owners), words=words
+        )
+    return found
 
 
 def _instructions(code: types.CodeType) -> list[Any]:
@@ -1415,30 +1447,333 @@ def _op_in_statement(
     """The first line of the assignment to one of ``targets`` at ``lineno`` (the whole
     statement, over several lines) that writes the op ``words`` matches, as
     :func:`_frames.describe_line` says it."""
-    import ast
-    import linecache
-
     first, last = lineno, lineno
-    text = "".join(linecache.getlines(filename))
-    try:
-        tree = ast.parse(text) if text else None
-    except (SyntaxError, ValueError):
-        tree = None
-    for st in ast.walk(tree) if tree is not None else ():
-        if not isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
-            continue
-        end = st.end_lineno or st.lineno
-        if not st.lineno <= lineno <= end:
-            continue
-        tgts = st.targets if isinstance(st, ast.Assign) else [st.target]
-        if any(isinstance(n, ast.Name) and n.id in targets for t in tgts for n in ast.walk(t)):
-            first, last = st.lineno, end
-            break
+    st = _assignment(_parsed(filename), lineno, targets)
+    if st is not None:
+        first, last = st.lineno, st.end_lineno or st.lineno
     for line in range(first, last + 1):
         raw = linecache.getline(filename, line).split("#", 1)[0]
         if words.search(raw):
             return _frames.describe_line(filename, line)  # type: ignore[return-value]
     return None
+
+
+def _parsed(filename: str) -> ast.Module | None:
+    """The syntax tree of ``filename`` (through :mod:`linecache`), None when unreadable."""
+    return _parse("".join(linecache.getlines(filename)))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse(text: str) -> ast.Module | None:
+    try:
+        return ast.parse(text) if text else None
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _assignment(
+    tree: ast.Module | None, lineno: int, targets: set[str]
+) -> ast.Assign | ast.AugAssign | ast.AnnAssign | None:
+    """The assignment to one of ``targets`` whose statement spans ``lineno``."""
+    for st in ast.walk(tree) if tree is not None else ():
+        if not isinstance(st, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            continue
+        if not st.lineno <= lineno <= (st.end_lineno or st.lineno):
+            continue
+        tgts = st.targets if isinstance(st, ast.Assign) else [st.target]
+        if any(isinstance(n, ast.Name) and n.id in targets for t in tgts for n in ast.walk(t)):
+            return st
+    return None
+
+
+#: how far calls are followed from the statement that assigned the loss, and how many
+#: functions are read at most (anomaly-time work): past either, no line is claimed
+_CALL_DEPTH = 4
+_CALLEES = 32
+#: the autograd nodes (lower case, no ``Backward<N>``) an operator makes
+_BINOP_NODES: dict[type[ast.operator], frozenset[str]] = {
+    ast.Add: frozenset({"add"}),
+    ast.Sub: frozenset({"sub", "rsub"}),
+    ast.Mult: frozenset({"mul"}),
+    ast.Div: frozenset({"div"}),
+    ast.Pow: frozenset({"pow"}),
+}
+#: how an operator writes an op of :data:`_OP_WORDS`
+_BINOP_TEXT: dict[type[ast.operator], str] = {ast.Pow: "**", ast.Div: "/"}
+#: tensor methods whose node is not named after them (a view, a cast, ``square``'s pow):
+#: an operand made by one tells nothing of the node it feeds
+_RENAMED = frozenset(
+    {
+        "view",
+        "reshape",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "expand",
+        "expand_as",
+        "permute",
+        "transpose",
+        "contiguous",
+        "clone",
+        "to",
+        "type",
+        "float",
+        "double",
+        "half",
+        "bfloat16",
+        "square",
+        "matmul",
+        "einsum",
+    }
+)
+
+
+@dataclass
+class _Scope:
+    """The names a function's code can be followed through: bound (its ``self``, its
+    closure, the calling frame's objects) and its module's globals (builtins are not
+    followed). Attributes are read statically: no property or ``__getattr__`` runs."""
+
+    bound: dict[str, Any]
+    globals: dict[str, Any]
+
+    def resolve(self, expr: ast.expr) -> Any:
+        if isinstance(expr, ast.Name):
+            if expr.id in self.bound:
+                return self.bound[expr.id]
+            if expr.id in self.globals:
+                return self.globals[expr.id]
+            return getattr(builtins, expr.id, None)
+        if isinstance(expr, ast.Attribute):
+            base = self.resolve(expr.value)
+            return None if base is None else _static_attr(base, expr.attr)
+        return None
+
+
+def _static_attr(obj: Any, name: str) -> Any:
+    """``obj.name`` without running user code (a bound method of a function found on the
+    class, a submodule of a module); None when it is not plain data."""
+    if isinstance(obj, torch.nn.Module):
+        sub = obj.__dict__.get("_modules", {}).get(name)
+        if sub is not None:
+            return sub
+    try:
+        v = inspect.getattr_static(obj, name)
+    except AttributeError:
+        return None
+    if isinstance(v, staticmethod):
+        return v.__func__
+    if isinstance(v, classmethod):
+        return types.MethodType(v.__func__, obj if isinstance(obj, type) else type(obj))
+    if isinstance(v, types.FunctionType):
+        plain = isinstance(obj, (type, types.ModuleType)) or name in getattr(obj, "__dict__", {})
+        return v if plain else types.MethodType(v, obj)
+    if isinstance(v, (property, types.MemberDescriptorType, types.GetSetDescriptorType)):
+        return None
+    return v
+
+
+def _callee(obj: Any) -> tuple[types.FunctionType, dict[str, Any]] | None:
+    """The user's function a call of ``obj`` runs, with the names bound for it (``self``,
+    its closure); None for torch's, a library's, a class or a module call (a module's
+    forward makes that module's nodes, not the loss code's)."""
+    bound: dict[str, Any] = {}
+    fn: Any = obj
+    this: Any = None
+    if isinstance(obj, types.MethodType):
+        fn, this = obj.__func__, obj.__self__
+    elif not isinstance(obj, (types.FunctionType, type, types.ModuleType, torch.nn.Module)):
+        fn, this = inspect.getattr_static(type(obj), "__call__", None), obj
+    if not isinstance(fn, types.FunctionType):
+        return None
+    code = fn.__code__
+    if _frames.is_internal(code.co_filename):
+        return None
+    if this is not None and code.co_argcount:
+        bound[code.co_varnames[0]] = this
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
+        with contextlib.suppress(ValueError):  # a cell not yet filled
+            bound[name] = cell.cell_contents
+    return fn, bound
+
+
+def _definition(code: types.CodeType) -> ast.AST | None:
+    """The ``def`` (or ``lambda``) of ``code`` in its file's syntax tree."""
+    for n in ast.walk(_parsed(code.co_filename) or ast.Module(body=[], type_ignores=[])):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            starts = {n.lineno, *(d.lineno for d in n.decorator_list)}
+            if n.name == code.co_name and code.co_firstlineno in starts:
+                return n
+        elif (
+            isinstance(n, ast.Lambda)
+            and code.co_name == "<lambda>"
+            and n.lineno == code.co_firstlineno
+        ):
+            return n
+    return None
+
+
+def _operand_nodes(expr: ast.expr, assigned: dict[str, list[ast.expr]]) -> frozenset[str] | None:
+    """The autograd node names (see :data:`_BINOP_NODES`) that can have made the value of
+    ``expr``; None when the code does not tell (a name assigned more than once, a call of
+    the user's own). A name assigned once is followed to its value, once."""
+    if isinstance(expr, ast.Name):
+        values = assigned.get(expr.id, [])
+        return _operand_nodes(values[0], {}) if len(values) == 1 else None
+    if isinstance(expr, ast.BinOp):
+        return _BINOP_NODES.get(type(expr.op))
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub):
+        return frozenset({"neg"})
+    if isinstance(expr, ast.Call):
+        f = expr.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if not name or name in _RENAMED:
+            return None
+        torch_op = any(hasattr(m, name) for m in (torch, torch.Tensor, torch.nn.functional))
+        return frozenset({name.replace("_", "").lower()}) if torch_op else None
+    return None
+
+
+def _fits(made: frozenset[str] | None, node: Any) -> bool | None:
+    """Whether ``node``'s first input was made by one of ``made`` (``sum`` fits
+    ``SumBackward1``, ``norm`` ``LinalgVectorNormBackward0``); None: not told."""
+    if made is None:
+        return None
+    try:
+        first = node.next_functions[0][0] if node.next_functions else None
+    except Exception:  # an unusual node
+        return None
+    if first is None:
+        return False
+    base = re.sub(r"Backward\d*$", "", name_of(first)).rsplit("::", 1)[-1].lower()
+    return bool(base) and any(m == base or (len(m) > 2 and m in base) for m in made)
+
+
+def _writes_op(
+    n: ast.AST, words: re.Pattern[str], scope: _Scope
+) -> tuple[int, ast.expr | None] | None:
+    """(its line, its operand) when ``n`` writes the op ``words`` matches: a call
+    (``torch.sqrt(x)``, ``x.sqrt()``) or an operator (``x ** 0.5``)."""
+    if isinstance(n, ast.BinOp):
+        text = _BINOP_TEXT.get(type(n.op))
+        if text is None or not words.search(text):
+            return None
+        return n.left.end_lineno or n.lineno, n.left
+    if not isinstance(n, ast.Call):
+        return None
+    f = n.func
+    name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+    if not name or not words.search(name):
+        return None
+    line = f.end_lineno or n.lineno
+    if isinstance(f, ast.Attribute) and not isinstance(scope.resolve(f.value), types.ModuleType):
+        return line, f.value  # a method of the operand
+    return line, n.args[0] if n.args else None
+
+
+def _op_in_callees(
+    node: Any,
+    held: HeldNodes,
+    filename: str,
+    lineno: int,
+    *,
+    targets: set[str],
+    words: re.Pattern[str],
+) -> tuple[str, str] | None:
+    """The line that made ``node`` in the user's code that the assignment to ``targets``
+    at ``lineno`` called (``loss = step()``, ``step`` adding ``model.penalty()``, whose
+    ``torch.sqrt`` made it), followed by static reads of the objects the frame held (see
+    :class:`HeldNodes`), of each function's ``self``, closure and globals. Of the lines
+    there that write the op, the one whose operand's op made the node's input
+    (``torch.sqrt(w.pow(2).sum(-1))`` for a ``SqrtBackward0`` of a ``SumBackward1``, not
+    ``torch.sqrt(... + eps)`` in a branch that did not run). None when not exactly one line
+    fits, or another could (its operand does not tell), or a function could not be read,
+    or the reading reached its bounds. Anomaly-time work."""
+    st = _assignment(_parsed(filename), lineno, targets)
+    if st is None or st.value is None:
+        return None
+    module = sys.modules.get(held.module) if held.module else None
+    objects = {k: v for k, r in held.scope.items() if (v := r()) is not None}
+    top = _Scope(objects, vars(module) if module is not None else {})
+    todo: list[tuple[str, ast.AST, _Scope, int]] = [(filename, st.value, top, 0)]
+    done: set[types.CodeType] = set()
+    lines: dict[tuple[str, int], bool | None] = {}
+    while todo:
+        file, tree, scope, depth = todo.pop()
+        assigned = _assigned(tree)
+        for n in ast.walk(tree):
+            op = _writes_op(n, words, scope)
+            if op is not None:
+                line, operand = op
+                fit = _fits(_operand_nodes(operand, assigned), node) if operand else None
+                key = (file, line)
+                if key not in lines or fit or (fit is None and lines[key] is False):
+                    lines[key] = fit
+            if not isinstance(n, ast.Call):
+                continue
+            target = scope.resolve(n.func)
+            if target is None and _unknown_call(n.func, tree):
+                return None  # code the reading cannot follow ran: the op may be there
+            found = _callee(target)
+            if found is None or found[0].__code__ in done:
+                continue
+            fn, bound = found
+            definition = _definition(fn.__code__)
+            if depth + 1 > _CALL_DEPTH or len(done) >= _CALLEES or definition is None:
+                return None  # the user's code the op may be in, unread
+            done.add(fn.__code__)
+            todo.append(
+                (fn.__code__.co_filename, definition, _Scope(bound, fn.__globals__), depth + 1)
+            )
+    strict = [k for k, fit in lines.items() if fit]
+    if len(strict) != 1 or any(fit is None for fit in lines.values()):
+        return None
+    return _frames.describe_line(*strict[0])  # type: ignore[return-value]
+
+
+#: what code calls methods of besides tensors: data (``parts.append(x)``, ``d.items()``)
+_DATA_TYPES = (torch.Tensor, list, dict, set, str, tuple, bytes)
+
+
+def _unknown_call(func: ast.expr, tree: ast.AST) -> bool:
+    """Whether a call of ``func``, which names nothing the reading found, may run code
+    that was not read: a function held in a local or an argument, a callable picked from a
+    container (``self.terms[0](w)``); not a method of a tensor or of data, nor a function
+    ``tree`` defines itself (its body is read with it)."""
+    if isinstance(func, ast.Attribute):
+        return not any(hasattr(t, func.attr) for t in _DATA_TYPES)
+    if isinstance(func, ast.Name):
+        return not any(
+            isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == func.id
+            for n in ast.walk(tree)
+        )
+    return True
+
+
+def _assigned(tree: ast.AST) -> dict[str, list[ast.expr]]:
+    """The values each plain name is given in ``tree`` (a loop's or a ``with``'s target,
+    a value the code does not tell)."""
+    out: dict[str, list[ast.expr]] = {}
+    unknown = ast.Constant(value=None)
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                for name in ast.walk(t):
+                    if isinstance(name, ast.Name):
+                        out.setdefault(name.id, []).append(n.value if name is t else unknown)
+        elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
+            out.setdefault(n.target.id, []).append(ast.BinOp(n.target, n.op, n.value))
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            out.setdefault(n.target.id, []).append(n.value or unknown)
+        elif isinstance(n, ast.NamedExpr):
+            out.setdefault(n.target.id, []).append(n.value)
+        elif isinstance(n, (ast.For, ast.AsyncFor, ast.withitem, ast.comprehension)):
+            target = n.optional_vars if isinstance(n, ast.withitem) else n.target
+            for name in ast.walk(target) if target is not None else ():
+                if isinstance(name, ast.Name):
+                    out.setdefault(name.id, []).append(unknown)
+    return out
 
 
 def accumulates_grad(node: Any) -> bool:
