@@ -6295,7 +6295,11 @@ class Watcher:
                 target = up
         if target is None:
             return
-        ev = self._own_backward(target, target.path, remake=anomaly.origin == "module")
+        # read late (the accelerator path), backward has freed what it saved: an input only
+        # its nodes held (a child's output, a checkpointed block's input) is made again from
+        # the module that produced it, or the root's own inputs, checked against its records
+        remake = anomaly.origin == "module" or self._late
+        ev = self._own_backward(target, target.path, remake=remake)
         if ev is None:
             return
         named = anomaly.op
