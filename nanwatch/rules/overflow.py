@@ -8489,6 +8489,26 @@ def _zeroed_outputs(ctx: RuleContext) -> list[_Zeroed]:
     return found
 
 
+def _float32_statistic_fix(ref: str) -> str:
+    """The fix for a variance or norm taken by hand in a short-range dtype (NW109, NW115):
+    the statistic in float32, the result cast back; ``ref``: the module, as code."""
+    return (
+        "# compute the statistic in float32 and cast the result back, e.g. a hand-written "
+        "LayerNorm:\n"
+        f"x32 = x.float()   # in the forward of {ref}\n"
+        "mu = x32.mean(-1, keepdim=True)\n"
+        "var = ((x32 - mu) ** 2).mean(-1, keepdim=True)\n"
+        "y = ((x32 - mu) / torch.sqrt(var + eps)).to(x.dtype)\n"
+        "# or use nn.LayerNorm / F.layer_norm (they accumulate in float32), or keep "
+        f"{ref} in float32: {ref}.float() and cast its input"
+    )
+
+
+def _more_paths(paths: list[str]) -> str:
+    """The first three of ``paths`` and how many more."""
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
 @rule(
     "NW109",
     title="Overflow zeroed a module's low-precision output (silently wrong values)",
@@ -8527,16 +8547,11 @@ def zeroed_by_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
             "flows back through the zeros"
         )
     if len(found) > 1:
-        evidence.append(
-            "also zeroed: "
-            + ", ".join(f.out.path for f in found[1:4])
-            + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-        )
+        evidence.append("also zeroed: " + _more_paths([f.out.path for f in found[1:]]))
     evidence.append(
         "no module output, loss or gradient holds NaN or inf: the inf stayed inside "
         f"{out.path}'s forward"
     )
-    ref = module_ref(out.path)
     yield ctx.diagnosis(
         path=out.path,
         phase=out.phase.value,
@@ -8550,16 +8565,7 @@ def zeroed_by_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
             "is constant would also give 0; its deviations would be 0.) mode='forensic' "
             "names the op and line (NW105)."
         ),
-        fix=(
-            "# compute the statistic in float32 and cast the result back, e.g. a hand-written "
-            "LayerNorm:\n"
-            f"x32 = x.float()   # in the forward of {ref}\n"
-            "mu = x32.mean(-1, keepdim=True)\n"
-            "var = ((x32 - mu) ** 2).mean(-1, keepdim=True)\n"
-            "y = ((x32 - mu) / torch.sqrt(var + eps)).to(x.dtype)\n"
-            "# or use nn.LayerNorm / F.layer_norm (they accumulate in float32), or "
-            f"keep {ref} in float32: {ref}.float() and cast its input"
-        ),
+        fix=_float32_statistic_fix(module_ref(out.path)),
     )
 
 
@@ -8679,12 +8685,7 @@ def wide_norm_input(ctx: RuleContext) -> Iterator[Diagnosis]:
         "(variance inf, x / inf = 0) does not change them",
     ]
     if len(found) > 1:
-        evidence.append(
-            "also: "
-            + ", ".join(f.out.path for f in found[1:4])
-            + (f" and {len(found) - 4} more" if len(found) > 4 else "")
-        )
-    ref = module_ref(out.path)
+        evidence.append("also: " + _more_paths([f.out.path for f in found[1:]]))
     yield ctx.diagnosis(
         path=out.path,
         phase=out.phase.value,
@@ -8698,14 +8699,5 @@ def wide_norm_input(ctx: RuleContext) -> Iterator[Diagnosis]:
             "appears, and nothing flows back through the zeroed rows. mode='forensic' (or "
             "nw.replay(step_fn)) names the op and line when it happens (NW105)."
         ),
-        fix=(
-            "# compute the statistic in float32 and cast the result back, e.g. a hand-written "
-            "LayerNorm:\n"
-            f"x32 = x.float()   # in the forward of {ref}\n"
-            "mu = x32.mean(-1, keepdim=True)\n"
-            "var = ((x32 - mu) ** 2).mean(-1, keepdim=True)\n"
-            "y = ((x32 - mu) / torch.sqrt(var + eps)).to(x.dtype)\n"
-            "# or use nn.LayerNorm / F.layer_norm (they accumulate in float32), or keep "
-            f"{ref} in float32: {ref}.float() and cast its input"
-        ),
+        fix=_float32_statistic_fix(module_ref(out.path)),
     )
