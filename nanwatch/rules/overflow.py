@@ -1570,6 +1570,7 @@ def _from_op(
             if first and not cplx and kind == "other"
             else None
         )
+        by_hand = _sigmoid_by_hand(ev.code) if kind == "exp" and not cplx and first else None
         explanation = _explain_wide(
             kind,
             dtype,
@@ -1580,6 +1581,7 @@ def _from_op(
             cause=cause or (_inside_cause(ctx, small) if small is not None else ""),
             complex_=cplx,
             op=name.rstrip("_"),
+            sigmoid=by_hand is not None,
         )
         fix = _fix_wide(
             kind,
@@ -1598,6 +1600,11 @@ def _from_op(
             inside=_inside_fix(ctx, small) if small is not None else None,
             source=ev.source,
         )
+        if by_hand is not None:
+            fix = (
+                f"{by_hand}   # 1 / (1 + exp(-x)) is torch.sigmoid(x): same values, no "
+                "overflow, a finite gradient"
+            )
         if name.rstrip("_") == "cosh" and not cplx and _log_of_cosh(ctx, ev):
             # a log-cosh loss: the same loss without cosh, not a clamp that zeroes its
             # gradient (tanh(d)) past the bound
@@ -4869,11 +4876,13 @@ def _explain_wide(
     cause: str = "",
     complex_: bool = False,
     op: str = "exp",
+    sigmoid: bool = False,
 ) -> str:
     """float32 / float64: the range is vast, so the values themselves exploded; ``cause``,
     when the records name what grew them (an optimizer setting, NW306), says it instead of
     the usual suspects; ``complex_``: an exp of a complex tensor; ``op``: the exp-like op
-    (cosh and sinh overflow on both sides, above log(2 × max) in |x|)."""
+    (cosh and sinh overflow on both sides, above log(2 × max) in |x|); ``sigmoid``: the
+    exp is that of a sigmoid written by hand on the line (see :func:`_sigmoid_by_hand`)."""
     top = fmt(lim.max)
     head = (
         f"{dtype} holds values up to {top}: reaching that is not a precision problem, and "
@@ -4903,6 +4912,16 @@ def _explain_wide(
             f"argument {reached}. An argument with no bound -- a difference of values that "
             "grew, a learned quantity that drifted -- passes it: bound it, or write the "
             f"expression so that it never takes {op} of a large number."
+        )
+    if kind == "exp" and sigmoid:
+        return head + (
+            f"The line is a sigmoid written by hand, 1 / (1 + exp(-x)): exp(-x) overflows "
+            f"{dtype} where x is below -{fmt(lim.exp_bound)}. The forward still gives 1 / inf "
+            "= 0, but autograd saved the inf, and the backward multiplies the gradient reaching "
+            "the exp by it: 1 / inf passes back a gradient of 0, and 0 × inf = NaN. "
+            "torch.sigmoid is the same function, computed without forming a huge "
+            "exp, and its gradient is finite everywhere. Large inputs are ordinary for a "
+            "sigmoid: there is nothing to bound."
         )
     if kind == "exp":
         arg = signed_max(x)
@@ -5002,6 +5021,105 @@ def _softplus_by_hand(code: str | None) -> str | None:
     out, at = [], 0
     for a, b, new in found:
         if a < at:  # nested in one already rewritten
+            continue
+        out.append(text[at:a] + new)
+        at = b
+    return "".join(out) + text[at:]
+
+
+def _sigmoid_by_hand(code: str | None) -> str | None:
+    """``code`` with each sigmoid written by hand as ``torch.sigmoid``: ``1 / (1 +
+    exp(-x))`` (either way round, ``torch.exp`` or ``.exp()``, a ``1.0`` or a
+    ``torch.reciprocal``) and ``exp(x) / (1 + exp(x))``, whose exp overflows where the
+    sigmoid is simply 0 or 1. None when the line holds none.
+
+    >>> _sigmoid_by_hand("p = 1 / (1 + torch.exp(-z))")
+    'p = torch.sigmoid(z)'
+    >>> _sigmoid_by_hand("p = 1.0 / (1.0 + (-(a - b)).exp())")
+    'p = torch.sigmoid(a - b)'
+    >>> _sigmoid_by_hand("w = 1 / (1 + torch.exp(s * d))")
+    'w = torch.sigmoid(-(s * d))'
+    >>> _sigmoid_by_hand("q = torch.exp(u) / (1 + torch.exp(u))")
+    'q = torch.sigmoid(u)'
+    """
+    if not code:
+        return None
+    text = code.split("  #", 1)[0].strip()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+
+    def exp_arg(node: ast.AST) -> ast.expr | None:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            return None
+        f = node.func
+        if f.attr != "exp":
+            return None
+        if isinstance(f.value, ast.Name) and f.value.id == "torch":
+            return node.args[0] if len(node.args) == 1 and not node.keywords else None
+        return f.value if not node.args and not node.keywords else None
+
+    def one(node: ast.AST) -> bool:
+        return isinstance(node, ast.Constant) and node.value in (1, 1.0) and node.value is not True
+
+    def one_plus_exp(node: ast.AST) -> ast.expr | None:
+        """x of ``1 + exp(x)`` or ``exp(x) + 1``."""
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)):
+            return None
+        if one(node.left):
+            return exp_arg(node.right)
+        if one(node.right):
+            return exp_arg(node.left)
+        return None
+
+    def negated(x: ast.expr) -> str | None:
+        """The source of -x, as simply as it can be written."""
+        if isinstance(x, ast.UnaryOp) and isinstance(x.op, ast.USub):
+            return ast.get_source_segment(text, x.operand)
+        seg = ast.get_source_segment(text, x)
+        if seg is None:
+            return None
+        simple = isinstance(x, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+        return f"-{seg}" if simple else f"-({seg})"
+
+    found: list[tuple[int, int, str]] = []
+    for node in ast.walk(tree):
+        arg: str | None = None
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            x = one_plus_exp(node.right)
+            if x is not None and one(node.left):  # 1 / (1 + exp(x)) = sigmoid(-x)
+                arg = negated(x)
+            elif (
+                x is not None
+                and (y := exp_arg(node.left)) is not None
+                and ast.dump(x) == ast.dump(y)
+            ):  # exp(x) / (1 + exp(x)) = sigmoid(x)
+                arg = ast.get_source_segment(text, x)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "reciprocal"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "torch"
+            and len(node.args) == 1
+        ):
+            x = one_plus_exp(node.args[0])
+            arg = negated(x) if x is not None else None
+        if (
+            arg is None
+            or not isinstance(node, ast.expr)
+            or node.end_col_offset is None
+            or node.end_lineno != node.lineno
+        ):
+            continue
+        found.append((node.col_offset, node.end_col_offset, f"torch.sigmoid({arg})"))
+    if not found:
+        return None
+    found.sort()
+    out, at = [], 0
+    for a, b, new in found:
+        if a < at:
             continue
         out.append(text[at:a] + new)
         at = b
