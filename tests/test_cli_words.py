@@ -65,11 +65,12 @@ x = torch.randn(8, 4)
 out = model(x)
 
 
-def penalty(out):  # a helper's line: watch cannot name it, forensic can
+def penalty(out):  # a helper's line
     return torch.sqrt((out - out.detach()).pow(2).sum(1)).mean()  # sqrt(0): NaN gradient
 
 
-loss = penalty(out)
+terms = [penalty]  # called through a list: watch cannot follow it to the line, forensic can
+loss = terms[0](out)
 loss.backward()
 """
 
