@@ -7603,11 +7603,63 @@ class Watcher:
             if made is not None and call is not None and made.id != call.id and not made.root
             else ""
         )
+        changed = self._batch_shape_changed(module, path, trace)
+        if changed is not None:
+            step, then, now = changed
+            head = (
+                f"{path} ({kind}) was built for {what} {want} and got it at step {step}, "
+                f"when the model's input had shape {list(then)}; this step's has shape "
+                f"{list(now)}, so its input (shape {list(shape)}{by}) has {got}"
+            )
+            if then[1:] == now[1:]:  # the batch size alone: a reshape that fixed it
+                at = _fixed_batch_reshape(exc, then[0])
+                where = f" ({at[0]}: {at[1]})" if at is not None else " (x.view(B, -1))"
+                return (
+                    f"{head}: only the batch size changed ({then[0]} to {now[0]}), so a "
+                    f"reshape in the model writes the batch size in{where}: write "
+                    "x.flatten(1) or x.view(x.size(0), -1) there; or pass drop_last=True to "
+                    "the DataLoader if the last batch is the short one."
+                )
+            pool = (
+                ", or put nn.AdaptiveAvgPool2d before the flatten so the model takes any size"
+                if what == "in_features" and len(now) >= 4
+                else ""
+            )
+            return (
+                f"{head}: the batch's shape changed, not the model. Give every batch the "
+                f"shape of the earlier ones (resize or crop in the dataset's transform){pool}."
+            )
         return (
             f"{path} ({kind}) was built for {what} {want}, but its input (shape "
             f"{list(shape)}{by}) has {got}: build it as {rebuilt} where the model "
             f"creates {path}, or make what comes before it give {want}."
         )
+
+    def _batch_shape_changed(
+        self, module: nn.Module, path: str, trace: StepTrace
+    ) -> tuple[int, tuple[int, ...], tuple[int, ...]] | None:
+        """(step, the model's input shape then, now) when an earlier step of the ring ran
+        ``path`` on an input it fits, or ran the model on an input of another shape with no
+        error: the layer was right for the batches before this one. None when no recorded
+        step says so (the first step, or the model's input kept its shape)."""
+        now = _root_input_shape(trace)
+        if now is None:
+            return None
+        for past in reversed(self.history):
+            then = _root_input_shape(past)
+            if then is None or then == now or len(then) != len(now):
+                continue
+            ran = [
+                r.shape
+                for c in past.calls
+                if c.path == path
+                for r in past.records
+                if r.call == c.id and r.phase is Phase.INPUT and r.role == "input[0]"
+            ]
+            if any(_size_mismatch(module, shape) is not None for shape in ran):
+                continue  # it failed there too (a step the error did not end)
+            return past.step, then, now
+        return None
 
     def _ended_step_of(self, exc: BaseException) -> StepTrace | None:
         """The finished step an AnomalyError of ``nw.step()`` was raised for, when nothing
@@ -8568,6 +8620,38 @@ def _one_value_advice(exc: BaseException, watched: Mapping[nn.Module, Any]) -> s
         "batch size. Call model.eval() before predicting one sample; to train on batches of "
         "1, use GroupNorm or LayerNorm in its place."
     )
+
+
+def _fixed_batch_reshape(exc: BaseException, batch: int) -> tuple[str, str] | None:
+    """The user's line on the error's traceback that reshapes with the earlier batch size
+    written as a number (``h.view(16, -1)``): (``file.py:9``, its text); None when none."""
+    pattern = re.compile(rf"\.(view|reshape)\(\s*{batch}\s*,")
+    found = None
+    for frame, lineno in traceback.walk_tb(exc.__traceback__):
+        name = frame.f_code.co_filename
+        if _frames.is_internal(name):
+            continue
+        text = linecache.getline(name, lineno).split("#")[0].strip()
+        if pattern.search(text):
+            found = (f"{os.path.basename(name)}:{lineno}", text)  # the innermost one
+    return found
+
+
+def _root_input_shape(trace: StepTrace) -> tuple[int, ...] | None:
+    """The shape of the first input of the step's first model call (a root's, not a loss
+    module's); None when none was recorded."""
+    call = next((c for c in trace.calls if c.root and not c.is_loss), None)
+    if call is None:
+        return None
+    rec = next(
+        (
+            r
+            for r in trace.records
+            if r.call == call.id and r.phase is Phase.INPUT and r.role == "input[0]"
+        ),
+        None,
+    )
+    return tuple(rec.shape) if rec is not None else None
 
 
 def _size_mismatch(module: nn.Module, shape: tuple[int, ...]) -> tuple[str, int, int, str] | None:
