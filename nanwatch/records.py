@@ -563,6 +563,11 @@ class Note:
       each log in it was taken of (``[["rsub", "watched:sigmoid"], ["watched:sigmoid"]]``,
       see :func:`nanwatch.ops.made_from`); ``data["selections"]`` the gathers that picked
       an infinity out of their source (:func:`nanwatch.ops.graph_selections`).
+    * ``"graph"``: written at a watched module's forward for an output of a short-range
+      dtype (float16, float8) made by a product or quotient (``MulBackward0``,
+      ``DivBackward0``); ``path`` is the module. ``data``: ``record`` (the output's record),
+      ``nodes`` (:func:`nanwatch._graph.digest`: the autograd nodes below it, each with its
+      result's dtype; [] when none of them is a reduction). NW115 reads it.
     * ``"optimizer"``: one per optimizer step of watched weights, written before the
       update; ``path`` is the optimizer's class. ``data["groups"]``: per parameter group,
       ``params`` (how many watched), ``dtypes``, ``lr`` and ``eps`` when they are numbers.

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from nanwatch import _copies, _frames, _trainer, ops
+from nanwatch import _copies, _frames, _graph, _trainer, ops
 from nanwatch._compat import (
     aminmax,
     autocast_state,
@@ -758,6 +758,8 @@ class Watcher:
         self._forensic = self.config.mode == "forensic"
         self._infos: weakref.WeakKeyDictionary[nn.Module, _ModInfo] = weakref.WeakKeyDictionary()
         self.history: deque[StepTrace] = deque(maxlen=self.config.ring_size)
+        #: :meth:`_read_graph`'s digests, by (module path, node type, dtype)
+        self._digests: dict[tuple[str, str, str], list[dict[str, Any]] | None] = {}
         #: the step a :meth:`load_state_dict` resumed at: ``history``'s steps before it are
         #: the restored ones (-1: nothing restored)
         self._resumed_at = -1
@@ -1196,6 +1198,7 @@ class Watcher:
         self._stack.clear()
         self._loss_snaps = []  # what the loss code saved: no reference kept after detach
         self._loss_held = None
+        self._digests.clear()  # the model may change before the next attach
         self._late_loss = None
         self._late_losses = {}
         self._late_stops = []
@@ -3137,6 +3140,8 @@ class Watcher:
                         hooked = self._maybe_hook_grad(t, rec)
                 else:
                     self._measure(rec, t)
+                    if fn is not None and t.dtype in _SHORT_RANGE:
+                        self._read_graph(rec, fn, info.path)
                     if not hooked:
                         hooked = self._maybe_hook_grad(t, rec)
                     if not hooked and not torch.is_grad_enabled():
@@ -3146,6 +3151,24 @@ class Watcher:
                 recorded.add(fn)  # _remember_node(t)
             if call.root and floating:
                 self._remember_root_output(t, rec.index)
+
+    def _read_graph(self, rec: Record, fn: Any, path: str) -> None:
+        """A ``"graph"`` note of the autograd nodes below a short-range output made by a
+        product or quotient (see :func:`nanwatch._graph.digest`): host-side, no sync. A
+        module's code makes the same graph each step: it is read once per module, node
+        and dtype, and the note of later steps holds that digest."""
+        key = (path, type(fn).__name__, rec.dtype)
+        if key in self._digests:
+            nodes = self._digests[key]
+        else:
+            try:
+                nodes = _graph.digest(fn, rec.dtype, stop=self._recorded_nodes.__contains__)
+            except Exception as exc:  # the output keeps its statistics; the rules, no graph
+                self._fault("hooks", "reading an output's autograd graph", exc)
+                nodes = None
+            self._digests[key] = nodes
+        if nodes is not None:
+            self.note("graph", path, record=rec.index, nodes=nodes)
 
     def _remember_root_output(self, t: torch.Tensor, index: int) -> None:
         ptr = _memory_at(t)
@@ -8504,6 +8527,20 @@ def _grad_elements(node: Any) -> int:
             n += 1
     return max(n, 1)
 
+
+#: dtypes whose range is far below float32's (float16, float8): their outputs made by a
+#: product or quotient get their autograd graph read (a statistic taken in them overflows)
+_SHORT_RANGE = frozenset(
+    d
+    for d in (
+        torch.float16,
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e5m2", None),
+        getattr(torch, "float8_e4m3fnuz", None),
+        getattr(torch, "float8_e5m2fnuz", None),
+    )
+    if d is not None
+)
 
 #: autograd nodes whose backward can make inf or NaN from a finite gradient and finite
 #: forward values (a derivative infinite at a point of the domain: sqrt at 0, 1/x at 0)

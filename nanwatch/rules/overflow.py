@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from nanwatch import _graph
 from nanwatch.localize import custom_function
 from nanwatch.records import (
     LOSS_PATH,
@@ -8607,18 +8608,34 @@ def _zeroed_outputs(ctx: RuleContext) -> list[_Zeroed]:
     return found
 
 
-def _float32_statistic_fix(ref: str) -> str:
+def _float32_statistic_fix(ref: str, form: str = "layer") -> str:
     """The fix for a variance or norm taken by hand in a short-range dtype (NW109, NW115):
-    the statistic in float32, the result cast back; ``ref``: the module, as code."""
+    the statistic in float32, the result cast back; ``ref``: the module, as code; ``form``:
+    the hand-written norm to show, ``"layer"`` (x - mean over its standard deviation),
+    ``"rms"`` (x over its root mean square) or ``"l2"`` (x over its L2 norm)."""
+    head = "# compute the statistic in float32 and cast the result back, e.g. "
+    keep = f"{ref} in float32: {ref}.float() and cast its input"
+    if form == "rms":
+        return (
+            f"{head}an RMSNorm:\n"
+            f"x32 = x.float()   # in the forward of {ref}\n"
+            "y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)\n"
+            f"# or use nn.RMSNorm / F.rms_norm (they accumulate in float32), or keep {keep}"
+        )
+    if form == "l2":
+        return (
+            f"{head}an L2 normalization:\n"
+            f"y = F.normalize(x.float(), dim=-1).to(x.dtype)   # in the forward of {ref}\n"
+            f"# or keep {keep}"
+        )
     return (
-        "# compute the statistic in float32 and cast the result back, e.g. a hand-written "
-        "LayerNorm:\n"
+        f"{head}a hand-written LayerNorm:\n"
         f"x32 = x.float()   # in the forward of {ref}\n"
         "mu = x32.mean(-1, keepdim=True)\n"
         "var = ((x32 - mu) ** 2).mean(-1, keepdim=True)\n"
         "y = ((x32 - mu) / torch.sqrt(var + eps)).to(x.dtype)\n"
         "# or use nn.LayerNorm / F.layer_norm (they accumulate in float32), or keep "
-        f"{ref} in float32: {ref}.float() and cast its input"
+        f"{keep}"
     )
 
 
@@ -8691,17 +8708,179 @@ def zeroed_by_overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
 
 
 @dataclass(frozen=True)
+class _Statistic:
+    """A statistic of a module's input that its output was divided or multiplied by, as
+    the autograd graph below the output shows it (see :func:`nanwatch._graph.digest`)."""
+
+    kind: str  #: ``"square"`` (squares, then a mean or sum), ``"var"`` or ``"norm"``
+    dtype: str | None  #: the dtype its squares (or the fused var / norm) were computed in
+    centered: bool  #: squares of a difference (``(x - mean) ** 2``), not of the values
+    reduce: str  #: the reduction node: ``MeanBackward1``, ``SumBackward1``, ...
+    chain: tuple[str, ...]  #: the nodes from the output's down to the squares / the fused op
+    divides: bool  #: the output's own node divides by it (not multiplies)
+
+
+#: autograd nodes a statistic passes through on its way to the product or quotient that
+#: normalizes (``sqrt``, ``rsqrt``, ``+ eps``, a clamp, a cast, a reshape, a power, a scalar
+#: factor): anything else (a product of two tensors) ends the statistic's path
+_STAT_STEPS = frozenset(
+    {
+        "SqrtBackward0", "RsqrtBackward0", "ReciprocalBackward0", "AddBackward0",
+        "AddBackward1", "SubBackward0", "SubBackward1", "RsubBackward1", "ClampBackward0",
+        "ClampBackward1", "ClampMinBackward0", "MaximumBackward0", "ExpandBackward0",
+        "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "UnsqueezeBackward0",
+        "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "CloneBackward0",
+        "ToCopyBackward0", "PowBackward0", "PowBackward1",
+    }
+)  # fmt: skip
+#: nodes between a mean or sum and the squares it reduces (a cast, a reshape)
+_SHAPE_STEPS = frozenset(
+    {
+        "ToCopyBackward0", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+        "CloneBackward0", "ExpandBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+        "SqueezeBackward1",
+    }
+)  # fmt: skip
+#: reductions that square inside one kernel and give the statistic in the input's dtype
+_FUSED_STATS = {
+    "LinalgVectorNormBackward0": "norm",
+    "NormBackward0": "norm",
+    "NormBackward1": "norm",
+    "NormBackward2": "norm",
+    "NormBackward3": "norm",
+    "VarBackward0": "var",
+    "VarMeanBackward0": "var",
+}
+_SUMS = frozenset({"MeanBackward0", "MeanBackward1", "SumBackward0", "SumBackward1"})
+
+
+def _statistics(nodes: Sequence[Mapping[str, Any]]) -> list[_Statistic]:
+    """The statistics of squares (a variance, a mean square, a sum of squares, an L2 norm)
+    that the output whose graph ``nodes`` digests (``nodes[0]``, a product or quotient) was
+    multiplied or divided by: followed from the operands of its chain of products (``w *
+    (x * r)``, ``g * d / s``: a quotient's divisor only) through ``sqrt``, ``rsqrt``, ``+
+    eps``, casts and reshapes, down to a mean or sum of squares or a fused var / norm.
+    Walks the digest only (its size bounds the walk).
+
+    >>> x = {"op": "torch::autograd::AccumulateGrad", "dtype": "float16", "next": []}
+    >>> nodes = [
+    ...     {"op": "MulBackward0", "dtype": "float16", "next": [1, 2]}, x,
+    ...     {"op": "RsqrtBackward0", "dtype": "float16", "next": [3]},
+    ...     {"op": "MeanBackward1", "dtype": "float16", "next": [4]},
+    ...     {"op": "PowBackward0", "dtype": "float16", "next": [1], "exponent": 2.0},
+    ... ]
+    >>> [(s.kind, s.dtype, s.centered, s.chain[-1]) for s in _statistics(nodes)]
+    [('square', 'float16', False, 'PowBackward0')]
+    """
+
+    def op(i: int) -> str:
+        return str(nodes[i].get("op", ""))
+
+    def nexts(i: int) -> list[int]:
+        return [j for j in nodes[i].get("next", ()) if isinstance(j, int) and 0 <= j < len(nodes)]
+
+    def square_below(i: int, seen: set[int]) -> list[int] | None:
+        """The squares a mean or sum at ``i`` reduces, with the casts and reshapes between
+        (``[cast, ..., squares]``)."""
+        for j in nexts(i):
+            if j in seen:
+                continue
+            seen.add(j)
+            if nodes[j].get("exponent") == 2.0:
+                return [j]
+            if op(j) in _SHAPE_STEPS:
+                below = square_below(j, seen)
+                if below is not None:
+                    return [j, *below]
+        return None
+
+    found: list[_Statistic] = []
+
+    def walk(i: int, path: tuple[int, ...], divides: bool, seen: set[int]) -> None:
+        name = op(i)
+        chain = (*path, i)
+        kind = _FUSED_STATS.get(name)
+        if kind is not None:
+            names = tuple(op(k) for k in chain)
+            found.append(
+                _Statistic(kind, nodes[i].get("dtype"), kind == "var", name, names, divides)
+            )
+            return
+        if name in _SUMS:
+            steps = square_below(i, set())
+            if steps is not None:
+                sq = steps[-1]
+                below = nexts(sq)
+                centered = bool(below) and op(below[0]).startswith(("SubBackward", "RsubBackward"))
+                names = tuple(op(k) for k in (*chain, *steps))
+                found.append(
+                    _Statistic("square", nodes[sq].get("dtype"), centered, name, names, divides)
+                )
+            return
+        if name not in _STAT_STEPS and not (name in _graph.PRODUCTS and len(nexts(i)) == 1):
+            return  # a product of two tensors, a leaf, another module's output: not a statistic
+        for j in nexts(i):
+            if j not in seen:
+                seen.add(j)
+                walk(j, chain, divides, seen)
+
+    def products(i: int, path: tuple[int, ...]) -> None:
+        kids = list(nodes[i].get("next", ()))  # by position: None for a batch or a number
+        if op(i) not in _graph.PRODUCTS or len(kids) != 2 or nodes[i].get("exponent") == 2.0:
+            return
+        div = op(i) == "DivBackward0"
+        for k, j in enumerate(kids):
+            if not isinstance(j, int) or not 0 <= j < len(nodes):
+                continue
+            if op(j) in _graph.PRODUCTS and not (div and k == 1):
+                products(j, (*path, i))  # w * (x * r), g * d / s: the chain of products
+            elif not div or k == 1:
+                walk(j, (*path, i), div, {j})
+
+    if nodes:
+        products(0, ())
+    return found
+
+
+def _graph_notes(ctx: RuleContext) -> dict[int, list[Mapping[str, Any]]]:
+    """The digests of autograd graphs the watcher read this step (notes of kind ``"graph"``),
+    by the index of the record whose tensor's graph it is."""
+    out: dict[int, list[Mapping[str, Any]]] = {}
+    for n in ctx.notes("graph"):
+        idx, nodes = n.data.get("record"), n.data.get("nodes")
+        if isinstance(idx, int) and isinstance(nodes, list):
+            out[idx] = nodes
+    return out
+
+
+def _stat_reach(st: _Statistic, s: TensorStat, width: int, lim: DtypeLimits) -> tuple[float, float]:
+    """How far ``s`` (the input's statistics) takes the statistic ``st``, and the bound past
+    which it does not fit ``lim``: a square passes finfo.max once the value squared (a
+    deviation: the input's spread; else its largest |x|) passes sqrt(finfo.max); a variance
+    at most (spread / 2)² passes it once the spread passes 2·sqrt(finfo.max); an L2 norm of
+    ``width`` values of |x| once |x| passes finfo.max / sqrt(width)."""
+    root = math.sqrt(lim.max)
+    if st.kind == "norm":
+        return s.magnitude, lim.max / math.sqrt(max(width, 1))
+    if st.kind == "var":
+        return s.max - s.min, 2 * root
+    return (s.max - s.min if st.centered else s.magnitude), root
+
+
+@dataclass(frozen=True)
 class _WideNorm:
-    """A low-precision module output made by a division in that dtype, normalized (values
-    of both signs, max |y| between 1 and sqrt(last dim)), from an input whose spread passes
-    sqrt(finfo.max)."""
+    """A low-precision module output divided or multiplied, in that dtype, by a statistic
+    of its input computed in that dtype (the autograd graph shows it: ``stat``; without a
+    graph, a division whose output is normalized: values of both signs, max |y| between
+    1 and sqrt(last dim)), from an input too wide for the statistic to fit the dtype."""
 
     out: Record  #: the module's output: finite, not all 0
-    src: Record  #: its input of the same dtype: max - min > sqrt(finfo.max)
+    src: Record  #: its input of the same dtype, past the statistic's bound
     lim: DtypeLimits
     width: int  #: the output's last dim, the one a norm runs over
     normed: TensorStat  #: ``out``'s statistics
     wide: TensorStat  #: ``src``'s statistics
+    stat: _Statistic | None = None  #: what the graph showed; None when no graph was read
 
 
 #: the autograd node of a tensor-by-tensor division (x / std): an output it made was
@@ -8721,29 +8900,59 @@ def _one_divisor(out: TensorStat, src: TensorStat, eps: float) -> bool:
 
 
 def _wide_norms(ctx: RuleContext) -> list[_WideNorm]:
-    """Watch mode's records alone: module outputs in a short-range dtype made by a division
-    in that dtype (their autograd node), normalized (values of both signs, max |y| between
-    1 and sqrt of the last dim: what dividing by a row's standard deviation or root mean
-    square gives),
-    whose input of that dtype spreads wider than sqrt(finfo.max), so that (x - mean) ** 2
-    can pass finfo.max in some row. An all-zero output is NW109's."""
+    """Watch mode's records alone: module outputs in a short-range dtype divided or
+    multiplied by a statistic of their input computed in that dtype, whose input of that
+    dtype is too wide for the statistic (a square past finfo.max). Where the watcher read
+    the output's autograd graph (a ``"graph"`` note), the graph says it: a mean or sum of
+    squares, a var or a norm taken in that dtype, on the path of a divisor or factor, with
+    no cast from float32 after the squares; a statistic taken in float32 and cast back
+    stays silent. Without a graph, a division in that dtype (its node) whose output is
+    normalized (values of both signs, max |y| between 1 and sqrt of the last dim: what
+    dividing by a row's standard deviation or root mean square gives) from an input
+    spreading wider than sqrt(finfo.max). An all-zero output is NW109's."""
     trace = ctx.trace
     dtypes = {r.dtype for r in trace.records}
     if not any((lim := low_precision(d)) is not None and lim.short_range for d in dtypes):
         return []  # no float16 or float8 value this step (the common case): nothing to do
     calls = {c.id: c for c in trace.calls}
     traced = {ev.path for ev in trace.ops if ev.phase is Phase.FORWARD}
+    graphs = _graph_notes(ctx)
     found: list[_WideNorm] = []
     for r in trace.records:
         call = calls.get(r.call)
         if r.phase is not Phase.FORWARD or call is None or call.is_loss or call.passthrough:
             continue
         s, lim = r.stat, low_precision(r.dtype)
-        if lim is None or not lim.short_range or s is None or not s.finite:
+        if lim is None or not lim.short_range or s is None or not s.finite or _all_zero(s):
             continue
-        if r.grad_fn != _DIVISION or r.path in traced or not r.shape or r.shape[-1] < 2:
+        if r.path in traced or not r.shape or r.shape[-1] < 2:
             continue
         width = r.shape[-1]
+        inputs = [
+            m
+            for m in _inputs_of_record(trace, r)
+            if m.dtype == r.dtype and m.stat is not None and m.stat.finite
+        ]
+        nodes = graphs.get(r.index)
+        if nodes is not None:  # the graph says what the output was scaled by
+            short = [
+                st
+                for st in _statistics(nodes)
+                if (sl := low_precision(st.dtype)) is not None and sl.short_range
+            ]
+            hits = [
+                (st, m, m.stat)
+                for st in short
+                for m in inputs
+                if m.stat is not None
+                and (reach := _stat_reach(st, m.stat, width, lim))[0] > reach[1]
+            ]
+            if hits:
+                st, src, ws = max(hits, key=lambda h: h[2].magnitude)
+                found.append(_WideNorm(r, src, lim, width, s, ws, st))
+            continue
+        if r.grad_fn != _DIVISION:
+            continue
         # a row divided by its standard deviation or root mean square has a mean square of
         # 1: some |y| >= 1, none past sqrt(width). A division by an L2 norm keeps |y| <= 1
         # (x / x.norm(): torch's norm accumulates in float32); a softmax is of one sign
@@ -8752,10 +8961,8 @@ def _wide_norms(ctx: RuleContext) -> list[_WideNorm]:
         root = math.sqrt(lim.max)
         wide = [
             (m, m.stat)
-            for m in _inputs_of_record(trace, r)
-            if m.dtype == r.dtype
-            and m.stat is not None
-            and m.stat.finite
+            for m in inputs
+            if m.stat is not None
             and m.stat.max - m.stat.min > root
             and not _one_divisor(s, m.stat, lim.eps)
         ]
@@ -8765,16 +8972,86 @@ def _wide_norms(ctx: RuleContext) -> list[_WideNorm]:
     return found
 
 
+def _statistic_words(st: _Statistic) -> tuple[str, str]:
+    """What the statistic is, in words and as code: ``("a variance", "(x - mean) ** 2")``."""
+    if st.kind == "norm":
+        return "an L2 norm", "x.norm()"
+    if st.kind == "var":
+        return "a variance", "x.var()"
+    total = "mean" if st.reduce.startswith("Mean") else "sum"
+    if st.centered:
+        return "a variance", f"((x - mean) ** 2).{total}()"
+    if total == "sum":
+        return "a sum of squares", "x.pow(2).sum()"
+    return "a mean square", "x.pow(2).mean()"
+
+
+def _graph_evidence(z: _WideNorm, st: _Statistic) -> list[str]:
+    """The evidence of an output the graph shows scaled by a low-precision statistic."""
+    out, lim, ws = z.out, z.lim, z.wide
+    dtype = out.dtype
+    what, code = _statistic_words(st)
+    how = "divided" if st.divides else "multiplied"
+    made = (
+        f"the squares ({st.chain[-1]}) are {st.dtype}"
+        if st.kind == "square"
+        else f"{st.chain[-1]} gives {st.dtype}"
+    )
+    if "ToCopyBackward0" in st.chain:
+        made += ", cast only after"
+    first = (
+        f"{out.where} was {how} in {dtype} by a statistic of its input taken in {st.dtype}: "
+        f"{what}, {code} (autograd graph: {' <- '.join(st.chain)}; {made})"
+    )
+    value, bound = _stat_reach(st, ws, z.width, lim)
+    top = f"{fmt(lim.max)} (torch.finfo(torch.{dtype}).max)"
+    src = z.src.where
+    if st.kind == "norm":
+        second = (
+            f"its input ({src}) reaches |x| = {fmt(value)}: a row of {z.width} such values has "
+            f"an L2 norm of {fmt(value * math.sqrt(z.width))}, past {top}; it overflows once "
+            f"|x| > {fmt(bound)} throughout a row"
+        )
+    elif st.kind == "var":
+        second = (
+            f"its input ({src}) spans {fmt(ws.min)} to {fmt(ws.max)}: values {fmt(value)} "
+            f"apart; a row's variance can reach ({fmt(value)} / 2)² = {fmt((value / 2) ** 2)}, "
+            f"past {top}"
+        )
+    elif st.centered:
+        second = (
+            f"its input ({src}) spans {fmt(ws.min)} to {fmt(ws.max)}: values {fmt(value)} "
+            f"apart; a deviation past {fmt(bound)} squares past {top}"
+        )
+    else:
+        second = (
+            f"its input ({src}) reaches |x| = {fmt(value)}: past {fmt(bound)}, x ** 2 passes "
+            f"{top}, and the {'mean' if st.reduce.startswith('Mean') else 'sum'} of that row's "
+            "squares is inf"
+        )
+    return [first, second]
+
+
+def _statistic_form(st: _Statistic | None) -> str:
+    """Which hand-written norm the fix shows: ``"layer"``, ``"rms"`` or ``"l2"``."""
+    if st is None or st.centered:
+        return "layer"
+    if st.kind == "norm" or st.reduce.startswith("Sum"):
+        return "l2"
+    return "rms"
+
+
 @rule(
     "NW115",
     title="Low-precision normalization of values too wide to square (rows can silently be 0)",
     severity="warning",
     summary=(
-        "Watch mode: a module divides its float16 input by a statistic of it (its output is "
-        "normalized, made by a float16 division) while that input spreads wider than "
-        "sqrt(finfo.max) (255.9 in float16): in a row whose |x - mean| passes it, "
-        "(x - mean) ** 2 is inf, the variance is inf and the row's output silently becomes "
-        "0. Compute the statistic in float32."
+        "Watch mode: a module divides or multiplies its float16 input by a statistic of it "
+        "taken in float16 (a variance, a mean square, a sum of squares, an L2 norm; told "
+        "from the output's autograd graph, or without one from a float16 division whose "
+        "output is normalized) while that input is too wide for it (a square passes "
+        "finfo.max once |x| > 255.9 in float16): the statistic is inf in such a row and its "
+        "output silently becomes 0. Compute the statistic in float32."
     ),
     early=True,
     priority=24,
@@ -8786,36 +9063,62 @@ def wide_norm_input(ctx: RuleContext) -> Iterator[Diagnosis]:
     if not found:
         return
     z = found[0]
-    out, src, lim = z.out, z.src, z.lim
+    out, src, lim, st = z.out, z.src, z.lim, z.stat
     os_, ws = z.normed, z.wide
     dtype = out.dtype
     root = math.sqrt(lim.max)
     spread = ws.max - ws.min
-    evidence = [
-        f"{out.where} was made by a {dtype} division ({_DIVISION}: not a cast from float32, "
-        f"not a fused norm) and is normalized: {fmt(os_.min)} to {fmt(os_.max)}, max |y| "
-        f"between 1 and sqrt({z.width}) = {fmt(math.sqrt(z.width))}, as a division by a "
-        f"standard deviation or root mean square over its last dim ({z.width}) gives",
-        f"its input ({src.where}) spans {fmt(ws.min)} to {fmt(ws.max)}: values {fmt(spread)} "
-        f"apart; a deviation past {fmt(root)} squares past {fmt(lim.max)} "
-        f"(torch.finfo(torch.{dtype}).max)",
+    if st is not None:
+        evidence = _graph_evidence(z, st)
+        what, code = _statistic_words(st)
+    else:
+        evidence = [
+            f"{out.where} was made by a {dtype} division ({_DIVISION}: not a cast from "
+            f"float32, not a fused norm) and is normalized: {fmt(os_.min)} to {fmt(os_.max)}, "
+            f"max |y| between 1 and sqrt({z.width}) = {fmt(math.sqrt(z.width))}, as a "
+            "division by a standard deviation or root mean square over its last dim "
+            f"({z.width}) gives",
+            f"its input ({src.where}) spans {fmt(ws.min)} to {fmt(ws.max)}: values "
+            f"{fmt(spread)} apart; a deviation past {fmt(root)} squares past {fmt(lim.max)} "
+            f"(torch.finfo(torch.{dtype}).max)",
+        ]
+        what, code = "a variance", "(x - mean) ** 2, x.pow(2).mean()"
+    noun = what.split(" ", 1)[1]
+    multiplies = st is not None and not st.divides
+    zeroed = "x * rsqrt(inf) = x * 0 = 0" if multiplies else "x / inf = 0"
+    evidence.append(
         "watch mode reads each tensor's min and max, not its rows: a row zeroed this way "
-        "(variance inf, x / inf = 0) does not change them",
-    ]
+        f"({noun} inf, {zeroed}) does not change them"
+    )
     if len(found) > 1:
         evidence.append("also: " + _more_paths([f.out.path for f in found[1:]]))
+    if st is not None and st.kind == "norm":
+        bound = lim.max / math.sqrt(z.width)
+        passes = (
+            f"so the L2 norm of a row of {z.width} values passes it once they reach |x| > "
+            f"{fmt(bound)}"
+        )
+        where_inf = f"where it passes {fmt(lim.max)}"
+        by = "the division by it"
+    else:
+        passes = f"so a square passes it once |x| > {fmt(root)}"
+        where_inf = (
+            f"where it passes {fmt(lim.max)}"
+            if st is not None and st.kind == "var"
+            else "that holds a value whose square passes it"
+        )
+        by = "the multiplication by its rsqrt" if multiplies else "the division by its square root"
     yield ctx.diagnosis(
         path=out.path,
         phase=out.phase.value,
         evidence=evidence,
         explanation=(
-            f"{dtype} holds values up to {fmt(lim.max)}, so a square passes it once |x| > "
-            f"{fmt(root)}. A variance computed by hand in {dtype} ((x - mean) ** 2, "
-            f"x.pow(2).mean()) is inf for every row that holds such a deviation, and the "
-            f"division by its square root turns that row into exact 0s (x / inf = 0) while "
-            f"the other rows stay right: {out.path}'s min and max look normal, no NaN "
-            "appears, and nothing flows back through the zeroed rows. mode='forensic' (or "
-            "nw.replay(step_fn)) names the op and line when it happens (NW105)."
+            f"{dtype} holds values up to {fmt(lim.max)}, {passes}. {what[0].upper()}{what[1:]} "
+            f"computed by hand in {dtype} ({code}) is inf for every row {where_inf}, and {by} "
+            f"turns that row into exact 0s ({zeroed}) while the other rows stay right: "
+            f"{out.path}'s min and max look normal, no NaN appears, and nothing flows back "
+            "through the zeroed rows. mode='forensic' (or nw.replay(step_fn)) names the op and "
+            "line when it happens (NW105)."
         ),
-        fix=_float32_statistic_fix(module_ref(out.path)),
+        fix=_float32_statistic_fix(module_ref(out.path), _statistic_form(st)),
     )
