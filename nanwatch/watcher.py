@@ -7541,6 +7541,10 @@ class Watcher:
                 said = self._shape_advice(exc)
                 if said is not None:
                     info["advice"] = said
+            if info.get("class") == "dtype-error":
+                said = _dtype_advice(exc, self._infos, self._is_model_input)
+                if said is not None:
+                    info["advice"] = said
             if info.get("class") == "norm-one-value":
                 said = _one_value_advice(exc, self._infos)
                 if said is not None:
@@ -7657,6 +7661,19 @@ class Watcher:
             f"{list(shape)}{by}) has {got}: build it as {rebuilt} where the model "
             f"creates {path}, or make what comes before it give {want}."
         )
+
+    def _is_model_input(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is the tensor the step's first model call was given first, or a view
+        of it: its memory, while the step holds it (floating inputs); else its shape and
+        dtype (an integer batch, whose tensor is not kept)."""
+        rec = _root_input(self._trace)
+        if rec is None:
+            return False
+        for ref, index, _, _ in self._known.values():
+            if index == rec.index:
+                held = ref()
+                return held is not None and _shares_memory(t, held)
+        return tuple(t.shape) == tuple(rec.shape) and dtype_name(t.dtype) == rec.dtype
 
     def _batch_shape_changed(
         self, module: nn.Module, path: str, trace: StepTrace
@@ -8605,22 +8622,104 @@ def _raising_layer(
     with the shape of the tensor that method was given first (``forward(self, input)``,
     ``Conv2d._conv_forward(self, input, ...)``), read from the traceback's frames; None
     when no such frame holds a tensor."""
-    tb = exc.__traceback__
-    frames = []
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):
+    found = _raising_call(exc, watched)
+    return (found[0], tuple(found[1][0].shape)) if found is not None else None
+
+
+def _raising_call(
+    exc: BaseException, watched: Mapping[nn.Module, Any]
+) -> tuple[nn.Module, list[torch.Tensor]] | None:
+    """:func:`_raising_layer`'s module with the tensors its method was given, in order
+    (the first positional ones that are tensors); None when no such frame holds one."""
+    calls = _watched_calls(exc, watched)
+    return calls[-1] if calls else None
+
+
+def _watched_calls(
+    exc: BaseException, watched: Mapping[nn.Module, Any]
+) -> list[tuple[nn.Module, list[torch.Tensor]]]:
+    """The watched modules whose own methods were running when ``exc`` was raised, outermost
+    first, each with the tensors its method was given first, in order (read from the
+    traceback's frames; a frame whose first argument is no tensor is left out)."""
+    found: list[tuple[nn.Module, list[torch.Tensor]]] = []
+    for frame, _ in traceback.walk_tb(exc.__traceback__):
         owner = frame.f_locals.get("self")
         if not isinstance(owner, nn.Module) or owner not in watched:
             continue
         code = frame.f_code
         if code.co_argcount < 2:
             continue
-        x = frame.f_locals.get(code.co_varnames[1])
-        if isinstance(x, torch.Tensor):
-            return owner, tuple(x.shape)
-    return None
+        tensors: list[torch.Tensor] = []
+        for name in code.co_varnames[1 : code.co_argcount]:
+            a = frame.f_locals.get(name)
+            if not isinstance(a, torch.Tensor):
+                break
+            tensors.append(a)
+        if tensors:
+            found.append((owner, tensors))
+    return found
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return bool(a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (a functional or fake tensor)
+        return a is b
+
+
+def _dtype_advice(
+    exc: BaseException, watched: Mapping[nn.Module, Any], batch: Callable[[torch.Tensor], bool]
+) -> str | None:
+    """For a dtype error raised in a watched layer: the dtype of its weights against its
+    input's (a float64 batch from numpy into float32 weights, integer pixels or ids into a
+    layer, a layer of another dtype than the rest of the model), and where to cast. The
+    input is the batch when ``batch`` says it is the model's input this step (or a view of
+    it). None when the error is not that (a loss's target is checked by the guards)."""
+    calls = _watched_calls(exc, watched)
+    if not calls:
+        return None
+    module, given = calls[-1]
+    path, kind = watched[module].path, type(module).__name__
+    x = given[0]
+    weight = next((p for p in module.parameters(recurse=False) if p.is_floating_point()), None)
+    if weight is None or x.dtype == weight.dtype:
+        return None
+    have, got = dtype_name(weight.dtype), dtype_name(x.dtype)
+    head = f"{path} ({kind}) has {have} weights, but its input is {got}"
+    batch_in = batch(x)
+    like = ", the model's input" if batch_in else ""
+    if not (x.is_floating_point() or x.is_complex()):
+        return (
+            f"{head} (raw pixel values, or token ids){like}: cast the batch where it is "
+            "made, x = x.float() / 255 for pixels, or give ids to an nn.Embedding first."
+        )
+    if batch_in and weight.dtype == torch.float32 and x.dtype == torch.float64:
+        return (
+            f"{head}{like} (numpy's default dtype, through torch.from_numpy or torch.tensor): "
+            "cast it where it is made, x = x.float() (or X.astype(np.float32) in the "
+            "dataset). model.double() would run every step in float64, far slower."
+        )
+    if batch_in and weight.dtype == torch.float64:
+        return (
+            f"{head}{like}: the model is float64 (model.double(), or weights made from "
+            "float64 arrays), so call model.float() once after building it, or cast the "
+            "batch with x = x.double() if float64 is meant."
+        )
+    if batch_in:
+        return (
+            f"{head}{like}: cast the batch where it is made, x = x.to("
+            f"{_dtype_ref(weight.dtype)}), or run the forward under torch.autocast, which "
+            "casts each op's inputs itself."
+        )
+    return (
+        f"{head}, made by the layers before it: the model mixes {have} and {got} weights. "
+        f"Give it one dtype, model.to({_dtype_ref(x.dtype)}), or run the forward under "
+        "torch.autocast, which casts each op's inputs itself."
+    )
+
+
+def _dtype_ref(dtype: torch.dtype) -> str:
+    return f"torch.{dtype_name(dtype)}"
 
 
 def _one_value_advice(exc: BaseException, watched: Mapping[nn.Module, Any]) -> str | None:
@@ -8674,13 +8773,13 @@ def _fixed_batch_reshape(exc: BaseException, batch: int) -> tuple[str, str] | No
     return found
 
 
-def _root_input_shape(trace: StepTrace) -> tuple[int, ...] | None:
-    """The shape of the first input of the step's first model call (a root's, not a loss
+def _root_input(trace: StepTrace) -> Record | None:
+    """The record of the first input of the step's first model call (a root's, not a loss
     module's); None when none was recorded."""
     call = next((c for c in trace.calls if c.root and not c.is_loss), None)
     if call is None:
         return None
-    rec = next(
+    return next(
         (
             r
             for r in trace.records
@@ -8688,6 +8787,10 @@ def _root_input_shape(trace: StepTrace) -> tuple[int, ...] | None:
         ),
         None,
     )
+
+
+def _root_input_shape(trace: StepTrace) -> tuple[int, ...] | None:
+    rec = _root_input(trace)
     return tuple(rec.shape) if rec is not None else None
 
 
