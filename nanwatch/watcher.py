@@ -4702,8 +4702,11 @@ class Watcher:
         """The path of a module (``path``, the weight's owner, or a module holding it) whose
         call in this step began after the optimizer step that last updated ``param`` and
         ended with every output it recorded finite: that forward ran with the weight
-        finite, so no optimizer wrote its NaN/inf. None when no such call is known.
-        Anomaly-time work only."""
+        finite, so no optimizer wrote its NaN/inf. None when no such call is known, or when
+        the records show that update itself left the weight non-finite (see
+        :meth:`_update_left_bad`): a finite output proves a weight finite only where every
+        value of it reaches that output, and ``torch.where(z > 0, torch.log(z), 0)``,
+        ``masked_fill`` or an index drops a NaN of it. Anomaly-time work only."""
         ref = self._stepped_by.get(id(param))
         optimizer = ref() if ref is not None else None
         at = self._opt_calls.get(id(optimizer)) if optimizer is not None else None
@@ -4729,8 +4732,57 @@ class Watcher:
                 if c.start <= r.index < c.end and r.phase is Phase.FORWARD and r.call == c.id
             ]
             if outs and all(r.stat is not None and r.stat.finite for r in outs):
-                return c.path
+                return None if self._update_left_bad(param, optimizer, at) else c.path
         return None
+
+    def _update_left_bad(self, param: nn.Parameter, optimizer: Any, at: tuple[int, int]) -> bool:
+        """The records of step ``at[0]``, whose update by ``optimizer`` (after its first
+        ``at[1]`` calls) last wrote weight ``param``, show that update left it non-finite:
+        the gradient it applied was NaN/inf (a NaN gradient applied is a NaN weight), the
+        learning rate of its group was, or the weight check at that step's end found the
+        weight so. The gradient applied is the one checked before the update, unless your
+        code replaced it (a ``"grad_written"`` note says what that one held) or reset it
+        (``grads_dropped``: a skipped update). Host-side records only; anomaly-time work."""
+        qualname = next((q for q, _, p in self._params if p is param), None)
+        if qualname is None:
+            return False
+        step, ncalls = at
+        trace = (
+            self._trace
+            if step == self._step
+            else next((t for t in reversed(self.history) if t.step == step), None)
+        )
+        if trace is None:
+            return False
+        stepped = self._stepped.get(id(param)) or self._stepped_prev.get(id(param))
+        group = stepped[1] if stepped is not None else -1
+        applied: bool | None = None  # the applied gradient was NaN/inf; None: as checked
+        for n in trace.notes:
+            how = n.data.get("how")
+            if n.kind == "grad_written" and isinstance(how, dict) and qualname in how:
+                bad = n.data.get("nonfinite")
+                # replaced after the check: NaN/inf only if read so (None: not read)
+                applied = isinstance(bad, list) and qualname in bad
+            if n.kind != "optimizer" or n.data.get("ident") != id(optimizer):
+                continue
+            if n.data.get("grads_dropped"):
+                applied = False  # every gradient it would apply was reset: none applied
+            for g in n.data.get("groups", ()):
+                lr = g.get("lr") if isinstance(g, dict) and g.get("group") == group else None
+                if isinstance(lr, float) and not math.isfinite(lr):
+                    return True  # an update by a NaN/inf learning rate
+        # the records made before the update: those ahead of the first call after it
+        later = trace.calls[ncalls:]
+        limit = min(c.start for c in later) if later else None
+        for r in trace.records:
+            if r.role != qualname or r.stat is None or r.stat.finite:
+                continue
+            before = limit is None or r.index < limit
+            if r.phase is Phase.GRADIENT and applied is None and before:
+                return True  # the gradient the update applied
+            if r.phase is Phase.PARAMETER and trace is not self._trace and r.index >= 0:
+                return True  # found so at the end of the update's step, before this one
+        return bool(applied)
 
     def _weight_writer_op(
         self, param: nn.Parameter, qualname: str, *, after: bool
