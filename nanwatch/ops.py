@@ -2171,41 +2171,51 @@ def preserved_state(
         _set_host_rng_states(host_rng)
 
 
-#: the values a module holds as a plain attribute that a forward may rebind
-#: (``self.calls += 1``, ``self.initialized = True``): immutable, so keeping the object
-#: keeps the value
-_IMMUTABLE = (bool, int, float, complex, str, bytes, type(None))
-
-
 class ModuleState:
     """What a forward may change of ``module`` and its submodules, saved now: the values of
     the buffers and of the tensors they hold as plain attributes and need no gradient
     (``self.count = torch.zeros(())`` that ``self.count += 1`` writes in place), each with
-    its version counter; which object each plain attribute holds (a tensor, a number, a
-    string: ``self.last = y``, ``self.calls += 1``); and what each list and dict attribute
-    holds (a cache the forward appends to). :meth:`restore` puts all of it back. Parameters
-    are not copied: that would double the model's memory for the rare forward that writes
-    its weights (``nn.Embedding(max_norm=...)`` renormalizes rows in place)."""
+    its version counter; which object each attribute name is bound to (``self.last = y``,
+    ``self.calls += 1``, a buffer, parameter or submodule rebound by name), and which names
+    are bound at all (``self.cache = x`` set the first time the forward runs, a buffer
+    registered lazily); and what each list and dict attribute holds (a cache the forward
+    appends to). :meth:`restore` puts all of it back: a name the forward bound anew is
+    deleted, one it rebound or deleted is bound again to what it held. Parameters are not
+    copied: that would double the model's memory for the rare forward that writes its
+    weights (``nn.Embedding(max_norm=...)`` renormalizes rows in place)."""
 
     def __init__(self, module: torch.nn.Module | None) -> None:
         self._values: list[tuple[torch.Tensor, torch.Tensor, int | None]] = []
-        self._attrs: list[tuple[dict[str, Any], str, Any]] = []
+        # each module's names and what they are bound to: its ``__dict__`` (less the tables
+        # every module holds), and its tables of parameters, buffers and submodules
+        self._names: list[tuple[dict[str, Any], dict[str, Any], frozenset[str]]] = []
+        self._sets: list[tuple[set[Any], set[Any]]] = []
         self._containers: list[tuple[list[Any] | dict[Any, Any], Any]] = []
         if module is None:
             return
         tensors: dict[int, torch.Tensor] = {id(b): b for b in module.buffers()}
         for m in module.modules():
             attrs = vars(m)
+            self._names.append(
+                (attrs, {k: v for k, v in attrs.items() if k not in _MODULE_TABLES}, _MODULE_TABLES)
+            )
+            for key in ("_parameters", "_buffers", "_modules"):
+                table = attrs.get(key)
+                if isinstance(table, dict):  # a ScriptModule's are torch's own objects
+                    self._names.append((table, dict(table), frozenset()))
+            kept = attrs.get("_non_persistent_buffers_set")
+            if type(kept) is set:
+                self._sets.append((kept, set(kept)))
             for name, v in attrs.items():
                 if name in _MODULE_TABLES:
                     continue
                 if isinstance(v, torch.Tensor):
-                    if not isinstance(v, torch.nn.Parameter):
-                        self._attrs.append((attrs, name, v))
-                        if not v.requires_grad and _plain_tensor(v):
-                            tensors.setdefault(id(v), v)
-                elif isinstance(v, _IMMUTABLE):
-                    self._attrs.append((attrs, name, v))
+                    if (
+                        not isinstance(v, torch.nn.Parameter)
+                        and not v.requires_grad
+                        and _plain_tensor(v)
+                    ):
+                        tensors.setdefault(id(v), v)
                 elif type(v) is list:
                     self._containers.append((v, list(v)))
                 elif type(v) is dict:
@@ -2218,9 +2228,16 @@ class ModuleState:
     def restore(self) -> None:
         """Put the saved state back (and again each time it is called). A tensor whose
         values and version are as saved is not written at all."""
-        for attrs, name, v in self._attrs:
-            if attrs.get(name, _MISSING) is not v:
-                attrs[name] = v
+        for live, saved, tables in self._names:
+            for name in [k for k in live if k not in saved and k not in tables]:
+                del live[name]  # bound by the forward run since: it was not there
+            for name, v in saved.items():
+                if live.get(name, _MISSING) is not v:
+                    live[name] = v
+        for kept, names in self._sets:
+            if kept != names:
+                kept.clear()
+                kept.update(names)
         for box, items in self._containers:
             if isinstance(box, list):
                 if len(box) != len(items) or any(map(operator.is_not, box, items)):
@@ -4059,14 +4076,17 @@ def own_backward_event(
     pre_hooks: bool | int = True,
     names: Callable[[torch.nn.Module], str | None] | None = None,
     ends: Sequence[torch.Tensor] | None = None,
+    grads: dict[str, torch.Tensor | TensorStat] | None = None,
+    held: frozenset[str] | None = None,
 ) -> OpEvent | None:
     """The autograd node of a module's own code (the ops it runs between its children)
     whose backward makes a non-finite gradient from a finite one, with what it saved in
     forward and the user's line that made it. The original step's saved values are freed,
     so ``module`` is run again on its inputs (detached: its graph ends there) with
     gradients and anomaly mode on, and the backward of its own nodes alone is run (down to
-    its submodules' outputs, its own parameters and its inputs) from a gradient of ones at
-    its outputs and at the values its own code gave the submodules it called, each node
+    its submodules' outputs, its own parameters and its inputs) from a gradient of ones (or
+    the step's own, ``grads``) at its outputs and at the values its own code gave the
+    submodules it called, each node
     checked as :meth:`Watcher` checks the loss code's: a ``torch.where`` that
     hides ``log(0)`` gives 0 × -inf = NaN there whatever gradient arrives. No ``.grad`` is
     written; RNG state and buffers are restored. Anomaly-time work only: None when the
@@ -4077,7 +4097,23 @@ def own_backward_event(
     outputs was measured, so its backward is checked with the module's own, and a node its
     call made is told as its innermost such submodule's. ``ends``: the tensors whose
     gradients the backward is run for (a parameter whose gradient went bad: only the nodes
-    on its way are run), in place of the module's own parameters and inputs."""
+    on its way are run), in place of the module's own parameters and inputs.
+
+    ``grads``: what the step's own backward gave the module's outputs, by their role
+    (``output``, ``output[1]``, as the records name them): the tensor, or its statistics
+    (see :func:`_seed`); any other output is given ones, and so is what the module gave its
+    submodules. ``held``: the kinds the step's first bad gradient held, where it was seen.
+
+    A node's backward at an infinite derivative makes inf from any gradient but 0 and NaN
+    from 0 (a sqrt's at 0: the step's gradient there was 0 when the loss squared the
+    sqrt's result), so the kind the replay's gradient made is told only when it is the
+    step's: the replay was given the step's own gradients (``grads``); or the gradients the
+    step wrote (a parameter's ``.grad`` among those the backward is run for, still
+    non-finite) hold the kinds the replay's hold, from ones, zeros or minus ones at the
+    outputs (the event is that run's); or the node makes NaN, or inf, whatever gradient
+    reaches it (0 × -inf where a ``torch.where`` hid ``log(0)``); or ``held`` has no NaN
+    and the node made inf (a NaN never becomes an inf). Otherwise the event says the node
+    made :data:`UNKNOWN_KIND`, its values not counted."""
     # the submodules' outputs, by their node's id; the node is held so that id stays its
     # own (torch < 2.13 frees an unreferenced node's Python object, see NodeMarks)
     stops: dict[int, tuple[Any, torch.Tensor]] = {}
@@ -4160,7 +4196,10 @@ def own_backward_event(
                 pop_path()
             for h in handles:
                 h.remove()
-            roots = [t for _, t in iter_tensors(out, "") if t.grad_fn is not None]
+            named = [(r, t) for r, t in iter_tensors(out, "output") if t.grad_fn is not None]
+            roots = [t for _, t in named]
+            seeds = [_seed(t, (grads or {}).get(r)) for r, t in named]
+            exact = bool(named) and all(s is not None for s in seeds)
 
             def stop(n: Any) -> bool:
                 held = stops.get(id(n))
@@ -4171,6 +4210,8 @@ def own_backward_event(
                 if id(t) not in ids and t.requires_grad and not stop(t.grad_fn):
                     ids.add(id(t))
                     roots.append(t)
+                    seeds.append(None)
+                    exact = False  # what the submodule's backward gave it is not known
 
             nodes = list(GraphWalk([t.grad_fn for t in roots], prune=stop, limit=512))
             if ends is not None:
@@ -4182,6 +4223,10 @@ def own_backward_event(
             if not roots or not nodes or not wanted:
                 return None
 
+            # whether the first node found makes the same kind (NaN or inf) from any
+            # gradient (see _same_kind_whatever_gradient), asked on the first run alone
+            steady: list[bool] = []
+
             def check(node: Any, grad_inputs: Any, grad_outputs: Any) -> None:
                 if found:
                     return
@@ -4192,30 +4237,139 @@ def own_backward_event(
                 ev = node_event(node, bad, name=name)
                 if len(grad_outputs) > 1:  # svd, eigh: which op of its formula made it
                     ev = _inner_backward_event(node, grad_outputs, name) or ev
+                if not exact and not steady:
+                    steady.append(_same_kind_whatever_gradient(node, grad_inputs, grad_outputs))
                 ev.source, ev.code = forward_line(node)
                 held = owned.get(id(node))
                 ev.path = held[1] if held is not None and held[0] is node else path
                 found.append(ev)
 
-            hooks = [n.register_hook(functools.partial(check, n)) for n in nodes]
-            try:
-                torch.autograd.grad(
-                    roots,
-                    wanted,
-                    grad_outputs=[torch.ones_like(t) for t in roots],
-                    allow_unused=True,
-                )
-            except RuntimeError:
-                # a node that cannot run under autograd.grad (a reentrant checkpoint's
-                # backward calls backward() itself): what was checked before it stands
-                pass
-            finally:
-                for h in hooks:
-                    h.remove()
+            def run(
+                seed: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+            ) -> tuple[OpEvent | None, Sequence[Any] | None]:
+                """The backward from ``seed`` of each root: the first node found, and the
+                gradients of ``wanted`` (None where it could not run to the end)."""
+                found.clear()
+                hooks = [n.register_hook(functools.partial(check, n)) for n in nodes]
+                got: Sequence[Any] | None = None
+                try:
+                    got = torch.autograd.grad(
+                        roots,
+                        wanted,
+                        grad_outputs=[seed(t, g) for t, g in zip(roots, seeds, strict=True)],
+                        allow_unused=True,
+                        retain_graph=True,  # run again from another gradient (see below)
+                    )
+                except RuntimeError:
+                    # a node that cannot run under autograd.grad (a reentrant checkpoint's
+                    # backward calls backward() itself): what was checked before it stands
+                    pass
+                finally:
+                    for h in hooks:
+                        h.remove()
+                return (found[0] if found else None), got
+
+            ev, got = run(lambda t, g: torch.ones_like(t) if g is None else g)
+            if ev is None or exact:
+                return ev
+            # the kind the replay's gradient made, where it may not be the step's: the
+            # gradients the step's backward wrote (a parameter's ``.grad``, read before the
+            # update) say which gradient at the outputs gives what the step made
+            real = [
+                (i, _kinds(w.grad))
+                for i, w in enumerate(wanted)
+                if w.is_leaf and isinstance(w.grad, torch.Tensor) and not _finite(w.grad)
+            ]
+            if real:
+                if _same_kinds(got, real):
+                    return ev
+                for seed in (_zeros_seed, _negated_seed):
+                    other, got = run(seed)
+                    if other is not None and other.node == ev.node and _same_kinds(got, real):
+                        return other
+            if steady and steady[0]:
+                return ev
+            if held is not None and "NaN" not in held and _family(_made(ev)) == {"inf"}:
+                return ev  # a NaN never becomes an inf: the step's node made inf too
+            ev.born, ev.output = UNKNOWN_KIND, TensorStat(math.nan, math.nan, 0)
+            return ev
     finally:
         for h in handles:
             h.remove()
-    return found[0] if found else None
+
+
+#: what :func:`own_backward_event` says a node made when the kind depends on the gradient
+#: that reached it, which the replay does not know (a sqrt's backward at 0 makes +inf, -inf
+#: or NaN as that gradient is positive, negative or zero)
+UNKNOWN_KIND = "non-finite"
+
+
+def _seed(t: torch.Tensor, real: torch.Tensor | TensorStat | None) -> torch.Tensor | None:
+    """The gradient the step's backward gave ``t`` (a module's output made again), made
+    from ``real``: the tensor itself; or from its statistics, a tensor of the one value
+    every element held (min == max), else of ones, or minus ones, where every element was
+    above, or below, 0 (the same signs and no zeros: the same kinds from a product or a
+    quotient). None when ``real`` does not say it (another size, both signs or zeros,
+    non-finite values: the gradient was bad before it got there)."""
+    if isinstance(real, torch.Tensor):
+        if tuple(real.shape) != tuple(t.shape) or not _finite(real):
+            return None
+        return real.detach().to(device=t.device, dtype=t.dtype)
+    if not isinstance(real, TensorStat) or real.numel != t.numel() or not real.finite:
+        return None
+    if real.min == real.max:
+        return torch.full_like(t, real.min)
+    if real.min > 0 or real.max < 0:
+        return torch.full_like(t, 1.0 if real.min > 0 else -1.0)
+    return None
+
+
+def _made(ev: OpEvent) -> frozenset[str]:
+    return frozenset(k for k in ev.born.split(", ") if k in _ORDER)
+
+
+def _zeros_seed(t: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    return torch.zeros_like(t)
+
+
+def _negated_seed(t: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    return -torch.ones_like(t) if g is None else -g
+
+
+def _same_kinds(got: Sequence[Any] | None, real: Sequence[tuple[int, frozenset[str]]]) -> bool:
+    """The replay's gradients ``got`` hold the non-finite kinds the step's held, at each
+    index of ``real``."""
+    if got is None:
+        return False
+    return all(isinstance(got[i], torch.Tensor) and _kinds(got[i]) == kinds for i, kinds in real)
+
+
+def _family(kinds: frozenset[str]) -> frozenset[str]:
+    return frozenset("inf" if k.endswith("inf") else k for k in kinds)
+
+
+def _same_kind_whatever_gradient(node: Any, grad_inputs: Sequence[Any], grad_outputs: Any) -> bool:
+    """``node`` makes NaN, or inf, from a gradient of zeros and from the negation of
+    ``grad_outputs`` as it made from ``grad_outputs`` (or nothing non-finite: then the
+    step's value came with a gradient that was not 0): what it made depends on its saved
+    forward values, not on the gradient that reached it (0 × -inf where a ``torch.where``
+    hid ``log(0)``; an overflow of a product). A sqrt's backward at 0 makes inf from any
+    gradient but 0, and NaN from 0. Run from the node's post-hook, where its saved values
+    are alive. False when it cannot be run again."""
+    made = [_family(_kinds(g)) if isinstance(g, torch.Tensor) else None for g in grad_inputs]
+    for change in (torch.zeros_like, torch.neg):
+        given = [change(g) if isinstance(g, torch.Tensor) else g for g in grad_outputs]
+        try:
+            with torch.no_grad():
+                again = node(*given)
+        except Exception:  # a node that cannot be called from Python: not known
+            return False
+        again = again if isinstance(again, (tuple, list)) else (again,)
+        for was, g in zip(made, again, strict=False):
+            kinds = _family(_kinds(g)) if isinstance(g, torch.Tensor) else frozenset()
+            if was and kinds and kinds != was:
+                return False
+    return True
 
 
 def _inner_backward_event(node: Any, grad_outputs: Sequence[Any], name: str) -> OpEvent | None:

@@ -6374,7 +6374,9 @@ class Watcher:
         # its nodes held (a child's output, a checkpointed block's input) is made again from
         # the module that produced it, or the root's own inputs, checked against its records
         remake = anomaly.origin == "module" or self._late
-        ev = self._own_backward(target, target.path, remake=remake)
+        st = anomaly.record.stat
+        held = frozenset(st.kinds().split(", ")) if st is not None and not st.finite else None
+        ev = self._own_backward(target, target.path, remake=remake, held=held)
         if ev is None:
             return
         named = anomaly.op
@@ -6602,6 +6604,7 @@ class Watcher:
         remake: bool,
         names: Callable[[nn.Module], str | None] | None = None,
         ends: Sequence[torch.Tensor] | None = None,
+        held: frozenset[str] | None = None,
     ) -> OpEvent | None:
         """:func:`ops.own_backward_event` of the finished call ``target``, on its inputs
         if they are at hand (or, with ``remake``, made again); with no ``target``, of the
@@ -6627,7 +6630,14 @@ class Watcher:
         if _distributed() is not None:
             return None  # a replay on one rank could block in a collective (see _pinpoint)
         ev = ops.own_backward_event(
-            module, args, kwargs, path=path, pre_hooks=hooks, names=names, ends=ends
+            module,
+            args,
+            kwargs,
+            path=path,
+            pre_hooks=hooks,
+            names=names,
+            ends=ends,
+            held=held,
         )
         if ev is None:
             return None

@@ -61,8 +61,10 @@ def test_a_backward_nan_is_blamed_on_the_module_that_took_a_view_of_the_output()
     a = trace.anomaly
     assert a is not None and a.kind is AnomalyKind.BACKWARD
     assert (a.path, a.origin, a.consumer) == ("mag", "module", "mag")
-    # the sqrt's backward made +inf, a product after it NaN (the op unknown: only the NaN)
-    born, then = ("+inf", " (then NaN)") if a.op is not None else ("NaN", "")
+    # the sqrt's backward made +inf from a gradient that was not 0, NaN from one that was:
+    # which, the replay cannot tell (the record holds NaN, a product's of an inf or the
+    # sqrt's own); the op unknown: only the NaN
+    born, then = ("non-finite", " (then NaN)") if a.op is not None else ("NaN", "")
     assert a.summary.startswith(
         f"{born} gradient born in the backward of mag: the gradient of its output was finite, "
         f"the gradient it sent back to fe's output is not{then}"

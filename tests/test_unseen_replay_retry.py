@@ -139,6 +139,44 @@ def test_the_replay_puts_back_buffers_tensor_attributes_numbers_and_caches() -> 
     assert m.cache is cache and cache == []
 
 
+class _Lazy(nn.Module):
+    """Binds names as it runs: a cache and a hidden state set the first time, a tuple and
+    a submodule it rebinds, a buffer registered the first time, a name it deletes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.shape = (0, 0)  # a tuple: neither a tensor nor a number
+        self.head = nn.Identity()
+        self.old = torch.ones(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.cache = y.detach()
+        self._h = [y]
+        self.shape = tuple(y.shape)
+        self.head = nn.Tanh()
+        self.register_buffer("seen", torch.ones(()), persistent=False)
+        del self.old
+        return self.head(y)
+
+
+def test_the_replay_deletes_the_names_its_forward_bound_and_puts_back_those_it_rebound() -> None:
+    """Before, a name the replayed forward bound for the first time stayed on the module
+    (a cache holding the replay's values, a buffer in its state_dict), and a tuple, a
+    submodule or a deleted name kept what the replay left."""
+    m = _Lazy()
+    head, old, names = m.head, m.old, set(vars(m))
+    result = ops.replay(m, (torch.ones(3, 2),), {}, path="m")
+    assert result.error is None
+    assert set(vars(m)) == names
+    assert not hasattr(m, "cache") and not hasattr(m, "_h")
+    assert m.shape == (0, 0)
+    assert m.head is head and dict(m.named_children()) == {"lin": m.lin, "head": head}
+    assert "seen" not in dict(m.named_buffers()) and not m._non_persistent_buffers_set
+    assert m.old is old
+
+
 # ------------------------------------------- c: the watcher's own runs of a root retry too
 class _Scale(nn.Module):
     def __init__(self) -> None:
