@@ -3848,7 +3848,9 @@ def _lr_divergence(ctx: RuleContext) -> _Divergence | None:
         "jump from rounding noise (below finfo(dtype).eps × the weights' norm: a loss at its "
         "floor) must pass explode_factor times that floor, and one to below sqrt(float32 "
         "eps) × the weights' norm explodes nothing; nor does one step of a small norm back "
-        "below explode_factor times the norm the run began with, not growing, whose update "
+        "below explode_factor times the norm the run began with (or met while the loss "
+        "falls as the gradient level rises, a learned variance shrinking, at a loss no worse "
+        "than the recorded steps began at), not growing, whose update "
         "(lr × the norm; about lr per value for Adam) moves the weights by under 1 / "
         "explode_factor of their norm (a converged policy meeting a rare action). Clip at "
         "a max_norm that binds, or lower "
@@ -4130,6 +4132,40 @@ def _update_size(ctx: RuleContext, cur: _GradSummary) -> float | None:
 _GROWING = 2.0
 
 
+def _sharpening(ctx: RuleContext) -> bool:
+    """Whether the run's gradients grow because its loss sharpens, not because training
+    diverges: over the history (``2 × min_history`` steps at least, oldest first) the
+    median total gradient norm of the later half is above the earlier half's while the
+    median loss of the later half is below the earlier half's, and this step's loss is at
+    most the earlier half's median. A loss that learns its own scale (a Gaussian NLL's
+    variance, a temperature) falls as that scale shrinks, and its gradients grow as one
+    over it, with a batch's spread: a norm many times the older steps' median, met at a
+    loss no worse than theirs, is that growth. A divergence raises the loss with the
+    gradients."""
+    need = ctx.thresholds.min_history
+    loss = ctx.trace.loss
+    if loss is None or not math.isfinite(loss):
+        return False
+    rows = [
+        (t.grad_norm, t.loss)
+        for t in ctx.history
+        if t.grad_norm is not None
+        and t.loss is not None
+        and math.isfinite(t.grad_norm)
+        and math.isfinite(t.loss)
+    ]
+    if len(rows) < 2 * need:
+        return False
+    half = len(rows) // 2
+    early, late = rows[:half], rows[half:]
+    early_loss = statistics.median(x for _, x in early)
+    return (
+        statistics.median(g for g, _ in late) > statistics.median(g for g, _ in early)
+        and statistics.median(x for _, x in late) < early_loss
+        and loss <= early_loss
+    )
+
+
 def _harmless_spike(
     ctx: RuleContext, start: _Start, cur: _GradSummary, level: float | None
 ) -> bool:
@@ -4139,7 +4175,9 @@ def _harmless_spike(
 
     - measured from the level the run began at (the median of its first total norms,
       :class:`_Start`), it is no spike: below ``explode_factor`` times that, a size the
-      run trained through;
+      run trained through; or the run is sharpening (:func:`_sharpening`): its gradient
+      level rose as its loss fell, and this step's loss is no worse than the loss the
+      recorded steps began at;
     - it does not keep growing: not over :data:`_GROWING` times the largest of the steps
       right before it that were already that far above the level;
     - the update it makes (:func:`_update_size`) moves the weights (their norm,
@@ -4155,7 +4193,7 @@ def _harmless_spike(
         or not math.isfinite(total)
         or level <= 0
         or len(start.totals) < ctx.thresholds.min_history
-        or total >= factor * statistics.median(start.totals)
+        or (total >= factor * statistics.median(start.totals) and not _sharpening(ctx))
     ):
         return False
     before = 0.0

@@ -1892,6 +1892,50 @@ def _sign_by_design(note: Any) -> bool | None:
 #: calls that fill a tensor with one value: a target made by one is no label but a side of
 #: a minimax game (a GAN generator's ``-bce(d(fake), zeros)``), signed on purpose
 _FILLS = frozenset({"zeros", "ones", "full", "zeros_like", "ones_like", "full_like"})
+#: in-place methods that write chosen elements (by a mask or an index): a tensor of one
+#: value after them holds labels
+_PLACED = frozenset(
+    {
+        "masked_fill_",
+        "masked_scatter_",
+        "index_fill_",
+        "index_put_",
+        "index_copy_",
+        "index_add_",
+        "scatter_",
+        "scatter_add_",
+        "scatter_reduce_",
+        "put_",
+    }
+)
+
+
+def _written_in_parts(tree: ast.AST) -> set[str]:
+    """The names whose tensor ``tree`` writes in chosen elements after making it: a
+    subscript store (``y[mask] = 1``, ``y[i] += 1``) or an in-place method of
+    :data:`_PLACED` (``y.masked_fill_(m, 1)``, ``y.scatter_(...)``). A label tensor made by
+    ``torch.zeros(n)`` and then filled this way holds the labels, not one value."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _PLACED
+            and isinstance(node.func.value, ast.Name)
+        ):
+            out.add(node.func.value.id)
+        for t in targets:
+            base = t
+            while isinstance(base, ast.Subscript):
+                base = base.value
+                if isinstance(base, ast.Name):
+                    out.add(base.id)
+    return out
 
 
 def _is_neg_const(node: ast.AST) -> float | None:
@@ -2139,8 +2183,11 @@ def _maximized(note: Any) -> dict[str, Any] | None:
         return own | _expanded(node, defs, set())[0]
 
     model_side = names(inp)
+    # a fill whose tensor is then written in parts (``y = torch.zeros(n); y[mask] = 1``)
+    # makes labels, not one value
+    labels = {id(v) for n in _written_in_parts(tree) for v in defs.get(n, [])}
     for made in _expanded(target, defs, set())[1]:
-        if isinstance(made, ast.Call) and _call_name(made) in _FILLS:
+        if isinstance(made, ast.Call) and _call_name(made) in _FILLS and id(made) not in labels:
             return None  # a target of one value (``valid = torch.ones(n)``): a game's side
         for c in ast.walk(made):
             if not isinstance(c, ast.Call) or _call_name(c) not in _SAMPLERS:
