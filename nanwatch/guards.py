@@ -4667,6 +4667,42 @@ def _upcast_source(watcher: Watcher, x: torch.Tensor) -> tuple[int, str] | None:
     return _dead_upcast_source(watcher, x, node, nr)
 
 
+#: autograd nodes of views, reshapes and copies: the values of their input, moved (or a
+#: part of them; a reshape of a slice copies it: UnsafeView over Clone)
+_VIEW_NODES = frozenset(
+    f"{op}Backward0"
+    for op in (
+        "View", "Reshape", "UnsafeView", "Slice", "Select", "Transpose", "T", "Permute",
+        "Squeeze", "Unsqueeze", "Alias", "AsStrided", "Narrow", "Flatten", "Unflatten",
+        "Clone",
+    )
+)  # fmt: skip
+
+
+def _view_source(watcher: Watcher, x: torch.Tensor, depth: int = 6) -> int | None:
+    """The index of the record of the tensor a loss input is a view of (``logits.flatten(0,
+    1)``, ``logits[:, 1:].reshape(-1, V)``): the recorded tensor the input's autograd
+    nodes reach through views and reshapes alone (a recorded tensor still alive shares its
+    node), or, under no_grad, the input's base. None when it is no view of one."""
+    base = x._base
+    if base is not None and (rec := watcher.record_of(base)) is not None:
+        return rec.index
+    fn = x.grad_fn
+    for _ in range(depth):
+        if fn is None or type(fn).__name__ not in _VIEW_NODES or len(fn.next_functions) != 1:
+            return None
+        fn, nr = fn.next_functions[0]
+        if fn is None:
+            return None
+        for entry in list(watcher._known.values()):
+            t = entry[0]()
+            if t is not None and t.grad_fn is fn and t.output_nr == nr:
+                found = watcher.record_of(t)
+                if found is not None:
+                    return found.index
+    return None
+
+
 def _copied_from(
     watcher: Watcher, node: Any, nr: int, dtype: torch.dtype
 ) -> tuple[tuple[int, str] | None, bool]:
@@ -4825,6 +4861,11 @@ def _evidence(watcher: Watcher, p: _Probe) -> dict[str, Any]:
         data["input_softmax_of_one"] = one
     rec = watcher.record_of(x)
     data["input_source"] = rec.index if rec is not None else None
+    whole = _view_source(watcher, x) if rec is None else None
+    if whole is not None:
+        # a view of a recorded tensor (logits.flatten(0, 1), logits[:, :-1]): its values,
+        # or a part of them, reshaped; not the same statistics, so not input_source
+        data["input_view_of"] = whole
     if rec is None:
         up = _upcast_source(watcher, x)
         if up is not None:

@@ -546,7 +546,8 @@ class Note:
       dtype; ``input_source`` is then its record), ``input_widened_from`` and
       ``input_widened_dtype`` (the input was computed, op after op of one tensor each, from
       such a copy: ``logits.float() / T``; the record and dtype of the narrower tensor),
-      ``input_min``,
+      ``input_view_of`` (the input is a view of a recorded tensor, ``logits.flatten(0,
+      1)``: that tensor's record; its values, or a part of them), ``input_min``,
       ``input_max``, ``probability_rows`` (True when every row is in [0, 1] and sums to 1),
       ``exact_zeros``/``exact_ones`` (inputs of BCE-style losses), ``ignore_index``,
       ``ignored`` (count of targets equal to it), ``ignored_amax``/``valid_amax`` (max |x|

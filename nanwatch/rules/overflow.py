@@ -7417,8 +7417,8 @@ def _only_stable_losses(trace: StepTrace, rec: Record) -> bool:
             # on the way ran in float32, far from the bound
             kinds.append("upcast" if not low_precision(seen) else None)
             continue
-        if n.data.get("input_source") not in ids:
-            continue
+        if n.data.get("input_source") not in ids and n.data.get("input_view_of") not in ids:
+            continue  # neither it nor a view of it (logits.flatten(0, 1))
         if n.data.get("input_upcast_from") and isinstance(seen, str) and not low_precision(seen):
             # the loss took a float32 copy (logits.float()): whatever exp it computes runs
             # in float32, far from the bound
