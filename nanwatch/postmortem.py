@@ -312,6 +312,12 @@ ADVICE: dict[str, str] = {
     "other": "The last modules that ran before the exception are listed.",
 }
 
+#: the IndexError of a Python sequence, not of a tensor: "list index out of range"
+_PYTHON_INDEX = re.compile(
+    r"(list|tuple|string|str|bytes|bytearray|range object|deque|array)"
+    r"( assignment)? index out of range"
+)
+
 #: the public name of torch's linear-algebra error (its class lives in torch._C)
 _LINALG_ERROR = "torch.linalg.LinAlgError"
 #: torch.linalg functions that take the matrix first: what the advice calls it
@@ -444,6 +450,8 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
         'cuda-device-assert'
         >>> classify(IndexError("Target 255 is out of bounds."))["class"]
         'index-out-of-range'
+        >>> classify(IndexError("list index out of range"))["class"]
+        'other'
     """
     from nanwatch.errors import AnomalyError, GuardError
 
@@ -465,6 +473,8 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             (c for c, needles in _CLASSES if any(n in text for n in needles)),
             "other",
         )
+        if cls == "index-out-of-range" and _PYTHON_INDEX.fullmatch(message):
+            cls = "other"  # a Python sequence's (sys.argv[1], a list of batches): no tensor's
         if cls == "other" and _users_class(type(exc)):
             cls = "user-raised"
     typename = f"{type(exc).__module__}.{type(exc).__qualname__}"
