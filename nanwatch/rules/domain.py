@@ -33,6 +33,7 @@ from nanwatch.rules._evidence import (
     LoggedTarget,
     LossUse,
     Shortfall,
+    _calls_of,
     activation_of,
     anomaly_fields,
     call_argument,
@@ -717,6 +718,7 @@ def _unread_log_use(ctx: RuleContext, ev: OpEvent) -> _LogUse | None:
             op=ev.op,
             known=known,
             picked=_picks(ev.made_from),
+            masked=_mask_below(ev.made_from),
         )
     if made == "one-minus-sigmoid":
         return _one_minus_sigmoid_use(ctx, "the log's argument", zeros, ev, known=known)
@@ -1792,6 +1794,11 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
         return _sigmoid_difference_use(what, zeros, ev.dtype)
     if made is not None and made not in ("softmax", "sigmoid"):
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
+    masked = _mask_below(made_ev.made_from)
+    inside = _own_code_zeros(ctx, x) if made == "softmax" and masked is None else None
+    if inside is not None:  # the module's own code made the zeros: no underflow of its input
+        soft, fed, st, floor = inside
+        return _own_code_zeros_use(what, zeros, soft, fed, st=st, floor=floor)
     if made in ("softmax", "sigmoid"):
         return _probability_made_use(
             made,
@@ -1802,6 +1809,7 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             op=ev.op,
             known=not _line_unknown(ev),
             picked=_picks(made_ev.made_from) if made_ev.made_from else (),
+            masked=masked,
         )
     if made is None and arg is not None and _is_ratio(arg):
         return _unit_ratio_use(ev, what, zeros, x)
@@ -2010,16 +2018,23 @@ def _probability_made_use(
     op: str | None = None,
     known: bool = True,
     picked: Sequence[str] = (),
+    masked: str | None = None,
 ) -> _LogUse:
     """A log's argument with exact zeros that op evidence shows a softmax or a sigmoid made
     (a watched output of its very values, or the loss graph's ``log <- softmax``): a
-    probability that underflowed; the log from the logits, a floor the only alternative."""
+    probability that underflowed; the log from the logits, a floor the only alternative.
+    ``masked``: the loss graph shows the logits filled through a mask just below it (see
+    :func:`_mask_below`): its zeros are the mask's, not an underflow."""
     dt = dtype or "float32"
     call, not_call = (
         ("F.log_softmax(logits, dim=-1)", "torch.log(F.softmax(logits, dim=-1))")
         if made == "softmax"
         else ("F.logsigmoid(logits)", "torch.log(torch.sigmoid(logits))")
     )
+    if masked is not None:
+        return _masked_probability_use(
+            made, what, zeros, x, dtype, call=call, mask=masked, op=op, picked=picked
+        )
     pick = ""
     if picked:  # log(p.gather(1, a)): the log of every probability, then the same pick
         pick = (
@@ -2051,6 +2066,233 @@ def _probability_made_use(
         )
         + ": a probability that underflowed"
         + (" to 0" if x is None or has_zero(x) else ""),
+    )
+
+
+#: ops of :attr:`OpEvent.made_from` that fill a tensor through a mask: ``masked_fill(m,
+#: -inf)``, ``torch.where(keep, z, -inf)``, by their lower-case node names
+_FILL_OPS = {"maskedfill": "masked_fill", "where": "torch.where"}
+
+
+def _mask_below(chain: Sequence[str]) -> str | None:
+    """The masking op (``masked_fill``, ``torch.where``) that the loss graph shows right
+    below the softmax or sigmoid of a ``made_from`` chain (after the ops that only pick
+    values): the logits were filled through a mask before the probability was taken; None
+    when the chain shows none, or the softmax is a watched output (what made its input is
+    not in the chain).
+
+    >>> _mask_below(["softmax", "maskedfill", "addmm"]), _mask_below(["watched:softmax"])
+    ('masked_fill', None)
+    >>> _mask_below(["squeeze", "gather", "softmax", "where", "leaf"])
+    'torch.where'
+    """
+    ops = list(chain[len(_picks(chain)) :])
+    if len(ops) < 2 or _CHAIN_MAKERS.get(ops[0]) not in ("softmax", "sigmoid"):
+        return None
+    return _FILL_OPS.get(ops[1])
+
+
+def _fill_mask(args: str | None, obj: str | None) -> tuple[str, str] | None:
+    """The mask of a softmax's input filled through one on the same line, and the op that
+    filled it: ``args``, the text of ``F.softmax(...)``'s arguments, or ``obj``, what
+    ``.softmax()`` is called on. ``z.masked_fill(m, -inf)`` gives ``m``;
+    ``torch.where(keep, z, -inf)`` gives ``~keep``; None for anything else.
+
+    >>> _fill_mask('z.masked_fill(~legal, float("-inf")), -1', None)
+    ('~legal', 'masked_fill')
+    >>> _fill_mask(None, "torch.where(keep, z, -1e9)"), _fill_mask("z, -1", None)
+    (('~keep', 'torch.where'), None)
+    """
+    try:
+        if args is not None:
+            call = ast.parse(f"f({args})", mode="eval").body
+            assert isinstance(call, ast.Call)
+            if not call.args:
+                return None
+            x = call.args[0]
+        elif obj is not None:
+            x = ast.parse(obj, mode="eval").body
+        else:
+            return None
+    except (SyntaxError, AssertionError):
+        return None
+    if not isinstance(x, ast.Call) or not isinstance(x.func, ast.Attribute):
+        return None
+    if x.func.attr == "masked_fill" and len(x.args) == 2:
+        return ast.unparse(x.args[0]), "masked_fill"
+    if x.func.attr == "where" and len(x.args) == 3:
+        keep = ast.unparse(x.args[0])
+        return (f"~{keep}" if _NAME.fullmatch(keep) else f"~({keep})"), "torch.where"
+    return None
+
+
+def _earlier_fill(ctx: RuleContext, ev: OpEvent) -> tuple[str, str] | None:
+    """The mask of a masked_fill or a torch.where traced before the log ``ev`` (forensic:
+    every op is an event) that made as many -inf as the log's input holds zeros (the
+    softmax of those -inf is those zeros), read from that op's line: what
+    :func:`_fill_mask` reads when the mask is on the log's own line; None when no such op
+    ran, or its line does not say the mask."""
+    x = first_input(ev)
+    ops = ctx.trace.ops
+    at = next(
+        (
+            i
+            for i, o in enumerate(ops)
+            if o is ev
+            or (o.op, o.phase, o.source, o.output) == (ev.op, ev.phase, ev.source, ev.output)
+        ),
+        None,
+    )
+    if x is None or not x.zeros or at is None:
+        return None
+    for o in reversed(ops[:at]):
+        name = packet(o.op)
+        if o.phase is not Phase.FORWARD or name not in ("masked_fill", "where"):
+            continue
+        if o.output is None or o.output.neginf != x.zeros:
+            continue
+        for stmt in statements(o.code):
+            try:
+                tree = ast.parse(stmt.strip())
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call):
+                    text = ast.get_source_segment(stmt.strip(), node)
+                    found = _fill_mask(None, text) if text else None
+                    if found is not None:
+                        return found
+        return None
+    return None
+
+
+def _own_code_zeros(
+    ctx: RuleContext, x: TensorStat
+) -> tuple[Record, Record, TensorStat, float] | None:
+    """The watched softmax output holding ``x``'s very values, made in its module's own code,
+    and the one output of that module's children of its size (what the softmax was computed
+    from), finite and spanning too little for a softmax of it to be exactly 0 anywhere:
+    each entry is at least exp(-(max - min)) / n, n the largest dimension, above the
+    dtype's smallest subnormal. Returns (softmax output, child output, its statistics, that
+    floor); None when the records do not show all of it (sentinel measures no module
+    output)."""
+    if not has_zero(x):
+        return None
+    outs = [
+        r
+        for r in ctx.records(Phase.FORWARD)
+        if r.role.startswith("output")
+        and r.stat is not None
+        and node_base(r.grad_fn or "") == "Softmax"
+        and (r.stat.min, r.stat.max, r.stat.numel) == (x.min, x.max, x.numel)
+    ]
+    lim = dtype_limits(outs[0].dtype) if len(outs) == 1 else None
+    if lim is None or not outs[0].shape:
+        return None
+    r = outs[0]
+    kids = {c.id for c in ctx.trace.calls if c.parent == r.call}
+    feeds = []
+    for o in ctx.records(Phase.FORWARD):
+        if o.call not in kids or not o.role.startswith("output"):
+            continue
+        st = o.stat if o.stat is not None else ctx.trace.resolve(o).stat
+        if st is not None and st.numel == x.numel:
+            feeds.append((o, st))
+    if len(feeds) != 1 or not feeds[0][1].finite:
+        return None
+    f, st = feeds[0]
+    floor = math.exp(-(st.max - st.min)) / max(r.shape)
+    return (r, f, st, floor) if floor > lim.subnormal else None
+
+
+def _own_code_zeros_use(
+    what: str, zeros: str, r: Record, f: Record, *, st: TensorStat, floor: float
+) -> _LogUse:
+    """A log of a module's softmax output whose zeros its own code made (see
+    :func:`_own_code_zeros`): a -inf put into the logits (a mask, noise by hand) or a
+    scale, not an underflow; the log from the logits is -inf there too."""
+    span = f"{f.path}'s output (min {fmt(st.min)}, max {fmt(st.max)})"
+    return _LogUse(
+        "softmax",
+        fix=(
+            f"# in {r.module_type}.forward: return the log-probabilities beside the "
+            "probabilities, with the masked entries at 0\n"
+            "logp = F.log_softmax(z, dim=-1).masked_fill(mask, 0.0)   # a pattern, in your "
+            "names: z, the logits given the -inf; mask, where they are -inf\n"
+            "# then p * logp (an entropy) is 0 there; a picked or target entry the mask forbids "
+            "is a bug in the mask or the data\n"
+            "# noise by hand: -torch.log(-torch.log(u)) is -inf at u = 0: "
+            "u = torch.rand_like(z).clamp_min(torch.finfo(z.dtype).tiny), or F.gumbel_softmax\n"
+            "# a temperature, no -inf: F.log_softmax(z / tau, dim=-1), not torch.log of the "
+            "softmax"
+        ),
+        why=(
+            f"Its input is {r.path}'s softmax output with {zeros}, but the softmax was taken "
+            f"in {r.module_type}'s own code of {span}, and a softmax of those values is at "
+            f"least {fmt(floor)} everywhere: the zeros are no underflow of it. The code "
+            f"between {f.path} and the softmax made them: a -inf put into the logits (a "
+            "mask, masked_fill(mask, -inf) of illegal actions or padding; noise by hand, "
+            "-log(-log(u)) at a draw u = 0) or a scale (a temperature) large enough. The log "
+            "of an entry whose logit is -inf is -inf whether it is computed as torch.log(p) "
+            "or F.log_softmax(z): those entries have to leave the log, and the loss."
+        ),
+        evidence=f"{what} is {r.path}'s softmax output (log <- softmax, in its own code); "
+        f"{span} spans {fmt(st.max - st.min)}: its softmax is at least "
+        f"{fmt(floor)}, so the zeros are no underflow of it",
+        title=f"Log of a softmax that {r.path}'s own code set to 0",
+    )
+
+
+def _masked_probability_use(
+    made: str,
+    what: str,
+    zeros: str,
+    x: TensorStat | None,
+    dtype: str,
+    *,
+    call: str,
+    mask: str,
+    op: str | None = None,
+    picked: Sequence[str] = (),
+) -> _LogUse:
+    """A log of a softmax (or sigmoid) whose logits were filled through a mask just before
+    it (``log <- softmax <- masked_fill``): its zeros are the masked positions, exactly 0 by
+    construction (a fill of -inf, or of a number so negative that its exp is 0). The log
+    from the logits is -inf there too: the masked positions must leave the log, and the
+    loss."""
+    dt = dtype or "float32"
+    return _LogUse(
+        made,
+        fix=(
+            f"logp = {call}.masked_fill(mask, 0.0)   # a pattern, in your names: logits, the "
+            f"{mask}'s output, and mask, its mask (for torch.where(keep, z, -inf): ~keep); 0, "
+            "not -inf, at the masked positions, and no gradient through them\n"
+            + (
+                f"# then pick from logp as the code picks ({' <- '.join(picked)}): a picked "
+                "entry the mask forbids (a taken action, a label) is a bug in the mask or the "
+                "data, whatever the log: its log-probability is -inf\n"
+                if picked
+                else ""
+            )
+            + "# and keep the masked positions out of the loss: a target (a label, a teacher's "
+            "distribution) with mass there has an infinite loss whatever the log; give it 0 "
+            "there (p.masked_fill(mask, 0), renormalized)\n"
+            f"# or a floor, finite but a made-up value at every masked position: "
+            f"torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)), {_log_tiny(dtype, op)}"
+        ),
+        why=(
+            f"Its input is a {made} of logits filled through a mask ({mask}), with {zeros}"
+            + (f" (max {fmt(x.max)})" if x is not None else "")
+            + f": the {made} is exactly 0 at every masked position (a fill of -inf, or of a "
+            f"number so negative that its exp is 0 in {dt}), by construction, not by "
+            "underflow. The log-probability of a masked entry is -inf, so computing it from "
+            f"the logits ({call}) is -inf there too, and the next op that weighs it (a "
+            "target with mass there, p * log p) makes inf or NaN. The masked positions have "
+            "to leave the log, and the loss."
+        ),
+        evidence=f"{what} is a {made} of masked logits (log <- {made} <- {mask}): exactly 0 at "
+        "the masked positions by construction, not a probability that underflowed",
+        title=f"Log of a masked {made}: -inf at the masked positions",
     )
 
 
@@ -3544,6 +3786,26 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
                     if soft.group(1) is not None
                     else f"{soft.group(2)}.log_softmax({soft.group(3)})"
                 )
+                filled = _fill_mask(soft.group(1), soft.group(2)) or _earlier_fill(ctx, ev)
+                if filled is not None:  # log(softmax(z.masked_fill(m, -inf))): -inf either way
+                    mask, fill = filled
+                    own = f"{stmt[:start]}{inner}.masked_fill({mask}, 0.0){stmt[end:]}"
+                    use = _masked_probability_use(
+                        "softmax",
+                        "the log's argument",
+                        "exact zeros",
+                        None,
+                        ev.dtype,
+                        call="F.log_softmax(logits, dim=-1)",
+                        mask=fill,
+                        op=ev.op,
+                    )
+                    first = use.fix.split("\n", 1)[1]
+                    return replace(
+                        use,
+                        fix=f"{own}   # 0, not -inf, at the masked positions, and no gradient "
+                        f"through them\n{first}",
+                    )
                 own = f"{stmt[:start]}{inner}{stmt[end:]}"
                 return _LogUse(
                     "softmax",
@@ -13324,8 +13586,35 @@ def _root_backward_own(ev: OpEvent) -> tuple[str, str] | None:
         )
     if _DISTANCE.search(arg):
         return _squares_under_root(stmt, arg, ev.dtype)
-    fixed = rewrite_call(stmt, ["sqrt", "rsqrt"], lambda v: f"{paren(v)}.clamp_min(1e-12)")
-    return _ROOT_BACKWARD, f"{fixed}   # keep the sqrt off exact 0: its gradient there is inf"
+    fixed, each = _rewrite_each_call(
+        stmt, ["sqrt", "rsqrt"], lambda v: f"{paren(v)}.clamp_min(1e-12)"
+    )
+    return _ROOT_BACKWARD, f"{fixed}   # keep {each} off exact 0: its gradient there is inf"
+
+
+def _rewrite_each_call(
+    code: str | None, names: Sequence[str], wrap: Callable[[str], str]
+) -> tuple[str | None, str]:
+    """:func:`rewrite_call` of every call to one of ``names`` on the user's line, and how the
+    fix's comment names them: a backward node's input statistics do not say which of a
+    line's several roots (``(a * a).sum(-1).sqrt() * (b * b).sum(-1).sqrt()``, a cosine by
+    hand) was given the 0, so each is rewritten ("each sqrt"); one call, or the part of the
+    line that ran known, as :func:`rewrite_call` ("the sqrt").
+
+    >>> _rewrite_each_call("c = u / (x.sqrt() * torch.sqrt(y))", ["sqrt"], lambda v: f"f({v})")
+    ('c = u / (f(x).sqrt() * torch.sqrt(f(y)))', 'each sqrt')
+    """
+    found = list(_calls_of(code, names)) if code else []
+    if len(found) < 2 or getattr(code, "span", None) is not None:
+        return rewrite_call(code, names, wrap), "the sqrt"
+    line = str(code)
+    for i in reversed(range(len(found))):
+        now = list(_calls_of(line, names))
+        if len(now) != len(found):
+            return rewrite_call(code, names, wrap), "the sqrt"
+        _, _, head, arg, tail = now[i]
+        line = head + wrap(arg) + tail
+    return line, "each sqrt"
 
 
 def _complex_parts(arg: str) -> str | None:
@@ -13388,12 +13677,14 @@ def _squares_under_root(stmt: str | None, arg: str, dtype: str | None) -> tuple[
         )
     eps = "1e-12" if not _stored_as_zero(1e-12, dtype) else (_eps_floor(dtype) or "1e-8")
     method = re.search(r"(?<!torch)\.r?sqrt_?\(", stmt) is not None
-    fixed = rewrite_call(stmt, ["sqrt"], lambda v: f"({v} + {eps})" if method else f"{v} + {eps}")
+    fixed, each = _rewrite_each_call(
+        stmt, ["sqrt"], lambda v: f"({v} + {eps})" if method else f"{v} + {eps}"
+    )
     if fixed is None:
         return None
     return (
         _ROOT_BACKWARD,
-        f"{fixed}   # eps inside the sqrt: finite gradient where the sum of squares is 0",
+        f"{fixed}   # eps inside {each}: finite gradient where the sum of squares is 0",
     )
 
 

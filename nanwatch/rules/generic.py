@@ -236,7 +236,7 @@ def _born_where(a: Anomaly) -> str:
     role = a.record.role
     words = {
         "module": f"in the {a.kind.value} of {a.path}",
-        "between-children": f"in the forward code of {a.path}, between its submodules",
+        "between-children": f"in the {a.kind.value} of {a.path}'s own code, between its submodules",
         "between-roots": (
             f"in code outside the watched modules, in the value passed to {a.path} ({role})"
         ),
