@@ -4687,20 +4687,30 @@ def _view_source(watcher: Watcher, x: torch.Tensor, depth: int = 6) -> int | Non
     base = x._base
     if base is not None and (rec := watcher.record_of(base)) is not None:
         return rec.index
+    # the nodes the views were taken of, nearest first: one look at the live records for all
+    below: list[tuple[Any, int]] = []
     fn = x.grad_fn
     for _ in range(depth):
         if fn is None or type(fn).__name__ not in _VIEW_NODES or len(fn.next_functions) != 1:
-            return None
+            break
         fn, nr = fn.next_functions[0]
         if fn is None:
-            return None
-        for entry in list(watcher._known.values()):
-            t = entry[0]()
-            if t is not None and t.grad_fn is fn and t.output_nr == nr:
-                found = watcher.record_of(t)
-                if found is not None:
-                    return found.index
-    return None
+            break
+        below.append((fn, nr))
+    if not below:
+        return None
+    order = {(id(n), nr): i for i, (n, nr) in enumerate(below)}
+    best: tuple[int, int] | None = None
+    for entry in list(watcher._known.values()):
+        t = entry[0]()
+        fn = t.grad_fn if t is not None else None
+        at = order.get((id(fn), t.output_nr)) if fn is not None and t is not None else None
+        if at is None or (best is not None and best[0] <= at):
+            continue
+        found = watcher.record_of(t) if t is not None else None
+        if found is not None:
+            best = (at, found.index)
+    return best[1] if best is not None else None
 
 
 def _copied_from(
