@@ -140,6 +140,10 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
     # step's when found before this step's forward
     at_end = _after_forward(ctx.trace, rec) or _update_without_forward(ctx.trace)
     prev = ctx.trace if at_end else (ctx.history[-1] if ctx.history else None)
+    since = _bad_since(ctx, name, prev)
+    if prev is not None and since is not None:
+        yield _bad_since_diagnosis(ctx, a, since, prev, name=name, evidence=evidence)
+        return
     consequence: str | None = None
     gnorm: float | None = None
     written = _written_grad(ctx, name, prev)
@@ -186,7 +190,7 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
             priority=95,
         )
         return
-    update = _last_update(ctx, rec.dtype, writer)
+    update = _last_update(ctx, rec.dtype, writer, prev)
     if update is not None:
         special = _update_itself(ctx, a, update, name=name, evidence=evidence)
         if special is not None:
@@ -1926,13 +1930,20 @@ class _Update:
 
 
 def _last_update(
-    ctx: RuleContext, dtype: str, writer: dict[str, Any] | None = None
+    ctx: RuleContext,
+    dtype: str,
+    writer: dict[str, Any] | None = None,
+    prev: StepTrace | None = None,
 ) -> _Update | None:
     """The last optimizer step (its ``"optimizer"`` note) that updated the weight: the
     optimizer and param group the watcher saw update it (``writer``), else one that updated
-    weights of this dtype; in this step, or in the one before (weights found bad before
-    this forward)."""
-    for t in (ctx.trace, *reversed(ctx.history[-1:])):
+    weights of this dtype; in ``prev`` first, the step whose update broke it (the note is
+    written before the update, so it holds the learning rate that update used, not the one
+    a scheduler set since), then in this step or the one before."""
+    order = (ctx.trace, *reversed(ctx.history[-1:]))
+    if prev is not None:
+        order = (prev, *(t for t in order if t is not prev))
+    for t in order:
         for n in reversed(t.notes):
             if n.kind != "optimizer":
                 continue
@@ -1946,6 +1957,97 @@ def _last_update(
                 if writer is not None or dtype in g.get("dtypes", ()):
                     return _Update(n.path, t.step, g)
     return None
+
+
+def _bad_since(
+    ctx: RuleContext, name: str, prev: StepTrace | None
+) -> tuple[StepTrace, Record, bool] | None:
+    """The weight ``name`` was already non-finite before ``prev``'s update (the one NW301
+    would blame): the trace, the record and whether it was read at its step's end (after
+    that step's update) of the first read of the run of non-finite reads of it that ends
+    before that update, step after step. A finite weight leaves no record, so a step of
+    that run without one ends it (it may have been read finite there). None when there is
+    no such run."""
+    if prev is None:
+        return None
+    at = next((i for i, t in enumerate(ctx.history) if t is prev), len(ctx.history))
+    if at == len(ctx.history) and prev is not ctx.trace:
+        return None
+    first: tuple[StepTrace, Record, bool] | None = None
+    for t in (prev, *reversed(ctx.history[:at])):
+        no_forward = _update_without_forward(t)
+        reads = [
+            (r, no_forward or _after_forward(t, r))
+            for r in t.records
+            if r.phase is Phase.PARAMETER and r.role == name and r.stat is not None
+        ]
+        if t is prev:
+            reads = [(r, end) for r, end in reads if not end]  # read before that update
+            if not reads:
+                continue  # no read ahead of its forward: the step before tells
+        if not reads:
+            break
+        for r, end in reversed(reads):
+            if r.stat is None or r.stat.finite:
+                return first
+            first = (t, r, end)
+    return first
+
+
+def _bad_since_diagnosis(
+    ctx: RuleContext,
+    a: Anomaly,
+    since: tuple[StepTrace, Record, bool],
+    prev: StepTrace,
+    *,
+    name: str,
+    evidence: list[str],
+) -> Diagnosis:
+    """NW301 for a weight that was already non-finite before the update it would blame:
+    the steps since kept it so (a NaN weight stays NaN under ``w - lr * g``, a row no batch
+    uses gets no gradient), so the cause is where it was first read non-finite."""
+    t, r, at_end = since
+    kinds = r.stat.kinds() if r.stat is not None else "non-finite"
+    when = (
+        f"the end of step {t.step} (read after that step's update)"
+        if at_end
+        else f"the start of step {t.step} (read before its forward)"
+    )
+    start = t.step if at_end else t.step - 1
+    told = next(
+        (
+            d
+            for h in ctx.history
+            if start <= h.step <= prev.step
+            for d in h.diagnoses
+            if getattr(d, "severity", None) == "error"
+        ),
+        None,
+    )
+    more = [f"step {told.step} diagnosed: {told.code} {told.title}"] if told else []
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights since an earlier step",
+        evidence=[
+            *evidence,
+            f"{name} was already {kinds} at {when}, and at every read of it since",
+            *more,
+        ],
+        explanation=(
+            f"{name} held NaN/inf before the update of step {prev.step}, so that update "
+            "did not make it: an update keeps a NaN weight NaN (w - lr * g), "
+            "and a row no batch uses (an embedding's) gets no gradient to change it. The "
+            f"cause is where it was first read non-finite, at step {t.step}"
+            + (f" (see {told.code} at step {told.step})" if told else "")
+            + ": fix that one. The weights stay non-finite until they are restored."
+        ),
+        fix=(
+            'with nanwatch.watch(model, on_anomaly="raise") as nw:   # stop at the first anomaly\n'
+            "    ...\n"
+            f"# then resume from a checkpoint saved before step {start}: {name} was finite there"
+        ),
+        priority=95,
+    )
 
 
 def _after_forward(trace: StepTrace, rec: Record) -> bool:
