@@ -1861,7 +1861,14 @@ def localize(
                 f"{what} in the weights of {parameter}: made non-finite by {by}, not by this "
                 "step's computation"
             )
-            if writer is not None and writer.get("read_finite_by"):
+            since = writer.get("bad_since") if writer is not None else None
+            if isinstance(since, int) and since < trace.step:
+                # read non-finite at every step since: no later update made it
+                summary = (
+                    f"{what} in the weights of {parameter}: non-finite since step {since} "
+                    "(read so at that step and at every step since), not made by this step"
+                )
+            elif writer is not None and writer.get("read_finite_by"):
                 # a forward of this step read it finite after the update: written since
                 summary = (
                     f"{what} in the weights of {parameter}: written in place after "

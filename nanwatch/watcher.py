@@ -4687,6 +4687,8 @@ class Watcher:
                     finite_at_attach=(
                         False if self._checking_attach else self._attach_finite.get(id(param))
                     ),
+                    # the earliest step of an unbroken run of steps that read it non-finite
+                    bad_since=self._bad_since(q),
                 )
             if at_end and not stat.finite:
                 self._note_bad(rec)
@@ -4734,6 +4736,24 @@ class Watcher:
             if outs and all(r.stat is not None and r.stat.finite for r in outs):
                 return None if self._update_left_bad(param, optimizer, at) else c.path
         return None
+
+    def _bad_since(self, qualname: str) -> int | None:
+        """The earliest step of the history from which every step up to the last one read
+        weight ``qualname`` non-finite (its weight check, at the step's end or before its
+        forward): the weight stayed so since, and no later update made it. None when the
+        last step did not read it so. Host-side records only; anomaly-time work."""
+        since = None
+        for t in reversed(self.history):
+            if not any(
+                r.phase is Phase.PARAMETER
+                and r.role == qualname
+                and r.stat is not None
+                and not r.stat.finite
+                for r in t.records
+            ):
+                break
+            since = t.step
+        return since
 
     def _update_left_bad(self, param: nn.Parameter, optimizer: Any, at: tuple[int, int]) -> bool:
         """The records of step ``at[0]``, whose update by ``optimizer`` (after its first

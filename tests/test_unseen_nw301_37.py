@@ -75,3 +75,10 @@ def test_a_weight_nan_since_an_earlier_update_is_not_blamed_on_a_later_one() -> 
         assert f"step 0 diagnosed: {first.code} {first.title}" in d.evidence, d.evidence
         assert not any("the update that broke it" in e for e in d.evidence), d.evidence
         assert "before the update of step" in d.explanation and "step 0" in d.explanation
+    # the anomaly's own summary says so too, not "made non-finite by the last update"
+    for t in list(nw.history)[1:]:
+        assert t.anomaly is not None
+        assert t.anomaly.summary.startswith(
+            "NaN in the weights of emb.weight: non-finite since step 0 (read so at that step "
+            "and at every step since), not made by this step"
+        ), t.anomaly.summary
