@@ -1285,6 +1285,10 @@ def _from_op(
             for _, st in ev.inputs
         )
     )
+    if name in MATMUL and not promoted and lim is not None:
+        grad = _arriving_gradient(ctx, a, ev, lim)
+        if grad is not None:  # a backward product of a huge gradient, not of huge values
+            return _gradient_product(ctx, a, ev, trigger, grad=grad, lim=lim)
     # a complex tensor's statistics are of |z|: exp's overflow is governed by Re(z) alone
     cplx = dtype.startswith("complex") and name in EXP_LIKE
     if lim is None:
@@ -1392,6 +1396,20 @@ def _from_op(
     jump = (
         _jump(ctx, a) if not wide and batch is None and loop is None and not result_only else None
     )
+    scaled_logits = (
+        _scaled_logits(ctx, ev, x, lim)
+        if lim is not None
+        and name.rstrip("_") == "exp"
+        and not result_only
+        and not cplx
+        and subst is None
+        and loop is None
+        and batch is None
+        and jump is None
+        else None
+    )
+    if scaled_logits is not None and lim is not None:  # a contrastive loss's exps, by hand
+        return _scaled_logits_diagnosis(ctx, a, ev, trigger, lg=scaled_logits, lim=lim)
     if subst is not None:
         evidence.append(subst.line(ctx.step))
     elif loop is not None:
@@ -1768,6 +1786,326 @@ def _from_op(
             f"{seg.index} segment's own, not one over the whole tensor."
         )
     return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
+
+
+#: ops that move or cast values without changing them (between a scale and its product)
+_VALUE_MOVERS = frozenset(
+    {"t", "transpose", "permute", "view", "reshape", "unsqueeze", "squeeze", "expand",
+     "clone", "contiguous", "to_copy", "_to_copy", "unsafe_view"}
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _ScaledLogits:
+    """An exp whose argument is a product divided (or multiplied) by a number -- a
+    similarity over a temperature, ``z1 @ z2.t() / tau`` -- and whose result the loss
+    normalizes and takes the log of: a softmax cross-entropy written by hand."""
+
+    scale: str  #: the op that scaled the product: ``div`` or ``mul``
+    product: str  #: the product: ``mm``, ``bmm``, ...
+    diagonal: bool  #: the log's numerator picks the diagonal (positives at i == i)
+    summed: bool  #: the log is of a sum of the exps (a logsumexp), not of a ratio
+    arg: float  #: how far the argument is known to reach (a lower bound)
+    wide: float  #: the exp bound of float32, the widest dtype autocast computes in
+    past: bool  #: the argument is known to pass ``wide``: a float32 exp overflows too
+    measured: bool  #: ``arg`` is the argument's measured maximum, not a bound from the result
+
+
+def _scaled_logits(
+    ctx: RuleContext, ev: OpEvent, x: TensorStat | None, lim: DtypeLimits
+) -> _ScaledLogits | None:
+    """See :class:`_ScaledLogits`: read from the autograd graph, op by op. The chain below
+    the exp (its ``made_from``) starts with a ``div`` or ``mul`` of a product of two
+    tensors (``mm``, ``bmm``: a Gram matrix, a similarity); a log of the loss graph was
+    taken of a ratio or a sum of that exp's results. How far the argument reached is its
+    measured maximum, else the exp's result tells it: its largest finite value's log, and
+    past the dtype's exp bound where it holds +inf."""
+    if ev.phase is not Phase.FORWARD:
+        return None
+    below = [m.removeprefix("watched:") for m in ev.made_from]
+    if len(below) < 2 or below[0] not in ("div", "mul"):
+        return None
+    rest = [m for m in below[1:] if m not in _VALUE_MOVERS]
+    if not rest or rest[0] not in _GRAPH_PRODUCTS:
+        return None
+    found: list[str] | None = None
+    for n in ctx.notes("loss_graph"):
+        logs = n.data.get("logs")
+        for raw in logs if isinstance(logs, list) else []:
+            if not isinstance(raw, list) or "exp" not in raw:
+                continue
+            chain = [str(c) for c in raw]
+            if chain[0] in ("div", "sum"):
+                found = chain
+                break
+        if found is not None:
+            break
+    if found is None:
+        return None
+    wide = _exp_bound("float32")
+    top = signed_max(x)
+    past = top > wide
+    measured = not math.isnan(top)
+    if not measured:
+        out = ev.output
+        top = math.log(out.finite_amax) if out.finite_amax else -math.inf
+        if out.has_posinf:
+            top = max(top, lim.exp_bound)
+            # +inf in a dtype of float32's range (bfloat16's bound is float32's, rounded)
+            past = math.isclose(lim.exp_bound, wide, rel_tol=1e-3) or lim.exp_bound > wide
+    if not math.isfinite(top):
+        return None
+    upto = found[: found.index("exp")]
+    return _ScaledLogits(
+        below[0], rest[0], "diagonal" in upto, found[0] == "sum", top, wide, past, measured
+    )
+
+
+def _scaled_logits_diagnosis(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    trigger: OpEvent,
+    *,
+    lg: _ScaledLogits,
+    lim: DtypeLimits,
+) -> Diagnosis:
+    """NW101 for the exps of a similarity over a temperature, normalized by hand: the
+    fix is the same loss in log space, which no dtype's exp bound limits."""
+    dtype = ev.dtype or a.record.dtype
+    op = short_op(ev.op)
+    scaled = "divided" if lg.scale == "div" else "multiplied"
+    formula = "logits = sim / tau" if lg.scale == "div" else "logits = sim * scale"
+    evidence = [
+        f"{op} made {ev.born} in {dtype}; exp overflows above {fmt(lim.exp_bound)} = "
+        f"log({fmt(lim.max)}), the largest finite {dtype} value"
+        + (
+            f"; {ev.output.posinf} of its {ev.output.numel} results are +inf"
+            if ev.output.posinf
+            else ""
+        ),
+        f"the exp's argument is a product of two tensors, then {scaled} (the graph below "
+        f"the exp: {lg.scale} <- {lg.product}): a similarity over a temperature, whose "
+        "range is |similarity| / temperature -- 100 for cosines over 0.01",
+        f"the loss takes the log of {'a sum' if lg.summed else 'a ratio'} of these exps: a "
+        "softmax cross-entropy written by hand",
+    ]
+    if lg.past:
+        evidence.append(
+            f"its argument passed {fmt(lg.wide)}, the exp bound of float32 and bfloat16 "
+            "alike: a float32 exp overflows as well"
+        )
+    elif not lg.measured:
+        evidence.append(
+            f"how far past {fmt(lim.exp_bound)} its argument went is not known (autograd "
+            f"kept the exp's result, not its argument): a float32 exp overflows above "
+            f"{fmt(lg.wide)}, which a similarity over a small temperature passes as well"
+        )
+    else:
+        evidence.append(
+            f"its argument reached {fmt(lg.arg)}: a float32 exp fits it, until a smaller "
+            f"temperature or closer pairs pass {fmt(lg.wide)}"
+        )
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    if trigger is not ev:
+        why = " (inf - inf, inf / inf and 0 × inf are NaN)" if "NaN" in trigger.born else ""
+        evidence.append(f"then {short_op(trigger.op)} turned the inf into {trigger.born}{why}")
+    explanation = (
+        f"The exp's argument is a similarity {scaled} by a temperature ({formula}): "
+        "with a small temperature the logits reach |sim| / tau, which can pass the exp bound "
+        "of every "
+        f"float dtype ({fmt(lg.wide)} in float32 and bfloat16, {fmt(_exp_bound('float16'))} "
+        "in float16). The loss normalizes the exps and takes the log: in log space that is "
+        "a cross-entropy over the logits, which subtracts each row's max and cannot "
+        "overflow in any dtype. A float32 cast moves the bound only to "
+        f"{fmt(lg.wide)}, and a clamp of the logits changes the loss."
+    )
+    labels = (
+        "labels = torch.arange(len(logits), device=logits.device)   # each row's positive: "
+        "the diagonal"
+        if lg.diagonal
+        else "labels = ...   # each row's positive: its index along the last dim"
+    )
+    positives = (
+        "logits.diagonal()" if lg.diagonal else "logits.gather(-1, labels[:, None]).squeeze(-1)"
+    )
+    fix = (
+        f"{formula}   # the exp's argument (sim: the {lg.product}; the temperature as "
+        "you wrote it)\n"
+        f"{labels}\n"
+        "loss = F.cross_entropy(logits, labels)   # log-softmax inside: no exp overflows\n"
+        f"# or the same loss in log space: (torch.logsumexp(logits, dim=-1) - {positives}).mean()\n"
+        + (
+            f"# not torch.exp(logits.float()): float32's exp overflows above {fmt(lg.wide)} too"
+            if lg.past
+            else f"# not torch.exp(logits.float()): float32's exp fits up to {fmt(lg.wide)} "
+            "only, which a small temperature passes"
+        )
+    )
+    return ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
+
+
+@dataclass(frozen=True)
+class _ArrivingGradient:
+    """The gradient a backward product multiplied: the one that arrived at the module's
+    output (its backward record), and the one at the model's output (the loss code's)."""
+
+    path: str  #: the module whose output's gradient it is
+    size: float  #: its largest magnitude
+    model_path: str | None  #: the model whose output's gradient ``at_model`` is
+    at_model: float  #: that gradient's largest magnitude (NaN when not recorded)
+
+    @property
+    def from_loss(self) -> bool:
+        """The gradient was as large at the model's output: no layer's backward grew it."""
+        return math.isfinite(self.at_model) and self.at_model * 10 >= self.size
+
+
+def _arriving_gradient(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, lim: DtypeLimits
+) -> _ArrivingGradient | None:
+    """A backward matmul (a Linear's weight gradient: the arriving gradient times the
+    layer's input, summed over the batch) whose recorded operands cannot pass ``lim.max``
+    by themselves -- their largest magnitudes times the most terms a sum can have stay
+    below it -- while the gradient recorded at the module's output (its backward record)
+    times the largest operand over as many terms does: the gradient is what was huge."""
+    if ev.phase is not Phase.BACKWARD:
+        return None
+    path = ev.path or a.path
+    ins = [s for s in inputs_of(ev) if math.isfinite(s.magnitude)]
+    if not path or len(ins) != len(ev.inputs) or not ins:
+        return None  # an operand unmeasured or not finite: the records tell nothing more
+    trace = ctx.trace
+    grads = [
+        r
+        for r in trace.records
+        if r.phase is Phase.BACKWARD
+        and r.path == path
+        and r.role.startswith("output")
+        and r.stat is not None
+        and math.isfinite(r.stat.magnitude)
+        and r.index < a.record.index
+    ]
+    if not grads:
+        return None
+    g = max(grads, key=lambda r: r.stat.magnitude if r.stat is not None else 0.0)
+    assert g.stat is not None
+    size = g.stat.magnitude
+    terms = max(*(s.numel for s in ins), g.stat.numel, 1)
+    mags = sorted((s.magnitude for s in ins), reverse=True)
+    own = mags[0] * (mags[1] if len(mags) > 1 else 1.0) * terms
+    if own >= lim.max or size * mags[0] * terms < lim.max or size <= own:
+        return None
+    # the model's output: what the roots returned, and the records they were measured as
+    outs = {r.index for r in trace.root_outputs()}
+    outs |= {trace.resolve(r).index for r in trace.root_outputs()}
+    at_model = [
+        r
+        for r in trace.records
+        if r.phase is Phase.BACKWARD
+        and r.source in outs
+        and r.stat is not None
+        and math.isfinite(r.stat.magnitude)
+    ]
+    top = max(at_model, key=lambda r: r.stat.magnitude if r.stat is not None else 0.0, default=None)
+    model = next((r.path for r in trace.root_outputs() if top is not None), None)
+    return _ArrivingGradient(
+        path,
+        size,
+        model,
+        top.stat.magnitude if top is not None and top.stat is not None else math.nan,
+    )
+
+
+def _gradient_product(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    trigger: OpEvent,
+    *,
+    grad: _ArrivingGradient,
+    lim: DtypeLimits,
+) -> Diagnosis:
+    """NW101 for a backward product that a huge arriving gradient pushed past the max."""
+    dtype = ev.dtype or a.record.dtype
+    op = short_op(ev.op)
+    mags = ", ".join(fmt(s.magnitude) for s in inputs_of(ev)[:3])
+    at = f" ({ev.node})" if ev.node else ""
+    evidence = [
+        f"in backward{at}, {op} made {ev.born} in {dtype}: the gradient arriving at "
+        f"{grad.path}'s output is up to |g| = {fmt(grad.size)}; times values up to {mags} "
+        f"and summed over the inner dimension, it passed {fmt(lim.max)} (the largest finite "
+        f"{dtype} value)",
+    ]
+    for nm, s in ev.inputs[:3]:
+        evidence.append(f"input {nm}: {describe_stat(s)}")
+    scaled = _scaled_backward(ctx) if grad.from_loss else None
+    loss = next(
+        (
+            r.stat.magnitude
+            for r in ctx.trace.records
+            if r.path == LOSS_PATH and r.phase is Phase.FORWARD and r.stat is not None
+        ),
+        math.nan,
+    )
+    if grad.from_loss:
+        where = f" ({grad.model_path})" if grad.model_path else ""
+        evidence.append(
+            f"the gradient of the model's output{where} is already up to |g| = "
+            f"{fmt(grad.at_model)}, before any layer's backward: the loss code scaled it"
+            + (f" (the loss is {fmt(loss)})" if math.isfinite(loss) else "")
+            + ", a manual loss scale far too large"
+        )
+        if scaled is not None:
+            evidence.append(scaled.line())
+        explanation = (
+            f"{dtype} holds values up to {fmt(lim.max)}. This product is a backward matmul: "
+            f"a weight's gradient, the gradient arriving at {grad.path}'s output times the "
+            "layer's input, summed over the batch. Its forward values are ordinary; the "
+            f"gradient is not: it left the loss at {fmt(grad.at_model)}, so the loss code "
+            "multiplied the loss (or its gradient) by a large factor -- a manual loss scale "
+            "far too large. Every gradient carries that factor, and a sum over the batch "
+            "passes the max."
+        )
+        fix = (
+            f"loss.backward()   # was: {scaled.code}: drop the factor {scaled.const}"
+            if scaled is not None
+            else "loss.backward()   # drop the manual factor on the loss: backward() of the "
+            "loss itself"
+        )
+        fix += (
+            "\n# float16 gradients: scaler = torch.amp.GradScaler(); "
+            "scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()"
+            "\n# it picks the largest scale that fits, unscales before the step, and skips a "
+            "step that overflowed"
+        )
+    else:
+        evidence.append(
+            f"the gradient grew in backward: up to |g| = {fmt(grad.at_model)} at the model's "
+            f"output, {fmt(grad.size)} at {grad.path}'s output"
+            if math.isfinite(grad.at_model)
+            else "the gradient of the model's output was not recorded: where it grew is not known"
+        )
+        explanation = (
+            f"{dtype} holds values up to {fmt(lim.max)}. This product is a backward matmul: "
+            f"a weight's gradient, the gradient arriving at {grad.path}'s output times the "
+            "layer's input, summed over the batch. Its forward values are ordinary; the "
+            "gradient is not: the layers' backward between the loss and this module "
+            "multiplied it past the max (exploding gradients)."
+        )
+        fix = (
+            "self.norm = nn.LayerNorm(d)   # in __init__, after the layers whose backward "
+            "grows the gradient\n"
+            "nn.init.xavier_uniform_(w)    # initial weights of gain ~1, not larger"
+        )
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    if trigger is not ev:
+        evidence.append(f"then {short_op(trigger.op)} turned the inf into {trigger.born}")
+    return ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
 
 
 def _loss_module_fix(
