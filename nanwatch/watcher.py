@@ -6649,6 +6649,17 @@ class Watcher:
         # on accelerators the replay syncs at each op: anomaly-time work, once per module
         if _distributed() is not None:
             return None  # a replay on one rank could block in a collective (see _pinpoint)
+        # the step's gradients at the call's outputs (their statistics): the replay seeds
+        # its backward with them, so the kind it makes is the step's (see own_backward_event)
+        grads = (
+            {
+                r.role: r.stat
+                for r in self._trace.records
+                if r.call == target.id and r.phase is Phase.BACKWARD and r.stat is not None
+            }
+            if target is not None
+            else None
+        )
         ev = ops.own_backward_event(
             module,
             args,
@@ -6657,6 +6668,7 @@ class Watcher:
             pre_hooks=hooks,
             names=names,
             ends=ends,
+            grads=cast("dict[str, torch.Tensor | TensorStat] | None", grads),
             held=held,
         )
         if ev is None:

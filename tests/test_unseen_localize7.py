@@ -48,9 +48,8 @@ def test_child_given_the_same_input_collapses_into_its_parent() -> None:
     assert a is not None
     assert a.kind is nanwatch.AnomalyKind.BACKWARD
     assert a.path == "_Knn"
-    # by the sqrt: NaN, from the zero gradient of pow(2) at its 0 (+inf from ones, which a
-    # replay of _Knn's backward gives its output: it cannot tell which)
-    assert "non-finite gradient born in the backward of _Knn" in a.summary
+    # by the sqrt, then NaN: the replay is seeded with the step's gradient at _Knn's output
+    assert "+inf gradient born in the backward of _Knn" in a.summary
     assert "also fed" not in a.summary
 
 
@@ -107,5 +106,12 @@ def test_gradient_backward_wrote_first_is_named() -> None:
     assert model[0].weight.grad is not None and not model[0].weight.grad.isfinite().all()
     a = nw.first_anomaly
     assert a is not None
-    assert a.kind is nanwatch.AnomalyKind.GRADIENT
+    # the replay of 2's own backward, seeded with the step's gradient at its output (1e37),
+    # overflows the weight gradient's matmul as the step did: born there, and told so
+    assert a.kind is nanwatch.AnomalyKind.BACKWARD and a.path == "2"
     assert "gradient of parameter 2.weight" in a.summary
+    d = nw.report.diagnoses[0]
+    assert d.code == "NW101", [(x.code, x.title) for x in nw.report.diagnoses]
+    text = "\n".join(d.evidence)
+    assert "the gradient arriving at 2's output is up to |g| = 1e+37" in text, text
+    assert "the loss code scaled it" in text and "a manual loss scale far too large" in text
