@@ -56,6 +56,7 @@ from nanwatch._compat import (
     transforming,
     values_hidden,
 )
+from nanwatch._domains import domain_of
 from nanwatch._structure import iter_tensors
 from nanwatch.config import WatchConfig
 from nanwatch.errors import (
@@ -3600,6 +3601,8 @@ class Watcher:
                         # and what they saved (references, no read), which backward frees
                         self._loss_risky = self._loss_risky_nodes(keep=True)
                         self._hold_late_loss(t)
+                    else:
+                        self._keep_risky_saved(t)
                 elif t.device.type != "cpu" or self._defer_cpu:
                     # forensic, read late: the loss code's graph as backward begins, as
                     # above (its ops' lines are on its nodes: anomaly mode is on)
@@ -4029,6 +4032,80 @@ class Watcher:
             _place(ev, line, site)
             return ev
         return None
+
+    def _keep_risky_saved(self, loss: torch.Tensor) -> None:
+        """Sentinel on the CPU, as ``backward()`` begins on loss code whose nodes of several
+        kinds can make a non-finite gradient from a finite one (see
+        :meth:`_loss_risky_nodes`): what those nodes saved is kept (references, no read;
+        within :data:`_KEEP_SAVED` bytes a step), which autograd frees before a watched
+        output's gradient is checked. The one that made a NaN is then told by its saved
+        values (see :meth:`_steep_loss_node`); one kind alone is named by its name."""
+        if loss.grad_fn is None:
+            return
+        stop = self._recorded_nodes
+        walk = ops.GraphWalk(
+            [loss.grad_fn],
+            prune=lambda n: n in stop or ops.accumulates_grad(n),
+            limit=_LOSS_NODES,
+        )
+        risky = [n for n in walk if _risky_backward(n)]
+        if walk.truncated or len({ops.name_of(n) for n in risky}) < 2:
+            return
+        for node in risky:
+            snap = self._keep_saved(node)
+            if snap is not None:
+                self._loss_snaps.append((ops.name_of(node), LOSS_PATH, snap))
+
+    def _steep_loss_node(self, anomaly: Anomaly) -> OpEvent | None:
+        """A gradient from the loss code went bad at a watched output and no node was checked
+        as it ran (sentinel), nor named alone: of the loss code's nodes whose saved values
+        were kept as backward began, the one whose forward was given a point where its
+        derivative is infinite (see :func:`_steep_count`: the exact zeros of
+        ``(1 - p) ** 0.5`` at p == 1), named with those values and its line, as watch names
+        it in its hook. When several were, the one whose backward ran before the others'
+        (they are all below it); None when none, or which ran first is not told. Reads the
+        kept values: anomaly-time work only."""
+        if self._loss_node_bad:
+            return None
+        steep = [
+            (name, path, snap)
+            for name, path, snap in self._loss_snaps
+            if _risky_backward(snap.node) and snap.unchanged() and _steep_count(snap)
+        ]
+        if not steep:
+            return None
+        stop = self._recorded_nodes
+        first = None
+        for cand in steep:
+            below = {
+                id(n)
+                for n in ops.GraphWalk(
+                    [cand[2].node],
+                    prune=lambda n: n in stop or ops.accumulates_grad(n),
+                    limit=_LOSS_NODES,
+                )
+            }
+            if all(id(s.node) in below for _, _, s in steep):
+                first = cand
+                break
+        if first is None:
+            return None
+        name, path, snap = first
+        stat = anomaly.record.stat or TensorStat(math.nan, math.nan, 0)
+        # read late (at the step end, even), the backward() line and the names its frame
+        # held were taken as backward began
+        late = self._late or self._read_late()
+        site = self._flag_site if late and self._flag_site[0] else self._loss_site()
+        ev = self._saved_node_event(snap, name, stat, anomaly.record.dtype)
+        if ev is None:
+            ev = _node_event(name, path, stat, anomaly.record.dtype, site)
+        ev.path = path
+        line = ops.forward_line(snap)
+        if line[0] is None:
+            frame = None if late else _frames.user_frame()
+            line = self._forward_line(snap.node, frame) or _NO_LINE
+        _place(ev, line, site)
+        return ev
 
     def _last_loss_node(self, anomaly: Anomaly) -> OpEvent | None:
         """A gradient from outside the modules went bad at a watched output, and every
@@ -5620,6 +5697,7 @@ class Watcher:
         if anomaly.origin == "after-output" and anomaly.op is None and trace is self._trace:
             ev = self._saved_loss_node(anomaly) if self._loss_snaps else None
             ev = ev or self._last_loss_node(anomaly)
+            ev = ev or (self._steep_loss_node(anomaly) if self._loss_snaps else None)
             if ev is not None:
                 trace.ops.append(ev)
                 anomaly = self._locate(trace, first) or anomaly
@@ -8949,6 +9027,51 @@ def _risky_backward(node: Any) -> bool:
     if base == "Pow" and _whole_power(_pow_exponent(node)):
         return False
     return base in _RISKY_BACKWARD
+
+
+#: the saved value of a node (no restricted domain of its own, see :mod:`nanwatch._domains`)
+#: at which its derivative is infinite: (the ``_saved_*`` attribute, the point). A
+#: fractional power's base at 0 (``0.5 * 0 ** -0.5``), a sqrt's result at 0, a divisor at
+#: 0, an rsqrt's or a reciprocal's result at inf (their input at 0)
+_STEEP_AT: dict[str, tuple[str, float]] = {
+    "Pow": ("_saved_self", 0.0),
+    "Sqrt": ("_saved_result", 0.0),
+    "Rsqrt": ("_saved_result", math.inf),
+    "Reciprocal": ("_saved_result", math.inf),
+    "Div": ("_saved_other", 0.0),
+}
+
+
+def _steep_count(snap: ops.SavedNode) -> int:
+    """How many of the values a loss-code node saved lie where its derivative is infinite
+    (:data:`_STEEP_AT`; a log's 0, an atanh's 1, an acos's endpoint, a pole of lgamma, from
+    the op's domain): its backward makes inf, or NaN where the gradient is 0, from any
+    finite gradient there. Reads them: anomaly-time work only."""
+    name = ops.name_of(snap.node)
+    dom = domain_of(ops.node_op(name))
+    if dom is not None:
+        v = getattr(snap, f"_saved_{dom.arg}", None)
+        if not isinstance(v, torch.Tensor) or not v.is_floating_point() or _has_no_data(v):
+            return 0
+        counts = ops.domain_counts(dom, v)
+        n = counts.get("n_edge", 0) + counts.get("n_pole", 0)
+        if dom.steep_edges:
+            with torch.no_grad():
+                n += sum(int((v == e).sum()) for e in {dom.lo, dom.hi} if math.isfinite(e))
+        return n
+    spec = _STEEP_AT.get(re.sub(r"Backward\d*$", "", name))
+    if spec is None:
+        return 0
+    attr, point = spec
+    if attr == "_saved_self":  # a power: only below 1 (and not 0) is it steep at 0
+        e = _pow_exponent(snap)
+        if e is None or e >= 1 or e == 0:
+            return 0
+    v = getattr(snap, attr, None)
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point() or _has_no_data(v):
+        return 0
+    with torch.no_grad():
+        return int((v == point).sum())
 
 
 def _post_order(nodes: Sequence[Any]) -> list[Any]:
