@@ -1385,8 +1385,10 @@ def statement_line(
     the one whose graph reaches ``node`` before it reaches another's (the statement that
     assigned it made the node), at that name's latest assignment above ``lineno``, and the
     line of that statement that writes the node's op (``sqrt`` for a ``SqrtBackward0``).
-    None when no name, or more than one, reaches it first, or the statement does not write
-    the op (it called a helper that did: a line that does not hold the op is no answer).
+    None when more than one name reaches it first, or the statement does not write the op
+    (it called a helper that did: a line that does not hold the op is no answer), unless
+    the code it called is read (see :func:`_op_in_callees`); when no name reaches it, the
+    ``backward()`` call at ``lineno`` is that statement (``step().backward()``).
     ``stop``: nodes where the walk ends (the watched modules' outputs). Anomaly-time work:
     a walk per local tensor."""
     words = _OP_WORDS.get(re.sub(r"Backward\d*$", "", name_of(node)))
@@ -1408,6 +1410,11 @@ def statement_line(
             if len(owners) > len(names[key]):
                 return None  # two locals reach it: which statement made it is not told
     if not owners:
+        if isinstance(held, HeldNodes):
+            # backward() on a value no local name holds (``step().backward()``,
+            # ``focal(out, y).backward()``): the backward() statement computed it, and the
+            # line that made the node is in the code that statement called
+            return _op_in_callees(node, held, code.co_filename, lineno, targets=None, words=words)
         return None
     lines = []
     current: int | None = None  # before 3.11 an instruction knows only where a line starts
@@ -1678,25 +1685,31 @@ def _op_in_callees(
     filename: str,
     lineno: int,
     *,
-    targets: set[str],
+    targets: set[str] | None,
     words: re.Pattern[str],
 ) -> tuple[str, str] | None:
     """The line that made ``node`` in the user's code that the assignment to ``targets``
     at ``lineno`` called (``loss = step()``, ``step`` adding ``model.penalty()``, whose
-    ``torch.sqrt`` made it), followed by static reads of the objects the frame held (see
+    ``torch.sqrt`` made it), or, ``targets`` None, the value the ``backward()`` call at
+    ``lineno`` was called on (``step().backward()``), followed by static reads of the
+    objects the frame held (see
     :class:`HeldNodes`), of each function's ``self``, closure and globals. Of the lines
     there that write the op, the one whose operand's op made the node's input
     (``torch.sqrt(w.pow(2).sum(-1))`` for a ``SqrtBackward0`` of a ``SumBackward1``, not
     ``torch.sqrt(... + eps)`` in a branch that did not run). None when not exactly one line
     fits, or another could (its operand does not tell), or a function could not be read,
     or the reading reached its bounds. Anomaly-time work."""
-    st = _assignment(_parsed(filename), lineno, targets)
-    if st is None or st.value is None:
+    if targets is None:
+        root = _backward_receiver(_parsed(filename), lineno)
+    else:
+        st = _assignment(_parsed(filename), lineno, targets)
+        root = st.value if st is not None else None
+    if root is None:
         return None
     module = sys.modules.get(held.module) if held.module else None
     objects = {k: v for k, r in held.scope.items() if (v := r()) is not None}
     top = _Scope(objects, vars(module) if module is not None else {})
-    todo: list[tuple[str, ast.AST, _Scope, int]] = [(filename, st.value, top, 0)]
+    todo: list[tuple[str, ast.AST, _Scope, int]] = [(filename, root, top, 0)]
     done: set[types.CodeType] = set()
     lines: dict[tuple[str, int], bool | None] = {}
     while todo:
@@ -1730,6 +1743,38 @@ def _op_in_callees(
     if len(strict) != 1 or any(fit is None for fit in lines.values()):
         return None
     return _frames.describe_line(*strict[0])  # type: ignore[return-value]
+
+
+def _backward_receiver(tree: ast.Module | None, lineno: int) -> ast.expr | None:
+    """The expression ``.backward()`` is called on in the statement that spans ``lineno``
+    (``step()`` of ``step().backward()``); None when it holds no such call, or several."""
+    found: list[ast.expr] = []
+    for st in ast.walk(tree) if tree is not None else ():
+        if not isinstance(st, ast.stmt) or isinstance(st, _BLOCKS):
+            continue
+        if not st.lineno <= lineno <= (st.end_lineno or st.lineno):
+            continue
+        for n in ast.walk(st):
+            f = n.func if isinstance(n, ast.Call) else None
+            if isinstance(f, ast.Attribute) and f.attr == "backward":
+                found.append(f.value)
+    return found[0] if len(found) == 1 else None
+
+
+#: statements that hold others: the one that spans a line is the simple one inside
+_BLOCKS = (
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.For,
+    ast.AsyncFor,
+    ast.While,
+    ast.If,
+    ast.With,
+    ast.AsyncWith,
+    ast.Try,
+    ast.Match,
+)
 
 
 #: what code calls methods of besides tensors: data (``parts.append(x)``, ``d.items()``)
