@@ -8794,17 +8794,8 @@ def _raising_layer(
     with the shape of the tensor that method was given first (``forward(self, input)``,
     ``Conv2d._conv_forward(self, input, ...)``), read from the traceback's frames; None
     when no such frame holds a tensor."""
-    found = _raising_call(exc, watched)
-    return (found[0], tuple(found[1][0].shape)) if found is not None else None
-
-
-def _raising_call(
-    exc: BaseException, watched: Mapping[nn.Module, Any]
-) -> tuple[nn.Module, list[torch.Tensor]] | None:
-    """:func:`_raising_layer`'s module with the tensors its method was given, in order
-    (the first positional ones that are tensors); None when no such frame holds one."""
     calls = _watched_calls(exc, watched)
-    return calls[-1] if calls else None
+    return (calls[-1][0], tuple(calls[-1][1][0].shape)) if calls else None
 
 
 def _watched_calls(
