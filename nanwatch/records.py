@@ -577,6 +577,13 @@ class Note:
     * ``"distributed"``: written by the Lightning callback on the step where an anomaly was
       acted on across ranks. ``data``: ``rank``, ``world_size``, ``ranks`` (those that saw
       it), ``first_ranks`` (those that saw it first), ``action``.
+    * ``"inplace_lines"``: at autograd's in-place error, what a second run of the root's
+      forward saw (see :mod:`nanwatch._inplace`). ``data``: ``made_by`` (the op),
+      ``made_at`` and ``made_code`` (the user's line), ``made_in`` (the library module that
+      ran the op, or None); ``written_by``, ``written_at``, ``written_code``, ``written_in``
+      for the in-place write (None: the forward wrote nothing at the saved version),
+      ``rewrite`` (that line made out of place, or None), ``matches`` (tensors of that node
+      and shape the forward made).
     """
 
     kind: str

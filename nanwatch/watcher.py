@@ -7734,6 +7734,7 @@ class Watcher:
             self._note_mutations()
             if info.get("class") == "autograd-inplace":
                 self._note_saved_state(str(exc))
+                self._note_inplace_lines(str(exc))
             ended = self._ended_step_of(exc)
             (ended or self._trace).error = info
         except Exception as inner:  # the user's exception matters more than ours
@@ -7957,6 +7958,89 @@ class Watcher:
                     }
                 )
         self._trace.mutations.extend((same or views)[:4])
+
+    def _note_inplace_lines(self, message: str) -> None:
+        """The lines behind autograd's in-place error: the root's forward runs once more,
+        with gradients on as the user's ran, from the state and random draws it began with,
+        under :class:`nanwatch._inplace.SavedTensorWatch`; it finds the op and line that made
+        the tensor the error names and the line that then wrote it in place (an
+        ``inplace_lines`` note). Error time only; a forward that cannot run again leaves
+        nothing."""
+        from nanwatch._inplace import SavedTensorWatch, bare, rewrite
+        from nanwatch.localize import parse_inplace_error
+
+        facts = parse_inplace_error(message)
+        if facts is None or facts["grad_fn"] is None:
+            return  # a buffer or parameter: _note_saved_state names it
+        found = next(
+            (
+                (c, f)
+                for c in reversed(self._trace.calls)
+                if c.root and not c.is_loss and (f := self._root_call_inputs(c)) is not None
+            ),
+            None,
+        )
+        if found is None:
+            return
+        call, (root, args, kwargs, hooks) = found
+        shape = facts["shape"] if isinstance(facts["shape"], tuple) else ()
+        output = facts["output"] if isinstance(facts["output"], int) else None
+        then = facts["expected_version"]
+        watch = SavedTensorWatch(
+            str(facts["grad_fn"]),
+            output,
+            shape,
+            str(facts["tensor_type"]),
+            then if isinstance(then, int) else 0,
+        )
+        devices = {t.device for _, t in self._walk(args, "input", kwargs)}
+        rng = self._call_rng(call)
+        try:
+            with ops.preserved_state(root, devices), ops._replay_scope():
+                if rng is not None:
+                    ops.set_rng_states(rng, devices)
+                with torch.enable_grad():
+                    ops.call_forward(
+                        root, args, kwargs, pre_hooks=hooks,
+                        modes=(*self._call_modes(call), watch),
+                    )  # fmt: skip
+        except Exception:  # what the forward showed before it raised stands
+            pass
+        # the tensor the forward wrote at the saved version; else the one it made (the
+        # write came after the forward returned: the loss code, a metric, a hook)
+        hit = next((m for m in watch.made if m.writer is not None), None)
+        if hit is None and len(watch.made) == 1:
+            hit = watch.made[0]
+        if hit is None:
+            return
+        names = {id(m): n for n, m in root.named_modules()}
+
+        def where(m: nn.Module | None) -> dict[str, Any] | None:
+            if m is None or id(m) not in names:
+                return None
+            info = self._infos.get(m)
+            inplace = getattr(m, "inplace", None)
+            return {
+                "path": info.path if info is not None else names[id(m)] or type(m).__name__,
+                "type": type(m).__name__,
+                "inplace": inplace if isinstance(inplace, bool) else None,
+            }
+
+        self.note(
+            "inplace_lines",
+            call.path,
+            source=hit.written_at,
+            made_by=hit.op,
+            made_at=hit.at,
+            made_code=bare(hit.code),
+            written_by=hit.writer,
+            written_at=hit.written_at,
+            written_code=bare(hit.written_code),
+            rewrite=None if hit.written_in is not None else rewrite(hit.written_code, hit.mask),
+            made_in=where(hit.module),
+            written_in=where(hit.written_in),
+            matches=len(watch.made),
+        )
 
 
 class _Tap:

@@ -88,7 +88,10 @@ def inplace_saved(ctx: RuleContext) -> Iterator[Diagnosis]:
     if top is None and state and facts is not None:
         yield _state_diagnosis(ctx, state, facts, evidence)
         return
-    if top is None:
+    lines = next((n.data for n in ctx.trace.notes if n.kind == "inplace_lines"), None)
+    if lines is not None:
+        evidence.append(_lines_evidence(lines))
+    elif top is None:
         evidence.append(
             "no watched module returned a tensor matching it, and no buffer or parameter of "
             "a watched module is at that version: functional code made it; "
@@ -102,12 +105,15 @@ def inplace_saved(ctx: RuleContext) -> Iterator[Diagnosis]:
         else "a tensor"
     )
     fix = _PATTERNS
-    if top is not None:
+    if lines is not None:
+        fix = _lines_fix(lines)
+    elif top is not None:
         fix = f"# {top.path}'s output ({top.module_type}) is the tensor; after it:\n" + fix
     yield ctx.diagnosis(
         path=top.path if top is not None else None,
         phase=Phase.BACKWARD.value,
         step=top.step if top is not None else ctx.step,
+        source=lines.get("written_at") if lines is not None else None,
         evidence=evidence,
         explanation=(
             f"Autograd saved {where} during forward to compute a gradient later. Code after "
@@ -117,6 +123,64 @@ def inplace_saved(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=fix,
     )
+
+
+def _lines_evidence(lines: dict[str, Any]) -> str:
+    """What a replay of the forward saw: ``h = torch.sigmoid(self.fc(x))`` (net.py:10) made
+    the tensor with sigmoid; ``h += 1`` (net.py:11) then wrote it in place (add_). An op a
+    library module ran (``nn.ReLU(inplace=True)``) is told by that module."""
+    more = lines.get("matches") or 1
+    others = (
+        f" ({more - 1} more tensors of that node and shape were made, none written at that version)"
+        if more > 1
+        else ""
+    )
+    made_in, written_in = lines.get("made_in"), lines.get("written_in")
+    made_by = lines.get("made_by")
+    made = f"`{lines.get('made_code')}` ({lines.get('made_at')}) made it with {made_by}"
+    if made_in:
+        made = (
+            f"{made_in['path']} ({made_in['type']}) made it with {made_by}, "
+            f"called from `{lines.get('made_code')}` ({lines.get('made_at')})"
+        )
+    written = (
+        f"`{lines.get('written_code')}` ({lines.get('written_at')}) then wrote it in place "
+        f"({lines.get('written_by')})"
+    )
+    if lines.get("written_by") is None:
+        return (
+            f"the forward run again: {made}; nothing in the forward wrote it in place, so "
+            "code that ran after the forward returned did (the loss code, a metric, a hook) "
+            "before backward read it"
+        )
+    if written_in:
+        inplace = ", inplace=True" if written_in.get("inplace") else ""
+        written = (
+            f"{written_in['path']} ({written_in['type']}{inplace}) then wrote it in place "
+            f"({lines.get('written_by')}), called from `{lines.get('written_code')}` "
+            f"({lines.get('written_at')})"
+        )
+    return f"the forward run again: {made}; {written}, before backward read it{others}"
+
+
+def _lines_fix(lines: dict[str, Any]) -> str:
+    """The in-place line made out of place, where it has a plain shape; the library
+    module built with ``inplace=False``; else that line and the usual patterns."""
+    at, code, new = lines.get("written_at"), lines.get("written_code"), lines.get("rewrite")
+    written_in = lines.get("written_in")
+    if written_in and written_in.get("inplace"):
+        return (
+            f"nn.{written_in['type']}(inplace=False)   # {written_in['path']}, where the "
+            "model builds it: out of place keeps the tensor autograd saved"
+        )
+    if new:
+        return f"{new}   # {at}: instead of {code}"
+    if lines.get("written_by") is None:
+        return (
+            f"# the tensor: `{lines.get('made_code')}` ({lines.get('made_at')}); after the "
+            f"forward, change a copy of it, not it:\n{_PATTERNS}"
+        )
+    return f"# {at}: {code}   <- the in-place write; make it out of place:\n{_PATTERNS}"
 
 
 def _state_diagnosis(
