@@ -84,6 +84,10 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "no-graph",  # backward() on a tensor computed without autograd's graph
         ("does not require grad and does not have a grad_fn",),
     ),
+    (
+        "non-scalar-backward",  # loss.backward() on a loss of many values, no gradient given
+        ("grad can be implicitly created only for scalar outputs",),
+    ),
     ("packing-length", ("Length of all samples has to be greater than 0",)),
     (
         "norm-one-value",  # a BatchNorm (InstanceNorm) in training given a batch (map) of 1
@@ -219,6 +223,12 @@ ADVICE: dict[str, str] = {
         "graph (.detach(), .item(), .numpy(), torch.tensor(...)), or from weights that all "
         "have requires_grad=False. print(loss.grad_fn) on the loss line, and compute the "
         "loss from the model's output with torch ops, outside no_grad."
+    ),
+    "non-scalar-backward": (
+        "backward() ran on a tensor of more than one value with no gradient argument: "
+        "autograd starts from a single number. Reduce the loss where it is made "
+        "(loss = per_sample.mean(), or .sum(); a loss made with reduction='none' needs it), "
+        "or pass backward(gradient=...) of the tensor's shape to weight each value."
     ),
     "packing-length": (
         "pack_padded_sequence got a length of 0: every sequence must have at least one step "

@@ -74,6 +74,7 @@ ERROR_LABELS: dict[str, str] = {
     "autograd-inplace": "autograd in-place error",
     "graph-freed": "backward through a freed graph",
     "no-graph": "backward on a tensor with no graph",
+    "non-scalar-backward": "backward on a loss of many values",
     "packing-length": "a sequence of length 0 in packing",
     "norm-one-value": "a norm given one value per channel in training",
     "python-overflow": "Python float overflow",

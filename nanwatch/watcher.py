@@ -19,6 +19,7 @@ Data flow, hook by hook:
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -3465,6 +3466,39 @@ class Watcher:
             "value the loss is made of, or a loss computed under torch.no_grad()). Make the "
             "loss from the output with torch ops."
         )
+
+    def _non_scalar_advice(self) -> str | None:
+        """For backward() on a tensor of many values with no gradient given: its shape, and
+        the statement that assigned the name backward() ran on (read from the source above
+        the call), reduced with ``.mean()``. None when the call is not known."""
+        now = self._backward_now
+        if now is None or now[1] is None:
+            return None
+        refs, (filename, lineno) = now
+        failing = [t for t in (r() for r in refs) if t is not None and t.numel() != 1]
+        if not failing:
+            return None
+        t = failing[0]
+        at, call = _frames.describe_line(filename, lineno)
+        fn = t.grad_fn
+        made = _assigned_above(filename, lineno, call, ops.name_of(fn) if fn is not None else None)
+        what = (
+            f"backward() at {at} ran on a tensor of shape {tuple(t.shape)} ({t.numel():,} "
+            "values), not one number, and no gradient was given for it"
+        )
+        if made is None:
+            return (
+                f"{what}: reduce it to the mean (or sum) over the batch before backward(): "
+                "loss.mean().backward()."
+            )
+        line, code, reduced = made
+        none = re.search(r"reduction\s*=\s*['\"]none['\"]", code)
+        why = (
+            " reduction='none' keeps one loss per element; average them"
+            if none
+            else " the mean over the batch (.sum() adds them instead)"
+        )
+        return f"{what}. It was made at {line}: `{code}`. Reduce it there:{why}: `{reduced}`."
 
     def _on_backward(self, tensors: Any) -> None:
         try:
@@ -7729,6 +7763,10 @@ class Watcher:
                 said = self._no_graph_advice()
                 if said is not None:
                     info["advice"] = said
+            if info.get("class") == "non-scalar-backward":
+                said = self._non_scalar_advice()
+                if said is not None:
+                    info["advice"] = said
             if info.get("device_lost"):
                 self._device_dead = True
             self._note_mutations()
@@ -9018,6 +9056,83 @@ def _fixed_batch_reshape(exc: BaseException, batch: int) -> tuple[str, str] | No
         if pattern.search(text):
             found = (f"{os.path.basename(name)}:{lineno}", text)  # the innermost one
     return found
+
+
+#: the autograd node an expression's outermost operator makes (``a ** 2``: PowBackward0)
+_BINOP_NODES = {
+    ast.Add: "add", ast.Sub: "sub", ast.Mult: "mul", ast.Div: "div", ast.Pow: "pow",
+    ast.MatMult: "matmul",
+}  # fmt: skip
+
+
+def _top_node(expr: ast.expr) -> str | None:
+    """The autograd node ``expr``'s outermost operation makes, lowercase without
+    underscores (``a ** 2``, ``x.pow(2)``: ``pow``; ``torch.log(p)``: ``log``); ``scalar``
+    when it makes one number (``x.mean()``, a functional loss with its default reduction);
+    None when the code does not say (a call of a module, of the user's own function, or
+    of a functional loss made of other ops)."""
+    if isinstance(expr, ast.BinOp):
+        return _BINOP_NODES.get(type(expr.op))
+    if isinstance(expr, ast.UnaryOp) and isinstance(expr.op, ast.USub):
+        return "neg"
+    if not isinstance(expr, ast.Call) or not isinstance(expr.func, ast.Attribute):
+        return None
+    name, owner = expr.func.attr, expr.func.value
+    if name in ("mean", "sum") and not expr.args and not expr.keywords:
+        return "scalar"
+    if (isinstance(owner, ast.Name) and owner.id == "F") or (
+        isinstance(owner, ast.Attribute) and owner.attr == "functional"
+    ):
+        reduction = next((k.value for k in expr.keywords if k.arg == "reduction"), None)
+        kept = isinstance(reduction, ast.Constant) and reduction.value == "none"
+        if (re.search(r"(loss|entropy|kl_div)$", name) and reduction is None) or (
+            isinstance(reduction, ast.Constant) and not kept
+        ):
+            return "scalar"  # reduced by default: not the tensor of many values
+        return None  # F.cross_entropy(..., reduction="none"): NllLossBackward0
+    return name.replace("_", "").lower()
+
+
+def _assigned_above(
+    filename: str, lineno: int, call: str | None, node: str | None = None
+) -> tuple[str, str, str] | None:
+    """For ``NAME.backward()`` at ``lineno``: the latest single-line statement above it in
+    the same function that assigns NAME (``NAME = EXPR``) and whose outermost operation can
+    make ``node`` (the tensor's autograd node: ``PowBackward0``; an ``elif`` branch that
+    made the loss otherwise is passed over), as (``file.py:N``, its text, the text with
+    EXPR reduced by ``.mean()``); None when not found."""
+    want = re.sub(r"Backward\d*$", "", node).replace("_", "").lower() if node else None
+    m = re.search(r"([A-Za-z_]\w*)\s*\.\s*backward\s*\(", call or "")
+    if m is None:
+        return None
+    name = m.group(1)
+    here = linecache.getline(filename, lineno)
+    indent = len(here) - len(here.lstrip())
+    assign = re.compile(rf"^\s*{name}\s*=\s*(?P<expr>[^=].*)$")
+    for n in range(lineno - 1, 0, -1):
+        text = linecache.getline(filename, n)
+        if not text.strip():
+            continue
+        if len(text) - len(text.lstrip()) < indent and text.lstrip().startswith(("def ", "class ")):
+            return None  # the function's start: not assigned in it
+        code = (
+            text.split("#", 1)[0].strip() if "'" not in text and '"' not in text else text.strip()
+        )
+        found = assign.match(code)
+        if found is None:
+            continue
+        expr = found.group("expr").strip()
+        try:
+            tree = ast.parse(expr, mode="eval").body
+        except SyntaxError:
+            return None  # a statement over several lines: not rewritten
+        top = _top_node(tree)
+        if top == "scalar" or (want is not None and top is not None and top != want):
+            continue  # another branch's statement: it makes another node, or one number
+        plain = isinstance(tree, (ast.Call, ast.Name, ast.Attribute, ast.Subscript))
+        reduced = f"{name} = {expr}.mean()" if plain else f"{name} = ({expr}).mean()"
+        return _frames.describe_line(filename, n)[0], code, reduced
+    return None
 
 
 def _root_input(trace: StepTrace) -> Record | None:
