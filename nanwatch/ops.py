@@ -3811,7 +3811,7 @@ def graph_evidence(
         if event is not None:
             if event.source is None:  # the op's line, where anomaly mode kept it (forensic)
                 event.source, event.code = forward_line(node)
-            event.made_from = made_from(node, stop)
+            event.made_from = made_from(node, stop, below=base in ("Log", "Log2", "Log10"))
             events.append(event)
     return names[::-1], events
 
@@ -3875,12 +3875,16 @@ def graph_selections(
     return out
 
 
-def made_from(node: Any, stop: Callable[[Any], bool] | None = None, depth: int = 4) -> list[str]:
+def made_from(
+    node: Any, stop: Callable[[Any], bool] | None = None, depth: int = 4, *, below: bool = False
+) -> list[str]:
     """The ops that made ``node``'s first input, nearest first, lower-case, followed through
     each one's first input for at most ``depth`` nodes: ``log(1 - p)`` gives ``["rsub",
     ...]``. A node in ``stop`` (a watched module's output) ends the chain as
     ``"watched:<op>"``; a leaf as ``"leaf"``. What a log or a division was given, for code no
-    module wraps, read from the graph alone (no tensor is read).
+    module wraps, read from the graph alone (no tensor is read). ``below``: a watched
+    softmax is followed by what made its input in the module's own code
+    (:func:`made_below`), each as ``"below:<op>"``.
 
     >>> p = torch.sigmoid(torch.zeros(2, requires_grad=True))
     >>> made_from(torch.log(1 - p).grad_fn)
@@ -3896,10 +3900,52 @@ def made_from(node: Any, stop: Callable[[Any], bool] | None = None, depth: int =
         base = name_of(cur).split("Backward")[0].lower()
         if stop is not None and stop(cur):
             out.append(f"watched:{base}")
+            if below and base == "softmax":
+                out.extend(f"below:{b}" for b in made_below(cur, stop))
             break
         out.append(base)
         nxt = getattr(cur, "next_functions", ()) or ()
         cur = next((n for n, _ in nxt if n is not None), None)
+    return out
+
+
+#: ops that hand a -inf in their one input with a history on as a -inf (or a NaN): a
+#: temperature (a scale by a number), a cast, a view
+_KEEP_INF = frozenset(
+    {"div", "mul", "tocopy", "view", "unsafeview", "reshape", "transpose", "permute"}
+    | {"unsqueeze", "squeeze", "expand", "clone", "t", "alias"}
+)
+
+
+def made_below(node: Any, stop: Callable[[Any], bool] | None = None, depth: int = 4) -> list[str]:
+    """What made the input of ``node`` (a watched output's ``grad_fn``: a softmax a module
+    returned), nearest first, by the graph's node names alone: followed through the ops
+    that keep a -inf (:data:`_KEEP_INF`: ``z / tau``, a cast, a view) to the first that
+    makes values, which ends it. An add or a sub one operand of which has no history (a
+    mask or noise made without gradient, or a number) is ``"add(constant)"``. A node in
+    ``stop`` or a leaf ends it unnamed. No tensor is read.
+
+    >>> z = torch.zeros(2, 3, requires_grad=True)
+    >>> m = torch.tensor([[False, True, False]] * 2)
+    >>> made_below(torch.softmax(z.masked_fill(m, -math.inf) / 2, -1).grad_fn)
+    ['div', 'maskedfill']
+    >>> made_below(torch.softmax(z + torch.zeros(3), -1).grad_fn)
+    ['add(constant)']
+    """
+    out: list[str] = []
+    nxt = getattr(node, "next_functions", ()) or ()
+    cur = next((n for n, _ in nxt if n is not None), None)
+    while cur is not None and len(out) < depth:
+        if accumulates_grad(cur) or (stop is not None and stop(cur)):
+            break
+        nxt = getattr(cur, "next_functions", ()) or ()
+        live = [n for n, _ in nxt if n is not None]
+        base = name_of(cur).split("Backward")[0].lower()
+        const = base in ("add", "sub") and len(live) == 1 and len(nxt) > 1
+        out.append(f"{base}(constant)" if const else base)
+        if base not in _KEEP_INF or len(live) != 1:
+            break
+        cur = live[0]
     return out
 
 

@@ -3778,7 +3778,7 @@ class Watcher:
             name = ops.name_of(node)
             # what a log was taken of (a softmax, 1 - a sigmoid), from the graph alone:
             # its saved input is freed before the flag is read
-            made = ops.made_from(node, lambda n: n in stop) if base in _LOGS else []
+            made = ops.made_from(node, lambda n: n in stop, below=True) if base in _LOGS else []
 
             def on_node(
                 grad_inputs: tuple[torch.Tensor | None, ...],

@@ -1799,6 +1799,9 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     if inside is not None:  # the module's own code made the zeros: no underflow of its input
         soft, fed, st, floor = inside
         return _own_code_zeros_use(what, zeros, soft, fed, st=st, floor=floor)
+    filled = _own_code_fill(ctx, made_ev, x, what) if made == "softmax" and masked is None else None
+    if filled is not None:  # the graph below the watched softmax: its own code's -inf
+        return filled
     if made in ("softmax", "sigmoid"):
         return _probability_made_use(
             made,
@@ -2240,6 +2243,119 @@ def _own_code_zeros_use(
         f"{span} spans {fmt(st.max - st.min)}: its softmax is at least "
         f"{fmt(floor)}, so the zeros are no underflow of it",
         title=f"Log of a softmax that {r.path}'s own code set to 0",
+    )
+
+
+#: the op that :func:`nanwatch.ops.made_below` ends with below a watched softmax, when it
+#: can put a -inf into the logits: a fill through a mask, or an add of a tensor with no
+#: gradient (an additive mask, noise by hand)
+_OWN_FILLS = {
+    "maskedfill": "masked_fill",
+    "where": "torch.where",
+    "add(constant)": "add",
+    "sub(constant)": "sub",
+}
+
+
+def _own_code_fill(ctx: RuleContext, ev: OpEvent, x: TensorStat, what: str) -> _LogUse | None:
+    """A log of a watched softmax output with exact zeros whose logits its module's own code
+    filled through a mask (masked_fill, torch.where) or added a tensor with no gradient to,
+    as the autograd graph below the watched output shows (the ``below:`` ops of
+    :attr:`OpEvent.made_from`, names only): the softmax is exactly 0 where that put a -inf.
+    What sentinel mode can tell (it measures no child output, see :func:`_own_code_zeros`);
+    an add is not said where a measured child output spans enough to underflow. None
+    otherwise."""
+    chain = ev.made_from
+    picked = _picks(chain)
+    ops = chain[len(picked) :]
+    below = [o.removeprefix("below:") for o in ops[1:] if o.startswith("below:")]
+    fill = _OWN_FILLS.get(below[-1]) if below and ops[0] == "watched:softmax" else None
+    lim = dtype_limits(ev.dtype or "float32")
+    if fill is None or lim is None or not has_zero(x):
+        return None
+    outs = [
+        r
+        for r in ctx.records(Phase.FORWARD)
+        if r.role.startswith("output")
+        and node_base(r.grad_fn or "") == "Softmax"
+        and (
+            picked  # a pick of it: another size
+            or (
+                (r.stat.min, r.stat.max, r.stat.numel) == (x.min, x.max, x.numel)
+                if r.stat is not None
+                else math.prod(r.shape) == x.numel
+            )
+        )
+    ]
+    r = max(outs, key=lambda o: o.path.count(".")) if outs else None
+    added = fill in ("add", "sub")
+    if added and r is not None and not picked:  # what the softmax was taken of, if measured
+        kids = {c.id for c in ctx.trace.calls if c.parent == r.call}
+        for o in ctx.records(Phase.FORWARD):
+            st = (
+                ctx.trace.resolve(o).stat
+                if o.call in kids and o.role.startswith("output")
+                else None
+            )
+            if st is None or st.numel != x.numel or not st.finite or not r.shape:
+                continue
+            if math.exp(-(st.max - st.min)) / max(r.shape) <= lim.subnormal:
+                return None  # a softmax of it can underflow to 0 there
+    who = ("picked from " if picked else "") + (f"{r.path}'s" if r is not None else "the model's")
+    own = f"{r.module_type}'s" if r is not None else "the model's"
+    fwd = f"{r.module_type}.forward" if r is not None else "the model's forward"
+    trail = " <- ".join(["log", *picked, "softmax", *(_OWN_FILLS.get(b, b) for b in below)])
+    gap = fmt(-math.log(lim.subnormal))
+    dt = ev.dtype or "float32"
+    done = (
+        f"filled the logits through a mask ({fill}) before the softmax: it is exactly 0 "
+        f"wherever the fill put -inf (or a number so negative that its exp is 0 in {dt}), by "
+        "construction, not by underflow"
+        if not added
+        else f"added a tensor with no gradient to the logits ({fill}) before the softmax (an "
+        "additive mask of 0 and -inf; noise by hand, -log(-log(u)), -inf at a draw u = 0): "
+        "it is exactly 0 wherever that put a -inf; without one, a logit underflows to 0 "
+        f"only about {gap} below the largest of its row (exp(-{gap}) is {dt}'s smallest "
+        "value)"
+    )
+    mask = (
+        "mask, where they are -inf"
+        + (" (torch.where(keep, z, -inf): ~keep)" if fill == "torch.where" else "")
+        + (" (an additive mask m: m == float('-inf'))" if added else "")
+    )
+    fix = [
+        f"# in {fwd}: return the log-probabilities beside the probabilities, with "
+        "the masked entries at 0",
+        "logp = F.log_softmax(z, dim=-1).masked_fill(mask, 0.0)   # a pattern, in your names: "
+        f"z, the logits given the -inf; {mask}",
+        "# then p * logp (an entropy) is 0 there; a picked or target entry the mask forbids "
+        "is a bug in the mask or the data",
+    ]
+    if added:
+        fix.append(
+            "# noise by hand: -torch.log(-torch.log(u)) is -inf at u = 0: "
+            "u = torch.rand_like(z).clamp_min(torch.finfo(z.dtype).tiny), or F.gumbel_softmax"
+        )
+    return _LogUse(
+        "softmax",
+        fix="\n".join(fix),
+        why=(
+            f"Its input is {who} softmax output with {_zeros_text(x, 'log')}, and the autograd "
+            f"graph below it shows that {own} own code {done}. The log of an entry whose "
+            "logit is -inf is -inf whether it is computed as torch.log(p) or "
+            "F.log_softmax(z): those entries have to leave the log, and the loss."
+            + (
+                f" The code picks its zeros ({' <- '.join(picked)}): an entry the mask "
+                "forbids (a taken action, a label) is a bug in the mask or the data."
+                if picked
+                else ""
+            )
+        ),
+        evidence=f"{what} is {who} softmax output, and its own code "
+        + ("added a tensor with no gradient to its logits" if added else "filled its logits")
+        + f" ({trail}, from the autograd graph): exactly 0 where that put a -inf",
+        title=f"Log of a softmax that {r.path if r is not None else 'the model'}'s own code "
+        "set to 0",
     )
 
 
