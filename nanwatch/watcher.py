@@ -7841,6 +7841,16 @@ class Watcher:
             if made is not None and call is not None and made.id != call.id and not made.root
             else ""
         )
+        told = (
+            f"{path} ({kind}) was built for {what} {want}, but its input (shape "
+            f"{list(shape)}{by}) has {got}"
+        )
+        unbatched = self._unbatched_input(trace, module)
+        if unbatched is not None:
+            return f"{told}: {unbatched}"
+        last = _channels_last(module, shape)
+        if last is not None:
+            return f"{told} at dim {last[0]} and {want} in its last dim: {last[1]}"
         changed = self._batch_shape_changed(module, path, trace)
         if changed is not None:
             step, then, now = changed
@@ -7885,6 +7895,31 @@ class Watcher:
                 held = ref()
                 return held is not None and _shares_memory(t, held)
         return tuple(t.shape) == tuple(rec.shape) and dtype_name(t.dtype) == rec.dtype
+
+    def _unbatched_input(self, trace: StepTrace, raised: nn.Module) -> str | None:
+        """The model's input is one sample with no batch dim (``[3, 32, 32]``), which the
+        model's first convolution took as an unbatched input, so the layers after it (a
+        flatten, a Linear) read its channels as the batch: what to say. None otherwise."""
+        now = _root_input_shape(trace)
+        root = next((m for m, info in self._modules if info.is_root), None)
+        if now is None or root is None:
+            return None
+        names = {id(m): n for n, m in root.named_modules()}
+        conv = next((m for m in root.modules() if isinstance(m, nn.modules.conv._ConvNd)), None)
+        if conv is None or conv is raised:
+            return None
+        dims = len(conv.kernel_size)
+        if len(now) != dims + 1 or now[0] != conv.in_channels:
+            return None
+        info = self._infos.get(conv)
+        where = info.path if info is not None else names.get(id(conv)) or type(conv).__name__
+        return (
+            f"the model's input has shape {list(now)}, one sample with no batch dim: "
+            f"{where} ({type(conv).__name__}) took it as an unbatched input and gave an "
+            "output with no batch dim, so the layers after it read its channels as the "
+            "batch. Add the batch dim: x = x.unsqueeze(0) (or x[None]) for one sample; a "
+            "DataLoader batches a dataset's samples."
+        )
 
     def _batch_shape_changed(
         self, module: nn.Module, path: str, trace: StepTrace
@@ -9203,6 +9238,33 @@ def _size_mismatch(module: nn.Module, shape: tuple[int, ...]) -> tuple[str, int,
             return "normalized_shape", want_s, got_s, f"nn.LayerNorm({got_s})"  # type: ignore[return-value]
         return None
     return None
+
+
+def _channels_last(module: nn.Module, shape: tuple[int, ...]) -> tuple[int, str] | None:
+    """For a convolution given an input whose channels are its last dim (``[N, H, W, C]``,
+    as PIL, NumPy and OpenCV images come): the dim the convolution reads its channels
+    from, and the permute that puts them there. None otherwise.
+
+    >>> dim, said = _channels_last(nn.Conv2d(3, 8, 3), (4, 32, 32, 3))
+    >>> dim, "x = x.permute(0, 3, 1, 2)" in said
+    (1, True)
+    >>> _channels_last(nn.Conv2d(3, 8, 3), (3, 32, 32, 3)) is None  # a batch of 3 HWC images
+    False
+    """
+    if not isinstance(module, nn.modules.conv._ConvNd):
+        return None
+    dims = len(module.kernel_size)
+    batched = len(shape) == dims + 2
+    if len(shape) not in (dims + 1, dims + 2) or shape[-1] != module.in_channels:
+        return None
+    if shape[1 if batched else 0] == module.in_channels:
+        return None
+    order = (0, dims + 1, *range(1, dims + 1)) if batched else (dims, *range(dims))
+    return 1 if batched else 0, (
+        "channels last, as images from PIL, NumPy or OpenCV come; put them first: "
+        f"x = x.permute{order}{'' if batched else '.unsqueeze(0)'} before the model "
+        "(transforms.ToTensor() does it for a PIL image or an HWC array)"
+    )
 
 
 def _nonfinite_values(t: torch.Tensor) -> bool:
