@@ -1707,7 +1707,13 @@ def _class_shape_failure(p: _Probe, c: int, expected: tuple[int, ...], desc: str
     ts, xs = tuple(t.shape), tuple(x.shape)
     inp, tgt = p.arg("input"), p.arg("target")
     hint, fix = "", f"give {tgt} the shape {expected}"
-    if t.dim() == x.dim() and t.dim() >= 2 and ts[1] == 1 and ts[:1] + ts[2:] == expected:
+    if ts == xs and x.dim() >= 2 and not t.is_floating_point() and not t.is_complex():
+        hint = " — an integer target shaped like the input: one-hot rows, not class indices"
+        fix = p.call_with(target=f"{_paren(tgt)}.argmax(1)")
+        if p.spec.name == "cross_entropy":
+            fix += f"  # or {_paren(tgt)}.float(), read as class probabilities"
+        fix += "; several labels a row: F.binary_cross_entropy_with_logits, a float target"
+    elif t.dim() == x.dim() and t.dim() >= 2 and ts[1] == 1 and ts[:1] + ts[2:] == expected:
         hint = " — the target has a channel dimension of size 1"
         fix = p.call_with(target=f"{_paren(tgt)}.squeeze(1)")
     elif x.dim() >= 3 and ts == xs[:-1]:
@@ -4339,6 +4345,22 @@ def _source(frame: types.FrameType) -> str:
     return f"{_short(frame.f_code.co_filename, os.getcwd())}:{frame.f_lineno}"
 
 
+def _torch_loss_module(caller: Any, spec: GuardSpec) -> tuple[nn.Module, tuple[str, ...]] | None:
+    """(the module, its forward's parameters) when ``caller`` is the ``forward`` of torch's
+    own nn module for ``spec`` (``nn.CrossEntropyLoss`` calling ``F.cross_entropy``); None
+    otherwise (the user's code, a subclass's own forward, a library's loss)."""
+    if not isinstance(caller, types.FrameType) or caller.f_code.co_name != "forward":
+        return None
+    if not _frames.is_core(caller.f_code.co_filename):
+        return None
+    module = caller.f_locals.get("self")
+    if not isinstance(module, nn.Module) or type(module).__name__ not in spec.classes:
+        return None
+    code = caller.f_code
+    names = code.co_varnames[1 : code.co_argcount]  # forward(self, input, target)
+    return module, tuple(names)
+
+
 def _call_site(f: types.FrameType | None) -> types.FrameType | None:
     """The frame of the code that made a guarded call: the first above ``f`` that is not
     torch's, the standard library's or nanwatch's (an installed library's, when the call
@@ -5906,6 +5928,27 @@ class FunctionalGuards:
             return  # inside a guarded module its pre-hook already checked
         try:
             bound = _bind_functional(spec, args, kwargs)
+            owner = _torch_loss_module(caller, spec)
+            if owner is not None:
+                # torch's nn.CrossEntropyLoss (a loss module the user did not hand to
+                # watch()) made the call: checked and worded as that module's call on the
+                # user's line, criterion(out, y), not as the F call inside it
+                module, names = owner
+                _guard(
+                    watcher,
+                    spec,
+                    bound,
+                    path=type(module).__name__,
+                    cls_name=type(module).__name__,
+                    is_module=True,
+                    frame=_frames.user_frame(caller),
+                    order=names,
+                    kw_names={},
+                    module=module,
+                    call=None if original is None else lambda: original(*args, **kwargs),
+                    site=_call_site(caller),
+                )
+                return
             _guard(
                 watcher,
                 spec,
