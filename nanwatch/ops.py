@@ -3181,6 +3181,10 @@ def _made_by(node: Any, i: int, depth: int = 4, budget: int = 32) -> dict[str, i
     except Exception:  # an unusual node: the producer alone
         chain = None
     out: dict[str, int | str] = {"other_made_by": "<".join(name_of(n) for n in chain or [first])}
+    # the ops that made it, nearest first (``add<elu<addmm`` for ``F.elu(raw) + 1``)
+    out["other_from"] = "<".join(
+        [re.sub(r"Backward\d*$", "", name_of(first)).lower(), *made_from(first)]
+    )
     r = _saved(chain[-1], "_saved_result") if chain else None
     if isinstance(r, torch.Tensor) and r.numel():
         out["exp_zeros"] = _has(r, lambda v: v == 0)

@@ -8029,6 +8029,11 @@ def _all_zero_denominator(
     )
     if cancelled is not None:
         return cancelled
+    saturated = None if state else _saturated_sum(ctx, ev)
+    if saturated is not None:
+        return _saturated_sum_denominator(
+            ctx, a, ev, den, saturated, evidence=evidence, title=title
+        )
     normed = None if state or fix is None else _self_normalization(ev)
     if normed is not None and fix is not None:  # x / x.norm() of all-zero vectors
         return _zero_vector_normalized(
@@ -8118,6 +8123,102 @@ def _all_zero_denominator(
             "the quotient finite; the zeros are what to fix."
         ),
         fix=own,
+    )
+
+
+#: functions that round to exactly -1 far below 0, so that ``f(x) + 1`` (a positive scale, a
+#: rate: ``F.elu(raw) + 1``) is exactly 0 there: the bound below which they do, from the
+#: dtype's eps (the floats just above -1 are eps/2 apart: ``-1 + d`` is -1 once d < eps/4;
+#: elu and celu are ``-1 + exp(x)``, tanh is ``-1 + 2 exp(2x) / (1 + exp(2x))``)
+_TO_MINUS_ONE: dict[str, Callable[[float], float]] = {
+    "elu": lambda eps: math.log(eps / 4),
+    "celu": lambda eps: math.log(eps / 4),
+    "tanh": lambda eps: 0.5 * math.log(eps / 8),
+}
+
+
+@dataclass
+class _Saturated:
+    fn: str  #: the function that rounded to -1: elu, celu, tanh
+    bound: float  #: below it, the function is exactly -1 in the dtype
+    dtype: str
+    #: the watched output it was applied to, all of it below ``bound``: its place and max
+    given: tuple[str, float, int] | None
+
+
+def _saturated_sum(ctx: RuleContext, ev: OpEvent) -> _Saturated | None:
+    """An all-zero denominator that the autograd graph shows was made as ``f(x) + c`` with f
+    one of :data:`_TO_MINUS_ONE` (``other_from`` ``"add<elu<addmm"``): positive in exact
+    arithmetic, 0 where f rounded to -1 and the constant cancelled it. With the measured
+    module output f was applied to when one lies wholly below the bound (watch mode)."""
+    chain = str(ev.scalars.get("other_from", "")).split("<")
+    if len(chain) < 2 or chain[0] != "add" or chain[1] not in _TO_MINUS_ONE:
+        return None
+    dtype = ev.dtype or "float32"
+    lim = limits(dtype)
+    if lim is None:
+        return None
+    bound = _TO_MINUS_ONE[chain[1]](lim.eps)
+    given = None
+    made = chain[2].removeprefix("watched:") if len(chain) > 2 else ""
+    if made and made != "leaf":
+        for r in ctx.trace.records:
+            if r.phase is not Phase.FORWARD or not r.role.startswith("output"):
+                continue
+            st = r.stat
+            if st is None or not st.numel or not st.finite or st.max >= bound:
+                continue
+            if node_base(r.grad_fn).lower() == made:
+                given = (r.where, st.max, st.numel)
+                break
+    return _Saturated(chain[1], bound, dtype, given)
+
+
+def _saturated_sum_denominator(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    den: TensorStat,
+    sat: _Saturated,
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """NW111 for a denominator built as ``f(x) + 1`` that is 0 everywhere: f rounded to -1
+    (see :data:`_TO_MINUS_ONE`), not a tensor never filled."""
+    fn, bound = sat.fn, fmt(sat.bound)
+    evidence.insert(
+        2,
+        f"the denominator is {fn}(x) + 1 (made by "
+        f"{' <- '.join(str(ev.scalars.get('other_from', '')).split('<'))}): "
+        f"{fn}(x) is exactly -1 in {sat.dtype} for every x below {bound}, and -1 + 1 is 0",
+    )
+    if sat.given is not None:
+        where, top, n = sat.given
+        evidence.insert(
+            3,
+            f"x is {where}: at most {fmt(top)}, all {n:,} values below {bound}",
+        )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: {fn}(x) + 1 rounded to 0",
+        evidence=evidence,
+        explanation=(
+            "Every value of this denominator is exactly 0: x/0 is ±inf and 0/0 is NaN "
+            f"everywhere it divides. It is a positive quantity (a scale, a rate) built as "
+            f"{fn}(x) + 1, which is above 0 in exact arithmetic but not in {sat.dtype}: "
+            f"{fn}(x) rounds to exactly -1 once x is below {bound}, and the +1 cancels it, "
+            "not a tensor never filled. Its gradient there is about 0 too, so x does not "
+            "come back by itself. An eps added after the +1 only turns the 0 into eps, "
+            "and dividing by eps gives a huge loss; softplus, or exp of a predicted log-scale, "
+            "stays positive for every x."
+        ),
+        fix=(
+            f"scale = F.softplus(x) + 1e-3   # was {fn}(x) + 1: exactly 0 in {sat.dtype} for x "
+            f"below {bound}; 1e-3: the smallest scale your targets need\n"
+            "# or predict the log-scale: scale = torch.exp(log_scale)\n"
+            "# and find what drove x that low (an init, a bias pushed down by a large update)"
+        ),
     )
 
 

@@ -101,6 +101,14 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
     if hand is not None:
         yield _hand_update(ctx, a, hand, name=name, evidence=evidence)
         return
+    kept = _kept_since(ctx, name, writer)
+    if kept is not None and ctx.history:
+        # no optimizer stepped it since the last read, which found it non-finite already
+        # (a GAN's generator stepped every n_critic steps): nothing wrote it
+        yield _bad_since_diagnosis(
+            ctx, a, kept, ctx.history[-1], name=name, evidence=evidence, updated=False
+        )
+        return
     if writer is not None and writer.get("since_attach"):
         # written after the attach check found it finite, by no optimizer (an ActNorm's
         # data-dependent init in the first forward, a copy_ under no_grad)
@@ -1994,6 +2002,28 @@ def _bad_since(
     return first
 
 
+def _kept_since(
+    ctx: RuleContext, name: str, writer: dict[str, Any] | None
+) -> tuple[StepTrace, Record, bool] | None:
+    """No optimizer stepped weight ``name`` since the last check (``writer``, its
+    ``"weight_writer"`` note, says none did), and every step since ``bad_since`` read it
+    non-finite: nothing wrote it, it stayed so (its optimizer steps less often than the
+    others: a GAN's generator, every ``n_critic`` steps). The trace, the record and whether
+    it was read at its step's end, of its first non-finite read; None otherwise."""
+    if writer is None or writer.get("optimizer") is not None or writer.get("after_optimizer"):
+        return None
+    since = writer.get("bad_since")
+    if isinstance(since, bool) or not isinstance(since, int) or since >= ctx.trace.step:
+        return None
+    for t in ctx.history:
+        if t.step != since:
+            continue
+        for r in t.records:
+            if r.phase is Phase.PARAMETER and r.role == name and r.stat and not r.stat.finite:
+                return t, r, _after_forward(t, r) or _update_without_forward(t)
+    return None
+
+
 def _bad_since_diagnosis(
     ctx: RuleContext,
     a: Anomaly,
@@ -2002,10 +2032,12 @@ def _bad_since_diagnosis(
     *,
     name: str,
     evidence: list[str],
+    updated: bool = True,
 ) -> Diagnosis:
     """NW301 for a weight that was already non-finite before the update it would blame:
     the steps since kept it so (a NaN weight stays NaN under ``w - lr * g``, a row no batch
-    uses gets no gradient), so the cause is where it was first read non-finite."""
+    uses gets no gradient), so the cause is where it was first read non-finite. Not
+    ``updated``: no optimizer stepped it since ``prev``, the last step, read it so."""
     t, r, at_end = since
     kinds = r.stat.kinds() if r.stat is not None else "non-finite"
     when = (
@@ -2034,8 +2066,14 @@ def _bad_since_diagnosis(
             *more,
         ],
         explanation=(
-            f"{name} held NaN/inf before the update of step {prev.step}, so that update "
-            "did not make it: an update keeps a NaN weight NaN (w - lr * g), "
+            (
+                f"{name} held NaN/inf before the update of step {prev.step}, so that update "
+                "did not make it"
+                if updated
+                else f"{name} held NaN/inf at step {prev.step} and no optimizer stepped it "
+                "since, so nothing made it now"
+            )
+            + ": an update keeps a NaN weight NaN (w - lr * g), "
             "and a row no batch uses (an embedding's) gets no gradient to change it. The "
             f"cause is where it was first read non-finite, at step {t.step}"
             + (f" (see {told.code} at step {told.step})" if told else "")
