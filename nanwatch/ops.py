@@ -840,6 +840,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 other_inputs=_briefs(others[:4]) + _briefs(saved),
                 outputs=_named_outputs(func, out),
                 params=self._params_in(inputs[:6]),
+                made_from=operand_made_from(inputs[0][1]) if node is None and inputs else [],
             )
             self.events.append(event)
             if phase is Phase.FORWARD and "NaN" in born:
@@ -3951,6 +3952,22 @@ def made_below(node: Any, stop: Callable[[Any], bool] | None = None, depth: int 
             break
         cur = live[0]
     return out
+
+
+def operand_made_from(t: torch.Tensor, depth: int = 4) -> list[str]:
+    """:func:`made_from` for a forward op that has no node yet (the op :class:`OpChecker`
+    sees run): the ops that made its first operand ``t``, nearest first, read from ``t``'s
+    own ``grad_fn``; ``["leaf"]`` for a leaf that requires grad, ``[]`` for a tensor with
+    no history (data, or an op run under no_grad). No tensor is read.
+
+    >>> z = torch.ones(2, 2, requires_grad=True)
+    >>> operand_made_from(z @ z.t() / 0.01)
+    ['div', 'mm', 'leaf']
+    """
+    fn = t.grad_fn
+    if fn is None:
+        return ["leaf"] if t.requires_grad else []
+    return [name_of(fn).split("Backward")[0].lower(), *made_from(fn, depth=depth - 1)]
 
 
 def _operands_finite(node: Any) -> bool | None:

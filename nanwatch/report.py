@@ -46,7 +46,7 @@ from nanwatch.records import (
     Record,
     StepTrace,
 )
-from nanwatch.rules.base import Diagnosis, sort_key
+from nanwatch.rules.base import SEVERITIES, Diagnosis, sort_key
 
 if TYPE_CHECKING:
     from rich.console import Console, ConsoleOptions, RenderResult
@@ -756,7 +756,8 @@ def _gather_diagnoses(
     """The distinct findings of ``steps`` (the first occurrence of each, the first bad
     step's first) and, by code, how many steps each code fired in. A code found in two
     places (two modules, two ops, two parameters, or one module fed by two different
-    origins of the bad value) is two findings: each is kept."""
+    origins of the bad value) is two findings: each is kept. A later occurrence that is
+    more severe (a note, then a warning) replaces the first."""
     ordered = sorted(steps, key=lambda t: t.step != first_step)  # stable
     seen: dict[tuple[str | None, ...], Diagnosis] = {}
     counts: Counter[str] = Counter()
@@ -764,8 +765,11 @@ def _gather_diagnoses(
         codes: set[str] = set()
         for d in t.diagnoses:
             key = finding_key(d, t)
-            if not any(same_finding(key, k) for k in seen):
+            kept = next((k for k in seen if same_finding(key, k)), None)
+            if kept is None:
                 seen[key] = d
+            elif SEVERITIES.index(d.severity) < SEVERITIES.index(seen[kept].severity):
+                seen[kept] = d  # a finding that grew more severe (a note, then a warning)
             codes.add(d.code)
         counts.update(codes)
     return sorted(_explained(seen.values()), key=sort_key), dict(counts)

@@ -7388,6 +7388,7 @@ class Watcher:
             facts={
                 "scaler": self._scaled,
                 "mode": self.config.mode,
+                "ring_size": self.config.ring_size,
                 "front": self.front,
                 "forward_params": _ForwardParams(self._modules),
                 "weight_scales": self._attach_scales,

@@ -158,7 +158,8 @@ def test_bce_saturation_is_the_massive_loss() -> None:
 )
 def test_pairing_names_the_activation_module(name: str, module: str, words: str) -> None:
     d = top(name)
-    assert module in d.evidence[0]
+    # sigmoid-bce's warning leads with why it warns now (probabilities near 1)
+    assert any(module in e for e in d.evidence), d.evidence
     assert words in d.fix
     assert outcome(name).anomaly is None
 

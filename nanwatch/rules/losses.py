@@ -551,26 +551,139 @@ def _range(use: LossUse) -> str:
     title="Sigmoid followed by BCELoss",
     severity="warning",
     summary=(
-        "A sigmoid output feeds BCELoss: numerically fragile (saturates at 0/1, clamps at "
-        "-100); BCEWithLogitsLoss on the logits is the stable equivalent."
+        "A sigmoid output feeds BCELoss: a warning once its outputs come within a few eps "
+        "of 1 (or below the smallest normal, or at the -100 log clamp), where the two-step "
+        "log loses precision; a healthy run gets one info note. BCEWithLogitsLoss is stable."
     ),
     early=True,
     priority=20,
 )
 def sigmoid_bce(ctx: RuleContext) -> Iterator[Diagnosis]:
     for use, what in _pairing(ctx, "bce", "sigmoid"):
+        fragile = _fragile(ctx.trace, use)
+        ring = ctx.facts.get("ring_size")
+        kept = ctx.history[-(ring - 1) :] if isinstance(ring, int) and ring > 1 else ctx.history
+        if not fragile and any(
+            d.code == "NW202" and d.path == use.path for t in kept for d in t.diagnoses
+        ):
+            continue  # healthy, and said at a step the report keeps after this one
+        dtype = _probability_dtype(ctx.trace, use)
+        lim = limits(dtype)
+        one_at = fmt(math.log(2 / lim.eps)) if lim is not None else "?"
+        healthy = (
+            "It is exact while the probabilities stay away from 0 and 1, as they do here: "
+            "a note, not repeated every step, that turns into a warning once they come "
+            f"within {_NEAR_ONE_EPS} × eps of 1. "
+            if not fragile
+            else ""
+        )
         yield ctx.diagnosis(
             **_at_loss(use),
-            evidence=[f"{use.path}'s input is {what}{_range(use)}"],
+            severity="warning" if fragile else "info",
+            evidence=[*fragile, f"{use.path}'s input is {what}{_range(use)}"],
             explanation=(
-                "BCELoss on sigmoid outputs computes log(sigmoid(x)) in two steps: for "
-                "confident predictions the sigmoid rounds to exactly 0 or 1, the log is "
-                "clamped at -100, and the gradient vanishes (see NW201). "
-                "BCEWithLogitsLoss fuses both with the log-sum-exp trick and stays exact "
-                "for any logit."
+                "BCELoss on sigmoid outputs computes log(sigmoid(x)) in two steps. "
+                + healthy
+                + "For confident predictions the sigmoid rounds to exactly 0 or 1 (1 above "
+                f"x = log(2 / eps) = {one_at} in {dtype}), the log is clamped at -100, and "
+                "the gradient vanishes (see NW201). BCEWithLogitsLoss fuses both with the "
+                "log-sum-exp trick and stays exact for any logit."
             ),
             fix=_bce_logits_fix(ctx.trace, use, loss_activation(ctx.trace, use)),
         )
+
+
+#: NW202 warns once the sigmoid's outputs come this many eps of their dtype close to 1:
+#: 1 - p then has at most a few representable values left before the sigmoid rounds to
+#: exactly 1 (float32: p above 1 - 4.8e-7, logits above 14.6; bfloat16: p above 0.969)
+_NEAR_ONE_EPS = 4
+
+
+def _probability_dtype(trace: StepTrace, use: LossUse) -> str:
+    """The coarsest dtype the probabilities had on their way from the sigmoid to the loss
+    (the largest eps): a bfloat16 sigmoid's output cast to float32 for the loss kept
+    bfloat16's precision. Follows the loss input's ``source`` links to the sigmoid."""
+    dtypes = [use.input_dtype or "float32"]
+    cur = use.input
+    for _ in range(64):
+        if cur is None:
+            break
+        dtypes.append(cur.dtype)
+        if cur.phase is Phase.FORWARD and (
+            cur.module_type == "Sigmoid" or (cur.grad_fn or "").startswith("Sigmoid")
+        ):
+            break
+        cur = trace.record(cur.source) if cur.source is not None else None
+    known = [(lim.eps, d) for d in dtypes if (lim := limits(d)) is not None]
+    return max(known)[1] if known else dtypes[0]
+
+
+def _fragile(trace: StepTrace, use: LossUse) -> list[str]:
+    """The evidence that BCELoss's two-step log of a sigmoid loses precision, or is about
+    to: elements at the -100 log clamp (the guard's count), probabilities within
+    :data:`_NEAR_ONE_EPS` eps of 1 (1 - p rounds to 0 next) or below the dtype's smallest
+    normal (p itself loses precision on the way to exactly 0), read from the recorded range
+    of the probabilities, else from the sigmoid's input (the logits). Empty when what was
+    measured is healthy, or nothing was."""
+    dtype = _probability_dtype(trace, use)
+    lim = limits(dtype)
+    if lim is None:
+        return []
+    margin = _NEAR_ONE_EPS * lim.eps
+    near = f"{_NEAR_ONE_EPS} × eps = {fmt(margin)}"
+    out: list[str] = []
+    clamped = note_num(use.note, "value_clamped")
+    if clamped:
+        out.append(f"{int(clamped):,} elements hit BCELoss's log clamp at -{fmt(BCE_LOG_CLAMP)}")
+    s = use.input_stat
+    lo, hi = (
+        (s.min, s.max)
+        if s is not None
+        else (note_num(use.note, "input_min"), note_num(use.note, "input_max"))
+    )
+    if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
+        if hi >= 1.0:
+            out.append(
+                f"{use.path}'s largest probability is exactly 1: log(1 - p) is clamped at "
+                "-100, and a target of 0 there costs 100"
+            )
+        elif 1.0 - hi <= margin:
+            out.append(
+                f"{use.path}'s largest probability is 1 - {fmt(1.0 - hi)}: within {near} of 1 "
+                f"in {dtype}, where 1 - p has a few values left before the sigmoid rounds to 1"
+            )
+        if lo <= 0.0:
+            out.append(
+                f"{use.path}'s smallest probability is exactly 0: log(p) is clamped at -100, "
+                "and a target of 1 there costs 100"
+            )
+        elif lo < lim.tiny:
+            out.append(
+                f"{use.path}'s smallest probability is {fmt(lo)}, below the smallest normal "
+                f"{dtype} ({fmt(lim.tiny)}): p loses precision on its way to exactly 0"
+            )
+        return out
+    act = loss_activation(trace, use)
+    if out or use.input is None or act is None or act.kind != "sigmoid":
+        return out
+    pre = trace.resolve(use.input)
+    pre_lim = limits(pre.dtype)
+    if pre.stat is None or not pre.stat.finite or pre_lim is None:
+        return out
+    one_at = math.log(1 / (_NEAR_ONE_EPS * pre_lim.eps))
+    zero_at = math.log(pre_lim.tiny)
+    if pre.stat.max >= one_at:
+        out.append(
+            f"the sigmoid's input ({pre.where}) reaches {fmt(pre.stat.max)}: above "
+            f"log(1 / ({_NEAR_ONE_EPS} × eps)) = {fmt(one_at)} its output is within "
+            f"{_NEAR_ONE_EPS} × eps of 1 in {pre.dtype}"
+        )
+    if pre.stat.min <= zero_at:
+        out.append(
+            f"the sigmoid's input ({pre.where}) reaches {fmt(pre.stat.min)}: below "
+            f"log(tiny) = {fmt(zero_at)} its output is under the smallest normal {pre.dtype}"
+        )
+    return out
 
 
 @rule(

@@ -1809,6 +1809,8 @@ class _ScaledLogits:
     wide: float  #: the exp bound of float32, the widest dtype autocast computes in
     past: bool  #: the argument is known to pass ``wide``: a float32 exp overflows too
     measured: bool  #: ``arg`` is the argument's measured maximum, not a bound from the result
+    #: the line that takes the log, when the user's code told it (no loss graph was read)
+    at: str | None = None
 
 
 def _scaled_logits(
@@ -1840,6 +1842,9 @@ def _scaled_logits(
                 break
         if found is not None:
             break
+    at: str | None = None
+    if found is None:  # no loss graph was read (forensic mode): the user's lines tell it
+        found, at = _normalized_by_log(ev)
     if found is None:
         return None
     wide = _exp_bound("float32")
@@ -1857,8 +1862,21 @@ def _scaled_logits(
         return None
     upto = found[: found.index("exp")]
     return _ScaledLogits(
-        below[0], rest[0], "diagonal" in upto, found[0] == "sum", top, wide, past, measured
+        below[0], rest[0], "diagonal" in upto, found[0] == "sum", top, wide, past, measured, at
     )
+
+
+def _normalized_by_log(ev: OpEvent) -> tuple[list[str] | None, str | None]:
+    """The chain a loss graph's log would give (``["div", "diagonal", "exp"]``, or
+    ``["sum", "exp"]`` for a log of the sum) when a later line of the exp's function takes
+    the log of a ratio or a sum of its results (:func:`_normalized_later`), and that line
+    (``file.py:26: loss = ...``); (None, None) when none does."""
+    norm = _normalized_later(ev)
+    if norm is None or not norm.log:
+        return None, None
+    diag = ["diagonal"] if re.search(r"\bdiag(?:onal)?\(", norm.code) else []
+    chain = ["div", *diag, "exp"] if "/" in norm.code else ["sum", "exp"]
+    return chain, f"{norm.source}: {norm.code}"
 
 
 def _scaled_logits_diagnosis(
@@ -1888,7 +1906,7 @@ def _scaled_logits_diagnosis(
         f"the exp: {lg.scale} <- {lg.product}): a similarity over a temperature, whose "
         "range is |similarity| / temperature -- 100 for cosines over 0.01",
         f"the loss takes the log of {'a sum' if lg.summed else 'a ratio'} of these exps: a "
-        "softmax cross-entropy written by hand",
+        "softmax cross-entropy written by hand" + (f" (at {lg.at})" if lg.at else ""),
     ]
     if lg.past:
         evidence.append(

@@ -26,7 +26,7 @@ from typing import Any
 
 from nanwatch.errors import ConfigError
 from nanwatch.records import Anomaly, AnomalyKind, Phase, StepTrace
-from nanwatch.rules.base import Diagnosis, sort_key
+from nanwatch.rules.base import SEVERITIES, Diagnosis, sort_key
 from nanwatch.watcher import Watcher, watch
 
 #: Gallery order: what `nanwatch demo` shows first comes first; scenario modules not
@@ -114,8 +114,8 @@ class Outcome:
 
     @property
     def diagnoses(self) -> list[Diagnosis]:
-        """Every distinct diagnosis of the run (first occurrence of each code), most
-        important first; the anomaly's step first among equals."""
+        """Every distinct diagnosis of the run (first occurrence of each code, or its first
+        more severe one), most important first; the anomaly's step first among equals."""
         seen: dict[str, Diagnosis] = {}
         steps = self.history
         a = self.anomaly
@@ -123,7 +123,9 @@ class Outcome:
             steps = sorted(steps, key=lambda t: t.step != a.step)
         for t in steps:
             for d in t.diagnoses:
-                seen.setdefault(d.code, d)
+                kept = seen.setdefault(d.code, d)
+                if SEVERITIES.index(d.severity) < SEVERITIES.index(kept.severity):
+                    seen[d.code] = d  # grew more severe (a note, then a warning)
         return sorted(seen.values(), key=sort_key)
 
     @property
