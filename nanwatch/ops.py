@@ -4117,13 +4117,20 @@ def _constant_event(node: Any, i: int) -> OpEvent | None:
     graph made the value, the code that computed the operand did (a loss weight
     ``min(snr, 5) / snr`` at ``snr = 0``, ``1 / sigma**2`` at ``sigma = 0``)."""
     base = name_of(node).split("Backward")[0]
-    if base not in _WEIGHT_NODES:
+    if base in _UNSAVED_NODES:
+        found = _nonfinite_local()
+        if found is None:
+            return None
+        role, (name, v) = ("self", "other")[i] if i < 2 else f"input[{i}]", found
+    elif base not in _WEIGHT_NODES:
         return None
-    names = _ELEMENTWISE[base][1]
-    if i >= len(names):
-        return None
-    role, attr = names[i]
-    v = _saved(node, attr)
+    else:
+        names = _ELEMENTWISE[base][1]
+        if i >= len(names):
+            return None
+        role, attr = names[i]
+        v = _saved(node, attr)
+        name = None
     if not isinstance(v, torch.Tensor) or v.grad_fn is not None or v.requires_grad:
         return None
     if not has_values(v) or _python_number(v) is not None:
@@ -4136,7 +4143,8 @@ def _constant_event(node: Any, i: int) -> OpEvent | None:
         CONSTANT: role,
         "constant_shape": str(tuple(v.shape)),  # no "[": a summary's op part starts at " ["
     }
-    name, _ = _user_names(v)
+    if name is None:
+        name, _ = _user_names(v)
     if name:
         scalars["constant_name"] = name
     source, code = forward_line(node)
@@ -4154,6 +4162,37 @@ def _constant_event(node: Any, i: int) -> OpEvent | None:
         source=source,
         code=code,
     )
+
+
+#: arithmetic nodes that save no operand (``pred - y``, ``pred + b``): an operand with no
+#: history that held the NaN is found among the user's locals (:func:`_nonfinite_local`)
+_UNSAVED_NODES = frozenset({"Sub", "Add"})
+
+#: locals larger than this are not read for :func:`_nonfinite_local` (a dataset on the GPU)
+_LOCAL_READ_LIMIT = 1 << 26
+
+
+def _nonfinite_local() -> tuple[str, torch.Tensor] | None:
+    """The one tensor with no autograd history (data: a batch's target, a mask, a table)
+    that the innermost user frame binds to a local name and that holds NaN or inf, with that
+    name: what a ``pred - y`` whose node saves no operand subtracted, when ``pred`` was
+    finite. None when no local, or more than one, holds such a value. Anomaly-time work: a
+    read of each such local."""
+    f = _frames.user_frame()
+    if f is None:
+        return None
+    found: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for k, v in list(f.f_locals.items()):
+        if not isinstance(v, torch.Tensor) or not isinstance(k, str) or id(v) in seen:
+            continue
+        seen.add(id(v))
+        if v.grad_fn is not None or v.requires_grad or not v.is_floating_point():
+            continue
+        if not has_values(v) or v.numel() > _LOCAL_READ_LIMIT or not _kinds(v):
+            continue
+        found.append((k, v))
+    return found[0] if len(found) == 1 else None
 
 
 def _user_names(t: torch.Tensor) -> tuple[str | None, str | None]:

@@ -422,7 +422,25 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             f"# or {x}.std(correction=0) (0 for one value; it rescales every batch by "
             "sqrt(N/(N-1)))\n" + fix
         )
-    if name and ratio is None:
+    bare = op.removeprefix("aten.").split(".")[0]
+    unsaved = bare in ("sub", "add") and ratio is None and log is None
+    if unsaved and name and stat is not None and stat.numel > 1:
+        # a target or input read from data with some values missing (NaN in a CSV column):
+        # the loss over the values that are there, and the rows dropped where data is loaded
+        some = (stat.nan or 0) + (stat.posinf or 0) + (stat.neginf or 0)
+        made_by = "missing values read as NaN, or a value computed out of range, in the data"
+        evidence.append(
+            f"{some:,} of {name}'s {stat.numel:,} values are non-finite: data with missing "
+            "values (a NaN in a CSV column, a label never filled), not an op"
+        )
+        fix = (
+            f"keep = torch.isfinite({name})   # the values that are there\n"
+            f"loss = ((pred - {name})[keep] ** 2).mean()   # pred: what {bare} took {name} "
+            "from; the loss over those alone\n"
+            "# or drop the rows with a missing value where the data is loaded "
+            "(df.dropna(), a Dataset that skips them)"
+        )
+    elif name and ratio is None:
         fix = (
             f"assert torch.isfinite({name}).all(), {name}   # right after {name} is computed\n"
             + fix
