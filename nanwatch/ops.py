@@ -440,6 +440,32 @@ class _Seen:
     seq: int = -1
 
 
+#: how many ops deep a :class:`_Flow` keeps what made a value
+_FLOW_DEPTH = 4
+
+
+@dataclass(frozen=True, slots=True)
+class _Flow:
+    """What made a forward value, read from the ops that ran (no tensor is kept): the ops
+    that made it, nearest first, lower-case as autograd names their nodes, followed through
+    each one's first operand with a history (:func:`made_from` of a node given the value:
+    ``("rsub", "sigmoid", "addmm")``), at most :data:`_FLOW_DEPTH`."""
+
+    chain: tuple[str, ...]
+
+    @staticmethod
+    def of(packet: str, ins: Sequence[_Flow | None]) -> _Flow:
+        """The flow of a value an aten op (``packet``: ``_log_softmax``) made of operands
+        whose flows are ``ins``: ``("logsoftmax", ...)``."""
+        first = next((f for f in ins if f is not None), None)
+        below = first.chain[: _FLOW_DEPTH - 1] if first is not None else ()
+        return _Flow((packet.replace("_", "").lower(), *below))
+
+
+#: a value autograd accumulates a gradient into (a parameter): ``leaf``, as the graph ends
+_LEAF = _Flow(("leaf",))
+
+
 def _first_cause(makers: Sequence[_Seen]) -> tuple[OpEvent | None, int]:
     """The event an op names as its cause, and its place in the order of events, from what
     made its non-finite operands (operand order): the first operand's maker; but when one
@@ -523,6 +549,10 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         self._node_events: dict[int, tuple[OpEvent, Any]] = {}
         #: events taken back as masked, by id: where they stood in ``events``
         self._masked: dict[int, int] = {}
+        #: what made each forward value, by id (see :class:`_Flow`): the data flow the
+        #: autograd graph would show, known in a replay under ``no_grad`` too
+        self._flows: dict[int, tuple[weakref.ReferenceType[torch.Tensor], _Flow]] = {}
+        self._flows_prune_at = _SEEN_PRUNE
 
     def __torch_dispatch__(
         self,
@@ -548,6 +578,8 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         out = func(*args, **kwargs)
         if self._broken:
             return out
+        with contextlib.suppress(Exception):  # an unusual op: its data flow is left unknown
+            self._note_flow(func, args, out)
         if ignored:
             # a view or copy of a remembered non-finite value holds it too; in forward not
             # autograd's own detach of what it saves (a backward op reading it is the node's),
@@ -843,6 +875,9 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 made_from=operand_made_from(inputs[0][1]) if node is None and inputs else [],
             )
             self.events.append(event)
+            if phase is Phase.FORWARD:
+                with contextlib.suppress(Exception):  # evidence only: the event stands
+                    self._flow_facts(event, func, inputs)
             if phase is Phase.FORWARD and "NaN" in born:
                 self._nan_made = True  # a backward NaN of it is that op's (hidden or not)
             if node is not None and born and cause is None and not state:
@@ -860,6 +895,62 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 if isinstance(base, torch.Tensor) and self._lookup(base) is None:
                     # a view written in place (x[0].div_(n)): its base holds the value too
                     self._remember(base, seen.event, seq=seen.seq)
+
+    def _note_flow(self, func: Any, args: Sequence[Any], out: Any) -> None:
+        """Remember what made each floating output of a forward op (see :class:`_Flow`):
+        its op, named as autograd names its node, and what made its operands. A copy, a
+        detach or an alias holds its input's values: it hands on its input's flow."""
+        if current_autograd_node() is not None:
+            return
+        outs = [t for t in leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not outs:
+            return
+        ins = [self.flow_of(a) for a in leaves(list(args)) if isinstance(a, torch.Tensor)]
+        packet = func.overloadpacket
+        if packet in _FRESH_PACKETS or packet.__name__.endswith("_like"):
+            flow = None  # new values (zeros_like, empty): none of their input's
+        elif packet in _IGNORED_PACKETS:
+            flow = next((f for f in ins if f is not None), None)
+        else:
+            flow = _Flow.of(packet.__name__, ins)
+        if flow is None:
+            return
+        for t in outs:
+            self._flows[id(t)] = (weakref.ref(t), flow)
+        if len(self._flows) > self._flows_prune_at:  # drop freed values' entries
+            self._flows = {k: v for k, v in self._flows.items() if v[0]() is not None}
+            self._flows_prune_at = max(_SEEN_PRUNE, 2 * len(self._flows))
+
+    def flow_of(self, t: torch.Tensor) -> _Flow | None:
+        """What made forward value ``t``, as this checker saw it made, else as its autograd
+        graph shows (a value made before the checker was entered); None for data. A
+        parameter is a leaf, as in the graph, whatever an optimizer's update wrote in it."""
+        if t.requires_grad and t.grad_fn is None:
+            return _LEAF
+        got = self._flows.get(id(t))
+        if got is not None and got[0]() is t:
+            return got[1]
+        fn = t.grad_fn
+        if fn is None:
+            return None
+        base = name_of(fn).split("Backward")[0].lower()
+        return _Flow((base, *made_from(fn, depth=_FLOW_DEPTH - 1)))
+
+    def _flow_facts(self, event: OpEvent, func: Any, inputs: Sequence[tuple[str, Any]]) -> None:
+        """A forward event's data flow, in the fields the autograd graph's events carry:
+        ``made_from`` (what made its first operand, :func:`made_from`) and, for a division
+        by zeros, ``other_made_from`` (what made the denominator, as :func:`_made_by` gives
+        it), so the rules check what the user's line seems to say against what made the
+        values."""
+        flows = {n: f for n, t in inputs if isinstance(t, torch.Tensor) and (f := self.flow_of(t))}
+        first = next((f for n, t in inputs if (f := flows.get(n)) is not None), None)
+        if first is not None and not event.made_from:
+            event.made_from = list(first.chain)
+        den = flows.get("other")
+        st = dict(event.inputs).get("other")
+        zeros = st is not None and (st.zeros > 0 if st.zeros is not None else 0 in (st.min, st.max))
+        if func.overloadpacket in (_aten.div, _aten.div_) and den is not None and zeros:
+            event.scalars.setdefault("other_made_from", "<".join(den.chain))
 
     def _params_in(self, inputs: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, str, str]]:
         """The op's inputs that are watched parameters: (schema name, qualified name, the
@@ -3183,9 +3274,8 @@ def _made_by(node: Any, i: int, depth: int = 4, budget: int = 32) -> dict[str, i
         chain = None
     out: dict[str, int | str] = {"other_made_by": "<".join(name_of(n) for n in chain or [first])}
     # the ops that made it, nearest first (``add<elu<addmm`` for ``F.elu(raw) + 1``)
-    out["other_from"] = "<".join(
-        [re.sub(r"Backward\d*$", "", name_of(first)).lower(), *made_from(first)]
-    )
+    below = made_from(first, depth=3)
+    out["other_made_from"] = "<".join([name_of(first).split("Backward")[0].lower(), *below])
     r = _saved(chain[-1], "_saved_result") if chain else None
     if isinstance(r, torch.Tensor) and r.numel():
         out["exp_zeros"] = _has(r, lambda v: v == 0)

@@ -2992,3 +2992,71 @@ def replace_constant(c: OverflowedConstant) -> str | None:
     d = dtype_expr(line, c.dtype)
     new = f"torch.finfo({d}).{'min' if negative else 'max'}"
     return (line[:start] + new + line[end:]).strip()
+
+
+# ---------------------------------------------------------------------- data flow vs text
+
+#: ops that hand on their input's values unchanged (a cast, a copy): looked through when a
+#: line's text is compared with the data flow
+_FLOW_SAME = frozenset({"tocopy", "clone", "contiguous", "alias", "detach"})
+
+#: the ops a call on the user's line runs, as the data flow names them (lower-case autograd
+#: node names), for the calls whose op is known from their name alone
+_WRITTEN_CALLS: dict[str, frozenset[str]] = {
+    **{f: frozenset({f}) for f in ("sigmoid", "exp", "log", "sqrt", "tanh", "relu", "abs")},
+    **{f: frozenset({f}) for f in ("expm1", "log1p", "exp2", "log2", "log10", "rsqrt")},
+    "softmax": frozenset({"softmax"}),
+    "log_softmax": frozenset({"logsoftmax"}),
+    "logsigmoid": frozenset({"logsigmoid"}),
+    "clamp": frozenset({"clamp", "clampmin", "clampmax"}),
+    "clamp_min": frozenset({"clamp", "clampmin"}),
+    "clamp_max": frozenset({"clamp", "clampmax"}),
+}
+
+
+def operand_flow(ev: OpEvent, name: str = "self") -> list[str] | None:
+    """The ops that made operand ``name`` of ``ev`` (``self``: its first), nearest first,
+    lower-case, as the data flow shows them (:attr:`OpEvent.made_from`; a division's
+    ``other_made_from``): ``["sum", "sub", "exp"]``; None when it was not read."""
+    if name == "self":
+        return list(ev.made_from) or None
+    v = ev.scalars.get(f"{name}_made_from")
+    return v.split("<") if isinstance(v, str) and v else None
+
+
+def written_op(arg: str) -> frozenset[str] | None:
+    """The ops the data flow may name for the last op of ``arg``, the user's text of an
+    operand: ``1 - p`` -> rsub (or sub); ``torch.sigmoid(z)``, ``z.sigmoid()`` -> sigmoid;
+    None for a name, an attribute, a subscript, a call of anything else (any op may have
+    made it) or text that does not parse.
+
+    >>> sorted(written_op("1 - p")), sorted(written_op("F.softmax(z, -1)")), written_op("p")
+    (['rsub', 'sub'], ['softmax'], None)
+    """
+    try:
+        node = ast.parse(arg.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if isinstance(node, ast.BinOp):
+        ops = {ast.Sub: {"sub", "rsub"}, ast.Add: {"add"}, ast.Mult: {"mul"}, ast.Div: {"div"}}
+        got = ops.get(type(node.op))
+        return frozenset(got) if got is not None else None
+    if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)):
+        f = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+        return _WRITTEN_CALLS.get(f.rstrip("_"))
+    return None
+
+
+def flow_disagrees(ev: OpEvent, arg: str, name: str = "self") -> str | None:
+    """The op the data flow shows made operand ``name`` of ``ev``, when the user's text of
+    it, ``arg``, says another made it (``1 - p`` on the line, the log's input made by a
+    sigmoid: the op ran on another call of the line, ``log(p)``); None when they agree or
+    either is unknown. Read before a rule trusts which part of a line an op ran."""
+    flow = operand_flow(ev, name)
+    said = written_op(arg)
+    if flow is None or said is None:
+        return None
+    made = next((o.removeprefix("watched:") for o in flow if o not in _FLOW_SAME), None)
+    if made is None or made == "leaf" or made in said:
+        return None
+    return made

@@ -45,6 +45,7 @@ from nanwatch.rules._evidence import (
     exact,
     first_input,
     first_root_outputs,
+    flow_disagrees,
     fmt,
     fresh_name,
     full_statement,
@@ -71,6 +72,7 @@ from nanwatch.rules._evidence import (
     nonfinite_scalars,
     note_num,
     op_fields,
+    operand_flow,
     operands,
     outside_domain,
     packet,
@@ -2571,6 +2573,118 @@ def _one_minus_sigmoid_use(
     )
 
 
+def _bce_parts(stmt: str, q: str) -> tuple[str | None, str, str]:
+    """(the name the statement assigns, the label that multiplies ``log(q)``, the
+    ``reduction=`` argument of binary_cross_entropy_with_logits for the statement's last
+    reduction) of a binary cross-entropy written by hand, in the user's names; ``y`` when
+    the label is not read."""
+    try:
+        tree = ast.parse(stmt.strip())
+    except SyntaxError:
+        return None, "y", ""
+    lhs = None
+    body = tree.body[0] if len(tree.body) == 1 else None
+    if isinstance(body, ast.Assign) and len(body.targets) == 1:
+        lhs = ast.unparse(body.targets[0])
+    label = "y"
+    for n in ast.walk(tree):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):
+            for this, other in ((n.left, n.right), (n.right, n.left)):
+                logged = _log_of(this)
+                if logged is not None and ast.unparse(logged[1]) == q:
+                    label = ast.unparse(other)
+    rhs = stmt.split("=", 1)[1] if lhs else stmt
+    reduction = (
+        ""
+        if re.search(r"\.mean\(\s*\)\s*$", rhs.strip())
+        else ', reduction="sum"'
+        if re.search(r"\.sum\(\s*\)\s*$", rhs.strip())
+        else ', reduction="none"'
+    )
+    return lhs, label, reduction
+
+
+def _sigmoid_side(chain: Sequence[str]) -> str | None:
+    """``sigmoid`` when a ``made_from`` chain shows a sigmoid made the value (through ops
+    that only pick or move values), ``one-minus-sigmoid`` for 1 minus such a value; None
+    otherwise.
+
+    >>> _sigmoid_side(["rsub", "squeeze", "sigmoid"]), _sigmoid_side(["watched:squeeze"])
+    ('one-minus-sigmoid', None)
+    """
+    ops = [o.removeprefix("watched:") for o in chain]
+    minus = ops[:1] == ["rsub"]
+    rest = [o for o in ops[1 if minus else 0 :] if o not in _PICKS]
+    if rest[:1] != ["sigmoid"]:
+        return None
+    return "one-minus-sigmoid" if minus else "sigmoid"
+
+
+def _bce_by_flow(ctx: RuleContext, ev: OpEvent, stmt: str, args: list[str]) -> _LogUse | None:
+    """A binary cross-entropy written by hand (the line takes log(q) and log(1 - q)) whose
+    q the data flow shows a sigmoid made, where the line does not show it (``p = model(x)``,
+    the model ending in an nn.Sigmoid): the loss from the logits, the Sigmoid dropped. None
+    when the flow shows no sigmoid below the log, or the code shows the sigmoid (its own
+    reading names the logits)."""
+    made = _sigmoid_side(ev.made_from)
+    if made is None:
+        return None
+    qs = [m.group(1).strip() for a in args if (m := _ONE_MINUS.match(a))]
+    q = next((q for q in qs if q in args), None)
+    if q is None or _producer_of(q, ev.source)[0] == "sigmoid":
+        return None
+    dt = ev.dtype or "float32"
+    f = "torch.nn.functional." if _lacks_f(ev.source) else "F."
+    paths = {
+        r.path
+        for r in ctx.records(Phase.FORWARD)
+        if r.role.startswith("output") and r.module_type == "Sigmoid"
+    }
+    module = paths.pop() if len(paths) == 1 else None
+    maker = f"the nn.Sigmoid ({module})" if module is not None else "a sigmoid"
+    lines = []
+    if module is not None:
+        ref = module_ref(module)
+        lines.append(
+            f"{ref} = nn.Identity()   # first: drop {maker}, so the model returns logits"
+            if ref != "model"
+            else f"# first: remove {maker}, so the model returns logits"
+        )
+    lhs, label, reduction = _bce_parts(stmt, q)
+    lines.append(
+        f"{lhs or 'loss'} = {f}binary_cross_entropy_with_logits({q}, {label}{reduction})   "
+        f"# in place of the hand-written one: {q} is now the logits; never -inf"
+    )
+    lines.append(f"# torch.sigmoid({q}) wherever the probability itself is needed")
+    low = made == "sigmoid"
+    side = f"log({q})" if low else f"log(1 - {q})"
+    chain = " <- ".join(["log", *(o.removeprefix("watched:") for o in ev.made_from)])
+    where = (
+        f"{q} is exactly 0 where its logit is below {_underflow_bound(dt)} (the sigmoid "
+        "underflowed)"
+        if low
+        else f"{q} is exactly 1 where its logit is above about "
+        f"{_SIGMOID_ONE.get(dt, _SIGMOID_ONE['float32'])} (the sigmoid rounded to 1)"
+    )
+    return _LogUse(
+        "bce",
+        title=(
+            "Log of zero in a hand-written binary cross-entropy: the sigmoid saturated at "
+            + ("0" if low else "1")
+        ),
+        fix="\n".join(lines),
+        why=(
+            f"The line is a binary cross-entropy written by hand, log({q}) and log(1 - {q}), "
+            f"and {q} was made by {maker}: in {dt}, {where}, so {side} is -inf, and the "
+            "label's weight of 0 on that term makes 0 × -inf = NaN. "
+            "binary_cross_entropy_with_logits computes the same loss from the logits and "
+            "never forms the 0 or the 1."
+        ),
+        evidence=f"the op is {side}, and {q} was made by {maker} (data flow: {chain}): "
+        f"the line takes log({q}) and log(1 - {q}), a hand-written binary cross-entropy",
+    )
+
+
 def _underflow_at(dtype: str | None) -> float:
     """The x below which exp(x) (and softplus(x) = log1p(exp(x))) is exactly 0 in ``dtype``."""
     lim = limits(dtype) or limits("float32")
@@ -3864,6 +3978,9 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
             if ent is not None:
                 return ent
         args = [arg for _, _, arg in calls]
+        flowed = _bce_by_flow(ctx, ev, stmt, args)
+        if flowed is not None:
+            return flowed
         for start, end, arg in calls:
             m = _ONE_MINUS.match(arg)
             sq = _tanh_of_square(m.group(1), ev.source) if m is not None else None
@@ -3873,7 +3990,7 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
         # the 0, so each gets the floor
         qs = list(dict.fromkeys(m.group(1).strip() for a_ in args if (m := _ONE_MINUS.match(a_))))
         for _, _, arg in calls:
-            m = _ONE_MINUS.match(arg)
+            m = _ONE_MINUS.match(arg) if flow_disagrees(ev, arg) is None else None
             if m is not None:
                 return _one_minus_use(
                     stmt,
@@ -3885,6 +4002,8 @@ def _log_use(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> _LogUse | None:
                     low=x.min if (x := first_input(ev)) is not None else None,
                 )
         for start, end, arg in calls:
+            if flow_disagrees(ev, arg) is not None:
+                continue  # the op ran on another call of the line
             sig = _SIGMOID.match(arg)
             if sig is not None:
                 z = (sig.group(1) or sig.group(2)).strip()
@@ -6176,6 +6295,10 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if under is not None:
         yield _underflowed_denominator(ctx, a, ev, under, evidence=evidence, title=title)
         return
+    minus = _exp_minus_one(ev) if den is not None and not integer and has_zero(den) else None
+    if minus is not None:
+        yield _exp_minus_one_denominator(ctx, a, ev, minus, evidence=evidence, title=title)
+        return
     shrunk = (
         _shrinking_maker(ev)
         if den is not None and not integer and has_zero(den) and ev.phase is Phase.FORWARD
@@ -8148,10 +8271,10 @@ class _Saturated:
 
 def _saturated_sum(ctx: RuleContext, ev: OpEvent) -> _Saturated | None:
     """An all-zero denominator that the autograd graph shows was made as ``f(x) + c`` with f
-    one of :data:`_TO_MINUS_ONE` (``other_from`` ``"add<elu<addmm"``): positive in exact
+    one of :data:`_TO_MINUS_ONE` (``other_made_from`` ``"add<elu<addmm"``): positive in exact
     arithmetic, 0 where f rounded to -1 and the constant cancelled it. With the measured
     module output f was applied to when one lies wholly below the bound (watch mode)."""
-    chain = str(ev.scalars.get("other_from", "")).split("<")
+    chain = str(ev.scalars.get("other_made_from", "")).split("<")
     if len(chain) < 2 or chain[0] != "add" or chain[1] not in _TO_MINUS_ONE:
         return None
     dtype = ev.dtype or "float32"
@@ -8190,7 +8313,7 @@ def _saturated_sum_denominator(
     evidence.insert(
         2,
         f"the denominator is {fn}(x) + 1 (made by "
-        f"{' <- '.join(str(ev.scalars.get('other_from', '')).split('<'))}): "
+        f"{' <- '.join(str(ev.scalars.get('other_made_from', '')).split('<'))}): "
         f"{fn}(x) is exactly -1 in {sat.dtype} for every x below {bound}, and -1 + 1 is 0",
     )
     if sat.given is not None:
@@ -8523,7 +8646,7 @@ def _exp_underflow(ev: OpEvent) -> _Underflow | None:
     """The zero denominator of a forward division is a sum of exp() terms (``exp(x).sum()``,
     a softmax, ``K @ v`` with ``K = torch.exp(...)`` assigned earlier in the function), read
     from the user's line and the lines above it; None when the code shows no exp."""
-    if ev.phase is not Phase.FORWARD:
+    if ev.phase is not Phase.FORWARD or _flow_not_exp(ev) is not None:
         return None
     got = _divisors(ev.code)
     if not got:
@@ -8554,6 +8677,162 @@ def _exp_underflow(ev: OpEvent) -> _Underflow | None:
                 fn, ret, at = hit
                 return _Underflow(den, name, ret, _exp_argument(ret), via=fn, via_at=at)
     return None
+
+
+#: ops whose result is 0 wherever the exp() values they sum, multiply, scale or move are
+#: (lower-case autograd names, as the data flow gives them)
+_EXP_CARRIERS = frozenset(
+    {"sum", "mean", "mv", "mm", "bmm", "dot", "mul", "add", "cumsum", "clone", "neg", "div"}
+    | {"t", "transpose", "permute", "view", "unsafeview", "reshape", "expand", "unsqueeze"}
+    | {"squeeze", "select", "slice", "index", "tocopy"}
+)
+_EXP_MAKERS = frozenset({"exp", "exp2", "softmax"})
+
+
+def _flow_not_exp(ev: OpEvent) -> str | None:
+    """The op that made a division's denominator out of other ops' values without carrying
+    an exp's zeros (the ``sub`` of ``exp(z) - 1``: 0 where exp(z) rounds to 1, not where it
+    underflows), as the data flow below the denominator shows it; None when the flow
+    reaches an exp through sums, products and moves alone, ends at a parameter, or is
+    unknown. The line may show an exp that did not make the zero."""
+    made = ev.scalars.get("other_made_by")
+    if isinstance(made, str) and node_base(made.split("<")[-1]) in ("Exp", "Exp2"):
+        return None
+    for op in operand_flow(ev, "other") or ():
+        o = op.removeprefix("watched:")
+        if o in _EXP_MAKERS or o == "leaf":
+            return None
+        if o not in _EXP_CARRIERS:
+            return o
+    return None
+
+
+@dataclass(frozen=True)
+class _ExpMinusOne:
+    """A denominator made by subtracting 1 and an exp() (``exp(z) - 1``), as the data flow
+    shows it (``sum <- sub <- exp``)."""
+
+    flow: str  #: the data flow below the denominator, ``sum <- sub <- exp``
+    written: str | None = None  #: ``torch.exp(z) - 1`` as the code writes it, when read
+    exponent: str | None = None  #: ``z``
+    stmt: str | None = None  #: the statement that holds it (the line, or an earlier one)
+
+
+def _exp_minus_one_text(code: str) -> tuple[str, str] | None:
+    """(``torch.exp(z) - 1`` as written, ``z``) of the first exp minus 1 (or 1 minus an exp)
+    of ``code``; None when it shows none.
+
+    >>> _exp_minus_one_text("y = w / (torch.exp(z) - 1).sum(-1)")
+    ('torch.exp(z) - 1', 'z')
+    >>> _exp_minus_one_text("d = 1.0 - x.exp()")
+    ('1.0 - x.exp()', 'x')
+    """
+    for stmt in statements(code):
+        try:
+            tree = ast.parse(stmt.strip())
+        except SyntaxError:
+            continue
+        for n in ast.walk(tree):
+            if not (isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub)):
+                continue
+            sides = (n.left, n.right)
+            one = [isinstance(o, ast.Constant) and o.value in (1, 1.0) for o in sides]
+            if one.count(True) != 1:
+                continue
+            call = sides[one.index(False)]
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
+                continue
+            if call.func.attr != "exp":
+                continue
+            owner = ast.unparse(call.func.value)
+            if owner == "torch" and len(call.args) == 1:
+                z = ast.unparse(call.args[0])
+            elif not call.args and owner != "torch":
+                z = owner
+            else:
+                continue
+            seg = ast.get_source_segment(stmt.strip(), n)
+            if seg:
+                return seg, z
+    return None
+
+
+def _exp_minus_one(ev: OpEvent) -> _ExpMinusOne | None:
+    """A forward division whose zero denominator the data flow shows a subtraction made of
+    an exp() (``(torch.exp(z) - 1).sum()``: ``sum <- sub <- exp``): exp(z) - 1, 0 where
+    exp(z) rounds to 1, read with the code that writes it (the line, or the earlier line
+    that assigned a name the divisor uses) when it shows one; None otherwise."""
+    if ev.phase is not Phase.FORWARD:
+        return None
+    flow = [o.removeprefix("watched:") for o in operand_flow(ev, "other") or ()]
+    made = _flow_not_exp(ev)
+    if made not in ("sub", "rsub") or flow[flow.index(made) + 1 : flow.index(made) + 2] != ["exp"]:
+        return None
+    said = " <- ".join(flow[: flow.index(made) + 2])
+    texts: list[tuple[str, str | None]] = [(d, None) for d in _divisors(ev.code)[:1]]
+    for d, _ in list(texts):
+        for name in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", d)):
+            made_as = _assigned_before(ev.source, name)
+            if made_as is not None:
+                texts.append((made_as, made_as))
+    for text, stmt in texts:
+        got = _exp_minus_one_text(text)
+        if got is not None:
+            return _ExpMinusOne(said, got[0], got[1], stmt or (ev.code or "").strip())
+    return _ExpMinusOne(said)
+
+
+def _exp_minus_one_denominator(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    m: _ExpMinusOne,
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """exp(z) - 1 cancelled to exactly 0 in a denominator: exp(z) rounds to 1 for z within
+    half an eps of 0, the exp did not underflow; torch.expm1 computes it without the
+    subtraction."""
+    dtype = ev.dtype or "float32"
+    lim = limits(dtype) or limits("float32")
+    assert lim is not None
+    small = fmt(lim.eps / 2)
+    z = m.exponent or "z"
+    evidence.append(
+        f"the denominator was made from an exp() by subtracting 1 ({m.flow}"
+        + (f": {m.written}" if m.written else "")
+        + f"): exp({z}) rounds to exactly 1 in {dtype} for |{z}| below about {small}, so "
+        f"exp({z}) - 1 is 0 there; the exp did not underflow"
+    )
+    lines: list[str] = []
+    if m.written is not None and m.stmt is not None:
+        sign = "-" if m.written.lstrip("(").strip().startswith("1") else ""
+        new = f"{sign}torch.expm1({z})"
+        old = f"({m.written})" if f"({m.written})" in m.stmt else m.written
+        lines.append(
+            f"{m.stmt.replace(old, new, 1)}   # exp({z}) - 1 without the subtraction: "
+            f"about {z} for tiny {z}, not 0"
+        )
+    else:
+        lines.append("torch.expm1(z)   # in place of torch.exp(z) - 1: about z for tiny z, not 0")
+    lines.append(
+        f"# where {z} is exactly 0, expm1 is 0 too: keep such terms out of the denominator"
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: exp(x) - 1 cancelled to 0",
+        evidence=evidence,
+        explanation=(
+            f"The denominator is exp({z}) - 1 (summed or moved). exp({z}) is 1 + {z} + ..., "
+            f"and {dtype} rounds it to exactly 1.0 for |{z}| below about {small}: the "
+            f"subtraction of two equal numbers leaves 0, though the true value is about {z}, "
+            "and x/0 is ±inf, 0/0 NaN. This is cancellation, not an exp that underflowed: "
+            "logsumexp or a clamp does not help. torch.expm1 computes exp(x) - 1 directly, "
+            "exact for tiny x."
+        ),
+        fix="\n".join(lines),
+    )
 
 
 def _graph_underflow(ev: OpEvent) -> _Underflow | None:
