@@ -3885,6 +3885,7 @@ def graph_evidence(
     )
     loss_kinds = _kinds(output) if isinstance(output, torch.Tensor) else frozenset()
     leaf_said = False
+    pending: list[Any] = []  # nodes that save no operand (Sub, Add): asked last
     for node in _in_run_order(order[::-1]):  # producers before consumers
         base = name_of(node).split("Backward")[0]
         names.append(base.lower())
@@ -3898,6 +3899,8 @@ def graph_evidence(
             if leaf is not None:
                 leaf_said = True
                 events.append(leaf)
+        if not leaf_said and base in _UNSAVED_NODES:
+            pending.append(node)
         own = output if node is fn else None
         try:
             event = _node_event(node, own, loss_kinds, values)
@@ -3908,6 +3911,17 @@ def graph_evidence(
                 event.source, event.code = forward_line(node)
             event.made_from = made_from(node, stop, below=base in ("Log", "Log2", "Log10"))
             events.append(event)
+    if not leaf_said and not events and loss_kinds:
+        # nothing the graph saved explains the loss's value: an operand of a node that
+        # saves none (pred - y) held it, when one local of the user's code holds such a value
+        for node in pending:
+            try:
+                leaf = leaf_event(node, unsaved=True)
+            except Exception:  # evidence only
+                leaf = None
+            if leaf is not None:
+                events.append(leaf)
+                break
     return names[::-1], events
 
 
@@ -4140,7 +4154,7 @@ def birth_event(
 LEAF = "leaf"
 
 
-def leaf_event(node: Any) -> OpEvent | None:
+def leaf_event(node: Any, unsaved: bool = False) -> OpEvent | None:
     """An event for a leaf tensor (no autograd history: a parameter, a tensor made with
     ``requires_grad=True``) that already held NaN or inf when ``node``'s op read it: nothing
     this graph ran made the value, an update before the step wrote it (an optimizer built
@@ -4149,9 +4163,11 @@ def leaf_event(node: Any) -> OpEvent | None:
     name, ``leaf_shape`` its shape, ``leaf_parameter`` 1 for an ``nn.Parameter``."""
     for i, (nxt, _) in enumerate(getattr(node, "next_functions", ()) or ()):
         if nxt is None:
-            const = _constant_event(node, i)
+            const = _constant_event(node, i, unsaved)
             if const is not None:
                 return const
+            continue
+        if unsaved:
             continue
         if not accumulates_grad(nxt):
             continue
@@ -4200,14 +4216,19 @@ CONSTANT = "constant"
 _WEIGHT_NODES = frozenset({"Mul", "Div"})
 
 
-def _constant_event(node: Any, i: int) -> OpEvent | None:
+def _constant_event(node: Any, i: int, unsaved: bool = False) -> OpEvent | None:
     """An event for the ``i``-th operand of an arithmetic node when it has no autograd
     history (no grad_fn, no requires_grad: computed under ``torch.no_grad``, from a buffer,
     a table lookup or data) and what the node saved of it holds NaN or inf: no op of the
     graph made the value, the code that computed the operand did (a loss weight
-    ``min(snr, 5) / snr`` at ``snr = 0``, ``1 / sigma**2`` at ``sigma = 0``)."""
+    ``min(snr, 5) / snr`` at ``snr = 0``, ``1 / sigma**2`` at ``sigma = 0``). ``unsaved``:
+    also a node that saves no operand (``pred - y``), whose operand is then the one local
+    of the user's frame that holds NaN or inf (see :func:`_nonfinite_local`): asked only
+    when no other node of the graph explains the value."""
     base = name_of(node).split("Backward")[0]
     if base in _UNSAVED_NODES:
+        if not unsaved:
+            return None
         found = _nonfinite_local()
         if found is None:
             return None

@@ -230,7 +230,7 @@ def test_the_replay_template_is_marked_as_a_pattern() -> None:
     assert "torch.where(den > 0, den, 1)" in d.fix
 
 
-def test_the_forensic_template_is_marked_as_a_pattern() -> None:
+def test_a_missing_target_masked_by_a_multiply_is_named() -> None:
     torch.manual_seed(0)
     net, q = nn.Linear(4, 3), torch.tensor([0.1, 0.5, 0.9])
     x, y = torch.randn(16, 4), torch.randn(16)
@@ -243,6 +243,30 @@ def test_the_forensic_template_is_marked_as_a_pattern() -> None:
         diff = y[:, None] - net(x)
         pinball = torch.maximum(q * diff, (q - 1) * diff)
         loss = (pinball * mask[:, None]).sum() / mask.sum()
+        loss.backward()
+        nw.step()
+    (d,) = [d for d in info.value.diagnoses if d.code == "NW100"]
+    # the subtraction saves no operand: the missing target is named among the locals (the
+    # one that holds a NaN), with the loss over the values that are there; a multiply by
+    # the mask keeps the NaN (NaN * 0 is NaN)
+    assert "operand of sub (y)" in " | ".join(d.evidence)
+    assert "keep = torch.isfinite(y)" in (d.fix or "")
+
+
+def test_the_forensic_template_is_marked_as_a_pattern_when_no_local_holds_the_nan() -> None:
+    """The target reached the loss from a batch dict, not a local name: nothing names it,
+    and the forensic rerun template is given, marked as a pattern."""
+    torch.manual_seed(0)
+    net, q = nn.Linear(4, 3), torch.tensor([0.1, 0.5, 0.9])
+    batch = {"x": torch.randn(16, 4), "y": torch.randn(16)}
+    batch["y"][5] = float("nan")
+    with (
+        pytest.raises(nanwatch.AnomalyError) as info,
+        nanwatch.watch(net, postmortem=False) as nw,
+    ):
+        diff = batch["y"][:, None] - net(batch["x"])
+        pinball = torch.maximum(q * diff, (q - 1) * diff)
+        loss = pinball.mean()
         loss.backward()
         nw.step()
     (d,) = [d for d in info.value.diagnoses if d.code == "NW100"]

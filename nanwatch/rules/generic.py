@@ -425,22 +425,21 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
     bare = op.removeprefix("aten.").split(".")[0]
     unsaved = bare in ("sub", "add") and ratio is None and log is None
     if unsaved and name and stat is not None and stat.numel > 1:
-        # a target or input read from data with some values missing (NaN in a CSV column):
-        # the loss over the values that are there, and the rows dropped where data is loaded
+        # pred - y: y may be data with some values missing (NaN in a CSV column)
         some = (stat.nan or 0) + (stat.posinf or 0) + (stat.neginf or 0)
-        made_by = "missing values read as NaN, or a value computed out of range, in the data"
         evidence.append(
             f"{some:,} of {name}'s {stat.numel:,} values are non-finite: data with missing "
-            "values (a NaN in a CSV column, a label never filled), not an op"
+            "values (a NaN in a CSV column, a label never filled), if it was loaded, not "
+            "computed"
         )
         fix = (
-            f"keep = torch.isfinite({name})   # the values that are there\n"
-            f"loss = ((pred - {name})[keep] ** 2).mean()   # pred: what {bare} took {name} "
-            "from; the loss over those alone\n"
-            "# or drop the rows with a missing value where the data is loaded "
-            "(df.dropna(), a Dataset that skips them)"
+            f"# {name} loaded with missing values: the loss over the values that are there\n"
+            f"keep = torch.isfinite({name})\n"
+            f"loss = ((pred - {name})[keep] ** 2).mean()   # pred: what {bare} took {name} from\n"
+            "# or drop those rows where the data is loaded (df.dropna(), a Dataset that skips "
+            f"them); if {name} is computed:\n" + fix
         )
-    elif name and ratio is None:
+    if name and ratio is None and not unsaved:
         fix = (
             f"assert torch.isfinite({name}).all(), {name}   # right after {name} is computed\n"
             + fix
