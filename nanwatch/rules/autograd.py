@@ -125,6 +125,12 @@ def inplace_saved(ctx: RuleContext) -> Iterator[Diagnosis]:
     )
 
 
+def _at(where: object) -> str:
+    """``net.py:11``: a line's place by its file's name (the diagnosis's source has the
+    path)."""
+    return str(where).replace("\\", "/").rsplit("/", 1)[-1]
+
+
 def _lines_evidence(lines: dict[str, Any]) -> str:
     """What a replay of the forward saw: ``h = torch.sigmoid(self.fc(x))`` (net.py:10) made
     the tensor with sigmoid; ``h += 1`` (net.py:11) then wrote it in place (add_). An op a
@@ -137,14 +143,14 @@ def _lines_evidence(lines: dict[str, Any]) -> str:
     )
     made_in, written_in = lines.get("made_in"), lines.get("written_in")
     made_by = lines.get("made_by")
-    made = f"`{lines.get('made_code')}` ({lines.get('made_at')}) made it with {made_by}"
+    made = f"`{lines.get('made_code')}` ({_at(lines.get('made_at'))}) made it with {made_by}"
     if made_in:
         made = (
             f"{made_in['path']} ({made_in['type']}) made it with {made_by}, "
-            f"called from `{lines.get('made_code')}` ({lines.get('made_at')})"
+            f"called from `{lines.get('made_code')}` ({_at(lines.get('made_at'))})"
         )
     written = (
-        f"`{lines.get('written_code')}` ({lines.get('written_at')}) then wrote it in place "
+        f"`{lines.get('written_code')}` ({_at(lines.get('written_at'))}) then wrote it in place "
         f"({lines.get('written_by')})"
     )
     if lines.get("written_by") is None:
@@ -158,7 +164,7 @@ def _lines_evidence(lines: dict[str, Any]) -> str:
         written = (
             f"{written_in['path']} ({written_in['type']}{inplace}) then wrote it in place "
             f"({lines.get('written_by')}), called from `{lines.get('written_code')}` "
-            f"({lines.get('written_at')})"
+            f"({_at(lines.get('written_at'))})"
         )
     return f"the forward run again: {made}; {written}, before backward read it{others}"
 
@@ -166,7 +172,7 @@ def _lines_evidence(lines: dict[str, Any]) -> str:
 def _lines_fix(lines: dict[str, Any]) -> str:
     """The in-place line made out of place, where it has a plain shape; the library
     module built with ``inplace=False``; else that line and the usual patterns."""
-    at, code, new = lines.get("written_at"), lines.get("written_code"), lines.get("rewrite")
+    at, code, new = _at(lines.get("written_at")), lines.get("written_code"), lines.get("rewrite")
     written_in = lines.get("written_in")
     if written_in and written_in.get("inplace"):
         return (
@@ -174,10 +180,10 @@ def _lines_fix(lines: dict[str, Any]) -> str:
             "model builds it: out of place keeps the tensor autograd saved"
         )
     if new:
-        return f"{new}   # {at}: instead of {code}"
+        return f"{new}   # instead of {code} ({at})"
     if lines.get("written_by") is None:
         return (
-            f"# the tensor: `{lines.get('made_code')}` ({lines.get('made_at')}); after the "
+            f"# the tensor: `{lines.get('made_code')}` ({_at(lines.get('made_at'))}); after the "
             f"forward, change a copy of it, not it:\n{_PATTERNS}"
         )
     return f"# {at}: {code}   <- the in-place write; make it out of place:\n{_PATTERNS}"
