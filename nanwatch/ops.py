@@ -1406,7 +1406,7 @@ _OP_WORDS: dict[str, re.Pattern[str]] = {
         "Log": r"\blog\b",
         "Log2": r"\blog2\b",
         "Log10": r"\blog10\b",
-        "Log1p": r"\blog1p\b",
+        "Log1P": r"\blog1p\b",
         "LinalgVectorNorm": r"\b(vector_)?norm\b",
         "Norm": r"\bnorm\b",
         "Cdist": r"\bcdist\b",
@@ -1771,6 +1771,27 @@ def _writes_op(
     return line, n.args[0] if n.args else None
 
 
+def _other_power(n: ast.AST, node: Any) -> bool:
+    """``n`` raises to a number written in the code (``w ** 2``, ``x.pow(3)``) other than
+    the exponent the ``PowBackward`` ``node`` saved: another power made it."""
+    try:
+        saved = node._saved_exponent
+    except Exception:  # not a power by a number, or what it saved is gone
+        return False
+    if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Pow):
+        e: ast.expr | None = n.right
+    elif isinstance(n, ast.Call) and n.args and not n.keywords:
+        e = n.args[-1]
+    else:
+        return False
+    if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.USub):
+        e = e.operand
+        saved = -saved if isinstance(saved, (int, float)) else saved
+    if not isinstance(e, ast.Constant) or not isinstance(e.value, (int, float)):
+        return False
+    return isinstance(saved, (int, float)) and not isinstance(saved, bool) and saved != e.value
+
+
 def _op_in_callees(
     node: Any,
     held: HeldNodes,
@@ -1809,7 +1830,7 @@ def _op_in_callees(
         assigned = _assigned(tree)
         for n in ast.walk(tree):
             op = _writes_op(n, words, scope)
-            if op is not None:
+            if op is not None and not _other_power(n, node):
                 line, operand = op
                 fit = _fits(_operand_nodes(operand, assigned), node) if operand else None
                 key = (file, line)
@@ -1838,8 +1859,11 @@ def _op_in_callees(
 
 
 def _backward_receiver(tree: ast.Module | None, lineno: int) -> ast.expr | None:
-    """The expression ``.backward()`` is called on in the statement that spans ``lineno``
-    (``step()`` of ``step().backward()``); None when it holds no such call, or several."""
+    """The ``backward()`` call in the statement that spans ``lineno``, with what it
+    differentiates: the value it is called on (``step()`` of ``step().backward()``,
+    ``scaler.scale(step()).backward()``) or given (``torch.autograd.backward(step())``,
+    ``accelerator.backward(step())``, ``torch.autograd.grad(step(), params)``); None when
+    the statement holds no such call, or several."""
     found: list[ast.expr] = []
     for st in ast.walk(tree) if tree is not None else ():
         if not isinstance(st, ast.stmt) or isinstance(st, _BLOCKS):
@@ -1847,9 +1871,10 @@ def _backward_receiver(tree: ast.Module | None, lineno: int) -> ast.expr | None:
         if not st.lineno <= lineno <= (st.end_lineno or st.lineno):
             continue
         for n in ast.walk(st):
-            f = n.func if isinstance(n, ast.Call) else None
-            if isinstance(f, ast.Attribute) and f.attr == "backward":
-                found.append(f.value)
+            if not isinstance(n, ast.Call) or not isinstance(n.func, ast.Attribute):
+                continue
+            if n.func.attr == "backward" or (n.func.attr == "grad" and n.args):
+                found.append(n)
     return found[0] if len(found) == 1 else None
 
 
@@ -1998,7 +2023,13 @@ def node_op(name: str) -> str:
     if fn is not None:
         return custom_backward_op(fn)
     base = re.sub(r"Backward\d*$", "", name)
-    return "aten." + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
+    op = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", base).lower()
+    if re.search(r"\d_", op) and not hasattr(torch.ops.aten, op):
+        # a capital after a digit starts no word (``Log1PBackward0`` is ``aten.log1p``,
+        # ``SpecialXlog1PyBackward0`` ``aten.special_xlog1py``): as aten names it
+        joined = re.sub(r"(?<=\d)_", "", op)
+        op = joined if hasattr(torch.ops.aten, joined) else op
+    return "aten." + op
 
 
 def _saved_order(attr: str) -> tuple[int, str]:

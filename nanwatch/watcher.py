@@ -4068,12 +4068,13 @@ class Watcher:
         return None
 
     def _keep_risky_saved(self, loss: torch.Tensor) -> None:
-        """Sentinel on the CPU, as ``backward()`` begins on loss code whose nodes of several
-        kinds can make a non-finite gradient from a finite one (see
-        :meth:`_loss_risky_nodes`): what those nodes saved is kept (references, no read;
-        within :data:`_KEEP_SAVED` bytes a step), which autograd frees before a watched
-        output's gradient is checked. The one that made a NaN is then told by its saved
-        values (see :meth:`_steep_loss_node`); one kind alone is named by its name."""
+        """Sentinel on the CPU, as ``backward()`` begins on loss code with several nodes
+        that can make a non-finite gradient from a finite one (see
+        :meth:`_loss_risky_nodes`; two logs of a hand-written BCE are two): what those
+        nodes saved is kept (references, no read; within :data:`_KEEP_SAVED` bytes a step),
+        which autograd frees before a watched output's gradient is checked. The one that
+        made a NaN is then told by its saved values (see :meth:`_steep_loss_node`); one
+        node alone is named by its name."""
         if loss.grad_fn is None:
             return
         stop = self._recorded_nodes
@@ -4083,48 +4084,41 @@ class Watcher:
             limit=_LOSS_NODES,
         )
         risky = [n for n in walk if _risky_backward(n)]
-        if walk.truncated or len({ops.name_of(n) for n in risky}) < 2:
+        if walk.truncated or len(risky) < 2:
             return
         for node in risky:
             snap = self._keep_saved(node)
             if snap is not None:
                 self._loss_snaps.append((ops.name_of(node), LOSS_PATH, snap))
 
-    def _steep_loss_node(self, anomaly: Anomaly) -> OpEvent | None:
+    def _steep_loss_node(
+        self, anomaly: Anomaly, among: Sequence[Any] | None = None
+    ) -> OpEvent | None:
         """A gradient from the loss code went bad at a watched output and no node was checked
         as it ran (sentinel), nor named alone: of the loss code's nodes whose saved values
         were kept as backward began, the one whose forward was given a point where its
         derivative is infinite (see :func:`_steep_count`: the exact zeros of
         ``(1 - p) ** 0.5`` at p == 1), named with those values and its line, as watch names
-        it in its hook. When several were, the one whose backward ran before the others'
-        (they are all below it); None when none, or which ran first is not told. Reads the
-        kept values: anomaly-time work only."""
+        it in its hook. When several were, the one whose backward ran first: the one made
+        last in forward (autograd runs a ready node of a higher sequence number first, and
+        a node's consumers are numbered after it), as a check in each node's hook finds it
+        (the ``log(1 - p)`` of ``torch.where(y > 0, log(p), log(1 - p))``). ``among``: only
+        these nodes (those on the way to a parameter). None when none. Reads the kept
+        values: anomaly-time work only."""
         if self._loss_node_bad:
             return None
         steep = [
             (name, path, snap)
             for name, path, snap in self._loss_snaps
-            if _risky_backward(snap.node) and snap.unchanged() and _steep_count(snap)
+            if (among is None or any(n is snap.node for n in among))
+            and _risky_backward(snap.node)
+            and snap.unchanged()
+            and _steep_count(snap)
         ]
         if not steep:
             return None
-        stop = self._recorded_nodes
-        first = None
-        for cand in steep:
-            below = {
-                id(n)
-                for n in ops.GraphWalk(
-                    [cand[2].node],
-                    prune=lambda n: n in stop or ops.accumulates_grad(n),
-                    limit=_LOSS_NODES,
-                )
-            }
-            if all(id(s.node) in below for _, _, s in steep):
-                first = cand
-                break
-        if first is None:
-            return None
-        name, path, snap = first
+        order = ops._in_run_order([s.node for _, _, s in steep])
+        name, path, snap = next(c for c in steep if c[2].node is order[-1])
         stat = anomaly.record.stat or TensorStat(math.nan, math.nan, 0)
         # read late (at the step end, even), the backward() line and the names its frame
         # held were taken as backward began
@@ -4154,7 +4148,35 @@ class Watcher:
         name = last[0]
         stat = anomaly.record.stat or TensorStat(math.nan, math.nan, 0)
         site = self._loss_site()
-        return _node_event(name, LOSS_PATH, stat, anomaly.record.dtype, site)
+        ev = _node_event(name, LOSS_PATH, stat, anomaly.record.dtype, site)
+        node = self._loss_node_named(name)
+        if node is not None:
+            # the one node of that kind: the line that made it, from the names the user's
+            # frame holds (an RMSE's ``torch.sqrt(F.mse_loss(out, y))`` in a helper)
+            line = ops.forward_line(node)
+            if line[0] is None:
+                frame = None if self._late else _frames.user_frame()
+                line = self._forward_line(node, frame) or _NO_LINE
+            _place(ev, line, site)
+        return ev
+
+    def _loss_node_named(self, name: str) -> Any:
+        """The loss code's one autograd node called ``name`` (between the loss backward()
+        ran on and the watched outputs); None when the loss is gone, its graph too large,
+        or it holds none or several. A walk of the loss code: anomaly-time work only."""
+        loss = self._loss_ref() if self._loss_ref is not None else None
+        if loss is None:
+            loss = self._late_loss
+        if loss is None or loss.grad_fn is None:
+            return None
+        stop = self._recorded_nodes
+        walk = ops.GraphWalk(
+            [loss.grad_fn],
+            prune=lambda n: n in stop or ops.accumulates_grad(n),
+            limit=_LOSS_NODES,
+        )
+        found = [n for n in walk if ops.name_of(n) == name]
+        return found[0] if len(found) == 1 and not walk.truncated else None
 
     def _name_risky_loss_nodes(self, anomaly: Anomaly) -> None:
         """Sentinel: a gradient from the loss code went bad at a watched output, and the loss
@@ -5730,8 +5752,8 @@ class Watcher:
                 anomaly = self._locate(trace, first) or anomaly
         if anomaly.origin == "after-output" and anomaly.op is None and trace is self._trace:
             ev = self._saved_loss_node(anomaly) if self._loss_snaps else None
-            ev = ev or self._last_loss_node(anomaly)
             ev = ev or (self._steep_loss_node(anomaly) if self._loss_snaps else None)
+            ev = ev or self._last_loss_node(anomaly)
             if ev is not None:
                 trace.ops.append(ev)
                 anomaly = self._locate(trace, first) or anomaly
@@ -6631,13 +6653,17 @@ class Watcher:
             ):
                 reach.add(id(node))
         risky = [n for n in nodes if id(n) in reach and _risky_backward(n)]
-        if len(risky) != 1 or any(
+        if not risky or any(
             id(n) in reach and isinstance(n, torch.autograd.function.BackwardCFunction)
             for n in nodes
         ):
             # a custom Function's backward on the way is code of its own: it may have
             # made the NaN as well as the one op known to risk it
             return None
+        if len(risky) > 1:
+            # several (a group lasso's sqrt beside a norm): the one whose saved values, kept
+            # as backward began, sit where its derivative is infinite
+            return self._steep_loss_node(anomaly, among=risky) if self._loss_snaps else None
         node = risky[0]
         code = ops.GraphWalk(
             [loss.grad_fn],
@@ -8893,7 +8919,7 @@ _SHORT_RANGE = frozenset(
 #: forward values (a derivative infinite at a point of the domain: sqrt at 0, 1/x at 0)
 _RISKY_BACKWARD = frozenset(
     {
-        "Sqrt", "Rsqrt", "Pow", "Div", "Reciprocal", "Log", "Log2", "Log10", "Log1p",
+        "Sqrt", "Rsqrt", "Pow", "Div", "Reciprocal", "Log", "Log2", "Log10", "Log1P",
         "LinalgVectorNorm", "Norm", "Cdist", "Acos", "Asin", "Atanh", "Acosh", "Atan2",
         "Xlogy", "Lgamma", "Digamma", "Polygamma", "Erfinv",
         # -log(x) - 1 is inf at 0; exp(x - lse) is NaN where a whole row is -inf (a CTC's

@@ -103,14 +103,16 @@ def test_sentinel_after_output_without_a_named_node_says_loss_code_and_modes() -
             gt[:3] = m(x[:3])
         s = ((m(x) - gt) ** 2).sum(1)
         # two nodes, side by side, each given the 0 where its derivative is infinite:
-        # which one's backward ran first is not told
+        # the power, made last, runs first in backward, where watch's hook names it
         (torch.sqrt(s) + s**0.5).mean().backward()
 
     err = _raises(m, run, "sentinel")
     t = "\n".join(_text(d) for d in err.diagnoses)
     assert "watch the loss module" not in t
-    assert "the loss code between the model's output and backward()" in t
-    assert "mode='watch' or mode='forensic'" in t
+    assert err.diagnoses[0].code == "NW112", t
+    assert "PowBackward0" in t and "SqrtBackward0" not in t
+    a = _raises(m, run, "watch").anomaly
+    assert a is not None and a.op is not None and a.op.node == "PowBackward0"
 
 
 # ------------------------------ 3: per-sample gradients from torch.func written into .grad

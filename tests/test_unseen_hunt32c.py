@@ -113,7 +113,8 @@ def _wgan_gp(mode: str) -> nanwatch.Watcher:
 
 def _two_candidates() -> nanwatch.Watcher:
     """Two nodes on the way to the parameter can each make a NaN from a finite gradient
-    (a sqrt and a division): which one did is not known without their values."""
+    (a sqrt and a division): their values, kept as backward began, tell the sqrt at 0
+    (the divisor is at least 1)."""
     torch.manual_seed(0)
     d = _Critic()
     real = 3 * torch.randn(8, 4)
@@ -160,12 +161,16 @@ def test_sentinel_names_a_gradient_penaltys_sqrt_at_zero() -> None:
         assert [d.code for d in nw.history[0].diagnoses][:1] == ["NW112"], mode
         fix = nw.history[0].diagnoses[0].fix
         assert "+ 1e-12).sqrt()" in fix, mode
-    # not when another node on the way could have made it too, nor when the way from the
-    # loss code's node to the parameter passes a watched output whose gradient was finite
-    for nw in (_two_candidates(), _made_in_the_model()):
-        a = nw.first_anomaly
-        assert a is not None and a.op is None
-        assert [d.code for d in nw.history[0].diagnoses][:1] == ["NW302"]
+    # of two nodes on the way, the one whose saved values sit where its derivative is
+    # infinite, as watch names it
+    a = _two_candidates().first_anomaly
+    assert a is not None and a.op is not None and a.op.node == "SqrtBackward0"
+    # not when the way from the loss code's node to the parameter passes a watched output
+    # whose gradient was finite
+    nw = _made_in_the_model()
+    a = nw.first_anomaly
+    assert a is not None and a.op is None
+    assert [d.code for d in nw.history[0].diagnoses][:1] == ["NW302"]
 
 
 class _RNNModel(nn.Module):

@@ -531,6 +531,15 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
                 else "(the forward's -inf was discarded later, as exp(-inf) = 0 does)"
             )
         )
+    elif (
+        "NaN" in ev.born and ev.phase is Phase.BACKWARD and x is not None and x.min == -1.0
+    ) and name == "log1p":
+        # at -1, not below: log1p's backward, grad / (1 + x), at 0 / 0
+        evidence.append(
+            f"in backward, {op}'s gradient grad / (1 + x) is 0 / 0 = NaN: its input's "
+            "minimum is -1 (none below), and the gradient arriving there is 0 (the "
+            "forward's -inf was discarded, by a torch.where or a mask)"
+        )
     elif "NaN" in ev.born:
         evidence.append(
             f"{op} of a number below {at} is NaN: its input's minimum is "
@@ -539,7 +548,11 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     evidence.append(f"input ({ev.dtype}): {describe_stat(x)}")
     evidence += _chain_evidence(ev, trigger, "-inf")
     if ev.phase is Phase.BACKWARD:
-        evidence.append(f"in backward (autograd node {ev.node}): d/dx log(x) = 1/x is inf at 0")
+        evidence.append(
+            f"in backward (autograd node {ev.node}): d/dx log1p(x) = 1/(1 + x) is inf at -1"
+            if name == "log1p"
+            else f"in backward (autograd node {ev.node}): d/dx log(x) = 1/x is inf at 0"
+        )
     lost = (
         lost_eps(ev.code, ev.dtype, "log", zeros=has_zero(x))
         if ev.phase is Phase.FORWARD and "-inf" in ev.born and name != "log1p"
