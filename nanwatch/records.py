@@ -564,6 +564,12 @@ class Note:
       each log in it was taken of (``[["rsub", "watched:sigmoid"], ["watched:sigmoid"]]``,
       see :func:`nanwatch.ops.made_from`); ``data["selections"]`` the gathers that picked
       an infinity out of their source (:func:`nanwatch.ops.graph_selections`).
+    * ``"zero_param"``: a watched parameter that holds exact zeros reaches a log of that
+      graph through a product or a view (``gain * softplus(z)``, ``gain`` at 0), see
+      :mod:`nanwatch._zero_params`; ``path`` is its module. ``data``: ``node``,
+      ``parameter``, ``zeros``, ``numel``, ``via``, ``dtype``, ``optimizer``,
+      ``written_after`` (its version moved on since that update), and where told
+      ``write_source``/``write_code`` (the statement that wrote it), ``own_step``.
     * ``"graph"``: written at a watched module's forward for an output of a short-range
       dtype (float16, float8) made by a product or quotient (``MulBackward0``,
       ``DivBackward0``); ``path`` is the module. ``data``: ``record`` (the output's record),

@@ -5861,6 +5861,11 @@ class Watcher:
             # data is only an error once it reaches something; the step end decides
             self._pending_data = anomaly
             return
+        if self._forensic and anomaly.op is not None and anomaly.path == LOSS_PATH:
+            # the op traced already (not by _pinpoint_loss): what gave a log its 0
+            held = loss if loss is not None or not self._late else self._late_loss_of(anomaly)
+            if held is not None and anomaly.kind is AnomalyKind.FORWARD:
+                self._note_zero_params(held)
         if self.config.pinpoint and anomaly.kind is AnomalyKind.FORWARD and anomaly.op is None:
             # the loss code's graph is read at every anomaly (cheap); a module is replayed
             # at its first anomaly of the run only (warn/record runs go on with one a step),
@@ -7309,6 +7314,7 @@ class Watcher:
             if picked:  # a gather that picked an infinity its source held (a masked entry)
                 data["selections"] = picked[:4]
         self.note("loss_graph", LOSS_PATH, source=source, **data)
+        self._note_zero_params(loss)
         if events:
             anomaly.op = forward_birth(events)  # not a sqrt of 0 before the log of it
             self._replay_roots_for(anomaly)
@@ -7330,6 +7336,40 @@ class Watcher:
             else:
                 anomaly.summary = f"{base} (loss.backward() at {source}{hint})"
         anomaly.summary = summarize(anomaly)
+
+    def _note_zero_params(self, loss: torch.Tensor) -> None:
+        """A ``"zero_param"`` note for each watched parameter that holds exact zeros and
+        reaches a log of ``loss``'s graph through a product or a view (``gain *
+        softplus(z)`` with ``gain`` at 0; see :mod:`nanwatch._zero_params`), with what wrote
+        it there when that is told. Anomaly-time work only: reads the parameters."""
+        from nanwatch import _zero_params  # anomaly-time only
+
+        if loss.grad_fn is None:
+            return
+        try:
+            names = {id(p): q for q, _, p in self._params}
+            paths = {q: path for q, path, _ in self._params}
+            found = _zero_params.zero_params(loss.grad_fn, names)
+            if not found:
+                return
+            frame = _frames.user_frame()
+            held = self._loss_held[0] if self._loss_held is not None else None
+            code = frame.f_code if frame is not None else held
+
+            def optimizer_of(p: torch.Tensor) -> Any:
+                ref = self._stepped_by.get(id(p))
+                return ref() if ref is not None else None
+
+            for f in found[:4]:
+                data = _zero_params.note_data(
+                    f,
+                    frame_code=code,
+                    stepped=(self._stepped, self._stepped_prev),
+                    optimizer_of=optimizer_of,
+                )
+                self.note("zero_param", paths.get(f["parameter"], ""), **data)
+        except Exception:  # an unusual graph or source: no more evidence, nothing lost
+            return
 
     def _replay_roots_for(self, anomaly: Anomaly) -> None:
         """The loss code's graph names the op that made the value (``aten.mean`` of an empty

@@ -589,6 +589,12 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
     if name == "log1p" and ev.phase is Phase.FORWARD:
         return _log1p_below(ctx, a, ev, x, evidence=evidence)
     use = _log_of_param(ctx, a, ev, x) if ev.phase is Phase.FORWARD else None
+    if use is None and ev.phase is Phase.FORWARD:  # a factor that is a parameter at 0
+        from nanwatch.rules._zero_param import zero_param_story
+
+        zp = zero_param_story(ctx, ev, x)
+        if zp is not None:
+            use = _LogUse("zero-param", zp.fix, zp.why, zp.evidence, zp.title)
     if use is None and ev.phase is Phase.FORWARD:
         use = _dist_value_use(ctx, ev, x)
     if use is None and ev.phase is Phase.FORWARD and x is not None and x.min <= 0:

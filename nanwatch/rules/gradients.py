@@ -167,6 +167,12 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
                 f"the gradient of {name} applied at step {prev.step} was already {g.stat.kinds()}"
             )
         elif prev.anomaly is not None and prev is not ctx.trace:
+            end = _read_bad_at_end(prev, name)
+            if end is not None:  # found so at that step's end, its own anomaly said why
+                yield _bad_since_diagnosis(
+                    ctx, a, (prev, end, True), ctx.trace, name=name, evidence=evidence
+                )
+                return
             consequence = f"step {prev.step} already had an anomaly: {prev.anomaly.summary}"
         elif g is not None and g.stat is not None and g.stat.norm is not None:
             gnorm = g.stat.norm
@@ -209,6 +215,10 @@ def bad_weights(ctx: RuleContext) -> Iterator[Diagnosis]:
         yield _other_rank_diagnosis(ctx, a, update, ranks, gnorm, name=name, evidence=evidence)
         return
     state = _bad_state(ctx, name)
+    origin = _state_origin(ctx, name) if state else None
+    if state and origin is not None:  # an earlier step's NaN gradient: in the state since
+        yield _state_from_grad(ctx, a, update, state, origin, name=name, evidence=evidence)
+        return
     if state:
         yield _bad_state_diagnosis(ctx, a, update, state, name=name, evidence=evidence)
         return
@@ -1667,6 +1677,9 @@ def _plain_update(
         clipped = _clip_overflow(ctx, gnorm, total, rec.dtype, who, name=name, evidence=evidence)
         if clipped is not None:
             return ctx.diagnosis(**anomaly_fields(a), **clipped)
+        unseen = _unseen_write(ctx, a, u, gnorm, name=name, evidence=evidence)
+        if unseen is not None:  # torch's SGD makes no NaN from finite numbers: a .data write
+            return unseen
         # NaN and no inf: no value grew past the dtype, so the update's size is not the
         # cause; the update made it from finite numbers, or read it from its state
         rms = u is not None and u.optimizer == "RMSprop" and u.group.get("centered") is True
@@ -1927,6 +1940,147 @@ def _bad_state_diagnosis(
             "learning rate or clipping the gradients does not remove it."
         ),
         fix=_STATE_CHECK,
+    )
+
+
+def _read_bad_at_end(t: StepTrace, name: str) -> Record | None:
+    """The record of weight ``name`` that step ``t``'s weight check read non-finite after
+    its forward (at the step's end, after its update); None when it read none so."""
+    no_forward = _update_without_forward(t)
+    return next(
+        (
+            r
+            for r in t.records
+            if r.phase is Phase.PARAMETER
+            and r.role == name
+            and r.bad
+            and (no_forward or _after_forward(t, r))
+        ),
+        None,
+    )
+
+
+def _state_origin(ctx: RuleContext, name: str) -> StepTrace | None:
+    """The earliest step of the history whose gradient of weight ``name``, checked before
+    its update, was non-finite and was not dropped (no ``grads_dropped`` optimizer note):
+    that update put the NaN/inf into the optimizer's running state as well as into the
+    weight. None when no step of the history had one."""
+    for t in ctx.history:
+        bad = any(r.phase is Phase.GRADIENT and r.role == name and r.bad for r in t.records)
+        dropped = any(n.kind == "optimizer" and n.data.get("grads_dropped") for n in t.notes)
+        if bad and not dropped:
+            return t
+    return None
+
+
+def _state_from_grad(
+    ctx: RuleContext,
+    a: Anomaly,
+    u: _Update | None,
+    keys: list[str],
+    origin: StepTrace,
+    *,
+    name: str,
+    evidence: list[str],
+) -> Diagnosis:
+    """NW301 for a weight the optimizer's NaN/inf state keeps writing: the state went bad
+    when the update of step ``origin`` applied a non-finite gradient; a weight restored
+    after it (``w.data[bad] = 0``, ``nan_to_num_``) is written NaN again by the next update
+    that reads the state, however many steps later a forward reads it."""
+    opt = u.optimizer if u is not None else "the optimizer"
+    state = ", ".join(keys)
+    g = next(r for r in origin.records if r.phase is Phase.GRADIENT and r.role == name)
+    said = f" (see {origin.diagnoses[0].code} at step {origin.step})" if origin.diagnoses else ""
+    restored = origin.full and not any(
+        r.phase is Phase.PARAMETER and r.role == name and r.bad for r in origin.records
+    )
+    head, check = _grad_check(ctx, origin)
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite optimizer state",
+        evidence=[
+            # which later update wrote it is not the story: every one since reads the state
+            *(e for e in evidence if not e.startswith("its gradient norm at step")),
+            f"{opt}'s state for {name} holds NaN/inf: {state}",
+            f"the gradient of {name} applied at step {origin.step} was "
+            f"{g.stat.kinds() if g.stat else 'non-finite'}{said}: that update wrote it into "
+            f"{state} as well as into the weight"
+            + (
+                f"; {name} was finite at the end of step {origin.step}: restored after that "
+                "update, with the state left as it was"
+                if restored
+                else ""
+            ),
+        ],
+        explanation=(
+            f"{opt} computes each update of {name} from its running state ({state}), not "
+            f"from the gradient alone. The non-finite gradient it applied at step "
+            f"{origin.step} went into that state too, and stays there: restoring the weight "
+            "(w.data[bad] = 0, nan_to_num_) does not restore the state, so the next update "
+            "that reads it writes NaN/inf into the weight again, however many steps later. "
+            "Reset the state with the weight, or skip the update whose gradient is "
+            "non-finite so neither is written."
+        ),
+        fix=(
+            "for p in model.parameters():   # where you restore the weights: the state too\n"
+            "    s = optimizer.state.get(p, {})\n"
+            "    if any(torch.is_tensor(v) and not torch.isfinite(v).all() for v in s.values()):\n"
+            "        s.clear()   # the optimizer starts this weight's state afresh\n"
+            f"{head}if all({check} for p in model.parameters()\n"
+            "       if p.grad is not None):\n"
+            "    optimizer.step()   # better: skip updates with NaN/inf gradients"
+        ),
+    )
+
+
+def _unseen_write(
+    ctx: RuleContext,
+    a: Anomaly,
+    u: _Update | None,
+    gnorm: float | None,
+    *,
+    name: str,
+    evidence: list[str],
+) -> Diagnosis | None:
+    """NW301 for a weight found NaN (no inf) after an update by torch's own SGD from a
+    finite gradient, a finite learning rate and a finite state: that update, w - lr × (g +
+    weight_decay × w + momentum × buf), has no division and no square root, and makes no
+    NaN from finite numbers. Code after ``optimizer.step()`` that moved no version counter
+    wrote it: a write through ``.data`` (``w.data /= w.data.norm(...)`` of an all-zero row).
+    None for any other optimizer, or when a number it read is not known finite."""
+    s = a.record.stat
+    lr = _lr_of(u)
+    if u is None or u.optimizer != "SGD" or _optimizer_class("SGD") is not None:
+        return None
+    if s is None or not s.has_nan or s.has_posinf or s.has_neginf:
+        return None
+    if gnorm is None or not math.isfinite(gnorm) or lr is None or not math.isfinite(lr):
+        return None
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights written outside an optimizer step",
+        evidence=[
+            *(e for e in evidence if not e.startswith(("its gradient norm at", "updated at"))),
+            f"SGD's update at step {u.step}, w - lr × (g + weight_decay × w + momentum × "
+            f"buf), has no division and no square root: from the finite gradient it applied "
+            f"(norm {fmt(gnorm)}), lr {hyper(lr)} and a finite state it makes no NaN",
+            f"{name}'s version did not move since that update: the write that made the NaN "
+            "went through .data (or a tensor sharing its storage), which autograd does not see",
+        ],
+        explanation=(
+            f"{name} was finite when the last step's forward ran and holds NaN now, but SGD "
+            "did not write it: its update only multiplies and adds finite numbers. Code "
+            "after optimizer.step() did, through .data: a projection or a normalization of "
+            "the weights (w.data /= w.data.norm(dim=1, keepdim=True) is 0/0 = NaN on an "
+            "all-zero row), a copy from another tensor, a pruning mask."
+        ),
+        fix=(
+            "optimizer.step()\n"
+            "assert all(torch.isfinite(p).all() for p in model.parameters())   # passes: the "
+            "NaN is written after it\n"
+            "w.data /= w.data.norm(dim=1, keepdim=True).clamp_min(1e-12)   # for a "
+            "normalization after the step (w: the weight): no 0/0 on an all-zero row"
+        ),
     )
 
 
