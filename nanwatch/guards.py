@@ -5929,10 +5929,12 @@ class FunctionalGuards:
         try:
             bound = _bind_functional(spec, args, kwargs)
             owner = _torch_loss_module(caller, spec)
-            if owner is not None:
+            user = _frames.user_frame(caller)
+            if owner is not None and user is not None and _call_site(caller) is user:
                 # torch's nn.CrossEntropyLoss (a loss module the user did not hand to
-                # watch()) made the call: checked and worded as that module's call on the
-                # user's line, criterion(out, y), not as the F call inside it
+                # watch()), called by the user's own line, made the call: checked and worded
+                # as that module's call there, criterion(out, y), not as the F call inside
+                # it (a library's loss, transformers', keeps the functional's wording)
                 module, names = owner
                 _guard(
                     watcher,
@@ -5941,7 +5943,7 @@ class FunctionalGuards:
                     path=type(module).__name__,
                     cls_name=type(module).__name__,
                     is_module=True,
-                    frame=_frames.user_frame(caller),
+                    frame=user,
                     order=names,
                     kw_names={},
                     module=module,

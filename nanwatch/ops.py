@@ -3892,6 +3892,7 @@ def graph_evidence(
     output: torch.Tensor | None = None,
     values: Callable[[Any], torch.Tensor | None] | None = None,
     logs: list[list[str]] | None = None,
+    unsaved: bool = True,
 ) -> tuple[list[str], list[OpEvent]]:
     """Read the autograd graph below ``fn`` (a loss's ``grad_fn``) down to the nodes in
     ``stop`` (true for the grad_fns of watched outputs): the names of the ops it ran, and an
@@ -3903,7 +3904,10 @@ def graph_evidence(
     ``stop`` node made, for an input autograd did not save (the numerator of ``logits / t``
     is the model's output). Events come in the order their ops ran. ``logs``, when given,
     gets what each log of the graph was taken of (:func:`made_from`): ``log(p)`` beside
-    ``log(1 - p)`` is a binary cross-entropy written by hand."""
+    ``log(1 - p)`` is a binary cross-entropy written by hand. ``unsaved``: when nothing
+    the graph saved explains the loss's value, an operand with no history of a node that
+    saves none (``pred - y``) is looked for among the user's locals (see
+    :func:`_nonfinite_local`)."""
     names: list[str] = []
     events: list[OpEvent] = []
     order: list[Any] = []
@@ -3942,7 +3946,7 @@ def graph_evidence(
                 event.source, event.code = forward_line(node)
             event.made_from = made_from(node, stop, below=base in ("Log", "Log2", "Log10"))
             events.append(event)
-    if not leaf_said and not events and loss_kinds:
+    if unsaved and not leaf_said and not events and loss_kinds:
         # nothing the graph saved explains the loss's value: an operand of a node that
         # saves none (pred - y) held it, when one local of the user's code holds such a value
         for node in pending:

@@ -7295,7 +7295,27 @@ class Watcher:
     ) -> tuple[list[str], list[OpEvent]]:
         """:func:`ops.graph_evidence` below ``t``'s node, down to the watched outputs."""
         stop, value = self._graph_stops(t)
-        return ops.graph_evidence(t.grad_fn, stop=stop, output=t, values=value, logs=logs)
+        return ops.graph_evidence(
+            t.grad_fn,
+            stop=stop,
+            output=t,
+            values=value,
+            logs=logs,
+            # forensic traced the op that read it, a guard measured the target: NW401 says it
+            unsaved=not self._forensic and not self._guarded_bad_target(),
+        )
+
+    def _guarded_bad_target(self) -> bool:
+        """A guarded loss call of this step measured a target holding NaN or inf (its
+        ``loss_input`` note): the data story (NW401) is told from it."""
+        for n in self._trace.notes:
+            if n.kind != "loss_input":
+                continue
+            for key in ("target_min", "target_max"):
+                v = n.data.get(key)
+                if isinstance(v, (int, float)) and not math.isfinite(v):
+                    return True
+        return False
 
     def _pinpoint_loss(self, anomaly: Anomaly, loss: torch.Tensor) -> None:
         """The loss code is not a module and cannot be re-run; its autograd graph can be

@@ -1408,6 +1408,16 @@ def _from_op(
         and jump is None
         else None
     )
+    if (
+        scaled_logits is not None
+        and not scaled_logits.diagonal
+        and not scaled_logits.summed
+        and ev.code is not None
+        and _normalized_later(ev) is not None
+    ):
+        # positives that are not the diagonal (NT-Xent's two views): the user's own line,
+        # rewritten below in its names, says more than a template with labels = ...
+        scaled_logits = None
     if scaled_logits is not None and lim is not None:  # a contrastive loss's exps, by hand
         return _scaled_logits_diagnosis(ctx, a, ev, trigger, lg=scaled_logits, lim=lim)
     if subst is not None:
