@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from nanwatch import _copies, _frames, _graph, _trainer, ops
+from nanwatch import _copies, _frames, _graph, _kept, _trainer, ops
 from nanwatch._compat import (
     aminmax,
     autocast_state,
@@ -762,6 +762,8 @@ class Watcher:
         self.history: deque[StepTrace] = deque(maxlen=self.config.ring_size)
         #: :meth:`_read_graph`'s digests, by (module path, node type, dtype)
         self._digests: dict[tuple[str, str, str], list[dict[str, Any]] | None] = {}
+        #: read late: what the risky nodes of each call's own code saved (see _kept)
+        self._own_saved = _kept.OwnSaved()
         #: the step a :meth:`load_state_dict` resumed at: ``history``'s steps before it are
         #: the restored ones (-1: nothing restored)
         self._resumed_at = -1
@@ -1199,6 +1201,7 @@ class Watcher:
         self._known.clear()
         self._stack.clear()
         self._loss_snaps = []  # what the loss code saved: no reference kept after detach
+        self._own_saved = _kept.OwnSaved()  # and the modules' own code
         self._loss_held = None
         self._digests.clear()  # the model may change before the next attach
         self._late_loss = None
@@ -1672,8 +1675,12 @@ class Watcher:
             call = self._open_call(info)
             owners = None if self._full else self._buffer_owners(module)
             frame = _Frame(call, module, args, kwargs, owners=owners)
+            if call.parent in self._own_saved.starts:  # read late: see _kept
+                self._own_saved.gave(call.parent, args, kwargs, stop=self._recorded_nodes)
             self._stack.append(frame)
             self._record_inputs(info, call, args, kwargs)
+            if self._keeps_own_saved():
+                self._own_saved.begin(info.path, call.id)
             if call.root:  # host-side counters only, once per root call
                 frame.inputs = tuple(_version(t) for _, t in self._walk(args, "input", kwargs))
                 frame.rng = ops.forward_rng(args, kwargs)
@@ -1777,6 +1784,16 @@ class Watcher:
             # a skipped module fed only data that needs no gradient (an embedding's ids): the
             # gradient of its output goes straight into its weights, and is hooked
             leaf = skip and not _needs_grad(args)
+            if call.id in self._own_saved.starts:  # read late: see _kept
+                self._own_saved.end(
+                    info.path,
+                    call.id,
+                    args,
+                    kwargs,
+                    output,
+                    stop=self._recorded_nodes,
+                    risky=_steep_capable,
+                )
             self._record_outputs(info, call, output, skip=skip, leaf=leaf)
             call.end = self._idx
             if self._lazy_left and info.is_root and not self._stack:
@@ -1982,6 +1999,7 @@ class Watcher:
         self._grads_kept: list[torch.Tensor] | None = None
         self._kept_saved = 0  # bytes of flagged nodes' saved values kept (see _keep_saved)
         self._loss_snaps = []
+        self._own_saved.reset()
         self._loss_held = None
         #: read late: the nodes of the roots' inputs the user's code computed from watched
         #: outputs this step, and what the nodes below them saved, kept as backward began
@@ -5430,6 +5448,12 @@ class Watcher:
         weights, localize, and run the rules. ``final``: the run's last step (detach),
         whose update's weights no next forward will read: checked in every mode."""
         trace = self._trace
+        # what backward made, left unread past an update (a GPU-bound step): the next step
+        # keeps what its modules' risky nodes save (see _kept); a step whose backward was
+        # read before its update does not need it
+        self._own_saved.wanted = self._applied and (
+            bool(self._pending_grads) or any(not pf.wait for pf in self._prefetched)
+        )
         if not self._device_dead and not _tracing():
             weigh = self._full or (final and self._updated and self.first_anomaly is None)
             maxima = self._param_maxima() if weigh else []  # read with the rest
@@ -5483,6 +5507,9 @@ class Watcher:
         found = trace.anomaly
         if found is None:
             self._localize(trace)
+            if self._applied and self._own_saved.snaps:
+                with contextlib.suppress(Exception):
+                    self._pinpoint_from_kept(trace)
             if self._applied and self._late_losses:
                 with contextlib.suppress(Exception):
                     self._pinpoint_loss_after_update(trace)
@@ -5989,6 +6016,195 @@ class Watcher:
         finally:
             self._late = self._reading_after_update = False
         a.summary = summarize(a)
+
+    def _keeps_own_saved(self) -> bool:
+        """Read late (the accelerator path), in watch or sentinel mode with pinpointing on,
+        in the run's first step and after one whose backward was read only after its update
+        (see :meth:`_flush`): what the risky nodes of each call's own code save is kept (see
+        :mod:`_kept`), for an anomaly of its backward read only after the update."""
+        return (
+            self._own_saved.wanted
+            and self._read_late()
+            and self.config.pinpoint
+            and not self._forensic
+            and torch.is_grad_enabled()
+            and not ops.replaying()
+        )
+
+    def _pinpoint_from_kept(self, trace: StepTrace) -> None:
+        """Read at the step's end after an optimizer's update (the GPU-bound step: nothing had
+        landed before it), a gradient born non-finite in the backward of a module's own code
+        (or reaching a parameter's gradient unwatched): the module cannot be replayed with
+        the weights it ran with. Of the risky nodes its own code made, whose saved values
+        were kept as its call returned (see :mod:`_kept`), the one whose forward was given
+        a point where its derivative is infinite (:func:`_steep_count`) is named, with what
+        it saved and its line, as the replay names it before an update. Reads the kept
+        values: anomaly-time work only."""
+        a = trace.anomaly
+        if a is None or not self.config.pinpoint or self._forensic:
+            return
+        named = a.op  # by its name alone (a loss module's node flagged on the device)
+        if named is not None and not _line_unknown(named, a.path):
+            return
+        if a.kind is AnomalyKind.BACKWARD and a.origin in ("between-children", "module"):
+            paths = [a.path]
+        elif a.kind is AnomalyKind.GRADIENT and named is None:
+            # its module first, then those that hold it, innermost first (as
+            # _pinpoint_param_backward replays them)
+            owner = next((m for m, info in self._modules if info.path == a.record.path), None)
+            holders = sorted(
+                (sum(1 for _ in m.modules()), info.path)
+                for m, info in self._modules
+                if owner is not None and m is not owner and any(x is owner for x in m.modules())
+            )
+            paths = [a.record.path] + [p for _, p in holders]
+        else:
+            return
+        for path in paths:
+            ev = self._steep_kept_node(a, path)
+            if ev is None:
+                continue
+            if named is not None:
+                if ev.node != named.node:
+                    return  # another node: the one its flag named stays
+                # what the node made, as its flag read it, with what it saved and its line
+                ev.output, ev.born = named.output, named.born
+                trace.ops[:] = [o for o in trace.ops if o is not named]
+            trace.ops.append(ev)
+            if a.kind is AnomalyKind.GRADIENT:
+                adopt_backward_op(a, [ev])
+            else:
+                a.op = ev
+                a.summary = summarize(a)
+            return
+
+    def _steep_kept_node(self, anomaly: Anomaly, path: str) -> OpEvent | None:
+        """:meth:`_pinpoint_from_kept` for the module at ``path``: the event of its own
+        code's kept node whose saved values lie where its derivative is infinite, the one
+        whose backward ran first when several of a call do (of its first call that has
+        one); None when none does."""
+        steep = [
+            (call_id, snap, offset)
+            for p, call_id, snap, offset in self._own_saved.snaps
+            if p == path and snap.unchanged() and _steep_count(snap)
+        ]
+        if not steep:
+            return None
+        stop = self._recorded_nodes
+
+        def below(top: Any) -> set[int]:
+            def prune(n: Any) -> bool:  # ``top`` may be the module's output: recorded
+                return (n in stop and n is not top) or ops.accumulates_grad(n)
+
+            return {id(n) for n in ops.GraphWalk([top], prune=prune, limit=_LOSS_NODES)}
+
+        first = None
+        for cand in steep:
+            # each call's own graph apart (a module called twice a step): the first call
+            # with a node whose backward ran before its other ones'
+            under = below(cand[1].node)
+            if all(id(s.node) in under for c, s, _ in steep if c == cand[0]):
+                first = cand
+                break
+        if first is None:
+            return None
+        call_id, snap, offset = first
+        name = ops.name_of(snap.node)
+        # what the node made depends on the gradient that reached it (a sqrt's backward at
+        # 0 makes +inf, -inf or NaN as it was positive, negative or 0): a watched output's
+        # gradient below it may hold what a later node made of it, and is not told as the
+        # node's; a parameter's, which no watched output's came between, is
+        told = anomaly.kind is AnomalyKind.GRADIENT and anomaly.record.stat is not None
+        stat = anomaly.record.stat if told else None
+        ev = self._saved_node_event(
+            snap, name, stat or TensorStat(math.nan, math.nan, 0), anomaly.record.dtype
+        )
+        if ev is None:
+            return None
+        if not told:
+            ev.born = ops.UNKNOWN_KIND
+        ev.path = path
+        site = self._loss_site()
+        sub: list[str] = []
+        line = self._kept_line(call_id, snap, offset, sub) or _NO_LINE
+        _place(ev, line, site)
+        if sub:  # made in a submodule whose calls no hook watched (sentinel): told as its
+            ev.path = sub[0]
+        return ev
+
+    def _kept_line(
+        self, call_id: int, snap: ops.SavedNode, offset: int, sub: list[str] | None = None
+    ) -> tuple[str, str | None] | None:
+        """The user's line that made the kept node ``snap``, ``offset`` nodes after its call
+        began: the call is run again under anomaly mode on its inputs, still at hand or
+        made again by its root on the root's own (the weights the update wrote give other
+        values, the same ops), and the node made at the same place, of the same kind, tells
+        its line. None when no inputs are found, the run fails, or the node there is
+        another. ``sub`` gets the path of the innermost submodule whose calls no hook
+        watched (see :meth:`_unhooked_path`) that made it, if one did. Anomaly-time work
+        only."""
+        call = self._trace.call(call_id)
+        if call is None or _distributed() is not None:
+            return None
+        found = self._call_inputs(call, None, False, finished=True)
+        held = self._own_saved.inputs.get(call_id)
+        owner = next((m for m, info in self._modules if info.path == call.path), None)
+        if found is None and held is not None and owner is not None:
+            found = (owner, held[0], held[1], False)  # what its forward was given
+        if found is None and not call.root:
+            found = self._inputs_from_root(call.path, grad=True)
+        if found is None:
+            return None
+        module, args, kwargs, hooks = found
+        kind = type(snap.node).__name__
+        devices = {t.device for _, t in self._walk(args, "input", kwargs)}
+        # the node numbers each unwatched submodule's call spans: (first, end, its path)
+        spans: list[tuple[int, int, str]] = []
+        opened: list[int | None] = []
+
+        def into(_m: nn.Module, _a: Any) -> None:
+            opened.append(ops._next_sequence_nr())
+
+        def made(m: nn.Module, _a: Any, _o: Any) -> None:
+            first = opened.pop() if opened else None
+            end, name = ops._next_sequence_nr(), self._unhooked_path(m)
+            if first is not None and end is not None and name is not None:
+                spans.append((first, end, name))
+
+        inner = [m for m in module.modules() if m is not module and self._unhooked_path(m)]
+        with contextlib.ExitStack() as stack:
+            for m in inner:
+                stack.callback(m.register_forward_pre_hook(into).remove)
+                stack.callback(m.register_forward_hook(made).remove)
+            stack.enter_context(ops.preserved_state(module, devices))
+            stack.enter_context(ops._replay_scope())
+            stack.enter_context(torch.enable_grad())
+            stack.enter_context(torch.autograd.set_detect_anomaly(True, False))
+            start = ops._next_sequence_nr()
+            try:
+                out = ops.call_forward(
+                    module, args, kwargs, pre_hooks=hooks, modes=self._call_modes(call)
+                )
+            except Exception:  # a call that cannot run again here: no line
+                return None
+            if start is None:
+                return None
+            want = start + offset
+            roots = _kept.nodes_of(out)
+            for node in ops.GraphWalk(
+                roots,
+                prune=lambda n: ops.accumulates_grad(n) or (_kept._nr(n) or -1) < start,
+                limit=_LOSS_NODES,
+            ):
+                if _kept._nr(node) == want:
+                    if type(node).__name__ != kind:
+                        return None
+                    spanned = [(s, p) for s, e, p in spans if s <= want < e]
+                    if spanned and sub is not None:
+                        sub.append(max(spanned)[1])  # the innermost: the latest to begin
+                    src, code = ops.forward_line(node)
+                    return (src, code) if src is not None else None
+        return None
 
     def _note_user_hooks(self, trig: Record) -> None:
         """Note the hooks the user registered on the tensor whose gradient ``trig`` found
@@ -9411,6 +9627,24 @@ def _steep_count(snap: ops.SavedNode) -> int:
         return 0
     with torch.no_grad():
         return int((v == point).sum())
+
+
+def _steep_capable(node: Any) -> bool:
+    """``node``'s backward can make a non-finite gradient from a finite one (see
+    :func:`_risky_backward`) at a point :func:`_steep_count` can find in what it saved: what
+    is kept of it, read late, can tell (see :mod:`nanwatch._kept`)."""
+    typ = type(node)
+    known = _STEEP_KINDS.get(typ)
+    if known is None:
+        name = typ.__name__
+        base = re.sub(r"Backward\d*$", "", name)
+        steep = base in _STEEP_AT or domain_of(ops.node_op(name)) is not None
+        known = _STEEP_KINDS[typ] = steep and base in _RISKY_BACKWARD
+    return known and (typ.__name__ != "PowBackward0" or _risky_backward(node))
+
+
+#: :func:`_steep_capable` by node type, but for a power's exponent
+_STEEP_KINDS: dict[type, bool] = {}
 
 
 def _post_order(nodes: Sequence[Any]) -> list[Any]:

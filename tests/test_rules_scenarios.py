@@ -171,12 +171,6 @@ def test_division_by_zero_names_op_line_and_zero_over_zero() -> None:
     assert "exact zero" in d.evidence[0]
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason=(
-        "backward's statistics are read only at the step end, after the update: the module's "
-        "backward is not replayed on the changed weights, so the line is not named"
-    )
-)
 def test_sqrt_backward_names_the_module_and_the_line_in_watch_mode() -> None:
     # a module with no watched children: its own backward is replayed on the anomaly path
     d = top("sqrt-backward")

@@ -67,12 +67,6 @@ class TripletLoss(nn.Module):
         return torch.relu(d_ap - d_an + 1.0).mean()
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason=(
-        "a gradient is read at the step end, after the update: the loss module's input, made "
-        "with the old weights, cannot be made again to replay its backward"
-    )
-)
 @pytest.mark.parametrize("mode", ["watch", "sentinel"])
 def test_a_sqrt_of_a_zero_distance_in_a_loss_modules_backward_names_its_line(mode: str) -> None:
     torch.manual_seed(0)

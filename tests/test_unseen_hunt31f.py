@@ -355,12 +355,6 @@ def _refine_run(crit: nn.Module, mode: str) -> nanwatch.Watcher:
     return nw
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason=(
-        "a gradient is read at the step end, after the update: the loss module's backward "
-        "cannot be replayed, so its forward line is not known (as in hunt 30a's triplet loss)"
-    )
-)
 @pytest.mark.parametrize("mode", ["watch", "sentinel"])
 def test_sqrt_of_a_squared_difference_gets_its_eps_on_the_users_line(mode: str) -> None:
     nw = _refine_run(Charbonnier(), mode)

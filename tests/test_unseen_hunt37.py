@@ -197,11 +197,6 @@ def test_a_softmax_that_underflowed_without_a_mask_keeps_its_log_softmax_fix() -
 # ---------- 5: a cosine by hand whose norms are two sqrts on one line: the zero vector is
 # ----------    the second's (an empty document, all padding, mean-pooled to 0)
 
-_GAP = (
-    "nothing has landed when backward begins and the tower's saved values are freed at the "
-    "read: the sqrt is not pinpointed (NW100 in watch, the gradient's NW302 in sentinel)"
-)
-
 
 class _TwoTower(nn.Module):
     def __init__(self) -> None:
@@ -233,7 +228,6 @@ def _retrieval(fixed: bool, mode: str) -> tuple[nn.Module, nanwatch.Watcher]:
     return model, _train(model, lambda: F.mse_loss(model(q, d, keep), y), mode)
 
 
-@pytest.mark.gpu_bound_weaker(reason=_GAP)
 @pytest.mark.parametrize("mode", MODES)
 def test_each_sqrt_of_a_hand_written_cosine_is_kept_off_0_and_the_fix_trains_clean(
     mode: str,

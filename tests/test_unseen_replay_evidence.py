@@ -125,10 +125,6 @@ class _PINN(nn.Module):
         return (du**2).mean() + u.pow(2).mean() + 1.0
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason="the parameter's gradient is read after the update, when no module is replayed "
-    "(the same with a root that does not differentiate itself)"
-)
 def test_sentinel_does_not_say_the_sqrt_made_inf_where_the_step_made_nan() -> None:
     """The gradient of ``scale.w`` was NaN (0 × inf: the gradient at the sqrt was 0), and
     the report said the sqrt's backward made +inf (then NaN). The parameter's gradient,

@@ -200,10 +200,6 @@ class _ScaledPINN(nn.Module):
         return (du**2).mean() + u.pow(2).mean() + 1.0
 
 
-@pytest.mark.gpu_bound_weaker(
-    reason="the parameter's gradient is read after the update, when no module is replayed "
-    "(the same with a root that does not differentiate itself)"
-)
 def test_sentinel_names_the_sqrt_of_a_pinn_called_twice_a_step() -> None:
     """Sentinel hooks the root alone: the child's inputs are made again by running the
     root, which raised under no_grad and gave up (NW302, no op named)."""
