@@ -4178,13 +4178,17 @@ class Watcher:
             _place(ev, line, site)
         return ev
 
+    def _held_loss(self) -> torch.Tensor | None:
+        """The loss ``backward()`` was last called on, while the user holds it, else the one
+        kept for a late read; None when neither is."""
+        loss = self._loss_ref() if self._loss_ref is not None else None
+        return loss if loss is not None else self._late_loss
+
     def _loss_node_named(self, name: str) -> Any:
         """The loss code's one autograd node called ``name`` (between the loss backward()
         ran on and the watched outputs); None when the loss is gone, its graph too large,
         or it holds none or several. A walk of the loss code: anomaly-time work only."""
-        loss = self._loss_ref() if self._loss_ref is not None else None
-        if loss is None:
-            loss = self._late_loss
+        loss = self._held_loss()
         if loss is None or loss.grad_fn is None:
             return None
         stop = self._recorded_nodes
@@ -6851,9 +6855,7 @@ class Watcher:
         trace = self._trace
         if any(n.kind == "user_hook" and n.path == anomaly.record.path for n in trace.notes):
             return None  # a hook of the user's on it may have made it: no node is named
-        loss = self._loss_ref() if self._loss_ref is not None else None
-        if loss is None:
-            loss = self._late_loss
+        loss = self._held_loss()
         if loss is None or loss.grad_fn is None:
             return None
         stop = self._recorded_nodes

@@ -2523,6 +2523,28 @@ def _unit_made_use(
     )
 
 
+def _drop_sigmoid(ctx: RuleContext) -> tuple[str, list[str]]:
+    """How to name the sigmoid: the one nn.Sigmoid module whose output the step recorded,
+    else "a sigmoid"; and the fix's first line, which drops that module so the model returns
+    logits (none when no one module is known)."""
+    paths = {
+        r.path
+        for r in ctx.records(Phase.FORWARD)
+        if r.role.startswith("output") and r.module_type == "Sigmoid"
+    }
+    module = paths.pop() if len(paths) == 1 else None
+    maker = f"the nn.Sigmoid ({module})" if module is not None else "a sigmoid"
+    lines = []
+    if module is not None:
+        ref = module_ref(module)
+        lines.append(
+            f"{ref} = nn.Identity()   # first: drop {maker}, so the model returns logits"
+            if ref != "model"
+            else f"# first: remove {maker}, so the model returns logits"
+        )
+    return maker, lines
+
+
 def _one_minus_sigmoid_use(
     ctx: RuleContext, what: str, zeros: str, ev: OpEvent, *, known: bool
 ) -> _LogUse:
@@ -2540,21 +2562,7 @@ def _one_minus_sigmoid_use(
         for n in ctx.notes("loss_graph")
         for chain in n.data.get("logs", ())
     )
-    paths = {
-        r.path
-        for r in ctx.records(Phase.FORWARD)
-        if r.role.startswith("output") and r.module_type == "Sigmoid"
-    }
-    module = paths.pop() if len(paths) == 1 else None
-    maker = f"the nn.Sigmoid ({module})" if module is not None else "a sigmoid"
-    lines = []
-    if module is not None:
-        ref = module_ref(module)
-        lines.append(
-            f"{ref} = nn.Identity()   # first: drop {maker}, so the model returns logits"
-            if ref != "model"
-            else f"# first: remove {maker}, so the model returns logits"
-        )
+    maker, lines = _drop_sigmoid(ctx)
     bce_line = (
         f"loss = {f}binary_cross_entropy_with_logits(logits, y)   # a pattern, in your "
         "names: logits, what the sigmoid was given; y, the targets: the binary "
@@ -2654,21 +2662,7 @@ def _bce_by_flow(ctx: RuleContext, ev: OpEvent, stmt: str, args: list[str]) -> _
         return None
     dt = ev.dtype or "float32"
     f = "torch.nn.functional." if _lacks_f(ev.source) else "F."
-    paths = {
-        r.path
-        for r in ctx.records(Phase.FORWARD)
-        if r.role.startswith("output") and r.module_type == "Sigmoid"
-    }
-    module = paths.pop() if len(paths) == 1 else None
-    maker = f"the nn.Sigmoid ({module})" if module is not None else "a sigmoid"
-    lines = []
-    if module is not None:
-        ref = module_ref(module)
-        lines.append(
-            f"{ref} = nn.Identity()   # first: drop {maker}, so the model returns logits"
-            if ref != "model"
-            else f"# first: remove {maker}, so the model returns logits"
-        )
+    maker, lines = _drop_sigmoid(ctx)
     lhs, label, reduction = _bce_parts(stmt, q)
     lines.append(
         f"{lhs or 'loss'} = {f}binary_cross_entropy_with_logits({q}, {label}{reduction})   "
