@@ -130,6 +130,11 @@ def _rot_step(net: _Rot, i: int) -> torch.Tensor:
     return (net(h, r, torch.tensor([0, 2])) - pos).mean()
 
 
+@pytest.mark.landed_only(
+    reason="on the GPU-bound path the saved values kept for a late read name the sqrt "
+    "(NW112 with its line, see test_unseen_n5_gpu_bound_backward.py): no replay template "
+    "is given there"
+)
 def test_the_replay_template_invents_no_criterion() -> None:
     net = _Rot()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
@@ -152,6 +157,11 @@ def test_the_replay_template_invents_no_criterion() -> None:
     compile(d.fix, "<fix>", "exec")
 
 
+@pytest.mark.landed_only(
+    reason="on the GPU-bound path the saved values kept for a late read name the sqrt "
+    "(NW112 with its line, see test_unseen_n5_gpu_bound_backward.py): no replay template "
+    "is given there"
+)
 def test_the_replay_template_keeps_a_watched_loss_under_the_users_name() -> None:
     net, crit = _Rot(), nn.L1Loss()
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
