@@ -29,7 +29,7 @@ import threading
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -97,6 +97,10 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("python-overflow", ("math range error", "Numerical result out of range")),
+    (
+        "view-layout",  # .view() of a tensor a transpose or permute left non-contiguous
+        ("view size is not compatible with input tensor's size and stride",),
+    ),
     ("fp16-unscale", ("Attempting to unscale FP16 gradients",)),  # GradScaler on .half()
     (
         "distribution-constraint",  # torch.distributions' validate_args: before "non-finite"
@@ -145,6 +149,7 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "channels, but got",
             "expected input with shape",
             "running_mean should contain",
+            "Expected hidden",  # an RNN's hidden state made for another batch or layout
         ),
     ),
     (
@@ -251,6 +256,12 @@ ADVICE: dict[str, str] = {
         "report: if it has been growing, lower the learning rate or clip the gradients "
         "(torch.nn.utils.clip_grad_norm_); to log a perplexity that cannot overflow, use "
         "math.exp(min(loss, 700))."
+    ),
+    "view-layout": (
+        "Tensor.view() was given a tensor that is not contiguous in memory: a transpose, "
+        "permute, .T or expand before it reordered its dimensions without moving the data, "
+        "and view() can only regroup dimensions that are laid out one after the other. Call "
+        ".reshape(...) in its place (it copies only when it must), or .contiguous().view(...)."
     ),
     "fp16-unscale": (
         "A GradScaler refused to unscale float16 gradients: the weights themselves are "
@@ -503,6 +514,20 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             else (cls == "other" and _function_advice(message)) or ADVICE[cls]
         ),
     }
+    if cls == "view-layout":
+        try:  # the source and a tensor's shape and layout only: no device access
+            said = view_advice(exc)
+        except Exception:  # the user's exception matters more than ours
+            said = None
+        if said is not None:
+            info["advice"] = said
+    if cls == "shape-mismatch":
+        try:  # shapes and module attributes only: no device access
+            said = rnn_hidden_advice(exc)
+        except Exception:  # the user's exception matters more than ours
+            said = None
+        if said is not None:
+            info["advice"] = said
     if cls in _POSITION_CLASSES:
         try:  # shapes and module attributes only: no device access
             said = position_advice(exc) or batch_shape_advice(exc)
@@ -775,6 +800,330 @@ _GRADIENT_COUNT = re.compile(
     r"\(expected (?P<want>\d+), got (?P<got>\d+)\)",
     re.IGNORECASE,
 )
+
+
+#: nn.RNN/LSTM/GRU's check of a given hidden state: "Expected hidden[0] size (1, 10, 16),
+#: got [1, 4, 16]"
+_HIDDEN_SIZE = re.compile(
+    r"Expected hidden(?:\[\d\])? size \((?P<want>\d+(?:, \d+)*)\), got \[(?P<got>\d+(?:, \d+)*)\]"
+)
+
+
+def rnn_hidden_advice(exc: BaseException) -> str | None:
+    """Advice for an ``nn.RNN``/``LSTM``/``GRU`` that refused the hidden state it was given,
+    led by the module and what its input's shape means to it: with ``batch_first=False``
+    an input of shape (batch, steps, features) is read as (steps, batch, features), so a
+    hidden state made for the real batch is refused; a hidden state given as (batch,
+    layers, hidden) is refused whatever ``batch_first`` says; else the batch it was made
+    for is not this input's (a last batch of another size). From the traceback's frames,
+    the message and shapes only. None when no recurrent module's forward raised it."""
+    from torch import Tensor, nn
+
+    m = _HIDDEN_SIZE.search(str(exc))
+    if m is None:
+        return None
+    want = tuple(int(n) for n in m["want"].split(", "))
+    got = tuple(int(n) for n in m["got"].split(", "))
+    if len(want) != 3 or len(got) != 3:
+        return None
+    tb = exc.__traceback__
+    tbs: list[TracebackType] = []
+    while tb is not None and len(tbs) < 512:
+        tbs.append(tb)
+        tb = tb.tb_next
+    frames = [t.tb_frame for t in tbs]
+    owners = [(f, me) for f in frames if isinstance(me := f.f_locals.get("self"), nn.Module)]
+    rnn = next(
+        (
+            (f, me, x)
+            for f, me in reversed(owners)
+            if isinstance(me, nn.RNNBase) and isinstance(x := f.f_locals.get("input"), Tensor)
+        ),
+        None,
+    )
+    if rnn is None:
+        return None
+    frame, module, x = rnn
+    arg = _first_argument(tbs[: frames.index(frame)]) or "x"
+    shape = tuple(int(n) for n in x.shape)
+    path = next((q for q, me in owners[0][1].named_modules() if me is module), "")
+    kind = type(module).__name__
+    name = f"{path} ({kind})" if path else kind
+    layers, batch, hidden = want
+    if x.is_nested or x.dim() not in (2, 3):
+        return None
+    if got == (batch, layers, hidden) and batch != layers:
+        return (
+            f"{name} was given a hidden state of shape {list(got)}, but it takes (num_layers * "
+            f"num_directions, batch, hidden_size) = {list(want)}, also with batch_first=True "
+            f"(which is for the input and output only): make it torch.zeros({layers}, "
+            f"{batch}, {hidden}), or pass none (zeros are the default)."
+        )
+    if (
+        not module.batch_first
+        and len(shape) == 3
+        and shape[1] == batch
+        and shape[0] == got[1]
+        and shape[0] != shape[1]
+    ):
+        return rnn_batch_first_advice(
+            name,
+            module,
+            shape,
+            f", while the hidden state given with it is for a batch of {got[1]}",
+        )
+    return (
+        f"{name} was given a hidden state for a batch of {got[1]}, but its input has a batch "
+        f"of {batch} (shape {list(shape)}): make the hidden state from each batch's size, "
+        f"torch.zeros({layers}, {arg}.size({0 if module.batch_first else 1}), {hidden}), "
+        "or pass none (zeros are the default); a hidden state carried from the last batch "
+        "does not fit a shorter one (DataLoader(..., drop_last=True))."
+    )
+
+
+#: the two batch sizes an error contrasts: broadcasting's, the class losses', nanwatch's
+#: NW503 guard's, the binary losses'
+_BATCH_PAIRS = (
+    re.compile(r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\)"),
+    re.compile(r"input batch_size \((\d+)\) to match target batch_size \((\d+)\)"),
+    re.compile(r"the batch sizes differ \((\d+) vs (\d+)\)"),
+    re.compile(r"Target size \(torch\.Size\(\[(\d+).*?input size \(torch\.Size\(\[(\d+)"),
+)
+
+
+def batch_sizes_named(message: str) -> set[int]:
+    """The two different batch sizes ``message`` says disagree; empty when it says none.
+
+    >>> sorted(batch_sizes_named("Expected input batch_size (10) to match target batch_size (4)."))
+    [4, 10]
+    """
+    for pattern in _BATCH_PAIRS:
+        m = pattern.search(message)
+        if m is not None and m[1] != m[2]:
+            return {int(m[1]), int(m[2])}
+    return set()
+
+
+def rnn_batch_first_advice(name: str, module: Any, shape: tuple[int, ...], then: str) -> str:
+    """What an ``nn.RNN``/``LSTM``/``GRU`` built with ``batch_first=False`` (``name``:
+    its path and class) made of an input of ``shape`` (batch, steps, features), and the
+    constructor that reads it so; ``then``: what followed from it."""
+    built = f"nn.{type(module).__name__}({module.input_size}, {module.hidden_size}"
+    if module.num_layers != 1:
+        built += f", num_layers={module.num_layers}"
+    if module.bidirectional:
+        built += ", bidirectional=True"
+    return (
+        f"{name} has batch_first=False, so it reads its input of shape {list(shape)} as "
+        f"(steps, batch, features): {shape[1]} sequences of {shape[0]} steps{then}. If the "
+        f"input is (batch, steps, features), build it with {built}, batch_first=True) (its "
+        "output is then batch-first too; the hidden state stays (layers, batch, hidden))."
+    )
+
+
+def _first_argument(tbs: list[TracebackType]) -> str | None:
+    """The source of the first argument of the call the innermost user frame of ``tbs``
+    was making when it raised (``x`` of ``self.lstm(x, (h0, c0))``), when it is a name or
+    an attribute."""
+    import ast
+
+    from nanwatch import _frames
+
+    user = next(
+        (t for t in reversed(tbs) if not _frames.is_internal(t.tb_frame.f_code.co_filename)),
+        None,
+    )
+    text = _span_text(user.tb_frame.f_code, user.tb_lasti, user.tb_lineno) if user else None
+    if not text:
+        return None
+    try:
+        call = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(call, ast.Call) or not call.args:
+        return None
+    first = call.args[0]
+    if not isinstance(first, ast.Name | ast.Attribute):
+        return None
+    return ast.get_source_segment(text, first)
+
+
+#: ops that return a view of the same data with its dimensions reordered, repeated or cut
+#: (new strides, no copy): a .view() of what they return can fail
+_RESTRIDES = frozenset(
+    {"transpose", "permute", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "expand",
+     "expand_as", "narrow", "unfold", "as_strided", "diagonal", "T", "mT", "H", "mH"}
+)  # fmt: skip
+
+
+def view_advice(exc: BaseException) -> str | None:
+    """Advice for a ``.view()`` of a non-contiguous tensor, led by the user's call that
+    raised (``f.view(-1, 8)`` at ``train.py:73``), the tensor's shape when it is a local
+    variable, the op that reordered it (``.permute(0, 2, 3, 1)`` on the line that assigned
+    it in the same function, or in the call itself) and the call rewritten with
+    ``.reshape``. From the traceback's innermost user frame, its source and a tensor's
+    shape only: no device access. None when the call is not found on that line. Of
+    ``h = x.transpose(0, 1)`` then ``h.view(-1)``: "h.view(-1) at train.py:5 raised: h
+    (shape [3, 2]) is not contiguous in memory, made by .transpose(0, 1) on line 4, ...
+    Write h.reshape(-1) (it copies only when it must), or h.contiguous().view(-1)."
+    """
+    import ast
+
+    import torch
+
+    from nanwatch import _frames
+
+    tb, user = exc.__traceback__, None
+    while tb is not None:
+        if not _frames.is_internal(tb.tb_frame.f_code.co_filename):
+            user = tb
+        tb = tb.tb_next
+    if user is None:
+        return None
+    frame, lineno = user.tb_frame, user.tb_lineno
+    where, line = _frames.describe_line(frame.f_code.co_filename, lineno)
+    if line is None:
+        return None
+    found = _view_call(line, _span_text(frame.f_code, user.tb_lasti, lineno))
+    if found is None:
+        return None
+    text, call = found
+    recv = call.func.value
+    recv_text = ast.get_source_segment(text, recv) or ""
+    args = ", ".join(
+        ast.get_source_segment(text, a) or ast.unparse(a) for a in (*call.args, *call.keywords)
+    )
+    fixed = recv_text
+    if not isinstance(recv, ast.Name | ast.Attribute | ast.Call | ast.Subscript):
+        fixed = f"({recv_text})"
+    what, made = fixed, ""
+    op = _restride(recv, text)
+    if op is not None:
+        made = f": {op} reordered its dimensions without moving the data"
+    else:  # a variable, or an elementwise op of one (it keeps that variable's layout)
+        name = next(
+            (
+                n.id
+                for n in ast.walk(recv)
+                if isinstance(n, ast.Name)
+                and isinstance(t := frame.f_locals.get(n.id), torch.Tensor)
+                and not t.is_contiguous()
+            ),
+            None,
+        )
+        t = frame.f_locals.get(name) if name is not None else None
+        if name == recv_text and isinstance(t, torch.Tensor):
+            what = f"{recv_text} (shape {_shape(t.shape)})"
+        origin = _assigned_by(frame, name, lineno) if name is not None else None
+        if origin is not None:
+            op, at = origin
+            made = (
+                f", made by {op} on line {at}, which reordered its dimensions without "
+                "moving the data"
+            )
+            if name != recv_text:
+                made = f" (it keeps the layout of {name}{made})"
+    return (
+        f"{ast.get_source_segment(text, call)} at {where} raised: {what} is not contiguous "
+        f"in memory{made}, and view() can only regroup dimensions that are laid out one "
+        f"after the other. Write {fixed}.reshape({args}) (it copies only when it must), or "
+        f"{fixed}.contiguous().view({args})."
+    )
+
+
+def _span_text(code: Any, lasti: int, lineno: int) -> str | None:
+    """The source of the expression ``code`` was running at instruction ``lasti``, when it
+    lies on line ``lineno`` alone (Python 3.11's instruction positions)."""
+    import itertools
+    import linecache
+
+    positions = getattr(code, "co_positions", None)
+    if positions is None or lasti < 0:
+        return None
+    pos = next(itertools.islice(positions(), lasti // 2, None), None)
+    if pos is None or pos[0] != lineno or pos[1] != lineno or None in (pos[2], pos[3]):
+        return None
+    raw = linecache.getline(code.co_filename, lineno)
+    return raw[pos[2] : pos[3]] if raw.isascii() else None
+
+
+def _view_call(line: str, span: str | None) -> tuple[str, Any] | None:
+    """(source, its ``x.view(...)`` call node): the expression that raised when its span is
+    known and is one, else the only ``.view(...)`` call on the line."""
+    import ast
+
+    for text in (span, line):
+        if not text:
+            continue
+        try:
+            tree = ast.parse(text.strip())
+        except SyntaxError:
+            continue
+        calls = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr == "view"
+            and (n.args or n.keywords)
+        ]
+        if len(calls) == 1:
+            return text.strip(), calls[0]
+    return None
+
+
+def _restride(node: Any, text: str) -> str | None:
+    """The op in expression ``node`` (parsed from ``text``) that reorders a tensor's
+    dimensions without copying (``.transpose(1, 2)``, ``.permute(0, 2, 1)``, ``.T``), the
+    outermost one, as written."""
+    import ast
+
+    rows = text.splitlines(keepends=True)
+
+    def offset(line: int | None, col: int | None) -> int:
+        return sum(len(r) for r in rows[: (line or 1) - 1]) + (col or 0)
+
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            attr, inner = n.func.attr, n.func.value
+        elif isinstance(n, ast.Attribute):
+            attr, inner = n.attr, n.value
+        else:
+            continue
+        if attr in _RESTRIDES and text.isascii():
+            start = offset(inner.end_lineno, inner.end_col_offset)
+            op = text[start : offset(n.end_lineno, n.end_col_offset)].lstrip(") \t\n")
+            if op.startswith("."):
+                return op
+    return None
+
+
+def _assigned_by(frame: FrameType, name: str, lineno: int) -> tuple[str, int] | None:
+    """The op that reordered ``name`` (see :func:`_restride`) in the last assignment to it
+    above line ``lineno`` in ``frame``'s function, and that assignment's line."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        lines, start = inspect.getsourcelines(frame.f_code)
+        text = textwrap.dedent("".join(lines))
+        tree = ast.parse(text)
+    except (OSError, TypeError, SyntaxError, ValueError):  # no source, or not one block
+        return None
+    offset = max(start - 1, 0)
+    last: tuple[int, Any] | None = None
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign | ast.AnnAssign):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                at = n.lineno + offset
+                if at < lineno and (last is None or at > last[0]):
+                    last = (at, n.value)
+    if last is None or last[1] is None:
+        return None
+    op = _restride(last[1], text)
+    return (op, last[0]) if op is not None else None
 
 
 def _function_advice(message: str) -> str | None:

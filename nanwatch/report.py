@@ -78,6 +78,7 @@ ERROR_LABELS: dict[str, str] = {
     "packing-length": "a sequence of length 0 in packing",
     "norm-one-value": "a norm given one value per channel in training",
     "python-overflow": "Python float overflow",
+    "view-layout": "view() of a non-contiguous tensor",
     "anomaly": "nanwatch anomaly",
     "guard": "nanwatch guard",
     "index-out-of-range": "index out of range",

@@ -8052,6 +8052,13 @@ class Watcher:
                 said = self._shape_advice(exc)
                 if said is not None:
                     info["advice"] = said
+            if info.get("class") in ("shape-mismatch", "guard") and info.get("advice") in (
+                postmortem.ADVICE["shape-mismatch"],
+                postmortem.ADVICE["guard"],
+            ):
+                said = self._rnn_layout_advice(exc)
+                if said is not None:
+                    info["advice"] = said
             if info.get("class") == "dtype-error":
                 said = _dtype_advice(exc, self._infos, self._is_model_input)
                 if said is not None:
@@ -8187,6 +8194,47 @@ class Watcher:
             f"{list(shape)}{by}) has {got}: build it as {rebuilt} where the model "
             f"creates {path}, or make what comes before it give {want}."
         )
+
+    def _rnn_layout_advice(self, exc: BaseException) -> str | None:
+        """A recurrent module built with ``batch_first=False`` whose input this step was
+        recorded with shape (a, b, features), when the error says batch sizes a and b
+        disagree (a loss's "batch sizes differ (10 vs 4)"): it read a batch of a as a
+        steps, and what followed it got a batch of b. From the records of the step (watch
+        mode), at the crash only."""
+        from nanwatch import postmortem
+
+        named = postmortem.batch_sizes_named(str(exc))
+        rnns = {
+            info.path: m
+            for m, info in self._modules
+            if named and isinstance(m, nn.RNNBase) and not m.batch_first
+        }
+        trace = self._trace
+        for call in trace.calls if rnns else ():
+            module = rnns.get(call.path)
+            if module is None:
+                continue
+            rec = next(
+                (
+                    r
+                    for r in trace.records
+                    if r.call == call.id and r.phase is Phase.INPUT and r.role == "input[0]"
+                ),
+                None,
+            )
+            if rec is None or len(rec.shape) != 3:
+                continue
+            steps, batch = rec.shape[0], rec.shape[1]
+            if {steps, batch} != named:
+                continue
+            return postmortem.rnn_batch_first_advice(
+                f"{call.path} ({call.module_type})",
+                module,
+                tuple(rec.shape),
+                f", and what follows it gets a batch of {batch} where {steps} is expected (the "
+                "sizes the error names)",
+            )
+        return None
 
     def _is_model_input(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is the tensor the step's first model call was given first, or a view
