@@ -40,6 +40,7 @@ from nanwatch.rules._evidence import (
     EXP_LIKE,
     MATMUL,
     _calls_of,
+    _loss_line_of,
     anomaly_fields,
     cause_of,
     code_line,
@@ -55,6 +56,7 @@ from nanwatch.rules._evidence import (
     input_named,
     inputs_of,
     limits,
+    loss_input_rewrite,
     loss_kind,
     low_precision,
     model_call,
@@ -129,6 +131,146 @@ def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
             yield from _wide_from_record(ctx, a)
         return
     yield from _from_record(ctx, a)
+
+
+#: the class losses whose kernel (nll_loss, under cross_entropy too) keeps the sum of the
+#: per-element losses, and for reduction='mean' the count it divides by, in its input's
+#: dtype: in float16 a batch of ordinary losses sums past the max
+_NLL_LOSSES = ("F.cross_entropy", "CrossEntropyLoss", "F.nll_loss", "NLLLoss")
+_NLL_OPS = ("nll_loss_forward", "nll_loss2d_forward", "nll_loss", "nll_loss2d", "nll_loss_nd")
+
+
+def _class_loss_sum(ctx: RuleContext, a: Anomaly, ev: OpEvent | None) -> Diagnosis | None:
+    """A cross-entropy / NLL loss of finite low-precision input that is inf (or NaN): every
+    per-element loss fits the dtype (its bound from the input's range), so the mean does
+    too; the sum over the batch (and, for 'mean', the count) held in that dtype did not.
+    ``ev``: the loss kernel's op event when traced; None in watch and sentinel mode, where
+    the guard's ``"loss_input"`` note gives the input's range."""
+    rec = a.record
+    dtype = (ev.dtype if ev is not None else "") or rec.dtype
+    lim = low_precision(dtype)
+    if lim is None or not lim.short_range or a.kind is not AnomalyKind.FORWARD:
+        return None
+    if ev is not None and (packet(ev.op) not in _NLL_OPS or ev.phase is not Phase.FORWARD):
+        return None
+    call = next((c for c in ctx.trace.calls if c.id == rec.call), None)
+    if ev is None and (call is None or not call.is_loss):
+        return None
+    notes = [
+        n
+        for n in ctx.notes("loss_input")
+        if n.data.get("loss") in _NLL_LOSSES and n.data.get("input_dtype") == dtype
+    ]
+    if len(notes) != 1:
+        return None  # no loss of that dtype, or several: which one summed is not known
+    note = notes[0]
+    d = note.data
+    loss = str(d.get("loss"))
+    reduction = d.get("reduction")
+    shape, target = d.get("input_shape"), d.get("target_shape")
+    if reduction not in ("mean", "sum") or not isinstance(target, list):
+        return None
+    n = math.prod(int(v) for v in target) - int(d.get("ignored") or 0)
+    out = ev.output if ev is not None else rec.stat
+    if out is None or n <= 0 or out.has_neginf:
+        return None
+    lo_in, hi_in = d.get("input_min"), d.get("input_max")
+    if not isinstance(lo_in, (int, float)) or not isinstance(hi_in, (int, float)):
+        return None
+    if not (math.isfinite(lo_in) and math.isfinite(hi_in)):
+        return None  # a non-finite input: not this loss's own sum
+    x = first_input(ev) if ev is not None else None
+    classes: int | None = None
+    low: float | None = None
+    if x is not None and x.finite and x.max <= 0:  # the kernel's input: log-probabilities
+        high, low = -x.min, -x.max
+    elif loss.endswith("cross_entropy") or loss == "CrossEntropyLoss":
+        if not isinstance(shape, list) or not shape:
+            return None
+        classes = int(shape[1] if len(shape) > 1 else shape[0])
+        # -log softmax(z)[y] = logsumexp(z) - z[y] <= (max - min) + log(C)
+        high = (hi_in - lo_in) + math.log(max(classes, 1))
+    elif hi_in <= 0:  # nll_loss of log-probabilities
+        high, low = -lo_in, -hi_in
+    else:
+        return None
+    if not math.isfinite(high) or high >= lim.max:
+        return None  # one element's loss can pass the max by itself: not the sum's doing
+    counted = reduction == "mean" and n > lim.max
+    if not (out.has_posinf and n * high > lim.max) and not (out.has_nan and counted):
+        return None
+    top = fmt(lim.max)
+    held = (
+        f"the sum of their losses and their count are held in {dtype} before the division"
+        if reduction == "mean"
+        else f"the sum of their losses is held in {dtype}"
+    )
+    floor = low if low is not None and low > 0 else None
+    evidence = [
+        f"{loss} got {dtype} input (finite, {fmt(lo_in)} to {fmt(hi_in)}) for {n:,} "
+        f"targets and computes in {dtype}: {held}",
+        f"each per-element loss is at most {fmt(high)}"
+        + (f" and at least {fmt(floor)}" if floor is not None else "")
+        + ": their sum "
+        + (
+            f"is at least {fmt(n * floor)}"
+            if floor is not None and n * floor > lim.max
+            else f"can reach {fmt(n * high)}"
+        )
+        + f", past {top} (torch.finfo(torch.{dtype}).max): inf",
+    ]
+    if counted:
+        evidence.append(f"the count, {n:,}, is past {top} too: inf / inf = NaN")
+    if reduction == "mean":
+        chance = (
+            f" (a guess at chance over {classes:,} classes scores log({classes:,}) = "
+            f"{fmt(math.log(classes))})"
+            if classes is not None and classes > 1
+            else ""
+        )
+        evidence.append(
+            f"reduction='mean' divides only after that sum: the mean itself (at most "
+            f"{fmt(high)}) fits {dtype}, but over {n:,} targets any mean above "
+            f"{fmt(lim.max / n)} sums past {top}{chance}"
+        )
+    else:
+        evidence.append(f"reduction='sum': the loss is that sum, and {dtype} cannot hold it")
+    line = _loss_line_of(note)
+    where = ev.source if ev is not None and ev.source else note.source
+    if ev is not None and (at := code_line(ev)) is not None:
+        evidence.append(at)
+    elif where and line:
+        evidence.append(f"at {where}: {line}")
+    explanation = (
+        f"{dtype} holds values up to {top}. {loss} of {dtype} input computes in {dtype}: "
+        f"each per-element loss is small, but the sum over the batch"
+        + (" and the count it is divided by are" if reduction == "mean" else " is")
+        + f" held in {dtype} too, so {n:,} ordinary losses add up past {top}. The model "
+        "and its values are fine: a lower learning rate, clipping or a GradScaler does not "
+        "help, the loss is non-finite before backward. Give the loss float32 input; its "
+        f"gradient still returns to the {dtype} model in {dtype}."
+    )
+    fname = (
+        loss if loss.startswith("F.") else "F." + ("nll_loss" if "NLL" in loss else "cross_entropy")
+    )
+    new = loss_input_rewrite(note, lambda e: f"{paren(e)}.float()")
+    first = (
+        f"{new}  # was: {line}"
+        if new is not None and line
+        else f"loss = {fname}(logits.float(), target)   # the loss's input in float32"
+    )
+    device = device_type(ev, rec.device)
+    fix = (
+        f"{first}\n"
+        f"# the loss in float32: the sum over {n:,} targets fits, and the gradient goes back "
+        f"to the {dtype} model as {dtype}\n"
+        f"# or keep float32 weights and run the forward under torch.autocast(device_type="
+        f"{device}, dtype=torch.{dtype}): autocast computes {fname} in float32"
+    )
+    fields = op_fields(ev, a) if ev is not None else anomaly_fields(a)
+    if ev is None and note.source:
+        fields["source"] = note.source
+    return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
 
 
 #: autograd nodes of the loss graph (``"loss_graph"`` notes, lowercased, no "Backward0")
@@ -1254,6 +1396,8 @@ def _from_op(
     name = packet(ev.op)
     if name in _SCALED_TWIN and lim is not None and ev.phase is Phase.FORWARD:
         return _from_twin(ctx, a, ev, trigger, lim)
+    if name in _NLL_OPS and (loss_sum := _class_loss_sum(ctx, a, ev)) is not None:
+        return loss_sum  # a class loss's sum over the batch, not one value, passed the max
     op = short_op(ev.op)
     x = first_input(ev)
     evidence: list[str] = []
@@ -1378,6 +1522,12 @@ def _from_op(
             + (f" (its exact result reaches up to {fmt(reach)})" if math.isfinite(reach) else "")
             + f"; the largest finite {dtype} value is {fmt(lim.max)}"
         )
+        added = _summed_count(name, ev)
+        if added is not None and added * big > lim.max:  # no one value: their sum passed
+            evidence.append(
+                f"{op} adds {added:,} values into each result: values up to {fmt(big)} can "
+                f"sum to {fmt(added * big)}, past {fmt(lim.max)}"
+            )
     for nm, s in ev.inputs[:3]:
         evidence.append(f"input {nm}{' |z|' if cplx else ''}: {describe_stat(s)}")
     if ints is not None:
@@ -1539,8 +1689,11 @@ def _from_op(
     if norm is not None:
         evidence.append(
             f"the exp's result is normalized at {norm.source}: {norm.code} -- a "
-            + ("log of a ratio of exps (a cross-entropy" if norm.log else "softmax (")
-            + " written by hand)"
+            + (
+                "log of a ratio of exps (a cross-entropy written by hand)"
+                if norm.log
+                else "softmax written by hand"
+            )
         )
     if cplx and kind == "softmax":
         kind = "exp"  # a complex tensor has no max to subtract: bound its real part
@@ -5034,6 +5187,9 @@ def _from_record(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
     if (made := _exp_from_record(ctx, a)) is not None:
         yield made
         return
+    if (loss_sum := _class_loss_sum(ctx, a, None)) is not None:
+        yield loss_sum  # a class loss's sum over the batch passed the max (or its count did)
+        return
     lim = low_precision(rec.dtype)
     s = rec.stat
     if lim is None and limits(rec.dtype) is not None:
@@ -5971,6 +6127,9 @@ def _fix(
     )
     if floored is not None:
         return f"{floored}\n{bf16}"
+    mean = _mean_by_hand(code, dtype, operands[0], was=was) if op == "sum" and operands else None
+    if mean is not None:  # a mean by hand: the sum passed the max, the mean fits
+        return f"{mean}\n{bf16}"
     if op and op not in _BOUNDED_RESULT:
         # the op's own result is past the dtype's max (it became inf from finite inputs):
         # computed in float32 it fits, but casting it back makes the inf again
@@ -6130,6 +6289,16 @@ _BOUNDED_RESULT = frozenset(
         "_scaled_dot_product_cudnn_attention",
     }
 )
+
+
+def _summed_count(name: str, ev: OpEvent) -> int | None:
+    """How many values a forward sum added into each of its results (its input's size over
+    its output's); None for another op or sizes not measured."""
+    x = first_input(ev)
+    if ev.phase is not Phase.FORWARD or name.rstrip("_") not in ("sum", "nansum") or x is None:
+        return None
+    out = ev.output.numel
+    return x.numel // out if out and x.numel >= 2 * out else None
 
 
 def _true_result(name: str, ev: OpEvent) -> float:
@@ -6301,6 +6470,59 @@ def _single_divisor(code: str | None) -> tuple[int, int] | None:
 def _as_float(value: object) -> float | None:
     """A recorded scalar argument as a float (None for a string or a missing one)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _mean_by_hand(code: str | None, dtype: str, big: float, *, was: str) -> str | None:
+    """The fix for a low-precision sum that overflowed on a line dividing it by a number
+    (``h.sum(1) / x.shape[1]``, a mean by hand): torch's mean, which accumulates in float32
+    and returns the input's dtype, or the sum in float32 cast back after the division. None
+    when the line does not divide a ``.sum(...)`` / ``torch.sum(...)`` call.
+
+    >>> _mean_by_hand("p = h.sum(1) / n", "float16", 70.0, was="").splitlines()[0]
+    'p = h.mean(1)'
+    """
+    line = code.split("  #", 1)[0].strip() if code else ""
+    if not line or not line.isascii():
+        return None
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)):
+            continue
+        call = node.left
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
+            continue
+        if call.func.attr != "sum" or call.keywords:
+            continue
+        recv = call.func.value
+        if isinstance(recv, ast.Name) and recv.id == "torch":  # torch.sum(h, 1)
+            if not call.args:
+                continue
+            base, dims = call.args[0], call.args[1:]
+        else:
+            base, dims = recv, call.args
+        seg = ast.get_source_segment
+        b, d = seg(line, base), seg(line, node.right)
+        args = ", ".join(seg(line, a) or "" for a in dims)
+        whole, summed = seg(line, node), seg(line, call)
+        if not b or not d or not whole or not summed:
+            continue
+        mean = f"{paren(b)}.mean({args})"
+        cast = f"({paren(b)}.float().sum({args}) / {d}).to(torch.{dtype})"
+        # the division's text: keep what the line does around it
+        start = line.index(whole)
+        new = line[:start] + mean + line[start + len(whole) :]
+        alt = line[:start] + cast + line[start + len(whole) :]
+        return (
+            f"{new}{was}\n"
+            f"# when {d} is the count of the values summed: torch.mean adds them in float32 and "
+            f"returns {dtype}; a mean of values up to {fmt(big)} fits {dtype}\n"
+            f"# or, whatever {d} is: {alt}   # the sum in float32, cast back after the "
+            "division, where its value fits"
+        )
+    return None
 
 
 def _assigned(line: str) -> str | None:
