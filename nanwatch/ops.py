@@ -3925,7 +3925,7 @@ def graph_evidence(
         base = name_of(node).split("Backward")[0]
         names.append(base.lower())
         if logs is not None and base in ("Log", "Log2", "Log10"):
-            logs.append(made_from(node, stop))
+            logs.append(made_from(node, stop, through=True))
         if not leaf_said:
             try:
                 leaf = leaf_event(node)
@@ -3944,7 +3944,8 @@ def graph_evidence(
         if event is not None:
             if event.source is None:  # the op's line, where anomaly mode kept it (forensic)
                 event.source, event.code = forward_line(node)
-            event.made_from = made_from(node, stop, below=base in ("Log", "Log2", "Log10"))
+            log = base in ("Log", "Log2", "Log10")
+            event.made_from = made_from(node, stop, below=log, through=log)
             events.append(event)
     if unsaved and not leaf_said and not events and loss_kinds:
         # nothing the graph saved explains the loss's value: an operand of a node that
@@ -4019,8 +4020,22 @@ def graph_selections(
     return out
 
 
+#: ops whose output holds values of their input unchanged (a view, a pick): a watched
+#: output made by one (``torch.sigmoid(z).squeeze(1)`` returned by a model) is still what
+#: made it below, which :func:`made_from` follows with ``through``
+_SAME_VALUES = frozenset(
+    {"view", "unsafeview", "reshape", "transpose", "permute", "unsqueeze", "squeeze"}
+    | {"expand", "clone", "t", "alias", "select", "slice", "index"}
+)
+
+
 def made_from(
-    node: Any, stop: Callable[[Any], bool] | None = None, depth: int = 4, *, below: bool = False
+    node: Any,
+    stop: Callable[[Any], bool] | None = None,
+    depth: int = 4,
+    *,
+    below: bool = False,
+    through: bool = False,
 ) -> list[str]:
     """The ops that made ``node``'s first input, nearest first, lower-case, followed through
     each one's first input for at most ``depth`` nodes: ``log(1 - p)`` gives ``["rsub",
@@ -4028,7 +4043,9 @@ def made_from(
     ``"watched:<op>"``; a leaf as ``"leaf"``. What a log or a division was given, for code no
     module wraps, read from the graph alone (no tensor is read). ``below``: a watched
     softmax is followed by what made its input in the module's own code
-    (:func:`made_below`), each as ``"below:<op>"``.
+    (:func:`made_below`), each as ``"below:<op>"``. ``through``: a watched output that only
+    moves its input's values (:data:`_SAME_VALUES`: a model returning ``sigmoid(z).squeeze(1)``)
+    does not end the chain: the op below it made those values.
 
     >>> p = torch.sigmoid(torch.zeros(2, requires_grad=True))
     >>> made_from(torch.log(1 - p).grad_fn)
@@ -4046,8 +4063,10 @@ def made_from(
             out.append(f"watched:{base}")
             if below and base == "softmax":
                 out.extend(f"below:{b}" for b in made_below(cur, stop))
-            break
-        out.append(base)
+            if not (through and base in _SAME_VALUES):
+                break
+        else:
+            out.append(base)
         nxt = getattr(cur, "next_functions", ()) or ()
         cur = next((n for n, _ in nxt if n is not None), None)
     return out
@@ -4264,7 +4283,7 @@ def _constant_event(node: Any, i: int, unsaved: bool = False) -> OpEvent | None:
     if base in _UNSAVED_NODES:
         if not unsaved:
             return None
-        found = _nonfinite_local()
+        found = _nonfinite_local(lambda v: _fits_operand(node, i, v))
         if found is None:
             return None
         role, (name, v) = ("self", "other")[i] if i < 2 else f"input[{i}]", found
@@ -4310,6 +4329,64 @@ def _constant_event(node: Any, i: int, unsaved: bool = False) -> OpEvent | None:
     )
 
 
+#: elementwise arithmetic nodes of loss code whose operands may broadcast unintended
+#: (:func:`column_broadcast`)
+_BINARY_NODES = frozenset({"Sub", "Rsub", "Add", "Mul", "Div"})
+
+
+@dataclass(frozen=True)
+class ColumnBroadcast:
+    """A binary elementwise node of loss code that broadcast a column against a row:
+    ``pred - y`` with ``pred`` (N, 1) and ``y`` (N,) made (N, N). ``column`` is the index of
+    the (N, 1) operand (0: the left one), ``shapes`` both operands' shapes (None for one
+    with no autograd history, whose shape the graph does not keep), ``out`` the result's."""
+
+    node: str
+    column: int
+    shapes: tuple[tuple[int, ...] | None, tuple[int, ...] | None]
+    out: tuple[int, ...]
+
+
+def column_broadcast(node: Any) -> ColumnBroadcast | None:
+    """``node`` (Sub, Add, Mul, Div) broadcast an operand of shape (..., N, 1) against one of
+    shape (..., N) -- or one with no autograd history, whose shape the graph does not keep --
+    to (..., N, N): each prediction against every target, not its own (what NW506 says of
+    an elementwise loss function). Read from the graph's shape metadata alone: no tensor is
+    read. None otherwise, and for an operand that has the result's shape (a matrix the
+    column is meant to broadcast against: ``margin - pos[:, None] + scores``).
+
+    >>> p = torch.zeros(4, 1, requires_grad=True)
+    >>> column_broadcast((p - torch.zeros(4)).grad_fn).out
+    (4, 4)
+    >>> column_broadcast((p.squeeze(1) - torch.zeros(4)).grad_fn) is None
+    True
+    """
+    if name_of(node).split("Backward")[0] not in _BINARY_NODES:
+        return None
+    try:
+        out = tuple(node._input_metadata[0].shape)
+        shapes: list[tuple[int, ...] | None] = []
+        for nxt, nr in node.next_functions:
+            if nxt is None:
+                shapes.append(None)
+            elif accumulates_grad(nxt):
+                shapes.append(tuple(nxt.variable.shape))
+            else:
+                shapes.append(tuple(nxt._input_metadata[nr].shape))
+    except Exception:  # a node without shape metadata: nothing to say
+        return None
+    if len(shapes) != 2:
+        return None
+    for i, a in enumerate(shapes):
+        b = shapes[1 - i]
+        if a is None or len(a) < 2 or a[-1] != 1 or a[-2] < 2:
+            continue
+        if out != (*a[:-1], a[-2]) or (b is not None and b != a[:-1]):
+            continue
+        return ColumnBroadcast(name_of(node), i, (shapes[0], shapes[1]), out)
+    return None
+
+
 #: arithmetic nodes that save no operand (``pred - y``, ``pred + b``): an operand with no
 #: history that held the NaN is found among the user's locals (:func:`_nonfinite_local`)
 _UNSAVED_NODES = frozenset({"Sub", "Add"})
@@ -4318,12 +4395,16 @@ _UNSAVED_NODES = frozenset({"Sub", "Add"})
 _LOCAL_READ_LIMIT = 1 << 26
 
 
-def _nonfinite_local() -> tuple[str, torch.Tensor] | None:
+def _nonfinite_local(
+    fits: Callable[[torch.Tensor], bool] | None = None,
+) -> tuple[str, torch.Tensor] | None:
     """The one tensor with no autograd history (data: a batch's target, a mask, a table)
     that the innermost user frame binds to a local name and that holds NaN or inf, with that
     name: what a ``pred - y`` whose node saves no operand subtracted, when ``pred`` was
-    finite. None when no local, or more than one, holds such a value. Anomaly-time work: a
-    read of each such local."""
+    finite. ``fits``: whether a local can be that operand by the graph's data flow (its
+    shape, see :func:`_fits_operand`): the batch ``y`` was sliced from holds the NaN too,
+    but the subtraction did not read it. None when no local, or more than one, holds such
+    a value. Anomaly-time work: a read of each such local."""
     f = _frames.user_frame()
     if f is None:
         return None
@@ -4335,10 +4416,46 @@ def _nonfinite_local() -> tuple[str, torch.Tensor] | None:
         seen.add(id(v))
         if v.grad_fn is not None or v.requires_grad or not v.is_floating_point():
             continue
-        if not has_values(v) or v.numel() > _LOCAL_READ_LIMIT or not _kinds(v):
+        if not has_values(v) or v.numel() > _LOCAL_READ_LIMIT:
+            continue
+        if (fits is not None and not fits(v)) or not _kinds(v):
             continue
         found.append((k, v))
     return found[0] if len(found) == 1 else None
+
+
+def _fits_operand(node: Any, i: int, v: torch.Tensor) -> bool:
+    """Whether ``v``, as the ``i``-th operand of the elementwise ``node`` (``pred - y``),
+    broadcasts with the node's other operands to the shape of what the node made, as the
+    graph recorded them (the node's output metadata; each other operand's, from the node
+    that made it), itself or with a dimension of 1 added: a table or a batch whose slice is
+    the operand does not. True when the graph does not say."""
+    try:
+        out = tuple(node._input_metadata[0].shape)
+        others: list[tuple[int, ...]] = []
+        for j, (nxt, nr) in enumerate(getattr(node, "next_functions", ()) or ()):
+            if j == i or nxt is None:
+                continue
+            if accumulates_grad(nxt):
+                others.append(tuple(nxt.variable.shape))
+            else:
+                others.append(tuple(nxt._input_metadata[nr].shape))
+    except Exception:  # a node without metadata: the graph does not say
+        return True
+    own = tuple(v.shape)
+    # the operand may be the local with a dimension of 1 added (y[:, None], y[None])
+    return any(_broadcasts_to([s, *others], out) for s in (own, (*own, 1), (1, *own)))
+
+
+def _broadcasts_to(shapes: Sequence[tuple[int, ...]], out: tuple[int, ...]) -> bool:
+    """``shapes`` broadcast together to exactly ``out``."""
+    got: list[int] = []
+    for k in range(-max(len(s) for s in shapes), 0):
+        sizes = {s[k] for s in shapes if len(s) >= -k} - {1}
+        if len(sizes) > 1:
+            return False  # shapes that do not broadcast together
+        got.append(sizes.pop() if sizes else 1)
+    return tuple(got) == out
 
 
 def _user_names(t: torch.Tensor) -> tuple[str | None, str | None]:

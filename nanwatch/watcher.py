@@ -833,6 +833,9 @@ class Watcher:
         self._acted_step = -1
         self._device_dead = False
         self._compiled_warned = False
+        #: the loss code's graph was looked at for a column broadcast against a row (once a
+        #: watch: the shapes of a hand-written loss do not change, see _check_broadcast)
+        self._broadcast_checked = False
         #: sentinel mode (which hooks only the roots): no root has run yet in a step that
         #: ran backward() (see :meth:`_probe_parts`); False once looked, or in other modes
         self._probe_due = self.config.mode == "sentinel" and not global_hooks
@@ -3611,6 +3614,13 @@ class Watcher:
                 t = tensors[0] if isinstance(tensors[0], torch.Tensor) else None
             if t is None or t.numel() != 1 or not t.is_floating_point():
                 return
+            if not self._broadcast_checked and t.grad_fn is not None:
+                self._broadcast_checked = True
+                try:
+                    with _NO_TORCH_FUNCTION():
+                        self._check_broadcast(t)
+                except Exception as exc:  # its own fault: the loss's hooks go on
+                    self._fault("loss-broadcast", "loss broadcast check", exc)
             if self._probing is not None:
                 self._end_probe()
             if (
@@ -3664,6 +3674,34 @@ class Watcher:
             raise
         except Exception as exc:
             self._fault("loss", "backward tap", exc)
+
+    def _check_broadcast(self, loss: torch.Tensor) -> None:
+        """The first ``backward()`` of a watch: a hand-written loss that broadcast a column
+        against a row (``((pred - y) ** 2).mean()``, ``pred`` (N, 1), ``y`` (N,): an N x N
+        loss, of which PyTorch says nothing outside its loss functions) is told once, a
+        warning of the report at the user's line (NW506, as the loss functions' guard says
+        it). Read from the graph's shape metadata (:func:`ops.column_broadcast`) of the
+        loss code's nodes, no tensor read; an operand without history is the local the
+        statement names, whose shape must be the row's. Once a watch, not every step."""
+        stop = self._recorded_nodes
+        walk = ops.GraphWalk(
+            [loss.grad_fn],
+            prune=lambda n: (n in stop and n is not loss.grad_fn) or ops.accumulates_grad(n),
+            limit=256,
+        )
+        found = [f for n in walk if (f := ops.column_broadcast(n)) is not None]
+        frame = _frames.user_frame() if found else None
+        if frame is None:
+            return
+        from nanwatch.rules.guards import column_broadcast_words
+
+        site, _ = _frames.describe_frame(frame)
+        told = (column_broadcast_words(f, site, frame.f_locals, frame.f_globals) for f in found)
+        words = next((w for w in told if w is not None), None)
+        if words is None:
+            return
+        # a warning of the step's report (told at the step's end, as every diagnosis is)
+        self.note("guard", LOSS_PATH, source=words.pop("source"), hand=True, **words)
 
     def _hold_late_loss(self, t: torch.Tensor) -> None:
         """Hold the loss ``backward()`` runs on, recorded just now, until the step ends, when
@@ -3796,7 +3834,11 @@ class Watcher:
             name = ops.name_of(node)
             # what a log was taken of (a softmax, 1 - a sigmoid), from the graph alone:
             # its saved input is freed before the flag is read
-            made = ops.made_from(node, lambda n: n in stop, below=True) if base in _LOGS else []
+            made = (
+                ops.made_from(node, lambda n: n in stop, below=True, through=True)
+                if base in _LOGS
+                else []
+            )
 
             def on_node(
                 grad_inputs: tuple[torch.Tensor | None, ...],

@@ -60,7 +60,9 @@ def test_two_locals_holding_nan_name_neither() -> None:
     with nanwatch.watch(model, mode="sentinel", on_anomaly="record", postmortem=False) as nw:
         x, y = torch.randn(16, 4), torch.randn(16, 1)
         y[3] = float("nan")
-        other = torch.full((2,), float("nan"))  # another local with a NaN: which one is it?
+        # another local with a NaN, of a shape that fits the subtraction as well as y's:
+        # which one is it? (one that does not fit, a table y was sliced from, is no answer)
+        other = torch.full((16, 1), float("nan"))
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         nw.step()

@@ -1287,9 +1287,11 @@ def _chain_producer(chain: Sequence[str]) -> str | None:
 
     >>> _chain_producer(["squeeze", "gather", "watched:softmax"])
     'softmax'
+    >>> _chain_producer(["rsub", "squeeze", "watched:sigmoid"])
+    'one-minus-sigmoid'
     """
     ops = [o.removeprefix("watched:") for o in chain]
-    ops = ops[len(_picks(chain)) :]
+    ops = ops[len(_picks(ops)) :]  # a watched squeeze too: a model returning p.squeeze(1)
     if not ops:
         return None
     kind = _CHAIN_MAKERS.get(ops[0])
@@ -1301,9 +1303,12 @@ def _chain_producer(chain: Sequence[str]) -> str | None:
         return None
     if "erf" in ops[1:]:
         return "cdf"
-    if ops[1:3] in (["pow", "tanh"], ["mul", "tanh"]):  # 1 - tanh(u) ** 2: a tanh squash
+    rest = ops[1:]  # 1 - p with p a sigmoid's output squeezed or indexed: still its values
+    while rest and rest[0] in _PICKS:
+        rest = rest[1:]
+    if rest[:2] in (["pow", "tanh"], ["mul", "tanh"]):  # 1 - tanh(u) ** 2: a tanh squash
         return "one-minus-tanh2"
-    return "one-minus-sigmoid" if len(ops) > 1 and ops[1] == "sigmoid" else "one-minus"
+    return "one-minus-sigmoid" if rest[:1] == ["sigmoid"] else "one-minus"
 
 
 def _loss_log_line(ctx: RuleContext, ev: OpEvent) -> OpEvent | None:
@@ -1738,9 +1743,12 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
     own = _floored_line(ev)
     zeros = _zeros_text(x, "log")
     made = _unit_producer(ctx, made_ev, x)
-    if made == "relu":  # a ReLU's zeros, whatever its maximum: a rate made with a ReLU
+    # a ReLU seen past a watched squeeze (a model returning F.relu(z).squeeze(-1)): the
+    # measured output it clipped is named as when the graph showed nothing
+    past = made == "relu" and any(o.startswith("watched:") for o in made_ev.made_from[:-1])
+    clipped = _clipped_output(ctx, x) if made is None or past else None
+    if made == "relu" and clipped is None:  # a ReLU's zeros, whatever its maximum
         return _unit_made_use(made, what, zeros, x, ev.dtype, op=ev.op)
-    clipped = _clipped_output(ctx, x) if made is None else None
     if clipped is not None:  # a measured output with its negatives zeroed: a relu of it
         use = _unit_made_use("relu", what, zeros, x, ev.dtype, op=ev.op)
         st = clipped.stat
@@ -2556,9 +2564,9 @@ def _one_minus_sigmoid_use(
     dt = ev.dtype or "float32"
     f = "torch.nn.functional." if _lacks_f(ev.backward_at) else "F."
     # log(p) of the same sigmoid beside log(1 - p): a binary cross-entropy written by hand
+    # (through ops that only pick or move its values: p = torch.sigmoid(z).squeeze(1))
     bce = any(
-        isinstance(chain, list)
-        and [str(o).removeprefix("watched:") for o in chain][:1] == ["sigmoid"]
+        isinstance(chain, list) and _sigmoid_side([str(o) for o in chain]) == "sigmoid"
         for n in ctx.notes("loss_graph")
         for chain in n.data.get("logs", ())
     )
@@ -2590,14 +2598,28 @@ def _one_minus_sigmoid_use(
             + "binary_cross_entropy_with_logits and logsigmoid(-logits) work from the logit "
             "and never form the 0."
         ),
-        evidence=f"{what} is 1 - p, p the output of {maker} (log <- rsub <- sigmoid): 0 "
-        f"where p rounded to 1"
+        evidence=f"{what} is 1 - p, p the output of {maker} ({_sigmoid_chain(ev.made_from)}): "
+        "0 where p rounded to 1"
         + (
             "; the loss takes the log of p as well: a hand-written binary cross-entropy"
             if bce
             else ""
         ),
     )
+
+
+def _sigmoid_chain(chain: Sequence[str]) -> str:
+    """The data flow from a log down to the sigmoid below it, as the graph shows it.
+
+    >>> _sigmoid_chain(["rsub", "squeeze", "watched:sigmoid", "addmm"])
+    'log <- rsub <- squeeze <- sigmoid'
+    >>> _sigmoid_chain([])
+    'log <- rsub <- sigmoid'
+    """
+    ops = [o.removeprefix("watched:") for o in chain]
+    if "sigmoid" not in ops:
+        return "log <- rsub <- sigmoid"
+    return " <- ".join(["log", *ops[: ops.index("sigmoid") + 1]])
 
 
 def _bce_parts(stmt: str, q: str) -> tuple[str | None, str, str]:
@@ -6126,9 +6148,18 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"max {fmt(den.max)} ({count(den.numel, 'value')})"
         )
     elif counted is not None and den is not None:
+        # the counts that are 0 are groups with nothing in them: said of the count's own
+        # entries (its numel, not the numerator's), with the verb agreeing with the number
+        none_in = (
+            f"{den.zeros:,} of its {den.numel:,} counts {'is' if den.zeros == 1 else 'are'} 0"
+            if den.zeros is not None
+            else f"some of its {den.numel:,} counts are 0"
+        )
         evidence.append(
-            f"denominator is a count held in a {ev.dtype} tensor: whole numbers from 0 to "
-            f"{fmt(den.max)} ({den.zeros:,} of {count(den.numel, 'value')} are 0); {counted}"
+            f"denominator is a count held in a {ev.dtype} tensor (min 0, max {fmt(den.max)}): "
+            f"{none_in}, "
+            + ("a group with nothing in it" if den.zeros == 1 else "groups with nothing in them")
+            + f"; {counted}"
         )
         integer = True
     elif den is not None:
@@ -8951,7 +8982,7 @@ def _float_count(ev: OpEvent, den: TensorStat) -> str | None:
         return None  # a ratio of two overlapping sums (dice): 0/0 is two empty sets
     divisor = got[0]
     if _COUNT_CODE.search(divisor):
-        return f"the line counts it: {divisor}"
+        return f"the line makes it a count: {divisor}"
     for name in dict.fromkeys(re.findall(r"(?<![\w.])([A-Za-z_]\w*)(?![\w(])", divisor)):
         made = _assigned_before(ev.source, name)
         for _ in range(3):  # cnt = cnt.to(h.dtype): look further up for what made it
@@ -8963,9 +8994,9 @@ def _float_count(ev: OpEvent, den: TensorStat) -> str | None:
             src = _line_of(ev.source, made)
             made = _assigned_before(src, name) if src else None
         if made is not None and _COUNT_CODE.search(made):
-            return f"it was counted: {made}"
+            return f"made as a count: {made}"
         if _COUNT_NAME.fullmatch(name):
-            return f"{name} is named as a count"
+            return f"its name, {name}, says it is a count"
     return None
 
 

@@ -9,7 +9,7 @@ post-mortem report of the run says the same as the exception did (an error; a wa
 the program caught the GuardError and went on). One code per check; codes never change meaning.
 
 Example:
-    >>> from nanwatch.records import LOSS_PATH, Note, Phase
+    >>> from nanwatch.records import Note
     >>> note = Note("guard", "CrossEntropyLoss", {"code": "NW501", "problem": "target contains 255",
     ...             "fix": "nn.CrossEntropyLoss(ignore_index=255)", "explanation": ""})
     >>> diagnosis_from_note(note, step=3).headline
@@ -18,10 +18,15 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import ast
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from nanwatch.ops import ColumnBroadcast
 from nanwatch.records import LOSS_PATH, Note, Phase
+from nanwatch.rules._evidence import paren
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, RuleFunc, rule
 
 __all__ = ["CHECKS", "diagnosis_from_note", "unknown_id_hint", "unknown_row_fix"]
@@ -243,7 +248,9 @@ def _found(ctx: RuleContext, code: str) -> Iterator[Diagnosis]:
         if note.kind == "guard" and note.data.get("code") == code:
             d = diagnosis_from_note(note, step=ctx.step)
             compiled = note.data.get("compiled")
-            if compiled:
+            if note.data.get("hand"):  # a hand-written loss's broadcast: told, not raised
+                d.severity = "warning"
+            elif compiled:
                 # the guard could not run inside the compiled graph: it checked the inputs
                 # again on the eager module once the compiled call had raised
                 d.evidence.append(
@@ -452,3 +459,157 @@ def _picked_neginf(ctx: RuleContext) -> Diagnosis | None:
 @_register("NW519")
 def loss_input_from_a_term_without_gradients(ctx: RuleContext) -> Iterator[Diagnosis]:
     return _found(ctx, "NW519")
+
+
+_BINOPS = {"Sub": ast.Sub, "Rsub": ast.Sub, "Add": ast.Add, "Mul": ast.Mult, "Div": ast.Div}
+_SIGNS = {ast.Sub: "-", ast.Add: "+", ast.Mult: "*", ast.Div: "/"}
+
+
+def _one_binop(stmt: str, kind: type[ast.operator]) -> ast.BinOp | None:
+    """The one operation of ``kind`` (``ast.Sub``) in ``stmt``; None for none or several."""
+    try:
+        tree = ast.parse(stmt.strip())
+    except SyntaxError:
+        return None
+    ops = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, kind)]
+    return ops[0] if len(ops) == 1 else None
+
+
+def _helper_binop(
+    stmt: str, kind: type[ast.operator], names: Mapping[str, Any], scope: Mapping[str, Any]
+) -> tuple[str, str, ast.BinOp, dict[str, str]] | None:
+    """The loss made by a function the statement calls (``loss = mse(pred, y)``): (the
+    function's line with its one operation of ``kind``, that line's ``file.py:N``, the
+    operation, the function's parameters named by the call's argument names). None when
+    the call is not of a plain Python function whose source holds one such operation."""
+    import inspect
+
+    try:
+        tree = ast.parse(stmt.strip())
+    except SyntaxError:
+        return None
+    found = [
+        (n, f)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and inspect.isfunction(f := names.get(n.func.id, scope.get(n.func.id)))
+    ]
+    if len(found) != 1:
+        return None
+    call, fn = found[0]
+    try:
+        lines, first = inspect.getsourcelines(fn)
+        params = list(inspect.signature(fn).parameters)
+    except (OSError, TypeError, ValueError):
+        return None
+    bound = {params[i]: ast.unparse(a) for i, a in enumerate(call.args) if i < len(params)} | {
+        k.arg: ast.unparse(k.value) for k in call.keywords if k.arg
+    }
+    hits = []
+    for i, text in enumerate(lines):
+        op = _one_binop(text.strip().removeprefix("return "), kind)
+        if op is not None:
+            hits.append((text.strip(), f"{fn.__code__.co_filename}:{first + i}", op))
+    if len(hits) != 1:
+        return None
+    return (*hits[0], bound)
+
+
+def column_broadcast_words(
+    found: ColumnBroadcast,
+    site: str | None,
+    names: Mapping[str, Any],
+    scope: Mapping[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """NW506's words for a hand-written loss that broadcast a column against a row (see
+    :func:`nanwatch.ops.column_broadcast`): the statement that assigned the tensor
+    ``backward()`` ran on (read above ``site``, the ``backward()`` line), or the line of the
+    function it called (``loss = mse(pred, y)``), with its one operation of the node's
+    kind; its two operands with their shapes and the fix in the user's names. An operand
+    without autograd history is the local ``names`` binds to its text (through the call's
+    arguments), and its shape must be the row's (a matrix the column is meant to broadcast
+    against is no mistake). None when that cannot be told."""
+    import linecache
+
+    import torch
+
+    from nanwatch.rules.domain import _assigned_before
+
+    path, _, num = (site or "").rpartition(":")
+    line = linecache.getline(path, int(num)).strip() if num.isdigit() else ""
+    m = re.search(r"([A-Za-z_]\w*)\.backward\(", line)
+    stmt = _assigned_before(site, m.group(1)) if m is not None else None
+    if stmt is None:
+        stmt = line if m is None else None
+    if not stmt:
+        return None
+    kind = _BINOPS[found.node.split("Backward")[0]]
+    op = _one_binop(stmt, kind)
+    where = _line_no_site(site, stmt)
+    bound: dict[str, str] = {}
+    if op is None:
+        helper = _helper_binop(stmt, kind, names, scope or {})
+        if helper is None:
+            return None  # several on the line, or none: which one broadcast is not told
+        stmt, where, op, bound = helper
+    sides = [ast.unparse(op.left), ast.unparse(op.right)]
+    if found.node.startswith("Rsub"):
+        sides.reverse()
+    shapes = list(found.shapes)
+    col = found.column
+    row = 1 - col
+    row_shape = found.shapes[col][:-1]  # type: ignore[index]
+    if shapes[row] is None:  # no history: the local the line names, of the row's shape
+        v = names.get(bound.get(sides[row], sides[row]))
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != row_shape:
+            return None
+        shapes[row] = row_shape
+    for side, shape in zip(sides, shapes, strict=True):  # a local the line names: its shape
+        v = names.get(bound.get(side, side))
+        if isinstance(v, torch.Tensor) and tuple(v.shape) != shape:
+            return None  # another operation of the loss code broadcast, not this line's
+    dim = len(row_shape)
+    n_out = math.prod(found.out)
+    n_own = math.prod(row_shape)
+    squeezed = [f"{paren(sides[col])}.squeeze({dim})" if i == col else sides[i] for i in (0, 1)]
+    unsq = [f"{paren(sides[row])}.unsqueeze({dim})" if i == row else sides[i] for i in (0, 1)]
+    sign = _SIGNS[kind]
+    basis = stmt.strip().removeprefix("return ")
+    old = ast.get_source_segment(basis, op) or f"{sides[0]} {sign} {sides[1]}"
+    fixed = stmt.replace(old, f"{squeezed[0]} {sign} {squeezed[1]}", 1)
+    return {
+        "code": "NW506",
+        "check": "broadcast",
+        "problem": (
+            f"{sides[col]} {_shape_text(found.shapes[col])} and {sides[row]} "
+            f"{_shape_text(shapes[row])} broadcast to {_shape_text(found.out)} in "
+            f"{sides[0]} {sign} {sides[1]}: each prediction meets every target ({n_out:,} "
+            f"terms instead of {n_own:,}), not only its own"
+        ),
+        "expected": "operands of the same shape",
+        "fix": (f"{fixed}   # or {unsq[0]} {sign} {unsq[1]}: the same shape on both sides"),
+        "explanation": (
+            f"A ({found.shapes[col][-2]}, 1) column against {row_shape[-1]} values in a row "  # type: ignore[index]
+            "broadcasts to a square: the loss compares every prediction with every target. "
+            "nn.MSELoss warns about it; code written by hand gets no warning, and the loss "
+            "looks plausible and decreases while the model learns the mean of the targets."
+        ),
+        "count": n_out,
+        "total": n_own,
+        "source": where,
+        "source_line": stmt,
+    }
+
+
+def _shape_text(shape: Sequence[int] | None) -> str:
+    """``(16, 1)``, ``(16,)``: a shape as Python writes a tuple."""
+    return str(tuple(shape or ()))
+
+
+def _line_no_site(site: str | None, stmt: str) -> str | None:
+    from nanwatch.rules.domain import _line_of
+
+    if site is None:
+        return None
+    return _line_of(site, stmt) or site
