@@ -515,6 +515,9 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         #: backward nanwatch runs again), not only the user's
         self._nanwatch_calls = nanwatch_calls
         self.events: list[OpEvent] = []
+        #: the events (by id) whose non-finite values left a submodule's call in its output
+        #: during a replay (see :class:`_SubmoduleOps`): a value a module returned
+        self.left: set[int] = set()
         self.checked = 0
         self._current_path = current_path
         self._backward_site = backward_site
@@ -2279,9 +2282,13 @@ class ReplayResult:
 
     def first(self) -> OpEvent | None:
         """The first birth (see :func:`nanwatch.localize.is_birth`) that the output was made
-        of, else the first birth, else the first event that is not injected. An inf that a
-        later op absorbed (tanh's ``x**3`` term in GELU, saturating to 1) reached nothing:
-        the NaN that did reach the output is born later."""
+        of, or that a submodule's output was (the first module output to go bad, as watch
+        mode's records would show), else the first birth, else the first event that is not
+        injected. An inf that a later op absorbed (tanh's ``x**3`` term in GELU, saturating
+        to 1) reached nothing: the NaN that did reach the output is born later. A NaN that
+        an earlier child returned is its own, though later code drops it (a graph layer's
+        isolated node, which the next layer's aggregation never reads) and the next child
+        makes the output's NaN again by the same code."""
         for ev in self.events:
             if id(ev) in self.reached and is_birth(ev):
                 return ev
@@ -2304,6 +2311,19 @@ def _reached(chk: OpChecker, out: Any) -> frozenset[int]:
             found.add(id(ev))
             ev = ev.cause
     return frozenset(found)
+
+
+def _note_left(chk: OpChecker, output: Any) -> None:
+    """Adds to ``chk.left`` the events a submodule's ``output`` was made of (see
+    :func:`_reached`). Only a tensor the checker saw made non-finite is read, with the
+    dispatch modes off (the checker's own read is no op of the forward)."""
+    try:
+        made = [t for _, t in iter_tensors(output, "") if chk.maker(t) is not None]
+        if made:
+            with _python_dispatch._disable_current_modes():
+                chk.left |= _reached(chk, made)
+    except Exception:  # nanwatch must never break the replay it runs
+        return
 
 
 def _devices(objs: Sequence[Any]) -> set[torch.device]:
@@ -2682,6 +2702,8 @@ class _SubmoduleOps:
         if module is self.keep:
             self.kept.append(output)
         chk, stamped = self.checker, getattr(_tls, "stamped", None)
+        if chk is not None:
+            _note_left(chk, output)
         _tls.stamped = None
         if chk is None or start is None or stamped is None:
             return
@@ -2855,7 +2877,7 @@ def replay(
                 result.error = None if error is None else f"{type(error).__name__}: {error}"
                 result.events = chk.events
                 result.output = frozenset().union(*(_kinds(t) for _, t in iter_tensors(out, "")))
-                result.reached = _reached(chk, out)
+                result.reached = _reached(chk, out) | chk.left
                 result.kept = [out] if keep is module else tracker.kept
                 result.attempts += 1
                 drew = drew_random(before, devices)

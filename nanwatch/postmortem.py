@@ -531,6 +531,8 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
     if cls in _POSITION_CLASSES:
         try:  # shapes and module attributes only: no device access
             said = position_advice(exc) or batch_shape_advice(exc)
+            if said is None and cls == "index-out-of-range":
+                said = index_advice(exc)
         except Exception:  # the user's exception matters more than ours
             said = None
         if said is not None:
@@ -716,6 +718,146 @@ def batch_shape_advice(exc: BaseException) -> str | None:
         "truncation=True) returns them aligned; a collate_fn that pads or cuts one must do "
         "the same to the others."
     )
+
+
+#: tensor methods (and ``torch.`` functions) that take ``(dim, index, ...)``, and write or
+#: read along ``dim`` of their receiver at each index: a graph's scatter and gather
+_INDEX_CALLS = frozenset(
+    f"{base}{tail}"
+    for base in ("index_add", "index_copy", "index_fill", "scatter", "scatter_add")
+    for tail in ("", "_")
+) | {"scatter_reduce", "scatter_reduce_", "index_select", "gather", "take_along_dim"}
+#: factories whose first arguments are the sizes of what they make (``torch.zeros(n, d)``)
+_SIZED = frozenset({"zeros", "ones", "empty", "full", "rand", "randn"})
+
+
+def index_advice(exc: BaseException) -> str | None:
+    """Advice for an index out of range raised on the user's line (an ``edge_index`` whose
+    node ids start at 1, or that names nodes of a larger graph than the batch holds): the
+    integer tensor that line passes as an index (``x.index_add_(0, dst, ...)``,
+    ``h.index_select(0, src)``, ``x.scatter_add_(0, idx, ...)``, ``h[src]``), its smallest
+    and largest value, and the size of the dimension it indexes when the line names it.
+    Only names the line reads (no call of the user's is run again), and only CPU tensors
+    (after a CUDA error the device is not read). None when no such index is out of range.
+
+    For ``deg = torch.zeros(n).index_add_(0, dst, w)`` in a file of the user's, with ``n``
+    6 and ``dst`` holding 1 to 6, it begins: "dst, the index of index_add_ along dim 0,
+    holds 1 to 6, but that dimension has 6 entries (0 to 5): 1 of 6 out of range. Ids that
+    start at 1 (numbered from 1 in a file) need dst - 1."
+    """
+    import ast
+    import linecache
+
+    import torch
+
+    from nanwatch import _frames
+
+    tb, frame = exc.__traceback__, None
+    while tb is not None:
+        if not _frames.is_internal(tb.tb_frame.f_code.co_filename):
+            frame, line = tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+    if frame is None:
+        return None
+    text = linecache.getline(frame.f_code.co_filename, line).strip()
+    try:  # a block's header (``for ...:``, ``if ...:``) parses with a body
+        tree = ast.parse(text + " pass" if text.endswith(":") else text)
+    except SyntaxError:
+        return None
+
+    def value(node: ast.expr) -> Any:
+        if isinstance(node, ast.Name):
+            for scope in (frame.f_locals, frame.f_globals):
+                if node.id in scope:
+                    return scope[node.id]
+            return None
+        if isinstance(node, ast.Attribute):  # no property or __getattr__ of the user's runs
+            base = value(node.value)
+            own = getattr(base, "__dict__", None)
+            if isinstance(own, dict) and node.attr in own:
+                return own[node.attr]
+            if isinstance(base, torch.nn.Module):
+                for table in (base._buffers, base._parameters, base._modules):
+                    if node.attr in table:
+                        return table[node.attr]
+            return None
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            v = value(node.operand)
+            return -v if type(v) is int else None
+        return None
+
+    def size(node: ast.expr, dim: int) -> int | None:
+        t = value(node)
+        if isinstance(t, torch.Tensor):
+            return int(t.shape[dim]) if -t.dim() <= dim < t.dim() else None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name = node.func.attr
+            if name.endswith("_like") and node.args:
+                return size(node.args[0], dim)
+            if name in _SIZED and node.args:
+                dims = node.args[0] if isinstance(node.args[0], (ast.Tuple, ast.List)) else None
+                sizes = [value(a) for a in (dims.elts if dims is not None else node.args)]
+                got = sizes[dim] if -len(sizes) <= dim < len(sizes) else None
+                return got if type(got) is int else None
+        return None
+
+    found: list[tuple[ast.expr, ast.expr | None, int, str]] = []  # index, indexed, dim, op
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            name, args = node.func.attr, list(node.args)
+            if name not in _INDEX_CALLS:
+                continue
+            target: ast.expr | None = node.func.value
+            if isinstance(target, ast.Name) and target.id == "torch" and args:
+                target = args.pop(0)
+            dim = value(args[0]) if len(args) >= 2 else None
+            if type(dim) is int:
+                found.append((args[1], target, dim, name))
+        elif isinstance(node, ast.Subscript):
+            first = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) else node.slice
+            if isinstance(first, (ast.Name, ast.Attribute)):
+                found.append((first, node.value, 0, "[]"))
+    for index, target, dim, op in reversed(found):  # the innermost first: it ran first
+        t = value(index)
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.device.type != "cpu"
+            or t.is_floating_point()
+            or t.is_complex()
+            or t.dtype is torch.bool
+            or t.numel() == 0
+        ):
+            continue
+        lo, hi = int(t.min()), int(t.max())
+        n = size(target, dim) if target is not None else None
+        low = -n if op == "[]" and n is not None else 0
+        if n is not None and low <= lo and hi < n:
+            continue  # this one is in range: another index on the line raised
+        if n is None and (lo >= 0 or op == "[]"):
+            continue  # nothing to tell it by (a subscript takes negative indices)
+        where = ast.unparse(index)
+        into = ast.unparse(target) if target is not None else "a tensor"
+        what = f"the index of {op}" if op != "[]" else f"the index into {into}"
+        head = f"{where}, {what} along dim {dim}, holds {lo} to {hi}"
+        if n is None:
+            return f"{head}: a negative index is out of range there."
+        past = int((t >= n).sum()) + (int((t < low).sum()))
+        starts = (
+            f" Ids that start at 1 (numbered from 1 in a file) need {where} - 1."
+            if lo == 1 and hi == n
+            else ""
+        )
+        return (
+            f"{head}, but that dimension has {n} entries (0 to {n - 1}): {past} of "
+            f"{t.numel()} out of range.{starts} An id of a larger set than this "
+            "tensor was built for (the nodes of the whole graph in a sampled subgraph, "
+            "classes or tokens past the table) must be renumbered into it, or the tensor "
+            "built with its full size. On the GPU the same index is 'device-side assert "
+            "triggered'."
+        )
+    return None
 
 
 def _sequence_length(frame: FrameType, torch: Any) -> tuple[int | None, str, str]:

@@ -5461,7 +5461,7 @@ class Watcher:
             # (accelerators read nothing before an update): its weights are read here
             (last is None and not (self._read_late() and self._ever_updated))
             or (last is not None and last.full)
-            or self.first_anomaly is not None  # told already: the weights followed from it
+            or self._weights_told()
             or not self._ever_updated
             or self._device_dead
             or _tracing()
@@ -5480,6 +5480,14 @@ class Watcher:
             self._fault("weights", "weight check at detach", exc)
             return False
         return bool(self._trace.records)
+
+    def _weights_told(self) -> bool:
+        """Bad weights at the run's end follow from an anomaly told already: the last step
+        that ended held one (a NaN update applied, and each step since said so). One the run
+        recovered from (its update skipped, later steps clean) is no such story: the last
+        update can break the weights anew, and only the read at the end can say so."""
+        last = self.history[-1] if self.history else None
+        return self._trace.anomaly is not None or (last is not None and last.anomaly is not None)
 
     def _overflow_step(self) -> None:
         _frames.warn_at_user(
@@ -5501,7 +5509,7 @@ class Watcher:
             bool(self._pending_grads) or any(not pf.wait for pf in self._prefetched)
         )
         if not self._device_dead and not _tracing():
-            weigh = self._full or (final and self._updated and self.first_anomaly is None)
+            weigh = self._full or (final and self._updated and not self._weights_told())
             maxima = self._param_maxima() if weigh else []  # read with the rest
             # read with no update applied since (no optimizer, a GradScaler that skipped
             # it): the weights are still the step's, and a bad value is pinpointed as before

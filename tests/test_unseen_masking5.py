@@ -90,22 +90,21 @@ class _Policy(nn.Module):
         return self.head(h, allowed)
 
 
-def test_sentinel_does_not_claim_no_valid_choice_for_a_submodule_it_cannot_name() -> None:
-    """Only the root's call is recorded: the softmax ran in another class's forward, which
-    may be attention under a name sentinel never saw; the words fit either."""
+@pytest.mark.parametrize("mode", ["sentinel", "watch"])
+def test_sentinel_agrees_with_watch_on_a_choice_in_a_submodule_its_replay_named(mode: str) -> None:
+    """Only the root's call is recorded in sentinel, but its replay names the submodule
+    whose forward ran the softmax (head, a _Pick): its path and class are known, as in
+    watch mode, and it is no attention (it said "the module that ran the softmax is not
+    known; watch mode names it" while naming head)."""
     m = _Policy()
     allowed = torch.ones(3, 5, dtype=torch.bool)
     allowed[1] = False
-    d = _first(
-        _raises(m, lambda: m(torch.randn(3, 4), allowed).sum().backward(), "sentinel"), "NW402"
-    )
-    assert d.title == "Fully masked softmax row"
-    assert "no fill value makes it right" not in d.explanation
-    assert "attention" in d.explanation and "no valid choice" in d.explanation
-    assert "sentinel" in d.explanation
+    d = _first(_raises(m, lambda: m(torch.randn(3, 4), allowed).sum().backward(), mode), "NW402")
+    assert d.path == "head"
+    assert d.title == "Fully masked softmax row: no valid choice left"
+    assert "not known" not in d.explanation and "sentinel" not in d.explanation
     lines = code_lines(d.fix).splitlines()
     assert lines[0].startswith('assert allowed.any(dim=-1).all(), "a row with')
-    assert "torch.finfo(" in d.fix
     with pytest.raises(AssertionError):  # the check finds the row with nothing allowed
         exec(lines[0], {"allowed": allowed})
     ast.parse(code_lines(d.fix))

@@ -309,6 +309,12 @@ def _is_attention(ctx: RuleContext, call_id: int, events: list[OpEvent | None]) 
             return True
         types.add(call.module_type)
         call = ctx.trace.call(call.parent) if call.parent is not None else None
+    a = ctx.anomaly
+    if a is not None and a.module_type and any(e is not None and e.path == a.path for e in events):
+        # sentinel: a replay found the op in a submodule no hook records (see born_below)
+        if _ATTENTION_WORDS.search(f"{a.path} {a.module_type}"):
+            return True
+        types.add(a.module_type)
     if any(
         e is not None
         and (_ATTENTION_WORDS.search(e.path or "") or _ATTENTION_WORDS.search(e.code or ""))
