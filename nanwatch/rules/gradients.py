@@ -6826,7 +6826,19 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
     order = {r.path: r.index for r in ctx.trace.records if r.phase is Phase.BACKWARD}
     dead.sort(key=lambda p: order.get(p, math.inf))  # nearest the loss first
-    top = dead[0]
+    names = f"{', '.join(dead[:6])}{', ...' if len(dead) > 6 else ''}"
+    # the module the last step's finding named while it is still dead: gradients that die
+    # layer after layer towards the loss are one problem, said once, not one per step
+    said = next(
+        (
+            d.path
+            for t in ctx.history[-1:]
+            for d in t.diagnoses
+            if d.code == "NW304" and d.path in dead
+        ),
+        None,
+    )
+    top = said if said is not None else dead[0]
     dtype = dtypes.get(top, "")
     # sentinel hooks no layer's output: the gradient of a root's output tells the dtype
     # backward ran in (float16 under autocast), where the weights' own .grad is float32
@@ -6841,7 +6853,6 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     # a parameter gradient is known by its norm only, which is 0 for tiny values too
     exact = all(p in o for p in dead for o, _, _, _ in past) and all(p in out_now for p in dead)
     exact = exact or not any(p in by_norm for p in dead) or _tiniest(dtype) > _norm_floor(dtype)
-    names = f"{', '.join(dead[:6])}{', ...' if len(dead) > 6 else ''}"
     off = _loss_term_off(ctx, top)
     if off is not None:
         # the zero comes from the loss: silent when the term was on within the window (a
@@ -6879,7 +6890,7 @@ def vanishing(ctx: RuleContext) -> Iterator[Diagnosis]:
     if factors is not None:
         # the other dead modules whose factors are zero the same way (every adapter of a
         # model built by one helper): named beside the first, each gets its own fix line
-        more = [d for d in dead[1:] if _zero_factors(traces, d) is not None]
+        more = [d for d in dead if d != top and _zero_factors(traces, d) is not None]
         yield _zero_factors_diagnosis(ctx, top, need, *factors, more=more)
         return
     sat = _cut_inside(ctx.trace, dead, lim.tiny) if lim is not None and exact else None
