@@ -31,6 +31,8 @@ __all__ = [
 
 #: the real ``torch.autograd.backward``, taken before any watcher can wrap it
 _REAL_BACKWARD = torch.autograd.backward
+#: and ``torch.autograd.grad``
+_REAL_GRAD = torch.autograd.grad
 #: global state a variant left changed after ``detach()``: what, and which variant. The
 #: harness puts it back (so that the next variant, the unwatched baseline included, is not
 #: measured with it) and reports it: it is a bug of the tool that left it.
@@ -44,6 +46,9 @@ def _check_clean(key: str) -> None:
     if torch.autograd.backward is not _REAL_BACKWARD:
         LEAKS.setdefault("torch.autograd.backward was left wrapped after detach()", key)
         torch.autograd.backward = _REAL_BACKWARD
+    if torch.autograd.grad is not _REAL_GRAD:
+        LEAKS.setdefault("torch.autograd.grad was left wrapped after detach()", key)
+        torch.autograd.grad = _REAL_GRAD
     if torch.is_anomaly_enabled():
         LEAKS.setdefault("anomaly mode was left enabled after detach()", key)
         torch.autograd.set_detect_anomaly(False)

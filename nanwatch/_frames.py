@@ -341,6 +341,24 @@ def user_line() -> tuple[str | None, str | None]:
     return describe_frame(user_frame(sys._getframe(1)))
 
 
+def helper_call(f: types.FrameType | None, value: object) -> str | None:
+    """``backward() called from train.py:22`` when ``f`` runs a function of the user's that
+    was given ``value`` as an argument (``def backward(loss): loss.backward()`` in a utility
+    module): the line that called it, which says which of the loop's calls it was. None for
+    module-level code, or a function that made ``value`` itself."""
+    if f is None:
+        return None
+    code = f.f_code
+    if code.co_name.startswith("<") or not code.co_argcount:
+        return None
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    local = f.f_locals
+    if not any(local.get(n) is value for n in names):
+        return None
+    at, _ = describe_frame(user_frame(f.f_back))
+    return f"{code.co_name}() called from {at}" if at else None
+
+
 _TB_HEADER = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
 
 

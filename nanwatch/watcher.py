@@ -933,6 +933,8 @@ class Watcher:
         self._ever_updated = False
         #: a gradient reached a watched value in this run: it trains (see _read_at_root_end)
         self._ever_backward = False
+        #: backward() ran in this run (not only ``torch.autograd.grad``; see _trained_by_grad)
+        self._ever_backward_called = False
         #: read late, the weights' version counters when a step's end last found them all
         #: finite (see :meth:`_weights_written_since`); None when not known
         self._weights_checked: tuple[tuple[int, int | None], ...] | None = None
@@ -1005,6 +1007,7 @@ class Watcher:
 
                 self._restore_signals = postmortem.install_signal_handlers(self)
             _backward_tap.install(self)
+            _grad_tap.install(self)
             _scaler_tap.install(self)
             _clip_tap.install(self)
             handle = register_optimizer_step_pre_hook(self._on_optimizer_step)
@@ -2027,6 +2030,7 @@ class Watcher:
         #: user's line that called it (see _backward_began); the one running, until it ends
         self._backwards_done: list[tuple[list[weakref.ReferenceType[torch.Tensor]], Any]] = []
         self._backward_now: tuple[list[weakref.ReferenceType[torch.Tensor]], Any] | None = None
+        self._backward_via: str | None = None  # see _backward_began
         self._transformed = False  # a watched module was called under a torch.func transform
         self._grad_call = False  # a call from outside with gradients on was made this step
         self._updated = False  # an optimizer stepped this step
@@ -2041,6 +2045,9 @@ class Watcher:
         self._late = False  # a trigger read after its calls ended (see _late_trigger)
         self._ops_mark = None  # see __init__
         self._weights_at_grad: tuple[int, ...] | None = None  # versions after autograd.grad
+        #: torch.autograd.grad returned gradients of watched weights (no create_graph):
+        #: one of them, with its module and name there (see :meth:`_trained_by_grad`)
+        self._weight_grads_taken: tuple[nn.Module, str, torch.Tensor | None] | None = None
         self._eob_queued = False
         self._grads_checked = False
         self._after_backward: tuple[int, ...] | None = None
@@ -3385,6 +3392,69 @@ class Watcher:
         except Exception as exc:
             self._fault("grad", "end-of-backward check", exc)
 
+    def _grad_began(self, outputs: Any) -> None:
+        """``torch.autograd.grad`` is about to run, in a loop that trains with it alone (no
+        ``backward()`` in this run): on the accelerator path, the forward's statistics are
+        read now if they have landed, as when ``backward()`` begins (see
+        :meth:`_on_backward`): its update (``p.data -= lr * g``) has no hook before it."""
+        if self._ever_backward_called or not self._pending or not self._attached:
+            return
+        if threading.get_ident() != self._thread or ops.replaying() or _tracing():
+            return
+        try:
+            with _NO_TORCH_FUNCTION():
+                self._prefetch(wait=True)
+                self._read_if_landed(outputs)
+        except NanwatchError:
+            raise
+        except Exception as exc:
+            self._fault("grad", "forward statistics read", exc)
+
+    def _grads_returned(self, inputs: Any, grads: Any, create_graph: bool) -> None:
+        """``torch.autograd.grad`` returned ``grads`` for ``inputs``: those of watched
+        weights are checked as a backward's ``.grad`` is (a loop that trains without
+        ``backward()``: ``grads = torch.autograd.grad(loss, params)``, then its own update),
+        once no ``backward()`` ran in this step (a gradient penalty's are not the step's
+        gradients). No read when no watched weight is among ``inputs``."""
+        if not self._attached or threading.get_ident() != self._thread or self._backward_called:
+            return
+        if "grad" in self._disabled_hooks or ops.replaying() or _tracing() or capturing():
+            return
+        if isinstance(inputs, torch.Tensor):
+            inputs, grads = (inputs,), (grads,)
+        if not isinstance(inputs, (tuple, list)) or not isinstance(grads, (tuple, list)):
+            return
+        ids = self._param_ids
+        given = {
+            id(t): g
+            for t, g in zip(inputs, grads, strict=False)
+            if id(t) in ids and isinstance(g, torch.Tensor)
+        }
+        if not given:
+            return
+        if not create_graph and self._weight_grads_taken is None:
+            # (create_graph: a MAML inner step's, differentiated again in this step)
+            self._weight_grads_taken = next(
+                (
+                    (m, name, p)
+                    for m, _ in self._modules
+                    for name, p in m._parameters.items()
+                    if id(p) in given
+                ),
+                None,
+            )
+        try:
+            with _NO_TORCH_FUNCTION():
+                self._check_grads(given)
+                if self._pending or self._pending_grads or self._pending_nodes:
+                    self._prefetch(wait=False)  # the accelerator path
+            if self._new_trigger is not None:
+                self._handle_trigger(None)
+        except NanwatchError:
+            raise
+        except Exception as exc:
+            self._fault("grad", "autograd.grad gradient check", exc)
+
     def _backward_began(self, tensors: Any) -> None:
         """A ``backward()`` begins: the tensors it runs on (weakly) and the line of the user's
         code that called it, kept for the step (host-side: one walk up the stack). A second
@@ -3401,8 +3471,12 @@ class Watcher:
                 refs = []
             f = _frames.user_frame(sys._getframe(1))
             self._backward_now = (refs, (f.f_code.co_filename, f.f_lineno) if f else None)
+            # a helper of the user's given the loss (``def backward(loss)``): its caller
+            self._backward_via = (
+                _frames.helper_call(f, tensors) if isinstance(tensors, torch.Tensor) else None
+            )
         except Exception:  # a hint for a post-mortem: never worth breaking backward for
-            self._backward_now = None
+            self._backward_now = self._backward_via = None
 
     def _backward_ended(self) -> None:
         """The ``backward()`` :meth:`_backward_began` saw finished."""
@@ -3598,6 +3672,7 @@ class Watcher:
                 self._fold(LOSS_PATH)
             self._grad_call = True
         self._backward_called = True
+        self._ever_backward_called = True
         if "loss" in self._disabled_hooks:
             return
         try:
@@ -4576,22 +4651,26 @@ class Watcher:
             except RuntimeError:  # a weight that cannot take the hook: read after backward
                 continue
 
-    def _check_grads(self) -> None:
+    def _check_grads(self, given: dict[int, torch.Tensor] | None = None) -> None:
         """The L2 norm of every parameter gradient: multi-tensor kernels, one host read
-        (large CPU gradients: read by :meth:`_hook_params`'s hooks while backward ran)."""
-        self._grads_checked = True
+        (large CPU gradients: read by :meth:`_hook_params`'s hooks while backward ran).
+        ``given``: the gradients ``torch.autograd.grad`` returned, by the weight's id, read
+        instead of ``.grad`` (see :meth:`_grads_returned`)."""
         grads: list[torch.Tensor] = []
         metas: list[tuple[str, str, str]] = []
         # the gradients read here, by identity and version: the optimizer pre-hook tells a
-        # .grad written after backward (PCGrad, GradNorm) from these (no tensor read)
+        # .grad written after backward (PCGrad, GradNorm) from these (no tensor read);
+        # autograd.grad's are no backward's: a .grad set from them is your code's
         seen: dict[int, tuple[Any, int, int]] = {}
-        self._grads_seen = seen
+        if given is None:
+            self._grads_checked = True
+            self._grads_seen = seen
         ref = weakref.ref
         hot = self._hot_norms  # the hooks' dict: emptied below, never replaced
         # the norm each gradient's hook read, where it still holds (None: read it now)
         known: list[torch.Tensor | None] = []
         for (q, path, p), owner_type in zip(self._params, self._param_types, strict=True):
-            g = p.grad
+            g = p.grad if given is None else given.get(id(p))
             # a weight frozen with requires_grad_(False) keeps the .grad it had (zeros
             # after zero_grad(set_to_none=False)): no backward wrote it, it is no gradient
             if g is not None and p.requires_grad:
@@ -4603,7 +4682,8 @@ class Watcher:
                     known.append(entry[2])
                 else:
                     known.append(None)
-        hot.clear()
+        if given is None:  # the hooks' norms are of a backward's .grad
+            hot.clear()
         if not grads:
             return
         if self._scaled:  # the scale these gradients were multiplied by (no sync: a copy)
@@ -5138,6 +5218,15 @@ class Watcher:
             return False
         if self._updated:
             return True
+        taken = self._weight_grads_taken
+        if taken is not None and not self._ever_backward_called:
+            # the run trains by autograd.grad alone, and took the weights' gradients (not
+            # to differentiate them again): its update may write .data, which no version
+            # shows (``p.data -= lr * g``), so the next forward with the weights in place
+            # begins the next step (a MAML inner loop's functional_call swaps them out)
+            module, name, p = taken
+            if module._parameters.get(name) is p:
+                return True
         before = self._weights_at_grad
         return before is not None and before != tuple(p._version for _, _, p in self._params)
 
@@ -7591,6 +7680,7 @@ class Watcher:
         logs: list[list[str]] = []
         names, events = self._graph_evidence(loss, logs)
         source, _ = self._loss_site() if self._late else _frames.user_line()
+        via = self._backward_via  # a helper of the user's that ran backward(): its caller
         for ev in events:
             ev.path = LOSS_PATH
             ev.backward_at = source
@@ -7622,7 +7712,8 @@ class Watcher:
             if _frames.framework_between():  # Lightning's backward; the user's trainer.fit
                 anomaly.summary = f"{base} (backward by Lightning, called from {source}{hint})"
             else:
-                anomaly.summary = f"{base} (loss.backward() at {source}{hint})"
+                via = f", in {via}" if via else ""
+                anomaly.summary = f"{base} (loss.backward() at {source}{via}{hint})"
         anomaly.summary = summarize(anomaly)
 
     def _note_zero_params(self, loss: torch.Tensor) -> None:
@@ -8020,6 +8111,7 @@ class Watcher:
 
     def _remove_hooks(self) -> None:
         _backward_tap.remove(self)
+        _grad_tap.remove(self)
         _scaler_tap.remove(self)
         _clip_tap.remove(self)
         if self._restore_signals is not None:
@@ -8597,6 +8689,46 @@ class _BackwardTap(_Tap):
 
 
 _backward_tap = _BackwardTap()
+
+
+class _GradTap(_Tap):
+    """A scoped wrapper of ``torch.autograd.grad``: the gradients it returns for watched
+    weights are checked (see :meth:`Watcher._grads_returned`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._original: Callable[..., Any] | None = None
+        self._wrapper = self._tapped  # one bound method, so `is` can recognize it
+
+    def _patch(self) -> None:
+        self._original = torch.autograd.grad
+        torch.autograd.grad = self._wrapper
+
+    def _unpatch(self) -> None:
+        if self._original is not None:
+            if torch.autograd.grad is self._wrapper:
+                torch.autograd.grad = self._original
+            self._original = None
+
+    def _tapped(self, outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        original = self._original
+        if original is None:  # removed while we were called: behave as the real one
+            return torch.autograd.grad(outputs, inputs, *args, **kwargs)
+        if _frames.is_core(sys._getframe(1).f_code.co_filename):  # nanwatch's, torch's own
+            return original(outputs, inputs, *args, **kwargs)
+        if not isinstance(inputs, (torch.Tensor, tuple, list)):
+            inputs = tuple(inputs)  # model.parameters(): read here once, as torch would
+        for w in list(self._watchers):
+            w._grad_began(outputs)
+        out = original(outputs, inputs, *args, **kwargs)
+        # create_graph: the fifth parameter (outputs, inputs, grad_outputs, retain_graph, ...)
+        create = kwargs.get("create_graph", args[2] if len(args) > 2 else False)
+        for w in list(self._watchers):
+            w._grads_returned(inputs, out, bool(create))
+        return out
+
+
+_grad_tap = _GradTap()
 
 
 def _grad_scaler_classes() -> list[type]:

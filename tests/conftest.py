@@ -63,6 +63,7 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     before = {name: dict(getattr(module_mod, name)) for name in _GLOBAL_DICTS}
     anomaly_before = torch.is_anomaly_enabled()
     backward_before = torch.autograd.backward
+    grad_before = torch.autograd.grad
     scale_before = {cls: vars(cls)["scale"] for cls in _grad_scaler_classes()}
     functional_before = dict(vars(torch.nn.functional))
     optim_before = {name: dict(getattr(optim_mod, name)) for name in _OPTIM_DICTS}
@@ -82,6 +83,7 @@ def no_hooks_left_behind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     assert torch.nn.utils.clip_grad_norm_ is clip_before, "clip_grad_norm_ left wrapped"
     assert torch.is_anomaly_enabled() == anomaly_before, "anomaly mode left switched"
     assert torch.autograd.backward is backward_before, "torch.autograd.backward left wrapped"
+    assert torch.autograd.grad is grad_before, "torch.autograd.grad left wrapped"
     scale_after = {cls: vars(cls)["scale"] for cls in scale_before}
     assert scale_after == scale_before, "GradScaler.scale left wrapped"
     getstate_after = vars(torch.nn.Module).get("__getstate__")
