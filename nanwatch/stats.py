@@ -218,6 +218,33 @@ def bad_row_counts(t: torch.Tensor) -> torch.Tensor | None:
         return None if rows is None else rows.sum(dim=1)
 
 
+def whole_bad_rows(t: torch.Tensor, *, max_rows: int = 8) -> tuple[tuple[int, ...], int] | None:
+    """When the NaN/inf of ``t`` (2 or more dims) fill whole rows (indices along dim 0: a
+    weight's output units, an embedding's tokens) and at least one row is finite throughout:
+    the first ``max_rows`` of those rows and how many there are (a host read: anomaly-time
+    work). None otherwise: a bad value beside finite ones in its row, no bad row, or none
+    finite.
+
+    >>> nan = float("nan")
+    >>> whole_bad_rows(torch.tensor([[1.0, 2.0], [nan, nan], [3.0, 4.0]]))
+    ((1,), 1)
+    >>> whole_bad_rows(torch.tensor([[1.0, nan], [nan, nan]])) is None
+    True
+    """
+    if t.dim() < 2:
+        return None
+    with torch.no_grad():
+        rows = _nonfinite_rows(t)
+        if rows is None or rows.shape[1] < 2:
+            return None
+        bad = rows.sum(dim=1)
+        whole = bad == rows.shape[1]
+        if bool(((bad > 0) & ~whole).any()) or bool(whole.all()):
+            return None
+        found, count = rows_from_flags(whole, max_rows=max_rows)
+        return (found, count) if count else None
+
+
 def rows_from_flags(flags: torch.Tensor, *, max_rows: int = 8) -> tuple[tuple[int, ...], int]:
     """The first ``max_rows`` indices set (non-zero) in ``flags`` and how many are set (a
     host read)."""

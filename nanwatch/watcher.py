@@ -107,6 +107,7 @@ from nanwatch.stats import (
     read_minmax,
     read_scalars,
     rows_from_flags,
+    whole_bad_rows,
 )
 
 if TYPE_CHECKING:
@@ -2410,7 +2411,10 @@ class Watcher:
                     found = self._scheduler_of(optimizer)
                     if found is not None:
                         note.data.update(scheduler=found[0], scheduler_variable=found[1])
-                        if all(g.get("lr") == 0 for g in groups):  # NW312: what keeps it 0
+                        if all(g.get("lr") == 0 for g in groups) or any(
+                            isinstance(g.get("lr"), float) and not math.isfinite(g["lr"])
+                            for g in groups
+                        ):  # NW312: what keeps it 0; NW301: what made it NaN/inf
                             lambdas = self._lambdas_of(optimizer)
                             if lambdas:
                                 note.data["scheduler_lambdas"] = lambdas
@@ -2543,7 +2547,16 @@ class Watcher:
             )
             known = self._foreign[key] = (weakref.ref(optimizer), len(theirs), same)
         if len(self._trace.notes) < 256:
-            self.note("foreign_step", type(optimizer).__name__, params=known[1], same=known[2])
+            groups = getattr(optimizer, "param_groups", None) or [{}]
+            lr = groups[0].get("lr") if isinstance(groups[0], dict) else None
+            self.note(
+                "foreign_step",
+                type(optimizer).__name__,
+                params=known[1],
+                same=known[2],
+                # the first group's lr, for a fix that builds the same optimizer again
+                lr=lr if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None,
+            )
 
     def _scale_read(self) -> float | None:
         """The GradScaler's current scale, read (a sync on an accelerator: only for a
@@ -4936,6 +4949,16 @@ class Watcher:
                     else None
                 )
                 by_op: dict[str, Any] = {}
+                nan_only = stat.has_nan and not (stat.has_posinf or stat.has_neginf)
+                if written is None and (stepped is None or after) and nan_only:
+                    # NaN filling whole rows, the others finite: a per-row 0 / 0 in the write
+                    # (w / w.norm(dim=1) of an all-zero row); read now, at anomaly time
+                    try:
+                        whole = whole_bad_rows(param)
+                    except Exception:  # an unusual tensor must not cost the note
+                        whole = None
+                    if whole is not None:
+                        by_op = {"nan_rows": list(whole[0]), "nan_row_count": whole[1]}
                 if written is not None:
                     by_op = {
                         "op": written.op,
@@ -7919,6 +7942,12 @@ class Watcher:
                         and any(id(p) in watched for g in value.param_groups for p in g["params"])
                     ):
                         wanted["optimizer"] = value
+        if "optimizer" not in wanted:
+            # none steps the watched weights: the one built on another instance of the
+            # model (NW315), whose variable the fix assigns again
+            foreign = [r() for r, _, same in self._foreign.values() if same]
+            if len(foreign) == 1 and foreign[0] is not None:
+                wanted["optimizer"] = foreign[0]
 
         def defined_in(f: Any) -> set[str]:
             names = {k for names in scopes(f) for k in names if isinstance(k, str)}

@@ -2308,6 +2308,10 @@ def _written_elsewhere(
             return _normalized_by_zero(ctx, a, zero, name=name, evidence=[*evidence, how])
         if writer is not None and writer.get("op") and writer.get("op_source"):
             return _written_by_op(ctx, a, writer, name=name, evidence=[*evidence, how])
+        if writer is not None and writer.get("nan_rows"):
+            return _written_by_rows(
+                ctx, a, writer, name=name, holder=holder, evidence=[*evidence, how]
+            )
         return ctx.diagnosis(
             **anomaly_fields(a),
             title="Non-finite weights written outside an optimizer step",
@@ -2480,6 +2484,59 @@ def _applied_bad_grad_diagnosis(
             "    optimizer.step()   # skip updates with NaN/inf gradients"
         ),
         priority=95,
+    )
+
+
+def _written_by_rows(
+    ctx: RuleContext,
+    a: Anomaly,
+    writer: dict[str, Any],
+    *,
+    name: str,
+    holder: str,
+    evidence: list[str],
+) -> Diagnosis:
+    """Weight ``name`` was written outside an optimizer step, and its NaN fill whole rows
+    (the watcher's ``nan_rows``), every other row finite: a per-row write divided a row by
+    0 (``w / w.norm(dim=1)`` of an all-zero row, a codebook's ``embed_sum / cluster_size``
+    of an unused code). The line is not known outside forensic mode: the fix guards the
+    row norm of the weight itself, and forensic mode names the line."""
+    rows = [int(r) for r in writer["nan_rows"]]
+    total = int(writer.get("nan_row_count") or len(rows))
+    shape = a.record.shape
+    listed = ", ".join(str(r) for r in rows) + (" ..." if total > len(rows) else "")
+    its = "its" if total == 1 else "their"
+    evidence = [
+        *evidence,
+        f"the NaN fill {count(total, 'whole row')} of {name} "
+        f"({'row' if total == 1 else 'rows'} {listed}"
+        + (f" of {shape[0]}" if shape else "")
+        + f") and no other row holds one: each value of {its} row went NaN at once, as a "
+        "row divided by 0 does",
+    ]
+    after = writer.get("after_optimizer")
+    pad = " (an Embedding's padding_idx row)" if "Embedding" in (a.record.module_type or "") else ""
+    w = f"{holder}.get_parameter({name!r})"
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Non-finite weights: a per-row write outside the optimizer divided a row by 0",
+        evidence=evidence,
+        explanation=(
+            f"{name} became non-finite "
+            + (f"after {after} updated it and left it finite" if after else "by no optimizer")
+            + ", in code that writes it row by row. A renormalization "
+            f"w / w.norm(dim=1, keepdim=True) divides an all-zero row{pad} by its norm 0, "
+            "a codebook or centroid mean embed_sum / count an unused code by its count 0: "
+            "0 / 0 = NaN for that row alone, and it stays NaN. The learning rate is not the "
+            "cause: guard the divisor."
+        ),
+        fix=(
+            f"w = {w}\n"
+            "with torch.no_grad():   # in place of your renormalization: guard the norm\n"
+            "    w /= w.norm(dim=1, keepdim=True).clamp_min(torch.finfo(w.dtype).eps)\n"
+            "# a mean by a count: embed_sum / count.clamp_min(1)\n"
+            f"# {_forensic_call(ctx.trace)} names the line that wrote it"
+        ),
     )
 
 
@@ -3290,6 +3347,22 @@ def _lr_divisions() -> list[_LrDivision]:
     return out
 
 
+def _lr_scheduler(ctx: RuleContext, optimizer: str, step: int) -> dict[str, Any] | None:
+    """The data of the latest ``"optimizer"`` note of class ``optimizer`` that names the lr
+    scheduler driving it, of the update's ``step`` first, then of this step or the last
+    one; None when none does."""
+    near = (ctx.trace, *ctx.history[-1:])
+    for t in sorted(near, key=lambda t: t.step != step):
+        for n in reversed(t.notes):
+            if (
+                n.kind == "optimizer"
+                and n.path == optimizer
+                and isinstance(n.data.get("scheduler"), str)
+            ):
+                return n.data
+    return None
+
+
 def hyper(x: float) -> str:
     """A hyperparameter (an lr, an eps) as code writes it: short, exact to 4 digits, in
     ``1e-3`` style below 0.01 and from a million up; every message writes an lr with it
@@ -3332,11 +3405,25 @@ def _update_itself(
             f"{u.optimizer}'s learning rate was {hyper(bad_lr)} at the update of step {u.step}"
             + (f" (param group {u.group['group']})" if u.group.get("group") else ""),
         ]
+        sched = _lr_scheduler(ctx, u.optimizer, u.step) if "initial_lr" in u.group else None
+        var = str(sched.get("scheduler_variable") or "scheduler") if sched else "scheduler"
+        lambdas = [x for x in (sched or {}).get("scheduler_lambdas") or () if isinstance(x, dict)]
+        if sched is not None:
+            evidence.append(
+                f"{u.optimizer}'s lr is set by the {sched['scheduler']} {var} at each "
+                f"{var}.step()"
+                + (
+                    f", as its base lr times its lr_lambda at {lambdas[0].get('at')}: "
+                    f"{str(lambdas[0].get('code', '')).splitlines()[0]}"
+                    if lambdas
+                    else ""
+                )
+            )
         check = (
             "import math\n"
             f"lr = optimizer.param_groups[{u.group.get('group', 0)}]['lr']\n"
             "assert math.isfinite(lr), lr   # right after each change of the lr"
-            + (" (scheduler.step())" if "initial_lr" in u.group else "")
+            + (f" ({var}.step())" if "initial_lr" in u.group else "")
         )
         try:
             found = _lr_divisions() if math.isnan(bad_lr) or math.isinf(bad_lr) else []
@@ -7506,6 +7593,17 @@ def foreign_optimizer(ctx: RuleContext) -> Iterator[Diagnosis]:
     if ctx.history[: -(_FOREIGN_STEPS - 1)] and _foreign_only(ctx.history[-_FOREIGN_STEPS]):
         return  # said at the first step of the run
     count = note_num(note, "params")
+    # the user's own optimizer class and lr (a torch.optim name; another class's
+    # import is not known)
+    known = note.path.isidentifier() and isinstance(getattr(torch.optim, note.path, None), type)
+    cls = note.path if known else "SGD"
+    lr = note_num(note, "lr")
+    # the watched model's own class, when it is the user's (not a torch.nn container)
+    types = {c.module_type for c in ctx.trace.calls if c.root and not c.is_loss}
+    mine = types.pop() if len(types) == 1 else None
+    user = mine is not None and mine.isidentifier() and not hasattr(torch.nn, mine)
+    net, args = (mine, " (with your arguments)") if user and mine else ("Net", "")
+    lr_arg = f"lr={hyper(lr)}" if known and lr is not None and math.isfinite(lr) else "lr=0.1"
     evidence = [
         f"for {_FOREIGN_STEPS} steps (to step {ctx.step}) backward() gave the watched "
         f"weights gradients and {note.path} stepped, but none of its "
@@ -7525,9 +7623,9 @@ def foreign_optimizer(ctx: RuleContext) -> Iterator[Diagnosis]:
             "value stays finite."
         ),
         fix=(
-            "model = Net()   # the model as it will train: built, loaded, wrapped\n"
-            "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)   # then the optimizer, "
-            "on its parameters"
+            f"model = {net}()   # the model as it will train{args}: built, loaded, wrapped\n"
+            f"optimizer = torch.optim.{cls}(model.parameters(), {lr_arg}"
+            ")   # then the optimizer, on its parameters"
         ),
     )
 
