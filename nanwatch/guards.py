@@ -3857,6 +3857,92 @@ def _looks_like_positions(ids: torch.Tensor) -> bool:
     return ids.dim() >= 1 and ids.shape[-1] >= 2 and bool((ids.diff(dim=-1) == 1).all())
 
 
+#: a table's name that says it holds positions (``position_embeddings``, ``embed_positions``,
+#: ``pos_emb``, GPT-2's ``wpe``)
+_POSITION_NAME = re.compile(r"position|(?:^|_)pos(?:_|$)|^wpe$", re.IGNORECASE)
+
+
+def _position_table_of(p: _Probe, rows: int) -> str | None:
+    """How the guarded embedding is known to be a position table: by the config setting
+    that sized it (``config.n_positions=16``) or by its own name (``pos_emb``); None when
+    neither says so. Read only when a failure is worded."""
+    key = _position_key(p.roots, rows)
+    if key is not None:
+        return f"config.{key}={rows}"
+    if not p.is_module or p.module is None:
+        return None
+    for root in p.roots:
+        for name, mod in root.named_modules():
+            if mod is p.module and _POSITION_NAME.search(name.rsplit(".", 1)[-1]):
+                return str(name)
+    return None
+
+
+def _negative_positions(p: _Probe, ids: torch.Tensor, table: str) -> tuple[str, str]:
+    """NW513's hint and fix for negative ids into a position table: no row of it is
+    negative. A negative prefix of each row is left padding given positions by
+    ``attention_mask.cumsum(-1) - 1``, which is -1 at every pad."""
+    bad = ids < 0
+    flat = bad.reshape(-1, bad.shape[-1]) if bad.dim() else bad.reshape(1, 1)
+    prefix = bool((flat[:, 1:] <= flat[:, :-1]).all()) and not bool(flat.all(-1).any())
+    hint = f" — these are positions ({table}), and no position is negative"
+    if prefix:
+        hint += (
+            ": the negative ones open their rows, before the first real token (left "
+            "padding: attention_mask.cumsum(-1) - 1 is -1 at every pad)"
+        )
+    var = _held_as(p.frame, p.input) or (None if _in_library(p) else p.arg(p.spec.input))
+    fix = (
+        f"{var} = {var}.clamp(min=0)   # a pad's position: any row, its output is masked"
+        if var is not None
+        else "# clamp the positions at 0 where they are made: .clamp(min=0) (a pad's "
+        "position can be any row, its output is masked)"
+    )
+    if prefix:
+        fix += (
+            "\n# or as transformers makes them: (attention_mask.long().cumsum(-1) - 1)"
+            ".masked_fill(attention_mask == 0, 1)"
+        )
+    return hint, fix
+
+
+def _offset_positions(p: _Probe, ids: torch.Tensor, rows: int, lo: int) -> tuple[str, str] | None:
+    """NW513's hint and fix for consecutive positions into a position table that the
+    input is short enough for but that start past its first row (and past a padding row
+    below it): the caller's positions carry an offset (a cache's past length, positions
+    that keep counting across packed sequences). None when the input itself is too long."""
+    length = int(ids.shape[-1])
+    pad = _padding_row(p, rows)
+    start = 0  # the first position, past rows that are not positions (as the branch after)
+    if pad is not None and lo == pad + 1:
+        start = lo  # RoBERTa: positions start past its padding row
+    elif 0 < lo < rows and _config_key(p, rows) is None and _position_key(p.roots, rows - lo):
+        start = lo  # BART: max_position_embeddings + 2 rows, positions from 2
+    first = ids[..., 0]
+    if length > rows - start or int(first.max()) <= start:
+        return None
+    table = _position_table_of(p, rows)
+    if table is None:
+        return None
+    hint = (
+        f" — these are positions ({table}): this input has only {length} tokens, but its "
+        f"positions start at {int(first.max())} in a row: they carry an offset (positions "
+        "that keep counting across packed sequences, or a cache's past length)"
+    )
+    var = _held_as(p.frame, p.input) or (None if _in_library(p) else p.arg(p.spec.input))
+    plus = f" + {start}" if start else ""
+    fix = (
+        f"{var} = {var} - {var}[..., :1]{plus}   # each sequence's positions from {start}"
+        if var is not None
+        else f"# start each sequence's positions at {start}: positions - positions[..., :1]{plus}"
+    )
+    fix += (
+        f"\n# generating with a cache: stop at {rows - start} tokens in all (the prompt and "
+        "the new ones)"
+    )
+    return hint, fix
+
+
 def _config_key(p: _Probe, rows: int) -> str | None:
     """The one setting of a watched model's config that sized the guarded table
     (``type_vocab_size``, ``max_position_embeddings``): an int equal to its rows under a
@@ -4133,8 +4219,21 @@ def _index_result(
         table = p.cls_name if p.is_module else p.arg("weight")
         accepts = f"{table} has {rows} rows, so ids must be in 0..{rows - 1}"
         expected = f"0..{rows - 1}"
-        if top is not None and not neg:
-            if p.spec.name == "embedding" and _looks_like_positions(ids):
+        if (
+            neg
+            and top is None
+            and p.spec.name == "embedding"
+            and (held := _position_table_of(p, rows))
+        ):
+            hint, fix = _negative_positions(p, ids, held)
+        elif top is not None and not neg:
+            if (
+                p.spec.name == "embedding"
+                and _looks_like_positions(ids)
+                and (offset := _offset_positions(p, ids, rows, int(v["index_min"])))
+            ):
+                hint, fix = offset
+            elif p.spec.name == "embedding" and _looks_like_positions(ids):
                 length = int(ids.shape[-1])
                 # rows below the first position are not positions: a padding row
                 # (RoBERTa: positions start at padding_idx + 1), or an offset the config

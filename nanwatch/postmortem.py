@@ -101,6 +101,9 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         "view-layout",  # .view() of a tensor a transpose or permute left non-contiguous
         ("view size is not compatible with input tensor's size and stride",),
     ),
+    # a Python number written into a tensor whose dtype cannot hold it (masked_fill(m, -1e9)
+    # on float16 scores): "value cannot be converted to type c10::Half without overflow"
+    ("scalar-overflow", ("without overflow",)),
     ("fp16-unscale", ("Attempting to unscale FP16 gradients",)),  # GradScaler on .half()
     (
         "distribution-constraint",  # torch.distributions' validate_args: before "non-finite"
@@ -263,6 +266,11 @@ ADVICE: dict[str, str] = {
         "and view() can only regroup dimensions that are laid out one after the other. Call "
         ".reshape(...) in its place (it copies only when it must), or .contiguous().view(...)."
     ),
+    "scalar-overflow": (
+        "A Python number was written into a tensor whose dtype cannot hold it (a mask value "
+        "of -1e9 into float16 scores, whose finite values end at ±65504): use the dtype's own "
+        "limit, torch.finfo(x.dtype).min or .max, not a constant tuned for float32."
+    ),
     "fp16-unscale": (
         "A GradScaler refused to unscale float16 gradients: the weights themselves are "
         "float16 (model.half(), .to(torch.float16)), and a GradScaler is for mixed "
@@ -420,6 +428,134 @@ def _linalg_operands(code: str | None) -> list[str]:
     return []
 
 
+#: the C++ names torch's "value cannot be converted to type ... without overflow" gives dtypes
+_CPP_DTYPES = {
+    "c10::Half": "float16", "at::Half": "float16", "c10::BFloat16": "bfloat16",
+    "at::BFloat16": "bfloat16", "float": "float32", "double": "float64",
+    "c10::Float8_e4m3fn": "float8_e4m3fn", "c10::Float8_e5m2": "float8_e5m2",
+    "int8_t": "int8", "signed char": "int8", "uint8_t": "uint8", "unsigned char": "uint8",
+    "int16_t": "int16", "short": "int16", "int": "int32", "int32_t": "int32",
+    "int64_t": "int64", "long": "int64",
+}  # fmt: skip
+_CONVERTED = re.compile(r"converted to type (?P<type>.+?) without overflow")
+#: names a call is made on that are modules, not tensors (``torch.full(...)``)
+_NOT_TENSORS = frozenset({"torch", "F", "nn", "np", "numpy", "math", "torch.nn.functional"})
+
+
+def scalar_overflow_advice(message: str, code: str | None = None) -> str:
+    """ADVICE for a Python number too large for the dtype of the tensor it was written into
+    (``scores.masked_fill(mask, -1e9)`` on float16 scores), from torch's message and the
+    user's line ``code``: that line with the number replaced by the dtype's own limit,
+    ``torch.finfo(scores.dtype).min``, when the line holds such a number.
+
+    Example:
+        >>> msg = "value cannot be converted to type c10::Half without overflow"
+        >>> "s = s.masked_fill(m, torch.finfo(s.dtype).min)" in scalar_overflow_advice(
+        ...     msg, "s = s.masked_fill(m, -1e9)")
+        True
+    """
+    import torch  # loaded: it raised the error
+
+    m = _CONVERTED.search(message)
+    name = _CPP_DTYPES.get(m["type"].strip()) if m is not None else None
+    dtype = getattr(torch, name, None) if name is not None else None
+    if not isinstance(dtype, torch.dtype):
+        return ADVICE["scalar-overflow"]
+    floating = dtype.is_floating_point
+    info: Any = torch.finfo(dtype) if floating else torch.iinfo(dtype)
+    lo, hi = float(info.min), float(info.max)
+    found = _out_of_range_number(code, lo, hi)
+    limit = f"torch.{'finfo' if floating else 'iinfo'}"
+    span = f"its finite values end at ±{hi:g}" if floating else f"it holds {lo:g}..{hi:g}"
+    if found is None or code is None:
+        return (
+            f"A Python number on this line does not fit in {name} ({span}): write the "
+            f"dtype's own limit, {limit}(x.dtype).min or .max, not a constant tuned for a "
+            "wider dtype."
+        )
+    (start, end), literal, negative, recv = found
+    held = f"{recv}.dtype" if recv is not None else f"torch.{name}"
+    bound = f"{limit}({held}).{'min' if negative else 'max'}"
+    fixed = code[:start] + bound + code[end:]
+    text = f"{literal} does not fit in {name} ({span}): write the dtype's own limit, {fixed}"
+    if not floating:
+        return text + f" (or keep the tensor in a wider dtype than {name})."
+    if info.bits >= 32:
+        return text + "."
+    wide = torch.finfo(torch.float32)
+    return (
+        f"{text}. {bound} is {lo if negative else hi:g} in {name} and "
+        f"{wide.min if negative else wide.max:g} in float32, so the line works in both "
+        f"(autocast or .half() made this tensor {name}); as a mask value it keeps a row "
+        "with every position masked finite."
+    )
+
+
+def _raising_line(exc: BaseException) -> str | None:
+    """The code of the innermost user frame of ``exc``'s traceback (the line that raised)."""
+    import traceback
+
+    from nanwatch._frames import user_line_from_traceback
+
+    try:
+        return user_line_from_traceback("".join(traceback.format_tb(exc.__traceback__)))[1]
+    except Exception:  # the user's exception matters more than ours
+        return None
+
+
+def _out_of_range_number(
+    code: str | None, lo: float, hi: float
+) -> tuple[tuple[int, int], str, bool, str | None] | None:
+    """The first number written in ``code`` (one line) as a call's argument that is outside
+    ``lo..hi``: its columns, its text, whether it is negative, and the tensor the call is a
+    method of (``scores`` of ``scores.masked_fill(m, -1e9)``; None for ``torch.full``)."""
+    if not code:
+        return None
+    import ast
+
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        for arg in [*node.args, *(k.value for k in node.keywords)]:
+            value = _number(arg)
+            if value is None or lo <= value <= hi:
+                continue
+            recv = None
+            func = node.func
+            if isinstance(func, ast.Attribute) and isinstance(
+                func.value, (ast.Name, ast.Attribute)
+            ):
+                recv = ast.unparse(func.value)
+                recv = None if recv in _NOT_TENSORS else recv
+            end = arg.end_col_offset if arg.end_col_offset is not None else arg.col_offset
+            if arg.lineno != 1 or arg.end_lineno != 1:
+                return None
+            cols = (arg.col_offset, end)
+            return cols, code[cols[0] : cols[1]], value < 0, recv
+    return None
+
+
+def _number(node: Any) -> float | None:
+    """The value of a number written as a literal (``-1e9``, ``1e5``, ``-(10**9)``: no)."""
+    import ast
+
+    sign = 1.0
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        sign = -1.0 if isinstance(node.op, ast.USub) else 1.0
+        node = node.operand
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, (int, float))
+        and not isinstance(node.value, bool)
+    ):
+        return sign * float(node.value)
+    return None
+
+
 _DEVICE_LOST = ("cuda-device-assert", "cuda-error")
 
 
@@ -511,6 +647,8 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             if cls == "distribution-constraint"
             else linalg_advice(message)
             if cls == "linalg"
+            else scalar_overflow_advice(message, _raising_line(exc))
+            if cls == "scalar-overflow"
             else (cls == "other" and _function_advice(message)) or ADVICE[cls]
         ),
     }

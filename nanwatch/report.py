@@ -79,6 +79,7 @@ ERROR_LABELS: dict[str, str] = {
     "norm-one-value": "a norm given one value per channel in training",
     "python-overflow": "Python float overflow",
     "view-layout": "view() of a non-contiguous tensor",
+    "scalar-overflow": "a number too large for the tensor's dtype",
     "anomaly": "nanwatch anomaly",
     "guard": "nanwatch guard",
     "index-out-of-range": "index out of range",

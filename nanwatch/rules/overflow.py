@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import dataclasses
 import functools
 import itertools
 import math
@@ -1546,6 +1547,8 @@ def _from_op(
     jump = (
         _jump(ctx, a) if not wide and batch is None and loop is None and not result_only else None
     )
+    if jump is None and not wide and batch is None and loop is None and not result_only:
+        jump = _drift(ctx, a)
     scaled_logits = (
         _scaled_logits(ctx, ev, x, lim)
         if lim is not None
@@ -3803,6 +3806,8 @@ class _Jump:
     grew_in: float = 1.0  #: how much its inputs grew meanwhile
     steady: bool = False  #: this jump dwarfs the step-to-step changes recorded before it
     seen_optimizer: bool = True  #: an optimizer step of the watched weights was recorded
+    #: grown update after update since the oldest recorded step, no step a jump by itself
+    drift: bool = False
 
     @property
     def elsewhere(self) -> bool:
@@ -3815,14 +3820,17 @@ class _Jump:
 
     def line(self, lr: str) -> str:
         span = "in one step" if self.step - self.since == 1 else f"from step {self.since}"
+        verb = "grew update after update" if self.drift else "jumped"
         head = (
-            f"the values jumped {span}: {self.path}'s outputs reached max |x| = "
+            f"the values {verb} {span}: {self.path}'s outputs reached max |x| = "
             f"{fmt(self.now)} at step {self.step}, against {fmt(self.before)} at step "
             f"{self.since} (×{fmt(self.now / self.before)}), while its inputs "
             + (f"grew ×{fmt(self.grew_in)}" if self.grew_in >= 2 else "did not grow")
         )
         if self.outside is not None:
             return f"{head}: {self.outside} was written outside the optimizer"
+        if self.drift:
+            return f"{head}: the {self.updates} optimizer updates in between{lr} moved its weights"
         if self.updates:
             ups = "updates" if self.updates > 1 else "update"
             return (
@@ -3914,6 +3922,24 @@ def _jump(ctx: RuleContext, a: Anomaly, *, since: StepTrace | None = None) -> _J
     )
 
 
+#: optimizer updates a drift needs before it is said to be training's (not one update's)
+_DRIFT_UPDATES = 3
+
+
+def _drift(ctx: RuleContext, a: Anomaly) -> _Jump | None:
+    """A module whose outputs grew ``_JUMP`` times or more since the oldest recorded step,
+    update after update, while its inputs did not and no step's growth alone was a jump:
+    the optimizer drove the weights there (a learning rate too high for the start of
+    training, no warmup). Short-range dtypes only: float16 overflows on such growth long
+    before float32 would."""
+    if len(ctx.history) < 2:
+        return None
+    j = _jump(ctx, a, since=ctx.history[0])
+    if j is None or j.elsewhere or j.updates < _DRIFT_UPDATES or j.grew_in >= 2:
+        return None
+    return dataclasses.replace(j, drift=True)
+
+
 def _grown_path(ctx: RuleContext, a: Anomaly) -> str | None:
     """With several param groups of different lrs: the module whose weights grew first
     (``_JUMP`` times beyond its inputs since the first recorded step): whose group's lr to
@@ -3971,6 +3997,13 @@ def _explain_jump(j: _Jump, dtype: str, lim: DtypeLimits, cause: str = "") -> st
     )
     if cause:
         return head + cause
+    if j.drift:
+        return head + (
+            "A learning rate too large for the start of training (no warmup, or a peak "
+            "tuned for another model) grows the weights update after update; "
+            f"{dtype} overflows first ({fmt(lim.max)} is its largest value), but a wider "
+            "dtype or a GradScaler only delays it: lower the learning rate, or warm it up."
+        )
     return head + (
         "A learning rate too large for this model (a typo: 1e3 for 1e-3) makes one update "
         f"jump the weights by orders of magnitude; {dtype} then overflows ({fmt(lim.max)} is "
@@ -3990,7 +4023,14 @@ def _fix_jump(ctx: RuleContext, j: _Jump) -> str:
             "load_state_dict of a diverged checkpoint) and check the values it writes:\n"
             f"print(max(p.abs().max().item() for p in {owner}.parameters()))"
         )
-    return "\n".join(_update_fix(ctx, j.path, clip_first=False))
+    fix = _update_fix(ctx, j.path, clip_first=False)
+    steps = _lr_steps(ctx)
+    if j.drift and fix and steps and _lr_rise(steps) is None and _growing_setting(ctx) is None:
+        fix.append(
+            "# or warm the learning rate up over the first steps (torch.optim.lr_scheduler."
+            "LinearLR, start_factor=0.01, total_iters=1000, stepped after each update)"
+        )
+    return "\n".join(fix)
 
 
 #: optimizers whose step() takes a closure that computes the loss and its gradients: a
