@@ -464,6 +464,9 @@ class _Flow:
 
 #: a value autograd accumulates a gradient into (a parameter): ``leaf``, as the graph ends
 _LEAF = _Flow(("leaf",))
+#: roots and powers: the first operand's lack of autograd history is recorded for them
+#: (``history:self``), so the rules tell a constant or data from a prediction
+_ROOT_PACKETS = frozenset({_aten.sqrt, _aten.rsqrt, _aten.pow})
 
 
 def _first_cause(makers: Sequence[_Seen]) -> tuple[OpEvent | None, int]:
@@ -954,6 +957,15 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         zeros = st is not None and (st.zeros > 0 if st.zeros is not None else 0 in (st.min, st.max))
         if func.overloadpacket in (_aten.div, _aten.div_) and den is not None and zeros:
             event.scalars.setdefault("other_made_from", "<".join(den.chain))
+        base = inputs[0][1] if inputs else None
+        if (
+            func.overloadpacket in _ROOT_PACKETS
+            and torch.is_grad_enabled()
+            and isinstance(base, torch.Tensor)
+            and base.is_floating_point()
+            and not base.requires_grad
+        ):  # a root of values no parameter went into (with grad on: not a replay's no_grad)
+            event.scalars.setdefault("history:self", "none")
 
     def _params_in(self, inputs: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, str, str]]:
         """The op's inputs that are watched parameters: (schema name, qualified name, the

@@ -1605,6 +1605,65 @@ def _abs_operand(arg: str | None) -> str | None:
     return None
 
 
+def _det_operand(v: str | None) -> str | None:
+    """The matrix of a determinant as the line writes it (``torch.det(W)``,
+    ``torch.linalg.det(W)``, ``W.det()``: ``W``); None for anything else."""
+    try:
+        node = ast.parse((v or "").strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(node, ast.Call):
+        return None
+    if ast.unparse(node.func) in ("torch.det", "torch.linalg.det") and len(node.args) == 1:
+        return ast.unparse(node.args[0])
+    if isinstance(node.func, ast.Attribute) and node.func.attr == "det" and not node.args:
+        return ast.unparse(node.func.value)
+    return None
+
+
+def _log_abs_det(ev: OpEvent, m: str, what: str, x: TensorStat) -> _LogUse:
+    """log|det(M)| with exact zeros: det is the product of M's pivots, which leaves the
+    dtype's range (to exactly 0) for a large M that is invertible as easily as for a
+    singular one; slogdet sums the pivots' logs and is finite for every invertible M."""
+    lim = dtype_limits(ev.dtype or "float32")
+    dtype = ev.dtype or "float32"
+    low = fmt(lim.subnormal) if lim is not None else "its smallest subnormal"
+    zeros = _zeros_text(x, "log")
+    found = _log_argument(ev)
+    own = (
+        f"{found[0][: found[1]]}torch.linalg.slogdet({m}).logabsdet{found[0][found[2] :]}"
+        if found is not None and _log_name(found[0][found[1] : found[2]]) == "log"
+        else None
+    )
+    line = (
+        f"{own}   # log|det {m}| from the logs of its LU pivots: finite for every invertible {m}"
+        if own
+        else f"torch.linalg.slogdet({m}).logabsdet   # in place of torch.log(torch.abs("
+        f"torch.det({m}))): finite for every invertible {m}"
+    )
+    return _LogUse(
+        "magnitude",
+        fix=(
+            f"{line}\n"
+            f"# if it is still -inf, {m} is singular: keep it invertible by construction "
+            f"(an LU parameterization, Glow's W = P @ L @ (U + torch.diag(s)), log|det| = "
+            "log|s|.sum())\n"
+            "# not an eps inside the log: log(eps) replaces the true log|det|, a wrong value"
+        ),
+        why=(
+            f"Its input is |det({m})| with {zeros}. det({m}) is the product of {m}'s pivots "
+            f"(its LU factorization): for a large matrix that product leaves {dtype}'s range, "
+            f"to exactly 0 below {low}, even when {m} is invertible and well conditioned "
+            "(n singular values of 0.7 multiply to 0.7^n), or it is 0 because the matrix is "
+            "singular. torch.linalg.slogdet sums the logs of the pivots instead: log|det| is "
+            "then an ordinary finite number for every invertible matrix, -inf only for a "
+            "singular one."
+        ),
+        evidence=f"{what} is |det({m})|: the log of a determinant that is exactly 0 in {dtype}",
+        title="Log of a determinant that reached 0",
+    )
+
+
 def _log_of_abs(
     ev: OpEvent, made_ev: OpEvent, arg: str | None, what: str, x: TensorStat
 ) -> _LogUse | None:
@@ -1618,6 +1677,11 @@ def _log_of_abs(
         return None
     v = operand or "v"
     zeros = _zeros_text(x, "log")
+    det = _det_operand(operand)
+    if det is None and operand is None and chain[len(_picks(chain)) :][1:2] == ["linalgdet"]:
+        det = "M"  # the graph shows abs(det(.)) below the log; the line is unknown
+    if det is not None:
+        return _log_abs_det(ev, det, what, x)
     lim = dtype_limits(ev.dtype or "float32")
     eps = fmt(lim.eps) if lim is not None else "1e-6"
     tiny_log = _log_tiny(ev.dtype, ev.op)
@@ -2669,6 +2733,67 @@ def _sigmoid_side(chain: Sequence[str]) -> str | None:
     return "one-minus-sigmoid" if minus else "sigmoid"
 
 
+def _called(text: str) -> str | None:
+    """``D`` of ``D(fake.detach())``: what a call expression calls; None for anything else."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    return ast.unparse(node.func) if isinstance(node, ast.Call) else None
+
+
+def _labelled_bce_by_flow(ctx: RuleContext, ev: OpEvent, stmt: str) -> _LogUse | None:
+    """A binary cross-entropy with fixed labels written by hand, ``log(D(real)) + log(1 -
+    D(fake))`` (a GAN discriminator's loss): every log of the line takes ``f(a)`` or ``1 -
+    f(b)`` of one callee f, and the data flow shows the 0 is 1 minus a sigmoid's output: f
+    returns probabilities. The fix drops the sigmoid and takes logsigmoid of the logits,
+    ``F.logsigmoid(D(real))`` and ``F.logsigmoid(-D(fake))``. None for any other line."""
+    calls = _log_calls(stmt)
+    if len(calls) < 2:
+        return None
+    callees, parts, last = set(), [], 0
+    f = "torch.nn.functional." if _lacks_f(ev.source) else "F."
+    for start, end, arg in calls:
+        m = _ONE_MINUS.match(arg)
+        inner = m.group(1).strip() if m is not None else arg
+        callees.add(_called(inner))
+        new = f"{f}logsigmoid(-{paren(inner)})" if m is not None else f"{f}logsigmoid({inner})"
+        parts += [stmt[last:start], new]
+        last = end
+    if len(callees) != 1 or None in callees:
+        return None
+    (fn,) = callees
+    own = "".join(parts) + stmt[last:]
+    dt = ev.dtype or "float32"
+    maker, lines = _drop_sigmoid(ctx)
+    lines.append(
+        f"{own}   # {fn} now returns logits z: log(sigmoid(z)) and log(1 - sigmoid(z)) "
+        "without forming the 0"
+    )
+    lines.append(
+        f"# every other log of {fn}'s output too: torch.log({fn}(x)) -> {f}logsigmoid({fn}(x)); "
+        f"torch.sigmoid({fn}(x)) wherever the probability itself is needed"
+    )
+    chain = " <- ".join(["log", *(o.removeprefix("watched:") for o in ev.made_from)])
+    one = _SIGMOID_ONE.get(dt, _SIGMOID_ONE["float32"])
+    return _LogUse(
+        "bce",
+        title="Log of zero in a hand-written binary cross-entropy: the sigmoid saturated at 1",
+        fix="\n".join(lines),
+        why=(
+            f"The line is a binary cross-entropy with fixed labels written by hand, the log "
+            f"of {fn}(...) and of 1 - {fn}(...), and {fn}'s output was made by {maker}: in "
+            f"{dt} a sigmoid of a logit above about {one} rounds to exactly 1, so 1 - p is 0 "
+            "and its log -inf (a confident discriminator does this). logsigmoid computes the "
+            "same terms from the logits and never forms the 0; a clamp would leave the loss "
+            "flat there, with no gradient."
+        ),
+        evidence=f"the op is log(1 - p), p made by {maker} (data flow: {chain}): the line "
+        f"takes the log of {fn}(...) and of 1 - {fn}(...), a binary cross-entropy with "
+        "fixed labels",
+    )
+
+
 def _bce_by_flow(ctx: RuleContext, ev: OpEvent, stmt: str, args: list[str]) -> _LogUse | None:
     """A binary cross-entropy written by hand (the line takes log(q) and log(1 - q)) whose
     q the data flow shows a sigmoid made, where the line does not show it (``p = model(x)``,
@@ -2680,6 +2805,8 @@ def _bce_by_flow(ctx: RuleContext, ev: OpEvent, stmt: str, args: list[str]) -> _
         return None
     qs = [m.group(1).strip() for a in args if (m := _ONE_MINUS.match(a))]
     q = next((q for q in qs if q in args), None)
+    if q is None and made == "one-minus-sigmoid":
+        return _labelled_bce_by_flow(ctx, ev, stmt)
     if q is None or _producer_of(q, ev.source)[0] == "sigmoid":
         return None
     dt = ev.dtype or "float32"
@@ -6348,6 +6475,20 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         if den is not None and not integer and has_zero(den) and ev.phase is Phase.FORWARD
         else None
     )
+    sat = _saturated_sum(ctx, ev) if shrunk is not None and shrunk.kind == "elu" else None
+    if sat is not None and den is not None:  # the divisor is elu(x) + 1 itself, not a sum of it
+        yield _saturated_sum_denominator(
+            ctx,
+            a,
+            ev,
+            den,
+            sat,
+            evidence=evidence,
+            title=title,
+            made=shrunk.made if shrunk else None,
+            at=1,
+        )
+        return
     if shrunk is not None and den is not None:
         yield _shrunk_denominator(ctx, a, ev, den, shrunk, evidence=evidence, title=title)
         return
@@ -8198,8 +8339,16 @@ def _all_zero_denominator(
         return cancelled
     saturated = None if state else _saturated_sum(ctx, ev)
     if saturated is not None:
+        named = divisor is not None and re.fullmatch(r"[A-Za-z_]\w*", divisor.strip())
         return _saturated_sum_denominator(
-            ctx, a, ev, den, saturated, evidence=evidence, title=title
+            ctx,
+            a,
+            ev,
+            den,
+            saturated,
+            evidence=evidence,
+            title=title,
+            made=_assigned_before(ev.source, divisor.strip()) if named and divisor else None,
         )
     normed = None if state or fix is None else _self_normalization(ev)
     if normed is not None and fix is not None:  # x / x.norm() of all-zero vectors
@@ -8350,12 +8499,18 @@ def _saturated_sum_denominator(
     *,
     evidence: list[str],
     title: str,
+    made: str | None = None,
+    at: int = 2,
 ) -> Diagnosis:
-    """NW111 for a denominator built as ``f(x) + 1`` that is 0 everywhere: f rounded to -1
-    (see :data:`_TO_MINUS_ONE`), not a tensor never filled."""
+    """NW111 for a denominator built as ``f(x) + 1`` that is 0 (everywhere, or where x is
+    below the bound): f rounded to -1 (see :data:`_TO_MINUS_ONE`), not a tensor never filled.
+    ``made``: the statement that built it (``sigma = F.elu(self.sig(h)) + 1``), when the
+    code shows it, so the fix rewrites the user's own line; ``at``: where in ``evidence``
+    the facts go."""
     fn, bound = sat.fn, fmt(sat.bound)
+    every = den.zeros is None or den.zeros >= den.numel
     evidence.insert(
-        2,
+        at,
         f"the denominator is {fn}(x) + 1 (made by "
         f"{' <- '.join(str(ev.scalars.get('other_made_from', '')).split('<'))}): "
         f"{fn}(x) is exactly -1 in {sat.dtype} for every x below {bound}, and -1 + 1 is 0",
@@ -8363,16 +8518,23 @@ def _saturated_sum_denominator(
     if sat.given is not None:
         where, top, n = sat.given
         evidence.insert(
-            3,
+            at + 1,
             f"x is {where}: at most {fmt(top)}, all {n:,} values below {bound}",
         )
+    zeros = (
+        "Every value of this denominator is exactly 0"
+        if every
+        else f"{den.zeros:,} of this denominator's {den.numel:,} values are exactly 0"
+    )
+    own = _softplus_scale(made, fn)
+    was = f"{made.strip()}" if own is not None and made else f"{fn}(x) + 1"
     return ctx.diagnosis(
         **op_fields(ev, a),
         title=f"{title}: {fn}(x) + 1 rounded to 0",
         evidence=evidence,
         explanation=(
-            "Every value of this denominator is exactly 0: x/0 is ±inf and 0/0 is NaN "
-            f"everywhere it divides. It is a positive quantity (a scale, a rate) built as "
+            f"{zeros}: x/0 is ±inf and 0/0 is NaN wherever it divides. It is a positive "
+            f"quantity (a scale, a rate) built as "
             f"{fn}(x) + 1, which is above 0 in exact arithmetic but not in {sat.dtype}: "
             f"{fn}(x) rounds to exactly -1 once x is below {bound}, and the +1 cancels it, "
             "not a tensor never filled. Its gradient there is about 0 too, so x does not "
@@ -8381,12 +8543,43 @@ def _saturated_sum_denominator(
             "stays positive for every x."
         ),
         fix=(
-            f"scale = F.softplus(x) + 1e-3   # was {fn}(x) + 1: exactly 0 in {sat.dtype} for x "
-            f"below {bound}; 1e-3: the smallest scale your targets need\n"
+            f"{own or 'scale = F.softplus(x) + 1e-3'}   # was {was}: exactly 0 in "
+            f"{sat.dtype} for x below {bound}; 1e-3: the smallest scale your targets need\n"
             "# or predict the log-scale: scale = torch.exp(log_scale)\n"
             "# and find what drove x that low (an init, a bias pushed down by a large update)"
         ),
     )
+
+
+def _softplus_scale(made: str | None, fn: str) -> str | None:
+    """``sigma = F.softplus(self.sig(h)) + 1e-3`` for ``sigma = F.elu(self.sig(h)) + 1``:
+    the statement that made the scale with its ``fn(...)`` + constant rewritten, or None
+    when it is not one assignment of that form."""
+    try:
+        tree = ast.parse((made or "").strip())
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assign):
+        return None
+    st = tree.body[0]
+    val = st.value
+    if not (isinstance(val, ast.BinOp) and isinstance(val.op, ast.Add)):
+        return None
+    call = next(
+        (
+            c
+            for c in (val.left, val.right)
+            if isinstance(c, ast.Call)
+            and (c.func.attr if isinstance(c.func, ast.Attribute) else getattr(c.func, "id", ""))
+            == fn
+            and len(c.args) == 1
+        ),
+        None,
+    )
+    if call is None:
+        return None
+    targets = " = ".join(ast.unparse(t) for t in st.targets)
+    return f"{targets} = F.softplus({ast.unparse(call.args[0])}) + 1e-3"
 
 
 #: autograd nodes that take part of a tensor (or all of it, reshaped): a denominator made by
@@ -12652,6 +12845,15 @@ def _root_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
             f"min {fmt(x.min if x is not None else None)}): data, not a network output",
         )
         explanation, fix = _ROOT_DATA_BUILT, _data_root_fix(ev, e)
+    elif negative and (flow := _no_history(ev)):
+        read = _constant_read(ev)
+        evidence.insert(
+            1,
+            f"the base has no autograd history (made by {' <- '.join(flow)}; it does not "
+            "require grad): a constant or data your code built, not a network output"
+            + (f"; {read[0]} reads {read[1]}" if read is not None else ""),
+        )
+        explanation, fix = _ROOT_CONSTANT, _constant_root_fix(ev, read)
     elif negative and (squares := _root_weighted_squares(ev)) is not None:
         name, made, square, weights = squares
         said = ", ".join(weights)
@@ -13765,6 +13967,73 @@ def _computed_root_fix(ev: OpEvent) -> str:
     return (
         f"{head}   # entries outside the domain give 0, not NaN; the rest are unchanged\n"
         "# not F.softplus inside the root: softplus(v) != v for v > 0, it changes every value"
+    )
+
+
+def _no_history(ev: OpEvent) -> list[str]:
+    """The ops that made a root's base (``["unsqueeze", "index"]`` for ``ab = table[t][:, None]``)
+    when the op checker saw, with grad on, that the base does not require grad
+    (``history:self``): no parameter went into it, a constant or data the code built, which
+    nothing learns. Empty otherwise."""
+    if ev.phase is not Phase.FORWARD or ev.scalars.get("history:self") != "none":
+        return []
+    return list(ev.made_from) or ["code"]
+
+
+def _constant_read(ev: OpEvent) -> tuple[str, str] | None:
+    """(the statement, the table) when the root's base is a name the function assigned by
+    indexing another tensor (``ab = alpha_bar[t][:, None]`` reads ``alpha_bar``)."""
+    arg = call_argument(ev.code, ["sqrt", "rsqrt"])
+    name = arg.strip() if arg is not None else ""
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        return None
+    made = _assigned_before(ev.source, name)
+    if made is None:
+        return None
+    try:
+        node: ast.expr = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
+    except (SyntaxError, IndexError):
+        return None
+    seen = False
+    while True:  # through indexing and views: alpha_bar[t][:, None], table[t].view(-1, 1)
+        if isinstance(node, ast.Subscript):
+            seen, node = True, node.value
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _VIEWS
+        ):
+            node = node.func.value
+        else:
+            break
+    if not seen or not isinstance(node, (ast.Name, ast.Attribute)):
+        return None
+    return made.strip(), ast.unparse(node)
+
+
+_ROOT_CONSTANT = (
+    "sqrt(x) is not a real number for negative x: PyTorch returns NaN. No parameter went "
+    "into the base: it is not a prediction but a constant or data your code built (a "
+    "schedule, a table indexed by step), and it holds negative entries. Softplus does not "
+    "apply, nothing here is learned, and a clamp at 0 only hides the wrong entries: fix "
+    "the formula that builds it (a table meant to stay in [0, 1], such as a cumulative "
+    "product of factors in (0, 1], left it)."
+)
+
+
+def _constant_root_fix(ev: OpEvent, read: tuple[str, str] | None) -> str:
+    """Check the constant where it is built (the table the base was read from, when the
+    code shows it); the clamp only as a stopgap."""
+    arg = call_argument(ev.code, ["sqrt", "rsqrt"])
+    table = read[1] if read is not None else (arg.strip() if arg else "x")
+    clamp = rewrite_call(ev.code, ["sqrt", "rsqrt"], lambda v: f"{paren(v)}.clamp_min(0)")
+    return "\n".join(
+        [
+            f"assert ({paren(table)} >= 0).all(), {paren(table)}.min()   # right where {table} "
+            "is built: it holds negative entries, and the root of each is NaN",
+            f"# then fix the formula that builds {table}, not this line",
+            *([f"# only as a stopgap: {clamp.strip()}"] if clamp else []),
+        ]
     )
 
 

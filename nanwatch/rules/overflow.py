@@ -78,11 +78,16 @@ from nanwatch.rules._evidence import (
 )
 from nanwatch.rules.base import REGISTRY, Diagnosis, RuleContext, rule
 from nanwatch.rules.gradients import (
+    _SAFE_SHARE,
     _group_lrs,
     _growing_averages,
     _grown_outside,
     _normalized,
     _numbers,
+    _Oversize,
+    _oversized_update,
+    _round_down,
+    _times,
     _user_scope,
     hyper,
     unreset_grads,
@@ -1790,6 +1795,15 @@ def _from_op(
                 f"{by_hand}   # 1 / (1 + exp(-x)) is torch.sigmoid(x): same values, no "
                 "overflow, a finite gradient"
             )
+        big_step = (
+            _oversized_update(ctx, ctx.history[-1])
+            if kind == "exp" and not cplx and not first and not cause and ctx.history
+            else None
+        )
+        if big_step is not None and ".clamp(" in fix.splitlines()[0]:
+            # the update before this step moved the weights by their own size: the lr leads
+            evidence.append(big_step.evidence())
+            explanation, fix = _exp_after_big_step(big_step, dtype, lim, x, fix)
         if name.rstrip("_") == "cosh" and not cplx and _log_of_cosh(ctx, ev):
             # a log-cosh loss: the same loss without cosh, not a clamp that zeroes its
             # gradient (tanh(d)) past the bound
@@ -4720,6 +4734,38 @@ def _arg_jump(ctx: RuleContext, ev: OpEvent, lim: DtypeLimits) -> _ArgJump | Non
     held = group_holding((*ctx.history, ctx.trace), qual)
     lr = f" ({held[0]} lr {hyper(held[2])})" if held is not None else ""
     return _ArgJump(qual, before, now, prev.step, ctx.step, lr)
+
+
+def _exp_after_big_step(
+    big: _Oversize, dtype: str, lim: DtypeLimits, x: TensorStat | None, fix: str
+) -> tuple[str, str]:
+    """Explanation and fix of an exp whose argument overflowed right after an update that
+    moved the weights by their own size or more (``big``, gradients' ``_Oversize``): the
+    learning rate first, the clamp of ``fix``'s first line only as a guard after it."""
+    arg = signed_max(x)
+    reached = f"reached {fmt(arg)}" if not math.isnan(arg) else "passed it"
+    what = "largest |value|" if big.kind == "max" else "RMS value"
+    how = "lr × its gradient" if big.plain else "about lr, whatever the gradient"
+    explanation = (
+        f"exp overflows {dtype} above {fmt(lim.exp_bound)}; its argument {reached}, one "
+        f"step after an update that moved {big.param} by {_times(big.ratio)} its {what} "
+        f"({big.optimizer} moves each weight by {how}): the learning rate is too large for "
+        "these weights, and every further update moves them as far again. A clamp on exp's "
+        "argument keeps this step finite, but past the clamp its gradient is 0 and the "
+        "weights keep taking such steps: lower the learning rate first."
+    )
+    new = _round_down(big.lr * _SAFE_SHARE / big.ratio)
+    lines = [
+        f'optimizer.param_groups[{big.group}]["lr"] = {hyper(new)}   # was {hyper(big.lr)} '
+        f"({big.optimizer}): its update was {_times(big.ratio)} the size of {big.param}",
+        f"# only as a guard, after the lr: {fix.splitlines()[0].strip()}",
+    ]
+    if not big.plain:
+        lines.append(
+            f"# no gradient clipping: {big.optimizer} moves each weight by about lr per step "
+            "whatever the gradient's size, so clipping cannot bound its step"
+        )
+    return explanation, "\n".join(lines)
 
 
 def _explain_arg_jump(j: _ArgJump, dtype: str, lim: DtypeLimits) -> str:
