@@ -3713,7 +3713,6 @@ def _closing(text: str, start: int) -> int | None:
     return None
 
 
-_ONE_MINUS = re.compile(r"^1(?:\.0*)?\s*-\s*(.+)$")
 _SIGMOID = re.compile(
     r"^(?:(?:torch|F|torch\.nn\.functional)\.sigmoid\((.+)\)|(.+)\.sigmoid\(\s*\))$"
 )
