@@ -153,6 +153,7 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
             "expected input with shape",
             "running_mean should contain",
             "Expected hidden",  # an RNN's hidden state made for another batch or layout
+            "must be equal to input_size",  # an RNN's input with another number of features
         ),
     ),
     (

@@ -8297,6 +8297,8 @@ class Watcher:
         if found is None:
             return None
         module, shape = found
+        if isinstance(module, nn.RNNBase) and "input_size" not in str(exc):
+            return None  # its hidden state's check (the tensor read is the state, not input)
         size = _size_mismatch(module, shape)
         if size is None:
             return None
@@ -8334,6 +8336,9 @@ class Watcher:
         last = _channels_last(module, shape)
         if last is not None:
             return f"{told} at dim {last[0]} and {want} in its last dim: {last[1]}"
+        swapped = _features_first(module, shape)
+        if swapped is not None:
+            return f"{told} in its last dim and {want} in dim 1: {swapped}"
         changed = self._batch_shape_changed(module, path, trace)
         if changed is not None:
             step, then, now = changed
@@ -9793,6 +9798,11 @@ def _size_mismatch(module: nn.Module, shape: tuple[int, ...]) -> tuple[str, int,
         if want != got:
             return "num_features", want, got, f"nn.{type(module).__name__}({got})"
         return None
+    if isinstance(module, nn.RNNBase) and shape:
+        want, got = module.input_size, shape[-1]  # a packed sequence's data: (values, features)
+        if want != got:
+            return "input_size", want, got, _rnn_rebuilt(module, got)
+        return None
     if isinstance(module, nn.LayerNorm):
         ns = tuple(module.normalized_shape)
         got_ns = shape[-len(ns) :] if len(shape) >= len(ns) else shape
@@ -9802,6 +9812,51 @@ def _size_mismatch(module: nn.Module, shape: tuple[int, ...]) -> tuple[str, int,
             return "normalized_shape", want_s, got_s, f"nn.LayerNorm({got_s})"  # type: ignore[return-value]
         return None
     return None
+
+
+def _rnn_rebuilt(module: nn.RNNBase, size: int) -> str:
+    """The constructor of ``module`` (an ``nn.RNN``/``LSTM``/``GRU``) for inputs of ``size``
+    features, with the options it was built with.
+
+    >>> _rnn_rebuilt(nn.LSTM(8, 16, num_layers=2, batch_first=True), 12)
+    'nn.LSTM(12, 16, num_layers=2, batch_first=True)'
+    """
+    args = [str(size), str(module.hidden_size)]
+    if module.num_layers != 1:
+        args.append(f"num_layers={module.num_layers}")
+    if isinstance(module, nn.RNN) and module.nonlinearity != "tanh":
+        args.append(f"nonlinearity={module.nonlinearity!r}")
+    if module.batch_first:
+        args.append("batch_first=True")
+    if module.bidirectional:
+        args.append("bidirectional=True")
+    if getattr(module, "proj_size", 0):
+        args.append(f"proj_size={module.proj_size}")
+    return f"nn.{type(module).__name__}({', '.join(args)})"
+
+
+def _features_first(module: nn.Module, shape: tuple[int, ...]) -> str | None:
+    """For a batch-first ``nn.RNN``/``LSTM``/``GRU`` given (batch, features, steps), the
+    layout a 1-d convolution or a spectrogram gives: the transpose that puts the features
+    last. None otherwise.
+
+    >>> _features_first(nn.GRU(8, 16, batch_first=True), (4, 8, 50))[-27:]
+    'x.transpose(1, 2) before it'
+    >>> _features_first(nn.GRU(8, 16), (4, 8, 50)) is None  # (steps, batch, features): no
+    True
+    """
+    if (
+        not isinstance(module, nn.RNNBase)
+        or not module.batch_first
+        or len(shape) != 3
+        or shape[1] != module.input_size
+        or shape[2] == module.input_size
+    ):
+        return None
+    return (
+        "its features are in dim 1, as a 1-d convolution or a spectrogram gives (batch, "
+        "features, steps): x = x.transpose(1, 2) before it"
+    )
 
 
 def _channels_last(module: nn.Module, shape: tuple[int, ...]) -> tuple[int, str] | None:
