@@ -69,8 +69,9 @@ def test_a_data_assignment_is_said_to_replace_the_tensor_not_to_change_its_versi
         in ev
     )
     assert "its version changed" not in ev
-    # no op known (not forensic): the generic check stays
-    assert "torch.isfinite(p).all()" in d.fix
+    # no op known (not forensic): the row the NaN filled whole tells a per-row division
+    assert "the NaN fill 1 whole row of weight (row 0 of 6)" in ev
+    assert "w /= w.norm(dim=1, keepdim=True).clamp_min(torch.finfo(w.dtype).eps)" in d.fix
     compile(d.fix, "<fix>", "exec")
 
 
