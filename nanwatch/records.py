@@ -570,6 +570,11 @@ class Note:
       ``parameter``, ``zeros``, ``numel``, ``via``, ``dtype``, ``optimizer``,
       ``written_after`` (its version moved on since that update), and where told
       ``write_source``/``write_code`` (the statement that wrote it), ``own_step``.
+    * ``"weight_sum"``: the loss is +inf and its graph takes a full sum of a power, a
+      self-product or an absolute value of a watched float16 parameter (a weight penalty
+      written by hand, see :mod:`nanwatch._penalty`); ``path`` is its module. ``data``:
+      ``parameter``, ``form``, ``exponent``, ``dtype``, ``numel``, ``largest``, ``value``
+      (the sum, from the parameter's values). NW101 reads it.
     * ``"graph"``: written at a watched module's forward for an output of a short-range
       dtype (float16, float8) made by a product or quotient (``MulBackward0``,
       ``DivBackward0``); ``path`` is the module. ``data``: ``record`` (the output's record),

@@ -314,6 +314,36 @@ _ARITHMETIC: tuple[type, ...] = (
 )
 
 
+def _constant_factor(fn: Any) -> tuple[torch.Tensor, bool] | None:
+    """The number ``fn`` (the grad_fn of the tensor backward runs on) multiplies or divides
+    the loss by, when it is a product or quotient of one tensor with history and a number
+    of Python's (``(loss * 2 ** 20).backward()``, manual loss scaling): the number as the
+    CPU scalar autograd saved (not read here), and whether it divides. None for any other
+    node. O(1): the node's name, its inputs and one saved attribute.
+
+    >>> x = torch.ones(2, requires_grad=True)
+    >>> [(float(c), d) for c, d in [_constant_factor((x.sum() * 1024.0).grad_fn)]]
+    [(1024.0, False)]
+    >>> _constant_factor((x.sum() * x.sum()).grad_fn) is None
+    True
+    """
+    name = type(fn).__name__
+    if name not in ("MulBackward0", "DivBackward0"):
+        return None
+    nxt: tuple[Any, ...] = getattr(fn, "next_functions", ()) or ()
+    if len(nxt) != 2 or nxt[0][0] is None or nxt[1][0] is not None:
+        return None
+    try:
+        c = fn._saved_other
+    except Exception:  # freed
+        return None
+    if not isinstance(c, torch.Tensor) or c.dim() or c.device.type != "cpu":
+        return None
+    if c.dtype is not torch.float64:  # a Python float is wrapped as a float64 scalar; a
+        return None  # GradScaler's scale is a float32 tensor: its own story
+    return c, name == "DivBackward0"
+
+
 def _version(t: torch.Tensor) -> int | None:
     if t.is_inference():
         return None
@@ -2054,6 +2084,7 @@ class Watcher:
         self._after_backward: tuple[int, ...] | None = None
         self._marks_at_backward: tuple[int, ...] | None = None  # see _discarded
         self._user_loss = None
+        self._loss_factor: tuple[torch.Tensor, bool] | None = None
         self._grad_scale = None
         self._scaled_loss = None
         self._begun = False
@@ -2628,6 +2659,11 @@ class Watcher:
             )
         seen = getattr(self, "_grads_seen", None)
         total = self._trace.grad_norm
+        if total is not None and not math.isfinite(total) and not _tracing():
+            # an inf total norm: max_norm / inf = 0 zeroes the finite gradients, NaN the inf
+            user = _frames.user_frame(sys._getframe(1))
+            source = _frames.describe_frame(user)[0] if user is not None else None
+            self.note("clip_nonfinite", "(gradients)", source=source)
         if not seen or total is None or not math.isfinite(total):
             return
         try:
@@ -3726,6 +3762,7 @@ class Watcher:
                         self._warn_if_unwatched(t, compiled_only=not self._full)
                     if self._probe_due:
                         self._probe_parts(t)
+            self._loss_factor = _constant_factor(t.grad_fn)  # O(1), no read
             entry = self._known.get(id(t))
             if entry is not None and entry[0]() is t:
                 # a watched module (the criterion) produced it: already recorded; the
@@ -5853,6 +5890,18 @@ class Watcher:
             at = self._scaled_loss
             unscale = (at, trace.scale) if at is not None and trace.scale else None
             trace.loss = self._loss_from_records(trace, unscale=unscale)
+        held, self._loss_factor = self._loss_factor, None
+        if (
+            held is not None
+            and not self._scaled
+            and trace.loss is not None
+            and abs(trace.loss) > 10
+        ):
+            with contextlib.suppress(Exception):  # backward ran on loss * a number
+                v = float(held[0])  # a CPU number of Python's: no sync
+                if math.isfinite(v) and v != 0:
+                    factor = 1.0 / v if held[1] else v
+                    trace.notes.append(Note("loss_factor", LOSS_PATH, {"factor": factor}))
         first = next((info.path for _, info in self._modules if info.first_root), None)
         calls = {c.id for c in trace.calls if c.root and c.path == first}
         least = 0  # fewest values an output needs to count
@@ -7716,6 +7765,8 @@ class Watcher:
                 data["selections"] = picked[:4]
         self.note("loss_graph", LOSS_PATH, source=source, **data)
         self._note_zero_params(loss)
+        if not events and anomaly.record.stat is not None and anomaly.record.stat.has_posinf:
+            self._note_weight_sums(loss)
         if events:
             anomaly.op = forward_birth(events)  # not a sqrt of 0 before the log of it
             self._replay_roots_for(anomaly)
@@ -7771,6 +7822,23 @@ class Watcher:
                 )
                 self.note("zero_param", paths.get(f["parameter"], ""), **data)
         except Exception:  # an unusual graph or source: no more evidence, nothing lost
+            return
+
+    def _note_weight_sums(self, loss: torch.Tensor) -> None:
+        """A ``"weight_sum"`` note for each full sum in ``loss``'s graph of a power, a
+        self-product or an absolute value of a watched float16 parameter (a weight penalty
+        written by hand; see :mod:`nanwatch._penalty`), with the sum it made. Anomaly-time
+        work only: reads the parameters."""
+        from nanwatch import _penalty  # anomaly-time only
+
+        if loss.grad_fn is None:
+            return
+        try:
+            names = {id(p): q for q, _, p in self._params}
+            paths = {q: path for q, path, _ in self._params}
+            for f in _penalty.weight_sums(loss.grad_fn, names)[:64]:
+                self.note("weight_sum", paths.get(f["parameter"], ""), **f)
+        except Exception:  # an unusual graph: no more evidence, nothing lost
             return
 
     def _replay_roots_for(self, anomaly: Anomaly) -> None:

@@ -109,6 +109,57 @@ from nanwatch.stats import DtypeLimits
     priority=15,
 )
 def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
+    for d in _overflow(ctx):
+        _told_loss_factor(ctx, d)
+        yield d
+
+
+def _told_loss_factor(ctx: RuleContext, d: Diagnosis) -> None:
+    """A gradient that overflowed in a short-range dtype where backward ran on the loss
+    times a constant (``(loss * 2 ** 20).backward()``, manual loss scaling; the
+    ``"loss_factor"`` note): that constant multiplied every gradient, and it is what to
+    lower. A ``clip_grad_norm_`` after it saw an inf total norm (the ``"clip_nonfinite"``
+    note): its factor max_norm / inf is 0."""
+    a = ctx.anomaly
+    if a is None or d.phase not in (Phase.BACKWARD.value, Phase.GRADIENT.value):
+        return
+    lim = low_precision(a.record.dtype)
+    factors = [
+        float(n.data["factor"])
+        for n in ctx.notes("loss_factor")
+        if isinstance(n.data.get("factor"), float)
+    ]
+    if lim is None or not lim.short_range or not factors or abs(factors[-1]) < 2:
+        return
+    c, top, dtype = factors[-1], fmt(lim.max), a.record.dtype
+    power = math.log2(abs(c))
+    named = f"2 ** {int(power)}" if power.is_integer() else fmt(c)
+    d.evidence.append(
+        f"backward ran on the loss times {named} ({fmt(c)}, a constant loss scale): every "
+        f"gradient is {fmt(abs(c))} times the loss's own, and in {dtype} those past {top} "
+        "are inf"
+    )
+    clip = next(iter(ctx.notes("clip_nonfinite")), None)
+    if clip is not None:
+        at = f" at {clip.source}" if clip.source else ""
+        d.evidence.append(
+            f"clip_grad_norm_{at} then got a total norm of inf: it multiplies every "
+            "gradient by max_norm / inf = 0, so the finite ones become 0 and the inf ones NaN "
+            "(0 × inf), which the optimizer step writes into the weights"
+        )
+    d.explanation = (
+        f"The gradients are the loss's times the constant {fmt(c)} backward ran on: in "
+        f"{dtype} they pass {top}. A static scale that large overflows; dividing the "
+        "gradients afterwards comes too late. " + d.explanation
+    )
+    d.fix = (
+        f"# lower the scale until the largest gradient fits {dtype} (max {top}), or let "
+        "torch.amp.GradScaler pick it: it skips a step whose gradients overflow and lowers "
+        "the scale\n" + d.fix
+    )
+
+
+def _overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
     a = ctx.anomaly
     if a is None or a.transient:
         return
@@ -136,7 +187,99 @@ def overflow(ctx: RuleContext) -> Iterator[Diagnosis]:
             # so large that their square passes the dtype: the values exploded
             yield from _wide_from_record(ctx, a)
         return
+    if (penalty := _weight_sum_overflow(ctx, a)) is not None:
+        yield penalty  # watch / sentinel: a sum over float16 weights in the loss code
+        return
     yield from _from_record(ctx, a)
+
+
+def _weight_sum_overflow(ctx: RuleContext, a: Anomaly) -> Diagnosis | None:
+    """Watch and sentinel mode, no op traced: the loss is +inf, and its graph sums a power
+    (or a self-product, an absolute value) of watched float16 weights (a weight penalty
+    written by hand; ``"weight_sum"`` notes) whose sum, computed from the weights' values,
+    is past the dtype's largest value: each term fits, the sum held in float16 does not."""
+    rec = a.record
+    if a.kind is not AnomalyKind.FORWARD or a.path != LOSS_PATH or a.op is not None:
+        return None
+    if rec.stat is None or not rec.stat.has_posinf:
+        return None
+    notes = [n for n in ctx.notes("weight_sum") if isinstance(n.data.get("value"), float)]
+    dtypes = {str(n.data.get("dtype")) for n in notes}
+    if not notes or len(dtypes) != 1:
+        return None
+    dtype = dtypes.pop()
+    lim = low_precision(dtype)
+    if lim is None or not lim.short_range:
+        return None
+    values = [float(n.data["value"]) for n in notes]
+    total = math.fsum(values)
+    if not math.isfinite(total) or total <= lim.max:
+        return None  # the weights' sums fit: something else made the inf
+    if any(not math.isfinite(float(n.data.get("largest", math.nan))) for n in notes):
+        return None  # a weight that is inf already: not the sum's doing
+    top = fmt(lim.max)
+    notes.sort(key=lambda n: -float(n.data["value"]))
+    first = notes[0].data
+    form, k = str(first.get("form")), float(first.get("exponent", 2.0))
+    power = "2" if k == 2 else fmt(k)
+    term = {"mul": "(p * p)", "abs": "p.abs()"}.get(form, f"(p ** {power})")
+    fixed = {"mul": "(p.float() * p.float())", "abs": "p.float().abs()"}.get(
+        form, f"p.float().pow({power})"
+    )
+    over = [n for n in notes if float(n.data["value"]) > lim.max]
+    largest = max(float(n.data.get("largest", 0.0)) for n in notes)
+    evidence = [
+        f"the loss code sums {term} over {len(notes)} watched {dtype} weight"
+        + ("s" if len(notes) > 1 else "")
+        + f" (a weight penalty written by hand), and the sums are held in {dtype}: the "
+        f"weights are finite, up to |w| = {fmt(largest)}",
+    ]
+    said = ", ".join(
+        f"{n.data.get('parameter')} {fmt(float(n.data['value']))} "
+        f"({int(n.data.get('numel', 0)):,} values)"
+        for n in notes[:4]
+    ) + (f", and {len(notes) - 4} more" if len(notes) > 4 else "")
+    if over:
+        evidence.append(
+            f"{term}.sum() of each weight, from its values: {said}; "
+            + (
+                f"{over[0].data.get('parameter')}'s alone is past {top}"
+                if len(over) == 1
+                else f"{len(over)} of them are past {top} by themselves"
+            )
+            + f" (torch.finfo(torch.{dtype}).max): inf"
+        )
+    else:
+        evidence.append(
+            f"{term}.sum() of each weight fits {dtype} ({said}), but added up in {dtype} they "
+            f"reach {fmt(total)}, past {top} (torch.finfo(torch.{dtype}).max): inf"
+        )
+    note_src = next((n.source for n in ctx.notes("loss_graph") if n.source), None)
+    if note_src:
+        evidence.append(f"the loss reached loss.backward() at {note_src} as +inf")
+    evidence.append(untraced_hint(ctx))
+    explanation = (
+        f"{dtype} holds values up to {top}. The penalty sums {term} over "
+        f"{sum(int(n.data.get('numel', 0)) for n in notes):,} {dtype} weights of ordinary "
+        f"size and holds the sum in {dtype}: it reaches {fmt(total)} and becomes inf, so the "
+        "loss is inf before backward (a coefficient applied after the sum comes too late). "
+        "The weights are fine: a lower learning rate, clipping or a GradScaler does not help. "
+        "Compute the penalty in float32 (its gradient still reaches the weights in "
+        f"{dtype}), or let the optimizer apply the decay."
+    )
+    decay = (
+        "# or drop the term and decay in the optimizer: weight_decay=2 * c (c: the penalty's "
+        "coefficient; the gradient of c * p.pow(2).sum() is 2 * c * p)"
+        if form != "abs" and k == 2
+        else "# keep the rest of the loss in float32 from there"
+    )
+    fix = (
+        f"penalty = sum({fixed}.sum() for p in model.parameters())   # was: a sum of "
+        f"{term} in {dtype}; in float32 the sum, {fmt(total)}, fits\n{decay}"
+    )
+    fields = anomaly_fields(a)
+    fields["op"] = "aten.sum"
+    return ctx.diagnosis(**fields, evidence=evidence, explanation=explanation, fix=fix)
 
 
 #: the class losses whose kernel (nll_loss, under cross_entropy too) keeps the sum of the
@@ -8336,6 +8479,9 @@ def _huge_loss(ctx: RuleContext, trace: StepTrace) -> tuple[float, _LossScale, s
     if loss is None or not math.isfinite(loss):
         return None
     size = abs(loss)
+    for n in trace.notes:  # backward ran on loss * a number (manual loss scaling): the
+        if n.kind == "loss_factor" and isinstance(n.data.get("factor"), float):
+            size /= abs(n.data["factor"])  # number is no term of the loss
     if size < _HUGE_LOSS_FLOOR:  # below any bound (values >= 1, scale >= 1): most steps
         return None
     sc = _loss_scale(trace, size)
