@@ -966,6 +966,11 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             and not base.requires_grad
         ):  # a root of values no parameter went into (with grad on: not a replay's no_grad)
             event.scalars.setdefault("history:self", "none")
+        if "sigmoid" in event.made_from and isinstance(base, torch.Tensor):
+            at, code = _sigmoid_line(base.grad_fn)
+            if at is not None and code is not None:  # the user's line that applied it
+                event.scalars.setdefault("sigmoid_at", at)
+                event.scalars.setdefault("sigmoid_code", code)
 
     def _params_in(self, inputs: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, str, str]]:
         """The op's inputs that are watched parameters: (schema name, qualified name, the
@@ -1215,6 +1220,21 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
             if not ev.injected:
                 return ev
         return self.events[0] if self.events else None
+
+
+def _sigmoid_line(node: Any) -> tuple[str | None, str | None]:
+    """The user's line (``file.py:42``, its text) of the sigmoid below autograd ``node``,
+    followed through each node's first input for at most :data:`_FLOW_DEPTH` nodes (``log(1
+    - p)`` with ``p = torch.sigmoid(z).squeeze(1)`` in a model's forward): read from the
+    stack anomaly mode stored on it, so forensic mode alone; (None, None) otherwise."""
+    for _ in range(_FLOW_DEPTH + 2):
+        if node is None or accumulates_grad(node):
+            break
+        if name_of(node).startswith("SigmoidBackward"):
+            return forward_line(node)
+        nxt = getattr(node, "next_functions", ()) or ()
+        node = next((n for n, _ in nxt if n is not None), None)
+    return None, None
 
 
 def forward_line(node: Any) -> tuple[str | None, str | None]:

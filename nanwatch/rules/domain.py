@@ -2595,10 +2595,12 @@ def _unit_made_use(
     )
 
 
-def _drop_sigmoid(ctx: RuleContext) -> tuple[str, list[str]]:
+def _drop_sigmoid(ctx: RuleContext, ev: OpEvent | None = None) -> tuple[str, list[str]]:
     """How to name the sigmoid: the one nn.Sigmoid module whose output the step recorded,
     else "a sigmoid"; and the fix's first line, which drops that module so the model returns
-    logits (none when no one module is known)."""
+    logits; or, with no such module, the user's line that applied the sigmoid (forensic
+    mode's ``sigmoid_at`` of ``ev``: ``return torch.sigmoid(z).squeeze(1)`` in a model's
+    forward) with the sigmoid taken out; none when neither is known."""
     paths = {
         r.path
         for r in ctx.records(Phase.FORWARD)
@@ -2614,7 +2616,45 @@ def _drop_sigmoid(ctx: RuleContext) -> tuple[str, list[str]]:
             if ref != "model"
             else f"# first: remove {maker}, so the model returns logits"
         )
+    elif ev is not None and paths == set():
+        at, code = ev.scalars.get("sigmoid_at"), ev.scalars.get("sigmoid_code")
+        fixed = _without_sigmoid(code) if isinstance(code, str) else None
+        if isinstance(at, str) and fixed is not None:
+            lines.append(
+                f"{fixed}   # first, at {at}: return the logit, the sigmoid taken out "
+                f"(was: {str(code).split('  #', 1)[0].strip()})"
+            )
     return maker, lines
+
+
+def _without_sigmoid(code: str) -> str | None:
+    """``code``, one statement, with its one sigmoid call replaced by its argument (``return
+    z.squeeze(1)`` of ``return torch.sigmoid(z).squeeze(1)``); None when the statement does
+    not parse or applies no sigmoid or several."""
+    from nanwatch.rules.losses import _sigmoid_call
+
+    line = code.split("  #", 1)[0].strip()
+    if not line.isascii():
+        return None
+    try:
+        tree = ast.parse(line)
+    except SyntaxError:
+        return None
+    hits = [
+        (call, arg)
+        for call in ast.walk(tree)
+        if isinstance(call, ast.expr) and (arg := _sigmoid_call(call)) is not None
+    ]
+    if len(tree.body) != 1 or len(hits) != 1:
+        return None
+    call, arg = hits[0]
+    seg = ast.get_source_segment(line, arg)
+    if seg is None or call.end_col_offset is None or call.lineno != call.end_lineno:
+        return None
+    inner = (
+        seg if isinstance(arg, (ast.Call, ast.Name, ast.Attribute, ast.Subscript)) else f"({seg})"
+    )
+    return line[: call.col_offset] + inner + line[call.end_col_offset :]
 
 
 def _one_minus_sigmoid_use(
@@ -2634,7 +2674,7 @@ def _one_minus_sigmoid_use(
         for n in ctx.notes("loss_graph")
         for chain in n.data.get("logs", ())
     )
-    maker, lines = _drop_sigmoid(ctx)
+    maker, lines = _drop_sigmoid(ctx, ev)
     bce_line = (
         f"loss = {f}binary_cross_entropy_with_logits(logits, y)   # a pattern, in your "
         "names: logits, what the sigmoid was given; y, the targets: the binary "
@@ -2765,7 +2805,7 @@ def _labelled_bce_by_flow(ctx: RuleContext, ev: OpEvent, stmt: str) -> _LogUse |
     (fn,) = callees
     own = "".join(parts) + stmt[last:]
     dt = ev.dtype or "float32"
-    maker, lines = _drop_sigmoid(ctx)
+    maker, lines = _drop_sigmoid(ctx, ev)
     lines.append(
         f"{own}   # {fn} now returns logits z: log(sigmoid(z)) and log(1 - sigmoid(z)) "
         "without forming the 0"
@@ -2811,7 +2851,7 @@ def _bce_by_flow(ctx: RuleContext, ev: OpEvent, stmt: str, args: list[str]) -> _
         return None
     dt = ev.dtype or "float32"
     f = "torch.nn.functional." if _lacks_f(ev.source) else "F."
-    maker, lines = _drop_sigmoid(ctx)
+    maker, lines = _drop_sigmoid(ctx, ev)
     lhs, label, reduction = _bce_parts(stmt, q)
     lines.append(
         f"{lhs or 'loss'} = {f}binary_cross_entropy_with_logits({q}, {label}{reduction})   "
@@ -6320,6 +6360,42 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     if ev.phase is Phase.BACKWARD:
         evidence.append(f"in backward (autograd node {ev.node})")
     title = "Division by zero (0/0)" if zero_over_zero else "Division by zero"
+    renorm = (
+        _renormalization(ev)
+        if ev.phase is Phase.FORWARD
+        and not integer
+        and num is not None
+        and num.min >= 0
+        and den is not None
+        and has_zero(den)
+        and den.max > 0  # not every sum 0 (a dead layer: its own story below)
+        else None
+    )
+    if renorm is not None:  # w = a / a.sum(-1, keepdim=True) with a row of a all 0
+        x, d, fixed = renorm
+        made = ev.scalars.get("other_made_from")
+        flow = f" (data flow: {made.replace('<', ' <- ')})" if isinstance(made, str) else ""
+        evidence.insert(
+            1,
+            f"the line divides {x} by its own sum, {d}{flow}: a renormalization to weights "
+            "that sum to 1, not a count",
+        )
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"{title} in a renormalization: a row whose weights are all 0",
+            evidence=evidence,
+            explanation=(
+                f"The line divides {x} by its own sum to make weights that sum to 1, and a "
+                f"row of {x} was all 0 (a mask that removed every entry, weights that were "
+                "all cut to 0): its sum is 0 and 0/0 is NaN, in that row and in every "
+                "gradient through the sum. The sum is not a count: its values are weights, "
+                "and a sum below 1 is normal, so a floor of 1 (clamp_min(1)) would change "
+                "those rows. A floor of the dtype's eps keeps an all-0 row 0 (and its "
+                "gradient finite) and leaves every sum above it as it is."
+            ),
+            fix=fixed,
+        )
+        return
     limit = _removable_ratio(ev) if zero_over_zero and ev.phase is Phase.FORWARD else None
     if limit is not None:  # x / sin(x) at x = 0: a limit, not a zero to clamp
         said, why, fix = limit
@@ -9172,6 +9248,8 @@ def _float_count(ev: OpEvent, den: TensorStat) -> str | None:
     one = _one_division(ev.code)
     if one is not None and _overlap_terms(ev, *one):
         return None  # a ratio of two overlapping sums (dice): 0/0 is two empty sets
+    if _continuous_made(ev):
+        return None  # a sum of weights or probabilities (a.sum(-1) of a softmax): no count
     divisor = got[0]
     if _COUNT_CODE.search(divisor):
         return f"the line makes it a count: {divisor}"
@@ -9190,6 +9268,78 @@ def _float_count(ev: OpEvent, den: TensorStat) -> str | None:
         if _COUNT_NAME.fullmatch(name):
             return f"its name, {name}, says it is a count"
     return None
+
+
+#: ops whose result is whole numbers when their operands are (a count's making: a mask's
+#: .float(), a sum of it, an index_add of ones), as autograd names them, lower-case
+_WHOLE_OPS = _PICKS | {
+    "tocopy", "copy", "sum", "add", "sub", "mul", "neg", "abs", "cumsum", "indexadd",
+    "scatteradd", "scatter", "indexput", "zeros", "ones", "full", "fill", "newones",
+    "newzeros", "cat", "stack", "clamp", "clampmin", "clampmax", "maximum", "minimum",
+    "where", "maskedfill", "floor", "ceil", "round", "bincount", "countnonzero",
+}  # fmt: skip
+
+
+def _continuous_made(ev: OpEvent) -> bool:
+    """The data flow shows the denominator made by an op whose values are not whole numbers
+    (``other_made_from``, as the replay saw it: ``sum<mul<softmax`` of ``a / a.sum(-1)``
+    with ``a`` attention weights, a parameter's ``leaf``): a sum of weights or
+    probabilities, not a count, whatever its min and max happen to be. False when the flow
+    was not recorded, or shows only ops that keep whole numbers whole (``sum<tocopy`` of
+    ``mask.float().sum(1)``)."""
+    made = ev.scalars.get("other_made_from")
+    if not isinstance(made, str) or not made:
+        return False
+    return any(op not in _WHOLE_OPS for op in made.split("<"))
+
+
+def _renormalization(ev: OpEvent) -> tuple[str, str, str] | None:
+    """(``a``, ``a.sum(-1, keepdim=True)``, the fixed line) of a division of a tensor by its
+    own sum, ``w = a / a.sum(-1, keepdim=True)`` (or ``s = a.sum(...)`` assigned above):
+    weights renormalized to sum to 1, whose 0/0 is a row of ``a`` that is all 0. None for any
+    other division, for a sum that is a count (the caller rules that out), and for a sum of
+    exp() terms the data flow shows reaching the exp through no product (underflow, told
+    elsewhere; a product there is a mask)."""
+    picked = _picked_division(ev)
+    if picked is None:
+        return None
+    stmt, div, _ = picked
+    right: ast.expr = div.right
+    if isinstance(right, ast.Name):
+        value = _unconditional_assignment(ev, right.id)
+        if value is None:
+            return None
+        right = value
+    if not (isinstance(right, ast.Call) and isinstance(right.func, ast.Attribute)):
+        return None
+    if right.func.attr == "sum" and ast.unparse(right.func.value) not in ("torch", "th"):
+        summed = right.func.value
+    elif right.func.attr == "sum" and right.args:
+        summed = right.args[0]
+    else:
+        return None
+    if ast.unparse(summed) != ast.unparse(div.left):
+        return None
+    made = ev.scalars.get("other_made_from")
+    ops = made.split("<") if isinstance(made, str) else []
+    for op in ops[1:]:
+        if op in ("exp", "exp2"):
+            return None  # exp() terms summed as they are: an underflow (told elsewhere)
+        if op not in _PICKS:
+            break
+    x = ast.get_source_segment(stmt, div.left) or ast.unparse(div.left)
+    d = ast.get_source_segment(stmt, div.right) or ast.unparse(div.right)
+    line = stmt.split("  #", 1)[0].rstrip()
+    if not line.isascii() or div.right.end_col_offset is None:
+        return None
+    dtype = f"{x}.dtype" if isinstance(div.left, ast.Name) else f"torch.{ev.dtype or 'float32'}"
+    head, tail = line[: div.right.col_offset], line[div.right.end_col_offset :]
+    fixed = (
+        f"{head}{paren(d)}.clamp_min(torch.finfo({dtype}).eps){tail}   # a row whose weights "
+        "are all 0 stays 0, not NaN; every sum above eps unchanged (not clamp_min(1): a sum "
+        "below 1 would change)"
+    )
+    return x, d, fixed
 
 
 def _line_of(source: str | None, stmt: str, reach: int = 40) -> str | None:
