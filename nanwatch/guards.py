@@ -3866,14 +3866,22 @@ def _position_table_of(p: _Probe, rows: int) -> str | None:
     """How the guarded embedding is known to be a position table: by the config setting
     that sized it (``config.n_positions=16``) or by its own name (``pos_emb``); None when
     neither says so. Read only when a failure is worded."""
-    key = _position_key(p.roots, rows)
+    if not p.is_module or p.module is None:
+        key = _position_key(p.roots, rows)
+        return None if key is None else f"config.{key}={rows}"
+    return position_table_name(p.roots, p.module, rows)
+
+
+def position_table_name(roots: Sequence[nn.Module], module: nn.Module, rows: int) -> str | None:
+    """How ``module``, a table of ``rows`` rows under ``roots``, is known to hold positions:
+    the config setting that sized it (``config.n_positions=16``) or its own name
+    (``pos_emb``); None when neither says so (the guard's NW513 and the post-mortem)."""
+    key = _position_key(roots, rows)
     if key is not None:
         return f"config.{key}={rows}"
-    if not p.is_module or p.module is None:
-        return None
-    for root in p.roots:
+    for root in roots:
         for name, mod in root.named_modules():
-            if mod is p.module and _POSITION_NAME.search(name.rsplit(".", 1)[-1]):
+            if mod is module and _POSITION_NAME.search(name.rsplit(".", 1)[-1]):
                 return str(name)
     return None
 
@@ -3882,6 +3890,13 @@ def _negative_positions(p: _Probe, ids: torch.Tensor, table: str) -> tuple[str, 
     """NW513's hint and fix for negative ids into a position table: no row of it is
     negative. A negative prefix of each row is left padding given positions by
     ``attention_mask.cumsum(-1) - 1``, which is -1 at every pad."""
+    var = _held_as(p.frame, p.input) or (None if _in_library(p) else p.arg(p.spec.input))
+    return negative_position_words(ids, table, var)
+
+
+def negative_position_words(ids: torch.Tensor, table: str, var: str | None) -> tuple[str, str]:
+    """The hint and fix for negative ids ``var`` into a position table (how ``table`` is
+    known to hold positions): the guard's NW513 and the post-mortem's advice."""
     bad = ids < 0
     flat = bad.reshape(-1, bad.shape[-1]) if bad.dim() else bad.reshape(1, 1)
     prefix = bool((flat[:, 1:] <= flat[:, :-1]).all()) and not bool(flat.all(-1).any())
@@ -3891,7 +3906,6 @@ def _negative_positions(p: _Probe, ids: torch.Tensor, table: str) -> tuple[str, 
             ": the negative ones open their rows, before the first real token (left "
             "padding: attention_mask.cumsum(-1) - 1 is -1 at every pad)"
         )
-    var = _held_as(p.frame, p.input) or (None if _in_library(p) else p.arg(p.spec.input))
     fix = (
         f"{var} = {var}.clamp(min=0)   # a pad's position: any row, its output is masked"
         if var is not None
@@ -3911,25 +3925,39 @@ def _offset_positions(p: _Probe, ids: torch.Tensor, rows: int, lo: int) -> tuple
     input is short enough for but that start past its first row (and past a padding row
     below it): the caller's positions carry an offset (a cache's past length, positions
     that keep counting across packed sequences). None when the input itself is too long."""
-    length = int(ids.shape[-1])
-    pad = _padding_row(p, rows)
-    start = 0  # the first position, past rows that are not positions (as the branch after)
-    if pad is not None and lo == pad + 1:
-        start = lo  # RoBERTa: positions start past its padding row
-    elif 0 < lo < rows and _config_key(p, rows) is None and _position_key(p.roots, rows - lo):
-        start = lo  # BART: max_position_embeddings + 2 rows, positions from 2
-    first = ids[..., 0]
-    if length > rows - start or int(first.max()) <= start:
-        return None
     table = _position_table_of(p, rows)
     if table is None:
+        return None
+    var = _held_as(p.frame, p.input) or (None if _in_library(p) else p.arg(p.spec.input))
+    start = position_start(p.roots, rows, lo, _padding_row(p, rows))
+    return offset_position_words(ids, rows, start, table, var)
+
+
+def position_start(roots: Sequence[nn.Module], rows: int, lo: int, pad: int | None) -> int:
+    """The first position of a table of ``rows`` rows whose smallest id given is ``lo``:
+    past rows that are not positions (as NW513's branch for inputs too long)."""
+    if pad is not None and lo == pad + 1:
+        return lo  # RoBERTa: positions start past its padding row
+    if 0 < lo < rows and _config_key_in(roots, rows) is None and _position_key(roots, rows - lo):
+        return lo  # BART: max_position_embeddings + 2 rows, positions from 2
+    return 0
+
+
+def offset_position_words(
+    ids: torch.Tensor, rows: int, start: int, table: str, var: str | None
+) -> tuple[str, str] | None:
+    """The hint and fix for consecutive positions ``var`` that start past ``start`` in a
+    table of ``rows`` rows the input is short enough for (the guard's NW513 and the
+    post-mortem's advice); None when the input itself is too long."""
+    length = int(ids.shape[-1])
+    first = ids[..., 0]
+    if length > rows - start or int(first.max()) <= start:
         return None
     hint = (
         f" — these are positions ({table}): this input has only {length} tokens, but its "
         f"positions start at {int(first.max())} in a row: they carry an offset (positions "
         "that keep counting across packed sequences, or a cache's past length)"
     )
-    var = _held_as(p.frame, p.input) or (None if _in_library(p) else p.arg(p.spec.input))
     plus = f" + {start}" if start else ""
     fix = (
         f"{var} = {var} - {var}[..., :1]{plus}   # each sequence's positions from {start}"
@@ -3947,8 +3975,13 @@ def _config_key(p: _Probe, rows: int) -> str | None:
     """The one setting of a watched model's config that sized the guarded table
     (``type_vocab_size``, ``max_position_embeddings``): an int equal to its rows under a
     name for a size or a count of positions; None when none or several match."""
+    return _config_key_in(p.roots, rows)
+
+
+def _config_key_in(roots: Sequence[nn.Module], rows: int) -> str | None:
+    """:func:`_config_key` over the configs of ``roots``."""
     found: set[str] = set()
-    for root in p.roots:
+    for root in roots:
         config = getattr(root, "config", None)
         for key, value in getattr(config, "__dict__", {}).items():
             if (

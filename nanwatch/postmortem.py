@@ -669,7 +669,7 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             info["advice"] = said
     if cls in _POSITION_CLASSES:
         try:  # shapes and module attributes only: no device access
-            said = position_advice(exc) or batch_shape_advice(exc)
+            said = position_advice(exc) or position_ids_advice(exc) or batch_shape_advice(exc)
             if said is None and cls == "index-out-of-range":
                 said = index_advice(exc)
         except Exception:  # the user's exception matters more than ours
@@ -794,6 +794,108 @@ def position_advice(exc: BaseException) -> str | None:
                 f"inputs need {grow}."
             )
     return None
+
+
+def position_ids_advice(exc: BaseException) -> str | None:
+    """Advice for an index error raised by a position table (an ``nn.Embedding`` the
+    model's config sized for positions, or named for them) given ids it has no row for,
+    on an input short enough for it: negative positions (left padding given positions by
+    ``attention_mask.cumsum(-1) - 1``) or positions that carry an offset (counting on
+    across packed sequences). The words of the guard's NW513, from the traceback's frames;
+    reads the ids only on the CPU (after a CUDA error the device is not read). None
+    otherwise.
+    """
+    import torch
+    from torch import nn
+
+    from nanwatch import _frames, guards
+
+    tb = exc.__traceback__
+    frames: list[FrameType] = []
+    while tb is not None and len(frames) < 512:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    owners = [
+        (i, me) for i, f in enumerate(frames) if isinstance(me := f.f_locals.get("self"), nn.Module)
+    ]
+    if not owners:
+        return None
+    roots = [owners[0][1]]
+    tables = [(i, m) for i, m in owners if isinstance(m, nn.Embedding)]
+    ids: Any = None
+    table: nn.Module
+    pad: int | None = None
+    if tables:
+        at, emb = tables[-1]
+        ids, rows, pad, table = (
+            frames[at].f_locals.get("input"),
+            emb.num_embeddings,
+            emb.padding_idx,
+            emb,
+        )
+        kind = "Embedding"
+    else:  # a buffer a config sized for positions, read at the positions (BERT's gather)
+        at, table = owners[-1]
+        size = re.search(r"with size (\d+)", message := str(exc))
+        if size is None or guards._position_key(roots, int(size.group(1))) is None:
+            return None
+        rows, pad, kind = int(size.group(1)), None, "buffer"
+        ids = next(
+            (
+                v
+                for k, v in frames[at].f_locals.items()
+                if isinstance(k, str)
+                and guards._POSITION_NAME.search(k)
+                and isinstance(v, torch.Tensor)
+                and str(rows) in message
+            ),
+            None,
+        )
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.device.type != "cpu"
+        or ids.dtype not in (torch.long, torch.int)
+        or ids.dim() < 1
+        or ids.numel() == 0
+    ):
+        return None
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo >= 0 and hi < rows:
+        return None
+    name = guards.position_table_name(roots, table, rows)
+    if name is None:
+        return None
+    user = next(
+        (f for f in reversed(frames[:at]) if not _frames.is_internal(f.f_code.co_filename)),
+        None,
+    )
+    var = guards._held_as(user, ids)
+    if lo < 0 and hi < rows:
+        hint, fix = guards.negative_position_words(ids, name, var)
+    elif lo >= 0 and guards._looks_like_positions(ids):
+        start = guards.position_start(roots, rows, lo, pad)
+        found = guards.offset_position_words(ids, rows, start, name, var)
+        if found is None:
+            return None
+        hint, fix = found
+    else:
+        return None
+    path = next((q for q, m in roots[0].named_modules() if m is table), "") or "the table"
+    words = []
+    for line in fix.split("\n"):
+        code, _, note = line.partition("   # ")
+        words.append(code.removeprefix("# ") + (f" ({note})" if note else ""))
+    given = f"{var} holds" if var else "the ids given hold"
+    head = (
+        f"{path} ({kind}) has {rows} rows"
+        if kind == "Embedding"
+        else f"{path} reads its buffers at {rows} positions"
+    )
+    return (
+        f"{head}, so ids must be in 0..{rows - 1}, but {given} {lo}..{hi}{hint}. Fix: "
+        + "; ".join(words)
+        + "."
+    )
 
 
 def batch_shape_advice(exc: BaseException) -> str | None:

@@ -726,12 +726,66 @@ def _masked_softmax(
             evidence.insert(0, inverted)
         fix = _fix_for(ctx, a.record.call, ev, inverted=inverted is not None)
         if fix == _FIX:  # hand-written attention: rewrite the user's own mask line
-            fix = _own_mask_fix(mask) or fix
+            own = _own_mask_fix(mask)
+            partly = _partly_empty(a, ev)
+            if partly is not None:  # no sequence is empty: pad queries with no key
+                evidence.insert(0, partly)
+                head = own.split("\n", 1)[0] if own else _FIX.split("\n# ", 1)[0]
+                own = head + _PAD_QUERIES
+            fix = own or fix
         explanation = _EXPLAIN
     fields = {"title": title} if title else {}
     return ctx.diagnosis(
         **op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix, **fields
     )
+
+
+_PAD_QUERIES = (
+    "\n# no sequence is empty: the rows with no key are pad positions' queries (left "
+    "padding under a causal mask sees only pad keys); the finite fill keeps them finite, "
+    "and leave pad positions out of the loss (labels -100 where attention_mask is 0)"
+)
+
+
+def _partly_empty(a: Anomaly, soft: OpEvent) -> str | None:
+    """Evidence that the NaN rows are only some of the positions of the samples that hold
+    them: the first NaN tensor, (batch, length, features), holds a NaN count that is not a
+    whole number of samples (a query's row is NaN whole, a sample with no key at all is NaN
+    at every position); where its values were not counted (read late, on the accelerator
+    path), the softmax's output, split into as many samples. Then no sequence is empty:
+    some queries of a sample had keys, and others had none (a causal mask over left
+    padding). None when that cannot be told."""
+    r = a.record
+    if len(r.shape) < 3 or r.shape[0] <= 0 or r.shape[1] <= 0:
+        return None
+    batch, length = r.shape[0], r.shape[1]
+    s = r.stat
+    if s is not None and isinstance(s.nan, int) and not s.posinf and not s.neginf:
+        per_sample = s.numel // batch
+        per_position = per_sample // length
+        if s.nan > 0 and per_position > 0 and s.nan % per_sample != 0 and s.nan % per_position == 0:
+            return (
+                f"{r.path} {r.role} {tuple(r.shape)} is NaN at {s.nan // per_position:,} of "
+                f"its {batch * length:,} positions, not a whole number of samples: " + _PARTLY
+            )
+        return None
+    out = soft.output
+    if not isinstance(out.nan, int) or out.nan <= 0 or out.numel % batch != 0:
+        return None
+    per_sample = out.numel // batch
+    if out.nan % per_sample == 0:
+        return None
+    return (
+        f"{short_op(soft.op)} output is NaN at {out.nan:,} of {out.numel:,} values, not a "
+        f"whole number of its {batch} samples ({per_sample:,} values each): " + _PARTLY
+    )
+
+
+_PARTLY = (
+    "those samples' other queries had keys, so no sequence is empty; a query with no key "
+    "at all in a non-empty sequence is a pad position under a causal mask (left padding: "
+    "its only earlier keys are pads)"
+)
 
 
 def _left_out(ctx: RuleContext, a: Anomaly) -> bool:
@@ -1118,6 +1172,9 @@ def _constant_fix(c: OverflowedConstant) -> str:
         else f"# replace {c.literal} with {low}: {c.literal} is -inf in {c.dtype} "
         f"(max {fmt(c.max)})"
     )
+    line = (c.event.code or "").split("  #", 1)[0]
+    if fixed and "+" not in line and re.search(r"\b(?:where|masked_fill_?)\(", line):
+        return head  # the constant replaces the masked scores: nothing is added to it
     return (
         f"{head}\n"
         f"# a negative score plus {low} can still round to -inf: after adding the mask, "
