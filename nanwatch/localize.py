@@ -979,8 +979,8 @@ def op_where(ev: OpEvent) -> str:
         return ev.at
     text = f"in the backward of custom autograd.Function {fn}"
     if ev.backward_at and ev.backward_at == ev.source:
-        return f"{text}, backward() at {ev.source}"
-    call = f", backward() at {ev.backward_at}" if ev.backward_at else ""
+        return f"{text}, {ev.backward_call} at {ev.source}"
+    call = f", {ev.backward_call} at {ev.backward_at}" if ev.backward_at else ""
     return f"at {ev.source} {text}{call}"
 
 
@@ -989,7 +989,7 @@ def op_phrase(ev: OpEvent) -> str:
     backward whose op was not traced: ``the backward of custom autograd.Function MySqrt``."""
     fn = custom_backward(ev)
     if fn is not None:
-        call = f", backward() at {ev.backward_at}" if ev.backward_at else ""
+        call = f", {ev.backward_call} at {ev.backward_at}" if ev.backward_at else ""
         return f"the backward of custom autograd.Function {fn}{call}"
     return f"{ev.op} {op_where(ev)}".rstrip()
 
@@ -1240,6 +1240,33 @@ def _call_text(trace: StepTrace, call: Call | None) -> str:
     """``, in its 3rd call this step``: which batch of the step a sample number counts in."""
     n = root_call_number(trace, call)
     return f", in its {_ordinal(n[0])} call this step" if n is not None else ""
+
+
+def _micro_batch_text(trace: StepTrace, call: Call | None, path: str) -> str:
+    """``, in the 3rd call of model this step``: which call of its root the module call
+    ``call`` belongs to, when the step called that root more than once (gradient
+    accumulation over micro-batches, a discriminator given real then fake): a value born
+    in a later forward or backward of the step. ``its`` when ``path`` is the root's."""
+    root = _root_of(trace, call)
+    n = root_call_number(trace, root)
+    if n is None or root is None:
+        return ""
+    if root.path == path:
+        return f", in its {_ordinal(n[0])} call this step"
+    return f", in the {_ordinal(n[0])} call of {root.path} this step"
+
+
+def _with_micro_batch(summary: str, nth: str) -> str:
+    """``summary`` with ``nth`` (:func:`_micro_batch_text`) after the module it names as
+    the birthplace (``... born in the forward of 1 (Blow)``), before what follows it."""
+    if not nth or "this step" in summary:
+        return summary
+    m = re.search(r" born in the (?:forward|backward) (?:code )?of ", summary)
+    if m is None:
+        return summary
+    ends = [summary.find(e, m.end()) for e in (":", ";", ", from ", ", then ", " [")]
+    end = min((e for e in ends if e >= 0), default=len(summary))
+    return summary[:end] + nth + summary[end:]
 
 
 def _ordinal(n: int) -> str:
@@ -1946,7 +1973,7 @@ def localize(
         else:
             summary = f"{summary}: {made}"
         if custom.backward_at:
-            summary += f" (backward() at {custom.backward_at})"
+            summary += f" ({custom.backward_call} at {custom.backward_at})"
         summary += (
             "; the op inside it was not traced: mode='forensic' or nw.replay(step_fn) "
             "names it and its line"
@@ -1961,6 +1988,8 @@ def localize(
                 f"torch.where or a 0 mask hid it; backward still runs through it), reaching "
                 f"{consumer or path}"
             )
+    if origin in ("module", "between-children"):
+        summary = _with_micro_batch(summary, _micro_batch_text(trace, call, path))
     props, n = propagators(trace, trig, path)
     anomaly = Anomaly(
         step=trace.step,
@@ -2424,9 +2453,14 @@ def born_below(anomaly: Anomaly, path: str, module_type: str) -> None:
     outer = anomaly.path
     anomaly.path, anomaly.module_type = path, module_type
     typ = f" ({module_type})" if module_type else ""
+    nth = _NTH_CALL.search(base)  # which micro-batch of the step (see _micro_batch_text)
     anomaly.summary = (
-        f"{what}{head}{path}{typ}, inside {outer}; first seen in {rec.where}{sep}{rest}"
+        f"{what}{head}{path}{typ}, inside {outer}{nth[0] if nth else ''}; first seen in "
+        f"{rec.where}{sep}{rest}"
     )
+
+
+_NTH_CALL = re.compile(r", in (?:its|the) \d+(?:st|nd|rd|th) call (?:of \S+ )?this step")
 
 
 def _grew_from_mask(chain: Sequence[OpEvent], path: str) -> bool:

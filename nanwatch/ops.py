@@ -802,11 +802,13 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 return
             node: Any = current_autograd_node()  # None outside backward
             backward_at: str | None = None
+            by_grad = False
             if node is not None:
                 phase = Phase.BACKWARD
                 meta: dict[str, Any] = node.metadata
                 path = meta.get("nanwatch.path")
                 ran, (backward_at, backward_code) = self._backward_lines()
+                by_grad = _by_grad(sys._getframe())
                 # the op's own line when user code ran it in backward (the division in a
                 # custom backward()); else the forward line that created the node
                 source, code = ran if ran[0] is not None else forward_line(node)
@@ -872,6 +874,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 cause=cause,
                 injected=not born,
                 backward_at=backward_at,
+                by_grad=by_grad,
                 device=device_name(first_bad.device),
                 # what the node saved in forward follows the op's own operands: the
                 # acos's input, the sqrt's result, read by the rules as ``saved self``
@@ -1173,6 +1176,7 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         if source is None:  # made before anomaly mode was on: the call is all we know
             source, code = backward_at, backward_code
         event.source, event.code, event.backward_at = source, code, backward_at
+        event.by_grad = _by_grad(sys._getframe())
         event.device = device_name(bad.device)
         self.events.append(event)
         return event
@@ -1265,6 +1269,18 @@ def _enters_engine(f: types.FrameType) -> bool:
     if not name.startswith(_AUTOGRAD_DIR):
         return False
     return (name[len(_AUTOGRAD_DIR) :], f.f_code.co_name) in _ENGINE_ENTRIES
+
+
+def _by_grad(f: types.FrameType | None) -> bool:
+    """The backward running on this thread was entered by ``torch.autograd.grad`` (a loop
+    that takes its gradients with it), not ``backward()``: read from the engine's entry."""
+    while f is not None:
+        name = f.f_code.co_filename
+        entry = name.startswith(_AUTOGRAD_DIR) and name[len(_AUTOGRAD_DIR) :] == "__init__.py"
+        if entry and f.f_code.co_name in ("grad", "backward"):
+            return f.f_code.co_name == "grad"
+        f = f.f_back
+    return False
 
 
 def _backward_frames(

@@ -351,6 +351,8 @@ class OpEvent:
     #: backward ops: the ``backward()`` call that ran them (``train.py:57``); ``source`` is
     #: the forward line that created their autograd node.
     backward_at: str | None = None
+    #: backward ops: ``backward_at`` is a ``torch.autograd.grad`` call, not ``backward()``
+    by_grad: bool = False
     #: the device the op ran on (``cpu``, ``cuda:0``); empty when unknown.
     device: str = ""
     #: tensor arguments that ``inputs`` leaves out, by schema name: integer and bool ones (a
@@ -375,9 +377,15 @@ class OpEvent:
         backward() at train.py:57`` (the node's forward line unknown); "" when nothing is."""
         if self.phase is Phase.BACKWARD and self.source:
             if self.backward_at and self.backward_at == self.source:
-                return f"in {self.node or 'backward'}, backward() at {self.source}"
+                return f"in {self.node or 'backward'}, {self.backward_call} at {self.source}"
             return f"in the backward of {self.source}"
         return f"at {self.source}" if self.source else ""
+
+    @property
+    def backward_call(self) -> str:
+        """The call that ran a backward op, as the user wrote it: ``backward()``, or
+        ``autograd.grad()`` for a loop that takes its gradients with it."""
+        return "autograd.grad()" if self.by_grad else "backward()"
 
     def chain(self) -> list[OpEvent]:
         """This event and its causes, oldest first."""
@@ -407,6 +415,8 @@ class OpEvent:
         }
         if self.device:
             d["device"] = self.device
+        if self.by_grad:
+            d["by_grad"] = True
         if self.other_inputs:
             d["other_inputs"] = [[r, s.to_dict()] for r, s in self.other_inputs]
         if self.outputs:
@@ -437,6 +447,7 @@ class OpEvent:
             cause=None if d.get("cause") is None else OpEvent.from_dict(d["cause"]),
             injected=bool(d.get("injected", False)),
             backward_at=d.get("backward_at"),
+            by_grad=bool(d.get("by_grad", False)),
             device=d.get("device", ""),
             other_inputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("other_inputs", [])],
             outputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("outputs", [])],

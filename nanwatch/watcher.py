@@ -5966,9 +5966,18 @@ class Watcher:
             forensic=self._forensic,
         )
 
+    def _grads_by_grad(self) -> bool:
+        """This step's gradients came from ``torch.autograd.grad`` (see
+        :meth:`_grads_returned`), no ``backward()`` ran: its backward ops ran in that call."""
+        return not self._backward_called and self._weight_grads_taken is not None
+
     def _localize(self, trace: StepTrace) -> Anomaly | None:
         if trace is self._trace:
             self._drain_ops()
+            if self._grads_by_grad():
+                for done in trace.ops:  # the step's gradients came from torch.autograd.grad
+                    if done.phase is Phase.BACKWARD and done.backward_at:
+                        done.by_grad = True
         # a resumed run's restored steps ran in another process: weights bad at its first
         # step came with what it loaded (a checkpoint), not from an update seen here
         first = not self.history or self.history[-1].step < self._resumed_at
@@ -7246,6 +7255,7 @@ class Watcher:
         if ev is None:
             return None
         ev.backward_at = _frames.user_line()[0]
+        ev.by_grad = ops._by_grad(sys._getframe()) or self._grads_by_grad()
         if ev.cause is not None:
             ev.cause.path = ev.path
         return ev
@@ -7753,9 +7763,11 @@ class Watcher:
         names, events = self._graph_evidence(loss, logs)
         source, _ = self._loss_site() if self._late else _frames.user_line()
         via = self._backward_via  # a helper of the user's that ran backward(): its caller
+        by_grad = ops._by_grad(sys._getframe()) or self._grads_by_grad()
         for ev in events:
             ev.path = LOSS_PATH
             ev.backward_at = source
+            ev.by_grad = by_grad
         self._trace.ops.extend(events)
         data: dict[str, Any] = {"ops": names[:32], "logs": logs[:8]}
         if not anomaly.record.stat or not anomaly.record.stat.finite:
@@ -7787,7 +7799,8 @@ class Watcher:
                 anomaly.summary = f"{base} (backward by Lightning, called from {source}{hint})"
             else:
                 via = f", in {via}" if via else ""
-                anomaly.summary = f"{base} (loss.backward() at {source}{via}{hint})"
+                call = "torch.autograd.grad(loss, ...)" if by_grad else "loss.backward()"
+                anomaly.summary = f"{base} ({call} at {source}{via}{hint})"
         anomaly.summary = summarize(anomaly)
 
     def _note_zero_params(self, loss: torch.Tensor) -> None:
@@ -10065,6 +10078,7 @@ def _place(
     always ``backward_at``."""
     ev.source, ev.code = line if line[0] is not None else site
     ev.backward_at = site[0]
+    ev.by_grad = ops._by_grad(sys._getframe())
 
 
 def _node_event(
