@@ -10,6 +10,7 @@ import math
 import re
 import textwrap
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from nanwatch.localize import (
     HALF_DTYPES,
@@ -154,6 +155,10 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
     norms = [] if target else _norms_reached(ctx, rec)
     if norms:
         data_fix += "\n" + _restore_norms(norms)
+    rooted = None if target else _rooted_input(ctx, call, rec.role)
+    if rooted is not None:
+        yield _rooted_input_diagnosis(ctx, evidence, rooted)
+        return
     if a.origin == "data-or-code":
         yield _data_or_code(ctx, evidence, what, data_fix)
         return
@@ -200,6 +205,196 @@ def _data_or_code(ctx: RuleContext, evidence: list[str], what: str, data_fix: st
             "there: x / s.clamp_min(1e-6)\n"
             f"# if the data is bad:\n{data_fix}"
         ),
+    )
+
+
+#: the calls whose argument has a restricted domain (NaN for a negative value, -inf at 0)
+_ROOTS_AND_LOGS = frozenset({"sqrt", "rsqrt", "log", "log2", "log10"})
+#: calls that only select or reshape a table's values
+_SELECTS = frozenset({"view", "reshape", "unsqueeze", "squeeze", "expand", "to", "float"})
+
+
+@dataclass(frozen=True)
+class _RootedInput:
+    """A root input the user's line passes by a name assigned just above, from a sqrt or a
+    log (``xt = ab.sqrt() * x0 + ...``): computed in the step, not loaded."""
+
+    name: str  #: ``xt``
+    stmt: str  #: ``xt = ab.sqrt() * x0 + (1 - ab).sqrt() * noise``
+    at: str  #: ``train.py:41``
+    calls: tuple[str, ...]  #: ``("ab.sqrt()", "(1 - ab).sqrt()")``
+    ops: tuple[str, ...]  #: ``("sqrt",)``
+    #: (statement, its line, the table read) when a root's operand is a name assigned by
+    #: indexing a table: ``ab = alpha_bar[t][:, None]`` reads ``alpha_bar``
+    table: tuple[str, str, str] | None
+
+
+def _domain_calls(node: ast.AST) -> list[tuple[ast.Call, str, ast.expr]]:
+    """The sqrt/log calls in ``node``: (the call, the op, its operand)."""
+    out: list[tuple[ast.Call, str, ast.expr]] = []
+    for c in ast.walk(node):
+        if not isinstance(c, ast.Call) or not isinstance(c.func, (ast.Attribute, ast.Name)):
+            continue
+        op = c.func.attr if isinstance(c.func, ast.Attribute) else c.func.id
+        if op not in _ROOTS_AND_LOGS:
+            continue
+        if isinstance(c.func, ast.Attribute) and not c.args and not c.keywords:
+            out.append((c, op, c.func.value))  # x.sqrt()
+        elif c.args:  # torch.sqrt(x)
+            out.append((c, op, c.args[0]))
+    return out
+
+
+def _table_read(lines: list[str], line: int, name: str) -> tuple[str, str, str] | None:
+    """(the statement, its line number, the table) when ``name`` is assigned above ``line``
+    by indexing a tensor, through views: ``ab = alpha_bar[t][:, None]``."""
+    for i in range(line - 2, max(-1, line - 42), -1):
+        text = lines[i].strip()
+        if not re.match(rf"{re.escape(name)}\s*=[^=]", text):
+            continue
+        try:
+            stmt = ast.parse(text).body[0]
+        except (SyntaxError, IndexError):
+            return None
+        if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+            return None
+        node, seen = stmt.value, False
+        while True:
+            if isinstance(node, ast.Subscript):
+                seen, node = True, node.value
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _SELECTS
+            ):
+                node = node.func.value
+            else:
+                break
+        if not seen or not isinstance(node, (ast.Name, ast.Attribute)):
+            return None
+        return text, str(i + 1), ast.unparse(node)
+    return None
+
+
+def _rooted_input(ctx: RuleContext, call: Call | None, role: str) -> _RootedInput | None:
+    """The bad root input ``role``, when the user's line passes it by a name that a
+    statement just above assigns with a sqrt or a log (see :class:`_RootedInput`); read
+    from the source file, None when it cannot be read or shows none."""
+    root = call
+    while root is not None and not root.root and root.parent is not None:
+        root = ctx.trace.call(root.parent)
+    if root is None:
+        return None
+    note = next((n for n in ctx.trace.notes if n.kind == "call_site" and n.path == root.path), None)
+    if note is None or not note.source:
+        return None
+    path, _, num = note.source.rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    lines = linecache.getlines(path)
+    line = int(num)
+    names = {_site_arg(note.data, role)}
+    code = note.data.get("code")
+    if note.data.get("callee") is None and isinstance(code, str):
+        # read after the call returned (its frame gone): the name the line calls the root
+        # by is not known; any call on the line whose argument is a name assigned with a
+        # sqrt or a log, when one alone is
+        try:
+            calls = [c for c in ast.walk(ast.parse(code.strip())) if isinstance(c, ast.Call)]
+        except SyntaxError:
+            calls = []
+        names = {_site_arg({**note.data, "callee": ast.unparse(c.func)}, role) for c in calls}
+    picked: list[tuple[str, list[tuple[ast.Call, str, ast.expr]]]] = []
+    for name in names:
+        made = _assigned_above(lines, line, name) if name and name.isidentifier() else None
+        found = _domain_calls(made) if made is not None else []
+        if found and name:
+            picked.append((name, found))
+    if len(picked) != 1:
+        return None
+    name, found = picked[0]
+    at = next(
+        (
+            i + 1
+            for i in range(line - 2, -1, -1)
+            if re.match(rf"{re.escape(name)}\s*=[^=]", lines[i].strip())
+        ),
+        None,
+    )
+    if at is None:
+        return None
+    operands = {ast.unparse(x) for _, _, x in found}
+    bases = sorted({n.id for _, _, x in found for n in ast.walk(x) if isinstance(n, ast.Name)})
+    table = _table_read(lines, at, bases[0]) if len(bases) == 1 and bases[0] in operands else None
+    return _RootedInput(
+        name,
+        lines[at - 1].strip(),
+        f"{path}:{at}",
+        tuple(dict.fromkeys(ast.unparse(c) for c, _, _ in found)),
+        tuple(dict.fromkeys(op for _, op, _ in found)),
+        table,
+    )
+
+
+def _rooted_input_diagnosis(ctx: RuleContext, evidence: list[str], r: _RootedInput) -> Diagnosis:
+    """NW401 for a root input the user's code computed in the step with a sqrt or a log:
+    which line, and the table the root's operand was read from; the data is not blamed."""
+    a = ctx.anomaly
+    assert a is not None
+    ops = " and ".join(r.ops)
+    calls = ", ".join(r.calls)
+    lines = [
+        *evidence,
+        f"{r.name} is not the batch as loaded: your code computed it at {r.at}: {r.stmt} "
+        f"-- with {calls}; {ops} of a negative value is NaN"
+        + (", of 0 is -inf" if any(o.startswith("log") for o in r.ops) else ""),
+    ]
+    if r.table is not None:
+        stmt, num, table = r.table
+        path = r.at.rpartition(":")[0]
+        lines.append(
+            f"{stmt} (at {path}:{num}) reads {table} by index: a bad entry spreads to every "
+            "sample that picks it"
+        )
+    where = r.table[2] if r.table is not None else None
+    check = where or next(iter(r.calls)).rsplit(".", 1)[0]
+    fix = [
+        f"assert ({check} >= 0).all(), {check}.min()   # "
+        + (
+            f"right where {where} is built: the {ops} of a negative entry is NaN"
+            if where
+            else f"before {r.stmt.split('=', 1)[0].strip()} = ...: the {ops} of a negative "
+            "value is NaN"
+        ),
+        f"# then fix the formula that builds {where}, not this line"
+        if where
+        else "# then fix the code that makes it negative",
+        f"# {untraced_hint(ctx)}",
+    ]
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title=f"NaN in an input your code computed with {ops}",
+        evidence=lines,
+        explanation=(
+            f"The NaN was in {r.name} when {a.path} was called, and every layer after it only "
+            f"passed it on. {r.name} is computed by your code in this step, with {ops}, which "
+            "is NaN for a negative value"
+            + (
+                f"; what the {ops} is taken of is read from {where}"
+                + (
+                    f", and {r.name} has no autograd history: {where} is a constant your "
+                    "code built (a schedule, a table), nothing is learned there, and a clamp "
+                    "would only hide the wrong entries"
+                    if a.record.grad_fn is None
+                    else ""
+                )
+                if where
+                else ""
+            )
+            + ". This mode does not trace ops outside the modules, so the values are not "
+            "measured: the check below, or forensic mode, shows them."
+        ),
+        fix="\n".join(fix),
     )
 
 

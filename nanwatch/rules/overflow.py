@@ -1938,6 +1938,26 @@ def _from_op(
                 f"{by_hand}   # 1 / (1 + exp(-x)) is torch.sigmoid(x): same values, no "
                 "overflow, a finite gradient"
             )
+        if kind == "exp" and first and not cplx and not result_only and by_hand is None:
+            # its argument unkept (watch, sentinel): the recorded output it is; inputs far
+            # past a unit scale: the data, not the weights, put it past the bound
+            made = _exp_producer(ctx, ev, lim) if x is None else None
+            if made is not None:
+                evidence.append(_producer_line(made))
+                if not ev.code:  # the template's x: say which tensor it is
+                    head, sep, rest = fix.partition("\n")
+                    fix = f"{head}   # x: {made.path}'s {made.role}{sep}{rest}"
+            # not an exp of a weight itself (a log-scale parameter): the data does not reach it
+            own = bool(ev.params) or ev.made_from[:1] == ["leaf"]
+            unscaled = None if own else _unscaled_input(ctx)
+            if unscaled is not None:
+                evidence = [
+                    e.replace("the initial weights or the inputs put it there", "the inputs did")
+                    for e in evidence
+                ]
+                evidence.append(unscaled.line())
+                explanation = _explain_unscaled(unscaled, dtype, lim, made)
+                fix = f"{unscaled.fix()}\n# and only as a guard: {fix}"
         big_step = (
             _oversized_update(ctx, ctx.history[-1])
             if kind == "exp" and not cplx and not first and not cause and ctx.history
@@ -5088,6 +5108,124 @@ def _grown_inside(ctx: RuleContext, big: float) -> float | None:
         return None
     top = max(mags)
     return top if top * _GREW_INSIDE <= big else None
+
+
+#: the largest |x| of inputs on a unit scale (standardized features, pixels in [0, 1]):
+#: data past it by this much was not normalized
+_UNIT_SCALE = 20.0
+
+
+@dataclass(frozen=True)
+class _UnscaledInput:
+    """At the first step, an exp whose argument passed its bound, and the model's input on
+    far more than a unit scale (raw pixel values, unstandardized features)."""
+
+    role: str  #: ``input[0]``
+    low: float
+    high: float
+
+    @property
+    def top(self) -> float:
+        return max(abs(self.low), abs(self.high))
+
+    def line(self) -> str:
+        return (
+            f"the model's {self.role} spans [{fmt(self.low)}, {fmt(self.high)}]: inputs "
+            f"{fmt(self.top)} times the unit scale a freshly initialized layer keeps (|x| "
+            "about 1); its outputs start that large too"
+        )
+
+    def fix(self) -> str:
+        whole = self.low >= 0 and self.high == int(self.high) and self.high > 1
+        if whole:
+            return (
+                f"x = x / {int(self.high)}   # the inputs span [{fmt(self.low)}, "
+                f"{fmt(self.high)}]: scale them to [0, 1] where the data is loaded (or "
+                "transforms.Normalize(mean, std))"
+            )
+        return (
+            "x = (x - x_mean) / x_std   # standardize the inputs where the data is loaded "
+            "(mean and std of the training inputs; transforms.Normalize for images)"
+        )
+
+
+def _unscaled_input(ctx: RuleContext) -> _UnscaledInput | None:
+    """At the first step, the model's floating-point input of largest |x| when that is past
+    :data:`_UNIT_SCALE` (all inputs known and finite); None otherwise."""
+    if not _first_step(ctx):
+        return None
+    root = model_call(ctx.trace)
+    if root is None:
+        return None
+    best: tuple[str, TensorStat] | None = None
+    for r in ctx.trace.inputs_of(root.id):
+        m = ctx.trace.resolve(r)
+        if m.stat is None or limits(m.dtype) is None:
+            continue
+        if not math.isfinite(m.stat.magnitude):
+            return None
+        if best is None or m.stat.magnitude > best[1].magnitude:
+            best = (r.role, m.stat)
+    if best is None or best[1].magnitude <= _UNIT_SCALE:
+        return None
+    return _UnscaledInput(best[0], best[1].min, best[1].max)
+
+
+def _explain_unscaled(u: _UnscaledInput, dtype: str, lim: DtypeLimits, made: Record | None) -> str:
+    """Why an exp overflowed at the first step from inputs that were not normalized."""
+    arg = f"{made.path}'s output" if made is not None else "exp's argument"
+    return (
+        f"The model's inputs were not normalized: they reach |x| = {fmt(u.top)}, where a "
+        "network's layers are initialized for inputs of about unit scale. Before any update "
+        f"the layers carried that scale through, {arg} passed {fmt(lim.exp_bound)} and exp "
+        f"of it overflowed {dtype} ({fmt(lim.max)}). Scale the inputs where the data is "
+        "loaded; a clamp of the exponent only hides it."
+    )
+
+
+def _exp_producer(ctx: RuleContext, ev: OpEvent, lim: DtypeLimits) -> Record | None:
+    """An exp whose argument autograd did not keep (its backward saves the result): the
+    recorded module output that is that argument -- of exp's size and dtype, made by the
+    op the graph names below the exp, past exp's bound, and whose min is the log of the
+    result's min (exp is monotonic). The innermost module's record when one tensor was
+    recorded by several (a child's output the model returns); None unless one matches."""
+    out = ev.output
+    if ev.inputs or not ev.made_from or math.isnan(out.min) or out.min <= 0:
+        return None
+    # every result inf: every argument is past the bound
+    arg_min = math.log(out.min) if out.min < math.inf else math.inf
+    below = ev.made_from[0].removeprefix("watched:")
+    found: list[Record] = []
+    for r in ctx.trace.records:
+        s = r.stat
+        if (
+            r.phase is not Phase.FORWARD
+            or s is None
+            or s.numel != out.numel
+            or r.dtype != ev.dtype
+            or (r.grad_fn or "").split("Backward")[0].lower() != below
+            or not (lim.exp_bound < s.max < math.inf)
+            or (
+                s.min <= lim.exp_bound
+                if arg_min == math.inf
+                else abs(s.min - arg_min) > 1e-3 * max(1.0, abs(arg_min))
+            )
+        ):
+            continue
+        found.append(r)
+    if not found or any((r.stat, r.grad_fn) != (found[0].stat, found[0].grad_fn) for r in found):
+        return None
+    return found[0]  # recorded first: the innermost call finishes first
+
+
+def _producer_line(rec: Record) -> str:
+    s = rec.stat
+    assert s is not None
+    kind = f" ({rec.module_type})" if rec.module_type else ""
+    return (
+        f"exp's argument is {rec.path}'s {rec.role}{kind}: min {fmt(s.min)}, max "
+        f"{fmt(s.max)} ({count(s.numel, 'value')})"
+    )
 
 
 def _inside_cause(ctx: RuleContext, small: float) -> str:
