@@ -248,32 +248,25 @@ def _domain_calls(node: ast.AST) -> list[tuple[ast.Call, str, ast.expr]]:
 def _table_read(lines: list[str], line: int, name: str) -> tuple[str, str, str] | None:
     """(the statement, its line number, the table) when ``name`` is assigned above ``line``
     by indexing a tensor, through views: ``ab = alpha_bar[t][:, None]``."""
-    for i in range(line - 2, max(-1, line - 42), -1):
-        text = lines[i].strip()
-        if not re.match(rf"{re.escape(name)}\s*=[^=]", text):
-            continue
-        try:
-            stmt = ast.parse(text).body[0]
-        except (SyntaxError, IndexError):
-            return None
-        if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
-            return None
-        node, seen = stmt.value, False
-        while True:
-            if isinstance(node, ast.Subscript):
-                seen, node = True, node.value
-            elif (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in _SELECTS
-            ):
-                node = node.func.value
-            else:
-                break
-        if not seen or not isinstance(node, (ast.Name, ast.Attribute)):
-            return None
-        return text, str(i + 1), ast.unparse(node)
-    return None
+    found = _assignment_above(lines, line, name)
+    if found is None:
+        return None
+    i, node = found
+    seen = False
+    while True:
+        if isinstance(node, ast.Subscript):
+            seen, node = True, node.value
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _SELECTS
+        ):
+            node = node.func.value
+        else:
+            break
+    if not seen or not isinstance(node, (ast.Name, ast.Attribute)):
+        return None
+    return lines[i].strip(), str(i + 1), ast.unparse(node)
 
 
 def _rooted_input(ctx: RuleContext, call: Call | None, role: str) -> _RootedInput | None:
@@ -1403,6 +1396,16 @@ def _log_ratios(node: ast.AST) -> list[tuple[str, str]]:
 
 def _assigned_above(lines: list[str], line: int, name: str, reach: int = 40) -> ast.expr | None:
     """The value last assigned to ``name`` on a line above ``line`` (one statement a line)."""
+    found = _assignment_above(lines, line, name, reach)
+    return found[1] if found is not None else None
+
+
+def _assignment_above(
+    lines: list[str], line: int, name: str, reach: int = 40
+) -> tuple[int, ast.expr] | None:
+    """(the line's index in ``lines``, the value) of the last single-target assignment to
+    ``name`` on a line above ``line`` (one statement a line); None when the nearest
+    statement that assigns it is another kind, or none does within ``reach`` lines."""
     for i in range(line - 2, max(-1, line - 2 - reach), -1):
         text = lines[i].strip()
         if not re.match(rf"{re.escape(name)}\s*=[^=]", text):
@@ -1412,7 +1415,7 @@ def _assigned_above(lines: list[str], line: int, name: str, reach: int = 40) -> 
         except (SyntaxError, IndexError):
             return None
         if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-            return stmt.value
+            return i, stmt.value
         return None
     return None
 

@@ -13977,6 +13977,28 @@ _ROOT_COMPUTED = (
 )
 
 
+def _under_views(node: ast.expr) -> tuple[ast.expr, bool]:
+    """The expression ``node`` indexes or views (through every subscript and every call of
+    a view or cast method, ``_VIEWS``), and whether a subscript was among them.
+
+    >>> n, indexed = _under_views(ast.parse("table[t].view(-1, 1)", mode="eval").body)
+    >>> ast.unparse(n), indexed
+    ('table', True)
+    """
+    seen = False
+    while True:
+        if isinstance(node, ast.Subscript):
+            seen, node = True, node.value
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _VIEWS
+        ):
+            node = node.func.value
+        else:
+            return node, seen
+
+
 def _raw_output(ev: OpEvent) -> bool:
     """The root's argument may be a raw prediction, which a positive parameterization
     fixes: true unless the user's line shows it computed by arithmetic -- on the line
@@ -13993,17 +14015,7 @@ def _raw_output(ev: OpEvent) -> bool:
         node: ast.expr = ast.parse(arg.strip(), mode="eval").body
     except SyntaxError:
         return True
-    while True:  # through views and casts: delta[:, 1:], v.float(), v.squeeze(-1)
-        if isinstance(node, ast.Subscript):
-            node = node.value
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in _VIEWS
-        ):
-            node = node.func.value
-        else:
-            break
+    node, _ = _under_views(node)  # delta[:, 1:], v.float(), v.squeeze(-1)
     if isinstance(node, ast.BinOp):
         return False
     if not isinstance(node, ast.Name):
@@ -14143,18 +14155,7 @@ def _constant_read(ev: OpEvent) -> tuple[str, str] | None:
         node: ast.expr = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
     except (SyntaxError, IndexError):
         return None
-    seen = False
-    while True:  # through indexing and views: alpha_bar[t][:, None], table[t].view(-1, 1)
-        if isinstance(node, ast.Subscript):
-            seen, node = True, node.value
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in _VIEWS
-        ):
-            node = node.func.value
-        else:
-            break
+    node, seen = _under_views(node)  # alpha_bar[t][:, None], table[t].view(-1, 1)
     if not seen or not isinstance(node, (ast.Name, ast.Attribute)):
         return None
     return made.strip(), ast.unparse(node)
