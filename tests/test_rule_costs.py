@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from collections import deque
 
 import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
 
+import nanwatch
 from nanwatch.config import Thresholds
 from nanwatch.records import StepTrace
-from nanwatch.rules import base
+from nanwatch.rules import base, gradients
 from nanwatch.rules.gradients import _window_mins
 
 
@@ -79,3 +84,47 @@ def test_a_dropped_step_is_not_kept_alive() -> None:
         assert held == []  # steps are named by id and number in the carried value
     finally:
         base._prune_memo(StepTrace(step=-1), [])
+
+
+class _HalfDead(nn.Module):
+    """A head whose first layer is multiplied by 0: its gradients are exactly 0 every step
+    (NW304, a dead layer), while the rest trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dead = nn.Linear(4, 4)
+        self.live = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dead(x) * 0.0 + self.live(x)
+
+
+def test_a_layer_dead_for_the_whole_history_is_not_looked_up_in_every_step_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # NW304 asks, every step, for the last step the dead layer moved: that scan walked every
+    # record of every step of the history each time (a step's cost grew with the history)
+    computed: dict[int, int] = {}
+    inner = gradients._moving_paths
+
+    def counted(trace: StepTrace) -> frozenset[str]:
+        computed[trace.step] = computed.get(trace.step, 0) + 1
+        return inner(trace)
+
+    monkeypatch.setattr(gradients, "_moving_paths", counted)
+    torch.manual_seed(0)
+    model = _HalfDead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    steps = 24
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.watch(model, mode="watch") as nw:
+            for _ in range(steps):
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                nw.step()
+    assert any(d.code == "NW304" for d in nw.report.diagnoses)  # the scan ran
+    assert len(computed) >= steps // 2
+    assert max(computed.values()) <= 2  # once as the current step, at most once as history

@@ -7160,16 +7160,24 @@ def _relu_variance(trace: StepTrace) -> tuple[str, str] | None:
 _JOLT = 10.0
 
 
-def _moving(trace: StepTrace, paths: set[str]) -> bool:
-    """A parameter of ``paths`` got a non-zero, finite gradient this step."""
-    return any(
-        r.phase is Phase.GRADIENT
-        and r.path in paths
+def _moving_paths(trace: StepTrace) -> frozenset[str]:
+    """The modules with a parameter that got a non-zero, finite gradient this step."""
+    return frozenset(
+        r.path
+        for r in trace.records
+        if r.phase is Phase.GRADIENT
         and r.stat is not None
         and r.stat.finite
         and (r.stat.min < 0 or r.stat.max > 0 or (r.stat.norm or 0.0) > 0)
-        for r in trace.records
     )
+
+
+def _moving(ctx: RuleContext, trace: StepTrace, paths: set[str]) -> bool:
+    """A parameter of ``paths`` got a non-zero, finite gradient in ``trace``. Read once a
+    step (memoized): a layer dead for the whole history is asked about every step, and
+    walking every record of every step of the history each time made a long-dead layer's
+    step cost grow with the model's size times the history's length."""
+    return not paths.isdisjoint(ctx.memo(trace, "moving_paths", _moving_paths))
 
 
 def _jolt(ctx: RuleContext, dead: set[str]) -> tuple[_Update, str, float, float] | None:
@@ -7177,7 +7185,7 @@ def _jolt(ctx: RuleContext, dead: set[str]) -> tuple[_Update, str, float, float]
     moved it by more than ``_JOLT`` in one step: the update, the parameter, about how far
     (lr × its largest gradient; lr for Adam and its kin) and that gradient. From the last
     step with a non-zero gradient in ``dead`` and its optimizer note."""
-    before = next((t for t in reversed(ctx.history) if _moving(t, dead)), None)
+    before = next((t for t in reversed(ctx.history) if _moving(ctx, t, dead)), None)
     if before is None:
         return None
     grads = {
