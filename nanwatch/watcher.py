@@ -791,6 +791,8 @@ class Watcher:
         self._forensic = self.config.mode == "forensic"
         self._infos: weakref.WeakKeyDictionary[nn.Module, _ModInfo] = weakref.WeakKeyDictionary()
         self.history: deque[StepTrace] = deque(maxlen=self.config.ring_size)
+        #: id(step) -> (step, the weights it read non-finite): see _bad_weights_of
+        self._bad_weights_cache: dict[int, tuple[StepTrace, frozenset[str]]] = {}
         #: :meth:`_read_graph`'s digests, by (module path, node type, dtype)
         self._digests: dict[tuple[str, str, str], list[dict[str, Any]] | None] = {}
         #: read late: what the risky nodes of each call's own code saved (see _kept)
@@ -5081,16 +5083,30 @@ class Watcher:
         last step did not read it so. Host-side records only; anomaly-time work."""
         since = None
         for t in reversed(self.history):
-            if not any(
-                r.phase is Phase.PARAMETER
-                and r.role == qualname
-                and r.stat is not None
-                and not r.stat.finite
-                for r in t.records
-            ):
+            if qualname not in self._bad_weights_of(t):
                 break
             since = t.step
         return since
+
+    def _bad_weights_of(self, trace: StepTrace) -> frozenset[str]:
+        """The weights a step of the history read non-finite, read from its records once:
+        a model whose weights all went NaN asks this of every weight, every step, over the
+        whole history (weights x steps x records: most of a broken run's step before)."""
+        cache = self._bad_weights_cache
+        kept = cache.get(id(trace))
+        if kept is not None and kept[0] is trace:
+            return kept[1]
+        bad = frozenset(
+            r.role
+            for r in trace.records
+            if r.phase is Phase.PARAMETER and r.stat is not None and not r.stat.finite
+        )
+        if len(cache) > 2 * (self.history.maxlen or 32):  # drop the steps the ring let go
+            live = {id(t) for t in self.history}
+            for key in [k for k in cache if k not in live]:
+                del cache[key]
+        cache[id(trace)] = (trace, bad)
+        return bad
 
     def _update_left_bad(self, param: nn.Parameter, optimizer: Any, at: tuple[int, int]) -> bool:
         """The records of step ``at[0]``, whose update by ``optimizer`` (after its first

@@ -128,3 +128,39 @@ def test_a_layer_dead_for_the_whole_history_is_not_looked_up_in_every_step_again
     assert any(d.code == "NW304" for d in nw.report.diagnoses)  # the scan ran
     assert len(computed) >= steps // 2
     assert max(computed.values()) <= 2  # once as the current step, at most once as history
+
+
+def test_a_run_whose_weights_stay_nan_reads_each_steps_bad_weights_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # every step of a run whose weights went NaN asks, of every weight, since when it has
+    # been so: each step of the history is read once, not once per weight and step
+    from nanwatch import watcher
+
+    computed: dict[int, int] = {}
+    inner = watcher.Watcher._bad_weights_of
+
+    def counted(self: watcher.Watcher, trace: StepTrace) -> frozenset[str]:
+        if self._bad_weights_cache.get(id(trace), (None,))[0] is not trace:
+            computed[trace.step] = computed.get(trace.step, 0) + 1
+        return inner(self, trace)
+
+    monkeypatch.setattr(watcher.Watcher, "_bad_weights_of", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    steps = 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with nanwatch.watch(model, mode="watch", on_anomaly="warn") as nw:
+            for i in range(steps):
+                F.mse_loss(model(bad if i == 2 else x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                nw.step()
+    assert all(not torch.isfinite(p).all() for p in model.parameters())  # broken for good
+    assert len(computed) >= steps // 2  # the history was asked about
+    assert max(computed.values()) == 1
