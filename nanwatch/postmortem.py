@@ -653,6 +653,13 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             else (cls == "other" and _function_advice(message)) or ADVICE[cls]
         ),
     }
+    if cls in {"dtype-error", "other"}:
+        try:  # the source and a local's dtype only: no device access
+            said = index_dtype_advice(exc) if cls == "dtype-error" else bool_arithmetic_advice(exc)
+        except Exception:  # the user's exception matters more than ours
+            said = None
+        if said is not None:
+            info["advice"] = said
     if cls == "view-layout":
         try:  # the source and a tensor's shape and layout only: no device access
             said = view_advice(exc)
@@ -1414,6 +1421,149 @@ def view_advice(exc: BaseException) -> str | None:
     )
 
 
+#: torch's error for an index tensor of a floating dtype, by the op: ``gather(): Expected
+#: dtype int32/int64 for index``, ``torch.take_along_dim(): dtype of indices should be Long``
+_INDEX_DTYPE = re.compile(
+    r"(?P<op>\w+)\(\): (?:Expected dtype int32(?:/| or )int64 for index"
+    r"|dtype of indices should be Long)"
+)
+#: ops that take an index tensor, and its place among a method call's positional arguments
+#: (one more in the torch.op(input, ...) form) and its keyword
+_INDEX_ARG = {
+    "gather": (1, "index"),
+    "scatter": (1, "index"),
+    "scatter_add": (1, "index"),
+    "scatter_reduce": (1, "index"),
+    "index_select": (1, "index"),
+    "index_add": (1, "index"),
+    "index_copy": (1, "index"),
+    "index_fill": (1, "index"),
+    "take_along_dim": (0, "indices"),
+}
+
+
+def index_dtype_advice(exc: BaseException) -> str | None:
+    """Advice for an index tensor of a floating dtype given to an op that takes integer
+    indices (``q.gather(1, a)`` with actions or labels kept in a float buffer): the user's
+    line with the index cast, ``a.long()``, from the traceback's innermost user frame and
+    its source. None for another error, or when the call is not found on that line.
+    """
+    import ast
+
+    from nanwatch import _frames
+
+    m = _INDEX_DTYPE.search(str(exc))
+    if m is None:
+        return None
+    op = m["op"].rstrip("_")
+    tb, user = exc.__traceback__, None
+    while tb is not None:
+        if not _frames.is_internal(tb.tb_frame.f_code.co_filename):
+            user = tb
+        tb = tb.tb_next
+    if user is None:
+        return None
+    frame, lineno = user.tb_frame, user.tb_lineno
+    where, line = _frames.describe_line(frame.f_code.co_filename, lineno)
+    if line is None or op not in _INDEX_ARG:
+        return None
+    text = line.strip()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    place, key = _INDEX_ARG[op]
+    found: list[tuple[ast.Call, ast.expr]] = []
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Attribute):
+            continue
+        if call.func.attr.rstrip("_") != op:
+            continue
+        module = ast.unparse(call.func.value) == "torch"
+        kw = {k.arg: k.value for k in call.keywords if k.arg}
+        at = place + 1 if module else place
+        index = kw.get(key, call.args[at] if len(call.args) > at else None)
+        if index is not None:
+            found.append((call, index))
+    if len(found) != 1:
+        return None
+    call, index = found[0]
+    seg = ast.get_source_segment(text, index) or ast.unparse(index)
+    cast = (
+        seg
+        if isinstance(index, ast.Name | ast.Attribute | ast.Call | ast.Subscript)
+        else (f"({seg})")
+    )
+    fixed = (
+        text[: index.col_offset] + f"{cast}.long()" + text[index.end_col_offset :]
+        if index.end_col_offset is not None
+        else None
+    )
+    if fixed is None:
+        return None
+    return (
+        f"{ast.get_source_segment(text, call)} at {where} raised: its index {seg} is a "
+        "floating-point tensor, and an index must be an integer (int64) tensor. Indices "
+        "kept in a float buffer (actions or labels stored in a torch.zeros(...) replay "
+        "buffer or a numpy float array) come back as floats. Cast where it indexes: "
+        f"{fixed}, or store them as integers (torch.zeros(n, dtype=torch.long))."
+    )
+
+
+def bool_arithmetic_advice(exc: BaseException) -> str | None:
+    """Advice for a subtraction with a bool tensor (``1 - done`` on a bool done flag): the
+    user's line with that operand cast to the other operand's kind, ``done.float()``, and
+    ``~done`` for a mask. The operand is found on the raising line as a local variable (or
+    an index of one) whose dtype is bool: a dtype, no device access. None otherwise."""
+    import ast
+
+    import torch
+
+    from nanwatch import _frames
+
+    if "Subtraction, the `-` operator, with a bool tensor" not in str(exc):
+        return None
+    tb, user = exc.__traceback__, None
+    while tb is not None:
+        if not _frames.is_internal(tb.tb_frame.f_code.co_filename):
+            user = tb
+        tb = tb.tb_next
+    if user is None:
+        return None
+    frame, lineno = user.tb_frame, user.tb_lineno
+    where, line = _frames.describe_line(frame.f_code.co_filename, lineno)
+    if line is None:
+        return None
+    text = line.strip()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+
+    def is_bool(node: ast.expr) -> bool:
+        base = node.value if isinstance(node, ast.Subscript) else node
+        t = frame.f_locals.get(base.id) if isinstance(base, ast.Name) else None
+        return isinstance(t, torch.Tensor) and t.dtype is torch.bool
+
+    hits = [
+        (n, side)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub)
+        for side in (n.left, n.right)
+        if isinstance(side, ast.Name | ast.Subscript) and is_bool(side)
+    ]
+    if len(hits) != 1 or hits[0][1].end_col_offset is None:
+        return None
+    sub, side = hits[0]
+    seg = ast.get_source_segment(text, side) or ast.unparse(side)
+    fixed = text[: side.col_offset] + f"{seg}.float()" + text[side.end_col_offset :]
+    return (
+        f"{ast.get_source_segment(text, sub)} at {where} raised: {seg} is a bool tensor, "
+        "and torch does not subtract bools (a done or mask flag stored as bool). For a "
+        f"number (a not-done factor of 0 or 1): {fixed}; for a mask, ~{seg}."
+    )
+
+
 def _span_text(code: Any, lasti: int, lineno: int) -> str | None:
     """The source of the expression ``code`` was running at instruction ``lasti``, when it
     lies on line ``lineno`` alone (Python 3.11's instruction positions)."""
@@ -1543,7 +1693,9 @@ def _function_advice(message: str) -> str | None:
 
 _CONSTRAINT = re.compile(
     r"Expected parameter (?P<param>\w+) .*?of distribution (?P<dist>\w+)"
-    r".*?to satisfy the constraint (?P<constraint>[^,]*?(?:\([^)]*\))?), but found invalid values",
+    # the constraint's repr nests one level: IndependentConstraint(Real(), 1)
+    r".*?to satisfy the constraint (?P<constraint>\w+(?:\((?:[^()]|\([^()]*\))*\))?), "
+    r"but found invalid values",
     re.DOTALL,
 )
 #: a distribution parameter that is a scale: positive by construction
@@ -1606,6 +1758,51 @@ def _made_by_node(values: str) -> str:
     return m[1] if m else ""
 
 
+def _nan_rows(values: str) -> list[int]:
+    """The rows of a 2-d tensor as torch printed it that hold NaN in every entry
+    (``[nan, nan, nan]``); [] when it printed no such row, or summarized the rows
+    (``...``), whose printed place is then not their index.
+
+    >>> _nan_rows("tensor([[-0.5, -1.0],\\n        [nan, nan]])")
+    [1]
+    """
+    text = values.lstrip(": \n")  # what follows torch's "found invalid values:"
+    if not text.startswith("tensor([[") or text.startswith("tensor([[[") or "..." in text:
+        return []
+    rows = re.findall(r"\[([^\[\]]*)\]", text)
+    return [
+        i
+        for i, row in enumerate(rows)
+        if (cells := [c.strip() for c in row.split(",") if c.strip()])
+        and all(c == "nan" for c in cells)
+    ]
+
+
+def _normalized_logits_advice(values: str) -> str:
+    """Why the normalized logits of a Categorical (OneHotCategorical, Multinomial) are NaN:
+    torch normalizes them along the last dimension, ``logits - logits.logsumexp(-1)``,
+    which is NaN for a row that is -inf in every entry (every action masked), and for a
+    row holding +inf or NaN. ``values``: the tensor as torch printed it."""
+    rows = _nan_rows(values)
+    said = (
+        f" (row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows[:8]))}"
+        f"{' ...' if len(rows) > 8 else ''} of the printed values)"
+        if rows
+        else ""
+    )
+    return (
+        f"the logits it keeps are normalized, logits - logits.logsumexp(-1, keepdim=True), "
+        f"and they hold NaN{said}. A row whose every entry is -inf -- a state whose every "
+        "action is masked, or a mask combined with another that leaves nothing -- gives "
+        "-inf - (-inf) = NaN there; so do a +inf logit and a NaN already in the logits. "
+        "Mask with the dtype's most negative finite value instead of -inf, "
+        "logits.masked_fill(~legal, torch.finfo(logits.dtype).min) (a row with every "
+        "action masked becomes uniform, not NaN), and keep states with no legal action out "
+        "of the loss (legal.any(-1)); a NaN or +inf the model made is named where it went "
+        "wrong."
+    )
+
+
 def _constraint_advice(message: str) -> str:
     """ADVICE for a torch.distributions constraint error, led by the parameter it names
     (``Expected parameter scale (...) of distribution Normal(...) to satisfy the constraint
@@ -1617,6 +1814,8 @@ def _constraint_advice(message: str) -> str:
     values = message[m.end() :]
     nan = re.search(r"\bnan\b", values) is not None
     head = f"{dist}'s parameter {param} does not satisfy {constraint}"
+    if param == "logits" and constraint.startswith("IndependentConstraint(Real()"):
+        return f"{head}: {_normalized_logits_advice(values)}"
     if nan:
         return (
             f"{head}: it holds NaN, which no constraint accepts. The NaN was made before the "

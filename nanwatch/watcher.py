@@ -8327,7 +8327,7 @@ class Watcher:
                 said = self._rnn_layout_advice(exc)
                 if said is not None:
                     info["advice"] = said
-            if info.get("class") == "dtype-error":
+            if info.get("class") == "dtype-error" and not postmortem.index_dtype_advice(exc):
                 said = _dtype_advice(exc, self._infos, self._is_model_input)
                 if said is not None:
                     info["advice"] = said

@@ -933,6 +933,15 @@ def _bad_functional_target(ctx: RuleContext, path: str | None = None) -> Iterato
             "prediction (an elementwise loss's gradient is non-finite exactly where its "
             "target is)"
         )
+    told = n.data.get("target_nonfinite")
+    shape = n.data.get("target_shape")
+    numel = math.prod(shape) if isinstance(shape, list) else None
+    if counted is None and isinstance(told, (int, float)) and numel and 0 < told < numel:
+        # counted by the loss's guard, while the target was at hand
+        evidence.append(
+            f"{int(told):,} of its {numel:,} values {'is' if told == 1 else 'are'} non-finite, "
+            "the others finite"
+        )
     if len(bad) > 1:
         evidence.append(f"{len(bad) - 1} more loss call(s) this step got a non-finite target")
     fields = anomaly_fields(a)
@@ -999,18 +1008,29 @@ def _bad_functional_target(ctx: RuleContext, path: str | None = None) -> Iterato
         cause = (
             "Targets made in the training loop or read from the data are the usual "
             "source: a missing reading or label parsed as NaN, a standardization by a "
-            "batch's standard deviation that is 0 (every target equal), a corrupted file."
+            "batch's standard deviation that is 0 (every target equal), a corrupted file; "
+            "a target computed from other tensors (a bootstrapped r + gamma * next_value) "
+            "carries a NaN of any of them and makes one of 0 × inf (mode='forensic' names "
+            "that op)."
         )
+        computed = _target_operands(n, where, y, kinds)
+        if computed is not None:
+            evidence.append(computed)
         some = (
             counted is not None
             and (counted.nan if counted.nan is not None else counted.nonfinite or 0) < counted.numel
+        ) or (
+            counted is None
+            and isinstance(told, (int, float))
+            and numel is not None
+            and told < numel
         )
         remedy = (
-            "print((~torch.isfinite(y)).nonzero()[:10].tolist())   # where: trace them "
+            f"print((~torch.isfinite({y})).nonzero()[:10].tolist())   # where: trace them "
             "to the data\n"
             if some
-            else "y = (y - y.mean()) / y.std().clamp_min(1e-6)   # a batch of equal targets "
-            "has std 0\n"
+            else f"{y} = ({y} - {y}.mean()) / {y}.std().clamp_min(1e-6)   # a batch of equal "
+            "targets has std 0\n"
         )
     yield ctx.diagnosis(
         **fields,
@@ -1392,6 +1412,39 @@ def _log_ratios(node: ast.AST) -> list[tuple[str, str]]:
         if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Div):
             out.append((ast.unparse(arg.left), ast.unparse(arg.right)))
     return out
+
+
+def _target_operands(
+    n: Note, where: tuple[list[str], int, ast.expr] | None, name: str, kinds: str = "NaN"
+) -> str | None:
+    """``the target is computed at train.py:31: td = r + 0.99 * q2``... when the loss's
+    target is a name that a statement above the loss line assigns from other tensors (an
+    arithmetic of two or more names): a NaN in it comes from one of them, or is made
+    there. None otherwise (a target read from the data as it is)."""
+    if where is None or _target_name(where[2]) != name:
+        return None
+    lines, line, _ = where
+    found = _assignment_above(lines, line, name)
+    if found is None:
+        return None
+    i, value = found
+    called = {id(c.func) for c in ast.walk(value) if isinstance(c, ast.Call)}
+    names = list(
+        dict.fromkeys(
+            v.id
+            for v in ast.walk(value)
+            if isinstance(v, ast.Name)
+            and id(v) not in called
+            and v.id not in ("torch", "F", "np", "math", name)
+        )
+    )
+    if len(names) < 2 or not any(isinstance(v, ast.BinOp) for v in ast.walk(value)):
+        return None
+    path = (n.source or "").rpartition(":")[0]
+    return (
+        f"the target is computed at {path}:{i + 1}: {lines[i].strip()}: the {kinds} is in "
+        f"one of {', '.join(names)}, or made there (0 × inf)"
+    )
 
 
 def _assigned_above(lines: list[str], line: int, name: str, reach: int = 40) -> ast.expr | None:

@@ -357,6 +357,11 @@ def _masked_logprob(
     ]
     if mask is not None and code_line(mask):
         evidence.append(f"the -inf came from {short_op(mask.op)} {code_line(mask)}")
+    dtype = src.dtype or "float32"
+    low = f"torch.finfo(torch.{dtype}).min"
+    own = replace_neg_inf(mask.code, low) if mask is not None else None
+    if ev is not None and inf_arithmetic(ev) == "0 × -inf":
+        return _masked_p_log_p(ctx, a, ev, evidence, own=own, low=low)
     grew = f"the NaN was born in loss code ({a.record.where})"
     if ev is not None:
         grew += f": {short_op(ev.op)} was given the -inf and made {ev.born}"
@@ -369,9 +374,6 @@ def _masked_logprob(
     )
     if ev is None:
         evidence.append(untraced_hint(ctx))
-    dtype = src.dtype or "float32"
-    low = f"torch.finfo(torch.{dtype}).min"
-    own = replace_neg_inf(mask.code, low) if mask is not None else None
     legal = "legal"
     if mask is not None and mask.code:
         m = re.search(r"masked_fill_?\(\s*~\s*([A-Za-z_][\w.]*)\s*,", mask.code)
@@ -401,6 +403,94 @@ def _masked_logprob(
         fix=fix,
         priority=20,
     )
+
+
+def _masked_p_log_p(
+    ctx: RuleContext, a: Anomaly, ev: OpEvent, evidence: list[str], *, own: str | None, low: str
+) -> Diagnosis:
+    """NaN a multiply made of a masked entry's log-probability (-inf) and a factor that is
+    0 there (its probability, exp(-inf) = 0: p * log p in an entropy or a KL written by
+    hand): no action the mask forbids was taken, so the data is not at fault (as it is
+    for a log_prob of a masked action). ``evidence``: the mask's lines so far; ``own``:
+    the mask's line with a finite fill, when known; ``low``: the dtype's finfo.min."""
+    zero = next((s for _, s in ev.inputs if s is not None and not s.has_neginf), None)
+    inf = next((s for _, s in ev.inputs if s is not None and s.has_neginf), None)
+    pair = ""
+    if zero is not None and inf is not None and isinstance(inf.neginf, int):
+        z = zero.zeros if isinstance(zero.zeros, int) else None
+        pair = f": its other factor holds {z:,} exact zero{'s' if z != 1 else ''}" if z else ""
+        pair += f" beside the {inf.neginf:,} -inf"
+    line = code_line(ev)
+    evidence.append(
+        f"{short_op(ev.op)} computed 0 × -inf = NaN in loss code ({a.record.where})"
+        + (f" {line}" if line else "")
+        + pair
+        + ": the masked entries' probability (exp(-inf) = 0) times their log-probability"
+    )
+    if line is None:
+        evidence.append(untraced_hint(ctx))
+    rewrite = _clamped_factor(ev, low)
+    fix = (
+        (
+            f"{rewrite}   # 0 × finfo.min = 0: a masked entry adds 0, with a finite gradient\n"
+            if rewrite
+            else f"p_log_p = probs * log_probs.clamp_min({low})   # 0 × finfo.min = 0: a "
+            "masked entry adds 0, with a finite gradient\n"
+        )
+        + "# or entropy = Categorical(logits=logits).entropy(), which clamps the same way\n"
+        + "# not torch.where(legal, probs * log_probs, 0.0): its backward still computes "
+        "0 × -inf\n"
+        + (
+            f"{own}   # or mask with a finite value"
+            if own
+            else f"# or mask with {low} instead of -inf"
+        )
+    )
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title="Probability times log-probability of a masked entry: 0 × -inf",
+        evidence=evidence,
+        explanation=(
+            "Masking logits with -inf gives the masked entries probability exp(-inf) = 0 and "
+            "log-probability -inf. A term that multiplies the two -- p * log p in an entropy "
+            "or a KL written by hand, a loss weighted by the policy's own probabilities -- "
+            "computes 0 × -inf = NaN at every masked entry, although no masked action was "
+            "taken: the data is fine. torch's Categorical.entropy() clamps the "
+            "log-probabilities at the dtype's most negative finite value before multiplying "
+            "for this reason."
+        ),
+        fix=fix,
+        priority=20,
+    )
+
+
+def _clamped_factor(ev: OpEvent, low: str) -> str | None:
+    """The user's statement of a multiply that computed 0 × -inf with its -inf factor
+    clamped at ``low`` (``probs * logp`` -> ``probs * logp.clamp_min(low)``), when the
+    statement holds one ``*`` and the factor is a plain name or attribute; None otherwise."""
+    code = full_statement(ev.source) if ev.source else None
+    if not code:
+        return None
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return None
+    muls = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult)]
+    if len(muls) != 1:
+        return None
+    which = next((k for k, s in ev.inputs if s is not None and s.has_neginf), None)
+    if which not in ("self", "other"):
+        return None
+    node = muls[0].left if which == "self" else muls[0].right
+    if not isinstance(node, (ast.Name, ast.Attribute)):
+        return None
+    text = ast.unparse(node)
+    setattr(
+        muls[0],
+        "left" if which == "self" else "right",
+        ast.parse(f"{text}.clamp_min({low})", mode="eval").body,
+    )
+    return ast.unparse(tree)
 
 
 def _logged_target(ctx: RuleContext) -> LoggedTarget | None:
