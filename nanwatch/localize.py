@@ -1884,6 +1884,18 @@ def localize(
                     "code outside an optimizer step (no torch.optim optimizer updated it: a "
                     "hand-written update, an EMA, a copy_)"
                 )
+            elif (
+                writer is not None
+                and writer.get("update_nan_free")
+                and trig.stat is not None
+                and trig.stat.has_nan
+                and not (trig.stat.has_posinf or trig.stat.has_neginf)
+            ):
+                by = (
+                    f"a write after the last optimizer step that autograd does not see (a "
+                    f".data write): {writer['optimizer']}'s update makes no NaN from the "
+                    "finite numbers it read"
+                )
             summary = (
                 f"{what} in the weights of {parameter}: made non-finite by {by}, not by this "
                 "step's computation"

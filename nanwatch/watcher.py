@@ -59,6 +59,7 @@ from nanwatch._compat import (
 )
 from nanwatch._domains import domain_of
 from nanwatch._structure import iter_tensors
+from nanwatch._updates import nan_free_update
 from nanwatch.config import WatchConfig
 from nanwatch.errors import (
     AnomalyError,
@@ -4979,8 +4980,9 @@ class Watcher:
                 read_by = self._read_since_update(param, path) if stepped and not after else None
                 after = after or read_by is not None
                 at_attach = self._attach_versions.get(id(param))
+                state_finite = None  # not read
                 if stepped is not None and read_by is None:
-                    self._read_optimizer_state(q, param, bad_state)
+                    state_finite = self._read_optimizer_state(q, param, bad_state)
                 # forensic: the op that wrote it outside the update, and its line
                 written = (
                     self._weight_writer_op(param, q, after=after)
@@ -5018,6 +5020,14 @@ class Watcher:
                     optimizer=stepped[0] if stepped and not after else None,
                     group=stepped[1] if stepped and not after else None,
                     after_optimizer=stepped[0] if after and stepped else None,
+                    # its optimizer state, read now: every tensor finite (True), one not
+                    # (False: the "optimizer_state" note says which), or not read (None)
+                    state_finite=state_finite,
+                    # the update that last wrote it makes no NaN from the finite numbers it
+                    # read (SGD; Adam and its kin with eps > 0 and a finite state)
+                    update_nan_free=self._update_nan_free(param, q, stepped, state_finite)
+                    if stepped and not after
+                    else False,
                     # written since the attach check found it finite, by no optimizer
                     since_attach=(
                         stepped is None and at_attach is not None and at_attach != version
@@ -5186,20 +5196,65 @@ class Watcher:
                 return ev
         return None
 
+    def _update_nan_free(
+        self,
+        param: nn.Parameter,
+        qualname: str,
+        stepped: tuple[str, int, int],
+        state_finite: bool | None,
+    ) -> bool:
+        """The optimizer update that last wrote ``param`` (``stepped``: class name, group,
+        version after) cannot have made a NaN: torch's own optimizer whose update makes
+        none from finite numbers (:func:`nanwatch._updates.nan_free_update`, on its group's
+        settings now), its state read finite, and no gradient of it recorded non-finite in
+        this step or the last, one of them read finite, and none your code wrote after
+        backward unread or non-finite (a ``"grad_written"`` note). Anomaly-time only."""
+        ref = self._stepped_by.get(id(param))
+        optimizer = ref() if ref is not None else None
+        groups = getattr(optimizer, "param_groups", None)
+        if optimizer is None or not isinstance(groups, list) or stepped[1] >= len(groups):
+            return False
+        read_finite = False  # its gradient was read, and finite
+        for t in (self._trace, *list(self.history)[-1:]):
+            for r in t.records:
+                if r.phase is Phase.GRADIENT and r.role == qualname and r.stat is not None:
+                    if r.bad:
+                        return False
+                    read_finite = True
+            for n in t.notes:  # your code replaced it after that read: what did it hold?
+                how, bad = n.data.get("how"), n.data.get("nonfinite")
+                if (
+                    n.kind == "grad_written"
+                    and isinstance(how, dict)
+                    and qualname in how
+                    and (not isinstance(bad, list) or qualname in bad)
+                ):
+                    return False
+        if not read_finite:
+            return False
+        cls = type(optimizer)
+        own = cls.__module__.startswith("torch.optim")
+        group = groups[stepped[1]]
+        if not isinstance(group, dict):
+            return False
+        return nan_free_update(cls.__name__, group, state_finite, own=own) is not None
+
     def _read_optimizer_state(
         self, qualname: str, param: nn.Parameter, out: dict[str, list[list[str]]]
-    ) -> None:
+    ) -> bool | None:
         """The non-finite tensors of the optimizer state of ``param`` (a weight found
         non-finite), as ``[qualname, key]`` pairs under the optimizer's class name in
-        ``out``: a NaN in ``exp_avg_sq`` (a resumed checkpoint) makes every update NaN."""
+        ``out``: a NaN in ``exp_avg_sq`` (a resumed checkpoint) makes every update NaN.
+        Returns whether every tensor of that state is finite; None when it was not found."""
         ref = self._stepped_by.get(id(param))
         optimizer = ref() if ref is not None else None
         state = getattr(optimizer, "state", None)
         if optimizer is None or state is None or not hasattr(state, "get"):
-            return
+            return None
         entry = state.get(param)
         if not isinstance(entry, dict):
-            return
+            return None
+        finite = True
         for key, value in entry.items():
             if (
                 isinstance(value, torch.Tensor)
@@ -5208,6 +5263,8 @@ class Watcher:
                 and not _finite(value.detach())
             ):
                 out.setdefault(type(optimizer).__name__, []).append([qualname, str(key)])
+                finite = False
+        return finite
 
     # ------------------------------------------------------------------ steps
     def _maybe_begin_step(self, *, trained_only: bool = False) -> None:

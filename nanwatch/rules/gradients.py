@@ -24,6 +24,8 @@ from typing import Any, Literal
 import torch
 
 from nanwatch import _frames
+from nanwatch._updates import nan_free_update
+from nanwatch._updates import numbers as _numbers
 from nanwatch.localize import hook_op, localize, user_hook
 from nanwatch.records import (
     LOSS_PATH,
@@ -1678,7 +1680,7 @@ def _plain_update(
         if clipped is not None:
             return ctx.diagnosis(**anomaly_fields(a), **clipped)
         unseen = _unseen_write(ctx, a, u, gnorm, name=name, evidence=evidence)
-        if unseen is not None:  # torch's SGD makes no NaN from finite numbers: a .data write
+        if unseen is not None:  # the update makes no NaN from finite numbers: a .data write
             return unseen
         # NaN and no inf: no value grew past the dtype, so the update's size is not the
         # cause; the update made it from finite numbers, or read it from its state
@@ -2033,6 +2035,16 @@ def _state_from_grad(
     )
 
 
+def _nan_free_update(u: _Update, writer: dict[str, Any] | None) -> str | None:
+    """What ``u``'s update is, when it cannot have made a NaN from the finite gradient it
+    applied (:func:`nanwatch._updates.nan_free_update`, on the settings its group had at
+    that update and the state read when the weight was found NaN). None otherwise."""
+    own = _optimizer_class(u.optimizer) is None
+    form = nan_free_update(u.optimizer, u.group, (writer or {}).get("state_finite"), own=own)
+    eps = _numbers(u.group.get("eps"))
+    return f"{form} (eps {hyper(eps[0])})" if form is not None and eps else form
+
+
 def _unseen_write(
     ctx: RuleContext,
     a: Anomaly,
@@ -2042,37 +2054,46 @@ def _unseen_write(
     name: str,
     evidence: list[str],
 ) -> Diagnosis | None:
-    """NW301 for a weight found NaN (no inf) after an update by torch's own SGD from a
-    finite gradient, a finite learning rate and a finite state: that update, w - lr × (g +
-    weight_decay × w + momentum × buf), has no division and no square root, and makes no
-    NaN from finite numbers. Code after ``optimizer.step()`` that moved no version counter
-    wrote it: a write through ``.data`` (``w.data /= w.data.norm(...)`` of an all-zero row).
-    None for any other optimizer, or when a number it read is not known finite."""
+    """NW301 for a weight found NaN (no inf) after an update by one of torch's optimizers
+    that make no NaN from finite numbers (:func:`_nan_free_update`: SGD, and Adam and its
+    kin with eps > 0 and a finite state), from a finite gradient and a finite learning
+    rate. Code after ``optimizer.step()`` that moved no version counter wrote it: a write
+    through ``.data`` (``w.data /= w.data.norm(...)`` of an all-zero row). None for any
+    other optimizer, or when a number it read is not known finite."""
     s = a.record.stat
     lr = _lr_of(u)
-    if u is None or u.optimizer != "SGD" or _optimizer_class("SGD") is not None:
-        return None
-    if s is None or not s.has_nan or s.has_posinf or s.has_neginf:
+    if u is None or s is None or not s.has_nan or s.has_posinf or s.has_neginf:
         return None
     if gnorm is None or not math.isfinite(gnorm) or lr is None or not math.isfinite(lr):
         return None
+    form = _nan_free_update(u, _writer(ctx, name))
+    if form is None:
+        return None
+    opt = u.optimizer
+    adaptive = opt != "SGD"
+    state = "its state, read when the NaN was found, is finite" if adaptive else "a finite state"
     return ctx.diagnosis(
         **anomaly_fields(a),
         title="Non-finite weights written outside an optimizer step",
         evidence=[
             *(e for e in evidence if not e.startswith(("its gradient norm at", "updated at"))),
-            f"SGD's update at step {u.step}, w - lr × (g + weight_decay × w + momentum × "
-            f"buf), has no division and no square root: from the finite gradient it applied "
-            f"(norm {fmt(gnorm)}), lr {hyper(lr)} and a finite state it makes no NaN",
+            f"{opt}'s update at step {u.step}, {form}: from the finite gradient it applied "
+            f"(norm {fmt(gnorm)}), lr {hyper(lr)} and {state}, it makes no NaN",
             f"{name}'s version did not move since that update: the write that made the NaN "
             "went through .data (or a tensor sharing its storage), which autograd does not see",
         ],
         explanation=(
-            f"{name} was finite when the last step's forward ran and holds NaN now, but SGD "
-            "did not write it: its update only multiplies and adds finite numbers. Code "
-            "after optimizer.step() did, through .data: a projection or a normalization of "
-            "the weights (w.data /= w.data.norm(dim=1, keepdim=True) is 0/0 = NaN on an "
-            "all-zero row), a copy from another tensor, a pruning mask."
+            f"{name} was finite when the last step's forward ran and holds NaN now, but {opt} "
+            "did not write it: its update only "
+            + (
+                "divides by numbers of at least its eps"
+                if adaptive
+                else "multiplies and adds finite numbers"
+            )
+            + ". Code after optimizer.step() did, through .data: a projection or a "
+            "normalization of the weights (w.data /= w.data.norm(dim=1, keepdim=True) is "
+            "0/0 = NaN on an all-zero row), a copy from another tensor, a pruning mask, a "
+            "manual edit."
         ),
         fix=(
             "optimizer.step()\n"
@@ -3128,14 +3149,6 @@ def _hand_update(
         explanation=explanation,
         fix=fix,
     )
-
-
-def _numbers(v: object) -> list[float]:
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return [float(v)]
-    if isinstance(v, (list, tuple)):
-        return [float(x) for x in v if isinstance(x, (int, float)) and not isinstance(x, bool)]
-    return []
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from nanwatch import _graph
+from nanwatch._updates import numbers as _numbers
 from nanwatch.localize import custom_function
 from nanwatch.records import (
     LOSS_PATH,
@@ -83,7 +84,6 @@ from nanwatch.rules.gradients import (
     _growing_averages,
     _grown_outside,
     _normalized,
-    _numbers,
     _Oversize,
     _oversized_update,
     _round_down,
