@@ -4090,6 +4090,53 @@ def graph_selections(
     return out
 
 
+def graph_emptied_rows(
+    fn: Any, *, stop: Callable[[Any], bool] | None = None, limit: int = 512
+) -> list[dict[str, Any]]:
+    """The row reductions of a loss's autograd graph (``torch.logsumexp(x, 1)``,
+    ``x.amax(1)``) whose result holds -inf: each such value is a row of ``x`` that was -inf
+    everywhere (a mask left it no entry; the log of an empty sum). A -inf a loss then
+    subtracts is +inf. What each reduced, how many of its values are -inf, and what made
+    its input (:func:`made_from`). Reads the saved result: anomaly-time work only.
+
+    >>> x = torch.zeros(3, 2, requires_grad=True)
+    >>> m = torch.tensor([[True, True], [False, True], [False, False]])
+    >>> lse = torch.logsumexp(x.masked_fill(m, -math.inf), 1)
+    >>> [(e["op"], e["rows"], e["of"], e["made_from"][0]) for e in graph_emptied_rows(lse.grad_fn)]
+    [('logsumexp', 1, 3, 'maskedfill')]
+    """
+    out: list[dict[str, Any]] = []
+    walk = GraphWalk(
+        [fn], prune=lambda n: (stop is not None and stop(n)) or accumulates_grad(n), limit=limit
+    )
+    for node in walk:
+        base = name_of(node).split("Backward")[0]
+        if base not in ("Logsumexp", "Amax"):
+            continue
+        r = _saved(node, "_saved_result")
+        if not isinstance(r, torch.Tensor) or not r.is_floating_point() or not has_values(r):
+            continue
+        try:
+            with torch.no_grad():
+                k = int((r == -math.inf).sum())
+        except Exception:  # an unusual node: no evidence from it
+            continue
+        if not k:
+            continue
+        d = _saved(node, "_saved_dim")
+        out.append(
+            {
+                "node": name_of(node),
+                "op": base.lower(),
+                "rows": k,
+                "of": int(r.numel()),
+                "dim": list(d) if isinstance(d, (list, tuple)) else d,
+                "made_from": made_from(node, stop),
+            }
+        )
+    return out
+
+
 #: ops whose output holds values of their input unchanged (a view, a pick): a watched
 #: output made by one (``torch.sigmoid(z).squeeze(1)`` returned by a model) is still what
 #: made it below, which :func:`made_from` follows with ``through``

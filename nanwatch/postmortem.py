@@ -98,6 +98,14 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("python-overflow", ("math range error", "Numerical result out of range")),
     (
+        "empty-reduction",  # min/max (amax, argmax, kthvalue) of a tensor with no element
+        (
+            "Expected reduction dim to be specified for input.numel() == 0",
+            "to have non-zero size",
+            "over an empty dimension",
+        ),
+    ),
+    (
         "view-layout",  # .view() of a tensor a transpose or permute left non-contiguous
         ("view size is not compatible with input tensor's size and stride",),
     ),
@@ -266,6 +274,12 @@ ADVICE: dict[str, str] = {
         "permute, .T or expand before it reordered its dimensions without moving the data, "
         "and view() can only regroup dimensions that are laid out one after the other. Call "
         ".reshape(...) in its place (it copies only when it must), or .contiguous().view(...)."
+    ),
+    "empty-reduction": (
+        "A min or max (amax, argmax, aminmax) was taken of a tensor with no element, which "
+        "has no value: a boolean mask or a filter selected nothing in this batch. Skip the "
+        "reduction when the selection is empty (mask.any()), or reduce over the whole tensor "
+        "with the rest masked to ±inf."
     ),
     "scalar-overflow": (
         "A Python number was written into a tensor whose dtype cannot hold it (a mask value "
@@ -492,6 +506,76 @@ def scalar_overflow_advice(message: str, code: str | None = None) -> str:
     )
 
 
+#: reductions that have no value over no element, by the name torch's message gives
+_EXTREMA = {"min": "+", "amin": "+", "argmin": "+", "max": "-", "amax": "-", "argmax": "-"}
+_REDUCED = re.compile(r"^(?P<fn>\w+)\(\)")
+
+
+def empty_reduction_advice(message: str, code: str | None = None) -> str:
+    """ADVICE for a min or max of a tensor with no element (``D[i][y != y[i]].min()`` in
+    a batch with one class), from torch's message and the user's line ``code``: the
+    boolean selection that came out empty, the guard that skips it, and the masked form of
+    the same reduction.
+
+    Example:
+        >>> msg = "min(): Expected reduction dim to be specified for input.numel() == 0."
+        >>> empty_reduction_advice(msg, "neg = D[i][y != y[i]].min()")[:70]
+        'D[i][y != y[i]] is empty (the mask y != y[i] selects no element in thi'
+    """
+    import ast
+
+    m = _REDUCED.match(message)
+    fn = m["fn"] if m is not None else None
+    if fn is None or not code:
+        return ADVICE["empty-reduction"]
+    try:
+        tree = ast.parse(code.strip())
+    except SyntaxError:
+        return ADVICE["empty-reduction"]
+    found: list[tuple[ast.Subscript, ast.Call]] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        if node.func.attr != fn:
+            continue
+        recv = node.func.value
+        if isinstance(recv, ast.Name) and recv.id == "torch":
+            recv = node.args[0] if node.args else recv
+        if isinstance(recv, ast.Subscript) and not isinstance(
+            recv.slice, (ast.Constant, ast.Slice, ast.Tuple, ast.UnaryOp)
+        ):
+            found.append((recv, node))
+    if len(found) != 1:
+        return ADVICE["empty-reduction"]
+    sub, call = found[0]
+    operand, mask, base = ast.unparse(sub), ast.unparse(sub.slice), ast.unparse(sub.value)
+    text = (
+        f"{operand} is empty (the mask {mask} selects no element in this batch), and "
+        f"{fn}() of no value has none: skip it when nothing is selected, "
+        f"if ({mask}).any(): ..."
+    )
+    sign = _EXTREMA.get(fn)
+    if sign is not None and not fn.startswith("arg") and not call.args and not call.keywords:
+        if isinstance(sub.slice, ast.Compare) and len(sub.slice.ops) == 1:
+            flip = {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}.get(type(sub.slice.ops[0]))
+            inverse = (
+                ast.unparse(ast.Compare(sub.slice.left, [flip()], sub.slice.comparators))
+                if flip is not None
+                else f"~({mask})"
+            )
+        else:
+            inverse = f"~({mask})"
+        inf = "float('inf')" if sign == "+" else "float('-inf')"
+        text += (
+            f"; or mask instead of selecting: {base}.masked_fill({inverse}, {inf}).{fn}() "
+            f"is {sign}inf for an empty selection, which the loss must then leave out"
+        )
+    return (
+        text + ". A mask made from labels is empty in a batch of one class (no negative) "
+        "or where a class appears once (no positive)."
+    )
+
+
 def _raising_line(exc: BaseException) -> str | None:
     """The code of the innermost user frame of ``exc``'s traceback (the line that raised)."""
     import traceback
@@ -650,6 +734,8 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             if cls == "linalg"
             else scalar_overflow_advice(message, _raising_line(exc))
             if cls == "scalar-overflow"
+            else empty_reduction_advice(message, _raising_line(exc))
+            if cls == "empty-reduction"
             else (cls == "other" and _function_advice(message)) or ADVICE[cls]
         ),
     }

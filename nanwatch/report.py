@@ -78,6 +78,7 @@ ERROR_LABELS: dict[str, str] = {
     "packing-length": "a sequence of length 0 in packing",
     "norm-one-value": "a norm given one value per channel in training",
     "python-overflow": "Python float overflow",
+    "empty-reduction": "min or max of an empty tensor",
     "view-layout": "view() of a non-contiguous tensor",
     "scalar-overflow": "a number too large for the tensor's dtype",
     "anomaly": "nanwatch anomaly",

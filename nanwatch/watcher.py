@@ -7848,6 +7848,9 @@ class Watcher:
             picked = ops.graph_selections(loss.grad_fn, stop=stop)
             if picked:  # a gather that picked an infinity its source held (a masked entry)
                 data["selections"] = picked[:4]
+            emptied = ops.graph_emptied_rows(loss.grad_fn, stop=stop)
+            if emptied:  # a logsumexp of a row a mask left empty: -inf, +inf once subtracted
+                data["emptied"] = emptied[:4]
         self.note("loss_graph", LOSS_PATH, source=source, **data)
         self._note_zero_params(loss)
         if not events and anomaly.record.stat is not None and anomaly.record.stat.has_posinf:

@@ -8515,8 +8515,16 @@ def _all_zero_denominator(
             title=title,
             made=_assigned_before(ev.source, divisor.strip()) if named and divisor else None,
         )
-    normed = None if state or fix is None else _self_normalization(ev)
+    normed = None if fix is None else _self_normalization(ev)
     if normed is not None and fix is not None:  # x / x.norm() of all-zero vectors
+        if state:  # the module's own tensor normalized before anything filled it
+            names = ", ".join(dict.fromkeys(v for _, v in state))
+            fix += (
+                f"\n# {names}: 0 everywhere means it was created with torch.zeros and read "
+                "before anything filled it (a queue or memory bank of embeddings): start it "
+                "from random unit vectors, F.normalize(torch.randn(...), dim=...), or read "
+                "only its filled part"
+            )
         return _zero_vector_normalized(
             ctx, a, ev, normed, den=den, fix=fix, evidence=evidence, title=title
         )

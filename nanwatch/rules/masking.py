@@ -12,8 +12,9 @@ import math
 import re
 from collections.abc import Iterator, Sequence
 
-from nanwatch.records import Anomaly, AnomalyKind, OpEvent, Phase, TensorStat
+from nanwatch.records import LOSS_PATH, Anomaly, AnomalyKind, OpEvent, Phase, TensorStat
 from nanwatch.rules._evidence import (
+    Cause,
     OverflowedConstant,
     _function_names,
     _names_known,
@@ -28,6 +29,7 @@ from nanwatch.rules._evidence import (
     inf_arithmetic,
     inf_evidence,
     inf_fix,
+    inf_inputs,
     inf_source,
     input_named,
     inputs_of,
@@ -43,6 +45,7 @@ from nanwatch.rules._evidence import (
     short_op,
     statements,
     untraced_hint,
+    wrapped_binop,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 
@@ -638,11 +641,17 @@ def fully_masked_row(ctx: RuleContext) -> Iterator[Diagnosis]:
         if cause.kind == "other":
             yield from _fused_attention(ctx, a, cause.event)
             return
+        if cause.kind == "neginf-input":
+            yield from _emptied_reduction(ctx, a, cause)
+            return
         if cause.kind != "masked-softmax":
             return
         yield _masked_softmax(ctx, a, cause.event, cause.chain)
         return
     if a.kind is not AnomalyKind.FORWARD:
+        return
+    if a.path == LOSS_PATH:  # loss code read from its graph (no op traced): a -inf row
+        yield from _emptied_in_graph(ctx, a)
         return
     s = a.record.stat
     text = f"{a.path} {a.record.module_type}".lower()
@@ -1414,5 +1423,201 @@ def _empty_logsumexp(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             f"{head}\n"
             "# a sequence with no valid path then gets a huge finite loss: drop it, or for "
             "CTC use F.ctc_loss(..., zero_infinity=True), which handles unreachable states"
+        ),
+    )
+
+
+#: reductions over a dim whose value on a row that is -inf everywhere is -inf: the log of an
+#: empty sum, the max of nothing left
+_ROW_REDUCTIONS = frozenset({"logsumexp", "amax", "max"})
+#: binary ops that turn a -inf operand into +inf or NaN (x - (-inf), -inf + inf)
+_INF_ARITH = frozenset({"sub", "rsub", "add"})
+
+
+def _reduction_call(expr: str) -> tuple[str, str, str] | None:
+    """(the reduction, the tensor it reduces, its dim) of an operand written as a row
+    reduction: ``torch.logsumexp(x, 1)``, ``x.logsumexp(dim=-1)``, ``x.amax(1)``,
+    ``x.max(dim=1).values``, ``torch.max(x, 1)[0]``. None for anything else (a reduction
+    of the whole tensor has no rows).
+
+    >>> _reduction_call("torch.logsumexp(pos_sim, 1)")
+    ('logsumexp', 'pos_sim', '1')
+    >>> _reduction_call("d.max(dim=1).values")
+    ('max', 'd', '1')
+    >>> _reduction_call("x.logsumexp()") is None
+    True
+    """
+    try:
+        node: ast.expr = ast.parse(expr.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    picked = isinstance(node, ast.Subscript) and ast.unparse(node.slice) == "0"
+    if picked or (isinstance(node, ast.Attribute) and node.attr == "values"):
+        node = node.value  # type: ignore[attr-defined]
+    if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+        return None
+    name = node.func.attr
+    if name not in _ROW_REDUCTIONS:
+        return None
+    args = list(node.args)
+    owner = node.func.value
+    if isinstance(owner, ast.Name) and owner.id == "torch":
+        if not args:
+            return None
+        tensor, rest = args[0], args[1:]
+    else:
+        tensor, rest = owner, args
+    dim = rest[0] if rest else next((k.value for k in node.keywords if k.arg == "dim"), None)
+    if dim is None:
+        return None
+    return name, ast.unparse(tensor), ast.unparse(dim)
+
+
+def _filled_with(mask: OpEvent, tensor: str) -> str | None:
+    """The mask expression of ``tensor = src.masked_fill(MASK, -inf)`` on the mask op's
+    line, when that line assigns ``tensor``: ``~pos`` of
+    ``pos_sim = sim.masked_fill(~pos, float("-inf"))``."""
+    if packet(mask.op).rstrip("_") != "masked_fill":
+        return None
+    for stmt in statements(mask.code):
+        try:
+            tree = ast.parse(stmt)
+        except SyntaxError:
+            continue
+        body = tree.body[0] if len(tree.body) == 1 else None
+        if not isinstance(body, ast.Assign) or len(body.targets) != 1:
+            continue
+        if ast.unparse(body.targets[0]) != tensor:
+            continue
+        call = body.value
+        if (
+            isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr in ("masked_fill", "masked_fill_")
+            and call.args
+        ):
+            return ast.unparse(call.args[0])
+    return None
+
+
+_EXPLAIN_EMPTIED = (
+    "{red} over a row whose every entry is masked to -inf is -inf: the row has nothing "
+    "left to reduce (logsumexp of no term is log 0). That -inf is a correct value, but "
+    "the next op turns it into {made}: x - (-inf) = +inf, -inf + inf = NaN, and the loss "
+    "is {made}, its gradient NaN. In a contrastive or metric-learning loss it is an anchor "
+    "with no positive in the batch (its class appears once) or no negative (the batch is "
+    "one class). Leave the rows with nothing left out of the loss, or sample batches so "
+    "that every row keeps an entry."
+)
+
+
+def _emptied_reduction(ctx: RuleContext, a: Anomaly, cause: Cause) -> Iterator[Diagnosis]:
+    """An op that made +inf or NaN of a -inf operand that is a row reduction (logsumexp,
+    amax, max over a dim) of a tensor a mask filled with -inf: the mask left some rows
+    with no entry (an anchor with no positive), and the reduction of nothing is -inf."""
+    ev, chain = cause.event, cause.chain
+    if ev.phase is not Phase.FORWARD or packet(ev.op).rstrip("_") not in _INF_ARITH:
+        return
+    if any(s.has_nan for s in inputs_of(ev)):
+        return
+    mask = next((e for e in chain if e.injected and e.born == "-inf"), None)
+    if mask is None or packet(mask.op).rstrip("_") not in ("masked_fill", "where", "index_put"):
+        return  # a -inf of a log of 0, or the start of a running max: not a mask
+    operands = binary_operands(ev)
+    if operands is None:
+        return
+    found = None
+    for name, s in inf_inputs(ev):
+        call = _reduction_call(operands.get(name, "")) if s.has_neginf else None
+        if call is not None and not s.has_posinf:
+            found = (operands[name].strip(), call, s)
+            break
+    if found is None:
+        return
+    expr, (red, tensor, dim), s = found
+    made = "NaN" if "NaN" in ev.born else "+inf"
+    rows = (
+        f"{s.neginf:,} of its {s.numel:,} values are"
+        if isinstance(s.neginf, int)
+        else "some of its values are"
+    )
+    evidence = [
+        f"{expr} is -inf where a row of {tensor} is -inf everywhere along dim {dim}: "
+        f"{rows} -inf (rows the mask left empty)",
+        put_in(mask),
+        f"{short_op(ev.op)} made {made} of it" + (f" ({line})" if (line := code_line(ev)) else ""),
+    ]
+    filled = _filled_with(mask, tensor)
+    keep = f"{_negate(filled)}.any({dim})" if filled is not None else None
+    if keep is not None:
+        head = (
+            f"keep = {keep}   # the rows of {tensor} where {filled} leaves at least one "
+            "entry: the others have no " + red
+        )
+    else:
+        head = (
+            f"keep = torch.isfinite({expr})   # the rows of {tensor} with at least one "
+            "entry left: the others have no " + red
+        )
+    whole = wrapped_binop(ev)
+    stmt = statements(ev.code)
+    rewritten = None
+    if whole is not None and len(stmt) == 1 and stmt[0].count(whole[0]) == 1:
+        rewritten = stmt[0].replace(whole[0], f"({whole[0]})[keep]") + (
+            "   # the loss over those rows only"
+        )
+    fix = head + "\n"
+    fix += rewritten or "# then compute the loss over those rows only: per_row[keep].mean()"
+    fix += (
+        "\n# and find why rows are empty: a class seen once in the batch has no positive; "
+        "a sampler that draws k > 1 samples per class keeps every row"
+    )
+    yield ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{red} over a row the mask left empty: -inf, then {made}",
+        evidence=evidence,
+        explanation=_EXPLAIN_EMPTIED.format(red=red, made=made),
+        fix=fix,
+    )
+
+
+def _emptied_in_graph(ctx: RuleContext, a: Anomaly) -> Iterator[Diagnosis]:
+    """The loss is +inf or NaN, no op was traced (watch, sentinel), and its graph holds a
+    row reduction of a masked tensor whose result is -inf (the ``"emptied"`` of its
+    ``"loss_graph"`` note): a row the mask left no entry in, which the loss subtracted."""
+    s = a.record.stat
+    if s is None or not (s.has_posinf or s.has_nan):
+        return
+    found = [
+        e
+        for n in ctx.notes("loss_graph")
+        for e in n.data.get("emptied", ())
+        if isinstance(e, dict) and "maskedfill" in e.get("made_from", ())[:1]
+    ]
+    if not found:
+        return
+    e = found[0]
+    red, rows, of, dim = e.get("op", "logsumexp"), e.get("rows"), e.get("of"), e.get("dim")
+    made = "NaN" if s.has_nan else "+inf"
+    dims = dim[0] if isinstance(dim, list) and len(dim) == 1 else dim
+    yield ctx.diagnosis(
+        **anomaly_fields(a),
+        title=f"{red} over a row the mask left empty: -inf, then {made}",
+        evidence=[
+            a.summary,
+            f"the loss's graph holds torch.{red}(x, {dims}) of a masked_fill: {rows} of its "
+            f"{of} values are -inf, each a row of x that the mask made -inf everywhere",
+            "the loss is +inf: that -inf, subtracted, is +inf (x - (-inf))"
+            if made == "+inf"
+            else "the loss is NaN: that -inf, added to a +inf or subtracted from a -inf, is NaN",
+            untraced_hint(ctx),
+        ],
+        explanation=_EXPLAIN_EMPTIED.format(red=red, made=made),
+        fix=(
+            f"keep = keep_mask.any({dims})   # keep_mask: True at the entries your "
+            f"masked_fill keeps (its mask negated); the other rows have no {red}\n"
+            "loss = per_row[keep].mean()   # per_row: the loss of each row, before its mean\n"
+            "# and find why rows are empty: a class seen once in the batch has no positive; "
+            "a sampler that draws k > 1 samples per class keeps every row"
         ),
     )
