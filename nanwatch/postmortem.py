@@ -764,7 +764,7 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
         try:  # shapes and module attributes only: no device access
             said = position_advice(exc) or position_ids_advice(exc) or batch_shape_advice(exc)
             if said is None and cls == "index-out-of-range":
-                said = index_advice(exc)
+                said = token_ids_advice(exc) or index_advice(exc)
         except Exception:  # the user's exception matters more than ours
             said = None
         if said is not None:
@@ -887,6 +887,73 @@ def position_advice(exc: BaseException) -> str | None:
                 f"inputs need {grow}."
             )
     return None
+
+
+def token_ids_advice(exc: BaseException) -> str | None:
+    """Advice for an index error raised by a model's input embeddings (the table a Hugging
+    Face model's ``get_input_embeddings()`` returns, which ``resize_token_embeddings``
+    resizes) given token ids past its last row: tokens added to the tokenizer after the
+    model was built. The words of the guard's NW513, for a run without guards; reads the
+    ids only on the CPU (after a CUDA error the device is not read). None otherwise."""
+    import torch
+    from torch import nn
+
+    from nanwatch import _frames, guards
+
+    tb = exc.__traceback__
+    frames: list[FrameType] = []
+    while tb is not None and len(frames) < 512:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    owners = [
+        (i, me) for i, f in enumerate(frames) if isinstance(me := f.f_locals.get("self"), nn.Module)
+    ]
+    tables = [(i, m) for i, m in owners if isinstance(m, nn.Embedding)]
+    if not tables:
+        return None
+    at, emb = tables[-1]
+    ids = frames[at].f_locals.get("input")
+    if (
+        not isinstance(ids, torch.Tensor)
+        or ids.device.type != "cpu"
+        or ids.dtype not in (torch.long, torch.int)
+        or ids.numel() == 0
+    ):
+        return None
+    rows = emb.num_embeddings
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi < rows:
+        return None
+    root = None
+    for _, m in owners[: owners.index((at, emb))]:
+        get = getattr(m, "get_input_embeddings", None)
+        if not callable(get) or not callable(getattr(m, "resize_token_embeddings", None)):
+            continue
+        try:
+            table = get()
+        except Exception:  # a model that does not implement it
+            continue
+        if table is emb or getattr(table, "weight", None) is emb.weight:
+            root = m
+            break
+    if root is None:
+        return None
+    path = next((q for q, m in owners[0][1].named_modules() if m is emb), "") or "the table"
+    user = next(
+        (f for f in reversed(frames[:at]) if not _frames.is_internal(f.f_code.co_filename)),
+        None,
+    )
+    var = guards._held_as(user, ids)
+    past = int((ids >= rows).sum())
+    given = f"{var} holds" if var else "the token ids given hold"
+    return (
+        f"{path} (Embedding, {type(root).__name__}'s input embeddings) has {rows} rows, so "
+        f"token ids must be in 0..{rows - 1}, but {given} {lo}..{hi} ({past:,} of "
+        f"{ids.numel():,} past the last row): tokens added to the tokenizer after the model "
+        "was built (a pad or special token) have no row. Fix: "
+        "model.resize_token_embeddings(len(tokenizer)) (a row for every token), after adding "
+        "the tokens and before building the optimizer, which holds the old table."
+    )
 
 
 def position_ids_advice(exc: BaseException) -> str | None:

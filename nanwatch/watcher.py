@@ -8019,6 +8019,7 @@ class Watcher:
                 "weight_scales": self._attach_scales,
                 "weight_norms": _WeightNorms(self),
                 "param_shapes": _ParamShapes(self._params),
+                "module_precision": _ModulePrecision(self._modules),
             },
         )
         if trace.anomaly is not None:
@@ -8985,6 +8986,62 @@ class _ForwardParams(Mapping[str, tuple[str, ...]]):
 
     def __len__(self) -> int:
         return len(self._read())
+
+
+class _ModulePrecision(Mapping[str, dict[str, Any]]):
+    """Per module path, read only when a rule asks (an overflow's fix): ``library``, whether
+    the module's forward is code the user does not edit (``nn.Linear``, an installed
+    package's layer); ``dtypes``, those of its own weights; ``keep``, (the root's class, the
+    entry) when its root model declares the module must stay float32 (transformers'
+    ``_keep_in_fp32_modules``, which ``model.half()`` does not honour)."""
+
+    def __init__(self, modules: Sequence[tuple[nn.Module, _ModInfo]]) -> None:
+        self._modules = modules
+        self._found: dict[str, dict[str, Any]] = {}
+
+    def _roots(self) -> list[tuple[nn.Module, str]]:
+        return [(m, info.path) for m, info in self._modules if info.is_root]
+
+    def __getitem__(self, path: str) -> dict[str, Any]:
+        if path in self._found:
+            return self._found[path]
+        module = next((m for m, info in self._modules if info.path == path), None)
+        if module is None:
+            raise KeyError(path)
+        try:
+            file = inspect.getsourcefile(type(module).forward) or ""
+        except TypeError:
+            file = ""
+        keep = None
+        for root, name in self._roots():
+            wanted = getattr(root, "_keep_in_fp32_modules", None)
+            if not isinstance(wanted, (list, tuple, set, frozenset)) or root is module:
+                continue
+            if not any(m is module for m in root.modules()):
+                continue
+            inner = path[len(name) + 1 :] if path.startswith(name + ".") else path
+            hit = next(
+                (w for w in sorted(map(str, wanted)) if w and f".{w}." in f".{inner}."), None
+            )
+            if hit is not None:
+                keep = (type(root).__name__, hit)
+                break
+        found = {
+            "library": bool(file) and _frames.is_internal(os.path.abspath(file)),
+            "type": type(module).__name__,
+            "dtypes": sorted(
+                {str(p.dtype).removeprefix("torch.") for p in module.parameters(recurse=False)}
+            ),
+            "keep": keep,
+        }
+        self._found[path] = found
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return (info.path for _, info in self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
 
 class _ParamShapes(Mapping[str, tuple[int, ...]]):

@@ -39,6 +39,8 @@ from nanwatch.rules._evidence import (
     module_loss_target,
     module_ref,
     packet,
+    replace_neg_inf,
+    replace_pos_inf,
     short_op,
     statements,
     target_log,
@@ -159,6 +161,10 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
     if rooted is not None:
         yield _rooted_input_diagnosis(ctx, evidence, rooted)
         return
+    times_inf = None if target or not _may_hold_nan(rec.stat) else _inf_product(ctx, call, rec)
+    if times_inf is not None:
+        yield _inf_product_diagnosis(ctx, evidence, times_inf)
+        return
     if a.origin == "data-or-code":
         yield _data_or_code(ctx, evidence, what, data_fix)
         return
@@ -269,10 +275,11 @@ def _table_read(lines: list[str], line: int, name: str) -> tuple[str, str, str] 
     return lines[i].strip(), str(i + 1), ast.unparse(node)
 
 
-def _rooted_input(ctx: RuleContext, call: Call | None, role: str) -> _RootedInput | None:
-    """The bad root input ``role``, when the user's line passes it by a name that a
-    statement just above assigns with a sqrt or a log (see :class:`_RootedInput`); read
-    from the source file, None when it cannot be read or shows none."""
+def _site_names(
+    ctx: RuleContext, call: Call | None, role: str
+) -> tuple[str, list[str], int, set[str | None]] | None:
+    """(the file, its lines, the line number, the names it may pass input ``role`` by) of
+    the user's line that called the root of ``call``; None when it cannot be read."""
     root = call
     while root is not None and not root.root and root.parent is not None:
         root = ctx.trace.call(root.parent)
@@ -290,13 +297,24 @@ def _rooted_input(ctx: RuleContext, call: Call | None, role: str) -> _RootedInpu
     code = note.data.get("code")
     if note.data.get("callee") is None and isinstance(code, str):
         # read after the call returned (its frame gone): the name the line calls the root
-        # by is not known; any call on the line whose argument is a name assigned with a
-        # sqrt or a log, when one alone is
+        # by is not known: the argument of any call on the line (the callers keep the
+        # names whose assignment shows what they look for, when one alone does)
         try:
             calls = [c for c in ast.walk(ast.parse(code.strip())) if isinstance(c, ast.Call)]
         except SyntaxError:
             calls = []
         names = {_site_arg({**note.data, "callee": ast.unparse(c.func)}, role) for c in calls}
+    return path, lines, line, names
+
+
+def _rooted_input(ctx: RuleContext, call: Call | None, role: str) -> _RootedInput | None:
+    """The bad root input ``role``, when the user's line passes it by a name that a
+    statement just above assigns with a sqrt or a log (see :class:`_RootedInput`); read
+    from the source file, None when it cannot be read or shows none."""
+    site = _site_names(ctx, call, role)
+    if site is None:
+        return None
+    path, lines, line, names = site
     picked: list[tuple[str, list[tuple[ast.Call, str, ast.expr]]]] = []
     for name in names:
         made = _assigned_above(lines, line, name) if name and name.isidentifier() else None
@@ -326,6 +344,103 @@ def _rooted_input(ctx: RuleContext, call: Call | None, role: str) -> _RootedInpu
         tuple(dict.fromkeys(ast.unparse(c) for c, _, _ in found)),
         tuple(dict.fromkeys(op for _, op, _ in found)),
         table,
+    )
+
+
+#: an infinite number written as such: ``float("-inf")``, ``-math.inf``, ``torch.inf``
+_INF_WRITTEN = re.compile(
+    r"""-?\s*(?:float\(\s*(['"])[+-]?inf(?:inity)?\1\s*\)|(?:math|torch|np|numpy)\.inf)""",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class _InfProduct:
+    """A root input the user's line passes by a name that a statement just above assigns
+    as a product with an infinite number: ``ext = (1.0 - mask[:, None, None, :]) *
+    float("-inf")``, NaN wherever the other factor is 0 (0 x inf)."""
+
+    name: str  #: ``ext``
+    stmt: str  #: the statement, as written
+    at: str  #: ``train.py:22``
+    literal: str  #: ``float('-inf')``
+    fixed: str | None  #: the statement with the dtype's finite extreme for the literal
+
+
+def _may_hold_nan(s: TensorStat | None) -> bool:
+    """The input holds NaN, or its counts are not known apart (read late)."""
+    return s is None or s.nan is None or s.nan > 0
+
+
+def _inf_product(ctx: RuleContext, call: Call | None, rec: Record) -> _InfProduct | None:
+    """The bad root input ``rec``, when the user's line passes it by a name assigned just
+    above by a product with an infinite literal (see :class:`_InfProduct`); None when the
+    source cannot be read or shows none."""
+    site = _site_names(ctx, call, rec.role)
+    if site is None:
+        return None
+    path, lines, line, names = site
+    picked: list[_InfProduct] = []
+    for name in names:
+        if not name or not name.isidentifier():
+            continue
+        found = _assignment_above(lines, line, name)
+        if found is None:
+            continue
+        i, value = found
+        literal = next(
+            (
+                ast.unparse(side)
+                for node in ast.walk(value)
+                if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)
+                for side in (node.left, node.right)
+                if _INF_WRITTEN.fullmatch(ast.unparse(side))
+            ),
+            None,
+        )
+        if literal is None:
+            continue
+        stmt = lines[i].strip()
+        dtype = f"torch.{rec.dtype}" if rec.dtype else f"{name}.dtype"
+        fixed = replace_neg_inf(stmt, f"torch.finfo({dtype}).min") or replace_pos_inf(
+            stmt, f"torch.finfo({dtype}).max"
+        )
+        picked.append(_InfProduct(name, stmt, f"{path}:{i + 1}", literal, fixed))
+    return picked[0] if len(picked) == 1 else None
+
+
+def _inf_product_diagnosis(ctx: RuleContext, evidence: list[str], p: _InfProduct) -> Diagnosis:
+    """NW401 for a root input the user's code made by multiplying by an infinite number:
+    0 x inf is NaN, so the product is NaN wherever the other factor is 0 (a 0/1 mask
+    turned additive with ``* float("-inf")``). The data is not blamed; the fix writes the
+    dtype's finite extreme for the literal, on the user's own line."""
+    a = ctx.anomaly
+    assert a is not None
+    lines = [
+        *evidence,
+        f"{p.name} is not the batch as loaded: your code computed it at {p.at}: {p.stmt} -- a "
+        f"product with {p.literal}, and 0 x inf is NaN: NaN wherever the other factor is 0",
+    ]
+    fix = (
+        f"{p.fixed}   # finite: 0 x it is 0, not NaN; a masked entry still gets exp(it) = 0"
+        if p.fixed
+        else f"# write the dtype's finite extreme, torch.finfo({p.name}.dtype).min, for "
+        f"{p.literal} at {p.at}"
+    )
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        title=f"NaN in an input your code multiplied by {p.literal}",
+        evidence=lines,
+        explanation=(
+            f"The NaN was in {p.name} when {a.path} was called, and every layer after it only "
+            f"passed it on. {p.name} is computed by your code in this step as a product with "
+            f"{p.literal}: x x inf is inf, but 0 x inf is NaN, so a 0/1 mask turned into an "
+            "additive one this way is NaN at every position it keeps (its factor is 0) and "
+            "inf only where it masks. The dtype's most negative finite value masks the same "
+            "positions and keeps 0 x it at 0. Replacing the NaN afterwards (nan_to_num) would "
+            "also turn the masking infinities into 0 and unmask them."
+        ),
+        fix=fix,
     )
 
 

@@ -2039,6 +2039,18 @@ def _from_op(
             ),
             number=_as_float(ev.scalars.get("other")),
         )
+        cast = (
+            _cast_model(ctx, ev.path or a.path, dtype, lim, device)
+            if kind == "matmul"
+            and lim is not None
+            and (ev.path or a.path) != LOSS_PATH
+            and not _under_autocast(ctx, dtype)
+            and _upcast_matmul(ev.code) is None
+            else None
+        )
+        if cast is not None:  # the product ran in a library layer's forward: the cast model
+            explanation += f" {cast[0]}"
+            fix = cast[1]
         heavy = (
             _heavy_weights(ctx, a.path, lim, _module_ref(ctx, a))
             if kind == "backward" and lim
@@ -6890,6 +6902,65 @@ def _mean_by_hand(code: str | None, dtype: str, big: float, *, was: str) -> str 
             "division, where its value fits"
         )
     return None
+
+
+def _cast_model(
+    ctx: RuleContext, path: str, dtype: str, lim: DtypeLimits, device: str
+) -> tuple[str, str] | None:
+    """(a sentence for the explanation, the fix) for a low-precision product that
+    overflowed inside a layer whose forward is library code (``nn.Linear``, a
+    transformers layer) multiplying by its own weights of that dtype, no autocast: the
+    whole model was cast (``model.half()``), and no line of the user's computes the
+    product. The fix is the model's dtype (bfloat16 has float32's range), or the float32
+    modules its root model declares (transformers' ``_keep_in_fp32_modules``, which
+    ``from_pretrained(..., dtype=torch.float16)`` honours and ``model.half()`` does not).
+    None when the module's facts are unknown or do not show it."""
+    known = ctx.facts.get("module_precision")
+    try:
+        facts = known[path] if known is not None else None
+    except Exception:  # a fact that cannot be read leaves the generic fix
+        return None
+    if not facts or not facts.get("library") or facts.get("dtypes") != [dtype]:
+        return None
+    if not lim.short_range:
+        return None
+    ref = module_ref(path)
+    kind = facts.get("type") or "layer"
+    top = fmt(lim.max)
+    said = (
+        f"Here the product runs in {ref}'s forward ({kind}: library code, no line of yours) "
+        f"with its own {dtype} weights and no autocast: the model's weights were cast to "
+        f"{dtype} (model.half(), .to(torch.{dtype}))."
+    )
+    bf16 = (
+        f"model.to(torch.bfloat16)   # instead of casting to {dtype}: float32's range "
+        "(3.4e38) in 16 bits"
+    )
+    amp = (
+        "# or keep the weights in float32 and run the forward under "
+        f"torch.autocast(device_type={device}, dtype=torch.bfloat16)"
+    )
+    keep = facts.get("keep")
+    if isinstance(keep, (tuple, list)) and len(keep) == 2:
+        root, entry = keep
+        said += (
+            f" {root} declares '{entry}' must stay float32 (its _keep_in_fp32_modules): "
+            f"from_pretrained(..., dtype=torch.{dtype}) keeps it there, model.half() does not."
+        )
+        return said, (
+            f"for name, module in model.named_modules():   # after the cast: {root} keeps "
+            f"'{entry}' in float32, as from_pretrained(..., dtype=torch.{dtype}) leaves it\n"
+            f'    if ".{entry}." in f".{{name}}.":\n'
+            "        module.float()\n"
+            f"# or load it so: {root}.from_pretrained(..., dtype=torch.{dtype})\n"
+            f"# or {bf16}"
+        )
+    return said, (
+        f"{bf16}\n"
+        f"# {ref} is {kind}: its {dtype} product has no room past {top}, and its forward is "
+        "not yours to upcast\n"
+        f"{amp}"
+    )
 
 
 def _assigned(line: str) -> str | None:
