@@ -4766,11 +4766,16 @@ def own_backward_event(
                     return
                 name = name_of(node)
                 ev = node_event(node, bad, name=name)
-                if len(grad_outputs) > 1:  # svd, eigh: which op of its formula made it
-                    ev = _inner_backward_event(node, grad_outputs, name) or ev
+                inner = None
+                if len(grad_outputs) > 1 or custom_function(node) is not None:
+                    # svd, eigh: which op of its formula made it; a custom Function: which
+                    # op of its own backward(), at its line there
+                    inner = _inner_backward_event(node, grad_outputs, name)
+                    ev = inner or ev
                 if not exact and not steady:
                     steady.append(_same_kind_whatever_gradient(node, grad_inputs, grad_outputs))
-                ev.source, ev.code = forward_line(node)
+                if inner is None or custom_function(node) is None or not inner.source:
+                    ev.source, ev.code = forward_line(node)
                 held = owned.get(id(node))
                 ev.path = held[1] if held is not None and held[0] is node else path
                 found.append(ev)
@@ -4908,13 +4913,16 @@ def _inner_backward_event(node: Any, grad_outputs: Sequence[Any], name: str) -> 
     S and Vh, eigh's eigenvalues and eigenvectors), that made a non-finite value from
     finite ones: its backward formula combines them through several ops (svd's and eigh's
     divide by the differences of the singular values or eigenvalues), and the node's saved
-    values alone do not say which. The node's backward is run once more on the same
-    gradients under an :class:`OpChecker`, from the node's post-hook (its saved values are
-    alive there); the event is the one forensic mode records. None when it cannot run or
-    no op made it."""
+    values alone do not say which; or a custom autograd.Function's node, whose backward()
+    is the user's code (the op's line is then the one inside it). The node's backward is
+    run once more on the same gradients under an :class:`OpChecker`, from the node's
+    post-hook (its saved values are alive there); the event is the one forensic mode
+    records. None when it cannot run or no op made it."""
+    # a custom Function's node is called through its apply (its backward() on itself)
+    call = node.apply if custom_function(node) is not None else node
     try:
         with OpChecker(max_events=4, nanwatch_calls=True) as chk:
-            node(*grad_outputs)
+            call(*grad_outputs)
     except Exception:  # a node that cannot be called from Python: its own event stands
         return None
     ev = next(

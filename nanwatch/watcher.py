@@ -10400,7 +10400,9 @@ def _line_unknown(ev: OpEvent, path: str) -> bool:
     ran, with the line that called backward() for its line: a node keeps no forward line
     without anomaly mode, and a replay of the module's code can name it."""
     own = ev.phase is Phase.BACKWARD and ev.path == path
-    return own and (not ev.source or ev.source == ev.backward_at)
+    # a custom Function's own backward(), named by its node alone: its op and line there
+    inner = not ev.op.startswith("aten.") and ops.custom_function(ev.node) is not None
+    return own and (not ev.source or ev.source == ev.backward_at or inner)
 
 
 def _finite(t: torch.Tensor) -> bool:

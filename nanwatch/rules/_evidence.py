@@ -547,13 +547,34 @@ def nonfinite_scalars(ev: OpEvent) -> list[tuple[str, float]]:
     >>> nonfinite_scalars(ev), classify(ev)
     ([('other', inf)], 'inf-input')
     """
-    if packet(ev.op).rstrip("_") not in _SCALAR_ARITH or any(s.has_nan for s in inputs_of(ev)):
+    name = packet(ev.op).rstrip("_")
+    if name not in _SCALAR_ARITH or any(s.has_nan for s in inputs_of(ev)):
         return []
     return [
         (k, v)
         for k, v in ev.scalars.items()
-        if isinstance(v, float) and not math.isfinite(v) and not k.endswith("_made_by")
+        if isinstance(v, float)
+        and (not math.isfinite(v) or _past_range(name, k, v, ev.dtype))
+        and not k.endswith("_made_by")
     ]
+
+
+#: ops that make ±inf of a number past float32's range as they do of inf (``g * 1e40``),
+#: and, of a division, the number divided (``1e40 / x``)
+_PAST_RANGE_ARITH = frozenset({"mul", "multiply", "add", "sub", "subtract", "rsub"})
+_PAST_RANGE_DIV = frozenset({"div", "divide", "true_divide"})
+
+
+def _past_range(name: str, key: str, v: float, dtype: str | None) -> bool:
+    """A finite Python number that is inf where ``name`` computes: past float32's largest
+    value, given to an op of a float32, float16 or bfloat16 tensor (the two short types
+    compute with float32 numbers), where it makes ±inf as inf would."""
+    if dtype not in ("float32", "float16", "bfloat16") or not math.isfinite(v):
+        return False
+    if name not in _PAST_RANGE_ARITH and not (name in _PAST_RANGE_DIV and key == "self"):
+        return False
+    f32 = limits("float32")
+    return f32 is not None and abs(v) > f32.max
 
 
 def inf_inputs(ev: OpEvent) -> list[tuple[str, TensorStat]]:

@@ -94,7 +94,7 @@ from nanwatch.rules._evidence import (
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
 from nanwatch.rules.generic import parametrization
-from nanwatch.rules.masking import _DOMAIN_SAFE, _domain_arg, _double_where
+from nanwatch.rules.masking import _DOMAIN_SAFE, _domain_arg, _double_where, forward_nan_hidden
 from nanwatch.stats import dtype_limits
 
 #: name prefix of what a backward node saved in forward, at the end of an op event's
@@ -10493,6 +10493,15 @@ def _scalar_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         f"{op} made no inf of its own: it was given the number {name}={fmt(value)}{name_it}, "
         "a Python number, not a tensor"
     ]
+    # a finite number past float32's range (see nonfinite_scalars): inf where the op computes
+    past = math.isfinite(value)
+    f32 = limits("float32")
+    f32_max = f32.max if f32 is not None else math.inf
+    if past:
+        evidence[0] += (
+            f", past {fmt(f32_max)}, float32's largest value: the op computes with it in "
+            "float32, where it is inf"
+        )
     evidence += [f"input {nm}: {describe_stat(st)}" for nm, st in ev.inputs if st is not None]
     out = infinities(ev.output) or ev.born
     rule_of = (
@@ -10555,22 +10564,43 @@ def _scalar_given(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) -
         )
     if bounded is not None:
         fix.append(f"{bounded}   # {expr} was {fmt(value)}")
+    elif expr and past:
+        fix.append(f"assert abs({expr}) < 1e3, {expr}   # before {ev.source or 'the op'}")
     elif expr:
         fix.append(f"assert math.isfinite({expr}), {expr}   # before {ev.source or 'the op'}")
-    fix.append(
-        f"# and where {ref} is computed: a schedule 1 / (1 - p) is inf at p = 1; keep p "
-        "below 1 (min(p, 0.999)) or bound the result" + (" (min(value, 1e3))" if not expr else "")
-    )
+    if past:
+        fix.append(
+            f"# and where {ref} is computed: a schedule that grows without bound (10 ** step, "
+            "exp(t)) or a division by a value near 0; bound the result"
+            + (" (min(value, 1e3))" if not expr else "")
+        )
+    else:
+        fix.append(
+            f"# and where {ref} is computed: a schedule 1 / (1 - p) is inf at p = 1; keep p "
+            "below 1 (min(p, 0.999)) or bound the result"
+            + (" (min(value, 1e3))" if not expr else "")
+        )
     return ctx.diagnosis(
         **op_fields(ev, a),
-        title="Infinite number given to an op (not an overflow)",
+        title=(
+            "Number past float32's range given to an op (not an overflow)"
+            if past
+            else "Infinite number given to an op (not an overflow)"
+        ),
         evidence=evidence,
         explanation=(
-            f"{op} made no infinity of its own: {ref} was {fmt(value)} when it ran. It is a "
-            "number computed in Python, outside the tensors nanwatch watches: a schedule such "
-            "as a gradient-reversal or warm-up factor 1 / (1 - p), which is inf at p = 1, a "
-            "ratio of counts divided by 0 in numpy, or .item() of an inf. Bound it where it is "
-            "computed."
+            f"{op} made no infinity of its own: {ref} was {fmt(value)} when it ran"
+            + (f", which float32 cannot hold (its max is {fmt(f32_max)})" if past else "")
+            + ". It is a number computed in Python, outside the tensors nanwatch watches: "
+            + (
+                "a schedule or coefficient that grew without bound (a gradient-reversal "
+                "lambda, a loss weight, an annealing factor), or a ratio with a denominator "
+                "near 0. Bound it where it is computed."
+                if past
+                else "a schedule such as a gradient-reversal or warm-up factor 1 / (1 - p), "
+                "which is inf at p = 1, a ratio of counts divided by 0 in numpy, or .item() of "
+                "an inf. Bound it where it is computed."
+            )
         ),
         fix="\n".join(fix),
     )
@@ -12847,7 +12877,7 @@ def root_at_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         return
     cause = cause_of(a)
     if cause is not None:
-        if cause.kind == "root":
+        if cause.kind == "root" and not forward_nan_hidden(ctx, a):  # hidden: NW407's
             yield _root_from_op(ctx, a, cause.event, cause.trigger)
         return
     if a.kind is AnomalyKind.BACKWARD:

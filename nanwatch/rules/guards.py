@@ -550,8 +550,8 @@ def column_broadcast_words(
     bound: dict[str, str] = {}
     if op is None:
         helper = _helper_binop(stmt, kind, names, scope or {})
-        if helper is None:
-            return None  # several on the line, or none: which one broadcast is not told
+        if helper is None:  # several on the line: those whose operands' locals broadcast
+            return _several_binops_words(found, stmt, where, kind, names=names, scope=scope or {})
         stmt, where, op, bound = helper
     sides = [ast.unparse(op.left), ast.unparse(op.right)]
     if found.node.startswith("Rsub"):
@@ -600,6 +600,138 @@ def column_broadcast_words(
         "source": where,
         "source_line": stmt,
     }
+
+
+#: calls that keep their tensor argument's shape, for :func:`_elementwise_shape`
+_ELEMENTWISE = frozenset(
+    {
+        "abs", "clamp", "clamp_max", "clamp_min", "clip", "detach", "double", "exp", "expm1",
+        "float", "half", "log", "log10", "log1p", "log2", "logsigmoid", "neg", "pow", "relu",
+        "rsqrt", "sigmoid", "softplus", "sqrt", "square", "tanh", "to",
+    }
+)  # fmt: skip
+
+
+def _elementwise_shape(
+    expr: ast.expr, names: Mapping[str, Any], scope: Mapping[str, Any]
+) -> tuple[int, ...] | None:
+    """The shape of ``expr`` when it is elementwise arithmetic and calls (``torch.log(1 -
+    p)``, ``(1 - y)``) of locals that hold tensors of one shape (0-d ones and numbers
+    aside): that shape. None for anything else (a reduction, an index, locals of several
+    shapes, no tensor)."""
+    import torch
+
+    shapes: set[tuple[int, ...]] = set()
+    for n in ast.walk(expr):
+        if isinstance(n, ast.Call):
+            f = n.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name not in _ELEMENTWISE:
+                return None
+        elif isinstance(n, ast.Subscript | ast.Lambda | ast.comprehension):
+            return None
+        elif isinstance(n, ast.Name):
+            v = names.get(n.id, scope.get(n.id))
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                shapes.add(tuple(v.shape))
+    return shapes.pop() if len(shapes) == 1 else None
+
+
+def _several_binops_words(
+    found: ColumnBroadcast,
+    stmt: str,
+    where: str | None,
+    kind: type[ast.operator],
+    *,
+    names: Mapping[str, Any],
+    scope: Mapping[str, Any],
+) -> dict[str, Any] | None:
+    """:func:`column_broadcast_words` for a statement with several operations of the node's
+    kind (``-(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()``): those whose two
+    operands, read from the locals they are made of, have the shapes the graph says
+    broadcast (the column's and the row's), each named, and a fix that squeezes the column
+    in each. None when none does."""
+    col_shape = found.shapes[found.column]
+    if col_shape is None or found.node.startswith("Rsub"):
+        return None
+    row_shape = col_shape[:-1]
+    text = stmt.strip()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    hits: list[tuple[ast.BinOp, int]] = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.BinOp) or not isinstance(n.op, kind):
+            continue
+        shapes = [_elementwise_shape(e, names, scope) for e in (n.left, n.right)]
+        col = next((c for c in (0, 1) if shapes[c] == col_shape), None)
+        if col is not None and shapes[1 - col] == row_shape:
+            hits.append((n, col))
+    spans = [(op, col, ast.get_source_segment(text, op)) for op, col in hits]
+    if not hits or any(seg is None for _, _, seg in spans):
+        return None
+    dim = len(row_shape)
+    sign = _SIGNS[kind]
+    squeeze: list[tuple[int, int, str]] = []
+    unsqueeze: list[tuple[int, int, str]] = []
+    for op, col, _ in spans:
+        sides = [op.left, op.right]
+        for edits, e, how in ((squeeze, sides[col], "squeeze"), (unsqueeze, sides[1 - col], "unsqueeze")):  # fmt: skip  # noqa: E501
+            span = _span(text, e)
+            if span is None:
+                return None
+            edits.append((*span, f"{paren(ast.unparse(e))}.{how}({dim})"))
+    squeezed, unsq = _edited(text, squeeze), _edited(text, unsqueeze)
+    named = []
+    for i, (op, col, seg) in enumerate(spans):
+        c, r = ast.unparse([op.left, op.right][col]), ast.unparse([op.left, op.right][1 - col])
+        if i == 0:
+            c, r = f"{c} {_shape_text(col_shape)}", f"{r} {_shape_text(row_shape)} broadcast to "
+            r += _shape_text(found.out)
+        named.append(f"{c} and {r} in {seg}")
+    n_out = math.prod(found.out)
+    n_own = math.prod(row_shape)
+    return {
+        "code": "NW506",
+        "check": "broadcast",
+        "problem": (
+            f"{', '.join(named)}: each prediction meets every target "
+            f"({n_out:,} terms instead of {n_own:,}), not only its own"
+        ),
+        "expected": "operands of the same shape",
+        "fix": f"{squeezed}   # or {unsq}: the same shape on both sides of each {sign}",
+        "explanation": (
+            f"A ({col_shape[-2]}, 1) column against {row_shape[-1]} values in a row "
+            "broadcasts to a square: the loss compares every prediction with every target. "
+            "nn.BCELoss refuses it and nn.MSELoss warns; code written by hand gets no warning, "
+            "and the loss looks plausible and decreases while the model learns the mean of "
+            "the targets."
+        ),
+        "count": n_out,
+        "total": n_own,
+        "source": where,
+        "source_line": text,
+    }
+
+
+def _span(text: str, e: ast.expr) -> tuple[int, int] | None:
+    """The columns of ``e`` in the one-line statement ``text``, with the parentheses around
+    it that are its own (not a call's); None for an expression over several lines."""
+    a, b = e.col_offset, e.end_col_offset
+    if e.lineno != 1 or e.end_lineno != 1 or b is None:
+        return None
+    own = text[a - 1 : a] == "(" and text[b : b + 1] == ")"
+    if own and not re.match(r"[\w)\]]", text[max(a - 2, 0) : a - 1]):
+        return a - 1, b + 1
+    return a, b
+
+
+def _edited(text: str, edits: Sequence[tuple[int, int, str]]) -> str:
+    """``text`` with each span ``(start, end)`` replaced by its new text."""
+    for a, b, new in sorted(edits, reverse=True):
+        text = f"{text[:a]}{new}{text[b:]}"
+    return text
 
 
 def _shape_text(shape: Sequence[int] | None) -> str:

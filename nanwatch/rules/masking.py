@@ -870,6 +870,22 @@ def hidden_nan_gradient(ctx: RuleContext) -> Iterator[Diagnosis]:
     cause = cause_of(a)
     if cause is not None and cause.kind == "hidden-nan" and not _loss_not_finite(ctx):
         yield _hidden_nan(ctx, a, cause.event)
+    elif a.op is not None and forward_nan_hidden(ctx, a):
+        yield _hidden_forward_nan(ctx, a, a.op)
+
+
+def forward_nan_hidden(ctx: RuleContext, a: Anomaly) -> bool:
+    """Forensic mode: no backward op made the anomaly's NaN gradient (each was given the
+    NaN), so its op is the forward op that made a NaN the loss never saw (a torch.where or
+    a 0 mask hid it, and the loss is finite): NW407's, whatever op made it."""
+    return (
+        a.kind is AnomalyKind.BACKWARD
+        and a.op is not None
+        and a.op.phase is Phase.FORWARD
+        and not a.op.injected
+        and "NaN" in a.op.born
+        and not _loss_not_finite(ctx)
+    )
 
 
 def _loss_not_finite(ctx: RuleContext) -> bool:
@@ -919,6 +935,37 @@ def _hidden_nan(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             "value before it enters the expression, not after."
         ),
         fix=_hidden_nan_fix(ev, {n for n, _ in bad}),
+    )
+
+
+def _hidden_forward_nan(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
+    """Forensic mode's view of :func:`_hidden_nan`: the forward op that made the NaN a
+    torch.where or a 0 mask kept from the loss (``torch.where(h > 0, torch.sqrt(h), 0)``),
+    named as the anomaly's op because no backward op made the NaN gradient, each was given
+    it. The fix is the hidden NaN's, not one for the op's domain: the where already keeps
+    the op's out-of-domain results out of the forward."""
+    op = short_op(ev.op)
+    evidence = [f"{op} made NaN in forward: {describe_stat(ev.output)}"]
+    evidence += [f"input {n}: {describe_stat(st)}" for n, st in ev.inputs[:2] if st is not None]
+    evidence.append(
+        "the loss was finite: a torch.where or a multiplication by a 0 mask hid those NaN "
+        "from it, but backward still multiplies their gradient (0) by them: 0 × NaN = NaN"
+    )
+    line = code_line(ev)
+    if line:
+        evidence.append(line)
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title="NaN hidden by a mask in forward, NaN gradient in backward",
+        evidence=evidence,
+        explanation=(
+            "A value that held NaN (a root or a log of a negative number in the unselected "
+            "branch, a NaN target in a masked window) was selected away by torch.where or "
+            "zeroed by a mask, so the loss stayed finite. Autograd still computes the "
+            "gradient of the discarded branch, and 0 times NaN is NaN: every weight gets "
+            "NaN. Give the op a safe value where its result is discarded, not after."
+        ),
+        fix=_hidden_nan_fix(ev, {n for n, _ in ev.inputs} or {"self"}),
     )
 
 
