@@ -346,7 +346,9 @@ class _NanWatch:
       ``nanwatch-skipped-rank<r>.jsonl`` in the report directory, and go on. Under manual
       optimization only the stepped optimizer's gradients are dropped, and a later
       optimizer of the same batch (a GAN's generator) is skipped only when its own
-      gradients are non-finite; the batch is listed once;
+      gradients are non-finite; the batch is listed once. The warning is said again for
+      an anomaly of another cause (another module, origin or diagnosis), not for the same
+      one in a later batch;
     * ``"raise"``: raise :class:`nanwatch.AnomalyError` (the post-mortem report is written);
     * ``"warn"``: warn once and go on (the update is applied).
 
@@ -486,6 +488,7 @@ class _NanWatch:
         self._decided = -1
         self._report_due = False
         self._warned = False
+        self._causes: set[tuple[str, ...]] = set()  # the causes a skip warning said
         self._warnings = False  # this run said an early warning (the report is written)
         #: the step whose only non-finite values are gradients an earlier micro-batch of
         #: the accumulation window made bad (see _inherited)
@@ -901,12 +904,37 @@ class _NanWatch:
                 anomaly=self._earliest(steps),
                 diagnoses=self._diagnoses(steps, done),
             )
-        if not self._warned:
+        # "skip" keeps the weights clean: a later anomaly of another cause (what went bad,
+        # where, its diagnosis) is news of its own, said once; the same cause again is only
+        # listed (at most 8 causes are said). "warn" applies the bad update: what follows is
+        # its consequence
+        cause = self._cause(steps) if action == "skip" else None
+        new = cause is not None and cause not in self._causes and len(self._causes) < 8
+        if not self._warned or new:
             self._warned = True
+            if cause is not None:
+                self._causes.add(cause)
             message = self._message(
                 nw.step_index, ranks, world, found, dropped=dropped, trainer=trainer
             )
             _warn(message, fault=False)
+
+    def _cause(self, steps: list[int]) -> tuple[str, ...]:
+        """What the earliest found step's anomaly is, as the skip warning tells causes apart:
+        its kind, module, origin and first diagnosis's code (not its summary, whose counts
+        differ from batch to batch); () for another rank's."""
+        nw = self.watcher
+        assert nw is not None
+        a = self._earliest(steps)
+        first = min(steps, default=None)
+        top = next(
+            (t.diagnoses[0] for t in [*nw.history, nw.trace] if t.step == first and t.diagnoses),
+            None,
+        )
+        code = "" if top is None else str(top.code)
+        if a is None:
+            return () if first is None else ("", "", "", code)
+        return (a.kind.value, a.path, a.origin, code)
 
     def _diagnoses(self, steps: list[int], done: StepTrace | None) -> list[Diagnosis]:
         """The diagnoses of the earliest step found (the one the error names); the ended

@@ -362,6 +362,98 @@ _PYTHON_INDEX = re.compile(
     r"( assignment)? index out of range"
 )
 
+#: torch's re-raise of a DataLoader worker's exception: "Caught IndexError in DataLoader
+#: worker process 0.", then "Original Traceback ...", ending in the original "Type: message"
+_WORKER_CAUGHT = re.compile(r"^Caught (?P<type>\w+) in DataLoader worker process (?P<id>\d+)\.")
+
+
+def _worker_original(message: str) -> tuple[str, str] | None:
+    """(the worker number, the original exception's last line) of a DataLoader worker's
+    re-raised exception; None for any other message.
+
+    >>> _worker_original("Caught IndexError in DataLoader worker process 1.\\nOriginal "
+    ...     "Traceback ...\\n  File ...\\nIndexError: list index out of range\\n")
+    ('1', 'IndexError: list index out of range')
+    """
+    m = _WORKER_CAUGHT.match(message)
+    if m is None:
+        return None
+    kind = m["type"]
+    for line in reversed(message.strip().splitlines()):
+        name = line.split(":", 1)[0].strip()
+        if name.rsplit(".", 1)[-1] == kind:  # (a module-qualified name: its class name)
+            return m["id"], line.strip()
+    return None
+
+
+def dataset_advice(exc: BaseException) -> str | None:
+    """Advice for an exception raised by a Dataset's ``__getitem__`` while a DataLoader
+    fetched a batch, in this process (its frames: the dataset, the index asked for and the
+    dataset's length) or in a worker (torch's re-raise: the worker and the line, from the
+    original traceback's text); None when no ``__getitem__`` called by torch's data
+    utilities raised it. Frames and Python values only: no tensor is read."""
+    from nanwatch._frames import _TB_HEADER, _short, is_internal
+
+    data_dir = os.path.join("torch", "utils", "data") + os.sep
+    worker = _worker_original(str(exc))
+    if worker is not None:
+        rows = str(exc).splitlines()
+        at, fetched = None, False
+        for row in rows:
+            m = _TB_HEADER.match(row)
+            if m is None:
+                continue
+            if data_dir in m["file"]:
+                fetched = True
+            elif fetched and not is_internal(m["file"]) and m["func"] == "__getitem__":
+                at = f"{_short(m['file'])}:{m['line']}"
+        if at is None:
+            return None
+        return (
+            f"Raised by the dataset, not the model: {worker[1]} in its __getitem__ at {at}, in "
+            f"DataLoader worker process {worker[0]}, while it fetched a batch. A worker's "
+            "error does not say which sample: DataLoader(..., num_workers=0) raises it in this "
+            "process, where the post-mortem names the index and the dataset's length."
+        )
+    tb = exc.__traceback__
+    frame = None
+    called_by_torch = False
+    while tb is not None:
+        f = tb.tb_frame
+        name = f.f_code.co_filename
+        if data_dir in name:
+            called_by_torch = True
+        elif called_by_torch and f.f_code.co_name == "__getitem__" and not is_internal(name):
+            frame = (f, tb.tb_lineno)
+            break
+        tb = tb.tb_next
+    if frame is None:
+        return None
+    f, line = frame
+    code = f.f_code
+    local = f.f_locals
+    owner = local.get("self") if code.co_argcount else None
+    cls = type(owner).__name__ if owner is not None else "the dataset"
+    index = local.get(code.co_varnames[1]) if code.co_argcount >= 2 else None
+    call = f"{cls}.__getitem__({index!r})" if isinstance(index, int) else f"{cls}.__getitem__"
+    said = (
+        f"Raised by the dataset, not the model: {call} at {_short(code.co_filename)}:{line}, "
+        "while the DataLoader fetched a batch"
+    )
+    if owner is not None and isinstance(exc, IndexError):
+        try:  # the dataset's own __len__, as the DataLoader's sampler calls it
+            n = len(owner)
+        except Exception:  # the user's exception matters more than ours
+            return said + "."
+        at = f"index {index}" if isinstance(index, int) else "the index"
+        return (
+            f"{said}; len(dataset) is {n} ({cls}.__len__), so its sampler asks for indices "
+            f"0 to {n - 1}. Make __len__ count only the samples __getitem__ can read, or fix "
+            f"what {at} reads at that line."
+        )
+    return said + "."
+
+
 #: the public name of torch's linear-algebra error (its class lives in torch._C)
 _LINALG_ERROR = "torch.linalg.LinAlgError"
 #: torch.linalg functions that take the matrix first: what the advice calls it
@@ -711,11 +803,17 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
         cls = "anomaly"
     else:
         text = f"{name}: {message}"
+        worker = _worker_original(message)
+        if worker is not None:  # a DataLoader worker's: what the original exception says
+            text = worker[1]
+            message_of = worker[1].split(":", 1)[-1].strip()
+        else:
+            message_of = message
         cls = next(
             (c for c, needles in _CLASSES if any(n in text for n in needles)),
             "other",
         )
-        if cls == "index-out-of-range" and _PYTHON_INDEX.fullmatch(message):
+        if cls == "index-out-of-range" and _PYTHON_INDEX.fullmatch(message_of):
             cls = "other"  # a Python sequence's (sys.argv[1], a list of batches): no tensor's
         if cls == "other" and _users_class(type(exc)):
             cls = "user-raised"
@@ -773,6 +871,13 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
                 if cls in _DEVICE_LOST
                 else ""
             )
+    if cls not in _DEVICE_LOST and cls not in _NOT_RAISED_BY_OP:
+        try:  # frames and Python values only: no device access
+            said = dataset_advice(exc)
+        except Exception:  # the user's exception matters more than ours
+            said = None
+        if said is not None:
+            info["advice"] = said
     if cls not in _NOT_RAISED_BY_OP and _raised_in_backward(exc):
         info["in_backward"] = True  # autograd's engine raised it: a backward did not finish
     if cls not in _DEVICE_LOST and cls not in _NOT_RAISED_BY_OP:  # (async: the step only
