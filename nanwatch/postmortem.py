@@ -89,6 +89,15 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("grad can be implicitly created only for scalar outputs",),
     ),
     ("packing-length", ("Length of all samples has to be greater than 0",)),
+    ("ctc-input-lengths", ("Expected input_lengths to have value at most",)),
+    (
+        "shorter-than-window",  # framing a clip shorter than one window (audio, signals)
+        (
+            "maximum size for tensor at dimension",  # x.unfold(dim, size, step)
+            "Padding size should be less than the corresponding input dimension",  # reflect
+            "expected 0 < n_fft <",  # torch.stft(center=False)
+        ),
+    ),
     (
         "norm-one-value",  # a BatchNorm (InstanceNorm) in training given a batch (map) of 1
         (
@@ -252,6 +261,19 @@ ADVICE: dict[str, str] = {
         "(an empty line, a text the tokenizer cut to nothing, a length counted from a mask "
         "that is all padding). Drop empty samples in the Dataset or the collate_fn, or pack "
         "lengths.clamp_min(1) and leave those rows out of the loss with a mask."
+    ),
+    "ctc-input-lengths": (
+        "CTC was given an input_lengths value larger than the log-probabilities' time "
+        "dimension T (log_probs is (T, N, C)): input_lengths must count the frames the model "
+        "outputs, after its time downsampling (strided convolutions, pooling, frame "
+        "stacking), not the frames or samples of its input. Compute them per strided layer, "
+        "L = (L + 2 * padding - kernel_size) // stride + 1, and clamp them to T."
+    ),
+    "shorter-than-window": (
+        "The input is shorter than one window of the op that frames it (Tensor.unfold, "
+        "torch.stft's n_fft, a reflect padding of half a window): a clip or sequence this "
+        "short gives no frame. Drop inputs shorter than a window in the Dataset or the "
+        "collate_fn, or zero-pad them to the window's length first."
     ),
     "norm-one-value": (
         "A BatchNorm in training mode got one value per channel, whose variance cannot be "
@@ -847,6 +869,20 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
     if cls == "view-layout":
         try:  # the source and a tensor's shape and layout only: no device access
             said = view_advice(exc)
+        except Exception:  # the user's exception matters more than ours
+            said = None
+        if said is not None:
+            info["advice"] = said
+    if cls == "ctc-input-lengths":
+        try:  # shapes, and lengths held on the CPU only: no device access
+            said = ctc_lengths_advice(exc)
+        except Exception:  # the user's exception matters more than ours
+            said = None
+        if said is not None:
+            info["advice"] = said
+    if cls == "shorter-than-window":
+        try:  # the message and the user's source only
+            said = short_window_advice(exc)
         except Exception:  # the user's exception matters more than ours
             said = None
         if said is not None:
@@ -1455,6 +1491,194 @@ _GRADIENT_COUNT = re.compile(
 _HIDDEN_SIZE = re.compile(
     r"Expected hidden(?:\[\d\])? size \((?P<want>\d+(?:, \d+)*)\), got \[(?P<got>\d+(?:, \d+)*)\]"
 )
+
+
+_CTC_AT_MOST = re.compile(r"input_lengths to have value at most (\d+), but got value (\d+)")
+
+
+def ctc_lengths_advice(exc: BaseException) -> str | None:
+    """Advice for CTC's refusal of an ``input_lengths`` value past the log-probabilities' T,
+    in the names of the user's call: lengths counted before the model's time downsampling
+    (40 frames -> 20: a factor of 2, so ``((lengths + 1) // 2).clamp(max=T)``). The lengths
+    are read only when they are a list or a CPU tensor (no device access); None when the
+    message is another. (Batch-first log-probs are the guard's NW520, before the kernel.)"""
+    import ast
+
+    from torch import Tensor
+
+    from nanwatch import _frames
+
+    m = _CTC_AT_MOST.search(str(exc))
+    if m is None:
+        return None
+    frames, got = int(m[1]), int(m[2])
+    tbs: list[TracebackType] = []
+    tb = exc.__traceback__
+    while tb is not None and len(tbs) < 512:
+        tbs.append(tb)
+        tb = tb.tb_next
+    ctc = next(
+        (t.tb_frame.f_locals for t in reversed(tbs) if t.tb_frame.f_code.co_name == "ctc_loss"),
+        {},
+    )
+    il = ctc.get("input_lengths")
+    lens: list[int] = []
+    if isinstance(il, Tensor) and il.device.type == "cpu" and not il.is_floating_point():
+        lens = [int(n) for n in il.reshape(-1).tolist()]
+    elif isinstance(il, (list, tuple)) and all(isinstance(n, int) for n in il):
+        lens = list(il)
+    most = max([got, *lens])
+    # the user's call: its log_probs and input_lengths arguments, by position or keyword
+    user = next(
+        (t for t in reversed(tbs) if not _frames.is_internal(t.tb_frame.f_code.co_filename)),
+        None,
+    )
+    span = _span_text(user.tb_frame.f_code, user.tb_lasti, user.tb_lineno) if user else None
+    lp_text = lens_text = None
+    lens_at: tuple[int, int] | None = None
+    call: Any = None
+    if span:
+        try:
+            call = ast.parse(span, mode="eval").body
+        except SyntaxError:
+            call = None
+    starred = isinstance(call, ast.Call) and any(isinstance(a, ast.Starred) for a in call.args)
+    if span and isinstance(call, ast.Call) and not starred:
+        given = dict(enumerate(call.args))
+        kw = {k.arg: k.value for k in call.keywords if k.arg}
+        lp_node = kw.get("log_probs", given.get(0))
+        lens_node = kw.get("input_lengths", given.get(2))
+        if lp_node is not None and lens_node is not None:
+            lp_text = ast.get_source_segment(span, lp_node)
+            lens_text = ast.get_source_segment(span, lens_node)
+            lens_at = (lens_node.col_offset, lens_node.end_col_offset or 0)
+    lens_name = f" ({lens_text})" if lens_text else ""
+    lp_name = lp_text or "log_probs"
+    said = (
+        f"CTC's input_lengths{lens_name} go up to {most} frames, but {lp_name} has T = "
+        f"{frames} (its first dim, (T, N, C))"
+    )
+    after = (
+        "input_lengths must count the frames the model outputs, after its time downsampling "
+        "(strided convolutions, pooling, frame stacking), not the frames or samples of its "
+        "input"
+    )
+    per_layer = "L = (L + 2 * padding - kernel_size) // stride + 1 per strided layer"
+    factor = round(most / frames) if frames > 0 and most >= 1.5 * frames else 0
+    t_of = f"{_paren_text(lp_name)}.shape[0]"
+    if factor < 2:
+        return f"{said}: {after}. Compute them with {per_layer}, and clamp them to T."
+    if not isinstance(il, Tensor) or lens_text is None:
+        return (
+            f"{said}: {after} ({most} -> {frames}: about x{factor}). Compute them with "
+            f"{per_layer}, and clamp them to T."
+        )
+    new = f"(({lens_text} + {factor - 1}) // {factor}).clamp(max={t_of})"
+    said += (
+        f": they count the model's input, before its time downsampling ({most} -> {frames}, "
+        f"about x{factor}); pass the lengths after it, {new}. "
+    )
+    tail = f"Exact for strided layers padded by kernel_size // 2; for others, {per_layer}."
+    line = _line_text(user.tb_frame.f_code.co_filename, user.tb_lineno) if user else None
+    if span is None or lens_at is None or not line or line.count(span) != 1:
+        return f"{said}{tail}\nout_lengths = {new}"
+    fixed = span[: lens_at[0]] + "out_lengths" + span[lens_at[1] :]
+    return f"{said}{tail}\nout_lengths = {new}\n{line.replace(span, fixed)}"
+
+
+_UNFOLD_SIZE = re.compile(r"maximum size for tensor at dimension (\d+) is (\d+) but size is (\d+)")
+_REFLECT_SIZE = re.compile(
+    r"but got: padding \((\d+), (\d+)\) at dimension (\d+) of input \[([\d, ]+)\]"
+)
+_NFFT_SIZE = re.compile(r"expected 0 < n_fft < (\d+), but got n_fft=(\d+)")
+
+
+def short_window_advice(exc: BaseException) -> str | None:
+    """Advice for framing an input shorter than one window, from the message's numbers and
+    the user's call (the tensor it frames): ``wav.unfold(-1, 400, 160)`` of 320 samples,
+    ``torch.stft(x, 400, ...)`` of 100 (center=True pads n_fft // 2 by reflection, which
+    needs more samples than that; center=False needs n_fft). None for another message."""
+    import ast
+
+    from nanwatch import _frames
+
+    message = str(exc)
+    tbs: list[TracebackType] = []
+    tb = exc.__traceback__
+    while tb is not None and len(tbs) < 512:
+        tbs.append(tb)
+        tb = tb.tb_next
+    user = next(
+        (t for t in reversed(tbs) if not _frames.is_internal(t.tb_frame.f_code.co_filename)),
+        None,
+    )
+    span = _span_text(user.tb_frame.f_code, user.tb_lasti, user.tb_lineno) if user else None
+    call: Any = None
+    if span:
+        try:
+            call = ast.parse(span, mode="eval").body
+        except SyntaxError:
+            call = None
+    what: ast.expr | None = None
+    if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+        if call.func.attr == "unfold" and ast.unparse(call.func.value) not in ("torch", "F"):
+            what = call.func.value
+        elif call.args:
+            what = call.args[0]
+    name = ast.get_source_segment(span, what) if span and what is not None else None
+    x = name or "the input"
+    end = (
+        "drop inputs shorter than that in the Dataset or the collate_fn, or zero-pad them "
+        "to it first"
+    )
+    if m := _UNFOLD_SIZE.search(message):
+        dim, have, size = int(m[1]), int(m[2]), int(m[3])
+        pad = ""
+        if name and isinstance(call, ast.Call) and call.args and ast.unparse(call.args[0]) == "-1":
+            pad = (
+                f"\n{name} = torch.nn.functional.pad({name}, (0, max(0, {size} - "
+                f"{name}.shape[-1])))   # before the unfold: one frame at least"
+            )
+        return (
+            f"{x} has {have} values along dimension {dim}, fewer than one window of the "
+            f"unfold ({size}): no frame fits. {end[0].upper()}{end[1:]}.{pad}"
+        )
+    if m := _REFLECT_SIZE.search(message):
+        left, dim = int(m[1]), int(m[3])
+        shape = [int(n) for n in m[4].split(",") if n.strip()]
+        held = str(shape[dim]) if 0 <= dim < len(shape) else "fewer"
+        if "stft" not in (span or "") and not any(t.tb_frame.f_code.co_name == "stft" for t in tbs):
+            return (
+                f"A reflect padding of {left} needs more than {left} values along dimension "
+                f"{dim}, and {x} has {held}: pad less, use mode='replicate' or 'constant', or "
+                "give it a larger input."
+            )
+        return (
+            f"{x} has {held} samples, but torch.stft(center=True) pads n_fft // 2 = {left} "
+            "on each side by reflection, which needs more samples than that: the clip is "
+            f"shorter than half a window. {end[0].upper()}{end[1:]} (more than {left} "
+            "samples)."
+        )
+    if m := _NFFT_SIZE.search(message):
+        have, n_fft = int(m[1]), int(m[2])
+        return (
+            f"{x} has {have} samples, fewer than n_fft = {n_fft}: torch.stft(center=False) "
+            f"needs one whole window. {end[0].upper()}{end[1:]} ({n_fft} samples)."
+        )
+    return None
+
+
+def _paren_text(expr: str) -> str:
+    from nanwatch.rules._evidence import paren
+
+    return paren(expr)
+
+
+def _line_text(filename: str, lineno: int) -> str | None:
+    import linecache
+
+    text = linecache.getline(filename, lineno).strip()
+    return text if text.isascii() else None
 
 
 def rnn_hidden_advice(exc: BaseException) -> str | None:

@@ -76,6 +76,8 @@ ERROR_LABELS: dict[str, str] = {
     "no-graph": "backward on a tensor with no graph",
     "non-scalar-backward": "backward on a loss of many values",
     "packing-length": "a sequence of length 0 in packing",
+    "ctc-input-lengths": "CTC input_lengths longer than the log-probabilities",
+    "shorter-than-window": "an input shorter than one window",
     "norm-one-value": "a norm given one value per channel in training",
     "python-overflow": "Python float overflow",
     "empty-reduction": "min or max of an empty tensor",

@@ -377,7 +377,8 @@ def test_sqrt_of_a_rounding_error_keeps_the_clamp() -> None:
     assert t.anomaly is not None
     t.anomaly.op = ev
     d = diagnose(t)[0]
-    assert d.code == "NW112" and "rounding made v slightly negative" in d.fix
+    assert d.code == "NW112" and "rounding made the argument slightly negative" in d.fix
+    assert d.fix.startswith("s = torch.sqrt(var.clamp_min(0) + 1e-5)")  # the user's own line
 
 
 # ---------------------------------------------------------------- NW301: NaN learning rate

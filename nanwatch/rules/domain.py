@@ -74,6 +74,7 @@ from nanwatch.rules._evidence import (
     op_fields,
     operand_flow,
     operands,
+    other_input,
     outside_domain,
     packet,
     param_named,
@@ -11131,10 +11132,19 @@ def _empty_selection_diagnosis(
     """NW113's story for a mean written by hand, sum over a mask divided by its count: the
     mask picked nothing, the count is 0, and the mean is 0/0."""
     d = ast.get_source_segment(e.stmt, e.div.right) or ast.unparse(e.div.right)
+    den = input_named(ev, "other") or other_input(ev, "other")
+    # a count per row (mask.sum(-1)) with only some rows empty: those samples, not the step
+    rows = den is not None and den.numel > 1 and den.min == 0 < den.max
     evidence.insert(
         0,
-        f"the denominator {d} counts the mask {e.mask}: it selected nothing this step, so "
-        "the count is 0 and the mean over the selection is 0/0",
+        f"the denominator {d} counts the mask {e.mask}: "
+        + (
+            f"{'some' if den.zeros is None else den.zeros} of its {den.numel} counts are 0 "
+            f"(max {fmt(den.max)}): rows it selected nothing in, whose mean is 0/0"
+            if den is not None and rows
+            else "it selected nothing this step, so the count is 0 and the mean over the "
+            "selection is 0/0"
+        ),
     )
     if e.read_from is not None:
         evidence.append(f"the loss was made at {e.read_from}: {e.stmt}")
@@ -11143,7 +11153,8 @@ def _empty_selection_diagnosis(
     return ctx.diagnosis(
         **op_fields(ev, a),
         code="NW113",
-        title="Mean over an empty selection: the mask selected nothing",
+        title="Mean over an empty selection: the mask selected nothing"
+        + (" in some rows" if rows else ""),
         priority=12,
         evidence=evidence,
         explanation=(
@@ -11156,7 +11167,13 @@ def _empty_selection_diagnosis(
         ),
         fix=(
             f"{fixed}   # a count of 0 divides by 1: an empty selection gives 0, not NaN\n"
-            f"# or skip the step when the mask is empty: if not {m}.any(): continue"
+            + (
+                "# and find why those rows select nothing: a sample of length 0 (all "
+                "padding, or shorter than the model's downsampling) is best dropped in the "
+                "Dataset or the collate_fn"
+                if rows
+                else f"# or skip the step when the mask is empty: if not {m}.any(): continue"
+            )
         ),
     )
 
@@ -11936,6 +11953,9 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
         z = _zero_divisions(ev) if _one_division(ev.code) is None else None
         return _guard_each(ev, z) if z is not None and len(z.divisions) > 1 else None
     stmt, div, _ = picked
+    sinc = _sinc_fix(stmt, div)
+    if sinc is not None:
+        return sinc
     floor = _eps_floor(ev.dtype)
     narrow = floor is not None and _stored_as_zero(_NORMALIZE_EPS, ev.dtype)
     num = input_named(ev, "self", "input")
@@ -11984,6 +12004,67 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
         safe = f"torch.where({d} == 0, torch.ones_like({d}), {d})"
         why = "divides by 1 where the denominator is 0 (any sign): leaves x as is"
     return f"{_spliced(stmt, div.right, safe, grouped=True)}   # {why}"
+
+
+#: how a user's line writes pi
+_PI_NAMES = frozenset({"math.pi", "torch.pi", "np.pi", "numpy.pi", "pi"})
+
+
+def _product(node: ast.expr) -> list[ast.expr]:
+    """The factors of ``a * b * c``; ``[node]`` for anything else."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        return _product(node.left) + _product(node.right)
+    return [node]
+
+
+def _literal_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _sinc_fix(stmt: str, div: ast.BinOp) -> str | None:
+    """``sin(u) / d`` where every factor of ``d`` is a factor of ``u`` (a sinc filter's
+    ``torch.sin(2 * math.pi * f * t) / (math.pi * t)`` at ``t = 0``): the quotient tends to
+    the rest of ``u``'s factors there, not to 0/0, and ``torch.sinc(x) = sin(pi x)/(pi x)``
+    computes it, 1 at 0 with a finite gradient. A floor or a ``torch.where`` on ``d`` would
+    put 0 at those points instead (the centre tap of the filter). None for any other line."""
+    left = div.left
+    if not isinstance(left, ast.Call) or not isinstance(left.func, ast.Attribute):
+        return None
+    if left.func.attr != "sin" or left.keywords:
+        return None
+    if ast.unparse(left.func.value) == "torch" and len(left.args) == 1:
+        u = left.args[0]
+    elif not left.args and ast.unparse(left.func.value) not in _MODULES:
+        u = left.func.value  # u.sin()
+    else:
+        return None
+    num = [ast.unparse(f) for f in _product(u)]
+    den = [ast.unparse(f) for f in _product(div.right)]
+    rest = list(num)
+    for f in den:
+        if f not in rest:
+            return None
+        rest.remove(f)
+    if all(f in _PI_NAMES or _literal_number(f) for f in den):
+        return None  # sin(u) / pi: no variable that is 0 on both sides
+    pi = next((f for f in num if f in _PI_NAMES), None)
+    if pi is not None:
+        inner = list(num)
+        inner.remove(pi)
+        arg = " * ".join(paren(f) if len(inner) > 1 else f for f in inner)
+    else:
+        arg = f"{paren(ast.unparse(u))} / torch.pi"
+    scale = " * ".join(paren(f) for f in rest)
+    text = f"{scale} * torch.sinc({arg})" if scale else f"torch.sinc({arg})"
+    return (
+        f"{_spliced(stmt, div, text)}   # sin(u)/u is 1 at u = 0, not 0/0: torch.sinc(x) = "
+        "sin(pi*x)/(pi*x) gives that limit and a finite gradient (a floor or a where on the "
+        "denominator would put 0 there)"
+    )
 
 
 #: the eps InstanceNorm, LayerNorm and BatchNorm add to the variance inside the sqrt
@@ -14962,6 +15043,18 @@ def _root_forward_fix(
             "y = torch.sqrt(v.clamp_min(0) + 1e-12)   # v slightly negative from rounding\n"
             "w = F.softplus(raw)   # v a prediction, negative in its own right: keep it > 0\n"
             "# not .clamp_min(0) there: it zeroes the gradient of every negative prediction"
+        )
+    own = (
+        rewrite_call(code, ["sqrt"], lambda v: f"{paren(v)}.clamp_min(0) + 1e-5")
+        if e is None and code and len(re.findall(r"\bsqrt\(", code.split("  #", 1)[0])) == 1
+        else None
+    )
+    if own is not None:  # the user's own root: a std of E[x²] - E[x]² (a statistics pooling)
+        return (
+            f"{own}   # rounding made the argument slightly negative: floored at 0, and an "
+            "eps as in LayerNorm keeps sqrt's gradient finite where it is 0 (a constant "
+            "input)\n# or compute the variance two-pass, ((x - mean) ** 2).mean(): never "
+            "below 0"
         )
     return (
         "y = torch.sqrt(v.clamp_min(0) + 1e-12)   # rounding made v slightly negative\n"
