@@ -3381,6 +3381,21 @@ def _made_by(node: Any, i: int, depth: int = 4, budget: int = 32) -> dict[str, i
     if isinstance(r, torch.Tensor) and r.numel():
         out["exp_zeros"] = _has(r, lambda v: v == 0)
         out["exp_numel"] = r.numel()
+    if name_of(first) == "MulBackward0":
+        # a product (``(x2 - x1) * (y2 - y1)``): a factor that is 0 in every value, and what
+        # made it (``sub<maximum``: a difference of two equal values)
+        for k, attr in enumerate(("_saved_self", "_saved_other")):
+            f = _saved(first, attr)
+            if isinstance(f, torch.Tensor) and f.numel() and _has(f, lambda v: v != 0) == 0:
+                out["other_zero_factor"] = k
+                try:
+                    nxt = first.next_functions[k][0]
+                except (IndexError, AttributeError, RuntimeError):
+                    nxt = None
+                if nxt is not None and not accumulates_grad(nxt):
+                    base = name_of(nxt).split("Backward")[0].lower()
+                    out["other_zero_factor_from"] = "<".join([base, *made_from(nxt, depth=2)])
+                break
     return out
 
 

@@ -889,7 +889,7 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             info["advice"] = said
     if cls == "shape-mismatch":
         try:  # shapes and module attributes only: no device access
-            said = rnn_hidden_advice(exc)
+            said = rnn_hidden_advice(exc) or broadcast_advice(exc)
         except Exception:  # the user's exception matters more than ours
             said = None
         if said is not None:
@@ -1826,6 +1826,96 @@ _RESTRIDES = frozenset(
     {"transpose", "permute", "t", "movedim", "moveaxis", "swapaxes", "swapdims", "expand",
      "expand_as", "narrow", "unfold", "as_strided", "diagonal", "T", "mT", "H", "mH"}
 )  # fmt: skip
+
+
+_BROADCAST = re.compile(
+    r"size of tensor a \((\d+)\) must match the size of tensor b \((\d+)\) at "
+    r"non-singleton dimension (\d+)"
+)
+
+
+def broadcast_advice(exc: BaseException) -> str | None:
+    """Advice for an elementwise op on the user's line whose two tensors do not broadcast
+    ("The size of tensor a (32) must match the size of tensor b (30) at non-singleton
+    dimension 3"): the tensors that line names, with their shapes, and when they differ only
+    in their trailing (spatial) sizes, a prediction resized to the target's size (a
+    segmentation output upsampled by a fixed factor from an input whose size is not a
+    multiple of the stride). From the innermost user frame's source and the shapes of its
+    local tensors only: no device access. None when the line names no such pair. Of
+    ``(p * t).sum((2, 3))`` with p (2, 4, 32, 32) and t (2, 4, 30, 30): "p * t at
+    train.py:35 raised: p is (2, 4, 32, 32) and t is (2, 4, 30, 30), and dimension 3
+    differs (32 vs 30); ... p = F.interpolate(p, size=t.shape[-2:], ...)".
+    """
+    import ast
+
+    import torch
+
+    from nanwatch import _frames
+
+    m = _BROADCAST.search(str(exc))
+    if m is None:
+        return None
+    size_a, size_b, dim = int(m[1]), int(m[2]), int(m[3])
+    tb, user = exc.__traceback__, None
+    while tb is not None:
+        if not _frames.is_internal(tb.tb_frame.f_code.co_filename):
+            user = tb
+        tb = tb.tb_next
+    if user is None:
+        return None
+    frame, lineno = user.tb_frame, user.tb_lineno
+    where, line = _frames.describe_line(frame.f_code.co_filename, lineno)
+    span = _span_text(frame.f_code, user.tb_lasti, lineno)
+    text = span or line
+    if not text:
+        return None
+    try:
+        tree = ast.parse(text.strip())
+    except SyntaxError:
+        return None
+    named: dict[str, tuple[int, ...]] = {}
+    grad: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and n.id not in named:
+            t = frame.f_locals.get(n.id)
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                named[n.id] = tuple(int(d) for d in t.shape)
+                if t.requires_grad:
+                    grad.add(n.id)
+    if len(named) < 2:
+        return None
+    rank = max(len(s) for s in named.values())
+
+    def size_at(shape: tuple[int, ...]) -> int | None:
+        k = dim - (rank - len(shape))
+        return shape[k] if 0 <= k < len(shape) else None
+
+    first = next((k for k, s in named.items() if size_at(s) == size_a), None)
+    second = next((k for k, s in named.items() if k != first and size_at(s) == size_b), None)
+    if first is None or second is None:
+        return None
+    sa, sb = named[first], named[second]
+    said = (
+        f"{span.strip() if span else line} at {where} raised: {first} is {sa} and "
+        f"{second} is {sb}, and dimension {dim} differs ({size_a} vs {size_b}); "
+        "broadcasting stretches a size of 1, not another size."
+    )
+    trailing = [
+        i for i in range(min(len(sa), len(sb))) if sa[len(sa) - 1 - i] != sb[len(sb) - 1 - i]
+    ]
+    if len(sa) == len(sb) >= 3 and trailing and max(trailing) < min(2, len(sa) - 2):
+        pred, target = (first, second) if first in grad or second not in grad else (second, first)
+        want = named[target]
+        said += (
+            f" Only the spatial sizes differ ({'x'.join(map(str, named[pred][-2:]))} vs "
+            f"{'x'.join(map(str, want[-2:]))}): an output upsampled by a fixed scale_factor "
+            "(or strided down and up) does not come back to an input size that is not a "
+            "multiple of the stride. Resize the prediction to the target's size where it is "
+            f"made: {pred} = F.interpolate({pred}, size={target}.shape[-2:], "
+            "mode='bilinear', align_corners=False) (resize a mask with mode='nearest'), or "
+            "pad the input to a multiple of the stride."
+        )
+    return said
 
 
 def view_advice(exc: BaseException) -> str | None:

@@ -2265,6 +2265,42 @@ def module_loss_target(trace: StepTrace, a: Anomaly) -> Note | None:
     return None
 
 
+def log_into_target(trace: StepTrace, a: Anomaly) -> OpEvent | None:
+    """The log op (forensic mode's) that made the -inf a loss read in its target, when the
+    loss op itself is the op pinned: its ``target`` input is non-finite, every other input
+    finite, and the chain's first op is a forward log of a quotient that made -inf (a box
+    encoding's ``log(gw / aw)`` of a box of zero width). The target was bad before the loss
+    saw it, as the watch mode's NW401 says (the entries to drop); a functional loss whose
+    own line takes the log of its target is left to NW110 (:func:`target_log`), and so is
+    a log of anything else (a count: NW110 reads its values). None otherwise."""
+    op = a.op
+    if op is None or op.injected or a.kind is not AnomalyKind.FORWARD:
+        return None
+    ev = op.cause
+    if ev is None or ev.phase is not Phase.FORWARD or ev.born != "-inf":
+        return None
+    if packet(ev.op) not in ("log", "log2", "log10"):
+        return None
+    if not ev.made_from or ev.made_from[0] not in ("div", "true_divide"):
+        return None  # a log of a count or a magnitude: NW110 reads its values and says which
+    target = [st for name, st in op.inputs if name == "target"]
+    others = [st for name, st in op.inputs if name != "target"]
+    if len(target) != 1 or target[0] is None or target[0].finite:
+        return None
+    if not others or any(st is None or not st.finite for st in others):
+        return None
+    if a.path != LOSS_PATH:
+        return ev if module_loss_target(trace, a) is not None else None
+    for n in trace.notes:
+        if n.kind != "loss_input" or target_log(n) is not None:
+            continue
+        lo = note_num(n, "target_min")
+        ins = [note_num(n, "input_min"), note_num(n, "input_max")]
+        if lo == -math.inf and all(v is not None and math.isfinite(v) for v in ins):
+            return ev
+    return None
+
+
 def exact(trace: StepTrace, rec: Record) -> Record | None:
     """The record that measured this very tensor: ``rec`` itself, or the record its
     ``source`` links lead to through aliases. None when the links cross the output of a

@@ -36,6 +36,7 @@ from nanwatch.rules._evidence import (
     code_line,
     describe_stat,
     fmt,
+    log_into_target,
     module_loss_target,
     module_ref,
     packet,
@@ -1013,11 +1014,14 @@ def _bad_functional_target(ctx: RuleContext, path: str | None = None) -> Iterato
     if not bad:
         return
     counted = _passed_on_target(a.op) if a.op is not None else None
-    if a.op is not None and counted is None:
+    logged = log_into_target(ctx.trace, a) if a.op is not None and counted is None else None
+    if a.op is not None and counted is None and logged is None:
         # an op made the value in this step (forensic mode's or the graph walk's op, or a
         # constant operand the loss code computed without gradients): the op-level rules
         # name it (NW101 for an exp overflow); bad data would send the user to the dataset
         return
+    if logged is not None and a.op is not None:  # forensic: a log made the target's -inf
+        counted = next(st for name, st in a.op.inputs if name == "target")
     n = bad[0]
     if path is None and target_log(n) is not None:
         return  # the loss line took the log of a target holding 0: NW110 says so
@@ -1057,11 +1061,22 @@ def _bad_functional_target(ctx: RuleContext, path: str | None = None) -> Iterato
             f"{int(told):,} of its {numel:,} values {'is' if told == 1 else 'are'} non-finite, "
             "the others finite"
         )
+    if logged is not None:
+        line = code_line(logged)
+        evidence.append(
+            f"{short_op(logged.op)} made the -inf from a 0{f', {line}' if line else ''}; "
+            "the loss then read it in its target"
+        )
     if len(bad) > 1:
         evidence.append(f"{len(bad) - 1} more loss call(s) this step got a non-finite target")
     fields = anomaly_fields(a)
     fields["path"] = loss
     ratios = _log_ratio_target(n, loss) if kinds == "-inf" else []
+    if not ratios and logged is not None and logged.code:  # the log's own line, traced
+        try:
+            ratios = _log_ratios(ast.parse(logged.code.strip()))
+        except SyntaxError:
+            ratios = []
     made_here = False
     where = _loss_target(n, loss)
     y = (_target_name(where[2]) if where is not None else None) or "y"

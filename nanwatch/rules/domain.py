@@ -60,6 +60,7 @@ from nanwatch.rules._evidence import (
     integer_denominator,
     last_gradient,
     limits,
+    log_into_target,
     loss_kind,
     loss_uses,
     lost_eps,
@@ -152,6 +153,12 @@ def log_of_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
     made_inf = cause is not None and cause.kind == "injected" and "NaN" not in cause.event.born
     if cause is not None and not made_inf:
         if cause.kind == "log":
+            if log_into_target(ctx.trace, a) is cause.event:
+                return  # a loss read the log's -inf in its target: NW401 says so, as in watch
+            logged = _logged_target(ctx) if a.path == LOSS_PATH else None
+            if logged is not None and not logged.both and _ratio_of(logged.base) is not None:
+                yield _log_of_target(ctx, a, logged)  # the loss line's log(gw / aw), as in watch
+                return
             yield _log_from_op(ctx, a, cause.event, cause.trigger)
             return
         if cause.kind not in ("neginf-input", "inf-arith"):
@@ -542,19 +549,97 @@ def _log_of_target(ctx: RuleContext, a: Anomaly, t: LoggedTarget) -> Diagnosis:
         else f"target = torch.log(x.clamp_min({t.floor}))   # x: what the target's log is "
         "taken of; log(0) = -inf\n# or torch.log1p(x): 0 at 0"
     )
+    ratio = _ratio_of(t.base) if t.line is not None and not t.both else None
+    if ratio is not None:  # log(gw / aw): a box encoding's degenerate entry, or silence
+        top, bottom = ratio
+        evidence.insert(
+            2,
+            f"the log is of a ratio, {top} / {bottom}: 0 wherever {top} is, such as a "
+            "box-regression encoding's width or height of a degenerate box",
+        )
+        masked = _masked_loss_line(t)
+        fix = (
+            f"valid = {paren(top)} > 0   # a degenerate entry (a box of zero width or height, "
+            "x1 == x2): keep it out of the loss; a floor or log1p gives it a target that the "
+            "exp() decoding the prediction never inverts\n"
+            + (
+                f"{masked}   # the prediction and the target indexed with it\n"
+                if masked is not None
+                else "# index the prediction and the target with it: pred[valid], y[valid]\n"
+            )
+            + f"# or, where a 0 of {top} is a legitimate value (silence in a magnitude): "
+            f"{t.line}"
+        )
     return ctx.diagnosis(
         **fields,
         evidence=evidence,
         explanation=(
             f"The target data is finite: the -inf is made on the loss line, by the log of "
-            f"{of}, and log(0) = -inf. An exact 0 there (digital silence in a "
-            "spectrogram's magnitude, an empty frequency bin, a zero count or intensity) "
-            "makes the log target -inf and the loss inf. The target does not require grad, "
-            "so no op of the graph records the log: the line does. Put a floor under what "
-            "the log is taken of (the prediction's log needs it as much), or use log1p."
+            f"{of}, and log(0) = -inf. "
+            + (
+                f"It is a ratio, 0 wherever {ratio[0]} is: in a box-regression encoding "
+                f"(log of a ground-truth width over an anchor's) that is a degenerate box, "
+                "of zero width or height, an entry to drop, not to floor: the floored target "
+                "log(1e-5) is a box the model is then trained to predict. Where a 0 is a "
+                "legitimate value (silence in a magnitude), a floor under the log is right. "
+                if ratio is not None
+                else "An exact 0 there (digital silence in a spectrogram's magnitude, an "
+                "empty frequency bin, a zero count or intensity) makes the log target -inf "
+                "and the loss inf. "
+            )
+            + (
+                "The target does not require grad, so no op of the graph records the log: the "
+                "line does."
+                if a.op is None
+                else f"The op trace shows it: aten.log made the -inf on that line, and "
+                f"{short_op(a.op.op)} read it in its target."
+            )
+            + (
+                ""
+                if ratio is not None
+                else " Put a floor under what the log is taken of (the prediction's log needs "
+                "it as much), or use log1p."
+            )
         ),
         fix=fix,
     )
+
+
+def _masked_loss_line(t: LoggedTarget) -> str | None:
+    """The loss statement with its prediction and its target indexed by ``valid``
+    (``loss = F.smooth_l1_loss(net(x)[valid], torch.log(gt_wh / anchors_wh)[valid])``);
+    None when the line or the call is not read."""
+    import linecache
+
+    call = t.note.data.get("call")
+    path, _, num = (t.note.source or "").rpartition(":")
+    if not isinstance(call, str) or not path or not num.isdigit():
+        return None
+    stmt = linecache.getline(path, int(num)).strip()
+    try:
+        node = ast.parse(call, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(node, ast.Call) or len(node.args) < 2 or call not in stmt:
+        return None
+    pred, target = (paren(ast.unparse(x)) for x in node.args[:2])
+    rest = [ast.unparse(x) for x in (*node.args[2:], *node.keywords)]
+    args = ", ".join([f"{pred}[valid]", f"{target}[valid]", *rest])
+    return stmt.replace(call, f"{ast.unparse(node.func)}({args})", 1)
+
+
+def _ratio_of(text: str) -> tuple[str, str] | None:
+    """(numerator, denominator) of ``text`` when it is one division (``gt_wh / anchors_wh``),
+    as written; None otherwise."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and not node.args:
+        node = node.func.value  # (a / b).float()
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return ast.unparse(node.left), ast.unparse(node.right)
+    return None
 
 
 def _looks_like_mask(rec: Record) -> bool:
@@ -8535,6 +8620,9 @@ def _all_zero_denominator(
     collapsed = None if state or summed is not None else _collapsed_prediction(ctx, ev, den)
     if collapsed is not None:
         return _collapsed_denominator(ctx, a, ev, collapsed, evidence=evidence, title=title)
+    if not state and summed is None and "other_zero_factor" in ev.scalars:
+        # a product, one factor of it 0 everywhere: (x2 - x1) * (y2 - y1) of a zero width
+        return _zero_factor_denominator(ctx, a, ev, den, divisor, evidence=evidence, title=title)
     sqrt = divisor is not None and re.search(r"(?<![\w.])(?:torch\.)?sqrt\(|\.sqrt\(", divisor)
     own = None
     if sqrt and divisor is not None:
@@ -8613,6 +8701,104 @@ def _all_zero_denominator(
             "the quotient finite; the zeros are what to fix."
         ),
         fix=own,
+    )
+
+
+def _zero_factor_denominator(
+    ctx: RuleContext,
+    a: Anomaly,
+    ev: OpEvent,
+    den: TensorStat,
+    divisor: str | None,
+    *,
+    evidence: list[str],
+    title: str,
+) -> Diagnosis:
+    """An all-zero denominator that the autograd graph shows is a product one factor of
+    which is 0 in every value (``ops._made_by``'s ``other_zero_factor``): an area ``(x2 -
+    x1) * (y2 - y1)`` whose width is 0 (the enclosing box of a GIoU over boxes of zero
+    width), not a tensor never filled. The factor as written when the line, or the
+    assignment of the divisor's name above it, shows the product."""
+    k = int(ev.scalars.get("other_zero_factor", 0))
+    made_from = str(ev.scalars.get("other_zero_factor_from", ""))
+    diff = made_from.split("<", 1)[0] == "sub"
+    name = divisor.strip() if divisor is not None else None
+    made: str | None = None
+    product: ast.expr | None = None
+    if name is not None and re.fullmatch(r"[A-Za-z_]\w*", name):
+        found = _assigned_expr(ev.source, name)
+        if found is not None:
+            made, product = found
+    elif name is not None:
+        try:
+            product = ast.parse(name, mode="eval").body
+        except SyntaxError:
+            product = None
+    factor = None
+    if isinstance(product, ast.BinOp) and isinstance(product.op, ast.Mult):
+        factor = ast.unparse(product.left if k == 0 else product.right)
+    which = factor or ("its first factor" if k == 0 else "its second factor")
+    by = f", made by {made_from.replace('<', ' <- ')}" if made_from else ""
+    evidence.insert(
+        2,
+        f"the denominator{f' {name}' if name else ''} is a product (autograd node MulBackward0)"
+        + (f", made as {made.split('=', 1)[1].strip()}" if made else "")
+        + f", and {which} is 0 in all of its values{by}: "
+        + ("a difference of two equal values, " if diff else "")
+        + "not a tensor never filled",
+    )
+    dt = f"torch.{ev.dtype or 'float32'}"
+    ops = [n.id for n in ast.walk(product) if isinstance(n, ast.Name)] if product else []
+    ops = [o for o in ops if o not in ("torch", "F", "math", "np")]
+    if ops:
+        dt = f"{ops[0]}.dtype"
+    lines: list[str] = []
+    if made is not None and name is not None:
+        rhs = made.split("=", 1)[1].strip()
+        lines.append(
+            f"{name} = {paren(rhs)}.clamp_min(torch.finfo({dt}).eps)   # was {made}: floored "
+            f"where it is made, so every use of {name} stays finite"
+        )
+    else:
+        floor = _rewrite_divisor(ev.code, lambda d: f"{paren(d)}.clamp_min(torch.finfo({dt}).eps)")
+        lines.append(
+            f"{floor}   # keeps the quotient finite"
+            if floor is not None
+            else "y = x / d.clamp_min(torch.finfo(d.dtype).eps)   # d the product, floored "
+            "where it is made"
+        )
+    if not ev.code:
+        lines.append('# mode="forensic" names your line, and nanwatch rewrites it')
+    lines.append(
+        f"# {which} is 0 in every value: find why"
+        + (
+            " the two values it subtracts are equal (a box, or the box enclosing two boxes, "
+            "of zero width or height: a predicted box collapsed to a point, an annotation "
+            "with x1 == x2)"
+            if diff
+            else " it is 0 everywhere"
+        )
+    )
+    return ctx.diagnosis(
+        **op_fields(ev, a),
+        title=f"{title}: a factor of a product is 0",
+        evidence=evidence,
+        explanation=(
+            "Every value of this denominator is exactly 0, not a few: x/0 is ±inf and 0/0 is "
+            f"NaN everywhere it divides. It is a product, and {which} is 0 in every value"
+            + (
+                ": a difference of two equal values, such as a width x2 - x1 or a height of "
+                "zero (an area, or the area of the box enclosing two boxes, when both are "
+                "degenerate in the same direction)"
+                if diff
+                else ""
+            )
+            + ", so the product is 0 whatever the other factor holds; it was computed this "
+            "step, not a tensor never filled. A floor on the product where it is made keeps "
+            "the quotient finite (torchvision's generalized_box_iou_loss adds eps to the "
+            "enclosing area); why the factor is 0 is what to fix."
+        ),
+        fix="\n".join(lines),
     )
 
 
