@@ -122,6 +122,8 @@ _CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # on float16 scores): "value cannot be converted to type c10::Half without overflow"
     ("scalar-overflow", ("without overflow",)),
     ("fp16-unscale", ("Attempting to unscale FP16 gradients",)),  # GradScaler on .half()
+    # F.gaussian_nll_loss (nn.GaussianNLLLoss) refuses a negative variance: a raw output
+    ("negative-variance", ("var has negative entry/entries",)),
     (
         "distribution-constraint",  # torch.distributions' validate_args: before "non-finite"
         ("to satisfy the constraint",),  # and "dtype" (the printed values may say either)
@@ -321,6 +323,13 @@ ADVICE: dict[str, str] = {
         "A check refused a NaN or inf value (clip_grad_norm_(error_if_nonfinite=True), "
         "torch.multinomial's probabilities): the steps below show which tensors were not "
         "finite, and Where it went wrong names the first one nanwatch saw."
+    ),
+    "negative-variance": (
+        "GaussianNLLLoss (F.gaussian_nll_loss) got a var with negative entries: a variance "
+        "must be >= 0, so make it positive where it is made, var = F.softplus(raw) + 1e-6 "
+        "(or var = log_var.exp() of a predicted log). A raw Linear output is negative about "
+        "half the time; a clamp or a relu leaves no gradient below 0, and the loss raises "
+        "a 0 to its eps (1e-6) but refuses a negative value."
     ),
     "distribution-constraint": (
         "A torch.distributions distribution refused its parameters (validate_args): a "

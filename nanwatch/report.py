@@ -90,6 +90,7 @@ ERROR_LABELS: dict[str, str] = {
     "device-mismatch": "device mismatch",
     "dtype-error": "dtype error",
     "fp16-unscale": "GradScaler on float16 weights",
+    "negative-variance": "a negative variance given to GaussianNLLLoss",
     "distribution-constraint": "distribution argument out of its support",
     "non-finite": "a check refused NaN/inf",
     "linalg": "linear algebra error",

@@ -1929,6 +1929,28 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
             evidence=f"{what} holds negative values, down to {fmt(x.min)}, and a watched "
             "output made by a subtraction (SubBackward0) holds them, within [-1, 1]",
         )
+    made_at = _positive_where_made(ev, arg) if x.min < 0 else None
+    if made_at is not None:  # rate = m(x) above the line: a model's output, unconstrained
+        name, value, positive, where = made_at
+        return _LogUse(
+            "negative",
+            fix=(
+                f"{name} = {positive} + 1e-6   # at {where}, where {name} is made: above 0 "
+                f"for every use of it; or {name} = {value}.exp(), {value} then predicting its "
+                "log\n"
+                f"# not a clamp at a tiny value: {tiny_log} is a wrong value, not a small one"
+            ),
+            why=(
+                f"Its input is negative (min {fmt(x.min)}, max {fmt(x.max)}): {name} is made "
+                f"at {where} as {value}, a model's output, which can be any real number. A "
+                "quantity that must be positive (a rate, a scale, a variance) needs a "
+                "positive map where it is made: softplus, or exp of a predicted log. A floor "
+                f"at a tiny value would turn the NaN into {tiny_log}, finite and wrong, and "
+                "leave no gradient to move the output back."
+            ),
+            evidence=f"{name} is made at {where}: {name} = {value}, a model's output that "
+            "nothing keeps above 0",
+        )
     raw = _raw_layer_output(ctx, made_ev, x) if x.min < 0 else None
     if raw is not None:
         path, kind = raw
@@ -7012,6 +7034,25 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
             f"every {name} above the floor is unchanged\n"
             f"# or floor {name} where it is made (a lower bound on a predicted scale)"
         )
+    rel = _relative_error(ev) if "NaN" in ev.born and not integer else None
+    if rel is not None:  # sMAPE: |p - y| / (|p| + |y|) with p = y = 0, an exact prediction
+        evidence.insert(1, rel)
+        yield ctx.diagnosis(
+            **op_fields(ev, a),
+            title=f"{title} in a relative error of two zeros (sMAPE)",
+            evidence=evidence,
+            explanation=(
+                "The division is a relative error, the absolute difference of two values "
+                "over their sizes (sMAPE 2|p - y| / (|p| + |y|), a relative or Canberra "
+                "distance): where both are 0 (a zero-demand day predicted as 0) it is 0/0 "
+                "= NaN. The prediction is exact there, so its error is 0: a floor on the "
+                "denominator gives 0/eps = 0 and leaves every other ratio as it was. A "
+                "smoothing of 1 on both sides, as a dice uses, would charge that exact "
+                "prediction an error of 1."
+            ),
+            fix=fix,
+        )
+        return
     yield ctx.diagnosis(
         **op_fields(ev, a),
         title=title,
@@ -7024,6 +7065,47 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         ),
         fix=fix,
     )
+
+
+def _relative_error(ev: OpEvent) -> str | None:
+    """The evidence that the user's one division is a relative error: its numerator holds
+    the absolute value of a difference (``(pred - y).abs()``, ``torch.abs(a - b)``) and its
+    denominator is a sum over both of its terms (``pred.abs() + y.abs()``), so its 0/0 is
+    two zeros, an exact match; None otherwise."""
+    one = _one_division(ev.code)
+    if one is None:
+        return None
+    stmt, div = one
+
+    def differences(node: ast.AST) -> list[ast.BinOp]:
+        found = []
+        for n in ast.walk(node):
+            if not isinstance(n, ast.Call):
+                continue
+            inner: ast.AST | None = None
+            if isinstance(n.func, ast.Attribute) and n.func.attr == "abs" and not n.args:
+                inner = n.func.value
+            elif ast.unparse(n.func) in ("torch.abs", "abs") and len(n.args) == 1:
+                inner = n.args[0]
+            if isinstance(inner, ast.BinOp) and isinstance(inner.op, ast.Sub):
+                found.append(inner)
+        return found
+
+    below = div.right
+    if not (isinstance(below, ast.BinOp) and isinstance(below.op, ast.Add)):
+        return None
+    summed = _tensor_names(below)
+    for diff in differences(div.left):
+        a, b = _tensor_names(diff.left), _tensor_names(diff.right)
+        if a and b and a <= summed and b <= summed:
+            num = ast.get_source_segment(stmt, div.left) or ast.unparse(div.left)
+            den = ast.get_source_segment(stmt, below) or ast.unparse(below)
+            return (
+                f"the ratio {num} / ({den}) is a relative error: the difference of "
+                f"{ast.unparse(diff.left)} and {ast.unparse(diff.right)} over their sizes, "
+                "0/0 only where both are 0"
+            )
+    return None
 
 
 def _shared_divisor(ev: OpEvent) -> tuple[str, list[str]] | None:
@@ -7615,20 +7697,23 @@ def _expanded(ev: OpEvent, node: ast.expr, stmt: str) -> tuple[set[str], bool]:
     assigned earlier on the line or above it in the line's function replaced by the names of
     its value (one level); and whether a product is among them."""
     names: set[str] = set()
-    product = any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult) for n in ast.walk(node))
+
+    def tensors_product(n: ast.AST) -> bool:  # a * b, not 2 * |p - y| (a scaled difference)
+        return (
+            isinstance(n, ast.BinOp)
+            and isinstance(n.op, ast.Mult)
+            and not isinstance(n.left, ast.Constant)
+            and not isinstance(n.right, ast.Constant)
+        )
+
+    product = any(tensors_product(n) for n in ast.walk(node))
     for name in _tensor_names(node):
         value = _earlier_value(ev, stmt, name)
         if value is None:
             names.add(name)
             continue
         names |= _tensor_names(value) or {name}
-        product = product or any(
-            isinstance(n, ast.BinOp)
-            and isinstance(n.op, ast.Mult)
-            and not isinstance(n.left, ast.Constant)
-            and not isinstance(n.right, ast.Constant)
-            for n in ast.walk(value)
-        )
+        product = product or any(tensors_product(n) for n in ast.walk(value))
     return names, product
 
 
@@ -11815,6 +11900,12 @@ def _unconditional_assignment(ev: OpEvent, name: str) -> ast.expr | None:
     """The value of the last ``name = value`` above the user's line in the same function
     that runs whenever the line does: assignments under an ``if``/``for``/``with`` (a
     one-line header, or a deeper indent than the line's) are passed over."""
+    found = _unconditional_assignment_at(ev, name)
+    return found[0] if found is not None else None
+
+
+def _unconditional_assignment_at(ev: OpEvent, name: str) -> tuple[ast.expr, str] | None:
+    """:func:`_unconditional_assignment`'s value and its line (``file.py:N``)."""
     import linecache
 
     source = ev.source
@@ -11843,7 +11934,7 @@ def _unconditional_assignment(ev: OpEvent, name: str) -> ast.expr | None:
         target = node.targets[0]
         if not isinstance(target, ast.Name) or target.id != name:
             return None
-        return node.value
+        return node.value, where
     return None
 
 
@@ -14582,14 +14673,47 @@ def _constant_root_fix(ev: OpEvent, read: tuple[str, str] | None) -> str:
     )
 
 
+def _positive_where_made(ev: OpEvent, arg: str | None) -> tuple[str, str, str, str] | None:
+    """(the name, its value, that value passed through softplus, its line) when
+    ``arg`` (what a log or a root was given, as the line writes it) is a plain name the
+    function assigned, unconditionally, from a model's or a layer's call (``rate =
+    m(x)``, ``mu = self.head(h).squeeze(-1)``): made positive there, every use of it is,
+    where wrapping the one use on the line leaves the others as they were (a Tweedie
+    loss's ``mu.pow(1 - p)`` and ``mu.pow(2 - p)``). None for a value computed by
+    arithmetic or by a torch function: softplus would change what it means."""
+    name = (arg or "").strip()
+    if not re.fullmatch(r"[A-Za-z_]\w*", name):
+        return None
+    found = _unconditional_assignment_at(ev, name)
+    if found is None:
+        return None
+    value, where = found
+    inner, _ = _under_views(value)
+    library = ("torch", "F", "nn", "math", "np")  # torch.sub(a, b): computed, no layer's output
+    if not isinstance(inner, ast.Call) or ast.unparse(inner.func).split(".")[0] in library:
+        return None
+    f = "torch.nn.functional." if _lacks_f(ev.source) else "F."
+    return name, ast.unparse(value), f"{f}softplus({ast.unparse(value)})", where
+
+
 def _negative_root_fix(ev: OpEvent) -> str:
-    """A positive parameterization of the values the sqrt was given, on the user's line
-    when it is known."""
+    """A positive parameterization of the values the sqrt was given: where the name the
+    line uses is made, when that is a model's output assigned above; else on the user's
+    line when it is known."""
+    got: list[str] = []
+    stmt = next((st for st in statements(ev.code) if "sqrt" in st), None)
+    arg = call_argument(stmt, ["sqrt"]) if stmt else None
+    if arg is None and _rewrite_base(ev.code, lambda b: b, got, ev) is not None and got:
+        arg = got[0]
+    made = _positive_where_made(ev, arg)
     own = rewrite_call(ev.code, ["sqrt"], lambda v: f"F.softplus({v})")
     if own is None:
         own = _rewrite_base(ev.code, lambda b: f"F.softplus({b})", [], ev)
     head = (
-        f"{own}   # softplus keeps them positive"
+        f"{made[0]} = {made[2]}   # at {made[3]}, where {made[0]} is made: softplus keeps it "
+        "positive for every use of it"
+        if made is not None
+        else f"{own}   # softplus keeps them positive"
         if own
         else "# the root's argument, where the network predicts it: F.softplus of the raw "
         "output (> 0)"

@@ -435,8 +435,8 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
         fix = (
             f"# {name} loaded with missing values: the loss over the values that are there\n"
             f"keep = torch.isfinite({name})\n"
-            f"loss = ((pred - {name})[keep] ** 2).mean()   # pred: what {bare} took {name} from\n"
-            "# or drop those rows where the data is loaded (df.dropna(), a Dataset that skips "
+            + _masked_loss(ctx, name, bare)
+            + "# or drop those rows where the data is loaded (df.dropna(), a Dataset that skips "
             f"them); if {name} is computed:\n" + fix
         )
     if name and ratio is None and not unsaved:
@@ -472,6 +472,42 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
 
 #: reductions that measure a spread: a tensor of equal values has 0 of it
 _SPREADS = frozenset({"std", "var", "norm", "vector_norm"})
+
+
+#: the loss graph's ops above the difference (nearest the loss first) of the losses whose
+#: masked form is one line: a squared and an absolute error, with their reduction
+_ELEMENTWISE: dict[tuple[str, ...], str] = {
+    ("mean", "pow"): "loss = ((pred - {y})[keep] ** 2).mean()",
+    ("sum", "pow"): "loss = ((pred - {y})[keep] ** 2).sum()",
+    ("mean", "abs"): "loss = (pred - {y})[keep].abs().mean()",
+    ("sum", "abs"): "loss = (pred - {y})[keep].abs().sum()",
+}
+
+
+def _masked_loss(ctx: RuleContext, name: str, bare: str) -> str:
+    """The loss over the finite values of ``name``, the operand of the difference ``bare``
+    (``sub``) that a loss reads: the squared or absolute error itself when the loss graph
+    shows one; otherwise (a pinball, a Huber, any other loss of the difference, as the
+    graph shows) the mask applied to that loss's own terms, which only its code holds."""
+    for note in ctx.notes("loss_graph"):
+        ops = note.data.get("ops")
+        if not isinstance(ops, list) or bare not in ops:
+            continue
+        above = tuple(str(o) for o in ops[: ops.index(bare)])
+        known = _ELEMENTWISE.get(above)
+        if known is not None:
+            return f"{known.format(y=name)}   # pred: what {bare} took {name} from\n"
+        chain = [str(o) for o in ops[: ops.index(bare) + 1]]
+        ops_said = ", ".join(o for i, o in enumerate(chain) if i == 0 or chain[i - 1] != o)
+        return (
+            f"{name} = torch.nan_to_num({name})   # a finite stand-in, masked out below (NaN "
+            "* 0 is still NaN)\n"
+            f"# your loss's terms on this {name} before their mean (its ops from the loss "
+            f"down: {ops_said}; not a squared error): each term times keep (broadcast to "
+            "their shape), then\n"
+            "loss = (terms * keep).sum() / keep.sum()   # terms: those per-element losses\n"
+        )
+    return f"loss = ((pred - {name})[keep] ** 2).mean()   # pred: what {bare} took {name} from\n"
 
 
 def _spread(node: ast.expr) -> bool:
