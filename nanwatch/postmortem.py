@@ -699,6 +699,31 @@ def empty_reduction_advice(message: str, code: str | None = None) -> str:
     )
 
 
+def _tracebacks(exc: BaseException) -> list[TracebackType]:
+    """The traceback entries of ``exc``, outermost first (at most 512)."""
+    out: list[TracebackType] = []
+    tb = exc.__traceback__
+    while tb is not None and len(out) < 512:
+        out.append(tb)
+        tb = tb.tb_next
+    return out
+
+
+def _innermost_user(exc: BaseException) -> TracebackType | None:
+    """The innermost traceback entry of ``exc`` in the user's code (not torch's, not
+    nanwatch's): the line that raised, as the user wrote it. None when there is none."""
+    from nanwatch import _frames
+
+    return next(
+        (
+            t
+            for t in reversed(_tracebacks(exc))
+            if not _frames.is_internal(t.tb_frame.f_code.co_filename)
+        ),
+        None,
+    )
+
+
 def _raising_line(exc: BaseException) -> str | None:
     """The code of the innermost user frame of ``exc``'s traceback (the line that raised)."""
     import traceback
@@ -985,11 +1010,7 @@ def position_advice(exc: BaseException) -> str | None:
     from torch import nn
 
     message = str(exc)
-    tb = exc.__traceback__
-    frames: list[FrameType] = []
-    while tb is not None and len(frames) < 512:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
+    frames = [t.tb_frame for t in _tracebacks(exc)]
     owners = [(f, me) for f in frames if isinstance(me := f.f_locals.get("self"), nn.Module)]
     if not owners:
         return None
@@ -1050,11 +1071,7 @@ def token_ids_advice(exc: BaseException) -> str | None:
 
     from nanwatch import _frames, guards
 
-    tb = exc.__traceback__
-    frames: list[FrameType] = []
-    while tb is not None and len(frames) < 512:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
+    frames = [t.tb_frame for t in _tracebacks(exc)]
     owners = [
         (i, me) for i, f in enumerate(frames) if isinstance(me := f.f_locals.get("self"), nn.Module)
     ]
@@ -1120,11 +1137,7 @@ def position_ids_advice(exc: BaseException) -> str | None:
 
     from nanwatch import _frames, guards
 
-    tb = exc.__traceback__
-    frames: list[FrameType] = []
-    while tb is not None and len(frames) < 512:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
+    frames = [t.tb_frame for t in _tracebacks(exc)]
     owners = [
         (i, me) for i, f in enumerate(frames) if isinstance(me := f.f_locals.get("self"), nn.Module)
     ]
@@ -1301,15 +1314,10 @@ def index_advice(exc: BaseException) -> str | None:
 
     import torch
 
-    from nanwatch import _frames
-
-    tb, frame = exc.__traceback__, None
-    while tb is not None:
-        if not _frames.is_internal(tb.tb_frame.f_code.co_filename):
-            frame, line = tb.tb_frame, tb.tb_lineno
-        tb = tb.tb_next
-    if frame is None:
+    user = _innermost_user(exc)
+    if user is None:
         return None
+    frame, line = user.tb_frame, user.tb_lineno
     text = linecache.getline(frame.f_code.co_filename, line).strip()
     try:  # a block's header (``for ...:``, ``if ...:``) parses with a body
         tree = ast.parse(text + " pass" if text.endswith(":") else text)
@@ -1521,11 +1529,7 @@ def ctc_lengths_advice(exc: BaseException) -> str | None:
     if m is None:
         return None
     frames, got = int(m[1]), int(m[2])
-    tbs: list[TracebackType] = []
-    tb = exc.__traceback__
-    while tb is not None and len(tbs) < 512:
-        tbs.append(tb)
-        tb = tb.tb_next
+    tbs = _tracebacks(exc)
     ctc = next(
         (t.tb_frame.f_locals for t in reversed(tbs) if t.tb_frame.f_code.co_name == "ctc_loss"),
         {},
@@ -1612,11 +1616,7 @@ def short_window_advice(exc: BaseException) -> str | None:
     from nanwatch import _frames
 
     message = str(exc)
-    tbs: list[TracebackType] = []
-    tb = exc.__traceback__
-    while tb is not None and len(tbs) < 512:
-        tbs.append(tb)
-        tb = tb.tb_next
+    tbs = _tracebacks(exc)
     user = next(
         (t for t in reversed(tbs) if not _frames.is_internal(t.tb_frame.f_code.co_filename)),
         None,
@@ -1707,11 +1707,7 @@ def rnn_hidden_advice(exc: BaseException) -> str | None:
     got = tuple(int(n) for n in m["got"].split(", "))
     if len(want) != 3 or len(got) != 3:
         return None
-    tb = exc.__traceback__
-    tbs: list[TracebackType] = []
-    while tb is not None and len(tbs) < 512:
-        tbs.append(tb)
-        tb = tb.tb_next
+    tbs = _tracebacks(exc)
     frames = [t.tb_frame for t in tbs]
     owners = [(f, me) for f in frames if isinstance(me := f.f_locals.get("self"), nn.Module)]
     rnn = next(
@@ -1865,11 +1861,7 @@ def broadcast_advice(exc: BaseException) -> str | None:
     if m is None:
         return None
     size_a, size_b, dim = int(m[1]), int(m[2]), int(m[3])
-    tb, user = exc.__traceback__, None
-    while tb is not None:
-        if not _frames.is_internal(tb.tb_frame.f_code.co_filename):
-            user = tb
-        tb = tb.tb_next
+    user = _innermost_user(exc)
     if user is None:
         return None
     frame, lineno = user.tb_frame, user.tb_lineno
@@ -1944,11 +1936,7 @@ def view_advice(exc: BaseException) -> str | None:
 
     from nanwatch import _frames
 
-    tb, user = exc.__traceback__, None
-    while tb is not None:
-        if not _frames.is_internal(tb.tb_frame.f_code.co_filename):
-            user = tb
-        tb = tb.tb_next
+    user = _innermost_user(exc)
     if user is None:
         return None
     frame, lineno = user.tb_frame, user.tb_lineno
@@ -2037,11 +2025,7 @@ def index_dtype_advice(exc: BaseException) -> str | None:
     if m is None:
         return None
     op = m["op"].rstrip("_")
-    tb, user = exc.__traceback__, None
-    while tb is not None:
-        if not _frames.is_internal(tb.tb_frame.f_code.co_filename):
-            user = tb
-        tb = tb.tb_next
+    user = _innermost_user(exc)
     if user is None:
         return None
     frame, lineno = user.tb_frame, user.tb_lineno
@@ -2104,11 +2088,7 @@ def bool_arithmetic_advice(exc: BaseException) -> str | None:
 
     if "Subtraction, the `-` operator, with a bool tensor" not in str(exc):
         return None
-    tb, user = exc.__traceback__, None
-    while tb is not None:
-        if not _frames.is_internal(tb.tb_frame.f_code.co_filename):
-            user = tb
-        tb = tb.tb_next
+    user = _innermost_user(exc)
     if user is None:
         return None
     frame, lineno = user.tb_frame, user.tb_lineno
@@ -2561,11 +2541,7 @@ def optimizer_error(
     """
     import torch
 
-    tb = exc.__traceback__
-    frames: list[FrameType] = []
-    while tb is not None and len(frames) < 512:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
+    frames = [t.tb_frame for t in _tracebacks(exc)]
     optimizer: Any = None
     first = -1
     for i, f in enumerate(frames):
