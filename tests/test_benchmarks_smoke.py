@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import gallery_device, gpu, hook_cost, run
+from benchmarks import gallery_device, gpu, hook_cost, long_run, run
 from benchmarks._timing import minor_faults
 from benchmarks.variants import VARIANTS, DebugUnderflowOverflow, make_runners
 from benchmarks.workloads import build
@@ -215,3 +215,11 @@ def test_the_gallery_on_a_device_says_where_it_differs() -> None:
     from nanwatch.watcher import Watcher
 
     assert Watcher.attach.__name__ == "attach"  # put back
+
+
+def test_long_run_measures_every_case_and_mode() -> None:
+    out = long_run.main(["--quick"])
+    assert [(g.case, g.mode) for g in out] == [
+        (c, m) for c in ("plain", "dead", "nan") for m in ("watch", "sentinel")
+    ]
+    assert all(g.first_ms > 0 and g.last_ms > 0 and math.isfinite(g.growth) for g in out)
