@@ -878,14 +878,22 @@ def forward_nan_hidden(ctx: RuleContext, a: Anomaly) -> bool:
     """Forensic mode: no backward op made the anomaly's NaN gradient (each was given the
     NaN), so its op is the forward op that made a NaN the loss never saw (a torch.where or
     a 0 mask hid it, and the loss is finite): NW407's, whatever op made it."""
-    return (
+    ev = a.op
+    if not (
         a.kind is AnomalyKind.BACKWARD
-        and a.op is not None
-        and a.op.phase is Phase.FORWARD
-        and not a.op.injected
-        and "NaN" in a.op.born
+        and ev is not None
+        and ev.phase is Phase.FORWARD
+        and not ev.injected
+        and "NaN" in ev.born
         and not _loss_not_finite(ctx)
-    )
+    ):
+        return False
+    if any(st is not None and st.has_nan for _, st in ev.inputs):
+        return True  # a NaN given to the op and hidden after it: clean it before the op
+    # made from finite inputs outside the op's domain (a root of a negative number): the
+    # hidden NaN's story only when the op's line selects with torch.where (the double
+    # where); hidden by a later gather or index, the op's domain is what to fix
+    return bool(ev.code) and _double_where(ev, {n for n, _ in ev.inputs} or {"self"}) is not None
 
 
 def _loss_not_finite(ctx: RuleContext) -> bool:
