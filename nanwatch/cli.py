@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import functools
 import sys
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -500,6 +501,68 @@ def _end_of_run_report(nw: Any, script: str, process: str | None = None) -> None
     print_summary(report, paths, console=_console(stderr=True))
 
 
+def _is_program(caller: types.FrameType | None) -> bool:
+    """Whether ``caller`` is the program's top level (the console script, ``python -m
+    nanwatch``): an exception out of :func:`main` ends the process, and Python prints it."""
+    return (
+        caller is not None
+        and caller.f_code.co_name == "<module>"
+        and caller.f_globals.get("__name__") == "__main__"
+    )
+
+
+def _script_traceback(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` from the script's first frame on, as ``python script.py`` prints it: the
+    launcher's frames (the console script, this file, runpy's) left out; ``tb`` itself when
+    the exception was not raised inside the script."""
+    import os
+
+    here = os.path.normcase(os.path.abspath(__file__))
+    start, t = None, tb
+    while t is not None:
+        if os.path.normcase(os.path.abspath(t.tb_frame.f_code.co_filename)) == here:
+            start = t.tb_next  # the call into the script (exec, runpy) is the last of ours
+        t = t.tb_next
+    while start is not None and _is_runpy(start.tb_frame.f_code.co_filename):
+        start = start.tb_next
+    return start if start is not None else tb
+
+
+def _is_runpy(filename: str) -> bool:
+    import os
+    import runpy
+
+    return filename == "<frozen runpy>" or os.path.abspath(filename) == os.path.abspath(
+        runpy.__file__
+    )
+
+
+def _run_as_program(args: argparse.Namespace) -> int:
+    """:func:`_cmd_run` for the program's top level: the script's exception goes on
+    unchanged (its exit code is Python's), and the traceback Python prints of it leaves out
+    nanwatch's and runpy's frames, as ``python script.py`` would print it."""
+    try:
+        return _cmd_run(args)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        previous, raised = sys.excepthook, exc  # (``exc`` is unbound after the except)
+
+        def hook(
+            kind: type[BaseException], value: BaseException, tb: types.TracebackType | None
+        ) -> None:
+            if value is raised:
+                try:
+                    tb = _script_traceback(tb)
+                    value.__traceback__ = tb
+                except Exception:  # printing the user's exception matters more than ours
+                    pass
+            previous(kind, value, tb)
+
+        sys.excepthook = hook
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     own, script_args = _split_run(parser, list(sys.argv[1:] if argv is None else argv))
@@ -510,6 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "run":  # the script's own exceptions must come out unchanged
+        if _is_program(sys._getframe(1)):
+            return _run_as_program(args)
         return _cmd_run(args)
     handlers = {"demo": _cmd_demo, "report": _cmd_report, "rules": _cmd_rules}
     from nanwatch.errors import ConfigError, ReportFormatError

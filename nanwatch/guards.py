@@ -1763,6 +1763,51 @@ def _loss_options(p: _Probe) -> str:
     return ", ".join(parts)
 
 
+def _shifted_labels(p: _Probe, ignore: int) -> dict[str, Any] | None:
+    """Every target of the loss is ignored, yet the watched model it runs inside was given
+    an integer tensor of targets (labels) with some that count, all in the first position
+    of the last dimension: the model shifts its labels by one before the loss (a causal
+    LM predicts token t + 1 from tokens up to t), so the first position is never a target.
+    The argument's name, shape and counting labels; None otherwise. Failure path only."""
+    t = p.target
+    if t is None or p.site is None or not p.roots:
+        return None
+    try:
+        roots = {id(m) for m in p.roots}
+        f: types.FrameType | None = p.site
+        hops = 0
+        while f is not None and f is not p.frame and hops < 64:
+            hops += 1
+            me = f.f_locals.get("self")
+            if id(me) in roots:
+                code = f.f_code
+                n = code.co_argcount + code.co_kwonlyargcount
+                args = [(k, f.f_locals.get(k)) for k in code.co_varnames[:n]]
+                if code.co_flags & inspect.CO_VARKEYWORDS:
+                    extra = f.f_locals.get(code.co_varnames[n + bool(code.co_flags & 4)])
+                    if isinstance(extra, dict):
+                        args += [(str(k), val) for k, val in extra.items()]
+                for name, val in args:
+                    if not (
+                        isinstance(val, torch.Tensor)
+                        and not val.is_floating_point()
+                        and not val.is_complex()
+                        and val.dim() >= 1
+                        and val.shape[-1] >= 2
+                        and val.numel() in (t.numel(), t.numel() + val.numel() // val.shape[-1])
+                    ):
+                        continue
+                    counting = val != ignore
+                    total = int(counting.sum())
+                    if total and not bool(counting[..., 1:].any()):
+                        return {"arg": name, "shape": list(val.shape), "counting": total}
+                return None
+            f = f.f_back
+    except Exception:  # a frame that cannot be read: no evidence
+        return None
+    return None
+
+
 def _class_result(
     p: _Probe,
     v: dict[str, float],
@@ -1781,6 +1826,9 @@ def _class_result(
             # every target ignored: the mean is 0/0, and a fix that rewrites the loss call
             # must keep the loss's other options (a label_smoothing, class weights)
             p.data["loss_options"] = _loss_options(p)
+            by_one = _shifted_labels(p, ignore)
+            if by_one is not None:
+                p.data["labels_shifted"] = by_one
     if lo <= v["target_min"] and v["target_max"] < c:
         return
     t = p.target

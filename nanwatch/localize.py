@@ -1292,6 +1292,20 @@ def _which_call(trace: StepTrace, call: Call | None) -> str:
     return f", at the {_ordinal(nth)} call of {call.path} in this step"
 
 
+def _computed_input_line(
+    trace: StepTrace, call: Call | None, trig: Record
+) -> tuple[str, str] | None:
+    """Where the user's code, just above the root call, computed the bad input ``trig`` as
+    NW401 reads it from the source (see ``rules.data.computed_input``); None when it does
+    not show or the source cannot be read. Run only when an anomaly is localized."""
+    try:
+        from nanwatch.rules.data import computed_input
+
+        return computed_input(trace, call, trig)
+    except Exception:  # unreadable source: the headline keeps its general wording
+        return None
+
+
 def _op_before(trace: StepTrace, call: Call, trig: Record) -> OpEvent | None:
     """A traced forward op of this step, outside ``call``, that made the non-finite value
     ``trig`` (``call``'s input) holds from finite values (forensic mode, ``nw.replay``): the
@@ -1564,6 +1578,12 @@ def localize(
                 "it before the model's call; mode='forensic' (nanwatch run --mode forensic) "
                 "names the op if your code made it"
             )
+            made_at = _computed_input_line(trace, call, trig)
+            if made_at is not None:  # the line above the call that computed it, as NW401 says
+                summary = (
+                    f"{what} in {trig.role} of {path}{rows}: computed by your code at "
+                    f"{made_at[0]} ({made_at[1]}), not the batch"
+                )
     elif trig.phase is Phase.INPUT:
         parent = _parent(trace, call)
         kind, origin = AnomalyKind.FORWARD, "between-children"

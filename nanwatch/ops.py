@@ -3592,9 +3592,23 @@ def _elementwise_event(
                 return None
             why = "denominator holds no zero; the quotient overflows"
             return _event(node, op, made, why, inputs=tensors, result=result, scalars=scalars)
+        quot = _local_output(node) if result is None else None
+        if quot is not None:  # the user's code holds the quotient (cls_loss = s / n)
+            result = quot[1]
+            scalars["result_local"] = quot[0]
+        named = (
+            _local_named(den)
+            if isinstance(den, torch.Tensor) and den.numel() == 1 and den.grad_fn is None
+            else None
+        )
+        if named is not None:  # the count's own name (num_pos), for its fix
+            scalars["other_local"] = named
         if result is None:  # numerator not saved and not the loss itself: x/0 or 0/0
             born: frozenset[str] = loss_kinds
             why = f"denominator holds {zeros} zeros (the numerator was not saved)"
+        elif quot is not None:
+            born = _kinds(result) - in_kinds
+            why = f"denominator holds {zeros} zeros; the quotient is {quot[0]}"
         else:
             born = _kinds(result) - in_kinds
             why = f"denominator holds {zeros} zeros"
@@ -3978,6 +3992,7 @@ def graph_evidence(
     values: Callable[[Any], torch.Tensor | None] | None = None,
     logs: list[list[str]] | None = None,
     unsaved: bool = True,
+    powers: list[list[str]] | None = None,
 ) -> tuple[list[str], list[OpEvent]]:
     """Read the autograd graph below ``fn`` (a loss's ``grad_fn``) down to the nodes in
     ``stop`` (true for the grad_fns of watched outputs): the names of the ops it ran, and an
@@ -3992,7 +4007,9 @@ def graph_evidence(
     ``log(1 - p)`` is a binary cross-entropy written by hand. ``unsaved``: when nothing
     the graph saved explains the loss's value, an operand with no history of a node that
     saves none (``pred - y``) is looked for among the user's locals (see
-    :func:`_nonfinite_local`)."""
+    :func:`_nonfinite_local`). ``powers``, when given, gets what each power of the graph
+    was taken of: ``log(1 - p) * p ** 2`` weights the log by a power of ``p`` (a focal
+    loss), not a plain binary cross-entropy."""
     names: list[str] = []
     events: list[OpEvent] = []
     order: list[Any] = []
@@ -4011,6 +4028,8 @@ def graph_evidence(
         names.append(base.lower())
         if logs is not None and base in ("Log", "Log2", "Log10"):
             logs.append(made_from(node, stop, through=True))
+        if powers is not None and base == "Pow":
+            powers.append(made_from(node, stop, through=True))
         if not leaf_said:
             try:
                 leaf = leaf_event(node)
@@ -4554,6 +4573,44 @@ def _nonfinite_local(
             continue
         found.append((k, v))
     return found[0] if len(found) == 1 else None
+
+
+def _local_output(node: Any) -> tuple[str, torch.Tensor] | None:
+    """The tensor ``node`` made, with its name, when the innermost user frame binds it to a
+    local (``cls_loss = focal.sum() / num_pos``): what a division whose numerator autograd
+    did not save made, +inf or NaN, read from the value itself. Anomaly-time work."""
+    f = _frames.user_frame()
+    if f is None:
+        return None
+    for k, v in list(f.f_locals.items()):
+        if not (isinstance(k, str) and isinstance(v, torch.Tensor) and v.grad_fn is node):
+            continue
+        if has_values(v) and v.numel() <= _LOCAL_READ_LIMIT:
+            return k, v.detach()
+    return None
+
+
+def _local_named(t: torch.Tensor) -> str | None:
+    """The one local name the innermost user frame binds to ``t`` (a saved operand: the
+    same storage, shape and dtype), or None."""
+    f = _frames.user_frame()
+    if f is None:
+        return None
+    try:
+        ptr = t.data_ptr()
+        names = [
+            k
+            for k, v in list(f.f_locals.items())
+            if isinstance(k, str)
+            and isinstance(v, torch.Tensor)
+            and v.dtype == t.dtype
+            and v.shape == t.shape
+            and has_values(v)
+            and v.data_ptr() == ptr
+        ]
+    except Exception:  # a tensor without storage
+        return None
+    return names[0] if len(names) == 1 else None
 
 
 def _fits_operand(node: Any, i: int, v: torch.Tensor) -> bool:

@@ -1471,7 +1471,8 @@ def report_summary(report: Report, paths: Sequence[os.PathLike[str] | str]) -> R
     if err is not None:
         label = ERROR_LABELS.get(str(err.get("class", "other")), "exception")
         kind = str(err.get("type", "")).rsplit(".", 1)[-1]
-        when = error_when(err) if err.get("during") else f" at step {err.get('step', '?')}"
+        paused = err.get("during") or err.get("fetching")  # error_when says what ran then
+        when = error_when(err) if paused else f" at step {err.get('step', '?')}"
         head.append(f"{kind} ({label}){when}; post-mortem report written")
     else:
         r = report.step_range

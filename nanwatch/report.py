@@ -410,7 +410,7 @@ class Report:
         )
 
     def _error_where(self) -> str:
-        if self.error is not None and self.error.get("during"):
+        if self.error is not None and (self.error.get("during") or self.error.get("fetching")):
             return ""  # nothing watched ran: error_when says what did
         events = self.recent_events(limit=64)
         running = [e for e in events if e.running]
@@ -867,6 +867,10 @@ def _error_info(
         if steps:
             step, raised = steps[-1].step, steps[-1]
     info["step"] = step
+    if _raised_fetching(exc):  # between two steps: the next batch's fetch, not the step
+        ran = raised is not None and raised.step == step and bool(raised.calls or raised.records)
+        updated = ran and raised is not None and any(n.kind == "optimizer" for n in raised.notes)
+        info["fetching"] = "after-update" if updated else "after-step" if ran else "before-step"
     kept = raised.error if raised is not None else None
     if kept and kept.get("during"):
         info["during"] = kept["during"]
@@ -917,6 +921,20 @@ def _name_the_op(info: dict[str, Any], trace: StepTrace | None, mode: str) -> No
     info["advice"] = f"{head}; {hint}.{rest}"
 
 
+def _raised_fetching(exc: BaseException) -> bool:
+    """Whether ``exc`` went through a DataLoader iterator's ``__next__`` (a Dataset's
+    ``__getitem__``, a collate_fn, a worker's re-raised error): raised while the loop fetched
+    its next batch. The traceback's frames only."""
+    data_dir = os.path.join("torch", "utils", "data") + os.sep
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "__next__" and data_dir in code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def error_when(err: Mapping[str, Any]) -> str:
     """When the exception of ``err`` (a report's ``error``) was raised, in words after its
     class: ``, step 16``; raised while the watching was paused (``err["during"]``, see
@@ -929,6 +947,15 @@ def error_when(err: Mapping[str, Any]) -> str:
     """
     step = err.get("step", "?")
     during = err.get("during")
+    fetching = err.get("fetching")
+    if fetching and not during and isinstance(step, int):
+        said = " while the DataLoader fetched the next batch"
+        if fetching == "after-update":
+            return f"{said}, after step {step}'s update, before step {step + 1}'s forward"
+        if fetching == "after-step":
+            return f"{said}, after step {step}, before step {step + 1}"
+        first = " while the DataLoader fetched the first batch"
+        return f"{first if step == 0 else said}, before step {step}'s forward"
     if not during:
         return f", step {step}"
     if isinstance(step, int) and step > 0:

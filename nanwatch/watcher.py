@@ -6058,7 +6058,12 @@ class Watcher:
         if anomaly is None:
             return None
         if anomaly.kind is AnomalyKind.INPUT and trace is self._trace:
+            notes = len(trace.notes)
             self._late_call_site(anomaly)
+            if anomaly.origin == "data-or-code" and len(trace.notes) > notes:
+                # the user's line, noted only now (read late): the headline may name the
+                # line above it that computed the input, as NW401 does
+                anomaly = self._locate(trace, first) or anomaly
         if (
             anomaly.kind is not AnomalyKind.PARAMETER
             and not self._device_dead
@@ -7803,7 +7808,10 @@ class Watcher:
         return (lambda n: stop.get(id(n)) is n or (n is not own and n in recorded)), value
 
     def _graph_evidence(
-        self, t: torch.Tensor, logs: list[list[str]] | None = None
+        self,
+        t: torch.Tensor,
+        logs: list[list[str]] | None = None,
+        powers: list[list[str]] | None = None,
     ) -> tuple[list[str], list[OpEvent]]:
         """:func:`ops.graph_evidence` below ``t``'s node, down to the watched outputs."""
         stop, value = self._graph_stops(t)
@@ -7815,6 +7823,7 @@ class Watcher:
             logs=logs,
             # forensic traced the op that read it, a guard measured the target: NW401 says it
             unsaved=not self._forensic and not self._guarded_bad_target(),
+            powers=powers,
         )
 
     def _guarded_bad_target(self) -> bool:
@@ -7833,7 +7842,8 @@ class Watcher:
         """The loss code is not a module and cannot be re-run; its autograd graph can be
         read: the ops it ran and the saved inputs that were outside an op's domain."""
         logs: list[list[str]] = []
-        names, events = self._graph_evidence(loss, logs)
+        powers: list[list[str]] = []
+        names, events = self._graph_evidence(loss, logs, powers)
         source, _ = self._loss_site() if self._late else _frames.user_line()
         via = self._backward_via  # a helper of the user's that ran backward(): its caller
         by_grad = ops._by_grad(sys._getframe()) or self._grads_by_grad()
@@ -7843,6 +7853,8 @@ class Watcher:
             ev.by_grad = by_grad
         self._trace.ops.extend(events)
         data: dict[str, Any] = {"ops": names[:32], "logs": logs[:8]}
+        if powers:  # log(1 - p) * p ** 2: a focal weight, not a plain cross-entropy
+            data["powers"] = powers[:8]
         if not anomaly.record.stat or not anomaly.record.stat.finite:
             stop, _ = self._graph_stops(loss)
             picked = ops.graph_selections(loss.grad_fn, stop=stop)

@@ -410,6 +410,21 @@ def _inf_product(ctx: RuleContext, call: Call | None, rec: Record) -> _InfProduc
     return picked[0] if len(picked) == 1 else None
 
 
+def computed_input(trace: StepTrace, call: Call | None, rec: Record) -> tuple[str, str] | None:
+    """(``train.py:22``, the statement) of the user's line just above the root call that
+    computed the bad root input ``rec`` in a way NW401 names (a sqrt or a log, a product
+    with an infinite literal): the localization's headline names that line, as the
+    diagnosis does. None when the source cannot be read or shows none."""
+    from nanwatch.config import Thresholds
+
+    ctx = RuleContext(trace=trace, history=[], thresholds=Thresholds())
+    rooted = _rooted_input(ctx, call, rec.role)
+    if rooted is not None:
+        return rooted.at, rooted.stmt
+    times_inf = _inf_product(ctx, call, rec) if _may_hold_nan(rec.stat) else None
+    return (times_inf.at, times_inf.stmt) if times_inf is not None else None
+
+
 def _inf_product_diagnosis(ctx: RuleContext, evidence: list[str], p: _InfProduct) -> Diagnosis:
     """NW401 for a root input the user's code made by multiplying by an infinite number:
     0 x inf is NaN, so the product is NaN wherever the other factor is 0 (a 0/1 mask

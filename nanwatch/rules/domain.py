@@ -2872,7 +2872,31 @@ def _one_minus_sigmoid_use(
         for n in ctx.notes("loss_graph")
         for chain in n.data.get("logs", ())
     )
+    # the logs weighted by a power of p or 1 - p (CenterNet's (1 - p) ** a * log(p)): a
+    # focal loss, whose terms binary_cross_entropy_with_logits does not compute
+    focal = any(
+        isinstance(chain, list) and _sigmoid_side([str(o) for o in chain]) is not None
+        for n in ctx.notes("loss_graph")
+        for chain in n.data.get("powers", ())
+    )
     maker, lines = _drop_sigmoid(ctx, ev)
+    if focal:
+        model = None
+        if not lines:  # a module's forward that ends in torch.sigmoid (not an nn.Sigmoid)
+            ends = {
+                r.path
+                for r in ctx.records(Phase.FORWARD)
+                if r.role.startswith("output") and str(r.grad_fn).startswith("SigmoidBackward")
+            }
+            if len(ends) == 1:
+                (end,) = ends
+                model = (
+                    f"# {end}'s forward returns a sigmoid's output: return the logits it "
+                    "was given, for these logs"
+                )
+        return _focal_log_use(
+            ev, f, maker, lines, what=what, zeros=zeros, known=known, both=bce, model=model
+        )
     bce_line = (
         f"loss = {f}binary_cross_entropy_with_logits(logits, y)   # a pattern, in your "
         "names: logits, what the sigmoid was given; y, the targets: the binary "
@@ -2907,6 +2931,51 @@ def _one_minus_sigmoid_use(
             if bce
             else ""
         ),
+    )
+
+
+def _focal_log_use(
+    ev: OpEvent,
+    f: str,
+    maker: str,
+    lines: list[str],
+    *,
+    what: str,
+    zeros: str,
+    known: bool,
+    both: bool,
+    model: str | None = None,
+) -> _LogUse:
+    """:func:`_graph_one_minus_sigmoid`'s story when the loss weights its logs by powers of
+    the same sigmoid's output (a focal loss, CenterNet's heatmap loss): each log is taken
+    from the logits with logsigmoid, the weights stay as they are."""
+    dt = ev.dtype or "float32"
+    lines.append(f"log_1mp = {f}logsigmoid(-logits)   # log(1 - sigmoid(logits)), never -inf")
+    if both:
+        lines.append(f"log_p = {f}logsigmoid(logits)      # log(sigmoid(logits)), never -inf")
+    lines.append(
+        "# the weights ((1 - p) ** a, p ** a) stay as they are, with p = torch.sigmoid(logits)"
+    )
+    if model is not None:
+        lines.append(model)
+    if not known:
+        lines.append(_FORENSIC_LINE)
+    limit = _SIGMOID_ONE.get(dt, _SIGMOID_ONE["float32"])
+    return _LogUse(
+        "one-minus",
+        title="Log of zero in a focal loss: 1 - sigmoid, with the sigmoid saturated at 1",
+        fix="\n".join(lines),
+        why=(
+            f"Its input is 1 - p with p made by {maker} ({zeros}): a sigmoid of a logit above "
+            f"about {limit} rounds to exactly 1.0 in {dt}, so 1 - p is 0 and its log is -inf, "
+            "although the true log(1 - p) is finite; its weight is 0 there, and 0 × -inf is "
+            "NaN. logsigmoid(-logits) works from the logit and never forms the 0; the loss "
+            "weights its logs by powers of p (a focal loss), so it is not "
+            "binary_cross_entropy_with_logits: only its logs change."
+        ),
+        evidence=f"{what} is 1 - p, p the output of {maker} ({_sigmoid_chain(ev.made_from)}): "
+        "0 where p rounded to 1; the loss weights its logs by powers of p or 1 - p "
+        "(a focal loss), not a plain binary cross-entropy",
     )
 
 
@@ -5116,6 +5185,51 @@ def _producer_of(q: str, source: str | None) -> tuple[str, str | None, str | Non
     return "unknown", None, made
 
 
+def _bce_target(stmt: str, q: str) -> tuple[str, str] | None:
+    """(the name the statement assigns, the targets) of a hand-written binary cross-entropy
+    ``stmt``: the factor that multiplies log(``q``) (``yb`` of ``yb * torch.log(p)``), as
+    written; None when the statement is no such assignment or has no such product.
+
+    >>> _bce_target("loss = -(yb * torch.log(p) + (1 - yb) * torch.log(1 - p)).mean()", "p")
+    ('loss', 'yb')
+    """
+    try:
+        tree = ast.parse(stmt.strip())
+    except SyntaxError:
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], (ast.Assign, ast.AnnAssign)):
+        return None
+    node = tree.body[0]
+    lhs = node.targets[0] if isinstance(node, ast.Assign) else node.target
+    if not isinstance(lhs, (ast.Name, ast.Attribute)) or (
+        isinstance(node, ast.Assign) and len(node.targets) != 1
+    ):
+        return None
+    text = stmt.strip()
+    try:  # q as ast writes it, to compare with the statement's expressions
+        q = ast.unparse(ast.parse(q.strip(), mode="eval").body)
+    except SyntaxError:
+        return None
+
+    def log_of_q(e: ast.expr) -> bool:
+        if not isinstance(e, ast.Call) or not isinstance(e.func, ast.Attribute):
+            return False
+        if e.func.attr != "log":
+            return False
+        if e.args and len(e.args) == 1:
+            return ast.unparse(e.args[0]) == q
+        return not e.args and ast.unparse(e.func.value) == q
+
+    for n in ast.walk(node):
+        if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mult):
+            for this, other in ((n.left, n.right), (n.right, n.left)):
+                if log_of_q(this) and q not in ast.unparse(other):
+                    y = ast.get_source_segment(text, other)
+                    if y:
+                        return ast.unparse(lhs), y.strip()
+    return None
+
+
 def _one_minus_use(
     stmt: str,
     calls: list[tuple[int, int, str]],
@@ -5144,7 +5258,14 @@ def _one_minus_use(
     above = low is not None and low < 0
     f = "torch.nn.functional." if _lacks_f(source) else "F."
     if kind == "sigmoid" and z is not None and not above:
-        if made is not None and bce:  # a hand-written BCE of p = sigmoid(...) made above
+        target = _bce_target(stmt, q) if bce else None
+        if made is not None and bce and target is not None:  # the user's operands
+            name, y = target
+            lead = (
+                f"{name} = {f}binary_cross_entropy_with_logits({z}, {y})   # in place of the "
+                f"hand-written one: from the logits, not {made}; never -inf\n"
+            )
+        elif made is not None and bce:  # a hand-written BCE of p = sigmoid(...) made above
             lead = (
                 f"loss = {f}binary_cross_entropy_with_logits(logits, y)   # {q} = "
                 "torch.sigmoid(logits): the loss from the logits\n"
@@ -5162,7 +5283,8 @@ def _one_minus_use(
             lead = "".join(own) + stmt[last:] + f"   # log(1 - sigmoid({z})), never -inf\n"
             if made is None:
                 lead += (
-                    f"loss = {f}binary_cross_entropy_with_logits({z}, y)   # a BCE of the logits\n"
+                    f"{target[0] if target else 'loss'} = {f}binary_cross_entropy_with_logits("
+                    f"{z}, {target[1] if target else 'y'})   # a BCE of the logits\n"
                 )
         return _LogUse(
             "bce" if bce else "one-minus",
@@ -6922,6 +7044,10 @@ def division_by_zero(ctx: RuleContext) -> Iterator[Diagnosis]:
         floating=den is not None and not integer,
         den=den,
     )
+    named = _named_count_fix(ev, den) if _line_unknown(ev) else None
+    if named is not None:  # the line unknown, the count's own name known (num_pos)
+        said, fix = named
+        evidence.insert(1, said)
     if (
         ev.phase is Phase.BACKWARD
         and node_base(ev.node) == "Div"
@@ -13056,6 +13182,41 @@ def _masked_division(stmt: str, div: ast.BinOp, d: str) -> str:
     return f"{_spliced(stmt, div, safe, grouped=False)}   # {why}; {tail}"
 
 
+def _named_count_fix(ev: OpEvent, den: TensorStat | None) -> tuple[str, str] | None:
+    """Evidence and fix for a division whose line is not known but whose denominator and
+    quotient the user's code holds under local names (``cls_loss = s / num_pos``, read at
+    backward()): a single whole number from 0 with no autograd history (a count made from
+    the data: ``mask.sum().float()``) is floored at 1 under its own name. None otherwise."""
+    name = ev.scalars.get("other_local")
+    if not isinstance(name, str) or den is None or den.numel != 1:
+        return None
+    if not (den.min == 0 and math.isfinite(den.max) and float(den.max).is_integer()):
+        return None
+    made = _assigned_before(ev.backward_at, name)
+    for _ in range(3):  # num_pos = num_pos.float(): look further up for what made it
+        if made is None or _COUNT_CODE.search(made.split("=", 1)[1]):
+            break
+        if not re.match(rf"\s*{re.escape(name)}\b", made.split("=", 1)[1]):
+            break
+        src = _line_of(ev.backward_at, made)
+        made = _assigned_before(src, name) if src else None
+    rhs = made.split("=", 1)[1] if made is not None else ""
+    if not _COUNT_CODE.search(rhs) or re.search(r"sqrt|norm|std|var|mean|\*\*", rhs):
+        return None  # not shown to be a count: a norm or a std of 0 wants eps, not 1
+    out = ev.scalars.get("result_local")
+    into = f"{out} = ... / {name}" if isinstance(out, str) else f"... / {name}"
+    said = (
+        f"the division is {into} (local names of the code that called backward()); "
+        f"{name} is 0, a count made from the data: {made.strip() if made else name}"
+    )
+    fix = (
+        f"{name} = {name}.clamp_min(1)   # before {into}: a count of 0 divides by 1, "
+        "an empty selection gives 0, not inf or NaN\n"
+        f"# or skip the batch when it is 0: if {name} == 0: continue"
+    )
+    return said, fix
+
+
 def _div_fix(
     ev: OpEvent,
     *,
@@ -15517,6 +15678,21 @@ def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
             "targets' classes all have weight 0 -- divides 0 by 0 and the loss is NaN; "
             "backward then makes every gradient NaN."
         )
+        shift = _labels_shift(ctx)
+        if shift is not None:
+            arg, shape, k = shift
+            evidence.append(
+                f"the model was given {arg} {shape} with {k} label"
+                f"{'s' if k != 1 else ''} that count{'s' if k == 1 else ''}, all at position "
+                "0 of the last dimension: the model shifts its labels by one before the loss "
+                "(position t is scored on label t + 1), so no target counts"
+            )
+            explanation += (
+                " The model shifts the labels by one (a causal LM predicts the next token), so "
+                "the label at position 0 is never a target: a check on the labels as given, "
+                f"(labels != {sf.ignore_index if sf.ignore_index is not None else -100}).any(), "
+                "passes on this batch; check the shifted labels, labels[..., 1:]."
+            )
         fix = _nll_fix(ctx, a, ev, sf)
     else:
         what = "mean" if sf.kind == "mean" else f"{op} with reduction='mean'"
@@ -15547,6 +15723,18 @@ def too_few_elements(ctx: RuleContext) -> Iterator[Diagnosis]:
             )
     evidence += _chain_evidence(ev, cause.trigger, ev.born)
     yield ctx.diagnosis(**op_fields(ev, a), evidence=evidence, explanation=explanation, fix=fix)
+
+
+def _labels_shift(ctx: RuleContext) -> tuple[str, tuple[int, ...], int] | None:
+    """The guards' finding that the model the loss ran inside shifts its labels by one and
+    the labels it was given count only at position 0 (see ``guards._shifted_labels``): the
+    argument's name, its shape and its number of labels that count."""
+    for n in reversed(ctx.notes("loss_input")):
+        got = n.data.get("labels_shifted")
+        if isinstance(got, dict) and isinstance(got.get("counting"), int):
+            shape = tuple(int(d) for d in got.get("shape") or ())
+            return str(got.get("arg") or "labels"), shape, int(got["counting"])
+    return None
 
 
 def _n(x: float | None) -> str:
@@ -15589,7 +15777,7 @@ def _nll_fix(ctx: RuleContext, a: Anomaly, ev: OpEvent, sf: Shortfall) -> str:
     code = ev.code or _loss_line(ctx)
     site = _loss_site(ctx, a, ev, code, lambda n: loss_kind(n) in ("ce", "nll"))
     if site is not None and site.inside:
-        return _model_loss_fix(site, ii, sf)
+        return _model_loss_fix(site, ii, sf, shifted=_labels_shift(ctx) is not None)
     if site is not None and not site.functional and site.term:
         return _module_term_fix(site, ii, sf)
     summed = _summed_call(code, site.segment if site is not None else None)
@@ -16235,9 +16423,10 @@ def _empty_term_fix(site: _LossSite) -> str:
     )
 
 
-def _model_loss_fix(site: _LossSite, ii: int, sf: Shortfall) -> str:
+def _model_loss_fix(site: _LossSite, ii: int, sf: Shortfall, *, shifted: bool = False) -> str:
     """The model computes its loss from the labels it is given: skip a batch with no label
-    that counts before the model call, or compute the loss outside the model."""
+    that counts before the model call, or compute the loss outside the model. ``shifted``:
+    the model shifts the labels by one first (a causal LM), the check is on ``[..., 1:]``."""
     y = site.y
     head = ""
     if not y:
@@ -16245,6 +16434,9 @@ def _model_loss_fix(site: _LossSite, ii: int, sf: Shortfall) -> str:
         head = "# labels: the labels given to the model on this line\n"
     why = "no label counts" if sf.weight is None else "no label weighs anything"
     cond = f"({y} != {ii}).any()"
+    if shifted:
+        why += " after its shift by one (position 0's label is never a target)"
+        cond = f"({paren(y)}[..., 1:] != {ii}).any()"
     skip = (
         f"if not {cond}:\n    continue   # skip this batch before the forward\n"
         if _in_loop(site.source)  # no loop around the line: skip where the batch is drawn
