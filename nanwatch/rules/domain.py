@@ -13874,7 +13874,8 @@ def _pole_formula(ev: OpEvent, e: object) -> str:
 _COUNT_CALLS = frozenset(
     {"sum", "count_nonzero", "bincount", "len", "numel", "degree", "size", "nnz", "histc"}
 )
-_COUNT_NAME = re.compile(r"(?:^|_)(?:deg|degree|degrees|count|counts|cnt|len|lens|lengths?|n)$")
+#: the last part of a name that holds a count (``node_deg``, ``n``): see _count_base
+_COUNT_SUFFIX = re.compile(r"(?:^|_)(?:deg|degree|degrees|count|counts|cnt|len|lens|lengths?|n)$")
 
 
 def _count_base(base: str) -> bool:
@@ -13891,7 +13892,7 @@ def _count_base(base: str) -> bool:
         return name in _COUNT_CALLS or "degree" in name
     if isinstance(node, (ast.Name, ast.Attribute)):
         last = node.id if isinstance(node, ast.Name) else node.attr
-        return _COUNT_NAME.search(last.lower()) is not None
+        return _COUNT_SUFFIX.search(last.lower()) is not None
     if isinstance(node, ast.Subscript):
         return _count_base(ast.unparse(node.value))
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
