@@ -233,7 +233,9 @@ def test_sgd_whose_lr_is_too_high_keeps_its_own_optimizer_in_the_fix() -> None:
     assert d.fix.splitlines()[:2] == [
         "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # before "
         "optimizer.step()",
-        'opt.param_groups[0]["lr"] = 100   # was 1000 (SGD)',
+        # the NW308 warning of step 2 sized the lr from its update: the error keeps it
+        'opt.param_groups[0]["lr"] = 0.05   # was 1000 (SGD); not 100: the NW308 warning of '
+        "step 2 asked for 0.05 already, the lower of the two",
     ]
     assert "torch.optim.SGD(" not in d.fix
 

@@ -137,7 +137,11 @@ def test_weights_that_exploded_are_not_blamed_on_a_batch() -> None:
     assert d.code == "NW101"
     assert not any(e.startswith("the batch did it") for e in d.evidence)
     assert "the values grew during training (SGD lr 0.3)" in text(d)
-    assert 'for g in opt.param_groups: g["lr"] = 0.03   # was 0.3 (SGD)' in d.fix
+    # the NW308 warning of step 1 sized the lr from its update: the error keeps it
+    assert (
+        'for g in opt.param_groups: g["lr"] = 1e-3   # was 0.3 (SGD); not 0.03: the NW308 '
+        "warning of step 1 asked for 1e-3 already, the lower of the two"
+    ) in d.fix
     assert "AdamW" not in d.fix and "lr / 10" not in d.fix
 
 

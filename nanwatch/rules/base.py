@@ -499,6 +499,8 @@ def evaluate(
         if n.kind == "optimizer" and "scheduler" in n.data
     ]
     for d in out:
+        if d.fix and history and "lr" in d.fix:
+            d.fix = _no_higher_lr(d.fix, history)
         if d.fix and scheduled:
             from nanwatch.rules._evidence import with_scheduler
 
@@ -516,6 +518,49 @@ def evaluate(
             d.front = "lightning"
             _for_lightning(d)
     return _birth_first(out, trace.anomaly)
+
+
+#: a fix's new learning rate and the one it replaces: ``g["lr"] = 0.5   # was 5 (SGD)``
+_LR_SET = re.compile(
+    r"""(\[\s*["']lr["']\s*\]\s*=\s*)(\d[\d.]*(?:e[+-]?\d+)?)(\s+#\s*was\s+)"""
+    r"(\d[\d.]*(?:e[+-]?\d+)?)(\s*\([^)\n]*\))?",
+    re.I,
+)
+
+
+def _no_higher_lr(fix: str, history: Sequence[StepTrace]) -> str:
+    """``fix`` with the lr it sets no higher than one an earlier diagnosis of the run
+    already asked for in place of the same lr (of the same optimizer): a warning at step 1
+    sized the lr from the update it measured, an error at step 14 that only divides the lr
+    by 10 would give a second, higher number for the same change. The line says which
+    diagnosis asked for it. Read only on a step that has a diagnosis with an lr line."""
+    asked: dict[tuple[float, str], tuple[float, str, str, int]] = {}
+    for t in history:
+        for d in t.diagnoses:
+            for m in _LR_SET.finditer(getattr(d, "fix", "") or ""):
+                key = (float(m.group(4)), (m.group(5) or "").strip())
+                new = float(m.group(2))
+                if key not in asked or new < asked[key][0]:
+                    asked[key] = (new, m.group(2), f"{d.code} {d.severity}", t.step)
+    if not asked:
+        return fix
+    lines = fix.splitlines()
+    for i, ln in enumerate(lines):
+        at = _LR_SET.search(ln)
+        if at is None:
+            continue
+        earlier = asked.get((float(at.group(4)), (at.group(5) or "").strip()))
+        if earlier is None or earlier[0] >= float(at.group(2)):
+            continue
+        _, text, code, step = earlier
+        m = at
+        tail = m.group(5) or ""
+        lines[i] = (
+            f"{ln[: m.start(2)]}{text}{m.group(3)}{m.group(4)}{tail}; not {m.group(2)}: the "
+            f"{code} of step {step} asked for {text} already, the lower of the two"
+            f"{ln[m.end() :]}"
+        )
+    return "\n".join(lines)
 
 
 #: what a script run by ``nanwatch run`` has not: a watcher ``nw`` and a ``step_fn``

@@ -1931,25 +1931,30 @@ def _unknown_log_use(ctx: RuleContext, ev: OpEvent, x: TensorStat) -> _LogUse | 
         )
     made_at = _positive_where_made(ev, arg) if x.min < 0 else None
     if made_at is not None:  # rate = m(x) above the line: a model's output, unconstrained
-        name, value, positive, where = made_at
+        name, value, positive, where, unpacked = made_at
+        log_link = (
+            f"{name} = {name}.exp(), {value} then predicting log {name}"
+            if unpacked
+            else f"{name} = {value}.exp(), {value} then predicting its log"
+        )
         return _LogUse(
             "negative",
             fix=(
-                f"{name} = {positive} + 1e-6   # at {where}, where {name} is made: above 0 "
-                f"for every use of it; or {name} = {value}.exp(), {value} then predicting its "
-                "log\n"
+                f"{name} = {positive} + 1e-6   # {_made_at(made_at)}: above 0 "
+                f"for every use of it; or {log_link}\n"
                 f"# not a clamp at a tiny value: {tiny_log} is a wrong value, not a small one"
             ),
             why=(
                 f"Its input is negative (min {fmt(x.min)}, max {fmt(x.max)}): {name} is made "
-                f"at {where} as {value}, a model's output, which can be any real number. A "
+                f"at {where} {'from' if unpacked else 'as'} {value}, a model's output, which "
+                "can be any real number. A "
                 "quantity that must be positive (a rate, a scale, a variance) needs a "
                 "positive map where it is made: softplus, or exp of a predicted log. A floor "
                 f"at a tiny value would turn the NaN into {tiny_log}, finite and wrong, and "
                 "leave no gradient to move the output back."
             ),
-            evidence=f"{name} is made at {where}: {name} = {value}, a model's output that "
-            "nothing keeps above 0",
+            evidence=f"{name} is made at {where}: {unpacked or f'{name} = {value}'}, a "
+            "model's output that nothing keeps above 0",
         )
     raw = _raw_layer_output(ctx, made_ev, x) if x.min < 0 else None
     if raw is not None:
@@ -12323,8 +12328,10 @@ def _dtype_carriers(node: ast.expr) -> list[ast.expr]:
 
 
 _BINDS_F = re.compile(
-    r"^\s*(?:import\s+torch\.nn\.functional\s+as\s+F|from\s+torch\.nn\s+import\s+"
-    r"(?:.*,\s*)?functional\s+as\s+F)\b",
+    r"^[ \t]*(?:import[ \t]+(?:[\w.]+(?:[ \t]+as[ \t]+\w+)?[ \t]*,[ \t]*)*"
+    r"torch\.nn\.functional[ \t]+as[ \t]+F"  # import torch, torch.nn.functional as F
+    r"|from[ \t]+torch\.nn[ \t]+import[ \t]+(?:\([^)]*?|[^\n]*?)\bfunctional\s+as\s+F"
+    r"|F[ \t]*=[ \t]*(?:torch\.)?nn\.functional[ \t]*$)\b",
     re.M,
 )
 
@@ -14835,27 +14842,92 @@ def _constant_root_fix(ev: OpEvent, read: tuple[str, str] | None) -> str:
     )
 
 
-def _positive_where_made(ev: OpEvent, arg: str | None) -> tuple[str, str, str, str] | None:
-    """(the name, its value, that value passed through softplus, its line) when
+def _positive_where_made(
+    ev: OpEvent, arg: str | None
+) -> tuple[str, str, str, str, str | None] | None:
+    """(the name, its value, that value passed through softplus, its line, the unpacking
+    statement or None) when
     ``arg`` (what a log or a root was given, as the line writes it) is a plain name the
     function assigned, unconditionally, from a model's or a layer's call (``rate =
     m(x)``, ``mu = self.head(h).squeeze(-1)``): made positive there, every use of it is,
     where wrapping the one use on the line leaves the others as they were (a Tweedie
-    loss's ``mu.pow(1 - p)`` and ``mu.pow(2 - p)``). None for a value computed by
-    arithmetic or by a torch function: softplus would change what it means."""
+    loss's ``mu.pow(1 - p)`` and ``mu.pow(2 - p)``). A name unpacked from such a call
+    (``mu, sigma = m(x)``) is made positive right after the unpacking: its value is then
+    the call, its softplus that of the name. None for a value computed by arithmetic or by
+    a torch function: softplus would change what it means."""
     name = (arg or "").strip()
     if not re.fullmatch(r"[A-Za-z_]\w*", name):
         return None
-    found = _unconditional_assignment_at(ev, name)
-    if found is None:
+    unpacked = _unpacked_from_call(ev, name)  # the nearest assignment, when it unpacks
+    found = _unconditional_assignment_at(ev, name) if unpacked is None else None
+    if unpacked is not None:
+        _, value, where = unpacked
+    elif found is not None:
+        value, where = found
+    else:
         return None
-    value, where = found
     inner, _ = _under_views(value)
     library = ("torch", "F", "nn", "math", "np")  # torch.sub(a, b): computed, no layer's output
     if not isinstance(inner, ast.Call) or ast.unparse(inner.func).split(".")[0] in library:
         return None
     f = "torch.nn.functional." if _lacks_f(ev.source) else "F."
-    return name, ast.unparse(value), f"{f}softplus({ast.unparse(value)})", where
+    if unpacked is not None:  # mu, sigma = m(x): the element made positive right after
+        return name, ast.unparse(value), f"{f}softplus({name})", where, unpacked[0]
+    return name, ast.unparse(value), f"{f}softplus({ast.unparse(value)})", where, None
+
+
+def _unpacked_from_call(ev: OpEvent, name: str) -> tuple[str, ast.expr, str] | None:
+    """(the statement, its value, its line) when the nearest assignment of ``name`` above
+    the line, in the same function and not under an ``if``/``for``, unpacks a call's
+    result into names (``mu, sigma = m(x)``); None otherwise."""
+    import linecache
+
+    path, _, num = (ev.source or "").rpartition(":")
+    if not path or not num.isdigit():
+        return None
+    here = linecache.getline(path, int(num))
+    indent = len(here) - len(here.lstrip())
+    target = re.compile(rf"^\s*\(?[\w\s,*()\[\]]*\b{re.escape(name)}\b[\w\s,*()\[\]]*=(?!=)")
+    for n in range(int(num) - 1, max(0, int(num) - 40), -1):
+        text = linecache.getline(path, n)
+        body = text.lstrip()
+        if not body.strip() or body.startswith("#"):
+            continue
+        if re.match(r"(?:async\s+)?def\s", body) and len(text) - len(body) < indent:
+            return None
+        for stmt in statements(text):
+            if not target.match(stmt):
+                continue
+            if len(text) - len(body) > indent or _HEADER_LINE.match(body):
+                return None  # conditional: it may not have run
+            try:
+                node = ast.parse(stmt.strip()).body[0]
+            except (SyntaxError, IndexError):
+                return None
+            if not isinstance(node, ast.Assign):
+                continue  # f(a, sigma, k=3): a call with a keyword, no assignment
+            bound = {t.id for tg in node.targets for t in ast.walk(tg) if isinstance(t, ast.Name)}
+            if name not in bound:
+                continue  # x[sigma] = ...: read, not assigned
+            tgt = node.targets[0]
+            names = tgt.elts if isinstance(tgt, (ast.Tuple, ast.List)) else []
+            if (
+                len(node.targets) != 1
+                or not names
+                or not all(isinstance(e, ast.Name) for e in names)
+            ):
+                return None  # a plain assignment (the caller's case), a starred or nested one
+            return stmt.strip(), node.value, f"{path}:{n}"
+    return None
+
+
+def _made_at(made: tuple[str, str, str, str, str | None]) -> str:
+    """Where :func:`_positive_where_made`'s line goes: at the assignment, or right after
+    the unpacking."""
+    name, _, _, where, unpacked = made
+    if unpacked is not None:
+        return f"a new line right after {where} ({unpacked}), where {name} is made"
+    return f"at {where}, where {name} is made"
 
 
 def _negative_root_fix(ev: OpEvent) -> str:
@@ -14872,7 +14944,7 @@ def _negative_root_fix(ev: OpEvent) -> str:
     if own is None:
         own = _rewrite_base(ev.code, lambda b: f"F.softplus({b})", [], ev)
     head = (
-        f"{made[0]} = {made[2]}   # at {made[3]}, where {made[0]} is made: softplus keeps it "
+        f"{made[0]} = {made[2]}   # {_made_at(made)}: softplus keeps it "
         "positive for every use of it"
         if made is not None
         else f"{own}   # softplus keeps them positive"
