@@ -3117,3 +3117,25 @@ def flow_disagrees(ev: OpEvent, arg: str, name: str = "self") -> str | None:
     if made is None or made == "leaf" or made in said:
         return None
     return made
+
+
+def under_views(node: ast.expr, methods: frozenset[str] | set[str]) -> tuple[ast.expr, bool]:
+    """The expression ``node`` indexes or views (through every subscript and every call of
+    one of ``methods``, view or cast methods), and whether a subscript was among them.
+
+    >>> n, indexed = under_views(ast.parse("table[t].view(-1, 1)", mode="eval").body, {"view"})
+    >>> ast.unparse(n), indexed
+    ('table', True)
+    """
+    seen = False
+    while True:
+        if isinstance(node, ast.Subscript):
+            seen, node = True, node.value
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in methods
+        ):
+            node = node.func.value
+        else:
+            return node, seen

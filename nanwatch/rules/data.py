@@ -45,6 +45,7 @@ from nanwatch.rules._evidence import (
     short_op,
     statements,
     target_log,
+    under_views,
     untraced_hint,
 )
 from nanwatch.rules.base import Diagnosis, RuleContext, rule
@@ -259,18 +260,7 @@ def _table_read(lines: list[str], line: int, name: str) -> tuple[str, str, str] 
     if found is None:
         return None
     i, node = found
-    seen = False
-    while True:
-        if isinstance(node, ast.Subscript):
-            seen, node = True, node.value
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in _SELECTS
-        ):
-            node = node.func.value
-        else:
-            break
+    node, seen = under_views(node, _SELECTS)
     if not seen or not isinstance(node, (ast.Name, ast.Attribute)):
         return None
     return lines[i].strip(), str(i + 1), ast.unparse(node)

@@ -91,6 +91,7 @@ from nanwatch.rules._evidence import (
     smallest_magnitude,
     statements,
     target_log,
+    under_views,
     untraced_hint,
     watched_params,
 )
@@ -14632,28 +14633,6 @@ _ROOT_COMPUTED = (
 )
 
 
-def _under_views(node: ast.expr) -> tuple[ast.expr, bool]:
-    """The expression ``node`` indexes or views (through every subscript and every call of
-    a view or cast method, ``_VIEWS``), and whether a subscript was among them.
-
-    >>> n, indexed = _under_views(ast.parse("table[t].view(-1, 1)", mode="eval").body)
-    >>> ast.unparse(n), indexed
-    ('table', True)
-    """
-    seen = False
-    while True:
-        if isinstance(node, ast.Subscript):
-            seen, node = True, node.value
-        elif (
-            isinstance(node, ast.Call)
-            and isinstance(node.func, ast.Attribute)
-            and node.func.attr in _VIEWS
-        ):
-            node = node.func.value
-        else:
-            return node, seen
-
-
 def _raw_output(ev: OpEvent) -> bool:
     """The root's argument may be a raw prediction, which a positive parameterization
     fixes: true unless the user's line shows it computed by arithmetic -- on the line
@@ -14670,7 +14649,7 @@ def _raw_output(ev: OpEvent) -> bool:
         node: ast.expr = ast.parse(arg.strip(), mode="eval").body
     except SyntaxError:
         return True
-    node, _ = _under_views(node)  # delta[:, 1:], v.float(), v.squeeze(-1)
+    node, _ = under_views(node, _VIEWS)  # delta[:, 1:], v.float(), v.squeeze(-1)
     if isinstance(node, ast.BinOp):
         return False
     if not isinstance(node, ast.Name):
@@ -14810,7 +14789,7 @@ def _constant_read(ev: OpEvent) -> tuple[str, str] | None:
         node: ast.expr = ast.parse(made.split("=", 1)[1].strip(), mode="eval").body
     except (SyntaxError, IndexError):
         return None
-    node, seen = _under_views(node)  # alpha_bar[t][:, None], table[t].view(-1, 1)
+    node, seen = under_views(node, _VIEWS)  # alpha_bar[t][:, None], table[t].view(-1, 1)
     if not seen or not isinstance(node, (ast.Name, ast.Attribute)):
         return None
     return made.strip(), ast.unparse(node)
@@ -14866,7 +14845,7 @@ def _positive_where_made(
         value, where = found
     else:
         return None
-    inner, _ = _under_views(value)
+    inner, _ = under_views(value, _VIEWS)
     library = ("torch", "F", "nn", "math", "np")  # torch.sub(a, b): computed, no layer's output
     if not isinstance(inner, ast.Call) or ast.unparse(inner.func).split(".")[0] in library:
         return None
