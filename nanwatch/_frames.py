@@ -394,7 +394,28 @@ def _short(filename: str) -> str:
         rel = os.path.relpath(filename)
     except ValueError:
         return filename
-    return filename if rel.startswith("..") else rel
+    if rel.startswith(".."):
+        return filename
+    _claim(rel, os.path.abspath(filename))
+    return rel
+
+
+def _claim(rel: str, full: str) -> None:
+    """Make the relative name ``rel`` mean the file ``full`` in ``linecache``, by which the
+    rules later read the lines of the places nanwatch names. linecache keys its cache by
+    the name as given and never looks again at a name it has read: a ``train.py`` read
+    from another working directory earlier in the process (two scripts run by ``nanwatch
+    run`` in one session, a test suite) would be read in place of this one. A dict look-up
+    when the entry is right already; the file read once when it is not."""
+    entry = linecache.cache.get(rel)
+    if entry is not None and len(entry) == 4 and entry[3] == full:
+        return
+    linecache.getlines(full)
+    got = linecache.cache.get(full)
+    if got is not None:
+        linecache.cache[rel] = got
+    else:
+        linecache.cache.pop(rel, None)
 
 
 _NO_FRAME_REGISTRY: dict[str | tuple[str, type[Warning], int], int] = {}
