@@ -390,14 +390,25 @@ def _short(filename: str) -> str:
     cell = _notebook_cell(filename)
     if cell is not None:
         return cell
-    try:
-        rel = os.path.relpath(filename)
-    except ValueError:
+    inside = _inside(filename, os.getcwd())
+    if inside is None:
         return filename
-    if rel.startswith(".."):
-        return filename
-    _claim(rel, os.path.abspath(filename))
+    rel, full = inside
+    _claim(rel, full)
     return rel
+
+
+@functools.lru_cache(maxsize=512)
+def _inside(filename: str, cwd: str) -> tuple[str, str] | None:
+    """(``filename`` relative to ``cwd``, its absolute path) when it lies inside ``cwd``;
+    None otherwise. Cached: the guards name the loss call's line at every call."""
+    try:
+        rel = os.path.relpath(filename, cwd)
+    except ValueError:
+        return None
+    if rel.startswith(".."):
+        return None
+    return rel, os.path.normpath(os.path.join(cwd, filename))
 
 
 def _claim(rel: str, full: str) -> None:

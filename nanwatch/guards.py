@@ -4522,7 +4522,7 @@ _CHECKS: dict[str, Callable[[_Probe], None]] = {
 # ---------------------------------------------------------------------------- driver
 def _source(frame: types.FrameType) -> str:
     """``train.py:42``: the frame's file relative to the working directory when inside it."""
-    return f"{_short(frame.f_code.co_filename, os.getcwd())}:{frame.f_lineno}"
+    return f"{_frames._short(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def _torch_loss_module(caller: Any, spec: GuardSpec) -> tuple[nn.Module, tuple[str, ...]] | None:
@@ -4607,15 +4607,6 @@ def _positions_in(p: _Probe, failure: _Failure) -> str:
     return (
         f"in the {tuple(t.shape)} {name} that {who} got in {_site_name(p.site)}, not in your tensor"
     )
-
-
-@functools.lru_cache(maxsize=256)
-def _short(filename: str, cwd: str) -> str:
-    try:
-        rel = os.path.relpath(filename, cwd)
-    except ValueError:
-        return filename
-    return filename if rel.startswith("..") else rel
 
 
 def _reduction(bound: Mapping[str, Any]) -> Any:
