@@ -1701,6 +1701,38 @@ def _class_evidence(p: _Probe, v: dict[str, float], *, cdim: int, ign: torch.Ten
             p.add("valid_amax", torch.where(ign, 0, amax).max())
 
 
+#: autograd nodes of a view or reshape: their saved input sizes and output metadata say what
+#: they made of which shape
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+
+
+def _batch_view(x: torch.Tensor, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(its input's shape, its output's) of the view in ``x``'s autograd history that made a
+    tensor of ``batch`` leading rows into one of ``x``'s, when its output rows are not a
+    flattening of leading dimensions (``(8, 16, 4, 4)`` into ``(16, 128)``: values of one
+    sample spread over rows, not ``(8, 5, 10)`` into ``(40, 10)``); None without a graph or
+    such a view. Read only when the batch sizes already differ (the failure path)."""
+    rows = x.shape[0]
+    todo: list[Any] = [x.grad_fn]
+    seen: set[Any] = set()
+    while todo and len(seen) < 256:  # nearest the loss first
+        node = todo.pop(0)
+        if node is None or node in seen or ops.accumulates_grad(node):
+            continue
+        seen.add(node)
+        if type(node).__name__ in _VIEW_NODES:
+            try:
+                before = tuple(int(d) for d in node._saved_self_sym_sizes)
+                after = tuple(int(d) for d in node._input_metadata[0].shape)
+            except Exception:  # older torch: no metadata on the node
+                return None
+            if before and after and before[0] == batch and after[0] == rows:
+                flat = any(math.prod(before[:k]) == rows for k in range(1, len(before) + 1))
+                return None if flat else (before, after)
+        todo += [n for n, _ in getattr(node, "next_functions", ()) or ()]
+    return None
+
+
 def _class_shape_failure(p: _Probe, c: int, expected: tuple[int, ...], desc: str) -> None:
     t, x = p.target, p.input
     assert t is not None
@@ -1722,9 +1754,33 @@ def _class_shape_failure(p: _Probe, c: int, expected: tuple[int, ...], desc: str
         if x.dim() == 3:
             flat = {"input": f"{_paren(inp)}.flatten(0, 1)", "target": f"{_paren(tgt)}.flatten()"}
             fix += f"  # or {p.call_with(**flat)}"
+    elif t.dim() >= 1 and x.dim() >= 1 and ts[0] != xs[0] and t.numel() == math.prod(expected):
+        # logits flattened to (B*T, C) and targets left (B, T): one class a row, reshaped
+        hint = f" — the target holds one class for each of the input's {xs[0]} rows, shaped {ts}"
+        shape = "-1" if len(expected) == 1 else ", ".join(map(str, expected))
+        fix = p.call_with(target=f"{_paren(tgt)}.reshape({shape})")
+        fix += f"  # flattened like {inp}"
     elif t.dim() >= 1 and x.dim() >= 1 and ts[0] != xs[0]:
         hint = f" — the batch sizes differ ({xs[0]} vs {ts[0]})"
         fix = f"check that {inp} and {tgt} come from the same batch"
+        moved = _batch_view(x, ts[0])
+        if moved is not None:  # the model's own view spread each sample over several rows
+            before, after = moved
+            per = math.prod(before[1:])
+            hint += (
+                f": a view/reshape in the model made {before} into {after}, so its rows are "
+                f"no longer samples (a sample has {math.prod(before[1:])} values, a row "
+                f"{math.prod(after[1:])})"
+            )
+            fix = (
+                f"flatten each sample on its own where the model reshapes {before}: "
+                f"x.flatten(1) (or x.view(x.size(0), -1)), {per} values a sample"
+                + (
+                    f"; the layer after it then takes in_features={per}, not {after[1]}"
+                    if len(after) == 2
+                    else ""
+                )
+            )
     elif t.dim() == len(expected) and len(expected) >= 2:
         hint = f" — the spatial sizes differ ({expected[1:]} vs {ts[1:]})"
         size = f"{tgt}.shape[-{len(expected) - 1}:]"
