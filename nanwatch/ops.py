@@ -220,11 +220,19 @@ def _replay_scope() -> Iterator[None]:
         _tls.replaying -= 1
 
 
+#: the compressed sparse layouts, whose ``values()`` hold what they store
+_COMPRESSED = frozenset({torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
+
+
 def _kinds(t: torch.Tensor) -> frozenset[str]:
     """Which non-finite kinds ``t`` holds; empty when finite. One pass in the common case."""
     if not has_values(t):
         return frozenset()
     v = t
+    if v.layout is torch.sparse_coo:  # its stored values, as built (torch.sparse_coo_tensor)
+        v = v._values()
+    elif v.layout in _COMPRESSED:
+        v = v.values()
     if v.is_complex():
         v = v.abs()
     if v.layout is not torch.strided or v.is_nested:

@@ -933,6 +933,8 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             said = position_advice(exc) or position_ids_advice(exc) or batch_shape_advice(exc)
             if said is None and cls == "index-out-of-range":
                 said = token_ids_advice(exc) or index_advice(exc)
+            if said is None and cls == "cuda-device-assert":
+                said = device_index_advice(exc)
         except Exception:  # the user's exception matters more than ours
             said = None
         if said is not None:
@@ -1295,34 +1297,21 @@ _INDEX_CALLS = frozenset(
 _SIZED = frozenset({"zeros", "ones", "empty", "full", "rand", "randn"})
 
 
-def index_advice(exc: BaseException) -> str | None:
-    """Advice for an index out of range raised on the user's line (an ``edge_index`` whose
-    node ids start at 1, or that names nodes of a larger graph than the batch holds): the
-    integer tensor that line passes as an index (``x.index_add_(0, dst, ...)``,
-    ``h.index_select(0, src)``, ``x.scatter_add_(0, idx, ...)``, ``h[src]``), its smallest
-    and largest value, and the size of the dimension it indexes when the line names it.
-    Only names the line reads (no call of the user's is run again), and only CPU tensors
-    (after a CUDA error the device is not read). None when no such index is out of range.
-
-    For ``deg = torch.zeros(n).index_add_(0, dst, w)`` in a file of the user's, with ``n``
-    6 and ``dst`` holding 1 to 6, it begins: "dst, the index of index_add_ along dim 0,
-    holds 1 to 6, but that dimension has 6 entries (0 to 5): 1 of 6 out of range. Ids that
-    start at 1 (numbered from 1 in a file) need dst - 1."
-    """
+def _line_indices(frame: FrameType, line: int) -> list[tuple[str, str, int, str, Any, int | None]]:
+    """The integer tensors line ``line`` of ``frame``'s code passes as an index, the
+    innermost first (it ran first): each as (its source, what it indexes, the dim, the op
+    or ``"[]"``, the tensor, the size of that dim when the line names it). Names, shapes
+    and dtypes only: no value of a tensor is read, so it is safe after a CUDA error."""
     import ast
     import linecache
 
     import torch
 
-    user = _innermost_user(exc)
-    if user is None:
-        return None
-    frame, line = user.tb_frame, user.tb_lineno
     text = linecache.getline(frame.f_code.co_filename, line).strip()
     try:  # a block's header (``for ...:``, ``if ...:``) parses with a body
         tree = ast.parse(text + " pass" if text.endswith(":") else text)
     except SyntaxError:
-        return None
+        return []
 
     def value(node: ast.expr) -> Any:
         if isinstance(node, ast.Name):
@@ -1378,26 +1367,49 @@ def index_advice(exc: BaseException) -> str | None:
             first = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) else node.slice
             if isinstance(first, (ast.Name, ast.Attribute)):
                 found.append((first, node.value, 0, "[]"))
-    for index, target, dim, op in reversed(found):  # the innermost first: it ran first
+    out: list[tuple[str, str, int, str, Any, int | None]] = []
+    for index, target, dim, op in reversed(found):
         t = value(index)
         if (
             not isinstance(t, torch.Tensor)
-            or t.device.type != "cpu"
             or t.is_floating_point()
             or t.is_complex()
             or t.dtype is torch.bool
             or t.numel() == 0
         ):
             continue
-        lo, hi = int(t.min()), int(t.max())
         n = size(target, dim) if target is not None else None
+        into = ast.unparse(target) if target is not None else "a tensor"
+        out.append((ast.unparse(index), into, dim, op, t, n))
+    return out
+
+
+def index_advice(exc: BaseException) -> str | None:
+    """Advice for an index out of range raised on the user's line (an ``edge_index`` whose
+    node ids start at 1, or that names nodes of a larger graph than the batch holds): the
+    integer tensor that line passes as an index (``x.index_add_(0, dst, ...)``,
+    ``h.index_select(0, src)``, ``x.scatter_add_(0, idx, ...)``, ``h[src]``), its smallest
+    and largest value, and the size of the dimension it indexes when the line names it.
+    Only names the line reads (no call of the user's is run again), and only CPU tensors
+    (after a CUDA error the device is not read). None when no such index is out of range.
+
+    For ``deg = torch.zeros(n).index_add_(0, dst, w)`` in a file of the user's, with ``n``
+    6 and ``dst`` holding 1 to 6, it begins: "dst, the index of index_add_ along dim 0,
+    holds 1 to 6, but that dimension has 6 entries (0 to 5): 1 of 6 out of range. Ids that
+    start at 1 (numbered from 1 in a file) need dst - 1."
+    """
+    user = _innermost_user(exc)
+    if user is None:
+        return None
+    for where, into, dim, op, t, n in _line_indices(user.tb_frame, user.tb_lineno):
+        if t.device.type != "cpu":
+            continue
+        lo, hi = int(t.min()), int(t.max())
         low = -n if op == "[]" and n is not None else 0
         if n is not None and low <= lo and hi < n:
             continue  # this one is in range: another index on the line raised
         if n is None and (lo >= 0 or op == "[]"):
             continue  # nothing to tell it by (a subscript takes negative indices)
-        where = ast.unparse(index)
-        into = ast.unparse(target) if target is not None else "a tensor"
         what = f"the index of {op}" if op != "[]" else f"the index into {into}"
         head = f"{where}, {what} along dim {dim}, holds {lo} to {hi}"
         if n is None:
@@ -1415,6 +1427,72 @@ def index_advice(exc: BaseException) -> str | None:
             "classes or tokens past the table) must be renumbered into it, or the tensor "
             "built with its full size. On the GPU the same index is 'device-side assert "
             "triggered'."
+        )
+    return None
+
+
+def _script_name() -> str:
+    """The script this process runs (``train.py``), as the user would rerun it."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return name if name.endswith(".py") and name != "__main__.py" else "your_script.py"
+
+
+def device_index_advice(exc: BaseException) -> str | None:
+    """Advice for a CUDA device-side assert raised in a function of the user's that
+    passes integer tensors as indices on the line that raised or on a line before it
+    (``out.index_add_(0, dst, h[src])`` in a graph layer; kernels run asynchronously, so
+    the error surfaces at a later op): those indices by name, the op, the dim and its size
+    when the line names it. After the assert no GPU value can be read, so it names the
+    check to add instead. The innermost user frame with such a line is read. From the
+    source, names, shapes and dtypes only: no device access. None when no index is found.
+
+    For a layer whose ``torch.zeros_like(h).index_add_(0, dst, h[src])`` ran before the
+    error surfaced, with ``h`` of 6 rows, it begins: "The assert most likely came from an
+    index this code passed: src, the index into h along dim 0 (6 entries) and dst, the
+    index of index_add_ along dim 0 (6 entries), at ..."
+    """
+    import linecache
+
+    from nanwatch import _frames
+
+    for tb in reversed(_tracebacks(exc)):
+        frame = tb.tb_frame
+        code = frame.f_code
+        if _frames.is_internal(code.co_filename):
+            continue
+        sites: dict[tuple[str, str], tuple[str, int, int | None, int]] = {}
+        for line in range(tb.tb_lineno, code.co_firstlineno - 1, -1):
+            for where, into, dim, op, _t, n in _line_indices(frame, line):
+                what = f"the index of {op}" if op != "[]" else f"the index into {into}"
+                sites.setdefault((where, what), (where, dim, n, line))
+            if len(sites) >= 3:
+                break
+        if not sites:
+            continue
+        named = [
+            f"{where}, {what} along dim {dim}" + (f" ({n} entries)" if n is not None else "")
+            for (where, what), (_, dim, n, _line) in list(sites.items())[:3]
+        ]
+        lines = sorted({line for *_, line in sites.values()})
+        file = os.path.basename(code.co_filename)
+        at = f"{file}:{lines[0]}" + (f"-{lines[-1]}" if len(lines) > 1 else "")
+        checks = "; ".join(
+            f"assert 0 <= int({where}.min()) and int({where}.max()) < {n}"
+            if n is not None
+            else f"assert int({where}.min()) >= 0"
+            for where, _dim, n, _line in list(sites.values())[:2]
+        )
+        first = linecache.getline(code.co_filename, lines[0]).strip()
+        listed = ", ".join(named[:-1]) + " and " + named[-1] if len(named) > 1 else named[0]
+        return (
+            f"The assert most likely came from an index this code passed: {listed}, at "
+            f"{at} ({first}). One of them holds an id outside its range: node ids numbered "
+            "from 1, the whole graph's node ids in a sampled subgraph, a class or token past "
+            "its table. No GPU value can be read after the assert: add before that line, "
+            f"and rerun: {checks}; or run this batch on the CPU, where nanwatch names the "
+            "value and its position. Kernels run asynchronously, so an earlier kernel may "
+            f"have failed instead: CUDA_LAUNCH_BLOCKING=1 python {_script_name()} makes the "
+            "traceback point at it."
         )
     return None
 
