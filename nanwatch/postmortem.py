@@ -890,7 +890,8 @@ def classify(exc: BaseException, names: Mapping[int, str] | None = None) -> dict
             if cls == "scalar-overflow"
             else empty_reduction_advice(message, _raising_line(exc))
             if cls == "empty-reduction"
-            else (cls == "other" and _function_advice(message)) or ADVICE[cls]
+            else (cls == "other" and (_function_advice(message) or _group_norm_advice(message)))
+            or ADVICE[cls]
         ),
     }
     if cls in {"dtype-error", "other"}:
@@ -1297,6 +1298,37 @@ _INDEX_CALLS = frozenset(
 _SIZED = frozenset({"zeros", "ones", "empty", "full", "rand", "randn"})
 
 
+def _frame_value(frame: FrameType, node: Any) -> Any:
+    """The value of a name, an attribute chain, a constant or a negated int in ``frame``,
+    read without running any of the user's code (no property or ``__getattr__``); None for
+    any other expression."""
+    import ast
+
+    import torch
+
+    if isinstance(node, ast.Name):
+        for scope in (frame.f_locals, frame.f_globals):
+            if node.id in scope:
+                return scope[node.id]
+        return None
+    if isinstance(node, ast.Attribute):  # no property or __getattr__ of the user's runs
+        base = _frame_value(frame, node.value)
+        own = getattr(base, "__dict__", None)
+        if isinstance(own, dict) and node.attr in own:
+            return own[node.attr]
+        if isinstance(base, torch.nn.Module):
+            for table in (base._buffers, base._parameters, base._modules):
+                if node.attr in table:
+                    return table[node.attr]
+        return None
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = _frame_value(frame, node.operand)
+        return -v if type(v) is int else None
+    return None
+
+
 def _line_indices(frame: FrameType, line: int) -> list[tuple[str, str, int, str, Any, int | None]]:
     """The integer tensors line ``line`` of ``frame``'s code passes as an index, the
     innermost first (it ran first): each as (its source, what it indexes, the dim, the op
@@ -1314,27 +1346,7 @@ def _line_indices(frame: FrameType, line: int) -> list[tuple[str, str, int, str,
         return []
 
     def value(node: ast.expr) -> Any:
-        if isinstance(node, ast.Name):
-            for scope in (frame.f_locals, frame.f_globals):
-                if node.id in scope:
-                    return scope[node.id]
-            return None
-        if isinstance(node, ast.Attribute):  # no property or __getattr__ of the user's runs
-            base = value(node.value)
-            own = getattr(base, "__dict__", None)
-            if isinstance(own, dict) and node.attr in own:
-                return own[node.attr]
-            if isinstance(base, torch.nn.Module):
-                for table in (base._buffers, base._parameters, base._modules):
-                    if node.attr in table:
-                        return table[node.attr]
-            return None
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            v = value(node.operand)
-            return -v if type(v) is int else None
-        return None
+        return _frame_value(frame, node)
 
     def size(node: ast.expr, dim: int) -> int | None:
         t = value(node)
@@ -1415,18 +1427,92 @@ def index_advice(exc: BaseException) -> str | None:
         if n is None:
             return f"{head}: a negative index is out of range there."
         past = int((t >= n).sum()) + (int((t < low).sum()))
+        drawn = _randint_past(user.tb_frame, user.tb_lineno, where, n)
         starts = (
-            f" Ids that start at 1 (numbered from 1 in a file) need {where} - 1."
+            drawn
+            if drawn is not None
+            else f" Ids that start at 1 (numbered from 1 in a file) need {where} - 1."
             if lo == 1 and hi == n
             else ""
         )
+        larger = (
+            ""
+            if drawn is not None
+            else " An id of a larger set than this tensor was built for (the nodes of the "
+            "whole graph in a sampled subgraph, classes or tokens past the table) must be "
+            "renumbered into it, or the tensor built with its full size."
+        )
         return (
             f"{head}, but that dimension has {n} entries (0 to {n - 1}): {past} of "
-            f"{t.numel()} out of range.{starts} An id of a larger set than this "
-            "tensor was built for (the nodes of the whole graph in a sampled subgraph, "
-            "classes or tokens past the table) must be renumbered into it, or the tensor "
-            "built with its full size. On the GPU the same index is 'device-side assert "
-            "triggered'."
+            f"{t.numel()} out of range.{starts}{larger} On the GPU the same index is "
+            "'device-side assert triggered'."
+        )
+    return None
+
+
+def _randint_past(frame: FrameType, line: int, index: str, n: int) -> str | None:
+    """What says the index ``index`` (a name) was drawn by ``torch.randint`` with a high
+    bound past the ``n`` entries it indexes, in a statement of the same function above
+    ``line``: the high bound is exclusive, so ``randint(0, T + 1)`` draws T, one past a
+    table of T entries. None when it was not so drawn."""
+    import ast
+    import linecache
+
+    if not index.isidentifier():
+        return None
+    path, first = frame.f_code.co_filename, frame.f_code.co_firstlineno
+    assign = re.compile(rf"^\s*{re.escape(index)}\s*(?::[^=]+)?=(?!=)")
+    stmt = None
+    for num in range(line - 1, max(first, line - 60) - 1, -1):
+        text = linecache.getline(path, num).strip()
+        if assign.match(text):
+            stmt = text
+            break
+    if stmt is None:
+        return None
+    try:
+        tree = ast.parse(stmt)
+    except SyntaxError:
+        return None
+    for call in ast.walk(tree):
+        if not (
+            isinstance(call, ast.Call)
+            and (call.func.attr if isinstance(call.func, ast.Attribute) else "") == "randint"
+            and isinstance(call.func, ast.Attribute)
+            and ast.unparse(call.func.value) == "torch"
+        ):
+            continue
+        given = {k.arg: k.value for k in call.keywords if k.arg}
+        args = list(call.args)
+        if "high" in given:
+            high = given["high"]
+        elif len(args) >= 2 and not isinstance(args[1], (ast.Tuple, ast.List)):
+            high = args[1]  # randint(low, high, size)
+        elif args:
+            high = args[0]  # randint(high, size)
+        else:
+            return None
+        bound = _frame_value(frame, high)
+        left = (  # high written as ``X + 1``: X
+            high.left
+            if isinstance(high, ast.BinOp)
+            and isinstance(high.op, ast.Add)
+            and isinstance(high.right, ast.Constant)
+            and high.right.value == 1
+            else None
+        )
+        if type(bound) is not int and left is not None:
+            bound = _frame_value(frame, left)
+            bound = bound + 1 if type(bound) is int else None
+        if type(bound) is not int or bound <= n:
+            return None
+        text = ast.unparse(high)
+        fixed = ast.unparse(left) if left is not None and bound == n + 1 else str(n)
+        return (
+            f" {index} was drawn by `{stmt}`: torch.randint's high is exclusive, so "
+            f"randint(..., {text}, ...) draws up to {bound - 1}, past the last entry {n - 1}:"
+            f" the high for {n} entries is {fixed} (torch.randint(..., {fixed}, ...) draws 0 "
+            f"to {n - 1})."
         )
     return None
 
@@ -2326,6 +2412,62 @@ def _function_advice(message: str) -> str | None:
             f"that takes {want} argument{'s' if want != '1' else ''} (ctx not counted): "
             "return one per forward argument, in order, None for each one that needs no "
             "gradient (a flag, an int, a tensor that does not require grad)."
+        )
+    return None
+
+
+#: group norm's checks: the layer's constructor, the functional, and a weight built for
+#: another channel count than its input has
+_GROUPS_CTOR = re.compile(
+    r"num_channels \((?P<c>\d+)\) must be divisible by num_groups \((?P<g>\d+)\)"
+)
+_GROUPS_CALL = re.compile(
+    r"channels in input to be divisible by num_groups, but got input of shape "
+    r"\[\d+, (?P<c>\d+)[^\]]*\] and num_groups=(?P<g>\d+)"
+)
+_GROUPS_WEIGHT = re.compile(
+    r"Expected weight to be a vector of size equal to the number of channels in input, "
+    r"but got weight of shape \[(?P<w>\d+)\] and input of shape \[\d+, (?P<c>\d+)"
+)
+
+
+def _group_norm_advice(message: str) -> str | None:
+    """Advice for GroupNorm's channel checks, with the numbers of the message: the groups
+    that divide the channels, and ``math.gcd(G, C)``, the largest count of groups that
+    divides both (what a UNet whose widths change per level needs at each width); None for
+    another message.
+
+    >>> _group_norm_advice("num_channels (48) must be divisible by num_groups (32)")[:60]
+    'GroupNorm splits the channels into num_groups equal groups: '
+    """
+    import math
+
+    m = _GROUPS_CTOR.search(message) or _GROUPS_CALL.search(message)
+    if m is not None:
+        c, g = int(m["c"]), int(m["g"])
+        if c <= 0 or g <= 0:
+            return None
+        gcd = math.gcd(g, c)
+        divisors = [d for d in range(1, c + 1) if c % d == 0]
+        listed = (
+            f" Counts of groups that divide {c}: {', '.join(map(str, divisors))}."
+            if len(divisors) <= 12
+            else ""
+        )
+        return (
+            f"GroupNorm splits the channels into num_groups equal groups: {c} channels do not "
+            f"split into {g} ({c} / {g} = {c / g:g}).{listed} Where the width changes from "
+            "layer to layer (a UNet's levels), compute the groups from the width: "
+            f"num_groups = math.gcd({g}, channels) ({gcd} for {c} channels, {c // gcd} "
+            f"per group), or make every width a multiple of {g}."
+        )
+    m = _GROUPS_WEIGHT.search(message)
+    if m is not None:
+        w, c = int(m["w"]), int(m["c"])
+        return (
+            f"This GroupNorm was built for {w} channels (its weight has {w} entries) and its "
+            f"input has {c} (dim 1): build it with num_channels={c}, the width of the layer "
+            f"before it, as nn.GroupNorm(num_groups, {c}) with num_groups dividing {c}."
         )
     return None
 

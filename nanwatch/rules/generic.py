@@ -406,6 +406,16 @@ def _constant(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> Diagnosis:
             f"{fixed}   # an eps: {den} is 0 when {when}\n"
             f"# or skip the update when {den} == 0 (a batch with nothing to learn from)"
         )
+    elif (
+        stat is not None
+        and stat.numel == 1
+        and stat.nan == 1
+        and (made := _single_nan_made_by(ev.source or ev.backward_at, name)) is not None
+    ):
+        # one value, NaN, and the statement that made it is known and takes no std or var:
+        # it says where the NaN came from (a warmup of 0 steps: step / warmup is 0/0)
+        evidence.append(made[0])
+        fix = made[1] if made[2] else made[1] + fix  # a division guarded: nothing to find
     elif stat is not None and stat.numel == 1 and stat.nan == 1:
         # one value, NaN: the statistics of a batch of one (std/var with N - 1 = 0 degrees
         # of freedom is NaN, and clamping the denominator keeps a NaN a NaN)
@@ -529,6 +539,75 @@ def _spread_ratio(source: str | None, name: str, reach: int = 40) -> tuple[str, 
     spread's text and the statement with an eps added to it: ``adv = (r - r.mean()) /
     r.std()`` -> ``(stmt, "r.std()", "adv = (r - r.mean()) / (r.std() + 1e-8)")``; None
     when the file cannot be read or no such division made ``name``."""
+    stmt = _assigned(source, name, reach)
+    return None if stmt is None else _eps_in_spread(stmt)
+
+
+def _single_nan_made_by(source: str | None, name: str | None) -> tuple[str, str, bool] | None:
+    """Evidence and fix lines for a single NaN value ``name`` whose assignment above
+    ``source`` takes no std or var (so not a batch of one): a division there is 0/0 (its
+    denominator was 0: ``beta = step / warmup_steps`` with 0 warmup steps), guarded in the
+    user's statement (True: the fix is whole); any other statement is quoted as the one
+    to check (False: the generic advice follows). None when the
+    statement is not known or takes a std or var."""
+    if not name:
+        return None
+    stmt = _assigned(source, name)
+    if stmt is None:
+        return None
+    try:
+        node = ast.parse(stmt).body[0]
+    except (SyntaxError, IndexError):
+        return None
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+        return None
+    if _takes_spread(node.value):
+        return None  # a std or var: a batch of one is the likely cause
+    div = next(
+        (b for b in ast.walk(node.value) if isinstance(b, ast.BinOp) and isinstance(b.op, ast.Div)),
+        None,
+    )
+    if div is not None and isinstance(div.right, ast.Name):
+        # y / s with s = x.std() a line above: s is NaN for one value, not 0
+        made = _assigned(source, div.right.id)
+        try:
+            if made is not None and _takes_spread(ast.parse(made)):
+                return None
+        except SyntaxError:
+            return None
+    if div is None:
+        return (
+            f"{name} was made by `{stmt}`: one value, and no std or var there, so not a "
+            "batch of one",
+            f"# check {name} where it is made: {stmt}\n",
+            False,
+        )
+    from nanwatch.rules.domain import _masked_division  # domain imports this module
+
+    den = ast.get_source_segment(stmt, div.right) or ast.unparse(div.right)
+    num = ast.get_source_segment(stmt, div.left) or ast.unparse(div.left)
+    return (
+        f"{name} was made by `{stmt}`: a single NaN out of {num} / {den} is 0/0, so {den} "
+        "was 0 (a count or a length of 0: warmup steps, a cycle, items selected)",
+        f"# {den} was 0: set it to at least 1 where it is made, or guard the division:\n"
+        + _masked_division(stmt, div, den),
+        True,
+    )
+
+
+def _takes_spread(tree: ast.AST) -> bool:
+    """``tree`` calls a std or var (``x.std()``, ``torch.var(x)``, ``x.std_mean()``)."""
+    return any(
+        isinstance(c, ast.Call)
+        and (c.func.attr if isinstance(c.func, ast.Attribute) else ast.unparse(c.func))
+        in ("std", "var", "std_mean", "var_mean")
+        for c in ast.walk(tree)
+    )
+
+
+def _assigned(source: str | None, name: str, reach: int = 40) -> str | None:
+    """The last statement ``name = ...`` above line ``source`` in the same function; None
+    when the file cannot be read, none is found, or branches assign it differently."""
     import linecache
 
     path, _, num = (source or "").rpartition(":")
@@ -554,7 +633,7 @@ def _spread_ratio(source: str | None, name: str, reach: int = 40) -> tuple[str, 
     nested = [st for depth, st in found if depth > indent]
     if found[0][0] > indent and len(set(nested)) > 1:
         return None  # assigned differently in branches (if / else): which one ran is unknown
-    return _eps_in_spread(found[0][1])
+    return found[0][1]
 
 
 def _eps_in_spread(stmt: str) -> tuple[str, str, str] | None:
