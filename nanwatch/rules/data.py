@@ -168,7 +168,7 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
         yield _inf_product_diagnosis(ctx, evidence, times_inf)
         return
     if a.origin == "data-or-code":
-        yield _data_or_code(ctx, evidence, what, data_fix)
+        yield _data_or_code(ctx, evidence, what, data_fix, rec=bad[0], name=_fix_name(data_fix))
         return
     extra = {"title": "NaN or inf in the loss targets"} if what == "targets" else {}
     yield ctx.diagnosis(
@@ -186,13 +186,26 @@ def bad_input_data(ctx: RuleContext) -> Iterator[Diagnosis]:
     )
 
 
-def _data_or_code(ctx: RuleContext, evidence: list[str], what: str, data_fix: str) -> Diagnosis:
+def _data_or_code(
+    ctx: RuleContext,
+    evidence: list[str],
+    what: str,
+    data_fix: str,
+    *,
+    rec: Record | None = None,
+    name: str | None = None,
+) -> Diagnosis:
     """NW401 for a NaN that fills whole samples (or whole columns) of a root's input in a
     mode that traces no op: the pattern of a division by a zero norm, speed or std of each
     sample in the user's code before the call as much as of a bad file. Which one, forensic
-    mode tells: it names the op if the user's code made it."""
+    mode tells: it names the op if the user's code made it. Whole feature columns of a 2-D
+    ``rec`` (finite in the other columns) are told as such: a per-feature scaling whose
+    divisor is 0 for a constant column, not a per-sample one."""
     a = ctx.anomaly
     assert a is not None
+    cols = _whole_columns(rec) if rec is not None else None
+    if cols is not None:
+        return _whole_columns_diagnosis(ctx, evidence, what, cols, name or "x")
     return ctx.diagnosis(
         **anomaly_fields(a),
         evidence=[
@@ -212,6 +225,72 @@ def _data_or_code(ctx: RuleContext, evidence: list[str], what: str, data_fix: st
             "# if your code divided by a per-sample norm, speed or std that is 0, floor it "
             "there: x / s.clamp_min(1e-6)\n"
             f"# if the data is bad:\n{data_fix}"
+        ),
+    )
+
+
+def _fix_name(data_fix: str) -> str | None:
+    """The name the batch goes by in ``data_fix`` (:func:`_find_samples_fix`'s last line,
+    ``x = torch.nan_to_num(x, ...)``); None when it does not show one."""
+    last = data_fix.rstrip().splitlines()[-1] if data_fix.strip() else ""
+    m = re.match(r"\s*(.+?) = torch\.nan_to_num\(", last)
+    return m.group(1) if m else None
+
+
+def _whole_columns(rec: Record) -> str | None:
+    """The feature columns (``2`` or ``2, 5``) of a 2-D ``rec`` whose every value is NaN or
+    inf while its other columns are finite (and not whole samples: a sample of one
+    feature is both); None otherwise."""
+    s = rec.stat
+    if s is None or len(rec.shape) != 2 or not s.bad_cols or s.nan is None:
+        return None
+    if whole_samples_bad(rec) or rec.shape[0] < 2:
+        return None
+    n = s.bad_col_count if s.bad_col_count is not None else len(s.bad_cols)
+    if n >= rec.shape[1] or s.nan + (s.posinf or 0) + (s.neginf or 0) != n * rec.shape[0]:
+        return None
+    more = ", ..." if n > len(s.bad_cols) else ""
+    return ", ".join(map(str, s.bad_cols)) + more
+
+
+def _whole_columns_diagnosis(
+    ctx: RuleContext, evidence: list[str], what: str, cols: str, x: str
+) -> Diagnosis:
+    """NW401 for whole feature columns non-finite in every sample, the other columns finite,
+    in a mode that traces no op: a per-feature standardization ``(x - mean) / std`` (or a
+    min-max scaling) whose divisor is 0 for a column that does not vary, or a column the
+    data lacks throughout."""
+    a = ctx.anomaly
+    assert a is not None
+    one = "," not in cols
+    col = f"feature column {cols} is" if one else f"feature columns {cols} are"
+    whole = "A whole feature column is" if one else "Whole feature columns are"
+    return ctx.diagnosis(
+        **anomaly_fields(a),
+        evidence=[
+            *evidence,
+            f"{col} non-finite in every sample and the other columns are finite: the pattern "
+            "of a per-feature scaling, (x - mean) / std or (x - min) / (max - min), whose "
+            "divisor is 0 for a column that does not vary (0/0 = NaN), or of a column the "
+            "data lacks",
+        ],
+        explanation=(
+            f"The {what} held the non-finite value when {a.path} was called, and every layer "
+            f"after it only passed it on. {whole} non-finite while the others are finite: a "
+            "standardization "
+            "whose statistics hold a constant column gives exactly that (its std is 0 and "
+            "x - mean is 0 there: 0/0 = NaN), in your preprocessing or in your code before "
+            "the call, and so does a feature missing from every row; this mode traces no op "
+            "outside the modules, so it cannot tell which."
+        ),
+        fix=(
+            f"# {untraced_hint(ctx)}\n"
+            "# where the features are scaled (std or max - min, in your names), divide a "
+            "constant column by 1, as sklearn's StandardScaler does:\n"
+            "std = torch.where(std > 0, std, torch.ones_like(std))   # that column becomes "
+            "0, not 0/0\n"
+            "# if the data lacks the column, the columns non-finite in every row:\n"
+            f"print((~torch.isfinite({x})).all(dim=0).nonzero().flatten().tolist())"
         ),
     )
 

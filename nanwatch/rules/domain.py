@@ -12367,6 +12367,9 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
     sinc = _sinc_fix(stmt, div)
     if sinc is not None:
         return sinc
+    cosine = _cosine_fix(ev, stmt, div)
+    if cosine is not None:
+        return cosine
     floor = _eps_floor(ev.dtype)
     narrow = floor is not None and _stored_as_zero(_NORMALIZE_EPS, ev.dtype)
     num = input_named(ev, "self", "input")
@@ -12415,6 +12418,84 @@ def _own_float_fix(ev: OpEvent, den: TensorStat) -> str | None:
         safe = f"torch.where({d} == 0, torch.ones_like({d}), {d})"
         why = "divides by 1 where the denominator is 0 (any sign): leaves x as is"
     return f"{_spliced(stmt, div.right, safe, grouped=True)}   # {why}"
+
+
+#: F.cosine_similarity's default eps, the floor of each norm
+_COSINE_EPS = 1e-8
+
+
+def _l2_along(node: ast.expr) -> tuple[str, str] | None:
+    """(the tensor, the dim) of an L2 norm along one dim without keepdim: ``x.norm(dim=d)``,
+    ``x.norm(p=2, dim=d)``, ``torch.norm(x, dim=d)``, ``torch.linalg.vector_norm(x, dim=d)``;
+    None for anything else."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    if isinstance(func, ast.Attribute) and func.attr == "norm" and not node.args:
+        x = func.value
+        if ast.unparse(x) in _MODULES:
+            return None
+    elif ast.unparse(func) in _NORM_FUNCS and len(node.args) == 1:
+        x = node.args[0]
+    else:
+        return None
+    kw = {k.arg: k.value for k in node.keywords}
+    dim = kw.pop("dim", None)
+    p = kw.pop("p", None) or kw.pop("ord", None)
+    keep = kw.pop("keepdim", None)
+    if keep is not None and not (isinstance(keep, ast.Constant) and keep.value is False):
+        return None
+    if dim is None or kw:
+        return None
+    if p is not None and not (isinstance(p, ast.Constant) and p.value in (2, 2.0)):
+        return None
+    return ast.unparse(x), ast.unparse(dim)
+
+
+def _cosine_fix(ev: OpEvent, stmt: str, div: ast.BinOp) -> str | None:
+    """``(a * b).sum(d) / (a.norm(dim=d) * b.norm(dim=d))``, a cosine similarity written by
+    hand (``torch.sum(a * b, dim=d)`` too, any norm spelling :func:`_l2_along` reads), as
+    ``F.cosine_similarity(a, b, dim=d)``: it floors each norm at eps, so a zero vector (a
+    user or an item with no features, a padding row) gives 0, not 0/0; an eps the op's
+    dtype holds where the default 1e-8 is 0 in it. None for any other division."""
+    left = div.left
+    if not isinstance(left, ast.Call) or not isinstance(left.func, ast.Attribute):
+        return None
+    if left.func.attr != "sum":
+        return None
+    owner = ast.unparse(left.func.value)
+    if owner == "torch" and left.args:
+        prod, given = left.args[0], [*left.args[1:]]
+    elif owner not in _MODULES:
+        prod, given = left.func.value, [*left.args]
+    else:
+        return None
+    kw = {k.arg: k.value for k in left.keywords}
+    if "dim" in kw:
+        given.append(kw.pop("dim"))
+    if kw or len(given) != 1:
+        return None
+    factors = _product(prod)
+    norms = [_l2_along(f) for f in _product(div.right)]
+    if len(factors) != 2 or len(norms) != 2 or None in norms:
+        return None
+    dim = ast.unparse(given[0])
+    pairs = [n for n in norms if n is not None]
+    if any(d != dim for _, d in pairs):
+        return None
+    if sorted(ast.unparse(f) for f in factors) != sorted(x for x, _ in pairs):
+        return None
+    a, b = (ast.get_source_segment(stmt, f) or ast.unparse(f) for f in factors)
+    floor = _eps_floor(ev.dtype)
+    lost = floor is not None and _stored_as_zero(_COSINE_EPS, ev.dtype)
+    more = f", eps={floor}" if lost else ""
+    why = f"the default eps 1e-8 is 0 in {ev.dtype}; {floor} is not" if lost else "eps 1e-8"
+    needs = "" if _binds_f(ev.source) else "\n# needs: import torch.nn.functional as F"
+    text = _spliced(stmt, div, f"F.cosine_similarity({a}, {b}, dim={dim}{more})")
+    return (
+        f"{text}   # the built-in cosine divides by each norm floored at eps ({why}): a "
+        f"zero vector gives 0, not 0/0{needs}"
+    )
 
 
 #: how a user's line writes pi
@@ -12520,8 +12601,10 @@ def _std_eps(ev: OpEvent, stmt: str, div: ast.BinOp, den: TensorStat) -> str | N
         fixed = _spliced(stmt, div.right, fixed)
     eps = _NORM_VAR_EPS
     rows = f" ({den.zeros:,} of {den.numel:,} here)" if den.zeros else ""
+    # over the batch dim (a tabular standardization): each statistic is a feature column's
+    row = "a feature column" if dims in ("0", "(0,)", "[0]") else "a row"
     lines = [
-        f"{fixed}   # eps inside the sqrt ({eps}, as the built-in norms): a row that does not "
+        f"{fixed}   # eps inside the sqrt ({eps}, as the built-in norms): {row} that does not "
         f"vary{rows} has variance 0 and gives about 0, with a gradient of at most "
         "1/sqrt(eps); not .clamp_min(eps) after the sqrt: it divides by eps, and the "
         "gradient too"
