@@ -890,6 +890,9 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
                 outputs=_named_outputs(func, out),
                 params=self._params_in(inputs[:6]),
                 made_from=operand_made_from(inputs[0][1]) if node is None and inputs else [],
+                made_from_history=(
+                    first_operands_history(inputs[0][1].grad_fn) if node is None and inputs else []
+                ),
             )
             self.events.append(event)
             if phase is Phase.FORWARD:
@@ -2270,6 +2273,7 @@ def node_event(
         node=name,
         dtype=dtype,
         made_from=made_from(node) if node is not None else [],
+        made_from_history=operand_history(node) if node is not None else [],
     )
 
 
@@ -4058,6 +4062,7 @@ def graph_evidence(
                 event.source, event.code = forward_line(node)
             log = base in ("Log", "Log2", "Log10")
             event.made_from = made_from(node, stop, below=log, through=log)
+            event.made_from_history = operand_history(node)
             events.append(event)
     if unsaved and not leaf_said and not events and loss_kinds:
         # nothing the graph saved explains the loss's value: an operand of a node that
@@ -4285,6 +4290,30 @@ def operand_made_from(t: torch.Tensor, depth: int = 4) -> list[str]:
     if fn is None:
         return ["leaf"] if t.requires_grad else []
     return [name_of(fn).split("Backward")[0].lower(), *made_from(fn, depth=depth - 1)]
+
+
+def operand_history(node: Any) -> list[bool]:
+    """Whether each operand of the op that made ``node``'s first input has an autograd
+    history, read from the graph alone (a ``None`` next function is an operand that needs
+    no gradient: computed under no_grad, detached, or data); ``[]`` when that op is not a
+    tensor-tensor one or ``node`` has no producer. No tensor is read.
+
+    >>> a = torch.ones(2, requires_grad=True)
+    >>> operand_history(torch.exp(a - torch.ones(2)).grad_fn)
+    [True, False]
+    """
+    nxt = getattr(node, "next_functions", ()) or ()
+    cur = next((n for n, _ in nxt if n is not None), None)
+    return first_operands_history(cur)
+
+
+def first_operands_history(fn: Any) -> list[bool]:
+    """:func:`operand_history` of the node ``fn`` itself: one flag per operand of the op
+    that made it, [] for a node of one operand or none."""
+    if fn is None or accumulates_grad(fn):
+        return []
+    flags = [n is not None for n, _ in getattr(fn, "next_functions", ()) or ()]
+    return flags if len(flags) == 2 else []
 
 
 def _operands_finite(node: Any) -> bool | None:

@@ -366,6 +366,11 @@ class OpEvent:
     #: first, lower-case (``["rsub"]``), ending at a watched module's output as
     #: ``"watched:sigmoid"`` (the op that made that output); empty when not read.
     made_from: list[str] = field(default_factory=list)
+    #: whether each operand of the op that made the first input (``made_from[0]``) has an
+    #: autograd history (requires grad, or a ``grad_fn``), read from the graph when the
+    #: event is made: ``exp(a - b)`` with ``b`` computed under no_grad or detached gives
+    #: ``[True, False]``; empty when not read
+    made_from_history: list[bool] = field(default_factory=list)
     #: the inputs that are watched parameters, read by identity: (schema name, qualified
     #: name, type of the module that holds it), ``("other", "scales.1", "ParameterList")``
     params: list[tuple[str, str, str]] = field(default_factory=list)
@@ -423,6 +428,8 @@ class OpEvent:
             d["outputs"] = [[r, s.to_dict()] for r, s in self.outputs]
         if self.made_from:
             d["made_from"] = list(self.made_from)
+        if self.made_from_history:
+            d["made_from_history"] = list(self.made_from_history)
         if self.params:
             d["params"] = [list(p) for p in self.params]
         return d
@@ -452,6 +459,7 @@ class OpEvent:
             other_inputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("other_inputs", [])],
             outputs=[(r, TensorStat.from_dict(s)) for r, s in d.get("outputs", [])],
             made_from=[str(m) for m in d.get("made_from", [])],
+            made_from_history=[bool(h) for h in d.get("made_from_history", [])],
             params=[(str(r), str(q), str(t)) for r, q, t in d.get("params", [])],
         )
 

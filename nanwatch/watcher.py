@@ -4124,6 +4124,8 @@ class Watcher:
                 _place(ev, line, site)
                 ev.scalars = {**scalars, **ev.scalars}
             ev.made_from = list(made) or ev.made_from
+            if snap is not None and not ev.made_from_history:
+                ev.made_from_history = ops.operand_history(snap.node)
             # anomaly mode's line is exact; without it, the names backward()'s frame held
             fwd = None if line[0] is not None else self._forward_line(snap.node if snap else None)
             if fwd is not None:

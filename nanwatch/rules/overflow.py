@@ -1938,12 +1938,14 @@ def _from_op(
                 f"{by_hand}   # 1 / (1 + exp(-x)) is torch.sigmoid(x): same values, no "
                 "overflow, a finite gradient"
             )
+        produced = ""  # the line naming the exp's producer, when one is told
         if kind == "exp" and first and not cplx and not result_only and by_hand is None:
             # its argument unkept (watch, sentinel): the recorded output it is; inputs far
             # past a unit scale: the data, not the weights, put it past the bound
             made = _exp_producer(ctx, ev, lim) if x is None else None
             if made is not None:
-                evidence.append(_producer_line(made))
+                produced = _producer_line(made)
+                evidence.append(produced)
                 if not ev.code:  # the template's x: say which tensor it is
                     head, sep, rest = fix.partition("\n")
                     fix = f"{head}   # x: {made.path}'s {made.role}{sep}{rest}"
@@ -1967,6 +1969,15 @@ def _from_op(
             # the update before this step moved the weights by their own size: the lr leads
             evidence.append(big_step.evidence())
             explanation, fix = _exp_after_big_step(big_step, dtype, lim, x, fix)
+        stale = (
+            _stale_ratio(ctx, ev, None if result_only else x)
+            if kind == "exp" and name.rstrip("_") == "exp" and not cplx and by_hand is None
+            else None
+        )
+        if stale is not None:  # exp(a - b), b without gradient: a ratio to stored values
+            evidence = [e for e in evidence if e != produced]  # the graph says what it is
+            evidence.append(stale.line())
+            explanation, fix = stale.explanation(dtype, lim), stale.fix(ev.code, lim)
         if name.rstrip("_") == "cosh" and not cplx and _log_of_cosh(ctx, ev):
             # a log-cosh loss: the same loss without cosh, not a clamp that zeroes its
             # gradient (tanh(d)) past the bound
@@ -4774,6 +4785,8 @@ def _exp_holder(ctx: RuleContext, a: Anomaly, ev: OpEvent) -> str | None:
     model's own output (then the model's lr is the one to quote)."""
     if packet(ev.op) not in _EXP_CALLS or ev.phase is not Phase.FORWARD:
         return None
+    if _ratio_to_stored(ev):  # exp(a - b), b without gradient: _StaleRatio says what it is
+        return None
     n = ev.output.numel
     params = watched_params((ctx.trace, *reversed(ctx.history)))
     outputs = {r.stat.numel for r in first_root_outputs(ctx.trace) if r.stat is not None}
@@ -4941,6 +4954,155 @@ def _exp_after_big_step(
             "whatever the gradient's size, so clipping cannot bound its step"
         )
     return explanation, "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _StaleRatio:
+    """An exp of a difference ``a - b`` whose ``b`` has no autograd history (computed under
+    no_grad, detached, or data) while ``a`` has one, read from the graph: a ratio
+    e^a / e^b of current values to stored ones -- PPO's importance ratio
+    ``exp(logp - old_logp)`` with ``old_logp`` kept from the rollout. ``new`` and ``old``:
+    the two operands' text on the line, when it is known and shows them."""
+
+    new: str | None
+    old: str | None
+    arg: float  #: the argument's largest value (nan: not kept)
+    lr: str  #: ``" (Adam lr 0.1)"``, "" when not known
+
+    @property
+    def diff(self) -> str:
+        return f"{self.new} - {self.old}" if self.new and self.old else "a - b"
+
+    def line(self) -> str:
+        if self.new and self.old:
+            return (
+                f"the exp's argument is a difference {self.diff} (read from the autograd "
+                f"graph): {self.old} carries no gradient (computed under torch.no_grad() or "
+                f"detached) and {self.new} does, so exp({self.diff}) is a ratio of current "
+                "values to stored ones"
+            )
+        return (
+            "the exp's argument is a difference a - b (read from the autograd graph) whose "
+            "b carries no gradient (computed under torch.no_grad() or detached, data, or a "
+            "constant) while a does"
+        )
+
+    def explanation(self, dtype: str, lim: DtypeLimits) -> str:
+        reached = (
+            f"reached {fmt(self.arg)} (a ratio of e^{fmt(self.arg)})"
+            if math.isfinite(self.arg)
+            else "passed it"
+        )
+        moved = (
+            "the policy being trained has moved far from the one that collected the batch: "
+            f"too large a learning rate{self.lr}, or too many epochs or minibatch updates "
+            "over one batch. PPO's clip does not stop it: the exp overflows before any clamp "
+            "of the ratio, and torch.min keeps the unclipped term for a negative advantage."
+        )
+        if self.new and self.old:
+            return (
+                f"exp overflows {dtype} above {fmt(lim.exp_bound)}; its argument, the "
+                f"difference {self.diff}, {reached}. {self.old} carries no gradient: "
+                f"exp({self.diff}) is a ratio against stored values -- in a policy-gradient "
+                f"loss, the importance ratio pi_new / pi_old, {self.old} the log-probabilities "
+                f"kept from the rollout. A ratio this far from 1 means {moved} Bound the "
+                "log-ratio so the step stays finite, and keep the policy close to the rollout's."
+            )
+        return (
+            f"exp overflows {dtype} above {fmt(lim.exp_bound)}; its argument, a difference "
+            f"a - b whose b carries no gradient, {reached}. When b holds stored "
+            "log-probabilities -- PPO's old_logp, kept from the rollout -- exp(a - b) is the "
+            "importance ratio pi_new / pi_old, and a ratio past e^"
+            f"{fmt(lim.exp_bound)} means {moved} Bound the log-ratio so the step stays finite, "
+            "and keep the policy close to the rollout's. mode='forensic' names the line."
+        )
+
+    def fix(self, code: str | None, lim: DtypeLimits) -> str:
+        cap = min(20.0, math.floor(lim.exp_bound / 2 * 10) / 10)
+        known = bool(self.new and self.old)
+        guard = rewrite_call(code, ["exp"], lambda e: f"{paren(e)}.clamp(max={fmt(cap)})")
+        why = f"a guard: e^{fmt(cap)} = {fmt(math.exp(cap))} is far past any clip range"
+        other = ""
+        if guard is None or not known:
+            guard = f"ratio = (logp - old_logp).clamp(max={fmt(cap)}).exp()"
+            why += "; in your exp(a - b), logp is a (with gradient), old_logp is b (without)"
+            half = math.floor(lim.exp_bound / 2 * 10) / 10
+            other = (
+                "\n# b not stored log-probabilities (data, a constant): "
+                f"torch.exp((a - b).clamp(max={fmt(half)})) as a guard, and find what grew a"
+            )
+        new, old = (self.new, self.old) if known else ("logp", "old_logp")
+        return (
+            f"{guard.strip()}   # {why}{other}\n"
+            "# the fix: keep the new policy near the rollout's -- fewer epochs or minibatches "
+            f"per batch, a smaller lr{self.lr}, and stop the epochs early:\n"
+            f"approx_kl = ({old} - {new}).mean().item()   # after each minibatch\n"
+            "if approx_kl > 1.5 * target_kl: break   # target_kl about 0.01-0.05"
+        )
+
+
+def _stale_ratio(ctx: RuleContext, ev: OpEvent, x: TensorStat | None) -> _StaleRatio | None:
+    """:class:`_StaleRatio` for an exp whose input was made by a subtraction of a tensor with
+    an autograd history and one without (``ev.made_from_history``); None otherwise."""
+    if not _ratio_to_stored(ev):
+        return None
+    new = old = None
+    parts = _sub_operands(ev.code)
+    if parts is not None:
+        new, old = parts
+        if _number_text(old):  # x - 1.0: a constant, no stored reference
+            return None
+    return _StaleRatio(new, old, signed_max(x), _lr_note(ctx))
+
+
+def _number_text(text: str) -> bool:
+    """``text`` is a number literal (``1.0``, ``-3``, ``1e-8``)."""
+    try:
+        float(text.replace(" ", ""))
+    except ValueError:
+        return False
+    return True
+
+
+def _ratio_to_stored(ev: OpEvent) -> bool:
+    """The op's input was made by ``a - b`` where ``a`` has an autograd history and ``b``
+    none (read from the graph: ``ev.made_from_history``)."""
+    return ev.made_from[:1] == ["sub"] and ev.made_from_history == [True, False]
+
+
+def _sub_operands(code: str | None) -> tuple[str, str] | None:
+    """The operands' text of the one ``exp(a - b)`` (``torch.exp``, ``.exp()``) on the line;
+    None when the line holds no such exp or several.
+
+    >>> _sub_operands("ratio = (logp - old_logp).exp()")
+    ('logp', 'old_logp')
+    >>> _sub_operands("r = torch.exp(dist.log_prob(a) - batch.logp)")
+    ('dist.log_prob(a)', 'batch.logp')
+    """
+    if not code:
+        return None
+    text = code.split("  #", 1)[0].strip()
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    found: list[tuple[str, str]] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            continue
+        if node.func.attr != "exp":
+            continue
+        if node.args:
+            owner = node.func.value
+            arg = node.args[0] if isinstance(owner, ast.Name) and owner.id == "torch" else None
+        else:
+            arg = node.func.value
+        if isinstance(arg, ast.BinOp) and isinstance(arg.op, ast.Sub):
+            a = ast.get_source_segment(text, arg.left)
+            b = ast.get_source_segment(text, arg.right)
+            if a and b:
+                found.append((a, b))
+    return found[0] if len(found) == 1 else None
 
 
 def _explain_arg_jump(j: _ArgJump, dtype: str, lim: DtypeLimits) -> str:
