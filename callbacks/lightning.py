@@ -21,6 +21,11 @@ Lightning event                what the callback does
                                early warnings; log the step's figures; write the report
                                of a stop
 ``on_validation_start/end``    detach / attach again (validation is not a training step)
+``on_validation_batch_start``  keep the batch and the RNG state (no hook)
+``on_validation_batch_end``    read the returned and logged values (one host read); a
+                               non-finite one: name its cause (a norm's running statistic,
+                               a replay of the batch in eval mode), warn once per cause
+                               ("raise": raise AnomalyError)
 ``on_train_end``, ``teardown`` write the report of a skip/warn run, or of one with early
                                warnings; detach
 ``on_exception``               post-mortem report (any crash), detach
@@ -48,9 +53,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, get_args
 
 import torch
 
+from nanwatch import ops
 from nanwatch._frames import warn_at_user
 from nanwatch.config import WatchConfig
-from nanwatch.errors import AnomalyError, ConfigError
+from nanwatch.errors import AnomalyError, ConfigError, GuardError
 from nanwatch.postmortem import write_report
 from nanwatch.records import Anomaly, AnomalyKind, Phase, Record, StepTrace
 from nanwatch.watcher import Watcher
@@ -306,6 +312,90 @@ def _ranks_text(ranks: Sequence[int], world: int) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {names} of {world}"
 
 
+# ---------------------------------------------------------------------- validation
+def _val_values(trainer: Any, outputs: Any) -> list[tuple[str, torch.Tensor]]:
+    """The values a validation batch made, by the name the user knows them by: what
+    ``validation_step`` returned (a tensor, a dict's tensors) and what it logged
+    (``self.log("val_loss", ...)``: Lightning's accumulated value, which turns non-finite at
+    the batch that made it so and stays so for the epoch)."""
+    out: list[tuple[str, torch.Tensor]] = []
+    if isinstance(outputs, torch.Tensor):
+        out.append(("the loss validation_step returned", outputs))
+    elif isinstance(outputs, dict):
+        out += [
+            (f"validation_step's {k!r}", v)
+            for k, v in outputs.items()
+            if isinstance(v, torch.Tensor)
+        ]
+    try:  # Lightning's result collection of the running loop (private: read defensively)
+        results = trainer._results
+        metrics = list(results.values()) if results is not None else []
+    except Exception:
+        metrics = []
+    for m in metrics:
+        meta = getattr(m, "meta", None)
+        if not getattr(m, "is_tensor", False) or meta is None:
+            continue
+        if "validation" not in str(getattr(meta, "fx", "")):
+            continue
+        only_step = getattr(meta, "on_step", False) and not getattr(meta, "on_epoch", True)
+        value = getattr(m, "_forward_cache" if only_step else "value", None)
+        if isinstance(value, torch.Tensor):
+            out.append((str(getattr(meta, "name", "a logged value")), value))
+    return [(n, v.detach()) for n, v in out if v.is_floating_point() or v.is_complex()]
+
+
+def _bad_running_stats(pl_module: Any) -> list[tuple[str, list[str], str, str]]:
+    """The norms in eval mode whose running statistics (``running_mean``/``running_var``)
+    hold NaN/inf: (module path, the bad buffers, module class, what they hold). Read only
+    while a non-finite validation value is being diagnosed."""
+    found = []
+    for path, m in pl_module.named_modules():
+        if m.training:
+            continue
+        bufs = [
+            (leaf, buf)
+            for leaf in ("running_mean", "running_var")
+            if isinstance(buf := getattr(m, leaf, None), torch.Tensor) and buf.is_floating_point()
+        ]
+        bad = [(leaf, buf) for leaf, buf in bufs if not bool(torch.isfinite(buf).all())]
+        if bad:
+            n = int(sum(int((~torch.isfinite(b)).sum()) for _, b in bad))
+            total = sum(b.numel() for _, b in bad)
+            kinds = ", ".join(dict.fromkeys(k for _, b in bad for k in _kinds(b).split(", ")))
+            what = f"{kinds} ({n} of {total} values)"
+            found.append((path, [leaf for leaf, _ in bad], type(m).__name__, what))
+    return found
+
+
+def _kinds(t: torch.Tensor) -> str:
+    t = t.detach().float()
+    kinds = [
+        k
+        for k, hit in (
+            ("NaN", t.isnan()),
+            ("+inf", t == float("inf")),
+            ("-inf", t == float("-inf")),
+        )
+        if bool(hit.any())
+    ]
+    return ", ".join(kinds) or "non-finite"
+
+
+def _fitting(trainer: Any) -> bool:
+    """Whether the Trainer runs ``fit`` (its validation is checked; ``trainer.validate`` of a
+    callback that watched an earlier fit is not)."""
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return fn is None or str(getattr(fn, "value", fn)) == "fit"
+
+
+def _self_ref(path: str) -> str:
+    """The expression for module ``path`` inside the LightningModule's own code."""
+    if not path:
+        return "self"
+    return "self" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in path.split("."))
+
+
 # ---------------------------------------------------------------------- the callback
 def _skip_clipping_once(pl_module: Any) -> None:
     """Lightning clips the gradients right after ``on_before_optimizer_step``, through
@@ -379,9 +469,17 @@ class _NanWatch:
     ``max_replays=0``. Manual optimization, ``dataloader_iter`` steps and SyncBatchNorm
     under DDP are not replayed.
 
-    Only training is watched. The validation inside ``fit``, ``trainer.validate``,
-    ``trainer.test`` and ``trainer.predict`` run with no hook and no guard, and add nothing
-    to the history or the report: a NaN born only in ``test_step`` shows in the loop's
+    Only training is watched. The validation inside ``fit`` runs with no hook and no guard
+    and adds nothing to the history or the report, but what each ``validation_step``
+    returns and logs (``self.log("val_loss", ...)``) is read once per batch: a value that
+    turns NaN/inf is said once per cause, with where it came from -- a norm's running
+    statistic that holds NaN (named, with the fix), else the first module whose eval
+    forward went bad or the op of ``validation_step``'s own code that made it (a replay of
+    that batch in eval mode under a watcher of its own: no grad, logging muted, the RNG
+    and buffers put back; at most ``max_replays``). "raise" raises
+    :class:`nanwatch.AnomalyError` after that batch; the other actions warn and training
+    goes on. ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` are not
+    watched: a NaN born only in ``test_step`` shows in the loop's
     metrics alone (``test_loss`` nan), with no warning from this callback. To find where,
     wrap the call: ``with nanwatch.watch(model): trainer.test(model)`` raises
     :class:`nanwatch.AnomalyError` naming the module and the op, and writes its report.
@@ -469,6 +567,16 @@ class _NanWatch:
         self._anomalies_before = 0  # anomalies of earlier runs no longer kept (checkpoints)
         self._restored = (0, 0)  # anomalies and skips that came from a checkpoint
         self._state: dict[str, Any] | None = None
+        #: validation: the batch being validated, its RNG state, the values found
+        #: non-finite in this validation run, the causes said, the replays made
+        self._vbatch: tuple[Any, int, int] | None = None
+        self._vrng: torch.Tensor | None = None
+        self._val_bad: set[str] = set()
+        self._val_causes: set[tuple[str, ...]] = set()
+        self._val_replays = 0
+        self._val_off = False  # an internal error stopped the validation checks
+        #: the replay's anomaly and diagnoses, for the AnomalyError of "raise"
+        self._val_found: tuple[Anomaly | None, list[Diagnosis]] = (None, [])
         self._reset_run()
 
     def _reset_run(self) -> None:
@@ -523,6 +631,9 @@ class _NanWatch:
         self.warning_count = 0
         self._anomalies_before = 0
         self._restored = (0, 0)
+        self._val_causes = set()
+        self._val_replays = 0
+        self._val_off = False
         self._reset_run()
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -547,9 +658,211 @@ class _NanWatch:
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         nw = self.watcher
+        self._val_bad = set()  # the values found non-finite in this validation run
         if nw is not None and nw.attached:
             nw.detach()
             self._paused = True
+
+    def on_validation_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        # no hook: only the batch and the RNG state are kept, for a replay if it goes bad
+        if self.watcher is None or self._broken or self._val_off or not _fitting(trainer):
+            return
+        self._vbatch = (batch, batch_idx, dataloader_idx)
+        self._vrng = torch.get_rng_state() if self.max_replays else None
+
+    def on_validation_batch_end(  # noqa: PLR0917  (Lightning passes them by position)
+        self,
+        trainer: Any,
+        pl_module: Any,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if self.watcher is None or self._broken or self._val_off or not _fitting(trainer):
+            return
+        try:
+            message = self._check_validation(trainer, pl_module, outputs)
+        except Exception as exc:  # nanwatch's own failure: the training watching goes on
+            self._val_off = True
+            msg = f"{type(exc).__name__}: {exc}"
+            self.watcher.faults.append(("lightning validation check", msg))
+            _warn(
+                f"nanwatch: internal error in NanWatchCallback's validation check ({msg}); "
+                "validation is no longer checked in this run, training is still watched. "
+                "Please report it with the traceback (python -W error::RuntimeWarning)."
+            )
+            return
+        finally:
+            self._vbatch, self._vrng = None, None
+        if message is None:
+            return
+        if self.on_anomaly == "raise":
+            anomaly, diagnoses = self._val_found
+            raise AnomalyError(
+                message + "  raising AnomalyError.", anomaly=anomaly, diagnoses=diagnoses
+            )
+        _warn(message + "  training goes on (a validation value changes no weight).", fault=False)
+
+    def _check_validation(self, trainer: Any, pl_module: Any, outputs: Any) -> str | None:
+        """One host read of the batch's returned and logged values; for a value that turned
+        non-finite, the message (once per cause), else None."""
+        values = [(n, v) for n, v in _val_values(trainer, outputs) if n not in self._val_bad]
+        if not values:
+            return None
+        by_device: dict[torch.device, list[int]] = {}
+        for i, (_, v) in enumerate(values):
+            by_device.setdefault(v.device, []).append(i)
+        ok = [True] * len(values)
+        for idx in by_device.values():  # one transfer per device (one in practice)
+            flags = torch.stack([torch.isfinite(values[i][1]).all() for i in idx]).tolist()
+            for i, flag in zip(idx, flags, strict=True):
+                ok[i] = bool(flag)
+        if all(ok):
+            return None
+        bad = [nv for nv, fine in zip(values, ok, strict=True) if not fine]
+        self._val_found = (None, [])
+        self._val_bad.update(n for n, _ in bad)
+        cause, lines = self._val_diagnose(trainer, pl_module, bad[0][0])
+        if cause in self._val_causes:
+            return None
+        self._val_causes.add(cause)
+        _, batch_idx, dl = self._vbatch or (None, -1, 0)
+        epoch = int(getattr(trainer, "current_epoch", 0) or 0)
+        where = "the sanity check" if getattr(trainer, "sanity_checking", False) else "validation"
+        at = f"{where} batch {batch_idx}" + (f" of epoch {epoch}" if epoch else "")
+        if dl:
+            at += f" (dataloader {dl})"
+        names = ", ".join(f"{n} is {_kinds(v)}" for n, v in bad[:3])
+        return f"nanwatch: {at}: {names}.\n" + "".join(f"  {ln}\n" for ln in lines)
+
+    def _val_diagnose(
+        self, trainer: Any, pl_module: Any, name: str
+    ) -> tuple[tuple[str, ...], list[str]]:
+        """(the cause, the lines that say it): the running statistics a norm normalizes
+        with in eval mode, read first; then a replay of the batch's validation_step in eval
+        mode under a watcher of its own (no grad, logging muted, the RNG of the batch's
+        start, buffers put back), which names the first module whose output went bad, or
+        the op of validation_step's own code that made the value."""
+        lines: list[str] = []
+        stats = _bad_running_stats(pl_module)
+        if stats:
+            path, leaves, cls, what = stats[0]
+            named = ", ".join(f"{path}.{leaf}" for leaf in leaves)
+            more = f" (and {len(stats) - 1} more norms)" if len(stats) > 1 else ""
+            lines.append(
+                f"{named} ({cls}) hold{'s' if len(leaves) == 1 else ''} {what}{more}: in eval "
+                "mode the layer normalizes with its running statistics, so every validation "
+                "forward is non-finite from there on; training normalizes with each batch's "
+                "own statistics and stays finite."
+            )
+            nw = self.watcher
+            first = nw.first_anomaly if nw is not None else None
+            if first is not None and first.kind in (AnomalyKind.INPUT, AnomalyKind.FORWARD):
+                lines.append(
+                    f"training step {first.step} had {first.summary.partition(' [')[0]}; its "
+                    "train-mode forward folded it into the running statistics before any "
+                    "loss, and skipping that update does not undo it."
+                )
+            refs = [_self_ref(p) for p, *_ in stats[:3]]
+            lines += [
+                "fix: # keep non-finite batches out of train-mode forwards (check the batch "
+                "before self(x), not the loss after),",
+                "     # then reset the statistics and re-estimate them on clean batches:",
+                *(f"     {r}.reset_running_stats()" for r in dict.fromkeys(refs)),
+                "     # torch.optim.swa_utils.update_bn(train_loader, self)   (or reload a "
+                "clean checkpoint)",
+            ]
+            return ("running_stats", path, *leaves), lines
+        if self._vbatch is None or self._val_replays >= self.max_replays:
+            lines.append(
+                "not replayed (max_replays); run the batch under nanwatch.watch(model) to "
+                "find where."
+            )
+            return ("unreplayed", name), lines
+        if int(getattr(trainer, "world_size", 1) or 1) > 1 and any(
+            isinstance(m, torch.nn.SyncBatchNorm) for m in pl_module.modules()
+        ):
+            return ("unreplayed", name), ["not replayed: SyncBatchNorm under DDP."]
+        self._val_replays += 1
+        return self._val_replay(trainer, pl_module, name)
+
+    def _val_replay(
+        self, trainer: Any, pl_module: Any, name: str
+    ) -> tuple[tuple[str, ...], list[str]]:
+        assert self._vbatch is not None
+        batch, batch_idx, dl = self._vbatch
+        args = _step_args(pl_module.validation_step, batch, batch_idx)
+        if args is None:
+            return ("unreplayed", name), ["not replayed: a dataloader_iter step."]
+        if dl or len(getattr(trainer, "num_val_batches", ()) or ()) > 1:
+            args = (*args, dl)
+        mode = "watch" if self.config.mode == "sentinel" else self.config.mode
+        vw = Watcher(
+            [pl_module],
+            self.config.replace(mode=mode, on_anomaly="record", postmortem=False),
+        )
+        vw.front = "lightning"
+        plugin = trainer.precision_plugin
+        devices = {p.device for p in pl_module.parameters()}
+        rng = self._vrng
+
+        def step_fn() -> None:
+            with torch.no_grad(), _no_logging(pl_module), plugin.val_step_context():
+                pl_module.validation_step(*args)
+
+        error: Exception | None = None
+        with ops.preserved_state(pl_module, devices):
+            if rng is not None:
+                torch.set_rng_state(rng)
+            vw.attach()
+            try:
+                step_fn()
+            except GuardError as exc:  # a loss guard saw a bad target in the validation data
+                error = exc
+            except Exception as exc:
+                error = exc
+            finally:
+                try:
+                    done = vw.step()
+                finally:
+                    vw.detach()
+        a = done.anomaly
+        self._val_found = (a, list(done.diagnoses))
+        if a is not None:
+            lines = [f"first bad in the eval forward: {a.summary}"]
+            if done.diagnoses:
+                lines += done.diagnoses[0].brief()
+            code = str(done.diagnoses[0].code) if done.diagnoses else ""
+            return (a.kind.value, a.path, a.origin, code), lines
+        if isinstance(error, GuardError):
+            head = str(error).strip().splitlines()
+            return ("guard", type(error).__name__, head[0] if head else ""), head[:6]
+        # every watched output finite: validation_step's own code made it (a metric)
+        result = vw.replay(step_fn, rng_state=rng)
+        ev = result.first()
+        if ev is None:
+            said = [
+                f"every module's eval forward was finite and a replay of validation_step ran "
+                f"clean: {name} was made non-finite outside it (on_validation_batch_end, a "
+                "metric object's state)."
+            ]
+            return ("outside", name), said
+        at = f" at {ev.source}" if ev.source else ""
+        code = f": {ev.code.strip()}" if ev.code else ""
+        lines = [
+            f"every module's eval forward was finite: validation_step's own code made "
+            f"{ev.born} in {ev.op}{at}{code}",
+        ]
+        if "div" in ev.op:
+            lines.append(
+                "fix: keep the denominator off 0 in that line: a count: .clamp_min(1); "
+                "a float: .clamp_min(torch.finfo(x.dtype).eps) (or torchmetrics' "
+                "zero_division)"
+            )
+        return ("op", ev.op, ev.source or ""), lines
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         nw = self.watcher

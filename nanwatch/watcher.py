@@ -8034,6 +8034,7 @@ class Watcher:
                 "weight_norms": _WeightNorms(self),
                 "param_shapes": _ParamShapes(self._params),
                 "module_precision": _ModulePrecision(self._modules),
+                "module_training": _ModuleTraining(self._modules),
             },
         )
         if trace.anomaly is not None:
@@ -9000,6 +9001,27 @@ class _ForwardParams(Mapping[str, tuple[str, ...]]):
 
     def __len__(self) -> int:
         return len(self._read())
+
+
+class _ModuleTraining(Mapping[str, bool]):
+    """Per module path, read only when a rule asks: whether the module is in training mode
+    (a norm folds a batch into its running statistics only then; in eval mode it reads
+    them)."""
+
+    def __init__(self, modules: Sequence[tuple[nn.Module, _ModInfo]]) -> None:
+        self._modules = modules
+
+    def __getitem__(self, path: str) -> bool:
+        module = next((m for m, info in self._modules if info.path == path), None)
+        if module is None:
+            raise KeyError(path)
+        return bool(module.training)
+
+    def __iter__(self) -> Iterator[str]:
+        return (info.path for _, info in self._modules)
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
 
 class _ModulePrecision(Mapping[str, dict[str, Any]]):

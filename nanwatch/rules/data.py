@@ -903,8 +903,11 @@ def _norms_reached(ctx: RuleContext, rec: Record) -> list[Call]:
     if root is None:
         return []
     out: list[Call] = []
+    modes = ctx.facts.get("module_training")  # an eval-mode norm reads its statistics only
     for c in ctx.trace.calls:
         if "BatchNorm" not in c.module_type or c.start < rec.index or c.id == root.id:
+            continue
+        if modes is not None and modes.get(c.path, True) is False:
             continue
         up: Call | None = c
         while up is not None and up.id != root.id and up.parent is not None:
