@@ -8106,15 +8106,17 @@ class Watcher:
         if len(losses) == 1:
             wanted["criterion"] = losses[0]
         watched = self._param_ids
+        optimizers: dict[int, Any] = {}  # each one that steps watched weights, first found first
         for f in frames:
             for names in scopes(f):
                 for value in list(names.values()):
                     if (
-                        "optimizer" not in wanted
-                        and isinstance(value, torch.optim.Optimizer)
+                        isinstance(value, torch.optim.Optimizer)
+                        and id(value) not in optimizers
                         and any(id(p) in watched for g in value.param_groups for p in g["params"])
                     ):
-                        wanted["optimizer"] = value
+                        optimizers[id(value)] = value
+                        wanted.setdefault("optimizer", value)
         if "optimizer" not in wanted:
             # none steps the watched weights: the one built on another instance of the
             # model (NW315), whose variable the fix assigns again
@@ -8130,8 +8132,7 @@ class Watcher:
                 names |= set(f.f_code.co_varnames) | set(f.f_code.co_cellvars)
             return names
 
-        renames: dict[str, str] = {}
-        for generic, obj in wanted.items():
+        def users_name(generic: str, obj: Any) -> str | None:
             inner: set[str] = set()  # names of the frames nearer the anomaly than this one
             for f in frames:
                 defined = defined_in(f)
@@ -8142,18 +8143,73 @@ class Watcher:
                 # (defined, here or in a frame nearer the anomaly: the user's code may mean
                 # its own ``model``, a helper's argument that is a copy of the watched one)
                 if name != generic and generic not in defined and generic not in inner:
-                    renames[generic] = name
-                break
-        if not renames:
+                    return name
+                return None
+            return None
+
+        renames: dict[str, str] = {}
+        for generic, obj in wanted.items():
+            name = users_name(generic, obj)
+            if name is not None:
+                renames[generic] = name
+        # several optimizers (a GAN's G and D), several models: each fix names the one
+        # that holds the weights its diagnosis is about, and no optimizer when none is known
+        # (a fix that watches or replays keeps ``model``: all that is watched)
+        several = {
+            generic: objs
+            for generic, objs in (("optimizer", list(optimizers.values())), ("model", models))
+            if len(objs) > 1
+        }
+        if not renames and not several:
             return
+        everyone = list(optimizers.values())
         for d in diagnoses:
             if d.fix:
+                here = dict(renames)
+                for generic, objs in several.items():
+                    if generic == "model" and ("nanwatch." in d.fix or "nw." in d.fix):
+                        continue
+                    owner = self._owner_of(d, objs)
+                    if generic == "model" and owner is not None:
+                        # the model its optimizer trains alone (a GAN's G): with one
+                        # optimizer over several models, ``model`` is their composition
+                        trains = self._owner_of(d, everyone)
+                        held = {id(p) for p in owner.parameters()}
+                        if trains is None or not all(
+                            id(p) in held for g in trains.param_groups for p in g["params"]
+                        ):
+                            owner = None
+                    name = users_name(generic, owner) if owner is not None else None
+                    if name is not None:
+                        here[generic] = name
+                    elif generic == "optimizer":
+                        here.pop(generic, None)
                 # a name on the user's own line is the user's (a helper's ``model`` argument,
                 # not the watched model's name in the loop that called it)
                 own = _names_on_line(d.source)
-                kept = {k: v for k, v in renames.items() if k not in own}
+                kept = {k: v for k, v in here.items() if k not in own}
                 if kept:
                     d.fix = _renamed(d.fix, kept)
+
+    def _owner_of(self, d: Diagnosis, objs: list[Any]) -> Any:
+        """The one of ``objs`` (optimizers, or models) that holds the weights ``d`` is about:
+        its ``parameter``, else the weights of the module at its ``path``; None when no one
+        of them holds them all, or ``d`` names no weight of the watched model."""
+        params = [p for q, _, p in self._params if q == d.parameter]
+        if not params and d.path:
+            params = [p for q, _, p in self._params if q.startswith(d.path + ".")]
+        if not params:
+            return None
+        ids = {id(p) for p in params}
+        owners = []
+        for obj in objs:
+            if isinstance(obj, torch.optim.Optimizer):
+                held = {id(p) for g in obj.param_groups for p in g["params"]}
+            else:
+                held = {id(p) for p in obj.parameters()}
+            if ids <= held:
+                owners.append(obj)
+        return owners[0] if len(owners) == 1 else None
 
     def _act(self, trace: StepTrace, *, kept: StepTrace | None = None) -> None:
         """Apply ``on_anomaly`` once per step, to a localized anomaly or an error-severity

@@ -5098,6 +5098,26 @@ def _huge_norm(ctx: RuleContext) -> Diagnosis | None:
             ),
         )
     amp = _amplified(ctx, (*ctx.history, ctx.trace))
+    over = _overshot(ctx) if amp is not None else None
+    big = over[2] if over is not None else None
+    if (
+        amp is not None
+        and over is not None
+        and big is not None
+        and big.param.startswith(f"{amp.path}.")
+    ):
+        # the update before this step moved this module's own weights by many times their
+        # size: its backward multiplies the gradient by those weights, the lr made it
+        # (NW308 says it where the loss spiked with it), not a division by a difference
+        # that cancelled
+        if _spike_told(ctx):
+            return None
+        clip_line = (
+            f"torch.nn.utils.clip_grad_norm_({names.params}, max_norm=1.0)  # before "
+            f"{names.optimizer}.step()"
+        )
+        param = top[0][0] if top else None
+        return _overshoot_diagnosis(ctx, over, evidence, param, clip_line)
     if amp is not None:
         lines, explanation, fix = _amplifier_text(ctx, amp, names)
         evidence[1:1] = lines

@@ -87,6 +87,7 @@ from nanwatch.rules.gradients import (
     _Oversize,
     _oversized_update,
     _round_down,
+    _same_spike,
     _times,
     _user_scope,
     hyper,
@@ -1978,6 +1979,32 @@ def _from_op(
             evidence = [e for e in evidence if e != produced]  # the graph says what it is
             evidence.append(stale.line())
             explanation, fix = stale.explanation(dtype, lim), stale.fix(ev.code, lim)
+        spiked = (
+            _spike_lr(ctx)
+            if kind == "matmul"
+            and not recurrent
+            and not first
+            and not cause
+            and '["lr"]' not in fix
+            else None
+        )
+        if spiked is not None:
+            # the loss has stayed high since an oversized update made it spike (NW308): the
+            # weights grew from that update, and the lr it named leads (a product's fix is
+            # otherwise a normalization, an init and clipping: no lr)
+            spike_at, line = spiked
+            evidence.append(
+                f"the loss has stayed high since step {spike_at}, where it spiked after an "
+                "oversized update (NW308)"
+            )
+            explanation += (
+                f" The loss spiked at step {spike_at}, right after an update that moved the "
+                "weights by many times their own size (NW308), and has stayed high since: these "
+                "values grew from that update, and every further one at that learning rate grows "
+                "them again. Lower that learning rate first."
+            )
+            then = f"# the lr first (NW308 of step {spike_at}); then, if it still overflows:"
+            fix = f"{line}\n{then}\n{fix}"
         if name.rstrip("_") == "cosh" and not cplx and _log_of_cosh(ctx, ev):
             # a log-cosh loss: the same loss without cosh, not a clamp that zeroes its
             # gradient (tanh(d)) past the bound
@@ -4922,6 +4949,20 @@ def _arg_jump(ctx: RuleContext, ev: OpEvent, lim: DtypeLimits) -> _ArgJump | Non
     held = group_holding((*ctx.history, ctx.trace), qual)
     lr = f" ({held[0]} lr {hyper(held[2])})" if held is not None else ""
     return _ArgJump(qual, before, now, prev.step, ctx.step, lr)
+
+
+def _spike_lr(ctx: RuleContext) -> tuple[int, str] | None:
+    """The step and the lr line of the NW308 warning of the loss spike this step is still
+    in (:func:`_same_spike`: no loss since fell back): the update it named grew what
+    overflows now. None when there is none, or its fix sets no lr."""
+    if not _same_spike(ctx):
+        return None
+    for t in reversed(ctx.history):
+        for d in t.diagnoses:
+            first = str(getattr(d, "fix", "") or "").split("\n", 1)[0]
+            if getattr(d, "code", "") == "NW308" and '["lr"] = ' in first:
+                return t.step, first
+    return None
 
 
 def _exp_after_big_step(
