@@ -971,6 +971,12 @@ class OpChecker(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch's 
         zeros = st is not None and (st.zeros > 0 if st.zeros is not None else 0 in (st.min, st.max))
         if func.overloadpacket in (_aten.div, _aten.div_) and den is not None and zeros:
             event.scalars.setdefault("other_made_from", "<".join(den.chain))
+        if func.overloadpacket is _aten.xlogy and zeros:  # the log operand: data or the model's
+            t = dict(inputs).get("other")
+            if den is not None:
+                event.scalars.setdefault("other_made_from", "<".join(den.chain))
+            elif isinstance(t, torch.Tensor) and t.requires_grad:
+                event.scalars.setdefault("other_made_from", "leaf")
         base = inputs[0][1] if inputs else None
         if (
             func.overloadpacket in _ROOT_PACKETS
@@ -3350,6 +3356,24 @@ _CARRIES_ZERO = frozenset(
 _EXP_NODES = frozenset({"Exp", "Exp2"})
 
 
+def _log_operand_history(node: Any) -> dict[str, int | str]:
+    """What made the log operand (``other``) of an xlogy node, read from the graph:
+    ``other_made_from``, the ops that made it nearest first (``squeeze<relu<addmm``), or
+    ``leaf`` for a parameter; nothing for a value with no history (data: a target). A
+    distribution's log_prob takes xlogy of its value (Beta's) or of its parameter (Poisson's
+    rate): this tells which one held the zeros. Called only for an event being reported."""
+    try:
+        first = node.next_functions[1][0]
+    except (IndexError, AttributeError, RuntimeError):
+        return {}
+    if first is None:
+        return {}
+    if accumulates_grad(first):
+        return {"other_made_from": "leaf"}
+    base = name_of(first).split("Backward")[0].lower()
+    return {"other_made_from": "<".join([base, *made_from(first, depth=3)])}
+
+
 def _made_by(node: Any, i: int, depth: int = 4, budget: int = 32) -> dict[str, int | str]:
     """What made the ``i``-th input of ``node`` (a division's denominator), read from the
     autograd graph: ``other_made_by``, the chain of node names from its producer down to an
@@ -3586,6 +3610,8 @@ def _elementwise_event(
     scalars = {
         n: p for n, v in vals if not isinstance(v, torch.Tensor) and (p := _plain(v)) is not None
     }
+    if base == "Xlogy" and _has(dict(vals).get("other"), lambda v: v == 0):
+        scalars.update(_log_operand_history(node))
     if base == "Div":
         den = dict(vals).get("other")
         zeros = _has(den, lambda v: v == 0)

@@ -758,9 +758,11 @@ def _op_grid(a: Anomaly) -> Table | None:
             src = Text(ev.source, style="nanwatch.source")
             if ev.code:
                 src.append(f"  {ev.code}")
-            grid.add_row(_CALLED_AT if _call_site(ev) else "line", src)
+            grid.add_row(f"{ev.backward_call} called at" if _call_site(ev) else "line", src)
         if ev.backward_at and ev.backward_at != ev.source:
-            grid.add_row(_CALLED_AT, Text(ev.backward_at, style="nanwatch.source"))
+            grid.add_row(
+                f"{ev.backward_call} called at", Text(ev.backward_at, style="nanwatch.source")
+            )
         for role, s in ev.inputs[:4]:
             grid.add_row(f"input {role}", Text(_stat_text(s)))
         if ev.scalars:

@@ -675,6 +675,9 @@ class Watcher:
     #: :meth:`_read_of`); valid while ``_minmax`` is the dict ``_reads_for`` names
     _reads: dict[tuple[int, torch.dtype, int], tuple[weakref.ReferenceType[torch.Tensor], int, int]]
     _reads_for: dict[int, tuple[Any, Any]] | None = None
+    #: the step's loss was recorded as torch.autograd.grad(loss, params) began (a loop that
+    #: trains without backward(); see _grad_loss): its calls are named so
+    _loss_by_grad: bool = False
     _stack: list[_Frame]
     _pending: list[tuple[Record, torch.Tensor, torch.Tensor, int]]  #: + the numel
     #: statistics already on their way to the host (see :meth:`_prefetch`)
@@ -3444,12 +3447,19 @@ class Watcher:
         except Exception as exc:
             self._fault("grad", "end-of-backward check", exc)
 
-    def _grad_began(self, outputs: Any) -> None:
+    def _grad_began(self, outputs: Any, inputs: Any = ()) -> None:
         """``torch.autograd.grad`` is about to run, in a loop that trains with it alone (no
-        ``backward()`` in this run): on the accelerator path, the forward's statistics are
-        read now if they have landed, as when ``backward()`` begins (see
+        ``backward()`` in this run): a loss computed outside every watched module, taken
+        the gradient of for watched weights, is recorded as ``backward()`` records it (a
+        NaN born in the loss code is found in forward, where it was born, not as a gradient
+        arriving at the model's output); on the accelerator path, the forward's statistics
+        are read now if they have landed, as when ``backward()`` begins (see
         :meth:`_on_backward`): its update (``p.data -= lr * g``) has no hook before it."""
-        if self._ever_backward_called or not self._pending or not self._attached:
+        if self._ever_backward_called or not self._attached:
+            return
+        if threading.get_ident() == self._thread and not (ops.replaying() or _tracing()):
+            self._grad_loss(outputs, inputs)
+        if not self._pending:
             return
         if threading.get_ident() != self._thread or ops.replaying() or _tracing():
             return
@@ -3461,6 +3471,33 @@ class Watcher:
             raise
         except Exception as exc:
             self._fault("grad", "forward statistics read", exc)
+
+    def _grad_loss(self, outputs: Any, inputs: Any) -> None:
+        """The loss of a ``torch.autograd.grad(loss, params)`` step, recorded as a loss
+        ``backward()`` runs on (:meth:`_record_loss`): a float scalar made outside the
+        watched modules, taken the gradient of for a watched weight. Host-side checks by
+        identity; the one read is the loss's, once a step, as backward's."""
+        t = outputs if isinstance(outputs, torch.Tensor) else None
+        if t is None and isinstance(outputs, (tuple, list)) and len(outputs) == 1:
+            t = outputs[0] if isinstance(outputs[0], torch.Tensor) else None
+        if t is None or t.grad_fn is None or t.numel() != 1 or not t.is_floating_point():
+            return
+        if "loss" in self._disabled_hooks or _tracing() or capturing() or self._device_dead:
+            return
+        entry = self._known.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return  # a watched module made it (the criterion), or it was recorded already
+        given = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        if not any(id(p) in self._param_ids for p in given):
+            return  # a derivative for the inputs (a PINN's u_x, a saliency): not the step's
+        self._loss_by_grad = True
+        try:
+            with _NO_TORCH_FUNCTION():
+                self._record_loss(t)
+        except NanwatchError:
+            raise
+        except Exception as exc:
+            self._fault("loss", "autograd.grad tap", exc)
 
     def _grads_returned(self, inputs: Any, grads: Any, create_graph: bool) -> None:
         """``torch.autograd.grad`` returned ``grads`` for ``inputs``: those of watched
@@ -3725,6 +3762,7 @@ class Watcher:
             self._grad_call = True
         self._backward_called = True
         self._ever_backward_called = True
+        self._loss_by_grad = False
         if "loss" in self._disabled_hooks:
             return
         try:
@@ -7848,7 +7886,7 @@ class Watcher:
         names, events = self._graph_evidence(loss, logs, powers)
         source, _ = self._loss_site() if self._late else _frames.user_line()
         via = self._backward_via  # a helper of the user's that ran backward(): its caller
-        by_grad = ops._by_grad(sys._getframe()) or self._grads_by_grad()
+        by_grad = ops._by_grad(sys._getframe()) or self._grads_by_grad() or self._loss_by_grad
         for ev in events:
             ev.path = LOSS_PATH
             ev.backward_at = source
@@ -8982,7 +9020,7 @@ class _GradTap(_Tap):
         if not isinstance(inputs, (torch.Tensor, tuple, list)):
             inputs = tuple(inputs)  # model.parameters(): read here once, as torch would
         for w in list(self._watchers):
-            w._grad_began(outputs)
+            w._grad_began(outputs, inputs)
         out = original(outputs, inputs, *args, **kwargs)
         # create_graph: the fifth parameter (outputs, inputs, grad_outputs, retain_graph, ...)
         create = kwargs.get("create_graph", args[2] if len(args) > 2 else False)

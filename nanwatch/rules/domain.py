@@ -773,6 +773,8 @@ def _log_from_op(ctx: RuleContext, a: Anomaly, ev: OpEvent, trigger: OpEvent) ->
         if zp is not None:
             use = _LogUse("zero-param", zp.fix, zp.why, zp.evidence, zp.title)
     if use is None and ev.phase is Phase.FORWARD:
+        use = _xlogy_model_operand_use(ctx, ev, x)
+    if use is None and ev.phase is Phase.FORWARD:
         use = _dist_value_use(ctx, ev, x)
     if use is None and ev.phase is Phase.FORWARD and x is not None and x.min <= 0:
         use = _det_use(ctx, ev)
@@ -3876,6 +3878,82 @@ def _dist_value_use(ctx: RuleContext, ev: OpEvent, x: TensorStat | None) -> _Log
             + (f" ({value})" if value else "")
             + f" sits on the edge of the support {support}: xlogy's log operand holds "
             f"{_zeros_text(x, 'log')} (min {fmt(x.min)}, max {fmt(x.max)})"
+        ),
+    )
+
+
+#: autograd nodes (lower-case, as ``made_from`` names them) that move or copy values
+_MOVES = frozenset(
+    {"squeeze", "unsqueeze", "view", "unsafeview", "reshape", "expand", "select", "slice"}
+    | {"clone", "tocopy", "t", "transpose", "permute", "leaf"}
+)
+
+
+def _xlogy_model_operand_use(ctx: RuleContext, ev: OpEvent, x: TensorStat | None) -> _LogUse | None:
+    """xlogy(a, b) = a·log(b) whose log operand ``b`` holds exact zeros and was computed by
+    the model (it has an autograd history: ``other_made_from``), not given as data: a
+    distribution's parameter at 0 (Poisson's log_prob is ``value.xlogy(rate)``, Gamma's
+    ``xlogy(concentration, rate)``), -inf wherever ``a`` > 0. A value on the edge of the
+    support (Beta's ``xlogy(concentration - 1, value)``, data) is :func:`_dist_value_use`'s."""
+    made = ev.scalars.get("other_made_from")
+    if packet(ev.op) != "xlogy" or x is None or not has_zero(x) or not isinstance(made, str):
+        return None
+    factor = dict(ev.inputs).get("self")
+    if factor is not None and factor.min == 0 == factor.max:
+        return None  # 0 · log(0) = 0: its infinity is not this product's
+    stmt = _log_prob_statement(ctx, ev) or ""
+    ctor = re.search(r"(?<!\w)(\w+)\(([^()]*)\)\.log_prob\(", stmt)
+    dist = ctor.group(1) if ctor else None
+    if dist in ("Beta", "Dirichlet"):
+        return None  # their xlogy's log operand is the value: _dist_value_use's
+    args = [t.strip() for t in ctor.group(2).split(",")] if ctor else []
+    arg = next((t for t in args if t and "=" not in t), "") if len(args) == 1 else ""
+    where = f"{dist}.log_prob" if dist else "log_prob"
+    chain = [c for c in made.split("<") if c not in _MOVES]
+    relu = bool(chain) and chain[0] in ("relu", "threshold", "clamp", "clampmin", "hardtanh")
+    if not (dist or _in_distribution(ev) or relu or made == "leaf"):
+        return None  # a softmax or an exp that underflowed: the log-space stories say it
+    param = arg or "rate"
+    source = (
+        "a parameter"
+        if made == "leaf"
+        else f"made by {' <- '.join(chain[:3]) or made.split('<')[0]}"
+    )
+    relu_words = (
+        " A relu (or a clamp at 0) is exactly 0 for every negative input, so a positive "
+        "quantity made by it is 0 about half the time at initialization."
+        if relu
+        else ""
+    )
+    fix = (
+        f"{param} = F.softplus(raw) + 1e-6   # raw: the layer output that made {param}"
+        + (" (before the relu)" if relu else "")
+        + "; never exactly 0\n"
+        f"# or predict its log: {param} = log_{param}.exp()"
+        + (
+            f", or for counts F.poisson_nll_loss(log_{param}, y, log_input=True)"
+            if dist in (None, "Poisson")
+            else ""
+        )
+        + f"\n# not a clamp of the target: {where} takes the log of the {param}, not of the value"
+    )
+    return _LogUse(
+        "dist-parameter",
+        fix=fix,
+        why=(
+            f"The log is an xlogy(a, b) = a·log(b){f' inside {where}' if dist else ''} whose "
+            f"log operand b is a value the model computed ({source}), not the data: "
+            f"it holds {_zeros_text(x, 'log')}, and a·log(0) is -inf wherever a > 0 (a "
+            f"Poisson rate of exactly 0 for an observed count above 0; the support check "
+            f"accepts a rate of 0).{relu_words} Make it positive by construction where it is "
+            "made; the value passed to log_prob is not the bad operand."
+        ),
+        evidence=(
+            "xlogy's log operand"
+            + (f" ({param})" if arg else "")
+            + f" is the model's, {source}: it holds {_zeros_text(x, 'log')} "
+            f"(min {fmt(x.min)}, max {fmt(x.max)})"
+            + (f"; its factor reaches {fmt(factor.max)}" if factor is not None else "")
         ),
     )
 

@@ -3149,6 +3149,8 @@ def _log_init(
     found = _exp_argument(ev.code)
     if found is None or found[0] != found[1]:
         return None
+    if ev.code and _softplus_by_hand(ev.code) is not None:
+        return None  # log(1 + exp(p)): p is the quantity (softplus), not its log
     arg = found[0]
     params = watched_params((ctx.trace, *ctx.history))
     attr = arg.rsplit(".", 1)[-1]
