@@ -445,10 +445,10 @@ class _NanWatch:
     Early warnings (warning-severity diagnoses: gradients never reset, float16 logits near
     ``exp``'s bound, ...) are said as :func:`nanwatch.watch` says them, once per code as a
     :class:`nanwatch.NanwatchWarning`, whatever ``on_anomaly`` says; they never stop or skip
-    training, are counted in the logged ``nanwatch/warnings`` and make the run write its
-    report at the end. Under gradient accumulation a micro-batch that only adds to a
-    gradient an earlier one of its window made NaN is not blamed: the window's update is
-    decided by (and listed under) the batch that made it.
+    training, are counted (each said once) in the logged ``nanwatch/warnings`` and make
+    the run write its report at the end. Under gradient accumulation a micro-batch that
+    only adds to a gradient an earlier one of its window made NaN is not blamed: the
+    window's update is decided by (and listed under) the batch that made it.
 
     A guard's :class:`nanwatch.GuardError` (a class index of 255, a BCE input above 1, an
     (N, 1) prediction against an (N,) target, in a loss module or an ``F.*`` loss) is raised
@@ -562,7 +562,8 @@ class _NanWatch:
         #: the nanwatch step at which "stop" stopped training
         self.stopped_at: int | None = None
         self.replays = 0
-        #: early warnings (warning-severity diagnoses) of the run, a checkpoint's included
+        #: early warnings said in the run (a NanwatchWarning each, one per code: a code that
+        #: fires again at later steps is not counted again), a checkpoint's included
         self.warning_count = 0
         self._anomalies_before = 0  # anomalies of earlier runs no longer kept (checkpoints)
         self._restored = (0, 0)  # anomalies and skips that came from a checkpoint
@@ -1013,14 +1014,14 @@ class _NanWatch:
         """Say the step's early warnings (warning-severity diagnoses) as ``nanwatch.watch``
         does: each code once, a :class:`nanwatch.NanwatchWarning` at the user's line, by the
         watcher's own announcement. They never stop or skip anything; they are counted (the
-        logged ``nanwatch/warnings``) and make the run write its report at the end."""
+        logged ``nanwatch/warnings``: the warnings said, one per code, not the steps a code
+        fired at again) and make the run write its report at the end."""
         nw = self.watcher
         assert nw is not None
-        said = sum(1 for d in done.diagnoses if d.severity == "warning")
-        if not said:
+        if not any(d.severity == "warning" for d in done.diagnoses):
             return
-        self.warning_count += said
         self._warnings = True
+        before = len(nw._announced)
         # the watcher's policy is "record" (this callback acts on anomalies itself), which
         # keeps warnings silent: announce under the policy the user chose
         config = nw.config
@@ -1029,6 +1030,7 @@ class _NanWatch:
             nw._announce(done)
         finally:
             nw.config = config
+            self.warning_count += len(nw._announced) - before
 
     def _guarded(self, fn: Callable[..., _T], *args: Any) -> _T | None:
         """Run nanwatch's part of a hook; an internal error (a nanwatch bug) must not end

@@ -108,6 +108,53 @@ def is_core(filename: str) -> bool:
     return filename.startswith(_STDLIB_DIR) and "site-packages" not in filename
 
 
+@functools.cache
+def _own_dirs() -> tuple[str, ...]:
+    """nanwatch's own code: the package (not the scenario gallery) and its callbacks (the
+    repository's callbacks/ folder in an editable install)."""
+    dirs = [_NANWATCH_DIR]
+    try:
+        spec = importlib.util.find_spec("nanwatch.callbacks")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        dirs.extend(os.path.join(d, "") for d in spec.submodule_search_locations)
+    return tuple(dirs)
+
+
+def hide_own_frames(exc: BaseException | None) -> None:
+    """Leave nanwatch's own frames (its hooks, its wrapper of ``backward``, the step end
+    that raised) out of the traceback of its own :class:`~nanwatch.AnomalyError`, as
+    pytest hides its frames: the traceback Python prints then runs from the user's line
+    through torch's frames to where the hook ran. The frames before the first frame of
+    another file (``nanwatch run``'s launcher, which calls the script) stay. Any other
+    exception, the user's own, is left as it is."""
+    from nanwatch.errors import AnomalyError
+
+    if not isinstance(exc, AnomalyError):
+        return
+    try:
+        kept: list[types.TracebackType] = []
+        outside = False  # a frame of another file seen: nanwatch's frames from here on go
+        tb = exc.__traceback__
+        while tb is not None:
+            name = tb.tb_frame.f_code.co_filename
+            own = name.startswith(_own_dirs()) and not name.startswith(_USER_INSIDE)
+            if not own or not outside:
+                kept.append(tb)
+            outside = outside or not own
+            tb = tb.tb_next
+        if not outside:  # raised by nanwatch's code called from the user's (nw.step())
+            kept = []
+        for i, t in enumerate(kept):
+            after = kept[i + 1] if i + 1 < len(kept) else None
+            if t.tb_next is not after:
+                t.tb_next = after
+        exc.__traceback__ = kept[0] if kept else None
+    except Exception:  # never in the way of the user's run
+        pass
+
+
 @contextlib.contextmanager
 def launched_here() -> Iterator[None]:
     """While the body runs, the frames that called it are nanwatch's launcher, not the

@@ -1320,12 +1320,16 @@ class Watcher:
                     self._quiet = exc is not None  # the exit must come out as it went in
                     try:
                         self._final_boundary()
+                    except AnomalyError as err:  # read at the exit (the accelerator path)
+                        _frames.hide_own_frames(err)
+                        raise
                     finally:
                         self._quiet = False
                 else:
                     self._on_exception(interrupted or exc)
         finally:
             self.detach()
+            _frames.hide_own_frames(exc)  # after the post-mortem read it
         # returning None: never swallow the user's exception
 
     def step(self, loss: torch.Tensor | float | None = None) -> StepTrace:
@@ -1353,7 +1357,11 @@ class Watcher:
                 self._fold_evaluations()
                 self._cycle_fold(first_explicit=True)
             self._cycle = None
-            done = self._boundary()
+            try:
+                done = self._boundary()
+            except AnomalyError as err:  # raised at the user's nw.step(), not in nanwatch
+                _frames.hide_own_frames(err)
+                raise
             if self._marked_from is None:
                 self._marked_from = self._step
             return done
@@ -1455,6 +1463,7 @@ class Watcher:
                     path = self._on_exception(exc, during=during)
         finally:
             self.detach()
+            _frames.hide_own_frames(exc)  # after the post-mortem read it
         return path
 
     def _final_boundary(self) -> None:
@@ -6104,6 +6113,9 @@ class Watcher:
                 # the user's line, noted only now (read late): the headline may name the
                 # line above it that computed the input, as NW401 does
                 anomaly = self._locate(trace, first) or anomaly
+        elif anomaly.kind is AnomalyKind.FORWARD and trace is self._trace:
+            with contextlib.suppress(Exception):  # the rules do without it
+                self._root_call_site(anomaly)
         if (
             anomaly.kind is not AnomalyKind.PARAMETER
             and not self._device_dead
@@ -6952,19 +6964,21 @@ class Watcher:
         return frame if frame is not None and frame.call is root else None
 
     def _note_call_site(
-        self, info: _ModInfo, module: nn.Module, site: _FrameAt | None = None
+        self, info: _ModInfo, module: nn.Module, site: Any = None, kind: str = "call_site"
     ) -> None:
         """Note where the user called the root ``info`` whose input is bad (NW401 names the
         batch as that line passed it). Anomaly time only: a frame walk (``site``: the
-        frames as the call found them, see :meth:`_late_call_site`)."""
-        if any(n.kind == "call_site" and n.path == info.path for n in self._trace.notes):
+        frames as the call found them, see :meth:`_late_call_site`). ``kind``: the note's
+        (``"root_call"``: a root whose own forward made the value, see
+        :meth:`_root_call_site`)."""
+        if any(n.kind == kind and n.path == info.path for n in self._trace.notes):
             return
         try:
             data = _call_site_data(module, site)
         except Exception:  # a frame nanwatch cannot read: the rule does without
             data = None
         if data is not None:
-            self.note("call_site", info.path, **data)
+            self.note(kind, info.path, **data)
 
     def _late_site(self, call: Call | None) -> _FrameAt | None:
         """Where the user called the finished root ``call``, kept when it began (the
@@ -6984,7 +6998,7 @@ class Watcher:
         source, code = _frames.describe_frame(user)
         return (source, code) if source is not None else None
 
-    def _late_call_site(self, anomaly: Anomaly) -> None:
+    def _late_call_site(self, anomaly: Anomaly, kind: str = "call_site") -> None:
         """Bad input data read after the root's call returned (the accelerator path): the
         user's line has moved on, so its call of the root is noted from the frames kept
         as the call began, as the pre-hook notes it on the CPU."""
@@ -6995,7 +7009,36 @@ class Watcher:
         frame = self._root_frames[call.path]
         info = self._infos.get(frame.module)
         if info is not None:
-            self._note_call_site(info, frame.module, site)
+            self._note_call_site(info, frame.module, site, kind)
+
+    def _root_call_site(self, anomaly: Anomaly) -> None:
+        """A value born in a root's own forward (a loss module's): note the user's line
+        that called the root, whose arguments the fix may rewrite (``crit(torch.sigmoid(
+        model(x)), y)``: the sigmoid taken out there). On the CPU, only while the root's
+        call is still running (found in its own hooks): the frames below are its caller's;
+        read late, from the frames kept as the call began. Anomaly time only."""
+        call = self._trace.call(anomaly.record.call)
+        if call is None or not call.root:
+            return
+        if self._read_late():
+            self._late_call_site(anomaly, "root_call")
+            return
+        frame = self._root_frames.get(call.path)
+        if frame is None or frame.call is not call:
+            return
+        f: Any = sys._getframe(1)
+        for _ in range(64):  # nn.Module's call machinery running the root now
+            if f is None or (
+                f.f_code.co_filename.endswith(_MODULE_CALL)
+                and f.f_locals.get("self") is frame.module
+            ):
+                break
+            f = f.f_back
+        else:
+            return
+        info = self._infos.get(frame.module)
+        if f is not None and info is not None:
+            self._note_call_site(info, frame.module, f, "root_call")
 
     def _own_writes(self, call: Call) -> list[str]:
         """The module's own floating buffers ``call`` wrote in place (so far, when open)."""

@@ -2830,7 +2830,29 @@ def _drop_sigmoid(ctx: RuleContext, ev: OpEvent | None = None) -> tuple[str, lis
                 f"{fixed}   # first, at {at}: return the logit, the sigmoid taken out "
                 f"(was: {str(code).split('  #', 1)[0].strip()})"
             )
+        elif "sigmoid" in ev.made_from:
+            # no line of the sigmoid's own (watch, sentinel): the user's line that called the
+            # module the op ran in (a loss module), when that line applied the sigmoid
+            site = _caller_site(ctx, ev.path)
+            fixed = _without_sigmoid(site[1]) if site is not None else None
+            if site is not None and fixed is not None:
+                lines.append(
+                    f"{fixed}   # first, at {site[0]}: pass the logits, the sigmoid taken out "
+                    f"(was: {site[1].split('  #', 1)[0].strip()})"
+                )
     return maker, lines
+
+
+def _caller_site(ctx: RuleContext, path: str | None) -> tuple[str, str] | None:
+    """(``file.py:42``, its code) of the user's line that called the root module whose
+    call ran module ``path`` (the watcher's ``root_call`` note); None when not noted."""
+    for n in ctx.notes("root_call"):
+        code, source = n.data.get("code"), n.source
+        if path is None or not (path == n.path or path.startswith(f"{n.path}.")):
+            continue
+        if isinstance(code, str) and isinstance(source, str) and code and "library" not in n.data:
+            return source, code
+    return None
 
 
 def _without_sigmoid(code: str) -> str | None:
