@@ -1376,7 +1376,11 @@ def test_e2e_an_exp_overflow_a_min_hid_in_forward_is_an_overflow_in_backward() -
     d = nw.history[0].diagnoses[0]
     assert (d.code, d.op, d.phase) == ("NW101", "aten.exp", "backward")
     assert "in forward, aten.exp overflowed" in d.evidence[0] and "0 × inf" in d.evidence[1]
-    assert ".clamp(max=44.3)" in d.fix
+    # an importance ratio against stored log-probabilities (old_logp has no gradient):
+    # the log-ratio bounded on the user's line, then the KL early stop (it was the generic
+    # ".clamp(max=44.3)" of any exp)
+    assert d.fix.startswith("ratio = torch.exp((logp - old_logp).clamp(max=20))"), d.fix
+    assert "approx_kl = (old_logp - logp).mean().item()" in d.fix
 
 
 def test_e2e_a_division_by_a_python_zero_gets_a_floor_not_a_tensor_clamp() -> None:
