@@ -2497,7 +2497,7 @@ _SCALE_MAKERS = {
     "Exp": (
         "{param} must be > 0, and it was made by an exp, which underflows to exactly 0 once "
         "its input is below about {low}: clamp the log first, {param} = "
-        "log_std.clamp(-20, 2).exp(), or add a floor, raw.exp() + 1e-5."
+        "{log}, or add a floor, raw.exp() + 1e-5."
     ),
     "Sigmoid": (
         "{param} must be > 0, and it was made by a sigmoid, which rounds to exactly 0 once "
@@ -2507,9 +2507,23 @@ _SCALE_MAKERS = {
     "Relu": (
         "{param} must be > 0, and it was made by a relu, which is exactly 0 for every "
         "negative input (and passes no gradient there): {param} = F.softplus(raw) + 1e-5 "
-        "in place of the relu, or predict its log: log_std.clamp(-20, 2).exp()."
+        "in place of the relu, or predict its log: {log}."
     ),
 }
+
+
+def _log_form(param: str) -> str:
+    """A positive distribution parameter predicted as its log, in its own name: a Normal's
+    scale is a std (``log_std.clamp(-20, 2).exp()``, at most e^2); a rate, a concentration
+    or a df is not bounded by 2 (a Dirichlet's concentrations of 10, a count's rate of 100):
+    only the exp's range is kept, ``log_rate.clamp(-20, 20).exp()``.
+
+    >>> _log_form("scale"), _log_form("concentration")
+    ('log_std.clamp(-20, 2).exp()', 'log_concentration.clamp(-20, 20).exp()')
+    """
+    if param == "scale":
+        return "log_std.clamp(-20, 2).exp()"
+    return f"log_{param}.clamp(-20, 20).exp()"
 
 
 def _underflow_edge(values: str, *, normal: bool = False) -> str:
@@ -2607,6 +2621,7 @@ def _constraint_advice(message: str) -> str:
     if made is not None:
         fix = made.format(
             param=param,
+            log=_log_form(param),
             low=_underflow_edge(values),
             low_normal=_underflow_edge(values, normal=True),
         )
@@ -2614,7 +2629,7 @@ def _constraint_advice(message: str) -> str:
         fix = (
             f"{param} must be > 0, and a raw Linear output is negative about half the time, a "
             f"relu exactly 0: make it positive by construction, {param} = F.softplus(raw) + "
-            "1e-5, or predict its log: log_std.clamp(-20, 2).exp()."
+            f"1e-5, or predict its log: {_log_form(param)}."
         )
     elif param == "probs":
         fix = (
